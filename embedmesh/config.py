@@ -1,0 +1,223 @@
+"""Table and feature configuration: immutable, validated on construction.
+
+The configs mirror `tf.tpu.experimental.embedding.{TableConfig,FeatureConfig}`.
+They are frozen dataclasses compared by identity (as TensorFlow's are): two
+unnamed tables with the same sizes are still two tables, and a `TableConfig`
+is the key of the `{TableConfig: array}` dicts the API returns. Names that
+the user left out are resolved (never written back) by
+`resolve_feature_config`, in order of first use, as TensorFlow does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+Initializer = Callable[[Any, Sequence[int], Any], Any]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _require(cond: bool, cls: str, field: str, value, what: str) -> None:
+    if not cond:
+        raise ValueError(f"{cls}.{field} must be {what}, got {value!r}")
+
+
+def default_initializer(dim: int) -> Initializer:
+    """Truncated normal with stddev 1/sqrt(dim), TensorFlow's default."""
+    return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(dim))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantizationConfig:
+    """Simulated quantization of activations (kept for API compatibility)."""
+
+    num_buckets: int
+    lower: float
+    upper: float
+
+    def __post_init__(self):
+        _require(_is_int(self.num_buckets) and self.num_buckets >= 2,
+                 "QuantizationConfig", "num_buckets", self.num_buckets, "an int >= 2")
+        _require(isinstance(self.lower, numbers.Real), "QuantizationConfig", "lower",
+                 self.lower, "a number")
+        _require(isinstance(self.upper, numbers.Real) and self.upper > self.lower,
+                 "QuantizationConfig", "upper", self.upper, f"a number > lower ({self.lower})")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableConfig:
+    """One embedding table: `vocabulary_size` rows of `dim` floats."""
+
+    vocabulary_size: int
+    dim: int
+    initializer: Optional[Initializer] = None
+    optimizer: Any = None
+    combiner: str = "mean"
+    name: Optional[str] = None
+    quantization_config: Optional[QuantizationConfig] = None
+
+    def __post_init__(self):
+        _require(_is_int(self.vocabulary_size) and self.vocabulary_size >= 1,
+                 "TableConfig", "vocabulary_size", self.vocabulary_size, "an int >= 1")
+        _require(_is_int(self.dim) and self.dim >= 1, "TableConfig", "dim", self.dim,
+                 "an int >= 1")
+        _require(self.initializer is None or callable(self.initializer), "TableConfig",
+                 "initializer", self.initializer, "callable or None")
+        _require(self.combiner in COMBINERS, "TableConfig", "combiner", self.combiner,
+                 f"one of {COMBINERS}")
+        _require(self.name is None or (isinstance(self.name, str) and self.name),
+                 "TableConfig", "name", self.name, "a non-empty str or None")
+        _require(self.quantization_config is None
+                 or isinstance(self.quantization_config, QuantizationConfig),
+                 "TableConfig", "quantization_config", self.quantization_config,
+                 "a QuantizationConfig or None")
+        if self.optimizer is not None:
+            from embedmesh.optimizers import Optimizer  # local: optimizers imports nothing here
+            _require(isinstance(self.optimizer, Optimizer), "TableConfig", "optimizer",
+                     self.optimizer, "an embedmesh optimizer or None")
+
+    def initialize(self, key, shape=None, dtype=jnp.float32):
+        """Initial values of `shape` (default: the whole table) from this table's initializer."""
+        init = self.initializer or default_initializer(self.dim)
+        return init(key, tuple(shape or (self.vocabulary_size, self.dim)), dtype)
+
+    def __repr__(self):
+        init = getattr(self.initializer, "__name__", None) if self.initializer else None
+        return (f"TableConfig(vocabulary_size={self.vocabulary_size}, dim={self.dim}, "
+                f"initializer={init or self.initializer}, optimizer={self.optimizer!r}, "
+                f"combiner={self.combiner!r}, name={self.name!r}, "
+                f"quantization_config={self.quantization_config!r})")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FeatureConfig:
+    """One input feature looked up in `table`.
+
+    `max_sequence_length > 0` makes a sequence feature (one output row per
+    position instead of one combined row per sample). `output_shape` reshapes
+    the activation (see `serving_embedding_lookup`).
+    """
+
+    table: TableConfig
+    max_sequence_length: int = 0
+    validate_weights_and_indices: bool = True
+    output_shape: Optional[tuple] = None
+    name: Optional[str] = None
+
+    def __post_init__(self):
+        _require(isinstance(self.table, TableConfig), "FeatureConfig", "table", self.table,
+                 "a TableConfig")
+        _require(_is_int(self.max_sequence_length) and self.max_sequence_length >= 0,
+                 "FeatureConfig", "max_sequence_length", self.max_sequence_length,
+                 "an int >= 0")
+        _require(isinstance(self.validate_weights_and_indices, bool), "FeatureConfig",
+                 "validate_weights_and_indices", self.validate_weights_and_indices, "a bool")
+        if self.output_shape is not None:
+            shape = self.output_shape
+            if _is_int(shape):
+                shape = (shape,)
+            ok = isinstance(shape, (list, tuple)) and all(_is_int(d) and d >= 1 for d in shape)
+            _require(ok, "FeatureConfig", "output_shape", self.output_shape,
+                     "None or a sequence of ints >= 1")
+            object.__setattr__(self, "output_shape", tuple(int(d) for d in shape) or None)
+        _require(self.name is None or (isinstance(self.name, str) and self.name),
+                 "FeatureConfig", "name", self.name, "a non-empty str or None")
+
+    def __repr__(self):
+        return (f"FeatureConfig(table={self.table.name or '<unnamed>'}, "
+                f"max_sequence_length={self.max_sequence_length}, "
+                f"validate_weights_and_indices={self.validate_weights_and_indices}, "
+                f"output_shape={self.output_shape}, name={self.name!r})")
+
+
+# ---------------------------------------------------------------------------
+# Nested feature structures
+
+
+def _path_str(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def flatten_features(feature_config) -> list[tuple[str, FeatureConfig]]:
+    """`[(path, FeatureConfig)]` in pytree order; a path like TF's `"a/0"`."""
+    leaves = jax.tree_util.tree_flatten_with_path(feature_config)[0]
+    out = []
+    for path, leaf in leaves:
+        if not isinstance(leaf, FeatureConfig):
+            raise ValueError(f"feature_config entry {_path_str(path) or '<root>'} must be a "
+                             f"FeatureConfig, got {type(leaf).__name__}")
+        out.append((_path_str(path) or leaf.name or "feature", leaf))
+    if not out:
+        raise ValueError("feature_config holds no FeatureConfig")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedFeatures:
+    """Flat view of a feature structure with every name resolved.
+
+    feature_names[i] is the user's name or else the feature's path;
+    table_names maps each TableConfig (by identity) to its name, unnamed
+    tables getting `table_{i}` in order of first use.
+    """
+
+    features: tuple[FeatureConfig, ...]
+    feature_names: tuple[str, ...]
+    tables: tuple[TableConfig, ...]
+    table_names: tuple[str, ...]
+    treedef: Any
+
+    def table_name(self, table: TableConfig) -> str:
+        for t, n in zip(self.tables, self.table_names):
+            if t is table:
+                return n
+        raise KeyError(f"table {table!r} is not in this feature config")
+
+    def table_index(self, table: TableConfig) -> int:
+        for i, t in enumerate(self.tables):
+            if t is table:
+                return i
+        raise KeyError(f"table {table!r} is not in this feature config")
+
+
+def resolve_feature_config(feature_config) -> ResolvedFeatures:
+    """Validate a feature structure and resolve feature and table names."""
+    flat = flatten_features(feature_config)
+    treedef = jax.tree_util.tree_structure(feature_config)
+    tables: list[TableConfig] = []
+    for _, f in flat:
+        if not any(f.table is t for t in tables):
+            tables.append(f.table)
+    table_names = []
+    for i, t in enumerate(tables):
+        table_names.append(t.name if t.name is not None else f"table_{i}")
+    seen: dict[str, int] = {}
+    for i, n in enumerate(table_names):
+        if n in seen:
+            raise ValueError(f"two different tables are named {n!r} (tables #{seen[n]} and "
+                             f"#{i} in order of first use); table names must be unique")
+        seen[n] = i
+    names = [f.name or path for path, f in flat]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"feature names must be unique, duplicated: {sorted(dup)}")
+    return ResolvedFeatures(tuple(f for _, f in flat), tuple(names), tuple(tables),
+                            tuple(table_names), treedef)

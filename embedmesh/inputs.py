@@ -1,0 +1,362 @@
+"""Input forms of a feature and their canonical host form.
+
+A feature's input is a dense integer array (`[batch]` or `[batch, n]`, every
+entry an id), a `SparseTensor` or a `RaggedTensor`; TensorFlow's
+`tf.SparseTensor`/`tf.RaggedTensor` are accepted by duck typing (TensorFlow is
+never imported). Both containers are JAX pytrees, so they can be passed
+through `jax.jit` and `jax.export` (the sparse `dense_shape` is static).
+
+Every consumer (the serving lookup, the host preprocessing) reduces an input
+to a `Coo`: parallel arrays (output row, id, weight) plus the number of output
+rows. That is the one canonical host form; all conversions are vectorised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class SparseTensor:
+    """COO sparse tensor: `indices [nnz, rank]`, `values [nnz]`, static `dense_shape`.
+
+    Indices are expected in row-major order, as `tf.SparseTensor` requires.
+    """
+
+    indices: Any
+    values: Any
+    dense_shape: tuple
+
+    def __post_init__(self):
+        shape = self.dense_shape
+        if not isinstance(shape, tuple):
+            shape = tuple(int(d) for d in np.asarray(shape).reshape(-1))
+        object.__setattr__(self, "dense_shape", tuple(int(d) for d in shape))
+
+    @property
+    def shape(self) -> tuple:
+        return self.dense_shape
+
+    def tree_flatten(self):
+        return (self.indices, self.values), self.dense_shape
+
+    @classmethod
+    def tree_unflatten(cls, dense_shape, children):
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "indices", children[0])
+        object.__setattr__(obj, "values", children[1])
+        object.__setattr__(obj, "dense_shape", dense_shape)
+        return obj
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class RaggedTensor:
+    """Rank-2 ragged tensor: row `i` holds `values[row_splits[i]:row_splits[i+1]]`."""
+
+    values: Any
+    row_splits: Any
+
+    @property
+    def nrows(self) -> int:
+        return int(np.shape(self.row_splits)[0]) - 1
+
+    @property
+    def shape(self) -> tuple:
+        return (self.nrows, None)
+
+    def tree_flatten(self):
+        return (self.values, self.row_splits), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "values", children[0])
+        object.__setattr__(obj, "row_splits", children[1])
+        return obj
+
+    @classmethod
+    def from_row_lengths(cls, values, row_lengths) -> "RaggedTensor":
+        lengths = np.asarray(row_lengths, dtype=np.int64)
+        splits = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=splits[1:])
+        return cls(np.asarray(values), splits)
+
+
+def _to_numpy(x):
+    return x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else x
+
+
+def convert_input(x):
+    """Map TensorFlow's sparse/ragged tensors (duck typed) onto ours; others unchanged."""
+    if x is None or isinstance(x, (SparseTensor, RaggedTensor)):
+        return x
+    if all(hasattr(x, a) for a in ("indices", "values", "dense_shape")):
+        return SparseTensor(np.asarray(_to_numpy(x.indices)), np.asarray(_to_numpy(x.values)),
+                            tuple(int(d) for d in np.asarray(_to_numpy(x.dense_shape))))
+    if all(hasattr(x, a) for a in ("values", "row_splits", "flat_values")):
+        if getattr(x, "ragged_rank", 1) != 1:
+            raise ValueError(f"only rank-2 ragged tensors are supported, got ragged_rank "
+                             f"{x.ragged_rank}")
+        return RaggedTensor(np.asarray(_to_numpy(x.values)),
+                            np.asarray(_to_numpy(x.row_splits)))
+    return _to_numpy(x)
+
+
+def input_kind(x) -> str:
+    """"sparse", "ragged" or "dense" (anything array-like)."""
+    if isinstance(x, SparseTensor):
+        return "sparse"
+    if isinstance(x, RaggedTensor):
+        return "ragged"
+    return "dense"
+
+
+def is_concrete(x) -> bool:
+    """True when every array in `x` holds values (not a JAX tracer)."""
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+
+
+# ---------------------------------------------------------------------------
+# Validation of concrete inputs (host side)
+
+
+def _check_int_ids(name: str, ids) -> np.ndarray:
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"feature {name}: ids must be integers, got dtype {ids.dtype}")
+    return ids
+
+
+def _check_float_weights(name: str, w) -> np.ndarray:
+    w = np.asarray(w)
+    if not (np.issubdtype(w.dtype, np.floating) or np.issubdtype(w.dtype, np.integer)):
+        raise TypeError(f"feature {name}: weights must be numeric, got dtype {w.dtype}")
+    return w.astype(np.float32, copy=False)
+
+
+def validate_input(name: str, inp, weight=None) -> None:
+    """Raise a clear error (naming the feature) for malformed concrete inputs.
+
+    Checks types, integer ids, sparse index shape and row-major order, ragged
+    row_splits, and that weights match their input in type and layout.
+    """
+    kind = input_kind(inp)
+    if weight is not None and input_kind(weight) != kind:
+        raise ValueError(f"feature {name}: weight is of type {type(weight).__name__} but the "
+                         f"input is {type(inp).__name__}; they must match")
+    if kind == "dense":
+        ids = _check_int_ids(name, inp)
+        if ids.ndim not in (1, 2):
+            raise ValueError(f"feature {name}: a dense input must be [batch] or [batch, n], "
+                             f"got shape {ids.shape}")
+        if weight is not None:
+            w = _check_float_weights(name, weight)
+            if w.shape != ids.shape:
+                raise ValueError(f"feature {name}: weight shape {w.shape} != input shape "
+                                 f"{ids.shape}")
+        return
+    if kind == "sparse":
+        ids = _check_int_ids(name, inp.values)
+        idx = np.asarray(inp.indices)
+        rank = len(inp.dense_shape)
+        if rank < 2:
+            raise ValueError(f"feature {name}: a SparseTensor must have rank >= 2, got "
+                             f"dense_shape {inp.dense_shape}")
+        if idx.ndim != 2 or idx.shape[1] != rank or idx.shape[0] != ids.shape[0] or ids.ndim != 1:
+            raise ValueError(f"feature {name}: SparseTensor indices {idx.shape} and values "
+                             f"{ids.shape} do not fit dense_shape {inp.dense_shape}")
+        if not np.issubdtype(idx.dtype, np.integer):
+            raise TypeError(f"feature {name}: SparseTensor indices must be integers, got "
+                            f"{idx.dtype}")
+        if idx.size:
+            bad = np.nonzero((idx < 0) | (idx >= np.asarray(inp.dense_shape)))[0]
+            if bad.size:
+                raise ValueError(f"feature {name}: SparseTensor index {idx[bad[0]].tolist()} is "
+                                 f"outside dense_shape {inp.dense_shape}")
+            flat = np.ravel_multi_index(tuple(idx.T.astype(np.int64)), inp.dense_shape)
+            order = np.nonzero(np.diff(flat) <= 0)[0]
+            if order.size:
+                i = order[0]
+                raise ValueError(f"feature {name}: SparseTensor indices must be sorted in "
+                                 f"row-major order without repeats; entry {i + 1} "
+                                 f"{idx[i + 1].tolist()} follows {idx[i].tolist()}")
+        if weight is not None:
+            w = _check_float_weights(name, weight.values)
+            if w.shape != ids.shape or tuple(weight.dense_shape) != tuple(inp.dense_shape):
+                raise ValueError(f"feature {name}: weight SparseTensor (values {w.shape}, "
+                                 f"dense_shape {weight.dense_shape}) does not match the input "
+                                 f"(values {ids.shape}, dense_shape {inp.dense_shape})")
+        return
+    ids = _check_int_ids(name, inp.values)
+    splits = np.asarray(inp.row_splits)
+    if ids.ndim != 1:
+        raise ValueError(f"feature {name}: RaggedTensor values must be 1-D (rank-2 ragged), "
+                         f"got shape {ids.shape}")
+    if (splits.ndim != 1 or splits.shape[0] < 1 or not np.issubdtype(splits.dtype, np.integer)
+            or splits[0] != 0 or splits[-1] != ids.shape[0] or np.any(np.diff(splits) < 0)):
+        raise ValueError(f"feature {name}: bad row_splits {splits[:8].tolist()}"
+                         f"{'...' if splits.size > 8 else ''}: they must be integers starting "
+                         f"at 0, non-decreasing, ending at len(values) = {ids.shape[0]}")
+    if weight is not None:
+        w = _check_float_weights(name, weight.values)
+        if w.shape != ids.shape or not np.array_equal(np.asarray(weight.row_splits), splits):
+            raise ValueError(f"feature {name}: weight RaggedTensor (values {w.shape}) must have "
+                             f"the input's row_splits and number of values ({ids.shape[0]})")
+
+
+# ---------------------------------------------------------------------------
+# Canonical host form
+
+
+@dataclasses.dataclass(frozen=True)
+class Coo:
+    """One feature's batch as parallel arrays: output row, id, weight.
+
+    `rows[k]` is the output row entry k adds into (a sample, or
+    `sample * L + position` for sequence features); `num_rows` is the number
+    of output rows, `batch_size` the number of samples.
+    """
+
+    rows: np.ndarray  # int32 [nnz]
+    ids: np.ndarray  # int64 [nnz]
+    weights: np.ndarray  # float32 [nnz]
+    num_rows: int
+    batch_size: int
+
+
+def ragged_row_ids(row_splits: np.ndarray) -> np.ndarray:
+    """Row index of every value of a ragged tensor (vectorised)."""
+    splits = np.asarray(row_splits, dtype=np.int64)
+    lengths = np.diff(splits)
+    return np.repeat(np.arange(lengths.shape[0], dtype=np.int32), lengths)
+
+
+def ragged_positions(row_splits: np.ndarray) -> np.ndarray:
+    """Position of every value within its row (vectorised)."""
+    splits = np.asarray(row_splits, dtype=np.int64)
+    n = int(splits[-1]) if splits.size else 0
+    rows = ragged_row_ids(splits)
+    return (np.arange(n, dtype=np.int64) - splits[:-1][rows]).astype(np.int32)
+
+
+def to_coo(inp, weight=None, max_sequence_length: int = 0) -> Coo:
+    """Canonical (row, id, weight) form of a validated concrete input.
+
+    Training semantics (as the SparseCore input pipeline): every entry is an
+    id (dense arrays included; nothing is pruned here); a dense `[batch, n]`
+    or a sparse/ragged row combines its ids into one output row per sample,
+    unless `max_sequence_length = L > 0`, which gives one output row per
+    (sample, position) with positions >= L dropped. Sparse inputs of rank > 2
+    fold their leading dimensions into the batch.
+    """
+    kind = input_kind(inp)
+    L = max_sequence_length
+    if kind == "dense":
+        ids = np.asarray(inp)
+        ids2 = ids.reshape(ids.shape[0], -1)
+        b, n = ids2.shape
+        w = (np.ones(ids2.shape, np.float32) if weight is None
+             else np.asarray(weight, np.float32).reshape(b, n))
+        sample = np.repeat(np.arange(b, dtype=np.int32), n)
+        pos = np.tile(np.arange(n, dtype=np.int32), b)
+        ids_flat, w_flat = ids2.reshape(-1).astype(np.int64), w.reshape(-1)
+    elif kind == "sparse":
+        idx = np.asarray(inp.indices, dtype=np.int64)
+        shape = inp.dense_shape
+        b = int(np.prod(shape[:-1]))
+        sample = (np.ravel_multi_index(tuple(idx[:, :-1].T), shape[:-1]).astype(np.int32)
+                  if idx.shape[0] else np.zeros(0, np.int32))
+        pos = idx[:, -1].astype(np.int32)
+        ids_flat = np.asarray(inp.values).astype(np.int64)
+        w_flat = (np.ones(ids_flat.shape, np.float32) if weight is None
+                  else np.asarray(weight.values, np.float32))
+    else:
+        splits = np.asarray(inp.row_splits)
+        b = splits.shape[0] - 1
+        sample = ragged_row_ids(splits)
+        pos = ragged_positions(splits)
+        ids_flat = np.asarray(inp.values).astype(np.int64)
+        w_flat = (np.ones(ids_flat.shape, np.float32) if weight is None
+                  else np.asarray(weight.values, np.float32))
+    if L > 0:
+        keep = pos < L
+        if not keep.all():
+            sample, pos, ids_flat, w_flat = sample[keep], pos[keep], ids_flat[keep], w_flat[keep]
+        return Coo(sample * np.int32(L) + pos, ids_flat, w_flat, b * L, b)
+    return Coo(sample, ids_flat, w_flat, b, b)
+
+
+def batch_size_of(inp) -> int:
+    kind = input_kind(inp)
+    if kind == "dense":
+        return int(np.shape(inp)[0])
+    if kind == "sparse":
+        return int(np.prod(inp.dense_shape[:-1]))
+    return inp.nrows
+
+
+def check_id_range(name: str, ids: np.ndarray, vocabulary_size: int) -> None:
+    """ValueError naming the feature and the first id outside [0, vocabulary_size)."""
+    if ids.size == 0:
+        return
+    lo, hi = ids.min(), ids.max()
+    if lo < 0 or hi >= vocabulary_size:
+        bad = np.nonzero((ids < 0) | (ids >= vocabulary_size))[0][0]
+        raise ValueError(f"feature {name}: id {int(ids[bad])} (entry {int(bad)}) is outside the "
+                         f"table's range [0, {vocabulary_size})")
+
+
+def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Optional[Any]]:
+    """Inputs flattened in the feature config's order; a feature left out is None.
+
+    Inputs may be a subset of the feature structure (dict keys may be
+    missing); any other difference in structure is a ValueError.
+    """
+    from embedmesh.config import FeatureConfig
+
+    def is_leaf(x):
+        return x is None or isinstance(x, (SparseTensor, RaggedTensor)) or not isinstance(
+            x, (dict, list, tuple))
+
+    out = []
+
+    def walk(cfg, inp, path):
+        if isinstance(cfg, FeatureConfig):
+            out.append(None if inp is None else convert_input(inp))
+            return
+        if inp is None:
+            for leaf in jax.tree_util.tree_leaves(cfg):
+                out.append(None)
+            return
+        if isinstance(cfg, dict):
+            if not isinstance(inp, dict):
+                raise ValueError(f"{what} at {path or '<root>'}: expected a dict like the "
+                                 f"feature config, got {type(inp).__name__}")
+            extra = set(inp) - set(cfg)
+            if extra:
+                raise ValueError(f"{what} at {path or '<root>'}: keys {sorted(map(str, extra))} "
+                                 f"are not in the feature config")
+            for k in sorted(cfg):
+                walk(cfg[k], inp.get(k), f"{path}/{k}" if path else str(k))
+            return
+        if isinstance(cfg, (list, tuple)):
+            if is_leaf(inp) or not isinstance(inp, (list, tuple)) or len(inp) != len(cfg):
+                raise ValueError(f"{what} at {path or '<root>'}: expected a sequence of "
+                                 f"{len(cfg)} like the feature config, got {type(inp).__name__}")
+            for i, (c, x) in enumerate(zip(cfg, inp)):
+                walk(c, x, f"{path}/{i}" if path else str(i))
+            return
+        raise ValueError(f"unsupported feature config node {type(cfg).__name__} at {path}")
+
+    walk(resolved_structure(resolved), inputs, "")
+    return out
+
+
+def resolved_structure(resolved):
+    return jax.tree_util.tree_unflatten(resolved.treedef, list(resolved.features))

@@ -1,0 +1,545 @@
+"""Embedding optimizers: immutable configs plus a pure per-row update rule.
+
+The classes mirror `tf.tpu.experimental.embedding.{SGD, Adagrad,
+AdagradMomentum, Adam, FTRL}`: same names, defaults and positional argument
+order, so existing model code can switch its import. Each config is a frozen,
+hashable dataclass validated on construction (a bad value raises `ValueError`
+naming the field), so it can be used as a static jit argument or a dict key.
+
+The numerics live in `Optimizer.update_rows(rows, slots, grads, step)`, a pure
+jax.numpy function over the touched rows only; the engine gathers those rows
+and their slots, calls it, and scatters the results back. One call does, in
+this order and in float32:
+
+1. gradient clipping: clamp the summed gradient to `clipvalue`;
+2. the optimizer rule (see each class);
+3. decoupled weight decay: `w_new -= wd * w_old` with `wd` the
+   `weight_decay_factor`, times the learning rate when
+   `multiply_weight_decay_factor_by_learning_rate`;
+4. weight clipping: clamp to `[clip_weight_min, clip_weight_max]`.
+
+`learning_rate` is a float or a schedule `step -> lr` (an optax schedule
+works); it is called with an int32 scalar, possibly inside jit.
+
+About `use_gradient_accumulation`: on a TPU, turning it off lets the hardware
+apply the rule once per mini-batch shard instead of once on the summed
+gradient. embedmesh always sums every gradient of a row across the whole
+(global) batch and applies the rule exactly once per step, so the flag changes
+no numerics here. It is kept for API compatibility and, as in TensorFlow, only
+forbids `clipvalue` when False.
+
+Compatibility-only arguments: `low_dimensional_packing_status` (a TPU memory
+layout hint) is accepted and ignored. `slot_variable_creation_fn` must be None:
+embedmesh creates slots itself from `slot_initial_values`, and a non-None value
+raises `NotImplementedError` rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, ClassVar, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Optimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL"]
+
+LearningRate = Union[float, Callable[[Any], Any]]
+ClipValue = Union[None, float, tuple]
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers
+
+
+def _fail(obj, field: str, value, what: str):
+    raise ValueError(f"{type(obj).__name__}.{field} must be {what}, got {value!r}")
+
+
+def _number(obj, field: str, value, what: str = "a finite number", ok=None,
+            allow_none: bool = False) -> Optional[float]:
+    """`value` as a finite Python float satisfying `ok`, else ValueError."""
+    if value is None and allow_none:
+        return None
+    x = None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        x = float(value)
+    elif getattr(value, "shape", None) == () and getattr(value, "dtype", None) is not None \
+            and np.dtype(value.dtype).kind in "fiu":
+        x = float(value)  # a concrete 0-d numpy / jax array
+    if x is None or not math.isfinite(x) or (ok is not None and not ok(x)):
+        _fail(obj, field, value, what + (" or None" if allow_none else ""))
+    return x
+
+
+def _flag(obj, field: str, value, allow_none: bool = False) -> Optional[bool]:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        _fail(obj, field, value, "a bool" + (" or None" if allow_none else ""))
+    return bool(value)
+
+
+def _set(obj, field: str, value) -> None:
+    object.__setattr__(obj, field, value)  # normalizing a frozen dataclass field
+
+
+def _pow(x, q: float):
+    """x**q for x >= 0 and a static q >= 0, with 0**q == 0 (q > 0) and x**0 == 1.
+
+    A plain jnp.power goes through log(0) = -inf on some backends, giving
+    nan for q == 0 and nan gradients elsewhere; FTRL with
+    allow_zero_accumulator evaluates exactly that.
+    """
+    if q == 0.0:
+        return jnp.ones_like(x)
+    if q == 1.0:
+        return x
+    if q == 0.5:
+        return jnp.sqrt(x)
+    pos = x > 0
+    return jnp.where(pos, jnp.power(jnp.where(pos, x, 1.0), q), 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Base class
+
+
+class Optimizer(abc.ABC):
+    """Interface shared by every optimizer config (see the module docstring).
+
+    Subclasses are frozen dataclasses declaring, after their own arguments,
+    the common fields `use_gradient_accumulation`, `clip_weight_min`,
+    `clip_weight_max`, `weight_decay_factor`,
+    `multiply_weight_decay_factor_by_learning_rate`, `clipvalue`,
+    `slot_variable_creation_fn`, `low_dimensional_packing_status` (positions
+    follow TensorFlow, which is why they are not inherited fields).
+    """
+
+    _SLOTS: ClassVar[tuple[str, ...]] = ()
+
+    # Declared for type checkers; the dataclass subclasses define them.
+    learning_rate: LearningRate
+    use_gradient_accumulation: bool
+    clip_weight_min: Optional[float]
+    clip_weight_max: Optional[float]
+    weight_decay_factor: Optional[float]
+    multiply_weight_decay_factor_by_learning_rate: Optional[bool]
+    clipvalue: Optional[tuple]
+    slot_variable_creation_fn: Any
+    low_dimensional_packing_status: bool
+
+    # -- public interface ---------------------------------------------------
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        """Names of the per-row state tables, as TensorFlow names them."""
+        return self._SLOTS
+
+    @property
+    def slot_initial_values(self) -> dict[str, float]:
+        """Fill value of each slot table at creation."""
+        return {name: 0.0 for name in self._SLOTS}
+
+    @property
+    def touches_all_rows(self) -> bool:
+        """Whether a step must update every row, not just the looked-up ones."""
+        return False
+
+    def learning_rate_at(self, step) -> jax.Array:
+        """The learning rate at `step` as a float32 scalar (jittable)."""
+        lr = self.learning_rate
+        if callable(lr):
+            lr = lr(jnp.asarray(step, dtype=jnp.int32))
+        lr = jnp.asarray(lr, dtype=jnp.float32)
+        if lr.shape != ():
+            raise ValueError(f"{type(self).__name__}.learning_rate schedule must return a "
+                             f"scalar, got shape {lr.shape}")
+        return lr
+
+    def update_rows(self, rows, slots: Mapping[str, Any], grads, step):
+        """Apply one step to `rows` [n, dim] given their summed `grads` [n, dim].
+
+        Pure: returns `(new_rows, new_slots)` in the input dtypes, the slots as
+        a new dict holding exactly `slot_names`. Each row is updated
+        independently, so any leading shape works as long as rows, grads and
+        every slot agree.
+        """
+        name = type(self).__name__
+        rows = jnp.asarray(rows)
+        grads = jnp.asarray(grads)
+        if rows.shape != grads.shape:
+            raise ValueError(f"{name}.update_rows: rows shape {rows.shape} != grads shape "
+                             f"{grads.shape}")
+        if set(slots) != set(self._SLOTS):
+            raise ValueError(f"{name}.update_rows: slots must have exactly the keys "
+                             f"{self._SLOTS}, got {tuple(slots)}")
+        slots = {k: jnp.asarray(slots[k]) for k in self._SLOTS}
+        for k, v in slots.items():
+            if v.shape != rows.shape:
+                raise ValueError(f"{name}.update_rows: slot {k!r} shape {v.shape} != rows "
+                                 f"shape {rows.shape}")
+
+        lr = self.learning_rate_at(step)
+        w_old = rows.astype(jnp.float32)
+        g = grads.astype(jnp.float32)
+        if self.clipvalue is not None:
+            lo, hi = self.clipvalue
+            if lo is not None:
+                g = jnp.maximum(g, lo)
+            if hi is not None:
+                g = jnp.minimum(g, hi)
+
+        w, new = self._rule(w_old, {k: v.astype(jnp.float32) for k, v in slots.items()}, g, lr)
+
+        if self.weight_decay_factor is not None:
+            wd = self.weight_decay_factor
+            if self.multiply_weight_decay_factor_by_learning_rate:
+                wd = wd * lr
+            w = w - wd * w_old
+        if self.clip_weight_min is not None:
+            w = jnp.maximum(w, self.clip_weight_min)
+        if self.clip_weight_max is not None:
+            w = jnp.minimum(w, self.clip_weight_max)
+        return w.astype(rows.dtype), {k: new[k].astype(slots[k].dtype) for k in self._SLOTS}
+
+    # -- for subclasses -----------------------------------------------------
+
+    @abc.abstractmethod
+    def _rule(self, w, slots: dict, g, lr):
+        """The optimizer rule in float32 on already clipped gradients."""
+
+    def _validate(self, lr_positive: bool = False) -> None:
+        """Validate and normalize the common fields (call from __post_init__)."""
+        lr = self.learning_rate
+        if not callable(lr):
+            if lr_positive:
+                lr = _number(self, "learning_rate", lr, "a number > 0 or a schedule",
+                             lambda x: x > 0)
+            else:
+                lr = _number(self, "learning_rate", lr, "a number >= 0 or a schedule",
+                             lambda x: x >= 0)
+            _set(self, "learning_rate", lr)
+        uga = _flag(self, "use_gradient_accumulation", self.use_gradient_accumulation)
+        _set(self, "use_gradient_accumulation", uga)
+
+        lo = _number(self, "clip_weight_min", self.clip_weight_min, allow_none=True)
+        hi = _number(self, "clip_weight_max", self.clip_weight_max, allow_none=True)
+        if lo is not None and hi is not None and lo > hi:
+            _fail(self, "clip_weight_min", self.clip_weight_min,
+                  f"<= clip_weight_max ({self.clip_weight_max!r})")
+        _set(self, "clip_weight_min", lo)
+        _set(self, "clip_weight_max", hi)
+
+        wd = _number(self, "weight_decay_factor", self.weight_decay_factor, "a number >= 0",
+                     lambda x: x >= 0, allow_none=True)
+        _set(self, "weight_decay_factor", wd)
+        mult = _flag(self, "multiply_weight_decay_factor_by_learning_rate",
+                     self.multiply_weight_decay_factor_by_learning_rate, allow_none=True)
+        if mult and wd is None:
+            _fail(self, "multiply_weight_decay_factor_by_learning_rate", mult,
+                  "None or False when weight_decay_factor is None")
+        _set(self, "multiply_weight_decay_factor_by_learning_rate", mult)
+
+        if self.clipvalue is not None and not uga:
+            _fail(self, "clipvalue", self.clipvalue,
+                  "None when use_gradient_accumulation is False (as in TensorFlow)")
+        _set(self, "clipvalue", self._normalized_clipvalue(self.clipvalue))
+
+        if self.slot_variable_creation_fn is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.slot_variable_creation_fn is not supported by "
+                f"embedmesh (got {self.slot_variable_creation_fn!r}); slots are created "
+                f"from slot_initial_values. Pass None.")
+        _set(self, "low_dimensional_packing_status",
+             _flag(self, "low_dimensional_packing_status", self.low_dimensional_packing_status))
+
+    def _normalized_clipvalue(self, cv) -> Optional[tuple]:
+        """A scalar c becomes (-c, c); a pair may hold None on either side.
+
+        Stored as a tuple (hashable); (None, None) becomes None.
+        """
+        if cv is None:
+            return None
+        if isinstance(cv, (tuple, list)):
+            if len(cv) != 2:
+                _fail(self, "clipvalue", cv, "a number >= 0 or a (min, max) pair")
+            lo = _number(self, "clipvalue", cv[0], "a (min, max) pair of numbers",
+                         allow_none=True)
+            hi = _number(self, "clipvalue", cv[1], "a (min, max) pair of numbers",
+                         allow_none=True)
+            if lo is not None and hi is not None and lo > hi:
+                _fail(self, "clipvalue", cv, "a (min, max) pair with min <= max")
+            return None if lo is None and hi is None else (lo, hi)
+        c = _number(self, "clipvalue", cv, "a number >= 0 or a (min, max) pair",
+                    lambda x: x >= 0)
+        return (-c, c)
+
+
+# ---------------------------------------------------------------------------
+# Optimizers. The common fields are repeated in each class because TensorFlow
+# puts them after the optimizer-specific arguments.
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD(Optimizer):
+    """Plain SGD: `w -= lr * g`; no slots.
+
+    `slot_variable_creation_fn` is last because TensorFlow's SGD has none; it is
+    accepted (as None) only for uniformity.
+    """
+
+    learning_rate: LearningRate = 0.01
+    use_gradient_accumulation: bool = True
+    clip_weight_min: Optional[float] = None
+    clip_weight_max: Optional[float] = None
+    weight_decay_factor: Optional[float] = None
+    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    clipvalue: ClipValue = None
+    low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
+    slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        self._validate()
+
+    def _rule(self, w, slots, g, lr):
+        return w - lr * g, {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adagrad(Optimizer):
+    """Adagrad: `a += g**2; w -= lr * g / sqrt(a)`.
+
+    `initial_accumulator_value` must be > 0 so the first step never divides
+    by zero.
+    """
+
+    _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators",)
+
+    learning_rate: LearningRate = 0.001
+    initial_accumulator_value: float = 0.1
+    use_gradient_accumulation: bool = True
+    clip_weight_min: Optional[float] = None
+    clip_weight_max: Optional[float] = None
+    weight_decay_factor: Optional[float] = None
+    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
+    clipvalue: ClipValue = None
+    low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self):
+        _set(self, "initial_accumulator_value",
+             _number(self, "initial_accumulator_value", self.initial_accumulator_value,
+                     "a number > 0", lambda x: x > 0))
+        self._validate()
+
+    @property
+    def slot_initial_values(self) -> dict[str, float]:
+        return {"accumulators": self.initial_accumulator_value}
+
+    def _rule(self, w, slots, g, lr):
+        a = slots["accumulators"] + g * g
+        return w - lr * g * jax.lax.rsqrt(a), {"accumulators": a}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdagradMomentum(Optimizer):
+    """Adagrad with momentum, a generalized root and optional decay of the sum.
+
+    `a = a + g**2` (beta2 == 1) or `beta2*a + (1-beta2)*g**2`;
+    `s = (a + epsilon)**(-1/exponent) * g`; `m = momentum*m + s`;
+    `w -= lr * (momentum*m + s if use_nesterov else m)`.
+    Slots start at 0; `epsilon` > 0 keeps the first step finite.
+    """
+
+    _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators", "momenta")
+
+    learning_rate: LearningRate = 0.001
+    momentum: float = 0.0
+    use_nesterov: bool = False
+    exponent: float = 2
+    beta2: float = 1.0
+    epsilon: float = 1e-10
+    use_gradient_accumulation: bool = True
+    clip_weight_min: Optional[float] = None
+    clip_weight_max: Optional[float] = None
+    weight_decay_factor: Optional[float] = None
+    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
+    clipvalue: ClipValue = None
+    low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self):
+        _set(self, "momentum", _number(self, "momentum", self.momentum, "a number >= 0",
+                                       lambda x: x >= 0))
+        _set(self, "use_nesterov", _flag(self, "use_nesterov", self.use_nesterov))
+        _set(self, "exponent", _number(self, "exponent", self.exponent, "a number > 0",
+                                       lambda x: x > 0))
+        _set(self, "beta2", _number(self, "beta2", self.beta2, "a number in [0, 1]",
+                                    lambda x: 0 <= x <= 1))
+        _set(self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0",
+                                      lambda x: x > 0))
+        self._validate()
+
+    def _rule(self, w, slots, g, lr):
+        a, m = slots["accumulators"], slots["momenta"]
+        if self.beta2 == 1.0:
+            a = a + g * g
+        else:
+            a = self.beta2 * a + (1.0 - self.beta2) * g * g
+        if self.exponent == 2.0:
+            scale = jax.lax.rsqrt(a + self.epsilon)
+        else:
+            scale = jnp.power(a + self.epsilon, -1.0 / self.exponent)
+        s = scale * g
+        m = self.momentum * m + s
+        step = self.momentum * m + s if self.use_nesterov else m
+        return w - lr * step, {"accumulators": a, "momenta": m}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam(Optimizer):
+    """Adam without bias correction, as the TPU SparseCore applies it.
+
+    `m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g**2;
+    w -= lr * m / (sqrt(v + e1) + e2)` with `(e1, e2) = (epsilon**2, 0)` when
+    `sum_inside_sqrt` else `(0, epsilon)`.
+
+    `lazy_adam=True` (the default) updates only the rows looked up this step.
+    `lazy_adam=False` is true Adam: the moments of every row decay every step,
+    so `touches_all_rows` is True and the engine runs this rule densely over
+    the whole table (g = 0 on untouched rows) -- an O(vocabulary_size * dim)
+    cost per step, whatever the batch size.
+    """
+
+    _SLOTS: ClassVar[tuple[str, ...]] = ("momenta", "velocities")
+
+    learning_rate: LearningRate = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-07
+    lazy_adam: bool = True
+    sum_inside_sqrt: bool = True
+    use_gradient_accumulation: bool = True
+    clip_weight_min: Optional[float] = None
+    clip_weight_max: Optional[float] = None
+    weight_decay_factor: Optional[float] = None
+    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
+    clipvalue: ClipValue = None
+    low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self):
+        for f in ("beta_1", "beta_2"):
+            _set(self, f, _number(self, f, getattr(self, f), "a number in [0, 1)",
+                                  lambda x: 0 <= x < 1))
+        _set(self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0",
+                                      lambda x: x > 0))
+        _set(self, "lazy_adam", _flag(self, "lazy_adam", self.lazy_adam))
+        _set(self, "sum_inside_sqrt", _flag(self, "sum_inside_sqrt", self.sum_inside_sqrt))
+        self._validate()
+
+    @property
+    def touches_all_rows(self) -> bool:
+        return not self.lazy_adam
+
+    def _rule(self, w, slots, g, lr):
+        b1, b2 = self.beta_1, self.beta_2
+        m = b1 * slots["momenta"] + (1.0 - b1) * g
+        v = b2 * slots["velocities"] + (1.0 - b2) * g * g
+        if self.sum_inside_sqrt:
+            denom = jnp.sqrt(v + self.epsilon ** 2)
+        else:
+            denom = jnp.sqrt(v) + self.epsilon
+        return w - lr * m / denom, {"momenta": m, "velocities": v}
+
+
+@dataclasses.dataclass(frozen=True)
+class FTRL(Optimizer):
+    """FTRL-Proximal; the weight is recomputed in closed form from its slots.
+
+    With `q = -learning_rate_power`, `a' = a + g**2`, `p = a'**q`,
+    `dp = p - a**q`:
+
+    - default: `lin += g - dp*w/lr`, `N = clamp(lin, -l1, l1) - lin`,
+      `D = (p + beta)/lr + 2*l2`;
+    - `multiply_linear_by_learning_rate`: the linear slot is stored times lr,
+      so a changing lr does not rescale past gradients: `lin += lr*g - dp*w`,
+      `N = clamp(lin, -lr*l1, lr*l1) - lin`, `D = p + 2*lr*l2 + beta`;
+
+    then `w = N / D`, `a = a'`. `0**q` is 0 for q > 0 (never inf/nan), so
+    `allow_zero_accumulator` is safe; if D is exactly 0 (possible only with a
+    zero accumulator, zero gradient and beta = l2 = 0) the weight becomes 0
+    instead of NaN.
+    """
+
+    _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators", "linears")
+
+    learning_rate: LearningRate = 0.001
+    learning_rate_power: float = -0.5
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    beta: float = 0.0
+    initial_accumulator_value: float = 0.1
+    use_gradient_accumulation: bool = True
+    clip_weight_min: Optional[float] = None
+    clip_weight_max: Optional[float] = None
+    weight_decay_factor: Optional[float] = None
+    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
+    clipvalue: ClipValue = None
+    multiply_linear_by_learning_rate: bool = False
+    allow_zero_accumulator: bool = False
+    low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self):
+        _set(self, "learning_rate_power",
+             _number(self, "learning_rate_power", self.learning_rate_power, "a number <= 0",
+                     lambda x: x <= 0))
+        for f in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
+            _set(self, f, _number(self, f, getattr(self, f), "a number >= 0",
+                                  lambda x: x >= 0))
+        _set(self, "multiply_linear_by_learning_rate",
+             _flag(self, "multiply_linear_by_learning_rate",
+                   self.multiply_linear_by_learning_rate))
+        azero = _flag(self, "allow_zero_accumulator", self.allow_zero_accumulator)
+        _set(self, "allow_zero_accumulator", azero)
+        if azero:
+            iav = _number(self, "initial_accumulator_value", self.initial_accumulator_value,
+                          "a number >= 0", lambda x: x >= 0)
+        else:
+            iav = _number(self, "initial_accumulator_value", self.initial_accumulator_value,
+                          "a number > 0 (or >= 0 with allow_zero_accumulator)",
+                          lambda x: x > 0)
+        _set(self, "initial_accumulator_value", iav)
+        # The default mode divides by lr, hence lr > 0 (a schedule is trusted).
+        self._validate(lr_positive=True)
+
+    @property
+    def slot_initial_values(self) -> dict[str, float]:
+        return {"accumulators": self.initial_accumulator_value, "linears": 0.0}
+
+    def _rule(self, w, slots, g, lr):
+        q = -self.learning_rate_power
+        l1, l2, beta = (self.l1_regularization_strength, self.l2_regularization_strength,
+                        self.beta)
+        a, lin = slots["accumulators"], slots["linears"]
+        a_new = a + g * g
+        p = _pow(a_new, q)
+        dp = p - _pow(a, q)
+        if self.multiply_linear_by_learning_rate:
+            lin = lin + lr * g - dp * w
+            bound = lr * l1
+            d = p + 2.0 * lr * l2 + beta
+        else:
+            lin = lin + g - dp * w / lr
+            bound = l1
+            d = (p + beta) / lr + 2.0 * l2
+        n = -lin if l1 == 0.0 else jnp.clip(lin, -bound, bound) - lin
+        nonzero = d != 0
+        w_new = jnp.where(nonzero, n / jnp.where(nonzero, d, 1.0), 0.0)
+        return w_new, {"accumulators": a_new, "linears": lin}

@@ -1,0 +1,235 @@
+"""`serving_embedding_lookup`: TensorFlow's CPU serving lookup, in JAX.
+
+Semantics follow `tf.tpu.experimental.embedding.serving_embedding_lookup`
+exactly (see README, "Serving semantics"). Every feature is reduced to one
+*plan*: parallel arrays (output row, id, weight, keep) plus how rows are
+normalised and shaped. One kernel then computes
+
+    out[row] = sum_k weight_k * table[id_k]          (kept entries only)
+    out[row] /= sum_k w_k  (mean)  or  sqrt(sum_k w_k^2)  (sqrtn);  0/0 = 0
+
+With concrete (numpy) inputs the plan is pruned on the host, ids are range
+checked (a `ValueError` naming the feature), and the kernel runs on the host
+over the table's memory. Inside `jax.jit`/`jax.export` (traced inputs) the
+same plan is built with masks at static shapes and computed with jax.numpy;
+ids out of range cannot raise there and read as zero rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from embedmesh.config import FeatureConfig, resolve_feature_config
+from embedmesh.inputs import (check_id_range, flatten_inputs_like, input_kind, is_concrete,
+                              validate_input)
+from embedmesh import kernels
+
+
+@dataclasses.dataclass
+class LookupPlan:
+    """What one feature's lookup computes; arrays are numpy or jax.numpy."""
+
+    rows: Any  # [nnz] output row of each entry
+    ids: Any  # [nnz]
+    weights: Any  # [nnz] float32
+    keep: Any  # [nnz] bool, or None when every entry is kept
+    num_rows: int
+    combiner: Optional[str]  # None: no normalisation (plain or sequence lookup)
+    out_shape: tuple  # final shape without the trailing dim
+
+
+def _xp(concrete: bool):
+    return np if concrete else jnp
+
+
+def _sequence_plan(xp, b, positions, rows_of_entry, ids, length, out_shape):
+    keep = (positions >= 0) & (positions < length)
+    rows = rows_of_entry * length + positions
+    ones = xp.ones(ids.shape, xp.float32)
+    return LookupPlan(rows, ids, ones, keep, b * length, None, out_shape)
+
+
+def _ragged_rows_positions(xp, row_splits, nnz):
+    splits = xp.asarray(row_splits)
+    idx = xp.arange(nnz)
+    rows = xp.searchsorted(splits, idx, side="right") - 1
+    rows = xp.clip(rows, 0, max(int(splits.shape[0]) - 2, 0))
+    return rows.astype(xp.int32), (idx - splits[rows]).astype(xp.int32)
+
+
+def plan_feature(name: str, feature: FeatureConfig, inp, weight, concrete: bool) -> LookupPlan:
+    """The lookup plan for one feature under TensorFlow's serving rules."""
+    xp = _xp(concrete)
+    kind = input_kind(inp)
+    combiner = feature.table.combiner
+    if weight is not None:
+        if kind == "dense":
+            raise ValueError(f"Weight specified for {name}, but input is dense.")
+        if input_kind(weight) != kind:
+            raise ValueError(f"Weight for {name} is of type {type(weight).__name__} but it does "
+                             f"not match type of the input which is {type(inp).__name__}.")
+        if feature.max_sequence_length > 0:
+            raise ValueError(f"Weight specified for {name}, but this is a sequence feature.")
+    if concrete:
+        validate_input(name, inp, weight)
+
+    if kind == "dense":
+        if feature.max_sequence_length > 0:
+            raise ValueError(f"Feature {name} is a sequence feature but a dense tensor was "
+                             f"passed.")
+        ids = xp.asarray(inp)
+        flat = ids.reshape(-1)
+        n = int(flat.shape[0])
+        return LookupPlan(xp.arange(n, dtype=xp.int32), flat, xp.ones((n,), xp.float32), None,
+                          n, None, tuple(ids.shape))
+
+    if kind == "sparse":
+        shape = inp.dense_shape
+        idx = xp.asarray(inp.indices)
+        ids = xp.asarray(inp.values)
+        b = int(shape[0])
+        if not feature.output_shape and feature.max_sequence_length > 0 and len(shape) == 2:
+            L = feature.max_sequence_length
+            return _sequence_plan(xp, b, idx[:, 1].astype(xp.int32), idx[:, 0].astype(xp.int32),
+                                  ids, L, (b, L))
+        lead = shape[:-1]
+        strides = np.cumprod((1,) + tuple(lead[::-1]))[:-1][::-1]
+        rows = sum(idx[:, k].astype(xp.int32) * int(strides[k]) for k in range(len(lead)))
+        rows = xp.asarray(rows, dtype=xp.int32)
+        w = (xp.ones(ids.shape, xp.float32) if weight is None
+             else xp.asarray(weight.values).astype(xp.float32))
+        keep = None
+        if feature.validate_weights_and_indices or len(shape) > 2:  # TF's "safe" lookup
+            keep = ids >= 0
+            if combiner != "sum":
+                keep = keep & (w > 0)
+        return LookupPlan(rows, ids, w, keep, int(np.prod(lead)), combiner, tuple(lead))
+
+    # ragged
+    b = inp.nrows
+    ids = xp.asarray(inp.values)
+    nnz = int(ids.shape[0])
+    if concrete:
+        from embedmesh.inputs import ragged_positions, ragged_row_ids
+        rows = ragged_row_ids(inp.row_splits)
+        positions = ragged_positions(inp.row_splits)
+    else:
+        rows, positions = _ragged_rows_positions(xp, inp.row_splits, nnz)
+    w = (xp.ones(ids.shape, xp.float32) if weight is None
+         else xp.asarray(weight.values).astype(xp.float32))
+    if feature.output_shape:
+        p = int(np.prod(feature.output_shape))
+        if p == b:
+            return LookupPlan(rows, ids, w, None, b, combiner, tuple(feature.output_shape))
+        if p > b and b > 0 and p % b == 0:
+            plan = _sequence_plan(xp, b, positions, rows, ids, p // b, (b, p // b))
+            plan.out_shape = tuple(feature.output_shape)
+            return plan
+        raise ValueError(f"Output shape set in the FeatureConfig should be the factor of the "
+                         f"input data batch size. But instead got output shape "
+                         f"{list(feature.output_shape)}, input data batch size {b} "
+                         f"(feature {name})")
+    if feature.max_sequence_length > 0:
+        L = feature.max_sequence_length
+        return _sequence_plan(xp, b, positions, rows, ids, L, (b, L))
+    return LookupPlan(rows, ids, w, None, b, combiner, (b,))
+
+
+def _compact(plan: LookupPlan) -> LookupPlan:
+    if plan.keep is None or plan.keep.all():
+        return plan
+    k = plan.keep
+    return dataclasses.replace(plan, rows=plan.rows[k], ids=plan.ids[k], weights=plan.weights[k],
+                               keep=None)
+
+
+def _lookup_host(name: str, plan: LookupPlan, table) -> np.ndarray:
+    plan = _compact(plan)
+    table_np = np.asarray(table)
+    ids = np.asarray(plan.ids)
+    check_id_range(name, ids, table_np.shape[0])
+    out = kernels.weighted_segment_sum(table_np, ids, np.asarray(plan.rows, np.int64),
+                                       np.asarray(plan.weights, np.float32), plan.num_rows,
+                                       plan.combiner)
+    return out.reshape(plan.out_shape + (table_np.shape[1],))
+
+
+def _lookup_traced(plan: LookupPlan, table) -> jax.Array:
+    table = jnp.asarray(table)
+    dim = table.shape[1]
+    ids = jnp.asarray(plan.ids).astype(jnp.int32)
+    w = jnp.asarray(plan.weights, jnp.float32)
+    rows = jnp.asarray(plan.rows, jnp.int32)
+    if plan.keep is not None:
+        w = jnp.where(plan.keep, w, 0.0)
+        rows = jnp.where(plan.keep, rows, plan.num_rows)  # out of range: dropped by segment_sum
+    gathered = jnp.take(table, ids, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    if plan.combiner is None and plan.keep is None and plan.num_rows == ids.shape[0]:
+        out = gathered  # plain dense lookup: rows are 0..n-1
+    else:
+        out = jax.ops.segment_sum(gathered * w[:, None], rows, num_segments=plan.num_rows)
+        if plan.combiner in ("mean", "sqrtn"):
+            wd = w if plan.combiner == "mean" else w * w
+            den = jax.ops.segment_sum(wd, rows, num_segments=plan.num_rows)
+            if plan.combiner == "sqrtn":
+                den = jnp.sqrt(den)
+            out = jnp.where(den[:, None] == 0, 0.0, out / jnp.where(den == 0, 1.0, den)[:, None])
+    return out.astype(table.dtype).reshape(plan.out_shape + (dim,))
+
+
+def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
+                             feature_config: Any) -> Any:
+    """Look up and combine `inputs` in `tables` as TensorFlow's CPU serving path does.
+
+    `inputs` has the structure of `feature_config` or a subset of it (dict
+    keys may be left out); `weights` is None or matches `inputs`, with None
+    entries allowed. `tables` maps each `TableConfig` to a `[vocabulary_size,
+    dim]` array. Returns activations in the structure of `inputs`.
+    Works on concrete arrays (host kernel, errors for bad ids) and inside
+    `jax.jit`/`jax.export` (pure jax.numpy).
+    """
+    resolved = resolve_feature_config(feature_config)
+    flat_inputs = flatten_inputs_like(resolved, inputs, "features")
+    if weights is None:
+        flat_weights = [None] * len(flat_inputs)
+    else:
+        flat_weights = flatten_inputs_like(resolved, weights, "weights")
+        for name, x, w in zip(resolved.feature_names, flat_inputs, flat_weights):
+            if x is None and w is not None:
+                raise ValueError(f"weights given for {name}, which has no input")
+    outputs = []
+    for name, feature, inp, w in zip(resolved.feature_names, resolved.features, flat_inputs,
+                                     flat_weights):
+        if inp is None:
+            outputs.append(None)
+            continue
+        if feature.table not in tables:
+            raise ValueError(f"tables has no entry for the table of feature {name} "
+                             f"({resolved.table_name(feature.table)})")
+        table = tables[feature.table]
+        concrete = is_concrete((inp, w, table))
+        plan = plan_feature(name, feature, inp, w, concrete)
+        if concrete:
+            outputs.append(jnp.asarray(_lookup_host(name, plan, table)))
+        else:
+            outputs.append(_lookup_traced(plan, table))
+    return _pack_like_inputs(resolved, inputs, outputs)
+
+
+def _pack_like_inputs(resolved, inputs, flat_outputs):
+    full = jax.tree_util.tree_unflatten(resolved.treedef, flat_outputs)
+
+    def prune(cfg_out, inp):
+        if isinstance(inp, dict):
+            return {k: prune(cfg_out[k], v) for k, v in inp.items()}
+        if isinstance(inp, (list, tuple)) and isinstance(cfg_out, (list, tuple)):
+            return type(inp)(prune(c, x) for c, x in zip(cfg_out, inp)) if not hasattr(
+                inp, "_fields") else type(inp)(*(prune(c, x) for c, x in zip(cfg_out, inp)))
+        return cfg_out
+
+    return prune(full, inputs)

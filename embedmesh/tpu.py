@@ -1,0 +1,8 @@
+"""The seed's names, so code written against `tf.tpu.experimental.embedding` ports
+by changing its import: `from embedmesh import tpu as embedding`."""
+
+from embedmesh import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, FeatureConfig,
+                       QuantizationConfig, TableConfig, serving_embedding_lookup)
+
+__all__ = ["FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FeatureConfig",
+           "QuantizationConfig", "TableConfig", "serving_embedding_lookup"]

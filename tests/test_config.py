@@ -1,0 +1,104 @@
+"""Config validation, naming and hashing."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import embedmesh as em
+from embedmesh import FeatureConfig, QuantizationConfig, TableConfig
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(vocabulary_size=0, dim=4), "vocabulary_size"),
+    (dict(vocabulary_size=2.5, dim=4), "vocabulary_size"),
+    (dict(vocabulary_size=True, dim=4), "vocabulary_size"),
+    (dict(vocabulary_size=10, dim=0), "dim"),
+    (dict(vocabulary_size=10, dim="8"), "dim"),
+    (dict(vocabulary_size=10, dim=4, initializer=3), "initializer"),
+    (dict(vocabulary_size=10, dim=4, combiner="max"), "combiner"),
+    (dict(vocabulary_size=10, dim=4, name=""), "name"),
+    (dict(vocabulary_size=10, dim=4, optimizer="sgd"), "optimizer"),
+    (dict(vocabulary_size=10, dim=4, quantization_config=4), "quantization_config"),
+])
+def test_table_config_validation_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"TableConfig.{field}"):
+        TableConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_sequence_length=-1), "max_sequence_length"),
+    (dict(max_sequence_length=1.5), "max_sequence_length"),
+    (dict(validate_weights_and_indices=1), "validate_weights_and_indices"),
+    (dict(output_shape=[2, 0]), "output_shape"),
+    (dict(output_shape="ab"), "output_shape"),
+    (dict(name=5), "name"),
+])
+def test_feature_config_validation_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"FeatureConfig.{field}"):
+        FeatureConfig(TableConfig(10, 4), **kwargs)
+    with pytest.raises(ValueError, match="FeatureConfig.table"):
+        FeatureConfig("table")
+
+
+def test_quantization_config_validation():
+    QuantizationConfig(num_buckets=2, lower=-1.0, upper=1.0)
+    with pytest.raises(ValueError, match="num_buckets"):
+        QuantizationConfig(num_buckets=1, lower=-1.0, upper=1.0)
+    with pytest.raises(ValueError, match="upper"):
+        QuantizationConfig(num_buckets=4, lower=1.0, upper=1.0)
+
+
+def test_defaults_and_frozen():
+    t = TableConfig(100, 16)
+    assert t.combiner == "mean" and t.initializer is None and t.optimizer is None
+    f = FeatureConfig(t, output_shape=[4, 2])
+    assert f.output_shape == (4, 2) and f.max_sequence_length == 0
+    assert f.validate_weights_and_indices is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.dim = 3
+    assert "vocabulary_size=100" in repr(t) and "dim=16" in repr(t)
+    assert "max_sequence_length=0" in repr(f)
+
+
+def test_identity_hashing_keeps_equal_looking_tables_apart():
+    a, b = TableConfig(10, 4), TableConfig(10, 4)
+    assert len({a: 1, b: 2}) == 2
+    assert hash(a) == hash(a)
+
+
+def test_default_initializer_is_truncated_normal_with_stddev_one_over_sqrt_dim():
+    t = TableConfig(20000, 16)
+    x = np.asarray(t.initialize(jax.random.key(0)))
+    assert x.shape == (20000, 16)
+    # truncated at 2 stddev: std of the truncated unit normal is ~0.8796
+    assert abs(x.std() - 0.8796 / 4.0) < 0.01
+    assert np.abs(x).max() <= 2.0 / 4.0 + 1e-6
+    custom = TableConfig(3, 2, initializer=lambda key, shape, dtype: np.full(shape, 7.0, dtype))
+    np.testing.assert_array_equal(custom.initialize(None), np.full((3, 2), 7.0))
+
+
+def test_resolve_names_tables_in_order_of_first_use():
+    t_unnamed_1, t_named, t_unnamed_2 = TableConfig(5, 2), TableConfig(5, 2, name="x"), \
+        TableConfig(7, 2)
+    fc = {"b": FeatureConfig(t_unnamed_2), "a": [FeatureConfig(t_unnamed_1),
+                                                FeatureConfig(t_named, name="named")],
+          "c": FeatureConfig(t_unnamed_1)}
+    r = em.resolve_feature_config(fc)
+    # pytree order sorts dict keys: a/0, a/1 (named), b, c
+    assert r.feature_names == ("a/0", "named", "b", "c")
+    assert r.table_names == ("table_0", "x", "table_2")
+    assert r.table_name(t_unnamed_2) == "table_2"
+    assert t_unnamed_1.name is None  # configs are never mutated
+
+
+def test_duplicate_table_names_rejected():
+    fc = [FeatureConfig(TableConfig(5, 2, name="t")), FeatureConfig(TableConfig(6, 2, name="t"))]
+    with pytest.raises(ValueError, match="named 't'"):
+        em.resolve_feature_config(fc)
+
+
+def test_non_feature_leaf_rejected():
+    with pytest.raises(ValueError, match="must be a FeatureConfig"):
+        em.resolve_feature_config({"a": 3})

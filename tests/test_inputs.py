@@ -1,0 +1,117 @@
+"""Input containers, validation, and the canonical (row, id, weight) form."""
+
+import hypothesis.strategies as st
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
+from embedmesh.config import resolve_feature_config
+from embedmesh.inputs import (flatten_inputs_like, ragged_positions, ragged_row_ids, to_coo,
+                              validate_input)
+
+
+@st.composite
+def batches(draw):
+    """(input, weight, per-sample list of (position, id, weight))."""
+    kind = draw(st.sampled_from(["dense1", "dense2", "sparse", "ragged"]))
+    B = draw(st.integers(1, 5))
+    weighted = draw(st.booleans())
+    if kind.startswith("dense"):
+        n = 1 if kind == "dense1" else draw(st.integers(1, 4))
+        ids = np.array(draw(st.lists(st.integers(0, 50), min_size=B * n, max_size=B * n)))
+        ids = ids.reshape(B) if kind == "dense1" else ids.reshape(B, n)
+        w = np.array(draw(st.lists(st.floats(-3, 3, width=32), min_size=B * n,
+                                   max_size=B * n)), np.float32).reshape(ids.shape)
+        per = [[(j, int(ids.reshape(B, n)[b, j]), float(w.reshape(B, n)[b, j]) if weighted
+                 else 1.0) for j in range(n)] for b in range(B)]
+        return ids, (w if weighted else None), per
+    per = []
+    for b in range(B):
+        cols = sorted(draw(st.lists(st.integers(0, 7), max_size=5, unique=True)))
+        if kind == "ragged":
+            cols = list(range(len(cols)))
+        per.append([(c, draw(st.integers(0, 50)),
+                     draw(st.floats(-3, 3, width=32)) if weighted else 1.0) for c in cols])
+    ids = np.array([e[1] for row in per for e in row], np.int64)
+    w = np.array([e[2] for row in per for e in row], np.float32)
+    if kind == "ragged":
+        splits = np.concatenate([[0], np.cumsum([len(r) for r in per])])
+        return RaggedTensor(ids, splits), (RaggedTensor(w, splits) if weighted else None), per
+    idx = np.array([[b, e[0]] for b, row in enumerate(per) for e in row], np.int64).reshape(-1, 2)
+    return (SparseTensor(idx, ids, (B, 8)), SparseTensor(idx, w, (B, 8)) if weighted else None,
+            per)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.sampled_from([0, 1, 3]))
+def test_to_coo_matches_plain_loops(batch, L):
+    inp, weight, per = batch
+    validate_input("f", inp, weight)
+    coo = to_coo(inp, weight, max_sequence_length=L)
+    B = len(per)
+    expected = []
+    for b, row in enumerate(per):
+        for pos, i, w in row:
+            if L == 0:
+                expected.append((b, i, np.float32(w)))
+            elif pos < L:
+                expected.append((b * L + pos, i, np.float32(w)))
+    got = sorted(zip(coo.rows.tolist(), coo.ids.tolist(), coo.weights.tolist()))
+    assert got == sorted((r, i, float(w)) for r, i, w in expected)
+    assert coo.batch_size == B and coo.num_rows == (B * L if L else B)
+
+
+def test_ragged_helpers():
+    splits = np.array([0, 2, 2, 5])
+    np.testing.assert_array_equal(ragged_row_ids(splits), [0, 0, 2, 2, 2])
+    np.testing.assert_array_equal(ragged_positions(splits), [0, 1, 0, 1, 2])
+    r = RaggedTensor.from_row_lengths([4, 5, 6], [1, 0, 2])
+    np.testing.assert_array_equal(r.row_splits, [0, 1, 1, 3])
+    assert r.nrows == 3
+
+
+def test_containers_are_pytrees_with_static_dense_shape():
+    sp = SparseTensor(np.array([[0, 1]]), np.array([3]), np.array([2, 4]))
+    assert sp.dense_shape == (2, 4)
+    leaves, treedef = jax.tree_util.tree_flatten(sp)
+    assert len(leaves) == 2
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert again.dense_shape == (2, 4)
+    rg = RaggedTensor(np.array([1, 2]), np.array([0, 2]))
+    out = jax.jit(lambda r: r.values * 2)(rg)
+    np.testing.assert_array_equal(out, [2, 4])
+
+
+@pytest.mark.parametrize("inp,weight,match", [
+    (np.array([[[1]]]), None, "must be \\[batch\\] or \\[batch, n\\]"),
+    (np.array([1.5]), None, "ids must be integers"),
+    (np.array([1, 2]), np.array([1.0]), "weight shape"),
+    (SparseTensor(np.array([[0]]), np.array([1]), (2,)), None, "rank >= 2"),
+    (SparseTensor(np.array([[0, 1], [0, 1]]), np.array([1, 2]), (2, 3)), None, "sorted"),
+    (SparseTensor(np.array([[0, 5]]), np.array([1]), (2, 3)), None, "outside dense_shape"),
+    (SparseTensor(np.array([[0, 1]]), np.array([1, 2]), (2, 3)), None, "do not fit"),
+    (RaggedTensor(np.array([1, 2]), np.array([1, 2])), None, "bad row_splits"),
+    (RaggedTensor(np.array([1, 2]), np.array([0, 1])), None, "bad row_splits"),
+    (RaggedTensor(np.array([1, 2]), np.array([0, 2])),
+     RaggedTensor(np.array([1.0, 2.0]), np.array([0, 1, 2])), "row_splits"),
+    (RaggedTensor(np.array([1, 2]), np.array([0, 2])),
+     SparseTensor(np.array([[0, 0]]), np.array([1.0]), (1, 2)), "must match"),
+])
+def test_validation_errors_name_the_feature(inp, weight, match):
+    with pytest.raises((ValueError, TypeError), match=match) as info:
+        validate_input("my_feature", inp, weight)
+    assert "my_feature" in str(info.value)
+
+
+def test_flatten_inputs_like_allows_dict_subsets_only():
+    t = TableConfig(5, 2)
+    fc = {"a": FeatureConfig(t), "b": [FeatureConfig(t), FeatureConfig(t)]}
+    r = resolve_feature_config(fc)
+    flat = flatten_inputs_like(r, {"b": [np.array([1]), np.array([2])]})
+    assert flat[0] is None and flat[1].tolist() == [1] and flat[2].tolist() == [2]
+    with pytest.raises(ValueError, match="sequence of 2"):
+        flatten_inputs_like(r, {"b": [np.array([1])]})
+    with pytest.raises(ValueError, match="not in the feature config"):
+        flatten_inputs_like(r, {"c": np.array([1])})

@@ -1,0 +1,296 @@
+"""serving_embedding_lookup against a plain float64 reference of TensorFlow's rules."""
+
+import collections
+
+import hypothesis.strategies as st
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import embedmesh as em
+from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
+
+# ---------------------------------------------------------------------------
+# Reference: TensorFlow's serving lookup, written for clarity (loops, float64).
+
+
+def _combine(entries, table, combiner):
+    """entries: list of (id, weight) for one output row."""
+    total = np.zeros(table.shape[1])
+    for i, w in entries:
+        total += w * table[i]
+    if combiner == "sum":
+        return total
+    den = sum(w for _, w in entries) if combiner == "mean" else np.sqrt(
+        sum(w * w for _, w in entries))
+    return total / den if den != 0 else np.zeros_like(total)
+
+
+def reference_lookup(feature, inp, weight, table):
+    table = np.asarray(table, np.float64)
+    dim = table.shape[1]
+    combiner = feature.table.combiner
+    L = feature.max_sequence_length
+    if isinstance(inp, np.ndarray):
+        out = np.zeros(inp.shape + (dim,))
+        for pos in np.ndindex(*inp.shape):
+            out[pos] = table[inp[pos]]
+        return out
+    if isinstance(inp, SparseTensor):
+        shape = inp.dense_shape
+        if not feature.output_shape and L > 0 and len(shape) == 2:
+            out = np.zeros((shape[0], L, dim))
+            for (b, p), i in zip(inp.indices.tolist(), inp.values.tolist()):
+                if p < L:
+                    out[b, p] += table[i]
+            return out
+        prune = feature.validate_weights_and_indices or len(shape) > 2
+        groups = collections.defaultdict(list)
+        for k, (idx, i) in enumerate(zip(inp.indices.tolist(), inp.values.tolist())):
+            w = 1.0 if weight is None else float(weight.values[k])
+            if prune and (i < 0 or (combiner != "sum" and w <= 0)):
+                continue
+            groups[tuple(idx[:-1])].append((i, w))
+        out = np.zeros(tuple(shape[:-1]) + (dim,))
+        for key, entries in groups.items():
+            out[key] = _combine(entries, table, combiner)
+        return out
+    splits = inp.row_splits.tolist()
+    B = len(splits) - 1
+    rows = [inp.values[splits[b]:splits[b + 1]].tolist() for b in range(B)]
+    wrows = [([1.0] * len(r)) if weight is None else
+             weight.values[splits[b]:splits[b + 1]].tolist() for b, r in enumerate(rows)]
+
+    def sequence(length):
+        out = np.zeros((B, length, dim))
+        for b, r in enumerate(rows):
+            for p, i in enumerate(r[:length]):
+                out[b, p] = table[i]
+        return out
+
+    def combined():
+        return np.stack([_combine(list(zip(r, w)), table, combiner) if r else np.zeros(dim)
+                         for r, w in zip(rows, wrows)]) if B else np.zeros((0, dim))
+
+    if feature.output_shape:
+        P = int(np.prod(feature.output_shape))
+        if P == B:
+            return combined().reshape(feature.output_shape + (dim,))
+        if P > B and P % B == 0:
+            return sequence(P // B).reshape(feature.output_shape + (dim,))
+        raise AssertionError("test generated an invalid output_shape")
+    if L > 0:
+        return sequence(L)
+    return combined()
+
+
+# ---------------------------------------------------------------------------
+# Input generation
+
+
+@st.composite
+def feature_cases(draw):
+    vocab = draw(st.integers(1, 30))
+    dim = draw(st.integers(1, 6))
+    combiner = draw(st.sampled_from(["sum", "mean", "sqrtn"]))
+    kind = draw(st.sampled_from(["dense", "sparse", "ragged"]))
+    B = draw(st.integers(1, 6))
+    validate = draw(st.booleans())
+    L = 0
+    output_shape = None
+    weighted = False
+    if kind != "dense":
+        L = draw(st.sampled_from([0, 0, 1, 3]))
+        weighted = L == 0 and draw(st.booleans())
+    if kind == "ragged" and L == 0 and draw(st.booleans()):
+        factor = draw(st.sampled_from([1, 2, 3]))
+        output_shape = (B * factor,) if draw(st.booleans()) else (B, factor)
+        weighted = weighted and factor == 1
+    table_cfg = TableConfig(vocab, dim, combiner=combiner, name="t")
+    feature = FeatureConfig(table_cfg, max_sequence_length=L, validate_weights_and_indices=validate,
+                            output_shape=output_shape, name="f")
+    ids_st = st.integers(0, vocab - 1)
+    # float32 weights; magnitudes below 1e-3 (other than 0) would underflow w*w in float32
+    weight_st = st.floats(-2, 3, allow_nan=False, width=32).filter(lambda w: w == 0 or abs(w) > 1e-3)
+    if kind == "dense":
+        shape = (B,) if draw(st.booleans()) else (B, draw(st.integers(1, 4)))
+        inp = np.array(draw(st.lists(ids_st, min_size=int(np.prod(shape)),
+                                     max_size=int(np.prod(shape)))), np.int64).reshape(shape)
+        return feature, inp, None
+    lengths = draw(st.lists(st.integers(0, 5), min_size=B, max_size=B))
+    n = sum(lengths)
+    # sparse inputs may carry negative ids where TF prunes them
+    allow_neg = kind == "sparse" and validate and L == 0
+    ids = np.array(draw(st.lists(st.integers(-2 if allow_neg else 0, vocab - 1), min_size=n,
+                                 max_size=n)), np.int64)
+    w = np.array(draw(st.lists(weight_st, min_size=n, max_size=n)), np.float32)
+    if kind == "ragged":
+        splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        inp = RaggedTensor(ids, splits)
+        return feature, inp, RaggedTensor(w, splits) if weighted else None
+    width = 6
+    rank3 = L == 0 and draw(st.booleans())
+    idx = []
+    for b, length in enumerate(lengths):
+        cols = sorted(draw(st.lists(st.integers(0, width - 1), min_size=length, max_size=length,
+                                    unique=True)))
+        idx += [[b, c] for c in cols]
+    idx = np.array(idx, np.int64).reshape(-1, 2)
+    shape = (B, width)
+    if rank3:  # fold the batch into [B1, B2, width]
+        b2 = 2
+        idx = np.concatenate([idx[:, :1] // b2, idx[:, :1] % b2, idx[:, 1:]], axis=1)
+        shape = ((B + b2 - 1) // b2, b2, width)
+        order = np.lexsort(idx.T[::-1])
+        idx, ids, w = idx[order], ids[order], w[order]
+    inp = SparseTensor(idx, ids, shape)
+    return feature, inp, SparseTensor(idx, w, shape) if weighted else None
+
+
+def _table(feature, seed):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(feature.table.vocabulary_size, feature.table.dim)).astype(np.float32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(feature_cases(), st.integers(0, 2**31 - 1))
+def test_host_path_matches_reference(case, seed):
+    feature, inp, weight = case
+    table = _table(feature, seed)
+    got = em.serving_embedding_lookup({"f": inp}, None if weight is None else {"f": weight},
+                                      {feature.table: table}, {"f": feature})["f"]
+    want = reference_lookup(feature, inp, weight, table)
+    assert isinstance(got, jax.Array)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(feature_cases(), st.integers(0, 2**31 - 1))
+def test_traced_path_matches_reference(case, seed):
+    feature, inp, weight = case
+    table = _table(feature, seed)
+    fn = jax.jit(lambda x, w, t: em.serving_embedding_lookup(x, w, {feature.table: t}, feature))
+    got = fn(inp, weight, table)
+    want = reference_lookup(feature, inp, weight, table)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------
+# Structures and errors
+
+
+def _setup():
+    t1 = TableConfig(10, 4, combiner="mean", name="a")
+    t2 = TableConfig(20, 3, combiner="sum")
+    fc = {"x": FeatureConfig(t1), "y": FeatureConfig(t2),
+          "z": FeatureConfig(t2, max_sequence_length=3)}
+    rng = np.random.default_rng(0)
+    tables = {t1: rng.normal(size=(10, 4)).astype(np.float32),
+              t2: rng.normal(size=(20, 3)).astype(np.float32)}
+    return t1, t2, fc, tables
+
+
+def test_nested_structure_and_subset():
+    t1, t2, fc, tables = _setup()
+    nested = {"group": [fc["x"], (fc["y"],)], "z": fc["z"]}
+    inp = {"group": [np.array([1, 2]), (RaggedTensor(np.array([3, 4, 5]), np.array([0, 1, 3])),)],
+           "z": SparseTensor(np.array([[0, 0], [1, 2]]), np.array([1, 2]), (2, 5))}
+    out = em.serving_embedding_lookup(inp, None, tables, nested)
+    assert out["group"][0].shape == (2, 4)
+    assert out["group"][1][0].shape == (2, 3)
+    assert out["z"].shape == (2, 3, 3)
+    np.testing.assert_allclose(out["group"][1][0][1], tables[t2][4] + tables[t2][5], rtol=1e-6)
+    only = em.serving_embedding_lookup({"z": inp["z"]}, None, tables, nested)
+    assert set(only) == {"z"}
+    np.testing.assert_allclose(only["z"], out["z"])
+
+
+def test_single_feature_not_nested():
+    t1, _, fc, tables = _setup()
+    out = em.serving_embedding_lookup(np.array([[1, 2], [3, 4]]), None, tables, fc["x"])
+    np.testing.assert_allclose(out, tables[t1][np.array([[1, 2], [3, 4]])])
+
+
+def test_tensorflow_style_duck_typed_inputs():
+    t1, t2, fc, tables = _setup()
+
+    class FakeTfSparse:  # the attributes tf.SparseTensor has
+        def __init__(self, i, v, s):
+            self.indices, self.values, self.dense_shape = i, v, s
+
+    class FakeTfRagged:
+        def __init__(self, v, s):
+            self.values, self.row_splits, self.flat_values, self.ragged_rank = v, s, v, 1
+
+    sp = FakeTfSparse(np.array([[0, 0], [1, 1]]), np.array([3, 4]), np.array([2, 4]))
+    rg = FakeTfRagged(np.array([3, 4]), np.array([0, 1, 2]))
+    a = em.serving_embedding_lookup({"y": sp}, None, tables, fc)["y"]
+    b = em.serving_embedding_lookup({"y": rg}, None, tables, fc)["y"]
+    np.testing.assert_allclose(a, b)
+    np.testing.assert_allclose(a, tables[t2][[3, 4]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("dense_weight", "input is dense"),
+    ("type_mismatch", "does not match type"),
+    ("seq_weight", "sequence feature"),
+    ("seq_dense", "sequence feature but a dense"),
+    ("not_subset", "not in the feature config"),
+    ("bad_output_shape", "factor of the input data batch size"),
+    ("id_too_big", "feature x: id 10"),
+    ("negative_ragged", "feature y: id -1"),
+    ("unsorted", "sorted in row-major order"),
+    ("bad_splits", "bad row_splits"),
+    ("float_ids", "ids must be integers"),
+])
+def test_errors_name_the_feature(case, match):
+    t1, t2, fc, tables = _setup()
+    rag = RaggedTensor(np.array([1, 2, 3]), np.array([0, 1, 3]))
+    rag_w = RaggedTensor(np.array([1.0, 2.0, 3.0], np.float32), np.array([0, 1, 3]))
+    sp = SparseTensor(np.array([[0, 0], [1, 0]]), np.array([1, 2]), (2, 3))
+    sp_w = SparseTensor(np.array([[0, 0], [1, 0]]), np.array([1.0, 2.0], np.float32), (2, 3))
+    inputs, weights, cfg = None, None, fc
+    if case == "dense_weight":
+        inputs, weights = {"x": np.array([1, 2])}, {"x": np.array([1.0, 1.0])}
+    elif case == "type_mismatch":
+        inputs, weights = {"y": rag}, {"y": sp_w}
+    elif case == "seq_weight":
+        inputs, weights = {"z": rag}, {"z": rag_w}
+    elif case == "seq_dense":
+        inputs = {"z": np.array([1, 2])}
+    elif case == "not_subset":
+        inputs = {"x": np.array([1]), "nope": np.array([1])}
+    elif case == "bad_output_shape":
+        cfg = {"y": FeatureConfig(t2, output_shape=(3,))}
+        inputs = {"y": rag}
+    elif case == "id_too_big":
+        inputs = {"x": np.array([1, 10])}
+    elif case == "negative_ragged":
+        inputs = {"y": RaggedTensor(np.array([1, -1]), np.array([0, 1, 2]))}
+    elif case == "unsorted":
+        inputs = {"y": SparseTensor(np.array([[1, 0], [0, 0]]), np.array([1, 2]), (2, 3))}
+    elif case == "bad_splits":
+        inputs = {"y": RaggedTensor(np.array([1, 2]), np.array([0, 3, 2]))}
+    elif case == "float_ids":
+        inputs = {"x": np.array([1.0, 2.0])}
+    with pytest.raises((ValueError, TypeError), match=match):
+        em.serving_embedding_lookup(inputs, weights, tables, cfg)
+    _ = sp
+
+
+def test_weights_prune_rules_for_sparse():
+    """validate=True prunes ids < 0 and, except for sum, weights <= 0; False prunes nothing."""
+    t = TableConfig(5, 2, combiner="mean", name="t")
+    table = np.arange(10, dtype=np.float32).reshape(5, 2) + 1
+    idx = np.array([[0, 0], [0, 1], [0, 2]])
+    ids = np.array([1, 2, 3])
+    w = np.array([2.0, -1.0, 0.0], np.float32)
+    sp, spw = SparseTensor(idx, ids, (1, 3)), SparseTensor(idx, w, (1, 3))
+    pruned = em.serving_embedding_lookup(sp, spw, {t: table}, FeatureConfig(t))
+    np.testing.assert_allclose(pruned[0], table[1], rtol=1e-6)
+    kept = em.serving_embedding_lookup(sp, spw, {t: table},
+                                       FeatureConfig(t, validate_weights_and_indices=False))
+    np.testing.assert_allclose(kept[0], (2 * table[1] - table[2]) / 1.0, rtol=1e-6)
