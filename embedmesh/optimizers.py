@@ -161,13 +161,13 @@ class Optimizer(abc.ABC):
                              f"scalar, got shape {lr.shape}")
         return lr
 
-    def update_rows(self, rows, slots: Mapping[str, Any], grads, step):
+    def update_rows(self, rows, slots: Optional[Mapping[str, Any]], grads, step):
         """Apply one step to `rows` [n, dim] given their summed `grads` [n, dim].
 
         Pure: returns `(new_rows, new_slots)` in the input dtypes, the slots as
-        a new dict holding exactly `slot_names`. Each row is updated
-        independently, so any leading shape works as long as rows, grads and
-        every slot agree.
+        a new dict holding exactly `slot_names` (`slots=None` is read as `{}`,
+        for SGD). Each row is updated independently, so any leading shape works
+        as long as rows, grads and every slot agree.
         """
         name = type(self).__name__
         rows = jnp.asarray(rows)
@@ -175,6 +175,7 @@ class Optimizer(abc.ABC):
         if rows.shape != grads.shape:
             raise ValueError(f"{name}.update_rows: rows shape {rows.shape} != grads shape "
                              f"{grads.shape}")
+        slots = {} if slots is None else slots
         if set(slots) != set(self._SLOTS):
             raise ValueError(f"{name}.update_rows: slots must have exactly the keys "
                              f"{self._SLOTS}, got {tuple(slots)}")

@@ -443,6 +443,10 @@ def test_update_rows_rejects_bad_shapes_and_slots():
     with pytest.raises(ValueError, match="accumulators"):
         opt.update_rows(r, {}, r, 0)
     with pytest.raises(ValueError, match="accumulators"):
+        opt.update_rows(r, None, r, 0)
+    w, s = SGD().update_rows(r, None, r, 0)
+    assert s == {} and w.shape == r.shape
+    with pytest.raises(ValueError, match="accumulators"):
         opt.update_rows(r, {"accumulators": r, "momenta": r}, r, 0)
     with pytest.raises(ValueError, match="accumulators"):
         opt.update_rows(r, {"accumulators": np.ones((2, 1), np.float32)}, r, 0)
