@@ -259,7 +259,7 @@ def to_coo(inp, weight=None, max_sequence_length: int = 0) -> Coo:
     L = max_sequence_length
     if kind == "dense":
         ids = np.asarray(inp)
-        ids2 = ids.reshape(ids.shape[0], -1)
+        ids2 = ids.reshape(ids.shape[0], int(np.prod(ids.shape[1:])))
         b, n = ids2.shape
         w = (np.ones(ids2.shape, np.float32) if weight is None
              else np.asarray(weight, np.float32).reshape(b, n))

@@ -1,0 +1,174 @@
+"""Mod sharding: move arrays between the logical and the sharded layouts.
+
+With a `StackingPlan` for N shards, table row `i` lives on shard
+`(i % N + rotation) % N` at local row `local_row_offset + i // N` of its stack
+(see `embedmesh.stacking`). So the rows of one table on one shard are the
+strided slice `table[(shard - rotation) % N :: N]`, padded with zero rows to
+`rows_per_shard`: no gather, no full-stack copy.
+
+Table-level helpers (checkpoints, serving): `table_to_shards`,
+`shards_to_table`, `table_shard`, `table_rows_on_shard`.
+Stack-level helpers (the engine lays out and reads back one device's shard
+of a stack): `stack_shard`, `stack_to_shards`, `shards_to_tables`,
+`tables_from_stack_shard`.
+
+Arrays are numpy in and numpy out (anything `np.asarray` accepts goes in);
+they may have any trailing shape (`[V, dim]` tables, `[V]` or `[V, dim]`
+optimizer slots). Stack-level helpers pad the last axis of 2-D arrays to the
+stack's padded dim (zeros) and strip it on the way back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from embedmesh.stacking import StackingPlan, TableKey
+
+__all__ = ["shards_to_table", "shards_to_tables", "stack_shard", "stack_to_shards",
+           "table_rows_on_shard", "table_shard", "table_to_shards", "tables_from_stack_shard"]
+
+
+def _check_shard(plan: StackingPlan, shard: int) -> int:
+    if not 0 <= int(shard) < plan.num_shards:
+        raise ValueError(f"shard {shard} is outside [0, {plan.num_shards})")
+    return int(shard)
+
+
+def table_rows_on_shard(plan: StackingPlan, table: TableKey, shard: int) -> np.ndarray:
+    """Logical rows of `table` held by `shard`, in local-row order (no padding rows)."""
+    t = plan.table(table)
+    shard = _check_shard(plan, shard)
+    first = (shard - t.rotation) % plan.num_shards
+    return np.arange(first, t.vocabulary_size, plan.num_shards, dtype=np.int64)
+
+
+def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) -> np.ndarray:
+    """Rows of `table` on `shard`: `[rows_per_shard, ...]`, zero padding rows at the end."""
+    t = plan.table(table)
+    arr = np.asarray(table_array)
+    if arr.ndim < 1 or arr.shape[0] != t.vocabulary_size:
+        raise ValueError(f"table {t.name}: expected {t.vocabulary_size} rows, got shape "
+                         f"{arr.shape}")
+    shard = _check_shard(plan, shard)
+    first = (shard - t.rotation) % plan.num_shards
+    rows = arr[first::plan.num_shards]
+    out = np.zeros((t.rows_per_shard,) + arr.shape[1:], arr.dtype)
+    out[:rows.shape[0]] = rows
+    return out
+
+
+def table_to_shards(table_array, plan: StackingPlan, table: TableKey) -> list:
+    """The N shards of one logical table: `[table_shard(..., j) for j in range(N)]`."""
+    return [table_shard(table_array, plan, table, j) for j in range(plan.num_shards)]
+
+
+def shards_to_table(shards: Sequence[Any], plan: StackingPlan, table: TableKey) -> np.ndarray:
+    """Inverse of `table_to_shards`: the logical `[vocabulary_size, ...]` table."""
+    t = plan.table(table)
+    n = plan.num_shards
+    if len(shards) != n:
+        raise ValueError(f"table {t.name}: expected {n} shards, got {len(shards)}")
+    shards = [np.asarray(s) for s in shards]
+    for j, s in enumerate(shards):
+        if s.ndim < 1 or s.shape[0] < t.rows_per_shard or s.shape[1:] != shards[0].shape[1:]:
+            raise ValueError(f"table {t.name}: shard {j} has shape {s.shape}, expected "
+                             f"[{t.rows_per_shard}, ...] like shard 0 {shards[0].shape}")
+    out = np.empty((t.vocabulary_size,) + shards[0].shape[1:], shards[0].dtype)
+    for j, s in enumerate(shards):
+        first = (j - t.rotation) % n
+        count = len(range(first, t.vocabulary_size, n))
+        out[first::n] = s[:count]
+    return out
+
+
+def _table_array(tables: Mapping, plan: StackingPlan, name: str):
+    if name in tables:
+        return tables[name]
+    config = plan.table_config(name)
+    for key, value in tables.items():
+        if key is config:
+            return value
+    raise KeyError(f"no array given for table {name}")
+
+
+def stack_shard(tables: Mapping, plan: StackingPlan, stack: str, shard: int, *,
+                dtype: Optional[Any] = None) -> np.ndarray:
+    """One shard of a stack, `[rows_per_shard, ...]`, built from its logical tables.
+
+    `tables` maps table names or `TableConfig`s to `[vocabulary_size, ...]`
+    arrays (all tables of the stack). 2-D arrays are padded to the stack's
+    dim; padding rows and columns are zero.
+    """
+    s = plan.stack(stack)
+    shard = _check_shard(plan, shard)
+    arrays = [np.asarray(_table_array(tables, plan, name)) for name in s.tables]
+    rest = arrays[0].shape[1:]
+    if len(rest) == 1:
+        rest = (s.dim,)
+    dtype = np.dtype(dtype) if dtype is not None else np.result_type(*arrays)
+    out = np.zeros((s.rows_per_shard,) + rest, dtype)
+    for name, arr in zip(s.tables, arrays):
+        t = plan.table(name)
+        fits = arr.ndim == len(rest) + 1 and arr.shape[0] == t.vocabulary_size and (
+            arr.shape[1] <= s.dim if arr.ndim == 2 else arr.shape[1:] == rest)
+        if not fits:
+            raise ValueError(f"table {name}: array of shape {arr.shape} does not fit "
+                             f"[{t.vocabulary_size}{', ' + str(t.dim) if arr.ndim == 2 else ''}]"
+                             f" in stack {s.name}")
+        first = (shard - t.rotation) % plan.num_shards
+        rows = arr[first::plan.num_shards]
+        lo = t.local_row_offset
+        if arr.ndim == 2:
+            out[lo:lo + rows.shape[0], :arr.shape[1]] = rows
+        else:
+            out[lo:lo + rows.shape[0]] = rows
+    return out
+
+
+def stack_to_shards(tables: Mapping, plan: StackingPlan, stack: str, *,
+                    dtype: Optional[Any] = None) -> list:
+    """All N shards of a stack (see `stack_shard`)."""
+    return [stack_shard(tables, plan, stack, j, dtype=dtype) for j in range(plan.num_shards)]
+
+
+def tables_from_stack_shard(shard_array, plan: StackingPlan, stack: str, shard: int) -> dict:
+    """`{table name: (rows, values)}` held by one shard of a stack.
+
+    `rows` are logical table rows (`table_rows_on_shard`), `values` the
+    matching slice of `shard_array` with padded columns stripped. Lets a
+    checkpoint be written one device shard at a time.
+    """
+    s = plan.stack(stack)
+    shard = _check_shard(plan, shard)
+    arr = np.asarray(shard_array)
+    if arr.ndim < 1 or arr.shape[0] != s.rows_per_shard:
+        raise ValueError(f"stack {s.name}: shard array of shape {arr.shape}, expected "
+                         f"[{s.rows_per_shard}, ...]")
+    out = {}
+    for name in s.tables:
+        t = plan.table(name)
+        rows = table_rows_on_shard(plan, name, shard)
+        values = arr[t.local_row_offset:t.local_row_offset + rows.shape[0]]
+        if arr.ndim == 2:
+            values = values[:, :t.dim]
+        out[name] = (rows, values)
+    return out
+
+
+def shards_to_tables(shards: Sequence[Any], plan: StackingPlan, stack: str) -> dict:
+    """Inverse of `stack_to_shards`: `{table name: [vocabulary_size, ...]}`."""
+    s = plan.stack(stack)
+    n = plan.num_shards
+    if len(shards) != n:
+        raise ValueError(f"stack {s.name}: expected {n} shards, got {len(shards)}")
+    out = {}
+    for j, sh in enumerate(shards):
+        for name, (rows, values) in tables_from_stack_shard(sh, plan, stack, j).items():
+            if name not in out:
+                out[name] = np.empty((plan.table(name).vocabulary_size,) + values.shape[1:],
+                                     values.dtype)
+            if rows.size:
+                out[name][rows[0]::n] = values  # rows = arange(first, V, N)
+    return out

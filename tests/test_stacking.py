@@ -1,0 +1,224 @@
+"""Stacking plan and mod-sharding helpers."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedmesh.config import FeatureConfig, TableConfig
+from embedmesh.optimizers import SGD, Adagrad
+from embedmesh.sharding import (shards_to_table, shards_to_tables, stack_shard, stack_to_shards,
+                                table_rows_on_shard, table_shard, table_to_shards,
+                                tables_from_stack_shard)
+from embedmesh.stacking import StackingPlan, plan_stacking
+
+
+def _config(vocabs, dims=None, optimizers=None):
+    dims = dims or [4] * len(vocabs)
+    optimizers = optimizers or [None] * len(vocabs)
+    tables = [TableConfig(v, d, optimizer=o, name=f"t{i}")
+              for i, (v, d, o) in enumerate(zip(vocabs, dims, optimizers))]
+    return {f"f{i}": FeatureConfig(t) for i, t in enumerate(tables)}
+
+
+@st.composite
+def plans(draw):
+    n_tables = draw(st.integers(1, 5))
+    vocabs = draw(st.lists(st.integers(1, 40), min_size=n_tables, max_size=n_tables))
+    dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=n_tables,
+                         max_size=n_tables))
+    n = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    stack = draw(st.booleans())
+    limit = draw(st.one_of(st.none(), st.integers(1, 80)))
+    return plan_stacking(_config(vocabs, dims), n, stack_tables=stack, max_stack_rows=limit)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_mapping_is_a_bijection_onto_non_padding_rows(plan):
+    n = plan.num_shards
+    for s in plan.stacks:
+        assert s.num_rows % n == 0
+        seen = np.zeros(s.num_rows, bool)
+        for name in s.tables:
+            t = plan.table(name)
+            assert t.padded_vocabulary_size % n == 0
+            assert t.padded_vocabulary_size - t.vocabulary_size < n
+            assert t.row_offset % n == 0 and 0 <= t.rotation < n
+            ids = np.arange(t.vocabulary_size)
+            shard, local = plan.locate(name, ids)
+            assert ((shard >= 0) & (shard < n)).all()
+            assert ((local >= t.local_row_offset)
+                    & (local < t.local_row_offset + t.rows_per_shard)).all()
+            rows = plan.stacked_rows(name, ids)
+            np.testing.assert_array_equal(rows % n, shard)
+            np.testing.assert_array_equal(rows // n, local)
+            assert not seen[rows].any()
+            seen[rows] = True
+            index, back = plan.unlocate(s.name, shard, local)
+            np.testing.assert_array_equal(index, t.index)
+            np.testing.assert_array_equal(back, ids)
+        # Every other row of the stack is padding and maps back to -1.
+        pad = np.flatnonzero(~seen)
+        index, back = plan.from_stacked_rows(s.name, pad)
+        assert (index == -1).all() and (back == -1).all()
+        assert pad.size == s.num_rows - sum(plan.table(t).vocabulary_size for t in s.tables)
+
+
+@settings(max_examples=30, deadline=None)
+@given(plans())
+def test_stacks_share_padded_dim_and_respect_the_size_limit(plan):
+    assert isinstance(plan, StackingPlan) and hash(plan) == hash(plan)
+    for s in plan.stacks:
+        dims = {plan.table(t).padded_dim for t in s.tables}
+        assert dims == {s.dim} and s.dim % 8 == 0
+        assert sum(plan.table(t).padded_vocabulary_size for t in s.tables) == s.num_rows
+
+
+def test_same_inputs_give_equal_plans():
+    cfg = _config([10, 20, 30])
+    assert plan_stacking(cfg, 4) == plan_stacking(cfg, 4)
+    assert hash(plan_stacking(cfg, 4)) == hash(plan_stacking(cfg, 4))
+    assert plan_stacking(cfg, 4) != plan_stacking(cfg, 2)
+
+
+def test_rotation_spreads_small_tables_over_shards():
+    cfg = _config([1] * 8)
+    for stack in (True, False):
+        plan = plan_stacking(cfg, 8, stack_tables=stack)
+        shards = [int(plan.locate(f"t{i}", [0])[0][0]) for i in range(8)]
+        assert sorted(shards) == list(range(8)), shards
+    # Three-row tables pack: 8 tables * 3 rows over 8 shards -> 3 rows on every shard.
+    plan = plan_stacking(_config([3] * 8), 8)
+    counts = np.zeros(8, int)
+    for i in range(8):
+        np.add.at(counts, plan.locate(f"t{i}", np.arange(3))[0], 1)
+    assert (counts == 3).all(), counts
+    # Row 0 of big tables does not always land on shard 0 either.
+    plan = plan_stacking(_config([64] * 4), 8)
+    assert len({int(plan.locate(f"t{i}", [0])[0][0]) for i in range(4)}) == 4
+
+
+def test_padding_of_vocabulary_and_dim():
+    plan = plan_stacking(_config([10, 16], dims=[3, 8]), 4)
+    a, b = plan.table("t0"), plan.table("t1")
+    assert (a.padded_vocabulary_size, b.padded_vocabulary_size) == (12, 16)
+    assert a.padded_dim == b.padded_dim == 8 and a.stack == b.stack
+    assert plan.stack(a.stack).num_rows == 28 and plan.stack(a.stack).rows_per_shard == 7
+    unpadded = plan_stacking(_config([10, 16], dims=[3, 8]), 4, dim_multiple=1)
+    assert len(unpadded.stacks) == 2
+    assert unpadded.table("t0").padded_dim == 3
+
+
+def test_stacking_off_and_grouping_keys():
+    cfg = _config([10, 20, 30, 40], dims=[8, 8, 16, 8],
+                  optimizers=[SGD(0.1), SGD(0.1), SGD(0.1), Adagrad(0.1)])
+    plan = plan_stacking(cfg, 2)
+    assert [s.tables for s in plan.stacks] == [("t0", "t1"), ("t2",), ("t3",)]
+    assert plan.stacks[0].name == "t0+t1" and plan.stacks[1].name == "t2"
+    assert plan.stacks[0].optimizer == SGD(0.1)
+    off = plan_stacking(cfg, 2, stack_tables=False)
+    assert [s.tables for s in off.stacks] == [("t0",), ("t1",), ("t2",), ("t3",)]
+    # A table without an optimizer takes the default one and stacks with its equals.
+    cfg2 = _config([10, 20], optimizers=[None, SGD(0.5)])
+    assert len(plan_stacking(cfg2, 2).stacks) == 2
+    assert len(plan_stacking(cfg2, 2, default_optimizer=SGD(0.5)).stacks) == 1
+    # dtypes must match too.
+    assert len(plan_stacking(cfg2, 2, default_optimizer=SGD(0.5),
+                             table_dtypes={"t1": np.float16}).stacks) == 2
+
+
+def test_stack_size_limit():
+    plan = plan_stacking(_config([10, 10, 10, 50, 10]), 2, max_stack_rows=25)
+    assert [s.tables for s in plan.stacks] == [("t0", "t1"), ("t2",), ("t3",), ("t4",)]
+    assert all(s.num_rows <= 25 for s in plan.stacks if len(s.tables) > 1)
+
+
+def test_features_sharing_a_table_and_feature_placements():
+    t = TableConfig(10, 4, name="shared", combiner="sum")
+    cfg = [FeatureConfig(t, name="a"), FeatureConfig(t, max_sequence_length=3, name="b")]
+    plan = plan_stacking(cfg, 2)
+    assert len(plan.stacks) == 1 and plan.stacks[0].features == ("a", "b")
+    assert plan.feature("a").rows_per_sample == 1 and plan.feature("a").combiner == "sum"
+    assert plan.feature("b").rows_per_sample == 3 and plan.feature("b").combiner is None
+    assert plan.table(t).name == "shared" and plan.table_config("shared") is t
+
+
+def test_bad_arguments():
+    cfg = _config([10])
+    with pytest.raises(ValueError, match="num_shards"):
+        plan_stacking(cfg, 0)
+    with pytest.raises(ValueError, match="max_stack_rows"):
+        plan_stacking(cfg, 2, max_stack_rows=0)
+    with pytest.raises(ValueError, match="table_dtypes"):
+        plan_stacking(cfg, 2, table_dtypes={"nope": np.float32})
+    plan = plan_stacking(cfg, 2)
+    with pytest.raises(ValueError, match="row 10"):
+        plan.locate("t0", [3, 10])
+    with pytest.raises(ValueError, match="row -1"):
+        plan.locate("t0", [-1])
+    with pytest.raises(KeyError, match="nope"):
+        plan.table("nope")
+
+
+@settings(max_examples=40, deadline=None)
+@given(plans(), st.integers(0, 2**31 - 1))
+def test_table_and_stack_shards_round_trip(plan, seed):
+    rng = np.random.default_rng(seed)
+    n = plan.num_shards
+    tables = {t.name: rng.standard_normal((t.vocabulary_size, t.dim)).astype(np.float32)
+              for t in plan.tables}
+    for t in plan.tables:
+        shards = table_to_shards(tables[t.name], plan, t.name)
+        assert len(shards) == n and all(s.shape == (t.rows_per_shard, t.dim) for s in shards)
+        np.testing.assert_array_equal(shards_to_table(shards, plan, t.name), tables[t.name])
+        # Each row sits where `locate` says, padding rows are zero.
+        shard, local = plan.locate(t.name, np.arange(t.vocabulary_size))
+        got = np.stack([shards[j][l - t.local_row_offset] for j, l in zip(shard, local)])
+        np.testing.assert_array_equal(got, tables[t.name])
+        total = sum(len(table_rows_on_shard(plan, t.name, j)) for j in range(n))
+        assert total == t.vocabulary_size
+        # A 1-D slot round-trips too.
+        slot = tables[t.name][:, 0].copy()
+        np.testing.assert_array_equal(
+            shards_to_table(table_to_shards(slot, plan, t.name), plan, t.name), slot)
+    for s in plan.stacks:
+        shards = stack_to_shards(tables, plan, s.name)
+        assert all(sh.shape == (s.rows_per_shard, s.dim) for sh in shards)
+        back = shards_to_tables(shards, plan, s.name)
+        assert set(back) == set(s.tables)
+        for name in s.tables:
+            np.testing.assert_array_equal(back[name], tables[name])
+        # Stacked row r of the stack holds what locate() says, zeros elsewhere.
+        mask = np.zeros((n, s.rows_per_shard), bool)
+        for name in s.tables:
+            shard, local = plan.locate(name, np.arange(plan.table(name).vocabulary_size))
+            mask[shard, local] = True
+            np.testing.assert_array_equal(np.stack(shards)[shard, local, :tables[name].shape[1]],
+                                          tables[name])
+        stacked = np.stack(shards)
+        assert not stacked[~mask].any()
+        dims_ok = [stacked[:, plan.table(nm).local_row_offset:
+                           plan.table(nm).local_row_offset + plan.table(nm).rows_per_shard,
+                           plan.table(nm).dim:].any() for nm in s.tables]
+        assert not any(dims_ok)  # padded columns stay zero
+
+
+def test_stack_shard_accepts_table_configs_and_checks_shapes():
+    cfg = _config([5, 7], dims=[4, 4])
+    plan = plan_stacking(cfg, 2)
+    t0, t1 = cfg["f0"].table, cfg["f1"].table
+    a = np.arange(20, dtype=np.float32).reshape(5, 4)
+    b = -np.arange(28, dtype=np.float32).reshape(7, 4)
+    sh = stack_shard({t0: a, t1: b}, plan, "t0+t1", 1)
+    per = tables_from_stack_shard(sh, plan, "t0+t1", 1)
+    np.testing.assert_array_equal(per["t0"][1], a[per["t0"][0]])
+    np.testing.assert_array_equal(per["t1"][1], b[per["t1"][0]])
+    np.testing.assert_array_equal(table_shard(a, plan, "t0", 1)[:len(per["t0"][0])],
+                                  per["t0"][1])
+    with pytest.raises(ValueError, match="t1"):
+        stack_shard({t0: a, t1: b[:6]}, plan, "t0+t1", 0)
+    with pytest.raises(KeyError, match="t1"):
+        stack_shard({t0: a}, plan, "t0+t1", 0)
+    with pytest.raises(ValueError, match="shard 2"):
+        table_shard(a, plan, "t0", 2)
