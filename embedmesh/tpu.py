@@ -2,7 +2,10 @@
 by changing its import: `from embedmesh import tpu as embedding`."""
 
 from embedmesh import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, FeatureConfig,
-                       QuantizationConfig, TableConfig, serving_embedding_lookup)
+                       PartitionedCsrFormatTensor, QuantizationConfig, TableConfig,
+                       serving_embedding_lookup)
+from embedmesh.engine import MeshEmbedding as TPUEmbeddingV2
 
 __all__ = ["FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FeatureConfig",
-           "QuantizationConfig", "TableConfig", "serving_embedding_lookup"]
+           "PartitionedCsrFormatTensor", "QuantizationConfig", "TPUEmbeddingV2", "TableConfig",
+           "serving_embedding_lookup"]

@@ -1,0 +1,337 @@
+"""The functional core: embedding state on a mesh, lookup, and the fused update.
+
+Everything here is pure (state in, new state out) and traceable, so it runs
+inside a user's own `jax.jit` train step:
+
+    core = EmbeddingCore(plan, mesh, optimizer)
+    state = core.init(jax.random.key(0))
+    ...
+    @jax.jit
+    def train_step(state, params, csr, labels):
+        acts = core.lookup(state, csr)
+        (loss, (g_params, g_acts)) = ...value_and_grad over (params, acts)...
+        state, ok = core.apply_gradients(state, g_acts, csr)
+        return state, params, loss
+
+`csr` is `{stack: PartitionedCsrFormatTensor}` placed on the mesh (see
+`EmbeddingCore.put`). Tables and slots are stacked and mod-sharded: each
+stack is one global array `[N * rows_per_shard, padded_dim]` whose block j
+(rows `[j*S, (j+1)*S)`) is shard j, on device j of the mesh (all mesh axes
+flattened, in mesh order). Activations come out as global arrays sharded on
+the batch axis over the same devices: the layout a data-parallel dense model
+expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from embedmesh import sharding as mod_sharding
+from embedmesh import sparse_ops
+from embedmesh.preprocess import PartitionedCsrFormatTensor
+from embedmesh.stacking import StackingPlan
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EmbeddingState:
+    """All trainable embedding state: a pytree of global arrays.
+
+    tables: {stack: [N*S, dim]}; slots: {stack: {slot name: [N*S, dim]}};
+    step: int32 scalar, the number of updates applied (schedules read it).
+    """
+
+    tables: dict
+    slots: dict
+    step: Any
+
+
+def _row_initializer(init):
+    """Row-aware initialisers (`init.rows(row_ids, dim, dtype)`) get the logical row ids."""
+    return getattr(init, "rows", None)
+
+
+class EmbeddingCore:
+    """Static description of one embedding layer on one mesh; builds pure functions.
+
+    Args:
+      plan: the `StackingPlan` (its num_shards must equal the mesh size).
+      mesh: a `jax.sharding.Mesh`; tables shard over all of its axes.
+      optimizer: the default optimizer of tables without one (None: lookups
+        only; `apply_gradients` then raises).
+    """
+
+    def __init__(self, plan: StackingPlan, mesh, optimizer=None):
+        if plan.num_shards != mesh.size:
+            raise ValueError(f"the plan has {plan.num_shards} shards but the mesh has "
+                             f"{mesh.size} devices")
+        self.plan = plan
+        self.mesh = mesh
+        self.axes = tuple(mesh.axis_names)
+        self.num_shards = mesh.size
+        self.default_optimizer = optimizer
+        self.row_sharding = NamedSharding(mesh, P(self.axes))
+        self.replicated = NamedSharding(mesh, P())
+        self._stack_optimizer = {s.name: (s.optimizer if s.optimizer is not None else optimizer)
+                                 for s in plan.stacks}
+
+    # -- state ----------------------------------------------------------------
+
+    def optimizer_of(self, stack: str):
+        return self._stack_optimizer[stack]
+
+    def stack_shape(self, stack: str) -> tuple:
+        s = self.plan.stack(stack)
+        return (s.num_rows, s.dim)
+
+    def _make_stack_array(self, stack: str, fill_shard) -> jax.Array:
+        """Global stack array whose shard j is `fill_shard(j)` ([S, dim] numpy)."""
+        spec = self.plan.stack(stack)
+        S = spec.rows_per_shard
+
+        def callback(index):
+            start = index[0].start or 0
+            return fill_shard(start // S)
+
+        return jax.make_array_from_callback(self.stack_shape(stack), self.row_sharding, callback,
+                                            dtype=spec.dtype)
+
+    def init(self, key) -> EmbeddingState:
+        """Fresh state, built shard by shard: no host or device ever holds a whole table.
+
+        Table t's rows on shard j come from its initializer called with
+        `fold_in(fold_in(key, t), j)`, so random values depend on the number
+        of shards (row-aware initialisers such as `row_id_initializer` do not).
+        """
+        plan = self.plan
+        tables, slots = {}, {}
+        for spec in plan.stacks:
+            placed = [plan.table(n) for n in spec.tables]
+
+            def fill(j, spec=spec, placed=placed):
+                out = np.zeros((spec.rows_per_shard, spec.dim), spec.dtype)
+                for t in placed:
+                    cfg = plan.table_config(t)
+                    rows = mod_sharding.table_rows_on_shard(plan, t, j)
+                    if rows.size == 0:
+                        continue
+                    row_init = _row_initializer(cfg.initializer)
+                    if row_init is not None:
+                        vals = row_init(rows, t.dim, spec.dtype)
+                    else:
+                        k = jax.random.fold_in(jax.random.fold_in(key, t.index), j)
+                        vals = cfg.initialize(k, (rows.size, t.dim), spec.dtype)
+                    out[t.local_row_offset:t.local_row_offset + rows.size, :t.dim] = \
+                        np.asarray(vals)
+                return out
+
+            tables[spec.name] = self._make_stack_array(spec.name, fill)
+            opt = self.optimizer_of(spec.name)
+            slots[spec.name] = {}
+            if opt is not None:
+                for slot, value in opt.slot_initial_values.items():
+                    slots[spec.name][slot] = self._make_stack_array(
+                        spec.name, lambda j, spec=spec, value=value: np.full(
+                            (spec.rows_per_shard, spec.dim), value, spec.dtype))
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
+        return EmbeddingState(tables, slots, step)
+
+    def state_from_tables(self, values: dict, slot_values: Optional[dict] = None,
+                          step: int = 0) -> EmbeddingState:
+        """State from logical arrays `{table name: [V, dim]}` (and `{table: {slot: [V, dim]}}`).
+
+        Shard j is assembled from each table's rows on j, one table at a time;
+        tables not given are zero, slots not given take their initial value.
+        """
+        plan = self.plan
+        slot_values = slot_values or {}
+        tables, slots = {}, {}
+        for spec in plan.stacks:
+            placed = [plan.table(n) for n in spec.tables]
+
+            def fill(j, spec=spec, placed=placed, source=None, default=0.0):
+                out = np.full((spec.rows_per_shard, spec.dim), default, spec.dtype)
+                for t in placed:
+                    arr = source(t.name)
+                    if arr is None:
+                        continue
+                    out[t.local_row_offset:t.local_row_offset + t.rows_per_shard, :t.dim] = \
+                        mod_sharding.table_shard(arr, plan, t, j)[:, :t.dim]
+                return out
+
+            tables[spec.name] = self._make_stack_array(
+                spec.name, functools.partial(fill, source=lambda n: values.get(n)))
+            slots[spec.name] = {}
+            opt = self.optimizer_of(spec.name)
+            if opt is not None:
+                for slot, init in opt.slot_initial_values.items():
+                    src = (lambda n, slot=slot: slot_values.get(n, {}).get(slot))
+                    slots[spec.name][slot] = self._make_stack_array(
+                        spec.name, functools.partial(fill, source=src, default=init))
+        return EmbeddingState(tables, slots,
+                              jax.device_put(jnp.asarray(step, jnp.int32), self.replicated))
+
+    def read_table(self, stack_array: jax.Array, table) -> np.ndarray:
+        """The logical `[V, dim]` numpy array of one table from a stack array."""
+        plan = self.plan
+        t = plan.table(table)
+        arr = stack_array
+        if not arr.is_fully_addressable:
+            arr = jax.jit(lambda a: a, out_shardings=self.replicated)(arr)
+        spec = plan.stack(t.stack)
+        S = spec.rows_per_shard
+        shards = [None] * self.num_shards
+        seen = set()
+        for shard in arr.addressable_shards:
+            start = shard.index[0].start or 0
+            j = start // S if shard.data.shape[0] == S else None
+            if j is None:  # replicated: the whole stack on one device
+                full = np.asarray(shard.data)
+                for jj in range(self.num_shards):
+                    shards[jj] = full[jj * S + t.local_row_offset:
+                                      jj * S + t.local_row_offset + t.rows_per_shard, :t.dim]
+                break
+            if j in seen:
+                continue
+            seen.add(j)
+            shards[j] = np.asarray(shard.data)[t.local_row_offset:
+                                               t.local_row_offset + t.rows_per_shard, :t.dim]
+        return mod_sharding.shards_to_table(shards, plan, t)
+
+    # -- inputs ---------------------------------------------------------------
+
+    def put(self, csr: dict) -> dict:
+        """Place this process's preprocessed arrays on its devices as global arrays."""
+        out = {}
+        for name, c in csr.items():
+            leaves, treedef = jax.tree_util.tree_flatten(c)
+            placed = []
+            for leaf in leaves:
+                leaf = np.asarray(leaf)
+                global_shape = (leaf.shape[0] * jax.process_count(),) + leaf.shape[1:]
+                if jax.process_count() == 1:
+                    placed.append(jax.device_put(leaf, self.row_sharding))
+                else:
+                    placed.append(jax.make_array_from_process_local_data(
+                        self.row_sharding, leaf, global_shape))
+            out[name] = jax.tree_util.tree_unflatten(treedef, placed)
+        return out
+
+    # -- the device programs --------------------------------------------------
+
+    def _specs(self, tree):
+        return jax.tree_util.tree_map(lambda _: P(self.axes), tree)
+
+    def lookup(self, state: EmbeddingState, csr: dict) -> dict:
+        """Activations `{feature name: global array}` for preprocessed `csr`.
+
+        Shapes: `[B, dim]`, or `[B, L, dim]` for sequence features; sharded on
+        the batch axis. (The facade restores the feature structure and
+        `output_shape`.)
+        """
+        N, axes = self.num_shards, self.axes
+        stacks = [s.name for s in self.plan.stacks if s.name in csr]
+        tables = {s: state.tables[s] for s in stacks}
+        csr = {s: csr[s] for s in stacks}
+
+        def body(tables, csr):
+            acts = {}
+            for s in stacks:
+                c = csr[s]
+                act, _ = sparse_ops.lookup(tables[s], c.unique_ids[0], c.pair_rows[0],
+                                           c.pair_unique[0], c.pair_gains[0],
+                                           num_rows=c.rows_per_device, axis_name=axes,
+                                           num_shards=N)
+                for slot in c.features:
+                    a = act[slot.row_offset:slot.row_offset + slot.num_rows, :slot.dim]
+                    shape = ((slot.num_rows, slot.dim) if slot.rows_per_sample == 1 and
+                             not self._is_sequence(slot.name) else
+                             (slot.num_rows // slot.rows_per_sample, slot.rows_per_sample,
+                              slot.dim))
+                    acts[slot.name] = a.reshape(shape).astype(tables[s].dtype)
+            return acts
+
+        out_names = [slot.name for s in stacks for slot in csr[s].features]
+        fn = jax.shard_map(body, mesh=self.mesh,
+                           in_specs=(self._specs(tables), self._specs(csr)),
+                           out_specs={n: P(axes) for n in out_names}, check_vma=False)
+        return fn(tables, csr)
+
+    def _is_sequence(self, feature_name: str) -> bool:
+        return self.plan.feature(feature_name).combiner is None
+
+    def apply_gradients(self, state: EmbeddingState, gradients: dict, csr: dict,
+                        *, check_finite: bool = True):
+        """New state after one fused sparse update; and whether it was applied.
+
+        `gradients` is `{feature name: array shaped like its activation, or
+        None}` (None counts as zero). Each touched row is updated exactly once
+        with the sum of its gradients over the global batch. With
+        `check_finite`, a non-finite gradient anywhere leaves the state
+        unchanged and the returned flag False.
+        """
+        N, axes = self.num_shards, self.axes
+        stacks = [s.name for s in self.plan.stacks if s.name in csr]
+        for s in stacks:
+            if self.optimizer_of(s) is None:
+                raise ValueError(f"stack {s} has no optimizer: give MeshEmbedding an optimizer "
+                                 f"or set TableConfig.optimizer")
+        grads = {}
+        for s in stacks:
+            for slot in csr[s].features:
+                g = gradients.get(slot.name)
+                if g is not None:
+                    grads[slot.name] = g
+
+        def update(state):
+            tables = {s: state.tables[s] for s in stacks}
+            slots = {s: state.slots[s] for s in stacks}
+
+            def body(tables, slots, step, grads, csr):
+                new_tables, new_slots = {}, {}
+                for s in stacks:
+                    c = csr[s]
+                    spec = self.plan.stack(s)
+                    parts = []
+                    for slot in c.features:
+                        g = grads.get(slot.name)
+                        if g is None:
+                            g = jnp.zeros((slot.num_rows, spec.dim), jnp.float32)
+                        else:
+                            g = g.reshape(slot.num_rows, slot.dim).astype(jnp.float32)
+                            if slot.dim < spec.dim:
+                                g = jnp.pad(g, ((0, 0), (0, spec.dim - slot.dim)))
+                        parts.append(g)
+                    buf = jnp.concatenate(parts, axis=0) if parts else jnp.zeros(
+                        (0, spec.dim), jnp.float32)
+                    recv = sparse_ops.backward(buf, c.pair_rows[0], c.pair_unique[0],
+                                               c.pair_gains[0],
+                                               unique_capacity=c.unique_ids.shape[2],
+                                               axis_name=axes, num_shards=N)
+                    served = sparse_ops.exchange(c.unique_ids[0], axes, N)
+                    new_tables[s], new_slots[s] = sparse_ops.owner_update(
+                        tables[s], slots[s], served, recv, self.optimizer_of(s), step)
+                return new_tables, new_slots
+
+            fn = jax.shard_map(
+                body, mesh=self.mesh,
+                in_specs=(self._specs(tables), self._specs(slots), P(), self._specs(grads),
+                          self._specs(csr)),
+                out_specs=(self._specs(tables), self._specs(slots)), check_vma=False)
+            new_tables, new_slots = fn(tables, slots, state.step, grads, csr)
+            all_tables = dict(state.tables, **new_tables)
+            all_slots = dict(state.slots, **new_slots)
+            return EmbeddingState(all_tables, all_slots, state.step + 1)
+
+        if not check_finite or not grads:
+            return update(state), jnp.asarray(True)
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
+        new_state = jax.lax.cond(ok, update, lambda st: st, state)
+        return new_state, ok

@@ -1,0 +1,373 @@
+"""`MeshEmbedding`: the stateful facade with TPUEmbeddingV2's constructor and methods.
+
+A thin layer over the functional core (`embedmesh.core`): it owns the state,
+preprocesses inputs on the host (`enqueue`), runs the jitted lookup
+(`dequeue`, `embedding_lookup`, `__call__`) and the fused update
+(`apply_gradients`, tables and slots donated), and reads tables back in
+logical order (`embedding_tables`, `variables`, `embedding_table_shards`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Iterable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from embedmesh.config import resolve_feature_config
+from embedmesh.core import EmbeddingCore, EmbeddingState
+from embedmesh.inputs import flatten_inputs_like
+from embedmesh.optimizers import Optimizer
+from embedmesh import preprocess as _pre
+from embedmesh.stacking import plan_stacking
+
+
+def default_mesh() -> Mesh:
+    """The mesh set by `jax.set_mesh` if any, else all devices on one axis."""
+    current = jax.sharding.get_mesh()
+    if current is not None and not current.empty:
+        return current
+    return Mesh(np.array(jax.devices()), ("devices",))
+
+
+class MeshEmbedding:
+    """TPUEmbeddingV2's mid-level API on a JAX mesh (`embedmesh.tpu.TPUEmbeddingV2`).
+
+    Args:
+      feature_config: a nested structure of `FeatureConfig`.
+      optimizer: default optimizer for tables without one; None builds no
+        slots (serving/export only).
+      pipeline_execution_with_tensor_core: if True, `apply_gradients` is
+        deferred and fused with the next lookup in one program, so sparse and
+        dense work can overlap; lookups then see tables one update stale.
+      mesh: the device mesh (default: see `default_mesh`).
+      stack_tables, max_stack_rows: see `plan_stacking`.
+      capacities: `{stack: Capacity}` or one `Capacity` (see
+        `compute_sparse_core_stats`); default: sized from the first batch.
+      overflow: "error", "drop" or "grow". Default: "error" when capacities
+        are given, "grow" when they are sized automatically (a larger batch
+        then costs one recompilation and loses nothing).
+      check_finite: a non-finite gradient raises and leaves tables untouched.
+      seed: the initialisation seed.
+    """
+
+    def __init__(self, feature_config: Any, optimizer: Optional[Optimizer] = None,
+                 pipeline_execution_with_tensor_core: bool = False, *, mesh: Optional[Mesh] = None,
+                 stack_tables: bool = True, max_stack_rows: Optional[int] = None,
+                 capacities: Any = None, overflow: Optional[str] = None,
+                 check_finite: bool = True, seed: int = 0):
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise ValueError(f"optimizer must be one of embedmesh's SGD, Adagrad, "
+                             f"AdagradMomentum, Adam, FTRL or None, got {optimizer!r}")
+        self._feature_config = feature_config
+        self._resolved = resolve_feature_config(feature_config)
+        self._optimizer = optimizer
+        self._pipelined = bool(pipeline_execution_with_tensor_core)
+        self._mesh = mesh
+        self._stack_tables = stack_tables
+        self._max_stack_rows = max_stack_rows
+        self._capacities = capacities
+        if overflow is None:
+            overflow = "grow" if capacities is None else "error"
+        if overflow not in _pre.OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {_pre.OVERFLOW_POLICIES}, got "
+                             f"{overflow!r}")
+        self._overflow = overflow
+        self._check_finite = check_finite
+        self._seed = seed
+        self._built = False
+        self._pending = None  # pipelined: (gradients, csr) waiting for the next lookup
+        self.last_stats = None  # PreprocessStats of the latest enqueue
+
+    # -- build ------------------------------------------------------------------
+
+    def build(self):
+        """Create tables and slots on the mesh, shard by shard."""
+        if self._built:
+            return
+        mesh = self._mesh if self._mesh is not None else default_mesh()
+        self._mesh = mesh
+        self.plan = plan_stacking(self._resolved, mesh.size, stack_tables=self._stack_tables,
+                                  max_stack_rows=self._max_stack_rows,
+                                  default_optimizer=self._optimizer)
+        self.core = EmbeddingCore(self.plan, mesh, self._optimizer)
+        devices = list(mesh.devices.flat)
+        local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+        if local != list(range(local[0], local[0] + len(local))):
+            raise ValueError("this process's devices must be contiguous in mesh order")
+        self._num_local_devices = len(local)
+        self.state = self.core.init(jax.random.key(self._seed))
+        core = self.core
+        self._lookup_fn = jax.jit(core.lookup)
+        self._update_fn = jax.jit(
+            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=self._check_finite),
+            donate_argnums=0)
+
+        def fused(st, g, c_prev, c_next):
+            acts = core.lookup(st, c_next)
+            new_state, ok = core.apply_gradients(st, g, c_prev, check_finite=self._check_finite)
+            return acts, new_state, ok
+
+        self._fused_fn = jax.jit(fused, donate_argnums=0)
+        self._built = True
+
+    def _require_built(self, what: str):
+        if not self._built:
+            raise RuntimeError(f"{what} needs build() first")
+
+    def _maybe_build(self):
+        if not self._built:
+            self.build()
+
+    @property
+    def mesh(self) -> Mesh:
+        self._maybe_build()
+        return self._mesh
+
+    # -- host preprocessing -------------------------------------------------------
+
+    @staticmethod
+    def preprocess_features(features, weights, plan, **kwargs):
+        """Pure numpy preprocessing (see `embedmesh.preprocess.preprocess_features`)."""
+        return _pre.preprocess_features(features, weights, plan, **kwargs)
+
+    def _flat_features(self, features, weights):
+        flat = flatten_inputs_like(self._resolved, features, "features")
+        for name, x in zip(self._resolved.feature_names, flat):
+            if x is None:
+                raise ValueError(f"features: feature {name} is missing; every feature of the "
+                                 f"feature config needs an input")
+        return features
+
+    def enqueue(self, features: Any, weights: Optional[Any] = None,
+                device: Optional[str] = None) -> dict:
+        """Preprocess this process's batch on the host and place it on the mesh.
+
+        Returns `{stack: PartitionedCsrFormatTensor}` of global arrays for
+        `dequeue`. `device` is accepted for API compatibility: preprocessing
+        always runs on this process's host and feeds all its local devices.
+        """
+        self._maybe_build()
+        self._flat_features(features, weights)
+        csr, stats = _pre.preprocess_features(
+            features, weights, self.plan, num_devices_local=self._num_local_devices,
+            capacities=self._capacities, overflow=self._overflow,
+            process_index=jax.process_index())
+        caps = dict(self._capacities) if isinstance(self._capacities, dict) else {}
+        if self._capacities is None or stats.grown or isinstance(self._capacities, dict):
+            caps.update(stats.capacities)
+            self._capacities = caps
+        self.last_stats = stats
+        return self.core.put(csr)
+
+    def prefetch(self, batches: Iterable, buffer_size: int = 2) -> Iterator[dict]:
+        """Enqueue batches in a background thread, `buffer_size` ahead of the consumer.
+
+        `batches` yields `features` or `(features, weights)`. An error in the
+        thread is re-raised by the iterator in the training loop.
+        """
+        q: queue.Queue = queue.Queue(maxsize=max(1, buffer_size))
+        done = object()
+        stop = threading.Event()
+
+        def work():
+            try:
+                for item in batches:
+                    if stop.is_set():
+                        return
+                    feats, w = item if isinstance(item, tuple) and len(item) == 2 else (item,
+                                                                                        None)
+                    q.put(("ok", self.enqueue(feats, w)))
+                q.put(("ok", done))
+            except BaseException as e:  # surfaced in the consumer
+                q.put(("error", e))
+
+        self._maybe_build()
+        thread = threading.Thread(target=work, daemon=True, name="embedmesh-prefetch")
+        thread.start()
+        try:
+            while True:
+                kind, value = q.get()
+                if kind == "error":
+                    raise value
+                if value is done:
+                    return
+                yield value
+        finally:
+            stop.set()
+
+    # -- lookup -------------------------------------------------------------------
+
+    def dequeue(self, partitioned_tensors: dict):
+        """Activations for enqueued inputs: `(activations, preserved_outputs)`."""
+        self._require_built("dequeue")
+        if self._pending is not None:
+            grads, prev = self._pending
+            self._pending = None
+            acts, self.state, ok = self._fused_fn(self.state, grads, prev, partitioned_tensors)
+            self._raise_if_not_finite(ok, grads)
+        else:
+            acts = self._lookup_fn(self.state, partitioned_tensors)
+        return self._pack_activations(acts), partitioned_tensors
+
+    def embedding_lookup(self, features: Any, weights: Optional[Any] = None):
+        """`(activations, preserved_outputs)` for a batch: enqueue then dequeue."""
+        return self.dequeue(self.enqueue(features, weights))
+
+    __call__ = embedding_lookup
+
+    def _activation_shape(self, name: str, slot, feature) -> tuple:
+        samples = slot.num_rows // slot.rows_per_sample * self._mesh.size
+        if feature.max_sequence_length > 0:
+            shape = (samples, slot.rows_per_sample, slot.dim)
+        else:
+            shape = (samples, slot.dim)
+        if feature.output_shape:
+            if int(np.prod(feature.output_shape)) * slot.dim != int(np.prod(shape)):
+                raise ValueError(f"feature {name}: output_shape {feature.output_shape} does "
+                                 f"not hold the activation of shape {shape}")
+            shape = tuple(feature.output_shape) + (slot.dim,)
+        return shape
+
+    def _slots(self, csr: dict) -> dict:
+        return {slot.name: slot for c in csr.values() for slot in c.features}
+
+    def _pack_activations(self, acts: dict):
+        flat = []
+        for name, feature in zip(self._resolved.feature_names, self._resolved.features):
+            a = acts[name]
+            if feature.output_shape:
+                a = a.reshape(tuple(feature.output_shape) + (a.shape[-1],))
+            flat.append(a)
+        return jax.tree_util.tree_unflatten(self._resolved.treedef, flat)
+
+    # -- update -------------------------------------------------------------------
+
+    def _flat_gradients(self, gradients, csr) -> dict:
+        slots = self._slots(csr)
+        flat = flatten_inputs_like(self._resolved, gradients, "gradients") \
+            if gradients is not None else [None] * len(self._resolved.features)
+        out = {}
+        for name, feature, g in zip(self._resolved.feature_names, self._resolved.features, flat):
+            if g is None:
+                continue
+            if name not in slots:
+                raise ValueError(f"gradient for feature {name}, which the preserved outputs "
+                                 f"do not cover")
+            shape = self._activation_shape(name, slots[name], feature)
+            if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+                raise TypeError(f"gradient for feature {name} must be an array, got "
+                                f"{type(g).__name__}")
+            if not jnp.issubdtype(g.dtype, jnp.floating):
+                raise TypeError(f"gradient for feature {name} must be floating point, got "
+                                f"dtype {g.dtype}")
+            if tuple(g.shape) != shape:
+                raise ValueError(f"gradient for feature {name} has shape {tuple(g.shape)}, "
+                                 f"expected the activation's shape {shape}")
+            if not isinstance(g, jax.Array):
+                g = jax.device_put(np.asarray(g), self.core.row_sharding)
+            slot = slots[name]
+            samples = shape[0] if not feature.output_shape else \
+                slot.num_rows // slot.rows_per_sample * self._mesh.size
+            if feature.output_shape:
+                g = g.reshape((samples,) + ((slot.rows_per_sample,) if
+                                            feature.max_sequence_length > 0 else ()) +
+                              (slot.dim,))
+            out[name] = g
+        return out
+
+    def apply_gradients(self, gradients: Any, preserved_outputs: dict):
+        """Apply one fused sparse update (see `EmbeddingCore.apply_gradients`).
+
+        `gradients` has the feature config's structure (None entries, or a
+        missing dict key, count as a zero gradient). Raises RuntimeError
+        before `build()`, ValueError/TypeError naming the feature for a
+        gradient of the wrong structure, shape or dtype, and
+        FloatingPointError for a non-finite gradient (tables untouched).
+        """
+        self._require_built("apply_gradients")
+        grads = self._flat_gradients(gradients, preserved_outputs)
+        if self._pipelined:
+            if self._pending is not None:
+                self.flush()
+            self._pending = (grads, preserved_outputs)
+            return
+        self.state, ok = self._update_fn(self.state, grads, preserved_outputs)
+        self._raise_if_not_finite(ok, grads)
+
+    def flush(self):
+        """Apply a pipelined update still waiting for the next lookup."""
+        if self._pending is None:
+            return
+        grads, csr = self._pending
+        self._pending = None
+        self.state, ok = self._update_fn(self.state, grads, csr)
+        self._raise_if_not_finite(ok, grads)
+
+    def _raise_if_not_finite(self, ok, grads):
+        if self._check_finite and not bool(ok):
+            bad = [n for n, g in grads.items() if not bool(jnp.all(jnp.isfinite(g)))]
+            raise FloatingPointError(f"non-finite gradient for feature(s) {bad}; the update was "
+                                     f"not applied and the tables are unchanged")
+
+    # -- reading state ------------------------------------------------------------
+
+    def _table_array(self, table_cfg, field="parameters"):
+        self.flush()
+        t = self.plan.table(table_cfg)
+        arr = (self.state.tables[t.stack] if field == "parameters"
+               else self.state.slots[t.stack][field])
+        return self.core.read_table(arr, t)
+
+    @property
+    def embedding_tables(self) -> dict:
+        """`{TableConfig: [vocabulary_size, dim] numpy array}` in logical row order."""
+        self._maybe_build()
+        return {t: self._table_array(t) for t in self._resolved.tables}
+
+    @property
+    def variables(self) -> dict:
+        """`{TableConfig: {"parameters": ..., slot name: ...}}`, logical row order."""
+        self._maybe_build()
+        out = {}
+        for t in self._resolved.tables:
+            spec = self.plan.stack_of(t)
+            entry = {"parameters": self._table_array(t)}
+            for slot in self.state.slots[spec.name]:
+                entry[slot] = self._table_array(t, slot)
+            out[t] = entry
+        return out
+
+    @property
+    def embedding_table_shards(self) -> dict:
+        """`{TableConfig: [(device, shard)]}`: each device's rows of the table.
+
+        Shard j holds the table's rows `i` with `(i % N + rotation) % N == j`,
+        in increasing order (padded to the same length with zero rows).
+        """
+        self._maybe_build()
+        self.flush()
+        out = {}
+        for t in self._resolved.tables:
+            p = self.plan.table(t)
+            arr = self.state.tables[p.stack]
+            shards = []
+            for shard in sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0):
+                shards.append((shard.device, shard.data[p.local_row_offset:
+                                                         p.local_row_offset + p.rows_per_shard,
+                                                         :p.dim]))
+            out[t] = shards
+        return out
+
+    def set_tables(self, tables: dict, slots: Optional[dict] = None, step: int = 0):
+        """Replace the state from logical arrays `{TableConfig: [V, dim]}` (and slots)."""
+        self._maybe_build()
+        self.flush()
+        names = {self._resolved.table_name(t): np.asarray(v) for t, v in tables.items()}
+        slot_names = {self._resolved.table_name(t): {k: np.asarray(v) for k, v in s.items()}
+                      for t, s in (slots or {}).items()}
+        self.state = self.core.state_from_tables(names, slot_names, step)

@@ -1,0 +1,147 @@
+"""Pipelining, capacity growth, prefetching and memory of the engine."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh
+
+import embedmesh as em
+from embedmesh import FeatureConfig, RaggedTensor, TableConfig
+from embedmesh.engine import MeshEmbedding
+from embedmesh.preprocess import Capacity
+
+
+def mesh_of(n):
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def _features():
+    t1 = TableConfig(40, 4, combiner="sum", name="t1")
+    t2 = TableConfig(25, 8, combiner="mean", name="t2")
+    return {"a": FeatureConfig(t1), "b": FeatureConfig(t2),
+            "s": FeatureConfig(t1, max_sequence_length=3)}
+
+
+def _batch(rng, batch=8, max_len=4):
+    lengths = rng.integers(0, max_len + 1, batch)
+    return {"a": rng.integers(0, 40, (batch, 2)),
+            "b": RaggedTensor.from_row_lengths(rng.integers(0, 25, lengths.sum()), lengths),
+            "s": RaggedTensor.from_row_lengths(rng.integers(0, 40, lengths.sum()), lengths)}
+
+
+@pytest.mark.parametrize("num_devices", [1, 4])
+def test_pipelined_lookups_see_tables_one_update_stale(num_devices):
+    feats = _features()
+    opt = em.Adagrad(0.3)
+    caps = Capacity(64, 64)
+    piped = MeshEmbedding(feats, opt, True, mesh=mesh_of(num_devices), capacities=caps)
+    lagged = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), capacities=caps)
+    piped.build()
+    lagged.build()
+    rng = np.random.default_rng(0)
+    previous = None
+    for step in range(5):
+        batch = _batch(rng)
+        acts, pre = piped(batch)
+        want, ref_pre = lagged(batch)  # lagged holds updates 0..step-2
+        for k in acts:
+            np.testing.assert_allclose(np.asarray(acts[k]), np.asarray(want[k]), rtol=1e-6,
+                                       atol=1e-6, err_msg=f"{k} at step {step}")
+        grads = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32))
+                 for k, v in acts.items()}
+        piped.apply_gradients(grads, pre)
+        if previous is not None:
+            lagged.apply_gradients(*previous)
+        previous = (grads, ref_pre)
+    lagged.apply_gradients(*previous)
+    got, want = piped.variables, lagged.variables  # reading flushes the pending update
+    for t in got:
+        for k in got[t]:
+            np.testing.assert_allclose(got[t][k], want[t][k], rtol=1e-6, atol=1e-6)
+    assert int(piped.state.step) == 5
+
+
+def test_pipelined_update_is_not_applied_before_next_lookup():
+    feats = _features()
+    piped = MeshEmbedding(feats, em.SGD(1.0), True, mesh=mesh_of(2))
+    piped.build()
+    rng = np.random.default_rng(1)
+    acts, pre = piped(_batch(rng))
+    piped.apply_gradients({k: jnp.ones_like(v) for k, v in acts.items()}, pre)
+    assert int(piped.state.step) == 0  # deferred
+    piped(_batch(rng))
+    assert int(piped.state.step) == 1  # applied in the fused program
+
+
+def test_grow_recompiles_once_and_loses_nothing():
+    feats = _features()
+    emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2))  # capacities sized automatically
+    emb.build()
+    rng = np.random.default_rng(2)
+    small = _batch(rng, max_len=1)
+    emb(small)
+    caps_before = dict(emb._capacities)
+    big = _batch(rng, max_len=12)
+    acts, _ = emb(big)
+    assert emb.last_stats.grown, "the larger batch must grow the capacity"
+    assert emb.last_stats.dropped_ids == {k: 0 for k in emb.last_stats.dropped_ids}
+    grown = emb._capacities
+    assert any(grown[k] != caps_before[k] for k in grown)
+    served = em.serving_embedding_lookup({"b": big["b"], "s": big["s"]}, None,
+                                         emb.embedding_tables, feats)
+    np.testing.assert_allclose(np.asarray(acts["b"]), np.asarray(served["b"]), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(acts["s"]), np.asarray(served["s"]), rtol=1e-5,
+                               atol=1e-6)
+    compiles = emb._lookup_fn._cache_size()
+    emb(_batch(rng, max_len=12))  # fits the grown capacity: no new compilation
+    assert emb._lookup_fn._cache_size() == compiles
+
+
+def test_explicit_capacity_overflow_is_an_error_naming_the_stack():
+    feats = _features()
+    emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2), capacities=Capacity(8, 8))
+    emb.build()
+    with pytest.raises(ValueError, match="capacity"):
+        emb(_batch(np.random.default_rng(3), batch=16, max_len=8))
+
+
+def test_prefetch_matches_enqueue_and_surfaces_errors():
+    feats = _features()
+    emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2), capacities=Capacity(64, 64))
+    emb.build()
+    rng = np.random.default_rng(4)
+    batches = [_batch(rng) for _ in range(4)]
+    for got, batch in zip(emb.prefetch(iter(batches), buffer_size=2), batches):
+        a, _ = emb.dequeue(got)
+        b, _ = emb(batch)
+        for k in a:
+            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+
+    def bad():
+        yield batches[0]
+        raise KeyError("broken input pipeline")
+
+    it = emb.prefetch(bad())
+    next(it)
+    with pytest.raises(KeyError, match="broken input pipeline"):
+        next(it)
+
+
+def test_update_step_allocates_nothing_of_table_size():
+    """The compiled update's scratch memory is far below one table (no dense gradient)."""
+    rows, dim = 200_000, 16
+    t = TableConfig(rows, dim, name="big", initializer=lambda k, s, d: jnp.ones(s, d))
+    feats = {"x": FeatureConfig(t)}
+    emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(2), capacities=Capacity(256, 256))
+    emb.build()
+    ids = np.random.default_rng(5).integers(0, rows, (64, 4))
+    acts, pre = emb({"x": ids})
+    grads = {"x": jnp.ones_like(acts["x"])}
+    table_bytes = rows * dim * 4
+    compiled = emb._update_fn.lower(emb.state, grads, pre).compile()
+    mem = compiled.memory_analysis()
+    assert mem.temp_size_in_bytes < table_bytes // 20, (mem.temp_size_in_bytes, table_bytes)
+    lookup = emb._lookup_fn.lower(emb.state, pre).compile().memory_analysis()
+    assert lookup.temp_size_in_bytes < table_bytes // 20
