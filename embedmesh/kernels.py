@@ -8,10 +8,11 @@ Two backends compute the same thing:
 - "numba" (the default when numba is importable): one sequential pass over
   the entries, software-prefetching the table rows a few entries ahead, each
   output row accumulated in float32 in entry order and then normalised; no
-  intermediate [nnz, dim] array. Measured on the serving benchmark (8 tables
-  x 1M x 64, Zipf ids) it is ~2.5x the numpy backend; a `prange` version was
-  no faster on 2 shared cores and, under OpenMP, up to 10x slower when the
-  other core is busy, so the kernel is single-threaded and releases the GIL.
+  intermediate [nnz, dim] array. On the serving benchmark (8 tables x 1M x
+  64, Zipf ids; benchmarks/RESULTS_serving.md) it is 3-4x the numpy backend
+  and ~7x the original reduceat version. A `prange` version was no faster on
+  2 shared cores and, under OpenMP, up to 10x slower whenever the other core
+  is busy, so the kernel is single-threaded and releases the GIL (nogil).
 - "numpy" (always available): gather, scale, then a segment sum done per
   group of equal-length rows as `[rows, L, dim].sum(axis=1)`.
 
@@ -83,7 +84,7 @@ def _mode_of(combiner: Optional[str]) -> int:
                          f"'sqrtn'") from None
 
 
-def _prepare(table, ids, rows, weights, num_rows):
+def _prepare(table, ids, rows, weights, num_rows, check_ids=True):
     """Validated (table, ids, rows, weights) with canonical dtypes."""
     table = np.asarray(table)
     ids = np.asarray(ids)
@@ -99,12 +100,16 @@ def _prepare(table, ids, rows, weights, num_rows):
     num_rows = int(num_rows)
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    if n:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= table.shape[0]:
-            raise ValueError(f"ids must lie in [0, {table.shape[0]}), got [{lo}, {hi}]")
+    if n and check_ids:
+        _check_ids(ids, table.shape[0])
     weights = np.ascontiguousarray(weights, dtype=np.float32)
     return table, ids, rows, weights, num_rows
+
+
+def _check_ids(ids, vocab):
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"ids must lie in [0, {vocab}), got [{lo}, {hi}]")
 
 
 def _rows_error(rows, num_rows) -> ValueError:
@@ -181,7 +186,9 @@ def weighted_segment_sum_numpy(table: np.ndarray, ids: np.ndarray, rows: np.ndar
 # ---------------------------------------------------------------------------
 # numba backend
 
-_PREFETCH_AHEAD = 16  # entries; measured best of 4/8/16/32 on 1M x 64 float32 tables
+_PREFETCH_AHEAD = 16  # entries ahead; measured: 8-24 alike, 32 worse (1M x 64 f32 tables)
+# Only a row's first cache line is prefetched: on 1M x 64 f32 tables that ran
+# ~1.2x faster than prefetching all four lines, and alike for 128-wide rows.
 
 if HAVE_NUMBA:
     _PREFETCH_FN = ("llvm.prefetch.p0" if _llvm_binding.llvm_version_info[0] >= 17
@@ -208,21 +215,24 @@ if HAVE_NUMBA:
         return sig, codegen
 
     @_numba.njit(cache=True, nogil=True)
-    def _prefetch_row(src, i, dim, step):  # pragma: no cover (compiled)
-        for j in range(0, dim, step):
-            _prefetch(src, i, j)
+    def _row_offsets(ids, vocab, rows, num_rows, offsets):  # pragma: no cover (compiled)
+        """One pass: fill offsets[0..num_rows] and check ids and rows.
 
-    @_numba.njit(cache=True, nogil=True)
-    def _row_offsets(rows, num_rows, offsets):  # pragma: no cover (compiled)
-        """Fill offsets[0..num_rows]; 0 if rows are sorted and in range, else 1."""
+        Returns 0 when every id is in [0, vocab) and rows are non-decreasing
+        in [0, num_rows); 1 for a bad id; 2 for bad rows.
+        """
         n = rows.shape[0]
+        for k in range(n):
+            i = ids[k]
+            if i < 0 or i >= vocab:
+                return 1
         cur = 0
         offsets[0] = 0
         prev = 0
         for k in range(n):
             row = rows[k]
             if row < prev or row >= num_rows:
-                return 1
+                return 2
             while cur < row:
                 cur += 1
                 offsets[cur] = k
@@ -236,26 +246,36 @@ if HAVE_NUMBA:
     def _segment_sum_kernel(src, idx, offsets, weights, mode, out):  # pragma: no cover
         """out[r] = sum_k weights[k] * src[idx[k]] over k in [offsets[r], offsets[r+1]).
 
-        Adds in entry order in float32 (fastmath off: no reassociation), then
-        divides by sum w (mode 1) or sqrt(sum w^2) (mode 2); 0 denominator: 0.
+        Adds in entry order in float32 (fastmath off: no reassociation, no
+        FMA), then divides by sum w (mode 1) or sqrt(sum w^2) (mode 2); a
+        zero denominator gives a zero row. idx and offsets are unsigned (no
+        negative-index code); rows of src are prefetched _PREFETCH_AHEAD
+        entries ahead. The accumulator is a fresh array, so LLVM knows it
+        aliases neither src nor out and keeps the inner loop tight.
         """
         num_rows = out.shape[0]
         dim = out.shape[1]
         n = idx.shape[0]
-        step = max(1, 64 // src.itemsize)  # one prefetch per cache line of a row
+        if n == 0:
+            out[:, :] = np.float32(0.0)
+            return
+        acc = np.empty(dim, np.float32)
+        last = _numba.uint64(n - 1)
+        ahead = _numba.uint64(_PREFETCH_AHEAD)
         for k in range(min(_PREFETCH_AHEAD, n)):
-            _prefetch_row(src, idx[k], dim, step)
+            for j in range(0, min(dim, 16), 16):
+                _prefetch(src, idx[k], j)
         for r in range(num_rows):
-            for j in range(dim):
-                out[r, j] = np.float32(0.0)
+            acc[:] = np.float32(0.0)
             den = np.float32(0.0)
             for k in range(offsets[r], offsets[r + 1]):
-                if k + _PREFETCH_AHEAD < n:
-                    _prefetch_row(src, idx[k + _PREFETCH_AHEAD], dim, step)
+                pf = idx[min(_numba.uint64(k) + ahead, last)]
+                for j in range(0, min(dim, 16), 16):
+                    _prefetch(src, pf, j)
                 w = weights[k]
-                i = idx[k]
+                row = src[idx[k]]
                 for j in range(dim):
-                    out[r, j] += w * src[i, j]
+                    acc[j] += w * row[j]
                 if mode == 1:
                     den += w
                 elif mode == 2:
@@ -264,29 +284,40 @@ if HAVE_NUMBA:
                 if mode == 2:
                     den = np.sqrt(den)
                 if den == np.float32(0.0):
-                    for j in range(dim):
-                        out[r, j] = np.float32(0.0)
+                    acc[:] = np.float32(0.0)
                 else:
                     for j in range(dim):
-                        out[r, j] = out[r, j] / den
+                        acc[j] = acc[j] / den
+            for j in range(dim):
+                out[r, j] = acc[j]
 
     @_numba.njit(cache=True, nogil=True)
     def _gather_kernel(src, idx, out):  # pragma: no cover (compiled)
         """out[k] = src[idx[k]], bit for bit (src and out are unsigned-int views)."""
         n = idx.shape[0]
         dim = src.shape[1]
-        step = max(1, 64 // src.itemsize)
+        if n == 0:
+            return
+        last = _numba.uint64(n - 1)
+        ahead = _numba.uint64(_PREFETCH_AHEAD)
         for k in range(min(_PREFETCH_AHEAD, n)):
-            _prefetch_row(src, idx[k], dim, step)
+            for j in range(0, min(dim, 16), 16):
+                _prefetch(src, idx[k], j)
         for k in range(n):
-            if k + _PREFETCH_AHEAD < n:
-                _prefetch_row(src, idx[k + _PREFETCH_AHEAD], dim, step)
-            i = idx[k]
+            pf = idx[min(_numba.uint64(k) + ahead, last)]
+            for j in range(0, min(dim, 16), 16):
+                _prefetch(src, pf, j)
+            row = src[idx[k]]
             for j in range(dim):
-                out[k, j] = src[i, j]
+                out[k, j] = row[j]
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _unsigned(ids: np.ndarray) -> np.ndarray:
+    """Validated (non-negative) ids as uint64, without a copy when they are int64."""
+    return ids.astype(np.int64, copy=False).view(np.uint64)
 
 
 def _gather_numba(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -295,7 +326,7 @@ def _gather_numba(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     uint = _UINT_OF_SIZE.get(table.dtype.itemsize)
     if uint is None or table.dtype.hasobject:
         return np.take(table, ids, axis=0, out=out)
-    _gather_kernel(table.view(uint), ids.astype(np.intp, copy=False), out.view(uint))
+    _gather_kernel(table.view(uint), _unsigned(ids), out.view(uint))
     return out
 
 
@@ -306,18 +337,22 @@ def weighted_segment_sum_numba(table: np.ndarray, ids: np.ndarray, rows: np.ndar
     if not HAVE_NUMBA:
         raise RuntimeError("the numba backend needs numba, which is not importable")
     mode = _mode_of(combiner)
-    table, ids, rows, weights, num_rows = _prepare(table, ids, rows, weights, num_rows)
+    table, ids, rows, weights, num_rows = _prepare(table, ids, rows, weights, num_rows,
+                                                   check_ids=False)
     n, dim = ids.shape[0], table.shape[1]
-    offsets = np.empty(num_rows + 1, np.intp)
-    if _row_offsets(rows, num_rows, offsets):
+    offsets = np.empty(num_rows + 1, np.uint64)
+    status = _row_offsets(ids, table.shape[0], rows, num_rows, offsets)
+    if status == 1:
+        _check_ids(ids, table.shape[0])
+    if status:
         raise _rows_error(rows, num_rows)
     if _is_plain_lookup(rows, weights, num_rows, mode):
         return _gather_numba(table, ids)
     if table.dtype == np.float32:
-        src, idx = table, ids.astype(np.intp, copy=False)
+        src, idx = table, _unsigned(ids)
     else:  # numba has no float16/bfloat16 arithmetic: gather, widen, then reduce
         src = _gather_numba(table, ids).astype(np.float32)
-        idx = np.arange(n, dtype=np.intp)
+        idx = np.arange(n, dtype=np.uint64)
     out = aligned_empty((num_rows, dim), np.float32)
     _segment_sum_kernel(src, idx, offsets, weights, mode, out)
     return _finish(out, table.dtype)

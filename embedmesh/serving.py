@@ -26,7 +26,7 @@ import numpy as np
 
 from embedmesh.config import FeatureConfig, resolve_feature_config
 from embedmesh.inputs import (check_id_range, flatten_inputs_like, input_kind, is_concrete,
-                              validate_input)
+                              ragged_positions, ragged_row_ids, validate_input)
 from embedmesh import kernels
 
 
@@ -115,9 +115,10 @@ def plan_feature(name: str, feature: FeatureConfig, inp, weight, concrete: bool)
     ids = xp.asarray(inp.values)
     nnz = int(ids.shape[0])
     if concrete:
-        from embedmesh.inputs import ragged_positions, ragged_row_ids
         rows = ragged_row_ids(inp.row_splits)
-        positions = ragged_positions(inp.row_splits)
+        # positions only matter for sequence outputs
+        needs_positions = bool(feature.output_shape) or feature.max_sequence_length > 0
+        positions = ragged_positions(inp.row_splits) if needs_positions else None
     else:
         rows, positions = _ragged_rows_positions(xp, inp.row_splits, nnz)
     w = (xp.ones(ids.shape, xp.float32) if weight is None
@@ -153,7 +154,7 @@ def _lookup_host(name: str, plan: LookupPlan, table) -> np.ndarray:
     table_np = np.asarray(table)
     ids = np.asarray(plan.ids)
     check_id_range(name, ids, table_np.shape[0])
-    out = kernels.weighted_segment_sum(table_np, ids, np.asarray(plan.rows, np.int64),
+    out = kernels.weighted_segment_sum(table_np, ids, np.asarray(plan.rows),
                                        np.asarray(plan.weights, np.float32), plan.num_rows,
                                        plan.combiner)
     return out.reshape(plan.out_shape + (table_np.shape[1],))
@@ -215,7 +216,8 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
         concrete = is_concrete((inp, w, table))
         plan = plan_feature(name, feature, inp, w, concrete)
         if concrete:
-            outputs.append(jnp.asarray(_lookup_host(name, plan, table)))
+            # the kernel's outputs are 64-byte aligned: wrapped without a copy
+            outputs.append(jax.device_put(_lookup_host(name, plan, table), may_alias=True))
         else:
             outputs.append(_lookup_traced(plan, table))
     return _pack_like_inputs(resolved, inputs, outputs)

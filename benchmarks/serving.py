@@ -1,0 +1,379 @@
+"""Serving lookup throughput (ids/s): embedmesh vs TensorFlow vs torch, one process.
+
+Workload (the issue's): 8 features, each on its own table of 1M x 64 float32;
+batch 4096; ~10 ids per sample (ragged, Poisson(10) lengths); ids drawn from a
+Zipf(1.05) law over the 1M ranks, ranks mapped to ids by a random permutation
+per table. Input forms: ragged (default), sparse (the same batch as a
+[batch, max_len] SparseTensor) and dense ([batch, 10]: a plain lookup, no
+combiner). Combiners: sum and mean.
+
+Contenders, run in the same process, interleaved round by round:
+- embedmesh[numba]: `embedmesh.serving_embedding_lookup` on numpy inputs and
+  numpy tables (the host path), kernel backend "numba" (when importable);
+- embedmesh[numpy]: the same with the pure-numpy kernel backend;
+- tf.function / tf.eager: `tf.tpu.experimental.embedding.serving_embedding_lookup`
+  on tf.RaggedTensor / tf.SparseTensor / tf.Tensor inputs and tf.Variable
+  tables (when TensorFlow is importable);
+- torch[Nt] / torch[1t]: `torch.nn.functional.embedding_bag` (offsets form;
+  one call per table) or `F.embedding` for dense inputs, under
+  `torch.inference_mode`, on tables sharing the numpy tables' memory (when
+  torch is importable), with torch's default intra-op threads (N = cores)
+  and with one thread (`torch.set_num_threads`, set before each timed block:
+  on this 2-core shared machine OpenMP's barrier makes 2 threads far slower).
+
+Inputs for every contender are built before timing. One timed sample is one
+call over all 8 features on one batch. In each round the contenders take
+turns call by call on the same batches (order rotated), `--reps` passes over
+the batches; a round gives each contender's median seconds per call, ratios
+are taken within a round, and the medians over rounds are reported. embedmesh's outputs are
+checked against TensorFlow's (and torch's) with allclose; the max abs diff is
+printed.
+
+Environment: see benchmarks/requirements-serving.txt. Run from the repo root:
+
+    PYTHONPATH=. /tmp/benchenv/bin/python benchmarks/serving.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import embedmesh as em  # noqa: E402
+from embedmesh import kernels  # noqa: E402
+
+try:
+    import tensorflow as tf  # noqa: E402
+except ImportError:
+    tf = None
+try:
+    import torch  # noqa: E402
+    import torch.nn.functional as F  # noqa: E402
+except ImportError:
+    torch = None
+
+
+# ---------------------------------------------------------------------------
+# Workload
+
+
+def zipf_sampler(vocab: int, a: float, rng: np.random.Generator):
+    """Draw ranks in [0, vocab) with P(rank k) proportional to (k + 1)^-a (bounded Zipf)."""
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -a)
+    cdf /= cdf[-1]
+
+    def draw(n: int) -> np.ndarray:
+        return np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), vocab - 1)
+
+    return draw
+
+
+def make_workload(args, rng):
+    draw = zipf_sampler(args.vocab, args.zipf, rng)
+    perms = [rng.permutation(args.vocab) for _ in range(args.tables)]
+    tables = []
+    for _ in range(args.tables):
+        t = np.empty((args.vocab, args.dim), np.float32)
+        for lo in range(0, args.vocab, 1 << 18):  # chunked: no float64 temporary of 256 MB
+            hi = min(lo + (1 << 18), args.vocab)
+            t[lo:hi] = rng.standard_normal((hi - lo, args.dim), dtype=np.float32)
+        tables.append(t)
+    batches = []
+    for _ in range(args.batches):
+        feats = []
+        for t in range(args.tables):
+            lengths = rng.poisson(args.ids_per_sample, args.batch)
+            splits = np.zeros(args.batch + 1, np.int64)
+            np.cumsum(lengths, out=splits[1:])
+            ids = perms[t][draw(int(splits[-1]))].astype(np.int64)
+            dense = perms[t][draw(args.batch * args.ids_per_sample)].astype(np.int64)
+            feats.append({"ids": ids, "splits": splits, "lengths": lengths,
+                          "dense": dense.reshape(args.batch, args.ids_per_sample)})
+        batches.append(feats)
+    max_len = max(int(f["lengths"].max()) for b in batches for f in b)
+    return tables, batches, max_len
+
+
+def ids_in(kind: str, feats) -> int:
+    if kind == "dense":
+        return sum(f["dense"].size for f in feats)
+    return sum(f["ids"].size for f in feats)
+
+
+# ---------------------------------------------------------------------------
+# Contenders: each is (name, prepare(kind, combiner) -> list of per-batch thunks)
+
+
+def embedmesh_contender(tables, batches, max_len, args, backend):
+    names = [f"f{i}" for i in range(args.tables)]
+
+    def prepare(kind, combiner):
+        tcs = [em.TableConfig(args.vocab, args.dim, combiner=combiner, name=f"t{i}")
+               for i in range(args.tables)]
+        fcs = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
+        tabs = {tc: t for tc, t in zip(tcs, tables)}
+        calls = []
+        for feats in batches:
+            if kind == "ragged":
+                inputs = {n: em.RaggedTensor(f["ids"], f["splits"]) for n, f in zip(names, feats)}
+            elif kind == "sparse":
+                inputs = {n: em.SparseTensor(sparse_indices(f), f["ids"], (args.batch, max_len))
+                          for n, f in zip(names, feats)}
+            else:
+                inputs = {n: f["dense"] for n, f in zip(names, feats)}
+
+            def call(inputs=inputs):
+                prev = kernels.set_backend(backend)
+                try:
+                    out = em.serving_embedding_lookup(inputs, None, tabs, fcs)
+                finally:
+                    kernels.set_backend(prev)
+                for v in out.values():
+                    v.block_until_ready()
+                return [out[n] for n in names]
+
+            calls.append(call)
+        return calls
+
+    return prepare
+
+
+def sparse_indices(f) -> np.ndarray:
+    splits, lengths = f["splits"], f["lengths"]
+    rows = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)
+    pos = np.arange(splits[-1], dtype=np.int64) - splits[:-1][rows]
+    return np.stack([rows, pos], axis=1)
+
+
+def tf_contender(tables, batches, max_len, args, use_function: bool):
+    emb = tf.tpu.experimental.embedding
+    variables = [tf.Variable(t, name=f"t{i}") for i, t in enumerate(tables)]
+    names = [f"f{i}" for i in range(args.tables)]
+
+    def prepare(kind, combiner):
+        tcs = [emb.TableConfig(vocabulary_size=args.vocab, dim=args.dim, combiner=combiner,
+                               name=f"t{i}") for i in range(args.tables)]
+        fcs = {n: emb.FeatureConfig(table=tc, name=n) for n, tc in zip(names, tcs)}
+        tabs = {tc: v for tc, v in zip(tcs, variables)}
+
+        def lookup(inputs):
+            return emb.serving_embedding_lookup(inputs, None, tabs, fcs)
+
+        fn = tf.function(lookup) if use_function else lookup
+        calls = []
+        for feats in batches:
+            if kind == "ragged":
+                inputs = {n: tf.RaggedTensor.from_row_splits(f["ids"], f["splits"])
+                          for n, f in zip(names, feats)}
+            elif kind == "sparse":
+                inputs = {n: tf.SparseTensor(sparse_indices(f), f["ids"], [args.batch, max_len])
+                          for n, f in zip(names, feats)}
+            else:
+                inputs = {n: tf.constant(f["dense"]) for n, f in zip(names, feats)}
+
+            def call(inputs=inputs):
+                out = fn(inputs)
+                return [out[n] for n in names]
+
+            calls.append(call)
+        return calls
+
+    return prepare
+
+
+class Calls(list):
+    """Per-batch thunks of one contender; `setup` runs (untimed) before each timed call."""
+
+    setup = None
+
+
+def torch_contender(tables, batches, max_len, args, threads: int):
+    weights = [torch.from_numpy(t) for t in tables]  # shares the numpy tables' memory
+
+    def prepare(kind, combiner):
+        calls = Calls()
+        calls.setup = lambda: torch.set_num_threads(threads)
+        for feats in batches:
+            if kind == "dense":
+                ins = [torch.from_numpy(f["dense"]) for f in feats]
+
+                def call(ins=ins):
+                    with torch.inference_mode():
+                        return [F.embedding(x, w) for x, w in zip(ins, weights)]
+            else:
+                ins = [(torch.from_numpy(f["ids"]), torch.from_numpy(f["splits"][:-1].copy()))
+                       for f in feats]
+
+                def call(ins=ins):
+                    with torch.inference_mode():
+                        return [F.embedding_bag(x, w, o, mode=combiner)
+                                for (x, o), w in zip(ins, weights)]
+            calls.append(call)
+        return calls
+
+    return prepare
+
+
+def as_numpy(x):
+    if hasattr(x, "detach"):
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+# ---------------------------------------------------------------------------
+# Driver
+
+
+def time_round(calls: dict, reps: int, rotation: int) -> dict:
+    """One round: {contender: median seconds per call}.
+
+    Contenders alternate call by call (batch by batch, the order rotated each
+    round), so a change in the machine's load hits them alike; ratios are
+    then taken within the round.
+    """
+    names = list(calls)
+    times = {name: [] for name in names}
+    for rep in range(reps):
+        for i in range(len(next(iter(calls.values())))):
+            k = (rotation + rep + i) % len(names)
+            for name in names[k:] + names[:k]:
+                cs = calls[name]
+                if getattr(cs, "setup", None):
+                    cs.setup()
+                t0 = time.perf_counter()
+                cs[i]()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--ids-per-sample", type=int, default=10)
+    p.add_argument("--zipf", type=float, default=1.05)
+    p.add_argument("--batches", type=int, default=3, help="distinct batches, cycled")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median over them)")
+    p.add_argument("--reps", type=int, default=3, help="passes over the batches per round")
+    p.add_argument("--kinds", default="ragged,sparse,dense")
+    p.add_argument("--combiners", default="sum,mean")
+    p.add_argument("--contenders", default="embedmesh[numba],embedmesh[numpy],tf.function,"
+                   "tf.eager,torch,torch[1t]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+    tables, batches, max_len = make_workload(args, rng)
+    print(f"workload built in {time.perf_counter() - t0:.1f}s: {args.tables} tables x "
+          f"{args.vocab} x {args.dim} f32, batch {args.batch}, Poisson({args.ids_per_sample}) "
+          f"ids/sample (max {max_len}), Zipf({args.zipf}); unique ids per table per batch ~"
+          f"{int(np.mean([np.unique(f['ids']).size for f in batches[0]]))} of "
+          f"{int(np.mean([f['ids'].size for f in batches[0]]))}")
+    print(f"python {platform.python_version()}, numpy {np.__version__}, "
+          f"embedmesh kernels: numba={'yes' if kernels.HAVE_NUMBA else 'no'}"
+          + (f" {kernels._numba.__version__}" if kernels.HAVE_NUMBA else "")
+          + (f", tensorflow {tf.__version__}" if tf else ", tensorflow: not importable")
+          + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch
+             else ", torch: not importable")
+          + f", cpus {os.cpu_count()}")
+
+    wanted = args.contenders.split(",")
+    contenders = {}
+    if "embedmesh[numba]" in wanted and kernels.HAVE_NUMBA:
+        contenders["embedmesh[numba]"] = embedmesh_contender(tables, batches, max_len, args,
+                                                             "numba")
+    if "embedmesh[numpy]" in wanted:
+        contenders["embedmesh[numpy]"] = embedmesh_contender(tables, batches, max_len, args,
+                                                             "numpy")
+    if tf is not None and "tf.function" in wanted:
+        contenders["tf.function"] = tf_contender(tables, batches, max_len, args, True)
+    if tf is not None and "tf.eager" in wanted:
+        contenders["tf.eager"] = tf_contender(tables, batches, max_len, args, False)
+    if torch is not None:
+        default_threads = torch.get_num_threads()
+        if "torch" in wanted:  # torch's default: one intra-op thread per core
+            contenders[f"torch[{default_threads}t]"] = torch_contender(
+                tables, batches, max_len, args, default_threads)
+        if "torch[1t]" in wanted and default_threads != 1:
+            contenders["torch[1t]"] = torch_contender(tables, batches, max_len, args, 1)
+
+    results = []
+    for kind in args.kinds.split(","):
+        for combiner in args.combiners.split(","):
+            if kind == "dense" and combiner != args.combiners.split(",")[0]:
+                continue  # a dense input is a plain lookup: the combiner does not apply
+            label = f"{kind}" + ("" if kind == "dense" else f"/{combiner}")
+            n_ids = statistics.mean(ids_in(kind, b) for b in batches)  # per call
+            calls = {name: prep(kind, combiner) for name, prep in contenders.items()}
+            # Warm up (tracing, jit, caches) and check outputs against TensorFlow.
+            outs = {}
+            for name, cs in calls.items():
+                if getattr(cs, "setup", None):
+                    cs.setup()
+                outs[name] = [as_numpy(o) for o in cs[0]()]
+            ref_name = ("tf.function" if "tf.function" in outs else
+                        "tf.eager" if "tf.eager" in outs else None)
+            diffs = {}
+            for name, out in outs.items():
+                if ref_name is None or name == ref_name:
+                    continue
+                ref = outs[ref_name]
+                diffs[name] = max(float(np.max(np.abs(a - b))) for a, b in zip(out, ref))
+                ok = all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(out, ref))
+                diffs[name + " allclose"] = ok
+            for cs in calls.values():
+                if getattr(cs, "setup", None):
+                    cs.setup()
+                for c in cs:
+                    c()
+            per_round = {name: [] for name in calls}
+            names = list(calls)
+            for r in range(args.rounds):
+                for name, t in time_round(calls, args.reps, r).items():
+                    per_round[name].append(t)
+            row = {"input": label, "ids_per_call": n_ids, "max_abs_diff_vs_tf": diffs,
+                   "ids_per_s": {}, "ratio": {}}
+            row["seconds_per_call_by_round"] = per_round
+            for name, ts in per_round.items():
+                row["ids_per_s"][name] = n_ids / statistics.median(ts)
+            for em_name in [n for n in names if n.startswith("embedmesh")]:
+                for peer in [n for n in names if not n.startswith("embedmesh")]:
+                    ratios = [b / a for a, b in zip(per_round[em_name], per_round[peer])]
+                    row["ratio"][f"{em_name} / {peer}"] = statistics.median(ratios)
+            results.append(row)
+            print(f"\n== {label}: {n_ids:.0f} ids per call, median of {args.rounds} rounds x "
+                  f"{args.reps * args.batches} calls")
+            for name in names:
+                print(f"  {name:18s} {row['ids_per_s'][name] / 1e6:8.2f} M ids/s  "
+                      f"({n_ids / row['ids_per_s'][name] * 1e3:7.2f} ms/call)")
+            for k, v in row["ratio"].items():
+                print(f"  {k:34s} {v:6.2f}x")
+            for k, v in diffs.items():
+                if not k.endswith("allclose"):
+                    print(f"  max |{k} - {ref_name}| = {v:.3g}  allclose(1e-5): "
+                          f"{diffs[k + ' allclose']}")
+            sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "results": results}, fh, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
