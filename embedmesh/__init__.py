@@ -4,6 +4,7 @@ from embedmesh.config import (FeatureConfig, QuantizationConfig, TableConfig,
                               resolve_feature_config)
 from embedmesh.core import EmbeddingCore, EmbeddingState
 from embedmesh.engine import MeshEmbedding, default_mesh
+from embedmesh.export import export_serving, load_serving
 from embedmesh.initializers import RowIdInitializer, row_id_initializer
 from embedmesh.inputs import RaggedTensor, SparseTensor
 from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
@@ -16,12 +17,22 @@ from embedmesh.stacking import StackingPlan, plan_stacking
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # `embedmesh.checkpoint` loads orbax only when used.
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module("embedmesh.checkpoint")
+    raise AttributeError(f"module 'embedmesh' has no attribute {name!r}")
+
+
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "Capacity", "EmbeddingCore",
     "EmbeddingState", "FeatureConfig", "MeshEmbedding", "Optimizer",
     "PartitionedCsrFormatTensor", "PreprocessStats", "QuantizationConfig", "RaggedTensor",
     "RowIdInitializer", "SparseCoreStats", "SparseTensor", "StackingPlan", "TableConfig",
-    "compute_sparse_core_stats", "default_mesh", "plan_stacking", "preprocess_features",
+    "compute_sparse_core_stats", "default_mesh", "export_serving", "load_serving",
+    "plan_stacking", "preprocess_features",
     "resolve_feature_config", "row_id_initializer", "serving_embedding_lookup",
     "shards_to_table", "table_to_shards",
 ]

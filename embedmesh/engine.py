@@ -101,15 +101,15 @@ class MeshEmbedding:
             raise ValueError("this process's devices must be contiguous in mesh order")
         self._num_local_devices = len(local)
         self.state = self.core.init(jax.random.key(self._seed))
-        core = self.core
+        core, check = self.core, self._check_finite  # no reference to self: no cycle
         self._lookup_fn = jax.jit(core.lookup)
         self._update_fn = jax.jit(
-            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=self._check_finite),
+            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=check),
             donate_argnums=0)
 
         def fused(st, g, c_prev, c_next):
             acts = core.lookup(st, c_next)
-            new_state, ok = core.apply_gradients(st, g, c_prev, check_finite=self._check_finite)
+            new_state, ok = core.apply_gradients(st, g, c_prev, check_finite=check)
             return acts, new_state, ok
 
         self._fused_fn = jax.jit(fused, donate_argnums=0)

@@ -9,3 +9,11 @@ from embedmesh.engine import MeshEmbedding as TPUEmbeddingV2
 __all__ = ["FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FeatureConfig",
            "PartitionedCsrFormatTensor", "QuantizationConfig", "TPUEmbeddingV2", "TableConfig",
            "serving_embedding_lookup"]
+
+
+def __getattr__(name):
+    # TPUEmbeddingForServing lives with the checkpoints; load orbax only when asked.
+    if name == "TPUEmbeddingForServing":
+        from embedmesh.checkpoint import EmbeddingForServing
+        return EmbeddingForServing
+    raise AttributeError(f"module 'embedmesh.tpu' has no attribute {name!r}")

@@ -1,0 +1,580 @@
+"""Export a serving function (embedding lookups + the user's model) for a CPU server.
+
+The seed's flow, in JAX: a serving function calls `serving_embedding_lookup`
+on the trained tables and feeds the activations to the model;
+`export_serving` turns it into a directory that a server loads with
+`load_serving`, in a fresh process that imports only embedmesh and numpy
+(and jax): none of the training or model code.
+
+    def serve(inputs, tables, params):
+        acts = embedmesh.serving_embedding_lookup(inputs, None, tables, feature_config)
+        return model_apply(params, acts)
+
+    export_serving(serve, "export/", tables=emb.embedding_tables, params=params,
+                   input_signature={"watched": Ragged(nnz_per_example=16),
+                                    "recent": Sparse(shape=(5,)),
+                                    "user": Dense()},
+                   batch_sizes=(1, 16, 128))
+    ...
+    server = load_serving("export/")                # fresh process
+    scores = server({"watched": RaggedTensor(...), "recent": SparseTensor(...),
+                     "user": np.array([...])})
+
+Directory: `manifest.json`, one serialized `jax.export` program per batch
+bucket (`program_<b>.bin`), and the tables and parameters as `.npy` files.
+Tables and parameters are *arguments* of the programs, never constants baked
+into them, so the programs stay small whatever the tables' size; the loader
+maps each file once and keeps it on the device between calls.
+
+Variable sizes: padded buckets. `serving_embedding_lookup` needs static
+shapes inside a traced program (a sparse input's `dense_shape` is static, and
+the lookup plans are sized at trace time), so symbolic shapes cannot be used.
+Instead one program is exported per batch size in `batch_sizes`, with a fixed
+capacity of ids per sparse/ragged input (`nnz_per_example` times the batch
+size). A call picks the smallest bucket that holds its batch and ids, pads
+the inputs (dense rows with zeros; padding ids go to one extra, hidden row
+past the batch, so no real row sees them), runs the program and cuts the
+outputs back to the batch; a batch larger than the largest bucket is split
+into chunks. This requires a model that treats examples independently (no
+cross-batch operations) and outputs whose leading axis is the batch; both
+hold for usual ranking models, and `export_serving` checks the outputs'
+shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["Dense", "Ragged", "ServingFunction", "Sparse", "export_serving", "load_serving"]
+
+FORMAT = "embedmesh.serving"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+# ---------------------------------------------------------------------------
+# Input specs
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """A dense input: `[batch, *shape]` of `dtype` (ids, or any dense feature)."""
+
+    shape: tuple = ()
+    dtype: Any = np.int32
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse:
+    """A `SparseTensor` of dense shape `[batch, *shape]`; `dtype` of its values.
+
+    `nnz_per_example`: the ids capacity per example (default: all of
+    `prod(shape)`); a call whose inputs hold more ids than a bucket's
+    capacity uses a larger bucket, or more chunks.
+    """
+
+    shape: tuple
+    dtype: Any = np.int32
+    nnz_per_example: Optional[int] = None
+    index_dtype: Any = np.int32
+
+    def __post_init__(self):
+        shape = tuple(int(d) for d in self.shape)
+        if not shape or min(shape) < 1:
+            raise ValueError(f"Sparse.shape must be the per-example dense shape (at least one "
+                             f"dim >= 1), got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        npe = self.nnz_per_example
+        npe = int(np.prod(shape)) if npe is None else int(npe)
+        if npe < 1:
+            raise ValueError(f"Sparse.nnz_per_example must be >= 1, got {self.nnz_per_example}")
+        object.__setattr__(self, "nnz_per_example", npe)
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "index_dtype", np.dtype(self.index_dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ragged:
+    """A rank-2 `RaggedTensor` with `nnz_per_example` ids capacity per example."""
+
+    nnz_per_example: int
+    dtype: Any = np.int32
+    splits_dtype: Any = np.int32
+
+    def __post_init__(self):
+        if int(self.nnz_per_example) < 1:
+            raise ValueError(f"Ragged.nnz_per_example must be >= 1, got "
+                             f"{self.nnz_per_example}")
+        object.__setattr__(self, "nnz_per_example", int(self.nnz_per_example))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "splits_dtype", np.dtype(self.splits_dtype))
+
+
+_SPECS = (Dense, Sparse, Ragged)
+
+
+def _spec_to_json(spec) -> dict:
+    if isinstance(spec, Dense):
+        return {"kind": "dense", "shape": list(spec.shape), "dtype": _dtype_name(spec.dtype)}
+    if isinstance(spec, Sparse):
+        return {"kind": "sparse", "shape": list(spec.shape), "dtype": _dtype_name(spec.dtype),
+                "nnz_per_example": spec.nnz_per_example,
+                "index_dtype": _dtype_name(spec.index_dtype)}
+    return {"kind": "ragged", "dtype": _dtype_name(spec.dtype),
+            "nnz_per_example": spec.nnz_per_example,
+            "splits_dtype": _dtype_name(spec.splits_dtype)}
+
+
+def _spec_from_json(d: dict):
+    if d["kind"] == "dense":
+        return Dense(tuple(d["shape"]), d["dtype"])
+    if d["kind"] == "sparse":
+        return Sparse(tuple(d["shape"]), d["dtype"], d["nnz_per_example"], d["index_dtype"])
+    return Ragged(d["nnz_per_example"], d["dtype"], d["splits_dtype"])
+
+
+# ---------------------------------------------------------------------------
+# Structures (dict / list / tuple / None) as JSON, walked the same way on both sides
+
+
+def _encode(tree, leaf_fn, what: str):
+    if tree is None:
+        return {"t": "none"}
+    if isinstance(tree, dict):
+        keys = list(tree)
+        for k in keys:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(f"{what}: dict keys must be str or int, got {k!r}")
+        try:
+            keys = sorted(keys)
+        except TypeError:
+            raise TypeError(f"{what}: dict keys must be all str or all int, got {keys}") \
+                from None
+        return {"t": "dict", "k": keys, "v": [_encode(tree[k], leaf_fn, what) for k in keys]}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return {"t": type(tree).__name__, "v": [_encode(x, leaf_fn, what) for x in tree]}
+    return leaf_fn(tree)
+
+
+def _leaves(structure: dict, tree, where: str = "inputs") -> list:
+    """Leaves of `tree` in `structure`'s order; raises ValueError naming a mismatch."""
+    t = structure["t"]
+    if t == "none":
+        if tree is not None:
+            raise ValueError(f"{where}: expected None, got {type(tree).__name__}")
+        return []
+    if t == "dict":
+        if not isinstance(tree, dict):
+            raise ValueError(f"{where}: expected a dict, got {type(tree).__name__}")
+        if set(tree) != set(structure["k"]):
+            raise ValueError(f"{where}: expected keys {structure['k']}, got "
+                             f"{sorted(tree, key=str)}")
+        out = []
+        for k, sub in zip(structure["k"], structure["v"]):
+            out += _leaves(sub, tree[k], f"{where}[{k!r}]")
+        return out
+    if t in ("list", "tuple"):
+        if not isinstance(tree, (list, tuple)) or len(tree) != len(structure["v"]):
+            raise ValueError(f"{where}: expected a {t} of {len(structure['v'])}, got "
+                             f"{type(tree).__name__}")
+        out = []
+        for i, sub in enumerate(structure["v"]):
+            out += _leaves(sub, tree[i], f"{where}[{i}]")
+        return out
+    return [(where, structure, tree)]
+
+
+def _build(structure: dict, leaves: Iterator):
+    t = structure["t"]
+    if t == "none":
+        return None
+    if t == "dict":
+        return {k: _build(sub, leaves) for k, sub in zip(structure["k"], structure["v"])}
+    if t in ("list", "tuple"):
+        items = [_build(sub, leaves) for sub in structure["v"]]
+        return items if t == "list" else tuple(items)
+    return next(leaves)
+
+
+
+# ---------------------------------------------------------------------------
+# Export
+
+
+def _bucket_args(spec, b: int, pb: int):
+    """Abstract arrays of one input leaf for bucket b (program batch pb)."""
+    import jax
+
+    if isinstance(spec, Dense):
+        return [jax.ShapeDtypeStruct((pb,) + spec.shape, spec.dtype)]
+    cap = b * spec.nnz_per_example
+    if isinstance(spec, Sparse):
+        return [jax.ShapeDtypeStruct((cap, 1 + len(spec.shape)), spec.index_dtype),
+                jax.ShapeDtypeStruct((cap,), spec.dtype)]
+    return [jax.ShapeDtypeStruct((cap,), spec.dtype),
+            jax.ShapeDtypeStruct((pb + 1,), spec.splits_dtype)]
+
+
+def _rebuild_leaf(spec, arrays: Iterator, pb: int):
+    from embedmesh.inputs import RaggedTensor, SparseTensor
+
+    if isinstance(spec, Dense):
+        return next(arrays)
+    if isinstance(spec, Sparse):
+        indices, values = next(arrays), next(arrays)
+        return SparseTensor(indices, values, (pb,) + spec.shape)
+    values, splits = next(arrays), next(arrays)
+    return RaggedTensor(values, splits)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _canonical(spec):
+    """The spec with dtypes as jax will use them (int64 -> int32 without x64)."""
+    import jax
+
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    for k, v in fields.items():
+        if k.endswith("dtype"):
+            fields[k] = np.dtype(jax.dtypes.canonicalize_dtype(v))
+    return type(spec)(**fields)
+
+
+def export_serving(fn: Callable, directory, *, tables: dict, input_signature: Any,
+                   params: Any = None, batch_sizes: Sequence[int] = (1, 8, 64, 512),
+                   feature_config: Any = None, platforms: Sequence[str] = ("cpu",)) -> dict:
+    """Export `fn` with its tables (and parameters) to `directory` for `load_serving`.
+
+    Args:
+      fn: `fn(inputs, tables)` or, with `params`, `fn(inputs, tables, params)`;
+        `inputs` has the structure of `input_signature` (with `SparseTensor` /
+        `RaggedTensor` / arrays for its leaves), `tables` is `{TableConfig:
+        array}` with the keys of `tables`. Returns a pytree (dict / list /
+        tuple) of arrays whose leading axis is the batch.
+      directory: created if needed; existing export files are replaced.
+      tables: `{TableConfig: [vocabulary_size, dim] array}`, e.g.
+        `MeshEmbedding.embedding_tables` or `checkpoint.load_tables(...)`.
+      input_signature: a structure of dicts / lists / tuples / None whose
+        leaves are `Dense`, `Sparse` or `Ragged`; every leaf is batched.
+      params: optional pytree of arrays passed to `fn` as arguments (the dense
+        model's weights); anything `fn` closes over is baked into the program.
+      batch_sizes: the batch buckets, one program each.
+      feature_config: optional, names the table files after its table names.
+      platforms: lowering platforms of the programs.
+
+    Returns the manifest (also written to `directory/manifest.json`).
+    """
+    import jax
+
+    from embedmesh.config import resolve_feature_config
+
+    buckets = sorted({int(b) for b in batch_sizes})
+    if not buckets or buckets[0] < 1:
+        raise ValueError(f"batch_sizes must be ints >= 1, got {batch_sizes!r}")
+    spec_leaves = []
+
+    def leaf(x):
+        if not isinstance(x, _SPECS):
+            raise TypeError(f"input_signature leaves must be Dense, Sparse or Ragged, got "
+                            f"{type(x).__name__}")
+        x = _canonical(x)
+        spec_leaves.append(x)
+        return {"t": "leaf", "spec": _spec_to_json(x)}
+
+    in_structure = _encode(input_signature, leaf, "input_signature")
+    if not spec_leaves:
+        raise ValueError("input_signature has no inputs")
+    extra = int(any(not isinstance(s, Dense) for s in spec_leaves))
+
+    # tables, in a fixed order, and their file names
+    configs = list(tables)
+    names = {}
+    if feature_config is not None:
+        resolved = resolve_feature_config(feature_config)
+        names = {id(t): n for t, n in zip(resolved.tables, resolved.table_names)}
+    table_entries, used = [], set()
+    for i, cfg in enumerate(configs):
+        name = names.get(id(cfg)) or getattr(cfg, "name", None) or f"table_{i}"
+        file = f"tables/{_safe(name)}.npy"
+        if file in used:
+            file = f"tables/{i}_{_safe(name)}.npy"
+        used.add(file)
+        table_entries.append({"name": name, "file": file})
+    table_arrays = [np.asarray(tables[c]) for c in configs]
+    param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
+    param_arrays = [np.asarray(p) for p in param_leaves]
+
+    def program(flat_inputs, table_list, param_list, pb):
+        it = iter(flat_inputs)
+        rebuilt = iter([_rebuild_leaf(s, it, pb) for s in spec_leaves])
+        inputs = _build(in_structure, rebuilt)
+        tabs = dict(zip(configs, table_list))
+        if params is None:
+            out = fn(inputs, tabs)
+        else:
+            out = fn(inputs, tabs, jax.tree_util.tree_unflatten(param_treedef, param_list))
+        out_leaves = []
+
+        def out_leaf(x):
+            out_leaves.append(x)
+            return {"t": "leaf"}
+
+        structure = _encode(out, out_leaf, "the serving function's output")
+        return out_leaves, structure
+
+    os.makedirs(directory, exist_ok=True)
+    programs, out_structure = {}, None
+    table_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in table_arrays]
+    param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in param_arrays]
+    for b in buckets:
+        pb = b + extra
+        in_specs = [a for s in spec_leaves for a in _bucket_args(s, b, pb)]
+        captured = {}
+
+        def flat_fn(flat_inputs, table_list, param_list, pb=pb, captured=captured):
+            leaves, structure = program(flat_inputs, table_list, param_list, pb)
+            captured["structure"] = structure
+            return leaves
+
+        exported = jax.export.export(jax.jit(flat_fn), platforms=tuple(platforms))(
+            in_specs, table_specs, param_specs)
+        if out_structure is None:
+            out_structure = captured["structure"]
+        elif captured["structure"] != out_structure:
+            raise ValueError("the serving function's output structure depends on the batch size")
+        for i, aval in enumerate(exported.out_avals):
+            if len(aval.shape) == 0 or aval.shape[0] != pb:
+                raise ValueError(f"output leaf {i} has shape {aval.shape}: every output needs "
+                                 f"the batch ({pb} in bucket {b}) as its leading axis")
+        programs[b] = f"program_{b}.bin"
+        with open(os.path.join(directory, programs[b]), "wb") as f:
+            f.write(exported.serialize())
+
+    os.makedirs(os.path.join(directory, "tables"), exist_ok=True)
+    for entry, arr in zip(table_entries, table_arrays):
+        np.save(os.path.join(directory, entry["file"]), arr)
+        entry.update(shape=list(arr.shape), dtype=_dtype_name(arr.dtype))
+    param_entries = []
+    if param_arrays:
+        os.makedirs(os.path.join(directory, "params"), exist_ok=True)
+    for i, arr in enumerate(param_arrays):
+        file = f"params/{i}.npy"
+        np.save(os.path.join(directory, file), arr)
+        param_entries.append({"file": file, "shape": list(arr.shape),
+                              "dtype": _dtype_name(arr.dtype)})
+    import embedmesh
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                "embedmesh_version": getattr(embedmesh, "__version__", "unknown"),
+                "jax_version": jax.__version__, "platforms": list(platforms),
+                "batch_sizes": buckets, "extra_row": extra,
+                "programs": {str(b): p for b, p in programs.items()},
+                "inputs": in_structure, "outputs": out_structure,
+                "tables": table_entries, "params": param_entries}
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+# ---------------------------------------------------------------------------
+# Loading and calling
+
+
+def _as_input(where: str, spec, x):
+    """Normalise one call-time input leaf to numpy parts; returns (batch, parts)."""
+    from embedmesh.inputs import RaggedTensor, SparseTensor, convert_input
+
+    x = convert_input(x)
+    if isinstance(spec, Dense):
+        if isinstance(x, (SparseTensor, RaggedTensor)):
+            raise ValueError(f"{where}: expected a dense array, got {type(x).__name__}")
+        x = np.asarray(x)
+        if x.ndim != 1 + len(spec.shape) or tuple(x.shape[1:]) != spec.shape:
+            raise ValueError(f"{where}: expected shape [batch, {', '.join(map(str, spec.shape))}"
+                             f"], got {list(x.shape)}")
+        return x.shape[0], (x,)
+    if isinstance(spec, Sparse):
+        if not isinstance(x, SparseTensor):
+            raise ValueError(f"{where}: expected a SparseTensor, got {type(x).__name__}")
+        if tuple(x.dense_shape[1:]) != spec.shape:
+            raise ValueError(f"{where}: expected dense_shape [batch, "
+                             f"{', '.join(map(str, spec.shape))}], got {list(x.dense_shape)}")
+        idx = np.asarray(x.indices).reshape(-1, 1 + len(spec.shape))
+        return x.dense_shape[0], (idx, np.asarray(x.values).reshape(-1))
+    if not isinstance(x, RaggedTensor):
+        raise ValueError(f"{where}: expected a RaggedTensor, got {type(x).__name__}")
+    splits = np.asarray(x.row_splits).reshape(-1)
+    return splits.shape[0] - 1, (np.asarray(x.values).reshape(-1), splits)
+
+
+def _counts(spec, parts, n: int) -> Optional[np.ndarray]:
+    """Ids per example of a sparse/ragged input (None for dense)."""
+    if isinstance(spec, Dense):
+        return None
+    if isinstance(spec, Sparse):
+        return np.bincount(parts[0][:, 0].astype(np.int64), minlength=n)[:n]
+    return np.diff(parts[1].astype(np.int64))
+
+
+def _slice(spec, parts, lo: int, hi: int):
+    if isinstance(spec, Dense):
+        return (parts[0][lo:hi],)
+    if isinstance(spec, Sparse):
+        idx, vals = parts
+        rows = idx[:, 0]
+        sel = (rows >= lo) & (rows < hi)
+        sub = idx[sel].copy()
+        sub[:, 0] -= lo
+        return sub, vals[sel]
+    vals, splits = parts
+    s = splits[lo:hi + 1]
+    return vals[s[0]:s[-1]], s - s[0]
+
+
+def _pad(spec, parts, n: int, b: int, pb: int) -> list:
+    if isinstance(spec, Dense):
+        out = np.zeros((pb,) + spec.shape, spec.dtype)
+        out[:n] = parts[0]
+        return [out]
+    cap = b * spec.nnz_per_example
+    if isinstance(spec, Sparse):
+        idx, vals = parts
+        nnz = idx.shape[0]
+        out_idx = np.zeros((cap, idx.shape[1]), spec.index_dtype)
+        out_idx[:nnz] = idx
+        out_idx[nnz:, 0] = pb - 1  # padding ids land in the hidden row past the batch
+        out_vals = np.zeros((cap,), spec.dtype)
+        out_vals[:nnz] = vals
+        return [out_idx, out_vals]
+    vals, splits = parts
+    nnz = vals.shape[0]
+    out_vals = np.zeros((cap,), spec.dtype)
+    out_vals[:nnz] = vals
+    out_splits = np.empty((pb + 1,), spec.splits_dtype)
+    out_splits[:n + 1] = splits
+    out_splits[n + 1:pb] = nnz
+    out_splits[pb] = cap  # the hidden row holds the padding ids
+    return [out_vals, out_splits]
+
+
+class ServingFunction:
+    """A loaded export: call it with inputs of the exported signature; numpy outputs.
+
+    Attributes: `batch_sizes` (the buckets), `manifest` (the JSON manifest),
+    `tables` (`{name: device array}`).
+    """
+
+    def __init__(self, directory):
+        import jax
+
+        self.directory = os.fspath(directory)
+        with open(os.path.join(self.directory, MANIFEST)) as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"{self.directory} is not an embedmesh serving export")
+        if int(manifest.get("format_version", 0)) > FORMAT_VERSION:
+            raise ValueError(f"{self.directory} has export format version "
+                             f"{manifest['format_version']}; this embedmesh reads up to "
+                             f"{FORMAT_VERSION}")
+        self.manifest = manifest
+        self.batch_sizes = list(manifest["batch_sizes"])
+        self._extra = int(manifest["extra_row"])
+        self._in = manifest["inputs"]
+        self._out = manifest["outputs"]
+
+        def load(entry):  # mapped from disk, copied once into a device buffer
+            arr = np.load(os.path.join(self.directory, entry["file"]), mmap_mode="r")
+            return jax.device_put(np.asarray(arr))
+
+        self._tables = [load(e) for e in manifest["tables"]]
+        self._params = [load(e) for e in manifest["params"]]
+        self.tables = {e["name"]: a for e, a in zip(manifest["tables"], self._tables)}
+        self._programs: dict = {}
+
+    def _program(self, b: int):
+        fn = self._programs.get(b)
+        if fn is None:
+            import jax
+
+            with open(os.path.join(self.directory, self.manifest["programs"][str(b)]), "rb") as f:
+                exported = jax.export.deserialize(bytearray(f.read()))
+            fn = self._programs[b] = jax.jit(exported.call)
+        return fn
+
+    def _chunks(self, n: int, counts: list) -> list:
+        """[(lo, hi)] example ranges, each fitting the largest bucket."""
+        bmax = self.batch_sizes[-1]
+        caps = [(c, spec.nnz_per_example * bmax, where) for where, spec, c in counts
+                if c is not None]
+        if n <= bmax and all(c.sum() <= cap for c, cap, _ in caps):
+            return [(0, n)]
+        cums = [(np.concatenate([[0], np.cumsum(c)]), cap, where) for c, cap, where in caps]
+        out, lo = [], 0
+        while lo < n:
+            hi = min(lo + bmax, n)
+            for cum, cap, where in cums:
+                fit = int(np.searchsorted(cum, cum[lo] + cap, side="right")) - 1
+                if fit <= lo:
+                    raise ValueError(f"{where}: example {lo} has {int(cum[lo + 1] - cum[lo])} "
+                                     f"ids, more than the export holds per batch "
+                                     f"({cap} in the largest bucket, {bmax})")
+                hi = min(hi, fit)
+            out.append((lo, hi))
+            lo = hi
+        return out
+
+    def _bucket(self, n: int, nnz: list) -> int:
+        for b in self.batch_sizes:
+            if b >= n and all(k <= b * spec.nnz_per_example for spec, k in nnz):
+                return b
+        raise AssertionError("no bucket fits a planned chunk")  # _chunks prevents this
+
+    def __call__(self, inputs: Any) -> Any:
+        leaves = _leaves(self._in, inputs)
+        specs = [(where, _spec_from_json(s["spec"]), x) for where, s, x in leaves]
+        parts, batch = [], None
+        for where, spec, x in specs:
+            n, p = _as_input(where, spec, x)
+            if batch is None:
+                batch = n
+            elif n != batch:
+                raise ValueError(f"{where}: batch size {n}, but {specs[0][0]} has {batch}")
+            parts.append(p)
+        counts = [(where, spec, _counts(spec, p, batch))
+                  for (where, spec, _), p in zip(specs, parts)]
+        outputs = []
+        for lo, hi in self._chunks(batch, counts):
+            n = hi - lo
+            sub = [p if (lo, hi) == (0, batch) else _slice(spec, p, lo, hi)
+                   for (_, spec, _), p in zip(specs, parts)]
+            nnz = [(spec, int(s[1].shape[0] if isinstance(spec, Sparse) else s[0].shape[0]))
+                   for (_, spec, _), s in zip(specs, sub) if not isinstance(spec, Dense)]
+            b = self._bucket(n, nnz)
+            pb = b + self._extra
+            flat = [a for (_, spec, _), s in zip(specs, sub) for a in _pad(spec, s, n, b, pb)]
+            result = self._program(b)(flat, self._tables, self._params)
+            outputs.append([np.asarray(r)[:n] for r in result])
+        flat_out = [np.concatenate(parts_, axis=0) if len(outputs) > 1 else parts_[0]
+                    for parts_ in zip(*outputs)]
+        return _build(self._out, iter(flat_out))
+
+
+def load_serving(directory) -> ServingFunction:
+    """Load an export of `export_serving`: a callable taking numpy / SparseTensor /
+    RaggedTensor inputs in the exported structure and returning numpy outputs."""
+    return ServingFunction(directory)

@@ -1,0 +1,80 @@
+"""Shared helpers of the checkpoint tests and their subprocess workers (not a test module)."""
+
+import numpy as np
+
+import embedmesh as em
+
+
+class HashInit:
+    """Row-aware, cheap, shard-count independent pseudo-random initializer."""
+
+    def __init__(self, seed: float = 0.0):
+        self.seed = float(seed)
+
+    def rows(self, row_ids, dim, dtype):
+        r = np.asarray(row_ids, np.float64).reshape(-1, 1)
+        c = np.arange(dim)[None, :]
+        return (np.sin(r * 12.9898 + c * 78.233 + self.seed) * 0.5).astype(dtype)
+
+    def __call__(self, key, shape, dtype=np.float32):
+        return self.rows(np.arange(shape[0]), int(np.prod(shape[1:])), dtype).reshape(shape)
+
+
+def make_tables(extra: bool = False, drop_c: bool = False):
+    """Tables a, b, c stack (dims pad to 8); d has its own dim and optimizer (Adam)."""
+    tables = {
+        "a": em.TableConfig(37, 5, combiner="mean", name="a", initializer=HashInit(1)),
+        "b": em.TableConfig(23, 8, combiner="sqrtn", name="b", initializer=HashInit(2)),
+        "c": em.TableConfig(3, 3, combiner="sum", name="c", initializer=HashInit(3)),
+        "d": em.TableConfig(300, 16, combiner="sum", name="d", initializer=HashInit(4),
+                            optimizer=em.Adam(0.05)),
+    }
+    if extra:
+        tables["e"] = em.TableConfig(11, 4, combiner="mean", name="e", initializer=HashInit(5))
+    if drop_c:
+        del tables["c"]
+    return tables
+
+
+def make_features(tables):
+    t = tables
+    feats = {"fa": em.FeatureConfig(t["a"]), "fb": em.FeatureConfig(t["b"]),
+             "seq": em.FeatureConfig(t["a"], max_sequence_length=2),
+             "fd": em.FeatureConfig(t["d"])}
+    if "c" in t:
+        feats["fc"] = em.FeatureConfig(t["c"])
+    if "e" in t:
+        feats["fe"] = em.FeatureConfig(t["e"])
+    return feats
+
+
+def make_batch(feats, seed: int, batch: int = 24):
+    """Deterministic inputs for every feature: ragged, sparse and dense kinds."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, f in sorted(feats.items()):
+        vocab = f.table.vocabulary_size
+        if name in ("fa", "seq"):
+            lengths = rng.integers(0, 4, batch)
+            out[name] = em.RaggedTensor.from_row_lengths(rng.integers(0, vocab, lengths.sum()),
+                                                         lengths)
+        elif name == "fb":
+            idx = np.array([[b, c] for b in range(batch) for c in range(3) if rng.random() < .6],
+                           np.int64).reshape(-1, 2)
+            out[name] = em.SparseTensor(idx, rng.integers(0, vocab, len(idx)), (batch, 3))
+        else:
+            out[name] = rng.integers(0, vocab, (batch, 2) if name == "fd" else (batch,))
+    return out
+
+
+def train_step(emb, feats, seed: int, batch: int = 24):
+    """One lookup + update with deterministic gradients; returns the activations (numpy)."""
+    acts, preserved = emb(make_batch(feats, seed, batch))
+    rng = np.random.default_rng(10_000 + seed)
+    grads = {k: rng.normal(size=a.shape).astype(np.float32) for k, a in sorted(acts.items())}
+    emb.apply_gradients(grads, preserved)
+    return {k: np.asarray(v) for k, v in acts.items()}
+
+
+def variables_by_name(emb) -> dict:
+    return {t.name: {k: np.asarray(v) for k, v in d.items()} for t, d in emb.variables.items()}

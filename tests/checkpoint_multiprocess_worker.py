@@ -1,0 +1,54 @@
+"""One of two processes (2 CPU devices each, gloo) that save a checkpoint of a 4-device
+MeshEmbedding, each writing its own shards, then restore it (test_checkpoint.py).
+
+Usage: checkpoint_multiprocess_worker.py PROCESS_ID PORT ROOT
+Process 0 also writes ROOT/../expected.npz with the saved variables.
+"""
+
+import os
+import sys
+
+process_id, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=process_id)
+
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import embedmesh as em  # noqa: E402
+from embedmesh import checkpoint as ckpt  # noqa: E402
+from embedmesh.engine import MeshEmbedding  # noqa: E402
+
+from checkpoint_common import make_features, make_tables  # noqa: E402
+
+mesh = Mesh(np.array(jax.devices()), ("x",))
+assert mesh.size == 4 and len(jax.local_devices()) == 2
+feats = make_features(make_tables())
+emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh)
+emb.build()
+rng = np.random.default_rng(3)  # same values in both processes
+values, slots = {}, {}
+for t in emb.plan.resolved.tables:
+    values[t] = rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
+    opt_slots = emb.state.slots[emb.plan.stack_of(t).name]
+    slots[t] = {k: rng.uniform(0.1, 1, (t.vocabulary_size, t.dim)).astype(np.float32)
+                for k in opt_slots}
+emb.set_tables(values, slots, step=3)
+assert ckpt.save(root, emb)
+if process_id == 0:
+    out = {f"{t.name}.parameters": v for t, v in values.items()}
+    out.update({f"{t.name}.{k}": v for t, d in slots.items() for k, v in d.items()})
+    np.savez(os.path.join(os.path.dirname(root), "expected.npz"), **out)
+
+# restore into a fresh 4-device engine spread over both processes
+fresh = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh, stack_tables=False)
+assert ckpt.restore(fresh, root) == 3
+for t, d in fresh.variables.items():
+    np.testing.assert_array_equal(d["parameters"], values[t])
+    for k, v in slots[t].items():
+        np.testing.assert_array_equal(d[k], v)
+print("restored ok", flush=True)

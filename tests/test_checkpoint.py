@@ -1,0 +1,431 @@
+"""Checkpoints: orbax save/restore across device counts and stackings, serving loads,
+async saves, crash safety (a saving process killed with SIGKILL) and bit-identical resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh
+
+import embedmesh as em
+from embedmesh import checkpoint as ckpt
+from embedmesh.engine import MeshEmbedding
+
+from checkpoint_common import (HashInit, make_batch, make_features, make_tables, train_step,
+                               variables_by_name)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mesh_of(n):
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def engine(n, tables=None, stack_tables=True, optimizer=None):
+    feats = make_features(tables or make_tables())
+    return MeshEmbedding(feats, optimizer or em.Adagrad(0.1), mesh=mesh_of(n),
+                         stack_tables=stack_tables), feats
+
+
+def assert_same_variables(got: dict, want: dict, tables=None):
+    for name in tables or want:
+        assert set(got[name]) == set(want[name]), name
+        for k in want[name]:
+            np.testing.assert_array_equal(got[name][k], want[name][k], err_msg=f"{name}.{k}")
+
+
+# ---------------------------------------------------------------------------
+# Sources: trained on N devices, saved, then one more step recorded
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    out = {}
+    for n in (8, 4, 1):
+        emb, feats = engine(n)
+        for s in range(2):
+            train_step(emb, feats, seed=s)
+        path = tmp_path_factory.mktemp(f"ckpt{n}")
+        assert ckpt.save(path, emb, others={"params": {"w": np.arange(6.0).reshape(2, 3)}})
+        saved = variables_by_name(emb)
+        acts = train_step(emb, feats, seed=2)
+        out[n] = dict(path=path, saved=saved, next_acts=acts, next_vars=variables_by_name(emb))
+    return out
+
+
+def test_state_tree_layout_and_metadata(sources):
+    emb, _ = engine(4)
+    emb.build()
+    tree = ckpt.state_tree(emb)
+    meta = json.loads(bytes(tree["meta"]).decode())
+    assert meta["format"] == "embedmesh.checkpoint" and meta["num_shards"] == 4
+    assert meta["step"] == 0 and int(tree["step"]) == 0
+    by_name = {m["name"]: m for m in meta["tables"]}
+    assert by_name["d"]["optimizer"] == "Adam" and by_name["d"]["slots"] == ["momenta",
+                                                                            "velocities"]
+    assert by_name["a"]["slots"] == ["accumulators"] and by_name["a"]["stack"] == "a+b+c"
+    for t in emb.plan.tables:
+        arr = tree["tables"][t.name]
+        assert arr.shape == (4 * t.rows_per_shard, t.dim)
+        # each device holds its own block: the table's rows on that shard
+        for shard in arr.addressable_shards:
+            j = (shard.index[0].start or 0) // t.rows_per_shard
+            want = emb.embedding_table_shards[emb.plan.table_config(t)][j][1]
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want))
+            assert shard.device == emb.mesh.devices.flat[j]
+    # an orbax StandardSave pytree: saved beside dense params and read back with orbax alone
+    meta_n8 = ckpt.read_metadata(sources[8]["path"])
+    assert meta_n8["step"] == 2 and meta_n8["num_shards"] == 8
+    mngr = ocp.CheckpointManager(sources[8]["path"])
+    params = mngr.restore(2, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore({"w": np.zeros((2, 3))})))["params"]
+    np.testing.assert_array_equal(params["w"], np.arange(6.0).reshape(2, 3))
+    mngr.close()
+
+
+CASES = {
+    "8to4": (8, 4, {}),
+    "4to8": (4, 8, {}),
+    "8to1": (8, 1, {}),
+    "1to8": (1, 8, {}),
+    "8to8_unstacked": (8, 8, dict(stack_tables=False)),
+    "4to3_other_tables": (4, 3, dict(tables=make_tables(extra=True, drop_c=True))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_restore_on_other_device_counts_and_stackings(sources, case):
+    n_from, n_to, kw = CASES[case]
+    src = sources[n_from]
+    emb, feats = engine(n_to, **kw)
+    other_tables = "tables" in kw
+    stats = {}
+    if other_tables:
+        with pytest.raises(ValueError, match="table e is not in the checkpoint"):
+            ckpt.restore(emb, src["path"])
+        step = ckpt.restore(emb, src["path"], missing="keep", _stats=stats)
+    else:
+        step = ckpt.restore(emb, src["path"], _stats=stats)
+    assert step == 2 and int(emb.state.step) == 2
+    # same device count: the stored blocks are this mesh's shards, read onto the devices
+    # directly; otherwise read on the host (one table at a time) and re-cut
+    assert set(stats) == ({"device"} if n_from == n_to else {"host"})
+    got = variables_by_name(emb)
+    common = [n for n in src["saved"] if n in got]
+    assert_same_variables(got, src["saved"], common)
+    if other_tables:  # the new table keeps its initial values
+        np.testing.assert_array_equal(got["e"]["parameters"],
+                                      HashInit(5)(None, (11, 4), np.float32))
+        np.testing.assert_array_equal(got["e"]["accumulators"], np.full((11, 4), 0.1, np.float32))
+    # next step: identical to the same values set directly on this mesh, and equal (up to
+    # the order of float sums over devices) to the source's own next step
+    acts = train_step(emb, feats, seed=2)
+    after = variables_by_name(emb)
+    emb.set_tables({emb.plan.table_config(n): got[n]["parameters"] for n in got},
+                   {emb.plan.table_config(n): {k: v for k, v in got[n].items()
+                                               if k != "parameters"} for n in got}, step=2)
+    acts2 = train_step(emb, feats, seed=2)
+    for k in acts:
+        np.testing.assert_array_equal(acts[k], acts2[k], err_msg=k)
+    assert_same_variables(variables_by_name(emb), after)
+    if not other_tables:
+        for k in acts:
+            np.testing.assert_allclose(acts[k], src["next_acts"][k], rtol=1e-6, atol=1e-6)
+        for name, d in src["next_vars"].items():
+            for k, v in d.items():
+                np.testing.assert_allclose(after[name][k], v, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name}.{k}")
+
+
+def test_restore_streams_one_table_at_a_time(tmp_path, monkeypatch):
+    """Restoring N=4 -> M=2 reads one leaf (one table or slot) at a time, and the host
+    memory it allocates on top (that table's shards in the new layout, which on CPU become
+    the device buffers) stays near one table, while the state is 16 tables' worth."""
+    tables = {f"t{i}": em.TableConfig(20000, 16, name=f"t{i}", initializer=HashInit(i))
+              for i in range(8)}
+    feats = {f"f{i}": em.FeatureConfig(t) for i, t in enumerate(tables.values())}
+    src = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(4))
+    src.build()
+    ckpt.save(tmp_path, src)
+    table_bytes = 20000 * 16 * 4
+    dst = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(2))
+    ckpt.restore(dst, tmp_path)  # compiles the writers: measure the next restore only
+    dst.set_tables({t: np.zeros((20000, 16), np.float32) for t in tables.values()})
+    reads = []
+    original = ckpt._Reader.read
+
+    def counting_read(self, path):
+        out = original(self, path)
+        reads.append((path, out.nbytes))
+        return out
+
+    monkeypatch.setattr(ckpt._Reader, "read", counting_read)
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    ckpt.restore(dst, tmp_path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    data_reads = [r for r in reads if r[0][0] != "meta"]
+    assert len(data_reads) == 16  # 8 tables x (parameters, accumulators), one read each
+    assert max(n for _, n in data_reads) == table_bytes
+    state_bytes = 16 * table_bytes
+    assert peak < 2.5 * table_bytes < state_bytes / 6, (peak, table_bytes, state_bytes)
+    assert_same_variables(variables_by_name(dst), variables_by_name(src))
+
+
+def _file_bytes_read():
+    import tensorstore as ts
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+        return sum(v.get("value", 0) for v in m["values"])
+    return 0
+
+
+def test_load_tables_for_serving_reads_parameters_only(sources, tmp_path):
+    # random (incompressible) tables so that bytes on disk track bytes of data
+    rng = np.random.default_rng(0)
+    tables = {n: em.TableConfig(20000, 8, name=n) for n in ("u", "v")}
+    feats = {"fu": em.FeatureConfig(tables["u"]), "fv": em.FeatureConfig(tables["v"])}
+    emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(4))
+    values = {t: rng.normal(size=(20000, 8)).astype(np.float32) for t in tables.values()}
+    slots = {t: {"accumulators": rng.uniform(0.1, 2, (20000, 8)).astype(np.float32)}
+             for t in tables.values()}
+    emb.set_tables(values, slots, step=7)
+    ckpt.save(tmp_path, emb)
+    before = _file_bytes_read()
+    loaded = ckpt.load_tables(tmp_path, feature_config=feats)
+    read = _file_bytes_read() - before
+    params_bytes = 2 * 20000 * 8 * 4
+    assert params_bytes * 0.5 < read < params_bytes * 1.05 + 200_000, (read, params_bytes)
+    assert set(loaded) == set(tables.values())  # keyed by the user's TableConfigs
+    for t, v in loaded.items():
+        assert isinstance(v, np.ndarray)
+        np.testing.assert_array_equal(v, values[t])
+    # without a feature config: new TableConfigs with the saved names, sizes and combiners
+    plain = ckpt.load_tables(sources[8]["path"])
+    assert sorted(t.name for t in plain) == ["a", "b", "c", "d"]
+    for t, v in plain.items():
+        np.testing.assert_array_equal(v, sources[8]["saved"][t.name]["parameters"])
+        assert v.shape == (t.vocabulary_size, t.dim)
+    assert {t.name: t.combiner for t in plain} == {"a": "mean", "b": "sqrtn", "c": "sum",
+                                                   "d": "sum"}
+
+
+def test_embedding_for_serving(sources):
+    tables = make_tables()
+    feats = make_features(tables)
+    serving = ckpt.EmbeddingForServing(feats, em.SGD(0.1))
+    assert serving.restore(sources[4]["path"]) == 2
+    for t, v in serving.embedding_tables.items():
+        np.testing.assert_array_equal(v, sources[4]["saved"][t.name]["parameters"])
+    batch = make_batch(feats, seed=5)
+    got = serving(batch)
+    want = em.serving_embedding_lookup(batch, None, {
+        tables[n]: sources[4]["saved"][n]["parameters"] for n in tables}, feats)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+def test_restore_errors(sources, tmp_path):
+    path = sources[8]["path"]
+    small = make_tables()
+    small["a"] = em.TableConfig(36, 5, name="a")
+    emb, _ = engine(2, tables=small)
+    before = variables_by_name(emb)
+    with pytest.raises(ValueError, match=r"table a: the checkpoint has \[37, 5\]"):
+        ckpt.restore(emb, path)
+    assert_same_variables(variables_by_name(emb), before)  # untouched
+    emb, _ = engine(2, optimizer=em.Adam(0.1))  # other slots than the checkpoint's Adagrad
+    with pytest.raises(ValueError, match="slot 'momenta' of table a"):
+        ckpt.restore(emb, path)
+    ckpt.restore(emb, path, missing="keep")  # parameters restored, Adam slots kept
+    np.testing.assert_array_equal(variables_by_name(emb)["a"]["parameters"],
+                                  sources[8]["saved"]["a"]["parameters"])
+    with pytest.raises(ValueError, match="missing must be one of"):
+        ckpt.restore(emb, path, missing="init")
+    with pytest.raises(FileNotFoundError):
+        ckpt.restore(emb, tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="no committed step 9"):
+        ckpt.restore(emb, path, step=9)
+    with pytest.raises(ValueError, match="not an embedmesh checkpoint"):
+        ckpt.restore(emb, path, item="params")
+    with pytest.raises(ValueError, match="table zz is not in the checkpoint"):
+        ckpt.load_tables(path, feature_config={"y": em.FeatureConfig(em.TableConfig(5, 2,
+                                                                                      name="zz"))})
+    with pytest.raises(ValueError, match=r"table a: the checkpoint has \[37, 5\]"):
+        ckpt.load_tables(path, feature_config={"y": em.FeatureConfig(em.TableConfig(5, 2,
+                                                                                      name="a"))})
+
+
+# ---------------------------------------------------------------------------
+# Async saves beside dense parameters, and bit-identical resume
+
+
+def test_async_save_and_bit_identical_resume(tmp_path):
+    emb, feats = engine(4)
+    for s in range(2):
+        train_step(emb, feats, seed=s)
+    params = {"dense": {"w": np.linspace(0, 1, 12).reshape(3, 4).astype(np.float32)}}
+    at_save = variables_by_name(emb)
+    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=True, max_to_keep=2))
+    mngr.save(2, args=ocp.args.Composite(embedding=ckpt.save_args(emb),
+                                         params=ocp.args.StandardSave(params)))
+    # keep training while the save is written: tables are donated and updated in place
+    for s in range(2, 5):
+        train_step(emb, feats, seed=s)
+    mngr.wait_until_finished()
+    assert mngr.latest_step() == 2
+    final = variables_by_name(emb)
+
+    resumed, _ = engine(4)
+    assert ckpt.restore(resumed, mngr) == 2
+    assert_same_variables(variables_by_name(resumed), at_save)  # the save saw step 2
+    restored = mngr.restore(2, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(params)))["params"]
+    np.testing.assert_array_equal(restored["dense"]["w"], params["dense"]["w"])
+    for s in range(2, 5):
+        train_step(resumed, feats, seed=s)
+    assert int(resumed.state.step) == int(emb.state.step) == 5
+    assert_same_variables(variables_by_name(resumed), final)  # bit-identical
+    mngr.close()
+
+
+def test_save_into_manager_with_others_and_policies(tmp_path):
+    emb, _ = engine(2)
+    emb.build()
+    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=True, max_to_keep=1))
+    assert ckpt.save(mngr, emb, others={"opt": {"count": np.int32(3)}}, wait=True)
+    assert ckpt.save(mngr, emb, step=5, wait=True)
+    assert mngr.all_steps() == [5] and ckpt.latest_step(tmp_path) == 5
+    with pytest.raises(ValueError, match="names the embedding item"):
+        ckpt.save(mngr, emb, step=6, others={"embedding": {}})
+    mngr.close()
+    assert ckpt.read_metadata(tmp_path / "5")["step"] == 0
+    assert ckpt.read_metadata(tmp_path / "5" / "embedding")["num_shards"] == 2
+
+
+# ---------------------------------------------------------------------------
+# Crash safety: a saving process killed with SIGKILL
+
+
+def _env(devices=4):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE,
+                                         env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.parametrize("kill_at", ["before_commit", "while_writing"])
+def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, kill_at):
+    """The child saves step 1, then starts step 2 and is SIGKILLed: before the final rename
+    (everything written, not committed), or while array data is being written."""
+    root = tmp_path / "ckpt"
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "checkpoint_kill_worker.py"),
+                             str(root), str(marker), kill_at], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while not marker.exists():
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+            assert time.time() < deadline, "the worker never reached the kill point"
+            time.sleep(0.005)
+        if kill_at == "while_writing":  # kill once step 2's temporary directory appears
+            while not any(".orbax-checkpoint-tmp" in p.name for p in root.iterdir()):
+                assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+                assert time.time() < deadline
+                time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (root / "2").exists()  # step 2 was never committed
+    leftovers = [p.name for p in root.iterdir()]
+    assert any(".orbax-checkpoint-tmp" in n for n in leftovers), leftovers
+
+    assert ckpt.latest_step(root) == 1
+    mngr = ocp.CheckpointManager(root)
+    assert mngr.latest_step() == 1 and mngr.all_steps() == [1]
+    tables = make_tables()
+    feats = make_features(tables)
+    emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(2))
+    assert ckpt.restore(emb, mngr) == 1
+    want = np.load(tmp_path / "marker.step1.npz")
+    for t, d in variables_by_name(emb).items():
+        for k, v in d.items():
+            np.testing.assert_array_equal(v, want[f"{t}.{k}"])
+    # saving step 2 again into the same directory works and becomes the latest
+    assert ckpt.save(mngr, emb, step=2, wait=True)
+    assert mngr.latest_step() == 2
+    mngr.close()
+
+
+# ---------------------------------------------------------------------------
+# Two processes, each writing its own shards; restored in one process on other meshes
+
+
+def test_two_processes_save_their_own_shards(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tmp_path / "ckpt"
+    worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(root)],
+                              env=_env(devices=2), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        outs.append(out.decode(errors="replace"))
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    item = root / "3" / "embedding"
+    assert (item / "ocdbt.process_0").exists() and (item / "ocdbt.process_1").exists()
+    want = np.load(root.parent / "expected.npz")
+    for n in (8, 1):
+        emb = MeshEmbedding(make_features(make_tables()), em.Adagrad(0.1), mesh=mesh_of(n))
+        assert ckpt.restore(emb, root) == 3
+        for t, d in variables_by_name(emb).items():
+            for k, v in d.items():
+                np.testing.assert_array_equal(v, want[f"{t}.{k}"], err_msg=f"{n} {t}.{k}")
+    assert all("restored ok" in out for out in outs), outs
+
+
+def test_reshard_rows_matches_the_layout_for_any_shard_counts():
+    """The strided re-cut of stored blocks equals the mod-sharded layout of the table."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        v, n, m = int(rng.integers(1, 60)), int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        rot_old, rot = int(rng.integers(0, n)), int(rng.integers(0, m))
+        rps_old, rps = -(-v // n), -(-v // m)
+        table = rng.normal(size=(v, 3))
+        stored = np.zeros((n * rps_old, 3))
+        for j in range(n):
+            rows = table[(j - rot_old) % n::n]
+            stored[j * rps_old:j * rps_old + len(rows)] = rows
+        meta = {"name": "x", "vocabulary_size": v, "rows_per_shard": rps_old,
+                "rotation": rot_old}
+        for k in range(m):
+            out = np.full((rps, 3), np.nan)
+            ckpt._reshard_rows(stored, meta, n, m, rot, k, out)
+            want = table[(k - rot) % m::m]
+            np.testing.assert_array_equal(out[:len(want)], want)
+        np.testing.assert_array_equal(ckpt._stored_to_logical(stored, meta, n), table)
