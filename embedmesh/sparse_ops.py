@@ -63,10 +63,48 @@ def lookup(table_shard, unique_ids, pair_rows, pair_unique, pair_gains, *, num_r
     return act, served_ids
 
 
+class PendingGradients:
+    """What `backward` returns on a single shard: the per-id gradient sums, not yet computed.
+
+    The owner's update consumes them in the same pass when it can
+    (`cpu_ops.backward_update`: no [U, D] gradient buffer); anything else
+    gets the [1, U, D] array from `materialize()` (also through
+    `jnp.asarray`, via `__jax_array__`).
+    """
+
+    def __init__(self, act_grads, pair_rows, pair_unique, pair_gains, unique_capacity: int):
+        self.act_grads = act_grads
+        self.pair_rows = pair_rows
+        self.pair_unique = pair_unique
+        self.pair_gains = pair_gains
+        self.unique_capacity = unique_capacity
+
+    @property
+    def shape(self):
+        return (1, self.unique_capacity, self.act_grads.shape[-1])
+
+    dtype = jnp.float32
+
+    def materialize(self):
+        per_unique = cpu_ops.segment_gather_sum(
+            self.act_grads.astype(jnp.float32), self.pair_rows.reshape(-1),
+            self.pair_gains.reshape(-1), self.pair_unique.reshape(-1), self.unique_capacity)
+        return per_unique.reshape(self.shape)
+
+    def __jax_array__(self):
+        return self.materialize()
+
+
 def backward(act_grads, pair_rows, pair_unique, pair_gains, *, unique_capacity: int,
              axis_name=None, num_shards: int = 1):
     """Gradients of this device's activations, summed per unique id and sent to
-    the owners: returns [N, U, D], block s holding what source s sends this shard."""
+    the owners: returns [N, U, D], block s holding what source s sends this shard.
+
+    On a single shard with the CPU kernels, a `PendingGradients` instead,
+    which `owner_update` fuses with the update (or materialises).
+    """
+    if num_shards == 1 and cpu_ops.available():
+        return PendingGradients(act_grads, pair_rows, pair_unique, pair_gains, unique_capacity)
     n, _ = pair_rows.shape
     flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * unique_capacity
                   + pair_unique).reshape(-1)
@@ -80,12 +118,19 @@ def backward(act_grads, pair_rows, pair_unique, pair_gains, *, unique_capacity: 
 def owner_update(table_shard, slots: dict, served_ids, grads, optimizer, step):
     """Sum the gradients of each distinct row over all sources, update it once.
 
-    served_ids [N, U] and grads [N, U, D] are what this shard received. Returns
-    (new table shard, new slots); the table and slots are updated in place
-    when the caller donates them. The host sends each list ascending and
-    distinct, so the owner merges N sorted lists (and, for N == 1, only checks
-    the order) instead of sorting; any order stays correct, only slower.
+    served_ids [N, U] and grads [N, U, D] (or `backward`'s `PendingGradients`)
+    are what this shard received. Returns (new table shard, new slots); the
+    table and slots are updated in place when the caller donates them. The
+    host sends each list ascending and distinct, so the owner merges N sorted
+    lists (and, for N == 1, only checks the order) instead of sorting; any
+    order stays correct, only slower.
     """
+    if isinstance(grads, PendingGradients):
+        if not optimizer.touches_all_rows and cpu_ops.fusable(optimizer, table_shard, slots):
+            return cpu_ops.backward_update(optimizer, table_shard, slots, served_ids,
+                                           grads.act_grads, grads.pair_rows, grads.pair_unique,
+                                           grads.pair_gains, step)
+        grads = grads.materialize()
     ids = served_ids.reshape(served_ids.shape[0], -1)
     g = grads.reshape(ids.size, -1)
     uniq, g_sum = cpu_ops.dedup_sum(ids, g)

@@ -1,0 +1,709 @@
+"""Training-step throughput: embedmesh vs plain JAX vs TorchRec/FBGEMM's CPU TBE.
+
+Workload (issue 4): 8 tables x 1M rows x dim 64 (float32), one feature each,
+batch 4096, ragged Poisson(10) ids per sample drawn Zipf(1.05) over permuted
+ranks, sum combiner; a trivial dense loss `0.5 * sum(act**2) / B`; its
+gradient; a fused Adagrad update (lr 0.01). ids/s = ids in the batch (before
+any dedup; ~327k) / step time.
+
+Peers, each in its own child process (so each gets its own peak RSS and no
+allocator or thread pool state leaks between them), run in interleaved rounds
+within one invocation; medians over rounds of per-round medians:
+
+  embedmesh         `MeshEmbedding` on a 1-device mesh: `enqueue` (host
+                    preprocessing + transfer) timed apart from the device step
+                    (`dequeue` + loss gradient + `apply_gradients`), plus the
+                    end-to-end step with `prefetch` overlapping preprocessing.
+  embedmesh-huge    `embedmesh` with its tables and slots moved to transparent huge
+                    pages after build (`embedmesh.cpu_ops.to_huge_pages`: the change
+                    proposed for `EmbeddingCore.init`).
+  embedmesh-pipelined  as embedmesh-huge with pipeline_execution_with_tensor_core=True
+                    (each update runs fused with the next lookup, one program a step).
+  embedmesh-2dev    as embedmesh-huge on a 2-device CPU mesh (rows mod-sharded,
+                    all_to_all).
+  embedmesh-core    as embedmesh-huge, as one user `jax.jit` train step over
+                    `EmbeddingCore` (lookup, loss, grad, update in one program).
+  embedmesh-base    (with --baseline PATH) `embedmesh` with an older sparse_ops.py.
+  embedmesh-xla     `embedmesh` with its CPU kernels off (EMBEDMESH_CPU_KERNELS=0):
+                    the pure-JAX path, i.e. XLA's own gather/scatter.
+  plain-jax         per table `jnp.take` + `segment_sum`, `jax.grad` to the dense
+                    tables, `optax.adagrad` on them (jit, tables and state donated).
+  fbgemm-exact      `SplitTableBatchedEmbeddingBagsCodegen` on CPU, EXACT_ADAGRAD.
+  fbgemm-rowwise    the same, EXACT_ROWWISE_ADAGRAD (one accumulator per row).
+
+Memory: peak RSS (VmHWM) of each child after setup and during the timed steps
+(reset through /proc/self/clear_refs), against the bytes of tables + slots.
+
+    /tmp/trainbench/bin/python benchmarks/train_step.py            # all peers
+    ... --peers embedmesh,fbgemm-exact --rounds 5 --steps 10
+    ... --profile                        # where embedmesh's step time goes
+
+See benchmarks/requirements-train.txt for the peer environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+T, V, D, B, VALENCY, ZIPF_A = 8, 1_000_000, 64, 4096, 10, 1.05
+LR = 0.01
+NUM_BATCHES = 4  # distinct batches, cycled
+HERE = os.path.dirname(os.path.abspath(__file__))
+BASELINE = os.environ.get("EMBEDMESH_BENCH_BASELINE", "")  # see --baseline
+ROOT = os.path.dirname(HERE)
+PEERS = ("embedmesh", "embedmesh-huge", "embedmesh-pipelined", "embedmesh-2dev",
+         "embedmesh-core", "embedmesh-xla", "plain-jax", "fbgemm-exact", "fbgemm-rowwise")
+
+
+# ---------------------------------------------------------------------------
+# Shared helpers (child side)
+
+
+def make_batches(seed=0):
+    """NUM_BATCHES batches: per table (values int32, lengths int64)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(np.arange(1, V + 1, dtype=np.float64) ** -ZIPF_A)
+    cdf /= cdf[-1]
+    perms = [rng.permutation(V).astype(np.int32) for _ in range(T)]
+    out = []
+    for _ in range(NUM_BATCHES):
+        feats = []
+        for t in range(T):
+            lengths = rng.poisson(VALENCY, B).astype(np.int64)
+            r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), V - 1)
+            feats.append((perms[t][r], lengths))
+        out.append(feats)
+    return out
+
+
+def rss_status():
+    """(VmHWM, VmRSS) in bytes."""
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmHWM", "VmRSS"):
+                vals[k] = int(v.split()[0]) * 1024
+    return vals.get("VmHWM", 0), vals.get("VmRSS", 0)
+
+
+def reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn, n):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
+def loss_of(acts_list):
+    return sum(0.5 * (a * a).sum() for a in acts_list) / B
+
+
+# ---------------------------------------------------------------------------
+# embedmesh
+
+
+def embedmesh_setup(batches):
+    orig = os.environ.get("EMBEDMESH_BENCH_SPARSE_OPS")
+    if orig:  # a baseline sparse_ops.py (e.g. the version before the CPU kernels)
+        import importlib.util
+
+        from embedmesh import core
+        spec = importlib.util.spec_from_file_location("baseline_sparse_ops", orig)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        core.sparse_ops = mod
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.inputs import RaggedTensor
+
+    def const_init(key, shape, dtype):  # cheap; values do not change the speed
+        return jnp.full(shape, 0.01, dtype)
+
+    fc = {f"f{t}": em.FeatureConfig(em.TableConfig(V, D, initializer=const_init, combiner="sum",
+                                                   name=f"t{t}")) for t in range(T)}
+    feats = [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
+    ndev = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), ("devices",))
+    from embedmesh.stacking import plan_stacking
+    plan = plan_stacking(fc, ndev)
+    caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=ndev).capacities()
+    pipelined = os.environ.get("EMBEDMESH_BENCH_PIPELINED") == "1"
+    emb = em.MeshEmbedding(fc, em.Adagrad(learning_rate=LR), pipelined, mesh=mesh,
+                           capacities=caps)
+    emb.build()
+    if os.environ.get("EMBEDMESH_BENCH_HUGE") == "1":  # the proposed EmbeddingCore.init change
+        from embedmesh import cpu_ops
+        from embedmesh.core import EmbeddingState
+        st = emb.state
+        emb.state = EmbeddingState(
+            {k: cpu_ops.to_huge_pages(v) for k, v in st.tables.items()},
+            {k: {n: cpu_ops.to_huge_pages(a) for n, a in d.items()} for k, d in st.slots.items()},
+            st.step)
+        del st
+    return emb, feats, caps
+
+
+def child_embedmesh(args, batches):
+    import jax
+
+    emb, feats, caps = embedmesh_setup(batches)
+    lossgrad = jax.jit(jax.grad(lambda acts: loss_of(list(acts.values()))))
+    nb = len(feats)
+
+    def facade_step(csr):
+        acts, pres = emb.dequeue(csr)
+        emb.apply_gradients(lossgrad(acts), pres)  # syncs on its finite check
+
+    device_step = facade_step
+    if args.child.startswith("embedmesh-core"):
+        core = emb.core
+
+        def train(state, csr):
+            acts = core.lookup(state, csr)
+            g = jax.grad(lambda a: loss_of(list(a.values())))(acts)
+            state, ok = core.apply_gradients(state, g, csr)
+            return state, ok
+
+        train_jit = jax.jit(train, donate_argnums=0)
+
+        def core_step(csr):
+            emb.state, ok = train_jit(emb.state, csr)
+            bool(ok)
+
+        device_step = core_step
+
+    csrs = [emb.enqueue(f) for f in feats]
+    for i in range(args.warmup):
+        device_step(csrs[i % nb])
+    jax.block_until_ready(emb.state)
+    setup_hwm, _ = rss_status()
+    reset_peak()
+    it = iter(range(10 ** 9))
+    enq = timed(lambda: jax.block_until_ready(emb.enqueue(feats[next(it) % nb])), args.steps)
+    it = iter(range(10 ** 9))
+    dev = timed(lambda: device_step(csrs[next(it) % nb]), args.steps)
+
+    def e2e():
+        src = (feats[i % nb] for i in range(args.steps))
+        t = time.perf_counter()
+        for csr in emb.prefetch(src):
+            device_step(csr)
+        return (time.perf_counter() - t) / args.steps
+
+    e2e_t = e2e()
+    step_hwm, rss = rss_status()
+    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(
+        (emb.state.tables, emb.state.slots)))
+    return dict(enqueue=enq, device=dev, e2e=[e2e_t], setup_hwm=setup_hwm, step_hwm=step_hwm,
+                rss=rss, state_bytes=state_bytes, devices=len(jax.devices()),
+                capacity=str(list(caps.values())[0]))
+
+
+# ---------------------------------------------------------------------------
+# plain JAX
+
+
+def child_plain(args, batches):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    cap = max(int(l.sum()) for b in batches for _, l in b)
+    cap = -(-cap // 1024) * 1024
+
+    def host_prep(b):  # fixed shapes: pad ids to `cap`, pad entries go to segment B (dropped)
+        ids = np.zeros((T, cap), np.int32)
+        seg = np.full((T, cap), B, np.int32)
+        for t, (vals, lengths) in enumerate(b):
+            ids[t, :vals.size] = vals
+            seg[t, :vals.size] = np.repeat(np.arange(B, dtype=np.int32), lengths)
+        return jax.device_put(ids), jax.device_put(seg)
+
+    tables = [jnp.full((V, D), 0.01, jnp.float32) for _ in range(T)]
+    opt = optax.adagrad(LR, initial_accumulator_value=0.1)
+    opt_state = opt.init(tables)
+
+    def loss(tables, ids, seg):
+        acts = [jax.ops.segment_sum(jnp.take(tables[t], ids[t], axis=0), seg[t], num_segments=B)
+                for t in range(T)]
+        return loss_of(acts)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(tables, opt_state, ids, seg):
+        g = jax.grad(loss)(tables, ids, seg)
+        updates, opt_state = opt.update(g, opt_state, tables)
+        return optax.apply_updates(tables, updates), opt_state
+
+    inputs = [host_prep(b) for b in batches]
+    nb = len(inputs)
+    state = [tables, opt_state]
+
+    def device_step(x):
+        state[0], state[1] = step(state[0], state[1], *x)
+        jax.block_until_ready(state[0])
+
+    for i in range(args.warmup):
+        device_step(inputs[i % nb])
+    setup_hwm, _ = rss_status()
+    reset_peak()
+    it = iter(range(10 ** 9))
+    enq = timed(lambda: jax.block_until_ready(host_prep(batches[next(it) % nb])), args.steps)
+    it = iter(range(10 ** 9))
+    dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
+    step_hwm, rss = rss_status()
+    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+    return dict(enqueue=enq, device=dev, setup_hwm=setup_hwm, step_hwm=step_hwm, rss=rss,
+                state_bytes=state_bytes, devices=1)
+
+
+# ---------------------------------------------------------------------------
+# FBGEMM
+
+
+def child_fbgemm(args, batches):
+    import logging
+
+    logging.disable(logging.WARNING)  # its version check logs a warning per library
+    import numpy as np
+    import torch
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (EmbeddingLocation,
+                                                                      PoolingMode)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+
+    optim = (EmbOptimType.EXACT_ADAGRAD if args.child == "fbgemm-exact"
+             else EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(V, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T,
+        optimizer=optim, learning_rate=LR, eps=1e-8, pooling_mode=PoolingMode.SUM,
+        weights_precision=SparseType.FP32, device=torch.device("cpu"))
+
+    def host_prep(b):  # table-major: all of table 0's samples, then table 1's, ...
+        ids = torch.from_numpy(np.concatenate([v for v, _ in b]).astype(np.int64))
+        lengths = np.concatenate([l for _, l in b])
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return ids, torch.from_numpy(offsets)
+
+    inputs = [host_prep(b) for b in batches]
+    nb = len(inputs)
+
+    def device_step(x):
+        out = tbe(x[0], x[1])  # [B, T * D]
+        loss = 0.5 * (out * out).sum() / B
+        loss.backward()  # the fused optimizer updates the touched rows here
+
+    for i in range(args.warmup):
+        device_step(inputs[i % nb])
+    setup_hwm, _ = rss_status()
+    reset_peak()
+    it = iter(range(10 ** 9))
+    enq = timed(lambda: host_prep(batches[next(it) % nb]), args.steps)
+    it = iter(range(10 ** 9))
+    dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
+    step_hwm, rss = rss_status()
+    state_bytes = sum(p.numel() * p.element_size() for p in tbe.split_embedding_weights())
+    state_bytes += sum(s.numel() * s.element_size() for st in tbe.split_optimizer_states()
+                       for s in st)
+    return dict(enqueue=enq, device=dev, setup_hwm=setup_hwm, step_hwm=step_hwm, rss=rss,
+                state_bytes=state_bytes, devices=1, threads=torch.get_num_threads())
+
+
+# ---------------------------------------------------------------------------
+# Profile: embedmesh's step, piece by piece (1 device), kernels vs XLA
+
+
+def child_profile(args, batches):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from embedmesh import cpu_ops
+    from embedmesh import preprocess as pre
+
+    emb, feats, caps = embedmesh_setup(batches)
+    csr = emb.enqueue(feats[0])
+    c = list(csr.values())[0]
+    stack = c.stack
+    tab, acc = emb.state.tables[stack], emb.state.slots[stack]["accumulators"]
+    u, pr, pu, pg = (np.asarray(x)[0] for x in (c.unique_ids, c.pair_rows, c.pair_unique,
+                                                 c.pair_gains))
+    u, pr, pu, pg = (jnp.asarray(x) for x in (u, pr, pu, pg))
+    R, U, P = c.rows_per_device, u.shape[1], pr.shape[1]
+    n_unique = int(np.asarray(c.unique_counts).sum())
+    opt = emb.core.optimizer_of(stack)
+    rows = jnp.full((U, D), 0.01, jnp.float32)
+    g_u = jnp.full((U, D), 1e-3, jnp.float32)
+    act_g = jnp.full((R, D), 1e-3, jnp.float32)
+    flat_u = u.reshape(-1)
+    flat_pu = pu.reshape(-1)
+    flat_pr = pr.reshape(-1)
+    flat_pg = pg.reshape(-1)
+    J = cpu_ops
+
+    def med(f, a):
+        jax.block_until_ready(f(*a))
+        return statistics.median(timed(lambda: jax.block_until_ready(f(*a)), args.steps))
+
+    def med_donated(f, state, rest):
+        """Median time of `state = f(*state, *rest)` (state donated, updated in place)."""
+        state = f(*state, *rest)
+        jax.block_until_ready(state)
+        ts = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            state = f(*state, *rest)
+            jax.block_until_ready(state)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts), state
+
+    def xla_update(t, a, i, g):
+        return J._generic_update(opt, t, {"accumulators": a}, i, g, jnp.int32(1))
+
+    out = {}
+    huge = []
+
+    def add(name, kind, value):
+        out.setdefault(name, {"kernel": [], "xla": []})[kind].append(value)
+
+    for _ in range(args.rounds):
+        pieces = {  # name: (kernel version, XLA version, args)
+            "lookup, 1 shard: combine P pairs from the table": (
+                lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m),
+                lambda t, m, i, g, d: J._segment_gather_sum_jax(
+                    J._gather_rows_jax(t, m), i, g, d, R),
+                (tab, flat_u, flat_pu, flat_pg, flat_pr)),
+            "lookup, N shards: gather U unique rows": (
+                J.gather_rows, J._gather_rows_jax, (tab, flat_u)),
+            "lookup, N shards: combine P pairs -> R rows": (
+                lambda r, i, g, d: J.segment_gather_sum(r, i, g, d, R),
+                lambda r, i, g, d: J._segment_gather_sum_jax(r, i, g, d, R),
+                (rows, flat_pu, flat_pg, flat_pr)),
+            "backward: P pairs -> U grads": (
+                lambda a, i, g, d: J.segment_gather_sum(a, i, g, d, U),
+                lambda a, i, g, d: J._segment_gather_sum_jax(a, i, g, d, U),
+                (act_g, flat_pr, flat_pg, flat_pu)),
+            "owner dedup, 1 list (XLA: sorted check+cond)": (
+                J.dedup_sum, J._dedup_sum_jax, (u, g_u)),
+            "owner dedup, sort + segment sum (old path)": (
+                None, J._sort_dedup_sum_jax, (u, g_u)),
+            "owner: optimizer math alone (Adagrad, XLA)": (
+                None, lambda r, a, g: opt.update_rows(r, {"accumulators": a}, g, jnp.int32(1)),
+                (rows, rows, g_u)),
+            "cond + isfinite over the activations' grads": (
+                None, lambda g: jax.lax.cond(jnp.all(jnp.isfinite(g)), lambda x: x + 0,
+                                             lambda x: x, g), (act_g,)),
+        }
+        for name, (k, x, a) in pieces.items():
+            if k is not None:
+                add(name, "kernel", med(jax.jit(k), a))
+            if x is not None:
+                add(name, "xla", med(jax.jit(x), a))
+        # in place in the step (the backward's output is dead after it): donate here too
+        v, (g_u,) = med_donated(jax.jit(lambda g, i: (J.dedup_sum(i, g)[1],),
+                                        donate_argnums=0), (g_u,), (u,))
+        add("owner dedup, 1 list, in place", "kernel", v)
+        name = "owner update: gather, Adagrad, scatter (in place)"
+        fused = jax.jit(lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(
+            J.sparse_update(opt, t, {"accumulators": a}, i, g, jnp.int32(1))),
+            donate_argnums=(0, 1))
+        xla = jax.jit(lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(
+            xla_update(t, a, i, g)), donate_argnums=(0, 1))
+        # the XLA version must not see the kernels: run it with them switched off
+        v, (tab, acc) = med_donated(fused, (tab, acc), (flat_u, g_u))
+        add(name, "kernel", v)
+        saved = J._state.get("ok")
+        J._state["ok"] = False
+        try:
+            v, (tab, acc) = med_donated(xla, (tab, acc), (flat_u, g_u))
+        finally:
+            J._state["ok"] = saved
+        add(name, "xla", v)
+        # the same on tables and slots moved to transparent huge pages
+        if not huge:
+            huge.extend(jax.block_until_ready((J.huge_page_copy(tab), J.huge_page_copy(acc))))
+        htab, hacc = huge
+        add("lookup, 1 shard: combine P pairs, huge pages", "kernel",
+            med(jax.jit(lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m)),
+                (htab, flat_u, flat_pu, flat_pg, flat_pr)))
+        add("lookup, 1 shard: combine P pairs, huge pages", "xla",
+            med(jax.jit(lambda t, m, i, g, d: J._segment_gather_sum_jax(
+                J._gather_rows_jax(t, m), i, g, d, R)), (htab, flat_u, flat_pu, flat_pg, flat_pr)))
+        name = "owner update (in place), huge pages"
+        v, (htab, hacc) = med_donated(fused, (htab, hacc), (flat_u, g_u))
+        add(name, "kernel", v)
+        J._state["ok"] = False
+        try:
+            v, (htab, hacc) = med_donated(xla, (htab, hacc), (flat_u, g_u))
+        finally:
+            J._state["ok"] = saved
+        add(name, "xla", v)
+        # the whole owner side (1 shard): backward + dedup + update, unfused vs fused
+        name = "backward+dedup+update, huge pages"
+
+        def unfused(t, a, ag, pr_, pu_, pg_, i):
+            per = J.segment_gather_sum(ag, pr_, pg_, pu_, U)
+            uq, g = J.dedup_sum(i[None], per)
+            t, s_ = J.sparse_update(opt, t, {"accumulators": a}, uq, g, jnp.int32(1))
+            return t, s_["accumulators"]
+
+        def fused_bu(t, a, ag, pr_, pu_, pg_, i):
+            t, s_ = J.backward_update(opt, t, {"accumulators": a}, i, ag, pr_, pu_, pg_,
+                                      jnp.int32(1))
+            return t, s_["accumulators"]
+
+        bu_args = (act_g, flat_pr, flat_pu, flat_pg, flat_u)
+        v, (htab, hacc) = med_donated(jax.jit(unfused, donate_argnums=(0, 1)), (htab, hacc),
+                                      bu_args)
+        add(name + " (unfused kernels)", "kernel", v)
+        v, (htab, hacc) = med_donated(jax.jit(fused_bu, donate_argnums=(0, 1)), (htab, hacc),
+                                      bu_args)
+        add(name + " (fused kernel)", "kernel", v)
+        huge[:] = [htab, hacc]
+        host = timed(lambda: pre.preprocess_features(feats[0], None, emb.plan,
+                                                     capacities=caps), args.steps)
+        add("host: preprocess (numba)", "kernel", statistics.median(host))
+        arrays = pre.preprocess_features(feats[0], None, emb.plan, capacities=caps)[0]
+        put = timed(lambda: jax.block_until_ready(emb.core.put(arrays)), args.steps)
+        add("host -> device transfer of the CSR", "kernel", statistics.median(put))
+    emb.state = type(emb.state)({stack: tab}, {stack: {"accumulators": acc}}, emb.state.step)
+    return dict(pieces={k: {kk: statistics.median(vv) if vv else None for kk, vv in v.items()}
+                        for k, v in out.items()},
+                U=U, P=P, R=R, n_unique=n_unique, n_pairs=int(np.asarray(c.pair_counts).sum()),
+                kernels=cpu_ops.available(), note="'kernel' = embedmesh.cpu_ops; "
+                "'xla' = the pure-JAX path; pieces without a kernel are XLA either way")
+
+
+# ---------------------------------------------------------------------------
+# Parent
+
+
+def child_main(args):
+    batches = make_batches(args.seed)
+    name = args.child
+    if name.startswith("fbgemm"):
+        res = child_fbgemm(args, batches)
+    elif name == "plain-jax":
+        res = child_plain(args, batches)
+    elif name == "profile":
+        res = child_profile(args, batches)
+    else:
+        res = child_embedmesh(args, batches)
+    res["ids"] = statistics.mean(sum(int(l.sum()) for _, l in b) for b in batches)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def child_env(peer):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    flags = env.get("XLA_FLAGS", "")
+    if peer == "embedmesh-2dev":
+        flags += " --xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = flags.strip()
+    if peer == "embedmesh-xla":
+        env["EMBEDMESH_CPU_KERNELS"] = "0"
+    if peer in ("embedmesh-huge", "embedmesh-core", "embedmesh-2dev", "embedmesh-pipelined"):
+        env["EMBEDMESH_BENCH_HUGE"] = "1"
+    if peer == "embedmesh-pipelined":
+        env["EMBEDMESH_BENCH_PIPELINED"] = "1"
+    if peer == "embedmesh-base":
+        env["EMBEDMESH_BENCH_SPARSE_OPS"] = BASELINE
+    return env
+
+
+# Peak RSS of each child (GB, measured here), to wait for or skip a child rather than push a
+# shared machine into the OOM killer.
+NEEDS_GB = {"plain-jax": 9.0, "fbgemm-exact": 4.5, "fbgemm-rowwise": 2.5}
+
+
+def mem_available_gb():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2 ** 20
+    return float("inf")
+
+
+def run_child(peer, args):
+    need = NEEDS_GB.get(peer, 7.0) + 0.5
+    waited = 0
+    while mem_available_gb() < need and waited < args.mem_wait:
+        time.sleep(10)
+        waited += 10
+    if mem_available_gb() < need:
+        return None, (f"skipped: needs ~{need:.1f} GB, {mem_available_gb():.1f} GB available "
+                      f"after waiting {waited} s")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", peer, "--steps",
+           str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
+           "--rounds", str(args.rounds)]
+    r = subprocess.run(cmd, env=child_env(peer), capture_output=True, text=True,
+                       timeout=args.timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:]), None
+    return None, (r.stderr or r.stdout)[-1500:]
+
+
+def fbgemm_importable():
+    code = ("import logging; logging.disable(logging.WARNING); "
+            "from fbgemm_gpu.split_table_batched_embeddings_ops_training import "
+            "SplitTableBatchedEmbeddingBagsCodegen")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return r.returncode == 0, r.stderr.strip().splitlines()[-1:] if r.returncode else ""
+
+
+def gb(x):
+    return f"{x / 2 ** 30:.2f}"
+
+
+def print_profile(res):
+    print(f"\nwhere embedmesh's step goes (1 device): U={res['U']} unique slots "
+          f"({res['n_unique']} used), P={res['P']} pair slots ({res['n_pairs']} used), "
+          f"R={res['R']} activation rows; medians, ms; kernels available: {res['kernels']}")
+    print(f"  {'piece':54s} {'CPU kernel':>10s} {'XLA':>8s} {'ratio':>6s}")
+    for name, v in res["pieces"].items():
+        k, x = v.get("kernel"), v.get("xla")
+        ratio = f"{x / k:5.1f}x" if k and x else ""
+        print(f"  {name:54s} {k * 1e3 if k else float('nan'):10.1f} "
+              f"{x * 1e3 if x else float('nan'):8.1f} {ratio:>6s}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per child")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=1200)
+    ap.add_argument("--mem-wait", type=int, default=300,
+                    help="seconds to wait for enough free memory before skipping a child")
+    ap.add_argument("--profile", action="store_true", help="profile embedmesh's step instead")
+    ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--baseline", help="path of an older embedmesh/sparse_ops.py: adds the peer "
+                    "embedmesh-base, embedmesh run with it (measures the gain of this one)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child_main(args)
+
+    import platform
+    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, load "
+          f"{os.getloadavg()[0]:.1f}; workload {T} tables x {V} rows x {D}, batch {B}, "
+          f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad")
+    if args.profile:
+        res, err = run_child("profile", args)
+        if res is None:
+            sys.exit(f"profile failed:\n{err}")
+        print_profile(res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+
+    peers = [p for p in args.peers.split(",") if p]
+    if args.baseline:
+        global BASELINE
+        BASELINE = os.path.abspath(args.baseline)
+        if "embedmesh-base" not in peers:
+            peers.append("embedmesh-base")
+    if any(p.startswith("fbgemm") for p in peers):
+        ok, why = fbgemm_importable()
+        if not ok:
+            print(f"FBGEMM not importable ({why}): its peers are skipped")
+            peers = [p for p in peers if not p.startswith("fbgemm")]
+    results = {p: [] for p in peers}
+    for rnd in range(args.rounds):  # interleaved rounds, peer order rotated each round
+        order = peers[rnd % len(peers):] + peers[:rnd % len(peers)]
+        for p in order:
+            t = time.perf_counter()
+            res, err = run_child(p, args)
+            if res is None:
+                print(f"  round {rnd}: {p} failed:\n{err}")
+                continue
+            results[p].append(res)
+            step_ms = statistics.median(res["device"]) * 1e3
+            print(f"  round {rnd}: {p:15s} device step {step_ms:8.1f} ms "
+                  f"({time.perf_counter() - t:.0f} s with setup), load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+
+    def med(p, key, of=statistics.median):
+        vals = [of(r[key]) for r in results[p] if key in r]
+        return statistics.median(vals) if vals else None
+
+    rows = {}
+    for p in peers:
+        if not results[p]:
+            continue
+        ids = results[p][0]["ids"]
+        dev, enq, e2e = med(p, "device"), med(p, "enqueue"), med(p, "e2e")
+        best = med(p, "device", min)
+        rows[p] = dict(ids=ids, device=dev, enqueue=enq, e2e=e2e, device_best=best,
+                       ids_s=ids / dev, ids_s_best=ids / best,
+                       ids_s_e2e=ids / e2e if e2e else None,
+                       ids_s_serial=ids / (dev + enq),
+                       setup_hwm=max(r["setup_hwm"] for r in results[p]),
+                       step_hwm=max(r["step_hwm"] for r in results[p]),
+                       state_bytes=results[p][0]["state_bytes"])
+    ids = next(iter(rows.values()))["ids"] if rows else 0
+    print(f"\n{ids / 1e3:.0f}k ids per step; medians over {len(results[peers[0]])} rounds of each "
+          f"child's median (and, as 'best', of its fastest) of {args.steps} steps")
+    print(f"  {'peer':15s} {'host prep':>9s} {'device':>9s} {'M ids/s':>8s} {'best':>9s} "
+          f"{'M ids/s':>8s} {'e2e prefetch':>12s} {'M ids/s':>8s} {'tables+slots':>12s} "
+          f"{'peak setup':>10s} {'peak steps':>10s}")
+    for p, r in rows.items():
+        e2e = f"{r['e2e'] * 1e3:9.1f} ms" if r["e2e"] else f"{'-':>12s}"
+        e2e_ids = f"{r['ids_s_e2e'] / 1e6:8.2f}" if r["ids_s_e2e"] else f"{'-':>8s}"
+        print(f"  {p:15s} {r['enqueue'] * 1e3:6.1f} ms {r['device'] * 1e3:6.1f} ms "
+              f"{r['ids_s'] / 1e6:8.2f} {r['device_best'] * 1e3:6.1f} ms "
+              f"{r['ids_s_best'] / 1e6:8.2f} {e2e} {e2e_ids} {gb(r['state_bytes']):>9s} GB "
+              f"{gb(r['setup_hwm']):>7s} GB {gb(r['step_hwm']):>7s} GB")
+    print("\nratios of device-step ids/s (row peer / column peer):")
+    refs = [p for p in ("plain-jax", "fbgemm-exact", "fbgemm-rowwise", "embedmesh-xla")
+            if p in rows]
+    for p in rows:
+        if p in ("plain-jax",) or p.startswith("fbgemm"):
+            continue
+        print(f"  {p:15s} " + "  ".join(
+            f"vs {q}: {rows[p]['ids_s'] / rows[q]['ids_s']:5.2f}x "
+            f"(best {rows[p]['ids_s_best'] / rows[q]['ids_s_best']:4.2f}x)"
+            for q in refs if q != p))
+    if "embedmesh" in rows:
+        for q in ("fbgemm-exact", "fbgemm-rowwise"):
+            if q in rows and rows["embedmesh"]["ids_s_e2e"]:
+                print(f"  embedmesh end-to-end (prefetch) vs {q}: "
+                      f"{rows['embedmesh']['ids_s_e2e'] / rows[q]['ids_s']:5.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "raw": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
