@@ -9,8 +9,6 @@ logical order (`embedding_tables`, `variables`, `embedding_table_shards`).
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Any, Iterable, Iterator, Optional
 
 import jax
@@ -22,6 +20,7 @@ from embedmesh.config import resolve_feature_config
 from embedmesh.core import EmbeddingCore, EmbeddingState
 from embedmesh.inputs import flatten_inputs_like
 from embedmesh.optimizers import Optimizer
+from embedmesh.prefetch import background_map
 from embedmesh import preprocess as _pre
 from embedmesh.stacking import plan_stacking
 
@@ -170,35 +169,12 @@ class MeshEmbedding:
         `batches` yields `features` or `(features, weights)`. An error in the
         thread is re-raised by the iterator in the training loop.
         """
-        q: queue.Queue = queue.Queue(maxsize=max(1, buffer_size))
-        done = object()
-        stop = threading.Event()
-
-        def work():
-            try:
-                for item in batches:
-                    if stop.is_set():
-                        return
-                    feats, w = item if isinstance(item, tuple) and len(item) == 2 else (item,
-                                                                                        None)
-                    q.put(("ok", self.enqueue(feats, w)))
-                q.put(("ok", done))
-            except BaseException as e:  # surfaced in the consumer
-                q.put(("error", e))
+        def enqueue_item(item):
+            feats, w = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
+            return self.enqueue(feats, w)
 
         self._maybe_build()
-        thread = threading.Thread(target=work, daemon=True, name="embedmesh-prefetch")
-        thread.start()
-        try:
-            while True:
-                kind, value = q.get()
-                if kind == "error":
-                    raise value
-                if value is done:
-                    return
-                yield value
-        finally:
-            stop.set()
+        return background_map(enqueue_item, batches, buffer_size)
 
     # -- lookup -------------------------------------------------------------------
 

@@ -145,3 +145,23 @@ def test_update_step_allocates_nothing_of_table_size():
     assert mem.temp_size_in_bytes < table_bytes // 20, (mem.temp_size_in_bytes, table_bytes)
     lookup = emb._lookup_fn.lower(emb.state, pre).compile().memory_analysis()
     assert lookup.temp_size_in_bytes < table_bytes // 20
+
+
+def test_background_map_stops_its_thread_when_the_consumer_stops_early():
+    import threading
+    from embedmesh.prefetch import background_map
+
+    produced = []
+
+    def items():
+        for i in range(100):
+            produced.append(i)
+            yield i
+
+    before = threading.active_count()
+    it = background_map(lambda x: x * 2, items(), buffer_size=1, name="bg-test")
+    assert next(it) == 0
+    it.close()  # the producer may be blocked on the full queue: it must be released
+    assert not any(t.name == "bg-test" and t.is_alive() for t in threading.enumerate())
+    assert threading.active_count() <= before
+    assert len(produced) < 100

@@ -10,9 +10,7 @@ background thread a few batches ahead.
 
 from __future__ import annotations
 
-import queue
 import sys
-import threading
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -24,6 +22,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh.engine import MeshEmbedding
+from embedmesh.prefetch import background_map
 from embedmesh.preprocess import compute_sparse_core_stats
 
 from examples.movielens import model as mdl
@@ -42,37 +41,7 @@ def make_mesh(num_devices: Optional[int] = None, platform: Optional[str] = None)
 
 def prefetch(items: Iterable, fn: Callable, buffer_size: int = 3) -> Iterator:
     """`fn(item)` for each item, computed in a background thread ahead of the consumer."""
-    q: queue.Queue = queue.Queue(maxsize=buffer_size)
-    stop = threading.Event()
-    done = object()
-
-    def work():
-        try:
-            for item in items:
-                if stop.is_set():
-                    return
-                q.put(("ok", fn(item)))
-            q.put(("ok", done))
-        except BaseException as e:  # re-raised in the consumer
-            q.put(("error", e))
-
-    t = threading.Thread(target=work, daemon=True, name="movielens-prefetch")
-    t.start()
-    try:
-        while True:
-            kind, value = q.get()
-            if kind == "error":
-                raise value
-            if value is done:
-                return
-            yield value
-    finally:
-        stop.set()
-        while t.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                t.join(0.05)
+    return background_map(fn, items, buffer_size, name="movielens-prefetch")
 
 
 class Progress:
