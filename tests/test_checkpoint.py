@@ -19,6 +19,7 @@ import embedmesh as em
 from embedmesh import checkpoint as ckpt
 from embedmesh.engine import MeshEmbedding
 
+from process_helpers import free_port, run_together
 from checkpoint_common import (HashInit, make_batch, make_features, make_tables, train_step,
                                variables_by_name)
 
@@ -378,25 +379,12 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, kill_at):
 
 
 def test_two_processes_save_their_own_shards(tmp_path):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root = tmp_path / "ckpt"
     worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
-    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(root)],
-                              env=_env(devices=2), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=300)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        outs.append(out.decode(errors="replace"))
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    outs = run_together([[sys.executable, worker, str(i), str(port), str(root)]
+                         for i in range(2)],
+                        env=_env(devices=2))
     item = root / "3" / "embedding"
     assert (item / "ocdbt.process_0").exists() and (item / "ocdbt.process_1").exists()
     want = np.load(root.parent / "expected.npz")
