@@ -134,14 +134,6 @@ class MeshEmbedding:
         """Pure numpy preprocessing (see `embedmesh.preprocess.preprocess_features`)."""
         return _pre.preprocess_features(features, weights, plan, **kwargs)
 
-    def _flat_features(self, features, weights):
-        flat = flatten_inputs_like(self._resolved, features, "features")
-        for name, x in zip(self._resolved.feature_names, flat):
-            if x is None:
-                raise ValueError(f"features: feature {name} is missing; every feature of the "
-                                 f"feature config needs an input")
-        return features
-
     def enqueue(self, features: Any, weights: Optional[Any] = None,
                 device: Optional[str] = None) -> dict:
         """Preprocess this process's batch on the host and place it on the mesh.
@@ -151,7 +143,6 @@ class MeshEmbedding:
         always runs on this process's host and feeds all its local devices.
         """
         self._maybe_build()
-        self._flat_features(features, weights)
         csr, stats = _pre.preprocess_features(
             features, weights, self.plan, num_devices_local=self._num_local_devices,
             capacities=self._capacities, overflow=self._overflow,

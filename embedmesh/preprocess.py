@@ -332,8 +332,8 @@ def _canonical_batch(plan: StackingPlan, features, weights) -> tuple[list, int]:
     for name, feature, inp, w in zip(resolved.feature_names, resolved.features, flat_inputs,
                                      flat_weights):
         if inp is None:
-            raise ValueError(f"feature {name} has no input; preprocessing needs every feature "
-                             f"of the config")
+            raise ValueError(f"feature {name} has no input (feature {name} is missing); "
+                             f"preprocessing needs every feature of the config")
         c = _canonical(name, feature, inp, w)
         if batch is None:
             batch, first = c.batch, name
