@@ -264,6 +264,66 @@ class EmbeddingCore:
                            out_specs={n: P(axes) for n in out_names}, check_vma=False)
         return fn(tables, csr)
 
+    def lookup_then_apply_gradients(self, state: EmbeddingState, gradients: dict,
+                                    csr_prev: dict, csr_next: dict, *, check_finite: bool = True):
+        """Pipelined step: activations for `csr_next` from the current tables, then
+        the update for the previous step's `csr_prev`.
+
+        Returns `(activations, new state, applied)`. The lookup sees the
+        tables exactly one update stale, and both run in one program so XLA
+        can overlap them with the dense model. The update still runs in
+        place: see `_ordered_after`.
+        """
+        acts = self.lookup(state, csr_next)
+        tables = self._ordered_after(state.tables, acts, csr_next)
+        state = dataclasses.replace(state, tables=tables)
+        new_state, ok = self.apply_gradients(state, gradients, csr_prev,
+                                             check_finite=check_finite)
+        return acts, new_state, ok
+
+    def _ordered_after(self, tables: dict, acts: dict, csr: dict) -> dict:
+        """The tables, made data-dependent on the lookup that read them.
+
+        XLA orders instructions only by data dependence when it decides
+        whether an in-place update may overwrite a buffer another op reads;
+        the lookup and the update of one stack are otherwise unordered, so
+        XLA would copy the whole table every step to keep the lookup's
+        input alive. Threading each table through a `cond` whose predicate
+        reads the lookup's output orders them at O(1) cost. The predicate is
+        true unless an activation's first element has one particular NaN
+        bit pattern; the other branch is then taken and returns the same
+        values (`+ 0` only turns -0.0 into +0.0); it exists because XLA
+        removes a `cond` whose branches are identical, and the barrier
+        `lax.optimization_barrier` is dropped before copy insertion on CPU.
+        """
+        first_act = {}
+        for s, c in csr.items():
+            for slot in c.features:
+                first_act.setdefault(s, slot.name)
+        stacks = [s for s in first_act if s in tables]
+        if not stacks:
+            return tables
+        axes = self.axes
+
+        def body(tabs, deps):
+            out = {}
+            for s in stacks:
+                d = deps[s].reshape(-1)
+                if d.size == 0:
+                    out[s] = tabs[s]
+                    continue
+                bits = jax.lax.bitcast_convert_type(d[0].astype(jnp.float32), jnp.int32)
+                keep = bits != jnp.int32(-1)  # 0xFFFFFFFF: a NaN no arithmetic produces
+                out[s] = jax.lax.cond(keep, lambda t: t, lambda t: t + jnp.zeros((), t.dtype),
+                                      tabs[s])
+            return out
+
+        tabs = {s: tables[s] for s in stacks}
+        deps = {s: acts[first_act[s]] for s in stacks}
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(self._specs(tabs), self._specs(deps)),
+                           out_specs=self._specs(tabs), check_vma=False)
+        return dict(tables, **fn(tabs, deps))
+
     def _is_sequence(self, feature_name: str) -> bool:
         return self.plan.feature(feature_name).combiner is None
 

@@ -106,12 +106,10 @@ class MeshEmbedding:
             lambda st, g, c: core.apply_gradients(st, g, c, check_finite=check),
             donate_argnums=0)
 
-        def fused(st, g, c_prev, c_next):
-            acts = core.lookup(st, c_next)
-            new_state, ok = core.apply_gradients(st, g, c_prev, check_finite=check)
-            return acts, new_state, ok
-
-        self._fused_fn = jax.jit(fused, donate_argnums=0)
+        self._fused_fn = jax.jit(
+            lambda st, g, c_prev, c_next: core.lookup_then_apply_gradients(
+                st, g, c_prev, c_next, check_finite=check),
+            donate_argnums=0)
         self._built = True
 
     def _require_built(self, what: str):

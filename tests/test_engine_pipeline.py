@@ -147,6 +147,30 @@ def test_update_step_allocates_nothing_of_table_size():
     assert lookup.temp_size_in_bytes < table_bytes // 20
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("n", [1, 2])
+def test_pipelined_step_updates_in_place(n, kernels, monkeypatch):
+    """The fused lookup + update program does not copy the table (it did: a
+    whole-table copy each step, because the lookup and the in-place update
+    were unordered for XLA)."""
+    from embedmesh import cpu_ops
+    if not kernels:
+        monkeypatch.setitem(cpu_ops._state, "ok", False)
+    elif not cpu_ops.available():
+        pytest.skip(cpu_ops.unavailable_reason())
+    rows, dim = 200_000, 16
+    t = TableConfig(rows, dim, name="big", initializer=lambda k, s, d: jnp.ones(s, d))
+    emb = MeshEmbedding({"x": FeatureConfig(t)}, em.Adagrad(0.1), True, mesh=mesh_of(n),
+                        capacities=Capacity(256, 256))
+    emb.build()
+    ids = np.random.default_rng(6).integers(0, rows, (64, 4))
+    pre = emb.enqueue({"x": ids})
+    grads = {"x": jnp.ones((64, dim), jnp.float32)}
+    mem = emb._fused_fn.lower(emb.state, grads, pre, pre).compile().memory_analysis()
+    table_bytes = rows * dim * 4
+    assert mem.temp_size_in_bytes < table_bytes // n // 20, (mem.temp_size_in_bytes, table_bytes)
+
+
 def test_background_map_stops_its_thread_when_the_consumer_stops_early():
     import threading
     from embedmesh.prefetch import background_map
