@@ -14,14 +14,11 @@ within one invocation; medians over rounds of per-round medians:
                     preprocessing + transfer) timed apart from the device step
                     (`dequeue` + loss gradient + `apply_gradients`), plus the
                     end-to-end step with `prefetch` overlapping preprocessing.
-  embedmesh-huge    `embedmesh` with its tables and slots moved to transparent huge
-                    pages after build (`embedmesh.cpu_ops.to_huge_pages`: the change
-                    proposed for `EmbeddingCore.init`).
-  embedmesh-pipelined  as embedmesh-huge with pipeline_execution_with_tensor_core=True
+  embedmesh-pipelined  as embedmesh with pipeline_execution_with_tensor_core=True
                     (each update runs fused with the next lookup, one program a step).
-  embedmesh-2dev    as embedmesh-huge on a 2-device CPU mesh (rows mod-sharded,
+  embedmesh-2dev    as embedmesh on a 2-device CPU mesh (rows mod-sharded,
                     all_to_all).
-  embedmesh-core    as embedmesh-huge, as one user `jax.jit` train step over
+  embedmesh-core    as embedmesh, as one user `jax.jit` train step over
                     `EmbeddingCore` (lookup, loss, grad, update in one program).
   embedmesh-base    (with --baseline PATH) `embedmesh` with an older sparse_ops.py.
   embedmesh-xla     `embedmesh` with its CPU kernels off (EMBEDMESH_CPU_KERNELS=0):
@@ -57,7 +54,7 @@ NUM_BATCHES = 4  # distinct batches, cycled
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINE = os.environ.get("EMBEDMESH_BENCH_BASELINE", "")  # see --baseline
 ROOT = os.path.dirname(HERE)
-PEERS = ("embedmesh", "embedmesh-huge", "embedmesh-pipelined", "embedmesh-2dev",
+PEERS = ("embedmesh", "embedmesh-pipelined", "embedmesh-2dev",
          "embedmesh-core", "embedmesh-xla", "plain-jax", "fbgemm-exact", "fbgemm-rowwise")
 
 
@@ -153,15 +150,6 @@ def embedmesh_setup(batches):
     emb = em.MeshEmbedding(fc, em.Adagrad(learning_rate=LR), pipelined, mesh=mesh,
                            capacities=caps)
     emb.build()
-    if os.environ.get("EMBEDMESH_BENCH_HUGE") == "1":  # the proposed EmbeddingCore.init change
-        from embedmesh import cpu_ops
-        from embedmesh.core import EmbeddingState
-        st = emb.state
-        emb.state = EmbeddingState(
-            {k: cpu_ops.to_huge_pages(v) for k, v in st.tables.items()},
-            {k: {n: cpu_ops.to_huge_pages(a) for n, a in d.items()} for k, d in st.slots.items()},
-            st.step)
-        del st
     return emb, feats, caps
 
 
@@ -529,8 +517,6 @@ def child_env(peer):
     env["XLA_FLAGS"] = flags.strip()
     if peer == "embedmesh-xla":
         env["EMBEDMESH_CPU_KERNELS"] = "0"
-    if peer in ("embedmesh-huge", "embedmesh-core", "embedmesh-2dev", "embedmesh-pipelined"):
-        env["EMBEDMESH_BENCH_HUGE"] = "1"
     if peer == "embedmesh-pipelined":
         env["EMBEDMESH_BENCH_PIPELINED"] = "1"
     if peer == "embedmesh-base":
