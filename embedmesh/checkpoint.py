@@ -63,6 +63,8 @@ from etils import epath
 from jax.sharding import PartitionSpec as P
 
 import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from embedmesh.config import TableConfig, resolve_feature_config
 
@@ -74,6 +76,7 @@ FORMAT = "embedmesh.checkpoint"
 FORMAT_VERSION = 1
 DEFAULT_ITEM = "embedding"
 MISSING_POLICIES = ("error", "keep")
+_ALIGN = 4096  # host buffers: page aligned, so CPU device_put aliases them
 
 
 def _version() -> str:
@@ -86,28 +89,33 @@ def _version() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _slicer(mesh, axes, lo: int, rows: int, dim: Optional[int]):
-    """jit: stack [N*S, D] -> table [N*rows, dim], each device slicing its own shard."""
+def _slicer(mesh, axes, rows: int, dim: Optional[int]):
+    """jit: (stack [N*S, D], lo) -> table [N*rows, dim], each device slicing its own shard.
 
-    def body(x):
-        x = x[lo:lo + rows]
-        return x[:, :dim] if x.ndim == 2 else x
+    `lo` (the table's first local row) is an argument, not a constant, so one
+    program serves every table of the same shape (was: one compile per table).
+    """
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+    def body(x, lo):
+        if x.ndim == 2:
+            return jax.lax.dynamic_slice(x, (lo, 0), (rows, dim))
+        return jax.lax.dynamic_slice(x, (lo,), (rows,))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes),
                                  check_vma=False))
 
 
 @functools.lru_cache(maxsize=None)
-def _writer(mesh, axes, lo: int, rows: int, dim: Optional[int]):
-    """jit (stack donated): write a table's [N*rows, dim] blocks into a stack in place."""
+def _writer(mesh, axes):
+    """jit (stack donated): write a table's [N*rows, dim] blocks into a stack in place at
+    local row `lo` of every shard (`lo` an argument: one compile per shape, not per table)."""
 
-    def body(stack, piece):
+    def body(stack, piece, lo):
         piece = piece.astype(stack.dtype)
-        if stack.ndim == 2:
-            return stack.at[lo:lo + rows, :dim].set(piece)
-        return stack.at[lo:lo + rows].set(piece)
+        start = (lo, 0) if stack.ndim == 2 else (lo,)
+        return jax.lax.dynamic_update_slice(stack, piece, start)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes)),
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes), P()),
                                  out_specs=P(axes), check_vma=False), donate_argnums=0)
 
 
@@ -119,7 +127,8 @@ def _table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
             and t.rows_per_shard == spec.rows_per_shard
             and (dim is None or dim == stack_array.shape[1])):
         return stack_array  # the stack is exactly this table: no copy
-    return _slicer(core.mesh, core.axes, t.local_row_offset, t.rows_per_shard, dim)(stack_array)
+    return _slicer(core.mesh, core.axes, t.rows_per_shard, dim)(
+        stack_array, np.int32(t.local_row_offset))
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +320,9 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
 
 
 class _Reader:
-    """Reads single leaves of one saved pytree as host numpy arrays (nothing else is read)."""
+    """Reads leaves of one saved pytree: metadata and small leaves through orbax, table
+    arrays straight from tensorstore into caller-provided numpy buffers (nothing else is
+    read)."""
 
     def __init__(self, path: epath.Path):
         self.path = path
@@ -326,6 +337,13 @@ class _Reader:
             raise ValueError(f"{path} has checkpoint format version "
                              f"{self.meta['format_version']}; this embedmesh reads up to "
                              f"{FORMAT_VERSION}")
+        try:
+            stored = json.loads((path / "_METADATA").read_text())
+        except (OSError, ValueError):
+            stored = {}
+        self._use_zarr3 = bool(stored.get("use_zarr3", False))
+        self._use_ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(path))
+        self._context = _ts_context() if self._use_ocdbt else None
 
     def shape(self, path: tuple) -> tuple:
         leaf = self.tree
@@ -333,26 +351,54 @@ class _Reader:
             leaf = leaf[k]
         return tuple(leaf.shape)
 
-    def read(self, path: tuple, sharding=None):
-        """One leaf; every other leaf is a placeholder and is not read.
-
-        Host numpy by default; with `sharding`, a `jax.Array` read shard by
-        shard straight onto its devices (each process reads its own shards).
-        """
+    def read(self, path: tuple):
+        """One small leaf (metadata, step) as host numpy, through orbax; nothing else is read."""
         item = jax.tree.map(lambda _: ocp.PLACEHOLDER, self.tree)
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), self.tree)
-        node, arg = item, args
+        node = item
         for k in path[:-1]:
-            node, arg = node[k], arg[k]
+            node = node[k]
         node[path[-1]] = 0
-        if sharding is not None:
-            arg[path[-1]] = ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding,
-                                                 global_shape=self.shape(path))
         out = self._handler.restore(self.path, args=ocp.args.PyTreeRestore(
             item=item, restore_args=args))
         for k in path:
             out = out[k]
-        return out if sharding is not None else np.asarray(out)
+        return np.asarray(out)
+
+    def store(self, path: tuple):
+        """The leaf's tensorstore array (opening reads only its small metadata).
+
+        The spec is orbax's own read spec for this item (same driver, kvstore,
+        OCDBT manifest), so every checkpoint orbax restores opens here too.
+        """
+        name = ".".join(path)  # orbax's parameter name for a key path
+        spec = _ts_utils.ArrayReadSpec(str(self.path), name, self._use_zarr3,
+                                       use_ocdbt=self._use_ocdbt).json
+        return ts.open(spec, open=True, read=True, context=self._context).result()
+
+    def start_fill(self, path: tuple, copies: list) -> list:
+        """Start reading the leaf into numpy buffers: `copies` is a list of
+        `(dst, dst_start, dst_step, src_start, src_step, rows)`, filling
+        `dst[dst_start::dst_step][:rows]` from stored rows
+        `src_start, src_start + src_step, ...` (row strided, all columns).
+
+        Every read is issued before any is awaited, so tensorstore reads each
+        stored chunk once even when several destinations need rows of it, and
+        copies each row straight into its destination (no whole-table
+        temporary). Returns the futures; `_wait` them.
+        """
+        store = self.store(path)
+        futures = []
+        for dst, d0, dstep, s0, sstep, rows in copies:
+            if rows <= 0:
+                continue
+            src = store
+            if np.dtype(src.dtype.numpy_dtype) != dst.dtype:
+                src = ts.cast(src, dst.dtype)
+            target = ts.array(dst, copy=False, write=True)
+            futures.append(target[d0:d0 + dstep * (rows - 1) + 1:dstep].write(
+                src[s0:s0 + sstep * (rows - 1) + 1:sstep]))
+        return futures
 
     def close(self):
         self._handler.close()
@@ -364,6 +410,28 @@ class _Reader:
         self.close()
 
 
+@functools.lru_cache(maxsize=None)
+def _ts_context():
+    """One tensorstore context for every read: orbax's OCDBT settings (many file reads in
+    flight); no chunk cache, so nothing stays in memory after a read."""
+    return _ts_utils.get_ts_context(use_ocdbt=True)
+
+
+def _wait(futures: list) -> None:
+    for f in futures:
+        f.result()
+
+
+def _host_buffer(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised numpy array aligned to 4 KiB: `jax.device_put` on CPU then aliases
+    it (no copy); elsewhere it is an ordinary host buffer."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    offset = (-raw.ctypes.data) % _ALIGN
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 def read_metadata(source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM) -> dict:
     """The JSON metadata of a checkpoint's embedding item (format, N, step, tables)."""
     with _Reader(_item_dir(source, step, item)) as r:
@@ -371,24 +439,74 @@ def read_metadata(source, step: Optional[int] = None, *, item: str = DEFAULT_ITE
 
 
 # ---------------------------------------------------------------------------
-# Layout conversions (numpy, one table at a time)
+# Layout conversions: which stored rows go where (pure index arithmetic)
+
+
+def _stored_shape_check(shape: tuple, meta_table: dict, n: int, dim: Optional[int] = None):
+    rows = n * meta_table["rows_per_shard"]
+    if shape[0] != rows:
+        raise ValueError(f"table {meta_table['name']}: stored array has {shape[0]} rows, "
+                         f"metadata says {n} x {meta_table['rows_per_shard']}")
+    if dim is not None and len(shape) == 2 and shape[1] != dim:
+        raise ValueError(f"table {meta_table['name']}: stored dim {shape[1]} != {dim}")
+
+
+def _logical_copies(meta_table: dict, n: int) -> list:
+    """[(dst_start, dst_step, src_start, src_step, rows)] taking the stored blocks of `n`
+    shards to the logical `[vocabulary_size, ...]` table (one contiguous read per block)."""
+    v, rps, rot = (meta_table["vocabulary_size"], meta_table["rows_per_shard"],
+                   meta_table["rotation"])
+    out = []
+    for j in range(n):
+        first = (j - rot) % n
+        out.append((first, n, j * rps, 1, len(range(first, v, n))))
+    return out
+
+
+def _reshard_copies(meta_table: dict, n_old: int, m: int, rotation: int, shard: int) -> list:
+    """[(dst_start, dst_step, src_start, src_step, rows)] filling new shard `shard` of `m`
+    (rows `[0, count)`) from the stored blocks of `n_old` shards, without index arrays.
+
+    New shard rows are `i = first + m * r`. With `L = lcm(m, n_old)`, `i % n_old` repeats
+    with period `L / m` in r, so each phase p of r reads one stored block, at local rows
+    `(first + m * p) // n_old + (L / n_old) * q`: an arithmetic progression. Same layout
+    (n_old == m, same rotation) is one contiguous copy.
+    """
+    v, rps_old, rot_old = (meta_table["vocabulary_size"], meta_table["rows_per_shard"],
+                           meta_table["rotation"])
+    first = (shard - rotation) % m
+    count = len(range(first, v, m))
+    lcm = m * n_old // int(np.gcd(m, n_old))
+    period, stride = lcm // m, lcm // n_old
+    out = []
+    for p in range(min(period, count)):
+        i0 = first + m * p
+        block = (i0 % n_old + rot_old) % n_old
+        out.append((p, period, block * rps_old + i0 // n_old, stride,
+                    len(range(p, count, period))))
+    return out
+
+
+def _apply_copies(stored: np.ndarray, copies: list, out: np.ndarray) -> np.ndarray:
+    """numpy reference of a copy list (the tests check the index arithmetic with it)."""
+    for d0, dstep, s0, sstep, rows in copies:
+        if rows > 0:
+            out[d0:d0 + dstep * (rows - 1) + 1:dstep] = \
+                stored[s0:s0 + sstep * (rows - 1) + 1:sstep]
+    return out
 
 
 def _stored_to_logical(stored: np.ndarray, meta_table: dict, n: int) -> np.ndarray:
-    """The logical `[vocabulary_size, ...]` table from its stored block layout."""
-    v, rps, rot = meta_table["vocabulary_size"], meta_table["rows_per_shard"], \
-        meta_table["rotation"]
-    if stored.shape[0] != n * rps:
-        raise ValueError(f"table {meta_table['name']}: stored array has {stored.shape[0]} rows, "
-                         f"metadata says {n} x {rps}")
-    if n == 1:
-        return stored[:v]  # one shard: already in logical order
-    out = np.empty((v,) + stored.shape[1:], stored.dtype)
-    for j in range(n):
-        first = (j - rot) % n
-        count = len(range(first, v, n))
-        out[first::n] = stored[j * rps:j * rps + count]
-    return out
+    """The logical `[vocabulary_size, ...]` table from its stored block layout (numpy)."""
+    _stored_shape_check(stored.shape, meta_table, n)
+    out = np.empty((meta_table["vocabulary_size"],) + stored.shape[1:], stored.dtype)
+    return _apply_copies(stored, _logical_copies(meta_table, n), out)
+
+
+def _reshard_rows(stored: np.ndarray, meta_table: dict, n_old: int, m: int, rotation: int,
+                  shard: int, out: np.ndarray) -> None:
+    """Fill `out[:count]` with the table's rows on new shard `shard` of `m` (numpy)."""
+    _apply_copies(stored, _reshard_copies(meta_table, n_old, m, rotation, shard), out)
 
 
 # ---------------------------------------------------------------------------
@@ -415,41 +533,6 @@ def _local_shards(core, shape: tuple) -> list:
     return sorted(out, key=lambda x: x[0])
 
 
-def _reshard_rows(stored: np.ndarray, meta_table: dict, n_old: int, m: int, rotation: int,
-                  shard: int, out: np.ndarray) -> None:
-    """Fill `out[:count]` with the table's rows on new shard `shard` of `m`, from the stored
-    blocks of `n_old` shards, by strided copies (no index arrays).
-
-    New shard rows are `i = first + m * r`. With `L = lcm(m, n_old)`, `i % n_old` repeats
-    with period `L / m` in r, so each phase p of r reads one stored block, at local rows
-    `(first + m * p) // n_old + (L / n_old) * q`: an arithmetic progression.
-    """
-    v, rps_old, rot_old = (meta_table["vocabulary_size"], meta_table["rows_per_shard"],
-                           meta_table["rotation"])
-    first = (shard - rotation) % m
-    count = len(range(first, v, m))
-    lcm = m * n_old // np.gcd(m, n_old)
-    period, stride = lcm // m, lcm // n_old
-    for p in range(min(period, count)):
-        i0 = first + m * p
-        block = (i0 % n_old + rot_old) % n_old
-        n_rows = len(range(p, count, period))
-        src = stored[block * rps_old + i0 // n_old:(block + 1) * rps_old:stride][:n_rows]
-        out[p:count:period] = src
-
-
-def _pieces_from_stored(core, stored: np.ndarray, meta_table: dict, n_old: int, t) -> Iterator:
-    """Yield (j, [rows_per_shard, ...]) for this process's shards of table `t` (new layout)."""
-    m, rps = core.num_shards, t.rows_per_shard
-    shape = (m * rps,) + stored.shape[1:]
-    for j, _ in _local_shards(core, shape):
-        piece = np.empty((rps,) + stored.shape[1:], stored.dtype)
-        count = len(range((j - t.rotation) % m, t.vocabulary_size, m))
-        piece[count:] = 0
-        _reshard_rows(stored, meta_table, n_old, m, t.rotation, j, piece)
-        yield j, piece
-
-
 def _same_layout(core, meta_table: dict, n_old: int, t) -> bool:
     """Whether the stored blocks are exactly this table's shards on `core`'s mesh."""
     return (n_old == core.num_shards and meta_table["rotation"] == t.rotation
@@ -463,70 +546,55 @@ def _is_whole_stack(core, stack_array: jax.Array, t) -> bool:
             and (stack_array.ndim == 1 or stack_array.shape[1] == t.dim))
 
 
-def _place_from_host(core, stored: np.ndarray, meta_table: dict, n_old: int, t,
-                     dtype) -> jax.Array:
-    """The table's `[M * rows_per_shard, ...]` array on `core`'s mesh, built one device
-    shard at a time from the stored (host) array."""
-    shape = (core.num_shards * t.rows_per_shard,) + stored.shape[1:]
-    devices = dict(_local_shards(core, shape))
-    placed = []
-    for j, piece in _pieces_from_stored(core, stored, meta_table, n_old, t):
-        placed.append(jax.device_put(np.ascontiguousarray(piece, dtype=dtype), devices[j]))
-        del piece
-    return jax.make_array_from_single_device_arrays(shape, core.row_sharding, placed)
+@dataclasses.dataclass
+class _Pending:
+    """One leaf being read: this process's new shards of the table, and the reads."""
+
+    kind: str  # "direct" (stored blocks are these shards) or "resharded"
+    pieces: list  # [(shard j, device, numpy [rows_per_shard, ...])]
+    futures: list
 
 
-def _fetch_leaf(core, reader, leaf: tuple, meta_table: dict, n_old: int, t):
-    """Read one stored leaf: onto the devices when the layout is this mesh's, else to host."""
-    if _same_layout(core, meta_table, n_old, t):
-        # the stored blocks are this mesh's shards: read each straight onto its device
-        return "device", reader.read(leaf, sharding=core.row_sharding)
-    return "host", reader.read(leaf)
+def _start_leaf(core, reader, leaf: tuple, meta_table: dict, n_old: int, t,
+                dtype) -> _Pending:
+    """Allocate this process's shards of table `t` (new layout) and start reading into them:
+    only the stored rows these shards need, each copied once, straight into place."""
+    stored_shape = reader.shape(leaf)
+    _stored_shape_check(stored_shape, meta_table, n_old, t.dim)
+    m, rps = core.num_shards, t.rows_per_shard
+    rest = tuple(stored_shape[1:])
+    pieces, copies = [], []
+    for j, device in _local_shards(core, (m * rps,) + rest):
+        piece = _host_buffer((rps,) + rest, dtype)
+        count = len(range((j - t.rotation) % m, t.vocabulary_size, m))
+        piece[count:] = 0
+        pieces.append((j, device, piece))
+        copies += [(piece,) + c for c in _reshard_copies(meta_table, n_old, m, t.rotation, j)]
+    kind = "direct" if _same_layout(core, meta_table, n_old, t) else "resharded"
+    return _Pending(kind, pieces, reader.start_fill(leaf, copies))
 
 
-def _place_leaf(core, fetched, stack_array: jax.Array, meta_table: dict, n_old: int, t,
+def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
                 stats: Optional[dict] = None) -> jax.Array:
-    """The stack array with one fetched table leaf (parameters or a slot) written in."""
-    kind, data = fetched
+    """Wait for a leaf's reads, then return the stack array with it written in (in place)."""
+    _wait(pending.futures)
     if stats is not None:
-        stats[kind] = stats.get(kind, 0) + 1
-    if kind == "device":
-        piece = data
-    else:
-        if stack_array.ndim == 2 and data.ndim == 2 and data.shape[1] != t.dim:
-            raise ValueError(f"table {t.name}: stored dim {data.shape[1]} != {t.dim}")
-        piece = _place_from_host(core, data, meta_table, n_old, t, stack_array.dtype)
-    del fetched, data
-    if piece.dtype != stack_array.dtype:
-        piece = piece.astype(stack_array.dtype)
+        stats[pending.kind] = stats.get(pending.kind, 0) + 1
+    rest = pending.pieces[0][2].shape[1:] if pending.pieces else stack_array.shape[1:]
+    shape = (core.num_shards * t.rows_per_shard,) + tuple(rest)
+    # On CPU, device_put aliases the (aligned) buffers: no copy until the write below
+    placed = [jax.device_put(piece, device) for _, device, piece in pending.pieces]
+    pending.pieces = []
+    piece = jax.make_array_from_single_device_arrays(shape, core.row_sharding, placed)
+    del placed
     if _is_whole_stack(core, stack_array, t) and piece.shape == stack_array.shape:
         stack_array.delete()  # replaced wholesale: no copy
         return piece
-    dim = t.dim if stack_array.ndim == 2 else None
-    out = _writer(core.mesh, core.axes, t.local_row_offset, t.rows_per_shard, dim)(
-        stack_array, piece)
-    # wait, so that this table's shards are freed before the next table is read
+    out = _writer(core.mesh, core.axes)(stack_array, piece, np.int32(t.local_row_offset))
+    # wait, so that this table's buffers are freed before the next table is read
     out.block_until_ready()
     piece.delete()
     return out
-
-
-def _fetched(core, reader, jobs: list, prefetch: bool) -> Iterator:
-    """Yield each job's fetched leaf; with `prefetch`, read the next one meanwhile."""
-    if not prefetch:
-        for leaf, t, m in jobs:
-            yield _fetch_leaf(core, reader, leaf, m, reader.meta["num_shards"], t)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(1, thread_name_prefix="embedmesh-restore") as pool:
-        submit = lambda job: pool.submit(  # noqa: E731
-            _fetch_leaf, core, reader, job[0], job[2], reader.meta["num_shards"], job[1])
-        future = submit(jobs[0]) if jobs else None
-        for i in range(len(jobs)):
-            result = future.result()
-            future = submit(jobs[i + 1]) if i + 1 < len(jobs) else None
-            yield result
-            del result
 
 
 def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
@@ -536,8 +604,9 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
 
     The checkpoint may come from any number of devices and any stacking. For
     each table of `emb`, its parameters and then each slot are read from disk
-    one at a time, cut into `emb`'s shards and written in place into the
-    stack arrays. Tables of the checkpoint that `emb` lacks are ignored.
+    one at a time, straight into `emb`'s shards of that table (reading only
+    the stored rows this process's shards need), and written in place into
+    the stack arrays. Tables of the checkpoint that `emb` lacks are ignored.
 
     Args:
       emb: a `MeshEmbedding`.
@@ -548,9 +617,8 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
       missing: "error" (default) raises ValueError when a table of `emb`, or
         one of its optimizer slots, is not in the checkpoint; "keep" leaves
         those at their current (e.g. initial) values.
-      prefetch: read the next table while the current one is placed (faster
-        when reads and placing overlap; holds two tables on the host instead
-        of one).
+      prefetch: start reading the next table while the current one is
+        written in (holds two tables on the host instead of one).
 
     Returns the restored step count (also set as `emb.state.step`).
 
@@ -585,18 +653,35 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
         if problems and missing == "error":
             raise ValueError("cannot restore " + str(path) + ": " + "; ".join(problems) +
                              " (pass missing='keep' to keep their current values)")
+        leaves = [("tables", m["key"]) if field == "parameters" else ("slots", m["key"], field)
+                  for t, m, field in todo]
+        for (t, m, field), leaf in zip(todo, leaves):  # before anything is changed
+            _stored_shape_check(reader.shape(leaf), m, n_old, t.dim)
         tables = dict(emb.state.tables)
         slots = {s: dict(v) for s, v in emb.state.slots.items()}
-        jobs = [(("tables", m["key"]) if field == "parameters" else ("slots", m["key"], field),
-                 t, m) for t, m, field in todo]
-        for (t, m, field), fetched in zip(todo, _fetched(core, reader, jobs, prefetch)):
+
+        def target(i):
+            t, _, field = todo[i]
+            return tables[t.stack] if field == "parameters" else slots[t.stack][field]
+
+        def start(i):
+            t, m, _ = todo[i]
+            return _start_leaf(core, reader, leaves[i], m, n_old, t, target(i).dtype)
+
+        pending = start(0) if todo else None
+        for i, (t, m, field) in enumerate(todo):
+            current, pending = pending, None
+            if prefetch and i + 1 < len(todo):
+                pending = start(i + 1)
+            out = _place_leaf(core, current, target(i), t, _stats)
+            del current
             if field == "parameters":
-                tables[t.stack] = _place_leaf(core, fetched, tables[t.stack], m, n_old, t,
-                                              _stats)
+                tables[t.stack] = out
             else:
-                slots[t.stack][field] = _place_leaf(core, fetched, slots[t.stack][field], m,
-                                                    n_old, t, _stats)
-            del fetched
+                slots[t.stack][field] = out
+            del out
+            if pending is None and i + 1 < len(todo):
+                pending = start(i + 1)
         step_count = int(meta["step"])
     emb.state = type(emb.state)(tables, slots, jax.device_put(
         jnp.asarray(step_count, jnp.int32), core.replicated))
@@ -611,11 +696,14 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
                 item: str = DEFAULT_ITEM) -> dict:
     """`{TableConfig: [vocabulary_size, dim] numpy array}` of a checkpoint's parameters.
 
-    Reads only the parameters (optimizer slots are never read) into host
-    memory, one table at a time, on any machine: no mesh, no devices needed.
-    With `feature_config`, the keys are its `TableConfig`s (matched by name,
-    sizes checked) and only its tables are read; without, new `TableConfig`s
-    with the saved names, sizes and combiners.
+    Reads only the parameters (optimizer slots are never read) on any
+    machine: no mesh, no devices needed. Each stored block is read straight
+    into its rows of the preallocated output (no temporary copy); the next
+    table's reads are issued while the current one completes (the outputs
+    are all returned anyway, so this holds nothing extra). With
+    `feature_config`, the keys are its `TableConfig`s (matched by name, sizes
+    checked) and only its tables are read; without, new `TableConfig`s with
+    the saved names, sizes and combiners.
     """
     with _Reader(_item_dir(source, step, item)) as reader:
         meta = reader.meta
@@ -637,9 +725,20 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
                                      f"{m['dim']}], the feature config "
                                      f"[{cfg.vocabulary_size}, {cfg.dim}]")
                 wanted.append((cfg, m))
-        out = {}
+        out, in_flight = {}, []
         for cfg, m in wanted:
-            out[cfg] = _stored_to_logical(reader.read(("tables", m["key"])), m, n)
+            leaf = ("tables", m["key"])
+            shape = reader.shape(leaf)
+            _stored_shape_check(shape, m, n, m["dim"])
+            dtype = np.dtype(m.get("dtype", "float32"))
+            arr = _host_buffer((m["vocabulary_size"],) + tuple(shape[1:]), dtype)
+            in_flight.append(reader.start_fill(leaf, [(arr,) + c
+                                                      for c in _logical_copies(m, n)]))
+            out[cfg] = arr
+            if len(in_flight) > 1:  # at most two tables' reads in flight
+                _wait(in_flight.pop(0))
+        for futures in in_flight:
+            _wait(futures)
         return out
 
 

@@ -116,9 +116,9 @@ def test_restore_on_other_device_counts_and_stackings(sources, case):
     else:
         step = ckpt.restore(emb, src["path"], _stats=stats)
     assert step == 2 and int(emb.state.step) == 2
-    # same device count: the stored blocks are this mesh's shards, read onto the devices
-    # directly; otherwise read on the host (one table at a time) and re-cut
-    assert set(stats) == ({"device"} if n_from == n_to else {"host"})
+    # same device count: the stored blocks are this mesh's shards, read whole ("direct");
+    # otherwise each new shard gathers its rows from the stored blocks ("resharded")
+    assert set(stats) == ({"direct"} if n_from == n_to else {"resharded"})
     got = variables_by_name(emb)
     common = [n for n in src["saved"] if n in got]
     assert_same_variables(got, src["saved"], common)
@@ -161,14 +161,14 @@ def test_restore_streams_one_table_at_a_time(tmp_path, monkeypatch):
     ckpt.restore(dst, tmp_path)  # compiles the writers: measure the next restore only
     dst.set_tables({t: np.zeros((20000, 16), np.float32) for t in tables.values()})
     reads = []
-    original = ckpt._Reader.read
+    original = ckpt._Reader.start_fill
 
-    def counting_read(self, path):
-        out = original(self, path)
-        reads.append((path, out.nbytes))
-        return out
+    def counting_fill(self, path, copies):
+        # bytes of the distinct buffers this read fills: the table's new shards
+        reads.append((path, sum({id(c[0]): c[0].nbytes for c in copies}.values())))
+        return original(self, path, copies)
 
-    monkeypatch.setattr(ckpt._Reader, "read", counting_read)
+    monkeypatch.setattr(ckpt._Reader, "start_fill", counting_fill)
     tracemalloc.start()
     tracemalloc.reset_peak()
     ckpt.restore(dst, tmp_path)
