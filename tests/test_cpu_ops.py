@@ -210,17 +210,28 @@ def test_fallbacks_without_kernels(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["sorted", "unsorted_ids", "unsorted_pairs"])
+@pytest.mark.parametrize("case", ["sorted", "unsorted_ids", "unsorted_pairs", "large",
+                                  "large_unsorted_at_chunk_edge"])
 @pytest.mark.parametrize("opt", [Adagrad(0.2, weight_decay_factor=0.01, clipvalue=0.5),
                                  SGD(0.3, clip_weight_min=-1.0)])
 def test_backward_update_matches_unfused(case, opt):
     r = rng(8)
     rows, d, u_cap, p_cap, R = 400, 8, 64, 200, 50
     used = 50
-    ids = ids_with_padding(r, rows, u_cap, used, sort=True)
     n_pairs = 150
+    if case.startswith("large"):  # several of the kernel's pair chunks (16384 pairs each)
+        rows, u_cap, p_cap, R, used, n_pairs = 9000, 4096, 90000, 700, 3000, 80000
+    ids = ids_with_padding(r, rows, u_cap, used, sort=True)
     pu = np.sort(r.integers(0, used, n_pairs)).astype(np.int32)
     pr = r.integers(0, R, n_pairs).astype(np.int32)
+    if case.startswith("large"):
+        pu[10000:60000] = 77  # one slot spans whole chunks; more slots span their edges
+        pu = np.sort(pu)
+        pr[r.random(n_pairs) < 0.05] = R  # invalid pairs inside the valid ones
+    if case == "large_unsorted_at_chunk_edge":  # sorted inside each chunk, not across
+        pu[16384 - 5:16384], pu[16384:16384 + 5] = pu[16384:16384 + 5].copy(), \
+            pu[16384 - 5:16384].copy()
+        pu[16384 - 5:16384] = used - 1
     pu = np.concatenate([pu, np.zeros(p_cap - n_pairs, np.int32)])  # padding: row R, gain 0
     pr = np.concatenate([pr, np.full(p_cap - n_pairs, R, np.int32)])
     pg = np.concatenate([r.standard_normal(n_pairs), np.zeros(p_cap - n_pairs)]).astype(np.float32)
