@@ -219,6 +219,33 @@ def test_load_tables_for_serving_reads_parameters_only(sources, tmp_path):
                                                    "d": "sum"}
 
 
+@pytest.mark.parametrize("n_from,n_to", [(1, 8), (2, 3), (8, 4), (4, 4)])
+def test_restore_reads_each_stored_byte_once(tmp_path, n_from, n_to):
+    """Every new shard gathers strided rows from several stored blocks (and 1 -> 8 reads
+    each block into eight shards); the reads of one table go out as one batch, so each
+    stored chunk is read from disk once: bytes read ~ bytes stored, values exact."""
+    rng = np.random.default_rng(n_from * 10 + n_to)
+    tables = {n: em.TableConfig(v, 8, name=n) for n, v in (("u", 20001), ("w", 9000))}
+    feats = {"fu": em.FeatureConfig(tables["u"]), "fw": em.FeatureConfig(tables["w"])}
+    values = {t: rng.normal(size=(t.vocabulary_size, 8)).astype(np.float32)
+              for t in tables.values()}
+    slots = {t: {"accumulators": rng.uniform(0.1, 2, (t.vocabulary_size, 8)).astype(
+        np.float32)} for t in tables.values()}
+    src = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(n_from))
+    src.set_tables(values, slots, step=3)
+    ckpt.save(tmp_path, src)
+    stored = sum(2 * t.vocabulary_size * 8 * 4 for t in tables.values())  # params + accs
+    dst = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(n_to))
+    before = _file_bytes_read()
+    assert ckpt.restore(dst, tmp_path) == 3
+    read = _file_bytes_read() - before
+    assert stored <= read < stored * 1.05 + 200_000, (read, stored)
+    got = variables_by_name(dst)
+    for t in tables.values():
+        np.testing.assert_array_equal(got[t.name]["parameters"], values[t])
+        np.testing.assert_array_equal(got[t.name]["accumulators"], slots[t]["accumulators"])
+
+
 def test_embedding_for_serving(sources):
     tables = make_tables()
     feats = make_features(tables)
@@ -417,3 +444,25 @@ def test_reshard_rows_matches_the_layout_for_any_shard_counts():
             want = table[(k - rot) % m::m]
             np.testing.assert_array_equal(out[:len(want)], want)
         np.testing.assert_array_equal(ckpt._stored_to_logical(stored, meta, n), table)
+
+
+def test_reader_fills_strided_rows_with_a_cast(sources):
+    """The tensorstore copy lists (what restore and load_tables use) against numpy, into a
+    buffer of another dtype (the stored float32 is cast on the fly)."""
+    path = ckpt._item_dir(sources[4]["path"], None, ckpt.DEFAULT_ITEM)
+    with ckpt._Reader(path) as reader:
+        m = next(t for t in reader.meta["tables"] if t["name"] == "d")
+        leaf = ("tables", m["key"])
+        stored = np.asarray(reader.read(leaf))
+        for n_to, rot in ((3, 1), (8, 5), (4, m["rotation"])):
+            rps = -(-m["vocabulary_size"] // n_to)
+            for j in range(n_to):
+                copies = ckpt._reshard_copies(m, 4, n_to, rot, j)
+                want = ckpt._apply_copies(stored, copies, np.zeros((rps, m["dim"]), np.float32))
+                got = np.zeros((rps, m["dim"]), np.float64)
+                ckpt._wait(reader.start_fill(leaf, [(got,) + c for c in copies]))
+                np.testing.assert_array_equal(got, want.astype(np.float64))
+        logical = np.zeros((m["vocabulary_size"], m["dim"]), np.float64)
+        ckpt._wait(reader.start_fill(leaf, [(logical,) + c
+                                            for c in ckpt._logical_copies(m, 4)]))
+        np.testing.assert_array_equal(logical, sources[4]["saved"]["d"]["parameters"])
