@@ -19,6 +19,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from embedmesh import kernels
+
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -146,6 +148,34 @@ def validate_input(name: str, inp, weight=None) -> None:
     Checks types, integer ids, sparse index shape and row-major order, ragged
     row_splits, and that weights match their input in type and layout.
     """
+    validate_structure(name, inp, weight)
+    if input_kind(inp) == "sparse":
+        sparse_row_offsets(name, inp)
+
+
+def sparse_row_offsets(name: str, inp: SparseTensor) -> np.ndarray:
+    """Entry offsets of each row of a structurally valid SparseTensor, its leading
+    dimensions flattened (`prod(dense_shape[:-1]) + 1` values), after checking
+    every index lies in `dense_shape` and indices are sorted row-major without
+    repeats. One compiled pass when numba is present (kernels.sparse_offsets).
+    """
+    idx = np.asarray(inp.indices)
+    shape = tuple(inp.dense_shape)
+    offsets, bad = kernels.sparse_offsets(idx, shape)
+    if bad < 0:
+        return offsets
+    entry = idx[bad]
+    if np.any(entry < 0) or np.any(entry >= np.asarray(shape)):
+        raise ValueError(f"feature {name}: SparseTensor index {entry.tolist()} is outside "
+                         f"dense_shape {shape}")
+    raise ValueError(f"feature {name}: SparseTensor indices must be sorted in row-major order "
+                     f"without repeats; entry {bad} {entry.tolist()} follows "
+                     f"{idx[bad - 1].tolist()}")
+
+
+def validate_structure(name: str, inp, weight=None) -> None:
+    """`validate_input` without the O(nnz) check of sparse indices (see
+    `sparse_row_offsets`, which does that check while computing row offsets)."""
     kind = input_kind(inp)
     if weight is not None and input_kind(weight) != kind:
         raise ValueError(f"feature {name}: weight is of type {type(weight).__name__} but the "
@@ -174,22 +204,6 @@ def validate_input(name: str, inp, weight=None) -> None:
         if not np.issubdtype(idx.dtype, np.integer):
             raise TypeError(f"feature {name}: SparseTensor indices must be integers, got "
                             f"{idx.dtype}")
-        if idx.size:
-            shape = inp.dense_shape
-            # per-column reductions: far cheaper than reducing a strided [n, rank] array
-            if idx.min() < 0 or any(idx[:, d].max() >= shape[d] for d in range(rank)):
-                bad = np.nonzero(((idx < 0) | (idx >= np.asarray(shape))).any(axis=1))[0]
-                raise ValueError(f"feature {name}: SparseTensor index {idx[bad[0]].tolist()} is "
-                                 f"outside dense_shape {shape}")
-            flat = idx[:, 0].astype(np.int64)
-            for d in range(1, rank):
-                flat = flat * shape[d] + idx[:, d]
-            order = np.nonzero(flat[1:] <= flat[:-1])[0]
-            if order.size:
-                i = order[0]
-                raise ValueError(f"feature {name}: SparseTensor indices must be sorted in "
-                                 f"row-major order without repeats; entry {i + 1} "
-                                 f"{idx[i + 1].tolist()} follows {idx[i].tolist()}")
         if weight is not None:
             w = _check_float_weights(name, weight.values)
             if w.shape != ids.shape or tuple(weight.dense_shape) != tuple(inp.dense_shape):

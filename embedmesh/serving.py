@@ -26,7 +26,8 @@ import numpy as np
 
 from embedmesh.config import FeatureConfig, resolve_feature_config
 from embedmesh.inputs import (check_id_range, flatten_inputs_like, input_kind, is_concrete,
-                              ragged_positions, ragged_row_ids, validate_input)
+                              ragged_positions, ragged_row_ids, sparse_row_offsets,
+                              validate_input, validate_structure)
 from embedmesh import kernels
 
 
@@ -62,11 +63,8 @@ def _ragged_rows_positions(xp, row_splits, nnz):
     return rows.astype(xp.int32), (idx - splits[rows]).astype(xp.int32)
 
 
-def plan_feature(name: str, feature: FeatureConfig, inp, weight, concrete: bool) -> LookupPlan:
-    """The lookup plan for one feature under TensorFlow's serving rules."""
-    xp = _xp(concrete)
-    kind = input_kind(inp)
-    combiner = feature.table.combiner
+def _check_weight_rules(name, feature, kind, inp, weight) -> None:
+    """TensorFlow's errors for weights that do not fit the input or feature."""
     if weight is not None:
         if kind == "dense":
             raise ValueError(f"Weight specified for {name}, but input is dense.")
@@ -75,6 +73,14 @@ def plan_feature(name: str, feature: FeatureConfig, inp, weight, concrete: bool)
                              f"not match type of the input which is {type(inp).__name__}.")
         if feature.max_sequence_length > 0:
             raise ValueError(f"Weight specified for {name}, but this is a sequence feature.")
+
+
+def plan_feature(name: str, feature: FeatureConfig, inp, weight, concrete: bool) -> LookupPlan:
+    """The lookup plan for one feature under TensorFlow's serving rules."""
+    xp = _xp(concrete)
+    kind = input_kind(inp)
+    combiner = feature.table.combiner
+    _check_weight_rules(name, feature, kind, inp, weight)
     if concrete:
         validate_input(name, inp, weight)
 
@@ -160,6 +166,87 @@ def _lookup_host(name: str, plan: LookupPlan, table) -> np.ndarray:
     return out.reshape(plan.out_shape + (table_np.shape[1],))
 
 
+def _lookup_host_direct(name: str, feature: FeatureConfig, inp, weight, table):
+    """The host lookup straight from the input's own layout, or None for sequence outputs.
+
+    Dense input is a checked gather; ragged row_splits and sparse row offsets
+    are the kernel's bag boundaries, so no per-entry row array, keep mask or
+    compacted copy is built. TensorFlow's pruning (ids < 0; weights <= 0 for
+    mean/sqrtn) and the id range check happen inside the kernel's one pass.
+    Same results and errors as the plan path (`plan_feature` + `_lookup_host`).
+    """
+    kind = input_kind(inp)
+    L = feature.max_sequence_length
+    combiner = feature.table.combiner
+    _check_weight_rules(name, feature, kind, inp, weight)
+    if kind == "dense":
+        validate_structure(name, inp)
+        if L > 0:
+            raise ValueError(f"Feature {name} is a sequence feature but a dense tensor was "
+                             f"passed.")
+        ids = np.asarray(inp)
+        table_np = np.asarray(table)
+        out = _checked(name, kernels.gather, table_np, ids.reshape(-1))
+        return out.reshape(ids.shape + (table_np.shape[1],))
+    if kind == "sparse":
+        shape = inp.dense_shape
+        if not feature.output_shape and L > 0 and len(shape) == 2:
+            return None  # sequence output
+        validate_structure(name, inp, weight)
+        offsets = sparse_row_offsets(name, inp)
+        prune = feature.validate_weights_and_indices or len(shape) > 2  # TF's "safe" lookup
+        table_np = np.asarray(table)
+        out = _checked(name, kernels.bag_combine, table_np, np.asarray(inp.values), offsets,
+                       None if weight is None else np.asarray(weight.values), combiner,
+                       prune_ids=prune, prune_weights=prune and combiner != "sum")
+        return out.reshape(tuple(shape[:-1]) + (table_np.shape[1],))
+    out_shape = (inp.nrows,)
+    if feature.output_shape:
+        if int(np.prod(feature.output_shape)) != inp.nrows:
+            return None  # a sequence output, or the plan path's error
+        out_shape = tuple(feature.output_shape)
+    elif L > 0:
+        return None
+    validate_structure(name, inp, weight)
+    table_np = np.asarray(table)
+    out = _checked(name, kernels.bag_combine, table_np, np.asarray(inp.values),
+                   np.asarray(inp.row_splits),
+                   None if weight is None else np.asarray(weight.values), combiner)
+    return out.reshape(out_shape + (table_np.shape[1],))
+
+
+def _checked(name, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except kernels.IdOutOfRange as e:
+        raise ValueError(f"feature {name}: id {e.id} (entry {e.entry}) is outside the table's "
+                         f"range [0, {e.vocabulary_size})") from None
+
+
+def _host_to_jax(out: np.ndarray) -> jax.Array:
+    """The host kernel's output as a jax.Array; the outputs are 64-byte aligned, so
+    XLA's CPU client wraps them without a copy (uncommitted, like any device_put)."""
+    return jax.device_put(out, may_alias=True)
+
+
+def _release_dead_jax_references() -> None:
+    """Let jaxlib drop the numpy arrays of deleted jax.Arrays now.
+
+    jaxlib defers those decrefs to its gc callback (`collect_garbage`), so an
+    output buffer stays referenced after its jax.Array is gone until Python's
+    garbage collector next runs; `kernels`' output pool calls this before it
+    allocates a fresh buffer. A private jaxlib function: without it the pool
+    simply reuses less.
+    """
+    _JAX_COLLECT_GARBAGE()
+
+
+_JAX_COLLECT_GARBAGE = getattr(getattr(getattr(jax, "_src", None), "lib", None), "_jax", None)
+_JAX_COLLECT_GARBAGE = getattr(_JAX_COLLECT_GARBAGE, "collect_garbage", None)
+if _JAX_COLLECT_GARBAGE is not None:
+    kernels.set_release_hook(_release_dead_jax_references)
+
+
 def _lookup_traced(plan: LookupPlan, table) -> jax.Array:
     table = jnp.asarray(table)
     dim = table.shape[1]
@@ -213,13 +300,13 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
             raise ValueError(f"tables has no entry for the table of feature {name} "
                              f"({resolved.table_name(feature.table)})")
         table = tables[feature.table]
-        concrete = is_concrete((inp, w, table))
-        plan = plan_feature(name, feature, inp, w, concrete)
-        if concrete:
-            # the kernel's outputs are 64-byte aligned: wrapped without a copy
-            outputs.append(jax.device_put(_lookup_host(name, plan, table), may_alias=True))
+        if is_concrete((inp, w, table)):
+            out = _lookup_host_direct(name, feature, inp, w, table)
+            if out is None:
+                out = _lookup_host(name, plan_feature(name, feature, inp, w, True), table)
+            outputs.append(_host_to_jax(out))
         else:
-            outputs.append(_lookup_traced(plan, table))
+            outputs.append(_lookup_traced(plan_feature(name, feature, inp, w, False), table))
     return _pack_like_inputs(resolved, inputs, outputs)
 
 

@@ -39,14 +39,14 @@ SETTINGS = settings(max_examples=120, deadline=None,
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     """Every buffer the kernels allocate starts as NaN (all-ones bits for ints)."""
-    real = kernels.aligned_empty
+    real = kernels.output_empty
 
     def poisoned(shape, dtype):
         out = real(shape, dtype)
         out.view(np.uint8)[...] = 0xFF  # NaN for every float dtype
         return out
 
-    monkeypatch.setattr(kernels, "aligned_empty", poisoned)
+    monkeypatch.setattr(kernels, "output_empty", poisoned)
     yield
 
 
