@@ -282,3 +282,217 @@ def test_module_loads_standalone():
     spec = importlib.util.find_spec("embedmesh.kernels")
     with open(spec.origin) as fh:
         assert "from embedmesh" not in fh.read()
+
+
+# ---------------------------------------------------------------------------
+# bag_combine, gather, sparse_offsets and the output pool
+
+
+def bag_reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights):
+    """Loops over bags in float64, with TensorFlow's pruning rules."""
+    rows, kept_ids, kept_w = [], [], []
+    for r in range(len(offsets) - 1):
+        for k in range(offsets[r], offsets[r + 1]):
+            w = 1.0 if weights is None else float(weights[k])
+            if (prune_ids and ids[k] < 0) or (prune_weights and not w > 0):
+                continue
+            rows.append(r)
+            kept_ids.append(int(ids[k]))
+            kept_w.append(w)
+    return reference(table, np.array(kept_ids, np.int64), np.array(rows, np.int64),
+                     np.array(kept_w), len(offsets) - 1, combiner), rows, kept_ids, kept_w
+
+
+@st.composite
+def bag_problems(draw):
+    vocab = draw(st.integers(1, 30))
+    # 64-wide blocks, 16-wide blocks and a tail, in every combination
+    dim = draw(st.sampled_from([1, 3, 15, 16, 17, 33, 64, 65, 80, 100, 128, 143]))
+    counts = draw(st.lists(st.integers(0, 6), min_size=0, max_size=10))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(
+        draw(st.sampled_from([np.int32, np.int64])))
+    n = int(offsets[-1])
+    prune_ids = draw(st.booleans())
+    low = -3 if prune_ids else 0
+    ids = np.asarray(draw(st.lists(st.integers(low, vocab - 1), min_size=n, max_size=n)),
+                     dtype=draw(st.sampled_from([np.int32, np.int64])))
+    weights = None
+    if draw(st.booleans()):
+        weights = np.asarray(draw(st.lists(st.integers(-8, 8), min_size=n, max_size=n)),
+                             np.float32) / 4
+    combiner = draw(st.sampled_from(COMBINERS))
+    prune_weights = draw(st.booleans())
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(np.float32)
+    return table, ids, offsets, weights, combiner, prune_ids, prune_weights
+
+
+def _with_backend(backend, fn, *args, **kwargs):
+    previous = kernels.set_backend(backend)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        kernels.set_backend(previous)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(problem=bag_problems())
+def test_bag_combine_matches_reference(backend, problem):
+    table, ids, offsets, weights, combiner, prune_ids, prune_weights = problem
+    out = _with_backend(backend, kernels.bag_combine, table, ids, offsets, weights, combiner,
+                        prune_ids=prune_ids, prune_weights=prune_weights)
+    (want, _), rows, kept_ids, kept_w = bag_reference(table, ids, offsets, weights, combiner,
+                                                      prune_ids, prune_weights)
+    check_against_reference(out, table, np.array(kept_ids, np.int64),
+                            np.array(rows, np.int64), np.array(kept_w, np.float32),
+                            len(offsets) - 1, combiner)
+
+
+@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba is not importable")
+@SETTINGS
+@given(problem=bag_problems())
+def test_bag_combine_backends_and_segment_sum_agree(problem):
+    """Both backends, and weighted_segment_sum on the pruned entries, bit for bit (sum)."""
+    table, ids, offsets, weights, combiner, prune_ids, prune_weights = problem
+    a = _with_backend("numba", kernels.bag_combine, table, ids, offsets, weights, combiner,
+                      prune_ids=prune_ids, prune_weights=prune_weights)
+    b = _with_backend("numpy", kernels.bag_combine, table, ids, offsets, weights, combiner,
+                      prune_ids=prune_ids, prune_weights=prune_weights)
+    _, rows, kept_ids, kept_w = bag_reference(table, ids, offsets, weights, combiner, prune_ids,
+                                              prune_weights)
+    c = kernels.weighted_segment_sum_numba(table, np.array(kept_ids, np.int64),
+                                           np.array(rows, np.int64),
+                                           np.array(kept_w, np.float32), len(offsets) - 1,
+                                           combiner)
+    np.testing.assert_array_equal(a, c)
+    if combiner in (None, "sum"):
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bag_combine_errors_name_the_first_bad_kept_entry(backend):
+    table = np.ones((5, 2), np.float32)
+    offsets = np.array([0, 2, 4])
+    ids = np.array([-1, 1, 7, 9])
+    with pytest.raises(kernels.IdOutOfRange) as info:
+        _with_backend(backend, kernels.bag_combine, table, ids, offsets, prune_ids=True)
+    assert (info.value.entry, info.value.id, info.value.vocabulary_size) == (2, 7, 5)
+    with pytest.raises(kernels.IdOutOfRange) as info:  # -1 is not pruned: it is the error
+        _with_backend(backend, kernels.bag_combine, table, ids, offsets)
+    assert (info.value.entry, info.value.id) == (0, -1)
+    # a pruned weight hides its (bad) id
+    w = np.array([1, 1, 0, 1], np.float32)
+    with pytest.raises(kernels.IdOutOfRange) as info:
+        _with_backend(backend, kernels.bag_combine, table, ids, offsets, w, "mean",
+                      prune_ids=True, prune_weights=True)
+    assert info.value.entry == 3
+    huge = np.array([1, 2 ** 63 + 5], np.uint64)  # unsigned ids: never pruned, range checked
+    with pytest.raises(kernels.IdOutOfRange):
+        _with_backend(backend, kernels.bag_combine, table, huge, np.array([0, 2]),
+                      prune_ids=True)
+    with pytest.raises(ValueError, match="offsets"):
+        _with_backend(backend, kernels.bag_combine, table, ids, np.array([0, 3, 2, 4]))
+    with pytest.raises(ValueError, match="offsets"):
+        _with_backend(backend, kernels.bag_combine, table, ids, np.array([0, 3]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bag_combine_narrow_tables(backend, dtype):
+    """float16/bfloat16 tables: float32 accumulation, output in the table's dtype."""
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((20, 70)).astype(dtype)
+    ids = np.array([3, -1, 4, 19, 0, 5])
+    offsets = np.array([0, 3, 3, 6])
+    w = np.array([1, 2, 0.5, -1, 2, 1], np.float32)
+    out = _with_backend(backend, kernels.bag_combine, table, ids, offsets, w, "mean",
+                        prune_ids=True, prune_weights=True)
+    assert out.dtype == table.dtype and out.shape == (3, 70)
+    t = table.astype(np.float32)
+    want = np.stack([(t[3] + 0.5 * t[4]) / 1.5, np.zeros(70), (2 * t[0] + t[5]) / 3])
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=EPS[np.dtype(dtype)] * 4,
+                               atol=EPS[np.dtype(dtype)] * 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES + [np.float64, np.int8])
+def test_gather_is_bit_exact_and_checks_ids(backend, dtype):
+    table = (np.random.default_rng(0).standard_normal((50, 7)) * 10).astype(dtype)
+    ids = np.array([3, 4, 3, 49, 0], np.int32)
+    out = _with_backend(backend, kernels.gather, table, ids)
+    assert out.dtype == table.dtype and out.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(out.view(np.uint8), table[ids].view(np.uint8))
+    with pytest.raises(kernels.IdOutOfRange) as info:
+        _with_backend(backend, kernels.gather, table, np.array([0, 50, -1]))
+    assert info.value.entry == 1
+
+
+def _sparse_reference(idx, shape):
+    """(offsets, -1) or (None, first bad entry) by plain loops."""
+    rows = []
+    prev = None
+    for k, index in enumerate(idx.tolist()):
+        if any(v < 0 or v >= d for v, d in zip(index, shape)) or (
+                prev is not None and index <= prev):
+            return None, k
+        prev = index
+        rows.append(int(np.ravel_multi_index(tuple(index[:-1]), shape[:-1])))
+    num_rows = int(np.prod(shape[:-1]))
+    return np.searchsorted(np.array(rows, np.int64), np.arange(num_rows + 1)), -1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(data=st.data())
+def test_sparse_offsets_match_loops(backend, data):
+    rank = data.draw(st.integers(2, 4))
+    shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank)))
+    cells = [list(c) for c in np.ndindex(*shape)]
+    chosen = sorted(data.draw(st.lists(st.sampled_from(range(len(cells))), max_size=12,
+                                       unique=True)))
+    idx = np.array([cells[c] for c in chosen], np.int64).reshape(-1, rank)
+    if idx.shape[0] and data.draw(st.booleans()):  # break it: out of range or out of order
+        k = data.draw(st.integers(0, idx.shape[0] - 1))
+        d = data.draw(st.integers(0, rank - 1))
+        idx[k, d] = data.draw(st.sampled_from([-1, shape[d], 0, shape[d] - 1]))
+    idx = idx.astype(data.draw(st.sampled_from([np.int32, np.int64])))
+    got, bad = _with_backend(backend, kernels.sparse_offsets, idx, shape)
+    want, want_bad = _sparse_reference(idx, shape)
+    assert bad == want_bad
+    if want is None:
+        assert got is None
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_output_pool_reuses_only_unreferenced_buffers():
+    import jax
+
+    previous = kernels.set_output_pool_limit(64 << 20)
+    try:
+        a = kernels.output_empty((100, 64), np.float32)
+        a[...] = 1
+        held = jax.device_put(a, may_alias=True)
+        view = a[3:5]
+        del a
+        b = kernels.output_empty((100, 64), np.float32)  # a is still referenced twice over
+        assert not np.shares_memory(b, view)
+        b[...] = 2
+        del held
+        c = kernels.output_empty((100, 64), np.float32)  # the numpy view still holds it
+        assert not np.shares_memory(c, view)
+        np.testing.assert_array_equal(view, 1)
+        addr = view.ctypes.data - 3 * 64 * 4
+        del view, b, c
+        d = kernels.output_empty((100, 64), np.float32)  # free again: reused
+        e = kernels.output_empty((100, 64), np.float32)
+        assert addr in (d.ctypes.data, e.ctypes.data) and d.ctypes.data % 64 == 0
+        kernels.set_output_pool_limit(0)  # no pooling: every buffer is fresh
+        assert not kernels._pool._bufs
+        f = kernels.output_empty((100, 64), np.float32)
+        assert not kernels._pool._bufs and f.shape == (100, 64)
+    finally:
+        kernels.set_output_pool_limit(previous)

@@ -1,6 +1,7 @@
 """serving_embedding_lookup against a plain float64 reference of TensorFlow's rules."""
 
 import collections
+import re
 
 import hypothesis.strategies as st
 import jax
@@ -294,3 +295,61 @@ def test_weights_prune_rules_for_sparse():
     kept = em.serving_embedding_lookup(sp, spw, {t: table},
                                        FeatureConfig(t, validate_weights_and_indices=False))
     np.testing.assert_allclose(kept[0], (2 * table[1] - table[2]) / 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# The direct host path (no plan) against the plan path; output buffers reused
+
+
+@settings(max_examples=200, deadline=None)
+@given(feature_cases(), st.integers(0, 2**31 - 1))
+def test_direct_host_path_equals_plan_path(case, seed):
+    """Same entries added in the same order: bit-equal wherever the direct path applies."""
+    from embedmesh import serving
+
+    feature, inp, weight = case
+    table = _table(feature, seed)
+    try:
+        plan = serving.plan_feature("f", feature, inp, weight, True)
+        want = serving._lookup_host("f", plan, table)
+    except ValueError as e:  # the direct path must refuse alike
+        with pytest.raises(ValueError, match=re.escape(str(e)[:20])):
+            serving._lookup_host_direct("f", feature, inp, weight, table)
+        return
+    got = serving._lookup_host_direct("f", feature, inp, weight, table)
+    if got is None:  # sequence outputs: the plan path only
+        assert feature.max_sequence_length > 0 or feature.output_shape
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_outputs_survive_later_lookups():
+    """Reused output buffers are never ones a live result still uses."""
+    t = TableConfig(100, 64, combiner="mean", name="t")
+    fc = {"r": FeatureConfig(t), "s": FeatureConfig(t), "d": FeatureConfig(t)}
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(100, 64)).astype(np.float32)
+
+    def batch(seed):
+        r = np.random.default_rng(seed)
+        ids = r.integers(0, 100, 40)
+        splits = np.array([0, 10, 25, 25, 40])
+        idx = np.stack([np.repeat(np.arange(4), np.diff(splits)),
+                        np.concatenate([np.arange(n) for n in np.diff(splits)])], axis=1)
+        return {"r": RaggedTensor(ids, splits), "s": SparseTensor(idx, ids, (4, 20)),
+                "d": ids.reshape(4, 10)}
+
+    first = em.serving_embedding_lookup(batch(1), None, {t: table}, fc)
+    kept = {k: np.array(v) for k, v in first.items()}
+    as_numpy = np.asarray(first["d"])  # a numpy view of a jax output
+    for seed in range(2, 8):
+        later = em.serving_embedding_lookup(batch(seed), None, {t: table}, fc)
+        del later
+    for k, v in first.items():
+        np.testing.assert_array_equal(np.asarray(v), kept[k])
+    np.testing.assert_array_equal(as_numpy, kept["d"])
+    del first
+    again = em.serving_embedding_lookup(batch(1), None, {t: table}, fc)
+    for k, v in again.items():
+        np.testing.assert_array_equal(np.asarray(v), kept[k])
