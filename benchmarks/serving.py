@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embedmesh as em  # noqa: E402
 from embedmesh import kernels  # noqa: E402
+from embedmesh import serving as em_serving  # noqa: E402
 
 try:
     import tensorflow as tf  # noqa: E402
@@ -116,7 +117,7 @@ def ids_in(kind: str, feats) -> int:
 # Contenders: each is (name, prepare(kind, combiner) -> list of per-batch thunks)
 
 
-def embedmesh_contender(tables, batches, max_len, args, backend):
+def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
     names = [f"f{i}" for i in range(args.tables)]
 
     def prepare(kind, combiner):
@@ -124,7 +125,8 @@ def embedmesh_contender(tables, batches, max_len, args, backend):
                for i in range(args.tables)]
         fcs = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
         tabs = {tc: t for tc, t in zip(tcs, tables)}
-        calls = []
+        calls = Calls()
+        calls.setup = lambda: em_serving.set_host_threads(threads)
         for feats in batches:
             if kind == "ragged":
                 inputs = {n: em.RaggedTensor(f["ids"], f["splits"]) for n, f in zip(names, feats)}
@@ -271,8 +273,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="passes over the batches per round")
     p.add_argument("--kinds", default="ragged,sparse,dense")
     p.add_argument("--combiners", default="sum,mean")
-    p.add_argument("--contenders", default="embedmesh[numba],embedmesh[numpy],tf.function,"
-                   "tf.eager,torch,torch[1t]")
+    p.add_argument("--contenders", default="embedmesh[numba],embedmesh[numba-Nt],"
+                   "embedmesh[numpy],tf.function,tf.eager,torch,torch[1t]",
+                   help="comma-separated; embedmesh[numba-Nt] spreads features over one "
+                   "thread per core")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -298,6 +302,10 @@ def main(argv=None):
     if "embedmesh[numba]" in wanted and kernels.HAVE_NUMBA:
         contenders["embedmesh[numba]"] = embedmesh_contender(tables, batches, max_len, args,
                                                              "numba")
+    if "embedmesh[numba-Nt]" in wanted and kernels.HAVE_NUMBA and (os.cpu_count() or 1) > 1:
+        # features spread over one thread per core (serving.set_host_threads)
+        contenders[f"embedmesh[numba-{os.cpu_count()}t]"] = embedmesh_contender(
+            tables, batches, max_len, args, "numba", threads=os.cpu_count())
     if "embedmesh[numpy]" in wanted:
         contenders["embedmesh[numpy]"] = embedmesh_contender(tables, batches, max_len, args,
                                                              "numpy")

@@ -217,7 +217,7 @@ def validate_structure(name: str, inp, weight=None) -> None:
         raise ValueError(f"feature {name}: RaggedTensor values must be 1-D (rank-2 ragged), "
                          f"got shape {ids.shape}")
     if (splits.ndim != 1 or splits.shape[0] < 1 or not np.issubdtype(splits.dtype, np.integer)
-            or splits[0] != 0 or splits[-1] != ids.shape[0] or np.any(np.diff(splits) < 0)):
+            or splits[0] != 0 or splits[-1] != ids.shape[0] or (splits[1:] < splits[:-1]).any()):
         raise ValueError(f"feature {name}: bad row_splits {splits[:8].tolist()}"
                          f"{'...' if splits.size > 8 else ''}: they must be integers starting "
                          f"at 0, non-decreasing, ending at len(values) = {ids.shape[0]}")

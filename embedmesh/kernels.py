@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Optional
 
 import numpy as np
@@ -94,6 +95,7 @@ class _BufferPool:
         self._bufs: list[np.ndarray] = []
         self._bytes = 0
         self.release = None  # called before allocating afresh (see set_release_hook)
+        self._lock = threading.Lock()
         gil = getattr(sys, "_is_gil_enabled", None)
         self.enabled = gil is None or bool(gil())
 
@@ -104,17 +106,18 @@ class _BufferPool:
         if not self.enabled or nbytes == 0 or dtype.hasobject:
             return aligned_empty(shape, dtype)
         size = nbytes + _ALIGN
-        raw = self._free(size)
-        if raw is None and self.release is not None:
-            self.release()
+        with self._lock:  # between finding a free buffer and viewing it, no other taker
             raw = self._free(size)
-        if raw is not None:
+            if raw is None and self.release is not None:
+                self.release()
+                raw = self._free(size)
+            if raw is not None:
+                return _aligned_view(raw, shape, dtype, nbytes)
+            raw = np.empty(size, np.uint8)
+            if self._bytes + size <= self.limit:
+                self._bufs.append(raw)
+                self._bytes += size
             return _aligned_view(raw, shape, dtype, nbytes)
-        raw = np.empty(size, np.uint8)
-        if self._bytes + size <= self.limit:
-            self._bufs.append(raw)
-            self._bytes += size
-        return _aligned_view(raw, shape, dtype, nbytes)
 
     def _free(self, size):
         bufs = self._bufs
@@ -125,7 +128,8 @@ class _BufferPool:
         return None
 
     def clear(self) -> None:
-        self._bufs, self._bytes = [], 0
+        with self._lock:
+            self._bufs, self._bytes = [], 0
 
 
 _pool = _BufferPool(int(os.environ.get("EMBEDMESH_OUTPUT_POOL_MB", "256")) << 20)
@@ -238,7 +242,7 @@ def _check_offsets(offsets, n) -> np.ndarray:
         raise ValueError(f"offsets must be a non-empty 1-D integer array, got {offsets.dtype} "
                          f"{offsets.shape}")
     offsets = offsets.astype(np.int64, copy=False)
-    if offsets[0] != 0 or offsets[-1] != n or np.any(offsets[1:] < offsets[:-1]):
+    if offsets[0] != 0 or offsets[-1] != n or (offsets[1:] < offsets[:-1]).any():
         raise ValueError(f"offsets must be non-decreasing from 0 to the number of ids ({n})")
     return offsets
 

@@ -17,7 +17,10 @@ ids out of range cannot raise there and read as zero rows.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
 from typing import Any, Optional
 
 import jax
@@ -292,7 +295,7 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
             if x is None and w is not None:
                 raise ValueError(f"weights given for {name}, which has no input")
     outputs = []
-    host = []  # positions of host (numpy) outputs, made jax.Arrays together at the end
+    host = []  # (position, name, feature, input, weight, table) of host lookups
     for name, feature, inp, w in zip(resolved.feature_names, resolved.features, flat_inputs,
                                      flat_weights):
         if inp is None:
@@ -303,16 +306,54 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
                              f"({resolved.table_name(feature.table)})")
         table = tables[feature.table]
         if is_concrete((inp, w, table)):
-            out = _lookup_host_direct(name, feature, inp, w, table)
-            if out is None:
-                out = _lookup_host(name, plan_feature(name, feature, inp, w, True), table)
-            outputs.append(out)
-            host.append(len(outputs) - 1)
+            outputs.append(None)
+            host.append((len(outputs) - 1, name, feature, inp, w, table))
         else:
             outputs.append(_lookup_traced(plan_feature(name, feature, inp, w, False), table))
-    for i, arr in zip(host, _host_to_jax([outputs[i] for i in host])):
-        outputs[i] = arr
+    if host and _JAX_COLLECT_GARBAGE is not None:
+        _JAX_COLLECT_GARBAGE()  # free the buffers of dropped results before reusing them
+    if _host_threads > 1 and len(host) > 1:
+        # kernels release the GIL; map() hands features out one at a time, so
+        # a descheduled thread delays only its own feature, and re-raises the
+        # first error in feature order
+        results = list(_executor().map(lambda task: _lookup_host_one(*task[1:]), host))
+    else:
+        results = [_lookup_host_one(*task[1:]) for task in host]
+    for task, arr in zip(host, _host_to_jax(results)):
+        outputs[task[0]] = arr
     return _pack_like_inputs(resolved, inputs, outputs)
+
+
+def _lookup_host_one(name, feature, inp, w, table) -> np.ndarray:
+    out = _lookup_host_direct(name, feature, inp, w, table)
+    if out is None:
+        out = _lookup_host(name, plan_feature(name, feature, inp, w, True), table)
+    return out
+
+
+_host_threads = max(1, int(os.environ.get("EMBEDMESH_SERVING_THREADS", "1")))
+_executors: dict = {}  # thread count -> ThreadPoolExecutor, made on first use
+_executors_lock = threading.Lock()
+
+
+def set_host_threads(n: int) -> int:
+    """Threads the host path spreads features over (1, the default: the caller's
+    thread only); returns the previous value. Each feature's kernel runs on one
+    thread; see benchmarks/RESULTS_serving.md for when more threads pay off."""
+    global _host_threads
+    if int(n) < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    previous, _host_threads = _host_threads, int(n)
+    return previous
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    n = _host_threads
+    with _executors_lock:
+        if n not in _executors:
+            _executors[n] = concurrent.futures.ThreadPoolExecutor(
+                n, thread_name_prefix="embedmesh-serving")
+        return _executors[n]
 
 
 def _pack_like_inputs(resolved, inputs, flat_outputs):

@@ -353,3 +353,28 @@ def test_outputs_survive_later_lookups():
     again = em.serving_embedding_lookup(batch(1), None, {t: table}, fc)
     for k, v in again.items():
         np.testing.assert_array_equal(np.asarray(v), kept[k])
+
+
+def test_host_threads_give_the_same_results_and_first_error():
+    from embedmesh import serving
+
+    t = TableConfig(50, 20, combiner="sqrtn", name="t")
+    fc = {f"f{i}": FeatureConfig(t) for i in range(6)}
+    rng = np.random.default_rng(5)
+    table = rng.normal(size=(50, 20)).astype(np.float32)
+    inputs = {k: RaggedTensor(rng.integers(0, 50, 30), np.array([0, 7, 7, 30]))
+              for k in fc}
+    one = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
+    previous = serving.set_host_threads(3)
+    try:
+        many = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
+        for k in fc:
+            np.testing.assert_array_equal(np.asarray(many[k]), np.asarray(one[k]))
+        bad = dict(inputs, f2=RaggedTensor(np.array([1, 99]), np.array([0, 1, 2])),
+                   f4=RaggedTensor(np.array([1, 98]), np.array([0, 1, 2])))
+        with pytest.raises(ValueError, match="feature f2: id 99"):
+            em.serving_embedding_lookup(bad, None, {t: table}, fc)
+        with pytest.raises(ValueError, match=">= 1"):
+            serving.set_host_threads(0)
+    finally:
+        serving.set_host_threads(previous)
