@@ -59,6 +59,12 @@ def _row_initializer(init):
     return getattr(init, "rows", None)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(buf, rows, offset):
+    """`buf` with `rows` written at row `offset`, columns from 0 (in place: donated)."""
+    return jax.lax.dynamic_update_slice(buf, rows, (offset, jnp.int32(0)))
+
+
 class EmbeddingCore:
     """Static description of one embedding layer on one mesh; builds pure functions.
 
@@ -92,22 +98,26 @@ class EmbeddingCore:
         s = self.plan.stack(stack)
         return (s.num_rows, s.dim)
 
-    def _make_stack_array(self, stack: str, fill_shard) -> jax.Array:
-        """Global stack array whose shard j is `fill_shard(j)` ([S, dim] numpy)."""
+    def _make_stack_array(self, stack: str, default: float, pieces) -> jax.Array:
+        """Global stack array: each local shard j starts as `default` on its
+        device and receives `pieces(j, device)`, an iterable of `(row offset,
+        [rows, dim_t] array)`, written in place one at a time.
+
+        So building a shard holds the shard plus one table's piece of it, not
+        a host copy of the whole shard as well (2x less peak memory); big CPU
+        shards are on transparent huge pages (random row access 1.2x faster
+        here) in buffers XLA owns, so the first donated step updates in place.
+        """
         spec = self.plan.stack(stack)
         S = spec.rows_per_shard
-
         shape = self.stack_shape(stack)
         datas = []
         for device, index in self.row_sharding.addressable_devices_indices_map(shape).items():
-            host = fill_shard((index[0].start or 0) // S).astype(spec.dtype, copy=False)
-            # Big CPU shards move to transparent huge pages (random row access
-            # 1.2x faster here) in a buffer XLA owns, so the first donated
-            # step updates it in place instead of copying the numpy memory
-            # `device_put` may alias. One shard at a time: one extra shard
-            # of host memory at most.
-            datas.append(cpu_ops.to_huge_pages(jax.device_put(host, device)))
-            del host
+            buf = cpu_ops.full((S, spec.dim), default, spec.dtype, device)
+            for offset, rows in pieces((index[0].start or 0) // S, device):
+                rows = jax.device_put(rows, device)
+                buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset))
+            datas.append(buf)
         return jax.make_array_from_single_device_arrays(shape, self.row_sharding, datas)
 
     def init(self, key) -> EmbeddingState:
@@ -122,8 +132,7 @@ class EmbeddingCore:
         for spec in plan.stacks:
             placed = [plan.table(n) for n in spec.tables]
 
-            def fill(j, spec=spec, placed=placed):
-                out = np.zeros((spec.rows_per_shard, spec.dim), spec.dtype)
+            def pieces(j, device, spec=spec, placed=placed):
                 for t in placed:
                     cfg = plan.table_config(t)
                     rows = mod_sharding.table_rows_on_shard(plan, t, j)
@@ -134,19 +143,17 @@ class EmbeddingCore:
                         vals = row_init(rows, t.dim, spec.dtype)
                     else:
                         k = jax.random.fold_in(jax.random.fold_in(key, t.index), j)
-                        vals = cfg.initialize(k, (rows.size, t.dim), spec.dtype)
-                    out[t.local_row_offset:t.local_row_offset + rows.size, :t.dim] = \
-                        np.asarray(vals)
-                return out
+                        with jax.default_device(device):
+                            vals = cfg.initialize(k, (rows.size, t.dim), spec.dtype)
+                    yield t.local_row_offset, vals
 
-            tables[spec.name] = self._make_stack_array(spec.name, fill)
+            tables[spec.name] = self._make_stack_array(spec.name, 0.0, pieces)
             opt = self.optimizer_of(spec.name)
             slots[spec.name] = {}
             if opt is not None:
                 for slot, value in opt.slot_initial_values.items():
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, lambda j, spec=spec, value=value: np.full(
-                            (spec.rows_per_shard, spec.dim), value, spec.dtype))
+                        spec.name, value, lambda j, device: ())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return EmbeddingState(tables, slots, step)
 
@@ -163,25 +170,22 @@ class EmbeddingCore:
         for spec in plan.stacks:
             placed = [plan.table(n) for n in spec.tables]
 
-            def fill(j, spec=spec, placed=placed, source=None, default=0.0):
-                out = np.full((spec.rows_per_shard, spec.dim), default, spec.dtype)
+            def pieces(j, device, placed=placed, source=None):
                 for t in placed:
                     arr = source(t.name)
-                    if arr is None:
-                        continue
-                    out[t.local_row_offset:t.local_row_offset + t.rows_per_shard, :t.dim] = \
-                        mod_sharding.table_shard(arr, plan, t, j)[:, :t.dim]
-                return out
+                    if arr is not None:
+                        yield (t.local_row_offset,
+                               mod_sharding.table_shard(arr, plan, t, j)[:, :t.dim])
 
             tables[spec.name] = self._make_stack_array(
-                spec.name, functools.partial(fill, source=lambda n: values.get(n)))
+                spec.name, 0.0, functools.partial(pieces, source=lambda n: values.get(n)))
             slots[spec.name] = {}
             opt = self.optimizer_of(spec.name)
             if opt is not None:
                 for slot, init in opt.slot_initial_values.items():
                     src = (lambda n, slot=slot: slot_values.get(n, {}).get(slot))
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, functools.partial(fill, source=src, default=init))
+                        spec.name, init, functools.partial(pieces, source=src))
         return EmbeddingState(tables, slots,
                               jax.device_put(jnp.asarray(step, jnp.int32), self.replicated))
 

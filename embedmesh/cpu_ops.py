@@ -48,6 +48,7 @@ of the source, the compiler and jaxlib's version; one build takes ~10-20 s.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -574,6 +575,24 @@ ffi::Error HugePageCopy(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
   return ffi::Error::Success();
 }
 
+// `out` filled with the one-element `value`, on transparent huge pages: a new table
+// shard or optimizer slot made on the device, without a host copy to move there.
+ffi::Error HugePageFill(ffi::AnyBuffer value, ffi::Result<ffi::AnyBuffer> out) {
+  const size_t bytes = out->size_bytes(), w = value.size_bytes();
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (bytes == 0 || w == 0) return ffi::Error::Success();
+  AdviseHuge(dst, bytes);
+  const size_t tile = std::max<size_t>(1, (64u << 10) / w) * w;
+  std::vector<char> pattern(tile);
+  for (size_t o = 0; o < tile; o += w) std::memcpy(pattern.data() + o, value.untyped_data(), w);
+  const size_t grain = (size_t{8} << 20) / tile * tile;
+  ParallelFor(static_cast<int64_t>((bytes + grain - 1) / grain), [&](int64_t c) {
+    size_t lo = static_cast<size_t>(c) * grain, hi = std::min(bytes, lo + grain);
+    for (size_t o = lo; o < hi; o += tile) std::memcpy(dst + o, pattern.data(), std::min(tile, hi - o));
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error BackwardAdagrad(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum,
                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
                            ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
@@ -697,6 +716,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHugePageCopy, HugePageCopy,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHugePageFill, HugePageFill,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 """
 
 _TARGETS = {
@@ -710,6 +733,7 @@ _TARGETS = {
     "embedmesh_backward_sgd": "EmBackwardSgd",
     "embedmesh_backward_adagrad": "EmBackwardAdagrad",
     "embedmesh_huge_page_copy": "EmHugePageCopy",
+    "embedmesh_huge_page_fill": "EmHugePageFill",
 }
 _FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 # Tuned for the CPU that builds (and runs) them: the library is cached per CPU signature.
@@ -1112,6 +1136,26 @@ def huge_page_copy(x):
 
 
 _HUGE_MIN_BYTES = 64 << 20
+
+
+def full(shape, value, dtype, device, min_bytes: int = _HUGE_MIN_BYTES):
+    """`jnp.full(shape, value, dtype)` made on `device`; on transparent huge pages
+    when it is a CPU device, the kernels are available and it holds `min_bytes`."""
+    shape = tuple(int(x) for x in shape)
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    huge = device.platform == "cpu" and nbytes >= min_bytes and available()
+    value = jax.device_put(np.asarray(value, dtype), device)
+    return _full_fn(shape, np.dtype(dtype).name, device, huge)(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _full_fn(shape, dtype, device, huge):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    if not huge:
+        return jax.jit(lambda v: jnp.full(shape, v, dtype), out_shardings=sharding)
+    return jax.jit(lambda v: jax.ffi.ffi_call("embedmesh_huge_page_fill",
+                                              jax.ShapeDtypeStruct(shape, dtype))(v),
+                   out_shardings=sharding)
 
 
 def to_huge_pages(arr, min_bytes: int = _HUGE_MIN_BYTES):

@@ -209,6 +209,18 @@ def test_fallbacks_without_kernels(monkeypatch):
     assert t.shape == table.shape and sl["accumulators"].shape == table.shape
 
 
+@pytest.mark.parametrize("dtype,value", [(np.float32, 0.1), (np.float32, -3.5),
+                                         (np.int32, 7), (jnp.bfloat16, 1.25)])
+@pytest.mark.parametrize("min_bytes", [0, 1 << 40])  # the fill kernel, and plain jnp.full
+def test_full_on_a_device(dtype, value, min_bytes):
+    device = jax.devices()[1]
+    shape = (1000, 37)  # not a multiple of the kernel's tile
+    got = cpu_ops.full(shape, value, dtype, device, min_bytes=min_bytes)
+    assert got.devices() == {device} and got.dtype == dtype and got.shape == shape
+    np.testing.assert_array_equal(np.asarray(got, np.float64),
+                                  np.full(shape, np.asarray(value, dtype), np.float64))
+
+
 @needs_kernels
 @pytest.mark.parametrize("case", ["sorted", "unsorted_ids", "unsorted_pairs", "large",
                                   "large_unsorted_at_chunk_edge"])
