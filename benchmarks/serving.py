@@ -10,6 +10,8 @@ combiner). Combiners: sum and mean.
 Contenders, run in the same process, interleaved round by round:
 - embedmesh[numba]: `embedmesh.serving_embedding_lookup` on numpy inputs and
   numpy tables (the host path), kernel backend "numba" (when importable);
+- embedmesh[numba-Nt]: the same with features spread over one thread per
+  core (`embedmesh.serving.set_host_threads`, set before each timed call);
 - embedmesh[numpy]: the same with the pure-numpy kernel backend;
 - tf.function / tf.eager: `tf.tpu.experimental.embedding.serving_embedding_lookup`
   on tf.RaggedTensor / tf.SparseTensor / tf.Tensor inputs and tf.Variable
@@ -229,9 +231,11 @@ def torch_contender(tables, batches, max_len, args, threads: int):
 
 
 def as_numpy(x):
+    """A copy: holding views of the outputs would keep embedmesh's output buffers
+    from being reused while the others are timed."""
     if hasattr(x, "detach"):
-        return x.detach().numpy()
-    return np.asarray(x)
+        return x.detach().numpy().copy()
+    return np.array(x)
 
 
 # ---------------------------------------------------------------------------

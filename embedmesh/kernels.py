@@ -1,25 +1,31 @@
 """Host (CPU) kernels over numpy memory, used where XLA's CPU gather is slow.
 
-`weighted_segment_sum` is the serving lookup's inner loop: gather rows,
-scale, sum per output row, normalise. Rows arrive sorted (row-major inputs).
+The serving lookup's inner loops: `bag_combine` (gather rows, scale, sum
+per bag given by offsets, normalise; TensorFlow's pruning and the id range
+check in the same pass), `gather` (a checked plain lookup), `sparse_offsets`
+(validate COO indices and derive bag offsets in one pass), and the older
+`weighted_segment_sum` (bags given by a sorted per-entry row array).
 
 Two backends compute the same thing:
 
 - "numba" (the default when numba is importable): one sequential pass over
-  the entries, software-prefetching the table rows a few entries ahead, each
-  output row accumulated in float32 in entry order and then normalised; no
+  the entries, software-prefetching the table rows a few entries ahead;
+  each bag accumulated in float32, in entry order, in registers (stack
+  accumulators, options fixed at compile time), then normalised; no
   intermediate [nnz, dim] array. On the serving benchmark (8 tables x 1M x
-  64, Zipf ids; benchmarks/RESULTS_serving.md) it is 3-4x the numpy backend
-  and ~7x the original reduceat version. A `prange` version was no faster on
-  2 shared cores and, under OpenMP, up to 10x slower whenever the other core
-  is busy, so the kernel is single-threaded and releases the GIL (nogil).
+  64, Zipf ids; benchmarks/RESULTS_serving.md) the kernel alone runs at
+  about torch's `embedding_bag` with one thread. A `prange` version was no
+  faster on 2 shared cores and, under OpenMP, up to 10x slower whenever the
+  other core is busy, so kernels are single-threaded and release the GIL
+  (nogil); `serving.set_host_threads` spreads features over threads.
 - "numpy" (always available): gather, scale, then a segment sum done per
   group of equal-length rows as `[rows, L, dim].sum(axis=1)`.
 
 `set_backend` switches between them (tests, benchmarks); the environment
 variable `EMBEDMESH_NUMBA=0` (read at import) disables numba altogether.
 Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
-them without a copy.
+them without a copy, and come from a pool of buffers reused once nothing
+references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
 """
 
 from __future__ import annotations
@@ -114,10 +120,23 @@ class _BufferPool:
             if raw is not None:
                 return _aligned_view(raw, shape, dtype, nbytes)
             raw = np.empty(size, np.uint8)
+            if self._bytes + size > self.limit:
+                self._evict(self._bytes + size - self.limit)
             if self._bytes + size <= self.limit:
                 self._bufs.append(raw)
                 self._bytes += size
             return _aligned_view(raw, shape, dtype, nbytes)
+
+    def _evict(self, nbytes: int) -> None:
+        """Drop free buffers, oldest first, until `nbytes` are dropped (or none is free)."""
+        keep = []
+        for buf in self._bufs:
+            if nbytes > 0 and sys.getrefcount(buf) == 3:  # list, loop variable, argument
+                nbytes -= buf.shape[0]
+                self._bytes -= buf.shape[0]
+            else:
+                keep.append(buf)
+        self._bufs = keep
 
     def _free(self, size):
         bufs = self._bufs

@@ -8,9 +8,12 @@ normalised and shaped. One kernel then computes
     out[row] = sum_k weight_k * table[id_k]          (kept entries only)
     out[row] /= sum_k w_k  (mean)  or  sqrt(sum_k w_k^2)  (sqrtn);  0/0 = 0
 
-With concrete (numpy) inputs the plan is pruned on the host, ids are range
-checked (a `ValueError` naming the feature), and the kernel runs on the host
-over the table's memory. Inside `jax.jit`/`jax.export` (traced inputs) the
+With concrete (numpy) inputs the kernel runs on the host over the table's
+memory, and ids are range checked (a `ValueError` naming the feature).
+Dense inputs and combined ragged/sparse inputs skip the plan: the input's
+own row_splits / sparse row offsets are the kernel's bags, and pruning
+happens inside the kernel (`_lookup_host_direct`); sequence outputs build
+the plan and prune it on the host. Inside `jax.jit`/`jax.export` (traced inputs) the
 same plan is built with masks at static shapes and computed with jax.numpy;
 ids out of range cannot raise there and read as zero rows.
 """

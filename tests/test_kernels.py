@@ -496,3 +496,17 @@ def test_output_pool_reuses_only_unreferenced_buffers():
         assert not kernels._pool._bufs and f.shape == (100, 64)
     finally:
         kernels.set_output_pool_limit(previous)
+
+
+def test_output_pool_evicts_free_buffers_of_other_sizes():
+    previous = kernels.set_output_pool_limit(4160 + 4064 + 100)
+    try:
+        held = kernels.output_empty((1024,), np.float32)  # 4096 + 64 bytes, stays referenced
+        kernels.output_empty((1000,), np.float32)  # 4000 + 64, free at once
+        assert sorted(b.shape[0] for b in kernels._pool._bufs) == [4064, 4160]
+        new = kernels.output_empty((1020,), np.float32)  # no room: the free buffer goes
+        sizes = sorted(b.shape[0] for b in kernels._pool._bufs)
+        assert sizes == [4144, 4160] and kernels._pool._bytes == sum(sizes)
+        assert not np.shares_memory(held, new)
+    finally:
+        kernels.set_output_pool_limit(previous)
