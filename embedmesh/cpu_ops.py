@@ -735,9 +735,11 @@ _TARGETS = {
     "embedmesh_huge_page_copy": "EmHugePageCopy",
     "embedmesh_huge_page_fill": "EmHugePageFill",
 }
-_FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 # Tuned for the CPU that builds (and runs) them: the library is cached per CPU signature.
-# No FMA contraction, so the float32 arithmetic matches the pure-JAX path.
+# No FMA contraction, so the float32 arithmetic matches the pure-JAX path. No errno from
+# sqrt: with it, GCC cannot vectorise the optimizer rows (150 -> 19 ns per 64-wide Adagrad
+# row here; same results, sqrt stays IEEE-exact).
 _NATIVE = ("-march=native",)
 
 
