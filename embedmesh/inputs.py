@@ -310,6 +310,72 @@ def to_coo(inp, weight=None, max_sequence_length: int = 0) -> Coo:
     return Coo(sample, ids_flat, w_flat, b, b)
 
 
+@dataclasses.dataclass(frozen=True)
+class Csr:
+    """One feature's batch as bags: entries `splits[r]:splits[r+1]` add into output
+    row r (the form the kernels take: no per-entry row array)."""
+
+    ids: np.ndarray  # [nnz] integer ids, as given
+    splits: np.ndarray  # int64 [num_rows + 1]
+    weights: Optional[np.ndarray]  # float32 [nnz], or None for all ones
+    num_rows: int
+    batch_size: int
+
+
+def to_csr(inp, weight=None, max_sequence_length: int = 0) -> Csr:
+    """`to_coo`'s entries and training semantics, as bags (see `Csr`).
+
+    Ragged row_splits and dense `[batch, n]` strides are used as they are;
+    sparse row offsets come from the one-pass `sparse_row_offsets`. Entries
+    keep their order, so `to_coo(...).rows` is `np.repeat(arange(num_rows),
+    diff(splits))` of the same input.
+    """
+    kind = input_kind(inp)
+    L = max_sequence_length
+    if kind == "dense":
+        ids = np.asarray(inp)
+        b = ids.shape[0]
+        n = int(np.prod(ids.shape[1:]))  # not reshape(b, -1): b may be 0
+        ids2 = ids.reshape(b, n)
+        w2 = None if weight is None else np.asarray(weight, np.float32).reshape(b, n)
+        if L == 0:
+            splits = (np.arange(0, b * n + 1, n, dtype=np.int64) if n else
+                      np.zeros(b + 1, np.int64))
+            return Csr(ids2.reshape(-1), splits, None if w2 is None else w2.reshape(-1), b, b)
+        k = min(n, L)
+        counts = np.tile((np.arange(L) < k).astype(np.int64), b)
+        return Csr(ids2[:, :k].reshape(-1), _splits_of_counts(counts),
+                   None if w2 is None else w2[:, :k].reshape(-1), b * L, b)
+    w = None if weight is None else np.asarray(weight.values, np.float32)
+    ids = np.asarray(inp.values)
+    if kind == "ragged":
+        splits = np.asarray(inp.row_splits).astype(np.int64, copy=False)
+        b = splits.shape[0] - 1
+        if L == 0:
+            return Csr(ids, splits, w, b, b)
+        lengths = np.diff(splits)
+        if lengths.size and lengths.max() > L:  # drop positions >= L
+            keep = ragged_positions(splits) < L
+            ids, w = ids[keep], None if w is None else w[keep]
+            lengths = np.minimum(lengths, L)
+        counts = (np.arange(L)[None, :] < lengths[:, None]).reshape(-1).astype(np.int64)
+        return Csr(ids, _splits_of_counts(counts), w, b * L, b)
+    shape = inp.dense_shape
+    b = int(np.prod(shape[:-1]))
+    if L == 0:
+        return Csr(ids, sparse_row_offsets("<input>", inp), w, b, b)
+    coo = to_coo(inp, weight, L)
+    counts = np.bincount(coo.rows, minlength=coo.num_rows)
+    return Csr(coo.ids, _splits_of_counts(counts), None if w is None else coo.weights,
+               coo.num_rows, b)
+
+
+def _splits_of_counts(counts: np.ndarray) -> np.ndarray:
+    splits = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=splits[1:])
+    return splits
+
+
 def batch_size_of(inp) -> int:
     kind = input_kind(inp)
     if kind == "dense":

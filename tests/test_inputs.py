@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
 from embedmesh.config import resolve_feature_config
 from embedmesh.inputs import (flatten_inputs_like, ragged_positions, ragged_row_ids, to_coo,
-                              validate_input)
+                              to_csr, validate_input)
 
 
 @st.composite
@@ -61,6 +61,24 @@ def test_to_coo_matches_plain_loops(batch, L):
     got = sorted(zip(coo.rows.tolist(), coo.ids.tolist(), coo.weights.tolist()))
     assert got == sorted((r, i, float(w)) for r, i, w in expected)
     assert coo.batch_size == B and coo.num_rows == (B * L if L else B)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.sampled_from([0, 1, 3]))
+def test_to_csr_is_to_coo_as_bags(batch, L):
+    inp, weight, _ = batch
+    validate_input("f", inp, weight)
+    coo = to_coo(inp, weight, max_sequence_length=L)
+    csr = to_csr(inp, weight, max_sequence_length=L)
+    assert (csr.num_rows, csr.batch_size) == (coo.num_rows, coo.batch_size)
+    assert csr.splits.dtype == np.int64 and csr.splits.shape == (csr.num_rows + 1,)
+    rows = np.repeat(np.arange(csr.num_rows), np.diff(csr.splits))
+    np.testing.assert_array_equal(rows, coo.rows)
+    np.testing.assert_array_equal(np.asarray(csr.ids, np.int64), coo.ids)
+    if weight is None:
+        assert csr.weights is None
+    else:
+        np.testing.assert_array_equal(csr.weights, coo.weights)
 
 
 def test_ragged_helpers():
