@@ -68,7 +68,10 @@ from jax.sharding import PartitionSpec as P
 
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
+try:  # orbax's own read spec and context; private, so a hand-made spec stands in if it moves
+    from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
+except ImportError:  # pragma: no cover - depends on the installed orbax
+    _ts_utils = None
 
 from embedmesh.config import TableConfig, resolve_feature_config
 
@@ -376,8 +379,7 @@ class _Reader:
         OCDBT manifest), so every checkpoint orbax restores opens here too.
         """
         name = ".".join(path)  # orbax's parameter name for a key path
-        spec = _ts_utils.ArrayReadSpec(str(self.path), name, self._use_zarr3,
-                                       use_ocdbt=self._use_ocdbt).json
+        spec = _read_spec(str(self.path), name, self._use_zarr3, self._use_ocdbt)
         return ts.open(spec, open=True, read=True, context=self._context).result()
 
     def start_fill(self, path: tuple, copies: list) -> list:
@@ -418,11 +420,33 @@ class _Reader:
         self.close()
 
 
+def _read_spec(directory: str, name: str, use_zarr3: bool, use_ocdbt: bool,
+               from_orbax: bool = True) -> dict:
+    """The tensorstore spec of one stored array: orbax's when importable, else the
+    same spec made here (a test keeps the two equal)."""
+    if from_orbax and _ts_utils is not None:
+        return _ts_utils.ArrayReadSpec(directory, name, use_zarr3, use_ocdbt=use_ocdbt).json
+    directory = directory.rstrip("/") + "/"
+    if use_ocdbt:
+        kvstore = {"driver": "ocdbt",
+                   "base": {"driver": "file", "path": directory,
+                            "file_io_locking": {"mode": "non_atomic"}},
+                   "manifest": {"driver": "file", "path": directory},
+                   "path": name, "cache_pool": "cache_pool#ocdbt"}
+    else:
+        kvstore = {"driver": "file", "path": directory + name}
+    return {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore,
+            "recheck_cached_data": False, "recheck_cached_metadata": False,
+            "fill_missing_data_reads": False}
+
+
 @functools.lru_cache(maxsize=None)
 def _ts_context():
     """One tensorstore context for every read: orbax's OCDBT settings (many file reads in
     flight); no chunk cache, so nothing stays in memory after a read."""
-    return _ts_utils.get_ts_context(use_ocdbt=True)
+    if _ts_utils is not None:
+        return _ts_utils.get_ts_context(use_ocdbt=True)
+    return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 0}})  # pragma: no cover
 
 
 def _wait(futures: list) -> None:
