@@ -322,13 +322,14 @@ class Csr:
     batch_size: int
 
 
-def to_csr(inp, weight=None, max_sequence_length: int = 0) -> Csr:
+def to_csr(inp, weight=None, max_sequence_length: int = 0, name: str = "<input>") -> Csr:
     """`to_coo`'s entries and training semantics, as bags (see `Csr`).
 
     Ragged row_splits and dense `[batch, n]` strides are used as they are;
-    sparse row offsets come from the one-pass `sparse_row_offsets`. Entries
-    keep their order, so `to_coo(...).rows` is `np.repeat(arange(num_rows),
-    diff(splits))` of the same input.
+    sparse row offsets come from the one-pass `sparse_row_offsets`, which
+    also checks the sparse indices (errors name `name`), so after
+    `validate_structure` nothing needs checking twice. Entries keep their
+    order: `to_coo(...).rows` is `np.repeat(arange(num_rows), diff(splits))`.
     """
     kind = input_kind(inp)
     L = max_sequence_length
@@ -363,7 +364,7 @@ def to_csr(inp, weight=None, max_sequence_length: int = 0) -> Csr:
     shape = inp.dense_shape
     b = int(np.prod(shape[:-1]))
     if L == 0:
-        return Csr(ids, sparse_row_offsets("<input>", inp), w, b, b)
+        return Csr(ids, sparse_row_offsets(name, inp), w, b, b)
     coo = to_coo(inp, weight, L)
     counts = np.bincount(coo.rows, minlength=coo.num_rows)
     return Csr(coo.ids, _splits_of_counts(counts), None if w is None else coo.weights,

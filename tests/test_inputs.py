@@ -81,6 +81,12 @@ def test_to_csr_is_to_coo_as_bags(batch, L):
         np.testing.assert_array_equal(csr.weights, coo.weights)
 
 
+def test_to_csr_checks_sparse_indices_naming_the_feature():
+    bad = SparseTensor(np.array([[1, 0], [0, 0]]), np.array([1, 2]), (2, 3))
+    with pytest.raises(ValueError, match="feature my_feature: SparseTensor indices must be sorted"):
+        to_csr(bad, name="my_feature")
+
+
 def test_ragged_helpers():
     splits = np.array([0, 2, 2, 5])
     np.testing.assert_array_equal(ragged_row_ids(splits), [0, 0, 2, 2, 2])
