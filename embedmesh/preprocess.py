@@ -57,8 +57,8 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import jax
 import numpy as np
 
-from embedmesh.inputs import (check_id_range, flatten_inputs_like, input_kind, to_coo,
-                              validate_input)
+from embedmesh.inputs import (check_id_range, flatten_inputs_like, input_kind,
+                              sparse_row_offsets, to_csr, validate_structure)
 from embedmesh.stacking import StackingPlan, plan_stacking
 
 __all__ = ["Capacity", "FeatureSlot", "OVERFLOW_POLICIES", "PAD_ID", "PartitionedCsrFormatTensor",
@@ -270,55 +270,21 @@ def _as_kernel_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids)
 
 
-def _splits_from_counts(counts: np.ndarray) -> np.ndarray:
-    splits = np.zeros(counts.size + 1, np.int64)
-    np.cumsum(counts, out=splits[1:])
-    return splits
-
-
 def _canonical(name: str, feature, inp, weight) -> _Canon:
-    validate_input(name, inp, weight)
+    """One feature as bags, through `inputs.to_csr` (the serving path's form too).
+
+    `to_csr` checks sparse indices while deriving row offsets, so only the
+    structure is validated first; sparse sequence features, which go through
+    `to_coo`, get the index check here.
+    """
+    validate_structure(name, inp, weight)
     L = feature.max_sequence_length
-    kind = input_kind(inp)
-    if kind == "dense":
-        ids = np.asarray(inp)
-        b = ids.shape[0]
-        n = int(np.prod(ids.shape[1:]))  # not reshape(b, -1): b may be 0
-        ids2 = ids.reshape(b, n)
-        w2 = None if weight is None else np.asarray(weight, np.float32).reshape(b, n)
-        if L == 0:
-            splits = (np.arange(0, b * n + 1, n, dtype=np.int64) if n else
-                      np.zeros(b + 1, np.int64))
-            return _Canon(_as_kernel_ids(ids2.reshape(-1)), splits,
-                          None if w2 is None else np.ascontiguousarray(w2.reshape(-1)), b)
-        k = min(n, L)
-        per_sample = np.zeros(L, np.int64)
-        per_sample[:k] = 1
-        return _Canon(_as_kernel_ids(ids2[:, :k].reshape(-1)),
-                      _splits_from_counts(np.tile(per_sample, b)),
-                      None if w2 is None else np.ascontiguousarray(w2[:, :k].reshape(-1)), b)
-    if kind == "ragged":
-        values = np.asarray(inp.values)
-        splits = np.asarray(inp.row_splits).astype(np.int64, copy=False)
-        b = splits.shape[0] - 1
-        w = None if weight is None else np.asarray(weight.values, np.float32)
-        if L == 0:
-            return _Canon(_as_kernel_ids(values), np.ascontiguousarray(splits),
-                          None if w is None else np.ascontiguousarray(w), b)
-        lengths = np.diff(splits)
-        if lengths.size and lengths.max() > L:  # drop positions >= L
-            pos = np.arange(values.shape[0], dtype=np.int64) - np.repeat(splits[:-1], lengths)
-            keep = pos < L
-            values = values[keep]
-            w = None if w is None else w[keep]
-            lengths = np.minimum(lengths, L)
-        counts = (np.arange(L)[None, :] < lengths[:, None]).reshape(-1).astype(np.int64)
-        return _Canon(_as_kernel_ids(values), _splits_from_counts(counts),
-                      None if w is None else np.ascontiguousarray(w), b)
-    coo = to_coo(inp, weight, L)
-    counts = np.bincount(coo.rows, minlength=coo.num_rows)
-    return _Canon(_as_kernel_ids(coo.ids), _splits_from_counts(counts),
-                  None if weight is None else np.ascontiguousarray(coo.weights), coo.batch_size)
+    if L > 0 and input_kind(inp) == "sparse":
+        sparse_row_offsets(name, inp)
+    c = to_csr(inp, weight, L, name)
+    return _Canon(_as_kernel_ids(c.ids), np.ascontiguousarray(c.splits, np.int64),
+                  None if c.weights is None else np.ascontiguousarray(c.weights, np.float32),
+                  c.batch_size)
 
 
 def _canonical_batch(plan: StackingPlan, features, weights) -> tuple[list, int]:
