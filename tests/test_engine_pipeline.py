@@ -128,6 +128,28 @@ def test_unpipelined_non_finite_gradient_raises_at_apply_and_keeps_the_previous_
         np.testing.assert_array_equal(after_first[t]["parameters"], v["parameters"])
 
 
+def test_pipelined_non_finite_gradient_raises_at_apply_and_tables_stay():
+    feats = _features()
+    piped = MeshEmbedding(feats, em.SGD(0.5), True, mesh=mesh_of(2), capacities=Capacity(64, 64))
+    eager = MeshEmbedding(feats, em.SGD(0.5), mesh=mesh_of(2), capacities=Capacity(64, 64))
+    piped.build()
+    eager.build()
+    batch = _batch(np.random.default_rng(13))
+    acts, pre = piped(batch)
+    acts_e, pre_e = eager(batch)
+    good = {k: jnp.full_like(v, 0.25) for k, v in acts.items()}
+    piped.apply_gradients(good, pre)  # pending until the next lookup
+    eager.apply_gradients(good, pre_e)
+    bad = dict(good, a=good["a"].at[1, 0].set(jnp.inf))
+    with pytest.raises(FloatingPointError, match="a"):
+        piped.apply_gradients(bad, pre)
+    got, want = piped.variables, eager.variables  # the good update only
+    for t in got:
+        for k in got[t]:
+            np.testing.assert_array_equal(got[t][k], want[t][k])
+    assert int(piped.state.step) == 1
+
+
 def test_grow_recompiles_once_and_loses_nothing():
     feats = _features()
     emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2))  # capacities sized automatically
@@ -194,7 +216,8 @@ def test_update_step_allocates_nothing_of_table_size():
     acts, pre = emb({"x": ids})
     grads = {"x": jnp.ones_like(acts["x"])}
     table_bytes = rows * dim * 4
-    compiled = emb._update_fn.lower(emb.state, grads, pre).compile()
+    update = jax.jit(emb.core.apply_gradients, donate_argnums=0)  # with its finite check
+    compiled = update.lower(emb.state, grads, pre).compile()
     mem = compiled.memory_analysis()
     assert mem.temp_size_in_bytes < table_bytes // 20, (mem.temp_size_in_bytes, table_bytes)
     lookup = emb._lookup_fn.lower(emb.state, pre).compile().memory_analysis()
