@@ -361,11 +361,11 @@ class EmbeddingCore:
                 if g is not None:
                     grads[slot.name] = g
 
-        def update(state):
+        def update(state, ok=None):
             tables = {s: state.tables[s] for s in stacks}
             slots = {s: state.slots[s] for s in stacks}
 
-            def body(tables, slots, step, grads, csr):
+            def body(tables, slots, step, grads, csr, ok):
                 new_tables, new_slots = {}, {}
                 for s in stacks:
                     c = csr[s]
@@ -387,6 +387,8 @@ class EmbeddingCore:
                                                unique_capacity=c.unique_ids.shape[2],
                                                axis_name=axes, num_shards=N)
                     served = sparse_ops.exchange(c.unique_ids[0], axes, N)
+                    if ok is not None:  # rejected: every id becomes padding, no row moves
+                        served = jnp.where(ok, served, sparse_ops.PAD_ID)
                     new_tables[s], new_slots[s] = sparse_ops.owner_update(
                         tables[s], slots[s], served, recv, self.optimizer_of(s), step)
                 return new_tables, new_slots
@@ -394,15 +396,19 @@ class EmbeddingCore:
             fn = jax.shard_map(
                 body, mesh=self.mesh,
                 in_specs=(self._specs(tables), self._specs(slots), P(), self._specs(grads),
-                          self._specs(csr)),
+                          self._specs(csr), P()),
                 out_specs=(self._specs(tables), self._specs(slots)), check_vma=False)
-            new_tables, new_slots = fn(tables, slots, state.step, grads, csr)
+            new_tables, new_slots = fn(tables, slots, state.step, grads, csr, ok)
             all_tables = dict(state.tables, **new_tables)
             all_slots = dict(state.slots, **new_slots)
-            return EmbeddingState(all_tables, all_slots, state.step + 1)
+            advance = 1 if ok is None else ok.astype(state.step.dtype)
+            return EmbeddingState(all_tables, all_slots, state.step + advance)
 
         if not check_finite or not grads:
             return update(state), jnp.asarray(True)
         ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
-        new_state = jax.lax.cond(ok, update, lambda st: st, state)
-        return new_state, ok
+        if any(self.optimizer_of(s).touches_all_rows for s in stacks):
+            return jax.lax.cond(ok, update, lambda st: st, state), ok
+        # Sparse rules move only the rows they are given: a rejected update
+        # hands them none (no `cond`, which costs 2-10 ms a step on CPU).
+        return update(state, ok), ok

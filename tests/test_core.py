@@ -4,6 +4,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from jax.sharding import Mesh
 
 import embedmesh as em
@@ -98,3 +99,39 @@ def test_seed_style_code_ports_by_changing_the_import():
     untouched = [i for i in range(20) if i not in (3, 4)]
     np.testing.assert_array_equal(after[untouched], before[untouched])
     assert set(mid_level.variables[table]) == {"parameters"}
+
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("num_devices", [1, 2])
+@pytest.mark.parametrize("opt", [em.SGD(0.3, weight_decay_factor=0.1), em.Adagrad(0.3),
+                                 em.Adam(0.1), em.Adam(0.1, lazy_adam=False), em.FTRL(0.2)],
+                         ids=["sgd_wd", "adagrad", "adam", "adam_dense", "ftrl"])
+def test_rejected_update_leaves_state_bit_identical(opt, num_devices, kernels, monkeypatch):
+    """A non-finite gradient inside a user's jit: `ok` is False and tables, slots and the
+    step count are unchanged (sparse rules get no rows; non-lazy Adam goes through a cond),
+    while a finite one changes them."""
+    from embedmesh import cpu_ops
+    if not kernels:
+        monkeypatch.setitem(cpu_ops._state, "ok", False)
+    feats, mesh = _setup(num_devices)
+    emb = em.MeshEmbedding(feats, opt, mesh=mesh, capacities=Capacity(32, 32))
+    emb.build()
+    (batch, _), = _batches(1, seed=3)
+    csr = emb.enqueue(batch)
+    core = emb.core
+    step = jax.jit(core.apply_gradients, donate_argnums=0)
+    acts = jax.jit(core.lookup)(emb.state, csr)
+    before = jax.tree_util.tree_map(np.asarray, emb.state)
+    bad = {k: jnp.full_like(v, 0.5) for k, v in acts.items()}
+    bad["items"] = bad["items"].at[2, 1].set(jnp.nan)
+    state, ok = step(emb.state, bad, csr)
+    assert not bool(ok)
+    after = jax.tree_util.tree_map(np.asarray, state)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, after, before)
+    good = {k: jnp.full_like(v, 0.5) for k, v in acts.items()}
+    state, ok = step(state, good, csr)
+    assert bool(ok) and int(state.step) == 1
+    moved = jax.tree_util.tree_map(lambda a, b: not np.array_equal(np.asarray(a), b),
+                                   state.tables, before.tables)
+    assert all(jax.tree_util.tree_leaves(moved))
