@@ -458,16 +458,19 @@ if HAVE_NUMBA:
     @_numba.njit(inline="always")
     def _store(acc, out, r, j0, width, mode, den):  # pragma: no cover (compiled)
         """out[r, j0:j0+width] = acc normalised by den (mode 1, 2); 0/0 gives 0."""
-        if mode != 0:
-            d = np.sqrt(den) if mode == 2 else den
-            if d == np.float32(0.0):
-                for j in range(width):
-                    acc[j] = np.float32(0.0)
-            else:
-                for j in range(width):
-                    acc[j] = acc[j] / d
-        for j in range(width):
-            out[r, j0 + j] = acc[j]
+        if mode == 0:
+            for j in range(width):
+                out[r, j0 + j] = acc[j]
+            return
+        d = np.sqrt(den) if mode == 2 else den
+        # written straight to out: updating acc in place in a branch made LLVM
+        # spill the accumulators to the stack
+        if d == np.float32(0.0):
+            for j in range(width):
+                out[r, j0 + j] = np.float32(0.0)
+        else:
+            for j in range(width):
+                out[r, j0 + j] = acc[j] / d
 
     def _make_bag_kernel(mode, has_w, prune_ids, prune_w):
         """The bag kernel with its options fixed at compile time.
