@@ -83,8 +83,7 @@ class MeshEmbedding:
         self._check_finite = check_finite
         self._seed = seed
         self._built = False
-        self._pending = None  # pipelined: (gradients, csr) waiting for the next lookup
-        self._deferred = None  # not pipelined: (checked gradients, csr) to apply first
+        self._pending = None  # (checked gradients, csr): the update the next lookup runs
         self.last_stats = None  # PreprocessStats of the latest enqueue
 
     # -- build ------------------------------------------------------------------
@@ -131,19 +130,15 @@ class MeshEmbedding:
     def state(self) -> EmbeddingState:
         """The embedding state (`EmbeddingState`), every accepted update applied
         (a pipelined update waits for the next lookup or `flush`)."""
-        self._apply_deferred()
+        if not self._pipelined:
+            self.flush()
         return self._state
 
     @state.setter
     def state(self, value: EmbeddingState):
-        self._apply_deferred()
+        if not self._pipelined:
+            self.flush()
         self._state = value
-
-    def _apply_deferred(self):
-        if getattr(self, "_deferred", None) is not None:
-            grads, csr = self._deferred
-            self._deferred = None
-            self._state = self._apply_fn(self._state, grads, csr)
 
     def _require_built(self, what: str):
         if not self._built:
@@ -206,12 +201,8 @@ class MeshEmbedding:
         if self._pending is not None:
             grads, prev = self._pending
             self._pending = None
-            acts, self._state = self._fused_fn(self._state, grads, prev, partitioned_tensors)
-        elif self._deferred is not None:
-            grads, prev = self._deferred
-            self._deferred = None
-            acts, self._state = self._apply_lookup_fn(self._state, grads, prev,
-                                                      partitioned_tensors)
+            run = self._fused_fn if self._pipelined else self._apply_lookup_fn
+            acts, self._state = run(self._state, grads, prev, partitioned_tensors)
         else:
             acts = self._lookup_fn(self._state, partitioned_tensors)
         return self._pack_activations(acts), partitioned_tensors
@@ -295,17 +286,11 @@ class MeshEmbedding:
         grads = self._flat_gradients(gradients, preserved_outputs)
         if self._check_finite and grads:
             self._raise_if_not_finite(self._all_finite_fn(grads), grads)
-        if self._pipelined:
-            if self._pending is not None:
-                self.flush()
-            self._pending = (grads, preserved_outputs)
-            return
-        self._apply_deferred()  # two updates without a lookup between them
-        self._deferred = (grads, preserved_outputs)
+        self.flush()  # two updates without a lookup between them
+        self._pending = (grads, preserved_outputs)
 
     def flush(self):
         """Apply an update still waiting for the next lookup."""
-        self._apply_deferred()
         if self._pending is None:
             return
         grads, csr = self._pending
@@ -313,7 +298,7 @@ class MeshEmbedding:
         self._state = self._apply_fn(self._state, grads, csr)
 
     def _raise_if_not_finite(self, ok, grads):
-        if self._check_finite and not bool(ok):
+        if not bool(ok):
             bad = [n for n, g in grads.items() if not bool(jnp.all(jnp.isfinite(g)))]
             raise FloatingPointError(f"non-finite gradient for feature(s) {bad}; the update was "
                                      f"not applied and the tables are unchanged")
