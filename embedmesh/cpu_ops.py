@@ -29,11 +29,13 @@ end are padding.
   `update_rows` and `scatter_rows`.
 - `backward_update(...)`: one shard's backward (pairs -> per-row gradient
   sums) and update fused, for SGD and Adagrad: no [U, D] gradient buffer.
-- `huge_page_copy(x)`, `to_huge_pages(array)`: a copy whose buffer is advised
-  to use transparent huge pages before it is first written (XLA's own buffers
-  get 4 KiB pages; random row access into multi-GB tables and slots is faster
-  on huge pages in a VM, where TLB misses are expensive: the training step of
-  `benchmarks/train_step.py` went from 47 to 40 ms).
+- `huge_page_copy(x)`, `full(shape, value, dtype, device)`: a copy, or a
+  constant array made on a device, whose buffer is advised to use transparent
+  huge pages before it is first written (XLA's own buffers get 4 KiB pages;
+  random row access into multi-GB tables and slots is faster on huge pages in
+  a VM, where TLB misses are expensive: the training step of
+  `benchmarks/train_step.py` went from 47 to 40 ms). `EmbeddingCore` builds
+  its tables and slots with `full`.
 
 Every function has a pure-JAX fallback with the same semantics, used on other
 platforms (through `jax.lax.platform_dependent`), when no C++ compiler is
@@ -1158,24 +1160,3 @@ def _full_fn(shape, dtype, device, huge):
     return jax.jit(lambda v: jax.ffi.ffi_call("embedmesh_huge_page_fill",
                                               jax.ShapeDtypeStruct(shape, dtype))(v),
                    out_shardings=sharding)
-
-
-def to_huge_pages(arr, min_bytes: int = _HUGE_MIN_BYTES):
-    """`arr` with each CPU shard of at least `min_bytes` copied to transparent huge pages.
-
-    For the engine's tables and slots at creation: later steps update them in
-    place (donated), so they stay there. Random row access into multi-GB CPU
-    arrays is 1.5-2x faster on huge pages here (TLB misses are expensive under
-    virtualisation). Returns `arr` itself off CPU, without the kernels, or for
-    small shards. Each copy briefly holds a second copy of one shard.
-    """
-    if not isinstance(arr, jax.Array) or not available():
-        return arr
-    shards = arr.addressable_shards
-    if not shards or any(s.device.platform != "cpu" for s in shards):
-        return arr
-    if all(s.data.nbytes < min_bytes for s in shards) or not arr.is_fully_addressable:
-        return arr
-    copy = jax.jit(huge_page_copy)
-    datas = [copy(s.data) if s.data.nbytes >= min_bytes else s.data for s in shards]
-    return jax.make_array_from_single_device_arrays(arr.shape, arr.sharding, datas)
