@@ -43,6 +43,7 @@ See benchmarks/requirements-train.txt for the peer environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -429,12 +430,8 @@ def child_profile(args, batches):
         # the XLA version must not see the kernels: run it with them switched off
         v, (tab, acc) = med_donated(fused, (tab, acc), (flat_u, g_u))
         add(name, "kernel", v)
-        saved = J._state.get("ok")
-        J._state["ok"] = False
-        try:
+        with kernels_off():
             v, (tab, acc) = med_donated(xla, (tab, acc), (flat_u, g_u))
-        finally:
-            J._state["ok"] = saved
         add(name, "xla", v)
         # the same on tables and slots moved to transparent huge pages
         if not huge:
@@ -449,11 +446,8 @@ def child_profile(args, batches):
         name = "owner update (in place), huge pages"
         v, (htab, hacc) = med_donated(fused, (htab, hacc), (flat_u, g_u))
         add(name, "kernel", v)
-        J._state["ok"] = False
-        try:
+        with kernels_off():
             v, (htab, hacc) = med_donated(xla, (htab, hacc), (flat_u, g_u))
-        finally:
-            J._state["ok"] = saved
         add(name, "xla", v)
         # the whole owner side (1 shard): backward + dedup + update, unfused vs fused
         name = "backward+dedup+update, huge pages"
@@ -570,6 +564,18 @@ def fbgemm_importable():
 
 def gb(x):
     return f"{x / 2 ** 30:.2f}"
+
+
+@contextlib.contextmanager
+def kernels_off():
+    """Trace with embedmesh's CPU kernels switched off (the pure-JAX path)."""
+    from embedmesh import cpu_ops
+    saved = cpu_ops._state.get("ok")
+    cpu_ops._state["ok"] = False
+    try:
+        yield
+    finally:
+        cpu_ops._state["ok"] = saved
 
 
 def print_profile(res):
