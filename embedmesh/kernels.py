@@ -421,6 +421,45 @@ if HAVE_NUMBA:
 
         return sig, codegen
 
+    def _mark_nontemporal(builder, store):
+        store.set_metadata("nontemporal", builder.module.add_metadata([_ir.IntType(32)(1)]))
+
+    def _address(builder, value, ty):
+        """A 64-bit integer byte address argument as an i8*."""
+        return builder.inttoptr(value, _ir.IntType(8).as_pointer())
+
+    @_intrinsic
+    def _stream_copy64(typingctx, dst, src):  # pragma: no cover (compiled)
+        """Copy the 64 bytes at address src to address dst (64-byte aligned) with a
+        non-temporal store."""
+        if not (isinstance(dst, _types.Integer) and isinstance(src, _types.Integer)
+                and dst.bitwidth == src.bitwidth == 64):
+            return None  # addresses only (a typing error otherwise)
+        sig = _types.void(dst, src)
+
+        def codegen(context, builder, signature, args):
+            vty = _ir.VectorType(_ir.IntType(8), 64)
+            v = builder.load(builder.bitcast(_address(builder, args[1], signature.args[1]),
+                                             vty.as_pointer()), align=1)
+            dst_p = builder.bitcast(_address(builder, args[0], signature.args[0]),
+                                    vty.as_pointer())
+            _mark_nontemporal(builder, builder.store(v, dst_p, align=64))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @_intrinsic
+    def _store_fence(typingctx):  # pragma: no cover (compiled)
+        """Order the streaming stores before anything that follows (a full fence:
+        on x86 only mfence/sfence order non-temporal stores)."""
+        sig = _types.void()
+
+        def codegen(context, builder, signature, args):
+            builder.fence("seq_cst")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     @_numba.njit(inline="always")
     def _accumulate(src, ids, weights, has_w, lo, hi, j0, width, acc, uvocab, prune_ids,
                     prune_w, first, mode):  # pragma: no cover (compiled)
@@ -574,6 +613,30 @@ if HAVE_NUMBA:
         return -1
 
     @_numba.njit(cache=True, nogil=True)
+    def _gather_streaming_kernel(src, ids, out):  # pragma: no cover (compiled)
+        """`_gather_kernel` for rows of a multiple of 64 bytes into a 64-byte aligned
+        `out`, written with non-temporal stores (uint8 views)."""
+        n = ids.shape[0]
+        row_bytes = _numba.uint64(src.shape[1])
+        uvocab = _numba.uint64(src.shape[0])
+        src_addr = src.ctypes.data
+        out_addr = out.ctypes.data
+        last = n - 1
+        for k in range(min(_PREFETCH_AHEAD, n)):
+            _prefetch(src, ids[k], 0)
+        for k in range(n):
+            _prefetch(src, ids[min(k + _PREFETCH_AHEAD, last)], 0)
+            i = ids[k]
+            if _numba.uint64(i) >= uvocab:
+                return k
+            row = src_addr + _numba.uint64(i) * row_bytes  # all uint64: byte addresses
+            dst = out_addr + _numba.uint64(k) * row_bytes
+            for j in range(0, row_bytes, 64):
+                _stream_copy64(dst + j, row + j)
+        _store_fence()
+        return -1
+
+    @_numba.njit(cache=True, nogil=True)
     def _rows_to_offsets(rows, num_rows, offsets):  # pragma: no cover (compiled)
         """offsets[r] = first entry of row r (rows sorted); False if rows are not
         non-decreasing within [0, num_rows)."""
@@ -672,7 +735,12 @@ def _gather_numba(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     if uint is None or table.dtype.hasobject:
         return _gather_numpy(table, ids)
     ids, _ = _signed_ids(ids)
-    bad = _gather_kernel(table.view(uint), ids, out.view(uint))
+    row_bytes = table.shape[1] * table.dtype.itemsize
+    if (row_bytes % 64 == 0 and row_bytes and out.ctypes.data % 64 == 0
+            and table.flags.c_contiguous):
+        bad = _gather_streaming_kernel(table.view(np.uint8), ids, out.view(np.uint8))
+    else:
+        bad = _gather_kernel(table.view(uint), ids, out.view(uint))
     if bad >= 0:
         raise IdOutOfRange(bad, ids[bad], table.shape[0])
     return out

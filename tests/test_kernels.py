@@ -419,12 +419,17 @@ def test_bag_combine_narrow_tables(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES + [np.float64, np.int8])
-def test_gather_is_bit_exact_and_checks_ids(backend, dtype):
-    table = (np.random.default_rng(0).standard_normal((50, 7)) * 10).astype(dtype)
+@pytest.mark.parametrize("row_bytes", [None, 64, 192])  # None: 7 wide; else streaming stores
+def test_gather_is_bit_exact_and_checks_ids(backend, dtype, row_bytes):
+    dim = 7 if row_bytes is None else row_bytes // np.dtype(dtype).itemsize
+    table = (np.random.default_rng(0).standard_normal((50, dim)) * 10).astype(dtype)
     ids = np.array([3, 4, 3, 49, 0], np.int32)
     out = _with_backend(backend, kernels.gather, table, ids)
     assert out.dtype == table.dtype and out.ctypes.data % 64 == 0
     np.testing.assert_array_equal(out.view(np.uint8), table[ids].view(np.uint8))
+    # a table whose rows are not contiguous takes the plain copy
+    wide = np.repeat(table, 2, axis=1)[:, ::2]
+    np.testing.assert_array_equal(_with_backend(backend, kernels.gather, wide, ids), table[ids])
     with pytest.raises(kernels.IdOutOfRange) as info:
         _with_backend(backend, kernels.gather, table, np.array([0, 50, -1]))
     assert info.value.entry == 1
