@@ -399,3 +399,37 @@ def test_host_threads_give_the_same_results_and_first_error():
             serving.set_host_threads(0)
     finally:
         serving.set_host_threads(previous)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_host_outputs_become_uncommitted_jax_arrays_without_a_copy(fast, monkeypatch):
+    """The host path's jax.Arrays: what `jax.device_put` gives (uncommitted, on the
+    default device, x64 rules), aliasing the kernel's aligned buffers on CPU;
+    jaxlib's direct call (fast) and `jax.device_put` agree."""
+    from embedmesh import kernels, serving
+
+    if not fast:
+        monkeypatch.setattr(serving, "_BATCHED_DEVICE_PUT", None)
+    rng = np.random.default_rng(0)
+    outs = []
+    for shape, dtype in [((5, 16), np.float32), ((3, 2, 8), np.float16), ((0, 4), np.float32)]:
+        a = kernels.aligned_empty(shape, dtype)
+        a[...] = rng.normal(size=shape)
+        outs.append(a)
+    got = serving._host_to_jax(outs)
+    for a, g in zip(outs, got):
+        assert isinstance(g, jax.Array) and not g.committed
+        assert g.dtype == a.dtype and g.shape == a.shape
+        assert g.devices() == {jax.local_devices()[0]}
+        np.testing.assert_array_equal(np.asarray(g), a)
+        if a.size:
+            assert g.unsafe_buffer_pointer() == a.ctypes.data  # no copy
+    wide = kernels.aligned_empty((2, 3), np.float64)
+    wide[...] = 1.5
+    (g,) = serving._host_to_jax([wide])  # canonicalised as jax.device_put does
+    assert g.dtype == jax.device_put(wide).dtype
+    other = jax.devices()[-1]
+    with jax.default_device(other):
+        (g,) = serving._host_to_jax([outs[0]])
+    assert g.devices() == {other} and not g.committed
+    np.testing.assert_array_equal(np.asarray(g), outs[0])
