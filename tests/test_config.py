@@ -93,6 +93,29 @@ def test_resolve_names_tables_in_order_of_first_use():
     assert t_unnamed_1.name is None  # configs are never mutated
 
 
+def test_resolution_reuse_follows_the_structure_and_its_configs():
+    """Resolutions are reused only for the same structure holding the same configs;
+    changing either (a dict edited in place included) resolves afresh."""
+    t1, t2 = TableConfig(5, 2), TableConfig(5, 2, name="x")
+    fc = {"a": FeatureConfig(t1), "b": FeatureConfig(t2)}
+    first = em.resolve_feature_config(fc)
+    assert em.resolve_feature_config(fc) is first
+    assert em.resolve_feature_config(dict(fc)) is first  # same shape, same configs
+    fc["b"] = FeatureConfig(t1, name="renamed")  # edited in place
+    second = em.resolve_feature_config(fc)
+    assert second.feature_names == ("a", "renamed") and second.table_names == ("table_0",)
+    fc["c"] = FeatureConfig(t2)
+    third = em.resolve_feature_config(fc)
+    assert third.feature_names == ("a", "renamed", "c")
+    assert third.table_names == ("table_0", "x")
+    del fc["c"]
+    assert em.resolve_feature_config(fc) is second
+    with pytest.raises(ValueError, match="named 't'"):  # errors are never cached away
+        for _ in range(2):
+            em.resolve_feature_config([FeatureConfig(TableConfig(5, 2, name="t")),
+                                       FeatureConfig(TableConfig(6, 2, name="t"))])
+
+
 def test_duplicate_table_names_rejected():
     fc = [FeatureConfig(TableConfig(5, 2, name="t")), FeatureConfig(TableConfig(6, 2, name="t"))]
     with pytest.raises(ValueError, match="named 't'"):

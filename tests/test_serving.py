@@ -433,3 +433,31 @@ def test_host_outputs_become_uncommitted_jax_arrays_without_a_copy(fast, monkeyp
         (g,) = serving._host_to_jax([outs[0]])
     assert g.devices() == {other} and not g.committed
     np.testing.assert_array_equal(np.asarray(g), outs[0])
+
+
+def test_results_on_another_default_device_and_after_a_failed_lookup():
+    """Outputs wrapped before the kernels run (the plain CPU case) and after them
+    (a default device set) hold the same values; a lookup failing midway leaves
+    later lookups right."""
+    t = TableConfig(60, 32, combiner="sum", name="t")
+    fc = {"a": FeatureConfig(t), "b": FeatureConfig(t), "c": FeatureConfig(t)}
+    rng = np.random.default_rng(2)
+    table = rng.normal(size=(60, 32)).astype(np.float32)
+    inputs = {"a": RaggedTensor(rng.integers(0, 60, 9), np.array([0, 4, 9])),
+              "b": rng.integers(0, 60, (2, 3)),
+              "c": SparseTensor(np.array([[0, 0], [1, 2]]), np.array([5, 7]), (2, 4))}
+    want = {k: reference_lookup(fc[k], inputs[k], None, table) for k in fc}
+    plain = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
+    other = jax.devices()[-1]
+    with jax.default_device(other):
+        moved = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
+    for k in fc:
+        np.testing.assert_allclose(np.asarray(plain[k]), want[k], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(moved[k]), np.asarray(plain[k]))
+        assert moved[k].devices() == {other}
+    bad = dict(inputs, b=np.array([[1, 2, 60], [0, 0, 0]]))
+    with pytest.raises(ValueError, match="feature b: id 60"):
+        em.serving_embedding_lookup(bad, None, {t: table}, fc)
+    again = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
+    for k in fc:
+        np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(plain[k]))
