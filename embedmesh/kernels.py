@@ -745,10 +745,10 @@ def _prepare_gather_numba(table: np.ndarray, ids: np.ndarray):
         kernel, args = _gather_streaming_kernel, (table.view(np.uint8), ids, out.view(np.uint8))
     else:
         kernel, args = _gather_kernel, (table.view(uint), ids, out.view(uint))
-    return KernelCall(kernel, args, out, ids, table.shape[0])
+    return _KernelCall(kernel, args, out, ids, table.shape[0])
 
 
-class KernelCall:
+class _KernelCall:
     """A compiled kernel with its checked arguments and output, run later: the
     serving lookup prepares every feature first and then runs the kernels back
     to back, so no Python runs between them on caches the kernels have just
@@ -789,7 +789,7 @@ def _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_w, p
     out = output_empty((num_rows, dim), np.float32)
     has_w = weights is not None
     kernel = _bag_kernel(mode, has_w, prune_ids, prune_w)
-    return KernelCall(kernel, (table, ids, offsets, weights if has_w else _NO_WEIGHTS, out), out,
+    return _KernelCall(kernel, (table, ids, offsets, weights if has_w else _NO_WEIGHTS, out), out,
                        ids, table.shape[0], post)
 
 

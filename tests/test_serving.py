@@ -436,9 +436,9 @@ def test_host_outputs_become_uncommitted_jax_arrays_without_a_copy(fast, monkeyp
 
 
 def test_results_on_another_default_device_and_after_a_failed_lookup():
-    """Outputs wrapped before the kernels run (the plain CPU case) and after them
-    (a default device set) hold the same values; a lookup failing midway leaves
-    later lookups right."""
+    """Outputs through jaxlib's direct call (the plain CPU case) and through
+    jax.device_put (a default device set) hold the same values; a lookup failing
+    midway (its outputs already taken from the pool) leaves later lookups right."""
     t = TableConfig(60, 32, combiner="sum", name="t")
     fc = {"a": FeatureConfig(t), "b": FeatureConfig(t), "c": FeatureConfig(t)}
     rng = np.random.default_rng(2)
