@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import threading
 from typing import Any, Optional
@@ -407,10 +408,7 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
     # kernels._KernelCall)
     runs = [_prepare_host_one(*task[1:]) for task in host]
     if _host_threads > 1 and len(runs) > 1:
-        # kernels release the GIL; map() hands features out one at a time, so
-        # a descheduled thread delays only its own feature, and re-raises the
-        # first error in feature order
-        results = list(_executor().map(lambda run: run(), runs))
+        results = _run_on_threads(runs, min(_host_threads, len(runs)))
     else:
         results = [run() for run in runs]
     for task, arr in zip(host, _host_to_jax(results)):
@@ -428,7 +426,7 @@ def _prepare_host_one(name, feature, inp, w, table):
 
 
 _host_threads = max(1, int(os.environ.get("EMBEDMESH_SERVING_THREADS", "1")))
-_executors: dict = {}  # thread count -> ThreadPoolExecutor, made on first use
+_executors: dict = {}  # pool thread count -> ThreadPoolExecutor, made on first use
 _executors_lock = threading.Lock()
 
 
@@ -443,8 +441,40 @@ def set_host_threads(n: int) -> int:
     return previous
 
 
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    n = _host_threads
+def _run_on_threads(runs: list, threads: int) -> list:
+    """Every `run()`, on the caller's thread and `threads - 1` pool threads.
+
+    The kernels release the GIL. Each thread takes the next feature when it is
+    done with one, so a thread the OS deschedules delays only the feature it
+    holds, and the caller never sits idle waiting for a pool thread to start.
+    The first error in feature order is raised once all have run.
+    """
+    n = len(runs)
+    results: list = [None] * n
+    errors: list = [None] * n
+    order = itertools.count()  # next() is atomic under the GIL
+
+    def work():
+        for i in iter(order.__next__, None):
+            if i >= n:
+                return
+            try:
+                results[i] = runs[i]()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in feature order
+                errors[i] = e
+
+    helpers = [_executor(threads - 1).submit(work) for _ in range(threads - 1)]
+    work()
+    for h in helpers:
+        if not h.cancel():  # one that never started has nothing left to do
+            h.result()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def _executor(n: int) -> concurrent.futures.ThreadPoolExecutor:
     with _executors_lock:
         if n not in _executors:
             _executors[n] = concurrent.futures.ThreadPoolExecutor(

@@ -461,3 +461,41 @@ def test_results_on_another_default_device_and_after_a_failed_lookup():
     again = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
     for k in fc:
         np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(plain[k]))
+
+
+def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
+    """The caller's thread works too; every run runs once even after an error;
+    the error raised is the first in feature order, not in time."""
+    import threading
+    import time
+
+    from embedmesh import serving
+
+    calls = []
+    late_error = threading.Event()
+
+    def ok(i):
+        def run():
+            calls.append((i, threading.current_thread().name))
+            time.sleep(0.002)
+            return i
+        return run
+
+    assert serving._run_on_threads([ok(i) for i in range(12)], 3) == list(range(12))
+    assert sorted(i for i, _ in calls) == list(range(12))
+    assert threading.main_thread().name in {name for _, name in calls}
+
+    def fails_late():
+        late_error.wait(2.0)  # raises only after the later feature has raised
+        raise ValueError("first")
+
+    def fails_early():
+        try:
+            raise ValueError("second")
+        finally:
+            late_error.set()
+
+    calls.clear()
+    with pytest.raises(ValueError, match="first"):
+        serving._run_on_threads([ok(0), fails_late, ok(2), fails_early, ok(4)], 2)
+    assert sorted(i for i, _ in calls) == [0, 2, 4]
