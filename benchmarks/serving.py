@@ -25,7 +25,7 @@ Contenders, run in the same process, interleaved round by round:
 
 Inputs for every contender are built before timing. One timed sample is one
 call over all 8 features on one batch. In each round the contenders take
-turns call by call on the same batches (order rotated), `--reps` passes over
+turns call by call on the same batches (order shuffled), `--reps` passes over
 the batches; a round gives each contender's median seconds per call, ratios
 are taken within a round, and the medians over rounds are reported. embedmesh's outputs are
 checked against TensorFlow's (and torch's) with allclose; the max abs diff is
@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -242,19 +243,23 @@ def as_numpy(x):
 # Driver
 
 
-def time_round(calls: dict, reps: int, rotation: int) -> dict:
+def time_round(calls: dict, reps: int, seed: int) -> dict:
     """One round: {contender: median seconds per call}.
 
-    Contenders alternate call by call (batch by batch, the order rotated each
-    round), so a change in the machine's load hits them alike; ratios are
-    then taken within the round.
+    Contenders alternate call by call (batch by batch, in an order shuffled
+    for every batch, seeded by the round), so a change in the machine's load
+    hits them alike and no contender always follows the same one (whose
+    threads or cache footprint it would inherit); ratios are then taken
+    within the round.
     """
     names = list(calls)
     times = {name: [] for name in names}
+    shuffle = random.Random(seed)
     for rep in range(reps):
         for i in range(len(next(iter(calls.values())))):
-            k = (rotation + rep + i) % len(names)
-            for name in names[k:] + names[:k]:
+            order = list(names)
+            shuffle.shuffle(order)
+            for name in order:
                 cs = calls[name]
                 if getattr(cs, "setup", None):
                     cs.setup()
