@@ -2,9 +2,12 @@
 
 The serving lookup's inner loops: `bag_combine` (gather rows, scale, sum
 per bag given by offsets, normalise; TensorFlow's pruning and the id range
-check in the same pass), `gather` (a checked plain lookup), `sparse_offsets`
+check in the same pass), `gather` (a checked plain lookup, written with
+non-temporal stores where rows are whole cache lines), `sparse_offsets`
 (validate COO indices and derive bag offsets in one pass), and the older
 `weighted_segment_sum` (bags given by a sorted per-entry row array).
+`prepare_bag_combine` / `prepare_gather` split the first two into checks
+(now) and the kernel (later), so a caller can run many kernels back to back.
 
 Two backends compute the same thing:
 

@@ -1,6 +1,7 @@
 """serving_embedding_lookup against a plain float64 reference of TensorFlow's rules."""
 
 import collections
+import os
 import re
 
 import hypothesis.strategies as st
@@ -499,3 +500,14 @@ def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
     with pytest.raises(ValueError, match="first"):
         serving._run_on_threads([ok(0), fails_late, ok(2), fails_early, ok(4)], 2)
     assert sorted(i for i, _ in calls) == [0, 2, 4]
+
+
+def test_default_thread_count(monkeypatch):
+    from embedmesh import serving
+
+    monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "3")
+    assert serving._default_threads() == 3
+    monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "0")
+    assert serving._default_threads() == 1
+    monkeypatch.delenv("EMBEDMESH_SERVING_THREADS")
+    assert 1 <= serving._default_threads() <= min(8, os.cpu_count() or 1)
