@@ -33,6 +33,7 @@ references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -102,6 +103,7 @@ class _BufferPool:
     def __init__(self, limit: int):
         self.limit = int(limit)
         self._bufs: list[np.ndarray] = []
+        self._starts: list[int] = []  # offset of the first 64-byte aligned byte of each
         self._bytes = 0
         self.release = None  # called before allocating afresh (see set_release_hook)
         self._lock = threading.Lock()
@@ -109,49 +111,57 @@ class _BufferPool:
         self.enabled = gil is None or bool(gil())
 
     def empty(self, shape, dtype) -> np.ndarray:
+        # cheap on purpose: the serving lookup takes 8+ buffers per call, on caches
+        # its kernels have just flushed
         dtype = np.dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape = tuple(map(int, shape))
+        nbytes = math.prod(shape) * dtype.itemsize
         if not self.enabled or nbytes == 0 or dtype.hasobject:
             return aligned_empty(shape, dtype)
         size = nbytes + _ALIGN
         with self._lock:  # between finding a free buffer and viewing it, no other taker
-            raw = self._free(size)
-            if raw is None and self.release is not None:
+            found = self._free(size)
+            if found is None and self.release is not None:
                 self.release()
-                raw = self._free(size)
-            if raw is not None:
-                return _aligned_view(raw, shape, dtype, nbytes)
+                found = self._free(size)
+            if found is not None:
+                raw, start = found
+                return np.ndarray(shape, dtype, buffer=raw, offset=start)
             raw = np.empty(size, np.uint8)
+            start = (-raw.ctypes.data) % _ALIGN
             if self._bytes + size > self.limit:
                 self._evict(self._bytes + size - self.limit)
             if self._bytes + size <= self.limit:
                 self._bufs.append(raw)
+                self._starts.append(start)
                 self._bytes += size
-            return _aligned_view(raw, shape, dtype, nbytes)
+            return np.ndarray(shape, dtype, buffer=raw, offset=start)
 
     def _evict(self, nbytes: int) -> None:
         """Drop free buffers, oldest first, until `nbytes` are dropped (or none is free)."""
-        keep = []
-        for buf in self._bufs:
+        keep, starts = [], []
+        for i in range(len(self._bufs)):
+            buf = self._bufs[i]  # by index: zip's reused tuple would hold another reference
             if nbytes > 0 and sys.getrefcount(buf) == 3:  # list, loop variable, argument
                 nbytes -= buf.shape[0]
                 self._bytes -= buf.shape[0]
             else:
                 keep.append(buf)
-        self._bufs = keep
+                starts.append(self._starts[i])
+        self._bufs, self._starts = keep, starts
 
     def _free(self, size):
+        """(raw buffer, aligned start) of a free buffer of `size` bytes, or None."""
         bufs = self._bufs
         for i in range(len(bufs)):
             # 2 references: the list's and getrefcount's argument
             if bufs[i].shape[0] == size and sys.getrefcount(bufs[i]) == 2:
-                return bufs[i]
+                return bufs[i], self._starts[i]
         return None
 
     def clear(self) -> None:
         with self._lock:
-            self._bufs, self._bytes = [], 0
+            self._bufs, self._starts, self._bytes = [], [], 0
 
 
 _pool = _BufferPool(int(os.environ.get("EMBEDMESH_OUTPUT_POOL_MB", "256")) << 20)
@@ -855,17 +865,24 @@ def bag_combine(table: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
 
 
 def prepare_bag_combine(table, ids, offsets, weights=None, combiner=None, *,
-                        prune_ids: bool = False, prune_weights: bool = False):
+                        prune_ids: bool = False, prune_weights: bool = False,
+                        offsets_checked: bool = False):
     """`bag_combine` in two steps: checks the arguments and takes the output buffer
     now, and returns a function that runs the kernel (raising `IdOutOfRange`)
-    and returns the output. Lets a caller run many kernels back to back."""
+    and returns the output. Lets a caller run many kernels back to back.
+    `offsets_checked`: the caller has already checked that `offsets` is a 1-D
+    integer array running non-decreasing from 0 to len(ids) (ragged row_splits
+    validated by `inputs.validate_structure`)."""
     mode = _mode_of(combiner)
     table = np.asarray(table)
     ids = np.asarray(ids)
     if table.ndim != 2 or ids.ndim != 1 or ids.dtype.kind not in "iu":
         raise ValueError(f"table must be 2-D and ids 1-D integers, got {table.shape} and "
                          f"{ids.dtype} {ids.shape}")
-    offsets = _check_offsets(offsets, ids.shape[0])
+    if offsets_checked:
+        offsets = np.asarray(offsets).astype(np.int64, copy=False)
+    else:
+        offsets = _check_offsets(offsets, ids.shape[0])
     if weights is not None:
         weights = np.ascontiguousarray(weights, dtype=np.float32)
         if weights.shape != ids.shape:

@@ -213,7 +213,8 @@ def _prepare_host_direct(name: str, feature: FeatureConfig, inp, weight, table):
         return _named(name, kernels.prepare_bag_combine(
             table_np, np.asarray(inp.values), offsets,
             None if weight is None else np.asarray(weight.values), combiner, prune_ids=prune,
-            prune_weights=prune and combiner != "sum"), tuple(shape[:-1]) + (table_np.shape[1],))
+            prune_weights=prune and combiner != "sum", offsets_checked=True),
+            tuple(shape[:-1]) + (table_np.shape[1],))
     out_shape = (inp.nrows,)
     if feature.output_shape:
         if int(np.prod(feature.output_shape)) != inp.nrows:
@@ -225,7 +226,8 @@ def _prepare_host_direct(name: str, feature: FeatureConfig, inp, weight, table):
     table_np = np.asarray(table)
     return _named(name, kernels.prepare_bag_combine(
         table_np, np.asarray(inp.values), np.asarray(inp.row_splits),
-        None if weight is None else np.asarray(weight.values), combiner),
+        None if weight is None else np.asarray(weight.values), combiner,
+        offsets_checked=True),  # validate_structure checked the row_splits
         out_shape + (table_np.shape[1],))
 
 
