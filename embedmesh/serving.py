@@ -443,6 +443,7 @@ def _default_threads() -> int:
 
 _host_threads = _default_threads()
 _executors: dict = {}  # pool thread count -> ThreadPoolExecutor, made on first use
+_executors_pid = os.getpid()  # the process the executors' threads belong to
 _executors_lock = threading.Lock()
 
 
@@ -492,7 +493,11 @@ def _run_on_threads(runs: list, threads: int) -> list:
 
 
 def _executor(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _executors_pid
     with _executors_lock:
+        if _executors_pid != os.getpid():  # a forked child: the parent's threads are gone
+            _executors.clear()
+            _executors_pid = os.getpid()
         if n not in _executors:
             _executors[n] = concurrent.futures.ThreadPoolExecutor(
                 n, thread_name_prefix="embedmesh-serving")

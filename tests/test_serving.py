@@ -511,3 +511,33 @@ def test_default_thread_count(monkeypatch):
     assert serving._default_threads() == 1
     monkeypatch.delenv("EMBEDMESH_SERVING_THREADS")
     assert 1 <= serving._default_threads() <= min(8, os.cpu_count() or 1)
+
+
+_FORK_CHILD_SCRIPT = """
+import os, sys, threading, time
+from embedmesh import serving
+
+def task():
+    time.sleep(0.05)
+    return threading.current_thread().name
+
+serving._run_on_threads([task] * 4, 2)  # the parent's pool exists now
+pid = os.fork()
+if pid == 0:  # child: exit 0 only if a pool thread ran a task
+    names = serving._run_on_threads([task] * 4, 2)
+    os._exit(0 if any(n != threading.main_thread().name for n in names) else 1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_thread_runner_uses_threads_again_in_a_forked_child():
+    """A child forked after a lookup (a pre-forking server) gets fresh pool threads.
+    In a fresh process that never starts a JAX backend, so the fork is safe."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORK_CHILD_SCRIPT], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
