@@ -265,8 +265,7 @@ def _host_to_jax(outs: list) -> list:
     if target is not None and all(_canonical_dtype(x.dtype) for x in outs):
         device, sharding = target
         try:
-            return [_BATCHED_DEVICE_PUT(_ShapedArray(x.shape, x.dtype), sharding, [x], [device],
-                                        False) for x in outs]
+            return [_BATCHED_DEVICE_PUT(_aval(x), sharding, [x], [device], False) for x in outs]
         except Exception:  # pragma: no cover - a jaxlib whose signature moved
             _disable_fast_put()
     return jax.device_put(outs, may_alias=True)
@@ -285,6 +284,20 @@ def _private_device_put():
 _BATCHED_DEVICE_PUT, _ShapedArray = _private_device_put()
 _cpu_target: Optional[tuple] = None  # (device, SingleDeviceSharding) of device_put's default
 _canonical: dict = {}  # numpy dtype -> whether JAX keeps it as it is
+
+
+def _aval(x: np.ndarray):
+    """The (immutable) ShapedArray of x, reused: serving returns the same few shapes."""
+    key = (x.shape, x.dtype)
+    aval = _avals.get(key)
+    if aval is None:
+        if len(_avals) > 1024:
+            _avals.clear()
+        aval = _avals[key] = _ShapedArray(x.shape, x.dtype)
+    return aval
+
+
+_avals: dict = {}
 
 
 def _disable_fast_put() -> None:
