@@ -13,9 +13,11 @@ memory, and ids are range checked (a `ValueError` naming the feature).
 Dense inputs and combined ragged/sparse inputs skip the plan: the input's
 own row_splits / sparse row offsets are the kernel's bags, and pruning
 happens inside the kernel (`_prepare_host_direct`); sequence outputs build
-the plan and prune it on the host. Inside `jax.jit`/`jax.export` (traced inputs) the
-same plan is built with masks at static shapes and computed with jax.numpy;
-ids out of range cannot raise there and read as zero rows.
+the plan and prune it on the host. A call checks every feature and takes its
+output buffer first, then runs the kernels back to back, spread over one
+thread per core (`set_host_threads`). Inside `jax.jit`/`jax.export` (traced
+inputs) the same plan is built with masks at static shapes and computed with
+jax.numpy; ids out of range cannot raise there and read as zero rows.
 """
 
 from __future__ import annotations
