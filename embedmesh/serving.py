@@ -441,7 +441,6 @@ def _prepare_host_one(name, feature, inp, w, table):
     return run
 
 
-
 def _default_threads() -> int:
     """EMBEDMESH_SERVING_THREADS, else one per usable core up to 8 (TensorFlow and
     torch also use every core by default): on the serving benchmark 2 threads
@@ -496,7 +495,8 @@ def _run_on_threads(runs: list, threads: int) -> list:
             except BaseException as e:  # noqa: BLE001 - re-raised below, in feature order
                 errors[i] = e
 
-    helpers = [_executor(threads - 1).submit(work) for _ in range(threads - 1)]
+    pool = _executor(threads - 1)
+    helpers = [pool.submit(work) for _ in range(threads - 1)]
     work()
     for h in helpers:
         if not h.cancel():  # one that never started has nothing left to do
