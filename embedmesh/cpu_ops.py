@@ -918,10 +918,6 @@ def _dedup_sum_jax(ids, grads):
 # Public ops
 
 
-def _rows2d(x):
-    return x.reshape(x.shape[0], -1)
-
-
 def gather_rows(table, ids):
     """`table[ids]` for int32 `ids` of shape [n]; zero rows for ids outside the table."""
     ids = ids.astype(jnp.int32)

@@ -377,15 +377,6 @@ def _splits_of_counts(counts: np.ndarray) -> np.ndarray:
     return splits
 
 
-def batch_size_of(inp) -> int:
-    kind = input_kind(inp)
-    if kind == "dense":
-        return int(np.shape(inp)[0])
-    if kind == "sparse":
-        return int(np.prod(inp.dense_shape[:-1]))
-    return inp.nrows
-
-
 def check_id_range(name: str, ids: np.ndarray, vocabulary_size: int) -> None:
     """ValueError naming the feature and the first id outside [0, vocabulary_size)."""
     if ids.size == 0:
