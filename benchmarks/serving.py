@@ -26,8 +26,10 @@ Contenders, run in the same process, interleaved round by round:
 Inputs for every contender are built before timing. One timed sample is one
 call over all 8 features on one batch. In each round the contenders take
 turns call by call on the same batches (order shuffled), `--reps` passes over
-the batches; a round gives each contender's median seconds per call, ratios
-are taken within a round, and the medians over rounds are reported. embedmesh's outputs are
+the batches (with `--blocks`: each contender in turn runs its passes alone,
+after an untimed one); a round gives each contender's median seconds per
+call, ratios are taken within a round, and the medians over rounds are
+reported. embedmesh's outputs are
 checked against TensorFlow's (and torch's) with allclose; the max abs diff is
 printed.
 
@@ -243,7 +245,7 @@ def as_numpy(x):
 # Driver
 
 
-def time_round(calls: dict, reps: int, seed: int) -> dict:
+def time_round(calls: dict, reps: int, seed: int, blocks: bool = False) -> dict:
     """One round: {contender: median seconds per call}.
 
     Contenders alternate call by call (batch by batch, in an order shuffled
@@ -251,7 +253,15 @@ def time_round(calls: dict, reps: int, seed: int) -> dict:
     hits them alike and no contender always follows the same one (whose
     threads or cache footprint it would inherit); ratios are then taken
     within the round.
+
+    `blocks`: each contender instead runs alone for the round's turn (order
+    shuffled per round): one untimed pass over the batches, then `reps` timed
+    passes, as a server running only that system would. Interleaved calls
+    each inherit the caches (TensorFlow keeps its own copy of the tables) and
+    the still-spinning worker threads of another system.
     """
+    if blocks:
+        return _time_blocks(calls, reps, seed)
     names = list(calls)
     times = {name: [] for name in names}
     shuffle = random.Random(seed)
@@ -267,6 +277,26 @@ def time_round(calls: dict, reps: int, seed: int) -> dict:
                 cs[i]()
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _time_blocks(calls: dict, reps: int, seed: int) -> dict:
+    order = list(calls)
+    random.Random(seed).shuffle(order)
+    result = {}
+    for name in order:
+        cs = calls[name]
+        if getattr(cs, "setup", None):
+            cs.setup()
+        for c in cs:  # untimed: from here on this contender runs alone
+            c()
+        times = []
+        for rep in range(reps):
+            for c in cs:
+                t0 = time.perf_counter()
+                c()
+                times.append(time.perf_counter() - t0)
+        result[name] = statistics.median(times)
+    return {name: result[name] for name in calls}
 
 
 def main(argv=None):
@@ -287,6 +317,8 @@ def main(argv=None):
                    help="comma-separated; embedmesh[numba-Nt] spreads features over one "
                    "thread per core")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--blocks", action="store_true",
+                   help="time each contender alone for its turn of a round (see time_round)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -362,7 +394,7 @@ def main(argv=None):
             per_round = {name: [] for name in calls}
             names = list(calls)
             for r in range(args.rounds):
-                for name, t in time_round(calls, args.reps, r).items():
+                for name, t in time_round(calls, args.reps, r, args.blocks).items():
                     per_round[name].append(t)
             row = {"input": label, "ids_per_call": n_ids, "max_abs_diff_vs_tf": diffs,
                    "ids_per_s": {}, "ratio": {}}
@@ -375,7 +407,8 @@ def main(argv=None):
                     row["ratio"][f"{em_name} / {peer}"] = statistics.median(ratios)
             results.append(row)
             print(f"\n== {label}: {n_ids:.0f} ids per call, median of {args.rounds} rounds x "
-                  f"{args.reps * args.batches} calls")
+                  f"{args.reps * args.batches} calls"
+                  + (", each contender alone in turn" if args.blocks else ", interleaved"))
             for name in names:
                 print(f"  {name:18s} {row['ids_per_s'][name] / 1e6:8.2f} M ids/s  "
                       f"({n_ids / row['ids_per_s'][name] * 1e3:7.2f} ms/call)")
