@@ -243,9 +243,10 @@ class EmbeddingCore:
     def lookup(self, state: EmbeddingState, csr: dict) -> dict:
         """Activations `{feature name: global array}` for preprocessed `csr`.
 
-        Shapes: `[B, dim]`, or `[B, L, dim]` for sequence features; sharded on
-        the batch axis. (The facade restores the feature structure and
-        `output_shape`.)
+        Shapes: `[B, *sample_shape, dim]` (see `FeatureSlot`: `[B, dim]`
+        combined, `[B, L, dim]` sequences, `ids.shape + [dim]` dense ids);
+        sharded on the batch axis. (The facade restores the feature structure
+        and applies `output_shape`.)
         """
         N, axes = self.num_shards, self.axes
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
@@ -262,11 +263,7 @@ class EmbeddingCore:
                                            num_shards=N)
                 for slot in c.features:
                     a = act[slot.row_offset:slot.row_offset + slot.num_rows, :slot.dim]
-                    shape = ((slot.num_rows, slot.dim) if slot.rows_per_sample == 1 and
-                             not self._is_sequence(slot.name) else
-                             (slot.num_rows // slot.rows_per_sample, slot.rows_per_sample,
-                              slot.dim))
-                    acts[slot.name] = a.reshape(shape).astype(tables[s].dtype)
+                    acts[slot.name] = a.reshape(slot.local_shape()).astype(tables[s].dtype)
             return acts
 
         out_names = [slot.name for s in stacks for slot in csr[s].features]
@@ -334,9 +331,6 @@ class EmbeddingCore:
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=(self._specs(tabs), self._specs(deps)),
                            out_specs=self._specs(tabs), check_vma=False)
         return dict(tables, **fn(tabs, deps))
-
-    def _is_sequence(self, feature_name: str) -> bool:
-        return self.plan.feature(feature_name).combiner is None
 
     def apply_gradients(self, state: EmbeddingState, gradients: dict, csr: dict,
                         *, check_finite: bool = True):

@@ -84,6 +84,7 @@ class MeshEmbedding:
         self._seed = seed
         self._built = False
         self._pending = None  # (checked gradients, csr): the update the next lookup runs
+        self._observed = None  # (pending, state with it applied): pipelined reads, cached
         self.last_stats = None  # PreprocessStats of the latest enqueue
 
     # -- build ------------------------------------------------------------------
@@ -122,14 +123,40 @@ class MeshEmbedding:
             return core.lookup(st, c_next), st
 
         self._apply_lookup_fn = jax.jit(apply_then_lookup, donate_argnums=0)
+        # pipelined reads: the pending update applied into new buffers, the live
+        # state (what the next lookup reads) left as it is
+        self._apply_copy_fn = jax.jit(
+            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0])
         self._all_finite_fn = jax.jit(
             lambda g: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g.values()])))
         self._built = True
 
+    def observed_state(self) -> EmbeddingState:
+        """The state with every accepted update applied, without changing what the
+        next lookup sees: what `embedding_tables`, `variables`,
+        `embedding_table_shards` and checkpoints read.
+
+        Unpipelined, that is the state itself (lookups see every update). In
+        pipelined mode the next lookup must still read the tables one update
+        stale, so a pending update is applied into new arrays (one extra copy of
+        the touched stacks on the devices while they are held) and the live
+        state stays as it is: observing never changes the trajectory.
+        """
+        if self._pending is None:
+            return self._state
+        if not self._pipelined:
+            self.flush()
+            return self._state
+        if self._observed is None or self._observed[0] is not self._pending:
+            grads, csr = self._pending
+            self._observed = (self._pending, self._apply_copy_fn(self._state, grads, csr))
+        return self._observed[1]
+
     @property
     def state(self) -> EmbeddingState:
-        """The embedding state (`EmbeddingState`), every accepted update applied
-        (a pipelined update waits for the next lookup or `flush`)."""
+        """The embedding state (`EmbeddingState`) the next lookup reads: every
+        accepted update applied, except, in pipelined mode, the one the next
+        lookup applies after it reads (see `observed_state`)."""
         if not self._pipelined:
             self.flush()
         return self._state
@@ -201,11 +228,12 @@ class MeshEmbedding:
         if self._pending is not None:
             grads, prev = self._pending
             self._pending = None
+            self._observed = None  # the read copy, if any, is not needed any more
             run = self._fused_fn if self._pipelined else self._apply_lookup_fn
             acts, self._state = run(self._state, grads, prev, partitioned_tensors)
         else:
             acts = self._lookup_fn(self._state, partitioned_tensors)
-        return self._pack_activations(acts), partitioned_tensors
+        return self._pack_activations(acts, partitioned_tensors), partitioned_tensors
 
     def embedding_lookup(self, features: Any, weights: Optional[Any] = None):
         """`(activations, preserved_outputs)` for a batch: enqueue then dequeue."""
@@ -214,27 +242,18 @@ class MeshEmbedding:
     __call__ = embedding_lookup
 
     def _activation_shape(self, name: str, slot, feature) -> tuple:
-        samples = slot.num_rows // slot.rows_per_sample * self._mesh.size
-        if feature.max_sequence_length > 0:
-            shape = (samples, slot.rows_per_sample, slot.dim)
-        else:
-            shape = (samples, slot.dim)
-        if feature.output_shape:
-            if int(np.prod(feature.output_shape)) * slot.dim != int(np.prod(shape)):
-                raise ValueError(f"feature {name}: output_shape {feature.output_shape} does "
-                                 f"not hold the activation of shape {shape}")
-            shape = tuple(feature.output_shape) + (slot.dim,)
-        return shape
+        return slot.activation_shape(self._mesh.size)
 
     def _slots(self, csr: dict) -> dict:
         return {slot.name: slot for c in csr.values() for slot in c.features}
 
-    def _pack_activations(self, acts: dict):
+    def _pack_activations(self, acts: dict, csr: dict):
+        slots = self._slots(csr)
         flat = []
-        for name, feature in zip(self._resolved.feature_names, self._resolved.features):
+        for name in self._resolved.feature_names:
             a = acts[name]
-            if feature.output_shape:
-                a = a.reshape(tuple(feature.output_shape) + (a.shape[-1],))
+            if slots[name].output_shape is not None:
+                a = a.reshape(slots[name].activation_shape(self._mesh.size))
             flat.append(a)
         return jax.tree_util.tree_unflatten(self._resolved.treedef, flat)
 
@@ -264,11 +283,8 @@ class MeshEmbedding:
             if not isinstance(g, jax.Array):
                 g = jax.device_put(np.asarray(g), self.core.row_sharding)
             slot = slots[name]
-            samples = shape[0] if not feature.output_shape else \
-                slot.num_rows // slot.rows_per_sample * self._mesh.size
-            if feature.output_shape:
-                g = g.reshape((samples,) + ((slot.rows_per_sample,) if
-                                            feature.max_sequence_length > 0 else ()) +
+            if slot.output_shape is not None:  # back to the lookup's [B, *sample_shape, dim]
+                g = g.reshape((slot.samples * self._mesh.size,) + tuple(slot.sample_shape) +
                               (slot.dim,))
             out[name] = g
         return out
@@ -290,11 +306,17 @@ class MeshEmbedding:
         self._pending = (grads, preserved_outputs)
 
     def flush(self):
-        """Apply an update still waiting for the next lookup."""
+        """Apply an update still waiting for the next lookup.
+
+        Reads never need this (they see every accepted update). In pipelined
+        mode it makes the next lookup see the update, which changes the
+        trajectory: the TPU's pipelining never does that.
+        """
         if self._pending is None:
             return
         grads, csr = self._pending
         self._pending = None
+        self._observed = None
         self._state = self._apply_fn(self._state, grads, csr)
 
     def _raise_if_not_finite(self, ok, grads):
@@ -305,11 +327,11 @@ class MeshEmbedding:
 
     # -- reading state ------------------------------------------------------------
 
-    def _table_array(self, table_cfg, field="parameters"):
-        self.flush()
+    def _table_array(self, table_cfg, field="parameters", state=None):
+        state = self.observed_state() if state is None else state
         t = self.plan.table(table_cfg)
-        arr = (self.state.tables[t.stack] if field == "parameters"
-               else self.state.slots[t.stack][field])
+        arr = (state.tables[t.stack] if field == "parameters"
+               else state.slots[t.stack][field])
         return self.core.read_table(arr, t)
 
     @property
@@ -322,12 +344,13 @@ class MeshEmbedding:
     def variables(self) -> dict:
         """`{TableConfig: {"parameters": ..., slot name: ...}}`, logical row order."""
         self._maybe_build()
+        state = self.observed_state()
         out = {}
         for t in self._resolved.tables:
             spec = self.plan.stack_of(t)
-            entry = {"parameters": self._table_array(t)}
-            for slot in self.state.slots[spec.name]:
-                entry[slot] = self._table_array(t, slot)
+            entry = {"parameters": self._table_array(t, state=state)}
+            for slot in state.slots[spec.name]:
+                entry[slot] = self._table_array(t, slot, state=state)
             out[t] = entry
         return out
 
@@ -339,11 +362,11 @@ class MeshEmbedding:
         in increasing order (padded to the same length with zero rows).
         """
         self._maybe_build()
-        self.flush()
+        state = self.observed_state()
         out = {}
         for t in self._resolved.tables:
             p = self.plan.table(t)
-            arr = self.state.tables[p.stack]
+            arr = state.tables[p.stack]
             shards = []
             for shard in sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0):
                 shards.append((shard.device, shard.data[p.local_row_offset:

@@ -6,9 +6,10 @@ entry an id), a `SparseTensor` or a `RaggedTensor`; TensorFlow's
 never imported). Both containers are JAX pytrees, so they can be passed
 through `jax.jit` and `jax.export` (the sparse `dense_shape` is static).
 
-Every consumer (the serving lookup, the host preprocessing) reduces an input
-to a `Coo`: parallel arrays (output row, id, weight) plus the number of output
-rows. That is the one canonical host form; all conversions are vectorised.
+How an input becomes activation rows is decided in one place,
+`feature_layout` (TensorFlow's serving rules), for training and serving
+alike; `to_csr` turns a concrete input into bags under those rules, the host
+form the preprocessing kernels take. All conversions are vectorised.
 """
 
 from __future__ import annotations
@@ -182,9 +183,9 @@ def validate_structure(name: str, inp, weight=None) -> None:
                          f"input is {type(inp).__name__}; they must match")
     if kind == "dense":
         ids = _check_int_ids(name, inp)
-        if ids.ndim not in (1, 2):
-            raise ValueError(f"feature {name}: a dense input must be [batch] or [batch, n], "
-                             f"got shape {ids.shape}")
+        if ids.ndim < 1:
+            raise ValueError(f"feature {name}: a dense input must be [batch, ...] ids, got "
+                             f"shape {ids.shape}")
         if weight is not None:
             w = _check_float_weights(name, weight)
             if w.shape != ids.shape:
@@ -232,22 +233,6 @@ def validate_structure(name: str, inp, weight=None) -> None:
 # Canonical host form
 
 
-@dataclasses.dataclass(frozen=True)
-class Coo:
-    """One feature's batch as parallel arrays: output row, id, weight.
-
-    `rows[k]` is the output row entry k adds into (a sample, or
-    `sample * L + position` for sequence features); `num_rows` is the number
-    of output rows, `batch_size` the number of samples.
-    """
-
-    rows: np.ndarray  # int32 [nnz]
-    ids: np.ndarray  # int64 [nnz]
-    weights: np.ndarray  # float32 [nnz]
-    num_rows: int
-    batch_size: int
-
-
 def ragged_row_ids(row_splits: np.ndarray) -> np.ndarray:
     """Row index of every value of a ragged tensor (vectorised)."""
     splits = np.asarray(row_splits, dtype=np.int64)
@@ -263,112 +248,199 @@ def ragged_positions(row_splits: np.ndarray) -> np.ndarray:
     return (np.arange(n, dtype=np.int64) - splits[:-1][rows]).astype(np.int32)
 
 
-def to_coo(inp, weight=None, max_sequence_length: int = 0) -> Coo:
-    """Canonical (row, id, weight) form of a validated concrete input.
+@dataclasses.dataclass(frozen=True)
+class FeatureLayout:
+    """How one feature's input becomes activation rows: TensorFlow's serving rules,
+    shared by training (`to_csr`, host preprocessing) and serving, so a model sees
+    the same activations in both.
 
-    Training semantics (as the SparseCore input pipeline): every entry is an
-    id (dense arrays included; nothing is pruned here); a dense `[batch, n]`
-    or a sparse/ragged row combines its ids into one output row per sample,
-    unless `max_sequence_length = L > 0`, which gives one output row per
-    (sample, position) with positions >= L dropped. Sparse inputs of rank > 2
-    fold their leading dimensions into the batch.
+    kind: "lookup" (dense ids: one row per id, `ids.shape + [dim]`), "combined"
+      (one combined row per bag: sparse rows of `dense_shape[:-1]`, ragged rows)
+      or "sequence" (one row per position `< length`, zeros past the end).
+    batch: samples, the leading dimension of the output (this process's).
+    sample_shape: output dimensions of one sample before `dim`;
+      rows_per_sample is their product.
+    combiner: the table's combiner for "combined", else None (one id per row).
+    prune_ids / prune_weights: TensorFlow's "safe" sparse lookup drops entries
+      with ids < 0 / weights <= 0 before combining.
+    use_weights: False where TensorFlow ignores weights (ragged sequence
+      through `output_shape`).
+    output_shape: the activation's final shape without `dim` where
+      `FeatureConfig.output_shape` reshapes it, else None.
+    """
+
+    kind: str
+    batch: int
+    sample_shape: tuple
+    combiner: Optional[str]
+    prune_ids: bool = False
+    prune_weights: bool = False
+    use_weights: bool = True
+    output_shape: Optional[tuple] = None
+
+    @property
+    def rows_per_sample(self) -> int:
+        n = 1
+        for d in self.sample_shape:
+            n *= int(d)
+        return n
+
+    @property
+    def num_rows(self) -> int:
+        return self.batch * self.rows_per_sample
+
+    @property
+    def length(self) -> int:
+        """Positions per sample of a "sequence" layout."""
+        return int(self.sample_shape[0]) if self.kind == "sequence" else 0
+
+    def activation_shape(self, dim: int, batch: Optional[int] = None) -> tuple:
+        """The activation's shape for `batch` samples (default: this batch)."""
+        if self.output_shape is not None:
+            return tuple(self.output_shape) + (dim,)
+        b = self.batch if batch is None else batch
+        return (b,) + tuple(self.sample_shape) + (dim,)
+
+
+def feature_layout(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> FeatureLayout:
+    """The layout of one feature's input under TensorFlow's serving rules.
+
+    Needs only static information (input kind, shapes, the feature config), so
+    it works on traced inputs too. Raises TensorFlow's `ValueError`s for
+    weights that do not fit the input or feature, a dense input for a sequence
+    feature, and an `output_shape` that does not fit the batch.
+
+    `batch_scale`: global samples per local sample (training on several
+    processes: `output_shape` is global, see `FeatureConfig`).
     """
     kind = input_kind(inp)
-    L = max_sequence_length
+    L = feature.max_sequence_length
+    combiner = feature.table.combiner
+    if weight is not None:
+        if kind == "dense":
+            raise ValueError(f"Weight specified for {name}, but input is dense.")
+        if input_kind(weight) != kind:
+            raise ValueError(f"Weight for {name} is of type {type(weight).__name__} but it does "
+                             f"not match type of the input which is {type(inp).__name__}.")
+        if L > 0:
+            raise ValueError(f"Weight specified for {name}, but this is a sequence feature.")
     if kind == "dense":
-        ids = np.asarray(inp)
-        ids2 = ids.reshape(ids.shape[0], int(np.prod(ids.shape[1:])))
-        b, n = ids2.shape
-        w = (np.ones(ids2.shape, np.float32) if weight is None
-             else np.asarray(weight, np.float32).reshape(b, n))
-        sample = np.repeat(np.arange(b, dtype=np.int32), n)
-        pos = np.tile(np.arange(n, dtype=np.int32), b)
-        ids_flat, w_flat = ids2.reshape(-1).astype(np.int64), w.reshape(-1)
-    elif kind == "sparse":
-        idx = np.asarray(inp.indices, dtype=np.int64)
-        shape = inp.dense_shape
-        b = int(np.prod(shape[:-1]))
-        sample = (np.ravel_multi_index(tuple(idx[:, :-1].T), shape[:-1]).astype(np.int32)
-                  if idx.shape[0] else np.zeros(0, np.int32))
-        pos = idx[:, -1].astype(np.int32)
-        ids_flat = np.asarray(inp.values).astype(np.int64)
-        w_flat = (np.ones(ids_flat.shape, np.float32) if weight is None
-                  else np.asarray(weight.values, np.float32))
-    else:
-        splits = np.asarray(inp.row_splits)
-        b = splits.shape[0] - 1
-        sample = ragged_row_ids(splits)
-        pos = ragged_positions(splits)
-        ids_flat = np.asarray(inp.values).astype(np.int64)
-        w_flat = (np.ones(ids_flat.shape, np.float32) if weight is None
-                  else np.asarray(weight.values, np.float32))
+        if L > 0:
+            raise ValueError(f"Feature {name} is a sequence feature but a dense tensor was "
+                             f"passed.")
+        shape = tuple(int(d) for d in np.shape(inp))
+        if not shape:
+            raise ValueError(f"feature {name}: a dense input needs a batch dimension, got a "
+                             f"scalar")
+        return FeatureLayout("lookup", shape[0], shape[1:], None)
+    if kind == "sparse":
+        shape = tuple(inp.dense_shape)
+        if len(shape) < 2:
+            raise ValueError(f"feature {name}: a SparseTensor must have rank >= 2, got "
+                             f"dense_shape {shape}")
+        if not feature.output_shape and L > 0 and len(shape) == 2:
+            return FeatureLayout("sequence", shape[0], (L,), None)
+        prune = feature.validate_weights_and_indices or len(shape) > 2  # TF's "safe" lookup
+        return FeatureLayout("combined", shape[0], shape[1:-1], combiner, prune_ids=prune,
+                             prune_weights=prune and combiner != "sum")
+    b = inp.nrows
+    if feature.output_shape:
+        p = int(np.prod(feature.output_shape))
+        gb = b * batch_scale
+        out = tuple(feature.output_shape)
+        if p == gb:
+            return FeatureLayout("combined", b, (), combiner, output_shape=out)
+        if p > gb and gb > 0 and p % gb == 0:
+            return FeatureLayout("sequence", b, (p // gb,), None, use_weights=False,
+                                 output_shape=out)
+        hint = ""
+        if batch_scale > 1 and (p * batch_scale == gb or (p * batch_scale) % gb == 0):
+            hint = (f"; embedmesh's output_shape is global (the whole batch of {gb} samples "
+                    f"over all processes), not per replica as in TensorFlow")
+        raise ValueError(f"Output shape set in the FeatureConfig should be the factor of the "
+                         f"input data batch size. But instead got output shape "
+                         f"{list(feature.output_shape)}, input data batch size {gb} "
+                         f"(feature {name}){hint}")
     if L > 0:
-        keep = pos < L
-        if not keep.all():
-            sample, pos, ids_flat, w_flat = sample[keep], pos[keep], ids_flat[keep], w_flat[keep]
-        return Coo(sample * np.int32(L) + pos, ids_flat, w_flat, b * L, b)
-    return Coo(sample, ids_flat, w_flat, b, b)
+        return FeatureLayout("sequence", b, (L,), None)
+    return FeatureLayout("combined", b, (), combiner)
 
 
 @dataclasses.dataclass(frozen=True)
 class Csr:
     """One feature's batch as bags: entries `splits[r]:splits[r+1]` add into output
-    row r (the form the kernels take: no per-entry row array)."""
+    row r (the form the kernels take: no per-entry row array). Rows are in
+    sample-major order: row `s * rows_per_sample + k` (see `FeatureLayout`)."""
 
     ids: np.ndarray  # [nnz] integer ids, as given
     splits: np.ndarray  # int64 [num_rows + 1]
     weights: Optional[np.ndarray]  # float32 [nnz], or None for all ones
-    num_rows: int
-    batch_size: int
+    layout: FeatureLayout
+
+    @property
+    def num_rows(self) -> int:
+        return self.layout.num_rows
+
+    @property
+    def batch_size(self) -> int:
+        return self.layout.batch
 
 
-def to_csr(inp, weight=None, max_sequence_length: int = 0, name: str = "<input>") -> Csr:
-    """`to_coo`'s entries and training semantics, as bags (see `Csr`).
+def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr:
+    """One validated concrete input as bags under `feature_layout`'s rules.
 
-    Ragged row_splits and dense `[batch, n]` strides are used as they are;
-    sparse row offsets come from the one-pass `sparse_row_offsets`, which
-    also checks the sparse indices (errors name `name`), so after
-    `validate_structure` nothing needs checking twice. Entries keep their
-    order: `to_coo(...).rows` is `np.repeat(arange(num_rows), diff(splits))`.
+    Ragged row_splits and dense strides are used as they are; sparse row
+    offsets come from the one-pass `sparse_row_offsets`, which also checks the
+    sparse indices (errors name `name`), so after `validate_structure` nothing
+    needs checking twice. Entries keep their order; pruned entries (the
+    "safe" sparse lookup) are left out.
     """
+    layout = feature_layout(name, feature, inp, weight, batch_scale=batch_scale)
     kind = input_kind(inp)
-    L = max_sequence_length
     if kind == "dense":
-        ids = np.asarray(inp)
-        b = ids.shape[0]
-        n = int(np.prod(ids.shape[1:]))  # not reshape(b, -1): b may be 0
-        ids2 = ids.reshape(b, n)
-        w2 = None if weight is None else np.asarray(weight, np.float32).reshape(b, n)
-        if L == 0:
-            splits = (np.arange(0, b * n + 1, n, dtype=np.int64) if n else
-                      np.zeros(b + 1, np.int64))
-            return Csr(ids2.reshape(-1), splits, None if w2 is None else w2.reshape(-1), b, b)
-        k = min(n, L)
-        counts = np.tile((np.arange(L) < k).astype(np.int64), b)
-        return Csr(ids2[:, :k].reshape(-1), _splits_of_counts(counts),
-                   None if w2 is None else w2[:, :k].reshape(-1), b * L, b)
-    w = None if weight is None else np.asarray(weight.values, np.float32)
+        ids = np.asarray(inp).reshape(-1)
+        return Csr(ids, np.arange(ids.shape[0] + 1, dtype=np.int64), None, layout)
+    w = (None if weight is None or not layout.use_weights
+         else np.asarray(weight.values, np.float32))
     ids = np.asarray(inp.values)
+    if layout.kind == "sequence":
+        L = layout.length
+        if kind == "ragged":
+            splits = np.asarray(inp.row_splits).astype(np.int64, copy=False)
+            lengths = np.diff(splits)
+            if lengths.size and lengths.max() > L:  # drop positions >= L
+                ids = ids[ragged_positions(splits) < L]
+                lengths = np.minimum(lengths, L)
+            counts = (np.arange(L)[None, :] < lengths[:, None]).reshape(-1).astype(np.int64)
+            return Csr(ids, _splits_of_counts(counts), None, layout)
+        sparse_row_offsets(name, inp)  # checks the indices
+        idx = np.asarray(inp.indices, dtype=np.int64)
+        pos = idx[:, 1]
+        keep = pos < L
+        rows = idx[keep, 0] * L + pos[keep]
+        counts = np.bincount(rows, minlength=layout.num_rows).astype(np.int64)
+        return Csr(ids[keep], _splits_of_counts(counts), None, layout)
     if kind == "ragged":
         splits = np.asarray(inp.row_splits).astype(np.int64, copy=False)
-        b = splits.shape[0] - 1
-        if L == 0:
-            return Csr(ids, splits, w, b, b)
-        lengths = np.diff(splits)
-        if lengths.size and lengths.max() > L:  # drop positions >= L
-            keep = ragged_positions(splits) < L
-            ids, w = ids[keep], None if w is None else w[keep]
-            lengths = np.minimum(lengths, L)
-        counts = (np.arange(L)[None, :] < lengths[:, None]).reshape(-1).astype(np.int64)
-        return Csr(ids, _splits_of_counts(counts), w, b * L, b)
-    shape = inp.dense_shape
-    b = int(np.prod(shape[:-1]))
-    if L == 0:
-        return Csr(ids, sparse_row_offsets(name, inp), w, b, b)
-    coo = to_coo(inp, weight, L)
-    counts = np.bincount(coo.rows, minlength=coo.num_rows)
-    return Csr(coo.ids, _splits_of_counts(counts), None if w is None else coo.weights,
-               coo.num_rows, b)
+    else:
+        splits = sparse_row_offsets(name, inp)
+    if layout.prune_ids or layout.prune_weights:
+        keep = ids >= 0 if layout.prune_ids else np.ones(ids.shape, bool)
+        if layout.prune_weights and w is not None:
+            keep &= w > 0
+        if not keep.all():
+            # range-check what is kept now, so an error names the entry as given
+            vocab = feature.table.vocabulary_size
+            out = keep & (ids >= vocab)
+            if out.any():
+                bad = int(np.flatnonzero(out)[0])
+                raise ValueError(f"feature {name}: id {int(ids[bad])} (entry {bad}) is outside "
+                                 f"the table's range [0, {vocab})")
+            kept = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+            splits = kept[splits]
+            ids = ids[keep]
+            w = None if w is None else w[keep]
+    return Csr(ids, splits, w, layout)
 
 
 def _splits_of_counts(counts: np.ndarray) -> np.ndarray:

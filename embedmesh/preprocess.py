@@ -57,8 +57,8 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import jax
 import numpy as np
 
-from embedmesh.inputs import (check_id_range, flatten_inputs_like, input_kind,
-                              sparse_row_offsets, to_csr, validate_structure)
+from embedmesh.inputs import (FeatureLayout, check_id_range, flatten_inputs_like, to_csr,
+                              validate_structure)
 from embedmesh.stacking import StackingPlan, plan_stacking
 
 __all__ = ["Capacity", "FeatureSlot", "OVERFLOW_POLICIES", "PAD_ID", "PartitionedCsrFormatTensor",
@@ -116,16 +116,38 @@ def capacity_bucket(n: int, minimum: int = 8) -> int:
 class FeatureSlot:
     """Where one feature's activations sit in a stack's per-device buffer.
 
-    Rows `[row_offset, row_offset + num_rows)` of the buffer; `num_rows =
-    samples_per_device * rows_per_sample`, row `s * rows_per_sample + p` for
-    local sample `s` and sequence position `p`; the first `dim` columns.
+    Rows `[row_offset, row_offset + num_rows)` of the buffer, `samples` local
+    samples of `sample_shape` rows each (`FeatureLayout`: `()` for a
+    combined feature, `(L,)` for a sequence, `(n,)` for dense `[B, n]` ids),
+    row `s * rows_per_sample + p` for local sample `s` and sub-row `p`; the
+    first `dim` columns. `output_shape` is the global activation's shape
+    without `dim` where `FeatureConfig.output_shape` reshapes it.
     """
 
     name: str
     row_offset: int
-    num_rows: int
-    rows_per_sample: int
+    samples: int
+    sample_shape: tuple
     dim: int
+    output_shape: Optional[tuple] = None
+
+    @property
+    def rows_per_sample(self) -> int:
+        return math.prod(self.sample_shape)
+
+    @property
+    def num_rows(self) -> int:
+        return self.samples * self.rows_per_sample
+
+    def local_shape(self) -> tuple:
+        """One device's activation block: `[samples, *sample_shape, dim]`."""
+        return (self.samples,) + tuple(self.sample_shape) + (self.dim,)
+
+    def activation_shape(self, num_devices: int) -> tuple:
+        """The global activation's shape over `num_devices` devices."""
+        if self.output_shape is not None:
+            return tuple(self.output_shape) + (self.dim,)
+        return (self.samples * num_devices,) + tuple(self.sample_shape) + (self.dim,)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -253,7 +275,7 @@ class PreprocessStats:
 
 
 # ---------------------------------------------------------------------------
-# Canonical host form of one feature: (ids, splits, weights)
+# Canonical host form of one feature: (ids, splits, weights) and its layout
 
 
 @dataclasses.dataclass
@@ -261,7 +283,11 @@ class _Canon:
     ids: np.ndarray  # [nnz] int32 or int64, C-contiguous
     splits: np.ndarray  # [num_rows + 1] int64: output row r holds entries splits[r]:splits[r+1]
     weights: Optional[np.ndarray]  # [nnz] float32 or None (all ones)
-    batch: int
+    layout: FeatureLayout
+
+    @property
+    def batch(self) -> int:
+        return self.layout.batch
 
 
 def _as_kernel_ids(ids: np.ndarray) -> np.ndarray:
@@ -270,24 +296,21 @@ def _as_kernel_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids)
 
 
-def _canonical(name: str, feature, inp, weight) -> _Canon:
-    """One feature as bags, through `inputs.to_csr` (the serving path's form too).
+def _canonical(name: str, feature, inp, weight, batch_scale: int) -> _Canon:
+    """One feature as bags, through `inputs.to_csr` (the serving path's rules too).
 
     `to_csr` checks sparse indices while deriving row offsets, so only the
-    structure is validated first; sparse sequence features, which go through
-    `to_coo`, get the index check here.
+    structure is validated first.
     """
     validate_structure(name, inp, weight)
-    L = feature.max_sequence_length
-    if L > 0 and input_kind(inp) == "sparse":
-        sparse_row_offsets(name, inp)
-    c = to_csr(inp, weight, L, name)
+    c = to_csr(name, feature, inp, weight, batch_scale=batch_scale)
     return _Canon(_as_kernel_ids(c.ids), np.ascontiguousarray(c.splits, np.int64),
                   None if c.weights is None else np.ascontiguousarray(c.weights, np.float32),
-                  c.batch_size)
+                  c.layout)
 
 
-def _canonical_batch(plan: StackingPlan, features, weights) -> tuple[list, int]:
+def _canonical_batch(plan: StackingPlan, features, weights,
+                     batch_scale: int = 1) -> tuple[list, int]:
     resolved = plan.resolved
     flat_inputs = flatten_inputs_like(resolved, features, "features")
     flat_weights = ([None] * len(flat_inputs) if weights is None
@@ -300,7 +323,7 @@ def _canonical_batch(plan: StackingPlan, features, weights) -> tuple[list, int]:
         if inp is None:
             raise ValueError(f"feature {name} has no input (feature {name} is missing); "
                              f"preprocessing needs every feature of the config")
-        c = _canonical(name, feature, inp, w)
+        c = _canonical(name, feature, inp, w, batch_scale)
         if batch is None:
             batch, first = c.batch, name
         elif c.batch != batch:
@@ -610,8 +633,8 @@ def _table_args(members: list):
         fp, c, slot = members[0]
         ids, splits = c.ids, c.splits
         weights = c.weights if c.weights is not None else np.zeros(0, np.float32)
-        fmeta = np.array([[0, slot.num_rows, slot.row_offset, _COMBINER_CODE[fp.combiner]]],
-                         np.int64)
+        fmeta = np.array([[0, slot.num_rows, slot.row_offset,
+                           _COMBINER_CODE[c.layout.combiner]]], np.int64)
         return ids, weights, splits, fmeta
     ids = np.concatenate([c.ids for _, c, _ in members])
     if any(c.weights is not None for _, c, _ in members):
@@ -623,7 +646,7 @@ def _table_args(members: list):
     parts, rows, base, sbase = [], [], 0, 0
     for fp, c, slot in members:
         parts.append(c.splits + base)
-        rows.append([sbase, slot.num_rows, slot.row_offset, _COMBINER_CODE[fp.combiner]])
+        rows.append([sbase, slot.num_rows, slot.row_offset, _COMBINER_CODE[c.layout.combiner]])
         base += c.ids.shape[0]
         sbase += c.splits.shape[0]
     return ids, weights, np.concatenate(parts), np.array(rows, np.int64)
@@ -732,13 +755,14 @@ def _numpy_table(job: _StackJob, t, D: int, N: int) -> Optional[dict]:
         d = row_of // rpd if rpd else row_of
         orows.append(slot.row_offset + row_of - d * rpd)
         w = None if c.weights is None else c.weights.astype(np.float64)
-        if fp.combiner in ("mean", "sqrtn"):
+        combiner = c.layout.combiner
+        if combiner in ("mean", "sqrtn"):
             if w is None:
                 den = lengths.astype(np.float64)
             else:
-                den = np.bincount(row_of, weights=w if fp.combiner == "mean" else w * w,
+                den = np.bincount(row_of, weights=w if combiner == "mean" else w * w,
                                   minlength=rows_total).astype(np.float64, copy=False)
-            if fp.combiner == "sqrtn":
+            if combiner == "sqrtn":
                 den = np.sqrt(den)
             scale = np.divide(1.0, den, out=np.zeros_like(den), where=den != 0)
             gains.append(scale[row_of] if w is None else w * scale[row_of])
@@ -873,7 +897,9 @@ def _make_jobs(plan: StackingPlan, canon: list, batch: int, D: int) -> list:
         feats, slots, off = [], [], 0
         for fname in s.features:
             fp = plan.feature(fname)
-            slot = FeatureSlot(fname, off, b * fp.rows_per_sample, fp.rows_per_sample, fp.dim)
+            layout = by_name[fname].layout
+            slot = FeatureSlot(fname, off, b, tuple(layout.sample_shape), fp.dim,
+                               layout.output_shape)
             off += slot.num_rows
             feats.append((fp, by_name[fname], slot))
             slots.append(slot)
@@ -938,10 +964,12 @@ def preprocess_features(features: Any, weights: Optional[Any], plan: StackingPla
     threads = default_num_threads() if num_threads is None else int(num_threads)
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
-    canon, batch = _canonical_batch(plan, features, weights)
+    N = plan.num_shards
+    # output_shape is global: this process's batch is 1/(N/D) of it (every process
+    # drives D devices of the N-device mesh)
+    canon, batch = _canonical_batch(plan, features, weights, max(N // D, 1))
     if batch % D:
         raise ValueError(f"the batch size {batch} is not a multiple of the {D} local devices")
-    N = plan.num_shards
     jobs = _make_jobs(plan, canon, batch, D)
     sorted_tables = {}  # numpy backend: per-table sorts, reused by every run of a stack
 

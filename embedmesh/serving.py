@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from embedmesh.config import FeatureConfig, resolve_feature_config
-from embedmesh.inputs import (check_id_range, flatten_inputs_like, input_kind, is_concrete,
+from embedmesh.inputs import (check_id_range, feature_layout, flatten_inputs_like, input_kind,
+                              is_concrete,
                               ragged_positions, ragged_row_ids, sparse_row_offsets,
                               validate_input, validate_structure)
 from embedmesh import kernels
@@ -72,88 +73,55 @@ def _ragged_rows_positions(xp, row_splits, nnz):
     return rows.astype(xp.int32), (idx - splits[rows]).astype(xp.int32)
 
 
-def _check_weight_rules(name, feature, kind, inp, weight) -> None:
-    """TensorFlow's errors for weights that do not fit the input or feature."""
-    if weight is not None:
-        if kind == "dense":
-            raise ValueError(f"Weight specified for {name}, but input is dense.")
-        if input_kind(weight) != kind:
-            raise ValueError(f"Weight for {name} is of type {type(weight).__name__} but it does "
-                             f"not match type of the input which is {type(inp).__name__}.")
-        if feature.max_sequence_length > 0:
-            raise ValueError(f"Weight specified for {name}, but this is a sequence feature.")
-
-
 def plan_feature(name: str, feature: FeatureConfig, inp, weight, concrete: bool) -> LookupPlan:
-    """The lookup plan for one feature under TensorFlow's serving rules."""
+    """The lookup plan for one feature under TensorFlow's serving rules
+    (`inputs.feature_layout`, which training follows too)."""
     xp = _xp(concrete)
     kind = input_kind(inp)
-    combiner = feature.table.combiner
-    _check_weight_rules(name, feature, kind, inp, weight)
+    layout = feature_layout(name, feature, inp, weight)
     if concrete:
         validate_input(name, inp, weight)
-
-    if kind == "dense":
-        if feature.max_sequence_length > 0:
-            raise ValueError(f"Feature {name} is a sequence feature but a dense tensor was "
-                             f"passed.")
+    if layout.kind == "lookup":
         ids = xp.asarray(inp)
         flat = ids.reshape(-1)
         n = int(flat.shape[0])
         return LookupPlan(xp.arange(n, dtype=xp.int32), flat, xp.ones((n,), xp.float32), None,
                           n, None, tuple(ids.shape))
-
+    b = layout.batch
+    ids = xp.asarray(inp.values)
     if kind == "sparse":
-        shape = inp.dense_shape
         idx = xp.asarray(inp.indices)
-        ids = xp.asarray(inp.values)
-        b = int(shape[0])
-        if not feature.output_shape and feature.max_sequence_length > 0 and len(shape) == 2:
-            L = feature.max_sequence_length
+        if layout.kind == "sequence":
+            L = layout.length
             return _sequence_plan(xp, b, idx[:, 1].astype(xp.int32), idx[:, 0].astype(xp.int32),
                                   ids, L, (b, L))
-        lead = shape[:-1]
+        lead = tuple(inp.dense_shape[:-1])
         strides = np.cumprod((1,) + tuple(lead[::-1]))[:-1][::-1]
         rows = sum(idx[:, k].astype(xp.int32) * int(strides[k]) for k in range(len(lead)))
         rows = xp.asarray(rows, dtype=xp.int32)
         w = (xp.ones(ids.shape, xp.float32) if weight is None
              else xp.asarray(weight.values).astype(xp.float32))
         keep = None
-        if feature.validate_weights_and_indices or len(shape) > 2:  # TF's "safe" lookup
+        if layout.prune_ids:
             keep = ids >= 0
-            if combiner != "sum":
-                keep = keep & (w > 0)
-        return LookupPlan(rows, ids, w, keep, int(np.prod(lead)), combiner, tuple(lead))
-
-    # ragged
-    b = inp.nrows
-    ids = xp.asarray(inp.values)
+        if layout.prune_weights:
+            keep = (w > 0) if keep is None else keep & (w > 0)
+        return LookupPlan(rows, ids, w, keep, layout.num_rows, layout.combiner, lead)
     nnz = int(ids.shape[0])
     if concrete:
         rows = ragged_row_ids(inp.row_splits)
-        # positions only matter for sequence outputs
-        needs_positions = bool(feature.output_shape) or feature.max_sequence_length > 0
-        positions = ragged_positions(inp.row_splits) if needs_positions else None
+        positions = (ragged_positions(inp.row_splits) if layout.kind == "sequence" else None)
     else:
         rows, positions = _ragged_rows_positions(xp, inp.row_splits, nnz)
+    if layout.kind == "sequence":
+        L = layout.length
+        plan = _sequence_plan(xp, b, positions, rows, ids, L, (b, L))
+        if layout.output_shape is not None:
+            plan.out_shape = tuple(layout.output_shape)
+        return plan
     w = (xp.ones(ids.shape, xp.float32) if weight is None
          else xp.asarray(weight.values).astype(xp.float32))
-    if feature.output_shape:
-        p = int(np.prod(feature.output_shape))
-        if p == b:
-            return LookupPlan(rows, ids, w, None, b, combiner, tuple(feature.output_shape))
-        if p > b and b > 0 and p % b == 0:
-            plan = _sequence_plan(xp, b, positions, rows, ids, p // b, (b, p // b))
-            plan.out_shape = tuple(feature.output_shape)
-            return plan
-        raise ValueError(f"Output shape set in the FeatureConfig should be the factor of the "
-                         f"input data batch size. But instead got output shape "
-                         f"{list(feature.output_shape)}, input data batch size {b} "
-                         f"(feature {name})")
-    if feature.max_sequence_length > 0:
-        L = feature.max_sequence_length
-        return _sequence_plan(xp, b, positions, rows, ids, L, (b, L))
-    return LookupPlan(rows, ids, w, None, b, combiner, (b,))
+    return LookupPlan(rows, ids, w, None, b, layout.combiner, layout.output_shape or (b,))
 
 
 def _compact(plan: LookupPlan) -> LookupPlan:
@@ -192,45 +160,31 @@ def _prepare_host_direct(name: str, feature: FeatureConfig, inp, weight, table):
     Same results and errors as the plan path (`plan_feature` + `_lookup_host`).
     """
     kind = input_kind(inp)
-    L = feature.max_sequence_length
-    combiner = feature.table.combiner
-    _check_weight_rules(name, feature, kind, inp, weight)
+    layout = feature_layout(name, feature, inp, weight)
+    if layout.kind == "sequence":
+        return None
     if kind == "dense":
         validate_structure(name, inp)
-        if L > 0:
-            raise ValueError(f"Feature {name} is a sequence feature but a dense tensor was "
-                             f"passed.")
         ids = np.asarray(inp)
         table_np = np.asarray(table)
         return _named(name, kernels.prepare_gather(table_np, ids.reshape(-1)),
                       ids.shape + (table_np.shape[1],))
-    if kind == "sparse":
-        shape = inp.dense_shape
-        if not feature.output_shape and L > 0 and len(shape) == 2:
-            return None  # sequence output
-        validate_structure(name, inp, weight)
-        offsets = sparse_row_offsets(name, inp)
-        prune = feature.validate_weights_and_indices or len(shape) > 2  # TF's "safe" lookup
-        table_np = np.asarray(table)
-        return _named(name, kernels.prepare_bag_combine(
-            table_np, np.asarray(inp.values), offsets,
-            None if weight is None else np.asarray(weight.values), combiner, prune_ids=prune,
-            prune_weights=prune and combiner != "sum", offsets_checked=True),
-            tuple(shape[:-1]) + (table_np.shape[1],))
-    out_shape = (inp.nrows,)
-    if feature.output_shape:
-        if int(np.prod(feature.output_shape)) != inp.nrows:
-            return None  # a sequence output, or the plan path's error
-        out_shape = tuple(feature.output_shape)
-    elif L > 0:
-        return None
     validate_structure(name, inp, weight)
     table_np = np.asarray(table)
+    if kind == "sparse":
+        offsets = sparse_row_offsets(name, inp)
+        return _named(name, kernels.prepare_bag_combine(
+            table_np, np.asarray(inp.values), offsets,
+            None if weight is None else np.asarray(weight.values), layout.combiner,
+            prune_ids=layout.prune_ids, prune_weights=layout.prune_weights,
+            offsets_checked=True),
+            tuple(inp.dense_shape[:-1]) + (table_np.shape[1],))
+    out_shape = layout.output_shape or (inp.nrows,)
     return _named(name, kernels.prepare_bag_combine(
         table_np, np.asarray(inp.values), np.asarray(inp.row_splits),
-        None if weight is None else np.asarray(weight.values), combiner,
+        None if weight is None else np.asarray(weight.values), layout.combiner,
         offsets_checked=True),  # validate_structure checked the row_splits
-        out_shape + (table_np.shape[1],))
+        tuple(out_shape) + (table_np.shape[1],))
 
 
 class _named:

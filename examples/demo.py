@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 import embedmesh as em
-from embedmesh.inputs import to_coo
+from embedmesh.inputs import to_csr
 
 
 def main():
@@ -36,8 +36,9 @@ def main():
     print("tables:", dict(zip(resolved.table_names,
                               [f"{t.vocabulary_size}x{t.dim}" for t in resolved.tables])))
     for name, feature in zip(resolved.feature_names, resolved.features):
-        coo = to_coo(inputs[name], weights[name], feature.max_sequence_length)
-        print(f"preprocessed {name:8s}: {coo.ids.size} ids -> {coo.num_rows} output rows")
+        csr = to_csr(name, feature, inputs[name], weights[name])
+        print(f"preprocessed {name:8s}: {csr.ids.size} ids -> {csr.num_rows} output rows "
+              f"({csr.layout.kind})")
 
     activations = em.serving_embedding_lookup(inputs, weights, tables, features)
     for name, act in activations.items():

@@ -47,10 +47,20 @@ def mesh_of(n):
 
 
 def random_input(rng, kind, batch, vocab, seq_len, weighted):
+    if kind == "dense1":
+        return rng.integers(0, vocab, batch), None
+    if kind == "sparse3":  # [B, 2, 5]: combined per (sample, group)
+        idx = [[b, a, c] for b in range(batch) for a in range(2)
+               for c in np.sort(rng.choice(5, size=int(rng.integers(0, 4)), replace=False))]
+        idx = np.array(idx, np.int64).reshape(-1, 3)
+        ids = rng.integers(0, vocab, idx.shape[0])
+        w = rng.uniform(-0.5, 2.0, idx.shape[0]).astype(np.float32)
+        return SparseTensor(idx, ids, (batch, 2, 5)), (SparseTensor(idx, w, (batch, 2, 5))
+                                                       if weighted else None)
     if kind == "dense":
         n = int(rng.integers(1, 4))
         ids = rng.integers(0, vocab, (batch, n))
-        return ids, (rng.uniform(0.2, 2.0, ids.shape).astype(np.float32) if weighted else None)
+        return ids, None  # dense ids are plain lookups: no weights (TensorFlow's rule)
     lengths = rng.integers(0, 5, batch)
     total = int(lengths.sum())
     ids = rng.integers(0, vocab, total)
@@ -67,13 +77,22 @@ def random_input(rng, kind, batch, vocab, seq_len, weighted):
                                                  if weighted else None)
 
 
-def make_case(rng, optimizer, stack_tables):
+def make_case(rng, optimizer, stack_tables, batch=8):
     t_a = TableConfig(37, 5, combiner="mean", name="a")
     t_b = TableConfig(23, 8, combiner="sqrtn", name="b")
     t_c = TableConfig(3, 3, combiner="sum", name="c")  # smaller than the mesh
     feats = {"f_a": FeatureConfig(t_a), "f_b": FeatureConfig(t_b), "f_c": FeatureConfig(t_c),
-             "seq": FeatureConfig(t_a, max_sequence_length=2), "f_a2": FeatureConfig(t_a)}
-    kinds = {"f_a": "ragged", "f_b": "sparse", "f_c": "dense", "seq": "ragged", "f_a2": "dense"}
+             "seq": FeatureConfig(t_a, max_sequence_length=2), "f_a2": FeatureConfig(t_a),
+             "f_b3": FeatureConfig(t_b), "f_bu": FeatureConfig(t_b,
+                                                                validate_weights_and_indices=False),
+             "f_c1": FeatureConfig(t_c),
+             # output_shape (global): a sequence of 3 (P = 3B), and a combined reshape (P = B)
+             "f_os": FeatureConfig(t_c, output_shape=(batch, 3)),
+             "f_oc": FeatureConfig(t_a, output_shape=(batch // 2, 2)),
+             "s_seq": FeatureConfig(t_b, max_sequence_length=3)}
+    kinds = {"f_a": "ragged", "f_b": "sparse", "f_c": "dense", "seq": "ragged", "f_a2": "dense",
+             "f_b3": "sparse3", "f_bu": "sparse", "f_c1": "dense1", "f_os": "ragged",
+             "f_oc": "ragged", "s_seq": "sparse"}
     return feats, kinds
 
 
@@ -89,12 +108,12 @@ def make_batch(rng, feats, kinds, batch):
 
 def reference_step(feats, inputs, weights, tables, batch):
     """Activations and the per-feature gain lists of one step."""
-    acts, gain_lists = {}, []
+    acts, layouts = {}, []
     for name, f in feats.items():
-        g = ref.gains(f, ref.entries(inputs[name], weights[name]))
-        acts[name] = ref.activation(f, tables[f.table.name], g, batch)
-        gain_lists.append((name, f, f.table.name, g))
-    return acts, gain_lists
+        lay = ref.layout(f, inputs[name], weights[name])
+        acts[name] = ref.activation(tables[f.table.name], lay)
+        layouts.append((name, f.table.name, lay))
+    return acts, layouts
 
 
 def reference_update(opt_name, hp, tables, slots, row_grads, step):
@@ -115,7 +134,7 @@ def reference_update(opt_name, hp, tables, slots, row_grads, step):
 
 def check_training(num_devices, opt_name, hp, stack_tables, seed, steps=3, batch=8):
     rng = np.random.default_rng(seed)
-    feats, kinds = make_case(rng, None, stack_tables)
+    feats, kinds = make_case(rng, None, stack_tables, batch)
     opt = build_optimizer(opt_name, hp)
     hp = {**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}, **hp}
     emb = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), stack_tables=stack_tables,
@@ -144,10 +163,11 @@ def check_training(num_devices, opt_name, hp, stack_tables, seed, steps=3, batch
     # the lookup after training matches the serving lookup on the trained tables
     inputs, _ = make_batch(rng, feats, kinds, batch)
     acts, _ = emb(inputs)
-    served = em.serving_embedding_lookup({"f_a": inputs["f_a"]}, None, emb.embedding_tables,
-                                         feats)
-    np.testing.assert_allclose(np.asarray(acts["f_a"]), np.asarray(served["f_a"]), rtol=1e-5,
-                               atol=1e-6)
+    served = em.serving_embedding_lookup(inputs, None, emb.embedding_tables, feats)
+    for name in feats:
+        assert served[name].shape == acts[name].shape, name
+        np.testing.assert_allclose(np.asarray(acts[name]), np.asarray(served[name]), rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 4, 8])
@@ -247,3 +267,78 @@ def test_none_gradient_is_zero_gradient():
     changed = np.nonzero(np.abs(after - before).sum(1))[0].tolist()
     assert changed == [1, 2]
     np.testing.assert_allclose(after[1], before[1] - 0.5 * 2, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# One layout for training and serving (TensorFlow's serving rules)
+
+
+def _train_and_serve(feats, inputs, weights=None, num_devices=2):
+    emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(num_devices))
+    emb.build()
+    acts, _ = emb(inputs, weights)
+    served = em.serving_embedding_lookup(inputs, weights, emb.embedding_tables, feats)
+    return acts, served
+
+
+def test_every_input_form_gives_serving_shapes_and_values_in_training():
+    rng = np.random.default_rng(11)
+    t = TableConfig(30, 4, combiner="mean", name="t")
+    B = 4
+    idx3 = np.array([[0, 0, 1], [0, 1, 0], [1, 1, 2], [2, 0, 0], [3, 1, 3], [3, 1, 4]])
+    sp3 = SparseTensor(idx3, rng.integers(0, 30, 6), (B, 2, 5))
+    rag = RaggedTensor.from_row_lengths(rng.integers(0, 30, 9), [3, 0, 4, 2])
+    feats = {
+        "dense1": FeatureConfig(t), "dense2": FeatureConfig(t), "dense3": FeatureConfig(t),
+        "sparse3": FeatureConfig(t), "ragged": FeatureConfig(t),
+        "seq": FeatureConfig(t, max_sequence_length=3),
+        # output_shape has priority over max_sequence_length (TF): a sequence of 2
+        "os_seq": FeatureConfig(t, max_sequence_length=3, output_shape=(B, 2)),
+        "os_comb": FeatureConfig(t, output_shape=(2, 2)),
+    }
+    inputs = {"dense1": rng.integers(0, 30, B), "dense2": rng.integers(0, 30, (B, 3)),
+              "dense3": rng.integers(0, 30, (B, 2, 2)), "sparse3": sp3, "ragged": rag,
+              "seq": rag, "os_seq": rag, "os_comb": rag}
+    acts, served = _train_and_serve(feats, inputs)
+    want_shapes = {"dense1": (B, 4), "dense2": (B, 3, 4), "dense3": (B, 2, 2, 4),
+                   "sparse3": (B, 2, 4), "ragged": (B, 4), "seq": (B, 3, 4),
+                   "os_seq": (B, 2, 4), "os_comb": (2, 2, 4)}
+    for name, shape in want_shapes.items():
+        assert acts[name].shape == shape == served[name].shape, name
+        np.testing.assert_allclose(np.asarray(acts[name]), np.asarray(served[name]),
+                                   rtol=1e-6, atol=1e-7, err_msg=name)
+    assert np.abs(np.asarray(acts["dense2"])).min() > 0  # real rows, not zeros
+
+
+def test_wrong_output_shape_is_a_value_error_naming_the_feature():
+    t = TableConfig(30, 4, name="t")
+    feats = {"a": FeatureConfig(t), "r": FeatureConfig(t, output_shape=(3,))}
+    emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2))
+    emb.build()
+    rag = RaggedTensor.from_row_lengths(np.arange(6), [2, 2, 1, 1])
+    with pytest.raises(ValueError, match=r"output shape \[3\], input data batch size 4 "
+                                         r"\(feature r\)"):
+        emb({"a": np.arange(4), "r": rag})
+
+
+def test_output_shape_is_global_and_a_per_replica_one_is_explained():
+    from embedmesh.inputs import feature_layout
+    t = TableConfig(30, 4, name="t")
+    rag = RaggedTensor.from_row_lengths(np.arange(4), [1, 1, 1, 1])  # 4 local samples
+    # 2 processes: the global batch is 8; TF's per-replica (4,) does not fit it
+    with pytest.raises(ValueError, match="global"):
+        feature_layout("r", FeatureConfig(t, output_shape=(4,)), rag, batch_scale=2)
+    lay = feature_layout("r", FeatureConfig(t, output_shape=(8,)), rag, batch_scale=2)
+    assert (lay.kind, lay.output_shape, lay.batch) == ("combined", (8,), 4)
+    lay = feature_layout("r", FeatureConfig(t, output_shape=(8, 3)), rag, batch_scale=2)
+    assert (lay.kind, lay.length, lay.output_shape) == ("sequence", 3, (8, 3))
+
+
+def test_rank3_sparse_sits_beside_rank2_features_of_the_same_batch():
+    t = TableConfig(30, 4, combiner="sum", name="t")
+    feats = {"a": FeatureConfig(t), "s3": FeatureConfig(t)}
+    sp3 = SparseTensor(np.array([[0, 0, 0], [1, 2, 1], [3, 1, 0]]), np.array([5, 6, 7]),
+                       (4, 3, 2))
+    acts, served = _train_and_serve(feats, {"a": np.arange(4), "s3": sp3})
+    assert acts["s3"].shape == (4, 3, 4)
+    np.testing.assert_allclose(np.asarray(acts["s3"]), np.asarray(served["s3"]), rtol=1e-6)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
 from embedmesh.config import resolve_feature_config
-from embedmesh.inputs import (flatten_inputs_like, ragged_positions, ragged_row_ids, to_coo,
+from embedmesh.inputs import (flatten_inputs_like, ragged_positions, ragged_row_ids,
                               to_csr, validate_input)
 
 
@@ -44,47 +44,49 @@ def batches(draw):
             per)
 
 
-@settings(max_examples=200, deadline=None)
-@given(batches(), st.sampled_from([0, 1, 3]))
-def test_to_coo_matches_plain_loops(batch, L):
+@settings(max_examples=300, deadline=None)
+@given(batches(), st.sampled_from([0, 1, 3]), st.sampled_from(["sum", "mean", "sqrtn"]),
+       st.booleans())
+def test_to_csr_matches_plain_loops(batch, L, combiner, validate):
+    """Entries per output row under TensorFlow's serving rules, by plain loops."""
     inp, weight, per = batch
+    dense = not isinstance(inp, (RaggedTensor, SparseTensor))
+    if dense:
+        weight, L = None, 0  # dense ids: plain lookups, no weights, no sequences
+    if L > 0:
+        weight = None  # sequence features take no weights
+    feature = FeatureConfig(TableConfig(51, 2, combiner=combiner),
+                            max_sequence_length=L, validate_weights_and_indices=validate)
     validate_input("f", inp, weight)
-    coo = to_coo(inp, weight, max_sequence_length=L)
+    csr = to_csr("f", feature, inp, weight)
     B = len(per)
     expected = []
     for b, row in enumerate(per):
         for pos, i, w in row:
-            if L == 0:
+            w = 1.0 if weight is None else w
+            if dense:
+                expected.append((b * len(row) + pos, i, np.float32(1.0)))
+            elif L == 0:
+                if (isinstance(inp, SparseTensor) and validate and combiner != "sum"
+                        and w <= 0):
+                    continue  # TensorFlow's safe sparse lookup prunes weights <= 0
                 expected.append((b, i, np.float32(w)))
             elif pos < L:
-                expected.append((b * L + pos, i, np.float32(w)))
-    got = sorted(zip(coo.rows.tolist(), coo.ids.tolist(), coo.weights.tolist()))
-    assert got == sorted((r, i, float(w)) for r, i, w in expected)
-    assert coo.batch_size == B and coo.num_rows == (B * L if L else B)
-
-
-@settings(max_examples=200, deadline=None)
-@given(batches(), st.sampled_from([0, 1, 3]))
-def test_to_csr_is_to_coo_as_bags(batch, L):
-    inp, weight, _ = batch
-    validate_input("f", inp, weight)
-    coo = to_coo(inp, weight, max_sequence_length=L)
-    csr = to_csr(inp, weight, max_sequence_length=L)
-    assert (csr.num_rows, csr.batch_size) == (coo.num_rows, coo.batch_size)
+                expected.append((b * L + pos, i, np.float32(1.0)))
     assert csr.splits.dtype == np.int64 and csr.splits.shape == (csr.num_rows + 1,)
     rows = np.repeat(np.arange(csr.num_rows), np.diff(csr.splits))
-    np.testing.assert_array_equal(rows, coo.rows)
-    np.testing.assert_array_equal(np.asarray(csr.ids, np.int64), coo.ids)
-    if weight is None:
-        assert csr.weights is None
-    else:
-        np.testing.assert_array_equal(csr.weights, coo.weights)
+    ws = np.ones(rows.shape) if csr.weights is None else csr.weights
+    got = sorted(zip(rows.tolist(), np.asarray(csr.ids).tolist(), np.asarray(ws).tolist()))
+    assert got == sorted((r, i, float(w)) for r, i, w in expected)
+    width = np.shape(inp)[1] if dense and np.ndim(inp) == 2 else 1
+    assert csr.batch_size == B
+    assert csr.num_rows == (B * width if dense else B * L if L else B)
 
 
 def test_to_csr_checks_sparse_indices_naming_the_feature():
     bad = SparseTensor(np.array([[1, 0], [0, 0]]), np.array([1, 2]), (2, 3))
     with pytest.raises(ValueError, match="feature my_feature: SparseTensor indices must be sorted"):
-        to_csr(bad, name="my_feature")
+        to_csr("my_feature", FeatureConfig(TableConfig(9, 2)), bad)
 
 
 def test_ragged_helpers():
@@ -109,7 +111,7 @@ def test_containers_are_pytrees_with_static_dense_shape():
 
 
 @pytest.mark.parametrize("inp,weight,match", [
-    (np.array([[[1]]]), None, "must be \\[batch\\] or \\[batch, n\\]"),
+        (np.array(1), None, r"must be \[batch, \.\.\.\] ids"),  # rank >= 1: ids.shape + [dim]
     (np.array([1.5]), None, "ids must be integers"),
     (np.array([1, 2]), np.array([1.0]), "weight shape"),
     (SparseTensor(np.array([[0]]), np.array([1]), (2,)), None, "rank >= 2"),

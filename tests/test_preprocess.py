@@ -18,6 +18,8 @@ from embedmesh.preprocess import (PAD_ID, Capacity, PartitionedCsrFormatTensor, 
 from embedmesh.sharding import stack_to_shards
 from embedmesh.stacking import plan_stacking
 
+import training_reference as tref
+
 BACKENDS = ["numpy"] + (["numba"] if numba_available() else [])
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -27,36 +29,17 @@ SETTINGS = settings(max_examples=40, deadline=None,
 # The reference: one (sample, position, id, weight) at a time.
 
 
-def entries_of(inp, weight):
-    """[(sample, position, id, weight)] and the batch size, by plain loops."""
+def rows_of(config, inp, weight):
+    """(batch, rows per sample, [(sample, sub-row, id, gain)]) of one feature under the
+    layout rules shared with serving (`training_reference.layout`, plain loops)."""
+    shape, gains, _ = tref.layout(config, inp, weight)
     out = []
-    if isinstance(inp, SparseTensor):
-        shape = inp.dense_shape
-        idx = np.asarray(inp.indices).tolist()
-        vals = np.asarray(inp.values).tolist()
-        ws = np.asarray(weight.values).tolist() if weight is not None else [1.0] * len(vals)
-        for ix, v, w in zip(idx, vals, ws):
-            s = 0
-            for a in range(len(shape) - 1):
-                s = s * shape[a] + ix[a]
-            out.append((s, ix[-1], v, w))
-        return out, math.prod(shape[:-1])
-    if isinstance(inp, RaggedTensor):
-        splits = np.asarray(inp.row_splits).tolist()
-        vals = np.asarray(inp.values).tolist()
-        ws = np.asarray(weight.values).tolist() if weight is not None else [1.0] * len(vals)
-        for s in range(len(splits) - 1):
-            for p, k in enumerate(range(splits[s], splits[s + 1])):
-                out.append((s, p, vals[k], ws[k]))
-        return out, len(splits) - 1
-    arr = np.asarray(inp)
-    rows = arr.reshape(arr.shape[0], -1).tolist()
-    wrows = (np.asarray(weight).reshape(arr.shape[0], -1).tolist() if weight is not None
-             else [[1.0] * len(r) for r in rows])
-    for s, (r, wr) in enumerate(zip(rows, wrows)):
-        for p, (v, w) in enumerate(zip(r, wr)):
-            out.append((s, p, v, w))
-    return out, arr.shape[0]
+    for row, i, g in gains:
+        sub = 0
+        for k, d in zip(row[1:], shape[1:]):
+            sub = sub * d + k
+        out.append((row[0], sub, i, g))
+    return shape[0], math.prod(shape[1:]), out
 
 
 def reference(plan, features, weights, num_devices, capacities=None):
@@ -68,9 +51,11 @@ def reference(plan, features, weights, num_devices, capacities=None):
     n = plan.num_shards
     feats = {}
     batch = None
+    rps = {}
     for name in plan.resolved.feature_names:
-        ents, batch = entries_of(features[name], (weights or {}).get(name))
-        feats[name] = ents
+        config = plan.resolved.features[plan.feature(name).index]
+        batch, rps[name], feats[name] = rows_of(config, features[name],
+                                                (weights or {}).get(name))
     b = batch // num_devices
     result = {}
     for stack in plan.stacks:
@@ -78,31 +63,16 @@ def reference(plan, features, weights, num_devices, capacities=None):
         offset = 0
         for fname in stack.features:
             fp = plan.feature(fname)
-            config = plan.resolved.features[fp.index]
             t = plan.table(fp.table)
-            L = config.max_sequence_length
-            by_sample = collections.defaultdict(list)
-            for s, p, i, w in feats[fname]:
-                by_sample[s].append((p, i, w))
-            for s, lst in by_sample.items():
-                scale = 1.0
-                if L > 0:
-                    lst = [(p, i, w) for p, i, w in lst if p < L]
-                elif config.table.combiner == "mean":
-                    tot = sum(w for _, _, w in lst)
-                    scale = 1.0 / tot if tot != 0 else 0.0
-                elif config.table.combiner == "sqrtn":
-                    tot = math.sqrt(sum(w * w for _, _, w in lst))
-                    scale = 1.0 / tot if tot != 0 else 0.0
+            for s, sub, i, g in feats[fname]:
                 d, local = divmod(s, b)
-                for p, i, w in lst:
-                    orow = offset + local * fp.rows_per_sample + (p if L > 0 else 0)
-                    j = (i % n + t.rotation) % n
-                    lr = t.local_row_offset + i // n
-                    cell = cells[(d, j)].setdefault((lr, orow), [0.0, 0])
-                    cell[0] += w * scale
-                    cell[1] += 1
-            offset += b * fp.rows_per_sample
+                orow = offset + local * rps[fname] + sub
+                j = (i % n + t.rotation) % n
+                lr = t.local_row_offset + i // n
+                cell = cells[(d, j)].setdefault((lr, orow), [0.0, 0])
+                cell[0] += g
+                cell[1] += 1
+            offset += b * rps[fname]
         parts, u_total, p_total, dropped = {}, {}, {}, 0
         for d in range(num_devices):
             for j in range(n):
@@ -160,7 +130,7 @@ def check_against_reference(out, stats, ref, num_devices, num_shards):
 # Random configurations and batches
 
 
-KINDS = ["dense1", "dense2", "sparse", "ragged"]
+KINDS = ["dense1", "dense2", "sparse", "ragged", "sparse3"]
 WEIGHT_VALUES = np.array([0.0, 0.5, 1.0, 2.0, -1.0, 3.25], np.float32)
 
 
@@ -181,6 +151,14 @@ def make_input(rng, kind, batch, vocab, weighted, width):
     if kind == "dense2":
         x = ids((batch, width)).astype(np.int64)
         return x, (w((batch, width)) if weighted else None)
+    if kind == "sparse3":  # [batch, width, 5]: one combined row per (sample, group)
+        rows = [(s, a, p) for s in range(batch) for a in range(width)
+                for p in sorted(rng.choice(5, size=int(rng.integers(0, 4)), replace=False))]
+        indices = np.array(rows, np.int64).reshape(-1, 3)
+        values = ids(len(rows)).astype(np.int64)
+        inp = SparseTensor(indices, values, (batch, width, 5))
+        return inp, (SparseTensor(indices, w(len(rows)), (batch, width, 5)) if weighted
+                     else None)
     lengths = rng.integers(0, 6, batch)
     if kind == "ragged":
         values = ids(int(lengths.sum())).astype(np.int32)
@@ -214,10 +192,13 @@ def cases(draw, force_sum=False):
     for k in range(n_feat):
         table = tables[draw(st.integers(0, n_tables - 1))]
         kind = draw(st.sampled_from(KINDS))
-        seq = draw(st.sampled_from([0, 0, 1, 3]))
+        # dense ids are plain lookups (no sequence, no weights), and sequence
+        # features take no weights: TensorFlow's rules
+        seq = 0 if kind.startswith("dense") else draw(st.sampled_from([0, 0, 1, 3]))
         name = f"f{k}"
-        config[name] = FeatureConfig(table, max_sequence_length=seq, name=name)
-        weighted = draw(st.booleans())
+        config[name] = FeatureConfig(table, max_sequence_length=seq, name=name,
+                                     validate_weights_and_indices=draw(st.booleans()))
+        weighted = draw(st.booleans()) and seq == 0 and not kind.startswith("dense")
         inp, w = make_input(rng, kind, batch, table.vocabulary_size, weighted,
                             int(draw(st.integers(1, 4))))
         features[name] = inp
@@ -309,11 +290,10 @@ def test_round_trip_rebuilds_the_input_multiset(case):
                                  backend=BACKENDS[-1])
     expected = collections.defaultdict(float)
     for name in plan.resolved.feature_names:
-        ents, batch = entries_of(features[name], (weights or {}).get(name))
-        seq = plan.resolved.features[plan.feature(name).index].max_sequence_length
-        for s, p, i, w in ents:
-            if seq == 0 or p < seq:
-                expected[(name, s, p if seq else 0, i)] += w
+        config = plan.resolved.features[plan.feature(name).index]
+        batch, _, rows = rows_of(config, features[name], (weights or {}).get(name))
+        for s, sub, i, g in rows:
+            expected[(name, s, sub, i)] += g
     b = batch // n_dev
     got = collections.defaultdict(float)
     for name, t in out.items():
@@ -377,23 +357,12 @@ def test_activations_from_poisoned_shards_match_a_direct_lookup(case, seed):
         for slot in out[s.name].features:
             fp = plan.feature(slot.name)
             config = plan.resolved.features[fp.index]
-            ents, batch = entries_of(features[slot.name], (weights or {}).get(slot.name))
+            batch, rps, rows = rows_of(config, features[slot.name],
+                                       (weights or {}).get(slot.name))
             b = batch // n_dev
-            want = np.zeros((batch * slot.rows_per_sample, slot.dim))
-            sums = collections.defaultdict(lambda: [0.0, 0.0])
-            for smp, p, i, w in ents:
-                sums[smp][0] += w
-                sums[smp][1] += w * w
-            for smp, p, i, w in ents:
-                L = config.max_sequence_length
-                if L:
-                    if p < L:
-                        want[smp * L + p] += w * tables[fp.table][i]
-                    continue
-                den = {"sum": 1.0, "mean": sums[smp][0],
-                       "sqrtn": math.sqrt(sums[smp][1])}[config.table.combiner]
-                if den != 0:
-                    want[smp] += w / den * tables[fp.table][i]
+            want = np.zeros((batch * rps, slot.dim))
+            for smp, sub, i, g in rows:
+                want[smp * rps + sub] += g * tables[fp.table][i]
             got = act[:, slot.row_offset:slot.row_offset + slot.num_rows, :slot.dim]
             np.testing.assert_allclose(got.reshape(n_dev * b * slot.rows_per_sample, slot.dim),
                                        want, rtol=1e-5, atol=1e-5)
@@ -404,7 +373,8 @@ def test_padding_is_inert_with_real_jax_ops():
     cfg = {"a": FeatureConfig(t), "b": FeatureConfig(t, max_sequence_length=2)}
     plan = plan_stacking(cfg, 2)
     rng = np.random.default_rng(0)
-    feats = {"a": rng.integers(0, 50, (4, 3)),
+    a_ids = rng.integers(0, 50, (4, 3))  # three ids a sample, combined (mean)
+    feats = {"a": RaggedTensor.from_row_lengths(a_ids.reshape(-1), [3] * 4),
              "b": RaggedTensor.from_row_lengths(rng.integers(0, 50, 7), [3, 0, 2, 2])}
     out, _ = preprocess_features(feats, None, plan, num_devices_local=2,
                                  capacities=Capacity(64, 64))
@@ -419,7 +389,7 @@ def test_padding_is_inert_with_real_jax_ops():
                             fill_value=0)
             vals = csr.pair_gains[d, j][:, None] * rows[csr.pair_unique[d, j]]
             acc += jax.ops.segment_sum(vals, jnp.asarray(csr.pair_rows[d, j]), num_segments=R)
-        x = np.asarray(feats["a"][2 * d:2 * d + 2])
+        x = a_ids[2 * d:2 * d + 2]
         np.testing.assert_allclose(acc[:2], table[x].mean(1), rtol=1e-5, atol=1e-6)
 
 
@@ -534,7 +504,12 @@ def test_out_of_range_ids_name_the_feature_and_the_first_bad_id(backend, validat
         else:
             x = SparseTensor(np.array([[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]), vals,
                              (2, 3))
-        with pytest.raises(ValueError, match=f"feature bad: id {bad_value} "):
+        want = rf"feature bad: id {bad_value} \(entry 2\)"
+        if kind == "sparse" and validate and bad_value < 0:
+            # TensorFlow's safe sparse lookup prunes ids < 0; 11 is the first bad one left,
+            # reported at its position in the input
+            want = r"feature bad: id 11 \(entry 3\)"
+        with pytest.raises(ValueError, match=want):
             preprocess_features({"ok": np.array([1, 2]), "bad": x}, None, plan,
                                 num_devices_local=2, backend=backend)
 
@@ -565,12 +540,17 @@ def test_rank3_sparse_and_empty_rows(backend):
     cfg = {"s": FeatureConfig(t), "e": FeatureConfig(t, max_sequence_length=2)}
     plan = plan_stacking(cfg, 4)
     idx = np.array([[0, 0, 0], [0, 0, 1], [1, 1, 0], [1, 1, 2], [1, 1, 3]])
-    s = SparseTensor(idx, np.array([3, 3, 7, 29, 0]), (2, 2, 4))  # batch 4 = 2 * 2
-    e = RaggedTensor.from_row_lengths(np.zeros(0, np.int64), [0, 0, 0, 0])
+    # batch 2, two combined rows a sample ([B, 2, dim], as serving gives), beside a
+    # rank-2 feature of the same batch
+    s = SparseTensor(idx, np.array([3, 3, 7, 29, 0]), (2, 2, 4))
+    e = RaggedTensor.from_row_lengths(np.zeros(0, np.int64), [0, 0])
     out, stats = preprocess_features({"s": s, "e": e}, None, plan, num_devices_local=2,
                                      backend=backend)
     check_against_reference(out, stats, reference(plan, {"s": s, "e": e}, None, 2), 2, 4)
     assert stats["t"].num_ids == 5
+    slot = out["t"].feature_slot("s")
+    assert (slot.samples, slot.sample_shape, slot.num_rows) == (1, (2,), 2)
+    assert slot.activation_shape(2) == (2, 2, 4)
 
 
 def test_pytree_and_layout():
@@ -578,8 +558,9 @@ def test_pytree_and_layout():
     u = TableConfig(20, 5, name="u")
     cfg = {"a": FeatureConfig(t), "b": FeatureConfig(u, max_sequence_length=4)}
     plan = plan_stacking(cfg, 2)
-    out, _ = preprocess_features({"a": np.arange(4), "b": np.arange(8).reshape(4, 2)}, None,
-                                 plan, num_devices_local=2)
+    out, _ = preprocess_features({"a": np.arange(4),
+                                  "b": RaggedTensor.from_row_lengths(np.arange(8), [2] * 4)},
+                                 None, plan, num_devices_local=2)
     csr = out["t+u"]
     leaves, treedef = jax.tree_util.tree_flatten(csr)
     assert len(leaves) == 6

@@ -1,81 +1,103 @@
 """Plain float64 reference of a training step (loops and dicts, written for clarity).
 
-Training semantics (the SparseCore's): every entry of an input is an id (no
-pruning); a combined feature's activation for sample b is
-sum_k gain_k * table[id_k] with gain_k = w_k * scale_b, scale_b = 1 (sum),
-1/sum(w) (mean), 1/sqrt(sum(w^2)) (sqrtn), zero when the sum is zero; a
-sequence feature (L > 0) gives row (b, p) = w * table[id] for positions p < L.
-The gradient of a row is the sum over all entries of gain_k * dact[row of k];
-every row that appears in the batch is updated once.
+Layout (TensorFlow's serving rules, which training follows too, so a model
+sees the same activations trained and served):
+- dense ids: a plain lookup per id, activation `ids.shape + [dim]`;
+- sparse, rank 2, `max_sequence_length = L > 0`, no `output_shape`: row (b, p)
+  = table[id] for positions p < L, activation `[B, L, dim]`;
+- sparse otherwise: one combined row per index of `dense_shape[:-1]`; with
+  `validate_weights_and_indices` (or rank > 2) ids < 0 are left out, and for
+  mean/sqrtn weights <= 0 too;
+- ragged with `output_shape` of product P: P == B combined, P = k * B a
+  sequence of length k (weights ignored), reshaped to `output_shape`;
+- ragged with L > 0: a sequence `[B, L, dim]`; else combined `[B, dim]`.
+A combined row is sum_k gain_k * table[id_k] with gain_k = w_k * scale,
+scale = 1 (sum), 1/sum(w) (mean), 1/sqrt(sum(w^2)) (sqrtn), zero when the sum
+is zero. The gradient of a table row is the sum over all entries of
+gain_k * dact[row of k]; every row that appears in the batch is updated once.
 """
 
 import collections
+import itertools
 
 import numpy as np
 
 from embedmesh import RaggedTensor, SparseTensor
 
 
-def entries(inp, weight):
-    """Per sample: a list of (position, id, weight)."""
+def _combine(comb, bag):
+    """[(id, gain)] of one combined row."""
+    ws = [w for _, w in bag]
+    if comb == "sum":
+        scale = 1.0
+    elif comb == "mean":
+        scale = 1.0 / sum(ws) if sum(ws) != 0 else 0.0
+    else:
+        s2 = sum(w * w for w in ws)
+        scale = 1.0 / np.sqrt(s2) if s2 != 0 else 0.0
+    return [(i, w * scale) for i, w in bag]
+
+
+def layout(feature, inp, weight, global_batch=None):
+    """(shape without dim, [(row index tuple, id, gain)], final output_shape or None)."""
+    comb = feature.table.combiner
+    L = feature.max_sequence_length
+    if isinstance(inp, SparseTensor):
+        shape = tuple(inp.dense_shape)
+        idx = np.asarray(inp.indices).tolist()
+        vals = np.asarray(inp.values).tolist()
+        ws = [1.0] * len(vals) if weight is None else np.asarray(weight.values).tolist()
+        if L > 0 and len(shape) == 2 and not feature.output_shape:
+            return (shape[0], L), [((ix[0], ix[1]), v, 1.0) for ix, v in zip(idx, vals)
+                                   if ix[1] < L], None
+        prune = feature.validate_weights_and_indices or len(shape) > 2
+        bags = collections.defaultdict(list)
+        for ix, v, w in zip(idx, vals, ws):
+            if prune and (v < 0 or (comb != "sum" and w <= 0)):
+                continue
+            bags[tuple(ix[:-1])].append((v, w))
+        out = [(row, i, g) for row, bag in bags.items() for i, g in _combine(comb, bag)]
+        return shape[:-1], out, None
     if isinstance(inp, RaggedTensor):
         splits = np.asarray(inp.row_splits).tolist()
         vals = np.asarray(inp.values).tolist()
-        ws = None if weight is None else np.asarray(weight.values).tolist()
-        return [[(p, vals[k], 1.0 if ws is None else ws[k])
-                 for p, k in enumerate(range(splits[b], splits[b + 1]))]
-                for b in range(len(splits) - 1)]
-    if isinstance(inp, SparseTensor):
-        out = [[] for _ in range(inp.dense_shape[0])]
-        ws = None if weight is None else np.asarray(weight.values).tolist()
-        for k, (idx, i) in enumerate(zip(np.asarray(inp.indices).tolist(),
-                                         np.asarray(inp.values).tolist())):
-            out[idx[0]].append((idx[1], i, 1.0 if ws is None else ws[k]))
-        return out
+        ws = [1.0] * len(vals) if weight is None else np.asarray(weight.values).tolist()
+        B = len(splits) - 1
+        rows = [[(vals[k], ws[k]) for k in range(splits[b], splits[b + 1])] for b in range(B)]
+        gb = B if global_batch is None else global_batch
+        seq_len, final = L, None
+        if feature.output_shape:
+            P = int(np.prod(feature.output_shape))
+            final = tuple(feature.output_shape)
+            seq_len = 0 if P == gb else P // gb
+        if seq_len > 0:
+            return (B, seq_len), [((b, p), i, 1.0) for b, row in enumerate(rows)
+                                  for p, (i, _) in enumerate(row) if p < seq_len], final
+        return (B,), [((b,), i, g) for b, row in enumerate(rows)
+                      for i, g in _combine(comb, row)], final
     ids = np.asarray(inp)
-    ids = ids.reshape(ids.shape[0], -1)
-    w = None if weight is None else np.asarray(weight).reshape(ids.shape)
-    return [[(p, int(ids[b, p]), 1.0 if w is None else float(w[b, p]))
-             for p in range(ids.shape[1])] for b in range(ids.shape[0])]
+    out = [(ix, int(ids[ix]), 1.0) for ix in itertools.product(*map(range, ids.shape))]
+    return ids.shape, out, None
 
 
-def gains(feature, per_sample):
-    """[(output row index, id, gain)] for one feature; row is b or (b, p)."""
-    out = []
-    L = feature.max_sequence_length
-    for b, ents in enumerate(per_sample):
-        if L > 0:
-            out += [((b, p), i, w) for p, i, w in ents if p < L]
-            continue
-        ws = [w for _, _, w in ents]
-        comb = feature.table.combiner
-        if comb == "sum":
-            scale = 1.0
-        elif comb == "mean":
-            scale = 1.0 / sum(ws) if sum(ws) != 0 else 0.0
-        else:
-            s2 = sum(w * w for w in ws)
-            scale = 1.0 / np.sqrt(s2) if s2 != 0 else 0.0
-        out += [(b, i, w * scale) for _, i, w in ents]
-    return out
-
-
-def activation(feature, table, gain_list, batch):
-    dim = table.shape[1]
-    L = feature.max_sequence_length
-    out = np.zeros((batch, L, dim) if L > 0 else (batch, dim))
+def activation(table, lay):
+    shape, gain_list, final = lay
+    out = np.zeros(tuple(shape) + (table.shape[1],))
     for row, i, g in gain_list:
         out[row] += g * table[i]
-    return out
+    return out if final is None else out.reshape(final + (table.shape[1],))
 
 
-def row_gradients(features_and_gains, dacts):
+def row_gradients(features_and_layouts, dacts):
     """{table name: {id: gradient}} summed over all features of each table."""
     grads = collections.defaultdict(dict)
-    for (name, feature, table_name, gain_list) in features_and_gains:
+    for (name, table_name, lay) in features_and_layouts:
+        shape, gain_list, _ = lay
         d = dacts[name]
+        if d is not None:
+            d = np.asarray(d, np.float64).reshape(tuple(shape) + (d.shape[-1],))
         for row, i, g in gain_list:
             acc = grads[table_name].setdefault(i, np.zeros(d.shape[-1]))
             if d is not None:
-                acc += g * np.asarray(d[row], np.float64)
+                acc += g * d[row]
     return grads
