@@ -5,6 +5,7 @@ dataset in MovieLens' atomic format; the real data is only read if a
 previous demo run already cached it.
 """
 
+import struct
 import sys
 import zipfile
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_auc_and_log_loss_match_definitions():
     assert mdl.log_loss(y, p) == pytest.approx(want, rel=1e-9)
 
 
-def test_smoke_run_trains_checkpoints_and_serves(tmp_path):
+def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
     """A few hundred steps on a tiny synthetic set, end to end, on a 4-device mesh."""
     from examples.movielens import run
 
@@ -122,7 +123,53 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path):
     assert losses[-1] < losses[0]
     png = Path(res["plot"]).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", png[16:24]) == (1000, 420)  # IHDR width, height
     assert (tmp_path / "out" / "results.json").exists()
+    out = capsys.readouterr().out
+    for epoch in (1, 2, 3):  # each epoch's tqdm bar ends complete, with its postfix
+        final = [seg for line in out.splitlines() if line.startswith(f"epoch  {epoch}/3")
+                 for seg in line.split("\r") if seg.strip()][-1]
+        assert "100%" in final and "100/100" in final, final
+        assert "loss 0." in final and "samples/s" in final and "ids/s" in final, final
+
+
+def test_history_figure_content(tmp_path):
+    """The demo's figure: loss panel (per step + epoch mean), AUC panel (+ reference)."""
+    from examples.movielens import plot
+
+    train_loss, val_auc = [0.60, 0.55, 0.53], [0.74, 0.77, 0.78]
+    step_loss = np.linspace(0.7, 0.5, 30)
+    fig = plot.history_figure(train_loss, val_auc, step_loss, reference_auc=0.7765)
+    loss_ax, auc_ax = fig.axes
+    assert (loss_ax.get_title(), loss_ax.get_xlabel(), loss_ax.get_ylabel()) == (
+        "training loss", "epoch", "log-loss")
+    assert (auc_ax.get_title(), auc_ax.get_xlabel(), auc_ax.get_ylabel()) == (
+        "validation AUC", "epoch", "AUC")
+    per_step, mean = loss_ax.get_lines()
+    np.testing.assert_allclose(per_step.get_xdata(), np.arange(1, 31) / 10)
+    np.testing.assert_allclose(per_step.get_ydata(), step_loss)
+    np.testing.assert_allclose(mean.get_xdata(), [1, 2, 3])
+    np.testing.assert_allclose(mean.get_ydata(), train_loss)
+    assert mean.get_marker() == "o" and per_step.get_marker() in ("None", None, "")
+    auc, ref = auc_ax.get_lines()
+    np.testing.assert_allclose(auc.get_xdata(), [1, 2, 3])
+    np.testing.assert_allclose(auc.get_ydata(), val_auc)
+    np.testing.assert_allclose(ref.get_ydata(), [0.7765, 0.7765])
+    assert ref.get_linestyle() == "--"
+    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == ["per step",
+                                                                         "epoch mean"]
+    assert [t.get_text() for t in auc_ax.get_legend().get_texts()] == [
+        "embedmesh DLRM", "RecBole LR, test: 0.7765"]
+
+    bare = plot.history_figure(train_loss, val_auc)  # no per-step losses, no reference
+    assert [len(ax.get_lines()) for ax in bare.axes] == [1, 1]
+
+    import matplotlib.image
+
+    path = plot.plot_history(tmp_path / "sub" / "h.png", train_loss, val_auc, step_loss, 0.7765)
+    img = matplotlib.image.imread(path)
+    assert img.shape[:2] == (420, 1000)
+    assert img[..., :3].std() > 0.05  # not blank
 
 
 def test_real_data_if_cached():

@@ -54,9 +54,16 @@ import optax  # noqa: E402
 
 import embedmesh as em  # noqa: E402
 
+try:  # tqdm (train) and matplotlib (plot): the `examples` extra
+    from examples.movielens import train as trn  # noqa: E402
+    from examples.movielens.plot import plot_history  # noqa: E402
+except ModuleNotFoundError as e:
+    if e.name not in ("tqdm", "matplotlib"):
+        raise
+    raise SystemExit(f"error: the demo needs {e.name}, from the `examples` extra: "
+                     f"pip install -e '.[examples]' in the repository root") from None
 from examples.movielens import data  # noqa: E402
 from examples.movielens import model as mdl  # noqa: E402
-from examples.movielens import train as trn  # noqa: E402
 
 REFERENCE = {"name": "RecBole LR (reference)", "auc": 0.7765, "logloss": 0.562}
 
@@ -183,13 +190,11 @@ def run_movielens(args) -> dict:
 
     plot_path = None
     if not args.no_plot:
-        from examples.movielens.plot import plot_history
-
-        plot_path = out_dir / "movielens_history.png"
-        how = plot_history(plot_path, [h["train_loss"] for h in history],
-                           [h["val_auc"] for h in history], step_losses,
-                           None if args.data_dir else REFERENCE["auc"])
-        print(f"plot: {plot_path} ({how})")
+        plot_path = plot_history(out_dir / "movielens_history.png",
+                                 [h["train_loss"] for h in history],
+                                 [h["val_auc"] for h in history], step_losses,
+                                 None if args.data_dir else REFERENCE["auc"])
+        print(f"plot: {plot_path}")
     wall = time.perf_counter() - t_start
     print()
     rows = [] if args.data_dir else [  # the reference is for MovieLens-100k only

@@ -10,6 +10,7 @@ background thread a few batches ahead.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
+from tqdm import tqdm
 
 import embedmesh as em
 from embedmesh.engine import MeshEmbedding
@@ -44,28 +46,18 @@ def prefetch(items: Iterable, fn: Callable, buffer_size: int = 3) -> Iterator:
     return background_map(fn, items, buffer_size, name="movielens-prefetch")
 
 
-class Progress:
-    """A one-line progress bar with `\\r` (plain lines when stdout is not a terminal)."""
+def progress_bar(total: int, prefix: str, live: bool) -> tqdm:
+    """A tqdm bar over one epoch's steps, on stdout with the rest of the demo's output.
 
-    def __init__(self, total: int, prefix: str, width: int = 24, stream=None):
-        self.total, self.prefix, self.width = total, prefix, width
-        self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty()
-        self.last = 0.0
-
-    def update(self, done: int, text: str, final: bool = False):
-        now = time.perf_counter()
-        if not final and (not self.tty or now - self.last < 0.1):
-            return
-        self.last = now
-        filled = int(self.width * done / max(self.total, 1))
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"{self.prefix} [{bar}] {done}/{self.total} {text}"
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if final else ""))
-        elif final:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+    `live` (stdout is a terminal): redrawn at most every 0.1 s, sized to the
+    terminal (80 x 24 where it reports no size, as some pseudo-terminals do:
+    tqdm would then draw nothing). Otherwise (a log file, pytest) only the
+    first and the final state are written.
+    """
+    size = shutil.get_terminal_size() if live else None
+    return tqdm(total=total, desc=prefix, unit="step", file=sys.stdout,
+                ncols=size.columns if live else None, nrows=size.lines if live else None,
+                mininterval=0.1 if live else float("inf"))
 
 
 class Trainer:
@@ -161,29 +153,34 @@ class Trainer:
     # -- device side ----------------------------------------------------------
 
     def train_epoch(self, batches: Iterable, num_batches: int, prefix: str) -> dict:
-        prog = Progress(num_batches, prefix)
+        live = sys.stdout.isatty()
+        bar = progress_bar(num_batches, prefix, live)
         losses = []
         t0 = time.perf_counter()
         samples = ids = 0
-        for i, (csr, labels, mask, n_ids) in enumerate(prefetch(batches, self.enqueue)):
-            self.state, self.params, self.opt_state, loss = self._train(
-                self.state, self.params, self.opt_state, csr, labels, mask, self.dropout_key)
-            losses.append(loss)
-            if i >= self.max_in_flight:
-                # Bound the steps queued by async dispatch: on XLA:CPU, many queued
-                # multi-device steps can exhaust the client's threads while their
-                # all_to_all rendezvous wait for each other (a 40 s abort).
-                jax.block_until_ready(losses[i - self.max_in_flight])
-            samples += labels.shape[0]
-            ids += n_ids
-            if prog.tty and i % 5 == 4:  # reading a loss waits for its step: only now and then
-                dt = time.perf_counter() - t0
-                recent = float(np.mean([float(x) for x in losses[-10:]]))
-                prog.update(i + 1, f"loss {recent:.4f}  {samples / dt:,.0f} samples/s")
-        losses = np.asarray([float(x) for x in losses])
-        dt = time.perf_counter() - t0
-        prog.update(len(losses), f"loss {losses.mean():.4f}  {samples / dt:,.0f} samples/s  "
-                                 f"{ids / dt:,.0f} ids/s  {dt:.1f}s", final=True)
+        with bar:
+            for i, (csr, labels, mask, n_ids) in enumerate(prefetch(batches, self.enqueue)):
+                self.state, self.params, self.opt_state, loss = self._train(
+                    self.state, self.params, self.opt_state, csr, labels, mask,
+                    self.dropout_key)
+                losses.append(loss)
+                if i >= self.max_in_flight:
+                    # Bound the steps queued by async dispatch: on XLA:CPU, many queued
+                    # multi-device steps can exhaust the client's threads while their
+                    # all_to_all rendezvous wait for each other (a 40 s abort).
+                    jax.block_until_ready(losses[i - self.max_in_flight])
+                samples += labels.shape[0]
+                ids += n_ids
+                if live and i % 5 == 4:  # reading a loss waits for its step: only now and then
+                    dt = time.perf_counter() - t0
+                    recent = float(np.mean([float(x) for x in losses[-10:]]))
+                    bar.set_postfix_str(f"loss {recent:.4f}  {samples / dt:,.0f} samples/s",
+                                        refresh=False)
+                bar.update(1)
+            losses = np.asarray([float(x) for x in losses])
+            dt = time.perf_counter() - t0
+            bar.set_postfix_str(f"loss {losses.mean():.4f}  {samples / dt:,.0f} samples/s  "
+                                f"{ids / dt:,.0f} ids/s  {dt:.1f}s", refresh=False)
         return {"loss": float(losses.mean()), "losses": losses, "seconds": dt,
                 "samples_per_s": samples / dt, "ids_per_s": ids / dt}
 
