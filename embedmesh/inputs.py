@@ -128,15 +128,31 @@ def is_concrete(x) -> bool:
 # Validation of concrete inputs (host side)
 
 
+_NOT_NUMERIC = frozenset("OUSVM")  # object, str, bytes, void, datetime: not a tensor of numbers
+
+
+def _not_a_tensor(name: str, what: str, x, arr: np.ndarray) -> ValueError:
+    return ValueError(f"feature {name}: {what} must be a Tensor (array), SparseTensor or "
+                      f"RaggedTensor, got {type(x).__name__}"
+                      + (f" ({x!r:.40})" if isinstance(x, (str, bytes)) else "")
+                      + (f" (dtype {arr.dtype})" if isinstance(x, np.ndarray) else ""))
+
+
 def _check_int_ids(name: str, ids) -> np.ndarray:
+    src = ids
     ids = np.asarray(ids)
+    if ids.dtype.kind in _NOT_NUMERIC:  # TensorFlow: a ValueError (not a tensor type)
+        raise _not_a_tensor(name, "the input", src, ids)
     if not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"feature {name}: ids must be integers, got dtype {ids.dtype}")
     return ids
 
 
 def _check_float_weights(name: str, w) -> np.ndarray:
+    src = w
     w = np.asarray(w)
+    if w.dtype.kind in _NOT_NUMERIC:
+        raise _not_a_tensor(name, "the weight", src, w)
     if not (np.issubdtype(w.dtype, np.floating) or np.issubdtype(w.dtype, np.integer)):
         raise TypeError(f"feature {name}: weights must be numeric, got dtype {w.dtype}")
     return w.astype(np.float32, copy=False)
@@ -392,7 +408,10 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
     """Inputs flattened in the feature config's order; a feature left out is None.
 
     Inputs may be a subset of the feature structure (dict keys may be
-    missing); any other difference in structure is a ValueError.
+    missing). As TensorFlow's nest checks: a different kind of sequence (a
+    list for a dict, a tuple for a list) is a TypeError; extra keys, a
+    sequence of another length or a leaf where the config nests are
+    ValueErrors. Any dict matches a dict.
     """
     from embedmesh.config import FeatureConfig
 
@@ -412,8 +431,11 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
             return
         if isinstance(cfg, dict):
             if not isinstance(inp, dict):
-                raise ValueError(f"{what} at {path or '<root>'}: expected a dict like the "
-                                 f"feature config, got {type(inp).__name__}")
+                # TensorFlow's nest checks: another kind of sequence is a TypeError,
+                # a leaf where the config nests is a ValueError
+                err = TypeError if _is_sequence(inp) else ValueError
+                raise err(f"{what} at {path or '<root>'}: expected a dict like the "
+                          f"feature config, got {type(inp).__name__}")
             extra = set(inp) - set(cfg)
             if extra:
                 raise ValueError(f"{what} at {path or '<root>'}: keys {sorted(map(str, extra))} "
@@ -422,9 +444,15 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
                 walk(cfg[k], inp.get(k), f"{path}/{k}" if path else str(k))
             return
         if isinstance(cfg, (list, tuple)):
-            if is_leaf(inp) or not isinstance(inp, (list, tuple)) or len(inp) != len(cfg):
-                raise ValueError(f"{what} at {path or '<root>'}: expected a sequence of "
-                                 f"{len(cfg)} like the feature config, got {type(inp).__name__}")
+            kind = type(cfg).__name__
+            if _is_sequence(inp) and type(inp) is not type(cfg):
+                raise TypeError(f"{what} at {path or '<root>'}: expected a {kind} like the "
+                                f"feature config, got {type(inp).__name__}")
+            if is_leaf(inp) or len(inp) != len(cfg):
+                raise ValueError(f"{what} at {path or '<root>'}: expected a {kind} (a "
+                                 f"sequence of {len(cfg)}) like the feature config, got "
+                                 f"{type(inp).__name__}"
+                                 + (f" of {len(inp)}" if _is_sequence(inp) else ""))
             for i, (c, x) in enumerate(zip(cfg, inp)):
                 walk(c, x, f"{path}/{i}" if path else str(i))
             return
@@ -432,6 +460,11 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
 
     walk(resolved_structure(resolved), inputs, "")
     return out
+
+
+def _is_sequence(x) -> bool:
+    """A structure node (dict, list, tuple, namedtuple), not a leaf input."""
+    return isinstance(x, (dict, list, tuple)) and not isinstance(x, (SparseTensor, RaggedTensor))
 
 
 def resolved_structure(resolved):
