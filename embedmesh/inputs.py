@@ -155,7 +155,13 @@ def _check_float_weights(name: str, w) -> np.ndarray:
         raise _not_a_tensor(name, "the weight", src, w)
     if not (np.issubdtype(w.dtype, np.floating) or np.issubdtype(w.dtype, np.integer)):
         raise TypeError(f"feature {name}: weights must be numeric, got dtype {w.dtype}")
-    return w.astype(np.float32, copy=False)
+    w = w.astype(np.float32, copy=False)
+    if not np.isfinite(w).all():  # one vectorised pass; NaN/Inf would poison rows and slots
+        flat = w.reshape(-1)
+        bad = int(np.argmin(np.isfinite(flat)))
+        raise ValueError(f"feature {name}: weights must be finite, got {flat[bad]} at entry "
+                         f"{bad}")
+    return w
 
 
 def validate_input(name: str, inp, weight=None) -> None:
@@ -234,14 +240,30 @@ def validate_structure(name: str, inp, weight=None) -> None:
                          f"got shape {ids.shape}")
     if (splits.ndim != 1 or splits.shape[0] < 1 or not np.issubdtype(splits.dtype, np.integer)
             or splits[0] != 0 or splits[-1] != ids.shape[0] or (splits[1:] < splits[:-1]).any()):
-        raise ValueError(f"feature {name}: bad row_splits {splits[:8].tolist()}"
-                         f"{'...' if splits.size > 8 else ''}: they must be integers starting "
-                         f"at 0, non-decreasing, ending at len(values) = {ids.shape[0]}")
+        raise ValueError(f"feature {name}: bad row_splits ({_bad_split(splits, ids.shape[0])}): "
+                         f"they must be integers starting at 0, non-decreasing, ending at "
+                         f"len(values) = {ids.shape[0]}")
     if weight is not None:
         w = _check_float_weights(name, weight.values)
         if w.shape != ids.shape or not np.array_equal(np.asarray(weight.row_splits), splits):
             raise ValueError(f"feature {name}: weight RaggedTensor (values {w.shape}) must have "
                              f"the input's row_splits and number of values ({ids.shape[0]})")
+
+
+def _bad_split(splits: np.ndarray, n: int) -> str:
+    """Where row_splits first break the rules, with the offending value."""
+    if splits.ndim != 1 or splits.shape[0] < 1:
+        return f"shape {splits.shape}, expected 1-D of nrows + 1 >= 1 entries"
+    if not np.issubdtype(splits.dtype, np.integer):
+        return f"dtype {splits.dtype}, expected integers"
+    if splits[0] != 0:
+        return f"row_splits[0] = {splits[0]}, expected 0"
+    dec = np.nonzero(splits[1:] < splits[:-1])[0]
+    if dec.size:
+        k = int(dec[0]) + 1
+        return f"row_splits[{k}] = {splits[k]} < row_splits[{k - 1}] = {splits[k - 1]}"
+    k = splits.shape[0] - 1
+    return f"row_splits[{k}] = {splits[k]}, expected len(values) = {n}"
 
 
 # ---------------------------------------------------------------------------
@@ -398,8 +420,11 @@ def check_id_range(name: str, ids: np.ndarray, vocabulary_size: int) -> None:
     if ids.size == 0:
         return
     lo, hi = ids.min(), ids.max()
-    if lo < 0 or hi >= vocabulary_size:
-        bad = np.nonzero((ids < 0) | (ids >= vocabulary_size))[0][0]
+    if int(lo) < 0 or int(hi) >= vocabulary_size:  # Python ints: no uint64/int64 mixing
+        if ids.dtype.kind == "u":
+            bad = np.nonzero(ids >= np.asarray(vocabulary_size, ids.dtype))[0][0]
+        else:
+            bad = np.nonzero((ids < 0) | (ids >= vocabulary_size))[0][0]
         raise ValueError(f"feature {name}: id {int(ids[bad])} (entry {int(bad)}) is outside the "
                          f"table's range [0, {vocabulary_size})")
 

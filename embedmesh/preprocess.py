@@ -282,6 +282,8 @@ def _canonical(name: str, feature, inp, weight) -> _Canon:
     if L > 0 and input_kind(inp) == "sparse":
         sparse_row_offsets(name, inp)
     c = to_csr(inp, weight, L, name)
+    if c.ids.dtype == np.uint64:  # checked before the int64 view turns 2**64-1 into -1
+        check_id_range(name, c.ids, feature.table.vocabulary_size)
     return _Canon(_as_kernel_ids(c.ids), np.ascontiguousarray(c.splits, np.int64),
                   None if c.weights is None else np.ascontiguousarray(c.weights, np.float32),
                   c.batch_size)
