@@ -189,9 +189,13 @@ class MeshEmbedding:
     # -- host preprocessing -------------------------------------------------------
 
     @staticmethod
-    def preprocess_features(features, weights, plan, **kwargs):
-        """Pure numpy preprocessing (see `embedmesh.preprocess.preprocess_features`)."""
-        return _pre.preprocess_features(features, weights, plan, **kwargs)
+    def preprocess_features(*args, **kwargs):
+        """Pure numpy preprocessing, in embedmesh's form `(features, weights, plan,
+        **options)` -> `(csr, stats)` or TensorFlow's keyword form
+        (`num_replicas_in_sync, ..., flat_features, flat_inputs, flat_weights`)
+        -> `(csr, int, int)`, which `dequeue` takes (see
+        `embedmesh.preprocess.preprocess_features` and `preprocess_features_tf`)."""
+        return _pre.preprocess_features(*args, **kwargs)
 
     def enqueue(self, features: Any, weights: Optional[Any] = None,
                 device: Optional[str] = None) -> dict:
