@@ -11,7 +11,9 @@ the user left out are resolved (never written back) by
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import warnings
 import numbers
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,9 +39,28 @@ def default_initializer(dim: int) -> Initializer:
     return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(dim))
 
 
+_QUANTIZATION_WARNED = False
+
+
+def _warn_quantization_ignored() -> None:
+    global _QUANTIZATION_WARNED
+    if not _QUANTIZATION_WARNED:
+        _QUANTIZATION_WARNED = True
+        warnings.warn("TableConfig.quantization_config is accepted but ignored by embedmesh: "
+                      "activations are not quantized (warned once per process)",
+                      UserWarning, stacklevel=4)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class QuantizationConfig:
-    """Simulated quantization of activations (kept for API compatibility)."""
+    """Simulated quantization of activations: ACCEPTED AND IGNORED for now.
+
+    TensorFlow's SparseCore rounds activations onto `num_buckets` levels in
+    `[lower, upper]`. embedmesh validates the fields and keeps the object on
+    its `TableConfig` (so configs port unchanged) but applies no quantization:
+    lookups, updates and serving all use the table's dtype. A `TableConfig`
+    with a quantization config warns once per process.
+    """
 
     num_buckets: int
     lower: float
@@ -54,9 +75,28 @@ class QuantizationConfig:
                  "QuantizationConfig", "upper", self.upper, f"a number > lower ({self.lower})")
 
 
+_TABLE_COUNTER = itertools.count()  # creation order of TableConfigs, for their total order
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TableConfig:
-    """One embedding table: `vocabulary_size` rows of `dim` floats."""
+    """One embedding table: `vocabulary_size` rows of `dim` floats.
+
+    Equality and hashing are by identity (as TensorFlow's). For `{TableConfig:
+    array}` dicts to be JAX pytrees (`jax.tree.map`, `jax.device_put`, `jax.jit`
+    arguments), which sort their keys, tables also have a total order: named
+    tables first, by name, then unnamed tables; ties (unnamed tables, or two
+    tables with one name) in creation order. Sorting by name first keeps the
+    leaf order of such dicts independent of the order the program creates its
+    tables in, as long as the tables are named (name your tables when leaf
+    order matters across programs, e.g. several processes or a saved
+    flattening). `copy.copy` keeps the creation index; `dataclasses.replace`
+    makes a new table with a new one.
+
+    `quantization_config` is accepted and IGNORED for now (embedmesh computes
+    activations in the table's dtype, no simulated quantization); see
+    `QuantizationConfig`. A table with one warns once.
+    """
 
     vocabulary_size: int
     dim: int
@@ -85,6 +125,32 @@ class TableConfig:
             from embedmesh.optimizers import Optimizer  # local: optimizers imports nothing here
             _require(isinstance(self.optimizer, Optimizer), "TableConfig", "optimizer",
                      self.optimizer, "an embedmesh optimizer or None")
+        if self.quantization_config is not None:
+            _warn_quantization_ignored()
+        object.__setattr__(self, "_creation_index", next(_TABLE_COUNTER))
+
+    def _order_key(self) -> tuple:
+        return ((0, self.name) if self.name is not None else (1, "")) + (self._creation_index,)
+
+    def __lt__(self, other):
+        if not isinstance(other, TableConfig):
+            return NotImplemented
+        return self._order_key() < other._order_key()
+
+    def __le__(self, other):
+        if not isinstance(other, TableConfig):
+            return NotImplemented
+        return self is other or self._order_key() <= other._order_key()
+
+    def __gt__(self, other):
+        if not isinstance(other, TableConfig):
+            return NotImplemented
+        return self._order_key() > other._order_key()
+
+    def __ge__(self, other):
+        if not isinstance(other, TableConfig):
+            return NotImplemented
+        return self is other or self._order_key() >= other._order_key()
 
     def initialize(self, key, shape=None, dtype=jnp.float32):
         """Initial values of `shape` (default: the whole table) from this table's initializer."""

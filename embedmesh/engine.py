@@ -9,6 +9,7 @@ logical order (`embedding_tables`, `variables`, `embedding_table_shards`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Iterator, Optional
 
 import jax
@@ -23,6 +24,37 @@ from embedmesh.optimizers import Optimizer
 from embedmesh.prefetch import background_map
 from embedmesh import preprocess as _pre
 from embedmesh.stacking import plan_stacking
+
+try:  # 0.2 us: whether any jax trace (jit, grad, vmap, ...) is active on this thread
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except Exception:  # pragma: no cover - private module moved: look for tracers instead
+    _trace_state_clean = None
+
+
+def _check_not_traced(what: str, *args) -> None:
+    """RuntimeError when a facade method runs under a jax trace (inside `jax.jit`).
+
+    The facade is stateful (it owns the state, preprocesses on the host and
+    dispatches its own programs), so it cannot be traced; jax's own errors
+    there are obscure. Cost: one trace-state query (or, without it, a scan of
+    the arguments' leaves for tracers).
+    """
+    if _trace_state_clean is not None:
+        if _trace_state_clean():
+            return
+    elif not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+        return
+    raise RuntimeError(
+        f"MeshEmbedding.{what} was called inside jax.jit (or another jax transformation). "
+        f"The MeshEmbedding facade is stateful and runs outside jit: call emb.enqueue(...) "
+        f"outside the jitted function and pass its result in, and inside jit use the "
+        f"functional core, emb.core.lookup(state, csr) and emb.core.apply_gradients(state, "
+        f"gradients, csr), with emb.state as an argument (see embedmesh.core).")
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False  # a copy: writes would be lost; use set_tables
+    return arr
 
 
 def default_mesh() -> Mesh:
@@ -91,6 +123,7 @@ class MeshEmbedding:
 
     def build(self):
         """Create tables and slots on the mesh, shard by shard."""
+        _check_not_traced("build")
         if self._built:
             return
         mesh = self._mesh if self._mesh is not None else default_mesh()
@@ -183,9 +216,13 @@ class MeshEmbedding:
     # -- host preprocessing -------------------------------------------------------
 
     @staticmethod
-    def preprocess_features(features, weights, plan, **kwargs):
-        """Pure numpy preprocessing (see `embedmesh.preprocess.preprocess_features`)."""
-        return _pre.preprocess_features(features, weights, plan, **kwargs)
+    def preprocess_features(*args, **kwargs):
+        """Pure numpy preprocessing, in embedmesh's form `(features, weights, plan,
+        **options)` -> `(csr, stats)` or TensorFlow's keyword form
+        (`num_replicas_in_sync, ..., flat_features, flat_inputs, flat_weights`)
+        -> `(csr, int, int)`, which `dequeue` takes (see
+        `embedmesh.preprocess.preprocess_features` and `preprocess_features_tf`)."""
+        return _pre.preprocess_features(*args, **kwargs)
 
     def enqueue(self, features: Any, weights: Optional[Any] = None,
                 device: Optional[str] = None) -> dict:
@@ -195,6 +232,7 @@ class MeshEmbedding:
         `dequeue`. `device` is accepted for API compatibility: preprocessing
         always runs on this process's host and feeds all its local devices.
         """
+        _check_not_traced("enqueue", features, weights)
         self._maybe_build()
         csr, stats = _pre.preprocess_features(
             features, weights, self.plan, num_devices_local=self._num_local_devices,
@@ -222,9 +260,18 @@ class MeshEmbedding:
 
     # -- lookup -------------------------------------------------------------------
 
-    def dequeue(self, partitioned_tensors: dict):
-        """Activations for enqueued inputs: `(activations, preserved_outputs)`."""
+    def dequeue(self, partitioned_tensors):
+        """Activations for enqueued inputs: `(activations, preserved_outputs)`.
+
+        `partitioned_tensors` is `enqueue`'s `{stack: PartitionedCsrFormatTensor}`
+        or, as TensorFlow's signature has it, a tuple `(that dict, int, int)`
+        (the seed-form `preprocess_features` returns one; the ints are
+        checked to be ints and otherwise unused). `preserved_outputs` is the
+        dict.
+        """
+        _check_not_traced("dequeue", partitioned_tensors)
         self._require_built("dequeue")
+        partitioned_tensors = self._partitioned_dict(partitioned_tensors, "dequeue")
         if self._pending is not None:
             grads, prev = self._pending
             self._pending = None
@@ -237,7 +284,51 @@ class MeshEmbedding:
 
     def embedding_lookup(self, features: Any, weights: Optional[Any] = None):
         """`(activations, preserved_outputs)` for a batch: enqueue then dequeue."""
+        _check_not_traced("embedding_lookup (__call__)", features, weights)
         return self.dequeue(self.enqueue(features, weights))
+
+    def _partitioned_dict(self, value, what: str) -> dict:
+        """The `{stack: PartitionedCsrFormatTensor}` of `value` (a dict, or the
+        seed's `(dict, int, int)` tuple), placed on the mesh if it is host data."""
+        if isinstance(value, tuple) and value and isinstance(value[0], dict):
+            if len(value) != 3 or not all(isinstance(v, (int, np.integer))
+                                          and not isinstance(v, bool) for v in value[1:]):
+                raise ValueError(f"{what}: a tuple must be (dict of PartitionedCsrFormatTensor, "
+                                 f"int, int) as enqueue/preprocess_features return it, got "
+                                 f"({', '.join(type(v).__name__ for v in value)})")
+            value = value[0]
+        if isinstance(value, dict) and value and all(
+                isinstance(v, _pre.PartitionedCsrFormatTensor)
+                and isinstance(v.unique_ids, np.ndarray) for v in value.values()):
+            value = self.core.put(value)  # host arrays from preprocess_features
+        return value
+
+    def _check_preserved(self, preserved) -> None:
+        """ValueError unless `preserved` is this layer's dequeue output."""
+        if not isinstance(preserved, dict):
+            raise ValueError(f"preserved_outputs must be the dict of PartitionedCsrFormatTensor "
+                             f"returned by this layer's dequeue/embedding_lookup, got "
+                             f"{type(preserved).__name__}")
+        want = {s.name: s for s in self.plan.stacks}
+        extra = sorted(map(str, set(preserved) - set(want)))
+        missing = sorted(set(want) - set(preserved))
+        if extra or missing:
+            raise ValueError(f"preserved_outputs do not come from this layer: stacks "
+                             f"{extra} are not this layer's and {missing} are missing (this "
+                             f"layer's stacks: {sorted(want)})")
+        for name, c in preserved.items():
+            if not isinstance(c, _pre.PartitionedCsrFormatTensor):
+                raise ValueError(f"preserved_outputs[{name!r}] must be a "
+                                 f"PartitionedCsrFormatTensor, got {type(c).__name__}")
+            # (rows per sample depend on the batch's input forms: not compared)
+            slots = tuple((f.name, f.dim) for f in c.features)
+            spec = want[name]
+            expect = tuple((f, self.plan.feature(f).dim) for f in spec.features)
+            if slots != expect or c.num_shards != self.plan.num_shards:
+                raise ValueError(f"preserved_outputs[{name!r}] come from another layer: they "
+                                 f"hold features {[f[0] for f in slots]} on {c.num_shards} "
+                                 f"shards, this layer's stack {name} holds {list(spec.features)}"
+                                 f" on {self.plan.num_shards}")
 
     __call__ = embedding_lookup
 
@@ -271,9 +362,9 @@ class MeshEmbedding:
                 raise ValueError(f"gradient for feature {name}, which the preserved outputs "
                                  f"do not cover")
             shape = self._activation_shape(name, slots[name], feature)
-            if not hasattr(g, "shape") or not hasattr(g, "dtype"):
-                raise TypeError(f"gradient for feature {name} must be an array, got "
-                                f"{type(g).__name__}")
+            if not hasattr(g, "shape") or not hasattr(g, "dtype"):  # TF: a ValueError
+                raise ValueError(f"gradient for feature {name} must be an array, got "
+                                 f"{type(g).__name__}")
             if not jnp.issubdtype(g.dtype, jnp.floating):
                 raise TypeError(f"gradient for feature {name} must be floating point, got "
                                 f"dtype {g.dtype}")
@@ -296,13 +387,26 @@ class MeshEmbedding:
         missing dict key, count as a zero gradient). Raises RuntimeError
         before `build()`, ValueError/TypeError naming the feature for a
         gradient of the wrong structure, shape or dtype, and
-        FloatingPointError for a non-finite gradient (tables untouched).
+        FloatingPointError for a non-finite gradient (tables untouched), and
+        ValueError when `preserved_outputs` is not this layer's dequeue output
+        (None, another layer's, unknown stacks; state and step untouched).
+
+        An empty batch (0 samples) is a no-op update that still counts a step
+        (`state.step` advances, as it would on TensorFlow).
         """
+        _check_not_traced("apply_gradients", gradients)
         self._require_built("apply_gradients")
+        preserved_outputs = self._partitioned_dict(preserved_outputs, "apply_gradients")
+        self._check_preserved(preserved_outputs)
         grads = self._flat_gradients(gradients, preserved_outputs)
         if self._check_finite and grads:
             self._raise_if_not_finite(self._all_finite_fn(grads), grads)
         self.flush()  # two updates without a lookup between them
+        if all(c.rows_per_device == 0 for c in preserved_outputs.values()):
+            # empty batch: nothing to move (the update program cannot take empty
+            # partitions); count the step
+            self._state = dataclasses.replace(self._state, step=self._state.step + 1)
+            return
         self._pending = (grads, preserved_outputs)
 
     def flush(self):
@@ -336,21 +440,29 @@ class MeshEmbedding:
 
     @property
     def embedding_tables(self) -> dict:
-        """`{TableConfig: [vocabulary_size, dim] numpy array}` in logical row order."""
+        """`{TableConfig: [vocabulary_size, dim] numpy array}` in logical row order.
+
+        Read-only copies (writing raises): load rows with `set_tables`.
+        """
+        _check_not_traced("embedding_tables")
         self._maybe_build()
-        return {t: self._table_array(t) for t in self._resolved.tables}
+        return {t: _read_only(self._table_array(t)) for t in self._resolved.tables}
 
     @property
     def variables(self) -> dict:
-        """`{TableConfig: {"parameters": ..., slot name: ...}}`, logical row order."""
+        """`{TableConfig: {"parameters": ..., slot name: ...}}`, logical row order.
+
+        Read-only copies (writing raises): load values with `set_tables`.
+        """
+        _check_not_traced("variables")
         self._maybe_build()
         state = self.observed_state()
         out = {}
         for t in self._resolved.tables:
             spec = self.plan.stack_of(t)
-            entry = {"parameters": self._table_array(t, state=state)}
+            entry = {"parameters": _read_only(self._table_array(t, state=state))}
             for slot in state.slots[spec.name]:
-                entry[slot] = self._table_array(t, slot, state=state)
+                entry[slot] = _read_only(self._table_array(t, slot, state=state))
             out[t] = entry
         return out
 
@@ -376,10 +488,25 @@ class MeshEmbedding:
         return out
 
     def set_tables(self, tables: dict, slots: Optional[dict] = None, step: int = 0):
-        """Replace the state from logical arrays `{TableConfig: [V, dim]}` (and slots)."""
+        """Replace the state from logical arrays `{TableConfig: [V, dim]}` (and slots).
+
+        Every array must have its table's shape `(vocabulary_size, dim)`
+        (else a ValueError naming the table; the state is left as it was).
+        """
         self._maybe_build()
         self.flush()
-        names = {self._resolved.table_name(t): np.asarray(v) for t, v in tables.items()}
-        slot_names = {self._resolved.table_name(t): {k: np.asarray(v) for k, v in s.items()}
+        names = {self._resolved.table_name(t): self._checked_table(t, v, "parameters")
+                 for t, v in tables.items()}
+        slot_names = {self._resolved.table_name(t): {k: self._checked_table(t, v, k)
+                                                     for k, v in s.items()}
                       for t, s in (slots or {}).items()}
         self._state = self.core.state_from_tables(names, slot_names, step)
+
+    def _checked_table(self, table, value, what: str) -> np.ndarray:
+        arr = np.asarray(value)
+        name = self._resolved.table_name(table)
+        want = (table.vocabulary_size, table.dim)
+        if arr.shape != want:
+            raise ValueError(f"set_tables: table {name} {what} has shape {arr.shape}, expected "
+                             f"(vocabulary_size, dim) = {want}")
+        return arr

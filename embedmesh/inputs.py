@@ -129,18 +129,40 @@ def is_concrete(x) -> bool:
 # Validation of concrete inputs (host side)
 
 
+_NOT_NUMERIC = frozenset("OUSVM")  # object, str, bytes, void, datetime: not a tensor of numbers
+
+
+def _not_a_tensor(name: str, what: str, x, arr: np.ndarray) -> ValueError:
+    return ValueError(f"feature {name}: {what} must be a Tensor (array), SparseTensor or "
+                      f"RaggedTensor, got {type(x).__name__}"
+                      + (f" ({x!r:.40})" if isinstance(x, (str, bytes)) else "")
+                      + (f" (dtype {arr.dtype})" if isinstance(x, np.ndarray) else ""))
+
+
 def _check_int_ids(name: str, ids) -> np.ndarray:
+    src = ids
     ids = np.asarray(ids)
+    if ids.dtype.kind in _NOT_NUMERIC:  # TensorFlow: a ValueError (not a tensor type)
+        raise _not_a_tensor(name, "the input", src, ids)
     if not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"feature {name}: ids must be integers, got dtype {ids.dtype}")
     return ids
 
 
 def _check_float_weights(name: str, w) -> np.ndarray:
+    src = w
     w = np.asarray(w)
+    if w.dtype.kind in _NOT_NUMERIC:
+        raise _not_a_tensor(name, "the weight", src, w)
     if not (np.issubdtype(w.dtype, np.floating) or np.issubdtype(w.dtype, np.integer)):
         raise TypeError(f"feature {name}: weights must be numeric, got dtype {w.dtype}")
-    return w.astype(np.float32, copy=False)
+    w = w.astype(np.float32, copy=False)
+    if not np.isfinite(w).all():  # one vectorised pass; NaN/Inf would poison rows and slots
+        flat = w.reshape(-1)
+        bad = int(np.argmin(np.isfinite(flat)))
+        raise ValueError(f"feature {name}: weights must be finite, got {flat[bad]} at entry "
+                         f"{bad}")
+    return w
 
 
 def validate_input(name: str, inp, weight=None) -> None:
@@ -219,14 +241,30 @@ def validate_structure(name: str, inp, weight=None) -> None:
                          f"got shape {ids.shape}")
     if (splits.ndim != 1 or splits.shape[0] < 1 or not np.issubdtype(splits.dtype, np.integer)
             or splits[0] != 0 or splits[-1] != ids.shape[0] or (splits[1:] < splits[:-1]).any()):
-        raise ValueError(f"feature {name}: bad row_splits {splits[:8].tolist()}"
-                         f"{'...' if splits.size > 8 else ''}: they must be integers starting "
-                         f"at 0, non-decreasing, ending at len(values) = {ids.shape[0]}")
+        raise ValueError(f"feature {name}: bad row_splits ({_bad_split(splits, ids.shape[0])}): "
+                         f"they must be integers starting at 0, non-decreasing, ending at "
+                         f"len(values) = {ids.shape[0]}")
     if weight is not None:
         w = _check_float_weights(name, weight.values)
         if w.shape != ids.shape or not np.array_equal(np.asarray(weight.row_splits), splits):
             raise ValueError(f"feature {name}: weight RaggedTensor (values {w.shape}) must have "
                              f"the input's row_splits and number of values ({ids.shape[0]})")
+
+
+def _bad_split(splits: np.ndarray, n: int) -> str:
+    """Where row_splits first break the rules, with the offending value."""
+    if splits.ndim != 1 or splits.shape[0] < 1:
+        return f"shape {splits.shape}, expected 1-D of nrows + 1 >= 1 entries"
+    if not np.issubdtype(splits.dtype, np.integer):
+        return f"dtype {splits.dtype}, expected integers"
+    if splits[0] != 0:
+        return f"row_splits[0] = {splits[0]}, expected 0"
+    dec = np.nonzero(splits[1:] < splits[:-1])[0]
+    if dec.size:
+        k = int(dec[0]) + 1
+        return f"row_splits[{k}] = {splits[k]} < row_splits[{k - 1}] = {splits[k - 1]}"
+    k = splits.shape[0] - 1
+    return f"row_splits[{k}] = {splits[k]}, expected len(values) = {n}"
 
 
 # ---------------------------------------------------------------------------
@@ -454,8 +492,11 @@ def check_id_range(name: str, ids: np.ndarray, vocabulary_size: int) -> None:
     if ids.size == 0:
         return
     lo, hi = ids.min(), ids.max()
-    if lo < 0 or hi >= vocabulary_size:
-        bad = np.nonzero((ids < 0) | (ids >= vocabulary_size))[0][0]
+    if int(lo) < 0 or int(hi) >= vocabulary_size:  # Python ints: no uint64/int64 mixing
+        if ids.dtype.kind == "u":
+            bad = np.nonzero(ids >= np.asarray(vocabulary_size, ids.dtype))[0][0]
+        else:
+            bad = np.nonzero((ids < 0) | (ids >= vocabulary_size))[0][0]
         raise ValueError(f"feature {name}: id {int(ids[bad])} (entry {int(bad)}) is outside the "
                          f"table's range [0, {vocabulary_size})")
 
@@ -464,7 +505,10 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
     """Inputs flattened in the feature config's order; a feature left out is None.
 
     Inputs may be a subset of the feature structure (dict keys may be
-    missing); any other difference in structure is a ValueError.
+    missing). As TensorFlow's nest checks: a different kind of sequence (a
+    list for a dict, a tuple for a list) is a TypeError; extra keys, a
+    sequence of another length or a leaf where the config nests are
+    ValueErrors. Any dict matches a dict.
     """
     from embedmesh.config import FeatureConfig
 
@@ -484,8 +528,11 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
             return
         if isinstance(cfg, dict):
             if not isinstance(inp, dict):
-                raise ValueError(f"{what} at {path or '<root>'}: expected a dict like the "
-                                 f"feature config, got {type(inp).__name__}")
+                # TensorFlow's nest checks: another kind of sequence is a TypeError,
+                # a leaf where the config nests is a ValueError
+                err = TypeError if _is_sequence(inp) else ValueError
+                raise err(f"{what} at {path or '<root>'}: expected a dict like the "
+                          f"feature config, got {type(inp).__name__}")
             extra = set(inp) - set(cfg)
             if extra:
                 raise ValueError(f"{what} at {path or '<root>'}: keys {sorted(map(str, extra))} "
@@ -494,9 +541,15 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
                 walk(cfg[k], inp.get(k), f"{path}/{k}" if path else str(k))
             return
         if isinstance(cfg, (list, tuple)):
-            if is_leaf(inp) or not isinstance(inp, (list, tuple)) or len(inp) != len(cfg):
-                raise ValueError(f"{what} at {path or '<root>'}: expected a sequence of "
-                                 f"{len(cfg)} like the feature config, got {type(inp).__name__}")
+            kind = type(cfg).__name__
+            if _is_sequence(inp) and type(inp) is not type(cfg):
+                raise TypeError(f"{what} at {path or '<root>'}: expected a {kind} like the "
+                                f"feature config, got {type(inp).__name__}")
+            if is_leaf(inp) or len(inp) != len(cfg):
+                raise ValueError(f"{what} at {path or '<root>'}: expected a {kind} (a "
+                                 f"sequence of {len(cfg)}) like the feature config, got "
+                                 f"{type(inp).__name__}"
+                                 + (f" of {len(inp)}" if _is_sequence(inp) else ""))
             for i, (c, x) in enumerate(zip(cfg, inp)):
                 walk(c, x, f"{path}/{i}" if path else str(i))
             return
@@ -504,6 +557,11 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
 
     walk(resolved_structure(resolved), inputs, "")
     return out
+
+
+def _is_sequence(x) -> bool:
+    """A structure node (dict, list, tuple, namedtuple), not a leaf input."""
+    return isinstance(x, (dict, list, tuple)) and not isinstance(x, (SparseTensor, RaggedTensor))
 
 
 def resolved_structure(resolved):

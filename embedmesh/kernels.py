@@ -883,16 +883,19 @@ def prepare_bag_combine(table, ids, offsets, weights=None, combiner=None, *,
         weights = np.ascontiguousarray(weights, dtype=np.float32)
         if weights.shape != ids.shape:
             raise ValueError(f"weights {weights.shape} must match ids {ids.shape}")
+    given = ids
     ids, can_be_negative = _signed_ids(ids)
     prune_ids = prune_ids and can_be_negative
     prune_weights = prune_weights and weights is not None
     if _backend == "numba":
         run = _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_weights)
-        if table.dtype == np.float32:
-            return run
-        dtype = table.dtype
-        return lambda: _finish(run(), dtype)
-    return lambda: _bag_numpy(table, ids, offsets, weights, mode, prune_ids, prune_weights)
+        if table.dtype != np.float32:
+            inner, dtype = run, table.dtype
+            run = lambda: _finish(inner(), dtype)  # noqa: E731
+    else:
+        run = lambda: _bag_numpy(table, ids, offsets, weights, mode, prune_ids,  # noqa: E731
+                                 prune_weights)
+    return _report_given_ids(run, given)
 
 
 def gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -909,8 +912,22 @@ def prepare_gather(table, ids):
         raise ValueError(f"table must be 2-D and ids 1-D integers, got {table.shape} and "
                          f"{ids.dtype} {ids.shape}")
     if _backend == "numba":
-        return _prepare_gather_numba(table, ids)
-    return lambda: _gather_numpy(table, _signed_ids(ids)[0])
+        return _report_given_ids(_prepare_gather_numba(table, ids), ids)
+    return _report_given_ids(lambda: _gather_numpy(table, _signed_ids(ids)[0]), ids)
+
+
+def _report_given_ids(run, given: np.ndarray):
+    """`run`, its IdOutOfRange naming the id as given: uint64 ids are viewed as
+    int64 by the kernels, so 2**64 - 1 would read -1. Other dtypes: `run` itself."""
+    if given.dtype != np.uint64:
+        return run
+
+    def checked():
+        try:
+            return run()
+        except IdOutOfRange as e:
+            raise IdOutOfRange(e.entry, given[e.entry], e.vocabulary_size) from None
+    return checked
 
 
 def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[Optional[np.ndarray], int]:

@@ -18,8 +18,21 @@ this order and in float32:
    `multiply_weight_decay_factor_by_learning_rate`;
 4. weight clipping: clamp to `[clip_weight_min, clip_weight_max]`.
 
-`learning_rate` is a float or a schedule `step -> lr` (an optax schedule
-works); it is called with an int32 scalar, possibly inside jit.
+`learning_rate` is a float or a callable, of one of two forms told apart by
+its signature at construction:
+
+- a schedule `step -> lr` (one required positional argument; an optax
+  schedule works): called with the int32 step count, possibly inside jit,
+  so it must be jax-traceable;
+- TensorFlow's `Callable[[], float]` (no required argument, e.g.
+  `lambda: 0.1` or a function reading a Python variable): called with no
+  argument on the host at every update, so a value that changes between
+  steps is honoured (inside the update program it runs as a
+  `jax.pure_callback`; it must return a scalar).
+
+Any other callable (two or more required positional arguments, required
+keyword-only arguments, no inspectable signature) is a ValueError at
+construction.
 
 About `use_gradient_accumulation`: on a TPU, turning it off lets the hardware
 apply the rule once per mini-batch shard instead of once on the summed
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import math
 import numbers
 from typing import Any, Callable, ClassVar, Mapping, Optional, Union
@@ -105,6 +119,51 @@ def _pow(x, q: float):
     return jnp.where(pos, jnp.power(jnp.where(pos, x, 1.0), q), 0.0)
 
 
+def _schedule_kind(obj, lr) -> bool:
+    """True for a schedule `step -> lr`, False for a zero-argument callable;
+    ValueError for any other callable (see the module docstring)."""
+    what = ("a number, a schedule step -> lr (one positional argument) or a "
+            "zero-argument callable")
+    try:
+        sig = inspect.signature(lr)
+    except (TypeError, ValueError):
+        _fail(obj, "learning_rate", lr, what + " (its signature cannot be inspected)")
+    required, kw_required = 0, []
+    for p in sig.parameters.values():
+        if p.default is not inspect.Parameter.empty:
+            continue
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            required += 1
+        elif p.kind == p.KEYWORD_ONLY:
+            kw_required.append(p.name)
+    if kw_required or required > 1:
+        _fail(obj, "learning_rate", lr, what + f" (it requires {required} positional argument"
+              f"s{' and keyword-only ' + ', '.join(kw_required) if kw_required else ''})")
+    return required == 1
+
+
+def _host_lr(obj, fn) -> np.ndarray:
+    value = np.asarray(fn(), dtype=np.float32)
+    if value.shape != ():
+        raise ValueError(f"{type(obj).__name__}.learning_rate callable must return a scalar, "
+                         f"got shape {value.shape}")
+    return value
+
+
+def _call_on_host(obj, fn):
+    """A zero-argument learning rate: called now, or at run time under a trace."""
+    if _trace_state_clean is not None and _trace_state_clean():
+        return _host_lr(obj, fn)
+    return jax.pure_callback(lambda: _host_lr(obj, fn),
+                             jax.ShapeDtypeStruct((), jnp.float32))
+
+
+try:
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except Exception:  # pragma: no cover - private module moved: always use the callback
+    _trace_state_clean = None
+
+
 # ---------------------------------------------------------------------------
 # Base class
 
@@ -154,7 +213,10 @@ class Optimizer(abc.ABC):
         """The learning rate at `step` as a float32 scalar (jittable)."""
         lr = self.learning_rate
         if callable(lr):
-            lr = lr(jnp.asarray(step, dtype=jnp.int32))
+            if getattr(self, "_lr_takes_step", True):
+                lr = lr(jnp.asarray(step, dtype=jnp.int32))
+            else:
+                lr = _call_on_host(self, lr)
         lr = jnp.asarray(lr, dtype=jnp.float32)
         if lr.shape != ():
             raise ValueError(f"{type(self).__name__}.learning_rate schedule must return a "
@@ -217,7 +279,9 @@ class Optimizer(abc.ABC):
     def _validate(self, lr_positive: bool = False) -> None:
         """Validate and normalize the common fields (call from __post_init__)."""
         lr = self.learning_rate
-        if not callable(lr):
+        if callable(lr):
+            object.__setattr__(self, "_lr_takes_step", _schedule_kind(self, lr))
+        else:
             if lr_positive:
                 lr = _number(self, "learning_rate", lr, "a number > 0 or a schedule",
                              lambda x: x > 0)

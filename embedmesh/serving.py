@@ -343,7 +343,9 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
     `inputs` has the structure of `feature_config` or a subset of it (dict
     keys may be left out); `weights` is None or matches `inputs`, with None
     entries allowed. `tables` maps each `TableConfig` to a `[vocabulary_size,
-    dim]` array. Returns activations in the structure of `inputs`.
+    dim]` array (another shape is a ValueError naming the table). Concrete
+    weights must be finite (a NaN/Inf weight is a ValueError naming the
+    feature and the entry; traced weights are not checked). Returns activations in the structure of `inputs`.
     Works on concrete arrays (host kernel, errors for bad ids) and inside
     `jax.jit`/`jax.export` (pure jax.numpy).
     """
@@ -367,6 +369,11 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
             raise ValueError(f"tables has no entry for the table of feature {name} "
                              f"({resolved.table_name(feature.table)})")
         table = tables[feature.table]
+        shape = getattr(table, "shape", None)
+        if shape is None:
+            shape = np.shape(table)
+        if tuple(shape) != (feature.table.vocabulary_size, feature.table.dim):
+            _raise_table_shape(resolved.table_name(feature.table), shape, feature.table)
         if is_concrete((inp, w, table)):
             outputs.append(None)
             host.append((len(outputs) - 1, name, feature, inp, w, table))
@@ -385,6 +392,11 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
     for task, arr in zip(host, _host_to_jax(results)):
         outputs[task[0]] = arr
     return _pack_like_inputs(resolved, inputs, outputs)
+
+
+def _raise_table_shape(name: str, shape, table) -> None:
+    raise ValueError(f"tables: table {name} has shape {tuple(shape)}, expected "
+                     f"(vocabulary_size, dim) = ({table.vocabulary_size}, {table.dim})")
 
 
 def _prepare_host_one(name, feature, inp, w, table):
