@@ -251,7 +251,7 @@ def test_empty_batch_full_cycle(n, pipelined):
     for tab in v1:
         for k in v1[tab]:
             np.testing.assert_allclose(v1[tab][k], v2[tab][k], rtol=1e-6)
-    assert int(emb.state.step) == 2 and int(ref.state.step) == 1
+    assert int(emb.observed_state().step) == 2 and int(ref.observed_state().step) == 1
     # an empty lookup right after a normal update (pending, fused with it)
     acts, pre = emb(empty)
     ref.flush()

@@ -138,7 +138,7 @@ def check_training(num_devices, opt_name, hp, stack_tables, seed, steps=3, batch
     opt = build_optimizer(opt_name, hp)
     hp = {**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}, **hp}
     emb = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), stack_tables=stack_tables,
-                        capacities=Capacity(256, 128))
+                        capacities=Capacity(1024, 512))
     emb.build()
     tables = {t.name: np.asarray(v, np.float64) for t, v in emb.embedding_tables.items()}
     slots = {t.name: {k: np.asarray(v, np.float64) for k, v in d.items() if k != "parameters"}
