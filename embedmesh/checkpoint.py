@@ -485,6 +485,42 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
     return path
 
 
+_META_KEYS = {"num_shards": int, "step": int, "tables": list}
+_META_TABLE_KEYS = {"name": str, "key": str, "vocabulary_size": int, "dim": int,
+                    "rows_per_shard": int, "rotation": int, "slots": list}
+
+
+def _parse_meta(blob: bytes, where: str) -> dict:
+    try:
+        meta = json.loads(blob.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError
+        raise ValueError(f"{where} is not valid UTF-8 JSON: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where} is not a JSON object (got {type(meta).__name__})")
+    return meta
+
+
+def _check_meta(meta: dict, where: str) -> None:
+    """Every key restore and load_tables rely on, with the right type; a clear error if not."""
+
+    def check(d: dict, keys: dict, prefix: str):
+        for key, kind in keys.items():
+            if key not in d:
+                raise ValueError(f"{where} lacks the key {prefix}{key!r}")
+            value = d[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{where}: {prefix}{key!r} must be a {kind.__name__}, got "
+                                 f"{value!r}")
+
+    check(meta, _META_KEYS, "")
+    if meta["num_shards"] < 1:
+        raise ValueError(f"{where}: 'num_shards' must be >= 1, got {meta['num_shards']}")
+    for i, m in enumerate(meta["tables"]):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: tables[{i}] must be an object, got {m!r}")
+        check(m, _META_TABLE_KEYS, f"tables[{i}].")
+
+
 class _Reader:
     """Reads leaves of one saved pytree: metadata and small leaves through orbax, table
     arrays straight from tensorstore into caller-provided numpy buffers (nothing else is
@@ -493,16 +529,27 @@ class _Reader:
     def __init__(self, path: epath.Path):
         self.path = path
         self._handler = ocp.PyTreeCheckpointHandler()
-        self.tree = self._handler.metadata(path).tree
+        try:
+            self.tree = self._handler.metadata(path).tree
+        except Exception as e:  # bad bytes, bad JSON, missing keys: orbax's own errors
+            self._handler.close()
+            raise ValueError(f"cannot read the checkpoint metadata file {path / '_METADATA'} "
+                             f"(orbax's metadata of the item): {type(e).__name__}: {e}") from e
         if not (isinstance(self.tree, dict) and "meta" in self.tree and "tables" in self.tree):
             raise ValueError(f"{path} is not an embedmesh checkpoint item (no tables/meta)")
-        self.meta = json.loads(bytes(self.read(("meta",))).decode())
+        where = f"the embedmesh metadata (array 'meta') of checkpoint item {path}"
+        try:
+            blob = bytes(np.asarray(self.read(("meta",))).astype(np.uint8).reshape(-1))
+        except Exception as e:
+            raise ValueError(f"cannot read {where}: {type(e).__name__}: {e}") from e
+        self.meta = _parse_meta(blob, where)
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not an embedmesh checkpoint item")
         if int(self.meta.get("format_version", 0)) > FORMAT_VERSION:
             raise ValueError(f"{path} has checkpoint format version "
                              f"{self.meta['format_version']}; this embedmesh reads up to "
                              f"{FORMAT_VERSION}")
+        _check_meta(self.meta, where)
         try:
             stored = json.loads((path / "_METADATA").read_text())
         except (OSError, ValueError):

@@ -360,3 +360,93 @@ def test_restore_right_after_an_async_save(tmp_path, slow_commit):
     finally:
         slow_commit.set()
         mngr.close()
+
+
+# ---------------------------------------------------------------------------
+# Item 21: unreadable metadata gives an error naming the file
+
+
+def _orbax_metadata_damages():
+    def bad_byte(b):
+        return b[:767] + b"\xff\xfe" + b[769:]
+
+    def bad_json(b):
+        return b[:len(b) // 2]
+
+    def missing_keys(b):
+        return json.dumps({"something": "else"}).encode()
+
+    def not_an_object(b):
+        return b"[1, 2, 3]"
+
+    return {"bad_byte": bad_byte, "bad_json": bad_json, "missing_keys": missing_keys,
+            "not_an_object": not_an_object}
+
+
+@pytest.mark.parametrize("damage", list(_orbax_metadata_damages()))
+def test_garbled_orbax_metadata_names_the_file(saved, tmp_path, damage):
+    root = copy_checkpoint(saved[0], tmp_path / "ckpt")
+    file = root / "5" / "embedding" / "_METADATA"
+    data = file.read_bytes()
+    assert len(data) > 800
+    file.write_bytes(_orbax_metadata_damages()[damage](data))
+    emb = random_engine(2, seed=10, step=1)
+    before = variables_by_name(emb)
+    pattern = rf"checkpoint metadata file {file}"
+    with pytest.raises(ValueError, match=pattern):
+        ckpt.restore(emb, root)
+    with pytest.raises(ValueError, match=pattern):
+        ckpt.load_tables(root)
+    with pytest.raises(ValueError, match=pattern):
+        ckpt.read_metadata(root)
+    with pytest.raises(ValueError, match=pattern):
+        ckpt.EmbeddingForServing(FEATS).restore(root)
+    assert_bit_identical(variables_by_name(emb), before)
+
+
+def _save_with_meta_blob(root, emb, blob: bytes):
+    tree = ckpt.state_tree(emb)
+    tree["meta"] = np.frombuffer(blob, np.uint8).copy()
+    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False))
+    mngr.save(1, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
+    mngr.wait_until_finished()
+    mngr.close()
+
+
+def _meta_damages(meta: dict) -> dict:
+    def without(*path):
+        m = json.loads(json.dumps(meta))
+        node = m
+        for k in path[:-1]:
+            node = node[k]
+        del node[path[-1]]
+        return json.dumps(m).encode()
+
+    good = json.dumps(meta).encode()
+    return {"bad_bytes": good[:40] + b"\xff\xfe\xfd" + good[43:],
+            "bad_json": good[:-10],
+            "no_num_shards": without("num_shards"),
+            "no_tables": without("tables"),
+            "table_without_rows_per_shard": without("tables", 1, "rows_per_shard"),
+            "tables_not_a_list": json.dumps(dict(meta, tables=7)).encode()}
+
+
+def test_garbled_embedding_metadata_names_the_item_and_key(tmp_path):
+    emb = random_engine(4, seed=11, step=1)
+    meta = json.loads(bytes(ckpt.state_tree(emb)["meta"]).decode())
+    target = random_engine(2, seed=12, step=0)
+    before = variables_by_name(target)
+    for name, blob in _meta_damages(meta).items():
+        root = tmp_path / name
+        _save_with_meta_blob(root, emb, blob)
+        item = root / "1" / "embedding"
+        key = {"no_num_shards": "num_shards", "no_tables": "tables",
+               "table_without_rows_per_shard": "rows_per_shard",
+               "tables_not_a_list": "tables"}.get(name, "")
+        pattern = rf"embedmesh metadata \(array 'meta'\) of checkpoint item {item}.*{key}"
+        for call in (lambda: ckpt.restore(target, root), lambda: ckpt.load_tables(root),
+                     lambda: ckpt.read_metadata(root)):
+            with pytest.raises(ValueError, match=pattern):
+                call()
+        assert_bit_identical(variables_by_name(target), before)
