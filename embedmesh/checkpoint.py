@@ -40,12 +40,20 @@ table in the new layout are allocated on the host (page aligned: on CPU,
 once: each copies only the stored rows a shard needs (a contiguous block
 when the device count is unchanged, strided rows otherwise), straight into
 place, in one tensorstore batch, so a stored chunk is read from disk once.
-The shards are then written in place into the existing stack array
-(donated). Besides the stacks, the host holds at most one table (its new
-shards). The on-disk format is orbax's; only the reading bypasses orbax's
+The shards are then checked against the array's checksum and written into
+the new state: a stack array is copied on its first write (the live one is
+never donated) and written in place afterwards, and `emb.state` is replaced
+only when every leaf was read and verified, so a failed restore changes
+nothing. Besides the live state, a restore holds one more copy of the state
+(at its end) and at most one table on the host (its new shards). The on-disk format is orbax's; only the reading bypasses orbax's
 per-leaf restore (same tensorstore spec, no whole-table temporaries).
 Serving loads only the parameters
 (`load_tables`, `EmbeddingForServing`): no mesh, optimizer slots never read.
+
+Integrity: "meta" records per table a checksum of its parameters and of
+each slot (see `CHECKSUM`: a layout-independent sum over logical rows,
+computed at save on the devices holding the arrays), verified by `restore`
+and `load_tables`; checkpoints without checksums load unverified.
 
 Crash safety comes from orbax: a step is written under a temporary name and
 renamed when complete, and uncommitted steps are never listed, so a save
@@ -75,7 +83,7 @@ except ImportError:  # pragma: no cover - depends on the installed orbax
 
 from embedmesh.config import TableConfig, resolve_feature_config
 
-__all__ = ["DEFAULT_ITEM", "EmbeddingCheckpointHandler", "EmbeddingForServing",
+__all__ = ["CHECKSUM", "DEFAULT_ITEM", "EmbeddingCheckpointHandler", "EmbeddingForServing",
            "EmbeddingRestore", "EmbeddingSave", "FORMAT_VERSION", "latest_step", "load_tables",
            "read_metadata", "restore", "save", "save_args", "state_tree"]
 
