@@ -40,12 +40,20 @@ table in the new layout are allocated on the host (page aligned: on CPU,
 once: each copies only the stored rows a shard needs (a contiguous block
 when the device count is unchanged, strided rows otherwise), straight into
 place, in one tensorstore batch, so a stored chunk is read from disk once.
-The shards are then written in place into the existing stack array
-(donated). Besides the stacks, the host holds at most one table (its new
-shards). The on-disk format is orbax's; only the reading bypasses orbax's
+The shards are then checked against the array's checksum and written into
+the new state: a stack array is copied on its first write (the live one is
+never donated) and written in place afterwards, and `emb.state` is replaced
+only when every leaf was read and verified, so a failed restore changes
+nothing. Besides the live state, a restore holds one more copy of the state
+(at its end) and at most one table on the host (its new shards). The on-disk format is orbax's; only the reading bypasses orbax's
 per-leaf restore (same tensorstore spec, no whole-table temporaries).
 Serving loads only the parameters
 (`load_tables`, `EmbeddingForServing`): no mesh, optimizer slots never read.
+
+Integrity: "meta" records per table a checksum of its parameters and of
+each slot (see `CHECKSUM`: a layout-independent sum over logical rows,
+computed at save on the devices holding the arrays), verified by `restore`
+and `load_tables`; checkpoints without checksums load unverified.
 
 Crash safety comes from orbax: a step is written under a temporary name and
 renamed when complete, and uncommitted steps are never listed, so a save
@@ -75,7 +83,7 @@ except ImportError:  # pragma: no cover - depends on the installed orbax
 
 from embedmesh.config import TableConfig, resolve_feature_config
 
-__all__ = ["DEFAULT_ITEM", "EmbeddingCheckpointHandler", "EmbeddingForServing",
+__all__ = ["CHECKSUM", "DEFAULT_ITEM", "EmbeddingCheckpointHandler", "EmbeddingForServing",
            "EmbeddingRestore", "EmbeddingSave", "FORMAT_VERSION", "latest_step", "load_tables",
            "read_metadata", "restore", "save", "save_args", "state_tree"]
 
@@ -113,9 +121,11 @@ def _slicer(mesh, axes, rows: int, dim: Optional[int]):
 
 
 @functools.lru_cache(maxsize=None)
-def _writer(mesh, axes):
-    """jit (stack donated): write a table's [N*rows, dim] blocks into a stack in place at
-    local row `lo` of every shard (`lo` an argument: one compile per shape, not per table)."""
+def _writer(mesh, axes, donate: bool = True):
+    """jit: write a table's [N*rows, dim] blocks into a stack at local row `lo` of every
+    shard (`lo` an argument: one compile per shape, not per table). `donate=True` writes
+    in place (the stack is consumed); `donate=False` leaves the stack intact and returns a
+    new array (restore's first write into a live stack, see `restore`)."""
 
     def body(stack, piece, lo):
         piece = piece.astype(stack.dtype)
@@ -123,7 +133,8 @@ def _writer(mesh, axes):
         return jax.lax.dynamic_update_slice(stack, piece, start)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes), P()),
-                                 out_specs=P(axes), check_vma=False), donate_argnums=0)
+                                 out_specs=P(axes), check_vma=False),
+                   donate_argnums=0 if donate else ())
 
 
 def _table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
@@ -136,6 +147,111 @@ def _table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
         return stack_array  # the stack is exactly this table: no copy
     return _slicer(core.mesh, core.axes, t.rows_per_shard, dim)(
         stack_array, np.int32(t.local_row_offset))
+
+
+# ---------------------------------------------------------------------------
+# Checksums: one per stored array, computed on the devices that hold it
+#
+# The checksum of a table (or slot) is a sum over its logical rows i < vocabulary_size of
+# a hash of (i, column word k, 32-bit word w): two lanes of murmur3's fmix32 mixing of w
+# with a seed made from (i, k), each summed mod 2**32 (64 bits in all). A sum over rows
+# does not depend on the layout: each device hashes its own shard, padding rows excluded,
+# and one all-reduce of two words per array gives the whole array's checksum. So a save
+# costs one extra read of the state on the devices (no copy to the host, each process
+# hashes only its own shards), and a restore verifies what it has read in its new layout
+# (any device count), `load_tables` the logical table. Changing any one word always
+# changes the lane sums (fmix32 is a bijection); several changes cancel out with
+# probability ~2**-64.
+
+CHECKSUM = "embedmesh-rowsum-fmix32x2-v1"
+
+
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _words(x):
+    """[rows, ...] of any 1/2/4/8-byte dtype -> uint32 [rows, words per row] (bit casts)."""
+    size = np.dtype(x.dtype).itemsize
+    if size in (4, 8):
+        w = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif size == 2:
+        w = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif size == 1:
+        w = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    else:  # pragma: no cover - no such table dtypes
+        raise TypeError(f"no checksum for dtype {x.dtype}")
+    return w.reshape(x.shape[0], -1)
+
+
+def _rows_hash(x, logical_rows, valid):
+    """uint32[2]: the two lane sums over the rows `valid` of a block `x` whose row r is
+    logical row `logical_rows[r]`."""
+    w = _words(x)
+    i = logical_rows.astype(jnp.uint32)[:, None]
+    k = jnp.arange(w.shape[1], dtype=jnp.uint32)[None, :]
+    a = _fmix32(w ^ (i * np.uint32(0x9E3779B1) + k * np.uint32(0x85EBCA77)
+                     + np.uint32(0x165667B1)))
+    b = _fmix32((w * np.uint32(0x27D4EB2F)) ^ (i * np.uint32(0xC2B2AE3D)
+                                               + k * np.uint32(0x61C88647)
+                                               + np.uint32(0x2545F491)))
+    mask = valid[:, None]
+    zero = jnp.uint32(0)
+    return jnp.stack([jnp.sum(jnp.where(mask, a, zero), dtype=jnp.uint32),
+                      jnp.sum(jnp.where(mask, b, zero), dtype=jnp.uint32)])
+
+
+@functools.lru_cache(maxsize=None)
+def _hasher(mesh, axes, n: int):
+    """jit: (table [n*rows_per_shard, ...] row-sharded, rotation, vocabulary size) ->
+    replicated uint32[2], each device hashing its own shard (then one all-reduce)."""
+
+    def body(x, rotation, vocab):
+        j = jax.lax.axis_index(axes)
+        q = jnp.arange(x.shape[0], dtype=jnp.int32)
+        i = n * q + (j - rotation) % n
+        return jax.lax.psum(_rows_hash(x, i, i < vocab), axes)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()),
+                                 out_specs=P(), check_vma=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _host_hasher():
+    """jit on the host CPU: the checksum of a logical `[vocabulary_size, ...]` table."""
+
+    def fn(x):
+        i = jnp.arange(x.shape[0], dtype=jnp.int32)
+        return _rows_hash(x, i, jnp.ones(x.shape[:1], bool))
+
+    return jax.jit(fn)
+
+
+def _checksum_hex(value) -> str:
+    a, b = (int(v) for v in np.asarray(jax.device_get(value)).reshape(-1))
+    return f"{a:08x}{b:08x}"
+
+
+def _logical_checksum(arr: np.ndarray) -> str:
+    """The checksum of a logical table on the host (what `load_tables` verifies)."""
+    cpu = jax.devices("cpu")[0]
+    return _checksum_hex(_host_hasher()(jax.device_put(arr, cpu)))
+
+
+def _expected_checksum(reader, meta_table: dict, field: str, leaf: tuple,
+                       dtype) -> Optional[str]:
+    """The recorded checksum of a leaf, or None when it cannot be verified: an older
+    checkpoint (none recorded), another algorithm, or a read that casts the stored dtype."""
+    if reader.meta.get("checksum") != CHECKSUM:
+        return None
+    recorded = (meta_table.get("checksums") or {}).get(field)
+    if recorded is None or np.dtype(reader.dtype(leaf)) != np.dtype(dtype):
+        return None
+    return str(recorded)
 
 
 # ---------------------------------------------------------------------------
@@ -192,11 +308,20 @@ def state_tree(emb) -> dict:
     meta = _metadata(emb, step)
     keys = {m["name"]: m["key"] for m in meta["tables"]}
     tables, slots = {}, {}
+    hashes = {}  # computed on the devices holding the arrays, fetched once
+    hasher = _hasher(core.mesh, core.axes, core.num_shards)
     for t in plan.tables:
         key = keys[t.name]
         tables[key] = _table_block_array(core, state.tables[t.stack], t)
         slots[key] = {name: _table_block_array(core, arr, t)
                       for name, arr in state.slots[t.stack].items()}
+        args = (np.int32(t.rotation), np.int32(t.vocabulary_size))
+        hashes[t.name] = {"parameters": hasher(tables[key], *args)}
+        hashes[t.name].update({name: hasher(arr, *args) for name, arr in slots[key].items()})
+    hashes = jax.device_get(hashes)
+    meta["checksum"] = CHECKSUM
+    for m in meta["tables"]:
+        m["checksums"] = {field: _checksum_hex(h) for field, h in hashes[m["name"]].items()}
     blob = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8).copy()
     return {"tables": tables, "slots": slots, "step": np.asarray(step, np.int64), "meta": blob}
 
@@ -289,9 +414,37 @@ def _is_item_dir(path: epath.Path) -> bool:
     return (path / "_METADATA").exists()
 
 
+_TMP = ".orbax-checkpoint-tmp"  # orbax's suffix of a step or item still being written
+
+
+def _in_progress(root: epath.Path, step: Optional[int]) -> list:
+    """Temporary (uncommitted) step directories under `root` (of `step`, if given)."""
+    try:
+        names = [p.name for p in root.iterdir() if _TMP in p.name]
+    except OSError:
+        return []
+    if step is None:
+        return sorted(names)
+    pattern = re.compile(rf"(?:.*_)?0*{int(step)}{re.escape(_TMP)}.*")
+    return sorted(n for n in names if pattern.fullmatch(n))
+
+
+def _still_written(what: str, where) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{what} is still being written, or its save was interrupted ({where}): orbax "
+        f"commits a step by renaming it when the save is complete. Wait for an async save "
+        f"to finish (CheckpointManager.wait_until_finished(), or pass the manager, whose "
+        f"saves in flight are waited for) before restoring it")
+
+
 def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
-    """The embedding item's directory from a manager, a root, a step or an item directory."""
+    """The embedding item's directory from a manager, a root, a step or an item directory.
+
+    A manager's save in flight is waited for first; a step (or item) that is only
+    present as orbax's temporary directory raises a FileNotFoundError saying so.
+    """
     if isinstance(source, ocp.CheckpointManager):
+        source.wait_until_finished()  # an async save in flight: its step becomes readable
         if step is None:
             step = source.latest_step()
             if step is None:
@@ -302,6 +455,8 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
         path = epath.Path(step_dir) / item
     else:
         root = epath.Path(source)
+        if _TMP in root.name or any(_TMP in p for p in root.parts):
+            raise _still_written(f"checkpoint directory {root}", "an orbax temporary directory")
         if _is_item_dir(root):
             if step is not None:
                 raise ValueError(f"{root} is an item directory; it has no steps to choose from")
@@ -313,17 +468,65 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
             if step is None:
                 meta = ocp.step.latest_step_metadata(root, fmt)
                 if meta is None:
+                    tmp = _in_progress(root, None)
+                    if tmp:
+                        raise _still_written(f"no committed checkpoint under {root}: every "
+                                             f"step", ", ".join(tmp))
                     raise FileNotFoundError(f"no committed checkpoint under {root}")
                 step_dir = meta.path
             else:
                 try:
                     step_dir = fmt.find_step(root, int(step)).path
                 except ValueError:
+                    tmp = _in_progress(root, step)
+                    if tmp:
+                        raise _still_written(f"step {step} under {root}",
+                                             ", ".join(tmp)) from None
                     raise FileNotFoundError(f"no committed step {step} under {root}") from None
             path = epath.Path(step_dir) / item
     if not _is_item_dir(path):
+        tmp = ([p.name for p in path.parent.iterdir() if p.name.startswith(item + _TMP)]
+               if path.parent.exists() else [])
+        if tmp:
+            raise _still_written(f"checkpoint item {path}", ", ".join(sorted(tmp)))
         raise FileNotFoundError(f"{path} holds no checkpoint item {item!r}")
     return path
+
+
+_META_KEYS = {"num_shards": int, "step": int, "tables": list}
+_META_TABLE_KEYS = {"name": str, "key": str, "vocabulary_size": int, "dim": int,
+                    "rows_per_shard": int, "rotation": int, "slots": list}
+
+
+def _parse_meta(blob: bytes, where: str) -> dict:
+    try:
+        meta = json.loads(blob.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError
+        raise ValueError(f"{where} is not valid UTF-8 JSON: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where} is not a JSON object (got {type(meta).__name__})")
+    return meta
+
+
+def _check_meta(meta: dict, where: str) -> None:
+    """Every key restore and load_tables rely on, with the right type; a clear error if not."""
+
+    def check(d: dict, keys: dict, prefix: str):
+        for key, kind in keys.items():
+            if key not in d:
+                raise ValueError(f"{where} lacks the key {prefix}{key!r}")
+            value = d[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{where}: {prefix}{key!r} must be a {kind.__name__}, got "
+                                 f"{value!r}")
+
+    check(meta, _META_KEYS, "")
+    if meta["num_shards"] < 1:
+        raise ValueError(f"{where}: 'num_shards' must be >= 1, got {meta['num_shards']}")
+    for i, m in enumerate(meta["tables"]):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: tables[{i}] must be an object, got {m!r}")
+        check(m, _META_TABLE_KEYS, f"tables[{i}].")
 
 
 class _Reader:
@@ -334,16 +537,27 @@ class _Reader:
     def __init__(self, path: epath.Path):
         self.path = path
         self._handler = ocp.PyTreeCheckpointHandler()
-        self.tree = self._handler.metadata(path).tree
+        try:
+            self.tree = self._handler.metadata(path).tree
+        except Exception as e:  # bad bytes, bad JSON, missing keys: orbax's own errors
+            self._handler.close()
+            raise ValueError(f"cannot read the checkpoint metadata file {path / '_METADATA'} "
+                             f"(orbax's metadata of the item): {type(e).__name__}: {e}") from e
         if not (isinstance(self.tree, dict) and "meta" in self.tree and "tables" in self.tree):
             raise ValueError(f"{path} is not an embedmesh checkpoint item (no tables/meta)")
-        self.meta = json.loads(bytes(self.read(("meta",))).decode())
+        where = f"the embedmesh metadata (array 'meta') of checkpoint item {path}"
+        try:
+            blob = bytes(np.asarray(self.read(("meta",))).astype(np.uint8).reshape(-1))
+        except Exception as e:
+            raise ValueError(f"cannot read {where}: {type(e).__name__}: {e}") from e
+        self.meta = _parse_meta(blob, where)
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not an embedmesh checkpoint item")
         if int(self.meta.get("format_version", 0)) > FORMAT_VERSION:
             raise ValueError(f"{path} has checkpoint format version "
                              f"{self.meta['format_version']}; this embedmesh reads up to "
                              f"{FORMAT_VERSION}")
+        _check_meta(self.meta, where)
         try:
             stored = json.loads((path / "_METADATA").read_text())
         except (OSError, ValueError):
@@ -352,11 +566,24 @@ class _Reader:
         self._use_ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(path))
         self._context = _ts_context() if self._use_ocdbt else None
 
-    def shape(self, path: tuple) -> tuple:
+    def _leaf(self, path: tuple):
         leaf = self.tree
         for k in path:
             leaf = leaf[k]
-        return tuple(leaf.shape)
+        return leaf
+
+    def has(self, path: tuple) -> bool:
+        try:
+            self._leaf(path)
+        except (KeyError, TypeError, IndexError):
+            return False
+        return True
+
+    def shape(self, path: tuple) -> tuple:
+        return tuple(self._leaf(path).shape)
+
+    def dtype(self, path: tuple):
+        return np.dtype(self._leaf(path).dtype)
 
     def read(self, path: tuple):
         """One small leaf (metadata, step) as host numpy, through orbax; nothing else is read."""
@@ -571,6 +798,15 @@ def _same_layout(core, meta_table: dict, n_old: int, t) -> bool:
             and meta_table["rows_per_shard"] == t.rows_per_shard)
 
 
+def _leaf_name(leaf: tuple) -> str:
+    return ".".join(leaf)  # orbax's parameter name for a key path
+
+
+def _describe(t_name: str, field: str, leaf: tuple) -> str:
+    what = "parameters" if field == "parameters" else f"slot {field!r}"
+    return f"{what} of table {t_name} (array '{_leaf_name(leaf)}')"
+
+
 @dataclasses.dataclass
 class _Pending:
     """One leaf being read: this process's new shards of the table, and the reads."""
@@ -578,10 +814,13 @@ class _Pending:
     kind: str  # "direct" (stored blocks are these shards) or "resharded"
     pieces: list  # [(shard j, device, numpy [rows_per_shard, ...])]
     futures: list
+    what: str = ""  # "slot 'accumulators' of table u (array 'slots.u.accumulators')"
+    source: str = ""  # the item directory
+    checksum: Optional[str] = None  # expected (None: not verified)
 
 
 def _start_leaf(core, reader, leaf: tuple, meta_table: dict, n_old: int, t,
-                dtype) -> _Pending:
+                dtype, field: str = "parameters") -> _Pending:
     """Allocate this process's shards of table `t` (new layout) and start reading into them:
     only the stored rows these shards need, each copied once, straight into place."""
     stored_shape = reader.shape(leaf)
@@ -596,13 +835,41 @@ def _start_leaf(core, reader, leaf: tuple, meta_table: dict, n_old: int, t,
         pieces.append((j, device, piece))
         copies += [(piece,) + c for c in _reshard_copies(meta_table, n_old, m, t.rotation, j)]
     kind = "direct" if _same_layout(core, meta_table, n_old, t) else "resharded"
-    return _Pending(kind, pieces, reader.start_fill(leaf, copies))
+    checksum = _expected_checksum(reader, meta_table, field, leaf, dtype)
+    what = _describe(t.name, field, leaf)
+    try:
+        futures = reader.start_fill(leaf, copies)
+    except Exception as e:
+        raise _read_error(reader.path, what, e) from e
+    return _Pending(kind, pieces, futures, what, str(reader.path), checksum)
+
+
+def _read_error(path, what: str, error: Exception) -> ValueError:
+    return ValueError(f"cannot read {what} from checkpoint item {path}: {error}")
+
+
+def _drain(pending: Optional[_Pending]) -> None:
+    """Wait for a leaf's reads, ignoring their errors (an abandoned restore must not leave
+    tensorstore writing into buffers that are about to be freed)."""
+    if pending is None:
+        return
+    for f in pending.futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 - the restore is failing already
+            pass
 
 
 def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
-                stats: Optional[dict] = None) -> jax.Array:
-    """Wait for a leaf's reads, then return the stack array with it written in (in place)."""
-    _wait(pending.futures)
+                stats: Optional[dict] = None, *, donate: bool = True) -> jax.Array:
+    """Wait for a leaf's reads, verify its checksum, then return the stack array with it
+    written in: in place (`donate=True`: `stack_array` is consumed), or into a new array
+    (`donate=False`: `stack_array` stays intact)."""
+    try:
+        _wait(pending.futures)
+    except Exception as e:
+        _drain(pending)
+        raise _read_error(pending.source, pending.what, e) from e
     if stats is not None:
         stats[pending.kind] = stats.get(pending.kind, 0) + 1
     rest = pending.pieces[0][2].shape[1:] if pending.pieces else stack_array.shape[1:]
@@ -612,11 +879,17 @@ def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
     pending.pieces = []
     piece = jax.make_array_from_single_device_arrays(shape, core.row_sharding, placed)
     del placed
-    # Always written into the existing stack (donated), even when the table is the whole
-    # stack: the stack keeps the memory the engine gave it (on CPU, faulted-in huge
-    # pages that later steps update in place); adopting the fresh buffers instead would
-    # page-fault every byte of the state on a process's first restore (measured 2x slower)
-    out = _writer(core.mesh, core.axes)(stack_array, piece, np.int32(t.local_row_offset))
+    if pending.checksum is not None:
+        got = _checksum_hex(_hasher(core.mesh, core.axes, core.num_shards)(
+            piece, np.int32(t.rotation), np.int32(t.vocabulary_size)))
+        if got != pending.checksum:
+            piece.delete()
+            raise ValueError(f"checkpoint item {pending.source}: {pending.what} is corrupted: "
+                             f"its checksum is {got}, the checkpoint recorded "
+                             f"{pending.checksum} ({CHECKSUM})")
+    # The first write into a live stack is not donated (`restore` builds the new state
+    # beside the live one); later writes into that new array are in place
+    out = _writer(core.mesh, core.axes, donate)(stack_array, piece, np.int32(t.local_row_offset))
     # wait, so that this table's buffers are freed before the next table is read
     out.block_until_ready()
     piece.delete()
@@ -631,13 +904,24 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
     The checkpoint may come from any number of devices and any stacking. For
     each table of `emb`, its parameters and then each slot are read from disk
     one at a time, straight into `emb`'s shards of that table (reading only
-    the stored rows this process's shards need), and written in place into
-    the stack arrays. Tables of the checkpoint that `emb` lacks are ignored.
+    the stored rows this process's shards need), checked against the
+    checksum recorded at save (checkpoints written before checksums existed
+    are not checked), and written into the new state's stack arrays.
+    Tables of the checkpoint that `emb` lacks are ignored.
+
+    All or nothing: the new state is built beside the live one (each stack
+    array is copied on its first write, then written in place) and replaces
+    `emb.state` only once every read and check succeeded. A restore that
+    fails (unreadable or corrupted data, a bad checkpoint) raises and leaves
+    `emb` exactly as it was. The price is one extra copy of the state at
+    the peak of a restore (plus one table, or two with `prefetch`, on the
+    host).
 
     Args:
       emb: a `MeshEmbedding`.
-      source: an `ocp.CheckpointManager`, a checkpoint root directory, a
-        step directory or the embedding item's directory.
+      source: an `ocp.CheckpointManager` (a save in flight is waited for), a
+        checkpoint root directory, a step directory or the embedding item's
+        directory.
       step: the step (default: the latest committed one).
       item: the embedding item's name in the `Composite`.
       missing: "error" (default) raises ValueError when a table of `emb`, or
@@ -649,7 +933,9 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
     Returns the restored step count (also set as `emb.state.step`).
 
     Raises ValueError before changing anything when a table's vocabulary
-    size or dim differs, or something is missing under missing="error".
+    size or dim differs, or something is missing under missing="error"; and
+    ValueError, still changing nothing, when a stored array cannot be read or
+    does not match its checksum.
     """
     if missing not in MISSING_POLICIES:
         raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
@@ -657,6 +943,7 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
     emb.build()
     emb.flush()
     plan, core = emb.plan, emb.core
+    live = emb.state
     with _Reader(path) as reader:
         meta = reader.meta
         by_name = {m["name"]: m for m in meta["tables"]}
@@ -670,7 +957,7 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
                 problems.append(f"table {t.name} is not in the checkpoint")
                 continue
             todo.append((t, m, "parameters"))
-            for slot in emb.state.slots[t.stack]:
+            for slot in live.slots[t.stack]:
                 if slot in m["slots"]:
                     todo.append((t, m, slot))
                 else:
@@ -682,34 +969,53 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
         leaves = [("tables", m["key"]) if field == "parameters" else ("slots", m["key"], field)
                   for t, m, field in todo]
         for (t, m, field), leaf in zip(todo, leaves):  # before anything is changed
+            if reader.has(leaf) is False:
+                raise ValueError(f"checkpoint item {path} lacks the array "
+                                 f"'{_leaf_name(leaf)}' of table {t.name} that its "
+                                 f"metadata lists")
             _stored_shape_check(reader.shape(leaf), m, n_old, t.dim)
-        tables = dict(emb.state.tables)
-        slots = {s: dict(v) for s, v in emb.state.slots.items()}
+        # The new state: starts as the live arrays; an array is replaced by a new one on
+        # its first write (not donated: the live one stays intact), written in place after
+        tables = dict(live.tables)
+        slots = {s: dict(v) for s, v in live.slots.items()}
+        fresh = set()  # targets that hold a new array of ours
+
+        def target_key(i):
+            t, _, field = todo[i]
+            return (t.stack, field)
 
         def target(i):
             t, _, field = todo[i]
             return tables[t.stack] if field == "parameters" else slots[t.stack][field]
 
         def start(i):
-            t, m, _ = todo[i]
-            return _start_leaf(core, reader, leaves[i], m, n_old, t, target(i).dtype)
+            t, m, field = todo[i]
+            return _start_leaf(core, reader, leaves[i], m, n_old, t, target(i).dtype, field)
 
-        pending = start(0) if todo else None
-        for i, (t, m, field) in enumerate(todo):
-            current, pending = pending, None
-            if prefetch and i + 1 < len(todo):
-                pending = start(i + 1)
-            out = _place_leaf(core, current, target(i), t, _stats)
-            del current
-            if field == "parameters":
-                tables[t.stack] = out
-            else:
-                slots[t.stack][field] = out
-            del out
-            if pending is None and i + 1 < len(todo):
-                pending = start(i + 1)
+        pending = current = None
+        try:
+            pending = start(0) if todo else None
+            for i, (t, m, field) in enumerate(todo):
+                current, pending = pending, None
+                if prefetch and i + 1 < len(todo):
+                    pending = start(i + 1)
+                key = target_key(i)
+                out = _place_leaf(core, current, target(i), t, _stats, donate=key in fresh)
+                current = None
+                fresh.add(key)
+                if field == "parameters":
+                    tables[t.stack] = out
+                else:
+                    slots[t.stack][field] = out
+                del out
+                if pending is None and i + 1 < len(todo):
+                    pending = start(i + 1)
+        except BaseException:
+            _drain(current)
+            _drain(pending)
+            raise
         step_count = int(meta["step"])
-    emb.state = type(emb.state)(tables, slots, jax.device_put(
+    emb.state = type(live)(tables, slots, jax.device_put(
         jnp.asarray(step_count, jnp.int32), core.replicated))
     return step_count
 
@@ -729,7 +1035,9 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
     are all returned anyway, so this holds nothing extra). With
     `feature_config`, the keys are its `TableConfig`s (matched by name, sizes
     checked) and only its tables are read; without, new `TableConfig`s with
-    the saved names, sizes and combiners.
+    the saved names, sizes and combiners. Each table is checked against the
+    checksum recorded at save (on the host CPU; older checkpoints have none):
+    an unreadable or corrupted table raises ValueError naming it.
     """
     with _Reader(_item_dir(source, step, item)) as reader:
         meta = reader.meta
@@ -752,19 +1060,46 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
                                      f"[{cfg.vocabulary_size}, {cfg.dim}]")
                 wanted.append((cfg, m))
         out, in_flight = {}, []
+
+        def finish(entry):  # wait for a table's reads, then verify its checksum
+            arr, futures, what, expected = entry
+            try:
+                _wait(futures)
+            except Exception as e:
+                for other in in_flight:
+                    _drain(_Pending("", [], other[1]))
+                raise _read_error(reader.path, what, e) from e
+            if expected is not None:
+                got = _logical_checksum(arr)
+                if got != expected:
+                    for other in in_flight:
+                        _drain(_Pending("", [], other[1]))
+                    raise ValueError(f"checkpoint item {reader.path}: {what} is corrupted: its "
+                                     f"checksum is {got}, the checkpoint recorded {expected} "
+                                     f"({CHECKSUM})")
+
         for cfg, m in wanted:
             leaf = ("tables", m["key"])
+            what = _describe(m["name"], "parameters", leaf)
+            if not reader.has(leaf):
+                raise ValueError(f"checkpoint item {reader.path} lacks the array "
+                                 f"'{_leaf_name(leaf)}' of table {m['name']} that its metadata "
+                                 f"lists")
             shape = reader.shape(leaf)
             _stored_shape_check(shape, m, n, m["dim"])
             dtype = np.dtype(m.get("dtype", "float32"))
             arr = _host_buffer((m["vocabulary_size"],) + tuple(shape[1:]), dtype)
-            in_flight.append(reader.start_fill(leaf, [(arr,) + c
-                                                      for c in _logical_copies(m, n)]))
+            try:
+                futures = reader.start_fill(leaf, [(arr,) + c for c in _logical_copies(m, n)])
+            except Exception as e:
+                raise _read_error(reader.path, what, e) from e
+            in_flight.append((arr, futures, what,
+                              _expected_checksum(reader, m, "parameters", leaf, dtype)))
             out[cfg] = arr
             if len(in_flight) > 1:  # at most two tables' reads in flight
-                _wait(in_flight.pop(0))
-        for futures in in_flight:
-            _wait(futures)
+                finish(in_flight.pop(0))
+        while in_flight:
+            finish(in_flight.pop(0))
         return out
 
 

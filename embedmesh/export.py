@@ -47,6 +47,7 @@ import dataclasses
 import json
 import os
 import re
+import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -472,6 +473,83 @@ def _pad(spec, parts, n: int, b: int, pb: int) -> list:
     return [out_vals, out_splits]
 
 
+# ---------------------------------------------------------------------------
+# Forked children (pre-forking servers)
+#
+# XLA's runtime does not survive os.fork: the CPU client's worker threads and MLIR's
+# thread pool exist only in the parent, so in a child a compiled program never finishes
+# and a compile (or even deserializing an export) waits forever for threads that are
+# not there. A ServingFunction used in a child it was not loaded in therefore first
+# replaces jax's runtime in that child (a new MLIR thread pool, new backend clients,
+# jax's caches cleared) and then reloads its tables, parameters and programs from the
+# export directory. The parent's clients and buffers are left alone (destroying them
+# would wait for the missing threads too): their memory stays as the fork shared it.
+# XLA cannot compile in such a child either (its compiler's global locks may be held by
+# parent threads that do not exist there), so right before a fork (os.register_at_fork)
+# every loaded ServingFunction compiles its buckets and serializes the executables; the
+# child deserializes them (no compile). The re-initialisation is process-wide: jax arrays
+# made in the parent are unusable in the child anyway. A ServingFunction cannot be
+# *loaded* in such a child (that would compile): load it in the parent before forking,
+# or start children with 'spawn' / 'forkserver'.
+
+_FORK_LEFTOVERS: list = []  # the parent's runtime objects, kept from being destroyed
+_REINIT_PID: Optional[int] = None
+_FORKED_FROM_JAX = False  # this process was forked from one with a live jax runtime
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # loaded ServingFunctions of this process
+
+
+def _before_fork() -> None:
+    global _RUNTIME_AT_FORK
+    _RUNTIME_AT_FORK = False
+    try:
+        from jax._src import xla_bridge
+        _RUNTIME_AT_FORK = bool(xla_bridge.backends_are_initialized())
+    except Exception:  # noqa: BLE001 - never break a fork
+        pass
+    for fn in list(_LIVE):
+        try:
+            fn._prepare_for_fork()
+        except Exception:  # noqa: BLE001 - the child then raises a clear error
+            pass
+
+
+def _after_fork_in_child() -> None:
+    global _FORKED_FROM_JAX
+    _FORKED_FROM_JAX = _FORKED_FROM_JAX or _RUNTIME_AT_FORK
+
+
+_RUNTIME_AT_FORK = False
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def _reinit_jax_after_fork() -> None:
+    """Give this (forked) process a working jax runtime of its own; once per process."""
+    global _REINIT_PID
+    pid = os.getpid()
+    if _REINIT_PID == pid:
+        return
+    import jax
+    from jax._src import pjit as _pjit
+    from jax._src import util as _util
+    from jax._src import xla_bridge as _xb
+    from jax._src.interpreters import mlir as _mlir
+    from jax._src.lib import _jax
+    from jax._src.lib.mlir import ir as _ir
+
+    with _xb._backend_lock:
+        _FORK_LEFTOVERS.append((dict(_xb._backends), _mlir.global_thread_pool))
+    _mlir.global_thread_pool = _ir.ThreadPool()
+    # jax.clear_backends without its effects barrier (that waits on the parent's runtime)
+    _xb._clear_backends()
+    _util.clear_all_caches()
+    _pjit._cpp_pjit_cache_fun_only.clear()
+    _pjit._cpp_pjit_cache_explicit_attributes.clear()
+    _jax.PjitFunctionCache.clear_all()
+    jax.devices()  # the new clients, created here in the child
+    _REINIT_PID = pid
+
+
 class ServingFunction:
     """A loaded export: call it with inputs of the exported signature; numpy outputs.
 
@@ -497,24 +575,75 @@ class ServingFunction:
         self._in = manifest["inputs"]
         self._out = manifest["outputs"]
 
+        if _FORKED_FROM_JAX:
+            raise RuntimeError(
+                f"cannot load serving export {self.directory} in this process: it was forked "
+                f"from a process that had started jax's runtime, which does not survive a "
+                f"fork (and XLA cannot compile here). Call load_serving in the parent before "
+                f"forking (its loaded functions work in the children), or start children "
+                f"with multiprocessing's 'spawn' or 'forkserver'")
+        self._serialized: dict = {}  # bucket -> serialized executable (for forked children)
+        self._forked = False
+        self._load_arrays()
+        _LIVE.add(self)
+
+    def _load_arrays(self):
+        """Tables and parameters onto the device; programs compiled afresh on first use."""
+        import jax
+
         def load(entry):  # mapped from disk, copied once into a device buffer
             arr = np.load(os.path.join(self.directory, entry["file"]), mmap_mode="r")
             return jax.device_put(np.asarray(arr))
 
-        self._tables = [load(e) for e in manifest["tables"]]
-        self._params = [load(e) for e in manifest["params"]]
-        self.tables = {e["name"]: a for e, a in zip(manifest["tables"], self._tables)}
+        self._pid = os.getpid()
+        self._tables = [load(e) for e in self.manifest["tables"]]
+        self._params = [load(e) for e in self.manifest["params"]]
+        self.tables = {e["name"]: a for e, a in zip(self.manifest["tables"], self._tables)}
         self._programs: dict = {}
 
+    def _after_fork(self):
+        """In a forked child: jax's runtime re-initialised, the tables and parameters
+        reloaded, the executables serialized by the parent before the fork loaded."""
+        from jax.experimental import serialize_executable
+
+        old = (self._tables, self._params, self._programs)
+        _reinit_jax_after_fork()
+        _FORK_LEFTOVERS.append(old)  # the parent's buffers: never touched again
+        self._load_arrays()
+        self._forked = True
+        for b, blob in self._serialized.items():
+            self._programs[b] = serialize_executable.deserialize_and_load(*blob)
+
     def _program(self, b: int):
+        """Bucket b's program, compiled ahead of time for the loaded tables' devices."""
         fn = self._programs.get(b)
         if fn is None:
+            if self._forked:
+                raise RuntimeError(
+                    f"serving export {self.directory}: bucket {b}'s program was not "
+                    f"prepared before this process was forked, and XLA cannot compile in "
+                    f"a child forked from a process that used it; start children with "
+                    f"multiprocessing's 'spawn' or 'forkserver', or fork before jax is used")
             import jax
 
             with open(os.path.join(self.directory, self.manifest["programs"][str(b)]), "rb") as f:
                 exported = jax.export.deserialize(bytearray(f.read()))
-            fn = self._programs[b] = jax.jit(exported.call)
+            k = len(exported.in_avals) - len(self._tables) - len(self._params)
+            specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals[:k]]
+            fn = self._programs[b] = jax.jit(exported.call).lower(
+                specs, self._tables, self._params).compile()
         return fn
+
+    def _prepare_for_fork(self):
+        """Before a fork (in the parent): every bucket compiled and serialized, so that a
+        child can load the executables without compiling (see `_after_fork`)."""
+        if os.getpid() != self._pid:
+            return
+        from jax.experimental import serialize_executable
+
+        for b in self.batch_sizes:
+            if b not in self._serialized:
+                self._serialized[b] = serialize_executable.serialize(self._program(b))
 
     def _chunks(self, n: int, counts: list) -> list:
         """[(lo, hi)] example ranges, each fitting the largest bucket."""
@@ -545,6 +674,8 @@ class ServingFunction:
         raise AssertionError("no bucket fits a planned chunk")  # _chunks prevents this
 
     def __call__(self, inputs: Any) -> Any:
+        if os.getpid() != self._pid:  # a forked child: the parent's runtime does not work
+            self._after_fork()
         leaves = _leaves(self._in, inputs)
         specs = [(where, _spec_from_json(s["spec"]), x) for where, s, x in leaves]
         parts, batch = [], None
