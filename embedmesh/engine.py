@@ -332,9 +332,6 @@ class MeshEmbedding:
 
     __call__ = embedding_lookup
 
-    def _activation_shape(self, name: str, slot, feature) -> tuple:
-        return slot.activation_shape(self._mesh.size)
-
     def _slots(self, csr: dict) -> dict:
         return {slot.name: slot for c in csr.values() for slot in c.features}
 
@@ -361,7 +358,7 @@ class MeshEmbedding:
             if name not in slots:
                 raise ValueError(f"gradient for feature {name}, which the preserved outputs "
                                  f"do not cover")
-            shape = self._activation_shape(name, slots[name], feature)
+            shape = slots[name].activation_shape(self._mesh.size)
             if not hasattr(g, "shape") or not hasattr(g, "dtype"):  # TF: a ValueError
                 raise ValueError(f"gradient for feature {name} must be an array, got "
                                  f"{type(g).__name__}")
