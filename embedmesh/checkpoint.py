@@ -7,7 +7,17 @@ number of devices and any stacking:
     {"tables": {key: [N * rows_per_shard, dim]},          # sharded jax.Arrays
      "slots":  {key: {slot name: [N * rows_per_shard, dim]}},
      "step":   int64 scalar,
-     "meta":   uint8 [bytes of a JSON document]}
+     "meta":   uint8 [bytes of a JSON document],
+     "lookup_tables": {key: [N * rows_per_shard, dim]}}  # pipelined, update pending
+
+"tables", "slots" and "step" hold every accepted update. A pipelined run saved
+with an update pending (its next lookup reads the tables one update stale)
+also stores "lookup_tables": the parameters that next lookup reads, for the
+tables of the stacks the pending update touches. A pipelined restore installs
+those for one lookup and the saved state right after it, so the run resumes
+exactly where it was (bit-identical on the same mesh and stacking); an
+unpipelined restore and serving ignore them. Saving never applies the
+pending update early.
 
 Block j of a table's array (rows `[j * rows_per_shard, (j+1) * rows_per_shard)`)
 holds the table's rows on shard j of the saving mesh: table row `i` is at row
@@ -293,21 +303,28 @@ def _metadata(emb, step: int) -> dict:
             "num_shards": plan.num_shards, "step": int(step), "tables": tables}
 
 
+LOOKUP_FIELD = "lookup_parameters"  # checksum field of a table's "lookup_tables" array
+
+
 def state_tree(emb) -> dict:
     """The embedding state of `emb` as an orbax-ready pytree (see the module docstring).
 
     Tables and slots are sharded `jax.Array`s laid out per table; a stack
     that holds exactly one table is passed through without a copy, other
-    tables are sliced out of their stacks on their own devices. Pending
-    pipelined updates are applied first.
+    tables are sliced out of their stacks on their own devices. Saving never
+    changes what the next lookup sees: "tables", "slots" and "step" hold
+    every accepted update (`emb.observed_state()`); in pipelined mode with an
+    update still pending, "lookup_tables" also holds, for the tables of the
+    stacks that update touches, the parameters the next lookup reads (one
+    update stale), so that a pipelined restore resumes the same trajectory.
     """
     emb.build()
-    emb.flush()
-    plan, core, state = emb.plan, emb.core, emb.state
+    plan, core = emb.plan, emb.core
+    state, lookup = emb._checkpoint_states()
     step = int(jax.device_get(state.step))
     meta = _metadata(emb, step)
     keys = {m["name"]: m["key"] for m in meta["tables"]}
-    tables, slots = {}, {}
+    tables, slots, lookup_tables = {}, {}, {}
     hashes = {}  # computed on the devices holding the arrays, fetched once
     hasher = _hasher(core.mesh, core.axes, core.num_shards)
     for t in plan.tables:
@@ -318,12 +335,19 @@ def state_tree(emb) -> dict:
         args = (np.int32(t.rotation), np.int32(t.vocabulary_size))
         hashes[t.name] = {"parameters": hasher(tables[key], *args)}
         hashes[t.name].update({name: hasher(arr, *args) for name, arr in slots[key].items()})
+        if t.stack in lookup:
+            lookup_tables[key] = _table_block_array(core, lookup[t.stack], t)
+            hashes[t.name][LOOKUP_FIELD] = hasher(lookup_tables[key], *args)
     hashes = jax.device_get(hashes)
     meta["checksum"] = CHECKSUM
     for m in meta["tables"]:
         m["checksums"] = {field: _checksum_hex(h) for field, h in hashes[m["name"]].items()}
+        m["lookup"] = m["key"] in lookup_tables
     blob = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8).copy()
-    return {"tables": tables, "slots": slots, "step": np.asarray(step, np.int64), "meta": blob}
+    tree = {"tables": tables, "slots": slots, "step": np.asarray(step, np.int64), "meta": blob}
+    if lookup_tables:
+        tree["lookup_tables"] = lookup_tables
+    return tree
 
 
 class EmbeddingCheckpointHandler(ocp.PyTreeCheckpointHandler):
@@ -385,7 +409,7 @@ def save(target, emb, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
         items[name] = (value if isinstance(value, ocp.args.CheckpointArgs)
                        else ocp.args.StandardSave(value))
     if step is None:
-        step = int(jax.device_get(emb.state.step))
+        step = int(jax.device_get(emb.observed_state().step))
     own = not isinstance(target, ocp.CheckpointManager)
     manager = (ocp.CheckpointManager(
         epath.Path(target), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
@@ -930,7 +954,11 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
       prefetch: start reading the next table while the current one is
         written in (holds two tables on the host instead of one).
 
-    Returns the restored step count (also set as `emb.state.step`).
+    Pipelined `emb` and a checkpoint saved with an update pending: the next
+    lookup reads the stored "lookup_tables" (one update stale, as the saving
+    run's would have), and the restored state is in place right after it.
+
+    Returns the restored step count (`emb.observed_state().step`).
 
     Raises ValueError before changing anything when a table's vocabulary
     size or dim differs, or something is missing under missing="error"; and
@@ -941,9 +969,8 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
         raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
     path = _item_dir(source, step, item)
     emb.build()
-    emb.flush()
     plan, core = emb.plan, emb.core
-    live = emb.state
+    live = emb.observed_state()  # what missing="keep" keeps; a pipelined emb is not flushed
     with _Reader(path) as reader:
         meta = reader.meta
         by_name = {m["name"]: m for m in meta["tables"]}
@@ -966,8 +993,12 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
         if problems and missing == "error":
             raise ValueError("cannot restore " + str(path) + ": " + "; ".join(problems) +
                              " (pass missing='keep' to keep their current values)")
-        leaves = [("tables", m["key"]) if field == "parameters" else ("slots", m["key"], field)
-                  for t, m, field in todo]
+        if emb.pipelined:  # what the next lookup reads, where an update was pending at save
+            todo += [(t, by_name[t.name], LOOKUP_FIELD) for t in plan.tables
+                     if by_name.get(t.name, {}).get("lookup")]
+        leaves = [("tables", m["key"]) if field == "parameters"
+                  else ("lookup_tables", m["key"]) if field == LOOKUP_FIELD
+                  else ("slots", m["key"], field) for t, m, field in todo]
         for (t, m, field), leaf in zip(todo, leaves):  # before anything is changed
             if reader.has(leaf) is False:
                 raise ValueError(f"checkpoint item {path} lacks the array "
@@ -976,8 +1007,10 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
             _stored_shape_check(reader.shape(leaf), m, n_old, t.dim)
         # The new state: starts as the live arrays; an array is replaced by a new one on
         # its first write (not donated: the live one stays intact), written in place after
+        # (the lookup tables, read last, start as the restored tables of their stack)
         tables = dict(live.tables)
         slots = {s: dict(v) for s, v in live.slots.items()}
+        lookup = {}
         fresh = set()  # targets that hold a new array of ours
 
         def target_key(i):
@@ -986,7 +1019,11 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
 
         def target(i):
             t, _, field = todo[i]
-            return tables[t.stack] if field == "parameters" else slots[t.stack][field]
+            if field == "parameters":
+                return tables[t.stack]
+            if field == LOOKUP_FIELD:
+                return lookup.get(t.stack, tables[t.stack])
+            return slots[t.stack][field]
 
         def start(i):
             t, m, field = todo[i]
@@ -1005,6 +1042,8 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
                 fresh.add(key)
                 if field == "parameters":
                     tables[t.stack] = out
+                elif field == LOOKUP_FIELD:
+                    lookup[t.stack] = out
                 else:
                     slots[t.stack][field] = out
                 del out
@@ -1015,8 +1054,8 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
             _drain(pending)
             raise
         step_count = int(meta["step"])
-    emb.state = type(live)(tables, slots, jax.device_put(
-        jnp.asarray(step_count, jnp.int32), core.replicated))
+    emb._install_restored(type(live)(tables, slots, jax.device_put(
+        jnp.asarray(step_count, jnp.int32), core.replicated)), lookup)
     return step_count
 
 

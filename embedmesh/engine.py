@@ -117,6 +117,9 @@ class MeshEmbedding:
         self._built = False
         self._pending = None  # (checked gradients, csr): the update the next lookup runs
         self._observed = None  # (pending, state with it applied): pipelined reads, cached
+        # pipelined, after a restore of a checkpoint saved with an update pending: the
+        # state to install after the next lookup (which reads `_state`, one update stale)
+        self._after_lookup = None
         self.last_stats = None  # PreprocessStats of the latest enqueue
 
     # -- build ------------------------------------------------------------------
@@ -175,6 +178,8 @@ class MeshEmbedding:
         the touched stacks on the devices while they are held) and the live
         state stays as it is: observing never changes the trajectory.
         """
+        if self._after_lookup is not None:
+            return self._after_lookup
         if self._pending is None:
             return self._state
         if not self._pipelined:
@@ -198,7 +203,41 @@ class MeshEmbedding:
     def state(self, value: EmbeddingState):
         if not self._pipelined:
             self.flush()
+        self._after_lookup = None
         self._state = value
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether lookups read the tables one update stale (TPU pipelining)."""
+        return self._pipelined
+
+    def _checkpoint_states(self) -> tuple:
+        """`(observed state, {stack: parameters the next lookup reads})` for a checkpoint:
+        the second is empty unless pipelined with an update pending, and then holds only
+        the stacks that update touches (the others read the observed tables)."""
+        state = self.observed_state()
+        if not self._pipelined:
+            return state, {}
+        if self._after_lookup is not None:
+            return state, {s: a for s, a in self._state.tables.items()
+                           if a is not state.tables[s]}
+        if self._pending is None:
+            return state, {}
+        _, csr = self._pending
+        return state, {s: self._state.tables[s] for s in csr}
+
+    def _install_restored(self, state: EmbeddingState, lookup_tables: dict) -> None:
+        """Install a restored state. `lookup_tables` (pipelined only) are the stacks'
+        parameters the next lookup reads; `state` is installed right after that lookup."""
+        self._pending = None
+        self._observed = None
+        self._after_lookup = None
+        if self._pipelined and lookup_tables:
+            self._state = dataclasses.replace(state, tables=dict(state.tables, **lookup_tables),
+                                              step=state.step - 1)
+            self._after_lookup = state
+        else:
+            self._state = state
 
     def _require_built(self, what: str):
         if not self._built:
@@ -280,6 +319,8 @@ class MeshEmbedding:
             acts, self._state = run(self._state, grads, prev, partitioned_tensors)
         else:
             acts = self._lookup_fn(self._state, partitioned_tensors)
+            if self._after_lookup is not None:  # restored mid-pipeline: now up to date
+                self._state, self._after_lookup = self._after_lookup, None
         return self._pack_activations(acts, partitioned_tensors), partitioned_tensors
 
     def embedding_lookup(self, features: Any, weights: Optional[Any] = None):
@@ -413,6 +454,8 @@ class MeshEmbedding:
         mode it makes the next lookup see the update, which changes the
         trajectory: the TPU's pipelining never does that.
         """
+        if self._after_lookup is not None:
+            self._state, self._after_lookup = self._after_lookup, None
         if self._pending is None:
             return
         grads, csr = self._pending
