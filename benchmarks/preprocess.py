@@ -39,9 +39,9 @@ import numpy as np  # noqa: E402
 
 from embedmesh.config import FeatureConfig, TableConfig  # noqa: E402
 from embedmesh.inputs import RaggedTensor  # noqa: E402
-from embedmesh.preprocess import (compute_sparse_core_stats, numba_available,  # noqa: E402
+from embedmesh.host.preprocess import (compute_sparse_core_stats, numba_available,  # noqa: E402
                                   preprocess_features)
-from embedmesh.stacking import plan_stacking  # noqa: E402
+from embedmesh.layout.stacking import plan_stacking  # noqa: E402
 
 NUM_FEATURES = 26
 VOCAB = 1_000_000

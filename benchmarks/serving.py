@@ -11,7 +11,7 @@ Contenders, run in the same process, interleaved round by round:
 - embedmesh[numba]: `embedmesh.serving_embedding_lookup` on numpy inputs and
   numpy tables (the host path), kernel backend "numba" (when importable);
 - embedmesh[numba-Nt]: the same with features spread over one thread per
-  core (`embedmesh.serving.set_host_threads`, set before each timed call);
+  core (`embedmesh.serving.lookup.set_host_threads`, set before each timed call);
 - embedmesh[numpy]: the same with the pure-numpy kernel backend;
 - tf.function / tf.eager: `tf.tpu.experimental.embedding.serving_embedding_lookup`
   on tf.RaggedTensor / tf.SparseTensor / tf.Tensor inputs and tf.Variable
@@ -57,8 +57,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embedmesh as em  # noqa: E402
-from embedmesh import kernels  # noqa: E402
-from embedmesh import serving as em_serving  # noqa: E402
+from embedmesh.serving import kernels  # noqa: E402
+from embedmesh.serving import lookup as em_serving  # noqa: E402
 
 try:
     import tensorflow as tf  # noqa: E402

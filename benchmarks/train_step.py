@@ -125,7 +125,7 @@ def embedmesh_setup(batches):
     if orig:  # a baseline sparse_ops.py (e.g. the version before the CPU kernels)
         import importlib.util
 
-        from embedmesh import core
+        from embedmesh.device import core
         spec = importlib.util.spec_from_file_location("baseline_sparse_ops", orig)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
@@ -146,7 +146,7 @@ def embedmesh_setup(batches):
     feats = [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
     ndev = len(jax.devices())
     mesh = Mesh(np.array(jax.devices()), ("devices",))
-    from embedmesh.stacking import plan_stacking
+    from embedmesh.layout.stacking import plan_stacking
     plan = plan_stacking(fc, ndev)
     caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=ndev).capacities()
     pipelined = os.environ.get("EMBEDMESH_BENCH_PIPELINED") == "1"
@@ -336,8 +336,8 @@ def child_profile(args, batches):
     import jax.numpy as jnp
     import numpy as np
 
-    from embedmesh import cpu_ops
-    from embedmesh import preprocess as pre
+    from embedmesh.device import ops as cpu_ops
+    from embedmesh.host import preprocess as pre
 
     emb, feats, caps = embedmesh_setup(batches)
     csr = emb.enqueue(feats[0])
@@ -481,7 +481,7 @@ def child_profile(args, batches):
     return dict(pieces={k: {kk: statistics.median(vv) if vv else None for kk, vv in v.items()}
                         for k, v in out.items()},
                 U=U, P=P, R=R, n_unique=n_unique, n_pairs=int(np.asarray(c.pair_counts).sum()),
-                kernels=cpu_ops.available(), note="'kernel' = embedmesh.cpu_ops; "
+                kernels=cpu_ops.available(), note="'kernel' = embedmesh.device.ops; "
                 "'xla' = the pure-JAX path; pieces without a kernel are XLA either way")
 
 
@@ -569,7 +569,7 @@ def gb(x):
 @contextlib.contextmanager
 def kernels_off():
     """Trace with embedmesh's CPU kernels switched off (the pure-JAX path)."""
-    from embedmesh import cpu_ops
+    from embedmesh.device import ops as cpu_ops
     saved = cpu_ops._state.get("ok")
     cpu_ops._state["ok"] = False
     try:

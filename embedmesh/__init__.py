@@ -2,18 +2,18 @@
 
 from embedmesh.config import (FeatureConfig, QuantizationConfig, TableConfig,
                               resolve_feature_config)
-from embedmesh.core import EmbeddingCore, EmbeddingState
-from embedmesh.engine import MeshEmbedding, default_mesh
-from embedmesh.export import export_serving, load_serving
+from embedmesh.device.core import EmbeddingCore, EmbeddingState
+from embedmesh.facade import MeshEmbedding, default_mesh
+from embedmesh.serving.export import export_serving, load_serving
 from embedmesh.initializers import RowIdInitializer, row_id_initializer
 from embedmesh.inputs import RaggedTensor, SparseTensor
 from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
-from embedmesh.preprocess import (Capacity, PartitionedCsrFormatTensor, PreprocessStats,
+from embedmesh.host.preprocess import (Capacity, PartitionedCsrFormatTensor, PreprocessStats,
                                   SparseCoreStats, compute_sparse_core_stats,
                                   preprocess_features)
-from embedmesh.serving import serving_embedding_lookup
-from embedmesh.sharding import shards_to_table, table_to_shards
-from embedmesh.stacking import StackingPlan, plan_stacking
+from embedmesh.serving.lookup import serving_embedding_lookup
+from embedmesh.layout.sharding import shards_to_table, table_to_shards
+from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
 __version__ = "0.1.0"
 

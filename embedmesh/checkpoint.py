@@ -21,7 +21,7 @@ pending update early.
 
 Block j of a table's array (rows `[j * rows_per_shard, (j+1) * rows_per_shard)`)
 holds the table's rows on shard j of the saving mesh: table row `i` is at row
-`((i % N + rotation) % N) * rows_per_shard + i // N` (see `embedmesh.stacking`).
+`((i % N + rotation) % N) * rows_per_shard + i // N` (see `embedmesh.layout.stacking`).
 Each block is sliced on its own device out of the stack arrays, so every
 process writes only its own shards. "meta" records the format version, the
 embedmesh version, N, the step and per table its name, vocabulary size, dim,
@@ -1179,7 +1179,7 @@ class EmbeddingForServing:
         return dict(self._tables)
 
     def embedding_lookup(self, features: Any, weights: Optional[Any] = None) -> Any:
-        from embedmesh.serving import serving_embedding_lookup
+        from embedmesh.serving.lookup import serving_embedding_lookup
         return serving_embedding_lookup(features, weights, self.embedding_tables,
                                         self.feature_config)
 

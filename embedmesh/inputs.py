@@ -20,7 +20,6 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from embedmesh import kernels
 
 
 @jax.tree_util.register_pytree_node_class
@@ -182,6 +181,8 @@ def sparse_row_offsets(name: str, inp: SparseTensor) -> np.ndarray:
     every index lies in `dense_shape` and indices are sorted row-major without
     repeats. One compiled pass when numba is present (kernels.sparse_offsets).
     """
+    from embedmesh.serving import kernels  # numba: loaded at first use
+
     idx = np.asarray(inp.indices)
     shape = tuple(inp.dense_shape)
     offsets, bad = kernels.sparse_offsets(idx, shape)

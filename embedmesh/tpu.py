@@ -4,7 +4,7 @@ by changing its import: `from embedmesh import tpu as embedding`."""
 from embedmesh import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, FeatureConfig,
                        PartitionedCsrFormatTensor, QuantizationConfig, TableConfig,
                        serving_embedding_lookup)
-from embedmesh.engine import MeshEmbedding as TPUEmbeddingV2
+from embedmesh.facade import MeshEmbedding as TPUEmbeddingV2
 
 __all__ = ["FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FeatureConfig",
            "PartitionedCsrFormatTensor", "QuantizationConfig", "TPUEmbeddingV2", "TableConfig",

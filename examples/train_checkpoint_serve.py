@@ -22,8 +22,8 @@ import orbax.checkpoint as ocp
 
 import embedmesh as em
 from embedmesh import checkpoint as em_ckpt
-from embedmesh.engine import MeshEmbedding
-from embedmesh.export import Dense, Ragged, export_serving, load_serving
+from embedmesh.facade import MeshEmbedding
+from embedmesh.serving.export import Dense, Ragged, export_serving, load_serving
 
 video = em.TableConfig(10_000, 16, combiner="mean", name="video")
 user = em.TableConfig(1_000, 8, combiner="sum", name="user")
@@ -110,7 +110,7 @@ def export(ckpt_dir, export_dir):
 
 SERVER = """
 import sys, numpy as np, embedmesh
-from embedmesh.export import load_serving
+from embedmesh.serving.export import load_serving
 serve = load_serving(sys.argv[1])
 watched = embedmesh.RaggedTensor.from_row_lengths(np.array([5, 17, 17, 3]), [3, 1])
 print(serve({"watched": watched, "user": np.array([12, 400])})["score"].tolist())

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 import test_export as T
-from embedmesh.export import load_serving
+from embedmesh.serving.export import load_serving
 
 export_dir, out_file = sys.argv[1:3]
 fn = load_serving(export_dir)

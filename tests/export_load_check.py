@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 import embedmesh
-from embedmesh.export import load_serving
+from embedmesh.serving.export import load_serving
 
 export_dir, inputs_file, expected_file = sys.argv[1:4]
 a = np.load(inputs_file)

@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import embedmesh as em  # noqa: E402
-from embedmesh.engine import MeshEmbedding  # noqa: E402
-from embedmesh.preprocess import Capacity  # noqa: E402
+from embedmesh.facade import MeshEmbedding  # noqa: E402
+from embedmesh.host.preprocess import Capacity  # noqa: E402
 
 
 def global_batches(steps, batch):

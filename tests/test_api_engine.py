@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
-from embedmesh.engine import MeshEmbedding
+from embedmesh.facade import MeshEmbedding
 
 
 def mesh_of(n):

@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
-from embedmesh import kernels
-from embedmesh.engine import MeshEmbedding
+from embedmesh.serving import kernels
+from embedmesh.facade import MeshEmbedding
 from embedmesh.inputs import check_id_range
 
 

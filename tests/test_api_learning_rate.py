@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import FeatureConfig, TableConfig
-from embedmesh.engine import MeshEmbedding
+from embedmesh.facade import MeshEmbedding
 
 OPTS = {"SGD": em.SGD, "Adagrad": em.Adagrad, "AdagradMomentum": em.AdagradMomentum,
         "Adam": em.Adam, "FTRL": em.FTRL}

@@ -8,9 +8,9 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
-from embedmesh.engine import MeshEmbedding
-from embedmesh.preprocess import preprocess_features
-from embedmesh.stacking import plan_stacking
+from embedmesh.facade import MeshEmbedding
+from embedmesh.host.preprocess import preprocess_features
+from embedmesh.layout.stacking import plan_stacking
 
 
 def config():

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh
 
 from embedmesh import FeatureConfig, TableConfig
-from embedmesh.engine import MeshEmbedding
+from embedmesh.facade import MeshEmbedding
 
 
 def three_tables():

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
-from embedmesh.engine import MeshEmbedding
+from embedmesh.facade import MeshEmbedding
 
 from process_helpers import free_port, run_together
 from checkpoint_common import (HashInit, make_batch, make_features, make_tables, train_step,

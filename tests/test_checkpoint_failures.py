@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
-from embedmesh.engine import MeshEmbedding
+from embedmesh.facade import MeshEmbedding
 
 from checkpoint_damage import chunk_locations, flip_bytes
 from checkpoint_common import variables_by_name

@@ -12,8 +12,8 @@ from jax.sharding import Mesh
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
 from embedmesh import checkpoint as ckpt
-from embedmesh.engine import MeshEmbedding
-from embedmesh.preprocess import Capacity
+from embedmesh.facade import MeshEmbedding
+from embedmesh.host.preprocess import Capacity
 
 CAPS = Capacity(64, 64)
 

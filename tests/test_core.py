@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import tpu as embedding
-from embedmesh.preprocess import Capacity
+from embedmesh.host.preprocess import Capacity
 
 
 def _setup(num_devices):
@@ -111,7 +111,7 @@ def test_rejected_update_leaves_state_bit_identical(opt, num_devices, kernels, m
     """A non-finite gradient inside a user's jit: `ok` is False and tables, slots and the
     step count are unchanged (sparse rules get no rows; non-lazy Adam goes through a cond),
     while a finite one changes them."""
-    from embedmesh import cpu_ops
+    from embedmesh.device import ops as cpu_ops
     if not kernels:
         monkeypatch.setitem(cpu_ops._state, "ok", False)
     feats, mesh = _setup(num_devices)

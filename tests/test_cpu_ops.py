@@ -1,4 +1,4 @@
-"""The CPU kernels of `embedmesh.cpu_ops` against their pure-JAX references.
+"""The CPU kernels of `embedmesh.device.ops` against their pure-JAX references.
 
 Skipped where the kernels cannot be built (no C++ compiler); the fallbacks are
 exercised by every other test in that case, and here too with
@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from embedmesh import cpu_ops
+from embedmesh.device import ops as cpu_ops
 from embedmesh.optimizers import SGD, Adagrad, AdagradMomentum
 
 PAD = cpu_ops.PAD_ID

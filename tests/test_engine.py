@@ -12,8 +12,8 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
-from embedmesh.engine import MeshEmbedding
-from embedmesh.preprocess import Capacity
+from embedmesh.facade import MeshEmbedding
+from embedmesh.host.preprocess import Capacity
 
 import training_reference as ref
 from test_optimizers import build as build_optimizer, ref_update

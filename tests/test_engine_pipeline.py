@@ -8,8 +8,8 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
-from embedmesh.engine import MeshEmbedding
-from embedmesh.preprocess import Capacity
+from embedmesh.facade import MeshEmbedding
+from embedmesh.host.preprocess import Capacity
 
 
 def mesh_of(n):
@@ -232,7 +232,7 @@ def test_pipelined_step_updates_in_place(n, kernels, monkeypatch):
     """The fused lookup + update program does not copy the table (it did: a
     whole-table copy each step, because the lookup and the in-place update
     were unordered for XLA)."""
-    from embedmesh import cpu_ops
+    from embedmesh.device import ops as cpu_ops
     if not kernels:
         monkeypatch.setitem(cpu_ops._state, "ok", False)
     elif not cpu_ops.available():
@@ -255,7 +255,7 @@ def test_pipelined_step_updates_in_place(n, kernels, monkeypatch):
 
 def test_background_map_stops_its_thread_when_the_consumer_stops_early():
     import threading
-    from embedmesh.prefetch import background_map
+    from embedmesh.host.prefetch import background_map
 
     produced = []
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import embedmesh as em
-from embedmesh.export import Dense, Ragged, Sparse, export_serving, load_serving
+from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,4 +1,4 @@
-"""Property tests of `embedmesh.kernels.weighted_segment_sum`, both backends.
+"""Property tests of `embedmesh.serving.kernels.weighted_segment_sum`, both backends.
 
 The reference is a float64 loop written out below. Every output buffer the
 kernels allocate is poisoned with NaN first, so an element a kernel forgets
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh import kernels
+from embedmesh.serving import kernels
 
 BACKENDS = ["numpy"] + (["numba"] if kernels.HAVE_NUMBA else [])
 IMPLS = {"numpy": kernels.weighted_segment_sum_numpy,
@@ -279,7 +279,7 @@ print("ok")
 
 def test_module_loads_standalone():
     """kernels.py imports nothing from embedmesh (the fallback test relies on it)."""
-    spec = importlib.util.find_spec("embedmesh.kernels")
+    spec = importlib.util.find_spec("embedmesh.serving.kernels")
     with open(spec.origin) as fh:
         assert "from embedmesh" not in fh.read()
 

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from embedmesh.config import FeatureConfig, TableConfig
 from embedmesh.inputs import RaggedTensor, SparseTensor
-from embedmesh.preprocess import (PAD_ID, Capacity, PartitionedCsrFormatTensor, capacity_bucket,
+from embedmesh.host.preprocess import (PAD_ID, Capacity, PartitionedCsrFormatTensor, capacity_bucket,
                                   compute_sparse_core_stats, numba_available,
                                   preprocess_features)
-from embedmesh.sharding import stack_to_shards
-from embedmesh.stacking import plan_stacking
+from embedmesh.layout.sharding import stack_to_shards
+from embedmesh.layout.stacking import plan_stacking
 
 import training_reference as tref
 
@@ -630,7 +630,7 @@ def test_capacities_from_table_configs():
 
 
 def test_numpy_fallback_when_numba_is_missing(monkeypatch):
-    import embedmesh.preprocess as pp
+    import embedmesh.host.preprocess as pp
     monkeypatch.setattr(pp, "_NUMBA", False)
     assert not pp.numba_available()
     plan, feats = _skewed_case()

@@ -327,7 +327,7 @@ def test_weights_prune_rules_for_sparse():
 @given(feature_cases(), st.integers(0, 2**31 - 1))
 def test_direct_host_path_equals_plan_path(case, seed):
     """Same entries added in the same order: bit-equal wherever the direct path applies."""
-    from embedmesh import serving
+    from embedmesh.serving import lookup as serving
 
     feature, inp, weight = case
     table = _table(feature, seed)
@@ -378,7 +378,7 @@ def test_outputs_survive_later_lookups():
 
 
 def test_host_threads_give_the_same_results_and_first_error():
-    from embedmesh import serving
+    from embedmesh.serving import lookup as serving
 
     t = TableConfig(50, 20, combiner="sqrtn", name="t")
     fc = {f"f{i}": FeatureConfig(t) for i in range(6)}
@@ -407,7 +407,8 @@ def test_host_outputs_become_uncommitted_jax_arrays_without_a_copy(fast, monkeyp
     """The host path's jax.Arrays: what `jax.device_put` gives (uncommitted, on the
     default device, x64 rules), aliasing the kernel's aligned buffers on CPU;
     jaxlib's direct call (fast) and `jax.device_put` agree."""
-    from embedmesh import kernels, serving
+    from embedmesh.serving import kernels
+    from embedmesh.serving import lookup as serving
 
     if not fast:
         monkeypatch.setattr(serving, "_BATCHED_DEVICE_PUT", None)
@@ -470,7 +471,7 @@ def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
     import threading
     import time
 
-    from embedmesh import serving
+    from embedmesh.serving import lookup as serving
 
     calls = []
     late_error = threading.Event()
@@ -503,7 +504,7 @@ def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
 
 
 def test_default_thread_count(monkeypatch):
-    from embedmesh import serving
+    from embedmesh.serving import lookup as serving
 
     monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "3")
     assert serving._default_threads() == 3
@@ -515,7 +516,7 @@ def test_default_thread_count(monkeypatch):
 
 _FORK_CHILD_SCRIPT = """
 import os, sys, threading, time
-from embedmesh import serving
+from embedmesh.serving import lookup as serving
 
 def task():
     time.sleep(0.05)

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from embedmesh.config import FeatureConfig, TableConfig
 from embedmesh.optimizers import SGD, Adagrad
-from embedmesh.sharding import (shards_to_table, shards_to_tables, stack_shard, stack_to_shards,
+from embedmesh.layout.sharding import (shards_to_table, shards_to_tables, stack_shard, stack_to_shards,
                                 table_rows_on_shard, table_shard, table_to_shards,
                                 tables_from_stack_shard)
-from embedmesh.stacking import StackingPlan, plan_stacking
+from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
 
 def _config(vocabs, dims=None, optimizers=None):

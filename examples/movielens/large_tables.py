@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 import embedmesh as em
-from embedmesh.preprocess import preprocess_features
+from embedmesh.host.preprocess import preprocess_features
 
 from examples.movielens import model as mdl
 from examples.movielens import train as trn

@@ -23,9 +23,9 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 import embedmesh as em
-from embedmesh.engine import MeshEmbedding
-from embedmesh.prefetch import background_map
-from embedmesh.preprocess import compute_sparse_core_stats
+from embedmesh.facade import MeshEmbedding
+from embedmesh.host.prefetch import background_map
+from embedmesh.host.preprocess import compute_sparse_core_stats
 
 from examples.movielens import model as mdl
 

@@ -23,7 +23,7 @@ feature config and `N`):
 
 `plan_stacking(feature_config, num_shards)` returns an immutable, hashable
 `StackingPlan` with vectorised mappings between (table, row) and (stack,
-shard, local row). `embedmesh.sharding` moves arrays between the logical and
+shard, local row). `embedmesh.layout.sharding` moves arrays between the logical and
 the sharded layouts with the same plan.
 """
 

@@ -16,7 +16,7 @@ pairs point at row R, which `segment_sum` drops. No array of a table's size is
 created: only [N*U, D] and [R, D] buffers.
 
 On CPU the row moves (gathers, gather-scale-segment-sums, the owner's dedup
-and in-place scatters) run in the C++ handlers of `embedmesh.cpu_ops`, 3-8x
+and in-place scatters) run in the C++ handlers of `embedmesh.device.ops`, 3-8x
 faster than XLA's CPU gather and scatter; elsewhere, or without a C++
 compiler, the same functions run in pure JAX with the same semantics.
 """
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embedmesh import cpu_ops
+from embedmesh.device import ops as cpu_ops
 
 PAD_ID = np.iinfo(np.int32).max
 

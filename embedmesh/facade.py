@@ -1,6 +1,6 @@
 """`MeshEmbedding`: the stateful facade with TPUEmbeddingV2's constructor and methods.
 
-A thin layer over the functional core (`embedmesh.core`): it owns the state,
+A thin layer over the functional core (`embedmesh.device.core`): it owns the state,
 preprocesses inputs on the host (`enqueue`), runs the jitted lookup
 (`dequeue`, `embedding_lookup`, `__call__`) and the fused update
 (`apply_gradients`, tables and slots donated), and reads tables back in
@@ -18,12 +18,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from embedmesh.config import resolve_feature_config
-from embedmesh.core import EmbeddingCore, EmbeddingState
+from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.inputs import flatten_inputs_like
 from embedmesh.optimizers import Optimizer
-from embedmesh.prefetch import background_map
-from embedmesh import preprocess as _pre
-from embedmesh.stacking import plan_stacking
+from embedmesh.host.prefetch import background_map
+from embedmesh.host import preprocess as _pre
+from embedmesh.layout.stacking import plan_stacking
 
 try:  # 0.2 us: whether any jax trace (jit, grad, vmap, ...) is active on this thread
     from jax._src.core import trace_state_clean as _trace_state_clean
@@ -49,7 +49,7 @@ def _check_not_traced(what: str, *args) -> None:
         f"The MeshEmbedding facade is stateful and runs outside jit: call emb.enqueue(...) "
         f"outside the jitted function and pass its result in, and inside jit use the "
         f"functional core, emb.core.lookup(state, csr) and emb.core.apply_gradients(state, "
-        f"gradients, csr), with emb.state as an argument (see embedmesh.core).")
+        f"gradients, csr), with emb.state as an argument (see embedmesh.device.core).")
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -260,7 +260,7 @@ class MeshEmbedding:
         **options)` -> `(csr, stats)` or TensorFlow's keyword form
         (`num_replicas_in_sync, ..., flat_features, flat_inputs, flat_weights`)
         -> `(csr, int, int)`, which `dequeue` takes (see
-        `embedmesh.preprocess.preprocess_features` and `preprocess_features_tf`)."""
+        `embedmesh.host.preprocess.preprocess_features` and `preprocess_features_tf`)."""
         return _pre.preprocess_features(*args, **kwargs)
 
     def enqueue(self, features: Any, weights: Optional[Any] = None,

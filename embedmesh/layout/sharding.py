@@ -2,7 +2,7 @@
 
 With a `StackingPlan` for N shards, table row `i` lives on shard
 `(i % N + rotation) % N` at local row `local_row_offset + i // N` of its stack
-(see `embedmesh.stacking`). So the rows of one table on one shard are the
+(see `embedmesh.layout.stacking`). So the rows of one table on one shard are the
 strided slice `table[(shard - rotation) % N :: N]`, padded with zero rows to
 `rows_per_shard`: no gather, no full-stack copy.
 
@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from embedmesh.stacking import StackingPlan, TableKey
+from embedmesh.layout.stacking import StackingPlan, TableKey
 
 __all__ = ["shards_to_table", "shards_to_tables", "stack_shard", "stack_to_shards",
            "table_rows_on_shard", "table_shard", "table_to_shards", "tables_from_stack_shard"]

@@ -1,7 +1,7 @@
 """Host preprocessing: a batch of features -> fixed-shape partitioned CSR arrays.
 
 This is the host half of the engine, what the SparseCore's input pipeline
-does: for every stack (see `embedmesh.stacking`), for every source device of
+does: for every stack (see `embedmesh.layout.stacking`), for every source device of
 this process and every destination shard, the ids that device needs from that
 shard, sorted and de-duplicated, plus for every (output row, id) pair the
 position of its id in that list and its gain. Every array has a static padded
@@ -59,7 +59,7 @@ import numpy as np
 
 from embedmesh.inputs import (FeatureLayout, check_id_range, flatten_inputs_like, to_csr,
                               validate_structure)
-from embedmesh.stacking import StackingPlan, plan_stacking
+from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
 __all__ = ["Capacity", "FeatureSlot", "OVERFLOW_POLICIES", "PAD_ID", "PartitionedCsrFormatTensor",
            "PreprocessStats", "SparseCoreStats", "StackStats", "capacity_bucket",

@@ -38,7 +38,7 @@ from embedmesh.inputs import (check_id_range, feature_layout, flatten_inputs_lik
                               is_concrete,
                               ragged_positions, ragged_row_ids, sparse_row_offsets,
                               validate_input, validate_structure)
-from embedmesh import kernels
+from embedmesh.serving import kernels
 
 
 @dataclasses.dataclass

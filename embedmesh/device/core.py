@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from embedmesh import cpu_ops
-from embedmesh import sharding as mod_sharding
-from embedmesh import sparse_ops
-from embedmesh.preprocess import PartitionedCsrFormatTensor
-from embedmesh.stacking import StackingPlan
+from embedmesh.device import ops as cpu_ops
+from embedmesh.layout import sharding as mod_sharding
+from embedmesh.device import shard_program as sparse_ops
+from embedmesh.host.preprocess import PartitionedCsrFormatTensor
+from embedmesh.layout.stacking import StackingPlan
 
 
 @jax.tree_util.register_dataclass
