@@ -1,4 +1,4 @@
-"""Mod sharding: move arrays between the logical and the sharded layouts.
+"""Move arrays between the logical and the sharded layouts (`plan.row_layout`).
 
 With a `StackingPlan` for N shards, table row `i` lives on shard
 `(i % N + rotation) % N` at local row `local_row_offset + i // N` of its stack
@@ -39,9 +39,7 @@ def _check_shard(plan: StackingPlan, shard: int) -> int:
 def table_rows_on_shard(plan: StackingPlan, table: TableKey, shard: int) -> np.ndarray:
     """Logical rows of `table` held by `shard`, in local-row order (no padding rows)."""
     t = plan.table(table)
-    shard = _check_shard(plan, shard)
-    first = (shard - t.rotation) % plan.num_shards
-    return np.arange(first, t.vocabulary_size, plan.num_shards, dtype=np.int64)
+    return plan.row_layout.rows_on_shard(t, _check_shard(plan, shard))
 
 
 def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) -> np.ndarray:
@@ -52,8 +50,7 @@ def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) ->
         raise ValueError(f"table {t.name}: expected {t.vocabulary_size} rows, got shape "
                          f"{arr.shape}")
     shard = _check_shard(plan, shard)
-    first = (shard - t.rotation) % plan.num_shards
-    rows = arr[first::plan.num_shards]
+    rows = arr[plan.row_layout.rows_index(t, shard)]
     out = np.zeros((t.rows_per_shard,) + arr.shape[1:], arr.dtype)
     out[:rows.shape[0]] = rows
     return out
@@ -76,10 +73,9 @@ def shards_to_table(shards: Sequence[Any], plan: StackingPlan, table: TableKey) 
             raise ValueError(f"table {t.name}: shard {j} has shape {s.shape}, expected "
                              f"[{t.rows_per_shard}, ...] like shard 0 {shards[0].shape}")
     out = np.empty((t.vocabulary_size,) + shards[0].shape[1:], shards[0].dtype)
+    layout = plan.row_layout
     for j, s in enumerate(shards):
-        first = (j - t.rotation) % n
-        count = len(range(first, t.vocabulary_size, n))
-        out[first::n] = s[:count]
+        out[layout.rows_index(t, j)] = s[:layout.count_on_shard(t, j)]
     return out
 
 
@@ -117,8 +113,7 @@ def stack_shard(tables: Mapping, plan: StackingPlan, stack: str, shard: int, *,
             raise ValueError(f"table {name}: array of shape {arr.shape} does not fit "
                              f"[{t.vocabulary_size}{', ' + str(t.dim) if arr.ndim == 2 else ''}]"
                              f" in stack {s.name}")
-        first = (shard - t.rotation) % plan.num_shards
-        rows = arr[first::plan.num_shards]
+        rows = arr[plan.row_layout.rows_index(t, shard)]
         lo = t.local_row_offset
         if arr.ndim == 2:
             out[lo:lo + rows.shape[0], :arr.shape[1]] = rows
@@ -169,6 +164,5 @@ def shards_to_tables(shards: Sequence[Any], plan: StackingPlan, stack: str) -> d
             if name not in out:
                 out[name] = np.empty((plan.table(name).vocabulary_size,) + values.shape[1:],
                                      values.dtype)
-            if rows.size:
-                out[name][rows[0]::n] = values  # rows = arange(first, V, N)
+            out[name][plan.row_layout.rows_index(plan.table(name), j)] = values
     return out

@@ -36,6 +36,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from embedmesh.config import ResolvedFeatures, TableConfig, resolve_feature_config
+from embedmesh.layout.rows import RowLayout, row_layout
 
 __all__ = ["FeaturePlacement", "StackSpec", "StackingPlan", "TablePlacement", "plan_stacking"]
 
@@ -120,6 +121,11 @@ class StackingPlan:
     tables: tuple  # TablePlacement
     features: tuple  # FeaturePlacement
     resolved: ResolvedFeatures = dataclasses.field(repr=False)
+    row_layout: RowLayout = None  # where a table's rows live on the shards (default: mod)
+
+    def __post_init__(self):
+        if self.row_layout is None:
+            object.__setattr__(self, "row_layout", row_layout("mod", self.num_shards))
 
     # -- look-ups -----------------------------------------------------------
 
@@ -190,9 +196,8 @@ class StackingPlan:
             raise ValueError(f"table {t.name}: row {int(bad)} is outside [0, "
                              f"{t.vocabulary_size})")
         ids = ids.astype(np.int64, copy=False)
-        n = self.num_shards
-        shard = (ids % n + t.rotation) % n
-        return shard, t.local_row_offset + ids // n
+        layout = self.row_layout
+        return layout.shard_of(t, ids), t.local_row_offset + layout.block_row(t, ids)
 
     def stacked_rows(self, table: TableKey, ids) -> np.ndarray:
         """Stacked rows `local_row * N + shard` of table rows `ids`."""
@@ -216,10 +221,11 @@ class StackingPlan:
                              f"[0, {self.num_shards}) x [0, {s.rows_per_shard})")
         k = np.searchsorted(offsets, local, side="right") - 1
         index = np.array([t.index for t in placed], np.int64)[k]
-        rot = np.array([t.rotation for t in placed], np.int64)[k]
         vocab = np.array([t.vocabulary_size for t in placed], np.int64)[k]
-        n = self.num_shards
-        row = (local - offsets[k]) * n + (shard - rot) % n
+        row = np.empty_like(local)
+        for i, t in enumerate(placed):  # per table: the layout's inverse
+            sel = k == i
+            row[sel] = self.row_layout.logical_rows(t, shard[sel], local[sel] - offsets[i])
         pad = row >= vocab
         return np.where(pad, -1, index), np.where(pad, -1, row)
 
@@ -237,7 +243,8 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
                   max_stack_rows: Optional[int] = None,
                   dim_multiple: int = DEFAULT_DIM_MULTIPLE,
                   default_optimizer: Any = None,
-                  table_dtypes: Optional[Mapping[str, Any]] = None) -> StackingPlan:
+                  table_dtypes: Optional[Mapping[str, Any]] = None,
+                  sharding: str = "mod") -> StackingPlan:
     """Group the tables of `feature_config` into stacks for `num_shards` shards.
 
     Args:
@@ -253,6 +260,7 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
         equality.
       table_dtypes: optional `{table name: dtype}` (default float32); only
         tables of one dtype stack.
+      sharding: the row layout (`embedmesh.layout.rows`); only "mod".
 
     Tables stack when (padded dim, optimizer, dtype) match, in order of first
     use. A single-table stack is named after its table; a multi-table stack
@@ -269,6 +277,7 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
                                            and max_stack_rows >= 1):
         raise ValueError(f"max_stack_rows must be None or an int >= 1, got {max_stack_rows!r}")
     n = int(num_shards)
+    layout = row_layout(sharding, n)
     dtypes = dict(table_dtypes or {})
     unknown = set(dtypes) - set(resolved.table_names)
     if unknown:
@@ -348,4 +357,4 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
             combiner=None if seq else f.table.combiner))
     return StackingPlan(num_shards=n, stacks=tuple(stack_specs),
                         tables=tuple(table_placements[i] for i in range(len(resolved.tables))),
-                        features=tuple(features), resolved=resolved)
+                        features=tuple(features), resolved=resolved, row_layout=layout)

@@ -1,0 +1,119 @@
+"""The row-layout rule: which shard holds a table's row, and where on that shard.
+
+Every caller that needs to know where a row lives goes through a `RowLayout`
+(the stacking plan holds one: `plan.row_layout`): host preprocessing (its
+kernels receive `kernel_params`), table read-back and shard views, checkpoint
+re-cutting and checksums. Only the mod layout exists today
+(`sharding="mod"`); the interface also has room for table-wise placement
+(`shards_of`: the shards holding any row of a table) and column-wise splits
+(`columns_on_shard`: which columns of its rows a shard holds).
+
+Mod layout over N shards: table row `i` lives on shard `(i % N + rotation) % N`
+at row `i // N` of the table's block on that shard (the block starts at the
+table's `local_row_offset` in the stack). `rotation` (from the stacking plan)
+spreads the partial last round of small tables over different shards.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import numpy as np
+
+__all__ = ["ROW_LAYOUTS", "ModRowLayout", "RowLayout", "row_layout"]
+
+
+class RowLayout(abc.ABC):
+    """Where the rows of a placed table (`TablePlacement`) live on `num_shards` shards."""
+
+    name: str
+    num_shards: int
+
+    @abc.abstractmethod
+    def shard_of(self, table, rows) -> np.ndarray:
+        """The shard holding each of the table's logical rows `rows` (int64)."""
+
+    @abc.abstractmethod
+    def block_row(self, table, rows) -> np.ndarray:
+        """Each row's position in the table's block on its shard (int64); the
+        stack's local row is `table.local_row_offset + block_row`."""
+
+    @abc.abstractmethod
+    def rows_on_shard(self, table, shard: int) -> np.ndarray:
+        """The table's logical rows on `shard`, in block order (no padding rows)."""
+
+    def count_on_shard(self, table, shard: int) -> int:
+        """How many of the table's rows `shard` holds (the rest of its block is padding)."""
+        return int(self.rows_on_shard(table, shard).size)
+
+    def rows_index(self, table, shard: int):
+        """`rows_on_shard` as an index into the logical table: a slice where the
+        rule allows one (a view, no gather), else the int64 rows."""
+        return self.rows_on_shard(table, shard)
+
+    def shards_of(self, table) -> tuple:
+        """The shards holding any row of the table."""
+        return tuple(j for j in range(self.num_shards) if self.count_on_shard(table, j))
+
+    def columns_on_shard(self, table, shard: int) -> tuple:
+        """`(first, end)` columns of the table's rows that `shard` holds."""
+        return (0, table.dim)
+
+    @abc.abstractmethod
+    def kernel_params(self, table) -> tuple:
+        """The ints a compiled kernel needs to apply this rule to the table."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModRowLayout(RowLayout):
+    """Row `i` on shard `(i % N + rotation) % N`, block row `i // N`."""
+
+    num_shards: int
+    name: str = "mod"
+
+    def shard_of(self, table, rows) -> np.ndarray:
+        rows = np.asarray(rows, np.int64)
+        n = self.num_shards
+        return (rows % n + table.rotation) % n
+
+    def block_row(self, table, rows) -> np.ndarray:
+        return np.asarray(rows, np.int64) // self.num_shards
+
+    def first_row(self, table, shard: int) -> int:
+        """The table's first logical row on `shard` (the others follow every N rows)."""
+        return (int(shard) - table.rotation) % self.num_shards
+
+    def rows_on_shard(self, table, shard: int) -> np.ndarray:
+        return np.arange(self.first_row(table, shard), table.vocabulary_size, self.num_shards,
+                         dtype=np.int64)
+
+    def count_on_shard(self, table, shard: int) -> int:
+        return len(range(self.first_row(table, shard), table.vocabulary_size, self.num_shards))
+
+    def rows_index(self, table, shard: int) -> slice:
+        return slice(self.first_row(table, shard), table.vocabulary_size, self.num_shards)
+
+    def logical_rows(self, table, shard, block_rows) -> np.ndarray:
+        """Inverse of (`shard_of`, `block_row`): logical rows (may be >= vocabulary
+        size for padding rows)."""
+        n = self.num_shards
+        return (np.asarray(block_rows, np.int64) * n
+                + (np.asarray(shard, np.int64) - table.rotation) % n)
+
+    def kernel_params(self, table) -> tuple:
+        """`(num_shards, rotation)`."""
+        return (self.num_shards, table.rotation)
+
+
+ROW_LAYOUTS = {"mod": ModRowLayout}
+
+
+def row_layout(sharding: str, num_shards: int) -> RowLayout:
+    """The `RowLayout` named `sharding` (today only "mod") over `num_shards` shards."""
+    try:
+        cls = ROW_LAYOUTS[sharding]
+    except (KeyError, TypeError):
+        raise ValueError(f"sharding must be one of {sorted(ROW_LAYOUTS)}, got "
+                         f"{sharding!r}") from None
+    return cls(int(num_shards))
