@@ -1,0 +1,145 @@
+"""Process-wide runtime settings and shared constants, in one place.
+
+Environment switches are read here, once, the first time they are asked for
+(tests reset them with `reset()`); every module asks this one instead of
+reading `os.environ` itself. README's "CPU kernels and environment variables"
+lists them:
+
+  EMBEDMESH_NUMBA=0           host kernels (preprocessing, serving) use numpy
+  EMBEDMESH_CPU_KERNELS=0|1   device ops: 0 pure JAX; 1 build the C++ kernels
+                              even when the default backend is not CPU
+  EMBEDMESH_CPU_THREADS=n     threads of the C++ device kernels
+  EMBEDMESH_PREPROCESS_THREADS=n   threads of host preprocessing
+  EMBEDMESH_SERVING_THREADS=n threads of the serving lookup (1: caller only)
+  EMBEDMESH_OUTPUT_POOL_MB=n  serving's reusable output buffers
+  EMBEDMESH_CACHE_DIR=path    where built kernels are cached
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["COMBINER_CODE", "PAD_ID", "aligned_empty", "cache_dir", "combiner_code",
+           "cpu_kernels_setting", "cpu_threads", "numba_enabled", "output_pool_bytes",
+           "preprocess_threads", "reset", "serving_threads", "usable_cores"]
+
+# Padding id of unique-id lists: int32 max, out of range on every shard (the C++
+# kernels' kPad has the same value).
+PAD_ID = int(np.iinfo(np.int32).max)
+
+# Combiner codes the host and device kernels take.
+COMBINER_CODE = {None: 0, "sum": 0, "mean": 1, "sqrtn": 2}
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def combiner_code(combiner: Optional[str]) -> int:
+    try:
+        return COMBINER_CODE[combiner]
+    except KeyError:
+        raise ValueError(f"unknown combiner {combiner!r}: expected one of "
+                         f"{sorted(k for k in COMBINER_CODE if k)}") from None
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _positive_int(name: str) -> Optional[int]:
+    value = _env(name)
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive integer")
+    return n
+
+
+@functools.cache
+def numba_enabled() -> bool:
+    """False when EMBEDMESH_NUMBA is 0/false/no/off: host kernels use numpy."""
+    return _env("EMBEDMESH_NUMBA").lower() not in _OFF
+
+
+@functools.cache
+def cpu_kernels_setting() -> Optional[bool]:
+    """EMBEDMESH_CPU_KERNELS: False (off), True (build even off CPU), None (default:
+    on when the default backend is CPU)."""
+    value = _env("EMBEDMESH_CPU_KERNELS").lower()
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    return None
+
+
+@functools.cache
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@functools.cache
+def cpu_threads() -> Optional[int]:
+    """EMBEDMESH_CPU_THREADS (None: the C++ kernels decide, one per usable core)."""
+    return _positive_int("EMBEDMESH_CPU_THREADS")
+
+
+@functools.cache
+def preprocess_threads() -> int:
+    """EMBEDMESH_PREPROCESS_THREADS, else one per usable core."""
+    return _positive_int("EMBEDMESH_PREPROCESS_THREADS") or usable_cores()
+
+
+@functools.cache
+def serving_threads() -> int:
+    """EMBEDMESH_SERVING_THREADS, else one per usable core up to 8 (TensorFlow and
+    torch also use every core): on the serving benchmark 2 threads ran 1.6-1.7x
+    faster than 1 with the other core free."""
+    return _positive_int("EMBEDMESH_SERVING_THREADS") or min(usable_cores(), 8)
+
+
+@functools.cache
+def output_pool_bytes() -> int:
+    """EMBEDMESH_OUTPUT_POOL_MB (default 256) in bytes."""
+    value = _env("EMBEDMESH_OUTPUT_POOL_MB")
+    return (int(value) if value else 256) << 20
+
+
+@functools.cache
+def cache_dir() -> str:
+    """EMBEDMESH_CACHE_DIR, else $XDG_CACHE_HOME/embedmesh (default ~/.cache/embedmesh)."""
+    d = _env("EMBEDMESH_CACHE_DIR")
+    if d:
+        return d
+    base = _env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "embedmesh")
+
+
+def reset() -> None:
+    """Forget the switches read so far (tests change the environment)."""
+    for fn in (numba_enabled, cpu_kernels_setting, usable_cores, cpu_threads,
+               preprocess_threads, serving_threads, output_pool_bytes, cache_dir):
+        fn.cache_clear()
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """`np.empty(shape, dtype)` whose data starts on an `align`-byte boundary (64:
+    XLA's CPU client aliases such host buffers; 4096: page aligned)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
