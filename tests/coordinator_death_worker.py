@@ -37,7 +37,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import embedmesh as em  # noqa: E402
 from embedmesh import checkpoint as ckpt  # noqa: E402
-from embedmesh.engine import MeshEmbedding  # noqa: E402
+from embedmesh.facade import MeshEmbedding  # noqa: E402
 
 from checkpoint_common import make_batch, make_features, make_tables  # noqa: E402
 

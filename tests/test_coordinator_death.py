@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
-from embedmesh.engine import MeshEmbedding
+from embedmesh.facade import MeshEmbedding
 
 from checkpoint_common import make_features, make_tables, variables_by_name
 from process_helpers import free_port

@@ -1,7 +1,7 @@
 """Serving trained tables on a CPU host: the lookup (`serving_embedding_lookup`),
 its host kernels, and an exported, jax-free-at-load serving function."""
 
-from embedmesh.serving.export import export_serving, load_serving
+from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
 
-__all__ = ["export_serving", "load_serving", "serving_embedding_lookup", "set_host_threads"]
+__all__ = ["Dense", "Ragged", "Sparse", "export_serving", "load_serving", "serving_embedding_lookup", "set_host_threads"]
