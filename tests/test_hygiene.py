@@ -104,7 +104,7 @@ def test_benchmark_logs_live_in_runs():
     assert not stray, f"move these to benchmarks/runs/: {stray}"
     for md in glob.glob(os.path.join(ROOT, "benchmarks", "RESULTS*.md")):
         with open(md) as f:
-            for name in re.findall(r"`runs/([^`]+\.txt)`", f.read()):
+            for name in re.findall(r"`runs/([\w.-]+\.txt)`", f.read()):
                 assert os.path.isfile(os.path.join(RUNS, name)), f"{md} cites runs/{name}"
 
 
