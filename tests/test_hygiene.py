@@ -1,0 +1,191 @@
+"""Project habits (issue #13 part 6): one version source, py.typed shipped, the changelog,
+benchmark logs under benchmarks/runs/, the linters in .ci/run, and benchmarks/ab.py's
+parsers on the stored benchmark logs. Reads files only: no build, no subprocess."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import glob
+import importlib.util
+import io
+import os
+import re
+import tomllib
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = os.path.join(ROOT, "benchmarks", "runs")
+
+
+def read(*parts: str) -> str:
+    with open(os.path.join(ROOT, *parts)) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads(read("pyproject.toml"))
+
+
+@pytest.fixture(scope="module")
+def ab():
+    spec = importlib.util.spec_from_file_location("ab", os.path.join(ROOT, "benchmarks", "ab.py"))
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def static_version() -> str:
+    """`__version__ = "..."` in embedmesh/__init__.py, read as setuptools reads it."""
+    tree = ast.parse(read("embedmesh", "__init__.py"))
+    found = [
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    assert len(found) == 1, "embedmesh/__init__.py needs one literal __version__ = '...'"
+    return found[0]
+
+
+def test_one_version_source(pyproject):
+    project = pyproject["project"]
+    assert "version" not in project
+    assert "version" in project["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "embedmesh.__version__"
+    }
+    assert re.fullmatch(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?", static_version())
+
+
+def test_py_typed_is_package_data(pyproject):
+    assert os.path.isfile(os.path.join(ROOT, "embedmesh", "py.typed"))
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["embedmesh"]
+
+
+def test_changelog_has_this_version():
+    text = read("CHANGELOG.md")
+    headings = re.findall(r"^## \[([^\]]+)\]", text, flags=re.M)
+    assert headings and headings[0] == "Unreleased"
+    version = static_version()
+    if ".dev" not in version:
+        assert version in headings, f"CHANGELOG.md has no section for {version}"
+
+
+def test_lint_extra_in_test_extra(pyproject):
+    extras = pyproject["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=!~ ]", r, maxsplit=1)[0] for r in extras["lint"]}
+    assert {"ruff", "mypy"} <= names
+    assert any(r.startswith("embedmesh[") and "lint" in r for r in extras["test"])
+
+
+def test_ci_runs_the_linters_between_install_and_tests():
+    lines = [x.strip() for x in read(".ci", "run").splitlines()]
+    lines = [x for x in lines if x and not x.startswith("#")]
+
+    def at(fragment: str) -> int:
+        hits = [i for i, x in enumerate(lines) if fragment in x]
+        assert hits, f".ci/run has no line with {fragment!r}"
+        return hits[0]
+
+    install = at("pip install -q -e '.[test]'")
+    assert "python3 -m venv .venv" in lines[install]
+    checks = [at(".venv/bin/ruff check"), at(".venv/bin/ruff format --check"), at(".venv/bin/mypy")]
+    assert install < min(checks) and max(checks) < at(".venv/bin/python -m pytest")
+
+
+def test_benchmark_logs_live_in_runs():
+    stray = glob.glob(os.path.join(ROOT, "benchmarks", "*_run_*.txt"))
+    assert not stray, f"move these to benchmarks/runs/: {stray}"
+    for md in glob.glob(os.path.join(ROOT, "benchmarks", "RESULTS*.md")):
+        with open(md) as f:
+            for name in re.findall(r"`runs/([\w.-]+\.txt)`", f.read()):
+                assert os.path.isfile(os.path.join(RUNS, name)), f"{md} cites runs/{name}"
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/ab.py
+
+
+def test_ab_parses_train_step_log(ab):
+    got = ab.parse_train_step(read("benchmarks", "runs", "train_run_2026-11-29_b.txt"))
+    assert got["embedmesh device step"] == (22.8, "ms")
+    assert got["embedmesh host prep"] == (5.5, "ms")
+    assert got["embedmesh end-to-end (prefetch)"] == (28.2, "ms")
+    assert got["embedmesh peak RSS, steps"] == (4.37, "GB")
+    assert "embedmesh-core device step" in got
+    assert all(k.startswith("embedmesh") for k in got)  # no fbgemm / plain-jax figures
+
+
+def test_ab_parses_serving_log(ab):
+    got = ab.parse_serving(read("benchmarks", "runs", "serving_run_2026-11-30_d.txt"))
+    value, unit = got["ragged/sum embedmesh[numba]"]
+    assert unit == "ms" and value == pytest.approx(7.96, abs=0.01)
+    assert "dense embedmesh[numba-2t]" in got and "sparse/mean embedmesh[numpy]" in got
+    assert all(" embedmesh[" in k for k in got)  # no tf / torch figures
+
+
+def test_ab_parses_checkpoint_log(ab):
+    got = ab.parse_checkpoint(read("benchmarks", "runs", "checkpoint_run_2026-11-29_unstacked.txt"))
+    assert got["restore into 8 devices (same layout), median"] == (5.01, "s")
+    assert got["load_tables (serving: parameters only, host), first"] == (1.06, "s")
+    assert got["save (sync) + fsync, first"][0] == pytest.approx(8.52)
+    assert got["async save, written"] == (1.32, "s")
+    assert not any(k.startswith("dd") for k in got)
+
+
+def test_ab_parses_preprocess_output(ab):
+    text = (
+        "cores: 2, numba: True, jax-tpu-embedding: yes\n\n"
+        "ragged: 8.52 M ids per step; medians of 5 interleaved rounds; wall time, and CPU "
+        "time of all threads\n"
+        "  numba 1T, stacked            wall   180.2 ms   47.3 M ids/s (best  50.1)   cpu "
+        "  170.0 ms   50.1 M ids/cpu-s\n"
+        "  jax-tpu-embedding            wall   300.0 ms   28.4 M ids/s (best  30.0)   cpu "
+        "  500.0 ms   17.0 M ids/cpu-s\n"
+        "  numba 1T, stacked vs jax-tpu-embedding: wall 1.66x, cpu 2.94x\n"
+    )
+    assert ab.parse_preprocess(text) == {
+        "ragged numba 1T, stacked wall": (180.2, "ms"),
+        "ragged numba 1T, stacked cpu": (170.0, "ms"),
+    }
+
+
+def test_ab_summary_ratio_is_baseline_over_new(ab):
+    rounds = [({"t": (2.0, "ms")}, {"t": (1.0, "ms")}), ({"t": (3.0, "ms")}, {"t": (2.0, "ms")})]
+    (line,) = ab.summarize(rounds, 0.97)[1:]
+    assert "1.750" in line and "[1.500, 2.000]" in line and "below" not in line
+    slower = [({"t": (1.0, "ms")}, {"t": (2.0, "ms")})]
+    assert "below 0.97" in ab.summarize(slower, 0.97)[1]
+
+
+def test_ab_dry_run_runs_each_trees_own_script(ab):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert (
+            ab.main(
+                [
+                    "--baseline",
+                    ROOT,
+                    "--new",
+                    ROOT,
+                    "--only",
+                    "serving",
+                    "--dry-run",
+                    "--args",
+                    "serving=--rounds 2",
+                ]
+            )
+            == 0
+        )
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert f"PYTHONPATH={ROOT}" in line
+        assert os.path.join(ROOT, "benchmarks", "serving.py") in line
+        assert line.endswith("--rounds 2")
