@@ -69,9 +69,9 @@ class RowLayout(abc.ABC):
     def period(self, table) -> tuple:
         """`(rows, block_rows)`: logical row `i + rows` is on the same shard as row `i`,
         `block_rows` further in the block. Checkpoint re-cutting turns it into strided
-        copies. The default (the whole table, so every row is its own period) holds for
-        any layout."""
-        return (max(int(table.vocabulary_size), 1), 0)
+        copies. The default, the whole table (no row comes back, so every row is a
+        phase of its own; `block_rows` is then never used), holds for any layout."""
+        return (max(int(table.vocabulary_size), 1), 1)
 
     def count_on_shard(self, table, shard: int) -> int:
         """How many of the table's rows `shard` holds (the rest of its block is padding)."""
