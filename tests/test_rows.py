@@ -78,6 +78,7 @@ def test_mod_layout_matches_the_plain_rule(case):
     assert layout.shards_of(t) == tuple(j for j in range(n) if on[j])
     assert layout.columns_on_shard(t, 0) == (0, t.dim)
     assert layout.kernel_params(t) == (n, rotation)
+    assert layout.block_rows(v) == t.rows_per_shard == max(len(r) for r in on.values())
     # period: row i + P is on the same shard, B block rows further
     p, b = layout.period(t)
     ext = np.arange(v + 2 * n)
@@ -168,6 +169,9 @@ class BlockedLayout(RowLayout):
 
     def logical_rows_from_params(self, params, shard, block_rows):
         return shard * params[0] + block_rows
+
+    def block_rows(self, vocabulary_size):
+        return -(-vocabulary_size // self.num_shards)
 
     def kernel_params(self, table):
         return (table.rows_per_shard,)

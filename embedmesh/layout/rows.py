@@ -73,6 +73,16 @@ class RowLayout(abc.ABC):
         phase of its own; `block_rows` is then never used), holds for any layout."""
         return (max(int(table.vocabulary_size), 1), 1)
 
+    @abc.abstractmethod
+    def block_rows(self, vocabulary_size: int) -> int:
+        """The rows of a table's block on every shard (its rows there and padding): the
+        table's `rows_per_shard` in a stack."""
+
+    def rotations(self, vocabulary_sizes) -> list:
+        """Each table's `rotation` (a parameter of the rule), for the tables of a plan in
+        order; 0 for layouts that have none."""
+        return [0] * len(vocabulary_sizes)
+
     def count_on_shard(self, table, shard: int) -> int:
         """How many of the table's rows `shard` holds (the rest of its block is padding)."""
         return int(self.rows_on_shard(table, shard).size)
@@ -109,6 +119,20 @@ class ModRowLayout(RowLayout):
 
     def block_row(self, table, rows) -> np.ndarray:
         return np.asarray(rows, np.int64) // self.num_shards
+
+    def block_rows(self, vocabulary_size: int) -> int:
+        """`ceil(V / N)`."""
+        return -(-int(vocabulary_size) // self.num_shards)
+
+    def rotations(self, vocabulary_sizes) -> list:
+        """A cursor over the shards: each table starts where the previous one's last,
+        partial round of rows ended (and at least one shard further), so that small
+        tables land on different shards, and row 0 of consecutive big tables does too."""
+        out, cursor, n = [], 0, self.num_shards
+        for v in vocabulary_sizes:
+            out.append(cursor)
+            cursor = (cursor + max(int(v) % n, 1)) % n
+        return out
 
     def first_row(self, table, shard: int) -> int:
         """The table's first logical row on `shard` (the others follow every N rows):
