@@ -111,7 +111,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -264,23 +264,21 @@ def _hasher(mesh, axes, layout: RowLayout):
                                  out_specs=P(), check_vma=False))
 
 
-def _device_checksum(core, arr: jax.Array, t):
-    """The (unfetched) checksum of table `t`'s `[N * rows_per_shard, ...]` array on `core`'s
-    mesh, laid out by `core.plan.row_layout`."""
-    layout = core.plan.row_layout
-    return _hasher(core.mesh, core.axes, layout)(
+def _checksum(mesh, axes, layout: RowLayout, arr, t):
+    """The (unfetched) checksum of table `t`'s `[N * rows_per_shard, ...]` array laid out by
+    `layout` on `mesh`."""
+    return _hasher(mesh, axes, layout)(
         arr, np.asarray(layout.kernel_params(t), np.int32), np.int32(t.vocabulary_size))
 
 
+def _device_checksum(core, arr: jax.Array, t):
+    """The (unfetched) checksum of table `t`'s array on `core`'s mesh and layout."""
+    return _checksum(core.mesh, core.axes, core.plan.row_layout, arr, t)
+
+
 @functools.lru_cache(maxsize=None)
-def _host_hasher():
-    """jit on the host CPU: the checksum of a logical `[vocabulary_size, ...]` table."""
-
-    def fn(x):
-        i = jnp.arange(x.shape[0], dtype=jnp.int32)
-        return _rows_hash(x, i, jnp.ones(x.shape[:1], bool))
-
-    return jax.jit(fn)
+def _host_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices("cpu")[:1]), ("host",))
 
 
 def _checksum_hex(value) -> str:
@@ -288,10 +286,12 @@ def _checksum_hex(value) -> str:
     return f"{a:08x}{b:08x}"
 
 
-def _logical_checksum(arr: np.ndarray) -> str:
-    """The checksum of a logical table on the host (what `load_tables` verifies)."""
-    cpu = jax.devices("cpu")[0]
-    return _checksum_hex(_host_hasher()(jax.device_put(arr, cpu)))
+def _logical_checksum(arr: np.ndarray, t) -> str:
+    """The checksum of a logical table `t` on the host CPU (what `load_tables` verifies):
+    the same program as on a mesh, over one host device and the logical layout."""
+    mesh = _host_mesh()
+    x = jax.device_put(arr, NamedSharding(mesh, P()))
+    return _checksum_hex(_checksum(mesh, mesh.axis_names, logical_layout(), x, t))
 
 
 def _expected_checksum(reader, meta_table: dict, field: str, leaf: tuple,
@@ -895,14 +895,16 @@ def _same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool
 # Restoring into a MeshEmbedding (any mesh, any stacking)
 
 
-def _check_compatible(plan_table, meta_table: Optional[dict]):
+def _check_compatible(name: str, table, meta_table: Optional[dict],
+                      what: str = "the embedding") -> None:
+    """ValueError unless the stored table (if any) has `table`'s vocabulary size and dim."""
     if meta_table is None:
         return
-    if (meta_table["vocabulary_size"], meta_table["dim"]) != (plan_table.vocabulary_size,
-                                                              plan_table.dim):
-        raise ValueError(f"table {plan_table.name}: the checkpoint has "
-                         f"[{meta_table['vocabulary_size']}, {meta_table['dim']}], the embedding "
-                         f"[{plan_table.vocabulary_size}, {plan_table.dim}]")
+    if (meta_table["vocabulary_size"], meta_table["dim"]) != (table.vocabulary_size,
+                                                              table.dim):
+        raise ValueError(f"table {name}: the checkpoint has "
+                         f"[{meta_table['vocabulary_size']}, {meta_table['dim']}], {what} "
+                         f"[{table.vocabulary_size}, {table.dim}]")
 
 
 def _local_shards(core, shape: tuple) -> list:
@@ -1061,6 +1063,11 @@ def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
     return out
 
 
+def _check_missing(missing: str) -> None:
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RestoredState:
     """What `core_restore` returns.
@@ -1128,8 +1135,7 @@ def core_restore(core, state, source, step: Optional[int] = None, *, item: str =
     checkpoint's row layout is unknown; and ValueError when a stored array
     cannot be read or does not match its checksum.
     """
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+    _check_missing(missing)
     path = _item_dir(source, step, item)
     plan = core.plan
     live = state  # what missing="keep" keeps
@@ -1141,7 +1147,7 @@ def core_restore(core, state, source, step: Optional[int] = None, *, item: str =
         problems = []
         for t in plan.tables:
             m = by_name.get(t.name)
-            _check_compatible(t, m)
+            _check_compatible(t.name, t, m)
             if m is None:
                 problems.append(f"table {t.name} is not in the checkpoint")
                 continue
@@ -1246,8 +1252,7 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
     ValueError, still changing nothing, when a stored array cannot be read or
     does not match its checksum.
     """
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+    _check_missing(missing)
     path = _item_dir(source, step, item)
     emb.build()
     # the observed state is what missing="keep" keeps; a pipelined emb is not flushed
@@ -1291,18 +1296,15 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
                 if m is None:
                     raise ValueError(f"table {name} is not in the checkpoint (it has "
                                      f"{sorted(by_name)})")
-                if (m["vocabulary_size"], m["dim"]) != (cfg.vocabulary_size, cfg.dim):
-                    raise ValueError(f"table {name}: the checkpoint has [{m['vocabulary_size']}, "
-                                     f"{m['dim']}], the feature config "
-                                     f"[{cfg.vocabulary_size}, {cfg.dim}]")
+                _check_compatible(name, cfg, m, "the feature config")
                 wanted.append((cfg, m))
         for _, m in wanted:  # before anything is read
             _check_leaf(reader, ("tables", m["key"]), m, m["dim"])
-        layout = logical_layout()
+        layout, logical = logical_layout(), [_logical_table(m) for _, m in wanted]
 
         def start(i):  # the logical table: one block of the logical layout, on the host
             m = wanted[i][1]
-            return _start_leaf(reader, ("tables", m["key"]), m, layout, _logical_table(m),
+            return _start_leaf(reader, ("tables", m["key"]), m, layout, logical[i],
                                [(0, None)], np.dtype(m.get("dtype", "float32")))
 
         out = {}
@@ -1311,7 +1313,7 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
             for i, current in enumerate(pending):
                 _wait_leaf(current)
                 arr = current.pieces[0][2]
-                _verify(current, lambda: _logical_checksum(arr))
+                _verify(current, lambda: _logical_checksum(arr, logical[i]))
                 out[wanted[i][0]] = arr
         return out
 

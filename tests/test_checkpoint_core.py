@@ -246,8 +246,9 @@ def test_row_layout_recorded_defaulted_and_unknown_refused(tmp_path):
         other = MeshEmbedding(FEATS, OPT, mesh=mesh_of(2), capacities=CAPS)
         other.build()
         before = variables_by_name(other)
-        pattern = (rf"checkpoint item {re.escape(str(root))}/1/embedding lays its rows out by {bad!r} .*"
-                   rf"row layout this embedmesh does not know \(it knows \['mod'\]\)")
+        pattern = (rf"checkpoint item {re.escape(str(root))}/1/embedding lays its rows out "
+                   rf"by {bad!r} .*row layout this embedmesh does not know \(it knows "
+                   rf"\['mod'\]\)")
         with pytest.raises(ValueError, match=pattern):
             ckpt.restore(other, root)
         with pytest.raises(ValueError, match=pattern):
