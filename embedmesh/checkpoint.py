@@ -874,7 +874,7 @@ def _recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard:
     """
     count = dst_layout.count_on_shard(dst, shard)
     index = dst_layout.rows_index(dst, shard)
-    if not isinstance(index, slice):  # rows in no progression: one copy per row
+    if not isinstance(index, slice):  # the layout gives no progression: a copy per row
         return [(r, 1, _stored_row(src_layout, src, int(i)), 1, 1)
                 for r, i in enumerate(np.asarray(index, np.int64)[:count])]
     first, _, step = index.indices(dst.vocabulary_size)
@@ -892,7 +892,7 @@ def _same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool
 
 
 # ---------------------------------------------------------------------------
-# Restoring into a MeshEmbedding (any mesh, any stacking)
+# Restoring onto a core or into a MeshEmbedding (any mesh, any stacking)
 
 
 def _check_compatible(name: str, table, meta_table: Optional[dict],
