@@ -1,4 +1,21 @@
-"""Checkpoints of a `MeshEmbedding` with orbax-checkpoint, portable across device counts.
+"""Checkpoints of embedding state with orbax-checkpoint, portable across device counts.
+
+Two entry points over one implementation:
+
+- the functional core (`EmbeddingCore` + `EmbeddingState`, e.g. inside a
+  user's own jitted train step): `core_state_tree(core, state)`,
+  `core_save_args(core, state)`, `core_save(target, core, state)` and
+  `core_restore(core, state, source) -> RestoredState` (the restored
+  `.state`, the `.step`, and for a pipelined run the `.lookup_tables` its
+  next lookup reads). Pure: the given state is never changed or donated.
+- the stateful facade (`MeshEmbedding`): `state_tree(emb)`, `save_args(emb)`,
+  `save(target, emb)` and `restore(emb, source) -> step`, thin wrappers that
+  take the state (and a pending pipelined update's lookup tables) from `emb`
+  and install the restored state in it.
+
+Everything a checkpoint records comes from the core and its `StackingPlan`
+(tables, stacks, row layout, optimizers, the resolved feature config) and
+from the state (slots, step).
 
 Layout. The embedding state is saved as one orbax pytree (the *embedding
 item*), stored per table rather than per stack, so that it restores into any
@@ -20,15 +37,21 @@ unpipelined restore and serving ignore them. Saving never applies the
 pending update early.
 
 Block j of a table's array (rows `[j * rows_per_shard, (j+1) * rows_per_shard)`)
-holds the table's rows on shard j of the saving mesh: table row `i` is at row
-`((i % N + rotation) % N) * rows_per_shard + i // N` (see `embedmesh.layout.stacking`).
-Each block is sliced on its own device out of the stack arrays, so every
-process writes only its own shards. "meta" records the format version, the
-embedmesh version, N, the step and per table its name, vocabulary size, dim,
-rows per shard, rotation, dtype, combiner, optimizer class and slot names.
+holds the table's block on shard j of the saving mesh, as the plan's row layout
+(`embedmesh.layout.rows`) places it: table row `i` is at row
+`shard_of(i) * rows_per_shard + block_row(i)`. Each block is sliced on its own
+device out of the stack arrays, so every process writes only its own shards.
+"meta" records the format version, the embedmesh version, N, the row layout's
+name ("row_layout": "mod", the only one today; a checkpoint without the key is
+"mod", one naming a layout this embedmesh does not know is refused), the step
+and per table its name, vocabulary size, dim, rows per shard, rotation,
+dtype, combiner, optimizer class and slot names. Re-cutting the stored blocks
+into another layout (other device count, other stacking) goes through the two
+layouts (`RowLayout.rows_index`, `shard_of`, `block_row`, `period`).
 
-The item is an ordinary pytree (`state_tree(emb)`), so it sits beside the
-user's dense parameters in one orbax `Composite` checkpoint:
+The item is an ordinary pytree (`state_tree(emb)`, `core_state_tree(core,
+state)`), so it sits beside the user's dense parameters in one orbax
+`Composite` checkpoint:
 
     mngr = ocp.CheckpointManager(path)                  # async by default
     mngr.save(step, args=ocp.args.Composite(
@@ -36,6 +59,8 @@ user's dense parameters in one orbax `Composite` checkpoint:
         params=ocp.args.StandardSave(params)))
     ...
     embedmesh.checkpoint.restore(emb, mngr)             # any mesh, any stacking
+    # functional core: args=...(embedding=core_save_args(core, state), ...), then
+    # state = embedmesh.checkpoint.core_restore(core, state, mngr).state
     params = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract_params)))["params"]
 
@@ -52,13 +77,16 @@ when the device count is unchanged, strided rows otherwise), straight into
 place, in one tensorstore batch, so a stored chunk is read from disk once.
 The shards are then checked against the array's checksum and written into
 the new state: a stack array is copied on its first write (the live one is
-never donated) and written in place afterwards, and `emb.state` is replaced
-only when every leaf was read and verified, so a failed restore changes
-nothing. Besides the live state, a restore holds one more copy of the state
-(at its end) and at most one table on the host (its new shards). The on-disk format is orbax's; only the reading bypasses orbax's
-per-leaf restore (same tensorstore spec, no whole-table temporaries).
-Serving loads only the parameters
-(`load_tables`, `EmbeddingForServing`): no mesh, optimizer slots never read.
+never donated) and written in place afterwards, and the new state is returned
+(`emb.state` replaced) only when every leaf was read and verified, so a
+failed restore changes nothing. Besides the live state, a restore holds
+one more copy of the state (at its end) and at most one table on the host
+(its new shards). The on-disk format is orbax's; only the reading bypasses
+orbax's per-leaf restore (same tensorstore spec, no whole-table
+temporaries). Serving loads only the parameters (`load_tables`,
+`EmbeddingForServing`): no mesh, optimizer slots never read. Both read
+paths are one: `load_tables` reads a table into the logical layout
+(`embedmesh.layout.rows.logical_layout`) as `restore` reads it into a mesh's.
 
 Integrity: "meta" records per table a checksum of its parameters and of
 each slot (see `CHECKSUM`: a layout-independent sum over logical rows,
@@ -72,6 +100,7 @@ killed halfway leaves the previous step as the latest one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -82,7 +111,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -92,10 +121,13 @@ except ImportError:  # pragma: no cover - depends on the installed orbax
     _ts_utils = None
 
 from embedmesh.config import TableConfig, resolve_feature_config
+from embedmesh.layout.rows import ROW_LAYOUTS, RowLayout, logical_layout, row_layout
+from embedmesh.layout.stacking import TablePlacement
 
 __all__ = ["CHECKSUM", "DEFAULT_ITEM", "EmbeddingCheckpointHandler", "EmbeddingForServing",
-           "EmbeddingRestore", "EmbeddingSave", "FORMAT_VERSION", "latest_step", "load_tables",
-           "read_metadata", "restore", "save", "save_args", "state_tree"]
+           "EmbeddingRestore", "EmbeddingSave", "FORMAT_VERSION", "RestoredState",
+           "core_restore", "core_save", "core_save_args", "core_state_tree", "latest_step",
+           "load_tables", "read_metadata", "restore", "save", "save_args", "state_tree"]
 
 FORMAT = "embedmesh.checkpoint"
 FORMAT_VERSION = 1
@@ -216,29 +248,37 @@ def _rows_hash(x, logical_rows, valid):
 
 
 @functools.lru_cache(maxsize=None)
-def _hasher(mesh, axes, n: int):
-    """jit: (table [n*rows_per_shard, ...] row-sharded, rotation, vocabulary size) ->
-    replicated uint32[2], each device hashing its own shard (then one all-reduce)."""
+def _hasher(mesh, axes, layout: RowLayout):
+    """jit: (table [N*rows_per_shard, ...] row-sharded, the layout's `kernel_params` of the
+    table, vocabulary size) -> replicated uint32[2], each device hashing its own block
+    (its logical rows from the layout) then one all-reduce. The table enters only through
+    its arguments: one program serves every table of a shape."""
 
-    def body(x, rotation, vocab):
+    def body(x, params, vocab):
         j = jax.lax.axis_index(axes)
         q = jnp.arange(x.shape[0], dtype=jnp.int32)
-        i = n * q + (j - rotation) % n
+        i = layout.logical_rows_from_params(params, j, q)
         return jax.lax.psum(_rows_hash(x, i, i < vocab), axes)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()),
                                  out_specs=P(), check_vma=False))
 
 
+def _checksum(mesh, axes, layout: RowLayout, arr, t):
+    """The (unfetched) checksum of table `t`'s `[N * rows_per_shard, ...]` array laid out by
+    `layout` on `mesh`."""
+    return _hasher(mesh, axes, layout)(
+        arr, np.asarray(layout.kernel_params(t), np.int32), np.int32(t.vocabulary_size))
+
+
+def _device_checksum(core, arr: jax.Array, t):
+    """The (unfetched) checksum of table `t`'s array on `core`'s mesh and layout."""
+    return _checksum(core.mesh, core.axes, core.plan.row_layout, arr, t)
+
+
 @functools.lru_cache(maxsize=None)
-def _host_hasher():
-    """jit on the host CPU: the checksum of a logical `[vocabulary_size, ...]` table."""
-
-    def fn(x):
-        i = jnp.arange(x.shape[0], dtype=jnp.int32)
-        return _rows_hash(x, i, jnp.ones(x.shape[:1], bool))
-
-    return jax.jit(fn)
+def _host_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices("cpu")[:1]), ("host",))
 
 
 def _checksum_hex(value) -> str:
@@ -246,10 +286,12 @@ def _checksum_hex(value) -> str:
     return f"{a:08x}{b:08x}"
 
 
-def _logical_checksum(arr: np.ndarray) -> str:
-    """The checksum of a logical table on the host (what `load_tables` verifies)."""
-    cpu = jax.devices("cpu")[0]
-    return _checksum_hex(_host_hasher()(jax.device_put(arr, cpu)))
+def _logical_checksum(arr: np.ndarray, t) -> str:
+    """The checksum of a logical table `t` on the host CPU (what `load_tables` verifies):
+    the same program as on a mesh, over one host device and the logical layout."""
+    mesh = _host_mesh()
+    x = jax.device_put(arr, NamedSharding(mesh, P()))
+    return _checksum_hex(_checksum(mesh, mesh.axis_names, logical_layout(), x, t))
 
 
 def _expected_checksum(reader, meta_table: dict, field: str, leaf: tuple,
@@ -284,8 +326,10 @@ def _optimizer_name(opt) -> Optional[str]:
     return None if opt is None else type(opt).__name__
 
 
-def _metadata(emb, step: int) -> dict:
-    plan, core = emb.plan, emb.core
+def _metadata(core, state, step: int) -> dict:
+    """The "meta" document: everything from the core's plan and optimizers, slot names
+    from the state."""
+    plan = core.plan
     keys = _keys([t.name for t in plan.tables])
     tables = []
     for t in plan.tables:
@@ -297,57 +341,72 @@ def _metadata(emb, step: int) -> dict:
             "dtype": np.dtype(plan.stack(t.stack).dtype).name, "combiner": cfg.combiner,
             "stack": t.stack, "optimizer": _optimizer_name(opt),
             "optimizer_repr": repr(opt) if opt is not None else None,
-            "slots": sorted(emb.state.slots[t.stack]),
+            "slots": sorted(state.slots[t.stack]),
         })
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "embedmesh_version": _version(),
-            "num_shards": plan.num_shards, "step": int(step), "tables": tables}
+            "num_shards": plan.num_shards, "row_layout": plan.row_layout.name,
+            "step": int(step), "tables": tables}
 
 
 LOOKUP_FIELD = "lookup_parameters"  # checksum field of a table's "lookup_tables" array
 
 
-def state_tree(emb) -> dict:
-    """The embedding state of `emb` as an orbax-ready pytree (see the module docstring).
+def core_state_tree(core, state, *, lookup_tables: Optional[dict] = None) -> dict:
+    """The embedding state `state` of `core` (an `EmbeddingCore`) as an orbax-ready pytree
+    (see the module docstring).
 
     Tables and slots are sharded `jax.Array`s laid out per table; a stack
     that holds exactly one table is passed through without a copy, other
-    tables are sliced out of their stacks on their own devices. Saving never
-    changes what the next lookup sees: "tables", "slots" and "step" hold
-    every accepted update (`emb.observed_state()`); in pipelined mode with an
-    update still pending, "lookup_tables" also holds, for the tables of the
-    stacks that update touches, the parameters the next lookup reads (one
-    update stale), so that a pipelined restore resumes the same trajectory.
+    tables are sliced out of their stacks on their own devices. `state` holds
+    every accepted update (a pipelined run passes the state with its pending
+    update applied); `lookup_tables` (`{stack: parameters}`, pipelined with an
+    update pending) are the stacks' parameters the next lookup reads, one
+    update stale, stored as "lookup_tables" so that a pipelined restore resumes
+    the same trajectory. Nothing is changed or donated.
     """
-    emb.build()
-    plan, core = emb.plan, emb.core
-    state, lookup = emb._checkpoint_states()
+    plan = core.plan
+    lookup = dict(lookup_tables or {})
+    unknown = sorted(set(lookup) - {s.name for s in plan.stacks})
+    if unknown:
+        raise ValueError(f"lookup_tables names stacks {unknown} this core does not have "
+                         f"(its stacks: {[s.name for s in plan.stacks]})")
     step = int(jax.device_get(state.step))
-    meta = _metadata(emb, step)
+    meta = _metadata(core, state, step)
     keys = {m["name"]: m["key"] for m in meta["tables"]}
-    tables, slots, lookup_tables = {}, {}, {}
+    tables, slots, stored_lookup = {}, {}, {}
     hashes = {}  # computed on the devices holding the arrays, fetched once
-    hasher = _hasher(core.mesh, core.axes, core.num_shards)
     for t in plan.tables:
         key = keys[t.name]
         tables[key] = _table_block_array(core, state.tables[t.stack], t)
         slots[key] = {name: _table_block_array(core, arr, t)
                       for name, arr in state.slots[t.stack].items()}
-        args = (np.int32(t.rotation), np.int32(t.vocabulary_size))
-        hashes[t.name] = {"parameters": hasher(tables[key], *args)}
-        hashes[t.name].update({name: hasher(arr, *args) for name, arr in slots[key].items()})
+        hashes[t.name] = {"parameters": _device_checksum(core, tables[key], t)}
+        hashes[t.name].update({name: _device_checksum(core, arr, t)
+                               for name, arr in slots[key].items()})
         if t.stack in lookup:
-            lookup_tables[key] = _table_block_array(core, lookup[t.stack], t)
-            hashes[t.name][LOOKUP_FIELD] = hasher(lookup_tables[key], *args)
+            stored_lookup[key] = _table_block_array(core, lookup[t.stack], t)
+            hashes[t.name][LOOKUP_FIELD] = _device_checksum(core, stored_lookup[key], t)
     hashes = jax.device_get(hashes)
     meta["checksum"] = CHECKSUM
     for m in meta["tables"]:
         m["checksums"] = {field: _checksum_hex(h) for field, h in hashes[m["name"]].items()}
-        m["lookup"] = m["key"] in lookup_tables
+        m["lookup"] = m["key"] in stored_lookup
     blob = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8).copy()
     tree = {"tables": tables, "slots": slots, "step": np.asarray(step, np.int64), "meta": blob}
-    if lookup_tables:
-        tree["lookup_tables"] = lookup_tables
+    if stored_lookup:
+        tree["lookup_tables"] = stored_lookup
     return tree
+
+
+def state_tree(emb) -> dict:
+    """The embedding state of `emb` (a `MeshEmbedding`, built if needed) as an orbax-ready
+    pytree: `core_state_tree` of its core and `emb.observed_state()` (every accepted
+    update), with, in pipelined mode with an update still pending, the parameters
+    the next lookup reads as the lookup tables. Saving never changes what the next
+    lookup sees."""
+    emb.build()
+    state, lookup = emb._checkpoint_states()
+    return core_state_tree(emb.core, state, lookup_tables=lookup)
 
 
 class EmbeddingCheckpointHandler(ocp.PyTreeCheckpointHandler):
@@ -374,6 +433,18 @@ class EmbeddingRestore(ocp.args.PyTreeRestore):
     """`PyTreeRestore` of the raw state tree (use `restore` / `load_tables` instead)."""
 
 
+def _save_args_of(tree: dict, compression: bool) -> "ocp.args.CheckpointArgs":
+    return ocp.args.StandardSave(tree) if compression else EmbeddingSave(tree)
+
+
+def core_save_args(core, state, *, lookup_tables: Optional[dict] = None,
+                   compression: bool = False) -> "ocp.args.CheckpointArgs":
+    """Save args of `core_state_tree(core, state, lookup_tables=...)` for one item of an
+    orbax `Composite` (uncompressed by default, see `save_args`)."""
+    return _save_args_of(core_state_tree(core, state, lookup_tables=lookup_tables),
+                         compression)
+
+
 def save_args(emb, *, compression: bool = False) -> "ocp.args.CheckpointArgs":
     """Save args of `state_tree(emb)` for one item of an orbax `Composite`.
 
@@ -381,8 +452,42 @@ def save_args(emb, *, compression: bool = False) -> "ocp.args.CheckpointArgs":
     orbax's registry); `compression=True` gives `ocp.args.StandardSave`
     (zstd). Either restores with `restore` / `load_tables`, or with orbax.
     """
-    tree = state_tree(emb)
-    return ocp.args.StandardSave(tree) if compression else EmbeddingSave(tree)
+    return _save_args_of(state_tree(emb), compression)
+
+
+def _save_items(target, args, step: int, item: str, others: Optional[dict],
+                wait: Optional[bool]) -> bool:
+    """Save the embedding item's `args` and `others` as step `step` of `target`."""
+    items = {item: args}
+    for name, value in (others or {}).items():
+        if name == item:
+            raise ValueError(f"others names the embedding item {item!r}")
+        items[name] = (value if isinstance(value, ocp.args.CheckpointArgs)
+                       else ocp.args.StandardSave(value))
+    own = not isinstance(target, ocp.CheckpointManager)
+    manager = (ocp.CheckpointManager(
+        epath.Path(target), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+        if own else target)
+    try:
+        saved = manager.save(int(step), args=ocp.args.Composite(**items))
+        if wait or (wait is None and own):
+            manager.wait_until_finished()
+    finally:
+        if own:
+            manager.close()
+    return bool(saved)
+
+
+def core_save(target, core, state, step: Optional[int] = None, *,
+              lookup_tables: Optional[dict] = None, item: str = DEFAULT_ITEM,
+              others: Optional[dict] = None, wait: Optional[bool] = None) -> bool:
+    """Save `state` of `core` (and `others`) as step `step` (default: `state.step`) of a
+    checkpoint directory or manager; the arguments are `save`'s, with `lookup_tables`
+    as in `core_state_tree`. Returns whether the manager saved."""
+    if step is None:
+        step = int(jax.device_get(state.step))
+    return _save_items(target, core_save_args(core, state, lookup_tables=lookup_tables),
+                       step, item, others, wait)
 
 
 def save(target, emb, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
@@ -402,26 +507,10 @@ def save(target, emb, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
 
     Returns whether the manager saved (its save policy may skip a step).
     """
-    items = {item: save_args(emb)}
-    for name, value in (others or {}).items():
-        if name == item:
-            raise ValueError(f"others names the embedding item {item!r}")
-        items[name] = (value if isinstance(value, ocp.args.CheckpointArgs)
-                       else ocp.args.StandardSave(value))
+    args = save_args(emb)
     if step is None:
         step = int(jax.device_get(emb.observed_state().step))
-    own = not isinstance(target, ocp.CheckpointManager)
-    manager = (ocp.CheckpointManager(
-        epath.Path(target), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
-        if own else target)
-    try:
-        saved = manager.save(int(step), args=ocp.args.Composite(**items))
-        if wait or (wait is None and own):
-            manager.wait_until_finished()
-    finally:
-        if own:
-            manager.close()
-    return bool(saved)
+    return _save_items(target, args, step, item, others, wait)
 
 
 # ---------------------------------------------------------------------------
@@ -590,6 +679,11 @@ class _Reader:
         self._use_ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(path))
         self._context = _ts_context() if self._use_ocdbt else None
 
+    @functools.cached_property
+    def layout(self) -> RowLayout:
+        """The saving mesh's row layout (a ValueError for one this embedmesh does not know)."""
+        return _stored_layout(self.meta, f"checkpoint item {self.path}")
+
     def _leaf(self, path: tuple):
         leaf = self.tree
         for k in path:
@@ -734,76 +828,83 @@ def _stored_shape_check(shape: tuple, meta_table: dict, n: int, dim: Optional[in
         raise ValueError(f"table {meta_table['name']}: stored dim {shape[1]} != {dim}")
 
 
-def _logical_copies(meta_table: dict, n: int) -> list:
-    """[(dst_start, dst_step, src_start, src_step, rows)] taking the stored blocks of `n`
-    shards to the logical `[vocabulary_size, ...]` table (one contiguous read per block)."""
-    v, rps, rot = (meta_table["vocabulary_size"], meta_table["rows_per_shard"],
-                   meta_table["rotation"])
-    out = []
-    for j in range(n):
-        first = (j - rot) % n
-        out.append((first, n, j * rps, 1, len(range(first, v, n))))
-    return out
+def _stored_layout(meta: dict, where) -> RowLayout:
+    """The row layout of the saving mesh ("row_layout", "mod" when absent)."""
+    name = meta.get("row_layout", "mod")
+    if not isinstance(name, str) or name not in ROW_LAYOUTS:
+        raise ValueError(f"{where} lays its rows out by {name!r} (its 'row_layout'), a row "
+                         f"layout this embedmesh does not know (it knows "
+                         f"{sorted(ROW_LAYOUTS)})")
+    return row_layout(name, int(meta["num_shards"]))
 
 
-def _reshard_copies(meta_table: dict, n_old: int, m: int, rotation: int, shard: int) -> list:
-    """[(dst_start, dst_step, src_start, src_step, rows)] filling new shard `shard` of `m`
-    (rows `[0, count)`) from the stored blocks of `n_old` shards, without index arrays.
+def _stored_table(meta_table: dict, n: int) -> TablePlacement:
+    """A table's stored array as a placement on the saving mesh's `n` shards: a stack of
+    its own, its block on shard j at rows `[j * rows_per_shard, (j+1) * rows_per_shard)`."""
+    v, rps = meta_table["vocabulary_size"], meta_table["rows_per_shard"]
+    return TablePlacement(name=meta_table["name"], index=0, stack=meta_table["name"],
+                          num_shards=n, vocabulary_size=v, padded_vocabulary_size=n * rps,
+                          dim=meta_table["dim"], padded_dim=meta_table["dim"], row_offset=0,
+                          rotation=meta_table["rotation"])
 
-    New shard rows are `i = first + m * r`. With `L = lcm(m, n_old)`, `i % n_old` repeats
-    with period `L / m` in r, so each phase p of r reads one stored block, at local rows
-    `(first + m * p) // n_old + (L / n_old) * q`: an arithmetic progression. Same layout
-    (n_old == m, same rotation) is one contiguous copy.
+
+def _logical_table(meta_table: dict) -> TablePlacement:
+    """The logical `[vocabulary_size, ...]` table as a placement of `logical_layout()`."""
+    return _stored_table(dict(meta_table, rows_per_shard=meta_table["vocabulary_size"],
+                              rotation=0), 1)
+
+
+def _stored_row(layout: RowLayout, t, row: int) -> int:
+    """Where logical row `row` of table `t` is in its stored `[N * rows_per_shard, ...]` array."""
+    return (int(layout.shard_of(t, row)) * t.rows_per_shard + int(layout.block_row(t, row)))
+
+
+def _recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard: int) -> list:
+    """[(dst_start, dst_step, src_start, src_step, rows)] filling block rows
+    `[0, count_on_shard)` of table `dst`'s block on shard `shard` of `dst_layout` from the
+    stored array of table `src` laid out by `src_layout` (block j at rows
+    `j * src.rows_per_shard`), as arithmetic progressions: no index arrays.
+
+    The new block's rows are `i = first + step * r` (`dst_layout.rows_index`). The
+    stored layout repeats every `P` rows, moving `B` rows down the block
+    (`src_layout.period`); with `L = lcm(step, P)`, the rows of phase `p` of `r` (mod
+    `L / step`) sit in one stored block, `(L / P) * B` stored rows apart. Same layout
+    is one contiguous copy per shard; to the logical table (`logical_layout`, step 1),
+    one per stored block.
     """
-    v, rps_old, rot_old = (meta_table["vocabulary_size"], meta_table["rows_per_shard"],
-                           meta_table["rotation"])
-    first = (shard - rotation) % m
-    count = len(range(first, v, m))
-    lcm = m * n_old // int(np.gcd(m, n_old))
-    period, stride = lcm // m, lcm // n_old
-    out = []
-    for p in range(min(period, count)):
-        i0 = first + m * p
-        block = (i0 % n_old + rot_old) % n_old
-        out.append((p, period, block * rps_old + i0 // n_old, stride,
-                    len(range(p, count, period))))
-    return out
+    count = dst_layout.count_on_shard(dst, shard)
+    index = dst_layout.rows_index(dst, shard)
+    if not isinstance(index, slice):  # the layout gives no progression: a copy per row
+        return [(r, 1, _stored_row(src_layout, src, int(i)), 1, 1)
+                for r, i in enumerate(np.asarray(index, np.int64)[:count])]
+    first, _, step = index.indices(dst.vocabulary_size)
+    rows, advance = src_layout.period(src)
+    lcm = step * rows // int(np.gcd(step, rows))
+    phases, stride = lcm // step, (lcm // rows) * advance
+    return [(p, phases, _stored_row(src_layout, src, first + step * p), stride,
+             len(range(p, count, phases))) for p in range(min(phases, count))]
 
 
-def _apply_copies(stored: np.ndarray, copies: list, out: np.ndarray) -> np.ndarray:
-    """numpy reference of a copy list (the tests check the index arithmetic with it)."""
-    for d0, dstep, s0, sstep, rows in copies:
-        if rows > 0:
-            out[d0:d0 + dstep * (rows - 1) + 1:dstep] = \
-                stored[s0:s0 + sstep * (rows - 1) + 1:sstep]
-    return out
-
-
-def _stored_to_logical(stored: np.ndarray, meta_table: dict, n: int) -> np.ndarray:
-    """The logical `[vocabulary_size, ...]` table from its stored block layout (numpy)."""
-    _stored_shape_check(stored.shape, meta_table, n)
-    out = np.empty((meta_table["vocabulary_size"],) + stored.shape[1:], stored.dtype)
-    return _apply_copies(stored, _logical_copies(meta_table, n), out)
-
-
-def _reshard_rows(stored: np.ndarray, meta_table: dict, n_old: int, m: int, rotation: int,
-                  shard: int, out: np.ndarray) -> None:
-    """Fill `out[:count]` with the table's rows on new shard `shard` of `m` (numpy)."""
-    _apply_copies(stored, _reshard_copies(meta_table, n_old, m, rotation, shard), out)
+def _same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool:
+    """Whether the stored blocks are exactly the new blocks of the table."""
+    return (src_layout == dst_layout and src.rows_per_shard == dst.rows_per_shard
+            and tuple(src_layout.kernel_params(src)) == tuple(dst_layout.kernel_params(dst)))
 
 
 # ---------------------------------------------------------------------------
-# Restoring into a MeshEmbedding (any mesh, any stacking)
+# Restoring onto a core or into a MeshEmbedding (any mesh, any stacking)
 
 
-def _check_compatible(plan_table, meta_table: Optional[dict]):
+def _check_compatible(name: str, table, meta_table: Optional[dict],
+                      what: str = "the embedding") -> None:
+    """ValueError unless the stored table (if any) has `table`'s vocabulary size and dim."""
     if meta_table is None:
         return
-    if (meta_table["vocabulary_size"], meta_table["dim"]) != (plan_table.vocabulary_size,
-                                                              plan_table.dim):
-        raise ValueError(f"table {plan_table.name}: the checkpoint has "
-                         f"[{meta_table['vocabulary_size']}, {meta_table['dim']}], the embedding "
-                         f"[{plan_table.vocabulary_size}, {plan_table.dim}]")
+    if (meta_table["vocabulary_size"], meta_table["dim"]) != (table.vocabulary_size,
+                                                              table.dim):
+        raise ValueError(f"table {name}: the checkpoint has "
+                         f"[{meta_table['vocabulary_size']}, {meta_table['dim']}], {what} "
+                         f"[{table.vocabulary_size}, {table.dim}]")
 
 
 def _local_shards(core, shape: tuple) -> list:
@@ -816,12 +917,6 @@ def _local_shards(core, shape: tuple) -> list:
     return sorted(out, key=lambda x: x[0])
 
 
-def _same_layout(core, meta_table: dict, n_old: int, t) -> bool:
-    """Whether the stored blocks are exactly this table's shards on `core`'s mesh."""
-    return (n_old == core.num_shards and meta_table["rotation"] == t.rotation
-            and meta_table["rows_per_shard"] == t.rows_per_shard)
-
-
 def _leaf_name(leaf: tuple) -> str:
     return ".".join(leaf)  # orbax's parameter name for a key path
 
@@ -831,34 +926,48 @@ def _describe(t_name: str, field: str, leaf: tuple) -> str:
     return f"{what} of table {t_name} (array '{_leaf_name(leaf)}')"
 
 
+def _check_leaf(reader, leaf: tuple, meta_table: dict, dim: int) -> None:
+    """ValueError, before anything is read, when an array the metadata lists is missing or
+    has another shape."""
+    if reader.has(leaf) is False:
+        raise ValueError(f"checkpoint item {reader.path} lacks the array "
+                         f"'{_leaf_name(leaf)}' of table {meta_table['name']} that its "
+                         f"metadata lists")
+    _stored_shape_check(reader.shape(leaf), meta_table, int(reader.meta["num_shards"]), dim)
+
+
 @dataclasses.dataclass
 class _Pending:
-    """One leaf being read: this process's new shards of the table, and the reads."""
+    """One leaf being read: the table's new blocks on the host, and the reads."""
 
-    kind: str  # "direct" (stored blocks are these shards) or "resharded"
-    pieces: list  # [(shard j, device, numpy [rows_per_shard, ...])]
+    kind: str  # "direct" (stored blocks are these blocks) or "resharded"
+    pieces: list  # [(shard j, device or None, numpy [rows_per_shard, ...])]
     futures: list
     what: str = ""  # "slot 'accumulators' of table u (array 'slots.u.accumulators')"
     source: str = ""  # the item directory
     checksum: Optional[str] = None  # expected (None: not verified)
 
 
-def _start_leaf(core, reader, leaf: tuple, meta_table: dict, n_old: int, t,
+def _start_leaf(reader, leaf: tuple, meta_table: dict, layout: RowLayout, t, shards: list,
                 dtype, field: str = "parameters") -> _Pending:
-    """Allocate this process's shards of table `t` (new layout) and start reading into them:
-    only the stored rows these shards need, each copied once, straight into place."""
+    """Allocate table `t`'s blocks on `shards` (`[(j, device)]`) of `layout` on the host and
+    start reading the stored array `leaf` into them: only the stored rows these blocks
+    need, each copied once, straight into place (padding rows are zero).
+
+    `restore` reads into this process's shards of a mesh (`plan.row_layout`),
+    `load_tables` into the logical table (`logical_layout()`, one shard)."""
+    n_old = int(reader.meta["num_shards"])
+    src_layout, src = reader.layout, _stored_table(meta_table, n_old)
     stored_shape = reader.shape(leaf)
     _stored_shape_check(stored_shape, meta_table, n_old, t.dim)
-    m, rps = core.num_shards, t.rows_per_shard
     rest = tuple(stored_shape[1:])
     pieces, copies = [], []
-    for j, device in _local_shards(core, (m * rps,) + rest):
-        piece = _host_buffer((rps,) + rest, dtype)
-        count = len(range((j - t.rotation) % m, t.vocabulary_size, m))
-        piece[count:] = 0
+    for j, device in shards:
+        piece = _host_buffer((t.rows_per_shard,) + rest, dtype)
+        piece[layout.count_on_shard(t, j):] = 0
         pieces.append((j, device, piece))
-        copies += [(piece,) + c for c in _reshard_copies(meta_table, n_old, m, t.rotation, j)]
-    kind = "direct" if _same_layout(core, meta_table, n_old, t) else "resharded"
+        copies += [(piece,) + c for c in _recut_copies(src_layout, src, layout, t, j)]
+    kind = "direct" if _same_layout(src_layout, src, layout, t) else "resharded"
     checksum = _expected_checksum(reader, meta_table, field, leaf, dtype)
     what = _describe(t.name, field, leaf)
     try:
@@ -884,11 +993,29 @@ def _drain(pending: Optional[_Pending]) -> None:
             pass
 
 
-def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
-                stats: Optional[dict] = None, *, donate: bool = True) -> jax.Array:
-    """Wait for a leaf's reads, verify its checksum, then return the stack array with it
-    written in: in place (`donate=True`: `stack_array` is consumed), or into a new array
-    (`donate=False`: `stack_array` stays intact)."""
+def _streamed(count: int, start, prefetch: bool):
+    """Yield `start(i)` (a `_Pending`) for i in range(count), in order. With `prefetch` the
+    reads of leaf i+1 are started before leaf i is handed over (two leaves on the host),
+    else after the caller is done with leaf i (one). Use under `contextlib.closing`: if the
+    caller fails, every read still in flight is waited for."""
+    current = following = None
+    try:
+        following = start(0) if count else None
+        for i in range(count):
+            current, following = following, None
+            if prefetch and i + 1 < count:
+                following = start(i + 1)
+            yield current
+            current = None
+            if following is None and i + 1 < count:
+                following = start(i + 1)
+    finally:
+        _drain(current)
+        _drain(following)
+
+
+def _wait_leaf(pending: _Pending, stats: Optional[dict] = None) -> None:
+    """Wait for a leaf's reads; a failed read is a ValueError naming the leaf."""
     try:
         _wait(pending.futures)
     except Exception as e:
@@ -896,6 +1023,25 @@ def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
         raise _read_error(pending.source, pending.what, e) from e
     if stats is not None:
         stats[pending.kind] = stats.get(pending.kind, 0) + 1
+
+
+def _verify(pending: _Pending, checksum) -> None:
+    """Compare the leaf's recorded checksum (if any) with `checksum()` (computed only then)."""
+    if pending.checksum is None:
+        return
+    got = checksum()
+    if got != pending.checksum:
+        raise ValueError(f"checkpoint item {pending.source}: {pending.what} is corrupted: "
+                         f"its checksum is {got}, the checkpoint recorded "
+                         f"{pending.checksum} ({CHECKSUM})")
+
+
+def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
+                stats: Optional[dict] = None, *, donate: bool = True) -> jax.Array:
+    """Wait for a leaf's reads, verify its checksum, then return the stack array with it
+    written in: in place (`donate=True`: `stack_array` is consumed), or into a new array
+    (`donate=False`: `stack_array` stays intact)."""
+    _wait_leaf(pending, stats)
     rest = pending.pieces[0][2].shape[1:] if pending.pieces else stack_array.shape[1:]
     shape = (core.num_shards * t.rows_per_shard,) + tuple(rest)
     # On CPU, device_put aliases the (aligned) buffers: no copy until the write below
@@ -903,14 +1049,11 @@ def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
     pending.pieces = []
     piece = jax.make_array_from_single_device_arrays(shape, core.row_sharding, placed)
     del placed
-    if pending.checksum is not None:
-        got = _checksum_hex(_hasher(core.mesh, core.axes, core.num_shards)(
-            piece, np.int32(t.rotation), np.int32(t.vocabulary_size)))
-        if got != pending.checksum:
-            piece.delete()
-            raise ValueError(f"checkpoint item {pending.source}: {pending.what} is corrupted: "
-                             f"its checksum is {got}, the checkpoint recorded "
-                             f"{pending.checksum} ({CHECKSUM})")
+    try:
+        _verify(pending, lambda: _checksum_hex(_device_checksum(core, piece, t)))
+    except ValueError:
+        piece.delete()
+        raise
     # The first write into a live stack is not donated (`restore` builds the new state
     # beside the live one); later writes into that new array are in place
     out = _writer(core.mesh, core.axes, donate)(stack_array, piece, np.int32(t.local_row_offset))
@@ -920,21 +1063,165 @@ def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
     return out
 
 
+def _check_missing(missing: str) -> None:
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredState:
+    """What `core_restore` returns.
+
+    state: the restored `EmbeddingState` (every saved update; the given state
+      where missing="keep" kept values).
+    step: the restored step count (`int(state.step)`).
+    lookup_tables: `{stack: parameters}` the next lookup reads, for a
+      pipelined restore (`pipelined=True`) of a checkpoint saved with an
+      update pending: the tables one update stale, as the saving run's next
+      lookup would have read them; else empty.
+    """
+
+    state: Any
+    step: int
+    lookup_tables: dict
+
+    def lookup_state(self):
+        """The state the next lookup reads: `state` with `lookup_tables` in place of those
+        stacks' tables and the step before the pending update (just `state` when there
+        are none). A pipelined loop runs that lookup on it, then goes on from `state`."""
+        if not self.lookup_tables:
+            return self.state
+        return dataclasses.replace(self.state,
+                                   tables=dict(self.state.tables, **self.lookup_tables),
+                                   step=self.state.step - 1)
+
+
+def core_restore(core, state, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
+                 missing: str = "error", pipelined: bool = False, prefetch: bool = False,
+                 _stats: Optional[dict] = None) -> RestoredState:
+    """Restore a checkpoint onto `core` (an `EmbeddingCore`): a new state, `state` unchanged.
+
+    The checkpoint may come from any number of devices and any stacking. For
+    each table of `core`'s plan, its parameters and then each slot of `state`
+    are read from disk one at a time, straight into this process's shards of
+    that table in the plan's layout (reading only the stored rows those shards
+    need), checked against the checksum recorded at save (checkpoints written
+    before checksums existed are not checked), and written into the new
+    state's stack arrays. Tables of the checkpoint that the plan lacks are
+    ignored.
+
+    Pure and all or nothing: `state` is never changed or donated (each stack
+    array of the new state is copied from it on its first write, then written
+    in place), so a restore that fails (unreadable or corrupted data, a bad
+    checkpoint) raises and `state` is exactly as it was. The price is one
+    extra copy of the state at the peak of a restore (plus one table, or two
+    with `prefetch`, on the host).
+
+    Args:
+      core: the `EmbeddingCore` (its plan and mesh: any device count).
+      state: its current `EmbeddingState` (e.g. `core.init(key)`): which slots
+        to restore, and what missing="keep" keeps.
+      source, step, item, prefetch: see `restore`.
+      missing: "error" (default) raises ValueError when a table of the plan,
+        or one of its optimizer slots, is not in the checkpoint; "keep" leaves
+        those at their values in `state`.
+      pipelined: also read the "lookup_tables" of a checkpoint saved with an
+        update pending (`RestoredState.lookup_tables`, `lookup_state()`).
+
+    Returns a `RestoredState` (`.state`, `.step`, `.lookup_tables`).
+
+    Raises ValueError before reading anything when a table's vocabulary size
+    or dim differs, something is missing under missing="error" or the
+    checkpoint's row layout is unknown; and ValueError when a stored array
+    cannot be read or does not match its checksum.
+    """
+    _check_missing(missing)
+    path = _item_dir(source, step, item)
+    plan = core.plan
+    live = state  # what missing="keep" keeps
+    with _Reader(path) as reader:
+        meta = reader.meta
+        reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
+        by_name = {m["name"]: m for m in meta["tables"]}
+        todo = []  # (placement, meta table, field) in plan order
+        problems = []
+        for t in plan.tables:
+            m = by_name.get(t.name)
+            _check_compatible(t.name, t, m)
+            if m is None:
+                problems.append(f"table {t.name} is not in the checkpoint")
+                continue
+            todo.append((t, m, "parameters"))
+            for slot in live.slots[t.stack]:
+                if slot in m["slots"]:
+                    todo.append((t, m, slot))
+                else:
+                    problems.append(f"slot {slot!r} of table {t.name} is not in the checkpoint "
+                                    f"(it has {m['slots']}; optimizer {m['optimizer']})")
+        if problems and missing == "error":
+            raise ValueError("cannot restore " + str(path) + ": " + "; ".join(problems) +
+                             " (pass missing='keep' to keep their current values)")
+        if pipelined:  # what the next lookup reads, where an update was pending at save
+            todo += [(t, by_name[t.name], LOOKUP_FIELD) for t in plan.tables
+                     if by_name.get(t.name, {}).get("lookup")]
+        leaves = [("tables", m["key"]) if field == "parameters"
+                  else ("lookup_tables", m["key"]) if field == LOOKUP_FIELD
+                  else ("slots", m["key"], field) for t, m, field in todo]
+        for (t, m, _), leaf in zip(todo, leaves):  # before anything is read
+            _check_leaf(reader, leaf, m, t.dim)
+        # The new state: starts as the live arrays; an array is replaced by a new one on
+        # its first write (not donated: the live one stays intact), written in place after
+        # (the lookup tables, read last, start as the restored tables of their stack)
+        tables = dict(live.tables)
+        slots = {s: dict(v) for s, v in live.slots.items()}
+        lookup = {}
+        fresh = set()  # targets that hold a new array of ours
+
+        def target(i):
+            t, _, field = todo[i]
+            if field == "parameters":
+                return tables[t.stack]
+            if field == LOOKUP_FIELD:
+                return lookup.get(t.stack, tables[t.stack])
+            return slots[t.stack][field]
+
+        def start(i):
+            t, m, field = todo[i]
+            shape = (core.num_shards * t.rows_per_shard,) + reader.shape(leaves[i])[1:]
+            return _start_leaf(reader, leaves[i], m, plan.row_layout, t,
+                               _local_shards(core, shape), target(i).dtype, field)
+
+        with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
+            for i, current in enumerate(pending):
+                t, m, field = todo[i]
+                key = (t.stack, field)
+                out = _place_leaf(core, current, target(i), t, _stats, donate=key in fresh)
+                del current
+                fresh.add(key)
+                if field == "parameters":
+                    tables[t.stack] = out
+                elif field == LOOKUP_FIELD:
+                    lookup[t.stack] = out
+                else:
+                    slots[t.stack][field] = out
+                del out
+        step_count = int(meta["step"])
+    new = dataclasses.replace(live, tables=tables, slots=slots, step=jax.device_put(
+        jnp.asarray(step_count, jnp.int32), core.replicated))
+    return RestoredState(new, step_count, lookup)
+
+
 def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
             missing: str = "error", prefetch: bool = False,
             _stats: Optional[dict] = None) -> int:
     """Restore a checkpoint into `emb` (built if needed) on its own mesh and stacking.
 
-    The checkpoint may come from any number of devices and any stacking. For
-    each table of `emb`, its parameters and then each slot are read from disk
-    one at a time, straight into `emb`'s shards of that table (reading only
-    the stored rows this process's shards need), checked against the
-    checksum recorded at save (checkpoints written before checksums existed
-    are not checked), and written into the new state's stack arrays.
-    Tables of the checkpoint that `emb` lacks are ignored.
+    `core_restore` of `emb`'s core and observed state (see there: any device
+    count, any stacking, one table at a time, checksums verified), then the
+    restored state replaces `emb`'s. Tables of the checkpoint that `emb`
+    lacks are ignored.
 
-    All or nothing: the new state is built beside the live one (each stack
-    array is copied on its first write, then written in place) and replaces
+    All or nothing: the new state is built beside the live one and replaces
     `emb.state` only once every read and check succeeded. A restore that
     fails (unreadable or corrupted data, a bad checkpoint) raises and leaves
     `emb` exactly as it was. The price is one extra copy of the state at
@@ -965,98 +1252,14 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
     ValueError, still changing nothing, when a stored array cannot be read or
     does not match its checksum.
     """
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+    _check_missing(missing)
     path = _item_dir(source, step, item)
     emb.build()
-    plan, core = emb.plan, emb.core
-    live = emb.observed_state()  # what missing="keep" keeps; a pipelined emb is not flushed
-    with _Reader(path) as reader:
-        meta = reader.meta
-        by_name = {m["name"]: m for m in meta["tables"]}
-        n_old = int(meta["num_shards"])
-        todo = []  # (placement, meta table, field) in plan order
-        problems = []
-        for t in plan.tables:
-            m = by_name.get(t.name)
-            _check_compatible(t, m)
-            if m is None:
-                problems.append(f"table {t.name} is not in the checkpoint")
-                continue
-            todo.append((t, m, "parameters"))
-            for slot in live.slots[t.stack]:
-                if slot in m["slots"]:
-                    todo.append((t, m, slot))
-                else:
-                    problems.append(f"slot {slot!r} of table {t.name} is not in the checkpoint "
-                                    f"(it has {m['slots']}; optimizer {m['optimizer']})")
-        if problems and missing == "error":
-            raise ValueError("cannot restore " + str(path) + ": " + "; ".join(problems) +
-                             " (pass missing='keep' to keep their current values)")
-        if emb.pipelined:  # what the next lookup reads, where an update was pending at save
-            todo += [(t, by_name[t.name], LOOKUP_FIELD) for t in plan.tables
-                     if by_name.get(t.name, {}).get("lookup")]
-        leaves = [("tables", m["key"]) if field == "parameters"
-                  else ("lookup_tables", m["key"]) if field == LOOKUP_FIELD
-                  else ("slots", m["key"], field) for t, m, field in todo]
-        for (t, m, field), leaf in zip(todo, leaves):  # before anything is changed
-            if reader.has(leaf) is False:
-                raise ValueError(f"checkpoint item {path} lacks the array "
-                                 f"'{_leaf_name(leaf)}' of table {t.name} that its "
-                                 f"metadata lists")
-            _stored_shape_check(reader.shape(leaf), m, n_old, t.dim)
-        # The new state: starts as the live arrays; an array is replaced by a new one on
-        # its first write (not donated: the live one stays intact), written in place after
-        # (the lookup tables, read last, start as the restored tables of their stack)
-        tables = dict(live.tables)
-        slots = {s: dict(v) for s, v in live.slots.items()}
-        lookup = {}
-        fresh = set()  # targets that hold a new array of ours
-
-        def target_key(i):
-            t, _, field = todo[i]
-            return (t.stack, field)
-
-        def target(i):
-            t, _, field = todo[i]
-            if field == "parameters":
-                return tables[t.stack]
-            if field == LOOKUP_FIELD:
-                return lookup.get(t.stack, tables[t.stack])
-            return slots[t.stack][field]
-
-        def start(i):
-            t, m, field = todo[i]
-            return _start_leaf(core, reader, leaves[i], m, n_old, t, target(i).dtype, field)
-
-        pending = current = None
-        try:
-            pending = start(0) if todo else None
-            for i, (t, m, field) in enumerate(todo):
-                current, pending = pending, None
-                if prefetch and i + 1 < len(todo):
-                    pending = start(i + 1)
-                key = target_key(i)
-                out = _place_leaf(core, current, target(i), t, _stats, donate=key in fresh)
-                current = None
-                fresh.add(key)
-                if field == "parameters":
-                    tables[t.stack] = out
-                elif field == LOOKUP_FIELD:
-                    lookup[t.stack] = out
-                else:
-                    slots[t.stack][field] = out
-                del out
-                if pending is None and i + 1 < len(todo):
-                    pending = start(i + 1)
-        except BaseException:
-            _drain(current)
-            _drain(pending)
-            raise
-        step_count = int(meta["step"])
-    emb._install_restored(type(live)(tables, slots, jax.device_put(
-        jnp.asarray(step_count, jnp.int32), core.replicated)), lookup)
-    return step_count
+    # the observed state is what missing="keep" keeps; a pipelined emb is not flushed
+    restored = core_restore(emb.core, emb.observed_state(), path, item=item, missing=missing,
+                            pipelined=emb.pipelined, prefetch=prefetch, _stats=_stats)
+    emb._install_restored(restored.state, restored.lookup_tables)
+    return restored.step
 
 
 # ---------------------------------------------------------------------------
@@ -1080,7 +1283,7 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
     """
     with _Reader(_item_dir(source, step, item)) as reader:
         meta = reader.meta
-        n = int(meta["num_shards"])
+        reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
         by_name = {m["name"]: m for m in meta["tables"]}
         if feature_config is None:
             wanted = [(TableConfig(m["vocabulary_size"], m["dim"], combiner=m["combiner"],
@@ -1093,52 +1296,25 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
                 if m is None:
                     raise ValueError(f"table {name} is not in the checkpoint (it has "
                                      f"{sorted(by_name)})")
-                if (m["vocabulary_size"], m["dim"]) != (cfg.vocabulary_size, cfg.dim):
-                    raise ValueError(f"table {name}: the checkpoint has [{m['vocabulary_size']}, "
-                                     f"{m['dim']}], the feature config "
-                                     f"[{cfg.vocabulary_size}, {cfg.dim}]")
+                _check_compatible(name, cfg, m, "the feature config")
                 wanted.append((cfg, m))
-        out, in_flight = {}, []
+        for _, m in wanted:  # before anything is read
+            _check_leaf(reader, ("tables", m["key"]), m, m["dim"])
+        layout, logical = logical_layout(), [_logical_table(m) for _, m in wanted]
 
-        def finish(entry):  # wait for a table's reads, then verify its checksum
-            arr, futures, what, expected = entry
-            try:
-                _wait(futures)
-            except Exception as e:
-                for other in in_flight:
-                    _drain(_Pending("", [], other[1]))
-                raise _read_error(reader.path, what, e) from e
-            if expected is not None:
-                got = _logical_checksum(arr)
-                if got != expected:
-                    for other in in_flight:
-                        _drain(_Pending("", [], other[1]))
-                    raise ValueError(f"checkpoint item {reader.path}: {what} is corrupted: its "
-                                     f"checksum is {got}, the checkpoint recorded {expected} "
-                                     f"({CHECKSUM})")
+        def start(i):  # the logical table: one block of the logical layout, on the host
+            m = wanted[i][1]
+            return _start_leaf(reader, ("tables", m["key"]), m, layout, logical[i],
+                               [(0, None)], np.dtype(m.get("dtype", "float32")))
 
-        for cfg, m in wanted:
-            leaf = ("tables", m["key"])
-            what = _describe(m["name"], "parameters", leaf)
-            if not reader.has(leaf):
-                raise ValueError(f"checkpoint item {reader.path} lacks the array "
-                                 f"'{_leaf_name(leaf)}' of table {m['name']} that its metadata "
-                                 f"lists")
-            shape = reader.shape(leaf)
-            _stored_shape_check(shape, m, n, m["dim"])
-            dtype = np.dtype(m.get("dtype", "float32"))
-            arr = _host_buffer((m["vocabulary_size"],) + tuple(shape[1:]), dtype)
-            try:
-                futures = reader.start_fill(leaf, [(arr,) + c for c in _logical_copies(m, n)])
-            except Exception as e:
-                raise _read_error(reader.path, what, e) from e
-            in_flight.append((arr, futures, what,
-                              _expected_checksum(reader, m, "parameters", leaf, dtype)))
-            out[cfg] = arr
-            if len(in_flight) > 1:  # at most two tables' reads in flight
-                finish(in_flight.pop(0))
-        while in_flight:
-            finish(in_flight.pop(0))
+        out = {}
+        # at most two tables' reads in flight
+        with contextlib.closing(_streamed(len(wanted), start, prefetch=True)) as pending:
+            for i, current in enumerate(pending):
+                _wait_leaf(current)
+                arr = current.pieces[0][2]
+                _verify(current, lambda: _logical_checksum(arr, logical[i]))
+                out[wanted[i][0]] = arr
         return out
 
 

@@ -23,6 +23,7 @@ from embedmesh.inputs import flatten_inputs_like
 from embedmesh.optimizers import Optimizer
 from embedmesh.host.prefetch import background_map
 from embedmesh.host import preprocess as _pre
+from embedmesh.layout.rows import row_layout
 from embedmesh.layout.stacking import plan_stacking
 
 try:  # 0.2 us: whether any jax trace (jit, grad, vmap, ...) is active on this thread
@@ -81,6 +82,9 @@ class MeshEmbedding:
         applies it first): 20-30% less step time on CPU than two programs.
       mesh: the device mesh (default: see `default_mesh`).
       stack_tables, max_stack_rows: see `plan_stacking`.
+      sharding: the row layout, which shard holds each table row (see
+        `embedmesh.layout.rows`): "mod" (the only one today) puts row `i` on
+        shard `(i % N + rotation) % N`, as TPUEmbeddingV2 does.
       capacities: `{stack: Capacity}` or one `Capacity` (see
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
@@ -93,7 +97,7 @@ class MeshEmbedding:
     def __init__(self, feature_config: Any, optimizer: Optional[Optimizer] = None,
                  pipeline_execution_with_tensor_core: bool = False, *, mesh: Optional[Mesh] = None,
                  stack_tables: bool = True, max_stack_rows: Optional[int] = None,
-                 capacities: Any = None, overflow: Optional[str] = None,
+                 sharding: str = "mod", capacities: Any = None, overflow: Optional[str] = None,
                  check_finite: bool = True, seed: int = 0):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise ValueError(f"optimizer must be one of embedmesh's SGD, Adagrad, "
@@ -105,6 +109,8 @@ class MeshEmbedding:
         self._mesh = mesh
         self._stack_tables = stack_tables
         self._max_stack_rows = max_stack_rows
+        row_layout(sharding, 1)  # a ValueError naming the valid layouts, before build
+        self._sharding = sharding
         self._capacities = capacities
         if overflow is None:
             overflow = "grow" if capacities is None else "error"
@@ -133,7 +139,7 @@ class MeshEmbedding:
         self._mesh = mesh
         self.plan = plan_stacking(self._resolved, mesh.size, stack_tables=self._stack_tables,
                                   max_stack_rows=self._max_stack_rows,
-                                  default_optimizer=self._optimizer)
+                                  default_optimizer=self._optimizer, sharding=self._sharding)
         self.core = EmbeddingCore(self.plan, mesh, self._optimizer)
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
@@ -510,8 +516,10 @@ class MeshEmbedding:
     def embedding_table_shards(self) -> dict:
         """`{TableConfig: [(device, shard)]}`: each device's rows of the table.
 
-        Shard j holds the table's rows `i` with `(i % N + rotation) % N == j`,
-        in increasing order (padded to the same length with zero rows).
+        Shard j holds the table's rows `plan.row_layout.rows_on_shard(table, j)`
+        in that order (see `embedmesh.layout.rows`; the mod layout: the rows `i`
+        with `(i % N + rotation) % N == j`, increasing), padded to the same length
+        with zero rows.
         """
         self._maybe_build()
         state = self.observed_state()

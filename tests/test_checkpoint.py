@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
 from embedmesh.facade import MeshEmbedding
+from embedmesh.layout.rows import logical_layout, row_layout
 
 from process_helpers import free_port, run_together
 from checkpoint_common import (HashInit, make_batch, make_features, make_tables, train_step,
@@ -424,6 +425,33 @@ def test_two_processes_save_their_own_shards(tmp_path):
     assert all("restored ok" in out for out in outs), outs
 
 
+def apply_copies(stored: np.ndarray, copies: list, out: np.ndarray) -> np.ndarray:
+    """numpy reference of a copy list (checks the index arithmetic of the re-cut)."""
+    for d0, dstep, s0, sstep, rows in copies:
+        if rows > 0:
+            out[d0:d0 + dstep * (rows - 1) + 1:dstep] = \
+                stored[s0:s0 + sstep * (rows - 1) + 1:sstep]
+    return out
+
+
+def placed_on(meta: dict, n: int, rotation: int):
+    """A table of `meta`'s size laid out on n shards with `rotation` (mod layout)."""
+    return ckpt._stored_table(dict(meta, rows_per_shard=-(-meta["vocabulary_size"] // n),
+                                   rotation=rotation), n)
+
+
+def recut(meta: dict, n_from: int, n_to: int, rotation: int, shard: int) -> list:
+    """The copy list of stored blocks of n_from shards -> new shard `shard` of n_to."""
+    return ckpt._recut_copies(row_layout("mod", n_from), ckpt._stored_table(meta, n_from),
+                              row_layout("mod", n_to), placed_on(meta, n_to, rotation), shard)
+
+
+def to_logical(meta: dict, n: int) -> list:
+    """The copy list of stored blocks of n shards -> the logical table."""
+    return ckpt._recut_copies(row_layout("mod", n), ckpt._stored_table(meta, n),
+                              logical_layout(), ckpt._logical_table(meta), 0)
+
+
 def test_reshard_rows_matches_the_layout_for_any_shard_counts():
     """The strided re-cut of stored blocks equals the mod-sharded layout of the table."""
     rng = np.random.default_rng(0)
@@ -437,13 +465,14 @@ def test_reshard_rows_matches_the_layout_for_any_shard_counts():
             rows = table[(j - rot_old) % n::n]
             stored[j * rps_old:j * rps_old + len(rows)] = rows
         meta = {"name": "x", "vocabulary_size": v, "rows_per_shard": rps_old,
-                "rotation": rot_old}
+                "rotation": rot_old, "dim": 3}
         for k in range(m):
             out = np.full((rps, 3), np.nan)
-            ckpt._reshard_rows(stored, meta, n, m, rot, k, out)
+            apply_copies(stored, recut(meta, n, m, rot, k), out)
             want = table[(k - rot) % m::m]
             np.testing.assert_array_equal(out[:len(want)], want)
-        np.testing.assert_array_equal(ckpt._stored_to_logical(stored, meta, n), table)
+        np.testing.assert_array_equal(
+            apply_copies(stored, to_logical(meta, n), np.full((v, 3), np.nan)), table)
 
 
 def test_reader_fills_strided_rows_with_a_cast(sources):
@@ -457,14 +486,13 @@ def test_reader_fills_strided_rows_with_a_cast(sources):
         for n_to, rot in ((3, 1), (8, 5), (4, m["rotation"])):
             rps = -(-m["vocabulary_size"] // n_to)
             for j in range(n_to):
-                copies = ckpt._reshard_copies(m, 4, n_to, rot, j)
-                want = ckpt._apply_copies(stored, copies, np.zeros((rps, m["dim"]), np.float32))
+                copies = recut(m, 4, n_to, rot, j)
+                want = apply_copies(stored, copies, np.zeros((rps, m["dim"]), np.float32))
                 got = np.zeros((rps, m["dim"]), np.float64)
                 ckpt._wait(reader.start_fill(leaf, [(got,) + c for c in copies]))
                 np.testing.assert_array_equal(got, want.astype(np.float64))
         logical = np.zeros((m["vocabulary_size"], m["dim"]), np.float64)
-        ckpt._wait(reader.start_fill(leaf, [(logical,) + c
-                                            for c in ckpt._logical_copies(m, 4)]))
+        ckpt._wait(reader.start_fill(leaf, [(logical,) + c for c in to_logical(m, 4)]))
         np.testing.assert_array_equal(logical, sources[4]["saved"]["d"]["parameters"])
 
 

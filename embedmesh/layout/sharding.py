@@ -1,10 +1,9 @@
 """Move arrays between the logical and the sharded layouts (`plan.row_layout`).
 
-With a `StackingPlan` for N shards, table row `i` lives on shard
-`(i % N + rotation) % N` at local row `local_row_offset + i // N` of its stack
-(see `embedmesh.layout.stacking`). So the rows of one table on one shard are the
-strided slice `table[(shard - rotation) % N :: N]`, padded with zero rows to
-`rows_per_shard`: no gather, no full-stack copy.
+With a `StackingPlan` for N shards, the rows of one table on one shard are
+`table[plan.row_layout.rows_index(table, shard)]` (see `embedmesh.layout.rows`),
+padded with zero rows to `rows_per_shard`; for the mod layout, the strided
+slice `table[(shard - rotation) % N :: N]`: no gather, no full-stack copy.
 
 Table-level helpers (checkpoints, serving): `table_to_shards`,
 `shards_to_table`, `table_shard`, `table_rows_on_shard`.

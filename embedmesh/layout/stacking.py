@@ -2,22 +2,29 @@
 
 Tables whose padded dim, optimizer and dtype match are *stacked*: their rows
 are concatenated into one array so that one lookup serves all their features.
-The stacked array is mod-sharded over the `N` shards of the mesh.
+The stacked array is sharded over the `N` shards of the mesh by the plan's
+row layout (`plan.row_layout`, `embedmesh.layout.rows`; `sharding="mod"`, the
+only one today).
 
 Layout of one stack (every number here is static, a pure function of the
 feature config and `N`):
 
-- a table of `V` rows is padded to `Vp = ceil(V / N) * N` rows and occupies
-  stacked rows `[row_offset, row_offset + Vp)`, `row_offset` a multiple of N;
-  on every shard it owns the local rows
-  `[row_offset // N, row_offset // N + Vp // N)` (its `local_row_offset`);
-- table row `i` lives on shard `(i % N + rotation) % N` at local row
-  `local_row_offset + i // N`; its *stacked row* is `local_row * N + shard`,
-  so stacked row `r` lives on shard `r % N` at local row `r // N`;
-- `rotation` spreads small tables: a cursor moves over the shards, starting
-  each table where the previous one's last, partial round of rows ended (and
-  at least one shard further), so that e.g. eight one-row tables land on
-  eight different shards and row 0 of consecutive big tables does too;
+- a table occupies a block of `rows_per_shard = row_layout.block_rows(V)`
+  local rows on every shard (its rows there, then padding; mod: `ceil(V / N)`),
+  the blocks of a stack's tables one after another: the table's block starts
+  at local row `local_row_offset` (`row_offset // N`, where `row_offset`, a
+  multiple of N, counts the padded rows `Vp = N * rows_per_shard` of the
+  tables before it);
+- table row `i` lives on shard `row_layout.shard_of(i)` at local row
+  `local_row_offset + row_layout.block_row(i)` (mod: shard
+  `(i % N + rotation) % N`, block row `i // N`); its *stacked row* is
+  `local_row * N + shard` (an encoding of the pair, whatever the layout:
+  stacked row `r` is shard `r % N`, local row `r // N`);
+- `rotation` (`row_layout.rotations`) spreads small tables: a cursor moves
+  over the shards, starting each table where the previous one's last, partial
+  round of rows ended (and at least one shard further), so that e.g. eight
+  one-row tables land on eight different shards and row 0 of consecutive big
+  tables does too;
 - the stack's dim is padded to a multiple of `dim_multiple` (default 8);
   padded columns and padded rows are zero and never touched by a lookup.
 
@@ -301,7 +308,7 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
         current: list[int] = []
         rows = 0
         for i in members:
-            vp = _round_up(resolved.tables[i].vocabulary_size, n)
+            vp = layout.block_rows(resolved.tables[i].vocabulary_size) * n
             if current and max_stack_rows is not None and rows + vp > max_stack_rows:
                 stacks_idx.append((key, current))
                 current, rows = [], 0
@@ -310,12 +317,8 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
         stacks_idx.append((key, current))
     stacks_idx.sort(key=lambda s: s[1][0])
 
-    # Rotation: a cursor over the shards, in table order (see module docstring).
-    rotation = {}
-    cursor = 0
-    for i, t in enumerate(resolved.tables):
-        rotation[i] = cursor
-        cursor = (cursor + max(t.vocabulary_size % n, 1)) % n
+    # Rotation: the layout's parameter per table, in table order (see module docstring).
+    rotation = dict(enumerate(layout.rotations([t.vocabulary_size for t in resolved.tables])))
 
     table_placements: dict[int, TablePlacement] = {}
     stack_specs = []
@@ -330,7 +333,7 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
         offset = 0
         for i in members:
             t = resolved.tables[i]
-            vp = _round_up(t.vocabulary_size, n)
+            vp = layout.block_rows(t.vocabulary_size) * n
             table_placements[i] = TablePlacement(
                 name=resolved.table_names[i], index=i, stack=name, num_shards=n,
                 vocabulary_size=t.vocabulary_size, padded_vocabulary_size=vp, dim=t.dim,
