@@ -1,4 +1,4 @@
-"""The CPU kernels of `embedmesh.device.ops` against their pure-JAX references.
+"""The device ops: their CPU kernels against their pure-JAX references, the dispatch.
 
 Skipped where the kernels cannot be built (no C++ compiler); the fallbacks are
 exercised by every other test in that case, and here too with
@@ -11,14 +11,16 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from embedmesh.device import ops as cpu_ops
+from embedmesh import _runtime
+from embedmesh.device import ops
+from embedmesh.device.ops import cpu, reference
 from embedmesh.optimizers import SGD, Adagrad, AdagradMomentum
 
-PAD = cpu_ops.PAD_ID
+PAD = ops.PAD_ID
 
-needs_kernels = pytest.mark.skipif(not cpu_ops.available(),
+needs_kernels = pytest.mark.skipif(not cpu.ready(),
                                    reason=f"CPU kernels unavailable: "
-                                          f"{cpu_ops.unavailable_reason()}")
+                                          f"{cpu.unavailable_reason()}")
 
 
 def rng(seed=0):
@@ -42,8 +44,8 @@ def test_gather_rows(dtype):
     r = rng(1)
     table = jnp.asarray((r.standard_normal((500, 7)) * 10).astype(np.float32)).astype(dtype)
     ids = ids_with_padding(r, 500, 300, 250, sort=False, extra_bad=[(3, 501), (4, 500)])
-    got = jax.jit(cpu_ops.gather_rows)(table, jnp.asarray(ids))
-    want = cpu_ops._gather_rows_jax(table, jnp.asarray(ids))
+    got = jax.jit(ops.gather_rows)(table, jnp.asarray(ids))
+    want = reference.gather_rows(table, jnp.asarray(ids))
     assert got.dtype == table.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.asarray(got[3]).any() and not np.asarray(got[-1]).any()
@@ -54,9 +56,9 @@ def test_gather_rows_large_output_and_empty():
     r = rng(2)
     table = jnp.asarray(r.standard_normal((20000, 64)).astype(np.float32))
     ids = jnp.asarray(r.integers(0, 20000, 40000).astype(np.int32))  # 10 MiB output
-    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_ops.gather_rows)(table, ids)),
+    np.testing.assert_array_equal(np.asarray(jax.jit(ops.gather_rows)(table, ids)),
                                   np.asarray(table)[np.asarray(ids)])
-    empty = jax.jit(cpu_ops.gather_rows)(table, jnp.zeros((0,), jnp.int32))
+    empty = jax.jit(ops.gather_rows)(table, jnp.zeros((0,), jnp.int32))
     assert empty.shape == (0, 64)
 
 
@@ -66,15 +68,15 @@ def test_scatter_rows_in_place_and_copy():
     base = r.standard_normal((400, 5)).astype(np.float32)
     ids = ids_with_padding(r, 400, 128, 100, sort=False, extra_bad=[(0, 400)])
     vals = r.standard_normal((128, 5)).astype(np.float32)
-    want = np.asarray(cpu_ops._scatter_rows_jax(jnp.asarray(base), jnp.asarray(ids),
+    want = np.asarray(reference.scatter_rows(jnp.asarray(base), jnp.asarray(ids),
                                                 jnp.asarray(vals)))
     # not donated: XLA copies the operand, the input stays intact
     t = jnp.asarray(base)
-    got = jax.jit(cpu_ops.scatter_rows)(t, jnp.asarray(ids), jnp.asarray(vals))
+    got = jax.jit(ops.scatter_rows)(t, jnp.asarray(ids), jnp.asarray(vals))
     np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(np.asarray(t), base)
     # donated: in place
-    f = jax.jit(cpu_ops.scatter_rows, donate_argnums=0)
+    f = jax.jit(ops.scatter_rows, donate_argnums=0)
     got = f(jnp.asarray(base), jnp.asarray(ids), jnp.asarray(vals))
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -102,12 +104,12 @@ def test_segment_gather_sum(mapped):
         if 0 <= sidx[q] < m and 0 <= didx[q] < segs:
             want[didx[q]] += gains[q] * src_used[sidx[q]]
     if mapped:
-        fn = jax.jit(lambda t, s, i, g, dd: cpu_ops.segment_gather_sum(t, i, g, dd, segs,
+        fn = jax.jit(lambda t, s, i, g, dd: ops.segment_gather_sum(t, i, g, dd, segs,
                                                                        src_map=s))
         got = fn(jnp.asarray(table), jnp.asarray(smap), jnp.asarray(sidx), jnp.asarray(gains),
                  jnp.asarray(didx))
     else:
-        fn = jax.jit(lambda s, i, g, dd: cpu_ops.segment_gather_sum(s, i, g, dd, segs))
+        fn = jax.jit(lambda s, i, g, dd: ops.segment_gather_sum(s, i, g, dd, segs))
         got = fn(jnp.asarray(src), jnp.asarray(sidx), jnp.asarray(gains), jnp.asarray(didx))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
@@ -135,7 +137,7 @@ def test_dedup_sum(case):
         if v != PAD:
             want_sums[v] = want_sums.get(v, 0) + grads[i].astype(np.float64)
     keys = sorted(want_sums)
-    uniq, sums = jax.jit(cpu_ops.dedup_sum)(jnp.asarray(ids), jnp.asarray(grads))
+    uniq, sums = jax.jit(ops.dedup_sum)(jnp.asarray(ids), jnp.asarray(grads))
     uniq, sums = np.asarray(uniq), np.asarray(sums)
     assert list(uniq[:len(keys)]) == keys
     assert (uniq[len(keys):] == PAD).all()
@@ -143,7 +145,7 @@ def test_dedup_sum(case):
                                rtol=1e-5, atol=1e-6)
     assert not sums[len(keys):].any()
     # the pure-JAX fallback agrees
-    ju, js = jax.jit(cpu_ops._dedup_sum_jax)(jnp.asarray(ids), jnp.asarray(grads))
+    ju, js = jax.jit(reference.dedup_sum)(jnp.asarray(ids), jnp.asarray(grads))
     np.testing.assert_array_equal(np.asarray(ju), uniq)
     np.testing.assert_allclose(np.asarray(js), sums, rtol=1e-5, atol=1e-6)
 
@@ -168,7 +170,7 @@ def test_sparse_update_matches_update_rows(opt):
     ids = ids_with_padding(r, rows, 128, 100, sort=True)
     grads = r.standard_normal((128, d)).astype(np.float32)
     step = jnp.int32(3)
-    f = jax.jit(lambda t, s, i, g, st: cpu_ops.sparse_update(opt, t, s, i, g, st),
+    f = jax.jit(lambda t, s, i, g, st: ops.sparse_update(opt, t, s, i, g, st),
                 donate_argnums=(0, 1))
     got_t, got_s = f(jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()},
                      jnp.asarray(ids), jnp.asarray(grads), step)
@@ -181,23 +183,23 @@ def test_sparse_update_matches_update_rows(opt):
 @needs_kernels
 def test_huge_page_copy():
     x = jnp.arange(3 * (1 << 20), dtype=jnp.float32).reshape(-1, 64)  # 12 MiB
-    y = jax.jit(cpu_ops.huge_page_copy)(x)
+    y = jax.jit(ops.huge_page_copy)(x)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 
 
 def test_fallbacks_without_kernels(monkeypatch):
     """With the kernels off, every op runs its pure-JAX reference."""
-    monkeypatch.setitem(cpu_ops._state, "ok", False)
+    monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
     r = rng(7)
     table = jnp.asarray(r.standard_normal((50, 4)).astype(np.float32))
     ids = jnp.asarray(np.array([3, 1, PAD, 7], np.int32))
-    np.testing.assert_array_equal(np.asarray(cpu_ops.gather_rows(table, ids)),
-                                  np.asarray(cpu_ops._gather_rows_jax(table, ids)))
-    u, s = cpu_ops.dedup_sum(jnp.asarray(np.array([[1, 3, PAD]], np.int32)),
+    np.testing.assert_array_equal(np.asarray(ops.gather_rows(table, ids)),
+                                  np.asarray(reference.gather_rows(table, ids)))
+    u, s = ops.dedup_sum(jnp.asarray(np.array([[1, 3, PAD]], np.int32)),
                              jnp.ones((3, 4), jnp.float32))
     assert list(np.asarray(u)) == [1, 3, PAD]
     assert not np.asarray(s)[2].any()
-    t, sl = cpu_ops.sparse_update(Adagrad(0.1), table, {"accumulators": jnp.ones_like(table)},
+    t, sl = ops.sparse_update(Adagrad(0.1), table, {"accumulators": jnp.ones_like(table)},
                                   ids, jnp.ones((4, 4), jnp.float32), jnp.int32(0))
     assert t.shape == table.shape and sl["accumulators"].shape == table.shape
 
@@ -208,7 +210,7 @@ def test_fallbacks_without_kernels(monkeypatch):
 def test_full_on_a_device(dtype, value, min_bytes):
     device = jax.devices()[1]
     shape = (1000, 37)  # not a multiple of the kernel's tile
-    got = cpu_ops.full(shape, value, dtype, device, min_bytes=min_bytes)
+    got = ops.full(shape, value, dtype, device, min_bytes=min_bytes)
     assert got.devices() == {device} and got.dtype == dtype and got.shape == shape
     np.testing.assert_array_equal(np.asarray(got, np.float64),
                                   np.full(shape, np.asarray(value, dtype), np.float64))
@@ -252,13 +254,13 @@ def test_backward_update_matches_unfused(case, opt):
     table = r.standard_normal((rows, d)).astype(np.float32)
     slots = {k: np.full((rows, d), v, np.float32) for k, v in opt.slot_initial_values.items()}
     step = jnp.int32(2)
-    fused = jax.jit(lambda t, s, *a: cpu_ops.backward_update(opt, t, s, *a, step))
+    fused = jax.jit(lambda t, s, *a: ops.backward_update(opt, t, s, *a, step))
     got_t, got_s = fused(jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()},
                          *(jnp.asarray(x) for x in (ids, act, pr, pu, pg)))
     # the unfused reference, all in pure JAX
-    per = cpu_ops._segment_gather_sum_jax(jnp.asarray(act), jnp.asarray(pr), jnp.asarray(pg),
-                                          jnp.asarray(pu), u_cap)
-    uniq, g = cpu_ops._sort_dedup_sum_jax(jnp.asarray(ids)[None], per)
+    per = reference.segment_gather_sum(jnp.asarray(act), jnp.asarray(pr), jnp.asarray(pg),
+                                       jnp.asarray(pu), num_segments=u_cap)
+    uniq, g = reference.dedup_sum_by_sort(jnp.asarray(ids)[None], per)
     want_t, want_s = _reference_update(opt, table, slots, np.asarray(uniq), np.asarray(g),
                                        step)
     np.testing.assert_allclose(np.asarray(got_t), np.asarray(want_t), rtol=2e-6, atol=1e-6)
