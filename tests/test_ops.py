@@ -5,15 +5,23 @@ exercised by every other test in that case, and here too with
 `EMBEDMESH_CPU_KERNELS=0`.
 """
 
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
+from hypothesis import given, settings, strategies as st
 
 from embedmesh import _runtime
 from embedmesh.device import ops
 from embedmesh.device.ops import cpu, reference
+from embedmesh.device.ops.cpu import kernels as cpu_kernels
 from embedmesh.optimizers import SGD, Adagrad, AdagradMomentum
 
 PAD = ops.PAD_ID
@@ -279,3 +287,303 @@ def _reference_update(opt, table, slots, uniq, g, step):
     for k in s:
         s[k][uniq[valid]] = np.asarray(ns[k])
     return t, s
+
+
+# ---------------------------------------------------------------------------
+# Random inputs: each primitive op's CPU kernel against its reference
+
+_random_inputs = settings(max_examples=15, deadline=None)
+
+
+@needs_kernels
+@_random_inputs
+@given(seed=st.integers(0, 2 ** 31 - 1), rows=st.sampled_from([1, 37, 300]),
+       dim=st.sampled_from([1, 8]), n=st.sampled_from([0, 5, 256]))
+def test_gather_scatter_kernels_match_references_on_random_inputs(seed, rows, dim, n):
+    r = rng(seed)
+    table = jnp.asarray(r.standard_normal((rows, dim)).astype(np.float32))
+    ids = r.integers(0, rows + 3, n).astype(np.int32)  # some past the end
+    ids[r.random(n) < 0.1] = PAD
+    ids = jnp.asarray(ids)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.gather_rows)(table, ids)),
+                                  np.asarray(jax.jit(reference.gather_rows)(table, ids)))
+    distinct = ids_with_padding(r, rows, n, min(n, rows) // 2, sort=False)
+    vals = jnp.asarray(r.standard_normal((n, dim)).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(cpu_kernels.scatter_rows)(table, jnp.asarray(distinct), vals)),
+        np.asarray(jax.jit(reference.scatter_rows)(table, jnp.asarray(distinct), vals)))
+
+
+@needs_kernels
+@_random_inputs
+@given(seed=st.integers(0, 2 ** 31 - 1), m=st.sampled_from([1, 50]),
+       p=st.sampled_from([0, 7, 400]), segs=st.sampled_from([1, 33]))
+def test_segment_gather_sum_kernels_match_references_on_random_inputs(seed, m, p, segs):
+    r = rng(seed)
+    d = 4
+    src = jnp.asarray(r.standard_normal((m, d)).astype(np.float32))
+    sidx = jnp.asarray(r.integers(0, m + 2, p).astype(np.int32))
+    didx = jnp.asarray(r.integers(-1, segs + 2, p).astype(np.int32))
+    gains = jnp.asarray(r.standard_normal(p).astype(np.float32))
+    args = (src, sidx, gains, didx)
+    got = jax.jit(lambda *a: cpu_kernels.segment_gather_sum(*a, num_segments=segs))(*args)
+    want = jax.jit(lambda *a: reference.segment_gather_sum(*a, num_segments=segs))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    table = jnp.asarray(r.standard_normal((3 * m, d)).astype(np.float32))
+    smap = jnp.asarray(r.integers(0, 3 * m + 2, m).astype(np.int32))
+    args = (table, smap, sidx, gains, didx)
+    got = jax.jit(lambda *a: cpu_kernels.segment_gather_sum_mapped(*a, num_segments=segs))(*args)
+    want = jax.jit(lambda *a: reference.segment_gather_sum_mapped(*a, num_segments=segs))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@_random_inputs
+@given(seed=st.integers(0, 2 ** 31 - 1), blocks=st.sampled_from([1, 3]),
+       u=st.sampled_from([1, 16, 64]), sort=st.booleans())
+def test_dedup_sum_kernel_matches_reference_on_random_inputs(seed, blocks, u, sort):
+    r = rng(seed)
+    ids = np.stack([ids_with_padding(r, 40, u, int(r.integers(0, min(u, 40) + 1)), sort=sort)
+                    for _ in range(blocks)])
+    if not sort:
+        ids[r.random(ids.shape) < 0.2] = 3  # duplicates, in any order
+    grads = jnp.asarray(r.standard_normal((ids.size, 5)).astype(np.float32))
+    ids = jnp.asarray(ids)
+    gu, gs = jax.jit(cpu_kernels.dedup_sum)(ids, grads)
+    wu, ws = jax.jit(reference.dedup_sum)(ids, grads)
+    np.testing.assert_array_equal(np.asarray(gu), np.asarray(wu))
+    np.testing.assert_allclose(np.asarray(gs), np.asarray(ws), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# The dispatch
+
+
+def _random_update_args(dtype=np.float32, slot_names=("accumulators",)):
+    r = rng(9)
+    table = jnp.asarray(r.standard_normal((20, 4)).astype(dtype))
+    slots = {k: jnp.ones((20, 4), dtype) for k in slot_names}
+    return table, slots, jnp.asarray(np.arange(4, dtype=np.int32)), jnp.ones((4, 4))
+
+
+@needs_kernels
+def test_kernel_for_picks_the_cpu_kernel_when_it_takes_the_call():
+    for op in ("gather_rows", "scatter_rows", "segment_gather_sum", "dedup_sum",
+               "sparse_update", "backward_update", "huge_page_copy", "full"):
+        assert ops.kernel_for(op, "cpu") is cpu_kernels.KERNELS[op][0], op
+        assert ops.kernel_for(op, "tpu") is ops.reference_of(op), op  # none registered
+    assert ops.reference_of("gather_rows") is reference.gather_rows
+    table, slots, ids, grads = _random_update_args()
+    fused = cpu_kernels.sparse_update
+    generic = ops.reference_of("sparse_update")
+    call = (table, slots, ids, grads)
+    assert ops.kernel_for("sparse_update", "cpu", *call, optimizer=Adagrad(0.1),
+                          step=0) is fused
+    assert ops.kernel_for("sparse_update", "cpu", table, {}, ids, grads, optimizer=SGD(0.1),
+                          step=0) is fused
+    # the optimizer names no kernel, or the slots / dtypes are not the kernel's
+    assert ops.kernel_for("sparse_update", "cpu", *call, optimizer=AdagradMomentum(0.1),
+                          step=0) is generic
+    assert ops.kernel_for("sparse_update", "cpu", *_random_update_args(jnp.bfloat16),
+                          optimizer=Adagrad(0.1), step=0) is generic
+    assert ops.kernel_for("sparse_update", "cpu", table, {}, ids, grads,
+                          optimizer=Adagrad(0.1), step=0) is generic
+
+    class MyAdagrad(Adagrad):
+        pass
+
+    assert ops.kernel_for("sparse_update", "cpu", *call, optimizer=MyAdagrad(0.1),
+                          step=0) is generic
+    src = jnp.zeros((5, 2), jnp.bfloat16)  # the mapped kernel reads float32 tables only
+    assert ops.kernel_for("segment_gather_sum_mapped", "cpu", src, *[jnp.zeros(1)] * 4,
+                          num_segments=1) is reference.segment_gather_sum_mapped
+
+
+def _custom_calls(fn, *args):
+    return [line for line in jax.jit(fn).lower(*args).as_text().splitlines()
+            if "custom_call @embedmesh" in line]
+
+
+@needs_kernels
+def test_the_platform_of_the_computation_picks_the_kernel(monkeypatch):
+    """A kernel registered for another platform is staged but not run on CPU; the
+    registered CPU kernel is. (Fresh functions each time: jit caches traces.)"""
+    table = jnp.arange(12, dtype=jnp.float32).reshape(6, 2)
+    ids = jnp.asarray(np.array([4, 1, PAD], np.int32))
+    want = np.asarray(reference.gather_rows(table, ids))
+
+    def gather(t, i):
+        return ops.gather_rows(t, i)
+
+    monkeypatch.setitem(ops._KERNELS, "gather_rows", dict(ops._KERNELS["gather_rows"]))
+    ops.register_kernel("gather_rows", "tpu", lambda t, i: reference.gather_rows(t, i) + 7)
+    np.testing.assert_array_equal(np.asarray(jax.jit(gather)(table, ids)), want)
+    assert len(_custom_calls(lambda t, i: ops.gather_rows(t, i), table, ids)) == 1
+    ops.register_kernel("gather_rows", "cpu", lambda t, i: reference.gather_rows(t, i) - 1)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda t, i: ops.gather_rows(t, i))(table, ids)), want - 1)
+    assert ops.kernel_for("gather_rows", "cpu") is not cpu_kernels.gather_rows
+    del ops._KERNELS["gather_rows"]["cpu"]
+    assert ops.kernel_for("gather_rows", "cpu") is reference.gather_rows
+    with pytest.raises(KeyError):
+        ops.register_kernel("no_such_op", "cpu", lambda: None)
+
+
+@needs_kernels
+def test_one_shard_update_is_one_fused_op_and_others_compose():
+    """The one-shard backward + update stages one fused kernel for Adagrad, and the
+    reference's parts (their own kernels) for an optimizer that names none."""
+    r = rng(10)
+    table = jnp.asarray(r.standard_normal((50, 4)).astype(np.float32))
+    ids = jnp.asarray(ids_with_padding(r, 50, 16, 10))
+    act = jnp.asarray(r.standard_normal((8, 4)).astype(np.float32))
+    pr = jnp.asarray(r.integers(0, 8, 30).astype(np.int32))
+    pu = jnp.asarray(np.sort(r.integers(0, 10, 30)).astype(np.int32))
+    pg = jnp.ones((30,), jnp.float32)
+
+    def step(opt, slots):
+        return lambda t, *a: ops.backward_update(opt, t, slots, *a, 0)
+
+    fused = _custom_calls(step(Adagrad(0.1), {"accumulators": table}), table, ids, act, pr, pu,
+                          pg)
+    assert len(fused) == 1 and "embedmesh_backward_adagrad" in fused[0]
+    slots = {"accumulators": table, "momenta": table}
+    parts = " ".join(_custom_calls(step(AdagradMomentum(0.1), slots), table, ids, act, pr, pu,
+                                   pg))
+    for target in ("segment_gather_sum", "dedup_sum", "gather_rows", "scatter_rows"):
+        assert f"embedmesh_{target}" in parts
+
+
+def test_kernels_wanted_only_as_the_switch_and_backend_say(monkeypatch):
+    monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
+    assert not cpu.ready() and "EMBEDMESH_CPU_KERNELS" in cpu.unavailable_reason()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: None)
+    assert not cpu.ready() and "default backend is gpu" in cpu.unavailable_reason()
+    assert ops.kernel_for("gather_rows", "cpu") is reference.gather_rows
+    monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: True)  # =1: anyway
+    from embedmesh.device.ops.cpu import library
+    assert cpu.ready() == library._load()
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_python(code: str, **env_vars) -> str:
+    """Run `code` in a fresh interpreter on this tree, with `env_vars` set."""
+    env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS="cpu")
+    for k in ("EMBEDMESH_CPU_KERNELS", "EMBEDMESH_CPU_THREADS"):
+        env.pop(k, None)
+    env.update(env_vars)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=_ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_switch_off_runs_every_op_as_its_reference():
+    """EMBEDMESH_CPU_KERNELS=0: nothing is built or staged; the results are the references'."""
+    out = _run_python("""
+import jax, jax.numpy as jnp, numpy as np
+from embedmesh.device import ops
+from embedmesh.device.ops import cpu, reference
+from embedmesh.device.ops.cpu import library
+from embedmesh.optimizers import Adagrad
+for op in ops.op_names():
+    assert ops.kernel_for(op, "cpu") is ops.reference_of(op), op
+assert not cpu.ready() and cpu.threads() == 0
+table = jnp.arange(40, dtype=jnp.float32).reshape(10, 4)
+ids = jnp.array([3, 1, ops.PAD_ID, 7], jnp.int32)
+text = jax.jit(ops.gather_rows).lower(table, ids).as_text()
+assert "custom_call" not in text
+np.testing.assert_array_equal(np.asarray(jax.jit(ops.gather_rows)(table, ids)),
+                              np.asarray(reference.gather_rows(table, ids)))
+t, s = jax.jit(lambda t, a, i, g: ops.sparse_update(Adagrad(0.1), t, {"accumulators": a}, i,
+                                                    g, 0))(table, jnp.ones_like(table), ids,
+                                                           jnp.ones((4, 4)))
+r, rs = Adagrad(0.1).update_rows(table[ids[:2]], {"accumulators": jnp.ones((2, 4))},
+                                 jnp.ones((2, 4)), 0)
+np.testing.assert_array_equal(np.asarray(t[ids[:2]]), np.asarray(r))
+assert "lib" not in library._loaded and library.library_path() == ""
+print("off", cpu.unavailable_reason())
+""", EMBEDMESH_CPU_KERNELS="0")
+    assert "off disabled by EMBEDMESH_CPU_KERNELS" in out
+
+
+@needs_kernels
+def test_thread_count_switch_reaches_the_kernels():
+    """EMBEDMESH_CPU_THREADS=n: the library runs n threads a call; importing builds nothing."""
+    out = _run_python("""
+import embedmesh
+from embedmesh.device.ops.cpu import library
+assert not library._loaded, library._loaded
+print("threads", library.threads())
+""", EMBEDMESH_CPU_THREADS="3")
+    assert "threads 3" in out
+    if not os.environ.get("EMBEDMESH_CPU_THREADS"):
+        assert cpu.threads() == _runtime.usable_cores()
+
+
+@needs_kernels
+def test_cpu_pad_id_is_the_runtime_pad_id():
+    assert cpu.pad_id() == _runtime.PAD_ID == ops.PAD_ID
+
+
+def test_kernel_sources_are_package_data():
+    import importlib.resources
+
+    from embedmesh.device.ops.cpu import build
+
+    names = {f.name for f in importlib.resources.files("embedmesh.device.ops.cpu").iterdir()}
+    sources = {os.path.basename(f) for f in build.source_files()}
+    assert {"common.h", "common.cc", "gather_scatter.cc", "segment_sum.cc", "dedup.cc",
+            "update.cc", "memory.cc"} <= sources <= names
+    with open(os.path.join(_ROOT, "pyproject.toml"), "rb") as f:
+        data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    assert set(data["embedmesh.device.ops.cpu"]) >= {"*.cc", "*.h"}
+    with open(os.path.join(build.SOURCE_DIR, "common.h")) as f:
+        assert int(re.search(r"kPad = (\d+);", f.read()).group(1)) == _runtime.PAD_ID
+
+
+def test_no_platform_question_outside_the_ops_layer():
+    device_dir = os.path.dirname(os.path.dirname(ops.__file__))
+    for name in ("core.py", "shard_program.py"):
+        with open(os.path.join(device_dir, name)) as f:
+            text = f.read()
+        for word in ("default_backend", "platform", "available(", "PendingGradients"):
+            assert word not in text, (name, word)
+
+
+# ---------------------------------------------------------------------------
+# Optimizers name their fused kernel
+
+
+def test_optimizers_name_their_fused_kernel():
+    from embedmesh.optimizers import FTRL, Adam
+    assert SGD(0.1).fused_kernel == "sgd"
+    assert Adagrad(0.1, clipvalue=1.0, weight_decay_factor=0.1).fused_kernel == "adagrad"
+    for opt in (AdagradMomentum(0.1), Adam(0.1), Adam(0.1, lazy_adam=False), FTRL(0.1)):
+        assert opt.fused_kernel is None, opt
+
+    class Subclass(SGD):  # may change the rule: no kernel unless it says so
+        pass
+
+    class Declares(Adagrad):
+        _FUSED_KERNEL = "adagrad"
+
+    assert Subclass(0.1).fused_kernel is None
+    assert Declares(0.1).fused_kernel == "adagrad"
+
+
+def test_fused_attrs():
+    inf = float("inf")
+    a = Adagrad(lambda step: 0.5 / (1.0 + step), clipvalue=(-0.1, None),
+                weight_decay_factor=0.01, multiply_weight_decay_factor_by_learning_rate=True,
+                clip_weight_max=0.7).fused_attrs(jnp.int32(1))
+    assert float(a.pop("learning_rate")) == pytest.approx(0.25)
+    assert a == dict(clip_lo=-0.1, clip_hi=inf, wd=0.01, has_wd=True, wd_lr=True, wmin=-inf,
+                     wmax=0.7)
+    b = SGD(0.3).fused_attrs(0)
+    assert float(b.pop("learning_rate")) == pytest.approx(0.3)
+    assert b == dict(clip_lo=-inf, clip_hi=inf, wd=0.0, has_wd=False, wd_lr=False, wmin=-inf,
+                     wmax=inf)
