@@ -11,12 +11,12 @@ import subprocess
 import sys
 import tomllib
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-from hypothesis import given, settings, strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from embedmesh import _runtime
 from embedmesh.device import ops
@@ -415,7 +415,8 @@ def test_the_platform_of_the_computation_picks_the_kernel(monkeypatch):
     def gather(t, i):
         return ops.gather_rows(t, i)
 
-    monkeypatch.setitem(ops._KERNELS, "gather_rows", dict(ops._KERNELS["gather_rows"]))
+    registered = ops._PLATFORM_KERNELS
+    monkeypatch.setitem(registered, "gather_rows", dict(registered["gather_rows"]))
     ops.register_kernel("gather_rows", "tpu", lambda t, i: reference.gather_rows(t, i) + 7)
     np.testing.assert_array_equal(np.asarray(jax.jit(gather)(table, ids)), want)
     assert len(_custom_calls(lambda t, i: ops.gather_rows(t, i), table, ids)) == 1
@@ -423,7 +424,7 @@ def test_the_platform_of_the_computation_picks_the_kernel(monkeypatch):
     np.testing.assert_array_equal(
         np.asarray(jax.jit(lambda t, i: ops.gather_rows(t, i))(table, ids)), want - 1)
     assert ops.kernel_for("gather_rows", "cpu") is not cpu_kernels.gather_rows
-    del ops._KERNELS["gather_rows"]["cpu"]
+    del registered["gather_rows"]["cpu"]
     assert ops.kernel_for("gather_rows", "cpu") is reference.gather_rows
     with pytest.raises(KeyError):
         ops.register_kernel("no_such_op", "cpu", lambda: None)

@@ -260,12 +260,12 @@ class EmbeddingCore:
                                               c.pair_unique[0], c.pair_gains[0],
                                               num_rows=c.rows_per_device, axis_name=axes,
                                               num_shards=N)
-                for slot in c.features:
-                    a = act[slot.row_offset:slot.row_offset + slot.num_rows, :slot.dim]
-                    acts[slot.name] = a.reshape(slot.local_shape()).astype(tables[s].dtype)
+                for feature in c.features:
+                    a = act[feature.row_offset:feature.row_offset + feature.num_rows, :feature.dim]
+                    acts[feature.name] = a.reshape(feature.local_shape()).astype(tables[s].dtype)
             return acts
 
-        out_names = [slot.name for s in stacks for slot in csr[s].features]
+        out_names = [feature.name for s in stacks for feature in csr[s].features]
         fn = jax.shard_map(body, mesh=self.mesh,
                            in_specs=(self._specs(tables), self._specs(csr)),
                            out_specs={n: P(axes) for n in out_names}, check_vma=False)
@@ -305,8 +305,8 @@ class EmbeddingCore:
         """
         first_act = {}
         for s, c in csr.items():
-            for slot in c.features:
-                first_act.setdefault(s, slot.name)
+            for feature in c.features:
+                first_act.setdefault(s, feature.name)
         stacks = [s for s in first_act if s in tables]
         if not stacks:
             return tables
@@ -349,10 +349,10 @@ class EmbeddingCore:
                                  f"or set TableConfig.optimizer")
         grads = {}
         for s in stacks:
-            for slot in csr[s].features:
-                g = gradients.get(slot.name)
+            for feature in csr[s].features:
+                g = gradients.get(feature.name)
                 if g is not None:
-                    grads[slot.name] = g
+                    grads[feature.name] = g
 
         def update(state, ok=None):
             tables = {s: state.tables[s] for s in stacks}
@@ -364,14 +364,14 @@ class EmbeddingCore:
                     c = csr[s]
                     spec = self.plan.stack(s)
                     parts = []
-                    for slot in c.features:
-                        g = grads.get(slot.name)
+                    for feature in c.features:
+                        g = grads.get(feature.name)
                         if g is None:
-                            g = jnp.zeros((slot.num_rows, spec.dim), jnp.float32)
+                            g = jnp.zeros((feature.num_rows, spec.dim), jnp.float32)
                         else:
-                            g = g.reshape(slot.num_rows, slot.dim).astype(jnp.float32)
-                            if slot.dim < spec.dim:
-                                g = jnp.pad(g, ((0, 0), (0, spec.dim - slot.dim)))
+                            g = g.reshape(feature.num_rows, feature.dim).astype(jnp.float32)
+                            if feature.dim < spec.dim:
+                                g = jnp.pad(g, ((0, 0), (0, spec.dim - feature.dim)))
                         parts.append(g)
                     buf = jnp.concatenate(parts, axis=0) if parts else jnp.zeros(
                         (0, spec.dim), jnp.float32)

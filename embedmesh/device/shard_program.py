@@ -38,7 +38,7 @@ def exchange(x, axis_name, num_shards: int):
     return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
-def gather_rows(table_shard, ids):
+def gather_shard_rows(table_shard, ids):
     """Rows of this shard for `ids` of any shape (PAD_ID reads zeros)."""
     flat = ops.gather_rows(table_shard, ids.reshape(-1))
     return flat.reshape(ids.shape + (table_shard.shape[-1],))
@@ -53,7 +53,7 @@ def lookup(table_shard, unique_ids, pair_rows, pair_unique, pair_gains, *, num_r
                                      pair_gains.reshape(-1), pair_rows.reshape(-1), num_rows,
                                      src_map=served_ids.reshape(-1))
         return act, served_ids
-    served_rows = gather_rows(table_shard, served_ids)  # [N, U, D]
+    served_rows = gather_shard_rows(table_shard, served_ids)  # [N, U, D]
     rows = exchange(served_rows, axis_name, num_shards)  # [N, U, D] for my requests
     n, u, d = rows.shape
     flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique).reshape(-1)

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +62,23 @@ import numpy as np
 from embedmesh._runtime import PAD_ID
 from embedmesh.device.ops import cpu, reference
 
-__all__ = ["HUGE_PAGE_MIN_BYTES", "PAD_ID", "Kernel", "backward_update", "dedup_sum", "full",
-           "gather_rows", "huge_page_copy", "kernel_for", "op_names", "reference_of",
-           "register_kernel", "scatter_rows", "segment_gather_sum", "sparse_update"]
+__all__ = [
+    "HUGE_PAGE_MIN_BYTES",
+    "PAD_ID",
+    "Kernel",
+    "backward_update",
+    "dedup_sum",
+    "full",
+    "gather_rows",
+    "huge_page_copy",
+    "kernel_for",
+    "op_names",
+    "reference_of",
+    "register_kernel",
+    "scatter_rows",
+    "segment_gather_sum",
+    "sparse_update",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -83,11 +97,11 @@ class Kernel:
 
     fn: Callable
     ready: Callable[[], bool]
-    supports: Optional[Callable[..., bool]] = None
+    supports: Callable[..., bool] | None = None
 
 
 _REFERENCES: dict[str, Callable] = {}
-_KERNELS: dict[str, dict[str, Kernel]] = {}
+_PLATFORM_KERNELS: dict[str, dict[str, Kernel]] = {}
 
 # Platform names of `jax.Device.platform` -> those of `jax.lax.platform_dependent`.
 _LOWERING_PLATFORMS = {"gpu": ("cuda", "rocm")}
@@ -95,16 +109,21 @@ _LOWERING_PLATFORMS = {"gpu": ("cuda", "rocm")}
 
 def _define(op: str, ref: Callable) -> None:
     _REFERENCES[op] = ref
-    _KERNELS[op] = {}
+    _PLATFORM_KERNELS[op] = {}
 
 
-def register_kernel(op: str, platform: str, fn: Callable, *,
-                    ready: Callable[[], bool] = lambda: True,
-                    supports: Optional[Callable[..., bool]] = None) -> None:
+def register_kernel(
+    op: str,
+    platform: str,
+    fn: Callable,
+    *,
+    ready: Callable[[], bool] = lambda: True,
+    supports: Callable[..., bool] | None = None,
+) -> None:
     """Make `fn` the kernel of `op` on `platform` ("cpu", "gpu", "tpu"), replacing any."""
     if op not in _REFERENCES:
         raise KeyError(f"unknown op {op!r}; ops: {sorted(_REFERENCES)}")
-    _KERNELS[op][platform] = Kernel(fn, ready, supports)
+    _PLATFORM_KERNELS[op][platform] = Kernel(fn, ready, supports)
 
 
 def reference_of(op: str) -> Callable:
@@ -119,10 +138,12 @@ def _takes(kernel: Kernel, args, params) -> bool:
 def kernel_for(op: str, platform: str, *args, **params) -> Callable:
     """What a call of `op` on `platform` runs: its kernel there when one is registered,
     ready, and (given the call's arguments) takes them; else the reference."""
-    kernel = _KERNELS[op].get(platform)
-    if kernel is not None and kernel.ready() and (
-            not (args or params) or kernel.supports is None
-            or kernel.supports(*args, **params)):
+    kernel = _PLATFORM_KERNELS[op].get(platform)
+    if (
+        kernel is not None
+        and kernel.ready()
+        and (not (args or params) or kernel.supports is None or kernel.supports(*args, **params))
+    ):
         return kernel.fn
     return _REFERENCES[op]
 
@@ -132,7 +153,7 @@ def _dispatch(op: str, *args, **params):
     reference, chosen by the platform the computation is lowered for."""
     ref = functools.partial(_REFERENCES[op], **params)
     branches = {}
-    for platform, kernel in _KERNELS[op].items():
+    for platform, kernel in _PLATFORM_KERNELS[op].items():
         if _takes(kernel, args, params):
             fn = functools.partial(kernel.fn, **params)
             for name in _LOWERING_PLATFORMS.get(platform, (platform,)):
@@ -144,7 +165,7 @@ def _dispatch(op: str, *args, **params):
 
 def _dispatch_on(device, op: str, *args, **params):
     """`op(*args, **params)` with the kernel of `device`'s platform, if it takes the call."""
-    kernel = _KERNELS[op].get(device.platform)
+    kernel = _PLATFORM_KERNELS[op].get(device.platform)
     if kernel is not None and _takes(kernel, args, params):
         return kernel.fn(*args, **params)
     return _REFERENCES[op](*args, **params)
@@ -177,10 +198,23 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, num_segments: int, *, src_m
     gains = gains.astype(jnp.float32)
     dst_idx = dst_idx.astype(jnp.int32)
     if src_map is None:
-        return _dispatch("segment_gather_sum", src.astype(jnp.float32), src_idx, gains,
-                         dst_idx, num_segments=num_segments)
-    return _dispatch("segment_gather_sum_mapped", src, src_map.astype(jnp.int32), src_idx,
-                     gains, dst_idx, num_segments=num_segments)
+        return _dispatch(
+            "segment_gather_sum",
+            src.astype(jnp.float32),
+            src_idx,
+            gains,
+            dst_idx,
+            num_segments=num_segments,
+        )
+    return _dispatch(
+        "segment_gather_sum_mapped",
+        src,
+        src_map.astype(jnp.int32),
+        src_idx,
+        gains,
+        dst_idx,
+        num_segments=num_segments,
+    )
 
 
 def dedup_sum(ids, grads):
@@ -203,8 +237,15 @@ def sparse_update(optimizer, table, slots: dict, ids, grads, step):
     scatters them back; a fused kernel (`optimizer.fused_kernel`) does the
     same float32 arithmetic in the same order, in one pass.
     """
-    return _dispatch("sparse_update", table, dict(slots), ids.astype(jnp.int32), grads,
-                     optimizer=optimizer, step=step)
+    return _dispatch(
+        "sparse_update",
+        table,
+        dict(slots),
+        ids.astype(jnp.int32),
+        grads,
+        optimizer=optimizer,
+        step=step,
+    )
 
 
 def _sparse_update_reference(table, slots, ids, grads, *, optimizer, step):
@@ -212,26 +253,38 @@ def _sparse_update_reference(table, slots, ids, grads, *, optimizer, step):
     rows = gather_rows(table, ids)
     old = {k: gather_rows(v, ids) for k, v in slots.items()}
     new_rows, new_slots = optimizer.update_rows(rows, old, grads, step)
-    return (scatter_rows(table, ids, new_rows),
-            {k: scatter_rows(v, ids, new_slots[k]) for k, v in slots.items()})
+    return (
+        scatter_rows(table, ids, new_rows),
+        {k: scatter_rows(v, ids, new_slots[k]) for k, v in slots.items()},
+    )
 
 
-def backward_update(optimizer, table, slots: dict, ids, act_grads, pair_rows, pair_unique,
-                    pair_gains, step):
+def backward_update(
+    optimizer, table, slots: dict, ids, act_grads, pair_rows, pair_unique, pair_gains, step
+):
     """One shard's whole backward + update: `sparse_update` of the rows `ids` [U] with
     `dedup_sum(ids, segment_gather_sum(act_grads, pair_rows, pair_gains, pair_unique, U))`.
 
     A fused kernel does it in one pass over the unique rows (no [U, D]
     gradient buffer): the same sums in the same order, so the same result.
     """
-    return _dispatch("backward_update", table, dict(slots), ids.reshape(-1).astype(jnp.int32),
-                     act_grads.astype(jnp.float32), pair_rows.reshape(-1).astype(jnp.int32),
-                     pair_unique.reshape(-1).astype(jnp.int32),
-                     pair_gains.reshape(-1).astype(jnp.float32), optimizer=optimizer, step=step)
+    return _dispatch(
+        "backward_update",
+        table,
+        dict(slots),
+        ids.reshape(-1).astype(jnp.int32),
+        act_grads.astype(jnp.float32),
+        pair_rows.reshape(-1).astype(jnp.int32),
+        pair_unique.reshape(-1).astype(jnp.int32),
+        pair_gains.reshape(-1).astype(jnp.float32),
+        optimizer=optimizer,
+        step=step,
+    )
 
 
-def _backward_update_reference(table, slots, ids, act_grads, pair_rows, pair_unique,
-                               pair_gains, *, optimizer, step):
+def _backward_update_reference(
+    table, slots, ids, act_grads, pair_rows, pair_unique, pair_gains, *, optimizer, step
+):
     """The backward (`segment_gather_sum`, `dedup_sum`), then `sparse_update`."""
     per_unique = segment_gather_sum(act_grads, pair_rows, pair_gains, pair_unique, ids.shape[0])
     uniq, grads = dedup_sum(ids.reshape(1, -1), per_unique)

@@ -22,8 +22,16 @@ import numpy as np
 
 from embedmesh._runtime import PAD_ID
 
-__all__ = ["dedup_sum", "dedup_sum_by_sort", "full", "gather_rows", "huge_page_copy",
-           "scatter_rows", "segment_gather_sum", "segment_gather_sum_mapped"]
+__all__ = [
+    "dedup_sum",
+    "dedup_sum_by_sort",
+    "full",
+    "gather_rows",
+    "huge_page_copy",
+    "scatter_rows",
+    "segment_gather_sum",
+    "segment_gather_sum_mapped",
+]
 
 
 def gather_rows(table, ids):

@@ -25,7 +25,12 @@ cached. See `library` and `build`.
 """
 
 from embedmesh.device.ops.cpu.kernels import KERNELS
-from embedmesh.device.ops.cpu.library import (library_path, pad_id, ready, threads,
-                                              unavailable_reason)
+from embedmesh.device.ops.cpu.library import (
+    library_path,
+    pad_id,
+    ready,
+    threads,
+    unavailable_reason,
+)
 
 __all__ = ["KERNELS", "library_path", "pad_id", "ready", "threads", "unavailable_reason"]

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Optional
 
 from embedmesh import _runtime
 
@@ -38,8 +37,7 @@ NATIVE = ("-march=native",)
 
 def source_files() -> list[str]:
     """The kernel sources shipped with the package: every `.h` and `.cc` here, by name."""
-    files = glob.glob(os.path.join(SOURCE_DIR, "*.h")) + glob.glob(
-        os.path.join(SOURCE_DIR, "*.cc"))
+    files = glob.glob(os.path.join(SOURCE_DIR, "*.h")) + glob.glob(os.path.join(SOURCE_DIR, "*.cc"))
     return sorted(files, key=os.path.basename)
 
 
@@ -51,10 +49,11 @@ def _cpu_signature() -> str:
         return "".join(sorted(set(lines)))
     except OSError:
         import platform
+
         return platform.machine() + platform.processor()
 
 
-def _compiler() -> Optional[str]:
+def _compiler() -> str | None:
     for c in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if c and shutil.which(c):
             return shutil.which(c)
@@ -62,35 +61,42 @@ def _compiler() -> Optional[str]:
 
 
 def _unity_source(files) -> str:
-    return "".join(f'#include "{f}"\n' for f in files if f.endswith(".cc"))
+    """One translation unit that includes every `.cc` of `files`."""
+    return "".join(f'#include "{source}"\n' for source in files if source.endswith(".cc"))
 
 
-def build_library() -> tuple[Optional[str], str]:
+def build_library() -> tuple[str | None, str]:
     """Path of the built library (building it if needed), or (None, why not)."""
     import jax
     import jaxlib
 
     files = source_files()
-    if not any(f.endswith(".cc") for f in files):
+    if not any(source.endswith(".cc") for source in files):
         return None, f"no kernel sources (*.cc) in {SOURCE_DIR}"
     cxx = _compiler()
     if cxx is None:
         return None, "no C++ compiler found (set CXX)"
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 timeout=60).stdout.splitlines()[:1]
+        version = subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, timeout=60
+        ).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}"
     digest = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as src:
-            digest.update(os.path.basename(f).encode() + b"\0" + src.read() + b"\0")
-    digest.update("\0".join([cxx, *version, jaxlib.__version__, *FLAGS, *NATIVE,
-                             _cpu_signature(), sys.platform]).encode())
+    for source in files:
+        with open(source, "rb") as text:
+            digest.update(os.path.basename(source).encode() + b"\0" + text.read() + b"\0")
+    digest.update(
+        "\0".join(
+            [cxx, *version, jaxlib.__version__, *FLAGS, *NATIVE, _cpu_signature(), sys.platform]
+        ).encode()
+    )
     name = f"embedmesh_cpu_kernels_{digest.hexdigest()[:20]}.so"
     why = "no writable cache directory"
-    for d in (_runtime.cache_dir(),
-              os.path.join(tempfile.gettempdir(), f"embedmesh-{os.getuid()}")):
+    for d in (
+        _runtime.cache_dir(),
+        os.path.join(tempfile.gettempdir(), f"embedmesh-{os.getuid()}"),
+    ):
         path = os.path.join(d, name)
         if os.path.exists(path):
             return path, ""
@@ -98,13 +104,27 @@ def build_library() -> tuple[Optional[str], str]:
             os.makedirs(d, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=d) as tmp:
                 unity = os.path.join(tmp, "embedmesh_cpu_kernels.cc")
-                with open(unity, "w") as f:
-                    f.write(_unity_source(files))
+                with open(unity, "w") as unity_file:
+                    unity_file.write(_unity_source(files))
                 out = os.path.join(tmp, name)
                 for native in (NATIVE, ()):  # a compiler without -march=native: plain
-                    r = subprocess.run([cxx, *FLAGS, *native, "-I", jax.ffi.include_dir(),
-                                        "-I", SOURCE_DIR, unity, "-o", out],
-                                       capture_output=True, text=True, timeout=600)
+                    r = subprocess.run(
+                        [
+                            cxx,
+                            *FLAGS,
+                            *native,
+                            "-I",
+                            jax.ffi.include_dir(),
+                            "-I",
+                            SOURCE_DIR,
+                            unity,
+                            "-o",
+                            out,
+                        ],
+                        capture_output=True,
+                        text=True,
+                        timeout=600,
+                    )
                     if r.returncode == 0:
                         break
                 if r.returncode != 0:

@@ -10,6 +10,9 @@ the documented order).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +29,9 @@ def gather_rows(table, ids):
 
 def scatter_rows(table, ids, rows):
     out = jax.ShapeDtypeStruct(table.shape, table.dtype)
-    return jax.ffi.ffi_call("embedmesh_scatter_rows", out,
-                            input_output_aliases={0: 0})(table, ids, rows)
+    return jax.ffi.ffi_call("embedmesh_scatter_rows", out, input_output_aliases={0: 0})(
+        table, ids, rows
+    )
 
 
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
@@ -38,7 +42,8 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
 def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
     out = jax.ShapeDtypeStruct((num_segments,) + src.shape[1:], jnp.float32)
     return jax.ffi.ffi_call("embedmesh_segment_gather_sum_mapped", out)(
-        src, src_map, src_idx, gains, dst_idx)
+        src, src_map, src_idx, gains, dst_idx
+    )
 
 
 def _float32_source(src, *args, **params) -> bool:
@@ -47,10 +52,13 @@ def _float32_source(src, *args, **params) -> bool:
 
 def dedup_sum(ids, grads):
     m = ids.size
-    outs = (jax.ShapeDtypeStruct((m,), jnp.int32),
-            jax.ShapeDtypeStruct((m,) + grads.shape[1:], jnp.float32))
-    return tuple(jax.ffi.ffi_call("embedmesh_dedup_sum", outs,
-                                  input_output_aliases={1: 1})(ids, grads))
+    outs = (
+        jax.ShapeDtypeStruct((m,), jnp.int32),
+        jax.ShapeDtypeStruct((m,) + grads.shape[1:], jnp.float32),
+    )
+    return tuple(
+        jax.ffi.ffi_call("embedmesh_dedup_sum", outs, input_output_aliases={1: 1})(ids, grads)
+    )
 
 
 # The optimizers the update kernels fuse (`Optimizer.fused_kernel`) and the slots each has.
@@ -60,9 +68,12 @@ _FUSED_SLOTS = {"sgd": (), "adagrad": ("accumulators",)}
 def _fused(table, slots, *args, optimizer, step) -> bool:
     """Whether the fused update kernels take this optimizer, table and slots."""
     kind = optimizer.fused_kernel
-    return (kind in _FUSED_SLOTS and tuple(sorted(slots)) == _FUSED_SLOTS[kind]
-            and table.dtype == jnp.float32
-            and all(v.dtype == jnp.float32 for v in slots.values()))
+    return (
+        kind in _FUSED_SLOTS
+        and tuple(sorted(slots)) == _FUSED_SLOTS[kind]
+        and table.dtype == jnp.float32
+        and all(v.dtype == jnp.float32 for v in slots.values())
+    )
 
 
 def _scalars(optimizer, step):
@@ -79,30 +90,33 @@ def sparse_update(table, slots, ids, grads, *, optimizer, step):
     shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
     if optimizer.fused_kernel == "sgd":
         t = jax.ffi.ffi_call("embedmesh_sparse_sgd", shape, input_output_aliases={0: 0})(
-            table, ids, grads, lr, **attrs)
+            table, ids, grads, lr, **attrs
+        )
         return t, {}
-    t, a = jax.ffi.ffi_call("embedmesh_sparse_adagrad", (shape, shape),
-                            input_output_aliases={0: 0, 1: 1})(
-        table, slots["accumulators"], ids, grads, lr, **attrs)
+    t, a = jax.ffi.ffi_call(
+        "embedmesh_sparse_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
+    )(table, slots["accumulators"], ids, grads, lr, **attrs)
     return t, {"accumulators": a}
 
 
-def backward_update(table, slots, ids, act_grads, pair_rows, pair_unique, pair_gains, *,
-                    optimizer, step):
+def backward_update(
+    table, slots, ids, act_grads, pair_rows, pair_unique, pair_gains, *, optimizer, step
+):
     lr, attrs = _scalars(optimizer, step)
     shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
     if optimizer.fused_kernel == "sgd":
         t = jax.ffi.ffi_call("embedmesh_backward_sgd", shape, input_output_aliases={0: 0})(
-            table, ids, act_grads, pair_rows, pair_unique, pair_gains, lr, **attrs)
+            table, ids, act_grads, pair_rows, pair_unique, pair_gains, lr, **attrs
+        )
         return t, {}
-    t, a = jax.ffi.ffi_call("embedmesh_backward_adagrad", (shape, shape),
-                            input_output_aliases={0: 0, 1: 1})(
-        table, slots["accumulators"], ids, act_grads, pair_rows, pair_unique, pair_gains, lr,
-        **attrs)
+    t, a = jax.ffi.ffi_call(
+        "embedmesh_backward_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
+    )(table, slots["accumulators"], ids, act_grads, pair_rows, pair_unique, pair_gains, lr, **attrs)
     return t, {"accumulators": a}
 
 
-KERNELS = {
+# op name -> (kernel, supports or None)
+KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
     "scatter_rows": (scatter_rows, None),
     "segment_gather_sum": (segment_gather_sum, None),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
-from typing import Optional
 
 from embedmesh import _runtime
 from embedmesh.device.ops.cpu import build
@@ -46,8 +45,9 @@ _loaded: dict = {}  # "lib" (CDLL) and "path" once loaded; "why" once it failed
 
 
 def _warn(why: str) -> None:
-    warnings.warn(f"embedmesh: CPU kernels unavailable, using pure JAX ({why})",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"embedmesh: CPU kernels unavailable, using pure JAX ({why})", RuntimeWarning, stacklevel=4
+    )
 
 
 def _load() -> bool:
@@ -72,9 +72,10 @@ def _load() -> bool:
             lib.EmbedmeshPadId.restype = ctypes.c_int32
             lib.EmbedmeshSetThreads(threads_setting)
             for target, symbol in TARGETS.items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                            platform="cpu")
-        except Exception as e:  # noqa: BLE001 - any failure means: fall back
+                jax.ffi.register_ffi_target(
+                    target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+                )
+        except Exception as e:  # any failure means: fall back
             _loaded["why"] = f"{type(e).__name__}: {e}"
             _warn(_loaded["why"])
             return False
@@ -92,8 +93,7 @@ def _why_not_wanted() -> str:
 
         backend = jax.default_backend()
         if backend != "cpu":
-            return (f"the default backend is {backend} "
-                    f"(EMBEDMESH_CPU_KERNELS=1 builds them anyway)")
+            return f"the default backend is {backend} (EMBEDMESH_CPU_KERNELS=1 builds them anyway)"
     return ""
 
 
@@ -124,7 +124,7 @@ def threads() -> int:
     return int(_loaded["lib"].EmbedmeshThreads())
 
 
-def pad_id() -> Optional[int]:
+def pad_id() -> int | None:
     """The library's padding id, its `kPad` (None when `ready()` is False)."""
     if not ready():
         return None

@@ -19,8 +19,7 @@ import numpy as np
 
 def huge_page_copy(x):
     """A copy of `x` in a buffer advised to use transparent huge pages."""
-    return jax.ffi.ffi_call("embedmesh_huge_page_copy",
-                            jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    return jax.ffi.ffi_call("embedmesh_huge_page_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
 def full(shape: tuple, value, dtype, device):
@@ -32,6 +31,9 @@ def full(shape: tuple, value, dtype, device):
 @functools.lru_cache(maxsize=64)
 def _fill_fn(shape, dtype, device):
     sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(lambda v: jax.ffi.ffi_call("embedmesh_huge_page_fill",
-                                              jax.ShapeDtypeStruct(shape, dtype))(v),
-                   out_shardings=sharding)
+    return jax.jit(
+        lambda v: jax.ffi.ffi_call("embedmesh_huge_page_fill", jax.ShapeDtypeStruct(shape, dtype))(
+            v
+        ),
+        out_shardings=sharding,
+    )
