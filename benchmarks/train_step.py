@@ -22,7 +22,7 @@ within one invocation; medians over rounds of per-round medians:
                     all_to_all).
   embedmesh-core    as embedmesh, as one user `jax.jit` train step over
                     `EmbeddingCore` (lookup, loss, grad, update in one program).
-  embedmesh-base    (with --baseline PATH) `embedmesh` with an older sparse_ops.py.
+  embedmesh-base    (with --baseline PATH) `embedmesh` with an older shard_program.py.
   embedmesh-xla     `embedmesh` with its CPU kernels off (EMBEDMESH_CPU_KERNELS=0):
                     the pure-JAX path, i.e. XLA's own gather/scatter.
   plain-jax         per table `jnp.take` + `segment_sum`, `jax.grad` to the dense
@@ -122,14 +122,14 @@ def loss_of(acts_list):
 
 def embedmesh_setup(batches):
     orig = os.environ.get("EMBEDMESH_BENCH_SPARSE_OPS")
-    if orig:  # a baseline sparse_ops.py (e.g. the version before the CPU kernels)
+    if orig:  # a baseline shard_program.py (e.g. the version before the CPU kernels)
         import importlib.util
 
         from embedmesh.device import core
-        spec = importlib.util.spec_from_file_location("baseline_sparse_ops", orig)
+        spec = importlib.util.spec_from_file_location("baseline_shard_program", orig)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        core.sparse_ops = mod
+        core.shard_program = mod  # it must have this one's interface (lookup, update_shard)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -337,6 +337,7 @@ def child_profile(args, batches):
     import numpy as np
 
     from embedmesh.device import ops as cpu_ops
+    from embedmesh.device.ops import cpu, reference
     from embedmesh.host import preprocess as pre
 
     emb, feats, caps = embedmesh_setup(batches)
@@ -358,6 +359,7 @@ def child_profile(args, batches):
     flat_pr = pr.reshape(-1)
     flat_pg = pg.reshape(-1)
     J = cpu_ops
+    Ref = reference
 
     def med(f, a):
         jax.block_until_ready(f(*a))
@@ -376,7 +378,8 @@ def child_profile(args, batches):
         return statistics.median(ts), state
 
     def xla_update(t, a, i, g):
-        return J._generic_update(opt, t, {"accumulators": a}, i, g, jnp.int32(1))
+        return J.reference_of("sparse_update")(t, {"accumulators": a}, i, g, optimizer=opt,
+                                               step=jnp.int32(1))
 
     out = {}
     huge = []
@@ -388,23 +391,23 @@ def child_profile(args, batches):
         pieces = {  # name: (kernel version, XLA version, args)
             "lookup, 1 shard: combine P pairs from the table": (
                 lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m),
-                lambda t, m, i, g, d: J._segment_gather_sum_jax(
-                    J._gather_rows_jax(t, m), i, g, d, R),
+                lambda t, m, i, g, d: Ref.segment_gather_sum(
+                    Ref.gather_rows(t, m), i, g, d, num_segments=R),
                 (tab, flat_u, flat_pu, flat_pg, flat_pr)),
             "lookup, N shards: gather U unique rows": (
-                J.gather_rows, J._gather_rows_jax, (tab, flat_u)),
+                J.gather_rows, Ref.gather_rows, (tab, flat_u)),
             "lookup, N shards: combine P pairs -> R rows": (
                 lambda r, i, g, d: J.segment_gather_sum(r, i, g, d, R),
-                lambda r, i, g, d: J._segment_gather_sum_jax(r, i, g, d, R),
+                lambda r, i, g, d: Ref.segment_gather_sum(r, i, g, d, num_segments=R),
                 (rows, flat_pu, flat_pg, flat_pr)),
             "backward: P pairs -> U grads": (
                 lambda a, i, g, d: J.segment_gather_sum(a, i, g, d, U),
-                lambda a, i, g, d: J._segment_gather_sum_jax(a, i, g, d, U),
+                lambda a, i, g, d: Ref.segment_gather_sum(a, i, g, d, num_segments=U),
                 (act_g, flat_pr, flat_pg, flat_pu)),
             "owner dedup, 1 list (XLA: sorted check+cond)": (
-                J.dedup_sum, J._dedup_sum_jax, (u, g_u)),
+                J.dedup_sum, Ref.dedup_sum, (u, g_u)),
             "owner dedup, sort + segment sum (old path)": (
-                None, J._sort_dedup_sum_jax, (u, g_u)),
+                None, Ref.dedup_sum_by_sort, (u, g_u)),
             "owner: optimizer math alone (Adagrad, XLA)": (
                 None, lambda r, a, g: opt.update_rows(r, {"accumulators": a}, g, jnp.int32(1)),
                 (rows, rows, g_u)),
@@ -441,8 +444,9 @@ def child_profile(args, batches):
             med(jax.jit(lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m)),
                 (htab, flat_u, flat_pu, flat_pg, flat_pr)))
         add("lookup, 1 shard: combine P pairs, huge pages", "xla",
-            med(jax.jit(lambda t, m, i, g, d: J._segment_gather_sum_jax(
-                J._gather_rows_jax(t, m), i, g, d, R)), (htab, flat_u, flat_pu, flat_pg, flat_pr)))
+            med(jax.jit(lambda t, m, i, g, d: Ref.segment_gather_sum(
+                Ref.gather_rows(t, m), i, g, d, num_segments=R)),
+                (htab, flat_u, flat_pu, flat_pg, flat_pr)))
         name = "owner update (in place), huge pages"
         v, (htab, hacc) = med_donated(fused, (htab, hacc), (flat_u, g_u))
         add(name, "kernel", v)
@@ -481,7 +485,7 @@ def child_profile(args, batches):
     return dict(pieces={k: {kk: statistics.median(vv) if vv else None for kk, vv in v.items()}
                         for k, v in out.items()},
                 U=U, P=P, R=R, n_unique=n_unique, n_pairs=int(np.asarray(c.pair_counts).sum()),
-                kernels=cpu_ops.available(), note="'kernel' = embedmesh.device.ops; "
+                kernels=cpu.ready(), note="'kernel' = embedmesh.device.ops; "
                 "'xla' = the pure-JAX path; pieces without a kernel are XLA either way")
 
 
@@ -569,13 +573,13 @@ def gb(x):
 @contextlib.contextmanager
 def kernels_off():
     """Trace with embedmesh's CPU kernels switched off (the pure-JAX path)."""
-    from embedmesh.device import ops as cpu_ops
-    saved = cpu_ops._state.get("ok")
-    cpu_ops._state["ok"] = False
+    from embedmesh import _runtime
+    saved = _runtime.cpu_kernels_setting
+    _runtime.cpu_kernels_setting = lambda: False
     try:
         yield
     finally:
-        cpu_ops._state["ok"] = saved
+        _runtime.cpu_kernels_setting = saved
 
 
 def print_profile(res):
@@ -602,7 +606,8 @@ def main():
                     help="seconds to wait for enough free memory before skipping a child")
     ap.add_argument("--profile", action="store_true", help="profile embedmesh's step instead")
     ap.add_argument("--json", help="also write the raw results here")
-    ap.add_argument("--baseline", help="path of an older embedmesh/sparse_ops.py: adds the peer "
+    ap.add_argument("--baseline", help="path of an older embedmesh/device/shard_program.py: "
+                    "adds the peer "
                     "embedmesh-base, embedmesh run with it (measures the gain of this one)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

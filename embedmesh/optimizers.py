@@ -209,6 +209,42 @@ class Optimizer(abc.ABC):
         """Whether a step must update every row, not just the looked-up ones."""
         return False
 
+    # The fused device kernel that computes exactly this class's `update_rows`; each
+    # class declares its own (read from the class itself, never inherited).
+    _FUSED_KERNEL: ClassVar[Optional[str]] = None
+
+    @property
+    def fused_kernel(self) -> Optional[str]:
+        """The name of the fused update kernel that applies this optimizer ("sgd",
+        "adagrad"), or None: the device ops then gather the rows, call
+        `update_rows` and scatter them back.
+
+        A kernel computes `update_rows` with every common option (`clipvalue`,
+        weight decay with or without the learning rate, weight clipping, any
+        learning-rate form), taking them from `fused_attrs`. A subclass gets
+        None, since it may change the rule, unless it declares `_FUSED_KERNEL`
+        itself.
+        """
+        return type(self).__dict__.get("_FUSED_KERNEL")
+
+    def fused_attrs(self, step) -> dict:
+        """The scalars a fused kernel applies at `step`, in `update_rows`'s order:
+        `learning_rate` (float32 scalar, traced), the gradient clamp `clip_lo`,
+        `clip_hi` (+-inf: none), the weight decay `wd`, `has_wd` (bool), `wd_lr`
+        (bool: times the learning rate), the weight clamp `wmin`, `wmax`."""
+        inf = float("inf")
+        lo, hi = self.clipvalue if self.clipvalue is not None else (None, None)
+        wd = self.weight_decay_factor
+        return dict(
+            learning_rate=self.learning_rate_at(step),
+            clip_lo=-inf if lo is None else lo,
+            clip_hi=inf if hi is None else hi,
+            wd=wd or 0.0,
+            has_wd=wd is not None,
+            wd_lr=bool(self.multiply_weight_decay_factor_by_learning_rate),
+            wmin=-inf if self.clip_weight_min is None else self.clip_weight_min,
+            wmax=inf if self.clip_weight_max is None else self.clip_weight_max)
+
     def learning_rate_at(self, step) -> jax.Array:
         """The learning rate at `step` as a float32 scalar (jittable)."""
         lr = self.learning_rate
@@ -358,6 +394,8 @@ class SGD(Optimizer):
     accepted (as None) only for uniformity.
     """
 
+    _FUSED_KERNEL: ClassVar[Optional[str]] = "sgd"
+
     learning_rate: LearningRate = 0.01
     use_gradient_accumulation: bool = True
     clip_weight_min: Optional[float] = None
@@ -384,6 +422,7 @@ class Adagrad(Optimizer):
     """
 
     _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators",)
+    _FUSED_KERNEL: ClassVar[Optional[str]] = "adagrad"
 
     learning_rate: LearningRate = 0.001
     initial_accumulator_value: float = 0.1

@@ -232,11 +232,12 @@ def test_pipelined_step_updates_in_place(n, kernels, monkeypatch):
     """The fused lookup + update program does not copy the table (it did: a
     whole-table copy each step, because the lookup and the in-place update
     were unordered for XLA)."""
-    from embedmesh.device import ops as cpu_ops
+    from embedmesh import _runtime
+    from embedmesh.device.ops import cpu
     if not kernels:
-        monkeypatch.setitem(cpu_ops._state, "ok", False)
-    elif not cpu_ops.available():
-        pytest.skip(cpu_ops.unavailable_reason())
+        monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
+    elif not cpu.ready():
+        pytest.skip(cpu.unavailable_reason())
     rows, dim = 200_000, 16
     t = TableConfig(rows, dim, name="big", initializer=lambda k, s, d: jnp.ones(s, d))
     emb = MeshEmbedding({"x": FeatureConfig(t)}, em.Adagrad(0.1), True, mesh=mesh_of(n),

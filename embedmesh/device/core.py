@@ -33,9 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from embedmesh.device import ops as cpu_ops
+from embedmesh.device import ops, shard_program
 from embedmesh.layout import sharding as mod_sharding
-from embedmesh.device import shard_program as sparse_ops
 from embedmesh.host.preprocess import PartitionedCsrFormatTensor
 from embedmesh.layout.stacking import StackingPlan
 
@@ -113,7 +112,7 @@ class EmbeddingCore:
         shape = self.stack_shape(stack)
         datas = []
         for device, index in self.row_sharding.addressable_devices_indices_map(shape).items():
-            buf = cpu_ops.full((S, spec.dim), default, spec.dtype, device)
+            buf = ops.full((S, spec.dim), default, spec.dtype, device)
             for offset, rows in pieces((index[0].start or 0) // S, device):
                 rows = jax.device_put(rows, device)
                 buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset))
@@ -257,16 +256,16 @@ class EmbeddingCore:
             acts = {}
             for s in stacks:
                 c = csr[s]
-                act, _ = sparse_ops.lookup(tables[s], c.unique_ids[0], c.pair_rows[0],
-                                           c.pair_unique[0], c.pair_gains[0],
-                                           num_rows=c.rows_per_device, axis_name=axes,
-                                           num_shards=N)
-                for slot in c.features:
-                    a = act[slot.row_offset:slot.row_offset + slot.num_rows, :slot.dim]
-                    acts[slot.name] = a.reshape(slot.local_shape()).astype(tables[s].dtype)
+                act, _ = shard_program.lookup(tables[s], c.unique_ids[0], c.pair_rows[0],
+                                              c.pair_unique[0], c.pair_gains[0],
+                                              num_rows=c.rows_per_device, axis_name=axes,
+                                              num_shards=N)
+                for feature in c.features:
+                    a = act[feature.row_offset:feature.row_offset + feature.num_rows, :feature.dim]
+                    acts[feature.name] = a.reshape(feature.local_shape()).astype(tables[s].dtype)
             return acts
 
-        out_names = [slot.name for s in stacks for slot in csr[s].features]
+        out_names = [feature.name for s in stacks for feature in csr[s].features]
         fn = jax.shard_map(body, mesh=self.mesh,
                            in_specs=(self._specs(tables), self._specs(csr)),
                            out_specs={n: P(axes) for n in out_names}, check_vma=False)
@@ -306,8 +305,8 @@ class EmbeddingCore:
         """
         first_act = {}
         for s, c in csr.items():
-            for slot in c.features:
-                first_act.setdefault(s, slot.name)
+            for feature in c.features:
+                first_act.setdefault(s, feature.name)
         stacks = [s for s in first_act if s in tables]
         if not stacks:
             return tables
@@ -350,10 +349,10 @@ class EmbeddingCore:
                                  f"or set TableConfig.optimizer")
         grads = {}
         for s in stacks:
-            for slot in csr[s].features:
-                g = gradients.get(slot.name)
+            for feature in csr[s].features:
+                g = gradients.get(feature.name)
                 if g is not None:
-                    grads[slot.name] = g
+                    grads[feature.name] = g
 
         def update(state, ok=None):
             tables = {s: state.tables[s] for s in stacks}
@@ -365,26 +364,23 @@ class EmbeddingCore:
                     c = csr[s]
                     spec = self.plan.stack(s)
                     parts = []
-                    for slot in c.features:
-                        g = grads.get(slot.name)
+                    for feature in c.features:
+                        g = grads.get(feature.name)
                         if g is None:
-                            g = jnp.zeros((slot.num_rows, spec.dim), jnp.float32)
+                            g = jnp.zeros((feature.num_rows, spec.dim), jnp.float32)
                         else:
-                            g = g.reshape(slot.num_rows, slot.dim).astype(jnp.float32)
-                            if slot.dim < spec.dim:
-                                g = jnp.pad(g, ((0, 0), (0, spec.dim - slot.dim)))
+                            g = g.reshape(feature.num_rows, feature.dim).astype(jnp.float32)
+                            if feature.dim < spec.dim:
+                                g = jnp.pad(g, ((0, 0), (0, spec.dim - feature.dim)))
                         parts.append(g)
                     buf = jnp.concatenate(parts, axis=0) if parts else jnp.zeros(
                         (0, spec.dim), jnp.float32)
-                    recv = sparse_ops.backward(buf, c.pair_rows[0], c.pair_unique[0],
-                                               c.pair_gains[0],
-                                               unique_capacity=c.unique_ids.shape[2],
-                                               axis_name=axes, num_shards=N)
-                    served = sparse_ops.exchange(c.unique_ids[0], axes, N)
-                    if ok is not None:  # rejected: every id becomes padding, no row moves
-                        served = jnp.where(ok, served, sparse_ops.PAD_ID)
-                    new_tables[s], new_slots[s] = sparse_ops.owner_update(
-                        tables[s], slots[s], served, recv, self.optimizer_of(s), step)
+                    # ok False (rejected): every id becomes padding, no row moves
+                    new_tables[s], new_slots[s] = shard_program.update_shard(
+                        tables[s], slots[s], c.unique_ids[0], buf, c.pair_rows[0],
+                        c.pair_unique[0], c.pair_gains[0], self.optimizer_of(s), step,
+                        unique_capacity=c.unique_ids.shape[2], axis_name=axes, num_shards=N,
+                        keep=ok)
                 return new_tables, new_slots
 
             fn = jax.shard_map(

@@ -1,0 +1,36 @@
+"""CPU kernels of the device ops: C++ through XLA's FFI, built lazily at first use.
+
+XLA's CPU gather and scatter move about 2-3 M rows of 64 float32 per second
+on this project's 2-core machines, whatever the access pattern, and with the
+page faults of XLA's fresh output buffers they were most of a training step
+(see `benchmarks/RESULTS_train.md`). These handlers do the same row moves with
+software prefetch, on all the CPUs the process may use (`EMBEDMESH_CPU_THREADS`
+caps them), and advise their large outputs to use huge pages before writing
+them (one fault per 2 MiB instead of per 4 KiB).
+
+- `*.cc`, `common.h`: the C++ sources, one concern a file (gathers and
+  scatters, segment sums, dedup, fused updates, huge-page memory), shipped as
+  package data;
+- `build.py`: the compiler driver and its cache;
+- `library.py`: when the kernels are used (`ready()`), loading the library,
+  registering its FFI targets, the thread count;
+- `kernels.py`, `memory.py`: the JAX side of each kernel; `KERNELS` is what
+  `embedmesh.device.ops` registers for the "cpu" platform.
+
+Environment (read through `embedmesh._runtime`): `EMBEDMESH_CPU_KERNELS=0`
+never builds or uses them, `=1` builds them even when JAX's default backend is
+not CPU (computations on CPU devices then use them); `EMBEDMESH_CPU_THREADS=n`
+sets the threads of each call; `EMBEDMESH_CACHE_DIR` where the library is
+cached. See `library` and `build`.
+"""
+
+from embedmesh.device.ops.cpu.kernels import KERNELS
+from embedmesh.device.ops.cpu.library import (
+    library_path,
+    pad_id,
+    ready,
+    threads,
+    unavailable_reason,
+)
+
+__all__ = ["KERNELS", "library_path", "pad_id", "ready", "threads", "unavailable_reason"]

@@ -1,0 +1,110 @@
+// Shared by embedmesh's CPU kernels (XLA FFI): constants, row geometry, prefetch, the
+// thread fan-out and huge-page advice. The kernels live in the .cc files next to this
+// header, one concern each; build.py compiles them into one library, kernels.py and
+// memory.py call them.
+#pragma once
+
+#include <sched.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace embedmesh {
+
+// Padding id of unique-id lists: int32 max, equal to embedmesh._runtime.PAD_ID
+// (tests/test_ops.py checks it through EmbedmeshPadId).
+constexpr int32_t kPad = 2147483647;
+constexpr int64_t kPrefetch = 16;  // rows ahead
+
+inline int64_t RowElems(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  int64_t n = 1;
+  for (size_t i = 1; i < d.size(); ++i) n *= d[i];
+  return n;
+}
+
+inline int64_t Rows(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  return d.size() ? d[0] : 1;
+}
+
+template <typename Dims>
+int64_t RowWidth(const Dims& dims) {
+  int64_t d = 1;
+  for (size_t i = 1; i < dims.size(); ++i) d *= dims[i];
+  return d;
+}
+
+inline void PrefetchRead(const char* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 0);
+}
+
+inline void PrefetchWrite(char* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 1, 0);
+}
+
+// Worker threads for one call: the count the Python side set (EMBEDMESH_CPU_THREADS,
+// read by embedmesh._runtime), else the CPUs this process may use. In common.cc.
+int64_t NumWorkers();
+
+// Runs f(chunk) for chunk in [0, n) on the calling thread plus short-lived helper threads
+// of our own, joined before returning. (Not XLA's intra-op pool: with several devices per
+// process, its threads may sit in a collective, and work queued behind them could wait for
+// the very execution that queued it.)
+template <typename F>
+void ParallelFor(int64_t n, const F& f) {
+  if (n <= 0) return;
+  const int64_t helpers = std::min<int64_t>(NumWorkers() - 1, n - 1);
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    int64_t c;
+    while ((c = next.fetch_add(1, std::memory_order_relaxed)) < n) f(c);
+  };
+  std::vector<std::thread> threads;
+  for (int64_t h = 0; h < helpers; ++h) {
+    try {
+      threads.emplace_back(work);
+    } catch (...) {  // no thread: the caller does the work
+      break;
+    }
+  }
+  work();
+  for (auto& t : threads) t.join();
+}
+
+// Chunks of about `grain` items, at least one per thread when there is work.
+inline int64_t NumChunks(int64_t items, int64_t grain) {
+  return items <= 0 ? 0 : (items + grain - 1) / grain;
+}
+
+inline void AdviseHuge(void* p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t kHuge = 2u << 20;
+  uintptr_t s = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (e > s) madvise(reinterpret_cast<void*>(s), e - s, MADV_HUGEPAGE);
+#endif
+}
+
+// XLA hands each call a fresh output buffer, which on Linux is a fresh mmap for
+// anything large: writing it costs one page fault per 4 KiB (8192 faults, ~30 ms
+// in a VM, for a 32 MiB output: more than the gather itself). Advised to use
+// huge pages before its first write, it faults 2 MiB at a time.
+inline void PrepareOutput(void* p, size_t bytes) {
+  if (bytes >= (size_t{4} << 20)) AdviseHuge(p, bytes);
+}
+
+}  // namespace embedmesh

@@ -1,0 +1,75 @@
+// Row gathers and in-place row scatters.
+// Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
+#include "common.h"
+
+namespace embedmesh {
+namespace {
+
+ffi::Error GatherRows(ffi::AnyBuffer table,
+                      ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t rows = Rows(table);
+  const int64_t rb = RowElems(table) * ffi::ByteWidth(table.element_type());
+  const int64_t n = ids.element_count();
+  const char* src = static_cast<const char*>(table.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* id = ids.typed_data();
+  PrepareOutput(dst, n * rb);
+  const int64_t grain = 4096;
+  ParallelFor(NumChunks(n, grain), [&](int64_t c) {
+    const int64_t lo = c * grain, hi = std::min(n, lo + grain);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kPrefetch < hi) {
+        int64_t r = id[i + kPrefetch];
+        if (r >= 0 && r < rows) PrefetchRead(src + r * rb, rb);
+      }
+      int64_t r = id[i];
+      if (r >= 0 && r < rows) {
+        std::memcpy(dst + i * rb, src + r * rb, rb);
+      } else {
+        std::memset(dst + i * rb, 0, rb);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error ScatterRows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
+                       ffi::AnyBuffer values, ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t rows = Rows(table);
+  const int64_t rb = RowElems(table) * ffi::ByteWidth(table.element_type());
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != table.untyped_data()) {  // not aliased: copy the table first
+    std::memcpy(dst, table.untyped_data(), table.size_bytes());
+  }
+  const int64_t n = ids.element_count();
+  const char* src = static_cast<const char*>(values.untyped_data());
+  const int32_t* id = ids.typed_data();
+  const int64_t grain = 4096;
+  ParallelFor(NumChunks(n, grain), [&](int64_t c) {
+    const int64_t lo = c * grain, hi = std::min(n, lo + grain);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kPrefetch < hi) {
+        int64_t r = id[i + kPrefetch];
+        if (r >= 0 && r < rows) PrefetchWrite(dst + r * rb, rb);
+      }
+      int64_t r = id[i];
+      if (r >= 0 && r < rows) std::memcpy(dst + r * rb, src + i * rb, rb);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace embedmesh
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmGatherRows, embedmesh::GatherRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmScatterRows, embedmesh::ScatterRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

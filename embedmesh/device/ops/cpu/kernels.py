@@ -1,0 +1,129 @@
+"""The CPU kernel of each device op: a `jax.ffi.ffi_call` of the library's handler.
+
+Each takes the arguments of the op's reference (already normalised by the op)
+and returns the same; `KERNELS` maps op names to `(kernel, supports)`, where
+`supports(*args, **params)` says whether the kernel takes that call (None: every
+call). `embedmesh.device.ops` registers them for the "cpu" platform; each op's
+docstring there says what they compute (the same as the reference, each sum in
+the documented order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from embedmesh.device.ops.cpu import memory
+
+__all__ = ["KERNELS"]
+
+
+def gather_rows(table, ids):
+    out = jax.ShapeDtypeStruct((ids.shape[0],) + table.shape[1:], table.dtype)
+    return jax.ffi.ffi_call("embedmesh_gather_rows", out)(table, ids)
+
+
+def scatter_rows(table, ids, rows):
+    out = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    return jax.ffi.ffi_call("embedmesh_scatter_rows", out, input_output_aliases={0: 0})(
+        table, ids, rows
+    )
+
+
+def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
+    out = jax.ShapeDtypeStruct((num_segments,) + src.shape[1:], jnp.float32)
+    return jax.ffi.ffi_call("embedmesh_segment_gather_sum", out)(src, src_idx, gains, dst_idx)
+
+
+def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
+    out = jax.ShapeDtypeStruct((num_segments,) + src.shape[1:], jnp.float32)
+    return jax.ffi.ffi_call("embedmesh_segment_gather_sum_mapped", out)(
+        src, src_map, src_idx, gains, dst_idx
+    )
+
+
+def _float32_source(src, *args, **params) -> bool:
+    return src.dtype == jnp.float32  # the kernel reads float32 tables only
+
+
+def dedup_sum(ids, grads):
+    m = ids.size
+    outs = (
+        jax.ShapeDtypeStruct((m,), jnp.int32),
+        jax.ShapeDtypeStruct((m,) + grads.shape[1:], jnp.float32),
+    )
+    return tuple(
+        jax.ffi.ffi_call("embedmesh_dedup_sum", outs, input_output_aliases={1: 1})(ids, grads)
+    )
+
+
+# The optimizers the update kernels fuse (`Optimizer.fused_kernel`) and the slots each has.
+_FUSED_SLOTS = {"sgd": (), "adagrad": ("accumulators",)}
+
+
+def _fused(table, slots, *args, optimizer, step) -> bool:
+    """Whether the fused update kernels take this optimizer, table and slots."""
+    kind = optimizer.fused_kernel
+    return (
+        kind in _FUSED_SLOTS
+        and tuple(sorted(slots)) == _FUSED_SLOTS[kind]
+        and table.dtype == jnp.float32
+        and all(v.dtype == jnp.float32 for v in slots.values())
+    )
+
+
+def _scalars(optimizer, step):
+    """(learning rate [1], the other scalars as FFI attributes) of the fused kernels."""
+    attrs = optimizer.fused_attrs(step)
+    lr = attrs.pop("learning_rate").reshape(1)
+    types = {"has_wd": np.int32, "wd_lr": np.int32}
+    return lr, {k: types.get(k, np.float32)(v) for k, v in attrs.items()}
+
+
+def sparse_update(table, slots, ids, grads, *, optimizer, step):
+    lr, attrs = _scalars(optimizer, step)
+    grads = grads.astype(jnp.float32)
+    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    if optimizer.fused_kernel == "sgd":
+        t = jax.ffi.ffi_call("embedmesh_sparse_sgd", shape, input_output_aliases={0: 0})(
+            table, ids, grads, lr, **attrs
+        )
+        return t, {}
+    t, a = jax.ffi.ffi_call(
+        "embedmesh_sparse_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
+    )(table, slots["accumulators"], ids, grads, lr, **attrs)
+    return t, {"accumulators": a}
+
+
+def backward_update(
+    table, slots, ids, act_grads, pair_rows, pair_unique, pair_gains, *, optimizer, step
+):
+    lr, attrs = _scalars(optimizer, step)
+    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    if optimizer.fused_kernel == "sgd":
+        t = jax.ffi.ffi_call("embedmesh_backward_sgd", shape, input_output_aliases={0: 0})(
+            table, ids, act_grads, pair_rows, pair_unique, pair_gains, lr, **attrs
+        )
+        return t, {}
+    t, a = jax.ffi.ffi_call(
+        "embedmesh_backward_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
+    )(table, slots["accumulators"], ids, act_grads, pair_rows, pair_unique, pair_gains, lr, **attrs)
+    return t, {"accumulators": a}
+
+
+# op name -> (kernel, supports or None)
+KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
+    "gather_rows": (gather_rows, None),
+    "scatter_rows": (scatter_rows, None),
+    "segment_gather_sum": (segment_gather_sum, None),
+    "segment_gather_sum_mapped": (segment_gather_sum_mapped, _float32_source),
+    "dedup_sum": (dedup_sum, None),
+    "sparse_update": (sparse_update, _fused),
+    "backward_update": (backward_update, _fused),
+    "huge_page_copy": (memory.huge_page_copy, None),
+    "full": (memory.full, None),
+}

@@ -1,0 +1,131 @@
+"""Loading the CPU kernel library: when to build it, registering its FFI targets.
+
+`ready()` is what the dispatch in `embedmesh.device.ops` asks before using a
+CPU kernel. It is False, and every op runs its pure-JAX reference, when
+`EMBEDMESH_CPU_KERNELS=0`, when JAX's default backend is not CPU (unless
+`EMBEDMESH_CPU_KERNELS=1`: then computations placed on CPU devices still use
+the kernels), when no C++ compiler is found or the build fails (with a
+`RuntimeWarning` saying why). Otherwise the first call builds the library
+(`build.build_library`, cached across processes), loads it, hands it the
+thread count and registers its handlers with XLA; later calls only check.
+
+`EMBEDMESH_CPU_THREADS=n` (read through `embedmesh._runtime.cpu_threads()`)
+makes each kernel call use n threads (the caller's and n - 1 short-lived
+helpers); unset, one per CPU this process may use. It is read once, when the
+library is loaded, and passed to it (`EmbedmeshSetThreads`; the C++ side reads
+no environment variable). `threads()` reports the count the library uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+
+from embedmesh import _runtime
+from embedmesh.device.ops.cpu import build
+
+# FFI target name -> the handler symbol exported by the library.
+TARGETS = {
+    "embedmesh_gather_rows": "EmGatherRows",
+    "embedmesh_scatter_rows": "EmScatterRows",
+    "embedmesh_segment_gather_sum": "EmSegmentGatherSum",
+    "embedmesh_segment_gather_sum_mapped": "EmSegmentGatherSumMapped",
+    "embedmesh_dedup_sum": "EmDedupSum",
+    "embedmesh_sparse_sgd": "EmSparseSgd",
+    "embedmesh_sparse_adagrad": "EmSparseAdagrad",
+    "embedmesh_backward_sgd": "EmBackwardSgd",
+    "embedmesh_backward_adagrad": "EmBackwardAdagrad",
+    "embedmesh_huge_page_copy": "EmHugePageCopy",
+    "embedmesh_huge_page_fill": "EmHugePageFill",
+}
+
+_lock = threading.Lock()
+_loaded: dict = {}  # "lib" (CDLL) and "path" once loaded; "why" once it failed
+
+
+def _warn(why: str) -> None:
+    warnings.warn(
+        f"embedmesh: CPU kernels unavailable, using pure JAX ({why})", RuntimeWarning, stacklevel=4
+    )
+
+
+def _load() -> bool:
+    """Build (or find), load and register the library once per process."""
+    with _lock:
+        if "lib" in _loaded or "why" in _loaded:
+            return "lib" in _loaded
+        # A bad EMBEDMESH_CPU_THREADS raises here, not as a failed build.
+        threads_setting = _runtime.cpu_threads() or 0
+        try:
+            import jax
+
+            path, why = build.build_library()
+            if path is None:
+                _loaded["why"] = why
+                _warn(why)
+                return False
+            lib = ctypes.CDLL(path)
+            lib.EmbedmeshSetThreads.argtypes = [ctypes.c_int64]
+            lib.EmbedmeshSetThreads.restype = None
+            lib.EmbedmeshThreads.restype = ctypes.c_int64
+            lib.EmbedmeshPadId.restype = ctypes.c_int32
+            lib.EmbedmeshSetThreads(threads_setting)
+            for target, symbol in TARGETS.items():
+                jax.ffi.register_ffi_target(
+                    target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+                )
+        except Exception as e:  # any failure means: fall back
+            _loaded["why"] = f"{type(e).__name__}: {e}"
+            _warn(_loaded["why"])
+            return False
+        _loaded.update(lib=lib, path=path)
+        return True
+
+
+def _why_not_wanted() -> str:
+    """Why the kernels are not to be used in this process, or "" when they are."""
+    setting = _runtime.cpu_kernels_setting()
+    if setting is False:
+        return "disabled by EMBEDMESH_CPU_KERNELS"
+    if setting is None:
+        import jax
+
+        backend = jax.default_backend()
+        if backend != "cpu":
+            return f"the default backend is {backend} (EMBEDMESH_CPU_KERNELS=1 builds them anyway)"
+    return ""
+
+
+def ready() -> bool:
+    """Whether the CPU kernels are to be used: wanted here and built and registered
+    (building them on the first call that wants them)."""
+    return not _why_not_wanted() and _load()
+
+
+def unavailable_reason() -> str:
+    """Why `ready()` is False ("" when it is True)."""
+    why = _why_not_wanted()
+    if why:
+        return why
+    _load()
+    return _loaded.get("why", "")
+
+
+def library_path() -> str:
+    """Path of the loaded library ("" before it is loaded or when it failed)."""
+    return _loaded.get("path", "")
+
+
+def threads() -> int:
+    """The thread count of each kernel call (0 when `ready()` is False)."""
+    if not ready():
+        return 0
+    return int(_loaded["lib"].EmbedmeshThreads())
+
+
+def pad_id() -> int | None:
+    """The library's padding id, its `kPad` (None when `ready()` is False)."""
+    if not ready():
+        return None
+    return int(_loaded["lib"].EmbedmeshPadId())

@@ -1,0 +1,108 @@
+"""The pure-JAX reference of each device op: the semantics every kernel must match.
+
+They run on any backend and are what `embedmesh.device.ops` calls where no
+kernel is registered, ready, or able to take a call. Arguments arrive already
+normalised by the op (int32 ids, float32 gains and sums; see its docstring).
+All ids are non-negative; `PAD_ID` and other ids past the end of a table are
+padding: gathers read zeros (`mode="fill"`) and scatters skip them
+(`mode="drop"`).
+
+`sparse_update` and `backward_update` have no entry here: their reference is
+their definition in terms of these ops (in `embedmesh.device.ops`), so that
+each part still runs its platform's kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from embedmesh._runtime import PAD_ID
+
+__all__ = [
+    "dedup_sum",
+    "dedup_sum_by_sort",
+    "full",
+    "gather_rows",
+    "huge_page_copy",
+    "scatter_rows",
+    "segment_gather_sum",
+    "segment_gather_sum_mapped",
+]
+
+
+def gather_rows(table, ids):
+    """`table[ids]`, zero rows for ids outside the table."""
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
+
+def scatter_rows(table, ids, rows):
+    """`table.at[ids].set(rows, mode="drop")` (ids distinct, or duplicates carry equal rows)."""
+    return table.at[ids].set(rows.astype(table.dtype), mode="drop")
+
+
+def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
+    """`segment_sum(src[src_idx] * gains[:, None], dst_idx, num_segments)`; pairs with an
+    out-of-range `src_idx` or `dst_idx` contribute nothing."""
+    g = jnp.take(src, src_idx, axis=0, mode="fill", fill_value=0) * gains[:, None]
+    return jax.ops.segment_sum(g, dst_idx, num_segments=num_segments)
+
+
+def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
+    """`segment_gather_sum` over the rows `src[src_map]` (in float32)."""
+    rows = gather_rows(src, src_map).astype(jnp.float32)
+    return segment_gather_sum(rows, src_idx, gains, dst_idx, num_segments=num_segments)
+
+
+def dedup_sum_by_sort(ids, grads):
+    """`dedup_sum` for ids in any order: a stable sort, then a segment sum."""
+    flat = ids.reshape(-1)
+    m = flat.shape[0]
+    order = jnp.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    starts = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+    segment = jnp.cumsum(starts.astype(jnp.int32)) - 1
+    uniq = jnp.full((m,), PAD_ID, jnp.int32).at[segment].set(sorted_ids)
+    sums = jax.ops.segment_sum(grads[order], segment, num_segments=m)
+    # ids equal to PAD_ID sort last and form (at most) one segment: zero its sum.
+    sums = jnp.where((uniq == PAD_ID)[:, None], 0, sums)
+    return uniq, sums
+
+
+def _ascending_distinct(flat):
+    """Whether `flat` is strictly ascending up to trailing PAD_IDs."""
+    return jnp.all((flat[1:] > flat[:-1]) | (flat[1:] == PAD_ID))
+
+
+def dedup_sum(ids, grads):
+    """(distinct ids of `ids` [N, U] ascending, PAD_ID padded; the sum of the `grads`
+    [N*U, D] rows of each); ids equal to PAD_ID are dropped."""
+    if ids.shape[0] != 1:
+        return dedup_sum_by_sort(ids, grads)
+    # One list, as the host preprocessing makes it (ascending, distinct): skip the sort
+    # when a cheap check confirms it.
+    flat = ids.reshape(-1)
+
+    def as_is(flat, grads):
+        return flat, jnp.where((flat == PAD_ID)[:, None], 0, grads)
+
+    return jax.lax.cond(_ascending_distinct(flat), as_is, dedup_sum_by_sort, flat, grads)
+
+
+def huge_page_copy(x):
+    """`x` itself: only a kernel has a page size to choose."""
+    return x
+
+
+def full(shape: tuple, value, dtype, device):
+    """`jnp.full(shape, value, dtype)` made on `device` (`value` already there)."""
+    return _full_fn(shape, np.dtype(dtype).name, device)(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _full_fn(shape, dtype, device):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.jit(lambda v: jnp.full(shape, v, dtype), out_shardings=sharding)
