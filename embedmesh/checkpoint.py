@@ -115,11 +115,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import orbax.checkpoint as ocp
 import tensorstore as ts
-try:  # orbax's own read spec and context; private, so a hand-made spec stands in if it moves
-    from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
-except ImportError:  # pragma: no cover - depends on the installed orbax
-    _ts_utils = None
 
+from embedmesh import _compat
 from embedmesh.config import TableConfig, resolve_feature_config
 from embedmesh.layout.rows import ROW_LAYOUTS, RowLayout, logical_layout, row_layout
 from embedmesh.layout.stacking import TablePlacement
@@ -769,8 +766,9 @@ def _read_spec(directory: str, name: str, use_zarr3: bool, use_ocdbt: bool,
                from_orbax: bool = True) -> dict:
     """The tensorstore spec of one stored array: orbax's when importable, else the
     same spec made here (a test keeps the two equal)."""
-    if from_orbax and _ts_utils is not None:
-        return _ts_utils.ArrayReadSpec(directory, name, use_zarr3, use_ocdbt=use_ocdbt).json
+    ts_utils = _compat.orbax_tensorstore_utils()  # private: a hand-made spec if it moves
+    if from_orbax and ts_utils is not None:
+        return ts_utils.ArrayReadSpec(directory, name, use_zarr3, use_ocdbt=use_ocdbt).json
     directory = directory.rstrip("/") + "/"
     if use_ocdbt:
         kvstore = {"driver": "ocdbt",
@@ -789,8 +787,9 @@ def _read_spec(directory: str, name: str, use_zarr3: bool, use_ocdbt: bool,
 def _ts_context():
     """One tensorstore context for every read: orbax's OCDBT settings (many file reads in
     flight); no chunk cache, so nothing stays in memory after a read."""
-    if _ts_utils is not None:
-        return _ts_utils.get_ts_context(use_ocdbt=True)
+    ts_utils = _compat.orbax_tensorstore_utils()
+    if ts_utils is not None:
+        return ts_utils.get_ts_context(use_ocdbt=True)
     return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 0}})  # pragma: no cover
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from embedmesh import _compat
 from embedmesh.config import resolve_feature_config
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.inputs import flatten_inputs_like
@@ -26,10 +27,6 @@ from embedmesh.host import preprocess as _pre
 from embedmesh.layout.rows import row_layout
 from embedmesh.layout.stacking import plan_stacking
 
-try:  # 0.2 us: whether any jax trace (jit, grad, vmap, ...) is active on this thread
-    from jax._src.core import trace_state_clean as _trace_state_clean
-except Exception:  # pragma: no cover - private module moved: look for tracers instead
-    _trace_state_clean = None
 
 
 def _check_not_traced(what: str, *args) -> None:
@@ -40,8 +37,9 @@ def _check_not_traced(what: str, *args) -> None:
     there are obscure. Cost: one trace-state query (or, without it, a scan of
     the arguments' leaves for tracers).
     """
-    if _trace_state_clean is not None:
-        if _trace_state_clean():
+    clean = _compat.trace_state_clean()  # 0.2 us; None: the private hook moved
+    if clean is not None:
+        if clean:
             return
     elif not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
         return

@@ -60,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from embedmesh import _compat
+
 __all__ = ["Optimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL"]
 
 LearningRate = Union[float, Callable[[Any], Any]]
@@ -152,16 +154,10 @@ def _host_lr(obj, fn) -> np.ndarray:
 
 def _call_on_host(obj, fn):
     """A zero-argument learning rate: called now, or at run time under a trace."""
-    if _trace_state_clean is not None and _trace_state_clean():
+    if _compat.trace_state_clean():  # None (hook moved): always use the callback
         return _host_lr(obj, fn)
     return jax.pure_callback(lambda: _host_lr(obj, fn),
                              jax.ShapeDtypeStruct((), jnp.float32))
-
-
-try:
-    from jax._src.core import trace_state_clean as _trace_state_clean
-except Exception:  # pragma: no cover - private module moved: always use the callback
-    _trace_state_clean = None
 
 
 # ---------------------------------------------------------------------------
