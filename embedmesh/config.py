@@ -130,7 +130,8 @@ class TableConfig:
         object.__setattr__(self, "_creation_index", next(_TABLE_COUNTER))
 
     def _order_key(self) -> tuple:
-        return ((0, self.name) if self.name is not None else (1, "")) + (self._creation_index,)
+        index: int = self.__dict__["_creation_index"]  # set once, in __post_init__
+        return ((0, self.name) if self.name is not None else (1, "")) + (index,)
 
     def __lt__(self, other):
         if not isinstance(other, TableConfig):

@@ -119,11 +119,11 @@ class MeshEmbedding:
         self._check_finite = check_finite
         self._seed = seed
         self._built = False
-        self._pending = None  # (checked gradients, csr): the update the next lookup runs
-        self._observed = None  # (pending, state with it applied): pipelined reads, cached
+        self._pending: Optional[tuple] = None  # (checked gradients, csr): the next update
+        self._observed: Optional[tuple] = None  # (pending, state with it applied), cached
         # pipelined, after a restore of a checkpoint saved with an update pending: the
         # state to install after the next lookup (which reads `_state`, one update stale)
-        self._after_lookup = None
+        self._after_lookup: Optional[EmbeddingState] = None
         self.last_stats = None  # PreprocessStats of the latest enqueue
 
     # -- build ------------------------------------------------------------------
@@ -254,6 +254,7 @@ class MeshEmbedding:
     @property
     def mesh(self) -> Mesh:
         self._maybe_build()
+        assert self._mesh is not None  # built
         return self._mesh
 
     # -- host preprocessing -------------------------------------------------------
@@ -386,7 +387,7 @@ class MeshEmbedding:
         for name in self._resolved.feature_names:
             a = acts[name]
             if slots[name].output_shape is not None:
-                a = a.reshape(slots[name].activation_shape(self._mesh.size))
+                a = a.reshape(slots[name].activation_shape(self.mesh.size))
             flat.append(a)
         return jax.tree_util.tree_unflatten(self._resolved.treedef, flat)
 
@@ -403,7 +404,7 @@ class MeshEmbedding:
             if name not in slots:
                 raise ValueError(f"gradient for feature {name}, which the preserved outputs "
                                  f"do not cover")
-            shape = slots[name].activation_shape(self._mesh.size)
+            shape = slots[name].activation_shape(self.mesh.size)
             if not hasattr(g, "shape") or not hasattr(g, "dtype"):  # TF: a ValueError
                 raise ValueError(f"gradient for feature {name} must be an array, got "
                                  f"{type(g).__name__}")
@@ -417,7 +418,7 @@ class MeshEmbedding:
                 g = jax.device_put(np.asarray(g), self.core.row_sharding)
             slot = slots[name]
             if slot.output_shape is not None:  # back to the lookup's [B, *sample_shape, dim]
-                g = g.reshape((slot.samples * self._mesh.size,) + tuple(slot.sample_shape) +
+                g = g.reshape((slot.samples * self.mesh.size,) + tuple(slot.sample_shape) +
                               (slot.dim,))
             out[name] = g
         return out

@@ -184,7 +184,7 @@ class Optimizer(abc.ABC):
     clip_weight_max: Optional[float]
     weight_decay_factor: Optional[float]
     multiply_weight_decay_factor_by_learning_rate: Optional[bool]
-    clipvalue: Optional[tuple]
+    clipvalue: ClipValue  # a (min, max) tuple or None once normalized
     slot_variable_creation_fn: Any
     low_dimensional_packing_status: bool
 
@@ -229,7 +229,7 @@ class Optimizer(abc.ABC):
         `clip_hi` (+-inf: none), the weight decay `wd`, `has_wd` (bool), `wd_lr`
         (bool: times the learning rate), the weight clamp `wmin`, `wmax`."""
         inf = float("inf")
-        lo, hi = self.clipvalue if self.clipvalue is not None else (None, None)
+        lo, hi = self._clip_range() or (None, None)
         wd = self.weight_decay_factor
         return dict(
             learning_rate=self.learning_rate_at(step),
@@ -243,7 +243,7 @@ class Optimizer(abc.ABC):
 
     def learning_rate_at(self, step) -> jax.Array:
         """The learning rate at `step` as a float32 scalar (jittable)."""
-        lr = self.learning_rate
+        lr: Any = self.learning_rate
         if callable(lr):
             if getattr(self, "_lr_takes_step", True):
                 lr = lr(jnp.asarray(step, dtype=jnp.int32))
@@ -282,8 +282,9 @@ class Optimizer(abc.ABC):
         lr = self.learning_rate_at(step)
         w_old = rows.astype(jnp.float32)
         g = grads.astype(jnp.float32)
-        if self.clipvalue is not None:
-            lo, hi = self.clipvalue
+        clip = self._clip_range()
+        if clip is not None:
+            lo, hi = clip
             if lo is not None:
                 g = jnp.maximum(g, lo)
             if hi is not None:
@@ -292,7 +293,7 @@ class Optimizer(abc.ABC):
         w, new = self._rule(w_old, {k: v.astype(jnp.float32) for k, v in slots.items()}, g, lr)
 
         if self.weight_decay_factor is not None:
-            wd = self.weight_decay_factor
+            wd: Any = self.weight_decay_factor
             if self.multiply_weight_decay_factor_by_learning_rate:
                 wd = wd * lr
             w = w - wd * w_old
@@ -310,7 +311,7 @@ class Optimizer(abc.ABC):
 
     def _validate(self, lr_positive: bool = False) -> None:
         """Validate and normalize the common fields (call from __post_init__)."""
-        lr = self.learning_rate
+        lr: Any = self.learning_rate
         if callable(lr):
             object.__setattr__(self, "_lr_takes_step", _schedule_kind(self, lr))
         else:
@@ -355,6 +356,10 @@ class Optimizer(abc.ABC):
         _set(self, "low_dimensional_packing_status",
              _flag(self, "low_dimensional_packing_status", self.low_dimensional_packing_status))
 
+    def _clip_range(self) -> Optional[tuple]:
+        """`clipvalue` as normalized by `__post_init__`: a (min, max) pair or None."""
+        return self.clipvalue  # type: ignore[return-value]
+
     def _normalized_clipvalue(self, cv) -> Optional[tuple]:
         """A scalar c becomes (-c, c); a pair may hold None on either side.
 
@@ -372,8 +377,8 @@ class Optimizer(abc.ABC):
             if lo is not None and hi is not None and lo > hi:
                 _fail(self, "clipvalue", cv, "a (min, max) pair with min <= max")
             return None if lo is None and hi is None else (lo, hi)
-        c = _number(self, "clipvalue", cv, "a number >= 0 or a (min, max) pair",
-                    lambda x: x >= 0)
+        c: Any = _number(self, "clipvalue", cv, "a number >= 0 or a (min, max) pair",
+                         lambda x: x >= 0)
         return (-c, c)
 
 
