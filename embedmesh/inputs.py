@@ -407,14 +407,23 @@ def feature_layout(name: str, feature, inp, weight=None, *, batch_scale: int = 1
 
 @dataclasses.dataclass(frozen=True)
 class Csr:
-    """One feature's batch as bags: entries `splits[r]:splits[r+1]` add into output
-    row r (the form the kernels take: no per-entry row array). Rows are in
-    sample-major order: row `s * rows_per_sample + k` (see `FeatureLayout`)."""
+    """One feature's batch as bags, the one host form of a batch: entries
+    `splits[r]:splits[r+1]` add into output row r (no per-entry row array). Rows
+    are in sample-major order: row `s * rows_per_sample + k` (see `FeatureLayout`).
+    Host preprocessing and the serving lookup both take it (from `to_csr`).
+
+    `prune_ids` / `prune_weights`: entries TensorFlow's "safe" sparse lookup
+    drops (ids < 0 / weights <= 0) that are still here, left for the consumer's
+    kernel to skip (`to_csr(prune=False)`); both False when the entries are
+    exactly the ones that count.
+    """
 
     ids: np.ndarray  # [nnz] integer ids, as given
     splits: np.ndarray  # int64 [num_rows + 1]
     weights: Optional[np.ndarray]  # float32 [nnz], or None for all ones
     layout: FeatureLayout
+    prune_ids: bool = False
+    prune_weights: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -425,20 +434,30 @@ class Csr:
         return self.layout.batch
 
 
-def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr:
-    """One validated concrete input as bags under `feature_layout`'s rules.
+def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1, prune: bool = True,
+           layout: Optional[FeatureLayout] = None) -> Csr:
+    """One concrete input as bags under `feature_layout`'s rules, checked on the way.
 
-    Ragged row_splits and dense strides are used as they are; sparse row
-    offsets come from the one-pass `sparse_row_offsets`, which also checks the
-    sparse indices (errors name `name`), so after `validate_structure` nothing
-    needs checking twice. Entries keep their order; pruned entries (the
-    "safe" sparse lookup) are left out.
+    The input's structure is checked (`validate_structure`), then its layout
+    taken, unless the caller passes the `layout` it has taken already (the
+    serving lookup does, first, so that misfit weights raise TensorFlow's
+    errors). Sparse row offsets come from the one-pass `sparse_row_offsets`,
+    which also checks the sparse indices, so nothing is checked twice. Errors
+    name `name`. Ragged row_splits and dense strides are used as they are;
+    entries keep their order.
+
+    `prune`: leave out the entries TensorFlow's "safe" sparse lookup drops (and
+    range-check the kept ids); with False they stay, flagged in the result's
+    `prune_ids` / `prune_weights` for a kernel that skips them in its own pass
+    (the serving lookup).
     """
-    layout = feature_layout(name, feature, inp, weight, batch_scale=batch_scale)
+    validate_structure(name, inp, weight)
+    if layout is None:
+        layout = feature_layout(name, feature, inp, weight, batch_scale=batch_scale)
     kind = input_kind(inp)
     if kind == "dense":
         ids = np.asarray(inp).reshape(-1)
-        return Csr(ids, np.arange(ids.shape[0] + 1, dtype=np.int64), None, layout)
+        return Csr(ids, _identity_splits(ids.shape[0]), None, layout)
     w = (None if weight is None or not layout.use_weights
          else np.asarray(weight.values, np.float32))
     ids = np.asarray(inp.values)
@@ -463,9 +482,13 @@ def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr
         splits = np.asarray(inp.row_splits).astype(np.int64, copy=False)
     else:
         splits = sparse_row_offsets(name, inp)
-    if layout.prune_ids or layout.prune_weights:
-        keep = ids >= 0 if layout.prune_ids else np.ones(ids.shape, bool)
-        if layout.prune_weights and w is not None:
+    prune_ids = layout.prune_ids and ids.dtype.kind != "u"  # unsigned ids are never < 0
+    prune_weights = layout.prune_weights and w is not None
+    if not prune:
+        return Csr(ids, splits, w, layout, prune_ids, prune_weights)
+    if prune_ids or prune_weights:
+        keep = ids >= 0 if prune_ids else np.ones(ids.shape, bool)
+        if prune_weights:
             keep &= w > 0
         if not keep.all():
             # range-check what is kept now, so an error names the entry as given
@@ -480,6 +503,21 @@ def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr
             ids = ids[keep]
             w = None if w is None else w[keep]
     return Csr(ids, splits, w, layout)
+
+
+_IDENTITY_SPLITS: dict = {}  # n -> read-only arange(n + 1): dense inputs' splits, reused
+
+
+def _identity_splits(n: int) -> np.ndarray:
+    """`arange(n + 1)` (int64, read-only): one entry per row."""
+    splits = _IDENTITY_SPLITS.get(n)
+    if splits is None:
+        if len(_IDENTITY_SPLITS) >= 64:
+            _IDENTITY_SPLITS.clear()
+        splits = np.arange(n + 1, dtype=np.int64)
+        splits.flags.writeable = False
+        _IDENTITY_SPLITS[n] = splits
+    return splits
 
 
 def _splits_of_counts(counts: np.ndarray) -> np.ndarray:
