@@ -278,10 +278,21 @@ print("ok")
 
 
 def test_module_loads_standalone():
-    """kernels.py imports nothing from embedmesh (the fallback test relies on it)."""
+    """kernels.py imports from embedmesh only `_runtime` (numpy only) at import, and
+    its numba kernels at first use (the fallback test relies on it)."""
+    import re
+
     spec = importlib.util.find_spec("embedmesh.serving.kernels")
     with open(spec.origin) as fh:
-        assert "from embedmesh" not in fh.read()
+        imports = re.findall(r"^( *)(?:from|import) (embedmesh\S*)(?: import (\w+))?",
+                             fh.read(), re.M)
+    top = {(mod, name) for indent, mod, name in imports if not indent}
+    assert top <= {("embedmesh", "_runtime"), ("embedmesh._runtime", "aligned_empty")}, top
+    lazy = {(mod, name) for indent, mod, name in imports if indent}
+    assert lazy == {("embedmesh.serving", "numba_kernels")}, lazy
+    with open(importlib.util.find_spec("embedmesh._runtime").origin) as fh:
+        runtime = fh.read()
+    assert "from embedmesh" not in runtime and "import jax" not in runtime
 
 
 # ---------------------------------------------------------------------------

@@ -320,28 +320,67 @@ def test_weights_prune_rules_for_sparse():
 
 
 # ---------------------------------------------------------------------------
-# The direct host path (no plan) against the plan path; output buffers reused
+# The host path against a per-entry segment sum; output buffers reused
+
+
+def _per_entry_reference(name, feature, inp, weight, table):
+    """TensorFlow's rules as per-entry arrays (output row, id, weight, kept), summed
+    by `kernels.weighted_segment_sum`: the form the serving path had before it
+    took bags (`inputs.to_csr`) for every output kind."""
+    from embedmesh.inputs import (check_id_range, feature_layout, ragged_positions,
+                                  ragged_row_ids, validate_input)
+    from embedmesh.serving import kernels
+
+    layout = feature_layout(name, feature, inp, weight)
+    validate_input(name, inp, weight)
+    table = np.asarray(table)
+    if layout.kind == "lookup":
+        ids = np.asarray(inp).reshape(-1)
+        rows, w, keep = np.arange(ids.shape[0]), np.ones(ids.shape, np.float32), None
+    else:
+        ids = np.asarray(inp.values)
+        w = (np.ones(ids.shape, np.float32) if weight is None or not layout.use_weights
+             else np.asarray(weight.values, np.float32))
+        keep = None
+        if isinstance(inp, SparseTensor):
+            idx = np.asarray(inp.indices, np.int64)
+            if layout.kind == "sequence":
+                rows, keep = idx[:, 0] * layout.length + idx[:, 1], idx[:, 1] < layout.length
+            else:
+                rows = np.ravel_multi_index(idx[:, :-1].T, inp.dense_shape[:-1]) if len(
+                    idx) else np.zeros(0, np.int64)
+                if layout.prune_ids:
+                    keep = ids >= 0
+                if layout.prune_weights:
+                    keep = (w > 0) if keep is None else keep & (w > 0)
+        else:
+            rows = ragged_row_ids(inp.row_splits).astype(np.int64)
+            if layout.kind == "sequence":
+                pos = ragged_positions(inp.row_splits)
+                rows, keep = rows * layout.length + pos, pos < layout.length
+    if keep is not None:
+        ids, rows, w = ids[keep], rows[keep], w[keep]
+    check_id_range(name, ids, table.shape[0])
+    out = kernels.weighted_segment_sum(table, ids, rows, w, layout.num_rows, layout.combiner)
+    return out.reshape(layout.activation_shape(table.shape[1]))
 
 
 @settings(max_examples=200, deadline=None)
 @given(feature_cases(), st.integers(0, 2**31 - 1))
-def test_direct_host_path_equals_plan_path(case, seed):
-    """Same entries added in the same order: bit-equal wherever the direct path applies."""
+def test_host_path_equals_per_entry_segment_sum(case, seed):
+    """Same entries added in the same order: bit-equal for every output kind
+    (plain lookups, combined bags, sequences); errors alike."""
     from embedmesh.serving import lookup as serving
 
     feature, inp, weight = case
     table = _table(feature, seed)
     try:
-        plan = serving.plan_feature("f", feature, inp, weight, True)
-        want = serving._lookup_host("f", plan, table)
-    except ValueError as e:  # the direct path must refuse alike
+        want = _per_entry_reference("f", feature, inp, weight, table)
+    except ValueError as e:  # the host path must refuse alike
         with pytest.raises(ValueError, match=re.escape(str(e)[:20])):
-            serving._lookup_host_direct("f", feature, inp, weight, table)
+            serving._lookup_host("f", feature, inp, weight, table)
         return
-    got = serving._lookup_host_direct("f", feature, inp, weight, table)
-    if got is None:  # sequence outputs: the plan path only
-        assert feature.max_sequence_length > 0 or feature.output_shape
-        return
+    got = serving._lookup_host("f", feature, inp, weight, table)
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
 
@@ -504,14 +543,22 @@ def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
 
 
 def test_default_thread_count(monkeypatch):
+    from embedmesh import _runtime
     from embedmesh.serving import lookup as serving
 
-    monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "3")
-    assert serving._default_threads() == 3
-    monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "0")
-    assert serving._default_threads() == 1
-    monkeypatch.delenv("EMBEDMESH_SERVING_THREADS")
-    assert 1 <= serving._default_threads() <= min(8, os.cpu_count() or 1)
+    try:  # switches are read once: reset() makes them read the environment again
+        monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "3")
+        _runtime.reset()
+        assert serving._default_threads() == 3
+        monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "0")
+        _runtime.reset()
+        assert serving._default_threads() == 1
+        monkeypatch.delenv("EMBEDMESH_SERVING_THREADS")
+        _runtime.reset()
+        assert 1 <= serving._default_threads() <= min(8, os.cpu_count() or 1)
+    finally:
+        monkeypatch.undo()
+        _runtime.reset()
 
 
 _FORK_CHILD_SCRIPT = """
