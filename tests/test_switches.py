@@ -26,8 +26,14 @@ def run_with(script: str, env: dict, *args) -> dict:
     full = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDMESH_")}
     full.update(env)
     full.setdefault("JAX_PLATFORMS", "cpu")
-    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=ROOT, env=full,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        cwd=ROOT,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -36,13 +42,16 @@ NUMBA_MODULES = 'any(m.split(".")[0] in ("numba", "llvmlite") for m in sys.modul
 
 
 def test_import_embedmesh_loads_no_numba_and_builds_no_kernels():
-    seen = run_with(f"""
+    seen = run_with(
+        f"""
 import json, sys
 import embedmesh
 print(json.dumps({{"numba": {NUMBA_MODULES},
                   "compiled": [m for m in sys.modules if m.startswith("embedmesh.")
                                and m.endswith(("numba_backend", "numba_kernels"))]}}))
-""", {})
+""",
+        {},
+    )
     assert seen == {"numba": False, "compiled": []}
 
 

@@ -51,25 +51,43 @@ C_UNIQUE_KEPT = 2  # unique ids written
 C_PAIR_KEPT = 3  # pairs written
 
 
-def table_params(num_shards: int, rotation: int, rows_per_shard: int, local_row_offset: int,
-                 vocabulary_size: int, key_bits: int, low_bits: int, row_base: int,
-                 row_span: int, cap_unique: int, cap_pairs: int) -> np.ndarray:
+def table_params(
+    num_shards: int,
+    rotation: int,
+    rows_per_shard: int,
+    local_row_offset: int,
+    vocabulary_size: int,
+    key_bits: int,
+    low_bits: int,
+    row_base: int,
+    row_span: int,
+    cap_unique: int,
+    cap_pairs: int,
+) -> np.ndarray:
     """A table's parameter array (see the `P_*` constants)."""
     n = int(num_shards)
     shift = n.bit_length() - 1 if n & (n - 1) == 0 else -1
     p = np.empty(_NUM_PARAMS, np.int64)
     p[P_NUM_SHARDS], p[P_ROTATION], p[P_SHARD_SHIFT] = n, rotation, shift
-    p[P_ROWS_PER_SHARD], p[P_LOCAL_ROW_OFFSET], p[P_VOCAB] = (rows_per_shard, local_row_offset,
-                                                              vocabulary_size)
-    p[P_KEY_BITS], p[P_LOW_BITS], p[P_ROW_BASE], p[P_ROW_SPAN] = (key_bits, low_bits, row_base,
-                                                                  row_span)
+    p[P_ROWS_PER_SHARD], p[P_LOCAL_ROW_OFFSET], p[P_VOCAB] = (
+        rows_per_shard,
+        local_row_offset,
+        vocabulary_size,
+    )
+    p[P_KEY_BITS], p[P_LOW_BITS], p[P_ROW_BASE], p[P_ROW_SPAN] = (
+        key_bits,
+        low_bits,
+        row_base,
+        row_span,
+    )
     p[P_CAP_UNIQUE], p[P_CAP_PAIRS] = cap_unique, cap_pairs
     return p
 
 
 @njit(cache=True, nogil=True)
-def table_kernel(ids, weights, splits, fmeta, params, d, unique_ids, pair_rows, pair_unique,
-                 pair_gains, counts):  # pragma: no cover (compiled)
+def table_kernel(
+    ids, weights, splits, fmeta, params, d, unique_ids, pair_rows, pair_unique, pair_gains, counts
+):  # pragma: no cover (compiled)
     """One table's features for local device `d`, appended to its partitions.
 
     `ids`, `weights` (empty: all ones), `splits`: the table's features
@@ -270,8 +288,9 @@ def table_kernel(ids, weights, splits, fmeta, params, d, unique_ids, pair_rows, 
 
 
 @njit(cache=True, nogil=True)
-def fill_padding(unique_ids, pair_rows, pair_unique, pair_gains, counts, pad_id, pad_row,
-                 d):  # pragma: no cover (compiled)
+def fill_padding(
+    unique_ids, pair_rows, pair_unique, pair_gains, counts, pad_id, pad_row, d
+):  # pragma: no cover (compiled)
     """Padding after the kept entries of device `d`'s partitions: `pad_id`
     unique ids, pairs of row `pad_row`, index 0 and gain 0."""
     n_shards = unique_ids.shape[1]

@@ -12,21 +12,20 @@ nothing again.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from embedmesh._runtime import PAD_ID
 from embedmesh.inputs import check_id_range
 
-__all__ = ["fill", "sort_table"]
+__all__ = ["bits_needed", "fill", "sort_table"]
 
 
-def _bits(x: int) -> int:
+def bits_needed(x: int) -> int:
+    """Bits of the unsigned value max(x, 0)."""
     return int(max(x, 0)).bit_length()
 
 
-def sort_table(members: list, table, row_layout, D: int, N: int) -> Optional[dict]:
+def sort_table(members: list, table, row_layout, D: int, N: int) -> dict | None:
     """One table's entries sorted by (partition, row, entry order), merged into pairs.
 
     `members`: `(feature name, Csr, FeatureSlot)` of the table's features.
@@ -50,8 +49,9 @@ def sort_table(members: list, table, row_layout, D: int, N: int) -> Optional[dic
             if w is None:
                 den = lengths.astype(np.float64)
             else:
-                den = np.bincount(row_of, weights=w if combiner == "mean" else w * w,
-                                  minlength=rows_total).astype(np.float64, copy=False)
+                den = np.bincount(
+                    row_of, weights=w if combiner == "mean" else w * w, minlength=rows_total
+                ).astype(np.float64, copy=False)
             if combiner == "sqrtn":
                 den = np.sqrt(den)
             scale = np.divide(1.0, den, out=np.zeros_like(den), where=den != 0)
@@ -63,8 +63,8 @@ def sort_table(members: list, table, row_layout, D: int, N: int) -> Optional[dic
         keys.append((d * N + shard) * S + row_layout.block_row(table, ids))
     key, orow, gain = (x[0] if len(x) == 1 else np.concatenate(x) for x in (keys, orows, gains))
     n = key.shape[0]
-    ibits = _bits(n - 1)
-    if _bits(D * N * S - 1) + ibits <= 63:
+    ibits = bits_needed(n - 1)
+    if bits_needed(D * N * S - 1) + ibits <= 63:
         packed = (key << ibits) | np.arange(n, dtype=np.int64)
         packed.sort()
         idx = packed & ((1 << ibits) - 1)
@@ -89,13 +89,19 @@ def sort_table(members: list, table, row_layout, D: int, N: int) -> Optional[dic
     u_first = np.cumsum(u_cnt) - u_cnt
     p_first = np.cumsum(p_cnt) - p_cnt
     return dict(
-        u_part=u_part, u_row=table.local_row_offset + ukey - u_part * S,
+        u_part=u_part,
+        u_row=table.local_row_offset + ukey - u_part * S,
         u_rank=np.arange(ukey.shape[0]) - u_first[u_part],
-        p_part=p_part, p_rank=np.arange(pstart.shape[0]) - p_first[p_part],
+        p_part=p_part,
+        p_rank=np.arange(pstart.shape[0]) - p_first[p_part],
         p_urank=np.cumsum(new_u)[pstart] - 1 - u_first[p_part],
-        p_first=new_u[pstart], p_orow=orow[pstart],
+        p_first=new_u[pstart],
+        p_orow=orow[pstart],
         p_gain=np.add.reduceat(gain, pstart) if n else np.zeros(0),
-        p_entries=np.diff(np.append(pstart, n)), u_cnt=u_cnt, p_cnt=p_cnt)
+        p_entries=np.diff(np.append(pstart, n)),
+        u_cnt=u_cnt,
+        p_cnt=p_cnt,
+    )
 
 
 def fill(D: int, N: int, cap, rows_per_device: int, sorted_tables: list):
@@ -135,7 +141,12 @@ def fill(D: int, N: int, cap, rows_per_device: int, sorted_tables: list):
         p_kept += np.bincount(kp, minlength=DN)
         u_tot += tt["u_cnt"]
         p_tot += tt["p_cnt"]
-    arrays = (unique_ids.reshape(D, N, U), u_kept.astype(np.int32).reshape(D, N),
-              pair_rows.reshape(D, N, P), pair_unique.reshape(D, N, P),
-              pair_gains.reshape(D, N, P), p_kept.astype(np.int32).reshape(D, N))
+    arrays = (
+        unique_ids.reshape(D, N, U),
+        u_kept.astype(np.int32).reshape(D, N),
+        pair_rows.reshape(D, N, P),
+        pair_unique.reshape(D, N, P),
+        pair_gains.reshape(D, N, P),
+        p_kept.astype(np.int32).reshape(D, N),
+    )
     return arrays, u_tot.reshape(D, N), p_tot.reshape(D, N), dropped

@@ -13,8 +13,9 @@ reference):
 - The process-local batch of `B` samples is split evenly and in order over
   its `D` local devices: device `d` gets samples `[d*B/D, (d+1)*B/D)`.
 - Inputs become bags under TensorFlow's rules (`embedmesh.inputs.to_csr`,
-  the form the serving lookup takes too); every entry is an id; ids must lie in `[0, vocabulary_size)`, else a `ValueError`
-  names the feature and the first bad id. This holds whatever
+  the form the serving lookup takes too); every entry is an id; ids must
+  lie in `[0, vocabulary_size)`, else a `ValueError` names the feature and
+  the first bad id. This holds whatever
   `validate_weights_and_indices` says: an out-of-range id has no safe meaning
   in a stacked table (TensorFlow silently reads the next table's rows).
 - Gains follow the SparseCore: each entry's gain is `w * scale[row]`, scale 1
@@ -50,32 +51,52 @@ plan's `RowLayout` (the kernels receive its `kernel_params`). Threads:
 core. See `benchmarks/RESULTS_preprocess.md` for their speed.
 
 This module holds the orchestration and embedmesh's entry points; the batch
-types live in `embedmesh.host.partitioned` and TensorFlow's call form in
+types live in `embedmesh.batch` and TensorFlow's call form in
 `embedmesh.host.preprocess_tf` (both re-exported here).
 """
-
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Optional, Union
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 from embedmesh import _runtime
 from embedmesh._runtime import PAD_ID, combiner_code
+from embedmesh.batch import (
+    Capacity,
+    FeatureSlot,
+    PartitionedCsrFormatTensor,
+    PreprocessStats,
+    StackStats,
+    capacity_bucket,
+)
 from embedmesh.host import numpy_backend
-from embedmesh.host.partitioned import (Capacity, FeatureSlot, PartitionedCsrFormatTensor,
-                                        PreprocessStats, StackStats, capacity_bucket)
+from embedmesh.host.numpy_backend import bits_needed
 from embedmesh.host.preprocess_tf import SEED_ARGS, preprocess_features_tf
 from embedmesh.inputs import Csr, check_id_range, flatten_inputs_like, to_csr
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
-__all__ = ["Capacity", "FeatureSlot", "OVERFLOW_POLICIES", "PAD_ID", "PartitionedCsrFormatTensor",
-           "PreprocessStats", "SparseCoreStats", "StackStats", "capacity_bucket",
-           "compute_sparse_core_stats", "default_num_threads", "numba_available",
-           "preprocess_batch", "preprocess_features", "preprocess_features_tf"]
+__all__ = [
+    "Capacity",
+    "FeatureSlot",
+    "OVERFLOW_POLICIES",
+    "PAD_ID",
+    "PartitionedCsrFormatTensor",
+    "PreprocessStats",
+    "SparseCoreStats",
+    "StackStats",
+    "capacity_bucket",
+    "compute_sparse_core_stats",
+    "default_num_threads",
+    "numba_available",
+    "preprocess_batch",
+    "preprocess_features",
+    "preprocess_features_tf",
+]
 
 OVERFLOW_POLICIES = ("error", "drop", "grow")
 
@@ -95,32 +116,43 @@ def _kernel_csr(name: str, feature, inp, weight, batch_scale: int) -> Csr:
         ids = ids.astype(np.int64)
     splits = np.ascontiguousarray(c.splits, np.int64)
     if not splits.flags.writeable:  # to_csr's shared arange of dense inputs: one
-        splits = splits.copy()      # array type for the compiled kernels
+        splits = splits.copy()  # array type for the compiled kernels
     return dataclasses.replace(
-        c, ids=np.ascontiguousarray(ids), splits=splits,
-        weights=None if c.weights is None else np.ascontiguousarray(c.weights, np.float32))
+        c,
+        ids=np.ascontiguousarray(ids),
+        splits=splits,
+        weights=None if c.weights is None else np.ascontiguousarray(c.weights, np.float32),
+    )
 
 
 def _batch_csrs(plan: StackingPlan, features, weights, batch_scale: int = 1) -> tuple[list, int]:
     """Every feature's `Csr`, in config order, and the batch size they share."""
     resolved = plan.resolved
     flat_inputs = flatten_inputs_like(resolved, features, "features")
-    flat_weights = ([None] * len(flat_inputs) if weights is None
-                    else flatten_inputs_like(resolved, weights, "weights"))
+    flat_weights = (
+        [None] * len(flat_inputs)
+        if weights is None
+        else flatten_inputs_like(resolved, weights, "weights")
+    )
     csrs = []
     batch = None
     first = None
-    for name, feature, inp, w in zip(resolved.feature_names, resolved.features, flat_inputs,
-                                     flat_weights):
+    for name, feature, inp, w in zip(
+        resolved.feature_names, resolved.features, flat_inputs, flat_weights
+    ):
         if inp is None:
-            raise ValueError(f"feature {name} has no input (feature {name} is missing); "
-                             f"preprocessing needs every feature of the config")
+            raise ValueError(
+                f"feature {name} has no input (feature {name} is missing); "
+                f"preprocessing needs every feature of the config"
+            )
         c = _kernel_csr(name, feature, inp, w, batch_scale)
         if batch is None:
             batch, first = c.batch_size, name
         elif c.batch_size != batch:
-            raise ValueError(f"feature {name} has batch size {c.batch_size} but feature {first} "
-                             f"has {batch}; all features of one call share one batch size")
+            raise ValueError(
+                f"feature {name} has batch size {c.batch_size} but feature {first} "
+                f"has {batch}; all features of one call share one batch size"
+            )
         csrs.append(c)
     return csrs, batch
 
@@ -176,20 +208,26 @@ class _StackJob:
         return [m for m in self.feats if m[0].table == table_name]
 
 
-def _overflow_message(job: _StackJob, u_tot, p_tot, cap: Capacity, process_index: int,
-                      num_devices_local: int) -> Optional[str]:
-    for what, tot, c in (("unique ids", u_tot, cap.max_unique_ids_per_partition),
-                         ("ids", p_tot, cap.max_ids_per_partition)):
+def _overflow_message(
+    job: _StackJob, u_tot, p_tot, cap: Capacity, process_index: int, num_devices_local: int
+) -> str | None:
+    for what, tot, c in (
+        ("unique ids", u_tot, cap.max_unique_ids_per_partition),
+        ("ids", p_tot, cap.max_ids_per_partition),
+    ):
         over = np.argwhere(tot > c)
         if over.size:
             d, j = (int(x) for x in over[0])
-            field = ("max_unique_ids_per_partition" if what == "unique ids"
-                     else "max_ids_per_partition")
-            return (f"stack {job.name}: device {process_index * num_devices_local + d} (local "
-                    f"device {d}) needs {int(tot[d, j])} {what} from shard {j}, over the "
-                    f"capacity {field}={c} ({over.shape[0]} partition(s) over, largest "
-                    f"{int(tot.max())}); raise the stack's capacity (capacities=..., see "
-                    f"compute_sparse_core_stats) or pass overflow='drop' or 'grow'")
+            field = (
+                "max_unique_ids_per_partition" if what == "unique ids" else "max_ids_per_partition"
+            )
+            return (
+                f"stack {job.name}: device {process_index * num_devices_local + d} (local "
+                f"device {d}) needs {int(tot[d, j])} {what} from shard {j}, over the "
+                f"capacity {field}={c} ({over.shape[0]} partition(s) over, largest "
+                f"{int(tot.max())}); raise the stack's capacity (capacities=..., see "
+                f"compute_sparse_core_stats) or pass overflow='drop' or 'grow'"
+            )
     return None
 
 
@@ -199,10 +237,6 @@ def _range_error(job: _StackJob, table):
     raise AssertionError("id range error not found")  # pragma: no cover
 
 
-def _bits(x: int) -> int:
-    return int(max(x, 0)).bit_length()
-
-
 def _numba_fits(job: _StackJob, plan: StackingPlan, K) -> bool:
     """Whether the kernels apply: a row layout they implement, and every sort
     value (key bits + low bits) fits 62 bits."""
@@ -210,8 +244,8 @@ def _numba_fits(job: _StackJob, plan: StackingPlan, K) -> bool:
         return False
     for t in job.tables:
         nnz = sum(int(c.splits[-1]) for _, c, _ in job.members(t.name))
-        low = max(_bits(job.rows_per_device), _bits(nnz))
-        if _bits(t.padded_vocabulary_size - 1) + low > 62:
+        low = max(bits_needed(job.rows_per_device), bits_needed(nnz))
+        if bits_needed(t.padded_vocabulary_size - 1) + low > 62:
             return False
     return True
 
@@ -223,18 +257,22 @@ def _table_inputs(members: list):
         fp, c, slot = members[0]
         ids, splits = c.ids, c.splits
         weights = c.weights if c.weights is not None else np.zeros(0, np.float32)
-        fmeta = np.array([[0, slot.num_rows, slot.row_offset,
-                           combiner_code(c.layout.combiner)]], np.int64)
+        fmeta = np.array(
+            [[0, slot.num_rows, slot.row_offset, combiner_code(c.layout.combiner)]], np.int64
+        )
         return ids, weights, splits, fmeta
     ids = np.concatenate([c.ids for _, c, _ in members])
     if any(c.weights is not None for _, c, _ in members):
-        weights = np.concatenate([c.weights if c.weights is not None
-                                  else np.ones(c.ids.shape[0], np.float32)
-                                  for _, c, _ in members])
+        weights = np.concatenate(
+            [
+                c.weights if c.weights is not None else np.ones(c.ids.shape[0], np.float32)
+                for _, c, _ in members
+            ]
+        )
     else:
         weights = np.zeros(0, np.float32)
     parts, rows, base, sbase = [], [], 0, 0
-    for fp, c, slot in members:
+    for _, c, slot in members:
         parts.append(c.splits + base)
         rows.append([sbase, slot.num_rows, slot.row_offset, combiner_code(c.layout.combiner)])
         base += c.ids.shape[0]
@@ -255,21 +293,36 @@ class _NumbaRun:
         self.pair_gains = np.empty((D, N, P), np.float32)
         self.counts = np.zeros((K.COUNTERS, D, N), np.int64)
         self.dropped = np.zeros(D, np.int64)
-        self.outputs = (self.unique_ids, self.pair_rows, self.pair_unique, self.pair_gains,
-                        self.counts)
+        self.outputs = (
+            self.unique_ids,
+            self.pair_rows,
+            self.pair_unique,
+            self.pair_gains,
+            self.counts,
+        )
         self.calls = []  # (table, bad entry per device, kernel inputs)
         for t in job.tables:
             members = job.members(t.name)
             if not members:
                 continue
             ids, weights, splits, fmeta = _table_inputs(members)
-            low_bits = _bits(ids.shape[0] - 1) if weights.shape[0] else _bits(R - 1)
+            low_bits = bits_needed(ids.shape[0] - 1) if weights.shape[0] else bits_needed(R - 1)
             row_base = min(slot.row_offset for _, _, slot in members)
             row_span = max(slot.row_offset + slot.num_rows for _, _, slot in members) - row_base
             num_shards, rotation = plan.row_layout.kernel_params(t)
-            params = K.table_params(num_shards, rotation, t.rows_per_shard, t.local_row_offset,
-                                    t.vocabulary_size, _bits(t.padded_vocabulary_size - 1),
-                                    low_bits, row_base, row_span, U, P)
+            params = K.table_params(
+                num_shards,
+                rotation,
+                t.rows_per_shard,
+                t.local_row_offset,
+                t.vocabulary_size,
+                bits_needed(t.padded_vocabulary_size - 1),
+                low_bits,
+                row_base,
+                row_span,
+                U,
+                P,
+            )
             self.calls.append((t, np.full(D, -1, np.int64), (ids, weights, splits, fmeta, params)))
 
     def device(self, d: int) -> None:
@@ -287,8 +340,14 @@ class _NumbaRun:
             if (bad >= 0).any():
                 _range_error(self.job, t)
         K, c = self.K, self.counts
-        arrays = (self.unique_ids, c[K.C_UNIQUE_KEPT].astype(np.int32), self.pair_rows,
-                  self.pair_unique, self.pair_gains, c[K.C_PAIR_KEPT].astype(np.int32))
+        arrays = (
+            self.unique_ids,
+            c[K.C_UNIQUE_KEPT].astype(np.int32),
+            self.pair_rows,
+            self.pair_unique,
+            self.pair_gains,
+            c[K.C_PAIR_KEPT].astype(np.int32),
+        )
         return arrays, c[K.C_UNIQUE_TOTAL], c[K.C_PAIR_TOTAL], int(self.dropped.sum())
 
 
@@ -317,10 +376,10 @@ def _execute(runs: list, D: int, threads: int) -> list:
 # Public entry points
 
 
-CapacitiesArg = Union[None, Capacity, Mapping[str, Capacity]]
+CapacitiesArg = Capacity | Mapping[str, Capacity] | None
 
 
-def _capacity_for(capacities: CapacitiesArg, plan: StackingPlan, stack: str) -> Optional[Capacity]:
+def _capacity_for(capacities: CapacitiesArg, plan: StackingPlan, stack: str) -> Capacity | None:
     """The explicit capacity of a stack, else one from its tables' configs, else None."""
     if isinstance(capacities, Capacity):
         return capacities
@@ -351,13 +410,22 @@ def _make_jobs(plan: StackingPlan, csrs: list, batch: int, D: int) -> list:
         for fname in s.features:
             fp = plan.feature(fname)
             layout = by_name[fname].layout
-            slot = FeatureSlot(fname, off, b, tuple(layout.sample_shape), fp.dim,
-                               layout.output_shape)
+            slot = FeatureSlot(
+                fname, off, b, tuple(layout.sample_shape), fp.dim, layout.output_shape
+            )
             off += slot.num_rows
             feats.append((fp, by_name[fname], slot))
             slots.append(slot)
-        jobs.append(_StackJob(s.name, feats, [plan.table(t) for t in s.tables], s.rows_per_shard,
-                              off, tuple(slots)))
+        jobs.append(
+            _StackJob(
+                s.name,
+                feats,
+                [plan.table(t) for t in s.tables],
+                s.rows_per_shard,
+                off,
+                tuple(slots),
+            )
+        )
     return jobs
 
 
@@ -368,8 +436,9 @@ def _resolve_backend(backend: str):
         return None
     K = _numba_backend()
     if K is None and backend == "numba":
-        raise ImportError("backend='numba' needs the numba package (and EMBEDMESH_NUMBA "
-                          "not set to 0)")
+        raise ImportError(
+            "backend='numba' needs the numba package (and EMBEDMESH_NUMBA not set to 0)"
+        )
     return K
 
 
@@ -393,15 +462,24 @@ def preprocess_features(*args, **kwargs):
     of TensorFlow's keywords.
     """
     if any(k in kwargs for k in SEED_ARGS) or (
-            args and isinstance(args[0], (int, np.integer)) and not isinstance(args[0], bool)):
+        args and isinstance(args[0], (int, np.integer)) and not isinstance(args[0], bool)
+    ):
         return preprocess_features_tf(*args, **kwargs)
     return preprocess_batch(*args, **kwargs)
 
 
-def preprocess_batch(features: Any, weights: Optional[Any], plan: StackingPlan, *,
-                     num_devices_local: int = 1, capacities: CapacitiesArg = None,
-                     overflow: str = "error", process_index: int = 0, backend: str = "auto",
-                     num_threads: Optional[int] = None) -> tuple[dict, PreprocessStats]:
+def preprocess_batch(
+    features: Any,
+    weights: Any | None,
+    plan: StackingPlan,
+    *,
+    num_devices_local: int = 1,
+    capacities: CapacitiesArg = None,
+    overflow: str = "error",
+    process_index: int = 0,
+    backend: str = "auto",
+    num_threads: int | None = None,
+) -> tuple[dict, PreprocessStats]:
     """Preprocess one process-local batch into partitioned CSR arrays, per stack.
 
     Args:
@@ -435,8 +513,9 @@ def preprocess_batch(features: Any, weights: Optional[Any], plan: StackingPlan, 
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
     if not isinstance(plan, StackingPlan):
-        raise TypeError(f"plan must be a StackingPlan (see plan_stacking), got "
-                        f"{type(plan).__name__}")
+        raise TypeError(
+            f"plan must be a StackingPlan (see plan_stacking), got {type(plan).__name__}"
+        )
     D = int(num_devices_local)
     if D < 1:
         raise ValueError(f"num_devices_local must be >= 1, got {num_devices_local}")
@@ -458,8 +537,15 @@ def preprocess_batch(features: Any, weights: Optional[Any], plan: StackingPlan, 
             return _NumbaRun(job, plan, D, cap, K)
         if job.name not in sorted_tables:
             sorted_tables[job.name] = [
-                numpy_backend.sort_table([(fp.name, c, slot) for fp, c, slot in job.members(t.name)],
-                                         t, plan.row_layout, D, N) for t in job.tables]
+                numpy_backend.sort_table(
+                    [(fp.name, c, slot) for fp, c, slot in job.members(t.name)],
+                    t,
+                    plan.row_layout,
+                    D,
+                    N,
+                )
+                for t in job.tables
+            ]
         return _NumpyRun(job, D, N, cap, sorted_tables[job.name])
 
     caps = {job.name: _capacity_for(capacities, plan, job.name) for job in jobs}
@@ -467,37 +553,52 @@ def preprocess_batch(features: Any, weights: Optional[Any], plan: StackingPlan, 
     if counting:  # count first (capacity 0 writes nothing), then fill at the bucketed need
         done = _execute([make_run(job, Capacity(0, 0)) for job in counting], D, threads)
         for job, (_, u_tot, p_tot, _) in zip(counting, done):
-            caps[job.name] = Capacity(capacity_bucket(p_tot.max(initial=0)),
-                                      capacity_bucket(u_tot.max(initial=0)))
-    results = dict(zip([job.name for job in jobs],
-                       _execute([make_run(job, caps[job.name]) for job in jobs], D, threads)))
+            caps[job.name] = Capacity(
+                capacity_bucket(p_tot.max(initial=0)), capacity_bucket(u_tot.max(initial=0))
+            )
+    results = dict(
+        zip(
+            [job.name for job in jobs],
+            _execute([make_run(job, caps[job.name]) for job in jobs], D, threads),
+        )
+    )
     grow = []
     for job in jobs:
         _, u_tot, p_tot, _ = results[job.name]
         cap = caps[job.name]
-        if (u_tot.max(initial=0) > cap.max_unique_ids_per_partition
-                or p_tot.max(initial=0) > cap.max_ids_per_partition):
+        if (
+            u_tot.max(initial=0) > cap.max_unique_ids_per_partition
+            or p_tot.max(initial=0) > cap.max_ids_per_partition
+        ):
             if overflow == "error":
                 raise ValueError(_overflow_message(job, u_tot, p_tot, cap, process_index, D))
             if overflow == "grow":
                 caps[job.name] = Capacity(
                     max(cap.max_ids_per_partition, capacity_bucket(p_tot.max())),
-                    max(cap.max_unique_ids_per_partition, capacity_bucket(u_tot.max())))
+                    max(cap.max_unique_ids_per_partition, capacity_bucket(u_tot.max())),
+                )
                 grow.append(job)
     if grow:
-        for job, res in zip(grow, _execute([make_run(job, caps[job.name]) for job in grow], D,
-                                           threads)):
+        for job, res in zip(
+            grow, _execute([make_run(job, caps[job.name]) for job in grow], D, threads)
+        ):
             results[job.name] = res
     grown = {job.name for job in grow}
     out, stats = {}, {}
     for job in jobs:
         arrays, u_tot, p_tot, dropped = results[job.name]
-        out[job.name] = PartitionedCsrFormatTensor(*arrays, stack=job.name,
-                                                   rows_per_device=job.rows_per_device,
-                                                   features=job.slots)
+        out[job.name] = PartitionedCsrFormatTensor(
+            *arrays, stack=job.name, rows_per_device=job.rows_per_device, features=job.slots
+        )
         num_ids = sum(int(c.splits[-1]) for _, c, _ in job.feats)
-        stats[job.name] = StackStats(p_tot.astype(np.int64), u_tot.astype(np.int64), num_ids,
-                                     dropped, caps[job.name], job.name in grown)
+        stats[job.name] = StackStats(
+            p_tot.astype(np.int64),
+            u_tot.astype(np.int64),
+            num_ids,
+            dropped,
+            caps[job.name],
+            job.name in grown,
+        )
     return out, PreprocessStats(stats)
 
 
@@ -511,17 +612,25 @@ class SparseCoreStats:
 
     def capacities(self, headroom: float = 1.0) -> dict:
         """`{stack: Capacity}`: the maxima times `headroom`, rounded up to buckets."""
-        return {s: Capacity(capacity_bucket(math.ceil(self.max_ids_per_partition[s] * headroom)),
-                            capacity_bucket(math.ceil(
-                                self.max_unique_ids_per_partition[s] * headroom)))
-                for s in self.max_ids_per_partition}
+        return {
+            s: Capacity(
+                capacity_bucket(math.ceil(self.max_ids_per_partition[s] * headroom)),
+                capacity_bucket(math.ceil(self.max_unique_ids_per_partition[s] * headroom)),
+            )
+            for s in self.max_ids_per_partition
+        }
 
 
-def compute_sparse_core_stats(feature_batches: Iterable[Any], plan_or_feature_config: Any, *,
-                              weight_batches: Optional[Iterable[Any]] = None,
-                              num_shards: Optional[int] = None, num_devices_local: int = 1,
-                              backend: str = "auto",
-                              num_threads: Optional[int] = None) -> SparseCoreStats:
+def compute_sparse_core_stats(
+    feature_batches: Iterable[Any],
+    plan_or_feature_config: Any,
+    *,
+    weight_batches: Iterable[Any] | None = None,
+    num_shards: int | None = None,
+    num_devices_local: int = 1,
+    backend: str = "auto",
+    num_threads: int | None = None,
+) -> SparseCoreStats:
     """Measure per-stack partition maxima over sample batches.
 
     `feature_batches` is an iterable of batches (a list of one batch is fine),
@@ -544,9 +653,16 @@ def compute_sparse_core_stats(feature_batches: Iterable[Any], plan_or_feature_co
     count = 0
     for feats in feature_batches:
         w = next(weight_iter) if weight_iter is not None else None
-        _, st = preprocess_features(feats, w, plan, num_devices_local=num_devices_local,
-                                    capacities=caps, overflow="drop", backend=backend,
-                                    num_threads=num_threads)
+        _, st = preprocess_features(
+            feats,
+            w,
+            plan,
+            num_devices_local=num_devices_local,
+            capacities=caps,
+            overflow="drop",
+            backend=backend,
+            num_threads=num_threads,
+        )
         for s, v in st.stacks.items():
             max_ids[s] = max(max_ids[s], v.max_ids_per_partition)
             max_unique[s] = max(max_unique[s], v.max_unique_ids_per_partition)

@@ -47,6 +47,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -380,9 +381,10 @@ def export_serving(fn: Callable, directory, *, tables: dict, input_signature: An
         np.save(os.path.join(directory, file), arr)
         param_entries.append({"file": file, "shape": list(arr.shape),
                               "dtype": _dtype_name(arr.dtype)})
-    import embedmesh
+    # the package's __init__ (the one version source) is loaded: it is this module's parent
+    version = getattr(sys.modules.get("embedmesh"), "__version__", "unknown")
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                "embedmesh_version": getattr(embedmesh, "__version__", "unknown"),
+                "embedmesh_version": version,
                 "jax_version": jax.__version__, "platforms": list(platforms),
                 "batch_sizes": buckets, "extra_row": extra,
                 "programs": {str(b): p for b, p in programs.items()},

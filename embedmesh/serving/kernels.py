@@ -33,27 +33,41 @@ Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
 references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
 """
+
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
-from typing import Optional
 
 import numpy as np
 
 from embedmesh import _runtime
 from embedmesh._runtime import aligned_empty, combiner_code
 
-__all__ = ["IdOutOfRange", "aligned_empty", "bag_combine", "gather", "get_backend",
-           "output_empty", "prepare_bag_combine", "prepare_gather", "set_backend",
-           "set_output_pool_limit", "set_release_hook", "sparse_offsets",
-           "weighted_segment_sum", "weighted_segment_sum_numba", "weighted_segment_sum_numpy"]
+__all__ = [
+    "IdOutOfRange",
+    "aligned_empty",
+    "bag_combine",
+    "gather",
+    "get_backend",
+    "output_empty",
+    "prepare_bag_combine",
+    "prepare_gather",
+    "set_backend",
+    "set_output_pool_limit",
+    "set_release_hook",
+    "sparse_offsets",
+    "weighted_segment_sum",
+    "weighted_segment_sum_numba",
+    "weighted_segment_sum_numpy",
+]
 
 _ALIGN = 64  # bytes; XLA's CPU client aliases host buffers aligned like this
 
 _NUMBA = None  # None: not tried yet; False: unavailable; else embedmesh.serving.numba_kernels
-_backend: Optional[str] = None  # "numba" or "numpy"; None: numba if it loads at first use
+_backend: str | None = None  # "numba" or "numpy"; None: numba if it loads at first use
 
 
 def _numba_kernels():
@@ -92,8 +106,9 @@ def set_backend(name: str) -> str:
     if name not in ("numba", "numpy"):
         raise ValueError(f"unknown backend {name!r}: expected 'numba' or 'numpy'")
     if name == "numba" and _numba_kernels() is None:
-        raise RuntimeError("the numba backend needs numba, which is not importable (or "
-                           "EMBEDMESH_NUMBA=0)")
+        raise RuntimeError(
+            "the numba backend needs numba, which is not importable (or EMBEDMESH_NUMBA=0)"
+        )
     previous, _backend = get_backend(), name
     return previous
 
@@ -202,8 +217,9 @@ class IdOutOfRange(ValueError):
 
     def __init__(self, entry: int, id_: int, vocabulary_size: int):
         self.entry, self.id, self.vocabulary_size = int(entry), int(id_), int(vocabulary_size)
-        super().__init__(f"ids must lie in [0, {self.vocabulary_size}), got id {self.id} at "
-                         f"entry {self.entry}")
+        super().__init__(
+            f"ids must lie in [0, {self.vocabulary_size}), got id {self.id} at entry {self.entry}"
+        )
 
 
 def _prepare(table, ids, rows, weights, num_rows):
@@ -217,8 +233,10 @@ def _prepare(table, ids, rows, weights, num_rows):
         raise TypeError(f"ids and rows must be integers, got {ids.dtype} and {rows.dtype}")
     n = ids.shape[0] if ids.ndim == 1 else -1
     if ids.ndim != 1 or np.shape(rows) != (n,) or np.shape(weights) != (n,):
-        raise ValueError(f"ids {ids.shape}, rows {np.shape(rows)} and weights "
-                         f"{np.shape(weights)} must be 1-D of one length")
+        raise ValueError(
+            f"ids {ids.shape}, rows {np.shape(rows)} and weights "
+            f"{np.shape(weights)} must be 1-D of one length"
+        )
     num_rows = int(num_rows)
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
@@ -234,16 +252,21 @@ def _check_ids(ids, vocab):
 
 def _rows_error(rows, num_rows) -> ValueError:
     if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
-        return ValueError(f"rows must lie in [0, num_rows={num_rows}), got "
-                          f"[{int(rows.min())}, {int(rows.max())}]")
+        return ValueError(
+            f"rows must lie in [0, num_rows={num_rows}), got [{int(rows.min())}, {int(rows.max())}]"
+        )
     return ValueError("rows must be non-decreasing")
 
 
 def _is_plain_lookup(rows, weights, num_rows, mode) -> bool:
     """One entry per output row, in order, weight 1, no normalisation: a gather."""
     n = rows.shape[0]
-    return (mode == 0 and n == num_rows and bool(np.all(weights == 1.0))
-            and np.array_equal(rows, np.arange(n)))
+    return (
+        mode == 0
+        and n == num_rows
+        and bool(np.all(weights == 1.0))
+        and np.array_equal(rows, np.arange(n))
+    )
 
 
 def _finish(out32: np.ndarray, dtype) -> np.ndarray:
@@ -269,8 +292,9 @@ def _signed_ids(ids: np.ndarray) -> tuple[np.ndarray, bool]:
 def _check_offsets(offsets, n) -> np.ndarray:
     offsets = np.asarray(offsets)
     if offsets.ndim != 1 or offsets.shape[0] < 1 or offsets.dtype.kind not in "iu":
-        raise ValueError(f"offsets must be a non-empty 1-D integer array, got {offsets.dtype} "
-                         f"{offsets.shape}")
+        raise ValueError(
+            f"offsets must be a non-empty 1-D integer array, got {offsets.dtype} {offsets.shape}"
+        )
     offsets = offsets.astype(np.int64, copy=False)
     if offsets[0] != 0 or offsets[-1] != n or (offsets[1:] < offsets[:-1]).any():
         raise ValueError(f"offsets must be non-decreasing from 0 to the number of ids ({n})")
@@ -294,6 +318,7 @@ def _drop_pruned(ids, offsets, weights, vocab, prune_ids, prune_w):
     kept_before = np.zeros(ids.shape[0] + 1, np.int64)
     np.cumsum(keep, out=kept_before[1:])
     return ids[keep], kept_before[offsets], None if weights is None else weights[keep]
+
 
 # ---------------------------------------------------------------------------
 # numpy backend
@@ -341,8 +366,9 @@ def _bag_numpy(table, ids, offsets, weights, mode, prune_ids, prune_w) -> np.nda
 
 def _gather_numpy(table, ids) -> np.ndarray:
     _drop_pruned(ids, None, None, table.shape[0], False, False)  # range check only
-    return np.take(table, ids, axis=0, out=output_empty((ids.shape[0], table.shape[1]),
-                                                         table.dtype))
+    return np.take(
+        table, ids, axis=0, out=output_empty((ids.shape[0], table.shape[1]), table.dtype)
+    )
 
 
 def _sparse_offsets_numpy(indices, shape, num_rows):
@@ -364,9 +390,14 @@ def _sparse_offsets_numpy(indices, shape, num_rows):
     return np.searchsorted(rows, np.arange(num_rows + 1), side="left").astype(np.int64), -1
 
 
-def weighted_segment_sum_numpy(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
-                               weights: np.ndarray, num_rows: int,
-                               combiner: Optional[str]) -> np.ndarray:
+def weighted_segment_sum_numpy(
+    table: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    num_rows: int,
+    combiner: str | None,
+) -> np.ndarray:
     """`weighted_segment_sum` in plain numpy (the fallback when numba is absent)."""
     mode = combiner_code(combiner)
     table, ids, rows, weights, num_rows = _prepare(table, ids, rows, weights, num_rows)
@@ -402,8 +433,7 @@ def _prepare_gather_numba(table: np.ndarray, ids: np.ndarray):
     out = output_empty((ids.shape[0], table.shape[1]), table.dtype)
     ids, _ = _signed_ids(ids)
     row_bytes = table.shape[1] * table.dtype.itemsize
-    if (row_bytes % 64 == 0 and row_bytes and out.ctypes.data % 64 == 0
-            and table.flags.c_contiguous):
+    if row_bytes % 64 == 0 and row_bytes and out.ctypes.data % 64 == 0 and table.flags.c_contiguous:
         kernel = _NUMBA.gather_streaming_kernel
         args = (table.view(np.uint8), ids, out.view(np.uint8))
     else:
@@ -438,28 +468,43 @@ def _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_w):
     """The bag kernel ready to run, giving float32 sums; tables of other dtypes are
     pruned, gathered and widened when run."""
     if table.dtype != np.float32:
+
         def run():
             # numba has no float16/bfloat16 arithmetic: prune, gather, widen, then reduce
-            c_ids, c_offsets, c_w = _drop_pruned(ids, offsets, weights, table.shape[0], prune_ids,
-                                             prune_w)
+            c_ids, c_offsets, c_w = _drop_pruned(
+                ids, offsets, weights, table.shape[0], prune_ids, prune_w
+            )
             wide = _gather_numba(table, c_ids).astype(np.float32)
-            return _bag_numba(wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w,
-                              mode, False, False)
+            return _bag_numba(
+                wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w, mode, False, False
+            )
+
         return run
     out = output_empty((offsets.shape[0] - 1, table.shape[1]), np.float32)
     has_w = weights is not None
     kernel = _NUMBA.bag_kernel(mode, has_w, prune_ids, prune_w)
-    return _KernelCall(kernel, (table, ids, offsets, weights if has_w else _NO_WEIGHTS, out), out,
-                       ids, table.shape[0])
+    return _KernelCall(
+        kernel,
+        (table, ids, offsets, weights if has_w else _NO_WEIGHTS, out),
+        out,
+        ids,
+        table.shape[0],
+    )
 
 
-def weighted_segment_sum_numba(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
-                               weights: np.ndarray, num_rows: int,
-                               combiner: Optional[str]) -> np.ndarray:
+def weighted_segment_sum_numba(
+    table: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    num_rows: int,
+    combiner: str | None,
+) -> np.ndarray:
     """`weighted_segment_sum` with the numba kernels (requires numba)."""
     if _numba_kernels() is None:
-        raise RuntimeError("the numba backend needs numba, which is not importable (or "
-                           "EMBEDMESH_NUMBA=0)")
+        raise RuntimeError(
+            "the numba backend needs numba, which is not importable (or EMBEDMESH_NUMBA=0)"
+        )
     mode = combiner_code(combiner)
     table, ids, rows, weights, num_rows = _prepare(table, ids, rows, weights, num_rows)
     offsets = np.empty(num_rows + 1, np.int64)
@@ -469,16 +514,20 @@ def weighted_segment_sum_numba(table: np.ndarray, ids: np.ndarray, rows: np.ndar
     try:
         if _is_plain_lookup(rows, weights, num_rows, mode):
             return _gather_numba(table, ids)
-        return _finish(_bag_numba(table, ids, offsets, weights, mode, False, False),
-                       table.dtype)
+        return _finish(_bag_numba(table, ids, offsets, weights, mode, False, False), table.dtype)
     except IdOutOfRange:
         _check_ids(ids, table.shape[0])  # the old message: the range of the ids
         raise
 
 
-def weighted_segment_sum(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
-                         weights: np.ndarray, num_rows: int,
-                         combiner: Optional[str]) -> np.ndarray:
+def weighted_segment_sum(
+    table: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    num_rows: int,
+    combiner: str | None,
+) -> np.ndarray:
     """out[r] = sum w_k table[ids_k] over k with rows_k == r, normalised by `combiner`.
 
     `rows` must be non-decreasing and lie in [0, num_rows) (ValueError
@@ -495,9 +544,16 @@ def weighted_segment_sum(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
     return weighted_segment_sum_numpy(table, ids, rows, weights, num_rows, combiner)
 
 
-def bag_combine(table: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
-                weights: Optional[np.ndarray] = None, combiner: Optional[str] = None, *,
-                prune_ids: bool = False, prune_weights: bool = False) -> np.ndarray:
+def bag_combine(
+    table: np.ndarray,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    weights: np.ndarray | None = None,
+    combiner: str | None = None,
+    *,
+    prune_ids: bool = False,
+    prune_weights: bool = False,
+) -> np.ndarray:
     """Combine the bags `ids[offsets[r]:offsets[r+1]]`: out[r] = sum w_k table[ids_k], normalised.
 
     The serving lookup's kernel, fed straight from ragged row_splits or
@@ -508,13 +564,22 @@ def bag_combine(table: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
     raise `IdOutOfRange` (a ValueError) naming the first such entry.
     Combiners, accumulation order and output as `weighted_segment_sum`.
     """
-    return prepare_bag_combine(table, ids, offsets, weights, combiner, prune_ids=prune_ids,
-                               prune_weights=prune_weights)()
+    return prepare_bag_combine(
+        table, ids, offsets, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
+    )()
 
 
-def prepare_bag_combine(table, ids, offsets, weights=None, combiner=None, *,
-                        prune_ids: bool = False, prune_weights: bool = False,
-                        offsets_checked: bool = False):
+def prepare_bag_combine(
+    table,
+    ids,
+    offsets,
+    weights=None,
+    combiner=None,
+    *,
+    prune_ids: bool = False,
+    prune_weights: bool = False,
+    offsets_checked: bool = False,
+):
     """`bag_combine` in two steps: checks the arguments and takes the output buffer
     now, and returns a function that runs the kernel (raising `IdOutOfRange`)
     and returns the output. Lets a caller run many kernels back to back.
@@ -525,8 +590,9 @@ def prepare_bag_combine(table, ids, offsets, weights=None, combiner=None, *,
     table = np.asarray(table)
     ids = np.asarray(ids)
     if table.ndim != 2 or ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise ValueError(f"table must be 2-D and ids 1-D integers, got {table.shape} and "
-                         f"{ids.dtype} {ids.shape}")
+        raise ValueError(
+            f"table must be 2-D and ids 1-D integers, got {table.shape} and {ids.dtype} {ids.shape}"
+        )
     if offsets_checked:
         offsets = np.asarray(offsets).astype(np.int64, copy=False)
     else:
@@ -542,12 +608,17 @@ def prepare_bag_combine(table, ids, offsets, weights=None, combiner=None, *,
     if (_backend or get_backend()) == "numba":
         run = _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_weights)
         if table.dtype != np.float32:
-            inner, dtype = run, table.dtype
-            run = lambda: _finish(inner(), dtype)  # noqa: E731
+            run = functools.partial(_finish_run, run, table.dtype)
     else:
-        run = lambda: _bag_numpy(table, ids, offsets, weights, mode, prune_ids,  # noqa: E731
-                                 prune_weights)
+        run = functools.partial(
+            _bag_numpy, table, ids, offsets, weights, mode, prune_ids, prune_weights
+        )
     return _report_given_ids(run, given)
+
+
+def _finish_run(run, dtype) -> np.ndarray:
+    """`run()`'s float32 result as `dtype`."""
+    return _finish(run(), dtype)
 
 
 def gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -561,8 +632,9 @@ def prepare_gather(table, ids):
     table = np.asarray(table)
     ids = np.asarray(ids)
     if table.ndim != 2 or ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise ValueError(f"table must be 2-D and ids 1-D integers, got {table.shape} and "
-                         f"{ids.dtype} {ids.shape}")
+        raise ValueError(
+            f"table must be 2-D and ids 1-D integers, got {table.shape} and {ids.dtype} {ids.shape}"
+        )
     if (_backend or get_backend()) == "numba":
         return _report_given_ids(_prepare_gather_numba(table, ids), ids)
     return _report_given_ids(lambda: _gather_numpy(table, _signed_ids(ids)[0]), ids)
@@ -579,10 +651,11 @@ def _report_given_ids(run, given: np.ndarray):
             return run()
         except IdOutOfRange as e:
             raise IdOutOfRange(e.entry, given[e.entry], e.vocabulary_size) from None
+
     return checked
 
 
-def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[Optional[np.ndarray], int]:
+def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[np.ndarray | None, int]:
     """Bag offsets over the flattened leading dims of COO `indices [n, rank]`.
 
     Returns (offsets [prod(dense_shape[:-1]) + 1], -1) when every index lies

@@ -23,7 +23,7 @@ and read as zero rows.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,14 @@ import numpy as np
 
 from embedmesh import _runtime
 from embedmesh.config import FeatureConfig, resolve_feature_config
-from embedmesh.inputs import (feature_layout, flatten_inputs_like, input_kind, is_concrete,
-                              to_csr)
+from embedmesh.inputs import (
+    feature_layout,
+    flatten_inputs_like,
+    id_range_error,
+    input_kind,
+    is_concrete,
+    to_csr,
+)
 from embedmesh.serving import kernels
 
 __all__ = ["serving_embedding_lookup", "set_host_threads"]
@@ -42,7 +48,7 @@ __all__ = ["serving_embedding_lookup", "set_host_threads"]
 # The host path (concrete inputs)
 
 
-def _prepare_host(name: str, feature: FeatureConfig, inp, weight, table) -> "_named":
+def _prepare_host(name: str, feature: FeatureConfig, inp, weight, table) -> _named:
     """Check one feature's input now and take its output buffer; return a function
     running its host kernel.
 
@@ -57,16 +63,20 @@ def _prepare_host(name: str, feature: FeatureConfig, inp, weight, table) -> "_na
     shape = layout.activation_shape(table_np.shape[1])
     if layout.kind == "lookup":
         return _named(name, kernels.prepare_gather(table_np, csr.ids), shape)
-    return _named(name, kernels.prepare_bag_combine(
-        table_np, csr.ids, csr.splits, csr.weights, layout.combiner,
-        prune_ids=csr.prune_ids, prune_weights=csr.prune_weights,
-        offsets_checked=True),  # to_csr's splits: checked ragged splits or derived offsets
-        shape)
-
-
-def _lookup_host(name: str, feature: FeatureConfig, inp, weight, table) -> np.ndarray:
-    """One feature's host lookup, now (`_prepare_host`, run)."""
-    return _prepare_host(name, feature, inp, weight, table)()
+    return _named(
+        name,
+        kernels.prepare_bag_combine(
+            table_np,
+            csr.ids,
+            csr.splits,
+            csr.weights,
+            layout.combiner,
+            prune_ids=csr.prune_ids,
+            prune_weights=csr.prune_weights,
+            offsets_checked=True,
+        ),  # to_csr's splits: checked ragged splits or derived offsets
+        shape,
+    )
 
 
 class _named:
@@ -82,8 +92,7 @@ class _named:
         try:
             return self.run().reshape(self.shape)
         except kernels.IdOutOfRange as e:
-            raise ValueError(f"feature {self.name}: id {e.id} (entry {e.entry}) is outside the "
-                             f"table's range [0, {e.vocabulary_size})") from None
+            raise id_range_error(self.name, e.id, e.entry, e.vocabulary_size) from None
 
 
 def _host_to_jax(outs: list) -> list:
@@ -114,13 +123,14 @@ def _private_device_put():
     try:
         from jax._src import core as jax_core
         from jax._src.lib import xla_client
+
         return xla_client.batched_device_put, jax_core.ShapedArray
     except Exception:  # pragma: no cover - private modules moved
         return None, None
 
 
 _BATCHED_DEVICE_PUT, _ShapedArray = _private_device_put()
-_cpu_target: Optional[tuple] = None  # (device, SingleDeviceSharding) of device_put's default
+_cpu_target: tuple | None = None  # (device, SingleDeviceSharding) of device_put's default
 _dtype_kept: dict = {}  # numpy dtype -> whether JAX keeps it as it is
 
 
@@ -150,7 +160,7 @@ def _dtype_kept_by_jax(dtype) -> bool:
     return ok
 
 
-def _plain_cpu_target() -> Optional[tuple]:
+def _plain_cpu_target() -> tuple | None:
     """(device, sharding) where `jax.device_put(x)` puts a numpy array when that is
     this process's first local CPU device and no default device is set; else None."""
     global _cpu_target
@@ -215,8 +225,11 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
         return out.reshape(layout.activation_shape(dim))
     ids = jnp.asarray(inp.values)
     num_rows = layout.num_rows
-    w = (jnp.asarray(weight.values).astype(jnp.float32)
-         if weight is not None and layout.use_weights else jnp.ones(ids.shape, jnp.float32))
+    w = (
+        jnp.asarray(weight.values).astype(jnp.float32)
+        if weight is not None and layout.use_weights
+        else jnp.ones(ids.shape, jnp.float32)
+    )
     keep = None
     if input_kind(inp) == "sparse":
         idx = jnp.asarray(inp.indices)
@@ -247,8 +260,9 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
     if keep is not None:
         w = jnp.where(keep, w, 0.0)
         rows = jnp.where(keep, rows, num_rows)  # out of range: dropped by segment_sum
-    gathered = jnp.take(table, ids.astype(jnp.int32), axis=0, mode="fill",
-                        fill_value=0).astype(jnp.float32)
+    gathered = jnp.take(table, ids.astype(jnp.int32), axis=0, mode="fill", fill_value=0).astype(
+        jnp.float32
+    )
     out = jax.ops.segment_sum(gathered * w[:, None], rows, num_segments=num_rows)
     if layout.combiner in ("mean", "sqrtn"):
         wd = w if layout.combiner == "mean" else w * w
@@ -263,8 +277,9 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
 # The lookup
 
 
-def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
-                             feature_config: Any) -> Any:
+def serving_embedding_lookup(
+    inputs: Any, weights: Any | None, tables: dict, feature_config: Any
+) -> Any:
     """Look up and combine `inputs` in `tables` as TensorFlow's CPU serving path does.
 
     `inputs` has the structure of `feature_config` or a subset of it (dict
@@ -288,14 +303,17 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
                 raise ValueError(f"weights given for {name}, which has no input")
     outputs = []
     host = []  # (position, name, feature, input, weight, table) of host lookups
-    for name, feature, inp, w in zip(resolved.feature_names, resolved.features, flat_inputs,
-                                     flat_weights):
+    for name, feature, inp, w in zip(
+        resolved.feature_names, resolved.features, flat_inputs, flat_weights
+    ):
         if inp is None:
             outputs.append(None)
             continue
         if feature.table not in tables:
-            raise ValueError(f"tables has no entry for the table of feature {name} "
-                             f"({resolved.table_name(feature.table)})")
+            raise ValueError(
+                f"tables has no entry for the table of feature {name} "
+                f"({resolved.table_name(feature.table)})"
+            )
         table = tables[feature.table]
         shape = getattr(table, "shape", None)
         if shape is None:
@@ -324,15 +342,17 @@ def serving_embedding_lookup(inputs: Any, weights: Optional[Any], tables: dict,
 
 
 def _raise_table_shape(name: str, shape, table) -> None:
-    raise ValueError(f"tables: table {name} has shape {tuple(shape)}, expected "
-                     f"(vocabulary_size, dim) = ({table.vocabulary_size}, {table.dim})")
+    raise ValueError(
+        f"tables: table {name} has shape {tuple(shape)}, expected "
+        f"(vocabulary_size, dim) = ({table.vocabulary_size}, {table.dim})"
+    )
 
 
 # ---------------------------------------------------------------------------
 # Threads
 
 
-_host_threads: Optional[int] = None  # set_host_threads; None: _runtime.serving_threads()
+_host_threads: int | None = None  # set_host_threads; None: _runtime.serving_threads()
 
 
 def _default_threads() -> int:
@@ -372,7 +392,7 @@ def _run_on_threads(runs: list, threads: int) -> list:
                 return
             try:
                 results[i] = runs[i]()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, in feature order
+            except BaseException as e:
                 errors[i] = e
 
     pool = _runtime.thread_pool(threads - 1)
@@ -394,8 +414,11 @@ def _pack_like_inputs(resolved, inputs, flat_outputs):
         if isinstance(inp, dict):
             return {k: prune(cfg_out[k], v) for k, v in inp.items()}
         if isinstance(inp, (list, tuple)) and isinstance(cfg_out, (list, tuple)):
-            return type(inp)(prune(c, x) for c, x in zip(cfg_out, inp)) if not hasattr(
-                inp, "_fields") else type(inp)(*(prune(c, x) for c, x in zip(cfg_out, inp)))
+            return (
+                type(inp)(prune(c, x) for c, x in zip(cfg_out, inp))
+                if not hasattr(inp, "_fields")
+                else type(inp)(*(prune(c, x) for c, x in zip(cfg_out, inp)))
+            )
         return cfg_out
 
     return prune(full, inputs)

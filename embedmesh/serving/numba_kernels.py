@@ -16,8 +16,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["bag_kernel", "gather_kernel", "gather_streaming_kernel", "rows_to_offsets",
-           "sparse_offsets_2d", "sparse_offsets_kernel"]
+__all__ = [
+    "bag_kernel",
+    "gather_kernel",
+    "gather_streaming_kernel",
+    "rows_to_offsets",
+    "sparse_offsets_2d",
+    "sparse_offsets_kernel",
+]
 
 _PREFETCH_AHEAD = 16  # entries ahead; measured: 8-24 alike, 32 worse (1M x 64 f32 tables)
 # Only a row's first cache line is prefetched: on 1M x 64 f32 tables that ran
@@ -25,8 +31,9 @@ _PREFETCH_AHEAD = 16  # entries ahead; measured: 8-24 alike, 32 worse (1M x 64 f
 _BLOCK = 64  # columns accumulated at once; a stack array LLVM keeps in 4 zmm registers
 
 
-_PREFETCH_FN = ("llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 17
-                else "llvm.prefetch.p0i8")
+_PREFETCH_FN = (
+    "llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
+)
 
 
 @intrinsic
@@ -37,10 +44,10 @@ def _prefetch(typingctx, arr, row, col):  # pragma: no cover (compiled)
     def codegen(context, builder, signature, args):
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
-        index = [context.cast(builder, v, t, types.intp)
-                 for v, t in zip(args[1:], signature.args[1:])]
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, index,
-                                        wraparound=False)
+        index = [
+            context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])
+        ]
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, index, wraparound=False)
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
@@ -82,15 +89,17 @@ def _address(builder, value):
 def _stream_copy64(typingctx, dst, src):  # pragma: no cover (compiled)
     """Copy the 64 bytes at address src to address dst (64-byte aligned) with a
     non-temporal store."""
-    if not (isinstance(dst, types.Integer) and isinstance(src, types.Integer)
-            and dst.bitwidth == src.bitwidth == 64):
+    if not (
+        isinstance(dst, types.Integer)
+        and isinstance(src, types.Integer)
+        and dst.bitwidth == src.bitwidth == 64
+    ):
         return None  # addresses only (a typing error otherwise)
     sig = types.void(dst, src)
 
     def codegen(context, builder, signature, args):
         vty = ir.VectorType(ir.IntType(8), 64)
-        v = builder.load(builder.bitcast(_address(builder, args[1]), vty.as_pointer()),
-                         align=1)
+        v = builder.load(builder.bitcast(_address(builder, args[1]), vty.as_pointer()), align=1)
         dst_p = builder.bitcast(_address(builder, args[0]), vty.as_pointer())
         _mark_nontemporal(builder, builder.store(v, dst_p, align=64))
         return context.get_dummy_value()
@@ -112,8 +121,9 @@ def _store_fence(typingctx):  # pragma: no cover (compiled)
 
 
 @numba.njit(inline="always")
-def _accumulate(src, ids, weights, has_w, lo, hi, j0, width, acc, uvocab, prune_ids,
-                prune_w, first, mode):  # pragma: no cover (compiled)
+def _accumulate(
+    src, ids, weights, has_w, lo, hi, j0, width, acc, uvocab, prune_ids, prune_w, first, mode
+):  # pragma: no cover (compiled)
     """acc[:width] = sum over kept k in [lo, hi) of w_k * src[ids_k, j0:j0+width].
 
     With `first`: also checks ids (returns the first bad entry, else -1),
@@ -203,35 +213,119 @@ def _specialised_bag_kernel(mode, has_w, prune_ids, prune_w):
             lo = offsets[r]
             hi = offsets[r + 1]
             if first == _BLOCK:
-                bad, den = _accumulate(src, ids, weights, has_w, lo, hi, 0, _BLOCK, acc,
-                                       uvocab, prune_ids, prune_w, True, mode)
+                bad, den = _accumulate(
+                    src,
+                    ids,
+                    weights,
+                    has_w,
+                    lo,
+                    hi,
+                    0,
+                    _BLOCK,
+                    acc,
+                    uvocab,
+                    prune_ids,
+                    prune_w,
+                    True,
+                    mode,
+                )
                 if bad >= 0:
                     return bad
                 _store(acc, out, r, 0, _BLOCK, mode, den)
             elif first == 16:
-                bad, den = _accumulate(src, ids, weights, has_w, lo, hi, 0, 16, acc16,
-                                       uvocab, prune_ids, prune_w, True, mode)
+                bad, den = _accumulate(
+                    src,
+                    ids,
+                    weights,
+                    has_w,
+                    lo,
+                    hi,
+                    0,
+                    16,
+                    acc16,
+                    uvocab,
+                    prune_ids,
+                    prune_w,
+                    True,
+                    mode,
+                )
                 if bad >= 0:
                     return bad
                 _store(acc16, out, r, 0, 16, mode, den)
             else:
-                bad, den = _accumulate(src, ids, weights, has_w, lo, hi, 0, first, acc_tail,
-                                       uvocab, prune_ids, prune_w, True, mode)
+                bad, den = _accumulate(
+                    src,
+                    ids,
+                    weights,
+                    has_w,
+                    lo,
+                    hi,
+                    0,
+                    first,
+                    acc_tail,
+                    uvocab,
+                    prune_ids,
+                    prune_w,
+                    True,
+                    mode,
+                )
                 if bad >= 0:
                     return bad
                 _store(acc_tail, out, r, 0, first, mode, den)
             for j0 in range(first, full, _BLOCK):
-                _accumulate(src, ids, weights, has_w, lo, hi, j0, _BLOCK, acc, uvocab,
-                            prune_ids, prune_w, False, mode)
+                _accumulate(
+                    src,
+                    ids,
+                    weights,
+                    has_w,
+                    lo,
+                    hi,
+                    j0,
+                    _BLOCK,
+                    acc,
+                    uvocab,
+                    prune_ids,
+                    prune_w,
+                    False,
+                    mode,
+                )
                 _store(acc, out, r, j0, _BLOCK, mode, den)
             for j0 in range(max(first, full), quarter, 16):
-                _accumulate(src, ids, weights, has_w, lo, hi, j0, 16, acc16, uvocab,
-                            prune_ids, prune_w, False, mode)
+                _accumulate(
+                    src,
+                    ids,
+                    weights,
+                    has_w,
+                    lo,
+                    hi,
+                    j0,
+                    16,
+                    acc16,
+                    uvocab,
+                    prune_ids,
+                    prune_w,
+                    False,
+                    mode,
+                )
                 _store(acc16, out, r, j0, 16, mode, den)
             j0 = max(first, quarter)
             if j0 < dim:
-                _accumulate(src, ids, weights, has_w, lo, hi, j0, dim - j0, acc_tail,
-                            uvocab, prune_ids, prune_w, False, mode)
+                _accumulate(
+                    src,
+                    ids,
+                    weights,
+                    has_w,
+                    lo,
+                    hi,
+                    j0,
+                    dim - j0,
+                    acc_tail,
+                    uvocab,
+                    prune_ids,
+                    prune_w,
+                    False,
+                    mode,
+                )
                 _store(acc_tail, out, r, j0, dim - j0, mode, den)
         return -1
 

@@ -1,23 +1,33 @@
-"""The preprocessed batch: `PartitionedCsrFormatTensor` (one stack's partitioned
-CSR arrays for this process's devices), where each feature sits in it
-(`FeatureSlot`), the static sizes it is padded to (`Capacity`,
-`capacity_bucket`) and what preprocessing saw (`StackStats`, `PreprocessStats`).
-Produced by `embedmesh.host.preprocess`, consumed by the device side.
+"""The preprocessed batch, what the host hands the device: `PartitionedCsrFormatTensor`
+(one stack's partitioned CSR arrays for this process's devices), where each
+feature sits in it (`FeatureSlot`), the static sizes it is padded to
+(`Capacity`, `capacity_bucket`) and what preprocessing saw (`StackStats`,
+`PreprocessStats`). Produced by `embedmesh.host.preprocess`, consumed by
+`embedmesh.device`; a declared form (numpy and jax only), so the device side
+needs nothing of the host's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
 from embedmesh._runtime import PAD_ID
 
-__all__ = ["Capacity", "FeatureSlot", "PAD_ID", "PartitionedCsrFormatTensor", "PreprocessStats",
-           "StackStats", "capacity_bucket"]
+__all__ = [
+    "Capacity",
+    "FeatureSlot",
+    "PAD_ID",
+    "PartitionedCsrFormatTensor",
+    "PreprocessStats",
+    "StackStats",
+    "capacity_bucket",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -38,12 +48,18 @@ class Capacity:
     max_unique_ids_per_partition: int  # U: distinct ids
 
     def __post_init__(self):
-        object.__setattr__(self, "max_ids_per_partition",
-                           _check_count("Capacity", "max_ids_per_partition",
-                                        self.max_ids_per_partition))
-        object.__setattr__(self, "max_unique_ids_per_partition",
-                           _check_count("Capacity", "max_unique_ids_per_partition",
-                                        self.max_unique_ids_per_partition))
+        object.__setattr__(
+            self,
+            "max_ids_per_partition",
+            _check_count("Capacity", "max_ids_per_partition", self.max_ids_per_partition),
+        )
+        object.__setattr__(
+            self,
+            "max_unique_ids_per_partition",
+            _check_count(
+                "Capacity", "max_unique_ids_per_partition", self.max_unique_ids_per_partition
+            ),
+        )
 
 
 def capacity_bucket(n: int, minimum: int = 8) -> int:
@@ -78,7 +94,7 @@ class FeatureSlot:
     samples: int
     sample_shape: tuple
     dim: int
-    output_shape: Optional[tuple] = None
+    output_shape: tuple | None = None
 
     @property
     def rows_per_sample(self) -> int:
@@ -143,12 +159,20 @@ class PartitionedCsrFormatTensor:
     rows_per_device: int
     features: tuple
 
-    _ARRAYS = ("unique_ids", "unique_counts", "pair_rows", "pair_unique", "pair_gains",
-               "pair_counts")
+    _ARRAYS = (
+        "unique_ids",
+        "unique_counts",
+        "pair_rows",
+        "pair_unique",
+        "pair_gains",
+        "pair_counts",
+    )
 
     def tree_flatten(self):
-        return (tuple(getattr(self, a) for a in self._ARRAYS),
-                (self.stack, self.rows_per_device, self.features))
+        return (
+            tuple(getattr(self, a) for a in self._ARRAYS),
+            (self.stack, self.rows_per_device, self.features),
+        )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -195,8 +219,10 @@ class StackStats:
     @property
     def required_capacity(self) -> Capacity:
         """The smallest bucketed capacity that holds this batch."""
-        return Capacity(capacity_bucket(self.max_ids_per_partition),
-                        capacity_bucket(self.max_unique_ids_per_partition))
+        return Capacity(
+            capacity_bucket(self.max_ids_per_partition),
+            capacity_bucket(self.max_unique_ids_per_partition),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
