@@ -41,6 +41,7 @@ Environment: see benchmarks/requirements-serving.txt. Run from the repo root:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -332,7 +333,7 @@ def main(argv=None):
           f"{int(np.mean([f['ids'].size for f in batches[0]]))}")
     print(f"python {platform.python_version()}, numpy {np.__version__}, "
           f"embedmesh kernels: numba={'yes' if kernels.HAVE_NUMBA else 'no'}"
-          + (f" {kernels._numba.__version__}" if kernels.HAVE_NUMBA else "")
+          + (f" {importlib.metadata.version('numba')}" if kernels.HAVE_NUMBA else "")
           + (f", tensorflow {tf.__version__}" if tf else ", tensorflow: not importable")
           + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch
              else ", torch: not importable")

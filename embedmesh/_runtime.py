@@ -9,23 +9,39 @@ lists them:
   EMBEDMESH_CPU_KERNELS=0|1   device ops: 0 pure JAX; 1 build the C++ kernels
                               even when the default backend is not CPU
   EMBEDMESH_CPU_THREADS=n     threads of the C++ device kernels
-  EMBEDMESH_PREPROCESS_THREADS=n   threads of host preprocessing
-  EMBEDMESH_SERVING_THREADS=n threads of the serving lookup (1: caller only)
+  EMBEDMESH_PREPROCESS_THREADS=n   threads of host preprocessing (its default
+                              `num_threads`)
+  EMBEDMESH_SERVING_THREADS=n threads of the serving lookup (0 or 1: caller only)
   EMBEDMESH_OUTPUT_POOL_MB=n  serving's reusable output buffers
   EMBEDMESH_CACHE_DIR=path    where built kernels are cached
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
-from typing import Optional
+import threading
 
 import numpy as np
 
-__all__ = ["COMBINER_CODE", "PAD_ID", "aligned_empty", "cache_dir", "combiner_code",
-           "cpu_kernels_setting", "cpu_threads", "numba_enabled", "output_pool_bytes",
-           "preprocess_threads", "reset", "serving_threads", "usable_cores"]
+__all__ = [
+    "COMBINER_CODE",
+    "PAD_ID",
+    "aligned_buffer",
+    "aligned_empty",
+    "cache_dir",
+    "combiner_code",
+    "cpu_kernels_setting",
+    "cpu_threads",
+    "numba_enabled",
+    "output_pool_bytes",
+    "preprocess_threads",
+    "reset",
+    "serving_threads",
+    "thread_pool",
+    "usable_cores",
+]
 
 # Padding id of unique-id lists: int32 max, out of range on every shard (the C++
 # kernels' kPad has the same value).
@@ -38,19 +54,21 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 
-def combiner_code(combiner: Optional[str]) -> int:
+def combiner_code(combiner: str | None) -> int:
     try:
         return COMBINER_CODE[combiner]
-    except KeyError:
-        raise ValueError(f"unknown combiner {combiner!r}: expected one of "
-                         f"{sorted(k for k in COMBINER_CODE if k)}") from None
+    except (KeyError, TypeError):  # TypeError: unhashable
+        raise ValueError(
+            f"unknown combiner {combiner!r}: expected one of "
+            f"{sorted(k for k in COMBINER_CODE if k)}"
+        ) from None
 
 
 def _env(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
-def _positive_int(name: str) -> Optional[int]:
+def _positive_int(name: str) -> int | None:
     value = _env(name)
     if not value:
         return None
@@ -70,7 +88,7 @@ def numba_enabled() -> bool:
 
 
 @functools.cache
-def cpu_kernels_setting() -> Optional[bool]:
+def cpu_kernels_setting() -> bool | None:
     """EMBEDMESH_CPU_KERNELS: False (off), True (build even off CPU), None (default:
     on when the default backend is CPU)."""
     value = _env("EMBEDMESH_CPU_KERNELS").lower()
@@ -91,7 +109,7 @@ def usable_cores() -> int:
 
 
 @functools.cache
-def cpu_threads() -> Optional[int]:
+def cpu_threads() -> int | None:
     """EMBEDMESH_CPU_THREADS (None: the C++ kernels decide, one per usable core)."""
     return _positive_int("EMBEDMESH_CPU_THREADS")
 
@@ -104,10 +122,18 @@ def preprocess_threads() -> int:
 
 @functools.cache
 def serving_threads() -> int:
-    """EMBEDMESH_SERVING_THREADS, else one per usable core up to 8 (TensorFlow and
-    torch also use every core): on the serving benchmark 2 threads ran 1.6-1.7x
-    faster than 1 with the other core free."""
-    return _positive_int("EMBEDMESH_SERVING_THREADS") or min(usable_cores(), 8)
+    """EMBEDMESH_SERVING_THREADS (0 counts as 1: the caller's thread only), else one
+    per usable core up to 8 (TensorFlow and torch also use every core): on the
+    serving benchmark 2 threads ran 1.6-1.7x faster than 1 with the other core free."""
+    value = _env("EMBEDMESH_SERVING_THREADS")
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            raise ValueError(
+                f"EMBEDMESH_SERVING_THREADS={value!r}: expected an integer >= 0"
+            ) from None
+    return min(usable_cores(), 8)
 
 
 @functools.cache
@@ -129,9 +155,24 @@ def cache_dir() -> str:
 
 def reset() -> None:
     """Forget the switches read so far (tests change the environment)."""
-    for fn in (numba_enabled, cpu_kernels_setting, usable_cores, cpu_threads,
-               preprocess_threads, serving_threads, output_pool_bytes, cache_dir):
+    for fn in (
+        numba_enabled,
+        cpu_kernels_setting,
+        usable_cores,
+        cpu_threads,
+        preprocess_threads,
+        serving_threads,
+        output_pool_bytes,
+        cache_dir,
+    ):
         fn.cache_clear()
+
+
+def aligned_buffer(nbytes: int, align: int = 64) -> tuple[np.ndarray, int]:
+    """`(raw, start)`: a fresh uint8 array of `nbytes + align` bytes and the offset
+    of its first `align`-byte aligned byte (`nbytes` usable bytes follow it)."""
+    raw = np.empty(int(nbytes) + align, np.uint8)
+    return raw, (-raw.ctypes.data) % align
 
 
 def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
@@ -140,6 +181,29 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    raw, start = aligned_buffer(nbytes, align)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+# One thread pool for the host's parallel work (preprocessing's (stack, device)
+# tasks, serving's features), grown to the largest size asked for; a forked child
+# (whose copy has no threads) gets a fresh one.
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def thread_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's host thread pool, with at least `n` threads."""
+    global _pool, _pool_size, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_size < n or _pool_pid != os.getpid():
+            old = _pool if _pool_pid == os.getpid() else None
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max(int(n), 1), thread_name_prefix="embedmesh"
+            )
+            _pool_size, _pool_pid = max(int(n), 1), os.getpid()
+            if old is not None:
+                old.shutdown(wait=False)  # its threads finish what they hold, then exit
+        return _pool

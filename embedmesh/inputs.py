@@ -15,11 +15,10 @@ form the preprocessing kernels take. All conversions are vectorised.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
-
 
 
 @jax.tree_util.register_pytree_node_class
@@ -83,7 +82,7 @@ class RaggedTensor:
         return obj
 
     @classmethod
-    def from_row_lengths(cls, values, row_lengths) -> "RaggedTensor":
+    def from_row_lengths(cls, values, row_lengths) -> RaggedTensor:
         lengths = np.asarray(row_lengths, dtype=np.int64)
         splits = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
         np.cumsum(lengths, out=splits[1:])
@@ -99,19 +98,22 @@ def convert_input(x):
     if x is None or isinstance(x, (SparseTensor, RaggedTensor)):
         return x
     if all(hasattr(x, a) for a in ("indices", "values", "dense_shape")):
-        return SparseTensor(np.asarray(_to_numpy(x.indices)), np.asarray(_to_numpy(x.values)),
-                            tuple(int(d) for d in np.asarray(_to_numpy(x.dense_shape))))
+        return SparseTensor(
+            np.asarray(_to_numpy(x.indices)),
+            np.asarray(_to_numpy(x.values)),
+            tuple(int(d) for d in np.asarray(_to_numpy(x.dense_shape))),
+        )
     if all(hasattr(x, a) for a in ("values", "row_splits", "flat_values")):
         if getattr(x, "ragged_rank", 1) != 1:
-            raise ValueError(f"only rank-2 ragged tensors are supported, got ragged_rank "
-                             f"{x.ragged_rank}")
-        return RaggedTensor(np.asarray(_to_numpy(x.values)),
-                            np.asarray(_to_numpy(x.row_splits)))
+            raise ValueError(
+                f"only rank-2 ragged tensors are supported, got ragged_rank {x.ragged_rank}"
+            )
+        return RaggedTensor(np.asarray(_to_numpy(x.values)), np.asarray(_to_numpy(x.row_splits)))
     return _to_numpy(x)
 
 
 def input_kind(x) -> str:
-    """"sparse", "ragged" or "dense" (anything array-like)."""
+    """ "sparse", "ragged" or "dense" (anything array-like)."""
     if isinstance(x, SparseTensor):
         return "sparse"
     if isinstance(x, RaggedTensor):
@@ -132,10 +134,12 @@ _NOT_NUMERIC = frozenset("OUSVM")  # object, str, bytes, void, datetime: not a t
 
 
 def _not_a_tensor(name: str, what: str, x, arr: np.ndarray) -> ValueError:
-    return ValueError(f"feature {name}: {what} must be a Tensor (array), SparseTensor or "
-                      f"RaggedTensor, got {type(x).__name__}"
-                      + (f" ({x!r:.40})" if isinstance(x, (str, bytes)) else "")
-                      + (f" (dtype {arr.dtype})" if isinstance(x, np.ndarray) else ""))
+    return ValueError(
+        f"feature {name}: {what} must be a Tensor (array), SparseTensor or "
+        f"RaggedTensor, got {type(x).__name__}"
+        + (f" ({x!r:.40})" if isinstance(x, (str, bytes)) else "")
+        + (f" (dtype {arr.dtype})" if isinstance(x, np.ndarray) else "")
+    )
 
 
 def _check_int_ids(name: str, ids) -> np.ndarray:
@@ -159,8 +163,7 @@ def _check_float_weights(name: str, w) -> np.ndarray:
     if not np.isfinite(w).all():  # one vectorised pass; NaN/Inf would poison rows and slots
         flat = w.reshape(-1)
         bad = int(np.argmin(np.isfinite(flat)))
-        raise ValueError(f"feature {name}: weights must be finite, got {flat[bad]} at entry "
-                         f"{bad}")
+        raise ValueError(f"feature {name}: weights must be finite, got {flat[bad]} at entry {bad}")
     return w
 
 
@@ -186,15 +189,18 @@ def sparse_row_offsets(name: str, inp: SparseTensor) -> np.ndarray:
     idx = np.asarray(inp.indices)
     shape = tuple(inp.dense_shape)
     offsets, bad = kernels.sparse_offsets(idx, shape)
-    if bad < 0:
+    if offsets is not None:
         return offsets
     entry = idx[bad]
     if np.any(entry < 0) or np.any(entry >= np.asarray(shape)):
-        raise ValueError(f"feature {name}: SparseTensor index {entry.tolist()} is outside "
-                         f"dense_shape {shape}")
-    raise ValueError(f"feature {name}: SparseTensor indices must be sorted in row-major order "
-                     f"without repeats; entry {bad} {entry.tolist()} follows "
-                     f"{idx[bad - 1].tolist()}")
+        raise ValueError(
+            f"feature {name}: SparseTensor index {entry.tolist()} is outside dense_shape {shape}"
+        )
+    raise ValueError(
+        f"feature {name}: SparseTensor indices must be sorted in row-major order "
+        f"without repeats; entry {bad} {entry.tolist()} follows "
+        f"{idx[bad - 1].tolist()}"
+    )
 
 
 def validate_structure(name: str, inp, weight=None) -> None:
@@ -202,54 +208,77 @@ def validate_structure(name: str, inp, weight=None) -> None:
     `sparse_row_offsets`, which does that check while computing row offsets)."""
     kind = input_kind(inp)
     if weight is not None and input_kind(weight) != kind:
-        raise ValueError(f"feature {name}: weight is of type {type(weight).__name__} but the "
-                         f"input is {type(inp).__name__}; they must match")
+        raise ValueError(
+            f"feature {name}: weight is of type {type(weight).__name__} but the "
+            f"input is {type(inp).__name__}; they must match"
+        )
     if kind == "dense":
         ids = _check_int_ids(name, inp)
         if ids.ndim < 1:
-            raise ValueError(f"feature {name}: a dense input must be [batch, ...] ids, got "
-                             f"shape {ids.shape}")
+            raise ValueError(
+                f"feature {name}: a dense input must be [batch, ...] ids, got shape {ids.shape}"
+            )
         if weight is not None:
             w = _check_float_weights(name, weight)
             if w.shape != ids.shape:
-                raise ValueError(f"feature {name}: weight shape {w.shape} != input shape "
-                                 f"{ids.shape}")
+                raise ValueError(
+                    f"feature {name}: weight shape {w.shape} != input shape {ids.shape}"
+                )
         return
     if kind == "sparse":
         ids = _check_int_ids(name, inp.values)
         idx = np.asarray(inp.indices)
         rank = len(inp.dense_shape)
         if rank < 2:
-            raise ValueError(f"feature {name}: a SparseTensor must have rank >= 2, got "
-                             f"dense_shape {inp.dense_shape}")
+            raise ValueError(
+                f"feature {name}: a SparseTensor must have rank >= 2, got "
+                f"dense_shape {inp.dense_shape}"
+            )
         if idx.ndim != 2 or idx.shape[1] != rank or idx.shape[0] != ids.shape[0] or ids.ndim != 1:
-            raise ValueError(f"feature {name}: SparseTensor indices {idx.shape} and values "
-                             f"{ids.shape} do not fit dense_shape {inp.dense_shape}")
+            raise ValueError(
+                f"feature {name}: SparseTensor indices {idx.shape} and values "
+                f"{ids.shape} do not fit dense_shape {inp.dense_shape}"
+            )
         if not np.issubdtype(idx.dtype, np.integer):
-            raise TypeError(f"feature {name}: SparseTensor indices must be integers, got "
-                            f"{idx.dtype}")
+            raise TypeError(
+                f"feature {name}: SparseTensor indices must be integers, got {idx.dtype}"
+            )
         if weight is not None:
             w = _check_float_weights(name, weight.values)
             if w.shape != ids.shape or tuple(weight.dense_shape) != tuple(inp.dense_shape):
-                raise ValueError(f"feature {name}: weight SparseTensor (values {w.shape}, "
-                                 f"dense_shape {weight.dense_shape}) does not match the input "
-                                 f"(values {ids.shape}, dense_shape {inp.dense_shape})")
+                raise ValueError(
+                    f"feature {name}: weight SparseTensor (values {w.shape}, "
+                    f"dense_shape {weight.dense_shape}) does not match the input "
+                    f"(values {ids.shape}, dense_shape {inp.dense_shape})"
+                )
         return
     ids = _check_int_ids(name, inp.values)
     splits = np.asarray(inp.row_splits)
     if ids.ndim != 1:
-        raise ValueError(f"feature {name}: RaggedTensor values must be 1-D (rank-2 ragged), "
-                         f"got shape {ids.shape}")
-    if (splits.ndim != 1 or splits.shape[0] < 1 or not np.issubdtype(splits.dtype, np.integer)
-            or splits[0] != 0 or splits[-1] != ids.shape[0] or (splits[1:] < splits[:-1]).any()):
-        raise ValueError(f"feature {name}: bad row_splits ({_bad_split(splits, ids.shape[0])}): "
-                         f"they must be integers starting at 0, non-decreasing, ending at "
-                         f"len(values) = {ids.shape[0]}")
+        raise ValueError(
+            f"feature {name}: RaggedTensor values must be 1-D (rank-2 ragged), "
+            f"got shape {ids.shape}"
+        )
+    if (
+        splits.ndim != 1
+        or splits.shape[0] < 1
+        or not np.issubdtype(splits.dtype, np.integer)
+        or splits[0] != 0
+        or splits[-1] != ids.shape[0]
+        or (splits[1:] < splits[:-1]).any()
+    ):
+        raise ValueError(
+            f"feature {name}: bad row_splits ({_bad_split(splits, ids.shape[0])}): "
+            f"they must be integers starting at 0, non-decreasing, ending at "
+            f"len(values) = {ids.shape[0]}"
+        )
     if weight is not None:
         w = _check_float_weights(name, weight.values)
         if w.shape != ids.shape or not np.array_equal(np.asarray(weight.row_splits), splits):
-            raise ValueError(f"feature {name}: weight RaggedTensor (values {w.shape}) must have "
-                             f"the input's row_splits and number of values ({ids.shape[0]})")
+            raise ValueError(
+                f"feature {name}: weight RaggedTensor (values {w.shape}) must have "
+                f"the input's row_splits and number of values ({ids.shape[0]})"
+            )
 
 
 def _bad_split(splits: np.ndarray, n: int) -> str:
@@ -311,11 +340,11 @@ class FeatureLayout:
     kind: str
     batch: int
     sample_shape: tuple
-    combiner: Optional[str]
+    combiner: str | None
     prune_ids: bool = False
     prune_weights: bool = False
     use_weights: bool = True
-    output_shape: Optional[tuple] = None
+    output_shape: tuple | None = None
 
     @property
     def rows_per_sample(self) -> int:
@@ -333,7 +362,7 @@ class FeatureLayout:
         """Positions per sample of a "sequence" layout."""
         return int(self.sample_shape[0]) if self.kind == "sequence" else 0
 
-    def activation_shape(self, dim: int, batch: Optional[int] = None) -> tuple:
+    def activation_shape(self, dim: int, batch: int | None = None) -> tuple:
         """The activation's shape for `batch` samples (default: this batch)."""
         if self.output_shape is not None:
             return tuple(self.output_shape) + (dim,)
@@ -359,29 +388,36 @@ def feature_layout(name: str, feature, inp, weight=None, *, batch_scale: int = 1
         if kind == "dense":
             raise ValueError(f"Weight specified for {name}, but input is dense.")
         if input_kind(weight) != kind:
-            raise ValueError(f"Weight for {name} is of type {type(weight).__name__} but it does "
-                             f"not match type of the input which is {type(inp).__name__}.")
+            raise ValueError(
+                f"Weight for {name} is of type {type(weight).__name__} but it does "
+                f"not match type of the input which is {type(inp).__name__}."
+            )
         if L > 0:
             raise ValueError(f"Weight specified for {name}, but this is a sequence feature.")
     if kind == "dense":
         if L > 0:
-            raise ValueError(f"Feature {name} is a sequence feature but a dense tensor was "
-                             f"passed.")
+            raise ValueError(f"Feature {name} is a sequence feature but a dense tensor was passed.")
         shape = tuple(int(d) for d in np.shape(inp))
         if not shape:
-            raise ValueError(f"feature {name}: a dense input needs a batch dimension, got a "
-                             f"scalar")
+            raise ValueError(f"feature {name}: a dense input needs a batch dimension, got a scalar")
         return FeatureLayout("lookup", shape[0], shape[1:], None)
     if kind == "sparse":
         shape = tuple(inp.dense_shape)
         if len(shape) < 2:
-            raise ValueError(f"feature {name}: a SparseTensor must have rank >= 2, got "
-                             f"dense_shape {shape}")
+            raise ValueError(
+                f"feature {name}: a SparseTensor must have rank >= 2, got dense_shape {shape}"
+            )
         if not feature.output_shape and L > 0 and len(shape) == 2:
             return FeatureLayout("sequence", shape[0], (L,), None)
         prune = feature.validate_weights_and_indices or len(shape) > 2  # TF's "safe" lookup
-        return FeatureLayout("combined", shape[0], shape[1:-1], combiner, prune_ids=prune,
-                             prune_weights=prune and combiner != "sum")
+        return FeatureLayout(
+            "combined",
+            shape[0],
+            shape[1:-1],
+            combiner,
+            prune_ids=prune,
+            prune_weights=prune and combiner != "sum",
+        )
     b = inp.nrows
     if feature.output_shape:
         p = int(np.prod(feature.output_shape))
@@ -390,16 +426,21 @@ def feature_layout(name: str, feature, inp, weight=None, *, batch_scale: int = 1
         if p == gb:
             return FeatureLayout("combined", b, (), combiner, output_shape=out)
         if p > gb and gb > 0 and p % gb == 0:
-            return FeatureLayout("sequence", b, (p // gb,), None, use_weights=False,
-                                 output_shape=out)
+            return FeatureLayout(
+                "sequence", b, (p // gb,), None, use_weights=False, output_shape=out
+            )
         hint = ""
         if batch_scale > 1 and (p * batch_scale == gb or (p * batch_scale) % gb == 0):
-            hint = (f"; embedmesh's output_shape is global (the whole batch of {gb} samples "
-                    f"over all processes), not per replica as in TensorFlow")
-        raise ValueError(f"Output shape set in the FeatureConfig should be the factor of the "
-                         f"input data batch size. But instead got output shape "
-                         f"{list(feature.output_shape)}, input data batch size {gb} "
-                         f"(feature {name}){hint}")
+            hint = (
+                f"; embedmesh's output_shape is global (the whole batch of {gb} samples "
+                f"over all processes), not per replica as in TensorFlow"
+            )
+        raise ValueError(
+            f"Output shape set in the FeatureConfig should be the factor of the "
+            f"input data batch size. But instead got output shape "
+            f"{list(feature.output_shape)}, input data batch size {gb} "
+            f"(feature {name}){hint}"
+        )
     if L > 0:
         return FeatureLayout("sequence", b, (L,), None)
     return FeatureLayout("combined", b, (), combiner)
@@ -407,14 +448,23 @@ def feature_layout(name: str, feature, inp, weight=None, *, batch_scale: int = 1
 
 @dataclasses.dataclass(frozen=True)
 class Csr:
-    """One feature's batch as bags: entries `splits[r]:splits[r+1]` add into output
-    row r (the form the kernels take: no per-entry row array). Rows are in
-    sample-major order: row `s * rows_per_sample + k` (see `FeatureLayout`)."""
+    """One feature's batch as bags, the one host form of a batch: entries
+    `splits[r]:splits[r+1]` add into output row r (no per-entry row array). Rows
+    are in sample-major order: row `s * rows_per_sample + k` (see `FeatureLayout`).
+    Host preprocessing and the serving lookup both take it (from `to_csr`).
+
+    `prune_ids` / `prune_weights`: entries TensorFlow's "safe" sparse lookup
+    drops (ids < 0 / weights <= 0) that are still here, left for the consumer's
+    kernel to skip (`to_csr(prune=False)`); both False when the entries are
+    exactly the ones that count.
+    """
 
     ids: np.ndarray  # [nnz] integer ids, as given
     splits: np.ndarray  # int64 [num_rows + 1]
-    weights: Optional[np.ndarray]  # float32 [nnz], or None for all ones
+    weights: np.ndarray | None  # float32 [nnz], or None for all ones
     layout: FeatureLayout
+    prune_ids: bool = False
+    prune_weights: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -425,22 +475,39 @@ class Csr:
         return self.layout.batch
 
 
-def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr:
-    """One validated concrete input as bags under `feature_layout`'s rules.
+def to_csr(
+    name: str,
+    feature,
+    inp,
+    weight=None,
+    *,
+    batch_scale: int = 1,
+    prune: bool = True,
+    layout: FeatureLayout | None = None,
+) -> Csr:
+    """One concrete input as bags under `feature_layout`'s rules, checked on the way.
 
-    Ragged row_splits and dense strides are used as they are; sparse row
-    offsets come from the one-pass `sparse_row_offsets`, which also checks the
-    sparse indices (errors name `name`), so after `validate_structure` nothing
-    needs checking twice. Entries keep their order; pruned entries (the
-    "safe" sparse lookup) are left out.
+    The input's structure is checked (`validate_structure`), then its layout
+    taken, unless the caller passes the `layout` it has taken already (the
+    serving lookup does, first, so that misfit weights raise TensorFlow's
+    errors). Sparse row offsets come from the one-pass `sparse_row_offsets`,
+    which also checks the sparse indices, so nothing is checked twice. Errors
+    name `name`. Ragged row_splits and dense strides are used as they are;
+    entries keep their order.
+
+    `prune`: leave out the entries TensorFlow's "safe" sparse lookup drops (and
+    range-check the kept ids); with False they stay, flagged in the result's
+    `prune_ids` / `prune_weights` for a kernel that skips them in its own pass
+    (the serving lookup).
     """
-    layout = feature_layout(name, feature, inp, weight, batch_scale=batch_scale)
+    validate_structure(name, inp, weight)
+    if layout is None:
+        layout = feature_layout(name, feature, inp, weight, batch_scale=batch_scale)
     kind = input_kind(inp)
     if kind == "dense":
         ids = np.asarray(inp).reshape(-1)
-        return Csr(ids, np.arange(ids.shape[0] + 1, dtype=np.int64), None, layout)
-    w = (None if weight is None or not layout.use_weights
-         else np.asarray(weight.values, np.float32))
+        return Csr(ids, _identity_splits(ids.shape[0]), None, layout)
+    w = None if weight is None or not layout.use_weights else np.asarray(weight.values, np.float32)
     ids = np.asarray(inp.values)
     if layout.kind == "sequence":
         L = layout.length
@@ -463,9 +530,13 @@ def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr
         splits = np.asarray(inp.row_splits).astype(np.int64, copy=False)
     else:
         splits = sparse_row_offsets(name, inp)
-    if layout.prune_ids or layout.prune_weights:
-        keep = ids >= 0 if layout.prune_ids else np.ones(ids.shape, bool)
-        if layout.prune_weights and w is not None:
+    prune_ids = layout.prune_ids and ids.dtype.kind != "u"  # unsigned ids are never < 0
+    prune_weights = layout.prune_weights and w is not None
+    if not prune:
+        return Csr(ids, splits, w, layout, prune_ids, prune_weights)
+    if prune_ids or prune_weights:
+        keep = ids >= 0 if prune_ids else np.ones(ids.shape, bool)
+        if prune_weights and w is not None:
             keep &= w > 0
         if not keep.all():
             # range-check what is kept now, so an error names the entry as given
@@ -473,8 +544,7 @@ def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr
             out = keep & (ids >= vocab)
             if out.any():
                 bad = int(np.flatnonzero(out)[0])
-                raise ValueError(f"feature {name}: id {int(ids[bad])} (entry {bad}) is outside "
-                                 f"the table's range [0, {vocab})")
+                raise id_range_error(name, ids[bad], bad, vocab)
             kept = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
             splits = kept[splits]
             ids = ids[keep]
@@ -482,10 +552,33 @@ def to_csr(name: str, feature, inp, weight=None, *, batch_scale: int = 1) -> Csr
     return Csr(ids, splits, w, layout)
 
 
+_IDENTITY_SPLITS: dict = {}  # n -> read-only arange(n + 1): dense inputs' splits, reused
+
+
+def _identity_splits(n: int) -> np.ndarray:
+    """`arange(n + 1)` (int64, read-only): one entry per row."""
+    splits = _IDENTITY_SPLITS.get(n)
+    if splits is None:
+        if len(_IDENTITY_SPLITS) >= 64:
+            _IDENTITY_SPLITS.clear()
+        splits = np.arange(n + 1, dtype=np.int64)
+        splits.flags.writeable = False
+        _IDENTITY_SPLITS[n] = splits
+    return splits
+
+
 def _splits_of_counts(counts: np.ndarray) -> np.ndarray:
     splits = np.zeros(counts.size + 1, np.int64)
     np.cumsum(counts, out=splits[1:])
     return splits
+
+
+def id_range_error(name: str, id_, entry: int, vocabulary_size: int) -> ValueError:
+    """The error for feature `name`'s entry `entry`, whose id is outside the table."""
+    return ValueError(
+        f"feature {name}: id {int(id_)} (entry {int(entry)}) is outside the "
+        f"table's range [0, {vocabulary_size})"
+    )
 
 
 def check_id_range(name: str, ids: np.ndarray, vocabulary_size: int) -> None:
@@ -498,11 +591,10 @@ def check_id_range(name: str, ids: np.ndarray, vocabulary_size: int) -> None:
             bad = np.nonzero(ids >= np.asarray(vocabulary_size, ids.dtype))[0][0]
         else:
             bad = np.nonzero((ids < 0) | (ids >= vocabulary_size))[0][0]
-        raise ValueError(f"feature {name}: id {int(ids[bad])} (entry {int(bad)}) is outside the "
-                         f"table's range [0, {vocabulary_size})")
+        raise id_range_error(name, ids[bad], bad, vocabulary_size)
 
 
-def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Optional[Any]]:
+def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Any | None]:
     """Inputs flattened in the feature config's order; a feature left out is None.
 
     Inputs may be a subset of the feature structure (dict keys may be
@@ -514,8 +606,11 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
     from embedmesh.config import FeatureConfig
 
     def is_leaf(x):
-        return x is None or isinstance(x, (SparseTensor, RaggedTensor)) or not isinstance(
-            x, (dict, list, tuple))
+        return (
+            x is None
+            or isinstance(x, (SparseTensor, RaggedTensor))
+            or not isinstance(x, (dict, list, tuple))
+        )
 
     out = []
 
@@ -524,33 +619,39 @@ def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Option
             out.append(None if inp is None else convert_input(inp))
             return
         if inp is None:
-            for leaf in jax.tree_util.tree_leaves(cfg):
-                out.append(None)
+            out.extend(None for _ in jax.tree_util.tree_leaves(cfg))
             return
         if isinstance(cfg, dict):
             if not isinstance(inp, dict):
                 # TensorFlow's nest checks: another kind of sequence is a TypeError,
                 # a leaf where the config nests is a ValueError
                 err = TypeError if _is_sequence(inp) else ValueError
-                raise err(f"{what} at {path or '<root>'}: expected a dict like the "
-                          f"feature config, got {type(inp).__name__}")
+                raise err(
+                    f"{what} at {path or '<root>'}: expected a dict like the "
+                    f"feature config, got {type(inp).__name__}"
+                )
             extra = set(inp) - set(cfg)
             if extra:
-                raise ValueError(f"{what} at {path or '<root>'}: keys {sorted(map(str, extra))} "
-                                 f"are not in the feature config")
+                raise ValueError(
+                    f"{what} at {path or '<root>'}: keys {sorted(map(str, extra))} "
+                    f"are not in the feature config"
+                )
             for k in sorted(cfg):
                 walk(cfg[k], inp.get(k), f"{path}/{k}" if path else str(k))
             return
         if isinstance(cfg, (list, tuple)):
             kind = type(cfg).__name__
             if _is_sequence(inp) and type(inp) is not type(cfg):
-                raise TypeError(f"{what} at {path or '<root>'}: expected a {kind} like the "
-                                f"feature config, got {type(inp).__name__}")
+                raise TypeError(
+                    f"{what} at {path or '<root>'}: expected a {kind} like the "
+                    f"feature config, got {type(inp).__name__}"
+                )
             if is_leaf(inp) or len(inp) != len(cfg):
-                raise ValueError(f"{what} at {path or '<root>'}: expected a {kind} (a "
-                                 f"sequence of {len(cfg)}) like the feature config, got "
-                                 f"{type(inp).__name__}"
-                                 + (f" of {len(inp)}" if _is_sequence(inp) else ""))
+                raise ValueError(
+                    f"{what} at {path or '<root>'}: expected a {kind} (a "
+                    f"sequence of {len(cfg)}) like the feature config, got "
+                    f"{type(inp).__name__}" + (f" of {len(inp)}" if _is_sequence(inp) else "")
+                )
             for i, (c, x) in enumerate(zip(cfg, inp)):
                 walk(c, x, f"{path}/{i}" if path else str(i))
             return

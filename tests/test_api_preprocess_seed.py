@@ -1,13 +1,14 @@
 """Item 10: TensorFlow's keyword form of preprocess_features, identical arrays."""
 
-import numpy as np
 import jax
+import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import embedmesh as em
-from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
+from embedmesh import FeatureConfig, RaggedTensor, TableConfig
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import preprocess_features
 from embedmesh.layout.stacking import plan_stacking
@@ -17,9 +18,11 @@ def config():
     t1 = TableConfig(30, 4, name="t1", combiner="sum")
     t2 = TableConfig(20, 4, name="t2")
     t3 = TableConfig(11, 16)  # unnamed
-    return {"a": FeatureConfig(t1), "b": {"c": FeatureConfig(t2),
-                                          "s": FeatureConfig(t1, max_sequence_length=2)},
-            "d": FeatureConfig(t3)}, (t1, t2, t3)
+    return {
+        "a": FeatureConfig(t1),
+        "b": {"c": FeatureConfig(t2), "s": FeatureConfig(t1, max_sequence_length=2)},
+        "d": FeatureConfig(t3),
+    }, (t1, t2, t3)
 
 
 def flat_with_paths(cfg, prefix=""):  # what TF's nest.flatten_with_joined_string_paths gives
@@ -35,8 +38,14 @@ def batch(rng, b):
     lengths = rng.integers(0, 4, b)
     w = rng.uniform(0.1, 2.0, int(lengths.sum())).astype(np.float32)
     rag = RaggedTensor.from_row_lengths(rng.integers(0, 20, int(lengths.sum())), lengths)
-    feats = {"a": rng.integers(0, 30, (b, 2)), "b": {"c": rag, "s": RaggedTensor.from_row_lengths(
-        rng.integers(0, 30, int(lengths.sum())), lengths)}, "d": rng.integers(0, 11, b)}
+    feats = {
+        "a": rng.integers(0, 30, (b, 2)),
+        "b": {
+            "c": rag,
+            "s": RaggedTensor.from_row_lengths(rng.integers(0, 30, int(lengths.sum())), lengths),
+        },
+        "d": rng.integers(0, 11, b),
+    }
     weights = {"a": None, "b": {"c": RaggedTensor(w, rag.row_splits), "s": None}, "d": None}
     return feats, weights
 
@@ -46,14 +55,27 @@ def seed_kwargs(cfg, tables, n, feats, weights, stacked=None):
     flat = flat_with_paths(cfg)
     stacked = stacked or {"t1_t2": [t1, t2], "t3": [t3]}
     stack_of = {t.name or "table_2": s for s, ts in stacked.items() for t in ts}
-    leaves = lambda tree: [tree[p.split("/")[0]] if "/" not in p else
-                           tree[p.split("/")[0]][p.split("/")[1]] for p, _ in flat]
-    return dict(num_replicas_in_sync=n, max_ids_per_chip_per_sample=64, max_minibatches_per_sc=64,
-                num_sc_per_chip=4, num_sc_shards=4 * n, stacked_table_to_tables=stacked,
-                table_to_stacked_table_offset={k: (v, 0, 0) for k, v in stack_of.items()},
-                table_to_sample_count={s: 0 for s in stacked},
-                feature_to_sample_offset={p: 0 for p, _ in flat},
-                flat_features=flat, flat_inputs=leaves(feats), flat_weights=leaves(weights))
+
+    def leaves(tree):
+        return [
+            tree[p.split("/")[0]] if "/" not in p else tree[p.split("/")[0]][p.split("/")[1]]
+            for p, _ in flat
+        ]
+
+    return dict(
+        num_replicas_in_sync=n,
+        max_ids_per_chip_per_sample=64,
+        max_minibatches_per_sc=64,
+        num_sc_per_chip=4,
+        num_sc_shards=4 * n,
+        stacked_table_to_tables=stacked,
+        table_to_stacked_table_offset={k: (v, 0, 0) for k, v in stack_of.items()},
+        table_to_sample_count={s: 0 for s in stacked},
+        feature_to_sample_offset={p: 0 for p, _ in flat},
+        flat_features=flat,
+        flat_inputs=leaves(feats),
+        flat_weights=leaves(weights),
+    )
 
 
 def assert_same_csr(a, b):
@@ -83,8 +105,12 @@ def test_seed_form_gives_identical_arrays(n, seed, b):
     got2 = MeshEmbedding.preprocess_features(*kw.values())
     assert_same_csr(got2[0], want)
     # the embedmesh form through the staticmethod still works
-    assert_same_csr(MeshEmbedding.preprocess_features(feats, weights, plan_stacking(cfg, n),
-                                                      num_devices_local=n)[0], want)
+    assert_same_csr(
+        MeshEmbedding.preprocess_features(
+            feats, weights, plan_stacking(cfg, n), num_devices_local=n
+        )[0],
+        want,
+    )
 
 
 def test_seed_form_output_feeds_dequeue():
@@ -106,8 +132,9 @@ def test_seed_form_stack_tables_false_and_errors():
     feats, weights = batch(np.random.default_rng(1), 4)
     alone = {"t1": [t1], "t2": [t2], "t3": [t3]}
     got = preprocess_features(**seed_kwargs(cfg, tables, 2, feats, weights, alone))
-    want, _ = preprocess_features(feats, weights, plan_stacking(cfg, 2, stack_tables=False),
-                                  num_devices_local=2)
+    want, _ = preprocess_features(
+        feats, weights, plan_stacking(cfg, 2, stack_tables=False), num_devices_local=2
+    )
     assert_same_csr(got[0], want)
     kw = seed_kwargs(cfg, tables, 2, feats, weights, {"x": [t1, t3], "y": [t2]})
     with pytest.raises(ValueError, match="cannot realise"):

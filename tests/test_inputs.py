@@ -8,8 +8,13 @@ from hypothesis import given, settings
 
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
 from embedmesh.config import resolve_feature_config
-from embedmesh.inputs import (flatten_inputs_like, ragged_positions, ragged_row_ids,
-                              to_csr, validate_input)
+from embedmesh.inputs import (
+    flatten_inputs_like,
+    ragged_positions,
+    ragged_row_ids,
+    to_csr,
+    validate_input,
+)
 
 
 @st.composite
@@ -22,31 +27,41 @@ def batches(draw):
         n = 1 if kind == "dense1" else draw(st.integers(1, 4))
         ids = np.array(draw(st.lists(st.integers(0, 50), min_size=B * n, max_size=B * n)))
         ids = ids.reshape(B) if kind == "dense1" else ids.reshape(B, n)
-        w = np.array(draw(st.lists(st.floats(-3, 3, width=32), min_size=B * n,
-                                   max_size=B * n)), np.float32).reshape(ids.shape)
-        per = [[(j, int(ids.reshape(B, n)[b, j]), float(w.reshape(B, n)[b, j]) if weighted
-                 else 1.0) for j in range(n)] for b in range(B)]
+        w = np.array(
+            draw(st.lists(st.floats(-3, 3, width=32), min_size=B * n, max_size=B * n)), np.float32
+        ).reshape(ids.shape)
+        per = [
+            [
+                (j, int(ids.reshape(B, n)[b, j]), float(w.reshape(B, n)[b, j]) if weighted else 1.0)
+                for j in range(n)
+            ]
+            for b in range(B)
+        ]
         return ids, (w if weighted else None), per
     per = []
-    for b in range(B):
+    for _ in range(B):
         cols = sorted(draw(st.lists(st.integers(0, 7), max_size=5, unique=True)))
         if kind == "ragged":
             cols = list(range(len(cols)))
-        per.append([(c, draw(st.integers(0, 50)),
-                     draw(st.floats(-3, 3, width=32)) if weighted else 1.0) for c in cols])
+        per.append(
+            [
+                (c, draw(st.integers(0, 50)), draw(st.floats(-3, 3, width=32)) if weighted else 1.0)
+                for c in cols
+            ]
+        )
     ids = np.array([e[1] for row in per for e in row], np.int64)
     w = np.array([e[2] for row in per for e in row], np.float32)
     if kind == "ragged":
         splits = np.concatenate([[0], np.cumsum([len(r) for r in per])])
         return RaggedTensor(ids, splits), (RaggedTensor(w, splits) if weighted else None), per
     idx = np.array([[b, e[0]] for b, row in enumerate(per) for e in row], np.int64).reshape(-1, 2)
-    return (SparseTensor(idx, ids, (B, 8)), SparseTensor(idx, w, (B, 8)) if weighted else None,
-            per)
+    return (SparseTensor(idx, ids, (B, 8)), SparseTensor(idx, w, (B, 8)) if weighted else None, per)
 
 
 @settings(max_examples=300, deadline=None)
-@given(batches(), st.sampled_from([0, 1, 3]), st.sampled_from(["sum", "mean", "sqrtn"]),
-       st.booleans())
+@given(
+    batches(), st.sampled_from([0, 1, 3]), st.sampled_from(["sum", "mean", "sqrtn"]), st.booleans()
+)
 def test_to_csr_matches_plain_loops(batch, L, combiner, validate):
     """Entries per output row under TensorFlow's serving rules, by plain loops."""
     inp, weight, per = batch
@@ -55,8 +70,11 @@ def test_to_csr_matches_plain_loops(batch, L, combiner, validate):
         weight, L = None, 0  # dense ids: plain lookups, no weights, no sequences
     if L > 0:
         weight = None  # sequence features take no weights
-    feature = FeatureConfig(TableConfig(51, 2, combiner=combiner),
-                            max_sequence_length=L, validate_weights_and_indices=validate)
+    feature = FeatureConfig(
+        TableConfig(51, 2, combiner=combiner),
+        max_sequence_length=L,
+        validate_weights_and_indices=validate,
+    )
     validate_input("f", inp, weight)
     csr = to_csr("f", feature, inp, weight)
     B = len(per)
@@ -67,8 +85,7 @@ def test_to_csr_matches_plain_loops(batch, L, combiner, validate):
             if dense:
                 expected.append((b * len(row) + pos, i, np.float32(1.0)))
             elif L == 0:
-                if (isinstance(inp, SparseTensor) and validate and combiner != "sum"
-                        and w <= 0):
+                if isinstance(inp, SparseTensor) and validate and combiner != "sum" and w <= 0:
                     continue  # TensorFlow's safe sparse lookup prunes weights <= 0
                 expected.append((b, i, np.float32(w)))
             elif pos < L:
@@ -110,21 +127,30 @@ def test_containers_are_pytrees_with_static_dense_shape():
     np.testing.assert_array_equal(out, [2, 4])
 
 
-@pytest.mark.parametrize("inp,weight,match", [
+@pytest.mark.parametrize(
+    "inp,weight,match",
+    [
         (np.array(1), None, r"must be \[batch, \.\.\.\] ids"),  # rank >= 1: ids.shape + [dim]
-    (np.array([1.5]), None, "ids must be integers"),
-    (np.array([1, 2]), np.array([1.0]), "weight shape"),
-    (SparseTensor(np.array([[0]]), np.array([1]), (2,)), None, "rank >= 2"),
-    (SparseTensor(np.array([[0, 1], [0, 1]]), np.array([1, 2]), (2, 3)), None, "sorted"),
-    (SparseTensor(np.array([[0, 5]]), np.array([1]), (2, 3)), None, "outside dense_shape"),
-    (SparseTensor(np.array([[0, 1]]), np.array([1, 2]), (2, 3)), None, "do not fit"),
-    (RaggedTensor(np.array([1, 2]), np.array([1, 2])), None, "bad row_splits"),
-    (RaggedTensor(np.array([1, 2]), np.array([0, 1])), None, "bad row_splits"),
-    (RaggedTensor(np.array([1, 2]), np.array([0, 2])),
-     RaggedTensor(np.array([1.0, 2.0]), np.array([0, 1, 2])), "row_splits"),
-    (RaggedTensor(np.array([1, 2]), np.array([0, 2])),
-     SparseTensor(np.array([[0, 0]]), np.array([1.0]), (1, 2)), "must match"),
-])
+        (np.array([1.5]), None, "ids must be integers"),
+        (np.array([1, 2]), np.array([1.0]), "weight shape"),
+        (SparseTensor(np.array([[0]]), np.array([1]), (2,)), None, "rank >= 2"),
+        (SparseTensor(np.array([[0, 1], [0, 1]]), np.array([1, 2]), (2, 3)), None, "sorted"),
+        (SparseTensor(np.array([[0, 5]]), np.array([1]), (2, 3)), None, "outside dense_shape"),
+        (SparseTensor(np.array([[0, 1]]), np.array([1, 2]), (2, 3)), None, "do not fit"),
+        (RaggedTensor(np.array([1, 2]), np.array([1, 2])), None, "bad row_splits"),
+        (RaggedTensor(np.array([1, 2]), np.array([0, 1])), None, "bad row_splits"),
+        (
+            RaggedTensor(np.array([1, 2]), np.array([0, 2])),
+            RaggedTensor(np.array([1.0, 2.0]), np.array([0, 1, 2])),
+            "row_splits",
+        ),
+        (
+            RaggedTensor(np.array([1, 2]), np.array([0, 2])),
+            SparseTensor(np.array([[0, 0]]), np.array([1.0]), (1, 2)),
+            "must match",
+        ),
+    ],
+)
 def test_validation_errors_name_the_feature(inp, weight, match):
     with pytest.raises((ValueError, TypeError), match=match) as info:
         validate_input("my_feature", inp, weight)

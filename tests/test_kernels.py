@@ -23,17 +23,23 @@ from hypothesis import strategies as st
 from embedmesh.serving import kernels
 
 BACKENDS = ["numpy"] + (["numba"] if kernels.HAVE_NUMBA else [])
-IMPLS = {"numpy": kernels.weighted_segment_sum_numpy,
-         "numba": kernels.weighted_segment_sum_numba}
+IMPLS = {"numpy": kernels.weighted_segment_sum_numpy, "numba": kernels.weighted_segment_sum_numba}
 COMBINERS = [None, "sum", "mean", "sqrtn"]
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
-EPS = {np.dtype(np.float32): 2.0 ** -24, np.dtype(np.float16): 2.0 ** -11,
-       np.dtype(ml_dtypes.bfloat16): 2.0 ** -8}
-TINY = {np.dtype(np.float32): 0.0, np.dtype(np.float16): 2.0 ** -24,  # subnormal spacing
-        np.dtype(ml_dtypes.bfloat16): 0.0}
+EPS = {
+    np.dtype(np.float32): 2.0**-24,
+    np.dtype(np.float16): 2.0**-11,
+    np.dtype(ml_dtypes.bfloat16): 2.0**-8,
+}
+TINY = {
+    np.dtype(np.float32): 0.0,
+    np.dtype(np.float16): 2.0**-24,  # subnormal spacing
+    np.dtype(ml_dtypes.bfloat16): 0.0,
+}
 
-SETTINGS = settings(max_examples=120, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(autouse=True)
@@ -86,22 +92,27 @@ def problems(draw, dtypes=tuple(DTYPES)):
     counts = draw(st.lists(st.integers(0, 6), min_size=0, max_size=12))
     extra_rows = draw(st.integers(0, 3))  # num_rows beyond the last row used
     num_rows = len(counts) + extra_rows
-    rows = np.repeat(np.arange(len(counts), dtype=draw(st.sampled_from([np.int32, np.int64]))),
-                     counts)
+    rows = np.repeat(
+        np.arange(len(counts), dtype=draw(st.sampled_from([np.int32, np.int64]))), counts
+    )
     n = rows.shape[0]
-    ids = np.asarray(draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)),
-                     dtype=draw(st.sampled_from([np.int32, np.int64])))
+    ids = np.asarray(
+        draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)),
+        dtype=draw(st.sampled_from([np.int32, np.int64])),
+    )
     kind = draw(st.sampled_from(["ones", "quarters", "positive"]))
     if kind == "ones":
         weights = np.ones(n, np.float32)
     elif kind == "quarters":  # negative, zero and positive; sums exact
-        weights = np.asarray(draw(st.lists(st.integers(-12, 12), min_size=n, max_size=n)),
-                             np.float32) / 4
+        weights = (
+            np.asarray(draw(st.lists(st.integers(-12, 12), min_size=n, max_size=n)), np.float32) / 4
+        )
     else:
-        weights = np.asarray(draw(st.lists(
-            st.floats(0.0625, 10.0, width=32), min_size=n, max_size=n)), np.float32)
+        weights = np.asarray(
+            draw(st.lists(st.floats(0.0625, 10.0, width=32), min_size=n, max_size=n)), np.float32
+        )
     dtype = draw(st.sampled_from(dtypes))
-    seed = draw(st.integers(0, 2 ** 32 - 1))
+    seed = draw(st.integers(0, 2**32 - 1))
     table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(dtype)
     combiner = draw(st.sampled_from(COMBINERS))
     return table, ids, rows, weights, num_rows, combiner
@@ -117,9 +128,14 @@ def check_against_reference(out, table, ids, rows, weights, num_rows, combiner):
     want, scale = reference(table, ids, rows, weights, num_rows, combiner)
     counts = np.bincount(np.asarray(rows, np.int64), minlength=num_rows)[:num_rows]
     # float32 accumulation over counts[r] terms, then rounding to the table dtype
-    tol = (4 * (counts + 2) * 2.0 ** -24 * scale)[:, None] + EPS[table.dtype] * np.abs(want) + TINY[table.dtype]
+    tol = (
+        (4 * (counts + 2) * 2.0**-24 * scale)[:, None]
+        + EPS[table.dtype] * np.abs(want)
+        + TINY[table.dtype]
+    )
     assert np.all(np.abs(got - want) <= tol + 1e-30), (
-        f"max err {np.max(np.abs(got - want))}, combiner {combiner}")
+        f"max err {np.max(np.abs(got - want))}, combiner {combiner}"
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -148,8 +164,9 @@ def test_backends_agree(problem):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dispatch_follows_backend(backend, monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, f"weighted_segment_sum_{backend}",
-                        lambda *a: calls.append(backend) or "sentinel")
+    monkeypatch.setattr(
+        kernels, f"weighted_segment_sum_{backend}", lambda *a: calls.append(backend) or "sentinel"
+    )
     previous = kernels.set_backend(backend)
     try:
         assert kernels.get_backend() == backend
@@ -181,8 +198,9 @@ def test_plain_lookup_is_bit_exact(backend, dtype):
 def test_not_a_plain_lookup_when_rows_repeat(backend):
     """n == num_rows, first row 0, last row n-1, but rows [0, 0, 2]: a real sum."""
     table = np.arange(12, dtype=np.float32).reshape(4, 3)
-    out = IMPLS[backend](table, np.array([1, 2, 3]), np.array([0, 0, 2]),
-                         np.ones(3, np.float32), 3, None)
+    out = IMPLS[backend](
+        table, np.array([1, 2, 3]), np.array([0, 0, 2]), np.ones(3, np.float32), 3, None
+    )
     np.testing.assert_array_equal(out, [[9, 11, 13], [0, 0, 0], [9, 10, 11]])
 
 
@@ -191,8 +209,14 @@ def test_not_a_plain_lookup_when_rows_repeat(backend):
 @pytest.mark.parametrize("num_rows", [0, 4])
 def test_empty_input(backend, combiner, num_rows):
     table = np.ones((5, 3), ml_dtypes.bfloat16)
-    out = IMPLS[backend](table, np.zeros(0, np.int64), np.zeros(0, np.int32),
-                         np.zeros(0, np.float32), num_rows, combiner)
+    out = IMPLS[backend](
+        table,
+        np.zeros(0, np.int64),
+        np.zeros(0, np.int32),
+        np.zeros(0, np.float32),
+        num_rows,
+        combiner,
+    )
     assert out.shape == (num_rows, 3) and out.dtype == table.dtype
     assert not np.any(np.asarray(out, np.float32))
 
@@ -272,16 +296,29 @@ out = k.weighted_segment_sum(t, np.array([1, 3, 2]), np.array([0, 0, 2]),
 np.testing.assert_allclose(out, [[5, 6], [0, 0], [4, 5], [0, 0]])
 print("ok")
 """
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
 def test_module_loads_standalone():
-    """kernels.py imports nothing from embedmesh (the fallback test relies on it)."""
+    """kernels.py imports from embedmesh only `_runtime` (numpy only) at import, and
+    its numba kernels at first use (the fallback test relies on it)."""
+    import re
+
     spec = importlib.util.find_spec("embedmesh.serving.kernels")
     with open(spec.origin) as fh:
-        assert "from embedmesh" not in fh.read()
+        imports = re.findall(
+            r"^( *)(?:from|import) (embedmesh\S*)(?: import (\w+))?", fh.read(), re.M
+        )
+    top = {(mod, name) for indent, mod, name in imports if not indent}
+    assert top <= {("embedmesh", "_runtime"), ("embedmesh._runtime", "aligned_empty")}, top
+    lazy = {(mod, name) for indent, mod, name in imports if indent}
+    assert lazy == {("embedmesh.serving", "numba_kernels")}, lazy
+    with open(importlib.util.find_spec("embedmesh._runtime").origin) as fh:
+        runtime = fh.read()
+    assert "from embedmesh" not in runtime and "import jax" not in runtime
 
 
 # ---------------------------------------------------------------------------
@@ -299,8 +336,19 @@ def bag_reference(table, ids, offsets, weights, combiner, prune_ids, prune_weigh
             rows.append(r)
             kept_ids.append(int(ids[k]))
             kept_w.append(w)
-    return reference(table, np.array(kept_ids, np.int64), np.array(rows, np.int64),
-                     np.array(kept_w), len(offsets) - 1, combiner), rows, kept_ids, kept_w
+    return (
+        reference(
+            table,
+            np.array(kept_ids, np.int64),
+            np.array(rows, np.int64),
+            np.array(kept_w),
+            len(offsets) - 1,
+            combiner,
+        ),
+        rows,
+        kept_ids,
+        kept_w,
+    )
 
 
 @st.composite
@@ -310,19 +358,23 @@ def bag_problems(draw):
     dim = draw(st.sampled_from([1, 3, 15, 16, 17, 33, 64, 65, 80, 100, 128, 143]))
     counts = draw(st.lists(st.integers(0, 6), min_size=0, max_size=10))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(
-        draw(st.sampled_from([np.int32, np.int64])))
+        draw(st.sampled_from([np.int32, np.int64]))
+    )
     n = int(offsets[-1])
     prune_ids = draw(st.booleans())
     low = -3 if prune_ids else 0
-    ids = np.asarray(draw(st.lists(st.integers(low, vocab - 1), min_size=n, max_size=n)),
-                     dtype=draw(st.sampled_from([np.int32, np.int64])))
+    ids = np.asarray(
+        draw(st.lists(st.integers(low, vocab - 1), min_size=n, max_size=n)),
+        dtype=draw(st.sampled_from([np.int32, np.int64])),
+    )
     weights = None
     if draw(st.booleans()):
-        weights = np.asarray(draw(st.lists(st.integers(-8, 8), min_size=n, max_size=n)),
-                             np.float32) / 4
+        weights = (
+            np.asarray(draw(st.lists(st.integers(-8, 8), min_size=n, max_size=n)), np.float32) / 4
+        )
     combiner = draw(st.sampled_from(COMBINERS))
     prune_weights = draw(st.booleans())
-    seed = draw(st.integers(0, 2 ** 32 - 1))
+    seed = draw(st.integers(0, 2**32 - 1))
     table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(np.float32)
     return table, ids, offsets, weights, combiner, prune_ids, prune_weights
 
@@ -340,13 +392,29 @@ def _with_backend(backend, fn, *args, **kwargs):
 @given(problem=bag_problems())
 def test_bag_combine_matches_reference(backend, problem):
     table, ids, offsets, weights, combiner, prune_ids, prune_weights = problem
-    out = _with_backend(backend, kernels.bag_combine, table, ids, offsets, weights, combiner,
-                        prune_ids=prune_ids, prune_weights=prune_weights)
-    (want, _), rows, kept_ids, kept_w = bag_reference(table, ids, offsets, weights, combiner,
-                                                      prune_ids, prune_weights)
-    check_against_reference(out, table, np.array(kept_ids, np.int64),
-                            np.array(rows, np.int64), np.array(kept_w, np.float32),
-                            len(offsets) - 1, combiner)
+    out = _with_backend(
+        backend,
+        kernels.bag_combine,
+        table,
+        ids,
+        offsets,
+        weights,
+        combiner,
+        prune_ids=prune_ids,
+        prune_weights=prune_weights,
+    )
+    (want, _), rows, kept_ids, kept_w = bag_reference(
+        table, ids, offsets, weights, combiner, prune_ids, prune_weights
+    )
+    check_against_reference(
+        out,
+        table,
+        np.array(kept_ids, np.int64),
+        np.array(rows, np.int64),
+        np.array(kept_w, np.float32),
+        len(offsets) - 1,
+        combiner,
+    )
 
 
 @pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba is not importable")
@@ -355,16 +423,39 @@ def test_bag_combine_matches_reference(backend, problem):
 def test_bag_combine_backends_and_segment_sum_agree(problem):
     """Both backends, and weighted_segment_sum on the pruned entries, bit for bit (sum)."""
     table, ids, offsets, weights, combiner, prune_ids, prune_weights = problem
-    a = _with_backend("numba", kernels.bag_combine, table, ids, offsets, weights, combiner,
-                      prune_ids=prune_ids, prune_weights=prune_weights)
-    b = _with_backend("numpy", kernels.bag_combine, table, ids, offsets, weights, combiner,
-                      prune_ids=prune_ids, prune_weights=prune_weights)
-    _, rows, kept_ids, kept_w = bag_reference(table, ids, offsets, weights, combiner, prune_ids,
-                                              prune_weights)
-    c = kernels.weighted_segment_sum_numba(table, np.array(kept_ids, np.int64),
-                                           np.array(rows, np.int64),
-                                           np.array(kept_w, np.float32), len(offsets) - 1,
-                                           combiner)
+    a = _with_backend(
+        "numba",
+        kernels.bag_combine,
+        table,
+        ids,
+        offsets,
+        weights,
+        combiner,
+        prune_ids=prune_ids,
+        prune_weights=prune_weights,
+    )
+    b = _with_backend(
+        "numpy",
+        kernels.bag_combine,
+        table,
+        ids,
+        offsets,
+        weights,
+        combiner,
+        prune_ids=prune_ids,
+        prune_weights=prune_weights,
+    )
+    _, rows, kept_ids, kept_w = bag_reference(
+        table, ids, offsets, weights, combiner, prune_ids, prune_weights
+    )
+    c = kernels.weighted_segment_sum_numba(
+        table,
+        np.array(kept_ids, np.int64),
+        np.array(rows, np.int64),
+        np.array(kept_w, np.float32),
+        len(offsets) - 1,
+        combiner,
+    )
     np.testing.assert_array_equal(a, c)
     if combiner in (None, "sum"):
         np.testing.assert_array_equal(a, b)
@@ -386,13 +477,21 @@ def test_bag_combine_errors_name_the_first_bad_kept_entry(backend):
     # a pruned weight hides its (bad) id
     w = np.array([1, 1, 0, 1], np.float32)
     with pytest.raises(kernels.IdOutOfRange) as info:
-        _with_backend(backend, kernels.bag_combine, table, ids, offsets, w, "mean",
-                      prune_ids=True, prune_weights=True)
+        _with_backend(
+            backend,
+            kernels.bag_combine,
+            table,
+            ids,
+            offsets,
+            w,
+            "mean",
+            prune_ids=True,
+            prune_weights=True,
+        )
     assert info.value.entry == 3
-    huge = np.array([1, 2 ** 63 + 5], np.uint64)  # unsigned ids: never pruned, range checked
+    huge = np.array([1, 2**63 + 5], np.uint64)  # unsigned ids: never pruned, range checked
     with pytest.raises(kernels.IdOutOfRange):
-        _with_backend(backend, kernels.bag_combine, table, huge, np.array([0, 2]),
-                      prune_ids=True)
+        _with_backend(backend, kernels.bag_combine, table, huge, np.array([0, 2]), prune_ids=True)
     with pytest.raises(ValueError, match="offsets"):
         _with_backend(backend, kernels.bag_combine, table, ids, np.array([0, 3, 2, 4]))
     with pytest.raises(ValueError, match="offsets"):
@@ -408,13 +507,23 @@ def test_bag_combine_narrow_tables(backend, dtype):
     ids = np.array([3, -1, 4, 19, 0, 5])
     offsets = np.array([0, 3, 3, 6])
     w = np.array([1, 2, 0.5, -1, 2, 1], np.float32)
-    out = _with_backend(backend, kernels.bag_combine, table, ids, offsets, w, "mean",
-                        prune_ids=True, prune_weights=True)
+    out = _with_backend(
+        backend,
+        kernels.bag_combine,
+        table,
+        ids,
+        offsets,
+        w,
+        "mean",
+        prune_ids=True,
+        prune_weights=True,
+    )
     assert out.dtype == table.dtype and out.shape == (3, 70)
     t = table.astype(np.float32)
     want = np.stack([(t[3] + 0.5 * t[4]) / 1.5, np.zeros(70), (2 * t[0] + t[5]) / 3])
-    np.testing.assert_allclose(out.astype(np.float32), want, rtol=EPS[np.dtype(dtype)] * 4,
-                               atol=EPS[np.dtype(dtype)] * 4)
+    np.testing.assert_allclose(
+        out.astype(np.float32), want, rtol=EPS[np.dtype(dtype)] * 4, atol=EPS[np.dtype(dtype)] * 4
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -441,7 +550,8 @@ def _sparse_reference(idx, shape):
     prev = None
     for k, index in enumerate(idx.tolist()):
         if any(v < 0 or v >= d for v, d in zip(index, shape)) or (
-                prev is not None and index <= prev):
+            prev is not None and index <= prev
+        ):
             return None, k
         prev = index
         rows.append(int(np.ravel_multi_index(tuple(index[:-1]), shape[:-1])))
@@ -456,8 +566,9 @@ def test_sparse_offsets_match_loops(backend, data):
     rank = data.draw(st.integers(2, 4))
     shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank)))
     cells = [list(c) for c in np.ndindex(*shape)]
-    chosen = sorted(data.draw(st.lists(st.sampled_from(range(len(cells))), max_size=12,
-                                       unique=True)))
+    chosen = sorted(
+        data.draw(st.lists(st.sampled_from(range(len(cells))), max_size=12, unique=True))
+    )
     idx = np.array([cells[c] for c in chosen], np.int64).reshape(-1, rank)
     if idx.shape[0] and data.draw(st.booleans()):  # break it: out of range or out of order
         k = data.draw(st.integers(0, idx.shape[0] - 1))

@@ -7,22 +7,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import training_reference as tref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedmesh.config import FeatureConfig, TableConfig
+from embedmesh.host.preprocess import (
+    PAD_ID,
+    Capacity,
+    PartitionedCsrFormatTensor,
+    capacity_bucket,
+    compute_sparse_core_stats,
+    numba_available,
+    preprocess_features,
+)
 from embedmesh.inputs import RaggedTensor, SparseTensor
-from embedmesh.host.preprocess import (PAD_ID, Capacity, PartitionedCsrFormatTensor, capacity_bucket,
-                                  compute_sparse_core_stats, numba_available,
-                                  preprocess_features)
 from embedmesh.layout.sharding import stack_to_shards
 from embedmesh.layout.stacking import plan_stacking
 
-import training_reference as tref
-
 BACKENDS = ["numpy"] + (["numba"] if numba_available() else [])
-SETTINGS = settings(max_examples=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # ---------------------------------------------------------------------------
@@ -54,8 +62,7 @@ def reference(plan, features, weights, num_devices, capacities=None):
     rps = {}
     for name in plan.resolved.feature_names:
         config = plan.resolved.features[plan.feature(name).index]
-        batch, rps[name], feats[name] = rows_of(config, features[name],
-                                                (weights or {}).get(name))
+        batch, rps[name], feats[name] = rows_of(config, features[name], (weights or {}).get(name))
     b = batch // num_devices
     result = {}
     for stack in plan.stacks:
@@ -86,13 +93,15 @@ def reference(plan, features, weights, num_devices, capacities=None):
                     for q, (lr, _, _, _) in enumerate(pairs):
                         first_pair.setdefault(lr, q)
                     kept_u = [lr for u, lr in enumerate(uniques) if u < U and first_pair[lr] < P]
-                    kept_p = [pr for q, pr in enumerate(pairs)
-                              if uniques.index(pr[0]) < U and q < P]
+                    kept_p = [
+                        pr for q, pr in enumerate(pairs) if uniques.index(pr[0]) < U and q < P
+                    ]
                     dropped += sum(pr[3] for pr in pairs) - sum(pr[3] for pr in kept_p)
                     uniques, pairs = kept_u, kept_p
                 parts[d, j] = (uniques, pairs)
-        result[stack.name] = dict(R=offset, parts=parts, u_total=u_total, p_total=p_total,
-                                  dropped=dropped)
+        result[stack.name] = dict(
+            R=offset, parts=parts, u_total=u_total, p_total=p_total, dropped=dropped
+        )
     return result
 
 
@@ -103,7 +112,7 @@ def check_against_reference(out, stats, ref, num_devices, num_shards):
         assert isinstance(t, PartitionedCsrFormatTensor) and t.stack == name
         assert t.rows_per_device == r["R"]
         D, N, U = t.unique_ids.shape
-        assert (D, N) == (num_devices, num_shards) and t.pair_rows.shape[:2] == (D, N)
+        assert (num_devices, num_shards) == (D, N) and t.pair_rows.shape[:2] == (D, N)
         assert t.unique_ids.dtype == np.int32 and t.pair_rows.dtype == np.int32
         assert t.pair_unique.dtype == np.int32 and t.pair_gains.dtype == np.float32
         assert t.unique_counts.dtype == np.int32 and t.pair_counts.dtype == np.int32
@@ -118,9 +127,11 @@ def check_against_reference(out, stats, ref, num_devices, num_shards):
             assert (t.unique_ids[d, j, cu:] == PAD_ID).all()
             assert t.pair_rows[d, j, :cp].tolist() == [o for _, o, _, _ in pairs]
             assert t.unique_ids[d, j][t.pair_unique[d, j, :cp]].tolist() == [
-                lr for lr, _, _, _ in pairs]
-            np.testing.assert_allclose(t.pair_gains[d, j, :cp], [g for _, _, g, _ in pairs],
-                                       rtol=2e-6, atol=1e-6)
+                lr for lr, _, _, _ in pairs
+            ]
+            np.testing.assert_allclose(
+                t.pair_gains[d, j, :cp], [g for _, _, g, _ in pairs], rtol=2e-6, atol=1e-6
+            )
             assert (t.pair_rows[d, j, cp:] == r["R"]).all()
             assert (t.pair_unique[d, j, cp:] == 0).all()
             assert (t.pair_gains[d, j, cp:] == 0).all()
@@ -152,13 +163,16 @@ def make_input(rng, kind, batch, vocab, weighted, width):
         x = ids((batch, width)).astype(np.int64)
         return x, (w((batch, width)) if weighted else None)
     if kind == "sparse3":  # [batch, width, 5]: one combined row per (sample, group)
-        rows = [(s, a, p) for s in range(batch) for a in range(width)
-                for p in sorted(rng.choice(5, size=int(rng.integers(0, 4)), replace=False))]
+        rows = [
+            (s, a, p)
+            for s in range(batch)
+            for a in range(width)
+            for p in sorted(rng.choice(5, size=int(rng.integers(0, 4)), replace=False))
+        ]
         indices = np.array(rows, np.int64).reshape(-1, 3)
         values = ids(len(rows)).astype(np.int64)
         inp = SparseTensor(indices, values, (batch, width, 5))
-        return inp, (SparseTensor(indices, w(len(rows)), (batch, width, 5)) if weighted
-                     else None)
+        return inp, (SparseTensor(indices, w(len(rows)), (batch, width, 5)) if weighted else None)
     lengths = rng.integers(0, 6, batch)
     if kind == "ragged":
         values = ids(int(lengths.sum())).astype(np.int32)
@@ -183,10 +197,15 @@ def cases(draw, force_sum=False):
     n_proc = draw(st.sampled_from([p for p in (1, 2, 3, 4) if n_dev % p == 0]))
     batch = n_dev * draw(st.integers(1, 3))
     n_tables = draw(st.integers(1, 3))
-    tables = [TableConfig(int(draw(st.integers(1, 40))), int(draw(st.sampled_from([1, 4, 8, 12]))),
-                          combiner="sum" if force_sum else draw(st.sampled_from(
-                              ["sum", "mean", "sqrtn"])), name=f"t{i}")
-              for i in range(n_tables)]
+    tables = [
+        TableConfig(
+            int(draw(st.integers(1, 40))),
+            int(draw(st.sampled_from([1, 4, 8, 12]))),
+            combiner="sum" if force_sum else draw(st.sampled_from(["sum", "mean", "sqrtn"])),
+            name=f"t{i}",
+        )
+        for i in range(n_tables)
+    ]
     n_feat = draw(st.integers(1, 4))
     config, features, weights = {}, {}, {}
     for k in range(n_feat):
@@ -196,11 +215,16 @@ def cases(draw, force_sum=False):
         # features take no weights: TensorFlow's rules
         seq = 0 if kind.startswith("dense") else draw(st.sampled_from([0, 0, 1, 3]))
         name = f"f{k}"
-        config[name] = FeatureConfig(table, max_sequence_length=seq, name=name,
-                                     validate_weights_and_indices=draw(st.booleans()))
+        config[name] = FeatureConfig(
+            table,
+            max_sequence_length=seq,
+            name=name,
+            validate_weights_and_indices=draw(st.booleans()),
+        )
         weighted = draw(st.booleans()) and seq == 0 and not kind.startswith("dense")
-        inp, w = make_input(rng, kind, batch, table.vocabulary_size, weighted,
-                            int(draw(st.integers(1, 4))))
+        inp, w = make_input(
+            rng, kind, batch, table.vocabulary_size, weighted, int(draw(st.integers(1, 4)))
+        )
         features[name] = inp
         if w is not None:
             weights[name] = w
@@ -215,8 +239,9 @@ def slice_input(x, lo, hi):
         return None
     if isinstance(x, RaggedTensor):
         splits = np.asarray(x.row_splits)
-        return RaggedTensor(np.asarray(x.values)[splits[lo]:splits[hi]],
-                            splits[lo:hi + 1] - splits[lo])
+        return RaggedTensor(
+            np.asarray(x.values)[splits[lo] : splits[hi]], splits[lo : hi + 1] - splits[lo]
+        )
     if isinstance(x, SparseTensor):
         idx = np.asarray(x.indices)
         keep = (idx[:, 0] >= lo) & (idx[:, 0] < hi)
@@ -235,8 +260,9 @@ def slice_input(x, lo, hi):
 @given(cases())
 def test_matches_reference(backend, case):
     plan, features, weights, n_dev, _ = case
-    out, stats = preprocess_features(features, weights, plan, num_devices_local=n_dev,
-                                     backend=backend)
+    out, stats = preprocess_features(
+        features, weights, plan, num_devices_local=n_dev, backend=backend
+    )
     ref = reference(plan, features, weights, n_dev)
     check_against_reference(out, stats, ref, n_dev, plan.num_shards)
     for name, t in out.items():  # capacities=None: the bucketed need of this batch
@@ -249,35 +275,58 @@ def test_matches_reference(backend, case):
 @given(cases())
 def test_backends_agree_bit_for_bit_and_processes_concatenate(case):
     plan, features, weights, n_dev, n_proc = case
-    results = [preprocess_features(features, weights, plan, num_devices_local=n_dev,
-                                   backend=b, num_threads=t)
-               for b in BACKENDS for t in ((1, 3) if b == "numba" else (1,))]
+    results = [
+        preprocess_features(
+            features, weights, plan, num_devices_local=n_dev, backend=b, num_threads=t
+        )
+        for b in BACKENDS
+        for t in ((1, 3) if b == "numba" else (1,))
+    ]
     out, stats = results[0]
     for other, _ in results[1:]:
         for name in out:
-            for a, b in zip(jax.tree_util.tree_leaves(out[name]),
-                            jax.tree_util.tree_leaves(other[name])):
+            for a, b in zip(
+                jax.tree_util.tree_leaves(out[name]), jax.tree_util.tree_leaves(other[name])
+            ):
                 np.testing.assert_array_equal(a, b)
     # Several processes' slices of one global batch: the per-process results,
     # concatenated along the device axis, are the global result.
     caps = stats.capacities
     size = next(iter(features.values()))
-    total = (size.nrows if isinstance(size, RaggedTensor) else
-             size.dense_shape[0] if isinstance(size, SparseTensor) else np.shape(size)[0])
+    total = (
+        size.nrows
+        if isinstance(size, RaggedTensor)
+        else size.dense_shape[0]
+        if isinstance(size, SparseTensor)
+        else np.shape(size)[0]
+    )
     per = total // n_proc
     parts = []
     for p in range(n_proc):
         f = {k: slice_input(v, p * per, (p + 1) * per) for k, v in features.items()}
-        w = None if weights is None else {k: slice_input(v, p * per, (p + 1) * per)
-                                          for k, v in weights.items()}
-        parts.append(preprocess_features(f, w, plan, num_devices_local=n_dev // n_proc,
-                                         capacities=caps, process_index=p,
-                                         backend=BACKENDS[-1])[0])
+        w = (
+            None
+            if weights is None
+            else {k: slice_input(v, p * per, (p + 1) * per) for k, v in weights.items()}
+        )
+        parts.append(
+            preprocess_features(
+                f,
+                w,
+                plan,
+                num_devices_local=n_dev // n_proc,
+                capacities=caps,
+                process_index=p,
+                backend=BACKENDS[-1],
+            )[0]
+        )
     for name, t in out.items():
         for field in PartitionedCsrFormatTensor._ARRAYS:
             np.testing.assert_array_equal(
                 np.concatenate([getattr(part[name], field) for part in parts]),
-                getattr(t, field), err_msg=f"{name}.{field}")
+                getattr(t, field),
+                err_msg=f"{name}.{field}",
+            )
         assert all(part[name].rows_per_device == t.rows_per_device for part in parts)
 
 
@@ -286,8 +335,9 @@ def test_backends_agree_bit_for_bit_and_processes_concatenate(case):
 def test_round_trip_rebuilds_the_input_multiset(case):
     """(feature, sample, position, id) -> summed weight, from the CSR alone."""
     plan, features, weights, n_dev, _ = case
-    out, _ = preprocess_features(features, weights, plan, num_devices_local=n_dev,
-                                 backend=BACKENDS[-1])
+    out, _ = preprocess_features(
+        features, weights, plan, num_devices_local=n_dev, backend=BACKENDS[-1]
+    )
     expected = collections.defaultdict(float)
     for name in plan.resolved.feature_names:
         config = plan.resolved.features[plan.feature(name).index]
@@ -303,10 +353,12 @@ def test_round_trip_rebuilds_the_input_multiset(case):
                 lr = t.unique_ids[d, j][t.pair_unique[d, j, :cp]]
                 table_index, ids = plan.unlocate(name, np.full(cp, j), lr)
                 assert (table_index >= 0).all()
-                for row, ti, i, g in zip(t.pair_rows[d, j, :cp], table_index, ids,
-                                         t.pair_gains[d, j, :cp]):
-                    slot = next(f for f in t.features
-                                if f.row_offset <= row < f.row_offset + f.num_rows)
+                for row, ti, i, g in zip(
+                    t.pair_rows[d, j, :cp], table_index, ids, t.pair_gains[d, j, :cp]
+                ):
+                    slot = next(
+                        f for f in t.features if f.row_offset <= row < f.row_offset + f.num_rows
+                    )
                     fp = plan.feature(slot.name)
                     assert plan.table(fp.table).index == ti
                     sample, pos = divmod(int(row) - slot.row_offset, slot.rows_per_sample)
@@ -341,31 +393,37 @@ def test_activations_from_poisoned_shards_match_a_direct_lookup(case, seed):
     plan, features, weights, n_dev, _ = case
     rng = np.random.default_rng(seed)
     tables = {t.name: rng.standard_normal((t.vocabulary_size, t.dim)) for t in plan.tables}
-    out, _ = preprocess_features(features, weights, plan, num_devices_local=n_dev,
-                                 backend=BACKENDS[-1])
+    out, _ = preprocess_features(
+        features, weights, plan, num_devices_local=n_dev, backend=BACKENDS[-1]
+    )
     for s in plan.stacks:
         shards = stack_to_shards(tables, plan, s.name)
         for j, sh in enumerate(shards):  # poison the vocabulary padding rows
             used = np.zeros(sh.shape[0], bool)
             for name in s.tables:
                 t = plan.table(name)
-                used[t.local_row_offset:t.local_row_offset +
-                     len(range((j - t.rotation) % plan.num_shards, t.vocabulary_size,
-                               plan.num_shards))] = True
+                used[
+                    t.local_row_offset : t.local_row_offset
+                    + len(
+                        range(
+                            (j - t.rotation) % plan.num_shards, t.vocabulary_size, plan.num_shards
+                        )
+                    )
+                ] = True
             sh[~used] = np.nan
         act = emulate_device(out[s.name], shards, plan.num_shards)
         for slot in out[s.name].features:
             fp = plan.feature(slot.name)
             config = plan.resolved.features[fp.index]
-            batch, rps, rows = rows_of(config, features[slot.name],
-                                       (weights or {}).get(slot.name))
+            batch, rps, rows = rows_of(config, features[slot.name], (weights or {}).get(slot.name))
             b = batch // n_dev
             want = np.zeros((batch * rps, slot.dim))
             for smp, sub, i, g in rows:
                 want[smp * rps + sub] += g * tables[fp.table][i]
-            got = act[:, slot.row_offset:slot.row_offset + slot.num_rows, :slot.dim]
-            np.testing.assert_allclose(got.reshape(n_dev * b * slot.rows_per_sample, slot.dim),
-                                       want, rtol=1e-5, atol=1e-5)
+            got = act[:, slot.row_offset : slot.row_offset + slot.num_rows, : slot.dim]
+            np.testing.assert_allclose(
+                got.reshape(n_dev * b * slot.rows_per_sample, slot.dim), want, rtol=1e-5, atol=1e-5
+            )
 
 
 def test_padding_is_inert_with_real_jax_ops():
@@ -374,10 +432,13 @@ def test_padding_is_inert_with_real_jax_ops():
     plan = plan_stacking(cfg, 2)
     rng = np.random.default_rng(0)
     a_ids = rng.integers(0, 50, (4, 3))  # three ids a sample, combined (mean)
-    feats = {"a": RaggedTensor.from_row_lengths(a_ids.reshape(-1), [3] * 4),
-             "b": RaggedTensor.from_row_lengths(rng.integers(0, 50, 7), [3, 0, 2, 2])}
-    out, _ = preprocess_features(feats, None, plan, num_devices_local=2,
-                                 capacities=Capacity(64, 64))
+    feats = {
+        "a": RaggedTensor.from_row_lengths(a_ids.reshape(-1), [3] * 4),
+        "b": RaggedTensor.from_row_lengths(rng.integers(0, 50, 7), [3, 0, 2, 2]),
+    }
+    out, _ = preprocess_features(
+        feats, None, plan, num_devices_local=2, capacities=Capacity(64, 64)
+    )
     csr = out["t"]
     table = rng.standard_normal((50, 8)).astype(np.float32)
     shards = jnp.asarray(np.stack(stack_to_shards({"t": table}, plan, "t")))
@@ -385,11 +446,12 @@ def test_padding_is_inert_with_real_jax_ops():
     for d in range(2):
         acc = jnp.zeros((R, 8))
         for j in range(2):
-            rows = jnp.take(shards[j], jnp.asarray(csr.unique_ids[d, j]), axis=0, mode="fill",
-                            fill_value=0)
+            rows = jnp.take(
+                shards[j], jnp.asarray(csr.unique_ids[d, j]), axis=0, mode="fill", fill_value=0
+            )
             vals = csr.pair_gains[d, j][:, None] * rows[csr.pair_unique[d, j]]
             acc += jax.ops.segment_sum(vals, jnp.asarray(csr.pair_rows[d, j]), num_segments=R)
-        x = a_ids[2 * d:2 * d + 2]
+        x = a_ids[2 * d : 2 * d + 2]
         np.testing.assert_allclose(acc[:2], table[x].mean(1), rtol=1e-5, atol=1e-6)
 
 
@@ -405,8 +467,10 @@ def _skewed_case():
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 64, (8, 6))
     ids[4:, :] = 4 * rng.integers(0, 16, (4, 6)) + 1  # device 1 sends these to one shard
-    feats = {"a": ids, "b": RaggedTensor.from_row_lengths(rng.integers(0, 64, 20),
-                                                          [3, 2, 0, 5, 2, 3, 3, 2])}
+    feats = {
+        "a": ids,
+        "b": RaggedTensor.from_row_lengths(rng.integers(0, 64, 20), [3, 2, 0, 5, 2, 3, 3, 2]),
+    }
     return plan, feats
 
 
@@ -419,19 +483,28 @@ def test_overflow_error_names_stack_device_shard_count_and_capacity(backend):
     cap = Capacity(int(need_p.max()) - 1, 64)
     d, j = (int(x) for x in np.argwhere(need_p > cap.max_ids_per_partition)[0])
     with pytest.raises(ValueError) as e:
-        preprocess_features(feats, None, plan, num_devices_local=2, capacities={"t+u": cap},
-                            process_index=3, backend=backend)
+        preprocess_features(
+            feats,
+            None,
+            plan,
+            num_devices_local=2,
+            capacities={"t+u": cap},
+            process_index=3,
+            backend=backend,
+        )
     msg = str(e.value)
     assert "stack t+u" in msg and f"device {3 * 2 + d}" in msg and f"shard {j}" in msg
     assert f"{int(need_p[d, j])} ids" in msg
     assert f"max_ids_per_partition={cap.max_ids_per_partition}" in msg
     cap = Capacity(64, int(need_u.max()) - 1)
     d, j = (int(x) for x in np.argwhere(need_u > cap.max_unique_ids_per_partition)[0])
-    with pytest.raises(ValueError, match=f"device {d} .*{int(need_u[d, j])} unique ids from "
-                                         f"shard {j}.*max_unique_ids_per_partition="
-                                         f"{cap.max_unique_ids_per_partition}"):
-        preprocess_features(feats, None, plan, num_devices_local=2, capacities=cap,
-                            backend=backend)
+    with pytest.raises(
+        ValueError,
+        match=f"device {d} .*{int(need_u[d, j])} unique ids from "
+        f"shard {j}.*max_unique_ids_per_partition="
+        f"{cap.max_unique_ids_per_partition}",
+    ):
+        preprocess_features(feats, None, plan, num_devices_local=2, capacities=cap, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -439,15 +512,25 @@ def test_overflow_error_names_stack_device_shard_count_and_capacity(backend):
 @given(cases(), st.data())
 def test_overflow_drop_matches_the_documented_rule(backend, case, data):
     plan, features, weights, n_dev, _ = case
-    _, stats = preprocess_features(features, weights, plan, num_devices_local=n_dev,
-                                   backend=backend)
+    _, stats = preprocess_features(
+        features, weights, plan, num_devices_local=n_dev, backend=backend
+    )
     caps = {}
     for s in plan.stacks:
         st_ = stats[s.name]
-        caps[s.name] = Capacity(data.draw(st.integers(0, st_.max_ids_per_partition + 1)),
-                                data.draw(st.integers(0, st_.max_unique_ids_per_partition + 1)))
-    out, stats = preprocess_features(features, weights, plan, num_devices_local=n_dev,
-                                     capacities=caps, overflow="drop", backend=backend)
+        caps[s.name] = Capacity(
+            data.draw(st.integers(0, st_.max_ids_per_partition + 1)),
+            data.draw(st.integers(0, st_.max_unique_ids_per_partition + 1)),
+        )
+    out, stats = preprocess_features(
+        features,
+        weights,
+        plan,
+        num_devices_local=n_dev,
+        capacities=caps,
+        overflow="drop",
+        backend=backend,
+    )
     ref = reference(plan, features, weights, n_dev, capacities=caps)
     check_against_reference(out, stats, ref, n_dev, plan.num_shards)
     for s in plan.stacks:
@@ -459,24 +542,39 @@ def test_overflow_drop_matches_the_documented_rule(backend, case, data):
 def test_overflow_grow_loses_nothing_and_reports_the_bucket(backend):
     plan, feats = _skewed_case()
     small = Capacity(4, 4)
-    out, stats = preprocess_features(feats, None, plan, num_devices_local=2, capacities=small,
-                                     overflow="grow", backend=backend)
+    out, stats = preprocess_features(
+        feats, None, plan, num_devices_local=2, capacities=small, overflow="grow", backend=backend
+    )
     s = stats["t+u"]
     assert s.grown and stats.grown == {"t+u": s.capacity} and s.dropped_ids == 0
-    assert s.capacity == Capacity(capacity_bucket(s.max_ids_per_partition),
-                                  capacity_bucket(s.max_unique_ids_per_partition))
+    assert s.capacity == Capacity(
+        capacity_bucket(s.max_ids_per_partition), capacity_bucket(s.max_unique_ids_per_partition)
+    )
     assert out["t+u"].capacity == s.capacity
     check_against_reference(out, stats, reference(plan, feats, None, 2), 2, 4)
     # Enough room: nothing grows, the given capacity is kept.
     big = Capacity(1000, 500)
-    out, stats = preprocess_features(feats, None, plan, num_devices_local=2, capacities=big,
-                                     overflow="grow", backend=backend)
+    out, stats = preprocess_features(
+        feats, None, plan, num_devices_local=2, capacities=big, overflow="grow", backend=backend
+    )
     assert not stats["t+u"].grown and stats.grown == {} and out["t+u"].capacity == big
 
 
 def test_capacity_buckets():
     assert [capacity_bucket(n) for n in (0, 1, 8, 9, 12, 13, 16, 17, 25, 33, 100, 1000)] == [
-        8, 8, 8, 12, 12, 16, 16, 24, 32, 48, 128, 1024]
+        8,
+        8,
+        8,
+        12,
+        12,
+        16,
+        16,
+        24,
+        32,
+        48,
+        128,
+        1024,
+    ]
     for n in range(1, 5000, 7):
         c = capacity_bucket(n)
         assert n <= c <= max(8, 1.5 * n)
@@ -502,16 +600,18 @@ def test_out_of_range_ids_name_the_feature_and_the_first_bad_id(backend, validat
         elif kind == "ragged":
             x = RaggedTensor.from_row_lengths(vals, [3, 3])
         else:
-            x = SparseTensor(np.array([[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]), vals,
-                             (2, 3))
+            x = SparseTensor(
+                np.array([[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]), vals, (2, 3)
+            )
         want = rf"feature bad: id {bad_value} \(entry 2\)"
         if kind == "sparse" and validate and bad_value < 0:
             # TensorFlow's safe sparse lookup prunes ids < 0; 11 is the first bad one left,
             # reported at its position in the input
             want = r"feature bad: id 11 \(entry 3\)"
         with pytest.raises(ValueError, match=want):
-            preprocess_features({"ok": np.array([1, 2]), "bad": x}, None, plan,
-                                num_devices_local=2, backend=backend)
+            preprocess_features(
+                {"ok": np.array([1, 2]), "bad": x}, None, plan, num_devices_local=2, backend=backend
+            )
 
 
 def test_argument_errors():
@@ -544,8 +644,9 @@ def test_rank3_sparse_and_empty_rows(backend):
     # rank-2 feature of the same batch
     s = SparseTensor(idx, np.array([3, 3, 7, 29, 0]), (2, 2, 4))
     e = RaggedTensor.from_row_lengths(np.zeros(0, np.int64), [0, 0])
-    out, stats = preprocess_features({"s": s, "e": e}, None, plan, num_devices_local=2,
-                                     backend=backend)
+    out, stats = preprocess_features(
+        {"s": s, "e": e}, None, plan, num_devices_local=2, backend=backend
+    )
     check_against_reference(out, stats, reference(plan, {"s": s, "e": e}, None, 2), 2, 4)
     assert stats["t"].num_ids == 5
     slot = out["t"].feature_slot("s")
@@ -558,9 +659,12 @@ def test_pytree_and_layout():
     u = TableConfig(20, 5, name="u")
     cfg = {"a": FeatureConfig(t), "b": FeatureConfig(u, max_sequence_length=4)}
     plan = plan_stacking(cfg, 2)
-    out, _ = preprocess_features({"a": np.arange(4),
-                                  "b": RaggedTensor.from_row_lengths(np.arange(8), [2] * 4)},
-                                 None, plan, num_devices_local=2)
+    out, _ = preprocess_features(
+        {"a": np.arange(4), "b": RaggedTensor.from_row_lengths(np.arange(8), [2] * 4)},
+        None,
+        plan,
+        num_devices_local=2,
+    )
     csr = out["t+u"]
     leaves, treedef = jax.tree_util.tree_flatten(csr)
     assert len(leaves) == 6
@@ -577,21 +681,26 @@ def test_pytree_and_layout():
 def test_compute_sparse_core_stats_takes_maxima_over_batches(backend):
     plan, feats = _skewed_case()
     rng = np.random.default_rng(5)
-    batches = [feats, {"a": rng.integers(0, 64, (8, 6)),
-                       "b": RaggedTensor.from_row_lengths(rng.integers(0, 64, 30),
-                                                          [9, 2, 0, 5, 2, 3, 7, 2])}]
+    batches = [
+        feats,
+        {
+            "a": rng.integers(0, 64, (8, 6)),
+            "b": RaggedTensor.from_row_lengths(rng.integers(0, 64, 30), [9, 2, 0, 5, 2, 3, 7, 2]),
+        },
+    ]
     got = compute_sparse_core_stats(batches, plan, num_devices_local=2, backend=backend)
-    singles = [preprocess_features(b, None, plan, num_devices_local=2)[1]["t+u"]
-               for b in batches]
+    singles = [preprocess_features(b, None, plan, num_devices_local=2)[1]["t+u"] for b in batches]
     assert got.num_batches == 2
     assert got.max_ids_per_partition["t+u"] == max(s.max_ids_per_partition for s in singles)
     assert got.max_unique_ids_per_partition["t+u"] == max(
-        s.max_unique_ids_per_partition for s in singles)
+        s.max_unique_ids_per_partition for s in singles
+    )
     caps = got.capacities()
     for b in batches:  # the measured capacities hold every batch
         preprocess_features(b, None, plan, num_devices_local=2, capacities=caps)
-    via_config = compute_sparse_core_stats(batches, plan.resolved, num_shards=4,
-                                           num_devices_local=2)
+    via_config = compute_sparse_core_stats(
+        batches, plan.resolved, num_shards=4, num_devices_local=2
+    )
     assert via_config.max_ids_per_partition == got.max_ids_per_partition
     with pytest.raises(ValueError, match="num_shards"):
         compute_sparse_core_stats(batches, plan.resolved)
@@ -601,8 +710,10 @@ def test_compute_sparse_core_stats_takes_maxima_over_batches(backend):
 def test_empty_batch(backend):
     t = TableConfig(10, 4, name="t")
     plan = plan_stacking({"a": FeatureConfig(t), "b": FeatureConfig(t, max_sequence_length=2)}, 2)
-    feats = {"a": np.zeros((0, 3), np.int64),
-             "b": RaggedTensor.from_row_lengths(np.zeros(0, np.int32), [])}
+    feats = {
+        "a": np.zeros((0, 3), np.int64),
+        "b": RaggedTensor.from_row_lengths(np.zeros(0, np.int32), []),
+    }
     out, stats = preprocess_features(feats, None, plan, num_devices_local=2, backend=backend)
     csr = out["t"]
     assert csr.rows_per_device == 0 and (csr.unique_counts == 0).all()
@@ -624,13 +735,15 @@ def test_capacities_from_table_configs():
         object.__setattr__(table, "max_unique_ids_per_partition", unique)
     out, stats = preprocess_features(feats, None, plan, num_devices_local=2)
     assert out["t+u"].capacity == Capacity(49, 29) == stats["t+u"].capacity
-    out, _ = preprocess_features(feats, None, plan, num_devices_local=2,
-                                 capacities={"t+u": Capacity(16, 16)})
+    out, _ = preprocess_features(
+        feats, None, plan, num_devices_local=2, capacities={"t+u": Capacity(16, 16)}
+    )
     assert out["t+u"].capacity == Capacity(16, 16)  # an explicit capacity wins
 
 
 def test_numpy_fallback_when_numba_is_missing(monkeypatch):
     import embedmesh.host.preprocess as pp
+
     monkeypatch.setattr(pp, "_NUMBA", False)
     assert not pp.numba_available()
     plan, feats = _skewed_case()

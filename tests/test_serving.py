@@ -30,8 +30,11 @@ def _combine(entries, table, combiner, scale=False):
         total += (abs(w) if scale else w) * table[i]
     if combiner == "sum":
         return total
-    den = sum(w for _, w in entries) if combiner == "mean" else np.sqrt(
-        sum(w * w for _, w in entries))
+    den = (
+        sum(w for _, w in entries)
+        if combiner == "mean"
+        else np.sqrt(sum(w * w for _, w in entries))
+    )
     if den == 0:
         return np.zeros_like(total)
     if scale:
@@ -73,9 +76,11 @@ def reference_lookup(feature, inp, weight, table, scale=False):
         return out
     splits = inp.row_splits.tolist()
     B = len(splits) - 1
-    rows = [inp.values[splits[b]:splits[b + 1]].tolist() for b in range(B)]
-    wrows = [([1.0] * len(r)) if weight is None else
-             weight.values[splits[b]:splits[b + 1]].tolist() for b, r in enumerate(rows)]
+    rows = [inp.values[splits[b] : splits[b + 1]].tolist() for b in range(B)]
+    wrows = [
+        ([1.0] * len(r)) if weight is None else weight.values[splits[b] : splits[b + 1]].tolist()
+        for b, r in enumerate(rows)
+    ]
 
     def sequence(length):
         out = np.zeros((B, length, dim))
@@ -85,8 +90,16 @@ def reference_lookup(feature, inp, weight, table, scale=False):
         return out
 
     def combined():
-        return np.stack([_combine(list(zip(r, w)), table, combiner, scale) if r else np.zeros(dim)
-                         for r, w in zip(rows, wrows)]) if B else np.zeros((0, dim))
+        return (
+            np.stack(
+                [
+                    _combine(list(zip(r, w)), table, combiner, scale) if r else np.zeros(dim)
+                    for r, w in zip(rows, wrows)
+                ]
+            )
+            if B
+            else np.zeros((0, dim))
+        )
 
     if feature.output_shape:
         P = int(np.prod(feature.output_shape))
@@ -123,22 +136,33 @@ def feature_cases(draw):
         output_shape = (B * factor,) if draw(st.booleans()) else (B, factor)
         weighted = weighted and factor == 1
     table_cfg = TableConfig(vocab, dim, combiner=combiner, name="t")
-    feature = FeatureConfig(table_cfg, max_sequence_length=L, validate_weights_and_indices=validate,
-                            output_shape=output_shape, name="f")
+    feature = FeatureConfig(
+        table_cfg,
+        max_sequence_length=L,
+        validate_weights_and_indices=validate,
+        output_shape=output_shape,
+        name="f",
+    )
     ids_st = st.integers(0, vocab - 1)
     # float32 weights; magnitudes below 1e-3 (other than 0) would underflow w*w in float32
-    weight_st = st.floats(-2, 3, allow_nan=False, width=32).filter(lambda w: w == 0 or abs(w) > 1e-3)
+    weight_st = st.floats(-2, 3, allow_nan=False, width=32).filter(
+        lambda w: w == 0 or abs(w) > 1e-3
+    )
     if kind == "dense":
         shape = (B,) if draw(st.booleans()) else (B, draw(st.integers(1, 4)))
-        inp = np.array(draw(st.lists(ids_st, min_size=int(np.prod(shape)),
-                                     max_size=int(np.prod(shape)))), np.int64).reshape(shape)
+        inp = np.array(
+            draw(st.lists(ids_st, min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))),
+            np.int64,
+        ).reshape(shape)
         return feature, inp, None
     lengths = draw(st.lists(st.integers(0, 5), min_size=B, max_size=B))
     n = sum(lengths)
     # sparse inputs may carry negative ids where TF prunes them
     allow_neg = kind == "sparse" and validate and L == 0
-    ids = np.array(draw(st.lists(st.integers(-2 if allow_neg else 0, vocab - 1), min_size=n,
-                                 max_size=n)), np.int64)
+    ids = np.array(
+        draw(st.lists(st.integers(-2 if allow_neg else 0, vocab - 1), min_size=n, max_size=n)),
+        np.int64,
+    )
     w = np.array(draw(st.lists(weight_st, min_size=n, max_size=n)), np.float32)
     if kind == "ragged":
         splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -148,8 +172,9 @@ def feature_cases(draw):
     rank3 = L == 0 and draw(st.booleans())
     idx = []
     for b, length in enumerate(lengths):
-        cols = sorted(draw(st.lists(st.integers(0, width - 1), min_size=length, max_size=length,
-                                    unique=True)))
+        cols = sorted(
+            draw(st.lists(st.integers(0, width - 1), min_size=length, max_size=length, unique=True))
+        )
         idx += [[b, c] for c in cols]
     idx = np.array(idx, np.int64).reshape(-1, 2)
     shape = (B, width)
@@ -171,7 +196,7 @@ def assert_matches_reference(got, feature, inp, weight, table):
     got = np.asarray(got)
     assert got.shape == want.shape
     err = np.abs(got.astype(np.float64) - want)
-    bound = 2e-5 * (1 + np.abs(want)) + 16 * 2.0 ** -24 * scale
+    bound = 2e-5 * (1 + np.abs(want)) + 16 * 2.0**-24 * scale
     assert np.all(err <= bound), (err - bound).max()
 
 
@@ -185,8 +210,12 @@ def _table(feature, seed):
 def test_host_path_matches_reference(case, seed):
     feature, inp, weight = case
     table = _table(feature, seed)
-    got = em.serving_embedding_lookup({"f": inp}, None if weight is None else {"f": weight},
-                                      {feature.table: table}, {"f": feature})["f"]
+    got = em.serving_embedding_lookup(
+        {"f": inp},
+        None if weight is None else {"f": weight},
+        {feature.table: table},
+        {"f": feature},
+    )["f"]
     assert isinstance(got, jax.Array)
     assert_matches_reference(got, feature, inp, weight, table)
 
@@ -208,19 +237,26 @@ def test_traced_path_matches_reference(case, seed):
 def _setup():
     t1 = TableConfig(10, 4, combiner="mean", name="a")
     t2 = TableConfig(20, 3, combiner="sum")
-    fc = {"x": FeatureConfig(t1), "y": FeatureConfig(t2),
-          "z": FeatureConfig(t2, max_sequence_length=3)}
+    fc = {
+        "x": FeatureConfig(t1),
+        "y": FeatureConfig(t2),
+        "z": FeatureConfig(t2, max_sequence_length=3),
+    }
     rng = np.random.default_rng(0)
-    tables = {t1: rng.normal(size=(10, 4)).astype(np.float32),
-              t2: rng.normal(size=(20, 3)).astype(np.float32)}
+    tables = {
+        t1: rng.normal(size=(10, 4)).astype(np.float32),
+        t2: rng.normal(size=(20, 3)).astype(np.float32),
+    }
     return t1, t2, fc, tables
 
 
 def test_nested_structure_and_subset():
     t1, t2, fc, tables = _setup()
     nested = {"group": [fc["x"], (fc["y"],)], "z": fc["z"]}
-    inp = {"group": [np.array([1, 2]), (RaggedTensor(np.array([3, 4, 5]), np.array([0, 1, 3])),)],
-           "z": SparseTensor(np.array([[0, 0], [1, 2]]), np.array([1, 2]), (2, 5))}
+    inp = {
+        "group": [np.array([1, 2]), (RaggedTensor(np.array([3, 4, 5]), np.array([0, 1, 3])),)],
+        "z": SparseTensor(np.array([[0, 0], [1, 2]]), np.array([1, 2]), (2, 5)),
+    }
     out = em.serving_embedding_lookup(inp, None, tables, nested)
     assert out["group"][0].shape == (2, 4)
     assert out["group"][1][0].shape == (2, 3)
@@ -256,19 +292,22 @@ def test_tensorflow_style_duck_typed_inputs():
     np.testing.assert_allclose(a, tables[t2][[3, 4]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("case,match", [
-    ("dense_weight", "input is dense"),
-    ("type_mismatch", "does not match type"),
-    ("seq_weight", "sequence feature"),
-    ("seq_dense", "sequence feature but a dense"),
-    ("not_subset", "not in the feature config"),
-    ("bad_output_shape", "factor of the input data batch size"),
-    ("id_too_big", "feature x: id 10"),
-    ("negative_ragged", "feature y: id -1"),
-    ("unsorted", "sorted in row-major order"),
-    ("bad_splits", "bad row_splits"),
-    ("float_ids", "ids must be integers"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("dense_weight", "input is dense"),
+        ("type_mismatch", "does not match type"),
+        ("seq_weight", "sequence feature"),
+        ("seq_dense", "sequence feature but a dense"),
+        ("not_subset", "not in the feature config"),
+        ("bad_output_shape", "factor of the input data batch size"),
+        ("id_too_big", "feature x: id 10"),
+        ("negative_ragged", "feature y: id -1"),
+        ("unsorted", "sorted in row-major order"),
+        ("bad_splits", "bad row_splits"),
+        ("float_ids", "ids must be integers"),
+    ],
+)
 def test_errors_name_the_feature(case, match):
     t1, t2, fc, tables = _setup()
     rag = RaggedTensor(np.array([1, 2, 3]), np.array([0, 1, 3]))
@@ -314,34 +353,85 @@ def test_weights_prune_rules_for_sparse():
     sp, spw = SparseTensor(idx, ids, (1, 3)), SparseTensor(idx, w, (1, 3))
     pruned = em.serving_embedding_lookup(sp, spw, {t: table}, FeatureConfig(t))
     np.testing.assert_allclose(pruned[0], table[1], rtol=1e-6)
-    kept = em.serving_embedding_lookup(sp, spw, {t: table},
-                                       FeatureConfig(t, validate_weights_and_indices=False))
+    kept = em.serving_embedding_lookup(
+        sp, spw, {t: table}, FeatureConfig(t, validate_weights_and_indices=False)
+    )
     np.testing.assert_allclose(kept[0], (2 * table[1] - table[2]) / 1.0, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------
-# The direct host path (no plan) against the plan path; output buffers reused
+# The host path against a per-entry segment sum; output buffers reused
+
+
+def _per_entry_reference(name, feature, inp, weight, table):
+    """TensorFlow's rules as per-entry arrays (output row, id, weight, kept), summed
+    by `kernels.weighted_segment_sum`: the form the serving path had before it
+    took bags (`inputs.to_csr`) for every output kind."""
+    from embedmesh.inputs import (
+        check_id_range,
+        feature_layout,
+        ragged_positions,
+        ragged_row_ids,
+        validate_input,
+    )
+    from embedmesh.serving import kernels
+
+    layout = feature_layout(name, feature, inp, weight)
+    validate_input(name, inp, weight)
+    table = np.asarray(table)
+    if layout.kind == "lookup":
+        ids = np.asarray(inp).reshape(-1)
+        rows, w, keep = np.arange(ids.shape[0]), np.ones(ids.shape, np.float32), None
+    else:
+        ids = np.asarray(inp.values)
+        w = (
+            np.ones(ids.shape, np.float32)
+            if weight is None or not layout.use_weights
+            else np.asarray(weight.values, np.float32)
+        )
+        keep = None
+        if isinstance(inp, SparseTensor):
+            idx = np.asarray(inp.indices, np.int64)
+            if layout.kind == "sequence":
+                rows, keep = idx[:, 0] * layout.length + idx[:, 1], idx[:, 1] < layout.length
+            else:
+                rows = (
+                    np.ravel_multi_index(idx[:, :-1].T, inp.dense_shape[:-1])
+                    if len(idx)
+                    else np.zeros(0, np.int64)
+                )
+                if layout.prune_ids:
+                    keep = ids >= 0
+                if layout.prune_weights:
+                    keep = (w > 0) if keep is None else keep & (w > 0)
+        else:
+            rows = ragged_row_ids(inp.row_splits).astype(np.int64)
+            if layout.kind == "sequence":
+                pos = ragged_positions(inp.row_splits)
+                rows, keep = rows * layout.length + pos, pos < layout.length
+    if keep is not None:
+        ids, rows, w = ids[keep], rows[keep], w[keep]
+    check_id_range(name, ids, table.shape[0])
+    out = kernels.weighted_segment_sum(table, ids, rows, w, layout.num_rows, layout.combiner)
+    return out.reshape(layout.activation_shape(table.shape[1]))
 
 
 @settings(max_examples=200, deadline=None)
 @given(feature_cases(), st.integers(0, 2**31 - 1))
-def test_direct_host_path_equals_plan_path(case, seed):
-    """Same entries added in the same order: bit-equal wherever the direct path applies."""
+def test_host_path_equals_per_entry_segment_sum(case, seed):
+    """Same entries added in the same order: bit-equal for every output kind
+    (plain lookups, combined bags, sequences); errors alike."""
     from embedmesh.serving import lookup as serving
 
     feature, inp, weight = case
     table = _table(feature, seed)
     try:
-        plan = serving.plan_feature("f", feature, inp, weight, True)
-        want = serving._lookup_host("f", plan, table)
-    except ValueError as e:  # the direct path must refuse alike
+        want = _per_entry_reference("f", feature, inp, weight, table)
+    except ValueError as e:  # the host path must refuse alike
         with pytest.raises(ValueError, match=re.escape(str(e)[:20])):
-            serving._lookup_host_direct("f", feature, inp, weight, table)
+            serving._prepare_host("f", feature, inp, weight, table)()
         return
-    got = serving._lookup_host_direct("f", feature, inp, weight, table)
-    if got is None:  # sequence outputs: the plan path only
-        assert feature.max_sequence_length > 0 or feature.output_shape
-        return
+    got = serving._prepare_host("f", feature, inp, weight, table)()
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
 
@@ -357,10 +447,18 @@ def test_outputs_survive_later_lookups():
         r = np.random.default_rng(seed)
         ids = r.integers(0, 100, 40)
         splits = np.array([0, 10, 25, 25, 40])
-        idx = np.stack([np.repeat(np.arange(4), np.diff(splits)),
-                        np.concatenate([np.arange(n) for n in np.diff(splits)])], axis=1)
-        return {"r": RaggedTensor(ids, splits), "s": SparseTensor(idx, ids, (4, 20)),
-                "d": ids.reshape(4, 10)}
+        idx = np.stack(
+            [
+                np.repeat(np.arange(4), np.diff(splits)),
+                np.concatenate([np.arange(n) for n in np.diff(splits)]),
+            ],
+            axis=1,
+        )
+        return {
+            "r": RaggedTensor(ids, splits),
+            "s": SparseTensor(idx, ids, (4, 20)),
+            "d": ids.reshape(4, 10),
+        }
 
     first = em.serving_embedding_lookup(batch(1), None, {t: table}, fc)
     kept = {k: np.array(v) for k, v in first.items()}
@@ -384,16 +482,18 @@ def test_host_threads_give_the_same_results_and_first_error():
     fc = {f"f{i}": FeatureConfig(t) for i in range(6)}
     rng = np.random.default_rng(5)
     table = rng.normal(size=(50, 20)).astype(np.float32)
-    inputs = {k: RaggedTensor(rng.integers(0, 50, 30), np.array([0, 7, 7, 30]))
-              for k in fc}
+    inputs = {k: RaggedTensor(rng.integers(0, 50, 30), np.array([0, 7, 7, 30])) for k in fc}
     one = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
     previous = serving.set_host_threads(3)
     try:
         many = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
         for k in fc:
             np.testing.assert_array_equal(np.asarray(many[k]), np.asarray(one[k]))
-        bad = dict(inputs, f2=RaggedTensor(np.array([1, 99]), np.array([0, 1, 2])),
-                   f4=RaggedTensor(np.array([1, 98]), np.array([0, 1, 2])))
+        bad = dict(
+            inputs,
+            f2=RaggedTensor(np.array([1, 99]), np.array([0, 1, 2])),
+            f4=RaggedTensor(np.array([1, 98]), np.array([0, 1, 2])),
+        )
         with pytest.raises(ValueError, match="feature f2: id 99"):
             em.serving_embedding_lookup(bad, None, {t: table}, fc)
         with pytest.raises(ValueError, match=">= 1"):
@@ -445,9 +545,11 @@ def test_results_on_another_default_device_and_after_a_failed_lookup():
     fc = {"a": FeatureConfig(t), "b": FeatureConfig(t), "c": FeatureConfig(t)}
     rng = np.random.default_rng(2)
     table = rng.normal(size=(60, 32)).astype(np.float32)
-    inputs = {"a": RaggedTensor(rng.integers(0, 60, 9), np.array([0, 4, 9])),
-              "b": rng.integers(0, 60, (2, 3)),
-              "c": SparseTensor(np.array([[0, 0], [1, 2]]), np.array([5, 7]), (2, 4))}
+    inputs = {
+        "a": RaggedTensor(rng.integers(0, 60, 9), np.array([0, 4, 9])),
+        "b": rng.integers(0, 60, (2, 3)),
+        "c": SparseTensor(np.array([[0, 0], [1, 2]]), np.array([5, 7]), (2, 4)),
+    }
     want = {k: reference_lookup(fc[k], inputs[k], None, table) for k in fc}
     plain = em.serving_embedding_lookup(inputs, None, {t: table}, fc)
     other = jax.devices()[-1]
@@ -481,6 +583,7 @@ def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
             calls.append((i, threading.current_thread().name))
             time.sleep(0.002)
             return i
+
         return run
 
     assert serving._run_on_threads([ok(i) for i in range(12)], 3) == list(range(12))
@@ -504,14 +607,22 @@ def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
 
 
 def test_default_thread_count(monkeypatch):
+    from embedmesh import _runtime
     from embedmesh.serving import lookup as serving
 
-    monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "3")
-    assert serving._default_threads() == 3
-    monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "0")
-    assert serving._default_threads() == 1
-    monkeypatch.delenv("EMBEDMESH_SERVING_THREADS")
-    assert 1 <= serving._default_threads() <= min(8, os.cpu_count() or 1)
+    try:  # switches are read once: reset() makes them read the environment again
+        monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "3")
+        _runtime.reset()
+        assert serving._default_threads() == 3
+        monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "0")
+        _runtime.reset()
+        assert serving._default_threads() == 1
+        monkeypatch.delenv("EMBEDMESH_SERVING_THREADS")
+        _runtime.reset()
+        assert 1 <= serving._default_threads() <= min(8, os.cpu_count() or 1)
+    finally:
+        monkeypatch.undo()
+        _runtime.reset()
 
 
 _FORK_CHILD_SCRIPT = """
@@ -539,6 +650,7 @@ def test_thread_runner_uses_threads_again_in_a_forked_child():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _FORK_CHILD_SCRIPT], timeout=120,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD_SCRIPT], timeout=120, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 
-def background_map(fn: Callable, items: Iterable, buffer_size: int = 2,
-                   name: str = "embedmesh-prefetch") -> Iterator:
+def background_map(
+    fn: Callable, items: Iterable, buffer_size: int = 2, name: str = "embedmesh-prefetch"
+) -> Iterator:
     """Yield `fn(item)` for each item, computed up to `buffer_size` items ahead."""
     q: queue.Queue = queue.Queue(maxsize=max(1, buffer_size))
     stop = threading.Event()

@@ -47,6 +47,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -199,14 +200,15 @@ def _leaves(structure: dict, tree, where: str = "inputs") -> list:
     return [(where, structure, tree)]
 
 
-def _build(structure: dict, leaves: Iterator):
+def _rebuild_structure(structure: dict, leaves: Iterator):
     t = structure["t"]
     if t == "none":
         return None
     if t == "dict":
-        return {k: _build(sub, leaves) for k, sub in zip(structure["k"], structure["v"])}
+        return {k: _rebuild_structure(sub, leaves)
+                for k, sub in zip(structure["k"], structure["v"])}
     if t in ("list", "tuple"):
-        items = [_build(sub, leaves) for sub in structure["v"]]
+        items = [_rebuild_structure(sub, leaves) for sub in structure["v"]]
         return items if t == "list" else tuple(items)
     return next(leaves)
 
@@ -324,7 +326,7 @@ def export_serving(fn: Callable, directory, *, tables: dict, input_signature: An
     def program(flat_inputs, table_list, param_list, pb):
         it = iter(flat_inputs)
         rebuilt = iter([_rebuild_leaf(s, it, pb) for s in spec_leaves])
-        inputs = _build(in_structure, rebuilt)
+        inputs = _rebuild_structure(in_structure, rebuilt)
         tabs = dict(zip(configs, table_list))
         if params is None:
             out = fn(inputs, tabs)
@@ -379,9 +381,10 @@ def export_serving(fn: Callable, directory, *, tables: dict, input_signature: An
         np.save(os.path.join(directory, file), arr)
         param_entries.append({"file": file, "shape": list(arr.shape),
                               "dtype": _dtype_name(arr.dtype)})
-    import embedmesh
+    # the package's __init__ (the one version source) is loaded: it is this module's parent
+    version = getattr(sys.modules.get("embedmesh"), "__version__", "unknown")
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                "embedmesh_version": getattr(embedmesh, "__version__", "unknown"),
+                "embedmesh_version": version,
                 "jax_version": jax.__version__, "platforms": list(platforms),
                 "batch_sizes": buckets, "extra_row": extra,
                 "programs": {str(b): p for b, p in programs.items()},
@@ -702,7 +705,7 @@ class ServingFunction:
             outputs.append([np.asarray(r)[:n] for r in result])
         flat_out = [np.concatenate(parts_, axis=0) if len(outputs) > 1 else parts_[0]
                     for parts_ in zip(*outputs)]
-        return _build(self._out, iter(flat_out))
+        return _rebuild_structure(self._out, iter(flat_out))
 
 
 def load_serving(directory) -> ServingFunction:

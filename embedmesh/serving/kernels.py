@@ -11,7 +11,9 @@ non-temporal stores where rows are whole cache lines), `sparse_offsets`
 
 Two backends compute the same thing:
 
-- "numba" (the default when numba is importable): one sequential pass over
+- "numba" (the default when numba is importable; compiled kernels in
+  `embedmesh.serving.numba_kernels`, imported at first use, never by
+  `import embedmesh`): one sequential pass over
   the entries, software-prefetching the table rows a few entries ahead;
   each bag accumulated in float32, in entry order, in registers (stack
   accumulators, options fixed at compile time), then normalised; no
@@ -25,7 +27,8 @@ Two backends compute the same thing:
   group of equal-length rows as `[rows, L, dim].sum(axis=1)`.
 
 `set_backend` switches between them (tests, benchmarks); the environment
-variable `EMBEDMESH_NUMBA=0` (read at import) disables numba altogether.
+variable `EMBEDMESH_NUMBA=0` (read once, by `embedmesh._runtime`) disables
+numba altogether, here and in host preprocessing.
 Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
 references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
@@ -33,37 +36,67 @@ references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 import sys
 import threading
-from typing import Optional
 
 import numpy as np
 
-try:  # numba is optional: the numpy backend computes the same thing.
-    if os.environ.get("EMBEDMESH_NUMBA", "1").strip().lower() in ("0", "false", "no", "off"):
-        raise ImportError("disabled by EMBEDMESH_NUMBA")
-    import numba as _numba
-    from llvmlite import binding as _llvm_binding
-    from llvmlite import ir as _ir
-    from numba import types as _types
-    from numba.core import cgutils as _cgutils
-    from numba.extending import intrinsic as _intrinsic
-except ImportError:  # pragma: no cover - exercised when numba is absent
-    _numba = None
+from embedmesh import _runtime
+from embedmesh._runtime import aligned_empty, combiner_code
 
-HAVE_NUMBA = _numba is not None
+__all__ = [
+    "IdOutOfRange",
+    "aligned_empty",
+    "bag_combine",
+    "gather",
+    "get_backend",
+    "output_empty",
+    "prepare_bag_combine",
+    "prepare_gather",
+    "set_backend",
+    "set_output_pool_limit",
+    "set_release_hook",
+    "sparse_offsets",
+    "weighted_segment_sum",
+    "weighted_segment_sum_numba",
+    "weighted_segment_sum_numpy",
+]
 
-# Which implementation `weighted_segment_sum` runs: "numba" or "numpy".
-_backend = "numba" if HAVE_NUMBA else "numpy"
-
-_COMBINER_MODE = {None: 0, "sum": 0, "mean": 1, "sqrtn": 2}
 _ALIGN = 64  # bytes; XLA's CPU client aliases host buffers aligned like this
+
+_NUMBA = None  # None: not tried yet; False: unavailable; else embedmesh.serving.numba_kernels
+_backend: str | None = None  # "numba" or "numpy"; None: numba if it loads at first use
+
+
+def _numba_kernels():
+    """The compiled kernels module, or None (EMBEDMESH_NUMBA=0, numba not importable)."""
+    global _NUMBA
+    if _NUMBA is None:
+        _NUMBA = False
+        if _runtime.numba_enabled():
+            try:
+                from embedmesh.serving import numba_kernels
+            except ImportError:
+                pass
+            else:
+                _NUMBA = numba_kernels
+    return _NUMBA or None
+
+
+def __getattr__(name):
+    # HAVE_NUMBA: whether the numba backend can be used (asking imports numba)
+    if name == "HAVE_NUMBA":
+        return _numba_kernels() is not None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_backend() -> str:
-    """The implementation `weighted_segment_sum` uses now: "numba" or "numpy"."""
+    """The implementation the kernels use now: "numba" or "numpy"."""
+    global _backend
+    if _backend is None:
+        _backend = "numba" if _numba_kernels() is not None else "numpy"
     return _backend
 
 
@@ -72,18 +105,12 @@ def set_backend(name: str) -> str:
     global _backend
     if name not in ("numba", "numpy"):
         raise ValueError(f"unknown backend {name!r}: expected 'numba' or 'numpy'")
-    if name == "numba" and not HAVE_NUMBA:
-        raise RuntimeError("the numba backend needs numba, which is not importable")
-    previous, _backend = _backend, name
+    if name == "numba" and _numba_kernels() is None:
+        raise RuntimeError(
+            "the numba backend needs numba, which is not importable (or EMBEDMESH_NUMBA=0)"
+        )
+    previous, _backend = get_backend(), name
     return previous
-
-
-def aligned_empty(shape, dtype) -> np.ndarray:
-    """`np.empty(shape, dtype)` whose data starts on a 64-byte boundary."""
-    dtype = np.dtype(dtype)
-    shape = tuple(int(d) for d in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return _aligned_view(np.empty(nbytes + _ALIGN, np.uint8), shape, dtype, nbytes)
 
 
 class _BufferPool:
@@ -127,8 +154,7 @@ class _BufferPool:
             if found is not None:
                 raw, start = found
                 return np.ndarray(shape, dtype, buffer=raw, offset=start)
-            raw = np.empty(size, np.uint8)
-            start = (-raw.ctypes.data) % _ALIGN
+            raw, start = _runtime.aligned_buffer(nbytes, _ALIGN)
             if self._bytes + size > self.limit:
                 self._evict(self._bytes + size - self.limit)
             if self._bytes + size <= self.limit:
@@ -164,7 +190,7 @@ class _BufferPool:
             self._bufs, self._starts, self._bytes = [], [], 0
 
 
-_pool = _BufferPool(int(os.environ.get("EMBEDMESH_OUTPUT_POOL_MB", "256")) << 20)
+_pool = _BufferPool(_runtime.output_pool_bytes())  # EMBEDMESH_OUTPUT_POOL_MB
 
 
 def set_release_hook(fn) -> None:
@@ -181,22 +207,9 @@ def set_output_pool_limit(nbytes: int) -> int:
     return previous
 
 
-def _aligned_view(raw, shape, dtype, nbytes):
-    start = (-raw.ctypes.data) % _ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
 def output_empty(shape, dtype) -> np.ndarray:
     """An aligned output array, from the reuse pool when one is free."""
     return _pool.empty(shape, dtype)
-
-
-def _mode_of(combiner: Optional[str]) -> int:
-    try:
-        return _COMBINER_MODE[combiner]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown combiner {combiner!r}: expected None, 'sum', 'mean' or "
-                         f"'sqrtn'") from None
 
 
 class IdOutOfRange(ValueError):
@@ -204,8 +217,9 @@ class IdOutOfRange(ValueError):
 
     def __init__(self, entry: int, id_: int, vocabulary_size: int):
         self.entry, self.id, self.vocabulary_size = int(entry), int(id_), int(vocabulary_size)
-        super().__init__(f"ids must lie in [0, {self.vocabulary_size}), got id {self.id} at "
-                         f"entry {self.entry}")
+        super().__init__(
+            f"ids must lie in [0, {self.vocabulary_size}), got id {self.id} at entry {self.entry}"
+        )
 
 
 def _prepare(table, ids, rows, weights, num_rows):
@@ -219,8 +233,10 @@ def _prepare(table, ids, rows, weights, num_rows):
         raise TypeError(f"ids and rows must be integers, got {ids.dtype} and {rows.dtype}")
     n = ids.shape[0] if ids.ndim == 1 else -1
     if ids.ndim != 1 or np.shape(rows) != (n,) or np.shape(weights) != (n,):
-        raise ValueError(f"ids {ids.shape}, rows {np.shape(rows)} and weights "
-                         f"{np.shape(weights)} must be 1-D of one length")
+        raise ValueError(
+            f"ids {ids.shape}, rows {np.shape(rows)} and weights "
+            f"{np.shape(weights)} must be 1-D of one length"
+        )
     num_rows = int(num_rows)
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
@@ -236,16 +252,21 @@ def _check_ids(ids, vocab):
 
 def _rows_error(rows, num_rows) -> ValueError:
     if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
-        return ValueError(f"rows must lie in [0, num_rows={num_rows}), got "
-                          f"[{int(rows.min())}, {int(rows.max())}]")
+        return ValueError(
+            f"rows must lie in [0, num_rows={num_rows}), got [{int(rows.min())}, {int(rows.max())}]"
+        )
     return ValueError("rows must be non-decreasing")
 
 
 def _is_plain_lookup(rows, weights, num_rows, mode) -> bool:
     """One entry per output row, in order, weight 1, no normalisation: a gather."""
     n = rows.shape[0]
-    return (mode == 0 and n == num_rows and bool(np.all(weights == 1.0))
-            and np.array_equal(rows, np.arange(n)))
+    return (
+        mode == 0
+        and n == num_rows
+        and bool(np.all(weights == 1.0))
+        and np.array_equal(rows, np.arange(n))
+    )
 
 
 def _finish(out32: np.ndarray, dtype) -> np.ndarray:
@@ -271,15 +292,16 @@ def _signed_ids(ids: np.ndarray) -> tuple[np.ndarray, bool]:
 def _check_offsets(offsets, n) -> np.ndarray:
     offsets = np.asarray(offsets)
     if offsets.ndim != 1 or offsets.shape[0] < 1 or offsets.dtype.kind not in "iu":
-        raise ValueError(f"offsets must be a non-empty 1-D integer array, got {offsets.dtype} "
-                         f"{offsets.shape}")
+        raise ValueError(
+            f"offsets must be a non-empty 1-D integer array, got {offsets.dtype} {offsets.shape}"
+        )
     offsets = offsets.astype(np.int64, copy=False)
     if offsets[0] != 0 or offsets[-1] != n or (offsets[1:] < offsets[:-1]).any():
         raise ValueError(f"offsets must be non-decreasing from 0 to the number of ids ({n})")
     return offsets
 
 
-def _compact(ids, offsets, weights, vocab, prune_ids, prune_w):
+def _drop_pruned(ids, offsets, weights, vocab, prune_ids, prune_w):
     """Drop pruned entries (ids, offsets, weights renumbered); IdOutOfRange for the
     first kept id outside [0, vocab)."""
     keep = ids >= 0 if prune_ids else None
@@ -338,14 +360,15 @@ def _sum_sorted_numpy(table, ids, offsets, weights, mode) -> np.ndarray:
 
 
 def _bag_numpy(table, ids, offsets, weights, mode, prune_ids, prune_w) -> np.ndarray:
-    ids, offsets, weights = _compact(ids, offsets, weights, table.shape[0], prune_ids, prune_w)
+    ids, offsets, weights = _drop_pruned(ids, offsets, weights, table.shape[0], prune_ids, prune_w)
     return _finish(_sum_sorted_numpy(table, ids, offsets, weights, mode), table.dtype)
 
 
 def _gather_numpy(table, ids) -> np.ndarray:
-    _compact(ids, None, None, table.shape[0], False, False)  # range check only
-    return np.take(table, ids, axis=0, out=output_empty((ids.shape[0], table.shape[1]),
-                                                         table.dtype))
+    _drop_pruned(ids, None, None, table.shape[0], False, False)  # range check only
+    return np.take(
+        table, ids, axis=0, out=output_empty((ids.shape[0], table.shape[1]), table.dtype)
+    )
 
 
 def _sparse_offsets_numpy(indices, shape, num_rows):
@@ -367,11 +390,16 @@ def _sparse_offsets_numpy(indices, shape, num_rows):
     return np.searchsorted(rows, np.arange(num_rows + 1), side="left").astype(np.int64), -1
 
 
-def weighted_segment_sum_numpy(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
-                               weights: np.ndarray, num_rows: int,
-                               combiner: Optional[str]) -> np.ndarray:
+def weighted_segment_sum_numpy(
+    table: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    num_rows: int,
+    combiner: str | None,
+) -> np.ndarray:
     """`weighted_segment_sum` in plain numpy (the fallback when numba is absent)."""
-    mode = _mode_of(combiner)
+    mode = combiner_code(combiner)
     table, ids, rows, weights, num_rows = _prepare(table, ids, rows, weights, num_rows)
     n = ids.shape[0]
     if n:
@@ -385,355 +413,8 @@ def weighted_segment_sum_numpy(table: np.ndarray, ids: np.ndarray, rows: np.ndar
 
 
 # ---------------------------------------------------------------------------
-# numba backend
-
-_PREFETCH_AHEAD = 16  # entries ahead; measured: 8-24 alike, 32 worse (1M x 64 f32 tables)
-# Only a row's first cache line is prefetched: on 1M x 64 f32 tables that ran
-# ~1.2x faster than prefetching all four lines, and alike for 128-wide rows.
-_BLOCK = 64  # columns accumulated at once; a stack array LLVM keeps in 4 zmm registers
-
-if HAVE_NUMBA:
-    _PREFETCH_FN = ("llvm.prefetch.p0" if _llvm_binding.llvm_version_info[0] >= 17
-                    else "llvm.prefetch.p0i8")
-
-    @_intrinsic
-    def _prefetch(typingctx, arr, row, col):  # pragma: no cover (compiled)
-        """Hint the CPU to load the cache line of arr[row, col] (never faults)."""
-        sig = _types.void(arr, row, col)
-
-        def codegen(context, builder, signature, args):
-            aryty = signature.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            index = [context.cast(builder, v, t, _types.intp)
-                     for v, t in zip(args[1:], signature.args[1:])]
-            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, index,
-                                            wraparound=False)
-            i8p = _ir.IntType(8).as_pointer()
-            i32 = _ir.IntType(32)
-            fnty = _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32])
-            fn = _cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_FN)
-            # read, high temporal locality, data cache
-            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @_intrinsic
-    def _stack_block(typingctx):  # pragma: no cover (compiled)
-        """Pointer to _BLOCK float32 on the stack (an alloca in the entry block).
-
-        Unlike np.empty (a heap allocation LLVM must assume may alias the
-        table), an alloca is known not to alias anything: with constant trip
-        counts LLVM promotes it to vector registers and drops the runtime
-        alias checks. This alone made the kernel ~1.7x faster on cached rows.
-        """
-        sig = _types.CPointer(_types.float32)()
-
-        def codegen(context, builder, signature, args):
-            return _cgutils.alloca_once(builder, _ir.FloatType(), size=_BLOCK)
-
-        return sig, codegen
-
-    def _mark_nontemporal(builder, store):
-        store.set_metadata("nontemporal", builder.module.add_metadata([_ir.IntType(32)(1)]))
-
-    def _address(builder, value):
-        """A 64-bit integer byte address argument as an i8*."""
-        return builder.inttoptr(value, _ir.IntType(8).as_pointer())
-
-    @_intrinsic
-    def _stream_copy64(typingctx, dst, src):  # pragma: no cover (compiled)
-        """Copy the 64 bytes at address src to address dst (64-byte aligned) with a
-        non-temporal store."""
-        if not (isinstance(dst, _types.Integer) and isinstance(src, _types.Integer)
-                and dst.bitwidth == src.bitwidth == 64):
-            return None  # addresses only (a typing error otherwise)
-        sig = _types.void(dst, src)
-
-        def codegen(context, builder, signature, args):
-            vty = _ir.VectorType(_ir.IntType(8), 64)
-            v = builder.load(builder.bitcast(_address(builder, args[1]), vty.as_pointer()),
-                             align=1)
-            dst_p = builder.bitcast(_address(builder, args[0]), vty.as_pointer())
-            _mark_nontemporal(builder, builder.store(v, dst_p, align=64))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @_intrinsic
-    def _store_fence(typingctx):  # pragma: no cover (compiled)
-        """Order the streaming stores before anything that follows (a full fence:
-        on x86 only mfence/sfence order non-temporal stores)."""
-        sig = _types.void()
-
-        def codegen(context, builder, signature, args):
-            builder.fence("seq_cst")
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @_numba.njit(inline="always")
-    def _accumulate(src, ids, weights, has_w, lo, hi, j0, width, acc, uvocab, prune_ids,
-                    prune_w, first, mode):  # pragma: no cover (compiled)
-        """acc[:width] = sum over kept k in [lo, hi) of w_k * src[ids_k, j0:j0+width].
-
-        With `first`: also checks ids (returns the first bad entry, else -1),
-        sums the denominator (sum w for mode 1, sum w^2 for mode 2) and
-        prefetches the row _PREFETCH_AHEAD entries ahead. Entries are added in
-        order, in float32, without FMA (bit-equal to the numpy backend).
-        """
-        for j in range(width):
-            acc[j] = np.float32(0.0)
-        den = np.float32(0.0)
-        last = ids.shape[0] - 1
-        for k in range(lo, hi):
-            i = ids[k]
-            if prune_ids and i < 0:
-                continue
-            w = weights[k] if has_w else np.float32(1.0)
-            if prune_w and not w > np.float32(0.0):
-                continue
-            if first:
-                _prefetch(src, ids[min(k + _PREFETCH_AHEAD, last)], 0)
-                if _numba.uint64(i) >= uvocab:
-                    return k, den
-                if mode == 1:
-                    den += w
-                elif mode == 2:
-                    den += w * w
-            row = src[_numba.uint64(i)]
-            for j in range(width):
-                acc[j] += w * row[j0 + j]
-        return -1, den
-
-    @_numba.njit(inline="always")
-    def _store(acc, out, r, j0, width, mode, den):  # pragma: no cover (compiled)
-        """out[r, j0:j0+width] = acc normalised by den (mode 1, 2); 0/0 gives 0."""
-        if mode == 0:
-            for j in range(width):
-                out[r, j0 + j] = acc[j]
-            return
-        d = np.sqrt(den) if mode == 2 else den
-        # written straight to out: updating acc in place in a branch made LLVM
-        # spill the accumulators to the stack
-        if d == np.float32(0.0):
-            for j in range(width):
-                out[r, j0 + j] = np.float32(0.0)
-        else:
-            for j in range(width):
-                out[r, j0 + j] = acc[j] / d
-
-    def _make_bag_kernel(mode, has_w, prune_ids, prune_w):
-        """The bag kernel with its options fixed at compile time.
-
-        Runtime flags tested per entry cost ~10% (0.93x torch's embedding_bag
-        against 1.03-1.07x specialised, same workload); closures are cached
-        on disk per value of their constants.
-        """
-
-        @_numba.njit(cache=True, nogil=True)
-        def bag_kernel(src, ids, offsets, weights, out):  # pragma: no cover (compiled)
-            """out[r] = combine(w_k * src[ids_k] for kept k in [offsets[r], offsets[r+1])).
-
-            Kept: not (prune_ids and id < 0) and not (prune_w and not w > 0).
-            mode 0 sum, 1 divide by sum w, 2 divide by sqrt(sum w^2).
-            Columns go in blocks of 64 (then 16, then the rest) whose
-            accumulators stay in registers; the first block also checks ids
-            and sums the denominator. Returns -1, or the first entry whose
-            (kept) id is outside the table.
-            """
-            num_rows = out.shape[0]
-            dim = out.shape[1]
-            uvocab = _numba.uint64(src.shape[0])
-            # one stack array per block width: one used only at constant indices
-            # is promoted to registers, one also used at run-time ones is not
-            acc = _numba.carray(_stack_block(), (_BLOCK,))
-            acc16 = _numba.carray(_stack_block(), (_BLOCK,))
-            acc_tail = _numba.carray(_stack_block(), (_BLOCK,))
-            for k in range(min(_PREFETCH_AHEAD, ids.shape[0])):
-                _prefetch(src, ids[k], 0)
-            full = dim - dim % _BLOCK
-            quarter = dim - dim % 16
-            # the first block (checks, denominator, prefetch) is peeled off so
-            # that every inlined copy of the entry loop has constant options
-            first = _BLOCK if dim >= _BLOCK else 16 if dim >= 16 else dim
-            for r in range(num_rows):
-                lo = offsets[r]
-                hi = offsets[r + 1]
-                if first == _BLOCK:
-                    bad, den = _accumulate(src, ids, weights, has_w, lo, hi, 0, _BLOCK, acc,
-                                           uvocab, prune_ids, prune_w, True, mode)
-                    if bad >= 0:
-                        return bad
-                    _store(acc, out, r, 0, _BLOCK, mode, den)
-                elif first == 16:
-                    bad, den = _accumulate(src, ids, weights, has_w, lo, hi, 0, 16, acc16,
-                                           uvocab, prune_ids, prune_w, True, mode)
-                    if bad >= 0:
-                        return bad
-                    _store(acc16, out, r, 0, 16, mode, den)
-                else:
-                    bad, den = _accumulate(src, ids, weights, has_w, lo, hi, 0, first, acc_tail,
-                                           uvocab, prune_ids, prune_w, True, mode)
-                    if bad >= 0:
-                        return bad
-                    _store(acc_tail, out, r, 0, first, mode, den)
-                for j0 in range(first, full, _BLOCK):
-                    _accumulate(src, ids, weights, has_w, lo, hi, j0, _BLOCK, acc, uvocab,
-                                prune_ids, prune_w, False, mode)
-                    _store(acc, out, r, j0, _BLOCK, mode, den)
-                for j0 in range(max(first, full), quarter, 16):
-                    _accumulate(src, ids, weights, has_w, lo, hi, j0, 16, acc16, uvocab,
-                                prune_ids, prune_w, False, mode)
-                    _store(acc16, out, r, j0, 16, mode, den)
-                j0 = max(first, quarter)
-                if j0 < dim:
-                    _accumulate(src, ids, weights, has_w, lo, hi, j0, dim - j0, acc_tail,
-                                uvocab, prune_ids, prune_w, False, mode)
-                    _store(acc_tail, out, r, j0, dim - j0, mode, den)
-            return -1
-
-        return bag_kernel
-
-    _BAG_KERNELS = {}
-
-    def _bag_kernel(mode, has_w, prune_ids, prune_w):
-        key = (int(mode), bool(has_w), bool(prune_ids), bool(prune_w))
-        kern = _BAG_KERNELS.get(key)
-        if kern is None:
-            kern = _BAG_KERNELS[key] = _make_bag_kernel(*key)
-        return kern
-
-    @_numba.njit(cache=True, nogil=True)
-    def _gather_kernel(src, ids, out):  # pragma: no cover (compiled)
-        """out[k] = src[ids[k]], bit for bit (unsigned-int views); returns -1, or the
-        first entry whose id is outside the table (out is then incomplete)."""
-        n = ids.shape[0]
-        dim = src.shape[1]
-        uvocab = _numba.uint64(src.shape[0])
-        last = n - 1
-        for k in range(min(_PREFETCH_AHEAD, n)):
-            _prefetch(src, ids[k], 0)
-        for k in range(n):
-            _prefetch(src, ids[min(k + _PREFETCH_AHEAD, last)], 0)
-            i = ids[k]
-            if _numba.uint64(i) >= uvocab:
-                return k
-            row = src[_numba.uint64(i)]
-            for j in range(dim):
-                out[k, j] = row[j]
-        return -1
-
-    @_numba.njit(cache=True, nogil=True)
-    def _gather_streaming_kernel(src, ids, out):  # pragma: no cover (compiled)
-        """`_gather_kernel` for rows of a multiple of 64 bytes into a 64-byte aligned
-        `out`, written with non-temporal stores (uint8 views)."""
-        n = ids.shape[0]
-        row_bytes = _numba.uint64(src.shape[1])
-        uvocab = _numba.uint64(src.shape[0])
-        src_addr = src.ctypes.data
-        out_addr = out.ctypes.data
-        last = n - 1
-        for k in range(min(_PREFETCH_AHEAD, n)):
-            _prefetch(src, ids[k], 0)
-        for k in range(n):
-            _prefetch(src, ids[min(k + _PREFETCH_AHEAD, last)], 0)
-            i = ids[k]
-            if _numba.uint64(i) >= uvocab:
-                return k
-            row = src_addr + _numba.uint64(i) * row_bytes  # all uint64: byte addresses
-            dst = out_addr + _numba.uint64(k) * row_bytes
-            for j in range(0, row_bytes, 64):
-                _stream_copy64(dst + j, row + j)
-        _store_fence()
-        return -1
-
-    @_numba.njit(cache=True, nogil=True)
-    def _rows_to_offsets(rows, num_rows, offsets):  # pragma: no cover (compiled)
-        """offsets[r] = first entry of row r (rows sorted); False if rows are not
-        non-decreasing within [0, num_rows)."""
-        n = rows.shape[0]
-        cur = 0
-        offsets[0] = 0
-        prev = 0
-        for k in range(n):
-            row = rows[k]
-            if row < prev or row >= num_rows:
-                return False
-            while cur < row:
-                cur += 1
-                offsets[cur] = k
-            prev = row
-        while cur < num_rows:
-            cur += 1
-            offsets[cur] = n
-        return True
-
-    @_numba.njit(cache=True, nogil=True)
-    def _sparse_offsets_2d(indices, num_rows, num_cols, offsets):  # pragma: no cover
-        """`_sparse_offsets_kernel` for rank 2 (the usual [batch, ids] form), with
-        scalar bounds: ~4x faster than the general loop over dimensions."""
-        n = indices.shape[0]
-        cur = 0
-        offsets[0] = 0
-        prev_row = 0
-        prev_col = -1
-        for k in range(n):
-            row = indices[k, 0]
-            col = indices[k, 1]
-            if row < 0 or row >= num_rows or col < 0 or col >= num_cols:
-                return k
-            if row == prev_row:
-                if col <= prev_col:
-                    return k
-            elif row < prev_row:
-                return k
-            else:
-                while cur < row:
-                    cur += 1
-                    offsets[cur] = k
-            prev_row = row
-            prev_col = col
-        while cur < num_rows:
-            cur += 1
-            offsets[cur] = n
-        return -1
-
-    @_numba.njit(cache=True, nogil=True)
-    def _sparse_offsets_kernel(indices, shape, offsets):  # pragma: no cover (compiled)
-        """One pass over COO indices [n, rank]: checks each lies in `shape` and
-        follows the previous one in row-major order (no repeats), and fills
-        offsets over the flattened leading dims. Returns -1 or the first bad
-        entry."""
-        n = indices.shape[0]
-        rank = indices.shape[1]
-        num_rows = offsets.shape[0] - 1
-        cur = 0
-        offsets[0] = 0
-        prev_row = -1
-        prev_col = -1
-        for k in range(n):
-            row = 0
-            for d in range(rank - 1):
-                v = indices[k, d]
-                if v < 0 or v >= shape[d]:
-                    return k
-                row = row * shape[d] + v
-            col = indices[k, rank - 1]
-            if col < 0 or col >= shape[rank - 1]:
-                return k
-            if row < prev_row or (row == prev_row and col <= prev_col):
-                return k
-            while cur < row:
-                cur += 1
-                offsets[cur] = k
-            prev_row = row
-            prev_col = col
-        while cur < num_rows:
-            cur += 1
-            offsets[cur] = n
-        return -1
-
+# numba backend: calls into `embedmesh.serving.numba_kernels` (`_NUMBA`, loaded by
+# `get_backend` / `set_backend` before any of these runs)
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_WEIGHTS = np.ones(1, np.float32)
@@ -752,11 +433,11 @@ def _prepare_gather_numba(table: np.ndarray, ids: np.ndarray):
     out = output_empty((ids.shape[0], table.shape[1]), table.dtype)
     ids, _ = _signed_ids(ids)
     row_bytes = table.shape[1] * table.dtype.itemsize
-    if (row_bytes % 64 == 0 and row_bytes and out.ctypes.data % 64 == 0
-            and table.flags.c_contiguous):
-        kernel, args = _gather_streaming_kernel, (table.view(np.uint8), ids, out.view(np.uint8))
+    if row_bytes % 64 == 0 and row_bytes and out.ctypes.data % 64 == 0 and table.flags.c_contiguous:
+        kernel = _NUMBA.gather_streaming_kernel
+        args = (table.view(np.uint8), ids, out.view(np.uint8))
     else:
-        kernel, args = _gather_kernel, (table.view(uint), ids, out.view(uint))
+        kernel, args = _NUMBA.gather_kernel, (table.view(uint), ids, out.view(uint))
     return _KernelCall(kernel, args, out, ids, table.shape[0])
 
 
@@ -787,46 +468,66 @@ def _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_w):
     """The bag kernel ready to run, giving float32 sums; tables of other dtypes are
     pruned, gathered and widened when run."""
     if table.dtype != np.float32:
+
         def run():
             # numba has no float16/bfloat16 arithmetic: prune, gather, widen, then reduce
-            c_ids, c_offsets, c_w = _compact(ids, offsets, weights, table.shape[0], prune_ids,
-                                             prune_w)
+            c_ids, c_offsets, c_w = _drop_pruned(
+                ids, offsets, weights, table.shape[0], prune_ids, prune_w
+            )
             wide = _gather_numba(table, c_ids).astype(np.float32)
-            return _bag_numba(wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w,
-                              mode, False, False)
+            return _bag_numba(
+                wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w, mode, False, False
+            )
+
         return run
     out = output_empty((offsets.shape[0] - 1, table.shape[1]), np.float32)
     has_w = weights is not None
-    kernel = _bag_kernel(mode, has_w, prune_ids, prune_w)
-    return _KernelCall(kernel, (table, ids, offsets, weights if has_w else _NO_WEIGHTS, out), out,
-                       ids, table.shape[0])
+    kernel = _NUMBA.bag_kernel(mode, has_w, prune_ids, prune_w)
+    return _KernelCall(
+        kernel,
+        (table, ids, offsets, weights if has_w else _NO_WEIGHTS, out),
+        out,
+        ids,
+        table.shape[0],
+    )
 
 
-def weighted_segment_sum_numba(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
-                               weights: np.ndarray, num_rows: int,
-                               combiner: Optional[str]) -> np.ndarray:
+def weighted_segment_sum_numba(
+    table: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    num_rows: int,
+    combiner: str | None,
+) -> np.ndarray:
     """`weighted_segment_sum` with the numba kernels (requires numba)."""
-    if not HAVE_NUMBA:
-        raise RuntimeError("the numba backend needs numba, which is not importable")
-    mode = _mode_of(combiner)
+    if _numba_kernels() is None:
+        raise RuntimeError(
+            "the numba backend needs numba, which is not importable (or EMBEDMESH_NUMBA=0)"
+        )
+    mode = combiner_code(combiner)
     table, ids, rows, weights, num_rows = _prepare(table, ids, rows, weights, num_rows)
     offsets = np.empty(num_rows + 1, np.int64)
-    if not _rows_to_offsets(rows, num_rows, offsets):
+    if not _NUMBA.rows_to_offsets(rows, num_rows, offsets):
         raise _rows_error(rows, num_rows)
     ids, _ = _signed_ids(ids)
     try:
         if _is_plain_lookup(rows, weights, num_rows, mode):
             return _gather_numba(table, ids)
-        return _finish(_bag_numba(table, ids, offsets, weights, mode, False, False),
-                       table.dtype)
+        return _finish(_bag_numba(table, ids, offsets, weights, mode, False, False), table.dtype)
     except IdOutOfRange:
         _check_ids(ids, table.shape[0])  # the old message: the range of the ids
         raise
 
 
-def weighted_segment_sum(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
-                         weights: np.ndarray, num_rows: int,
-                         combiner: Optional[str]) -> np.ndarray:
+def weighted_segment_sum(
+    table: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    num_rows: int,
+    combiner: str | None,
+) -> np.ndarray:
     """out[r] = sum w_k table[ids_k] over k with rows_k == r, normalised by `combiner`.
 
     `rows` must be non-decreasing and lie in [0, num_rows) (ValueError
@@ -838,14 +539,21 @@ def weighted_segment_sum(table: np.ndarray, ids: np.ndarray, rows: np.ndarray,
     dtype. Uses the numba backend when numba is importable (see
     `set_backend`); both backends give the same values.
     """
-    if _backend == "numba":
+    if (_backend or get_backend()) == "numba":
         return weighted_segment_sum_numba(table, ids, rows, weights, num_rows, combiner)
     return weighted_segment_sum_numpy(table, ids, rows, weights, num_rows, combiner)
 
 
-def bag_combine(table: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
-                weights: Optional[np.ndarray] = None, combiner: Optional[str] = None, *,
-                prune_ids: bool = False, prune_weights: bool = False) -> np.ndarray:
+def bag_combine(
+    table: np.ndarray,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    weights: np.ndarray | None = None,
+    combiner: str | None = None,
+    *,
+    prune_ids: bool = False,
+    prune_weights: bool = False,
+) -> np.ndarray:
     """Combine the bags `ids[offsets[r]:offsets[r+1]]`: out[r] = sum w_k table[ids_k], normalised.
 
     The serving lookup's kernel, fed straight from ragged row_splits or
@@ -856,25 +564,35 @@ def bag_combine(table: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
     raise `IdOutOfRange` (a ValueError) naming the first such entry.
     Combiners, accumulation order and output as `weighted_segment_sum`.
     """
-    return prepare_bag_combine(table, ids, offsets, weights, combiner, prune_ids=prune_ids,
-                               prune_weights=prune_weights)()
+    return prepare_bag_combine(
+        table, ids, offsets, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
+    )()
 
 
-def prepare_bag_combine(table, ids, offsets, weights=None, combiner=None, *,
-                        prune_ids: bool = False, prune_weights: bool = False,
-                        offsets_checked: bool = False):
+def prepare_bag_combine(
+    table,
+    ids,
+    offsets,
+    weights=None,
+    combiner=None,
+    *,
+    prune_ids: bool = False,
+    prune_weights: bool = False,
+    offsets_checked: bool = False,
+):
     """`bag_combine` in two steps: checks the arguments and takes the output buffer
     now, and returns a function that runs the kernel (raising `IdOutOfRange`)
     and returns the output. Lets a caller run many kernels back to back.
     `offsets_checked`: the caller has already checked that `offsets` is a 1-D
     integer array running non-decreasing from 0 to len(ids) (ragged row_splits
     validated by `inputs.validate_structure`)."""
-    mode = _mode_of(combiner)
+    mode = combiner_code(combiner)
     table = np.asarray(table)
     ids = np.asarray(ids)
     if table.ndim != 2 or ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise ValueError(f"table must be 2-D and ids 1-D integers, got {table.shape} and "
-                         f"{ids.dtype} {ids.shape}")
+        raise ValueError(
+            f"table must be 2-D and ids 1-D integers, got {table.shape} and {ids.dtype} {ids.shape}"
+        )
     if offsets_checked:
         offsets = np.asarray(offsets).astype(np.int64, copy=False)
     else:
@@ -887,15 +605,20 @@ def prepare_bag_combine(table, ids, offsets, weights=None, combiner=None, *,
     ids, can_be_negative = _signed_ids(ids)
     prune_ids = prune_ids and can_be_negative
     prune_weights = prune_weights and weights is not None
-    if _backend == "numba":
+    if (_backend or get_backend()) == "numba":
         run = _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_weights)
         if table.dtype != np.float32:
-            inner, dtype = run, table.dtype
-            run = lambda: _finish(inner(), dtype)  # noqa: E731
+            run = functools.partial(_finish_run, run, table.dtype)
     else:
-        run = lambda: _bag_numpy(table, ids, offsets, weights, mode, prune_ids,  # noqa: E731
-                                 prune_weights)
+        run = functools.partial(
+            _bag_numpy, table, ids, offsets, weights, mode, prune_ids, prune_weights
+        )
     return _report_given_ids(run, given)
+
+
+def _finish_run(run, dtype) -> np.ndarray:
+    """`run()`'s float32 result as `dtype`."""
+    return _finish(run(), dtype)
 
 
 def gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -909,9 +632,10 @@ def prepare_gather(table, ids):
     table = np.asarray(table)
     ids = np.asarray(ids)
     if table.ndim != 2 or ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise ValueError(f"table must be 2-D and ids 1-D integers, got {table.shape} and "
-                         f"{ids.dtype} {ids.shape}")
-    if _backend == "numba":
+        raise ValueError(
+            f"table must be 2-D and ids 1-D integers, got {table.shape} and {ids.dtype} {ids.shape}"
+        )
+    if (_backend or get_backend()) == "numba":
         return _report_given_ids(_prepare_gather_numba(table, ids), ids)
     return _report_given_ids(lambda: _gather_numpy(table, _signed_ids(ids)[0]), ids)
 
@@ -927,10 +651,11 @@ def _report_given_ids(run, given: np.ndarray):
             return run()
         except IdOutOfRange as e:
             raise IdOutOfRange(e.entry, given[e.entry], e.vocabulary_size) from None
+
     return checked
 
 
-def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[Optional[np.ndarray], int]:
+def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[np.ndarray | None, int]:
     """Bag offsets over the flattened leading dims of COO `indices [n, rank]`.
 
     Returns (offsets [prod(dense_shape[:-1]) + 1], -1) when every index lies
@@ -940,11 +665,11 @@ def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[Optional[np
     indices = np.asarray(indices)
     shape = np.asarray(dense_shape, np.int64)
     num_rows = int(np.prod(shape[:-1]))
-    if _backend == "numba":
+    if (_backend or get_backend()) == "numba":
         offsets = np.empty(num_rows + 1, np.int64)
         if shape.shape[0] == 2 and indices.ndim == 2 and indices.shape[1] == 2:
-            bad = _sparse_offsets_2d(indices, shape[0], shape[1], offsets)
+            bad = _NUMBA.sparse_offsets_2d(indices, shape[0], shape[1], offsets)
         else:
-            bad = _sparse_offsets_kernel(indices, shape, offsets)
+            bad = _NUMBA.sparse_offsets_kernel(indices, shape, offsets)
         return (offsets, -1) if bad < 0 else (None, int(bad))
     return _sparse_offsets_numpy(indices, tuple(int(d) for d in shape), num_rows)

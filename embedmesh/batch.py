@@ -1,0 +1,249 @@
+"""The preprocessed batch, what the host hands the device: `PartitionedCsrFormatTensor`
+(one stack's partitioned CSR arrays for this process's devices), where each
+feature sits in it (`FeatureSlot`), the static sizes it is padded to
+(`Capacity`, `capacity_bucket`) and what preprocessing saw (`StackStats`,
+`PreprocessStats`). Produced by `embedmesh.host.preprocess`, consumed by
+`embedmesh.device`; a declared form (numpy and jax only), so the device side
+needs nothing of the host's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from embedmesh._runtime import PAD_ID
+
+__all__ = [
+    "Capacity",
+    "FeatureSlot",
+    "PAD_ID",
+    "PartitionedCsrFormatTensor",
+    "PreprocessStats",
+    "StackStats",
+    "capacity_bucket",
+]
+
+
+# ---------------------------------------------------------------------------
+# Capacities
+
+
+def _check_count(cls: str, field: str, value) -> int:
+    if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"{cls}.{field} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Static sizes of one stack's partitions (one per source device and shard)."""
+
+    max_ids_per_partition: int  # P: (row, id) pairs, after duplicates merge
+    max_unique_ids_per_partition: int  # U: distinct ids
+
+    def __post_init__(self):
+        object.__setattr__(
+            self,
+            "max_ids_per_partition",
+            _check_count("Capacity", "max_ids_per_partition", self.max_ids_per_partition),
+        )
+        object.__setattr__(
+            self,
+            "max_unique_ids_per_partition",
+            _check_count(
+                "Capacity", "max_unique_ids_per_partition", self.max_unique_ids_per_partition
+            ),
+        )
+
+
+def capacity_bucket(n: int, minimum: int = 8) -> int:
+    """Smallest bucket >= n among 8, 12, 16, 24, 32, 48, 64, ... (2^k and 1.5 * 2^k).
+
+    Buckets keep recompilations logarithmic when capacities grow, at most
+    1.5x the need.
+    """
+    n = max(int(n), int(minimum), 1)
+    p = 1 << (n - 1).bit_length()  # next power of two >= n
+    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= n else p
+
+
+# ---------------------------------------------------------------------------
+# Output containers
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSlot:
+    """Where one feature's activations sit in a stack's per-device buffer.
+
+    Rows `[row_offset, row_offset + num_rows)` of the buffer, `samples` local
+    samples of `sample_shape` rows each (`FeatureLayout`: `()` for a
+    combined feature, `(L,)` for a sequence, `(n,)` for dense `[B, n]` ids),
+    row `s * rows_per_sample + p` for local sample `s` and sub-row `p`; the
+    first `dim` columns. `output_shape` is the global activation's shape
+    without `dim` where `FeatureConfig.output_shape` reshapes it.
+    """
+
+    name: str
+    row_offset: int
+    samples: int
+    sample_shape: tuple
+    dim: int
+    output_shape: tuple | None = None
+
+    @property
+    def rows_per_sample(self) -> int:
+        return math.prod(self.sample_shape)
+
+    @property
+    def num_rows(self) -> int:
+        return self.samples * self.rows_per_sample
+
+    def local_shape(self) -> tuple:
+        """One device's activation block: `[samples, *sample_shape, dim]`."""
+        return (self.samples,) + tuple(self.sample_shape) + (self.dim,)
+
+    def activation_shape(self, num_devices: int) -> tuple:
+        """The global activation's shape over `num_devices` devices."""
+        if self.output_shape is not None:
+            return tuple(self.output_shape) + (self.dim,)
+        return (self.samples * num_devices,) + tuple(self.sample_shape) + (self.dim,)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartitionedCsrFormatTensor:
+    """Preprocessed input of ONE stack for the `D` local devices of a process.
+
+    `N` is the number of shards, `U`/`P` the stack's capacities
+    (`max_unique_ids_per_partition` / `max_ids_per_partition`), `R` the rows
+    of the per-device activation buffer. Partition `(d, j)` holds what source
+    device `d` needs from shard `j`. Arrays are numpy on the host (the leaves
+    of the pytree); the rest is static aux data.
+
+    Fields:
+      unique_ids   [D, N, U] int32: local rows of shard j that device d needs,
+                   ascending, distinct; padding `PAD_ID` (int32 max: out of
+                   range on every shard, so `take(mode="fill")` reads zeros
+                   and `.at[].add(mode="drop")` ignores it).
+      unique_counts [D, N] int32: valid entries of `unique_ids[d, j]`.
+      pair_rows    [D, N, P] int32: output row (in device d's buffer, < R)
+                   of each (row, id) pair; padding `R` (dropped by
+                   `segment_sum(num_segments=R)`).
+      pair_unique  [D, N, P] int32: index of the pair's id in
+                   `unique_ids[d, j]`; padding 0.
+      pair_gains   [D, N, P] float32: the pair's gain (combiner scale times
+                   weight, duplicates summed); padding 0.
+      pair_counts  [D, N] int32: valid entries of the pair arrays.
+      stack: the stack's name.  rows_per_device: R.
+      features: `FeatureSlot`s of the stack's features, in buffer order.
+
+    On device d: `buffer = segment_sum(gains[..., None] *
+    rows_j[pair_unique], pair_rows, R)` over all (j, p), with `rows_j` the
+    rows gathered for `unique_ids[d, j]` from shard j; gradients run the
+    other way.
+    """
+
+    unique_ids: Any
+    unique_counts: Any
+    pair_rows: Any
+    pair_unique: Any
+    pair_gains: Any
+    pair_counts: Any
+    stack: str
+    rows_per_device: int
+    features: tuple
+
+    _ARRAYS = (
+        "unique_ids",
+        "unique_counts",
+        "pair_rows",
+        "pair_unique",
+        "pair_gains",
+        "pair_counts",
+    )
+
+    def tree_flatten(self):
+        return (
+            tuple(getattr(self, a) for a in self._ARRAYS),
+            (self.stack, self.rows_per_device, self.features),
+        )
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def num_devices(self) -> int:
+        return int(np.shape(self.unique_ids)[0])
+
+    @property
+    def num_shards(self) -> int:
+        return int(np.shape(self.unique_ids)[1])
+
+    @property
+    def capacity(self) -> Capacity:
+        return Capacity(int(np.shape(self.pair_rows)[2]), int(np.shape(self.unique_ids)[2]))
+
+    def feature_slot(self, name: str) -> FeatureSlot:
+        for f in self.features:
+            if f.name == name:
+                return f
+        raise KeyError(f"feature {name!r} is not in stack {self.stack}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackStats:
+    """What one stack's preprocessing saw (counts before any dropping)."""
+
+    ids_per_partition: np.ndarray  # [D, N] int64: (row, id) pairs after merging
+    unique_ids_per_partition: np.ndarray  # [D, N] int64
+    num_ids: int  # input entries (row, id) of this stack, before merging
+    dropped_ids: int  # input entries lost to overflow="drop"
+    capacity: Capacity  # capacity of the returned arrays
+    grown: bool  # overflow="grow" raised the capacity for this batch
+
+    @property
+    def max_ids_per_partition(self) -> int:
+        return int(self.ids_per_partition.max(initial=0))
+
+    @property
+    def max_unique_ids_per_partition(self) -> int:
+        return int(self.unique_ids_per_partition.max(initial=0))
+
+    @property
+    def required_capacity(self) -> Capacity:
+        """The smallest bucketed capacity that holds this batch."""
+        return Capacity(
+            capacity_bucket(self.max_ids_per_partition),
+            capacity_bucket(self.max_unique_ids_per_partition),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PreprocessStats:
+    """Per-stack `StackStats` of one `preprocess_features` call."""
+
+    stacks: Mapping[str, StackStats]
+
+    def __getitem__(self, stack: str) -> StackStats:
+        return self.stacks[stack]
+
+    @property
+    def dropped_ids(self) -> dict:
+        return {k: v.dropped_ids for k, v in self.stacks.items()}
+
+    @property
+    def capacities(self) -> dict:
+        """Capacities of the returned arrays (after any growth)."""
+        return {k: v.capacity for k, v in self.stacks.items()}
+
+    @property
+    def grown(self) -> dict:
+        """Stacks whose capacity overflow="grow" raised: `{stack: new Capacity}`."""
+        return {k: v.capacity for k, v in self.stacks.items() if v.grown}

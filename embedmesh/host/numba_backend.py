@@ -1,0 +1,303 @@
+"""The numba backend of host preprocessing: compiled kernels over one table.
+
+Importing this module imports numba (`embedmesh.host.preprocess` does that at
+first use, never at `import embedmesh`). Module-level `@njit` functions, cached
+on disk (`cache=True`), taking arrays and a few ints:
+
+- `table_kernel`: one table's features for one local device, appended to the
+  stack's partitions (radix sort per (table, device) block, one pass to
+  merge duplicates and fill);
+- `fill_padding`: the padding after the last kept entry of every partition.
+
+A table's scalar parameters travel in one int64 array (`table_params`, indexed
+by the `P_*` constants); the row-layout rule's part of them comes from
+`RowLayout.kernel_params` (the mod layout: `(num_shards, rotation)`), so the
+rule is not re-derived here: the kernel applies the mod layout it is given
+(`KERNEL_LAYOUTS`), and a plan with another layout takes the numpy backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+__all__ = ["COUNTERS", "KERNEL_LAYOUTS", "fill_padding", "table_kernel", "table_params"]
+
+# The row layouts whose kernel_params the kernel understands.
+KERNEL_LAYOUTS = ("mod",)
+
+# Entries of a table's parameter array (int64).
+P_NUM_SHARDS = 0  # N (RowLayout.kernel_params)
+P_ROTATION = 1  # the table's rotation (RowLayout.kernel_params)
+P_SHARD_SHIFT = 2  # log2(N) when N is a power of two, else -1 (shifts instead of division)
+P_ROWS_PER_SHARD = 3  # rows of the table's block on each shard
+P_LOCAL_ROW_OFFSET = 4  # where the block starts in the stack's shard
+P_VOCAB = 5  # ids must lie in [0, vocabulary size)
+P_KEY_BITS = 6  # bits of the largest sort key (shard * rows_per_shard + block row)
+P_LOW_BITS = 7  # bits below the key in a sort value: output row or entry index
+P_ROW_BASE = 8  # first buffer row of the table's features
+P_ROW_SPAN = 9  # buffer rows from ROW_BASE to the end of the last feature
+P_CAP_UNIQUE = 10  # U: unique ids a partition holds
+P_CAP_PAIRS = 11  # P: pairs a partition holds
+_NUM_PARAMS = 12
+
+# Rows of the counters array [4, D, N] int64 the kernels share across a stack's tables.
+COUNTERS = 4
+C_UNIQUE_TOTAL = 0  # unique ids seen (before dropping)
+C_PAIR_TOTAL = 1  # pairs seen
+C_UNIQUE_KEPT = 2  # unique ids written
+C_PAIR_KEPT = 3  # pairs written
+
+
+def table_params(
+    num_shards: int,
+    rotation: int,
+    rows_per_shard: int,
+    local_row_offset: int,
+    vocabulary_size: int,
+    key_bits: int,
+    low_bits: int,
+    row_base: int,
+    row_span: int,
+    cap_unique: int,
+    cap_pairs: int,
+) -> np.ndarray:
+    """A table's parameter array (see the `P_*` constants)."""
+    n = int(num_shards)
+    shift = n.bit_length() - 1 if n & (n - 1) == 0 else -1
+    p = np.empty(_NUM_PARAMS, np.int64)
+    p[P_NUM_SHARDS], p[P_ROTATION], p[P_SHARD_SHIFT] = n, rotation, shift
+    p[P_ROWS_PER_SHARD], p[P_LOCAL_ROW_OFFSET], p[P_VOCAB] = (
+        rows_per_shard,
+        local_row_offset,
+        vocabulary_size,
+    )
+    p[P_KEY_BITS], p[P_LOW_BITS], p[P_ROW_BASE], p[P_ROW_SPAN] = (
+        key_bits,
+        low_bits,
+        row_base,
+        row_span,
+    )
+    p[P_CAP_UNIQUE], p[P_CAP_PAIRS] = cap_unique, cap_pairs
+    return p
+
+
+@njit(cache=True, nogil=True)
+def table_kernel(
+    ids, weights, splits, fmeta, params, d, unique_ids, pair_rows, pair_unique, pair_gains, counts
+):  # pragma: no cover (compiled)
+    """One table's features for local device `d`, appended to its partitions.
+
+    `ids`, `weights` (empty: all ones), `splits`: the table's features
+    concatenated; `fmeta[f] = (first split index, rows per device, buffer row
+    offset, combiner code)`; `params`: `table_params`. Outputs `[D, N, U|P]`,
+    counters `[COUNTERS, D, N]` carried over from the stack's previous tables.
+
+    The (table, device) block is sorted by key `shard * rows_per_shard +
+    block row` (a stable LSD radix sort, so entries with one key stay in entry
+    order, i.e. in output-row order), then one pass per shard merges
+    duplicates and appends to the partition. Sort values pack the key above
+    `low_bits` bits holding the output row (unweighted) or the entry's index
+    in the block (weighted).
+
+    Returns `(bad, dropped)`: the first entry whose id is outside the table
+    (-1: none; nothing is written then), and the input entries dropped for
+    capacity.
+    """
+    n_shards = params[P_NUM_SHARDS]
+    rotation = params[P_ROTATION]
+    shard_shift = params[P_SHARD_SHIFT]
+    rps = params[P_ROWS_PER_SHARD]
+    local_off = params[P_LOCAL_ROW_OFFSET]
+    vocab = params[P_VOCAB]
+    nbits = params[P_KEY_BITS]
+    low_bits = params[P_LOW_BITS]
+    row_base = params[P_ROW_BASE]
+    row_span = params[P_ROW_SPAN]
+    cap_u = params[P_CAP_UNIQUE]
+    cap_p = params[P_CAP_PAIRS]
+    has_w = weights.shape[0] > 0
+    n_feat = fmeta.shape[0]
+    passes = (nbits + 10) // 11  # LSD radix sort: <= 11 bits a pass
+    bits = (nbits + passes - 1) // passes if passes else 1
+    mask = (1 << bits) - 1
+    low_mask = (np.int64(1) << low_bits) - 1
+    m = 0
+    for f in range(n_feat):
+        sb = fmeta[f, 0]
+        rpd = fmeta[f, 1]
+        m += splits[sb + (d + 1) * rpd] - splits[sb + d * rpd]
+    vals = np.empty(m, np.int64)
+    hist = np.zeros((max(passes, 1), 1 << bits), np.int64)
+    per_shard = np.zeros(n_shards + 1, np.int64)
+    if has_w:
+        gain = np.empty(m, np.float64)
+        orow = np.empty(m, np.int32)
+        row_scale = np.empty(0, np.float64)
+    else:
+        gain = np.empty(0, np.float64)
+        orow = np.empty(0, np.int32)
+        row_scale = np.empty(row_span, np.float64)
+    i = 0
+    for f in range(n_feat):
+        sb = fmeta[f, 0]
+        rpd = fmeta[f, 1]
+        ooff = fmeta[f, 2]
+        comb = fmeta[f, 3]
+        for r in range(rpd):
+            s = splits[sb + d * rpd + r]
+            e = splits[sb + d * rpd + r + 1]
+            scale = 1.0
+            if comb != 0:
+                acc = 0.0
+                if has_w:
+                    for k in range(s, e):
+                        w = np.float64(weights[k])
+                        acc += w if comb == 1 else w * w
+                else:
+                    acc = np.float64(e - s)
+                if comb == 2:
+                    acc = math.sqrt(acc)
+                scale = 1.0 / acc if acc != 0.0 else 0.0
+            o = ooff + r
+            if not has_w:
+                row_scale[o - row_base] = scale
+            for k in range(s, e):
+                v = np.int64(ids[k])
+                if v < 0 or v >= vocab:
+                    return k, 0
+                if shard_shift >= 0:
+                    q = v >> shard_shift
+                    rem = v & (n_shards - 1)
+                else:
+                    q = v // n_shards
+                    rem = v - q * n_shards
+                j = rem + rotation
+                if j >= n_shards:
+                    j -= n_shards
+                key = j * rps + q
+                for p in range(passes):
+                    hist[p, (key >> (p * bits)) & mask] += 1
+                per_shard[j + 1] += 1
+                if has_w:
+                    gain[i] = np.float64(weights[k]) * scale
+                    orow[i] = o
+                    vals[i] = (key << low_bits) | i
+                else:
+                    vals[i] = (key << low_bits) | o
+                i += 1
+    # Stable LSD radix sort of vals by `vals >> low_bits` (histograms counted above).
+    srt = vals
+    dst = np.empty(m, np.int64)
+    for p in range(passes):
+        c = hist[p]
+        trivial = False
+        for b in range(1 << bits):
+            if c[b] == m:
+                trivial = True
+                break
+        if trivial:
+            continue
+        acc_c = 0
+        for b in range(1 << bits):
+            cnt = c[b]
+            c[b] = acc_c
+            acc_c += cnt
+        shift = low_bits + p * bits
+        for i in range(m):
+            x = srt[i]
+            b = (x >> shift) & mask
+            pos = c[b]
+            c[b] = pos + 1
+            dst[pos] = x
+        srt, dst = dst, srt
+    for j in range(n_shards):
+        per_shard[j + 1] += per_shard[j]
+    n_drop = 0
+    for j in range(n_shards):
+        t0 = per_shard[j]
+        t1 = per_shard[j + 1]
+        if t0 == t1:
+            continue
+        uo = unique_ids[d, j]
+        pr = pair_rows[d, j]
+        pu = pair_unique[d, j]
+        pg = pair_gains[d, j]
+        uc = counts[C_UNIQUE_TOTAL, d, j]
+        pc = counts[C_PAIR_TOTAL, d, j]
+        uk = counts[C_UNIQUE_KEPT, d, j]
+        pk = counts[C_PAIR_KEPT, d, j]
+        base = local_off - j * rps
+        prev_key = -1
+        prev_o = -1
+        cur_u = 0
+        cur_q = 0
+        keep_u = False
+        keep_p = False
+        acc_g = 0.0
+        for t in range(t0, t1):
+            x = srt[t]
+            key = x >> low_bits
+            lo = x & low_mask
+            if has_w:
+                o = np.int64(orow[lo])
+                g = gain[lo]
+            else:
+                o = lo
+                g = row_scale[o - row_base]
+            if key != prev_key:
+                if keep_p:
+                    pg[cur_q] = acc_g
+                prev_key = key
+                cur_u = uc
+                uc += 1
+                keep_u = cur_u < cap_u and pc < cap_p
+                if keep_u:
+                    uo[cur_u] = base + key
+                    uk = cur_u + 1
+                new_pair = True
+            else:
+                new_pair = o != prev_o
+                if new_pair and keep_p:
+                    pg[cur_q] = acc_g
+            if new_pair:
+                prev_o = o
+                cur_q = pc
+                pc += 1
+                keep_p = keep_u and cur_q < cap_p
+                if keep_p:
+                    pr[cur_q] = o
+                    pu[cur_q] = cur_u
+                    pk = cur_q + 1
+                    acc_g = g
+                else:
+                    n_drop += 1
+            elif keep_p:
+                acc_g += g
+            else:
+                n_drop += 1
+        if keep_p:
+            pg[cur_q] = acc_g
+        counts[C_UNIQUE_TOTAL, d, j] = uc
+        counts[C_PAIR_TOTAL, d, j] = pc
+        counts[C_UNIQUE_KEPT, d, j] = uk
+        counts[C_PAIR_KEPT, d, j] = pk
+    return -1, n_drop
+
+
+@njit(cache=True, nogil=True)
+def fill_padding(
+    unique_ids, pair_rows, pair_unique, pair_gains, counts, pad_id, pad_row, d
+):  # pragma: no cover (compiled)
+    """Padding after the kept entries of device `d`'s partitions: `pad_id`
+    unique ids, pairs of row `pad_row`, index 0 and gain 0."""
+    n_shards = unique_ids.shape[1]
+    for j in range(n_shards):
+        uk = counts[C_UNIQUE_KEPT, d, j]
+        pk = counts[C_PAIR_KEPT, d, j]
+        unique_ids[d, j, uk:] = pad_id
+        pair_rows[d, j, pk:] = pad_row
+        pair_unique[d, j, pk:] = 0
+        pair_gains[d, j, pk:] = 0.0
