@@ -105,6 +105,7 @@ import dataclasses
 import functools
 import json
 import re
+import sys
 from typing import Any, Optional
 
 import jax
@@ -134,8 +135,8 @@ _ALIGN = 4096  # host buffers: page aligned, so CPU device_put aliases them
 
 
 def _version() -> str:
-    import embedmesh
-    return getattr(embedmesh, "__version__", "unknown")
+    # the package's __init__ (the one version source) is loaded: it is this module's parent
+    return getattr(sys.modules.get("embedmesh"), "__version__", "unknown")
 
 
 # ---------------------------------------------------------------------------

@@ -17,8 +17,10 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "embedmesh"
 ALWAYS = {"embedmesh._runtime", "embedmesh._compat", "embedmesh.config", "embedmesh.optimizers",
           "embedmesh.initializers", "embedmesh.inputs", "embedmesh.batch"}
 LAYERS = {
+    # inputs checks sparse indices with the host kernels' one-pass check (imported at
+    # first use): the one edge from the declared layer to a later one
     "declare": (["config", "optimizers", "initializers", "inputs", "batch", "_runtime",
-                 "_compat"], set()),
+                 "_compat"], {"embedmesh.serving.kernels"}),
     "layout": (["layout"], set()),
     "host": (["host"], {"embedmesh.layout"}),
     "device": (["device"], {"embedmesh.layout"}),
@@ -49,11 +51,8 @@ def _imports(path: pathlib.Path):
                 base = pkg.split(".")[:-node.level] if path.name != "__init__.py" else \
                     pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
                 mod = ".".join(base + ([mod] if mod else []))
-            if mod == "embedmesh":
-                for a in node.names:
-                    yield f"embedmesh.{a.name}"
-            else:
-                yield mod
+            for a in node.names:  # a submodule or a name of `mod`: judged as mod.name
+                yield f"{mod}.{a.name}"
 
 
 def _allowed(name: str, own: list, extra: set) -> bool:

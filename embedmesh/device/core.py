@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from embedmesh.device import ops, shard_program
 from embedmesh.layout import sharding as mod_sharding
-from embedmesh.host.preprocess import PartitionedCsrFormatTensor
+from embedmesh.batch import PartitionedCsrFormatTensor
 from embedmesh.layout.stacking import StackingPlan
 
 

@@ -53,6 +53,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from embedmesh import _compat
+
 __all__ = ["Dense", "Ragged", "ServingFunction", "Sparse", "export_serving", "load_serving"]
 
 FORMAT = "embedmesh.serving"
@@ -505,8 +507,7 @@ def _before_fork() -> None:
     global _RUNTIME_AT_FORK
     _RUNTIME_AT_FORK = False
     try:
-        from jax._src import xla_bridge
-        _RUNTIME_AT_FORK = bool(xla_bridge.backends_are_initialized())
+        _RUNTIME_AT_FORK = bool(_compat.backends_are_initialized())
     except Exception:  # noqa: BLE001 - never break a fork
         pass
     for fn in list(_LIVE):
@@ -532,24 +533,7 @@ def _reinit_jax_after_fork() -> None:
     pid = os.getpid()
     if _REINIT_PID == pid:
         return
-    import jax
-    from jax._src import pjit as _pjit
-    from jax._src import util as _util
-    from jax._src import xla_bridge as _xb
-    from jax._src.interpreters import mlir as _mlir
-    from jax._src.lib import _jax
-    from jax._src.lib.mlir import ir as _ir
-
-    with _xb._backend_lock:
-        _FORK_LEFTOVERS.append((dict(_xb._backends), _mlir.global_thread_pool))
-    _mlir.global_thread_pool = _ir.ThreadPool()
-    # jax.clear_backends without its effects barrier (that waits on the parent's runtime)
-    _xb._clear_backends()
-    _util.clear_all_caches()
-    _pjit._cpp_pjit_cache_fun_only.clear()
-    _pjit._cpp_pjit_cache_explicit_attributes.clear()
-    _jax.PjitFunctionCache.clear_all()
-    jax.devices()  # the new clients, created here in the child
+    _compat.reinit_backends_after_fork(_FORK_LEFTOVERS)
     _REINIT_PID = pid
 
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embedmesh import _runtime
+from embedmesh import _compat, _runtime
 from embedmesh.config import FeatureConfig, resolve_feature_config
 from embedmesh.inputs import (
     feature_layout,
@@ -118,19 +118,8 @@ def _host_to_jax(outs: list) -> list:
     return jax.device_put(outs, may_alias=True)
 
 
-def _private_device_put():
-    """jaxlib's batched_device_put and jax's ShapedArray, or (None, None)."""
-    try:
-        from jax._src import core as jax_core
-        from jax._src.lib import xla_client
-
-        return xla_client.batched_device_put, jax_core.ShapedArray
-    except Exception:  # pragma: no cover - private modules moved
-        return None, None
-
-
-_BATCHED_DEVICE_PUT, _ShapedArray = _private_device_put()
-_cpu_target: tuple | None = None  # (device, SingleDeviceSharding) of device_put's default
+_BATCHED_DEVICE_PUT = _compat.batched_device_put()
+_ShapedArray = _compat.shaped_array()
 _dtype_kept: dict = {}  # numpy dtype -> whether JAX keeps it as it is
 
 
@@ -161,30 +150,11 @@ def _dtype_kept_by_jax(dtype) -> bool:
 
 
 def _plain_cpu_target() -> tuple | None:
-    """(device, sharding) where `jax.device_put(x)` puts a numpy array when that is
-    this process's first local CPU device and no default device is set; else None."""
-    global _cpu_target
-    if _BATCHED_DEVICE_PUT is None or _default_device_set():
+    """(device, sharding) where `jax.device_put(x)` puts a numpy array, when that is
+    a plain CPU device (see `_compat.plain_cpu_put_target`); else None."""
+    if _BATCHED_DEVICE_PUT is None:
         return None
-    if _cpu_target is None:
-        device = jax.local_devices()[0]
-        if device.platform != "cpu":
-            return None
-        _cpu_target = (device, jax.sharding.SingleDeviceSharding(device))
-    return _cpu_target
-
-
-def _default_device_set() -> bool:
-    try:
-        return _JAX_CONFIG.default_device.value is not None
-    except Exception:  # pragma: no cover - private module moved
-        return True
-
-
-try:
-    from jax._src import config as _JAX_CONFIG
-except Exception:  # pragma: no cover - private module moved
-    _JAX_CONFIG = None
+    return _compat.plain_cpu_put_target()
 
 
 def _release_dead_jax_references() -> None:
@@ -199,8 +169,7 @@ def _release_dead_jax_references() -> None:
     _JAX_COLLECT_GARBAGE()
 
 
-_JAX_COLLECT_GARBAGE = getattr(getattr(getattr(jax, "_src", None), "lib", None), "_jax", None)
-_JAX_COLLECT_GARBAGE = getattr(_JAX_COLLECT_GARBAGE, "collect_garbage", None)
+_JAX_COLLECT_GARBAGE = _compat.collect_garbage()
 if _JAX_COLLECT_GARBAGE is not None:
     kernels.set_release_hook(_release_dead_jax_references)
 
