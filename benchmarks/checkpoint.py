@@ -46,17 +46,24 @@ def parse_args():
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
     p.add_argument("--dd-gb", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=3, help="restores of each kind (median)")
-    p.add_argument("--stack", action="store_true",
-                   help="stack the tables (one array; saving then slices each table out on "
-                        "device, a transient copy); default: one array per table")
-    p.add_argument("--compression", action="store_true",
-                   help="save with zstd (ocp.args.StandardSave) instead of uncompressed")
+    p.add_argument(
+        "--stack",
+        action="store_true",
+        help="stack the tables (one array; saving then slices each table out on "
+        "device, a transient copy); default: one array per table",
+    )
+    p.add_argument(
+        "--compression",
+        action="store_true",
+        help="save with zstd (ocp.args.StandardSave) instead of uncompressed",
+    )
     return p.parse_args()
 
 
 ARGS = parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count="
-                                   f"{max(ARGS.devices, ARGS.restore_devices)}")
+os.environ.setdefault(
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count={max(ARGS.devices, ARGS.restore_devices)}"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -84,8 +91,10 @@ class RandomRows:
 
 
 def features():
-    tables = [em.TableConfig(ARGS.rows, ARGS.dim, name=f"t{i}", initializer=RandomRows(i))
-              for i in range(ARGS.tables)]
+    tables = [
+        em.TableConfig(ARGS.rows, ARGS.dim, name=f"t{i}", initializer=RandomRows(i))
+        for i in range(ARGS.tables)
+    ]
     return {f"f{i}": em.FeatureConfig(t) for i, t in enumerate(tables)}
 
 
@@ -102,7 +111,7 @@ def build(feats, n):
 def randomize_slots(emb):
     """Accumulators of random positive values (a trained state, not a constant)."""
     core = emb.core
-    for s, d in emb.state.slots.items():
+    for _s, d in emb.state.slots.items():
         for name in list(d):
             shape = d[name].shape
             rows = shape[0] // core.num_shards
@@ -126,8 +135,11 @@ def dir_bytes(path):
 
 def evict(path):
     """fsync then drop the page cache of every file under `path` (no root needed)."""
-    paths = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path)
-                                                 for f in fs]
+    paths = (
+        [path]
+        if os.path.isfile(path)
+        else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    )
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -147,8 +159,9 @@ def dd_bandwidth(directory, gb):
         m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
         return int(m.group(1)) / float(m.group(2))
 
-    w = run(["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={count}", "oflag=direct",
-             "conv=fsync"])
+    w = run(
+        ["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={count}", "oflag=direct", "conv=fsync"]
+    )
     evict(f)
     r = run(["dd", f"if={f}", "of=/dev/null", "bs=64M", "iflag=direct"])
     os.remove(f)
@@ -162,8 +175,10 @@ def rss_gb():
         for line in f:
             k, _, v = line.partition(":")
             fields[k] = v
-    return (int(fields["VmRSS"].split()[0]) * 1024 / 1e9,
-            int(fields["VmHWM"].split()[0]) * 1024 / 1e9)
+    return (
+        int(fields["VmRSS"].split()[0]) * 1024 / 1e9,
+        int(fields["VmHWM"].split()[0]) * 1024 / 1e9,
+    )
 
 
 def mem(label):
@@ -188,12 +203,16 @@ def main():
     os.makedirs(work, exist_ok=True)
     raw = ARGS.tables * ARGS.rows * ARGS.dim * 4 * 2  # parameters + accumulators
     gb = 1e9
-    print(f"# {ARGS.tables} tables x {ARGS.rows} rows x dim {ARGS.dim}, Adagrad, "
-          f"{ARGS.devices} devices (restore also into {ARGS.restore_devices}), "
-          f"{'stacked' if ARGS.stack else 'one array per table'}, "
-          f"{'zstd' if ARGS.compression else 'uncompressed'}; dir {work}")
-    print(f"cpus: {os.cpu_count()}, jax {jax.__version__}, orbax "
-          f"{getattr(ocp, '__version__', '?')}, raw arrays {raw / gb:.3f} GB")
+    print(
+        f"# {ARGS.tables} tables x {ARGS.rows} rows x dim {ARGS.dim}, Adagrad, "
+        f"{ARGS.devices} devices (restore also into {ARGS.restore_devices}), "
+        f"{'stacked' if ARGS.stack else 'one array per table'}, "
+        f"{'zstd' if ARGS.compression else 'uncompressed'}; dir {work}"
+    )
+    print(
+        f"cpus: {os.cpu_count()}, jax {jax.__version__}, orbax "
+        f"{getattr(ocp, '__version__', '?')}, raw arrays {raw / gb:.3f} GB"
+    )
 
     dd_w, dd_r = dd_bandwidth(work, ARGS.dd_gb)
     print(f"dd: write {dd_w / gb:.3f} GB/s (direct, fsync), read {dd_r / gb:.3f} GB/s (direct)")
@@ -208,33 +227,42 @@ def main():
     root = os.path.join(work, "ckpt")
     shutil.rmtree(root, ignore_errors=True)
     if ARGS.compression:
+
         def save_sync(root=root):
-            mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-                enable_async_checkpointing=False))
-            mngr.save(1, args=ocp.args.Composite(embedding=ckpt.save_args(emb,
-                                                                          compression=True)))
+            mngr = ocp.CheckpointManager(
+                root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+            )
+            mngr.save(1, args=ocp.args.Composite(embedding=ckpt.save_args(emb, compression=True)))  # noqa: F821 - bound before the del below
             mngr.close()
     else:
+
         def save_sync(root=root):
-            ckpt.save(root, emb, step=1)
+            ckpt.save(root, emb, step=1)  # noqa: F821 - bound before the del below
+
     t_save, _ = timed(save_sync)
     t_sync, _ = timed(lambda: evict(root))
     size = dir_bytes(os.path.join(root, "1"))
-    print(f"save (sync manager): {t_save:.2f} s, then fsync {t_sync:.2f} s -> "
-          f"{raw / (t_save + t_sync) / gb:.3f} GB/s of raw arrays")
+    print(
+        f"save (sync manager): {t_save:.2f} s, then fsync {t_sync:.2f} s -> "
+        f"{raw / (t_save + t_sync) / gb:.3f} GB/s of raw arrays"
+    )
     print(f"size on disk: {size / gb:.3f} GB = {size / raw:.3f} x raw")
     mem("sync save")
     root2 = os.path.join(work, "ckpt_again")
     shutil.rmtree(root2, ignore_errors=True)
     t_save2, _ = timed(lambda: (save_sync(root2), evict(root2)))
     shutil.rmtree(root2, ignore_errors=True)
-    print(f"save again (warm process) + fsync: {t_save2:.2f} s -> "
-          f"{raw / t_save2 / gb:.3f} GB/s")
+    print(f"save again (warm process) + fsync: {t_save2:.2f} s -> {raw / t_save2 / gb:.3f} GB/s")
 
-    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=True))
-    t_block, _ = timed(lambda: mngr.save(2, args=ocp.args.Composite(
-        embedding=ckpt.save_args(emb, compression=ARGS.compression))))
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    )
+    t_block, _ = timed(
+        lambda: mngr.save(
+            2,
+            args=ocp.args.Composite(embedding=ckpt.save_args(emb, compression=ARGS.compression)),  # noqa: F821 - bound before the del below
+        )
+    )
     t_rest, _ = timed(mngr.wait_until_finished)
     mngr.close()
     print(f"async save: training blocked {t_block:.2f} s, written after {t_block + t_rest:.2f} s")
@@ -254,7 +282,7 @@ def main():
         times = []
         for _ in range(ARGS.repeats):
             evict(root)
-            t, _ = timed(lambda: ckpt.restore(dst, root, step=1, prefetch=prefetch))
+            t, _ = timed(lambda: ckpt.restore(dst, root, step=1, prefetch=prefetch))  # noqa: F821 - bound before the del below
             jax.block_until_ready(dst.state)
             times.append(t)
         first = dst.plan.resolved.tables[0]
@@ -265,9 +293,11 @@ def main():
         mem(f"restore into {n}, prefetch={prefetch}")
         return times[0], sorted(times)[len(times) // 2]
 
-    for n, label, prefetch in ((ARGS.devices, "same layout", False),
-                               (ARGS.restore_devices, "resharded", False),
-                               (ARGS.restore_devices, "resharded, prefetch=True", True)):
+    for n, label, prefetch in (
+        (ARGS.devices, "same layout", False),
+        (ARGS.restore_devices, "resharded", False),
+        (ARGS.restore_devices, "resharded, prefetch=True", True),
+    ):
         first_t, med = restore_into(n, prefetch)
         results.append((f"restore into {n} devices ({label})", first_t, med, size))
     times = []
@@ -278,20 +308,34 @@ def main():
         check_equal(probe, loaded)
         del loaded
     params_bytes = size / 2  # parameters are half of the checkpoint (one accumulator each)
-    results.append(("load_tables (serving: parameters only, host)",
-                    times[0], sorted(times)[len(times) // 2], params_bytes))
+    results.append(
+        (
+            "load_tables (serving: parameters only, host)",
+            times[0],
+            sorted(times)[len(times) // 2],
+            params_bytes,
+        )
+    )
 
-    print(f"\n| operation | first (s) | median of {ARGS.repeats} (s) | bytes (GB) | GB/s "
-          f"(first / median) | vs dd (first / median) |")
+    print(
+        f"\n| operation | first (s) | median of {ARGS.repeats} (s) | bytes (GB) | GB/s "
+        f"(first / median) | vs dd (first / median) |"
+    )
     print("|---|---|---|---|---|---|")
     for label, t0, t, nbytes in results:
-        print(f"| {label} | {t0:.2f} | {t:.2f} | {nbytes / gb:.3f} read | "
-              f"{nbytes / t0 / gb:.3f} / {nbytes / t / gb:.3f} | "
-              f"{nbytes / t0 / dd_r:.0%} / {nbytes / t / dd_r:.0%} of dd read |")
-    for label, t in (("save (sync) + fsync, first in the process", t_save + t_sync),
-                     ("save (sync) + fsync, again", t_save2)):
-        print(f"| {label} | {t:.2f} | | {size / gb:.3f} written | {size / t / gb:.3f} | "
-              f"{size / t / dd_w:.0%} of dd write |")
+        print(
+            f"| {label} | {t0:.2f} | {t:.2f} | {nbytes / gb:.3f} read | "
+            f"{nbytes / t0 / gb:.3f} / {nbytes / t / gb:.3f} | "
+            f"{nbytes / t0 / dd_r:.0%} / {nbytes / t / dd_r:.0%} of dd read |"
+        )
+    for label, t in (
+        ("save (sync) + fsync, first in the process", t_save + t_sync),
+        ("save (sync) + fsync, again", t_save2),
+    ):
+        print(
+            f"| {label} | {t:.2f} | | {size / gb:.3f} written | {size / t / gb:.3f} | "
+            f"{size / t / dd_w:.0%} of dd write |"
+        )
     if not ARGS.dir:
         shutil.rmtree(work, ignore_errors=True)
 

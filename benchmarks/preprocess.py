@@ -35,13 +35,16 @@ if __name__ == "__main__" and "--cores" in sys.argv:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:_n])
     os.environ.setdefault("NUMBA_NUM_THREADS", str(_n))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from embedmesh.config import FeatureConfig, TableConfig  # noqa: E402
-from embedmesh.inputs import RaggedTensor  # noqa: E402
-from embedmesh.host.preprocess import (compute_sparse_core_stats, numba_available,  # noqa: E402
-                                  preprocess_features)
-from embedmesh.layout.stacking import plan_stacking  # noqa: E402
+from embedmesh.config import FeatureConfig, TableConfig
+from embedmesh.host.preprocess import (
+    compute_sparse_core_stats,
+    numba_available,
+    preprocess_features,
+)
+from embedmesh.inputs import RaggedTensor
+from embedmesh.layout.stacking import plan_stacking
 
 NUM_FEATURES = 26
 VOCAB = 1_000_000
@@ -69,14 +72,17 @@ def make_batches(seed=0):
         perm = rng.permutation(VOCAB).astype(np.int32)
         dense.append(zipf_ids(rng, cdf, perm, (batch, VALENCY)))
         lengths = rng.poisson(VALENCY, batch)
-        ragged.append(RaggedTensor.from_row_lengths(zipf_ids(rng, cdf, perm, int(lengths.sum())),
-                                                    lengths))
+        ragged.append(
+            RaggedTensor.from_row_lengths(zipf_ids(rng, cdf, perm, int(lengths.sum())), lengths)
+        )
     return dense, ragged
 
 
 def feature_config():
-    return {f"f{i:02d}": FeatureConfig(TableConfig(VOCAB, DIM, combiner=COMBINER, name=f"t{i:02d}"))
-            for i in range(NUM_FEATURES)}
+    return {
+        f"f{i:02d}": FeatureConfig(TableConfig(VOCAB, DIM, combiner=COMBINER, name=f"t{i:02d}"))
+        for i in range(NUM_FEATURES)
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -115,21 +121,38 @@ def peer_runner(peer, inputs):
             name = f"t{i:02d}"
             ids, uniq = limits.get(name, (1 << 15, 1 << 15))
             table = embedding_spec.TableSpec(
-                vocabulary_size=VOCAB, embedding_dim=DIM, initializer=lambda *a: None,
-                optimizer=embedding_spec.SGDOptimizerSpec(), combiner=COMBINER, name=name,
-                max_ids_per_partition=ids, max_unique_ids_per_partition=uniq)
+                vocabulary_size=VOCAB,
+                embedding_dim=DIM,
+                initializer=lambda *a: None,
+                optimizer=embedding_spec.SGDOptimizerSpec(),
+                combiner=COMBINER,
+                name=name,
+                max_ids_per_partition=ids,
+                max_unique_ids_per_partition=uniq,
+            )
             out[f"f{i:02d}"] = embedding_spec.FeatureSpec(
-                name=f"f{i:02d}", table_spec=table, input_shape=[batch, VALENCY],
-                output_shape=[batch, DIM])
-        embedding.prepare_feature_specs_for_training(out, global_device_count=DEVICES,
-                                                     num_sc_per_device=4)
+                name=f"f{i:02d}",
+                table_spec=table,
+                input_shape=[batch, VALENCY],
+                output_shape=[batch, DIM],
+            )
+        embedding.prepare_feature_specs_for_training(
+            out, global_device_count=DEVICES, num_sc_per_device=4
+        )
         return out
 
     def run(fs):
         with quiet_stderr():  # its C++ logs a warning per table and call
             return embedding.preprocess_sparse_dense_matmul_input(
-                inputs, None, fs, local_device_count=DEVICES, global_device_count=DEVICES,
-                num_sc_per_device=4, has_leading_dimension=False, allow_id_dropping=False)
+                inputs,
+                None,
+                fs,
+                local_device_count=DEVICES,
+                global_device_count=DEVICES,
+                num_sc_per_device=4,
+                has_leading_dimension=False,
+                allow_id_dropping=False,
+            )
 
     _, stats = run(specs({}))  # first pass: measure, then tune the limits
     limits = {}
@@ -159,10 +182,18 @@ def peer_inputs(dense, ragged, variant):
 
 def embedmesh_runner(inputs, stack_tables, backend, threads=1):
     plan = plan_stacking(feature_config(), DEVICES, stack_tables=stack_tables)
-    caps = compute_sparse_core_stats([inputs], plan, num_devices_local=DEVICES,
-                                     backend=backend).capacities()
-    return lambda: preprocess_features(inputs, None, plan, num_devices_local=DEVICES,
-                                       capacities=caps, backend=backend, num_threads=threads)
+    caps = compute_sparse_core_stats(
+        [inputs], plan, num_devices_local=DEVICES, backend=backend
+    ).capacities()
+    return lambda: preprocess_features(
+        inputs,
+        None,
+        plan,
+        num_devices_local=DEVICES,
+        capacities=caps,
+        backend=backend,
+        num_threads=threads,
+    )
 
 
 def main():
@@ -174,8 +205,10 @@ def main():
     args = ap.parse_args()
 
     peer, why = load_peer()
-    print(f"cores: {len(os.sched_getaffinity(0))}, numba: {numba_available()}, "
-          f"jax-tpu-embedding: {'yes' if peer else 'missing (' + why + ')'}")
+    print(
+        f"cores: {len(os.sched_getaffinity(0))}, numba: {numba_available()}, "
+        f"jax-tpu-embedding: {'yes' if peer else 'missing (' + why + ')'}"
+    )
     t = time.perf_counter()
     dense, ragged = make_batches()
     print(f"generated the batches in {time.perf_counter() - t:.1f}s")
@@ -184,16 +217,22 @@ def main():
         # jax-tpu-embedding combines the ids of a dense [B, 10] row; embedmesh follows
         # TensorFlow's serving rules (dense ids are plain lookups, [B, 10, dim]), so it
         # gets the same ids as ten-id ragged rows: the same work
-        ours = dict(zip([f"f{i:02d}" for i in range(NUM_FEATURES)],
-                        [RaggedTensor(x.reshape(-1), np.arange(0, x.size + 1, x.shape[1]))
-                         for x in dense] if variant == "dense" else ragged))
+        ours = dict(
+            zip(
+                [f"f{i:02d}" for i in range(NUM_FEATURES)],
+                [RaggedTensor(x.reshape(-1), np.arange(0, x.size + 1, x.shape[1])) for x in dense]
+                if variant == "dense"
+                else ragged,
+            )
+        )
         n_ids = sum(int(x.row_splits[-1]) for x in ours.values())
         runners = {}
         if numba_available():
             for threads in range(1, len(os.sched_getaffinity(0)) + 1):
                 for stack in (True, False):
-                    runners[f"numba {threads}T, {'stacked' if stack else 'unstacked'}"] = \
+                    runners[f"numba {threads}T, {'stacked' if stack else 'unstacked'}"] = (
                         embedmesh_runner(ours, stack, "numba", threads)
+                    )
         if args.numpy or not numba_available():
             runners["numpy, stacked"] = embedmesh_runner(ours, True, "numpy")
             runners["numpy, unstacked"] = embedmesh_runner(ours, False, "numpy")
@@ -209,20 +248,26 @@ def main():
                 run()
                 wall[k].append(time.perf_counter() - t)
                 cpu[k].append(time.process_time() - c)
-        print(f"\n{variant}: {n_ids / 1e6:.2f} M ids per step; medians of {args.rounds} "
-              f"interleaved rounds; wall time, and CPU time of all threads")
+        print(
+            f"\n{variant}: {n_ids / 1e6:.2f} M ids per step; medians of {args.rounds} "
+            f"interleaved rounds; wall time, and CPU time of all threads"
+        )
         med = {k: statistics.median(v) for k, v in wall.items()}
         mcpu = {k: statistics.median(v) for k, v in cpu.items()}
         for k, v in med.items():
-            print(f"  {k:28s} wall {v * 1e3:7.1f} ms {n_ids / v / 1e6:6.1f} M ids/s"
-                  f" (best {n_ids / min(wall[k]) / 1e6:5.1f})   cpu {mcpu[k] * 1e3:7.1f} ms "
-                  f"{n_ids / mcpu[k] / 1e6:6.1f} M ids/cpu-s")
+            print(
+                f"  {k:28s} wall {v * 1e3:7.1f} ms {n_ids / v / 1e6:6.1f} M ids/s"
+                f" (best {n_ids / min(wall[k]) / 1e6:5.1f})   cpu {mcpu[k] * 1e3:7.1f} ms "
+                f"{n_ids / mcpu[k] / 1e6:6.1f} M ids/cpu-s"
+            )
         if peer:
             ref, ref_cpu = med["jax-tpu-embedding"], mcpu["jax-tpu-embedding"]
             for k in med:
                 if k != "jax-tpu-embedding":
-                    print(f"  {k} vs jax-tpu-embedding: wall {ref / med[k]:.2f}x, "
-                          f"cpu {ref_cpu / mcpu[k]:.2f}x")
+                    print(
+                        f"  {k} vs jax-tpu-embedding: wall {ref / med[k]:.2f}x, "
+                        f"cpu {ref_cpu / mcpu[k]:.2f}x"
+                    )
 
 
 if __name__ == "__main__":

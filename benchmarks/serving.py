@@ -53,21 +53,21 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import embedmesh as em  # noqa: E402
-from embedmesh.serving import kernels  # noqa: E402
-from embedmesh.serving import lookup as em_serving  # noqa: E402
+import embedmesh as em
+from embedmesh.serving import kernels
+from embedmesh.serving import lookup as em_serving
 
 try:
-    import tensorflow as tf  # noqa: E402
+    import tensorflow as tf
 except ImportError:
     tf = None
 try:
-    import torch  # noqa: E402
-    import torch.nn.functional as F  # noqa: E402
+    import torch
+    import torch.nn.functional as F
 except ImportError:
     torch = None
 
@@ -106,8 +106,14 @@ def make_workload(args, rng):
             np.cumsum(lengths, out=splits[1:])
             ids = perms[t][draw(int(splits[-1]))].astype(np.int64)
             dense = perms[t][draw(args.batch * args.ids_per_sample)].astype(np.int64)
-            feats.append({"ids": ids, "splits": splits, "lengths": lengths,
-                          "dense": dense.reshape(args.batch, args.ids_per_sample)})
+            feats.append(
+                {
+                    "ids": ids,
+                    "splits": splits,
+                    "lengths": lengths,
+                    "dense": dense.reshape(args.batch, args.ids_per_sample),
+                }
+            )
         batches.append(feats)
     max_len = max(int(f["lengths"].max()) for b in batches for f in b)
     return tables, batches, max_len
@@ -127,8 +133,10 @@ def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
     names = [f"f{i}" for i in range(args.tables)]
 
     def prepare(kind, combiner):
-        tcs = [em.TableConfig(args.vocab, args.dim, combiner=combiner, name=f"t{i}")
-               for i in range(args.tables)]
+        tcs = [
+            em.TableConfig(args.vocab, args.dim, combiner=combiner, name=f"t{i}")
+            for i in range(args.tables)
+        ]
         fcs = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
         tabs = {tc: t for tc, t in zip(tcs, tables)}
         calls = Calls()
@@ -137,8 +145,10 @@ def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
             if kind == "ragged":
                 inputs = {n: em.RaggedTensor(f["ids"], f["splits"]) for n, f in zip(names, feats)}
             elif kind == "sparse":
-                inputs = {n: em.SparseTensor(sparse_indices(f), f["ids"], (args.batch, max_len))
-                          for n, f in zip(names, feats)}
+                inputs = {
+                    n: em.SparseTensor(sparse_indices(f), f["ids"], (args.batch, max_len))
+                    for n, f in zip(names, feats)
+                }
             else:
                 inputs = {n: f["dense"] for n, f in zip(names, feats)}
 
@@ -171,8 +181,12 @@ def tf_contender(tables, batches, max_len, args, use_function: bool):
     names = [f"f{i}" for i in range(args.tables)]
 
     def prepare(kind, combiner):
-        tcs = [emb.TableConfig(vocabulary_size=args.vocab, dim=args.dim, combiner=combiner,
-                               name=f"t{i}") for i in range(args.tables)]
+        tcs = [
+            emb.TableConfig(
+                vocabulary_size=args.vocab, dim=args.dim, combiner=combiner, name=f"t{i}"
+            )
+            for i in range(args.tables)
+        ]
         fcs = {n: emb.FeatureConfig(table=tc, name=n) for n, tc in zip(names, tcs)}
         tabs = {tc: v for tc, v in zip(tcs, variables)}
 
@@ -183,11 +197,15 @@ def tf_contender(tables, batches, max_len, args, use_function: bool):
         calls = []
         for feats in batches:
             if kind == "ragged":
-                inputs = {n: tf.RaggedTensor.from_row_splits(f["ids"], f["splits"])
-                          for n, f in zip(names, feats)}
+                inputs = {
+                    n: tf.RaggedTensor.from_row_splits(f["ids"], f["splits"])
+                    for n, f in zip(names, feats)
+                }
             elif kind == "sparse":
-                inputs = {n: tf.SparseTensor(sparse_indices(f), f["ids"], [args.batch, max_len])
-                          for n, f in zip(names, feats)}
+                inputs = {
+                    n: tf.SparseTensor(sparse_indices(f), f["ids"], [args.batch, max_len])
+                    for n, f in zip(names, feats)
+                }
             else:
                 inputs = {n: tf.constant(f["dense"]) for n, f in zip(names, feats)}
 
@@ -221,13 +239,18 @@ def torch_contender(tables, batches, max_len, args, threads: int):
                     with torch.inference_mode():
                         return [F.embedding(x, w) for x, w in zip(ins, weights)]
             else:
-                ins = [(torch.from_numpy(f["ids"]), torch.from_numpy(f["splits"][:-1].copy()))
-                       for f in feats]
+                ins = [
+                    (torch.from_numpy(f["ids"]), torch.from_numpy(f["splits"][:-1].copy()))
+                    for f in feats
+                ]
 
                 def call(ins=ins):
                     with torch.inference_mode():
-                        return [F.embedding_bag(x, w, o, mode=combiner)
-                                for (x, o), w in zip(ins, weights)]
+                        return [
+                            F.embedding_bag(x, w, o, mode=combiner)
+                            for (x, o), w in zip(ins, weights)
+                        ]
+
             calls.append(call)
         return calls
 
@@ -266,7 +289,7 @@ def time_round(calls: dict, reps: int, seed: int, blocks: bool = False) -> dict:
     names = list(calls)
     times = {name: [] for name in names}
     shuffle = random.Random(seed)
-    for rep in range(reps):
+    for _rep in range(reps):
         for i in range(len(next(iter(calls.values())))):
             order = list(names)
             shuffle.shuffle(order)
@@ -291,7 +314,7 @@ def _time_blocks(calls: dict, reps: int, seed: int) -> dict:
         for c in cs:  # untimed: from here on this contender runs alone
             c()
         times = []
-        for rep in range(reps):
+        for _rep in range(reps):
             for c in cs:
                 t0 = time.perf_counter()
                 c()
@@ -313,44 +336,59 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="passes over the batches per round")
     p.add_argument("--kinds", default="ragged,sparse,dense")
     p.add_argument("--combiners", default="sum,mean")
-    p.add_argument("--contenders", default="embedmesh[numba],embedmesh[numba-Nt],"
-                   "embedmesh[numpy],tf.function,tf.eager,torch,torch[1t]",
-                   help="comma-separated; embedmesh[numba-Nt] spreads features over one "
-                   "thread per core")
+    p.add_argument(
+        "--contenders",
+        default="embedmesh[numba],embedmesh[numba-Nt],"
+        "embedmesh[numpy],tf.function,tf.eager,torch,torch[1t]",
+        help="comma-separated; embedmesh[numba-Nt] spreads features over one thread per core",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--blocks", action="store_true",
-                   help="time each contender alone for its turn of a round (see time_round)")
+    p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="time each contender alone for its turn of a round (see time_round)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     tables, batches, max_len = make_workload(args, rng)
-    print(f"workload built in {time.perf_counter() - t0:.1f}s: {args.tables} tables x "
-          f"{args.vocab} x {args.dim} f32, batch {args.batch}, Poisson({args.ids_per_sample}) "
-          f"ids/sample (max {max_len}), Zipf({args.zipf}); unique ids per table per batch ~"
-          f"{int(np.mean([np.unique(f['ids']).size for f in batches[0]]))} of "
-          f"{int(np.mean([f['ids'].size for f in batches[0]]))}")
-    print(f"python {platform.python_version()}, numpy {np.__version__}, "
-          f"embedmesh kernels: numba={'yes' if kernels.HAVE_NUMBA else 'no'}"
-          + (f" {importlib.metadata.version('numba')}" if kernels.HAVE_NUMBA else "")
-          + (f", tensorflow {tf.__version__}" if tf else ", tensorflow: not importable")
-          + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch
-             else ", torch: not importable")
-          + f", cpus {os.cpu_count()}")
+    print(
+        f"workload built in {time.perf_counter() - t0:.1f}s: {args.tables} tables x "
+        f"{args.vocab} x {args.dim} f32, batch {args.batch}, Poisson({args.ids_per_sample}) "
+        f"ids/sample (max {max_len}), Zipf({args.zipf}); unique ids per table per batch ~"
+        f"{int(np.mean([np.unique(f['ids']).size for f in batches[0]]))} of "
+        f"{int(np.mean([f['ids'].size for f in batches[0]]))}"
+    )
+    print(
+        f"python {platform.python_version()}, numpy {np.__version__}, "
+        f"embedmesh kernels: numba={'yes' if kernels.HAVE_NUMBA else 'no'}"
+        + (f" {importlib.metadata.version('numba')}" if kernels.HAVE_NUMBA else "")
+        + (f", tensorflow {tf.__version__}" if tf else ", tensorflow: not importable")
+        + (
+            f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
+            if torch
+            else ", torch: not importable"
+        )
+        + f", cpus {os.cpu_count()}"
+    )
 
     wanted = args.contenders.split(",")
     contenders = {}
     if "embedmesh[numba]" in wanted and kernels.HAVE_NUMBA:
-        contenders["embedmesh[numba]"] = embedmesh_contender(tables, batches, max_len, args,
-                                                             "numba")
+        contenders["embedmesh[numba]"] = embedmesh_contender(
+            tables, batches, max_len, args, "numba"
+        )
     if "embedmesh[numba-Nt]" in wanted and kernels.HAVE_NUMBA and (os.cpu_count() or 1) > 1:
         # features spread over one thread per core (serving.set_host_threads)
         contenders[f"embedmesh[numba-{os.cpu_count()}t]"] = embedmesh_contender(
-            tables, batches, max_len, args, "numba", threads=os.cpu_count())
+            tables, batches, max_len, args, "numba", threads=os.cpu_count()
+        )
     if "embedmesh[numpy]" in wanted:
-        contenders["embedmesh[numpy]"] = embedmesh_contender(tables, batches, max_len, args,
-                                                             "numpy")
+        contenders["embedmesh[numpy]"] = embedmesh_contender(
+            tables, batches, max_len, args, "numpy"
+        )
     if tf is not None and "tf.function" in wanted:
         contenders["tf.function"] = tf_contender(tables, batches, max_len, args, True)
     if tf is not None and "tf.eager" in wanted:
@@ -359,7 +397,8 @@ def main(argv=None):
         default_threads = torch.get_num_threads()
         if "torch" in wanted:  # torch's default: one intra-op thread per core
             contenders[f"torch[{default_threads}t]"] = torch_contender(
-                tables, batches, max_len, args, default_threads)
+                tables, batches, max_len, args, default_threads
+            )
         if "torch[1t]" in wanted and default_threads != 1:
             contenders["torch[1t]"] = torch_contender(tables, batches, max_len, args, 1)
 
@@ -377,8 +416,13 @@ def main(argv=None):
                 if getattr(cs, "setup", None):
                     cs.setup()
                 outs[name] = [as_numpy(o) for o in cs[0]()]
-            ref_name = ("tf.function" if "tf.function" in outs else
-                        "tf.eager" if "tf.eager" in outs else None)
+            ref_name = (
+                "tf.function"
+                if "tf.function" in outs
+                else "tf.eager"
+                if "tf.eager" in outs
+                else None
+            )
             diffs = {}
             for name, out in outs.items():
                 if ref_name is None or name == ref_name:
@@ -397,8 +441,13 @@ def main(argv=None):
             for r in range(args.rounds):
                 for name, t in time_round(calls, args.reps, r, args.blocks).items():
                     per_round[name].append(t)
-            row = {"input": label, "ids_per_call": n_ids, "max_abs_diff_vs_tf": diffs,
-                   "ids_per_s": {}, "ratio": {}}
+            row = {
+                "input": label,
+                "ids_per_call": n_ids,
+                "max_abs_diff_vs_tf": diffs,
+                "ids_per_s": {},
+                "ratio": {},
+            }
             row["seconds_per_call_by_round"] = per_round
             for name, ts in per_round.items():
                 row["ids_per_s"][name] = n_ids / statistics.median(ts)
@@ -407,18 +456,24 @@ def main(argv=None):
                     ratios = [b / a for a, b in zip(per_round[em_name], per_round[peer])]
                     row["ratio"][f"{em_name} / {peer}"] = statistics.median(ratios)
             results.append(row)
-            print(f"\n== {label}: {n_ids:.0f} ids per call, median of {args.rounds} rounds x "
-                  f"{args.reps * args.batches} calls"
-                  + (", each contender alone in turn" if args.blocks else ", interleaved"))
+            print(
+                f"\n== {label}: {n_ids:.0f} ids per call, median of {args.rounds} rounds x "
+                f"{args.reps * args.batches} calls"
+                + (", each contender alone in turn" if args.blocks else ", interleaved")
+            )
             for name in names:
-                print(f"  {name:18s} {row['ids_per_s'][name] / 1e6:8.2f} M ids/s  "
-                      f"({n_ids / row['ids_per_s'][name] * 1e3:7.2f} ms/call)")
+                print(
+                    f"  {name:18s} {row['ids_per_s'][name] / 1e6:8.2f} M ids/s  "
+                    f"({n_ids / row['ids_per_s'][name] * 1e3:7.2f} ms/call)"
+                )
             for k, v in row["ratio"].items():
                 print(f"  {k:34s} {v:6.2f}x")
             for k, v in diffs.items():
                 if not k.endswith("allclose"):
-                    print(f"  max |{k} - {ref_name}| = {v:.3g}  allclose(1e-5): "
-                          f"{diffs[k + ' allclose']}")
+                    print(
+                        f"  max |{k} - {ref_name}| = {v:.3g}  allclose(1e-5): "
+                        f"{diffs[k + ' allclose']}"
+                    )
             sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as fh:

@@ -57,8 +57,16 @@ NUM_BATCHES = 4  # distinct batches, cycled
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINE = os.environ.get("EMBEDMESH_BENCH_BASELINE", "")  # see --baseline
 ROOT = os.path.dirname(HERE)
-PEERS = ("embedmesh", "embedmesh-pipelined", "embedmesh-2dev",
-         "embedmesh-core", "embedmesh-xla", "plain-jax", "fbgemm-exact", "fbgemm-rowwise")
+PEERS = (
+    "embedmesh",
+    "embedmesh-pipelined",
+    "embedmesh-2dev",
+    "embedmesh-core",
+    "embedmesh-xla",
+    "plain-jax",
+    "fbgemm-exact",
+    "fbgemm-rowwise",
+)
 
 
 # ---------------------------------------------------------------------------
@@ -68,6 +76,7 @@ PEERS = ("embedmesh", "embedmesh-pipelined", "embedmesh-2dev",
 def make_batches(seed=0):
     """NUM_BATCHES batches: per table (values int32, lengths int64)."""
     import numpy as np
+
     rng = np.random.default_rng(seed)
     cdf = np.cumsum(np.arange(1, V + 1, dtype=np.float64) ** -ZIPF_A)
     cdf /= cdf[-1]
@@ -126,6 +135,7 @@ def embedmesh_setup(batches):
         import importlib.util
 
         from embedmesh.device import core
+
         spec = importlib.util.spec_from_file_location("baseline_shard_program", orig)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
@@ -141,17 +151,21 @@ def embedmesh_setup(batches):
     def const_init(key, shape, dtype):  # cheap; values do not change the speed
         return jnp.full(shape, 0.01, dtype)
 
-    fc = {f"f{t}": em.FeatureConfig(em.TableConfig(V, D, initializer=const_init, combiner="sum",
-                                                   name=f"t{t}")) for t in range(T)}
+    fc = {
+        f"f{t}": em.FeatureConfig(
+            em.TableConfig(V, D, initializer=const_init, combiner="sum", name=f"t{t}")
+        )
+        for t in range(T)
+    }
     feats = [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
     ndev = len(jax.devices())
     mesh = Mesh(np.array(jax.devices()), ("devices",))
     from embedmesh.layout.stacking import plan_stacking
+
     plan = plan_stacking(fc, ndev)
     caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=ndev).capacities()
     pipelined = os.environ.get("EMBEDMESH_BENCH_PIPELINED") == "1"
-    emb = em.MeshEmbedding(fc, em.Adagrad(learning_rate=LR), pipelined, mesh=mesh,
-                           capacities=caps)
+    emb = em.MeshEmbedding(fc, em.Adagrad(learning_rate=LR), pipelined, mesh=mesh, capacities=caps)
     emb.build()
     return emb, feats, caps
 
@@ -192,9 +206,9 @@ def child_embedmesh(args, batches):
     device_step(csrs[args.warmup % nb])  # so that each timed step runs exactly one update
     setup_hwm, _ = rss_status()
     reset_peak()
-    it = iter(range(10 ** 9))
+    it = iter(range(10**9))
     enq = timed(lambda: jax.block_until_ready(emb.enqueue(feats[next(it) % nb])), args.steps)
-    it = iter(range(10 ** 9))
+    it = iter(range(10**9))
     dev = timed(lambda: device_step(csrs[next(it) % nb]), args.steps)
 
     def e2e():
@@ -206,11 +220,20 @@ def child_embedmesh(args, batches):
 
     e2e_t = e2e()
     step_hwm, rss = rss_status()
-    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(
-        (emb.state.tables, emb.state.slots)))
-    return dict(enqueue=enq, device=dev, e2e=[e2e_t], setup_hwm=setup_hwm, step_hwm=step_hwm,
-                rss=rss, state_bytes=state_bytes, devices=len(jax.devices()),
-                capacity=str(list(caps.values())[0]))
+    state_bytes = sum(
+        x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
+    )
+    return dict(
+        enqueue=enq,
+        device=dev,
+        e2e=[e2e_t],
+        setup_hwm=setup_hwm,
+        step_hwm=step_hwm,
+        rss=rss,
+        state_bytes=state_bytes,
+        devices=len(jax.devices()),
+        capacity=str(list(caps.values())[0]),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -232,8 +255,8 @@ def child_plain(args, batches):
         ids = np.zeros((T, cap), np.int32)
         seg = np.full((T, cap), B, np.int32)
         for t, (vals, lengths) in enumerate(b):
-            ids[t, :vals.size] = vals
-            seg[t, :vals.size] = np.repeat(np.arange(B, dtype=np.int32), lengths)
+            ids[t, : vals.size] = vals
+            seg[t, : vals.size] = np.repeat(np.arange(B, dtype=np.int32), lengths)
         return jax.device_put(ids), jax.device_put(seg)
 
     tables = [jnp.full((V, D), 0.01, jnp.float32) for _ in range(T)]
@@ -241,8 +264,10 @@ def child_plain(args, batches):
     opt_state = opt.init(tables)
 
     def loss(tables, ids, seg):
-        acts = [jax.ops.segment_sum(jnp.take(tables[t], ids[t], axis=0), seg[t], num_segments=B)
-                for t in range(T)]
+        acts = [
+            jax.ops.segment_sum(jnp.take(tables[t], ids[t], axis=0), seg[t], num_segments=B)
+            for t in range(T)
+        ]
         return loss_of(acts)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -263,14 +288,21 @@ def child_plain(args, batches):
         device_step(inputs[i % nb])
     setup_hwm, _ = rss_status()
     reset_peak()
-    it = iter(range(10 ** 9))
+    it = iter(range(10**9))
     enq = timed(lambda: jax.block_until_ready(host_prep(batches[next(it) % nb])), args.steps)
-    it = iter(range(10 ** 9))
+    it = iter(range(10**9))
     dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
     step_hwm, rss = rss_status()
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
-    return dict(enqueue=enq, device=dev, setup_hwm=setup_hwm, step_hwm=step_hwm, rss=rss,
-                state_bytes=state_bytes, devices=1)
+    return dict(
+        enqueue=enq,
+        device=dev,
+        setup_hwm=setup_hwm,
+        step_hwm=step_hwm,
+        rss=rss,
+        state_bytes=state_bytes,
+        devices=1,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -284,17 +316,26 @@ def child_fbgemm(args, batches):
     import numpy as np
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (EmbeddingLocation,
-                                                                      PoolingMode)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
-    optim = (EmbOptimType.EXACT_ADAGRAD if args.child == "fbgemm-exact"
-             else EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    optim = (
+        EmbOptimType.EXACT_ADAGRAD
+        if args.child == "fbgemm-exact"
+        else EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    )
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(V, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T,
-        optimizer=optim, learning_rate=LR, eps=1e-8, pooling_mode=PoolingMode.SUM,
-        weights_precision=SparseType.FP32, device=torch.device("cpu"))
+        optimizer=optim,
+        learning_rate=LR,
+        eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
+        weights_precision=SparseType.FP32,
+        device=torch.device("cpu"),
+    )
 
     def host_prep(b):  # table-major: all of table 0's samples, then table 1's, ...
         ids = torch.from_numpy(np.concatenate([v for v, _ in b]).astype(np.int64))
@@ -315,16 +356,25 @@ def child_fbgemm(args, batches):
         device_step(inputs[i % nb])
     setup_hwm, _ = rss_status()
     reset_peak()
-    it = iter(range(10 ** 9))
+    it = iter(range(10**9))
     enq = timed(lambda: host_prep(batches[next(it) % nb]), args.steps)
-    it = iter(range(10 ** 9))
+    it = iter(range(10**9))
     dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
     step_hwm, rss = rss_status()
     state_bytes = sum(p.numel() * p.element_size() for p in tbe.split_embedding_weights())
-    state_bytes += sum(s.numel() * s.element_size() for st in tbe.split_optimizer_states()
-                       for s in st)
-    return dict(enqueue=enq, device=dev, setup_hwm=setup_hwm, step_hwm=step_hwm, rss=rss,
-                state_bytes=state_bytes, devices=1, threads=torch.get_num_threads())
+    state_bytes += sum(
+        s.numel() * s.element_size() for st in tbe.split_optimizer_states() for s in st
+    )
+    return dict(
+        enqueue=enq,
+        device=dev,
+        setup_hwm=setup_hwm,
+        step_hwm=step_hwm,
+        rss=rss,
+        state_bytes=state_bytes,
+        devices=1,
+        threads=torch.get_num_threads(),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -345,8 +395,9 @@ def child_profile(args, batches):
     c = list(csr.values())[0]
     stack = c.stack
     tab, acc = emb.state.tables[stack], emb.state.slots[stack]["accumulators"]
-    u, pr, pu, pg = (np.asarray(x)[0] for x in (c.unique_ids, c.pair_rows, c.pair_unique,
-                                                 c.pair_gains))
+    u, pr, pu, pg = (
+        np.asarray(x)[0] for x in (c.unique_ids, c.pair_rows, c.pair_unique, c.pair_gains)
+    )
     u, pr, pu, pg = (jnp.asarray(x) for x in (u, pr, pu, pg))
     R, U, P = c.rows_per_device, u.shape[1], pr.shape[1]
     n_unique = int(np.asarray(c.unique_counts).sum())
@@ -378,8 +429,9 @@ def child_profile(args, batches):
         return statistics.median(ts), state
 
     def xla_update(t, a, i, g):
-        return J.reference_of("sparse_update")(t, {"accumulators": a}, i, g, optimizer=opt,
-                                               step=jnp.int32(1))
+        return J.reference_of("sparse_update")(
+            t, {"accumulators": a}, i, g, optimizer=opt, step=jnp.int32(1)
+        )
 
     out = {}
     huge = []
@@ -392,28 +444,37 @@ def child_profile(args, batches):
             "lookup, 1 shard: combine P pairs from the table": (
                 lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m),
                 lambda t, m, i, g, d: Ref.segment_gather_sum(
-                    Ref.gather_rows(t, m), i, g, d, num_segments=R),
-                (tab, flat_u, flat_pu, flat_pg, flat_pr)),
+                    Ref.gather_rows(t, m), i, g, d, num_segments=R
+                ),
+                (tab, flat_u, flat_pu, flat_pg, flat_pr),
+            ),
             "lookup, N shards: gather U unique rows": (
-                J.gather_rows, Ref.gather_rows, (tab, flat_u)),
+                J.gather_rows,
+                Ref.gather_rows,
+                (tab, flat_u),
+            ),
             "lookup, N shards: combine P pairs -> R rows": (
                 lambda r, i, g, d: J.segment_gather_sum(r, i, g, d, R),
                 lambda r, i, g, d: Ref.segment_gather_sum(r, i, g, d, num_segments=R),
-                (rows, flat_pu, flat_pg, flat_pr)),
+                (rows, flat_pu, flat_pg, flat_pr),
+            ),
             "backward: P pairs -> U grads": (
                 lambda a, i, g, d: J.segment_gather_sum(a, i, g, d, U),
                 lambda a, i, g, d: Ref.segment_gather_sum(a, i, g, d, num_segments=U),
-                (act_g, flat_pr, flat_pg, flat_pu)),
-            "owner dedup, 1 list (XLA: sorted check+cond)": (
-                J.dedup_sum, Ref.dedup_sum, (u, g_u)),
-            "owner dedup, sort + segment sum (old path)": (
-                None, Ref.dedup_sum_by_sort, (u, g_u)),
+                (act_g, flat_pr, flat_pg, flat_pu),
+            ),
+            "owner dedup, 1 list (XLA: sorted check+cond)": (J.dedup_sum, Ref.dedup_sum, (u, g_u)),
+            "owner dedup, sort + segment sum (old path)": (None, Ref.dedup_sum_by_sort, (u, g_u)),
             "owner: optimizer math alone (Adagrad, XLA)": (
-                None, lambda r, a, g: opt.update_rows(r, {"accumulators": a}, g, jnp.int32(1)),
-                (rows, rows, g_u)),
+                None,
+                lambda r, a, g: opt.update_rows(r, {"accumulators": a}, g, jnp.int32(1)),
+                (rows, rows, g_u),
+            ),
             "cond + isfinite over the activations' grads": (
-                None, lambda g: jax.lax.cond(jnp.all(jnp.isfinite(g)), lambda x: x + 0,
-                                             lambda x: x, g), (act_g,)),
+                None,
+                lambda g: jax.lax.cond(jnp.all(jnp.isfinite(g)), lambda x: x + 0, lambda x: x, g),
+                (act_g,),
+            ),
         }
         for name, (k, x, a) in pieces.items():
             if k is not None:
@@ -421,15 +482,21 @@ def child_profile(args, batches):
             if x is not None:
                 add(name, "xla", med(jax.jit(x), a))
         # in place in the step (the backward's output is dead after it): donate here too
-        v, (g_u,) = med_donated(jax.jit(lambda g, i: (J.dedup_sum(i, g)[1],),
-                                        donate_argnums=0), (g_u,), (u,))
+        v, (g_u,) = med_donated(
+            jax.jit(lambda g, i: (J.dedup_sum(i, g)[1],), donate_argnums=0), (g_u,), (u,)
+        )
         add("owner dedup, 1 list, in place", "kernel", v)
         name = "owner update: gather, Adagrad, scatter (in place)"
-        fused = jax.jit(lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(
-            J.sparse_update(opt, t, {"accumulators": a}, i, g, jnp.int32(1))),
-            donate_argnums=(0, 1))
-        xla = jax.jit(lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(
-            xla_update(t, a, i, g)), donate_argnums=(0, 1))
+        fused = jax.jit(
+            lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(
+                J.sparse_update(opt, t, {"accumulators": a}, i, g, jnp.int32(1))
+            ),
+            donate_argnums=(0, 1),
+        )
+        xla = jax.jit(
+            lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(xla_update(t, a, i, g)),
+            donate_argnums=(0, 1),
+        )
         # the XLA version must not see the kernels: run it with them switched off
         v, (tab, acc) = med_donated(fused, (tab, acc), (flat_u, g_u))
         add(name, "kernel", v)
@@ -440,13 +507,26 @@ def child_profile(args, batches):
         if not huge:
             huge.extend(jax.block_until_ready((J.huge_page_copy(tab), J.huge_page_copy(acc))))
         htab, hacc = huge
-        add("lookup, 1 shard: combine P pairs, huge pages", "kernel",
-            med(jax.jit(lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m)),
-                (htab, flat_u, flat_pu, flat_pg, flat_pr)))
-        add("lookup, 1 shard: combine P pairs, huge pages", "xla",
-            med(jax.jit(lambda t, m, i, g, d: Ref.segment_gather_sum(
-                Ref.gather_rows(t, m), i, g, d, num_segments=R)),
-                (htab, flat_u, flat_pu, flat_pg, flat_pr)))
+        add(
+            "lookup, 1 shard: combine P pairs, huge pages",
+            "kernel",
+            med(
+                jax.jit(lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m)),
+                (htab, flat_u, flat_pu, flat_pg, flat_pr),
+            ),
+        )
+        add(
+            "lookup, 1 shard: combine P pairs, huge pages",
+            "xla",
+            med(
+                jax.jit(
+                    lambda t, m, i, g, d: Ref.segment_gather_sum(
+                        Ref.gather_rows(t, m), i, g, d, num_segments=R
+                    )
+                ),
+                (htab, flat_u, flat_pu, flat_pg, flat_pr),
+            ),
+        )
         name = "owner update (in place), huge pages"
         v, (htab, hacc) = med_donated(fused, (htab, hacc), (flat_u, g_u))
         add(name, "kernel", v)
@@ -463,30 +543,43 @@ def child_profile(args, batches):
             return t, s_["accumulators"]
 
         def fused_bu(t, a, ag, pr_, pu_, pg_, i):
-            t, s_ = J.backward_update(opt, t, {"accumulators": a}, i, ag, pr_, pu_, pg_,
-                                      jnp.int32(1))
+            t, s_ = J.backward_update(
+                opt, t, {"accumulators": a}, i, ag, pr_, pu_, pg_, jnp.int32(1)
+            )
             return t, s_["accumulators"]
 
         bu_args = (act_g, flat_pr, flat_pu, flat_pg, flat_u)
-        v, (htab, hacc) = med_donated(jax.jit(unfused, donate_argnums=(0, 1)), (htab, hacc),
-                                      bu_args)
+        v, (htab, hacc) = med_donated(
+            jax.jit(unfused, donate_argnums=(0, 1)), (htab, hacc), bu_args
+        )
         add(name + " (unfused kernels)", "kernel", v)
-        v, (htab, hacc) = med_donated(jax.jit(fused_bu, donate_argnums=(0, 1)), (htab, hacc),
-                                      bu_args)
+        v, (htab, hacc) = med_donated(
+            jax.jit(fused_bu, donate_argnums=(0, 1)), (htab, hacc), bu_args
+        )
         add(name + " (fused kernel)", "kernel", v)
         huge[:] = [htab, hacc]
-        host = timed(lambda: pre.preprocess_features(feats[0], None, emb.plan,
-                                                     capacities=caps), args.steps)
+        host = timed(
+            lambda: pre.preprocess_features(feats[0], None, emb.plan, capacities=caps), args.steps
+        )
         add("host: preprocess (numba)", "kernel", statistics.median(host))
         arrays = pre.preprocess_features(feats[0], None, emb.plan, capacities=caps)[0]
         put = timed(lambda: jax.block_until_ready(emb.core.put(arrays)), args.steps)
         add("host -> device transfer of the CSR", "kernel", statistics.median(put))
     emb.state = type(emb.state)({stack: tab}, {stack: {"accumulators": acc}}, emb.state.step)
-    return dict(pieces={k: {kk: statistics.median(vv) if vv else None for kk, vv in v.items()}
-                        for k, v in out.items()},
-                U=U, P=P, R=R, n_unique=n_unique, n_pairs=int(np.asarray(c.pair_counts).sum()),
-                kernels=cpu.ready(), note="'kernel' = embedmesh.device.ops; "
-                "'xla' = the pure-JAX path; pieces without a kernel are XLA either way")
+    return dict(
+        pieces={
+            k: {kk: statistics.median(vv) if vv else None for kk, vv in v.items()}
+            for k, v in out.items()
+        },
+        U=U,
+        P=P,
+        R=R,
+        n_unique=n_unique,
+        n_pairs=int(np.asarray(c.pair_counts).sum()),
+        kernels=cpu.ready(),
+        note="'kernel' = embedmesh.device.ops; "
+        "'xla' = the pure-JAX path; pieces without a kernel are XLA either way",
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -534,7 +627,7 @@ def mem_available_gb():
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2 ** 20
+                return int(line.split()[1]) / 2**20
     return float("inf")
 
 
@@ -545,13 +638,27 @@ def run_child(peer, args):
         time.sleep(10)
         waited += 10
     if mem_available_gb() < need:
-        return None, (f"skipped: needs ~{need:.1f} GB, {mem_available_gb():.1f} GB available "
-                      f"after waiting {waited} s")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", peer, "--steps",
-           str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-           "--rounds", str(args.rounds)]
-    r = subprocess.run(cmd, env=child_env(peer), capture_output=True, text=True,
-                       timeout=args.timeout)
+        return None, (
+            f"skipped: needs ~{need:.1f} GB, {mem_available_gb():.1f} GB available "
+            f"after waiting {waited} s"
+        )
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        peer,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--seed",
+        str(args.seed),
+        "--rounds",
+        str(args.rounds),
+    ]
+    r = subprocess.run(
+        cmd, env=child_env(peer), capture_output=True, text=True, timeout=args.timeout
+    )
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:]), None
@@ -559,21 +666,24 @@ def run_child(peer, args):
 
 
 def fbgemm_importable():
-    code = ("import logging; logging.disable(logging.WARNING); "
-            "from fbgemm_gpu.split_table_batched_embeddings_ops_training import "
-            "SplitTableBatchedEmbeddingBagsCodegen")
+    code = (
+        "import logging; logging.disable(logging.WARNING); "
+        "from fbgemm_gpu.split_table_batched_embeddings_ops_training import "
+        "SplitTableBatchedEmbeddingBagsCodegen"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     return r.returncode == 0, r.stderr.strip().splitlines()[-1:] if r.returncode else ""
 
 
 def gb(x):
-    return f"{x / 2 ** 30:.2f}"
+    return f"{x / 2**30:.2f}"
 
 
 @contextlib.contextmanager
 def kernels_off():
     """Trace with embedmesh's CPU kernels switched off (the pure-JAX path)."""
     from embedmesh import _runtime
+
     saved = _runtime.cpu_kernels_setting
     _runtime.cpu_kernels_setting = lambda: False
     try:
@@ -583,15 +693,19 @@ def kernels_off():
 
 
 def print_profile(res):
-    print(f"\nwhere embedmesh's step goes (1 device): U={res['U']} unique slots "
-          f"({res['n_unique']} used), P={res['P']} pair slots ({res['n_pairs']} used), "
-          f"R={res['R']} activation rows; medians, ms; kernels available: {res['kernels']}")
+    print(
+        f"\nwhere embedmesh's step goes (1 device): U={res['U']} unique slots "
+        f"({res['n_unique']} used), P={res['P']} pair slots ({res['n_pairs']} used), "
+        f"R={res['R']} activation rows; medians, ms; kernels available: {res['kernels']}"
+    )
     print(f"  {'piece':54s} {'CPU kernel':>10s} {'XLA':>8s} {'ratio':>6s}")
     for name, v in res["pieces"].items():
         k, x = v.get("kernel"), v.get("xla")
         ratio = f"{x / k:5.1f}x" if k and x else ""
-        print(f"  {name:54s} {k * 1e3 if k else float('nan'):10.1f} "
-              f"{x * 1e3 if x else float('nan'):8.1f} {ratio:>6s}")
+        print(
+            f"  {name:54s} {k * 1e3 if k else float('nan'):10.1f} "
+            f"{x * 1e3 if x else float('nan'):8.1f} {ratio:>6s}"
+        )
 
 
 def main():
@@ -602,22 +716,32 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=1200)
-    ap.add_argument("--mem-wait", type=int, default=300,
-                    help="seconds to wait for enough free memory before skipping a child")
+    ap.add_argument(
+        "--mem-wait",
+        type=int,
+        default=300,
+        help="seconds to wait for enough free memory before skipping a child",
+    )
     ap.add_argument("--profile", action="store_true", help="profile embedmesh's step instead")
     ap.add_argument("--json", help="also write the raw results here")
-    ap.add_argument("--baseline", help="path of an older embedmesh/device/shard_program.py: "
-                    "adds the peer "
-                    "embedmesh-base, embedmesh run with it (measures the gain of this one)")
+    ap.add_argument(
+        "--baseline",
+        help="path of an older embedmesh/device/shard_program.py: "
+        "adds the peer "
+        "embedmesh-base, embedmesh run with it (measures the gain of this one)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child_main(args)
 
     import platform
-    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, load "
-          f"{os.getloadavg()[0]:.1f}; workload {T} tables x {V} rows x {D}, batch {B}, "
-          f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad")
+
+    print(
+        f"python {platform.python_version()}, {os.cpu_count()} cpus, load "
+        f"{os.getloadavg()[0]:.1f}; workload {T} tables x {V} rows x {D}, batch {B}, "
+        f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad"
+    )
     if args.profile:
         res, err = run_child("profile", args)
         if res is None:
@@ -641,7 +765,7 @@ def main():
             peers = [p for p in peers if not p.startswith("fbgemm")]
     results = {p: [] for p in peers}
     for rnd in range(args.rounds):  # interleaved rounds, peer order rotated each round
-        order = peers[rnd % len(peers):] + peers[:rnd % len(peers)]
+        order = peers[rnd % len(peers) :] + peers[: rnd % len(peers)]
         for p in order:
             t = time.perf_counter()
             res, err = run_child(p, args)
@@ -650,9 +774,12 @@ def main():
                 continue
             results[p].append(res)
             step_ms = statistics.median(res["device"]) * 1e3
-            print(f"  round {rnd}: {p:15s} device step {step_ms:8.1f} ms "
-                  f"({time.perf_counter() - t:.0f} s with setup), load "
-                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            print(
+                f"  round {rnd}: {p:15s} device step {step_ms:8.1f} ms "
+                f"({time.perf_counter() - t:.0f} s with setup), load "
+                f"{os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
 
     def med(p, key, of=statistics.median):
         vals = [of(r[key]) for r in results[p] if key in r]
@@ -665,41 +792,62 @@ def main():
         ids = results[p][0]["ids"]
         dev, enq, e2e = med(p, "device"), med(p, "enqueue"), med(p, "e2e")
         best = med(p, "device", min)
-        rows[p] = dict(ids=ids, device=dev, enqueue=enq, e2e=e2e, device_best=best,
-                       ids_s=ids / dev, ids_s_best=ids / best,
-                       ids_s_e2e=ids / e2e if e2e else None,
-                       ids_s_serial=ids / (dev + enq),
-                       setup_hwm=max(r["setup_hwm"] for r in results[p]),
-                       step_hwm=max(r["step_hwm"] for r in results[p]),
-                       state_bytes=results[p][0]["state_bytes"])
+        rows[p] = dict(
+            ids=ids,
+            device=dev,
+            enqueue=enq,
+            e2e=e2e,
+            device_best=best,
+            ids_s=ids / dev,
+            ids_s_best=ids / best,
+            ids_s_e2e=ids / e2e if e2e else None,
+            ids_s_serial=ids / (dev + enq),
+            setup_hwm=max(r["setup_hwm"] for r in results[p]),
+            step_hwm=max(r["step_hwm"] for r in results[p]),
+            state_bytes=results[p][0]["state_bytes"],
+        )
     ids = next(iter(rows.values()))["ids"] if rows else 0
-    print(f"\n{ids / 1e3:.0f}k ids per step; medians over {len(results[peers[0]])} rounds of each "
-          f"child's median (and, as 'best', of its fastest) of {args.steps} steps")
-    print(f"  {'peer':15s} {'host prep':>9s} {'device':>9s} {'M ids/s':>8s} {'best':>9s} "
-          f"{'M ids/s':>8s} {'e2e prefetch':>12s} {'M ids/s':>8s} {'tables+slots':>12s} "
-          f"{'peak setup':>10s} {'peak steps':>10s}")
+    print(
+        f"\n{ids / 1e3:.0f}k ids per step; medians over {len(results[peers[0]])} rounds of each "
+        f"child's median (and, as 'best', of its fastest) of {args.steps} steps"
+    )
+    print(
+        f"  {'peer':15s} {'host prep':>9s} {'device':>9s} {'M ids/s':>8s} {'best':>9s} "
+        f"{'M ids/s':>8s} {'e2e prefetch':>12s} {'M ids/s':>8s} {'tables+slots':>12s} "
+        f"{'peak setup':>10s} {'peak steps':>10s}"
+    )
     for p, r in rows.items():
         e2e = f"{r['e2e'] * 1e3:9.1f} ms" if r["e2e"] else f"{'-':>12s}"
         e2e_ids = f"{r['ids_s_e2e'] / 1e6:8.2f}" if r["ids_s_e2e"] else f"{'-':>8s}"
-        print(f"  {p:15s} {r['enqueue'] * 1e3:6.1f} ms {r['device'] * 1e3:6.1f} ms "
-              f"{r['ids_s'] / 1e6:8.2f} {r['device_best'] * 1e3:6.1f} ms "
-              f"{r['ids_s_best'] / 1e6:8.2f} {e2e} {e2e_ids} {gb(r['state_bytes']):>9s} GB "
-              f"{gb(r['setup_hwm']):>7s} GB {gb(r['step_hwm']):>7s} GB")
+        print(
+            f"  {p:15s} {r['enqueue'] * 1e3:6.1f} ms {r['device'] * 1e3:6.1f} ms "
+            f"{r['ids_s'] / 1e6:8.2f} {r['device_best'] * 1e3:6.1f} ms "
+            f"{r['ids_s_best'] / 1e6:8.2f} {e2e} {e2e_ids} {gb(r['state_bytes']):>9s} GB "
+            f"{gb(r['setup_hwm']):>7s} GB {gb(r['step_hwm']):>7s} GB"
+        )
     print("\nratios of device-step ids/s (row peer / column peer):")
-    refs = [p for p in ("plain-jax", "fbgemm-exact", "fbgemm-rowwise", "embedmesh-xla")
-            if p in rows]
+    refs = [
+        p for p in ("plain-jax", "fbgemm-exact", "fbgemm-rowwise", "embedmesh-xla") if p in rows
+    ]
     for p in rows:
         if p in ("plain-jax",) or p.startswith("fbgemm"):
             continue
-        print(f"  {p:15s} " + "  ".join(
-            f"vs {q}: {rows[p]['ids_s'] / rows[q]['ids_s']:5.2f}x "
-            f"(best {rows[p]['ids_s_best'] / rows[q]['ids_s_best']:4.2f}x)"
-            for q in refs if q != p))
+        print(
+            f"  {p:15s} "
+            + "  ".join(
+                f"vs {q}: {rows[p]['ids_s'] / rows[q]['ids_s']:5.2f}x "
+                f"(best {rows[p]['ids_s_best'] / rows[q]['ids_s_best']:4.2f}x)"
+                for q in refs
+                if q != p
+            )
+        )
     if "embedmesh" in rows:
         for q in ("fbgemm-exact", "fbgemm-rowwise"):
             if q in rows and rows["embedmesh"]["ids_s_e2e"]:
-                print(f"  embedmesh end-to-end (prefetch) vs {q}: "
-                      f"{rows['embedmesh']['ids_s_e2e'] / rows[q]['ids_s']:5.2f}x")
+                print(
+                    f"  embedmesh end-to-end (prefetch) vs {q}: "
+                    f"{rows['embedmesh']['ids_s_e2e'] / rows[q]['ids_s']:5.2f}x"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "raw": results}, f, indent=1)

@@ -1,19 +1,23 @@
 """embedmesh: TPUEmbeddingV2's mid-level API on JAX, for every accelerator XLA runs on."""
 
-from embedmesh.config import (FeatureConfig, QuantizationConfig, TableConfig,
-                              resolve_feature_config)
+from embedmesh.config import FeatureConfig, QuantizationConfig, TableConfig, resolve_feature_config
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.facade import MeshEmbedding, default_mesh
-from embedmesh.serving.export import export_serving, load_serving
+from embedmesh.host.preprocess import (
+    Capacity,
+    PartitionedCsrFormatTensor,
+    PreprocessStats,
+    SparseCoreStats,
+    compute_sparse_core_stats,
+    preprocess_features,
+)
 from embedmesh.initializers import RowIdInitializer, row_id_initializer
 from embedmesh.inputs import RaggedTensor, SparseTensor
-from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
-from embedmesh.host.preprocess import (Capacity, PartitionedCsrFormatTensor, PreprocessStats,
-                                  SparseCoreStats, compute_sparse_core_stats,
-                                  preprocess_features)
-from embedmesh.serving.lookup import serving_embedding_lookup
 from embedmesh.layout.sharding import shards_to_table, table_to_shards
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
+from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+from embedmesh.serving.export import export_serving, load_serving
+from embedmesh.serving.lookup import serving_embedding_lookup
 
 __version__ = "0.1.0"
 
@@ -22,17 +26,41 @@ def __getattr__(name):
     # `embedmesh.checkpoint` loads orbax only when used.
     if name == "checkpoint":
         import importlib
+
         return importlib.import_module("embedmesh.checkpoint")
     raise AttributeError(f"module 'embedmesh' has no attribute {name!r}")
 
 
 __all__ = [
-    "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "Capacity", "EmbeddingCore",
-    "EmbeddingState", "FeatureConfig", "MeshEmbedding", "Optimizer",
-    "PartitionedCsrFormatTensor", "PreprocessStats", "QuantizationConfig", "RaggedTensor",
-    "RowIdInitializer", "SparseCoreStats", "SparseTensor", "StackingPlan", "TableConfig",
-    "compute_sparse_core_stats", "default_mesh", "export_serving", "load_serving",
-    "plan_stacking", "preprocess_features",
-    "resolve_feature_config", "row_id_initializer", "serving_embedding_lookup",
-    "shards_to_table", "table_to_shards",
+    "FTRL",
+    "SGD",
+    "Adagrad",
+    "AdagradMomentum",
+    "Adam",
+    "Capacity",
+    "EmbeddingCore",
+    "EmbeddingState",
+    "FeatureConfig",
+    "MeshEmbedding",
+    "Optimizer",
+    "PartitionedCsrFormatTensor",
+    "PreprocessStats",
+    "QuantizationConfig",
+    "RaggedTensor",
+    "RowIdInitializer",
+    "SparseCoreStats",
+    "SparseTensor",
+    "StackingPlan",
+    "TableConfig",
+    "compute_sparse_core_stats",
+    "default_mesh",
+    "export_serving",
+    "load_serving",
+    "plan_stacking",
+    "preprocess_features",
+    "resolve_feature_config",
+    "row_id_initializer",
+    "serving_embedding_lookup",
+    "shards_to_table",
+    "table_to_shards",
 ]

@@ -106,26 +106,43 @@ import functools
 import json
 import re
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from etils import epath
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from embedmesh import _compat
 from embedmesh.config import TableConfig, resolve_feature_config
 from embedmesh.layout.rows import ROW_LAYOUTS, RowLayout, logical_layout, row_layout
 from embedmesh.layout.stacking import TablePlacement
 
-__all__ = ["CHECKSUM", "DEFAULT_ITEM", "EmbeddingCheckpointHandler", "EmbeddingForServing",
-           "EmbeddingRestore", "EmbeddingSave", "FORMAT_VERSION", "RestoredState",
-           "core_restore", "core_save", "core_save_args", "core_state_tree", "latest_step",
-           "load_tables", "read_metadata", "restore", "save", "save_args", "state_tree"]
+__all__ = [
+    "CHECKSUM",
+    "DEFAULT_ITEM",
+    "EmbeddingCheckpointHandler",
+    "EmbeddingForServing",
+    "EmbeddingRestore",
+    "EmbeddingSave",
+    "FORMAT_VERSION",
+    "RestoredState",
+    "core_restore",
+    "core_save",
+    "core_save_args",
+    "core_state_tree",
+    "latest_step",
+    "load_tables",
+    "read_metadata",
+    "restore",
+    "save",
+    "save_args",
+    "state_tree",
+]
 
 FORMAT = "embedmesh.checkpoint"
 FORMAT_VERSION = 1
@@ -143,8 +160,8 @@ def _version() -> str:
 # Device-side slicing and in-place writes of one table's block of a stack
 
 
-@functools.lru_cache(maxsize=None)
-def _slicer(mesh, axes, rows: int, dim: Optional[int]):
+@functools.cache
+def _slicer(mesh, axes, rows: int, dim: int | None):
     """jit: (stack [N*S, D], lo) -> table [N*rows, dim], each device slicing its own shard.
 
     `lo` (the table's first local row) is an argument, not a constant, so one
@@ -156,11 +173,12 @@ def _slicer(mesh, axes, rows: int, dim: Optional[int]):
             return jax.lax.dynamic_slice(x, (lo, 0), (rows, dim))
         return jax.lax.dynamic_slice(x, (lo,), (rows,))
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes),
-                                 check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes), check_vma=False)
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _writer(mesh, axes, donate: bool = True):
     """jit: write a table's [N*rows, dim] blocks into a stack at local row `lo` of every
     shard (`lo` an argument: one compile per shape, not per table). `donate=True` writes
@@ -172,21 +190,28 @@ def _writer(mesh, axes, donate: bool = True):
         start = (lo, 0) if stack.ndim == 2 else (lo,)
         return jax.lax.dynamic_update_slice(stack, piece, start)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes), P()),
-                                 out_specs=P(axes), check_vma=False),
-                   donate_argnums=0 if donate else ())
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(axes), P(axes), P()), out_specs=P(axes), check_vma=False
+        ),
+        donate_argnums=0 if donate else (),
+    )
 
 
 def _table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
     """The table's `[N * rows_per_shard, dim]` array sliced out of its stack on device."""
     spec = core.plan.stack(t.stack)
     dim = t.dim if stack_array.ndim == 2 else None
-    if (len(spec.tables) == 1 and t.local_row_offset == 0
-            and t.rows_per_shard == spec.rows_per_shard
-            and (dim is None or dim == stack_array.shape[1])):
+    if (
+        len(spec.tables) == 1
+        and t.local_row_offset == 0
+        and t.rows_per_shard == spec.rows_per_shard
+        and (dim is None or dim == stack_array.shape[1])
+    ):
         return stack_array  # the stack is exactly this table: no copy
     return _slicer(core.mesh, core.axes, t.rows_per_shard, dim)(
-        stack_array, np.int32(t.local_row_offset))
+        stack_array, np.int32(t.local_row_offset)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -234,18 +259,22 @@ def _rows_hash(x, logical_rows, valid):
     w = _words(x)
     i = logical_rows.astype(jnp.uint32)[:, None]
     k = jnp.arange(w.shape[1], dtype=jnp.uint32)[None, :]
-    a = _fmix32(w ^ (i * np.uint32(0x9E3779B1) + k * np.uint32(0x85EBCA77)
-                     + np.uint32(0x165667B1)))
-    b = _fmix32((w * np.uint32(0x27D4EB2F)) ^ (i * np.uint32(0xC2B2AE3D)
-                                               + k * np.uint32(0x61C88647)
-                                               + np.uint32(0x2545F491)))
+    a = _fmix32(w ^ (i * np.uint32(0x9E3779B1) + k * np.uint32(0x85EBCA77) + np.uint32(0x165667B1)))
+    b = _fmix32(
+        (w * np.uint32(0x27D4EB2F))
+        ^ (i * np.uint32(0xC2B2AE3D) + k * np.uint32(0x61C88647) + np.uint32(0x2545F491))
+    )
     mask = valid[:, None]
     zero = jnp.uint32(0)
-    return jnp.stack([jnp.sum(jnp.where(mask, a, zero), dtype=jnp.uint32),
-                      jnp.sum(jnp.where(mask, b, zero), dtype=jnp.uint32)])
+    return jnp.stack(
+        [
+            jnp.sum(jnp.where(mask, a, zero), dtype=jnp.uint32),
+            jnp.sum(jnp.where(mask, b, zero), dtype=jnp.uint32),
+        ]
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hasher(mesh, axes, layout: RowLayout):
     """jit: (table [N*rows_per_shard, ...] row-sharded, the layout's `kernel_params` of the
     table, vocabulary size) -> replicated uint32[2], each device hashing its own block
@@ -258,15 +287,17 @@ def _hasher(mesh, axes, layout: RowLayout):
         i = layout.logical_rows_from_params(params, j, q)
         return jax.lax.psum(_rows_hash(x, i, i < vocab), axes)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()),
-                                 out_specs=P(), check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()), out_specs=P(), check_vma=False)
+    )
 
 
 def _checksum(mesh, axes, layout: RowLayout, arr, t):
     """The (unfetched) checksum of table `t`'s `[N * rows_per_shard, ...]` array laid out by
     `layout` on `mesh`."""
     return _hasher(mesh, axes, layout)(
-        arr, np.asarray(layout.kernel_params(t), np.int32), np.int32(t.vocabulary_size))
+        arr, np.asarray(layout.kernel_params(t), np.int32), np.int32(t.vocabulary_size)
+    )
 
 
 def _device_checksum(core, arr: jax.Array, t):
@@ -274,7 +305,7 @@ def _device_checksum(core, arr: jax.Array, t):
     return _checksum(core.mesh, core.axes, core.plan.row_layout, arr, t)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host_mesh() -> Mesh:
     return Mesh(np.array(jax.devices("cpu")[:1]), ("host",))
 
@@ -292,8 +323,7 @@ def _logical_checksum(arr: np.ndarray, t) -> str:
     return _checksum_hex(_checksum(mesh, mesh.axis_names, logical_layout(), x, t))
 
 
-def _expected_checksum(reader, meta_table: dict, field: str, leaf: tuple,
-                       dtype) -> Optional[str]:
+def _expected_checksum(reader, meta_table: dict, field: str, leaf: tuple, dtype) -> str | None:
     """The recorded checksum of a leaf, or None when it cannot be verified: an older
     checkpoint (none recorded), another algorithm, or a read that casts the stored dtype."""
     if reader.meta.get("checksum") != CHECKSUM:
@@ -320,7 +350,7 @@ def _keys(names) -> dict:
     return out
 
 
-def _optimizer_name(opt) -> Optional[str]:
+def _optimizer_name(opt) -> str | None:
     return None if opt is None else type(opt).__name__
 
 
@@ -333,23 +363,37 @@ def _metadata(core, state, step: int) -> dict:
     for t in plan.tables:
         cfg = plan.table_config(t)
         opt = core.optimizer_of(t.stack)
-        tables.append({
-            "name": t.name, "key": keys[t.name], "vocabulary_size": t.vocabulary_size,
-            "dim": t.dim, "rows_per_shard": t.rows_per_shard, "rotation": t.rotation,
-            "dtype": np.dtype(plan.stack(t.stack).dtype).name, "combiner": cfg.combiner,
-            "stack": t.stack, "optimizer": _optimizer_name(opt),
-            "optimizer_repr": repr(opt) if opt is not None else None,
-            "slots": sorted(state.slots[t.stack]),
-        })
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "embedmesh_version": _version(),
-            "num_shards": plan.num_shards, "row_layout": plan.row_layout.name,
-            "step": int(step), "tables": tables}
+        tables.append(
+            {
+                "name": t.name,
+                "key": keys[t.name],
+                "vocabulary_size": t.vocabulary_size,
+                "dim": t.dim,
+                "rows_per_shard": t.rows_per_shard,
+                "rotation": t.rotation,
+                "dtype": np.dtype(plan.stack(t.stack).dtype).name,
+                "combiner": cfg.combiner,
+                "stack": t.stack,
+                "optimizer": _optimizer_name(opt),
+                "optimizer_repr": repr(opt) if opt is not None else None,
+                "slots": sorted(state.slots[t.stack]),
+            }
+        )
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "embedmesh_version": _version(),
+        "num_shards": plan.num_shards,
+        "row_layout": plan.row_layout.name,
+        "step": int(step),
+        "tables": tables,
+    }
 
 
 LOOKUP_FIELD = "lookup_parameters"  # checksum field of a table's "lookup_tables" array
 
 
-def core_state_tree(core, state, *, lookup_tables: Optional[dict] = None) -> dict:
+def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
     """The embedding state `state` of `core` (an `EmbeddingCore`) as an orbax-ready pytree
     (see the module docstring).
 
@@ -366,8 +410,10 @@ def core_state_tree(core, state, *, lookup_tables: Optional[dict] = None) -> dic
     lookup = dict(lookup_tables or {})
     unknown = sorted(set(lookup) - {s.name for s in plan.stacks})
     if unknown:
-        raise ValueError(f"lookup_tables names stacks {unknown} this core does not have "
-                         f"(its stacks: {[s.name for s in plan.stacks]})")
+        raise ValueError(
+            f"lookup_tables names stacks {unknown} this core does not have "
+            f"(its stacks: {[s.name for s in plan.stacks]})"
+        )
     step = int(jax.device_get(state.step))
     meta = _metadata(core, state, step)
     keys = {m["name"]: m["key"] for m in meta["tables"]}
@@ -376,11 +422,13 @@ def core_state_tree(core, state, *, lookup_tables: Optional[dict] = None) -> dic
     for t in plan.tables:
         key = keys[t.name]
         tables[key] = _table_block_array(core, state.tables[t.stack], t)
-        slots[key] = {name: _table_block_array(core, arr, t)
-                      for name, arr in state.slots[t.stack].items()}
+        slots[key] = {
+            name: _table_block_array(core, arr, t) for name, arr in state.slots[t.stack].items()
+        }
         hashes[t.name] = {"parameters": _device_checksum(core, tables[key], t)}
-        hashes[t.name].update({name: _device_checksum(core, arr, t)
-                               for name, arr in slots[key].items()})
+        hashes[t.name].update(
+            {name: _device_checksum(core, arr, t) for name, arr in slots[key].items()}
+        )
         if t.stack in lookup:
             stored_lookup[key] = _table_block_array(core, lookup[t.stack], t)
             hashes[t.name][LOOKUP_FIELD] = _device_checksum(core, stored_lookup[key], t)
@@ -431,19 +479,19 @@ class EmbeddingRestore(ocp.args.PyTreeRestore):
     """`PyTreeRestore` of the raw state tree (use `restore` / `load_tables` instead)."""
 
 
-def _save_args_of(tree: dict, compression: bool) -> "ocp.args.CheckpointArgs":
+def _save_args_of(tree: dict, compression: bool) -> ocp.args.CheckpointArgs:
     return ocp.args.StandardSave(tree) if compression else EmbeddingSave(tree)
 
 
-def core_save_args(core, state, *, lookup_tables: Optional[dict] = None,
-                   compression: bool = False) -> "ocp.args.CheckpointArgs":
+def core_save_args(
+    core, state, *, lookup_tables: dict | None = None, compression: bool = False
+) -> ocp.args.CheckpointArgs:
     """Save args of `core_state_tree(core, state, lookup_tables=...)` for one item of an
     orbax `Composite` (uncompressed by default, see `save_args`)."""
-    return _save_args_of(core_state_tree(core, state, lookup_tables=lookup_tables),
-                         compression)
+    return _save_args_of(core_state_tree(core, state, lookup_tables=lookup_tables), compression)
 
 
-def save_args(emb, *, compression: bool = False) -> "ocp.args.CheckpointArgs":
+def save_args(emb, *, compression: bool = False) -> ocp.args.CheckpointArgs:
     """Save args of `state_tree(emb)` for one item of an orbax `Composite`.
 
     Uncompressed by default (`EmbeddingSave`, its handler found through
@@ -453,19 +501,24 @@ def save_args(emb, *, compression: bool = False) -> "ocp.args.CheckpointArgs":
     return _save_args_of(state_tree(emb), compression)
 
 
-def _save_items(target, args, step: int, item: str, others: Optional[dict],
-                wait: Optional[bool]) -> bool:
+def _save_items(target, args, step: int, item: str, others: dict | None, wait: bool | None) -> bool:
     """Save the embedding item's `args` and `others` as step `step` of `target`."""
     items = {item: args}
     for name, value in (others or {}).items():
         if name == item:
             raise ValueError(f"others names the embedding item {item!r}")
-        items[name] = (value if isinstance(value, ocp.args.CheckpointArgs)
-                       else ocp.args.StandardSave(value))
+        items[name] = (
+            value if isinstance(value, ocp.args.CheckpointArgs) else ocp.args.StandardSave(value)
+        )
     own = not isinstance(target, ocp.CheckpointManager)
-    manager = (ocp.CheckpointManager(
-        epath.Path(target), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
-        if own else target)
+    manager = (
+        ocp.CheckpointManager(
+            epath.Path(target),
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
+        )
+        if own
+        else target
+    )
     try:
         saved = manager.save(int(step), args=ocp.args.Composite(**items))
         if wait or (wait is None and own):
@@ -476,20 +529,36 @@ def _save_items(target, args, step: int, item: str, others: Optional[dict],
     return bool(saved)
 
 
-def core_save(target, core, state, step: Optional[int] = None, *,
-              lookup_tables: Optional[dict] = None, item: str = DEFAULT_ITEM,
-              others: Optional[dict] = None, wait: Optional[bool] = None) -> bool:
+def core_save(
+    target,
+    core,
+    state,
+    step: int | None = None,
+    *,
+    lookup_tables: dict | None = None,
+    item: str = DEFAULT_ITEM,
+    others: dict | None = None,
+    wait: bool | None = None,
+) -> bool:
     """Save `state` of `core` (and `others`) as step `step` (default: `state.step`) of a
     checkpoint directory or manager; the arguments are `save`'s, with `lookup_tables`
     as in `core_state_tree`. Returns whether the manager saved."""
     if step is None:
         step = int(jax.device_get(state.step))
-    return _save_items(target, core_save_args(core, state, lookup_tables=lookup_tables),
-                       step, item, others, wait)
+    return _save_items(
+        target, core_save_args(core, state, lookup_tables=lookup_tables), step, item, others, wait
+    )
 
 
-def save(target, emb, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
-         others: Optional[dict] = None, wait: Optional[bool] = None) -> bool:
+def save(
+    target,
+    emb,
+    step: int | None = None,
+    *,
+    item: str = DEFAULT_ITEM,
+    others: dict | None = None,
+    wait: bool | None = None,
+) -> bool:
     """Save `emb` (and `others`) as step `step` of a checkpoint directory.
 
     Args:
@@ -515,7 +584,7 @@ def save(target, emb, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
 # Locating and reading a checkpoint
 
 
-def latest_step(directory) -> Optional[int]:
+def latest_step(directory) -> int | None:
     """The latest committed step under a checkpoint root (None if there is none)."""
     meta = ocp.step.latest_step_metadata(epath.Path(directory), ocp.step.standard_name_format())
     return None if meta is None else int(meta.step)
@@ -528,7 +597,7 @@ def _is_item_dir(path: epath.Path) -> bool:
 _TMP = ".orbax-checkpoint-tmp"  # orbax's suffix of a step or item still being written
 
 
-def _in_progress(root: epath.Path, step: Optional[int]) -> list:
+def _in_progress(root: epath.Path, step: int | None) -> list:
     """Temporary (uncommitted) step directories under `root` (of `step`, if given)."""
     try:
         names = [p.name for p in root.iterdir() if _TMP in p.name]
@@ -545,10 +614,11 @@ def _still_written(what: str, where) -> FileNotFoundError:
         f"{what} is still being written, or its save was interrupted ({where}): orbax "
         f"commits a step by renaming it when the save is complete. Wait for an async save "
         f"to finish (CheckpointManager.wait_until_finished(), or pass the manager, whose "
-        f"saves in flight are waited for) before restoring it")
+        f"saves in flight are waited for) before restoring it"
+    )
 
 
-def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
+def _item_dir(source, step: int | None, item: str) -> epath.Path:
     """The embedding item's directory from a manager, a root, a step or an item directory.
 
     A manager's save in flight is waited for first; a step (or item) that is only
@@ -561,8 +631,9 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
             if step is None:
                 raise FileNotFoundError(f"no committed checkpoint under {source.directory}")
         finder = getattr(source, "_get_read_step_directory", None)  # honours custom names
-        step_dir = (finder(step, source.directory) if finder is not None
-                    else source.directory / str(step))
+        step_dir = (
+            finder(step, source.directory) if finder is not None else source.directory / str(step)
+        )
         path = epath.Path(step_dir) / item
     else:
         root = epath.Path(source)
@@ -581,8 +652,9 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
                 if meta is None:
                     tmp = _in_progress(root, None)
                     if tmp:
-                        raise _still_written(f"no committed checkpoint under {root}: every "
-                                             f"step", ", ".join(tmp))
+                        raise _still_written(
+                            f"no committed checkpoint under {root}: every step", ", ".join(tmp)
+                        )
                     raise FileNotFoundError(f"no committed checkpoint under {root}")
                 step_dir = meta.path
             else:
@@ -591,13 +663,15 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
                 except ValueError:
                     tmp = _in_progress(root, step)
                     if tmp:
-                        raise _still_written(f"step {step} under {root}",
-                                             ", ".join(tmp)) from None
+                        raise _still_written(f"step {step} under {root}", ", ".join(tmp)) from None
                     raise FileNotFoundError(f"no committed step {step} under {root}") from None
             path = epath.Path(step_dir) / item
     if not _is_item_dir(path):
-        tmp = ([p.name for p in path.parent.iterdir() if p.name.startswith(item + _TMP)]
-               if path.parent.exists() else [])
+        tmp = (
+            [p.name for p in path.parent.iterdir() if p.name.startswith(item + _TMP)]
+            if path.parent.exists()
+            else []
+        )
         if tmp:
             raise _still_written(f"checkpoint item {path}", ", ".join(sorted(tmp)))
         raise FileNotFoundError(f"{path} holds no checkpoint item {item!r}")
@@ -605,8 +679,15 @@ def _item_dir(source, step: Optional[int], item: str) -> epath.Path:
 
 
 _META_KEYS = {"num_shards": int, "step": int, "tables": list}
-_META_TABLE_KEYS = {"name": str, "key": str, "vocabulary_size": int, "dim": int,
-                    "rows_per_shard": int, "rotation": int, "slots": list}
+_META_TABLE_KEYS = {
+    "name": str,
+    "key": str,
+    "vocabulary_size": int,
+    "dim": int,
+    "rows_per_shard": int,
+    "rotation": int,
+    "slots": list,
+}
 
 
 def _parse_meta(blob: bytes, where: str) -> dict:
@@ -628,8 +709,9 @@ def _check_meta(meta: dict, where: str) -> None:
                 raise ValueError(f"{where} lacks the key {prefix}{key!r}")
             value = d[key]
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"{where}: {prefix}{key!r} must be a {kind.__name__}, got "
-                                 f"{value!r}")
+                raise ValueError(
+                    f"{where}: {prefix}{key!r} must be a {kind.__name__}, got {value!r}"
+                )
 
     check(meta, _META_KEYS, "")
     if meta["num_shards"] < 1:
@@ -652,8 +734,10 @@ class _Reader:
             self.tree = self._handler.metadata(path).tree
         except Exception as e:  # bad bytes, bad JSON, missing keys: orbax's own errors
             self._handler.close()
-            raise ValueError(f"cannot read the checkpoint metadata file {path / '_METADATA'} "
-                             f"(orbax's metadata of the item): {type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"cannot read the checkpoint metadata file {path / '_METADATA'} "
+                f"(orbax's metadata of the item): {type(e).__name__}: {e}"
+            ) from e
         if not (isinstance(self.tree, dict) and "meta" in self.tree and "tables" in self.tree):
             raise ValueError(f"{path} is not an embedmesh checkpoint item (no tables/meta)")
         where = f"the embedmesh metadata (array 'meta') of checkpoint item {path}"
@@ -665,9 +749,11 @@ class _Reader:
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not an embedmesh checkpoint item")
         if int(self.meta.get("format_version", 0)) > FORMAT_VERSION:
-            raise ValueError(f"{path} has checkpoint format version "
-                             f"{self.meta['format_version']}; this embedmesh reads up to "
-                             f"{FORMAT_VERSION}")
+            raise ValueError(
+                f"{path} has checkpoint format version "
+                f"{self.meta['format_version']}; this embedmesh reads up to "
+                f"{FORMAT_VERSION}"
+            )
         _check_meta(self.meta, where)
         try:
             stored = json.loads((path / "_METADATA").read_text())
@@ -709,8 +795,9 @@ class _Reader:
         for k in path[:-1]:
             node = node[k]
         node[path[-1]] = 0
-        out = self._handler.restore(self.path, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=args))
+        out = self._handler.restore(
+            self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=args)
+        )
         for k in path:
             out = out[k]
         return np.asarray(out)
@@ -747,8 +834,11 @@ class _Reader:
                 if np.dtype(src.dtype.numpy_dtype) != dst.dtype:
                     src = ts.cast(src, dst.dtype)
                 target = ts.array(dst, copy=False, write=True)
-                futures.append(target[d0:d0 + dstep * (rows - 1) + 1:dstep].write(
-                    src[s0:s0 + sstep * (rows - 1) + 1:sstep], batch=batch))
+                futures.append(
+                    target[d0 : d0 + dstep * (rows - 1) + 1 : dstep].write(
+                        src[s0 : s0 + sstep * (rows - 1) + 1 : sstep], batch=batch
+                    )
+                )
         finally:
             batch.submit()
         return futures
@@ -763,8 +853,9 @@ class _Reader:
         self.close()
 
 
-def _read_spec(directory: str, name: str, use_zarr3: bool, use_ocdbt: bool,
-               from_orbax: bool = True) -> dict:
+def _read_spec(
+    directory: str, name: str, use_zarr3: bool, use_ocdbt: bool, from_orbax: bool = True
+) -> dict:
     """The tensorstore spec of one stored array: orbax's when importable, else the
     same spec made here (a test keeps the two equal)."""
     ts_utils = _compat.orbax_tensorstore_utils()  # private: a hand-made spec if it moves
@@ -772,19 +863,29 @@ def _read_spec(directory: str, name: str, use_zarr3: bool, use_ocdbt: bool,
         return ts_utils.ArrayReadSpec(directory, name, use_zarr3, use_ocdbt=use_ocdbt).json
     directory = directory.rstrip("/") + "/"
     if use_ocdbt:
-        kvstore = {"driver": "ocdbt",
-                   "base": {"driver": "file", "path": directory,
-                            "file_io_locking": {"mode": "non_atomic"}},
-                   "manifest": {"driver": "file", "path": directory},
-                   "path": name, "cache_pool": "cache_pool#ocdbt"}
+        kvstore = {
+            "driver": "ocdbt",
+            "base": {
+                "driver": "file",
+                "path": directory,
+                "file_io_locking": {"mode": "non_atomic"},
+            },
+            "manifest": {"driver": "file", "path": directory},
+            "path": name,
+            "cache_pool": "cache_pool#ocdbt",
+        }
     else:
         kvstore = {"driver": "file", "path": directory + name}
-    return {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore,
-            "recheck_cached_data": False, "recheck_cached_metadata": False,
-            "fill_missing_data_reads": False}
+    return {
+        "driver": "zarr3" if use_zarr3 else "zarr",
+        "kvstore": kvstore,
+        "recheck_cached_data": False,
+        "recheck_cached_metadata": False,
+        "fill_missing_data_reads": False,
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ts_context():
     """One tensorstore context for every read: orbax's OCDBT settings (many file reads in
     flight); no chunk cache, so nothing stays in memory after a read."""
@@ -806,10 +907,10 @@ def _host_buffer(shape: tuple, dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     offset = (-raw.ctypes.data) % _ALIGN
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
-def read_metadata(source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM) -> dict:
+def read_metadata(source, step: int | None = None, *, item: str = DEFAULT_ITEM) -> dict:
     """The JSON metadata of a checkpoint's embedding item (format, N, step, tables)."""
     with _Reader(_item_dir(source, step, item)) as r:
         return r.meta
@@ -819,11 +920,13 @@ def read_metadata(source, step: Optional[int] = None, *, item: str = DEFAULT_ITE
 # Layout conversions: which stored rows go where (pure index arithmetic)
 
 
-def _stored_shape_check(shape: tuple, meta_table: dict, n: int, dim: Optional[int] = None):
+def _stored_shape_check(shape: tuple, meta_table: dict, n: int, dim: int | None = None):
     rows = n * meta_table["rows_per_shard"]
     if shape[0] != rows:
-        raise ValueError(f"table {meta_table['name']}: stored array has {shape[0]} rows, "
-                         f"metadata says {n} x {meta_table['rows_per_shard']}")
+        raise ValueError(
+            f"table {meta_table['name']}: stored array has {shape[0]} rows, "
+            f"metadata says {n} x {meta_table['rows_per_shard']}"
+        )
     if dim is not None and len(shape) == 2 and shape[1] != dim:
         raise ValueError(f"table {meta_table['name']}: stored dim {shape[1]} != {dim}")
 
@@ -832,9 +935,11 @@ def _stored_layout(meta: dict, where) -> RowLayout:
     """The row layout of the saving mesh ("row_layout", "mod" when absent)."""
     name = meta.get("row_layout", "mod")
     if not isinstance(name, str) or name not in ROW_LAYOUTS:
-        raise ValueError(f"{where} lays its rows out by {name!r} (its 'row_layout'), a row "
-                         f"layout this embedmesh does not know (it knows "
-                         f"{sorted(ROW_LAYOUTS)})")
+        raise ValueError(
+            f"{where} lays its rows out by {name!r} (its 'row_layout'), a row "
+            f"layout this embedmesh does not know (it knows "
+            f"{sorted(ROW_LAYOUTS)})"
+        )
     return row_layout(name, int(meta["num_shards"]))
 
 
@@ -842,21 +947,30 @@ def _stored_table(meta_table: dict, n: int) -> TablePlacement:
     """A table's stored array as a placement on the saving mesh's `n` shards: a stack of
     its own, its block on shard j at rows `[j * rows_per_shard, (j+1) * rows_per_shard)`."""
     v, rps = meta_table["vocabulary_size"], meta_table["rows_per_shard"]
-    return TablePlacement(name=meta_table["name"], index=0, stack=meta_table["name"],
-                          num_shards=n, vocabulary_size=v, padded_vocabulary_size=n * rps,
-                          dim=meta_table["dim"], padded_dim=meta_table["dim"], row_offset=0,
-                          rotation=meta_table["rotation"])
+    return TablePlacement(
+        name=meta_table["name"],
+        index=0,
+        stack=meta_table["name"],
+        num_shards=n,
+        vocabulary_size=v,
+        padded_vocabulary_size=n * rps,
+        dim=meta_table["dim"],
+        padded_dim=meta_table["dim"],
+        row_offset=0,
+        rotation=meta_table["rotation"],
+    )
 
 
 def _logical_table(meta_table: dict) -> TablePlacement:
     """The logical `[vocabulary_size, ...]` table as a placement of `logical_layout()`."""
-    return _stored_table(dict(meta_table, rows_per_shard=meta_table["vocabulary_size"],
-                              rotation=0), 1)
+    return _stored_table(
+        dict(meta_table, rows_per_shard=meta_table["vocabulary_size"], rotation=0), 1
+    )
 
 
 def _stored_row(layout: RowLayout, t, row: int) -> int:
     """Where logical row `row` of table `t` is in its stored `[N * rows_per_shard, ...]` array."""
-    return (int(layout.shard_of(t, row)) * t.rows_per_shard + int(layout.block_row(t, row)))
+    return int(layout.shard_of(t, row)) * t.rows_per_shard + int(layout.block_row(t, row))
 
 
 def _recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard: int) -> list:
@@ -875,36 +989,51 @@ def _recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard:
     count = dst_layout.count_on_shard(dst, shard)
     index = dst_layout.rows_index(dst, shard)
     if not isinstance(index, slice):  # the layout gives no progression: a copy per row
-        return [(r, 1, _stored_row(src_layout, src, int(i)), 1, 1)
-                for r, i in enumerate(np.asarray(index, np.int64)[:count])]
+        return [
+            (r, 1, _stored_row(src_layout, src, int(i)), 1, 1)
+            for r, i in enumerate(np.asarray(index, np.int64)[:count])
+        ]
     first, _, step = index.indices(dst.vocabulary_size)
     rows, advance = src_layout.period(src)
     lcm = step * rows // int(np.gcd(step, rows))
     phases, stride = lcm // step, (lcm // rows) * advance
-    return [(p, phases, _stored_row(src_layout, src, first + step * p), stride,
-             len(range(p, count, phases))) for p in range(min(phases, count))]
+    return [
+        (
+            p,
+            phases,
+            _stored_row(src_layout, src, first + step * p),
+            stride,
+            len(range(p, count, phases)),
+        )
+        for p in range(min(phases, count))
+    ]
 
 
 def _same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool:
     """Whether the stored blocks are exactly the new blocks of the table."""
-    return (src_layout == dst_layout and src.rows_per_shard == dst.rows_per_shard
-            and tuple(src_layout.kernel_params(src)) == tuple(dst_layout.kernel_params(dst)))
+    return (
+        src_layout == dst_layout
+        and src.rows_per_shard == dst.rows_per_shard
+        and tuple(src_layout.kernel_params(src)) == tuple(dst_layout.kernel_params(dst))
+    )
 
 
 # ---------------------------------------------------------------------------
 # Restoring onto a core or into a MeshEmbedding (any mesh, any stacking)
 
 
-def _check_compatible(name: str, table, meta_table: Optional[dict],
-                      what: str = "the embedding") -> None:
+def _check_compatible(
+    name: str, table, meta_table: dict | None, what: str = "the embedding"
+) -> None:
     """ValueError unless the stored table (if any) has `table`'s vocabulary size and dim."""
     if meta_table is None:
         return
-    if (meta_table["vocabulary_size"], meta_table["dim"]) != (table.vocabulary_size,
-                                                              table.dim):
-        raise ValueError(f"table {name}: the checkpoint has "
-                         f"[{meta_table['vocabulary_size']}, {meta_table['dim']}], {what} "
-                         f"[{table.vocabulary_size}, {table.dim}]")
+    if (meta_table["vocabulary_size"], meta_table["dim"]) != (table.vocabulary_size, table.dim):
+        raise ValueError(
+            f"table {name}: the checkpoint has "
+            f"[{meta_table['vocabulary_size']}, {meta_table['dim']}], {what} "
+            f"[{table.vocabulary_size}, {table.dim}]"
+        )
 
 
 def _local_shards(core, shape: tuple) -> list:
@@ -930,9 +1059,11 @@ def _check_leaf(reader, leaf: tuple, meta_table: dict, dim: int) -> None:
     """ValueError, before anything is read, when an array the metadata lists is missing or
     has another shape."""
     if reader.has(leaf) is False:
-        raise ValueError(f"checkpoint item {reader.path} lacks the array "
-                         f"'{_leaf_name(leaf)}' of table {meta_table['name']} that its "
-                         f"metadata lists")
+        raise ValueError(
+            f"checkpoint item {reader.path} lacks the array "
+            f"'{_leaf_name(leaf)}' of table {meta_table['name']} that its "
+            f"metadata lists"
+        )
     _stored_shape_check(reader.shape(leaf), meta_table, int(reader.meta["num_shards"]), dim)
 
 
@@ -945,11 +1076,19 @@ class _Pending:
     futures: list
     what: str = ""  # "slot 'accumulators' of table u (array 'slots.u.accumulators')"
     source: str = ""  # the item directory
-    checksum: Optional[str] = None  # expected (None: not verified)
+    checksum: str | None = None  # expected (None: not verified)
 
 
-def _start_leaf(reader, leaf: tuple, meta_table: dict, layout: RowLayout, t, shards: list,
-                dtype, field: str = "parameters") -> _Pending:
+def _start_leaf(
+    reader,
+    leaf: tuple,
+    meta_table: dict,
+    layout: RowLayout,
+    t,
+    shards: list,
+    dtype,
+    field: str = "parameters",
+) -> _Pending:
     """Allocate table `t`'s blocks on `shards` (`[(j, device)]`) of `layout` on the host and
     start reading the stored array `leaf` into them: only the stored rows these blocks
     need, each copied once, straight into place (padding rows are zero).
@@ -964,7 +1103,7 @@ def _start_leaf(reader, leaf: tuple, meta_table: dict, layout: RowLayout, t, sha
     pieces, copies = [], []
     for j, device in shards:
         piece = _host_buffer((t.rows_per_shard,) + rest, dtype)
-        piece[layout.count_on_shard(t, j):] = 0
+        piece[layout.count_on_shard(t, j) :] = 0
         pieces.append((j, device, piece))
         copies += [(piece,) + c for c in _recut_copies(src_layout, src, layout, t, j)]
     kind = "direct" if _same_layout(src_layout, src, layout, t) else "resharded"
@@ -981,7 +1120,7 @@ def _read_error(path, what: str, error: Exception) -> ValueError:
     return ValueError(f"cannot read {what} from checkpoint item {path}: {error}")
 
 
-def _drain(pending: Optional[_Pending]) -> None:
+def _drain(pending: _Pending | None) -> None:
     """Wait for a leaf's reads, ignoring their errors (an abandoned restore must not leave
     tensorstore writing into buffers that are about to be freed)."""
     if pending is None:
@@ -1014,7 +1153,7 @@ def _streamed(count: int, start, prefetch: bool):
         _drain(following)
 
 
-def _wait_leaf(pending: _Pending, stats: Optional[dict] = None) -> None:
+def _wait_leaf(pending: _Pending, stats: dict | None = None) -> None:
     """Wait for a leaf's reads; a failed read is a ValueError naming the leaf."""
     try:
         _wait(pending.futures)
@@ -1031,13 +1170,22 @@ def _verify(pending: _Pending, checksum) -> None:
         return
     got = checksum()
     if got != pending.checksum:
-        raise ValueError(f"checkpoint item {pending.source}: {pending.what} is corrupted: "
-                         f"its checksum is {got}, the checkpoint recorded "
-                         f"{pending.checksum} ({CHECKSUM})")
+        raise ValueError(
+            f"checkpoint item {pending.source}: {pending.what} is corrupted: "
+            f"its checksum is {got}, the checkpoint recorded "
+            f"{pending.checksum} ({CHECKSUM})"
+        )
 
 
-def _place_leaf(core, pending: _Pending, stack_array: jax.Array, t,
-                stats: Optional[dict] = None, *, donate: bool = True) -> jax.Array:
+def _place_leaf(
+    core,
+    pending: _Pending,
+    stack_array: jax.Array,
+    t,
+    stats: dict | None = None,
+    *,
+    donate: bool = True,
+) -> jax.Array:
     """Wait for a leaf's reads, verify its checksum, then return the stack array with it
     written in: in place (`donate=True`: `stack_array` is consumed), or into a new array
     (`donate=False`: `stack_array` stays intact)."""
@@ -1091,14 +1239,25 @@ class RestoredState:
         are none). A pipelined loop runs that lookup on it, then goes on from `state`."""
         if not self.lookup_tables:
             return self.state
-        return dataclasses.replace(self.state,
-                                   tables=dict(self.state.tables, **self.lookup_tables),
-                                   step=self.state.step - 1)
+        return dataclasses.replace(
+            self.state,
+            tables=dict(self.state.tables, **self.lookup_tables),
+            step=self.state.step - 1,
+        )
 
 
-def core_restore(core, state, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
-                 missing: str = "error", pipelined: bool = False, prefetch: bool = False,
-                 _stats: Optional[dict] = None) -> RestoredState:
+def core_restore(
+    core,
+    state,
+    source,
+    step: int | None = None,
+    *,
+    item: str = DEFAULT_ITEM,
+    missing: str = "error",
+    pipelined: bool = False,
+    prefetch: bool = False,
+    _stats: dict | None = None,
+) -> RestoredState:
     """Restore a checkpoint onto `core` (an `EmbeddingCore`): a new state, `state` unchanged.
 
     The checkpoint may come from any number of devices and any stacking. For
@@ -1156,17 +1315,32 @@ def core_restore(core, state, source, step: Optional[int] = None, *, item: str =
                 if slot in m["slots"]:
                     todo.append((t, m, slot))
                 else:
-                    problems.append(f"slot {slot!r} of table {t.name} is not in the checkpoint "
-                                    f"(it has {m['slots']}; optimizer {m['optimizer']})")
+                    problems.append(
+                        f"slot {slot!r} of table {t.name} is not in the checkpoint "
+                        f"(it has {m['slots']}; optimizer {m['optimizer']})"
+                    )
         if problems and missing == "error":
-            raise ValueError("cannot restore " + str(path) + ": " + "; ".join(problems) +
-                             " (pass missing='keep' to keep their current values)")
+            raise ValueError(
+                "cannot restore "
+                + str(path)
+                + ": "
+                + "; ".join(problems)
+                + " (pass missing='keep' to keep their current values)"
+            )
         if pipelined:  # what the next lookup reads, where an update was pending at save
-            todo += [(t, by_name[t.name], LOOKUP_FIELD) for t in plan.tables
-                     if by_name.get(t.name, {}).get("lookup")]
-        leaves = [("tables", m["key"]) if field == "parameters"
-                  else ("lookup_tables", m["key"]) if field == LOOKUP_FIELD
-                  else ("slots", m["key"], field) for t, m, field in todo]
+            todo += [
+                (t, by_name[t.name], LOOKUP_FIELD)
+                for t in plan.tables
+                if by_name.get(t.name, {}).get("lookup")
+            ]
+        leaves = [
+            ("tables", m["key"])
+            if field == "parameters"
+            else ("lookup_tables", m["key"])
+            if field == LOOKUP_FIELD
+            else ("slots", m["key"], field)
+            for t, m, field in todo
+        ]
         for (t, m, _), leaf in zip(todo, leaves):  # before anything is read
             _check_leaf(reader, leaf, m, t.dim)
         # The new state: starts as the live arrays; an array is replaced by a new one on
@@ -1188,8 +1362,16 @@ def core_restore(core, state, source, step: Optional[int] = None, *, item: str =
         def start(i):
             t, m, field = todo[i]
             shape = (core.num_shards * t.rows_per_shard,) + reader.shape(leaves[i])[1:]
-            return _start_leaf(reader, leaves[i], m, plan.row_layout, t,
-                               _local_shards(core, shape), target(i).dtype, field)
+            return _start_leaf(
+                reader,
+                leaves[i],
+                m,
+                plan.row_layout,
+                t,
+                _local_shards(core, shape),
+                target(i).dtype,
+                field,
+            )
 
         with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
             for i, current in enumerate(pending):
@@ -1206,14 +1388,25 @@ def core_restore(core, state, source, step: Optional[int] = None, *, item: str =
                     slots[t.stack][field] = out
                 del out
         step_count = int(meta["step"])
-    new = dataclasses.replace(live, tables=tables, slots=slots, step=jax.device_put(
-        jnp.asarray(step_count, jnp.int32), core.replicated))
+    new = dataclasses.replace(
+        live,
+        tables=tables,
+        slots=slots,
+        step=jax.device_put(jnp.asarray(step_count, jnp.int32), core.replicated),
+    )
     return RestoredState(new, step_count, lookup)
 
 
-def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM,
-            missing: str = "error", prefetch: bool = False,
-            _stats: Optional[dict] = None) -> int:
+def restore(
+    emb,
+    source,
+    step: int | None = None,
+    *,
+    item: str = DEFAULT_ITEM,
+    missing: str = "error",
+    prefetch: bool = False,
+    _stats: dict | None = None,
+) -> int:
     """Restore a checkpoint into `emb` (built if needed) on its own mesh and stacking.
 
     `core_restore` of `emb`'s core and observed state (see there: any device
@@ -1256,8 +1449,16 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
     path = _item_dir(source, step, item)
     emb.build()
     # the observed state is what missing="keep" keeps; a pipelined emb is not flushed
-    restored = core_restore(emb.core, emb.observed_state(), path, item=item, missing=missing,
-                            pipelined=emb.pipelined, prefetch=prefetch, _stats=_stats)
+    restored = core_restore(
+        emb.core,
+        emb.observed_state(),
+        path,
+        item=item,
+        missing=missing,
+        pipelined=emb.pipelined,
+        prefetch=prefetch,
+        _stats=_stats,
+    )
     emb._install_restored(restored.state, restored.lookup_tables)
     return restored.step
 
@@ -1266,8 +1467,9 @@ def restore(emb, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM
 # Serving: parameters only, on the host, no mesh
 
 
-def load_tables(source, step: Optional[int] = None, *, feature_config: Any = None,
-                item: str = DEFAULT_ITEM) -> dict:
+def load_tables(
+    source, step: int | None = None, *, feature_config: Any = None, item: str = DEFAULT_ITEM
+) -> dict:
     """`{TableConfig: [vocabulary_size, dim] numpy array}` of a checkpoint's parameters.
 
     Reads only the parameters (optimizer slots are never read) on any
@@ -1286,16 +1488,24 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
         reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
         by_name = {m["name"]: m for m in meta["tables"]}
         if feature_config is None:
-            wanted = [(TableConfig(m["vocabulary_size"], m["dim"], combiner=m["combiner"],
-                                   name=m["name"]), m) for m in meta["tables"]]
+            wanted = [
+                (
+                    TableConfig(
+                        m["vocabulary_size"], m["dim"], combiner=m["combiner"], name=m["name"]
+                    ),
+                    m,
+                )
+                for m in meta["tables"]
+            ]
         else:
             resolved = resolve_feature_config(feature_config)
             wanted = []
             for cfg, name in zip(resolved.tables, resolved.table_names):
                 m = by_name.get(name)
                 if m is None:
-                    raise ValueError(f"table {name} is not in the checkpoint (it has "
-                                     f"{sorted(by_name)})")
+                    raise ValueError(
+                        f"table {name} is not in the checkpoint (it has {sorted(by_name)})"
+                    )
                 _check_compatible(name, cfg, m, "the feature config")
                 wanted.append((cfg, m))
         for _, m in wanted:  # before anything is read
@@ -1304,8 +1514,15 @@ def load_tables(source, step: Optional[int] = None, *, feature_config: Any = Non
 
         def start(i):  # the logical table: one block of the logical layout, on the host
             m = wanted[i][1]
-            return _start_leaf(reader, ("tables", m["key"]), m, layout, logical[i],
-                               [(0, None)], np.dtype(m.get("dtype", "float32")))
+            return _start_leaf(
+                reader,
+                ("tables", m["key"]),
+                m,
+                layout,
+                logical[i],
+                [(0, None)],
+                np.dtype(m.get("dtype", "float32")),
+            )
 
         out = {}
         # at most two tables' reads in flight
@@ -1331,17 +1548,19 @@ class EmbeddingForServing:
         self.feature_config = feature_config
         self._resolved = resolve_feature_config(feature_config)
         self.optimizer = optimizer
-        self._tables: Optional[dict] = None
-        self.step: Optional[int] = None
+        self._tables: dict | None = None
+        self.step: int | None = None
 
     def build(self, seed: int = 0):
         """Initialise every table on the host from its initializer."""
         if self._tables is None:
             key = jax.random.key(seed)
-            self._tables = {t: np.asarray(t.initialize(jax.random.fold_in(key, i)))
-                            for i, t in enumerate(self._resolved.tables)}
+            self._tables = {
+                t: np.asarray(t.initialize(jax.random.fold_in(key, i)))
+                for i, t in enumerate(self._resolved.tables)
+            }
 
-    def restore(self, source, step: Optional[int] = None, *, item: str = DEFAULT_ITEM) -> int:
+    def restore(self, source, step: int | None = None, *, item: str = DEFAULT_ITEM) -> int:
         """Load the parameters of a checkpoint (see `load_tables`); returns its step."""
         path = _item_dir(source, step, item)
         self._tables = load_tables(path, feature_config=self.feature_config)
@@ -1354,9 +1573,11 @@ class EmbeddingForServing:
         self.build()
         return dict(self._tables)
 
-    def embedding_lookup(self, features: Any, weights: Optional[Any] = None) -> Any:
+    def embedding_lookup(self, features: Any, weights: Any | None = None) -> Any:
         from embedmesh.serving.lookup import serving_embedding_lookup
-        return serving_embedding_lookup(features, weights, self.embedding_tables,
-                                        self.feature_config)
+
+        return serving_embedding_lookup(
+            features, weights, self.embedding_tables, self.feature_config
+        )
 
     __call__ = embedding_lookup

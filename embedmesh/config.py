@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import warnings
 import numbers
-from typing import Any, Callable, Optional, Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +47,12 @@ def _warn_quantization_ignored() -> None:
     global _QUANTIZATION_WARNED
     if not _QUANTIZATION_WARNED:
         _QUANTIZATION_WARNED = True
-        warnings.warn("TableConfig.quantization_config is accepted but ignored by embedmesh: "
-                      "activations are not quantized (warned once per process)",
-                      UserWarning, stacklevel=4)
+        warnings.warn(
+            "TableConfig.quantization_config is accepted but ignored by embedmesh: "
+            "activations are not quantized (warned once per process)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,12 +71,27 @@ class QuantizationConfig:
     upper: float
 
     def __post_init__(self):
-        _require(_is_int(self.num_buckets) and self.num_buckets >= 2,
-                 "QuantizationConfig", "num_buckets", self.num_buckets, "an int >= 2")
-        _require(isinstance(self.lower, numbers.Real), "QuantizationConfig", "lower",
-                 self.lower, "a number")
-        _require(isinstance(self.upper, numbers.Real) and self.upper > self.lower,
-                 "QuantizationConfig", "upper", self.upper, f"a number > lower ({self.lower})")
+        _require(
+            _is_int(self.num_buckets) and self.num_buckets >= 2,
+            "QuantizationConfig",
+            "num_buckets",
+            self.num_buckets,
+            "an int >= 2",
+        )
+        _require(
+            isinstance(self.lower, numbers.Real),
+            "QuantizationConfig",
+            "lower",
+            self.lower,
+            "a number",
+        )
+        _require(
+            isinstance(self.upper, numbers.Real) and self.upper > self.lower,
+            "QuantizationConfig",
+            "upper",
+            self.upper,
+            f"a number > lower ({self.lower})",
+        )
 
 
 _TABLE_COUNTER = itertools.count()  # creation order of TableConfigs, for their total order
@@ -100,31 +119,60 @@ class TableConfig:
 
     vocabulary_size: int
     dim: int
-    initializer: Optional[Initializer] = None
+    initializer: Initializer | None = None
     optimizer: Any = None
     combiner: str = "mean"
-    name: Optional[str] = None
-    quantization_config: Optional[QuantizationConfig] = None
+    name: str | None = None
+    quantization_config: QuantizationConfig | None = None
 
     def __post_init__(self):
-        _require(_is_int(self.vocabulary_size) and self.vocabulary_size >= 1,
-                 "TableConfig", "vocabulary_size", self.vocabulary_size, "an int >= 1")
-        _require(_is_int(self.dim) and self.dim >= 1, "TableConfig", "dim", self.dim,
-                 "an int >= 1")
-        _require(self.initializer is None or callable(self.initializer), "TableConfig",
-                 "initializer", self.initializer, "callable or None")
-        _require(self.combiner in COMBINERS, "TableConfig", "combiner", self.combiner,
-                 f"one of {COMBINERS}")
-        _require(self.name is None or (isinstance(self.name, str) and self.name),
-                 "TableConfig", "name", self.name, "a non-empty str or None")
-        _require(self.quantization_config is None
-                 or isinstance(self.quantization_config, QuantizationConfig),
-                 "TableConfig", "quantization_config", self.quantization_config,
-                 "a QuantizationConfig or None")
+        _require(
+            _is_int(self.vocabulary_size) and self.vocabulary_size >= 1,
+            "TableConfig",
+            "vocabulary_size",
+            self.vocabulary_size,
+            "an int >= 1",
+        )
+        _require(_is_int(self.dim) and self.dim >= 1, "TableConfig", "dim", self.dim, "an int >= 1")
+        _require(
+            self.initializer is None or callable(self.initializer),
+            "TableConfig",
+            "initializer",
+            self.initializer,
+            "callable or None",
+        )
+        _require(
+            self.combiner in COMBINERS,
+            "TableConfig",
+            "combiner",
+            self.combiner,
+            f"one of {COMBINERS}",
+        )
+        _require(
+            self.name is None or (isinstance(self.name, str) and self.name),
+            "TableConfig",
+            "name",
+            self.name,
+            "a non-empty str or None",
+        )
+        _require(
+            self.quantization_config is None
+            or isinstance(self.quantization_config, QuantizationConfig),
+            "TableConfig",
+            "quantization_config",
+            self.quantization_config,
+            "a QuantizationConfig or None",
+        )
         if self.optimizer is not None:
             from embedmesh.optimizers import Optimizer  # local: optimizers imports nothing here
-            _require(isinstance(self.optimizer, Optimizer), "TableConfig", "optimizer",
-                     self.optimizer, "an embedmesh optimizer or None")
+
+            _require(
+                isinstance(self.optimizer, Optimizer),
+                "TableConfig",
+                "optimizer",
+                self.optimizer,
+                "an embedmesh optimizer or None",
+            )
         if self.quantization_config is not None:
             _warn_quantization_ignored()
         object.__setattr__(self, "_creation_index", next(_TABLE_COUNTER))
@@ -160,10 +208,12 @@ class TableConfig:
 
     def __repr__(self):
         init = getattr(self.initializer, "__name__", None) if self.initializer else None
-        return (f"TableConfig(vocabulary_size={self.vocabulary_size}, dim={self.dim}, "
-                f"initializer={init or self.initializer}, optimizer={self.optimizer!r}, "
-                f"combiner={self.combiner!r}, name={self.name!r}, "
-                f"quantization_config={self.quantization_config!r})")
+        return (
+            f"TableConfig(vocabulary_size={self.vocabulary_size}, dim={self.dim}, "
+            f"initializer={init or self.initializer}, optimizer={self.optimizer!r}, "
+            f"combiner={self.combiner!r}, name={self.name!r}, "
+            f"quantization_config={self.quantization_config!r})"
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -178,33 +228,59 @@ class FeatureConfig:
     table: TableConfig
     max_sequence_length: int = 0
     validate_weights_and_indices: bool = True
-    output_shape: Optional[tuple] = None
-    name: Optional[str] = None
+    output_shape: tuple | None = None
+    name: str | None = None
 
     def __post_init__(self):
-        _require(isinstance(self.table, TableConfig), "FeatureConfig", "table", self.table,
-                 "a TableConfig")
-        _require(_is_int(self.max_sequence_length) and self.max_sequence_length >= 0,
-                 "FeatureConfig", "max_sequence_length", self.max_sequence_length,
-                 "an int >= 0")
-        _require(isinstance(self.validate_weights_and_indices, bool), "FeatureConfig",
-                 "validate_weights_and_indices", self.validate_weights_and_indices, "a bool")
+        _require(
+            isinstance(self.table, TableConfig),
+            "FeatureConfig",
+            "table",
+            self.table,
+            "a TableConfig",
+        )
+        _require(
+            _is_int(self.max_sequence_length) and self.max_sequence_length >= 0,
+            "FeatureConfig",
+            "max_sequence_length",
+            self.max_sequence_length,
+            "an int >= 0",
+        )
+        _require(
+            isinstance(self.validate_weights_and_indices, bool),
+            "FeatureConfig",
+            "validate_weights_and_indices",
+            self.validate_weights_and_indices,
+            "a bool",
+        )
         if self.output_shape is not None:
             shape = self.output_shape
             if _is_int(shape):
                 shape = (shape,)
             ok = isinstance(shape, (list, tuple)) and all(_is_int(d) and d >= 1 for d in shape)
-            _require(ok, "FeatureConfig", "output_shape", self.output_shape,
-                     "None or a sequence of ints >= 1")
+            _require(
+                ok,
+                "FeatureConfig",
+                "output_shape",
+                self.output_shape,
+                "None or a sequence of ints >= 1",
+            )
             object.__setattr__(self, "output_shape", tuple(int(d) for d in shape) or None)
-        _require(self.name is None or (isinstance(self.name, str) and self.name),
-                 "FeatureConfig", "name", self.name, "a non-empty str or None")
+        _require(
+            self.name is None or (isinstance(self.name, str) and self.name),
+            "FeatureConfig",
+            "name",
+            self.name,
+            "a non-empty str or None",
+        )
 
     def __repr__(self):
-        return (f"FeatureConfig(table={self.table.name or '<unnamed>'}, "
-                f"max_sequence_length={self.max_sequence_length}, "
-                f"validate_weights_and_indices={self.validate_weights_and_indices}, "
-                f"output_shape={self.output_shape}, name={self.name!r})")
+        return (
+            f"FeatureConfig(table={self.table.name or '<unnamed>'}, "
+            f"max_sequence_length={self.max_sequence_length}, "
+            f"validate_weights_and_indices={self.validate_weights_and_indices}, "
+            f"output_shape={self.output_shape}, name={self.name!r})"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -229,8 +305,10 @@ def flatten_features(feature_config) -> list[tuple[str, FeatureConfig]]:
     out = []
     for path, leaf in leaves:
         if not isinstance(leaf, FeatureConfig):
-            raise ValueError(f"feature_config entry {_path_str(path) or '<root>'} must be a "
-                             f"FeatureConfig, got {type(leaf).__name__}")
+            raise ValueError(
+                f"feature_config entry {_path_str(path) or '<root>'} must be a "
+                f"FeatureConfig, got {type(leaf).__name__}"
+            )
         out.append((_path_str(path) or leaf.name or "feature", leaf))
     if not out:
         raise ValueError("feature_config holds no FeatureConfig")
@@ -282,8 +360,11 @@ def resolve_feature_config(feature_config) -> ResolvedFeatures:
     except Exception:  # pragma: no cover - left to the full path's errors
         return _resolve_feature_config(feature_config)
     for cached_leaves, cached_treedef, resolved in reversed(_RESOLVED_CACHE):
-        if (cached_treedef == treedef and len(leaves) == len(cached_leaves)
-                and all(a is b for a, b in zip(leaves, cached_leaves))):
+        if (
+            cached_treedef == treedef
+            and len(leaves) == len(cached_leaves)
+            and all(a is b for a, b in zip(leaves, cached_leaves))
+        ):
             return resolved
     resolved = _resolve_feature_config(feature_config)
     _RESOLVED_CACHE.append((leaves, treedef, resolved))
@@ -304,12 +385,15 @@ def _resolve_feature_config(feature_config) -> ResolvedFeatures:
     seen: dict[str, int] = {}
     for i, n in enumerate(table_names):
         if n in seen:
-            raise ValueError(f"two different tables are named {n!r} (tables #{seen[n]} and "
-                             f"#{i} in order of first use); table names must be unique")
+            raise ValueError(
+                f"two different tables are named {n!r} (tables #{seen[n]} and "
+                f"#{i} in order of first use); table names must be unique"
+            )
         seen[n] = i
     names = [f.name or path for path, f in flat]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ValueError(f"feature names must be unique, duplicated: {sorted(dup)}")
-    return ResolvedFeatures(tuple(f for _, f in flat), tuple(names), tuple(tables),
-                            tuple(table_names), treedef)
+    return ResolvedFeatures(
+        tuple(f for _, f in flat), tuple(names), tuple(tables), tuple(table_names), treedef
+    )

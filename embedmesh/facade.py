@@ -10,7 +10,8 @@ logical order (`embedding_tables`, `variables`, `embedding_table_shards`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +21,12 @@ from jax.sharding import Mesh
 from embedmesh import _compat
 from embedmesh.config import resolve_feature_config
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
-from embedmesh.inputs import flatten_inputs_like
-from embedmesh.optimizers import Optimizer
-from embedmesh.host.prefetch import background_map
 from embedmesh.host import preprocess as _pre
+from embedmesh.host.prefetch import background_map
+from embedmesh.inputs import flatten_inputs_like
 from embedmesh.layout.rows import row_layout
 from embedmesh.layout.stacking import plan_stacking
-
+from embedmesh.optimizers import Optimizer
 
 
 def _check_not_traced(what: str, *args) -> None:
@@ -48,7 +48,8 @@ def _check_not_traced(what: str, *args) -> None:
         f"The MeshEmbedding facade is stateful and runs outside jit: call emb.enqueue(...) "
         f"outside the jitted function and pass its result in, and inside jit use the "
         f"functional core, emb.core.lookup(state, csr) and emb.core.apply_gradients(state, "
-        f"gradients, csr), with emb.state as an argument (see embedmesh.device.core).")
+        f"gradients, csr), with emb.state as an argument (see embedmesh.device.core)."
+    )
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -92,14 +93,26 @@ class MeshEmbedding:
       seed: the initialisation seed.
     """
 
-    def __init__(self, feature_config: Any, optimizer: Optional[Optimizer] = None,
-                 pipeline_execution_with_tensor_core: bool = False, *, mesh: Optional[Mesh] = None,
-                 stack_tables: bool = True, max_stack_rows: Optional[int] = None,
-                 sharding: str = "mod", capacities: Any = None, overflow: Optional[str] = None,
-                 check_finite: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        feature_config: Any,
+        optimizer: Optimizer | None = None,
+        pipeline_execution_with_tensor_core: bool = False,
+        *,
+        mesh: Mesh | None = None,
+        stack_tables: bool = True,
+        max_stack_rows: int | None = None,
+        sharding: str = "mod",
+        capacities: Any = None,
+        overflow: str | None = None,
+        check_finite: bool = True,
+        seed: int = 0,
+    ):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
-            raise ValueError(f"optimizer must be one of embedmesh's SGD, Adagrad, "
-                             f"AdagradMomentum, Adam, FTRL or None, got {optimizer!r}")
+            raise ValueError(
+                f"optimizer must be one of embedmesh's SGD, Adagrad, "
+                f"AdagradMomentum, Adam, FTRL or None, got {optimizer!r}"
+            )
         self._feature_config = feature_config
         self._resolved = resolve_feature_config(feature_config)
         self._optimizer = optimizer
@@ -113,17 +126,16 @@ class MeshEmbedding:
         if overflow is None:
             overflow = "grow" if capacities is None else "error"
         if overflow not in _pre.OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {_pre.OVERFLOW_POLICIES}, got "
-                             f"{overflow!r}")
+            raise ValueError(f"overflow must be one of {_pre.OVERFLOW_POLICIES}, got {overflow!r}")
         self._overflow = overflow
         self._check_finite = check_finite
         self._seed = seed
         self._built = False
-        self._pending: Optional[tuple] = None  # (checked gradients, csr): the next update
-        self._observed: Optional[tuple] = None  # (pending, state with it applied), cached
+        self._pending: tuple | None = None  # (checked gradients, csr): the next update
+        self._observed: tuple | None = None  # (pending, state with it applied), cached
         # pipelined, after a restore of a checkpoint saved with an update pending: the
         # state to install after the next lookup (which reads `_state`, one update stale)
-        self._after_lookup: Optional[EmbeddingState] = None
+        self._after_lookup: EmbeddingState | None = None
         self.last_stats = None  # PreprocessStats of the latest enqueue
 
     # -- build ------------------------------------------------------------------
@@ -135,9 +147,14 @@ class MeshEmbedding:
             return
         mesh = self._mesh if self._mesh is not None else default_mesh()
         self._mesh = mesh
-        self.plan = plan_stacking(self._resolved, mesh.size, stack_tables=self._stack_tables,
-                                  max_stack_rows=self._max_stack_rows,
-                                  default_optimizer=self._optimizer, sharding=self._sharding)
+        self.plan = plan_stacking(
+            self._resolved,
+            mesh.size,
+            stack_tables=self._stack_tables,
+            max_stack_rows=self._max_stack_rows,
+            default_optimizer=self._optimizer,
+            sharding=self._sharding,
+        )
         self.core = EmbeddingCore(self.plan, mesh, self._optimizer)
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
@@ -152,11 +169,13 @@ class MeshEmbedding:
         # deferred program runs: an in-program `cond` costs 2-10 ms a step on CPU
         self._fused_fn = jax.jit(
             lambda st, g, c_prev, c_next: core.lookup_then_apply_gradients(
-                st, g, c_prev, c_next, check_finite=False)[:2],
-            donate_argnums=0)
+                st, g, c_prev, c_next, check_finite=False
+            )[:2],
+            donate_argnums=0,
+        )
         self._apply_fn = jax.jit(
-            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0],
-            donate_argnums=0)
+            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0], donate_argnums=0
+        )
 
         def apply_then_lookup(st, g, c_prev, c_next):
             st, _ = core.apply_gradients(st, g, c_prev, check_finite=False)
@@ -166,9 +185,11 @@ class MeshEmbedding:
         # pipelined reads: the pending update applied into new buffers, the live
         # state (what the next lookup reads) left as it is
         self._apply_copy_fn = jax.jit(
-            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0])
+            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0]
+        )
         self._all_finite_fn = jax.jit(
-            lambda g: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g.values()])))
+            lambda g: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g.values()]))
+        )
         self._built = True
 
     def observed_state(self) -> EmbeddingState:
@@ -223,8 +244,7 @@ class MeshEmbedding:
         if not self._pipelined:
             return state, {}
         if self._after_lookup is not None:
-            return state, {s: a for s, a in self._state.tables.items()
-                           if a is not state.tables[s]}
+            return state, {s: a for s, a in self._state.tables.items() if a is not state.tables[s]}
         if self._pending is None:
             return state, {}
         _, csr = self._pending
@@ -237,8 +257,9 @@ class MeshEmbedding:
         self._observed = None
         self._after_lookup = None
         if self._pipelined and lookup_tables:
-            self._state = dataclasses.replace(state, tables=dict(state.tables, **lookup_tables),
-                                              step=state.step - 1)
+            self._state = dataclasses.replace(
+                state, tables=dict(state.tables, **lookup_tables), step=state.step - 1
+            )
             self._after_lookup = state
         else:
             self._state = state
@@ -268,8 +289,7 @@ class MeshEmbedding:
         `embedmesh.host.preprocess.preprocess_features` and `preprocess_features_tf`)."""
         return _pre.preprocess_features(*args, **kwargs)
 
-    def enqueue(self, features: Any, weights: Optional[Any] = None,
-                device: Optional[str] = None) -> dict:
+    def enqueue(self, features: Any, weights: Any | None = None, device: str | None = None) -> dict:
         """Preprocess this process's batch on the host and place it on the mesh.
 
         Returns `{stack: PartitionedCsrFormatTensor}` of global arrays for
@@ -279,9 +299,14 @@ class MeshEmbedding:
         _check_not_traced("enqueue", features, weights)
         self._maybe_build()
         csr, stats = _pre.preprocess_features(
-            features, weights, self.plan, num_devices_local=self._num_local_devices,
-            capacities=self._capacities, overflow=self._overflow,
-            process_index=jax.process_index())
+            features,
+            weights,
+            self.plan,
+            num_devices_local=self._num_local_devices,
+            capacities=self._capacities,
+            overflow=self._overflow,
+            process_index=jax.process_index(),
+        )
         caps = dict(self._capacities) if isinstance(self._capacities, dict) else {}
         if self._capacities is None or stats.grown or isinstance(self._capacities, dict):
             caps.update(stats.capacities)
@@ -295,6 +320,7 @@ class MeshEmbedding:
         `batches` yields `features` or `(features, weights)`. An error in the
         thread is re-raised by the iterator in the training loop.
         """
+
         def enqueue_item(item):
             feats, w = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
             return self.enqueue(feats, w)
@@ -328,7 +354,7 @@ class MeshEmbedding:
                 self._state, self._after_lookup = self._after_lookup, None
         return self._pack_activations(acts, partitioned_tensors), partitioned_tensors
 
-    def embedding_lookup(self, features: Any, weights: Optional[Any] = None):
+    def embedding_lookup(self, features: Any, weights: Any | None = None):
         """`(activations, preserved_outputs)` for a batch: enqueue then dequeue."""
         _check_not_traced("embedding_lookup (__call__)", features, weights)
         return self.dequeue(self.enqueue(features, weights))
@@ -337,44 +363,61 @@ class MeshEmbedding:
         """The `{stack: PartitionedCsrFormatTensor}` of `value` (a dict, or the
         seed's `(dict, int, int)` tuple), placed on the mesh if it is host data."""
         if isinstance(value, tuple) and value and isinstance(value[0], dict):
-            if len(value) != 3 or not all(isinstance(v, (int, np.integer))
-                                          and not isinstance(v, bool) for v in value[1:]):
-                raise ValueError(f"{what}: a tuple must be (dict of PartitionedCsrFormatTensor, "
-                                 f"int, int) as enqueue/preprocess_features return it, got "
-                                 f"({', '.join(type(v).__name__ for v in value)})")
+            if len(value) != 3 or not all(
+                isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value[1:]
+            ):
+                raise ValueError(
+                    f"{what}: a tuple must be (dict of PartitionedCsrFormatTensor, "
+                    f"int, int) as enqueue/preprocess_features return it, got "
+                    f"({', '.join(type(v).__name__ for v in value)})"
+                )
             value = value[0]
-        if isinstance(value, dict) and value and all(
+        if (
+            isinstance(value, dict)
+            and value
+            and all(
                 isinstance(v, _pre.PartitionedCsrFormatTensor)
-                and isinstance(v.unique_ids, np.ndarray) for v in value.values()):
+                and isinstance(v.unique_ids, np.ndarray)
+                for v in value.values()
+            )
+        ):
             value = self.core.put(value)  # host arrays from preprocess_features
         return value
 
     def _check_preserved(self, preserved) -> None:
         """ValueError unless `preserved` is this layer's dequeue output."""
         if not isinstance(preserved, dict):
-            raise ValueError(f"preserved_outputs must be the dict of PartitionedCsrFormatTensor "
-                             f"returned by this layer's dequeue/embedding_lookup, got "
-                             f"{type(preserved).__name__}")
+            raise ValueError(
+                f"preserved_outputs must be the dict of PartitionedCsrFormatTensor "
+                f"returned by this layer's dequeue/embedding_lookup, got "
+                f"{type(preserved).__name__}"
+            )
         want = {s.name: s for s in self.plan.stacks}
         extra = sorted(map(str, set(preserved) - set(want)))
         missing = sorted(set(want) - set(preserved))
         if extra or missing:
-            raise ValueError(f"preserved_outputs do not come from this layer: stacks "
-                             f"{extra} are not this layer's and {missing} are missing (this "
-                             f"layer's stacks: {sorted(want)})")
+            raise ValueError(
+                f"preserved_outputs do not come from this layer: stacks "
+                f"{extra} are not this layer's and {missing} are missing (this "
+                f"layer's stacks: {sorted(want)})"
+            )
         for name, c in preserved.items():
             if not isinstance(c, _pre.PartitionedCsrFormatTensor):
-                raise ValueError(f"preserved_outputs[{name!r}] must be a "
-                                 f"PartitionedCsrFormatTensor, got {type(c).__name__}")
+                raise ValueError(
+                    f"preserved_outputs[{name!r}] must be a "
+                    f"PartitionedCsrFormatTensor, got {type(c).__name__}"
+                )
             # (rows per sample depend on the batch's input forms: not compared)
             slots = tuple((f.name, f.dim) for f in c.features)
             spec = want[name]
             expect = tuple((f, self.plan.feature(f).dim) for f in spec.features)
             if slots != expect or c.num_shards != self.plan.num_shards:
-                raise ValueError(f"preserved_outputs[{name!r}] come from another layer: they "
-                                 f"hold features {[f[0] for f in slots]} on {c.num_shards} "
-                                 f"shards, this layer's stack {name} holds {list(spec.features)}"
-                                 f" on {self.plan.num_shards}")
+                raise ValueError(
+                    f"preserved_outputs[{name!r}] come from another layer: they "
+                    f"hold features {[f[0] for f in slots]} on {c.num_shards} "
+                    f"shards, this layer's stack {name} holds {list(spec.features)}"
+                    f" on {self.plan.num_shards}"
+                )
 
     __call__ = embedding_lookup
 
@@ -395,31 +438,40 @@ class MeshEmbedding:
 
     def _flat_gradients(self, gradients, csr) -> dict:
         slots = self._slots(csr)
-        flat = flatten_inputs_like(self._resolved, gradients, "gradients") \
-            if gradients is not None else [None] * len(self._resolved.features)
+        flat = (
+            flatten_inputs_like(self._resolved, gradients, "gradients")
+            if gradients is not None
+            else [None] * len(self._resolved.features)
+        )
         out = {}
-        for name, feature, g in zip(self._resolved.feature_names, self._resolved.features, flat):
+        for name, _feature, g in zip(self._resolved.feature_names, self._resolved.features, flat):
             if g is None:
                 continue
             if name not in slots:
-                raise ValueError(f"gradient for feature {name}, which the preserved outputs "
-                                 f"do not cover")
+                raise ValueError(
+                    f"gradient for feature {name}, which the preserved outputs do not cover"
+                )
             shape = slots[name].activation_shape(self.mesh.size)
             if not hasattr(g, "shape") or not hasattr(g, "dtype"):  # TF: a ValueError
-                raise ValueError(f"gradient for feature {name} must be an array, got "
-                                 f"{type(g).__name__}")
+                raise ValueError(
+                    f"gradient for feature {name} must be an array, got {type(g).__name__}"
+                )
             if not jnp.issubdtype(g.dtype, jnp.floating):
-                raise TypeError(f"gradient for feature {name} must be floating point, got "
-                                f"dtype {g.dtype}")
+                raise TypeError(
+                    f"gradient for feature {name} must be floating point, got dtype {g.dtype}"
+                )
             if tuple(g.shape) != shape:
-                raise ValueError(f"gradient for feature {name} has shape {tuple(g.shape)}, "
-                                 f"expected the activation's shape {shape}")
+                raise ValueError(
+                    f"gradient for feature {name} has shape {tuple(g.shape)}, "
+                    f"expected the activation's shape {shape}"
+                )
             if not isinstance(g, jax.Array):
                 g = jax.device_put(np.asarray(g), self.core.row_sharding)
             slot = slots[name]
             if slot.output_shape is not None:  # back to the lookup's [B, *sample_shape, dim]
-                g = g.reshape((slot.samples * self.mesh.size,) + tuple(slot.sample_shape) +
-                              (slot.dim,))
+                g = g.reshape(
+                    (slot.samples * self.mesh.size,) + tuple(slot.sample_shape) + (slot.dim,)
+                )
             out[name] = g
         return out
 
@@ -471,16 +523,17 @@ class MeshEmbedding:
     def _raise_if_not_finite(self, ok, grads):
         if not bool(ok):
             bad = [n for n, g in grads.items() if not bool(jnp.all(jnp.isfinite(g)))]
-            raise FloatingPointError(f"non-finite gradient for feature(s) {bad}; the update was "
-                                     f"not applied and the tables are unchanged")
+            raise FloatingPointError(
+                f"non-finite gradient for feature(s) {bad}; the update was "
+                f"not applied and the tables are unchanged"
+            )
 
     # -- reading state ------------------------------------------------------------
 
     def _table_array(self, table_cfg, field="parameters", state=None):
         state = self.observed_state() if state is None else state
         t = self.plan.table(table_cfg)
-        arr = (state.tables[t.stack] if field == "parameters"
-               else state.slots[t.stack][field])
+        arr = state.tables[t.stack] if field == "parameters" else state.slots[t.stack][field]
         return self.core.read_table(arr, t)
 
     @property
@@ -528,13 +581,18 @@ class MeshEmbedding:
             arr = state.tables[p.stack]
             shards = []
             for shard in sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0):
-                shards.append((shard.device, shard.data[p.local_row_offset:
-                                                         p.local_row_offset + p.rows_per_shard,
-                                                         :p.dim]))
+                shards.append(
+                    (
+                        shard.device,
+                        shard.data[
+                            p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
+                        ],
+                    )
+                )
             out[t] = shards
         return out
 
-    def set_tables(self, tables: dict, slots: Optional[dict] = None, step: int = 0):
+    def set_tables(self, tables: dict, slots: dict | None = None, step: int = 0):
         """Replace the state from logical arrays `{TableConfig: [V, dim]}` (and slots).
 
         Every array must have its table's shape `(vocabulary_size, dim)`
@@ -542,11 +600,14 @@ class MeshEmbedding:
         """
         self._maybe_build()
         self.flush()
-        names = {self._resolved.table_name(t): self._checked_table(t, v, "parameters")
-                 for t, v in tables.items()}
-        slot_names = {self._resolved.table_name(t): {k: self._checked_table(t, v, k)
-                                                     for k, v in s.items()}
-                      for t, s in (slots or {}).items()}
+        names = {
+            self._resolved.table_name(t): self._checked_table(t, v, "parameters")
+            for t, v in tables.items()
+        }
+        slot_names = {
+            self._resolved.table_name(t): {k: self._checked_table(t, v, k) for k, v in s.items()}
+            for t, s in (slots or {}).items()
+        }
         self._state = self.core.state_from_tables(names, slot_names, step)
 
     def _checked_table(self, table, value, what: str) -> np.ndarray:
@@ -554,6 +615,8 @@ class MeshEmbedding:
         name = self._resolved.table_name(table)
         want = (table.vocabulary_size, table.dim)
         if arr.shape != want:
-            raise ValueError(f"set_tables: table {name} {what} has shape {arr.shape}, expected "
-                             f"(vocabulary_size, dim) = {want}")
+            raise ValueError(
+                f"set_tables: table {name} {what} has shape {arr.shape}, expected "
+                f"(vocabulary_size, dim) = {want}"
+            )
         return arr

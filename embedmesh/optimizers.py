@@ -54,7 +54,8 @@ import dataclasses
 import inspect
 import math
 import numbers
-from typing import Any, Callable, ClassVar, Mapping, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -76,23 +77,27 @@ def _fail(obj, field: str, value, what: str):
     raise ValueError(f"{type(obj).__name__}.{field} must be {what}, got {value!r}")
 
 
-def _number(obj, field: str, value, what: str = "a finite number", ok=None,
-            allow_none: bool = False) -> Optional[float]:
+def _number(
+    obj, field: str, value, what: str = "a finite number", ok=None, allow_none: bool = False
+) -> float | None:
     """`value` as a finite Python float satisfying `ok`, else ValueError."""
     if value is None and allow_none:
         return None
     x = None
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
         x = float(value)
-    elif getattr(value, "shape", None) == () and getattr(value, "dtype", None) is not None \
-            and np.dtype(value.dtype).kind in "fiu":
+    elif (
+        getattr(value, "shape", None) == ()
+        and getattr(value, "dtype", None) is not None
+        and np.dtype(value.dtype).kind in "fiu"
+    ):
         x = float(value)  # a concrete 0-d numpy / jax array
     if x is None or not math.isfinite(x) or (ok is not None and not ok(x)):
         _fail(obj, field, value, what + (" or None" if allow_none else ""))
     return x
 
 
-def _flag(obj, field: str, value, allow_none: bool = False) -> Optional[bool]:
+def _flag(obj, field: str, value, allow_none: bool = False) -> bool | None:
     if value is None and allow_none:
         return None
     if not isinstance(value, (bool, np.bool_)):
@@ -124,8 +129,7 @@ def _pow(x, q: float):
 def _schedule_kind(obj, lr) -> bool:
     """True for a schedule `step -> lr`, False for a zero-argument callable;
     ValueError for any other callable (see the module docstring)."""
-    what = ("a number, a schedule step -> lr (one positional argument) or a "
-            "zero-argument callable")
+    what = "a number, a schedule step -> lr (one positional argument) or a zero-argument callable"
     try:
         sig = inspect.signature(lr)
     except (TypeError, ValueError):
@@ -139,16 +143,23 @@ def _schedule_kind(obj, lr) -> bool:
         elif p.kind == p.KEYWORD_ONLY:
             kw_required.append(p.name)
     if kw_required or required > 1:
-        _fail(obj, "learning_rate", lr, what + f" (it requires {required} positional argument"
-              f"s{' and keyword-only ' + ', '.join(kw_required) if kw_required else ''})")
+        _fail(
+            obj,
+            "learning_rate",
+            lr,
+            what + f" (it requires {required} positional argument"
+            f"s{' and keyword-only ' + ', '.join(kw_required) if kw_required else ''})",
+        )
     return required == 1
 
 
 def _host_lr(obj, fn) -> np.ndarray:
     value = np.asarray(fn(), dtype=np.float32)
     if value.shape != ():
-        raise ValueError(f"{type(obj).__name__}.learning_rate callable must return a scalar, "
-                         f"got shape {value.shape}")
+        raise ValueError(
+            f"{type(obj).__name__}.learning_rate callable must return a scalar, "
+            f"got shape {value.shape}"
+        )
     return value
 
 
@@ -156,8 +167,7 @@ def _call_on_host(obj, fn):
     """A zero-argument learning rate: called now, or at run time under a trace."""
     if _compat.trace_state_clean():  # None (hook moved): always use the callback
         return _host_lr(obj, fn)
-    return jax.pure_callback(lambda: _host_lr(obj, fn),
-                             jax.ShapeDtypeStruct((), jnp.float32))
+    return jax.pure_callback(lambda: _host_lr(obj, fn), jax.ShapeDtypeStruct((), jnp.float32))
 
 
 # ---------------------------------------------------------------------------
@@ -180,10 +190,10 @@ class Optimizer(abc.ABC):
     # Declared for type checkers; the dataclass subclasses define them.
     learning_rate: LearningRate
     use_gradient_accumulation: bool
-    clip_weight_min: Optional[float]
-    clip_weight_max: Optional[float]
-    weight_decay_factor: Optional[float]
-    multiply_weight_decay_factor_by_learning_rate: Optional[bool]
+    clip_weight_min: float | None
+    clip_weight_max: float | None
+    weight_decay_factor: float | None
+    multiply_weight_decay_factor_by_learning_rate: bool | None
     clipvalue: ClipValue  # a (min, max) tuple or None once normalized
     slot_variable_creation_fn: Any
     low_dimensional_packing_status: bool
@@ -207,10 +217,10 @@ class Optimizer(abc.ABC):
 
     # The fused device kernel that computes exactly this class's `update_rows`; each
     # class declares its own (read from the class itself, never inherited).
-    _FUSED_KERNEL: ClassVar[Optional[str]] = None
+    _FUSED_KERNEL: ClassVar[str | None] = None
 
     @property
-    def fused_kernel(self) -> Optional[str]:
+    def fused_kernel(self) -> str | None:
         """The name of the fused update kernel that applies this optimizer ("sgd",
         "adagrad"), or None: the device ops then gather the rows, call
         `update_rows` and scatter them back.
@@ -239,7 +249,8 @@ class Optimizer(abc.ABC):
             has_wd=wd is not None,
             wd_lr=bool(self.multiply_weight_decay_factor_by_learning_rate),
             wmin=-inf if self.clip_weight_min is None else self.clip_weight_min,
-            wmax=inf if self.clip_weight_max is None else self.clip_weight_max)
+            wmax=inf if self.clip_weight_max is None else self.clip_weight_max,
+        )
 
     def learning_rate_at(self, step) -> jax.Array:
         """The learning rate at `step` as a float32 scalar (jittable)."""
@@ -251,11 +262,13 @@ class Optimizer(abc.ABC):
                 lr = _call_on_host(self, lr)
         lr = jnp.asarray(lr, dtype=jnp.float32)
         if lr.shape != ():
-            raise ValueError(f"{type(self).__name__}.learning_rate schedule must return a "
-                             f"scalar, got shape {lr.shape}")
+            raise ValueError(
+                f"{type(self).__name__}.learning_rate schedule must return a "
+                f"scalar, got shape {lr.shape}"
+            )
         return lr
 
-    def update_rows(self, rows, slots: Optional[Mapping[str, Any]], grads, step):
+    def update_rows(self, rows, slots: Mapping[str, Any] | None, grads, step):
         """Apply one step to `rows` [n, dim] given their summed `grads` [n, dim].
 
         Pure: returns `(new_rows, new_slots)` in the input dtypes, the slots as
@@ -267,17 +280,21 @@ class Optimizer(abc.ABC):
         rows = jnp.asarray(rows)
         grads = jnp.asarray(grads)
         if rows.shape != grads.shape:
-            raise ValueError(f"{name}.update_rows: rows shape {rows.shape} != grads shape "
-                             f"{grads.shape}")
+            raise ValueError(
+                f"{name}.update_rows: rows shape {rows.shape} != grads shape {grads.shape}"
+            )
         slots = {} if slots is None else slots
         if set(slots) != set(self._SLOTS):
-            raise ValueError(f"{name}.update_rows: slots must have exactly the keys "
-                             f"{self._SLOTS}, got {tuple(slots)}")
+            raise ValueError(
+                f"{name}.update_rows: slots must have exactly the keys "
+                f"{self._SLOTS}, got {tuple(slots)}"
+            )
         slots = {k: jnp.asarray(slots[k]) for k in self._SLOTS}
         for k, v in slots.items():
             if v.shape != rows.shape:
-                raise ValueError(f"{name}.update_rows: slot {k!r} shape {v.shape} != rows "
-                                 f"shape {rows.shape}")
+                raise ValueError(
+                    f"{name}.update_rows: slot {k!r} shape {v.shape} != rows shape {rows.shape}"
+                )
 
         lr = self.learning_rate_at(step)
         w_old = rows.astype(jnp.float32)
@@ -316,11 +333,13 @@ class Optimizer(abc.ABC):
             object.__setattr__(self, "_lr_takes_step", _schedule_kind(self, lr))
         else:
             if lr_positive:
-                lr = _number(self, "learning_rate", lr, "a number > 0 or a schedule",
-                             lambda x: x > 0)
+                lr = _number(
+                    self, "learning_rate", lr, "a number > 0 or a schedule", lambda x: x > 0
+                )
             else:
-                lr = _number(self, "learning_rate", lr, "a number >= 0 or a schedule",
-                             lambda x: x >= 0)
+                lr = _number(
+                    self, "learning_rate", lr, "a number >= 0 or a schedule", lambda x: x >= 0
+                )
             _set(self, "learning_rate", lr)
         uga = _flag(self, "use_gradient_accumulation", self.use_gradient_accumulation)
         _set(self, "use_gradient_accumulation", uga)
@@ -328,39 +347,65 @@ class Optimizer(abc.ABC):
         lo = _number(self, "clip_weight_min", self.clip_weight_min, allow_none=True)
         hi = _number(self, "clip_weight_max", self.clip_weight_max, allow_none=True)
         if lo is not None and hi is not None and lo > hi:
-            _fail(self, "clip_weight_min", self.clip_weight_min,
-                  f"<= clip_weight_max ({self.clip_weight_max!r})")
+            _fail(
+                self,
+                "clip_weight_min",
+                self.clip_weight_min,
+                f"<= clip_weight_max ({self.clip_weight_max!r})",
+            )
         _set(self, "clip_weight_min", lo)
         _set(self, "clip_weight_max", hi)
 
-        wd = _number(self, "weight_decay_factor", self.weight_decay_factor, "a number >= 0",
-                     lambda x: x >= 0, allow_none=True)
+        wd = _number(
+            self,
+            "weight_decay_factor",
+            self.weight_decay_factor,
+            "a number >= 0",
+            lambda x: x >= 0,
+            allow_none=True,
+        )
         _set(self, "weight_decay_factor", wd)
-        mult = _flag(self, "multiply_weight_decay_factor_by_learning_rate",
-                     self.multiply_weight_decay_factor_by_learning_rate, allow_none=True)
+        mult = _flag(
+            self,
+            "multiply_weight_decay_factor_by_learning_rate",
+            self.multiply_weight_decay_factor_by_learning_rate,
+            allow_none=True,
+        )
         if mult and wd is None:
-            _fail(self, "multiply_weight_decay_factor_by_learning_rate", mult,
-                  "None or False when weight_decay_factor is None")
+            _fail(
+                self,
+                "multiply_weight_decay_factor_by_learning_rate",
+                mult,
+                "None or False when weight_decay_factor is None",
+            )
         _set(self, "multiply_weight_decay_factor_by_learning_rate", mult)
 
         if self.clipvalue is not None and not uga:
-            _fail(self, "clipvalue", self.clipvalue,
-                  "None when use_gradient_accumulation is False (as in TensorFlow)")
+            _fail(
+                self,
+                "clipvalue",
+                self.clipvalue,
+                "None when use_gradient_accumulation is False (as in TensorFlow)",
+            )
         _set(self, "clipvalue", self._normalized_clipvalue(self.clipvalue))
 
         if self.slot_variable_creation_fn is not None:
             raise NotImplementedError(
                 f"{type(self).__name__}.slot_variable_creation_fn is not supported by "
                 f"embedmesh (got {self.slot_variable_creation_fn!r}); slots are created "
-                f"from slot_initial_values. Pass None.")
-        _set(self, "low_dimensional_packing_status",
-             _flag(self, "low_dimensional_packing_status", self.low_dimensional_packing_status))
+                f"from slot_initial_values. Pass None."
+            )
+        _set(
+            self,
+            "low_dimensional_packing_status",
+            _flag(self, "low_dimensional_packing_status", self.low_dimensional_packing_status),
+        )
 
-    def _clip_range(self) -> Optional[tuple]:
+    def _clip_range(self) -> tuple | None:
         """`clipvalue` as normalized by `__post_init__`: a (min, max) pair or None."""
         return self.clipvalue  # type: ignore[return-value]
 
-    def _normalized_clipvalue(self, cv) -> Optional[tuple]:
+    def _normalized_clipvalue(self, cv) -> tuple | None:
         """A scalar c becomes (-c, c); a pair may hold None on either side.
 
         Stored as a tuple (hashable); (None, None) becomes None.
@@ -370,15 +415,14 @@ class Optimizer(abc.ABC):
         if isinstance(cv, (tuple, list)):
             if len(cv) != 2:
                 _fail(self, "clipvalue", cv, "a number >= 0 or a (min, max) pair")
-            lo = _number(self, "clipvalue", cv[0], "a (min, max) pair of numbers",
-                         allow_none=True)
-            hi = _number(self, "clipvalue", cv[1], "a (min, max) pair of numbers",
-                         allow_none=True)
+            lo = _number(self, "clipvalue", cv[0], "a (min, max) pair of numbers", allow_none=True)
+            hi = _number(self, "clipvalue", cv[1], "a (min, max) pair of numbers", allow_none=True)
             if lo is not None and hi is not None and lo > hi:
                 _fail(self, "clipvalue", cv, "a (min, max) pair with min <= max")
             return None if lo is None and hi is None else (lo, hi)
-        c: Any = _number(self, "clipvalue", cv, "a number >= 0 or a (min, max) pair",
-                         lambda x: x >= 0)
+        c: Any = _number(
+            self, "clipvalue", cv, "a number >= 0 or a (min, max) pair", lambda x: x >= 0
+        )
         return (-c, c)
 
 
@@ -395,14 +439,14 @@ class SGD(Optimizer):
     accepted (as None) only for uniformity.
     """
 
-    _FUSED_KERNEL: ClassVar[Optional[str]] = "sgd"
+    _FUSED_KERNEL: ClassVar[str | None] = "sgd"
 
     learning_rate: LearningRate = 0.01
     use_gradient_accumulation: bool = True
-    clip_weight_min: Optional[float] = None
-    clip_weight_max: Optional[float] = None
-    weight_decay_factor: Optional[float] = None
-    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    clip_weight_min: float | None = None
+    clip_weight_max: float | None = None
+    weight_decay_factor: float | None = None
+    multiply_weight_decay_factor_by_learning_rate: bool | None = None
     clipvalue: ClipValue = None
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
     slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
@@ -423,23 +467,31 @@ class Adagrad(Optimizer):
     """
 
     _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators",)
-    _FUSED_KERNEL: ClassVar[Optional[str]] = "adagrad"
+    _FUSED_KERNEL: ClassVar[str | None] = "adagrad"
 
     learning_rate: LearningRate = 0.001
     initial_accumulator_value: float = 0.1
     use_gradient_accumulation: bool = True
-    clip_weight_min: Optional[float] = None
-    clip_weight_max: Optional[float] = None
-    weight_decay_factor: Optional[float] = None
-    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    clip_weight_min: float | None = None
+    clip_weight_max: float | None = None
+    weight_decay_factor: float | None = None
+    multiply_weight_decay_factor_by_learning_rate: bool | None = None
     slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
     clipvalue: ClipValue = None
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
-        _set(self, "initial_accumulator_value",
-             _number(self, "initial_accumulator_value", self.initial_accumulator_value,
-                     "a number > 0", lambda x: x > 0))
+        _set(
+            self,
+            "initial_accumulator_value",
+            _number(
+                self,
+                "initial_accumulator_value",
+                self.initial_accumulator_value,
+                "a number > 0",
+                lambda x: x > 0,
+            ),
+        )
         self._validate()
 
     @property
@@ -470,24 +522,34 @@ class AdagradMomentum(Optimizer):
     beta2: float = 1.0
     epsilon: float = 1e-10
     use_gradient_accumulation: bool = True
-    clip_weight_min: Optional[float] = None
-    clip_weight_max: Optional[float] = None
-    weight_decay_factor: Optional[float] = None
-    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    clip_weight_min: float | None = None
+    clip_weight_max: float | None = None
+    weight_decay_factor: float | None = None
+    multiply_weight_decay_factor_by_learning_rate: bool | None = None
     slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
     clipvalue: ClipValue = None
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
-        _set(self, "momentum", _number(self, "momentum", self.momentum, "a number >= 0",
-                                       lambda x: x >= 0))
+        _set(
+            self,
+            "momentum",
+            _number(self, "momentum", self.momentum, "a number >= 0", lambda x: x >= 0),
+        )
         _set(self, "use_nesterov", _flag(self, "use_nesterov", self.use_nesterov))
-        _set(self, "exponent", _number(self, "exponent", self.exponent, "a number > 0",
-                                       lambda x: x > 0))
-        _set(self, "beta2", _number(self, "beta2", self.beta2, "a number in [0, 1]",
-                                    lambda x: 0 <= x <= 1))
-        _set(self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0",
-                                      lambda x: x > 0))
+        _set(
+            self,
+            "exponent",
+            _number(self, "exponent", self.exponent, "a number > 0", lambda x: x > 0),
+        )
+        _set(
+            self,
+            "beta2",
+            _number(self, "beta2", self.beta2, "a number in [0, 1]", lambda x: 0 <= x <= 1),
+        )
+        _set(
+            self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0", lambda x: x > 0)
+        )
         self._validate()
 
     def _rule(self, w, slots, g, lr):
@@ -530,20 +592,24 @@ class Adam(Optimizer):
     lazy_adam: bool = True
     sum_inside_sqrt: bool = True
     use_gradient_accumulation: bool = True
-    clip_weight_min: Optional[float] = None
-    clip_weight_max: Optional[float] = None
-    weight_decay_factor: Optional[float] = None
-    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    clip_weight_min: float | None = None
+    clip_weight_max: float | None = None
+    weight_decay_factor: float | None = None
+    multiply_weight_decay_factor_by_learning_rate: bool | None = None
     slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
     clipvalue: ClipValue = None
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
         for f in ("beta_1", "beta_2"):
-            _set(self, f, _number(self, f, getattr(self, f), "a number in [0, 1)",
-                                  lambda x: 0 <= x < 1))
-        _set(self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0",
-                                      lambda x: x > 0))
+            _set(
+                self,
+                f,
+                _number(self, f, getattr(self, f), "a number in [0, 1)", lambda x: 0 <= x < 1),
+            )
+        _set(
+            self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0", lambda x: x > 0)
+        )
         _set(self, "lazy_adam", _flag(self, "lazy_adam", self.lazy_adam))
         _set(self, "sum_inside_sqrt", _flag(self, "sum_inside_sqrt", self.sum_inside_sqrt))
         self._validate()
@@ -557,7 +623,7 @@ class Adam(Optimizer):
         m = b1 * slots["momenta"] + (1.0 - b1) * g
         v = b2 * slots["velocities"] + (1.0 - b2) * g * g
         if self.sum_inside_sqrt:
-            denom = jnp.sqrt(v + self.epsilon ** 2)
+            denom = jnp.sqrt(v + self.epsilon**2)
         else:
             denom = jnp.sqrt(v) + self.epsilon
         return w - lr * m / denom, {"momenta": m, "velocities": v}
@@ -591,10 +657,10 @@ class FTRL(Optimizer):
     beta: float = 0.0
     initial_accumulator_value: float = 0.1
     use_gradient_accumulation: bool = True
-    clip_weight_min: Optional[float] = None
-    clip_weight_max: Optional[float] = None
-    weight_decay_factor: Optional[float] = None
-    multiply_weight_decay_factor_by_learning_rate: Optional[bool] = None
+    clip_weight_min: float | None = None
+    clip_weight_max: float | None = None
+    weight_decay_factor: float | None = None
+    multiply_weight_decay_factor_by_learning_rate: bool | None = None
     slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
     clipvalue: ClipValue = None
     multiply_linear_by_learning_rate: bool = False
@@ -602,24 +668,42 @@ class FTRL(Optimizer):
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
-        _set(self, "learning_rate_power",
-             _number(self, "learning_rate_power", self.learning_rate_power, "a number <= 0",
-                     lambda x: x <= 0))
+        _set(
+            self,
+            "learning_rate_power",
+            _number(
+                self,
+                "learning_rate_power",
+                self.learning_rate_power,
+                "a number <= 0",
+                lambda x: x <= 0,
+            ),
+        )
         for f in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
-            _set(self, f, _number(self, f, getattr(self, f), "a number >= 0",
-                                  lambda x: x >= 0))
-        _set(self, "multiply_linear_by_learning_rate",
-             _flag(self, "multiply_linear_by_learning_rate",
-                   self.multiply_linear_by_learning_rate))
+            _set(self, f, _number(self, f, getattr(self, f), "a number >= 0", lambda x: x >= 0))
+        _set(
+            self,
+            "multiply_linear_by_learning_rate",
+            _flag(self, "multiply_linear_by_learning_rate", self.multiply_linear_by_learning_rate),
+        )
         azero = _flag(self, "allow_zero_accumulator", self.allow_zero_accumulator)
         _set(self, "allow_zero_accumulator", azero)
         if azero:
-            iav = _number(self, "initial_accumulator_value", self.initial_accumulator_value,
-                          "a number >= 0", lambda x: x >= 0)
+            iav = _number(
+                self,
+                "initial_accumulator_value",
+                self.initial_accumulator_value,
+                "a number >= 0",
+                lambda x: x >= 0,
+            )
         else:
-            iav = _number(self, "initial_accumulator_value", self.initial_accumulator_value,
-                          "a number > 0 (or >= 0 with allow_zero_accumulator)",
-                          lambda x: x > 0)
+            iav = _number(
+                self,
+                "initial_accumulator_value",
+                self.initial_accumulator_value,
+                "a number > 0 (or >= 0 with allow_zero_accumulator)",
+                lambda x: x > 0,
+            )
         _set(self, "initial_accumulator_value", iav)
         # The default mode divides by lr, hence lr > 0 (a schedule is trusted).
         self._validate(lr_positive=True)
@@ -630,8 +714,7 @@ class FTRL(Optimizer):
 
     def _rule(self, w, slots, g, lr):
         q = -self.learning_rate_power
-        l1, l2, beta = (self.l1_regularization_strength, self.l2_regularization_strength,
-                        self.beta)
+        l1, l2, beta = (self.l1_regularization_strength, self.l2_regularization_strength, self.beta)
         a, lin = slots["accumulators"], slots["linears"]
         a_new = a + g * g
         p = _pow(a_new, q)

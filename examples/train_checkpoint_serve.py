@@ -41,7 +41,7 @@ def batch(step):
     lengths = rng.integers(1, 6, BATCH)
     watched = em.RaggedTensor.from_row_lengths(rng.zipf(1.3, lengths.sum()) % 10_000, lengths)
     users = rng.integers(0, 1_000, BATCH)
-    labels = ((users % 7) / 7.0 + (watched.values[watched.row_splits[:-1]] % 3) / 3.0)
+    labels = (users % 7) / 7.0 + (watched.values[watched.row_splits[:-1]] % 3) / 3.0
     return {"watched": watched, "user": users}, labels.astype(np.float32)
 
 
@@ -61,17 +61,23 @@ def dense_step(params, opt_state, acts, labels):
 def train(ckpt_dir, steps=40, every=20):
     emb = MeshEmbedding(feature_config, em.Adagrad(0.1))  # all devices, one mesh axis
     keys = jax.random.split(jax.random.key(0), 2)
-    params = {"w1": jax.random.normal(keys[0], (24, 32)) * 0.1,
-              "w2": jax.random.normal(keys[1], (32, 1)) * 0.1}
+    params = {
+        "w1": jax.random.normal(keys[0], (24, 32)) * 0.1,
+        "w2": jax.random.normal(keys[1], (32, 1)) * 0.1,
+    }
     opt_state = optimizer.init(params)
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
     start = 0
     if mngr.latest_step() is not None:  # resume: the embedding on this mesh, whatever it was
         start = em_ckpt.restore(emb, mngr)
-        host = lambda tree: jax.tree.map(np.asarray, tree)  # noqa: E731  (restore as numpy)
-        dense = mngr.restore(start, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(host(params)),
-            opt_state=ocp.args.StandardRestore(host(opt_state))))
+        host = lambda tree: jax.tree.map(np.asarray, tree)
+        dense = mngr.restore(
+            start,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(host(params)),
+                opt_state=ocp.args.StandardRestore(host(opt_state)),
+            ),
+        )
         params, opt_state = dense["params"], dense["opt_state"]
         print(f"resumed from step {start}")
     for step in range(start, start + steps):
@@ -80,9 +86,14 @@ def train(ckpt_dir, steps=40, every=20):
         params, opt_state, g_acts, loss = dense_step(params, opt_state, acts, labels)
         emb.apply_gradients(g_acts, preserved)
         if (step + 1) % every == 0:  # async: training goes on while it is written
-            mngr.save(step + 1, args=ocp.args.Composite(
-                embedding=em_ckpt.save_args(emb), params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state)))
+            mngr.save(
+                step + 1,
+                args=ocp.args.Composite(
+                    embedding=em_ckpt.save_args(emb),
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                ),
+            )
             print(f"step {step + 1}: loss {float(loss):.4f}, checkpoint started")
     mngr.wait_until_finished()
     mngr.close()
@@ -93,18 +104,29 @@ def export(ckpt_dir, export_dir):
     # The serving side needs no mesh and never reads the optimizer slots.
     tables = em_ckpt.load_tables(ckpt_dir, feature_config=feature_config)
     mngr = ocp.CheckpointManager(ckpt_dir)
-    params = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
-        params=ocp.args.StandardRestore({"w1": np.zeros((24, 32), np.float32),
-                                         "w2": np.zeros((32, 1), np.float32)})))["params"]
+    params = mngr.restore(
+        mngr.latest_step(),
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(
+                {"w1": np.zeros((24, 32), np.float32), "w2": np.zeros((32, 1), np.float32)}
+            )
+        ),
+    )["params"]
     mngr.close()
 
     def serve(features, tables, params):  # the seed's serve_tensors
         acts = em.serving_embedding_lookup(features, None, tables, feature_config)
         return {"score": model(params, acts)}
 
-    export_serving(serve, export_dir, tables=tables, params=params, feature_config=feature_config,
-                   input_signature={"watched": Ragged(nnz_per_example=8), "user": Dense()},
-                   batch_sizes=(1, 8, 64))
+    export_serving(
+        serve,
+        export_dir,
+        tables=tables,
+        params=params,
+        feature_config=feature_config,
+        input_signature={"watched": Ragged(nnz_per_example=8), "user": Dense()},
+        batch_sizes=(1, 8, 64),
+    )
     return serve, tables, params
 
 
@@ -122,14 +144,19 @@ def main():
     ckpt_dir, export_dir = os.path.join(workdir, "ckpt"), os.path.join(workdir, "export")
     train(ckpt_dir)
     serve, tables, params = export(ckpt_dir, export_dir)
-    out = subprocess.run([sys.executable, "-c", SERVER, export_dir], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SERVER, export_dir], check=True, capture_output=True, text=True
+    ).stdout
     print("served by a fresh process:", out.strip())
     watched = em.RaggedTensor.from_row_lengths(np.array([5, 17, 17, 3]), [3, 1])
     local = load_serving(export_dir)({"watched": watched, "user": np.array([12, 400])})
     direct = serve({"watched": watched, "user": np.array([12, 400])}, tables, params)
-    print("same scores in this process:", local["score"].tolist(),
-          "| without export:", np.asarray(direct["score"]).round(6).tolist())
+    print(
+        "same scores in this process:",
+        local["score"].tolist(),
+        "| without export:",
+        np.asarray(direct["score"]).round(6).tolist(),
+    )
 
 
 if __name__ == "__main__":

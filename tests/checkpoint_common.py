@@ -26,8 +26,9 @@ def make_tables(extra: bool = False, drop_c: bool = False):
         "a": em.TableConfig(37, 5, combiner="mean", name="a", initializer=HashInit(1)),
         "b": em.TableConfig(23, 8, combiner="sqrtn", name="b", initializer=HashInit(2)),
         "c": em.TableConfig(3, 3, combiner="sum", name="c", initializer=HashInit(3)),
-        "d": em.TableConfig(300, 16, combiner="sum", name="d", initializer=HashInit(4),
-                            optimizer=em.Adam(0.05)),
+        "d": em.TableConfig(
+            300, 16, combiner="sum", name="d", initializer=HashInit(4), optimizer=em.Adam(0.05)
+        ),
     }
     if extra:
         tables["e"] = em.TableConfig(11, 4, combiner="mean", name="e", initializer=HashInit(5))
@@ -38,9 +39,12 @@ def make_tables(extra: bool = False, drop_c: bool = False):
 
 def make_features(tables):
     t = tables
-    feats = {"fa": em.FeatureConfig(t["a"]), "fb": em.FeatureConfig(t["b"]),
-             "seq": em.FeatureConfig(t["a"], max_sequence_length=2),
-             "fd": em.FeatureConfig(t["d"])}
+    feats = {
+        "fa": em.FeatureConfig(t["a"]),
+        "fb": em.FeatureConfig(t["b"]),
+        "seq": em.FeatureConfig(t["a"], max_sequence_length=2),
+        "fd": em.FeatureConfig(t["d"]),
+    }
     if "c" in t:
         feats["fc"] = em.FeatureConfig(t["c"])
     if "e" in t:
@@ -56,11 +60,13 @@ def make_batch(feats, seed: int, batch: int = 24):
         vocab = f.table.vocabulary_size
         if name in ("fa", "seq"):
             lengths = rng.integers(0, 4, batch)
-            out[name] = em.RaggedTensor.from_row_lengths(rng.integers(0, vocab, lengths.sum()),
-                                                         lengths)
+            out[name] = em.RaggedTensor.from_row_lengths(
+                rng.integers(0, vocab, lengths.sum()), lengths
+            )
         elif name == "fb":
-            idx = np.array([[b, c] for b in range(batch) for c in range(3) if rng.random() < .6],
-                           np.int64).reshape(-1, 2)
+            idx = np.array(
+                [[b, c] for b in range(batch) for c in range(3) if rng.random() < 0.6], np.int64
+            ).reshape(-1, 2)
             out[name] = em.SparseTensor(idx, rng.integers(0, vocab, len(idx)), (batch, 3))
         else:
             out[name] = rng.integers(0, vocab, (batch, 2) if name == "fd" else (batch,))

@@ -7,7 +7,6 @@ the save of step 2 starts (a large one); the parent kills the process as soon as
 step 2's temporary directory exists.
 """
 
-import os
 import sys
 import time
 
@@ -16,13 +15,12 @@ root, marker, kill_at = sys.argv[1], sys.argv[2], sys.argv[3]
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+from checkpoint_common import HashInit, make_features, make_tables  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import embedmesh as em  # noqa: E402
 from embedmesh import checkpoint as ckpt  # noqa: E402
 from embedmesh.facade import MeshEmbedding  # noqa: E402
-
-from checkpoint_common import HashInit, make_features, make_tables  # noqa: E402
 
 
 def touch(path):
@@ -39,18 +37,27 @@ def block_forever(*args, **kwargs):
 tables = make_tables()
 feats = make_features(tables)
 if kill_at == "while_writing":  # a large table, so that writing step 2 takes a while
-    feats["big"] = em.FeatureConfig(em.TableConfig(250_000, 64, name="big",
-                                                   initializer=HashInit(9)))
+    feats["big"] = em.FeatureConfig(
+        em.TableConfig(250_000, 64, name="big", initializer=HashInit(9))
+    )
 emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=Mesh(np.array(jax.devices()), ("x",)))
 emb.build()
 emb.set_tables({t: v + 1.0 for t, v in emb.embedding_tables.items()}, step=1)
 assert ckpt.save(root, emb, step=1)
-np.savez(marker + ".step1.npz", **{f"{t.name}.{k}": v for t, d in emb.variables.items()
-                                   for k, v in d.items() if t.name != "big"})
+np.savez(
+    marker + ".step1.npz",
+    **{
+        f"{t.name}.{k}": v
+        for t, d in emb.variables.items()
+        for k, v in d.items()
+        if t.name != "big"
+    },
+)
 
 emb.set_tables({t: v * 2.0 for t, v in emb.embedding_tables.items()}, step=2)
-mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-    enable_async_checkpointing=True))
+mngr = ocp.CheckpointManager(
+    root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+)
 if kill_at == "before_commit":
     atomicity = ocp.path.atomicity
     for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):

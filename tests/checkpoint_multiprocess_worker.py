@@ -13,17 +13,17 @@ process_id, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=process_id)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+)
 
 import numpy as np  # noqa: E402
+from checkpoint_common import make_features, make_tables  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import embedmesh as em  # noqa: E402
 from embedmesh import checkpoint as ckpt  # noqa: E402
 from embedmesh.facade import MeshEmbedding  # noqa: E402
-
-from checkpoint_common import make_features, make_tables  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()), ("x",))
 assert mesh.size == 4 and len(jax.local_devices()) == 2
@@ -35,8 +35,9 @@ values, slots = {}, {}
 for t in emb.plan.resolved.tables:
     values[t] = rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
     opt_slots = emb.state.slots[emb.plan.stack_of(t).name]
-    slots[t] = {k: rng.uniform(0.1, 1, (t.vocabulary_size, t.dim)).astype(np.float32)
-                for k in opt_slots}
+    slots[t] = {
+        k: rng.uniform(0.1, 1, (t.vocabulary_size, t.dim)).astype(np.float32) for k in opt_slots
+    }
 emb.set_tables(values, slots, step=3)
 assert ckpt.save(root, emb)
 if process_id == 0:

@@ -18,8 +18,13 @@ import os
 import sys
 import time
 
-process_id, port, root, out_dir, after = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
-                                          sys.argv[4], sys.argv[5])
+process_id, port, root, out_dir, after = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    sys.argv[3],
+    sys.argv[4],
+    sys.argv[5],
+)
 heartbeat = int(sys.argv[6]) if len(sys.argv) > 6 else 100
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -27,19 +32,22 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=process_id, heartbeat_timeout_seconds=heartbeat)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    heartbeat_timeout_seconds=heartbeat,
+)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+from checkpoint_common import make_batch, make_features, make_tables  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import embedmesh as em  # noqa: E402
 from embedmesh import checkpoint as ckpt  # noqa: E402
 from embedmesh.facade import MeshEmbedding  # noqa: E402
-
-from checkpoint_common import make_batch, make_features, make_tables  # noqa: E402
 
 grad_fn = jax.jit(lambda acts: jax.tree_util.tree_map(lambda a: jnp.sin(3.0 * a) + 0.1, acts))
 
@@ -73,8 +81,9 @@ saved = {f"{t.name}.{k}": v for t, d in emb.variables.items() for k, v in d.item
 if process_id == 1:
     np.savez(os.path.join(out_dir, "saved.npz"), **saved)
 
-mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-    enable_async_checkpointing=True))
+mngr = ocp.CheckpointManager(
+    root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+)
 assert ckpt.save(mngr, emb, step=3, wait=True)
 log(f"step 3 committed; steps {mngr.all_steps()}")
 

@@ -13,8 +13,8 @@ import pickle
 import sys
 
 import numpy as np
-
 import test_export as T
+
 from embedmesh.serving.export import load_serving
 
 export_dir, out_file = sys.argv[1:3]

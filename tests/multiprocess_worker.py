@@ -7,8 +7,12 @@ Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE
 import os
 import sys
 
-process_id, num_processes, port, out_file = (int(sys.argv[1]), int(sys.argv[2]),
-                                             int(sys.argv[3]), sys.argv[4])
+process_id, num_processes, port, out_file = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+)
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // num_processes}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -16,8 +20,9 @@ import jax  # noqa: E402
 
 if num_processes > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                               num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+    )
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,9 +37,11 @@ def global_batches(steps, batch):
     rng = np.random.default_rng(7)
     for _ in range(steps):
         lengths = rng.integers(0, 5, batch)
-        yield {"a": rng.integers(0, 50, (batch, 3)),
-               "b": rng.integers(0, 30, (batch,)),
-               "ragged": (rng.integers(0, 30, int(lengths.sum())), lengths)}
+        yield {
+            "a": rng.integers(0, 50, (batch, 3)),
+            "b": rng.integers(0, 30, (batch,)),
+            "ragged": (rng.integers(0, 30, int(lengths.sum())), lengths),
+        }
 
 
 def local_slice(batch, pid, nproc):
@@ -45,19 +52,19 @@ def local_slice(batch, pid, nproc):
             per = len(lengths) // nproc
             splits = np.concatenate([[0], np.cumsum(lengths)])
             lo, hi = splits[pid * per], splits[(pid + 1) * per]
-            out[k] = em.RaggedTensor.from_row_lengths(values[lo:hi],
-                                                      lengths[pid * per:(pid + 1) * per])
+            out[k] = em.RaggedTensor.from_row_lengths(
+                values[lo:hi], lengths[pid * per : (pid + 1) * per]
+            )
         else:
             per = v.shape[0] // nproc
-            out[k] = v[pid * per:(pid + 1) * per]
+            out[k] = v[pid * per : (pid + 1) * per]
     return out
 
 
 def main():
     t1 = em.TableConfig(50, 8, combiner="mean", name="t1")
     t2 = em.TableConfig(30, 4, combiner="sqrtn", name="t2")
-    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2),
-             "ragged": em.FeatureConfig(t2)}
+    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2), "ragged": em.FeatureConfig(t2)}
     mesh = Mesh(np.array(jax.devices()), ("x",))
     assert mesh.size == 4, mesh
     emb = MeshEmbedding(feats, em.Adagrad(0.2), mesh=mesh, capacities=Capacity(64, 64))
@@ -68,8 +75,7 @@ def main():
         emb.apply_gradients(grad_fn(acts), pre)
     tables = emb.variables
     if process_id == 0:
-        np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items()
-                              for k, v in d.items()})
+        np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
     if num_processes > 1:
         jax.distributed.shutdown()
 

@@ -12,8 +12,10 @@ def free_port() -> int:
 
 def run_together(commands, env, timeout=300):
     """Start every command at once, wait for all; assert each exits 0 (showing its output)."""
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for cmd in commands]
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for cmd in commands
+    ]
     outputs = []
     for p in procs:
         try:

@@ -2,16 +2,14 @@
 facade under jax.jit (9), read-only reads (11), bad preserved outputs (19),
 set_tables shapes (20), empty batches (18)."""
 
-import collections
-
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import Mesh
 
 import embedmesh as em
-from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
+from embedmesh import FeatureConfig, RaggedTensor, TableConfig
 from embedmesh.facade import MeshEmbedding
 
 
@@ -130,7 +128,8 @@ def test_facade_inside_jit_is_one_clear_error():
         "__call__": lambda x: emb({"x": x, "y": x}),
         "dequeue": lambda x: emb.dequeue(pre),
         "apply_gradients": lambda x: emb.apply_gradients(
-            {"x": jnp.ones((4, 4)) * x[0], "y": None}, pre),
+            {"x": jnp.ones((4, 4)) * x[0], "y": None}, pre
+        ),
         "embedding_tables": lambda x: emb.embedding_tables,
         "variables": lambda x: emb.variables,
         "build": lambda x: emb.build(),
@@ -154,7 +153,7 @@ def test_embedding_tables_and_variables_are_read_only():
     with pytest.raises(ValueError, match="read-only"):
         tab[0, 0] = 5.0
     var = emb.variables[t]
-    for k, a in var.items():
+    for _k, a in var.items():
         with pytest.raises(ValueError, match="read-only"):
             a[...] = 1.0
     # the documented way to load rows
@@ -174,15 +173,16 @@ def test_bad_preserved_outputs_are_value_errors_state_untouched():
     g = {"x": jnp.ones((4, 4)), "y": jnp.ones((4, 4))}
     with pytest.raises(ValueError, match="preserved_outputs"):
         emb.apply_gradients(g, None)
-    renamed = {"not_a_stack": v for v in pre.values()}
+    renamed = {"not_a_stack": v for v in pre.values()}  # noqa: B035 - one renamed key on purpose
     with pytest.raises(ValueError, match="not_a_stack"):
         emb.apply_gradients(g, renamed)
     with pytest.raises(ValueError, match="preserved_outputs"):
         emb.apply_gradients(g, {k: "junk" for k in pre})
     # from another layer with another feature config (same stack name)
     t2 = TableConfig(10, 4, name="t")
-    other = MeshEmbedding({"x": FeatureConfig(t2), "z": FeatureConfig(t2)}, em.Adagrad(0.1),
-                          mesh=mesh_of(2))
+    other = MeshEmbedding(
+        {"x": FeatureConfig(t2), "z": FeatureConfig(t2)}, em.Adagrad(0.1), mesh=mesh_of(2)
+    )
     other.build()
     _, other_pre = other({"x": BATCH["x"], "z": BATCH["y"]})
     assert set(other_pre) == set(pre)
@@ -205,8 +205,10 @@ def test_set_tables_checks_shape():
     with pytest.raises(ValueError, match=r"table t.*\(10, 2\).*\(10, 4\)"):
         emb.set_tables({t: np.zeros((10, 2), np.float32)})
     with pytest.raises(ValueError, match=r"table t.*accumulators.*\(10, 8\)"):
-        emb.set_tables({t: np.zeros((10, 4), np.float32)},
-                       slots={t: {"accumulators": np.zeros((10, 8), np.float32)}})
+        emb.set_tables(
+            {t: np.zeros((10, 4), np.float32)},
+            slots={t: {"accumulators": np.zeros((10, 8), np.float32)}},
+        )
     assert_same(emb, snap)
 
 
@@ -218,15 +220,20 @@ def test_set_tables_checks_shape():
 def test_empty_batch_full_cycle(n, pipelined):
     t = TableConfig(12, 4, name="t")
     u = TableConfig(7, 8, name="u", combiner="sum")
-    feats = {"x": FeatureConfig(t), "r": FeatureConfig(u),
-             "s": FeatureConfig(t, max_sequence_length=3)}
+    feats = {
+        "x": FeatureConfig(t),
+        "r": FeatureConfig(u),
+        "s": FeatureConfig(t, max_sequence_length=3),
+    }
     emb = MeshEmbedding(feats, em.Adagrad(0.1), pipelined, mesh=mesh_of(n))
     emb.build()
     ref = MeshEmbedding(feats, em.Adagrad(0.1), pipelined, mesh=mesh_of(n))
     ref.build()
-    empty = {"x": np.zeros((0,), np.int64), "r": RaggedTensor.from_row_lengths(
-        np.zeros(0, np.int64), np.zeros(0, np.int64)),
-        "s": RaggedTensor.from_row_lengths(np.zeros(0, np.int64), np.zeros(0, np.int64))}
+    empty = {
+        "x": np.zeros((0,), np.int64),
+        "r": RaggedTensor.from_row_lengths(np.zeros(0, np.int64), np.zeros(0, np.int64)),
+        "s": RaggedTensor.from_row_lengths(np.zeros(0, np.int64), np.zeros(0, np.int64)),
+    }
     acts, pre = emb(empty)
     assert acts["x"].shape == (0, 4) and acts["r"].shape == (0, 8)
     assert acts["s"].shape == (0, 3, 4)
@@ -237,9 +244,11 @@ def test_empty_batch_full_cycle(n, pipelined):
     assert int(emb.state.step) == 1  # a no-op update still counts a step
     # a normal step afterwards matches a layer that never saw the empty batch,
     # up to the step count (Adagrad with a constant rate ignores it)
-    batch = {"x": np.arange(8) % 12, "r": RaggedTensor.from_row_lengths(
-        np.arange(12) % 7, np.array([1, 2, 0, 3, 1, 2, 1, 2])),
-        "s": RaggedTensor.from_row_lengths(np.arange(12) % 12, np.array([1, 2, 0, 3, 1, 2, 1, 2]))}
+    batch = {
+        "x": np.arange(8) % 12,
+        "r": RaggedTensor.from_row_lengths(np.arange(12) % 7, np.array([1, 2, 0, 3, 1, 2, 1, 2])),
+        "s": RaggedTensor.from_row_lengths(np.arange(12) % 12, np.array([1, 2, 0, 3, 1, 2, 1, 2])),
+    }
     a1, p1 = emb(batch)
     a2, p2 = ref(batch)
     for k in a1:

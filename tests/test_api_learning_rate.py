@@ -2,24 +2,34 @@
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import FeatureConfig, TableConfig
 from embedmesh.facade import MeshEmbedding
 
-OPTS = {"SGD": em.SGD, "Adagrad": em.Adagrad, "AdagradMomentum": em.AdagradMomentum,
-        "Adam": em.Adam, "FTRL": em.FTRL}
+OPTS = {
+    "SGD": em.SGD,
+    "Adagrad": em.Adagrad,
+    "AdagradMomentum": em.AdagradMomentum,
+    "Adam": em.Adam,
+    "FTRL": em.FTRL,
+}
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.sampled_from(sorted(OPTS)), lr=st.floats(0.01, 2.0), seed=st.integers(0, 99),
-       step=st.integers(0, 5))
+@given(
+    name=st.sampled_from(sorted(OPTS)),
+    lr=st.floats(0.01, 2.0),
+    seed=st.integers(0, 99),
+    step=st.integers(0, 5),
+)
 def test_callable_forms_match_the_constant(name, lr, seed, step):
     rng = np.random.default_rng(seed)
     rows = rng.normal(size=(5, 3)).astype(np.float32)
@@ -36,13 +46,15 @@ def test_callable_forms_match_the_constant(name, lr, seed, step):
         opt = OPTS[name](learning_rate=form)
         # eagerly bit-identical; under jit XLA folds a constant lr into the
         # arithmetic (e.g. FTRL's w / lr), an opaque one not: 1-ulp differences
-        for got, ref, tol in ((opt.update_rows(rows, slots, grads, step), want, 0),
-                              (jitted(opt), want_jit, 1e-6)):
-            np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=tol,
-                                       atol=tol)
+        for got, ref, tol in (
+            (opt.update_rows(rows, slots, grads, step), want, 0),
+            (jitted(opt), want_jit, 1e-6),
+        ):
+            np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=tol, atol=tol)
             for k in ref[1]:
-                np.testing.assert_allclose(np.asarray(got[1][k]), np.asarray(ref[1][k]),
-                                           rtol=tol, atol=tol)
+                np.testing.assert_allclose(
+                    np.asarray(got[1][k]), np.asarray(ref[1][k]), rtol=tol, atol=tol
+                )
 
 
 def test_bad_callables_are_value_errors_at_construction():

@@ -1,8 +1,8 @@
 """Item 4: `{TableConfig: array}` dicts are usable pytrees (tree.map, device_put, jit)."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import Mesh
 
@@ -31,13 +31,16 @@ def test_table_config_total_order_and_identity():
     same_name = TableConfig(9, 8, name="a")
     assert same_name != t_a and t_a < same_name  # ties on name broken by creation
     with pytest.raises(TypeError):
-        t_a < 3
+        t_a < 3  # noqa: B015 - the comparison is what raises
 
 
 def test_tree_map_device_put_jit_over_table_dict():
     t_z, t_u1, t_a, _ = three_tables()
-    d = {t_z: np.ones((10, 4), np.float32), t_u1: np.full((12, 4), 2.0, np.float32),
-         t_a: np.zeros((9, 8), np.float32)}
+    d = {
+        t_z: np.ones((10, 4), np.float32),
+        t_u1: np.full((12, 4), 2.0, np.float32),
+        t_a: np.zeros((9, 8), np.float32),
+    }
     doubled = jax.tree.map(lambda x: x * 2, d)
     assert set(doubled) == set(d)
     np.testing.assert_array_equal(doubled[t_u1], np.full((12, 4), 4.0))
@@ -53,6 +56,7 @@ def test_tree_map_device_put_jit_over_table_dict():
 def test_embedding_tables_and_variables_as_jit_argument():
     t_z, t_u1, t_a, _ = three_tables()
     from embedmesh import Adagrad
+
     feats = {"z": FeatureConfig(t_z), "u": FeatureConfig(t_u1), "a": FeatureConfig(t_a)}
     emb = MeshEmbedding(feats, Adagrad(0.1), mesh=Mesh(np.array(jax.devices()[:2]), ("x",)))
     emb.build()

@@ -5,8 +5,8 @@ import warnings
 import numpy as np
 import pytest
 
-from embedmesh import config as cfg
 from embedmesh import FeatureConfig, QuantizationConfig, TableConfig, serving_embedding_lookup
+from embedmesh import config as cfg
 
 
 def test_docstrings_say_ignored():
@@ -25,6 +25,7 @@ def test_one_time_warning(monkeypatch):
         TableConfig(4, 2)
     # and it is indeed ignored: serving returns the unquantized rows
     table = np.array([[0.1, 0.2], [0.3, 0.45], [0.0, 0.0], [0.9, 0.7]], np.float32)
-    out = serving_embedding_lookup({"f": np.array([1, 3])}, None, {t: table},
-                                   {"f": FeatureConfig(t)})
+    out = serving_embedding_lookup(
+        {"f": np.array([1, 3])}, None, {t: table}, {"f": FeatureConfig(t)}
+    )
     np.testing.assert_array_equal(np.asarray(out["f"]), table[[1, 3]])

@@ -13,16 +13,21 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from checkpoint_common import (
+    HashInit,
+    make_batch,
+    make_features,
+    make_tables,
+    train_step,
+    variables_by_name,
+)
 from jax.sharding import Mesh
+from process_helpers import free_port, run_together
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
 from embedmesh.facade import MeshEmbedding
 from embedmesh.layout.rows import logical_layout, row_layout
-
-from process_helpers import free_port, run_together
-from checkpoint_common import (HashInit, make_batch, make_features, make_tables, train_step,
-                               variables_by_name)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,8 +38,9 @@ def mesh_of(n):
 
 def engine(n, tables=None, stack_tables=True, optimizer=None):
     feats = make_features(tables or make_tables())
-    return MeshEmbedding(feats, optimizer or em.Adagrad(0.1), mesh=mesh_of(n),
-                         stack_tables=stack_tables), feats
+    return MeshEmbedding(
+        feats, optimizer or em.Adagrad(0.1), mesh=mesh_of(n), stack_tables=stack_tables
+    ), feats
 
 
 def assert_same_variables(got: dict, want: dict, tables=None):
@@ -71,8 +77,10 @@ def test_state_tree_layout_and_metadata(sources):
     assert meta["format"] == "embedmesh.checkpoint" and meta["num_shards"] == 4
     assert meta["step"] == 0 and int(tree["step"]) == 0
     by_name = {m["name"]: m for m in meta["tables"]}
-    assert by_name["d"]["optimizer"] == "Adam" and by_name["d"]["slots"] == ["momenta",
-                                                                            "velocities"]
+    assert by_name["d"]["optimizer"] == "Adam" and by_name["d"]["slots"] == [
+        "momenta",
+        "velocities",
+    ]
     assert by_name["a"]["slots"] == ["accumulators"] and by_name["a"]["stack"] == "a+b+c"
     for t in emb.plan.tables:
         arr = tree["tables"][t.name]
@@ -87,8 +95,9 @@ def test_state_tree_layout_and_metadata(sources):
     meta_n8 = ckpt.read_metadata(sources[8]["path"])
     assert meta_n8["step"] == 2 and meta_n8["num_shards"] == 8
     mngr = ocp.CheckpointManager(sources[8]["path"])
-    params = mngr.restore(2, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore({"w": np.zeros((2, 3))})))["params"]
+    params = mngr.restore(
+        2, args=ocp.args.Composite(params=ocp.args.StandardRestore({"w": np.zeros((2, 3))}))
+    )["params"]
     np.testing.assert_array_equal(params["w"], np.arange(6.0).reshape(2, 3))
     mngr.close()
 
@@ -124,16 +133,22 @@ def test_restore_on_other_device_counts_and_stackings(sources, case):
     common = [n for n in src["saved"] if n in got]
     assert_same_variables(got, src["saved"], common)
     if other_tables:  # the new table keeps its initial values
-        np.testing.assert_array_equal(got["e"]["parameters"],
-                                      HashInit(5)(None, (11, 4), np.float32))
+        np.testing.assert_array_equal(
+            got["e"]["parameters"], HashInit(5)(None, (11, 4), np.float32)
+        )
         np.testing.assert_array_equal(got["e"]["accumulators"], np.full((11, 4), 0.1, np.float32))
     # next step: identical to the same values set directly on this mesh, and equal (up to
     # the order of float sums over devices) to the source's own next step
     acts = train_step(emb, feats, seed=2)
     after = variables_by_name(emb)
-    emb.set_tables({emb.plan.table_config(n): got[n]["parameters"] for n in got},
-                   {emb.plan.table_config(n): {k: v for k, v in got[n].items()
-                                               if k != "parameters"} for n in got}, step=2)
+    emb.set_tables(
+        {emb.plan.table_config(n): got[n]["parameters"] for n in got},
+        {
+            emb.plan.table_config(n): {k: v for k, v in got[n].items() if k != "parameters"}
+            for n in got
+        },
+        step=2,
+    )
     acts2 = train_step(emb, feats, seed=2)
     for k in acts:
         np.testing.assert_array_equal(acts[k], acts2[k], err_msg=k)
@@ -143,16 +158,18 @@ def test_restore_on_other_device_counts_and_stackings(sources, case):
             np.testing.assert_allclose(acts[k], src["next_acts"][k], rtol=1e-6, atol=1e-6)
         for name, d in src["next_vars"].items():
             for k, v in d.items():
-                np.testing.assert_allclose(after[name][k], v, rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{name}.{k}")
+                np.testing.assert_allclose(
+                    after[name][k], v, rtol=1e-5, atol=1e-6, err_msg=f"{name}.{k}"
+                )
 
 
 def test_restore_streams_one_table_at_a_time(tmp_path, monkeypatch):
     """Restoring N=4 -> M=2 reads one leaf (one table or slot) at a time, and the host
     memory it allocates on top (that table's shards in the new layout, which on CPU become
     the device buffers) stays near one table, while the state is 16 tables' worth."""
-    tables = {f"t{i}": em.TableConfig(20000, 16, name=f"t{i}", initializer=HashInit(i))
-              for i in range(8)}
+    tables = {
+        f"t{i}": em.TableConfig(20000, 16, name=f"t{i}", initializer=HashInit(i)) for i in range(8)
+    }
     feats = {f"f{i}": em.FeatureConfig(t) for i, t in enumerate(tables.values())}
     src = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(4))
     src.build()
@@ -185,6 +202,7 @@ def test_restore_streams_one_table_at_a_time(tmp_path, monkeypatch):
 
 def _file_bytes_read():
     import tensorstore as ts
+
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
         return sum(v.get("value", 0) for v in m["values"])
     return 0
@@ -197,8 +215,10 @@ def test_load_tables_for_serving_reads_parameters_only(sources, tmp_path):
     feats = {"fu": em.FeatureConfig(tables["u"]), "fv": em.FeatureConfig(tables["v"])}
     emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(4))
     values = {t: rng.normal(size=(20000, 8)).astype(np.float32) for t in tables.values()}
-    slots = {t: {"accumulators": rng.uniform(0.1, 2, (20000, 8)).astype(np.float32)}
-             for t in tables.values()}
+    slots = {
+        t: {"accumulators": rng.uniform(0.1, 2, (20000, 8)).astype(np.float32)}
+        for t in tables.values()
+    }
     emb.set_tables(values, slots, step=7)
     ckpt.save(tmp_path, emb)
     before = _file_bytes_read()
@@ -216,8 +236,12 @@ def test_load_tables_for_serving_reads_parameters_only(sources, tmp_path):
     for t, v in plain.items():
         np.testing.assert_array_equal(v, sources[8]["saved"][t.name]["parameters"])
         assert v.shape == (t.vocabulary_size, t.dim)
-    assert {t.name: t.combiner for t in plain} == {"a": "mean", "b": "sqrtn", "c": "sum",
-                                                   "d": "sum"}
+    assert {t.name: t.combiner for t in plain} == {
+        "a": "mean",
+        "b": "sqrtn",
+        "c": "sum",
+        "d": "sum",
+    }
 
 
 @pytest.mark.parametrize("n_from,n_to", [(1, 8), (2, 3), (8, 4), (4, 4)])
@@ -228,10 +252,13 @@ def test_restore_reads_each_stored_byte_once(tmp_path, n_from, n_to):
     rng = np.random.default_rng(n_from * 10 + n_to)
     tables = {n: em.TableConfig(v, 8, name=n) for n, v in (("u", 20001), ("w", 9000))}
     feats = {"fu": em.FeatureConfig(tables["u"]), "fw": em.FeatureConfig(tables["w"])}
-    values = {t: rng.normal(size=(t.vocabulary_size, 8)).astype(np.float32)
-              for t in tables.values()}
-    slots = {t: {"accumulators": rng.uniform(0.1, 2, (t.vocabulary_size, 8)).astype(
-        np.float32)} for t in tables.values()}
+    values = {
+        t: rng.normal(size=(t.vocabulary_size, 8)).astype(np.float32) for t in tables.values()
+    }
+    slots = {
+        t: {"accumulators": rng.uniform(0.1, 2, (t.vocabulary_size, 8)).astype(np.float32)}
+        for t in tables.values()
+    }
     src = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(n_from))
     src.set_tables(values, slots, step=3)
     ckpt.save(tmp_path, src)
@@ -256,8 +283,9 @@ def test_embedding_for_serving(sources):
         np.testing.assert_array_equal(v, sources[4]["saved"][t.name]["parameters"])
     batch = make_batch(feats, seed=5)
     got = serving(batch)
-    want = em.serving_embedding_lookup(batch, None, {
-        tables[n]: sources[4]["saved"][n]["parameters"] for n in tables}, feats)
+    want = em.serving_embedding_lookup(
+        batch, None, {tables[n]: sources[4]["saved"][n]["parameters"] for n in tables}, feats
+    )
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
 
@@ -275,8 +303,9 @@ def test_restore_errors(sources, tmp_path):
     with pytest.raises(ValueError, match="slot 'momenta' of table a"):
         ckpt.restore(emb, path)
     ckpt.restore(emb, path, missing="keep")  # parameters restored, Adam slots kept
-    np.testing.assert_array_equal(variables_by_name(emb)["a"]["parameters"],
-                                  sources[8]["saved"]["a"]["parameters"])
+    np.testing.assert_array_equal(
+        variables_by_name(emb)["a"]["parameters"], sources[8]["saved"]["a"]["parameters"]
+    )
     with pytest.raises(ValueError, match="missing must be one of"):
         ckpt.restore(emb, path, missing="init")
     with pytest.raises(FileNotFoundError):
@@ -286,11 +315,13 @@ def test_restore_errors(sources, tmp_path):
     with pytest.raises(ValueError, match="not an embedmesh checkpoint"):
         ckpt.restore(emb, path, item="params")
     with pytest.raises(ValueError, match="table zz is not in the checkpoint"):
-        ckpt.load_tables(path, feature_config={"y": em.FeatureConfig(em.TableConfig(5, 2,
-                                                                                      name="zz"))})
+        ckpt.load_tables(
+            path, feature_config={"y": em.FeatureConfig(em.TableConfig(5, 2, name="zz"))}
+        )
     with pytest.raises(ValueError, match=r"table a: the checkpoint has \[37, 5\]"):
-        ckpt.load_tables(path, feature_config={"y": em.FeatureConfig(em.TableConfig(5, 2,
-                                                                                      name="a"))})
+        ckpt.load_tables(
+            path, feature_config={"y": em.FeatureConfig(em.TableConfig(5, 2, name="a"))}
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -303,10 +334,16 @@ def test_async_save_and_bit_identical_resume(tmp_path):
         train_step(emb, feats, seed=s)
     params = {"dense": {"w": np.linspace(0, 1, 12).reshape(3, 4).astype(np.float32)}}
     at_save = variables_by_name(emb)
-    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=True, max_to_keep=2))
-    mngr.save(2, args=ocp.args.Composite(embedding=ckpt.save_args(emb),
-                                         params=ocp.args.StandardSave(params)))
+    mngr = ocp.CheckpointManager(
+        tmp_path,
+        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True, max_to_keep=2),
+    )
+    mngr.save(
+        2,
+        args=ocp.args.Composite(
+            embedding=ckpt.save_args(emb), params=ocp.args.StandardSave(params)
+        ),
+    )
     # keep training while the save is written: tables are donated and updated in place
     for s in range(2, 5):
         train_step(emb, feats, seed=s)
@@ -317,8 +354,9 @@ def test_async_save_and_bit_identical_resume(tmp_path):
     resumed, _ = engine(4)
     assert ckpt.restore(resumed, mngr) == 2
     assert_same_variables(variables_by_name(resumed), at_save)  # the save saw step 2
-    restored = mngr.restore(2, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(params)))["params"]
+    restored = mngr.restore(2, args=ocp.args.Composite(params=ocp.args.StandardRestore(params)))[
+        "params"
+    ]
     np.testing.assert_array_equal(restored["dense"]["w"], params["dense"]["w"])
     for s in range(2, 5):
         train_step(resumed, feats, seed=s)
@@ -330,8 +368,10 @@ def test_async_save_and_bit_identical_resume(tmp_path):
 def test_save_into_manager_with_others_and_policies(tmp_path):
     emb, _ = engine(2)
     emb.build()
-    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=True, max_to_keep=1))
+    mngr = ocp.CheckpointManager(
+        tmp_path,
+        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True, max_to_keep=1),
+    )
     assert ckpt.save(mngr, emb, others={"opt": {"count": np.int32(3)}}, wait=True)
     assert ckpt.save(mngr, emb, step=5, wait=True)
     assert mngr.all_steps() == [5] and ckpt.latest_step(tmp_path) == 5
@@ -350,8 +390,7 @@ def _env(devices=4):
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE,
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
     return env
 
 
@@ -361,9 +400,18 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, kill_at):
     (everything written, not committed), or while array data is being written."""
     root = tmp_path / "ckpt"
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "checkpoint_kill_worker.py"),
-                             str(root), str(marker), kill_at], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(HERE, "checkpoint_kill_worker.py"),
+            str(root),
+            str(marker),
+            kill_at,
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.time() + 240
         while not marker.exists():
@@ -410,9 +458,10 @@ def test_two_processes_save_their_own_shards(tmp_path):
     port = free_port()
     root = tmp_path / "ckpt"
     worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
-    outs = run_together([[sys.executable, worker, str(i), str(port), str(root)]
-                         for i in range(2)],
-                        env=_env(devices=2))
+    outs = run_together(
+        [[sys.executable, worker, str(i), str(port), str(root)] for i in range(2)],
+        env=_env(devices=2),
+    )
     item = root / "3" / "embedding"
     assert (item / "ocdbt.process_0").exists() and (item / "ocdbt.process_1").exists()
     want = np.load(root.parent / "expected.npz")
@@ -429,27 +478,39 @@ def apply_copies(stored: np.ndarray, copies: list, out: np.ndarray) -> np.ndarra
     """numpy reference of a copy list (checks the index arithmetic of the re-cut)."""
     for d0, dstep, s0, sstep, rows in copies:
         if rows > 0:
-            out[d0:d0 + dstep * (rows - 1) + 1:dstep] = \
-                stored[s0:s0 + sstep * (rows - 1) + 1:sstep]
+            out[d0 : d0 + dstep * (rows - 1) + 1 : dstep] = stored[
+                s0 : s0 + sstep * (rows - 1) + 1 : sstep
+            ]
     return out
 
 
 def placed_on(meta: dict, n: int, rotation: int):
     """A table of `meta`'s size laid out on n shards with `rotation` (mod layout)."""
-    return ckpt._stored_table(dict(meta, rows_per_shard=-(-meta["vocabulary_size"] // n),
-                                   rotation=rotation), n)
+    return ckpt._stored_table(
+        dict(meta, rows_per_shard=-(-meta["vocabulary_size"] // n), rotation=rotation), n
+    )
 
 
 def recut(meta: dict, n_from: int, n_to: int, rotation: int, shard: int) -> list:
     """The copy list of stored blocks of n_from shards -> new shard `shard` of n_to."""
-    return ckpt._recut_copies(row_layout("mod", n_from), ckpt._stored_table(meta, n_from),
-                              row_layout("mod", n_to), placed_on(meta, n_to, rotation), shard)
+    return ckpt._recut_copies(
+        row_layout("mod", n_from),
+        ckpt._stored_table(meta, n_from),
+        row_layout("mod", n_to),
+        placed_on(meta, n_to, rotation),
+        shard,
+    )
 
 
 def to_logical(meta: dict, n: int) -> list:
     """The copy list of stored blocks of n shards -> the logical table."""
-    return ckpt._recut_copies(row_layout("mod", n), ckpt._stored_table(meta, n),
-                              logical_layout(), ckpt._logical_table(meta), 0)
+    return ckpt._recut_copies(
+        row_layout("mod", n),
+        ckpt._stored_table(meta, n),
+        logical_layout(),
+        ckpt._logical_table(meta),
+        0,
+    )
 
 
 def test_reshard_rows_matches_the_layout_for_any_shard_counts():
@@ -462,17 +523,23 @@ def test_reshard_rows_matches_the_layout_for_any_shard_counts():
         table = rng.normal(size=(v, 3))
         stored = np.zeros((n * rps_old, 3))
         for j in range(n):
-            rows = table[(j - rot_old) % n::n]
-            stored[j * rps_old:j * rps_old + len(rows)] = rows
-        meta = {"name": "x", "vocabulary_size": v, "rows_per_shard": rps_old,
-                "rotation": rot_old, "dim": 3}
+            rows = table[(j - rot_old) % n :: n]
+            stored[j * rps_old : j * rps_old + len(rows)] = rows
+        meta = {
+            "name": "x",
+            "vocabulary_size": v,
+            "rows_per_shard": rps_old,
+            "rotation": rot_old,
+            "dim": 3,
+        }
         for k in range(m):
             out = np.full((rps, 3), np.nan)
             apply_copies(stored, recut(meta, n, m, rot, k), out)
-            want = table[(k - rot) % m::m]
-            np.testing.assert_array_equal(out[:len(want)], want)
+            want = table[(k - rot) % m :: m]
+            np.testing.assert_array_equal(out[: len(want)], want)
         np.testing.assert_array_equal(
-            apply_copies(stored, to_logical(meta, n), np.full((v, 3), np.nan)), table)
+            apply_copies(stored, to_logical(meta, n), np.full((v, 3), np.nan)), table
+        )
 
 
 def test_reader_fills_strided_rows_with_a_cast(sources):
@@ -503,6 +570,7 @@ def test_hand_made_read_spec_matches_orbax(use_zarr3, use_ocdbt):
     hand-made spec stands in, and this keeps it equal to orbax's."""
     from embedmesh import _compat
     from embedmesh import checkpoint as ck
+
     # test_compat fails when orbax moves it; the hand-made spec must still equal the last one
     assert _compat.orbax_tensorstore_utils() is not None
     args = ("/tmp/some/ckpt/0/embedding", "tables.t0.parameters", use_zarr3, use_ocdbt)
@@ -511,6 +579,7 @@ def test_hand_made_read_spec_matches_orbax(use_zarr3, use_ocdbt):
 
 def test_restore_through_the_hand_made_read_spec(sources, monkeypatch):
     from embedmesh import _compat
+
     monkeypatch.setattr(_compat, "orbax_tensorstore_utils", lambda: None)
     src = sources[8]
     emb, _ = engine(4)

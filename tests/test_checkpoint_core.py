@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from checkpoint_common import HashInit, variables_by_name
 from jax.sharding import Mesh
 
 import embedmesh as em
@@ -19,18 +20,21 @@ from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import Capacity, preprocess_features
 from embedmesh.layout.stacking import plan_stacking
 
-from checkpoint_common import HashInit, variables_by_name
-
 CAPS = Capacity(64, 64)
 LR, ACC0 = 0.3, 0.1
 OPT = em.Adagrad(LR, initial_accumulator_value=ACC0)
 # u and w stack (dims pad to 8), z has a stack of its own; row-aware initialisers, so the
 # initial tables do not depend on the device count
-TABLES = {"u": em.TableConfig(37, 8, combiner="sum", name="u", initializer=HashInit(1)),
-          "w": em.TableConfig(53, 4, combiner="sum", name="w", initializer=HashInit(2)),
-          "z": em.TableConfig(20, 16, combiner="sum", name="z", initializer=HashInit(3))}
-FEATS = {"fu": em.FeatureConfig(TABLES["u"]), "fw": em.FeatureConfig(TABLES["w"]),
-         "fz": em.FeatureConfig(TABLES["z"])}
+TABLES = {
+    "u": em.TableConfig(37, 8, combiner="sum", name="u", initializer=HashInit(1)),
+    "w": em.TableConfig(53, 4, combiner="sum", name="w", initializer=HashInit(2)),
+    "z": em.TableConfig(20, 16, combiner="sum", name="z", initializer=HashInit(3)),
+}
+FEATS = {
+    "fu": em.FeatureConfig(TABLES["u"]),
+    "fw": em.FeatureConfig(TABLES["w"]),
+    "fz": em.FeatureConfig(TABLES["z"]),
+}
 BATCH = 12  # a multiple of every device count used here
 
 
@@ -42,11 +46,13 @@ def batch(step):
     """Dense ids (one plain lookup per id: activation ids.shape + [dim]) and the fixed
     cotangents of the loss sum(acts * targets) (so the gradient of the activations)."""
     rng = np.random.default_rng(100 + step)
-    ids = {"fu": rng.integers(0, 37, BATCH), "fw": rng.integers(0, 53, BATCH),
-           "fz": rng.integers(0, 20, (BATCH, 2))}
+    ids = {
+        "fu": rng.integers(0, 37, BATCH),
+        "fw": rng.integers(0, 53, BATCH),
+        "fz": rng.integers(0, 20, (BATCH, 2)),
+    }
     dims = {"fu": 8, "fw": 4, "fz": 16}
-    targets = {k: rng.normal(size=v.shape + (dims[k],)).astype(np.float32)
-               for k, v in ids.items()}
+    targets = {k: rng.normal(size=v.shape + (dims[k],)).astype(np.float32) for k, v in ids.items()}
     return ids, targets
 
 
@@ -54,8 +60,10 @@ def reference(steps):
     """float64 Adagrad on the logical tables, loops written for clarity: the gradient of
     a row is the sum of the targets of every lookup of it; each row seen is updated once."""
     feature_table = {"fu": "u", "fw": "w", "fz": "z"}
-    params = {n: t.initializer(None, (t.vocabulary_size, t.dim), np.float32).astype(np.float64)
-              for n, t in TABLES.items()}
+    params = {
+        n: t.initializer(None, (t.vocabulary_size, t.dim), np.float32).astype(np.float64)
+        for n, t in TABLES.items()
+    }
     acc = {n: np.full_like(p, ACC0) for n, p in params.items()}
     for step in range(steps):
         ids, targets = batch(step)
@@ -97,8 +105,9 @@ class FunctionalUser:
 
     def step(self, step):
         ids, targets = batch(step)
-        csr, _ = preprocess_features(ids, None, self.plan, num_devices_local=self.n,
-                                     capacities=CAPS)
+        csr, _ = preprocess_features(
+            ids, None, self.plan, num_devices_local=self.n, capacities=CAPS
+        )
         self.state, ok = self.train_step(self.state, self.core.put(csr), targets)
         assert bool(ok)
 
@@ -108,9 +117,13 @@ class FunctionalUser:
 
 def variables_of(core, state):
     """`{table: {"parameters": ..., slot: ...}}` of a state, logical rows (numpy)."""
-    return {t.name: {"parameters": core.read_table(state.tables[t.stack], t),
-                     **{k: core.read_table(a, t) for k, a in state.slots[t.stack].items()}}
-            for t in core.plan.tables}
+    return {
+        t.name: {
+            "parameters": core.read_table(state.tables[t.stack], t),
+            **{k: core.read_table(a, t) for k, a in state.slots[t.stack].items()},
+        }
+        for t in core.plan.tables
+    }
 
 
 def assert_bit_identical(got, want):
@@ -126,8 +139,9 @@ def assert_bit_identical(got, want):
 def assert_close_to(got, want, msg=""):
     for name in want:
         for k in want[name]:
-            np.testing.assert_allclose(got[name][k], want[name][k], rtol=2e-5, atol=2e-6,
-                                       err_msg=f"{msg} {name}.{k}")
+            np.testing.assert_allclose(
+                got[name][k], want[name][k], rtol=2e-5, atol=2e-6, err_msg=f"{msg} {name}.{k}"
+            )
 
 
 @pytest.mark.parametrize("n_from,n_to", [(4, 3)])
@@ -140,8 +154,13 @@ def test_functional_core_checkpoint_across_device_counts(tmp_path, n_from, n_to)
     # saved with orbax beside the user's dense parameters, from the core and its state
     dense = {"w": np.arange(6.0).reshape(2, 3)}
     mngr = ocp.CheckpointManager(tmp_path / "ckpt")  # async saves
-    mngr.save(3, args=ocp.args.Composite(embedding=ckpt.core_save_args(user.core, user.state),
-                                         params=ocp.args.StandardSave(dense)))
+    mngr.save(
+        3,
+        args=ocp.args.Composite(
+            embedding=ckpt.core_save_args(user.core, user.state),
+            params=ocp.args.StandardSave(dense),
+        ),
+    )
     mngr.wait_until_finished()
     meta = ckpt.read_metadata(mngr)
     assert (meta["step"], meta["num_shards"], meta["row_layout"]) == (3, n_from, "mod")
@@ -158,14 +177,16 @@ def test_functional_core_checkpoint_across_device_counts(tmp_path, n_from, n_to)
     assert restored.lookup_tables == {} and restored.lookup_state() is restored.state
     assert_bit_identical(other.variables(), initial)  # not donated, not changed
     assert_bit_identical(other.variables(restored.state), saved)
-    assert_bit_identical(other.variables(ckpt.core_restore(other.core, other.state,
-                                                           tmp_path / "dir").state), saved)
+    assert_bit_identical(
+        other.variables(ckpt.core_restore(other.core, other.state, tmp_path / "dir").state), saved
+    )
     # the same tables as a facade restore on that device count
     facade = MeshEmbedding(FEATS, OPT, mesh=mesh_of(n_to), capacities=CAPS)
     assert ckpt.restore(facade, mngr) == 3
     assert_bit_identical(variables_by_name(facade), saved)
-    params = mngr.restore(3, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(dense)))["params"]
+    params = mngr.restore(3, args=ocp.args.Composite(params=ocp.args.StandardRestore(dense)))[
+        "params"
+    ]
     np.testing.assert_array_equal(params["w"], dense["w"])
     mngr.close()
 
@@ -186,8 +207,7 @@ def test_pipelined_core_restore_is_what_the_facade_installs(tmp_path):
         _, pre = piped(ids)
         piped.apply_gradients(targets, pre)  # pending: the next lookup applies it
     ckpt.save(tmp_path, piped)
-    assert {m["name"] for m in ckpt.read_metadata(tmp_path)["tables"] if m["lookup"]} == set(
-        TABLES)
+    assert {m["name"] for m in ckpt.read_metadata(tmp_path)["tables"] if m["lookup"]} == set(TABLES)
     facade = MeshEmbedding(FEATS, OPT, True, mesh=mesh_of(3), capacities=CAPS)
     assert ckpt.restore(facade, tmp_path) == 2
     core = facade.core
@@ -198,8 +218,7 @@ def test_pipelined_core_restore_is_what_the_facade_installs(tmp_path):
     def tables(state):
         return {t.name: core.read_table(state.tables[t.stack], t) for t in core.plan.tables}
 
-    for mine, theirs in ((got.lookup_state(), facade.state),
-                         (got.state, facade.observed_state())):
+    for mine, theirs in ((got.lookup_state(), facade.state), (got.state, facade.observed_state())):
         assert int(mine.step) == int(theirs.step)
         assert_bit_identical({"t": tables(mine)}, {"t": tables(theirs)})
     assert_bit_identical(variables_by_name(facade), variables_of(core, got.state))
@@ -219,8 +238,9 @@ def _save_with_layout(root, emb, layout):
     else:
         meta["row_layout"] = layout
     tree["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8).copy()
-    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=False))
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
     mngr.save(1, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
     mngr.wait_until_finished()
     mngr.close()
@@ -229,16 +249,23 @@ def _save_with_layout(root, emb, layout):
 def test_row_layout_recorded_defaulted_and_unknown_refused(tmp_path):
     rng = np.random.default_rng(0)
     emb = MeshEmbedding(FEATS, OPT, mesh=mesh_of(4), capacities=CAPS, sharding="mod")
-    emb.set_tables({t: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
-                    for t in TABLES.values()}, step=1)
+    emb.set_tables(
+        {
+            t: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
+            for t in TABLES.values()
+        },
+        step=1,
+    )
     values = variables_by_name(emb)
     _save_with_layout(tmp_path / "old", emb, None)  # no key: the mod layout
     target = MeshEmbedding(FEATS, OPT, mesh=mesh_of(2), capacities=CAPS)
     assert ckpt.restore(target, tmp_path / "old") == 1
     assert_bit_identical(variables_by_name(target), values)
     loaded = {t.name: v for t, v in ckpt.load_tables(tmp_path / "old").items()}
-    assert_bit_identical({n: {"parameters": v} for n, v in loaded.items()},
-                         {n: {"parameters": d["parameters"]} for n, d in values.items()})
+    assert_bit_identical(
+        {n: {"parameters": v} for n, v in loaded.items()},
+        {n: {"parameters": d["parameters"]} for n, d in values.items()},
+    )
 
     for bad in ("tablewise", 3):
         root = tmp_path / f"bad_{bad}"
@@ -246,9 +273,11 @@ def test_row_layout_recorded_defaulted_and_unknown_refused(tmp_path):
         other = MeshEmbedding(FEATS, OPT, mesh=mesh_of(2), capacities=CAPS)
         other.build()
         before = variables_by_name(other)
-        pattern = (rf"checkpoint item {re.escape(str(root))}/1/embedding lays its rows out "
-                   rf"by {bad!r} .*row layout this embedmesh does not know \(it knows "
-                   rf"\['mod'\]\)")
+        pattern = (
+            rf"checkpoint item {re.escape(str(root))}/1/embedding lays its rows out "
+            rf"by {bad!r} .*row layout this embedmesh does not know \(it knows "
+            rf"\['mod'\]\)"
+        )
         with pytest.raises(ValueError, match=pattern):
             ckpt.restore(other, root)
         with pytest.raises(ValueError, match=pattern):

@@ -10,23 +10,24 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from checkpoint_common import variables_by_name
+from checkpoint_damage import chunk_locations, flip_bytes
 from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
 from embedmesh.facade import MeshEmbedding
 
-from checkpoint_damage import chunk_locations, flip_bytes
-from checkpoint_common import variables_by_name
-
 
 def mesh_of(n):
     return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
-TABLES = {"u": em.TableConfig(3000, 8, name="u"),  # u and w share a stack
-          "w": em.TableConfig(2000, 8, name="w"),
-          "z": em.TableConfig(1500, 16, name="z", optimizer=em.Adam(0.05))}
+TABLES = {
+    "u": em.TableConfig(3000, 8, name="u"),  # u and w share a stack
+    "w": em.TableConfig(2000, 8, name="w"),
+    "z": em.TableConfig(1500, 16, name="z", optimizer=em.Adam(0.05)),
+}
 FEATS = {f"f{n}": em.FeatureConfig(t) for n, t in TABLES.items()}
 
 
@@ -39,8 +40,9 @@ def random_engine(n, seed, step):
     for t in TABLES.values():
         values[t] = rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
         names = emb.state.slots[emb.plan.stack_of(t).name]
-        slots[t] = {k: rng.uniform(0.1, 2, (t.vocabulary_size, t.dim)).astype(np.float32)
-                    for k in names}
+        slots[t] = {
+            k: rng.uniform(0.1, 2, (t.vocabulary_size, t.dim)).astype(np.float32) for k in names
+        }
     emb.set_tables(values, slots, step=step)
     return emb
 
@@ -57,8 +59,11 @@ def assert_bit_identical(got: dict, want: dict):
 
 def restore_order(emb):
     """[(table name, field)] in the order restore reads them (plan order)."""
-    return [(t.name, f) for t in emb.plan.tables
-            for f in ["parameters"] + list(emb.state.slots[t.stack])]
+    return [
+        (t.name, f)
+        for t in emb.plan.tables
+        for f in ["parameters"] + list(emb.state.slots[t.stack])
+    ]
 
 
 def leaf_key(name, field):
@@ -76,6 +81,7 @@ def saved(tmp_path_factory):
 
 def copy_checkpoint(src, dst):
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 
@@ -85,8 +91,7 @@ def copy_checkpoint(src, dst):
 
 
 @pytest.mark.parametrize("n_to", [4, 2])  # same device count ("direct"), other ("resharded")
-def test_failed_restore_leaves_state_untouched_and_retry_works(saved, tmp_path, n_to,
-                                                               monkeypatch):
+def test_failed_restore_leaves_state_untouched_and_retry_works(saved, tmp_path, n_to, monkeypatch):
     good_root, good_values = saved
     bad_root = copy_checkpoint(good_root, tmp_path / "bad")
     emb = random_engine(n_to, seed=2, step=9)
@@ -95,13 +100,15 @@ def test_failed_restore_leaves_state_untouched_and_retry_works(saved, tmp_path, 
     # cut a data file at its last chunk: only that chunk is lost; pick the one whose
     # array restore reads latest (not the first: the failure must come late)
     last_in_file = {}
-    for key, (f, off, length) in locations.items():
+    for key, (f, off, _length) in locations.items():
         if key.split("/")[0] not in order:  # meta, step
             continue
         if f not in last_in_file or off > last_in_file[f][1]:
             last_in_file[f] = (key, off)
-    key, cut, file = max(((k, off, f) for f, (k, off) in last_in_file.items()),
-                         key=lambda x: order.index(x[0].split("/")[0]))
+    key, cut, file = max(
+        ((k, off, f) for f, (k, off) in last_in_file.items()),
+        key=lambda x: order.index(x[0].split("/")[0]),
+    )
     lost = key.split("/")[0]
     assert order.index(lost) > 0, (lost, order)
     os.truncate(file, cut)
@@ -116,8 +123,11 @@ def test_failed_restore_leaves_state_untouched_and_retry_works(saved, tmp_path, 
 
     monkeypatch.setattr(ckpt, "_place_leaf", spy)
     before = variables_by_name(emb)
-    with pytest.raises(ValueError, match=rf"cannot read .*\(array '{lost}'\) from "
-                                         rf"checkpoint item {bad_root}") as info:
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot read .*\(array '{lost}'\) from "
+        rf"checkpoint item {bad_root}",
+    ) as info:
         ckpt.restore(emb, bad_root)
     assert placed, "the restore failed before any leaf was written: not a late failure"
     assert "OUT_OF_RANGE" in str(info.value) or "DATA_LOSS" in str(info.value), info.value
@@ -145,8 +155,11 @@ def test_failed_restore_keeps_a_shared_stack_and_the_step(saved, tmp_path):
     flip_bytes(file, offset + length // 3)
     before = variables_by_name(emb)
     live = emb.state.tables[stack]
-    with pytest.raises(ValueError, match=r"parameters of table w \(array 'tables\.w'\) is "
-                                         r"corrupted"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameters of table w \(array 'tables\.w'\) is "
+        r"corrupted",
+    ):
         ckpt.restore(emb, bad_root)
     assert emb.state.tables[stack] is live and not live.is_deleted()
     assert_bit_identical(variables_by_name(emb), before)
@@ -171,11 +184,13 @@ def reference_checksum(logical: np.ndarray) -> str:
             h = h * np.uint32(0xC2B2AE35)
             return h ^ (h >> np.uint32(16))
 
-        a = fmix(w ^ (i * np.uint32(0x9E3779B1) + k * np.uint32(0x85EBCA77)
-                      + np.uint32(0x165667B1)))
-        b = fmix((w * np.uint32(0x27D4EB2F)) ^ (i * np.uint32(0xC2B2AE3D)
-                                                + k * np.uint32(0x61C88647)
-                                                + np.uint32(0x2545F491)))
+        a = fmix(
+            w ^ (i * np.uint32(0x9E3779B1) + k * np.uint32(0x85EBCA77) + np.uint32(0x165667B1))
+        )
+        b = fmix(
+            (w * np.uint32(0x27D4EB2F))
+            ^ (i * np.uint32(0xC2B2AE3D) + k * np.uint32(0x61C88647) + np.uint32(0x2545F491))
+        )
         sa = int(a.astype(np.uint64).sum() % (1 << 32))
         sb = int(b.astype(np.uint64).sum() % (1 << 32))
     return f"{sa:08x}{sb:08x}"
@@ -193,17 +208,24 @@ def test_checksums_recorded_match_a_reference(saved):
     emb = random_engine(4, seed=1, step=5)
     for n in (1, 3):
         other = MeshEmbedding(FEATS, em.Adagrad(0.1), mesh=mesh_of(n), stack_tables=n == 3)
-        other.set_tables(emb.embedding_tables, {t: {k: v for k, v in d.items()
-                                                    if k != "parameters"}
-                                                for t, d in emb.variables.items()}, step=5)
+        other.set_tables(
+            emb.embedding_tables,
+            {
+                t: {k: v for k, v in d.items() if k != "parameters"}
+                for t, d in emb.variables.items()
+            },
+            step=5,
+        )
         tree_meta = json.loads(bytes(ckpt.state_tree(other)["meta"]).decode())
-        assert ({m["name"]: m["checksums"] for m in tree_meta["tables"]}
-                == {m["name"]: m["checksums"] for m in meta["tables"]})
+        assert {m["name"]: m["checksums"] for m in tree_meta["tables"]} == {
+            m["name"]: m["checksums"] for m in meta["tables"]
+        }
 
 
 def save_compressed(root, emb, step):
-    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=False))
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
     mngr.save(step, args=ocp.args.Composite(embedding=ckpt.save_args(emb, compression=True)))
     mngr.wait_until_finished()
     mngr.close()
@@ -238,8 +260,11 @@ def test_flipped_bytes_are_detected(tmp_path, compression, leaf):
 
     field = "parameters" if leaf[0] == "tables" else leaf[2]
     table = leaf[1]
-    what = (rf"parameters of table {table} \(array 'tables\.{table}'\)" if field == "parameters"
-            else rf"slot '{field}' of table {table} \(array 'slots\.{table}\.{field}'\)")
+    what = (
+        rf"parameters of table {table} \(array 'tables\.{table}'\)"
+        if field == "parameters"
+        else rf"slot '{field}' of table {table} \(array 'slots\.{table}\.{field}'\)"
+    )
     for n in (4, 2):
         target = random_engine(n, seed=5, step=1)
         before = variables_by_name(target)
@@ -272,8 +297,9 @@ def test_checkpoints_without_checksums_still_load(tmp_path):
     for m in meta["tables"]:
         del m["checksums"]
     tree["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8).copy()
-    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=False))
+    mngr = ocp.CheckpointManager(
+        tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
     mngr.save(3, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
     mngr.wait_until_finished()
     mngr.close()
@@ -305,14 +331,18 @@ def slow_commit(monkeypatch):
             if original is None:
                 continue
             if name == "finalize":
+
                 def patched(self, *a, _original=original, **k):
                     assert release.wait(120), "the commit was never released"
                     return _original(self, *a, **k)
             else:
+
                 async def patched(self, *a, _original=original, **k):
                     import asyncio
+
                     assert await asyncio.to_thread(release.wait, 120), "never released"
                     return await _original(self, *a, **k)
+
             monkeypatch.setattr(cls, name, patched)
     yield release
     release.set()
@@ -323,8 +353,9 @@ def test_restore_right_after_an_async_save(tmp_path, slow_commit):
 
     emb = random_engine(4, seed=8, step=2)
     values = variables_by_name(emb)
-    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=True))
+    mngr = ocp.CheckpointManager(
+        tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    )
     mngr.save(2, args=ocp.args.Composite(embedding=ckpt.save_args(emb)))
     try:
         # in flight: only orbax's temporary directory exists
@@ -371,7 +402,7 @@ def _orbax_metadata_damages():
         return b[:767] + b"\xff\xfe" + b[769:]
 
     def bad_json(b):
-        return b[:len(b) // 2]
+        return b[: len(b) // 2]
 
     def missing_keys(b):
         return json.dumps({"something": "else"}).encode()
@@ -379,8 +410,12 @@ def _orbax_metadata_damages():
     def not_an_object(b):
         return b"[1, 2, 3]"
 
-    return {"bad_byte": bad_byte, "bad_json": bad_json, "missing_keys": missing_keys,
-            "not_an_object": not_an_object}
+    return {
+        "bad_byte": bad_byte,
+        "bad_json": bad_json,
+        "missing_keys": missing_keys,
+        "not_an_object": not_an_object,
+    }
 
 
 @pytest.mark.parametrize("damage", list(_orbax_metadata_damages()))
@@ -407,8 +442,9 @@ def test_garbled_orbax_metadata_names_the_file(saved, tmp_path, damage):
 def _save_with_meta_blob(root, emb, blob: bytes):
     tree = ckpt.state_tree(emb)
     tree["meta"] = np.frombuffer(blob, np.uint8).copy()
-    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=False))
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
     mngr.save(1, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
     mngr.wait_until_finished()
     mngr.close()
@@ -424,12 +460,14 @@ def _meta_damages(meta: dict) -> dict:
         return json.dumps(m).encode()
 
     good = json.dumps(meta).encode()
-    return {"bad_bytes": good[:40] + b"\xff\xfe\xfd" + good[43:],
-            "bad_json": good[:-10],
-            "no_num_shards": without("num_shards"),
-            "no_tables": without("tables"),
-            "table_without_rows_per_shard": without("tables", 1, "rows_per_shard"),
-            "tables_not_a_list": json.dumps(dict(meta, tables=7)).encode()}
+    return {
+        "bad_bytes": good[:40] + b"\xff\xfe\xfd" + good[43:],
+        "bad_json": good[:-10],
+        "no_num_shards": without("num_shards"),
+        "no_tables": without("tables"),
+        "table_without_rows_per_shard": without("tables", 1, "rows_per_shard"),
+        "tables_not_a_list": json.dumps(dict(meta, tables=7)).encode(),
+    }
 
 
 def test_garbled_embedding_metadata_names_the_item_and_key(tmp_path):
@@ -441,12 +479,18 @@ def test_garbled_embedding_metadata_names_the_item_and_key(tmp_path):
         root = tmp_path / name
         _save_with_meta_blob(root, emb, blob)
         item = root / "1" / "embedding"
-        key = {"no_num_shards": "num_shards", "no_tables": "tables",
-               "table_without_rows_per_shard": "rows_per_shard",
-               "tables_not_a_list": "tables"}.get(name, "")
+        key = {
+            "no_num_shards": "num_shards",
+            "no_tables": "tables",
+            "table_without_rows_per_shard": "rows_per_shard",
+            "tables_not_a_list": "tables",
+        }.get(name, "")
         pattern = rf"embedmesh metadata \(array 'meta'\) of checkpoint item {item}.*{key}"
-        for call in (lambda: ckpt.restore(target, root), lambda: ckpt.load_tables(root),
-                     lambda: ckpt.read_metadata(root)):
+        for call in (
+            lambda: ckpt.restore(target, root),
+            lambda: ckpt.load_tables(root),
+            lambda: ckpt.read_metadata(root),
+        ):
             with pytest.raises(ValueError, match=pattern):
                 call()
         assert_bit_identical(variables_by_name(target), before)

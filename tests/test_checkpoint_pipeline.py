@@ -3,9 +3,9 @@ restored from a checkpoint saved mid-pipeline (an update pending) resumes
 bit-identically to the run that was never interrupted, on any device count and
 stacking (issue #12, item 1)."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import Mesh
 
@@ -26,15 +26,21 @@ def _features():
     t1 = TableConfig(40, 4, combiner="sum", name="t1")
     t2 = TableConfig(25, 8, combiner="mean", name="t2")
     t3 = TableConfig(30, 4, combiner="sum", name="t3")  # never looked up before the save
-    return {"a": FeatureConfig(t1), "b": FeatureConfig(t2), "c": FeatureConfig(t3),
-            "s": FeatureConfig(t1, max_sequence_length=3)}
+    return {
+        "a": FeatureConfig(t1),
+        "b": FeatureConfig(t2),
+        "c": FeatureConfig(t3),
+        "s": FeatureConfig(t1, max_sequence_length=3),
+    }
 
 
 def _batch(rng, step, batch=8, max_len=4):
     lengths = rng.integers(0, max_len + 1, batch)
-    out = {"a": rng.integers(0, 40, (batch, 2)),
-           "b": RaggedTensor.from_row_lengths(rng.integers(0, 25, lengths.sum()), lengths),
-           "s": RaggedTensor.from_row_lengths(rng.integers(0, 40, lengths.sum()), lengths)}
+    out = {
+        "a": rng.integers(0, 40, (batch, 2)),
+        "b": RaggedTensor.from_row_lengths(rng.integers(0, 25, lengths.sum()), lengths),
+        "s": RaggedTensor.from_row_lengths(rng.integers(0, 40, lengths.sum()), lengths),
+    }
     # c only after the save: its stack's lookup tables are the restored ones
     c_len = rng.integers(0, 3, batch) if step >= 3 else np.zeros(batch, np.int64)
     out["c"] = RaggedTensor.from_row_lengths(rng.integers(0, 30, c_len.sum()), c_len)
@@ -43,8 +49,13 @@ def _batch(rng, step, batch=8, max_len=4):
 
 def _gradients(acts, step):
     """Gradients that depend on the activations: a stale or fresh lookup shows."""
-    return {k: jnp.asarray(np.tanh(np.asarray(v)) + 0.05 * (step + 1) * np.cos(
-        np.arange(v.size, dtype=np.float32)).reshape(v.shape)) for k, v in acts.items()}
+    return {
+        k: jnp.asarray(
+            np.tanh(np.asarray(v))
+            + 0.05 * (step + 1) * np.cos(np.arange(v.size, dtype=np.float32)).reshape(v.shape)
+        )
+        for k, v in acts.items()
+    }
 
 
 def _step(emb, rng, step):
@@ -61,8 +72,11 @@ def _variables(emb):
     return {t.name: {k: np.asarray(v) for k, v in d.items()} for t, d in emb.variables.items()}
 
 
-@pytest.mark.parametrize("opt", [em.SGD(0.5), em.Adagrad(0.3), em.Adam(0.05),
-                                 em.FTRL(0.2)], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "opt",
+    [em.SGD(0.5), em.Adagrad(0.3), em.Adam(0.05), em.FTRL(0.2)],
+    ids=lambda o: type(o).__name__,
+)
 @pytest.mark.parametrize("restore_on", [(4, True), (2, False)], ids=["4dev", "2dev-unstacked"])
 def test_pipelined_checkpoint_resumes_bit_identically(tmp_path, opt, restore_on):
     feats = _features()
@@ -82,13 +96,15 @@ def test_pipelined_checkpoint_resumes_bit_identically(tmp_path, opt, restore_on)
             np.testing.assert_array_equal(g[k], w[k], err_msg=f"{k} at step {i}")
 
     n, stacked = restore_on
-    resumed = MeshEmbedding(feats, opt, True, mesh=mesh_of(n), capacities=CAPS,
-                            stack_tables=stacked)
+    resumed = MeshEmbedding(
+        feats, opt, True, mesh=mesh_of(n), capacities=CAPS, stack_tables=stacked
+    )
     assert ckpt.restore(resumed, str(tmp_path / "c")) == save_after
     assert int(resumed.observed_state().step) == save_after
     rng = np.random.default_rng(11)
-    _run(MeshEmbedding(feats, opt, True, mesh=mesh_of(1), capacities=CAPS), range(save_after),
-         rng)  # the same batches up to the save: the generator's position
+    _run(
+        MeshEmbedding(feats, opt, True, mesh=mesh_of(1), capacities=CAPS), range(save_after), rng
+    )  # the same batches up to the save: the generator's position
     later = _run(resumed, range(save_after, total), rng)
     # same mesh and stacking: bit-identical. Another device count sums a bag's rows in
     # another order (so does the uninterrupted run on that count): equal to float32
@@ -140,7 +156,8 @@ def test_checkpoint_of_pipelined_run_reads_all_updates(tmp_path):
     for name, v in seen.items():
         np.testing.assert_array_equal(served[name], v)
         np.testing.assert_array_equal(
-            {t.name: a for t, a in eager.embedding_tables.items()}[name], v)
+            {t.name: a for t, a in eager.embedding_tables.items()}[name], v
+        )
 
 
 def test_corrupted_lookup_tables_fail_the_restore_and_change_nothing(tmp_path):
@@ -153,6 +170,7 @@ def test_corrupted_lookup_tables_fail_the_restore_and_change_nothing(tmp_path):
     path = tmp_path / "c"
     ckpt.save(str(path), piped)
     import json
+
     meta_leaf = json.loads(bytes(np.asarray(tree["meta"])).decode())
     assert {m["name"] for m in meta_leaf["tables"] if m["lookup"]} == set(tree["lookup_tables"])
 

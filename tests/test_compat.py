@@ -32,8 +32,8 @@ def test_importing_compat_imports_nothing_private():
     import subprocess
     import sys
 
-    code = ("import sys, embedmesh._compat; "
-            "print(any(m.startswith('orbax') for m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    code = "import sys, embedmesh._compat; print(any(m.startswith('orbax') for m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "False"

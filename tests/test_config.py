@@ -10,31 +10,37 @@ import embedmesh as em
 from embedmesh import FeatureConfig, QuantizationConfig, TableConfig
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(vocabulary_size=0, dim=4), "vocabulary_size"),
-    (dict(vocabulary_size=2.5, dim=4), "vocabulary_size"),
-    (dict(vocabulary_size=True, dim=4), "vocabulary_size"),
-    (dict(vocabulary_size=10, dim=0), "dim"),
-    (dict(vocabulary_size=10, dim="8"), "dim"),
-    (dict(vocabulary_size=10, dim=4, initializer=3), "initializer"),
-    (dict(vocabulary_size=10, dim=4, combiner="max"), "combiner"),
-    (dict(vocabulary_size=10, dim=4, name=""), "name"),
-    (dict(vocabulary_size=10, dim=4, optimizer="sgd"), "optimizer"),
-    (dict(vocabulary_size=10, dim=4, quantization_config=4), "quantization_config"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(vocabulary_size=0, dim=4), "vocabulary_size"),
+        (dict(vocabulary_size=2.5, dim=4), "vocabulary_size"),
+        (dict(vocabulary_size=True, dim=4), "vocabulary_size"),
+        (dict(vocabulary_size=10, dim=0), "dim"),
+        (dict(vocabulary_size=10, dim="8"), "dim"),
+        (dict(vocabulary_size=10, dim=4, initializer=3), "initializer"),
+        (dict(vocabulary_size=10, dim=4, combiner="max"), "combiner"),
+        (dict(vocabulary_size=10, dim=4, name=""), "name"),
+        (dict(vocabulary_size=10, dim=4, optimizer="sgd"), "optimizer"),
+        (dict(vocabulary_size=10, dim=4, quantization_config=4), "quantization_config"),
+    ],
+)
 def test_table_config_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=f"TableConfig.{field}"):
         TableConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(max_sequence_length=-1), "max_sequence_length"),
-    (dict(max_sequence_length=1.5), "max_sequence_length"),
-    (dict(validate_weights_and_indices=1), "validate_weights_and_indices"),
-    (dict(output_shape=[2, 0]), "output_shape"),
-    (dict(output_shape="ab"), "output_shape"),
-    (dict(name=5), "name"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_sequence_length=-1), "max_sequence_length"),
+        (dict(max_sequence_length=1.5), "max_sequence_length"),
+        (dict(validate_weights_and_indices=1), "validate_weights_and_indices"),
+        (dict(output_shape=[2, 0]), "output_shape"),
+        (dict(output_shape="ab"), "output_shape"),
+        (dict(name=5), "name"),
+    ],
+)
 def test_feature_config_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=f"FeatureConfig.{field}"):
         FeatureConfig(TableConfig(10, 4), **kwargs)
@@ -80,11 +86,16 @@ def test_default_initializer_is_truncated_normal_with_stddev_one_over_sqrt_dim()
 
 
 def test_resolve_names_tables_in_order_of_first_use():
-    t_unnamed_1, t_named, t_unnamed_2 = TableConfig(5, 2), TableConfig(5, 2, name="x"), \
-        TableConfig(7, 2)
-    fc = {"b": FeatureConfig(t_unnamed_2), "a": [FeatureConfig(t_unnamed_1),
-                                                FeatureConfig(t_named, name="named")],
-          "c": FeatureConfig(t_unnamed_1)}
+    t_unnamed_1, t_named, t_unnamed_2 = (
+        TableConfig(5, 2),
+        TableConfig(5, 2, name="x"),
+        TableConfig(7, 2),
+    )
+    fc = {
+        "b": FeatureConfig(t_unnamed_2),
+        "a": [FeatureConfig(t_unnamed_1), FeatureConfig(t_named, name="named")],
+        "c": FeatureConfig(t_unnamed_1),
+    }
     r = em.resolve_feature_config(fc)
     # pytree order sorts dict keys: a/0, a/1 (named), b, c
     assert r.feature_names == ("a/0", "named", "b", "c")
@@ -112,8 +123,12 @@ def test_resolution_reuse_follows_the_structure_and_its_configs():
     assert em.resolve_feature_config(fc) is second
     with pytest.raises(ValueError, match="named 't'"):  # errors are never cached away
         for _ in range(2):
-            em.resolve_feature_config([FeatureConfig(TableConfig(5, 2, name="t")),
-                                       FeatureConfig(TableConfig(6, 2, name="t"))])
+            em.resolve_feature_config(
+                [
+                    FeatureConfig(TableConfig(5, 2, name="t")),
+                    FeatureConfig(TableConfig(6, 2, name="t")),
+                ]
+            )
 
 
 def test_duplicate_table_names_rejected():

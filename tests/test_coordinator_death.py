@@ -39,14 +39,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from checkpoint_common import make_features, make_tables, variables_by_name
 from jax.sharding import Mesh
+from process_helpers import free_port
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
 from embedmesh.facade import MeshEmbedding
-
-from checkpoint_common import make_features, make_tables, variables_by_name
-from process_helpers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "coordinator_death_worker.py")
@@ -56,8 +55,7 @@ FATAL = "JAX distributed service detected fatal errors"
 def _env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets 2 devices per process
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE,
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
     return env
 
 
@@ -67,10 +65,24 @@ def _kill_during_save(tmp_path, victim: int, after: str, heartbeat: int = 100):
     root = tmp_path / "ckpt"
     port = free_port()
     logs = [open(tmp_path / f"process{i}.log", "w+b") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(port), str(root),
-                               str(tmp_path), after, str(heartbeat)],
-                              env=_env(), stdout=logs[i], stderr=subprocess.STDOUT)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                WORKER,
+                str(i),
+                str(port),
+                str(root),
+                str(tmp_path),
+                after,
+                str(heartbeat),
+            ],
+            env=_env(),
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
 
     def output(i):
         return (tmp_path / f"process{i}.log").read_text(errors="replace")
@@ -91,8 +103,10 @@ def _kill_during_save(tmp_path, victim: int, after: str, heartbeat: int = 100):
         try:
             survivor.wait(timeout=heartbeat + 60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the survivor is still running {heartbeat + 60} s after the kill:\n"
-                        + output(1 - victim)[-3000:])
+            pytest.fail(
+                f"the survivor is still running {heartbeat + 60} s after the kill:\n"
+                + output(1 - victim)[-3000:]
+            )
         elapsed = time.time() - killed_at
         print(f"survivor (process {1 - victim}) ended {elapsed:.2f} s after the kill")
     finally:
@@ -113,11 +127,15 @@ def _check_resume_from_step_3(tmp_path):
     assert len(names) == 2 and names[0] == "3", names
     assert names[1].startswith("4.orbax-checkpoint-tmp"), names  # written, not committed
     assert ckpt.latest_step(root) == 3
-    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-        cleanup_tmp_directories=True))  # removes the unfinished step 4
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(cleanup_tmp_directories=True)
+    )  # removes the unfinished step 4
     assert mngr.all_steps() == [3] and mngr.latest_step() == 3
-    emb = MeshEmbedding(make_features(make_tables()), em.Adagrad(0.1),
-                        mesh=Mesh(np.array(jax.devices()[:1]), ("x",)))
+    emb = MeshEmbedding(
+        make_features(make_tables()),
+        em.Adagrad(0.1),
+        mesh=Mesh(np.array(jax.devices()[:1]), ("x",)),
+    )
     assert ckpt.restore(emb, mngr, mngr.latest_step()) == 3
     want = np.load(tmp_path / "saved.npz")
     got = variables_by_name(emb)

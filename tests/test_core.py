@@ -1,8 +1,8 @@
 """The functional core inside a user's own jitted train step; the seed-named facade."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
@@ -24,10 +24,15 @@ def _batches(steps, batch=8, seed=0):
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         lengths = rng.integers(1, 4, batch)
-        yield ({"user": rng.integers(0, 30, batch),
-                "items": em.RaggedTensor.from_row_lengths(rng.integers(0, 50, lengths.sum()),
-                                                          lengths)},
-               rng.integers(0, 2, batch).astype(np.float32))
+        yield (
+            {
+                "user": rng.integers(0, 30, batch),
+                "items": em.RaggedTensor.from_row_lengths(
+                    rng.integers(0, 50, lengths.sum()), lengths
+                ),
+            },
+            rng.integers(0, 2, batch).astype(np.float32),
+        )
 
 
 def _loss(params, acts, labels):
@@ -50,8 +55,7 @@ def test_user_jit_train_step_matches_facade():
     @jax.jit
     def train_step(state, params, dense_state, csr, labels):
         acts = core.lookup(state, csr)
-        loss, (g_params, g_acts) = jax.value_and_grad(_loss, argnums=(0, 1))(params, acts,
-                                                                             labels)
+        loss, (g_params, g_acts) = jax.value_and_grad(_loss, argnums=(0, 1))(params, acts, labels)
         updates, dense_state = dense_opt.update(g_params, dense_state)
         state, ok = core.apply_gradients(state, g_acts, csr)
         return state, optax.apply_updates(params, updates), dense_state, loss, ok
@@ -60,8 +64,7 @@ def test_user_jit_train_step_matches_facade():
     f_params, f_dense = params, dense_opt.init(params)
     for features, labels in _batches(4):
         csr = facade.enqueue(features)
-        state, params, dense_state, loss, ok = train_step(state, params, dense_state, csr,
-                                                          labels)
+        state, params, dense_state, loss, ok = train_step(state, params, dense_state, csr, labels)
         assert bool(ok)
         # the same step through the stateful facade
         acts, pre = facade.dequeue(csr)
@@ -72,22 +75,33 @@ def test_user_jit_train_step_matches_facade():
         np.testing.assert_allclose(float(loss), float(f_loss), rtol=1e-5)
     for t in facade.embedding_tables:
         name = facade.plan.table(t)
-        np.testing.assert_allclose(core.read_table(state.tables[name.stack], t),
-                                   facade.embedding_tables[t], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            core.read_table(state.tables[name.stack], t),
+            facade.embedding_tables[t],
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert int(state.step) == 4
 
 
 def test_seed_style_code_ports_by_changing_the_import():
     table = embedding.TableConfig(vocabulary_size=20, dim=4, name="video")
     feature_config = {"watched": embedding.FeatureConfig(table=table)}
-    mid_level = embedding.TPUEmbeddingV2(feature_config=feature_config,
-                                         optimizer=embedding.SGD(learning_rate=0.5))
+    mid_level = embedding.TPUEmbeddingV2(
+        feature_config=feature_config, optimizer=embedding.SGD(learning_rate=0.5)
+    )
     mid_level.build()
-    features = {"watched": em.SparseTensor(np.array([[0, 0], [0, 1], [1, 0]]),
-                                           np.array([3, 4, 3]), (mid_level.mesh.size * 2, 2))}
+    features = {
+        "watched": em.SparseTensor(
+            np.array([[0, 0], [0, 1], [1, 0]]), np.array([3, 4, 3]), (mid_level.mesh.size * 2, 2)
+        )
+    }
     if mid_level.mesh.size > 1:  # one sample per device at least
-        features = {"watched": em.SparseTensor(
-            np.array([[0, 0], [0, 1], [1, 0]]), np.array([3, 4, 3]), (mid_level.mesh.size, 2))}
+        features = {
+            "watched": em.SparseTensor(
+                np.array([[0, 0], [0, 1], [1, 0]]), np.array([3, 4, 3]), (mid_level.mesh.size, 2)
+            )
+        }
     before = mid_level.embedding_tables[table]
     activations, preserved = mid_level(features)
     grads = {"watched": jnp.ones_like(activations["watched"])}
@@ -101,23 +115,31 @@ def test_seed_style_code_ports_by_changing_the_import():
     assert set(mid_level.variables[table]) == {"parameters"}
 
 
-
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("num_devices", [1, 2])
-@pytest.mark.parametrize("opt", [em.SGD(0.3, weight_decay_factor=0.1), em.Adagrad(0.3),
-                                 em.Adam(0.1), em.Adam(0.1, lazy_adam=False), em.FTRL(0.2)],
-                         ids=["sgd_wd", "adagrad", "adam", "adam_dense", "ftrl"])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        em.SGD(0.3, weight_decay_factor=0.1),
+        em.Adagrad(0.3),
+        em.Adam(0.1),
+        em.Adam(0.1, lazy_adam=False),
+        em.FTRL(0.2),
+    ],
+    ids=["sgd_wd", "adagrad", "adam", "adam_dense", "ftrl"],
+)
 def test_rejected_update_leaves_state_bit_identical(opt, num_devices, kernels, monkeypatch):
     """A non-finite gradient inside a user's jit: `ok` is False and tables, slots and the
     step count are unchanged (sparse rules get no rows; non-lazy Adam goes through a cond),
     while a finite one changes them."""
     from embedmesh import _runtime
+
     if not kernels:
         monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
     feats, mesh = _setup(num_devices)
     emb = em.MeshEmbedding(feats, opt, mesh=mesh, capacities=Capacity(32, 32))
     emb.build()
-    (batch, _), = _batches(1, seed=3)
+    ((batch, _),) = _batches(1, seed=3)
     csr = emb.enqueue(batch)
     core = emb.core
     step = jax.jit(core.apply_gradients, donate_argnums=0)
@@ -132,6 +154,7 @@ def test_rejected_update_leaves_state_bit_identical(opt, num_devices, kernels, m
     good = {k: jnp.full_like(v, 0.5) for k, v in acts.items()}
     state, ok = step(state, good, csr)
     assert bool(ok) and int(state.step) == 1
-    moved = jax.tree_util.tree_map(lambda a, b: not np.array_equal(np.asarray(a), b),
-                                   state.tables, before.tables)
+    moved = jax.tree_util.tree_map(
+        lambda a, b: not np.array_equal(np.asarray(a), b), state.tables, before.tables
+    )
     assert all(jax.tree_util.tree_leaves(moved))

@@ -2,43 +2,90 @@
 
 import dataclasses
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from hypothesis import given, settings, HealthCheck
+import training_reference as ref
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
+from test_optimizers import build as build_optimizer
+from test_optimizers import ref_update
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import Capacity
 
-import training_reference as ref
-from test_optimizers import build as build_optimizer, ref_update
-
 OPTIMIZER_HP = {
-    "SGD": [dict(lr_spec=("const", 0.2)),
-            dict(lr_spec=("exp", 0.3, 2, 0.7), clipvalue=0.4, weight_decay_factor=0.05,
-                 clip_weight_min=-0.6, clip_weight_max=0.7)],
-    "Adagrad": [dict(lr_spec=("const", 0.3), initial_accumulator_value=0.2),
-                dict(lr_spec=("linear", 0.3, 0.1, 3), initial_accumulator_value=0.5,
-                     clipvalue=(None, 0.3), weight_decay_factor=0.1,
-                     multiply_weight_decay_factor_by_learning_rate=True, clip_weight_max=0.8)],
-    "AdagradMomentum": [dict(lr_spec=("const", 0.2), momentum=0.5, use_nesterov=True,
-                             exponent=3.0, beta2=0.9, epsilon=1e-3),
-                        dict(lr_spec=("const", 0.1), momentum=0.8, clipvalue=(-0.2, 0.5),
-                             weight_decay_factor=0.02, clip_weight_min=-0.5)],
-    "Adam": [dict(lr_spec=("const", 0.05), beta_1=0.8, beta_2=0.9, epsilon=1e-3),
-             dict(lr_spec=("const", 0.05), sum_inside_sqrt=False, epsilon=1e-2, clipvalue=0.3,
-                  weight_decay_factor=0.1, clip_weight_max=0.5),
-             dict(lr_spec=("const", 0.05), lazy_adam=False, beta_1=0.5)],
-    "FTRL": [dict(lr_spec=("const", 0.5), l1_regularization_strength=0.01,
-                  l2_regularization_strength=0.1, beta=0.1),
-             dict(lr_spec=("const", 0.5), multiply_linear_by_learning_rate=True,
-                  learning_rate_power=-0.7, l1_regularization_strength=0.02, clipvalue=1.0,
-                  weight_decay_factor=0.01, clip_weight_min=-0.9)],
+    "SGD": [
+        dict(lr_spec=("const", 0.2)),
+        dict(
+            lr_spec=("exp", 0.3, 2, 0.7),
+            clipvalue=0.4,
+            weight_decay_factor=0.05,
+            clip_weight_min=-0.6,
+            clip_weight_max=0.7,
+        ),
+    ],
+    "Adagrad": [
+        dict(lr_spec=("const", 0.3), initial_accumulator_value=0.2),
+        dict(
+            lr_spec=("linear", 0.3, 0.1, 3),
+            initial_accumulator_value=0.5,
+            clipvalue=(None, 0.3),
+            weight_decay_factor=0.1,
+            multiply_weight_decay_factor_by_learning_rate=True,
+            clip_weight_max=0.8,
+        ),
+    ],
+    "AdagradMomentum": [
+        dict(
+            lr_spec=("const", 0.2),
+            momentum=0.5,
+            use_nesterov=True,
+            exponent=3.0,
+            beta2=0.9,
+            epsilon=1e-3,
+        ),
+        dict(
+            lr_spec=("const", 0.1),
+            momentum=0.8,
+            clipvalue=(-0.2, 0.5),
+            weight_decay_factor=0.02,
+            clip_weight_min=-0.5,
+        ),
+    ],
+    "Adam": [
+        dict(lr_spec=("const", 0.05), beta_1=0.8, beta_2=0.9, epsilon=1e-3),
+        dict(
+            lr_spec=("const", 0.05),
+            sum_inside_sqrt=False,
+            epsilon=1e-2,
+            clipvalue=0.3,
+            weight_decay_factor=0.1,
+            clip_weight_max=0.5,
+        ),
+        dict(lr_spec=("const", 0.05), lazy_adam=False, beta_1=0.5),
+    ],
+    "FTRL": [
+        dict(
+            lr_spec=("const", 0.5),
+            l1_regularization_strength=0.01,
+            l2_regularization_strength=0.1,
+            beta=0.1,
+        ),
+        dict(
+            lr_spec=("const", 0.5),
+            multiply_linear_by_learning_rate=True,
+            learning_rate_power=-0.7,
+            l1_regularization_strength=0.02,
+            clipvalue=1.0,
+            weight_decay_factor=0.01,
+            clip_weight_min=-0.9,
+        ),
+    ],
 }
 
 
@@ -50,13 +97,18 @@ def random_input(rng, kind, batch, vocab, seq_len, weighted):
     if kind == "dense1":
         return rng.integers(0, vocab, batch), None
     if kind == "sparse3":  # [B, 2, 5]: combined per (sample, group)
-        idx = [[b, a, c] for b in range(batch) for a in range(2)
-               for c in np.sort(rng.choice(5, size=int(rng.integers(0, 4)), replace=False))]
+        idx = [
+            [b, a, c]
+            for b in range(batch)
+            for a in range(2)
+            for c in np.sort(rng.choice(5, size=int(rng.integers(0, 4)), replace=False))
+        ]
         idx = np.array(idx, np.int64).reshape(-1, 3)
         ids = rng.integers(0, vocab, idx.shape[0])
         w = rng.uniform(-0.5, 2.0, idx.shape[0]).astype(np.float32)
-        return SparseTensor(idx, ids, (batch, 2, 5)), (SparseTensor(idx, w, (batch, 2, 5))
-                                                       if weighted else None)
+        return SparseTensor(idx, ids, (batch, 2, 5)), (
+            SparseTensor(idx, w, (batch, 2, 5)) if weighted else None
+        )
     if kind == "dense":
         n = int(rng.integers(1, 4))
         ids = rng.integers(0, vocab, (batch, n))
@@ -73,26 +125,42 @@ def random_input(rng, kind, batch, vocab, seq_len, weighted):
         cols = np.sort(rng.choice(6, size=n, replace=False))
         idx += [[b, c] for c in cols]
     idx = np.array(idx, np.int64).reshape(-1, 2)
-    return SparseTensor(idx, ids, (batch, 6)), (SparseTensor(idx, w, (batch, 6))
-                                                 if weighted else None)
+    return SparseTensor(idx, ids, (batch, 6)), (
+        SparseTensor(idx, w, (batch, 6)) if weighted else None
+    )
 
 
 def make_case(rng, optimizer, stack_tables, batch=8):
     t_a = TableConfig(37, 5, combiner="mean", name="a")
     t_b = TableConfig(23, 8, combiner="sqrtn", name="b")
     t_c = TableConfig(3, 3, combiner="sum", name="c")  # smaller than the mesh
-    feats = {"f_a": FeatureConfig(t_a), "f_b": FeatureConfig(t_b), "f_c": FeatureConfig(t_c),
-             "seq": FeatureConfig(t_a, max_sequence_length=2), "f_a2": FeatureConfig(t_a),
-             "f_b3": FeatureConfig(t_b), "f_bu": FeatureConfig(t_b,
-                                                                validate_weights_and_indices=False),
-             "f_c1": FeatureConfig(t_c),
-             # output_shape (global): a sequence of 3 (P = 3B), and a combined reshape (P = B)
-             "f_os": FeatureConfig(t_c, output_shape=(batch, 3)),
-             "f_oc": FeatureConfig(t_a, output_shape=(batch // 2, 2)),
-             "s_seq": FeatureConfig(t_b, max_sequence_length=3)}
-    kinds = {"f_a": "ragged", "f_b": "sparse", "f_c": "dense", "seq": "ragged", "f_a2": "dense",
-             "f_b3": "sparse3", "f_bu": "sparse", "f_c1": "dense1", "f_os": "ragged",
-             "f_oc": "ragged", "s_seq": "sparse"}
+    feats = {
+        "f_a": FeatureConfig(t_a),
+        "f_b": FeatureConfig(t_b),
+        "f_c": FeatureConfig(t_c),
+        "seq": FeatureConfig(t_a, max_sequence_length=2),
+        "f_a2": FeatureConfig(t_a),
+        "f_b3": FeatureConfig(t_b),
+        "f_bu": FeatureConfig(t_b, validate_weights_and_indices=False),
+        "f_c1": FeatureConfig(t_c),
+        # output_shape (global): a sequence of 3 (P = 3B), and a combined reshape (P = B)
+        "f_os": FeatureConfig(t_c, output_shape=(batch, 3)),
+        "f_oc": FeatureConfig(t_a, output_shape=(batch // 2, 2)),
+        "s_seq": FeatureConfig(t_b, max_sequence_length=3),
+    }
+    kinds = {
+        "f_a": "ragged",
+        "f_b": "sparse",
+        "f_c": "dense",
+        "seq": "ragged",
+        "f_a2": "dense",
+        "f_b3": "sparse3",
+        "f_bu": "sparse",
+        "f_c1": "dense1",
+        "f_os": "ragged",
+        "f_oc": "ragged",
+        "s_seq": "sparse",
+    }
     return feats, kinds
 
 
@@ -100,9 +168,9 @@ def make_batch(rng, feats, kinds, batch):
     inputs, weights = {}, {}
     for name, f in feats.items():
         weighted = f.max_sequence_length == 0 and bool(rng.integers(0, 2))
-        inputs[name], weights[name] = random_input(rng, kinds[name], batch,
-                                                   f.table.vocabulary_size,
-                                                   f.max_sequence_length, weighted)
+        inputs[name], weights[name] = random_input(
+            rng, kinds[name], batch, f.table.vocabulary_size, f.max_sequence_length, weighted
+        )
     return inputs, weights
 
 
@@ -137,55 +205,85 @@ def check_training(num_devices, opt_name, hp, stack_tables, seed, steps=3, batch
     feats, kinds = make_case(rng, None, stack_tables, batch)
     opt = build_optimizer(opt_name, hp)
     hp = {**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}, **hp}
-    emb = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), stack_tables=stack_tables,
-                        capacities=Capacity(1024, 512))
+    emb = MeshEmbedding(
+        feats,
+        opt,
+        mesh=mesh_of(num_devices),
+        stack_tables=stack_tables,
+        capacities=Capacity(1024, 512),
+    )
     emb.build()
     tables = {t.name: np.asarray(v, np.float64) for t, v in emb.embedding_tables.items()}
-    slots = {t.name: {k: np.asarray(v, np.float64) for k, v in d.items() if k != "parameters"}
-             for t, d in emb.variables.items()}
+    slots = {
+        t.name: {k: np.asarray(v, np.float64) for k, v in d.items() if k != "parameters"}
+        for t, d in emb.variables.items()
+    }
     for step in range(steps):
         inputs, weights = make_batch(rng, feats, kinds, batch)
         acts, preserved = emb(inputs, weights)
         want, gain_lists = reference_step(feats, inputs, weights, tables, batch)
         for name in feats:
-            np.testing.assert_allclose(np.asarray(acts[name]), want[name], rtol=2e-5, atol=2e-5,
-                                       err_msg=f"activation {name} at step {step}")
+            np.testing.assert_allclose(
+                np.asarray(acts[name]),
+                want[name],
+                rtol=2e-5,
+                atol=2e-5,
+                err_msg=f"activation {name} at step {step}",
+            )
         dacts = {name: rng.normal(size=a.shape).astype(np.float32) for name, a in acts.items()}
         emb.apply_gradients({k: jnp.asarray(v) for k, v in dacts.items()}, preserved)
         reference_update(opt_name, hp, tables, slots, ref.row_gradients(gain_lists, dacts), step)
         got = emb.variables
         for t, d in got.items():
-            np.testing.assert_allclose(d["parameters"], tables[t.name], rtol=1e-4, atol=1e-5,
-                                       err_msg=f"table {t.name} after step {step}")
+            np.testing.assert_allclose(
+                d["parameters"],
+                tables[t.name],
+                rtol=1e-4,
+                atol=1e-5,
+                err_msg=f"table {t.name} after step {step}",
+            )
             for k, v in slots[t.name].items():
-                np.testing.assert_allclose(d[k], v, rtol=1e-4, atol=1e-5,
-                                           err_msg=f"slot {k} of {t.name} after step {step}")
+                np.testing.assert_allclose(
+                    d[k], v, rtol=1e-4, atol=1e-5, err_msg=f"slot {k} of {t.name} after step {step}"
+                )
     # the lookup after training matches the serving lookup on the trained tables
     inputs, _ = make_batch(rng, feats, kinds, batch)
     acts, _ = emb(inputs)
     served = em.serving_embedding_lookup(inputs, None, emb.embedding_tables, feats)
     for name in feats:
         assert served[name].shape == acts[name].shape, name
-        np.testing.assert_allclose(np.asarray(acts[name]), np.asarray(served[name]), rtol=1e-5,
-                                   atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(acts[name]), np.asarray(served[name]), rtol=1e-5, atol=1e-6, err_msg=name
+        )
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 4, 8])
 @pytest.mark.parametrize("opt_name", list(OPTIMIZER_HP))
 def test_training_matches_reference(num_devices, opt_name):
     for variant, hp in enumerate(OPTIMIZER_HP[opt_name]):
-        check_training(num_devices, opt_name, hp, stack_tables=bool(variant % 2 == 0),
-                       seed=1000 * num_devices + variant)
+        check_training(
+            num_devices,
+            opt_name,
+            hp,
+            stack_tables=bool(variant % 2 == 0),
+            seed=1000 * num_devices + variant,
+        )
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(num_devices=st.sampled_from([1, 2, 4, 8]), opt_name=st.sampled_from(list(OPTIMIZER_HP)),
-       variant=st.integers(0, 2), stack=st.booleans(), seed=st.integers(0, 2**31 - 1),
-       batch=st.sampled_from([8, 16]))
+@given(
+    num_devices=st.sampled_from([1, 2, 4, 8]),
+    opt_name=st.sampled_from(list(OPTIMIZER_HP)),
+    variant=st.integers(0, 2),
+    stack=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.sampled_from([8, 16]),
+)
 def test_training_property(num_devices, opt_name, variant, stack, seed, batch):
     variants = OPTIMIZER_HP[opt_name]
-    check_training(num_devices, opt_name, variants[variant % len(variants)], stack, seed,
-                   steps=2, batch=batch)
+    check_training(
+        num_devices, opt_name, variants[variant % len(variants)], stack, seed, steps=2, batch=batch
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -289,24 +387,42 @@ def test_every_input_form_gives_serving_shapes_and_values_in_training():
     sp3 = SparseTensor(idx3, rng.integers(0, 30, 6), (B, 2, 5))
     rag = RaggedTensor.from_row_lengths(rng.integers(0, 30, 9), [3, 0, 4, 2])
     feats = {
-        "dense1": FeatureConfig(t), "dense2": FeatureConfig(t), "dense3": FeatureConfig(t),
-        "sparse3": FeatureConfig(t), "ragged": FeatureConfig(t),
+        "dense1": FeatureConfig(t),
+        "dense2": FeatureConfig(t),
+        "dense3": FeatureConfig(t),
+        "sparse3": FeatureConfig(t),
+        "ragged": FeatureConfig(t),
         "seq": FeatureConfig(t, max_sequence_length=3),
         # output_shape has priority over max_sequence_length (TF): a sequence of 2
         "os_seq": FeatureConfig(t, max_sequence_length=3, output_shape=(B, 2)),
         "os_comb": FeatureConfig(t, output_shape=(2, 2)),
     }
-    inputs = {"dense1": rng.integers(0, 30, B), "dense2": rng.integers(0, 30, (B, 3)),
-              "dense3": rng.integers(0, 30, (B, 2, 2)), "sparse3": sp3, "ragged": rag,
-              "seq": rag, "os_seq": rag, "os_comb": rag}
+    inputs = {
+        "dense1": rng.integers(0, 30, B),
+        "dense2": rng.integers(0, 30, (B, 3)),
+        "dense3": rng.integers(0, 30, (B, 2, 2)),
+        "sparse3": sp3,
+        "ragged": rag,
+        "seq": rag,
+        "os_seq": rag,
+        "os_comb": rag,
+    }
     acts, served = _train_and_serve(feats, inputs)
-    want_shapes = {"dense1": (B, 4), "dense2": (B, 3, 4), "dense3": (B, 2, 2, 4),
-                   "sparse3": (B, 2, 4), "ragged": (B, 4), "seq": (B, 3, 4),
-                   "os_seq": (B, 2, 4), "os_comb": (2, 2, 4)}
+    want_shapes = {
+        "dense1": (B, 4),
+        "dense2": (B, 3, 4),
+        "dense3": (B, 2, 2, 4),
+        "sparse3": (B, 2, 4),
+        "ragged": (B, 4),
+        "seq": (B, 3, 4),
+        "os_seq": (B, 2, 4),
+        "os_comb": (2, 2, 4),
+    }
     for name, shape in want_shapes.items():
         assert acts[name].shape == shape == served[name].shape, name
-        np.testing.assert_allclose(np.asarray(acts[name]), np.asarray(served[name]),
-                                   rtol=1e-6, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(acts[name]), np.asarray(served[name]), rtol=1e-6, atol=1e-7, err_msg=name
+        )
     assert np.abs(np.asarray(acts["dense2"])).min() > 0  # real rows, not zeros
 
 
@@ -316,13 +432,17 @@ def test_wrong_output_shape_is_a_value_error_naming_the_feature():
     emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2))
     emb.build()
     rag = RaggedTensor.from_row_lengths(np.arange(6), [2, 2, 1, 1])
-    with pytest.raises(ValueError, match=r"output shape \[3\], input data batch size 4 "
-                                         r"\(feature r\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"output shape \[3\], input data batch size 4 "
+        r"\(feature r\)",
+    ):
         emb({"a": np.arange(4), "r": rag})
 
 
 def test_output_shape_is_global_and_a_per_replica_one_is_explained():
     from embedmesh.inputs import feature_layout
+
     t = TableConfig(30, 4, name="t")
     rag = RaggedTensor.from_row_lengths(np.arange(4), [1, 1, 1, 1])  # 4 local samples
     # 2 processes: the global batch is 8; TF's per-replica (4,) does not fit it
@@ -337,8 +457,7 @@ def test_output_shape_is_global_and_a_per_replica_one_is_explained():
 def test_rank3_sparse_sits_beside_rank2_features_of_the_same_batch():
     t = TableConfig(30, 4, combiner="sum", name="t")
     feats = {"a": FeatureConfig(t), "s3": FeatureConfig(t)}
-    sp3 = SparseTensor(np.array([[0, 0, 0], [1, 2, 1], [3, 1, 0]]), np.array([5, 6, 7]),
-                       (4, 3, 2))
+    sp3 = SparseTensor(np.array([[0, 0, 0], [1, 2, 1], [3, 1, 0]]), np.array([5, 6, 7]), (4, 3, 2))
     acts, served = _train_and_serve(feats, {"a": np.arange(4), "s3": sp3})
     assert acts["s3"].shape == (4, 3, 4)
     np.testing.assert_allclose(np.asarray(acts["s3"]), np.asarray(served["s3"]), rtol=1e-6)

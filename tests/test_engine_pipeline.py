@@ -1,8 +1,8 @@
 """Pipelining, capacity growth, prefetching and memory of the engine."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import Mesh
 
@@ -19,15 +19,20 @@ def mesh_of(n):
 def _features():
     t1 = TableConfig(40, 4, combiner="sum", name="t1")
     t2 = TableConfig(25, 8, combiner="mean", name="t2")
-    return {"a": FeatureConfig(t1), "b": FeatureConfig(t2),
-            "s": FeatureConfig(t1, max_sequence_length=3)}
+    return {
+        "a": FeatureConfig(t1),
+        "b": FeatureConfig(t2),
+        "s": FeatureConfig(t1, max_sequence_length=3),
+    }
 
 
 def _batch(rng, batch=8, max_len=4):
     lengths = rng.integers(0, max_len + 1, batch)
-    return {"a": rng.integers(0, 40, (batch, 2)),
-            "b": RaggedTensor.from_row_lengths(rng.integers(0, 25, lengths.sum()), lengths),
-            "s": RaggedTensor.from_row_lengths(rng.integers(0, 40, lengths.sum()), lengths)}
+    return {
+        "a": rng.integers(0, 40, (batch, 2)),
+        "b": RaggedTensor.from_row_lengths(rng.integers(0, 25, lengths.sum()), lengths),
+        "s": RaggedTensor.from_row_lengths(rng.integers(0, 40, lengths.sum()), lengths),
+    }
 
 
 @pytest.mark.parametrize("num_devices", [1, 4])
@@ -46,10 +51,16 @@ def test_pipelined_lookups_see_tables_one_update_stale(num_devices):
         acts, pre = piped(batch)
         want, ref_pre = lagged(batch)  # lagged holds updates 0..step-2
         for k in acts:
-            np.testing.assert_allclose(np.asarray(acts[k]), np.asarray(want[k]), rtol=1e-6,
-                                       atol=1e-6, err_msg=f"{k} at step {step}")
-        grads = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32))
-                 for k, v in acts.items()}
+            np.testing.assert_allclose(
+                np.asarray(acts[k]),
+                np.asarray(want[k]),
+                rtol=1e-6,
+                atol=1e-6,
+                err_msg=f"{k} at step {step}",
+            )
+        grads = {
+            k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32)) for k, v in acts.items()
+        }
         piped.apply_gradients(grads, pre)
         if previous is not None:
             lagged.apply_gradients(*previous)
@@ -92,12 +103,14 @@ def test_unpipelined_update_rides_with_the_next_lookup_but_is_never_stale(num_de
         acts, pre = lazy(batch)
         want, ref_pre = eager(batch)
         for k in acts:
-            np.testing.assert_array_equal(np.asarray(acts[k]), np.asarray(want[k]),
-                                          err_msg=f"{k} at step {step}")
+            np.testing.assert_array_equal(
+                np.asarray(acts[k]), np.asarray(want[k]), err_msg=f"{k} at step {step}"
+            )
         repeats = 2 if step == 2 else 1  # step 2: a second update before any lookup
         for _ in range(repeats):
-            grads = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32))
-                     for k, v in acts.items()}
+            grads = {
+                k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32)) for k, v in acts.items()
+            }
             lazy.apply_gradients(grads, pre)
             eager.apply_gradients(grads, ref_pre)
             eager.flush()
@@ -166,12 +179,11 @@ def test_grow_recompiles_once_and_loses_nothing():
     assert emb.last_stats.dropped_ids == {k: 0 for k in emb.last_stats.dropped_ids}
     grown = emb._capacities
     assert any(grown[k] != caps_before[k] for k in grown)
-    served = em.serving_embedding_lookup({"b": big["b"], "s": big["s"]}, None,
-                                         emb.embedding_tables, feats)
-    np.testing.assert_allclose(np.asarray(acts["b"]), np.asarray(served["b"]), rtol=1e-5,
-                               atol=1e-6)
-    np.testing.assert_allclose(np.asarray(acts["s"]), np.asarray(served["s"]), rtol=1e-5,
-                               atol=1e-6)
+    served = em.serving_embedding_lookup(
+        {"b": big["b"], "s": big["s"]}, None, emb.embedding_tables, feats
+    )
+    np.testing.assert_allclose(np.asarray(acts["b"]), np.asarray(served["b"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(acts["s"]), np.asarray(served["s"]), rtol=1e-5, atol=1e-6)
     compiles = emb._lookup_fn._cache_size()
     emb(_batch(rng, max_len=12))  # fits the grown capacity: no new compilation
     assert emb._lookup_fn._cache_size() == compiles
@@ -234,14 +246,20 @@ def test_pipelined_step_updates_in_place(n, kernels, monkeypatch):
     were unordered for XLA)."""
     from embedmesh import _runtime
     from embedmesh.device.ops import cpu
+
     if not kernels:
         monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
     elif not cpu.ready():
         pytest.skip(cpu.unavailable_reason())
     rows, dim = 200_000, 16
     t = TableConfig(rows, dim, name="big", initializer=lambda k, s, d: jnp.ones(s, d))
-    emb = MeshEmbedding({"x": FeatureConfig(t)}, em.Adagrad(0.1), True, mesh=mesh_of(n),
-                        capacities=Capacity(256, 256))
+    emb = MeshEmbedding(
+        {"x": FeatureConfig(t)},
+        em.Adagrad(0.1),
+        True,
+        mesh=mesh_of(n),
+        capacities=Capacity(256, 256),
+    )
     emb.build()
     ids = np.random.default_rng(6).integers(0, rows, 64 * 4)
     pre = emb.enqueue({"x": RaggedTensor.from_row_lengths(ids, [4] * 64)})
@@ -256,6 +274,7 @@ def test_pipelined_step_updates_in_place(n, kernels, monkeypatch):
 
 def test_background_map_stops_its_thread_when_the_consumer_stops_early():
     import threading
+
     from embedmesh.host.prefetch import background_map
 
     produced = []
@@ -294,18 +313,25 @@ def test_pipelined_reads_never_change_the_trajectory(num_devices, opt):
         a_watched, p_watched = watched(batch)
         _, p_eager = eager(batch)
         for k in a_quiet:
-            np.testing.assert_array_equal(np.asarray(a_watched[k]), np.asarray(a_quiet[k]),
-                                          err_msg=f"{k} at step {step}")
-        grads = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32))
-                 for k, v in a_quiet.items()}
+            np.testing.assert_array_equal(
+                np.asarray(a_watched[k]), np.asarray(a_quiet[k]), err_msg=f"{k} at step {step}"
+            )
+        grads = {
+            k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32)) for k, v in a_quiet.items()
+        }
         quiet.apply_gradients(grads, p_quiet)
         watched.apply_gradients(grads, p_watched)
         eager.apply_gradients(grads, p_eager)
         seen, want = watched.variables, eager.variables
         for t in want:
             for k in want[t]:
-                np.testing.assert_allclose(seen[t][k], want[t][k], rtol=1e-6, atol=1e-7,
-                                           err_msg=f"{t.name}.{k} read after step {step}")
+                np.testing.assert_allclose(
+                    seen[t][k],
+                    want[t][k],
+                    rtol=1e-6,
+                    atol=1e-7,
+                    err_msg=f"{t.name}.{k} read after step {step}",
+                )
         tables = watched.embedding_tables
         for t, v in tables.items():
             np.testing.assert_array_equal(v, seen[t]["parameters"])

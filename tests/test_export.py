@@ -19,36 +19,49 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VIDEO = em.TableConfig(20000, 8, combiner="mean", name="video")
 USER = em.TableConfig(500, 4, combiner="sum", name="user")
 TAGS = em.TableConfig(200, 6, combiner="sqrtn", name="tags")
-FEATURES = {"watched": em.FeatureConfig(VIDEO),
-            "recent": em.FeatureConfig(VIDEO, max_sequence_length=3),
-            "user": em.FeatureConfig(USER),
-            "tags": em.FeatureConfig(TAGS)}
-SIGNATURE = {"features": {"watched": Ragged(nnz_per_example=4), "recent": Sparse((5,)),
-                          "user": Dense(), "tags": Sparse((4,), nnz_per_example=3)},
-             "weights": {"tags": Sparse((4,), np.float32, nnz_per_example=3)}}
+FEATURES = {
+    "watched": em.FeatureConfig(VIDEO),
+    "recent": em.FeatureConfig(VIDEO, max_sequence_length=3),
+    "user": em.FeatureConfig(USER),
+    "tags": em.FeatureConfig(TAGS),
+}
+SIGNATURE = {
+    "features": {
+        "watched": Ragged(nnz_per_example=4),
+        "recent": Sparse((5,)),
+        "user": Dense(),
+        "tags": Sparse((4,), nnz_per_example=3),
+    },
+    "weights": {"tags": Sparse((4,), np.float32, nnz_per_example=3)},
+}
 BUCKETS = (1, 4, 16)
 
 
 def make_tables(seed=0):
     rng = np.random.default_rng(seed)
-    return {t: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
-            for t in (VIDEO, USER, TAGS)}
+    return {
+        t: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
+        for t in (VIDEO, USER, TAGS)
+    }
 
 
 def make_params(seed=1):
     rng = np.random.default_rng(seed)
     width = 8 + 3 * 8 + 4 + 6
-    return {"w1": rng.normal(size=(width, 16)).astype(np.float32) * 0.2,
-            "b1": rng.normal(size=(16,)).astype(np.float32) * 0.1,
-            "w2": rng.normal(size=(16, 1)).astype(np.float32) * 0.2}
+    return {
+        "w1": rng.normal(size=(width, 16)).astype(np.float32) * 0.2,
+        "b1": rng.normal(size=(16,)).astype(np.float32) * 0.1,
+        "w2": rng.normal(size=(16, 1)).astype(np.float32) * 0.2,
+    }
 
 
 def serve(inputs, tables, params):
     """The seed's serving function: embedding lookups, then the model."""
     acts = em.serving_embedding_lookup(inputs["features"], inputs["weights"], tables, FEATURES)
     b = acts["user"].shape[0]
-    x = jnp.concatenate([acts["watched"], acts["recent"].reshape(b, -1), acts["user"],
-                         acts["tags"]], axis=-1)
+    x = jnp.concatenate(
+        [acts["watched"], acts["recent"].reshape(b, -1), acts["user"], acts["tags"]], axis=-1
+    )
     h = jax.nn.relu(x @ params["w1"] + params["b1"])
     return {"score": (h @ params["w2"])[:, 0], "user_emb": acts["user"]}
 
@@ -61,19 +74,24 @@ def make_inputs(n, seed, long_row=None):
     watched = em.RaggedTensor.from_row_lengths(rng.integers(0, 20000, lengths.sum()), lengths)
 
     def sparse(width, vocab, p, dtype=None):
-        idx = np.array([[r, c] for r in range(n) for c in range(width) if rng.random() < p],
-                       np.int64).reshape(-1, 2)
+        idx = np.array(
+            [[r, c] for r in range(n) for c in range(width) if rng.random() < p], np.int64
+        ).reshape(-1, 2)
         vals = rng.integers(0, vocab, len(idx))
         return idx, vals
 
     r_idx, r_vals = sparse(5, 20000, 0.5)
     t_idx, t_vals = sparse(4, 200, 0.4)
     weights = rng.uniform(0.2, 2.0, len(t_idx)).astype(np.float32)
-    return {"features": {"watched": watched,
-                         "recent": em.SparseTensor(r_idx, r_vals, (n, 5)),
-                         "user": rng.integers(0, 500, n),
-                         "tags": em.SparseTensor(t_idx, t_vals, (n, 4))},
-            "weights": {"tags": em.SparseTensor(t_idx, weights, (n, 4))}}
+    return {
+        "features": {
+            "watched": watched,
+            "recent": em.SparseTensor(r_idx, r_vals, (n, 5)),
+            "user": rng.integers(0, 500, n),
+            "tags": em.SparseTensor(t_idx, t_vals, (n, 4)),
+        },
+        "weights": {"tags": em.SparseTensor(t_idx, weights, (n, 4))},
+    }
 
 
 def reference(inputs, tables, params):
@@ -85,21 +103,34 @@ def reference(inputs, tables, params):
 def exported(tmp_path_factory):
     directory = tmp_path_factory.mktemp("export")
     tables, params = make_tables(), make_params()
-    manifest = export_serving(serve, directory, tables=tables, params=params,
-                              input_signature=SIGNATURE, batch_sizes=BUCKETS,
-                              feature_config=FEATURES)
+    manifest = export_serving(
+        serve,
+        directory,
+        tables=tables,
+        params=params,
+        input_signature=SIGNATURE,
+        batch_sizes=BUCKETS,
+        feature_config=FEATURES,
+    )
     return directory, tables, params, manifest
 
 
 def test_directory_layout_and_tables_not_baked(exported):
     directory, tables, params, manifest = exported
     files = sorted(os.listdir(directory))
-    assert files == ["manifest.json", "params", "program_1.bin", "program_16.bin",
-                     "program_4.bin", "tables"]
+    assert files == [
+        "manifest.json",
+        "params",
+        "program_1.bin",
+        "program_16.bin",
+        "program_4.bin",
+        "tables",
+    ]
     assert json.load(open(os.path.join(directory, "manifest.json")))["batch_sizes"] == [1, 4, 16]
     for t in tables:
-        np.testing.assert_array_equal(np.load(os.path.join(directory, "tables",
-                                                           f"{t.name}.npy")), tables[t])
+        np.testing.assert_array_equal(
+            np.load(os.path.join(directory, "tables", f"{t.name}.npy")), tables[t]
+        )
     table_bytes = sum(v.nbytes for v in tables.values())
     for b in BUCKETS:  # the programs take the tables as arguments: far smaller than them
         assert os.path.getsize(os.path.join(directory, f"program_{b}.bin")) < table_bytes / 10
@@ -167,11 +198,20 @@ def test_input_errors(exported):
 def test_export_errors(tmp_path):
     tables = make_tables()
     with pytest.raises(ValueError, match="leading axis"):
-        export_serving(lambda x, t: {"total": jnp.sum(x)}, tmp_path, tables=tables,
-                       input_signature=Dense(), batch_sizes=(2,))
+        export_serving(
+            lambda x, t: {"total": jnp.sum(x)},
+            tmp_path,
+            tables=tables,
+            input_signature=Dense(),
+            batch_sizes=(2,),
+        )
     with pytest.raises(TypeError, match="must be Dense, Sparse or Ragged"):
-        export_serving(lambda x, t: x, tmp_path, tables=tables,
-                       input_signature={"x": jax.ShapeDtypeStruct((2,), np.int32)})
+        export_serving(
+            lambda x, t: x,
+            tmp_path,
+            tables=tables,
+            input_signature={"x": jax.ShapeDtypeStruct((2,), np.int32)},
+        )
     with pytest.raises(ValueError, match="nnz_per_example must be >= 1"):
         Ragged(nnz_per_example=0)
 
@@ -182,7 +222,11 @@ def test_closure_and_dense_only_signature(tmp_path):
     feats = {"user": em.FeatureConfig(USER)}
     manifest = export_serving(
         lambda x, t: em.serving_embedding_lookup({"user": x}, None, t, feats)["user"] * 2.0,
-        tmp_path, tables={USER: tables[USER]}, input_signature=Dense(), batch_sizes=(2, 8))
+        tmp_path,
+        tables={USER: tables[USER]},
+        input_signature=Dense(),
+        batch_sizes=(2, 8),
+    )
     assert manifest["extra_row"] == 0 and manifest["params"] == []
     ids = np.array([3, 499, 0, 7, 7])
     got = load_serving(tmp_path)(ids)
@@ -195,19 +239,35 @@ def test_fresh_process_loads_and_matches(exported, tmp_path):
     inputs = make_inputs(11, seed=11)
     in_process = load_serving(directory)(inputs)
     f = inputs["features"]
-    np.savez(tmp_path / "inputs.npz", n=11,
-             watched_values=f["watched"].values, watched_splits=f["watched"].row_splits,
-             recent_indices=f["recent"].indices, recent_values=f["recent"].values,
-             user=f["user"], tags_indices=f["tags"].indices, tags_values=f["tags"].values,
-             tags_weights=inputs["weights"]["tags"].values)
+    np.savez(
+        tmp_path / "inputs.npz",
+        n=11,
+        watched_values=f["watched"].values,
+        watched_splits=f["watched"].row_splits,
+        recent_indices=f["recent"].indices,
+        recent_values=f["recent"].values,
+        user=f["user"],
+        tags_indices=f["tags"].indices,
+        tags_values=f["tags"].values,
+        tags_weights=inputs["weights"]["tags"].values,
+    )
     np.savez(tmp_path / "expected.npz", **in_process)
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device: no mesh of any kind
     env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "export_load_check.py"),
-                           str(directory), str(tmp_path / "inputs.npz"),
-                           str(tmp_path / "expected.npz")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "export_load_check.py"),
+            str(directory),
+            str(tmp_path / "inputs.npz"),
+            str(tmp_path / "expected.npz"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "identical outputs" in proc.stdout
     want = reference(inputs, tables, params)

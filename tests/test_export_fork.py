@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
-
-from test_export import exported, reference, make_inputs  # noqa: F401 - the fixture
+from test_export import exported, make_inputs, reference  # noqa: F401 - the fixture
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,9 +20,13 @@ def test_forked_children_serve_like_the_parent(exported, tmp_path):  # noqa: F81
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE])
     out = tmp_path / "out.npz"
     try:
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "export_fork_check.py"),
-                               str(directory), str(out)], env=env, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "export_fork_check.py"), str(directory), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"a forked child hung: {(e.stdout or '')[-2000:]}") from None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -33,5 +36,4 @@ def test_forked_children_serve_like_the_parent(exported, tmp_path):  # noqa: F81
     for n in (1, 11, 40):
         want = reference(make_inputs(n, seed=100 + n), tables, params)
         for k, v in want.items():
-            np.testing.assert_allclose(got[f"{n}.{k}"], v, rtol=2e-5, atol=2e-6,
-                                       err_msg=f"{n}.{k}")
+            np.testing.assert_allclose(got[f"{n}.{k}"], v, rtol=2e-5, atol=2e-6, err_msg=f"{n}.{k}")

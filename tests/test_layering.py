@@ -14,19 +14,27 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[1] / "embedmesh"
 
 # what each layer may import from embedmesh (besides itself and the always-allowed)
-ALWAYS = {"embedmesh._runtime", "embedmesh._compat", "embedmesh.config", "embedmesh.optimizers",
-          "embedmesh.initializers", "embedmesh.inputs", "embedmesh.batch"}
+ALWAYS = {
+    "embedmesh._runtime",
+    "embedmesh._compat",
+    "embedmesh.config",
+    "embedmesh.optimizers",
+    "embedmesh.initializers",
+    "embedmesh.inputs",
+    "embedmesh.batch",
+}
 LAYERS = {
     # inputs checks sparse indices with the host kernels' one-pass check (imported at
     # first use): the one edge from the declared layer to a later one
-    "declare": (["config", "optimizers", "initializers", "inputs", "batch", "_runtime",
-                 "_compat"], {"embedmesh.serving.kernels"}),
+    "declare": (
+        ["config", "optimizers", "initializers", "inputs", "batch", "_runtime", "_compat"],
+        {"embedmesh.serving.kernels"},
+    ),
     "layout": (["layout"], set()),
     "host": (["host"], {"embedmesh.layout"}),
     "device": (["device"], {"embedmesh.layout"}),
     "facade": (["facade"], {"embedmesh.layout", "embedmesh.host", "embedmesh.device"}),
-    "checkpoint": (["checkpoint"], {"embedmesh.layout", "embedmesh.device",
-                                    "embedmesh.serving"}),
+    "checkpoint": (["checkpoint"], {"embedmesh.layout", "embedmesh.device", "embedmesh.serving"}),
     "serving": (["serving"], {"embedmesh.layout", "embedmesh.host"}),
 }
 
@@ -48,8 +56,11 @@ def _imports(path: pathlib.Path):
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
             if node.level:
-                base = pkg.split(".")[:-node.level] if path.name != "__init__.py" else \
-                    pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                base = (
+                    pkg.split(".")[: -node.level]
+                    if path.name != "__init__.py"
+                    else pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                )
                 mod = ".".join(base + ([mod] if mod else []))
             for a in node.names:  # a submodule or a name of `mod`: judged as mod.name
                 yield f"{mod}.{a.name}"
@@ -79,8 +90,14 @@ def test_no_layer_imports_a_later_one(layer):
 
 def test_platform_dispatch_only_in_the_ops_layer():
     """Which kernel runs on which platform is decided in embedmesh/device/ops only."""
-    needles = ("default_backend(", "cpu_ops", "ops.available(", ".platform ==",
-               ".platform !=", "EMBEDMESH_CPU_KERNELS")
+    needles = (
+        "default_backend(",
+        "cpu_ops",
+        "ops.available(",
+        ".platform ==",
+        ".platform !=",
+        "EMBEDMESH_CPU_KERNELS",
+    )
     bad = []
     for path in PKG.rglob("*.py"):
         rel = path.relative_to(PKG)
@@ -92,11 +109,19 @@ def test_platform_dispatch_only_in_the_ops_layer():
 
 
 def test_import_embedmesh_loads_no_numba_and_builds_nothing(tmp_path):
-    code = ("import sys, embedmesh; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('numba', 'llvmlite', 'orbax', 'tensorstore')))")
+    code = (
+        "import sys, embedmesh; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('numba', 'llvmlite', 'orbax', 'tensorstore')))"
+    )
     env = {"EMBEDMESH_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env=env, cwd=str(PKG.parent)).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=str(PKG.parent),
+    ).stdout.strip()
     assert out == "[]"
     assert not (tmp_path / "cache").exists()  # no kernel was built

@@ -44,23 +44,34 @@ def test_damaged_zip_member_is_rejected(tmp_path):
     wheel = _wheel_with(tmp_path, _synthetic_texts(tmp_path))
     raw = bytearray(wheel.read_bytes())
     i = raw.index(b"ml-100k.inter") + 200  # inside the member's compressed data
-    raw[i:i + 16] = bytes(16)
+    raw[i : i + 16] = bytes(16)
     wheel.write_bytes(bytes(raw))
     with pytest.raises(data.MovieLensDataError, match="corrupted"):
         data.read_wheel_files(wheel)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda t: t.replace("user_id:token", "user_id", 1),
-     r"line 1: header field 'user_id' is not 'name:type'"),
-    (lambda t: t.split("\n", 1)[0] + "\n1\t2\t4\n" + t.split("\n", 1)[1],
-     r"ml-100k\.inter, line 2: 3 fields, expected 4"),
-    (lambda t: t.split("\n", 1)[0] + "\n1\t2\tfour\t0\n" + t.split("\n", 1)[1],
-     r"ml-100k\.inter, line 2: rating = 'four' is not a number"),
-    (lambda t: t.split("\n", 1)[0] + "\n999999\t2\t4\t0\n" + t.split("\n", 1)[1],
-     r"line 2: user_id '999999' is not in"),
-    (lambda t: t.replace("rating:float", "score:float"), r"missing column rating:float"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda t: t.replace("user_id:token", "user_id", 1),
+            r"line 1: header field 'user_id' is not 'name:type'",
+        ),
+        (
+            lambda t: t.split("\n", 1)[0] + "\n1\t2\t4\n" + t.split("\n", 1)[1],
+            r"ml-100k\.inter, line 2: 3 fields, expected 4",
+        ),
+        (
+            lambda t: t.split("\n", 1)[0] + "\n1\t2\tfour\t0\n" + t.split("\n", 1)[1],
+            r"ml-100k\.inter, line 2: rating = 'four' is not a number",
+        ),
+        (
+            lambda t: t.split("\n", 1)[0] + "\n999999\t2\t4\t0\n" + t.split("\n", 1)[1],
+            r"line 2: user_id '999999' is not in",
+        ),
+        (lambda t: t.replace("rating:float", "score:float"), r"missing column rating:float"),
+    ],
+)
 def test_corrupted_data_file_is_rejected(tmp_path, damage, message):
     folder = data.write_synthetic(tmp_path / "syn", num_interactions=50)
     inter = folder / "ml-100k.inter"
@@ -75,18 +86,17 @@ def test_missing_data_without_download_says_how_to_get_it(tmp_path):
 
 
 def test_encoding_and_ragged_genres(tmp_path):
-    ds = data.load_movielens(data_dir=data.write_synthetic(tmp_path / "syn",
-                                                           num_interactions=300))
+    ds = data.load_movielens(data_dir=data.write_synthetic(tmp_path / "syn", num_interactions=300))
     assert ds.single.shape == (300, len(data.SINGLE_FEATURES))
     for j, name in enumerate(data.SINGLE_FEATURES):
-        assert 0 <= ds.single[:, j].min() and ds.single[:, j].max() < ds.vocab_sizes[name]
+        assert ds.single[:, j].min() >= 0 and ds.single[:, j].max() < ds.vocab_sizes[name]
     rows = np.array([5, 0, 7, 7])
     feats = ds.features(rows)
     genres = feats["genre"]
     items = ds.single[rows, data.SINGLE_FEATURES.index("item_id")]
     for k, item in enumerate(items):
-        want = ds.genre_values[ds.genre_splits[item]:ds.genre_splits[item + 1]]
-        got = genres.values[genres.row_splits[k]:genres.row_splits[k + 1]]
+        want = ds.genre_values[ds.genre_splits[item] : ds.genre_splits[item + 1]]
+        got = genres.values[genres.row_splits[k] : genres.row_splits[k + 1]]
         np.testing.assert_array_equal(got, want)
         assert 1 <= got.size <= 3
     tr, va, te = data.split_indices(300, seed=1)
@@ -111,8 +121,22 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
     from examples.movielens import run
 
     folder = data.write_synthetic(tmp_path / "syn", num_interactions=4000)
-    res = run.main(["--data-dir", str(folder), "--epochs", "3", "--batch-size", "32",
-                    "--devices", "4", "--out", str(tmp_path / "out"), "--seed", "1"])
+    res = run.main(
+        [
+            "--data-dir",
+            str(folder),
+            "--epochs",
+            "3",
+            "--batch-size",
+            "32",
+            "--devices",
+            "4",
+            "--out",
+            str(tmp_path / "out"),
+            "--seed",
+            "1",
+        ]
+    )
     assert res["devices"] == 4
     assert len(res["history"]) == 3  # 3 epochs x 100 steps of 32
     assert res["recompiles"] == 0
@@ -127,8 +151,13 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
     assert (tmp_path / "out" / "results.json").exists()
     out = capsys.readouterr().out
     for epoch in (1, 2, 3):  # each epoch's tqdm bar ends complete, with its postfix
-        final = [seg for line in out.splitlines() if line.startswith(f"epoch  {epoch}/3")
-                 for seg in line.split("\r") if seg.strip()][-1]
+        final = [
+            seg
+            for line in out.splitlines()
+            if line.startswith(f"epoch  {epoch}/3")
+            for seg in line.split("\r")
+            if seg.strip()
+        ][-1]
         assert "100%" in final and "100/100" in final, final
         assert "loss 0." in final and "samples/s" in final and "ids/s" in final, final
 
@@ -142,9 +171,15 @@ def test_history_figure_content(tmp_path):
     fig = plot.history_figure(train_loss, val_auc, step_loss, reference_auc=0.7765)
     loss_ax, auc_ax = fig.axes
     assert (loss_ax.get_title(), loss_ax.get_xlabel(), loss_ax.get_ylabel()) == (
-        "training loss", "epoch", "log-loss")
+        "training loss",
+        "epoch",
+        "log-loss",
+    )
     assert (auc_ax.get_title(), auc_ax.get_xlabel(), auc_ax.get_ylabel()) == (
-        "validation AUC", "epoch", "AUC")
+        "validation AUC",
+        "epoch",
+        "AUC",
+    )
     per_step, mean = loss_ax.get_lines()
     np.testing.assert_allclose(per_step.get_xdata(), np.arange(1, 31) / 10)
     np.testing.assert_allclose(per_step.get_ydata(), step_loss)
@@ -156,10 +191,11 @@ def test_history_figure_content(tmp_path):
     np.testing.assert_allclose(auc.get_ydata(), val_auc)
     np.testing.assert_allclose(ref.get_ydata(), [0.7765, 0.7765])
     assert ref.get_linestyle() == "--"
-    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == ["per step",
-                                                                         "epoch mean"]
+    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == ["per step", "epoch mean"]
     assert [t.get_text() for t in auc_ax.get_legend().get_texts()] == [
-        "embedmesh DLRM", "RecBole LR, test: 0.7765"]
+        "embedmesh DLRM",
+        "RecBole LR, test: 0.7765",
+    ]
 
     bare = plot.history_figure(train_loss, val_auc)  # no per-step losses, no reference
     assert [len(ax.get_lines()) for ax in bare.axes] == [1, 1]

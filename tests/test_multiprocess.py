@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from process_helpers import free_port, run_together
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,11 +21,13 @@ def _env():
 def test_two_processes_match_one_process_with_four_devices(tmp_path):
     single = tmp_path / "single.npz"
     multi = tmp_path / "multi.npz"
-    subprocess.run([sys.executable, WORKER, "0", "1", "0", str(single)], env=_env(), check=True,
-                   timeout=300)
+    subprocess.run(
+        [sys.executable, WORKER, "0", "1", "0", str(single)], env=_env(), check=True, timeout=300
+    )
     port = free_port()
-    run_together([[sys.executable, WORKER, str(i), "2", str(port), str(multi)]
-                  for i in range(2)], env=_env())
+    run_together(
+        [[sys.executable, WORKER, str(i), "2", str(port), str(multi)] for i in range(2)], env=_env()
+    )
     a, b = np.load(single), np.load(multi)
     assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
     for k in a.files:

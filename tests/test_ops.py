@@ -26,9 +26,9 @@ from embedmesh.optimizers import SGD, Adagrad, AdagradMomentum
 
 PAD = ops.PAD_ID
 
-needs_kernels = pytest.mark.skipif(not cpu.ready(),
-                                   reason=f"CPU kernels unavailable: "
-                                          f"{cpu.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(
+    not cpu.ready(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}"
+)
 
 
 def rng(seed=0):
@@ -64,8 +64,9 @@ def test_gather_rows_large_output_and_empty():
     r = rng(2)
     table = jnp.asarray(r.standard_normal((20000, 64)).astype(np.float32))
     ids = jnp.asarray(r.integers(0, 20000, 40000).astype(np.int32))  # 10 MiB output
-    np.testing.assert_array_equal(np.asarray(jax.jit(ops.gather_rows)(table, ids)),
-                                  np.asarray(table)[np.asarray(ids)])
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(ops.gather_rows)(table, ids)), np.asarray(table)[np.asarray(ids)]
+    )
     empty = jax.jit(ops.gather_rows)(table, jnp.zeros((0,), jnp.int32))
     assert empty.shape == (0, 64)
 
@@ -76,8 +77,9 @@ def test_scatter_rows_in_place_and_copy():
     base = r.standard_normal((400, 5)).astype(np.float32)
     ids = ids_with_padding(r, 400, 128, 100, sort=False, extra_bad=[(0, 400)])
     vals = r.standard_normal((128, 5)).astype(np.float32)
-    want = np.asarray(reference.scatter_rows(jnp.asarray(base), jnp.asarray(ids),
-                                                jnp.asarray(vals)))
+    want = np.asarray(
+        reference.scatter_rows(jnp.asarray(base), jnp.asarray(ids), jnp.asarray(vals))
+    )
     # not donated: XLA copies the operand, the input stays intact
     t = jnp.asarray(base)
     got = jax.jit(ops.scatter_rows)(t, jnp.asarray(ids), jnp.asarray(vals))
@@ -112,10 +114,14 @@ def test_segment_gather_sum(mapped):
         if 0 <= sidx[q] < m and 0 <= didx[q] < segs:
             want[didx[q]] += gains[q] * src_used[sidx[q]]
     if mapped:
-        fn = jax.jit(lambda t, s, i, g, dd: ops.segment_gather_sum(t, i, g, dd, segs,
-                                                                       src_map=s))
-        got = fn(jnp.asarray(table), jnp.asarray(smap), jnp.asarray(sidx), jnp.asarray(gains),
-                 jnp.asarray(didx))
+        fn = jax.jit(lambda t, s, i, g, dd: ops.segment_gather_sum(t, i, g, dd, segs, src_map=s))
+        got = fn(
+            jnp.asarray(table),
+            jnp.asarray(smap),
+            jnp.asarray(sidx),
+            jnp.asarray(gains),
+            jnp.asarray(didx),
+        )
     else:
         fn = jax.jit(lambda s, i, g, dd: ops.segment_gather_sum(s, i, g, dd, segs))
         got = fn(jnp.asarray(src), jnp.asarray(sidx), jnp.asarray(gains), jnp.asarray(didx))
@@ -123,14 +129,15 @@ def test_segment_gather_sum(mapped):
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["one_sorted", "one_sorted_dups", "one_unsorted", "merge",
-                                  "merge_unsorted"])
+@pytest.mark.parametrize(
+    "case", ["one_sorted", "one_sorted_dups", "one_unsorted", "merge", "merge_unsorted"]
+)
 def test_dedup_sum(case):
     r = rng(5)
     n_blocks = 1 if case.startswith("one") else 3
     u, d, rows = 64, 6, 200
     blocks = []
-    for b in range(n_blocks):
+    for _b in range(n_blocks):
         used = int(r.integers(10, 60))
         blk = ids_with_padding(r, rows, u, used, sort=True)
         if case == "one_sorted_dups":
@@ -147,11 +154,12 @@ def test_dedup_sum(case):
     keys = sorted(want_sums)
     uniq, sums = jax.jit(ops.dedup_sum)(jnp.asarray(ids), jnp.asarray(grads))
     uniq, sums = np.asarray(uniq), np.asarray(sums)
-    assert list(uniq[:len(keys)]) == keys
-    assert (uniq[len(keys):] == PAD).all()
-    np.testing.assert_allclose(sums[:len(keys)], np.array([want_sums[k] for k in keys]),
-                               rtol=1e-5, atol=1e-6)
-    assert not sums[len(keys):].any()
+    assert list(uniq[: len(keys)]) == keys
+    assert (uniq[len(keys) :] == PAD).all()
+    np.testing.assert_allclose(
+        sums[: len(keys)], np.array([want_sums[k] for k in keys]), rtol=1e-5, atol=1e-6
+    )
+    assert not sums[len(keys) :].any()
     # the pure-JAX fallback agrees
     ju, js = jax.jit(reference.dedup_sum)(jnp.asarray(ids), jnp.asarray(grads))
     np.testing.assert_array_equal(np.asarray(ju), uniq)
@@ -159,29 +167,45 @@ def test_dedup_sum(case):
 
 
 @needs_kernels
-@pytest.mark.parametrize("opt", [
-    Adagrad(0.3, initial_accumulator_value=0.2),
-    Adagrad(0.1, clipvalue=0.05, weight_decay_factor=0.01,
-            multiply_weight_decay_factor_by_learning_rate=True, clip_weight_min=-0.5,
-            clip_weight_max=0.7),
-    Adagrad(lambda step: 0.1 / (1.0 + step), weight_decay_factor=0.02),
-    SGD(0.5),
-    SGD(0.2, clipvalue=(-0.1, None), clip_weight_max=0.3),
-    AdagradMomentum(0.1, momentum=0.5),  # generic path
-])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        Adagrad(0.3, initial_accumulator_value=0.2),
+        Adagrad(
+            0.1,
+            clipvalue=0.05,
+            weight_decay_factor=0.01,
+            multiply_weight_decay_factor_by_learning_rate=True,
+            clip_weight_min=-0.5,
+            clip_weight_max=0.7,
+        ),
+        Adagrad(lambda step: 0.1 / (1.0 + step), weight_decay_factor=0.02),
+        SGD(0.5),
+        SGD(0.2, clipvalue=(-0.1, None), clip_weight_max=0.3),
+        AdagradMomentum(0.1, momentum=0.5),  # generic path
+    ],
+)
 def test_sparse_update_matches_update_rows(opt):
     r = rng(6)
     rows, d = 300, 12
     table = r.standard_normal((rows, d)).astype(np.float32)
-    slots = {k: np.full((rows, d), v, np.float32) + r.random((rows, d)).astype(np.float32)
-             for k, v in opt.slot_initial_values.items()}
+    slots = {
+        k: np.full((rows, d), v, np.float32) + r.random((rows, d)).astype(np.float32)
+        for k, v in opt.slot_initial_values.items()
+    }
     ids = ids_with_padding(r, rows, 128, 100, sort=True)
     grads = r.standard_normal((128, d)).astype(np.float32)
     step = jnp.int32(3)
-    f = jax.jit(lambda t, s, i, g, st: ops.sparse_update(opt, t, s, i, g, st),
-                donate_argnums=(0, 1))
-    got_t, got_s = f(jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()},
-                     jnp.asarray(ids), jnp.asarray(grads), step)
+    f = jax.jit(
+        lambda t, s, i, g, st: ops.sparse_update(opt, t, s, i, g, st), donate_argnums=(0, 1)
+    )
+    got_t, got_s = f(
+        jnp.asarray(table),
+        {k: jnp.asarray(v) for k, v in slots.items()},
+        jnp.asarray(ids),
+        jnp.asarray(grads),
+        step,
+    )
     want_t, want_s = _reference_update(opt, table, slots, ids, grads, step)
     np.testing.assert_allclose(np.asarray(got_t), want_t, rtol=2e-6, atol=1e-7)
     for k in want_s:
@@ -201,34 +225,46 @@ def test_fallbacks_without_kernels(monkeypatch):
     r = rng(7)
     table = jnp.asarray(r.standard_normal((50, 4)).astype(np.float32))
     ids = jnp.asarray(np.array([3, 1, PAD, 7], np.int32))
-    np.testing.assert_array_equal(np.asarray(ops.gather_rows(table, ids)),
-                                  np.asarray(reference.gather_rows(table, ids)))
-    u, s = ops.dedup_sum(jnp.asarray(np.array([[1, 3, PAD]], np.int32)),
-                             jnp.ones((3, 4), jnp.float32))
+    np.testing.assert_array_equal(
+        np.asarray(ops.gather_rows(table, ids)), np.asarray(reference.gather_rows(table, ids))
+    )
+    u, s = ops.dedup_sum(
+        jnp.asarray(np.array([[1, 3, PAD]], np.int32)), jnp.ones((3, 4), jnp.float32)
+    )
     assert list(np.asarray(u)) == [1, 3, PAD]
     assert not np.asarray(s)[2].any()
-    t, sl = ops.sparse_update(Adagrad(0.1), table, {"accumulators": jnp.ones_like(table)},
-                                  ids, jnp.ones((4, 4), jnp.float32), jnp.int32(0))
+    t, sl = ops.sparse_update(
+        Adagrad(0.1),
+        table,
+        {"accumulators": jnp.ones_like(table)},
+        ids,
+        jnp.ones((4, 4), jnp.float32),
+        jnp.int32(0),
+    )
     assert t.shape == table.shape and sl["accumulators"].shape == table.shape
 
 
-@pytest.mark.parametrize("dtype,value", [(np.float32, 0.1), (np.float32, -3.5),
-                                         (np.int32, 7), (jnp.bfloat16, 1.25)])
+@pytest.mark.parametrize(
+    "dtype,value", [(np.float32, 0.1), (np.float32, -3.5), (np.int32, 7), (jnp.bfloat16, 1.25)]
+)
 @pytest.mark.parametrize("min_bytes", [0, 1 << 40])  # the fill kernel, and plain jnp.full
 def test_full_on_a_device(dtype, value, min_bytes):
     device = jax.devices()[1]
     shape = (1000, 37)  # not a multiple of the kernel's tile
     got = ops.full(shape, value, dtype, device, min_bytes=min_bytes)
     assert got.devices() == {device} and got.dtype == dtype and got.shape == shape
-    np.testing.assert_array_equal(np.asarray(got, np.float64),
-                                  np.full(shape, np.asarray(value, dtype), np.float64))
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float64), np.full(shape, np.asarray(value, dtype), np.float64)
+    )
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["sorted", "unsorted_ids", "unsorted_pairs", "large",
-                                  "large_unsorted_at_chunk_edge"])
-@pytest.mark.parametrize("opt", [Adagrad(0.2, weight_decay_factor=0.01, clipvalue=0.5),
-                                 SGD(0.3, clip_weight_min=-1.0)])
+@pytest.mark.parametrize(
+    "case", ["sorted", "unsorted_ids", "unsorted_pairs", "large", "large_unsorted_at_chunk_edge"]
+)
+@pytest.mark.parametrize(
+    "opt", [Adagrad(0.2, weight_decay_factor=0.01, clipvalue=0.5), SGD(0.3, clip_weight_min=-1.0)]
+)
 def test_backward_update_matches_unfused(case, opt):
     r = rng(8)
     rows, d, u_cap, p_cap, R = 400, 8, 64, 200, 50
@@ -244,9 +280,11 @@ def test_backward_update_matches_unfused(case, opt):
         pu = np.sort(pu)
         pr[r.random(n_pairs) < 0.05] = R  # invalid pairs inside the valid ones
     if case == "large_unsorted_at_chunk_edge":  # sorted inside each chunk, not across
-        pu[16384 - 5:16384], pu[16384:16384 + 5] = pu[16384:16384 + 5].copy(), \
-            pu[16384 - 5:16384].copy()
-        pu[16384 - 5:16384] = used - 1
+        pu[16384 - 5 : 16384], pu[16384 : 16384 + 5] = (
+            pu[16384 : 16384 + 5].copy(),
+            pu[16384 - 5 : 16384].copy(),
+        )
+        pu[16384 - 5 : 16384] = used - 1
     pu = np.concatenate([pu, np.zeros(p_cap - n_pairs, np.int32)])  # padding: row R, gain 0
     pr = np.concatenate([pr, np.full(p_cap - n_pairs, R, np.int32)])
     pg = np.concatenate([r.standard_normal(n_pairs), np.zeros(p_cap - n_pairs)]).astype(np.float32)
@@ -263,26 +301,33 @@ def test_backward_update_matches_unfused(case, opt):
     slots = {k: np.full((rows, d), v, np.float32) for k, v in opt.slot_initial_values.items()}
     step = jnp.int32(2)
     fused = jax.jit(lambda t, s, *a: ops.backward_update(opt, t, s, *a, step))
-    got_t, got_s = fused(jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()},
-                         *(jnp.asarray(x) for x in (ids, act, pr, pu, pg)))
+    got_t, got_s = fused(
+        jnp.asarray(table),
+        {k: jnp.asarray(v) for k, v in slots.items()},
+        *(jnp.asarray(x) for x in (ids, act, pr, pu, pg)),
+    )
     # the unfused reference, all in pure JAX
-    per = reference.segment_gather_sum(jnp.asarray(act), jnp.asarray(pr), jnp.asarray(pg),
-                                       jnp.asarray(pu), num_segments=u_cap)
+    per = reference.segment_gather_sum(
+        jnp.asarray(act), jnp.asarray(pr), jnp.asarray(pg), jnp.asarray(pu), num_segments=u_cap
+    )
     uniq, g = reference.dedup_sum_by_sort(jnp.asarray(ids)[None], per)
-    want_t, want_s = _reference_update(opt, table, slots, np.asarray(uniq), np.asarray(g),
-                                       step)
+    want_t, want_s = _reference_update(opt, table, slots, np.asarray(uniq), np.asarray(g), step)
     np.testing.assert_allclose(np.asarray(got_t), np.asarray(want_t), rtol=2e-6, atol=1e-6)
     for k in want_s:
-        np.testing.assert_allclose(np.asarray(got_s[k]), np.asarray(want_s[k]), rtol=2e-6,
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(got_s[k]), np.asarray(want_s[k]), rtol=2e-6, atol=1e-6
+        )
 
 
 def _reference_update(opt, table, slots, uniq, g, step):
     t, s = table.copy(), {k: v.copy() for k, v in slots.items()}
     valid = uniq != PAD
-    nr, ns = opt.update_rows(jnp.asarray(table[uniq[valid]]),
-                             {k: jnp.asarray(v[uniq[valid]]) for k, v in slots.items()},
-                             jnp.asarray(g[valid]), step)
+    nr, ns = opt.update_rows(
+        jnp.asarray(table[uniq[valid]]),
+        {k: jnp.asarray(v[uniq[valid]]) for k, v in slots.items()},
+        jnp.asarray(g[valid]),
+        step,
+    )
     t[uniq[valid]] = np.asarray(nr)
     for k in s:
         s[k][uniq[valid]] = np.asarray(ns[k])
@@ -297,27 +342,38 @@ _random_inputs = settings(max_examples=15, deadline=None)
 
 @needs_kernels
 @_random_inputs
-@given(seed=st.integers(0, 2 ** 31 - 1), rows=st.sampled_from([1, 37, 300]),
-       dim=st.sampled_from([1, 8]), n=st.sampled_from([0, 5, 256]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.sampled_from([1, 37, 300]),
+    dim=st.sampled_from([1, 8]),
+    n=st.sampled_from([0, 5, 256]),
+)
 def test_gather_scatter_kernels_match_references_on_random_inputs(seed, rows, dim, n):
     r = rng(seed)
     table = jnp.asarray(r.standard_normal((rows, dim)).astype(np.float32))
     ids = r.integers(0, rows + 3, n).astype(np.int32)  # some past the end
     ids[r.random(n) < 0.1] = PAD
     ids = jnp.asarray(ids)
-    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.gather_rows)(table, ids)),
-                                  np.asarray(jax.jit(reference.gather_rows)(table, ids)))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(cpu_kernels.gather_rows)(table, ids)),
+        np.asarray(jax.jit(reference.gather_rows)(table, ids)),
+    )
     distinct = ids_with_padding(r, rows, n, min(n, rows) // 2, sort=False)
     vals = jnp.asarray(r.standard_normal((n, dim)).astype(np.float32))
     np.testing.assert_array_equal(
         np.asarray(jax.jit(cpu_kernels.scatter_rows)(table, jnp.asarray(distinct), vals)),
-        np.asarray(jax.jit(reference.scatter_rows)(table, jnp.asarray(distinct), vals)))
+        np.asarray(jax.jit(reference.scatter_rows)(table, jnp.asarray(distinct), vals)),
+    )
 
 
 @needs_kernels
 @_random_inputs
-@given(seed=st.integers(0, 2 ** 31 - 1), m=st.sampled_from([1, 50]),
-       p=st.sampled_from([0, 7, 400]), segs=st.sampled_from([1, 33]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    m=st.sampled_from([1, 50]),
+    p=st.sampled_from([0, 7, 400]),
+    segs=st.sampled_from([1, 33]),
+)
 def test_segment_gather_sum_kernels_match_references_on_random_inputs(seed, m, p, segs):
     r = rng(seed)
     d = 4
@@ -339,12 +395,20 @@ def test_segment_gather_sum_kernels_match_references_on_random_inputs(seed, m, p
 
 @needs_kernels
 @_random_inputs
-@given(seed=st.integers(0, 2 ** 31 - 1), blocks=st.sampled_from([1, 3]),
-       u=st.sampled_from([1, 16, 64]), sort=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    blocks=st.sampled_from([1, 3]),
+    u=st.sampled_from([1, 16, 64]),
+    sort=st.booleans(),
+)
 def test_dedup_sum_kernel_matches_reference_on_random_inputs(seed, blocks, u, sort):
     r = rng(seed)
-    ids = np.stack([ids_with_padding(r, 40, u, int(r.integers(0, min(u, 40) + 1)), sort=sort)
-                    for _ in range(blocks)])
+    ids = np.stack(
+        [
+            ids_with_padding(r, 40, u, int(r.integers(0, min(u, 40) + 1)), sort=sort)
+            for _ in range(blocks)
+        ]
+    )
     if not sort:
         ids[r.random(ids.shape) < 0.2] = 3  # duplicates, in any order
     grads = jnp.asarray(r.standard_normal((ids.size, 5)).astype(np.float32))
@@ -368,8 +432,16 @@ def _random_update_args(dtype=np.float32, slot_names=("accumulators",)):
 
 @needs_kernels
 def test_kernel_for_picks_the_cpu_kernel_when_it_takes_the_call():
-    for op in ("gather_rows", "scatter_rows", "segment_gather_sum", "dedup_sum",
-               "sparse_update", "backward_update", "huge_page_copy", "full"):
+    for op in (
+        "gather_rows",
+        "scatter_rows",
+        "segment_gather_sum",
+        "dedup_sum",
+        "sparse_update",
+        "backward_update",
+        "huge_page_copy",
+        "full",
+    ):
         assert ops.kernel_for(op, "cpu") is cpu_kernels.KERNELS[op][0], op
         assert ops.kernel_for(op, "tpu") is ops.reference_of(op), op  # none registered
     assert ops.reference_of("gather_rows") is reference.gather_rows
@@ -377,31 +449,52 @@ def test_kernel_for_picks_the_cpu_kernel_when_it_takes_the_call():
     fused = cpu_kernels.sparse_update
     generic = ops.reference_of("sparse_update")
     call = (table, slots, ids, grads)
-    assert ops.kernel_for("sparse_update", "cpu", *call, optimizer=Adagrad(0.1),
-                          step=0) is fused
-    assert ops.kernel_for("sparse_update", "cpu", table, {}, ids, grads, optimizer=SGD(0.1),
-                          step=0) is fused
+    assert ops.kernel_for("sparse_update", "cpu", *call, optimizer=Adagrad(0.1), step=0) is fused
+    assert (
+        ops.kernel_for("sparse_update", "cpu", table, {}, ids, grads, optimizer=SGD(0.1), step=0)
+        is fused
+    )
     # the optimizer names no kernel, or the slots / dtypes are not the kernel's
-    assert ops.kernel_for("sparse_update", "cpu", *call, optimizer=AdagradMomentum(0.1),
-                          step=0) is generic
-    assert ops.kernel_for("sparse_update", "cpu", *_random_update_args(jnp.bfloat16),
-                          optimizer=Adagrad(0.1), step=0) is generic
-    assert ops.kernel_for("sparse_update", "cpu", table, {}, ids, grads,
-                          optimizer=Adagrad(0.1), step=0) is generic
+    assert (
+        ops.kernel_for("sparse_update", "cpu", *call, optimizer=AdagradMomentum(0.1), step=0)
+        is generic
+    )
+    assert (
+        ops.kernel_for(
+            "sparse_update",
+            "cpu",
+            *_random_update_args(jnp.bfloat16),
+            optimizer=Adagrad(0.1),
+            step=0,
+        )
+        is generic
+    )
+    assert (
+        ops.kernel_for(
+            "sparse_update", "cpu", table, {}, ids, grads, optimizer=Adagrad(0.1), step=0
+        )
+        is generic
+    )
 
     class MyAdagrad(Adagrad):
         pass
 
-    assert ops.kernel_for("sparse_update", "cpu", *call, optimizer=MyAdagrad(0.1),
-                          step=0) is generic
+    assert (
+        ops.kernel_for("sparse_update", "cpu", *call, optimizer=MyAdagrad(0.1), step=0) is generic
+    )
     src = jnp.zeros((5, 2), jnp.bfloat16)  # the mapped kernel reads float32 tables only
-    assert ops.kernel_for("segment_gather_sum_mapped", "cpu", src, *[jnp.zeros(1)] * 4,
-                          num_segments=1) is reference.segment_gather_sum_mapped
+    assert (
+        ops.kernel_for("segment_gather_sum_mapped", "cpu", src, *[jnp.zeros(1)] * 4, num_segments=1)
+        is reference.segment_gather_sum_mapped
+    )
 
 
 def _custom_calls(fn, *args):
-    return [line for line in jax.jit(fn).lower(*args).as_text().splitlines()
-            if "custom_call @embedmesh" in line]
+    return [
+        line
+        for line in jax.jit(fn).lower(*args).as_text().splitlines()
+        if "custom_call @embedmesh" in line
+    ]
 
 
 @needs_kernels
@@ -422,7 +515,8 @@ def test_the_platform_of_the_computation_picks_the_kernel(monkeypatch):
     assert len(_custom_calls(lambda t, i: ops.gather_rows(t, i), table, ids)) == 1
     ops.register_kernel("gather_rows", "cpu", lambda t, i: reference.gather_rows(t, i) - 1)
     np.testing.assert_array_equal(
-        np.asarray(jax.jit(lambda t, i: ops.gather_rows(t, i))(table, ids)), want - 1)
+        np.asarray(jax.jit(lambda t, i: ops.gather_rows(t, i))(table, ids)), want - 1
+    )
     assert ops.kernel_for("gather_rows", "cpu") is not cpu_kernels.gather_rows
     del registered["gather_rows"]["cpu"]
     assert ops.kernel_for("gather_rows", "cpu") is reference.gather_rows
@@ -445,12 +539,10 @@ def test_one_shard_update_is_one_fused_op_and_others_compose():
     def step(opt, slots):
         return lambda t, *a: ops.backward_update(opt, t, slots, *a, 0)
 
-    fused = _custom_calls(step(Adagrad(0.1), {"accumulators": table}), table, ids, act, pr, pu,
-                          pg)
+    fused = _custom_calls(step(Adagrad(0.1), {"accumulators": table}), table, ids, act, pr, pu, pg)
     assert len(fused) == 1 and "embedmesh_backward_adagrad" in fused[0]
     slots = {"accumulators": table, "momenta": table}
-    parts = " ".join(_custom_calls(step(AdagradMomentum(0.1), slots), table, ids, act, pr, pu,
-                                   pg))
+    parts = " ".join(_custom_calls(step(AdagradMomentum(0.1), slots), table, ids, act, pr, pu, pg))
     for target in ("segment_gather_sum", "dedup_sum", "gather_rows", "scatter_rows"):
         assert f"embedmesh_{target}" in parts
 
@@ -464,6 +556,7 @@ def test_kernels_wanted_only_as_the_switch_and_backend_say(monkeypatch):
     assert ops.kernel_for("gather_rows", "cpu") is reference.gather_rows
     monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: True)  # =1: anyway
     from embedmesh.device.ops.cpu import library
+
     assert cpu.ready() == library._load()
 
 
@@ -476,15 +569,22 @@ def _run_python(code: str, **env_vars) -> str:
     for k in ("EMBEDMESH_CPU_KERNELS", "EMBEDMESH_CPU_THREADS"):
         env.pop(k, None)
     env.update(env_vars)
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=_ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r.stdout
 
 
 def test_switch_off_runs_every_op_as_its_reference():
     """EMBEDMESH_CPU_KERNELS=0: nothing is built or staged; the results are the references'."""
-    out = _run_python("""
+    out = _run_python(
+        """
 import jax, jax.numpy as jnp, numpy as np
 from embedmesh.device import ops
 from embedmesh.device.ops import cpu, reference
@@ -507,19 +607,24 @@ r, rs = Adagrad(0.1).update_rows(table[ids[:2]], {"accumulators": jnp.ones((2, 4
 np.testing.assert_array_equal(np.asarray(t[ids[:2]]), np.asarray(r))
 assert "lib" not in library._loaded and library.library_path() == ""
 print("off", cpu.unavailable_reason())
-""", EMBEDMESH_CPU_KERNELS="0")
+""",
+        EMBEDMESH_CPU_KERNELS="0",
+    )
     assert "off disabled by EMBEDMESH_CPU_KERNELS" in out
 
 
 @needs_kernels
 def test_thread_count_switch_reaches_the_kernels():
     """EMBEDMESH_CPU_THREADS=n: the library runs n threads a call; importing builds nothing."""
-    out = _run_python("""
+    out = _run_python(
+        """
 import embedmesh
 from embedmesh.device.ops.cpu import library
 assert not library._loaded, library._loaded
 print("threads", library.threads())
-""", EMBEDMESH_CPU_THREADS="3")
+""",
+        EMBEDMESH_CPU_THREADS="3",
+    )
     assert "threads 3" in out
     if not os.environ.get("EMBEDMESH_CPU_THREADS"):
         assert cpu.threads() == _runtime.usable_cores()
@@ -537,8 +642,19 @@ def test_kernel_sources_are_package_data():
 
     names = {f.name for f in importlib.resources.files("embedmesh.device.ops.cpu").iterdir()}
     sources = {os.path.basename(f) for f in build.source_files()}
-    assert {"common.h", "common.cc", "gather_scatter.cc", "segment_sum.cc", "dedup.cc",
-            "update.cc", "memory.cc"} <= sources <= names
+    assert (
+        {
+            "common.h",
+            "common.cc",
+            "gather_scatter.cc",
+            "segment_sum.cc",
+            "dedup.cc",
+            "update.cc",
+            "memory.cc",
+        }
+        <= sources
+        <= names
+    )
     with open(os.path.join(_ROOT, "pyproject.toml"), "rb") as f:
         data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
     assert set(data["embedmesh.device.ops.cpu"]) >= {"*.cc", "*.h"}
@@ -561,6 +677,7 @@ def test_no_platform_question_outside_the_ops_layer():
 
 def test_optimizers_name_their_fused_kernel():
     from embedmesh.optimizers import FTRL, Adam
+
     assert SGD(0.1).fused_kernel == "sgd"
     assert Adagrad(0.1, clipvalue=1.0, weight_decay_factor=0.1).fused_kernel == "adagrad"
     for opt in (AdagradMomentum(0.1), Adam(0.1), Adam(0.1, lazy_adam=False), FTRL(0.1)):
@@ -578,13 +695,19 @@ def test_optimizers_name_their_fused_kernel():
 
 def test_fused_attrs():
     inf = float("inf")
-    a = Adagrad(lambda step: 0.5 / (1.0 + step), clipvalue=(-0.1, None),
-                weight_decay_factor=0.01, multiply_weight_decay_factor_by_learning_rate=True,
-                clip_weight_max=0.7).fused_attrs(jnp.int32(1))
+    a = Adagrad(
+        lambda step: 0.5 / (1.0 + step),
+        clipvalue=(-0.1, None),
+        weight_decay_factor=0.01,
+        multiply_weight_decay_factor_by_learning_rate=True,
+        clip_weight_max=0.7,
+    ).fused_attrs(jnp.int32(1))
     assert float(a.pop("learning_rate")) == pytest.approx(0.25)
-    assert a == dict(clip_lo=-0.1, clip_hi=inf, wd=0.01, has_wd=True, wd_lr=True, wmin=-inf,
-                     wmax=0.7)
+    assert a == dict(
+        clip_lo=-0.1, clip_hi=inf, wd=0.01, has_wd=True, wd_lr=True, wmin=-inf, wmax=0.7
+    )
     b = SGD(0.3).fused_attrs(0)
     assert float(b.pop("learning_rate")) == pytest.approx(0.3)
-    assert b == dict(clip_lo=-inf, clip_hi=inf, wd=0.0, has_wd=False, wd_lr=False, wmin=-inf,
-                     wmax=inf)
+    assert b == dict(
+        clip_lo=-inf, clip_hi=inf, wd=0.0, has_wd=False, wd_lr=False, wmin=-inf, wmax=inf
+    )

@@ -84,8 +84,12 @@ def ref_rule(name, hp, w, s, g, lr):
             d_scale = abs(mom) * m_scale + abs(sc)
         else:
             d, d_scale = m, m_scale
-        return (w - lr * d, abs(w) + lr * d_scale, {"accumulators": a, "momenta": m},
-                {"accumulators": a, "momenta": m_scale})
+        return (
+            w - lr * d,
+            abs(w) + lr * d_scale,
+            {"accumulators": a, "momenta": m},
+            {"accumulators": a, "momenta": m_scale},
+        )
     if name == "Adam":
         b1, b2, eps = hp["beta_1"], hp["beta_2"], hp["epsilon"]
         m_scale = abs(b1 * s["momenta"]) + abs((1 - b1) * g)
@@ -96,25 +100,32 @@ def ref_rule(name, hp, w, s, g, lr):
         else:
             den = math.sqrt(v) + eps
         upd = lr * m / den
-        return (w - upd, abs(w) + lr * m_scale / den, {"momenta": m, "velocities": v},
-                {"momenta": m_scale, "velocities": v})
+        return (
+            w - upd,
+            abs(w) + lr * m_scale / den,
+            {"momenta": m, "velocities": v},
+            {"momenta": m_scale, "velocities": v},
+        )
     if name == "FTRL":
         q = -hp["learning_rate_power"]
-        l1, l2, beta = (hp["l1_regularization_strength"], hp["l2_regularization_strength"],
-                        hp["beta"])
+        l1, l2, beta = (
+            hp["l1_regularization_strength"],
+            hp["l2_regularization_strength"],
+            hp["beta"],
+        )
         a, lin = s["accumulators"], s["linears"]
         a2 = a + g * g
-        p = a2 ** q
-        dp = p - a ** q
+        p = a2**q
+        dp = p - a**q
         if hp["multiply_linear_by_learning_rate"]:
             t = dp * w
-            lin_scale = abs(lin) + abs(lr * g) + abs(t) + a ** q * abs(w)
+            lin_scale = abs(lin) + abs(lr * g) + abs(t) + a**q * abs(w)
             lin = lin + lr * g - t
             bound = lr * l1
             den = p + 2 * lr * l2 + beta
         else:
             t = dp * w / lr
-            lin_scale = abs(lin) + abs(g) + abs(t) + a ** q * abs(w) / lr
+            lin_scale = abs(lin) + abs(g) + abs(t) + a**q * abs(w) / lr
             lin = lin + g - t
             bound = l1
             den = (p + beta) / lr + 2 * l2
@@ -123,8 +134,12 @@ def ref_rule(name, hp, w, s, g, lr):
         else:
             num = min(max(lin, -bound), bound) - lin
         w_new = num / den
-        return (w_new, abs(w_new) + (lin_scale + bound) / den, {"accumulators": a2, "linears": lin},
-                {"accumulators": a2, "linears": lin_scale})
+        return (
+            w_new,
+            abs(w_new) + (lin_scale + bound) / den,
+            {"accumulators": a2, "linears": lin},
+            {"accumulators": a2, "linears": lin_scale},
+        )
     raise AssertionError(name)
 
 
@@ -149,8 +164,9 @@ def ref_update(name, hp, rows, slots, grads, step):
             if hi is not None:
                 g = min(g, hi)
             w0 = float(rows[i, j])
-            w, ws, s, ss = ref_rule(name, hp, w0, {k: float(v[i, j]) for k, v in slots.items()},
-                                    g, lr)
+            w, ws, s, ss = ref_rule(
+                name, hp, w0, {k: float(v[i, j]) for k, v in slots.items()}, g, lr
+            )
             if wd is not None:
                 w = w - wd * w0
                 ws = ws + abs(wd * w0)
@@ -171,9 +187,11 @@ def assert_close(actual, expected, scale, rtol, atol, what):
     bad = ~(err <= tol)
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
-        raise AssertionError(f"{what}: {bad.sum()} mismatches, first at {i}: got "
-                             f"{actual[i]!r}, expected {expected[i]!r} (scale {scale[i]!r}, "
-                             f"tol {tol[i]!r})")
+        raise AssertionError(
+            f"{what}: {bad.sum()} mismatches, first at {i}: got "
+            f"{actual[i]!r}, expected {expected[i]!r} (scale {scale[i]!r}, "
+            f"tol {tol[i]!r})"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -183,22 +201,30 @@ pos = dict(allow_nan=False, allow_infinity=False)
 
 lr_specs = st.one_of(
     st.tuples(st.just("const"), st.floats(1e-3, 0.5, **pos)),
-    st.tuples(st.just("exp"), st.floats(1e-3, 0.5, **pos), st.integers(1, 50),
-              st.floats(0.5, 1.0, **pos)),
-    st.tuples(st.just("linear"), st.floats(1e-3, 0.5, **pos), st.floats(1e-3, 0.5, **pos),
-              st.integers(1, 50)),
+    st.tuples(
+        st.just("exp"), st.floats(1e-3, 0.5, **pos), st.integers(1, 50), st.floats(0.5, 1.0, **pos)
+    ),
+    st.tuples(
+        st.just("linear"),
+        st.floats(1e-3, 0.5, **pos),
+        st.floats(1e-3, 0.5, **pos),
+        st.integers(1, 50),
+    ),
 )
 
 
 @st.composite
 def common_hp(draw):
     hp = {"lr_spec": draw(lr_specs)}
-    clip = draw(st.one_of(
-        st.none(),
-        st.floats(0.2, 1.5, **pos),
-        st.tuples(st.none() | st.floats(-1.5, -0.1, **pos),
-                  st.none() | st.floats(0.1, 1.5, **pos)),
-    ))
+    clip = draw(
+        st.one_of(
+            st.none(),
+            st.floats(0.2, 1.5, **pos),
+            st.tuples(
+                st.none() | st.floats(-1.5, -0.1, **pos), st.none() | st.floats(0.1, 1.5, **pos)
+            ),
+        )
+    )
     hp["clipvalue"] = clip
     hp["use_gradient_accumulation"] = True if clip is not None else draw(st.booleans())
     hp["clip_weight_min"] = draw(st.none() | st.floats(-1.5, -0.05, **pos))
@@ -206,36 +232,43 @@ def common_hp(draw):
     wd = draw(st.none() | st.floats(0.0, 0.2, **pos))
     hp["weight_decay_factor"] = wd
     hp["multiply_weight_decay_factor_by_learning_rate"] = (
-        None if wd is None else draw(st.sampled_from([None, False, True])))
+        None if wd is None else draw(st.sampled_from([None, False, True]))
+    )
     return hp
 
 
 SPECIFIC = {
     "SGD": st.fixed_dictionaries({}),
     "Adagrad": st.fixed_dictionaries({"initial_accumulator_value": st.floats(0.01, 1.0, **pos)}),
-    "AdagradMomentum": st.fixed_dictionaries({
-        "momentum": st.just(0.0) | st.floats(0.0, 0.99, **pos),
-        "use_nesterov": st.booleans(),
-        "exponent": st.just(2.0) | st.floats(0.5, 4.0, **pos),
-        "beta2": st.just(1.0) | st.floats(0.5, 0.999, **pos),
-        "epsilon": st.floats(1e-10, 1e-3, **pos),
-    }),
-    "Adam": st.fixed_dictionaries({
-        "beta_1": st.floats(0.0, 0.99, **pos),
-        "beta_2": st.floats(0.0, 0.9999, **pos),
-        "epsilon": st.floats(1e-8, 1e-2, **pos),
-        "lazy_adam": st.booleans(),
-        "sum_inside_sqrt": st.booleans(),
-    }),
-    "FTRL": st.fixed_dictionaries({
-        "learning_rate_power": st.sampled_from([-0.5, 0.0, -1.0]) | st.floats(-1.0, 0.0, **pos),
-        "l1_regularization_strength": st.just(0.0) | st.floats(1e-3, 1.0, **pos),
-        "l2_regularization_strength": st.just(0.0) | st.floats(0.0, 1.0, **pos),
-        "beta": st.just(0.0) | st.floats(0.0, 1.0, **pos),
-        "initial_accumulator_value": st.floats(0.01, 1.0, **pos),
-        "multiply_linear_by_learning_rate": st.booleans(),
-        "allow_zero_accumulator": st.booleans(),
-    }),
+    "AdagradMomentum": st.fixed_dictionaries(
+        {
+            "momentum": st.just(0.0) | st.floats(0.0, 0.99, **pos),
+            "use_nesterov": st.booleans(),
+            "exponent": st.just(2.0) | st.floats(0.5, 4.0, **pos),
+            "beta2": st.just(1.0) | st.floats(0.5, 0.999, **pos),
+            "epsilon": st.floats(1e-10, 1e-3, **pos),
+        }
+    ),
+    "Adam": st.fixed_dictionaries(
+        {
+            "beta_1": st.floats(0.0, 0.99, **pos),
+            "beta_2": st.floats(0.0, 0.9999, **pos),
+            "epsilon": st.floats(1e-8, 1e-2, **pos),
+            "lazy_adam": st.booleans(),
+            "sum_inside_sqrt": st.booleans(),
+        }
+    ),
+    "FTRL": st.fixed_dictionaries(
+        {
+            "learning_rate_power": st.sampled_from([-0.5, 0.0, -1.0]) | st.floats(-1.0, 0.0, **pos),
+            "l1_regularization_strength": st.just(0.0) | st.floats(1e-3, 1.0, **pos),
+            "l2_regularization_strength": st.just(0.0) | st.floats(0.0, 1.0, **pos),
+            "beta": st.just(0.0) | st.floats(0.0, 1.0, **pos),
+            "initial_accumulator_value": st.floats(0.01, 1.0, **pos),
+            "multiply_linear_by_learning_rate": st.booleans(),
+            "allow_zero_accumulator": st.booleans(),
+        }
+    ),
 }
 
 CLASSES = {c.__name__: c for c in ALL}
@@ -273,8 +306,11 @@ TOL = {"SGD": 1e-5, "Adagrad": 1e-5, "AdagradMomentum": 2e-5, "Adam": 1e-5, "FTR
 
 
 @pytest.mark.parametrize("name", list(SPECIFIC))
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_update_rows_matches_float64_reference(name, data):
     hp = {**data.draw(common_hp(), "common"), **data.draw(SPECIFIC[name], "specific")}
@@ -298,8 +334,13 @@ def test_update_rows_matches_float64_reference(name, data):
         grads = signed(rng, (n, dim), 0.05, 2.0)
         new_rows, new_slots = update(rows, slots, grads, jnp.int32(step))
         exp_w, scale_w, exp_s, scale_s = ref_update(
-            name, hp, rows.astype(np.float64), {s: v.astype(np.float64) for s, v in slots.items()},
-            grads.astype(np.float64), step)
+            name,
+            hp,
+            rows.astype(np.float64),
+            {s: v.astype(np.float64) for s, v in slots.items()},
+            grads.astype(np.float64),
+            step,
+        )
         assert new_rows.dtype == jnp.float32 and new_rows.shape == (n, dim)
         assert set(new_slots) == set(slots)
         assert_close(new_rows, exp_w, scale_w, rtol, 1e-6, f"rows at step {step}")
@@ -315,10 +356,16 @@ def test_update_rows_matches_float64_reference(name, data):
 @pytest.mark.parametrize("lr_power", [0.0, -0.25, -0.5, -1.0])
 @pytest.mark.parametrize("multiply", [False, True])
 def test_ftrl_zero_accumulator_is_finite(lr_power, multiply):
-    hp = dict(learning_rate_power=lr_power, l1_regularization_strength=0.01,
-              l2_regularization_strength=0.0, beta=0.0, initial_accumulator_value=0.0,
-              allow_zero_accumulator=True, multiply_linear_by_learning_rate=multiply,
-              lr_spec=("const", 0.1))
+    hp = dict(
+        learning_rate_power=lr_power,
+        l1_regularization_strength=0.01,
+        l2_regularization_strength=0.0,
+        beta=0.0,
+        initial_accumulator_value=0.0,
+        allow_zero_accumulator=True,
+        multiply_linear_by_learning_rate=multiply,
+        lr_spec=("const", 0.1),
+    )
     opt = build("FTRL", hp)
     assert opt.slot_initial_values == {"accumulators": 0.0, "linears": 0.0}
     rng = np.random.default_rng(0)
@@ -327,9 +374,14 @@ def test_ftrl_zero_accumulator_is_finite(lr_power, multiply):
     grads = signed(rng, (5, 3), 0.05, 2.0)
     w, s = opt.update_rows(rows, slots, grads, 0)
     assert np.isfinite(w).all() and np.isfinite(s["linears"]).all()
-    exp_w, scale_w, exp_s, scale_s = ref_update("FTRL", hp, rows.astype(np.float64),
-                                                {k: v.astype(np.float64) for k, v in slots.items()},
-                                                grads.astype(np.float64), 0)
+    exp_w, scale_w, exp_s, scale_s = ref_update(
+        "FTRL",
+        hp,
+        rows.astype(np.float64),
+        {k: v.astype(np.float64) for k, v in slots.items()},
+        grads.astype(np.float64),
+        0,
+    )
     assert_close(w, exp_w, scale_w, 5e-5, 1e-6, "rows")
     assert_close(s["linears"], exp_s["linears"], scale_s["linears"], 5e-5, 1e-6, "linears")
 
@@ -349,17 +401,23 @@ def test_ftrl_zero_denominator_gives_zero_not_nan():
 
 def test_order_clip_rule_decay_weightclip():
     lr = 0.1
-    opt = SGD(learning_rate=lr, clipvalue=(None, 0.5), weight_decay_factor=0.2,
-              multiply_weight_decay_factor_by_learning_rate=False, clip_weight_min=-1.0,
-              clip_weight_max=2.0)
+    opt = SGD(
+        learning_rate=lr,
+        clipvalue=(None, 0.5),
+        weight_decay_factor=0.2,
+        multiply_weight_decay_factor_by_learning_rate=False,
+        clip_weight_min=-1.0,
+        clip_weight_max=2.0,
+    )
     rows = np.array([[1.0, 1.0, -0.5]], np.float32)
     grads = np.array([[3.0, -3.0, 30.0]], np.float32)
     w, _ = opt.update_rows(rows, {}, grads, 0)
     # g clipped to [.., 0.5] -> [0.5, -3, 0.5]; w - lr*g - 0.2*w_old; clamp to [-1, 2]
     expected = [1 - 0.05 - 0.2, 1 + 0.3 - 0.2, max(-0.5 - 0.05 + 0.1, -1.0)]
     np.testing.assert_allclose(np.asarray(w)[0], expected, rtol=1e-6)
-    opt = dataclasses.replace(opt, multiply_weight_decay_factor_by_learning_rate=True,
-                              clip_weight_max=1.0)
+    opt = dataclasses.replace(
+        opt, multiply_weight_decay_factor_by_learning_rate=True, clip_weight_max=1.0
+    )
     w, _ = opt.update_rows(rows, {}, grads, 0)
     expected = [1 - 0.05 - 0.02, min(1 + 0.3 - 0.02, 1.0), -0.5 - 0.05 + 0.01]
     np.testing.assert_allclose(np.asarray(w)[0], expected, rtol=1e-6)
@@ -369,11 +427,14 @@ def test_adam_dense_zero_gradient_still_moves_rows():
     opt = Adam(learning_rate=0.1, lazy_adam=False)
     assert opt.touches_all_rows
     m = np.full((1, 2), 0.5, np.float32)
-    w, s = opt.update_rows(np.zeros((1, 2), np.float32), {"momenta": m, "velocities": m},
-                           np.zeros((1, 2), np.float32), 0)
+    w, s = opt.update_rows(
+        np.zeros((1, 2), np.float32),
+        {"momenta": m, "velocities": m},
+        np.zeros((1, 2), np.float32),
+        0,
+    )
     np.testing.assert_allclose(np.asarray(s["momenta"]), 0.45, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(w), -0.1 * 0.45 / math.sqrt(0.4995 + 1e-14),
-                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(w), -0.1 * 0.45 / math.sqrt(0.4995 + 1e-14), rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -390,13 +451,26 @@ def _example(opt, n=4, dim=3, seed=0):
 
 JIT_CASES = [
     SGD(learning_rate=optax.linear_schedule(0.1, 0.01, 10), clipvalue=1.0),
-    Adagrad(learning_rate=0.1, weight_decay_factor=0.01,
-            multiply_weight_decay_factor_by_learning_rate=True),
+    Adagrad(
+        learning_rate=0.1,
+        weight_decay_factor=0.01,
+        multiply_weight_decay_factor_by_learning_rate=True,
+    ),
     AdagradMomentum(learning_rate=0.1, momentum=0.9, use_nesterov=True, exponent=3, beta2=0.9),
-    Adam(learning_rate=optax.exponential_decay(0.1, 5, 0.5), sum_inside_sqrt=False,
-         clip_weight_min=-1.0, clip_weight_max=1.0),
-    FTRL(learning_rate=0.1, l1_regularization_strength=0.1, l2_regularization_strength=0.1,
-         beta=0.5, multiply_linear_by_learning_rate=True, clipvalue=(-0.5, None)),
+    Adam(
+        learning_rate=optax.exponential_decay(0.1, 5, 0.5),
+        sum_inside_sqrt=False,
+        clip_weight_min=-1.0,
+        clip_weight_max=1.0,
+    ),
+    FTRL(
+        learning_rate=0.1,
+        l1_regularization_strength=0.1,
+        l2_regularization_strength=0.1,
+        beta=0.5,
+        multiply_linear_by_learning_rate=True,
+        clipvalue=(-0.5, None),
+    ),
 ]
 
 
@@ -408,8 +482,11 @@ def test_jit_matches_eager_and_is_pure(opt):
     eager = opt.update_rows(rows, slots, grads, 7)
     jitted = jax.jit(opt.update_rows)(rows, slots, grads, jnp.int32(7))
     again = opt.update_rows(rows, slots, grads, 7)
-    for a, b, c in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted),
-                       jax.tree_util.tree_leaves(again)):
+    for a, b, c in zip(
+        jax.tree_util.tree_leaves(eager),
+        jax.tree_util.tree_leaves(jitted),
+        jax.tree_util.tree_leaves(again),
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     # Inputs untouched, the slots dict neither mutated nor returned.
@@ -425,12 +502,16 @@ def test_jit_matches_eager_and_is_pure(opt):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_returns_input_dtypes(opt, dtype):
     rows, slots, grads = _example(opt)
-    w, s = opt.update_rows(jnp.asarray(rows, dtype), {k: jnp.asarray(v, dtype) for k, v in
-                                                     slots.items()}, grads, 3)
+    w, s = opt.update_rows(
+        jnp.asarray(rows, dtype), {k: jnp.asarray(v, dtype) for k, v in slots.items()}, grads, 3
+    )
     assert w.dtype == dtype and all(v.dtype == dtype for v in s.values())
-    w32, s32 = opt.update_rows(np.asarray(jnp.asarray(rows, dtype), np.float32),
-                               {k: np.asarray(jnp.asarray(v, dtype), np.float32)
-                                for k, v in slots.items()}, grads, 3)
+    w32, s32 = opt.update_rows(
+        np.asarray(jnp.asarray(rows, dtype), np.float32),
+        {k: np.asarray(jnp.asarray(v, dtype), np.float32) for k, v in slots.items()},
+        grads,
+        3,
+    )
     # Computed in float32 then rounded once.
     np.testing.assert_array_equal(np.asarray(w), np.asarray(w32.astype(dtype)))
 
@@ -474,38 +555,98 @@ def test_learning_rate_at():
 # ---------------------------------------------------------------------------
 # Construction: defaults, argument order, validation, hashing
 
-COMMON_DEFAULTS = dict(use_gradient_accumulation=True, clip_weight_min=None,
-                       clip_weight_max=None, weight_decay_factor=None,
-                       multiply_weight_decay_factor_by_learning_rate=None, clipvalue=None,
-                       slot_variable_creation_fn=None, low_dimensional_packing_status=False)
+COMMON_DEFAULTS = dict(
+    use_gradient_accumulation=True,
+    clip_weight_min=None,
+    clip_weight_max=None,
+    weight_decay_factor=None,
+    multiply_weight_decay_factor_by_learning_rate=None,
+    clipvalue=None,
+    slot_variable_creation_fn=None,
+    low_dimensional_packing_status=False,
+)
 
 DEFAULTS = {
     SGD: dict(learning_rate=0.01),
     Adagrad: dict(learning_rate=0.001, initial_accumulator_value=0.1),
-    AdagradMomentum: dict(learning_rate=0.001, momentum=0.0, use_nesterov=False, exponent=2,
-                          beta2=1.0, epsilon=1e-10),
-    Adam: dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, lazy_adam=True,
-               sum_inside_sqrt=True),
-    FTRL: dict(learning_rate=0.001, learning_rate_power=-0.5, l1_regularization_strength=0.0,
-               l2_regularization_strength=0.0, beta=0.0, initial_accumulator_value=0.1,
-               multiply_linear_by_learning_rate=False, allow_zero_accumulator=False),
+    AdagradMomentum: dict(
+        learning_rate=0.001, momentum=0.0, use_nesterov=False, exponent=2, beta2=1.0, epsilon=1e-10
+    ),
+    Adam: dict(
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-07,
+        lazy_adam=True,
+        sum_inside_sqrt=True,
+    ),
+    FTRL: dict(
+        learning_rate=0.001,
+        learning_rate_power=-0.5,
+        l1_regularization_strength=0.0,
+        l2_regularization_strength=0.0,
+        beta=0.0,
+        initial_accumulator_value=0.1,
+        multiply_linear_by_learning_rate=False,
+        allow_zero_accumulator=False,
+    ),
 }
 
-_TAIL = ["use_gradient_accumulation", "clip_weight_min", "clip_weight_max",
-         "weight_decay_factor", "multiply_weight_decay_factor_by_learning_rate"]
+_TAIL = [
+    "use_gradient_accumulation",
+    "clip_weight_min",
+    "clip_weight_max",
+    "weight_decay_factor",
+    "multiply_weight_decay_factor_by_learning_rate",
+]
 TF_ORDER = {
     SGD: ["learning_rate", *_TAIL, "clipvalue", "low_dimensional_packing_status"],
-    Adagrad: ["learning_rate", "initial_accumulator_value", *_TAIL,
-              "slot_variable_creation_fn", "clipvalue", "low_dimensional_packing_status"],
-    AdagradMomentum: ["learning_rate", "momentum", "use_nesterov", "exponent", "beta2",
-                      "epsilon", *_TAIL, "slot_variable_creation_fn", "clipvalue",
-                      "low_dimensional_packing_status"],
-    Adam: ["learning_rate", "beta_1", "beta_2", "epsilon", "lazy_adam", "sum_inside_sqrt",
-           *_TAIL, "slot_variable_creation_fn", "clipvalue", "low_dimensional_packing_status"],
-    FTRL: ["learning_rate", "learning_rate_power", "l1_regularization_strength",
-           "l2_regularization_strength", "beta", "initial_accumulator_value", *_TAIL,
-           "slot_variable_creation_fn", "clipvalue", "multiply_linear_by_learning_rate",
-           "allow_zero_accumulator", "low_dimensional_packing_status"],
+    Adagrad: [
+        "learning_rate",
+        "initial_accumulator_value",
+        *_TAIL,
+        "slot_variable_creation_fn",
+        "clipvalue",
+        "low_dimensional_packing_status",
+    ],
+    AdagradMomentum: [
+        "learning_rate",
+        "momentum",
+        "use_nesterov",
+        "exponent",
+        "beta2",
+        "epsilon",
+        *_TAIL,
+        "slot_variable_creation_fn",
+        "clipvalue",
+        "low_dimensional_packing_status",
+    ],
+    Adam: [
+        "learning_rate",
+        "beta_1",
+        "beta_2",
+        "epsilon",
+        "lazy_adam",
+        "sum_inside_sqrt",
+        *_TAIL,
+        "slot_variable_creation_fn",
+        "clipvalue",
+        "low_dimensional_packing_status",
+    ],
+    FTRL: [
+        "learning_rate",
+        "learning_rate_power",
+        "l1_regularization_strength",
+        "l2_regularization_strength",
+        "beta",
+        "initial_accumulator_value",
+        *_TAIL,
+        "slot_variable_creation_fn",
+        "clipvalue",
+        "multiply_linear_by_learning_rate",
+        "allow_zero_accumulator",
+        "low_dimensional_packing_status",
+    ],
 }
 
 
@@ -528,23 +669,31 @@ def test_tensorflow_positional_order(cls):
 
 def test_positional_construction():
     opt = Adagrad(0.5, 0.2, True, -1.0, 1.0, 0.01, True, None, 0.3)
-    assert (opt.learning_rate, opt.initial_accumulator_value, opt.clip_weight_min,
-            opt.clip_weight_max, opt.weight_decay_factor,
-            opt.multiply_weight_decay_factor_by_learning_rate, opt.clipvalue) == (
-        0.5, 0.2, -1.0, 1.0, 0.01, True, (-0.3, 0.3))
-    opt = FTRL(0.1, -0.25, 0.1, 0.2, 0.3, 0.4, True, None, None, None, None, None, None,
-               True, True)
+    assert (
+        opt.learning_rate,
+        opt.initial_accumulator_value,
+        opt.clip_weight_min,
+        opt.clip_weight_max,
+        opt.weight_decay_factor,
+        opt.multiply_weight_decay_factor_by_learning_rate,
+        opt.clipvalue,
+    ) == (0.5, 0.2, -1.0, 1.0, 0.01, True, (-0.3, 0.3))
+    opt = FTRL(0.1, -0.25, 0.1, 0.2, 0.3, 0.4, True, None, None, None, None, None, None, True, True)
     assert opt.multiply_linear_by_learning_rate and opt.allow_zero_accumulator
     assert opt.beta == 0.3 and opt.initial_accumulator_value == 0.4
 
 
-@pytest.mark.parametrize("cls,names,init", [
-    (SGD, (), {}),
-    (Adagrad, ("accumulators",), {"accumulators": 0.1}),
-    (AdagradMomentum, ("accumulators", "momenta"), {"accumulators": 0.0, "momenta": 0.0}),
-    (Adam, ("momenta", "velocities"), {"momenta": 0.0, "velocities": 0.0}),
-    (FTRL, ("accumulators", "linears"), {"accumulators": 0.1, "linears": 0.0}),
-], ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize(
+    "cls,names,init",
+    [
+        (SGD, (), {}),
+        (Adagrad, ("accumulators",), {"accumulators": 0.1}),
+        (AdagradMomentum, ("accumulators", "momenta"), {"accumulators": 0.0, "momenta": 0.0}),
+        (Adam, ("momenta", "velocities"), {"momenta": 0.0, "velocities": 0.0}),
+        (FTRL, ("accumulators", "linears"), {"accumulators": 0.1, "linears": 0.0}),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
 def test_slots(cls, names, init):
     assert cls().slot_names == names
     assert cls().slot_initial_values == init
@@ -567,10 +716,14 @@ COMMON_BAD = [
     (dict(clip_weight_min="low"), "clip_weight_min"),
     (dict(clip_weight_max=float("inf")), "clip_weight_max"),
     (dict(weight_decay_factor=-0.1), "weight_decay_factor"),
-    (dict(multiply_weight_decay_factor_by_learning_rate=True),
-     "multiply_weight_decay_factor_by_learning_rate"),
-    (dict(weight_decay_factor=0.1, multiply_weight_decay_factor_by_learning_rate=1),
-     "multiply_weight_decay_factor_by_learning_rate"),
+    (
+        dict(multiply_weight_decay_factor_by_learning_rate=True),
+        "multiply_weight_decay_factor_by_learning_rate",
+    ),
+    (
+        dict(weight_decay_factor=0.1, multiply_weight_decay_factor_by_learning_rate=1),
+        "multiply_weight_decay_factor_by_learning_rate",
+    ),
     (dict(clipvalue=-1.0), "clipvalue"),
     (dict(clipvalue=(1.0, -1.0)), "clipvalue"),
     (dict(clipvalue=(1.0, 2.0, 3.0)), "clipvalue"),
@@ -604,8 +757,11 @@ SPECIFIC_BAD = [
     (FTRL, dict(l2_regularization_strength=-0.1), "l2_regularization_strength"),
     (FTRL, dict(beta=-0.1), "beta"),
     (FTRL, dict(initial_accumulator_value=0.0), "initial_accumulator_value"),
-    (FTRL, dict(initial_accumulator_value=-0.1, allow_zero_accumulator=True),
-     "initial_accumulator_value"),
+    (
+        FTRL,
+        dict(initial_accumulator_value=-0.1, allow_zero_accumulator=True),
+        "initial_accumulator_value",
+    ),
     (FTRL, dict(multiply_linear_by_learning_rate="x"), "multiply_linear_by_learning_rate"),
     (FTRL, dict(allow_zero_accumulator=0), "allow_zero_accumulator"),
 ]
@@ -613,8 +769,11 @@ SPECIFIC_BAD = [
 BAD_CASES = [(cls, kw, field) for cls in ALL for kw, field in COMMON_BAD] + SPECIFIC_BAD
 
 
-@pytest.mark.parametrize("cls,kwargs,field", BAD_CASES,
-                         ids=[f"{c.__name__}-{f}-{i}" for i, (c, _, f) in enumerate(BAD_CASES)])
+@pytest.mark.parametrize(
+    "cls,kwargs,field",
+    BAD_CASES,
+    ids=[f"{c.__name__}-{f}-{i}" for i, (c, _, f) in enumerate(BAD_CASES)],
+)
 def test_invalid_values_raise_naming_the_field(cls, kwargs, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         cls(**kwargs)
@@ -653,8 +812,16 @@ def test_clipvalue_normalization():
 
 def test_hashable_frozen_and_value_equal():
     sched = optax.linear_schedule(0.1, 0.01, 100)
-    opts = [SGD(), SGD(), Adagrad(), Adagrad(clipvalue=[-1, 1]), Adam(learning_rate=sched),
-            Adam(learning_rate=sched), FTRL(), AdagradMomentum(momentum=0.5)]
+    opts = [
+        SGD(),
+        SGD(),
+        Adagrad(),
+        Adagrad(clipvalue=[-1, 1]),
+        Adam(learning_rate=sched),
+        Adam(learning_rate=sched),
+        FTRL(),
+        AdagradMomentum(momentum=0.5),
+    ]
     assert len(set(opts)) == 6
     table = {o: i for i, o in enumerate(opts)}
     assert table[SGD()] == 1 and table[Adam(learning_rate=sched)] == 5

@@ -13,16 +13,24 @@ from hypothesis import strategies as st
 
 from embedmesh import checkpoint as ckpt
 from embedmesh.config import FeatureConfig, TableConfig
-from embedmesh.layout.rows import (ROW_LAYOUTS, ModRowLayout, RowLayout, logical_layout,
-                                   row_layout)
+from embedmesh.layout.rows import ROW_LAYOUTS, ModRowLayout, RowLayout, logical_layout, row_layout
 from embedmesh.layout.stacking import TablePlacement, plan_stacking
 
 
 def placement(v: int, n: int, rotation: int, offset_rows: int = 0) -> TablePlacement:
     rps = -(-v // n)
-    return TablePlacement(name="t", index=0, stack="t", num_shards=n, vocabulary_size=v,
-                          padded_vocabulary_size=rps * n, dim=3, padded_dim=8,
-                          row_offset=offset_rows * n, rotation=rotation)
+    return TablePlacement(
+        name="t",
+        index=0,
+        stack="t",
+        num_shards=n,
+        vocabulary_size=v,
+        padded_vocabulary_size=rps * n,
+        dim=3,
+        padded_dim=8,
+        row_offset=offset_rows * n,
+        rotation=rotation,
+    )
 
 
 def reference(v: int, n: int, rotation: int):
@@ -68,8 +76,8 @@ def test_mod_layout_matches_the_plain_rule(case):
         # every block row of the shard, padding included, maps back: rows < v are the
         # shard's rows in block order, the rest are padding (>= v)
         back = layout.logical_rows(t, j, np.arange(t.rows_per_shard))
-        np.testing.assert_array_equal(back[:len(on[j])], on[j])
-        assert (back[len(on[j]):] >= v).all()
+        np.testing.assert_array_equal(back[: len(on[j])], on[j])
+        assert (back[len(on[j]) :] >= v).all()
         if on[j]:
             assert layout.first_row(t, j) == on[j][0]
         seen += list(got)
@@ -95,8 +103,11 @@ def test_the_rule_runs_traced_with_the_kernel_params_as_arguments():
     for v, rotation in ((23, 0), (23, 4), (3, 2)):
         t = placement(v, 5, rotation)
         for j in range(5):
-            got = fn(jnp.asarray(layout.kernel_params(t), jnp.int32), jnp.int32(j),
-                     jnp.asarray(q, jnp.int32))
+            got = fn(
+                jnp.asarray(layout.kernel_params(t), jnp.int32),
+                jnp.int32(j),
+                jnp.asarray(q, jnp.int32),
+            )
             np.testing.assert_array_equal(np.asarray(got), layout.logical_rows(t, j, q))
 
 
@@ -122,8 +133,10 @@ def plans(draw):
     vocabs = draw(st.lists(st.integers(1, 40), min_size=k, max_size=k))
     dims = draw(st.lists(st.sampled_from([2, 8, 9]), min_size=k, max_size=k))
     n = draw(st.integers(1, 8))
-    feats = {f"f{i}": FeatureConfig(TableConfig(v, d, name=f"t{i}"))
-             for i, (v, d) in enumerate(zip(vocabs, dims))}
+    feats = {
+        f"f{i}": FeatureConfig(TableConfig(v, d, name=f"t{i}"))
+        for i, (v, d) in enumerate(zip(vocabs, dims))
+    }
     return plan_stacking(feats, n, stack_tables=draw(st.booleans()), sharding="mod")
 
 
@@ -134,8 +147,9 @@ def test_plan_unlocate_then_locate_round_trips_every_local_row(plan):
     padding (-1), and each table row is exactly one of them."""
     assert plan.row_layout == ModRowLayout(plan.num_shards)
     for s in plan.stacks:
-        shard, local = np.meshgrid(np.arange(plan.num_shards), np.arange(s.rows_per_shard),
-                                   indexing="ij")
+        shard, local = np.meshgrid(
+            np.arange(plan.num_shards), np.arange(s.rows_per_shard), indexing="ij"
+        )
         index, row = plan.unlocate(s.name, shard, local)
         real = index >= 0
         assert ((row >= 0) == real).all()
@@ -164,8 +178,7 @@ class BlockedLayout(RowLayout):
 
     def rows_on_shard(self, table, shard):
         rps = table.rows_per_shard
-        return np.arange(shard * rps, min((shard + 1) * rps, table.vocabulary_size),
-                         dtype=np.int64)
+        return np.arange(shard * rps, min((shard + 1) * rps, table.vocabulary_size), dtype=np.int64)
 
     def logical_rows_from_params(self, params, shard, block_rows):
         return shard * params[0] + block_rows
@@ -189,8 +202,9 @@ def stored_array(table: np.ndarray, layout: RowLayout, t) -> np.ndarray:
 def apply_copies(stored, copies, out):
     for d0, dstep, s0, sstep, rows in copies:
         if rows > 0:
-            out[d0:d0 + dstep * (rows - 1) + 1:dstep] = \
-                stored[s0:s0 + sstep * (rows - 1) + 1:sstep]
+            out[d0 : d0 + dstep * (rows - 1) + 1 : dstep] = stored[
+                s0 : s0 + sstep * (rows - 1) + 1 : sstep
+            ]
     return out
 
 
@@ -205,13 +219,15 @@ def test_checkpoint_recut_goes_through_any_layout(case, n_other, seed):
     mod, t_mod = ModRowLayout(n), placement(v, n, rotation)
     blocked, t_blocked = BlockedLayout(n_other), placement(v, n_other, 0)
     flat, t_flat = logical_layout(), placement(v, 1, 0)
-    for (src, ts), (dst, td) in (((mod, t_mod), (blocked, t_blocked)),
-                                 ((blocked, t_blocked), (mod, t_mod)),
-                                 ((blocked, t_blocked), (flat, t_flat)),
-                                 ((mod, t_mod), (flat, t_flat))):
+    for (src, ts), (dst, td) in (
+        ((mod, t_mod), (blocked, t_blocked)),
+        ((blocked, t_blocked), (mod, t_mod)),
+        ((blocked, t_blocked), (flat, t_flat)),
+        ((mod, t_mod), (flat, t_flat)),
+    ):
         stored = stored_array(table, src, ts)
         for j in range(dst.num_shards):
             out = np.full((td.rows_per_shard, 3), np.nan)
             apply_copies(stored, ckpt._recut_copies(src, ts, dst, td, j), out)
             rows = dst.rows_on_shard(td, j)
-            np.testing.assert_array_equal(out[:len(rows)], table[rows])
+            np.testing.assert_array_equal(out[: len(rows)], table[rows])

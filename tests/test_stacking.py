@@ -6,18 +6,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedmesh.config import FeatureConfig, TableConfig
-from embedmesh.optimizers import SGD, Adagrad
-from embedmesh.layout.sharding import (shards_to_table, shards_to_tables, stack_shard, stack_to_shards,
-                                table_rows_on_shard, table_shard, table_to_shards,
-                                tables_from_stack_shard)
+from embedmesh.layout.sharding import (
+    shards_to_table,
+    shards_to_tables,
+    stack_shard,
+    stack_to_shards,
+    table_rows_on_shard,
+    table_shard,
+    table_to_shards,
+    tables_from_stack_shard,
+)
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
+from embedmesh.optimizers import SGD, Adagrad
 
 
 def _config(vocabs, dims=None, optimizers=None):
     dims = dims or [4] * len(vocabs)
     optimizers = optimizers or [None] * len(vocabs)
-    tables = [TableConfig(v, d, optimizer=o, name=f"t{i}")
-              for i, (v, d, o) in enumerate(zip(vocabs, dims, optimizers))]
+    tables = [
+        TableConfig(v, d, optimizer=o, name=f"t{i}")
+        for i, (v, d, o) in enumerate(zip(vocabs, dims, optimizers))
+    ]
     return {f"f{i}": FeatureConfig(t) for i, t in enumerate(tables)}
 
 
@@ -25,8 +34,7 @@ def _config(vocabs, dims=None, optimizers=None):
 def plans(draw):
     n_tables = draw(st.integers(1, 5))
     vocabs = draw(st.lists(st.integers(1, 40), min_size=n_tables, max_size=n_tables))
-    dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=n_tables,
-                         max_size=n_tables))
+    dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=n_tables, max_size=n_tables))
     n = draw(st.sampled_from([1, 2, 3, 4, 8]))
     stack = draw(st.booleans())
     limit = draw(st.one_of(st.none(), st.integers(1, 80)))
@@ -48,8 +56,9 @@ def test_mapping_is_a_bijection_onto_non_padding_rows(plan):
             ids = np.arange(t.vocabulary_size)
             shard, local = plan.locate(name, ids)
             assert ((shard >= 0) & (shard < n)).all()
-            assert ((local >= t.local_row_offset)
-                    & (local < t.local_row_offset + t.rows_per_shard)).all()
+            assert (
+                (local >= t.local_row_offset) & (local < t.local_row_offset + t.rows_per_shard)
+            ).all()
             rows = plan.stacked_rows(name, ids)
             np.testing.assert_array_equal(rows % n, shard)
             np.testing.assert_array_equal(rows // n, local)
@@ -111,8 +120,11 @@ def test_padding_of_vocabulary_and_dim():
 
 
 def test_stacking_off_and_grouping_keys():
-    cfg = _config([10, 20, 30, 40], dims=[8, 8, 16, 8],
-                  optimizers=[SGD(0.1), SGD(0.1), SGD(0.1), Adagrad(0.1)])
+    cfg = _config(
+        [10, 20, 30, 40],
+        dims=[8, 8, 16, 8],
+        optimizers=[SGD(0.1), SGD(0.1), SGD(0.1), Adagrad(0.1)],
+    )
     plan = plan_stacking(cfg, 2)
     assert [s.tables for s in plan.stacks] == [("t0", "t1"), ("t2",), ("t3",)]
     assert plan.stacks[0].name == "t0+t1" and plan.stacks[1].name == "t2"
@@ -124,8 +136,14 @@ def test_stacking_off_and_grouping_keys():
     assert len(plan_stacking(cfg2, 2).stacks) == 2
     assert len(plan_stacking(cfg2, 2, default_optimizer=SGD(0.5)).stacks) == 1
     # dtypes must match too.
-    assert len(plan_stacking(cfg2, 2, default_optimizer=SGD(0.5),
-                             table_dtypes={"t1": np.float16}).stacks) == 2
+    assert (
+        len(
+            plan_stacking(
+                cfg2, 2, default_optimizer=SGD(0.5), table_dtypes={"t1": np.float16}
+            ).stacks
+        )
+        == 2
+    )
 
 
 def test_stack_size_limit():
@@ -166,8 +184,10 @@ def test_bad_arguments():
 def test_table_and_stack_shards_round_trip(plan, seed):
     rng = np.random.default_rng(seed)
     n = plan.num_shards
-    tables = {t.name: rng.standard_normal((t.vocabulary_size, t.dim)).astype(np.float32)
-              for t in plan.tables}
+    tables = {
+        t.name: rng.standard_normal((t.vocabulary_size, t.dim)).astype(np.float32)
+        for t in plan.tables
+    }
     for t in plan.tables:
         shards = table_to_shards(tables[t.name], plan, t.name)
         assert len(shards) == n and all(s.shape == (t.rows_per_shard, t.dim) for s in shards)
@@ -181,7 +201,8 @@ def test_table_and_stack_shards_round_trip(plan, seed):
         # A 1-D slot round-trips too.
         slot = tables[t.name][:, 0].copy()
         np.testing.assert_array_equal(
-            shards_to_table(table_to_shards(slot, plan, t.name), plan, t.name), slot)
+            shards_to_table(table_to_shards(slot, plan, t.name), plan, t.name), slot
+        )
     for s in plan.stacks:
         shards = stack_to_shards(tables, plan, s.name)
         assert all(sh.shape == (s.rows_per_shard, s.dim) for sh in shards)
@@ -194,13 +215,20 @@ def test_table_and_stack_shards_round_trip(plan, seed):
         for name in s.tables:
             shard, local = plan.locate(name, np.arange(plan.table(name).vocabulary_size))
             mask[shard, local] = True
-            np.testing.assert_array_equal(np.stack(shards)[shard, local, :tables[name].shape[1]],
-                                          tables[name])
+            np.testing.assert_array_equal(
+                np.stack(shards)[shard, local, : tables[name].shape[1]], tables[name]
+            )
         stacked = np.stack(shards)
         assert not stacked[~mask].any()
-        dims_ok = [stacked[:, plan.table(nm).local_row_offset:
-                           plan.table(nm).local_row_offset + plan.table(nm).rows_per_shard,
-                           plan.table(nm).dim:].any() for nm in s.tables]
+        dims_ok = [
+            stacked[
+                :,
+                plan.table(nm).local_row_offset : plan.table(nm).local_row_offset
+                + plan.table(nm).rows_per_shard,
+                plan.table(nm).dim :,
+            ].any()
+            for nm in s.tables
+        ]
         assert not any(dims_ok)  # padded columns stay zero
 
 
@@ -214,8 +242,7 @@ def test_stack_shard_accepts_table_configs_and_checks_shapes():
     per = tables_from_stack_shard(sh, plan, "t0+t1", 1)
     np.testing.assert_array_equal(per["t0"][1], a[per["t0"][0]])
     np.testing.assert_array_equal(per["t1"][1], b[per["t1"][0]])
-    np.testing.assert_array_equal(table_shard(a, plan, "t0", 1)[:len(per["t0"][0])],
-                                  per["t0"][1])
+    np.testing.assert_array_equal(table_shard(a, plan, "t0", 1)[: len(per["t0"][0])], per["t0"][1])
     with pytest.raises(ValueError, match="t1"):
         stack_shard({t0: a, t1: b[:6]}, plan, "t0+t1", 0)
     with pytest.raises(KeyError, match="t1"):

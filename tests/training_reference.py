@@ -48,8 +48,11 @@ def layout(feature, inp, weight, global_batch=None):
         vals = np.asarray(inp.values).tolist()
         ws = [1.0] * len(vals) if weight is None else np.asarray(weight.values).tolist()
         if L > 0 and len(shape) == 2 and not feature.output_shape:
-            return (shape[0], L), [((ix[0], ix[1]), v, 1.0) for ix, v in zip(idx, vals)
-                                   if ix[1] < L], None
+            return (
+                (shape[0], L),
+                [((ix[0], ix[1]), v, 1.0) for ix, v in zip(idx, vals) if ix[1] < L],
+                None,
+            )
         prune = feature.validate_weights_and_indices or len(shape) > 2
         bags = collections.defaultdict(list)
         for ix, v, w in zip(idx, vals, ws):
@@ -69,12 +72,23 @@ def layout(feature, inp, weight, global_batch=None):
         if feature.output_shape:
             P = int(np.prod(feature.output_shape))
             final = tuple(feature.output_shape)
-            seq_len = 0 if P == gb else P // gb
+            seq_len = 0 if gb == P else P // gb
         if seq_len > 0:
-            return (B, seq_len), [((b, p), i, 1.0) for b, row in enumerate(rows)
-                                  for p, (i, _) in enumerate(row) if p < seq_len], final
-        return (B,), [((b,), i, g) for b, row in enumerate(rows)
-                      for i, g in _combine(comb, row)], final
+            return (
+                (B, seq_len),
+                [
+                    ((b, p), i, 1.0)
+                    for b, row in enumerate(rows)
+                    for p, (i, _) in enumerate(row)
+                    if p < seq_len
+                ],
+                final,
+            )
+        return (
+            (B,),
+            [((b,), i, g) for b, row in enumerate(rows) for i, g in _combine(comb, row)],
+            final,
+        )
     ids = np.asarray(inp)
     out = [(ix, int(ids[ix]), 1.0) for ix in itertools.product(*map(range, ids.shape))]
     return ids.shape, out, None
@@ -91,7 +105,7 @@ def activation(table, lay):
 def row_gradients(features_and_layouts, dacts):
     """{table name: {id: gradient}} summed over all features of each table."""
     grads = collections.defaultdict(dict)
-    for (name, table_name, lay) in features_and_layouts:
+    for name, table_name, lay in features_and_layouts:
         shape, gain_list, _ = lay
         d = dacts[name]
         if d is not None:

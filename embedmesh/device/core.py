@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from embedmesh.device import ops, shard_program
 from embedmesh.layout import sharding as mod_sharding
-from embedmesh.batch import PartitionedCsrFormatTensor
 from embedmesh.layout.stacking import StackingPlan
 
 
@@ -76,8 +76,9 @@ class EmbeddingCore:
 
     def __init__(self, plan: StackingPlan, mesh, optimizer=None):
         if plan.num_shards != mesh.size:
-            raise ValueError(f"the plan has {plan.num_shards} shards but the mesh has "
-                             f"{mesh.size} devices")
+            raise ValueError(
+                f"the plan has {plan.num_shards} shards but the mesh has {mesh.size} devices"
+            )
         self.plan = plan
         self.mesh = mesh
         self.axes = tuple(mesh.axis_names)
@@ -85,8 +86,9 @@ class EmbeddingCore:
         self.default_optimizer = optimizer
         self.row_sharding = NamedSharding(mesh, P(self.axes))
         self.replicated = NamedSharding(mesh, P())
-        self._stack_optimizer = {s.name: (s.optimizer if s.optimizer is not None else optimizer)
-                                 for s in plan.stacks}
+        self._stack_optimizer = {
+            s.name: (s.optimizer if s.optimizer is not None else optimizer) for s in plan.stacks
+        }
 
     # -- state ----------------------------------------------------------------
 
@@ -152,12 +154,14 @@ class EmbeddingCore:
             if opt is not None:
                 for slot, value in opt.slot_initial_values.items():
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, value, lambda j, device: ())
+                        spec.name, value, lambda j, device: ()
+                    )
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return EmbeddingState(tables, slots, step)
 
-    def state_from_tables(self, values: dict, slot_values: Optional[dict] = None,
-                          step: int = 0) -> EmbeddingState:
+    def state_from_tables(
+        self, values: dict, slot_values: dict | None = None, step: int = 0
+    ) -> EmbeddingState:
         """State from logical arrays `{table name: [V, dim]}` (and `{table: {slot: [V, dim]}}`).
 
         Shard j is assembled from each table's rows on j, one table at a time;
@@ -173,20 +177,25 @@ class EmbeddingCore:
                 for t in placed:
                     arr = source(t.name)
                     if arr is not None:
-                        yield (t.local_row_offset,
-                               mod_sharding.table_shard(arr, plan, t, j)[:, :t.dim])
+                        yield (
+                            t.local_row_offset,
+                            mod_sharding.table_shard(arr, plan, t, j)[:, : t.dim],
+                        )
 
             tables[spec.name] = self._make_stack_array(
-                spec.name, 0.0, functools.partial(pieces, source=lambda n: values.get(n)))
+                spec.name, 0.0, functools.partial(pieces, source=lambda n: values.get(n))
+            )
             slots[spec.name] = {}
             opt = self.optimizer_of(spec.name)
             if opt is not None:
                 for slot, init in opt.slot_initial_values.items():
-                    src = (lambda n, slot=slot: slot_values.get(n, {}).get(slot))
+                    src = lambda n, slot=slot: slot_values.get(n, {}).get(slot)
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, init, functools.partial(pieces, source=src))
-        return EmbeddingState(tables, slots,
-                              jax.device_put(jnp.asarray(step, jnp.int32), self.replicated))
+                        spec.name, init, functools.partial(pieces, source=src)
+                    )
+        return EmbeddingState(
+            tables, slots, jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)
+        )
 
     def read_table(self, stack_array: jax.Array, table) -> np.ndarray:
         """The logical `[V, dim]` numpy array of one table from a stack array."""
@@ -205,14 +214,19 @@ class EmbeddingCore:
             if j is None:  # replicated: the whole stack on one device
                 full = np.asarray(shard.data)
                 for jj in range(self.num_shards):
-                    shards[jj] = full[jj * S + t.local_row_offset:
-                                      jj * S + t.local_row_offset + t.rows_per_shard, :t.dim]
+                    shards[jj] = full[
+                        jj * S + t.local_row_offset : jj * S
+                        + t.local_row_offset
+                        + t.rows_per_shard,
+                        : t.dim,
+                    ]
                 break
             if j in seen:
                 continue
             seen.add(j)
-            shards[j] = np.asarray(shard.data)[t.local_row_offset:
-                                               t.local_row_offset + t.rows_per_shard, :t.dim]
+            shards[j] = np.asarray(shard.data)[
+                t.local_row_offset : t.local_row_offset + t.rows_per_shard, : t.dim
+            ]
         return mod_sharding.shards_to_table(shards, plan, t)
 
     # -- inputs ---------------------------------------------------------------
@@ -229,8 +243,11 @@ class EmbeddingCore:
                 if jax.process_count() == 1:
                     placed.append(jax.device_put(leaf, self.row_sharding))
                 else:
-                    placed.append(jax.make_array_from_process_local_data(
-                        self.row_sharding, leaf, global_shape))
+                    placed.append(
+                        jax.make_array_from_process_local_data(
+                            self.row_sharding, leaf, global_shape
+                        )
+                    )
             out[name] = jax.tree_util.tree_unflatten(treedef, placed)
         return out
 
@@ -256,23 +273,42 @@ class EmbeddingCore:
             acts = {}
             for s in stacks:
                 c = csr[s]
-                act, _ = shard_program.lookup(tables[s], c.unique_ids[0], c.pair_rows[0],
-                                              c.pair_unique[0], c.pair_gains[0],
-                                              num_rows=c.rows_per_device, axis_name=axes,
-                                              num_shards=N)
+                act, _ = shard_program.lookup(
+                    tables[s],
+                    c.unique_ids[0],
+                    c.pair_rows[0],
+                    c.pair_unique[0],
+                    c.pair_gains[0],
+                    num_rows=c.rows_per_device,
+                    axis_name=axes,
+                    num_shards=N,
+                )
                 for feature in c.features:
-                    a = act[feature.row_offset:feature.row_offset + feature.num_rows, :feature.dim]
+                    a = act[
+                        feature.row_offset : feature.row_offset + feature.num_rows, : feature.dim
+                    ]
                     acts[feature.name] = a.reshape(feature.local_shape()).astype(tables[s].dtype)
             return acts
 
         out_names = [feature.name for s in stacks for feature in csr[s].features]
-        fn = jax.shard_map(body, mesh=self.mesh,
-                           in_specs=(self._specs(tables), self._specs(csr)),
-                           out_specs={n: P(axes) for n in out_names}, check_vma=False)
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(self._specs(tables), self._specs(csr)),
+            out_specs={n: P(axes) for n in out_names},
+            check_vma=False,
+        )
         return fn(tables, csr)
 
-    def lookup_then_apply_gradients(self, state: EmbeddingState, gradients: dict,
-                                    csr_prev: dict, csr_next: dict, *, check_finite: bool = True):
+    def lookup_then_apply_gradients(
+        self,
+        state: EmbeddingState,
+        gradients: dict,
+        csr_prev: dict,
+        csr_next: dict,
+        *,
+        check_finite: bool = True,
+    ):
         """Pipelined step: activations for `csr_next` from the current tables, then
         the update for the previous step's `csr_prev`.
 
@@ -284,8 +320,7 @@ class EmbeddingCore:
         acts = self.lookup(state, csr_next)
         tables = self._ordered_after(state.tables, acts, csr_next)
         state = dataclasses.replace(state, tables=tables)
-        new_state, ok = self.apply_gradients(state, gradients, csr_prev,
-                                             check_finite=check_finite)
+        new_state, ok = self.apply_gradients(state, gradients, csr_prev, check_finite=check_finite)
         return acts, new_state, ok
 
     def _ordered_after(self, tables: dict, acts: dict, csr: dict) -> dict:
@@ -310,7 +345,6 @@ class EmbeddingCore:
         stacks = [s for s in first_act if s in tables]
         if not stacks:
             return tables
-        axes = self.axes
 
         def body(tabs, deps):
             out = {}
@@ -321,18 +355,25 @@ class EmbeddingCore:
                     continue
                 bits = jax.lax.bitcast_convert_type(d[0].astype(jnp.float32), jnp.int32)
                 keep = bits != jnp.int32(-1)  # 0xFFFFFFFF: a NaN no arithmetic produces
-                out[s] = jax.lax.cond(keep, lambda t: t, lambda t: t + jnp.zeros((), t.dtype),
-                                      tabs[s])
+                out[s] = jax.lax.cond(
+                    keep, lambda t: t, lambda t: t + jnp.zeros((), t.dtype), tabs[s]
+                )
             return out
 
         tabs = {s: tables[s] for s in stacks}
         deps = {s: acts[first_act[s]] for s in stacks}
-        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(self._specs(tabs), self._specs(deps)),
-                           out_specs=self._specs(tabs), check_vma=False)
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(self._specs(tabs), self._specs(deps)),
+            out_specs=self._specs(tabs),
+            check_vma=False,
+        )
         return dict(tables, **fn(tabs, deps))
 
-    def apply_gradients(self, state: EmbeddingState, gradients: dict, csr: dict,
-                        *, check_finite: bool = True):
+    def apply_gradients(
+        self, state: EmbeddingState, gradients: dict, csr: dict, *, check_finite: bool = True
+    ):
         """New state after one fused sparse update; and whether it was applied.
 
         `gradients` is `{feature name: array shaped like its activation, or
@@ -345,8 +386,10 @@ class EmbeddingCore:
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
         for s in stacks:
             if self.optimizer_of(s) is None:
-                raise ValueError(f"stack {s} has no optimizer: give MeshEmbedding an optimizer "
-                                 f"or set TableConfig.optimizer")
+                raise ValueError(
+                    f"stack {s} has no optimizer: give MeshEmbedding an optimizer "
+                    f"or set TableConfig.optimizer"
+                )
         grads = {}
         for s in stacks:
             for feature in csr[s].features:
@@ -373,21 +416,43 @@ class EmbeddingCore:
                             if feature.dim < spec.dim:
                                 g = jnp.pad(g, ((0, 0), (0, spec.dim - feature.dim)))
                         parts.append(g)
-                    buf = jnp.concatenate(parts, axis=0) if parts else jnp.zeros(
-                        (0, spec.dim), jnp.float32)
+                    buf = (
+                        jnp.concatenate(parts, axis=0)
+                        if parts
+                        else jnp.zeros((0, spec.dim), jnp.float32)
+                    )
                     # ok False (rejected): every id becomes padding, no row moves
                     new_tables[s], new_slots[s] = shard_program.update_shard(
-                        tables[s], slots[s], c.unique_ids[0], buf, c.pair_rows[0],
-                        c.pair_unique[0], c.pair_gains[0], self.optimizer_of(s), step,
-                        unique_capacity=c.unique_ids.shape[2], axis_name=axes, num_shards=N,
-                        keep=ok)
+                        tables[s],
+                        slots[s],
+                        c.unique_ids[0],
+                        buf,
+                        c.pair_rows[0],
+                        c.pair_unique[0],
+                        c.pair_gains[0],
+                        self.optimizer_of(s),
+                        step,
+                        unique_capacity=c.unique_ids.shape[2],
+                        axis_name=axes,
+                        num_shards=N,
+                        keep=ok,
+                    )
                 return new_tables, new_slots
 
             fn = jax.shard_map(
-                body, mesh=self.mesh,
-                in_specs=(self._specs(tables), self._specs(slots), P(), self._specs(grads),
-                          self._specs(csr), P()),
-                out_specs=(self._specs(tables), self._specs(slots)), check_vma=False)
+                body,
+                mesh=self.mesh,
+                in_specs=(
+                    self._specs(tables),
+                    self._specs(slots),
+                    P(),
+                    self._specs(grads),
+                    self._specs(csr),
+                    P(),
+                ),
+                out_specs=(self._specs(tables), self._specs(slots)),
+                check_vma=False,
+            )
             new_tables, new_slots = fn(tables, slots, state.step, grads, csr, ok)
             all_tables = dict(state.tables, **new_tables)
             all_slots = dict(state.slots, **new_slots)

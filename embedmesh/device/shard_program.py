@@ -44,27 +44,55 @@ def gather_shard_rows(table_shard, ids):
     return flat.reshape(ids.shape + (table_shard.shape[-1],))
 
 
-def lookup(table_shard, unique_ids, pair_rows, pair_unique, pair_gains, *, num_rows: int,
-           axis_name=None, num_shards: int = 1):
+def lookup(
+    table_shard,
+    unique_ids,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    *,
+    num_rows: int,
+    axis_name=None,
+    num_shards: int = 1,
+):
     """Activation rows [R, D] of this device, and the ids it served to each source."""
     served_ids = exchange(unique_ids, axis_name, num_shards)  # [N, U] asked of me
     if num_shards == 1:  # combine straight from the table: no [U, D] buffer
-        act = ops.segment_gather_sum(table_shard, pair_unique.reshape(-1),
-                                     pair_gains.reshape(-1), pair_rows.reshape(-1), num_rows,
-                                     src_map=served_ids.reshape(-1))
+        act = ops.segment_gather_sum(
+            table_shard,
+            pair_unique.reshape(-1),
+            pair_gains.reshape(-1),
+            pair_rows.reshape(-1),
+            num_rows,
+            src_map=served_ids.reshape(-1),
+        )
         return act, served_ids
     served_rows = gather_shard_rows(table_shard, served_ids)  # [N, U, D]
     rows = exchange(served_rows, axis_name, num_shards)  # [N, U, D] for my requests
     n, u, d = rows.shape
     flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique).reshape(-1)
-    act = ops.segment_gather_sum(rows.reshape(n * u, d), flat_index, pair_gains.reshape(-1),
-                                 pair_rows.reshape(-1), num_rows)
+    act = ops.segment_gather_sum(
+        rows.reshape(n * u, d), flat_index, pair_gains.reshape(-1), pair_rows.reshape(-1), num_rows
+    )
     return act, served_ids
 
 
-def update_shard(table_shard, slots: dict, unique_ids, act_grads, pair_rows, pair_unique,
-                 pair_gains, optimizer, step, *, unique_capacity: int, axis_name=None,
-                 num_shards: int = 1, keep=None):
+def update_shard(
+    table_shard,
+    slots: dict,
+    unique_ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    optimizer,
+    step,
+    *,
+    unique_capacity: int,
+    axis_name=None,
+    num_shards: int = 1,
+    keep=None,
+):
     """The whole training update of this shard from this device's activation gradients.
 
     `unique_ids`, `pair_*` are this device's batch (as for `lookup`),
@@ -78,29 +106,57 @@ def update_shard(table_shard, slots: dict, unique_ids, act_grads, pair_rows, pai
     """
     one_op = num_shards == 1 and not optimizer.touches_all_rows
     if not one_op:
-        grads = backward(act_grads, pair_rows, pair_unique, pair_gains,
-                         unique_capacity=unique_capacity, axis_name=axis_name,
-                         num_shards=num_shards)
+        grads = backward(
+            act_grads,
+            pair_rows,
+            pair_unique,
+            pair_gains,
+            unique_capacity=unique_capacity,
+            axis_name=axis_name,
+            num_shards=num_shards,
+        )
     served_ids = exchange(unique_ids, axis_name, num_shards)
     if keep is not None:
         served_ids = jnp.where(keep, served_ids, PAD_ID)
     if one_op:
-        return ops.backward_update(optimizer, table_shard, slots, served_ids, act_grads,
-                                   pair_rows, pair_unique, pair_gains, step)
+        return ops.backward_update(
+            optimizer,
+            table_shard,
+            slots,
+            served_ids,
+            act_grads,
+            pair_rows,
+            pair_unique,
+            pair_gains,
+            step,
+        )
     return owner_update(table_shard, slots, served_ids, grads, optimizer, step)
 
 
-def backward(act_grads, pair_rows, pair_unique, pair_gains, *, unique_capacity: int,
-             axis_name=None, num_shards: int = 1):
+def backward(
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    *,
+    unique_capacity: int,
+    axis_name=None,
+    num_shards: int = 1,
+):
     """Gradients of this device's activations, summed per unique id and sent to
     the owners: returns [N, U, D], block s holding what source s sends this shard.
     """
     n, _ = pair_rows.shape
-    flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * unique_capacity
-                  + pair_unique).reshape(-1)
-    per_unique = ops.segment_gather_sum(act_grads.astype(jnp.float32), pair_rows.reshape(-1),
-                                        pair_gains.reshape(-1), flat_index,
-                                        n * unique_capacity)
+    flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * unique_capacity + pair_unique).reshape(
+        -1
+    )
+    per_unique = ops.segment_gather_sum(
+        act_grads.astype(jnp.float32),
+        pair_rows.reshape(-1),
+        pair_gains.reshape(-1),
+        flat_index,
+        n * unique_capacity,
+    )
     per_unique = per_unique.reshape(n, unique_capacity, -1)
     return exchange(per_unique, axis_name, num_shards)
 
@@ -126,5 +182,7 @@ def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
     """Every row moves (non-lazy Adam): O(shard) work, by the user's choice."""
     dense_g = jnp.zeros(table_shard.shape, jnp.float32).at[uniq].add(g_sum, mode="drop")
     new_rows, new_slots = optimizer.update_rows(table_shard, dict(slots), dense_g, step)
-    return (new_rows.astype(table_shard.dtype),
-            {k: new_slots[k].astype(v.dtype) for k, v in slots.items()})
+    return (
+        new_rows.astype(table_shard.dtype),
+        {k: new_slots[k].astype(v.dtype) for k, v in slots.items()},
+    )

@@ -64,7 +64,9 @@ class RowLayout(abc.ABC):
         of the table's block on `shard` (>= vocabulary size for padding rows)."""
         return self.logical_rows_from_params(
             tuple(np.int64(p) for p in self.kernel_params(table)),
-            np.asarray(shard, np.int64), np.asarray(block_rows, np.int64))
+            np.asarray(shard, np.int64),
+            np.asarray(block_rows, np.int64),
+        )
 
     def period(self, table) -> tuple:
         """`(rows, block_rows)`: logical row `i + rows` is on the same shard as row `i`,
@@ -140,8 +142,9 @@ class ModRowLayout(RowLayout):
         return int(self.logical_rows_from_params(self.kernel_params(table), int(shard), 0))
 
     def rows_on_shard(self, table, shard: int) -> np.ndarray:
-        return np.arange(self.first_row(table, shard), table.vocabulary_size, self.num_shards,
-                         dtype=np.int64)
+        return np.arange(
+            self.first_row(table, shard), table.vocabulary_size, self.num_shards, dtype=np.int64
+        )
 
     def count_on_shard(self, table, shard: int) -> int:
         return len(range(self.first_row(table, shard), table.vocabulary_size, self.num_shards))
@@ -177,6 +180,7 @@ def row_layout(sharding: str, num_shards: int) -> RowLayout:
     try:
         cls = ROW_LAYOUTS[sharding]
     except (KeyError, TypeError):
-        raise ValueError(f"sharding must be one of {sorted(ROW_LAYOUTS)}, got "
-                         f"{sharding!r}") from None
+        raise ValueError(
+            f"sharding must be one of {sorted(ROW_LAYOUTS)}, got {sharding!r}"
+        ) from None
     return cls(int(num_shards))

@@ -19,14 +19,23 @@ stack's padded dim (zeros) and strip it on the way back.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from embedmesh.layout.stacking import StackingPlan, TableKey
 
-__all__ = ["shards_to_table", "shards_to_tables", "stack_shard", "stack_to_shards",
-           "table_rows_on_shard", "table_shard", "table_to_shards", "tables_from_stack_shard"]
+__all__ = [
+    "shards_to_table",
+    "shards_to_tables",
+    "stack_shard",
+    "stack_to_shards",
+    "table_rows_on_shard",
+    "table_shard",
+    "table_to_shards",
+    "tables_from_stack_shard",
+]
 
 
 def _check_shard(plan: StackingPlan, shard: int) -> int:
@@ -46,12 +55,13 @@ def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) ->
     t = plan.table(table)
     arr = np.asarray(table_array)
     if arr.ndim < 1 or arr.shape[0] != t.vocabulary_size:
-        raise ValueError(f"table {t.name}: expected {t.vocabulary_size} rows, got shape "
-                         f"{arr.shape}")
+        raise ValueError(
+            f"table {t.name}: expected {t.vocabulary_size} rows, got shape {arr.shape}"
+        )
     shard = _check_shard(plan, shard)
     rows = arr[plan.row_layout.rows_index(t, shard)]
     out = np.zeros((t.rows_per_shard,) + arr.shape[1:], arr.dtype)
-    out[:rows.shape[0]] = rows
+    out[: rows.shape[0]] = rows
     return out
 
 
@@ -69,12 +79,14 @@ def shards_to_table(shards: Sequence[Any], plan: StackingPlan, table: TableKey) 
     shards = [np.asarray(s) for s in shards]
     for j, s in enumerate(shards):
         if s.ndim < 1 or s.shape[0] < t.rows_per_shard or s.shape[1:] != shards[0].shape[1:]:
-            raise ValueError(f"table {t.name}: shard {j} has shape {s.shape}, expected "
-                             f"[{t.rows_per_shard}, ...] like shard 0 {shards[0].shape}")
+            raise ValueError(
+                f"table {t.name}: shard {j} has shape {s.shape}, expected "
+                f"[{t.rows_per_shard}, ...] like shard 0 {shards[0].shape}"
+            )
     out = np.empty((t.vocabulary_size,) + shards[0].shape[1:], shards[0].dtype)
     layout = plan.row_layout
     for j, s in enumerate(shards):
-        out[layout.rows_index(t, j)] = s[:layout.count_on_shard(t, j)]
+        out[layout.rows_index(t, j)] = s[: layout.count_on_shard(t, j)]
     return out
 
 
@@ -88,8 +100,9 @@ def _table_array(tables: Mapping, plan: StackingPlan, name: str):
     raise KeyError(f"no array given for table {name}")
 
 
-def stack_shard(tables: Mapping, plan: StackingPlan, stack: str, shard: int, *,
-                dtype: Optional[Any] = None) -> np.ndarray:
+def stack_shard(
+    tables: Mapping, plan: StackingPlan, stack: str, shard: int, *, dtype: Any | None = None
+) -> np.ndarray:
     """One shard of a stack, `[rows_per_shard, ...]`, built from its logical tables.
 
     `tables` maps table names or `TableConfig`s to `[vocabulary_size, ...]`
@@ -106,23 +119,29 @@ def stack_shard(tables: Mapping, plan: StackingPlan, stack: str, shard: int, *,
     out = np.zeros((s.rows_per_shard,) + rest, dtype)
     for name, arr in zip(s.tables, arrays):
         t = plan.table(name)
-        fits = arr.ndim == len(rest) + 1 and arr.shape[0] == t.vocabulary_size and (
-            arr.shape[1] <= s.dim if arr.ndim == 2 else arr.shape[1:] == rest)
+        fits = (
+            arr.ndim == len(rest) + 1
+            and arr.shape[0] == t.vocabulary_size
+            and (arr.shape[1] <= s.dim if arr.ndim == 2 else arr.shape[1:] == rest)
+        )
         if not fits:
-            raise ValueError(f"table {name}: array of shape {arr.shape} does not fit "
-                             f"[{t.vocabulary_size}{', ' + str(t.dim) if arr.ndim == 2 else ''}]"
-                             f" in stack {s.name}")
+            raise ValueError(
+                f"table {name}: array of shape {arr.shape} does not fit "
+                f"[{t.vocabulary_size}{', ' + str(t.dim) if arr.ndim == 2 else ''}]"
+                f" in stack {s.name}"
+            )
         rows = arr[plan.row_layout.rows_index(t, shard)]
         lo = t.local_row_offset
         if arr.ndim == 2:
-            out[lo:lo + rows.shape[0], :arr.shape[1]] = rows
+            out[lo : lo + rows.shape[0], : arr.shape[1]] = rows
         else:
-            out[lo:lo + rows.shape[0]] = rows
+            out[lo : lo + rows.shape[0]] = rows
     return out
 
 
-def stack_to_shards(tables: Mapping, plan: StackingPlan, stack: str, *,
-                    dtype: Optional[Any] = None) -> list:
+def stack_to_shards(
+    tables: Mapping, plan: StackingPlan, stack: str, *, dtype: Any | None = None
+) -> list:
     """All N shards of a stack (see `stack_shard`)."""
     return [stack_shard(tables, plan, stack, j, dtype=dtype) for j in range(plan.num_shards)]
 
@@ -138,15 +157,16 @@ def tables_from_stack_shard(shard_array, plan: StackingPlan, stack: str, shard: 
     shard = _check_shard(plan, shard)
     arr = np.asarray(shard_array)
     if arr.ndim < 1 or arr.shape[0] != s.rows_per_shard:
-        raise ValueError(f"stack {s.name}: shard array of shape {arr.shape}, expected "
-                         f"[{s.rows_per_shard}, ...]")
+        raise ValueError(
+            f"stack {s.name}: shard array of shape {arr.shape}, expected [{s.rows_per_shard}, ...]"
+        )
     out = {}
     for name in s.tables:
         t = plan.table(name)
         rows = table_rows_on_shard(plan, name, shard)
-        values = arr[t.local_row_offset:t.local_row_offset + rows.shape[0]]
+        values = arr[t.local_row_offset : t.local_row_offset + rows.shape[0]]
         if arr.ndim == 2:
-            values = values[:, :t.dim]
+            values = values[:, : t.dim]
         out[name] = (rows, values)
     return out
 
@@ -159,9 +179,10 @@ def shards_to_tables(shards: Sequence[Any], plan: StackingPlan, stack: str) -> d
         raise ValueError(f"stack {s.name}: expected {n} shards, got {len(shards)}")
     out = {}
     for j, sh in enumerate(shards):
-        for name, (rows, values) in tables_from_stack_shard(sh, plan, stack, j).items():
+        for name, (_rows, values) in tables_from_stack_shard(sh, plan, stack, j).items():
             if name not in out:
-                out[name] = np.empty((plan.table(name).vocabulary_size,) + values.shape[1:],
-                                     values.dtype)
+                out[name] = np.empty(
+                    (plan.table(name).vocabulary_size,) + values.shape[1:], values.dtype
+                )
             out[name][plan.row_layout.rows_index(plan.table(name), j)] = values
     return out

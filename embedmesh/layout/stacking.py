@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Union
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class FeaturePlacement:
     stack: str
     rows_per_sample: int  # max_sequence_length for sequence features, else 1
     dim: int  # the table's (unpadded) dim
-    combiner: Optional[str]  # None for sequence features (one row per position)
+    combiner: str | None  # None for sequence features (one row per position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,15 +167,17 @@ class StackingPlan:
         try:
             return self._table_by_name[table]
         except KeyError:
-            raise KeyError(f"no table named {table!r} in this plan "
-                           f"(tables: {sorted(self._table_by_name)})") from None
+            raise KeyError(
+                f"no table named {table!r} in this plan (tables: {sorted(self._table_by_name)})"
+            ) from None
 
     def stack(self, name: str) -> StackSpec:
         try:
             return self._stack_by_name[name]
         except KeyError:
-            raise KeyError(f"no stack named {name!r} in this plan "
-                           f"(stacks: {[s.name for s in self.stacks]})") from None
+            raise KeyError(
+                f"no stack named {name!r} in this plan (stacks: {[s.name for s in self.stacks]})"
+            ) from None
 
     def feature(self, name: str) -> FeaturePlacement:
         try:
@@ -198,10 +201,10 @@ class StackingPlan:
         t = self.table(table)
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= t.vocabulary_size):
-            bad = ids.reshape(-1)[np.nonzero(((ids < 0) | (ids >= t.vocabulary_size))
-                                             .reshape(-1))[0][0]]
-            raise ValueError(f"table {t.name}: row {int(bad)} is outside [0, "
-                             f"{t.vocabulary_size})")
+            bad = ids.reshape(-1)[
+                np.nonzero(((ids < 0) | (ids >= t.vocabulary_size)).reshape(-1))[0][0]
+            ]
+            raise ValueError(f"table {t.name}: row {int(bad)} is outside [0, {t.vocabulary_size})")
         ids = ids.astype(np.int64, copy=False)
         layout = self.row_layout
         return layout.shard_of(t, ids), t.local_row_offset + layout.block_row(t, ids)
@@ -222,10 +225,16 @@ class StackingPlan:
         shard = np.asarray(shard, np.int64)
         local = np.asarray(local_row, np.int64)
         shard, local = np.broadcast_arrays(shard, local)
-        if local.size and (local.min() < 0 or local.max() >= s.rows_per_shard
-                           or shard.min() < 0 or shard.max() >= self.num_shards):
-            raise ValueError(f"stack {s.name}: (shard, local row) outside "
-                             f"[0, {self.num_shards}) x [0, {s.rows_per_shard})")
+        if local.size and (
+            local.min() < 0
+            or local.max() >= s.rows_per_shard
+            or shard.min() < 0
+            or shard.max() >= self.num_shards
+        ):
+            raise ValueError(
+                f"stack {s.name}: (shard, local row) outside "
+                f"[0, {self.num_shards}) x [0, {s.rows_per_shard})"
+            )
         k = np.searchsorted(offsets, local, side="right") - 1
         index = np.array([t.index for t in placed], np.int64)[k]
         vocab = np.array([t.vocabulary_size for t in placed], np.int64)[k]
@@ -246,12 +255,17 @@ def _effective_optimizer(table: TableConfig, default):
     return table.optimizer if table.optimizer is not None else default
 
 
-def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = True,
-                  max_stack_rows: Optional[int] = None,
-                  dim_multiple: int = DEFAULT_DIM_MULTIPLE,
-                  default_optimizer: Any = None,
-                  table_dtypes: Optional[Mapping[str, Any]] = None,
-                  sharding: str = "mod") -> StackingPlan:
+def plan_stacking(
+    feature_config: Any,
+    num_shards: int,
+    *,
+    stack_tables: bool = True,
+    max_stack_rows: int | None = None,
+    dim_multiple: int = DEFAULT_DIM_MULTIPLE,
+    default_optimizer: Any = None,
+    table_dtypes: Mapping[str, Any] | None = None,
+    sharding: str = "mod",
+) -> StackingPlan:
     """Group the tables of `feature_config` into stacks for `num_shards` shards.
 
     Args:
@@ -273,15 +287,22 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
     use. A single-table stack is named after its table; a multi-table stack
     joins its tables' names with "+".
     """
-    resolved = (feature_config if isinstance(feature_config, ResolvedFeatures)
-                else resolve_feature_config(feature_config))
-    if not (isinstance(num_shards, (int, np.integer)) and not isinstance(num_shards, bool)
-            and num_shards >= 1):
+    resolved = (
+        feature_config
+        if isinstance(feature_config, ResolvedFeatures)
+        else resolve_feature_config(feature_config)
+    )
+    if not (
+        isinstance(num_shards, (int, np.integer))
+        and not isinstance(num_shards, bool)
+        and num_shards >= 1
+    ):
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     if not (isinstance(dim_multiple, (int, np.integer)) and dim_multiple >= 1):
         raise ValueError(f"dim_multiple must be an int >= 1, got {dim_multiple!r}")
-    if max_stack_rows is not None and not (isinstance(max_stack_rows, (int, np.integer))
-                                           and max_stack_rows >= 1):
+    if max_stack_rows is not None and not (
+        isinstance(max_stack_rows, (int, np.integer)) and max_stack_rows >= 1
+    ):
         raise ValueError(f"max_stack_rows must be None or an int >= 1, got {max_stack_rows!r}")
     n = int(num_shards)
     layout = row_layout(sharding, n)
@@ -293,8 +314,11 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
     # Group tables (in order of first use) by their stacking key.
     groups: list[tuple[Any, list[int]]] = []
     for i, t in enumerate(resolved.tables):
-        key = (_round_up(t.dim, dim_multiple), _effective_optimizer(t, default_optimizer),
-               np.dtype(dtypes.get(resolved.table_names[i], np.float32)))
+        key = (
+            _round_up(t.dim, dim_multiple),
+            _effective_optimizer(t, default_optimizer),
+            np.dtype(dtypes.get(resolved.table_names[i], np.float32)),
+        )
         for gkey, members in groups:
             if stack_tables and gkey == key:
                 members.append(i)
@@ -335,29 +359,62 @@ def plan_stacking(feature_config: Any, num_shards: int, *, stack_tables: bool = 
             t = resolved.tables[i]
             vp = layout.block_rows(t.vocabulary_size) * n
             table_placements[i] = TablePlacement(
-                name=resolved.table_names[i], index=i, stack=name, num_shards=n,
-                vocabulary_size=t.vocabulary_size, padded_vocabulary_size=vp, dim=t.dim,
-                padded_dim=dim, row_offset=offset, rotation=rotation[i])
+                name=resolved.table_names[i],
+                index=i,
+                stack=name,
+                num_shards=n,
+                vocabulary_size=t.vocabulary_size,
+                padded_vocabulary_size=vp,
+                dim=t.dim,
+                padded_dim=dim,
+                row_offset=offset,
+                rotation=rotation[i],
+            )
             offset += vp
         if offset // n > _INT32_MAX:
-            raise ValueError(f"stack {name}: {offset // n} rows per shard do not fit int32; "
-                             f"use more shards or a smaller max_stack_rows")
-        feats = tuple(fname for fname, f in zip(resolved.feature_names, resolved.features)
-                      if any(f.table is resolved.tables[i] for i in members))
-        stack_specs.append(StackSpec(name=name, tables=tuple(names), features=feats, dim=dim,
-                                     optimizer=optimizer, dtype=dtype, num_shards=n,
-                                     num_rows=offset))
+            raise ValueError(
+                f"stack {name}: {offset // n} rows per shard do not fit int32; "
+                f"use more shards or a smaller max_stack_rows"
+            )
+        feats = tuple(
+            fname
+            for fname, f in zip(resolved.feature_names, resolved.features)
+            if any(f.table is resolved.tables[i] for i in members)
+        )
+        stack_specs.append(
+            StackSpec(
+                name=name,
+                tables=tuple(names),
+                features=feats,
+                dim=dim,
+                optimizer=optimizer,
+                dtype=dtype,
+                num_shards=n,
+                num_rows=offset,
+            )
+        )
 
     table_of = {id(t): i for i, t in enumerate(resolved.tables)}
     features = []
     for k, (fname, f) in enumerate(zip(resolved.feature_names, resolved.features)):
         ti = table_of[id(f.table)]
         seq = f.max_sequence_length > 0
-        features.append(FeaturePlacement(
-            name=fname, index=k, table=resolved.table_names[ti],
-            stack=table_placements[ti].stack,
-            rows_per_sample=f.max_sequence_length if seq else 1, dim=f.table.dim,
-            combiner=None if seq else f.table.combiner))
-    return StackingPlan(num_shards=n, stacks=tuple(stack_specs),
-                        tables=tuple(table_placements[i] for i in range(len(resolved.tables))),
-                        features=tuple(features), resolved=resolved, row_layout=layout)
+        features.append(
+            FeaturePlacement(
+                name=fname,
+                index=k,
+                table=resolved.table_names[ti],
+                stack=table_placements[ti].stack,
+                rows_per_sample=f.max_sequence_length if seq else 1,
+                dim=f.table.dim,
+                combiner=None if seq else f.table.combiner,
+            )
+        )
+    return StackingPlan(
+        num_shards=n,
+        stacks=tuple(stack_specs),
+        tables=tuple(table_placements[i] for i in range(len(resolved.tables))),
+        features=tuple(features),
+        resolved=resolved,
+        row_layout=layout,
+    )

@@ -4,4 +4,12 @@ its host kernels, and an exported, jax-free-at-load serving function."""
 from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
 
-__all__ = ["Dense", "Ragged", "Sparse", "export_serving", "load_serving", "serving_embedding_lookup", "set_host_threads"]
+__all__ = [
+    "Dense",
+    "Ragged",
+    "Sparse",
+    "export_serving",
+    "load_serving",
+    "serving_embedding_lookup",
+    "set_host_threads",
+]

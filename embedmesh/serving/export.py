@@ -49,7 +49,8 @@ import os
 import re
 import sys
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -93,14 +94,16 @@ class Sparse:
 
     shape: tuple
     dtype: Any = np.int32
-    nnz_per_example: Optional[int] = None
+    nnz_per_example: int | None = None
     index_dtype: Any = np.int32
 
     def __post_init__(self):
         shape = tuple(int(d) for d in self.shape)
         if not shape or min(shape) < 1:
-            raise ValueError(f"Sparse.shape must be the per-example dense shape (at least one "
-                             f"dim >= 1), got {self.shape!r}")
+            raise ValueError(
+                f"Sparse.shape must be the per-example dense shape (at least one "
+                f"dim >= 1), got {self.shape!r}"
+            )
         object.__setattr__(self, "shape", shape)
         npe = self.nnz_per_example
         npe = int(np.prod(shape)) if npe is None else int(npe)
@@ -121,8 +124,7 @@ class Ragged:
 
     def __post_init__(self):
         if int(self.nnz_per_example) < 1:
-            raise ValueError(f"Ragged.nnz_per_example must be >= 1, got "
-                             f"{self.nnz_per_example}")
+            raise ValueError(f"Ragged.nnz_per_example must be >= 1, got {self.nnz_per_example}")
         object.__setattr__(self, "nnz_per_example", int(self.nnz_per_example))
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
         object.__setattr__(self, "splits_dtype", np.dtype(self.splits_dtype))
@@ -135,12 +137,19 @@ def _spec_to_json(spec) -> dict:
     if isinstance(spec, Dense):
         return {"kind": "dense", "shape": list(spec.shape), "dtype": _dtype_name(spec.dtype)}
     if isinstance(spec, Sparse):
-        return {"kind": "sparse", "shape": list(spec.shape), "dtype": _dtype_name(spec.dtype),
-                "nnz_per_example": spec.nnz_per_example,
-                "index_dtype": _dtype_name(spec.index_dtype)}
-    return {"kind": "ragged", "dtype": _dtype_name(spec.dtype),
+        return {
+            "kind": "sparse",
+            "shape": list(spec.shape),
+            "dtype": _dtype_name(spec.dtype),
             "nnz_per_example": spec.nnz_per_example,
-            "splits_dtype": _dtype_name(spec.splits_dtype)}
+            "index_dtype": _dtype_name(spec.index_dtype),
+        }
+    return {
+        "kind": "ragged",
+        "dtype": _dtype_name(spec.dtype),
+        "nnz_per_example": spec.nnz_per_example,
+        "splits_dtype": _dtype_name(spec.splits_dtype),
+    }
 
 
 def _spec_from_json(d: dict):
@@ -166,8 +175,7 @@ def _encode(tree, leaf_fn, what: str):
         try:
             keys = sorted(keys)
         except TypeError:
-            raise TypeError(f"{what}: dict keys must be all str or all int, got {keys}") \
-                from None
+            raise TypeError(f"{what}: dict keys must be all str or all int, got {keys}") from None
         return {"t": "dict", "k": keys, "v": [_encode(tree[k], leaf_fn, what) for k in keys]}
     if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
         return {"t": type(tree).__name__, "v": [_encode(x, leaf_fn, what) for x in tree]}
@@ -185,16 +193,18 @@ def _leaves(structure: dict, tree, where: str = "inputs") -> list:
         if not isinstance(tree, dict):
             raise ValueError(f"{where}: expected a dict, got {type(tree).__name__}")
         if set(tree) != set(structure["k"]):
-            raise ValueError(f"{where}: expected keys {structure['k']}, got "
-                             f"{sorted(tree, key=str)}")
+            raise ValueError(
+                f"{where}: expected keys {structure['k']}, got {sorted(tree, key=str)}"
+            )
         out = []
         for k, sub in zip(structure["k"], structure["v"]):
             out += _leaves(sub, tree[k], f"{where}[{k!r}]")
         return out
     if t in ("list", "tuple"):
         if not isinstance(tree, (list, tuple)) or len(tree) != len(structure["v"]):
-            raise ValueError(f"{where}: expected a {t} of {len(structure['v'])}, got "
-                             f"{type(tree).__name__}")
+            raise ValueError(
+                f"{where}: expected a {t} of {len(structure['v'])}, got {type(tree).__name__}"
+            )
         out = []
         for i, sub in enumerate(structure["v"]):
             out += _leaves(sub, tree[i], f"{where}[{i}]")
@@ -207,13 +217,13 @@ def _rebuild_structure(structure: dict, leaves: Iterator):
     if t == "none":
         return None
     if t == "dict":
-        return {k: _rebuild_structure(sub, leaves)
-                for k, sub in zip(structure["k"], structure["v"])}
+        return {
+            k: _rebuild_structure(sub, leaves) for k, sub in zip(structure["k"], structure["v"])
+        }
     if t in ("list", "tuple"):
         items = [_rebuild_structure(sub, leaves) for sub in structure["v"]]
         return items if t == "list" else tuple(items)
     return next(leaves)
-
 
 
 # ---------------------------------------------------------------------------
@@ -228,10 +238,14 @@ def _bucket_args(spec, b: int, pb: int):
         return [jax.ShapeDtypeStruct((pb,) + spec.shape, spec.dtype)]
     cap = b * spec.nnz_per_example
     if isinstance(spec, Sparse):
-        return [jax.ShapeDtypeStruct((cap, 1 + len(spec.shape)), spec.index_dtype),
-                jax.ShapeDtypeStruct((cap,), spec.dtype)]
-    return [jax.ShapeDtypeStruct((cap,), spec.dtype),
-            jax.ShapeDtypeStruct((pb + 1,), spec.splits_dtype)]
+        return [
+            jax.ShapeDtypeStruct((cap, 1 + len(spec.shape)), spec.index_dtype),
+            jax.ShapeDtypeStruct((cap,), spec.dtype),
+        ]
+    return [
+        jax.ShapeDtypeStruct((cap,), spec.dtype),
+        jax.ShapeDtypeStruct((pb + 1,), spec.splits_dtype),
+    ]
 
 
 def _rebuild_leaf(spec, arrays: Iterator, pb: int):
@@ -261,9 +275,17 @@ def _canonical(spec):
     return type(spec)(**fields)
 
 
-def export_serving(fn: Callable, directory, *, tables: dict, input_signature: Any,
-                   params: Any = None, batch_sizes: Sequence[int] = (1, 8, 64, 512),
-                   feature_config: Any = None, platforms: Sequence[str] = ("cpu",)) -> dict:
+def export_serving(
+    fn: Callable,
+    directory,
+    *,
+    tables: dict,
+    input_signature: Any,
+    params: Any = None,
+    batch_sizes: Sequence[int] = (1, 8, 64, 512),
+    feature_config: Any = None,
+    platforms: Sequence[str] = ("cpu",),
+) -> dict:
     """Export `fn` with its tables (and parameters) to `directory` for `load_serving`.
 
     Args:
@@ -296,8 +318,9 @@ def export_serving(fn: Callable, directory, *, tables: dict, input_signature: An
 
     def leaf(x):
         if not isinstance(x, _SPECS):
-            raise TypeError(f"input_signature leaves must be Dense, Sparse or Ragged, got "
-                            f"{type(x).__name__}")
+            raise TypeError(
+                f"input_signature leaves must be Dense, Sparse or Ragged, got {type(x).__name__}"
+            )
         x = _canonical(x)
         spec_leaves.append(x)
         return {"t": "leaf", "spec": _spec_to_json(x)}
@@ -358,15 +381,18 @@ def export_serving(fn: Callable, directory, *, tables: dict, input_signature: An
             return leaves
 
         exported = jax.export.export(jax.jit(flat_fn), platforms=tuple(platforms))(
-            in_specs, table_specs, param_specs)
+            in_specs, table_specs, param_specs
+        )
         if out_structure is None:
             out_structure = captured["structure"]
         elif captured["structure"] != out_structure:
             raise ValueError("the serving function's output structure depends on the batch size")
         for i, aval in enumerate(exported.out_avals):
             if len(aval.shape) == 0 or aval.shape[0] != pb:
-                raise ValueError(f"output leaf {i} has shape {aval.shape}: every output needs "
-                                 f"the batch ({pb} in bucket {b}) as its leading axis")
+                raise ValueError(
+                    f"output leaf {i} has shape {aval.shape}: every output needs "
+                    f"the batch ({pb} in bucket {b}) as its leading axis"
+                )
         programs[b] = f"program_{b}.bin"
         with open(os.path.join(directory, programs[b]), "wb") as f:
             f.write(exported.serialize())
@@ -381,17 +407,25 @@ def export_serving(fn: Callable, directory, *, tables: dict, input_signature: An
     for i, arr in enumerate(param_arrays):
         file = f"params/{i}.npy"
         np.save(os.path.join(directory, file), arr)
-        param_entries.append({"file": file, "shape": list(arr.shape),
-                              "dtype": _dtype_name(arr.dtype)})
+        param_entries.append(
+            {"file": file, "shape": list(arr.shape), "dtype": _dtype_name(arr.dtype)}
+        )
     # the package's __init__ (the one version source) is loaded: it is this module's parent
     version = getattr(sys.modules.get("embedmesh"), "__version__", "unknown")
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                "embedmesh_version": version,
-                "jax_version": jax.__version__, "platforms": list(platforms),
-                "batch_sizes": buckets, "extra_row": extra,
-                "programs": {str(b): p for b, p in programs.items()},
-                "inputs": in_structure, "outputs": out_structure,
-                "tables": table_entries, "params": param_entries}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "embedmesh_version": version,
+        "jax_version": jax.__version__,
+        "platforms": list(platforms),
+        "batch_sizes": buckets,
+        "extra_row": extra,
+        "programs": {str(b): p for b, p in programs.items()},
+        "inputs": in_structure,
+        "outputs": out_structure,
+        "tables": table_entries,
+        "params": param_entries,
+    }
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
@@ -411,15 +445,19 @@ def _as_input(where: str, spec, x):
             raise ValueError(f"{where}: expected a dense array, got {type(x).__name__}")
         x = np.asarray(x)
         if x.ndim != 1 + len(spec.shape) or tuple(x.shape[1:]) != spec.shape:
-            raise ValueError(f"{where}: expected shape [batch, {', '.join(map(str, spec.shape))}"
-                             f"], got {list(x.shape)}")
+            raise ValueError(
+                f"{where}: expected shape [batch, {', '.join(map(str, spec.shape))}"
+                f"], got {list(x.shape)}"
+            )
         return x.shape[0], (x,)
     if isinstance(spec, Sparse):
         if not isinstance(x, SparseTensor):
             raise ValueError(f"{where}: expected a SparseTensor, got {type(x).__name__}")
         if tuple(x.dense_shape[1:]) != spec.shape:
-            raise ValueError(f"{where}: expected dense_shape [batch, "
-                             f"{', '.join(map(str, spec.shape))}], got {list(x.dense_shape)}")
+            raise ValueError(
+                f"{where}: expected dense_shape [batch, "
+                f"{', '.join(map(str, spec.shape))}], got {list(x.dense_shape)}"
+            )
         idx = np.asarray(x.indices).reshape(-1, 1 + len(spec.shape))
         return x.dense_shape[0], (idx, np.asarray(x.values).reshape(-1))
     if not isinstance(x, RaggedTensor):
@@ -428,7 +466,7 @@ def _as_input(where: str, spec, x):
     return splits.shape[0] - 1, (np.asarray(x.values).reshape(-1), splits)
 
 
-def _counts(spec, parts, n: int) -> Optional[np.ndarray]:
+def _counts(spec, parts, n: int) -> np.ndarray | None:
     """Ids per example of a sparse/ragged input (None for dense)."""
     if isinstance(spec, Dense):
         return None
@@ -448,8 +486,8 @@ def _slice(spec, parts, lo: int, hi: int):
         sub[:, 0] -= lo
         return sub, vals[sel]
     vals, splits = parts
-    s = splits[lo:hi + 1]
-    return vals[s[0]:s[-1]], s - s[0]
+    s = splits[lo : hi + 1]
+    return vals[s[0] : s[-1]], s - s[0]
 
 
 def _pad(spec, parts, n: int, b: int, pb: int) -> list:
@@ -472,8 +510,8 @@ def _pad(spec, parts, n: int, b: int, pb: int) -> list:
     out_vals = np.zeros((cap,), spec.dtype)
     out_vals[:nnz] = vals
     out_splits = np.empty((pb + 1,), spec.splits_dtype)
-    out_splits[:n + 1] = splits
-    out_splits[n + 1:pb] = nnz
+    out_splits[: n + 1] = splits
+    out_splits[n + 1 : pb] = nnz
     out_splits[pb] = cap  # the hidden row holds the padding ids
     return [out_vals, out_splits]
 
@@ -498,9 +536,9 @@ def _pad(spec, parts, n: int, b: int, pb: int) -> list:
 # or start children with 'spawn' / 'forkserver'.
 
 _FORK_LEFTOVERS: list = []  # the parent's runtime objects, kept from being destroyed
-_REINIT_PID: Optional[int] = None
+_REINIT_PID: int | None = None
 _FORKED_FROM_JAX = False  # this process was forked from one with a live jax runtime
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # loaded ServingFunctions of this process
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # loaded ServingFunctions of this process
 
 
 def _before_fork() -> None:
@@ -531,7 +569,7 @@ def _reinit_jax_after_fork() -> None:
     """Give this (forked) process a working jax runtime of its own; once per process."""
     global _REINIT_PID
     pid = os.getpid()
-    if _REINIT_PID == pid:
+    if pid == _REINIT_PID:
         return
     _compat.reinit_backends_after_fork(_FORK_LEFTOVERS)
     _REINIT_PID = pid
@@ -545,7 +583,6 @@ class ServingFunction:
     """
 
     def __init__(self, directory):
-        import jax
 
         self.directory = os.fspath(directory)
         with open(os.path.join(self.directory, MANIFEST)) as f:
@@ -553,9 +590,11 @@ class ServingFunction:
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{self.directory} is not an embedmesh serving export")
         if int(manifest.get("format_version", 0)) > FORMAT_VERSION:
-            raise ValueError(f"{self.directory} has export format version "
-                             f"{manifest['format_version']}; this embedmesh reads up to "
-                             f"{FORMAT_VERSION}")
+            raise ValueError(
+                f"{self.directory} has export format version "
+                f"{manifest['format_version']}; this embedmesh reads up to "
+                f"{FORMAT_VERSION}"
+            )
         self.manifest = manifest
         self.batch_sizes = list(manifest["batch_sizes"])
         self._extra = int(manifest["extra_row"])
@@ -568,7 +607,8 @@ class ServingFunction:
                 f"from a process that had started jax's runtime, which does not survive a "
                 f"fork (and XLA cannot compile here). Call load_serving in the parent before "
                 f"forking (its loaded functions work in the children), or start children "
-                f"with multiprocessing's 'spawn' or 'forkserver'")
+                f"with multiprocessing's 'spawn' or 'forkserver'"
+            )
         self._serialized: dict = {}  # bucket -> serialized executable (for forked children)
         self._forked = False
         self._load_arrays()
@@ -610,15 +650,17 @@ class ServingFunction:
                     f"serving export {self.directory}: bucket {b}'s program was not "
                     f"prepared before this process was forked, and XLA cannot compile in "
                     f"a child forked from a process that used it; start children with "
-                    f"multiprocessing's 'spawn' or 'forkserver', or fork before jax is used")
+                    f"multiprocessing's 'spawn' or 'forkserver', or fork before jax is used"
+                )
             import jax
 
             with open(os.path.join(self.directory, self.manifest["programs"][str(b)]), "rb") as f:
                 exported = jax.export.deserialize(bytearray(f.read()))
             k = len(exported.in_avals) - len(self._tables) - len(self._params)
             specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals[:k]]
-            fn = self._programs[b] = jax.jit(exported.call).lower(
-                specs, self._tables, self._params).compile()
+            fn = self._programs[b] = (
+                jax.jit(exported.call).lower(specs, self._tables, self._params).compile()
+            )
         return fn
 
     def _prepare_for_fork(self):
@@ -635,8 +677,9 @@ class ServingFunction:
     def _chunks(self, n: int, counts: list) -> list:
         """[(lo, hi)] example ranges, each fitting the largest bucket."""
         bmax = self.batch_sizes[-1]
-        caps = [(c, spec.nnz_per_example * bmax, where) for where, spec, c in counts
-                if c is not None]
+        caps = [
+            (c, spec.nnz_per_example * bmax, where) for where, spec, c in counts if c is not None
+        ]
         if n <= bmax and all(c.sum() <= cap for c, cap, _ in caps):
             return [(0, n)]
         cums = [(np.concatenate([[0], np.cumsum(c)]), cap, where) for c, cap, where in caps]
@@ -646,9 +689,11 @@ class ServingFunction:
             for cum, cap, where in cums:
                 fit = int(np.searchsorted(cum, cum[lo] + cap, side="right")) - 1
                 if fit <= lo:
-                    raise ValueError(f"{where}: example {lo} has {int(cum[lo + 1] - cum[lo])} "
-                                     f"ids, more than the export holds per batch "
-                                     f"({cap} in the largest bucket, {bmax})")
+                    raise ValueError(
+                        f"{where}: example {lo} has {int(cum[lo + 1] - cum[lo])} "
+                        f"ids, more than the export holds per batch "
+                        f"({cap} in the largest bucket, {bmax})"
+                    )
                 hi = min(hi, fit)
             out.append((lo, hi))
             lo = hi
@@ -673,22 +718,30 @@ class ServingFunction:
             elif n != batch:
                 raise ValueError(f"{where}: batch size {n}, but {specs[0][0]} has {batch}")
             parts.append(p)
-        counts = [(where, spec, _counts(spec, p, batch))
-                  for (where, spec, _), p in zip(specs, parts)]
+        counts = [
+            (where, spec, _counts(spec, p, batch)) for (where, spec, _), p in zip(specs, parts)
+        ]
         outputs = []
         for lo, hi in self._chunks(batch, counts):
             n = hi - lo
-            sub = [p if (lo, hi) == (0, batch) else _slice(spec, p, lo, hi)
-                   for (_, spec, _), p in zip(specs, parts)]
-            nnz = [(spec, int(s[1].shape[0] if isinstance(spec, Sparse) else s[0].shape[0]))
-                   for (_, spec, _), s in zip(specs, sub) if not isinstance(spec, Dense)]
+            sub = [
+                p if (lo, hi) == (0, batch) else _slice(spec, p, lo, hi)
+                for (_, spec, _), p in zip(specs, parts)
+            ]
+            nnz = [
+                (spec, int(s[1].shape[0] if isinstance(spec, Sparse) else s[0].shape[0]))
+                for (_, spec, _), s in zip(specs, sub)
+                if not isinstance(spec, Dense)
+            ]
             b = self._bucket(n, nnz)
             pb = b + self._extra
             flat = [a for (_, spec, _), s in zip(specs, sub) for a in _pad(spec, s, n, b, pb)]
             result = self._program(b)(flat, self._tables, self._params)
             outputs.append([np.asarray(r)[:n] for r in result])
-        flat_out = [np.concatenate(parts_, axis=0) if len(outputs) > 1 else parts_[0]
-                    for parts_ in zip(*outputs)]
+        flat_out = [
+            np.concatenate(parts_, axis=0) if len(outputs) > 1 else parts_[0]
+            for parts_ in zip(*outputs)
+        ]
         return _rebuild_structure(self._out, iter(flat_out))
 
 

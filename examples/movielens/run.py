@@ -55,13 +55,15 @@ import optax  # noqa: E402
 import embedmesh as em  # noqa: E402
 
 try:  # tqdm (train) and matplotlib (plot): the `examples` extra
-    from examples.movielens import train as trn  # noqa: E402
-    from examples.movielens.plot import plot_history  # noqa: E402
+    from examples.movielens import train as trn
+    from examples.movielens.plot import plot_history
 except ModuleNotFoundError as e:
     if e.name not in ("tqdm", "matplotlib"):
         raise
-    raise SystemExit(f"error: the demo needs {e.name}, from the `examples` extra: "
-                     f"pip install -e '.[examples]' in the repository root") from None
+    raise SystemExit(
+        f"error: the demo needs {e.name}, from the `examples` extra: "
+        f"pip install -e '.[examples]' in the repository root"
+    ) from None
 from examples.movielens import data  # noqa: E402
 from examples.movielens import model as mdl  # noqa: E402
 
@@ -69,17 +71,29 @@ REFERENCE = {"name": "RecBole LR (reference)", "auc": 0.7765, "logloss": 0.562}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.movielens",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m examples.movielens", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and shuffling")
-    p.add_argument("--devices", type=int, default=None,
-                   help="devices in the mesh (default: 4 CPU devices, or all GPUs)")
-    p.add_argument("--large-tables", action="store_true",
-                   help="synthetic Zipf data, 26 x 1M-row tables: throughput only")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output folder: plot, checkpoint, results.json "
-                        "(default: .cache/movielens/out in the repository)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="devices in the mesh (default: 4 CPU devices, or all GPUs)",
+    )
+    p.add_argument(
+        "--large-tables",
+        action="store_true",
+        help="synthetic Zipf data, 26 x 1M-row tables: throughput only",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder: plot, checkpoint, results.json "
+        "(default: .cache/movielens/out in the repository)",
+    )
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--dim", type=int, default=32, help="embedding width")
     p.add_argument("--hidden", default="256,128", help="top-MLP widths")
@@ -87,10 +101,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--table-lr", type=float, default=0.04, help="embedmesh Adagrad rate")
     p.add_argument("--dense-lr", type=float, default=1e-3, help="optax Adam rate")
     p.add_argument("--split-seed", type=int, default=2020, help="the 80/10/10 split (fixed)")
-    p.add_argument("--cache-dir", type=Path, default=None,
-                   help="where the MovieLens wheel is cached (default: .cache/movielens)")
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="read ml-100k.{inter,user,item} from this folder instead")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the MovieLens wheel is cached (default: .cache/movielens)",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="read ml-100k.{inter,user,item} from this folder instead",
+    )
     p.add_argument("--large-rows", type=int, default=1_000_000)
     p.add_argument("--large-features", type=int, default=26)
     p.add_argument("--large-dim", type=int, default=16)
@@ -125,46 +147,73 @@ def run_movielens(args) -> dict:
     B = args.batch_size
     if B % mesh.size:
         raise SystemExit(f"--batch-size {B} must be a multiple of the {mesh.size} devices")
-    cfg = mdl.ModelConfig(dim=args.dim, hidden=tuple(int(x) for x in args.hidden.split(",") if x),
-                          dropout=args.dropout, wide=True)
-    print(f"MovieLens-100k: {ds.num_samples:,} ratings, {ds.labels.mean():.1%} positive "
-          f"(rating >= 4); split {len(tr):,}/{len(va):,}/{len(te):,} (seed {args.split_seed})")
-    print(f"mesh: {mesh.size} {mesh.devices.flat[0].platform} device(s); tables "
-          + ", ".join(f"{n} {ds.vocab_sizes[n]}x{args.dim}" for n in data.FEATURES)
-          + f" (+ a 1-wide bias table each); top MLP {list(cfg.hidden)}; "
-            f"Adagrad({args.table_lr}) on the tables, Adam({args.dense_lr}) on the MLP")
+    cfg = mdl.ModelConfig(
+        dim=args.dim,
+        hidden=tuple(int(x) for x in args.hidden.split(",") if x),
+        dropout=args.dropout,
+        wide=True,
+    )
+    print(
+        f"MovieLens-100k: {ds.num_samples:,} ratings, {ds.labels.mean():.1%} positive "
+        f"(rating >= 4); split {len(tr):,}/{len(va):,}/{len(te):,} (seed {args.split_seed})"
+    )
+    print(
+        f"mesh: {mesh.size} {mesh.devices.flat[0].platform} device(s); tables "
+        + ", ".join(f"{n} {ds.vocab_sizes[n]}x{args.dim}" for n in data.FEATURES)
+        + f" (+ a 1-wide bias table each); top MLP {list(cfg.hidden)}; "
+        f"Adagrad({args.table_lr}) on the tables, Adam({args.dense_lr}) on the MLP"
+    )
     fc = mdl.feature_config(ds.vocab_sizes, data.FEATURES, cfg)
     caps = trn.Trainer.measure_capacities(
-        fc, mesh.size, data.train_batches(ds, tr, B, np.random.default_rng(args.split_seed)), cfg)
-    trainer = trn.Trainer(ds.vocab_sizes, data.FEATURES, mesh, model_cfg=cfg,
-                          table_optimizer=em.Adagrad(learning_rate=args.table_lr,
-                                                     initial_accumulator_value=1e-4),
-                          dense_optimizer=optax.adam(args.dense_lr), seed=args.seed,
-                          capacities=caps)
+        fc, mesh.size, data.train_batches(ds, tr, B, np.random.default_rng(args.split_seed)), cfg
+    )
+    trainer = trn.Trainer(
+        ds.vocab_sizes,
+        data.FEATURES,
+        mesh,
+        model_cfg=cfg,
+        table_optimizer=em.Adagrad(learning_rate=args.table_lr, initial_accumulator_value=1e-4),
+        dense_optimizer=optax.adam(args.dense_lr),
+        seed=args.seed,
+        capacities=caps,
+    )
     rng = np.random.default_rng(args.seed)
     history, step_losses = [], []
     best = None
     steps_per_epoch = len(tr) // B
     for epoch in range(1, args.epochs + 1):
-        r = trainer.train_epoch(data.train_batches(ds, tr, B, rng), steps_per_epoch,
-                                f"epoch {epoch:2d}/{args.epochs}")
+        r = trainer.train_epoch(
+            data.train_batches(ds, tr, B, rng), steps_per_epoch, f"epoch {epoch:2d}/{args.epochs}"
+        )
         v = trainer.evaluate(data.eval_batches(ds, va, B))
-        history.append({"epoch": epoch, "train_loss": r["loss"], "val_auc": v["auc"],
-                        "val_logloss": v["logloss"], "seconds": r["seconds"],
-                        "samples_per_s": r["samples_per_s"], "ids_per_s": r["ids_per_s"]})
+        history.append(
+            {
+                "epoch": epoch,
+                "train_loss": r["loss"],
+                "val_auc": v["auc"],
+                "val_logloss": v["logloss"],
+                "seconds": r["seconds"],
+                "samples_per_s": r["samples_per_s"],
+                "ids_per_s": r["ids_per_s"],
+            }
+        )
         step_losses.extend(r["losses"].tolist())
         mark = ""
         if best is None or v["auc"] > best[1]:
             best = (epoch, v["auc"], trainer.snapshot())
             mark = "  (best so far)"
-        print(f"           validation AUC {v['auc']:.4f}  log-loss {v['logloss']:.4f}{mark}",
-              flush=True)
+        print(
+            f"           validation AUC {v['auc']:.4f}  log-loss {v['logloss']:.4f}{mark}",
+            flush=True,
+        )
     best_epoch = best[0]
     trainer.restore_snapshot(best[2])
     del best
     test = trainer.evaluate(data.eval_batches(ds, te, B))
-    print(f"test (best validation epoch {best_epoch}): AUC {test['auc']:.4f}  "
-          f"log-loss {test['logloss']:.4f}")
+    print(
+        f"test (best validation epoch {best_epoch}): AUC {test['auc']:.4f}  "
+        f"log-loss {test['logloss']:.4f}"
+    )
     t_train = time.perf_counter() - t_start
 
     # Checkpoint, then serve from the checkpoint alone on one CPU device.
@@ -180,39 +229,68 @@ def run_movielens(args) -> dict:
     server = serve.load_for_serving(ckpt)
     served = []
     for s in range(0, len(te), B):
-        served.append(server.predict(ds.features(te[s:s + B])))
+        served.append(server.predict(ds.features(te[s : s + B])))
     served = np.concatenate(served)
     t_serve = time.perf_counter() - t0
     diff = float(np.max(np.abs(served - test["probs"])))
     served_auc, served_ll = mdl.auc(ds.labels[te], served), mdl.log_loss(ds.labels[te], served)
-    print(f"served on {server.device} with serving_embedding_lookup: {len(te):,} test "
-          f"predictions in {t_serve:.1f}s (restore included), max |served - trained| = {diff:.2e}")
+    print(
+        f"served on {server.device} with serving_embedding_lookup: {len(te):,} test "
+        f"predictions in {t_serve:.1f}s (restore included), max |served - trained| = {diff:.2e}"
+    )
 
     plot_path = None
     if not args.no_plot:
-        plot_path = plot_history(out_dir / "movielens_history.png",
-                                 [h["train_loss"] for h in history],
-                                 [h["val_auc"] for h in history], step_losses,
-                                 None if args.data_dir else REFERENCE["auc"])
+        plot_path = plot_history(
+            out_dir / "movielens_history.png",
+            [h["train_loss"] for h in history],
+            [h["val_auc"] for h in history],
+            step_losses,
+            None if args.data_dir else REFERENCE["auc"],
+        )
         print(f"plot: {plot_path}")
     wall = time.perf_counter() - t_start
     print()
-    rows = [] if args.data_dir else [  # the reference is for MovieLens-100k only
-        (REFERENCE["name"], f"{REFERENCE['auc']:.4f}", f"{REFERENCE['logloss']:.3f}")]
-    rows += [(f"embedmesh DLRM, test (epoch {best_epoch})", f"{test['auc']:.4f}",
-              f"{test['logloss']:.4f}"),
-             ("served from checkpoint, 1 CPU", f"{served_auc:.4f}", f"{served_ll:.4f}")]
+    rows = (
+        []
+        if args.data_dir
+        else [  # the reference is for MovieLens-100k only
+            (REFERENCE["name"], f"{REFERENCE['auc']:.4f}", f"{REFERENCE['logloss']:.3f}")
+        ]
+    )
+    rows += [
+        (
+            f"embedmesh DLRM, test (epoch {best_epoch})",
+            f"{test['auc']:.4f}",
+            f"{test['logloss']:.4f}",
+        ),
+        ("served from checkpoint, 1 CPU", f"{served_auc:.4f}", f"{served_ll:.4f}"),
+    ]
     print(_table(rows))
-    print(f"max |served - trained| {diff:.1e}; training throughput "
-          f"{np.median([h['samples_per_s'] for h in history[1:] or history]):,.0f} samples/s "
-          f"on {mesh.size} device(s); wall time {wall:.0f}s (training + evaluation "
-          f"{t_train:.0f}s)")
-    results = {"test_auc": test["auc"], "test_logloss": test["logloss"], "best_epoch": best_epoch,
-               "served_auc": served_auc, "served_logloss": served_ll, "max_abs_diff": diff,
-               "wall_s": wall, "train_s": t_train, "history": history, "seed": args.seed,
-               "devices": mesh.size, "platform": mesh.devices.flat[0].platform,
-               "recompiles": trainer.recompiles, "reference": REFERENCE,
-               "plot": str(plot_path) if plot_path else None, "checkpoint": str(ckpt)}
+    print(
+        f"max |served - trained| {diff:.1e}; training throughput "
+        f"{np.median([h['samples_per_s'] for h in history[1:] or history]):,.0f} samples/s "
+        f"on {mesh.size} device(s); wall time {wall:.0f}s (training + evaluation "
+        f"{t_train:.0f}s)"
+    )
+    results = {
+        "test_auc": test["auc"],
+        "test_logloss": test["logloss"],
+        "best_epoch": best_epoch,
+        "served_auc": served_auc,
+        "served_logloss": served_ll,
+        "max_abs_diff": diff,
+        "wall_s": wall,
+        "train_s": t_train,
+        "history": history,
+        "seed": args.seed,
+        "devices": mesh.size,
+        "platform": mesh.devices.flat[0].platform,
+        "recompiles": trainer.recompiles,
+        "reference": REFERENCE,
+        "plot": str(plot_path) if plot_path else None,
+        "checkpoint": str(ckpt),
+    }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     return results
 
@@ -222,9 +300,15 @@ def main(argv=None) -> dict:
     if args.large_tables:
         from examples.movielens import large_tables
 
-        return large_tables.run(_mesh(args), num_features=args.large_features,
-                                rows=args.large_rows, dim=args.large_dim,
-                                batch=args.large_batch, steps=args.large_steps, seed=args.seed)
+        return large_tables.run(
+            _mesh(args),
+            num_features=args.large_features,
+            rows=args.large_rows,
+            dim=args.large_dim,
+            batch=args.large_batch,
+            steps=args.large_steps,
+            seed=args.seed,
+        )
     try:
         return run_movielens(args)
     except data.MovieLensDataError as e:

@@ -12,8 +12,8 @@ numpy inputs followed by the same `forward` on a single CPU device.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import numpy as np
@@ -21,7 +21,6 @@ import orbax.checkpoint as ocp
 
 import embedmesh as em
 from embedmesh import checkpoint as em_ckpt
-
 from examples.movielens import model as mdl
 
 MODEL_ITEM = "model"
@@ -31,18 +30,32 @@ DENSE_ITEM = "dense"
 def save(path: Path, trainer, vocab_sizes: dict, step: int) -> Path:
     """Save embedding state + dense parameters + model description as step `step`."""
     path = Path(path).resolve()
-    meta = {"features": list(trainer.features), "vocab_sizes": dict(vocab_sizes),
-            "model": dataclasses.asdict(trainer.model_cfg)}
-    em_ckpt.save(path, trainer.emb, step,
-                 others={DENSE_ITEM: trainer.dense_params(), MODEL_ITEM: ocp.args.JsonSave(meta)})
+    meta = {
+        "features": list(trainer.features),
+        "vocab_sizes": dict(vocab_sizes),
+        "model": dataclasses.asdict(trainer.model_cfg),
+    }
+    em_ckpt.save(
+        path,
+        trainer.emb,
+        step,
+        others={DENSE_ITEM: trainer.dense_params(), MODEL_ITEM: ocp.args.JsonSave(meta)},
+    )
     return path
 
 
 class ServingModel:
     """Tables (numpy, host) + dense parameters; `predict(features)` -> probabilities."""
 
-    def __init__(self, feature_config: dict, tables: dict, params: dict,
-                 features: Sequence[str], cfg: mdl.ModelConfig, device=None):
+    def __init__(
+        self,
+        feature_config: dict,
+        tables: dict,
+        params: dict,
+        features: Sequence[str],
+        cfg: mdl.ModelConfig,
+        device=None,
+    ):
         self.feature_config = feature_config
         self.tables = tables
         self.features = tuple(features)
@@ -68,16 +81,18 @@ def load_for_serving(path: Path, device=None) -> ServingModel:
         step = mngr.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {path}")
-        meta = mngr.restore(step, args=ocp.args.Composite(
-            **{MODEL_ITEM: ocp.args.JsonRestore()}))[MODEL_ITEM]
+        meta = mngr.restore(step, args=ocp.args.Composite(**{MODEL_ITEM: ocp.args.JsonRestore()}))[
+            MODEL_ITEM
+        ]
         cfg_dict = dict(meta["model"])
         cfg_dict["hidden"] = tuple(cfg_dict["hidden"])
         cfg = mdl.ModelConfig(**cfg_dict)
         features = tuple(meta["features"])
         shapes = jax.eval_shape(lambda: mdl.init_dense(jax.random.key(0), len(features), cfg))
         target = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
-        params = mngr.restore(step, args=ocp.args.Composite(
-            **{DENSE_ITEM: ocp.args.StandardRestore(target)}))[DENSE_ITEM]
+        params = mngr.restore(
+            step, args=ocp.args.Composite(**{DENSE_ITEM: ocp.args.StandardRestore(target)})
+        )[DENSE_ITEM]
     finally:
         mngr.close()
     feature_config = mdl.feature_config(meta["vocab_sizes"], features, cfg)
@@ -89,5 +104,7 @@ def load_for_serving(path: Path, device=None) -> ServingModel:
 def describe(path: Path) -> str:
     meta = em_ckpt.read_metadata(Path(path).resolve())
     rows = sum(t["vocabulary_size"] for t in meta["tables"])
-    return (f"{len(meta['tables'])} tables, {rows:,} rows, saved from {meta['num_shards']} "
-            f"shards at step {meta['step']}")
+    return (
+        f"{len(meta['tables'])} tables, {rows:,} rows, saved from {meta['num_shards']} "
+        f"shards at step {meta['step']}"
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,17 +26,17 @@ import embedmesh as em
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.prefetch import background_map
 from embedmesh.host.preprocess import compute_sparse_core_stats
-
 from examples.movielens import model as mdl
 
 
-def make_mesh(num_devices: Optional[int] = None, platform: Optional[str] = None) -> Mesh:
+def make_mesh(num_devices: int | None = None, platform: str | None = None) -> Mesh:
     """A 1-D mesh over the first `num_devices` devices (default: all) of the default backend."""
     devices = jax.devices(platform) if platform else jax.devices()
     if num_devices is not None:
         if num_devices > len(devices):
-            raise ValueError(f"asked for {num_devices} devices, {devices[0].platform} has "
-                             f"{len(devices)}")
+            raise ValueError(
+                f"asked for {num_devices} devices, {devices[0].platform} has {len(devices)}"
+            )
         devices = devices[:num_devices]
     return Mesh(np.array(devices), ("devices",))
 
@@ -55,9 +55,15 @@ def progress_bar(total: int, prefix: str, live: bool) -> tqdm:
     first and the final state are written.
     """
     size = shutil.get_terminal_size() if live else None
-    return tqdm(total=total, desc=prefix, unit="step", file=sys.stdout,
-                ncols=size.columns if live else None, nrows=size.lines if live else None,
-                mininterval=0.1 if live else float("inf"))
+    return tqdm(
+        total=total,
+        desc=prefix,
+        unit="step",
+        file=sys.stdout,
+        ncols=size.columns if live else None,
+        nrows=size.lines if live else None,
+        mininterval=0.1 if live else float("inf"),
+    )
 
 
 class Trainer:
@@ -69,19 +75,35 @@ class Trainer:
     together with the dense model and optax.
     """
 
-    def __init__(self, vocab_sizes: dict, features: Sequence[str], mesh: Mesh, *,
-                 model_cfg: mdl.ModelConfig = mdl.ModelConfig(),
-                 table_optimizer: Optional[em.Optimizer] = None, dense_optimizer=None,
-                 seed: int = 0, capacities=None, feature_config=None):
+    def __init__(
+        self,
+        vocab_sizes: dict,
+        features: Sequence[str],
+        mesh: Mesh,
+        *,
+        model_cfg: mdl.ModelConfig = mdl.ModelConfig(),
+        table_optimizer: em.Optimizer | None = None,
+        dense_optimizer=None,
+        seed: int = 0,
+        capacities=None,
+        feature_config=None,
+    ):
         self.features = tuple(features)
         self.model_cfg = model_cfg
         self.mesh = mesh
-        self.feature_config = feature_config or mdl.feature_config(vocab_sizes, self.features,
-                                                                   model_cfg)
+        self.feature_config = feature_config or mdl.feature_config(
+            vocab_sizes, self.features, model_cfg
+        )
         self.table_optimizer = table_optimizer or em.Adagrad(learning_rate=0.05)
         self.seed = seed
-        self.emb = MeshEmbedding(self.feature_config, self.table_optimizer, mesh=mesh,
-                                 capacities=capacities, overflow="grow", seed=seed)
+        self.emb = MeshEmbedding(
+            self.feature_config,
+            self.table_optimizer,
+            mesh=mesh,
+            capacities=capacities,
+            overflow="grow",
+            seed=seed,
+        )
         self.emb.build()
         self.core = self.emb.core
         k_dense = jax.random.fold_in(jax.random.key(seed), 1)
@@ -105,7 +127,8 @@ class Trainer:
             acts = core.lookup(state, csr)
             key = jax.random.fold_in(key, state.step)
             (_, loss), (g_params, g_acts) = jax.value_and_grad(
-                loss_fn, argnums=(0, 1), has_aux=True)(params, acts, labels, mask, key)
+                loss_fn, argnums=(0, 1), has_aux=True
+            )(params, acts, labels, mask, key)
             state, _ = core.apply_gradients(state, g_acts, csr, check_finite=False)
             updates, opt_state = tx.update(g_params, opt_state, params)
             return state, optax.apply_updates(params, updates), opt_state, loss
@@ -117,16 +140,22 @@ class Trainer:
         self._predict = jax.jit(predict)
 
     @staticmethod
-    def measure_capacities(feature_config, num_shards: int, batches: Iterable,
-                           model_cfg: mdl.ModelConfig, headroom: float = 1.25) -> dict:
+    def measure_capacities(
+        feature_config,
+        num_shards: int,
+        batches: Iterable,
+        model_cfg: mdl.ModelConfig,
+        headroom: float = 1.25,
+    ) -> dict:
         """`{stack: Capacity}` from sample batches (`compute_sparse_core_stats`) x headroom.
 
         A later batch that needs more still trains: the engine grows the
         capacity (`overflow="grow"`, one recompilation).
         """
         feats = (mdl.expand_inputs(b[0], model_cfg) for b in batches)
-        stats = compute_sparse_core_stats(feats, feature_config, num_shards=num_shards,
-                                          num_devices_local=num_shards)
+        stats = compute_sparse_core_stats(
+            feats, feature_config, num_shards=num_shards, num_devices_local=num_shards
+        )
         return dict(stats.capacities(headroom))
 
     @property
@@ -147,7 +176,7 @@ class Trainer:
         if stats.grown:  # a batch larger than any sized for: one recompilation
             self.recompiles += 1
         ids = sum(v.num_ids for v in stats.stacks.values())
-        put = lambda x: jax.device_put(np.asarray(x), self.core.row_sharding)  # noqa: E731
+        put = lambda x: jax.device_put(np.asarray(x), self.core.row_sharding)
         return csr, put(labels), put(mask), ids
 
     # -- device side ----------------------------------------------------------
@@ -161,8 +190,8 @@ class Trainer:
         with bar:
             for i, (csr, labels, mask, n_ids) in enumerate(prefetch(batches, self.enqueue)):
                 self.state, self.params, self.opt_state, loss = self._train(
-                    self.state, self.params, self.opt_state, csr, labels, mask,
-                    self.dropout_key)
+                    self.state, self.params, self.opt_state, csr, labels, mask, self.dropout_key
+                )
                 losses.append(loss)
                 if i >= self.max_in_flight:
                     # Bound the steps queued by async dispatch: on XLA:CPU, many queued
@@ -174,15 +203,24 @@ class Trainer:
                 if live and i % 5 == 4:  # reading a loss waits for its step: only now and then
                     dt = time.perf_counter() - t0
                     recent = float(np.mean([float(x) for x in losses[-10:]]))
-                    bar.set_postfix_str(f"loss {recent:.4f}  {samples / dt:,.0f} samples/s",
-                                        refresh=False)
+                    bar.set_postfix_str(
+                        f"loss {recent:.4f}  {samples / dt:,.0f} samples/s", refresh=False
+                    )
                 bar.update(1)
             losses = np.asarray([float(x) for x in losses])
             dt = time.perf_counter() - t0
-            bar.set_postfix_str(f"loss {losses.mean():.4f}  {samples / dt:,.0f} samples/s  "
-                                f"{ids / dt:,.0f} ids/s  {dt:.1f}s", refresh=False)
-        return {"loss": float(losses.mean()), "losses": losses, "seconds": dt,
-                "samples_per_s": samples / dt, "ids_per_s": ids / dt}
+            bar.set_postfix_str(
+                f"loss {losses.mean():.4f}  {samples / dt:,.0f} samples/s  "
+                f"{ids / dt:,.0f} ids/s  {dt:.1f}s",
+                refresh=False,
+            )
+        return {
+            "loss": float(losses.mean()),
+            "losses": losses,
+            "seconds": dt,
+            "samples_per_s": samples / dt,
+            "ids_per_s": ids / dt,
+        }
 
     def predict(self, batches: Iterable) -> tuple:
         """Probabilities and labels of the masked-in samples of `batches`."""
@@ -202,12 +240,10 @@ class Trainer:
 
     def snapshot(self):
         """A device copy of all trainable state (cheap for small tables)."""
-        return jax.tree_util.tree_map(lambda x: x.copy(),
-                                      (self.state, self.params, self.opt_state))
+        return jax.tree_util.tree_map(lambda x: x.copy(), (self.state, self.params, self.opt_state))
 
     def restore_snapshot(self, snap):
-        self.state, self.params, self.opt_state = jax.tree_util.tree_map(lambda x: x.copy(),
-                                                                         snap)
+        self.state, self.params, self.opt_state = jax.tree_util.tree_map(lambda x: x.copy(), snap)
 
     def dense_params(self) -> dict:
         return jax.tree_util.tree_map(np.asarray, self.params)
