@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import importlib
 import os
 import threading
 
@@ -151,6 +152,24 @@ def cache_dir() -> str:
         return d
     base = _env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "embedmesh")
+
+
+_numba_modules: dict = {}  # module name -> the module, or None where it cannot load
+
+
+def numba_module(name: str):
+    """The numba-compiled module `name`, imported at first use (so that `import
+    embedmesh` never loads numba), or None: EMBEDMESH_NUMBA=0, or numba is not
+    importable. One answer per module and process."""
+    if name not in _numba_modules:
+        module = None
+        if numba_enabled():
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                module = None
+        _numba_modules[name] = module
+    return _numba_modules[name]
 
 
 def reset() -> None:

@@ -1,6 +1,6 @@
 """The preprocessed batch, what the host hands the device: `PartitionedCsrFormatTensor`
 (one stack's partitioned CSR arrays for this process's devices), where each
-feature sits in it (`FeatureSlot`), the static sizes it is padded to
+feature sits in it (`FeatureSegment`), the static sizes it is padded to
 (`Capacity`, `capacity_bucket`) and what preprocessing saw (`StackStats`,
 `PreprocessStats`). Produced by `embedmesh.host.preprocess`, consumed by
 `embedmesh.device`; a declared form (numpy and jax only), so the device side
@@ -21,7 +21,7 @@ from embedmesh._runtime import PAD_ID
 
 __all__ = [
     "Capacity",
-    "FeatureSlot",
+    "FeatureSegment",
     "PAD_ID",
     "PartitionedCsrFormatTensor",
     "PreprocessStats",
@@ -78,7 +78,7 @@ def capacity_bucket(n: int, minimum: int = 8) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class FeatureSlot:
+class FeatureSegment:
     """Where one feature's activations sit in a stack's per-device buffer.
 
     Rows `[row_offset, row_offset + num_rows)` of the buffer, `samples` local
@@ -141,7 +141,7 @@ class PartitionedCsrFormatTensor:
                    weight, duplicates summed); padding 0.
       pair_counts  [D, N] int32: valid entries of the pair arrays.
       stack: the stack's name.  rows_per_device: R.
-      features: `FeatureSlot`s of the stack's features, in buffer order.
+      features: `FeatureSegment`s of the stack's features, in buffer order.
 
     On device d: `buffer = segment_sum(gains[..., None] *
     rows_j[pair_unique], pair_rows, R)` over all (j, p), with `rows_j` the
@@ -190,7 +190,7 @@ class PartitionedCsrFormatTensor:
     def capacity(self) -> Capacity:
         return Capacity(int(np.shape(self.pair_rows)[2]), int(np.shape(self.unique_ids)[2]))
 
-    def feature_slot(self, name: str) -> FeatureSlot:
+    def feature_segment(self, name: str) -> FeatureSegment:
         for f in self.features:
             if f.name == name:
                 return f

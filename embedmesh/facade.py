@@ -421,23 +421,24 @@ class MeshEmbedding:
 
     __call__ = embedding_lookup
 
-    def _slots(self, csr: dict) -> dict:
-        return {slot.name: slot for c in csr.values() for slot in c.features}
+    def _segments(self, csr: dict) -> dict:
+        """`{feature name: its FeatureSegment}` of a batch."""
+        return {seg.name: seg for c in csr.values() for seg in c.features}
 
     def _pack_activations(self, acts: dict, csr: dict):
-        slots = self._slots(csr)
+        segments = self._segments(csr)
         flat = []
         for name in self._resolved.feature_names:
             a = acts[name]
-            if slots[name].output_shape is not None:
-                a = a.reshape(slots[name].activation_shape(self.mesh.size))
+            if segments[name].output_shape is not None:
+                a = a.reshape(segments[name].activation_shape(self.mesh.size))
             flat.append(a)
         return jax.tree_util.tree_unflatten(self._resolved.treedef, flat)
 
     # -- update -------------------------------------------------------------------
 
     def _flat_gradients(self, gradients, csr) -> dict:
-        slots = self._slots(csr)
+        segments = self._segments(csr)
         flat = (
             flatten_inputs_like(self._resolved, gradients, "gradients")
             if gradients is not None
@@ -447,11 +448,11 @@ class MeshEmbedding:
         for name, _feature, g in zip(self._resolved.feature_names, self._resolved.features, flat):
             if g is None:
                 continue
-            if name not in slots:
+            if name not in segments:
                 raise ValueError(
                     f"gradient for feature {name}, which the preserved outputs do not cover"
                 )
-            shape = slots[name].activation_shape(self.mesh.size)
+            shape = segments[name].activation_shape(self.mesh.size)
             if not hasattr(g, "shape") or not hasattr(g, "dtype"):  # TF: a ValueError
                 raise ValueError(
                     f"gradient for feature {name} must be an array, got {type(g).__name__}"
@@ -467,10 +468,10 @@ class MeshEmbedding:
                 )
             if not isinstance(g, jax.Array):
                 g = jax.device_put(np.asarray(g), self.core.row_sharding)
-            slot = slots[name]
-            if slot.output_shape is not None:  # back to the lookup's [B, *sample_shape, dim]
+            seg = segments[name]
+            if seg.output_shape is not None:  # back to the lookup's [B, *sample_shape, dim]
                 g = g.reshape(
-                    (slot.samples * self.mesh.size,) + tuple(slot.sample_shape) + (slot.dim,)
+                    (seg.samples * self.mesh.size,) + tuple(seg.sample_shape) + (seg.dim,)
                 )
             out[name] = g
         return out
@@ -530,7 +531,7 @@ class MeshEmbedding:
 
     # -- reading state ------------------------------------------------------------
 
-    def _table_array(self, table_cfg, field="parameters", state=None):
+    def _logical_table(self, table_cfg, field="parameters", state=None):
         state = self.observed_state() if state is None else state
         t = self.plan.table(table_cfg)
         arr = state.tables[t.stack] if field == "parameters" else state.slots[t.stack][field]
@@ -544,7 +545,7 @@ class MeshEmbedding:
         """
         _check_not_traced("embedding_tables")
         self._maybe_build()
-        return {t: _read_only(self._table_array(t)) for t in self._resolved.tables}
+        return {t: _read_only(self._logical_table(t)) for t in self._resolved.tables}
 
     @property
     def variables(self) -> dict:
@@ -558,9 +559,9 @@ class MeshEmbedding:
         out = {}
         for t in self._resolved.tables:
             spec = self.plan.stack_of(t)
-            entry = {"parameters": _read_only(self._table_array(t, state=state))}
+            entry = {"parameters": _read_only(self._logical_table(t, state=state))}
             for slot in state.slots[spec.name]:
-                entry[slot] = _read_only(self._table_array(t, slot, state=state))
+                entry[slot] = _read_only(self._logical_table(t, slot, state=state))
             out[t] = entry
         return out
 

@@ -649,7 +649,7 @@ def test_rank3_sparse_and_empty_rows(backend):
     )
     check_against_reference(out, stats, reference(plan, {"s": s, "e": e}, None, 2), 2, 4)
     assert stats["t"].num_ids == 5
-    slot = out["t"].feature_slot("s")
+    slot = out["t"].feature_segment("s")
     assert (slot.samples, slot.sample_shape, slot.num_rows) == (1, (2,), 2)
     assert slot.activation_shape(2) == (2, 2, 4)
 
@@ -674,7 +674,7 @@ def test_pytree_and_layout():
     a, b = csr.features
     assert (a.name, a.row_offset, a.num_rows, a.rows_per_sample, a.dim) == ("a", 0, 2, 1, 3)
     assert (b.name, b.row_offset, b.num_rows, b.rows_per_sample, b.dim) == ("b", 2, 8, 4, 5)
-    assert csr.feature_slot("b") == b and csr.num_devices == 2 and csr.num_shards == 2
+    assert csr.feature_segment("b") == b and csr.num_devices == 2 and csr.num_shards == 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -259,7 +259,7 @@ class EmbeddingCore:
     def lookup(self, state: EmbeddingState, csr: dict) -> dict:
         """Activations `{feature name: global array}` for preprocessed `csr`.
 
-        Shapes: `[B, *sample_shape, dim]` (see `FeatureSlot`: `[B, dim]`
+        Shapes: `[B, *sample_shape, dim]` (see `FeatureSegment`: `[B, dim]`
         combined, `[B, L, dim]` sequences, `ids.shape + [dim]` dense ids);
         sharded on the batch axis. (The facade restores the feature structure
         and applies `output_shape`.)

@@ -28,21 +28,21 @@ def bits_needed(x: int) -> int:
 def sort_table(members: list, table, row_layout, D: int, N: int) -> dict | None:
     """One table's entries sorted by (partition, row, entry order), merged into pairs.
 
-    `members`: `(feature name, Csr, FeatureSlot)` of the table's features.
+    `members`: `(feature name, Csr, FeatureSegment)` of the table's features.
     Capacity-independent; ranks are within this table's part of each partition.
     """
     if not members:
         return None
     keys, orows, gains = [], [], []
     S = table.rows_per_shard
-    for name, c, slot in members:
+    for name, c, seg in members:
         check_id_range(name, c.ids, table.vocabulary_size)
         rows_total = c.splits.shape[0] - 1
         lengths = np.diff(c.splits)
         row_of = np.repeat(np.arange(rows_total, dtype=np.int64), lengths)
-        rpd = slot.num_rows
+        rpd = seg.num_rows
         d = row_of // rpd if rpd else row_of
-        orows.append(slot.row_offset + row_of - d * rpd)
+        orows.append(seg.row_offset + row_of - d * rpd)
         w = None if c.weights is None else c.weights.astype(np.float64)
         combiner = c.layout.combiner
         if combiner in ("mean", "sqrtn"):

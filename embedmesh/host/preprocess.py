@@ -26,7 +26,7 @@ reference):
   adding gains (in float64, rounded once to float32).
 - Activation buffer of one stack on one device: the rows of the stack's
   features in config order, `B/D * rows_per_sample` rows each (see
-  `FeatureSlot`); `R` rows in all.
+  `FeatureSegment`); `R` rows in all.
 - Order inside a partition: unique ids ascending; pairs by (unique id,
   output row).
 - Overflow (a partition with more pairs than `max_ids_per_partition` or more
@@ -68,7 +68,7 @@ from embedmesh import _runtime
 from embedmesh._runtime import PAD_ID, combiner_code
 from embedmesh.batch import (
     Capacity,
-    FeatureSlot,
+    FeatureSegment,
     PartitionedCsrFormatTensor,
     PreprocessStats,
     StackStats,
@@ -82,7 +82,7 @@ from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
 __all__ = [
     "Capacity",
-    "FeatureSlot",
+    "FeatureSegment",
     "OVERFLOW_POLICIES",
     "PAD_ID",
     "PartitionedCsrFormatTensor",
@@ -168,14 +168,7 @@ def _numba_backend():
     """The numba backend module, or None (EMBEDMESH_NUMBA=0, or numba not importable)."""
     global _NUMBA
     if _NUMBA is None:
-        _NUMBA = False
-        if _runtime.numba_enabled():
-            try:
-                from embedmesh.host import numba_backend
-            except ImportError:
-                pass
-            else:
-                _NUMBA = numba_backend
+        _NUMBA = _runtime.numba_module("embedmesh.host.numba_backend") or False
     return _NUMBA or None
 
 
@@ -198,11 +191,11 @@ def default_num_threads() -> int:
 @dataclasses.dataclass
 class _StackJob:
     name: str
-    feats: list  # (FeaturePlacement, Csr, FeatureSlot) in buffer order
+    feats: list  # (FeaturePlacement, Csr, FeatureSegment) in buffer order
     tables: list  # TablePlacement in stack row order
     rows_per_shard: int
     rows_per_device: int
-    slots: tuple
+    segments: tuple
 
     def members(self, table_name: str) -> list:
         return [m for m in self.feats if m[0].table == table_name]
@@ -254,11 +247,11 @@ def _table_inputs(members: list):
     """Kernel inputs of one table: its features' ids, weights and splits concatenated,
     and `fmeta` (first split index, rows per device, buffer row offset, combiner code)."""
     if len(members) == 1:
-        fp, c, slot = members[0]
+        fp, c, seg = members[0]
         ids, splits = c.ids, c.splits
         weights = c.weights if c.weights is not None else np.zeros(0, np.float32)
         fmeta = np.array(
-            [[0, slot.num_rows, slot.row_offset, combiner_code(c.layout.combiner)]], np.int64
+            [[0, seg.num_rows, seg.row_offset, combiner_code(c.layout.combiner)]], np.int64
         )
         return ids, weights, splits, fmeta
     ids = np.concatenate([c.ids for _, c, _ in members])
@@ -272,9 +265,9 @@ def _table_inputs(members: list):
     else:
         weights = np.zeros(0, np.float32)
     parts, rows, base, sbase = [], [], 0, 0
-    for _, c, slot in members:
+    for _, c, seg in members:
         parts.append(c.splits + base)
-        rows.append([sbase, slot.num_rows, slot.row_offset, combiner_code(c.layout.combiner)])
+        rows.append([sbase, seg.num_rows, seg.row_offset, combiner_code(c.layout.combiner)])
         base += c.ids.shape[0]
         sbase += c.splits.shape[0]
     return ids, weights, np.concatenate(parts), np.array(rows, np.int64)
@@ -307,8 +300,8 @@ class _NumbaRun:
                 continue
             ids, weights, splits, fmeta = _table_inputs(members)
             low_bits = bits_needed(ids.shape[0] - 1) if weights.shape[0] else bits_needed(R - 1)
-            row_base = min(slot.row_offset for _, _, slot in members)
-            row_span = max(slot.row_offset + slot.num_rows for _, _, slot in members) - row_base
+            row_base = min(seg.row_offset for _, _, seg in members)
+            row_span = max(seg.row_offset + seg.num_rows for _, _, seg in members) - row_base
             num_shards, rotation = plan.row_layout.kernel_params(t)
             params = K.table_params(
                 num_shards,
@@ -406,16 +399,16 @@ def _make_jobs(plan: StackingPlan, csrs: list, batch: int, D: int) -> list:
     by_name = dict(zip(plan.resolved.feature_names, csrs))
     jobs = []
     for s in plan.stacks:
-        feats, slots, off = [], [], 0
+        feats, segments, off = [], [], 0
         for fname in s.features:
             fp = plan.feature(fname)
             layout = by_name[fname].layout
-            slot = FeatureSlot(
+            seg = FeatureSegment(
                 fname, off, b, tuple(layout.sample_shape), fp.dim, layout.output_shape
             )
-            off += slot.num_rows
-            feats.append((fp, by_name[fname], slot))
-            slots.append(slot)
+            off += seg.num_rows
+            feats.append((fp, by_name[fname], seg))
+            segments.append(seg)
         jobs.append(
             _StackJob(
                 s.name,
@@ -423,7 +416,7 @@ def _make_jobs(plan: StackingPlan, csrs: list, batch: int, D: int) -> list:
                 [plan.table(t) for t in s.tables],
                 s.rows_per_shard,
                 off,
-                tuple(slots),
+                tuple(segments),
             )
         )
     return jobs
@@ -538,7 +531,7 @@ def preprocess_batch(
         if job.name not in sorted_tables:
             sorted_tables[job.name] = [
                 numpy_backend.sort_table(
-                    [(fp.name, c, slot) for fp, c, slot in job.members(t.name)],
+                    [(fp.name, c, seg) for fp, c, seg in job.members(t.name)],
                     t,
                     plan.row_layout,
                     D,
@@ -588,7 +581,7 @@ def preprocess_batch(
     for job in jobs:
         arrays, u_tot, p_tot, dropped = results[job.name]
         out[job.name] = PartitionedCsrFormatTensor(
-            *arrays, stack=job.name, rows_per_device=job.rows_per_device, features=job.slots
+            *arrays, stack=job.name, rows_per_device=job.rows_per_device, features=job.segments
         )
         num_ids = sum(int(c.splits[-1]) for _, c, _ in job.feats)
         stats[job.name] = StackStats(

@@ -90,7 +90,7 @@ def shards_to_table(shards: Sequence[Any], plan: StackingPlan, table: TableKey) 
     return out
 
 
-def _table_array(tables: Mapping, plan: StackingPlan, name: str):
+def _given_table(tables: Mapping, plan: StackingPlan, name: str):
     if name in tables:
         return tables[name]
     config = plan.table_config(name)
@@ -111,7 +111,7 @@ def stack_shard(
     """
     s = plan.stack(stack)
     shard = _check_shard(plan, shard)
-    arrays = [np.asarray(_table_array(tables, plan, name)) for name in s.tables]
+    arrays = [np.asarray(_given_table(tables, plan, name)) for name in s.tables]
     rest = arrays[0].shape[1:]
     if len(rest) == 1:
         rest = (s.dim,)

@@ -74,14 +74,7 @@ def _numba_kernels():
     """The compiled kernels module, or None (EMBEDMESH_NUMBA=0, numba not importable)."""
     global _NUMBA
     if _NUMBA is None:
-        _NUMBA = False
-        if _runtime.numba_enabled():
-            try:
-                from embedmesh.serving import numba_kernels
-            except ImportError:
-                pass
-            else:
-                _NUMBA = numba_kernels
+        _NUMBA = _runtime.numba_module("embedmesh.serving.numba_kernels") or False
     return _NUMBA or None
 
 
