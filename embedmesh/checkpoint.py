@@ -1468,7 +1468,7 @@ def restore(
         prefetch=prefetch,
         _stats=_stats,
     )
-    emb._install_restored(restored.state, restored.lookup_tables)
+    emb._install_restored(restored)
     return restored.step
 
 

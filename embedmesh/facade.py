@@ -250,19 +250,18 @@ class MeshEmbedding:
         _, csr = self._pending
         return state, {s: self._state.tables[s] for s in csr}
 
-    def _install_restored(self, state: EmbeddingState, lookup_tables: dict) -> None:
-        """Install a restored state. `lookup_tables` (pipelined only) are the stacks'
-        parameters the next lookup reads; `state` is installed right after that lookup."""
+    def _install_restored(self, restored) -> None:
+        """Install a `checkpoint.RestoredState`. Pipelined with lookup tables, the next
+        lookup reads `restored.lookup_state()` and `restored.state` is installed right
+        after it; otherwise `restored.state` is installed now."""
         self._pending = None
         self._observed = None
         self._after_lookup = None
-        if self._pipelined and lookup_tables:
-            self._state = dataclasses.replace(
-                state, tables=dict(state.tables, **lookup_tables), step=state.step - 1
-            )
-            self._after_lookup = state
+        if self._pipelined and restored.lookup_tables:
+            self._state = restored.lookup_state()
+            self._after_lookup = restored.state
         else:
-            self._state = state
+            self._state = restored.state
 
     def _require_built(self, what: str):
         if not self._built:
