@@ -116,7 +116,7 @@ import tensorstore as ts
 from etils import epath
 from jax.sharding import PartitionSpec as P
 
-from embedmesh import _compat
+from embedmesh import _compat, _runtime
 from embedmesh.config import TableConfig, resolve_feature_config
 from embedmesh.layout.rows import ROW_LAYOUTS, RowLayout, logical_layout, row_layout
 from embedmesh.layout.stacking import TablePlacement
@@ -912,11 +912,7 @@ def _wait(futures: list) -> None:
 def _host_buffer(shape: tuple, dtype) -> np.ndarray:
     """An uninitialised numpy array aligned to 4 KiB: `jax.device_put` on CPU then aliases
     it (no copy); elsewhere it is an ordinary host buffer."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    offset = (-raw.ctypes.data) % _ALIGN
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    return _runtime.aligned_empty(shape, dtype, _ALIGN)
 
 
 def read_metadata(source, step: int | None = None, *, item: str = DEFAULT_ITEM) -> dict:
