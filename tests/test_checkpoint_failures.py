@@ -97,19 +97,20 @@ def test_failed_restore_leaves_state_untouched_and_retry_works(saved, tmp_path, 
     emb = random_engine(n_to, seed=2, step=9)
     order = [leaf_key(*x) for x in restore_order(emb)]
     locations = chunk_locations(bad_root / "5" / "embedding")
-    # cut a data file at its last chunk: only that chunk is lost; pick the one whose
-    # array restore reads latest (not the first: the failure must come late)
-    last_in_file = {}
+    # cut a data file at one of its chunks: that chunk and those after it in the file
+    # are lost, and the restore fails at the first of their arrays it reads. Pick the cut
+    # whose failure comes latest (not at the first array: the failure must come late).
+    # orbax's writers place arrays in files in no fixed order, so every cut is considered.
+    chunks = {}  # file -> [(offset, array)]
     for key, (f, off, _length) in locations.items():
-        if key.split("/")[0] not in order:  # meta, step
-            continue
-        if f not in last_in_file or off > last_in_file[f][1]:
-            last_in_file[f] = (key, off)
-    key, cut, file = max(
-        ((k, off, f) for f, (k, off) in last_in_file.items()),
-        key=lambda x: order.index(x[0].split("/")[0]),
-    )
-    lost = key.split("/")[0]
+        if key.split("/")[0] in order:  # not meta, step
+            chunks.setdefault(f, []).append((off, key.split("/")[0]))
+    candidates = []
+    for f, items in chunks.items():
+        for off, _ in items:
+            first_lost = min((a for o, a in items if o >= off), key=order.index)
+            candidates.append((order.index(first_lost), off, f, first_lost))
+    _, cut, file, lost = max(candidates)
     assert order.index(lost) > 0, (lost, order)
     os.truncate(file, cut)
 
