@@ -1,5 +1,6 @@
 """embedmesh: TPUEmbeddingV2's mid-level API on JAX, for every accelerator XLA runs on."""
 
+from embedmesh import _gpu_guard
 from embedmesh.config import FeatureConfig, QuantizationConfig, TableConfig, resolve_feature_config
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.facade import MeshEmbedding, default_mesh
@@ -20,6 +21,9 @@ from embedmesh.serving.export import export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup
 
 __version__ = "0.1.0"
+
+# Importing the package starts no jax backend, so XLA has not read XLA_FLAGS yet.
+_gpu_guard.apply()
 
 
 def __getattr__(name):

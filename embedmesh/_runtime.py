@@ -13,6 +13,8 @@ lists them:
                               `num_threads`)
   EMBEDMESH_SERVING_THREADS=n threads of the serving lookup (0 or 1: caller only)
   EMBEDMESH_OUTPUT_POOL_MB=n  serving's reusable output buffers
+  EMBEDMESH_GPU_SCATTER_WORKAROUND=0  no XLA flag against jaxlib 0.10.2-0.11.0's
+                              slow GPU scatter-add (see `embedmesh._gpu_guard`)
   EMBEDMESH_CACHE_DIR=path    where built kernels are cached
 """
 
@@ -152,6 +154,12 @@ def cache_dir() -> str:
         return d
     base = _env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "embedmesh")
+
+
+def gpu_scatter_workaround() -> bool:
+    """EMBEDMESH_GPU_SCATTER_WORKAROUND (default on; 0/false/off/no: off). Read afresh:
+    the guard runs once, at import."""
+    return _env("EMBEDMESH_GPU_SCATTER_WORKAROUND").lower() not in ("0", "false", "off", "no")
 
 
 _numba_modules: dict = {}  # module name -> the module, or None where it cannot load

@@ -27,7 +27,16 @@ LAYERS = {
     # inputs checks sparse indices with the host kernels' one-pass check (imported at
     # first use): the one edge from the declared layer to a later one
     "declare": (
-        ["config", "optimizers", "initializers", "inputs", "batch", "_runtime", "_compat"],
+        [
+            "config",
+            "optimizers",
+            "initializers",
+            "inputs",
+            "batch",
+            "_runtime",
+            "_compat",
+            "_gpu_guard",
+        ],
         {"embedmesh.serving.kernels"},
     ),
     "layout": (["layout"], set()),
