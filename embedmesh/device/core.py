@@ -83,6 +83,8 @@ class EmbeddingCore:
         self.mesh = mesh
         self.axes = tuple(mesh.axis_names)
         self.num_shards = mesh.size
+        # every device of the mesh in this process: exchanges may go through shared memory
+        self.in_process = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
         self.default_optimizer = optimizer
         self.row_sharding = NamedSharding(mesh, P(self.axes))
         self.replicated = NamedSharding(mesh, P())
@@ -282,6 +284,7 @@ class EmbeddingCore:
                     num_rows=c.rows_per_device,
                     axis_name=axes,
                     num_shards=N,
+                    in_process=self.in_process,
                 )
                 for feature in c.features:
                     a = act[
@@ -436,6 +439,7 @@ class EmbeddingCore:
                         axis_name=axes,
                         num_shards=N,
                         keep=ok,
+                        in_process=self.in_process,
                     )
                 return new_tables, new_slots
 

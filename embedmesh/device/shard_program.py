@@ -24,18 +24,16 @@ pure-JAX reference, with the same semantics.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from embedmesh._runtime import PAD_ID
 from embedmesh.device import ops
 
 
-def exchange(x, axis_name, num_shards: int):
-    """Block j of axis 0 goes to device j; block s of the result came from device s."""
-    if num_shards == 1:
-        return x
-    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+def exchange(x, axis_name, num_shards: int, in_process: bool = False):
+    """Block j of axis 0 goes to device j; block s of the result came from device s.
+    `in_process`: every device of the mesh is in this process (`ops.exchange`)."""
+    return ops.exchange(x, axis_name, num_shards, in_process=in_process)
 
 
 def gather_shard_rows(table_shard, ids):
@@ -54,9 +52,10 @@ def lookup(
     num_rows: int,
     axis_name=None,
     num_shards: int = 1,
+    in_process: bool = False,
 ):
     """Activation rows [R, D] of this device, and the ids it served to each source."""
-    served_ids = exchange(unique_ids, axis_name, num_shards)  # [N, U] asked of me
+    served_ids = exchange(unique_ids, axis_name, num_shards, in_process)  # [N, U] asked of me
     if num_shards == 1:  # combine straight from the table: no [U, D] buffer
         act = ops.segment_gather_sum(
             table_shard,
@@ -68,7 +67,7 @@ def lookup(
         )
         return act, served_ids
     served_rows = gather_shard_rows(table_shard, served_ids)  # [N, U, D]
-    rows = exchange(served_rows, axis_name, num_shards)  # [N, U, D] for my requests
+    rows = exchange(served_rows, axis_name, num_shards, in_process)  # [N, U, D] for my requests
     n, u, d = rows.shape
     flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique).reshape(-1)
     act = ops.segment_gather_sum(
@@ -92,6 +91,7 @@ def update_shard(
     axis_name=None,
     num_shards: int = 1,
     keep=None,
+    in_process: bool = False,
 ):
     """The whole training update of this shard from this device's activation gradients.
 
@@ -114,8 +114,9 @@ def update_shard(
             unique_capacity=unique_capacity,
             axis_name=axis_name,
             num_shards=num_shards,
+            in_process=in_process,
         )
-    served_ids = exchange(unique_ids, axis_name, num_shards)
+    served_ids = exchange(unique_ids, axis_name, num_shards, in_process)
     if keep is not None:
         served_ids = jnp.where(keep, served_ids, PAD_ID)
     if one_op:
@@ -142,6 +143,7 @@ def backward(
     unique_capacity: int,
     axis_name=None,
     num_shards: int = 1,
+    in_process: bool = False,
 ):
     """Gradients of this device's activations, summed per unique id and sent to
     the owners: returns [N, U, D], block s holding what source s sends this shard.
@@ -158,7 +160,7 @@ def backward(
         n * unique_capacity,
     )
     per_unique = per_unique.reshape(n, unique_capacity, -1)
-    return exchange(per_unique, axis_name, num_shards)
+    return exchange(per_unique, axis_name, num_shards, in_process)
 
 
 def owner_update(table_shard, slots: dict, served_ids, grads, optimizer, step):

@@ -25,6 +25,7 @@ from embedmesh._runtime import PAD_ID
 __all__ = [
     "dedup_sum",
     "dedup_sum_by_sort",
+    "exchange",
     "full",
     "gather_rows",
     "huge_page_copy",
@@ -90,6 +91,13 @@ def dedup_sum(ids, grads):
         return flat, jnp.where((flat == PAD_ID)[:, None], 0, grads)
 
     return jax.lax.cond(_ascending_distinct(flat), as_is, dedup_sum_by_sort, flat, grads)
+
+
+def exchange(x, *, axis_name, num_shards: int, in_process: bool):
+    """`all_to_all` over `axis_name`: block j of axis 0 to device j (inside `shard_map`)."""
+    if num_shards == 1:
+        return x
+    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
 def huge_page_copy(x):

@@ -10,6 +10,7 @@ the documented order).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +116,26 @@ def backward_update(
     return t, {"accumulators": a}
 
 
+_exchange_tags = itertools.count(1)
+
+
+def exchange(x, *, axis_name, num_shards: int, in_process: bool):
+    """The all-to-all through shared memory (exchange.cc): block j to device j.
+
+    Each traced call gets its own tag, which pairs up the calls of the devices.
+    """
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ffi.ffi_call("embedmesh_exchange", out)(
+        x, rank, tag=np.int64(next(_exchange_tags)), n=np.int64(num_shards)
+    )
+
+
+def _in_process(x, *, axis_name, num_shards: int, in_process: bool) -> bool:
+    """Only devices of this process share memory; a mesh over processes uses XLA's."""
+    return in_process and num_shards > 1 and x.shape[0] % num_shards == 0
+
+
 # op name -> (kernel, supports or None)
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
@@ -124,6 +145,7 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "dedup_sum": (dedup_sum, None),
     "sparse_update": (sparse_update, _fused),
     "backward_update": (backward_update, _fused),
+    "exchange": (exchange, _in_process),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
 }

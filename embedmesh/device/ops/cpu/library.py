@@ -36,6 +36,7 @@ TARGETS = {
     "embedmesh_sparse_adagrad": "EmSparseAdagrad",
     "embedmesh_backward_sgd": "EmBackwardSgd",
     "embedmesh_backward_adagrad": "EmBackwardAdagrad",
+    "embedmesh_exchange": "EmExchange",
     "embedmesh_huge_page_copy": "EmHugePageCopy",
     "embedmesh_huge_page_fill": "EmHugePageFill",
 }
