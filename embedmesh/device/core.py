@@ -275,7 +275,7 @@ class EmbeddingCore:
             acts = {}
             for s in stacks:
                 c = csr[s]
-                act, _ = shard_program.lookup(
+                act = shard_program.lookup(
                     tables[s],
                     c.unique_ids[0],
                     c.pair_rows[0],

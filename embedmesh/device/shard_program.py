@@ -54,26 +54,27 @@ def lookup(
     num_shards: int = 1,
     in_process: bool = False,
 ):
-    """Activation rows [R, D] of this device, and the ids it served to each source."""
-    served_ids = exchange(unique_ids, axis_name, num_shards, in_process)  # [N, U] asked of me
+    """Activation rows [R, D] (float32) of this device."""
     if num_shards == 1:  # combine straight from the table: no [U, D] buffer
-        act = ops.segment_gather_sum(
+        return ops.segment_gather_sum(
             table_shard,
             pair_unique.reshape(-1),
             pair_gains.reshape(-1),
             pair_rows.reshape(-1),
             num_rows,
-            src_map=served_ids.reshape(-1),
+            src_map=unique_ids.reshape(-1),
         )
-        return act, served_ids
-    served_rows = gather_shard_rows(table_shard, served_ids)  # [N, U, D]
-    rows = exchange(served_rows, axis_name, num_shards, in_process)  # [N, U, D] for my requests
-    n, u, d = rows.shape
-    flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique).reshape(-1)
-    act = ops.segment_gather_sum(
-        rows.reshape(n * u, d), flat_index, pair_gains.reshape(-1), pair_rows.reshape(-1), num_rows
+    return ops.lookup_from_shards(
+        table_shard,
+        unique_ids,
+        pair_unique,
+        pair_gains,
+        pair_rows,
+        num_rows,
+        axis_name,
+        num_shards,
+        in_process=in_process,
     )
-    return act, served_ids
 
 
 def update_shard(

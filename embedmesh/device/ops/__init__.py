@@ -43,6 +43,12 @@ end are padding.
   (`all_to_all`, tiled). The CPU kernel copies through shared memory when
   every device of the mesh is in this process (`in_process`): XLA's CPU
   all_to_all moves ~1.4 GB/s here, a memcpy ~10x more.
+- `lookup_from_shards(table_shard, unique_ids, pair_unique, pair_gains,
+  pair_rows, num_rows, ...)`: inside `shard_map` over N > 1 shards, this
+  device's activations [R, D] from the rows `unique_ids[s]` [N, U] of every
+  shard s. Reference: `exchange` the ids, `gather_rows` on the owners,
+  `exchange` the rows [N, U, D], `segment_gather_sum`. The CPU kernel, for
+  in-process devices, reads each shard's table directly: no [N, U, D] buffer.
 - `huge_page_copy(x)`, `full(shape, value, dtype, device)`: a copy, or a
   constant array made on a device; the CPU kernels put the buffer on
   transparent huge pages (see `embedmesh.device.ops.cpu.memory`).
@@ -78,6 +84,7 @@ __all__ = [
     "gather_rows",
     "huge_page_copy",
     "kernel_for",
+    "lookup_from_shards",
     "op_names",
     "reference_of",
     "register_kernel",
@@ -307,6 +314,61 @@ def exchange(x, axis_name, num_shards: int, *, in_process: bool = False):
     )
 
 
+def lookup_from_shards(
+    table_shard,
+    unique_ids,
+    pair_unique,
+    pair_gains,
+    pair_rows,
+    num_rows: int,
+    axis_name,
+    num_shards: int,
+    *,
+    in_process: bool = False,
+):
+    """Activations [num_rows, D] (float32) of this device: `sum gains * shard_s[ids]` over
+    its pairs (`pair_*` [N, P]) into the rows of every shard s (`unique_ids` [N, U]).
+    Pairs with `pair_unique` outside [0, U), a padding id or `pair_rows` outside
+    [0, num_rows) contribute nothing."""
+    return _dispatch(
+        "lookup_from_shards",
+        table_shard,
+        unique_ids.astype(jnp.int32),
+        pair_unique.astype(jnp.int32),
+        pair_gains.astype(jnp.float32),
+        pair_rows.astype(jnp.int32),
+        num_rows=num_rows,
+        axis_name=axis_name,
+        num_shards=num_shards,
+        in_process=in_process,
+    )
+
+
+def _lookup_from_shards_reference(
+    table,
+    unique_ids,
+    pair_unique,
+    pair_gains,
+    pair_rows,
+    *,
+    num_rows,
+    axis_name,
+    num_shards,
+    in_process,
+):
+    """Send the ids to their owners, gather there, send the rows back, combine."""
+    served = exchange(unique_ids, axis_name, num_shards, in_process=in_process)
+    rows = gather_rows(table, served.reshape(-1)).reshape(served.shape + table.shape[1:])
+    rows = exchange(rows, axis_name, num_shards, in_process=in_process)
+    n, u, d = rows.shape
+    valid = (pair_unique >= 0) & (pair_unique < u)  # else it would name another block's row
+    flat = jnp.where(valid, jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique, n * u)
+    flat = flat.reshape(-1)
+    return segment_gather_sum(
+        rows.reshape(n * u, d), flat, pair_gains.reshape(-1), pair_rows.reshape(-1), num_rows
+    )
+
+
 def huge_page_copy(x):
     """A copy of `x` in a buffer advised to use transparent huge pages (CPU); `x` elsewhere."""
     return _dispatch("huge_page_copy", x)
@@ -335,6 +397,7 @@ _define("dedup_sum", reference.dedup_sum)
 _define("sparse_update", _sparse_update_reference)
 _define("backward_update", _backward_update_reference)
 _define("exchange", reference.exchange)
+_define("lookup_from_shards", _lookup_from_shards_reference)
 _define("huge_page_copy", reference.huge_page_copy)
 _define("full", reference.full)
 

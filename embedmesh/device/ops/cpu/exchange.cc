@@ -1,4 +1,5 @@
-// The all-to-all of CPU devices that live in one process, through their shared memory.
+// Collectives of CPU devices that live in one process, through their shared memory: the
+// all-to-all, and the lookup read straight from every shard's table.
 // Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
 //
 // XLA's own CPU all_to_all moves about 1.4 GB/s here (its rendezvous copies each block
@@ -48,44 +49,36 @@ Rendezvous& RendezvousOf(int64_t tag, int64_t n) {
   return *slot;
 }
 
-ffi::Error Exchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_t tag, int64_t n,
-                    ffi::Result<ffi::AnyBuffer> out) {
-  const int64_t rank = rank_buf.typed_data()[0];
+// Runs `work(peers)` once every one of the `n` devices has arrived at call site `tag`
+// with its pointer (`peers[s]`: device s's), and returns once every device has run it,
+// so no device releases or overwrites what it registered while a peer still reads it.
+template <typename F>
+ffi::Error WithPeers(int64_t tag, int64_t n, int64_t rank, const void* mine, const char* what,
+                     const F& work) {
   if (n < 1 || rank < 0 || rank >= n) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "embedmesh exchange: rank " + std::to_string(rank) + " of " +
-                          std::to_string(n) + " devices");
+                      std::string("embedmesh ") + what + ": rank " + std::to_string(rank) +
+                          " of " + std::to_string(n) + " devices");
   }
-  const size_t bytes = x.size_bytes();
-  if (bytes % n != 0) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "embedmesh exchange: " + std::to_string(bytes) +
-                          " bytes do not split into " + std::to_string(n) + " blocks");
-  }
-  const size_t block = bytes / n;
-  char* dst = static_cast<char*>(out->untyped_data());
   Rendezvous& rv = RendezvousOf(tag, n);
   std::unique_lock<std::mutex> lock(rv.mu);
   const int64_t gen = rv.generation;
-  rv.inputs[rank] = static_cast<const char*>(x.untyped_data());
+  rv.inputs[rank] = static_cast<const char*>(mine);
   if (++rv.arrived == n) {
     rv.cv.notify_all();
-  } else if (!rv.cv.wait_for(lock, kTimeout,
-                             [&] { return rv.arrived == n || rv.generation != gen; })) {
+  } else if (!rv.cv.wait_for(lock, kTimeout, [&] { return rv.arrived == n; })) {
     --rv.arrived;
     rv.inputs[rank] = nullptr;
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      "embedmesh exchange: only " + std::to_string(rv.arrived + 1) + " of " +
-                          std::to_string(n) + " devices arrived within 300 s");
+                      std::string("embedmesh ") + what + ": only " +
+                          std::to_string(rv.arrived + 1) + " of " + std::to_string(n) +
+                          " devices arrived within 300 s");
   }
-  std::vector<const char*> inputs = rv.inputs;
+  const std::vector<const char*> peers = rv.inputs;
   lock.unlock();
-  PrepareOutput(dst, bytes);
-  for (int64_t s = 0; s < n; ++s) {
-    std::memcpy(dst + s * block, inputs[s] + rank * block, block);
-  }
+  work(peers);
   lock.lock();
-  if (++rv.copied == n) {  // the last one out opens the next exchange
+  if (++rv.copied == n) {  // the last one out opens the next round
     rv.arrived = 0;
     rv.copied = 0;
     std::fill(rv.inputs.begin(), rv.inputs.end(), nullptr);
@@ -95,6 +88,82 @@ ffi::Error Exchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_t ta
     rv.cv.wait(lock, [&] { return rv.generation != gen; });
   }
   return ffi::Error::Success();
+}
+
+ffi::Error Exchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_t tag, int64_t n,
+                    ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t rank = rank_buf.typed_data()[0];
+  const size_t bytes = x.size_bytes();
+  if (n >= 1 && bytes % n != 0) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "embedmesh exchange: " + std::to_string(bytes) +
+                          " bytes do not split into " + std::to_string(n) + " blocks");
+  }
+  const size_t block = n >= 1 ? bytes / n : 0;
+  char* dst = static_cast<char*>(out->untyped_data());
+  return WithPeers(tag, n, rank, x.untyped_data(), "exchange", [&](const auto& peers) {
+    PrepareOutput(dst, bytes);
+    for (int64_t s = 0; s < n; ++s) std::memcpy(dst + s * block, peers[s] + rank * block, block);
+  });
+}
+
+// The lookup of one device straight from every shard's table: out[pair_rows[s, p]] +=
+// gains[s, p] * table_s[unique_ids[s, pair_unique[s, p]]], table_s being device s's
+// shard (all of `rows` x `d`), summed in (s, p) order: what the exchange of ids, the
+// owners' gathers into [N, U, D], the exchange of rows and the combine compute, with no
+// [N, U, D] buffer and no copy of a row.
+ffi::Error LookupFromShards(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> uids,
+                            ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
+                            ffi::Buffer<ffi::S32> prows, ffi::Buffer<ffi::S32> rank_buf,
+                            int64_t tag, int64_t n, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const int64_t rank = rank_buf.typed_data()[0];
+  auto td = table.dimensions();
+  const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
+  auto od = out->dimensions();
+  const int64_t segs = od.size() ? od[0] : 1;
+  const int64_t u = n >= 1 ? uids.element_count() / n : 0;
+  const int64_t p = n >= 1 ? puniq.element_count() / n : 0;
+  const int32_t* id = uids.typed_data();
+  const int32_t* pu = puniq.typed_data();
+  const int32_t* pr = prows.typed_data();
+  const float* g = gains.typed_data();
+  float* o = out->typed_data();
+  return WithPeers(tag, n, rank, table.typed_data(), "lookup", [&](const auto& peers) {
+    PrepareOutput(o, sizeof(float) * segs * d);
+    auto row_of = [&](int64_t s, int64_t q) -> const float* {  // nullptr: padding
+      const int64_t k = pu[s * p + q];
+      if (k < 0 || k >= u) return nullptr;
+      const int64_t r = id[s * u + k];
+      if (r < 0 || r >= rows) return nullptr;
+      return reinterpret_cast<const float*>(peers[s]) + r * d;
+    };
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(NumWorkers(), 16));
+    const int64_t span = (segs + parts - 1) / parts;
+    ParallelFor(parts, [&](int64_t part) {
+      const int64_t lo = part * span, hi = std::min(segs, lo + span);
+      if (lo >= hi) return;
+      std::memset(o + lo * d, 0, sizeof(float) * (hi - lo) * d);
+      for (int64_t s = 0; s < n; ++s) {
+        for (int64_t q = 0; q < p; ++q) {
+          if (q + kPrefetch < p) {
+            const int64_t t = pr[s * p + q + kPrefetch];
+            if (t >= lo && t < hi) {
+              const float* src = row_of(s, q + kPrefetch);
+              if (src != nullptr) PrefetchRead(reinterpret_cast<const char*>(src), 4 * d);
+              PrefetchWrite(reinterpret_cast<char*>(o + t * d), 4 * d);
+            }
+          }
+          const int64_t t = pr[s * p + q];
+          if (t < lo || t >= hi) continue;
+          const float* __restrict__ src = row_of(s, q);
+          if (src == nullptr) continue;
+          const float gq = g[s * p + q];
+          float* __restrict__ orow = o + t * d;
+          for (int64_t k = 0; k < d; ++k) orow[k] += gq * src[k];
+        }
+      }
+    });
+  });
 }
 
 }  // namespace
@@ -107,3 +176,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmExchange, embedmesh::Exchange,
                                   .Attr<int64_t>("tag")
                                   .Attr<int64_t>("n")
                                   .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmLookupFromShards, embedmesh::LookupFromShards,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("tag")
+                                  .Attr<int64_t>("n")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -136,6 +136,37 @@ def _in_process(x, *, axis_name, num_shards: int, in_process: bool) -> bool:
     return in_process and num_shards > 1 and x.shape[0] % num_shards == 0
 
 
+def lookup_from_shards(
+    table,
+    unique_ids,
+    pair_unique,
+    pair_gains,
+    pair_rows,
+    *,
+    num_rows,
+    axis_name,
+    num_shards,
+    in_process,
+):
+    """This device's activations read straight from every shard's table (exchange.cc)."""
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    out = jax.ShapeDtypeStruct((num_rows,) + table.shape[1:], jnp.float32)
+    return jax.ffi.ffi_call("embedmesh_lookup_from_shards", out)(
+        table,
+        unique_ids,
+        pair_unique,
+        pair_gains,
+        pair_rows,
+        rank,
+        tag=np.int64(next(_exchange_tags)),
+        n=np.int64(num_shards),
+    )
+
+
+def _lookup_in_process(table, *args, num_shards: int, in_process: bool, **params) -> bool:
+    return in_process and num_shards > 1 and table.dtype == jnp.float32
+
+
 # op name -> (kernel, supports or None)
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
@@ -146,6 +177,7 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "sparse_update": (sparse_update, _fused),
     "backward_update": (backward_update, _fused),
     "exchange": (exchange, _in_process),
+    "lookup_from_shards": (lookup_from_shards, _lookup_in_process),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
 }

@@ -37,6 +37,7 @@ TARGETS = {
     "embedmesh_backward_sgd": "EmBackwardSgd",
     "embedmesh_backward_adagrad": "EmBackwardAdagrad",
     "embedmesh_exchange": "EmExchange",
+    "embedmesh_lookup_from_shards": "EmLookupFromShards",
     "embedmesh_huge_page_copy": "EmHugePageCopy",
     "embedmesh_huge_page_fill": "EmHugePageFill",
 }
