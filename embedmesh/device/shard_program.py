@@ -100,11 +100,28 @@ def update_shard(
     `act_grads` [R, D] the gradients of its activation rows. The gradients
     are summed per unique id (`backward`), sent to the owners with the ids
     (`exchange`), and each owner updates its distinct rows once
-    (`owner_update`); on a single shard, unless the optimizer moves every row,
-    that is one op, `ops.backward_update` (fused where a kernel can: no
-    [U, D] gradient buffer). `keep`: a traced bool, False turns every served
-    id into padding, so no row moves. Returns (new table shard, new slots).
+    (`owner_update`); unless the optimizer moves every row, that is one op,
+    `ops.backward_update` on a single shard and `ops.backward_update_sharded`
+    on N (fused where a kernel can: no [U, D] or [N, U, D] gradient buffer).
+    `keep`: a traced bool, False turns every served id into padding, so no row
+    moves. Returns (new table shard, new slots).
     """
+    if num_shards > 1 and not optimizer.touches_all_rows:
+        return ops.backward_update_sharded(
+            optimizer,
+            table_shard,
+            slots,
+            unique_ids,
+            act_grads,
+            pair_rows,
+            pair_unique,
+            pair_gains,
+            True if keep is None else keep,
+            step,
+            axis_name,
+            num_shards,
+            in_process=in_process,
+        )
     one_op = num_shards == 1 and not optimizer.touches_all_rows
     if not one_op:
         grads = backward(

@@ -49,6 +49,12 @@ end are padding.
   shard s. Reference: `exchange` the ids, `gather_rows` on the owners,
   `exchange` the rows [N, U, D], `segment_gather_sum`. The CPU kernel, for
   in-process devices, reads each shard's table directly: no [N, U, D] buffer.
+- `backward_update_sharded(...)`: `backward_update` over N > 1 shards inside
+  `shard_map`: each device's per-unique gradient sums for every shard
+  (`segment_gather_sum`), `exchange`d to the owners with the ids, merged
+  (`dedup_sum`) and applied (`sparse_update`). The CPU kernel, for in-process
+  devices and the fused optimizers, has each owner read its sources' pairs
+  and activation gradients directly: no [N, U, D] buffer, no exchange.
 - `huge_page_copy(x)`, `full(shape, value, dtype, device)`: a copy, or a
   constant array made on a device; the CPU kernels put the buffer on
   transparent huge pages (see `embedmesh.device.ops.cpu.memory`).
@@ -78,6 +84,7 @@ __all__ = [
     "PAD_ID",
     "Kernel",
     "backward_update",
+    "backward_update_sharded",
     "dedup_sum",
     "exchange",
     "full",
@@ -369,6 +376,73 @@ def _lookup_from_shards_reference(
     )
 
 
+def backward_update_sharded(
+    optimizer,
+    table,
+    slots: dict,
+    unique_ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    keep,
+    step,
+    axis_name,
+    num_shards: int,
+    *,
+    in_process: bool = False,
+):
+    """This shard's update from every device's batch (inside `shard_map`, N > 1):
+    `unique_ids`, `pair_*` [N, ...] and `act_grads` [R, D] are this device's, as for
+    `lookup_from_shards`; `keep` (traced bool) False moves no row. Returns (table, slots)."""
+    return _dispatch(
+        "backward_update_sharded",
+        table,
+        dict(slots),
+        unique_ids.astype(jnp.int32),
+        act_grads.astype(jnp.float32),
+        pair_rows.astype(jnp.int32),
+        pair_unique.astype(jnp.int32),
+        pair_gains.astype(jnp.float32),
+        jnp.asarray(keep, bool),
+        optimizer=optimizer,
+        step=step,
+        axis_name=axis_name,
+        num_shards=num_shards,
+        in_process=in_process,
+    )
+
+
+def _backward_update_sharded_reference(
+    table,
+    slots,
+    unique_ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    keep,
+    *,
+    optimizer,
+    step,
+    axis_name,
+    num_shards,
+    in_process,
+):
+    """Per-unique sums for every shard, sent with the ids to the owners, merged, applied."""
+    n, u = unique_ids.shape
+    valid = (pair_unique >= 0) & (pair_unique < u)
+    flat = jnp.where(valid, jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique, n * u)
+    per_unique = segment_gather_sum(
+        act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), flat.reshape(-1), n * u
+    )
+    grads = exchange(per_unique.reshape(n, u, -1), axis_name, num_shards, in_process=in_process)
+    served = exchange(unique_ids, axis_name, num_shards, in_process=in_process)
+    served = jnp.where(keep, served, PAD_ID)
+    uniq, g_sum = dedup_sum(served, grads.reshape(n * u, -1))
+    return sparse_update(optimizer, table, slots, uniq, g_sum, step)
+
+
 def huge_page_copy(x):
     """A copy of `x` in a buffer advised to use transparent huge pages (CPU); `x` elsewhere."""
     return _dispatch("huge_page_copy", x)
@@ -398,6 +472,7 @@ _define("sparse_update", _sparse_update_reference)
 _define("backward_update", _backward_update_reference)
 _define("exchange", reference.exchange)
 _define("lookup_from_shards", _lookup_from_shards_reference)
+_define("backward_update_sharded", _backward_update_sharded_reference)
 _define("huge_page_copy", reference.huge_page_copy)
 _define("full", reference.full)
 

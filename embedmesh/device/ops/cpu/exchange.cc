@@ -5,90 +5,11 @@
 // XLA's own CPU all_to_all moves about 1.4 GB/s here (its rendezvous copies each block
 // through a staging path); the devices of one process share an address space, so each
 // device can copy the blocks meant for it straight out of its peers' input buffers.
-//
-// Every device of the mesh runs the same program, so the k-th call at a given call site
-// (`tag`, unique per traced call) on every device belongs to one exchange. Each call
-// registers its input, waits until all `n` devices have arrived (then every input is
-// final), copies block `rank` of every peer's input into its own output (block s of the
-// result came from device s), and waits until all have copied before returning, so no
-// input is released or overwritten while a peer still reads it. A device that never
-// arrives makes the others fail with an error after `kTimeout` rather than hang.
-#include <chrono>
-#include <condition_variable>
-#include <map>
-#include <mutex>
-#include <string>
-
-#include "common.h"
+// The rendezvous that pairs the calls of the devices is in peers.h.
+#include "peers.h"
 
 namespace embedmesh {
 namespace {
-
-constexpr auto kTimeout = std::chrono::seconds(300);
-
-struct Rendezvous {
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t n = 0;
-  int64_t arrived = 0;
-  int64_t copied = 0;
-  int64_t generation = 0;  // completed exchanges
-  std::vector<const char*> inputs;
-};
-
-Rendezvous& RendezvousOf(int64_t tag, int64_t n) {
-  static std::mutex mu;
-  static std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Rendezvous>> table;
-  std::lock_guard<std::mutex> lock(mu);
-  auto& slot = table[{tag, n}];
-  if (!slot) {
-    slot = std::make_unique<Rendezvous>();
-    slot->n = n;
-    slot->inputs.assign(n, nullptr);
-  }
-  return *slot;
-}
-
-// Runs `work(peers)` once every one of the `n` devices has arrived at call site `tag`
-// with its pointer (`peers[s]`: device s's), and returns once every device has run it,
-// so no device releases or overwrites what it registered while a peer still reads it.
-template <typename F>
-ffi::Error WithPeers(int64_t tag, int64_t n, int64_t rank, const void* mine, const char* what,
-                     const F& work) {
-  if (n < 1 || rank < 0 || rank >= n) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string("embedmesh ") + what + ": rank " + std::to_string(rank) +
-                          " of " + std::to_string(n) + " devices");
-  }
-  Rendezvous& rv = RendezvousOf(tag, n);
-  std::unique_lock<std::mutex> lock(rv.mu);
-  const int64_t gen = rv.generation;
-  rv.inputs[rank] = static_cast<const char*>(mine);
-  if (++rv.arrived == n) {
-    rv.cv.notify_all();
-  } else if (!rv.cv.wait_for(lock, kTimeout, [&] { return rv.arrived == n; })) {
-    --rv.arrived;
-    rv.inputs[rank] = nullptr;
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      std::string("embedmesh ") + what + ": only " +
-                          std::to_string(rv.arrived + 1) + " of " + std::to_string(n) +
-                          " devices arrived within 300 s");
-  }
-  const std::vector<const char*> peers = rv.inputs;
-  lock.unlock();
-  work(peers);
-  lock.lock();
-  if (++rv.copied == n) {  // the last one out opens the next round
-    rv.arrived = 0;
-    rv.copied = 0;
-    std::fill(rv.inputs.begin(), rv.inputs.end(), nullptr);
-    ++rv.generation;
-    rv.cv.notify_all();
-  } else {
-    rv.cv.wait(lock, [&] { return rv.generation != gen; });
-  }
-  return ffi::Error::Success();
-}
 
 ffi::Error Exchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_t tag, int64_t n,
                     ffi::Result<ffi::AnyBuffer> out) {

@@ -167,6 +167,52 @@ def _lookup_in_process(table, *args, num_shards: int, in_process: bool, **params
     return in_process and num_shards > 1 and table.dtype == jnp.float32
 
 
+def backward_update_sharded(
+    table,
+    slots,
+    unique_ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    keep,
+    *,
+    optimizer,
+    step,
+    axis_name,
+    num_shards,
+    in_process,
+):
+    """Each owner reads its sources' pairs and activation gradients directly (update.cc)."""
+    lr, attrs = _scalars(optimizer, step)
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    batch = (
+        unique_ids,
+        act_grads,
+        pair_rows,
+        pair_unique,
+        pair_gains,
+        lr,
+        keep.astype(jnp.int32).reshape(1),
+        rank,
+    )
+    attrs.update(tag=np.int64(next(_exchange_tags)), n=np.int64(num_shards))
+    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    if optimizer.fused_kernel == "sgd":
+        t = jax.ffi.ffi_call(
+            "embedmesh_backward_sgd_from_sources", shape, input_output_aliases={0: 0}
+        )(table, *batch, **attrs)
+        return t, {}
+    t, a = jax.ffi.ffi_call(
+        "embedmesh_backward_adagrad_from_sources", (shape, shape), input_output_aliases={0: 0, 1: 1}
+    )(table, slots["accumulators"], *batch, **attrs)
+    return t, {"accumulators": a}
+
+
+def _fused_in_process(table, slots, *args, optimizer, step, num_shards, in_process, **params):
+    return in_process and num_shards > 1 and _fused(table, slots, optimizer=optimizer, step=step)
+
+
 # op name -> (kernel, supports or None)
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
@@ -178,6 +224,7 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "backward_update": (backward_update, _fused),
     "exchange": (exchange, _in_process),
     "lookup_from_shards": (lookup_from_shards, _lookup_in_process),
+    "backward_update_sharded": (backward_update_sharded, _fused_in_process),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
 }

@@ -38,6 +38,8 @@ TARGETS = {
     "embedmesh_backward_adagrad": "EmBackwardAdagrad",
     "embedmesh_exchange": "EmExchange",
     "embedmesh_lookup_from_shards": "EmLookupFromShards",
+    "embedmesh_backward_sgd_from_sources": "EmBackwardSgdFromSources",
+    "embedmesh_backward_adagrad_from_sources": "EmBackwardAdagradFromSources",
     "embedmesh_huge_page_copy": "EmHugePageCopy",
     "embedmesh_huge_page_fill": "EmHugePageFill",
 }

@@ -1,6 +1,8 @@
-// Fused sparse SGD / Adagrad updates, alone and fused with the backward.
+// Fused sparse SGD / Adagrad updates, alone and fused with the backward (on one shard, and
+// on N in-process shards reading their sources' gradients through peers.h).
 // Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
 #include "common.h"
+#include "peers.h"
 
 namespace embedmesh {
 namespace {
@@ -227,6 +229,170 @@ ffi::Error BackwardSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
   return ffi::Error::Success();
 }
 
+
+// What one source device lends its owners in the fused N-shard backward (peers.h).
+struct SourceBatch {
+  const int32_t* ids;    // [n, u] the rows it asked of each shard (ascending, PAD padded)
+  const float* act;      // [nr, d] its activation gradients
+  const int32_t* prow;   // [n, p] activation row of each pair
+  const int32_t* puniq;  // [n, p] position of each pair's id in ids[shard]
+  const float* gain;     // [n, p]
+  int64_t u, p, nr;
+};
+
+// N in-process shards, fused backward + update on the owner: for each distinct row this
+// shard was asked for by any source, the gradient sum over sources (in source order) of
+// each source's pair-order sum over its pairs of that row, then one update of the row.
+// Equal to backward (per-source segment sums) -> exchange -> dedup_sum -> sparse_update,
+// with no [N, U, D] gradient buffer, no exchange and no dedup output. A source whose pairs
+// are not grouped by slot (see GroupPairs) gets its per-slot sums materialised first.
+template <bool kAdagrad>
+void BackwardUpdateFromSources(float* w, float* acc, int64_t rows, int64_t d, int64_t me,
+                               const std::vector<const SourceBatch*>& src, float lr,
+                               const UpdateAttrs& at) {
+  const int64_t n = static_cast<int64_t>(src.size());
+  const float wd = EffectiveWd(lr, at);
+  struct Part {  // source r's partition for this shard
+    const int32_t* ids;
+    const int32_t* prow;
+    const int32_t* puniq;
+    const float* gain;
+    const float* act;
+    int64_t u, p, nr;
+    std::vector<int64_t> beg, cnt;
+    std::vector<float> sums;  // [u, d] when the pairs are not grouped
+  };
+  std::vector<Part> parts(n);
+  for (int64_t r = 0; r < n; ++r) {
+    const SourceBatch& b = *src[r];
+    Part& q = parts[r];
+    q.ids = b.ids + me * b.u;
+    q.prow = b.prow + me * b.p;
+    q.puniq = b.puniq + me * b.p;
+    q.gain = b.gain + me * b.p;
+    q.act = b.act;
+    q.u = b.u, q.p = b.p, q.nr = b.nr;
+    q.beg.assign(q.u + 1, 0);
+    q.cnt.assign(q.u, 0);
+    if (!GroupPairs(q.ids, q.u, q.prow, q.nr, q.puniq, q.p, q.beg.data(), q.cnt.data())) {
+      q.beg.clear();
+      q.sums.assign(q.u * d, 0.0f);
+      for (int64_t k = 0; k < q.p; ++k) {
+        const int64_t ar = q.prow[k], s = q.puniq[k];
+        if (ar < 0 || ar >= q.nr || s < 0 || s >= q.u) continue;
+        for (int64_t j = 0; j < d; ++j) q.sums[s * d + j] += q.gain[k] * q.act[ar * d + j];
+      }
+    }
+  }
+  // The distinct rows asked of this shard, ascending, each with its (source, slot) list
+  // in source order: a merge when every list is ascending, else a sort.
+  std::vector<std::pair<int32_t, int64_t>> asked;  // (row, source * max_u + slot)
+  int64_t max_u = 1;
+  for (const Part& q : parts) max_u = std::max(max_u, q.u);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t k = 0; k < parts[r].u; ++k) {
+      const int32_t row = parts[r].ids[k];
+      if (row != kPad && row >= 0 && row < rows) asked.emplace_back(row, r * max_u + k);
+    }
+  std::stable_sort(asked.begin(), asked.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<int64_t> starts;
+  for (size_t i = 0; i < asked.size(); ++i)
+    if (i == 0 || asked[i].first != asked[i - 1].first) starts.push_back(static_cast<int64_t>(i));
+  const int64_t distinct = static_cast<int64_t>(starts.size());
+  starts.push_back(static_cast<int64_t>(asked.size()));
+  const int64_t grain = 1024;
+  ParallelFor(NumChunks(distinct, grain), [&](int64_t c) {
+    const int64_t lo = c * grain, hi = std::min(distinct, lo + grain);
+    std::vector<float> g(d), gr(d);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kPrefetch < hi) {
+        const int64_t r = asked[starts[i + kPrefetch]].first;
+        PrefetchWrite(reinterpret_cast<char*>(w + r * d), 4 * d);
+        if (kAdagrad) PrefetchWrite(reinterpret_cast<char*>(acc + r * d), 4 * d);
+      }
+      std::fill(g.begin(), g.end(), 0.0f);
+      for (int64_t e = starts[i]; e < starts[i + 1]; ++e) {
+        const Part& q = parts[asked[e].second / max_u];
+        const int64_t k = asked[e].second % max_u;
+        if (!q.sums.empty()) {
+          for (int64_t j = 0; j < d; ++j) g[j] += q.sums[k * d + j];
+          continue;
+        }
+        std::fill(gr.begin(), gr.end(), 0.0f);
+        for (int64_t t = q.beg[k], left = q.cnt[k]; left > 0; ++t) {
+          const int64_t ar = q.prow[t];
+          if (ar < 0 || ar >= q.nr || q.puniq[t] != k) continue;
+          --left;
+          const float gq = q.gain[t];
+          const float* __restrict__ a = q.act + ar * d;
+          for (int64_t j = 0; j < d; ++j) gr[j] += gq * a[j];
+        }
+        for (int64_t j = 0; j < d; ++j) g[j] += gr[j];
+      }
+      const int64_t r = asked[starts[i]].first;
+      UpdateRow<kAdagrad>(w + r * d, kAdagrad ? acc + r * d : nullptr, g.data(), d, lr, wd, at);
+    }
+  });
+}
+
+template <bool kAdagrad>
+ffi::Error BackwardFromSources(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::Buffer<ffi::S32> ids,
+                               ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow,
+                               ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
+                               ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+                               ffi::Buffer<ffi::S32> rank_buf, int64_t tag, int64_t n,
+                               const UpdateAttrs& at, float* w, float* a) {
+  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
+  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
+  auto td = table.dimensions();
+  auto ad = act.dimensions();
+  const int64_t rank = rank_buf.typed_data()[0];
+  SourceBatch mine{ids.typed_data(),
+                   act.typed_data(),
+                   prow.typed_data(),
+                   puniq.typed_data(),
+                   gains.typed_data(),
+                   n >= 1 ? static_cast<int64_t>(ids.element_count()) / n : 0,
+                   n >= 1 ? static_cast<int64_t>(prow.element_count()) / n : 0,
+                   ad.size() ? ad[0] : 1};
+  const bool apply = keep.typed_data()[0] != 0;
+  const float rate = lr.typed_data()[0];
+  return WithPeers(tag, n, rank, &mine, "backward", [&](const auto& peers) {
+    if (!apply) return;  // a rejected step: every process agrees, no row moves
+    std::vector<const SourceBatch*> src(n);
+    for (int64_t s = 0; s < n; ++s) src[s] = reinterpret_cast<const SourceBatch*>(peers[s]);
+    BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), rank, src,
+                                        rate, at);
+  });
+}
+
+ffi::Error BackwardSgdFromSources(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
+                                  ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow,
+                                  ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
+                                  ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+                                  ffi::Buffer<ffi::S32> rank, int64_t tag, int64_t n,
+                                  float clip_lo, float clip_hi, float wd, int32_t has_wd,
+                                  int32_t wd_lr, float wmin, float wmax,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  return BackwardFromSources<false>(table, nullptr, ids, act, prow, puniq, gains, lr, keep, rank,
+                                    tag, n, MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
+                                    out->typed_data(), nullptr);
+}
+
+ffi::Error BackwardAdagradFromSources(
+    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> ids,
+    ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+    ffi::Buffer<ffi::S32> rank, int64_t tag, int64_t n, float clip_lo, float clip_hi, float wd,
+    int32_t has_wd, int32_t wd_lr, float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
+    ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
+  return BackwardFromSources<true>(table, accum.typed_data(), ids, act, prow, puniq, gains, lr,
+                                   keep, rank, tag, n,
+                                   MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
+                                   out->typed_data(), out_acc->typed_data());
+}
+
 }  // namespace
 }  // namespace embedmesh
 
@@ -274,5 +440,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagrad, embedmesh::BackwardAdagrad,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>() EM_UPDATE_ATTRS
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define EM_SOURCES_ARGS                  \
+  .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Attr<int64_t>("tag")              \
+      .Attr<int64_t>("n")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardSgdFromSources, embedmesh::BackwardSgdFromSources,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_SOURCES_ARGS EM_UPDATE_ATTRS
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagradFromSources,
+                              embedmesh::BackwardAdagradFromSources,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_SOURCES_ARGS EM_UPDATE_ATTRS
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
