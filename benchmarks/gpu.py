@@ -6,9 +6,9 @@ on the same GPU in the same run.
     python benchmarks/gpu.py --out DIR --smoke          # tiny sizes, CPU, < 60 s (CI)
 
 Writes DIR/gpu.json (every figure) and DIR/gpu.md (the summary table, also printed last).
-Exit status: 0 all well; 1 a correctness case failed (or errored); 2 another section
-errored (correctness all passed). Sections skipped by the budget are listed, never cut
-silently.
+Exit status: 0 all well; 1 a correctness case failed (or errored); 2 no case failed but
+another section errored or a variant's correctness did not run in full (budget). Sections
+skipped by the budget are listed, never cut silently.
 
 Every section runs in its own child process (`--worker ...`), so each system starts with
 the whole device and its state is freed on exit (and before, in-process: `del`,
@@ -103,6 +103,7 @@ FULL = dict(
     # budget left is smaller; a running child is killed at its cap (partial results kept)
     est_s=dict(correctness=75, torch=110, jax_scale=110),
     cap_s=dict(correctness=150, torch=200, jax_scale=200),
+    kill_grace_s=15,  # a child still running this long after its deadline is killed
 )
 SMOKE = dict(
     FULL,
@@ -338,7 +339,7 @@ def run_correctness(w: Worker, cfg):
     mesh = Mesh(np.array([dev]), ("x",))
     cpu_mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",)) if topt is None else None
     w.data["reference"] = ref_kind
-    w.data["device"] = f"{dev.platform}: {dev.device_kind}"
+    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
     cases = w.data.setdefault("cases", [])
 
     tables = {
@@ -449,10 +450,14 @@ def run_correctness(w: Worker, cfg):
         del emb, cpu_emb
 
     t0 = time.perf_counter()
+    last = 5.0  # a case needs about as long as the one before (the first has one-time costs)
     for i, (label, cls_name, kwargs) in enumerate(OPTIMIZER_CASES):
-        if w.left() < 5:
-            w.data["skipped"].append(f"correctness {label}: skipped, budget spent")
+        if w.left() < 1.3 * last:
+            w.data["skipped"].append(
+                f"correctness {label}: skipped, {w.left():.0f} s left of the child's budget"
+            )
             continue
+        t_case = time.perf_counter()
         try:
             one_case(label, cls_name, kwargs, seed=100 + i)
         except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported
@@ -463,6 +468,8 @@ def run_correctness(w: Worker, cfg):
                     )
                 )
             w.data.setdefault("tracebacks", {})[label] = traceback.format_exc()[-4000:]
+        last = time.perf_counter() - t_case
+        w.data.setdefault("case_wall_s", {})[label] = round(time.perf_counter() - t_case, 2)
         w.save()
     w.data["sections"]["correctness"] = dict(wall_s=round(time.perf_counter() - t0, 2))
     w.save()
@@ -495,7 +502,7 @@ def run_jax_scale(w: Worker, cfg):
     T, V, D, B = cfg["tables"], cfg["vocab"], cfg["dim"], cfg["batch"]
     warmup, reps, K = cfg["warmup"], cfg["reps"], cfg["num_batches"]
     dev = jax.devices()[0]
-    w.data["device"] = f"{dev.platform}: {dev.device_kind}"
+    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
     w.data["jax"] = jax.__version__
 
     def copy_bw():
@@ -829,7 +836,7 @@ def run_child(kind, variant, cfg, tmp, deadline, cap_s, log):
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            timeout=max(child_deadline - t, 1) + 15,
+            timeout=max(child_deadline - t, 1) + cfg["kill_grace_s"],
         )
         out = proc.stdout.decode(errors="replace")
         if proc.returncode != 0:
@@ -862,7 +869,7 @@ def fmt(x, spec=".3g", na="n/a"):
 def derive(report):
     """Ratios and fractions of the measured copy bandwidth."""
     bws = [
-        s["sections"].get("copy_bandwidth", {}).get("GBps")
+        s.get("sections", {}).get("copy_bandwidth", {}).get("GBps")
         for s in [report.get("torch") or {}, *report["scale"].values()]
     ]
     bws = [b for b in bws if b]
@@ -872,7 +879,7 @@ def derive(report):
     t_fwd = t_step.get("forward", {})
     out = {"copy_GBps": copy}
     for v, s in report["scale"].items():
-        sec = s["sections"]
+        sec = s.get("sections", {})
         d = {}
         for name in ("forward", "backward_update", "step"):
             if name in sec and copy:
@@ -953,7 +960,7 @@ def markdown(report) -> str:
     copy = None if smoke else der.get("copy_GBps")  # a CPU copy is no roofline
     rows = []  # (system, step, forward, backward_update, ratio, host prep s)
     for v, s in sc.items():
-        sec = s["sections"]
+        sec = s.get("sections", {})
         prep = sec.get("build_and_preprocess", {}).get("host_preprocess_s")
         rows.append(
             (
@@ -1023,7 +1030,7 @@ def markdown(report) -> str:
     ]
     t_fwd = tsec.get("sparse_adagrad", {}).get("forward", {})
     for v, s in sc.items():
-        sec, d = s["sections"], der.get(v, {})
+        sec, d = s.get("sections", {}), der.get(v, {})
         for name, label, r in (
             ("forward", "training lookup (jit core.lookup)", "forward_ratio_vs_torch"),
             ("serving_jit", "serving_embedding_lookup (jit)", "serving_ratio_vs_torch"),
@@ -1157,7 +1164,9 @@ def main(argv=None):
     cases = [c for r in report["correctness"].values() for c in r.get("cases", [])]
     expected = len(OPTIMIZER_CASES) * len(COMBINERS)
     failed = [c for c in cases if not c["passed"]]
-    incomplete = [v for v, r in report["correctness"].items() if len(r.get("cases", [])) < expected]
+    incomplete = [
+        v for v in variants if len(report["correctness"].get(v, {}).get("cases", [])) < expected
+    ]
     other_errors = report["errors"] + [
         e
         for g in (report["scale"], {"t": report.get("torch") or {}})
