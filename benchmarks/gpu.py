@@ -17,10 +17,12 @@ The embedmesh children run once per kernel variant with `EMBEDMESH_GPU_KERNELS=<
 in their environment (`xla` default, `pallas`, `reference`); this script only sets the
 variable, it never reads what it selects.
 
-(a) correctness, per variant: 3 tables (sum / mean / sqrtn combiners, dims 8 / 16 / 20,
-    vocabularies 101 / 53 / 29), two ragged features each (one weighted), ids with many
-    repeats and empty rows, fresh random inputs and activation gradients each step, for
-    SGD, Adagrad, AdagradMomentum, Adam (lazy), Adam (non-lazy) and FTRL: the lookup
+(a) correctness, per variant: for each of SGD, Adagrad, AdagradMomentum, Adam (lazy),
+    Adam (non-lazy) and FTRL, 3 tables (sum / mean / sqrtn combiners, dims 8 / 16 / 20,
+    vocabularies 101 / 53 / 29) with that optimizer, two ragged features each (one
+    weighted), ids with many repeats and empty rows, fresh random inputs and activation
+    gradients each step; all 18 tables in one embedding (one program per variant: half
+    the compile time of one per optimizer; if it raises, one per optimizer): the lookup
     activations at each of 3 steps and the tables and slots after them, on the default
     device, against the float64 numpy reference (`tests/training_reference.py` for
     lookups and row gradients, `tests/test_optimizers.ref_update` for the optimizer
@@ -342,15 +344,6 @@ def run_correctness(w: Worker, cfg):
     w.data["device"] = f"{dev.device_kind} ({dev.platform})"
     cases = w.data.setdefault("cases", [])
 
-    tables = {
-        c: em.TableConfig(v, d, combiner=c, name=f"t_{c}") for c, (v, d) in CASE_TABLES.items()
-    }
-    feats = {}
-    for c, t in tables.items():
-        feats[f"f_{c}_w"] = em.FeatureConfig(t)
-        feats[f"f_{c}_u"] = em.FeatureConfig(t)
-    comb_of = {name: f.table.combiner for name, f in feats.items()}
-
     def f64_of(emb):
         v = emb.variables
         return (
@@ -361,14 +354,23 @@ def run_correctness(w: Worker, cfg):
             },
         )
 
-    def one_case(label, cls_name, kwargs, seed):
-        opt = getattr(em, cls_name)(**kwargs)
-        hp = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}
-        hp["lr_spec"] = ("const", kwargs["learning_rate"])
+    def run_group(group, seed):
+        """One embedding holding a table per (optimizer case, combiner), each table with
+        its own optimizer: one program per variant, every optimizer's update in it."""
+        tables, feats, key_of, opt_of = {}, {}, {}, {}
+        for i, label, cls_name, kwargs in group:
+            opt = getattr(em, cls_name)(**kwargs)
+            hp = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}
+            hp["lr_spec"] = ("const", kwargs["learning_rate"])
+            for c, (v, d) in CASE_TABLES.items():
+                name = f"t{i}_{c}"
+                tables[name] = em.TableConfig(v, d, combiner=c, name=name, optimizer=opt)
+                opt_of[name] = (cls_name, hp, opt)
+                key_of[name] = (label, c)
+                for kind in ("w", "u"):  # weighted, unweighted
+                    feats[f"f{i}_{c}_{kind}"] = em.FeatureConfig(tables[name])
         rng = np.random.default_rng(seed)
-        make = lambda m: em.MeshEmbedding(
-            feats, opt, mesh=m, capacities=Capacity(1024, 512), seed=seed
-        )
+        make = lambda m: em.MeshEmbedding(feats, mesh=m, capacities=Capacity(1024, 512), seed=seed)
         emb = make(mesh)
         emb.build()
         cpu_emb = None
@@ -376,101 +378,115 @@ def run_correctness(w: Worker, cfg):
             cpu_emb = make(cpu_mesh)
             cpu_emb.build()
         ref_tabs, ref_slots = f64_of(emb)
-        res = {
-            c: dict(lookup=None, table=None, slots=None, serving_host=None, serving_device=None)
-            for c in COMBINERS
-        }
+        keys = ("lookup", "table", "slots", "serving_host", "serving_device")
+        res = {k: dict.fromkeys(keys) for k in key_of.values()}
 
-        def worst(c, key, err):
-            old = res[c][key]
-            res[c][key] = err if (old is None or not (err <= old)) else old  # NaN stays
+        def worst(tname, what, err):
+            r = res[key_of[tname]]
+            old = r[what]
+            r[what] = err if (old is None or not (err <= old)) else old  # NaN stays
 
-        for step in range(CASE_STEPS):
+        try:
+            for step in range(CASE_STEPS):
+                inputs, weights = _case_batch(rng, feats)
+                acts, preserved = emb(inputs, weights)
+                lays = []
+                for name, f in feats.items():
+                    lay = ref.layout(f, inputs[name], weights[name])
+                    lays.append((name, f.table.name, lay))
+                    want = ref.activation(ref_tabs[f.table.name], lay)
+                    worst(f.table.name, "lookup", rel_err(np.asarray(acts[name]), want))
+                dacts = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in acts.items()}
+                emb.apply_gradients(
+                    {n: jax.device_put(v, dev) for n, v in dacts.items()}, preserved
+                )
+                if topt is not None:
+                    grads = ref.row_gradients(lays, dacts)
+                    for tname, per_id in grads.items():
+                        cls_name, hp, opt = opt_of[tname]
+                        if not getattr(opt, "lazy_adam", True):  # every row moves
+                            zero = np.zeros(ref_tabs[tname].shape[1])
+                            V = ref_tabs[tname].shape[0]
+                            per_id = {i: per_id.get(i, zero) for i in range(V)}
+                        ids = sorted(per_id)
+                        g = np.stack([per_id[i] for i in ids])
+                        s = {k: v[ids] for k, v in ref_slots[tname].items()}
+                        new_w, _, new_s, _ = topt.ref_update(
+                            cls_name, hp, ref_tabs[tname][ids], s, g, step
+                        )
+                        ref_tabs[tname][ids] = new_w
+                        for k in new_s:
+                            ref_slots[tname][k][ids] = new_s[k]
+                else:
+                    _, cpu_pre = cpu_emb(inputs, weights)
+                    cpu_emb.apply_gradients(dacts, cpu_pre)
+                    ref_tabs, ref_slots = f64_of(cpu_emb)
+            got_tabs, got_slots = f64_of(emb)
+            for tname in tables:
+                worst(tname, "table", rel_err(got_tabs[tname], ref_tabs[tname]))
+                for k in ref_slots[tname]:
+                    worst(tname, "slots", rel_err(got_slots[tname][k], ref_slots[tname][k]))
+            # serving on the read-back (exported) tables: host path, and jax.jit on the device
             inputs, weights = _case_batch(rng, feats)
-            acts, preserved = emb(inputs, weights)
-            lays = []
+            exported = emb.embedding_tables
+            host = em.serving_embedding_lookup(inputs, weights, exported, feats)
+            serve = jax.jit(lambda i, wt, t: em.serving_embedding_lookup(i, wt, t, feats))
+            on_dev = serve(
+                jax.device_put(inputs, dev),
+                jax.device_put(weights, dev),
+                jax.device_put(exported, dev),
+            )
             for name, f in feats.items():
                 lay = ref.layout(f, inputs[name], weights[name])
-                lays.append((name, f.table.name, lay))
-                want = ref.activation(ref_tabs[f.table.name], lay)
-                worst(comb_of[name], "lookup", rel_err(np.asarray(acts[name]), want))
-            dacts = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in acts.items()}
-            emb.apply_gradients({n: jax.device_put(v, dev) for n, v in dacts.items()}, preserved)
-            if topt is not None:
-                grads = ref.row_gradients(lays, dacts)
-                for tname, per_id in grads.items():
-                    ids = sorted(per_id)
-                    if not opt.__dict__.get("lazy_adam", True):  # every row moves
-                        zero = np.zeros(ref_tabs[tname].shape[1])
-                        per_id = {i: per_id.get(i, zero) for i in range(ref_tabs[tname].shape[0])}
-                        ids = sorted(per_id)
-                    g = np.stack([per_id[i] for i in ids])
-                    s = {k: v[ids] for k, v in ref_slots[tname].items()}
-                    new_w, _, new_s, _ = topt.ref_update(
-                        cls_name, hp, ref_tabs[tname][ids], s, g, step
-                    )
-                    ref_tabs[tname][ids] = new_w
-                    for k in new_s:
-                        ref_slots[tname][k][ids] = new_s[k]
-            else:
-                _, cpu_pre = cpu_emb(inputs, weights)
-                cpu_emb.apply_gradients(dacts, cpu_pre)
-                ref_tabs, ref_slots = f64_of(cpu_emb)
-        got_tabs, got_slots = f64_of(emb)
-        for c in COMBINERS:
-            tname = f"t_{c}"
-            worst(c, "table", rel_err(got_tabs[tname], ref_tabs[tname]))
-            for k in ref_slots[tname]:
-                worst(c, "slots", rel_err(got_slots[tname][k], ref_slots[tname][k]))
-        # serving on the read-back tables: host path, and jax.jit on the device
-        inputs, weights = _case_batch(rng, feats)
-        exported = emb.embedding_tables
-        host = em.serving_embedding_lookup(inputs, weights, exported, feats)
-        serve = jax.jit(lambda i, wt, t: em.serving_embedding_lookup(i, wt, t, feats))
-        on_dev = serve(
-            jax.device_put(inputs, dev), jax.device_put(weights, dev), jax.device_put(exported, dev)
-        )
-        for name, f in feats.items():
-            lay = ref.layout(f, inputs[name], weights[name])
-            want = ref.activation(np.asarray(exported[f.table], np.float64), lay)
-            c = comb_of[name]
-            for key, out in (("serving_host", host), ("serving_device", on_dev)):
-                err = rel_err(np.asarray(out[name]), want)
-                worst(c, key, err)
-        for c in COMBINERS:
-            r = res[c]
+                want = ref.activation(np.asarray(exported[f.table], np.float64), lay)
+                for what, out in (("serving_host", host), ("serving_device", on_dev)):
+                    worst(f.table.name, what, rel_err(np.asarray(out[name]), want))
+        finally:
+            for e in (emb, cpu_emb):
+                if e is not None:
+                    _free_jax(e.state.tables, e.state.slots)
+        for tname, (label, c) in key_of.items():
+            r = res[(label, c)]
             ok = all(passes(r[k]) for k in ("lookup", "table", "serving_host", "serving_device"))
-            has_slots = bool(opt.slot_initial_values)
+            has_slots = bool(opt_of[tname][2].slot_initial_values)
             ok = ok and (passes(r["slots"]) if has_slots else r["slots"] is None)
             cases.append(dict(optimizer=label, combiner=c, passed=bool(ok), rel_err=r))
-        for e in (emb, cpu_emb):
-            if e is not None:
-                for x in jax.tree_util.tree_leaves((e.state.tables, e.state.slots)):
-                    x.delete()
-        del emb, cpu_emb
 
     t0 = time.perf_counter()
-    last = 5.0  # a case needs about as long as the one before (the first has one-time costs)
-    for i, (label, cls_name, kwargs) in enumerate(OPTIMIZER_CASES):
-        if w.left() < 1.3 * last:
-            w.data["skipped"].append(
-                f"correctness {label}: skipped, {w.left():.0f} s left of the child's budget"
-            )
-            continue
-        t_case = time.perf_counter()
-        try:
-            one_case(label, cls_name, kwargs, seed=100 + i)
-        except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported
-            for c in COMBINERS:
-                cases.append(
-                    dict(
-                        optimizer=label, combiner=c, passed=False, error=f"{type(e).__name__}: {e}"
-                    )
-                )
-            w.data.setdefault("tracebacks", {})[label] = traceback.format_exc()[-4000:]
-        last = time.perf_counter() - t_case
-        w.data.setdefault("case_wall_s", {})[label] = round(time.perf_counter() - t_case, 2)
+    group = [(i, *case) for i, case in enumerate(OPTIMIZER_CASES)]
+    try:
+        run_group(group, seed=100)
+        w.data["programs"] = "one embedding, a table per optimizer x combiner"
+    except Exception:  # noqa: BLE001 - isolate it: one embedding per optimizer
+        w.data.setdefault("tracebacks", {})["all optimizers at once"] = traceback.format_exc()[
+            -4000:
+        ]
+        w.data["programs"] = "one embedding per optimizer (the joint one raised, see tracebacks)"
+        del cases[:]
         w.save()
+        last = 5.0  # a case needs about as long as the one before
+        for i, label, cls_name, kwargs in group:
+            if w.left() < 1.3 * last:
+                w.data["skipped"].append(
+                    f"correctness {label}: skipped, {w.left():.0f} s left of the child's budget"
+                )
+                continue
+            t_case = time.perf_counter()
+            try:
+                run_group([(i, label, cls_name, kwargs)], seed=100 + i)
+            except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported
+                for c in COMBINERS:
+                    cases.append(
+                        dict(
+                            optimizer=label,
+                            combiner=c,
+                            passed=False,
+                            error=f"{type(e).__name__}: {e}",
+                        )
+                    )
+                w.data["tracebacks"][label] = traceback.format_exc()[-4000:]
+            last = time.perf_counter() - t_case
+            w.save()
     w.data["sections"]["correctness"] = dict(wall_s=round(time.perf_counter() - t0, 2))
     w.save()
 
