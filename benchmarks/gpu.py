@@ -925,7 +925,8 @@ def markdown(report) -> str:
         L += [
             "",
             f"**{v}** on {c.get('device', '?')}: {n_ok}/{len(cases)} cases pass "
-            f"(child: {c.get('status')}); reference: {c.get('reference', '?')}",
+            f"(child: {c.get('status')}; {c.get('programs', '?')}); "
+            f"reference: {c.get('reference', '?')}",
             "",
             "| optimizer | " + " | ".join(COMBINERS) + " |",
             "|---|" + "---|" * len(COMBINERS),
@@ -1154,11 +1155,19 @@ def main(argv=None):
                     "correctness", v, cfg, tmp, deadline, cfg["cap_s"]["correctness"], log
                 )
         t = time.time()
+        cfg["batches_path"] = None
+        scale_left = deadline - t >= min(cfg["est_s"]["jax_scale"], cfg["est_s"]["torch"])
+        if not scale_left:
+            report["skipped"].append("scale and torch sections: skipped, budget spent")
         try:
+            if not scale_left:
+                raise StopIteration
             cfg["batches_path"] = os.path.join(tmp, "batches.npz")
             cfg["batch_meta"] = make_batches(cfg, cfg["batches_path"])
             report["config"]["batch_meta"] = cfg["batch_meta"]
             report["batches_s"] = round(time.time() - t, 1)
+        except StopIteration:
+            pass
         except Exception as e:  # noqa: BLE001
             report["errors"].append(f"making the scale batches: {type(e).__name__}: {e}")
             cfg["batches_path"] = None
