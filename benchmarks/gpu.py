@@ -506,6 +506,16 @@ def _free_jax(*trees):
     jax.clear_caches()
 
 
+def memory_stats(dev):
+    """The device allocator's figures (bytes in use, peak, limit) where it has them."""
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend has them
+        return None
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "bytes_reserved")
+    return {k: stats[k] for k in keys if k in stats} or None
+
+
 def run_jax_scale(w: Worker, cfg):
     import jax
     import jax.numpy as jnp
@@ -639,13 +649,16 @@ def run_jax_scale(w: Worker, cfg):
     w.section("forward", 10, fwd)
     w.section("backward_update", 10, bwd)
     w.section("step", 15, step)
-    emb.state = state["st"]
-    tables_finite = bool(
-        all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree_util.tree_leaves(emb.state.tables))
-    )
-    w.data["tables_finite_after_timing"] = tables_finite
-    w.save()
-    _free_jax(emb.state.tables, emb.state.slots, csrs)
+    w.data["memory_after_timing"] = memory_stats(dev)
+
+    def finite():
+        leaves = jax.tree_util.tree_leaves(state["st"])
+        if not all(bool(jnp.all(jnp.isfinite(a))) for a in leaves):
+            raise FloatingPointError("non-finite tables or slots after the timed steps")
+        return dict(finite=True)
+
+    w.section("tables_finite_after_timing", 0, finite)
+    _free_jax(state["st"], csrs)
     holder.clear()
     state.clear()
     emb = csrs = None
@@ -671,8 +684,9 @@ def run_jax_scale(w: Worker, cfg):
         med, ts = timed_median(
             lambda i: jax.block_until_ready(serve(ins[i % K], tabs)), warmup, reps
         )
+        mem = memory_stats(dev)
         _free_jax(tabs, ins)
-        return dict(ms=med * 1e3, ids_per_s=mean_ids / med, samples_s=ts)
+        return dict(ms=med * 1e3, ids_per_s=mean_ids / med, samples_s=ts, memory=mem)
 
     w.section("serving_jit", 20, serving)
 
@@ -711,16 +725,15 @@ def run_torch(w: Worker, cfg):
 
     def copy_bw():
         n = cfg["copy_bytes"] // 4
-        src = torch.randn(n, device=dev)
-        dst = torch.empty_like(src)
+        buf = {"src": torch.randn(n, device=dev)}
+        buf["dst"] = torch.empty_like(buf["src"])
 
         def one(i):
-            dst.copy_(src)
+            buf["dst"].copy_(buf["src"])
             sync()
 
         med, _ = timed_median(one, 2, cfg["copy_reps"])
-        src.resize_(0)
-        dst.resize_(0)
+        buf.clear()
         free()
         return dict(bytes=2 * n * 4, median_s=med, GBps=2 * n * 4 / med / 1e9, how="dst.copy_(src)")
 
@@ -774,6 +787,8 @@ def run_torch(w: Worker, cfg):
     fused_refused = [""]
 
     def train(sparse, fused=True):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         m = dict(zip(("bags", "opt", "how"), setup(sparse, fused)))  # cleared at the end
 
         def one(i):
@@ -819,8 +834,6 @@ def run_torch(w: Worker, cfg):
         finally:
             m.clear()
             free()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
 
     w.section("sparse_adagrad", 20, train, True)
     w.section("dense_fused_adagrad", 25, train, False)
