@@ -104,6 +104,7 @@ FULL = dict(
     # seconds a child needs, roughly (start-up included): a child is skipped when the
     # budget left is smaller; a running child is killed at its cap (partial results kept)
     est_s=dict(correctness=75, torch=110, jax_scale=110),
+    est_scale=1.0,  # of the sections' estimates inside a child
     cap_s=dict(correctness=150, torch=200, jax_scale=200),
     kill_grace_s=15,  # a child still running this long after its deadline is killed
 )
@@ -122,6 +123,7 @@ SMOKE = dict(
     budget_s=240.0,
     variants="xla",
     est_s=dict(correctness=10, torch=5, jax_scale=10),
+    est_scale=0.2,
     cap_s=dict(correctness=120, torch=120, jax_scale=120),
 )
 
@@ -163,8 +165,8 @@ def write_json(path, obj):
 class Worker:
     """A child's results, written to its part file after every section."""
 
-    def __init__(self, path, deadline):
-        self.path, self.deadline = path, deadline
+    def __init__(self, path, deadline, est_scale=1.0):
+        self.path, self.deadline, self.est_scale = path, deadline, est_scale
         self.data = {"sections": {}, "skipped": [], "errors": []}
 
     def left(self) -> float:
@@ -174,7 +176,8 @@ class Worker:
         write_json(self.path, self.data)
 
     def section(self, name, est_s, fn, *args):
-        """Run `fn(*args)` -> dict unless less than `est_s` seconds are left."""
+        """Run `fn(*args)` -> dict unless less than `est_s` (full-size) seconds are left."""
+        est_s *= self.est_scale
         if self.left() < est_s:
             self.data["skipped"].append(
                 f"{name}: skipped, {self.left():.0f} s left of the budget, needs ~{est_s:.0f} s"
@@ -1116,7 +1119,7 @@ def main(argv=None):
     if args.worker:
         with open(args.cfg) as f:
             cfg = json.load(f)
-        w = Worker(args.part, args.deadline)
+        w = Worker(args.part, args.deadline, cfg["est_scale"])
         w.data["env_EMBEDMESH_GPU_KERNELS"] = os.environ.get("EMBEDMESH_GPU_KERNELS")
         w.save()
         fn = {"correctness": run_correctness, "jax_scale": run_jax_scale, "torch": run_torch}
@@ -1152,14 +1155,23 @@ def main(argv=None):
         errors=[],
     )
 
+    est = dict(cfg["est_s"])
+
     def fits(kind, label):
         left = deadline - time.time()
-        if left < cfg["est_s"][kind]:
+        if left < est[kind]:
             report["skipped"].append(
-                f"{label}: skipped, {left:.0f} s of the budget left, needs ~{cfg['est_s'][kind]} s"
+                f"{label}: skipped, {left:.0f} s of the budget left, needs ~{est[kind]:.0f} s"
             )
             return False
         return True
+
+    def learn(kind, data):
+        """The next child of a kind needs about what a complete one took."""
+        if data["status"] == "ok" and not data.get("skipped") and not data.get("errors"):
+            est[kind] = data["wall_s"] * 1.1
+        else:
+            est[kind] = max(est[kind], data["wall_s"] * 1.1)
 
     with tempfile.TemporaryDirectory(prefix="embedmesh-gpu-") as tmp:
         for v in variants:
@@ -1167,9 +1179,10 @@ def main(argv=None):
                 report["correctness"][v] = run_child(
                     "correctness", v, cfg, tmp, deadline, cfg["cap_s"]["correctness"], log
                 )
+                learn("correctness", report["correctness"][v])
         t = time.time()
         cfg["batches_path"] = None
-        scale_left = deadline - t >= min(cfg["est_s"]["jax_scale"], cfg["est_s"]["torch"])
+        scale_left = deadline - t >= min(est["jax_scale"], est["torch"])
         if not scale_left:
             report["skipped"].append("scale and torch sections: skipped, budget spent")
         try:
@@ -1193,6 +1206,7 @@ def main(argv=None):
                 if not fits(kind, label):
                     continue
                 data = run_child(kind, v, cfg, tmp, deadline, cfg["cap_s"][kind], log)
+                learn(kind, data)
                 if kind == "torch":
                     report["torch"] = data
                 else:
