@@ -10,9 +10,13 @@ Exit status: 0 all well; 1 a correctness case failed (or errored); 2 no case fai
 another section errored or a variant's correctness did not run in full (budget). Sections
 skipped by the budget are listed, never cut silently.
 
-Every section runs in its own child process (`--worker ...`), so each system starts with
-the whole device and its state is freed on exit (and before, in-process: `del`,
-`gc.collect()`, `torch.cuda.empty_cache()`, jax `.delete()` and `jax.clear_caches()`).
+Each part runs in its own child process (`--worker ...`: correctness per variant, scale
+per variant, torch), so each system starts with the whole device and its state is freed
+on exit (and before, in-process: `gc.collect()`, `torch.cuda.empty_cache()`, jax
+`.delete()` and `jax.clear_caches()`). torch is imported lazily, in its child only: where
+it is missing (CPU CI) its figures say "torch not installed". Order: correctness of every
+variant, then the first variant's scale run, torch, the other variants' scale runs; each
+child is skipped when the budget left is less than the previous one of its kind took.
 The embedmesh children run once per kernel variant with `EMBEDMESH_GPU_KERNELS=<variant>`
 in their environment (`xla` default, `pallas`, `reference`); this script only sets the
 variable, it never reads what it selects.
@@ -46,7 +50,8 @@ variable, it never reads what it selects.
     torch with dense gradients (`sparse=False`) and Adagrad `fused=True` (or foreach):
     the same result (untouched rows get a zero gradient, which Adagrad leaves as they
     are) but O(table) work per step.
-    Bytes each pass must touch (float32 rows of 4*D bytes, ids counted as 4 bytes;
+    Bytes each pass must touch (float32 rows of 4*D bytes, ids counted as 4 bytes
+    (torch reads int64 ids), metadata such as offsets or CSR pairs not counted;
     N = ids in the batch, U = distinct (table, id) rows in the batch, S = slots):
       forward          = 4*N + U*4D + T*B*4D    (ids, unique rows read, outputs written)
       backward+update  = T*B*4D + 2*U*4D*(1+S)  (act grads read; rows + slots read, written)
@@ -185,14 +190,18 @@ class Worker:
             self.save()
             return None
         t = time.perf_counter()
+        print(f"[{name}] start, {self.left():.0f} s left", flush=True)
         try:
             out = fn(*args)
         except Exception as e:  # noqa: BLE001 - report and go on with the next section
+            print(f"[{name}] {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
             self.data["errors"].append(f"{name}: {type(e).__name__}: {e}")
             self.data.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
             self.save()
             return None
         out = dict(out or {}, wall_s=round(time.perf_counter() - t, 2))
+        print(f"[{name}] done in {out['wall_s']} s", flush=True)
         self.data["sections"][name] = out
         self.save()
         return out
@@ -457,6 +466,7 @@ def run_correctness(w: Worker, cfg):
 
     t0 = time.perf_counter()
     group = [(i, *case) for i, case in enumerate(OPTIMIZER_CASES)]
+    print(f"[correctness] reference: {ref_kind}", flush=True)
     try:
         run_group(group, seed=100)
         w.data["programs"] = "one embedding, a table per optimizer x combiner"
@@ -862,22 +872,26 @@ def run_child(kind, variant, cfg, tmp, deadline, cap_s, log):
         f"[gpu.py] {kind} {variant or ''}: start ({deadline - t:.0f} s of budget left)", flush=True
     )
     status = "ok"
-    try:
-        proc = subprocess.run(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=max(child_deadline - t, 1) + cfg["kill_grace_s"],
-        )
-        out = proc.stdout.decode(errors="replace")
-        if proc.returncode != 0:
-            status = f"exit status {proc.returncode}"
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace")
-        status = "killed: ran past its share of the budget (partial results kept)"
-    with open(log, "a") as f:
-        f.write(f"===== {kind} {variant or ''} ({status})\n{out}\n")
+    with open(log, "a") as f:  # the child writes straight into the log: kept if all dies
+        f.write(f"===== {kind} {variant or ''}\n")
+        f.flush()
+        start = f.tell()
+        try:
+            proc = subprocess.run(
+                cmd,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=max(child_deadline - t, 1) + cfg["kill_grace_s"],
+            )
+            if proc.returncode != 0:
+                status = f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            status = "killed: ran past its share of the budget (partial results kept)"
+        f.write(f"\n===== {kind} {variant or ''}: {status}\n")
+    with open(log, "rb") as f:
+        f.seek(start)
+        out = f.read().decode(errors="replace")
     data = {"sections": {}, "skipped": [], "errors": []}
     if os.path.exists(part):
         with open(part) as f:
