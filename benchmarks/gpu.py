@@ -32,8 +32,9 @@ variable, it never reads what it selects.
     lookups and row gradients, `tests/test_optimizers.ref_update` for the optimizer
     math; if that module cannot be imported, against the same run of embedmesh on the
     CPU backend, and the output says so); then `serving_embedding_lookup` on the
-    read-back (exported) tables, host path and `jax.jit` on the device, against the
-    float64 reference. Relative error ||out - ref|| / ||ref|| < 1e-5 passes, NaN never.
+    read-back (exported) tables, host path (its reused output buffers poisoned with NaN
+    by a call on NaN tables first) and `jax.jit` on the device, against the float64
+    reference. Relative error ||out - ref|| / ||ref|| < 1e-5 passes, NaN never.
 (b) training step at scale: T tables x V rows x D float32 stacked (T*V*D < 2**31),
     batch B, ragged ids (lengths uniform 10..30, mean 20) drawn Zipf(1.05) over
     permuted ranks, sum combiner, Adagrad(lr 0.01, initial accumulator 0.1), loss
@@ -441,6 +442,11 @@ def run_correctness(w: Worker, cfg):
             # serving on the read-back (exported) tables: host path, and jax.jit on the device
             inputs, weights = _case_batch(rng, feats)
             exported = emb.embedding_tables
+            # poison: the host path reuses freed output buffers; fill them with NaN first
+            nan = {t: np.full(v.shape, np.nan, v.dtype) for t, v in exported.items()}
+            poisoned = em.serving_embedding_lookup(inputs, weights, nan, feats)
+            del poisoned
+            gc.collect()
             host = em.serving_embedding_lookup(inputs, weights, exported, feats)
             serve = jax.jit(lambda i, wt, t: em.serving_embedding_lookup(i, wt, t, feats))
             on_dev = serve(
