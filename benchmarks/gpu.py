@@ -718,7 +718,7 @@ def run_torch(w: Worker, cfg):
     try:
         import torch
     except ImportError as e:
-        w.data["skipped"].append(f"torch: torch not installed ({e})")
+        w.data["skipped"].append(f"torch not installed ({e}): torch figures n/a")
         w.data["torch"] = "not installed"
         w.save()
         return
@@ -1095,7 +1095,7 @@ def markdown(report) -> str:
             )
     L.append(
         f"| torch F.embedding_bag sum, no_grad | {fmt(t_fwd.get('ms'))} "
-        f"| {fmt(t_fwd.get('ids_per_s'))} | 1 |"
+        f"| {fmt(t_fwd.get('ids_per_s'))} | {'1' if t_fwd else why} |"
     )
     L += [
         "",
