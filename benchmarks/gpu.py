@@ -1,0 +1,1266 @@
+"""One prepared script for a lent GPU machine (issue #14 item 3): correctness, training
+step, forward and serving throughput of embedmesh on the default device, against torch
+on the same GPU in the same run.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu.py --out DIR --budget-s 420
+    python benchmarks/gpu.py --out DIR --smoke          # tiny sizes, CPU, < 60 s (CI)
+
+Writes DIR/gpu.json (every figure) and DIR/gpu.md (the summary table, also printed last).
+Exit status: 0 all well; 1 a correctness case failed (or errored); 2 no case failed but
+another section errored or a variant's correctness did not run in full (budget). Sections
+skipped by the budget are listed, never cut silently.
+
+Each part runs in its own child process (`--worker ...`: correctness per variant, scale
+per variant, torch), so each system starts with the whole device and its state is freed
+on exit (and before, in-process: `gc.collect()`, `torch.cuda.empty_cache()`, jax
+`.delete()` and `jax.clear_caches()`). torch is imported lazily, in its child only: where
+it is missing (CPU CI) its figures say "torch not installed". Order: correctness of every
+variant, then the first variant's scale run, torch, the other variants' scale runs; each
+child is skipped when the budget left is less than the previous one of its kind took.
+The embedmesh children run once per kernel variant with `EMBEDMESH_GPU_KERNELS=<variant>`
+in their environment (`xla` default, `pallas`, `reference`); this script only sets the
+variable, it never reads what it selects.
+
+(a) correctness, per variant: for each of SGD, Adagrad, AdagradMomentum, Adam (lazy),
+    Adam (non-lazy) and FTRL, 3 tables (sum / mean / sqrtn combiners, dims 8 / 16 / 20,
+    vocabularies 101 / 53 / 29) with that optimizer, two ragged features each (one
+    weighted), ids with many repeats and empty rows, fresh random inputs and activation
+    gradients each step; all 18 tables in one embedding (one program per variant: half
+    the compile time of one per optimizer; if it raises, one per optimizer): the lookup
+    activations at each of 3 steps and the tables and slots after them, on the default
+    device, against the float64 numpy reference (`tests/training_reference.py` for
+    lookups and row gradients, `tests/test_optimizers.ref_update` for the optimizer
+    math; if that module cannot be imported, against the same run of embedmesh on the
+    CPU backend, and the output says so); then `serving_embedding_lookup` on the
+    read-back (exported) tables, host path (its reused output buffers poisoned with NaN
+    by a call on NaN tables first) and `jax.jit` on the device, against the float64
+    reference. Relative error ||out - ref|| / ||ref|| < 1e-5 passes, NaN never.
+(b) training step at scale: T tables x V rows x D float32 stacked (T*V*D < 2**31),
+    batch B, ragged ids (lengths uniform 10..30, mean 20) drawn Zipf(1.05) over
+    permuted ranks, sum combiner, Adagrad(lr 0.01, initial accumulator 0.1), loss
+    sum_t ||act_t - R_t||^2 / 2 with a fixed random R_t [B, D] (both systems; its
+    gradient act_t - R_t reads the lookup, as a real model's does). K batches are
+    preprocessed before timing and rotated; host preprocessing (`enqueue`: host work +
+    transfer) is timed apart: a real per-batch cost, not in the device figures.
+    Timed: forward (`jax.jit(core.lookup)`), backward+update (`core.apply_gradients`
+    with fixed activation gradients), and the full step (one jit: lookup, loss
+    gradient, update); warm-up then the median of repeats, `jax.block_until_ready`.
+    torch: T `nn.EmbeddingBag(V, D, mode="sum", sparse=True)` + `torch.optim.Adagrad`
+    (same lr and initial accumulator), same ids as input+offsets, forward + backward +
+    step; its forward is timed under `no_grad` (backward+update = step - forward). Also
+    torch with dense gradients (`sparse=False`) and Adagrad `fused=True` (or foreach):
+    the same result (untouched rows get a zero gradient, which Adagrad leaves as they
+    are) but O(table) work per step.
+    Bytes each pass must touch (float32 rows of 4*D bytes, ids counted as 4 bytes
+    (torch reads int64 ids), metadata such as offsets or CSR pairs not counted;
+    N = ids in the batch, U = distinct (table, id) rows in the batch, S = slots):
+      forward          = 4*N + U*4D + T*B*4D    (ids, unique rows read, outputs written)
+      backward+update  = T*B*4D + 2*U*4D*(1+S)  (act grads read; rows + slots read, written)
+      step             = forward + backward+update
+    divided by the pass time, against the device-to-device copy bandwidth measured
+    first (bytes read + written / time of a large copy: torch `dst.copy_(src)` and jax
+    `x + 1`).
+(c) forward-only and serving throughput (ids/s): embedmesh's training lookup (above),
+    `serving_embedding_lookup` under `jax.jit` on device tables, and torch's
+    `F.embedding_bag(mode="sum")` under `no_grad` on the same ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path[:1]:  # the repository's embedmesh, installed or not
+    sys.path.insert(0, ROOT)
+
+TOL = 1e-5
+LR = 0.01
+INITIAL_ACC = 0.1
+ZIPF_A = 1.05
+
+FULL = dict(
+    mode="full",
+    tables=8,
+    vocab=2_000_000,
+    dim=128,
+    batch=65_536,
+    min_len=10,
+    max_len=30,
+    num_batches=4,
+    warmup=3,
+    reps=10,
+    copy_bytes=4 << 30,
+    copy_reps=20,
+    budget_s=420.0,
+    variants="xla,pallas,reference",
+    # seconds a child needs, roughly (start-up included): a child is skipped when the
+    # budget left is smaller; a running child is killed at its cap (partial results kept)
+    est_s=dict(correctness=75, torch=110, jax_scale=110),
+    est_scale=1.0,  # of the sections' estimates inside a child
+    cap_s=dict(correctness=150, torch=200, jax_scale=200),
+    kill_grace_s=15,  # a child still running this long after its deadline is killed
+)
+SMOKE = dict(
+    FULL,
+    mode="smoke",
+    tables=2,
+    vocab=1000,
+    dim=16,
+    batch=64,
+    num_batches=2,
+    warmup=1,
+    reps=3,
+    copy_bytes=16 << 20,
+    copy_reps=3,
+    budget_s=240.0,
+    variants="xla",
+    est_s=dict(correctness=10, torch=5, jax_scale=10),
+    est_scale=0.2,
+    cap_s=dict(correctness=120, torch=120, jax_scale=120),
+)
+
+
+# ---------------------------------------------------------------------------
+# Shared helpers
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def rel_err(got, want) -> float:
+    """||got - want|| / ||want|| in float64; NaN for non-finite output or a zero
+    reference (a check on zeros proves nothing); inf for a shape mismatch."""
+    import numpy as np
+
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return math.inf
+    den = float(np.linalg.norm(want))
+    if not np.all(np.isfinite(got)) or den == 0.0:
+        return math.nan
+    return float(np.linalg.norm(got - want)) / den
+
+
+def passes(err) -> bool:
+    return err is not None and err < TOL  # NaN compares False
+
+
+def write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+class Worker:
+    """A child's results, written to its part file after every section."""
+
+    def __init__(self, path, deadline, est_scale=1.0):
+        self.path, self.deadline, self.est_scale = path, deadline, est_scale
+        self.data = {"sections": {}, "skipped": [], "errors": []}
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self):
+        write_json(self.path, self.data)
+
+    def section(self, name, est_s, fn, *args):
+        """Run `fn(*args)` -> dict unless less than `est_s` (full-size) seconds are left."""
+        est_s *= self.est_scale
+        if self.left() < est_s:
+            self.data["skipped"].append(
+                f"{name}: skipped, {self.left():.0f} s left of the budget, needs ~{est_s:.0f} s"
+            )
+            self.save()
+            return None
+        t = time.perf_counter()
+        print(f"[{name}] start, {self.left():.0f} s left", flush=True)
+        try:
+            out = fn(*args)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next section
+            print(f"[{name}] {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+            self.data["errors"].append(f"{name}: {type(e).__name__}: {e}")
+            self.data.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
+            self.save()
+            return None
+        out = dict(out or {}, wall_s=round(time.perf_counter() - t, 2))
+        print(f"[{name}] done in {out['wall_s']} s", flush=True)
+        self.data["sections"][name] = out
+        self.save()
+        return out
+
+
+def timed_median(fn, warmup, reps):
+    """(median seconds, all samples) of `fn()` (which must block) after `warmup` calls."""
+    for i in range(warmup):
+        fn(i)
+    ts = []
+    for i in range(reps):
+        t = time.perf_counter()
+        fn(warmup + i)
+        ts.append(time.perf_counter() - t)
+    return median(ts), ts
+
+
+# ---------------------------------------------------------------------------
+# The scale workload's ids (made once by the parent, shared by every child)
+
+
+def make_batches(cfg, path):
+    """K batches of T features: ragged ids (int32 values, int64 lengths), Zipf over
+    permuted ranks; saved to `path` (.npz). Returns per-batch counts."""
+    import numpy as np
+
+    T, V, B = cfg["tables"], cfg["vocab"], cfg["batch"]
+    rng = np.random.default_rng(14)
+    cdf = np.cumsum(np.arange(1, V + 1, dtype=np.float64) ** -ZIPF_A)
+    cdf /= cdf[-1]
+    perms = [rng.permutation(V).astype(np.int32) for _ in range(T)]
+    arrays, meta = {}, []
+    for k in range(cfg["num_batches"]):
+        n_ids = n_unique = 0
+        for t in range(T):
+            lengths = rng.integers(cfg["min_len"], cfg["max_len"] + 1, B).astype(np.int64)
+            r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), V - 1)
+            vals = perms[t][r]
+            arrays[f"v{k}_{t}"], arrays[f"l{k}_{t}"] = vals, lengths
+            n_ids += vals.size
+            n_unique += int(np.unique(vals).size)
+        meta.append(dict(ids=n_ids, unique_rows=n_unique))
+    np.savez(path, **arrays)
+    return meta
+
+
+def load_batches(cfg):
+    import numpy as np
+
+    z = np.load(cfg["batches_path"])
+    return [
+        [(z[f"v{k}_{t}"], z[f"l{k}_{t}"]) for t in range(cfg["tables"])]
+        for k in range(cfg["num_batches"])
+    ]
+
+
+def bytes_touched(cfg, ids, unique_rows, num_slots):
+    """The minimal bytes of each pass (see the module docstring)."""
+    row = 4 * cfg["dim"]
+    outputs = cfg["tables"] * cfg["batch"] * row
+    fwd = 4 * ids + unique_rows * row + outputs
+    bwd = outputs + 2 * unique_rows * row * (1 + num_slots)
+    return dict(forward=fwd, backward_update=bwd, step=fwd + bwd)
+
+
+# ---------------------------------------------------------------------------
+# (a) correctness
+
+
+OPTIMIZER_CASES = [
+    ("SGD", "SGD", dict(learning_rate=0.2)),
+    ("Adagrad", "Adagrad", dict(learning_rate=0.3, initial_accumulator_value=0.2)),
+    (
+        "AdagradMomentum",
+        "AdagradMomentum",
+        dict(
+            learning_rate=0.2,
+            momentum=0.5,
+            use_nesterov=True,
+            exponent=3.0,
+            beta2=0.9,
+            epsilon=1e-3,
+        ),
+    ),
+    ("Adam(lazy)", "Adam", dict(learning_rate=0.05, beta_1=0.8, beta_2=0.9, epsilon=1e-3)),
+    ("Adam(non-lazy)", "Adam", dict(learning_rate=0.05, lazy_adam=False, beta_1=0.5)),
+    (
+        "FTRL",
+        "FTRL",
+        dict(
+            learning_rate=0.5,
+            l1_regularization_strength=0.01,
+            l2_regularization_strength=0.1,
+            beta=0.1,
+        ),
+    ),
+]
+COMBINERS = ("sum", "mean", "sqrtn")
+CASE_TABLES = {"sum": (101, 8), "mean": (53, 16), "sqrtn": (29, 20)}  # vocab, dim
+CASE_BATCH = 16
+CASE_STEPS = 3
+
+
+def _case_batch(rng, feats):
+    import numpy as np
+
+    import embedmesh as em
+
+    inputs, weights = {}, {}
+    for name, f in feats.items():
+        V = f.table.vocabulary_size
+        lengths = rng.integers(0, 7, CASE_BATCH)  # empty rows included
+        n = int(lengths.sum())
+        hot = rng.integers(0, 4, n)  # many repeats, within and across samples
+        ids = np.where(rng.random(n) < 0.5, hot, rng.integers(0, V, n)).astype(np.int64)
+        r = em.RaggedTensor.from_row_lengths(ids, lengths)
+        inputs[name] = r
+        weights[name] = (
+            em.RaggedTensor(rng.uniform(0.1, 2.0, n).astype(np.float32), r.row_splits)
+            if name.endswith("_w")
+            else None
+        )
+    return inputs, weights
+
+
+def run_correctness(w: Worker, cfg):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.host.preprocess import Capacity
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import training_reference as ref
+
+    try:
+        import test_optimizers as topt
+
+        ref_kind = "float64 numpy (tests/training_reference.py, tests/test_optimizers.ref_update)"
+    except Exception as e:  # noqa: BLE001 - any import failure: use the CPU backend instead
+        topt = None
+        ref_kind = (
+            f"lookups: float64 numpy (tests/training_reference.py); tables and slots: the "
+            f"same run of embedmesh on the CPU backend (test_optimizers not importable: "
+            f"{type(e).__name__}: {e})"
+        )
+    dev = jax.devices()[0]
+    mesh = Mesh(np.array([dev]), ("x",))
+    cpu_mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",)) if topt is None else None
+    w.data["reference"] = ref_kind
+    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
+    cases = w.data.setdefault("cases", [])
+
+    def f64_of(emb):
+        v = emb.variables
+        return (
+            {t.name: np.asarray(d["parameters"], np.float64) for t, d in v.items()},
+            {
+                t.name: {k: np.asarray(a, np.float64) for k, a in d.items() if k != "parameters"}
+                for t, d in v.items()
+            },
+        )
+
+    def run_group(group, seed):
+        """One embedding holding a table per (optimizer case, combiner), each table with
+        its own optimizer: one program per variant, every optimizer's update in it."""
+        tables, feats, key_of, opt_of = {}, {}, {}, {}
+        for i, label, cls_name, kwargs in group:
+            opt = getattr(em, cls_name)(**kwargs)
+            hp = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}
+            hp["lr_spec"] = ("const", kwargs["learning_rate"])
+            for c, (v, d) in CASE_TABLES.items():
+                name = f"t{i}_{c}"
+                tables[name] = em.TableConfig(v, d, combiner=c, name=name, optimizer=opt)
+                opt_of[name] = (cls_name, hp, opt)
+                key_of[name] = (label, c)
+                for kind in ("w", "u"):  # weighted, unweighted
+                    feats[f"f{i}_{c}_{kind}"] = em.FeatureConfig(tables[name])
+        rng = np.random.default_rng(seed)
+        make = lambda m: em.MeshEmbedding(feats, mesh=m, capacities=Capacity(1024, 512), seed=seed)
+        emb = make(mesh)
+        emb.build()
+        cpu_emb = None
+        if cpu_mesh is not None:
+            cpu_emb = make(cpu_mesh)
+            cpu_emb.build()
+        ref_tabs, ref_slots = f64_of(emb)
+        keys = ("lookup", "table", "slots", "serving_host", "serving_device")
+        res = {k: dict.fromkeys(keys) for k in key_of.values()}
+
+        def worst(tname, what, err):
+            r = res[key_of[tname]]
+            old = r[what]
+            r[what] = err if (old is None or not (err <= old)) else old  # NaN stays
+
+        try:
+            for step in range(CASE_STEPS):
+                inputs, weights = _case_batch(rng, feats)
+                acts, preserved = emb(inputs, weights)
+                lays = []
+                for name, f in feats.items():
+                    lay = ref.layout(f, inputs[name], weights[name])
+                    lays.append((name, f.table.name, lay))
+                    want = ref.activation(ref_tabs[f.table.name], lay)
+                    worst(f.table.name, "lookup", rel_err(np.asarray(acts[name]), want))
+                dacts = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in acts.items()}
+                emb.apply_gradients(
+                    {n: jax.device_put(v, dev) for n, v in dacts.items()}, preserved
+                )
+                if topt is not None:
+                    grads = ref.row_gradients(lays, dacts)
+                    for tname, per_id in grads.items():
+                        cls_name, hp, opt = opt_of[tname]
+                        if not getattr(opt, "lazy_adam", True):  # every row moves
+                            zero = np.zeros(ref_tabs[tname].shape[1])
+                            V = ref_tabs[tname].shape[0]
+                            per_id = {i: per_id.get(i, zero) for i in range(V)}
+                        ids = sorted(per_id)
+                        g = np.stack([per_id[i] for i in ids])
+                        s = {k: v[ids] for k, v in ref_slots[tname].items()}
+                        new_w, _, new_s, _ = topt.ref_update(
+                            cls_name, hp, ref_tabs[tname][ids], s, g, step
+                        )
+                        ref_tabs[tname][ids] = new_w
+                        for k in new_s:
+                            ref_slots[tname][k][ids] = new_s[k]
+                else:
+                    _, cpu_pre = cpu_emb(inputs, weights)
+                    cpu_emb.apply_gradients(dacts, cpu_pre)
+                    ref_tabs, ref_slots = f64_of(cpu_emb)
+            got_tabs, got_slots = f64_of(emb)
+            for tname in tables:
+                worst(tname, "table", rel_err(got_tabs[tname], ref_tabs[tname]))
+                for k in ref_slots[tname]:
+                    worst(tname, "slots", rel_err(got_slots[tname][k], ref_slots[tname][k]))
+            # serving on the read-back (exported) tables: host path, and jax.jit on the device
+            inputs, weights = _case_batch(rng, feats)
+            exported = emb.embedding_tables
+            # poison: the host path reuses freed output buffers; fill them with NaN first
+            nan = {t: np.full(v.shape, np.nan, v.dtype) for t, v in exported.items()}
+            poisoned = em.serving_embedding_lookup(inputs, weights, nan, feats)
+            del poisoned
+            gc.collect()
+            host = em.serving_embedding_lookup(inputs, weights, exported, feats)
+            serve = jax.jit(lambda i, wt, t: em.serving_embedding_lookup(i, wt, t, feats))
+            on_dev = serve(
+                jax.device_put(inputs, dev),
+                jax.device_put(weights, dev),
+                jax.device_put(exported, dev),
+            )
+            for name, f in feats.items():
+                lay = ref.layout(f, inputs[name], weights[name])
+                want = ref.activation(np.asarray(exported[f.table], np.float64), lay)
+                for what, out in (("serving_host", host), ("serving_device", on_dev)):
+                    worst(f.table.name, what, rel_err(np.asarray(out[name]), want))
+        finally:
+            for e in (emb, cpu_emb):
+                if e is not None:
+                    _free_jax(e.state.tables, e.state.slots)
+        for tname, (label, c) in key_of.items():
+            r = res[(label, c)]
+            ok = all(passes(r[k]) for k in ("lookup", "table", "serving_host", "serving_device"))
+            has_slots = bool(opt_of[tname][2].slot_initial_values)
+            ok = ok and (passes(r["slots"]) if has_slots else r["slots"] is None)
+            cases.append(dict(optimizer=label, combiner=c, passed=bool(ok), rel_err=r))
+
+    t0 = time.perf_counter()
+    group = [(i, *case) for i, case in enumerate(OPTIMIZER_CASES)]
+    print(f"[correctness] reference: {ref_kind}", flush=True)
+    try:
+        run_group(group, seed=100)
+        w.data["programs"] = "one embedding, a table per optimizer x combiner"
+    except Exception:  # noqa: BLE001 - isolate it: one embedding per optimizer
+        w.data.setdefault("tracebacks", {})["all optimizers at once"] = traceback.format_exc()[
+            -4000:
+        ]
+        w.data["programs"] = "one embedding per optimizer (the joint one raised, see tracebacks)"
+        del cases[:]
+        w.save()
+        last = 5.0  # a case needs about as long as the one before
+        for i, label, cls_name, kwargs in group:
+            if w.left() < 1.3 * last:
+                w.data["skipped"].append(
+                    f"correctness {label}: skipped, {w.left():.0f} s left of the child's budget"
+                )
+                continue
+            t_case = time.perf_counter()
+            try:
+                run_group([(i, label, cls_name, kwargs)], seed=100 + i)
+            except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported
+                for c in COMBINERS:
+                    cases.append(
+                        dict(
+                            optimizer=label,
+                            combiner=c,
+                            passed=False,
+                            error=f"{type(e).__name__}: {e}",
+                        )
+                    )
+                w.data["tracebacks"][label] = traceback.format_exc()[-4000:]
+            last = time.perf_counter() - t_case
+            w.save()
+    w.data["sections"]["correctness"] = dict(wall_s=round(time.perf_counter() - t0, 2))
+    w.save()
+
+
+# ---------------------------------------------------------------------------
+# (b), (c): embedmesh at scale
+
+
+def _free_jax(*trees):
+    import jax
+
+    for tree in trees:
+        for x in jax.tree_util.tree_leaves(tree):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+    gc.collect()
+    jax.clear_caches()
+
+
+def memory_stats(dev):
+    """The device allocator's figures (bytes in use, peak, limit) where it has them."""
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend has them
+        return None
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "bytes_reserved")
+    return {k: stats[k] for k in keys if k in stats} or None
+
+
+def run_jax_scale(w: Worker, cfg):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.layout.stacking import plan_stacking
+
+    T, V, D, B = cfg["tables"], cfg["vocab"], cfg["dim"], cfg["batch"]
+    warmup, reps, K = cfg["warmup"], cfg["reps"], cfg["num_batches"]
+    dev = jax.devices()[0]
+    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
+    w.data["jax"] = jax.__version__
+
+    def copy_bw():
+        n = cfg["copy_bytes"] // 4
+        x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+        f = jax.jit(lambda x: x + 1.0)  # one read, one write: a copy XLA cannot elide
+        med, _ = timed_median(lambda i: f(x).block_until_ready(), 2, cfg["copy_reps"])
+        _free_jax(x)
+        return dict(bytes=2 * n * 4, median_s=med, GBps=2 * n * 4 / med / 1e9, how="jit(x + 1)")
+
+    w.section("copy_bandwidth", 5, copy_bw)
+
+    batches = load_batches(cfg)
+    meta = cfg["batch_meta"]
+    fc = {
+        f"f{t}": em.FeatureConfig(em.TableConfig(V, D, combiner="sum", name=f"t{t}"))
+        for t in range(T)
+    }
+    feats = [{f"f{t}": em.RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
+    mesh = Mesh(np.array([dev]), ("x",))
+    holder = {}
+
+    def build():
+        caps = em.compute_sparse_core_stats(
+            feats, plan_stacking(fc, 1), num_devices_local=1
+        ).capacities()
+        opt = em.Adagrad(learning_rate=LR, initial_accumulator_value=INITIAL_ACC)
+        emb = em.MeshEmbedding(fc, opt, mesh=mesh, capacities=caps)
+        t = time.perf_counter()
+        emb.build()  # jax.random initializer, on the device
+        jax.block_until_ready(emb.state)
+        build_s = time.perf_counter() - t
+        shapes = {s: list(a.shape) for s, a in emb.state.tables.items()}
+        for s, a in emb.state.tables.items():
+            assert a.size < 2**31, (s, a.shape)
+        emb.enqueue(feats[0])  # warms the preprocessing (numba compiles at first use)
+        enq = []
+        csrs = []
+        for f in feats:
+            t = time.perf_counter()
+            csrs.append(jax.block_until_ready(emb.enqueue(f)))
+            enq.append(time.perf_counter() - t)
+        holder.update(emb=emb, csrs=csrs)
+        state_bytes = sum(
+            x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
+        )
+        return dict(
+            build_s=build_s,
+            stacks=shapes,
+            state_bytes=state_bytes,
+            capacities={s: str(c) for s, c in caps.items()},
+            host_preprocess_s=median(enq),
+            host_preprocess_samples_s=enq,
+            host_preprocess_note="enqueue = host preprocessing + transfer; a real per-batch "
+            "cost, kept out of the device step times below (K batches made before timing)",
+        )
+
+    if w.section("build_and_preprocess", 20, build) is None:
+        return
+    emb, csrs = holder["emb"], holder["csrs"]
+    core = emb.core
+    key = jax.random.key(1)
+    R = {
+        f"f{t}": jax.random.normal(jax.random.fold_in(key, t), (B, D), jnp.float32)
+        for t in range(T)
+    }
+    lookup = jax.jit(core.lookup)
+    apply = jax.jit(
+        lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0], donate_argnums=0
+    )
+
+    def train(st, c, r):
+        acts = core.lookup(st, c)
+        loss, g = jax.value_and_grad(lambda a: sum(0.5 * jnp.sum((a[k] - r[k]) ** 2) for k in a))(
+            acts
+        )
+        st, _ = core.apply_gradients(st, g, c, check_finite=False)
+        return st, loss
+
+    train = jax.jit(train, donate_argnums=0)
+    state = {"st": emb.state}
+    ids = [m["ids"] for m in meta]
+    uniq = [m["unique_rows"] for m in meta]
+    mean_ids, mean_uniq = statistics.mean(ids), statistics.mean(uniq)
+    touched = bytes_touched(cfg, mean_ids, mean_uniq, num_slots=1)
+
+    def rates(med, what):
+        return dict(
+            ms=med * 1e3,
+            ids_per_s=mean_ids / med,
+            bytes_touched=touched[what],
+            touched_GBps=touched[what] / med / 1e9,
+        )
+
+    def fwd():
+        med, ts = timed_median(
+            lambda i: jax.block_until_ready(lookup(state["st"], csrs[i % K])), warmup, reps
+        )
+        return dict(rates(med, "forward"), samples_s=ts)
+
+    def bwd():
+        def one(i):
+            state["st"] = apply(state["st"], R, csrs[i % K])
+            jax.block_until_ready(state["st"])
+
+        med, ts = timed_median(one, warmup, reps)
+        return dict(rates(med, "backward_update"), samples_s=ts)
+
+    def step():
+        def one(i):
+            state["st"], loss = train(state["st"], csrs[i % K], R)
+            jax.block_until_ready((state["st"], loss))
+
+        med, ts = timed_median(one, warmup, reps)
+        return dict(rates(med, "step"), samples_s=ts)
+
+    w.data["workload"] = dict(ids_per_batch=mean_ids, unique_rows_per_batch=mean_uniq)
+    w.section("forward", 10, fwd)
+    w.section("backward_update", 10, bwd)
+    w.section("step", 15, step)
+    w.data["memory_after_timing"] = memory_stats(dev)
+
+    def finite():
+        leaves = jax.tree_util.tree_leaves(state["st"])
+        if not all(bool(jnp.all(jnp.isfinite(a))) for a in leaves):
+            raise FloatingPointError("non-finite tables or slots after the timed steps")
+        return dict(finite=True)
+
+    w.section("tables_finite_after_timing", 0, finite)
+    _free_jax(state["st"], csrs)
+    holder.clear()
+    state.clear()
+    emb = csrs = None
+    gc.collect()
+
+    def serving():
+        tcs = [f.table for f in fc.values()]
+        tabs = {
+            tc: 0.01 * jax.random.normal(jax.random.fold_in(key, 100 + t), (V, D), jnp.float32)
+            for t, tc in enumerate(tcs)
+        }
+        ins = [
+            {
+                f"f{t}": em.RaggedTensor(
+                    jax.device_put(b[t][0], dev),
+                    jax.device_put(np.concatenate([[0], np.cumsum(b[t][1])]).astype(np.int32), dev),
+                )
+                for t in range(T)
+            }
+            for b in batches
+        ]
+        serve = jax.jit(lambda i, t: em.serving_embedding_lookup(i, None, t, fc))
+        med, ts = timed_median(
+            lambda i: jax.block_until_ready(serve(ins[i % K], tabs)), warmup, reps
+        )
+        mem = memory_stats(dev)
+        _free_jax(tabs, ins)
+        return dict(ms=med * 1e3, ids_per_s=mean_ids / med, samples_s=ts, memory=mem)
+
+    w.section("serving_jit", 20, serving)
+
+
+# ---------------------------------------------------------------------------
+# torch peer
+
+
+def run_torch(w: Worker, cfg):
+    try:
+        import torch
+    except ImportError as e:
+        w.data["skipped"].append(f"torch not installed ({e}): torch figures n/a")
+        w.data["torch"] = "not installed"
+        w.save()
+        return
+    import numpy as np
+    import torch.nn.functional as F
+
+    T, V, D, B = cfg["tables"], cfg["vocab"], cfg["dim"], cfg["batch"]
+    warmup, reps, K = cfg["warmup"], cfg["reps"], cfg["num_batches"]
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    w.data["torch"] = torch.__version__
+    w.data["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    meta = cfg["batch_meta"]
+    mean_ids = statistics.mean(m["ids"] for m in meta)
+    mean_uniq = statistics.mean(m["unique_rows"] for m in meta)
+    touched = bytes_touched(cfg, mean_ids, mean_uniq, num_slots=1)
+
+    def free():
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def copy_bw():
+        n = cfg["copy_bytes"] // 4
+        buf = {"src": torch.randn(n, device=dev)}
+        buf["dst"] = torch.empty_like(buf["src"])
+
+        def one(i):
+            buf["dst"].copy_(buf["src"])
+            sync()
+
+        med, _ = timed_median(one, 2, cfg["copy_reps"])
+        buf.clear()
+        free()
+        return dict(bytes=2 * n * 4, median_s=med, GBps=2 * n * 4 / med / 1e9, how="dst.copy_(src)")
+
+    w.section("copy_bandwidth", 5, copy_bw)
+
+    batches = [
+        [
+            (
+                torch.from_numpy(v.astype(np.int64)).to(dev),
+                torch.from_numpy(np.concatenate([[0], np.cumsum(l)[:-1]]).astype(np.int64)).to(dev),
+            )
+            for v, l in b
+        ]
+        for b in load_batches(cfg)
+    ]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    R = [torch.randn(B, D, device=dev, generator=gen) for _ in range(T)]
+
+    def rates(med, what):
+        return dict(
+            ms=med * 1e3,
+            ids_per_s=mean_ids / med,
+            bytes_touched=touched[what],
+            touched_GBps=touched[what] / med / 1e9,
+        )
+
+    def setup(sparse, fused=True):
+        torch.manual_seed(0)
+        bags = [
+            torch.nn.EmbeddingBag(V, D, mode="sum", sparse=sparse, device=dev) for _ in range(T)
+        ]
+        params = [p for b in bags for p in b.parameters()]
+        how = "sparse grads, default (single-tensor) path"
+        if sparse:
+            opt = torch.optim.Adagrad(params, lr=LR, initial_accumulator_value=INITIAL_ACC)
+        else:
+            try:
+                if not fused:
+                    raise RuntimeError(fused_refused[0])
+                opt = torch.optim.Adagrad(
+                    params, lr=LR, initial_accumulator_value=INITIAL_ACC, fused=True
+                )
+                how = "dense grads, fused=True"
+            except (RuntimeError, ValueError) as e:
+                opt = torch.optim.Adagrad(
+                    params, lr=LR, initial_accumulator_value=INITIAL_ACC, foreach=True
+                )
+                how = f"dense grads, foreach=True (fused refused: {str(e)[:200]})"
+        return bags, opt, how
+
+    fused_refused = [""]
+
+    def train(sparse, fused=True):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        m = dict(zip(("bags", "opt", "how"), setup(sparse, fused)))  # cleared at the end
+
+        def one(i):
+            b, bags, opt = batches[i % K], m["bags"], m["opt"]
+            opt.zero_grad(set_to_none=True)
+            loss = sum(0.5 * ((bags[t](*b[t]) - R[t]) ** 2).sum() for t in range(T))
+            loss.backward()
+            opt.step()
+            sync()
+
+        def fwd(i):
+            b, bags = batches[i % K], m["bags"]
+            with torch.no_grad():
+                for t in range(T):
+                    F.embedding_bag(b[t][0], bags[t].weight, b[t][1], mode="sum")
+            sync()
+
+        try:
+            try:
+                med, ts = timed_median(one, warmup, reps)
+            except RuntimeError as e:
+                if sparse or not fused or "fused=True" not in m["how"]:
+                    raise
+                fused_refused[0] = f"{type(e).__name__} at step: {e}"  # e.g. unsupported here
+                m.clear()
+                free()
+                return train(sparse, fused=False)
+            out = dict(rates(med, "step"), samples_s=ts, how=m["how"])
+            if sparse:
+                fmed, fts = timed_median(fwd, warmup, reps)
+                out["forward"] = dict(rates(fmed, "forward"), samples_s=fts)
+                bu = med - fmed
+                out["backward_update"] = dict(
+                    ms=bu * 1e3,
+                    touched_GBps=touched["backward_update"] / bu / 1e9 if bu > 0 else None,
+                    how="step - forward",
+                )
+            out["tables_finite_after_timing"] = all(
+                bool(torch.isfinite(b.weight).all()) for b in m["bags"]
+            )
+            out["peak_mem_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
+            return out
+        finally:
+            m.clear()
+            free()
+
+    w.section("sparse_adagrad", 20, train, True)
+    w.section("dense_fused_adagrad", 25, train, False)
+
+
+# ---------------------------------------------------------------------------
+# The parent: children, budget, report
+
+
+def run_child(kind, variant, cfg, tmp, deadline, cap_s, log):
+    part = os.path.join(tmp, f"{kind}-{variant or 'torch'}.json")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+    if variant is not None:
+        env["EMBEDMESH_GPU_KERNELS"] = variant
+    child_deadline = min(deadline, time.time() + cap_s)
+    cfg_path = os.path.join(tmp, "cfg.json")
+    write_json(cfg_path, cfg)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--cfg", cfg_path]
+    cmd += ["--part", part, "--deadline", repr(child_deadline)]
+    t = time.time()
+    print(
+        f"[gpu.py] {kind} {variant or ''}: start ({deadline - t:.0f} s of budget left)", flush=True
+    )
+    status = "ok"
+    with open(log, "a") as f:  # the child writes straight into the log: kept if all dies
+        f.write(f"===== {kind} {variant or ''}\n")
+        f.flush()
+        start = f.tell()
+        try:
+            proc = subprocess.run(
+                cmd,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=max(child_deadline - t, 1) + cfg["kill_grace_s"],
+            )
+            if proc.returncode != 0:
+                status = f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            status = "killed: ran past its share of the budget (partial results kept)"
+        f.write(f"\n===== {kind} {variant or ''}: {status}\n")
+    with open(log, "rb") as f:
+        f.seek(start)
+        out = f.read().decode(errors="replace")
+    data = {"sections": {}, "skipped": [], "errors": []}
+    if os.path.exists(part):
+        with open(part) as f:
+            data = json.load(f)
+    data["status"] = status
+    data["wall_s"] = round(time.time() - t, 1)
+    if status != "ok":
+        data["errors"].append(f"child {status}; output tail: {out[-1500:]}")
+    print(f"[gpu.py] {kind} {variant or ''}: {status} in {data['wall_s']} s", flush=True)
+    return data
+
+
+def fmt(x, spec=".3g", na="n/a"):
+    if x is None:
+        return na
+    if isinstance(x, float) and math.isnan(x):
+        return "NaN"
+    return format(x, spec)
+
+
+def derive(report):
+    """Ratios and fractions of the measured copy bandwidth."""
+    bws = [
+        s.get("sections", {}).get("copy_bandwidth", {}).get("GBps")
+        for s in [report.get("torch") or {}, *report["scale"].values()]
+    ]
+    bws = [b for b in bws if b]
+    copy = max(bws) if bws else None
+    torch_sec = (report.get("torch") or {}).get("sections", {})
+    t_step = torch_sec.get("sparse_adagrad", {})
+    t_fwd = t_step.get("forward", {})
+    out = {"copy_GBps": copy}
+    for v, s in report["scale"].items():
+        sec = s.get("sections", {})
+        d = {}
+        for name in ("forward", "backward_update", "step"):
+            if name in sec and copy:
+                d[f"{name}_fraction_of_copy_bw"] = sec[name]["touched_GBps"] / copy
+        if "step" in sec and t_step.get("ids_per_s"):
+            d["step_ratio_vs_torch_sparse"] = sec["step"]["ids_per_s"] / t_step["ids_per_s"]
+        if "forward" in sec and t_fwd.get("ids_per_s"):
+            d["forward_ratio_vs_torch"] = sec["forward"]["ids_per_s"] / t_fwd["ids_per_s"]
+        if "serving_jit" in sec and t_fwd.get("ids_per_s"):
+            d["serving_ratio_vs_torch"] = sec["serving_jit"]["ids_per_s"] / t_fwd["ids_per_s"]
+        out[v] = d
+    return out
+
+
+def markdown(report) -> str:
+    cfg = report["config"]
+    L = [f"# embedmesh GPU check ({cfg['mode']} mode)", ""]
+    L.append(
+        f"{report['host']}; budget {cfg['budget_s']:.0f} s, used {report['elapsed_s']:.0f} s; "
+        f"variants (EMBEDMESH_GPU_KERNELS): {', '.join(report['variants'])}"
+    )
+    L.append("")
+    L.append("## (a) Correctness on the default device (rel. error ||out-ref||/||ref|| < 1e-5)")
+    for v, c in report["correctness"].items():
+        cases = c.get("cases", [])
+        n_ok = sum(x["passed"] for x in cases)
+        L += [
+            "",
+            f"**{v}** on {c.get('device', '?')}: {n_ok}/{len(cases)} cases pass "
+            f"(child: {c.get('status')}; {c.get('programs', '?')}); "
+            f"reference: {c.get('reference', '?')}",
+            "",
+            "| optimizer | " + " | ".join(COMBINERS) + " |",
+            "|---|" + "---|" * len(COMBINERS),
+        ]
+        by = {(x["optimizer"], x["combiner"]): x for x in cases}
+        for label, _, _ in OPTIMIZER_CASES:
+            cells = []
+            for comb in COMBINERS:
+                x = by.get((label, comb))
+                if x is None:
+                    cells.append("not run")
+                elif "error" in x:
+                    cells.append(f"FAIL ({x['error'][:60]})")
+                else:
+                    e = x["rel_err"]
+                    worst = max((v for v in e.values() if v is not None), default=math.nan)
+                    if any(v is not None and math.isnan(v) for v in e.values()):
+                        worst = math.nan
+                    bad = [k for k, v in e.items() if not (k == "slots" and v is None)]
+                    bad = [k for k in bad if not passes(e[k])]
+                    cells.append(
+                        ("ok " if x["passed"] else "FAIL ")
+                        + fmt(worst, ".1e")
+                        + (f" ({', '.join(bad)})" if bad else "")
+                    )
+            L.append(f"| {label} | " + " | ".join(cells) + " |")
+    L += ["", "cells: worst of lookup (3 steps), tables, slots, serving host and jit lookups."]
+
+    sc = report["scale"]
+    tsec = (report.get("torch") or {}).get("sections", {})
+    der = report["derived"]
+    L += [
+        "",
+        f"## (b) Training step: {cfg['tables']} tables x {cfg['vocab']:,} x {cfg['dim']} f32, "
+        f"batch {cfg['batch']:,}, ids/sample {cfg['min_len']}..{cfg['max_len']} Zipf({ZIPF_A}), "
+        "sum, Adagrad",
+        "",
+    ]
+    wl = next((s.get("workload") for s in sc.values() if s.get("workload")), None)
+    if wl:
+        L.append(
+            f"ids per batch {wl['ids_per_batch']:,.0f}, "
+            f"distinct rows {wl['unique_rows_per_batch']:,.0f}; copy bandwidth "
+            f"{fmt(der.get('copy_GBps'), '.0f')} GB/s (read + write, measured here)"
+        )
+        L.append("")
+    smoke = cfg["mode"] == "smoke"
+    copy = None if smoke else der.get("copy_GBps")  # a CPU copy is no roofline
+    rows = []  # (system, step, forward, backward_update, ratio, host prep s)
+    for v, s in sc.items():
+        sec = s.get("sections", {})
+        prep = sec.get("build_and_preprocess", {}).get("host_preprocess_s")
+        rows.append(
+            (
+                f"embedmesh [{v}]",
+                sec.get("step", {}),
+                sec.get("forward", {}),
+                sec.get("backward_update", {}),
+                der.get(v, {}).get("step_ratio_vs_torch_sparse"),
+                prep,
+            )
+        )
+    why = (report.get("torch") or {}).get("torch")
+    why = "torch not installed" if why == "not installed" else "not run"
+    base = tsec.get("sparse_adagrad", {}).get("ids_per_s")
+    for name, label in (
+        ("sparse_adagrad", "torch EmbeddingBag sparse + Adagrad"),
+        ("dense_fused_adagrad", "torch dense grads + Adagrad (O(table) work/step)"),
+    ):
+        t = tsec.get(name)
+        if not t:
+            rows.append((f"{label}: {why}", {}, {}, {}, None, None))
+            continue
+        ratio = t["ids_per_s"] / base if base else None
+        rows.append(
+            (
+                f"{label} ({t.get('how')})",
+                t,
+                t.get("forward", {}),
+                t.get("backward_update", {}),
+                ratio,
+                None,
+            )
+        )
+    L += [
+        "| system | step ms | ids/s | vs torch sparse | fwd ms | bwd+upd ms | host prep ms/batch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, st, fw, bu, ratio, prep in rows:
+        L.append(
+            f"| {label} | {fmt(st.get('ms'))} | {fmt(st.get('ids_per_s'))} | {fmt(ratio)} "
+            f"| {fmt(fw.get('ms'))} | {fmt(bu.get('ms'))} | {fmt(prep * 1e3 if prep else None)} |"
+        )
+    L += [
+        "",
+        "Bytes each pass must touch / pass time, and as a share of the copy bandwidth:",
+        "",
+        "| system | fwd GB/s | % copy | bwd+upd GB/s | % copy | step GB/s | % copy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, st, fw, bu, _, _ in rows:
+        cells = []
+        for x in (fw, bu, st):
+            g = x.get("touched_GBps")
+            cells += [fmt(g), fmt(g / copy * 100 if g and copy else None, ".1f")]
+        L.append(f"| {label} | " + " | ".join(cells) + " |")
+    L += [
+        "",
+        "bytes touched: fwd 4N + U*4D + T*B*4D; bwd+upd T*B*4D + 2*U*4D*(1+slots); "
+        "step = both (N ids, U distinct rows). torch bwd+upd = step - no_grad forward. "
+        "'vs torch': ids/s over torch sparse Adagrad's. Host preprocessing (enqueue: host "
+        "work + transfer) is a real per-batch cost on top of the device step.",
+        "",
+        "## (c) Forward-only and serving lookup (same ids)",
+        "",
+        "| system | ms | ids/s | vs torch embedding_bag |",
+        "|---|---|---|---|",
+    ]
+    t_fwd = tsec.get("sparse_adagrad", {}).get("forward", {})
+    for v, s in sc.items():
+        sec, d = s.get("sections", {}), der.get(v, {})
+        for name, label, r in (
+            ("forward", "training lookup (jit core.lookup)", "forward_ratio_vs_torch"),
+            ("serving_jit", "serving_embedding_lookup (jit)", "serving_ratio_vs_torch"),
+        ):
+            x = sec.get(name, {})
+            L.append(
+                f"| embedmesh [{v}] {label} | {fmt(x.get('ms'))} | {fmt(x.get('ids_per_s'))} "
+                f"| {fmt(d.get(r))} |"
+            )
+    L.append(
+        f"| torch F.embedding_bag sum, no_grad | {fmt(t_fwd.get('ms'))} "
+        f"| {fmt(t_fwd.get('ids_per_s'))} | {'1' if t_fwd else why} |"
+    )
+    L += [
+        "",
+        "torch's peer runs only the scale workload (sum, no weights); it has no sqrtn "
+        "combiner and takes per-sample weights only with mode='sum', so the correctness "
+        "cases (weighted mean/sqrtn) have no torch peer.",
+    ]
+    notes = list(report["skipped"])
+    for group in (report["correctness"], report["scale"], {"torch": report.get("torch") or {}}):
+        for v, s in group.items():
+            notes += [f"{v}: {x}" for x in s.get("skipped", [])]
+    errors = list(report["errors"])
+    for group in (report["correctness"], report["scale"], {"torch": report.get("torch") or {}}):
+        for v, s in group.items():
+            errors += [f"{v}: {x[:300]}" for x in s.get("errors", [])]
+    if cfg["mode"] == "smoke":
+        notes.append(
+            "smoke mode: tiny sizes on this machine's default device; timings are "
+            "only a liveness check, GPU figures n/a"
+        )
+    if notes:
+        L += ["", "## Skipped", ""] + [f"- {n}" for n in notes]
+    if errors:
+        L += ["", "## Errors", ""] + [f"- {e}" for e in errors]
+    L += ["", f"exit status: {report['exit_status']}"]
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=False)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, CI)")
+    p.add_argument("--variants", default=None, help="EMBEDMESH_GPU_KERNELS values, comma-separated")
+    p.add_argument("--budget-s", type=float, default=None)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--cfg", help=argparse.SUPPRESS)
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        with open(args.cfg) as f:
+            cfg = json.load(f)
+        w = Worker(args.part, args.deadline, cfg["est_scale"])
+        w.data["env_EMBEDMESH_GPU_KERNELS"] = os.environ.get("EMBEDMESH_GPU_KERNELS")
+        w.save()
+        fn = {"correctness": run_correctness, "jax_scale": run_jax_scale, "torch": run_torch}
+        try:
+            fn[args.worker](w, cfg)
+        except Exception as e:  # noqa: BLE001 - recorded in the part file for the report
+            w.data["errors"].append(f"{args.worker}: {type(e).__name__}: {e}")
+            w.data.setdefault("tracebacks", {})[args.worker] = traceback.format_exc()[-4000:]
+            w.save()
+            raise
+        w.save()
+        return 0
+
+    if not args.out:
+        p.error("--out DIR is required")
+    t0 = time.time()
+    cfg = dict(SMOKE if args.smoke else FULL)
+    if args.budget_s is not None:
+        cfg["budget_s"] = args.budget_s
+    variants = [v for v in (args.variants or cfg["variants"]).split(",") if v]
+    deadline = t0 + cfg["budget_s"]
+    os.makedirs(args.out, exist_ok=True)
+    log = os.path.join(args.out, "children.log")
+    open(log, "w").close()
+    report = dict(
+        config={k: v for k, v in cfg.items()},
+        variants=variants,
+        host=f"{platform.node()} python {platform.python_version()}",
+        correctness={},
+        scale={},
+        torch=None,
+        skipped=[],
+        errors=[],
+    )
+
+    est = dict(cfg["est_s"])
+
+    def fits(kind, label):
+        left = deadline - time.time()
+        if left < est[kind]:
+            report["skipped"].append(
+                f"{label}: skipped, {left:.0f} s of the budget left, needs ~{est[kind]:.0f} s"
+            )
+            return False
+        return True
+
+    def learn(kind, data):
+        """The next child of a kind needs about what a complete one took."""
+        if data["status"] == "ok" and not data.get("skipped") and not data.get("errors"):
+            est[kind] = data["wall_s"] * 1.1
+        else:
+            est[kind] = max(est[kind], data["wall_s"] * 1.1)
+
+    with tempfile.TemporaryDirectory(prefix="embedmesh-gpu-") as tmp:
+        for v in variants:
+            if fits("correctness", f"correctness [{v}]"):
+                report["correctness"][v] = run_child(
+                    "correctness", v, cfg, tmp, deadline, cfg["cap_s"]["correctness"], log
+                )
+                learn("correctness", report["correctness"][v])
+        t = time.time()
+        cfg["batches_path"] = None
+        scale_left = deadline - t >= min(est["jax_scale"], est["torch"])
+        if not scale_left:
+            report["skipped"].append("scale and torch sections: skipped, budget spent")
+        try:
+            if not scale_left:
+                raise StopIteration
+            cfg["batches_path"] = os.path.join(tmp, "batches.npz")
+            cfg["batch_meta"] = make_batches(cfg, cfg["batches_path"])
+            report["config"]["batch_meta"] = cfg["batch_meta"]
+            report["batches_s"] = round(time.time() - t, 1)
+        except StopIteration:
+            pass
+        except Exception as e:  # noqa: BLE001
+            report["errors"].append(f"making the scale batches: {type(e).__name__}: {e}")
+            cfg["batches_path"] = None
+        if cfg["batches_path"]:
+            # embedmesh's default variant first, then its peer, then the other variants
+            order = [("jax_scale", variants[0])] if variants else []
+            order += [("torch", None)] + [("jax_scale", v) for v in variants[1:]]
+            for kind, v in order:
+                label = f"scale [{v}]" if v else "torch"
+                if not fits(kind, label):
+                    continue
+                data = run_child(kind, v, cfg, tmp, deadline, cfg["cap_s"][kind], log)
+                learn(kind, data)
+                if kind == "torch":
+                    report["torch"] = data
+                else:
+                    report["scale"][v] = data
+
+    report["derived"] = derive(report)
+    cases = [c for r in report["correctness"].values() for c in r.get("cases", [])]
+    expected = len(OPTIMIZER_CASES) * len(COMBINERS)
+    failed = [c for c in cases if not c["passed"]]
+    incomplete = [
+        v for v in variants if len(report["correctness"].get(v, {}).get("cases", [])) < expected
+    ]
+    other_errors = report["errors"] + [
+        e
+        for g in (report["scale"], {"t": report.get("torch") or {}})
+        for s in g.values()
+        for e in s.get("errors", [])
+    ]
+    exit_status = 1 if failed else (2 if other_errors or incomplete else 0)
+    report["summary"] = dict(
+        cases=len(cases),
+        failed=[f"{c['optimizer']}/{c['combiner']}" for c in failed],
+        incomplete_variants=incomplete,
+    )
+    report["exit_status"] = exit_status
+    report["elapsed_s"] = time.time() - t0
+    md = markdown(report)
+    write_json(os.path.join(args.out, "gpu.json"), report)
+    with open(os.path.join(args.out, "gpu.md"), "w") as f:
+        f.write(md)
+    print(md, flush=True)
+    return exit_status
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
