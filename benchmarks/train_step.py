@@ -18,8 +18,10 @@ within one invocation; medians over rounds of per-round medians:
                     end-to-end step with `prefetch` overlapping preprocessing.
   embedmesh-pipelined  as embedmesh with pipeline_execution_with_tensor_core=True
                     (each update runs fused with the next lookup, one program a step).
-  embedmesh-2dev    as embedmesh on a 2-device CPU mesh (rows mod-sharded,
-                    all_to_all).
+  embedmesh-2dev    as embedmesh on a 2-device CPU mesh (rows mod-sharded; the
+                    in-process devices read each other's shards through shared
+                    memory: `ops.lookup_from_shards`, `ops.backward_update_sharded`).
+  embedmesh-4dev    the same on 4 CPU devices (the same 2 cores).
   embedmesh-core    as embedmesh, as one user `jax.jit` train step over
                     `EmbeddingCore` (lookup, loss, grad, update in one program).
   embedmesh-base    (with --baseline PATH) `embedmesh` with an older shard_program.py.
@@ -61,6 +63,7 @@ PEERS = (
     "embedmesh",
     "embedmesh-pipelined",
     "embedmesh-2dev",
+    "embedmesh-4dev",
     "embedmesh-core",
     "embedmesh-xla",
     "plain-jax",
@@ -606,8 +609,8 @@ def child_env(peer):
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("JAX_PLATFORMS", "cpu")
     flags = env.get("XLA_FLAGS", "")
-    if peer == "embedmesh-2dev":
-        flags += " --xla_force_host_platform_device_count=2"
+    if peer in ("embedmesh-2dev", "embedmesh-4dev"):
+        flags += f" --xla_force_host_platform_device_count={peer[-4]}"
     env["XLA_FLAGS"] = flags.strip()
     if peer == "embedmesh-xla":
         env["EMBEDMESH_CPU_KERNELS"] = "0"
