@@ -481,6 +481,7 @@ def test_pallas_supports():
     seg = pallas.KERNELS["segment_gather_sum"][1]
     assert seg(f32, ids, ids, ids, num_segments=4)
     assert not seg(odd, ids, ids, ids, num_segments=4)
+    assert not seg(f32, ids, ids, ids, num_segments=2**27)  # a [2**27, 16] output
     # what Pallas does not take, the XLA variant does (variant "pallas")
     fn = gpu.kernels("pallas")["segment_gather_sum"][0]
     src = jnp.asarray(signed(rng(4), (6, 24)))

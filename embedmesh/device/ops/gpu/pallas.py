@@ -263,13 +263,17 @@ def _fits(*arrays) -> bool:
 
 
 def _takes_segment_sum(src, *args, num_segments: int) -> bool:
-    return _fits(src) and num_segments < _MAX_ELEMENTS and args[-1].shape[0] < _MAX_ELEMENTS
+    """float32 `src` and output [num_segments, D] as `_fits` says."""
+    return _fits(src) and num_segments * src.shape[1] < _MAX_ELEMENTS
 
 
 def _takes_update(table, slots, ids, *args, optimizer, step) -> bool:
+    """One of the five optimizers, its slots, all float32 as `_fits` says (and the
+    [U, D] gradients of `sparse_update` too)."""
     slot_arrays = list(slots.values())
     return (
         type(optimizer) in _OPTIMIZERS
+        and ids.shape[0] * table.shape[-1] < _MAX_ELEMENTS
         and set(slots) == set(optimizer.slot_names)
         and all(v.shape == table.shape for v in slot_arrays)
         and _fits(table, *slot_arrays)
