@@ -9,6 +9,8 @@ lists them:
   EMBEDMESH_CPU_KERNELS=0|1   device ops: 0 pure JAX; 1 build the C++ kernels
                               even when the default backend is not CPU
   EMBEDMESH_CPU_THREADS=n     threads of the C++ device kernels
+  EMBEDMESH_GPU_KERNELS=xla|pallas|reference   device ops on GPU: XLA variants
+                              (default), Pallas kernels, or the references
   EMBEDMESH_PREPROCESS_THREADS=n   threads of host preprocessing (its default
                               `num_threads`)
   EMBEDMESH_SERVING_THREADS=n threads of the serving lookup (0 or 1: caller only)
@@ -37,6 +39,7 @@ __all__ = [
     "combiner_code",
     "cpu_kernels_setting",
     "cpu_threads",
+    "gpu_kernels_variant",
     "numba_enabled",
     "output_pool_bytes",
     "preprocess_threads",
@@ -100,6 +103,26 @@ def cpu_kernels_setting() -> bool | None:
     if value in _ON:
         return True
     return None
+
+
+GPU_KERNEL_VARIANTS = ("xla", "pallas", "reference")
+
+
+@functools.cache
+def gpu_kernels_variant() -> str:
+    """EMBEDMESH_GPU_KERNELS: "xla" (default, also when unset), "pallas", or
+    "reference" (also "0"); anything else is a ValueError."""
+    value = _env("EMBEDMESH_GPU_KERNELS").lower()
+    if value in ("", "xla"):
+        return "xla"
+    if value == "pallas":
+        return "pallas"
+    if value in ("0", "reference"):
+        return "reference"
+    raise ValueError(
+        f"EMBEDMESH_GPU_KERNELS={value!r}: expected one of xla (the default), pallas, "
+        f"reference (or 0)"
+    )
 
 
 @functools.cache
@@ -185,6 +208,7 @@ def reset() -> None:
     for fn in (
         numba_enabled,
         cpu_kernels_setting,
+        gpu_kernels_variant,
         usable_cores,
         cpu_threads,
         preprocess_threads,

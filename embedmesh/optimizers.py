@@ -18,6 +18,10 @@ this order and in float32:
    `multiply_weight_decay_factor_by_learning_rate`;
 4. weight clipping: clamp to `[clip_weight_min, clip_weight_max]`.
 
+`update_rows` validates, takes the learning rate at `step`
+(`learning_rate_at`) and calls `update_rows_at_lr`, the arithmetic alone
+(what the GPU kernels apply to the rows they load).
+
 `learning_rate` is a float or a callable, of one of two forms told apart by
 its signature at construction:
 
@@ -296,7 +300,17 @@ class Optimizer(abc.ABC):
                     f"{name}.update_rows: slot {k!r} shape {v.shape} != rows shape {rows.shape}"
                 )
 
-        lr = self.learning_rate_at(step)
+        return self.update_rows_at_lr(rows, slots, grads, self.learning_rate_at(step))
+
+    def update_rows_at_lr(self, rows, slots: Mapping[str, Any], grads, lr):
+        """`update_rows` at a given learning rate `lr` (a float32 scalar), unchecked.
+
+        The float32 arithmetic alone (clip, rule, weight decay, weight clip),
+        with no validation and no learning-rate schedule: pure elementwise
+        jax.numpy, so a kernel (e.g. a Pallas one, which cannot run a schedule
+        or a host callback) can call it on rows it has loaded, with `lr`
+        computed outside. `slots` holds exactly `slot_names`, shaped like `rows`.
+        """
         w_old = rows.astype(jnp.float32)
         g = grads.astype(jnp.float32)
         clip = self._clip_range()
@@ -307,7 +321,7 @@ class Optimizer(abc.ABC):
             if hi is not None:
                 g = jnp.minimum(g, hi)
 
-        w, new = self._rule(w_old, {k: v.astype(jnp.float32) for k, v in slots.items()}, g, lr)
+        w, new = self._rule(w_old, {k: slots[k].astype(jnp.float32) for k in self._SLOTS}, g, lr)
 
         if self.weight_decay_factor is not None:
             wd: Any = self.weight_decay_factor

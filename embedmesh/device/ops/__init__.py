@@ -1,9 +1,12 @@
 """The device ops of the per-shard program, and the one place that picks their kernels.
 
 Each op has exactly one reference implementation (pure JAX, in `reference`; for
-the two composite ops, their definition below in terms of the other ops) and
+the composite ops, their definition below in terms of the other ops) and
 optional per-platform kernels registered here by platform name ("cpu" from
-`embedmesh.device.ops.cpu`; "gpu" and "tpu" have none yet). A call stages the
+`embedmesh.device.ops.cpu`, "gpu" from `embedmesh.device.ops.gpu`; "tpu" has
+none yet). A kernel may also be registered for one lowering platform of a
+device platform ("cuda" of "gpu"), where it replaces that platform's: the
+Pallas Triton kernels are CUDA only, so ROCm keeps the "gpu" ones. A call stages the
 kernel of every platform whose kernel is ready and takes the call, and the
 reference for the rest, through `jax.lax.platform_dependent`: the platform of
 the computation (where its arrays are) chooses at lowering. `full`, which
@@ -55,6 +58,9 @@ end are padding.
   (`dedup_sum`) and applied (`sparse_update`). The CPU kernel, for in-process
   devices and the fused optimizers, has each owner read its sources' pairs
   and activation gradients directly: no [N, U, D] buffer, no exchange.
+- On GPU (`EMBEDMESH_GPU_KERNELS`, see `embedmesh.device.ops.gpu`): XLA
+  variants that sort instead of contending on atomics (the default), or Pallas
+  kernels fusing both updates for all five optimizers.
 - `huge_page_copy(x)`, `full(shape, value, dtype, device)`: a copy, or a
   constant array made on a device; the CPU kernels put the buffer on
   transparent huge pages (see `embedmesh.device.ops.cpu.memory`).
@@ -77,7 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from embedmesh._runtime import PAD_ID
-from embedmesh.device.ops import cpu, reference
+from embedmesh.device.ops import cpu, gpu, reference
 
 __all__ = [
     "HUGE_PAGE_MIN_BYTES",
@@ -125,6 +131,8 @@ _PLATFORM_KERNELS: dict[str, dict[str, Kernel]] = {}
 
 # Platform names of `jax.Device.platform` -> those of `jax.lax.platform_dependent`.
 _LOWERING_PLATFORMS = {"gpu": ("cuda", "rocm")}
+# A lowering platform -> its device platform, whose kernel it runs unless it has its own.
+_DEVICE_PLATFORM = {name: device for device, names in _LOWERING_PLATFORMS.items() for name in names}
 
 
 def _define(op: str, ref: Callable) -> None:
@@ -140,7 +148,8 @@ def register_kernel(
     ready: Callable[[], bool] = lambda: True,
     supports: Callable[..., bool] | None = None,
 ) -> None:
-    """Make `fn` the kernel of `op` on `platform` ("cpu", "gpu", "tpu"), replacing any."""
+    """Make `fn` the kernel of `op` on `platform` ("cpu", "gpu", "tpu", or a lowering
+    platform of one, "cuda" or "rocm", which then takes precedence there), replacing any."""
     if op not in _REFERENCES:
         raise KeyError(f"unknown op {op!r}; ops: {sorted(_REFERENCES)}")
     _PLATFORM_KERNELS[op][platform] = Kernel(fn, ready, supports)
@@ -158,13 +167,16 @@ def _takes(kernel: Kernel, args, params) -> bool:
 def kernel_for(op: str, platform: str, *args, **params) -> Callable:
     """What a call of `op` on `platform` runs: its kernel there when one is registered,
     ready, and (given the call's arguments) takes them; else the reference."""
-    kernel = _PLATFORM_KERNELS[op].get(platform)
-    if (
-        kernel is not None
-        and kernel.ready()
-        and (not (args or params) or kernel.supports is None or kernel.supports(*args, **params))
-    ):
-        return kernel.fn
+    for name in (platform, _DEVICE_PLATFORM.get(platform)):  # "cuda": then "gpu"'s
+        kernel = _PLATFORM_KERNELS[op].get(name) if name else None
+        if (
+            kernel is not None
+            and kernel.ready()
+            and (
+                not (args or params) or kernel.supports is None or kernel.supports(*args, **params)
+            )
+        ):
+            return kernel.fn
     return _REFERENCES[op]
 
 
@@ -173,7 +185,9 @@ def _dispatch(op: str, *args, **params):
     reference, chosen by the platform the computation is lowered for."""
     ref = functools.partial(_REFERENCES[op], **params)
     branches = {}
-    for platform, kernel in _PLATFORM_KERNELS[op].items():
+    # device platforms first: a lowering platform's own kernel replaces theirs
+    registered = sorted(_PLATFORM_KERNELS[op].items(), key=lambda pk: pk[0] in _DEVICE_PLATFORM)
+    for platform, kernel in registered:
         if _takes(kernel, args, params):
             fn = functools.partial(kernel.fn, **params)
             for name in _LOWERING_PLATFORMS.get(platform, (platform,)):
@@ -478,7 +492,10 @@ _define("full", reference.full)
 
 for _op, (_fn, _supports) in cpu.KERNELS.items():
     register_kernel(_op, "cpu", _fn, ready=cpu.ready, supports=_supports)
-del _op, _fn, _supports
+for _platform, _table in (("gpu", gpu.KERNELS), ("cuda", gpu.CUDA_KERNELS)):
+    for _op, (_fn, _supports) in _table.items():
+        register_kernel(_op, _platform, _fn, ready=gpu.ready, supports=_supports)
+del _op, _fn, _supports, _platform, _table
 
 
 def op_names() -> tuple[str, ...]:

@@ -1,0 +1,601 @@
+"""The GPU kernels of the device ops, on CPU: each against its op's reference.
+
+The XLA variants run as they are; the Pallas kernels run through Pallas's
+interpreter (`pallas.INTERPRET = True`), and are also lowered for CUDA (which
+a CPU-only jaxlib can do: it generates the Triton IR, so an op Triton cannot
+lower fails here). An end-to-end test trains through them, registered as the
+CPU kernels, against the float64 training reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_engine import OPTIMIZER_HP, check_training
+from test_optimizers import random_slots
+
+from embedmesh import _runtime
+from embedmesh.device import ops
+from embedmesh.device.ops import gpu, reference
+from embedmesh.device.ops.gpu import pallas, xla
+from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
+
+PAD = ops.PAD_ID
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+_random_inputs = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture(autouse=True)
+def interpret_pallas(monkeypatch):
+    """Every Pallas kernel runs in the interpreter (the lowering tests turn it off)."""
+    monkeypatch.setattr(pallas, "INTERPRET", True)
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def signed(r, shape, lo=0.1, hi=2.0):
+    """Random values of magnitude in [lo, hi], either sign: never zero."""
+    return (r.uniform(lo, hi, shape) * r.choice([-1.0, 1.0], shape)).astype(np.float32)
+
+
+# Each optimizer, with the common options and a learning-rate schedule among them.
+OPTIMIZERS = [
+    SGD(0.3),
+    SGD(
+        lambda step: 0.4 / (1.0 + step),
+        clipvalue=0.5,
+        weight_decay_factor=0.05,
+        clip_weight_min=-0.8,
+        clip_weight_max=0.9,
+    ),
+    Adagrad(0.2, initial_accumulator_value=0.3),
+    Adagrad(
+        lambda step: 0.3 * 0.9**step,
+        clipvalue=(None, 0.4),
+        weight_decay_factor=0.1,
+        multiply_weight_decay_factor_by_learning_rate=True,
+        clip_weight_max=0.8,
+    ),
+    AdagradMomentum(0.1, momentum=0.6, use_nesterov=True, exponent=3.0, beta2=0.9, epsilon=1e-3),
+    AdagradMomentum(0.1, momentum=0.8, clipvalue=(-0.3, 0.5), weight_decay_factor=0.02),
+    Adam(0.05, beta_1=0.8, beta_2=0.9, epsilon=1e-3),
+    Adam(0.05, sum_inside_sqrt=False, epsilon=1e-2, clipvalue=0.3, clip_weight_min=-0.7),
+    FTRL(0.5, l1_regularization_strength=0.01, l2_regularization_strength=0.1, beta=0.1),
+    FTRL(
+        lambda step: 0.5 / (1.0 + step),
+        multiply_linear_by_learning_rate=True,
+        learning_rate_power=-0.7,
+        l1_regularization_strength=0.02,
+        clipvalue=1.0,
+        weight_decay_factor=0.01,
+        clip_weight_min=-0.9,
+    ),
+]
+HOST_LR = Adagrad(lambda: 0.25)  # TensorFlow's zero-argument form: a host callback
+
+
+def slots_of(opt, r, rows, dim):
+    return random_slots(type(opt).__name__, r, (rows, dim))
+
+
+def random_ids(r, rows, n, *, out_of_range=True, repeated=False):
+    """[n] ids: distinct rows (any order), PAD_ID, ids past the end, and repeats if asked."""
+    ids = r.choice(rows, min(n, rows), replace=False).astype(np.int32)
+    ids = np.resize(ids, n)
+    ids[r.random(n) < 0.2] = PAD
+    if out_of_range:
+        ids[r.random(n) < 0.1] = rows + 2
+    if not repeated:  # distinct apart from the padding
+        seen = set()
+        for i, v in enumerate(ids):
+            if v in seen and v < rows:
+                ids[i] = PAD
+            seen.add(int(v))
+    elif n > 1:
+        ids[r.random(n) < 0.3] = ids[0]
+    return ids
+
+
+def reference_update(opt, table, slots, ids, grads, step):
+    """gather, `update_rows`, scatter, in pure JAX (the `sparse_update` reference's parts)."""
+    rows = reference.gather_rows(table, ids)
+    old = {k: reference.gather_rows(v, ids) for k, v in slots.items()}
+    new_rows, new_slots = opt.update_rows(rows, old, grads, step)
+    return (
+        reference.scatter_rows(table, ids, new_rows),
+        {k: reference.scatter_rows(v, ids, new_slots[k]) for k, v in slots.items()},
+    )
+
+
+def reference_backward_update(opt, table, slots, ids, act, pr, pu, pg, step):
+    per = reference.segment_gather_sum(act, pr, pg, pu, num_segments=ids.shape[0])
+    uniq, grads = reference.dedup_sum_by_sort(ids[None], per)
+    return reference_update(opt, table, slots, uniq, grads, step)
+
+
+def assert_update_matches(got, want, before, touched):
+    """Values close to the reference's; rows not updated bit-identical to `before`."""
+    (gt, gs), (wt, ws) = got, want
+    keep = np.ones(before[0].shape[0], bool)
+    keep[touched[touched < keep.size]] = False
+    for name, g, w, b in [("table", gt, wt, before[0])] + [
+        (k, gs[k], ws[k], before[1][k]) for k in ws
+    ]:
+        g = np.asarray(g)
+        np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(g[keep], b[keep], err_msg=f"{name}: untouched rows")
+    assert set(gs) == set(ws)
+
+
+# ---------------------------------------------------------------------------
+# The segment sums and the other primitive ops, against their references
+
+SEGMENT_SUMS = {
+    "xla": (xla.segment_gather_sum, xla.segment_gather_sum_mapped),
+    "pallas": (pallas.segment_gather_sum, pallas.segment_gather_sum_mapped),
+}
+
+
+@_random_inputs
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    m=st.sampled_from([1, 9, 40]),
+    p=st.sampled_from([0, 1, 6, 300]),
+    segs=st.sampled_from([1, 7, 64]),
+    dim=st.sampled_from([8, 16, 64]),
+    all_padding=st.booleans(),
+)
+@pytest.mark.parametrize("variant", sorted(SEGMENT_SUMS))
+def test_segment_gather_sums_match_references(variant, seed, m, p, segs, dim, all_padding):
+    r = rng(seed)
+    plain, mapped = SEGMENT_SUMS[variant]
+    src = jnp.asarray(signed(r, (m, dim)))
+    sidx = r.integers(0, m + 2, p).astype(np.int32)  # some past the end
+    didx = r.integers(0, min(segs, 5) if p > 50 else segs, p).astype(np.int32)  # repeats
+    didx[r.random(p) < 0.1] = segs + 1
+    if all_padding:
+        sidx[:] = m
+    gains = jnp.asarray(signed(r, p))
+    args = (src, jnp.asarray(sidx), gains, jnp.asarray(didx))
+    got = jax.jit(lambda *a: plain(*a, num_segments=segs))(*args)
+    want = reference.segment_gather_sum(*args, num_segments=segs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    table = jnp.asarray(signed(r, (3 * m, dim)))
+    smap = r.integers(0, 3 * m, m).astype(np.int32)
+    smap[r.random(m) < 0.2] = PAD
+    smap[r.random(m) < 0.1] = 3 * m  # past the end of the table
+    args = (table, jnp.asarray(smap)) + args[1:]
+    got = jax.jit(lambda *a: mapped(*a, num_segments=segs))(*args)
+    want = reference.segment_gather_sum_mapped(*args, num_segments=segs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_segment_sums_of_long_segments_match_float64():
+    """Hundreds of pairs a segment, values over six decades: within float32 rounding of
+    the float64 sum (relative to the sum of the terms' magnitudes)."""
+    r = rng(1)
+    src = signed(r, (30, 16), 1e-3, 1e3)
+    sidx = r.integers(0, 30, 500).astype(np.int32)
+    didx = r.integers(0, 3, 500).astype(np.int32)
+    gains = signed(r, 500)
+    terms = src[sidx].astype(np.float64) * gains[:, None]
+    want = np.stack([terms[didx == s].sum(0) for s in range(3)])
+    scale = np.stack([np.abs(terms[didx == s]).sum(0) for s in range(3)])
+    args = tuple(jnp.asarray(x) for x in (src, sidx, gains, didx))
+    for plain, _ in SEGMENT_SUMS.values():
+        got = jax.jit(lambda *a, f=plain: f(*a, num_segments=3))(*args)
+        assert (np.abs(np.asarray(got) - want) <= 1e-6 * scale).all()
+
+
+@_random_inputs
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.sampled_from([1, 30, 200]),
+    n=st.sampled_from([0, 1, 5, 64]),
+    dim=st.sampled_from([8, 16, 64]),
+)
+def test_xla_scatter_rows_matches_reference(seed, rows, n, dim):
+    r = rng(seed)
+    table = signed(r, (rows, dim))
+    ids = random_ids(r, rows, n)
+    vals = jnp.asarray(signed(r, (n, dim)))
+    got = jax.jit(xla.scatter_rows, donate_argnums=0)(jnp.asarray(table), jnp.asarray(ids), vals)
+    want = reference.scatter_rows(jnp.asarray(table), jnp.asarray(ids), vals)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@_random_inputs
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    blocks=st.sampled_from([1, 3]),
+    u=st.sampled_from([1, 16, 64]),
+    order=st.sampled_from(["ascending", "any", "all_padding"]),
+)
+def test_xla_dedup_sum_matches_reference(seed, blocks, u, order):
+    r = rng(seed)
+    lists = []
+    for _ in range(blocks):
+        ids = np.full(u, PAD, np.int32)
+        used = int(r.integers(0, u + 1)) if order != "all_padding" else 0
+        ids[:used] = np.sort(r.choice(100, used, replace=False))
+        if order == "any":
+            ids[r.random(u) < 0.3] = 7  # repeats, out of order
+            r.shuffle(ids)
+        lists.append(ids)
+    ids = jnp.asarray(np.stack(lists))
+    grads = jnp.asarray(signed(r, (ids.size, 8)))
+    gu, gs = jax.jit(xla.dedup_sum)(ids, grads)
+    wu, ws = reference.dedup_sum(ids, grads)
+    np.testing.assert_array_equal(np.asarray(gu), np.asarray(wu))
+    np.testing.assert_allclose(np.asarray(gs), np.asarray(ws), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# The fused updates (Pallas), for every optimizer
+
+
+@_random_inputs
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    opt=st.sampled_from(OPTIMIZERS + [HOST_LR]),
+    u=st.sampled_from([1, 9, 32]),
+    dim=st.sampled_from([8, 16, 64]),
+)
+def test_pallas_sparse_update_matches_reference(seed, opt, u, dim):
+    r = rng(seed)
+    rows = 40
+    table = signed(r, (rows, dim))
+    slots = slots_of(opt, r, rows, dim)
+    ids = random_ids(r, rows, u)
+    grads = signed(r, (u, dim))
+    step = jnp.int32(int(r.integers(0, 5)))
+    f = jax.jit(
+        lambda t, s, i, g, st: pallas.sparse_update(t, s, i, g, optimizer=opt, step=st),
+        donate_argnums=(0, 1),
+    )
+    got = f(jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()}, ids, grads, step)
+    want = reference_update(
+        opt, jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()}, ids, grads, step
+    )
+    assert_update_matches(got, want, (table, slots), ids)
+
+
+@_random_inputs
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    opt=st.sampled_from(OPTIMIZERS),
+    u=st.sampled_from([1, 9, 32]),
+    p=st.sampled_from([0, 1, 20, 200]),
+    dim=st.sampled_from([8, 16, 64]),
+    repeated=st.booleans(),
+    all_padding=st.booleans(),
+)
+def test_pallas_backward_update_matches_reference(seed, opt, u, p, dim, repeated, all_padding):
+    r = rng(seed)
+    rows, num_rows = 40, 12  # table rows, activation rows (R: the padding pair row)
+    table = signed(r, (rows, dim))
+    slots = slots_of(opt, r, rows, dim)
+    ids = random_ids(r, rows, u, repeated=repeated)
+    if all_padding:
+        ids[:] = PAD
+    act = jnp.asarray(signed(r, (num_rows, dim)))
+    pr = r.integers(0, num_rows + 1, p).astype(np.int32)  # num_rows: padding
+    pu = r.integers(0, u + 1, p).astype(np.int32)  # u: past the end
+    if r.random() < 0.5:
+        order = np.argsort(pu, kind="stable")
+        pr, pu = pr[order], pu[order]
+    pg = signed(r, p)
+    step = jnp.int32(int(r.integers(0, 5)))
+    args = (ids, act, pr, pu, pg)
+    f = jax.jit(
+        lambda t, s, *a: pallas.backward_update(t, s, *a, optimizer=opt, step=step),
+        donate_argnums=(0, 1),
+    )
+    got = f(jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()}, *args)
+    want = reference_backward_update(
+        opt, jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()}, *args, step
+    )
+    assert_update_matches(got, want, (table, slots), ids)
+
+
+# ---------------------------------------------------------------------------
+# Lowering for CUDA (Triton) on a CPU-only jaxlib
+
+
+def _cuda_text(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _update_args(opt, rows=50, dim=16, u=8, p=30):
+    r = rng(2)
+    table = jnp.asarray(signed(r, (rows, dim)))
+    slots = {k: jnp.asarray(v) for k, v in slots_of(opt, r, rows, dim).items()}
+    ids = jnp.asarray(np.arange(u, dtype=np.int32))
+    pairs = (
+        jnp.asarray(signed(r, (10, dim))),
+        jnp.asarray(r.integers(0, 10, p).astype(np.int32)),
+        jnp.asarray(r.integers(0, u, p).astype(np.int32)),
+        jnp.asarray(signed(r, p)),
+    )
+    return table, slots, ids, jnp.asarray(signed(r, (u, dim))), pairs
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: type(o).__name__)
+def test_pallas_updates_lower_for_cuda(monkeypatch, opt):
+    monkeypatch.setattr(pallas, "INTERPRET", False)
+    table, slots, ids, grads, pairs = _update_args(opt)
+    step = jnp.int32(3)
+    text = _cuda_text(
+        lambda t, s, i, g: pallas.sparse_update(t, s, i, g, optimizer=opt, step=step),
+        table,
+        slots,
+        ids,
+        grads,
+    )
+    assert text.count(TRITON_CALL) == 1
+    text = _cuda_text(
+        lambda t, s, i, *a: pallas.backward_update(t, s, i, *a, optimizer=opt, step=step),
+        table,
+        slots,
+        ids,
+        *pairs,
+    )
+    assert text.count(TRITON_CALL) == 1
+
+
+def test_pallas_segment_sums_lower_for_cuda(monkeypatch):
+    monkeypatch.setattr(pallas, "INTERPRET", False)
+    r = rng(3)
+    src = jnp.asarray(signed(r, (20, 64)))
+    sidx = jnp.asarray(r.integers(0, 20, 40).astype(np.int32))
+    gains = jnp.asarray(signed(r, 40))
+    text = _cuda_text(
+        lambda *a: pallas.segment_gather_sum(*a, num_segments=9), src, sidx, gains, sidx
+    )
+    assert text.count(TRITON_CALL) == 1
+    smap = jnp.asarray(r.integers(0, 20, 20).astype(np.int32))
+    text = _cuda_text(
+        lambda *a: pallas.segment_gather_sum_mapped(*a, num_segments=9),
+        src,
+        smap,
+        sidx,
+        gains,
+        sidx,
+    )
+    assert text.count(TRITON_CALL) == 1
+
+
+@pytest.fixture
+def gpu_variant(monkeypatch):
+    """Select a GPU kernel variant as `EMBEDMESH_GPU_KERNELS` would."""
+
+    def select(variant):
+        monkeypatch.setattr(_runtime, "gpu_kernels_variant", lambda: variant)
+
+    return select
+
+
+def _lowered(op_call, platform, *args) -> str:
+    fn = lambda *a: op_call(*a)  # a fresh function: jit caches traces
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("variant", ["xla", "pallas", "reference"])
+def test_the_dispatch_stages_the_selected_variant_for_cuda_and_rocm(
+    monkeypatch, gpu_variant, variant
+):
+    monkeypatch.setattr(pallas, "INTERPRET", False)
+    gpu_variant(variant)
+    opt = Adam(0.1)
+    table, slots, ids, grads, (act, pr, pu, pg) = _update_args(opt)
+
+    def segment_sum(s, i, g, d):
+        return ops.segment_gather_sum(s, i, g, d, 8)
+
+    def update(t, s, i, *a):
+        return ops.backward_update(opt, t, s, i, *a, jnp.int32(0))
+
+    for call, args in [
+        (segment_sum, (act, pr, pg, pu)),
+        (update, (table, slots, ids, act, pr, pu, pg)),
+    ]:
+        cuda = _lowered(call, "cuda", *args)
+        rocm = _lowered(call, "rocm", *args)
+        assert (TRITON_CALL in cuda) == (variant == "pallas")
+        assert TRITON_CALL not in rocm  # Triton is CUDA only: ROCm runs the XLA variants
+        if variant != "reference" and call is segment_sum:
+            assert "indices_are_sorted = true" in rocm
+            assert ("indices_are_sorted = true" in cuda) == (variant == "xla")
+        if variant == "reference":
+            assert "indices_are_sorted = true" not in cuda + rocm
+        assert TRITON_CALL not in _lowered(call, "cpu", *args)
+
+
+def test_kernel_for_gpu_platforms(gpu_variant):
+    table, slots, ids, grads, _ = _update_args(Adagrad(0.1))
+    call = (table, slots, ids, grads)
+    gpu_variant("pallas")
+    cuda_kernel = ops.kernel_for("sparse_update", "cuda", *call, optimizer=Adagrad(0.1), step=0)
+    assert cuda_kernel is gpu.CUDA_KERNELS["sparse_update"][0]
+    assert ops.kernel_for("scatter_rows", "rocm") is gpu.KERNELS["scatter_rows"][0]
+    assert ops.kernel_for("scatter_rows", "gpu") is gpu.KERNELS["scatter_rows"][0]
+    # neither variant takes a bfloat16 table: the reference (its parts pick kernels)
+    half = (table.astype(jnp.bfloat16), {"accumulators": slots["accumulators"]}, ids, grads)
+    assert ops.kernel_for(
+        "sparse_update", "cuda", *half, optimizer=Adagrad(0.1), step=0
+    ) is ops.reference_of("sparse_update")
+    # the gather is the reference itself on GPU: none registered
+    assert ops.kernel_for("gather_rows", "cuda") is reference.gather_rows
+    gpu_variant("xla")
+    assert ops.kernel_for(
+        "sparse_update", "cuda", *call, optimizer=Adagrad(0.1), step=0
+    ) is ops.reference_of("sparse_update")
+    gpu_variant("reference")
+    for op in ops.op_names():
+        for platform in ("gpu", "cuda", "rocm"):
+            assert ops.kernel_for(op, platform) is ops.reference_of(op), (op, platform)
+
+
+def test_kernel_tables():
+    assert gpu.kernels("reference") == {}
+    assert set(gpu.kernels("xla")) == {
+        "scatter_rows",
+        "segment_gather_sum",
+        "segment_gather_sum_mapped",
+        "dedup_sum",
+    }
+    assert set(gpu.kernels("pallas")) == set(gpu.kernels("xla")) | {
+        "sparse_update",
+        "backward_update",
+    }
+    with pytest.raises(ValueError, match="unknown GPU kernel variant 'triton'"):
+        gpu.kernels("triton")
+
+
+def test_pallas_supports():
+    take = pallas.KERNELS["sparse_update"][1]
+    opt = Adagrad(0.1)
+    f32 = jnp.zeros((10, 16), jnp.float32)
+    ids = jnp.zeros((3,), jnp.int32)
+    assert take(f32, {"accumulators": f32}, ids, ids, optimizer=opt, step=0)
+    odd = jnp.zeros((10, 24), jnp.float32)  # not a power of two
+    assert not take(odd, {"accumulators": odd}, ids, ids, optimizer=opt, step=0)
+    half = f32.astype(jnp.bfloat16)
+    assert not take(half, {"accumulators": half}, ids, ids, optimizer=opt, step=0)
+    assert not take(f32, {}, ids, ids, optimizer=opt, step=0)
+
+    class MyAdagrad(Adagrad):  # may change the rule
+        pass
+
+    assert not take(f32, {"accumulators": f32}, ids, ids, optimizer=MyAdagrad(0.1), step=0)
+    huge = jax.ShapeDtypeStruct((2**25, 64), jnp.float32)  # 2**31 elements
+    assert not take(huge, {}, ids, ids, optimizer=SGD(0.1), step=0)
+    seg = pallas.KERNELS["segment_gather_sum"][1]
+    assert seg(f32, ids, ids, ids, num_segments=4)
+    assert not seg(odd, ids, ids, ids, num_segments=4)
+    assert not seg(f32, ids, ids, ids, num_segments=2**27)  # a [2**27, 16] output
+    # what Pallas does not take, the XLA variant does (variant "pallas")
+    fn = gpu.kernels("pallas")["segment_gather_sum"][0]
+    src = jnp.asarray(signed(rng(4), (6, 24)))
+    i = jnp.asarray(np.array([0, 5, 2], np.int32))
+    g = jnp.asarray(np.array([1.0, -2.0, 0.5], np.float32))
+    np.testing.assert_allclose(
+        np.asarray(fn(src, i, g, i, num_segments=6)),
+        np.asarray(reference.segment_gather_sum(src, i, g, i, num_segments=6)),
+        rtol=1e-6,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The switch
+
+
+@pytest.mark.parametrize(
+    "value,variant",
+    [
+        (None, "xla"),
+        ("", "xla"),
+        ("xla", "xla"),
+        ("XLA", "xla"),
+        ("pallas", "pallas"),
+        (" Pallas ", "pallas"),
+        ("0", "reference"),
+        ("reference", "reference"),
+    ],
+)
+def test_switch_values(monkeypatch, value, variant):
+    if value is None:
+        monkeypatch.delenv("EMBEDMESH_GPU_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("EMBEDMESH_GPU_KERNELS", value)
+    _runtime.reset()
+    try:
+        assert _runtime.gpu_kernels_variant() == variant == gpu.variant()
+        assert gpu.ready() == (variant != "reference")
+    finally:
+        monkeypatch.undo()
+        _runtime.reset()
+
+
+@pytest.mark.parametrize("value", ["1", "triton", "cuda", "on"])
+def test_switch_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("EMBEDMESH_GPU_KERNELS", value)
+    _runtime.reset()
+    try:
+        with pytest.raises(ValueError, match="EMBEDMESH_GPU_KERNELS") as err:
+            _runtime.gpu_kernels_variant()
+        for allowed in ("xla", "pallas", "reference", "0"):
+            assert allowed in str(err.value)
+    finally:
+        monkeypatch.undo()
+        _runtime.reset()
+
+
+# ---------------------------------------------------------------------------
+# Training end to end through the GPU kernels, registered as the CPU ones
+
+
+@pytest.fixture
+def gpu_kernels_on_cpu(monkeypatch):
+    """Make `variant`'s GPU kernels the CPU kernels of every op (the others: none, so
+    their references), as a GPU would run them; the registry is restored after.
+    Returns the names of the ops whose GPU kernel ran, and of those whose Pallas kernel
+    ran (each once per trace)."""
+    ran: dict[str, list] = {"gpu": [], "pallas": []}
+
+    def spy(op, fn, log):
+        def kernel(*args, **params):
+            log.append(op)
+            return fn(*args, **params)
+
+        return kernel
+
+    def install(variant):
+        spied = {op: (spy(op, fn, ran["pallas"]), sup) for op, (fn, sup) in pallas.KERNELS.items()}
+        monkeypatch.setattr(pallas, "KERNELS", spied)
+        table = {
+            op: (spy(op, fn, ran["gpu"]), sup) for op, (fn, sup) in gpu.kernels(variant).items()
+        }
+        for op in ops.op_names():
+            kernels = dict(ops._PLATFORM_KERNELS[op])
+            kernels.pop("cpu", None)
+            monkeypatch.setitem(ops._PLATFORM_KERNELS, op, kernels)
+            if op in table:
+                fn, supports = table[op]
+                ops.register_kernel(op, "cpu", fn, supports=supports)
+        return ran
+
+    return install
+
+
+# The XLA variants do no optimizer arithmetic: one optimizer is enough there.
+TRAINING_CASES = [("pallas", name) for name in OPTIMIZER_HP] + [("xla", "Adam")]
+
+
+@pytest.mark.parametrize("num_devices", [1, 2])
+@pytest.mark.parametrize("variant,opt_name", TRAINING_CASES)
+def test_training_through_the_gpu_kernels(gpu_kernels_on_cpu, variant, opt_name, num_devices):
+    """Every combiner (the case has sum, mean and sqrtn tables); one shard runs the
+    fused backward + update, two the segment sums, dedup and sparse update."""
+    ran = gpu_kernels_on_cpu(variant)
+    hp = OPTIMIZER_HP[opt_name][num_devices % 2]
+    check_training(num_devices, opt_name, hp, stack_tables=True, seed=7 * num_devices, steps=2)
+    if num_devices == 1:
+        pallas_ops = {"segment_gather_sum_mapped", "backward_update"}
+        xla_ops = {"segment_gather_sum_mapped", "dedup_sum", "scatter_rows"}
+    else:
+        pallas_ops = {"segment_gather_sum", "sparse_update"}
+        xla_ops = {"segment_gather_sum", "dedup_sum", "scatter_rows"}
+    if variant == "pallas":
+        assert pallas_ops <= set(ran["pallas"]), ran
+        assert pallas_ops | {"dedup_sum"} <= set(ran["gpu"]), ran
+    else:
+        assert not ran["pallas"] and xla_ops <= set(ran["gpu"]), ran
