@@ -22,6 +22,12 @@ within one invocation; medians over rounds of per-round medians:
                     in-process devices read each other's shards through shared
                     memory: `ops.lookup_from_shards`, `ops.backward_update_sharded`).
   embedmesh-4dev    the same on 4 CPU devices (the same 2 cores).
+  embedmesh-1core   as embedmesh, the process pinned to one core, on its own batch of
+                    B (the batch of process 0 below): weak scaling's base.
+  embedmesh-2proc   2 processes x 1 device (jax.distributed, gloo, 127.0.0.1), each
+                    pinned to its own core and fed its own, different batch of B (so
+                    2B per step); capacities measured over both processes' batches.
+                    Its ids/s counts both batches; weak scaling = 2proc / 1core.
   embedmesh-core    as embedmesh, as one user `jax.jit` train step over
                     `EmbeddingCore` (lookup, loss, grad, update in one program).
   embedmesh-base    (with --baseline PATH) `embedmesh` with an older shard_program.py.
@@ -64,6 +70,8 @@ PEERS = (
     "embedmesh-pipelined",
     "embedmesh-2dev",
     "embedmesh-4dev",
+    "embedmesh-1core",
+    "embedmesh-2proc",
     "embedmesh-core",
     "embedmesh-xla",
     "plain-jax",
@@ -76,14 +84,17 @@ PEERS = (
 # Shared helpers (child side)
 
 
-def make_batches(seed=0):
-    """NUM_BATCHES batches: per table (values int32, lengths int64)."""
+def make_batches(seed=0, stream=0):
+    """NUM_BATCHES batches: per table (values int32, lengths int64). Streams > 0 draw
+    other samples over the same ids (the same permuted ranks): one per process."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     cdf = np.cumsum(np.arange(1, V + 1, dtype=np.float64) ** -ZIPF_A)
     cdf /= cdf[-1]
     perms = [rng.permutation(V).astype(np.int32) for _ in range(T)]
+    if stream:
+        rng = np.random.default_rng([seed, stream])
     out = []
     for _ in range(NUM_BATCHES):
         feats = []
@@ -132,7 +143,7 @@ def loss_of(acts_list):
 # embedmesh
 
 
-def embedmesh_setup(batches):
+def embedmesh_setup(batches, capacity_batches=None):
     orig = os.environ.get("EMBEDMESH_BENCH_SPARSE_OPS")
     if orig:  # a baseline shard_program.py (e.g. the version before the CPU kernels)
         import importlib.util
@@ -160,23 +171,29 @@ def embedmesh_setup(batches):
         )
         for t in range(T)
     }
-    feats = [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
+
+    def features(bs):
+        return [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in bs]
+
+    feats = features(batches)
     ndev = len(jax.devices())
     mesh = Mesh(np.array(jax.devices()), ("devices",))
     from embedmesh.layout.stacking import plan_stacking
 
     plan = plan_stacking(fc, ndev)
-    caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=ndev).capacities()
+    local = len(jax.local_devices())
+    sample = feats if capacity_batches is None else features(capacity_batches)
+    caps = em.compute_sparse_core_stats(sample, plan, num_devices_local=local).capacities()
     pipelined = os.environ.get("EMBEDMESH_BENCH_PIPELINED") == "1"
     emb = em.MeshEmbedding(fc, em.Adagrad(learning_rate=LR), pipelined, mesh=mesh, capacities=caps)
     emb.build()
     return emb, feats, caps
 
 
-def child_embedmesh(args, batches):
+def child_embedmesh(args, batches, capacity_batches=None):
     import jax
 
-    emb, feats, caps = embedmesh_setup(batches)
+    emb, feats, caps = embedmesh_setup(batches, capacity_batches)
     lossgrad = jax.jit(jax.grad(lambda acts: loss_of(list(acts.values()))))
     nb = len(feats)
 
@@ -589,9 +606,101 @@ def child_profile(args, batches):
 # Parent
 
 
+def pin_to_core(core: int) -> None:
+    """This process on one core (before jax starts its threads)."""
+    usable = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {usable[core % len(usable)]})
+
+
+def child_processes(args):
+    """embedmesh-2proc: launch the two processes, wait, merge their results."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = child_env("embedmesh")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+    ).strip()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                "embedmesh-2proc-worker",
+                "--proc-id",
+                str(i),
+                "--port",
+                str(port),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--seed",
+                str(args.seed),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        res = next((json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ")), None)
+        if res is None:
+            raise RuntimeError(f"a process of embedmesh-2proc failed:\n{(err or out)[-1500:]}")
+        outs.append(res)
+    merged = dict(outs[0])
+    for key in ("enqueue", "device", "e2e"):  # the job is as fast as its slower process
+        merged[key] = [max(a, b) for a, b in zip(outs[0][key], outs[1][key])]
+    for key in ("setup_hwm", "step_hwm", "rss", "state_bytes"):
+        merged[key] = max(outs[0][key], outs[1][key])
+    merged["ids"] = outs[0]["ids"] + outs[1]["ids"]
+    merged["processes"] = outs
+    return merged
+
+
+def child_process_worker(args):
+    """One process of embedmesh-2proc: pinned to core `proc_id`, its own batches."""
+    pin_to_core(args.proc_id)
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{args.port}", num_processes=2, process_id=args.proc_id
+    )
+    every = [make_batches(args.seed, stream=1 + i) for i in range(2)]
+    mine = every[args.proc_id]
+    # capacities from both processes' batches: the same program in both
+    res = child_embedmesh(args, mine, capacity_batches=[b for bs in every for b in bs])
+    res["ids"] = statistics.mean(sum(int(l.sum()) for _, l in b) for b in mine)
+    jax.distributed.shutdown()
+    return res
+
+
 def child_main(args):
-    batches = make_batches(args.seed)
     name = args.child
+    if name == "embedmesh-2proc":
+        print("RESULT " + json.dumps(child_processes(args)), flush=True)
+        return
+    if name == "embedmesh-2proc-worker":
+        print("RESULT " + json.dumps(child_process_worker(args)), flush=True)
+        return
+    if name == "embedmesh-1core":
+        pin_to_core(0)
+        batches = make_batches(args.seed, stream=1)  # the batches of process 0 of 2proc
+    else:
+        batches = make_batches(args.seed)
     if name.startswith("fbgemm"):
         res = child_fbgemm(args, batches)
     elif name == "plain-jax":
@@ -734,6 +843,8 @@ def main():
         "embedmesh-base, embedmesh run with it (measures the gain of this one)",
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child_main(args)
