@@ -16,11 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from embedmesh import _compat
 from embedmesh.config import resolve_feature_config
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
+from embedmesh.host import agree as _agree
 from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like
@@ -137,6 +139,7 @@ class MeshEmbedding:
         # state to install after the next lookup (which reads `_state`, one update stale)
         self._after_lookup: EmbeddingState | None = None
         self.last_stats = None  # PreprocessStats of the latest enqueue
+        self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
 
     # -- build ------------------------------------------------------------------
 
@@ -161,6 +164,8 @@ class MeshEmbedding:
         if local != list(range(local[0], local[0] + len(local))):
             raise ValueError("this process's devices must be contiguous in mesh order")
         self._num_local_devices = len(local)
+        # the mesh spans several processes: capacities and shapes are agreed among them
+        self._multiprocess = len({d.process_index for d in devices}) > 1
         self._state = self.core.init(jax.random.key(self._seed))
         core = self.core  # no reference to self: no cycle
         self._lookup_fn = jax.jit(core.lookup)
@@ -297,21 +302,69 @@ class MeshEmbedding:
         """
         _check_not_traced("enqueue", features, weights)
         self._maybe_build()
-        csr, stats = _pre.preprocess_features(
-            features,
-            weights,
-            self.plan,
-            num_devices_local=self._num_local_devices,
-            capacities=self._capacities,
-            overflow=self._overflow,
-            process_index=jax.process_index(),
-        )
+        if self._multiprocess:
+            csr, stats = self._preprocess_agreed(features, weights)
+        else:
+            csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
         caps = dict(self._capacities) if isinstance(self._capacities, dict) else {}
         if self._capacities is None or stats.grown or isinstance(self._capacities, dict):
             caps.update(stats.capacities)
             self._capacities = caps
         self.last_stats = stats
         return self.core.put(csr)
+
+    def _preprocess(self, features, weights, capacities, overflow):
+        return _pre.preprocess_features(
+            features,
+            weights,
+            self.plan,
+            num_devices_local=self._num_local_devices,
+            capacities=capacities,
+            overflow=overflow,
+            process_index=jax.process_index(),
+        )
+
+    def _preprocess_agreed(self, features, weights):
+        """`_preprocess` in a job of several processes: capacities and shapes agreed.
+
+        Every process must compile the same program, so capacities are chosen from
+        every process's needs (`embedmesh.host.agree`): one all-gather of a small
+        int32 vector at the first batch and, with overflow="grow" (whether to grow
+        depends on every process's batch), at every batch. With fixed capacities
+        (overflow "error"/"drop") later batches run no collective: their shapes
+        are checked locally against the agreed ones. An error in a process's
+        preprocessing during an agreement is announced to the others, which then
+        raise too, instead of waiting in the collective.
+        """
+        before = {
+            s.name: _pre._capacity_for(self._capacities, self.plan, s.name)
+            for s in self.plan.stacks
+        }
+        agree_now = self._overflow == "grow" or self._agreed_shapes is None
+        try:
+            csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
+        except Exception:
+            if agree_now:  # the others are about to gather: let them raise too
+                multihost_utils.process_allgather(_agree.failed_vector(self.plan))
+            raise
+        local = _agree.local_vector(self.plan, csr, stats, before)
+        if not agree_now:
+            _agree.check_unchanged(self._agreed_shapes, local, self.plan, jax.process_index())
+            return csr, stats
+        gathered = np.asarray(multihost_utils.process_allgather(local))
+        agreed = _agree.decide(gathered, self.plan, before, self._overflow)
+        self._agreed_shapes = _agree.shapes_of(local, agreed, self.plan)
+        if agreed != stats.capacities:  # another process needs more: refill at the agreed
+            csr, refilled = self._preprocess(features, weights, agreed, "error")
+            stats = _pre.PreprocessStats(
+                {
+                    name: dataclasses.replace(
+                        st, grown=before[name] is not None and agreed[name] != before[name]
+                    )
+                    for name, st in refilled.stacks.items()
+                }
+            )
+        return csr, stats
 
     def prefetch(self, batches: Iterable, buffer_size: int = 2) -> Iterator[dict]:
         """Enqueue batches in a background thread, `buffer_size` ahead of the consumer.

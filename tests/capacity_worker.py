@@ -8,8 +8,14 @@ runs the single-process reference on 4 devices over the union of both
 processes' batches (process p's samples on devices 2p, 2p+1, as in the job).
 Modes: "auto" (automatic capacities, overflow="error": sized once, from every
 process's first batch), "grow" (automatic, overflow="grow": at step 2 only
-process 1 needs more), "mismatch" (explicit capacities that differ per process:
-a clear ValueError on every process, exit code 3).
+process 1 needs more), and modes that must fail, each failure printed as a line
+"CAUGHT mode ExceptionType: message": "mismatch" (explicit capacities that
+differ per process: a ValueError on every process), "first_error" (explicit
+capacities, overflow="error", process 1's first batch overflows: its ValueError,
+a RuntimeError on process 0), "late_error" (automatic capacities sized at the
+first batch, overflow="error", process 1's step-2 batch overflows; no per-step
+collective: process 1 raises, then exits with code 3, and process 0, waiting in
+the step's collective, gets the runtime's error and exits with code 3 too).
 """
 
 import os
@@ -51,10 +57,10 @@ def process_batches(pid, mode):
     rng = np.random.default_rng(100 + pid)
     for step in range(STEPS):
         hi = 6 if pid == 0 else 200
-        if mode == "auto" and step > 0:
+        if mode in ("auto", "late_error") and step > 0:
             hi = 6  # later batches fit the capacities agreed at the first
         lengths = rng.integers(1, 4, BATCH)
-        if mode == "grow" and pid == 1 and step == 2:
+        if mode in ("grow", "late_error") and pid == 1 and step == 2:
             hi, lengths = 256, rng.integers(30, 40, BATCH)  # only process 1 outgrows here
         yield {
             "a": rng.integers(0, hi, (BATCH, 3)),
@@ -76,27 +82,31 @@ def run(mode):
     feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
     mesh = Mesh(np.array(jax.devices()), ("x",))
     assert mesh.size == 4, mesh
-    kwargs = {"overflow": "error"} if mode == "auto" else {}
+    kwargs = {"overflow": "error"} if mode in ("auto", "late_error") else {}
     if mode == "mismatch":
         kwargs = {"capacities": Capacity(64, 64) if process_id == 0 else Capacity(32, 32)}
+    if mode == "first_error":
+        kwargs = {"capacities": Capacity(32, 6)}  # process 0's first batch fits, 1's not
     emb = MeshEmbedding(feats, em.Adagrad(0.2), mesh=mesh, **kwargs)
     emb.build()
     grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
     batches = union_batches(mode) if num_processes == 1 else process_batches(process_id, mode)
-    caps = []
+    caps, needs = [], []  # per step and stack: the capacities, this process's needs
     for batch in batches:
         batch = dict(batch, b=em.RaggedTensor.from_row_lengths(*batch["b"]))
         acts, pre = emb(batch)
         emb.apply_gradients(grad_fn(acts), pre)
+        stacks = emb.last_stats.stacks.values()
         caps.append(
             [
-                [c.max_ids_per_partition, c.max_unique_ids_per_partition]
-                for c in emb.last_stats.capacities.values()
+                [c.capacity.max_ids_per_partition, c.capacity.max_unique_ids_per_partition]
+                for c in stacks
             ]
         )
+        needs.append([[c.max_ids_per_partition, c.max_unique_ids_per_partition] for c in stacks])
     tables = emb.variables
     out = {f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()}
-    out["capacities"] = np.array(caps)
+    out["capacities"], out["needs"] = np.array(caps), np.array(needs)
     np.savez(f"{out_prefix}.{mode}.{process_id}.npz", **out)
 
 
@@ -105,12 +115,12 @@ def main():
         t = time.perf_counter()
         try:
             run(mode)
-        except ValueError as e:
-            if mode != "mismatch":
+        except Exception as e:
+            if mode not in ("mismatch", "first_error", "late_error"):
                 raise
-            print(f"CAUGHT ValueError: {e}", flush=True)
-            sys.stdout.flush()
-            os._exit(3)  # the job is broken: no shutdown barrier with the other process
+            print(f"CAUGHT {mode} {type(e).__name__}: {e}", flush=True)
+            if mode == "late_error":
+                os._exit(3)  # the job is broken: no shutdown barrier with the other process
         print(f"mode {mode}: {time.perf_counter() - t:.2f} s", flush=True)
     if num_processes > 1:
         jax.distributed.shutdown()
