@@ -90,7 +90,9 @@ class MeshEmbedding:
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
         are given, "grow" when they are sized automatically (a larger batch
-        then costs one recompilation and loses nothing).
+        then costs one recompilation and loses nothing). With several
+        processes, automatic and grown capacities are agreed among them (see
+        `enqueue`).
       check_finite: a non-finite gradient raises and leaves tables untouched.
       seed: the initialisation seed.
     """
@@ -299,18 +301,15 @@ class MeshEmbedding:
         Returns `{stack: PartitionedCsrFormatTensor}` of global arrays for
         `dequeue`. `device` is accepted for API compatibility: preprocessing
         always runs on this process's host and feeds all its local devices.
+        In a job of several processes, capacities and batch shapes are agreed
+        among them (see `_agreed_put`).
         """
         _check_not_traced("enqueue", features, weights)
         self._maybe_build()
         if self._multiprocess:
-            csr, stats = self._preprocess_agreed(features, weights)
-        else:
-            csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
-        caps = dict(self._capacities) if isinstance(self._capacities, dict) else {}
-        if self._capacities is None or stats.grown or isinstance(self._capacities, dict):
-            caps.update(stats.capacities)
-            self._capacities = caps
-        self.last_stats = stats
+            return self._agreed_put(self._prepare(features, weights))
+        csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
+        self._record(stats)
         return self.core.put(csr)
 
     def _preprocess(self, features, weights, capacities, overflow):
@@ -324,61 +323,97 @@ class MeshEmbedding:
             process_index=jax.process_index(),
         )
 
-    def _preprocess_agreed(self, features, weights):
-        """`_preprocess` in a job of several processes: capacities and shapes agreed.
+    def _record(self, stats) -> None:
+        """Keep the capacities a batch was compiled for (automatic ones, grown ones)."""
+        caps = dict(self._capacities) if isinstance(self._capacities, dict) else {}
+        if self._capacities is None or stats.grown or isinstance(self._capacities, dict):
+            caps.update(stats.capacities)
+            self._capacities = caps
+        self.last_stats = stats
+
+    def _prepare(self, features, weights) -> tuple:
+        """Several processes: this process's preprocessing at the current capacities,
+        `(features, weights, (csr, stats) or None, its exception or None)`; may run
+        ahead in the prefetch thread (`_agreed_put` refills stale capacities)."""
+        try:
+            result = self._preprocess(features, weights, self._capacities, self._overflow)
+        except Exception as e:  # noqa: BLE001 - announced to the others, then re-raised
+            return features, weights, None, e
+        return features, weights, result, None
+
+    def _agreed_put(self, prepared: tuple) -> dict:
+        """A `_prepare`d batch of a multi-process job, with capacities and shapes
+        agreed among the processes, placed on the mesh.
 
         Every process must compile the same program, so capacities are chosen from
         every process's needs (`embedmesh.host.agree`): one all-gather of a small
         int32 vector at the first batch and, with overflow="grow" (whether to grow
         depends on every process's batch), at every batch. With fixed capacities
         (overflow "error"/"drop") later batches run no collective: their shapes
-        are checked locally against the agreed ones. An error in a process's
-        preprocessing during an agreement is announced to the others, which then
-        raise too, instead of waiting in the collective.
+        are checked here against the agreed ones. A process whose preprocessing
+        failed during an agreement announces it, so the others raise too instead
+        of waiting in the collective. Runs in the consumer's thread: from the
+        prefetch thread the gather could meet another process's step.
         """
+        features, weights, result, error = prepared
         before = {
             s.name: _pre._capacity_for(self._capacities, self.plan, s.name)
             for s in self.plan.stacks
         }
-        agree_now = self._overflow == "grow" or self._agreed_shapes is None
-        try:
-            csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
-        except Exception:
+        agreed_shapes = self._agreed_shapes
+        agree_now = self._overflow == "grow" or agreed_shapes is None
+        if error is not None:
             if agree_now:  # the others are about to gather: let them raise too
                 multihost_utils.process_allgather(_agree.failed_vector(self.plan))
-            raise
+            raise error
+        csr, stats = result
         local = _agree.local_vector(self.plan, csr, stats, before)
-        if not agree_now:
-            _agree.check_unchanged(self._agreed_shapes, local, self.plan, jax.process_index())
-            return csr, stats
-        gathered = np.asarray(multihost_utils.process_allgather(local))
-        agreed = _agree.decide(gathered, self.plan, before, self._overflow)
-        self._agreed_shapes = _agree.shapes_of(local, agreed, self.plan)
-        if agreed != stats.capacities:  # another process needs more: refill at the agreed
-            csr, refilled = self._preprocess(features, weights, agreed, "error")
-            stats = _pre.PreprocessStats(
-                {
-                    name: dataclasses.replace(
-                        st, grown=before[name] is not None and agreed[name] != before[name]
-                    )
-                    for name, st in refilled.stacks.items()
-                }
-            )
-        return csr, stats
+        if agree_now:
+            gathered = np.asarray(multihost_utils.process_allgather(local))
+            target = _agree.decide(gathered, self.plan, before, self._overflow)
+            self._agreed_shapes = _agree.shapes_of(local, target, self.plan)
+        else:
+            assert agreed_shapes is not None
+            _agree.check_unchanged(agreed_shapes, local, self.plan, jax.process_index())
+            target = {name: cap for name, cap in before.items() if cap is not None}
+        if target != stats.capacities:  # another process needed more, or prepared ahead
+            csr, stats = self._preprocess(features, weights, target, self._overflow)
+        stats = _pre.PreprocessStats(
+            {
+                name: dataclasses.replace(
+                    st, grown=before[name] is not None and target[name] != before[name]
+                )
+                for name, st in stats.stacks.items()
+            }
+        )
+        self._record(stats)
+        return self.core.put(csr)
 
     def prefetch(self, batches: Iterable, buffer_size: int = 2) -> Iterator[dict]:
         """Enqueue batches in a background thread, `buffer_size` ahead of the consumer.
 
         `batches` yields `features` or `(features, weights)`. An error in the
-        thread is re-raised by the iterator in the training loop.
+        thread is re-raised by the iterator in the training loop. With several
+        processes only the local preprocessing runs ahead; the agreement among
+        processes runs in the consumer's thread (see `_agreed_put`).
         """
 
-        def enqueue_item(item):
-            feats, w = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-            return self.enqueue(feats, w)
+        def split(item):
+            return item if isinstance(item, tuple) and len(item) == 2 else (item, None)
 
         self._maybe_build()
-        return background_map(enqueue_item, batches, buffer_size)
+        if not self._multiprocess:
+            return background_map(lambda item: self.enqueue(*split(item)), batches, buffer_size)
+        prepared = background_map(lambda item: self._prepare(*split(item)), batches, buffer_size)
+
+        def agreed():
+            try:
+                for p in prepared:
+                    yield self._agreed_put(p)
+            finally:
+                prepared.close()
+
+        return agreed()
 
     # -- lookup -------------------------------------------------------------------
 

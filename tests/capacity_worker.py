@@ -8,9 +8,10 @@ runs the single-process reference on 4 devices over the union of both
 processes' batches (process p's samples on devices 2p, 2p+1, as in the job).
 Modes: "auto" (automatic capacities, overflow="error": sized once, from every
 process's first batch), "grow" (automatic, overflow="grow": at step 2 only
-process 1 needs more), and modes that must fail, each failure printed as a line
-"CAUGHT mode ExceptionType: message": "mismatch" (explicit capacities that
-differ per process: a ValueError on every process), "first_error" (explicit
+process 1 needs more; batches through `prefetch`), and modes that must fail,
+each failure printed as a line "CAUGHT mode ExceptionType: message":
+"mismatch" (explicit capacities that differ per process: a ValueError on every
+process), "first_error" (explicit
 capacities, overflow="error", process 1's first batch overflows: its ValueError,
 a RuntimeError on process 0), "late_error" (automatic capacities sized at the
 first batch, overflow="error", process 1's step-2 batch overflows; no per-step
@@ -91,19 +92,24 @@ def run(mode):
     emb.build()
     grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
     batches = union_batches(mode) if num_processes == 1 else process_batches(process_id, mode)
+    batches = (dict(b, b=em.RaggedTensor.from_row_lengths(*b["b"])) for b in batches)
+    # grow: through prefetch (local preprocessing in a thread, the agreement not)
+    stream = emb.prefetch(batches) if mode == "grow" else map(emb.enqueue, batches)
     caps, needs = [], []  # per step and stack: the capacities, this process's needs
-    for batch in batches:
-        batch = dict(batch, b=em.RaggedTensor.from_row_lengths(*batch["b"]))
-        acts, pre = emb(batch)
+    for enqueued in stream:
+        acts, pre = emb.dequeue(enqueued)
         emb.apply_gradients(grad_fn(acts), pre)
-        stacks = emb.last_stats.stacks.values()
         caps.append(
             [
                 [c.capacity.max_ids_per_partition, c.capacity.max_unique_ids_per_partition]
-                for c in stacks
+                for c in pre.values()
             ]
         )
-        needs.append([[c.max_ids_per_partition, c.max_unique_ids_per_partition] for c in stacks])
+        if num_processes > 1:  # (one process prefetching: last_stats may be a later batch's)
+            stacks = emb.last_stats.stacks.values()
+            needs.append(
+                [[c.max_ids_per_partition, c.max_unique_ids_per_partition] for c in stacks]
+            )
     tables = emb.variables
     out = {f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()}
     out["capacities"], out["needs"] = np.array(caps), np.array(needs)
