@@ -16,11 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from embedmesh import _compat
 from embedmesh.config import resolve_feature_config
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
+from embedmesh.host import agree as _agree
 from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like
@@ -88,7 +90,9 @@ class MeshEmbedding:
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
         are given, "grow" when they are sized automatically (a larger batch
-        then costs one recompilation and loses nothing).
+        then costs one recompilation and loses nothing). With several
+        processes, automatic and grown capacities are agreed among them (see
+        `enqueue`).
       check_finite: a non-finite gradient raises and leaves tables untouched.
       seed: the initialisation seed.
     """
@@ -137,6 +141,7 @@ class MeshEmbedding:
         # state to install after the next lookup (which reads `_state`, one update stale)
         self._after_lookup: EmbeddingState | None = None
         self.last_stats = None  # PreprocessStats of the latest enqueue
+        self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
 
     # -- build ------------------------------------------------------------------
 
@@ -161,6 +166,8 @@ class MeshEmbedding:
         if local != list(range(local[0], local[0] + len(local))):
             raise ValueError("this process's devices must be contiguous in mesh order")
         self._num_local_devices = len(local)
+        # the mesh spans several processes: capacities and shapes are agreed among them
+        self._multiprocess = len({d.process_index for d in devices}) > 1
         self._state = self.core.init(jax.random.key(self._seed))
         core = self.core  # no reference to self: no cycle
         self._lookup_fn = jax.jit(core.lookup)
@@ -294,38 +301,119 @@ class MeshEmbedding:
         Returns `{stack: PartitionedCsrFormatTensor}` of global arrays for
         `dequeue`. `device` is accepted for API compatibility: preprocessing
         always runs on this process's host and feeds all its local devices.
+        In a job of several processes, capacities and batch shapes are agreed
+        among them (see `_agreed_put`).
         """
         _check_not_traced("enqueue", features, weights)
         self._maybe_build()
-        csr, stats = _pre.preprocess_features(
+        if self._multiprocess:
+            return self._agreed_put(self._prepare(features, weights))
+        csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
+        self._record(stats)
+        return self.core.put(csr)
+
+    def _preprocess(self, features, weights, capacities, overflow):
+        return _pre.preprocess_features(
             features,
             weights,
             self.plan,
             num_devices_local=self._num_local_devices,
-            capacities=self._capacities,
-            overflow=self._overflow,
+            capacities=capacities,
+            overflow=overflow,
             process_index=jax.process_index(),
         )
+
+    def _record(self, stats) -> None:
+        """Keep the capacities a batch was compiled for (automatic ones, grown ones)."""
         caps = dict(self._capacities) if isinstance(self._capacities, dict) else {}
         if self._capacities is None or stats.grown or isinstance(self._capacities, dict):
             caps.update(stats.capacities)
             self._capacities = caps
         self.last_stats = stats
+
+    def _prepare(self, features, weights) -> tuple:
+        """Several processes: this process's preprocessing at the current capacities,
+        `(features, weights, (csr, stats) or None, its exception or None)`; may run
+        ahead in the prefetch thread (`_agreed_put` refills stale capacities)."""
+        try:
+            result = self._preprocess(features, weights, self._capacities, self._overflow)
+        except Exception as e:  # noqa: BLE001 - announced to the others, then re-raised
+            return features, weights, None, e
+        return features, weights, result, None
+
+    def _agreed_put(self, prepared: tuple) -> dict:
+        """A `_prepare`d batch of a multi-process job, with capacities and shapes
+        agreed among the processes, placed on the mesh.
+
+        Every process must compile the same program, so capacities are chosen from
+        every process's needs (`embedmesh.host.agree`): one all-gather of a small
+        int32 vector at the first batch and, with overflow="grow" (whether to grow
+        depends on every process's batch), at every batch. With fixed capacities
+        (overflow "error"/"drop") later batches run no collective: their shapes
+        are checked here against the agreed ones. A process whose preprocessing
+        failed during an agreement announces it, so the others raise too instead
+        of waiting in the collective. Runs in the consumer's thread: from the
+        prefetch thread the gather could meet another process's step.
+        """
+        features, weights, result, error = prepared
+        before = {
+            s.name: _pre._capacity_for(self._capacities, self.plan, s.name)
+            for s in self.plan.stacks
+        }
+        agreed_shapes = self._agreed_shapes
+        agree_now = self._overflow == "grow" or agreed_shapes is None
+        if error is not None:
+            if agree_now:  # the others are about to gather: let them raise too
+                multihost_utils.process_allgather(_agree.failed_vector(self.plan))
+            raise error
+        csr, stats = result
+        local = _agree.local_vector(self.plan, csr, stats, before)
+        if agree_now:
+            gathered = np.asarray(multihost_utils.process_allgather(local))
+            target = _agree.decide(gathered, self.plan, before, self._overflow)
+            self._agreed_shapes = _agree.shapes_of(local, target, self.plan)
+        else:
+            assert agreed_shapes is not None
+            _agree.check_unchanged(agreed_shapes, local, self.plan, jax.process_index())
+            target = {name: cap for name, cap in before.items() if cap is not None}
+        if target != stats.capacities:  # another process needed more, or prepared ahead
+            csr, stats = self._preprocess(features, weights, target, self._overflow)
+        stats = _pre.PreprocessStats(
+            {
+                name: dataclasses.replace(
+                    st, grown=before[name] is not None and target[name] != before[name]
+                )
+                for name, st in stats.stacks.items()
+            }
+        )
+        self._record(stats)
         return self.core.put(csr)
 
     def prefetch(self, batches: Iterable, buffer_size: int = 2) -> Iterator[dict]:
         """Enqueue batches in a background thread, `buffer_size` ahead of the consumer.
 
         `batches` yields `features` or `(features, weights)`. An error in the
-        thread is re-raised by the iterator in the training loop.
+        thread is re-raised by the iterator in the training loop. With several
+        processes only the local preprocessing runs ahead; the agreement among
+        processes runs in the consumer's thread (see `_agreed_put`).
         """
 
-        def enqueue_item(item):
-            feats, w = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-            return self.enqueue(feats, w)
+        def split(item):
+            return item if isinstance(item, tuple) and len(item) == 2 else (item, None)
 
         self._maybe_build()
-        return background_map(enqueue_item, batches, buffer_size)
+        if not self._multiprocess:
+            return background_map(lambda item: self.enqueue(*split(item)), batches, buffer_size)
+        prepared = background_map(lambda item: self._prepare(*split(item)), batches, buffer_size)
+
+        def agreed():
+            try:
+                for p in prepared:
+                    yield self._agreed_put(p)
+            finally:
+                prepared.close()
+
+        return agreed()
 
     # -- lookup -------------------------------------------------------------------
 

@@ -10,8 +10,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_together(commands, env, timeout=300):
-    """Start every command at once, wait for all; assert each exits 0 (showing its output)."""
+def run_collect(commands, env, timeout=300):
+    """Start every command at once, wait for all (killing any still running after
+    `timeout` seconds: a hang fails the caller, it does not stall it);
+    `(return codes, outputs)`, a killed process's code negative."""
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for cmd in commands
@@ -20,10 +22,20 @@ def run_together(commands, env, timeout=300):
     for p in procs:
         try:
             out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += f"\n[killed after {timeout} s]".encode()
         finally:
             if p.poll() is None:
                 p.kill()
         outputs.append(out.decode(errors="replace"))
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    return [p.returncode for p in procs], outputs
+
+
+def run_together(commands, env, timeout=300):
+    """Start every command at once, wait for all; assert each exits 0 (showing its output)."""
+    codes, outputs = run_collect(commands, env, timeout)
+    for code, out in zip(codes, outputs):
+        assert code == 0, out[-3000:]
     return outputs

@@ -1,0 +1,136 @@
+"""One process of the capacity-agreement tests (run by test_capacity_agreement.py).
+
+Usage: capacity_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_PREFIX MODE[,MODE...]
+
+Each process feeds its OWN batches (different ids, different unique ids per
+partition), so the capacities each would choose alone differ. NUM_PROCESSES 1
+runs the single-process reference on 4 devices over the union of both
+processes' batches (process p's samples on devices 2p, 2p+1, as in the job).
+Modes: "auto" (automatic capacities, overflow="error": sized once, from every
+process's first batch), "grow" (automatic, overflow="grow": at step 2 only
+process 1 needs more; batches through `prefetch`), and modes that must fail,
+each failure printed as a line "CAUGHT mode ExceptionType: message":
+"mismatch" (explicit capacities that differ per process: a ValueError on every
+process), "first_error" (explicit
+capacities, overflow="error", process 1's first batch overflows: its ValueError,
+a RuntimeError on process 0), "late_error" (automatic capacities sized at the
+first batch, overflow="error", process 1's step-2 batch overflows; no per-step
+collective: process 1 raises, then exits with code 3, and process 0, waiting in
+the step's collective, gets the runtime's error and exits with code 3 too).
+"""
+
+import os
+import sys
+import time
+
+process_id, num_processes, port, out_prefix, modes = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+    sys.argv[5].split(","),
+)
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // num_processes}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+if num_processes > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+    )
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import embedmesh as em  # noqa: E402
+from embedmesh.facade import MeshEmbedding  # noqa: E402
+from embedmesh.host.preprocess import Capacity  # noqa: E402
+
+STEPS = 4
+BATCH = 8  # per process
+
+
+def process_batches(pid, mode):
+    """Process pid's batches: process 0 draws from few ids, process 1 from many."""
+    rng = np.random.default_rng(100 + pid)
+    for step in range(STEPS):
+        hi = 6 if pid == 0 else 200
+        if mode in ("auto", "late_error") and step > 0:
+            hi = 6  # later batches fit the capacities agreed at the first
+        lengths = rng.integers(1, 4, BATCH)
+        if mode in ("grow", "late_error") and pid == 1 and step == 2:
+            hi, lengths = 256, rng.integers(30, 40, BATCH)  # only process 1 outgrows here
+        yield {
+            "a": rng.integers(0, hi, (BATCH, 3)),
+            "b": (rng.integers(0, min(hi, 64), int(lengths.sum())), lengths),
+        }
+
+
+def union_batches(mode):
+    for parts in zip(*(process_batches(p, mode) for p in range(2))):
+        yield {
+            "a": np.concatenate([p["a"] for p in parts]),
+            "b": tuple(np.concatenate([p["b"][i] for p in parts]) for i in range(2)),
+        }
+
+
+def run(mode):
+    t1 = em.TableConfig(256, 8, combiner="mean", name="t1")
+    t2 = em.TableConfig(64, 4, combiner="sqrtn", name="t2")
+    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    assert mesh.size == 4, mesh
+    kwargs = {"overflow": "error"} if mode in ("auto", "late_error") else {}
+    if mode == "mismatch":
+        kwargs = {"capacities": Capacity(64, 64) if process_id == 0 else Capacity(32, 32)}
+    if mode == "first_error":
+        kwargs = {"capacities": Capacity(32, 6)}  # process 0's first batch fits, 1's not
+    emb = MeshEmbedding(feats, em.Adagrad(0.2), mesh=mesh, **kwargs)
+    emb.build()
+    grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
+    batches = union_batches(mode) if num_processes == 1 else process_batches(process_id, mode)
+    batches = (dict(b, b=em.RaggedTensor.from_row_lengths(*b["b"])) for b in batches)
+    # grow: through prefetch (local preprocessing in a thread, the agreement not)
+    stream = emb.prefetch(batches) if mode == "grow" else map(emb.enqueue, batches)
+    caps, needs = [], []  # per step and stack: the capacities, this process's needs
+    for enqueued in stream:
+        acts, pre = emb.dequeue(enqueued)
+        emb.apply_gradients(grad_fn(acts), pre)
+        caps.append(
+            [
+                [c.capacity.max_ids_per_partition, c.capacity.max_unique_ids_per_partition]
+                for c in pre.values()
+            ]
+        )
+        if num_processes > 1:  # (one process prefetching: last_stats may be a later batch's)
+            stacks = emb.last_stats.stacks.values()
+            needs.append(
+                [[c.max_ids_per_partition, c.max_unique_ids_per_partition] for c in stacks]
+            )
+    tables = emb.variables
+    out = {f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()}
+    out["capacities"], out["needs"] = np.array(caps), np.array(needs)
+    np.savez(f"{out_prefix}.{mode}.{process_id}.npz", **out)
+
+
+def main():
+    for mode in modes:
+        t = time.perf_counter()
+        try:
+            run(mode)
+        except Exception as e:
+            if mode not in ("mismatch", "first_error", "late_error"):
+                raise
+            print(f"CAUGHT {mode} {type(e).__name__}: {e}", flush=True)
+            if mode == "late_error":
+                os._exit(3)  # the job is broken: no shutdown barrier with the other process
+        print(f"mode {mode}: {time.perf_counter() - t:.2f} s", flush=True)
+    if num_processes > 1:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Two real processes fed DIFFERENT batches agree on capacities and batch shapes.
+
+Automatic capacities and overflow="grow" are decided from every process's
+needs (issue #15 item 0): the job trains like one process over the union of the
+batches; capacities that differ per process raise a clear error on every
+process before any collective (no gloo size mismatch, no hang).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from process_helpers import free_port, run_collect
+
+import embedmesh as em
+from embedmesh.facade import MeshEmbedding
+from embedmesh.host import agree
+from embedmesh.host.preprocess import Capacity, preprocess_batch
+from embedmesh.layout.stacking import plan_stacking
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "capacity_worker.py")
+TIMEOUT = 60  # a hang in a collective fails the test instead of stalling it
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _pair(prefix, modes):
+    port = free_port()
+    return run_collect(
+        [[sys.executable, WORKER, str(i), "2", str(port), str(prefix), modes] for i in range(2)],
+        env=_env(),
+        timeout=TIMEOUT,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`{mode: (single-process reference, process 0's, process 1's results)}`."""
+    d = tmp_path_factory.mktemp("capacity")
+    subprocess.run(
+        [sys.executable, WORKER, "0", "1", "0", str(d / "single"), "auto,grow"],
+        env=_env(),
+        check=True,
+        timeout=TIMEOUT,
+    )
+    codes, outs = _pair(d / "multi", "auto,grow")
+    for code, out in zip(codes, outs):
+        assert code == 0, out[-3000:]
+    return {
+        m: tuple(
+            np.load(d / f"{p}.{m}.{i}.npz") for p, i in (("single", 0), ("multi", 0), ("multi", 1))
+        )
+        for m in ("auto", "grow")
+    }
+
+
+@pytest.mark.parametrize("mode", ["auto", "grow"])
+def test_different_batches_train_like_one_process(trained, mode):
+    single, p0, p1 = trained[mode]
+    # every process uses the capacities one process over the union would choose
+    np.testing.assert_array_equal(p0["capacities"], single["capacities"])
+    np.testing.assert_array_equal(p1["capacities"], single["capacities"])
+    if mode == "grow":  # it grew at step 2, from process 1's batch alone
+        caps = single["capacities"]
+        assert (caps[2] > caps[1]).all(), caps
+        assert (p0["needs"][2] <= caps[1]).all() and (p1["needs"][2] > caps[1]).any()
+    keys = [k for k in single.files if k not in ("capacities", "needs")]
+    assert len(keys) == 4
+    for k in keys:
+        np.testing.assert_allclose(p0[k], single[k], rtol=1e-6, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(p1[k], single[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert np.abs(single["t1.accumulators"] - 0.1).max() > 1e-3  # it trained
+
+
+def _caught(out, mode):
+    return next(x for x in out.splitlines() if x.startswith(f"CAUGHT {mode} "))
+
+
+def test_errors_reach_every_process_before_any_mismatched_collective(tmp_path):
+    codes, outs = _pair(tmp_path / "errors", "mismatch,first_error,late_error")
+    assert codes == [3, 3], "\n=====\n".join(o[-3000:] for o in outs)
+    for out in outs:
+        # capacities that differ per process: the same clear error on every process
+        line = _caught(out, "mismatch")
+        assert "ValueError: stack t1+t2:" in line and "max_ids_per_partition" in line, line
+        assert "process 0 has 64, process 1 has 32" in line, line
+    # an overflow in one process's first batch (the agreement): its own error there,
+    # and the others learn of it in the agreement instead of waiting in a collective
+    line = _caught(outs[1], "first_error")
+    assert re.search(r"ValueError: stack t1\+t2: device [23] .* needs \d+ unique ids", line), line
+    assert "max_unique_ids_per_partition=6" in line, line
+    line = _caught(outs[0], "first_error")
+    assert "RuntimeError: process(es) [1] could not preprocess their batch" in line, line
+    # overflow in a later batch with fixed capacities (no per-step collective): the
+    # overflowing process raises before any collective; the other, already in the
+    # step's collective, gets the runtime's error when that process exits
+    line = _caught(outs[1], "late_error")
+    assert re.search(r"ValueError: stack t1\+t2: device [23] .* over the capacity", line), line
+    assert "JaxRuntimeError" in _caught(outs[0], "late_error")
+
+
+# -- the pure agreement (embedmesh.host.agree) and one process, in this process
+
+
+def _config():
+    t1 = em.TableConfig(256, 8, combiner="mean", name="t1")
+    t2 = em.TableConfig(64, 4, combiner="sqrtn", name="t2")
+    return {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
+
+
+def _batch(rng, hi, batch=8, long=False):
+    lengths = rng.integers(30, 40, batch) if long else rng.integers(1, 4, batch)
+    return {
+        "a": rng.integers(0, hi, (batch, 3)),
+        "b": em.RaggedTensor.from_row_lengths(rng.integers(0, 64, int(lengths.sum())), lengths),
+    }
+
+
+def _concat(parts):
+    return {
+        "a": np.concatenate([p["a"] for p in parts]),
+        "b": em.RaggedTensor.from_row_lengths(
+            np.concatenate([np.asarray(p["b"].values) for p in parts]),
+            np.concatenate([np.diff(np.asarray(p["b"].row_splits)) for p in parts]),
+        ),
+    }
+
+
+def _gathered(plan, parts, before, overflow="error"):
+    """The vectors two processes of 2 devices each would gather."""
+    vecs = []
+    for p in parts:
+        csr, stats = preprocess_batch(
+            p, None, plan, num_devices_local=2, capacities=before, overflow=overflow
+        )
+        before_caps = {s.name: before for s in plan.stacks}
+        vecs.append(agree.local_vector(plan, csr, stats, before_caps))
+    return np.stack(vecs)
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_agreed_capacities_are_those_of_one_process_over_the_union(grow):
+    plan = plan_stacking(_config(), 4)
+    rng = np.random.default_rng(3)
+    parts = [_batch(rng, 6), _batch(rng, 200, long=grow)]  # different needs
+    before = Capacity(8, 8) if grow else None
+    overflow = "grow" if grow else "error"
+    agreed = agree.decide(
+        _gathered(plan, parts, before, overflow),
+        plan,
+        {s.name: before for s in plan.stacks},
+        overflow,
+    )
+    _, union = preprocess_batch(
+        _concat(parts), None, plan, num_devices_local=4, capacities=before, overflow=overflow
+    )
+    assert agreed == union.capacities
+    alone = [
+        preprocess_batch(p, None, plan, num_devices_local=2, capacities=before, overflow=overflow)
+        for p in parts
+    ]
+    assert alone[0][1].capacities != alone[1][1].capacities  # each alone would differ
+    if grow:
+        assert union[plan.stacks[0].name].grown
+
+
+def test_disagreements_raise_naming_stack_field_and_sizes():
+    plan = plan_stacking(_config(), 4)
+    rng = np.random.default_rng(3)
+    parts = [_batch(rng, 6), _batch(rng, 6, batch=4)]  # another per-process batch size
+    g = _gathered(plan, parts, Capacity(64, 64))
+    name = plan.stacks[0].name
+    with pytest.raises(ValueError, match=rf"stack {re.escape(name)}: .* rows_per_device"):
+        agree.decide(g, plan, {name: Capacity(64, 64)}, "error")
+    g[1] = agree.failed_vector(plan)
+    with pytest.raises(RuntimeError, match=r"process\(es\) \[1\] could not preprocess"):
+        agree.decide(g, plan, {name: Capacity(64, 64)}, "error")
+    shapes = agree.shapes_of(g[0], {name: Capacity(64, 64)}, plan)
+    agree.check_unchanged(shapes, g[0], plan, 0)
+    later = _gathered(plan, [_batch(rng, 6, batch=4)], Capacity(64, 64))[0]
+    with pytest.raises(
+        ValueError, match=r"process 0's batch has rows_per_device 8, .* agreed on 16"
+    ):
+        agree.check_unchanged(shapes, later, plan, 0)
+
+
+def test_one_process_runs_no_agreement(monkeypatch):
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective on one process")
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", no_collective)
+    rng = np.random.default_rng(5)
+    emb = MeshEmbedding(_config(), em.Adagrad(0.2), mesh=Mesh(np.array(jax.devices()[:1]), ("x",)))
+    grown = []
+    for long in (False, False, True):  # automatic capacities, then one growth
+        emb.enqueue(_batch(rng, 200, long=long))
+        grown.append(bool(emb.last_stats.grown))
+    assert grown == [False, False, True]
