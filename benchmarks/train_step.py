@@ -190,6 +190,16 @@ def embedmesh_setup(batches, capacity_batches=None):
     return emb, feats, caps
 
 
+def row_exchange_bytes(caps, n: int) -> int:
+    """Bytes one device sends per step through the row exchange (ids, rows, per-unique
+    gradients to the N - 1 other devices, at the compiled capacities): what XLA's
+    all_to_all moves. In-process CPU devices read each other's memory instead (0 copies)."""
+    if n == 1:
+        return 0
+    per_block = sum(c.max_unique_ids_per_partition * (4 + 2 * 4 * D) for c in caps.values())
+    return (n - 1) * per_block
+
+
 def child_embedmesh(args, batches, capacity_batches=None):
     import jax
 
@@ -253,6 +263,7 @@ def child_embedmesh(args, batches, capacity_batches=None):
         state_bytes=state_bytes,
         devices=len(jax.devices()),
         capacity=str(list(caps.values())[0]),
+        exchange_bytes=row_exchange_bytes(caps, len(jax.devices())),
     )
 
 
@@ -919,6 +930,7 @@ def main():
             setup_hwm=max(r["setup_hwm"] for r in results[p]),
             step_hwm=max(r["step_hwm"] for r in results[p]),
             state_bytes=results[p][0]["state_bytes"],
+            exchange_bytes=results[p][0].get("exchange_bytes"),
         )
     ids = next(iter(rows.values()))["ids"] if rows else 0
     print(
@@ -962,9 +974,44 @@ def main():
                     f"  embedmesh end-to-end (prefetch) vs {q}: "
                     f"{rows['embedmesh']['ids_s_e2e'] / rows[q]['ids_s']:5.2f}x"
                 )
+    print_scale_out(rows, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "raw": results}, f, indent=1)
+
+
+def print_scale_out(rows, results):
+    """N devices against 1 on the same global batch (step time), and 2 processes against
+    1 process on one core (global ids/s: weak scaling), as medians of per-round ratios;
+    and the bytes each device sends through a row exchange."""
+    pairs = [
+        ("embedmesh-2dev", "embedmesh", "step time, 2 devices / 1 (same global batch)"),
+        ("embedmesh-4dev", "embedmesh", "step time, 4 devices / 1 (same global batch)"),
+        ("embedmesh-2proc", "embedmesh-1core", "weak scaling, ids/s of 2 processes / 1 core"),
+    ]
+    lines = []
+    for a, b, what in pairs:
+        if a not in rows or b not in rows:
+            continue
+        per_round = []
+        for ra, rb in zip(results[a], results[b]):
+            ta, tb = statistics.median(ra["device"]), statistics.median(rb["device"])
+            if a.endswith("2proc"):
+                per_round.append((ra["ids"] / ta) / (rb["ids"] / tb))
+            else:
+                per_round.append(ta / tb)
+        if per_round:
+            rounds = " / ".join(f"{x:.2f}" for x in per_round)
+            lines.append(f"  {what}: {statistics.median(per_round):.2f}x (rounds {rounds})")
+    for p, r in rows.items():
+        if r.get("exchange_bytes"):
+            lines.append(
+                f"  {p}: a row exchange sends {r['exchange_bytes'] / 1e6:.1f} MB per device "
+                "per step at its capacities"
+            )
+    if lines:
+        print("\nscale-out (medians of per-round ratios):")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
