@@ -199,7 +199,8 @@ def _zipf_norm(num_ranks: int, a: float) -> float:
 
 def _distinct_terms(n: float, p: np.ndarray) -> np.ndarray:
     """1 - (1-p)^n, accurately for tiny p."""
-    return -np.expm1(n * np.log1p(-p))
+    with np.errstate(divide="ignore"):
+        return -np.expm1(n * np.log1p(-p))
 
 
 def zipf_unique(num_ranks: int, a: float, n: float, *, with_bound: bool = False):
@@ -217,12 +218,12 @@ def zipf_unique(num_ranks: int, a: float, n: float, *, with_bound: bool = False)
     if n <= 0 or num_ranks < 1:
         return (0.0, 0.0) if with_bound else 0.0
     if a == 0:
-        value = num_ranks * float(-np.expm1(n * np.log1p(-1.0 / num_ranks)))
+        value = min(n, num_ranks * float(_distinct_terms(n, np.float64(1.0 / num_ranks))))
         return (value, 0.0) if with_bound else value
     norm = _zipf_norm(num_ranks, a)
     if num_ranks <= EXACT_RANKS:
         p = _zipf_weights(np.arange(1, num_ranks + 1, dtype=np.float64), a) / norm
-        value = float(_distinct_terms(n, p).sum())
+        value = min(n, float(_distinct_terms(n, p).sum()))  # n < 1: a mean count
         return (value, 0.0) if with_bound else value
     k = HEAD_RANKS
     p_head = _zipf_weights(np.arange(1, k + 1, dtype=np.float64), a) / norm
@@ -243,7 +244,7 @@ def zipf_unique(num_ranks: int, a: float, n: float, *, with_bound: bool = False)
     p_first = (k + 1) ** -a / norm
     tail_mass = max(0.0, 1.0 - float(p_head.sum()))
     bound = (f_first - f_last) / 2 + n * p_first * tail_mass
-    value = min(float(num_ranks), head + tail)
+    value = min(float(num_ranks), n, head + tail)
     return (value, bound) if with_bound else value
 
 
