@@ -91,6 +91,7 @@ in the network beyond the per-link bandwidth, stragglers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -182,6 +183,17 @@ def _zipf_weights(v: np.ndarray, a: float) -> np.ndarray:
     return np.exp(-a * np.log(v))
 
 
+@functools.lru_cache(maxsize=64)
+def _log_miss(num_ranks: int, a: float, count: int) -> tuple:
+    """(log(1 - p_v) for v = 1..count, sum of those p_v): the exact head, cached."""
+    p = _zipf_weights(np.arange(1, count + 1, dtype=np.float64), a) / _zipf_norm(num_ranks, a)
+    with np.errstate(divide="ignore"):  # p = 1 (one rank): log 0 = -inf, exact
+        out = np.log1p(-np.minimum(p, 1.0))
+    out.setflags(write=False)
+    return out, float(p.sum())
+
+
+@functools.lru_cache(maxsize=256)
 def _zipf_norm(num_ranks: int, a: float) -> float:
     """H(V, a) = sum_{v=1}^V v^-a: exact to EXACT_RANKS, then Euler-Maclaurin."""
     if num_ranks <= EXACT_RANKS:
@@ -222,12 +234,13 @@ def zipf_unique(num_ranks: int, a: float, n: float, *, with_bound: bool = False)
         return (value, 0.0) if with_bound else value
     norm = _zipf_norm(num_ranks, a)
     if num_ranks <= EXACT_RANKS:
-        p = _zipf_weights(np.arange(1, num_ranks + 1, dtype=np.float64), a) / norm
-        value = min(n, float(_distinct_terms(n, p).sum()))  # n < 1: a mean count
+        log_miss, _ = _log_miss(num_ranks, a, num_ranks)
+        with np.errstate(invalid="ignore"):
+            value = min(n, float(-np.expm1(n * log_miss).sum()))  # n < 1: a mean count
         return (value, 0.0) if with_bound else value
     k = HEAD_RANKS
-    p_head = _zipf_weights(np.arange(1, k + 1, dtype=np.float64), a) / norm
-    head = float(_distinct_terms(n, p_head).sum())
+    log_miss, head_mass = _log_miss(num_ranks, a, k)
+    head = float(-np.expm1(n * log_miss).sum())
 
     def f(x):
         return -np.expm1(-n * _zipf_weights(x, a) / norm)
@@ -242,7 +255,7 @@ def zipf_unique(num_ranks: int, a: float, n: float, *, with_bound: bool = False)
     f_first, f_last = float(f(np.float64(k + 1))), float(f(np.float64(num_ranks)))
     tail = integral + (f_first + f_last) / 2
     p_first = (k + 1) ** -a / norm
-    tail_mass = max(0.0, 1.0 - float(p_head.sum()))
+    tail_mass = max(0.0, 1.0 - head_mass)
     bound = (f_first - f_last) / 2 + n * p_first * tail_mass
     value = min(float(num_ranks), n, head + tail)
     return (value, bound) if with_bound else value
@@ -314,10 +327,14 @@ class Machine:
         + 2 x 256 B at 27 GB/s). mem_bw 27 GB/s: the write floor measured in
         `RESULTS_serving.md` (its 40 ns per cold random row is the same figure as
         read_row_s + rb/mem_bw on a cold table; the training batch is Zipf, so
-        part of it hits the cache). step_overhead_s (per device program: dispatch,
-        rendezvous, finite check) and the shm latency are fitted by
-        `benchmarks/simulate.py --calibrate` to the 1/2/4-device medians of
-        `runs/train_run_2026-12-01_ndev.txt` (26.3 / 27.0 / 30.8 ms).
+        part of it hits the cache). Two constants are fitted (non-negative least
+        squares, `benchmarks/simulate.py --calibrate`) to the 1/2/4-device medians of
+        `runs/train_run_2026-12-01_ndev.txt` (26.3 / 27.0 / 30.8 ms): step_overhead_s
+        (per device program) came out 0 (table 3's kernels alone already predict
+        26.8 ms at N=1), the shm link's per_peer_s 309 us per collective per extra
+        device (4 collectives a step: ~1.2 ms per extra device, which lumps the
+        rendezvous with N device programs contending for the 2 cores). Noise: the
+        per-round medians of that run spread by 2-5 ms.
 
         `transport`: "shm" (the shared-memory kernels: zero copy), "xla" (XLA's CPU
         all_to_all in process: ~1.4 GB/s, `ops/cpu/exchange.cc`), "gloo" (2+
@@ -327,7 +344,8 @@ class Machine:
             "shm": Link(
                 "in-process shared memory (zero copy)",
                 27e9,
-                70e-6,
+                0.0,
+                per_peer_s=309e-6,
                 zero_copy=True,
                 source="latency fitted to runs/train_run_2026-12-01_ndev.txt",
             ),
@@ -355,7 +373,7 @@ class Machine:
             devices_per_host=1 << 30,
             intra=link,
             inter=link,
-            step_overhead_s=1.2e-3,
+            step_overhead_s=0.0,
             host_shared=True,
             notes=(
                 "read/pair/update row costs: RESULTS_train.md table 3 (1 device)",
@@ -453,8 +471,8 @@ class Traffic:
 def _split(sent: float, recv: float, participants: int, per_host: int, **kw) -> Traffic:
     """An all-to-all among `participants` devices spread over hosts of `per_host`: the
     share of the peers on the same host goes over the intra link."""
-    if participants <= 1:
-        return Traffic(collectives=kw.get("collectives", 0), peers=1)
+    if participants <= 1:  # nothing to exchange, no collective
+        return Traffic()
     f_intra = (min(participants, per_host) - 1) / (participants - 1)
     return Traffic(
         sent * f_intra,
@@ -851,80 +869,105 @@ def table_wise_placement(weights: Sequence[float], num_devices: int, sizes=None)
     return where, loads
 
 
-def _group_placement(weights, num_devices: int, group: int):
-    """Placement of table_row_wise items on whole groups of `group` devices."""
-    n_groups = max(1, num_devices // group)
-    where, gl = table_wise_placement(weights, n_groups)
-    devs = [tuple(range(g[0] * group, g[0] * group + group)) for g in where]
-    return devs, gl
+@dataclasses.dataclass(frozen=True)
+class _Summary:
+    """What `plan_step_time` needs of one (table, StrategyCost)."""
+
+    strategy: str
+    placed: bool
+    owners: int
+    src_time: float
+    own_time: float
+    latency: float
+    src_mem: float
+    own_mem: float
+    src_bytes: float
+    own_bytes: float
+
+
+def _summarise(t: TableStats, c: StrategyCost, m: Machine) -> _Summary:
+    return _Summary(
+        c.strategy,
+        c.placed,
+        c.owners,
+        _load_time(c.source, t.slots, m, with_latency=False),
+        _load_time(c.owner, t.slots, m, with_latency=False),
+        _latency_time(c.owner.fwd, m) + _latency_time(c.owner.bwd, m),
+        c.source.memory,
+        c.owner.memory,
+        c.source.bytes_sent + c.source.bytes_recv,
+        c.owner.bytes_sent + c.owner.bytes_recv,
+    )
+
+
+def _evaluate(summaries: Sequence[_Summary], n: int, m: Machine):
+    """(step seconds, detail) of tables given by their summaries on n devices."""
+    work = np.zeros(n)
+    mem = np.zeros(n)
+    moved = np.zeros(n)
+    lat: dict = {}
+    placed = []
+    for i, x in enumerate(summaries):
+        lat[x.strategy] = max(lat.get(x.strategy, 0.0), x.latency)
+        if x.placed:
+            work += x.src_time
+            mem += x.src_mem
+            moved += x.src_bytes
+            placed.append(i)
+        else:
+            work += x.own_time
+            mem += x.own_mem
+            moved += x.own_bytes
+    assignment: list = [None] * len(summaries)
+    extra = {i: summaries[i].own_time - summaries[i].src_time for i in placed}
+    # whole groups first (table_row_wise takes hosts), then the rest, heaviest first,
+    # each onto its `owners` least-loaded devices (greedy LPT bin packing)
+    groups = [i for i in placed if summaries[i].strategy == "table_row_wise"]
+    rest = [i for i in placed if summaries[i].strategy != "table_row_wise"]
+
+    def put(i, d):
+        x = summaries[i]
+        assignment[i] = d
+        work[d] += extra[i]
+        mem[d] += x.own_mem - x.src_mem
+        moved[d] += x.own_bytes - x.src_bytes
+
+    for i in sorted(groups, key=lambda i: -extra[i]):
+        g = summaries[i].owners
+        n_groups = max(1, n // g)
+        host_load = work[: n_groups * g].reshape(n_groups, g).max(axis=1)
+        h = int(np.argmin(host_load))
+        put(i, np.arange(h * g, h * g + g))
+    for i in sorted(rest, key=lambda i: -extra[i]):
+        k = min(summaries[i].owners, n)
+        put(i, np.argpartition(work, k - 1)[:k] if k < n else np.arange(n))
+    busy = float(work.sum()) if m.host_shared else float(work.max())
+    overhead = m.step_overhead_s * (n if m.host_shared else 1)
+    total = busy + sum(lat.values()) + overhead
+    return total, {
+        "per_device": work,
+        "memory": mem,
+        "bytes": moved,
+        "latency": lat,
+        "overhead": overhead,
+        "assignment": assignment,
+    }
 
 
 def plan_step_time(items, machine: Machine, return_detail: bool = False):
     """Predicted step time of several tables [(TableStats, StrategyCost), ...] on the same
     N devices: every device does each table's `source` work, the owners of a placed
-    table also its `owner - source` extra (placed by `table_wise_placement`); the
-    collectives of one strategy are fused across its tables (as the stacks are), so
-    their latency counts once per strategy. Step = the busiest device (with
-    `host_shared`: the sum over devices) + latencies + overhead."""
+    table also its `owner - source` extra (greedy bin packing by that extra time:
+    heaviest first onto the least-loaded devices; table_row_wise onto whole hosts);
+    the collectives of one strategy are fused across its tables (as the stacks are),
+    so their latency counts once per strategy. Step = the busiest device (with
+    `host_shared`: the sum over devices) + latencies + overhead. `return_detail`:
+    also per-device time, memory, bytes, the latencies and the placement."""
     if not items:
         return (0.0, {}) if return_detail else 0.0
     n = items[0][1].num_devices
-    m = machine
-    per_dev = np.zeros(n)
-    placed_w, placed_k, placed_kind = [], [], []
-    lat = {}
-    mem = np.zeros(n)
-    for t, c in items:
-        src = _load_time(c.source, t.slots, m, with_latency=False)
-        own = _load_time(c.owner, t.slots, m, with_latency=False)
-        lat_key = c.strategy
-        lat[lat_key] = max(
-            lat.get(lat_key, 0.0), _latency_time(c.owner.fwd, m) + _latency_time(c.owner.bwd, m)
-        )
-        if c.placed:
-            per_dev += src
-            mem += c.source.memory
-            placed_w.append((own - src, c.owner.memory - c.source.memory))
-            placed_k.append(c.owners)
-            placed_kind.append(c.strategy)
-        else:
-            per_dev += own
-            mem += c.owner.memory
-    assignment = [None] * len(placed_w)
-    if placed_w:
-        weights = [w for w, _ in placed_w]
-        group_items = [i for i, s in enumerate(placed_kind) if s == "table_row_wise"]
-        other = [i for i, s in enumerate(placed_kind) if s != "table_row_wise"]
-        # groups first (they take whole hosts), then the rest onto the least loaded
-        if group_items:
-            gsz = placed_k[group_items[0]]
-            devs, _ = _group_placement([weights[i] for i in group_items], n, gsz)
-            for i, d in zip(group_items, devs):
-                assignment[i] = d
-                for dv in d:
-                    per_dev[dv] += weights[i]
-                    mem[dv] += placed_w[i][1]
-        loads = list(per_dev)
-        for i in sorted(other, key=lambda i: -weights[i]):
-            k = min(placed_k[i], n)
-            d = tuple(sorted(range(n), key=lambda j: (loads[j], j))[:k])
-            assignment[i] = d
-            for dv in d:
-                loads[dv] += weights[i]
-                mem[dv] += placed_w[i][1]
-        per_dev = np.asarray(loads)
-    work = float(per_dev.sum()) if m.host_shared else float(per_dev.max())
-    overhead = m.step_overhead_s * (n if m.host_shared else 1)
-    total = work + sum(lat.values()) + overhead
-    if return_detail:
-        return total, {
-            "per_device": per_dev,
-            "memory": mem,
-            "latency": lat,
-            "overhead": overhead,
-            "assignment": assignment,
-        }
-    return total
+    total, detail = _evaluate([_summarise(t, c, machine) for t, c in items], n, machine)
+    return (total, detail) if return_detail else total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -938,6 +981,7 @@ class Plan:
     step_time_s: float
     memory_per_device: tuple  # bytes per device
     memory_limit: float
+    bytes_per_device: tuple = ()  # bytes sent + received per step, per device
     overridden: tuple = ()
 
     def strategy_of(self, name: str) -> str:
@@ -947,10 +991,10 @@ class Plan:
     def strategies(self) -> dict:
         return {name: c.strategy for name, c in self.choices}
 
-    def bytes_per_device(self) -> float:
-        """Bytes sent + received per step by the busiest device, over all tables (the
-        placed tables counted at their owners)."""
-        return sum(c.owner.bytes_sent + c.owner.bytes_recv for _, c in self.choices)
+    @property
+    def max_bytes_per_device(self) -> float:
+        """Bytes sent + received per step by the device that moves the most."""
+        return max(self.bytes_per_device, default=0.0)
 
     def describe(self) -> str:
         gb = 1e9
@@ -959,7 +1003,8 @@ class Plan:
             f"on {self.machine}: predicted step {self.step_time_s * 1e3:.3f} ms "
             f"({self.num_devices * self.batch_per_device / self.step_time_s:,.0f} samples/s)",
             f"memory per device: max {max(self.memory_per_device) / gb:.2f} GB "
-            f"of {self.memory_limit / gb:.2f} GB",
+            f"of {self.memory_limit / gb:.2f} GB; moved per step: max "
+            f"{self.max_bytes_per_device / 1e6:.2f} MB sent + received",
             f"{'table':<12} {'strategy':<16} {'owners':>6} {'MB sent+recv/step':>18} "
             f"{'GB held by an owner':>20}",
         ]
@@ -1010,42 +1055,55 @@ def plan_tables(
             raise ValueError(f"unknown strategy {s!r}")
     limit = machine.memory_per_device if memory_limit is None else float(memory_limit)
     options = {t.name: {s: strategy_cost(s, t, n, b, machine) for s in STRATEGIES} for t in tables}
-
-    def evaluate(assign):
-        items = [(t, options[t.name][assign[t.name]]) for t in tables]
-        total, detail = plan_step_time(items, machine, return_detail=True)
-        return total, detail
-
-    assign = {}
-    for t in tables:
-        if t.name in overrides:
-            assign[t.name] = overrides[t.name]
-            continue
-        fits = [s for s in strategies if options[t.name][s].owner.memory <= limit]
-        pool = fits or list(strategies)
-        assign[t.name] = min(pool, key=lambda s: step_time(options[t.name][s], t, n, b, machine))
+    summ = {
+        t.name: {s: _summarise(t, c, machine) for s, c in options[t.name].items()} for t in tables
+    }
 
     def score(assign):
-        total, detail = evaluate(assign)
+        total, detail = _evaluate([summ[t.name][assign[t.name]] for t in tables], n, machine)
         over = max(0.0, float(detail["memory"].max()) - limit)
         return (over, total), detail
 
-    best, detail = score(assign)
-    for _ in range(passes):
-        moved = False
-        for t in sorted(tables, key=lambda t: -t.state_bytes):
-            if t.name in overrides:
-                continue
-            for s in strategies:
-                if s == assign[t.name]:
+    def search(assign):
+        best, detail = score(assign)
+        for _ in range(passes):
+            moved = False
+            for t in sorted(tables, key=lambda t: -t.state_bytes):
+                if t.name in overrides:
                     continue
-                trial = dict(assign, **{t.name: s})
-                sc, d = score(trial)
-                if sc < best:
-                    best, detail, assign, moved = sc, d, trial, True
-        if not moved:
-            break
-    if best[0] > 0:
+                for s in strategies:
+                    if s == assign[t.name]:
+                        continue
+                    trial = dict(assign, **{t.name: s})
+                    sc, d = score(trial)
+                    if sc < best:
+                        best, detail, assign, moved = sc, d, trial, True
+            if not moved:
+                break
+        return best, detail, assign
+
+    # starts: each table's best alone (among those that fit), and every strategy for
+    # all tables (one move at a time cannot leave a strategy whose fused collectives
+    # the other tables share); then local search from each, the best kept
+    starts = []
+    alone = {}
+    for t in tables:
+        if t.name in overrides:
+            alone[t.name] = overrides[t.name]
+            continue
+        fits = [s for s in strategies if options[t.name][s].owner.memory <= limit]
+        pool = fits or list(strategies)
+        alone[t.name] = min(pool, key=lambda s: step_time(options[t.name][s], t, n, b, machine))
+    starts.append(alone)
+    for s in strategies:
+        starts.append({t.name: overrides.get(t.name, s) for t in tables})
+    best = None
+    for start in starts:
+        result = search(start)
+        if best is None or result[0] < best[0]:
+            best = result
+    (over, total), detail, assign = best
+    if over > 0:
         raise ValueError(
             f"no plan fits {limit / 1e9:.2f} GB per device on {n} devices "
             f"(best needs {float(detail['memory'].max()) / 1e9:.2f} GB)"
@@ -1055,8 +1113,9 @@ def plan_tables(
         batch_per_device=b,
         machine=machine.name,
         choices=tuple((t.name, options[t.name][assign[t.name]]) for t in tables),
-        step_time_s=best[1],
+        step_time_s=total,
         memory_per_device=tuple(float(x) for x in detail["memory"]),
+        bytes_per_device=tuple(float(x) for x in detail["bytes"]),
         memory_limit=limit,
         overridden=tuple(sorted(overrides)),
     )
