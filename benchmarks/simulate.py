@@ -26,6 +26,7 @@ Machines: `Machine.this_cpu()` (calibrated here) for the measured in-process poi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -121,6 +122,36 @@ def predict(shape, machine, n, strategy):
     total, d = cm.plan_step_time(items, machine, return_detail=True)
     fits = float(d["memory"].max()) <= machine.memory_per_device
     return total, float(d["bytes"].max()), fits, None
+
+
+def sensitivity(gpu, n=128):
+    """The DLRM prediction at n devices when one assumption changes."""
+    b = DLRM_GLOBAL_BATCH // n
+    base_tables = dlrm_tables()
+    fp16 = [dataclasses.replace(t, bytes_per_element=2) for t in base_tables]
+    skew = [dataclasses.replace(t, zipf_a=1.2) for t in base_tables]
+    ib = dataclasses.replace(gpu.inter, bandwidth=50e9)
+    nvl = dataclasses.replace(gpu.intra, bandwidth=450e9)
+    full_links = dataclasses.replace(gpu, inter=ib, intra=nvl)
+    cases = [
+        ("as above (fp32 rows, Zipf 1.05, IB 40 GB/s/GPU, NVLink 315 GB/s)", base_tables, gpu),
+        ("links at datasheet peak (IB 50, NVLink 450 GB/s)", base_tables, full_links),
+        ("fp16 tables and messages", fp16, gpu),
+        ("ids more skewed: Zipf 1.2", skew, gpu),
+        ("all three", [dataclasses.replace(t, bytes_per_element=2) for t in skew], full_links),
+    ]
+    lines = [
+        "| assumption | embedding ms | step ms | M samples/s | per GPU |",
+        "|---|---|---|---|---|",
+    ]
+    for label, tables, m in cases:
+        plan = cm.plan_tables(tables, n, m, batch_per_device=b)
+        t = plan.step_time_s + dense_time(b, m)
+        lines.append(
+            f"| {label} | {plan.step_time_s * 1e3:.3g} | {t * 1e3:.3g} | "
+            f"{DLRM_GLOBAL_BATCH / t / 1e6:.3g} | {DLRM_GLOBAL_BATCH / t / n / 1e3:.0f} K |"
+        )
+    return "\n".join(lines)
 
 
 def dense_time(n_samples, machine):
@@ -303,16 +334,18 @@ def plot(path, sims, points, cpu_machines):
                 continue
             fits = [rows[(s, n)][2] for n in ns]
             sps = [gb / rows[(s, n)][0] for n in ns]
-            by = [max(rows[(s, n)][1], 1.0) for n in ns]
+            nb = [n for n in ns if n > 1]  # one device moves nothing
+            by = [rows[(s, n)][1] for n in nb]
             style = dict(color=colors[s], lw=2.5 if s == "plan" else 1.3, label=LABELS[s])
             ax_t.plot(ns, sps, "-", **style)
             over = [(n, v) for n, v, f in zip(ns, sps, fits) if not f]
             if over:
                 ax_t.plot(*zip(*over), "x", color=colors[s], ms=7)
-            ax_b.plot(ns, by, "-", **style)
+            ax_b.plot(nb, by, "-", **style)
         if shape == "dlrm":
-            dense = [gb / (rows[("plan", n)][0] + dense_time(gb // n, machine)) for n in NS]
-            ax_t.plot(NS, dense, "--", color=colors["plan"], label="planner's mix + dense DCNv2")
+            ns = [n for n in NS if ("plan", n) in rows]
+            dense = [gb / (rows[("plan", n)][0] + dense_time(gb // n, machine)) for n in ns]
+            ax_t.plot(ns, dense, "--", color=colors["plan"], label="planner's mix + dense DCNv2")
             label = MLPERF["label"] + " (65 M samples/s)"
             ax_t.plot([MLPERF["n"]], [MLPERF["samples_per_s"]], "*", ms=16, color="k", label=label)
         if shape == "train":
@@ -327,6 +360,8 @@ def plot(path, sims, points, cpu_machines):
                     sps = gb / (p["step_ms"] * 1e-3)
                     ax_t.plot([p["n"]], [sps], "o", ms=8, mfc="none", color=color)
             ax_t.plot([], [], "o", mfc="none", color="k", label="measured, this machine (shm)")
+            if any(p["transport"] != "shm" for p in points if p["shape"] == "train"):
+                ax_t.plot([], [], "o", mfc="none", color="r", label="measured (--measured)")
         title = {
             "train": "training benchmark: 8 x 1M x 64, 10 ids/sample, global batch 4096",
             "dlrm": "MLPerf DLRM-DCNv2: 26 tables, 214 ids/sample, dim 128, global batch 55,296",
@@ -375,6 +410,12 @@ def main(argv=None):
 
     out = []
     out.append("### Calibration: this machine, the training benchmark, row-wise rows\n")
+    overhead, per_peer = calibrate(points, verbose=False)
+    out.append(
+        "Compute constants from RESULTS_train.md table 3 (not fitted); fitted to the "
+        f"points below: step_overhead_s = {overhead * 1e6:.0f} us, shm per_peer_s = "
+        f"{per_peer * 1e6:.0f} us per collective per extra device.\n"
+    )
     out.append(compare_measured(points, cpu))
     gpu = Machine.h100_cluster()
     sims = {}
@@ -399,6 +440,8 @@ def main(argv=None):
             f"| {n} | {b} | {r[0] * 1e3:.3g} | {tdense * 1e3:.3g} | {t * 1e3:.3g} | "
             f"{DLRM_GLOBAL_BATCH / t / 1e6:.3g} | {DLRM_GLOBAL_BATCH / t / n / 1e3:.0f} K |"
         )
+    out.append("\n### dlrm at N=128: what moves the prediction (planner's mix + dense)\n")
+    out.append(sensitivity(gpu))
     plan128 = rows[("plan", 128)][3]
     out.append(
         "\nplanner at N=128 (DLRM, H100 projection):\n\n```\n" + plan128.describe() + "\n```"
