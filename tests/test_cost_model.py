@@ -123,6 +123,26 @@ def test_hand_data_parallel_and_column_wise():
     assert cw.owner.memory == HAND.state_bytes / 2
 
 
+def test_hand_table_row_wise():
+    """N = 4 devices in 2 hosts of 2 (group = 2); the table on host 0's two members."""
+    c = strategy_cost("table_row_wise", HAND, 4, 2, COPYING, group=2)
+    assert c.owners == 2 and c.placed
+    m = c.owner.fwd
+    # ids: each of the 3 other sources sends the member the half of its 6 ids + 2
+    # lengths (32 B) whose rows it owns: 1 source on its host, 2 on the other host;
+    # the member sends the other member half of its own (16 B).
+    # partials: [4 sources x 2 samples, 8] reduce-scattered in the group: half of
+    # 8 rows (128 B) each way. Then each member owns 1 sample of every source and
+    # sends it to the 3 others (1 on its host, 2 off it): 32 B each; it receives its
+    # own other sample (32 B) from the other member.
+    assert (m.sent_intra, m.sent_inter) == (16 + 128 + 32, 2 * 32)
+    assert (m.recv_intra, m.recv_inter) == (16 + 128 + 32, 2 * 16)
+    src = c.source.fwd  # a device on the other host: all its ids out, 2 rows back
+    assert (src.sent_inter, src.recv_inter) == (32, 64)
+    assert c.owner.rows_updated == 24 / 2  # 4 x 6 distinct ids, half on each member
+    assert c.owner.memory == 500_000 * 32 * 2
+
+
 # ---------------------------------------------------------------------------
 # brute force: build the batch, count what each device would send
 

@@ -209,7 +209,7 @@ def _zipf_norm(num_ranks: int, a: float) -> float:
     return head + integral + corr
 
 
-def _distinct_terms(n: float, p: np.ndarray) -> np.ndarray:
+def _distinct_terms(n: float, p):
     """1 - (1-p)^n, accurately for tiny p."""
     with np.errstate(divide="ignore"):
         return -np.expm1(n * np.log1p(-p))
@@ -511,8 +511,8 @@ class StrategyCost:
     """A table under one strategy on N devices. `owner`: the whole step of a device
     holding (part of) the table, its own batch slice included; `source`: a device that
     only looks it up (equal to `owner` for the sharded strategies, where every device
-    holds a share). `owners`: how many devices hold it; `group`: for table_row_wise the
-    group size. `variant`: the data-parallel gradient sync chosen ("sparse"/"dense")."""
+    holds a share). `owners`: how many devices hold it (for table_row_wise, its group).
+    `variant`: the data-parallel gradient sync chosen ("sparse"/"dense")."""
 
     strategy: str
     table: str
@@ -1102,6 +1102,7 @@ def plan_tables(
         result = search(start)
         if best is None or result[0] < best[0]:
             best = result
+    assert best is not None
     (over, total), detail, assign = best
     if over > 0:
         raise ValueError(
