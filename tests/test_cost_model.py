@@ -265,6 +265,24 @@ def test_table_wise_placement_balances():
     assert all(len(w) == 1 for w in where)
 
 
+def test_plan_places_unequal_table_wise_tables_by_cost():
+    """Three table-wise tables of costs ~2:1:1 on 2 devices: the heavy one alone, the
+    two light ones together; the step is the busier device."""
+    m = COPYING
+    ts = [
+        TableStats("heavy", 10**6, 64, ids_per_sample=20),
+        TableStats("light0", 10**6, 64, ids_per_sample=10),
+        TableStats("light1", 10**6, 64, ids_per_sample=10),
+    ]
+    items = [(t, strategy_cost("table_wise", t, 2, 512, m)) for t in ts]
+    total, d = cm.plan_step_time(items, m, return_detail=True)
+    where = [tuple(int(x) for x in a) for a in d["assignment"]]
+    assert where[1] == where[2] != where[0]
+    assert d["memory"].max() == 2 * ts[0].state_bytes  # the two light ones' device
+    busiest = float(d["per_device"].max())
+    assert total == pytest.approx(busiest + sum(d["latency"].values()) + d["overhead"])
+
+
 def test_in_process_cpu_predicts_the_measured_points_roughly():
     """The calibrated CPU model reproduces the 1/2/4 in-process device medians of
     benchmarks/runs/train_run_2026-12-01_ndev.txt within 10%."""

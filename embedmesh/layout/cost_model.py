@@ -1005,7 +1005,7 @@ class Plan:
             f"memory per device: max {max(self.memory_per_device) / gb:.2f} GB "
             f"of {self.memory_limit / gb:.2f} GB; moved per step: max "
             f"{self.max_bytes_per_device / 1e6:.2f} MB sent + received",
-            f"{'table':<12} {'strategy':<16} {'owners':>6} {'MB sent+recv/step':>18} "
+            f"{'table':<12} {'strategy':<16} {'owners':>6} {'MB moved by an owner':>20} "
             f"{'GB held by an owner':>20}",
         ]
         for name, c in self.choices:
@@ -1013,7 +1013,7 @@ class Plan:
             v = f"/{c.variant}" if c.variant and c.variant != "none" else ""
             lines.append(
                 f"{name:<12} {c.strategy + v:<16} {c.owners:>6} "
-                f"{(c.owner.bytes_sent + c.owner.bytes_recv) / 1e6:>18.3f} "
+                f"{(c.owner.bytes_sent + c.owner.bytes_recv) / 1e6:>20.3f} "
                 f"{c.owner.memory / gb:>20.3f}{tag}"
             )
         return "\n".join(lines)
