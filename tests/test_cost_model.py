@@ -327,3 +327,18 @@ def test_planner_respects_overrides_and_memory():
         cm.plan_tables(t, 8, m, batch_per_device=1024, memory_limit=t[0].state_bytes / 100)
     with pytest.raises(ValueError, match="unknown"):
         cm.plan_tables(t, 8, m, {"nope": "table_wise"}, batch_per_device=1024)
+
+
+def test_cost_model_imports_only_numpy():
+    """The planner's core stays free of jax (the package's own __init__ loads jax; this
+    module adds nothing but the standard library and numpy)."""
+    import ast
+
+    tree = ast.parse(open(cm.__file__).read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add((node.module or "").split(".")[0])
+    assert names <= {"__future__", "collections", "dataclasses", "functools", "math", "numpy"}
