@@ -338,8 +338,9 @@ class Machine:
 
         `transport`: "shm" (the shared-memory kernels: zero copy), "xla" (XLA's CPU
         all_to_all in process: ~1.4 GB/s, `ops/cpu/exchange.cc`), "gloo" (2+
-        processes on this host over loopback TCP: an assumption, 2 GB/s and 100 us, until
-        measured)."""
+        processes on this host over loopback TCP: measured 2026-12-01, an all_to_all of
+        [2, 60000, 64] float32 between 2 processes pinned to a core each in 71 ms, so
+        14.7 MB sent per process: 0.21 GB/s; latency assumed 100 us)."""
         links = {
             "shm": Link(
                 "in-process shared memory (zero copy)",
@@ -357,9 +358,9 @@ class Machine:
             ),
             "gloo": Link(
                 "gloo, processes on one host (loopback TCP)",
-                2.0e9,
+                0.21e9,
                 100e-6,
-                source="ASSUMPTION until the 2-process gloo run is measured",
+                source="measured 2026-12-01 (all_to_all between 2 processes); latency assumed",
             ),
         }
         link = links[transport]
