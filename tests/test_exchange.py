@@ -189,15 +189,17 @@ def test_lookup_from_shards_matches_the_exchange_path(n, rows, u, p, num_rows, d
     np.testing.assert_allclose(fused, via_exchange, rtol=1e-6, atol=1e-6)
 
 
-def _sharded_batch(r, n, rows, u, p, num_rows, d, grouped):
+def _sharded_batch(r, n, rows, u, p, num_rows, d, grouped, shuffled=False):
     """Each device's batch as the host makes it: per shard ascending distinct ids (PAD
-    padded); pairs grouped by slot when `grouped` (the fused kernel's fast case), else in
-    random order; some padding pairs (row R) and out-of-range slots."""
+    padded; in random order when `shuffled`, which the kernels must sort); pairs grouped
+    by slot when `grouped` (the fused kernel's fast case), else in random order; some
+    padding pairs (row R) and out-of-range slots."""
     uids = np.full((n, n, u), ops.PAD_ID, np.int32)
     for dev in range(n):
         for s in range(n):
             used = r.integers(0, min(u, rows) + 1)
-            uids[dev, s, :used] = np.sort(r.choice(rows, used, replace=False))
+            ids = np.sort(r.choice(rows, used, replace=False))
+            uids[dev, s, :used] = r.permutation(ids) if shuffled else ids
     puniq = r.integers(0, u + 1, size=(n, n, p)).astype(np.int32)  # u: out of range
     if grouped:
         puniq.sort(axis=-1)
@@ -239,7 +241,7 @@ def update_oracle(tables, accs, uids, puniq, prows, gains, acts, lr, clip, wd, a
 
 
 @needs_kernels
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     n=st.sampled_from([2, 4, 8]),
     rows=st.integers(1, 40),
@@ -249,11 +251,12 @@ def update_oracle(tables, accs, uids, puniq, prows, gains, acts, lr, clip, wd, a
     d=st.sampled_from([1, 8, 16]),
     adagrad=st.booleans(),
     grouped=st.booleans(),
+    shuffled=st.booleans(),
     keep=st.sampled_from([True, True, False]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_backward_update_sharded_matches_the_exchange_path(
-    n, rows, u, p, num_rows, d, adagrad, grouped, keep, seed
+    n, rows, u, p, num_rows, d, adagrad, grouped, shuffled, keep, seed
 ):
     """The fused in-process N-shard backward + update (each owner reads its sources'
     pairs and gradients) against its reference (sums, all_to_all, dedup, update) and a
@@ -268,7 +271,9 @@ def test_backward_update_sharded_matches_the_exchange_path(
     opt = Adagrad(lr, **kw) if adagrad else SGD(lr, **kw)
     tables = [r.standard_normal((rows, d)).astype(np.float32) for _ in range(n)]
     accs = [r.uniform(0.1, 1.0, (rows, d)).astype(np.float32) for _ in range(n)]
-    uids, puniq, prows, gains, acts = _sharded_batch(r, n, rows, u, p, num_rows, d, grouped)
+    uids, puniq, prows, gains, acts = _sharded_batch(
+        r, n, rows, u, p, num_rows, d, grouped, shuffled
+    )
     sh = NamedSharding(mesh, P("x"))
     flat = lambda x: jax.device_put(x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), sh)
     args = (flat(uids), flat(acts), flat(prows), flat(puniq), flat(gains))

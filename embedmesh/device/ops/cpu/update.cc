@@ -286,16 +286,38 @@ void BackwardUpdateFromSources(float* w, float* acc, int64_t rows, int64_t d, in
   }
   // The distinct rows asked of this shard, ascending, each with its (source, slot) list
   // in source order: a merge when every list is ascending, else a sort.
-  std::vector<std::pair<int32_t, int64_t>> asked;  // (row, source * max_u + slot)
   int64_t max_u = 1;
   for (const Part& q : parts) max_u = std::max(max_u, q.u);
-  for (int64_t r = 0; r < n; ++r)
+  // per source, its valid (row, source * max_u + slot) entries in slot order
+  std::vector<std::vector<std::pair<int32_t, int64_t>>> lists(n);
+  bool ascending = true;
+  size_t total = 0;
+  for (int64_t r = 0; r < n; ++r) {
     for (int64_t k = 0; k < parts[r].u; ++k) {
       const int32_t row = parts[r].ids[k];
-      if (row != kPad && row >= 0 && row < rows) asked.emplace_back(row, r * max_u + k);
+      if (row == kPad || row < 0 || row >= rows) continue;
+      if (!lists[r].empty() && row <= lists[r].back().first) ascending = false;
+      lists[r].emplace_back(row, r * max_u + k);
     }
-  std::stable_sort(asked.begin(), asked.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
+    total += lists[r].size();
+  }
+  std::vector<std::pair<int32_t, int64_t>> asked;  // (row, source * max_u + slot)
+  asked.reserve(total);
+  if (ascending) {  // the host's order: an N-way merge, ties in source order
+    std::vector<size_t> at(n, 0);
+    for (size_t i = 0; i < total; ++i) {
+      int64_t best = -1;
+      for (int64_t r = 0; r < n; ++r)
+        if (at[r] < lists[r].size() &&
+            (best < 0 || lists[r][at[r]].first < lists[best][at[best]].first))
+          best = r;
+      asked.push_back(lists[best][at[best]++]);
+    }
+  } else {
+    for (const auto& l : lists) asked.insert(asked.end(), l.begin(), l.end());
+    std::stable_sort(asked.begin(), asked.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+  }
   std::vector<int64_t> starts;
   for (size_t i = 0; i < asked.size(); ++i)
     if (i == 0 || asked[i].first != asked[i - 1].first) starts.push_back(static_cast<int64_t>(i));
