@@ -216,3 +216,17 @@ def test_real_data_if_cached():
     assert ds.num_samples == 100_000
     assert ds.vocab_sizes["user_id"] == 944 and ds.vocab_sizes["item_id"] == 1683
     assert 0.55 < ds.labels.mean() < 0.56
+
+
+def test_large_table_mode_reports_one_device_and_the_default_mesh(capsys):
+    """Large-table mode trains on 1 device, then on the default mesh (4 CPU devices
+    here), and reports ids/s of both (tiny sizes: nothing is timed here)."""
+    from examples.movielens import run
+
+    args = ["--large-tables", "--large-rows", "500", "--large-features", "3"]
+    args += ["--large-batch", "64", "--large-steps", "3", "--no-plot"]
+    res = run.main(args)
+    assert [r["devices"] for r in res["runs"]] == [1, 4]
+    assert all(r["ids_per_s"] > 0 and r["recompiles"] >= 0 for r in res["runs"])
+    out = capsys.readouterr().out
+    assert "ids/s on 1 device" in out and "on 4 (" in out
