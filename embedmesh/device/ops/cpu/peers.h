@@ -19,7 +19,7 @@
 
 namespace embedmesh {
 
-constexpr auto kTimeout = std::chrono::seconds(300);
+constexpr auto kTimeout = std::chrono::seconds(60);
 
 struct Rendezvous {
   std::mutex mu;
@@ -67,7 +67,8 @@ ffi::Error WithPeers(int64_t tag, int64_t n, int64_t rank, const void* mine, con
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                       std::string("embedmesh ") + what + ": only " +
                           std::to_string(rv.arrived + 1) + " of " + std::to_string(n) +
-                          " devices arrived within 300 s");
+                          " devices arrived within 60 s (on XLA:CPU, keep at most two "
+                          "multi-device steps in flight: see README)");
   }
   const std::vector<const char*> peers = rv.inputs;
   lock.unlock();
