@@ -636,22 +636,7 @@ def child_processes(args):
     ).strip()
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                "embedmesh-2proc-worker",
-                "--proc-id",
-                str(i),
-                "--port",
-                str(port),
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--seed",
-                str(args.seed),
-            ],
+            child_cmd("embedmesh-2proc-worker", args, "--proc-id", str(i), "--port", str(port)),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -754,6 +739,12 @@ def mem_available_gb():
     return float("inf")
 
 
+def child_cmd(peer, args, *extra) -> list:
+    """The command line of one child process of this script."""
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+    return [sys.executable, os.path.abspath(__file__), "--child", peer, *common, *extra]
+
+
 def run_child(peer, args):
     need = NEEDS_GB.get(peer, 7.0) + 0.5
     waited = 0
@@ -765,20 +756,7 @@ def run_child(peer, args):
             f"skipped: needs ~{need:.1f} GB, {mem_available_gb():.1f} GB available "
             f"after waiting {waited} s"
         )
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        peer,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--seed",
-        str(args.seed),
-        "--rounds",
-        str(args.rounds),
-    ]
+    cmd = child_cmd(peer, args, "--rounds", str(args.rounds))
     r = subprocess.run(
         cmd, env=child_env(peer), capture_output=True, text=True, timeout=args.timeout
     )

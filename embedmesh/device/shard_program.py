@@ -97,16 +97,28 @@ def update_shard(
     """The whole training update of this shard from this device's activation gradients.
 
     `unique_ids`, `pair_*` are this device's batch (as for `lookup`),
-    `act_grads` [R, D] the gradients of its activation rows. The gradients
-    are summed per unique id (`backward`), sent to the owners with the ids
-    (`exchange`), and each owner updates its distinct rows once
-    (`owner_update`); unless the optimizer moves every row, that is one op,
-    `ops.backward_update` on a single shard and `ops.backward_update_sharded`
-    on N (fused where a kernel can: no [U, D] or [N, U, D] gradient buffer).
-    `keep`: a traced bool, False turns every served id into padding, so no row
-    moves. Returns (new table shard, new slots).
+    `act_grads` [R, D] the gradients of its activation rows. Unless the
+    optimizer moves every row, that is one op: `ops.backward_update` on a single
+    shard, `ops.backward_update_sharded` on N (per-unique gradient sums sent to
+    the owners with the ids, merged, applied once per row; fused where a kernel
+    can: no [U, D] or [N, U, D] gradient buffer). `keep`: a traced bool, False
+    turns every id into padding, so no row moves. Returns (new table shard, new
+    slots).
     """
-    if num_shards > 1 and not optimizer.touches_all_rows:
+    if not optimizer.touches_all_rows:
+        if num_shards == 1:
+            ids = unique_ids if keep is None else jnp.where(keep, unique_ids, PAD_ID)
+            return ops.backward_update(
+                optimizer,
+                table_shard,
+                slots,
+                ids,
+                act_grads,
+                pair_rows,
+                pair_unique,
+                pair_gains,
+                step,
+            )
         return ops.backward_update_sharded(
             optimizer,
             table_shard,
@@ -122,80 +134,22 @@ def update_shard(
             num_shards,
             in_process=in_process,
         )
-    one_op = num_shards == 1 and not optimizer.touches_all_rows
-    if not one_op:
-        grads = backward(
-            act_grads,
-            pair_rows,
-            pair_unique,
-            pair_gains,
-            unique_capacity=unique_capacity,
-            axis_name=axis_name,
-            num_shards=num_shards,
-            in_process=in_process,
-        )
-    served_ids = exchange(unique_ids, axis_name, num_shards, in_process)
-    if keep is not None:
-        served_ids = jnp.where(keep, served_ids, PAD_ID)
-    if one_op:
-        return ops.backward_update(
-            optimizer,
-            table_shard,
-            slots,
-            served_ids,
-            act_grads,
-            pair_rows,
-            pair_unique,
-            pair_gains,
-            step,
-        )
-    return owner_update(table_shard, slots, served_ids, grads, optimizer, step)
-
-
-def backward(
-    act_grads,
-    pair_rows,
-    pair_unique,
-    pair_gains,
-    *,
-    unique_capacity: int,
-    axis_name=None,
-    num_shards: int = 1,
-    in_process: bool = False,
-):
-    """Gradients of this device's activations, summed per unique id and sent to
-    the owners: returns [N, U, D], block s holding what source s sends this shard.
-    """
-    n, _ = pair_rows.shape
-    flat_index = (jnp.arange(n, dtype=jnp.int32)[:, None] * unique_capacity + pair_unique).reshape(
-        -1
-    )
+    # Every row moves (non-lazy Adam): the per-unique sums, merged on the owner, scattered
+    # into a dense gradient.
+    n = pair_rows.shape[0]
     per_unique = ops.segment_gather_sum(
         act_grads.astype(jnp.float32),
         pair_rows.reshape(-1),
         pair_gains.reshape(-1),
-        flat_index,
+        ops.slot_index(pair_unique, unique_capacity),
         n * unique_capacity,
     )
-    per_unique = per_unique.reshape(n, unique_capacity, -1)
-    return exchange(per_unique, axis_name, num_shards, in_process)
-
-
-def owner_update(table_shard, slots: dict, served_ids, grads, optimizer, step):
-    """Sum the gradients of each distinct row over all sources, update it once.
-
-    served_ids [N, U] and grads [N, U, D] are what this shard received.
-    Returns (new table shard, new slots); the table and slots are updated in
-    place when the caller donates them. The host sends each list ascending and
-    distinct, so the owner merges N sorted lists (and, for N == 1, only checks
-    the order) instead of sorting; any order stays correct, only slower.
-    """
-    ids = served_ids.reshape(served_ids.shape[0], -1)
-    g = grads.reshape(ids.size, -1)
-    uniq, g_sum = ops.dedup_sum(ids, g)
-    if optimizer.touches_all_rows:
-        return _dense_update(table_shard, slots, uniq, g_sum, optimizer, step)
-    return ops.sparse_update(optimizer, table_shard, slots, uniq, g_sum, step)
+    grads = exchange(per_unique.reshape(n, unique_capacity, -1), axis_name, num_shards, in_process)
+    served_ids = exchange(unique_ids, axis_name, num_shards, in_process)
+    if keep is not None:
+        served_ids = jnp.where(keep, served_ids, PAD_ID)
+    uniq, g_sum = ops.dedup_sum(served_ids, grads.reshape(served_ids.size, -1))
+    return _dense_update(table_shard, slots, uniq, g_sum, optimizer, step)
 
 
 def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):

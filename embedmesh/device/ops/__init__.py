@@ -103,6 +103,7 @@ __all__ = [
     "register_kernel",
     "scatter_rows",
     "segment_gather_sum",
+    "slot_index",
     "sparse_update",
 ]
 
@@ -335,6 +336,16 @@ def exchange(x, axis_name, num_shards: int, *, in_process: bool = False):
     )
 
 
+def slot_index(pair_unique, unique_capacity: int):
+    """Flat [N * P] positions of the pairs' ids in the N stacked [U] unique lists (block s
+    is `s * U + pair_unique[s]`); a position outside [0, U) becomes N * U, which segment
+    sums drop, rather than naming another block's row."""
+    n = pair_unique.shape[0]
+    valid = (pair_unique >= 0) & (pair_unique < unique_capacity)
+    flat = jnp.arange(n, dtype=jnp.int32)[:, None] * unique_capacity + pair_unique
+    return jnp.where(valid, flat, n * unique_capacity).reshape(-1).astype(jnp.int32)
+
+
 def lookup_from_shards(
     table_shard,
     unique_ids,
@@ -382,11 +393,12 @@ def _lookup_from_shards_reference(
     rows = gather_rows(table, served.reshape(-1)).reshape(served.shape + table.shape[1:])
     rows = exchange(rows, axis_name, num_shards, in_process=in_process)
     n, u, d = rows.shape
-    valid = (pair_unique >= 0) & (pair_unique < u)  # else it would name another block's row
-    flat = jnp.where(valid, jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique, n * u)
-    flat = flat.reshape(-1)
     return segment_gather_sum(
-        rows.reshape(n * u, d), flat, pair_gains.reshape(-1), pair_rows.reshape(-1), num_rows
+        rows.reshape(n * u, d),
+        slot_index(pair_unique, u),
+        pair_gains.reshape(-1),
+        pair_rows.reshape(-1),
+        num_rows,
     )
 
 
@@ -445,10 +457,8 @@ def _backward_update_sharded_reference(
 ):
     """Per-unique sums for every shard, sent with the ids to the owners, merged, applied."""
     n, u = unique_ids.shape
-    valid = (pair_unique >= 0) & (pair_unique < u)
-    flat = jnp.where(valid, jnp.arange(n, dtype=jnp.int32)[:, None] * u + pair_unique, n * u)
     per_unique = segment_gather_sum(
-        act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), flat.reshape(-1), n * u
+        act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), n * u
     )
     grads = exchange(per_unique.reshape(n, u, -1), axis_name, num_shards, in_process=in_process)
     served = exchange(unique_ids, axis_name, num_shards, in_process=in_process)

@@ -58,8 +58,9 @@ def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segm
     return segment_gather_sum(rows, src_idx, gains, dst_idx, num_segments=num_segments)
 
 
-def dedup_sum_by_sort(ids, grads):
-    """`dedup_sum` for ids in any order: a stable sort, then a segment sum."""
+def dedup_sum_by_sort(ids, grads, *, sorted_hint: bool = False):
+    """`dedup_sum` for ids in any order: a stable sort, then a segment sum (told its
+    segment ids are sorted with `sorted_hint`: what GPUs need to skip contended atomics)."""
     flat = ids.reshape(-1)
     m = flat.shape[0]
     order = jnp.argsort(flat, stable=True)
@@ -67,7 +68,9 @@ def dedup_sum_by_sort(ids, grads):
     starts = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
     segment = jnp.cumsum(starts.astype(jnp.int32)) - 1
     uniq = jnp.full((m,), PAD_ID, jnp.int32).at[segment].set(sorted_ids)
-    sums = jax.ops.segment_sum(grads[order], segment, num_segments=m)
+    sums = jax.ops.segment_sum(
+        grads[order], segment, num_segments=m, indices_are_sorted=sorted_hint
+    )
     # ids equal to PAD_ID sort last and form (at most) one segment: zero its sum.
     sums = jnp.where((uniq == PAD_ID)[:, None], 0, sums)
     return uniq, sums
@@ -78,11 +81,13 @@ def _ascending_distinct(flat):
     return jnp.all((flat[1:] > flat[:-1]) | (flat[1:] == PAD_ID))
 
 
-def dedup_sum(ids, grads):
+def dedup_sum(ids, grads, *, sorted_hint: bool = False):
     """(distinct ids of `ids` [N, U] ascending, PAD_ID padded; the sum of the `grads`
-    [N*U, D] rows of each); ids equal to PAD_ID are dropped."""
+    [N*U, D] rows of each); ids equal to PAD_ID are dropped. `sorted_hint`: see
+    `dedup_sum_by_sort`."""
+    by_sort = functools.partial(dedup_sum_by_sort, sorted_hint=sorted_hint)
     if ids.shape[0] != 1:
-        return dedup_sum_by_sort(ids, grads)
+        return by_sort(ids, grads)
     # One list, as the host preprocessing makes it (ascending, distinct): skip the sort
     # when a cheap check confirms it.
     flat = ids.reshape(-1)
@@ -90,7 +95,7 @@ def dedup_sum(ids, grads):
     def as_is(flat, grads):
         return flat, jnp.where((flat == PAD_ID)[:, None], 0, grads)
 
-    return jax.lax.cond(_ascending_distinct(flat), as_is, dedup_sum_by_sort, flat, grads)
+    return jax.lax.cond(_ascending_distinct(flat), as_is, by_sort, flat, grads)
 
 
 def exchange(x, *, axis_name, num_shards: int, in_process: bool):

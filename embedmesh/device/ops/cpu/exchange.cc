@@ -49,40 +49,15 @@ ffi::Error LookupFromShards(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> u
   const int32_t* pr = prows.typed_data();
   const float* g = gains.typed_data();
   float* o = out->typed_data();
+  // the pairs are [n, p] row-major: the flat pair q = s * p + k belongs to shard s
   return WithPeers(tag, n, rank, table.typed_data(), "lookup", [&](const auto& peers) {
-    PrepareOutput(o, sizeof(float) * segs * d);
-    auto row_of = [&](int64_t s, int64_t q) -> const float* {  // nullptr: padding
-      const int64_t k = pu[s * p + q];
+    SegmentRowSums(o, d, segs, n * p, pr, g, [&](int64_t q) -> const float* {
+      const int64_t k = pu[q];
       if (k < 0 || k >= u) return nullptr;
+      const int64_t s = q / p;
       const int64_t r = id[s * u + k];
       if (r < 0 || r >= rows) return nullptr;
       return reinterpret_cast<const float*>(peers[s]) + r * d;
-    };
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(NumWorkers(), 16));
-    const int64_t span = (segs + parts - 1) / parts;
-    ParallelFor(parts, [&](int64_t part) {
-      const int64_t lo = part * span, hi = std::min(segs, lo + span);
-      if (lo >= hi) return;
-      std::memset(o + lo * d, 0, sizeof(float) * (hi - lo) * d);
-      for (int64_t s = 0; s < n; ++s) {
-        for (int64_t q = 0; q < p; ++q) {
-          if (q + kPrefetch < p) {
-            const int64_t t = pr[s * p + q + kPrefetch];
-            if (t >= lo && t < hi) {
-              const float* src = row_of(s, q + kPrefetch);
-              if (src != nullptr) PrefetchRead(reinterpret_cast<const char*>(src), 4 * d);
-              PrefetchWrite(reinterpret_cast<char*>(o + t * d), 4 * d);
-            }
-          }
-          const int64_t t = pr[s * p + q];
-          if (t < lo || t >= hi) continue;
-          const float* __restrict__ src = row_of(s, q);
-          if (src == nullptr) continue;
-          const float gq = g[s * p + q];
-          float* __restrict__ orow = o + t * d;
-          for (int64_t k = 0; k < d; ++k) orow[k] += gq * src[k];
-        }
-      }
     });
   });
 }

@@ -119,16 +119,21 @@ def backward_update(
 _exchange_tags = itertools.count(1)
 
 
+def _peers(axis_name, num_shards: int):
+    """(this device's rank [1], the FFI attributes pairing this call site's calls across
+    the devices: a tag of its own per traced call, and the device count)."""
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    return rank, dict(tag=np.int64(next(_exchange_tags)), n=np.int64(num_shards))
+
+
 def exchange(x, *, axis_name, num_shards: int, in_process: bool):
     """The all-to-all through shared memory (exchange.cc): block j to device j.
 
     Each traced call gets its own tag, which pairs up the calls of the devices.
     """
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    rank, attrs = _peers(axis_name, num_shards)
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ffi.ffi_call("embedmesh_exchange", out)(
-        x, rank, tag=np.int64(next(_exchange_tags)), n=np.int64(num_shards)
-    )
+    return jax.ffi.ffi_call("embedmesh_exchange", out)(x, rank, **attrs)
 
 
 def _in_process(x, *, axis_name, num_shards: int, in_process: bool) -> bool:
@@ -149,17 +154,10 @@ def lookup_from_shards(
     in_process,
 ):
     """This device's activations read straight from every shard's table (exchange.cc)."""
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    rank, attrs = _peers(axis_name, num_shards)
     out = jax.ShapeDtypeStruct((num_rows,) + table.shape[1:], jnp.float32)
     return jax.ffi.ffi_call("embedmesh_lookup_from_shards", out)(
-        table,
-        unique_ids,
-        pair_unique,
-        pair_gains,
-        pair_rows,
-        rank,
-        tag=np.int64(next(_exchange_tags)),
-        n=np.int64(num_shards),
+        table, unique_ids, pair_unique, pair_gains, pair_rows, rank, **attrs
     )
 
 
@@ -185,7 +183,8 @@ def backward_update_sharded(
 ):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc)."""
     lr, attrs = _scalars(optimizer, step)
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    rank, peer_attrs = _peers(axis_name, num_shards)
+    attrs.update(peer_attrs)
     batch = (
         unique_ids,
         act_grads,
@@ -196,7 +195,6 @@ def backward_update_sharded(
         keep.astype(jnp.int32).reshape(1),
         rank,
     )
-    attrs.update(tag=np.int64(next(_exchange_tags)), n=np.int64(num_shards))
     shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
     if optimizer.fused_kernel == "sgd":
         t = jax.ffi.ffi_call(

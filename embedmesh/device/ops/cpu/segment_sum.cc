@@ -5,45 +5,19 @@
 namespace embedmesh {
 namespace {
 
-// out[dst[p]] += gains[p] * src[row(p)], row(p) = sidx[p] (or map[sidx[p]] with a map);
-// threads own disjoint destination ranges, so each destination sums in pair order.
+// out[dst[p]] += gains[p] * src[row(p)], row(p) = sidx[p] (or map[sidx[p]] with a map),
+// through SegmentRowSums (common.h): each destination sums in pair order.
 ffi::Error SegmentGatherSumImpl(const float* s, int64_t m, int64_t d,
                                 const int32_t* map, int64_t map_n, const int32_t* si,
                                 const float* g, const int32_t* di, int64_t p, float* o,
                                 int64_t segs) {
-  PrepareOutput(o, sizeof(float) * segs * d);
-  auto row_of = [&](int64_t q) -> int64_t {
+  SegmentRowSums(o, d, segs, p, di, g, [&](int64_t q) -> const float* {
     int64_t r = si[q];
     if (map != nullptr) {
-      if (r < 0 || r >= map_n) return -1;
+      if (r < 0 || r >= map_n) return nullptr;
       r = map[r];
     }
-    return (r >= 0 && r < m) ? r : -1;
-  };
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(NumWorkers(), 16));
-  const int64_t span = (segs + parts - 1) / parts;
-  ParallelFor(parts, [&](int64_t part) {
-    const int64_t lo = part * span, hi = std::min(segs, lo + span);
-    if (lo >= hi) return;
-    std::memset(o + lo * d, 0, sizeof(float) * (hi - lo) * d);
-    for (int64_t q = 0; q < p; ++q) {
-      if (q + kPrefetch < p) {
-        int64_t tq = di[q + kPrefetch];
-        if (tq >= lo && tq < hi) {
-          int64_t r = row_of(q + kPrefetch);
-          if (r >= 0) PrefetchRead(reinterpret_cast<const char*>(s + r * d), 4 * d);
-          PrefetchWrite(reinterpret_cast<char*>(o + tq * d), 4 * d);  // 15% less CPU
-        }
-      }
-      int64_t t = di[q];
-      if (t < lo || t >= hi) continue;
-      int64_t r = row_of(q);
-      if (r < 0) continue;
-      const float gq = g[q];
-      float* __restrict__ orow = o + t * d;
-      const float* __restrict__ srow = s + r * d;
-      for (int64_t k = 0; k < d; ++k) orow[k] += gq * srow[k];
-    }
+    return (r >= 0 && r < m) ? s + r * d : nullptr;
   });
   return ffi::Error::Success();
 }

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from embedmesh._runtime import PAD_ID
+from embedmesh.device.ops import reference
 
 __all__ = [
     "dedup_sum",
@@ -72,30 +72,9 @@ def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segm
     return _sorted_segment_sum(src, rows, gains, valid, dst_idx, num_segments)
 
 
-def _dedup_sum_sorted(ids, grads):
-    """The reference's sort path, its segment sum told the segments are sorted."""
-    flat = ids.reshape(-1)
-    m = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)
-    sorted_ids = flat[order]
-    starts = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
-    segment = jnp.cumsum(starts.astype(jnp.int32)) - 1
-    uniq = jnp.full((m,), PAD_ID, jnp.int32).at[segment].set(sorted_ids)
-    sums = jax.ops.segment_sum(grads[order], segment, num_segments=m, indices_are_sorted=True)
-    return uniq, jnp.where((uniq == PAD_ID)[:, None], 0, sums)  # the PAD_ID segment
-
-
 def dedup_sum(ids, grads):
-    """`dedup_sum` by a stable sort and a sorted segment sum; a single list already
-    ascending and distinct (the host's) is only checked and kept."""
+    """The reference's `dedup_sum` with its segment sum told the segments are sorted; a
+    single list already ascending and distinct (the host's) is only checked and kept."""
     if ids.shape[0] == 0 or ids.size == 0:
         return ids.reshape(-1), grads
-    flat = ids.reshape(-1)
-    if ids.shape[0] != 1:
-        return _dedup_sum_sorted(flat, grads)
-    ascending = jnp.all((flat[1:] > flat[:-1]) | (flat[1:] == PAD_ID))
-
-    def as_is(flat, grads):
-        return flat, jnp.where((flat == PAD_ID)[:, None], 0, grads)
-
-    return jax.lax.cond(ascending, as_is, _dedup_sum_sorted, flat, grads)
+    return reference.dedup_sum(ids, grads, sorted_hint=True)
