@@ -18,6 +18,8 @@ lists them:
   EMBEDMESH_GPU_SCATTER_WORKAROUND=0  no XLA flag against jaxlib 0.10.2-0.11.0's
                               slow GPU scatter-add (see `embedmesh._gpu_guard`)
   EMBEDMESH_CACHE_DIR=path    where built kernels are cached
+  EMBEDMESH_HOST_EXCHANGE=0   processes on one host exchange through XLA's
+                              collectives (gloo), not shared memory
 """
 
 from __future__ import annotations
@@ -177,6 +179,12 @@ def cache_dir() -> str:
         return d
     base = _env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "embedmesh")
+
+
+def host_exchange_enabled() -> bool:
+    """EMBEDMESH_HOST_EXCHANGE (default on; 0/false/off/no: off): processes of one host
+    exchange through shared memory (`embedmesh.device.peers`)."""
+    return _env("EMBEDMESH_HOST_EXCHANGE").lower() not in _OFF
 
 
 def gpu_scatter_workaround() -> bool:

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from embedmesh.device import ops, shard_program
+from embedmesh.device import ops, peers, shard_program
 from embedmesh.layout import sharding as mod_sharding
 from embedmesh.layout.stacking import StackingPlan
 
@@ -85,6 +85,8 @@ class EmbeddingCore:
         self.num_shards = mesh.size
         # every device of the mesh in this process: exchanges may go through shared memory
         self.in_process = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        # several processes, all on this host: exchanges may go through shared memory
+        self.host_job = 0 if self.in_process else peers.same_host_job(mesh)
         self.default_optimizer = optimizer
         self.row_sharding = NamedSharding(mesh, P(self.axes))
         self.replicated = NamedSharding(mesh, P())
@@ -285,6 +287,8 @@ class EmbeddingCore:
                     axis_name=axes,
                     num_shards=N,
                     in_process=self.in_process,
+                    host_job=self.host_job,
+                    channel=s,
                 )
                 for feature in c.features:
                     a = act[
@@ -440,6 +444,8 @@ class EmbeddingCore:
                         num_shards=N,
                         keep=ok,
                         in_process=self.in_process,
+                        host_job=self.host_job,
+                        channel=s,
                     )
                 return new_tables, new_slots
 

@@ -30,10 +30,13 @@ from embedmesh._runtime import PAD_ID
 from embedmesh.device import ops
 
 
-def exchange(x, axis_name, num_shards: int, in_process: bool = False):
+def exchange(x, axis_name, num_shards: int, in_process: bool = False, host_job=0, channel=""):
     """Block j of axis 0 goes to device j; block s of the result came from device s.
-    `in_process`: every device of the mesh is in this process (`ops.exchange`)."""
-    return ops.exchange(x, axis_name, num_shards, in_process=in_process)
+    `in_process`, `host_job`, `channel`: where the devices are and the call's name
+    (`ops.exchange`)."""
+    return ops.exchange(
+        x, axis_name, num_shards, in_process=in_process, host_job=host_job, channel=channel
+    )
 
 
 def gather_shard_rows(table_shard, ids):
@@ -53,8 +56,11 @@ def lookup(
     axis_name=None,
     num_shards: int = 1,
     in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
 ):
-    """Activation rows [R, D] (float32) of this device."""
+    """Activation rows [R, D] (float32) of this device. `channel`: this call's name,
+    the same in every process (the stack's), for exchanges between processes."""
     if num_shards == 1:  # combine straight from the table: no [U, D] buffer
         return ops.segment_gather_sum(
             table_shard,
@@ -74,6 +80,8 @@ def lookup(
         axis_name,
         num_shards,
         in_process=in_process,
+        host_job=host_job,
+        channel=channel + "/lookup",
     )
 
 
@@ -93,6 +101,8 @@ def update_shard(
     num_shards: int = 1,
     keep=None,
     in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
 ):
     """The whole training update of this shard from this device's activation gradients.
 
@@ -133,6 +143,8 @@ def update_shard(
             axis_name,
             num_shards,
             in_process=in_process,
+            host_job=host_job,
+            channel=channel + "/update",
         )
     # Every row moves (non-lazy Adam): the per-unique sums, merged on the owner, scattered
     # into a dense gradient.
@@ -144,8 +156,17 @@ def update_shard(
         ops.slot_index(pair_unique, unique_capacity),
         n * unique_capacity,
     )
-    grads = exchange(per_unique.reshape(n, unique_capacity, -1), axis_name, num_shards, in_process)
-    served_ids = exchange(unique_ids, axis_name, num_shards, in_process)
+    peers = dict(in_process=in_process, host_job=host_job)
+    grads = exchange(
+        per_unique.reshape(n, unique_capacity, -1),
+        axis_name,
+        num_shards,
+        channel=channel + "/dense/grads",
+        **peers,
+    )
+    served_ids = exchange(
+        unique_ids, axis_name, num_shards, channel=channel + "/dense/ids", **peers
+    )
     if keep is not None:
         served_ids = jnp.where(keep, served_ids, PAD_ID)
     uniq, g_sum = ops.dedup_sum(served_ids, grads.reshape(served_ids.size, -1))

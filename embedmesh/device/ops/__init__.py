@@ -326,13 +326,27 @@ def _backward_update_reference(
     return sparse_update(optimizer, table, slots, uniq, grads, step)
 
 
-def exchange(x, axis_name, num_shards: int, *, in_process: bool = False):
-    """Block j of axis 0 to device j of `axis_name` (inside `shard_map`); `in_process`:
-    every device of the mesh is in this process (so they can share memory)."""
+def exchange(
+    x, axis_name, num_shards: int, *, in_process: bool = False, host_job: int = 0, channel: str = ""
+):
+    """Block j of axis 0 to device j of `axis_name` (inside `shard_map`).
+
+    `in_process`: every device of the mesh is in this process (so they can read
+    each other's buffers). `host_job`: nonzero when every process of the job is on
+    this host, the job's key (see `embedmesh.device.peers`): the processes can
+    exchange through shared memory. `channel`: a name of this call, the same in
+    every process and distinct among the calls of one program (the processes'
+    calls pair up by it)."""
     if num_shards == 1:
         return x
     return _dispatch(
-        "exchange", x, axis_name=axis_name, num_shards=num_shards, in_process=in_process
+        "exchange",
+        x,
+        axis_name=axis_name,
+        num_shards=num_shards,
+        in_process=in_process,
+        host_job=host_job,
+        channel=channel,
     )
 
 
@@ -357,6 +371,8 @@ def lookup_from_shards(
     num_shards: int,
     *,
     in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
 ):
     """Activations [num_rows, D] (float32) of this device: `sum gains * shard_s[ids]` over
     its pairs (`pair_*` [N, P]) into the rows of every shard s (`unique_ids` [N, U]).
@@ -373,6 +389,8 @@ def lookup_from_shards(
         axis_name=axis_name,
         num_shards=num_shards,
         in_process=in_process,
+        host_job=host_job,
+        channel=channel,
     )
 
 
@@ -387,11 +405,14 @@ def _lookup_from_shards_reference(
     axis_name,
     num_shards,
     in_process,
+    host_job=0,
+    channel="",
 ):
     """Send the ids to their owners, gather there, send the rows back, combine."""
-    served = exchange(unique_ids, axis_name, num_shards, in_process=in_process)
+    peers = dict(in_process=in_process, host_job=host_job)
+    served = exchange(unique_ids, axis_name, num_shards, channel=channel + "/ids", **peers)
     rows = gather_rows(table, served.reshape(-1)).reshape(served.shape + table.shape[1:])
-    rows = exchange(rows, axis_name, num_shards, in_process=in_process)
+    rows = exchange(rows, axis_name, num_shards, channel=channel + "/rows", **peers)
     n, u, d = rows.shape
     return segment_gather_sum(
         rows.reshape(n * u, d),
@@ -417,6 +438,8 @@ def backward_update_sharded(
     num_shards: int,
     *,
     in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
 ):
     """This shard's update from every device's batch (inside `shard_map`, N > 1):
     `unique_ids`, `pair_*` [N, ...] and `act_grads` [R, D] are this device's, as for
@@ -436,6 +459,8 @@ def backward_update_sharded(
         axis_name=axis_name,
         num_shards=num_shards,
         in_process=in_process,
+        host_job=host_job,
+        channel=channel,
     )
 
 
@@ -454,14 +479,19 @@ def _backward_update_sharded_reference(
     axis_name,
     num_shards,
     in_process,
+    host_job=0,
+    channel="",
 ):
     """Per-unique sums for every shard, sent with the ids to the owners, merged, applied."""
     n, u = unique_ids.shape
     per_unique = segment_gather_sum(
         act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), n * u
     )
-    grads = exchange(per_unique.reshape(n, u, -1), axis_name, num_shards, in_process=in_process)
-    served = exchange(unique_ids, axis_name, num_shards, in_process=in_process)
+    peers = dict(in_process=in_process, host_job=host_job)
+    grads = exchange(
+        per_unique.reshape(n, u, -1), axis_name, num_shards, channel=channel + "/grads", **peers
+    )
+    served = exchange(unique_ids, axis_name, num_shards, channel=channel + "/ids", **peers)
     served = jnp.where(keep, served, PAD_ID)
     uniq, g_sum = dedup_sum(served, grads.reshape(n * u, -1))
     return sparse_update(optimizer, table, slots, uniq, g_sum, step)

@@ -98,7 +98,7 @@ def dedup_sum(ids, grads, *, sorted_hint: bool = False):
     return jax.lax.cond(_ascending_distinct(flat), as_is, by_sort, flat, grads)
 
 
-def exchange(x, *, axis_name, num_shards: int, in_process: bool):
+def exchange(x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""):
     """`all_to_all` over `axis_name`: block j of axis 0 to device j (inside `shard_map`)."""
     if num_shards == 1:
         return x

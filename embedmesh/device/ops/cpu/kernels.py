@@ -126,7 +126,7 @@ def _peers(axis_name, num_shards: int):
     return rank, dict(tag=np.int64(next(_exchange_tags)), n=np.int64(num_shards))
 
 
-def exchange(x, *, axis_name, num_shards: int, in_process: bool):
+def exchange(x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""):
     """The all-to-all through shared memory (exchange.cc): block j to device j.
 
     Each traced call gets its own tag, which pairs up the calls of the devices.
@@ -136,7 +136,9 @@ def exchange(x, *, axis_name, num_shards: int, in_process: bool):
     return jax.ffi.ffi_call("embedmesh_exchange", out)(x, rank, **attrs)
 
 
-def _in_process(x, *, axis_name, num_shards: int, in_process: bool) -> bool:
+def _in_process(
+    x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""
+) -> bool:
     """Only devices of this process share memory; a mesh over processes uses XLA's."""
     return in_process and num_shards > 1 and x.shape[0] % num_shards == 0
 
@@ -152,6 +154,8 @@ def lookup_from_shards(
     axis_name,
     num_shards,
     in_process,
+    host_job=0,
+    channel="",
 ):
     """This device's activations read straight from every shard's table (exchange.cc)."""
     rank, attrs = _peers(axis_name, num_shards)
@@ -180,6 +184,8 @@ def backward_update_sharded(
     axis_name,
     num_shards,
     in_process,
+    host_job=0,
+    channel="",
 ):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc)."""
     lr, attrs = _scalars(optimizer, step)

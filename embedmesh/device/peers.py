@@ -1,0 +1,67 @@
+"""Where the processes of a job are, which says how their devices can exchange.
+
+Several processes on one host (one process per core or per socket is the usual
+way to train on a big CPU box, and what a test on 127.0.0.1 runs) can exchange
+through POSIX shared memory at memcpy speed, where XLA's CPU collectives go
+through gloo's TCP loopback (~0.2 GB/s here). `same_host_job(mesh)` finds out,
+once per `EmbeddingCore`, with one small all-gather of every process's host
+identity (hostname, boot id, IPC namespace); when they all match, it returns a
+key for the job's shared-memory segments, drawn by process 0 and the same in
+every process (0 otherwise: the exchanges stay XLA's). The shared-memory
+exchange itself is the CPU kernel of `ops.exchange` (`host_exchange.cc`).
+
+`EMBEDMESH_HOST_EXCHANGE=0` turns it off (XLA's collectives, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import zlib
+
+import numpy as np
+
+from embedmesh import _runtime
+
+__all__ = ["host_identity", "same_host_job"]
+
+
+def host_identity() -> int:
+    """A 31-bit hash of what two processes share exactly when they can share memory:
+    the host name, the kernel's boot id and this process's IPC namespace."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("?")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/ipc").st_ino))
+    except OSError:
+        parts.append("?")
+    return zlib.crc32("\0".join(parts).encode()) & 0x7FFFFFFF
+
+
+def same_host_job(mesh) -> int:
+    """The job's shared-memory key when the mesh spans several processes, all on this
+    host, with CPU devices and the CPU kernels available; else 0. A collective: every
+    process of the job calls it at the same point (building its `EmbeddingCore`)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    devices = list(mesh.devices.flat)
+    if len({d.process_index for d in devices}) <= 1 or not _runtime.host_exchange_enabled():
+        return 0
+    if any(d.platform != "cpu" for d in devices):
+        return 0  # accelerators have their own links (NCCL, ICI)
+    from embedmesh.device.ops import cpu
+
+    usable = np.int64(1 if cpu.ready() else 0)
+    key = np.int64(secrets.randbits(62) | 1) if jax.process_index() == 0 else np.int64(0)
+    local = np.array([host_identity(), usable, key], np.int64)
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
+    if len(set(gathered[:, 0].tolist())) != 1 or not gathered[:, 1].all():
+        return 0
+    return int(gathered[0, 2])
