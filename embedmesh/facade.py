@@ -86,6 +86,12 @@ class MeshEmbedding:
       sharding: the row layout, which shard holds each table row (see
         `embedmesh.layout.rows`): "mod" (the only one today) puts row `i` on
         shard `(i % N + rotation) % N`, as TPUEmbeddingV2 does.
+      exchange: how the devices share a stack's lookups (N > 1): "rows" (the
+        owners send the rows of the distinct ids, and receive their gradients),
+        "pooled" (the owners combine each source's pairs and send partial
+        activations, and receive the activation gradients: fewer bytes for
+        multi-hot features and table-wise tables), or `{stack or table name:
+        form}` (missing stacks: "rows"). The same results to float32 rounding.
       capacities: `{stack: Capacity}` or one `Capacity` (see
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
@@ -107,6 +113,7 @@ class MeshEmbedding:
         stack_tables: bool = True,
         max_stack_rows: int | None = None,
         sharding: str = "mod",
+        exchange: Any = "rows",
         capacities: Any = None,
         overflow: str | None = None,
         check_finite: bool = True,
@@ -126,6 +133,7 @@ class MeshEmbedding:
         self._max_stack_rows = max_stack_rows
         row_layout(sharding, 1)  # a ValueError naming the valid layouts, before build
         self._sharding = sharding
+        self._exchange = exchange
         self._capacities = capacities
         if overflow is None:
             overflow = "grow" if capacities is None else "error"
@@ -160,7 +168,7 @@ class MeshEmbedding:
             default_optimizer=self._optimizer,
             sharding=self._sharding,
         )
-        self.core = EmbeddingCore(self.plan, mesh, self._optimizer)
+        self.core = EmbeddingCore(self.plan, mesh, self._optimizer, self._exchange)
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
         if local != list(range(local[0], local[0] + len(local))):

@@ -74,7 +74,7 @@ class EmbeddingCore:
         only; `apply_gradients` then raises).
     """
 
-    def __init__(self, plan: StackingPlan, mesh, optimizer=None):
+    def __init__(self, plan: StackingPlan, mesh, optimizer=None, exchange="rows"):
         if plan.num_shards != mesh.size:
             raise ValueError(
                 f"the plan has {plan.num_shards} shards but the mesh has {mesh.size} devices"
@@ -93,6 +93,22 @@ class EmbeddingCore:
         self._stack_optimizer = {
             s.name: (s.optimizer if s.optimizer is not None else optimizer) for s in plan.stacks
         }
+        self.exchange = _exchange_forms(plan, exchange)
+
+    def pooled_rows(self, stack: str, c) -> shard_program.PooledRows | None:
+        """The rows each shard feeds when `stack` pools on the owners (N > 1), else None."""
+        if self.exchange[stack] != "pooled" or self.num_shards == 1:
+            return None
+        layout = self.plan.row_layout
+        segments = [
+            (
+                f.row_offset,
+                f.num_rows,
+                layout.shards_of(self.plan.table(self.plan.feature(f.name).table)),
+            )
+            for f in c.features
+        ]
+        return shard_program.PooledRows(c.rows_per_device, segments, self.num_shards)
 
     # -- state ----------------------------------------------------------------
 
@@ -277,13 +293,19 @@ class EmbeddingCore:
             acts = {}
             for s in stacks:
                 c = csr[s]
-                act = shard_program.lookup(
+                pooled = self.pooled_rows(s, c)
+                lookup = (
+                    shard_program.lookup
+                    if pooled is None
+                    else functools.partial(shard_program.lookup_pooled, pooled=pooled)
+                )
+                act = lookup(
                     tables[s],
                     c.unique_ids[0],
                     c.pair_rows[0],
                     c.pair_unique[0],
                     c.pair_gains[0],
-                    num_rows=c.rows_per_device,
+                    **({} if pooled is not None else {"num_rows": c.rows_per_device}),
                     axis_name=axes,
                     num_shards=N,
                     in_process=self.in_process,
@@ -429,7 +451,14 @@ class EmbeddingCore:
                         else jnp.zeros((0, spec.dim), jnp.float32)
                     )
                     # ok False (rejected): every id becomes padding, no row moves
-                    new_tables[s], new_slots[s] = shard_program.update_shard(
+                    pooled = self.pooled_rows(s, c)
+                    if pooled is not None and not self.optimizer_of(s).touches_all_rows:
+                        update = functools.partial(shard_program.update_shard_pooled, pooled=pooled)
+                    else:
+                        update = functools.partial(
+                            shard_program.update_shard, unique_capacity=c.unique_ids.shape[2]
+                        )
+                    new_tables[s], new_slots[s] = update(
                         tables[s],
                         slots[s],
                         c.unique_ids[0],
@@ -437,9 +466,8 @@ class EmbeddingCore:
                         c.pair_rows[0],
                         c.pair_unique[0],
                         c.pair_gains[0],
-                        self.optimizer_of(s),
-                        step,
-                        unique_capacity=c.unique_ids.shape[2],
+                        optimizer=self.optimizer_of(s),
+                        step=step,
                         axis_name=axes,
                         num_shards=N,
                         keep=ok,
@@ -477,3 +505,34 @@ class EmbeddingCore:
         # Sparse rules move only the rows they are given: a rejected update
         # hands them none (no `cond`, which costs 2-10 ms a step on CPU).
         return update(state, ok), ok
+
+
+EXCHANGE_FORMS = ("rows", "pooled")
+
+
+def _exchange_forms(plan: StackingPlan, exchange) -> dict:
+    """`{stack: "rows" | "pooled"}` from one form for every stack or a mapping from stack
+    (or table) names to forms (a table names its stack; missing stacks: "rows")."""
+    if isinstance(exchange, str):
+        if exchange not in EXCHANGE_FORMS:
+            raise ValueError(f"exchange must be one of {EXCHANGE_FORMS}, got {exchange!r}")
+        return {s.name: exchange for s in plan.stacks}
+    out = {s.name: "rows" for s in plan.stacks}
+    for name, form in dict(exchange).items():
+        if form not in EXCHANGE_FORMS:
+            raise ValueError(
+                f"exchange of {name!r}: expected one of {EXCHANGE_FORMS}, got {form!r}"
+            )
+        if name in out:
+            stack = name
+        else:
+            try:
+                stack = plan.table(name).stack
+            except KeyError:
+                raise ValueError(
+                    f"exchange names {name!r}, which is neither a stack nor a table of this plan"
+                ) from None
+        if out[stack] != "rows" and out[stack] != form:
+            raise ValueError(f"stack {stack}: its tables ask for different exchanges")
+        out[stack] = form
+    return out

@@ -24,7 +24,9 @@ pure-JAX reference, with the same semantics.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from embedmesh._runtime import PAD_ID
 from embedmesh.device import ops
@@ -181,3 +183,156 @@ def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
         new_rows.astype(table_shard.dtype),
         {k: new_slots[k].astype(v.dtype) for k, v in slots.items()},
     )
+
+
+# ---------------------------------------------------------------------------
+# Pooling on the owner: exchange partial sums of activations, not rows
+#
+# Each owner combines, for every source device, the pairs whose ids it holds into
+# partial activations of that source's rows and sends those back, where the row
+# exchange sends one row per distinct id. It moves fewer bytes when the rows of a
+# source that an owner feeds (`Rc` of them) are fewer than its distinct ids there
+# (`U`): multi-hot features, and table-wise placement, where an owner feeds only
+# the rows of its own tables' features (`PooledRows`). The owner needs the
+# sources' pairs for it (12 bytes a pair: its id's slot, its compact row, its gain).
+
+
+class PooledRows:
+    """Which activation rows of a source's [R, D] buffer each shard's tables feed.
+
+    Static for a stack's batch layout: `rows[o]` [Rc] the rows shard o feeds
+    (padded with R), `compact[o]` [R + 1] each row's position among them (Rc where
+    o feeds none; at position R, the pad row, too). `None` maps: every shard feeds
+    every row (mod placement of big tables), so Rc = R and no row is picked.
+    """
+
+    def __init__(self, num_rows: int, owners_of_segments, num_shards: int):
+        """`owners_of_segments`: `[(first row, rows, shards feeding them), ...]`."""
+        n, r = int(num_shards), int(num_rows)
+        per_owner: list = [[] for _ in range(n)]
+        for first, count, owners in owners_of_segments:
+            for o in owners:
+                per_owner[o].append(np.arange(first, first + count))
+        self.num_rows = r
+        self.rows: np.ndarray | None = None
+        self.compact: np.ndarray | None = None
+        self.width = r
+        if all(sum(len(a) for a in p) == r for p in per_owner):
+            return
+        lists = [np.concatenate(p) if p else np.zeros(0, np.int64) for p in per_owner]
+        width = max(1, max(len(x) for x in lists))
+        rows = np.full((n, width), r, np.int32)
+        compact = np.full((n, r + 1), width, np.int32)
+        for o, x in enumerate(lists):
+            rows[o, : len(x)] = x
+            compact[o, x] = np.arange(len(x))
+        self.rows, self.compact, self.width = rows, compact, width
+
+
+def _serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to):
+    """Every source's pairs for this owner: (ids [N, U], each pair's slot [N*P] in them,
+    its row [N*P] in the sources' stacked Rc-row blocks (invalid: N * Rc), gains [N*P])."""
+    n, u = unique_ids.shape
+    rc = pooled.width
+    rows = jnp.clip(pair_rows, 0, pooled.num_rows)
+    if pooled.compact is not None:
+        rows = jnp.take_along_axis(jnp.asarray(pooled.compact), rows, axis=1)
+    packed = jnp.stack(
+        [
+            pair_unique.astype(jnp.int32),
+            rows.astype(jnp.int32),
+            jax.lax.bitcast_convert_type(pair_gains.astype(jnp.float32), jnp.int32),
+        ],
+        axis=-1,
+    )
+    served = exchange_to(packed, "pairs")
+    ids = exchange_to(unique_ids, "ids")
+    slot = ops.slot_index(served[..., 0], u)
+    src = served[..., 1]
+    row = jnp.where(src < rc, jnp.arange(n, dtype=jnp.int32)[:, None] * rc + src, n * rc)
+    gains = jax.lax.bitcast_convert_type(served[..., 2], jnp.float32)
+    return ids, slot, row.reshape(-1), gains.reshape(-1)
+
+
+def _exchanger(axis_name, num_shards, in_process, host_job, channel):
+    def exchange_to(x, what):
+        return exchange(x, axis_name, num_shards, in_process, host_job, f"{channel}/{what}")
+
+    return exchange_to
+
+
+def lookup_pooled(
+    table_shard,
+    unique_ids,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    pooled: PooledRows,
+    *,
+    axis_name,
+    num_shards: int,
+    in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
+):
+    """Activation rows [R, D] (float32) of this device, pooled on the owners: each owner
+    combines every source's pairs from its rows into [Rc, D] partial sums, which come
+    back and are summed per row (in shard order)."""
+    n = num_shards
+    rc, d = pooled.width, table_shard.shape[-1]
+    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/pooled")
+    ids, slot, row, gains = _serve_pairs(
+        unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to
+    )
+    partial = ops.segment_gather_sum(
+        table_shard, slot, gains, row, n * rc, src_map=ids.reshape(-1)
+    )
+    back = exchange_to(partial.reshape(n, rc, d), "partials")
+    if pooled.rows is None:
+        return jnp.sum(back, axis=0)
+    out = jnp.zeros((pooled.num_rows + 1, d), jnp.float32)
+    out = out.at[jnp.asarray(pooled.rows).reshape(-1)].add(back.reshape(n * rc, d))
+    return out[: pooled.num_rows]
+
+
+def update_shard_pooled(
+    table_shard,
+    slots: dict,
+    unique_ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    pooled: PooledRows,
+    optimizer,
+    step,
+    *,
+    axis_name,
+    num_shards: int,
+    keep=None,
+    in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
+):
+    """`update_shard` with the backward on the owners: each source sends every owner the
+    gradients of the [Rc] rows it feeds, the owner sums them per distinct id over every
+    source's pairs (`segment_gather_sum`), merges the sources (`dedup_sum`) and applies
+    the optimizer (`sparse_update`). Sparse optimizers only."""
+    n = num_shards
+    rc, d = pooled.width, act_grads.shape[-1]
+    u = unique_ids.shape[1]
+    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/pooled")
+    g = act_grads.astype(jnp.float32)
+    if pooled.rows is None:
+        g = jnp.broadcast_to(g[None], (n,) + g.shape)
+    else:
+        g = jnp.concatenate([g, jnp.zeros((1, d), jnp.float32)])[jnp.asarray(pooled.rows)]
+    ids, slot, row, gains = _serve_pairs(
+        unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to
+    )
+    received = exchange_to(g, "grads").reshape(n * rc, d)
+    per_unique = ops.segment_gather_sum(received, row, gains, slot, n * u)
+    if keep is not None:
+        ids = jnp.where(keep, ids, PAD_ID)
+    uniq, g_sum = ops.dedup_sum(ids, per_unique)
+    return ops.sparse_update(optimizer, table_shard, slots, uniq, g_sum, step)

@@ -1,0 +1,78 @@
+"""Pooling on the owner (`exchange="pooled"`): the same training as the row exchange,
+against the float64 reference, on 2/4/8 in-process devices."""
+
+import functools
+
+import pytest
+import test_engine
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import embedmesh as em
+from embedmesh.device import shard_program
+
+
+@pytest.fixture
+def pooled(monkeypatch):
+    monkeypatch.setattr(
+        test_engine, "MeshEmbedding", functools.partial(em.MeshEmbedding, exchange="pooled")
+    )
+
+
+@pytest.mark.parametrize("num_devices", [2, 4, 8])
+@pytest.mark.parametrize("opt_name", list(test_engine.OPTIMIZER_HP))
+def test_pooled_training_matches_reference(pooled, num_devices, opt_name):
+    for variant, hp in enumerate(test_engine.OPTIMIZER_HP[opt_name]):
+        test_engine.check_training(
+            num_devices,
+            opt_name,
+            hp,
+            stack_tables=bool(variant % 2),
+            seed=77 * num_devices + variant,
+        )
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    num_devices=st.sampled_from([2, 4, 8]),
+    opt_name=st.sampled_from(list(test_engine.OPTIMIZER_HP)),
+    variant=st.integers(0, 2),
+    stack=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pooled_training_property(num_devices, opt_name, variant, stack, seed):
+    variants = test_engine.OPTIMIZER_HP[opt_name]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(
+            test_engine, "MeshEmbedding", functools.partial(em.MeshEmbedding, exchange="pooled")
+        )
+        test_engine.check_training(
+            num_devices, opt_name, variants[variant % len(variants)], stack, seed, steps=2
+        )
+
+
+def test_pooled_rows_feed_only_the_owners_rows():
+    # rows 0-3 fed by shard 1 only, rows 4-9 by every shard, rows 10-11 by shards 0 and 2
+    p = shard_program.PooledRows(12, [(0, 4, (1,)), (4, 6, (0, 1, 2)), (10, 2, (0, 2))], 3)
+    assert p.width == 10
+    fed = [sorted(int(r) for r in p.rows[o] if r < 12) for o in range(3)]
+    assert fed == [list(range(4, 12)), list(range(0, 10)), list(range(4, 12))]
+    for o in range(3):
+        for pos, r in enumerate(p.rows[o]):
+            if r < 12:
+                assert p.compact[o, r] == pos
+        assert p.compact[o, 12] == p.width  # the pad row
+    assert (p.compact[1, 10:12] == p.width).all()
+    everyone = shard_program.PooledRows(5, [(0, 5, (0, 1))], 2)
+    assert everyone.rows is None and everyone.width == 5
+
+
+def test_exchange_form_errors_name_the_stack_or_table():
+    t = em.TableConfig(10, 4, name="t")
+    feats = {"f": em.FeatureConfig(t)}
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        em.MeshEmbedding(feats, em.SGD(0.1), exchange="bogus").build()
+    with pytest.raises(ValueError, match="'nope'"):
+        em.MeshEmbedding(feats, em.SGD(0.1), exchange={"nope": "pooled"}).build()
+    with pytest.raises(ValueError, match="exchange of 't'"):
+        em.MeshEmbedding(feats, em.SGD(0.1), exchange={"t": "fast"}).build()
