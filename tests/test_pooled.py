@@ -3,6 +3,7 @@ against the float64 reference, on 2/4/8 in-process devices."""
 
 import functools
 
+import numpy as np
 import pytest
 import test_engine
 from hypothesis import HealthCheck, given, settings
@@ -51,6 +52,14 @@ def test_pooled_training_property(num_devices, opt_name, variant, stack, seed):
         )
 
 
+def test_pooled_training_with_unpacked_pairs(pooled, monkeypatch):
+    """Pairs whose position and row do not fit one int32 travel as three words."""
+    monkeypatch.setattr(shard_program, "PACK_LIMIT", 0)
+    for opt_name in ("SGD", "Adagrad"):
+        hp = test_engine.OPTIMIZER_HP[opt_name][0]
+        test_engine.check_training(4, opt_name, hp, stack_tables=True, seed=5, steps=2)
+
+
 def test_pooled_rows_feed_only_the_owners_rows():
     # rows 0-3 fed by shard 1 only, rows 4-9 by every shard, rows 10-11 by shards 0 and 2
     p = shard_program.PooledRows(12, [(0, 4, (1,)), (4, 6, (0, 1, 2)), (10, 2, (0, 2))], 3)
@@ -76,3 +85,26 @@ def test_exchange_form_errors_name_the_stack_or_table():
         em.MeshEmbedding(feats, em.SGD(0.1), exchange={"nope": "pooled"}).build()
     with pytest.raises(ValueError, match="exchange of 't'"):
         em.MeshEmbedding(feats, em.SGD(0.1), exchange={"t": "fast"}).build()
+
+
+def test_exchange_bytes_count_what_the_all_to_alls_send():
+    """Rows: 2 x U x (4 + 4D) a peer; pooled: 2 x (4U + 8P + 4D x Rc) a peer."""
+    t = em.TableConfig(1000, 16, name="t", combiner="sum")
+    feats = {"f": em.FeatureConfig(t), "g": em.FeatureConfig(t)}
+    mesh = test_engine.mesh_of(4)
+    rng = np.random.default_rng(3)
+    batch = {
+        "f": em.RaggedTensor.from_row_lengths(rng.integers(0, 1000, 40), np.full(8, 5)),
+        "g": rng.integers(0, 1000, 8),
+    }
+    got = {}
+    for form in ("rows", "pooled"):
+        emb = em.MeshEmbedding(
+            feats, em.SGD(0.1), mesh=mesh, exchange=form, capacities=em.Capacity(64, 32)
+        )
+        emb.build()
+        csr = emb.enqueue(batch)
+        got[form] = emb.core.exchange_bytes(csr)["t"]
+    r = 2 * 2  # rows per device: 2 samples x 2 features
+    assert got["rows"] == 3 * 2 * 32 * (4 + 4 * 16)
+    assert got["pooled"] == 3 * 2 * (4 * 32 + 8 * 64 + 4 * 16 * r)

@@ -110,6 +110,33 @@ class EmbeddingCore:
         ]
         return shard_program.PooledRows(c.rows_per_device, segments, self.num_shards)
 
+    def exchange_bytes(self, csr: dict) -> dict:
+        """`{stack: bytes}` one device sends the others in one training step (lookup and
+        update) of a batch shaped like `csr`, at its compiled capacities: the blocks
+        of the all-to-alls it does not keep. Rows: ids, rows, gradients and ids again
+        for U distinct ids per partition; pooled: ids and pairs (both ways), [Rc, D]
+        partial sums and [Rc, D] gradients. In-process CPU devices run the row form
+        by reading each other's memory: the same bytes cross, nothing is copied."""
+        n = self.num_shards
+        out = {}
+        for s, c in csr.items():
+            if n == 1:
+                out[s] = 0
+                continue
+            d = self.plan.stack(s).dim
+            u, p = int(c.unique_ids.shape[-1]), int(c.pair_rows.shape[-1])
+            pooled = self.pooled_rows(s, c)
+            rows = u * (4 + 4 * d)  # ids, then rows or their gradients
+            if pooled is None:
+                forward = backward = rows
+            else:
+                pair = 8 if (u + 1) * (pooled.width + 1) < shard_program.PACK_LIMIT else 12
+                forward = backward = 4 * u + pair * p + 4 * d * pooled.width
+                if self.optimizer_of(s) is not None and self.optimizer_of(s).touches_all_rows:
+                    backward = rows  # the dense update's path
+            out[s] = (n - 1) * (forward + backward)
+        return out
+
     # -- state ----------------------------------------------------------------
 
     def optimizer_of(self, stack: str):

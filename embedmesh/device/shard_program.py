@@ -194,7 +194,10 @@ def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
 # source that an owner feeds (`Rc` of them) are fewer than its distinct ids there
 # (`U`): multi-hot features, and table-wise placement, where an owner feeds only
 # the rows of its own tables' features (`PooledRows`). The owner needs the
-# sources' pairs for it (12 bytes a pair: its id's slot, its compact row, its gain).
+# sources' pairs for it (8 bytes a pair: its id's slot and its compact row, its gain).
+
+
+PACK_LIMIT = 2**31  # a pair's position and row share one int32 below this
 
 
 class PooledRows:
@@ -231,26 +234,29 @@ class PooledRows:
 
 def _serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to):
     """Every source's pairs for this owner: (ids [N, U], each pair's slot [N*P] in them,
-    its row [N*P] in the sources' stacked Rc-row blocks (invalid: N * Rc), gains [N*P])."""
+    its row [N*P] in the sources' stacked Rc-row blocks (invalid: N * Rc), gains [N*P]).
+
+    A pair travels as 8 bytes (its id's position and its row in one int32, exact
+    while (U + 1) * (Rc + 1) < 2**31, and its gain), else 12."""
     n, u = unique_ids.shape
     rc = pooled.width
     rows = jnp.clip(pair_rows, 0, pooled.num_rows)
     if pooled.compact is not None:
         rows = jnp.take_along_axis(jnp.asarray(pooled.compact), rows, axis=1)
-    packed = jnp.stack(
-        [
-            pair_unique.astype(jnp.int32),
-            rows.astype(jnp.int32),
-            jax.lax.bitcast_convert_type(pair_gains.astype(jnp.float32), jnp.int32),
-        ],
-        axis=-1,
-    )
-    served = exchange_to(packed, "pairs")
+    rows = rows.astype(jnp.int32)  # in [0, Rc]: Rc is "none"
+    position = jnp.clip(pair_unique, 0, u).astype(jnp.int32)  # in [0, U]: U is "none"
+    gains = jax.lax.bitcast_convert_type(pair_gains.astype(jnp.float32), jnp.int32)
+    packs = (u + 1) * (rc + 1) < PACK_LIMIT
+    fields = [position * (rc + 1) + rows] if packs else [position, rows]
+    served = exchange_to(jnp.stack(fields + [gains], axis=-1), "pairs")
     ids = exchange_to(unique_ids, "ids")
-    slot = ops.slot_index(served[..., 0], u)
-    src = served[..., 1]
+    if packs:
+        position, src = served[..., 0] // (rc + 1), served[..., 0] % (rc + 1)
+    else:
+        position, src = served[..., 0], served[..., 1]
+    slot = ops.slot_index(position, u)
     row = jnp.where(src < rc, jnp.arange(n, dtype=jnp.int32)[:, None] * rc + src, n * rc)
-    gains = jax.lax.bitcast_convert_type(served[..., 2], jnp.float32)
+    gains = jax.lax.bitcast_convert_type(served[..., -1], jnp.float32)
     return ids, slot, row.reshape(-1), gains.reshape(-1)
 
 
@@ -284,9 +290,7 @@ def lookup_pooled(
     ids, slot, row, gains = _serve_pairs(
         unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to
     )
-    partial = ops.segment_gather_sum(
-        table_shard, slot, gains, row, n * rc, src_map=ids.reshape(-1)
-    )
+    partial = ops.segment_gather_sum(table_shard, slot, gains, row, n * rc, src_map=ids.reshape(-1))
     back = exchange_to(partial.reshape(n, rc, d), "partials")
     if pooled.rows is None:
         return jnp.sum(back, axis=0)
