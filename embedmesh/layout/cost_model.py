@@ -117,6 +117,10 @@ __all__ = [
 ]
 
 ID_BYTES = 4  # int32 ids and lengths
+# A pair on its way to a pooling owner (`shard_program.lookup_pooled`): its id's position
+# and its row in one int32, its gain; sent in the lookup and again in the update, with
+# the source's distinct ids.
+PAIR_BYTES = 8
 STRATEGIES = (
     "data_parallel",
     "table_wise",
@@ -158,6 +162,7 @@ class TableStats:
     hot_group: int = 1
     unique_fn: Callable[[float], float] | None = None
     pooled: bool = True
+    outputs_per_sample: float | None = None  # output rows a sample gives; None: 1 or L
 
     def __post_init__(self):
         if self.rows < 1 or self.dim < 1 or self.bytes_per_element < 1 or self.slots < 0:
@@ -529,11 +534,19 @@ class StrategyCost:
         return self.strategy in PLACED and self.owners < self.num_devices
 
 
+def _outputs(t: TableStats, b: int, pairs: float) -> float:
+    """Output rows of b samples: one per sample (pooled) or per id, unless given (a table
+    that several features read gives one row per feature)."""
+    if t.outputs_per_sample is not None:
+        return b * t.outputs_per_sample
+    return b if t.pooled else pairs
+
+
 def _dp(t: TableStats, n: int, b: int, m: Machine, variant: str | None = None) -> StrategyCost:
     L, rb = t.ids_per_sample, t.row_bytes
     pairs = b * L
     u_loc, u_glob = expected_unique(t, pairs), expected_unique(t, n * pairs)
-    out = b if t.pooled else pairs
+    out = _outputs(t, b, pairs)
     fwd = Traffic()
     mem = t.state_bytes
     if n == 1:
@@ -574,14 +587,15 @@ def _dp(t: TableStats, n: int, b: int, m: Machine, variant: str | None = None) -
 def _table_wise(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     L, rb = t.ids_per_sample, t.row_bytes
     pairs = b * L
-    out = b if t.pooled else pairs
+    out = _outputs(t, b, pairs)
     u_glob = expected_unique(t, n * pairs)
     g = m.devices_per_host
-    ids = pairs * ID_BYTES + (b * ID_BYTES if t.pooled else 0)  # ids + lengths
+    # pairs + distinct ids, in the lookup and again in the update
+    ids = pairs * PAIR_BYTES + expected_unique(t, pairs) * ID_BYTES
     # the owner: receives N-1 slices' ids, sends N-1 outputs; its own slice stays local
     owner = Load(
-        _split((n - 1) * out * rb, (n - 1) * ids, n, g, collectives=2),
-        _split(0.0, (n - 1) * out * rb, n, g, collectives=1),
+        _split((n - 1) * out * rb, (n - 1) * ids, n, g, collectives=3),
+        _split(0.0, (n - 1) * (out * rb + ids), n, g, collectives=3),
         n * pairs,
         n * pairs,
         u_glob,
@@ -590,8 +604,8 @@ def _table_wise(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
         t.state_bytes,
     )
     source = Load(
-        _split(ids, out * rb, n, g, collectives=2),
-        _split(out * rb, 0.0, n, g, collectives=1),
+        _split(ids, out * rb, n, g, collectives=3),
+        _split(out * rb + ids, 0.0, n, g, collectives=3),
         0.0,
         0.0,
         0.0,
@@ -607,7 +621,7 @@ def _table_wise(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
 def _row_wise_rows(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     L, rb = t.ids_per_sample, t.row_bytes
     pairs = b * L
-    out = b if t.pooled else pairs
+    out = _outputs(t, b, pairs)
     u_loc, u_glob = expected_unique(t, pairs), expected_unique(t, n * pairs)
     mem = math.ceil(t.rows / n) * rb * (1 + t.slots)
     if n == 1:
@@ -644,19 +658,20 @@ def _row_wise_rows(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
 def _row_wise_pooled(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     L, rb = t.ids_per_sample, t.row_bytes
     pairs = b * L
-    out = b if t.pooled else pairs
+    out = _outputs(t, b, pairs)
     u_glob = expected_unique(t, n * pairs)
     mem = math.ceil(t.rows / n) * rb * (1 + t.slots)
     if n == 1:
         load = Load(Traffic(), Traffic(), pairs, pairs, u_glob, out * rb, rb, mem)
         return StrategyCost("row_wise_pooled", t.name, n, b, 1, load, load)
     g = m.devices_per_host
-    ids = pairs * (n - 1) / n * ID_BYTES + ((n - 1) * b * ID_BYTES if t.pooled else 0)
-    # pooled: one partial [b, D] per (owner, source); sequence: the rows of its ids
-    partials = (n - 1) * b * rb if t.pooled else pairs * (n - 1) / n * rb
+    # pairs + distinct ids to their owners, in the lookup and again in the update
+    ids = (pairs * PAIR_BYTES + expected_unique(t, pairs) * ID_BYTES) * (n - 1) / n
+    # one partial [out, D] per (owner, source): every output row from every owner
+    partials = (n - 1) * out * rb
     load = Load(
-        _split(ids + partials, ids + partials, n, g, collectives=2),
-        _split(partials, partials, n, g, collectives=1),
+        _split(ids + partials, ids + partials, n, g, collectives=3),
+        _split(ids + partials, ids + partials, n, g, collectives=3),
         pairs,  # N sources x b*L/N pairs
         (n - 1) * out + pairs,  # sum the N partials; per-pair grads
         u_glob / n,
@@ -678,7 +693,7 @@ def _column_wise(t: TableStats, n: int, b: int, m: Machine, k: int | None = None
     L = t.ids_per_sample
     rbk = t.row_bytes / k
     pairs = b * L
-    out = b if t.pooled else pairs
+    out = _outputs(t, b, pairs)
     u_glob = expected_unique(t, n * pairs)
     g = m.devices_per_host
     ids = pairs * ID_BYTES + (b * ID_BYTES if t.pooled else 0)
@@ -717,7 +732,7 @@ def _table_row_wise(
         return dataclasses.replace(c, strategy="table_row_wise")
     L, rb = t.ids_per_sample, t.row_bytes
     pairs = b * L
-    out = b if t.pooled else pairs
+    out = _outputs(t, b, pairs)
     u_glob = expected_unique(t, n * pairs)
     ids = pairs * ID_BYTES + (b * ID_BYTES if t.pooled else 0)
     # a member (also a source): every source sends each id to the member owning its
