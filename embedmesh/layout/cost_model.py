@@ -341,7 +341,9 @@ class Machine:
         rendezvous with N device programs contending for the 2 cores). Noise: the
         per-round medians of that run spread by 2-5 ms.
 
-        `transport`: "shm" (the shared-memory kernels: zero copy), "xla" (XLA's CPU
+        `transport`: "shm" (the shared-memory kernels: zero copy), "host_shm" (2+
+        processes on this host, each device's blocks copied through shared memory),
+        "xla" (XLA's CPU
         all_to_all in process: ~1.4 GB/s, `ops/cpu/exchange.cc`), "gloo" (2+
         processes on this host over loopback TCP: measured 2026-12-01, an all_to_all of
         [2, 60000, 64] float32 between 2 processes pinned to a core each in 71 ms, so
@@ -360,6 +362,12 @@ class Machine:
                 1.4e9,
                 100e-6,
                 source="embedmesh/device/ops/cpu/exchange.cc: ~1.4 GB/s; latency assumed",
+            ),
+            "host_shm": Link(
+                "processes on one host, POSIX shared memory (two copies)",
+                5e9,
+                30e-6,
+                source="ops/cpu/host_exchange.cc; bandwidth and latency assumed until measured",
             ),
             "gloo": Link(
                 "gloo, processes on one host (loopback TCP)",

@@ -1,0 +1,173 @@
+"""The planner: a sharding strategy per table, from the cost model and a sample batch.
+
+`MeshEmbedding(sharding="auto")` (or a mapping with "auto" for some tables) plans
+here when it builds: `table_stats` measures each table's ids per sample and how
+its distinct ids grow with the batch on a sample batch (the first one given to
+`enqueue`; from the config alone, one id per sample and every id distinct, when
+`build()` comes before any batch), `machine_for` picks the cost model's constants
+for the mesh (this CPU's kernels and links, or a GPU cluster's datasheet
+projection), and `plan` runs `cost_model.plan_tables` over the strategies
+embedmesh implements, keeping the user's choices as overrides.
+
+A strategy is a placement (`embedmesh.layout.rows`: which shard holds a row) and
+an exchange form (`EmbeddingCore`'s `exchange`: what crosses between devices):
+
+  row_wise_rows    mod placement, the owners send rows ("mod" is its TPU name)
+  row_wise_pooled  mod placement, the owners pool and send partial sums
+  table_wise       one owner per table, which pools and sends the activations
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from embedmesh.layout import cost_model
+from embedmesh.layout.cost_model import Machine, Plan, TableStats
+
+__all__ = [
+    "PLANNED",
+    "STRATEGY_FORMS",
+    "machine_for",
+    "plan",
+    "resolve_strategies",
+    "table_stats",
+]
+
+# strategy -> (placement, exchange form)
+STRATEGY_FORMS = {
+    "mod": ("mod", "rows"),
+    "row_wise_rows": ("mod", "rows"),
+    "row_wise_pooled": ("mod", "pooled"),
+    "table_wise": ("table_wise", "pooled"),
+}
+PLANNED = ("row_wise_rows", "row_wise_pooled", "table_wise")  # what "auto" picks from
+CHOICES = tuple(STRATEGY_FORMS) + ("auto",)
+
+
+def resolve_strategies(table_names: Sequence[str], sharding) -> dict:
+    """`{table: strategy or "auto"}` from `MeshEmbedding`'s `sharding` argument: one
+    name for every table, or a mapping (tables it leaves out: "mod")."""
+    if isinstance(sharding, str):
+        if sharding not in CHOICES:
+            raise ValueError(f"sharding must be one of {CHOICES} or a mapping, got {sharding!r}")
+        return {t: sharding for t in table_names}
+    if not isinstance(sharding, Mapping):
+        raise ValueError(
+            f"sharding must be one of {CHOICES} or a mapping of tables to them, got {sharding!r}"
+        )
+    out = {t: "mod" for t in table_names}
+    for name, strategy in sharding.items():
+        if name not in out:
+            raise ValueError(
+                f"sharding names table {name!r}, which is not in the feature config "
+                f"(tables: {sorted(out)})"
+            )
+        if strategy not in CHOICES:
+            raise ValueError(
+                f"sharding of table {name}: expected one of {CHOICES}, got {strategy!r}"
+            )
+        out[name] = strategy
+    return out
+
+
+def _distinct(ids: np.ndarray) -> int:
+    return int(np.unique(ids).size) if ids.size else 0
+
+
+def table_stats(resolved, optimizers: Mapping[str, object], csrs: Sequence | None = None) -> list:
+    """A `TableStats` per table of `resolved` (a `ResolvedFeatures`).
+
+    `csrs`: every feature's `inputs.Csr` of a sample batch, in config order. Its ids
+    per sample, and its distinct ids on the whole batch and on its first half give
+    `unique_fn(n) = distinct * (n / ids) ** alpha` (alpha from the two, in [0, 1],
+    capped at the table's rows by the model). Without a sample: one id per sample
+    (a sequence feature: its length), every id distinct. `optimizers`: each table's
+    optimizer (its slots count)."""
+    stats = []
+    for t_index, (tname, table) in enumerate(zip(resolved.table_names, resolved.tables)):
+        feats = [
+            (k, f) for k, f in enumerate(resolved.features) if f.table is resolved.tables[t_index]
+        ]
+        opt = optimizers.get(tname)
+        slots = len(opt.slot_names) if opt is not None else 0
+        pooled = all(f.max_sequence_length == 0 for _, f in feats)
+        outputs = sum(1 if f.max_sequence_length == 0 else f.max_sequence_length for _, f in feats)
+        if csrs is None:
+            per_sample = float(outputs)
+            unique_fn = None
+            zipf_a = 0.0
+        else:
+            ids = [np.asarray(csrs[k].ids).reshape(-1) for k, _ in feats]
+            batch = max(1, csrs[feats[0][0]].batch_size) if feats else 1
+            n_all = sum(x.size for x in ids)
+            per_sample = n_all / batch
+            half = [x[: x.size // 2] for x in ids]
+            u_all = _distinct(np.concatenate(ids)) if ids else 0
+            u_half = _distinct(np.concatenate(half)) if half else 0
+            alpha = 1.0
+            if u_half > 0 and u_all > u_half:
+                alpha = float(np.clip(np.log(u_all / u_half) / np.log(2.0), 0.0, 1.0))
+            elif u_half > 0:
+                alpha = 0.0
+
+            def unique_fn(n, u_all=u_all, n_all=n_all, alpha=alpha):
+                return u_all * (n / n_all) ** alpha if n_all else 0.0
+
+            zipf_a = 0.0
+        stats.append(
+            TableStats(
+                name=tname,
+                rows=int(table.vocabulary_size),
+                dim=int(table.dim),
+                slots=slots,
+                ids_per_sample=float(per_sample),
+                zipf_a=zipf_a,
+                unique_fn=unique_fn if csrs is not None else (lambda n: n),
+                pooled=pooled,
+                outputs_per_sample=float(outputs),
+            )
+        )
+    return stats
+
+
+def machine_for(mesh) -> Machine:
+    """The cost model's constants for `mesh`: this CPU's (in-process devices read each
+    other's memory; processes of one host copy through shared memory; hosts go
+    through gloo), or the GPU cluster projection (H200 or H100)."""
+    devices = list(mesh.devices.flat)
+    processes = {d.process_index for d in devices}
+    if devices[0].platform == "gpu":
+        kind = getattr(devices[0], "device_kind", "")
+        return Machine.h200() if "H200" in kind else Machine.h100_cluster()
+    if len(processes) == 1:
+        return Machine.this_cpu("shm")
+    return Machine.this_cpu("host_shm")
+
+
+def plan(
+    stats: Sequence[TableStats],
+    requested: Mapping[str, str],
+    num_devices: int,
+    batch_per_device: int,
+    machine: Machine,
+) -> tuple[dict, Plan]:
+    """`({table: strategy}, the cost model's Plan)`: "auto" tables planned over
+    `PLANNED`, the others kept (as the planner's overrides, "mod" as row_wise_rows)."""
+    overrides = {
+        name: ("row_wise_rows" if s == "mod" else s) for name, s in requested.items() if s != "auto"
+    }
+    result = cost_model.plan_tables(
+        stats,
+        num_devices,
+        machine,
+        overrides,
+        batch_per_device=max(1, int(batch_per_device)),
+        strategies=PLANNED,
+    )
+    chosen = {
+        name: requested[name] if requested[name] != "auto" else result.strategy_of(name)
+        for name in requested
+    }
+    return chosen, result
