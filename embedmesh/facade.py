@@ -10,7 +10,7 @@ logical order (`embedding_tables`, `variables`, `embedding_table_shards`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -26,8 +26,7 @@ from embedmesh.host import agree as _agree
 from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like
-from embedmesh.layout.rows import row_layout
-from embedmesh.layout.stacking import plan_stacking
+from embedmesh.layout.stacking import plan_stacking, table_shardings
 from embedmesh.optimizers import Optimizer
 
 
@@ -83,9 +82,14 @@ class MeshEmbedding:
         applies it first): 20-30% less step time on CPU than two programs.
       mesh: the device mesh (default: see `default_mesh`).
       stack_tables, max_stack_rows: see `plan_stacking`.
-      sharding: the row layout, which shard holds each table row (see
-        `embedmesh.layout.rows`): "mod" (the only one today) puts row `i` on
-        shard `(i % N + rotation) % N`, as TPUEmbeddingV2 does.
+      sharding: which shards hold each table (see `embedmesh.layout.stacking`
+        and `embedmesh.layout.rows`): "mod" (default) spreads every table
+        over all N shards, row `i` on shard `(i % N + rotation) % N`, as
+        TPUEmbeddingV2 does; "table_wise" puts each whole table on one shard,
+        tables bin-packed over the shards (largest first onto the least
+        loaded); or a mapping `{table name (or TableConfig): "mod" |
+        "table_wise"}`, tables not named being "mod". Unknown tables or
+        placements raise a ValueError. On one shard both are the same layout.
       capacities: `{stack: Capacity}` or one `Capacity` (see
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
@@ -106,7 +110,7 @@ class MeshEmbedding:
         mesh: Mesh | None = None,
         stack_tables: bool = True,
         max_stack_rows: int | None = None,
-        sharding: str = "mod",
+        sharding: str | Mapping[Any, str] = "mod",
         capacities: Any = None,
         overflow: str | None = None,
         check_finite: bool = True,
@@ -124,8 +128,9 @@ class MeshEmbedding:
         self._mesh = mesh
         self._stack_tables = stack_tables
         self._max_stack_rows = max_stack_rows
-        row_layout(sharding, 1)  # a ValueError naming the valid layouts, before build
-        self._sharding = sharding
+        # a ValueError naming a bad table or placement before build; kept as a tuple
+        # (the placement of each table in config order): immutable, hashable
+        self._sharding = table_shardings(sharding, self._resolved)
         self._capacities = capacities
         if overflow is None:
             overflow = "grow" if capacities is None else "error"
@@ -158,7 +163,7 @@ class MeshEmbedding:
             stack_tables=self._stack_tables,
             max_stack_rows=self._max_stack_rows,
             default_optimizer=self._optimizer,
-            sharding=self._sharding,
+            sharding=dict(zip(self._resolved.table_names, self._sharding)),
         )
         self.core = EmbeddingCore(self.plan, mesh, self._optimizer)
         devices = list(mesh.devices.flat)
@@ -659,7 +664,8 @@ class MeshEmbedding:
         Shard j holds the table's rows `plan.row_layout.rows_on_shard(table, j)`
         in that order (see `embedmesh.layout.rows`; the mod layout: the rows `i`
         with `(i % N + rotation) % N == j`, increasing), padded to the same length
-        with zero rows.
+        with zero rows; a shard outside the table's span (a table-wise table's
+        other shards) gives zero rows only.
         """
         self._maybe_build()
         state = self.observed_state()
@@ -668,15 +674,16 @@ class MeshEmbedding:
             p = self.plan.table(t)
             arr = state.tables[p.stack]
             shards = []
+            rps = self.plan.stack(p.stack).rows_per_shard
             for shard in sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0):
-                shards.append(
-                    (
-                        shard.device,
-                        shard.data[
-                            p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
-                        ],
-                    )
-                )
+                block = shard.data[
+                    p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
+                ]
+                if not self.plan.row_layout.holds(p, (shard.index[0].start or 0) // rps):
+                    block = jnp.zeros_like(
+                        block, device=shard.device
+                    )  # other tables' rows: not this table's
+                shards.append((shard.device, block))
             out[t] = shards
         return out
 
