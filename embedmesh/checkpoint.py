@@ -123,7 +123,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from embedmesh import _compat, _runtime
@@ -244,39 +243,60 @@ def _table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
     )
 
 
-def _shard_index(shard, rows: int) -> int:
-    """The shard number of one addressable shard of a row-sharded `[N * rows, ...]` array."""
-    return (shard.index[0].start or 0) // rows if rows else 0
+def _stored_rows(span: int, rows_per_shard: int, num_shards: int) -> int:
+    """Rows of a table's stored array: its span's blocks, rounded up to a multiple of the
+    saving mesh's shards (`N * rows_per_shard` for a table on every shard)."""
+    return -(-span * rows_per_shard // num_shards) * num_shards
+
+
+@functools.cache
+def _spreader(mesh, axes, rows: int, span: int, n: int):
+    """jit: (table [N*rows, ...] blocks, one per shard; first shard of its span) -> the
+    span's blocks one after another, `[_stored_rows(span, rows, N), ...]`, spread evenly
+    over all N devices (zero rows at the end). One all_to_all: shard j sends device p the
+    stored rows `[p*c, (p+1)*c)` it holds (`c` rows a device) and p keeps the pieces from
+    the span's shards, so no device holds more than ~3 blocks' worth, and every process
+    writes its part (orbax refuses an array on one process's devices only in a job of
+    several processes)."""
+    c = -(-span * rows // n)
+
+    def body(x, first):
+        rest = x.shape[1:]
+        zeros = (0,) * len(rest)
+        me = jax.lax.axis_index(axes)
+        b = me - first  # this shard's block in the stored array
+        pad = jnp.zeros((c,) + rest, x.dtype)
+        xp = jnp.concatenate([pad, x, pad])
+        pieces = [
+            jax.lax.dynamic_slice(
+                xp, (jnp.clip(p * c - b * rows, -c, rows) + c,) + zeros, (c,) + rest
+            )
+            for p in range(n)
+        ]
+        got = jax.lax.all_to_all(jnp.stack(pieces), axes, 0, 0)  # got[i]: from shard i
+        r = me * c + jnp.arange(c)  # the stored rows of this device
+        out = pad
+        for i in range(n):
+            bi = i - first
+            keep = (bi >= 0) & (bi < span) & (r >= bi * rows) & (r < (bi + 1) * rows)
+            out = jnp.where(keep.reshape((c,) + (1,) * len(rest)), got[i], out)
+        return out
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes), check_vma=False)
+    )
 
 
 def _span_array(core, arr: jax.Array, t) -> jax.Array:
     """What is stored of table `t`'s `[N * rows_per_shard, ...]` array: its blocks on the
-    shards of its span only, `[span * rows_per_shard, ...]` on those devices (the whole
-    array for a table on every shard). No copy: the blocks are the devices' own buffers."""
+    shards of its span only, one after another (`[_stored_rows(...), ...]`, spread over
+    all devices); the array itself for a table on every shard."""
     n = core.num_shards
     if t.span == n:
         return arr
-    rps = t.rows_per_shard
-    by_shard = {}
-    for device, index in core.row_sharding.devices_indices_map(arr.shape).items():
-        by_shard[(index[0].start or 0) // rps if rps else 0] = device
-    devices = [by_shard[j] for j in t.shards]
-    sharding = NamedSharding(Mesh(np.array(devices), ("span",)), P("span"))
-    datas = sorted(
-        (
-            (_shard_index(s, rps), s.data)
-            for s in arr.addressable_shards
-            if t.first_shard <= _shard_index(s, rps) < t.first_shard + t.span
-        ),
-        key=lambda x: x[0],
+    return _spreader(core.mesh, core.axes, t.rows_per_shard, t.span, n)(
+        arr, np.int32(t.first_shard)
     )
-    seen, blocks = set(), []
-    for j, data in datas:  # one block per shard (a replicated mesh axis repeats it)
-        if j not in seen:
-            seen.add(j)
-            blocks.append(data)
-    shape = (t.span * rps,) + tuple(arr.shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, sharding, blocks, dtype=arr.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -1015,12 +1035,17 @@ def _stored_shards(meta: dict, meta_table: dict) -> int:
     return int(meta_table.get("span", meta["num_shards"]))
 
 
-def _stored_shape_check(shape: tuple, meta_table: dict, n: int, dim: int | None = None):
-    rows = n * meta_table["rows_per_shard"]
+def _stored_shape_check(
+    shape: tuple, meta_table: dict, n: int, num_shards: int, dim: int | None = None
+):
+    """`n`: the table's stored blocks (`_stored_shards`); `num_shards`: the saving mesh's."""
+    rps = meta_table["rows_per_shard"]
+    rows = _stored_rows(n, rps, num_shards)
     if shape[0] != rows:
+        padded = f", padded to a multiple of {num_shards}" if rows != n * rps else ""
         raise ValueError(
             f"table {meta_table['name']}: stored array has {shape[0]} rows, "
-            f"metadata says {n} x {meta_table['rows_per_shard']}"
+            f"metadata says {n} x {rps}{padded}"
         )
     if dim is not None and len(shape) == 2 and shape[1] != dim:
         raise ValueError(f"table {meta_table['name']}: stored dim {shape[1]} != {dim}")
@@ -1169,9 +1194,8 @@ def _check_leaf(reader, leaf: tuple, meta_table: dict, dim: int) -> None:
             f"'{_leaf_name(leaf)}' of table {meta_table['name']} that its "
             f"metadata lists"
         )
-    _stored_shape_check(
-        reader.shape(leaf), meta_table, _stored_shards(reader.meta, meta_table), dim
-    )
+    n, num_shards = _stored_shards(reader.meta, meta_table), int(reader.meta["num_shards"])
+    _stored_shape_check(reader.shape(leaf), meta_table, n, num_shards, dim)
 
 
 @dataclasses.dataclass
@@ -1206,7 +1230,7 @@ def _start_leaf(
     src_layout = row_layout(reader.layout.name, n_old)
     src = _stored_table(meta_table, n_old)
     stored_shape = reader.shape(leaf)
-    _stored_shape_check(stored_shape, meta_table, n_old, t.dim)
+    _stored_shape_check(stored_shape, meta_table, n_old, int(reader.meta["num_shards"]), t.dim)
     rest = tuple(stored_shape[1:])
     pieces, copies = [], []
     empty = None  # shards outside the table's span: one zero block, never written

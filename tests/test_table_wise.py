@@ -405,14 +405,20 @@ def test_stored_arrays_hold_only_the_span_and_metadata_records_it(sources):
                     t.span,
                 )
                 assert m["rows_per_shard"] == t.rows_per_shard
-                shape = reader.shape(("tables", m["key"]))
-                assert shape == (t.span * t.rows_per_shard, t.dim)
+                # the span's blocks, then zero rows up to a multiple of N (spread over
+                # every device for saving): not N times a table-wise table
+                n = plan.num_shards
+                rows = -(-t.span * t.rows_per_shard // n) * n
+                assert reader.shape(("tables", m["key"])) == (rows, t.dim)
                 if t.sharding == "table_wise":  # the table itself, no other table's rows
-                    stored = np.asarray(reader.read(("tables", m["key"])))
-                    np.testing.assert_array_equal(stored, src["saved"][t.name]["parameters"])
-                    for slot in m["slots"]:
-                        stored = np.asarray(reader.read(("slots", m["key"], slot)))
-                        np.testing.assert_array_equal(stored, src["saved"][t.name][slot])
+                    assert rows - t.vocabulary_size < n
+                    for leaf, want in [(("tables", m["key"]), "parameters")] + [
+                        (("slots", m["key"], slot), slot) for slot in m["slots"]
+                    ]:
+                        stored = np.asarray(reader.read(leaf))
+                        v = t.vocabulary_size
+                        np.testing.assert_array_equal(stored[:v], src["saved"][t.name][want])
+                        assert not stored[v:].any()
         loaded = {c.name: v for c, v in ckpt.load_tables(src["path"]).items()}
         for t in plan.tables:
             np.testing.assert_array_equal(loaded[t.name], src["saved"][t.name]["parameters"])
@@ -447,8 +453,8 @@ def test_checkpoints_without_placements_restore_as_mod(sources, tmp_path):
 def test_damaged_table_wise_arrays_and_spans_are_refused(sources, tmp_path):
     src = sources["tw4"]
     tree = ckpt.state_tree(src["emb"])
-    arr = tree["tables"]["a"]  # table-wise: an array on its owner's device only
-    assert len(arr.sharding.device_set) == 1
+    arr = tree["tables"]["a"]  # table-wise: its [V, dim] rows (+ padding), on all devices
+    assert arr.shape[0] - 37 < 4
     tree["tables"]["a"] = jax.device_put(np.asarray(arr) + 1.0, arr.sharding)
     _save_tree(tmp_path / "values", tree)
     target, _ = engine(2, "mod")
@@ -465,3 +471,29 @@ def test_damaged_table_wise_arrays_and_spans_are_refused(sources, tmp_path):
     _save_tree(tmp_path / "span", tree)
     with pytest.raises(ValueError, match=r"spans shards \[4, 5\).*not inside the 4 shards"):
         ckpt.restore(target, tmp_path / "span")
+
+
+def test_two_processes_save_table_wise_tables_on_their_owners(tmp_path):
+    """Each process writes the tables it owns (an array on devices of the other process
+    has no shard here); restored in one process, mod and table-wise."""
+    port, root = free_port(), tmp_path / "ckpt"
+    worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
+    outs = run_together(
+        [[sys.executable, worker, str(i), str(port), str(root), "table_wise"] for i in range(2)],
+        env=env,
+    )
+    assert all("restored ok" in out for out in outs), outs
+    meta = ckpt.read_metadata(root)
+    owners = {m["name"]: m["first_shard"] for m in meta["tables"]}
+    assert {m["span"] for m in meta["tables"]} == {1} and sorted(owners.values()) == [0, 1, 2, 3]
+    want = np.load(root.parent / "expected.npz")
+    for n, sharding in ((8, "mod"), (2, "table_wise")):
+        emb, _ = engine(n, sharding)
+        assert ckpt.restore(emb, root) == 3
+        for t, d in variables_by_name(emb).items():
+            for k, v in d.items():
+                np.testing.assert_array_equal(v, want[f"{t}.{k}"], err_msg=f"{n} {t}.{k}")
