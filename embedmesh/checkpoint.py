@@ -21,14 +21,15 @@ Layout. The embedding state is saved as one orbax pytree (the *embedding
 item*), stored per table rather than per stack, so that it restores into any
 number of devices and any stacking:
 
-    {"tables": {key: [k * rows_per_shard, dim]},          # sharded jax.Arrays
-     "slots":  {key: {slot name: [k * rows_per_shard, dim]}},
+    {"tables": {key: [R, dim]},          # sharded jax.Arrays
+     "slots":  {key: {slot name: [R, dim]}},
      "step":   int64 scalar,
      "meta":   uint8 [bytes of a JSON document],
-     "lookup_tables": {key: [k * rows_per_shard, dim]}}  # pipelined, update pending
+     "lookup_tables": {key: [R, dim]}}  # pipelined, update pending
 
-(`k`: the shards of the table's span, `N` for a "mod" table, 1 for a
-"table_wise" one.)
+(`R = k * rows_per_shard` rounded up to a multiple of N, `k` the shards of the
+table's span: `N * rows_per_shard` for a "mod" table, `V` plus fewer than N
+zero rows for a "table_wise" one.)
 
 "tables", "slots" and "step" hold every accepted update. A pipelined run saved
 with an update pending (its next lookup reads the tables one update stale)
@@ -39,15 +40,17 @@ exactly where it was (bit-identical on the same mesh and stacking); an
 unpipelined restore and serving ignore them. Saving never applies the
 pending update early.
 
-Block b of a table's array (rows `[b * rows_per_shard, (b+1) * rows_per_shard)`)
-holds the table's block on shard `first_shard + b` of the saving mesh, as the
-plan's row layout (`embedmesh.layout.rows`) places it: only the shards of the
-table's span, so a table-wise table is stored as its `[V, dim]` block alone
-(no other table's rows, not N times its size), and the stored array is the
-table in the mod layout over `k` shards (first shard 0): table row `i` is at
-row `(shard_of(i) - first_shard) * rows_per_shard + block_row(i)`. Each block
-is sliced on its own device out of the stack arrays, so every process writes
-only its own shards. "meta" records the format version, the embedmesh
+Block b of a table's array (rows `[b * rows_per_shard, (b+1) * rows_per_shard)`,
+b < k) holds the table's block on shard `first_shard + b` of the saving mesh, as
+the plan's row layout (`embedmesh.layout.rows`) places it: only the shards of
+the table's span, so a table-wise table is stored as its `[V, dim]` rows alone
+(no other table's rows, not N times its size). The stored array is the table
+in the mod layout over `k` shards (first shard 0): table row `i` is at row
+`(shard_of(i) - first_shard) * rows_per_shard + block_row(i)`. A mod table's
+blocks are sliced on their own devices out of the stack arrays; a table on
+fewer shards is spread evenly over all devices by one all_to_all (orbax
+writes no array that lives on one process's devices only), so every process
+writes only its own shards. "meta" records the format version, the embedmesh
 version, N, the row layout's name ("row_layout": "mod", the only one today; a
 checkpoint without the key is "mod", one naming a layout this embedmesh does
 not know is refused), the step and per table its name, vocabulary size, dim,

@@ -147,7 +147,7 @@ class StackSpec:
     """One stacked array: its tables in row order, the features reading it."""
 
     name: str
-    tables: tuple  # table names, in row order
+    tables: tuple  # table names, in row order (the mod tables, then the table-wise ones)
     features: tuple  # feature names, in config order (the activation buffer order)
     dim: int  # padded dim
     optimizer: Any  # the tables' effective optimizer (None: the engine's default)
