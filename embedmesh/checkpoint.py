@@ -500,8 +500,8 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
 
     Tables and slots are sharded `jax.Array`s laid out per table; a stack
     that holds exactly one table is passed through without a copy, other
-    tables are sliced out of their stacks on their own devices; a table not on
-    every shard (table-wise) is an array on the devices of its span only. `state` holds
+    tables are sliced out of their stacks on their own devices; of a table not on
+    every shard (table-wise), only its span's blocks, spread over the devices. `state` holds
     every accepted update (a pipelined run passes the state with its pending
     update applied); `lookup_tables` (`{stack: parameters}`, pipelined with an
     update pending) are the stacks' parameters the next lookup reads, one
@@ -1138,7 +1138,7 @@ def _same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool
     """Whether the stored blocks are exactly the new blocks of the table. A table on part
     of the mesh (table-wise) is compared in its stored form: its span renumbered from
     shard 0."""
-    first, k = dst_layout.span(dst)
+    k = dst_layout.span(dst)[1]
     if k != dst_layout.num_shards:
         dst = dataclasses.replace(dst, num_shards=k, first_shard=0, span=k, row_offset=0)
         dst_layout = row_layout(dst_layout.name, k) if dst_layout.name in ROW_LAYOUTS else None

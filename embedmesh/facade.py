@@ -680,9 +680,8 @@ class MeshEmbedding:
                     p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
                 ]
                 if not self.plan.row_layout.holds(p, (shard.index[0].start or 0) // rps):
-                    block = jnp.zeros_like(
-                        block, device=shard.device
-                    )  # other tables' rows: not this table's
+                    # the rows there are other tables', not this table's
+                    block = jnp.zeros_like(block, device=shard.device)
                 shards.append((shard.device, block))
             out[t] = shards
         return out

@@ -3,7 +3,7 @@ MeshEmbedding, each writing its own shards, then restore it (test_checkpoint.py)
 
 Usage: checkpoint_multiprocess_worker.py PROCESS_ID PORT ROOT [SHARDING]
 Process 0 also writes ROOT/../expected.npz with the saved variables. SHARDING (default
-"mod") is the saving engine's `sharding`; the restoring one is "mod", unstacked.
+"mod") is the `sharding` of both engines (the restoring one is unstacked).
 """
 
 import os
@@ -48,7 +48,7 @@ if process_id == 0:
     np.savez(os.path.join(os.path.dirname(root), "expected.npz"), **out)
 
 # restore into a fresh 4-device engine spread over both processes
-fresh = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh, stack_tables=False)
+fresh = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh, stack_tables=False, sharding=sharding)
 assert ckpt.restore(fresh, root) == 3
 for t, d in fresh.variables.items():
     np.testing.assert_array_equal(d["parameters"], values[t])

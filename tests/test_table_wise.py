@@ -474,8 +474,9 @@ def test_damaged_table_wise_arrays_and_spans_are_refused(sources, tmp_path):
 
 
 def test_two_processes_save_table_wise_tables_on_their_owners(tmp_path):
-    """Each process writes the tables it owns (an array on devices of the other process
-    has no shard here); restored in one process, mod and table-wise."""
+    """Two processes save table-wise tables (owned by devices of either process) and
+    restore them table-wise, unstacked; then one process restores them mod and
+    table-wise."""
     port, root = free_port(), tmp_path / "ckpt"
     worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
     env = dict(os.environ)
