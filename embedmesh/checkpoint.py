@@ -21,11 +21,15 @@ Layout. The embedding state is saved as one orbax pytree (the *embedding
 item*), stored per table rather than per stack, so that it restores into any
 number of devices and any stacking:
 
-    {"tables": {key: [N * rows_per_shard, dim]},          # sharded jax.Arrays
-     "slots":  {key: {slot name: [N * rows_per_shard, dim]}},
+    {"tables": {key: [R, dim]},          # sharded jax.Arrays
+     "slots":  {key: {slot name: [R, dim]}},
      "step":   int64 scalar,
      "meta":   uint8 [bytes of a JSON document],
-     "lookup_tables": {key: [N * rows_per_shard, dim]}}  # pipelined, update pending
+     "lookup_tables": {key: [R, dim]}}  # pipelined, update pending
+
+(`R = k * rows_per_shard` rounded up to a multiple of N, `k` the shards of the
+table's span: `N * rows_per_shard` for a "mod" table, `V` plus fewer than N
+zero rows for a "table_wise" one.)
 
 "tables", "slots" and "step" hold every accepted update. A pipelined run saved
 with an update pending (its next lookup reads the tables one update stale)
@@ -36,18 +40,26 @@ exactly where it was (bit-identical on the same mesh and stacking); an
 unpipelined restore and serving ignore them. Saving never applies the
 pending update early.
 
-Block j of a table's array (rows `[j * rows_per_shard, (j+1) * rows_per_shard)`)
-holds the table's block on shard j of the saving mesh, as the plan's row layout
-(`embedmesh.layout.rows`) places it: table row `i` is at row
-`shard_of(i) * rows_per_shard + block_row(i)`. Each block is sliced on its own
-device out of the stack arrays, so every process writes only its own shards.
-"meta" records the format version, the embedmesh version, N, the row layout's
-name ("row_layout": "mod", the only one today; a checkpoint without the key is
-"mod", one naming a layout this embedmesh does not know is refused), the step
-and per table its name, vocabulary size, dim, rows per shard, rotation,
-dtype, combiner, optimizer class and slot names. Re-cutting the stored blocks
-into another layout (other device count, other stacking) goes through the two
-layouts (`RowLayout.rows_index`, `shard_of`, `block_row`, `period`).
+Block b of a table's array (rows `[b * rows_per_shard, (b+1) * rows_per_shard)`,
+b < k) holds the table's block on shard `first_shard + b` of the saving mesh, as
+the plan's row layout (`embedmesh.layout.rows`) places it: only the shards of
+the table's span, so a table-wise table is stored as its `[V, dim]` rows alone
+(no other table's rows, not N times its size). The stored array is the table
+in the mod layout over `k` shards (first shard 0): table row `i` is at row
+`(shard_of(i) - first_shard) * rows_per_shard + block_row(i)`. A mod table's
+blocks are sliced on their own devices out of the stack arrays; a table on
+fewer shards is spread evenly over all devices by one all_to_all (orbax
+writes no array that lives on one process's devices only), so every process
+writes only its own shards. "meta" records the format version, the embedmesh
+version, N, the row layout's name ("row_layout": "mod", the only one today; a
+checkpoint without the key is "mod", one naming a layout this embedmesh does
+not know is refused), the step and per table its name, vocabulary size, dim,
+rows per shard, rotation, its placement ("sharding": "mod" or "table_wise",
+"first_shard", "span"; absent in older checkpoints: "mod", 0, N), dtype,
+combiner, optimizer class and slot names. Re-cutting the stored blocks into
+another layout (other device count, other stacking, other placements) goes
+through the two layouts (`RowLayout.rows_index`, `shard_of`, `block_row`,
+`period`).
 
 The item is an ordinary pytree (`state_tree(emb)`, `core_state_tree(core,
 state)`), so it sits beside the user's dense parameters in one orbax
@@ -178,22 +190,43 @@ def _slicer(mesh, axes, rows: int, dim: int | None):
 
 
 @functools.cache
-def _writer(mesh, axes, donate: bool = True):
+def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
     """jit: write a table's [N*rows, dim] blocks into a stack at local row `lo` of every
     shard (`lo` an argument: one compile per shape, not per table). `donate=True` writes
     in place (the stack is consumed); `donate=False` leaves the stack intact and returns a
-    new array (restore's first write into a live stack, see `restore`)."""
+    new array (restore's first write into a live stack, see `restore`). `spanned`: the
+    table has blocks only on shards `[first, first + span)` (two more arguments); the
+    other shards keep their rows there (other tables' rows)."""
 
-    def body(stack, piece, lo):
+    def body(stack, piece, lo, first=None, span=None):
         piece = piece.astype(stack.dtype)
         start = (lo, 0) if stack.ndim == 2 else (lo,)
+        if spanned:
+            j = jax.lax.axis_index(axes)
+            inside = (j >= first) & (j < first + span)
+            piece = jnp.where(inside, piece, jax.lax.dynamic_slice(stack, start, piece.shape))
         return jax.lax.dynamic_update_slice(stack, piece, start)
 
     return jax.jit(
         jax.shard_map(
-            body, mesh=mesh, in_specs=(P(axes), P(axes), P()), out_specs=P(axes), check_vma=False
+            body,
+            mesh=mesh,
+            in_specs=(P(axes), P(axes), P()) + ((P(), P()) if spanned else ()),
+            out_specs=P(axes),
+            check_vma=False,
         ),
         donate_argnums=0 if donate else (),
+    )
+
+
+def _write_table(core, stack_array, piece, t, donate: bool) -> jax.Array:
+    """`stack_array` with table `t`'s `[N * rows_per_shard, ...]` blocks `piece` written at
+    its local rows, on the shards of its span only."""
+    lo = np.int32(t.local_row_offset)
+    if t.span == core.num_shards:
+        return _writer(core.mesh, core.axes, donate)(stack_array, piece, lo)
+    return _writer(core.mesh, core.axes, donate, True)(
+        stack_array, piece, lo, np.int32(t.first_shard), np.int32(t.span)
     )
 
 
@@ -210,6 +243,62 @@ def _table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
         return stack_array  # the stack is exactly this table: no copy
     return _slicer(core.mesh, core.axes, t.rows_per_shard, dim)(
         stack_array, np.int32(t.local_row_offset)
+    )
+
+
+def _stored_rows(span: int, rows_per_shard: int, num_shards: int) -> int:
+    """Rows of a table's stored array: its span's blocks, rounded up to a multiple of the
+    saving mesh's shards (`N * rows_per_shard` for a table on every shard)."""
+    return -(-span * rows_per_shard // num_shards) * num_shards
+
+
+@functools.cache
+def _spreader(mesh, axes, rows: int, span: int, n: int):
+    """jit: (table [N*rows, ...] blocks, one per shard; first shard of its span) -> the
+    span's blocks one after another, `[_stored_rows(span, rows, N), ...]`, spread evenly
+    over all N devices (zero rows at the end). One all_to_all: shard j sends device p the
+    stored rows `[p*c, (p+1)*c)` it holds (`c` rows a device) and p keeps the pieces from
+    the span's shards, so no device holds more than ~3 blocks' worth, and every process
+    writes its part (orbax refuses an array on one process's devices only in a job of
+    several processes)."""
+    c = -(-span * rows // n)
+
+    def body(x, first):
+        rest = x.shape[1:]
+        zeros = (0,) * len(rest)
+        me = jax.lax.axis_index(axes)
+        b = me - first  # this shard's block in the stored array
+        pad = jnp.zeros((c,) + rest, x.dtype)
+        xp = jnp.concatenate([pad, x, pad])
+        pieces = [
+            jax.lax.dynamic_slice(
+                xp, (jnp.clip(p * c - b * rows, -c, rows) + c,) + zeros, (c,) + rest
+            )
+            for p in range(n)
+        ]
+        got = jax.lax.all_to_all(jnp.stack(pieces), axes, 0, 0)  # got[i]: from shard i
+        r = me * c + jnp.arange(c)  # the stored rows of this device
+        out = pad
+        for i in range(n):
+            bi = i - first
+            keep = (bi >= 0) & (bi < span) & (r >= bi * rows) & (r < (bi + 1) * rows)
+            out = jnp.where(keep.reshape((c,) + (1,) * len(rest)), got[i], out)
+        return out
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes), check_vma=False)
+    )
+
+
+def _span_array(core, arr: jax.Array, t) -> jax.Array:
+    """What is stored of table `t`'s `[N * rows_per_shard, ...]` array: its blocks on the
+    shards of its span only, one after another (`[_stored_rows(...), ...]`, spread over
+    all devices); the array itself for a table on every shard."""
+    n = core.num_shards
+    if t.span == n:
+        return arr
+    return _spreader(core.mesh, core.axes, t.rows_per_shard, t.span, n)(
+        arr, np.int32(t.first_shard)
     )
 
 
@@ -380,6 +469,9 @@ def _metadata(core, state, step: int) -> dict:
                 "dim": t.dim,
                 "rows_per_shard": t.rows_per_shard,
                 "rotation": t.rotation,
+                "sharding": t.sharding,
+                "first_shard": t.first_shard,
+                "span": t.span,
                 "dtype": np.dtype(plan.stack(t.stack).dtype).name,
                 "combiner": cfg.combiner,
                 "stack": t.stack,
@@ -408,7 +500,8 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
 
     Tables and slots are sharded `jax.Array`s laid out per table; a stack
     that holds exactly one table is passed through without a copy, other
-    tables are sliced out of their stacks on their own devices. `state` holds
+    tables are sliced out of their stacks on their own devices; of a table not on
+    every shard (table-wise), only its span's blocks, spread over the devices. `state` holds
     every accepted update (a pipelined run passes the state with its pending
     update applied); `lookup_tables` (`{stack: parameters}`, pipelined with an
     update pending) are the stacks' parameters the next lookup reads, one
@@ -430,17 +523,21 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
     hashes = {}  # computed on the devices holding the arrays, fetched once
     for t in plan.tables:
         key = keys[t.name]
-        tables[key] = _table_block_array(core, state.tables[t.stack], t)
-        slots[key] = {
-            name: _table_block_array(core, arr, t) for name, arr in state.slots[t.stack].items()
-        }
-        hashes[t.name] = {"parameters": _device_checksum(core, tables[key], t)}
-        hashes[t.name].update(
-            {name: _device_checksum(core, arr, t) for name, arr in slots[key].items()}
-        )
+        # each array's checksum on the whole mesh (shards outside the table's span count
+        # nothing), then only the span's blocks are stored
+        block = _table_block_array(core, state.tables[t.stack], t)
+        hashes[t.name] = {"parameters": _device_checksum(core, block, t)}
+        tables[key] = _span_array(core, block, t)
+        slots[key] = {}
+        for name, arr in state.slots[t.stack].items():
+            block = _table_block_array(core, arr, t)
+            hashes[t.name][name] = _device_checksum(core, block, t)
+            slots[key][name] = _span_array(core, block, t)
         if t.stack in lookup:
-            stored_lookup[key] = _table_block_array(core, lookup[t.stack], t)
-            hashes[t.name][LOOKUP_FIELD] = _device_checksum(core, stored_lookup[key], t)
+            block = _table_block_array(core, lookup[t.stack], t)
+            hashes[t.name][LOOKUP_FIELD] = _device_checksum(core, block, t)
+            stored_lookup[key] = _span_array(core, block, t)
+        del block
     hashes = jax.device_get(hashes)
     meta["checksum"] = CHECKSUM
     for m in meta["tables"]:
@@ -709,6 +806,9 @@ def _parse_meta(blob: bytes, where: str) -> dict:
     return meta
 
 
+_META_TABLE_OPTIONAL = {"first_shard": int, "span": int}  # absent in older checkpoints
+
+
 def _check_meta(meta: dict, where: str) -> None:
     """Every key restore and load_tables rely on, with the right type; a clear error if not."""
 
@@ -729,6 +829,13 @@ def _check_meta(meta: dict, where: str) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"{where}: tables[{i}] must be an object, got {m!r}")
         check(m, _META_TABLE_KEYS, f"tables[{i}].")
+        check(m, {k: v for k, v in _META_TABLE_OPTIONAL.items() if k in m}, f"tables[{i}].")
+        first, span = m.get("first_shard", 0), m.get("span", meta["num_shards"])
+        if not (span >= 1 and first >= 0 and first + span <= meta["num_shards"]):
+            raise ValueError(
+                f"{where}: tables[{i}] spans shards [{first}, {first + span}) "
+                f"('first_shard', 'span'), not inside the {meta['num_shards']} shards"
+            )
 
 
 class _Reader:
@@ -925,12 +1032,23 @@ def read_metadata(source, step: int | None = None, *, item: str = DEFAULT_ITEM) 
 # Layout conversions: which stored rows go where (pure index arithmetic)
 
 
-def _stored_shape_check(shape: tuple, meta_table: dict, n: int, dim: int | None = None):
-    rows = n * meta_table["rows_per_shard"]
+def _stored_shards(meta: dict, meta_table: dict) -> int:
+    """The blocks of a table's stored array: the shards of its span ("span"; every shard
+    of the saving mesh in checkpoints without it)."""
+    return int(meta_table.get("span", meta["num_shards"]))
+
+
+def _stored_shape_check(
+    shape: tuple, meta_table: dict, n: int, num_shards: int, dim: int | None = None
+):
+    """`n`: the table's stored blocks (`_stored_shards`); `num_shards`: the saving mesh's."""
+    rps = meta_table["rows_per_shard"]
+    rows = _stored_rows(n, rps, num_shards)
     if shape[0] != rows:
+        padded = f", padded to a multiple of {num_shards}" if rows != n * rps else ""
         raise ValueError(
             f"table {meta_table['name']}: stored array has {shape[0]} rows, "
-            f"metadata says {n} x {meta_table['rows_per_shard']}"
+            f"metadata says {n} x {rps}{padded}"
         )
     if dim is not None and len(shape) == 2 and shape[1] != dim:
         raise ValueError(f"table {meta_table['name']}: stored dim {shape[1]} != {dim}")
@@ -949,8 +1067,9 @@ def _stored_layout(meta: dict, where) -> RowLayout:
 
 
 def _stored_table(meta_table: dict, n: int) -> TablePlacement:
-    """A table's stored array as a placement on the saving mesh's `n` shards: a stack of
-    its own, its block on shard j at rows `[j * rows_per_shard, (j+1) * rows_per_shard)`."""
+    """A table's stored array as a placement on `n` shards (`_stored_shards`: its span on
+    the saving mesh, renumbered from 0): a stack of its own, block b at rows
+    `[b * rows_per_shard, (b+1) * rows_per_shard)`."""
     v, rps = meta_table["vocabulary_size"], meta_table["rows_per_shard"]
     return TablePlacement(
         name=meta_table["name"],
@@ -974,7 +1093,8 @@ def _logical_table(meta_table: dict) -> TablePlacement:
 
 
 def _stored_row(layout: RowLayout, t, row: int) -> int:
-    """Where logical row `row` of table `t` is in its stored `[N * rows_per_shard, ...]` array."""
+    """Where logical row `row` of table `t` is in its stored `[k * rows_per_shard, ...]`
+    array (`t` a stored placement: first shard 0)."""
     return int(layout.shard_of(t, row)) * t.rows_per_shard + int(layout.block_row(t, row))
 
 
@@ -1015,7 +1135,15 @@ def _recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard:
 
 
 def _same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool:
-    """Whether the stored blocks are exactly the new blocks of the table."""
+    """Whether the stored blocks are exactly the new blocks of the table. A table on part
+    of the mesh (table-wise) is compared in its stored form: its span renumbered from
+    shard 0."""
+    k = dst_layout.span(dst)[1]
+    if k != dst_layout.num_shards:
+        dst = dataclasses.replace(dst, num_shards=k, first_shard=0, span=k, row_offset=0)
+        dst_layout = row_layout(dst_layout.name, k) if dst_layout.name in ROW_LAYOUTS else None
+        if dst_layout is None:
+            return False
     return (
         src_layout == dst_layout
         and src.rows_per_shard == dst.rows_per_shard
@@ -1069,7 +1197,8 @@ def _check_leaf(reader, leaf: tuple, meta_table: dict, dim: int) -> None:
             f"'{_leaf_name(leaf)}' of table {meta_table['name']} that its "
             f"metadata lists"
         )
-    _stored_shape_check(reader.shape(leaf), meta_table, int(reader.meta["num_shards"]), dim)
+    n, num_shards = _stored_shards(reader.meta, meta_table), int(reader.meta["num_shards"])
+    _stored_shape_check(reader.shape(leaf), meta_table, n, num_shards, dim)
 
 
 @dataclasses.dataclass
@@ -1100,13 +1229,21 @@ def _start_leaf(
 
     `restore` reads into this process's shards of a mesh (`plan.row_layout`),
     `load_tables` into the logical table (`logical_layout()`, one shard)."""
-    n_old = int(reader.meta["num_shards"])
-    src_layout, src = reader.layout, _stored_table(meta_table, n_old)
+    n_old = _stored_shards(reader.meta, meta_table)
+    src_layout = row_layout(reader.layout.name, n_old)
+    src = _stored_table(meta_table, n_old)
     stored_shape = reader.shape(leaf)
-    _stored_shape_check(stored_shape, meta_table, n_old, t.dim)
+    _stored_shape_check(stored_shape, meta_table, n_old, int(reader.meta["num_shards"]), t.dim)
     rest = tuple(stored_shape[1:])
     pieces, copies = [], []
+    empty = None  # shards outside the table's span: one zero block, never written
     for j, device in shards:
+        if not layout.holds(t, j):
+            if empty is None:
+                empty = _host_buffer((t.rows_per_shard,) + rest, dtype)
+                empty[:] = 0
+            pieces.append((j, device, empty))
+            continue
         piece = _host_buffer((t.rows_per_shard,) + rest, dtype)
         piece[layout.count_on_shard(t, j) :] = 0
         pieces.append((j, device, piece))
@@ -1209,7 +1346,7 @@ def _place_leaf(
         raise
     # The first write into a live stack is not donated (`restore` builds the new state
     # beside the live one); later writes into that new array are in place
-    out = _writer(core.mesh, core.axes, donate)(stack_array, piece, np.int32(t.local_row_offset))
+    out = _write_table(core, stack_array, piece, t, donate)
     # wait, so that this table's buffers are freed before the next table is read
     out.block_until_ready()
     piece.delete()

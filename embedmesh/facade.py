@@ -10,7 +10,8 @@ logical order (`embedding_tables`, `variables`, `embedding_table_shards`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -20,13 +21,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from embedmesh import _compat
-from embedmesh.config import resolve_feature_config
+from embedmesh.config import TableConfig, resolve_feature_config
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.host import agree as _agree
 from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
-from embedmesh.inputs import flatten_inputs_like
-from embedmesh.layout.rows import row_layout
+from embedmesh.inputs import flatten_inputs_like, to_csr
+from embedmesh.layout import planner as _planner
 from embedmesh.layout.stacking import plan_stacking
 from embedmesh.optimizers import Optimizer
 
@@ -83,15 +84,22 @@ class MeshEmbedding:
         applies it first): 20-30% less step time on CPU than two programs.
       mesh: the device mesh (default: see `default_mesh`).
       stack_tables, max_stack_rows: see `plan_stacking`.
-      sharding: the row layout, which shard holds each table row (see
-        `embedmesh.layout.rows`): "mod" (the only one today) puts row `i` on
-        shard `(i % N + rotation) % N`, as TPUEmbeddingV2 does.
-      exchange: how the devices share a stack's lookups (N > 1): "rows" (the
-        owners send the rows of the distinct ids, and receive their gradients),
-        "pooled" (the owners combine each source's pairs and send partial
-        activations, and receive the activation gradients: fewer bytes for
-        multi-hot features and table-wise tables), or `{stack or table name:
-        form}` (missing stacks: "rows"). The same results to float32 rounding.
+      sharding: how each table is spread over the N devices, and what crosses
+        between them (`embedmesh.layout.planner`): "mod" (the default, also
+        named "row_wise_rows") spreads its rows over all N shards, row `i` on
+        shard `(i % N + rotation) % N` as TPUEmbeddingV2 does, and the owners
+        send the rows of each source's distinct ids; "row_wise_pooled" places
+        the rows the same way, and the owners pool each source's ids into
+        partial sums and send those (fewer bytes for multi-hot features);
+        "table_wise" puts each whole table on one shard (tables bin-packed,
+        largest first onto the least loaded), which pools and sends the
+        activations; "auto" lets the planner pick per table from its cost
+        model, fed by the first batch (`emb.plan` shows the choice; an
+        explicit `build()` before any batch plans from the config alone); or
+        a mapping `{table name or TableConfig: one of these}` (tables not
+        named: "mod"), where "auto" tables are planned around the others.
+        Unknown tables or strategies raise a ValueError. Every strategy gives
+        the same results, to float32 rounding; on one device they are one.
       capacities: `{stack: Capacity}` or one `Capacity` (see
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
@@ -112,8 +120,7 @@ class MeshEmbedding:
         mesh: Mesh | None = None,
         stack_tables: bool = True,
         max_stack_rows: int | None = None,
-        sharding: str = "mod",
-        exchange: Any = "rows",
+        sharding: str | Mapping[Any, str] = "mod",
         capacities: Any = None,
         overflow: str | None = None,
         check_finite: bool = True,
@@ -131,9 +138,17 @@ class MeshEmbedding:
         self._mesh = mesh
         self._stack_tables = stack_tables
         self._max_stack_rows = max_stack_rows
-        row_layout(sharding, 1)  # a ValueError naming the valid layouts, before build
-        self._sharding = sharding
-        self._exchange = exchange
+        # a ValueError naming a bad table or strategy before build: {table: strategy}
+        self._strategies = _planner.resolve_strategies(
+            self._resolved.table_names,
+            {
+                (self._resolved.table_name(k) if isinstance(k, TableConfig) else k): v
+                for k, v in sharding.items()
+            }
+            if isinstance(sharding, Mapping)
+            else sharding,
+        )
+        self._sample_csrs: list | None = None  # the first batch, for "auto" (see build)
         self._capacities = capacities
         if overflow is None:
             overflow = "grow" if capacities is None else "error"
@@ -160,15 +175,24 @@ class MeshEmbedding:
             return
         mesh = self._mesh if self._mesh is not None else default_mesh()
         self._mesh = mesh
-        self.plan = plan_stacking(
+        strategies, predicted = self._plan_strategies(mesh)
+        placements = {t: _planner.STRATEGY_FORMS[s][0] for t, s in strategies.items()}
+        exchanges = {t: _planner.STRATEGY_FORMS[s][1] for t, s in strategies.items()}
+        plan = plan_stacking(
             self._resolved,
             mesh.size,
             stack_tables=self._stack_tables,
             max_stack_rows=self._max_stack_rows,
             default_optimizer=self._optimizer,
-            sharding=self._sharding,
+            sharding=placements,
+            stack_keys=exchanges if mesh.size > 1 else None,  # one exchange form a stack
         )
-        self.core = EmbeddingCore(self.plan, mesh, self._optimizer, self._exchange)
+        self.plan = dataclasses.replace(
+            plan,
+            strategies=tuple((t, strategies[t]) for t in self._resolved.table_names),
+            predicted=predicted,
+        )
+        self.core = EmbeddingCore(self.plan, mesh, self._optimizer, exchanges)
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
         if local != list(range(local[0], local[0] + len(local))):
@@ -282,8 +306,41 @@ class MeshEmbedding:
         if not self._built:
             raise RuntimeError(f"{what} needs build() first")
 
-    def _maybe_build(self):
+    def _plan_strategies(self, mesh) -> tuple:
+        """`({table: strategy}, the cost model's Plan)`: the "auto" tables planned (from
+        the first batch when one was given before building), the others as asked. With
+        several processes every process takes process 0's plan (each saw its own
+        batch; they must compile the same programs)."""
+        names = self._resolved.table_names
+        optimizers = {
+            t: (c.optimizer if c.optimizer is not None else self._optimizer)
+            for t, c in zip(names, self._resolved.tables)
+        }
+        csrs = self._sample_csrs
+        stats = _planner.table_stats(self._resolved, optimizers, csrs)
+        local = max(1, sum(d.process_index == jax.process_index() for d in mesh.devices.flat))
+        batch = csrs[0].batch_size // local if csrs else _planner.DEFAULT_BATCH_PER_DEVICE
+        chosen, predicted = _planner.plan(
+            stats, self._strategies, mesh.size, batch, _planner.machine_for(mesh)
+        )
+        if "auto" in self._strategies.values() and jax.process_count() > 1:
+            codes = np.array(
+                [
+                    _planner.PLANNED.index("row_wise_rows" if chosen[t] == "mod" else chosen[t])
+                    for t in names
+                ],
+                np.int32,
+            )
+            codes = np.asarray(multihost_utils.broadcast_one_to_all(codes))
+            agreed = {t: _planner.PLANNED[int(c)] for t, c in zip(names, codes)}
+            chosen = {t: (chosen[t] if self._strategies[t] != "auto" else agreed[t]) for t in names}
+        self._sample_csrs = None
+        return chosen, predicted
+
+    def _maybe_build(self, features=None, weights=None):
         if not self._built:
+            if features is not None and "auto" in self._strategies.values():
+                self._sample_csrs = _planner_sample(self._resolved, features, weights)
             self.build()
 
     @property
@@ -313,7 +370,7 @@ class MeshEmbedding:
         among them (see `_agreed_put`).
         """
         _check_not_traced("enqueue", features, weights)
-        self._maybe_build()
+        self._maybe_build(features, weights)
         if self._multiprocess:
             return self._agreed_put(self._prepare(features, weights))
         csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
@@ -409,6 +466,12 @@ class MeshEmbedding:
         def split(item):
             return item if isinstance(item, tuple) and len(item) == 2 else (item, None)
 
+        if not self._built and "auto" in self._strategies.values():
+            batches = iter(batches)  # the planner sees the first batch
+            first = next(batches, None)
+            if first is not None:
+                self._maybe_build(*split(first))
+                batches = itertools.chain([first], batches)
         self._maybe_build()
         if not self._multiprocess:
             return background_map(lambda item: self.enqueue(*split(item)), batches, buffer_size)
@@ -667,7 +730,8 @@ class MeshEmbedding:
         Shard j holds the table's rows `plan.row_layout.rows_on_shard(table, j)`
         in that order (see `embedmesh.layout.rows`; the mod layout: the rows `i`
         with `(i % N + rotation) % N == j`, increasing), padded to the same length
-        with zero rows.
+        with zero rows; a shard outside the table's span (a table-wise table's
+        other shards) gives zero rows only.
         """
         self._maybe_build()
         state = self.observed_state()
@@ -676,15 +740,15 @@ class MeshEmbedding:
             p = self.plan.table(t)
             arr = state.tables[p.stack]
             shards = []
+            rps = self.plan.stack(p.stack).rows_per_shard
             for shard in sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0):
-                shards.append(
-                    (
-                        shard.device,
-                        shard.data[
-                            p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
-                        ],
-                    )
-                )
+                block = shard.data[
+                    p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
+                ]
+                if not self.plan.row_layout.holds(p, (shard.index[0].start or 0) // rps):
+                    # the rows there are other tables', not this table's
+                    block = jnp.zeros_like(block, device=shard.device)
+                shards.append((shard.device, block))
             out[t] = shards
         return out
 
@@ -716,3 +780,15 @@ class MeshEmbedding:
                 f"(vocabulary_size, dim) = {want}"
             )
         return arr
+
+
+def _planner_sample(resolved, features, weights) -> list:
+    """Every feature's `Csr` of a batch, for the planner's statistics."""
+    flat = flatten_inputs_like(resolved, features, "features")
+    flat_w = (
+        [None] * len(flat) if weights is None else flatten_inputs_like(resolved, weights, "weights")
+    )
+    return [
+        to_csr(name, f, x, w)
+        for name, f, x, w in zip(resolved.feature_names, resolved.features, flat, flat_w)
+    ]

@@ -1,14 +1,16 @@
 """One of two processes (2 CPU devices each, gloo) that save a checkpoint of a 4-device
 MeshEmbedding, each writing its own shards, then restore it (test_checkpoint.py).
 
-Usage: checkpoint_multiprocess_worker.py PROCESS_ID PORT ROOT
-Process 0 also writes ROOT/../expected.npz with the saved variables.
+Usage: checkpoint_multiprocess_worker.py PROCESS_ID PORT ROOT [SHARDING]
+Process 0 also writes ROOT/../expected.npz with the saved variables. SHARDING (default
+"mod") is the `sharding` of both engines (the restoring one is unstacked).
 """
 
 import os
 import sys
 
 process_id, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+sharding = sys.argv[4] if len(sys.argv) > 4 else "mod"
 
 import jax  # noqa: E402
 
@@ -28,7 +30,7 @@ from embedmesh.facade import MeshEmbedding  # noqa: E402
 mesh = Mesh(np.array(jax.devices()), ("x",))
 assert mesh.size == 4 and len(jax.local_devices()) == 2
 feats = make_features(make_tables())
-emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh)
+emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh, sharding=sharding)
 emb.build()
 rng = np.random.default_rng(3)  # same values in both processes
 values, slots = {}, {}
@@ -46,7 +48,7 @@ if process_id == 0:
     np.savez(os.path.join(os.path.dirname(root), "expected.npz"), **out)
 
 # restore into a fresh 4-device engine spread over both processes
-fresh = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh, stack_tables=False)
+fresh = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh, stack_tables=False, sharding=sharding)
 assert ckpt.restore(fresh, root) == 3
 for t, d in fresh.variables.items():
     np.testing.assert_array_equal(d["parameters"], values[t])

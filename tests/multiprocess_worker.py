@@ -1,7 +1,8 @@
 """One process of the two-process training test (run by test_multiprocess.py).
 
-Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE
-(NUM_PROCESSES 1 runs the single-process reference on 4 devices.)
+Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE [SHARDING]
+(NUM_PROCESSES 1 runs the single-process reference on 4 devices; SHARDING, default
+"mod", is MeshEmbedding's `sharding`.)
 """
 
 import os
@@ -13,6 +14,7 @@ process_id, num_processes, port, out_file = (
     int(sys.argv[3]),
     sys.argv[4],
 )
+sharding = sys.argv[5] if len(sys.argv) > 5 else "mod"
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // num_processes}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -67,7 +69,9 @@ def main():
     feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2), "ragged": em.FeatureConfig(t2)}
     mesh = Mesh(np.array(jax.devices()), ("x",))
     assert mesh.size == 4, mesh
-    emb = MeshEmbedding(feats, em.Adagrad(0.2), mesh=mesh, capacities=Capacity(64, 64))
+    emb = MeshEmbedding(
+        feats, em.Adagrad(0.2), mesh=mesh, capacities=Capacity(64, 64), sharding=sharding
+    )
     emb.build()
     grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
     for batch in global_batches(3, 16):

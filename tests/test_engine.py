@@ -200,7 +200,27 @@ def reference_update(opt_name, hp, tables, slots, row_grads, step):
             slots[tname][k][ids] = new_s[k]
 
 
-def check_training(num_devices, opt_name, hp, stack_tables, seed, steps=3, batch=8):
+def poison_state(emb, rng):
+    """Random non-zero tables and slots (slots positive, as accumulators are), so that a
+    row read or written in the wrong place shows."""
+    tables, slots = {}, {}
+    for t, d in emb.variables.items():
+        tables[t] = rng.normal(size=d["parameters"].shape).astype(np.float32)
+        slots[t] = {
+            k: rng.uniform(0.1, 1.0, size=v.shape).astype(np.float32)
+            for k, v in d.items()
+            if k != "parameters"
+        }
+    emb.set_tables(tables, slots)
+    for t, d in emb.variables.items():  # read back exactly as set
+        np.testing.assert_array_equal(d["parameters"], tables[t], err_msg=t.name)
+        for k, v in slots[t].items():
+            np.testing.assert_array_equal(d[k], v, err_msg=f"{t.name}.{k}")
+
+
+def check_training(
+    num_devices, opt_name, hp, stack_tables, seed, steps=3, batch=8, sharding="mod", poison=False
+):
     rng = np.random.default_rng(seed)
     feats, kinds = make_case(rng, None, stack_tables, batch)
     opt = build_optimizer(opt_name, hp)
@@ -211,8 +231,11 @@ def check_training(num_devices, opt_name, hp, stack_tables, seed, steps=3, batch
         mesh=mesh_of(num_devices),
         stack_tables=stack_tables,
         capacities=Capacity(1024, 512),
+        sharding=sharding,
     )
     emb.build()
+    if poison:
+        poison_state(emb, rng)
     tables = {t.name: np.asarray(v, np.float64) for t, v in emb.embedding_tables.items()}
     slots = {
         t.name: {k: np.asarray(v, np.float64) for k, v in d.items() if k != "parameters"}

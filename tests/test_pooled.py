@@ -1,8 +1,6 @@
 """Pooling on the owner (`exchange="pooled"`): the same training as the row exchange,
 against the float64 reference, on 2/4/8 in-process devices."""
 
-import functools
-
 import numpy as np
 import pytest
 import test_engine
@@ -11,18 +9,14 @@ from hypothesis import strategies as st
 
 import embedmesh as em
 from embedmesh.device import shard_program
+from embedmesh.device.core import EmbeddingCore
 
-
-@pytest.fixture
-def pooled(monkeypatch):
-    monkeypatch.setattr(
-        test_engine, "MeshEmbedding", functools.partial(em.MeshEmbedding, exchange="pooled")
-    )
+POOLED = ("row_wise_pooled", "table_wise")
 
 
 @pytest.mark.parametrize("num_devices", [2, 4, 8])
 @pytest.mark.parametrize("opt_name", list(test_engine.OPTIMIZER_HP))
-def test_pooled_training_matches_reference(pooled, num_devices, opt_name):
+def test_pooled_training_matches_reference(num_devices, opt_name):
     for variant, hp in enumerate(test_engine.OPTIMIZER_HP[opt_name]):
         test_engine.check_training(
             num_devices,
@@ -30,7 +24,20 @@ def test_pooled_training_matches_reference(pooled, num_devices, opt_name):
             hp,
             stack_tables=bool(variant % 2),
             seed=77 * num_devices + variant,
+            sharding=POOLED[variant % 2],
+            poison=True,
         )
+
+
+def test_mixed_strategies_match_reference():
+    """Pooled, row and table-wise tables side by side (stacks split by exchange form)."""
+    rng = np.random.default_rng(11)
+    feats, _ = test_engine.make_case(rng, None, True, 8)
+    names = sorted({f.table.name for f in feats.values()})
+    mix = {name: ("mod", "row_wise_pooled", "table_wise")[i % 3] for i, name in enumerate(names)}
+    for n in (2, 4):
+        hp = test_engine.OPTIMIZER_HP["Adagrad"][0]
+        test_engine.check_training(n, "Adagrad", hp, True, 12 + n, sharding=mix, poison=True)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
@@ -43,21 +50,26 @@ def test_pooled_training_matches_reference(pooled, num_devices, opt_name):
 )
 def test_pooled_training_property(num_devices, opt_name, variant, stack, seed):
     variants = test_engine.OPTIMIZER_HP[opt_name]
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(
-            test_engine, "MeshEmbedding", functools.partial(em.MeshEmbedding, exchange="pooled")
-        )
-        test_engine.check_training(
-            num_devices, opt_name, variants[variant % len(variants)], stack, seed, steps=2
-        )
+    test_engine.check_training(
+        num_devices,
+        opt_name,
+        variants[variant % len(variants)],
+        stack,
+        seed,
+        steps=2,
+        sharding=POOLED[seed % 2],
+        poison=True,
+    )
 
 
-def test_pooled_training_with_unpacked_pairs(pooled, monkeypatch):
+def test_pooled_training_with_unpacked_pairs(monkeypatch):
     """Pairs whose position and row do not fit one int32 travel as three words."""
     monkeypatch.setattr(shard_program, "PACK_LIMIT", 0)
-    for opt_name in ("SGD", "Adagrad"):
+    for opt_name, sharding in (("SGD", "row_wise_pooled"), ("Adagrad", "table_wise")):
         hp = test_engine.OPTIMIZER_HP[opt_name][0]
-        test_engine.check_training(4, opt_name, hp, stack_tables=True, seed=5, steps=2)
+        test_engine.check_training(
+            4, opt_name, hp, stack_tables=True, seed=5, steps=2, sharding=sharding
+        )
 
 
 def test_pooled_rows_feed_only_the_owners_rows():
@@ -76,15 +88,22 @@ def test_pooled_rows_feed_only_the_owners_rows():
     assert everyone.rows is None and everyone.width == 5
 
 
-def test_exchange_form_errors_name_the_stack_or_table():
+def test_strategy_errors_name_the_table_and_value():
     t = em.TableConfig(10, 4, name="t")
     feats = {"f": em.FeatureConfig(t)}
-    with pytest.raises(ValueError, match="exchange must be one of"):
-        em.MeshEmbedding(feats, em.SGD(0.1), exchange="bogus").build()
+    with pytest.raises(ValueError, match="sharding must be one of.*'bogus'"):
+        em.MeshEmbedding(feats, em.SGD(0.1), sharding="bogus")
     with pytest.raises(ValueError, match="'nope'"):
-        em.MeshEmbedding(feats, em.SGD(0.1), exchange={"nope": "pooled"}).build()
-    with pytest.raises(ValueError, match="exchange of 't'"):
-        em.MeshEmbedding(feats, em.SGD(0.1), exchange={"t": "fast"}).build()
+        em.MeshEmbedding(feats, em.SGD(0.1), sharding={"nope": "table_wise"})
+    with pytest.raises(ValueError, match="sharding of table t.*'fast'"):
+        em.MeshEmbedding(feats, em.SGD(0.1), sharding={t: "fast"})
+    emb = em.MeshEmbedding(feats, em.SGD(0.1), mesh=test_engine.mesh_of(2))
+    emb.build()
+    plan = emb.plan
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        EmbeddingCore(plan, test_engine.mesh_of(2), em.SGD(0.1), exchange="bogus")
+    with pytest.raises(ValueError, match="'nope'"):
+        EmbeddingCore(plan, test_engine.mesh_of(2), em.SGD(0.1), exchange={"nope": "pooled"})
 
 
 def test_exchange_bytes_count_what_the_all_to_alls_send():
@@ -100,7 +119,11 @@ def test_exchange_bytes_count_what_the_all_to_alls_send():
     got = {}
     for form in ("rows", "pooled"):
         emb = em.MeshEmbedding(
-            feats, em.SGD(0.1), mesh=mesh, exchange=form, capacities=em.Capacity(64, 32)
+            feats,
+            em.SGD(0.1),
+            mesh=mesh,
+            sharding={"rows": "mod", "pooled": "row_wise_pooled"}[form],
+            capacities=em.Capacity(64, 32),
         )
         emb.build()
         csr = emb.enqueue(batch)

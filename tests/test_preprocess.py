@@ -74,8 +74,10 @@ def reference(plan, features, weights, num_devices, capacities=None):
             for s, sub, i, g in feats[fname]:
                 d, local = divmod(s, b)
                 orow = offset + local * rps[fname] + sub
-                j = (i % n + t.rotation) % n
-                lr = t.local_row_offset + i // n
+                # the mod rule over the table's span (k = N: mod, k = 1: table-wise)
+                k = t.span
+                j = t.first_shard + (i % k + t.rotation) % k
+                lr = t.local_row_offset + i // k
                 cell = cells[(d, j)].setdefault((lr, orow), [0.0, 0])
                 cell[0] += g
                 cell[1] += 1
@@ -229,7 +231,14 @@ def cases(draw, force_sum=False):
         if w is not None:
             weights[name] = w
     stack = draw(st.booleans())
-    plan = plan_stacking(config, n_shards, stack_tables=stack)
+    sharding = draw(
+        st.sampled_from(["mod", "mod", "table_wise", {"t0": "table_wise"}, {"t1": "table_wise"}])
+    )
+    if isinstance(sharding, dict):  # only the tables this config uses
+        sharding = {
+            k: v for k, v in sharding.items() if k in {f.table.name for f in config.values()}
+        }
+    plan = plan_stacking(config, n_shards, stack_tables=stack, sharding=sharding)
     return plan, features, weights or None, n_dev, n_proc
 
 
@@ -402,13 +411,13 @@ def test_activations_from_poisoned_shards_match_a_direct_lookup(case, seed):
             used = np.zeros(sh.shape[0], bool)
             for name in s.tables:
                 t = plan.table(name)
+                if not t.first_shard <= j < t.first_shard + t.span:
+                    continue  # no block of the table on this shard
+                k = t.span
+                first = (j - t.first_shard - t.rotation) % k
                 used[
                     t.local_row_offset : t.local_row_offset
-                    + len(
-                        range(
-                            (j - t.rotation) % plan.num_shards, t.vocabulary_size, plan.num_shards
-                        )
-                    )
+                    + len(range(first, t.vocabulary_size, k))
                 ] = True
             sh[~used] = np.nan
         act = emulate_device(out[s.name], shards, plan.num_shards)

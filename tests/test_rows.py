@@ -85,7 +85,7 @@ def test_mod_layout_matches_the_plain_rule(case):
     assert sorted(seen) == list(range(v)) and len(seen) == v
     assert layout.shards_of(t) == tuple(j for j in range(n) if on[j])
     assert layout.columns_on_shard(t, 0) == (0, t.dim)
-    assert layout.kernel_params(t) == (n, rotation)
+    assert layout.kernel_params(t) == (n, rotation, 0, v)  # (span, rotation, first, V)
     assert layout.block_rows(v) == t.rows_per_shard == max(len(r) for r in on.values())
     # period: row i + P is on the same shard, B block rows further
     p, b = layout.period(t)
@@ -123,7 +123,7 @@ def test_logical_layout_and_names():
     for bad in ("tablewise", None, 4):
         with pytest.raises(ValueError, match=r"sharding must be one of \['mod'\]"):
             row_layout(bad, 4)
-    with pytest.raises(ValueError, match=r"sharding must be one of \['mod'\]"):
+    with pytest.raises(ValueError, match=r"sharding must be one of \['mod', 'table_wise'\]"):
         plan_stacking({"f": FeatureConfig(TableConfig(5, 2, name="a"))}, 2, sharding="cols")
 
 

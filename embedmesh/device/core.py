@@ -318,6 +318,7 @@ class EmbeddingCore:
 
         def body(tables, csr):
             acts = {}
+            previous = None
             for s in stacks:
                 c = csr[s]
                 pooled = self.pooled_rows(s, c)
@@ -328,7 +329,7 @@ class EmbeddingCore:
                 )
                 act = lookup(
                     tables[s],
-                    c.unique_ids[0],
+                    _after(c.unique_ids[0], previous),
                     c.pair_rows[0],
                     c.pair_unique[0],
                     c.pair_gains[0],
@@ -339,6 +340,7 @@ class EmbeddingCore:
                     host_job=self.host_job,
                     channel=s,
                 )
+                previous = act
                 for feature in c.features:
                     a = act[
                         feature.row_offset : feature.row_offset + feature.num_rows, : feature.dim
@@ -459,6 +461,7 @@ class EmbeddingCore:
 
             def body(tables, slots, step, grads, csr, ok):
                 new_tables, new_slots = {}, {}
+                previous = None
                 for s in stacks:
                     c = csr[s]
                     spec = self.plan.stack(s)
@@ -488,7 +491,7 @@ class EmbeddingCore:
                     new_tables[s], new_slots[s] = update(
                         tables[s],
                         slots[s],
-                        c.unique_ids[0],
+                        _after(c.unique_ids[0], previous),
                         buf,
                         c.pair_rows[0],
                         c.pair_unique[0],
@@ -502,6 +505,7 @@ class EmbeddingCore:
                         host_job=self.host_job,
                         channel=s,
                     )
+                    previous = new_tables[s]
                 return new_tables, new_slots
 
             fn = jax.shard_map(
@@ -532,6 +536,20 @@ class EmbeddingCore:
         # Sparse rules move only the rows they are given: a rejected update
         # hands them none (no `cond`, which costs 2-10 ms a step on CPU).
         return update(state, ok), ok
+
+
+def _after(x, previous):
+    """`x`, made to depend on `previous` (the last stack's result) without changing it:
+    the stacks' exchanges then run in one order on every device. Independent
+    exchanges of one program can start in different orders on different devices
+    (XLA's CPU runtime runs ready work as it comes), and each blocks until its
+    peers arrive at the same one. The test is true unless `previous`'s first
+    element has one particular NaN bit pattern no arithmetic produces."""
+    if previous is None or previous.size == 0:
+        return x
+    first = previous.reshape(-1)[0].astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(first, jnp.int32)
+    return jnp.where(bits == jnp.int32(-1), x + 1, x)
 
 
 EXCHANGE_FORMS = ("rows", "pooled")

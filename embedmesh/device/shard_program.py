@@ -232,13 +232,18 @@ class PooledRows:
         self.rows, self.compact, self.width = rows, compact, width
 
 
-def _serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to):
+def _serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to, extra=None):
     """Every source's pairs for this owner: (ids [N, U], each pair's slot [N*P] in them,
-    its row [N*P] in the sources' stacked Rc-row blocks (invalid: N * Rc), gains [N*P]).
+    its row [N*P] in the sources' stacked Rc-row blocks (invalid: N * Rc), gains [N*P],
+    and `extra` [N, ...] float32 as received, or None).
 
-    A pair travels as 8 bytes (its id's position and its row in one int32, exact
-    while (U + 1) * (Rc + 1) < 2**31, and its gain), else 12."""
+    One exchange carries the ids, the pairs and `extra` (one message a peer, so that
+    every device's exchanges come in one order: two independent exchanges of one
+    program may start in different orders on different devices, and block each
+    other). A pair travels as 8 bytes (its id's position and its row in one int32,
+    exact while (U + 1) * (Rc + 1) < 2**31, and its gain), else 12."""
     n, u = unique_ids.shape
+    p = pair_rows.shape[1]
     rc = pooled.width
     rows = jnp.clip(pair_rows, 0, pooled.num_rows)
     if pooled.compact is not None:
@@ -248,16 +253,27 @@ def _serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchang
     gains = jax.lax.bitcast_convert_type(pair_gains.astype(jnp.float32), jnp.int32)
     packs = (u + 1) * (rc + 1) < PACK_LIMIT
     fields = [position * (rc + 1) + rows] if packs else [position, rows]
-    served = exchange_to(jnp.stack(fields + [gains], axis=-1), "pairs")
-    ids = exchange_to(unique_ids, "ids")
+    k = len(fields) + 1
+    parts = [unique_ids.astype(jnp.int32), jnp.stack(fields + [gains], axis=-1).reshape(n, p * k)]
+    if extra is not None:
+        parts.append(
+            jax.lax.bitcast_convert_type(extra.astype(jnp.float32), jnp.int32).reshape(n, -1)
+        )
+    served = exchange_to(jnp.concatenate(parts, axis=1), "pairs")
+    ids = served[:, :u]
+    pairs = served[:, u : u + p * k].reshape(n, p, k)
+    got = None
+    if extra is not None:
+        got = jax.lax.bitcast_convert_type(served[:, u + p * k :], jnp.float32)
+        got = got.reshape(extra.shape)
     if packs:
-        position, src = served[..., 0] // (rc + 1), served[..., 0] % (rc + 1)
+        position, src = pairs[..., 0] // (rc + 1), pairs[..., 0] % (rc + 1)
     else:
-        position, src = served[..., 0], served[..., 1]
+        position, src = pairs[..., 0], pairs[..., 1]
     slot = ops.slot_index(position, u)
     row = jnp.where(src < rc, jnp.arange(n, dtype=jnp.int32)[:, None] * rc + src, n * rc)
-    gains = jax.lax.bitcast_convert_type(served[..., -1], jnp.float32)
-    return ids, slot, row.reshape(-1), gains.reshape(-1)
+    gains = jax.lax.bitcast_convert_type(pairs[..., -1], jnp.float32)
+    return ids, slot, row.reshape(-1), gains.reshape(-1), got
 
 
 def _exchanger(axis_name, num_shards, in_process, host_job, channel):
@@ -287,7 +303,7 @@ def lookup_pooled(
     n = num_shards
     rc, d = pooled.width, table_shard.shape[-1]
     exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/pooled")
-    ids, slot, row, gains = _serve_pairs(
+    ids, slot, row, gains, _ = _serve_pairs(
         unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to
     )
     partial = ops.segment_gather_sum(table_shard, slot, gains, row, n * rc, src_map=ids.reshape(-1))
@@ -331,10 +347,10 @@ def update_shard_pooled(
         g = jnp.broadcast_to(g[None], (n,) + g.shape)
     else:
         g = jnp.concatenate([g, jnp.zeros((1, d), jnp.float32)])[jnp.asarray(pooled.rows)]
-    ids, slot, row, gains = _serve_pairs(
-        unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to
+    ids, slot, row, gains, received = _serve_pairs(
+        unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to, extra=g
     )
-    received = exchange_to(g, "grads").reshape(n * rc, d)
+    received = received.reshape(n * rc, d)
     per_unique = ops.segment_gather_sum(received, row, gains, slot, n * u)
     if keep is not None:
         ids = jnp.where(keep, ids, PAD_ID)

@@ -11,9 +11,11 @@ on disk (`cache=True`), taking arrays and a few ints:
 
 A table's scalar parameters travel in one int64 array (`table_params`, indexed
 by the `P_*` constants); the row-layout rule's part of them comes from
-`RowLayout.kernel_params` (the mod layout: `(num_shards, rotation)`), so the
-rule is not re-derived here: the kernel applies the mod layout it is given
-(`KERNEL_LAYOUTS`), and a plan with another layout takes the numpy backend.
+`RowLayout.kernel_params` (the mod layout: `(span k, rotation, first shard,
+vocabulary size)`), so the rule is not re-derived here: the kernel applies the
+mod rule over the table's span it is given (`KERNEL_LAYOUTS`; row `i` on shard
+`first + (i % k + rotation) % k`, block row `i // k`: "mod" and "table_wise"
+placements alike), and a plan with another layout takes the numpy backend.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ __all__ = ["COUNTERS", "KERNEL_LAYOUTS", "fill_padding", "table_kernel", "table_
 KERNEL_LAYOUTS = ("mod",)
 
 # Entries of a table's parameter array (int64).
-P_NUM_SHARDS = 0  # N (RowLayout.kernel_params)
+P_SPAN = 0  # k, the shards of the table's span (RowLayout.kernel_params)
 P_ROTATION = 1  # the table's rotation (RowLayout.kernel_params)
-P_SHARD_SHIFT = 2  # log2(N) when N is a power of two, else -1 (shifts instead of division)
+P_SHARD_SHIFT = 2  # log2(k) when k is a power of two, else -1 (shifts instead of division)
 P_ROWS_PER_SHARD = 3  # rows of the table's block on each shard
 P_LOCAL_ROW_OFFSET = 4  # where the block starts in the stack's shard
 P_VOCAB = 5  # ids must lie in [0, vocabulary size)
@@ -41,7 +43,8 @@ P_ROW_BASE = 8  # first buffer row of the table's features
 P_ROW_SPAN = 9  # buffer rows from ROW_BASE to the end of the last feature
 P_CAP_UNIQUE = 10  # U: unique ids a partition holds
 P_CAP_PAIRS = 11  # P: pairs a partition holds
-_NUM_PARAMS = 12
+P_FIRST_SHARD = 12  # the span's first shard (RowLayout.kernel_params)
+_NUM_PARAMS = 13
 
 # Rows of the counters array [4, D, N] int64 the kernels share across a stack's tables.
 COUNTERS = 4
@@ -52,8 +55,9 @@ C_PAIR_KEPT = 3  # pairs written
 
 
 def table_params(
-    num_shards: int,
+    span: int,
     rotation: int,
+    first_shard: int,
     rows_per_shard: int,
     local_row_offset: int,
     vocabulary_size: int,
@@ -65,10 +69,11 @@ def table_params(
     cap_pairs: int,
 ) -> np.ndarray:
     """A table's parameter array (see the `P_*` constants)."""
-    n = int(num_shards)
+    n = int(span)
     shift = n.bit_length() - 1 if n & (n - 1) == 0 else -1
     p = np.empty(_NUM_PARAMS, np.int64)
-    p[P_NUM_SHARDS], p[P_ROTATION], p[P_SHARD_SHIFT] = n, rotation, shift
+    p[P_SPAN], p[P_ROTATION], p[P_SHARD_SHIFT] = n, rotation, shift
+    p[P_FIRST_SHARD] = first_shard
     p[P_ROWS_PER_SHARD], p[P_LOCAL_ROW_OFFSET], p[P_VOCAB] = (
         rows_per_shard,
         local_row_offset,
@@ -106,7 +111,9 @@ def table_kernel(
     (-1: none; nothing is written then), and the input entries dropped for
     capacity.
     """
-    n_shards = params[P_NUM_SHARDS]
+    n_shards = unique_ids.shape[1]
+    span = params[P_SPAN]
+    first_shard = params[P_FIRST_SHARD]
     rotation = params[P_ROTATION]
     shard_shift = params[P_SHARD_SHIFT]
     rps = params[P_ROWS_PER_SHARD]
@@ -170,13 +177,14 @@ def table_kernel(
                     return k, 0
                 if shard_shift >= 0:
                     q = v >> shard_shift
-                    rem = v & (n_shards - 1)
+                    rem = v & (span - 1)
                 else:
-                    q = v // n_shards
-                    rem = v - q * n_shards
+                    q = v // span
+                    rem = v - q * span
                 j = rem + rotation
-                if j >= n_shards:
-                    j -= n_shards
+                if j >= span:
+                    j -= span
+                j += first_shard
                 key = j * rps + q
                 for p in range(passes):
                     hist[p, (key >> (p * bits)) & mask] += 1

@@ -238,7 +238,7 @@ def _numba_fits(job: _StackJob, plan: StackingPlan, K) -> bool:
     for t in job.tables:
         nnz = sum(int(c.splits[-1]) for _, c, _ in job.members(t.name))
         low = max(bits_needed(job.rows_per_device), bits_needed(nnz))
-        if bits_needed(t.padded_vocabulary_size - 1) + low > 62:
+        if bits_needed(plan.num_shards * t.rows_per_shard - 1) + low > 62:
             return False
     return True
 
@@ -302,14 +302,15 @@ class _NumbaRun:
             low_bits = bits_needed(ids.shape[0] - 1) if weights.shape[0] else bits_needed(R - 1)
             row_base = min(seg.row_offset for _, _, seg in members)
             row_span = max(seg.row_offset + seg.num_rows for _, _, seg in members) - row_base
-            num_shards, rotation = plan.row_layout.kernel_params(t)
+            span, rotation, first_shard, _ = plan.row_layout.kernel_params(t)
             params = K.table_params(
-                num_shards,
+                span,
                 rotation,
+                first_shard,
                 t.rows_per_shard,
                 t.local_row_offset,
                 t.vocabulary_size,
-                bits_needed(t.padded_vocabulary_size - 1),
+                bits_needed(N * t.rows_per_shard - 1),
                 low_bits,
                 row_base,
                 row_span,

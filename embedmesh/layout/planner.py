@@ -44,29 +44,32 @@ STRATEGY_FORMS = {
 }
 PLANNED = ("row_wise_rows", "row_wise_pooled", "table_wise")  # what "auto" picks from
 CHOICES = tuple(STRATEGY_FORMS) + ("auto",)
+DEFAULT_BATCH_PER_DEVICE = 256  # the planner's batch when it has not seen one
 
 
 def resolve_strategies(table_names: Sequence[str], sharding) -> dict:
     """`{table: strategy or "auto"}` from `MeshEmbedding`'s `sharding` argument: one
     name for every table, or a mapping (tables it leaves out: "mod")."""
+    choices = list(CHOICES)
     if isinstance(sharding, str):
         if sharding not in CHOICES:
-            raise ValueError(f"sharding must be one of {CHOICES} or a mapping, got {sharding!r}")
+            raise ValueError(f"sharding must be one of {choices}, got {sharding!r}")
         return {t: sharding for t in table_names}
     if not isinstance(sharding, Mapping):
         raise ValueError(
-            f"sharding must be one of {CHOICES} or a mapping of tables to them, got {sharding!r}"
+            f"sharding must be one of {choices} or a mapping {{table name: one of them}}, "
+            f"got {sharding!r}"
         )
     out = {t: "mod" for t in table_names}
     for name, strategy in sharding.items():
-        if name not in out:
+        if not isinstance(name, str) or name not in out:
             raise ValueError(
-                f"sharding names table {name!r}, which is not in the feature config "
-                f"(tables: {sorted(out)})"
+                f"sharding names table {name!r}, which the feature config does not have "
+                f"(its tables: {sorted(out)})"
             )
-        if strategy not in CHOICES:
+        if not isinstance(strategy, str) or strategy not in CHOICES:
             raise ValueError(
-                f"sharding of table {name}: expected one of {CHOICES}, got {strategy!r}"
+                f"sharding of table {name}: must be one of {choices}, got {strategy!r}"
             )
         out[name] = strategy
     return out

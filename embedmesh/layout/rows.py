@@ -3,15 +3,23 @@
 Every caller that needs to know where a row lives goes through a `RowLayout`
 (the stacking plan holds one: `plan.row_layout`): host preprocessing (its
 kernels receive `kernel_params`), table read-back and shard views, checkpoint
-re-cutting and checksums. Only the mod layout exists today
-(`sharding="mod"`); the interface also has room for table-wise placement
-(`shards_of`: the shards holding any row of a table) and column-wise splits
+re-cutting and checksums. The interface also has room for column-wise splits
 (`columns_on_shard`: which columns of its rows a shard holds).
 
-Mod layout over N shards: table row `i` lives on shard `(i % N + rotation) % N`
-at row `i // N` of the table's block on that shard (the block starts at the
-table's `local_row_offset` in the stack). `rotation` (from the stacking plan)
-spreads the partial last round of small tables over different shards.
+The mod rule over a table's *span*: a table lives on `k` consecutive shards
+`[first, first + k)` of the N (its placement's `first_shard` and `span`); table
+row `i` lives on shard `first + (i % k + rotation) % k` at row `i // k` of the
+table's block on that shard (the block starts at the table's
+`local_row_offset` in the stack). Shards outside the span hold no block of the
+table. `rotation` (from the stacking plan) spreads the partial last round of
+small tables over different shards. Two placements are this one rule:
+
+- `sharding="mod"` (TPUEmbeddingV2's): every shard, `first = 0, k = N`: row `i`
+  on shard `(i % N + rotation) % N`, block row `i // N`;
+- `sharding="table_wise"`: one shard, the table's owner: `first = owner, k = 1,
+  rotation = 0`: the whole table, row `i` at block row `i`.
+
+(`k` in between, a table over part of the mesh, is the same rule.)
 
 The rule in one place: `ModRowLayout` states it once as array arithmetic
 (`logical_rows_from_params`, which numpy and traced jax arrays both run: the
@@ -57,7 +65,8 @@ class RowLayout(abc.ABC):
         """The logical rows at `block_rows` of a table's block on `shard`, the table
         given by its `kernel_params`: plain array arithmetic, so numpy arrays and
         traced jax arrays (inside a compiled program) both go through it. Rows past
-        the table's vocabulary size are padding."""
+        the table's vocabulary size are padding (every row of a shard that holds no
+        block of the table is)."""
 
     def logical_rows(self, table, shard, block_rows) -> np.ndarray:
         """Inverse of (`shard_of`, `block_row`): the logical rows (int64) at `block_rows`
@@ -85,6 +94,16 @@ class RowLayout(abc.ABC):
         order; 0 for layouts that have none."""
         return [0] * len(vocabulary_sizes)
 
+    def span(self, table) -> tuple:
+        """`(first, k)`: the table has a block on shards `[first, first + k)` only (the
+        others hold none of its rows, nor padding of it). Default: every shard."""
+        return (0, self.num_shards)
+
+    def holds(self, table, shard: int) -> bool:
+        """Whether `shard` holds a block of the table (is in its span)."""
+        first, k = self.span(table)
+        return first <= int(shard) < first + k
+
     def count_on_shard(self, table, shard: int) -> int:
         """How many of the table's rows `shard` holds (the rest of its block is padding)."""
         return int(self.rows_on_shard(table, shard).size)
@@ -109,22 +128,35 @@ class RowLayout(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class ModRowLayout(RowLayout):
-    """Row `i` on shard `(i % N + rotation) % N`, block row `i // N`."""
+    """The mod rule over the table's span `[first, first + k)`: row `i` on shard
+    `first + (i % k + rotation) % k`, block row `i // k` (see the module docstring;
+    `sharding="mod"`: `first = 0, k = N`; `"table_wise"`: `k = 1`)."""
 
     num_shards: int
     name: str = "mod"
 
+    def span(self, table) -> tuple:
+        """The placement's `(first_shard, span)`. A placement made for another number of
+        shards (e.g. any table seen through `logical_layout()`, one shard) is read as
+        spanning all of this layout's shards."""
+        n = self.num_shards
+        if int(getattr(table, "num_shards", n)) != n:
+            return (0, n)
+        k = getattr(table, "span", None)
+        return (int(getattr(table, "first_shard", 0)), n if k is None else int(k))
+
     def shard_of(self, table, rows) -> np.ndarray:
         rows = np.asarray(rows, np.int64)
-        n = self.num_shards
-        return (rows % n + table.rotation) % n
+        first, k = self.span(table)
+        return first + (rows % k + table.rotation) % k
 
     def block_row(self, table, rows) -> np.ndarray:
-        return np.asarray(rows, np.int64) // self.num_shards
+        return np.asarray(rows, np.int64) // self.span(table)[1]
 
-    def block_rows(self, vocabulary_size: int) -> int:
-        """`ceil(V / N)`."""
-        return -(-int(vocabulary_size) // self.num_shards)
+    def block_rows(self, vocabulary_size: int, span: int | None = None) -> int:
+        """`ceil(V / k)` (`k = span`, default N)."""
+        k = self.num_shards if span is None else int(span)
+        return -(-int(vocabulary_size) // k)
 
     def rotations(self, vocabulary_sizes) -> list:
         """A cursor over the shards: each table starts where the previous one's last,
@@ -137,33 +169,42 @@ class ModRowLayout(RowLayout):
         return out
 
     def first_row(self, table, shard: int) -> int:
-        """The table's first logical row on `shard` (the others follow every N rows):
-        the row at block row 0."""
+        """The table's first logical row on `shard` (the others follow every `k` rows):
+        the row at block row 0 (>= vocabulary size: none, or `shard` outside the span)."""
         return int(self.logical_rows_from_params(self.kernel_params(table), int(shard), 0))
 
     def rows_on_shard(self, table, shard: int) -> np.ndarray:
         return np.arange(
-            self.first_row(table, shard), table.vocabulary_size, self.num_shards, dtype=np.int64
+            self.first_row(table, shard),
+            table.vocabulary_size,
+            self.span(table)[1],
+            dtype=np.int64,
         )
 
     def count_on_shard(self, table, shard: int) -> int:
-        return len(range(self.first_row(table, shard), table.vocabulary_size, self.num_shards))
+        return len(range(self.first_row(table, shard), table.vocabulary_size, self.span(table)[1]))
 
     def rows_index(self, table, shard: int) -> slice:
-        return slice(self.first_row(table, shard), table.vocabulary_size, self.num_shards)
+        v = table.vocabulary_size
+        return slice(min(self.first_row(table, shard), v), v, self.span(table)[1])
 
     def logical_rows_from_params(self, params, shard, block_rows):
-        """`block_rows * N + (shard - rotation) % N` with `params = (N, rotation)`."""
-        n, rotation = params[0], params[1]
-        return block_rows * n + (shard - rotation) % n
+        """`block_rows * k + (shard - first - rotation) % k` with `params = (k, rotation,
+        first, V)`, plus `V` (padding) on shards outside `[first, first + k)`."""
+        k, rotation, first, vocab = params[0], params[1], params[2], params[3]
+        local = shard - first
+        outside = (local < 0) | (local >= k)
+        return block_rows * k + (local - rotation) % k + outside * vocab
 
     def period(self, table) -> tuple:
-        """`(N, 1)`: row `i + N` follows row `i` on its shard."""
-        return (self.num_shards, 1)
+        """`(k, 1)`: row `i + k` follows row `i` on its shard."""
+        return (self.span(table)[1], 1)
 
     def kernel_params(self, table) -> tuple:
-        """`(num_shards, rotation)`."""
-        return (self.num_shards, table.rotation)
+        """`(k, rotation, first, vocabulary_size)`: the span's size, the rotation, the
+        span's first shard, and what marks rows outside the span as padding."""
+        first, k = self.span(table)
+        return (k, int(table.rotation), first, int(table.vocabulary_size))
 
 
 ROW_LAYOUTS = {"mod": ModRowLayout}
@@ -171,12 +212,14 @@ ROW_LAYOUTS = {"mod": ModRowLayout}
 
 def logical_layout() -> RowLayout:
     """The logical table as a layout: one shard holding row `i` at block row `i` (the
-    mod layout on one shard, whatever the table's rotation)."""
+    mod layout on one shard, whatever the table's rotation and span)."""
     return ModRowLayout(1)
 
 
 def row_layout(sharding: str, num_shards: int) -> RowLayout:
-    """The `RowLayout` named `sharding` (today only "mod") over `num_shards` shards."""
+    """The `RowLayout` named `sharding` (today only "mod": the mod rule over each table's
+    span, which `sharding="mod"` and `"table_wise"` placements both use) over
+    `num_shards` shards."""
     try:
         cls = ROW_LAYOUTS[sharding]
     except (KeyError, TypeError):

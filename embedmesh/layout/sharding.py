@@ -3,7 +3,9 @@
 With a `StackingPlan` for N shards, the rows of one table on one shard are
 `table[plan.row_layout.rows_index(table, shard)]` (see `embedmesh.layout.rows`),
 padded with zero rows to `rows_per_shard`; for the mod layout, the strided
-slice `table[(shard - rotation) % N :: N]`: no gather, no full-stack copy.
+slice `table[(shard - rotation) % N :: N]`: no gather, no full-stack copy. A
+shard outside the table's span (a table-wise table's other shards) holds no
+block of it: its table-level shard has no rows.
 
 Table-level helpers (checkpoints, serving): `table_to_shards`,
 `shards_to_table`, `table_shard`, `table_rows_on_shard`.
@@ -50,8 +52,14 @@ def table_rows_on_shard(plan: StackingPlan, table: TableKey, shard: int) -> np.n
     return plan.row_layout.rows_on_shard(t, _check_shard(plan, shard))
 
 
+def _block_rows(plan: StackingPlan, t, shard: int) -> int:
+    """Rows of the table's block on `shard`: `rows_per_shard` in its span, else 0."""
+    return t.rows_per_shard if plan.row_layout.holds(t, shard) else 0
+
+
 def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) -> np.ndarray:
-    """Rows of `table` on `shard`: `[rows_per_shard, ...]`, zero padding rows at the end."""
+    """Rows of `table` on `shard`: `[rows_per_shard, ...]`, zero padding rows at the end;
+    `[0, ...]` on a shard outside the table's span (it holds no block of the table)."""
     t = plan.table(table)
     arr = np.asarray(table_array)
     if arr.ndim < 1 or arr.shape[0] != t.vocabulary_size:
@@ -60,7 +68,7 @@ def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) ->
         )
     shard = _check_shard(plan, shard)
     rows = arr[plan.row_layout.rows_index(t, shard)]
-    out = np.zeros((t.rows_per_shard,) + arr.shape[1:], arr.dtype)
+    out = np.zeros((_block_rows(plan, t, shard),) + arr.shape[1:], arr.dtype)
     out[: rows.shape[0]] = rows
     return out
 
@@ -71,17 +79,19 @@ def table_to_shards(table_array, plan: StackingPlan, table: TableKey) -> list:
 
 
 def shards_to_table(shards: Sequence[Any], plan: StackingPlan, table: TableKey) -> np.ndarray:
-    """Inverse of `table_to_shards`: the logical `[vocabulary_size, ...]` table."""
+    """Inverse of `table_to_shards`: the logical `[vocabulary_size, ...]` table (each
+    shard at least its block's rows: `rows_per_shard` in the table's span, any outside)."""
     t = plan.table(table)
     n = plan.num_shards
     if len(shards) != n:
         raise ValueError(f"table {t.name}: expected {n} shards, got {len(shards)}")
     shards = [np.asarray(s) for s in shards]
     for j, s in enumerate(shards):
-        if s.ndim < 1 or s.shape[0] < t.rows_per_shard or s.shape[1:] != shards[0].shape[1:]:
+        want = _block_rows(plan, t, j)
+        if s.ndim < 1 or s.shape[0] < want or s.shape[1:] != shards[0].shape[1:]:
             raise ValueError(
                 f"table {t.name}: shard {j} has shape {s.shape}, expected "
-                f"[{t.rows_per_shard}, ...] like shard 0 {shards[0].shape}"
+                f"[{want}, ...] like shard 0 {shards[0].shape}"
             )
     out = np.empty((t.vocabulary_size,) + shards[0].shape[1:], shards[0].dtype)
     layout = plan.row_layout

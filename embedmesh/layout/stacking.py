@@ -3,28 +3,46 @@
 Tables whose padded dim, optimizer and dtype match are *stacked*: their rows
 are concatenated into one array so that one lookup serves all their features.
 The stacked array is sharded over the `N` shards of the mesh by the plan's
-row layout (`plan.row_layout`, `embedmesh.layout.rows`; `sharding="mod"`, the
-only one today).
+row layout (`plan.row_layout`, `embedmesh.layout.rows`: the mod rule over each
+table's span of shards).
+
+Placement, per table (`sharding=`: "mod" for every table, the default;
+"table_wise" for every table; or `{table name: "mod" | "table_wise"}`, tables
+not named being "mod"):
+
+- "mod" (TPUEmbeddingV2's): the table spans all N shards (`first_shard = 0`,
+  `span = N`), row `i` on shard `(i % N + rotation) % N`, block row `i // N`;
+- "table_wise": the whole table on one shard, its owner (`first_shard =
+  owner`, `span = 1`, `rotation = 0`), row `i` at block row `i`. Owners are
+  bin-packed: table-wise tables, largest first (rows * padded dim, then config
+  order), each go to the shard with the least table-wise rows * dim so far
+  (the lowest index on ties), over all stacks;
+- on one shard the two are the same layout (every table is "mod" there).
 
 Layout of one stack (every number here is static, a pure function of the
-feature config and `N`):
+feature config, the placements and `N`):
 
-- a table occupies a block of `rows_per_shard = row_layout.block_rows(V)`
-  local rows on every shard (its rows there, then padding; mod: `ceil(V / N)`),
-  the blocks of a stack's tables one after another: the table's block starts
-  at local row `local_row_offset` (`row_offset // N`, where `row_offset`, a
-  multiple of N, counts the padded rows `Vp = N * rows_per_shard` of the
-  tables before it);
+- a table occupies a block of `rows_per_shard = ceil(V / span)` local rows on
+  each shard of its span (its rows there, then padding) and nothing on the
+  other shards; the block starts at local row `local_row_offset` on every
+  shard of its span (`row_offset // N`; `row_offset`, a multiple of N, is
+  `N * local_row_offset`, and `padded_vocabulary_size = span *
+  rows_per_shard` the rows of its blocks);
+- the mod tables' blocks come first, one after another (the same local rows on
+  every shard), then the table-wise tables, each after the earlier table-wise
+  tables of its owner: tables on different shards share local rows. The
+  stack's `rows_per_shard` is the most any shard uses (`StackSpec.tables` is in
+  this order: the mod tables, then the table-wise ones in config order, so that
+  on every shard its tables are in increasing local rows);
 - table row `i` lives on shard `row_layout.shard_of(i)` at local row
-  `local_row_offset + row_layout.block_row(i)` (mod: shard
-  `(i % N + rotation) % N`, block row `i // N`); its *stacked row* is
+  `local_row_offset + row_layout.block_row(i)`; its *stacked row* is
   `local_row * N + shard` (an encoding of the pair, whatever the layout:
   stacked row `r` is shard `r % N`, local row `r // N`);
-- `rotation` (`row_layout.rotations`) spreads small tables: a cursor moves
-  over the shards, starting each table where the previous one's last, partial
-  round of rows ended (and at least one shard further), so that e.g. eight
-  one-row tables land on eight different shards and row 0 of consecutive big
-  tables does too;
+- `rotation` (`row_layout.rotations`, over the mod tables) spreads small
+  tables: a cursor moves over the shards, starting each table where the
+  previous one's last, partial round of rows ended (and at least one shard
+  further), so that e.g. eight one-row tables land on eight different shards
+  and row 0 of consecutive big tables does too;
 - the stack's dim is padded to a multiple of `dim_multiple` (default 8);
   padded columns and padded rows are zero and never touched by a lookup.
 
@@ -46,9 +64,18 @@ import numpy as np
 from embedmesh.config import ResolvedFeatures, TableConfig, resolve_feature_config
 from embedmesh.layout.rows import RowLayout, row_layout
 
-__all__ = ["FeaturePlacement", "StackSpec", "StackingPlan", "TablePlacement", "plan_stacking"]
+__all__ = [
+    "SHARDINGS",
+    "FeaturePlacement",
+    "StackSpec",
+    "StackingPlan",
+    "TablePlacement",
+    "plan_stacking",
+    "table_shardings",
+]
 
 DEFAULT_DIM_MULTIPLE = 8
+SHARDINGS = ("mod", "table_wise")  # the placements a table may have (see the module docstring)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -65,21 +92,41 @@ class TablePlacement:
     stack: str
     num_shards: int
     vocabulary_size: int
-    padded_vocabulary_size: int  # multiple of num_shards
+    padded_vocabulary_size: int  # span * rows_per_shard: the rows of its blocks (multiple of span)
     dim: int
     padded_dim: int  # the stack's dim
-    row_offset: int  # first stacked row, a multiple of num_shards
-    rotation: int  # in [0, num_shards)
+    row_offset: int  # N * local_row_offset: a multiple of num_shards
+    rotation: int  # in [0, span)
+    first_shard: int = 0  # the table's blocks are on shards [first_shard, first_shard + span)
+    span: int | None = None  # None: num_shards (mod)
+
+    def __post_init__(self):
+        if self.span is None:
+            object.__setattr__(self, "span", self.num_shards)
 
     @property
     def rows_per_shard(self) -> int:
-        """Local rows this table owns on every shard (`padded_vocabulary_size // N`)."""
-        return self.padded_vocabulary_size // self.num_shards
+        """Local rows of this table's block on each shard of its span
+        (`padded_vocabulary_size // span`)."""
+        return self.padded_vocabulary_size // self.span
 
     @property
     def local_row_offset(self) -> int:
-        """First local row of this table on every shard."""
+        """First local row of this table on every shard of its span."""
         return self.row_offset // self.num_shards
+
+    @property
+    def shards(self) -> range:
+        """The shards holding a block of this table."""
+        return range(self.first_shard, self.first_shard + self.span)
+
+    @property
+    def sharding(self) -> str:
+        """ "mod" (every shard), "table_wise" (one shard of several) or
+        "table_row_wise" (part of the mesh, a layout no plan makes today)."""
+        if self.span == self.num_shards:
+            return "mod"
+        return "table_wise" if self.span == 1 else "table_row_wise"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +147,13 @@ class StackSpec:
     """One stacked array: its tables in row order, the features reading it."""
 
     name: str
-    tables: tuple  # table names, in row order
+    tables: tuple  # table names, in row order (the mod tables, then the table-wise ones)
     features: tuple  # feature names, in config order (the activation buffer order)
     dim: int  # padded dim
     optimizer: Any  # the tables' effective optimizer (None: the engine's default)
     dtype: Any  # numpy dtype of the parameters
     num_shards: int
-    num_rows: int  # stacked rows, a multiple of num_shards
+    num_rows: int  # stacked rows: num_shards * the most local rows any shard uses
 
     @property
     def rows_per_shard(self) -> int:
@@ -130,10 +177,66 @@ class StackingPlan:
     features: tuple  # FeaturePlacement
     resolved: ResolvedFeatures = dataclasses.field(repr=False)
     row_layout: RowLayout = None  # where a table's rows live on the shards (default: mod)
+    # ((table name, strategy), ...) when a `MeshEmbedding` chose them (layout.planner)
+    strategies: tuple = ()
+    # the cost model's `Plan` of those strategies (predicted bytes and step time)
+    predicted: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.row_layout is None:
             object.__setattr__(self, "row_layout", row_layout("mod", self.num_shards))
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self) -> str:
+        """The plan for a person: each table's strategy, stack, owners, and the memory
+        it takes on a device that holds it (table and optimizer slots, exact); the
+        memory of every device; and, when the strategies were planned, the cost
+        model's bytes a device moves per step for each table and the predicted step."""
+        strategies = dict(self.strategies)
+        costs = dict(self.predicted.choices) if self.predicted is not None else {}
+        n = self.num_shards
+
+        def slots_of(stack) -> int:
+            return len(getattr(stack.optimizer, "slot_names", ()) or ())
+
+        def mb(x) -> str:
+            return f"{x / 1e6:,.1f}"
+
+        lines = [f"{len(self.tables)} tables in {len(self.stacks)} stacks on {n} devices"]
+        if self.predicted is not None:
+            p = self.predicted
+            lines[0] += (
+                f"; cost model ({p.machine}, {p.batch_per_device} samples a device): "
+                f"step {p.step_time_s * 1e3:.2f} ms, at most "
+                f"{p.max_bytes_per_device / 1e6:.2f} MB sent + received a device a step"
+            )
+        header = f"{'table':<16} {'strategy':<16} {'stack':<16} {'devices':<9} {'MB/device':>10}"
+        if costs:
+            header += f" {'MB moved/step':>14}"
+        lines.append(header)
+        per_device = np.zeros(n)
+        for s in self.stacks:
+            row_bytes = s.dim * np.dtype(s.dtype).itemsize * (1 + slots_of(s))
+            per_device += s.rows_per_shard * row_bytes
+            for name in s.tables:
+                t = self.table(name)
+                shards = [j for j in range(n) if self.row_layout.holds(t, j)]
+                where = f"{shards[0]}" if len(shards) == 1 else f"{shards[0]}-{shards[-1]}"
+                line = (
+                    f"{name:<16} {strategies.get(name, t.sharding):<16} {s.name:<16} "
+                    f"{where:<9} {mb(t.rows_per_shard * row_bytes):>10}"
+                )
+                if name in costs:
+                    c = costs[name]
+                    line += f" {mb(c.owner.bytes_sent + c.owner.bytes_recv):>14}"
+                lines.append(line)
+        lines.append(
+            "memory a device holds (tables + slots, MB): "
+            + ", ".join(f"{j}: {mb(x)}" for j, x in enumerate(per_device))
+        )
+        return "\n".join(lines)
 
     # -- look-ups -----------------------------------------------------------
 
@@ -151,11 +254,19 @@ class StackingPlan:
 
     @functools.cached_property
     def _stack_local_offsets(self) -> dict:
-        """stack -> (sorted local row offsets, table placements) for reverse look-ups."""
+        """stack -> per shard (sorted local row offsets, table placements) of the tables
+        with a block on that shard, for reverse look-ups."""
         out = {}
         for s in self.stacks:
             placed = [self._table_by_name[n] for n in s.tables]
-            out[s.name] = (np.array([t.local_row_offset for t in placed], np.int64), placed)
+            per_shard = []
+            for j in range(self.num_shards):
+                mine = sorted(
+                    (t for t in placed if self.row_layout.holds(t, j)),
+                    key=lambda t: t.local_row_offset,
+                )
+                per_shard.append((np.array([t.local_row_offset for t in mine], np.int64), mine))
+            out[s.name] = per_shard
         return out
 
     def table(self, table: TableKey) -> TablePlacement:
@@ -221,7 +332,6 @@ class StackingPlan:
         a table's vocabulary). Raises ValueError for rows outside the stack.
         """
         s = self.stack(stack)
-        offsets, placed = self._stack_local_offsets[s.name]
         shard = np.asarray(shard, np.int64)
         local = np.asarray(local_row, np.int64)
         shard, local = np.broadcast_arrays(shard, local)
@@ -235,15 +345,23 @@ class StackingPlan:
                 f"stack {s.name}: (shard, local row) outside "
                 f"[0, {self.num_shards}) x [0, {s.rows_per_shard})"
             )
-        k = np.searchsorted(offsets, local, side="right") - 1
-        index = np.array([t.index for t in placed], np.int64)[k]
-        vocab = np.array([t.vocabulary_size for t in placed], np.int64)[k]
-        row = np.empty_like(local)
-        for i, t in enumerate(placed):  # per table: the layout's inverse
-            sel = k == i
-            row[sel] = self.row_layout.logical_rows(t, shard[sel], local[sel] - offsets[i])
-        pad = row >= vocab
-        return np.where(pad, -1, index), np.where(pad, -1, row)
+        out_shape = local.shape
+        shard, local = shard.reshape(-1), local.reshape(-1)
+        index = np.full(local.shape, -1, np.int64)
+        row = np.full(local.shape, -1, np.int64)
+        for j, (offsets, placed) in enumerate(self._stack_local_offsets[s.name]):
+            on_j = shard == j
+            if not placed or not on_j.any():
+                continue
+            k = np.searchsorted(offsets, local, side="right") - 1
+            for i, t in enumerate(placed):  # per table: the layout's inverse
+                block = local - offsets[i]
+                sel = np.flatnonzero(on_j & (k == i) & (block < t.rows_per_shard))
+                r = self.row_layout.logical_rows(t, shard[sel], block[sel])
+                real = sel[r < t.vocabulary_size]
+                index[real] = t.index
+                row[real] = r[r < t.vocabulary_size]
+        return index.reshape(out_shape), row.reshape(out_shape)
 
     def from_stacked_rows(self, stack: str, rows) -> tuple:
         """Inverse of `stacked_rows`: `(table_index, row)`, -1 for padding rows."""
@@ -255,6 +373,55 @@ def _effective_optimizer(table: TableConfig, default):
     return table.optimizer if table.optimizer is not None else default
 
 
+ShardingArg = Union[str, Mapping[Any, str]]
+
+
+def table_shardings(sharding: ShardingArg, resolved: ResolvedFeatures) -> tuple:
+    """Each table's placement ("mod" or "table_wise"), in the resolved config's table
+    order, from `sharding`: one of `SHARDINGS` for every table, or a mapping from table
+    names (or `TableConfig`s) to one (tables not named: "mod"). Unknown tables or
+    placements raise a ValueError naming them."""
+    names = resolved.table_names
+    if isinstance(sharding, str):
+        if sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {list(SHARDINGS)}, got {sharding!r}")
+        return (sharding,) * len(names)
+    if not isinstance(sharding, Mapping):
+        raise ValueError(
+            f"sharding must be one of {list(SHARDINGS)} or a mapping "
+            f"{{table name: one of them}}, got {sharding!r}"
+        )
+    out = dict.fromkeys(names, "mod")
+    for key, value in sharding.items():
+        name = resolved.table_name(key) if isinstance(key, TableConfig) else key
+        if not isinstance(name, str) or name not in out:
+            raise ValueError(
+                f"sharding names table {key!r}, which the feature config does not have "
+                f"(its tables: {sorted(names)})"
+            )
+        if not isinstance(value, str) or value not in SHARDINGS:
+            raise ValueError(
+                f"sharding of table {name}: must be one of {list(SHARDINGS)}, got {value!r}"
+            )
+        out[name] = value
+    return tuple(out[n] for n in names)
+
+
+def _owners(resolved: ResolvedFeatures, strategies: tuple, padded_dims: list, n: int) -> dict:
+    """table index -> owner shard of each table-wise table: largest first (rows * padded
+    dim, then config order), onto the shard with the least table-wise rows * dim so far
+    (the lowest index on ties). Deterministic."""
+    tw = [i for i, st in enumerate(strategies) if st == "table_wise"]
+    size = {i: resolved.tables[i].vocabulary_size * padded_dims[i] for i in tw}
+    load = [0] * n
+    owners = {}
+    for i in sorted(tw, key=lambda i: (-size[i], i)):
+        j = min(range(n), key=lambda j: (load[j], j))
+        owners[i] = j
+        load[j] += size[i]
+    return owners
+
+
 def plan_stacking(
     feature_config: Any,
     num_shards: int,
@@ -264,7 +431,8 @@ def plan_stacking(
     dim_multiple: int = DEFAULT_DIM_MULTIPLE,
     default_optimizer: Any = None,
     table_dtypes: Mapping[str, Any] | None = None,
-    sharding: str = "mod",
+    sharding: ShardingArg = "mod",
+    stack_keys: Mapping[str, Any] | None = None,
 ) -> StackingPlan:
     """Group the tables of `feature_config` into stacks for `num_shards` shards.
 
@@ -274,14 +442,19 @@ def plan_stacking(
       num_shards: N, the number of shards (devices) each stack is split over.
       stack_tables: False gives one stack per table.
       max_stack_rows: a stack stops growing before its padded rows would
-        exceed this (a table larger than it gets a stack of its own).
+        exceed this (a table larger than it gets a stack of its own; a
+        table-wise table counts its own rows, V).
       dim_multiple: dims are padded to a multiple of this (1: no padding).
       default_optimizer: the optimizer of tables whose `optimizer` is None
         (the engine's default); stacking compares effective optimizers by
         equality.
       table_dtypes: optional `{table name: dtype}` (default float32); only
         tables of one dtype stack.
-      sharding: the row layout (`embedmesh.layout.rows`); only "mod".
+      sharding: each table's placement (module docstring): "mod" (default)
+        or "table_wise" for every table, or `{table name: "mod" |
+        "table_wise"}` (tables not named: "mod").
+      stack_keys: optional `{table name: hashable}`: tables with different
+        keys never share a stack (the facade keeps one exchange form a stack).
 
     Tables stack when (padded dim, optimizer, dtype) match, in order of first
     use. A single-table stack is named after its table; a multi-table stack
@@ -305,7 +478,11 @@ def plan_stacking(
     ):
         raise ValueError(f"max_stack_rows must be None or an int >= 1, got {max_stack_rows!r}")
     n = int(num_shards)
-    layout = row_layout(sharding, n)
+    layout = row_layout("mod", n)
+    strategies = table_shardings(sharding, resolved)
+    if n == 1:  # one shard: table-wise is the mod layout
+        strategies = ("mod",) * len(strategies)
+    spans = [n if st == "mod" else 1 for st in strategies]
     dtypes = dict(table_dtypes or {})
     unknown = set(dtypes) - set(resolved.table_names)
     if unknown:
@@ -318,6 +495,7 @@ def plan_stacking(
             _round_up(t.dim, dim_multiple),
             _effective_optimizer(t, default_optimizer),
             np.dtype(dtypes.get(resolved.table_names[i], np.float32)),
+            (stack_keys or {}).get(resolved.table_names[i]),
         )
         for gkey, members in groups:
             if stack_tables and gkey == key:
@@ -326,13 +504,16 @@ def plan_stacking(
         else:
             groups.append((key, [i]))
 
+    def padded_rows(i: int) -> int:  # the rows of table i's blocks
+        return layout.block_rows(resolved.tables[i].vocabulary_size, spans[i]) * spans[i]
+
     # Split groups by the size limit, keeping table order.
     stacks_idx: list[tuple[Any, list[int]]] = []
     for key, members in groups:
         current: list[int] = []
         rows = 0
         for i in members:
-            vp = layout.block_rows(resolved.tables[i].vocabulary_size) * n
+            vp = padded_rows(i)
             if current and max_stack_rows is not None and rows + vp > max_stack_rows:
                 stacks_idx.append((key, current))
                 current, rows = [], 0
@@ -341,39 +522,62 @@ def plan_stacking(
         stacks_idx.append((key, current))
     stacks_idx.sort(key=lambda s: s[1][0])
 
-    # Rotation: the layout's parameter per table, in table order (see module docstring).
-    rotation = dict(enumerate(layout.rotations([t.vocabulary_size for t in resolved.tables])))
+    # Rotation: the layout's parameter per mod table, in table order (see module
+    # docstring); owners of the table-wise tables, bin-packed over all stacks.
+    mod_tables = [i for i, st in enumerate(strategies) if st == "mod"]
+    rotation = dict.fromkeys(range(len(resolved.tables)), 0)
+    rotation.update(
+        zip(
+            mod_tables,
+            layout.rotations([resolved.tables[i].vocabulary_size for i in mod_tables]),
+        )
+    )
+    padded_dims = [0] * len(resolved.tables)
+    for key, members in stacks_idx:
+        for i in members:
+            padded_dims[i] = key[0]
+    owners = _owners(resolved, strategies, padded_dims, n)
 
     table_placements: dict[int, TablePlacement] = {}
     stack_specs = []
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
-        dim, optimizer, dtype = key
+        dim, optimizer, dtype, _ = key
+        # row order: the mod tables one after another, then each table-wise table
+        # after the earlier ones of its owner
+        members = [i for i in members if strategies[i] == "mod"] + [
+            i for i in members if strategies[i] != "mod"
+        ]
         names = [resolved.table_names[i] for i in members]
         name = names[0] if len(members) == 1 else "+".join(names)
         if len(members) > 1 and name in used_names:
             raise ValueError(f"stack name {name!r} collides with a table or stack name")
         used_names.add(name)
-        offset = 0
+        used = [0] * n  # local rows used on each shard
         for i in members:
             t = resolved.tables[i]
-            vp = layout.block_rows(t.vocabulary_size) * n
+            first = owners.get(i, 0)
+            span = spans[i]
+            offset = max(used[first : first + span])
             table_placements[i] = TablePlacement(
                 name=resolved.table_names[i],
                 index=i,
                 stack=name,
                 num_shards=n,
                 vocabulary_size=t.vocabulary_size,
-                padded_vocabulary_size=vp,
+                padded_vocabulary_size=padded_rows(i),
                 dim=t.dim,
                 padded_dim=dim,
-                row_offset=offset,
+                row_offset=offset * n,
                 rotation=rotation[i],
+                first_shard=first,
+                span=span,
             )
-            offset += vp
-        if offset // n > _INT32_MAX:
+            used[first : first + span] = [offset + padded_rows(i) // span] * span
+        rows_per_shard = max(used)
+        if rows_per_shard > _INT32_MAX:
             raise ValueError(
-                f"stack {name}: {offset // n} rows per shard do not fit int32; "
+                f"stack {name}: {rows_per_shard} rows per shard do not fit int32; "
                 f"use more shards or a smaller max_stack_rows"
             )
         feats = tuple(
@@ -390,7 +594,7 @@ def plan_stacking(
                 optimizer=optimizer,
                 dtype=dtype,
                 num_shards=n,
-                num_rows=offset,
+                num_rows=rows_per_shard * n,
             )
         )
 

@@ -1,0 +1,503 @@
+"""Table-wise placement (`sharding="table_wise"` or a per-table mapping): the plan's
+layout against a plain rule, the sharding helpers, training against the float64
+reference, two processes, and checkpoints across placements and device counts.
+
+(Preprocessing with table-wise tables, both backends bit for bit and against the
+reference, is in tests/test_preprocess.py: its random plans draw placements too.)"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import test_engine
+from checkpoint_common import make_features, make_tables, train_step, variables_by_name
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+from process_helpers import free_port, run_together
+from test_engine import OPTIMIZER_HP
+
+import embedmesh as em
+from embedmesh import checkpoint as ckpt
+from embedmesh.config import FeatureConfig, TableConfig
+from embedmesh.facade import MeshEmbedding
+from embedmesh.layout.rows import ModRowLayout
+from embedmesh.layout.sharding import (
+    shards_to_table,
+    shards_to_tables,
+    stack_to_shards,
+    table_to_shards,
+)
+from embedmesh.layout.stacking import plan_stacking
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mesh_of(n):
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+# ---------------------------------------------------------------------------
+# The plan: every row in exactly one place, by the plain rule
+
+
+@st.composite
+def placed(draw):
+    k = draw(st.integers(1, 5))
+    vocabs = draw(st.lists(st.integers(1, 40), min_size=k, max_size=k))
+    dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=k, max_size=k))
+    n = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    form = draw(st.sampled_from(["mod", "table_wise", "mapping"]))
+    if form == "mapping":
+        names = draw(st.lists(st.sampled_from([f"t{i}" for i in range(k)]), unique=True))
+        sharding = {name: draw(st.sampled_from(["mod", "table_wise"])) for name in names}
+        wanted = [sharding.get(f"t{i}", "mod") for i in range(k)]
+    else:
+        sharding, wanted = form, [form] * k
+    feats = {
+        f"f{i}": FeatureConfig(TableConfig(v, d, name=f"t{i}"))
+        for i, (v, d) in enumerate(zip(vocabs, dims))
+    }
+    plan = plan_stacking(
+        feats,
+        n,
+        stack_tables=draw(st.booleans()),
+        max_stack_rows=draw(st.one_of(st.none(), st.integers(1, 80))),
+        sharding=sharding,
+    )
+    return plan, wanted
+
+
+def plain_owners(plan, wanted):
+    """The documented bin packing, plainly: table-wise tables largest first (rows * padded
+    dim, then config order), each onto the least loaded shard (lowest index on ties)."""
+    load = [0] * plan.num_shards
+    owners = {}
+    tw = [t for t, w in zip(plan.tables, wanted) if w == "table_wise"]
+    for t in sorted(tw, key=lambda t: (-t.vocabulary_size * t.padded_dim, t.index)):
+        j = load.index(min(load))
+        owners[t.name] = j
+        load[j] += t.vocabulary_size * t.padded_dim
+    return owners
+
+
+@functools.cache
+def traced_rule(layout):
+    """The rule as the checkpoint checksum program runs it: compiled, params traced."""
+    return jax.jit(layout.logical_rows_from_params)
+
+
+@settings(max_examples=80, deadline=None)
+@given(placed())
+def test_every_row_lands_once_by_the_plain_rule(case):
+    plan, wanted = case
+    n, layout = plan.num_shards, plan.row_layout
+    owners = plain_owners(plan, wanted) if n > 1 else {}
+    assert hash(plan) == hash(plan) and layout == ModRowLayout(n)
+    for t, w in zip(plan.tables, wanted):
+        expect = "mod" if n == 1 else w  # one shard: the same layout
+        assert t.sharding == expect
+        if expect == "mod":
+            assert (t.first_shard, t.span) == (0, n) and 0 <= t.rotation < n
+        else:
+            assert (t.first_shard, t.span, t.rotation) == (owners[t.name], 1, 0)
+        assert t.padded_vocabulary_size == t.span * t.rows_per_shard
+        assert 0 <= t.padded_vocabulary_size - t.vocabulary_size < t.span
+        assert t.row_offset == n * t.local_row_offset
+    for s in plan.stacks:
+        placements = [plan.table(name) for name in s.tables]
+        # the stack's rows per shard: the mod blocks, then the most table-wise rows a shard has
+        mod_rows = sum(t.rows_per_shard for t in placements if t.span == n)
+        tw_rows = [
+            sum(t.rows_per_shard for t in placements if t.span < n and t.first_shard == j)
+            for j in range(n)
+        ]
+        assert s.rows_per_shard == mod_rows + max(tw_rows) and s.num_rows == n * s.rows_per_shard
+        owner = np.full((n, s.rows_per_shard), -1)  # table index at each (shard, local row)
+        logical = np.full((n, s.rows_per_shard), -1)
+        for t in placements:
+            ids = np.arange(t.vocabulary_size)
+            k, first = t.span, t.first_shard
+            shard_ref = first + (ids % k + t.rotation) % k  # the plain rule
+            local_ref = t.local_row_offset + ids // k
+            shard, local = plan.locate(t.name, ids)
+            np.testing.assert_array_equal(shard, shard_ref)
+            np.testing.assert_array_equal(local, local_ref)
+            np.testing.assert_array_equal(layout.shard_of(t, ids), shard_ref)
+            np.testing.assert_array_equal(layout.block_row(t, ids), ids // k)
+            assert (local < s.rows_per_shard).all()
+            # no two rows (of this or any table of the stack) in one place
+            assert (owner[shard, local] == -1).all()
+            owner[shard, local] = t.index
+            logical[shard, local] = ids
+            np.testing.assert_array_equal(
+                plan.stacked_rows(t.name, ids), local * n + shard
+            )  # the stacked-row encoding
+            # kernel params: the same arithmetic on numpy and traced, every block row of
+            # every shard (padding and shards outside the span: >= V)
+            params = layout.kernel_params(t)
+            for j in range(n):
+                q = np.arange(t.rows_per_shard)
+                mine = shard_ref == j
+                want = np.full(q.shape, -1)
+                want[ids[mine] // k] = ids[mine]
+                got = layout.logical_rows(t, j, q)
+                traced = np.asarray(
+                    traced_rule(layout)(
+                        np.asarray(params, np.int32), np.int32(j), np.asarray(q, np.int32)
+                    )
+                )
+                np.testing.assert_array_equal(traced, got)
+                real = want >= 0
+                np.testing.assert_array_equal(got[real], want[real])
+                assert (got[~real] >= t.vocabulary_size).all()
+                assert layout.count_on_shard(t, j) == int(mine.sum())
+                np.testing.assert_array_equal(layout.rows_on_shard(t, j), ids[mine])
+                np.testing.assert_array_equal(ids[layout.rows_index(t, j)], ids[mine])
+                assert layout.holds(t, j) == (first <= j < first + k)
+            assert layout.shards_of(t) == tuple(sorted(set(shard_ref.tolist())))
+        # unlocate every (shard, local row): the row placed there, or padding (-1)
+        sh, lo = np.meshgrid(np.arange(n), np.arange(s.rows_per_shard), indexing="ij")
+        index, row = plan.unlocate(s.name, sh, lo)
+        np.testing.assert_array_equal(index, owner)
+        np.testing.assert_array_equal(row, logical)
+        index, row = plan.from_stacked_rows(s.name, (lo * n + sh).reshape(-1))
+        np.testing.assert_array_equal(index, owner.reshape(-1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(placed(), st.integers(0, 2**31 - 1))
+def test_sharding_helpers_round_trip(case, seed):
+    plan, _ = case
+    rng = np.random.default_rng(seed)
+    tables = {t.name: rng.normal(size=(t.vocabulary_size, t.dim)) for t in plan.tables}
+    for t in plan.tables:
+        shards = table_to_shards(tables[t.name], plan, t.name)
+        for j, sh in enumerate(shards):  # outside the span: no block at all
+            assert sh.shape[0] == (t.rows_per_shard if plan.row_layout.holds(t, j) else 0)
+        np.testing.assert_array_equal(shards_to_table(shards, plan, t.name), tables[t.name])
+    for s in plan.stacks:
+        shards = stack_to_shards(tables, plan, s.name)
+        back = shards_to_tables(shards, plan, s.name)
+        for name in s.tables:
+            np.testing.assert_array_equal(back[name][:, : plan.table(name).dim], tables[name])
+
+
+def test_owners_are_bin_packed_and_stacks_share_local_rows():
+    feats = {
+        f"f{i}": FeatureConfig(TableConfig(v, 8, name=f"t{i}"))
+        for i, v in enumerate([10, 40, 25, 5, 30])
+    }
+    plan = plan_stacking(feats, 3, sharding="table_wise")
+    owner = {t.name: t.first_shard for t in plan.tables}
+    # largest first onto the least loaded: 40 -> 0, 30 -> 1, 25 -> 2, 10 -> 2 (25 < 30),
+    # 5 -> 1 (30 < 35 < 40)
+    assert owner == {"t1": 0, "t4": 1, "t2": 2, "t0": 2, "t3": 1}
+    # on each shard its tables in config order, one after another
+    offsets = {t.name: t.local_row_offset for t in plan.tables}
+    assert offsets == {"t1": 0, "t3": 0, "t4": 5, "t0": 0, "t2": 10}
+    (stack,) = plan.stacks
+    assert stack.rows_per_shard == 40  # not 110: tables on other shards share local rows
+    # mixed: the mod tables first (same local rows on every shard), table-wise after them
+    plan = plan_stacking(feats, 3, sharding={"t1": "table_wise", "t4": "table_wise"})
+    mod_rows = sum(-(-v // 3) for v in (10, 25, 5))
+    assert plan.table("t1").local_row_offset == plan.table("t4").local_row_offset == mod_rows
+    assert (plan.table("t1").first_shard, plan.table("t4").first_shard) == (0, 1)
+    assert plan.stacks[0].rows_per_shard == mod_rows + 40
+    assert plan_stacking(feats, 3, sharding={"t1": "table_wise"}) == plan_stacking(
+        feats, 3, sharding={"t1": "table_wise", "t0": "mod"}
+    )
+
+
+def test_one_shard_is_the_same_layout():
+    feats = {
+        f"f{i}": FeatureConfig(TableConfig(v, 4, name=f"t{i}")) for i, v in enumerate([7, 3, 9])
+    }
+    mod = plan_stacking(feats, 1)
+    for sharding in ("table_wise", {"t1": "table_wise"}):
+        assert plan_stacking(feats, 1, sharding=sharding) == mod
+
+
+def test_unknown_tables_and_placements_are_value_errors():
+    t = TableConfig(5, 2, name="a")
+    feats = {"f": FeatureConfig(t)}
+    for bad, pattern in (
+        ("cols", r"sharding must be one of \['mod', 'table_wise'\], got 'cols'"),
+        (None, r"sharding must be one of .* or a mapping"),
+        ({"zz": "mod"}, r"sharding names table 'zz'.*its tables: \['a'\]"),
+        ({"a": "rows"}, r"sharding of table a: must be one of \['mod', 'table_wise'\], got 'rows'"),
+        ({"a": 1}, r"sharding of table a: .* got 1"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            plan_stacking(feats, 2, sharding=bad)
+        # at construction, before build (the facade also takes the planner's strategies)
+        with pytest.raises(
+            ValueError, match=pattern.replace(r"\['mod', 'table_wise'\]", r"\[.*\]")
+        ):
+            MeshEmbedding(feats, em.SGD(0.1), sharding=bad)
+    # TableConfig keys name their table
+    plan = plan_stacking(feats, 2, sharding={t: "table_wise"})
+    assert plan.table("a").sharding == "table_wise"
+
+
+def test_shard_views_show_only_the_tables_own_rows():
+    t1 = TableConfig(19, 4, initializer=em.row_id_initializer(100.0), name="t1")
+    t2 = TableConfig(5, 4, initializer=em.row_id_initializer(1000.0), name="t2")
+    emb = MeshEmbedding(
+        {"x": FeatureConfig(t1), "y": FeatureConfig(t2)},
+        em.SGD(0.1),
+        mesh=mesh_of(4),
+        sharding="table_wise",
+    )
+    emb.build()
+    tables = emb.embedding_tables
+    for t in (t1, t2):
+        p = emb.plan.table(t)
+        np.testing.assert_array_equal(
+            tables[t],
+            em.row_id_initializer(100.0 if t is t1 else 1000.0).rows(
+                np.arange(t.vocabulary_size), 4, np.float32
+            ),
+        )
+        for j, (device, block) in enumerate(emb.embedding_table_shards[t]):
+            assert device == emb.mesh.devices.flat[j]
+            block = np.asarray(block)
+            if j == p.first_shard:
+                np.testing.assert_array_equal(block, tables[t])
+            else:  # other shards hold other tables' rows there, never shown as this one's
+                assert not block.any()
+
+
+# ---------------------------------------------------------------------------
+# Training: the float64 reference (tests/test_engine.py), poisoned initial state
+
+
+MIXED = {"a": "table_wise", "c": "table_wise"}  # b stays mod
+TRAINING = [
+    (1, "SGD", 0, "table_wise"),
+    (2, "Adagrad", 1, MIXED),
+    (4, "AdagradMomentum", 0, "table_wise"),
+    (8, "Adam", 0, MIXED),
+    (2, "Adam", 2, "table_wise"),  # lazy_adam=False: every row of every table moves
+    (4, "FTRL", 1, MIXED),
+    (8, "SGD", 1, "table_wise"),
+]
+
+
+@pytest.mark.parametrize(("num_devices", "opt_name", "variant", "sharding"), TRAINING)
+def test_training_matches_reference(num_devices, opt_name, variant, sharding):
+    test_engine.check_training(
+        num_devices,
+        opt_name,
+        OPTIMIZER_HP[opt_name][variant],
+        stack_tables=variant != 1,
+        seed=77 * num_devices + variant,
+        sharding=sharding,
+        poison=True,
+    )
+
+
+def test_two_processes_match_one_process_table_wise(tmp_path):
+    worker = os.path.join(HERE, "multiprocess_worker.py")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
+    subprocess.run(
+        [sys.executable, worker, "0", "1", "0", str(single), "table_wise"],
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    port = free_port()
+    run_together(
+        [
+            [sys.executable, worker, str(i), "2", str(port), str(multi), "table_wise"]
+            for i in range(2)
+        ],
+        env=env,
+    )
+    a, b = np.load(single), np.load(multi)
+    assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert np.abs(a["t1.accumulators"] - 0.1).max() > 1e-3
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints across placements and device counts
+
+
+CK_MIXED = {"a": "table_wise", "d": "table_wise"}  # b, c stay mod
+
+
+def engine(n, sharding):
+    feats = make_features(make_tables())
+    return MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(n), sharding=sharding), feats
+
+
+SOURCES = {"tw4": (4, "table_wise"), "mixed8": (8, CK_MIXED), "mod2": (2, "mod")}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    out = {}
+    for name, (n, sharding) in SOURCES.items():
+        emb, feats = engine(n, sharding)
+        for s in range(2):
+            train_step(emb, feats, seed=s)
+        path = tmp_path_factory.mktemp(name)
+        assert ckpt.save(path, emb)
+        out[name] = dict(path=path, saved=variables_by_name(emb), emb=emb)
+    return out
+
+
+RESTORES = {
+    "tw4_to_tw4": ("tw4", 4, "table_wise"),
+    "tw4_to_mod2": ("tw4", 2, "mod"),
+    "tw4_to_mixed8": ("tw4", 8, CK_MIXED),
+    "mixed8_to_mod1": ("mixed8", 1, "mod"),
+    "mixed8_to_tw3": ("mixed8", 3, "table_wise"),
+    "mod2_to_tw4": ("mod2", 4, "table_wise"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESTORES))
+def test_restore_across_placements_and_device_counts(sources, case):
+    name, n_to, sharding = RESTORES[case]
+    src = sources[name]
+    emb, feats = engine(n_to, sharding)
+    stats = {}
+    assert ckpt.restore(emb, src["path"], _stats=stats) == 2
+    if (n_to, sharding) == SOURCES[name]:  # same mesh and placements: whole blocks
+        assert set(stats) == {"direct"}
+    assert_same(variables_by_name(emb), src["saved"])
+    if case == "tw4_to_mod2":  # and training goes on alike
+        want = train_step(src["emb"], feats, seed=9)
+        got = train_step(emb, feats, seed=9)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def assert_same(got, want):
+    assert set(got) == set(want)
+    for name in want:
+        assert set(got[name]) == set(want[name])
+        for k in want[name]:
+            np.testing.assert_array_equal(got[name][k], want[name][k], err_msg=f"{name}.{k}")
+
+
+def test_stored_arrays_hold_only_the_span_and_metadata_records_it(sources):
+    for name in ("tw4", "mixed8"):
+        src = sources[name]
+        plan = src["emb"].plan
+        meta = ckpt.read_metadata(src["path"])
+        item = src["path"] / "2" / "embedding"
+        with ckpt._Reader(item) as reader:
+            for m in meta["tables"]:
+                t = plan.table(m["name"])
+                assert (m["sharding"], m["first_shard"], m["span"]) == (
+                    t.sharding,
+                    t.first_shard,
+                    t.span,
+                )
+                assert m["rows_per_shard"] == t.rows_per_shard
+                # the span's blocks, then zero rows up to a multiple of N (spread over
+                # every device for saving): not N times a table-wise table
+                n = plan.num_shards
+                rows = -(-t.span * t.rows_per_shard // n) * n
+                assert reader.shape(("tables", m["key"])) == (rows, t.dim)
+                if t.sharding == "table_wise":  # the table itself, no other table's rows
+                    assert rows - t.vocabulary_size < n
+                    for leaf, want in [(("tables", m["key"]), "parameters")] + [
+                        (("slots", m["key"], slot), slot) for slot in m["slots"]
+                    ]:
+                        stored = np.asarray(reader.read(leaf))
+                        v = t.vocabulary_size
+                        np.testing.assert_array_equal(stored[:v], src["saved"][t.name][want])
+                        assert not stored[v:].any()
+        loaded = {c.name: v for c, v in ckpt.load_tables(src["path"]).items()}
+        for t in plan.tables:
+            np.testing.assert_array_equal(loaded[t.name], src["saved"][t.name]["parameters"])
+
+
+def _save_tree(root, tree, step=2):
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
+    mngr.save(step, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
+    mngr.wait_until_finished()
+    mngr.close()
+
+
+def test_checkpoints_without_placements_restore_as_mod(sources, tmp_path):
+    """What embedmesh wrote before placements existed: no "sharding", "first_shard",
+    "span" in the metadata (every table mod over all shards)."""
+    src = sources["mod2"]
+    tree = ckpt.state_tree(src["emb"])
+    meta = json.loads(bytes(tree["meta"]).decode())
+    for m in meta["tables"]:
+        for key in ("sharding", "first_shard", "span"):
+            del m[key]
+    tree["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8).copy()
+    _save_tree(tmp_path, tree)
+    for n, sharding in ((4, "table_wise"), (8, CK_MIXED)):
+        emb, _ = engine(n, sharding)
+        assert ckpt.restore(emb, tmp_path) == 2
+        assert_same(variables_by_name(emb), src["saved"])
+
+
+def test_damaged_table_wise_arrays_and_spans_are_refused(sources, tmp_path):
+    src = sources["tw4"]
+    tree = ckpt.state_tree(src["emb"])
+    arr = tree["tables"]["a"]  # table-wise: its [V, dim] rows (+ padding), on all devices
+    assert arr.shape[0] - 37 < 4
+    tree["tables"]["a"] = jax.device_put(np.asarray(arr) + 1.0, arr.sharding)
+    _save_tree(tmp_path / "values", tree)
+    target, _ = engine(2, "mod")
+    before = variables_by_name(target)
+    with pytest.raises(ValueError, match=r"parameters of table a .* is corrupted"):
+        ckpt.restore(target, tmp_path / "values")
+    assert_same(variables_by_name(target), before)
+    with pytest.raises(ValueError, match=r"parameters of table a .* is corrupted"):
+        ckpt.load_tables(tmp_path / "values")
+    tree = ckpt.state_tree(src["emb"])
+    meta = json.loads(bytes(tree["meta"]).decode())
+    meta["tables"][0]["first_shard"] = 4
+    tree["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8).copy()
+    _save_tree(tmp_path / "span", tree)
+    with pytest.raises(ValueError, match=r"spans shards \[4, 5\).*not inside the 4 shards"):
+        ckpt.restore(target, tmp_path / "span")
+
+
+def test_two_processes_save_table_wise_tables_on_their_owners(tmp_path):
+    """Two processes save table-wise tables (owned by devices of either process) and
+    restore them table-wise, unstacked; then one process restores them mod and
+    table-wise."""
+    port, root = free_port(), tmp_path / "ckpt"
+    worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
+    outs = run_together(
+        [[sys.executable, worker, str(i), str(port), str(root), "table_wise"] for i in range(2)],
+        env=env,
+    )
+    assert all("restored ok" in out for out in outs), outs
+    meta = ckpt.read_metadata(root)
+    owners = {m["name"]: m["first_shard"] for m in meta["tables"]}
+    assert {m["span"] for m in meta["tables"]} == {1} and sorted(owners.values()) == [0, 1, 2, 3]
+    want = np.load(root.parent / "expected.npz")
+    for n, sharding in ((8, "mod"), (2, "table_wise")):
+        emb, _ = engine(n, sharding)
+        assert ckpt.restore(emb, root) == 3
+        for t, d in variables_by_name(emb).items():
+            for k, v in d.items():
+                np.testing.assert_array_equal(v, want[f"{t}.{k}"], err_msg=f"{n} {t}.{k}")
