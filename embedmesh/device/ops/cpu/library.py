@@ -18,6 +18,7 @@ no environment variable). `threads()` reports the count the library uses.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 import warnings
@@ -37,6 +38,7 @@ TARGETS = {
     "embedmesh_backward_sgd": "EmBackwardSgd",
     "embedmesh_backward_adagrad": "EmBackwardAdagrad",
     "embedmesh_exchange": "EmExchange",
+    "embedmesh_host_exchange": "EmHostExchange",
     "embedmesh_lookup_from_shards": "EmLookupFromShards",
     "embedmesh_backward_sgd_from_sources": "EmBackwardSgdFromSources",
     "embedmesh_backward_adagrad_from_sources": "EmBackwardAdagradFromSources",
@@ -74,6 +76,8 @@ def _load() -> bool:
             lib.EmbedmeshSetThreads.restype = None
             lib.EmbedmeshThreads.restype = ctypes.c_int64
             lib.EmbedmeshPadId.restype = ctypes.c_int32
+            lib.EmbedmeshHostExchangeRelease.argtypes = [ctypes.c_double]
+            lib.EmbedmeshHostExchangeRelease.restype = ctypes.c_int64
             lib.EmbedmeshSetThreads(threads_setting)
             for target, symbol in TARGETS.items():
                 jax.ffi.register_ffi_target(
@@ -126,6 +130,27 @@ def threads() -> int:
     if not ready():
         return 0
     return int(_loaded["lib"].EmbedmeshThreads())
+
+
+_release_registered: list[bool] = []
+
+
+def release_host_exchanges_at_exit() -> None:
+    """Make this process unlink its host-exchange segments (`host_exchange.cc`) at exit,
+    once its peers have read its last round (each call after the first does nothing)."""
+    with _lock:
+        if _release_registered:
+            return
+        _release_registered.append(True)
+    atexit.register(release_host_exchanges)
+
+
+def release_host_exchanges(timeout_s: float = 10.0) -> int:
+    """Unlink this process's host-exchange segments, waiting up to `timeout_s` for its
+    peers to read their last round; how many it unlinked (0 when `ready()` is False).
+    Later exchanges of those channels fail: call it at exit only."""
+    lib = _loaded.get("lib")
+    return int(lib.EmbedmeshHostExchangeRelease(float(timeout_s))) if lib is not None else 0
 
 
 def pad_id() -> int | None:

@@ -1,0 +1,114 @@
+"""The shared-memory exchange between processes of one host (host_exchange.cc).
+
+Real processes on 127.0.0.1 (one CPU device each, gloo) exchange through
+`ops.exchange` with the job's same-host key: the results equal numpy's and XLA's
+all-to-all exactly (tests/host_exchange_worker.py says what it runs); sizes that
+differ per process are a clear error on every process; a MeshEmbedding trains to
+the same tables as with EMBEDMESH_HOST_EXCHANGE=0 (gloo). In this process: the
+channel tags and the check that one program uses each channel once.
+"""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from process_helpers import free_port, run_collect, run_together
+
+from embedmesh.device import ops
+from embedmesh.device.ops.cpu import kernels, library
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "host_exchange_worker.py")
+TIMEOUT = 120
+
+needs_kernels = pytest.mark.skipif(not library.ready(), reason="no CPU kernels")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _commands(n, mode, *rest):
+    port = str(free_port())
+    return [[sys.executable, WORKER, str(i), str(n), port, mode, *rest] for i in range(n)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("processes", [2, 4])
+def test_processes_exchange_like_all_to_all(processes):
+    outs = run_together(_commands(processes, "exchange"), _env(), timeout=TIMEOUT)
+    for out in outs:
+        assert "OK exchange" in out, out[-3000:]
+
+
+@needs_kernels
+def test_sizes_that_differ_per_process_fail_on_every_process():
+    codes, outs = run_collect(
+        _commands(2, "mismatch"), _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="20"), timeout=TIMEOUT
+    )
+    assert codes == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
+    for pid, out in enumerate(outs):
+        (line,) = [x for x in out.splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
+        mine, theirs = (64, 128) if pid == 0 else (128, 64)
+        assert "channel 'test/mismatch'" in line and f"rank {pid} of 2" in line, line
+        assert f"rank {1 - pid} sent {theirs} bytes, this rank {mine}" in line, line
+
+
+@needs_kernels
+def test_training_matches_the_gloo_exchange(tmp_path):
+    tables = {}
+    for setting in ("1", "0"):
+        out_file = str(tmp_path / f"tables_{setting}.npz")
+        outs = run_together(
+            _commands(2, "train", out_file), _env(EMBEDMESH_HOST_EXCHANGE=setting), timeout=TIMEOUT
+        )
+        for out in outs:  # the setting took: the core has a same-host key or not
+            assert f"HOST_JOB {setting}" in out, out[-3000:]
+        tables[setting] = np.load(out_file)
+    a, b = tables["1"], tables["0"]
+    assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert np.abs(a["t1.accumulators"] - 0.1).max() > 1e-3  # training happened
+
+
+def test_channel_tags_are_stable_and_distinct():
+    # the same in every process (not Python's salted hash): fixed values
+    assert kernels.channel_tag("stack/lookup/ids") == 0x72A9FEC7C7C7D50A
+    names = [f"stack{i}/{p}/{k}" for i in range(50) for p in ("lookup", "update") for k in "ab"]
+    tags = {kernels.channel_tag(c) for c in names}
+    assert len(tags) == len(names) and all(0 <= t < 2**63 for t in tags)
+
+
+@needs_kernels
+def test_one_program_cannot_use_a_channel_twice():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def body(x, channel_b):
+        a = ops.exchange(x, "x", 2, host_job=12345, channel="dup/a")
+        b = ops.exchange(x * 2, "x", 2, host_job=12345, channel=channel_b)
+        return a + b
+
+    def program(channel_b):
+        f = jax.shard_map(
+            lambda x: body(x, channel_b),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+        return jax.jit(f).lower(jnp.zeros((8, 3), jnp.float32))  # traced, never run
+
+    program("dup/b")  # distinct channels: fine
+    program("dup/b")  # a second program (a new trace) may use the same channels
+    with pytest.raises(ValueError, match="channel 'dup/a' is used twice in one program"):
+        program("dup/a")
