@@ -184,6 +184,22 @@ def run_train():
         acts, pre = emb({"a": a[lo:hi], "b": b[lo:hi]})
         emb.apply_gradients(grad_fn(acts), pre)
     tables = emb.variables
+    job = emb.core.host_job
+    if job:  # which kernels ran: the channels of this job's shared-memory segments
+        from embedmesh.device.ops.cpu import kernels
+
+        prefix = f"embedmesh-{job:x}-"
+        tags = {
+            int(name[len(prefix) :].split("-")[0], 16)
+            for name in os.listdir("/dev/shm")
+            if name.startswith(prefix)
+        }
+        names = {
+            kernels.channel_tag(f"{s}/{k}"): f"{s}/{k}"
+            for s in ("t1", "t2", "t1+t2", "t2+t1")
+            for k in ("lookup/ids", "lookup/rows", "update/sources", "lookup/ids/ids")
+        }
+        print("CHANNELS", sorted(names.get(t, "?") for t in tags), flush=True)
     if process_id == 0:
         np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
 

@@ -73,6 +73,9 @@ def test_training_matches_the_gloo_exchange(tmp_path):
         )
         for out in outs:  # the setting took: the core has a same-host key or not
             assert f"HOST_JOB {setting}" in out, out[-3000:]
+            if setting == "1":  # the fused host lookup and update ran (their segments)
+                line = "CHANNELS ['t1+t2/lookup/ids', 't1+t2/lookup/rows', 't1+t2/update/sources']"
+                assert line in out, out[-3000:]
         tables[setting] = np.load(out_file)
     a, b = tables["1"], tables["0"]
     assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
