@@ -50,7 +50,7 @@ ffi::Error HostExchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_
 // publishes the ids it asks of each shard ([n, u]); then each owner gathers, for every
 // device r, the rows r asked of it into its segment ([n, u, d]; zeros for padding), and
 // each device sums gains * row over its pairs (in (s, p) order, as the in-process kernel)
-// reading the rows in the owners' segments.
+// reading the rows in the owners' segments (its own shard's in its table).
 ffi::Error HostLookup(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> uids,
                       ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
                       ffi::Buffer<ffi::S32> prows, ffi::Buffer<ffi::S32> rank_buf, int64_t job,
@@ -77,13 +77,14 @@ ffi::Error HostLookup(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> uids,
       [&](const std::vector<const char*>& asked) {
         ffi::Error e = WithHostPeers(
             HostCall{job, rows_tag, n, rank, timeout_ms, channel}, row_bytes,
-            [&](char* seg) {  // the rows each device asked of this shard
+            [&](char* seg) {  // the rows each other device asked of this shard
               float* dst = reinterpret_cast<float*>(seg);
               const int64_t grain = 1024;
               ParallelFor(NumChunks(n * u, grain), [&](int64_t c) {
                 const int64_t lo = c * grain, hi = std::min(n * u, lo + grain);
                 for (int64_t q = lo; q < hi; ++q) {
                   const int64_t r = q / u, k = q % u;
+                  if (r == rank) continue;  // this device reads its own shard in place
                   const int32_t row = reinterpret_cast<const int32_t*>(asked[r])[rank * u + k];
                   float* to = dst + q * d;
                   if (row < 0 || row >= rows) {
@@ -101,6 +102,7 @@ ffi::Error HostLookup(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> uids,
                 const int64_t s = q / p;
                 const int64_t r = id[s * u + k];
                 if (r < 0 || r >= rows) return nullptr;
+                if (s == rank) return w + r * d;
                 return reinterpret_cast<const float*>(served[s]) + (rank * u + k) * d;
               });
               return std::string();
