@@ -1,6 +1,6 @@
 """One process of the host-exchange tests (run by test_host_exchange.py).
 
-Usage: host_exchange_worker.py PROCESS_ID NUM_PROCESSES PORT MODE [OUT_FILE]
+Usage: host_exchange_worker.py PROCESS_ID NUM_PROCESSES PORT MODE[,MODE...] [OUT_FILE]
 
 Every process has one CPU device; all run on 127.0.0.1 (gloo), so
 `peers.same_host_job` gives a nonzero key and `ops.exchange` with it takes the
@@ -11,6 +11,8 @@ shared-memory kernel (host_exchange.cc). Modes:
     one program. Prints "OK exchange".
   "mismatch": the processes trace different sizes for one channel; each prints
     "CAUGHT <message>" (the kernel's error naming both sizes).
+  "ops": the host kernels of lookup_from_shards and backward_update_sharded equal
+    their references (the exchange path over gloo). Prints "OK ops".
   "train": a MeshEmbedding trained for 3 steps; process 0 saves the tables to
     OUT_FILE and every process prints "HOST_JOB <nonzero?>".
 """
@@ -37,6 +39,7 @@ jax.distributed.initialize(
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -161,8 +164,110 @@ def run_mismatch(mesh, job):
         print("NO ERROR", flush=True)
 
 
-def run_train():
+def run_ops(mesh, job):
+    """The host kernels of lookup_from_shards and backward_update_sharded against their
+    references (the exchange path, XLA's all_to_all over gloo), on random batches with
+    padding ids, ids past the end, out-of-range slots, padding pairs, unsorted ids or
+    ungrouped pairs, and keep=False."""
+    from embedmesh.optimizers import SGD, Adagrad
+
+    sh = NamedSharding(mesh, P("x"))
+
+    def put(x):  # [N, ...] per device -> a global array sharded over devices
+        flat = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+        return jax.make_array_from_callback(flat.shape, sh, lambda index: flat[index])
+
+    def gathered(a):
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    for case in range(6):
+        r = np.random.default_rng(1000 + case)
+        rows, u, p, num_rows, d = 30, int(r.integers(1, 9)), int(r.integers(0, 25)), 7, 8
+        adagrad, keep = bool(case % 2), case != 4
+        grouped, shuffled = case in (0, 1, 4), case == 3
+        tables = r.standard_normal((N, 1, rows, d)).astype(np.float32)
+        accs = r.uniform(0.1, 1.0, (N, 1, rows, d)).astype(np.float32)
+        uids = np.full((N, N, u), ops.PAD_ID, np.int32)
+        for dev in range(N):
+            for s in range(N):
+                used = int(r.integers(0, u + 1))
+                ids = np.sort(r.choice(rows + 3, used, replace=False))  # some past the end
+                uids[dev, s, :used] = r.permutation(ids) if shuffled else ids
+        puniq = r.integers(0, u + 2, size=(N, N, p)).astype(np.int32)  # >= u: out of range
+        if grouped:
+            puniq.sort(axis=-1)
+        prows = r.integers(0, num_rows + 1, size=(N, N, p)).astype(np.int32)  # R: padding
+        gains = r.standard_normal((N, N, p)).astype(np.float32)
+        acts = r.standard_normal((N, num_rows, d)).astype(np.float32)
+
+        def lookup(host_job):
+            def body(t, ui, pu, g, pr):
+                return ops.lookup_from_shards(
+                    t[0], ui, pu, g, pr, num_rows, "x", N, host_job=host_job, channel="ops/lk"
+                )
+
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"), check_vma=False
+                )
+            )
+            args = (put(tables), put(uids), put(puniq), put(gains), put(prows))
+            return fn.lower(*args).as_text(), gathered(fn(*args))
+
+        text, host = lookup(job)
+        assert "embedmesh_host_lookup" in text
+        _, ref = lookup(0)
+        np.testing.assert_allclose(host, ref, rtol=1e-6, atol=1e-6, err_msg=f"lookup {case}")
+
+        lr, clip, wd = 0.3, 0.8, 0.05
+        kw = dict(clipvalue=clip, weight_decay_factor=wd)
+        opt = Adagrad(lr, **kw) if adagrad else SGD(lr, **kw)
+
+        def update(host_job):
+            def body(t, a, ui, act, pr, pu, g):
+                slots = {"accumulators": a[0]} if adagrad else {}
+                t, slots = ops.backward_update_sharded(
+                    opt,
+                    t[0],
+                    slots,
+                    ui,
+                    act,
+                    pr,
+                    pu,
+                    g,
+                    keep,
+                    0,
+                    "x",
+                    N,
+                    host_job=host_job,
+                    channel="ops/up",
+                )
+                return t[None], slots.get("accumulators", a[0])[None]
+
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
+                )
+            )
+            args = (put(tables), put(accs), put(uids), put(acts), put(prows), put(puniq))
+            args = args + (put(gains),)
+            return fn.lower(*args).as_text(), [gathered(x) for x in fn(*args)]
+
+        text, (t_host, a_host) = update(job)
+        assert f"embedmesh_backward_{'adagrad' if adagrad else 'sgd'}_from_host_sources" in text
+        _, (t_ref, a_ref) = update(0)
+        np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"table {case}")
+        np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"acc {case}")
+        if not keep:
+            np.testing.assert_array_equal(t_host, tables.reshape(t_host.shape))
+    print("OK ops", flush=True)
+
+
+def train(name, optimizer, **kwargs):
+    """A MeshEmbedding trained for 4 steps: (its tables by "name/table.var", its core's
+    same-host key, the channels of that job's shared-memory segments)."""
     import embedmesh as em
+    from embedmesh.device.ops.cpu import kernels
     from embedmesh.facade import MeshEmbedding
     from embedmesh.host.preprocess import Capacity
 
@@ -170,38 +275,54 @@ def run_train():
     t2 = em.TableConfig(70, 4, combiner="sqrtn", name="t2")
     feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
     mesh = Mesh(np.array(jax.devices()), ("x",))
-    emb = MeshEmbedding(feats, em.Adagrad(0.2), mesh=mesh, capacities=Capacity(64, 64))
+    emb = MeshEmbedding(feats, optimizer, mesh=mesh, capacities=Capacity(64, 64), **kwargs)
     emb.build()
-    print("HOST_JOB", int(emb.core.host_job != 0), flush=True)
     grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
     rng = np.random.default_rng(5)
     batch = 8 * N
     per = batch // N
-    for _ in range(3):
+    for _ in range(4):
         a = rng.integers(0, 300, (batch, 3))
         b = rng.integers(0, 70, (batch,))
         lo, hi = process_id * per, (process_id + 1) * per
         acts, pre = emb({"a": a[lo:hi], "b": b[lo:hi]})
         emb.apply_gradients(grad_fn(acts), pre)
-    tables = emb.variables
+    tables = {f"{name}/{t.name}.{k}": v for t, d in emb.variables.items() for k, v in d.items()}
     job = emb.core.host_job
+    channels = []
     if job:  # which kernels ran: the channels of this job's shared-memory segments
-        from embedmesh.device.ops.cpu import kernels
-
         prefix = f"embedmesh-{job:x}-"
         tags = {
-            int(name[len(prefix) :].split("-")[0], 16)
-            for name in os.listdir("/dev/shm")
-            if name.startswith(prefix)
+            int(seg[len(prefix) :].split("-")[0], 16)
+            for seg in os.listdir("/dev/shm")
+            if seg.startswith(prefix)
         }
         names = {
             kernels.channel_tag(f"{s}/{k}"): f"{s}/{k}"
-            for s in ("t1", "t2", "t1+t2", "t2+t1")
-            for k in ("lookup/ids", "lookup/rows", "update/sources", "lookup/ids/ids")
+            for s in ("t1", "t2", "t1+t2")
+            for k in ("lookup/ids", "lookup/rows", "update/sources")
         }
-        print("CHANNELS", sorted(names.get(t, "?") for t in tags), flush=True)
+        channels = sorted(names.get(t, "?") for t in tags)
+    return tables, job, channels
+
+
+def run_train():
+    import embedmesh as em
+
+    tables = {}
+    runs = [
+        ("adagrad", em.Adagrad(0.2), {}),
+        # two stacks, each update fused with the next lookup: independent host calls
+        # in one program
+        ("sgd", em.SGD(0.3), dict(stack_tables=False, pipeline_execution_with_tensor_core=True)),
+    ]
+    for name, optimizer, kwargs in runs:
+        t, job, channels = train(name, optimizer, **kwargs)
+        tables.update(t)
+        print(f"HOST_JOB {name} {int(job != 0)}", flush=True)
+        print(f"CHANNELS {name} {channels}", flush=True)
     if process_id == 0:
-        np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
+        np.savez(out_file, **tables)
 
 
 def main():
@@ -211,7 +332,8 @@ def main():
         mesh = Mesh(np.array(jax.devices()), ("x",))
         job = peers.same_host_job(mesh)
         assert job != 0, "same_host_job found no shared host on 127.0.0.1"
-        {"exchange": run_exchange, "mismatch": run_mismatch}[mode](mesh, job)
+        for m in mode.split(","):
+            {"exchange": run_exchange, "mismatch": run_mismatch, "ops": run_ops}[m](mesh, job)
     jax.distributed.shutdown()
 
 

@@ -2,7 +2,8 @@
 
 Real processes on 127.0.0.1 (one CPU device each, gloo) exchange through
 `ops.exchange` with the job's same-host key: the results equal numpy's and XLA's
-all-to-all exactly (tests/host_exchange_worker.py says what it runs); sizes that
+all-to-all exactly, and the host kernels of the N-shard lookup and update equal their
+references (tests/host_exchange_worker.py says what it runs); sizes that
 differ per process are a clear error on every process; a MeshEmbedding trains to
 the same tables as with EMBEDMESH_HOST_EXCHANGE=0 (gloo). In this process: the
 channel tags and the check that one program uses each channel once.
@@ -45,9 +46,10 @@ def _commands(n, mode, *rest):
 @needs_kernels
 @pytest.mark.parametrize("processes", [2, 4])
 def test_processes_exchange_like_all_to_all(processes):
-    outs = run_together(_commands(processes, "exchange"), _env(), timeout=TIMEOUT)
+    """ops.exchange, and the host kernels of the N-shard lookup and update, against XLA's."""
+    outs = run_together(_commands(processes, "exchange,ops"), _env(), timeout=TIMEOUT)
     for out in outs:
-        assert "OK exchange" in out, out[-3000:]
+        assert "OK exchange" in out and "OK ops" in out, out[-3000:]
 
 
 @needs_kernels
@@ -65,23 +67,31 @@ def test_sizes_that_differ_per_process_fail_on_every_process():
 
 @needs_kernels
 def test_training_matches_the_gloo_exchange(tmp_path):
+    """Adagrad on one stack; SGD on two stacks with each update fused with the next lookup
+    (independent host calls in one program): the same tables as XLA's exchange (gloo)."""
+    channels = {
+        "adagrad": ["t1+t2/lookup/ids", "t1+t2/lookup/rows", "t1+t2/update/sources"],
+        "sgd": [f"{t}/{k}" for t in ("t1", "t2") for k in ("lookup/ids", "lookup/rows")],
+    }
+    channels["sgd"] = sorted(channels["sgd"] + ["t1/update/sources", "t2/update/sources"])
     tables = {}
     for setting in ("1", "0"):
         out_file = str(tmp_path / f"tables_{setting}.npz")
         outs = run_together(
             _commands(2, "train", out_file), _env(EMBEDMESH_HOST_EXCHANGE=setting), timeout=TIMEOUT
         )
-        for out in outs:  # the setting took: the core has a same-host key or not
-            assert f"HOST_JOB {setting}" in out, out[-3000:]
-            if setting == "1":  # the fused host lookup and update ran (their segments)
-                line = "CHANNELS ['t1+t2/lookup/ids', 't1+t2/lookup/rows', 't1+t2/update/sources']"
-                assert line in out, out[-3000:]
+        for out in outs:
+            for name, expected in channels.items():
+                # the setting took: the core has a same-host key or not
+                assert f"HOST_JOB {name} {setting}" in out, out[-3000:]
+                # the host lookup and update kernels ran (their segments), or none
+                assert f"CHANNELS {name} {expected if setting == '1' else []}" in out, out[-3000:]
         tables[setting] = np.load(out_file)
     a, b = tables["1"], tables["0"]
-    assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
+    assert sorted(a.files) == sorted(b.files) and len(a.files) == 6
     for k in a.files:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    assert np.abs(a["t1.accumulators"] - 0.1).max() > 1e-3  # training happened
+    assert np.abs(a["adagrad/t1.accumulators"] - 0.1).max() > 1e-3  # training happened
 
 
 def test_channel_tags_are_stable_and_distinct():
