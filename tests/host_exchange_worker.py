@@ -11,6 +11,7 @@ shared-memory kernel (host_exchange.cc). Modes:
     one program. Prints "OK exchange".
   "mismatch": the processes trace different sizes for one channel; each prints
     "CAUGHT <message>" (the kernel's error naming both sizes).
+  "absent": a peer that stops calling, then exits: timeout, then exit errors.
   "ops": the host kernels of lookup_from_shards and backward_update_sharded equal
     their references (the exchange path over gloo). Prints "OK ops".
   "train": a MeshEmbedding trained for 3 steps; process 0 saves the tables to
@@ -162,6 +163,32 @@ def run_mismatch(mesh, job):
         print("CAUGHT", str(e).replace("\n", " "), flush=True)
     else:
         print("NO ERROR", flush=True)
+
+
+def run_absent(mesh, job):
+    """Process 1 leaves after one round: process 0's next call times out naming it
+    (EMBEDMESH_EXCHANGE_TIMEOUT_S), and, once process 1 has exited, the call after fails
+    at once saying so. Prints "CAUGHT timeout ..." and "CAUGHT exited ..."."""
+    import time
+
+    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/absent"))
+    g = global_input((N * N * 2, 3), np.float32, seed=1)
+    x = shard(g, mesh)
+    check("absent round 1", f(x), expected_all_to_all(g))
+    if process_id == 1:
+        time.sleep(3)
+        os._exit(0)  # the job is broken: no shutdown barrier
+    for what in ("timeout", "exited"):
+        t = time.perf_counter()
+        try:
+            np.asarray(local(f(x))[0])
+        except Exception as e:  # noqa: BLE001 - the runtime's error type
+            line = str(e).replace("\n", " ")
+            print(f"CAUGHT {what} {time.perf_counter() - t:.1f} s {line}", flush=True)
+        else:
+            print(f"NO ERROR {what}", flush=True)
+        time.sleep(2.5)  # process 1 exits meanwhile
+    os._exit(0)
 
 
 def run_ops(mesh, job):
@@ -333,7 +360,12 @@ def main():
         job = peers.same_host_job(mesh)
         assert job != 0, "same_host_job found no shared host on 127.0.0.1"
         for m in mode.split(","):
-            {"exchange": run_exchange, "mismatch": run_mismatch, "ops": run_ops}[m](mesh, job)
+            {
+                "exchange": run_exchange,
+                "mismatch": run_mismatch,
+                "ops": run_ops,
+                "absent": run_absent,
+            }[m](mesh, job)
     jax.distributed.shutdown()
 
 

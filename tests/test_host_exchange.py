@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from process_helpers import free_port, run_collect, run_together
 
+from embedmesh import _runtime
 from embedmesh.device import ops
 from embedmesh.device.ops.cpu import kernels, library
 
@@ -44,12 +45,13 @@ def _commands(n, mode, *rest):
 
 
 @needs_kernels
-@pytest.mark.parametrize("processes", [2, 4])
-def test_processes_exchange_like_all_to_all(processes):
+@pytest.mark.parametrize("processes, modes", [(2, "exchange,ops"), (4, "ops")])
+def test_processes_exchange_like_all_to_all(processes, modes):
     """ops.exchange, and the host kernels of the N-shard lookup and update, against XLA's."""
-    outs = run_together(_commands(processes, "exchange,ops"), _env(), timeout=TIMEOUT)
+    outs = run_together(_commands(processes, modes), _env(), timeout=TIMEOUT)
     for out in outs:
-        assert "OK exchange" in out and "OK ops" in out, out[-3000:]
+        for mode in modes.split(","):
+            assert f"OK {mode}" in out, out[-3000:]
 
 
 @needs_kernels
@@ -63,6 +65,24 @@ def test_sizes_that_differ_per_process_fail_on_every_process():
         mine, theirs = (64, 128) if pid == 0 else (128, 64)
         assert "channel 'test/mismatch'" in line and f"rank {pid} of 2" in line, line
         assert f"rank {1 - pid} sent {theirs} bytes, this rank {mine}" in line, line
+
+
+@needs_kernels
+def test_a_missing_peer_fails_the_call_and_an_exited_one_at_once():
+    codes, outs = run_collect(
+        _commands(2, "absent"), _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="1.5"), timeout=TIMEOUT
+    )
+    assert codes == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
+    lines = [x for x in outs[0].splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
+    assert len(lines) == 2, outs[0][-3000:]
+    where = "channel 'test/absent', tag "
+    assert lines[0].startswith("CAUGHT timeout") and where in lines[0], lines[0]
+    assert "rank 0 of 2), round 2: peers 1 did not arrive within 1.5 s" in lines[0], lines[0]
+    assert (
+        lines[1].startswith("CAUGHT exited")
+        and "round 3: the process of peers 1 exited" in (lines[1])
+    ), lines[1]
+    assert float(lines[1].split()[2]) < 1.5  # not the timeout: it saw the process gone
 
 
 @needs_kernels
@@ -92,6 +112,33 @@ def test_training_matches_the_gloo_exchange(tmp_path):
     for k in a.files:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert np.abs(a["adagrad/t1.accumulators"] - 0.1).max() > 1e-3  # training happened
+
+
+@needs_kernels
+def test_exchange_timeout_setting(monkeypatch):
+    """EMBEDMESH_EXCHANGE_TIMEOUT_S reaches the kernel's attribute; a bad value raises."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    f = jax.shard_map(
+        lambda x: ops.exchange(x, "x", 2, host_job=7, channel="timeout"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+    try:
+        monkeypatch.setenv("EMBEDMESH_EXCHANGE_TIMEOUT_S", "2.5")
+        _runtime.reset()
+        assert _runtime.exchange_timeout_s() == 2.5
+        text = jax.jit(f).lower(jnp.zeros((4, 2), jnp.float32)).as_text()
+        assert "embedmesh_host_exchange" in text and "timeout_ms = 2500" in text
+        monkeypatch.setenv("EMBEDMESH_EXCHANGE_TIMEOUT_S", "-1")
+        _runtime.reset()
+        with pytest.raises(ValueError, match="EMBEDMESH_EXCHANGE_TIMEOUT_S"):
+            _runtime.exchange_timeout_s()
+    finally:
+        monkeypatch.delenv("EMBEDMESH_EXCHANGE_TIMEOUT_S")
+        _runtime.reset()
+    assert _runtime.exchange_timeout_s() == 60.0
 
 
 def test_channel_tags_are_stable_and_distinct():

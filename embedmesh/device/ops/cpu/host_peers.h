@@ -319,7 +319,9 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, c
 
   const int64_t g = ++ch.round;
   const auto deadline = Clock::now() + std::chrono::milliseconds(call.timeout_ms);
-  const std::string seconds = std::to_string(call.timeout_ms / 1000.0).substr(0, 6) + " s";
+  char seconds_buf[32];
+  std::snprintf(seconds_buf, sizeof(seconds_buf), "%g s", call.timeout_ms / 1000.0);
+  const std::string seconds = seconds_buf;
   SegmentHeader* mine = ch.own.header();
   auto fail = [&](ffi::ErrorCode code, const std::string& what) {
     mine->done.v.store(g, std::memory_order_release);  // nobody waits on this rank for it
