@@ -207,7 +207,7 @@ def run_ops(mesh, job):
     def gathered(a):
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
-    for case in range(6):
+    for case in range(6) if N <= 2 else (1, 3, 4):  # 4 processes on 2 cores: fewer
         r = np.random.default_rng(1000 + case)
         rows, u, p, num_rows, d = 30, int(r.integers(1, 9)), int(r.integers(0, 25)), 7, 8
         adagrad, keep = bool(case % 2), case != 4
