@@ -9,7 +9,7 @@
 // cache lines) and the data. Round g of a call site (counted per process-local handle;
 // every process runs the same calls in the same order), `WithHostPeers`:
 //   (a) wait until every peer has finished round g - 1 (nobody still reads my data),
-//   (b) grow my segment if needed (ftruncate + remap), write my data into it, publish
+//   (b) grow my segment if needed (ftruncate + fallocate + remap), write my data, publish
 //       `arrived = g` (release),
 //   (c) map each peer's segment (the first time: wait until it exists; again when it
 //       grew), wait until its `arrived` >= g (acquire), check its size is mine, and run
@@ -175,6 +175,19 @@ inline size_t GrownCapacity(size_t need, size_t have) {
   return (cap + kGrain - 1) / kGrain * kGrain;
 }
 
+// Sizes segment fd to `len` bytes with its pages reserved: a full /dev/shm (a container's
+// is often 64 MB) is an error here (ENOSPC), not a SIGBUS at the first write. "" or why not.
+inline std::string Reserve(int fd, size_t len) {
+  if (ftruncate(fd, len) != 0) return std::string("ftruncate: ") + std::strerror(errno);
+  const int e = posix_fallocate(fd, 0, len);
+  if (e != 0 && e != EOPNOTSUPP && e != EINVAL) {  // a file system without it: sized only
+    return std::string("posix_fallocate: ") + std::strerror(e) +
+           " (is /dev/shm big enough? EMBEDMESH_HOST_EXCHANGE=0 exchanges through XLA's "
+           "collectives instead)";
+  }
+  return "";
+}
+
 // This rank's channel at call site (job, tag) over n devices, creating its segment on
 // first use; nullptr and `why` on failure.
 inline Channel* ChannelOf(int64_t job, int64_t tag, int64_t n, int64_t rank, std::string& why) {
@@ -197,8 +210,9 @@ inline Channel* ChannelOf(int64_t job, int64_t tag, int64_t n, int64_t rank, std
   }
   ch->own.fd = fd;
   const size_t cap = GrownCapacity(0, 0);
-  if (ftruncate(fd, kHeaderBytes + cap) != 0 || !Remap(ch->own, kHeaderBytes + cap, true)) {
-    why = "sizing " + name + " failed: " + std::strerror(errno);
+  std::string reserve = Reserve(fd, kHeaderBytes + cap);
+  if (!reserve.empty() || !Remap(ch->own, kHeaderBytes + cap, true)) {
+    why = "sizing " + name + " failed: " + (reserve.empty() ? std::strerror(errno) : reserve);
     shm_unlink(name.c_str());
     close(fd);
     Channels().erase({job, tag, n, rank});
@@ -360,11 +374,11 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, c
   const size_t cap = mine->capacity.v.load(std::memory_order_relaxed);
   if (bytes > cap) {
     const size_t grown = GrownCapacity(bytes, cap);
-    if (ftruncate(ch.own.fd, kHeaderBytes + grown) != 0 ||
-        !Remap(ch.own, kHeaderBytes + grown, true)) {
+    std::string reserve = Reserve(ch.own.fd, kHeaderBytes + grown);
+    if (!reserve.empty() || !Remap(ch.own, kHeaderBytes + grown, true)) {
       return fail(ffi::ErrorCode::kResourceExhausted,
                   "growing " + ch.Name(rank) + " to " + std::to_string(grown) +
-                      " bytes failed: " + std::strerror(errno));
+                      " bytes failed: " + (reserve.empty() ? std::strerror(errno) : reserve));
     }
     mine = ch.own.header();
     mine->capacity.v.store(grown, std::memory_order_relaxed);
