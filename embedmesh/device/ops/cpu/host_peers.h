@@ -91,7 +91,8 @@ inline bool WriterExited(const SegmentHeader* h) {
          (close_paren[2] == 'Z' || close_paren[2] == 'X');
 }
 
-// Spins, then yields, then sleeps (50 us growing to 1 ms) until ready() or the deadline;
+// Spins, then yields, then sleeps (20 us growing to 200 us: a peer's lateness costs at
+// most that much) until ready() or the deadline;
 // while sleeping, gives up early (false) when abandoned() says the awaited peer is gone.
 template <typename Ready, typename Abandoned>
 bool WaitUntil(const Ready& ready, Clock::time_point deadline, const Abandoned& abandoned) {
@@ -112,7 +113,7 @@ bool WaitUntil(const Ready& ready, Clock::time_point deadline, const Abandoned& 
     if (k < 100) {
       sched_yield();
     } else {
-      sleep_us = std::min<int64_t>(1000, sleep_us ? sleep_us * 2 : 50);
+      sleep_us = std::min<int64_t>(200, sleep_us ? sleep_us * 2 : 20);
       timespec ts{0, static_cast<long>(sleep_us * 1000)};
       nanosleep(&ts, nullptr);
     }
@@ -153,8 +154,8 @@ struct Channel {
 };
 
 inline std::mutex& Mutex() {
-  static std::mutex mu;
-  return mu;
+  static auto* mu = new std::mutex;  // never destroyed, as the table it guards
+  return *mu;
 }
 
 inline std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<Channel>>& Channels() {
