@@ -135,6 +135,12 @@ def threads() -> int:
     return int(_loaded["lib"].EmbedmeshThreads())
 
 
+def all_cpu(devices) -> bool:
+    """Whether these devices are all CPU devices, which the host kernels
+    (`host_exchange.cc`) can serve when their processes share a host."""
+    return all(d.platform == "cpu" for d in devices)
+
+
 _release_registered: list[bool] = []
 
 
