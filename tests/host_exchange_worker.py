@@ -317,13 +317,10 @@ def train(name, optimizer, **kwargs):
     tables = {f"{name}/{t.name}.{k}": v for t, d in emb.variables.items() for k, v in d.items()}
     job = emb.core.host_job
     channels = []
-    if job:  # which kernels ran: the channels of this job's shared-memory segments
-        prefix = f"embedmesh-{job:x}-"
-        tags = {
-            int(seg[len(prefix) :].split("-")[0], 16)
-            for seg in os.listdir("/dev/shm")
-            if seg.startswith(prefix)
-        }
+    if job:  # which kernels ran: the channels this process used for that job
+        from embedmesh.device.ops.cpu import library
+
+        tags = library.host_channel_tags(job)
         names = {
             kernels.channel_tag(f"{s}/{k}"): f"{s}/{k}"
             for s in ("t1", "t2", "t1+t2")

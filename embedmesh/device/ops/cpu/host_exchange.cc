@@ -133,11 +133,26 @@ extern "C" int64_t EmbedmeshHostExchangeRelease(double timeout_s) {
           [&] { return m.header()->done.v.load(std::memory_order_acquire) >= last; }, deadline,
           [&] { return hp::WriterExited(m.header()); });
     }
-    if (shm_unlink(ch->Name(ch->rank).c_str()) == 0) ++unlinked;
+    if (!ch->unlinked && shm_unlink(ch->Name(ch->rank).c_str()) == 0) ++unlinked;
+    ch->unlinked = true;
     close(ch->own.fd);
     ch->own.fd = -1;
   }
   return unlinked;
+}
+
+// The tags of this process's channels of job `job` (up to `cap` of them into `out`); how
+// many there are. Which host kernels ran, for tests.
+extern "C" int64_t EmbedmeshHostChannelTags(int64_t job, int64_t* out, int64_t cap) {
+  namespace hp = embedmesh::hostpeers;
+  std::lock_guard<std::mutex> lock(hp::Mutex());
+  int64_t count = 0;
+  for (auto& [key, ch] : hp::Channels()) {
+    if (ch->job != job) continue;
+    if (count < cap) out[count] = ch->tag;
+    ++count;
+  }
+  return count;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostExchange, embedmesh::HostExchange,

@@ -18,9 +18,11 @@
 // A peer that does not arrive fails the call after the timeout (EMBEDMESH_EXCHANGE_
 // TIMEOUT_S, default 60 s) naming the channel, the rank and the missing peers, sooner when
 // its process exited (then this process unlinks the job's segments it knows of); a size
-// mismatch fails naming both sizes. At exit (EmbedmeshHostExchangeRelease, from a Python
-// atexit hook) each process waits, briefly, until its peers have read its last round, then
-// unlinks its own segments; mappings stay valid after an unlink.
+// mismatch fails naming both sizes. A writer unlinks its segment's name at its second round
+// (every peer has it open by then; mappings and descriptors outlive the name), so a process
+// killed later leaves nothing in /dev/shm; at exit (EmbedmeshHostExchangeRelease, from a
+// Python atexit hook) each process waits, briefly, until its peers have read its last round,
+// then unlinks the names still there.
 #pragma once
 
 #include <fcntl.h>
@@ -150,6 +152,7 @@ struct Channel {
   Mapping own;
   std::vector<Mapping> peers;  // by rank; peers[rank] unused
   std::atomic<bool> busy{false};
+  bool unlinked = false;  // its name, once every peer has it mapped
   std::string Name(int64_t r) const { return prefix + std::to_string(r); }
 };
 
@@ -369,6 +372,13 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, c
       }
     }
     if (!late.empty()) return missing(late, "finish the previous round");
+    // every peer has read a round of mine, so has my segment open (and remaps it through
+    // its descriptor when it grows): its name can go now, and a process that dies later
+    // without its atexit hooks (SIGKILL, os._exit) leaves nothing behind
+    if (!ch.unlinked) {
+      shm_unlink(ch.Name(rank).c_str());
+      ch.unlinked = true;
+    }
   }
 
   // (b) publish my data

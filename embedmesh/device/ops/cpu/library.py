@@ -162,6 +162,20 @@ def release_host_exchanges(timeout_s: float = 10.0) -> int:
     return int(lib.EmbedmeshHostExchangeRelease(float(timeout_s))) if lib is not None else 0
 
 
+def host_channel_tags(job: int) -> set[int]:
+    """The tags of this process's host-exchange channels of job `job` (which host kernels
+    ran here; empty when `ready()` is False)."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return set()
+    fn = lib.EmbedmeshHostChannelTags
+    fn.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    buf = (ctypes.c_int64 * 4096)()
+    count = int(fn(job, buf, 4096))
+    return {int(buf[i]) for i in range(min(count, 4096))}
+
+
 def pad_id() -> int | None:
     """The library's padding id, its `kPad` (None when `ready()` is False)."""
     if not ready():
