@@ -20,6 +20,8 @@ lists them:
   EMBEDMESH_CACHE_DIR=path    where built kernels are cached
   EMBEDMESH_HOST_EXCHANGE=0   processes on one host exchange through XLA's
                               collectives (gloo), not shared memory
+  EMBEDMESH_EXCHANGE_TIMEOUT_S=s   how long a shared-memory exchange between
+                              processes waits for its peers (default 60)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "combiner_code",
     "cpu_kernels_setting",
     "cpu_threads",
+    "exchange_timeout_s",
     "gpu_kernels_variant",
     "numba_enabled",
     "output_pool_bytes",
@@ -187,6 +190,22 @@ def host_exchange_enabled() -> bool:
     return _env("EMBEDMESH_HOST_EXCHANGE").lower() not in _OFF
 
 
+@functools.cache
+def exchange_timeout_s() -> float:
+    """EMBEDMESH_EXCHANGE_TIMEOUT_S (default 60): how long a shared-memory exchange
+    between the processes of one host waits for its peers before failing."""
+    value = _env("EMBEDMESH_EXCHANGE_TIMEOUT_S")
+    if not value:
+        return 60.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"EMBEDMESH_EXCHANGE_TIMEOUT_S={value!r}: expected a positive number")
+    return seconds
+
+
 def gpu_scatter_workaround() -> bool:
     """EMBEDMESH_GPU_SCATTER_WORKAROUND (default on; 0/false/off/no: off). Read afresh:
     the guard runs once, at import."""
@@ -223,6 +242,7 @@ def reset() -> None:
         serving_threads,
         output_pool_bytes,
         cache_dir,
+        exchange_timeout_s,
     ):
         fn.cache_clear()
 

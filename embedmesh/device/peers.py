@@ -54,14 +54,15 @@ def same_host_job(mesh) -> int:
     devices = list(mesh.devices.flat)
     if len({d.process_index for d in devices}) <= 1 or not _runtime.host_exchange_enabled():
         return 0
-    if any(d.platform != "cpu" for d in devices):
-        return 0  # accelerators have their own links (NCCL, ICI)
     from embedmesh.device.ops import cpu
 
-    usable = np.int64(1 if cpu.ready() else 0)
-    key = np.int64(secrets.randbits(62) | 1) if jax.process_index() == 0 else np.int64(0)
-    local = np.array([host_identity(), usable, key], np.int64)
-    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
+    if not cpu.all_cpu(devices):
+        return 0  # accelerators have their own links (NCCL, ICI)
+    usable = 1 if cpu.ready() else 0
+    key = secrets.randbits(62) | 1 if jax.process_index() == 0 else 0
+    # 31-bit parts: without jax_enable_x64 the all-gather carries int32
+    local = np.array([host_identity(), usable, key >> 31, key & 0x7FFFFFFF], np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 4)
     if len(set(gathered[:, 0].tolist())) != 1 or not gathered[:, 1].all():
         return 0
-    return int(gathered[0, 2])
+    return (int(gathered[0, 2]) << 31) | int(gathered[0, 3])

@@ -41,11 +41,22 @@ end are padding.
   sums) and update, as one op. Reference: `segment_gather_sum`, `dedup_sum`,
   `sparse_update`. The CPU kernel fuses them for the same optimizers: no
   [U, D] gradient buffer.
-- `exchange(x, axis_name, num_shards, in_process)`: inside `shard_map`, block
-  j of axis 0 goes to device j, block s of the result came from device s
-  (`all_to_all`, tiled). The CPU kernel copies through shared memory when
-  every device of the mesh is in this process (`in_process`): XLA's CPU
-  all_to_all moves ~1.4 GB/s here, a memcpy ~10x more.
+- `exchange(x, axis_name, num_shards, in_process, host_job, channel)`: inside
+  `shard_map`, block j of axis 0 goes to device j, block s of the result came
+  from device s (`all_to_all`, tiled). The CPU kernel copies through shared
+  memory when every device of the mesh is in this process (`in_process`):
+  XLA's CPU all_to_all moves ~1.4 GB/s here, a memcpy ~10x more. When the
+  mesh spans processes that are all on this host (`host_job`, the job's key
+  from `embedmesh.device.peers`), through POSIX shared-memory segments named
+  by the job and the call's `channel` (`cpu/host_exchange.cc`, `host_peers.h`),
+  where XLA's goes through gloo's TCP (~0.2 GB/s). On those segments
+  `lookup_from_shards` and `backward_update_sharded` have host kernels too:
+  each owner gathers the rows asked of it into its segment and each device
+  sums them in place; each owner applies the update from its sources' batches
+  read there. A channel pairs the processes' calls: the same in every process,
+  one per call site (a program tracing one twice is a `ValueError`); a peer
+  that does not arrive fails the call after `EMBEDMESH_EXCHANGE_TIMEOUT_S`
+  (default 60 s), sooner when its process exited.
 - `lookup_from_shards(table_shard, unique_ids, pair_unique, pair_gains,
   pair_rows, num_rows, ...)`: inside `shard_map` over N > 1 shards, this
   device's activations [R, D] from the rows `unique_ids[s]` [N, U] of every

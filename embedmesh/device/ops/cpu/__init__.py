@@ -9,8 +9,9 @@ caps them), and advise their large outputs to use huge pages before writing
 them (one fault per 2 MiB instead of per 4 KiB).
 
 - `*.cc`, `common.h`: the C++ sources, one concern a file (gathers and
-  scatters, segment sums, dedup, fused updates, huge-page memory), shipped as
-  package data;
+  scatters, segment sums, dedup, fused updates, huge-page memory, the
+  shared-memory rendezvous of processes of one host: `host_peers.h`), shipped
+  as package data;
 - `build.py`: the compiler driver and its cache;
 - `library.py`: when the kernels are used (`ready()`), loading the library,
   registering its FFI targets, the thread count;
@@ -26,6 +27,7 @@ cached. See `library` and `build`.
 
 from embedmesh.device.ops.cpu.kernels import KERNELS
 from embedmesh.device.ops.cpu.library import (
+    all_cpu,
     library_path,
     pad_id,
     ready,
@@ -33,4 +35,12 @@ from embedmesh.device.ops.cpu.library import (
     unavailable_reason,
 )
 
-__all__ = ["KERNELS", "library_path", "pad_id", "ready", "threads", "unavailable_reason"]
+__all__ = [
+    "KERNELS",
+    "all_cpu",
+    "library_path",
+    "pad_id",
+    "ready",
+    "threads",
+    "unavailable_reason",
+]

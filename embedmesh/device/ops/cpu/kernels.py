@@ -10,7 +10,10 @@ the documented order).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from embedmesh import _runtime
 from embedmesh.device.ops.cpu import memory
 
 __all__ = ["KERNELS"]
@@ -127,20 +131,94 @@ def _peers(axis_name, num_shards: int):
 
 
 def exchange(x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""):
-    """The all-to-all through shared memory (exchange.cc): block j to device j.
+    """The all-to-all through shared memory: block j to device j.
 
-    Each traced call gets its own tag, which pairs up the calls of the devices.
+    In one process (exchange.cc), each traced call gets its own tag, which pairs up the
+    calls of the devices. Between the processes of one host (`host_job`, host_exchange.cc),
+    the call's tag is a stable hash of its channel, the same in every process.
     """
-    rank, attrs = _peers(axis_name, num_shards)
+    if in_process or not host_job:
+        rank, attrs = _peers(axis_name, num_shards)
+        out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.ffi.ffi_call("embedmesh_exchange", out)(x, rank, **attrs)
+    rank, attrs = _host_peers(axis_name, num_shards, host_job, channel)
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ffi.ffi_call("embedmesh_exchange", out)(x, rank, **attrs)
+    return jax.ffi.ffi_call("embedmesh_host_exchange", out)(x, rank, **attrs)
+
+
+def _host_peers(axis_name, num_shards: int, host_job: int, channel: str):
+    """(this device's rank [1], the FFI attributes of a host rendezvous (host_peers.h):
+    the job's key, the channel's tag, the device count, the timeout, the channel)."""
+    from embedmesh.device.ops.cpu import library
+
+    library.release_host_exchanges_at_exit()
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    return rank, dict(
+        job=np.int64(host_job),
+        tag=np.int64(channel_tag(channel)),
+        n=np.int64(num_shards),
+        timeout_ms=np.int64(round(_runtime.exchange_timeout_s() * 1000)),
+        channel=str(channel),
+    )
+
+
+def channel_tag(channel: str) -> int:
+    """The 63-bit tag of a host exchange's channel: a hash that every process computes
+    the same (not Python's `hash`, which is salted per process)."""
+    digest = hashlib.blake2b(str(channel).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+# The channels of host exchanges traced so far in each trace (a program, or one of its
+# loop bodies): two calls of one channel in one trace could run in different orders in
+# different processes, or at once, and pair up wrongly.
+_traced_channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_traced_lock = threading.Lock()
+
+
+def _claim_channel(channel: str) -> None:
+    """Record that the current trace exchanges through `channel`; a ValueError when it
+    already does."""
+    try:
+        from jax._src import core as jax_core
+
+        trace = jax_core.trace_ctx.trace
+        if isinstance(trace, jax_core.EvalTrace):  # eager: calls run one after another
+            return
+        with _traced_lock:
+            seen = _traced_channels.setdefault(trace, set())
+            duplicate = channel in seen
+            seen.add(channel)
+    except (ImportError, AttributeError, TypeError):  # another JAX: no check
+        return
+    if duplicate:
+        raise ValueError(
+            f"ops.exchange: channel {channel!r} is used twice in one program; the "
+            "processes' exchanges pair up by channel, so each call needs its own"
+        )
 
 
 def _in_process(
     x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""
 ) -> bool:
-    """Only devices of this process share memory; a mesh over processes uses XLA's."""
-    return in_process and num_shards > 1 and x.shape[0] % num_shards == 0
+    """The devices of this process share memory (exchange.cc); so do the processes of one
+    host (`host_job`, host_exchange.cc, which also claims the call's channel); a mesh
+    over hosts uses XLA's."""
+    if num_shards <= 1 or x.shape[0] % num_shards != 0:
+        return False
+    if in_process:
+        return True
+    return _host_call(x, host_job, channel)
+
+
+def _host_call(x, host_job: int, channel: str) -> bool:
+    """Whether a call that is not in-process takes a host kernel: when the processes are
+    on one host (`host_job`); claims its channel in the current trace."""
+    if not host_job:
+        return False
+    if isinstance(x, jax.core.Tracer):
+        _claim_channel(channel)
+    return True
 
 
 def lookup_from_shards(
@@ -157,16 +235,25 @@ def lookup_from_shards(
     host_job=0,
     channel="",
 ):
-    """This device's activations read straight from every shard's table (exchange.cc)."""
-    rank, attrs = _peers(axis_name, num_shards)
+    """This device's activations read straight from every shard's table (exchange.cc);
+    between processes of one host, from the rows each owner gathered into its shared
+    memory (host_exchange.cc: two rounds, the ids then the rows)."""
     out = jax.ShapeDtypeStruct((num_rows,) + table.shape[1:], jnp.float32)
-    return jax.ffi.ffi_call("embedmesh_lookup_from_shards", out)(
-        table, unique_ids, pair_unique, pair_gains, pair_rows, rank, **attrs
-    )
+    args = (table, unique_ids, pair_unique, pair_gains, pair_rows)
+    if in_process:
+        rank, attrs = _peers(axis_name, num_shards)
+        return jax.ffi.ffi_call("embedmesh_lookup_from_shards", out)(*args, rank, **attrs)
+    rank, attrs = _host_peers(axis_name, num_shards, host_job, channel + "/ids")
+    attrs["rows_tag"] = np.int64(channel_tag(channel + "/rows"))
+    return jax.ffi.ffi_call("embedmesh_host_lookup", out)(*args, rank, **attrs)
 
 
-def _lookup_in_process(table, *args, num_shards: int, in_process: bool, **params) -> bool:
-    return in_process and num_shards > 1 and table.dtype == jnp.float32
+def _lookup_in_process(
+    table, *args, num_shards: int, in_process: bool, host_job: int = 0, channel="", **params
+) -> bool:
+    if num_shards <= 1 or table.dtype != jnp.float32:
+        return False
+    return in_process or _host_call(table, host_job, channel)
 
 
 def backward_update_sharded(
@@ -189,7 +276,12 @@ def backward_update_sharded(
 ):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc)."""
     lr, attrs = _scalars(optimizer, step)
-    rank, peer_attrs = _peers(axis_name, num_shards)
+    if in_process:
+        rank, peer_attrs = _peers(axis_name, num_shards)
+        target = "embedmesh_backward_{}_from_sources"
+    else:  # processes of one host: the sources' batches in shared memory (update.cc)
+        rank, peer_attrs = _host_peers(axis_name, num_shards, host_job, channel + "/sources")
+        target = "embedmesh_backward_{}_from_host_sources"
     attrs.update(peer_attrs)
     batch = (
         unique_ids,
@@ -203,18 +295,22 @@ def backward_update_sharded(
     )
     shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
     if optimizer.fused_kernel == "sgd":
-        t = jax.ffi.ffi_call(
-            "embedmesh_backward_sgd_from_sources", shape, input_output_aliases={0: 0}
-        )(table, *batch, **attrs)
+        t = jax.ffi.ffi_call(target.format("sgd"), shape, input_output_aliases={0: 0})(
+            table, *batch, **attrs
+        )
         return t, {}
     t, a = jax.ffi.ffi_call(
-        "embedmesh_backward_adagrad_from_sources", (shape, shape), input_output_aliases={0: 0, 1: 1}
+        target.format("adagrad"), (shape, shape), input_output_aliases={0: 0, 1: 1}
     )(table, slots["accumulators"], *batch, **attrs)
     return t, {"accumulators": a}
 
 
-def _fused_in_process(table, slots, *args, optimizer, step, num_shards, in_process, **params):
-    return in_process and num_shards > 1 and _fused(table, slots, optimizer=optimizer, step=step)
+def _fused_in_process(
+    table, slots, *args, optimizer, step, num_shards, in_process, host_job=0, channel="", **params
+):
+    if num_shards <= 1 or not _fused(table, slots, optimizer=optimizer, step=step):
+        return False
+    return in_process or _host_call(table, host_job, channel)
 
 
 # op name -> (kernel, supports or None)

@@ -18,6 +18,7 @@ no environment variable). `threads()` reports the count the library uses.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 import warnings
@@ -37,6 +38,10 @@ TARGETS = {
     "embedmesh_backward_sgd": "EmBackwardSgd",
     "embedmesh_backward_adagrad": "EmBackwardAdagrad",
     "embedmesh_exchange": "EmExchange",
+    "embedmesh_host_exchange": "EmHostExchange",
+    "embedmesh_host_lookup": "EmHostLookup",
+    "embedmesh_backward_sgd_from_host_sources": "EmBackwardSgdFromHostSources",
+    "embedmesh_backward_adagrad_from_host_sources": "EmBackwardAdagradFromHostSources",
     "embedmesh_lookup_from_shards": "EmLookupFromShards",
     "embedmesh_backward_sgd_from_sources": "EmBackwardSgdFromSources",
     "embedmesh_backward_adagrad_from_sources": "EmBackwardAdagradFromSources",
@@ -74,6 +79,8 @@ def _load() -> bool:
             lib.EmbedmeshSetThreads.restype = None
             lib.EmbedmeshThreads.restype = ctypes.c_int64
             lib.EmbedmeshPadId.restype = ctypes.c_int32
+            lib.EmbedmeshHostExchangeRelease.argtypes = [ctypes.c_double]
+            lib.EmbedmeshHostExchangeRelease.restype = ctypes.c_int64
             lib.EmbedmeshSetThreads(threads_setting)
             for target, symbol in TARGETS.items():
                 jax.ffi.register_ffi_target(
@@ -126,6 +133,47 @@ def threads() -> int:
     if not ready():
         return 0
     return int(_loaded["lib"].EmbedmeshThreads())
+
+
+def all_cpu(devices) -> bool:
+    """Whether these devices are all CPU devices, which the host kernels
+    (`host_exchange.cc`) can serve when their processes share a host."""
+    return all(d.platform == "cpu" for d in devices)
+
+
+_release_registered: list[bool] = []
+
+
+def release_host_exchanges_at_exit() -> None:
+    """Make this process unlink its host-exchange segments (`host_exchange.cc`) at exit,
+    once its peers have read its last round (each call after the first does nothing)."""
+    with _lock:
+        if _release_registered:
+            return
+        _release_registered.append(True)
+    atexit.register(release_host_exchanges)
+
+
+def release_host_exchanges(timeout_s: float = 10.0) -> int:
+    """Unlink this process's host-exchange segments, waiting up to `timeout_s` for its
+    peers to read their last round; how many it unlinked (0 when `ready()` is False).
+    Later exchanges of those channels fail: call it at exit only."""
+    lib = _loaded.get("lib")
+    return int(lib.EmbedmeshHostExchangeRelease(float(timeout_s))) if lib is not None else 0
+
+
+def host_channel_tags(job: int) -> set[int]:
+    """The tags of this process's host-exchange channels of job `job` (which host kernels
+    ran here; empty when `ready()` is False)."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return set()
+    fn = lib.EmbedmeshHostChannelTags
+    fn.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    buf = (ctypes.c_int64 * 4096)()
+    count = int(fn(job, buf, 4096))
+    return {int(buf[i]) for i in range(min(count, 4096))}
 
 
 def pad_id() -> int | None:

@@ -1,7 +1,9 @@
 // Fused sparse SGD / Adagrad updates, alone and fused with the backward (on one shard, and
-// on N in-process shards reading their sources' gradients through peers.h).
+// on N in-process shards reading their sources' gradients through peers.h, and on N shards
+// in processes of one host reading them in shared memory through host_peers.h).
 // Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
 #include "common.h"
+#include "host_peers.h"
 #include "peers.h"
 
 namespace embedmesh {
@@ -389,6 +391,93 @@ ffi::Error BackwardFromSources(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::
   });
 }
 
+// The same fused backward + update over N shards in processes of one host: each source
+// device publishes its batch (ids, activation gradients, pairs) in its shared-memory
+// segment (host_peers.h) and each owner runs BackwardUpdateFromSources on every source's
+// batch read in place: no [N, U, D] gradient buffer, one copy of each source's batch.
+template <bool kAdagrad>
+ffi::Error BackwardFromHostSources(ffi::Buffer<ffi::F32> table, float* acc_in,
+                                   ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+                                   ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+                                   ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
+                                   ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
+                                   const hostpeers::HostCall& base, const UpdateAttrs& at,
+                                   float* w, float* a) {
+  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
+  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
+  auto td = table.dimensions();
+  auto ad = act.dimensions();
+  hostpeers::HostCall call = base;
+  call.rank = rank_buf.typed_data()[0];
+  const int64_t n = call.n;
+  const int64_t u = n >= 1 ? static_cast<int64_t>(ids.element_count()) / n : 0;
+  const int64_t p = n >= 1 ? static_cast<int64_t>(prow.element_count()) / n : 0;
+  const int64_t nr = ad.size() ? ad[0] : 1;
+  hostpeers::Packing pack;
+  const size_t at_ids = pack.Add(ids.size_bytes()), at_act = pack.Add(act.size_bytes());
+  const size_t at_prow = pack.Add(prow.size_bytes()), at_puniq = pack.Add(puniq.size_bytes());
+  const size_t at_gain = pack.Add(gains.size_bytes());
+  const bool apply = keep.typed_data()[0] != 0;
+  const float rate = lr.typed_data()[0];
+  return hostpeers::WithHostPeers(
+      call, pack.bytes,
+      [&](char* seg) {
+        std::memcpy(seg + at_ids, ids.typed_data(), ids.size_bytes());
+        std::memcpy(seg + at_act, act.typed_data(), act.size_bytes());
+        std::memcpy(seg + at_prow, prow.typed_data(), prow.size_bytes());
+        std::memcpy(seg + at_puniq, puniq.typed_data(), puniq.size_bytes());
+        std::memcpy(seg + at_gain, gains.typed_data(), gains.size_bytes());
+      },
+      [&](const std::vector<const char*>& peers) {
+        if (!apply) return std::string();  // a rejected step: every process agrees
+        std::vector<SourceBatch> batches(n);
+        std::vector<const SourceBatch*> src(n);
+        for (int64_t s = 0; s < n; ++s) {
+          const char* b = peers[s];
+          batches[s] = SourceBatch{reinterpret_cast<const int32_t*>(b + at_ids),
+                                   reinterpret_cast<const float*>(b + at_act),
+                                   reinterpret_cast<const int32_t*>(b + at_prow),
+                                   reinterpret_cast<const int32_t*>(b + at_puniq),
+                                   reinterpret_cast<const float*>(b + at_gain),
+                                   u,
+                                   p,
+                                   nr};
+          src[s] = &batches[s];
+        }
+        BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), call.rank,
+                                            src, rate, at);
+        return std::string();
+      });
+}
+
+ffi::Error BackwardSgdFromHostSources(
+    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+    ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
+    ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank,
+    int64_t job, int64_t tag, int64_t n, int64_t timeout_ms, std::string_view channel,
+    float clip_lo, float clip_hi, float wd, int32_t has_wd, int32_t wd_lr, float wmin,
+    float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  return BackwardFromHostSources<false>(
+      table, nullptr, ids, act, prow, puniq, gains, lr, keep, rank,
+      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
+      MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax), out->typed_data(), nullptr);
+}
+
+ffi::Error BackwardAdagradFromHostSources(
+    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> ids,
+    ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+    ffi::Buffer<ffi::S32> rank, int64_t job, int64_t tag, int64_t n, int64_t timeout_ms,
+    std::string_view channel, float clip_lo, float clip_hi, float wd, int32_t has_wd,
+    int32_t wd_lr, float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
+    ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
+  return BackwardFromHostSources<true>(
+      table, accum.typed_data(), ids, act, prow, puniq, gains, lr, keep, rank,
+      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
+      MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax), out->typed_data(),
+      out_acc->typed_data());
+}
+
 ffi::Error BackwardSgdFromSources(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
                                   ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow,
                                   ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
@@ -485,4 +574,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagradFromSources,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>() EM_SOURCES_ARGS EM_UPDATE_ATTRS
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define EM_HOST_SOURCES_ARGS             \
+  .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Attr<int64_t>("job")              \
+      .Attr<int64_t>("tag")              \
+      .Attr<int64_t>("n")                \
+      .Attr<int64_t>("timeout_ms")       \
+      .Attr<std::string_view>("channel")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardSgdFromHostSources, embedmesh::BackwardSgdFromHostSources,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_SOURCES_ARGS
+                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagradFromHostSources,
+                              embedmesh::BackwardAdagradFromHostSources,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_SOURCES_ARGS
+                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,457 @@
+// The rendezvous of device ranks in different processes of one host, through POSIX shared
+// memory: what the host exchange and the host variants of the N-shard lookup and update
+// (host_exchange.cc, update.cc) are built on. Part of embedmesh's CPU kernels (XLA FFI).
+//
+// Each device rank r of a call site (`tag`, a stable hash of the call's channel name, the
+// same in every process) owns the segment /embedmesh-<job>-<tag>-<n>-<r> (job: the job's
+// random key, so segments of crashed jobs never collide): a header (the rounds it
+// published and finished, its capacity and this round's size, its process, on separate
+// cache lines) and the data. Round g of a call site (counted per process-local handle;
+// every process runs the same calls in the same order), `WithHostPeers`:
+//   (a) wait until every peer has finished round g - 1 (nobody still reads my data),
+//   (b) grow my segment if needed (ftruncate + fallocate + remap), write my data, publish
+//       `arrived = g` (release),
+//   (c) map each peer's segment (the first time: wait until it exists; again when it
+//       grew), wait until its `arrived` >= g (acquire), check its size is mine, and run
+//       the caller's work on every peer's data, read in place,
+//   (d) publish `done = g`.
+// A peer that does not arrive fails the call after the timeout (EMBEDMESH_EXCHANGE_
+// TIMEOUT_S, default 60 s) naming the channel, the rank and the missing peers, sooner when
+// its process exited (then this process unlinks the job's segments it knows of); a size
+// mismatch fails naming both sizes. A writer unlinks its segment's name at its second round
+// (every peer has it open by then; mappings and descriptors outlive the name), so a process
+// killed later leaves nothing in /dev/shm; at exit (EmbedmeshHostExchangeRelease, from a
+// Python atexit hook) each process waits, briefly, until its peers have read its last round,
+// then unlinks the names still there.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+#include "common.h"
+
+namespace embedmesh {
+namespace hostpeers {
+
+constexpr size_t kHeaderBytes = 4096;  // the data starts page-aligned
+constexpr int64_t kMagic = 0x656d6265646d7368;
+
+struct alignas(64) Counter {
+  std::atomic<int64_t> v;
+};
+
+struct SegmentHeader {
+  Counter arrived;   // the last round whose data this writer published
+  Counter done;      // the last round this rank finished reading all its peers
+  Counter capacity;  // data bytes the segment holds
+  Counter size;      // data bytes of round `arrived` (stored before it)
+  int64_t magic, rank, n;
+  int64_t pid, pid_ns;  // the writer's process and pid namespace (0: unknown)
+};
+static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header fits its page");
+
+using Clock = std::chrono::steady_clock;
+
+inline void CpuPause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline int64_t PidNamespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<int64_t>(st.st_ino) : 0;
+}
+
+// Whether the writer of header h is known to have exited (it ran in our pid namespace and
+// its pid is gone or a zombie: a parent that has not reaped it yet).
+inline bool WriterExited(const SegmentHeader* h) {
+  static const int64_t ns = PidNamespace();
+  if (h == nullptr || h->pid <= 0 || ns == 0 || h->pid_ns != ns) return false;
+  const std::string path = "/proc/" + std::to_string(h->pid) + "/stat";
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return errno == ENOENT;
+  char buf[512];
+  const size_t got = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[got] = 0;
+  const char* close_paren = std::strrchr(buf, ')');  // "pid (comm) S ..."
+  return close_paren != nullptr && (close_paren[1] == ' ') &&
+         (close_paren[2] == 'Z' || close_paren[2] == 'X');
+}
+
+// Spins, then yields, then sleeps (20 us growing to 200 us: a peer's lateness costs at
+// most that much) until ready() or the deadline;
+// while sleeping, gives up early (false) when abandoned() says the awaited peer is gone.
+template <typename Ready, typename Abandoned>
+bool WaitUntil(const Ready& ready, Clock::time_point deadline, const Abandoned& abandoned) {
+  for (int i = 0; i < 4000; ++i) {
+    if (ready()) return true;
+    CpuPause();
+  }
+  int64_t sleep_us = 0;
+  auto next_check = Clock::now() + std::chrono::milliseconds(100);
+  for (int k = 0;; ++k) {
+    if (ready()) return true;
+    const auto now = Clock::now();
+    if (now >= deadline) return ready();
+    if (now >= next_check) {
+      if (abandoned()) return ready();
+      next_check = now + std::chrono::milliseconds(100);
+    }
+    if (k < 100) {
+      sched_yield();
+    } else {
+      sleep_us = std::min<int64_t>(200, sleep_us ? sleep_us * 2 : 20);
+      timespec ts{0, static_cast<long>(sleep_us * 1000)};
+      nanosleep(&ts, nullptr);
+    }
+  }
+}
+
+template <typename Ready>
+bool WaitUntil(const Ready& ready, Clock::time_point deadline) {
+  return WaitUntil(ready, deadline, [] { return false; });
+}
+
+struct Mapping {
+  int fd = -1;
+  char* base = nullptr;
+  size_t len = 0;
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base); }
+  char* data() const { return base + kHeaderBytes; }
+};
+
+// Maps `len` bytes of m.fd (replacing any mapping m had). False with errno on failure.
+inline bool Remap(Mapping& m, size_t len, bool writable) {
+  void* p = mmap(nullptr, len, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, m.fd, 0);
+  if (p == MAP_FAILED) return false;
+  if (m.base != nullptr) munmap(m.base, m.len);
+  m.base = static_cast<char*>(p);
+  m.len = len;
+  return true;
+}
+
+struct Channel {
+  int64_t job = 0, tag = 0, n = 0, rank = 0;
+  int64_t round = 0;  // rounds started
+  std::string prefix;  // the segment names without the rank
+  Mapping own;
+  std::vector<Mapping> peers;  // by rank; peers[rank] unused
+  std::atomic<bool> busy{false};
+  bool unlinked = false;  // its name, once every peer has it mapped
+  std::string Name(int64_t r) const { return prefix + std::to_string(r); }
+};
+
+inline std::mutex& Mutex() {
+  static auto* mu = new std::mutex;  // never destroyed, as the table it guards
+  return *mu;
+}
+
+inline std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<Channel>>& Channels() {
+  static auto* table =
+      new std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<Channel>>;
+  return *table;  // never destroyed: XLA threads may still run at exit
+}
+
+inline std::string Hex(int64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+inline size_t GrownCapacity(size_t need, size_t have) {
+  const size_t kGrain = size_t{2} << 20;
+  size_t cap = std::max(need, have + have / 2);
+  return (cap + kGrain - 1) / kGrain * kGrain;
+}
+
+// Sizes segment fd to `len` bytes with its pages reserved: a full /dev/shm (a container's
+// is often 64 MB) is an error here (ENOSPC), not a SIGBUS at the first write. "" or why not.
+inline std::string Reserve(int fd, size_t len) {
+  if (ftruncate(fd, len) != 0) return std::string("ftruncate: ") + std::strerror(errno);
+  const int e = posix_fallocate(fd, 0, len);
+  if (e != 0 && e != EOPNOTSUPP && e != EINVAL) {  // a file system without it: sized only
+    return std::string("posix_fallocate: ") + std::strerror(e) +
+           " (is /dev/shm big enough? EMBEDMESH_HOST_EXCHANGE=0 exchanges through XLA's "
+           "collectives instead)";
+  }
+  return "";
+}
+
+// This rank's channel at call site (job, tag) over n devices, creating its segment on
+// first use; nullptr and `why` on failure.
+inline Channel* ChannelOf(int64_t job, int64_t tag, int64_t n, int64_t rank, std::string& why) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  auto& slot = Channels()[{job, tag, n, rank}];
+  if (slot) return slot.get();
+  auto ch = std::make_unique<Channel>();
+  ch->job = job;
+  ch->tag = tag;
+  ch->n = n;
+  ch->rank = rank;
+  ch->prefix = "/embedmesh-" + Hex(job) + "-" + Hex(tag) + "-" + std::to_string(n) + "-";
+  ch->peers.resize(n);
+  const std::string name = ch->Name(rank);
+  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    why = "shm_open(" + name + ") failed: " + std::strerror(errno);
+    Channels().erase({job, tag, n, rank});
+    return nullptr;
+  }
+  ch->own.fd = fd;
+  const size_t cap = GrownCapacity(0, 0);
+  std::string reserve = Reserve(fd, kHeaderBytes + cap);
+  if (!reserve.empty() || !Remap(ch->own, kHeaderBytes + cap, true)) {
+    why = "sizing " + name + " failed: " + (reserve.empty() ? std::strerror(errno) : reserve);
+    shm_unlink(name.c_str());
+    close(fd);
+    Channels().erase({job, tag, n, rank});
+    return nullptr;
+  }
+  SegmentHeader* h = ch->own.header();  // zero-filled by ftruncate: rounds 0
+  h->magic = kMagic;
+  h->rank = rank;
+  h->n = n;
+  h->pid = getpid();
+  h->pid_ns = PidNamespace();
+  h->capacity.v.store(cap, std::memory_order_release);
+  slot = std::move(ch);
+  return slot.get();
+}
+
+// Opens and maps peer s's segment once it exists with its header (retrying until the
+// deadline); "" or why not.
+inline std::string OpenPeer(Channel& ch, int64_t s, Clock::time_point deadline) {
+  Mapping& m = ch.peers[s];
+  if (m.base != nullptr) return "";
+  const std::string name = ch.Name(s);
+  struct stat st {};
+  const bool ok = WaitUntil(
+      [&] {
+        if (m.fd < 0) m.fd = shm_open(name.c_str(), O_RDONLY, 0);
+        if (m.fd < 0) return false;
+        return fstat(m.fd, &st) == 0 && static_cast<size_t>(st.st_size) >= kHeaderBytes;
+      },
+      deadline);
+  if (!ok) return "rank " + std::to_string(s) + "'s segment " + name + " never appeared";
+  if (!Remap(m, st.st_size, false)) {
+    return "mapping " + name + " failed: " + std::strerror(errno);
+  }
+  return "";
+}
+
+// Makes peer s's mapping cover `bytes` of data (its writer grew it); "" or why not.
+inline std::string CoverPeer(Channel& ch, int64_t s, size_t bytes) {
+  Mapping& m = ch.peers[s];
+  if (kHeaderBytes + bytes <= m.len) return "";
+  struct stat st {};
+  if (fstat(m.fd, &st) != 0 || static_cast<size_t>(st.st_size) < kHeaderBytes + bytes ||
+      !Remap(m, st.st_size, false)) {
+    return "remapping " + ch.Name(s) + " failed: " + std::strerror(errno);
+  }
+  return "";
+}
+
+inline std::string Where(std::string_view channel, const Channel& ch) {
+  return "embedmesh host exchange (channel '" + std::string(channel) + "', tag " + Hex(ch.tag) +
+         ", rank " + std::to_string(ch.rank) + " of " + std::to_string(ch.n) + ")";
+}
+
+inline std::string Ranks(const std::vector<int64_t>& ranks) {
+  std::string s;
+  for (int64_t r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return s;
+}
+
+// The job is broken (a peer process exited): unlink every segment of the job this process
+// knows of, its own and its peers' (a process that exits without running its atexit hooks
+// would leave its segments behind); mappings stay valid.
+inline void UnlinkJob(int64_t job) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  for (auto& [key, ch] : Channels()) {
+    if (ch->job != job) continue;
+    for (int64_t r = 0; r < ch->n; ++r) shm_unlink(ch->Name(r).c_str());
+  }
+}
+
+// The ranks among `ranks` whose writer process exited.
+inline std::vector<int64_t> Exited(const Channel& ch, const std::vector<int64_t>& ranks) {
+  std::vector<int64_t> gone;
+  for (int64_t s : ranks) {
+    if (WriterExited(ch.peers[s].header())) gone.push_back(s);
+  }
+  return gone;
+}
+
+
+// One call of a host rendezvous: its call site and where this rank is.
+struct HostCall {
+  int64_t job, tag, n, rank, timeout_ms;
+  std::string_view channel;
+};
+
+// One round at call site `call`: writes this rank's `bytes` of data (fill(dst)) into its
+// segment, waits for every peer's, runs work(peers) (peers[s]: rank s's data, read in
+// place; peers[rank]: this rank's own, in its segment), then marks the round done.
+// Every rank must publish the same byte count. work returns "" or an error message.
+template <typename Fill, typename Work>
+ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, const Work& work) {
+  const int64_t n = call.n, rank = call.rank;
+  if (n < 1 || rank < 0 || rank >= n) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "embedmesh host exchange (channel '" + std::string(call.channel) +
+                          "'): rank " + std::to_string(rank) + " of " + std::to_string(n) +
+                          " devices");
+  }
+  std::string why;
+  Channel* found = ChannelOf(call.job, call.tag, n, rank, why);
+  if (found == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "embedmesh host exchange (channel '" +
+                                                     std::string(call.channel) + "'): " + why);
+  }
+  Channel& ch = *found;
+  if (ch.busy.exchange(true, std::memory_order_acquire)) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      Where(call.channel, ch) +
+                          ": two calls of one channel ran at once (every call site needs a "
+                          "channel of its own)");
+  }
+  struct Release {
+    Channel& ch;
+    ~Release() { ch.busy.store(false, std::memory_order_release); }
+  } release{ch};
+
+  const int64_t g = ++ch.round;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(call.timeout_ms);
+  char seconds_buf[32];
+  std::snprintf(seconds_buf, sizeof(seconds_buf), "%g s", call.timeout_ms / 1000.0);
+  const std::string seconds = seconds_buf;
+  SegmentHeader* mine = ch.own.header();
+  auto fail = [&](ffi::ErrorCode code, const std::string& what) {
+    mine->done.v.store(g, std::memory_order_release);  // nobody waits on this rank for it
+    return ffi::Error(code,
+                      Where(call.channel, ch) + ", round " + std::to_string(g) + ": " + what);
+  };
+  // a timeout, or peers whose process exited (then the job's segments are unlinked)
+  auto missing = [&](const std::vector<int64_t>& late, const std::string& what) {
+    const std::vector<int64_t> gone = Exited(ch, late);
+    if (!gone.empty()) {
+      UnlinkJob(ch.job);
+      return fail(ffi::ErrorCode::kAborted, "the process of peers " + Ranks(gone) +
+                                                " exited (waiting for them to " + what + ")");
+    }
+    return fail(ffi::ErrorCode::kDeadlineExceeded,
+                "peers " + Ranks(late) + " did not " + what + " within " + seconds);
+  };
+
+  // (a) every peer has read my previous round
+  if (g > 1) {
+    std::vector<int64_t> late;
+    for (int64_t s = 0; s < n; ++s) {
+      if (s == rank) continue;
+      std::string err = OpenPeer(ch, s, deadline);
+      if (!err.empty()) return fail(ffi::ErrorCode::kDeadlineExceeded, err);
+      const SegmentHeader* h = ch.peers[s].header();
+      if (!WaitUntil([&] { return h->done.v.load(std::memory_order_acquire) >= g - 1; },
+                     deadline, [&] { return WriterExited(h); })) {
+        late.push_back(s);
+      }
+    }
+    if (!late.empty()) return missing(late, "finish the previous round");
+    // every peer has read a round of mine, so has my segment open (and remaps it through
+    // its descriptor when it grows): its name can go now, and a process that dies later
+    // without its atexit hooks (SIGKILL, os._exit) leaves nothing behind
+    if (!ch.unlinked) {
+      shm_unlink(ch.Name(rank).c_str());
+      ch.unlinked = true;
+    }
+  }
+
+  // (b) publish my data
+  const size_t cap = mine->capacity.v.load(std::memory_order_relaxed);
+  if (bytes > cap) {
+    const size_t grown = GrownCapacity(bytes, cap);
+    std::string reserve = Reserve(ch.own.fd, kHeaderBytes + grown);
+    if (!reserve.empty() || !Remap(ch.own, kHeaderBytes + grown, true)) {
+      return fail(ffi::ErrorCode::kResourceExhausted,
+                  "growing " + ch.Name(rank) + " to " + std::to_string(grown) +
+                      " bytes failed: " + (reserve.empty() ? std::strerror(errno) : reserve));
+    }
+    mine = ch.own.header();
+    mine->capacity.v.store(grown, std::memory_order_relaxed);
+  }
+  fill(ch.own.data());
+  mine->size.v.store(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  mine->arrived.v.store(g, std::memory_order_release);
+
+  // (c) every peer's data, once all have arrived
+  for (int64_t s = 0; s < n; ++s) {
+    if (s == rank) continue;
+    std::string err = OpenPeer(ch, s, deadline);
+    if (!err.empty()) return fail(ffi::ErrorCode::kDeadlineExceeded, err);
+  }
+  std::vector<int64_t> late;
+  for (int64_t s = 0; s < n; ++s)
+    if (s != rank) late.push_back(s);
+  if (!WaitUntil(
+          [&] {
+            while (!late.empty() && ch.peers[late.back()].header()->arrived.v.load(
+                                        std::memory_order_acquire) >= g) {
+              late.pop_back();
+            }
+            return late.empty();
+          },
+          deadline, [&] { return !Exited(ch, late).empty(); })) {
+    return missing(late, "arrive");
+  }
+  std::vector<const char*> data(n);
+  for (int64_t s = 0; s < n; ++s) {
+    if (s == rank) {
+      data[s] = ch.own.data();
+      continue;
+    }
+    const int64_t size = ch.peers[s].header()->size.v.load(std::memory_order_relaxed);
+    if (size != static_cast<int64_t>(bytes)) {
+      return fail(ffi::ErrorCode::kInvalidArgument,
+                  "rank " + std::to_string(s) + " sent " + std::to_string(size) +
+                      " bytes, this rank " + std::to_string(bytes) +
+                      " (the processes traced different shapes for this channel)");
+    }
+    std::string cover = CoverPeer(ch, s, bytes);
+    if (!cover.empty()) return fail(ffi::ErrorCode::kInternal, cover);
+    data[s] = ch.peers[s].data();
+  }
+  std::string err = work(data);
+  if (!err.empty()) return fail(ffi::ErrorCode::kInvalidArgument, err);
+
+  // (d) done reading: peers may overwrite their segments
+  mine->done.v.store(g, std::memory_order_release);
+  return ffi::Error::Success();
+}
+
+// Offsets of consecutive arrays packed into one segment, each 64-byte aligned.
+struct Packing {
+  size_t bytes = 0;
+  size_t Add(size_t n) {
+    const size_t at = bytes;
+    bytes += (n + 63) / 64 * 64;
+    return at;
+  }
+};
+
+}  // namespace hostpeers
+}  // namespace embedmesh

@@ -1,0 +1,370 @@
+"""One process of the host-exchange tests (run by test_host_exchange.py).
+
+Usage: host_exchange_worker.py PROCESS_ID NUM_PROCESSES PORT MODE[,MODE...] [OUT_FILE]
+
+Every process has one CPU device; all run on 127.0.0.1 (gloo), so
+`peers.same_host_job` gives a nonzero key and `ops.exchange` with it takes the
+shared-memory kernel (host_exchange.cc). Modes:
+  "exchange": results equal numpy's all-to-all and XLA's (host_job=0, gloo)
+    exactly: several shapes and dtypes, a fori_loop of many rounds, a Python
+    loop, growing sizes on one channel (its segments remapped), two channels in
+    one program. Prints "OK exchange".
+  "mismatch": the processes trace different sizes for one channel; each prints
+    "CAUGHT <message>" (the kernel's error naming both sizes).
+  "absent": a peer that stops calling, then exits: timeout, then exit errors.
+  "ops": the host kernels of lookup_from_shards and backward_update_sharded equal
+    their references (the exchange path over gloo). Prints "OK ops".
+  "train": a MeshEmbedding trained for 3 steps; process 0 saves the tables to
+    OUT_FILE and every process prints "HOST_JOB <nonzero?>".
+"""
+
+import os
+import sys
+
+process_id, num_processes, port, mode = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+)
+out_file = sys.argv[5] if len(sys.argv) > 5 else ""
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from embedmesh.device import ops, peers  # noqa: E402
+
+N = num_processes
+
+
+def global_input(shape, dtype, seed):
+    """The same poisoned global array [N * rows, ...] in every process: random, nonzero
+    (so a block left unwritten or copied from the wrong place shows), NaN-free."""
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        v = rng.integers(1, 2**30, shape).astype(dtype)
+        return v * rng.choice(np.array([-1, 1], dtype), shape)
+    v = rng.uniform(0.5, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
+    return v.astype(dtype)
+
+
+def expected_all_to_all(g):
+    """Device d's block s of the result is device s's block d of the input."""
+    blocks = g.reshape((N, N, -1) + g.shape[1:])  # [device, block, rows / N, ...]
+    return np.swapaxes(blocks, 0, 1).reshape(g.shape)
+
+
+def shard(g, mesh):
+    sharding = NamedSharding(mesh, P("x"))
+    return jax.make_array_from_callback(g.shape, sharding, lambda index: g[index])
+
+
+def local(a):
+    """This process's part of `a` (sharded over axis 0), as numpy."""
+    (s,) = a.addressable_shards
+    return np.asarray(s.data), s.index
+
+
+def check(name, got, want_global):
+    data, index = local(got)
+    want = want_global[index]
+    if got.dtype == jnp.bfloat16:
+        data, want = data.view(np.uint16), want.view(np.uint16)
+    if not np.array_equal(data, want):
+        raise AssertionError(f"{name}: process {process_id} differs")
+
+
+def mapped(mesh, f, n_in=1):
+    spec = (P("x"),) * n_in
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=P("x"), check_vma=False))
+
+
+def run_exchange(mesh, job):
+    def both(x):  # the host kernel and XLA's all_to_all (host_job=0: gloo) side by side
+        a = ops.exchange(x, "x", N, host_job=job, channel="test/both")
+        b = ops.exchange(x, "x", N, host_job=0, channel="test/xla")
+        return jnp.stack([a, b])
+
+    both_mapped = jax.jit(
+        jax.shard_map(both, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x"), check_vma=False)
+    )
+    nn = N * N  # global rows per unit: each device holds N * k rows, k per peer
+    cases = [
+        ((nn * 2, 3), np.float32),
+        ((nn,), np.int32),
+        ((nn * 4, 5, 2), jnp.bfloat16),
+        ((nn * 3, 7), np.float32),
+        ((0, 4), np.float32),  # nothing to send: the round still pairs up
+    ]
+    for i, (shape, dtype) in enumerate(cases):
+        g = global_input(shape, dtype, seed=10 + i)
+        out = both_mapped(shard(g, mesh))
+        want = expected_all_to_all(g)
+        check(f"case {i} host", out[0], want)
+        check(f"case {i} xla", out[1], want)
+
+    # many rounds in one program: generation counters
+    def loop(x):
+        def body(i, v):
+            return ops.exchange(v, "x", N, host_job=job, channel="test/loop") + 1
+
+        return jax.lax.fori_loop(0, 40, body, x)
+
+    g = global_input((N * N * 3, 4), np.int32, seed=3)
+    want = g.copy()
+    for _ in range(40):
+        want = expected_all_to_all(want) + 1
+    check("fori_loop", mapped(mesh, loop)(shard(g, mesh)), want)
+
+    # a Python loop of calls of one program, and growing sizes on one channel (remaps)
+    once = mapped(mesh, lambda x: ops.exchange(x, "x", N, host_job=job, channel="test/grow"))
+    for step, k in enumerate([4, 4, 32, 2048, 1, 35000, 150000, 8, 150000]):
+        g = global_input((N * N * k, 8), np.float32, seed=100 + step)
+        check(f"grow {k}", once(shard(g, mesh)), expected_all_to_all(g))
+
+    # two channels in one program, independent and chained
+    def two(x, y):
+        a = ops.exchange(x, "x", N, host_job=job, channel="test/two/a")
+        b = ops.exchange(y, "x", N, host_job=job, channel="test/two/b")
+        c = ops.exchange(a * 2, "x", N, host_job=job, channel="test/two/c")
+        return a + b + c
+
+    gx = global_input((N * N * 5, 3), np.float32, seed=7)
+    gy = global_input((N * N * 5, 3), np.float32, seed=8)
+    want = expected_all_to_all(gx) + expected_all_to_all(gy)
+    want = want + expected_all_to_all(expected_all_to_all(gx) * 2)
+    for _ in range(3):
+        check("two channels", mapped(mesh, two, 2)(shard(gx, mesh), shard(gy, mesh)), want)
+    print("OK exchange", flush=True)
+
+
+def run_mismatch(mesh, job):
+    rows = 4 * N * (process_id + 1)  # each process its own size: the kernel must refuse
+    block = jnp.ones((rows, 2), jnp.float32)
+    x = jax.make_array_from_single_device_arrays(
+        (N * rows, 2), NamedSharding(mesh, P("x")), [jax.device_put(block, jax.local_devices()[0])]
+    )
+    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/mismatch"))
+    try:
+        np.asarray(local(f(x))[0])
+    except Exception as e:  # noqa: BLE001 - the runtime's error type
+        print("CAUGHT", str(e).replace("\n", " "), flush=True)
+    else:
+        print("NO ERROR", flush=True)
+
+
+def run_absent(mesh, job):
+    """Process 1 leaves after one round: process 0's next call times out naming it
+    (EMBEDMESH_EXCHANGE_TIMEOUT_S), and, once process 1 has exited, the call after fails
+    at once saying so. Prints "CAUGHT timeout ..." and "CAUGHT exited ..."."""
+    import time
+
+    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/absent"))
+    g = global_input((N * N * 2, 3), np.float32, seed=1)
+    x = shard(g, mesh)
+    check("absent round 1", f(x), expected_all_to_all(g))
+    if process_id == 1:
+        time.sleep(3)
+        os._exit(0)  # the job is broken: no shutdown barrier
+    for what in ("timeout", "exited"):
+        t = time.perf_counter()
+        try:
+            np.asarray(local(f(x))[0])
+        except Exception as e:  # noqa: BLE001 - the runtime's error type
+            line = str(e).replace("\n", " ")
+            print(f"CAUGHT {what} {time.perf_counter() - t:.1f} s {line}", flush=True)
+        else:
+            print(f"NO ERROR {what}", flush=True)
+        time.sleep(2.5)  # process 1 exits meanwhile
+    os._exit(0)
+
+
+def run_ops(mesh, job):
+    """The host kernels of lookup_from_shards and backward_update_sharded against their
+    references (the exchange path, XLA's all_to_all over gloo), on random batches with
+    padding ids, ids past the end, out-of-range slots, padding pairs, unsorted ids or
+    ungrouped pairs, and keep=False."""
+    from embedmesh.optimizers import SGD, Adagrad
+
+    sh = NamedSharding(mesh, P("x"))
+
+    def put(x):  # [N, ...] per device -> a global array sharded over devices
+        flat = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+        return jax.make_array_from_callback(flat.shape, sh, lambda index: flat[index])
+
+    def gathered(a):
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    for case in range(6) if N <= 2 else (1, 3, 4):  # 4 processes on 2 cores: fewer
+        r = np.random.default_rng(1000 + case)
+        rows, u, p, num_rows, d = 30, int(r.integers(1, 9)), int(r.integers(0, 25)), 7, 8
+        adagrad, keep = bool(case % 2), case != 4
+        grouped, shuffled = case in (0, 1, 4), case == 3
+        tables = r.standard_normal((N, 1, rows, d)).astype(np.float32)
+        accs = r.uniform(0.1, 1.0, (N, 1, rows, d)).astype(np.float32)
+        uids = np.full((N, N, u), ops.PAD_ID, np.int32)
+        for dev in range(N):
+            for s in range(N):
+                used = int(r.integers(0, u + 1))
+                ids = np.sort(r.choice(rows + 3, used, replace=False))  # some past the end
+                uids[dev, s, :used] = r.permutation(ids) if shuffled else ids
+        puniq = r.integers(0, u + 2, size=(N, N, p)).astype(np.int32)  # >= u: out of range
+        if grouped:
+            puniq.sort(axis=-1)
+        prows = r.integers(0, num_rows + 1, size=(N, N, p)).astype(np.int32)  # R: padding
+        gains = r.standard_normal((N, N, p)).astype(np.float32)
+        acts = r.standard_normal((N, num_rows, d)).astype(np.float32)
+
+        def lookup(host_job):
+            def body(t, ui, pu, g, pr):
+                return ops.lookup_from_shards(
+                    t[0], ui, pu, g, pr, num_rows, "x", N, host_job=host_job, channel="ops/lk"
+                )
+
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"), check_vma=False
+                )
+            )
+            args = (put(tables), put(uids), put(puniq), put(gains), put(prows))
+            return fn.lower(*args).as_text(), gathered(fn(*args))
+
+        text, host = lookup(job)
+        assert "embedmesh_host_lookup" in text
+        _, ref = lookup(0)
+        np.testing.assert_allclose(host, ref, rtol=1e-6, atol=1e-6, err_msg=f"lookup {case}")
+
+        lr, clip, wd = 0.3, 0.8, 0.05
+        kw = dict(clipvalue=clip, weight_decay_factor=wd)
+        opt = Adagrad(lr, **kw) if adagrad else SGD(lr, **kw)
+
+        def update(host_job):
+            def body(t, a, ui, act, pr, pu, g):
+                slots = {"accumulators": a[0]} if adagrad else {}
+                t, slots = ops.backward_update_sharded(
+                    opt,
+                    t[0],
+                    slots,
+                    ui,
+                    act,
+                    pr,
+                    pu,
+                    g,
+                    keep,
+                    0,
+                    "x",
+                    N,
+                    host_job=host_job,
+                    channel="ops/up",
+                )
+                return t[None], slots.get("accumulators", a[0])[None]
+
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
+                )
+            )
+            args = (put(tables), put(accs), put(uids), put(acts), put(prows), put(puniq))
+            args = args + (put(gains),)
+            return fn.lower(*args).as_text(), [gathered(x) for x in fn(*args)]
+
+        text, (t_host, a_host) = update(job)
+        assert f"embedmesh_backward_{'adagrad' if adagrad else 'sgd'}_from_host_sources" in text
+        _, (t_ref, a_ref) = update(0)
+        np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"table {case}")
+        np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"acc {case}")
+        if not keep:
+            np.testing.assert_array_equal(t_host, tables.reshape(t_host.shape))
+    print("OK ops", flush=True)
+
+
+def train(name, optimizer, **kwargs):
+    """A MeshEmbedding trained for 4 steps: (its tables by "name/table.var", its core's
+    same-host key, the channels of that job's shared-memory segments)."""
+    import embedmesh as em
+    from embedmesh.device.ops.cpu import kernels
+    from embedmesh.facade import MeshEmbedding
+    from embedmesh.host.preprocess import Capacity
+
+    t1 = em.TableConfig(300, 8, combiner="mean", name="t1")
+    t2 = em.TableConfig(70, 4, combiner="sqrtn", name="t2")
+    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    emb = MeshEmbedding(feats, optimizer, mesh=mesh, capacities=Capacity(64, 64), **kwargs)
+    emb.build()
+    grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
+    rng = np.random.default_rng(5)
+    batch = 8 * N
+    per = batch // N
+    for _ in range(4):
+        a = rng.integers(0, 300, (batch, 3))
+        b = rng.integers(0, 70, (batch,))
+        lo, hi = process_id * per, (process_id + 1) * per
+        acts, pre = emb({"a": a[lo:hi], "b": b[lo:hi]})
+        emb.apply_gradients(grad_fn(acts), pre)
+    tables = {f"{name}/{t.name}.{k}": v for t, d in emb.variables.items() for k, v in d.items()}
+    job = emb.core.host_job
+    channels = []
+    if job:  # which kernels ran: the channels this process used for that job
+        from embedmesh.device.ops.cpu import library
+
+        tags = library.host_channel_tags(job)
+        names = {
+            kernels.channel_tag(f"{s}/{k}"): f"{s}/{k}"
+            for s in ("t1", "t2", "t1+t2")
+            for k in ("lookup/ids", "lookup/rows", "update/sources")
+        }
+        channels = sorted(names.get(t, "?") for t in tags)
+    return tables, job, channels
+
+
+def run_train():
+    import embedmesh as em
+
+    tables = {}
+    runs = [
+        ("adagrad", em.Adagrad(0.2), {}),
+        # two stacks, each update fused with the next lookup: independent host calls
+        # in one program
+        ("sgd", em.SGD(0.3), dict(stack_tables=False, pipeline_execution_with_tensor_core=True)),
+    ]
+    for name, optimizer, kwargs in runs:
+        t, job, channels = train(name, optimizer, **kwargs)
+        tables.update(t)
+        print(f"HOST_JOB {name} {int(job != 0)}", flush=True)
+        print(f"CHANNELS {name} {channels}", flush=True)
+    if process_id == 0:
+        np.savez(out_file, **tables)
+
+
+def main():
+    if mode == "train":
+        run_train()
+    else:
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        job = peers.same_host_job(mesh)
+        assert job != 0, "same_host_job found no shared host on 127.0.0.1"
+        for m in mode.split(","):
+            {
+                "exchange": run_exchange,
+                "mismatch": run_mismatch,
+                "ops": run_ops,
+                "absent": run_absent,
+            }[m](mesh, job)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
