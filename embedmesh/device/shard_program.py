@@ -302,7 +302,7 @@ def lookup_pooled(
     back and are summed per row (in shard order)."""
     n = num_shards
     rc, d = pooled.width, table_shard.shape[-1]
-    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/pooled")
+    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/lookup/pooled")
     ids, slot, row, gains, _ = _serve_pairs(
         unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to
     )
@@ -341,7 +341,7 @@ def update_shard_pooled(
     n = num_shards
     rc, d = pooled.width, act_grads.shape[-1]
     u = unique_ids.shape[1]
-    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/pooled")
+    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/update/pooled")
     g = act_grads.astype(jnp.float32)
     if pooled.rows is None:
         g = jnp.broadcast_to(g[None], (n,) + g.shape)
