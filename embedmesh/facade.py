@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from embedmesh import _compat
 from embedmesh.config import TableConfig, resolve_feature_config
+from embedmesh.device import peers as _peers
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.host import agree as _agree
 from embedmesh.host import preprocess as _pre
@@ -321,7 +322,11 @@ class MeshEmbedding:
         local = max(1, sum(d.process_index == jax.process_index() for d in mesh.devices.flat))
         batch = csrs[0].batch_size // local if csrs else _planner.DEFAULT_BATCH_PER_DEVICE
         chosen, predicted = _planner.plan(
-            stats, self._strategies, mesh.size, batch, _planner.machine_for(mesh)
+            stats,
+            self._strategies,
+            mesh.size,
+            batch,
+            _planner.machine_for(mesh, _peers.mesh_on_cpu(mesh)),
         )
         if "auto" in self._strategies.values() and jax.process_count() > 1:
             codes = np.array(

@@ -165,3 +165,33 @@ def test_two_processes_pooled_match_one_process_mod(tmp_path, sharding):
     for k in a.files:
         np.testing.assert_allclose(b[k], a[k], rtol=2e-5, atol=1e-6, err_msg=k)
     assert np.abs(a["t1.accumulators"] - 0.1).max() > 1e-3
+
+
+def test_plan_is_readable_and_auto_plans_from_the_first_batch():
+    big = em.TableConfig(5000, 16, name="big", combiner="sum")
+    small = em.TableConfig(40, 8, name="small", combiner="mean")
+    feats = {"b": em.FeatureConfig(big), "s": em.FeatureConfig(small)}
+    emb = em.MeshEmbedding(
+        feats,
+        em.Adagrad(0.1),
+        mesh=test_engine.mesh_of(2),
+        sharding={"big": "auto", small: "table_wise"},
+    )
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 6, 64)
+    batch = {
+        "b": em.RaggedTensor.from_row_lengths(rng.integers(0, 5000, lengths.sum()), lengths),
+        "s": rng.integers(0, 40, 64),
+    }
+    emb.enqueue(batch)  # builds, planning "big" from this batch
+    strategies = dict(emb.plan.strategies)
+    assert strategies["small"] == "table_wise"
+    assert strategies["big"] in ("row_wise_rows", "row_wise_pooled", "table_wise")
+    text = str(emb.plan)
+    assert text == emb.plan.describe()
+    small_line = next(line for line in text.splitlines() if line.startswith("small "))
+    # 40 rows x dim 8 x 4 bytes x (table + Adagrad slot) on its one owner
+    assert "table_wise" in small_line and f"{40 * 8 * 4 * 2 / 1e6:,.1f}" in small_line
+    assert "cost model" in text.splitlines()[0]
+    owner = emb.plan.table("small").first_shard
+    assert small_line.split()[3] == str(owner)

@@ -24,7 +24,7 @@ import numpy as np
 
 from embedmesh import _runtime
 
-__all__ = ["host_identity", "same_host_job"]
+__all__ = ["host_identity", "mesh_on_cpu", "same_host_job"]
 
 
 def host_identity() -> int:
@@ -66,3 +66,10 @@ def same_host_job(mesh) -> int:
     if len(set(gathered[:, 0].tolist())) != 1 or not gathered[:, 1].all():
         return 0
     return (int(gathered[0, 2]) << 31) | int(gathered[0, 3])
+
+
+def mesh_on_cpu(mesh) -> bool:
+    """Whether every device of `mesh` is a CPU (the ops layer's answer)."""
+    from embedmesh.device.ops import cpu
+
+    return cpu.all_cpu(list(mesh.devices.flat))

@@ -135,14 +135,15 @@ def table_stats(resolved, optimizers: Mapping[str, object], csrs: Sequence | Non
     return stats
 
 
-def machine_for(mesh) -> Machine:
-    """The cost model's constants for `mesh`: this CPU's (in-process devices read each
-    other's memory; processes of one host copy through shared memory; hosts go
-    through gloo), or the GPU cluster projection (H200 or H100)."""
+def machine_for(mesh, on_cpu: bool) -> Machine:
+    """The cost model's constants for `mesh` (`on_cpu`: its devices are CPUs, as the
+    ops layer tells): this CPU's (in-process devices read each other's memory;
+    processes of one host copy through shared memory), or the GPU cluster projection
+    (H200 or H100)."""
     devices = list(mesh.devices.flat)
     processes = {d.process_index for d in devices}
-    if devices[0].platform == "gpu":
-        kind = getattr(devices[0], "device_kind", "")
+    if not on_cpu:
+        kind = str(getattr(devices[0], "device_kind", ""))
         return Machine.h200() if "H200" in kind else Machine.h100_cluster()
     if len(processes) == 1:
         return Machine.this_cpu("shm")
