@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from embedmesh import _compat
-from embedmesh.config import TableConfig, resolve_feature_config
+from embedmesh.config import resolve_feature_config
 from embedmesh.device import peers as _peers
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.host import agree as _agree
@@ -140,15 +140,7 @@ class MeshEmbedding:
         self._stack_tables = stack_tables
         self._max_stack_rows = max_stack_rows
         # a ValueError naming a bad table or strategy before build: {table: strategy}
-        self._strategies = _planner.resolve_strategies(
-            self._resolved.table_names,
-            {
-                (self._resolved.table_name(k) if isinstance(k, TableConfig) else k): v
-                for k, v in sharding.items()
-            }
-            if isinstance(sharding, Mapping)
-            else sharding,
-        )
+        self._strategies = _planner.resolve_strategies(self._resolved, sharding)
         self._sample_csrs: list | None = None  # the first batch, for "auto" (see build)
         self._capacities = capacities
         if overflow is None:

@@ -39,3 +39,35 @@ def run_together(commands, env, timeout=300):
     for code, out in zip(codes, outputs):
         assert code == 0, out[-3000:]
     return outputs
+
+
+def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: str):
+    """`multiprocess_worker.py` once as one process with 4 devices under
+    `single_sharding`, and as two processes of 2 devices under `multi_sharding`; the
+    two saved results (`np.load`), the single one first."""
+    import os
+    import sys
+
+    import numpy as np
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    worker = os.path.join(here, "multiprocess_worker.py")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
+    subprocess.run(
+        [sys.executable, worker, "0", "1", "0", str(single), single_sharding],
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    port = free_port()
+    run_together(
+        [
+            [sys.executable, worker, str(i), "2", str(port), str(multi), multi_sharding]
+            for i in range(2)
+        ],
+        env=env,
+    )
+    return np.load(single), np.load(multi)

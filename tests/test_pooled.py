@@ -137,30 +137,9 @@ def test_exchange_bytes_count_what_the_all_to_alls_send():
 def test_two_processes_pooled_match_one_process_mod(tmp_path, sharding):
     """Two real processes (shared-memory exchange on one host) with pooling on the
     owners, or the planner's choice, train like one process with the row exchange."""
-    import os
-    import subprocess
-    import sys
+    from process_helpers import train_one_and_two_processes
 
-    from process_helpers import free_port, run_together
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    worker = os.path.join(here, "multiprocess_worker.py")
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
-    single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
-    subprocess.run(
-        [sys.executable, worker, "0", "1", "0", str(single), "mod"],
-        env=env,
-        check=True,
-        timeout=300,
-    )
-    port = free_port()
-    run_together(
-        [[sys.executable, worker, str(i), "2", str(port), str(multi), sharding] for i in range(2)],
-        env=env,
-    )
-    a, b = np.load(single), np.load(multi)
+    a, b = train_one_and_two_processes(tmp_path, "mod", sharding)
     assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
     for k in a.files:
         np.testing.assert_allclose(b[k], a[k], rtol=2e-5, atol=1e-6, err_msg=k)

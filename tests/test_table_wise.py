@@ -8,7 +8,6 @@ reference, is in tests/test_preprocess.py: its random plans draw placements too.
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -20,7 +19,7 @@ from checkpoint_common import make_features, make_tables, train_step, variables_
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
-from process_helpers import free_port, run_together
+from process_helpers import free_port, run_together, train_one_and_two_processes
 from test_engine import OPTIMIZER_HP
 
 import embedmesh as em
@@ -304,26 +303,7 @@ def test_training_matches_reference(num_devices, opt_name, variant, sharding):
 
 
 def test_two_processes_match_one_process_table_wise(tmp_path):
-    worker = os.path.join(HERE, "multiprocess_worker.py")
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
-    subprocess.run(
-        [sys.executable, worker, "0", "1", "0", str(single), "table_wise"],
-        env=env,
-        check=True,
-        timeout=300,
-    )
-    port = free_port()
-    run_together(
-        [
-            [sys.executable, worker, str(i), "2", str(port), str(multi), "table_wise"]
-            for i in range(2)
-        ],
-        env=env,
-    )
-    a, b = np.load(single), np.load(multi)
+    a, b = train_one_and_two_processes(tmp_path, "table_wise", "table_wise")
     assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
     for k in a.files:
         np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)

@@ -25,6 +25,7 @@ import numpy as np
 
 from embedmesh.layout import cost_model
 from embedmesh.layout.cost_model import Machine, Plan, TableStats
+from embedmesh.layout.stacking import table_shardings
 
 __all__ = [
     "PLANNED",
@@ -47,32 +48,11 @@ CHOICES = tuple(STRATEGY_FORMS) + ("auto",)
 DEFAULT_BATCH_PER_DEVICE = 256  # the planner's batch when it has not seen one
 
 
-def resolve_strategies(table_names: Sequence[str], sharding) -> dict:
+def resolve_strategies(resolved, sharding) -> dict:
     """`{table: strategy or "auto"}` from `MeshEmbedding`'s `sharding` argument: one
-    name for every table, or a mapping (tables it leaves out: "mod")."""
-    choices = list(CHOICES)
-    if isinstance(sharding, str):
-        if sharding not in CHOICES:
-            raise ValueError(f"sharding must be one of {choices}, got {sharding!r}")
-        return {t: sharding for t in table_names}
-    if not isinstance(sharding, Mapping):
-        raise ValueError(
-            f"sharding must be one of {choices} or a mapping {{table name: one of them}}, "
-            f"got {sharding!r}"
-        )
-    out = {t: "mod" for t in table_names}
-    for name, strategy in sharding.items():
-        if not isinstance(name, str) or name not in out:
-            raise ValueError(
-                f"sharding names table {name!r}, which the feature config does not have "
-                f"(its tables: {sorted(out)})"
-            )
-        if not isinstance(strategy, str) or strategy not in CHOICES:
-            raise ValueError(
-                f"sharding of table {name}: must be one of {choices}, got {strategy!r}"
-            )
-        out[name] = strategy
-    return out
+    of `CHOICES` for every table, or a mapping from table names (or `TableConfig`s)
+    to one (tables it leaves out: "mod"); `stacking.table_shardings`' checks."""
+    return dict(zip(resolved.table_names, table_shardings(sharding, resolved, CHOICES)))
 
 
 def _distinct(ids: np.ndarray) -> int:

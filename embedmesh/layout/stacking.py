@@ -376,19 +376,23 @@ def _effective_optimizer(table: TableConfig, default):
 ShardingArg = Union[str, Mapping[Any, str]]
 
 
-def table_shardings(sharding: ShardingArg, resolved: ResolvedFeatures) -> tuple:
+def table_shardings(
+    sharding: ShardingArg, resolved: ResolvedFeatures, choices: tuple = SHARDINGS
+) -> tuple:
     """Each table's placement ("mod" or "table_wise"), in the resolved config's table
-    order, from `sharding`: one of `SHARDINGS` for every table, or a mapping from table
-    names (or `TableConfig`s) to one (tables not named: "mod"). Unknown tables or
-    placements raise a ValueError naming them."""
+    order, from `sharding`: one of `choices` (default `SHARDINGS`; the facade passes
+    its strategies) for every table, or a mapping from table names (or `TableConfig`s)
+    to one (tables not named: "mod"). Unknown tables or values raise a ValueError
+    naming them."""
     names = resolved.table_names
+    valid = list(choices)
     if isinstance(sharding, str):
-        if sharding not in SHARDINGS:
-            raise ValueError(f"sharding must be one of {list(SHARDINGS)}, got {sharding!r}")
+        if sharding not in choices:
+            raise ValueError(f"sharding must be one of {valid}, got {sharding!r}")
         return (sharding,) * len(names)
     if not isinstance(sharding, Mapping):
         raise ValueError(
-            f"sharding must be one of {list(SHARDINGS)} or a mapping "
+            f"sharding must be one of {valid} or a mapping "
             f"{{table name: one of them}}, got {sharding!r}"
         )
     out = dict.fromkeys(names, "mod")
@@ -399,10 +403,8 @@ def table_shardings(sharding: ShardingArg, resolved: ResolvedFeatures) -> tuple:
                 f"sharding names table {key!r}, which the feature config does not have "
                 f"(its tables: {sorted(names)})"
             )
-        if not isinstance(value, str) or value not in SHARDINGS:
-            raise ValueError(
-                f"sharding of table {name}: must be one of {list(SHARDINGS)}, got {value!r}"
-            )
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"sharding of table {name}: must be one of {valid}, got {value!r}")
         out[name] = value
     return tuple(out[n] for n in names)
 
