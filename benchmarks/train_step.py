@@ -44,6 +44,13 @@ Memory: peak RSS (VmHWM) of each child after setup and during the timed steps
     /tmp/trainbench/bin/python benchmarks/train_step.py            # all peers
     ... --peers embedmesh,fbgemm-exact --rounds 5 --steps 10
     ... --profile                        # where embedmesh's step time goes
+    ... --sharding table_wise            # one strategy (default auto: the planner's)
+    ... --trace DIR                      # perfetto traces of each peer's steps
+
+Sharded peers use `--sharding` (default "auto": the planner's pick for their mesh,
+from the first batch, as `MeshEmbedding(sharding="auto")` makes it); each reports the
+bytes its device sends per step (`EmbeddingCore.exchange_bytes`) against the row
+exchange of mod sharding at its capacities.
 
 See benchmarks/requirements-train.txt for the peer environment.
 """
@@ -178,16 +185,64 @@ def embedmesh_setup(batches, capacity_batches=None):
     feats = features(batches)
     ndev = len(jax.devices())
     mesh = Mesh(np.array(jax.devices()), ("devices",))
+    from embedmesh.layout.planner import STRATEGY_FORMS
     from embedmesh.layout.stacking import plan_stacking
 
-    plan = plan_stacking(fc, ndev)
-    local = len(jax.local_devices())
     sample = feats if capacity_batches is None else features(capacity_batches)
-    caps = em.compute_sparse_core_stats(sample, plan, num_devices_local=local).capacities()
+    # "auto": the planner's choice from the first batch (process 0's in 2proc), as the
+    # facade makes it; then the plan of that choice, for its capacities
+    strategies = chosen_strategies(
+        os.environ.get("EMBEDMESH_BENCH_SHARDING", "auto"), fc, sample[0], mesh
+    )
+    names = [f"t{t}" for t in range(T)]
+    local = len(jax.local_devices())
+
+    def capacities(strategies):
+        plan = plan_stacking(
+            fc,
+            ndev,
+            sharding={t: STRATEGY_FORMS[strategies[t]][0] for t in names},
+            stack_keys={t: STRATEGY_FORMS[strategies[t]][1] for t in names} if ndev > 1 else None,
+        )
+        return em.compute_sparse_core_stats(sample, plan, num_devices_local=local).capacities()
+
+    caps = capacities(strategies)
+    mod_caps = capacities({t: "mod" for t in names})  # today's row exchange, for the ratio
     pipelined = os.environ.get("EMBEDMESH_BENCH_PIPELINED") == "1"
-    emb = em.MeshEmbedding(fc, em.Adagrad(learning_rate=LR), pipelined, mesh=mesh, capacities=caps)
+    emb = em.MeshEmbedding(
+        fc,
+        em.Adagrad(learning_rate=LR),
+        pipelined,
+        mesh=mesh,
+        capacities=caps,
+        sharding=strategies,
+    )
+    emb.mod_exchange_bytes = row_exchange_bytes(mod_caps, ndev)
     emb.build()
     return emb, feats, caps
+
+
+def chosen_strategies(sharding: str, fc, batch, mesh) -> dict:
+    """`{table: strategy}`: `sharding` for every table, or with "auto" the planner's
+    pick from `batch` for `mesh` (the facade's own call: `planner.plan` on the batch's
+    table statistics, the cost model's machine for the mesh)."""
+    names = [f"t{t}" for t in range(T)]
+    if sharding != "auto":
+        return {t: sharding for t in names}
+    import embedmesh as em
+    from embedmesh.config import resolve_feature_config
+    from embedmesh.device import peers
+    from embedmesh.inputs import flatten_inputs_like, to_csr
+    from embedmesh.layout import planner
+
+    resolved = resolve_feature_config(fc)
+    flat = flatten_inputs_like(resolved, batch)
+    csrs = [to_csr(n, f, x) for n, f, x in zip(resolved.feature_names, resolved.features, flat)]
+    opt = em.Adagrad(learning_rate=LR)
+    stats = planner.table_stats(resolved, {t: opt for t in resolved.table_names}, csrs)
+    machine = planner.machine_for(mesh, peers.mesh_on_cpu(mesh))
+    chosen, _ = planner.plan(stats, {t: "auto" for t in names}, mesh.size, B, machine)
+    return {t: ("mod" if chosen[t] in ("mod", "row_wise_rows") else chosen[t]) for t in names}
 
 
 def row_exchange_bytes(caps, n: int) -> int:
@@ -249,6 +304,15 @@ def child_embedmesh(args, batches, capacity_batches=None):
         return (time.perf_counter() - t) / args.steps
 
     e2e_t = e2e()
+    trace_dir = os.environ.get("EMBEDMESH_BENCH_TRACE")
+    if trace_dir:  # a perfetto trace of a few device steps (--trace)
+        it = iter(range(10**9))
+        with jax.profiler.trace(
+            os.path.join(trace_dir, f"{args.child}-{args.proc_id}"), create_perfetto_trace=True
+        ):
+            for _ in range(4):
+                device_step(csrs[next(it) % nb])
+            jax.block_until_ready(emb.state)
     step_hwm, rss = rss_status()
     state_bytes = sum(
         x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
@@ -263,7 +327,9 @@ def child_embedmesh(args, batches, capacity_batches=None):
         state_bytes=state_bytes,
         devices=len(jax.devices()),
         capacity=str(list(caps.values())[0]),
-        exchange_bytes=row_exchange_bytes(caps, len(jax.devices())),
+        exchange_bytes=sum(emb.core.exchange_bytes(csrs[0]).values()),
+        mod_exchange_bytes=emb.mod_exchange_bytes,
+        strategies="+".join(sorted({s for _, s in emb.plan.strategies})),
     )
 
 
@@ -826,6 +892,13 @@ def main():
     ap.add_argument("--profile", action="store_true", help="profile embedmesh's step instead")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument(
+        "--sharding",
+        default="auto",
+        help="embedmesh's strategy for every table: auto (the planner's pick), mod, "
+        "row_wise_pooled or table_wise",
+    )
+    ap.add_argument("--trace", help="write a perfetto trace of 4 steps of each peer here")
+    ap.add_argument(
         "--baseline",
         help="path of an older embedmesh/device/shard_program.py: "
         "adds the peer "
@@ -835,6 +908,9 @@ def main():
     ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding  # the children's (child_env)
+    if args.trace:
+        os.environ["EMBEDMESH_BENCH_TRACE"] = os.path.abspath(args.trace)
     if args.child:
         return child_main(args)
 
@@ -909,6 +985,8 @@ def main():
             step_hwm=max(r["step_hwm"] for r in results[p]),
             state_bytes=results[p][0]["state_bytes"],
             exchange_bytes=results[p][0].get("exchange_bytes"),
+            mod_exchange_bytes=results[p][0].get("mod_exchange_bytes"),
+            strategies=results[p][0].get("strategies"),
         )
     ids = next(iter(rows.values()))["ids"] if rows else 0
     print(
@@ -982,10 +1060,12 @@ def print_scale_out(rows, results):
             rounds = " / ".join(f"{x:.2f}" for x in per_round)
             lines.append(f"  {what}: {statistics.median(per_round):.2f}x (rounds {rounds})")
     for p, r in rows.items():
-        if r.get("exchange_bytes"):
+        if r.get("mod_exchange_bytes"):
+            sent, mod = r["exchange_bytes"], r["mod_exchange_bytes"]
             lines.append(
-                f"  {p}: a row exchange sends {r['exchange_bytes'] / 1e6:.1f} MB per device "
-                "per step at its capacities"
+                f"  {p}: {r['strategies']} sends {sent / 1e6:.1f} MB per device per step at its "
+                f"capacities; the row exchange (mod) {mod / 1e6:.1f} MB: "
+                f"{mod / max(sent, 1):.2f}x fewer"
             )
     if lines:
         print("\nscale-out (medians of per-round ratios):")

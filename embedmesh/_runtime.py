@@ -36,6 +36,7 @@ import numpy as np
 
 __all__ = [
     "COMBINER_CODE",
+    "PACK_LIMIT",
     "PAD_ID",
     "aligned_buffer",
     "aligned_empty",
@@ -47,6 +48,7 @@ __all__ = [
     "gpu_kernels_variant",
     "numba_enabled",
     "output_pool_bytes",
+    "pooled_pair_fields",
     "preprocess_threads",
     "reset",
     "serving_threads",
@@ -57,6 +59,17 @@ __all__ = [
 # Padding id of unique-id lists: int32 max, out of range on every shard (the C++
 # kernels' kPad has the same value).
 PAD_ID = int(np.iinfo(np.int32).max)
+
+# A pooled message's pair (ops.pack_pooled_pairs): its id's position and its row among the
+# owner's Rc rows share one int32 word while (U + 1) * (Rc + 1) stays below this.
+PACK_LIMIT = 2**31
+
+
+def pooled_pair_fields(unique_capacity: int, width: int) -> int:
+    """Int32 words a pair takes in a pooled message: 2 (position and row packed in one
+    word, then the gain's bits) below `PACK_LIMIT`, else 3."""
+    return 2 if (int(unique_capacity) + 1) * (int(width) + 1) < PACK_LIMIT else 3
+
 
 # Combiner codes the host and device kernels take.
 COMBINER_CODE = {None: 0, "sum": 0, "mean": 1, "sqrtn": 2}

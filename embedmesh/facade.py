@@ -151,7 +151,9 @@ class MeshEmbedding:
         self._check_finite = check_finite
         self._seed = seed
         self._built = False
-        self._pending: tuple | None = None  # (checked gradients, csr): the next update
+        self._pending: tuple | None = None  # (checked gradients, csr, view): the next update
+        # (the last dequeue's outputs, the owners' view of them: `EmbeddingCore.lookup`)
+        self._view: tuple | None = None
         self._observed: tuple | None = None  # (pending, state with it applied), cached
         # pipelined, after a restore of a checkpoint saved with an update pending: the
         # state to install after the next lookup (which reads `_state`, one update stale)
@@ -195,33 +197,35 @@ class MeshEmbedding:
         self._multiprocess = len({d.process_index for d in devices}) > 1
         self._state = self.core.init(jax.random.key(self._seed))
         core = self.core  # no reference to self: no cycle
-        self._lookup_fn = jax.jit(core.lookup)
+        # Every lookup also returns the owners' view of its batch (`core.lookup`'s
+        # `carrying`), which that batch's update takes: the pairs cross once a step.
+        self._lookup_fn = jax.jit(lambda st, c: core.lookup(st, c, carrying=True))
 
         # gradients are checked on the host side (`_all_finite_fn`) before either
         # deferred program runs: an in-program `cond` costs 2-10 ms a step on CPU
-        self._fused_fn = jax.jit(
-            lambda st, g, c_prev, c_next: core.lookup_then_apply_gradients(
-                st, g, c_prev, c_next, check_finite=False
-            )[:2],
+        def lookup_then_apply(st, g, c_prev, view, c_next):
+            acts, st, _, next_view = core.lookup_then_apply_gradients(
+                st, g, c_prev, c_next, check_finite=False, view=view, carrying=True
+            )
+            return (acts, next_view), st
+
+        self._fused_fn = jax.jit(lookup_then_apply, donate_argnums=0)
+        self._apply_fn = jax.jit(
+            lambda st, g, c, view: core.apply_gradients(st, g, c, check_finite=False, view=view)[0],
             donate_argnums=0,
         )
-        self._apply_fn = jax.jit(
-            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0], donate_argnums=0
-        )
 
-        def apply_then_lookup(st, g, c_prev, c_next):
-            st, _ = core.apply_gradients(st, g, c_prev, check_finite=False)
-            return core.lookup(st, c_next), st
+        def apply_then_lookup(st, g, c_prev, view, c_next):
+            st, _ = core.apply_gradients(st, g, c_prev, check_finite=False, view=view)
+            return core.lookup(st, c_next, carrying=True), st
 
         self._apply_lookup_fn = jax.jit(apply_then_lookup, donate_argnums=0)
         # pipelined reads: the pending update applied into new buffers, the live
         # state (what the next lookup reads) left as it is
         self._apply_copy_fn = jax.jit(
-            lambda st, g, c: core.apply_gradients(st, g, c, check_finite=False)[0]
+            lambda st, g, c, view: core.apply_gradients(st, g, c, check_finite=False, view=view)[0]
         )
-        self._all_finite_fn = jax.jit(
-            lambda g: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g.values()]))
-        )
+        self._all_finite_fn = jax.jit(core.all_finite)
         self._built = True
 
     def observed_state(self) -> EmbeddingState:
@@ -243,8 +247,8 @@ class MeshEmbedding:
             self.flush()
             return self._state
         if self._observed is None or self._observed[0] is not self._pending:
-            grads, csr = self._pending
-            self._observed = (self._pending, self._apply_copy_fn(self._state, grads, csr))
+            grads, csr, view = self._pending
+            self._observed = (self._pending, self._apply_copy_fn(self._state, grads, csr, view))
         return self._observed[1]
 
     @property
@@ -279,7 +283,7 @@ class MeshEmbedding:
             return state, {s: a for s, a in self._state.tables.items() if a is not state.tables[s]}
         if self._pending is None:
             return state, {}
-        _, csr = self._pending
+        _, csr, _ = self._pending
         return state, {s: self._state.tables[s] for s in csr}
 
     def _install_restored(self, restored) -> None:
@@ -498,15 +502,16 @@ class MeshEmbedding:
         self._require_built("dequeue")
         partitioned_tensors = self._partitioned_dict(partitioned_tensors, "dequeue")
         if self._pending is not None:
-            grads, prev = self._pending
+            grads, prev, view = self._pending
             self._pending = None
             self._observed = None  # the read copy, if any, is not needed any more
             run = self._fused_fn if self._pipelined else self._apply_lookup_fn
-            acts, self._state = run(self._state, grads, prev, partitioned_tensors)
+            (acts, view), self._state = run(self._state, grads, prev, view, partitioned_tensors)
         else:
-            acts = self._lookup_fn(self._state, partitioned_tensors)
+            acts, view = self._lookup_fn(self._state, partitioned_tensors)
             if self._after_lookup is not None:  # restored mid-pipeline: now up to date
                 self._state, self._after_lookup = self._after_lookup, None
+        self._view = (partitioned_tensors, view)
         return self._pack_activations(acts, partitioned_tensors), partitioned_tensors
 
     def embedding_lookup(self, features: Any, weights: Any | None = None):
@@ -658,7 +663,10 @@ class MeshEmbedding:
             # partitions); count the step
             self._state = dataclasses.replace(self._state, step=self._state.step + 1)
             return
-        self._pending = (grads, preserved_outputs)
+        # the owners' view of these outputs, when they are the last dequeue's
+        last = self._view
+        view = last[1] if last is not None and last[0] is preserved_outputs else {}
+        self._pending = (grads, preserved_outputs, view)
 
     def flush(self):
         """Apply an update still waiting for the next lookup.
@@ -671,10 +679,10 @@ class MeshEmbedding:
             self._state, self._after_lookup = self._after_lookup, None
         if self._pending is None:
             return
-        grads, csr = self._pending
+        grads, csr, view = self._pending
         self._pending = None
         self._observed = None
-        self._state = self._apply_fn(self._state, grads, csr)
+        self._state = self._apply_fn(self._state, grads, csr, view)
 
     def _raise_if_not_finite(self, ok, grads):
         if not bool(ok):

@@ -14,8 +14,10 @@ shared-memory kernel (host_exchange.cc). Modes:
   "absent": a peer that stops calling, then exits: timeout, then exit errors.
   "ops": the host kernels of lookup_from_shards and backward_update_sharded equal
     their references (the exchange path over gloo). Prints "OK ops".
-  "train": a MeshEmbedding trained for 3 steps; process 0 saves the tables to
-    OUT_FILE and every process prints "HOST_JOB <nonzero?>".
+  "train": a MeshEmbedding trained for 4 steps, then one step with a NaN gradient in
+    the last process only (every process prints "REJECTED <name> unchanged=True");
+    process 0 saves the tables to OUT_FILE and every process prints "HOST_JOB
+    <nonzero?>".
 """
 
 import os
@@ -315,6 +317,23 @@ def train(name, optimizer, **kwargs):
         acts, pre = emb({"a": a[lo:hi], "b": b[lo:hi]})
         emb.apply_gradients(grad_fn(acts), pre)
     tables = {f"{name}/{t.name}.{k}": v for t, d in emb.variables.items() for k, v in d.items()}
+    # a NaN in the last process's slice only: every process rejects the step, no row moves
+    acts, pre = emb({"a": a[lo:hi], "b": b[lo:hi]})
+    grads = grad_fn(acts)
+    g = grads["a"]
+    local = np.array(g.addressable_shards[0].data)
+    if process_id == N - 1:
+        local[0, 0] = np.nan
+    grads["a"] = jax.make_array_from_single_device_arrays(
+        g.shape, g.sharding, [jax.device_put(local, g.addressable_shards[0].device)]
+    )
+    try:
+        emb.apply_gradients(grads, pre)
+        print(f"ACCEPTED {name}", flush=True)
+    except FloatingPointError:
+        after = {f"{name}/{t.name}.{k}": v for t, d in emb.variables.items() for k, v in d.items()}
+        same = all(np.array_equal(after[k], v) for k, v in tables.items())
+        print(f"REJECTED {name} unchanged={same}", flush=True)
     job = emb.core.host_job
     channels = []
     if job:  # which kernels ran: the channels this process used for that job
@@ -326,6 +345,7 @@ def train(name, optimizer, **kwargs):
             for s in ("t1", "t2", "t1+t2")
             for k in ("lookup/ids", "lookup/rows", "update/sources")
         }
+        names[kernels.channel_tag("finite")] = "finite"  # the gradients' finite check
         channels = sorted(names.get(t, "?") for t in tags)
     return tables, job, channels
 

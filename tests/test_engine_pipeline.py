@@ -265,10 +265,10 @@ def test_pipelined_step_updates_in_place(n, kernels, monkeypatch):
     pre = emb.enqueue({"x": RaggedTensor.from_row_lengths(ids, [4] * 64)})
     grads = {"x": jnp.ones((64, dim), jnp.float32)}
     table_bytes = rows * dim * 4
-    mem = emb._fused_fn.lower(emb.state, grads, pre, pre).compile().memory_analysis()
+    mem = emb._fused_fn.lower(emb.state, grads, pre, {}, pre).compile().memory_analysis()
     assert mem.temp_size_in_bytes < table_bytes // n // 20, (mem.temp_size_in_bytes, table_bytes)
     # the unpipelined facade's program: the previous update, then the lookup
-    mem = emb._apply_lookup_fn.lower(emb.state, grads, pre, pre).compile().memory_analysis()
+    mem = emb._apply_lookup_fn.lower(emb.state, grads, pre, {}, pre).compile().memory_analysis()
     assert mem.temp_size_in_bytes < table_bytes // n // 20, (mem.temp_size_in_bytes, table_bytes)
 
 

@@ -90,10 +90,10 @@ def test_training_matches_the_gloo_exchange(tmp_path):
     """Adagrad on one stack; SGD on two stacks with each update fused with the next lookup
     (independent host calls in one program): the same tables as XLA's exchange (gloo)."""
     channels = {
-        "adagrad": ["t1+t2/lookup/ids", "t1+t2/lookup/rows", "t1+t2/update/sources"],
+        "adagrad": ["finite", "t1+t2/lookup/ids", "t1+t2/lookup/rows", "t1+t2/update/sources"],
         "sgd": [f"{t}/{k}" for t in ("t1", "t2") for k in ("lookup/ids", "lookup/rows")],
     }
-    channels["sgd"] = sorted(channels["sgd"] + ["t1/update/sources", "t2/update/sources"])
+    channels["sgd"] = sorted(channels["sgd"] + ["finite", "t1/update/sources", "t2/update/sources"])
     tables = {}
     for setting in ("1", "0"):
         out_file = str(tmp_path / f"tables_{setting}.npz")
@@ -104,6 +104,8 @@ def test_training_matches_the_gloo_exchange(tmp_path):
             for name, expected in channels.items():
                 # the setting took: the core has a same-host key or not
                 assert f"HOST_JOB {name} {setting}" in out, out[-3000:]
+                # a NaN in one process's gradients: both reject the step, tables as before
+                assert f"REJECTED {name} unchanged=True" in out, out[-3000:]
                 # the host lookup and update kernels ran (their segments), or none
                 assert f"CHANNELS {name} {expected if setting == '1' else []}" in out, out[-3000:]
         tables[setting] = np.load(out_file)

@@ -1,6 +1,8 @@
 """Pooling on the owner (`exchange="pooled"`): the same training as the row exchange,
 against the float64 reference, on 2/4/8 in-process devices."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_engine
@@ -8,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import embedmesh as em
+from embedmesh import _runtime
 from embedmesh.device import shard_program
 from embedmesh.device.core import EmbeddingCore
 
@@ -64,7 +67,7 @@ def test_pooled_training_property(num_devices, opt_name, variant, stack, seed):
 
 def test_pooled_training_with_unpacked_pairs(monkeypatch):
     """Pairs whose position and row do not fit one int32 travel as three words."""
-    monkeypatch.setattr(shard_program, "PACK_LIMIT", 0)
+    monkeypatch.setattr(_runtime, "PACK_LIMIT", 0)
     for opt_name, sharding in (("SGD", "row_wise_pooled"), ("Adagrad", "table_wise")):
         hp = test_engine.OPTIMIZER_HP[opt_name][0]
         test_engine.check_training(
@@ -84,8 +87,13 @@ def test_pooled_rows_feed_only_the_owners_rows():
                 assert p.compact[o, r] == pos
         assert p.compact[o, 12] == p.width  # the pad row
     assert (p.compact[1, 10:12] == p.width).all()
+    assert p.runs == [[(4, 6), (10, 2)], [(0, 4), (4, 6)], [(4, 6), (10, 2)]]
+    assert not p.one_owner
     everyone = shard_program.PooledRows(5, [(0, 5, (0, 1))], 2)
     assert everyone.rows is None and everyone.width == 5
+    table_wise = shard_program.PooledRows(7, [(0, 3, (1,)), (3, 0, (0,)), (3, 4, (0,))], 2)
+    assert table_wise.one_owner and table_wise.runs == [[(3, 4)], [(0, 3)]]
+    assert table_wise.width == 4 and list(table_wise.rows[1]) == [0, 1, 2, 7]
 
 
 def test_strategy_errors_name_the_table_and_value():
@@ -107,7 +115,8 @@ def test_strategy_errors_name_the_table_and_value():
 
 
 def test_exchange_bytes_count_what_the_all_to_alls_send():
-    """Rows: 2 x U x (4 + 4D) a peer; pooled: 2 x (4U + 8P + 4D x Rc) a peer."""
+    """Rows: 2 x U x (4 + 4D) a peer; pooled: 4U + 8P + 4D x Rc, then 4D x Rc a peer
+    (the ids and pairs a second time without the lookup's view)."""
     t = em.TableConfig(1000, 16, name="t", combiner="sum")
     feats = {"f": em.FeatureConfig(t), "g": em.FeatureConfig(t)}
     mesh = test_engine.mesh_of(4)
@@ -128,9 +137,60 @@ def test_exchange_bytes_count_what_the_all_to_alls_send():
         emb.build()
         csr = emb.enqueue(batch)
         got[form] = emb.core.exchange_bytes(csr)["t"]
+        got[form + " again"] = emb.core.exchange_bytes(csr, carrying=False)["t"]
     r = 2 * 2  # rows per device: 2 samples x 2 features
-    assert got["rows"] == 3 * 2 * 32 * (4 + 4 * 16)
-    assert got["pooled"] == 3 * 2 * (4 * 32 + 8 * 64 + 4 * 16 * r)
+    assert got["rows"] == got["rows again"] == 3 * 2 * 32 * (4 + 4 * 16)
+    # the update takes the lookup's view: only the gradients go back
+    assert got["pooled"] == 3 * ((4 * 32 + 8 * 64 + 4 * 16 * r) + 4 * 16 * r)
+    assert got["pooled again"] == 3 * 2 * (4 * 32 + 8 * 64 + 4 * 16 * r)
+
+
+@pytest.mark.parametrize("sharding", ["row_wise_pooled", "table_wise"])
+@pytest.mark.parametrize("opt", [em.SGD(0.2), em.Adagrad(0.2)])
+def test_update_with_the_lookups_view_sends_only_gradients(sharding, opt):
+    """The owners' view from the lookup gives the update the same tables as sending the
+    pairs again, with one exchange fewer per pooled stack; the facade carries it."""
+    tables = [
+        em.TableConfig(300, 8, name=f"t{i}", combiner=c) for i, c in enumerate(["sum", "mean"])
+    ]
+    feats = {f"f{i}": em.FeatureConfig(t) for i, t in enumerate(tables)}
+    emb = em.MeshEmbedding(
+        feats, opt, mesh=test_engine.mesh_of(4), sharding=sharding, capacities=em.Capacity(64, 64)
+    )
+    emb.build()
+    rng = np.random.default_rng(1)
+    batch = {
+        f: em.RaggedTensor.from_row_lengths(rng.integers(0, 300, 80), np.full(16, 5)) for f in feats
+    }
+    csr = emb.enqueue(batch)
+    core = emb.core
+    state = core.state_from_tables(
+        {t.name: rng.standard_normal((300, 8)).astype(np.float32) for t in tables}
+    )
+    acts, view = core.lookup(state, csr, carrying=True)
+    assert set(view) == set(csr) and len(view) >= 1
+    grads = {
+        k: jnp.asarray(rng.standard_normal(a.shape).astype(np.float32)) for k, a in acts.items()
+    }
+
+    def update(st, view):
+        return core.apply_gradients(st, grads, csr, view=view)[0]
+
+    with_view = jax.jit(update)(state, view)
+    again = jax.jit(update)(state, None)
+    for s in csr:
+        np.testing.assert_array_equal(np.asarray(with_view.tables[s]), np.asarray(again.tables[s]))
+    assert not np.array_equal(np.asarray(with_view.tables[s]), np.asarray(state.tables[s]))
+
+    def exchanges(view):
+        text = jax.jit(update).lower(state, view).as_text()
+        return text.count("embedmesh_exchange") + text.count("all_to_all")
+
+    assert exchanges(view) == exchanges(None) - len(view)
+    # the facade hands its dequeue's view to that batch's update
+    _, preserved = emb.dequeue(csr)
+    emb.apply_gradients(None, preserved)
+    assert set(emb._pending[2]) == set(csr)
 
 
 @pytest.mark.parametrize("sharding", ["row_wise_pooled", "auto"])

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from embedmesh._runtime import pooled_pair_fields
 from embedmesh.device import ops, peers, shard_program
 from embedmesh.layout import sharding as mod_sharding
 from embedmesh.layout.stacking import StackingPlan
@@ -110,13 +111,14 @@ class EmbeddingCore:
         ]
         return shard_program.PooledRows(c.rows_per_device, segments, self.num_shards)
 
-    def exchange_bytes(self, csr: dict) -> dict:
+    def exchange_bytes(self, csr: dict, *, carrying: bool = True) -> dict:
         """`{stack: bytes}` one device sends the others in one training step (lookup and
         update) of a batch shaped like `csr`, at its compiled capacities: the blocks
         of the all-to-alls it does not keep. Rows: ids, rows, gradients and ids again
-        for U distinct ids per partition; pooled: ids and pairs (both ways), [Rc, D]
-        partial sums and [Rc, D] gradients. In-process CPU devices run the row form
-        by reading each other's memory: the same bytes cross, nothing is copied."""
+        for U distinct ids per partition; pooled: ids and pairs, [Rc, D] partial sums,
+        [Rc, D] gradients, and with `carrying` False (an update not given the lookup's
+        view, see `lookup`) the ids and pairs again. In-process CPU devices run the row
+        form by reading each other's memory: the same bytes cross, nothing is copied."""
         n = self.num_shards
         out = {}
         for s, c in csr.items():
@@ -130,10 +132,13 @@ class EmbeddingCore:
             if pooled is None:
                 forward = backward = rows
             else:
-                pair = 8 if (u + 1) * (pooled.width + 1) < shard_program.PACK_LIMIT else 12
-                forward = backward = 4 * u + pair * p + 4 * d * pooled.width
-                if self.optimizer_of(s) is not None and self.optimizer_of(s).touches_all_rows:
-                    backward = rows  # the dense update's path
+                pair = 4 * pooled_pair_fields(u, pooled.width)
+                forward = 4 * u + pair * p + 4 * d * pooled.width
+                backward = 4 * d * pooled.width
+                if not self.carries_view(s, c):
+                    backward = rows  # the dense update's path (or no optimizer)
+                elif not carrying:
+                    backward = forward
             out[s] = (n - 1) * (forward + backward)
         return out
 
@@ -303,21 +308,37 @@ class EmbeddingCore:
     def _specs(self, tree):
         return jax.tree_util.tree_map(lambda _: P(self.axes), tree)
 
-    def lookup(self, state: EmbeddingState, csr: dict) -> dict:
+    def carries_view(self, stack: str, c) -> bool:
+        """Whether `stack`'s update can take the owners' view of its batch from the lookup
+        (`lookup(carrying=True)`): pooled on the owners with a sparse optimizer."""
+        opt = self.optimizer_of(stack)
+        return (
+            self.pooled_rows(stack, c) is not None and opt is not None and not opt.touches_all_rows
+        )
+
+    def lookup(self, state: EmbeddingState, csr: dict, *, carrying: bool = False):
         """Activations `{feature name: global array}` for preprocessed `csr`.
 
         Shapes: `[B, *sample_shape, dim]` (see `FeatureSegment`: `[B, dim]`
         combined, `[B, L, dim]` sequences, `ids.shape + [dim]` dense ids);
         sharded on the batch axis. (The facade restores the feature structure
         and applies `output_shape`.)
+
+        With `carrying`, returns `(activations, view)`: `view` is `{stack: the
+        owners' view of the batch}` for the stacks pooled on their owners (the ids
+        and pairs each owner received, `shard_program.serve_pairs`). Passed to
+        `apply_gradients` with the same `csr`, the update sends only the
+        activation gradients instead of the pairs a second time.
         """
         N, axes = self.num_shards, self.axes
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
         tables = {s: state.tables[s] for s in stacks}
         csr = {s: csr[s] for s in stacks}
 
+        viewed = [s for s in stacks if carrying and self.carries_view(s, csr[s])]
+
         def body(tables, csr):
-            acts = {}
+            acts, view = {}, {}
             previous = None
             for s in stacks:
                 c = csr[s]
@@ -325,11 +346,13 @@ class EmbeddingCore:
                 lookup = (
                     shard_program.lookup
                     if pooled is None
-                    else functools.partial(shard_program.lookup_pooled, pooled=pooled)
+                    else functools.partial(
+                        shard_program.lookup_pooled, pooled=pooled, carry=s in viewed
+                    )
                 )
                 act = lookup(
                     tables[s],
-                    _after(c.unique_ids[0], previous),
+                    shard_program.after(c.unique_ids[0], previous),
                     c.pair_rows[0],
                     c.pair_unique[0],
                     c.pair_gains[0],
@@ -340,23 +363,26 @@ class EmbeddingCore:
                     host_job=self.host_job,
                     channel=s,
                 )
+                if s in viewed:
+                    act, view[s] = act
                 previous = act
                 for feature in c.features:
                     a = act[
                         feature.row_offset : feature.row_offset + feature.num_rows, : feature.dim
                     ]
                     acts[feature.name] = a.reshape(feature.local_shape()).astype(tables[s].dtype)
-            return acts
+            return acts, view
 
         out_names = [feature.name for s in stacks for feature in csr[s].features]
         fn = jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=(self._specs(tables), self._specs(csr)),
-            out_specs={n: P(axes) for n in out_names},
+            out_specs=({n: P(axes) for n in out_names}, {s: P(axes) for s in viewed}),
             check_vma=False,
         )
-        return fn(tables, csr)
+        acts, view = fn(tables, csr)
+        return (acts, view) if carrying else acts
 
     def lookup_then_apply_gradients(
         self,
@@ -366,20 +392,25 @@ class EmbeddingCore:
         csr_next: dict,
         *,
         check_finite: bool = True,
+        view=None,
+        carrying: bool = False,
     ):
         """Pipelined step: activations for `csr_next` from the current tables, then
         the update for the previous step's `csr_prev`.
 
-        Returns `(activations, new state, applied)`. The lookup sees the
-        tables exactly one update stale, and both run in one program so XLA
-        can overlap them with the dense model. The update still runs in
+        Returns `(activations, new state, applied)`, and with `carrying` the owners'
+        view of `csr_next` after them (see `lookup`); `view`: that of `csr_prev`. The
+        lookup sees the tables exactly one update stale, and both run in one program
+        so XLA can overlap them with the dense model. The update still runs in
         place: see `_ordered_after`.
         """
-        acts = self.lookup(state, csr_next)
+        acts, next_view = self.lookup(state, csr_next, carrying=True)
         tables = self._ordered_after(state.tables, acts, csr_next)
         state = dataclasses.replace(state, tables=tables)
-        new_state, ok = self.apply_gradients(state, gradients, csr_prev, check_finite=check_finite)
-        return acts, new_state, ok
+        new_state, ok = self.apply_gradients(
+            state, gradients, csr_prev, check_finite=check_finite, view=view
+        )
+        return (acts, new_state, ok, next_view) if carrying else (acts, new_state, ok)
 
     def _ordered_after(self, tables: dict, acts: dict, csr: dict) -> dict:
         """The tables, made data-dependent on the lookup that read them.
@@ -429,8 +460,35 @@ class EmbeddingCore:
         )
         return dict(tables, **fn(tabs, deps))
 
+    def all_finite(self, gradients: dict):
+        """Whether every gradient (`{feature: array sharded on the batch axis}`) is finite,
+        the same on every device: each device checks its own slice and the flags go
+        through `ops.exchange`, so processes of one host agree through shared memory
+        (XLA's all-reduce over processes goes through gloo's TCP: 1-7 ms a step here)."""
+        grads = {k: g for k, g in gradients.items() if g is not None and g.size}
+        if not grads:  # (an empty batch: nothing to check)
+            return jnp.asarray(True)
+        n, axes = self.num_shards, self.axes
+
+        def body(grads):
+            local = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
+            flags = jnp.broadcast_to(local.astype(jnp.int32), (n, 1))
+            flags = shard_program.exchange(flags, axes, n, self.in_process, self.host_job, "finite")
+            return jnp.all(flags != 0)
+
+        fn = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(self._specs(grads),), out_specs=P(), check_vma=False
+        )
+        return fn(grads)
+
     def apply_gradients(
-        self, state: EmbeddingState, gradients: dict, csr: dict, *, check_finite: bool = True
+        self,
+        state: EmbeddingState,
+        gradients: dict,
+        csr: dict,
+        *,
+        check_finite: bool = True,
+        view: dict | None = None,
     ):
         """New state after one fused sparse update; and whether it was applied.
 
@@ -438,7 +496,9 @@ class EmbeddingCore:
         None}` (None counts as zero). Each touched row is updated exactly once
         with the sum of its gradients over the global batch. With
         `check_finite`, a non-finite gradient anywhere leaves the state
-        unchanged and the returned flag False.
+        unchanged and the returned flag False. `view`: the owners' view of this
+        same `csr` from `lookup(carrying=True)` (stacks it lacks send their pairs
+        again).
         """
         N, axes = self.num_shards, self.axes
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
@@ -455,11 +515,15 @@ class EmbeddingCore:
                 if g is not None:
                     grads[feature.name] = g
 
+        view = {
+            s: v for s, v in (view or {}).items() if s in stacks and self.carries_view(s, csr[s])
+        }
+
         def update(state, ok=None):
             tables = {s: state.tables[s] for s in stacks}
             slots = {s: state.slots[s] for s in stacks}
 
-            def body(tables, slots, step, grads, csr, ok):
+            def body(tables, slots, step, grads, csr, ok, view):
                 new_tables, new_slots = {}, {}
                 previous = None
                 for s in stacks:
@@ -483,7 +547,9 @@ class EmbeddingCore:
                     # ok False (rejected): every id becomes padding, no row moves
                     pooled = self.pooled_rows(s, c)
                     if pooled is not None and not self.optimizer_of(s).touches_all_rows:
-                        update = functools.partial(shard_program.update_shard_pooled, pooled=pooled)
+                        update = functools.partial(
+                            shard_program.update_shard_pooled, pooled=pooled, served=view.get(s)
+                        )
                     else:
                         update = functools.partial(
                             shard_program.update_shard, unique_capacity=c.unique_ids.shape[2]
@@ -491,7 +557,7 @@ class EmbeddingCore:
                     new_tables[s], new_slots[s] = update(
                         tables[s],
                         slots[s],
-                        _after(c.unique_ids[0], previous),
+                        shard_program.after(c.unique_ids[0], previous),
                         buf,
                         c.pair_rows[0],
                         c.pair_unique[0],
@@ -518,11 +584,12 @@ class EmbeddingCore:
                     self._specs(grads),
                     self._specs(csr),
                     P(),
+                    self._specs(view),
                 ),
                 out_specs=(self._specs(tables), self._specs(slots)),
                 check_vma=False,
             )
-            new_tables, new_slots = fn(tables, slots, state.step, grads, csr, ok)
+            new_tables, new_slots = fn(tables, slots, state.step, grads, csr, ok, view)
             all_tables = dict(state.tables, **new_tables)
             all_slots = dict(state.slots, **new_slots)
             advance = 1 if ok is None else ok.astype(state.step.dtype)
@@ -536,20 +603,6 @@ class EmbeddingCore:
         # Sparse rules move only the rows they are given: a rejected update
         # hands them none (no `cond`, which costs 2-10 ms a step on CPU).
         return update(state, ok), ok
-
-
-def _after(x, previous):
-    """`x`, made to depend on `previous` (the last stack's result) without changing it:
-    the stacks' exchanges then run in one order on every device. Independent
-    exchanges of one program can start in different orders on different devices
-    (XLA's CPU runtime runs ready work as it comes), and each blocks until its
-    peers arrive at the same one. The test is true unless `previous`'s first
-    element has one particular NaN bit pattern no arithmetic produces."""
-    if previous is None or previous.size == 0:
-        return x
-    first = previous.reshape(-1)[0].astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(first, jnp.int32)
-    return jnp.where(bits == jnp.int32(-1), x + 1, x)
 
 
 EXCHANGE_FORMS = ("rows", "pooled")

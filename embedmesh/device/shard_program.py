@@ -197,9 +197,6 @@ def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
 # sources' pairs for it (8 bytes a pair: its id's slot and its compact row, its gain).
 
 
-PACK_LIMIT = 2**31  # a pair's position and row share one int32 below this
-
-
 class PooledRows:
     """Which activation rows of a source's [R, D] buffer each shard's tables feed.
 
@@ -207,15 +204,24 @@ class PooledRows:
     (padded with R), `compact[o]` [R + 1] each row's position among them (Rc where
     o feeds none; at position R, the pad row, too). `None` maps: every shard feeds
     every row (mod placement of big tables), so Rc = R and no row is picked.
+    `runs[o]`: the same rows as `(first row, count)` runs in block order, so a block is
+    a concatenation of slices (no gather); `one_owner`: every row is fed by exactly
+    one shard (table-wise placement), so the activations are the blocks' slices.
     """
 
     def __init__(self, num_rows: int, owners_of_segments, num_shards: int):
         """`owners_of_segments`: `[(first row, rows, shards feeding them), ...]`."""
         n, r = int(num_shards), int(num_rows)
         per_owner: list = [[] for _ in range(n)]
+        self.runs: list = [[] for _ in range(n)]
+        feeders = np.zeros(r + 1, np.int64)
         for first, count, owners in owners_of_segments:
+            feeders[first : first + count] += len(owners)
             for o in owners:
                 per_owner[o].append(np.arange(first, first + count))
+                if count:
+                    self.runs[o].append((int(first), int(count)))
+        self.one_owner = bool(np.all(feeders[:r] == 1))
         self.num_rows = r
         self.rows: np.ndarray | None = None
         self.compact: np.ndarray | None = None
@@ -232,48 +238,32 @@ class PooledRows:
         self.rows, self.compact, self.width = rows, compact, width
 
 
-def _serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to, extra=None):
-    """Every source's pairs for this owner: (ids [N, U], each pair's slot [N*P] in them,
-    its row [N*P] in the sources' stacked Rc-row blocks (invalid: N * Rc), gains [N*P],
-    and `extra` [N, ...] float32 as received, or None).
+def after(x, previous):
+    """`x`, made to depend on `previous` without changing it: two exchanges of one program
+    then run in one order on every device. Independent exchanges can start in different
+    orders on different devices (XLA's CPU runtime runs ready work as it comes), and each
+    blocks until its peers arrive at the same one. The test is true unless `previous`'s
+    first element has one particular bit pattern no conversion or arithmetic produces."""
+    if previous is None or previous.size == 0:
+        return x
+    first = previous.reshape(-1)[0].astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(first, jnp.int32)
+    return jnp.where(bits == jnp.int32(-1), x + 1, x)
 
-    One exchange carries the ids, the pairs and `extra` (one message a peer, so that
-    every device's exchanges come in one order: two independent exchanges of one
-    program may start in different orders on different devices, and block each
-    other). A pair travels as 8 bytes (its id's position and its row in one int32,
-    exact while (U + 1) * (Rc + 1) < 2**31, and its gain), else 12."""
-    n, u = unique_ids.shape
-    p = pair_rows.shape[1]
-    rc = pooled.width
-    rows = jnp.clip(pair_rows, 0, pooled.num_rows)
-    if pooled.compact is not None:
-        rows = jnp.take_along_axis(jnp.asarray(pooled.compact), rows, axis=1)
-    rows = rows.astype(jnp.int32)  # in [0, Rc]: Rc is "none"
-    position = jnp.clip(pair_unique, 0, u).astype(jnp.int32)  # in [0, U]: U is "none"
-    gains = jax.lax.bitcast_convert_type(pair_gains.astype(jnp.float32), jnp.int32)
-    packs = (u + 1) * (rc + 1) < PACK_LIMIT
-    fields = [position * (rc + 1) + rows] if packs else [position, rows]
-    k = len(fields) + 1
-    parts = [unique_ids.astype(jnp.int32), jnp.stack(fields + [gains], axis=-1).reshape(n, p * k)]
-    if extra is not None:
-        parts.append(
-            jax.lax.bitcast_convert_type(extra.astype(jnp.float32), jnp.int32).reshape(n, -1)
-        )
-    served = exchange_to(jnp.concatenate(parts, axis=1), "pairs")
-    ids = served[:, :u]
-    pairs = served[:, u : u + p * k].reshape(n, p, k)
-    got = None
-    if extra is not None:
-        got = jax.lax.bitcast_convert_type(served[:, u + p * k :], jnp.float32)
-        got = got.reshape(extra.shape)
-    if packs:
-        position, src = pairs[..., 0] // (rc + 1), pairs[..., 0] % (rc + 1)
-    else:
-        position, src = pairs[..., 0], pairs[..., 1]
-    slot = ops.slot_index(position, u)
-    row = jnp.where(src < rc, jnp.arange(n, dtype=jnp.int32)[:, None] * rc + src, n * rc)
-    gains = jax.lax.bitcast_convert_type(pairs[..., -1], jnp.float32)
-    return ids, slot, row.reshape(-1), gains.reshape(-1), got
+
+def serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to):
+    """The owners' view of a batch: the messages [N, U + P * k] of every source for this
+    owner (`ops.pack_pooled_pairs`: the ids each asks of it, and its pairs, each with
+    its id's position, its row among the `pooled.width` rows this owner feeds, its gain;
+    8 bytes a pair where position and row fit one int32, else 12)."""
+    n = unique_ids.shape[0]
+    compact = (
+        jnp.asarray(pooled.compact) if pooled.compact is not None else jnp.zeros((n, 0), jnp.int32)
+    )
+    message = ops.pack_pooled_pairs(
+        unique_ids, pair_rows, pair_unique, pair_gains, compact, width=pooled.width
+    )
+    return exchange_to(message, "pairs")
 
 
 def _exchanger(axis_name, num_shards, in_process, host_job, channel):
@@ -296,23 +286,40 @@ def lookup_pooled(
     in_process: bool = False,
     host_job: int = 0,
     channel: str = "",
+    carry: bool = False,
 ):
     """Activation rows [R, D] (float32) of this device, pooled on the owners: each owner
-    combines every source's pairs from its rows into [Rc, D] partial sums, which come
-    back and are summed per row (in shard order)."""
+    combines every source's pairs from its rows into [Rc, D] partial sums
+    (`ops.pooled_partials`), which come back and are summed per row (in shard order).
+    With `carry`, also the owners' view this device received (`serve_pairs`), which
+    `update_shard_pooled` takes instead of sending the pairs again."""
     n = num_shards
     rc, d = pooled.width, table_shard.shape[-1]
+    u = unique_ids.shape[1]
     exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/lookup/pooled")
-    ids, slot, row, gains, _ = _serve_pairs(
-        unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to
-    )
-    partial = ops.segment_gather_sum(table_shard, slot, gains, row, n * rc, src_map=ids.reshape(-1))
-    back = exchange_to(partial.reshape(n, rc, d), "partials")
+    served = serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to)
+    partial = ops.pooled_partials(table_shard, served, unique_capacity=u, width=rc)
+    back = exchange_to(partial.reshape(n, rc, d), "partials").reshape(n * rc, d)
     if pooled.rows is None:
-        return jnp.sum(back, axis=0)
-    out = jnp.zeros((pooled.num_rows + 1, d), jnp.float32)
-    out = out.at[jnp.asarray(pooled.rows).reshape(-1)].add(back.reshape(n * rc, d))
-    return out[: pooled.num_rows]
+        act = jnp.sum(back.reshape(n, rc, d), axis=0)
+    elif pooled.one_owner:  # each row from its one owner's block: slices, no sums
+        pieces = []
+        for o, runs in enumerate(pooled.runs):
+            at = o * rc
+            for first, count in runs:
+                pieces.append((first, back[at : at + count]))
+                at += count
+        pieces.sort(key=lambda piece: piece[0])
+        act = jnp.concatenate([x for _, x in pieces], axis=0)
+    else:
+        act = ops.segment_gather_sum(
+            back,
+            jnp.arange(n * rc, dtype=jnp.int32),
+            jnp.ones((n * rc,), jnp.float32),
+            jnp.asarray(pooled.rows).reshape(-1),
+            pooled.num_rows,
+        )
+    return (act, served) if carry else act
 
 
 def update_shard_pooled(
@@ -333,26 +340,41 @@ def update_shard_pooled(
     in_process: bool = False,
     host_job: int = 0,
     channel: str = "",
+    served=None,
 ):
     """`update_shard` with the backward on the owners: each source sends every owner the
-    gradients of the [Rc] rows it feeds, the owner sums them per distinct id over every
-    source's pairs (`segment_gather_sum`), merges the sources (`dedup_sum`) and applies
-    the optimizer (`sparse_update`). Sparse optimizers only."""
+    gradients of the [Rc] rows it feeds, and each owner applies them over its sources'
+    pairs as one fused backward + update (`ops.pooled_backward_update`). `served`: the
+    owners' view carried from this batch's `lookup_pooled(carry=True)`; without it the
+    pairs travel again first. Sparse optimizers only."""
     n = num_shards
     rc, d = pooled.width, act_grads.shape[-1]
     u = unique_ids.shape[1]
     exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/update/pooled")
     g = act_grads.astype(jnp.float32)
+    if served is None:
+        served = serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to)
+        g = after(g, served)  # the pairs' exchange first, on every device
+    else:  # after what `unique_ids` waits for (the caller's previous exchanges)
+        g = after(g, unique_ids)
     if pooled.rows is None:
         g = jnp.broadcast_to(g[None], (n,) + g.shape)
-    else:
-        g = jnp.concatenate([g, jnp.zeros((1, d), jnp.float32)])[jnp.asarray(pooled.rows)]
-    ids, slot, row, gains, received = _serve_pairs(
-        unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to, extra=g
+    else:  # each owner's rows: slices of the gradients, zeros past them
+        blocks = []
+        for runs in pooled.runs:
+            parts = [g[first : first + count] for first, count in runs]
+            fill = rc - sum(count for _, count in runs)
+            blocks.append(jnp.concatenate(parts + [jnp.zeros((fill, d), g.dtype)], axis=0))
+        g = jnp.stack(blocks)
+    received = exchange_to(g, "grads").reshape(n * rc, d)
+    return ops.pooled_backward_update(
+        optimizer,
+        table_shard,
+        slots,
+        served,
+        received,
+        True if keep is None else keep,
+        step,
+        unique_capacity=u,
+        width=rc,
     )
-    received = received.reshape(n * rc, d)
-    per_unique = ops.segment_gather_sum(received, row, gains, slot, n * u)
-    if keep is not None:
-        ids = jnp.where(keep, ids, PAD_ID)
-    uniq, g_sum = ops.dedup_sum(ids, per_unique)
-    return ops.sparse_update(optimizer, table_shard, slots, uniq, g_sum, step)

@@ -30,7 +30,8 @@ and each other device is only a source):
   table_wise      the whole table on one owner. fwd: each source sends its b*L ids (+ b
                   lengths) to the owner, the owner pools all N*b*L pairs and returns
                   [out, D] to each source. bwd: each source sends its [out, D]
-                  activation gradients to the owner, which updates u_glob rows.
+                  activation gradients to the owner, which keeps the ids and pairs
+                  from the lookup and updates u_glob rows.
   row_wise_rows   today's mod sharding (`embedmesh.layout.rows.ModRowLayout`). fwd: each
                   source sends its distinct ids to their owners (u_loc*(N-1)/N ids), the
                   owners gather those rows and send them back (u_loc*(N-1)/N rows), the
@@ -46,8 +47,9 @@ and each other device is only a source):
                   lengths per owner) to the owners, each owner pools its pairs into a
                   partial [out, D] per source and sends it back (a reduce-scatter:
                   (N-1)*out*rb each way, independent of V). bwd: every owner needs the
-                  source's full [out, D] activation gradients ((N-1)*out*rb each way);
-                  owners update u_glob/N rows.
+                  source's full [out, D] activation gradients ((N-1)*out*rb each way;
+                  the ids and pairs stay with the owners from the lookup); owners
+                  update u_glob/N rows.
   column_wise     the D columns split into k shards of D/k on k owners (default
                   k = min(N, D // 16)). fwd: each source sends its b*L ids (+ lengths)
                   to every column owner; each owner pools all N*b*L pairs of its columns
@@ -598,12 +600,12 @@ def _table_wise(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     out = _outputs(t, b, pairs)
     u_glob = expected_unique(t, n * pairs)
     g = m.devices_per_host
-    # pairs + distinct ids, in the lookup and again in the update
+    # pairs + distinct ids, in the lookup (the update keeps the owner's view of them)
     ids = pairs * PAIR_BYTES + expected_unique(t, pairs) * ID_BYTES
     # the owner: receives N-1 slices' ids, sends N-1 outputs; its own slice stays local
     owner = Load(
-        _split((n - 1) * out * rb, (n - 1) * ids, n, g, collectives=3),
-        _split(0.0, (n - 1) * (out * rb + ids), n, g, collectives=3),
+        _split((n - 1) * out * rb, (n - 1) * ids, n, g, collectives=2),
+        _split(0.0, (n - 1) * out * rb, n, g, collectives=1),
         n * pairs,
         n * pairs,
         u_glob,
@@ -612,8 +614,8 @@ def _table_wise(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
         t.state_bytes,
     )
     source = Load(
-        _split(ids, out * rb, n, g, collectives=3),
-        _split(out * rb + ids, 0.0, n, g, collectives=3),
+        _split(ids, out * rb, n, g, collectives=2),
+        _split(out * rb, 0.0, n, g, collectives=1),
         0.0,
         0.0,
         0.0,
@@ -673,13 +675,14 @@ def _row_wise_pooled(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
         load = Load(Traffic(), Traffic(), pairs, pairs, u_glob, out * rb, rb, mem)
         return StrategyCost("row_wise_pooled", t.name, n, b, 1, load, load)
     g = m.devices_per_host
-    # pairs + distinct ids to their owners, in the lookup and again in the update
+    # pairs + distinct ids to their owners, in the lookup (the update keeps the owners'
+    # view of them)
     ids = (pairs * PAIR_BYTES + expected_unique(t, pairs) * ID_BYTES) * (n - 1) / n
     # one partial [out, D] per (owner, source): every output row from every owner
     partials = (n - 1) * out * rb
     load = Load(
-        _split(ids + partials, ids + partials, n, g, collectives=3),
-        _split(ids + partials, ids + partials, n, g, collectives=3),
+        _split(ids + partials, ids + partials, n, g, collectives=2),
+        _split(partials, partials, n, g, collectives=1),
         pairs,  # N sources x b*L/N pairs
         (n - 1) * out + pairs,  # sum the N partials; per-pair grads
         u_glob / n,

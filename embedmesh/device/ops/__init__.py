@@ -69,6 +69,14 @@ end are padding.
   (`dedup_sum`) and applied (`sparse_update`). The CPU kernel, for in-process
   devices and the fused optimizers, has each owner read its sources' pairs
   and activation gradients directly: no [N, U, D] buffer, no exchange.
+- `pack_pooled_pairs(...)`, `pooled_partials(table, served)`,
+  `pooled_backward_update(optimizer, table, slots, served, grads, keep, step)`:
+  pooling on the owners (`shard_program.lookup_pooled`). A source packs, per owner,
+  the ids it asks and its pairs (position, row among the owner's, gain) into one int32
+  message; an owner combines its sources' messages into partial sums, or applies their
+  rows' gradients as one fused backward + update. References: unpacking
+  (`unpack_pooled_pairs`), `segment_gather_sum`, `dedup_sum`, `sparse_update`; the
+  CPU kernels do each in one pass (pooled.cc, update.cc).
 - On GPU (`EMBEDMESH_GPU_KERNELS`, see `embedmesh.device.ops.gpu`): XLA
   variants that sort instead of contending on atomics (the default), or Pallas
   kernels fusing both updates for all five optimizers.
@@ -93,7 +101,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embedmesh._runtime import PAD_ID
+from embedmesh._runtime import PAD_ID, pooled_pair_fields
 from embedmesh.device.ops import cpu, gpu, reference
 
 __all__ = [
@@ -110,12 +118,17 @@ __all__ = [
     "kernel_for",
     "lookup_from_shards",
     "op_names",
+    "pack_pooled_pairs",
+    "pooled_backward_update",
+    "pooled_pair_fields",
+    "pooled_partials",
     "reference_of",
     "register_kernel",
     "scatter_rows",
     "segment_gather_sum",
     "slot_index",
     "sparse_update",
+    "unpack_pooled_pairs",
 ]
 
 
@@ -508,6 +521,126 @@ def _backward_update_sharded_reference(
     return sparse_update(optimizer, table, slots, uniq, g_sum, step)
 
 
+# ---------------------------------------------------------------------------
+# Pooling on the owner (`shard_program.lookup_pooled`): a source's pairs as one message
+
+
+def pack_pooled_pairs(unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width: int):
+    """The int32 message [N, U + P * k] a source sends its owners when they pool.
+
+    Block o: the ids it asks of shard o (`unique_ids[o]`, [U]), then per pair its id's
+    position (U: none), its row among the `width` (Rc) rows shard o feeds (Rc: none)
+    and its gain's float32 bits (`pooled_pair_fields`: k = 2 or 3 words). A row is
+    `compact[o][pair_rows]` (`compact` [N, R + 1], `PooledRows.compact`), or with
+    `compact` of shape [N, 0] the row itself (every shard feeds every row: Rc = R).
+    Positions and rows out of range become "none"."""
+    return _dispatch(
+        "pack_pooled_pairs",
+        unique_ids.astype(jnp.int32),
+        pair_rows.astype(jnp.int32),
+        pair_unique.astype(jnp.int32),
+        pair_gains.astype(jnp.float32),
+        compact.astype(jnp.int32),
+        width=width,
+    )
+
+
+def _pack_pooled_pairs_reference(unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width):
+    n, u = unique_ids.shape
+    p = pair_rows.shape[1]
+
+    def none_past(x, last):  # x outside [0, last): last
+        return jnp.where((x < 0) | (x > last), last, x)
+
+    if compact.shape[1]:  # compact[R] is "none"
+        rows = jnp.take_along_axis(compact, none_past(pair_rows, compact.shape[1] - 1), axis=1)
+    else:
+        rows = pair_rows
+    rows = none_past(rows, width)  # in [0, Rc]: Rc is "none"
+    position = none_past(pair_unique, u)  # in [0, U]: U is "none"
+    gains = jax.lax.bitcast_convert_type(pair_gains, jnp.int32)
+    k = pooled_pair_fields(u, width)
+    fields = [position * (width + 1) + rows] if k == 2 else [position, rows]
+    pairs = jnp.stack(fields + [gains], axis=-1).reshape(n, p * k)
+    return jnp.concatenate([unique_ids, pairs], axis=1)
+
+
+def unpack_pooled_pairs(served, *, unique_capacity: int, width: int):
+    """What an owner reads of the messages `served` [N, U + P * k] from its N sources:
+    (ids [N, U], each pair's slot [N * P] in the stacked id lists (none: N * U), its
+    row [N * P] in the sources' stacked Rc-row blocks (none: N * Rc), its gain [N * P])."""
+    n, u, rc = served.shape[0], unique_capacity, width
+    k = pooled_pair_fields(u, rc)
+    p = (served.shape[1] - u) // k
+    ids = served[:, :u]
+    pairs = served[:, u : u + p * k].reshape(n, p, k)
+    if k == 2:
+        position, src = pairs[..., 0] // (rc + 1), pairs[..., 0] % (rc + 1)
+    else:
+        position, src = pairs[..., 0], pairs[..., 1]
+    slot = slot_index(position, u)
+    valid = (src >= 0) & (src < rc)
+    row = jnp.where(valid, jnp.arange(n, dtype=jnp.int32)[:, None] * rc + src, n * rc)
+    gains = jax.lax.bitcast_convert_type(pairs[..., -1], jnp.float32)
+    return ids, slot, row.reshape(-1).astype(jnp.int32), gains.reshape(-1)
+
+
+def pooled_partials(table, served, *, unique_capacity: int, width: int):
+    """An owner's partial sums [N * Rc, D] (float32) for its N sources' messages
+    (`pack_pooled_pairs`): block s row j sums gain * table[id] over source s's pairs
+    of row j, in pair order."""
+    return _dispatch(
+        "pooled_partials",
+        table,
+        served.astype(jnp.int32),
+        unique_capacity=unique_capacity,
+        width=width,
+    )
+
+
+def _pooled_partials_reference(table, served, *, unique_capacity, width):
+    ids, slot, row, gains = unpack_pooled_pairs(
+        served, unique_capacity=unique_capacity, width=width
+    )
+    n = served.shape[0]
+    return segment_gather_sum(table, slot, gains, row, n * width, src_map=ids.reshape(-1))
+
+
+def pooled_backward_update(
+    optimizer, table, slots: dict, served, grads, keep, step, *, unique_capacity: int, width: int
+):
+    """An owner's backward + update from its N sources' messages `served` (as for
+    `pooled_partials`) and the gradients `grads` [N * Rc, D] of their rows: per
+    distinct id, the sum over sources (in order) of each source's pair-order sum, then
+    one update of its row; `keep` (traced bool) False moves no row. Returns (table,
+    slots). Reference: `segment_gather_sum`, `dedup_sum`, `sparse_update`; the CPU
+    kernel fuses them for SGD and Adagrad (no [N * U, D] buffer)."""
+    return _dispatch(
+        "pooled_backward_update",
+        table,
+        dict(slots),
+        served.astype(jnp.int32),
+        grads.astype(jnp.float32),
+        jnp.asarray(keep, bool),
+        optimizer=optimizer,
+        step=step,
+        unique_capacity=unique_capacity,
+        width=width,
+    )
+
+
+def _pooled_backward_update_reference(
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width
+):
+    ids, slot, row, gains = unpack_pooled_pairs(
+        served, unique_capacity=unique_capacity, width=width
+    )
+    n = served.shape[0]
+    per_unique = segment_gather_sum(grads, row, gains, slot, n * unique_capacity)
+    uniq, g_sum = dedup_sum(jnp.where(keep, ids, PAD_ID), per_unique)
+    return sparse_update(optimizer, table, slots, uniq, g_sum, step)
+
+
 def huge_page_copy(x):
     """A copy of `x` in a buffer advised to use transparent huge pages (CPU); `x` elsewhere."""
     return _dispatch("huge_page_copy", x)
@@ -538,6 +671,9 @@ _define("backward_update", _backward_update_reference)
 _define("exchange", reference.exchange)
 _define("lookup_from_shards", _lookup_from_shards_reference)
 _define("backward_update_sharded", _backward_update_sharded_reference)
+_define("pack_pooled_pairs", _pack_pooled_pairs_reference)
+_define("pooled_partials", _pooled_partials_reference)
+_define("pooled_backward_update", _pooled_backward_update_reference)
 _define("huge_page_copy", reference.huge_page_copy)
 _define("full", reference.full)
 

@@ -313,6 +313,54 @@ def _fused_in_process(
     return in_process or _host_call(table, host_job, channel)
 
 
+def _pooled_words(unique_capacity: int, width: int) -> np.int64:
+    return np.int64(_runtime.pooled_pair_fields(unique_capacity, width))
+
+
+def pack_pooled_pairs(unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width):
+    n, u = unique_ids.shape
+    k = _pooled_words(u, width)
+    out = jax.ShapeDtypeStruct((n, u + pair_rows.shape[1] * int(k)), jnp.int32)
+    return jax.ffi.ffi_call("embedmesh_pack_pooled_pairs", out)(
+        unique_ids, pair_rows, pair_unique, pair_gains, compact, rc=np.int64(width), k=k
+    )
+
+
+def pooled_partials(table, served, *, unique_capacity, width):
+    out = jax.ShapeDtypeStruct((served.shape[0] * width,) + table.shape[1:], jnp.float32)
+    return jax.ffi.ffi_call("embedmesh_pooled_partials", out)(
+        table,
+        served,
+        u=np.int64(unique_capacity),
+        rc=np.int64(width),
+        k=_pooled_words(unique_capacity, width),
+    )
+
+
+def pooled_backward_update(
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width
+):
+    lr, attrs = _scalars(optimizer, step)
+    attrs.update(
+        u=np.int64(unique_capacity), rc=np.int64(width), k=_pooled_words(unique_capacity, width)
+    )
+    args = (served, grads, lr, keep.astype(jnp.int32).reshape(1))
+    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    if optimizer.fused_kernel == "sgd":
+        t = jax.ffi.ffi_call("embedmesh_pooled_backward_sgd", shape, input_output_aliases={0: 0})(
+            table, *args, **attrs
+        )
+        return t, {}
+    t, a = jax.ffi.ffi_call(
+        "embedmesh_pooled_backward_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
+    )(table, slots["accumulators"], *args, **attrs)
+    return t, {"accumulators": a}
+
+
+def _fused_pooled(table, slots, served, grads, keep, *, optimizer, step, **params) -> bool:
+    return _fused(table, slots, optimizer=optimizer, step=step)
+
+
 # op name -> (kernel, supports or None)
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
@@ -325,6 +373,9 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "exchange": (exchange, _in_process),
     "lookup_from_shards": (lookup_from_shards, _lookup_in_process),
     "backward_update_sharded": (backward_update_sharded, _fused_in_process),
+    "pack_pooled_pairs": (pack_pooled_pairs, None),
+    "pooled_partials": (pooled_partials, _float32_source),
+    "pooled_backward_update": (pooled_backward_update, _fused_pooled),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
 }

@@ -45,6 +45,10 @@ TARGETS = {
     "embedmesh_lookup_from_shards": "EmLookupFromShards",
     "embedmesh_backward_sgd_from_sources": "EmBackwardSgdFromSources",
     "embedmesh_backward_adagrad_from_sources": "EmBackwardAdagradFromSources",
+    "embedmesh_pack_pooled_pairs": "EmPackPooledPairs",
+    "embedmesh_pooled_partials": "EmPooledPartials",
+    "embedmesh_pooled_backward_sgd": "EmPooledBackwardSgd",
+    "embedmesh_pooled_backward_adagrad": "EmPooledBackwardAdagrad",
     "embedmesh_huge_page_copy": "EmHugePageCopy",
     "embedmesh_huge_page_fill": "EmHugePageFill",
 }

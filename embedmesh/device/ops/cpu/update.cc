@@ -5,6 +5,7 @@
 #include "common.h"
 #include "host_peers.h"
 #include "peers.h"
+#include "pooled.h"
 
 namespace embedmesh {
 namespace {
@@ -360,6 +361,66 @@ void BackwardUpdateFromSources(float* w, float* acc, int64_t rows, int64_t d, in
   });
 }
 
+// ops.pooled_backward_update: an owner's fused backward + update from its N sources'
+// pooled messages (pooled.h) and the gradients [N * Rc, D] of the rows they feed. Each
+// source's pairs are decoded once into a SourceBatch (its block of ids, its Rc gradient
+// rows), then BackwardUpdateFromSources: no [N * U, D] buffer, no dedup output.
+template <bool kAdagrad>
+ffi::Error PooledBackward(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::Buffer<ffi::S32> served,
+                          ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr,
+                          ffi::Buffer<ffi::S32> keep, int64_t u, int64_t rc, int64_t k,
+                          const UpdateAttrs& at, float* w, float* a) {
+  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
+  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
+  if (keep.typed_data()[0] == 0) return ffi::Error::Success();  // a rejected step
+  auto td = table.dimensions();
+  auto sd = served.dimensions();
+  const int64_t d = RowWidth(td);
+  const int64_t n = sd.size() ? sd[0] : 1;
+  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  std::vector<int32_t> prow(n * l.p), puniq(n * l.p);
+  std::vector<float> gain(n * l.p);
+  std::vector<SourceBatch> batches(n);
+  std::vector<const SourceBatch*> src(n);
+  for (int64_t s = 0; s < n; ++s) {
+    const int32_t* block = served.typed_data() + s * words;
+    for (int64_t q = 0; q < l.p; ++q) {
+      const int64_t i = s * l.p + q;
+      DecodePair(block, l, q, &puniq[i], &prow[i], &gain[i]);
+    }
+    batches[s] = SourceBatch{block, grads.typed_data() + s * rc * d, prow.data() + s * l.p,
+                             puniq.data() + s * l.p, gain.data() + s * l.p, u, l.p, rc};
+    src[s] = &batches[s];
+  }
+  BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, d, 0, src, lr.typed_data()[0],
+                                      at);
+  return ffi::Error::Success();
+}
+
+ffi::Error PooledBackwardSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
+                             ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr,
+                             ffi::Buffer<ffi::S32> keep, int64_t u, int64_t rc, int64_t k,
+                             float clip_lo, float clip_hi, float wd, int32_t has_wd,
+                             int32_t wd_lr, float wmin, float wmax,
+                             ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  return PooledBackward<false>(table, nullptr, served, grads, lr, keep, u, rc, k,
+                               MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
+                               out->typed_data(), nullptr);
+}
+
+ffi::Error PooledBackwardAdagrad(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum,
+                                 ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
+                                 ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, int64_t u,
+                                 int64_t rc, int64_t k, float clip_lo, float clip_hi, float wd,
+                                 int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
+  return PooledBackward<true>(table, accum.typed_data(), served, grads, lr, keep, u, rc, k,
+                              MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
+                              out->typed_data(), out_acc->typed_data());
+}
+
 template <bool kAdagrad>
 ffi::Error BackwardFromSources(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::Buffer<ffi::S32> ids,
                                ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow,
@@ -599,4 +660,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagradFromHostSources,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_SOURCES_ARGS
                                       EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define EM_POOLED_ARGS                   \
+  .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Attr<int64_t>("u")                \
+      .Attr<int64_t>("rc")               \
+      .Attr<int64_t>("k")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledBackwardSgd, embedmesh::PooledBackwardSgd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_POOLED_ARGS EM_UPDATE_ATTRS
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledBackwardAdagrad, embedmesh::PooledBackwardAdagrad,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_POOLED_ARGS EM_UPDATE_ATTRS
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,241 @@
+"""The pooled-exchange ops (`ops.pack_pooled_pairs`, `ops.pooled_partials`,
+`ops.pooled_backward_update`): their references against plain float64 numpy, and
+their CPU kernels against their references, on random inputs (poisoned tables,
+padding, out-of-range positions and rows, both pair forms)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedmesh import _runtime
+from embedmesh.device import ops
+from embedmesh.device.ops import cpu
+from embedmesh.device.ops.cpu import kernels as cpu_kernels
+from embedmesh.optimizers import SGD, Adagrad
+
+PAD = ops.PAD_ID
+needs_kernels = pytest.mark.skipif(
+    not cpu.ready(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}"
+)
+
+
+def random_batch(r, n, u, p, num_rows, width, compacted):
+    """A source's [N, ...] batch: ascending distinct ids per block (PAD padded), pairs
+    whose positions and rows are sometimes out of range, and each block's compact map."""
+    ids = np.full((n, u), PAD, np.int32)
+    for o in range(n):
+        used = int(r.integers(0, u + 1))
+        ids[o, :used] = np.sort(r.choice(50, used, replace=False))
+    pair_rows = r.integers(-1, num_rows + 2, (n, p)).astype(np.int32)
+    pair_unique = r.integers(-1, u + 2, (n, p)).astype(np.int32)
+    pair_gains = r.standard_normal((n, p)).astype(np.float32)
+    if compacted:
+        compact = np.full((n, num_rows + 1), width, np.int32)
+        for o in range(n):
+            fed = r.choice(num_rows, min(width, num_rows), replace=False)
+            compact[o, fed] = np.arange(fed.size)
+    else:
+        compact = np.zeros((n, 0), np.int32)
+    return ids, pair_rows, pair_unique, pair_gains, compact
+
+
+def np_pairs(ids, pair_rows, pair_unique, pair_gains, compact, width):
+    """The (source block o, position, row, gain) an owner should read: plain loops."""
+    n, u = ids.shape
+    out = []
+    for o in range(n):
+        for q in range(pair_rows.shape[1]):
+            r = int(pair_rows[o, q])
+            if compact.shape[1]:  # rows out of [0, R]: none
+                r = int(compact[o, r]) if 0 <= r < compact.shape[1] else width
+            pos = int(pair_unique[o, q])
+            valid = 0 <= pos < u and 0 <= r < width
+            out.append((o, pos if valid else None, r if valid else None, float(pair_gains[o, q])))
+    return out
+
+
+_random = settings(max_examples=12, deadline=None)
+SHAPES = dict(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.sampled_from([1, 2, 3]),
+    u=st.sampled_from([1, 6]),
+    p=st.sampled_from([0, 5, 40]),
+    width=st.sampled_from([1, 7]),
+    compacted=st.booleans(),
+)
+
+
+@_random
+@given(**SHAPES)
+def test_pack_then_unpack_reads_every_pair_as_sent(seed, n, u, p, width, compacted):
+    r = np.random.default_rng(seed)
+    num_rows = 9 if compacted else width
+    batch = random_batch(r, n, u, p, num_rows, width, compacted)
+    served = ops.reference_of("pack_pooled_pairs")(*map(jnp.asarray, batch), width=width)
+    k = _runtime.pooled_pair_fields(u, width)
+    assert served.shape == (n, u + p * k)
+    ids, slot, row, gains = ops.unpack_pooled_pairs(served, unique_capacity=u, width=width)
+    np.testing.assert_array_equal(np.asarray(ids), batch[0])
+    want = np_pairs(*batch, width)
+    for q, (o, pos, rr, g) in enumerate(want):
+        if pos is None:  # skipped: its slot or its row says "none"
+            assert int(slot[q]) == n * u or int(row[q]) == n * width
+        else:
+            assert (int(slot[q]), int(row[q])) == (o * u + pos, o * width + rr)
+        assert float(gains[q]) == g
+
+
+def test_unpacked_form_past_the_pack_limit(monkeypatch):
+    """Where position and row cannot share a word, a pair takes 3 words; same reading."""
+    r = np.random.default_rng(3)
+    batch = random_batch(r, 2, 6, 10, 9, 4, True)
+    packed = ops.reference_of("pack_pooled_pairs")(*map(jnp.asarray, batch), width=4)
+    monkeypatch.setattr(_runtime, "PACK_LIMIT", 8)
+    assert _runtime.pooled_pair_fields(6, 4) == 3
+    wide = ops.reference_of("pack_pooled_pairs")(*map(jnp.asarray, batch), width=4)
+    assert wide.shape[1] == 6 + 10 * 3 and packed.shape[1] == 6 + 10 * 2
+    got = ops.unpack_pooled_pairs(wide, unique_capacity=6, width=4)
+    monkeypatch.setattr(_runtime, "PACK_LIMIT", 2**31)
+    want = ops.unpack_pooled_pairs(packed, unique_capacity=6, width=4)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _served_and_oracle_pairs(seed, n, u, p, width, compacted):
+    """Owner 0's served messages from n sources, and the pairs as plain tuples
+    (source, its ids, position or None, row or None, gain)."""
+    r = np.random.default_rng(seed)
+    num_rows = 9 if compacted else width
+    blocks, pairs = [], []
+    for s in range(n):
+        batch = random_batch(r, n, u, p, num_rows, width, compacted)
+        msg = np.asarray(
+            ops.reference_of("pack_pooled_pairs")(*map(jnp.asarray, batch), width=width)
+        )
+        blocks.append(msg[0])
+        mine = [x[:1] for x in batch]
+        for _, pos, row, g in np_pairs(*mine, width):
+            pairs.append((s, batch[0][0], pos, row, g))
+    return r, jnp.asarray(np.stack(blocks)), pairs
+
+
+@_random
+@given(**SHAPES)
+def test_pooled_partials_reference_matches_numpy(seed, n, u, p, width, compacted):
+    r, served, pairs = _served_and_oracle_pairs(seed, n, u, p, width, compacted)
+    table = r.standard_normal((40, 3)).astype(np.float32)  # ids >= 40 read nothing
+    want = np.zeros((n * width, 3))
+    for s, ids, pos, row, g in pairs:
+        if pos is None or ids[pos] >= 40:
+            continue
+        want[s * width + row] += g * table[ids[pos]].astype(np.float64)
+    got = ops.reference_of("pooled_partials")(
+        jnp.asarray(table), served, unique_capacity=u, width=width
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def np_backward_update(opt, table, acc, pairs, grads, width, keep):
+    """Per distinct id, the float64 sum of gain * grads[row] over every source's pairs,
+    then one SGD or Adagrad step of that row."""
+    w, a = table.astype(np.float64), acc.astype(np.float64)
+    if not keep:
+        return w, a
+    g = {}
+    for s, ids, pos, row, gain in pairs:
+        if pos is None or ids[pos] >= table.shape[0]:
+            continue
+        i = int(ids[pos])
+        g[i] = g.get(i, 0.0) + gain * grads[s * width + row].astype(np.float64)
+    for i, gi in g.items():
+        if isinstance(opt, Adagrad):
+            a[i] += gi * gi
+            w[i] -= opt.learning_rate * gi / np.sqrt(a[i])
+        else:
+            w[i] -= opt.learning_rate * gi
+    return w, a
+
+
+@_random
+@given(**SHAPES, adagrad=st.booleans(), keep=st.booleans())
+def test_pooled_backward_update_reference_matches_numpy(
+    seed, n, u, p, width, compacted, adagrad, keep
+):
+    r, served, pairs = _served_and_oracle_pairs(seed, n, u, p, width, compacted)
+    opt = Adagrad(learning_rate=0.3) if adagrad else SGD(learning_rate=0.3)
+    table = r.standard_normal((45, 3)).astype(np.float32)
+    acc = (0.1 + r.random((45, 3))).astype(np.float32)
+    grads = r.standard_normal((n * width, 3)).astype(np.float32)
+    slots = {"accumulators": jnp.asarray(acc)} if adagrad else {}
+    t, s = ops.reference_of("pooled_backward_update")(
+        jnp.asarray(table),
+        slots,
+        served,
+        jnp.asarray(grads),
+        jnp.asarray(keep),
+        optimizer=opt,
+        step=jnp.int32(0),
+        unique_capacity=u,
+        width=width,
+    )
+    want_w, want_a = np_backward_update(opt, table, acc, pairs, grads, width, keep)
+    np.testing.assert_allclose(np.asarray(t), want_w, rtol=1e-5, atol=1e-5)
+    if adagrad:
+        np.testing.assert_allclose(np.asarray(s["accumulators"]), want_a, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@_random
+@given(**SHAPES)
+def test_pack_and_partials_kernels_match_references(seed, n, u, p, width, compacted):
+    r = np.random.default_rng(seed)
+    num_rows = 9 if compacted else width
+    batch = tuple(map(jnp.asarray, random_batch(r, n, u, p, num_rows, width, compacted)))
+    want = jax.jit(lambda *a: ops.reference_of("pack_pooled_pairs")(*a, width=width))(*batch)
+    got = jax.jit(lambda *a: cpu_kernels.pack_pooled_pairs(*a, width=width))(*batch)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    table = jnp.asarray(r.standard_normal((40, 5)).astype(np.float32))
+    params = dict(unique_capacity=u, width=width)
+    want = jax.jit(lambda t, m: ops.reference_of("pooled_partials")(t, m, **params))(table, got)
+    have = jax.jit(lambda t, m: cpu_kernels.pooled_partials(t, m, **params))(table, got)
+    np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@_random
+@given(**SHAPES, adagrad=st.booleans(), keep=st.booleans())
+def test_pooled_backward_update_kernel_matches_reference(
+    seed, n, u, p, width, compacted, adagrad, keep
+):
+    r, served, _ = _served_and_oracle_pairs(seed, n, u, p, width, compacted)
+    opt = Adagrad(learning_rate=0.3) if adagrad else SGD(learning_rate=0.3)
+    table = jnp.asarray(r.standard_normal((45, 4)).astype(np.float32))
+    slots = (
+        {"accumulators": jnp.asarray((0.1 + r.random((45, 4))).astype(np.float32))}
+        if adagrad
+        else {}
+    )
+    grads = jnp.asarray(r.standard_normal((n * width, 4)).astype(np.float32))
+    params = dict(optimizer=opt, step=jnp.int32(0), unique_capacity=u, width=width)
+    args = (table, slots, served, grads, jnp.asarray(keep))
+    assert ops.kernel_for("pooled_backward_update", "cpu", *args, **params) is (
+        cpu_kernels.pooled_backward_update
+    )
+    want = jax.jit(lambda *a: ops.reference_of("pooled_backward_update")(*a, **params))(*args)
+    got = jax.jit(lambda *a: cpu_kernels.pooled_backward_update(*a, **params))(*args)
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_pooled_kernels_take_their_calls():
+    table = jnp.zeros((4, 2), jnp.float32)
+    served = jnp.zeros((2, 3), jnp.int32)
+    assert ops.kernel_for("pooled_partials", "cpu", table, served) is cpu_kernels.pooled_partials
+    assert ops.kernel_for(
+        "pooled_partials", "cpu", table.astype(jnp.bfloat16), served
+    ) is ops.reference_of("pooled_partials")
+    assert ops.kernel_for("pack_pooled_pairs", "cpu") is cpu_kernels.pack_pooled_pairs
