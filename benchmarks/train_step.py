@@ -45,6 +45,7 @@ Memory: peak RSS (VmHWM) of each child after setup and during the timed steps
     ... --peers embedmesh,fbgemm-exact --rounds 5 --steps 10
     ... --profile                        # where embedmesh's step time goes
     ... --sharding table_wise            # one strategy (default auto: the planner's)
+    ... --peers embedmesh-2proc,embedmesh-2proc@mod   # a peer under one strategy
     ... --trace DIR                      # perfetto traces of each peer's steps
 
 Sharded peers use `--sharding` (default "auto": the planner's pick for their mesh,
@@ -294,7 +295,11 @@ def child_embedmesh(args, batches, capacity_batches=None):
     it = iter(range(10**9))
     enq = timed(lambda: jax.block_until_ready(emb.enqueue(feats[next(it) % nb])), args.steps)
     it = iter(range(10**9))
+    import resource
+
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     dev = timed(lambda: device_step(csrs[next(it) % nb]), args.steps)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
 
     def e2e():
         src = (feats[i % nb] for i in range(args.steps))
@@ -328,6 +333,7 @@ def child_embedmesh(args, batches, capacity_batches=None):
         devices=len(jax.devices()),
         capacity=str(list(caps.values())[0]),
         exchange_bytes=sum(emb.core.exchange_bytes(csrs[0]).values()),
+        page_faults_per_step=faults,
         mod_exchange_bytes=emb.mod_exchange_bytes,
         strategies="+".join(sorted({s for _, s in emb.plan.strategies})),
     )
@@ -822,10 +828,12 @@ def run_child(peer, args):
             f"skipped: needs ~{need:.1f} GB, {mem_available_gb():.1f} GB available "
             f"after waiting {waited} s"
         )
-    cmd = child_cmd(peer, args, "--rounds", str(args.rounds))
-    r = subprocess.run(
-        cmd, env=child_env(peer), capture_output=True, text=True, timeout=args.timeout
-    )
+    base, _, strategy = peer.partition("@")  # "embedmesh-2proc@mod": that peer, one strategy
+    env = child_env(base)
+    if strategy:
+        env["EMBEDMESH_BENCH_SHARDING"] = strategy
+    cmd = child_cmd(base, args, "--rounds", str(args.rounds))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:]), None
@@ -908,8 +916,9 @@ def main():
     ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding  # the children's (child_env)
-    if args.trace:
+    if not args.child:  # the children's (child_env); a child keeps the one it was given
+        os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding
+    if args.trace and not args.child:
         os.environ["EMBEDMESH_BENCH_TRACE"] = os.path.abspath(args.trace)
     if args.child:
         return child_main(args)
@@ -1045,6 +1054,14 @@ def print_scale_out(rows, results):
         ("embedmesh-4dev", "embedmesh", "step time, 4 devices / 1 (same global batch)"),
         ("embedmesh-2proc", "embedmesh-1core", "weak scaling, ids/s of 2 processes / 1 core"),
     ]
+    # the same comparisons for the peers run under one strategy ("embedmesh-2proc@mod")
+    pairs += [
+        (p, b, f"{what} ({p.partition('@')[2]})")
+        for p in rows
+        if "@" in p
+        for a, b, what in pairs
+        if p.partition("@")[0] == a
+    ]
     lines = []
     for a, b, what in pairs:
         if a not in rows or b not in rows:
@@ -1052,7 +1069,7 @@ def print_scale_out(rows, results):
         per_round = []
         for ra, rb in zip(results[a], results[b]):
             ta, tb = statistics.median(ra["device"]), statistics.median(rb["device"])
-            if a.endswith("2proc"):
+            if a.partition("@")[0].endswith("2proc"):
                 per_round.append((ra["ids"] / ta) / (rb["ids"] / tb))
             else:
                 per_round.append(ta / tb)

@@ -90,22 +90,22 @@ def test_hand_row_wise_rows():
 def test_hand_row_wise_pooled():
     c = strategy_cost("row_wise_pooled", HAND, 2, 2, COPYING)
     # pairs: 6, half to the peer (3 x 8 B) with half of the 6 distinct ids (3 x 4 B);
-    # partials: one [2 samples, 8] per peer (64 B) back; backward: the pairs and ids
-    # again and the [2, 8] act grads (64 B)
+    # partials: one [2 samples, 8] per peer (64 B) back; backward: the [2, 8] act grads
+    # (64 B) only (the owners keep the pairs and ids from the lookup)
     assert c.owner.fwd.sent == c.owner.fwd.recv == 24 + 12 + 64
-    assert c.owner.bwd.sent == c.owner.bwd.recv == 24 + 12 + 64
+    assert c.owner.bwd.sent == c.owner.bwd.recv == 64
     assert c.owner.rows_updated == 6
 
 
 def test_hand_table_wise():
     c = strategy_cost("table_wise", HAND, 2, 2, COPYING)
     # the owner receives the peer's 6 pairs (8 B) and 6 distinct ids (4 B), sends it
-    # [2, 8] pooled rows, receives its [2, 8] activation gradients with the pairs and
-    # ids again, updates all 12 distinct rows
+    # [2, 8] pooled rows, receives its [2, 8] activation gradients (it kept the pairs and
+    # ids from the lookup), updates all 12 distinct rows
     ids = 6 * 8 + 6 * 4
     assert (c.owner.fwd.recv, c.owner.fwd.sent) == (ids, 2 * 32)
-    assert (c.owner.bwd.recv, c.owner.bwd.sent) == (2 * 32 + ids, 0)
-    assert (c.source.fwd.sent, c.source.fwd.recv, c.source.bwd.sent) == (ids, 64, 64 + ids)
+    assert (c.owner.bwd.recv, c.owner.bwd.sent) == (2 * 32, 0)
+    assert (c.source.fwd.sent, c.source.fwd.recv, c.source.bwd.sent) == (ids, 64, 64)
     assert c.owner.rows_updated == 12 and c.owner.table_reads == 12
     assert c.owner.memory == HAND.state_bytes and c.source.memory == 0
 

@@ -339,7 +339,9 @@ class EmbeddingCore:
 
         def body(tables, csr):
             acts, view = {}, {}
-            previous = None
+            # after the table of the last stack: where an update of these tables runs in
+            # the same program, its exchanges come first on every device
+            previous = tables[stacks[-1]] if stacks else None
             for s in stacks:
                 c = csr[s]
                 pooled = self.pooled_rows(s, c)
@@ -525,7 +527,10 @@ class EmbeddingCore:
 
             def body(tables, slots, step, grads, csr, ok, view):
                 new_tables, new_slots = {}, {}
-                previous = None
+                # after the first stack's table: where a lookup of these tables runs first
+                # in the same program (`lookup_then_apply_gradients`), its exchanges come
+                # first on every device
+                previous = tables[stacks[0]] if stacks else None
                 for s in stacks:
                     c = csr[s]
                     spec = self.plan.stack(s)

@@ -352,11 +352,6 @@ def update_shard_pooled(
     u = unique_ids.shape[1]
     exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/update/pooled")
     g = act_grads.astype(jnp.float32)
-    if served is None:
-        served = serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to)
-        g = after(g, served)  # the pairs' exchange first, on every device
-    else:  # after what `unique_ids` waits for (the caller's previous exchanges)
-        g = after(g, unique_ids)
     if pooled.rows is None:
         g = jnp.broadcast_to(g[None], (n,) + g.shape)
     else:  # each owner's rows: slices of the gradients, zeros past them
@@ -366,6 +361,12 @@ def update_shard_pooled(
             fill = rc - sum(count for _, count in runs)
             blocks.append(jnp.concatenate(parts + [jnp.zeros((fill, d), g.dtype)], axis=0))
         g = jnp.stack(blocks)
+    # (the order of exchanges made on the message itself, so that it fuses into its copy)
+    if served is None:
+        served = serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to)
+        g = after(g, served)  # the pairs' exchange first, on every device
+    else:  # after what `unique_ids` waits for (the caller's previous exchanges)
+        g = after(g, unique_ids)
     received = exchange_to(g, "grads").reshape(n * rc, d)
     return ops.pooled_backward_update(
         optimizer,

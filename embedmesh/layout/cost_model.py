@@ -643,9 +643,11 @@ def _row_wise_rows(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     bwd_bytes = remote * (ID_BYTES + rb)
     if m.intra.zero_copy and n <= g:
         # the shared-memory kernels: the source combines its pairs straight from the
-        # owners' tables; each owner reads its sources' pairs and gradients in place
+        # owners' tables; each owner reads its sources' pairs and gradients in place:
+        # nothing is copied (the reads are the table reads and pairs counted here)
         reads, buffer = pairs, pairs
         written = out * rb
+        fwd_bytes = bwd_bytes = 0.0
     else:
         # owners gather the distinct rows asked of them (u_loc from N sources of
         # u_loc/N each); the source combines pairs from them, sums gradients per
@@ -835,8 +837,9 @@ def _traffic_time(tr: Traffic, m: Machine, with_latency: bool = True) -> float:
         (m.intra, tr.sent_intra, tr.recv_intra),
         (m.inter, tr.sent_inter, tr.recv_inter),
     ):
-        if not link.zero_copy:
-            t += max(sent, recv) / link.bandwidth
+        # (zero-copy links: the row form's kernels read in place and count no bytes;
+        # what the other forms exchange there is a memcpy at the link's bandwidth)
+        t += max(sent, recv) / link.bandwidth
     if with_latency and tr.collectives:
         link = m.inter if tr.peers > m.devices_per_host else m.intra
         t += tr.collectives * link.latency(tr.peers)
