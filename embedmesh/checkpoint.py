@@ -221,9 +221,9 @@ def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
 
 def _write_table(core, stack_array, piece, t, donate: bool) -> jax.Array:
     """`stack_array` with table `t`'s `[N * rows_per_shard, ...]` blocks `piece` written at
-    its local rows, on the shards of its span only."""
+    its local rows, on the shards of its span only (every shard for a replica)."""
     lo = np.int32(t.local_row_offset)
-    if t.span == core.num_shards:
+    if t.span == core.num_shards or t.replicated:
         return _writer(core.mesh, core.axes, donate)(stack_array, piece, lo)
     return _writer(core.mesh, core.axes, donate, True)(
         stack_array, piece, lo, np.int32(t.first_shard), np.int32(t.span)
@@ -1238,16 +1238,17 @@ def _start_leaf(
     pieces, copies = [], []
     empty = None  # shards outside the table's span: one zero block, never written
     for j, device in shards:
-        if not layout.holds(t, j):
+        source = layout.copy_of(t, j)  # a replica reads its canonical block's rows
+        if source is None:
             if empty is None:
                 empty = _host_buffer((t.rows_per_shard,) + rest, dtype)
                 empty[:] = 0
             pieces.append((j, device, empty))
             continue
         piece = _host_buffer((t.rows_per_shard,) + rest, dtype)
-        piece[layout.count_on_shard(t, j) :] = 0
+        piece[layout.count_on_shard(t, source) :] = 0
         pieces.append((j, device, piece))
-        copies += [(piece,) + c for c in _recut_copies(src_layout, src, layout, t, j)]
+        copies += [(piece,) + c for c in _recut_copies(src_layout, src, layout, t, source)]
     kind = "direct" if _same_layout(src_layout, src, layout, t) else "resharded"
     checksum = _expected_checksum(reader, meta_table, field, leaf, dtype)
     what = _describe(t.name, field, leaf)

@@ -94,13 +94,17 @@ class MeshEmbedding:
         partial sums and send those (fewer bytes for multi-hot features);
         "table_wise" puts each whole table on one shard (tables bin-packed,
         largest first onto the least loaded), which pools and sends the
-        activations; "auto" lets the planner pick per table from its cost
-        model, fed by the first batch (`emb.plan` shows the choice; an
-        explicit `build()` before any batch plans from the config alone); or
-        a mapping `{table name or TableConfig: one of these}` (tables not
-        named: "mod"), where "auto" tables are planned around the others.
-        Unknown tables or strategies raise a ValueError. Every strategy gives
-        the same results, to float32 rounding; on one device they are one.
+        activations; "data_parallel" keeps a replica of the table on every
+        device: lookups read it in place, and each step every device sends the
+        others its distinct ids and their summed gradients, which every
+        replica applies (for small tables read by many ids); "auto" lets the
+        planner pick per table from its cost model, fed by the first batch
+        (`emb.plan` shows the choice; an explicit `build()` before any batch
+        plans from the config alone); or a mapping `{table name or
+        TableConfig: one of these}` (tables not named: "mod"), where "auto"
+        tables are planned around the others. Unknown tables or strategies
+        raise a ValueError. Every strategy gives the same results, to float32
+        rounding; on one device they are one.
       capacities: `{stack: Capacity}` or one `Capacity` (see
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
@@ -736,7 +740,8 @@ class MeshEmbedding:
         in that order (see `embedmesh.layout.rows`; the mod layout: the rows `i`
         with `(i % N + rotation) % N == j`, increasing), padded to the same length
         with zero rows; a shard outside the table's span (a table-wise table's
-        other shards) gives zero rows only.
+        other shards) gives zero rows only; a replicated (data_parallel) table's
+        every shard gives its replica (all rows, in row order).
         """
         self._maybe_build()
         state = self.observed_state()
@@ -750,7 +755,8 @@ class MeshEmbedding:
                 block = shard.data[
                     p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
                 ]
-                if not self.plan.row_layout.holds(p, (shard.index[0].start or 0) // rps):
+                j = (shard.index[0].start or 0) // rps
+                if self.plan.row_layout.copy_of(p, j) is None:
                     # the rows there are other tables', not this table's
                     block = jnp.zeros_like(block, device=shard.device)
                 shards.append((shard.device, block))

@@ -294,6 +294,7 @@ def test_sharding_argument_names_the_valid_layouts():
     assert emb.plan.row_layout.name == "mod" and emb.plan.row_layout.num_shards == 2
     for bad in ("tablewise", None, 1):
         with pytest.raises(
-            ValueError, match=r"sharding must be one of \['mod', .*'table_wise', 'auto'\]"
+            ValueError,
+            match=r"sharding must be one of \['mod', .*'table_wise', 'data_parallel', 'auto'\]",
         ):
             MeshEmbedding(FEATS, OPT, mesh=mesh_of(2), sharding=bad)

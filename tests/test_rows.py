@@ -123,7 +123,9 @@ def test_logical_layout_and_names():
     for bad in ("tablewise", None, 4):
         with pytest.raises(ValueError, match=r"sharding must be one of \['mod'\]"):
             row_layout(bad, 4)
-    with pytest.raises(ValueError, match=r"sharding must be one of \['mod', 'table_wise'\]"):
+    with pytest.raises(
+        ValueError, match=r"sharding must be one of \['mod', 'table_wise', 'data_parallel'\]"
+    ):
         plan_stacking({"f": FeatureConfig(TableConfig(5, 2, name="a"))}, 2, sharding="cols")
 
 

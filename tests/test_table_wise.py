@@ -52,10 +52,12 @@ def placed(draw):
     vocabs = draw(st.lists(st.integers(1, 40), min_size=k, max_size=k))
     dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=k, max_size=k))
     n = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    form = draw(st.sampled_from(["mod", "table_wise", "mapping"]))
+    form = draw(st.sampled_from(["mod", "table_wise", "data_parallel", "mapping"]))
     if form == "mapping":
         names = draw(st.lists(st.sampled_from([f"t{i}" for i in range(k)]), unique=True))
-        sharding = {name: draw(st.sampled_from(["mod", "table_wise"])) for name in names}
+        sharding = {
+            name: draw(st.sampled_from(["mod", "table_wise", "data_parallel"])) for name in names
+        }
         wanted = [sharding.get(f"t{i}", "mod") for i in range(k)]
     else:
         sharding, wanted = form, [form] * k
@@ -102,8 +104,11 @@ def test_every_row_lands_once_by_the_plain_rule(case):
     for t, w in zip(plan.tables, wanted):
         expect = "mod" if n == 1 else w  # one shard: the same layout
         assert t.sharding == expect
+        assert t.replicated == (expect == "data_parallel")
         if expect == "mod":
             assert (t.first_shard, t.span) == (0, n) and 0 <= t.rotation < n
+        elif expect == "data_parallel":  # canonically table-wise on shard 0
+            assert (t.first_shard, t.span, t.rotation) == (0, 1, 0)
         else:
             assert (t.first_shard, t.span, t.rotation) == (owners[t.name], 1, 0)
         assert t.padded_vocabulary_size == t.span * t.rows_per_shard
@@ -111,10 +116,18 @@ def test_every_row_lands_once_by_the_plain_rule(case):
         assert t.row_offset == n * t.local_row_offset
     for s in plan.stacks:
         placements = [plan.table(name) for name in s.tables]
-        # the stack's rows per shard: the mod blocks, then the most table-wise rows a shard has
+        # replicas stack only with replicas
+        assert len({t.replicated for t in placements}) == 1
+        assert s.replicated == placements[0].replicated
+        # the stack's rows per shard: the mod blocks, then the most table-wise rows a shard
+        # has (a replica's rows on every shard)
         mod_rows = sum(t.rows_per_shard for t in placements if t.span == n)
         tw_rows = [
-            sum(t.rows_per_shard for t in placements if t.span < n and t.first_shard == j)
+            sum(
+                t.rows_per_shard
+                for t in placements
+                if t.span < n and (t.first_shard == j or t.replicated)
+            )
             for j in range(n)
         ]
         assert s.rows_per_shard == mod_rows + max(tw_rows) and s.num_rows == n * s.rows_per_shard
@@ -160,6 +173,8 @@ def test_every_row_lands_once_by_the_plain_rule(case):
                 np.testing.assert_array_equal(layout.rows_on_shard(t, j), ids[mine])
                 np.testing.assert_array_equal(ids[layout.rows_index(t, j)], ids[mine])
                 assert layout.holds(t, j) == (first <= j < first + k)
+                held = 0 if t.replicated else (j if layout.holds(t, j) else None)
+                assert layout.copy_of(t, j) == held
             assert layout.shards_of(t) == tuple(sorted(set(shard_ref.tolist())))
         # unlocate every (shard, local row): the row placed there, or padding (-1)
         sh, lo = np.meshgrid(np.arange(n), np.arange(s.rows_per_shard), indexing="ij")
@@ -179,10 +194,19 @@ def test_sharding_helpers_round_trip(case, seed):
     for t in plan.tables:
         shards = table_to_shards(tables[t.name], plan, t.name)
         for j, sh in enumerate(shards):  # outside the span: no block at all
-            assert sh.shape[0] == (t.rows_per_shard if plan.row_layout.holds(t, j) else 0)
+            if t.replicated:  # a replica on every shard: the whole table
+                np.testing.assert_array_equal(sh, tables[t.name])
+            else:
+                assert sh.shape[0] == (t.rows_per_shard if plan.row_layout.holds(t, j) else 0)
         np.testing.assert_array_equal(shards_to_table(shards, plan, t.name), tables[t.name])
     for s in plan.stacks:
         shards = stack_to_shards(tables, plan, s.name)
+        for name in s.tables:
+            t = plan.table(name)
+            if t.replicated:  # every shard's block holds the table
+                for sh in shards:
+                    block = sh[t.local_row_offset : t.local_row_offset + t.vocabulary_size]
+                    np.testing.assert_array_equal(block[:, : t.dim], tables[name])
         back = shards_to_tables(shards, plan, s.name)
         for name in s.tables:
             np.testing.assert_array_equal(back[name][:, : plan.table(name).dim], tables[name])
@@ -227,17 +251,22 @@ def test_unknown_tables_and_placements_are_value_errors():
     t = TableConfig(5, 2, name="a")
     feats = {"f": FeatureConfig(t)}
     for bad, pattern in (
-        ("cols", r"sharding must be one of \['mod', 'table_wise'\], got 'cols'"),
+        ("cols", r"sharding must be one of \['mod', 'table_wise', 'data_parallel'\], got 'cols'"),
         (None, r"sharding must be one of .* or a mapping"),
         ({"zz": "mod"}, r"sharding names table 'zz'.*its tables: \['a'\]"),
-        ({"a": "rows"}, r"sharding of table a: must be one of \['mod', 'table_wise'\], got 'rows'"),
+        (
+            {"a": "rows"},
+            r"sharding of table a: must be one of \['mod', 'table_wise', 'data_parallel'\], "
+            r"got 'rows'",
+        ),
         ({"a": 1}, r"sharding of table a: .* got 1"),
     ):
         with pytest.raises(ValueError, match=pattern):
             plan_stacking(feats, 2, sharding=bad)
         # at construction, before build (the facade also takes the planner's strategies)
         with pytest.raises(
-            ValueError, match=pattern.replace(r"\['mod', 'table_wise'\]", r"\[.*\]")
+            ValueError,
+            match=pattern.replace(r"\['mod', 'table_wise', 'data_parallel'\]", r"\[.*\]"),
         ):
             MeshEmbedding(feats, em.SGD(0.1), sharding=bad)
     # TableConfig keys name their table

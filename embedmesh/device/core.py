@@ -96,9 +96,14 @@ class EmbeddingCore:
         }
         self.exchange = _exchange_forms(plan, exchange)
 
+    def is_replicated(self, stack: str) -> bool:
+        """Whether `stack` is replicated (data_parallel) over N > 1 devices: lookups read
+        the device's own replica, and every replica applies the same update."""
+        return self.num_shards > 1 and self.plan.stack(stack).replicated
+
     def pooled_rows(self, stack: str, c) -> shard_program.PooledRows | None:
         """The rows each shard feeds when `stack` pools on the owners (N > 1), else None."""
-        if self.exchange[stack] != "pooled" or self.num_shards == 1:
+        if self.exchange[stack] != "pooled" or self.num_shards == 1 or self.is_replicated(stack):
             return None
         layout = self.plan.row_layout
         segments = [
@@ -117,8 +122,10 @@ class EmbeddingCore:
         of the all-to-alls it does not keep. Rows: ids, rows, gradients and ids again
         for U distinct ids per partition; pooled: ids and pairs, [Rc, D] partial sums,
         [Rc, D] gradients, and with `carrying` False (an update not given the lookup's
-        view, see `lookup`) the ids and pairs again. In-process CPU devices run the row
-        form by reading each other's memory: the same bytes cross, nothing is copied."""
+        view, see `lookup`) the ids and pairs again; replicated: nothing in the lookup, each
+        device's distinct ids and their gradient sums to every other in the update.
+        In-process CPU devices run the row form by reading each other's memory: the same
+        bytes cross, nothing is copied."""
         n = self.num_shards
         out = {}
         for s, c in csr.items():
@@ -129,7 +136,9 @@ class EmbeddingCore:
             u, p = int(c.unique_ids.shape[-1]), int(c.pair_rows.shape[-1])
             pooled = self.pooled_rows(s, c)
             rows = u * (4 + 4 * d)  # ids, then rows or their gradients
-            if pooled is None:
+            if self.is_replicated(s):
+                forward, backward = 0, rows
+            elif pooled is None:
                 forward = backward = rows
             else:
                 pair = 4 * pooled_pair_fields(u, pooled.width)
@@ -178,7 +187,8 @@ class EmbeddingCore:
 
         Table t's rows on shard j come from its initializer called with
         `fold_in(fold_in(key, t), j)`, so random values depend on the number
-        of shards (row-aware initialisers such as `row_id_initializer` do not).
+        of shards (row-aware initialisers such as `row_id_initializer` do not);
+        a replica is made as its canonical block is (the same values).
         """
         plan = self.plan
         tables, slots = {}, {}
@@ -188,14 +198,17 @@ class EmbeddingCore:
             def pieces(j, device, spec=spec, placed=placed):
                 for t in placed:
                     cfg = plan.table_config(t)
-                    rows = mod_sharding.table_rows_on_shard(plan, t, j)
+                    source = plan.row_layout.copy_of(t, j)  # a replica: the canonical rows
+                    if source is None:
+                        continue
+                    rows = mod_sharding.table_rows_on_shard(plan, t, source)
                     if rows.size == 0:
                         continue
                     row_init = _row_initializer(cfg.initializer)
                     if row_init is not None:
                         vals = row_init(rows, t.dim, spec.dtype)
                     else:
-                        k = jax.random.fold_in(jax.random.fold_in(key, t.index), j)
+                        k = jax.random.fold_in(jax.random.fold_in(key, t.index), source)
                         with jax.default_device(device):
                             vals = cfg.initialize(k, (rows.size, t.dim), spec.dtype)
                     yield t.local_row_offset, vals
@@ -345,13 +358,14 @@ class EmbeddingCore:
             for s in stacks:
                 c = csr[s]
                 pooled = self.pooled_rows(s, c)
-                lookup = (
-                    shard_program.lookup
-                    if pooled is None
-                    else functools.partial(
+                if self.is_replicated(s):
+                    lookup = shard_program.lookup_replicated
+                elif pooled is None:
+                    lookup = shard_program.lookup
+                else:
+                    lookup = functools.partial(
                         shard_program.lookup_pooled, pooled=pooled, carry=s in viewed
                     )
-                )
                 act = lookup(
                     tables[s],
                     shard_program.after(c.unique_ids[0], previous),
@@ -551,7 +565,11 @@ class EmbeddingCore:
                     )
                     # ok False (rejected): every id becomes padding, no row moves
                     pooled = self.pooled_rows(s, c)
-                    if pooled is not None and not self.optimizer_of(s).touches_all_rows:
+                    if self.is_replicated(s):
+                        update = functools.partial(
+                            shard_program.update_replicated, unique_capacity=c.unique_ids.shape[2]
+                        )
+                    elif pooled is not None and not self.optimizer_of(s).touches_all_rows:
                         update = functools.partial(
                             shard_program.update_shard_pooled, pooled=pooled, served=view.get(s)
                         )

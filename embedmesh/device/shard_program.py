@@ -186,6 +186,78 @@ def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
 
 
 # ---------------------------------------------------------------------------
+# Replicated tables (data_parallel): every device holds the whole table
+#
+# Preprocessing sends a replicated table's ids to its canonical shard (0), so a
+# device's batch is all in partition 0 of its arrays, as local rows: the lookup reads
+# the device's own replica (no exchange), and the update sends every device's
+# distinct ids and their gradient sums to every other, where each replica merges
+# the N lists (in device order, the same on every device) and applies the result:
+# each row updated once with its sum over the global batch, as mod sharding does,
+# and the replicas stay equal.
+
+
+def lookup_replicated(
+    table_shard, unique_ids, pair_rows, pair_unique, pair_gains, *, num_rows, **_peers
+):
+    """Activation rows [R, D] (float32) of this device from its own replica."""
+    return lookup(
+        table_shard,
+        unique_ids[:1],
+        pair_rows[:1],
+        pair_unique[:1],
+        pair_gains[:1],
+        num_rows=num_rows,
+    )
+
+
+def update_replicated(
+    table_shard,
+    slots: dict,
+    unique_ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    optimizer,
+    step,
+    *,
+    unique_capacity: int,
+    axis_name,
+    num_shards: int,
+    keep=None,
+    in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
+):
+    """The update of this device's replica from every device's batch: the per-id
+    gradient sums [U, D] of this device's partition 0 and its ids go to every device
+    (an all-gather through `exchange`), each replica merges them (`ops.dedup_sum`) and
+    applies the optimizer to the distinct rows (every row for optimizers that move
+    them all). `keep` False: no row moves."""
+    n, u = num_shards, unique_capacity
+    ids = unique_ids[0]
+    per_unique = ops.segment_gather_sum(
+        act_grads.astype(jnp.float32),
+        pair_rows[0],
+        pair_gains[0],
+        ops.slot_index(pair_unique[:1], u),
+        u,
+    )
+    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/update/replicated")
+    all_ids = exchange_to(jnp.broadcast_to(ids[None], (n, u)), "ids")
+    grads = exchange_to(
+        after(jnp.broadcast_to(per_unique[None], (n,) + per_unique.shape), all_ids), "grads"
+    )
+    if keep is not None:
+        all_ids = jnp.where(keep, all_ids, PAD_ID)
+    uniq, g_sum = ops.dedup_sum(all_ids, grads.reshape(n * u, -1))
+    if optimizer.touches_all_rows:
+        return _dense_update(table_shard, slots, uniq, g_sum, optimizer, step)
+    return ops.sparse_update(optimizer, table_shard, slots, uniq, g_sum, step)
+
+
+# ---------------------------------------------------------------------------
 # Pooling on the owner: exchange partial sums of activations, not rows
 #
 # Each owner combines, for every source device, the pairs whose ids it holds into

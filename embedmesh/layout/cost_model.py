@@ -22,7 +22,9 @@ and each other device is only a source):
                   either as a *sparse all-gather* of every device's touched rows
                   (ids + rows: sends u_loc*(4+rb) to each of N-1 peers, receives the
                   same from each; each replica then merges and applies the update to
-                  all u_glob touched rows) or as a *dense ring all-reduce* of a [V, D]
+                  all u_glob touched rows; the lookup reads u_loc distinct rows
+                  from memory, its other pairs cost as buffer pairs) or as a *dense
+                  ring all-reduce* of a [V, D]
                   gradient (sends and receives 2(N-1)/N * V*rb; every replica updates
                   all V rows). The cheaper of the two (by predicted time) is taken and
                   named in `StrategyCost.variant`. Memory: V*rb*(1+s) on every device
@@ -567,8 +569,11 @@ def _dp(t: TableStats, n: int, b: int, m: Machine, variant: str | None = None) -
     sparse = Load(
         fwd,
         _split((n - 1) * chunk, (n - 1) * chunk, n, g, collectives=1),
-        pairs,
-        pairs + n * u_loc,  # per-pair grads, then merge the N lists
+        # the lookup reads each distinct row of the replica once from memory; its other
+        # pairs hit those rows again (as row_wise_rows' owners gather distinct rows and
+        # the source combines its pairs from them)
+        u_loc,
+        2 * pairs - u_loc + n * u_loc,  # combine, per-pair grads, merge the N lists
         u_glob,
         out * rb + n * chunk,
         rb,
@@ -1063,6 +1068,7 @@ def plan_tables(
     strategies: Sequence[str] = STRATEGIES,
     memory_limit: float | None = None,
     passes: int = 3,
+    strategy_options: Mapping[str, Mapping] | None = None,
 ) -> Plan:
     """A strategy per table minimising `plan_step_time` subject to memory per device.
 
@@ -1070,8 +1076,9 @@ def plan_tables(
     strategy that is cheapest for the table alone among those that fit, then local
     search: each table in turn moves to the strategy that lowers the plan's step
     time most while every device's memory stays under `memory_limit` (default
-    `machine.memory_per_device`), for `passes` rounds or until nothing moves. Raises
-    ValueError when no assignment fits."""
+    `machine.memory_per_device`), for `passes` rounds or until nothing moves.
+    `strategy_options`: `{strategy: options of strategy_cost}` (e.g. a data_parallel
+    variant). Raises ValueError when no assignment fits."""
     n, b = int(num_devices), int(batch_per_device)
     overrides = dict(overrides or {})
     names = [t.name for t in tables]
@@ -1084,7 +1091,11 @@ def plan_tables(
         if s not in STRATEGIES:
             raise ValueError(f"unknown strategy {s!r}")
     limit = machine.memory_per_device if memory_limit is None else float(memory_limit)
-    options = {t.name: {s: strategy_cost(s, t, n, b, machine) for s in STRATEGIES} for t in tables}
+    given = dict(strategy_options or {})
+    options = {
+        t.name: {s: strategy_cost(s, t, n, b, machine, **given.get(s, {})) for s in STRATEGIES}
+        for t in tables
+    }
     summ = {
         t.name: {s: _summarise(t, c, machine) for s, c in options[t.name].items()} for t in tables
     }

@@ -15,6 +15,9 @@ an exchange form (`EmbeddingCore`'s `exchange`: what crosses between devices):
   row_wise_rows    mod placement, the owners send rows ("mod" is its TPU name)
   row_wise_pooled  mod placement, the owners pool and send partial sums
   table_wise       one owner per table, which pools and sends the activations
+  data_parallel    a replica on every device, looked up in place; the devices send
+                   each other their distinct ids and gradient sums (the cost model's
+                   "sparse" variant; its dense all-reduce is not built)
 """
 
 from __future__ import annotations
@@ -42,8 +45,12 @@ STRATEGY_FORMS = {
     "row_wise_rows": ("mod", "rows"),
     "row_wise_pooled": ("mod", "pooled"),
     "table_wise": ("table_wise", "pooled"),
+    "data_parallel": ("data_parallel", "rows"),  # (the form is unused: nothing is looked up)
 }
-PLANNED = ("row_wise_rows", "row_wise_pooled", "table_wise")  # what "auto" picks from
+# what "auto" picks from
+PLANNED = ("row_wise_rows", "row_wise_pooled", "table_wise", "data_parallel")
+# the cost model's options for what embedmesh builds of a strategy
+BUILT_OPTIONS = {"data_parallel": {"variant": "sparse"}}
 CHOICES = tuple(STRATEGY_FORMS) + ("auto",)
 DEFAULT_BATCH_PER_DEVICE = 256  # the planner's batch when it has not seen one
 
@@ -149,6 +156,7 @@ def plan(
         overrides,
         batch_per_device=max(1, int(batch_per_device)),
         strategies=PLANNED,
+        strategy_options=BUILT_OPTIONS,
     )
     chosen = {
         name: requested[name] if requested[name] != "auto" else result.strategy_of(name)

@@ -21,6 +21,14 @@ small tables over different shards. Two placements are this one rule:
 
 (`k` in between, a table over part of the mesh, is the same rule.)
 
+A replicated table (`sharding="data_parallel"`, the placement's `replicated`) is
+the table-wise rule on shard 0, its canonical copy, as far as every mapping
+here goes: a row "lives" on shard 0, which is where preprocessing sends its ids
+(the device program reads them from its own replica) and what checkpoints
+store. What each shard physically holds is `copy_of(table, shard)`: the shard
+whose block it holds a copy of (0 on every shard for a replica; itself, or None,
+for the other placements). Building, restoring and showing shards go by it.
+
 The rule in one place: `ModRowLayout` states it once as array arithmetic
 (`logical_rows_from_params`, which numpy and traced jax arrays both run: the
 checkpoint checksum program takes `kernel_params` as arguments) and once as
@@ -112,6 +120,14 @@ class RowLayout(abc.ABC):
         """`rows_on_shard` as an index into the logical table: a slice where the
         rule allows one (a view, no gather), else the int64 rows."""
         return self.rows_on_shard(table, shard)
+
+    def copy_of(self, table, shard: int) -> int | None:
+        """The shard whose block of the table `shard` holds a copy of: `shard` itself
+        where it holds a block, the canonical shard (the span's first) on every shard
+        for a replicated table, None where it holds none of the table."""
+        if getattr(table, "replicated", False):
+            return self.span(table)[0]
+        return int(shard) if self.holds(table, shard) else None
 
     def shards_of(self, table) -> tuple:
         """The shards holding any row of the table."""

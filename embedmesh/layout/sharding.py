@@ -5,7 +5,10 @@ With a `StackingPlan` for N shards, the rows of one table on one shard are
 padded with zero rows to `rows_per_shard`; for the mod layout, the strided
 slice `table[(shard - rotation) % N :: N]`: no gather, no full-stack copy. A
 shard outside the table's span (a table-wise table's other shards) holds no
-block of it: its table-level shard has no rows.
+block of it: its table-level shard has no rows. A replicated (data_parallel)
+table's block on every shard is a copy of its canonical block
+(`row_layout.copy_of`): `table_shard` and `stack_shard` build every copy, the
+read-back helpers read the canonical one.
 
 Table-level helpers (checkpoints, serving): `table_to_shards`,
 `shards_to_table`, `table_shard`, `table_rows_on_shard`.
@@ -57,6 +60,15 @@ def _block_rows(plan: StackingPlan, t, shard: int) -> int:
     return t.rows_per_shard if plan.row_layout.holds(t, shard) else 0
 
 
+def _copied_rows(plan: StackingPlan, t, shard: int):
+    """(index into the logical table, block rows) of what `shard` physically holds of
+    table `t`: its own rows, a copy of the canonical block (a replica), or nothing."""
+    source = plan.row_layout.copy_of(t, shard)
+    if source is None:
+        return slice(0, 0), 0
+    return plan.row_layout.rows_index(t, source), t.rows_per_shard
+
+
 def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) -> np.ndarray:
     """Rows of `table` on `shard`: `[rows_per_shard, ...]`, zero padding rows at the end;
     `[0, ...]` on a shard outside the table's span (it holds no block of the table)."""
@@ -66,9 +78,9 @@ def table_shard(table_array, plan: StackingPlan, table: TableKey, shard: int) ->
         raise ValueError(
             f"table {t.name}: expected {t.vocabulary_size} rows, got shape {arr.shape}"
         )
-    shard = _check_shard(plan, shard)
-    rows = arr[plan.row_layout.rows_index(t, shard)]
-    out = np.zeros((_block_rows(plan, t, shard),) + arr.shape[1:], arr.dtype)
+    index, block = _copied_rows(plan, t, _check_shard(plan, shard))
+    rows = arr[index]
+    out = np.zeros((block,) + arr.shape[1:], arr.dtype)
     out[: rows.shape[0]] = rows
     return out
 
@@ -140,7 +152,7 @@ def stack_shard(
                 f"[{t.vocabulary_size}{', ' + str(t.dim) if arr.ndim == 2 else ''}]"
                 f" in stack {s.name}"
             )
-        rows = arr[plan.row_layout.rows_index(t, shard)]
+        rows = arr[_copied_rows(plan, t, shard)[0]]
         lo = t.local_row_offset
         if arr.ndim == 2:
             out[lo : lo + rows.shape[0], : arr.shape[1]] = rows

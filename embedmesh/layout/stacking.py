@@ -7,7 +7,7 @@ row layout (`plan.row_layout`, `embedmesh.layout.rows`: the mod rule over each
 table's span of shards).
 
 Placement, per table (`sharding=`: "mod" for every table, the default;
-"table_wise" for every table; or `{table name: "mod" | "table_wise"}`, tables
+"table_wise" or "data_parallel" for every table; or `{table name: one of them}`, tables
 not named being "mod"):
 
 - "mod" (TPUEmbeddingV2's): the table spans all N shards (`first_shard = 0`,
@@ -17,7 +17,15 @@ not named being "mod"):
   bin-packed: table-wise tables, largest first (rows * padded dim, then config
   order), each go to the shard with the least table-wise rows * dim so far
   (the lowest index on ties), over all stacks;
-- on one shard the two are the same layout (every table is "mod" there).
+- "data_parallel": the whole table on every shard, a replica each (block row
+  `i` is row `i`, as for "table_wise"). Its lookups read the device's own
+  replica, and every replica applies the same update, made of every device's
+  gradients. Row mappings and checkpoints see one canonical copy: the table
+  reads as table-wise on shard 0 (`row_layout.span`, `holds`), while
+  `row_layout.copy_of(table, j)` names the block each shard holds a copy of
+  (0 on every shard). Such a table reserves its local rows on every shard and
+  never shares a stack with tables of another placement;
+- on one shard the three are the same layout (every table is "mod" there).
 
 Layout of one stack (every number here is static, a pure function of the
 feature config, the placements and `N`):
@@ -75,7 +83,11 @@ __all__ = [
 ]
 
 DEFAULT_DIM_MULTIPLE = 8
-SHARDINGS = ("mod", "table_wise")  # the placements a table may have (see the module docstring)
+SHARDINGS = (
+    "mod",
+    "table_wise",
+    "data_parallel",
+)  # the placements a table may have (see the module docstring)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -99,6 +111,8 @@ class TablePlacement:
     rotation: int  # in [0, span)
     first_shard: int = 0  # the table's blocks are on shards [first_shard, first_shard + span)
     span: int | None = None  # None: num_shards (mod)
+    # data_parallel: every shard holds a replica of the canonical block (shard 0's)
+    replicated: bool = False
 
     def __post_init__(self):
         if self.span is None:
@@ -122,8 +136,11 @@ class TablePlacement:
 
     @property
     def sharding(self) -> str:
-        """ "mod" (every shard), "table_wise" (one shard of several) or
-        "table_row_wise" (part of the mesh, a layout no plan makes today)."""
+        """ "mod" (every shard), "table_wise" (one shard of several), "data_parallel"
+        (a replica on every shard) or "table_row_wise" (part of the mesh, a layout no
+        plan makes today)."""
+        if self.replicated:
+            return "data_parallel"
         if self.span == self.num_shards:
             return "mod"
         return "table_wise" if self.span == 1 else "table_row_wise"
@@ -154,6 +171,7 @@ class StackSpec:
     dtype: Any  # numpy dtype of the parameters
     num_shards: int
     num_rows: int  # stacked rows: num_shards * the most local rows any shard uses
+    replicated: bool = False  # its tables are data_parallel (all or none of them are)
 
     @property
     def rows_per_shard(self) -> int:
@@ -222,7 +240,7 @@ class StackingPlan:
             per_device += s.rows_per_shard * row_bytes
             for name in s.tables:
                 t = self.table(name)
-                shards = [j for j in range(n) if self.row_layout.holds(t, j)]
+                shards = [j for j in range(n) if self.row_layout.copy_of(t, j) is not None]
                 where = f"{shards[0]}" if len(shards) == 1 else f"{shards[0]}-{shards[-1]}"
                 line = (
                     f"{name:<16} {strategies.get(name, t.sharding):<16} {s.name:<16} "
@@ -379,7 +397,7 @@ ShardingArg = Union[str, Mapping[Any, str]]
 def table_shardings(
     sharding: ShardingArg, resolved: ResolvedFeatures, choices: tuple = SHARDINGS
 ) -> tuple:
-    """Each table's placement ("mod" or "table_wise"), in the resolved config's table
+    """Each table's placement (one of `SHARDINGS`), in the resolved config's table
     order, from `sharding`: one of `choices` (default `SHARDINGS`; the facade passes
     its strategies) for every table, or a mapping from table names (or `TableConfig`s)
     to one (tables not named: "mod"). Unknown tables or values raise a ValueError
@@ -452,9 +470,9 @@ def plan_stacking(
         equality.
       table_dtypes: optional `{table name: dtype}` (default float32); only
         tables of one dtype stack.
-      sharding: each table's placement (module docstring): "mod" (default)
-        or "table_wise" for every table, or `{table name: "mod" |
-        "table_wise"}` (tables not named: "mod").
+      sharding: each table's placement (module docstring): "mod" (default),
+        "table_wise" or "data_parallel" for every table, or `{table name: one of
+        them}` (tables not named: "mod").
       stack_keys: optional `{table name: hashable}`: tables with different
         keys never share a stack (the facade keeps one exchange form a stack).
 
@@ -498,6 +516,7 @@ def plan_stacking(
             _effective_optimizer(t, default_optimizer),
             np.dtype(dtypes.get(resolved.table_names[i], np.float32)),
             (stack_keys or {}).get(resolved.table_names[i]),
+            strategies[i] == "data_parallel",  # replicas stack only with replicas
         )
         for gkey, members in groups:
             if stack_tables and gkey == key:
@@ -544,7 +563,7 @@ def plan_stacking(
     stack_specs = []
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
-        dim, optimizer, dtype, _ = key
+        dim, optimizer, dtype, _, replicated = key
         # row order: the mod tables one after another, then each table-wise table
         # after the earlier ones of its owner
         members = [i for i in members if strategies[i] == "mod"] + [
@@ -560,7 +579,9 @@ def plan_stacking(
             t = resolved.tables[i]
             first = owners.get(i, 0)
             span = spans[i]
-            offset = max(used[first : first + span])
+            # a replicated table's rows: the same local rows on every shard
+            reserved = slice(0, n) if replicated else slice(first, first + span)
+            offset = max(used[reserved])
             table_placements[i] = TablePlacement(
                 name=resolved.table_names[i],
                 index=i,
@@ -574,8 +595,9 @@ def plan_stacking(
                 rotation=rotation[i],
                 first_shard=first,
                 span=span,
+                replicated=replicated,
             )
-            used[first : first + span] = [offset + padded_rows(i) // span] * span
+            used[reserved] = [offset + padded_rows(i) // span] * len(used[reserved])
         rows_per_shard = max(used)
         if rows_per_shard > _INT32_MAX:
             raise ValueError(
@@ -597,6 +619,7 @@ def plan_stacking(
                 dtype=dtype,
                 num_shards=n,
                 num_rows=rows_per_shard * n,
+                replicated=replicated,
             )
         )
 
