@@ -84,3 +84,19 @@ def train_step(emb, feats, seed: int, batch: int = 24):
 
 def variables_by_name(emb) -> dict:
     return {t.name: {k: np.asarray(v) for k, v in d.items()} for t, d in emb.variables.items()}
+
+
+def trained_checkpoints(tmp_path_factory, specs: dict, engine) -> dict:
+    """`{name: dict(path, saved, emb)}`: for each `name: (devices, sharding)` of `specs`, an
+    `engine(devices, sharding)` (-> `(emb, feats)`) trained two steps and saved."""
+    from embedmesh import checkpoint as ckpt
+
+    out = {}
+    for name, (n, sharding) in specs.items():
+        emb, feats = engine(n, sharding)
+        for s in range(2):
+            train_step(emb, feats, seed=s)
+        path = tmp_path_factory.mktemp(name)
+        assert ckpt.save(path, emb)
+        out[name] = dict(path=path, saved=variables_by_name(emb), emb=emb)
+    return out

@@ -28,6 +28,9 @@ if num_processes > 1:
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+# row-aware initial values: the same tables under every placement and device count
+from checkpoint_common import HashInit  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import embedmesh as em  # noqa: E402
@@ -63,26 +66,9 @@ def local_slice(batch, pid, nproc):
     return out
 
 
-class RowInit:
-    """Row-aware pseudo-random values: the same tables under every placement and device
-    count (a plain random initializer draws per shard, so placements would differ)."""
-
-    def __init__(self, seed: float):
-        self.seed = seed
-
-    def rows(self, row_ids, dim, dtype):
-        r = np.asarray(row_ids, np.float64).reshape(-1, 1)
-        return (np.sin(r * 12.9898 + np.arange(dim)[None, :] * 78.233 + self.seed) * 0.3).astype(
-            dtype
-        )
-
-    def __call__(self, key, shape, dtype=np.float32):
-        return self.rows(np.arange(shape[0]), shape[1], dtype)
-
-
 def main():
-    t1 = em.TableConfig(50, 8, combiner="mean", name="t1", initializer=RowInit(1.0))
-    t2 = em.TableConfig(30, 4, combiner="sqrtn", name="t2", initializer=RowInit(2.0))
+    t1 = em.TableConfig(50, 8, combiner="mean", name="t1", initializer=HashInit(1.0))
+    t2 = em.TableConfig(30, 4, combiner="sqrtn", name="t2", initializer=HashInit(2.0))
     feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2), "ragged": em.FeatureConfig(t2)}
     mesh = Mesh(np.array(jax.devices()), ("x",))
     assert mesh.size == 4, mesh

@@ -18,6 +18,7 @@ from checkpoint_common import (
     make_features,
     make_tables,
     train_step,
+    trained_checkpoints,
     variables_by_name,
 )
 from jax.sharding import Mesh
@@ -221,15 +222,7 @@ SOURCES = {"dp4": (4, "data_parallel"), "mixed8": (8, CK_MIXED), "mod2": (2, "mo
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    out = {}
-    for name, (n, sharding) in SOURCES.items():
-        emb, feats = engine(n, sharding)
-        for s in range(2):
-            train_step(emb, feats, seed=s)
-        path = tmp_path_factory.mktemp(name)
-        assert ckpt.save(path, emb)
-        out[name] = dict(path=path, saved=variables_by_name(emb), emb=emb)
-    return out
+    return trained_checkpoints(tmp_path_factory, SOURCES, engine)
 
 
 RESTORES = {

@@ -15,7 +15,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import test_engine
-from checkpoint_common import make_features, make_tables, train_step, variables_by_name
+from checkpoint_common import (
+    make_features,
+    make_tables,
+    train_step,
+    trained_checkpoints,
+    variables_by_name,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
@@ -356,15 +362,7 @@ SOURCES = {"tw4": (4, "table_wise"), "mixed8": (8, CK_MIXED), "mod2": (2, "mod")
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    out = {}
-    for name, (n, sharding) in SOURCES.items():
-        emb, feats = engine(n, sharding)
-        for s in range(2):
-            train_step(emb, feats, seed=s)
-        path = tmp_path_factory.mktemp(name)
-        assert ckpt.save(path, emb)
-        out[name] = dict(path=path, saved=variables_by_name(emb), emb=emb)
-    return out
+    return trained_checkpoints(tmp_path_factory, SOURCES, engine)
 
 
 RESTORES = {

@@ -151,13 +151,7 @@ def update_shard(
     # Every row moves (non-lazy Adam): the per-unique sums, merged on the owner, scattered
     # into a dense gradient.
     n = pair_rows.shape[0]
-    per_unique = ops.segment_gather_sum(
-        act_grads.astype(jnp.float32),
-        pair_rows.reshape(-1),
-        pair_gains.reshape(-1),
-        ops.slot_index(pair_unique, unique_capacity),
-        n * unique_capacity,
-    )
+    per_unique = _per_unique_sums(act_grads, pair_rows, pair_unique, pair_gains, unique_capacity)
     peers = dict(in_process=in_process, host_job=host_job)
     grads = exchange(
         per_unique.reshape(n, unique_capacity, -1),
@@ -169,10 +163,30 @@ def update_shard(
     served_ids = exchange(
         unique_ids, axis_name, num_shards, channel=channel + "/dense/ids", **peers
     )
+    return _merge_and_apply(table_shard, slots, served_ids, grads, keep, optimizer, step)
+
+
+def _per_unique_sums(act_grads, pair_rows, pair_unique, pair_gains, unique_capacity: int):
+    """[N * U, D]: the gradient sums of the distinct ids of each of the N partitions."""
+    return ops.segment_gather_sum(
+        act_grads.astype(jnp.float32),
+        pair_rows.reshape(-1),
+        pair_gains.reshape(-1),
+        ops.slot_index(pair_unique, unique_capacity),
+        pair_rows.shape[0] * unique_capacity,
+    )
+
+
+def _merge_and_apply(table_shard, slots, ids, grads, keep, optimizer, step):
+    """Merge the received lists (`ids` [N, U], `grads` [N, U, D]; `keep` False: none)
+    and apply the optimizer once per distinct row (every row for optimizers that move
+    them all)."""
     if keep is not None:
-        served_ids = jnp.where(keep, served_ids, PAD_ID)
-    uniq, g_sum = ops.dedup_sum(served_ids, grads.reshape(served_ids.size, -1))
-    return _dense_update(table_shard, slots, uniq, g_sum, optimizer, step)
+        ids = jnp.where(keep, ids, PAD_ID)
+    uniq, g_sum = ops.dedup_sum(ids, grads.reshape(ids.size, -1))
+    if optimizer.touches_all_rows:
+        return _dense_update(table_shard, slots, uniq, g_sum, optimizer, step)
+    return ops.sparse_update(optimizer, table_shard, slots, uniq, g_sum, step)
 
 
 def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
@@ -236,25 +250,13 @@ def update_replicated(
     applies the optimizer to the distinct rows (every row for optimizers that move
     them all). `keep` False: no row moves."""
     n, u = num_shards, unique_capacity
-    ids = unique_ids[0]
-    per_unique = ops.segment_gather_sum(
-        act_grads.astype(jnp.float32),
-        pair_rows[0],
-        pair_gains[0],
-        ops.slot_index(pair_unique[:1], u),
-        u,
-    )
+    per_unique = _per_unique_sums(act_grads, pair_rows[:1], pair_unique[:1], pair_gains[:1], u)
     exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/update/replicated")
-    all_ids = exchange_to(jnp.broadcast_to(ids[None], (n, u)), "ids")
+    all_ids = exchange_to(jnp.broadcast_to(unique_ids[:1], (n, u)), "ids")
     grads = exchange_to(
         after(jnp.broadcast_to(per_unique[None], (n,) + per_unique.shape), all_ids), "grads"
     )
-    if keep is not None:
-        all_ids = jnp.where(keep, all_ids, PAD_ID)
-    uniq, g_sum = ops.dedup_sum(all_ids, grads.reshape(n * u, -1))
-    if optimizer.touches_all_rows:
-        return _dense_update(table_shard, slots, uniq, g_sum, optimizer, step)
-    return ops.sparse_update(optimizer, table_shard, slots, uniq, g_sum, step)
+    return _merge_and_apply(table_shard, slots, all_ids, grads, keep, optimizer, step)
 
 
 # ---------------------------------------------------------------------------
