@@ -14,6 +14,8 @@ shared-memory kernel (host_exchange.cc). Modes:
   "absent": a peer that stops calling, then exits: timeout, then exit errors.
   "ops": the host kernels of lookup_from_shards and backward_update_sharded equal
     their references (the exchange path over gloo). Prints "OK ops".
+  "pooled": the host kernels of the pooled ops fused with their exchange equal their
+    references (the unfused op, then the exchange over gloo). Prints "OK pooled".
   "train": a MeshEmbedding trained for 4 steps, then one step with a NaN gradient in
     the last process only (every process prints "REJECTED <name> unchanged=True");
     process 0 saves the tables to OUT_FILE and every process prints "HOST_JOB
@@ -292,6 +294,134 @@ def run_ops(mesh, job):
     print("OK ops", flush=True)
 
 
+def run_pooled(mesh, job):
+    """The host kernels of the pooled ops fused with their exchange
+    (exchange_pooled_pairs, exchange_pooled_partials, exchange_pooled_backward_update)
+    against their references (the unfused op, then XLA's all_to_all over gloo), on
+    random batches with positions and rows out of range, padding and ids past the
+    table, a compacted and an uncompacted row map, SGD and Adagrad, and keep=False
+    (the tables come back unchanged)."""
+    from embedmesh.optimizers import SGD, Adagrad
+
+    sh = NamedSharding(mesh, P("x"))
+
+    def put(x):  # [N, ...] per device -> a global array sharded over devices
+        flat = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+        return jax.make_array_from_callback(flat.shape, sh, lambda index: flat[index])
+
+    def gathered(a):
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    def run(body, n_in, *args):
+        fn = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P("x"),) * n_in, out_specs=P("x"), check_vma=False
+            )
+        )
+        out = fn(*args)
+        text = fn.lower(*args).as_text()
+        return text, [gathered(x) for x in (out if isinstance(out, tuple) else (out,))]
+
+    peers = dict(axis_name="x", num_shards=N)
+    for case in range(4):
+        r = np.random.default_rng(2000 + case)
+        rows, u, p, num_rows, d = 40, int(r.integers(1, 9)), int(r.integers(1, 25)), 9, 8
+        adagrad, keep, compacted = case % 2 == 1, case != 3, case < 2
+        uids = r.integers(0, rows + 3, size=(N, N, u)).astype(np.int32)  # some past the end
+        uids[r.random((N, N, u)) < 0.2] = ops.PAD_ID
+        prows = r.integers(-1, num_rows + 2, size=(N, N, p)).astype(np.int32)  # some "none"
+        puniq = r.integers(-1, u + 2, size=(N, N, p)).astype(np.int32)
+        gains = r.uniform(0.5, 2.0, (N, N, p)).astype(np.float32)
+        if compacted:  # each owner feeds some rows (compact[o][row]: its position, or rc)
+            rc = max(1, num_rows - 3)
+            compact = np.full((N, num_rows + 1), rc, np.int32)
+            for o in range(N):
+                fed = r.choice(num_rows, rc, replace=False)
+                compact[o, fed] = np.arange(rc)
+        else:  # every owner feeds every row
+            rc, compact = num_rows, np.zeros((N, 0), np.int32)
+
+        def pairs(host_job):
+            def body(ui, pr, pu, g):
+                return ops.exchange_pooled_pairs(
+                    ui,
+                    pr,
+                    pu,
+                    g,
+                    jnp.asarray(compact),
+                    width=rc,
+                    host_job=host_job,
+                    channel="pooled/pairs",
+                    **peers,
+                )
+
+            return run(body, 4, put(uids), put(prows), put(puniq), put(gains))
+
+        text, (served_host,) = pairs(job)
+        assert "embedmesh_host_pack_pooled_pairs" in text
+        _, (served_ref,) = pairs(0)
+        np.testing.assert_array_equal(served_host, served_ref, err_msg=f"pairs {case}")
+        served = served_ref.reshape(N, N, -1)
+
+        tables = r.standard_normal((N, 1, rows, d)).astype(np.float32)
+        accs = r.uniform(0.1, 1.0, (N, 1, rows, d)).astype(np.float32)
+
+        def partials(host_job):
+            def body(t, m):
+                return ops.exchange_pooled_partials(
+                    t[0],
+                    m,
+                    unique_capacity=u,
+                    width=rc,
+                    host_job=host_job,
+                    channel="pooled/partials",
+                    **peers,
+                )
+
+            return run(body, 2, put(tables), put(served))
+
+        text, (back_host,) = partials(job)
+        assert "embedmesh_host_pooled_partials" in text
+        _, (back_ref,) = partials(0)
+        np.testing.assert_allclose(back_host, back_ref, rtol=1e-6, atol=1e-6, err_msg=f"{case}")
+        assert np.abs(back_ref).sum() > 0, "no pair contributed: the case tests nothing"
+
+        grads = r.standard_normal((N, N, rc, d)).astype(np.float32)
+        opt = Adagrad(0.3, clipvalue=0.8) if adagrad else SGD(0.3, weight_decay_factor=0.05)
+
+        def backward(host_job):
+            def body(t, a, m, g):
+                slots = {"accumulators": a[0]} if adagrad else {}
+                t, slots = ops.exchange_pooled_backward_update(
+                    opt,
+                    t[0],
+                    slots,
+                    m,
+                    g.reshape(N, rc, d),
+                    keep,
+                    0,
+                    unique_capacity=u,
+                    width=rc,
+                    host_job=host_job,
+                    channel="pooled/grads",
+                    **peers,
+                )
+                return t[None], slots.get("accumulators", a[0])[None]
+
+            return run(body, 4, put(tables), put(accs), put(served), put(grads))
+
+        text, (t_host, a_host) = backward(job)
+        assert f"embedmesh_host_pooled_backward_{'adagrad' if adagrad else 'sgd'}" in text
+        _, (t_ref, a_ref) = backward(0)
+        np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"table {case}")
+        np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"acc {case}")
+        if keep:
+            assert not np.array_equal(t_ref, tables.reshape(t_ref.shape)), "no row moved"
+        else:
+            np.testing.assert_array_equal(t_host, tables.reshape(t_host.shape))
+    print("OK pooled", flush=True)
+
+
 def train(name, optimizer, **kwargs):
     """A MeshEmbedding trained for 4 steps: (its tables by "name/table.var", its core's
     same-host key, the channels of that job's shared-memory segments)."""
@@ -381,6 +511,7 @@ def main():
                 "exchange": run_exchange,
                 "mismatch": run_mismatch,
                 "ops": run_ops,
+                "pooled": run_pooled,
                 "absent": run_absent,
             }[m](mesh, job)
     jax.distributed.shutdown()

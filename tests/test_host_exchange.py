@@ -45,9 +45,10 @@ def _commands(n, mode, *rest):
 
 
 @needs_kernels
-@pytest.mark.parametrize("processes, modes", [(2, "exchange,ops"), (4, "ops")])
+@pytest.mark.parametrize("processes, modes", [(2, "exchange,ops,pooled"), (4, "ops,pooled")])
 def test_processes_exchange_like_all_to_all(processes, modes):
-    """ops.exchange, and the host kernels of the N-shard lookup and update, against XLA's."""
+    """ops.exchange, and the host kernels of the N-shard lookup and update and of the
+    pooled ops, against XLA's exchange."""
     outs = run_together(_commands(processes, modes), _env(), timeout=TIMEOUT)
     for out in outs:
         for mode in modes.split(","):

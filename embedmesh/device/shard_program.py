@@ -325,19 +325,26 @@ def after(x, previous):
     return jnp.where(bits == jnp.int32(-1), x + 1, x)
 
 
-def serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to):
+def serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, channel, **peers):
     """The owners' view of a batch: the messages [N, U + P * k] of every source for this
-    owner (`ops.pack_pooled_pairs`: the ids each asks of it, and its pairs, each with
+    owner (`ops.exchange_pooled_pairs`: the ids each asks of it, and its pairs, each with
     its id's position, its row among the `pooled.width` rows this owner feeds, its gain;
-    8 bytes a pair where position and row fit one int32, else 12)."""
+    8 bytes a pair where position and row fit one int32, else 12). `peers`: where the
+    devices are (`ops.exchange`'s arguments)."""
     n = unique_ids.shape[0]
     compact = (
         jnp.asarray(pooled.compact) if pooled.compact is not None else jnp.zeros((n, 0), jnp.int32)
     )
-    message = ops.pack_pooled_pairs(
-        unique_ids, pair_rows, pair_unique, pair_gains, compact, width=pooled.width
+    return ops.exchange_pooled_pairs(
+        unique_ids,
+        pair_rows,
+        pair_unique,
+        pair_gains,
+        compact,
+        width=pooled.width,
+        channel=channel,
+        **peers,
     )
-    return exchange_to(message, "pairs")
 
 
 def _exchanger(axis_name, num_shards, in_process, host_job, channel):
@@ -364,16 +371,21 @@ def lookup_pooled(
 ):
     """Activation rows [R, D] (float32) of this device, pooled on the owners: each owner
     combines every source's pairs from its rows into [Rc, D] partial sums
-    (`ops.pooled_partials`), which come back and are summed per row (in shard order).
+    (`ops.exchange_pooled_partials`), which come back and are summed per row (in shard
+    order).
     With `carry`, also the owners' view this device received (`serve_pairs`), which
     `update_shard_pooled` takes instead of sending the pairs again."""
     n = num_shards
     rc, d = pooled.width, table_shard.shape[-1]
     u = unique_ids.shape[1]
-    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/lookup/pooled")
-    served = serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to)
-    partial = ops.pooled_partials(table_shard, served, unique_capacity=u, width=rc)
-    back = exchange_to(partial.reshape(n, rc, d), "partials").reshape(n * rc, d)
+    peers = dict(axis_name=axis_name, num_shards=n, in_process=in_process, host_job=host_job)
+    at = channel + "/lookup/pooled"
+    served = serve_pairs(
+        unique_ids, pair_rows, pair_unique, pair_gains, pooled, at + "/pairs", **peers
+    )
+    back = ops.exchange_pooled_partials(
+        table_shard, served, unique_capacity=u, width=rc, channel=at + "/partials", **peers
+    )
     if pooled.rows is None:
         act = jnp.sum(back.reshape(n, rc, d), axis=0)
     elif pooled.one_owner:  # each row from its one owner's block: slices, no sums
@@ -418,13 +430,14 @@ def update_shard_pooled(
 ):
     """`update_shard` with the backward on the owners: each source sends every owner the
     gradients of the [Rc] rows it feeds, and each owner applies them over its sources'
-    pairs as one fused backward + update (`ops.pooled_backward_update`). `served`: the
+    pairs as one fused backward + update (`ops.exchange_pooled_backward_update`). `served`: the
     owners' view carried from this batch's `lookup_pooled(carry=True)`; without it the
     pairs travel again first. Sparse optimizers only."""
     n = num_shards
     rc, d = pooled.width, act_grads.shape[-1]
     u = unique_ids.shape[1]
-    exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/update/pooled")
+    peers = dict(axis_name=axis_name, num_shards=n, in_process=in_process, host_job=host_job)
+    at = channel + "/update/pooled"
     g = act_grads.astype(jnp.float32)
     if pooled.rows is None:
         g = jnp.broadcast_to(g[None], (n,) + g.shape)
@@ -437,19 +450,22 @@ def update_shard_pooled(
         g = jnp.stack(blocks)
     # (the order of exchanges made on the message itself, so that it fuses into its copy)
     if served is None:
-        served = serve_pairs(unique_ids, pair_rows, pair_unique, pair_gains, pooled, exchange_to)
+        served = serve_pairs(
+            unique_ids, pair_rows, pair_unique, pair_gains, pooled, at + "/pairs", **peers
+        )
         g = after(g, served)  # the pairs' exchange first, on every device
     else:  # after what `unique_ids` waits for (the caller's previous exchanges)
         g = after(g, unique_ids)
-    received = exchange_to(g, "grads").reshape(n * rc, d)
-    return ops.pooled_backward_update(
+    return ops.exchange_pooled_backward_update(
         optimizer,
         table_shard,
         slots,
         served,
-        received,
+        g,
         True if keep is None else keep,
         step,
         unique_capacity=u,
         width=rc,
+        channel=at + "/grads",
+        **peers,
     )

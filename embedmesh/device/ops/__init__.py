@@ -77,6 +77,12 @@ end are padding.
   rows' gradients as one fused backward + update. References: unpacking
   (`unpack_pooled_pairs`), `segment_gather_sum`, `dedup_sum`, `sparse_update`; the
   CPU kernels do each in one pass (pooled.cc, update.cc).
+- `exchange_pooled_pairs`, `exchange_pooled_partials`,
+  `exchange_pooled_backward_update`: each of those with the exchange that carries
+  its message (reference: the two ops). Between processes of one host the CPU
+  kernels write the message straight into the shared segment and the owner's
+  backward reads its sources' gradients there in place: no exchanged copy, no
+  fresh buffer for the message.
 - On GPU (`EMBEDMESH_GPU_KERNELS`, see `embedmesh.device.ops.gpu`): XLA
   variants that sort instead of contending on atomics (the default), or Pallas
   kernels fusing both updates for all five optimizers.
@@ -112,6 +118,9 @@ __all__ = [
     "backward_update_sharded",
     "dedup_sum",
     "exchange",
+    "exchange_pooled_backward_update",
+    "exchange_pooled_pairs",
+    "exchange_pooled_partials",
     "full",
     "gather_rows",
     "huge_page_copy",
@@ -641,6 +650,142 @@ def _pooled_backward_update_reference(
     return sparse_update(optimizer, table, slots, uniq, g_sum, step)
 
 
+# The same, each fused with its exchange: between processes of one host the CPU kernels
+# write the message straight into the shared segment and read the peers' in place.
+
+
+def _peer_params(axis_name, num_shards, in_process, host_job, channel) -> dict:
+    return dict(
+        axis_name=axis_name,
+        num_shards=num_shards,
+        in_process=in_process,
+        host_job=host_job,
+        channel=channel,
+    )
+
+
+def exchange_pooled_pairs(
+    unique_ids,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    compact,
+    *,
+    width: int,
+    axis_name,
+    num_shards: int,
+    in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
+):
+    """The owners' view of this device's batch: `exchange(pack_pooled_pairs(...))`, block
+    s the message [U + P * k] source s sent this owner."""
+    return _dispatch(
+        "exchange_pooled_pairs",
+        unique_ids.astype(jnp.int32),
+        pair_rows.astype(jnp.int32),
+        pair_unique.astype(jnp.int32),
+        pair_gains.astype(jnp.float32),
+        compact.astype(jnp.int32),
+        width=width,
+        **_peer_params(axis_name, num_shards, in_process, host_job, channel),
+    )
+
+
+def _exchange_pooled_pairs_reference(
+    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, **peers
+):
+    message = pack_pooled_pairs(
+        unique_ids, pair_rows, pair_unique, pair_gains, compact, width=width
+    )
+    return exchange(message, **peers)
+
+
+def exchange_pooled_partials(
+    table,
+    served,
+    *,
+    unique_capacity: int,
+    width: int,
+    axis_name,
+    num_shards: int,
+    in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
+):
+    """This device's partial activations from every owner [N * Rc, D]:
+    `exchange(pooled_partials(table, served))`, block s the partials owner s summed for
+    this device's rows."""
+    return _dispatch(
+        "exchange_pooled_partials",
+        table,
+        served.astype(jnp.int32),
+        unique_capacity=unique_capacity,
+        width=width,
+        **_peer_params(axis_name, num_shards, in_process, host_job, channel),
+    )
+
+
+def _exchange_pooled_partials_reference(table, served, *, unique_capacity, width, **peers):
+    n, d = served.shape[0], table.shape[-1]
+    partial = pooled_partials(table, served, unique_capacity=unique_capacity, width=width)
+    back = exchange(partial.reshape(n, width, d), **peers)
+    return back.reshape(n * width, d)
+
+
+def exchange_pooled_backward_update(
+    optimizer,
+    table,
+    slots: dict,
+    served,
+    grads,
+    keep,
+    step,
+    *,
+    unique_capacity: int,
+    width: int,
+    axis_name,
+    num_shards: int,
+    in_process: bool = False,
+    host_job: int = 0,
+    channel: str = "",
+):
+    """`pooled_backward_update` of this owner from the gradients every source sends it:
+    `grads` [N, Rc, D] block o are this device's gradients of the rows owner o feeds
+    (`exchange`d, then applied over `served`). Returns (table, slots)."""
+    return _dispatch(
+        "exchange_pooled_backward_update",
+        table,
+        dict(slots),
+        served.astype(jnp.int32),
+        grads.astype(jnp.float32),
+        jnp.asarray(keep, bool),
+        optimizer=optimizer,
+        step=step,
+        unique_capacity=unique_capacity,
+        width=width,
+        **_peer_params(axis_name, num_shards, in_process, host_job, channel),
+    )
+
+
+def _exchange_pooled_backward_update_reference(
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, **peers
+):
+    n, rc, d = grads.shape
+    received = exchange(grads, **peers).reshape(n * rc, d)
+    return pooled_backward_update(
+        optimizer,
+        table,
+        slots,
+        served,
+        received,
+        keep,
+        step,
+        unique_capacity=unique_capacity,
+        width=width,
+    )
+
+
 def huge_page_copy(x):
     """A copy of `x` in a buffer advised to use transparent huge pages (CPU); `x` elsewhere."""
     return _dispatch("huge_page_copy", x)
@@ -674,6 +819,9 @@ _define("backward_update_sharded", _backward_update_sharded_reference)
 _define("pack_pooled_pairs", _pack_pooled_pairs_reference)
 _define("pooled_partials", _pooled_partials_reference)
 _define("pooled_backward_update", _pooled_backward_update_reference)
+_define("exchange_pooled_pairs", _exchange_pooled_pairs_reference)
+_define("exchange_pooled_partials", _exchange_pooled_partials_reference)
+_define("exchange_pooled_backward_update", _exchange_pooled_backward_update_reference)
 _define("huge_page_copy", reference.huge_page_copy)
 _define("full", reference.full)
 

@@ -34,12 +34,18 @@ ffi::Error HostExchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_
   char* dst = static_cast<char*>(out->untyped_data());
   return WithHostPeers(
       HostCall{job, tag, n, rank, timeout_ms, channel}, bytes,
-      [&](char* seg) { std::memcpy(seg, src, bytes); },
-      [&](const std::vector<const char*>& peers) {
-        PrepareOutput(dst, bytes);
+      [&](char* seg) {  // the peers' blocks (this rank's own never leaves it)
         for (int64_t s = 0; s < n; ++s) {
-          const char* from = s == rank ? src : peers[s];
-          std::memcpy(dst + s * block, from + rank * block, block);
+          if (s != rank) std::memcpy(seg + s * block, src + s * block, block);
+        }
+      },
+      [&] {
+        PrepareOutput(dst, bytes);
+        std::memcpy(dst + rank * block, src + rank * block, block);
+      },
+      [&](const std::vector<const char*>& peers) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) std::memcpy(dst + s * block, peers[s] + rank * block, block);
         }
         return std::string();
       });

@@ -305,11 +305,13 @@ struct HostCall {
 };
 
 // One round at call site `call`: writes this rank's `bytes` of data (fill(dst)) into its
-// segment, waits for every peer's, runs work(peers) (peers[s]: rank s's data, read in
-// place; peers[rank]: this rank's own, in its segment), then marks the round done.
+// segment, runs meanwhile() (work of its own that needs no peer: it overlaps the peers'
+// lateness), waits for every peer's data, runs work(peers) (peers[s]: rank s's data, read
+// in place; peers[rank]: this rank's own, in its segment), then marks the round done.
 // Every rank must publish the same byte count. work returns "" or an error message.
-template <typename Fill, typename Work>
-ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, const Work& work) {
+template <typename Fill, typename Meanwhile, typename Work>
+ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
+                         const Meanwhile& meanwhile, const Work& work) {
   const int64_t n = call.n, rank = call.rank;
   if (n < 1 || rank < 0 || rank >= n) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -397,6 +399,7 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, c
   fill(ch.own.data());
   mine->size.v.store(static_cast<int64_t>(bytes), std::memory_order_relaxed);
   mine->arrived.v.store(g, std::memory_order_release);
+  meanwhile();
 
   // (c) every peer's data, once all have arrived
   for (int64_t s = 0; s < n; ++s) {
@@ -441,6 +444,11 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, c
   // (d) done reading: peers may overwrite their segments
   mine->done.v.store(g, std::memory_order_release);
   return ffi::Error::Success();
+}
+
+template <typename Fill, typename Work>
+ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, const Work& work) {
+  return WithHostPeers(call, bytes, fill, [] {}, work);
 }
 
 // Offsets of consecutive arrays packed into one segment, each 64-byte aligned.

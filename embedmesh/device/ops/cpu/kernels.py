@@ -361,6 +361,94 @@ def _fused_pooled(table, slots, served, grads, keep, *, optimizer, step, **param
     return _fused(table, slots, optimizer=optimizer, step=step)
 
 
+# Pooling fused with its exchange, between processes of one host (pooled.cc, update.cc):
+# the message written straight into this rank's segment, the peers' read in place.
+
+
+def exchange_pooled_pairs(
+    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, **peers
+):
+    n, u = unique_ids.shape
+    k = _pooled_words(u, width)
+    rank, attrs = _host_peers(peers["axis_name"], n, peers["host_job"], peers["channel"])
+    out = jax.ShapeDtypeStruct((n, u + pair_rows.shape[1] * int(k)), jnp.int32)
+    return jax.ffi.ffi_call("embedmesh_host_pack_pooled_pairs", out)(
+        unique_ids,
+        pair_rows,
+        pair_unique,
+        pair_gains,
+        compact,
+        rank,
+        rc=np.int64(width),
+        k=k,
+        **attrs,
+    )
+
+
+def exchange_pooled_partials(table, served, *, unique_capacity, width, **peers):
+    n = served.shape[0]
+    rank, attrs = _host_peers(peers["axis_name"], n, peers["host_job"], peers["channel"])
+    out = jax.ShapeDtypeStruct((n * width,) + table.shape[1:], jnp.float32)
+    return jax.ffi.ffi_call("embedmesh_host_pooled_partials", out)(
+        table,
+        served,
+        rank,
+        u=np.int64(unique_capacity),
+        rc=np.int64(width),
+        k=_pooled_words(unique_capacity, width),
+        **attrs,
+    )
+
+
+def exchange_pooled_backward_update(
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, **peers
+):
+    lr, attrs = _scalars(optimizer, step)
+    rank, peer_attrs = _host_peers(
+        peers["axis_name"], grads.shape[0], peers["host_job"], peers["channel"]
+    )
+    attrs.update(
+        peer_attrs,
+        u=np.int64(unique_capacity),
+        rc=np.int64(width),
+        k=_pooled_words(unique_capacity, width),
+    )
+    args = (served, grads, lr, keep.astype(jnp.int32).reshape(1), rank)
+    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    if optimizer.fused_kernel == "sgd":
+        t = jax.ffi.ffi_call(
+            "embedmesh_host_pooled_backward_sgd", shape, input_output_aliases={0: 0}
+        )(table, *args, **attrs)
+        return t, {}
+    t, a = jax.ffi.ffi_call(
+        "embedmesh_host_pooled_backward_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
+    )(table, slots["accumulators"], *args, **attrs)
+    return t, {"accumulators": a}
+
+
+def _between_host_processes(x, *, num_shards, in_process, host_job=0, channel="", **_) -> bool:
+    """Whether the call is an exchange between processes of one host (host_peers.h);
+    claims its channel in the current trace. In one process the ops' references run
+    (the in-process exchange kernel reads its peers' buffers anyway)."""
+    return num_shards > 1 and not in_process and _host_call(x, host_job, channel)
+
+
+def _host_pooled_pairs(unique_ids, *args, width, **peers) -> bool:
+    return _between_host_processes(unique_ids, **peers)
+
+
+def _host_pooled_partials(table, served, *, unique_capacity, width, **peers) -> bool:
+    return table.dtype == jnp.float32 and _between_host_processes(table, **peers)
+
+
+def _host_pooled_backward(
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, **peers
+) -> bool:
+    return _fused(table, slots, optimizer=optimizer, step=step) and _between_host_processes(
+        table, **peers
+    )
+
+
 # op name -> (kernel, supports or None)
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
@@ -376,6 +464,9 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "pack_pooled_pairs": (pack_pooled_pairs, None),
     "pooled_partials": (pooled_partials, _float32_source),
     "pooled_backward_update": (pooled_backward_update, _fused_pooled),
+    "exchange_pooled_pairs": (exchange_pooled_pairs, _host_pooled_pairs),
+    "exchange_pooled_partials": (exchange_pooled_partials, _host_pooled_partials),
+    "exchange_pooled_backward_update": (exchange_pooled_backward_update, _host_pooled_backward),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
 }

@@ -49,6 +49,10 @@ TARGETS = {
     "embedmesh_pooled_partials": "EmPooledPartials",
     "embedmesh_pooled_backward_sgd": "EmPooledBackwardSgd",
     "embedmesh_pooled_backward_adagrad": "EmPooledBackwardAdagrad",
+    "embedmesh_host_pack_pooled_pairs": "EmHostPackPooledPairs",
+    "embedmesh_host_pooled_partials": "EmHostPooledPartials",
+    "embedmesh_host_pooled_backward_sgd": "EmHostPooledBackwardSgd",
+    "embedmesh_host_pooled_backward_adagrad": "EmHostPooledBackwardAdagrad",
     "embedmesh_huge_page_copy": "EmHugePageCopy",
     "embedmesh_huge_page_fill": "EmHugePageFill",
 }

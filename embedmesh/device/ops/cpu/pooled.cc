@@ -1,54 +1,152 @@
 // Pooling on the owner (shard_program.lookup_pooled): a source packs its pairs for each
 // owner into one int32 message (pooled.h), and an owner sums its sources' pairs from its
-// table into partial activations. Part of embedmesh's CPU kernels (XLA FFI); built by
+// table into partial activations; between processes of one host, each fused with its
+// exchange (written straight into the shared segment, host_peers.h). Part of embedmesh's CPU kernels (XLA FFI); built by
 // build.py, registered by kernels.py.
 #include "common.h"
+#include "host_peers.h"
 #include "pooled.h"
 
 namespace embedmesh {
 namespace {
 
-// ops.pack_pooled_pairs: for each owner o, ids[o] then per pair (position, row, gain).
+// What a source sends its owners when they pool: its batch (ids [n, u], pair rows,
+// positions and gains [n, p], and `compact` [n, cw], each owner's position of every row,
+// or none), packed per owner (pooled.h).
+struct PairSource {
+  const int32_t* ids;
+  const int32_t* prow;
+  const int32_t* puniq;
+  const float* gains;
+  const int32_t* compact;
+  int64_t cw;
+};
+
+// The message of `src` for owner o: ids[o] then per pair (position, row, gain).
+void PackBlock(const PairSource& src, const PooledLayout& l, int64_t o, int32_t* block) {
+  std::memcpy(block, src.ids + o * l.u, sizeof(int32_t) * l.u);
+  const int32_t* pr = src.prow + o * l.p;
+  const int32_t* pu = src.puniq + o * l.p;
+  const float* pg = src.gains + o * l.p;
+  const int64_t cw = src.cw;
+  const int32_t* map = cw ? src.compact + o * cw : nullptr;
+  int32_t* w = block + l.u;
+  for (int64_t q = 0; q < l.p; ++q, w += l.k) {
+    // out of range: "none" (compact[R], rc, u)
+    int64_t r = pr[q];
+    if (map != nullptr) r = map[(r < 0 || r > cw - 1) ? cw - 1 : r];
+    if (r < 0 || r > l.rc) r = l.rc;
+    int64_t pos = pu[q];
+    if (pos < 0 || pos > l.u) pos = l.u;
+    if (l.k == 2) {
+      w[0] = static_cast<int32_t>(pos * (l.rc + 1) + r);
+    } else {
+      w[0] = static_cast<int32_t>(pos);
+      w[1] = static_cast<int32_t>(r);
+    }
+    std::memcpy(w + l.k - 1, pg + q, sizeof(float));
+  }
+}
+
+PairSource SourceOf(ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::S32>& prow,
+                    ffi::Buffer<ffi::S32>& puniq, ffi::Buffer<ffi::F32>& gains,
+                    ffi::Buffer<ffi::S32>& compact, int64_t n, PooledLayout* l, int64_t rc,
+                    int64_t k) {
+  const int64_t u = n ? static_cast<int64_t>(ids.element_count()) / n : 0;
+  const int64_t p = n ? static_cast<int64_t>(prow.element_count()) / n : 0;
+  *l = PooledLayout{n, u, p, rc, k};
+  return PairSource{ids.typed_data(), prow.typed_data(), puniq.typed_data(), gains.typed_data(),
+                    compact.typed_data(),
+                    n ? static_cast<int64_t>(compact.element_count()) / n : 0};
+}
+
+// ops.pack_pooled_pairs: the message of every owner.
 ffi::Error PackPooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> prow,
                            ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
                            ffi::Buffer<ffi::S32> compact, int64_t rc, int64_t k,
                            ffi::Result<ffi::Buffer<ffi::S32>> out) {
   auto idd = ids.dimensions();
   const int64_t n = idd.size() ? idd[0] : 1;
-  const int64_t u = n ? static_cast<int64_t>(ids.element_count()) / n : 0;
-  const int64_t p = n ? static_cast<int64_t>(prow.element_count()) / n : 0;
-  const int64_t cw = n ? static_cast<int64_t>(compact.element_count()) / n : 0;
-  const PooledLayout l{n, u, p, rc, k};
+  PooledLayout l{};
+  const PairSource src = SourceOf(ids, prow, puniq, gains, compact, n, &l, rc, k);
   int32_t* o = out->typed_data();
-  ParallelFor(n, [&](int64_t s) {
-    int32_t* block = o + s * l.width();
-    std::memcpy(block, ids.typed_data() + s * u, sizeof(int32_t) * u);
-    const int32_t* pr = prow.typed_data() + s * p;
-    const int32_t* pu = puniq.typed_data() + s * p;
-    const float* pg = gains.typed_data() + s * p;
-    const int32_t* map = cw ? compact.typed_data() + s * cw : nullptr;
-    int32_t* w = block + u;
-    for (int64_t q = 0; q < p; ++q, w += k) {
-      // out of range: "none" (compact[R], rc, u)
-      int64_t r = pr[q];
-      if (map != nullptr) r = map[(r < 0 || r > cw - 1) ? cw - 1 : r];
-      if (r < 0 || r > rc) r = rc;
-      int64_t pos = pu[q];
-      if (pos < 0 || pos > u) pos = u;
-      if (k == 2) {
-        w[0] = static_cast<int32_t>(pos * (rc + 1) + r);
-      } else {
-        w[0] = static_cast<int32_t>(pos);
-        w[1] = static_cast<int32_t>(r);
-      }
-      std::memcpy(w + k - 1, pg + q, sizeof(float));
-    }
-  });
+  ParallelFor(n, [&](int64_t s) { PackBlock(src, l, s, o + s * l.width()); });
   return ffi::Error::Success();
 }
 
+// ops.exchange_pooled_pairs between processes of one host: each owner's message packed
+// straight into this rank's segment (its own into the output), then each source's message
+// for this rank copied out of the source's segment: exchange(pack_pooled_pairs(...)).
+ffi::Error HostPackPooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> prow,
+                               ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
+                               ffi::Buffer<ffi::S32> compact, ffi::Buffer<ffi::S32> rank_buf,
+                               int64_t rc, int64_t k, int64_t job, int64_t tag, int64_t n,
+                               int64_t timeout_ms, std::string_view channel,
+                               ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  const int64_t rank = rank_buf.typed_data()[0];
+  PooledLayout l{};
+  const PairSource src = SourceOf(ids, prow, puniq, gains, compact, n, &l, rc, k);
+  const int64_t width = l.width();
+  const size_t block = sizeof(int32_t) * width;
+  int32_t* o = out->typed_data();
+  return hostpeers::WithHostPeers(
+      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, n * block,
+      [&](char* seg) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) PackBlock(src, l, s, reinterpret_cast<int32_t*>(seg) + s * width);
+        }
+      },
+      [&] { PackBlock(src, l, rank, o + rank * width); },
+      [&](const std::vector<const char*>& peers) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) std::memcpy(o + s * width, peers[s] + rank * block, block);
+        }
+        return std::string();
+      });
+}
+
+// The pairs of every source's message (served [n, words]) decoded for the partial sums:
+// per pair its row in its source's block (-1: none), the table row it reads (-1: none)
+// and its gain.
+struct ServedPairs {
+  PooledLayout l;
+  std::vector<int32_t> dst, src;
+  std::vector<float> gain;
+};
+
+ServedPairs DecodeServed(const int32_t* msg, int64_t n, int64_t words, int64_t u, int64_t rc,
+                         int64_t k, int64_t rows) {
+  ServedPairs sp{MakePooledLayout(n, words, u, rc, k), {}, {}, {}};
+  const PooledLayout& l = sp.l;
+  sp.dst.resize(n * l.p);
+  sp.src.resize(n * l.p);
+  sp.gain.resize(n * l.p);
+  ParallelFor(n, [&](int64_t s) {
+    const int32_t* block = msg + s * words;
+    for (int64_t q = 0; q < l.p; ++q) {
+      int32_t pos, row;
+      const int64_t i = s * l.p + q;
+      DecodePair(block, l, q, &pos, &row, &sp.gain[i]);
+      const int32_t id = pos >= 0 ? block[pos] : -1;
+      const bool ok = row >= 0 && id >= 0 && id < rows;
+      sp.dst[i] = ok ? row : -1;
+      sp.src[i] = ok ? id : -1;
+    }
+  });
+  return sp;
+}
+
+// Source s's partial activations [rc, d] into o: each row sums gain * table row over its
+// pairs, in pair order (SegmentRowSums).
+void PartialsOf(const ServedPairs& sp, const float* t, int64_t d, int64_t s, float* o) {
+  const int64_t at = s * sp.l.p;
+  const int32_t* src = sp.src.data() + at;
+  SegmentRowSums(o, d, sp.l.rc, sp.l.p, sp.dst.data() + at, sp.gain.data() + at,
+                 [&](int64_t q) -> const float* { return src[q] >= 0 ? t + src[q] * d : nullptr; });
+}
+
 // ops.pooled_partials: out[s * rc + row] += gain * table[ids_s[position]] over each
-// source's pairs, each row in pair order (SegmentRowSums).
+// source's pairs.
 ffi::Error PooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served, int64_t u,
                           int64_t rc, int64_t k, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto td = table.dimensions();
@@ -56,27 +154,44 @@ ffi::Error PooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ser
   const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
   const int64_t n = sd.size() ? sd[0] : 1;
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
-  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
-  const int32_t* msg = served.typed_data();
-  std::vector<int32_t> dst(n * l.p);
-  std::vector<int32_t> src(n * l.p);
-  std::vector<float> gain(n * l.p);
-  ParallelFor(n, [&](int64_t s) {
-    const int32_t* block = msg + s * words;
-    for (int64_t q = 0; q < l.p; ++q) {
-      int32_t pos, row;
-      const int64_t i = s * l.p + q;
-      DecodePair(block, l, q, &pos, &row, &gain[i]);
-      const int32_t id = pos >= 0 ? block[pos] : -1;
-      const bool ok = row >= 0 && id >= 0 && id < rows;
-      dst[i] = ok ? static_cast<int32_t>(s * rc + row) : -1;
-      src[i] = ok ? id : -1;
-    }
-  });
-  const float* t = table.typed_data();
-  SegmentRowSums(out->typed_data(), d, n * rc, n * l.p, dst.data(), gain.data(),
-                 [&](int64_t q) -> const float* { return src[q] >= 0 ? t + src[q] * d : nullptr; });
+  const ServedPairs sp = DecodeServed(served.typed_data(), n, words, u, rc, k, rows);
+  float* o = out->typed_data();
+  PrepareOutput(o, sizeof(float) * n * rc * d);
+  for (int64_t s = 0; s < n; ++s) PartialsOf(sp, table.typed_data(), d, s, o + s * rc * d);
   return ffi::Error::Success();
+}
+
+// ops.exchange_pooled_partials between processes of one host: the partials of each other
+// source summed straight into this rank's segment (its own into the output), then each
+// owner's partials for this rank copied out of the owner's segment:
+// exchange(pooled_partials(...)).
+ffi::Error HostPooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
+                              ffi::Buffer<ffi::S32> rank_buf, int64_t u, int64_t rc, int64_t k,
+                              int64_t job, int64_t tag, int64_t n, int64_t timeout_ms,
+                              std::string_view channel, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const int64_t rank = rank_buf.typed_data()[0];
+  auto td = table.dimensions();
+  const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
+  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
+  const ServedPairs sp = DecodeServed(served.typed_data(), n, words, u, rc, k, rows);
+  const float* t = table.typed_data();
+  const size_t block = sizeof(float) * rc * d;
+  float* o = out->typed_data();
+  PrepareOutput(o, n * block);
+  return hostpeers::WithHostPeers(
+      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, n * block,
+      [&](char* seg) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) PartialsOf(sp, t, d, s, reinterpret_cast<float*>(seg) + s * rc * d);
+        }
+      },
+      [&] { PartialsOf(sp, t, d, rank, o + rank * rc * d); },
+      [&](const std::vector<const char*>& peers) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) std::memcpy(o + s * rc * d, peers[s] + rank * block, block);
+        }
+        return std::string();
+      });
 }
 
 }  // namespace
@@ -99,4 +214,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials,
                                   .Attr<int64_t>("u")
                                   .Attr<int64_t>("rc")
                                   .Attr<int64_t>("k")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPackPooledPairs, embedmesh::HostPackPooledPairs,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("rc")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("job")
+                                  .Attr<int64_t>("tag")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<std::string_view>("channel")
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledPartials, embedmesh::HostPooledPartials,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("u")
+                                  .Attr<int64_t>("rc")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("job")
+                                  .Attr<int64_t>("tag")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<std::string_view>("channel")
                                   .Ret<ffi::Buffer<ffi::F32>>());

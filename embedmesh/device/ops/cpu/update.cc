@@ -361,10 +361,39 @@ void BackwardUpdateFromSources(float* w, float* acc, int64_t rows, int64_t d, in
   });
 }
 
+// An owner's N sources' pooled messages (pooled.h) decoded once, each into a SourceBatch
+// (its block of ids, its Rc gradient rows at grads_of(s)).
+struct PooledSources {
+  std::vector<int32_t> prow, puniq;
+  std::vector<float> gain;
+  std::vector<SourceBatch> batches;
+  std::vector<const SourceBatch*> src;
+};
+
+template <typename GradsOf>
+void DecodeSources(PooledSources& ps, const int32_t* served, int64_t n, int64_t words,
+                   const PooledLayout& l, const GradsOf& grads_of) {
+  ps.prow.resize(n * l.p);
+  ps.puniq.resize(n * l.p);
+  ps.gain.resize(n * l.p);
+  ps.batches.resize(n);
+  ps.src.resize(n);
+  for (int64_t s = 0; s < n; ++s) {
+    const int32_t* block = served + s * words;
+    for (int64_t q = 0; q < l.p; ++q) {
+      const int64_t i = s * l.p + q;
+      DecodePair(block, l, q, &ps.puniq[i], &ps.prow[i], &ps.gain[i]);
+    }
+    ps.batches[s] = SourceBatch{block,   grads_of(s), ps.prow.data() + s * l.p,
+                                ps.puniq.data() + s * l.p, ps.gain.data() + s * l.p, l.u, l.p,
+                                l.rc};
+    ps.src[s] = &ps.batches[s];
+  }
+}
+
 // ops.pooled_backward_update: an owner's fused backward + update from its N sources'
-// pooled messages (pooled.h) and the gradients [N * Rc, D] of the rows they feed. Each
-// source's pairs are decoded once into a SourceBatch (its block of ids, its Rc gradient
-// rows), then BackwardUpdateFromSources: no [N * U, D] buffer, no dedup output.
+// pooled messages and the gradients [N * Rc, D] of the rows they feed:
+// BackwardUpdateFromSources, no [N * U, D] buffer, no dedup output.
 template <bool kAdagrad>
 ffi::Error PooledBackward(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::Buffer<ffi::S32> served,
                           ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr,
@@ -379,23 +408,81 @@ ffi::Error PooledBackward(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::Buffe
   const int64_t n = sd.size() ? sd[0] : 1;
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
   const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
-  std::vector<int32_t> prow(n * l.p), puniq(n * l.p);
-  std::vector<float> gain(n * l.p);
-  std::vector<SourceBatch> batches(n);
-  std::vector<const SourceBatch*> src(n);
-  for (int64_t s = 0; s < n; ++s) {
-    const int32_t* block = served.typed_data() + s * words;
-    for (int64_t q = 0; q < l.p; ++q) {
-      const int64_t i = s * l.p + q;
-      DecodePair(block, l, q, &puniq[i], &prow[i], &gain[i]);
-    }
-    batches[s] = SourceBatch{block, grads.typed_data() + s * rc * d, prow.data() + s * l.p,
-                             puniq.data() + s * l.p, gain.data() + s * l.p, u, l.p, rc};
-    src[s] = &batches[s];
-  }
-  BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, d, 0, src, lr.typed_data()[0],
-                                      at);
+  PooledSources ps;
+  DecodeSources(ps, served.typed_data(), n, words, l,
+                [&](int64_t s) { return grads.typed_data() + s * rc * d; });
+  BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, d, 0, ps.src,
+                                      lr.typed_data()[0], at);
   return ffi::Error::Success();
+}
+
+// ops.exchange_pooled_backward_update between processes of one host: this rank publishes
+// the gradients [N, Rc, D] of the rows each other owner feeds in its segment, and applies
+// every source's gradients for its own rows read in place (its own from `grads`):
+// pooled_backward_update(..., exchange(grads)), with no exchanged copy.
+template <bool kAdagrad>
+ffi::Error HostPooledBackward(ffi::Buffer<ffi::F32> table, float* acc_in,
+                              ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
+                              ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+                              ffi::Buffer<ffi::S32> rank_buf, int64_t u, int64_t rc, int64_t k,
+                              const hostpeers::HostCall& base, const UpdateAttrs& at, float* w,
+                              float* a) {
+  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
+  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
+  hostpeers::HostCall call = base;
+  call.rank = rank_buf.typed_data()[0];
+  auto td = table.dimensions();
+  const int64_t d = RowWidth(td), n = call.n, rank = call.rank;
+  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  const float* g = grads.typed_data();
+  const size_t block = sizeof(float) * rc * d;
+  const bool apply = keep.typed_data()[0] != 0;  // every process agrees (the finite check)
+  const float rate = lr.typed_data()[0];
+  return hostpeers::WithHostPeers(
+      call, n * block,
+      [&](char* seg) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) std::memcpy(seg + s * block, g + s * rc * d, block);
+        }
+      },
+      [&](const std::vector<const char*>& peers) {
+        if (!apply) return std::string();  // a rejected step: no row moves
+        PooledSources ps;
+        DecodeSources(ps, served.typed_data(), n, words, l, [&](int64_t s) {
+          return s == rank ? g + rank * rc * d
+                           : reinterpret_cast<const float*>(peers[s] + rank * block);
+        });
+        BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, d, 0, ps.src, rate, at);
+        return std::string();
+      });
+}
+
+ffi::Error HostPooledBackwardSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
+                                 ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr,
+                                 ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank,
+                                 int64_t u, int64_t rc, int64_t k, int64_t job, int64_t tag,
+                                 int64_t n, int64_t timeout_ms, std::string_view channel,
+                                 float clip_lo, float clip_hi, float wd, int32_t has_wd,
+                                 int32_t wd_lr, float wmin, float wmax,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  return HostPooledBackward<false>(table, nullptr, served, grads, lr, keep, rank, u, rc, k,
+                                   hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
+                                   MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
+                                   out->typed_data(), nullptr);
+}
+
+ffi::Error HostPooledBackwardAdagrad(
+    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> served,
+    ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+    ffi::Buffer<ffi::S32> rank, int64_t u, int64_t rc, int64_t k, int64_t job, int64_t tag,
+    int64_t n, int64_t timeout_ms, std::string_view channel, float clip_lo, float clip_hi,
+    float wd, int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
+    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
+  return HostPooledBackward<true>(table, accum.typed_data(), served, grads, lr, keep, rank, u,
+                                  rc, k, hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
+                                  MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
+                                  out->typed_data(), out_acc->typed_data());
 }
 
 ffi::Error PooledBackwardSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
@@ -678,4 +765,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledBackwardAdagrad, embedmesh::PooledBackward
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>() EM_POOLED_ARGS EM_UPDATE_ATTRS
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define EM_HOST_POOLED_ARGS              \
+  .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Attr<int64_t>("u")                \
+      .Attr<int64_t>("rc")               \
+      .Attr<int64_t>("k")                \
+      .Attr<int64_t>("job")              \
+      .Attr<int64_t>("tag")              \
+      .Attr<int64_t>("n")                \
+      .Attr<int64_t>("timeout_ms")       \
+      .Attr<std::string_view>("channel")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledBackwardSgd, embedmesh::HostPooledBackwardSgd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_POOLED_ARGS
+                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledBackwardAdagrad, embedmesh::HostPooledBackwardAdagrad,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_POOLED_ARGS
+                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
