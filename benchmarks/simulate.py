@@ -452,7 +452,8 @@ def main(argv=None):
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
     if not args.no_plot:
-        plot(args.plot, sims, points, {"shm": cpu("shm"), "gloo (assumed)": cpu("gloo")})
+        machines = {"shm": cpu("shm"), "host_shm": cpu("host_shm"), "gloo": cpu("gloo")}
+        plot(args.plot, sims, points, machines)
 
 
 if __name__ == "__main__":

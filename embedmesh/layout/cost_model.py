@@ -346,7 +346,9 @@ class Machine:
         per-round medians of that run spread by 2-5 ms.
 
         `transport`: "shm" (the shared-memory kernels: zero copy), "host_shm" (2+
-        processes on this host, each device's blocks copied through shared memory),
+        processes on this host, each device's blocks copied through shared memory:
+        measured 2026-12-02, `benchmarks/host_link.py`, 2.5 GB/s and 20 us a call for
+        messages of 0.26-4 MB; 8-16 MB ones ran at 1.0-1.8 GB/s),
         "xla" (XLA's CPU
         all_to_all in process: ~1.4 GB/s, `ops/cpu/exchange.cc`), "gloo" (2+
         processes on this host over loopback TCP: measured 2026-12-01, an all_to_all of
@@ -369,9 +371,10 @@ class Machine:
             ),
             "host_shm": Link(
                 "processes on one host, POSIX shared memory (two copies)",
-                5e9,
-                30e-6,
-                source="ops/cpu/host_exchange.cc; bandwidth and latency assumed until measured",
+                2.5e9,
+                20e-6,
+                source="measured 2026-12-02 (benchmarks/host_link.py: ops.exchange between 2 "
+                "pinned processes, 0.26-4 MB sent: 2.5 GB/s fitted; a 4 KB call 20 us)",
             ),
             "gloo": Link(
                 "gloo, processes on one host (loopback TCP)",
