@@ -67,7 +67,8 @@ import subprocess
 import sys
 import time
 
-T, V, D, B, VALENCY, ZIPF_A = 8, 1_000_000, 64, 4096, 10, 1.05
+T, D, B, VALENCY, ZIPF_A = 8, 64, 4096, 10, 1.05
+V = int(os.environ.get("EMBEDMESH_BENCH_VOCAB", 1_000_000))  # rows a table (--vocab)
 LR = 0.01
 NUM_BATCHES = 4  # distinct batches, cycled
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -905,6 +906,13 @@ def main():
         help="embedmesh's strategy for every table: auto (the planner's pick), mod, "
         "row_wise_pooled or table_wise",
     )
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=V,
+        help="rows of each table (default %(default)s; e.g. 100: tiny multi-hot tables, "
+        "where data_parallel replication is the planner's pick)",
+    )
     ap.add_argument("--trace", help="write a perfetto trace of 4 steps of each peer here")
     ap.add_argument(
         "--baseline",
@@ -918,6 +926,7 @@ def main():
     args = ap.parse_args()
     if not args.child:  # the children's (child_env); a child keeps the one it was given
         os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding
+        os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
     if args.trace and not args.child:
         os.environ["EMBEDMESH_BENCH_TRACE"] = os.path.abspath(args.trace)
     if args.child:
@@ -927,7 +936,7 @@ def main():
 
     print(
         f"python {platform.python_version()}, {os.cpu_count()} cpus, load "
-        f"{os.getloadavg()[0]:.1f}; workload {T} tables x {V} rows x {D}, batch {B}, "
+        f"{os.getloadavg()[0]:.1f}; workload {T} tables x {args.vocab} rows x {D}, batch {B}, "
         f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad"
     )
     if args.profile:

@@ -328,20 +328,22 @@ class Machine:
         """This 2-core AMD EPYC VM (23 GiB), N in-process CPU devices sharing its cores.
 
         Compute constants from `benchmarks/RESULTS_train.md` table 3 (1 device, the
-        training benchmark, 256-byte rows): combining 308,894 pairs straight from the
-        table 8.8 ms (28.5 ns a pair, less 9.5 ns of bytes at 27 GB/s: read_row_s
-        19 ns); combining pairs from a [U, D] buffer 5.4 ms (17.5 ns: pair_row_s 8 ns);
+        training benchmark, 256-byte rows): combining pairs from a [U, D] buffer 5.4 ms
+        (17.5 ns a pair, less 9.5 ns of bytes at 27 GB/s: pair_row_s 8 ns); combining
+        308,894 pairs straight from the table 8.8 ms, where a lookup reads each distinct
+        row from memory once and finds it in cache for its other pairs: the model's
+        111,915 distinct rows (measured: 117,295) at t_read and the other pairs at
+        t_pair give read_row_s 38 ns (a cold 256-byte row, 47.5 ns with its bytes: near
+        the 40 ns measured in `RESULTS_serving.md`);
         the fused backward + dedup + Adagrad update 16.8 ms = 308,894 pairs x 17.5 ns +
         117,295 rows x 97 ns, i.e. 48.5 ns per table-or-slot row (update_row_s 29.5 ns
         + 2 x 256 B at 27 GB/s). mem_bw 27 GB/s: the write floor measured in
-        `RESULTS_serving.md` (its 40 ns per cold random row is the same figure as
-        read_row_s + rb/mem_bw on a cold table; the training batch is Zipf, so
-        part of it hits the cache). Two constants are fitted (non-negative least
+        `RESULTS_serving.md`. Two constants are fitted (non-negative least
         squares, `benchmarks/simulate.py --calibrate`) to the 1/2/4-device medians of
         `runs/train_run_2026-12-01_ndev.txt` (26.3 / 27.0 / 30.8 ms): step_overhead_s
         (per device program) came out 0 (table 3's kernels alone already predict
-        26.8 ms at N=1), the shm link's per_peer_s 309 us per collective per extra
-        device (4 collectives a step: ~1.2 ms per extra device, which lumps the
+        26.7 ms at N=1), the shm link's per_peer_s 240 us per collective per extra
+        device (4 collectives a step: ~1.0 ms per extra device, which lumps the
         rendezvous with N device programs contending for the 2 cores). Noise: the
         per-round medians of that run spread by 2-5 ms.
 
@@ -359,7 +361,7 @@ class Machine:
                 "in-process shared memory (zero copy)",
                 27e9,
                 0.0,
-                per_peer_s=309e-6,
+                per_peer_s=240e-6,
                 zero_copy=True,
                 source="latency fitted to runs/train_run_2026-12-01_ndev.txt",
             ),
@@ -386,7 +388,7 @@ class Machine:
         link = links[transport]
         base = Machine(
             name=f"this CPU ({transport})",
-            read_row_s=19e-9,
+            read_row_s=38e-9,
             pair_row_s=8e-9,
             update_row_s=29.5e-9,
             mem_bw=27e9,
@@ -557,6 +559,14 @@ def _outputs(t: TableStats, b: int, pairs: float) -> float:
     return b if t.pooled else pairs
 
 
+def _pair_reads(pairs: float, distinct: float) -> tuple[float, float]:
+    """(cold table reads, pair reads from cache) of `pairs` lookups of `distinct` rows:
+    each distinct row comes from memory once, the other pairs find it again (so a
+    16-row table read 40 times a sample costs pair reads, not 40 cold rows)."""
+    cold = min(distinct, pairs)
+    return cold, pairs - cold
+
+
 def _dp(t: TableStats, n: int, b: int, m: Machine, variant: str | None = None) -> StrategyCost:
     L, rb = t.ids_per_sample, t.row_bytes
     pairs = b * L
@@ -564,19 +574,17 @@ def _dp(t: TableStats, n: int, b: int, m: Machine, variant: str | None = None) -
     out = _outputs(t, b, pairs)
     fwd = Traffic()
     mem = t.state_bytes
+    cold, hot = _pair_reads(pairs, u_loc)  # the lookup, from the device's own replica
     if n == 1:
-        load = Load(fwd, Traffic(), pairs, pairs, u_loc, out * rb, rb, mem)
+        load = Load(fwd, Traffic(), cold, hot + pairs, u_loc, out * rb, rb, mem)
         return StrategyCost("data_parallel", t.name, n, b, 1, load, load, "none")
     g = m.devices_per_host
     chunk = u_loc * (ID_BYTES + rb)
     sparse = Load(
         fwd,
         _split((n - 1) * chunk, (n - 1) * chunk, n, g, collectives=1),
-        # the lookup reads each distinct row of the replica once from memory; its other
-        # pairs hit those rows again (as row_wise_rows' owners gather distinct rows and
-        # the source combines its pairs from them)
-        u_loc,
-        2 * pairs - u_loc + n * u_loc,  # combine, per-pair grads, merge the N lists
+        cold,
+        hot + pairs + n * u_loc,  # combine, per-pair grads, merge the N lists
         u_glob,
         out * rb + n * chunk,
         rb,
@@ -586,8 +594,8 @@ def _dp(t: TableStats, n: int, b: int, m: Machine, variant: str | None = None) -
     dense = Load(
         fwd,
         _split(ring, ring, n, g, collectives=1),
-        pairs,
-        pairs,
+        cold,
+        hot + pairs,
         t.rows,
         out * rb + 2 * t.table_bytes,  # zero + accumulate the dense gradient
         rb,
@@ -611,11 +619,12 @@ def _table_wise(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     # pairs + distinct ids, in the lookup (the update keeps the owner's view of them)
     ids = pairs * PAIR_BYTES + expected_unique(t, pairs) * ID_BYTES
     # the owner: receives N-1 slices' ids, sends N-1 outputs; its own slice stays local
+    cold, hot = _pair_reads(n * pairs, u_glob)
     owner = Load(
         _split((n - 1) * out * rb, (n - 1) * ids, n, g, collectives=2),
         _split(0.0, (n - 1) * out * rb, n, g, collectives=1),
-        n * pairs,
-        n * pairs,
+        cold,
+        hot + n * pairs,
         u_glob,
         n * out * rb,
         rb,
@@ -642,8 +651,9 @@ def _row_wise_rows(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     out = _outputs(t, b, pairs)
     u_loc, u_glob = expected_unique(t, pairs), expected_unique(t, n * pairs)
     mem = math.ceil(t.rows / n) * rb * (1 + t.slots)
+    cold, hot = _pair_reads(pairs, u_loc)
     if n == 1:
-        load = Load(Traffic(), Traffic(), pairs, pairs, u_loc, out * rb, rb, mem)
+        load = Load(Traffic(), Traffic(), cold, hot + pairs, u_loc, out * rb, rb, mem)
         return StrategyCost("row_wise_rows", t.name, n, b, 1, load, load)
     g = m.devices_per_host
     remote = u_loc * (n - 1) / n  # distinct ids of this slice owned by others
@@ -653,7 +663,7 @@ def _row_wise_rows(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
         # the shared-memory kernels: the source combines its pairs straight from the
         # owners' tables; each owner reads its sources' pairs and gradients in place:
         # nothing is copied (the reads are the table reads and pairs counted here)
-        reads, buffer = pairs, pairs
+        reads, buffer = cold, hot + pairs
         written = out * rb
         fwd_bytes = bwd_bytes = 0.0
     else:
@@ -681,8 +691,9 @@ def _row_wise_pooled(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     out = _outputs(t, b, pairs)
     u_glob = expected_unique(t, n * pairs)
     mem = math.ceil(t.rows / n) * rb * (1 + t.slots)
+    cold, hot = _pair_reads(pairs, u_glob / n)  # N sources' pairs of this owner's rows
     if n == 1:
-        load = Load(Traffic(), Traffic(), pairs, pairs, u_glob, out * rb, rb, mem)
+        load = Load(Traffic(), Traffic(), cold, hot + pairs, u_glob, out * rb, rb, mem)
         return StrategyCost("row_wise_pooled", t.name, n, b, 1, load, load)
     g = m.devices_per_host
     # pairs + distinct ids to their owners, in the lookup (the update keeps the owners'
@@ -693,14 +704,20 @@ def _row_wise_pooled(t: TableStats, n: int, b: int, m: Machine) -> StrategyCost:
     load = Load(
         _split(ids + partials, ids + partials, n, g, collectives=2),
         _split(partials, partials, n, g, collectives=1),
-        pairs,  # N sources x b*L/N pairs
-        (n - 1) * out + pairs,  # sum the N partials; per-pair grads
+        cold,  # N sources x b*L/N pairs
+        hot + (n - 1) * out + pairs,  # sum the N partials; per-pair grads
         u_glob / n,
         n * out * rb,
         rb,
         mem,
     )
     return StrategyCost("row_wise_pooled", t.name, n, b, n, load, load)
+
+
+def _column_reads(pairs: float, distinct: float) -> tuple[float, float]:
+    """(table reads, buffer pairs) of a column owner pooling `pairs` and their gradients."""
+    cold, hot = _pair_reads(pairs, distinct)
+    return cold, hot + pairs
 
 
 def default_column_shards(t: TableStats, n: int) -> int:
@@ -727,8 +744,7 @@ def _column_wise(t: TableStats, n: int, b: int, m: Machine, k: int | None = None
             collectives=2,
         ),
         _split((k - 1) * out * rbk, (n - 1) * out * rbk, n, g, collectives=1),
-        n * pairs,
-        n * pairs,
+        *_column_reads(n * pairs, u_glob),
         u_glob,
         n * out * rbk,
         rbk,
@@ -781,8 +797,9 @@ def _table_row_wise(
             collectives=2,
             peers=n,
         ),
-        n * pairs / gsz,
-        n * pairs / gsz + n * out,  # per-pair grads; the reduce-scatter's sums
+        _pair_reads(n * pairs / gsz, u_glob / gsz)[0],
+        # the other lookups of those rows; per-pair grads; the reduce-scatter's sums
+        _pair_reads(n * pairs / gsz, u_glob / gsz)[1] + n * pairs / gsz + n * out,
         u_glob / gsz,
         2 * n * out * rb,
         rb,
