@@ -12,8 +12,9 @@ shared-memory kernel (host_exchange.cc). Modes:
   "mismatch": the processes trace different sizes for one channel; each prints
     "CAUGHT <message>" (the kernel's error naming both sizes).
   "absent": a peer that stops calling, then exits: timeout, then exit errors.
-  "ops": the host kernels of lookup_from_shards and backward_update_sharded equal
-    their references (the exchange path over gloo). Prints "OK ops".
+  "ops": the host kernels of lookup_from_shards and backward_update_sharded (sharded
+    and replicated) equal their references (the exchange path over gloo). Prints
+    "OK ops".
   "pooled": the host kernels of the pooled ops fused with their exchange equal their
     references (the unfused op, then the exchange over gloo). Prints "OK pooled".
   "train": a MeshEmbedding trained for 4 steps, then one step with a NaN gradient in
@@ -291,6 +292,36 @@ def run_ops(mesh, job):
         np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"acc {case}")
         if not keep:
             np.testing.assert_array_equal(t_host, tables.reshape(t_host.shape))
+
+        # replicated (data_parallel): every device the same table, one partition each
+        rep_t = np.broadcast_to(tables[:1], tables.shape).copy()
+        rep_a = np.broadcast_to(accs[:1], accs.shape).copy()
+        rep = [put(x[:, :1]) for x in (uids, prows, puniq, gains)]
+
+        def replicated(host_job):
+            def body(t, a, ui, act, pr, pu, g):
+                slots = {"accumulators": a[0]} if adagrad else {}
+                t, slots = ops.backward_update_sharded(
+                    opt, t[0], slots, ui, act, pr, pu, g, keep, 0, "x", N,
+                    host_job=host_job, channel="ops/rep", replicated=True,
+                )  # fmt: skip
+                return t[None], slots.get("accumulators", a[0])[None]
+
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
+                )
+            )
+            args = (put(rep_t), put(rep_a), rep[0], put(acts), rep[1], rep[2], rep[3])
+            return fn.lower(*args).as_text(), [gathered(x) for x in fn(*args)]
+
+        text, (t_host, a_host) = replicated(job)
+        assert f"embedmesh_backward_{'adagrad' if adagrad else 'sgd'}_from_host_sources" in text
+        _, (t_ref, a_ref) = replicated(0)
+        np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"rep {case}")
+        np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"rep {case}")
+        for dev in range(N):  # the replicas stay bitwise equal
+            np.testing.assert_array_equal(t_host[dev], t_host[0])
     print("OK ops", flush=True)
 
 

@@ -312,3 +312,98 @@ def test_backward_update_sharded_matches_the_exchange_path(
         want_t, want_a = tables, accs
     np.testing.assert_allclose(t_fused, np.concatenate(want_t), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(a_fused, np.concatenate(want_a), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.sampled_from([2, 4, 8]),
+    rows=st.integers(1, 40),
+    u=st.integers(1, 10),
+    p=st.integers(0, 30),
+    num_rows=st.integers(1, 8),
+    d=st.sampled_from([1, 8, 16]),
+    adagrad=st.booleans(),
+    grouped=st.booleans(),
+    keep=st.sampled_from([True, True, False]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_replicated_backward_update_matches_the_gather_path(
+    n, rows, u, p, num_rows, d, adagrad, grouped, keep, seed
+):
+    """`backward_update_sharded(replicated=True)`: every device holds a replica and
+    sends its one partition; the fused kernel (each replica reads every device's batch
+    in place) against its reference (per-id sums, one all-gathered message, merge,
+    update) and a float64 oracle over the global batch; the replicas stay bitwise
+    equal; `keep=False` moves nothing."""
+    from embedmesh.optimizers import SGD, Adagrad
+
+    r = np.random.default_rng(seed)
+    mesh = mesh_of(n)
+    lr, clip, wd = 0.3, 0.8, 0.05
+    kw = dict(clipvalue=clip, weight_decay_factor=wd)
+    kw["multiply_weight_decay_factor_by_learning_rate"] = True
+    opt = Adagrad(lr, **kw) if adagrad else SGD(lr, **kw)
+    table = r.standard_normal((rows, d)).astype(np.float32)
+    acc = r.uniform(0.1, 1.0, (rows, d)).astype(np.float32)
+    uids, puniq, prows, gains, acts = _sharded_batch(r, n, rows, u, p, num_rows, d, grouped, False)
+    # one partition a device: its partition 0
+    uids, puniq, prows, gains = (x[:, :1] for x in (uids, puniq, prows, gains))
+    sh = NamedSharding(mesh, P("x"))
+    flat = lambda x: jax.device_put(x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), sh)
+    args = (flat(uids), flat(acts), flat(prows), flat(puniq), flat(gains))
+
+    def run(in_process):
+        def body(t, a, ui, act, pr, pu, g):
+            slots = {"accumulators": a} if adagrad else {}
+            t, slots = ops.backward_update_sharded(
+                opt, t, slots, ui, act, pr, pu, g, keep, 0, "x", n,
+                in_process=in_process, replicated=True, channel="test/replicated",
+            )  # fmt: skip
+            return t, slots.get("accumulators", a)
+
+        fn = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
+            )
+        )
+        state = (
+            jax.device_put(np.concatenate([table] * n), sh),
+            jax.device_put(np.concatenate([acc] * n), sh),
+        )
+        lowered = fn.lower(*state, *args).as_text()
+        return lowered, [np.asarray(x).reshape(n, rows, d) for x in fn(*state, *args)]
+
+    text, (t_fused, a_fused) = run(True)
+    kind = "adagrad" if adagrad else "sgd"
+    assert f"embedmesh_backward_{kind}_from_sources" in text
+    _, (t_ref, a_ref) = run(False)
+    for j in range(n):  # bitwise equal replicas
+        np.testing.assert_array_equal(t_fused[j], t_fused[0])
+        np.testing.assert_array_equal(a_fused[j], a_fused[0])
+    np.testing.assert_allclose(t_fused, t_ref, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(a_fused, a_ref, rtol=2e-6, atol=2e-6)
+    if keep:  # the oracle of one owner holding every row, each device a source
+        # owner 0 of n: partition 0 is every device's batch, the others empty (PAD)
+        def widen(x, fill):
+            out = np.full((n, n) + x.shape[2:], fill, x.dtype)
+            out[:, :1] = x
+            return out
+
+        want_t, want_a = update_oracle(
+            [table] * n,
+            [acc] * n,
+            widen(uids, ops.PAD_ID),
+            widen(puniq, 0),
+            widen(prows, 0),
+            widen(gains, 0),
+            acts,
+            lr,
+            clip,
+            wd,
+            adagrad,
+        )
+    else:
+        want_t, want_a = [table], [acc]
+    np.testing.assert_allclose(t_fused[0], want_t[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a_fused[0], want_a[0], rtol=1e-5, atol=1e-5)

@@ -246,10 +246,30 @@ def update_replicated(
 ):
     """The update of this device's replica from every device's batch: the per-id
     gradient sums [U, D] of this device's partition 0 and its ids go to every device
-    (an all-gather through `exchange`), each replica merges them (`ops.dedup_sum`) and
-    applies the optimizer to the distinct rows (every row for optimizers that move
-    them all). `keep` False: no row moves."""
+    (an all-gather), each replica merges them in device order and applies the optimizer
+    to the distinct rows: `ops.backward_update_sharded(replicated=True)`, one fused op
+    where a kernel takes it (every row, for optimizers that move them all). `keep`
+    False: no row moves."""
     n, u = num_shards, unique_capacity
+    peers = dict(in_process=in_process, host_job=host_job)
+    if not optimizer.touches_all_rows:
+        return ops.backward_update_sharded(
+            optimizer,
+            table_shard,
+            slots,
+            unique_ids[:1],
+            act_grads,
+            pair_rows[:1],
+            pair_unique[:1],
+            pair_gains[:1],
+            True if keep is None else keep,
+            step,
+            axis_name,
+            n,
+            channel=channel + "/update/replicated",
+            replicated=True,
+            **peers,
+        )
     per_unique = _per_unique_sums(act_grads, pair_rows[:1], pair_unique[:1], pair_gains[:1], u)
     exchange_to = _exchanger(axis_name, n, in_process, host_job, channel + "/update/replicated")
     all_ids = exchange_to(jnp.broadcast_to(unique_ids[:1], (n, u)), "ids")

@@ -473,10 +473,16 @@ def backward_update_sharded(
     in_process: bool = False,
     host_job: int = 0,
     channel: str = "",
+    replicated: bool = False,
 ):
     """This shard's update from every device's batch (inside `shard_map`, N > 1):
     `unique_ids`, `pair_*` [N, ...] and `act_grads` [R, D] are this device's, as for
-    `lookup_from_shards`; `keep` (traced bool) False moves no row. Returns (table, slots)."""
+    `lookup_from_shards`; `keep` (traced bool) False moves no row. Returns (table, slots).
+
+    `replicated`: every device holds the whole table (data_parallel) and `unique_ids`,
+    `pair_*` are [1, ...], its one partition: each replica applies every device's
+    partition, merged in device order (the same rows, sums and order on every replica,
+    so the replicas stay bitwise equal)."""
     return _dispatch(
         "backward_update_sharded",
         table,
@@ -494,6 +500,7 @@ def backward_update_sharded(
         in_process=in_process,
         host_job=host_job,
         channel=channel,
+        replicated=replicated,
     )
 
 
@@ -514,8 +521,27 @@ def _backward_update_sharded_reference(
     in_process,
     host_job=0,
     channel="",
+    replicated=False,
 ):
-    """Per-unique sums for every shard, sent with the ids to the owners, merged, applied."""
+    """Per-unique sums for every shard, sent with the ids to the owners, merged, applied.
+    Replicated: this device's per-unique sums and ids to every device (one message, the
+    ids' bits in a column of their own), merged and applied by every replica."""
+    if replicated:
+        return _replicated_update_reference(
+            table,
+            slots,
+            unique_ids,
+            act_grads,
+            pair_rows,
+            pair_unique,
+            pair_gains,
+            keep,
+            optimizer=optimizer,
+            step=step,
+            peers=dict(axis_name=axis_name, num_shards=num_shards, in_process=in_process),
+            host_job=host_job,
+            channel=channel,
+        )
     n, u = unique_ids.shape
     per_unique = segment_gather_sum(
         act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), n * u
@@ -527,6 +553,40 @@ def _backward_update_sharded_reference(
     served = exchange(unique_ids, axis_name, num_shards, channel=channel + "/ids", **peers)
     served = jnp.where(keep, served, PAD_ID)
     uniq, g_sum = dedup_sum(served, grads.reshape(n * u, -1))
+    return sparse_update(optimizer, table, slots, uniq, g_sum, step)
+
+
+def _replicated_update_reference(
+    table,
+    slots,
+    unique_ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    keep,
+    *,
+    optimizer,
+    step,
+    peers,
+    host_job,
+    channel,
+):
+    n, (_, u) = peers["num_shards"], unique_ids.shape
+    per_unique = segment_gather_sum(
+        act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), u
+    )
+    ids_bits = jax.lax.bitcast_convert_type(unique_ids.reshape(u, 1), jnp.float32)
+    message = jnp.concatenate([ids_bits, per_unique], axis=1)  # [U, 1 + D]
+    got = exchange(
+        jnp.broadcast_to(message[None], (n,) + message.shape),
+        host_job=host_job,
+        channel=channel + "/gathered",
+        **peers,
+    )
+    ids = jax.lax.bitcast_convert_type(got[..., 0], jnp.int32)  # [N, U], device order
+    ids = jnp.where(keep, ids, PAD_ID)
+    uniq, g_sum = dedup_sum(ids, got[..., 1:].reshape(n * u, -1))
     return sparse_update(optimizer, table, slots, uniq, g_sum, step)
 
 

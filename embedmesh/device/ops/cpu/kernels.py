@@ -273,8 +273,10 @@ def backward_update_sharded(
     in_process,
     host_job=0,
     channel="",
+    replicated=False,
 ):
-    """Each owner reads its sources' pairs and activation gradients directly (update.cc)."""
+    """Each owner reads its sources' pairs and activation gradients directly (update.cc);
+    `replicated`: each device a replica, applying every source's one partition."""
     lr, attrs = _scalars(optimizer, step)
     if in_process:
         rank, peer_attrs = _peers(axis_name, num_shards)
@@ -282,7 +284,7 @@ def backward_update_sharded(
     else:  # processes of one host: the sources' batches in shared memory (update.cc)
         rank, peer_attrs = _host_peers(axis_name, num_shards, host_job, channel + "/sources")
         target = "embedmesh_backward_{}_from_host_sources"
-    attrs.update(peer_attrs)
+    attrs.update(peer_attrs, replica=np.int64(bool(replicated)))
     batch = (
         unique_ids,
         act_grads,

@@ -514,19 +514,21 @@ ffi::Error BackwardFromSources(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::
                                ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
                                ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
                                ffi::Buffer<ffi::S32> rank_buf, int64_t tag, int64_t n,
-                               const UpdateAttrs& at, float* w, float* a) {
+                               bool replica, const UpdateAttrs& at, float* w, float* a) {
   if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
   if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
   auto td = table.dimensions();
   auto ad = act.dimensions();
   const int64_t rank = rank_buf.typed_data()[0];
+  // a replica (data_parallel) applies every source's one partition to its whole table
+  const int64_t parts = replica ? 1 : n, part = replica ? 0 : rank;
   SourceBatch mine{ids.typed_data(),
                    act.typed_data(),
                    prow.typed_data(),
                    puniq.typed_data(),
                    gains.typed_data(),
-                   n >= 1 ? static_cast<int64_t>(ids.element_count()) / n : 0,
-                   n >= 1 ? static_cast<int64_t>(prow.element_count()) / n : 0,
+                   parts >= 1 ? static_cast<int64_t>(ids.element_count()) / parts : 0,
+                   parts >= 1 ? static_cast<int64_t>(prow.element_count()) / parts : 0,
                    ad.size() ? ad[0] : 1};
   const bool apply = keep.typed_data()[0] != 0;
   const float rate = lr.typed_data()[0];
@@ -534,7 +536,7 @@ ffi::Error BackwardFromSources(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::
     if (!apply) return;  // a rejected step: every process agrees, no row moves
     std::vector<const SourceBatch*> src(n);
     for (int64_t s = 0; s < n; ++s) src[s] = reinterpret_cast<const SourceBatch*>(peers[s]);
-    BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), rank, src,
+    BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), part, src,
                                         rate, at);
   });
 }
@@ -549,8 +551,8 @@ ffi::Error BackwardFromHostSources(ffi::Buffer<ffi::F32> table, float* acc_in,
                                    ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
                                    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
                                    ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
-                                   const hostpeers::HostCall& base, const UpdateAttrs& at,
-                                   float* w, float* a) {
+                                   const hostpeers::HostCall& base, bool replica,
+                                   const UpdateAttrs& at, float* w, float* a) {
   if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
   if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
   auto td = table.dimensions();
@@ -558,8 +560,10 @@ ffi::Error BackwardFromHostSources(ffi::Buffer<ffi::F32> table, float* acc_in,
   hostpeers::HostCall call = base;
   call.rank = rank_buf.typed_data()[0];
   const int64_t n = call.n;
-  const int64_t u = n >= 1 ? static_cast<int64_t>(ids.element_count()) / n : 0;
-  const int64_t p = n >= 1 ? static_cast<int64_t>(prow.element_count()) / n : 0;
+  // a replica (data_parallel) applies every source's one partition to its whole table
+  const int64_t parts = replica ? 1 : n, part = replica ? 0 : call.rank;
+  const int64_t u = parts >= 1 ? static_cast<int64_t>(ids.element_count()) / parts : 0;
+  const int64_t p = parts >= 1 ? static_cast<int64_t>(prow.element_count()) / parts : 0;
   const int64_t nr = ad.size() ? ad[0] : 1;
   hostpeers::Packing pack;
   const size_t at_ids = pack.Add(ids.size_bytes()), at_act = pack.Add(act.size_bytes());
@@ -592,8 +596,8 @@ ffi::Error BackwardFromHostSources(ffi::Buffer<ffi::F32> table, float* acc_in,
                                    nr};
           src[s] = &batches[s];
         }
-        BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), call.rank,
-                                            src, rate, at);
+        BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), part, src,
+                                            rate, at);
         return std::string();
       });
 }
@@ -603,11 +607,11 @@ ffi::Error BackwardSgdFromHostSources(
     ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
     ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank,
     int64_t job, int64_t tag, int64_t n, int64_t timeout_ms, std::string_view channel,
-    float clip_lo, float clip_hi, float wd, int32_t has_wd, int32_t wd_lr, float wmin,
-    float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+    int64_t replica, float clip_lo, float clip_hi, float wd, int32_t has_wd, int32_t wd_lr,
+    float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   return BackwardFromHostSources<false>(
       table, nullptr, ids, act, prow, puniq, gains, lr, keep, rank,
-      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
+      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel}, replica != 0,
       MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax), out->typed_data(), nullptr);
 }
 
@@ -616,12 +620,12 @@ ffi::Error BackwardAdagradFromHostSources(
     ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
     ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
     ffi::Buffer<ffi::S32> rank, int64_t job, int64_t tag, int64_t n, int64_t timeout_ms,
-    std::string_view channel, float clip_lo, float clip_hi, float wd, int32_t has_wd,
-    int32_t wd_lr, float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
+    std::string_view channel, int64_t replica, float clip_lo, float clip_hi, float wd,
+    int32_t has_wd, int32_t wd_lr, float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
     ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
   return BackwardFromHostSources<true>(
       table, accum.typed_data(), ids, act, prow, puniq, gains, lr, keep, rank,
-      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
+      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel}, replica != 0,
       MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax), out->typed_data(),
       out_acc->typed_data());
 }
@@ -631,11 +635,11 @@ ffi::Error BackwardSgdFromSources(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::
                                   ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
                                   ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
                                   ffi::Buffer<ffi::S32> rank, int64_t tag, int64_t n,
-                                  float clip_lo, float clip_hi, float wd, int32_t has_wd,
-                                  int32_t wd_lr, float wmin, float wmax,
+                                  int64_t replica, float clip_lo, float clip_hi, float wd,
+                                  int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
                                   ffi::Result<ffi::Buffer<ffi::F32>> out) {
   return BackwardFromSources<false>(table, nullptr, ids, act, prow, puniq, gains, lr, keep, rank,
-                                    tag, n, MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
+                                    tag, n, replica != 0, MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
                                     out->typed_data(), nullptr);
 }
 
@@ -643,11 +647,11 @@ ffi::Error BackwardAdagradFromSources(
     ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> ids,
     ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
     ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-    ffi::Buffer<ffi::S32> rank, int64_t tag, int64_t n, float clip_lo, float clip_hi, float wd,
-    int32_t has_wd, int32_t wd_lr, float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
-    ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
+    ffi::Buffer<ffi::S32> rank, int64_t tag, int64_t n, int64_t replica, float clip_lo,
+    float clip_hi, float wd, int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
+    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
   return BackwardFromSources<true>(table, accum.typed_data(), ids, act, prow, puniq, gains, lr,
-                                   keep, rank, tag, n,
+                                   keep, rank, tag, n, replica != 0,
                                    MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
                                    out->typed_data(), out_acc->typed_data());
 }
@@ -711,7 +715,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagrad, embedmesh::BackwardAdagrad,
       .Arg<ffi::Buffer<ffi::S32>>()      \
       .Arg<ffi::Buffer<ffi::S32>>()      \
       .Attr<int64_t>("tag")              \
-      .Attr<int64_t>("n")
+      .Attr<int64_t>("n")                \
+      .Attr<int64_t>("replica")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardSgdFromSources, embedmesh::BackwardSgdFromSources,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>() EM_SOURCES_ARGS EM_UPDATE_ATTRS
@@ -736,7 +741,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagradFromSources,
       .Attr<int64_t>("tag")              \
       .Attr<int64_t>("n")                \
       .Attr<int64_t>("timeout_ms")       \
-      .Attr<std::string_view>("channel")
+      .Attr<std::string_view>("channel") \
+      .Attr<int64_t>("replica")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardSgdFromHostSources, embedmesh::BackwardSgdFromHostSources,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_SOURCES_ARGS
