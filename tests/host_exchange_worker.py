@@ -354,7 +354,7 @@ def run_pooled(mesh, job):
         return text, [gathered(x) for x in (out if isinstance(out, tuple) else (out,))]
 
     peers = dict(axis_name="x", num_shards=N)
-    for case in range(4):
+    for case in range(4) if N <= 2 else (1, 3):  # 4 processes on 2 cores: fewer
         r = np.random.default_rng(2000 + case)
         rows, u, p, num_rows, d = 40, int(r.integers(1, 9)), int(r.integers(1, 25)), 9, 8
         adagrad, keep, compacted = case % 2 == 1, case != 3, case < 2

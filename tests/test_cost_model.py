@@ -263,7 +263,7 @@ def test_strategy_properties(t, n, b):
             assert c.owner.bytes_sent == c.owner.bytes_recv == 0
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     rows=st.integers(1, 300),
     lam=st.floats(1, 60),
