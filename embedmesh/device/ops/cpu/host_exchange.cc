@@ -32,23 +32,11 @@ ffi::Error HostExchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_
   const size_t block = bytes / n;
   const char* src = static_cast<const char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
-  return WithHostPeers(
-      HostCall{job, tag, n, rank, timeout_ms, channel}, bytes,
-      [&](char* seg) {  // the peers' blocks (this rank's own never leaves it)
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) std::memcpy(seg + s * block, src + s * block, block);
-        }
-      },
-      [&] {
-        PrepareOutput(dst, bytes);
-        std::memcpy(dst + rank * block, src + rank * block, block);
-      },
-      [&](const std::vector<const char*>& peers) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) std::memcpy(dst + s * block, peers[s] + rank * block, block);
-        }
-        return std::string();
-      });
+  PrepareOutput(dst, bytes);  // (this rank's own block never leaves it)
+  return hostpeers::WrittenAllToAll(HostCall{job, tag, n, rank, timeout_ms, channel}, block, dst,
+                                    [&](int64_t s, char* to) {
+                                      std::memcpy(to, src + s * block, block);
+                                    });
 }
 
 // The lookup of one device over N shards in processes of one host: what LookupFromShards

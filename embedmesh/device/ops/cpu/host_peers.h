@@ -451,6 +451,29 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, c
   return WithHostPeers(call, bytes, fill, [] {}, work);
 }
 
+// An all-to-all of `block`-byte blocks whose blocks are written, not copied in:
+// write(s, dst) writes this rank's block for rank s at dst, straight into its segment
+// for each peer and into `out` for itself (while the peers arrive); then block s of
+// `out` is copied from peer s's segment. (ops.exchange, and the pooled ops fused with it.)
+template <typename Write>
+ffi::Error WrittenAllToAll(const HostCall& call, size_t block, char* out, const Write& write) {
+  const int64_t n = call.n, rank = call.rank;
+  return WithHostPeers(
+      call, n * block,
+      [&](char* seg) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) write(s, seg + s * block);
+        }
+      },
+      [&] { write(rank, out + rank * block); },
+      [&](const std::vector<const char*>& peers) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) std::memcpy(out + s * block, peers[s] + rank * block, block);
+        }
+        return std::string();
+      });
+}
+
 // Offsets of consecutive arrays packed into one segment, each 64-byte aligned.
 struct Packing {
   size_t bytes = 0;

@@ -88,21 +88,10 @@ ffi::Error HostPackPooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> 
   const PairSource src = SourceOf(ids, prow, puniq, gains, compact, n, &l, rc, k);
   const int64_t width = l.width();
   const size_t block = sizeof(int32_t) * width;
-  int32_t* o = out->typed_data();
-  return hostpeers::WithHostPeers(
-      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, n * block,
-      [&](char* seg) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) PackBlock(src, l, s, reinterpret_cast<int32_t*>(seg) + s * width);
-        }
-      },
-      [&] { PackBlock(src, l, rank, o + rank * width); },
-      [&](const std::vector<const char*>& peers) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) std::memcpy(o + s * width, peers[s] + rank * block, block);
-        }
-        return std::string();
-      });
+  return hostpeers::WrittenAllToAll(
+      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, block,
+      reinterpret_cast<char*>(out->typed_data()),
+      [&](int64_t s, char* to) { PackBlock(src, l, s, reinterpret_cast<int32_t*>(to)); });
 }
 
 // The pairs of every source's message (served [n, words]) decoded for the partial sums:
@@ -178,20 +167,10 @@ ffi::Error HostPooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32>
   const size_t block = sizeof(float) * rc * d;
   float* o = out->typed_data();
   PrepareOutput(o, n * block);
-  return hostpeers::WithHostPeers(
-      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, n * block,
-      [&](char* seg) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) PartialsOf(sp, t, d, s, reinterpret_cast<float*>(seg) + s * rc * d);
-        }
-      },
-      [&] { PartialsOf(sp, t, d, rank, o + rank * rc * d); },
-      [&](const std::vector<const char*>& peers) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) std::memcpy(o + s * rc * d, peers[s] + rank * block, block);
-        }
-        return std::string();
-      });
+  return hostpeers::WrittenAllToAll(
+      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, block,
+      reinterpret_cast<char*>(o),
+      [&](int64_t s, char* to) { PartialsOf(sp, t, d, s, reinterpret_cast<float*>(to)); });
 }
 
 }  // namespace
