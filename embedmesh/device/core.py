@@ -502,7 +502,7 @@ class EmbeddingCore:
             number = batch_number[0] if batch_number is not None else jnp.int32(-1)
             row = jnp.stack([finite.astype(jnp.int32), number.astype(jnp.int32)])
             got = shard_program.exchange(
-                jnp.broadcast_to(row, (n, 2)), axes, n, self.in_process, self.host_job, "check"
+                jnp.broadcast_to(row, (n, 2)), axes, n, self.in_process, self.host_job, "finite"
             )
             return jnp.stack(
                 [jnp.all(got[:, 0] != 0).astype(jnp.int32), got[:, 1].min(), got[:, 1].max()]
