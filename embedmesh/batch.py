@@ -142,6 +142,12 @@ class PartitionedCsrFormatTensor:
       pair_counts  [D, N] int32: valid entries of the pair arrays.
       stack: the stack's name.  rows_per_device: R.
       features: `FeatureSegment`s of the stack's features, in buffer order.
+      batch_number [D] int32 or None: in a multi-process job, the facade's count of
+                   this process's enqueue attempts (failed ones included), which
+                   `MeshEmbedding.apply_gradients` checks to be the same on every
+                   process (`EmbeddingCore.step_check`): a process that skipped or
+                   repeated a batch would otherwise pair its step with another
+                   batch of the others. None: not checked.
 
     On device d: `buffer = segment_sum(gains[..., None] *
     rows_j[pair_unique], pair_rows, R)` over all (j, p), with `rows_j` the
@@ -158,6 +164,7 @@ class PartitionedCsrFormatTensor:
     stack: str
     rows_per_device: int
     features: tuple
+    batch_number: Any = None
 
     _ARRAYS = (
         "unique_ids",
@@ -170,13 +177,14 @@ class PartitionedCsrFormatTensor:
 
     def tree_flatten(self):
         return (
-            tuple(getattr(self, a) for a in self._ARRAYS),
+            tuple(getattr(self, a) for a in self._ARRAYS) + (self.batch_number,),
             (self.stack, self.rows_per_device, self.features),
         )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        *arrays, batch_number = children
+        return cls(*arrays, *aux, batch_number=batch_number)
 
     @property
     def num_devices(self) -> int:

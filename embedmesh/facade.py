@@ -20,11 +20,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from embedmesh import _compat
+from embedmesh import _compat, _runtime
 from embedmesh.config import resolve_feature_config
 from embedmesh.device import peers as _peers
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.host import agree as _agree
+from embedmesh.host import fingerprint as _fingerprint
 from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like, to_csr
@@ -164,15 +165,22 @@ class MeshEmbedding:
         self._after_lookup: EmbeddingState | None = None
         self.last_stats = None  # PreprocessStats of the latest enqueue
         self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
+        self._attempts = 0  # several processes: enqueue attempts, failed ones included
 
     # -- build ------------------------------------------------------------------
 
     def build(self):
-        """Create tables and slots on the mesh, shard by shard."""
+        """Create tables and slots on the mesh, shard by shard.
+
+        With a mesh over several processes, every process must build the same job:
+        a ValueError on every process names the first field that differs
+        (`_agree_on_job`), before any other collective."""
         _check_not_traced("build")
         if self._built:
             return
         mesh = self._mesh if self._mesh is not None else default_mesh()
+        if len({d.process_index for d in mesh.devices.flat}) > 1:
+            self._agree_on_job(mesh)  # first: before any other collective
         self._mesh = mesh
         strategies, predicted = self._plan_strategies(mesh)
         placements = {t: _planner.STRATEGY_FORMS[s][0] for t, s in strategies.items()}
@@ -205,7 +213,7 @@ class MeshEmbedding:
         # `carrying`), which that batch's update takes: the pairs cross once a step.
         self._lookup_fn = jax.jit(lambda st, c: core.lookup(st, c, carrying=True))
 
-        # gradients are checked on the host side (`_all_finite_fn`) before either
+        # gradients are checked on the host side (`_step_check_fn`) before either
         # deferred program runs: an in-program `cond` costs 2-10 ms a step on CPU
         def lookup_then_apply(st, g, c_prev, view, c_next):
             acts, st, _, next_view = core.lookup_then_apply_gradients(
@@ -229,8 +237,39 @@ class MeshEmbedding:
         self._apply_copy_fn = jax.jit(
             lambda st, g, c, view: core.apply_gradients(st, g, c, check_finite=False, view=view)[0]
         )
-        self._all_finite_fn = jax.jit(core.all_finite)
+        self._step_check_fn = jax.jit(core.step_check)
         self._built = True
+
+    def _agree_on_job(self, mesh) -> None:
+        """ValueError on every process unless all processes build the same job
+        (`embedmesh.host.fingerprint`): one all-gather of two int32 when they agree;
+        when not, a second one carrying every process's fields, to name the first
+        that differs. Runs before any other collective of the job (the planner's
+        broadcast, `same_host_job`, the steps), which would hang or abort on a
+        mismatch."""
+        options = {
+            "stack_tables": self._stack_tables,
+            "max_stack_rows": self._max_stack_rows,
+            "capacities": self._capacities,
+            "overflow": self._overflow,
+            "check_finite": self._check_finite,
+            "pipeline_execution_with_tensor_core": self._pipelined,
+            "seed": self._seed,
+            "mesh axis names": mesh.axis_names,
+            "mesh shape": mesh.devices.shape,
+            "mesh devices (id, process)": [(d.id, d.process_index) for d in mesh.devices.flat],
+            "EMBEDMESH_HOST_EXCHANGE": "on" if _runtime.host_exchange_enabled() else "off (0)",
+            "jax version": jax.__version__,
+        }
+        blob = _fingerprint.encode(
+            _fingerprint.job_fields(self._resolved, self._optimizer, self._strategies, options)
+        )
+        headers = np.asarray(multihost_utils.process_allgather(_fingerprint.header(blob)))
+        if _fingerprint.differs(headers):  # seen by every process: all gather the fields
+            fields = _fingerprint.padded(blob, headers)
+            raise _fingerprint.mismatch(
+                np.asarray(multihost_utils.process_allgather(fields)), headers
+            )
 
     def observed_state(self) -> EmbeddingState:
         """The state with every accepted update applied, without changing what the
@@ -372,7 +411,9 @@ class MeshEmbedding:
         `dequeue`. `device` is accepted for API compatibility: preprocessing
         always runs on this process's host and feeds all its local devices.
         In a job of several processes, capacities and batch shapes are agreed
-        among them (see `_agreed_put`).
+        among them (see `_agreed_put`), and each attempt, failed or not, is
+        numbered: `apply_gradients` refuses a step whose processes are at
+        different numbers (see `_check_step`).
         """
         _check_not_traced("enqueue", features, weights)
         self._maybe_build(features, weights)
@@ -426,6 +467,8 @@ class MeshEmbedding:
         prefetch thread the gather could meet another process's step.
         """
         features, weights, result, error = prepared
+        self._attempts += 1  # every attempt counts: see `_check_step`
+        number = self._attempts
         before = {
             s.name: _pre._capacity_for(self._capacities, self.plan, s.name)
             for s in self.plan.stacks
@@ -457,7 +500,8 @@ class MeshEmbedding:
             }
         )
         self._record(stats)
-        return self.core.put(csr)
+        mark = np.full(self._num_local_devices, number, np.int32)
+        return self.core.put({k: dataclasses.replace(c, batch_number=mark) for k, c in csr.items()})
 
     def prefetch(self, batches: Iterable, buffer_size: int = 2) -> Iterator[dict]:
         """Enqueue batches in a background thread, `buffer_size` ahead of the consumer.
@@ -659,8 +703,7 @@ class MeshEmbedding:
         preserved_outputs = self._partitioned_dict(preserved_outputs, "apply_gradients")
         self._check_preserved(preserved_outputs)
         grads = self._flat_gradients(gradients, preserved_outputs)
-        if self._check_finite and grads:
-            self._raise_if_not_finite(self._all_finite_fn(grads), grads)
+        self._check_step(grads, preserved_outputs)
         self.flush()  # two updates without a lookup between them
         if all(c.rows_per_device == 0 for c in preserved_outputs.values()):
             # empty batch: nothing to move (the update program cannot take empty
@@ -688,8 +731,34 @@ class MeshEmbedding:
         self._observed = None
         self._state = self._apply_fn(self._state, grads, csr, view)
 
-    def _raise_if_not_finite(self, ok, grads):
-        if not bool(ok):
+    def _check_step(self, grads: dict, csr: dict) -> None:
+        """Before an update is accepted: FloatingPointError for a non-finite gradient
+        (with check_finite) and, in a multi-process job, RuntimeError when the
+        processes' steps paired different batches. Each process counts its enqueue
+        attempts, failed ones included, and carries the count with the batch
+        (`PartitionedCsrFormatTensor.batch_number`); a process that caught an
+        enqueue error and went on, or enqueued a batch twice, is one off from the
+        others, which without this check would pair its batches with theirs, silently
+        wrong. Both checks ride one exchange and one host read a step
+        (`EmbeddingCore.step_check`); either error leaves the tables untouched.
+        """
+        check = grads if self._check_finite else {}
+        number = next((c.batch_number for c in csr.values() if c.batch_number is not None), None)
+        if not check and number is None:
+            return
+        finite, low, high = (int(x) for x in np.asarray(self._step_check_fn(check, number)))
+        if low != high:
+            # (-1: a batch this facade did not enqueue, e.g. from preprocess_features)
+            mine = -1 if number is None else int(np.asarray(number.addressable_data(0))[0])
+            raise RuntimeError(
+                f"this step paired different batches: process {jax.process_index()} is at "
+                f"batch {mine}, another process at batch {high if mine == low else low} "
+                f"(batches counted from 1 by enqueue attempts, failed ones included): a "
+                f"process skipped or repeated a batch (did one catch an enqueue error and "
+                f"continue?). Every process must enqueue the same number of batches; the "
+                f"update was not applied and the tables are unchanged"
+            )
+        if not finite:
             bad = [n for n, g in grads.items() if not bool(jnp.all(jnp.isfinite(g)))]
             raise FloatingPointError(
                 f"non-finite gradient for feature(s) {bad}; the update was "

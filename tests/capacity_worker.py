@@ -16,9 +16,17 @@ capacities, overflow="error", process 1's first batch overflows: its ValueError,
 a RuntimeError on process 0), "late_error" (automatic capacities sized at the
 first batch, overflow="error", process 1's step-2 batch overflows; no per-step
 collective: process 1 raises, then exits with code 3, and process 0, waiting in
-the step's collective, gets the runtime's error and exits with code 3 too).
+the step's collective, gets the runtime's error and exits with code 3 too),
+"job" (issue #24 items 1-4 and 6: process 1 builds a job that differs in one
+field, one case after the other: each a ValueError on every process at build,
+"CAUGHT job:CASE ..."), "skip" and "skip_prefetch" (item 5: as "late_error", but
+process 1's loop catches its enqueue error and goes on with its next batch; the
+next step pairs different batches: a RuntimeError on every process, tables as
+after the last good step; "skip_prefetch": pipelined, check_finite=False,
+EMBEDMESH_HOST_EXCHANGE=0, batches through `prefetch`, restarted after the error).
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -53,10 +61,10 @@ STEPS = 4
 BATCH = 8  # per process
 
 
-def process_batches(pid, mode):
+def process_batches(pid, mode, steps=STEPS):
     """Process pid's batches: process 0 draws from few ids, process 1 from many."""
     rng = np.random.default_rng(100 + pid)
-    for step in range(STEPS):
+    for step in range(steps):
         hi = 6 if pid == 0 else 200
         if mode in ("auto", "late_error") and step > 0:
             hi = 6  # later batches fit the capacities agreed at the first
@@ -116,11 +124,107 @@ def run(mode):
     np.savez(f"{out_prefix}.{mode}.{process_id}.npz", **out)
 
 
+@contextlib.contextmanager
+def exchange_switch(value):
+    """EMBEDMESH_HOST_EXCHANGE=value (None: as it is) while the block runs."""
+    saved = os.environ.get("EMBEDMESH_HOST_EXCHANGE")
+    if value is not None:
+        os.environ["EMBEDMESH_HOST_EXCHANGE"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("EMBEDMESH_HOST_EXCHANGE", None)
+        else:
+            os.environ["EMBEDMESH_HOST_EXCHANGE"] = saved
+
+
+def job_mismatches():
+    """Each case: process 1 differs from process 0 in one field; build must fail on both."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    cases = {
+        "sharding": {"sharding": "auto"},
+        "vocabulary": {"vocab": 300},
+        "optimizer": {"optimizer": em.SGD(0.2)},
+        "combiner": {"combiner": "sum"},
+        "exchange_switch": {"EMBEDMESH_HOST_EXCHANGE": "0"},
+    }
+    base = {"vocab": 256, "optimizer": em.Adagrad(0.2), "combiner": "mean", "sharding": "mod"}
+    for case, change in cases.items():
+        cfg = dict(base, **(change if process_id == 1 else {}))
+        t1 = em.TableConfig(cfg["vocab"], 8, combiner=cfg["combiner"], name="t1")
+        t2 = em.TableConfig(64, 4, combiner="sqrtn", name="t2")
+        feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
+        emb = MeshEmbedding(feats, cfg["optimizer"], mesh=mesh, sharding=cfg["sharding"])
+        batch = next(process_batches(process_id, "auto"))
+        try:  # (the first batch builds: "auto" plans from it)
+            with exchange_switch(cfg.get("EMBEDMESH_HOST_EXCHANGE")):
+                emb.enqueue(dict(batch, b=em.RaggedTensor.from_row_lengths(*batch["b"])))
+        except ValueError as e:
+            print(f"CAUGHT job:{case} {type(e).__name__}: {e}", flush=True)
+
+
+def skip_a_batch(mode):
+    """Process 1 skips its overflowing step-2 batch; the step pairing it with process
+    0's step-2 batch fails on both, before its update."""
+    prefetching = mode == "skip_prefetch"
+    with exchange_switch("0" if prefetching else None):
+        _skip_a_batch(mode, prefetching)
+
+
+def _skip_a_batch(mode, prefetching):
+    t1 = em.TableConfig(256, 8, combiner="mean", name="t1")
+    t2 = em.TableConfig(64, 4, combiner="sqrtn", name="t2")
+    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
+    emb = MeshEmbedding(
+        feats,
+        em.Adagrad(0.2),
+        prefetching,  # pipelined
+        mesh=Mesh(np.array(jax.devices()), ("x",)),
+        overflow="error",
+        check_finite=not prefetching,
+    )
+    grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
+    batches = (
+        dict(b, b=em.RaggedTensor.from_row_lengths(*b["b"]))
+        # (restarting prefetch loses the batches its thread had taken: a long stream)
+        for b in process_batches(process_id, "late_error", 2 * STEPS)
+    )
+    stream = emb.prefetch(batches) if prefetching else map(emb.enqueue, batches)
+    before = None
+    try:
+        while True:
+            try:
+                enqueued = next(stream)
+            except StopIteration:
+                break
+            except ValueError as e:  # the user's loop skips the batch and goes on
+                print(f"SKIPPED {mode} {e}", flush=True)
+                if prefetching:
+                    stream = emb.prefetch(batches)
+                continue
+            acts, pre = emb.dequeue(enqueued)
+            before = {t.name: v["parameters"] for t, v in emb.variables.items()}
+            emb.apply_gradients(grad_fn(acts), pre)
+    except RuntimeError as e:
+        print(f"CAUGHT {mode} {type(e).__name__}: {e}", flush=True)
+        after = {t.name: v["parameters"] for t, v in emb.variables.items()}
+        assert before is not None
+        for name in after:  # the refused step left the tables as they were
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+        print(f"UNTOUCHED {mode}", flush=True)
+
+
 def main():
     for mode in modes:
         t = time.perf_counter()
         try:
-            run(mode)
+            if mode == "job":
+                job_mismatches()
+            elif mode.startswith("skip"):
+                skip_a_batch(mode)
+            else:
+                run(mode)
         except Exception as e:
             if mode not in ("mismatch", "first_error", "late_error"):
                 raise

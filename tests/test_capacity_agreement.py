@@ -3,7 +3,10 @@
 Automatic capacities and overflow="grow" are decided from every process's
 needs (issue #15 item 0): the job trains like one process over the union of the
 batches; capacities that differ per process raise a clear error on every
-process before any collective (no gloo size mismatch, no hang).
+process before any collective (no gloo size mismatch, no hang). Issue #24: a job
+that differs per process in any field fails at build on every process, naming the
+field (the fingerprint, also tested pure below), and a step that pairs different
+batches (a process skipped one) fails on every process before its update.
 """
 
 import os
@@ -14,19 +17,23 @@ import sys
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from process_helpers import free_port, run_collect
 
 import embedmesh as em
+from embedmesh.config import resolve_feature_config
 from embedmesh.facade import MeshEmbedding
-from embedmesh.host import agree
+from embedmesh.host import agree, fingerprint
 from embedmesh.host.preprocess import Capacity, preprocess_batch
 from embedmesh.layout.stacking import plan_stacking
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "capacity_worker.py")
-TIMEOUT = 60  # a hang in a collective fails the test instead of stalling it
+TIMEOUT = 300  # a hang in a collective fails the test instead of stalling it (a
+# process's build and compiles take over 60 s on a loaded 2-core machine)
 
 
 def _env():
@@ -36,12 +43,12 @@ def _env():
     return env
 
 
-def _pair(prefix, modes):
+def _pair(prefix, modes, timeout=TIMEOUT):
     port = free_port()
     return run_collect(
         [[sys.executable, WORKER, str(i), "2", str(port), str(prefix), modes] for i in range(2)],
         env=_env(),
-        timeout=TIMEOUT,
+        timeout=timeout,
     )
 
 
@@ -89,13 +96,35 @@ def _caught(out, mode):
 
 
 def test_errors_reach_every_process_before_any_mismatched_collective(tmp_path):
-    codes, outs = _pair(tmp_path / "errors", "mismatch,first_error,late_error")
+    modes = "mismatch,first_error,job,skip,skip_prefetch,late_error"
+    # (ten builds and compiles in each process: minutes on a loaded machine)
+    codes, outs = _pair(tmp_path / "errors", modes, timeout=2 * TIMEOUT)
     assert codes == [3, 3], "\n=====\n".join(o[-3000:] for o in outs)
-    for out in outs:
-        # capacities that differ per process: the same clear error on every process
-        line = _caught(out, "mismatch")
-        assert "ValueError: stack t1+t2:" in line and "max_ids_per_partition" in line, line
-        assert "process 0 has 64, process 1 has 32" in line, line
+    job = {  # issue #24 items 1-4 and 6: the job's field and each process's value
+        "mismatch": ("capacities", "max_ids_per_partition=64", "max_ids_per_partition=32"),
+        "job:sharding": ("table 't1' sharding", "'mod'", "'auto'"),
+        "job:vocabulary": ("table 't1' vocabulary_size", "256", "300"),
+        "job:optimizer": ("table 't1' optimizer", "Adagrad", "SGD"),
+        "job:combiner": ("table 't1' combiner", "'mean'", "'sum'"),
+        "job:exchange_switch": ("EMBEDMESH_HOST_EXCHANGE", "'on'", "'off (0)'"),
+    }
+    for pid, out in enumerate(outs):
+        # a job that differs per process: the same clear error on every process at build
+        for mode, (field, v0, v1) in job.items():
+            line = _caught(out, mode)
+            assert f"ValueError: the processes of this job disagree on {field}: " in line, line
+            assert re.search(
+                f"process 0 has [^;]*{re.escape(v0)}.*, process 1 has [^;]*{re.escape(v1)}", line
+            ), line
+        # item 5: a process that skips a batch after its enqueue error: the next step
+        # pairs different batches and fails on every process, its update not applied
+        for mode in ("skip", "skip_prefetch"):
+            line = _caught(out, mode)
+            assert "RuntimeError: this step paired different batches" in line, line
+            # process 1's third attempt failed: its fourth meets process 0's third
+            mine, other = (3, 4) if pid == 0 else (4, 3)
+            assert f"process {pid} is at batch {mine}, another process at batch {other}" in line
+            assert f"UNTOUCHED {mode}" in out
     # an overflow in one process's first batch (the agreement): its own error there,
     # and the others learn of it in the agreement instead of waiting in a collective
     line = _caught(outs[1], "first_error")
@@ -208,3 +237,101 @@ def test_one_process_runs_no_agreement(monkeypatch):
         emb.enqueue(_batch(rng, 200, long=long))
         grown.append(bool(emb.last_stats.grown))
     assert grown == [False, False, True]
+
+
+# -- the job fingerprint (embedmesh.host.fingerprint), pure
+
+
+def _fields(p):
+    """The fingerprint fields of a small job described by the parameters `p`."""
+    t0 = em.TableConfig(
+        p["vocab"],
+        8,
+        combiner="mean",
+        name="t0",
+        optimizer=p["optimizer"](p["lr"]),
+        initializer=jax.nn.initializers.normal(p["stddev"]),
+    )
+    t1 = em.TableConfig(64, p["dim"], combiner=p["combiner"], name="t1")
+    feats = {
+        "a": em.FeatureConfig(t0, max_sequence_length=p["seq"]),
+        "b": em.FeatureConfig(t1, output_shape=p["shape"]),
+    }
+    if p["extra"]:
+        feats["c"] = em.FeatureConfig(t1)
+    resolved = resolve_feature_config(feats)
+    options = {"seed": p["seed"], "EMBEDMESH_HOST_EXCHANGE": p["exchange"]}
+    strategies = {"t0": p["sharding"], "t1": "mod"}
+    return fingerprint.job_fields(resolved, em.SGD(p["default_lr"]), strategies, options)
+
+
+def _two_processes(fields0, fields1):
+    """What `MeshEmbedding._agree_on_job` derives from two processes' fields: None when
+    they agree, else the error every process raises."""
+    blobs = [fingerprint.encode(f) for f in (fields0, fields1)]
+    headers = np.stack([fingerprint.header(b) for b in blobs])
+    if not fingerprint.differs(headers):
+        return None
+    return fingerprint.mismatch(np.stack([fingerprint.padded(b, headers) for b in blobs]), headers)
+
+
+_BASE = {
+    "vocab": 300,
+    "optimizer": em.Adagrad,
+    "lr": 0.1,
+    "stddev": 0.01,
+    "dim": 4,
+    "combiner": "sum",
+    "seq": 0,
+    "shape": None,
+    "extra": False,
+    "seed": 0,
+    "exchange": "on",
+    "sharding": "mod",
+    "default_lr": 0.5,
+}
+# parameter -> (the field named in the error, another value, how each process's value shows)
+_CHANGES = {
+    "vocab": ("table 't0' vocabulary_size", 3600, ("300", "3600")),
+    "optimizer": ("table 't0' optimizer", em.SGD, ("Adagrad", "SGD")),
+    "lr": ("table 't0' optimizer learning_rate", 0.2, ("0.1", "0.2")),
+    "stddev": ("table 't0' initializer", 0.02, ("0.01", "0.02")),
+    "dim": ("table 't1' dim", 5, ("4", "5")),
+    "combiner": ("table 't1' combiner", "mean", ("'sum'", "'mean'")),
+    "seq": ("feature 'a' max_sequence_length", 3, ("0", "3")),
+    "shape": ("feature 'b' output_shape", (2, 4), ("None", "(2, 4)")),
+    "extra": ("features", True, ("('a', 'b')", "('a', 'b', 'c')")),
+    "seed": ("seed", 1, ("0", "1")),
+    "exchange": ("EMBEDMESH_HOST_EXCHANGE", "off", ("'on'", "'off'")),
+    "sharding": ("table 't0' sharding", "auto", ("'mod'", "'auto'")),
+    "default_lr": ("table 't1' optimizer learning_rate", 0.25, ("0.5", "0.25")),
+}
+
+
+@pytest.mark.parametrize("param", sorted(_CHANGES))
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_fingerprint_names_any_single_field_change(param, seed):
+    rng = np.random.default_rng(seed)
+    base = dict(_BASE, vocab=int(rng.integers(100, 1000)), seed=int(rng.integers(0, 9)))
+    assert _two_processes(_fields(base), _fields(dict(base))) is None  # equal jobs agree
+    field, other, (shown0, shown1) = _CHANGES[param]
+    if param in ("vocab", "seed"):
+        shown0 = str(base[param])
+    err = _two_processes(_fields(base), _fields(dict(base, **{param: other})))
+    assert err is not None
+    msg = str(err)
+    assert f"disagree on {field}: process 0 has " in msg, msg
+    v0, v1 = msg.split(": process 0 has ", 1)[1].split(". Every")[0].split(", process 1 has ")
+    assert shown0 in v0 and shown1 in v1, msg
+
+
+def test_fingerprint_describes_callables_by_name_and_closure():
+    assert fingerprint.describe(jax.nn.initializers.normal(0.01)) == fingerprint.describe(
+        jax.nn.initializers.normal(0.01)
+    )
+    assert fingerprint.describe(jax.nn.initializers.normal(0.01)) != fingerprint.describe(
+        jax.nn.initializers.normal(0.02)
+    )
+    assert " at 0x" not in fingerprint.describe(object())
+    assert fingerprint.describe(np.float32(0.5)) == "0.5"

@@ -476,26 +476,46 @@ class EmbeddingCore:
         )
         return dict(tables, **fn(tabs, deps))
 
-    def all_finite(self, gradients: dict):
-        """Whether every gradient (`{feature: array sharded on the batch axis}`) is finite,
-        the same on every device: each device checks its own slice and the flags go
-        through `ops.exchange`, so processes of one host agree through shared memory
-        (XLA's all-reduce over processes goes through gloo's TCP: 1-7 ms a step here)."""
+    def step_check(self, gradients: dict, batch_number=None):
+        """`[all gradients finite (0/1), lowest batch number, highest]` int32, the same
+        on every device, from one exchange of each device's flag and batch number
+        (`ops.exchange`: processes of one host agree through shared memory, where
+        XLA's all-reduce over processes goes through gloo's TCP: 1-7 ms a step here).
+
+        `gradients`: `{feature: array sharded on the batch axis}` (empty: finite);
+        `batch_number`: a batch's `PartitionedCsrFormatTensor.batch_number` (global
+        `[N]` int32) or None (then -1, -1). The facade refuses a step whose lowest
+        and highest numbers differ (a process skipped or repeated a batch); your own
+        train step on this core can do the same.
+        """
         grads = {k: g for k, g in gradients.items() if g is not None and g.size}
-        if not grads:  # (an empty batch: nothing to check)
-            return jnp.asarray(True)
+        if not grads and batch_number is None:  # (an empty batch: nothing to check)
+            return jnp.asarray([1, -1, -1], jnp.int32)
         n, axes = self.num_shards, self.axes
 
-        def body(grads):
-            local = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
-            flags = jnp.broadcast_to(local.astype(jnp.int32), (n, 1))
-            flags = shard_program.exchange(flags, axes, n, self.in_process, self.host_job, "finite")
-            return jnp.all(flags != 0)
+        def body(grads, batch_number):
+            finite = (
+                jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
+                if grads
+                else jnp.asarray(True)
+            )
+            number = batch_number[0] if batch_number is not None else jnp.int32(-1)
+            row = jnp.stack([finite.astype(jnp.int32), number.astype(jnp.int32)])
+            got = shard_program.exchange(
+                jnp.broadcast_to(row, (n, 2)), axes, n, self.in_process, self.host_job, "finite"
+            )
+            return jnp.stack(
+                [jnp.all(got[:, 0] != 0).astype(jnp.int32), got[:, 1].min(), got[:, 1].max()]
+            )
 
         fn = jax.shard_map(
-            body, mesh=self.mesh, in_specs=(self._specs(grads),), out_specs=P(), check_vma=False
+            body,
+            mesh=self.mesh,
+            in_specs=(self._specs(grads), self._specs(batch_number)),
+            out_specs=P(),
+            check_vma=False,
         )
-        return fn(grads)
+        return fn(grads, batch_number)
 
     def apply_gradients(
         self,
