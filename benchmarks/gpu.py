@@ -1216,17 +1216,17 @@ def markdown(report) -> str:
     return "\n".join(L) + "\n"
 
 
-def finish(report, variants, t0, running=None):
+def finish(report, t0, running=None):
     """Fill in the derived figures, the summary and the exit status of `report` as it
     stands; `running`: the child still going (the report is then marked incomplete)."""
     report["derived"] = derive(report)
     cases = [c for r in report["correctness"].values() for c in r.get("cases", [])]
     expected = len(OPTIMIZER_CASES) * len(COMBINERS)
     failed = [c for c in cases if c["passed"] is False]
-    incomplete = [
+    incomplete = [  # planned but skipped, cut short, or crashed part-way
         v
-        for v in report["correctness"]
-        if sum(c["passed"] is not None for c in report["correctness"][v].get("cases", []))
+        for v in report["correctness_planned"]
+        if sum(c["passed"] is not None for c in report["correctness"].get(v, {}).get("cases", []))
         < expected
     ]
     other_errors = report["errors"] + [
@@ -1321,6 +1321,7 @@ def main(argv=None):
         variants=variants,
         host=f"{platform.node()} python {platform.python_version()}",
         preflight=None,
+        correctness_planned=[],
         correctness={},
         scale={},
         torch=None,
@@ -1352,7 +1353,7 @@ def main(argv=None):
             report["scale" if kind == "jax_scale" else kind][variant] = data
 
     def save(running=None):
-        finish(report, variants, t0, running)
+        finish(report, t0, running)
         return save_report(report, args.out)
 
     with tempfile.TemporaryDirectory(prefix="embedmesh-gpu-") as tmp:
@@ -1366,6 +1367,7 @@ def main(argv=None):
                 f"{pre.get('devices')}); nothing was run. --allow-cpu runs anyway."
             )
         order = [] if report.get("aborted") else plan(variants, not args.skip_correctness)
+        report["correctness_planned"] = [v for kind, v in order if kind == "correctness"]
         save()
         for kind, v in order:
             label = f"{'scale' if kind == 'jax_scale' else kind} [{v}]" if v else kind
@@ -1396,7 +1398,7 @@ def main(argv=None):
             place(kind, v, data)
             save()
 
-    exit_status = finish(report, variants, t0)
+    exit_status = finish(report, t0)
     md = save_report(report, args.out)
     print(md, flush=True)
     return exit_status
