@@ -1380,10 +1380,12 @@ def main(argv=None):
                     cfg["batch_meta"] = make_batches(cfg, cfg["batches_path"])
                 except Exception as e:  # noqa: BLE001
                     report["errors"].append(f"making the scale batches: {type(e).__name__}: {e}")
-                    report["skipped"].append("scale and torch sections: no batches")
-                    break
+                    cfg["batch_meta"] = None
                 report["config"]["batch_meta"] = cfg["batch_meta"]
                 report["batches_s"] = round(time.time() - t, 1)
+            if kind != "correctness" and cfg["batch_meta"] is None:
+                report["skipped"].append(f"{label}: skipped, no scale batches (see Errors)")
+                continue
             data = run_child(
                 kind,
                 v,
