@@ -2,21 +2,28 @@
 step, forward and serving throughput of embedmesh on the default device, against torch
 on the same GPU in the same run.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu.py --out DIR --budget-s 420
-    python benchmarks/gpu.py --out DIR --smoke          # tiny sizes, CPU, < 60 s (CI)
+    bash benchmarks/gpu_run.sh --smoke --variants xla,pallas   # 1st call: ~3 min
+    bash benchmarks/gpu_run.sh --skip-correctness              # 2nd call: ~6 min
+    python benchmarks/gpu.py --out DIR --smoke --allow-cpu     # tiny sizes, CPU (CI)
 
-Writes DIR/gpu.json (every figure) and DIR/gpu.md (the summary table, also printed last).
-Exit status: 0 all well; 1 a correctness case failed (or errored); 2 no case failed but
-another section errored or a variant's correctness did not run in full (budget). Sections
+(README "GPUs" gives the device tool's calls.) Writes DIR/gpu.json (every figure) and
+DIR/gpu.md (the summary table, also printed last), both rewritten whenever a child
+saves a section or a correctness step and when it ends, so a call cut short still
+returns what ran (marked incomplete). Exit status: 0 all well; 1 a correctness case
+failed (or errored); 2 no case failed but another section errored or a variant's
+correctness did not run in full (budget); 3 the pre-flight found no GPU (JAX's
+default backend is not "gpu"; `--allow-cpu` runs anyway): nothing else ran. Sections
 skipped by the budget are listed, never cut silently.
 
-Each part runs in its own child process (`--worker ...`: correctness per variant, scale
-per variant, torch), so each system starts with the whole device and its state is freed
-on exit (and before, in-process: `gc.collect()`, `torch.cuda.empty_cache()`, jax
-`.delete()` and `jax.clear_caches()`). torch is imported lazily, in its child only: where
-it is missing (CPU CI) its figures say "torch not installed". Order: correctness of every
-variant, then the first variant's scale run, torch, the other variants' scale runs; each
-child is skipped when the budget left is less than the previous one of its kind took.
+Each part runs in its own child process (`--worker ...`: the pre-flight, correctness
+per variant, scale per variant, torch), so each system starts with the whole device and
+its state is freed on exit (and before, in-process: `gc.collect()`,
+`torch.cuda.empty_cache()`, jax `.delete()` and `jax.clear_caches()`). torch is
+imported lazily, in its child only: where it is missing (CPU CI) its figures say "torch
+not installed". Order (`plan`): correctness of each kernel variant (`xla`, `pallas`),
+the first one's scale run, torch, the other kernel variants' scale runs, and the
+`reference` variant (correctness, scale) last; each child is skipped when the budget
+left is less than the previous one of its kind took, so the budget cuts from the end.
 The embedmesh children run once per kernel variant with `EMBEDMESH_GPU_KERNELS=<variant>`
 in their environment (`xla` default, `pallas`, `reference`); this script only sets the
 variable, it never reads what it selects.
@@ -105,13 +112,15 @@ FULL = dict(
     reps=10,
     copy_bytes=4 << 30,
     copy_reps=20,
-    budget_s=420.0,
+    # the second device call (README "GPUs"): its timeout_s 420 leaves the kill grace,
+    # the report and a margin; the first call (--smoke) has checked correctness already
+    budget_s=330.0,
     variants="xla,pallas,reference",
     # seconds a child needs, roughly (start-up included): a child is skipped when the
     # budget left is smaller; a running child is killed at its cap (partial results kept)
     est_s=dict(correctness=75, torch=110, jax_scale=110),
     est_scale=1.0,  # of the sections' estimates inside a child
-    cap_s=dict(correctness=150, torch=200, jax_scale=200),
+    cap_s=dict(preflight=120, correctness=150, torch=200, jax_scale=200),
     kill_grace_s=15,  # a child still running this long after its deadline is killed
 )
 SMOKE = dict(
@@ -126,11 +135,11 @@ SMOKE = dict(
     reps=3,
     copy_bytes=16 << 20,
     copy_reps=3,
-    budget_s=240.0,
+    budget_s=180.0,  # the first device call (timeout_s 240): correctness of xla and pallas
     variants="xla",
     est_s=dict(correctness=10, torch=5, jax_scale=10),
     est_scale=0.2,
-    cap_s=dict(correctness=120, torch=120, jax_scale=120),
+    cap_s=dict(preflight=120, correctness=120, torch=120, jax_scale=120),
 )
 
 
@@ -393,6 +402,22 @@ def run_correctness(w: Worker, cfg):
         ref_tabs, ref_slots = f64_of(emb)
         keys = ("lookup", "table", "slots", "serving_host", "serving_device")
         res = {k: dict.fromkeys(keys) for k in key_of.values()}
+        first = len(cases)
+
+        def publish(incomplete=None):
+            """The group's cases as measured so far, saved (a child killed at its cap
+            keeps them): `passed` is None while `incomplete` says what is missing."""
+            del cases[first:]
+            for tname, (label, c) in key_of.items():
+                r = res[(label, c)]
+                ok = all(passes(r[k]) for k in keys if k != "slots")
+                has_slots = bool(opt_of[tname][2].slot_initial_values)
+                ok = ok and (passes(r["slots"]) if has_slots else r["slots"] is None)
+                case = dict(optimizer=label, combiner=c, passed=bool(ok), rel_err=r)
+                if incomplete:
+                    case.update(passed=None, incomplete=incomplete)
+                cases.append(case)
+            w.save()
 
         def worst(tname, what, err):
             r = res[key_of[tname]]
@@ -434,11 +459,13 @@ def run_correctness(w: Worker, cfg):
                     _, cpu_pre = cpu_emb(inputs, weights)
                     cpu_emb.apply_gradients(dacts, cpu_pre)
                     ref_tabs, ref_slots = f64_of(cpu_emb)
+                publish(f"lookups of {step + 1} of {CASE_STEPS} steps checked")
             got_tabs, got_slots = f64_of(emb)
             for tname in tables:
                 worst(tname, "table", rel_err(got_tabs[tname], ref_tabs[tname]))
                 for k in ref_slots[tname]:
                     worst(tname, "slots", rel_err(got_slots[tname][k], ref_slots[tname][k]))
+            publish("serving lookups not checked")
             # serving on the read-back (exported) tables: host path, and jax.jit on the device
             inputs, weights = _case_batch(rng, feats)
             exported = emb.embedding_tables
@@ -463,12 +490,7 @@ def run_correctness(w: Worker, cfg):
             for e in (emb, cpu_emb):
                 if e is not None:
                     _free_jax(e.state.tables, e.state.slots)
-        for tname, (label, c) in key_of.items():
-            r = res[(label, c)]
-            ok = all(passes(r[k]) for k in ("lookup", "table", "serving_host", "serving_device"))
-            has_slots = bool(opt_of[tname][2].slot_initial_values)
-            ok = ok and (passes(r["slots"]) if has_slots else r["slots"] is None)
-            cases.append(dict(optimizer=label, combiner=c, passed=bool(ok), rel_err=r))
+        publish()
 
     t0 = time.perf_counter()
     group = [(i, *case) for i, case in enumerate(OPTIMIZER_CASES)]
@@ -490,10 +512,11 @@ def run_correctness(w: Worker, cfg):
                     f"correctness {label}: skipped, {w.left():.0f} s left of the child's budget"
                 )
                 continue
-            t_case = time.perf_counter()
+            t_case, first = time.perf_counter(), len(cases)
             try:
                 run_group([(i, label, cls_name, kwargs)], seed=100 + i)
             except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported
+                del cases[first:]  # what it published before the crash
                 for c in COMBINERS:
                     cases.append(
                         dict(
@@ -862,7 +885,39 @@ def run_torch(w: Worker, cfg):
 # The parent: children, budget, report
 
 
-def run_child(kind, variant, cfg, tmp, deadline, cap_s, log):
+def run_preflight(w: Worker, cfg):
+    """What JAX runs on here (the parent stops unless it is a GPU, or told to go on), and
+    whether the Pallas kernels import; a child, so the parent never holds the GPU."""
+    import jax
+    import jaxlib
+
+    w.data.update(
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        backend=jax.default_backend(),
+        devices=[f"{d.device_kind} ({d.platform})" for d in jax.devices()],
+    )
+    try:
+        import embedmesh.device.ops.gpu.pallas  # noqa: F401 - the import is the check
+    except Exception as e:  # noqa: BLE001 - the pallas variant cannot run; say why
+        w.data["errors"].append(f"the Pallas kernels do not import: {type(e).__name__}: {e}")
+    w.save()
+
+
+POLL_S = 5.0  # how often the parent folds a running child's part file into the report
+
+
+def read_part(part, status):
+    data = {"sections": {}, "skipped": [], "errors": []}
+    with contextlib.suppress(OSError, ValueError), open(part) as f:  # OSError: not written
+        data = json.load(f)
+    data["status"] = status
+    return data
+
+
+def run_child(kind, variant, cfg, tmp, deadline, cap_s, log, progress=None):
+    """Run one child to its end, its cap or the budget's deadline (then kill it: what it
+    saved is kept); `progress(data)` gets its part file whenever that changes."""
     part = os.path.join(tmp, f"{kind}-{variant or 'torch'}.json")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
@@ -878,36 +933,55 @@ def run_child(kind, variant, cfg, tmp, deadline, cap_s, log):
         f"[gpu.py] {kind} {variant or ''}: start ({deadline - t:.0f} s of budget left)", flush=True
     )
     status = "ok"
+    kill_at = max(child_deadline, t + 1) + cfg["kill_grace_s"]
     with open(log, "a") as f:  # the child writes straight into the log: kept if all dies
         f.write(f"===== {kind} {variant or ''}\n")
         f.flush()
         start = f.tell()
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=max(child_deadline - t, 1) + cfg["kill_grace_s"],
-            )
-            if proc.returncode != 0:
-                status = f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            status = "killed: ran past its share of the budget (partial results kept)"
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        seen = None
+        while True:
+            try:
+                code = proc.wait(timeout=POLL_S)
+                if code != 0:
+                    status = f"exit status {code}"
+                break
+            except subprocess.TimeoutExpired:
+                if time.time() > kill_at:
+                    proc.kill()
+                    proc.wait()
+                    status = "killed: ran past its share of the budget (partial results kept)"
+                    break
+            with contextlib.suppress(OSError):
+                mtime = os.stat(part).st_mtime_ns
+                if progress is not None and mtime != seen:
+                    seen = mtime
+                    progress(dict(read_part(part, "running"), wall_s=round(time.time() - t, 1)))
         f.write(f"\n===== {kind} {variant or ''}: {status}\n")
     with open(log, "rb") as f:
         f.seek(start)
         out = f.read().decode(errors="replace")
-    data = {"sections": {}, "skipped": [], "errors": []}
-    if os.path.exists(part):
-        with open(part) as f:
-            data = json.load(f)
-    data["status"] = status
+    data = read_part(part, status)
     data["wall_s"] = round(time.time() - t, 1)
     if status != "ok":
         data["errors"].append(f"child {status}; output tail: {out[-1500:]}")
     print(f"[gpu.py] {kind} {variant or ''}: {status} in {data['wall_s']} s", flush=True)
     return data
+
+
+def plan(variants, correctness=True):
+    """The children in run order, as (kind, variant): the correctness of each kernel
+    variant, the first one's scale run, torch, the other kernel variants' scale runs;
+    `reference` (every op's pure-JAX reference: the baseline) last. The budget cuts from
+    the end, so the main results come first."""
+    kernels = [v for v in variants if v != "reference"]
+    last = ["reference"] if "reference" in variants else []
+    order = [("correctness", v) for v in kernels] if correctness else []
+    order += [("jax_scale", v) for v in kernels[:1]] + [("torch", None)]
+    order += [("jax_scale", v) for v in kernels[1:]]
+    for v in last:
+        order += ([("correctness", v)] if correctness else []) + [("jax_scale", v)]
+    return order
 
 
 def fmt(x, spec=".3g", na="n/a"):
@@ -953,11 +1027,24 @@ def markdown(report) -> str:
         f"{report['host']}; budget {cfg['budget_s']:.0f} s, used {report['elapsed_s']:.0f} s; "
         f"variants (EMBEDMESH_GPU_KERNELS): {', '.join(report['variants'])}"
     )
+    pre = report.get("preflight") or {}
+    L.append(
+        f"pre-flight: jax {pre.get('jax', '?')}, jaxlib {pre.get('jaxlib', '?')}, default "
+        f"backend {pre.get('backend', '?')}, devices {pre.get('devices', '?')}"
+    )
+    if report.get("aborted"):
+        L += ["", f"**Aborted**: {report['aborted']}"]
+    if report.get("state", "finished") != "finished":
+        L += [
+            "",
+            f"**Incomplete** ({report['state']}): saved while the run went on; a run cut "
+            "short leaves this last save.",
+        ]
     L.append("")
     L.append("## (a) Correctness on the default device (rel. error ||out-ref||/||ref|| < 1e-5)")
     for v, c in report["correctness"].items():
         cases = c.get("cases", [])
-        n_ok = sum(x["passed"] for x in cases)
+        n_ok = sum(x["passed"] is True for x in cases)
         L += [
             "",
             f"**{v}** on {c.get('device', '?')}: {n_ok}/{len(cases)} cases pass "
@@ -976,6 +1063,11 @@ def markdown(report) -> str:
                     cells.append("not run")
                 elif "error" in x:
                     cells.append(f"FAIL ({x['error'][:60]})")
+                elif x["passed"] is None:
+                    e = [v for v in x["rel_err"].values() if v is not None]
+                    cells.append(
+                        f"partial, worst {fmt(max(e, default=None), '.1e')} ({x['incomplete']})"
+                    )
                 else:
                     e = x["rel_err"]
                     worst = max((v for v in e.values() if v is not None), default=math.nan)
@@ -1124,12 +1216,67 @@ def markdown(report) -> str:
     return "\n".join(L) + "\n"
 
 
+def finish(report, t0, running=None):
+    """Fill in the derived figures, the summary and the exit status of `report` as it
+    stands; `running`: the child still going (the report is then marked incomplete)."""
+    report["derived"] = derive(report)
+    cases = [c for r in report["correctness"].values() for c in r.get("cases", [])]
+    expected = len(OPTIMIZER_CASES) * len(COMBINERS)
+    failed = [c for c in cases if c["passed"] is False]
+    incomplete = [  # planned but skipped, cut short, or crashed part-way
+        v
+        for v in report["correctness_planned"]
+        if sum(c["passed"] is not None for c in report["correctness"].get(v, {}).get("cases", []))
+        < expected
+    ]
+    other_errors = report["errors"] + [
+        e
+        for g in (report["scale"], {"t": report.get("torch") or {}})
+        for s in g.values()
+        for e in s.get("errors", [])
+    ]
+    if report.get("aborted"):
+        exit_status = 3
+    elif failed:
+        exit_status = 1
+    else:
+        exit_status = 2 if other_errors or incomplete or running else 0
+    report["summary"] = dict(
+        cases=len(cases),
+        failed=[f"{c['optimizer']}/{c['combiner']}" for c in failed],
+        incomplete_variants=incomplete,
+    )
+    report["state"] = f"running: {running}" if running else "finished"
+    report["exit_status"] = exit_status
+    report["elapsed_s"] = time.time() - t0
+    return exit_status
+
+
+def save_report(report, out) -> str:
+    """Write gpu.json and gpu.md (each replaced whole); returns the markdown."""
+    md = markdown(report)
+    write_json(os.path.join(out, "gpu.json"), report)
+    tmp = os.path.join(out, "gpu.md.tmp")
+    with open(tmp, "w") as f:
+        f.write(md)
+    os.replace(tmp, os.path.join(out, "gpu.md"))
+    return md
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=False)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, CI)")
+    p.add_argument("--smoke", action="store_true", help="tiny scale sizes (a first GPU call; CI)")
     p.add_argument("--variants", default=None, help="EMBEDMESH_GPU_KERNELS values, comma-separated")
     p.add_argument("--budget-s", type=float, default=None)
+    p.add_argument(
+        "--skip-correctness", action="store_true", help="scale and torch only (a second call)"
+    )
+    p.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run where JAX's default backend is not a GPU (the CPU smoke test)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
@@ -1142,7 +1289,12 @@ def main(argv=None):
         w = Worker(args.part, args.deadline, cfg["est_scale"])
         w.data["env_EMBEDMESH_GPU_KERNELS"] = os.environ.get("EMBEDMESH_GPU_KERNELS")
         w.save()
-        fn = {"correctness": run_correctness, "jax_scale": run_jax_scale, "torch": run_torch}
+        fn = {
+            "preflight": run_preflight,
+            "correctness": run_correctness,
+            "jax_scale": run_jax_scale,
+            "torch": run_torch,
+        }
         try:
             fn[args.worker](w, cfg)
         except Exception as e:  # noqa: BLE001 - recorded in the part file for the report
@@ -1168,13 +1320,14 @@ def main(argv=None):
         config={k: v for k, v in cfg.items()},
         variants=variants,
         host=f"{platform.node()} python {platform.python_version()}",
+        preflight=None,
+        correctness_planned=[],
         correctness={},
         scale={},
         torch=None,
         skipped=[],
         errors=[],
     )
-
     est = dict(cfg["est_s"])
 
     def fits(kind, label):
@@ -1193,70 +1346,62 @@ def main(argv=None):
         else:
             est[kind] = max(est[kind], data["wall_s"] * 1.1)
 
-    with tempfile.TemporaryDirectory(prefix="embedmesh-gpu-") as tmp:
-        for v in variants:
-            if fits("correctness", f"correctness [{v}]"):
-                report["correctness"][v] = run_child(
-                    "correctness", v, cfg, tmp, deadline, cfg["cap_s"]["correctness"], log
-                )
-                learn("correctness", report["correctness"][v])
-        t = time.time()
-        cfg["batches_path"] = None
-        scale_left = deadline - t >= min(est["jax_scale"], est["torch"])
-        if not scale_left:
-            report["skipped"].append("scale and torch sections: skipped, budget spent")
-        try:
-            if not scale_left:
-                raise StopIteration
-            cfg["batches_path"] = os.path.join(tmp, "batches.npz")
-            cfg["batch_meta"] = make_batches(cfg, cfg["batches_path"])
-            report["config"]["batch_meta"] = cfg["batch_meta"]
-            report["batches_s"] = round(time.time() - t, 1)
-        except StopIteration:
-            pass
-        except Exception as e:  # noqa: BLE001
-            report["errors"].append(f"making the scale batches: {type(e).__name__}: {e}")
-            cfg["batches_path"] = None
-        if cfg["batches_path"]:
-            # embedmesh's default variant first, then its peer, then the other variants
-            order = [("jax_scale", variants[0])] if variants else []
-            order += [("torch", None)] + [("jax_scale", v) for v in variants[1:]]
-            for kind, v in order:
-                label = f"scale [{v}]" if v else "torch"
-                if not fits(kind, label):
-                    continue
-                data = run_child(kind, v, cfg, tmp, deadline, cfg["cap_s"][kind], log)
-                learn(kind, data)
-                if kind == "torch":
-                    report["torch"] = data
-                else:
-                    report["scale"][v] = data
+    def place(kind, variant, data):
+        if kind == "torch":
+            report["torch"] = data
+        else:
+            report["scale" if kind == "jax_scale" else kind][variant] = data
 
-    report["derived"] = derive(report)
-    cases = [c for r in report["correctness"].values() for c in r.get("cases", [])]
-    expected = len(OPTIMIZER_CASES) * len(COMBINERS)
-    failed = [c for c in cases if not c["passed"]]
-    incomplete = [
-        v for v in variants if len(report["correctness"].get(v, {}).get("cases", [])) < expected
-    ]
-    other_errors = report["errors"] + [
-        e
-        for g in (report["scale"], {"t": report.get("torch") or {}})
-        for s in g.values()
-        for e in s.get("errors", [])
-    ]
-    exit_status = 1 if failed else (2 if other_errors or incomplete else 0)
-    report["summary"] = dict(
-        cases=len(cases),
-        failed=[f"{c['optimizer']}/{c['combiner']}" for c in failed],
-        incomplete_variants=incomplete,
-    )
-    report["exit_status"] = exit_status
-    report["elapsed_s"] = time.time() - t0
-    md = markdown(report)
-    write_json(os.path.join(args.out, "gpu.json"), report)
-    with open(os.path.join(args.out, "gpu.md"), "w") as f:
-        f.write(md)
+    def save(running=None):
+        finish(report, t0, running)
+        return save_report(report, args.out)
+
+    with tempfile.TemporaryDirectory(prefix="embedmesh-gpu-") as tmp:
+        pre = run_child("preflight", None, cfg, tmp, deadline, cfg["cap_s"]["preflight"], log)
+        report["preflight"] = pre
+        backend = pre.get("backend")
+        report["errors"] += [f"pre-flight: {e}" for e in pre.get("errors", [])]
+        if backend != "gpu" and not args.allow_cpu:
+            report["aborted"] = (
+                f"pre-flight: JAX's default backend is {backend!r}, not 'gpu' (devices: "
+                f"{pre.get('devices')}); nothing was run. --allow-cpu runs anyway."
+            )
+        order = [] if report.get("aborted") else plan(variants, not args.skip_correctness)
+        report["correctness_planned"] = [v for kind, v in order if kind == "correctness"]
+        save()
+        for kind, v in order:
+            label = f"{'scale' if kind == 'jax_scale' else kind} [{v}]" if v else kind
+            if not fits(kind, label):
+                continue
+            if kind != "correctness" and "batch_meta" not in cfg:
+                t = time.time()
+                cfg["batches_path"] = os.path.join(tmp, "batches.npz")
+                try:
+                    cfg["batch_meta"] = make_batches(cfg, cfg["batches_path"])
+                except Exception as e:  # noqa: BLE001
+                    report["errors"].append(f"making the scale batches: {type(e).__name__}: {e}")
+                    cfg["batch_meta"] = None
+                report["config"]["batch_meta"] = cfg["batch_meta"]
+                report["batches_s"] = round(time.time() - t, 1)
+            if kind != "correctness" and cfg["batch_meta"] is None:
+                report["skipped"].append(f"{label}: skipped, no scale batches (see Errors)")
+                continue
+            data = run_child(
+                kind,
+                v,
+                cfg,
+                tmp,
+                deadline,
+                cfg["cap_s"][kind],
+                log,
+                progress=lambda d, kind=kind, v=v, label=label: (place(kind, v, d), save(label)),
+            )
+            learn(kind, data)
+            place(kind, v, data)
+            save()
+
+    exit_status = finish(report, t0)
+    md = save_report(report, args.out)
     print(md, flush=True)
     return exit_status
 

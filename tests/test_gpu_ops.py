@@ -1,11 +1,14 @@
 """The GPU kernels of the device ops, on CPU: each against its op's reference.
 
 The XLA variants run as they are; the Pallas kernels run through Pallas's
-interpreter (`pallas.INTERPRET = True`), and are also lowered for CUDA (which
-a CPU-only jaxlib can do: it generates the Triton IR, so an op Triton cannot
-lower fails here). An end-to-end test trains through them, registered as the
-CPU kernels, against the float64 training reference.
+interpreter (`pallas.INTERPRET = True`), and are also lowered for CUDA as on an
+H200 (which a CPU-only jaxlib can do: it generates the Triton IR, so an op
+Triton cannot lower fails here), at the scale run's shapes too. An end-to-end
+test trains through them, registered as the CPU kernels, against the float64
+training reference.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.experimental import pallas as pl
 from test_engine import OPTIMIZER_HP, check_training
 from test_optimizers import random_slots
 
@@ -310,8 +314,19 @@ def test_pallas_backward_update_matches_reference(seed, opt, u, p, dim, repeated
 # Lowering for CUDA (Triton) on a CPU-only jaxlib
 
 
-def _cuda_text(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+# The GPU the CUDA lowering targets: an H200 (compute capability 9.0). jax >= 0.11 reads
+# the GPU model from the abstract mesh's device (with neither a GPU nor one: "No supported
+# GPU devices found"); jax 0.10 took 9.0 where it found no GPU.
+H200 = jax.sharding.AbstractMesh(
+    (1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+)
+
+
+def _lowered(fn, *args, platform="cuda") -> str:
+    """`fn(*args)` lowered for `platform` (CUDA: for an H200) as StableHLO text."""
+    f = lambda *a: fn(*a)  # a fresh function: jit caches traces
+    with jax.sharding.use_abstract_mesh(H200):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def _update_args(opt, rows=50, dim=16, u=8, p=30):
@@ -333,7 +348,7 @@ def test_pallas_updates_lower_for_cuda(monkeypatch, opt):
     monkeypatch.setattr(pallas, "INTERPRET", False)
     table, slots, ids, grads, pairs = _update_args(opt)
     step = jnp.int32(3)
-    text = _cuda_text(
+    text = _lowered(
         lambda t, s, i, g: pallas.sparse_update(t, s, i, g, optimizer=opt, step=step),
         table,
         slots,
@@ -341,7 +356,7 @@ def test_pallas_updates_lower_for_cuda(monkeypatch, opt):
         grads,
     )
     assert text.count(TRITON_CALL) == 1
-    text = _cuda_text(
+    text = _lowered(
         lambda t, s, i, *a: pallas.backward_update(t, s, i, *a, optimizer=opt, step=step),
         table,
         slots,
@@ -357,12 +372,12 @@ def test_pallas_segment_sums_lower_for_cuda(monkeypatch):
     src = jnp.asarray(signed(r, (20, 64)))
     sidx = jnp.asarray(r.integers(0, 20, 40).astype(np.int32))
     gains = jnp.asarray(signed(r, 40))
-    text = _cuda_text(
+    text = _lowered(
         lambda *a: pallas.segment_gather_sum(*a, num_segments=9), src, sidx, gains, sidx
     )
     assert text.count(TRITON_CALL) == 1
     smap = jnp.asarray(r.integers(0, 20, 20).astype(np.int32))
-    text = _cuda_text(
+    text = _lowered(
         lambda *a: pallas.segment_gather_sum_mapped(*a, num_segments=9),
         src,
         smap,
@@ -373,6 +388,43 @@ def test_pallas_segment_sums_lower_for_cuda(monkeypatch):
     assert text.count(TRITON_CALL) == 1
 
 
+def test_pallas_kernels_lower_at_the_scale_runs_shapes(monkeypatch, capsys):
+    """benchmarks/gpu.py's scale run, as abstract shapes (nothing is allocated): the
+    16M x 128 float32 stacked table (8.2 GB), ~10.5M pairs, 524,288 segments (8 tables x
+    batch 65,536). Above 4 GiB Pallas addresses an array with 64-bit offsets: the table's
+    (and slots') rows take that path, the 256 MB activations the 32-bit one."""
+    monkeypatch.setattr(pallas, "INTERPRET", False)
+    # debug=True: Pallas prints each kernel's Triton IR, where the offsets' type shows
+    monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+    V, D, P, SEG, U = 16_000_000, 128, 10_500_000, 524_288, 1 << 20
+    table = jax.ShapeDtypeStruct((V, D), jnp.float32)
+    pair_ids = jax.ShapeDtypeStruct((P,), jnp.int32)
+    gains = jax.ShapeDtypeStruct((P,), jnp.float32)
+    wide, narrow = (f"tensor<1x{D}x!tt.ptr<f32>>, tensor<1x{D}x{t}>" for t in ("i64", "i32"))
+
+    args = (table, pair_ids, gains, pair_ids)
+    assert pallas.KERNELS["segment_gather_sum"][1](*args, num_segments=SEG)
+    capsys.readouterr()
+    text = _lowered(lambda *a: pallas.segment_gather_sum(*a, num_segments=SEG), *args)
+    triton_ir = capsys.readouterr().out
+    assert text.count(TRITON_CALL) == 1
+    assert triton_ir.count(wide) == 1 and triton_ir.count(narrow) == 1  # table row, output row
+
+    opt = Adagrad(0.1)
+    act = jax.ShapeDtypeStruct((SEG, D), jnp.float32)
+    args = (table, {"accumulators": table}, jax.ShapeDtypeStruct((U,), jnp.int32), act)
+    args += (pair_ids, pair_ids, gains)
+    assert pallas.KERNELS["backward_update"][1](*args, optimizer=opt, step=0)
+    text = _lowered(
+        lambda t, s, *a: pallas.backward_update(t, s, *a, optimizer=opt, step=jnp.int32(0)),
+        *args,
+    )
+    triton_ir = capsys.readouterr().out
+    assert text.count(TRITON_CALL) == 1
+    # the table and accumulator rows read and written; the activation-gradient rows read
+    assert triton_ir.count(wide) == 4 and triton_ir.count(narrow) == 1
+
+
 @pytest.fixture
 def gpu_variant(monkeypatch):
     """Select a GPU kernel variant as `EMBEDMESH_GPU_KERNELS` would."""
@@ -381,11 +433,6 @@ def gpu_variant(monkeypatch):
         monkeypatch.setattr(_runtime, "gpu_kernels_variant", lambda: variant)
 
     return select
-
-
-def _lowered(op_call, platform, *args) -> str:
-    fn = lambda *a: op_call(*a)  # a fresh function: jit caches traces
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("variant", ["xla", "pallas", "reference"])
@@ -407,8 +454,8 @@ def test_the_dispatch_stages_the_selected_variant_for_cuda_and_rocm(
         (segment_sum, (act, pr, pg, pu)),
         (update, (table, slots, ids, act, pr, pu, pg)),
     ]:
-        cuda = _lowered(call, "cuda", *args)
-        rocm = _lowered(call, "rocm", *args)
+        cuda = _lowered(call, *args)
+        rocm = _lowered(call, *args, platform="rocm")
         assert (TRITON_CALL in cuda) == (variant == "pallas")
         assert TRITON_CALL not in rocm  # Triton is CUDA only: ROCm runs the XLA variants
         if variant != "reference" and call is segment_sum:
@@ -416,7 +463,7 @@ def test_the_dispatch_stages_the_selected_variant_for_cuda_and_rocm(
             assert ("indices_are_sorted = true" in cuda) == (variant == "xla")
         if variant == "reference":
             assert "indices_are_sorted = true" not in cuda + rocm
-        assert TRITON_CALL not in _lowered(call, "cpu", *args)
+        assert TRITON_CALL not in _lowered(call, *args, platform="cpu")
 
 
 def test_kernel_for_gpu_platforms(gpu_variant):

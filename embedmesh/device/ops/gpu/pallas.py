@@ -17,8 +17,17 @@ pair order, as the op's docstring says.
 The optimizer arithmetic is `Optimizer.update_rows_at_lr` on the loaded [1, D]
 rows; the learning rate is computed outside (it may be a schedule or a host
 callback) and passed as a one-element array. Whole arrays are passed
-unblocked (refs address them with int32 offsets): `supports` asks for
-float32, a power-of-two dim (a Triton block) and fewer than 2**31 elements.
+unblocked: Pallas computes a ref's element offsets in 32 bits, or in 64 bits
+for an array over 4 GiB, such as the GPU benchmark's 16M x 128 stacked table
+(8.2 GB; `tests/test_gpu_ops.py` lowers the kernels at its shapes).
+`supports` asks for float32, a power-of-two dim (a Triton block) and fewer
+than 2**31 elements an array (row indices are int32; nothing larger has been
+lowered).
+
+Since jax 0.11 Pallas's Triton backend is deprecated (a `DeprecationWarning`
+at lowering; Mosaic GPU is its successor), and its lowering takes the GPU
+model from the default device or an abstract mesh's device (the tests lower
+for an H200 on CPU that way).
 
 `INTERPRET = True` runs every kernel through Pallas's interpreter (on CPU:
 what the tests do).
@@ -52,7 +61,7 @@ INTERPRET = False  # run the kernels in Pallas's interpreter (any backend)
 # jax.numpy only); a subclass may change the rule, so it takes the XLA path.
 _OPTIMIZERS = (SGD, Adagrad, AdagradMomentum, Adam, FTRL)
 
-_MAX_ELEMENTS = 2**31  # int32 offsets
+_MAX_ELEMENTS = 2**31  # an array's elements (int32 row indices)
 
 
 def _num_warps(dim: int) -> int:
