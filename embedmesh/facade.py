@@ -117,9 +117,10 @@ class MeshEmbedding:
 
     Properties beside the methods: `plan` (what lives where, `print(emb.plan)`),
     `core` (the functional core for a jitted step of one's own), `state`, `mesh` and
-    `last_stats` (the latest batch's preprocessing). `plan`, `core` and `mesh` build
-    the layer on first access; with sharding="auto", `plan` and `core` raise a
-    RuntimeError until the first batch (or `build()`), since "auto" plans from it.
+    `last_stats` (the latest batch's preprocessing). `plan`, `core`, `state` and `mesh`
+    build the layer on first access; with sharding="auto", `plan`, `core` and `state`
+    raise a RuntimeError until the first batch (or `build()`), since "auto" plans from
+    it.
     """
 
     def __init__(
@@ -267,7 +268,9 @@ class MeshEmbedding:
     def state(self) -> EmbeddingState:
         """The embedding state (`EmbeddingState`) the next lookup reads: every
         accepted update applied, except, in pipelined mode, the one the next
-        lookup applies after it reads (see `observed_state`)."""
+        lookup applies after it reads (see `observed_state`). Built on first access as
+        `plan` is (a RuntimeError with sharding="auto" before the first batch)."""
+        self._build_for("state")
         if not self._pipelined:
             self.flush()
         return self._state

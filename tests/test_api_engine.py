@@ -292,7 +292,7 @@ def test_empty_batch_full_cycle(n, pipelined):
             np.testing.assert_allclose(v1[tab][k], v2[tab][k], rtol=1e-6)
 
 
-# -- issue #24 item 12: plan, core, last_stats before build ---------------------
+# -- issue #24 item 12: plan, core, state, last_stats before build ---------------------
 
 
 def test_plan_core_last_stats_before_build():
@@ -302,13 +302,14 @@ def test_plan_core_last_stats_before_build():
     feats = {"x": FeatureConfig(t), "y": FeatureConfig(t)}
     emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2))
     assert emb.last_stats is None
-    assert "mod" in str(emb.plan)  # builds
+    assert int(emb.state.step) == 0  # builds
+    assert "mod" in str(emb.plan)
     assert emb.core.plan is emb.plan
     emb(BATCH)
     assert emb.last_stats.stacks["t"].num_ids == 8
 
     auto = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2), sharding="auto")
-    for attr in ("plan", "core"):
+    for attr in ("plan", "core", "state"):
         with pytest.raises(RuntimeError, match=r"enqueue a batch first .*or call emb.build\(\)"):
             getattr(auto, attr)
     auto(BATCH)  # planned from this batch
