@@ -30,7 +30,7 @@ from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like, to_csr
 from embedmesh.layout import planner as _planner
-from embedmesh.layout.stacking import plan_stacking
+from embedmesh.layout.stacking import StackingPlan, plan_stacking
 from embedmesh.optimizers import Optimizer
 
 
@@ -115,6 +115,13 @@ class MeshEmbedding:
         `enqueue`).
       check_finite: a non-finite gradient raises and leaves tables untouched.
       seed: the initialisation seed.
+
+    Properties beside the methods: `plan` (what lives where, `print(emb.plan)`),
+    `core` (the functional core for a jitted step of one's own), `state`, `mesh` and
+    `last_stats` (the latest batch's preprocessing). `plan`, `core`, `state` and `mesh`
+    build the layer on first access; with sharding="auto", `plan`, `core` and `state`
+    raise a RuntimeError until the first batch (or `build()`), since "auto" plans from
+    it.
     """
 
     def __init__(
@@ -163,7 +170,9 @@ class MeshEmbedding:
         # pipelined, after a restore of a checkpoint saved with an update pending: the
         # state to install after the next lookup (which reads `_state`, one update stale)
         self._after_lookup: EmbeddingState | None = None
-        self.last_stats = None  # PreprocessStats of the latest enqueue
+        self._plan: StackingPlan | None = None  # set by build(): see the properties
+        self._core: EmbeddingCore | None = None
+        self.last_stats = None
         self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
         self._attempts = 0  # several processes: enqueue attempts, failed ones included
 
@@ -298,7 +307,9 @@ class MeshEmbedding:
     def state(self) -> EmbeddingState:
         """The embedding state (`EmbeddingState`) the next lookup reads: every
         accepted update applied, except, in pipelined mode, the one the next
-        lookup applies after it reads (see `observed_state`)."""
+        lookup applies after it reads (see `observed_state`). Built on first access as
+        `plan` is (a RuntimeError with sharding="auto" before the first batch)."""
+        self._build_for("state")
         if not self._pipelined:
             self.flush()
         return self._state
@@ -389,9 +400,66 @@ class MeshEmbedding:
 
     @property
     def mesh(self) -> Mesh:
+        """The device mesh the tables live on (builds on first access)."""
         self._maybe_build()
         assert self._mesh is not None  # built
         return self._mesh
+
+    def _build_for(self, what: str) -> None:
+        """Build on first access to `what`, except under sharding="auto" before any batch:
+        building then would plan without the batch statistics "auto" plans from."""
+        if self._built:
+            return
+        if "auto" in self._strategies.values():
+            raise RuntimeError(
+                f"MeshEmbedding.{what} is not planned yet: sharding='auto' plans from the "
+                f"first batch, so enqueue a batch first (emb.enqueue, emb(...), "
+                f"emb.prefetch), or call emb.build() to plan from the config alone"
+            )
+        self.build()
+
+    @property
+    def plan(self) -> StackingPlan:
+        """The `StackingPlan`: per table its strategy, stack, devices and MB held there,
+        with the cost model's prediction (`print(emb.plan)`). Builds on first access,
+        except with sharding="auto" before the first batch or `build()`: a
+        RuntimeError, since "auto" plans from the first batch."""
+        if self._plan is None:  # (build() sets it before it reads it)
+            self._build_for("plan")
+        assert self._plan is not None  # built
+        return self._plan
+
+    @plan.setter
+    def plan(self, value: StackingPlan) -> None:
+        """Set by `build()`."""
+        self._plan = value
+
+    @property
+    def core(self) -> EmbeddingCore:
+        """The functional core (`EmbeddingCore`) for a jitted train step of one's own:
+        `core.lookup(emb.state, csr)`, `core.apply_gradients(...)`. Built on first access
+        as `plan` is (a RuntimeError with sharding="auto" before the first batch)."""
+        if self._core is None:
+            self._build_for("core")
+        assert self._core is not None  # built
+        return self._core
+
+    @core.setter
+    def core(self, value: EmbeddingCore) -> None:
+        """Set by `build()`."""
+        self._core = value
+
+    @property
+    def last_stats(self) -> _pre.PreprocessStats | None:
+        """The `PreprocessStats` of the latest `enqueue` (per stack: ids per partition,
+        capacity, ids dropped by overflow="drop", whether the capacity grew); None before
+        the first batch."""
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, value: _pre.PreprocessStats | None) -> None:
+        """Set by `enqueue`."""
+        self._last_stats = value
 
     # -- host preprocessing -------------------------------------------------------
 

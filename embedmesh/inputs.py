@@ -133,12 +133,20 @@ def is_concrete(x) -> bool:
 _NOT_NUMERIC = frozenset("OUSVM")  # object, str, bytes, void, datetime: not a tensor of numbers
 
 
-def _not_a_tensor(name: str, what: str, x, arr: np.ndarray) -> ValueError:
+def _not_numbers(name: str, kind: str, x, arr: np.ndarray) -> ValueError:
+    """TensorFlow's ValueError for `kind` ("ids" or "weights") that are no tensor of
+    numbers: a scalar string or object is no tensor at all; an array (or list) of them
+    is one of the wrong dtype, which the message names with its first entry."""
+    if arr.ndim == 0:
+        return ValueError(
+            f"feature {name}: the {'input' if kind == 'ids' else 'weight'} must be a Tensor "
+            f"(array), SparseTensor or RaggedTensor, got {type(x).__name__}"
+            + (f" ({x!r:.40})" if isinstance(x, (str, bytes)) else "")
+        )
     return ValueError(
-        f"feature {name}: {what} must be a Tensor (array), SparseTensor or "
-        f"RaggedTensor, got {type(x).__name__}"
-        + (f" ({x!r:.40})" if isinstance(x, (str, bytes)) else "")
-        + (f" (dtype {arr.dtype})" if isinstance(x, np.ndarray) else "")
+        f"feature {name}: {kind} must be {'integers' if kind == 'ids' else 'numeric'}, "
+        f"got an array of dtype {arr.dtype}"
+        + (f" (first entry {arr.reshape(-1)[0]!r:.40})" if arr.size else "")
     )
 
 
@@ -146,7 +154,7 @@ def _check_int_ids(name: str, ids) -> np.ndarray:
     src = ids
     ids = np.asarray(ids)
     if ids.dtype.kind in _NOT_NUMERIC:  # TensorFlow: a ValueError (not a tensor type)
-        raise _not_a_tensor(name, "the input", src, ids)
+        raise _not_numbers(name, "ids", src, ids)
     if not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"feature {name}: ids must be integers, got dtype {ids.dtype}")
     return ids
@@ -156,7 +164,7 @@ def _check_float_weights(name: str, w) -> np.ndarray:
     src = w
     w = np.asarray(w)
     if w.dtype.kind in _NOT_NUMERIC:
-        raise _not_a_tensor(name, "the weight", src, w)
+        raise _not_numbers(name, "weights", src, w)
     if not (np.issubdtype(w.dtype, np.floating) or np.issubdtype(w.dtype, np.integer)):
         raise TypeError(f"feature {name}: weights must be numeric, got dtype {w.dtype}")
     w = w.astype(np.float32, copy=False)

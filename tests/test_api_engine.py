@@ -1,6 +1,9 @@
 """Facade API items of issue #12: exception types (6), dequeue's seed tuple (7),
 facade under jax.jit (9), read-only reads (11), bad preserved outputs (19),
-set_tables shapes (20), empty batches (18)."""
+set_tables shapes (20), empty batches (18); issue #24: plan / core / last_stats before
+build (12), arrays of strings as ids (13)."""
+
+import pydoc
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +65,24 @@ def test_non_tensor_feature_input_is_value_error(bad):
         emb({"x": bad, "y": BATCH["y"]})
     with pytest.raises(ValueError, match="feature x"):
         em.serving_embedding_lookup({"x": bad}, None, emb.embedding_tables, feats)
+    assert_same(emb, snap)
+
+
+@pytest.mark.parametrize(
+    "bad", [np.array(list("abcd")), np.array([b"1", b"2", b"3", b"4"]), np.arange(4).astype(object)]
+)
+def test_array_of_non_numbers_says_ids_must_be_integers(bad):
+    """#24 item 13: an array of strings, bytes or objects is not "not a Tensor"."""
+    t, feats, emb = small()
+    snap = snapshot(emb)
+    want = rf"feature x: ids must be integers, got an array of dtype {bad.dtype}"
+    with pytest.raises(ValueError, match=want):
+        emb({"x": bad, "y": BATCH["y"]})
+    with pytest.raises(ValueError, match=want):
+        em.serving_embedding_lookup({"x": bad}, None, emb.embedding_tables, feats)
+    want = rf"feature x: weights must be numeric, got an array of dtype {bad.dtype}"
+    with pytest.raises(ValueError, match=want):
+        emb({"x": BATCH["x"], "y": BATCH["y"]}, {"x": bad, "y": None})
     assert_same(emb, snap)
 
 
@@ -269,3 +290,32 @@ def test_empty_batch_full_cycle(n, pipelined):
     for tab in v1:
         for k in v1[tab]:
             np.testing.assert_allclose(v1[tab][k], v2[tab][k], rtol=1e-6)
+
+
+# -- issue #24 item 12: plan, core, state, last_stats before build ---------------------
+
+
+def test_plan_core_last_stats_before_build():
+    """Documented properties: built on first access, except under sharding="auto"
+    before any batch (a RuntimeError: auto plans from the first batch)."""
+    t = TableConfig(10, 4, name="t")
+    feats = {"x": FeatureConfig(t), "y": FeatureConfig(t)}
+    emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2))
+    assert emb.last_stats is None
+    assert int(emb.state.step) == 0  # builds
+    assert "mod" in str(emb.plan)
+    assert emb.core.plan is emb.plan
+    emb(BATCH)
+    assert emb.last_stats.stacks["t"].num_ids == 8
+
+    auto = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2), sharding="auto")
+    for attr in ("plan", "core", "state"):
+        with pytest.raises(RuntimeError, match=r"enqueue a batch first .*or call emb.build\(\)"):
+            getattr(auto, attr)
+    auto(BATCH)  # planned from this batch
+    assert auto.core.plan is auto.plan and dict(auto.plan.strategies)["t"] != "auto"
+
+    text = pydoc.plaintext.document(MeshEmbedding)
+    for name in ("plan", "core", "last_stats"):
+        assert getattr(MeshEmbedding, name).__doc__, name
+        assert f"\n |  {name}\n |      " in text, name  # help() lists it with its doc

@@ -145,6 +145,9 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
     assert res["test_auc"] > 0.6  # the synthetic labels carry a user + item signal
     losses = [h["train_loss"] for h in res["history"]]
     assert losses[-1] < losses[0]
+    val_auc = [h["val_auc"] for h in res["history"]]
+    assert all(np.isfinite(h["val_logloss"]) for h in res["history"])  # plotted beside losses
+    assert res["best_epoch"] == 1 + int(np.argmax(val_auc))  # marked on the plot
     png = Path(res["plot"]).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", png[16:24]) == (1000, 420)  # IHDR width, height
@@ -163,15 +166,18 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
 
 
 def test_history_figure_content(tmp_path):
-    """The demo's figure: loss panel (per step + epoch mean), AUC panel (+ reference)."""
+    """The demo's figure: log-loss panel (training per step and epoch mean, validation:
+    overfitting shows where they part), AUC panel (+ reference), the kept epoch marked."""
     from examples.movielens import plot
 
-    train_loss, val_auc = [0.60, 0.55, 0.53], [0.74, 0.77, 0.78]
+    train_loss, val_auc, val_loss = [0.60, 0.55, 0.53], [0.74, 0.78, 0.77], [0.58, 0.56, 0.57]
     step_loss = np.linspace(0.7, 0.5, 30)
-    fig = plot.history_figure(train_loss, val_auc, step_loss, reference_auc=0.7765)
+    fig = plot.history_figure(
+        train_loss, val_auc, step_loss, reference_auc=0.7765, val_loss=val_loss, best_epoch=2
+    )
     loss_ax, auc_ax = fig.axes
     assert (loss_ax.get_title(), loss_ax.get_xlabel(), loss_ax.get_ylabel()) == (
-        "training loss",
+        "log-loss, training and validation",
         "epoch",
         "log-loss",
     )
@@ -180,29 +186,42 @@ def test_history_figure_content(tmp_path):
         "epoch",
         "AUC",
     )
-    per_step, mean = loss_ax.get_lines()
+    per_step, mean, val, kept_loss = loss_ax.get_lines()
     np.testing.assert_allclose(per_step.get_xdata(), np.arange(1, 31) / 10)
     np.testing.assert_allclose(per_step.get_ydata(), step_loss)
     np.testing.assert_allclose(mean.get_xdata(), [1, 2, 3])
     np.testing.assert_allclose(mean.get_ydata(), train_loss)
+    np.testing.assert_allclose(val.get_xdata(), [1, 2, 3])
+    np.testing.assert_allclose(val.get_ydata(), val_loss)
     assert mean.get_marker() == "o" and per_step.get_marker() in ("None", None, "")
-    auc, ref = auc_ax.get_lines()
+    auc, ref, kept_auc, star = auc_ax.get_lines()
     np.testing.assert_allclose(auc.get_xdata(), [1, 2, 3])
     np.testing.assert_allclose(auc.get_ydata(), val_auc)
     np.testing.assert_allclose(ref.get_ydata(), [0.7765, 0.7765])
     assert ref.get_linestyle() == "--"
-    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == ["per step", "epoch mean"]
+    for kept in (kept_loss, kept_auc):  # a vertical line at the kept epoch on both panels
+        np.testing.assert_allclose(kept.get_xdata(), [2, 2])
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([2], [0.78])
+    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == [
+        "training, per step",
+        "training, epoch mean",
+        "validation",
+        "kept: epoch 2",
+    ]
     assert [t.get_text() for t in auc_ax.get_legend().get_texts()] == [
         "embedmesh DLRM",
         "RecBole LR, test: 0.7765",
+        "kept: epoch 2",
     ]
 
-    bare = plot.history_figure(train_loss, val_auc)  # no per-step losses, no reference
-    assert [len(ax.get_lines()) for ax in bare.axes] == [1, 1]
+    bare = plot.history_figure(train_loss, val_auc)  # no per-step or validation losses,
+    assert [len(ax.get_lines()) for ax in bare.axes] == [1, 1]  # no reference, no mark
 
     import matplotlib.image
 
-    path = plot.plot_history(tmp_path / "sub" / "h.png", train_loss, val_auc, step_loss, 0.7765)
+    path = plot.plot_history(
+        tmp_path / "sub" / "h.png", train_loss, val_auc, step_loss, 0.7765, val_loss=val_loss
+    )
     img = matplotlib.image.imread(path)
     assert img.shape[:2] == (420, 1000)
     assert img[..., :3].std() > 0.05  # not blank

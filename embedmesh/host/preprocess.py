@@ -142,8 +142,10 @@ def _batch_csrs(plan: StackingPlan, features, weights, batch_scale: int = 1) -> 
     ):
         if inp is None:
             raise ValueError(
-                f"feature {name} has no input (feature {name} is missing); "
-                f"preprocessing needs every feature of the config"
+                f"feature {name} has no input (feature {name} is missing); training "
+                f"needs an input for every feature of the config: give one for each (a "
+                f"sample without ids is an empty row of a RaggedTensor or SparseTensor); "
+                f"only serving_embedding_lookup takes a subset"
             )
         c = _kernel_csr(name, feature, inp, w, batch_scale)
         if batch is None:
@@ -522,7 +524,11 @@ def preprocess_batch(
     # drives D devices of the N-device mesh)
     csrs, batch = _batch_csrs(plan, features, weights, max(N // D, 1))
     if batch % D:
-        raise ValueError(f"the batch size {batch} is not a multiple of the {D} local devices")
+        raise ValueError(
+            f"the batch size {batch} is not a multiple of the {D} local devices (each "
+            f"takes an equal share): pad the batch to a multiple of {D} (masking the "
+            f"padded samples out of the loss) or drop the remainder"
+        )
     jobs = _make_jobs(plan, csrs, batch, D)
     sorted_tables = {}  # numpy backend: per-table sorts, reused by every run of a stack
 

@@ -248,6 +248,8 @@ def run_movielens(args) -> dict:
             [h["val_auc"] for h in history],
             step_losses,
             None if args.data_dir else REFERENCE["auc"],
+            val_loss=[h["val_logloss"] for h in history],
+            best_epoch=best_epoch,
         )
         print(f"plot: {plot_path}")
     wall = time.perf_counter() - t_start
