@@ -377,8 +377,8 @@ def held_bytes(emb) -> list:
 
 
 def issue_case(rng, optimizer, stack_tables, batch):
-    """test_engine.check_training's case of the issue's tables (dims 32, 16, 8): one
-    table-wise stack of width 32 on 4 devices."""
+    """test_engine.check_training's case of the issue's tables (dims 32, 16, 8), the
+    first of 60 rows."""
     feats = issue_features(60)
     return feats, {"f0": "ragged", "f1": "sparse", "f2": "dense"}
 
@@ -409,8 +409,9 @@ def test_table_wise_tables_cost_their_largest_owner_once():
 
 
 def test_a_stack_padded_across_dims_trains_and_restores_as_the_reference(tmp_path):
-    """The issue's tables in one table-wise stack of width 32 train as the float64
-    reference; their checkpoint restores on other placements and device counts."""
+    """t0 (60 x 32) and t2 (50 x 8) in one table-wise stack of width 32 (t1's 500 rows of
+    16 apart: padded they would cost more) train as the float64 reference; their
+    checkpoint restores on other placements and device counts."""
     test_engine.check_training(
         4,
         "Adagrad",
@@ -425,7 +426,8 @@ def test_a_stack_padded_across_dims_trains_and_restores_as_the_reference(tmp_pat
     emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(4), sharding="table_wise")
     for step in range(2):
         train_step(emb, feats, seed=step)
-    assert len(emb.plan.stacks) == 1
+    assert [s.tables for s in emb.plan.stacks] == [("t0", "t2"), ("t1",)]
+    assert emb.plan.stack_of("t2").dim == 32
     assert ckpt.save(tmp_path, emb)
     saved = variables_by_name(emb)
     for n, sharding in ((2, "mod"), (3, "table_wise"), (4, "table_wise")):
