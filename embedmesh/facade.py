@@ -30,7 +30,7 @@ from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like, to_csr
 from embedmesh.layout import planner as _planner
-from embedmesh.layout.stacking import StackingPlan, plan_stacking
+from embedmesh.layout.stacking import StackingPlan
 from embedmesh.optimizers import Optimizer
 
 
@@ -106,6 +106,17 @@ class MeshEmbedding:
         tables are planned around the others. Unknown tables or strategies
         raise a ValueError. Every strategy gives the same results, to float32
         rounding; on one device they are one.
+      batch_size: the global batch a training step takes (all devices, all
+        processes), which the planner plans for (`batch_size / N` samples a
+        device). Default: the first batch's size (its samples on this process
+        over the process's devices), or 256 a device when `build()` comes
+        before any batch. `emb.plan` says which it used.
+      memory_limit_bytes: the bytes of tables and optimizer slots a device may
+        hold (every plan, explicit or "auto": a plan over it is a ValueError
+        naming the tables, the bytes and the limit, raised by `build()` before
+        anything is allocated; "auto" picks among the plans that fit). Default:
+        a GPU's own limit (`device.memory_stats()["bytes_limit"]`); on CPU 80%
+        of the host's physical memory over this process's devices.
       capacities: `{stack: Capacity}` or one `Capacity` (see
         `compute_sparse_core_stats`); default: sized from the first batch.
       overflow: "error", "drop" or "grow". Default: "error" when capacities
@@ -138,6 +149,8 @@ class MeshEmbedding:
         overflow: str | None = None,
         check_finite: bool = True,
         seed: int = 0,
+        batch_size: int | None = None,
+        memory_limit_bytes: float | None = None,
     ):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise ValueError(
@@ -154,6 +167,22 @@ class MeshEmbedding:
         # a ValueError naming a bad table or strategy before build: {table: strategy}
         self._strategies = _planner.resolve_strategies(self._resolved, sharding)
         self._sample_csrs: list | None = None  # the first batch, for "auto" (see build)
+        if batch_size is not None and not (
+            isinstance(batch_size, (int, np.integer))
+            and not isinstance(batch_size, bool)
+            and batch_size >= 1
+        ):
+            raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
+        self._batch_size = batch_size
+        if memory_limit_bytes is not None and not (
+            isinstance(memory_limit_bytes, (int, float, np.integer, np.floating))
+            and not isinstance(memory_limit_bytes, bool)
+            and memory_limit_bytes > 0
+        ):
+            raise ValueError(
+                f"memory_limit_bytes must be None or a number > 0, got {memory_limit_bytes!r}"
+            )
+        self._memory_limit = memory_limit_bytes
         self._capacities = capacities
         if overflow is None:
             overflow = "grow" if capacities is None else "error"
@@ -191,24 +220,16 @@ class MeshEmbedding:
         if len({d.process_index for d in mesh.devices.flat}) > 1:
             self._agree_on_job(mesh)  # first: before any other collective
         self._mesh = mesh
-        strategies, predicted = self._plan_strategies(mesh)
-        placements = {t: _planner.STRATEGY_FORMS[s][0] for t, s in strategies.items()}
+        strategies, predicted, planned_batch = self._plan_strategies(mesh)
         exchanges = {t: _planner.STRATEGY_FORMS[s][1] for t, s in strategies.items()}
-        plan = plan_stacking(
-            self._resolved,
-            mesh.size,
-            stack_tables=self._stack_tables,
-            max_stack_rows=self._max_stack_rows,
-            default_optimizer=self._optimizer,
-            sharding=placements,
-            stack_keys=exchanges if mesh.size > 1 else None,  # one exchange form a stack
-        )
-        self.plan = dataclasses.replace(
+        plan = _planner.stacking_for(self._resolved, mesh.size, strategies, **self._stacking())
+        plan = dataclasses.replace(
             plan,
             strategies=tuple((t, strategies[t]) for t in self._resolved.table_names),
             predicted=predicted,
+            planned_batch=planned_batch,
         )
-        self.core = EmbeddingCore(self.plan, mesh, self._optimizer, exchanges)
+        self.core = EmbeddingCore(plan, mesh, self._optimizer, exchanges)
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
         if local != list(range(local[0], local[0] + len(local))):
@@ -217,6 +238,9 @@ class MeshEmbedding:
         # the mesh spans several processes: capacities and shapes are agreed among them
         self._multiprocess = len({d.process_index for d in devices}) > 1
         self._state = self.core.init(jax.random.key(self._seed))
+        self.plan = dataclasses.replace(
+            plan, measured_bytes_per_device=self.core.bytes_per_device(self._state)
+        )
         core = self.core  # no reference to self: no cycle
         # Every lookup also returns the owners' view of its batch (`core.lookup`'s
         # `carrying`), which that batch's update takes: the pairs cross once a step.
@@ -264,6 +288,7 @@ class MeshEmbedding:
             "check_finite": self._check_finite,
             "pipeline_execution_with_tensor_core": self._pipelined,
             "seed": self._seed,
+            "batch_size": self._batch_size,
             "mesh axis names": mesh.axis_names,
             "mesh shape": mesh.devices.shape,
             "mesh devices (id, process)": [(d.id, d.process_index) for d in mesh.devices.flat],
@@ -357,11 +382,33 @@ class MeshEmbedding:
         if not self._built:
             raise RuntimeError(f"{what} needs build() first")
 
+    def _stacking(self) -> dict:
+        """`plan_stacking`'s options of this layer (the planner's memory rule uses them)."""
+        return dict(
+            stack_tables=self._stack_tables,
+            max_stack_rows=self._max_stack_rows,
+            default_optimizer=self._optimizer,
+        )
+
+    def _memory_limit_of(self, mesh, on_cpu: bool) -> float | None:
+        """Bytes a device may hold: `memory_limit_bytes`, else a GPU's own limit (the
+        least of this process's devices), else on CPU `planner.cpu_memory_limit`; None
+        (the cost model's machine) where a GPU does not tell."""
+        if self._memory_limit is not None:
+            return float(self._memory_limit)
+        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        if on_cpu:
+            return _planner.cpu_memory_limit(len(local))
+        limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+        known = [float(x) for x in limits if x]
+        return min(known) if known and len(known) == len(limits) else None
+
     def _plan_strategies(self, mesh) -> tuple:
-        """`({table: strategy}, the cost model's Plan)`: the "auto" tables planned (from
-        the first batch when one was given before building), the others as asked. With
-        several processes every process takes process 0's plan (each saw its own
-        batch; they must compile the same programs)."""
+        """`({table: strategy}, the cost model's Plan, the batch planned for in words)`:
+        the "auto" tables planned (from the first batch when one was given before
+        building) for `batch_size` (else the first batch's, else the default), every
+        plan within the memory limit. With several processes every process takes
+        process 0's plan (each saw its own batch; they must compile the same programs)."""
         names = self._resolved.table_names
         optimizers = {
             t: (c.optimizer if c.optimizer is not None else self._optimizer)
@@ -370,13 +417,27 @@ class MeshEmbedding:
         csrs = self._sample_csrs
         stats = _planner.table_stats(self._resolved, optimizers, csrs)
         local = max(1, sum(d.process_index == jax.process_index() for d in mesh.devices.flat))
-        batch = csrs[0].batch_size // local if csrs else _planner.DEFAULT_BATCH_PER_DEVICE
+        if self._batch_size is not None:
+            batch = -(-int(self._batch_size) // mesh.size)
+            planned_batch = f"batch_size={self._batch_size}: {batch} samples a device"
+        elif csrs:
+            batch = csrs[0].batch_size // local
+            planned_batch = (
+                f"the first batch: {csrs[0].batch_size} samples on this process, "
+                f"{batch} a device (no batch_size= given)"
+            )
+        else:
+            batch = _planner.DEFAULT_BATCH_PER_DEVICE
+            planned_batch = f"{batch} samples a device (the default: no batch_size=, no batch)"
+        on_cpu = _peers.mesh_on_cpu(mesh)
         chosen, predicted = _planner.plan(
             stats,
             self._strategies,
             mesh.size,
             batch,
-            _planner.machine_for(mesh, _peers.mesh_on_cpu(mesh)),
+            _planner.machine_for(mesh, on_cpu),
+            memory_limit=self._memory_limit_of(mesh, on_cpu),
+            memory_of=_planner.layout_memory(self._resolved, mesh.size, **self._stacking()),
         )
         if "auto" in self._strategies.values() and jax.process_count() > 1:
             codes = np.array(
@@ -390,7 +451,7 @@ class MeshEmbedding:
             agreed = {t: _planner.PLANNED[int(c)] for t, c in zip(names, codes)}
             chosen = {t: (chosen[t] if self._strategies[t] != "auto" else agreed[t]) for t in names}
         self._sample_csrs = None
-        return chosen, predicted
+        return chosen, predicted, planned_batch
 
     def _maybe_build(self, features=None, weights=None):
         if not self._built:

@@ -219,10 +219,19 @@ def poison_state(emb, rng):
 
 
 def check_training(
-    num_devices, opt_name, hp, stack_tables, seed, steps=3, batch=8, sharding="mod", poison=False
+    num_devices,
+    opt_name,
+    hp,
+    stack_tables,
+    seed,
+    steps=3,
+    batch=8,
+    sharding="mod",
+    poison=False,
+    case=make_case,
 ):
     rng = np.random.default_rng(seed)
-    feats, kinds = make_case(rng, None, stack_tables, batch)
+    feats, kinds = case(rng, None, stack_tables, batch)
     opt = build_optimizer(opt_name, hp)
     hp = {**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}, **hp}
     emb = MeshEmbedding(

@@ -224,6 +224,17 @@ class EmbeddingCore:
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return EmbeddingState(tables, slots, step)
 
+    def bytes_per_device(self, state: EmbeddingState) -> tuple:
+        """Bytes of tables and slots each device of the mesh holds, measured from the
+        arrays' addressable shards (None for another process's devices)."""
+        index = {d: j for j, d in enumerate(self.mesh.devices.flat)}
+        out: list = [None] * self.mesh.size
+        for arr in jax.tree_util.tree_leaves((state.tables, state.slots)):
+            for shard in arr.addressable_shards:
+                j = index[shard.device]
+                out[j] = (out[j] or 0) + int(shard.data.nbytes)
+        return tuple(out)
+
     def state_from_tables(
         self, values: dict, slot_values: dict | None = None, step: int = 0
     ) -> EmbeddingState:

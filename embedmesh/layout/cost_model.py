@@ -1089,6 +1089,7 @@ def plan_tables(
     memory_limit: float | None = None,
     passes: int = 3,
     strategy_options: Mapping[str, Mapping] | None = None,
+    memory_of: Callable[[Mapping[str, str]], Sequence[float]] | None = None,
 ) -> Plan:
     """A strategy per table minimising `plan_step_time` subject to memory per device.
 
@@ -1098,7 +1099,10 @@ def plan_tables(
     time most while every device's memory stays under `memory_limit` (default
     `machine.memory_per_device`), for `passes` rounds or until nothing moves.
     `strategy_options`: `{strategy: options of strategy_cost}` (e.g. a data_parallel
-    variant). Raises ValueError when no assignment fits."""
+    variant). `memory_of`: the bytes each device holds under an assignment `{table:
+    strategy}` (the built layout's, which pads: `embedmesh.layout.planner`), in place of
+    the sum of the strategies' `Load.memory`. Raises ValueError when no assignment fits
+    (the overrides included), naming the tables, the bytes and the limit."""
     n, b = int(num_devices), int(batch_per_device)
     overrides = dict(overrides or {})
     names = [t.name for t in tables]
@@ -1122,6 +1126,8 @@ def plan_tables(
 
     def score(assign):
         total, detail = _evaluate([summ[t.name][assign[t.name]] for t in tables], n, machine)
+        if memory_of is not None:
+            detail["memory"] = np.asarray(memory_of(assign), float)
         over = max(0.0, float(detail["memory"].max()) - limit)
         return (over, total), detail
 
@@ -1166,9 +1172,18 @@ def plan_tables(
     assert best is not None
     (over, total), detail, assign = best
     if over > 0:
+        need = detail["memory"]
+        worst = int(np.argmax(need))
+        tables_text = ", ".join(
+            f"{t.name} {assign[t.name]}"
+            + (" (as asked)" if t.name in overrides else "")
+            + f" ({t.state_bytes:,} bytes of table + slots)"
+            for t in tables
+        )
         raise ValueError(
-            f"no plan fits {limit / 1e9:.2f} GB per device on {n} devices "
-            f"(best needs {float(detail['memory'].max()) / 1e9:.2f} GB)"
+            f"no plan fits the memory limit of {limit:,.0f} bytes a device on {n} devices: "
+            f"the least it found needs {float(need[worst]):,.0f} bytes on device {worst}, with "
+            f"tables {tables_text}"
         )
     return Plan(
         num_devices=n,

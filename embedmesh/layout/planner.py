@@ -9,6 +9,12 @@ for the mesh (this CPU's kernels and links, or a GPU cluster's datasheet
 projection), and `plan` runs `cost_model.plan_tables` over the strategies
 embedmesh implements, keeping the user's choices as overrides.
 
+Memory is one rule for every strategy, explicit or planned: the bytes each device
+holds are the built layout's (`stacking_for(...).bytes_per_device`: every stack's
+block on every device, padding included), and no plan over the per-device limit
+(`memory_limit`) is chosen; when none fits, a ValueError names the tables, the
+bytes and the limit before anything is allocated.
+
 A strategy is a placement (`embedmesh.layout.rows`: which shard holds a row) and
 an exchange form (`EmbeddingCore`'s `exchange`: what crosses between devices):
 
@@ -22,20 +28,25 @@ an exchange form (`EmbeddingCore`'s `exchange`: what crosses between devices):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import os
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from embedmesh.layout import cost_model
 from embedmesh.layout.cost_model import Machine, Plan, TableStats
-from embedmesh.layout.stacking import table_shardings
+from embedmesh.layout.stacking import StackingPlan, plan_stacking, table_shardings
 
 __all__ = [
     "PLANNED",
     "STRATEGY_FORMS",
+    "cpu_memory_limit",
+    "layout_memory",
     "machine_for",
     "plan",
     "resolve_strategies",
+    "stacking_for",
     "table_stats",
 ]
 
@@ -53,6 +64,46 @@ PLANNED = ("row_wise_rows", "row_wise_pooled", "table_wise", "data_parallel")
 BUILT_OPTIONS = {"data_parallel": {"variant": "sparse"}}
 CHOICES = tuple(STRATEGY_FORMS) + ("auto",)
 DEFAULT_BATCH_PER_DEVICE = 256  # the planner's batch when it has not seen one
+CPU_MEMORY_FRACTION = 0.8  # of the host's physical memory, shared by its CPU devices
+
+
+def cpu_memory_limit(local_devices: int) -> float:
+    """The default per-device limit of CPU devices: `CPU_MEMORY_FRACTION` of the host's
+    physical memory over the process's devices (they share it); unlimited where the
+    host does not tell."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return float("inf")
+    return CPU_MEMORY_FRACTION * physical / max(1, int(local_devices))
+
+
+def stacking_for(
+    resolved, num_devices: int, strategies: Mapping[str, str], **stacking
+) -> StackingPlan:
+    """The `StackingPlan` of `{table: strategy}` (`STRATEGY_FORMS`' placements; on several
+    devices one exchange form a stack), `stacking`: `plan_stacking`'s other options."""
+    placements = {t: STRATEGY_FORMS[s][0] for t, s in strategies.items()}
+    exchanges = {t: STRATEGY_FORMS[s][1] for t, s in strategies.items()}
+    return plan_stacking(
+        resolved,
+        num_devices,
+        sharding=placements,
+        stack_keys=exchanges if num_devices > 1 else None,
+        **stacking,
+    )
+
+
+def layout_memory(resolved, num_devices: int, **stacking) -> Callable[[Mapping[str, str]], tuple]:
+    """`{table: strategy}` -> the bytes each device holds under it (`stacking_for`), for
+    `cost_model.plan_tables`' `memory_of`; cached (the search revisits assignments)."""
+
+    @functools.lru_cache(maxsize=4096)
+    def of(chosen: tuple) -> tuple:
+        strategies = dict(zip(resolved.table_names, chosen))
+        return stacking_for(resolved, num_devices, strategies, **stacking).bytes_per_device
+
+    return lambda assign: of(tuple(assign[t] for t in resolved.table_names))
 
 
 def resolve_strategies(resolved, sharding) -> dict:
@@ -143,9 +194,14 @@ def plan(
     num_devices: int,
     batch_per_device: int,
     machine: Machine,
+    *,
+    memory_limit: float | None = None,
+    memory_of: Callable[[Mapping[str, str]], Sequence[float]] | None = None,
 ) -> tuple[dict, Plan]:
     """`({table: strategy}, the cost model's Plan)`: "auto" tables planned over
-    `PLANNED`, the others kept (as the planner's overrides, "mod" as row_wise_rows)."""
+    `PLANNED`, the others kept (as the planner's overrides, "mod" as row_wise_rows),
+    every device's bytes (`memory_of`, e.g. `layout_memory`) within `memory_limit`
+    (default: the machine's); a ValueError when no plan fits."""
     overrides = {
         name: ("row_wise_rows" if s == "mod" else s) for name, s in requested.items() if s != "auto"
     }
@@ -157,6 +213,8 @@ def plan(
         batch_per_device=max(1, int(batch_per_device)),
         strategies=PLANNED,
         strategy_options=BUILT_OPTIONS,
+        memory_limit=memory_limit,
+        memory_of=memory_of,
     )
     chosen = {
         name: requested[name] if requested[name] != "auto" else result.strategy_of(name)

@@ -14,9 +14,11 @@ not named being "mod"):
   `span = N`), row `i` on shard `(i % N + rotation) % N`, block row `i // N`;
 - "table_wise": the whole table on one shard, its owner (`first_shard =
   owner`, `span = 1`, `rotation = 0`), row `i` at block row `i`. Owners are
-  bin-packed: table-wise tables, largest first (rows * padded dim, then config
-  order), each go to the shard with the least table-wise rows * dim so far
-  (the lowest index on ties), over all stacks;
+  bin-packed in each stack (`_pack`): its table-wise tables, largest first
+  (rows, then config order), each go to the shard with the fewest rows of the
+  stack so far (ties: the fewest table-wise rows * dim over the stacks placed
+  before, the stacks with the most table-wise rows * dim first; then the lowest
+  index), which keeps the stack's block, its fullest owner's rows, small;
 - "data_parallel": the whole table on every shard, a replica each (block row
   `i` is row `i`, as for "table_wise"). Its lookups read the device's own
   replica, and every replica applies the same update, made of every device's
@@ -52,7 +54,13 @@ feature config, the placements and `N`):
   further), so that e.g. eight one-row tables land on eight different shards
   and row 0 of consecutive big tables does too;
 - the stack's dim is padded to a multiple of `dim_multiple` (default 8);
-  padded columns and padded rows are zero and never touched by a lookup.
+  padded columns and padded rows are zero and never touched by a lookup;
+- memory: a stacked array is evenly sharded, so every device holds
+  `rows_per_shard` rows of every stack (`StackingPlan.bytes_per_device`): a
+  table-wise block costs its rows on every device, filled there by other
+  owners' tables. Hence a stack of table-wise tables only joins a wider stack
+  of the same optimizer, dtype and key (its tables' dims padded to that width)
+  where that costs fewer bytes a device than two stacks.
 
 `plan_stacking(feature_config, num_shards)` returns an immutable, hashable
 `StackingPlan` with vectorised mappings between (table, row) and (stack,
@@ -199,6 +207,11 @@ class StackingPlan:
     strategies: tuple = ()
     # the cost model's `Plan` of those strategies (predicted bytes and step time)
     predicted: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # the batch the strategies were planned for, in words (the facade's)
+    planned_batch: str = dataclasses.field(default="", compare=False)
+    # bytes of tables + slots each device holds, measured from the built arrays' shards
+    # (None: a device of another process); () before a `MeshEmbedding` builds
+    measured_bytes_per_device: tuple = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
         if self.row_layout is None:
@@ -207,17 +220,30 @@ class StackingPlan:
     def __str__(self) -> str:
         return self.describe()
 
+    @functools.cached_property
+    def bytes_per_device(self) -> tuple:
+        """Bytes of tables + optimizer slots each device holds: every stack's block
+        (`rows_per_shard` rows of its width) on every device, since a stacked array is
+        evenly sharded; what the built arrays' shards measure."""
+        per_device = sum((s.rows_per_shard * self.row_bytes(s.name) for s in self.stacks), start=0)
+        return (int(per_device),) * self.num_shards
+
+    def row_bytes(self, stack: str) -> int:
+        """Bytes of one local row of a stack: its parameters and each optimizer slot."""
+        s = self.stack(stack)
+        slots = len(getattr(s.optimizer, "slot_names", ()) or ())
+        return s.dim * np.dtype(s.dtype).itemsize * (1 + slots)
+
     def describe(self) -> str:
         """The plan for a person: each table's strategy, stack, owners, and the memory
-        it takes on a device that holds it (table and optimizer slots, exact); the
-        memory of every device; and, when the strategies were planned, the cost
-        model's bytes a device moves per step for each table and the predicted step."""
+        its block takes on a device that holds it (table and optimizer slots, exact);
+        the memory of every device (predicted, and measured from the arrays' shards once
+        built); and, when the strategies were planned, the batch they were planned for
+        and the cost model's bytes a device moves per step for each table and the
+        predicted step."""
         strategies = dict(self.strategies)
         costs = dict(self.predicted.choices) if self.predicted is not None else {}
         n = self.num_shards
-
-        def slots_of(stack) -> int:
-            return len(getattr(stack.optimizer, "slot_names", ()) or ())
 
         def mb(x) -> str:
             return f"{x / 1e6:,.1f}"
@@ -230,14 +256,14 @@ class StackingPlan:
                 f"step {p.step_time_s * 1e3:.2f} ms, at most "
                 f"{p.max_bytes_per_device / 1e6:.2f} MB sent + received a device a step"
             )
+        if self.planned_batch:
+            lines.append(f"planned for {self.planned_batch}")
         header = f"{'table':<16} {'strategy':<16} {'stack':<16} {'devices':<9} {'MB/device':>10}"
         if costs:
             header += f" {'MB moved/step':>14}"
         lines.append(header)
-        per_device = np.zeros(n)
         for s in self.stacks:
-            row_bytes = s.dim * np.dtype(s.dtype).itemsize * (1 + slots_of(s))
-            per_device += s.rows_per_shard * row_bytes
+            row_bytes = self.row_bytes(s.name)
             for name in s.tables:
                 t = self.table(name)
                 shards = [j for j in range(n) if self.row_layout.copy_of(t, j) is not None]
@@ -251,9 +277,20 @@ class StackingPlan:
                     line += f" {mb(c.owner.bytes_sent + c.owner.bytes_recv):>14}"
                 lines.append(line)
         lines.append(
-            "memory a device holds (tables + slots, MB): "
-            + ", ".join(f"{j}: {mb(x)}" for j, x in enumerate(per_device))
+            "memory a device holds (tables + slots, every stack's block, MB): "
+            + ", ".join(f"{j}: {mb(x)}" for j, x in enumerate(self.bytes_per_device))
         )
+        if self.predicted is not None and self.predicted.memory_limit < float("inf"):
+            lines[-1] += f"; limit {mb(self.predicted.memory_limit)}"
+        if self.measured_bytes_per_device:
+            lines.append(
+                "measured from the arrays' shards (MB): "
+                + ", ".join(
+                    f"{j}: {mb(x)}"
+                    for j, x in enumerate(self.measured_bytes_per_device)
+                    if x is not None
+                )
+            )
         return "\n".join(lines)
 
     # -- look-ups -----------------------------------------------------------
@@ -427,19 +464,52 @@ def table_shardings(
     return tuple(out[n] for n in names)
 
 
-def _owners(resolved: ResolvedFeatures, strategies: tuple, padded_dims: list, n: int) -> dict:
-    """table index -> owner shard of each table-wise table: largest first (rows * padded
-    dim, then config order), onto the shard with the least table-wise rows * dim so far
-    (the lowest index on ties). Deterministic."""
-    tw = [i for i, st in enumerate(strategies) if st == "table_wise"]
-    size = {i: resolved.tables[i].vocabulary_size * padded_dims[i] for i in tw}
-    load = [0] * n
-    owners = {}
-    for i in sorted(tw, key=lambda i: (-size[i], i)):
-        j = min(range(n), key=lambda j: (load[j], j))
-        owners[i] = j
-        load[j] += size[i]
-    return owners
+def _pack(rows: list, n: int, load: list | None = None) -> tuple:
+    """Greedy bin packing of table-wise blocks onto n shards (LPT): the items (their rows)
+    largest first (then in the given order), each onto the shard with the fewest rows so
+    far (ties: the least `load`, the bytes of table-wise rows a shard holds over all
+    stacks, updated by the caller; then the lowest index). Returns (shard of each item,
+    rows per shard): the stack's table-wise block is the most rows a shard gets."""
+    used = [0] * n
+    where = [0] * len(rows)
+    for k in sorted(range(len(rows)), key=lambda k: (-rows[k], k)):
+        j = min(range(n), key=lambda j: (used[j], load[j] if load is not None else 0, j))
+        where[k] = j
+        used[j] += rows[k]
+    return where, used
+
+
+def _merge_table_wise(stacks_idx: list, strategies: tuple, padded: list, n: int, limit) -> list:
+    """Stacks of table-wise tables only join a wider stack of the same optimizer, dtype
+    and exchange (their dims padded to its width) where that costs fewer bytes a device:
+    a stack costs its width times its rows a shard (its mod tables' blocks plus the
+    fullest owner's table-wise rows, `_pack`), on every device, since a stacked array has
+    the same block on each. Widest first; each joins the stack it saves most in (the
+    size limit `max_stack_rows` kept)."""
+
+    def cost(dim: int, members: list) -> int:
+        mod = sum(padded[i] // n for i in members if strategies[i] == "mod")
+        tw = [padded[i] for i in members if strategies[i] == "table_wise"]
+        return dim * (mod + max(_pack(tw, n)[1], default=0))
+
+    out: list = []
+    for key, members in sorted(stacks_idx, key=lambda s: -s[0][0]):
+        best, saving = None, 0
+        if all(strategies[i] == "table_wise" for i in members):
+            for k, (okey, other) in enumerate(out):
+                if okey[1:] != key[1:] or (
+                    limit is not None and sum(padded[i] for i in other + members) > limit
+                ):
+                    continue
+                gain = cost(okey[0], other) + cost(key[0], members)
+                gain -= cost(okey[0], other + members)
+                if gain > saving:
+                    best, saving = k, gain
+        if best is None:
+            out.append((key, list(members)))
+        else:
+            out[best][1].extend(members)
+    return [(key, sorted(members)) for key, members in out]
 
 
 def plan_stacking(
@@ -477,9 +547,10 @@ def plan_stacking(
         keys never share a stack (the facade keeps one exchange form a stack).
 
     Tables stack when (padded dim, optimizer, dtype) match, in order of first
-    use. A single-table stack is named after its table; a multi-table stack
-    joins its tables' names with "+".
-    """
+    use; then a stack of table-wise tables only joins a wider one (its dims
+    padded) where that costs fewer bytes a device (`_merge_table_wise`). A
+    single-table stack is named after its table; a multi-table stack joins its
+    tables' names with "+"."""
     resolved = (
         feature_config
         if isinstance(feature_config, ResolvedFeatures)
@@ -541,10 +612,15 @@ def plan_stacking(
             current.append(i)
             rows += vp
         stacks_idx.append((key, current))
+    if stack_tables and n > 1:
+        padded = [padded_rows(i) for i in range(len(resolved.tables))]
+        stacks_idx = _merge_table_wise(stacks_idx, strategies, padded, n, max_stack_rows)
     stacks_idx.sort(key=lambda s: s[1][0])
 
     # Rotation: the layout's parameter per mod table, in table order (see module
-    # docstring); owners of the table-wise tables, bin-packed over all stacks.
+    # docstring). Owners of the table-wise tables: bin-packed by rows in each stack
+    # (`_pack`), the stacks with the most table-wise bytes first, ties onto the shard
+    # with the fewest table-wise bytes over all stacks so far.
     mod_tables = [i for i, st in enumerate(strategies) if st == "mod"]
     rotation = dict.fromkeys(range(len(resolved.tables)), 0)
     rotation.update(
@@ -553,11 +629,20 @@ def plan_stacking(
             layout.rotations([resolved.tables[i].vocabulary_size for i in mod_tables]),
         )
     )
-    padded_dims = [0] * len(resolved.tables)
-    for key, members in stacks_idx:
-        for i in members:
-            padded_dims[i] = key[0]
-    owners = _owners(resolved, strategies, padded_dims, n)
+    owners: dict[int, int] = {}
+    load = [0] * n
+    table_wise = [
+        (key[0], [i for i in members if strategies[i] == "table_wise"])
+        for key, members in stacks_idx
+    ]
+    for dim, tw in sorted(
+        table_wise, key=lambda s: -s[0] * sum(resolved.tables[i].vocabulary_size for i in s[1])
+    ):
+        rows = [resolved.tables[i].vocabulary_size for i in tw]
+        where, _ = _pack(rows, n, load)
+        for i, v, j in zip(tw, rows, where):
+            owners[i] = j
+            load[j] += v * dim
 
     table_placements: dict[int, TablePlacement] = {}
     stack_specs = []
