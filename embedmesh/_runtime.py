@@ -21,7 +21,8 @@ lists them:
   EMBEDMESH_HOST_EXCHANGE=0   processes on one host exchange through XLA's
                               collectives (gloo), not shared memory
   EMBEDMESH_EXCHANGE_TIMEOUT_S=s   how long a shared-memory exchange between
-                              processes waits for its peers (default 60)
+                              processes waits for its peers (default 60; inf:
+                              forever)
 """
 
 from __future__ import annotations
@@ -206,7 +207,9 @@ def host_exchange_enabled() -> bool:
 @functools.cache
 def exchange_timeout_s() -> float:
     """EMBEDMESH_EXCHANGE_TIMEOUT_S (default 60): how long a shared-memory exchange
-    between the processes of one host waits for its peers before failing."""
+    between the processes of one host waits for its peers before failing; inf waits
+    forever (a peer that exits still fails it at once). Anything but a positive number
+    (0, negative, nan, text) is a ValueError naming the variable and the value."""
     value = _env("EMBEDMESH_EXCHANGE_TIMEOUT_S")
     if not value:
         return 60.0
@@ -215,7 +218,10 @@ def exchange_timeout_s() -> float:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise ValueError(f"EMBEDMESH_EXCHANGE_TIMEOUT_S={value!r}: expected a positive number")
+        raise ValueError(
+            f"EMBEDMESH_EXCHANGE_TIMEOUT_S={value!r}: expected a positive number of seconds "
+            "(inf: wait forever)"
+        )
     return seconds
 
 

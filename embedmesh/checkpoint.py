@@ -113,6 +113,7 @@ killed halfway leaves the previous step as the latest one.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -838,22 +839,57 @@ def _check_meta(meta: dict, where: str) -> None:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class _StoredLeaf:
+    """An array of a saved pytree, as orbax's `_METADATA` lists it (not opened)."""
+
+    path: tuple
+
+
+# orbax's value types of empty nodes (stored as such, no array)
+_EMPTY_NODES: dict[str, Any] = {"Dict": {}, "List": [], "None": None}
+
+
+def _stored_tree(stored: dict) -> dict:
+    """The pytree of an item's `_METADATA` (orbax's `tree_metadata`): `_StoredLeaf`s where
+    it stored arrays, empty nodes as such. Read here, not by orbax's `metadata()`, which
+    opens every array and keeps its spec: tensorstore 0.1.86's `Spec.to_json` leaks the
+    nested values it returns, ~8 objects per array and call, so every restore grew memory
+    (issue 24, item 11)."""
+    tree: dict = {}
+    for entry in stored["tree_metadata"].values():
+        keys = tuple(k["key"] for k in entry["key_metadata"])
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        value_type = entry["value_metadata"]["value_type"]
+        node[keys[-1]] = (
+            copy.copy(_EMPTY_NODES[value_type]) if value_type in _EMPTY_NODES else _StoredLeaf(keys)
+        )
+    return tree
+
+
 class _Reader:
-    """Reads leaves of one saved pytree: metadata and small leaves through orbax, table
-    arrays straight from tensorstore into caller-provided numpy buffers (nothing else is
-    read)."""
+    """Reads leaves of one saved pytree: its structure from orbax's `_METADATA` file, small
+    leaves through orbax, table arrays straight from tensorstore into caller-provided numpy
+    buffers (nothing else is read)."""
 
     def __init__(self, path: epath.Path):
         self.path = path
-        self._handler = ocp.PyTreeCheckpointHandler()
+        self._stores: dict = {}  # opened tensorstores by leaf path
+        file = path / "_METADATA"
         try:
-            self.tree = self._handler.metadata(path).tree
-        except Exception as e:  # bad bytes, bad JSON, missing keys: orbax's own errors
-            self._handler.close()
+            stored = json.loads(file.read_text())
+            self.tree = _stored_tree(stored)
+        except Exception as e:  # bad bytes, bad JSON, missing keys
             raise ValueError(
-                f"cannot read the checkpoint metadata file {path / '_METADATA'} "
+                f"cannot read the checkpoint metadata file {file} "
                 f"(orbax's metadata of the item): {type(e).__name__}: {e}"
             ) from e
+        self._use_zarr3 = bool(stored.get("use_zarr3", False))
+        self._use_ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(path))
+        self._context = _ts_context() if self._use_ocdbt else None
+        self._handler = ocp.PyTreeCheckpointHandler()
         if not (isinstance(self.tree, dict) and "meta" in self.tree and "tables" in self.tree):
             raise ValueError(f"{path} is not an embedmesh checkpoint item (no tables/meta)")
         where = f"the embedmesh metadata (array 'meta') of checkpoint item {path}"
@@ -871,13 +907,6 @@ class _Reader:
                 f"{FORMAT_VERSION}"
             )
         _check_meta(self.meta, where)
-        try:
-            stored = json.loads((path / "_METADATA").read_text())
-        except (OSError, ValueError):
-            stored = {}
-        self._use_zarr3 = bool(stored.get("use_zarr3", False))
-        self._use_ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(path))
-        self._context = _ts_context() if self._use_ocdbt else None
 
     @functools.cached_property
     def layout(self) -> RowLayout:
@@ -898,10 +927,10 @@ class _Reader:
         return True
 
     def shape(self, path: tuple) -> tuple:
-        return tuple(self._leaf(path).shape)
+        return tuple(self.store(path).shape)
 
     def dtype(self, path: tuple):
-        return np.dtype(self._leaf(path).dtype)
+        return np.dtype(self.store(path).dtype.numpy_dtype)
 
     def read(self, path: tuple):
         """One small leaf (metadata, step) as host numpy, through orbax; nothing else is read."""
@@ -919,14 +948,23 @@ class _Reader:
         return np.asarray(out)
 
     def store(self, path: tuple):
-        """The leaf's tensorstore array (opening reads only its small metadata).
+        """The leaf's tensorstore array, opened once (reading only its small metadata);
+        a ValueError naming the array when it cannot be opened.
 
         The spec is orbax's own read spec for this item (same driver, kvstore,
         OCDBT manifest), so every checkpoint orbax restores opens here too.
         """
-        name = ".".join(path)  # orbax's parameter name for a key path
-        spec = _read_spec(str(self.path), name, self._use_zarr3, self._use_ocdbt)
-        return ts.open(spec, open=True, read=True, context=self._context).result()
+        if path not in self._stores:
+            name = ".".join(path)  # orbax's parameter name for a key path
+            spec = _read_spec(str(self.path), name, self._use_zarr3, self._use_ocdbt)
+            try:
+                opened = ts.open(spec, open=True, read=True, context=self._context).result()
+            except Exception as e:
+                raise ValueError(
+                    f"cannot open the array '{name}' of checkpoint item {self.path}: {e}"
+                ) from e
+            self._stores[path] = opened
+        return self._stores[path]
 
     def start_fill(self, path: tuple, copies: list) -> list:
         """Start reading the leaf into numpy buffers: `copies` is a list of
@@ -960,6 +998,7 @@ class _Reader:
         return futures
 
     def close(self):
+        self._stores.clear()
         self._handler.close()
 
     def __enter__(self):

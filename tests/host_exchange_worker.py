@@ -12,6 +12,10 @@ shared-memory kernel (host_exchange.cc). Modes:
   "mismatch": the processes trace different sizes for one channel; each prints
     "CAUGHT <message>" (the kernel's error naming both sizes).
   "absent": a peer that stops calling, then exits: timeout, then exit errors.
+  "killed": one round, then every process prints "JOB <key>" and SIGKILLs itself (the
+    segments' names are unlinked at the second round: they are left in /dev/shm).
+  "early": the last process SIGKILLs itself before its first exchange (before its
+    segment exists); process 0 prints "JOB <key>" and "CAUGHT <seconds> s <message>".
   "ops": the host kernels of lookup_from_shards and backward_update_sharded (sharded
     and replicated) equal their references (the exchange path over gloo). Prints
     "OK ops".
@@ -24,7 +28,9 @@ shared-memory kernel (host_exchange.cc). Modes:
 """
 
 import os
+import signal
 import sys
+import time
 
 process_id, num_processes, port, mode = (
     int(sys.argv[1]),
@@ -174,8 +180,6 @@ def run_absent(mesh, job):
     """Process 1 leaves after one round: process 0's next call times out naming it
     (EMBEDMESH_EXCHANGE_TIMEOUT_S), and, once process 1 has exited, the call after fails
     at once saying so. Prints "CAUGHT timeout ..." and "CAUGHT exited ..."."""
-    import time
-
     f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/absent"))
     g = global_input((N * N * 2, 3), np.float32, seed=1)
     x = shard(g, mesh)
@@ -194,6 +198,31 @@ def run_absent(mesh, job):
             print(f"NO ERROR {what}", flush=True)
         time.sleep(2.5)  # process 1 exits meanwhile
     os._exit(0)
+
+
+def run_killed(mesh, job):
+    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/killed"))
+    g = global_input((N * N * 2, 3), np.float32, seed=2)
+    check("killed round 1", f(shard(g, mesh)), expected_all_to_all(g))
+    print(f"JOB {job:x}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_early(mesh, job):
+    if process_id == N - 1:
+        time.sleep(1)  # the others are in their exchange by then
+        os.kill(os.getpid(), signal.SIGKILL)
+    print(f"JOB {job:x}", flush=True)
+    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/early"))
+    t = time.perf_counter()
+    try:
+        np.asarray(local(f(shard(global_input((N * N, 2), np.float32, seed=3), mesh)))[0])
+    except Exception as e:  # noqa: BLE001 - the runtime's error type
+        line = str(e).replace("\n", " ")
+        print(f"CAUGHT {time.perf_counter() - t:.1f} s {line}", flush=True)
+    else:
+        print("NO ERROR", flush=True)
+    os._exit(0)  # the job is broken: no shutdown barrier
 
 
 def run_ops(mesh, job):
@@ -544,6 +573,8 @@ def main():
                 "ops": run_ops,
                 "pooled": run_pooled,
                 "absent": run_absent,
+                "killed": run_killed,
+                "early": run_early,
             }[m](mesh, job)
     jax.distributed.shutdown()
 

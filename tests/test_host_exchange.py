@@ -9,7 +9,9 @@ the same tables as with EMBEDMESH_HOST_EXCHANGE=0 (gloo). In this process: the
 channel tags and the check that one program uses each channel once.
 """
 
+import glob
 import os
+import signal
 import sys
 
 import jax
@@ -86,6 +88,36 @@ def test_a_missing_peer_fails_the_call_and_an_exited_one_at_once():
     assert float(lines[1].split()[2]) < 1.5  # not the timeout: it saw the process gone
 
 
+def _segments(job: str) -> list[str]:
+    """The names of job `job`'s segments in /dev/shm (`job`: its key in hex)."""
+    return sorted(glob.glob(f"/dev/shm/embedmesh-{job}-*"))
+
+
+def _jobs(outs) -> set[str]:
+    return {x.split()[1] for out in outs for x in out.splitlines() if x.startswith("JOB ")}
+
+
+@needs_kernels
+def test_killed_processes_leave_no_segments_and_are_noticed_within_seconds():
+    """A job SIGKILLed whole in its first round leaves its segments (their names go at
+    the second round) until the next job on the host, which removes them (their creators
+    are dead). A peer killed before it created its segment fails the others within
+    seconds (its pid, gathered at build, is gone), even with no timeout (inf)."""
+    env = _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="inf")
+    codes, outs = run_collect(_commands(2, "killed"), env, timeout=TIMEOUT)
+    assert codes == [-signal.SIGKILL] * 2, "\n=====\n".join(o[-3000:] for o in outs)
+    (killed,) = _jobs(outs)
+    assert len(_segments(killed)) == 2  # what the next job finds
+
+    codes, outs = run_collect(_commands(2, "early"), env, timeout=TIMEOUT)
+    assert codes == [0, -signal.SIGKILL], "\n=====\n".join(o[-3000:] for o in outs)
+    (line,) = [x for x in outs[0].splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
+    assert "channel 'test/early'" in line and "process 1 (pid " in line, line
+    assert "exited" in line and float(line.split()[1]) < 20, line
+    (early,) = _jobs(outs)
+    assert _segments(killed) == [] and _segments(early) == []
+
+
 @needs_kernels
 def test_training_matches_the_gloo_exchange(tmp_path):
     """Adagrad on one stack; SGD on two stacks with each update fused with the next lookup
@@ -119,25 +151,29 @@ def test_training_matches_the_gloo_exchange(tmp_path):
 
 @needs_kernels
 def test_exchange_timeout_setting(monkeypatch):
-    """EMBEDMESH_EXCHANGE_TIMEOUT_S reaches the kernel's attribute; a bad value raises."""
+    """EMBEDMESH_EXCHANGE_TIMEOUT_S reaches the kernel's attribute (inf: -1, no deadline);
+    a value that is not a positive number raises naming the variable and the value."""
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
-    f = jax.shard_map(
-        lambda x: ops.exchange(x, "x", 2, host_job=7, channel="timeout"),
-        mesh=mesh,
-        in_specs=P("x"),
-        out_specs=P("x"),
-        check_vma=False,
-    )
+
+    def lowered(value):  # a fresh function: traced anew
+        monkeypatch.setenv("EMBEDMESH_EXCHANGE_TIMEOUT_S", value)
+        _runtime.reset()
+        f = jax.shard_map(
+            lambda x: ops.exchange(x, "x", 2, host_job=7, channel="timeout"),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+        return jax.jit(f).lower(jnp.zeros((4, 2), jnp.float32)).as_text()
+
     try:
-        monkeypatch.setenv("EMBEDMESH_EXCHANGE_TIMEOUT_S", "2.5")
-        _runtime.reset()
-        assert _runtime.exchange_timeout_s() == 2.5
-        text = jax.jit(f).lower(jnp.zeros((4, 2), jnp.float32)).as_text()
-        assert "embedmesh_host_exchange" in text and "timeout_ms = 2500" in text
-        monkeypatch.setenv("EMBEDMESH_EXCHANGE_TIMEOUT_S", "-1")
-        _runtime.reset()
-        with pytest.raises(ValueError, match="EMBEDMESH_EXCHANGE_TIMEOUT_S"):
-            _runtime.exchange_timeout_s()
+        for value, ms in [("2.5", 2500), (" inf ", -1), ("1e300", -1), ("1e-9", 1)]:
+            text = lowered(value)
+            assert "embedmesh_host_exchange" in text and f"timeout_ms = {ms} :" in text, value
+        for value in ["-1", "0", "nan", "-inf", "soon"]:
+            with pytest.raises(ValueError, match=f"EMBEDMESH_EXCHANGE_TIMEOUT_S='{value}'"):
+                lowered(value)
     finally:
         monkeypatch.delenv("EMBEDMESH_EXCHANGE_TIMEOUT_S")
         _runtime.reset()

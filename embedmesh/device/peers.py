@@ -5,10 +5,13 @@ way to train on a big CPU box, and what a test on 127.0.0.1 runs) can exchange
 through POSIX shared memory at memcpy speed, where XLA's CPU collectives go
 through gloo's TCP loopback (~0.2 GB/s here). `same_host_job(mesh)` finds out,
 once per `EmbeddingCore`, with one small all-gather of every process's host
-identity (hostname, boot id, IPC namespace); when they all match, it returns a
-key for the job's shared-memory segments, drawn by process 0 and the same in
-every process (0 otherwise: the exchanges stay XLA's). The shared-memory
-exchange itself is the CPU kernel of `ops.exchange` (`host_exchange.cc`).
+identity (hostname, boot id, IPC namespace) and pid; when they all match, it
+returns a key for the job's shared-memory segments, drawn by process 0 and the
+same in every process (0 otherwise: the exchanges stay XLA's), and hands the
+kernels the job's pids (a peer that dies is noticed within a second, even before
+its segment exists) and removes the segments that jobs killed whole left behind.
+The shared-memory exchange itself is the CPU kernel of `ops.exchange`
+(`host_exchange.cc`).
 
 `EMBEDMESH_HOST_EXCHANGE=0` turns it off (XLA's collectives, gloo on CPU).
 """
@@ -60,12 +63,30 @@ def same_host_job(mesh) -> int:
         return 0  # accelerators have their own links (NCCL, ICI)
     usable = 1 if cpu.ready() else 0
     key = secrets.randbits(62) | 1 if jax.process_index() == 0 else 0
+    pid_ns = _pid_namespace()
     # 31-bit parts: without jax_enable_x64 the all-gather carries int32
-    local = np.array([host_identity(), usable, key >> 31, key & 0x7FFFFFFF], np.int32)
-    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 4)
+    local = np.array(
+        [host_identity(), usable, key >> 31, key & 0x7FFFFFFF, os.getpid(),
+         (pid_ns >> 31) & 0x7FFFFFFF, pid_ns & 0x7FFFFFFF],
+        np.int32,
+    )  # fmt: skip
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 7)
     if len(set(gathered[:, 0].tolist())) != 1 or not gathered[:, 1].all():
         return 0
-    return (int(gathered[0, 2]) << 31) | int(gathered[0, 3])
+    job = (int(gathered[0, 2]) << 31) | int(gathered[0, 3])
+    # every process's pid: the exchanges notice within a second when one exits
+    namespaces = [(int(hi) << 31) | int(lo) for hi, lo in gathered[:, 5:7]]
+    cpu.begin_host_job(job, [int(p) for p in gathered[:, 4]], namespaces)
+    return job
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (0: unknown): pids of processes in
+    another one mean nothing here."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def mesh_on_cpu(mesh) -> bool:

@@ -28,6 +28,7 @@ cached. See `library` and `build`.
 from embedmesh.device.ops.cpu.kernels import KERNELS
 from embedmesh.device.ops.cpu.library import (
     all_cpu,
+    begin_host_job,
     library_path,
     pad_id,
     ready,
@@ -38,6 +39,7 @@ from embedmesh.device.ops.cpu.library import (
 __all__ = [
     "KERNELS",
     "all_cpu",
+    "begin_host_job",
     "library_path",
     "pad_id",
     "ready",

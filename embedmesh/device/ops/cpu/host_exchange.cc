@@ -135,6 +135,26 @@ extern "C" int64_t EmbedmeshHostExchangeRelease(double timeout_s) {
   return unlinked;
 }
 
+// A job starts (peers.same_host_job, at build): registers the pids of its processes (in
+// process order, with their pid namespaces) for its waiters to watch, and removes the
+// segments of exited writers that jobs killed whole left in /dev/shm; returns how many.
+extern "C" int64_t EmbedmeshHostJobBegin(int64_t job, const int64_t* pids, const int64_t* ns,
+                                         int64_t count) {
+  namespace hp = embedmesh::hostpeers;
+  std::vector<hp::JobProcess> procs;
+  for (int64_t i = 0; i < count; ++i) {
+    char state = 0;
+    int64_t start = 0;  // now, while it runs: a later process with its pid is another
+    hp::ProcStat(pids[i], state, start);
+    procs.push_back({pids[i], ns[i], start});
+  }
+  {
+    std::lock_guard<std::mutex> lock(hp::JobsMutex());
+    hp::JobProcesses()[job] = std::move(procs);
+  }
+  return hp::RemoveDeadSegments();
+}
+
 // The tags of this process's channels of job `job` (up to `cap` of them into `out`); how
 // many there are. Which host kernels ran, for tests.
 extern "C" int64_t EmbedmeshHostChannelTags(int64_t job, int64_t* out, int64_t cap) {

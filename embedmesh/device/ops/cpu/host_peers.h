@@ -16,16 +16,23 @@
 //       the caller's work on every peer's data, read in place,
 //   (d) publish `done = g`.
 // A peer that does not arrive fails the call after the timeout (EMBEDMESH_EXCHANGE_
-// TIMEOUT_S, default 60 s) naming the channel, the rank and the missing peers, sooner when
-// its process exited (then this process unlinks the job's segments it knows of); a size
-// mismatch fails naming both sizes. A writer unlinks its segment's name at its second round
-// (every peer has it open by then; mappings and descriptors outlive the name), so a process
-// killed later leaves nothing in /dev/shm; at exit (EmbedmeshHostExchangeRelease, from a
-// Python atexit hook) each process waits, briefly, until its peers have read its last round,
-// then unlinks the names still there.
+// TIMEOUT_S, default 60 s; -1 ms: none) naming the channel, the rank and the missing peers,
+// sooner when its process, or any process of the job, exited (the job's pids are registered
+// at build, EmbedmeshHostJobBegin, so a peer that died before creating its segment counts
+// too; then this process unlinks the job's segments it knows of); a size mismatch fails
+// naming both sizes. A writer unlinks its segment's name at its second round (every peer
+// has it open by then; mappings and descriptors outlive the name), so a process killed
+// later leaves nothing in /dev/shm; at exit (EmbedmeshHostExchangeRelease, from a Python
+// atexit hook) each process waits, briefly, until its peers have read its last round, then
+// unlinks the names still there. A job killed whole before its second round leaves its
+// segments to the next job on the host: EmbedmeshHostJobBegin removes every segment whose
+// writer has exited (the header names it: pid, pid namespace and start time, so a reused
+// pid does not pass for it).
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,6 +42,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -58,6 +66,7 @@ struct SegmentHeader {
   Counter size;      // data bytes of round `arrived` (stored before it)
   int64_t magic, rank, n;
   int64_t pid, pid_ns;  // the writer's process and pid namespace (0: unknown)
+  int64_t start;        // the writer's start time (clock ticks after boot; 0: unknown)
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header fits its page");
 
@@ -76,21 +85,87 @@ inline int64_t PidNamespace() {
   return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<int64_t>(st.st_ino) : 0;
 }
 
-// Whether the writer of header h is known to have exited (it ran in our pid namespace and
-// its pid is gone or a zombie: a parent that has not reaped it yet).
-inline bool WriterExited(const SegmentHeader* h) {
-  static const int64_t ns = PidNamespace();
-  if (h == nullptr || h->pid <= 0 || ns == 0 || h->pid_ns != ns) return false;
-  const std::string path = "/proc/" + std::to_string(h->pid) + "/stat";
+// Process pid's state letter and start time (clock ticks after boot) from /proc; false
+// when it cannot be read.
+inline bool ProcStat(int64_t pid, char& state, int64_t& start) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
   FILE* f = std::fopen(path.c_str(), "r");
-  if (f == nullptr) return errno == ENOENT;
-  char buf[512];
+  if (f == nullptr) return false;
+  char buf[1024];
   const size_t got = std::fread(buf, 1, sizeof(buf) - 1, f);
   std::fclose(f);
   buf[got] = 0;
-  const char* close_paren = std::strrchr(buf, ')');  // "pid (comm) S ..."
-  return close_paren != nullptr && (close_paren[1] == ' ') &&
-         (close_paren[2] == 'Z' || close_paren[2] == 'X');
+  const char* p = std::strrchr(buf, ')');  // "pid (comm) S ppid ...": comm may hold ')'
+  if (p == nullptr || p[1] != ' ' || p[2] == 0) return false;
+  state = p[2];
+  p += 4;  // field 4; the start time is field 22
+  for (int field = 4; field < 22 && p != nullptr; ++field) {
+    p = std::strchr(p, ' ');
+    if (p != nullptr) ++p;
+  }
+  start = p != nullptr ? std::strtoll(p, nullptr, 10) : 0;
+  return true;
+}
+
+inline int64_t OwnStart() {
+  char state = 0;
+  int64_t start = 0;
+  return ProcStat(getpid(), state, start) ? start : 0;
+}
+
+// Whether process pid (of pid namespace ns, started at `start`; 0: unknown) is known to
+// have exited: it ran in our pid namespace and its pid is gone, a zombie (a parent that has
+// not reaped it yet) or another process's (started at another time: pids are reused).
+inline bool ProcessExited(int64_t pid, int64_t ns, int64_t start) {
+  static const int64_t own_ns = PidNamespace();
+  if (pid <= 0 || own_ns == 0 || ns != own_ns) return false;
+  char state = 0;
+  int64_t started = 0;
+  if (!ProcStat(pid, state, started)) {  // gone, unless /proc hides it (hidepid)
+    return kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  }
+  return state == 'Z' || state == 'X' || (start != 0 && started != start);
+}
+
+// Whether the writer of header h is known to have exited.
+inline bool WriterExited(const SegmentHeader* h) {
+  return h != nullptr && ProcessExited(h->pid, h->pid_ns, h->start);
+}
+
+// The processes of each job, registered at build (EmbedmeshHostJobBegin, in process
+// order): a waiter watches them all, so that a peer that died before its segment existed,
+// or a process whose peers wait on others, is noticed too.
+struct JobProcess {
+  int64_t pid, ns, start;
+};
+
+inline std::mutex& JobsMutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+
+inline std::map<int64_t, std::vector<JobProcess>>& JobProcesses() {
+  static auto* table = new std::map<int64_t, std::vector<JobProcess>>;
+  return *table;
+}
+
+// The index of a process of `job` that exited (its pid in *pid), or -1 (also for a job
+// that registered none).
+inline int64_t ExitedProcess(int64_t job, int64_t* pid) {
+  std::vector<JobProcess> procs;
+  {
+    std::lock_guard<std::mutex> lock(JobsMutex());
+    auto it = JobProcesses().find(job);
+    if (it == JobProcesses().end()) return -1;
+    procs = it->second;
+  }
+  for (size_t i = 0; i < procs.size(); ++i) {
+    if (ProcessExited(procs[i].pid, procs[i].ns, procs[i].start)) {
+      *pid = procs[i].pid;
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
 }
 
 // Spins, then yields, then sleeps (20 us growing to 200 us: a peer's lateness costs at
@@ -228,26 +303,29 @@ inline Channel* ChannelOf(int64_t job, int64_t tag, int64_t n, int64_t rank, std
   h->n = n;
   h->pid = getpid();
   h->pid_ns = PidNamespace();
+  h->start = OwnStart();
   h->capacity.v.store(cap, std::memory_order_release);
   slot = std::move(ch);
   return slot.get();
 }
 
 // Opens and maps peer s's segment once it exists with its header (retrying until the
-// deadline); "" or why not.
-inline std::string OpenPeer(Channel& ch, int64_t s, Clock::time_point deadline) {
+// deadline or until abandoned()); "" or why not (`appeared` false: it did not appear).
+template <typename Abandoned>
+std::string OpenPeer(Channel& ch, int64_t s, Clock::time_point deadline,
+                     const Abandoned& abandoned, bool& appeared) {
   Mapping& m = ch.peers[s];
   if (m.base != nullptr) return "";
   const std::string name = ch.Name(s);
   struct stat st {};
-  const bool ok = WaitUntil(
+  appeared = WaitUntil(
       [&] {
         if (m.fd < 0) m.fd = shm_open(name.c_str(), O_RDONLY, 0);
         if (m.fd < 0) return false;
         return fstat(m.fd, &st) == 0 && static_cast<size_t>(st.st_size) >= kHeaderBytes;
       },
-      deadline);
-  if (!ok) return "rank " + std::to_string(s) + "'s segment " + name + " never appeared";
+      deadline, abandoned);
+  if (!appeared) return "create its segment " + name;
   if (!Remap(m, st.st_size, false)) {
     return "mapping " + name + " failed: " + std::strerror(errno);
   }
@@ -286,6 +364,38 @@ inline void UnlinkJob(int64_t job) {
     if (ch->job != job) continue;
     for (int64_t r = 0; r < ch->n; ++r) shm_unlink(ch->Name(r).c_str());
   }
+}
+
+// Removes the segments in /dev/shm whose writer has exited (jobs killed whole before their
+// second round, which unlinks the names); how many. A segment still being created (no
+// header yet) or of another pid namespace stays.
+inline int64_t RemoveDeadSegments() {
+  DIR* dir = opendir("/dev/shm");  // where glibc's shm_open keeps them
+  if (dir == nullptr) return 0;
+  int64_t removed = 0;
+  while (const dirent* e = readdir(dir)) {
+    if (std::strncmp(e->d_name, "embedmesh-", 10) != 0) continue;
+    const std::string name = std::string("/") + e->d_name;
+    Mapping m;
+    m.fd = shm_open(name.c_str(), O_RDONLY, 0);
+    if (m.fd < 0) continue;
+    struct stat st {};
+    if (fstat(m.fd, &st) == 0 && static_cast<size_t>(st.st_size) >= kHeaderBytes &&
+        Remap(m, kHeaderBytes, false)) {
+      const SegmentHeader* h = m.header();
+      if (h->magic == kMagic && WriterExited(h) && shm_unlink(name.c_str()) == 0) ++removed;
+      munmap(m.base, m.len);
+    }
+    close(m.fd);
+  }
+  closedir(dir);
+  return removed;
+}
+
+// Deadline of a call that waits timeout_ms (< 0: forever).
+inline Clock::time_point Deadline(int64_t timeout_ms) {
+  if (timeout_ms < 0) return Clock::time_point::max();
+  return Clock::now() + std::chrono::milliseconds(timeout_ms);
 }
 
 // The ranks among `ranks` whose writer process exited.
@@ -338,7 +448,7 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
   } release{ch};
 
   const int64_t g = ++ch.round;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(call.timeout_ms);
+  const auto deadline = Deadline(call.timeout_ms);
   char seconds_buf[32];
   std::snprintf(seconds_buf, sizeof(seconds_buf), "%g s", call.timeout_ms / 1000.0);
   const std::string seconds = seconds_buf;
@@ -348,7 +458,11 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
     return ffi::Error(code,
                       Where(call.channel, ch) + ", round " + std::to_string(g) + ": " + what);
   };
-  // a timeout, or peers whose process exited (then the job's segments are unlinked)
+  // a waiter gives up when the job is broken: a process of the job exited
+  int64_t dead_pid = 0;
+  auto job_broken = [&] { return ExitedProcess(ch.job, &dead_pid) >= 0; };
+  // a timeout, or peers whose process (or another of the job's) exited (then the job's
+  // segments are unlinked)
   auto missing = [&](const std::vector<int64_t>& late, const std::string& what) {
     const std::vector<int64_t> gone = Exited(ch, late);
     if (!gone.empty()) {
@@ -356,8 +470,23 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
       return fail(ffi::ErrorCode::kAborted, "the process of peers " + Ranks(gone) +
                                                 " exited (waiting for them to " + what + ")");
     }
+    const int64_t process = ExitedProcess(ch.job, &dead_pid);
+    if (process >= 0) {
+      UnlinkJob(ch.job);
+      return fail(ffi::ErrorCode::kAborted,
+                  "process " + std::to_string(process) + " (pid " + std::to_string(dead_pid) +
+                      ") of the job exited (waiting for peers " + Ranks(late) + " to " + what +
+                      ")");
+    }
     return fail(ffi::ErrorCode::kDeadlineExceeded,
                 "peers " + Ranks(late) + " did not " + what + " within " + seconds);
+  };
+  auto open_peer = [&](int64_t s) -> std::optional<ffi::Error> {
+    bool appeared = true;
+    std::string err = OpenPeer(ch, s, deadline, job_broken, appeared);
+    if (!appeared) return missing({s}, err);
+    if (!err.empty()) return fail(ffi::ErrorCode::kInternal, err);
+    return std::nullopt;
   };
 
   // (a) every peer has read my previous round
@@ -365,11 +494,10 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
     std::vector<int64_t> late;
     for (int64_t s = 0; s < n; ++s) {
       if (s == rank) continue;
-      std::string err = OpenPeer(ch, s, deadline);
-      if (!err.empty()) return fail(ffi::ErrorCode::kDeadlineExceeded, err);
+      if (auto e = open_peer(s)) return std::move(*e);
       const SegmentHeader* h = ch.peers[s].header();
       if (!WaitUntil([&] { return h->done.v.load(std::memory_order_acquire) >= g - 1; },
-                     deadline, [&] { return WriterExited(h); })) {
+                     deadline, [&] { return WriterExited(h) || job_broken(); })) {
         late.push_back(s);
       }
     }
@@ -404,8 +532,7 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
   // (c) every peer's data, once all have arrived
   for (int64_t s = 0; s < n; ++s) {
     if (s == rank) continue;
-    std::string err = OpenPeer(ch, s, deadline);
-    if (!err.empty()) return fail(ffi::ErrorCode::kDeadlineExceeded, err);
+    if (auto e = open_peer(s)) return std::move(*e);
   }
   std::vector<int64_t> late;
   for (int64_t s = 0; s < n; ++s)
@@ -418,7 +545,7 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
             }
             return late.empty();
           },
-          deadline, [&] { return !Exited(ch, late).empty(); })) {
+          deadline, [&] { return !Exited(ch, late).empty() || job_broken(); })) {
     return missing(late, "arrive");
   }
   std::vector<const char*> data(n);

@@ -157,9 +157,15 @@ def _host_peers(axis_name, num_shards: int, host_job: int, channel: str):
         job=np.int64(host_job),
         tag=np.int64(channel_tag(channel)),
         n=np.int64(num_shards),
-        timeout_ms=np.int64(round(_runtime.exchange_timeout_s() * 1000)),
+        timeout_ms=np.int64(_timeout_ms(_runtime.exchange_timeout_s())),
         channel=str(channel),
     )
+
+
+def _timeout_ms(seconds: float) -> int:
+    """The kernels' timeout attribute: milliseconds, at least 1; -1 (no deadline) for inf
+    and anything past 10^9 s (the deadline must fit the kernels' clock)."""
+    return -1 if seconds > 1e9 else max(1, round(seconds * 1000))
 
 
 def channel_tag(channel: str) -> int:

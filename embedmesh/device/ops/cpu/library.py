@@ -170,6 +170,23 @@ def release_host_exchanges(timeout_s: float = 10.0) -> int:
     return int(lib.EmbedmeshHostExchangeRelease(float(timeout_s))) if lib is not None else 0
 
 
+def begin_host_job(job: int, pids, pid_namespaces) -> int:
+    """Register the pids of job `job`'s processes (in process order, with their pid
+    namespaces' inodes) so that its host exchanges fail within a second when one of them
+    exits, not at the timeout; and remove the shared-memory segments that jobs killed
+    whole left behind (their writers exited). How many it removed (0 without the kernels)."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return 0
+    count = len(pids)
+    fn = lib.EmbedmeshHostJobBegin
+    fn.argtypes = [ctypes.c_int64] + [ctypes.POINTER(ctypes.c_int64)] * 2 + [ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    return int(
+        fn(job, (ctypes.c_int64 * count)(*pids), (ctypes.c_int64 * count)(*pid_namespaces), count)
+    )
+
+
 def host_channel_tags(job: int) -> set[int]:
     """The tags of this process's host-exchange channels of job `job` (which host kernels
     ran here; empty when `ready()` is False)."""
