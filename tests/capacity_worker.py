@@ -31,6 +31,8 @@ import os
 import sys
 import time
 
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
+
 process_id, num_processes, port, out_prefix, modes = (
     int(sys.argv[1]),
     int(sys.argv[2]),

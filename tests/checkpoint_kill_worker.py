@@ -10,6 +10,8 @@ step 2's temporary directory exists.
 import sys
 import time
 
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
+
 root, marker, kill_at = sys.argv[1], sys.argv[2], sys.argv[3]
 
 import jax  # noqa: E402

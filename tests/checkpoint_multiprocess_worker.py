@@ -9,6 +9,8 @@ Process 0 also writes ROOT/../expected.npz with the saved variables. SHARDING (d
 import os
 import sys
 
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
+
 process_id, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 sharding = sys.argv[4] if len(sys.argv) > 4 else "mod"
 

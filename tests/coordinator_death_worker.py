@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
+
 process_id, port, root, out_dir, after = (
     int(sys.argv[1]),
     int(sys.argv[2]),

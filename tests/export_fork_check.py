@@ -13,6 +13,7 @@ import pickle
 import sys
 
 import numpy as np
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
 import test_export as T
 
 from embedmesh.serving.export import load_serving

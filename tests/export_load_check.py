@@ -8,6 +8,7 @@ Usage: export_load_check.py EXPORT_DIR INPUTS_NPZ EXPECTED_NPZ
 import sys
 
 import numpy as np
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
 
 import embedmesh
 from embedmesh.serving.export import load_serving

@@ -32,6 +32,8 @@ import signal
 import sys
 import time
 
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
+
 process_id, num_processes, port, mode = (
     int(sys.argv[1]),
     int(sys.argv[2]),
