@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
 from embedmesh import checkpoint as ckpt
+from embedmesh.checkpoint import leaves
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import Capacity
 
@@ -179,18 +180,18 @@ def test_corrupted_lookup_tables_fail_the_restore_and_change_nothing(tmp_path):
     before = _variables(other)
     before_lookup = {s: np.asarray(a) for s, a in other.state.tables.items()}
     # damage the lookup array's recorded checksum: the restore must refuse it
-    real = ckpt._expected_checksum
+    real = leaves._expected_checksum
 
     def wrong(reader, meta_table, field, leaf, dtype):
         got = real(reader, meta_table, field, leaf, dtype)
         return "0" * 16 if field == ckpt.LOOKUP_FIELD and got is not None else got
 
-    ckpt._expected_checksum = wrong
+    leaves._expected_checksum = wrong
     try:
         with pytest.raises(ValueError, match="corrupted"):
             ckpt.restore(other, str(path))
     finally:
-        ckpt._expected_checksum = real
+        leaves._expected_checksum = real
     after = _variables(other)
     for t in before:
         for k in before[t]:
