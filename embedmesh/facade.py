@@ -351,10 +351,13 @@ class MeshEmbedding:
         """Whether lookups read the tables one update stale (TPU pipelining)."""
         return self._pipelined
 
-    def _checkpoint_states(self) -> tuple:
-        """`(observed state, {stack: parameters the next lookup reads})` for a checkpoint:
-        the second is empty unless pipelined with an update pending, and then holds only
-        the stacks that update touches (the others read the observed tables)."""
+    def checkpoint_state(self) -> tuple:
+        """`(observed state, {stack: parameters the next lookup reads})`: what a checkpoint
+        of this layer stores (`embedmesh.checkpoint.state_tree` saves it with
+        `core_state_tree(emb.core, state, lookup_tables=...)`). The second is empty
+        unless pipelined with an update pending, and then holds only the stacks that
+        update touches (the others read the observed tables). Never changes what the next
+        lookup reads."""
         state = self.observed_state()
         if not self._pipelined:
             return state, {}
@@ -365,10 +368,12 @@ class MeshEmbedding:
         _, csr, _ = self._pending
         return state, {s: self._state.tables[s] for s in csr}
 
-    def _install_restored(self, restored) -> None:
-        """Install a `checkpoint.RestoredState`. Pipelined with lookup tables, the next
-        lookup reads `restored.lookup_state()` and `restored.state` is installed right
-        after it; otherwise `restored.state` is installed now."""
+    def install_restored(self, restored) -> None:
+        """Install an `embedmesh.checkpoint.RestoredState` (what `core_restore` of this
+        layer's core returns; `embedmesh.checkpoint.restore` calls this). Pipelined with
+        lookup tables, the next lookup reads `restored.lookup_state()` and
+        `restored.state` is installed right after it; otherwise `restored.state` is
+        installed now. A pending update is dropped: the restored state replaces it."""
         self._pending = None
         self._observed = None
         self._after_lookup = None

@@ -31,9 +31,9 @@ __all__ = [
 
 
 def __getattr__(name):
-    # TPUEmbeddingForServing lives with the checkpoints; load orbax only when asked.
+    # TPUEmbeddingForServing loads checkpoints; load orbax only when asked.
     if name == "TPUEmbeddingForServing":
-        from embedmesh.checkpoint import EmbeddingForServing
+        from embedmesh.serving.for_serving import EmbeddingForServing
 
         return EmbeddingForServing
     raise AttributeError(f"module 'embedmesh.tpu' has no attribute {name!r}")

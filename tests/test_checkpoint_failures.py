@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
+from embedmesh.checkpoint import reading, restoring
 from embedmesh.facade import MeshEmbedding
 
 
@@ -115,14 +116,14 @@ def test_failed_restore_leaves_state_untouched_and_retry_works(saved, tmp_path, 
     os.truncate(file, cut)
 
     placed = []
-    original = ckpt._place_leaf
+    original = restoring._place_leaf
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         placed.append(1)
         return out
 
-    monkeypatch.setattr(ckpt, "_place_leaf", spy)
+    monkeypatch.setattr(restoring, "_place_leaf", spy)
     before = variables_by_name(emb)
     with pytest.raises(
         ValueError,
@@ -234,7 +235,7 @@ def save_compressed(root, emb, step):
 
 def stored_leaf(item_dir, leaf):
     """The stored array as orbax itself reads it (no embedmesh verification)."""
-    with ckpt._Reader(item_dir) as reader:
+    with reading._Reader(item_dir) as reader:
         return np.asarray(reader.read(leaf))
 
 

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
 from embedmesh import checkpoint as ckpt
+from embedmesh.checkpoint import leaves
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import Capacity
 
@@ -72,39 +73,62 @@ def _variables(emb):
     return {t.name: {k: np.asarray(v) for k, v in d.items()} for t, d in emb.variables.items()}
 
 
-@pytest.mark.parametrize(
-    "opt",
-    [em.SGD(0.5), em.Adagrad(0.3), em.Adam(0.05), em.FTRL(0.2)],
-    ids=lambda o: type(o).__name__,
-)
+OPTIMIZERS = {
+    "SGD": em.SGD(0.5),
+    "Adagrad": em.Adagrad(0.3),
+    "Adam": em.Adam(0.05),
+    "FTRL": em.FTRL(0.2),
+}
+TOTAL, SAVE_AFTER = 7, 4
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`get(optimizer name) -> (activations, variables, checkpoint path)`, made once per
+    optimizer for every restore target: the uninterrupted run on 4 devices, and a second
+    run saved mid-pipeline (an update pending), checked to follow the first before and
+    after the save (saving changed nothing)."""
+    cache = {}
+
+    def get(name):
+        if name in cache:
+            return cache[name]
+        opt, feats = OPTIMIZERS[name], _features()
+        straight = MeshEmbedding(feats, opt, True, mesh=mesh_of(4), capacities=CAPS)
+        want = _run(straight, range(TOTAL), np.random.default_rng(11))
+        want_vars = _variables(straight)
+
+        first = MeshEmbedding(feats, opt, True, mesh=mesh_of(4), capacities=CAPS)
+        rng = np.random.default_rng(11)
+        got = _run(first, range(SAVE_AFTER), rng)
+        path = tmp_path_factory.mktemp(f"pipelined_{name}") / "c"
+        ckpt.save(str(path), first)  # an update is pending: saved beside the tables
+        got += _run(first, range(SAVE_AFTER, SAVE_AFTER + 1), rng)  # saving changed nothing
+        for i, (g, w) in enumerate(zip(got, want)):
+            for k in w:
+                np.testing.assert_array_equal(g[k], w[k], err_msg=f"{k} at step {i}")
+        cache[name] = (want, want_vars, path)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("restore_on", [(4, True), (2, False)], ids=["4dev", "2dev-unstacked"])
-def test_pipelined_checkpoint_resumes_bit_identically(tmp_path, opt, restore_on):
+def test_pipelined_checkpoint_resumes_bit_identically(saved, opt, restore_on):
     feats = _features()
-    total, save_after = 7, 4
-
-    straight = MeshEmbedding(feats, opt, True, mesh=mesh_of(4), capacities=CAPS)
-    want = _run(straight, range(total), np.random.default_rng(11))
-    want_vars = _variables(straight)
-
-    first = MeshEmbedding(feats, opt, True, mesh=mesh_of(4), capacities=CAPS)
-    rng = np.random.default_rng(11)
-    got = _run(first, range(save_after), rng)
-    ckpt.save(str(tmp_path / "c"), first)  # an update is pending: saved beside the tables
-    got += _run(first, range(save_after, save_after + 1), rng)  # saving changed nothing
-    for i, (g, w) in enumerate(zip(got, want)):
-        for k in w:
-            np.testing.assert_array_equal(g[k], w[k], err_msg=f"{k} at step {i}")
+    total, save_after = TOTAL, SAVE_AFTER
+    want, want_vars, path = saved(opt)
 
     n, stacked = restore_on
     resumed = MeshEmbedding(
-        feats, opt, True, mesh=mesh_of(n), capacities=CAPS, stack_tables=stacked
+        feats, OPTIMIZERS[opt], True, mesh=mesh_of(n), capacities=CAPS, stack_tables=stacked
     )
-    assert ckpt.restore(resumed, str(tmp_path / "c")) == save_after
+    assert ckpt.restore(resumed, str(path)) == save_after
     assert int(resumed.observed_state().step) == save_after
     rng = np.random.default_rng(11)
-    _run(
-        MeshEmbedding(feats, opt, True, mesh=mesh_of(1), capacities=CAPS), range(save_after), rng
-    )  # the same batches up to the save: the generator's position
+    for i in range(save_after):  # the same batches up to the save: the generator's position
+        _batch(rng, i)
     later = _run(resumed, range(save_after, total), rng)
     # same mesh and stacking: bit-identical. Another device count sums a bag's rows in
     # another order (so does the uninterrupted run on that count): equal to float32
@@ -179,18 +203,18 @@ def test_corrupted_lookup_tables_fail_the_restore_and_change_nothing(tmp_path):
     before = _variables(other)
     before_lookup = {s: np.asarray(a) for s, a in other.state.tables.items()}
     # damage the lookup array's recorded checksum: the restore must refuse it
-    real = ckpt._expected_checksum
+    real = leaves._expected_checksum
 
     def wrong(reader, meta_table, field, leaf, dtype):
         got = real(reader, meta_table, field, leaf, dtype)
         return "0" * 16 if field == ckpt.LOOKUP_FIELD and got is not None else got
 
-    ckpt._expected_checksum = wrong
+    leaves._expected_checksum = wrong
     try:
         with pytest.raises(ValueError, match="corrupted"):
             ckpt.restore(other, str(path))
     finally:
-        ckpt._expected_checksum = real
+        leaves._expected_checksum = real
     after = _variables(other)
     for t in before:
         for k in before[t]:

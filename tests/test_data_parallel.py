@@ -27,6 +27,7 @@ from test_engine import OPTIMIZER_HP
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
+from embedmesh.checkpoint import reading
 from embedmesh.config import FeatureConfig, TableConfig
 from embedmesh.facade import MeshEmbedding
 from embedmesh.layout import cost_model
@@ -264,7 +265,7 @@ def test_stored_arrays_hold_one_copy(sources):
     plan = src["emb"].plan
     meta = ckpt.read_metadata(src["path"])
     item = src["path"] / "2" / "embedding"
-    with ckpt._Reader(item) as reader:
+    with reading._Reader(item) as reader:
         for m in meta["tables"]:
             t = plan.table(m["name"])
             assert (m["sharding"], m["first_shard"], m["span"]) == ("data_parallel", 0, 1)

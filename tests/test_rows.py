@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedmesh import checkpoint as ckpt
+from embedmesh.checkpoint import recut
 from embedmesh.config import FeatureConfig, TableConfig
 from embedmesh.layout.rows import ROW_LAYOUTS, ModRowLayout, RowLayout, logical_layout, row_layout
 from embedmesh.layout.stacking import TablePlacement, plan_stacking
@@ -230,6 +230,6 @@ def test_checkpoint_recut_goes_through_any_layout(case, n_other, seed):
         stored = stored_array(table, src, ts)
         for j in range(dst.num_shards):
             out = np.full((td.rows_per_shard, 3), np.nan)
-            apply_copies(stored, ckpt._recut_copies(src, ts, dst, td, j), out)
+            apply_copies(stored, recut._recut_copies(src, ts, dst, td, j), out)
             rows = dst.rows_on_shard(td, j)
             np.testing.assert_array_equal(out[: len(rows)], table[rows])

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from embedmesh._runtime import pooled_pair_fields
-from embedmesh.device import ops, peers, shard_program
+from embedmesh.device import peers, shard_program, stack_tables
 from embedmesh.layout import sharding as mod_sharding
 from embedmesh.layout.stacking import StackingPlan
 
@@ -57,12 +57,6 @@ class EmbeddingState:
 def _row_initializer(init):
     """Row-aware initialisers (`init.rows(row_ids, dim, dtype)`) get the logical row ids."""
     return getattr(init, "rows", None)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_rows(buf, rows, offset):
-    """`buf` with `rows` written at row `offset`, columns from 0 (in place: donated)."""
-    return jax.lax.dynamic_update_slice(buf, rows, (offset, jnp.int32(0)))
 
 
 class EmbeddingCore:
@@ -161,26 +155,9 @@ class EmbeddingCore:
         return (s.num_rows, s.dim)
 
     def _make_stack_array(self, stack: str, default: float, pieces) -> jax.Array:
-        """Global stack array: each local shard j starts as `default` on its
-        device and receives `pieces(j, device)`, an iterable of `(row offset,
-        [rows, dim_t] array)`, written in place one at a time.
-
-        So building a shard holds the shard plus one table's piece of it, not
-        a host copy of the whole shard as well (2x less peak memory); big CPU
-        shards are on transparent huge pages (random row access 1.2x faster
-        here) in buffers XLA owns, so the first donated step updates in place.
-        """
-        spec = self.plan.stack(stack)
-        S = spec.rows_per_shard
-        shape = self.stack_shape(stack)
-        datas = []
-        for device, index in self.row_sharding.addressable_devices_indices_map(shape).items():
-            buf = ops.full((S, spec.dim), default, spec.dtype, device)
-            for offset, rows in pieces((index[0].start or 0) // S, device):
-                rows = jax.device_put(rows, device)
-                buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset))
-            datas.append(buf)
-        return jax.make_array_from_single_device_arrays(shape, self.row_sharding, datas)
+        """Global stack array, each local shard built from `pieces` (see
+        `stack_tables.make_stack_array`)."""
+        return stack_tables.make_stack_array(self, stack, default, pieces)
 
     def init(self, key) -> EmbeddingState:
         """Fresh state, built shard by shard: no host or device ever holds a whole table.
@@ -275,35 +252,7 @@ class EmbeddingCore:
 
     def read_table(self, stack_array: jax.Array, table) -> np.ndarray:
         """The logical `[V, dim]` numpy array of one table from a stack array."""
-        plan = self.plan
-        t = plan.table(table)
-        arr = stack_array
-        if not arr.is_fully_addressable:
-            arr = jax.jit(lambda a: a, out_shardings=self.replicated)(arr)
-        spec = plan.stack(t.stack)
-        S = spec.rows_per_shard
-        shards = [None] * self.num_shards
-        seen = set()
-        for shard in arr.addressable_shards:
-            start = shard.index[0].start or 0
-            j = start // S if shard.data.shape[0] == S else None
-            if j is None:  # replicated: the whole stack on one device
-                full = np.asarray(shard.data)
-                for jj in range(self.num_shards):
-                    shards[jj] = full[
-                        jj * S + t.local_row_offset : jj * S
-                        + t.local_row_offset
-                        + t.rows_per_shard,
-                        : t.dim,
-                    ]
-                break
-            if j in seen:
-                continue
-            seen.add(j)
-            shards[j] = np.asarray(shard.data)[
-                t.local_row_offset : t.local_row_offset + t.rows_per_shard, : t.dim
-            ]
-        return mod_sharding.shards_to_table(shards, plan, t)
+        return stack_tables.read_table(self, stack_array, table)
 
     # -- inputs ---------------------------------------------------------------
 

@@ -1,11 +1,14 @@
 """Serving trained tables on a CPU host: the lookup (`serving_embedding_lookup`),
-its host kernels, and an exported, jax-free-at-load serving function."""
+its host kernels, an exported, jax-free-at-load serving function, and
+`EmbeddingForServing` (a training checkpoint's tables, loaded on first use of the name:
+it loads orbax)."""
 
 from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
 
 __all__ = [
     "Dense",
+    "EmbeddingForServing",
     "Ragged",
     "Sparse",
     "export_serving",
@@ -13,3 +16,11 @@ __all__ = [
     "serving_embedding_lookup",
     "set_host_threads",
 ]
+
+
+def __getattr__(name):
+    if name == "EmbeddingForServing":
+        from embedmesh.serving.for_serving import EmbeddingForServing
+
+        return EmbeddingForServing
+    raise AttributeError(f"module 'embedmesh.serving' has no attribute {name!r}")

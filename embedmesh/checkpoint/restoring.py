@@ -1,0 +1,324 @@
+"""Restoring onto a core or into a `MeshEmbedding` (any mesh, any stacking): each leaf
+read into this process's shards of the new layout, verified, and written into a new
+state built beside the live one."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from embedmesh.checkpoint.checksums import _checksum_hex, _device_checksum
+from embedmesh.checkpoint.format import DEFAULT_ITEM, LOOKUP_FIELD
+from embedmesh.checkpoint.leaves import (
+    _check_compatible,
+    _check_leaf,
+    _Pending,
+    _start_leaf,
+    _streamed,
+    _verify,
+    _wait_leaf,
+)
+from embedmesh.checkpoint.reading import _item_dir, _Reader
+from embedmesh.device.stack_tables import write_table
+
+MISSING_POLICIES = ("error", "keep")
+
+
+def _local_shards(core, shape: tuple) -> list:
+    """[(shard index j, device)] of this process, in shard order, for a row-sharded array."""
+    rows = shape[0] // core.num_shards
+    out = []
+    for device, index in core.row_sharding.addressable_devices_indices_map(shape).items():
+        start = index[0].start or 0
+        out.append((start // rows if rows else 0, device))
+    return sorted(out, key=lambda x: x[0])
+
+
+def _place_leaf(
+    core,
+    pending: _Pending,
+    stack_array: jax.Array,
+    t,
+    stats: dict | None = None,
+    *,
+    donate: bool = True,
+) -> jax.Array:
+    """Wait for a leaf's reads, verify its checksum, then return the stack array with it
+    written in: in place (`donate=True`: `stack_array` is consumed), or into a new array
+    (`donate=False`: `stack_array` stays intact)."""
+    _wait_leaf(pending, stats)
+    rest = pending.pieces[0][2].shape[1:] if pending.pieces else stack_array.shape[1:]
+    shape = (core.num_shards * t.rows_per_shard,) + tuple(rest)
+    # On CPU, device_put aliases the (aligned) buffers: no copy until the write below
+    placed = [jax.device_put(piece, device) for _, device, piece in pending.pieces]
+    pending.pieces = []
+    piece = jax.make_array_from_single_device_arrays(shape, core.row_sharding, placed)
+    del placed
+    try:
+        _verify(pending, lambda: _checksum_hex(_device_checksum(core, piece, t)))
+    except ValueError:
+        piece.delete()
+        raise
+    # The first write into a live stack is not donated (`restore` builds the new state
+    # beside the live one); later writes into that new array are in place
+    out = write_table(core, stack_array, piece, t, donate)
+    # wait, so that this table's buffers are freed before the next table is read
+    out.block_until_ready()
+    piece.delete()
+    return out
+
+
+def _check_missing(missing: str) -> None:
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredState:
+    """What `core_restore` returns.
+
+    state: the restored `EmbeddingState` (every saved update; the given state
+      where missing="keep" kept values).
+    step: the restored step count (`int(state.step)`).
+    lookup_tables: `{stack: parameters}` the next lookup reads, for a
+      pipelined restore (`pipelined=True`) of a checkpoint saved with an
+      update pending: the tables one update stale, as the saving run's next
+      lookup would have read them; else empty.
+    """
+
+    state: Any
+    step: int
+    lookup_tables: dict
+
+    def lookup_state(self):
+        """The state the next lookup reads: `state` with `lookup_tables` in place of those
+        stacks' tables and the step before the pending update (just `state` when there
+        are none). A pipelined loop runs that lookup on it, then goes on from `state`."""
+        if not self.lookup_tables:
+            return self.state
+        return dataclasses.replace(
+            self.state,
+            tables=dict(self.state.tables, **self.lookup_tables),
+            step=self.state.step - 1,
+        )
+
+
+def core_restore(
+    core,
+    state,
+    source,
+    step: int | None = None,
+    *,
+    item: str = DEFAULT_ITEM,
+    missing: str = "error",
+    pipelined: bool = False,
+    prefetch: bool = False,
+    _stats: dict | None = None,
+) -> RestoredState:
+    """Restore a checkpoint onto `core` (an `EmbeddingCore`): a new state, `state` unchanged.
+
+    The checkpoint may come from any number of devices and any stacking. For
+    each table of `core`'s plan, its parameters and then each slot of `state`
+    are read from disk one at a time, straight into this process's shards of
+    that table in the plan's layout (reading only the stored rows those shards
+    need), checked against the checksum recorded at save (checkpoints written
+    before checksums existed are not checked), and written into the new
+    state's stack arrays. Tables of the checkpoint that the plan lacks are
+    ignored.
+
+    Pure and all or nothing: `state` is never changed or donated (each stack
+    array of the new state is copied from it on its first write, then written
+    in place), so a restore that fails (unreadable or corrupted data, a bad
+    checkpoint) raises and `state` is exactly as it was. The price is one
+    extra copy of the state at the peak of a restore (plus one table, or two
+    with `prefetch`, on the host).
+
+    Args:
+      core: the `EmbeddingCore` (its plan and mesh: any device count).
+      state: its current `EmbeddingState` (e.g. `core.init(key)`): which slots
+        to restore, and what missing="keep" keeps.
+      source, step, item, prefetch: see `restore`.
+      missing: "error" (default) raises ValueError when a table of the plan,
+        or one of its optimizer slots, is not in the checkpoint; "keep" leaves
+        those at their values in `state`.
+      pipelined: also read the "lookup_tables" of a checkpoint saved with an
+        update pending (`RestoredState.lookup_tables`, `lookup_state()`).
+
+    Returns a `RestoredState` (`.state`, `.step`, `.lookup_tables`).
+
+    Raises ValueError before reading anything when a table's vocabulary size
+    or dim differs, something is missing under missing="error" or the
+    checkpoint's row layout is unknown; and ValueError when a stored array
+    cannot be read or does not match its checksum.
+    """
+    _check_missing(missing)
+    path = _item_dir(source, step, item)
+    plan = core.plan
+    live = state  # what missing="keep" keeps
+    with _Reader(path) as reader:
+        meta = reader.meta
+        reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
+        by_name = {m["name"]: m for m in meta["tables"]}
+        todo = []  # (placement, meta table, field) in plan order
+        problems = []
+        for t in plan.tables:
+            m = by_name.get(t.name)
+            _check_compatible(t.name, t, m)
+            if m is None:
+                problems.append(f"table {t.name} is not in the checkpoint")
+                continue
+            todo.append((t, m, "parameters"))
+            for slot in live.slots[t.stack]:
+                if slot in m["slots"]:
+                    todo.append((t, m, slot))
+                else:
+                    problems.append(
+                        f"slot {slot!r} of table {t.name} is not in the checkpoint "
+                        f"(it has {m['slots']}; optimizer {m['optimizer']})"
+                    )
+        if problems and missing == "error":
+            raise ValueError(
+                "cannot restore "
+                + str(path)
+                + ": "
+                + "; ".join(problems)
+                + " (pass missing='keep' to keep their current values)"
+            )
+        if pipelined:  # what the next lookup reads, where an update was pending at save
+            todo += [
+                (t, by_name[t.name], LOOKUP_FIELD)
+                for t in plan.tables
+                if by_name.get(t.name, {}).get("lookup")
+            ]
+        leaves = [
+            ("tables", m["key"])
+            if field == "parameters"
+            else ("lookup_tables", m["key"])
+            if field == LOOKUP_FIELD
+            else ("slots", m["key"], field)
+            for t, m, field in todo
+        ]
+        for (t, m, _), leaf in zip(todo, leaves):  # before anything is read
+            _check_leaf(reader, leaf, m, t.dim)
+        # The new state: starts as the live arrays; an array is replaced by a new one on
+        # its first write (not donated: the live one stays intact), written in place after
+        # (the lookup tables, read last, start as the restored tables of their stack)
+        tables = dict(live.tables)
+        slots = {s: dict(v) for s, v in live.slots.items()}
+        lookup = {}
+        fresh = set()  # targets that hold a new array of ours
+
+        def target(i):
+            t, _, field = todo[i]
+            if field == "parameters":
+                return tables[t.stack]
+            if field == LOOKUP_FIELD:
+                return lookup.get(t.stack, tables[t.stack])
+            return slots[t.stack][field]
+
+        def start(i):
+            t, m, field = todo[i]
+            shape = (core.num_shards * t.rows_per_shard,) + reader.shape(leaves[i])[1:]
+            return _start_leaf(
+                reader,
+                leaves[i],
+                m,
+                plan.row_layout,
+                t,
+                _local_shards(core, shape),
+                target(i).dtype,
+                field,
+            )
+
+        with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
+            for i, current in enumerate(pending):
+                t, m, field = todo[i]
+                key = (t.stack, field)
+                out = _place_leaf(core, current, target(i), t, _stats, donate=key in fresh)
+                del current
+                fresh.add(key)
+                if field == "parameters":
+                    tables[t.stack] = out
+                elif field == LOOKUP_FIELD:
+                    lookup[t.stack] = out
+                else:
+                    slots[t.stack][field] = out
+                del out
+        step_count = int(meta["step"])
+    new = dataclasses.replace(
+        live,
+        tables=tables,
+        slots=slots,
+        step=jax.device_put(jnp.asarray(step_count, jnp.int32), core.replicated),
+    )
+    return RestoredState(new, step_count, lookup)
+
+
+def restore(
+    emb,
+    source,
+    step: int | None = None,
+    *,
+    item: str = DEFAULT_ITEM,
+    missing: str = "error",
+    prefetch: bool = False,
+    _stats: dict | None = None,
+) -> int:
+    """Restore a checkpoint into `emb` (built if needed) on its own mesh and stacking.
+
+    `core_restore` of `emb`'s core and observed state (see there: any device
+    count, any stacking, one table at a time, checksums verified), then the
+    restored state replaces `emb`'s. Tables of the checkpoint that `emb`
+    lacks are ignored.
+
+    All or nothing: the new state is built beside the live one and replaces
+    `emb.state` only once every read and check succeeded. A restore that
+    fails (unreadable or corrupted data, a bad checkpoint) raises and leaves
+    `emb` exactly as it was. The price is one extra copy of the state at
+    the peak of a restore (plus one table, or two with `prefetch`, on the
+    host).
+
+    Args:
+      emb: a `MeshEmbedding`.
+      source: an `ocp.CheckpointManager` (a save in flight is waited for), a
+        checkpoint root directory, a step directory or the embedding item's
+        directory.
+      step: the step (default: the latest committed one).
+      item: the embedding item's name in the `Composite`.
+      missing: "error" (default) raises ValueError when a table of `emb`, or
+        one of its optimizer slots, is not in the checkpoint; "keep" leaves
+        those at their current (e.g. initial) values.
+      prefetch: start reading the next table while the current one is
+        written in (holds two tables on the host instead of one).
+
+    Pipelined `emb` and a checkpoint saved with an update pending: the next
+    lookup reads the stored "lookup_tables" (one update stale, as the saving
+    run's would have), and the restored state is in place right after it.
+
+    Returns the restored step count (`emb.observed_state().step`).
+
+    Raises ValueError before changing anything when a table's vocabulary
+    size or dim differs, or something is missing under missing="error"; and
+    ValueError, still changing nothing, when a stored array cannot be read or
+    does not match its checksum.
+    """
+    _check_missing(missing)
+    path = _item_dir(source, step, item)
+    emb.build()
+    # the observed state is what missing="keep" keeps; a pipelined emb is not flushed
+    restored = core_restore(
+        emb.core,
+        emb.observed_state(),
+        path,
+        item=item,
+        missing=missing,
+        pipelined=emb.pipelined,
+        prefetch=prefetch,
+        _stats=_stats,
+    )
+    emb.install_restored(restored)
+    return restored.step

@@ -1,0 +1,167 @@
+"""Stack <-> table arrays on the devices: the one home of the conversion.
+
+A stack array is `[N * rows_per_shard, dim]`, row-sharded over the mesh; table `t`'s
+block on shard j sits at local rows `[t.local_row_offset, t.local_row_offset +
+t.rows_per_shard)`, its rows placed by the plan's `RowLayout` (`embedmesh.layout.sharding`
+does the same arithmetic on the host, in numpy, and computes the pieces here).
+
+- `make_stack_array`: a stack array built shard by shard from tables' pieces
+  (`EmbeddingCore.init`, `state_from_tables`);
+- `read_table`: one table's logical `[V, dim]` rows on the host (`EmbeddingCore.read_table`:
+  `embedding_tables`, `variables`, ...);
+- `table_block_array` / `write_table`: a table's `[N * rows_per_shard, ...]` blocks sliced
+  out of, or written into, a stack on its own devices (checkpoints save and restore through
+  them).
+
+`core` is an `EmbeddingCore` (its plan, mesh, axes and shardings).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from embedmesh.device import ops
+from embedmesh.layout import sharding as mod_sharding
+
+__all__ = ["make_stack_array", "read_table", "table_block_array", "write_table"]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(buf, rows, offset):
+    """`buf` with `rows` written at row `offset`, columns from 0 (in place: donated)."""
+    return jax.lax.dynamic_update_slice(buf, rows, (offset, jnp.int32(0)))
+
+
+def make_stack_array(core, stack: str, default: float, pieces) -> jax.Array:
+    """Global stack array of `core`: each local shard j starts as `default` on its
+    device and receives `pieces(j, device)`, an iterable of `(row offset,
+    [rows, dim_t] array)`, written in place one at a time.
+
+    So building a shard holds the shard plus one table's piece of it, not
+    a host copy of the whole shard as well (2x less peak memory); big CPU
+    shards are on transparent huge pages (random row access 1.2x faster
+    here) in buffers XLA owns, so the first donated step updates in place.
+    """
+    spec = core.plan.stack(stack)
+    S = spec.rows_per_shard
+    shape = core.stack_shape(stack)
+    datas = []
+    for device, index in core.row_sharding.addressable_devices_indices_map(shape).items():
+        buf = ops.full((S, spec.dim), default, spec.dtype, device)
+        for offset, rows in pieces((index[0].start or 0) // S, device):
+            rows = jax.device_put(rows, device)
+            buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset))
+        datas.append(buf)
+    return jax.make_array_from_single_device_arrays(shape, core.row_sharding, datas)
+
+
+def read_table(core, stack_array: jax.Array, table) -> np.ndarray:
+    """The logical `[V, dim]` numpy array of one table from a stack array of `core`."""
+    plan = core.plan
+    t = plan.table(table)
+    arr = stack_array
+    if not arr.is_fully_addressable:
+        arr = jax.jit(lambda a: a, out_shardings=core.replicated)(arr)
+    spec = plan.stack(t.stack)
+    S = spec.rows_per_shard
+    shards = [None] * core.num_shards
+    seen = set()
+    for shard in arr.addressable_shards:
+        start = shard.index[0].start or 0
+        j = start // S if shard.data.shape[0] == S else None
+        if j is None:  # replicated: the whole stack on one device
+            full = np.asarray(shard.data)
+            for jj in range(core.num_shards):
+                shards[jj] = full[
+                    jj * S + t.local_row_offset : jj * S + t.local_row_offset + t.rows_per_shard,
+                    : t.dim,
+                ]
+            break
+        if j in seen:
+            continue
+        seen.add(j)
+        shards[j] = np.asarray(shard.data)[
+            t.local_row_offset : t.local_row_offset + t.rows_per_shard, : t.dim
+        ]
+    return mod_sharding.shards_to_table(shards, plan, t)
+
+
+@functools.cache
+def _slicer(mesh, axes, rows: int, dim: int | None):
+    """jit: (stack [N*S, D], lo) -> table [N*rows, dim], each device slicing its own shard.
+
+    `lo` (the table's first local row) is an argument, not a constant, so one
+    program serves every table of the same shape (was: one compile per table).
+    """
+
+    def body(x, lo):
+        if x.ndim == 2:
+            return jax.lax.dynamic_slice(x, (lo, 0), (rows, dim))
+        return jax.lax.dynamic_slice(x, (lo,), (rows,))
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes), check_vma=False)
+    )
+
+
+@functools.cache
+def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
+    """jit: write a table's [N*rows, dim] blocks into a stack at local row `lo` of every
+    shard (`lo` an argument: one compile per shape, not per table). `donate=True` writes
+    in place (the stack is consumed); `donate=False` leaves the stack intact and returns a
+    new array (restore's first write into a live stack, see
+    `embedmesh.checkpoint.core_restore`). `spanned`: the
+    table has blocks only on shards `[first, first + span)` (two more arguments); the
+    other shards keep their rows there (other tables' rows)."""
+
+    def body(stack, piece, lo, first=None, span=None):
+        piece = piece.astype(stack.dtype)
+        start = (lo, 0) if stack.ndim == 2 else (lo,)
+        if spanned:
+            j = jax.lax.axis_index(axes)
+            inside = (j >= first) & (j < first + span)
+            piece = jnp.where(inside, piece, jax.lax.dynamic_slice(stack, start, piece.shape))
+        return jax.lax.dynamic_update_slice(stack, piece, start)
+
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(axes), P(axes), P()) + ((P(), P()) if spanned else ()),
+            out_specs=P(axes),
+            check_vma=False,
+        ),
+        donate_argnums=0 if donate else (),
+    )
+
+
+def write_table(core, stack_array, piece, t, donate: bool) -> jax.Array:
+    """`stack_array` with table `t`'s `[N * rows_per_shard, ...]` blocks `piece` written at
+    its local rows, on the shards of its span only (every shard for a replica)."""
+    lo = np.int32(t.local_row_offset)
+    if t.span == core.num_shards or t.replicated:
+        return _writer(core.mesh, core.axes, donate)(stack_array, piece, lo)
+    return _writer(core.mesh, core.axes, donate, True)(
+        stack_array, piece, lo, np.int32(t.first_shard), np.int32(t.span)
+    )
+
+
+def table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
+    """The table's `[N * rows_per_shard, dim]` array sliced out of its stack on device."""
+    spec = core.plan.stack(t.stack)
+    dim = t.dim if stack_array.ndim == 2 else None
+    if (
+        len(spec.tables) == 1
+        and t.local_row_offset == 0
+        and t.rows_per_shard == spec.rows_per_shard
+        and (dim is None or dim == stack_array.shape[1])
+    ):
+        return stack_array  # the stack is exactly this table: no copy
+    return _slicer(core.mesh, core.axes, t.rows_per_shard, dim)(
+        stack_array, np.int32(t.local_row_offset)
+    )
