@@ -45,6 +45,24 @@ LAYERS = {
     "facade": (["facade"], {"embedmesh.layout", "embedmesh.host", "embedmesh.device"}),
     "checkpoint": (["checkpoint"], {"embedmesh.layout", "embedmesh.device", "embedmesh.serving"}),
     "serving": (["serving"], {"embedmesh.layout", "embedmesh.host"}),
+    # the flax modules: over the facade (the job's plan and host preprocessing), the core
+    # and checkpoints; nothing imports them
+    "flax": (
+        ["flax"],
+        {
+            "embedmesh.layout",
+            "embedmesh.host",
+            "embedmesh.device",
+            "embedmesh.facade",
+            "embedmesh.checkpoint",
+        },
+    ),
+}
+
+# optional extras: each imported by its own modules only (`embedmesh[flax]`, `embedmesh[tf]`)
+EXTRAS = {
+    "flax": ("embedmesh/flax/",),
+    "tensorflow": ("embedmesh/serving/saved_model.py",),
 }
 
 
@@ -94,6 +112,17 @@ def test_no_layer_imports_a_later_one(layer):
         for name in _imports(path):
             if not _allowed(name, own, extra):
                 bad.append(f"{path.relative_to(PKG.parent)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_optional_extras_are_imported_only_where_they_belong():
+    bad = []
+    for path in PKG.rglob("*.py"):
+        rel = str(path.relative_to(PKG.parent))
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in EXTRAS and not rel.startswith(EXTRAS[top]):
+                bad.append(f"{rel} imports {name}")
     assert not bad, "\n".join(bad)
 
 
