@@ -67,6 +67,7 @@ class _Layer:
     modules on each `apply`; building is done once, at construction)."""
 
     def __init__(self, layer: MeshEmbedding):
+        self.initial: EmbeddingState | None
         self.layer, self.initial = _layer.built_layer(layer)
 
     def take_initial(self) -> EmbeddingState:
@@ -122,9 +123,10 @@ class Embed(nn.Module):
             self.put_variable(COLLECTION, "tables", dict(init.tables))
             self.put_variable(COLLECTION, "slots", {s: dict(d) for s, d in init.slots.items()})
             self.put_variable(COLLECTION, "step", init.step)
+        slots: dict = self.get_variable(COLLECTION, "slots")
         return EmbeddingState(
             tables=dict(self.get_variable(COLLECTION, "tables")),
-            slots={s: dict(d) for s, d in self.get_variable(COLLECTION, "slots").items()},
+            slots={s: dict(d) for s, d in slots.items()},
             step=self.get_variable(COLLECTION, "step"),
         )
 

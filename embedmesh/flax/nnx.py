@@ -51,6 +51,10 @@ class Embed(nnx.Module):
         used: read `Embed.embedding_tables` instead.
     """
 
+    tables: nnx.Dict
+    slots: nnx.Dict
+    step: EmbeddingVariable
+
     def __init__(self, layer: MeshEmbedding):
         layer, state = _layer.built_layer(layer)
         self.layer = layer  # static: compared by identity in nnx's graph
