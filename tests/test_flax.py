@@ -246,3 +246,14 @@ def test_nnx_two_processes_train_like_one(tmp_path):
     assert sorted(want.files) == sorted(got.files) and want.files
     for k in want.files:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_clear_errors_for_what_the_modules_do_not_take():
+    with pytest.raises(ValueError, match="pipeline"):
+        em_nnx.Embed(em.MeshEmbedding(features(), em.SGD(0.1), True, mesh=mesh_of(1)))
+    with pytest.raises(TypeError, match="MeshEmbedding"):
+        em_nnx.Embed(features())
+    lin = em_linen.Embed(layer(1, em.SGD(0.1)))
+    csr = lin.enqueue(batches(0, steps=1)[0])
+    with pytest.raises(ValueError, match="'embedding' collection is missing"):
+        lin.apply({}, csr)

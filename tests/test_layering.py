@@ -147,10 +147,11 @@ def test_platform_dispatch_only_in_the_ops_layer():
 
 
 def test_import_embedmesh_loads_no_numba_and_builds_nothing(tmp_path):
+    """Nor TensorFlow or flax (optional extras), where they are installed."""
     code = (
         "import sys, embedmesh; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('numba', 'llvmlite', 'orbax', 'tensorstore')))"
+        "('numba', 'llvmlite', 'orbax', 'tensorstore', 'tensorflow', 'flax')))"
     )
     env = {"EMBEDMESH_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
