@@ -220,6 +220,9 @@ def test_nnx_param_filters_do_not_see_the_tables():
     assert {a.shape for a in leaves if a.ndim} == {
         embed.core.stack_shape(s.name) for s in embed.layer.plan.stacks
     }
+    specs = jax.tree_util.tree_leaves(nnx.get_partition_spec(nnx.state(embed.tables)))
+    assert len(specs) == stacks  # rows over the mesh axis, columns whole
+    assert all(tuple(p)[0] in ("x", ("x",)) and set(tuple(p)[1:]) <= {None} for p in specs)
 
 
 def test_nnx_two_processes_train_like_one(tmp_path):

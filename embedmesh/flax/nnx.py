@@ -64,7 +64,13 @@ class Embed(nnx.Module):
 
     def _set(self, state: EmbeddingState) -> None:
         def var(x):
-            return EmbeddingVariable(x)
+            # the partition spec the core placed it with, as nnx sharding metadata
+            # (`nnx.get_partition_spec`); the array is already placed: no eager resharding
+            spec = getattr(getattr(x, "sharding", None), "spec", None)
+            if spec is None:
+                return EmbeddingVariable(x)
+            names = tuple(spec) + (None,) * (x.ndim - len(spec))
+            return EmbeddingVariable(x, out_sharding=names, eager_sharding=False)
 
         if hasattr(self, "tables"):
             for s, a in state.tables.items():
