@@ -260,3 +260,22 @@ def test_clear_errors_for_what_the_modules_do_not_take():
     csr = lin.enqueue(batches(0, steps=1)[0])
     with pytest.raises(ValueError, match="'embedding' collection is missing"):
         lin.apply({}, csr)
+
+
+def test_nnx_jit_with_donation_updates_the_tables_in_place():
+    embed = em_nnx.Embed(layer(2, em.Adagrad(0.1)))
+
+    @nnx.jit(donate_argnums=0)
+    def step(embed, csr):
+        embed.apply_gradients(grad_of(embed(csr)), csr)
+
+    def pointers():
+        arrays = [v.get_value() for v in embed.tables.values()]
+        return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
+
+    data = batches(2, steps=2)
+    step(embed, embed.enqueue(data[0]))
+    before, tables = pointers(), embed.embedding_tables
+    step(embed, embed.enqueue(data[1]))
+    assert pointers() == before  # the same buffers, written in place
+    assert any((embed.embedding_tables[t] != a).any() for t, a in tables.items())
