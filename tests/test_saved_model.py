@@ -1,6 +1,7 @@
 """export_saved_model: a TensorFlow SavedModel that TF alone (a fresh process, no
 embedmesh import) serves with the same outputs as serving_embedding_lookup + the model,
-for ragged, sparse (combined and sequence) and dense features, at several batch sizes."""
+for ragged, sparse (combined and sequence) and dense features, weighted and not, at
+several batch sizes, with and without empty (padded) samples."""
 
 import os
 import subprocess
@@ -72,9 +73,27 @@ def batch(rng, b, empty_tail=False):
     }
 
 
-def components(inputs, names):
+WEIGHTED = ("ragged", "sparse")
+
+
+def weights_of(rng, inputs):
+    """Weights of the WEIGHTED features (a few negative: TF's pruning rules apply)."""
+    out = {}
+    for f in WEIGHTED:
+        x = inputs[f]
+        w = rng.uniform(-0.3, 2.0, len(x.values)).astype(np.float32)
+        if isinstance(x, em.RaggedTensor):
+            out[f] = em.RaggedTensor(w, x.row_splits)
+        else:
+            out[f] = em.SparseTensor(x.indices, w, x.dense_shape)
+    return out
+
+
+def components(inputs, names, weights):
     out = {}
     for f, comp in names.items():
+        if f in weights:
+            out[comp["weights"]] = np.asarray(weights[f].values, np.float32)
         x = inputs[f]
         if isinstance(x, em.RaggedTensor):
             out[comp["values"]] = np.asarray(x.values, np.int32)
@@ -107,14 +126,17 @@ def test_saved_model_serves_like_serving_embedding_lookup(tmp_path):
         params=params,
         feature_config=feats,
         input_signature=SIGNATURE,
+        weighted=WEIGHTED,
     )
     cases = {}
     sizes = [(1, False), (5, True), (8, False), (8, True)]
     for i, (b, empty_tail) in enumerate(sizes):
         inputs = batch(rng, b, empty_tail)
-        acts = em.serving_embedding_lookup(inputs, None, tables, feats)
+        weights = weights_of(rng, inputs)
+        full = {f: weights.get(f) for f in feats}
+        acts = em.serving_embedding_lookup(inputs, full, tables, feats)
         want = model(params, acts)
-        for k, v in components(inputs, names).items():
+        for k, v in components(inputs, names, weights).items():
             cases[f"case{i}/in/{k}"] = v
         for k, v in want.items():
             cases[f"case{i}/out/{k}"] = np.asarray(v)
@@ -147,3 +169,13 @@ def test_input_signature_errors_name_the_feature(tmp_path):
         export_saved_model(
             model, tmp_path / "x", tables={}, feature_config=feats, input_signature=bad
         )
+    for weighted, message in [(["dense"], "feature dense, a Dense input"), (["nope"], "'nope'")]:
+        with pytest.raises(ValueError, match=message):
+            export_saved_model(
+                model,
+                tmp_path / "x",
+                tables={},
+                feature_config=feats,
+                input_signature=SIGNATURE,
+                weighted=weighted,
+            )

@@ -23,7 +23,9 @@ tensors; `<f>` is the feature's name with characters outside `[A-Za-z0-9_]` made
 - `Sparse(shape, ...)`: `<f>_indices` `[nnz, 1 + len(shape)]` int64,
   `<f>_values` `[nnz]` and `<f>_dense_shape` `[1 + len(shape)]` int64, a
   `tf.SparseTensor`'s components.
-No weights (every id weighs 1). The batch is any size: the signature's batch axis is
+With `weighted=` (feature names), a Ragged or Sparse feature also takes `<f>_weights`
+`[nnz]` float32, its ids' weights (TF's `weights` argument; the others weigh 1).
+The batch is any size: the signature's batch axis is
 `None` and the model is exported with a symbolic batch, so there are no buckets and no
 padding (`nnz_per_example` of the specs is not used). The model must work for any
 batch size (usual ranking models do); features with a fixed `output_shape` fix the
@@ -51,12 +53,13 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
 
-def signature_names(feature_config, input_signature) -> dict:
+def signature_names(feature_config, input_signature, weighted=()) -> dict:
     """`{feature name: {component: signature input name}}` (components: "ids" for
     Dense; "values", "row_splits" for Ragged; "indices", "values", "dense_shape" for
-    Sparse)."""
+    Sparse; and "weights" for the features in `weighted`)."""
     resolved = resolve_feature_config(feature_config)
     specs = _flat_specs(resolved, input_signature)
+    weighted = _weighted(resolved, specs, weighted)
     out = {}
     for name, spec in zip(resolved.feature_names, specs):
         f = _safe(name)
@@ -70,7 +73,28 @@ def signature_names(feature_config, input_signature) -> dict:
                 "values": f"{f}_values",
                 "dense_shape": f"{f}_dense_shape",
             }
+        if name in weighted:
+            out[name]["weights"] = f"{f}_weights"
     return out
+
+
+def _weighted(resolved, specs, weighted) -> set:
+    """The names in `weighted`, checked: features of the config with Ragged / Sparse specs."""
+    if isinstance(weighted, str):
+        weighted = (weighted,)
+    kinds = dict(zip(resolved.feature_names, specs))
+    for name in weighted:
+        if name not in kinds:
+            raise ValueError(
+                f"weighted names {name!r}, which is not a feature of the config "
+                f"(features: {list(kinds)})"
+            )
+        if isinstance(kinds[name], Dense):
+            raise ValueError(
+                f"weighted names feature {name}, a Dense input: dense ids take no weights "
+                f"(TensorFlow's rule); only Ragged and Sparse features do"
+            )
+    return set(weighted)
 
 
 def _flat_specs(resolved, input_signature) -> list:
@@ -120,6 +144,7 @@ def export_saved_model(
     feature_config: Any,
     input_signature: Any,
     params: Any = None,
+    weighted: Any = (),
 ) -> dict:
     """Write a TensorFlow SavedModel serving `model` on the lookups of `tables`.
 
@@ -136,8 +161,9 @@ def export_saved_model(
       input_signature: the feature structure with a `Dense`, `Ragged` or `Sparse`
         spec per feature (see the module doc for the signature's inputs).
       params: the model's parameters, any JAX pytree of arrays (stored as variables).
+      weighted: names of Ragged / Sparse features that take weights (`<f>_weights`).
 
-    Returns `signature_names(feature_config, input_signature)`.
+    Returns `signature_names(feature_config, input_signature, weighted)`.
     """
     import jax
     import tensorflow as tf
@@ -145,7 +171,7 @@ def export_saved_model(
 
     resolved = resolve_feature_config(feature_config)
     specs = _flat_specs(resolved, input_signature)
-    names = signature_names(feature_config, input_signature)
+    names = signature_names(feature_config, input_signature, weighted)
     by_name = {}
     for t, n in zip(resolved.tables, resolved.table_names):
         match = [v for k, v in tables.items() if k is t]
@@ -204,22 +230,31 @@ def export_saved_model(
                 tf.TensorSpec((rank,), tf.int64, n["dense_shape"]),
             ]
             keys += [n["indices"], n["values"], n["dense_shape"]]
+        if "weights" in n:
+            tensor_specs.append(tf.TensorSpec((None,), tf.float32, n["weights"]))
+            keys.append(n["weights"])
 
     def serve(**kw):
-        inputs = []
+        inputs, weights = [], []
         for name, spec in zip(resolved.feature_names, specs):
             n = names[name]
+            w = kw.get(n.get("weights", ""))
             if isinstance(spec, Dense):
                 inputs.append(kw[n["ids"]])
             elif isinstance(spec, Ragged):
                 inputs.append(tf.RaggedTensor.from_row_splits(kw[n["values"]], kw[n["row_splits"]]))
+                if w is not None:
+                    w = tf.RaggedTensor.from_row_splits(w, kw[n["row_splits"]])
             else:
                 inputs.append(
                     tf.SparseTensor(kw[n["indices"]], kw[n["values"]], kw[n["dense_shape"]])
                 )
+                if w is not None:
+                    w = tf.SparseTensor(kw[n["indices"]], w, kw[n["dense_shape"]])
+            weights.append(w)
         table_vars = {tf_tables[t]: module.tables[t] for t in by_name}
         acts = tf.tpu.experimental.embedding.serving_embedding_lookup(
-            inputs, None, table_vars, tf_feats
+            inputs, weights if any(w is not None for w in weights) else None, table_vars, tf_feats
         )
         out = converted([v.read_value() for v in module.params], list(acts))
         if isinstance(out, dict):
