@@ -279,3 +279,49 @@ def test_nnx_jit_with_donation_updates_the_tables_in_place():
     step(embed, embed.enqueue(data[1]))
     assert pointers() == before  # the same buffers, written in place
     assert any((embed.embedding_tables[t] != a).any() for t, a in tables.items())
+
+
+def test_linen_inside_a_model_gives_activation_gradients_through_perturbations():
+    """`Embed` marks its activations (`perturb`): jax.grad over the "perturbations"
+    collection of a larger linen model is d loss / d activations, which
+    `apply_gradients` takes; here loss = sum(acts^2) / 2, whose gradient is acts."""
+    import flax.linen as nn
+
+    emb_layer = layer(2, em.SGD(0.5))
+    embed = em_linen.Embed(emb_layer)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, csr):
+            acts = em_linen.Embed(emb_layer, name="embed")(csr)
+            return sum(jnp.sum(jnp.square(a)) for a in jax.tree_util.tree_leaves(acts)) / 2, acts
+
+    model = Model()
+    data = batches(9, steps=1)
+    csr = embed.enqueue(data[0])
+    variables = model.init(jax.random.key(0), csr)
+    assert set(variables) == {"embedding", "perturbations"}
+
+    def loss(perturbations):
+        return model.apply({**variables, "perturbations": perturbations}, csr)[0]
+
+    grads = jax.grad(loss)(variables["perturbations"])["embed"]["activations"]
+    acts = model.apply(variables, csr)[1]
+    for k in acts:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(acts[k]), rtol=1e-6)
+    before = embed.embedding_tables({"embedding": variables["embedding"]["embed"]})
+    _, new = embed.apply(
+        {"embedding": variables["embedding"]["embed"]},
+        grads,
+        csr,
+        method="apply_gradients",
+        mutable=["embedding"],
+    )
+    after = embed.embedding_tables(new)
+    assert any((after[t] != before[t]).any() for t in before)  # the tables moved
+    facade = layer(2, em.SGD(0.5))  # the same update through MeshEmbedding
+    a, pre = facade(data[0])
+    facade.apply_gradients(a, pre)
+    want = {t.name: v for t, v in facade.embedding_tables.items()}
+    for t, v in after.items():
+        np.testing.assert_allclose(v, want[t.name], rtol=1e-5, atol=1e-6, err_msg=t.name)
