@@ -53,11 +53,29 @@ LAYERS = {
     "facade": (["facade"], {"embedmesh.layout", "embedmesh.host", "embedmesh.device"}),
     "checkpoint": (["checkpoint"], {"embedmesh.layout", "embedmesh.device"}),
     "serving": (["serving"], {"embedmesh.layout", "embedmesh.host"} | CHECKPOINT_READERS),
+    # the flax modules: over the facade (the job's plan and host preprocessing), the core
+    # and checkpoints; nothing imports them
+    "flax": (
+        ["flax"],
+        {
+            "embedmesh.layout",
+            "embedmesh.host",
+            "embedmesh.device",
+            "embedmesh.facade",
+            "embedmesh.checkpoint",
+        },
+    ),
 }
 # single edges allowed beside the layers: (module, imported name)
 EXCEPTIONS = {
     # `embedmesh.checkpoint.EmbeddingForServing`, the old import path, resolved on use
     ("embedmesh/checkpoint/__init__.py", "embedmesh.serving.for_serving.EmbeddingForServing"),
+}
+
+# optional extras: each imported by its own modules only (`embedmesh[flax]`, `embedmesh[tf]`)
+EXTRAS = {
+    "flax": ("embedmesh/flax/",),
+    "tensorflow": ("embedmesh/serving/saved_model.py",),
 }
 
 
@@ -163,6 +181,17 @@ def test_checkpoint_modules_stay_small():
     assert max(sizes.values()) <= 650, sizes
 
 
+def test_optional_extras_are_imported_only_where_they_belong():
+    bad = []
+    for path in PKG.rglob("*.py"):
+        rel = str(path.relative_to(PKG.parent))
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in EXTRAS and not rel.startswith(EXTRAS[top]):
+                bad.append(f"{rel} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
 def test_platform_dispatch_only_in_the_ops_layer():
     """Which kernel runs on which platform is decided in embedmesh/device/ops only."""
     needles = (
@@ -184,10 +213,11 @@ def test_platform_dispatch_only_in_the_ops_layer():
 
 
 def test_import_embedmesh_loads_no_numba_and_builds_nothing(tmp_path):
+    """Nor TensorFlow or flax (optional extras), where they are installed."""
     code = (
         "import sys, embedmesh; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('numba', 'llvmlite', 'orbax', 'tensorstore')))"
+        "('numba', 'llvmlite', 'orbax', 'tensorstore', 'tensorflow', 'flax')))"
     )
     env = {"EMBEDMESH_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(

@@ -5,6 +5,7 @@ dataset in MovieLens' atomic format; the real data is only read if a
 previous demo run already cached it.
 """
 
+import importlib.util
 import struct
 import sys
 import zipfile
@@ -135,6 +136,9 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
             str(tmp_path / "out"),
             "--seed",
             "1",
+            # the demo's default dense model is flax nnx (the examples extra installs flax)
+            "--dense",
+            "flax" if importlib.util.find_spec("flax") else "jax",
         ]
     )
     assert res["devices"] == 4

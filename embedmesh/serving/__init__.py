@@ -6,15 +6,20 @@ it loads orbax)."""
 from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
 
+# (TensorFlow is imported by its call only: `embedmesh[tf]`)
+from embedmesh.serving.saved_model import export_saved_model, signature_names
+
 __all__ = [
     "Dense",
     "EmbeddingForServing",
     "Ragged",
     "Sparse",
+    "export_saved_model",
     "export_serving",
     "load_serving",
     "serving_embedding_lookup",
     "set_host_threads",
+    "signature_names",
 ]
 
 

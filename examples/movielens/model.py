@@ -1,9 +1,9 @@
 """A DLRM-style click-through model: embedmesh tables + a small MLP in plain JAX.
 
-Why plain JAX and not flax: the dense part is one MLP over the concatenated
-embeddings and their pairwise dot products, about twenty lines as a pytree of
-arrays; optax updates it, `np.savez` saves it and the serving side runs the
-same `forward` function. flax would add a dependency and buy nothing here.
+The demo trains this model in flax nnx by default (`model_flax.Ranker`, on
+`embedmesh.flax.nnx.Embed`); this plain-JAX form stays: it is what the serving side
+runs (`forward` on the saved parameters), and `--dense jax` trains it over the
+functional core directly (`train.Trainer`), the path for a train step of one's own.
 
 Architecture (DLRM without dense features): each categorical feature has its
 own embedmesh table of width `dim`; the F activations [B, F, dim] give

@@ -120,6 +120,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--large-batch", type=int, default=4096)
     p.add_argument("--large-steps", type=int, default=300)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--dense",
+        choices=("flax", "jax"),
+        default="flax",
+        help="the dense model in flax nnx on embedmesh's Embed module (default), or the "
+        "same model in plain JAX over the functional core",
+    )
     return p.parse_args(argv)
 
 
@@ -162,13 +169,18 @@ def run_movielens(args) -> dict:
         f"mesh: {mesh.size} {mesh.devices.flat[0].platform} device(s); tables "
         + ", ".join(f"{n} {ds.vocab_sizes[n]}x{args.dim}" for n in data.FEATURES)
         + f" (+ a 1-wide bias table each); top MLP {list(cfg.hidden)}; "
-        f"Adagrad({args.table_lr}) on the tables, Adam({args.dense_lr}) on the MLP"
+        f"Adagrad({args.table_lr}) on the tables, Adam({args.dense_lr}) on the MLP "
+        f"({'flax nnx' if args.dense == 'flax' else 'plain JAX'})"
     )
     fc = mdl.feature_config(ds.vocab_sizes, data.FEATURES, cfg)
     caps = trn.Trainer.measure_capacities(
         fc, mesh.size, data.train_batches(ds, tr, B, np.random.default_rng(args.split_seed)), cfg
     )
-    trainer = trn.Trainer(
+    if args.dense == "flax":
+        from examples.movielens.train_flax import FlaxTrainer as trainer_class
+    else:
+        trainer_class = trn.Trainer
+    trainer = trainer_class(
         ds.vocab_sizes,
         data.FEATURES,
         mesh,

@@ -35,9 +35,10 @@ def save(path: Path, trainer, vocab_sizes: dict, step: int) -> Path:
         "vocab_sizes": dict(vocab_sizes),
         "model": dataclasses.asdict(trainer.model_cfg),
     }
-    em_ckpt.save(
+    em_ckpt.core_save(  # the embedding item of the trainer's (core, state)
         path,
-        trainer.emb,
+        trainer.core,
+        trainer.state,
         step,
         others={DENSE_ITEM: trainer.dense_params(), MODEL_ITEM: ocp.args.JsonSave(meta)},
     )

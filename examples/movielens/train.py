@@ -181,6 +181,16 @@ class Trainer:
 
     # -- device side ----------------------------------------------------------
 
+    def _step(self, csr, labels, mask):
+        """One train step (dispatched, not waited for); its loss."""
+        self.state, self.params, self.opt_state, loss = self._train(
+            self.state, self.params, self.opt_state, csr, labels, mask, self.dropout_key
+        )
+        return loss
+
+    def _predict_batch(self, csr):
+        return self._predict(self.state, self.params, csr)
+
     def train_epoch(self, batches: Iterable, num_batches: int, prefix: str) -> dict:
         live = sys.stdout.isatty()
         bar = progress_bar(num_batches, prefix, live)
@@ -189,10 +199,7 @@ class Trainer:
         samples = ids = 0
         with bar:
             for i, (csr, labels, mask, n_ids) in enumerate(prefetch(batches, self.enqueue)):
-                self.state, self.params, self.opt_state, loss = self._train(
-                    self.state, self.params, self.opt_state, csr, labels, mask, self.dropout_key
-                )
-                losses.append(loss)
+                losses.append(self._step(csr, labels, mask))
                 if i >= self.max_in_flight:
                     # Bound the steps queued by async dispatch: on XLA:CPU, many queued
                     # multi-device steps can exhaust the client's threads while their
@@ -226,7 +233,7 @@ class Trainer:
         """Probabilities and labels of the masked-in samples of `batches`."""
         probs, labels = [], []
         for csr, lab, mask, _ in prefetch(batches, self.enqueue):
-            p = self._predict(self.state, self.params, csr)
+            p = self._predict_batch(csr)
             m = np.asarray(mask) > 0
             probs.append(np.asarray(p)[m])
             labels.append(np.asarray(lab)[m])

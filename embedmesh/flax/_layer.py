@@ -1,0 +1,74 @@
+"""What the flax modules share: a built `MeshEmbedding` used as the static half of a
+module (its plan, its functional core, its host preprocessing), never for its state.
+
+The modules keep the embedding state (`EmbeddingState`: stacked tables, optimizer
+slots, the step count) as flax variables; the layer here only describes the job and
+turns host batches into the placed `{stack: PartitionedCsrFormatTensor}` the module's
+forward pass takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from embedmesh import checkpoint as _ckpt
+from embedmesh.device.core import EmbeddingState
+from embedmesh.facade import MeshEmbedding
+
+COLLECTION = "embedding"  # the flax variable collection of tables, slots and the step
+
+
+def built_layer(layer: MeshEmbedding) -> tuple[MeshEmbedding, EmbeddingState]:
+    """`(layer, its initial state)`; the layer keeps no reference to the state (the
+    module owns it from here on: one copy of the tables, not two)."""
+    if not isinstance(layer, MeshEmbedding):
+        raise TypeError(f"layer must be an embedmesh.MeshEmbedding, got {type(layer).__name__}")
+    if layer.pipelined:
+        raise ValueError(
+            "the flax modules do not pipeline (pipeline_execution_with_tensor_core=True): "
+            "use core.lookup_then_apply_gradients in a step of your own"
+        )
+    layer.build()
+    state = layer._state
+    if state is None:  # a second module over one layer: a fresh initial state
+        state = layer.core.init(jax.random.key(layer._seed))
+    layer._state = None  # the facade's own state is never read again: the module holds it
+    return layer, state
+
+
+def lookup(layer: MeshEmbedding, state: EmbeddingState, csr: dict) -> Any:
+    """Activations in the feature config's structure (`output_shape` applied), as the
+    facade's `dequeue` returns them. Tables enter as constants of differentiation: the
+    gradient flows to the activations, never densely to the tables."""
+    state = jax.tree_util.tree_map(jax.lax.stop_gradient, state)
+    acts = layer.core.lookup(state, _placed(layer, csr))
+    return layer._pack_activations(acts, csr)
+
+
+def apply_gradients(
+    layer: MeshEmbedding, state: EmbeddingState, gradients: Any, csr: dict, check_finite: bool
+) -> tuple[EmbeddingState, Any]:
+    """`(new state, ok)` after one fused sparse update from d loss / d activations
+    (`gradients` in the feature config's structure; None leaves count as zero). Shapes
+    and dtypes are checked with the facade's errors, naming the feature."""
+    csr = _placed(layer, csr)
+    layer._check_preserved(csr)
+    grads = layer._flat_gradients(gradients, csr)
+    return layer.core.apply_gradients(state, grads, csr, check_finite=check_finite)
+
+
+def _placed(layer: MeshEmbedding, csr) -> dict:
+    """`csr` as the core takes it: `enqueue`'s dict (or the seed's `(dict, int, int)`)."""
+    return layer._partitioned_dict(csr, "the embedding module")
+
+
+def save_args(layer: MeshEmbedding, state: EmbeddingState):
+    """orbax save args of the embedding item: the same item as `checkpoint.save_args`."""
+    return _ckpt.core_save_args(layer.core, state)
+
+
+def restore(layer: MeshEmbedding, state: EmbeddingState, source, step=None, **kwargs):
+    """The state restored from a checkpoint (any device count, any stacking)."""
+    return _ckpt.core_restore(layer.core, state, source, step, **kwargs).state

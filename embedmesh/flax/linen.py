@@ -1,0 +1,171 @@
+"""A linen module over embedmesh's functional core (`EmbeddingCore`).
+
+    embed = embedmesh.flax.linen.Embed(em.MeshEmbedding(features, em.Adagrad(0.1)))
+    variables = embed.init(jax.random.key(0), csr)      # {"embedding": ...}, eager
+
+    @jax.jit
+    def train_step(emb_vars, params, opt_state, csr, labels):
+        acts = embed.apply(emb_vars, csr)                  # sharded lookups
+        def loss_fn(params, acts):
+            return loss(dense.apply(params, acts), labels)
+        loss, (g_params, g_acts) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, acts)
+        updates, opt_state = tx.update(g_params, opt_state, params)
+        params = optax.apply_updates(params, updates)   # optax: dense params only
+        _, emb_vars = embed.apply(emb_vars, g_acts, csr, method="apply_gradients",
+                                  mutable=["embedding"])  # fused sparse update
+        return emb_vars, params, opt_state, loss
+
+Inside a larger linen model, `Embed` also marks its activations with
+`self.perturb("activations", ...)`: `jax.grad` over the `"perturbations"` collection
+then gives d loss / d activations (flax's intermediate gradients).
+
+The collection `"embedding"` holds `{"tables": {stack: array}, "slots": {stack:
+{slot: array}}, "step": int32}`, each array a global array sharded over the mesh
+exactly as the core shards it. `init` must run eagerly (not under `jax.jit`): the
+tables are built shard by shard on their devices.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from embedmesh.device.core import EmbeddingState
+from embedmesh.facade import MeshEmbedding
+from embedmesh.flax import _layer
+
+__all__ = ["Embed", "state_of", "variables_of"]
+
+COLLECTION = _layer.COLLECTION
+
+
+def state_of(variables: dict) -> EmbeddingState:
+    """The `EmbeddingState` of a module's variables (`{"embedding": ...}` or its value)."""
+    v = variables.get(COLLECTION, variables)
+    return EmbeddingState(tables=dict(v["tables"]), slots=dict(v["slots"]), step=v["step"])
+
+
+def variables_of(state: EmbeddingState) -> dict:
+    """`{"embedding": ...}` variables of an `EmbeddingState`."""
+    return {
+        COLLECTION: {
+            "tables": dict(state.tables),
+            "slots": {s: dict(d) for s, d in state.slots.items()},
+            "step": state.step,
+        }
+    }
+
+
+_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Layer:
+    """A built `MeshEmbedding` shared by every clone of one module (linen re-creates
+    modules on each `apply`; building is done once, at construction)."""
+
+    def __init__(self, layer: MeshEmbedding):
+        self.initial: EmbeddingState | None
+        self.layer, self.initial = _layer.built_layer(layer)
+
+    def take_initial(self) -> EmbeddingState:
+        """The initial state, handed out once (later inits build a fresh one)."""
+        state, self.initial = self.initial, None
+        if state is None:
+            state = self.layer.core.init(jax.random.key(self.layer._seed))
+        return state
+
+
+def _holder(layer: MeshEmbedding) -> _Layer:
+    if layer not in _HOLDERS:
+        _HOLDERS[layer] = _Layer(layer)
+    return _HOLDERS[layer]
+
+
+class Embed(nn.Module):
+    """Sharded embedding lookups (`__call__`) and their fused sparse update
+    (`apply_gradients`, with `mutable=["embedding"]`).
+
+    `embedding`: a `MeshEmbedding` describing the job (features, optimizer, mesh,
+    sharding, capacities, seed...), built at construction; its own state is dropped
+    (see `embedmesh.flax.nnx.Embed`).
+    """
+
+    embedding: Any  # a MeshEmbedding (built on construction)
+
+    def __post_init__(self):
+        if isinstance(self.embedding, MeshEmbedding):
+            object.__setattr__(self, "holder", _holder(self.embedding))
+        else:
+            raise TypeError(
+                f"Embed takes an embedmesh.MeshEmbedding, got {type(self.embedding).__name__}"
+            )
+        super().__post_init__()
+
+    @property
+    def layer(self) -> MeshEmbedding:
+        return self.holder.layer
+
+    @property
+    def core(self):
+        return self.holder.layer.core
+
+    def _embedding_state(self) -> EmbeddingState:
+        if not self.has_variable(COLLECTION, "tables"):
+            if not self.is_mutable_collection(COLLECTION):
+                raise ValueError(
+                    f"the {COLLECTION!r} collection is missing: pass the variables from "
+                    f"Embed.init (or embedmesh.flax.linen.variables_of(state))"
+                )
+            init = self.holder.take_initial()
+            self.put_variable(COLLECTION, "tables", dict(init.tables))
+            self.put_variable(COLLECTION, "slots", {s: dict(d) for s, d in init.slots.items()})
+            self.put_variable(COLLECTION, "step", init.step)
+        slots: dict = self.get_variable(COLLECTION, "slots")
+        return EmbeddingState(
+            tables=dict(self.get_variable(COLLECTION, "tables")),
+            slots={s: dict(d) for s, d in slots.items()},
+            step=self.get_variable(COLLECTION, "step"),
+        )
+
+    def __call__(self, csr: dict) -> Any:
+        """Activations of an enqueued batch (`enqueue`), in the feature config's structure."""
+        acts = _layer.lookup(self.layer, self._embedding_state(), csr)
+        return self.perturb("activations", acts)
+
+    def apply_gradients(self, gradients: Any, csr: dict, check_finite: bool = True):
+        """One fused sparse update from d loss / d activations (call with
+        `mutable=["embedding"]`); returns whether it was applied."""
+        state, ok = _layer.apply_gradients(
+            self.layer, self._embedding_state(), gradients, csr, check_finite
+        )
+        self.put_variable(COLLECTION, "tables", dict(state.tables))
+        self.put_variable(COLLECTION, "slots", {s: dict(d) for s, d in state.slots.items()})
+        self.put_variable(COLLECTION, "step", state.step)
+        return ok
+
+    # host side and checkpoints: plain methods of the (unbound) module
+
+    def enqueue(self, features: Any, weights: Any | None = None) -> dict:
+        """This process's batch preprocessed and placed on the mesh (`MeshEmbedding.enqueue`)."""
+        return self.layer.enqueue(features, weights)
+
+    def prefetch(self, batches, buffer_size: int = 2):
+        return self.layer.prefetch(batches, buffer_size)
+
+    def embedding_tables(self, variables: dict) -> dict:
+        """`{TableConfig: numpy [vocabulary_size, dim]}` of `variables`, logical order."""
+        state = state_of(variables)
+        return {t: self.layer._logical_table(t, state=state) for t in self.layer._resolved.tables}
+
+    def save_args(self, variables: dict):
+        """orbax args of the embedding item (`checkpoint.core_save_args`)."""
+        return _layer.save_args(self.layer, state_of(variables))
+
+    def restore(self, variables: dict, source, step: int | None = None, **kwargs) -> dict:
+        """New `{"embedding": ...}` variables restored from a checkpoint (saved on any
+        device count, by a module, a `MeshEmbedding` or the core); `variables` give the
+        template (and are left as they are)."""
+        return variables_of(_layer.restore(self.layer, state_of(variables), source, step, **kwargs))

@@ -1,0 +1,165 @@
+"""An nnx module over embedmesh's functional core (`EmbeddingCore`).
+
+    embed = embedmesh.flax.nnx.Embed(em.MeshEmbedding(features, em.Adagrad(0.1)))
+
+    @nnx.jit
+    def train_step(model, optimizer, csr, labels):
+        acts = model.embed(csr)                               # sharded lookups
+        def loss_fn(dense, acts):
+            return loss(dense(acts), labels)
+        loss, (g_dense, g_acts) = nnx.value_and_grad(loss_fn, argnums=(0, 1))(
+            model.dense, acts)
+        optimizer.update(model.dense, g_dense)                # optax, dense params only
+        model.embed.apply_gradients(g_acts, csr)              # fused sparse update
+        return loss
+
+    for batch in batches:
+        loss = train_step(model, optimizer, embed.enqueue(batch), labels)
+
+The tables, the optimizer slots and the step count are `EmbeddingVariable`s (their
+own collection, `nnx.state(model, EmbeddingVariable)`), each a global array sharded
+over the mesh exactly as the core shards it; `nnx.Param` filters (and so
+`nnx.Optimizer(model, tx, wrt=nnx.Param)`, `nnx.grad`) never see them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from embedmesh.device.core import EmbeddingState
+from embedmesh.facade import MeshEmbedding
+from embedmesh.flax import _layer
+
+__all__ = ["Embed", "EmbeddingVariable"]
+
+
+class EmbeddingVariable(nnx.Variable):
+    """An embedmesh table, optimizer slot or step count: updated by the fused sparse
+    update (`Embed.apply_gradients`), never by an optax optimizer."""
+
+
+class Embed(nnx.Module):
+    """Sharded embedding lookups (forward) and their fused sparse update (`apply_gradients`).
+
+    Args:
+      layer: a `MeshEmbedding` describing the job (features, optimizer, mesh, sharding,
+        capacities, seed...). It is built here; the module takes its initial state and
+        from then on uses only its plan, its core and its host preprocessing (`enqueue`,
+        `prefetch`). Its own state is dropped, so its state-reading methods must not be
+        used: read `Embed.embedding_tables` instead.
+    """
+
+    tables: nnx.Dict
+    slots: nnx.Dict
+    step: EmbeddingVariable
+
+    def __init__(self, layer: MeshEmbedding):
+        layer, state = _layer.built_layer(layer)
+        self.layer = layer  # static: compared by identity in nnx's graph
+        self._set(state)
+
+    # -- state ----------------------------------------------------------------------
+
+    def _set(self, state: EmbeddingState) -> None:
+        def var(x):
+            # the partition spec the core placed it with, as nnx sharding metadata
+            # (`nnx.get_partition_spec`); the array is already placed: no eager resharding
+            spec = getattr(getattr(x, "sharding", None), "spec", None)
+            if spec is None:
+                return EmbeddingVariable(x)
+            names = tuple(spec) + (None,) * (x.ndim - len(spec))
+            return EmbeddingVariable(x, out_sharding=names, eager_sharding=False)
+
+        if hasattr(self, "tables"):
+            for s, a in state.tables.items():
+                self.tables[s].set_value(a)
+            for s, d in state.slots.items():
+                for k, a in d.items():
+                    self.slots[s][k].set_value(a)
+            self.step.set_value(state.step)
+            return
+        self.tables = nnx.Dict({s: var(a) for s, a in state.tables.items()})
+        self.slots = nnx.Dict(
+            {s: nnx.Dict({k: var(a) for k, a in d.items()}) for s, d in state.slots.items()}
+        )
+        self.step = var(state.step)
+
+    @property
+    def state(self) -> EmbeddingState:
+        """The `EmbeddingState` the variables hold (for the core, checkpoints)."""
+        return EmbeddingState(
+            tables={s: v.get_value() for s, v in self.tables.items()},
+            slots={s: {k: v.get_value() for k, v in d.items()} for s, d in self.slots.items()},
+            step=self.step.get_value(),
+        )
+
+    @state.setter
+    def state(self, value: EmbeddingState) -> None:
+        self._set(value)
+
+    @property
+    def core(self):
+        """The functional core (`EmbeddingCore`)."""
+        return self.layer.core
+
+    # -- host side --------------------------------------------------------------------
+
+    def enqueue(self, features: Any, weights: Any | None = None) -> dict:
+        """This process's batch preprocessed on the host and placed on the mesh: the
+        `csr` the forward pass and `apply_gradients` take (`MeshEmbedding.enqueue`)."""
+        return self.layer.enqueue(features, weights)
+
+    def prefetch(self, batches, buffer_size: int = 2):
+        """`enqueue` run ahead in a background thread (`MeshEmbedding.prefetch`)."""
+        return self.layer.prefetch(batches, buffer_size)
+
+    # -- forward and update -----------------------------------------------------------
+
+    def __call__(self, csr: dict) -> Any:
+        """Activations of an enqueued batch, in the feature config's structure."""
+        return _layer.lookup(self.layer, self.state, csr)
+
+    def apply_gradients(self, gradients: Any, csr: dict, *, check_finite: bool = True):
+        """One fused sparse update of the tables and slots from d loss / d activations
+        (the feature config's structure; None counts as zero), in place. With
+        `check_finite`, a non-finite gradient leaves the state unchanged; returns
+        whether the update was applied (a traced bool inside `nnx.jit`)."""
+        state, ok = _layer.apply_gradients(self.layer, self.state, gradients, csr, check_finite)
+        self._set(state)
+        return ok
+
+    # -- reading and checkpoints -----------------------------------------------------
+
+    @property
+    def embedding_tables(self) -> dict:
+        """`{TableConfig: numpy [vocabulary_size, dim]}` in logical row order."""
+        return _read(self.layer, self.state, "parameters")
+
+    @property
+    def variables(self) -> dict:
+        """`{TableConfig: {"parameters": ..., slot name: ...}}` (numpy, logical order)."""
+        return _read(self.layer, self.state, None)
+
+    def save_args(self):
+        """orbax args of the embedding item (`checkpoint.core_save_args`): put it in an
+        `ocp.args.Composite` beside the dense model's `nnx.state(model, nnx.Param)`."""
+        return _layer.save_args(self.layer, self.state)
+
+    def restore(self, source, step: int | None = None, **kwargs) -> None:
+        """Restore the embedding item of a checkpoint (a directory or an
+        `ocp.CheckpointManager`; saved on any device count, by a module, a
+        `MeshEmbedding` or the core) into this module (`checkpoint.core_restore`)."""
+        self._set(_layer.restore(self.layer, self.state, source, step, **kwargs))
+
+
+def _read(layer: MeshEmbedding, state: EmbeddingState, field: str | None) -> dict:
+    """Logical numpy tables (`field="parameters"`) or every variable (`field=None`)."""
+    out = {}
+    for cfg in layer._resolved.tables:
+        stack = layer.plan.stack_of(cfg).name
+        fields = ["parameters"] if field else ["parameters", *state.slots.get(stack, {})]
+        read = {f: layer._logical_table(cfg, f, state=state) for f in fields}
+        out[cfg] = read["parameters"] if field else read
+    return out

@@ -1,0 +1,273 @@
+"""Export trained tables and a JAX model as a TensorFlow SavedModel, for TF Serving.
+
+    export_saved_model(model, "saved/", tables=tables, params=params,
+                       feature_config=features,
+                       input_signature={"watched": Ragged(), "user": Dense()})
+
+    # anywhere TensorFlow runs (TF Serving, or Python without embedmesh):
+    served = tf.saved_model.load("saved/").signatures["serving_default"]
+    served(watched_values=..., watched_row_splits=..., user=...)["score"]
+
+The SavedModel holds each table as a `tf.Variable` (`[vocabulary_size, dim]`, logical
+row order) and each dense parameter as one too. Its `serving_default` signature runs
+TensorFlow's own `tf.tpu.experimental.embedding.serving_embedding_lookup` on the
+tables (so TF's exact semantics: combiners, sequence features, `output_shape`,
+validation), then the model, converted with `jax2tf` (native serialization: the
+model's StableHLO in an `XlaCallModule` op, the parameters passed in as the variables).
+
+Inputs (one flat signature, since TF Serving's signatures take tensors, not composite
+tensors; `<f>` is the feature's name with characters outside `[A-Za-z0-9_]` made `_`):
+- `Dense(shape, dtype)`: `<f>`, `[batch, *shape]` ids;
+- `Ragged(...)`: `<f>_values` `[nnz]` and `<f>_row_splits` `[batch + 1]`, the
+  components of a `tf.RaggedTensor` (`rt.values`, `rt.row_splits`);
+- `Sparse(shape, ...)`: `<f>_indices` `[nnz, 1 + len(shape)]` int64,
+  `<f>_values` `[nnz]` and `<f>_dense_shape` `[1 + len(shape)]` int64, a
+  `tf.SparseTensor`'s components.
+With `weighted=` (feature names), a Ragged or Sparse feature also takes `<f>_weights`
+`[nnz]` float32, its ids' weights (TF's `weights` argument; the others weigh 1).
+The batch is any size: the signature's batch axis is
+`None` and the model is exported with a symbolic batch, so there are no buckets and no
+padding (`nnz_per_example` of the specs is not used). The model must work for any
+batch size (usual ranking models do); features with a fixed `output_shape` fix the
+batch to that shape's.
+
+TensorFlow is needed to export (the `embedmesh[tf]` extra) and is imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from embedmesh.config import resolve_feature_config
+from embedmesh.serving.export import Dense, Ragged, Sparse
+
+__all__ = ["export_saved_model", "signature_names"]
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def signature_names(feature_config, input_signature, weighted=()) -> dict:
+    """`{feature name: {component: signature input name}}` (components: "ids" for
+    Dense; "values", "row_splits" for Ragged; "indices", "values", "dense_shape" for
+    Sparse; and "weights" for the features in `weighted`)."""
+    resolved = resolve_feature_config(feature_config)
+    specs = _flat_specs(resolved, input_signature)
+    weighted = _weighted(resolved, specs, weighted)
+    out = {}
+    for name, spec in zip(resolved.feature_names, specs):
+        f = _safe(name)
+        if isinstance(spec, Dense):
+            out[name] = {"ids": f}
+        elif isinstance(spec, Ragged):
+            out[name] = {"values": f"{f}_values", "row_splits": f"{f}_row_splits"}
+        else:
+            out[name] = {
+                "indices": f"{f}_indices",
+                "values": f"{f}_values",
+                "dense_shape": f"{f}_dense_shape",
+            }
+        if name in weighted:
+            out[name]["weights"] = f"{f}_weights"
+    return out
+
+
+def _weighted(resolved, specs, weighted) -> set:
+    """The names in `weighted`, checked: features of the config with Ragged / Sparse specs."""
+    if isinstance(weighted, str):
+        weighted = (weighted,)
+    kinds = dict(zip(resolved.feature_names, specs))
+    for name in weighted:
+        if name not in kinds:
+            raise ValueError(
+                f"weighted names {name!r}, which is not a feature of the config "
+                f"(features: {list(kinds)})"
+            )
+        if isinstance(kinds[name], Dense):
+            raise ValueError(
+                f"weighted names feature {name}, a Dense input: dense ids take no weights "
+                f"(TensorFlow's rule); only Ragged and Sparse features do"
+            )
+    return set(weighted)
+
+
+def _flat_specs(resolved, input_signature) -> list:
+    try:
+        leaves = resolved.treedef.flatten_up_to(input_signature)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"input_signature must have the feature config's structure: {e}") from None
+    for name, spec in zip(resolved.feature_names, leaves):
+        if not isinstance(spec, (Dense, Ragged, Sparse)):
+            raise ValueError(
+                f"input_signature for feature {name} must be Dense, Ragged or Sparse, got {spec!r}"
+            )
+    return list(leaves)
+
+
+def _tf_feature_config(resolved, tf):
+    """TF's FeatureConfig structure (flat, in resolved order) over TF TableConfigs."""
+    emb = tf.tpu.experimental.embedding
+    tf_tables = {}
+    for t, n in zip(resolved.tables, resolved.table_names):
+        tf_tables[n] = emb.TableConfig(
+            vocabulary_size=t.vocabulary_size,
+            dim=t.dim,
+            initializer=tf.zeros_initializer(),
+            combiner=t.combiner,
+            name=n,
+        )
+    feats = []
+    for f, name in zip(resolved.features, resolved.feature_names):
+        feats.append(
+            emb.FeatureConfig(
+                table=tf_tables[resolved.table_name(f.table)],
+                max_sequence_length=f.max_sequence_length,
+                validate_weights_and_indices=f.validate_weights_and_indices,
+                output_shape=list(f.output_shape) if f.output_shape else None,
+                name=_safe(name),
+            )
+        )
+    return tf_tables, feats
+
+
+def export_saved_model(
+    model: Callable,
+    directory,
+    *,
+    tables: dict,
+    feature_config: Any,
+    input_signature: Any,
+    params: Any = None,
+    weighted: Any = (),
+) -> dict:
+    """Write a TensorFlow SavedModel serving `model` on the lookups of `tables`.
+
+    Args:
+      model: `model(params, activations)` (or `model(activations)` without `params`),
+        a JAX function; `activations` has the feature config's structure, as
+        `serving_embedding_lookup` returns them. Returns an array (signature output
+        "output_0"), or a dict of arrays (its keys), or a list / tuple
+        ("output_<i>").
+      directory: the SavedModel directory (created; replaced if it exists).
+      tables: `{TableConfig: [vocabulary_size, dim] array}` (`embedding_tables`,
+        `checkpoint.load_tables(...)`).
+      feature_config: the feature structure of the tables.
+      input_signature: the feature structure with a `Dense`, `Ragged` or `Sparse`
+        spec per feature (see the module doc for the signature's inputs).
+      params: the model's parameters, any JAX pytree of arrays (stored as variables).
+      weighted: names of Ragged / Sparse features that take weights (`<f>_weights`).
+
+    Returns `signature_names(feature_config, input_signature, weighted)`.
+    """
+    import jax
+    import tensorflow as tf
+    from jax.experimental import jax2tf
+
+    resolved = resolve_feature_config(feature_config)
+    specs = _flat_specs(resolved, input_signature)
+    names = signature_names(feature_config, input_signature, weighted)
+    by_name = {}
+    for t, n in zip(resolved.tables, resolved.table_names):
+        match = [v for k, v in tables.items() if k is t]
+        if not match:
+            raise ValueError(f"tables has no array for table {n}")
+        arr = np.asarray(match[0], np.float32)
+        if arr.shape != (t.vocabulary_size, t.dim):
+            raise ValueError(
+                f"table {n} has shape {arr.shape}, expected ({t.vocabulary_size}, {t.dim})"
+            )
+        by_name[n] = arr
+    tf_tables, tf_feats = _tf_feature_config(resolved, tf)
+
+    param_leaves, param_tree = jax.tree_util.tree_flatten(params)
+
+    def dense(param_leaves, act_leaves):
+        acts = jax.tree_util.tree_unflatten(resolved.treedef, act_leaves)
+        p = jax.tree_util.tree_unflatten(param_tree, param_leaves)
+        out = model(p, acts) if params is not None else model(acts)
+        return out
+
+    converted = jax2tf.convert(
+        dense,
+        polymorphic_shapes=[None, ["(b, ...)"] * len(resolved.features)],
+        with_gradient=False,
+        native_serialization_platforms=("cpu",),
+    )
+
+    module = tf.Module()
+    module.tables = {n: tf.Variable(a, name=n, trainable=False) for n, a in by_name.items()}
+    module.params = [
+        tf.Variable(np.asarray(x), name=f"param_{i}", trainable=False)
+        for i, x in enumerate(param_leaves)
+    ]
+
+    tensor_specs = []
+    keys = []
+    for name, spec in zip(resolved.feature_names, specs):
+        n = names[name]
+        if isinstance(spec, Dense):
+            tensor_specs.append(
+                tf.TensorSpec((None, *spec.shape), tf.as_dtype(spec.dtype), n["ids"])
+            )
+            keys.append(n["ids"])
+        elif isinstance(spec, Ragged):
+            tensor_specs += [
+                tf.TensorSpec((None,), tf.as_dtype(spec.dtype), n["values"]),
+                tf.TensorSpec((None,), tf.as_dtype(spec.splits_dtype), n["row_splits"]),
+            ]
+            keys += [n["values"], n["row_splits"]]
+        else:
+            rank = 1 + len(spec.shape)
+            tensor_specs += [
+                tf.TensorSpec((None, rank), tf.int64, n["indices"]),
+                tf.TensorSpec((None,), tf.as_dtype(spec.dtype), n["values"]),
+                tf.TensorSpec((rank,), tf.int64, n["dense_shape"]),
+            ]
+            keys += [n["indices"], n["values"], n["dense_shape"]]
+        if "weights" in n:
+            tensor_specs.append(tf.TensorSpec((None,), tf.float32, n["weights"]))
+            keys.append(n["weights"])
+
+    def serve(**kw):
+        inputs, weights = [], []
+        for name, spec in zip(resolved.feature_names, specs):
+            n = names[name]
+            w = kw.get(n.get("weights", ""))
+            if isinstance(spec, Dense):
+                inputs.append(kw[n["ids"]])
+            elif isinstance(spec, Ragged):
+                inputs.append(tf.RaggedTensor.from_row_splits(kw[n["values"]], kw[n["row_splits"]]))
+                if w is not None:
+                    w = tf.RaggedTensor.from_row_splits(w, kw[n["row_splits"]])
+            else:
+                inputs.append(
+                    tf.SparseTensor(kw[n["indices"]], kw[n["values"]], kw[n["dense_shape"]])
+                )
+                if w is not None:
+                    w = tf.SparseTensor(kw[n["indices"]], w, kw[n["dense_shape"]])
+            weights.append(w)
+        table_vars = {tf_tables[t]: module.tables[t] for t in by_name}
+        acts = tf.tpu.experimental.embedding.serving_embedding_lookup(
+            inputs, weights if any(w is not None for w in weights) else None, table_vars, tf_feats
+        )
+        out = converted([v.read_value() for v in module.params], list(acts))
+        if isinstance(out, dict):
+            return {str(k): v for k, v in out.items()}
+        if isinstance(out, (list, tuple)):
+            return {f"output_{i}": v for i, v in enumerate(out)}
+        return {"output_0": out}
+
+    def signature(*args):
+        return serve(**dict(zip(keys, args)))
+
+    fn = tf.function(signature, input_signature=tensor_specs, autograph=False)
+    module.serve = fn
+    directory = os.fspath(directory)
+    tf.saved_model.save(module, directory, signatures={"serving_default": fn})
+    return names

@@ -1,0 +1,32 @@
+"""Child of test_saved_model.py: loads the SavedModel with TensorFlow alone (no embedmesh
+imported here) and checks its outputs against the expected ones saved by the
+parent (embedmesh's serving_embedding_lookup + the JAX model).
+
+Usage: saved_model_check.py SAVED_MODEL_DIR CASES.npz
+"""
+
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+directory, cases_file = sys.argv[1], sys.argv[2]
+served = tf.saved_model.load(directory).signatures["serving_default"]
+cases = np.load(cases_file)
+count = int(cases["count"])
+for i in range(count):
+    prefix = f"case{i}/"
+    inputs = {
+        k[len(prefix) + 3 :]: tf.constant(cases[k])
+        for k in cases.files
+        if k.startswith(prefix + "in/")
+    }
+    out = served(**inputs)
+    for k in cases.files:
+        if k.startswith(prefix + "out/"):
+            name = k[len(prefix) + 4 :]
+            np.testing.assert_allclose(
+                out[name].numpy(), cases[k], rtol=2e-5, atol=2e-6, err_msg=f"case {i} {name}"
+            )
+assert not any(m.split(".")[0] == "embedmesh" for m in sys.modules), "embedmesh imported"
+print(f"OK {count} cases")

@@ -1,0 +1,327 @@
+"""embedmesh.flax: the nnx and linen modules train to the same tables and activations as
+MeshEmbedding on the same batches (every sharding strategy, 1 and 4 devices), to a float64
+numpy reference for SGD, and their checkpoints restore on another device count."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import training_reference as ref
+from jax.sharding import Mesh
+
+import embedmesh as em
+from embedmesh import checkpoint as em_ckpt
+
+pytest.importorskip("flax")
+from flax import nnx
+
+from embedmesh.flax import linen as em_linen
+from embedmesh.flax import nnx as em_nnx
+
+STEPS = 3
+BATCH = 8
+
+
+def mesh_of(n):
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def features():
+    t1 = em.TableConfig(40, 8, combiner="mean", name="t1")
+    t2 = em.TableConfig(25, 4, combiner="sqrtn", name="t2")
+    return {
+        "a": em.FeatureConfig(t1),
+        "b": em.FeatureConfig(t2),
+        "r": em.FeatureConfig(t2),
+        "s": em.FeatureConfig(t1, max_sequence_length=2),
+    }
+
+
+def batches(seed, steps=STEPS, batch=BATCH):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        lengths = rng.integers(0, 4, batch)
+        idx = np.array([[b, p] for b in range(batch) for p in range(int(rng.integers(0, 3)))])
+        idx = idx.reshape(-1, 2)
+        out.append(
+            {
+                "a": rng.integers(0, 40, (batch, 2)),
+                "b": rng.integers(0, 25, batch),
+                "r": em.RaggedTensor.from_row_lengths(
+                    rng.integers(0, 25, int(lengths.sum())), lengths
+                ),
+                "s": em.SparseTensor(idx, rng.integers(0, 40, len(idx)), (batch, 3)),
+            }
+        )
+    return out
+
+
+def grad_of(acts):
+    """d loss / d activations: a fixed nonlinear function of the activations."""
+    return jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, acts)
+
+
+def layer(n, opt, sharding="mod", seed=0):
+    return em.MeshEmbedding(features(), opt, mesh=mesh_of(n), sharding=sharding, seed=seed)
+
+
+def train_facade(n, opt, data, sharding):
+    emb = layer(n, opt, sharding)
+    acts_seen = []
+    for batch in data:
+        acts, pre = emb(batch)
+        acts_seen.append(jax.tree_util.tree_map(np.asarray, acts))
+        emb.apply_gradients(grad_of(acts), pre)
+    return emb.variables, acts_seen
+
+
+def train_nnx(n, opt, data, sharding):
+    embed = em_nnx.Embed(layer(n, opt, sharding))
+
+    @nnx.jit
+    def step(embed, csr):
+        acts = embed(csr)
+        embed.apply_gradients(grad_of(acts), csr)
+        return acts
+
+    acts_seen = [jax.tree_util.tree_map(np.asarray, step(embed, embed.enqueue(b))) for b in data]
+    return embed.variables, acts_seen, embed
+
+
+def train_linen(n, opt, data, sharding):
+    embed = em_linen.Embed(layer(n, opt, sharding))
+    variables = embed.init(jax.random.key(0), embed.enqueue(data[0]))
+
+    @jax.jit
+    def step(variables, csr):
+        acts = embed.apply(variables, csr)
+        _, variables = embed.apply(
+            variables, grad_of(acts), csr, method="apply_gradients", mutable=["embedding"]
+        )
+        return variables, acts
+
+    acts_seen = []
+    for b in data:
+        variables, acts = step(variables, embed.enqueue(b))
+        acts_seen.append(jax.tree_util.tree_map(np.asarray, acts))
+    state = em_linen.state_of(variables)
+    out = {
+        t: {
+            f: embed.layer._logical_table(t, f, state=state)
+            for f in ["parameters", *state.slots[embed.layer.plan.stack_of(t).name]]
+        }
+        for t in embed.layer._resolved.tables
+    }
+    return out, acts_seen
+
+
+def assert_same(a_vars, a_acts, b_vars, b_acts):
+    by_name = {t.name: d for t, d in b_vars.items()}
+    for t, d in a_vars.items():
+        for k, v in d.items():
+            np.testing.assert_allclose(v, by_name[t.name][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for x, y in zip(a_acts, b_acts):
+        for k in x:
+            np.testing.assert_allclose(x[k], y[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "n, sharding",
+    [(1, "mod"), (4, "mod"), (4, "row_wise_pooled"), (4, "table_wise"), (4, "data_parallel")],
+)
+def test_nnx_and_linen_train_like_mesh_embedding(n, sharding):
+    data = batches(n)
+    opt = em.Adagrad(0.3, initial_accumulator_value=0.2)
+    want_vars, want_acts = train_facade(n, opt, data, sharding)
+    got_vars, got_acts, _ = train_nnx(n, opt, data, sharding)
+    assert_same(got_vars, got_acts, want_vars, want_acts)
+    if sharding in ("mod", "table_wise"):
+        got_vars, got_acts = train_linen(n, opt, data, sharding)
+        assert_same(got_vars, got_acts, want_vars, want_acts)
+
+
+def test_nnx_sgd_matches_float64_reference():
+    feats = features()
+    data = batches(11)
+    lr = 0.25
+    embed = em_nnx.Embed(em.MeshEmbedding(feats, em.SGD(lr), mesh=mesh_of(4)))
+    tables = {t.name: v.astype(np.float64) for t, v in embed.embedding_tables.items()}
+
+    @nnx.jit
+    def step(embed, csr):
+        acts = embed(csr)
+        embed.apply_gradients(grad_of(acts), csr)
+        return acts
+
+    for batch in data:
+        acts = step(embed, embed.enqueue(batch))
+        lays = {n: ref.layout(f, batch[n], None) for n, f in feats.items()}
+        for n, f in feats.items():  # the module's activations, from the float64 tables
+            want = ref.activation(tables[f.table.name], lays[n])
+            np.testing.assert_allclose(np.asarray(acts[n]), want, rtol=1e-5, atol=1e-6)
+        dacts = {
+            n: np.sin(3.0 * ref.activation(tables[f.table.name], lays[n])) + 0.1
+            for n, f in feats.items()
+        }
+        grads = ref.row_gradients([(n, f.table.name, lays[n]) for n, f in feats.items()], dacts)
+        for t, rows in grads.items():
+            for i, g in rows.items():
+                tables[t][i] -= lr * g
+    for t, v in embed.embedding_tables.items():
+        np.testing.assert_allclose(v, tables[t.name], rtol=1e-5, atol=1e-5, err_msg=t.name)
+
+
+def test_flax_checkpoint_restores_on_another_device_count(tmp_path):
+    data = batches(5, steps=2)
+    opt = em.Adagrad(0.3)
+    _, _, embed4 = train_nnx(4, opt, data, "mod")
+    import orbax.checkpoint as ocp
+
+    path = tmp_path / "ckpt"
+    with ocp.CheckpointManager(path) as mngr:
+        mngr.save(2, args=ocp.args.Composite(embedding=embed4.save_args()))
+        mngr.wait_until_finished()
+    # a MeshEmbedding, an nnx module on 1 device and a linen module on 2 read it back
+    want = {t.name: d for t, d in embed4.variables.items()}
+    embed1 = em_nnx.Embed(layer(1, opt, seed=3))
+    embed1.restore(str(path))
+    assert int(embed1.step.get_value()) == 2
+    lin = em_linen.Embed(layer(2, opt, "table_wise", seed=4))
+    v = lin.init(jax.random.key(0), lin.enqueue(data[0]))
+    v = lin.restore(v, str(path))
+    emb = layer(2, opt)
+    em_ckpt.restore(emb, str(path))
+    for got in (
+        embed1.variables,
+        {t: {"parameters": a} for t, a in lin.embedding_tables(v).items()},
+        emb.variables,
+    ):
+        for t, d in got.items():
+            for k, a in d.items():
+                np.testing.assert_array_equal(a, want[t.name][k], err_msg=f"{t.name} {k}")
+
+
+def test_bad_gradient_names_the_feature():
+    embed = em_nnx.Embed(layer(1, em.SGD(0.1)))
+    csr = embed.enqueue(batches(0, steps=1)[0])
+    acts = embed(csr)
+    grads = dict(acts, b=jnp.zeros((3, 4)))
+    with pytest.raises(ValueError, match="feature b"):
+        embed.apply_gradients(grads, csr)
+
+
+def test_nnx_param_filters_do_not_see_the_tables():
+    embed = em_nnx.Embed(layer(1, em.Adagrad(0.1)))
+    assert not jax.tree_util.tree_leaves(nnx.state(embed, nnx.Param))
+    leaves = jax.tree_util.tree_leaves(nnx.state(embed, em_nnx.EmbeddingVariable))
+    stacks = len(embed.layer.plan.stacks)
+    assert len(leaves) == 2 * stacks + 1  # each stack's table and accumulators, the step
+    assert {a.shape for a in leaves if a.ndim} == {
+        embed.core.stack_shape(s.name) for s in embed.layer.plan.stacks
+    }
+    specs = jax.tree_util.tree_leaves(nnx.get_partition_spec(nnx.state(embed.tables)))
+    assert len(specs) == stacks  # rows over the mesh axis, columns whole
+    assert all(tuple(p)[0] in ("x", ("x",)) and set(tuple(p)[1:]) <= {None} for p in specs)
+
+
+def test_nnx_two_processes_train_like_one(tmp_path):
+    """Two jax.distributed processes of 2 CPU devices each train the nnx module to the
+    tables MeshEmbedding reaches in one process of 4 devices."""
+    import os
+    import sys
+
+    from process_helpers import free_port, run_together
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    worker = os.path.join(here, "flax_multiprocess_worker.py")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
+    port = free_port()
+    run_together(
+        [[sys.executable, worker, "0", "1", "0", str(single), "facade"]]
+        + [[sys.executable, worker, str(i), "2", str(port), str(multi), "nnx"] for i in range(2)],
+        env=env,
+    )
+    want, got = np.load(single), np.load(multi)
+    assert sorted(want.files) == sorted(got.files) and want.files
+    for k in want.files:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_clear_errors_for_what_the_modules_do_not_take():
+    with pytest.raises(ValueError, match="pipeline"):
+        em_nnx.Embed(em.MeshEmbedding(features(), em.SGD(0.1), True, mesh=mesh_of(1)))
+    with pytest.raises(TypeError, match="MeshEmbedding"):
+        em_nnx.Embed(features())
+    lin = em_linen.Embed(layer(1, em.SGD(0.1)))
+    csr = lin.enqueue(batches(0, steps=1)[0])
+    with pytest.raises(ValueError, match="'embedding' collection is missing"):
+        lin.apply({}, csr)
+
+
+def test_nnx_jit_with_donation_updates_the_tables_in_place():
+    embed = em_nnx.Embed(layer(2, em.Adagrad(0.1)))
+
+    @nnx.jit(donate_argnums=0)
+    def step(embed, csr):
+        embed.apply_gradients(grad_of(embed(csr)), csr)
+
+    def pointers():
+        arrays = [v.get_value() for v in embed.tables.values()]
+        return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
+
+    data = batches(2, steps=2)
+    step(embed, embed.enqueue(data[0]))
+    before, tables = pointers(), embed.embedding_tables
+    step(embed, embed.enqueue(data[1]))
+    assert pointers() == before  # the same buffers, written in place
+    assert any((embed.embedding_tables[t] != a).any() for t, a in tables.items())
+
+
+def test_linen_inside_a_model_gives_activation_gradients_through_perturbations():
+    """`Embed` marks its activations (`perturb`): jax.grad over the "perturbations"
+    collection of a larger linen model is d loss / d activations, which
+    `apply_gradients` takes; here loss = sum(acts^2) / 2, whose gradient is acts."""
+    import flax.linen as nn
+
+    emb_layer = layer(2, em.SGD(0.5))
+    embed = em_linen.Embed(emb_layer)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, csr):
+            acts = em_linen.Embed(emb_layer, name="embed")(csr)
+            return sum(jnp.sum(jnp.square(a)) for a in jax.tree_util.tree_leaves(acts)) / 2, acts
+
+    model = Model()
+    data = batches(9, steps=1)
+    csr = embed.enqueue(data[0])
+    variables = model.init(jax.random.key(0), csr)
+    assert set(variables) == {"embedding", "perturbations"}
+
+    def loss(perturbations):
+        return model.apply({**variables, "perturbations": perturbations}, csr)[0]
+
+    grads = jax.grad(loss)(variables["perturbations"])["embed"]["activations"]
+    acts = model.apply(variables, csr)[1]
+    for k in acts:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(acts[k]), rtol=1e-6)
+    before = embed.embedding_tables({"embedding": variables["embedding"]["embed"]})
+    _, new = embed.apply(
+        {"embedding": variables["embedding"]["embed"]},
+        grads,
+        csr,
+        method="apply_gradients",
+        mutable=["embedding"],
+    )
+    after = embed.embedding_tables(new)
+    assert any((after[t] != before[t]).any() for t in before)  # the tables moved
+    facade = layer(2, em.SGD(0.5))  # the same update through MeshEmbedding
+    a, pre = facade(data[0])
+    facade.apply_gradients(a, pre)
+    want = {t.name: v for t, v in facade.embedding_tables.items()}
+    for t, v in after.items():
+        np.testing.assert_allclose(v, want[t.name], rtol=1e-5, atol=1e-6, err_msg=t.name)
