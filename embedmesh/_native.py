@@ -88,6 +88,8 @@ class Library:
 
     @property
     def source_dir(self) -> str:
+        if os.path.isabs(self.folder):
+            return self.folder
         return os.path.join(PACKAGE_DIR, *self.folder.split("/"))
 
     def source_files(self) -> list[str]:
