@@ -285,3 +285,23 @@ def test_fresh_process_first_lookup_compiles_nothing(tmp_path):
     assert os.path.dirname(out.stdout.strip()) == libs
     assert "building" not in out.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_no_device_library_is_a_warning_naming_cause_and_fix(monkeypatch):
+    """The device layer's first use without a library: a RuntimeWarning with the
+    loader's message (cause and fix), and the ops run their pure-JAX references."""
+    from embedmesh.device.ops.cpu import library
+
+    monkeypatch.setattr(library, "_loaded", {})
+    monkeypatch.setattr(_native, "_loaded", {})
+    monkeypatch.setattr(_native, "_failed", {})
+    monkeypatch.setattr(_native, "PACKAGE_LIB_DIR", "/nonexistent")
+    monkeypatch.setattr(_native, "selected_variant", lambda: "x86-64")
+    _no_compiler(monkeypatch)
+    with pytest.warns(RuntimeWarning) as seen:
+        assert library._load() is False
+    message = str(seen[0].message)
+    assert "CPU kernels unavailable, using pure JAX" in message
+    assert "not built with the package" in message and "no C++ compiler found" in message
+    assert "pip install" in message
+    assert library.unavailable_reason() == library._loaded["why"]
