@@ -196,6 +196,19 @@ def test_no_install_and_no_compiler_is_a_clear_error(tiny, monkeypatch):
         assert "pip install" in message and "CXX" in message  # the fix
 
 
+def test_install_without_a_compiler_records_why(tiny, monkeypatch):
+    lib, tmp = tiny
+    _no_compiler(monkeypatch)
+    said = []
+    manifest = _native.build_all(str(tmp / "libs"), kinds=["tiny"], log=said.append)
+    entry = manifest["libraries"]["tiny"]
+    assert entry["variants"] == {} and set(entry["failed"]) == set(_native.install_variants())
+    assert all("no C++ compiler found" in why for why in entry["failed"].values())
+    assert said == ["embedmesh: no C++ compiler found (set CXX): the C++ kernels are not built"]
+    with pytest.raises(_native.NativeUnavailable, match=r"install's .* build failed: no C\+\+"):
+        _native.load("tiny")
+
+
 def test_failed_install_build_is_named(tiny, monkeypatch):
     lib, tmp = tiny
     (tmp / "src" / "tiny.cc").write_text("this is not C++\n")
