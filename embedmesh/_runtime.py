@@ -9,6 +9,9 @@ lists them:
   EMBEDMESH_CPU_KERNELS=0|1   device ops: 0 pure JAX; 1 build the C++ kernels
                               even when the default backend is not CPU
   EMBEDMESH_CPU_THREADS=n     threads of the C++ device kernels
+  EMBEDMESH_CPU_ISA=avx512|avx2|baseline|native   the C++ libraries' ISA variant
+                              (default: the best this CPU runs; read by
+                              `embedmesh._native`, which setup.py loads alone)
   EMBEDMESH_GPU_KERNELS=xla|pallas|reference   device ops on GPU: XLA variants
                               (default), Pallas kernels, or the references
   EMBEDMESH_PREPROCESS_THREADS=n   threads of host preprocessing (its default
@@ -17,7 +20,7 @@ lists them:
   EMBEDMESH_OUTPUT_POOL_MB=n  serving's reusable output buffers
   EMBEDMESH_GPU_SCATTER_WORKAROUND=0  no XLA flag against jaxlib 0.10.2-0.11.0's
                               slow GPU scatter-add (see `embedmesh._gpu_guard`)
-  EMBEDMESH_CACHE_DIR=path    where built kernels are cached
+  EMBEDMESH_CACHE_DIR=path    where kernels built at first use are cached
   EMBEDMESH_HOST_EXCHANGE=0   processes on one host exchange through XLA's
                               collectives (gloo), not shared memory
   EMBEDMESH_EXCHANGE_TIMEOUT_S=s   how long a shared-memory exchange between

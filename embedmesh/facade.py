@@ -529,14 +529,11 @@ class MeshEmbedding:
 
     # -- host preprocessing -------------------------------------------------------
 
-    @staticmethod
-    def preprocess_features(*args, **kwargs):
-        """Pure numpy preprocessing, in embedmesh's form `(features, weights, plan,
-        **options)` -> `(csr, stats)` or TensorFlow's keyword form
-        (`num_replicas_in_sync, ..., flat_features, flat_inputs, flat_weights`)
-        -> `(csr, int, int)`, which `dequeue` takes (see
-        `embedmesh.host.preprocess.preprocess_features` and `preprocess_features_tf`)."""
-        return _pre.preprocess_features(*args, **kwargs)
+    # Pure numpy preprocessing, in TensorFlow's form (`num_replicas_in_sync, ...,
+    # flat_features, flat_inputs, flat_weights`) -> `(csr, int, int)`, which `dequeue`
+    # takes, the signature `inspect.signature` shows, or embedmesh's `(features,
+    # weights, plan, **options)` -> `(csr, stats)` (`embedmesh.host.preprocess`).
+    preprocess_features = staticmethod(_pre.preprocess_features)
 
     def enqueue(self, features: Any, weights: Any | None = None, device: str | None = None) -> dict:
         """Preprocess this process's batch on the host and place it on the mesh.
@@ -558,7 +555,7 @@ class MeshEmbedding:
         return self.core.put(csr)
 
     def _preprocess(self, features, weights, capacities, overflow):
-        return _pre.preprocess_features(
+        return _pre.preprocess_batch(
             features,
             weights,
             self.plan,

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import embedmesh as em
+import embedmesh.tpu
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import preprocess_features
@@ -155,3 +156,42 @@ def test_seed_form_stack_tables_false_and_errors():
     kw["max_minibatches_per_sc"] = 0
     with pytest.raises(ValueError, match="max_minibatches_per_sc"):
         preprocess_features(**kw)
+
+
+# TPUEmbeddingV2.preprocess_features's parameters (seeds/: the TF docs), in order
+SEED_SIGNATURE = (
+    "num_replicas_in_sync",
+    "max_ids_per_chip_per_sample",
+    "max_minibatches_per_sc",
+    "num_sc_per_chip",
+    "num_sc_shards",
+    "stacked_table_to_tables",
+    "table_to_stacked_table_offset",
+    "table_to_sample_count",
+    "feature_to_sample_offset",
+    "flat_features",
+    "flat_inputs",
+    "flat_weights",
+)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        em.preprocess_features,
+        MeshEmbedding.preprocess_features,
+        em.tpu.TPUEmbeddingV2.preprocess_features,
+        preprocess_features,
+    ],
+)
+def test_signature_is_the_seeds(fn):
+    """help() and IDEs show TensorFlow's keyword signature (embedmesh's own form is
+    `preprocess_batch`); embedmesh's options may follow as **options."""
+    import inspect
+
+    params = list(inspect.signature(fn).parameters.values())
+    assert tuple(p.name for p in params[:12]) == SEED_SIGNATURE
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params[:12])
+    assert [p.name for p in params if p.default is not p.empty] == ["flat_weights"]
+    assert params[11].default is None
+    assert [(p.name, p.kind) for p in params[12:]] == [("options", inspect.Parameter.VAR_KEYWORD)]

@@ -17,6 +17,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "embedmesh"
 
 # what each layer may import from embedmesh (besides itself and the always-allowed)
 ALWAYS = {
+    "embedmesh._native",  # the C++ libraries' loader: standard library only (test_native)
     "embedmesh._runtime",
     "embedmesh._compat",
     "embedmesh.config",
@@ -44,6 +45,7 @@ LAYERS = {
             "_runtime",
             "_compat",
             "_gpu_guard",
+            "_native",
         ],
         {"embedmesh.serving.kernels"},
     ),
@@ -230,3 +232,31 @@ def test_import_embedmesh_loads_no_numba_and_builds_nothing(tmp_path):
     ).stdout.strip()
     assert out == "[]"
     assert not (tmp_path / "cache").exists()  # no kernel was built
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules import each other, directly or through others (every import
+    statement counts, also those inside functions)."""
+    graph: dict[str, set[str]] = {}
+    modules = {}
+    for path in PKG.rglob("*.py"):
+        name = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imports(path):
+            while imported and imported not in modules:  # `mod.name`: the module
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                deps.add(imported)  # a package's __init__ is not a cycle of its modules
+        graph[name] = deps
+
+    def reaches(start, goal, seen):
+        for d in graph.get(start, ()):
+            if d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))):
+                return True
+        return False
+
+    names = sorted(graph)
+    cycles = [f"{a} <-> {b}" for a in names for b in graph[a] if reaches(b, a, set())]
+    assert not cycles, cycles

@@ -50,14 +50,17 @@ plan's `RowLayout` (the kernels receive its `kernel_params`). Threads:
 `num_threads`, default `EMBEDMESH_PREPROCESS_THREADS`, else one per usable
 core. See `benchmarks/RESULTS_preprocess.md` for their speed.
 
-This module holds the orchestration and embedmesh's entry points; the batch
-types live in `embedmesh.batch` and TensorFlow's call form in
-`embedmesh.host.preprocess_tf` (both re-exported here).
+This module holds the orchestration and the entry points: embedmesh's form
+`preprocess_batch`, TensorFlow's `preprocess_features_tf` (its arguments mapped
+by `embedmesh.host.preprocess_tf`, which does not import this module) and
+`preprocess_features`, which takes both and shows TensorFlow's signature. The
+batch types live in `embedmesh.batch` (re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -76,7 +79,7 @@ from embedmesh.batch import (
 )
 from embedmesh.host import numpy_backend
 from embedmesh.host.numpy_backend import bits_needed
-from embedmesh.host.preprocess_tf import SEED_ARGS, preprocess_features_tf
+from embedmesh.host.preprocess_tf import SEED_ARGS, seed_batch_arguments
 from embedmesh.inputs import Csr, check_id_range, flatten_inputs_like, to_csr
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
@@ -438,13 +441,58 @@ def _resolve_backend(backend: str):
     return K
 
 
-def preprocess_features(*args, **kwargs):
-    """Preprocess a batch; two call forms.
+def preprocess_features_tf(
+    num_replicas_in_sync: int,
+    max_ids_per_chip_per_sample: int,
+    max_minibatches_per_sc: int,
+    num_sc_per_chip: int,
+    num_sc_shards: int,
+    stacked_table_to_tables: Mapping[str, Any] | None,
+    table_to_stacked_table_offset: Mapping[str, tuple] | None,
+    table_to_sample_count: Mapping[str, int] | None,
+    feature_to_sample_offset: Mapping[str, int] | None,
+    flat_features: Any,
+    flat_inputs: Any,
+    flat_weights: Any | None = None,
+    **options,
+) -> tuple:
+    """TensorFlow's `TPUEmbeddingV2.preprocess_features` on embedmesh's plan (the
+    arguments' mapping: `embedmesh.host.preprocess_tf.seed_batch_arguments`);
+    `**options` are `preprocess_batch`'s keywords (capacities, overflow,
+    num_devices_local, process_index, backend, num_threads).
 
-    - embedmesh's: `preprocess_features(features, weights, plan, *,
-      num_devices_local=1, capacities=None, overflow="error", process_index=0,
-      backend="auto", num_threads=None)` -> `({stack: PartitionedCsrFormatTensor},
-      PreprocessStats)`; see `preprocess_batch`.
+    Returns `({stack: PartitionedCsrFormatTensor}, max_ids_per_partition,
+    max_unique_ids_per_partition)`: the tuple `MeshEmbedding.dequeue` takes,
+    host numpy arrays identical to `preprocess_batch`'s for the same features
+    (the ints: the batch's largest partition, before padding; TensorFlow's are
+    its unpadded CSR sizes). Statistics: use `preprocess_batch`.
+    """
+    features, weights, plan, options = seed_batch_arguments(
+        num_replicas_in_sync,
+        max_ids_per_chip_per_sample,
+        max_minibatches_per_sc,
+        num_sc_per_chip,
+        num_sc_shards,
+        stacked_table_to_tables,
+        table_to_stacked_table_offset,
+        table_to_sample_count,
+        feature_to_sample_offset,
+        flat_features,
+        flat_inputs,
+        flat_weights,
+        **options,
+    )
+    out, stats = preprocess_batch(features, weights, plan, **options)
+    return (
+        out,
+        max((st.max_ids_per_partition for st in stats.stacks.values()), default=0),
+        max((st.max_unique_ids_per_partition for st in stats.stacks.values()), default=0),
+    )
+
+
+def preprocess_features(*args, **kwargs):
+    """Preprocess a batch; two call forms (`inspect.signature` shows TensorFlow's).
+
     - TensorFlow's (`TPUEmbeddingV2.preprocess_features`): `num_replicas_in_sync,
       max_ids_per_chip_per_sample, max_minibatches_per_sc, num_sc_per_chip,
       num_sc_shards, stacked_table_to_tables, table_to_stacked_table_offset,
@@ -453,6 +501,11 @@ def preprocess_features(*args, **kwargs):
       keyword options may be added) -> `({stack: PartitionedCsrFormatTensor},
       max_ids_per_partition, max_unique_ids_per_partition)`, the
       `(dict, int, int)` tuple `dequeue` takes; see `preprocess_features_tf`.
+    - embedmesh's, also under its own name `preprocess_batch`:
+      `preprocess_features(features, weights, plan, *, num_devices_local=1,
+      capacities=None, overflow="error", process_index=0, backend="auto",
+      num_threads=None)` -> `({stack: PartitionedCsrFormatTensor},
+      PreprocessStats)`.
 
     The form is told by the first argument (an int: TensorFlow's) or by any
     of TensorFlow's keywords.
@@ -462,6 +515,10 @@ def preprocess_features(*args, **kwargs):
     ):
         return preprocess_features_tf(*args, **kwargs)
     return preprocess_batch(*args, **kwargs)
+
+
+# help(), IDEs and inspect.signature show the seed's form (TPUEmbeddingV2's).
+preprocess_features.__signature__ = inspect.signature(preprocess_features_tf)  # type: ignore[attr-defined]
 
 
 def preprocess_batch(

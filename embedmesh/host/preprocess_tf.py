@@ -1,6 +1,7 @@
 """TensorFlow's call form of `preprocess_features` (`TPUEmbeddingV2`'s
 SparseCore arguments) on embedmesh's plan: its arguments are checked against
-embedmesh's stacking and mapped onto `preprocess_batch`.
+embedmesh's stacking and mapped onto `preprocess_batch`'s (`seed_batch_arguments`).
+`embedmesh.host.preprocess` runs the batch (this module imports it not).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from embedmesh.inputs import resolved_structure
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
-__all__ = ["SEED_ARGS", "preprocess_features_tf"]
+__all__ = ["SEED_ARGS", "seed_batch_arguments"]
 
 SEED_ARGS = (
     "num_replicas_in_sync",
@@ -67,7 +68,7 @@ def _seed_features(flat_features):
     return dataclasses.replace(resolved, feature_names=names), True
 
 
-def preprocess_features_tf(
+def seed_batch_arguments(
     num_replicas_in_sync: int,
     max_ids_per_chip_per_sample: int,
     max_minibatches_per_sc: int,
@@ -81,8 +82,9 @@ def preprocess_features_tf(
     flat_inputs: Any,
     flat_weights: Any | None = None,
     **options,
-) -> tuple:
-    """TensorFlow's `TPUEmbeddingV2.preprocess_features` on embedmesh's plan.
+) -> tuple[Any, Any, StackingPlan, dict]:
+    """TensorFlow's `TPUEmbeddingV2.preprocess_features` arguments as
+    `preprocess_batch`'s: `(features, weights, plan, options)`.
 
     Mapping of TensorFlow's SparseCore terms:
 
@@ -112,12 +114,6 @@ def preprocess_features_tf(
       (no SparseCores, no minibatching: partition sizes are `capacities`).
     - `**options`: `preprocess_batch`'s keywords (capacities, overflow,
       num_devices_local, process_index, backend, num_threads).
-
-    Returns `({stack: PartitionedCsrFormatTensor}, max_ids_per_partition,
-    max_unique_ids_per_partition)`: the tuple `MeshEmbedding.dequeue` takes,
-    host numpy arrays identical to `preprocess_batch`'s for the same features
-    (the ints: the batch's largest partition, before padding; TensorFlow's are
-    its unpadded CSR sizes). Statistics: use `preprocess_batch`.
     """
     n = _seed_int("num_replicas_in_sync", num_replicas_in_sync)
     per_chip = _seed_int("num_sc_per_chip", num_sc_per_chip)
@@ -183,14 +179,7 @@ def preprocess_features_tf(
             if isinstance(flat_weights, (list, tuple)):
                 weights = jax.tree_util.tree_unflatten(resolved.treedef, list(flat_weights))
     options.setdefault("num_devices_local", n)
-    from embedmesh.host.preprocess import preprocess_batch  # it imports this module
-
-    out, stats = preprocess_batch(features, weights, plan, **options)
-    return (
-        out,
-        max((st.max_ids_per_partition for st in stats.stacks.values()), default=0),
-        max((st.max_unique_ids_per_partition for st in stats.stacks.values()), default=0),
-    )
+    return features, weights, plan, options
 
 
 def _seed_groups(stacked_table_to_tables, resolved) -> dict:

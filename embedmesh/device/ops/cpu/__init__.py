@@ -1,4 +1,4 @@
-"""CPU kernels of the device ops: C++ through XLA's FFI, built lazily at first use.
+"""CPU kernels of the device ops: C++ through XLA's FFI, built with the package.
 
 XLA's CPU gather and scatter move about 2-3 M rows of 64 float32 per second
 on this project's 2-core machines, whatever the access pattern, and with the
@@ -12,7 +12,8 @@ them (one fault per 2 MiB instead of per 4 KiB).
   scatters, segment sums, dedup, fused updates, huge-page memory, the
   shared-memory rendezvous of processes of one host: `host_peers.h`), shipped
   as package data;
-- `build.py`: the compiler driver and its cache;
+- `build.py`: the sources (`embedmesh._native`'s "device" library: built at install per
+  ISA variant, the running CPU's best loaded);
 - `library.py`: when the kernels are used (`ready()`), loading the library,
   registering its FFI targets, the thread count;
 - `kernels.py`, `memory.py`: the JAX side of each kernel; `KERNELS` is what
@@ -22,7 +23,8 @@ Environment (read through `embedmesh._runtime`): `EMBEDMESH_CPU_KERNELS=0`
 never builds or uses them, `=1` builds them even when JAX's default backend is
 not CPU (computations on CPU devices then use them); `EMBEDMESH_CPU_THREADS=n`
 sets the threads of each call; `EMBEDMESH_CACHE_DIR` where the library is
-cached. See `library` and `build`.
+cached when built at first use (a source checkout); `EMBEDMESH_CPU_ISA` the ISA
+variant. See `library` and `embedmesh._native`.
 """
 
 from embedmesh.device.ops.cpu.kernels import KERNELS

@@ -4,10 +4,11 @@
 CPU kernel. It is False, and every op runs its pure-JAX reference, when
 `EMBEDMESH_CPU_KERNELS=0`, when JAX's default backend is not CPU (unless
 `EMBEDMESH_CPU_KERNELS=1`: then computations placed on CPU devices still use
-the kernels), when no C++ compiler is found or the build fails (with a
-`RuntimeWarning` saying why). Otherwise the first call builds the library
-(`build.build_library`, cached across processes), loads it, hands it the
-thread count and registers its handlers with XLA; later calls only check.
+the kernels), or when the library cannot be had (with a `RuntimeWarning` naming
+the cause and the fix). Otherwise the first call loads the library
+(`embedmesh._native.load("device")`: the variant for this CPU built at install,
+else a cached or new build), hands it the thread count and registers its
+handlers with XLA; later calls only check.
 
 `EMBEDMESH_CPU_THREADS=n` (read through `embedmesh._runtime.cpu_threads()`)
 makes each kernel call use n threads (the caller's and n - 1 short-lived
@@ -23,8 +24,7 @@ import ctypes
 import threading
 import warnings
 
-from embedmesh import _runtime
-from embedmesh.device.ops.cpu import build
+from embedmesh import _native, _runtime
 
 # FFI target name -> the handler symbol exported by the library.
 TARGETS = {
@@ -74,15 +74,17 @@ def _load() -> bool:
             return "lib" in _loaded
         # A bad EMBEDMESH_CPU_THREADS raises here, not as a failed build.
         threads_setting = _runtime.cpu_threads() or 0
+        _native.selected_variant()  # and a bad EMBEDMESH_CPU_ISA
         try:
             import jax
 
-            path, why = build.build_library()
-            if path is None:
-                _loaded["why"] = why
-                _warn(why)
+            try:
+                lib = _native.load("device")
+            except _native.NativeUnavailable as e:
+                _loaded["why"] = str(e)
+                _warn(str(e))
                 return False
-            lib = ctypes.CDLL(path)
+            path = _native.library_path("device")
             lib.EmbedmeshSetThreads.argtypes = [ctypes.c_int64]
             lib.EmbedmeshSetThreads.restype = None
             lib.EmbedmeshThreads.restype = ctypes.c_int64
