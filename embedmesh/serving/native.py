@@ -123,7 +123,10 @@ def library():
             _state["why"] = "disabled by EMBEDMESH_SERVING_NATIVE=0"
             return None
         try:
-            path, why = _find_or_build()
+            # EMBEDMESH_SERVING_MARCH (temporary loader only): e.g. "-march=x86-64-v3" to
+            # measure the AVX2 build on an AVX-512 machine
+            march = os.environ.get("EMBEDMESH_SERVING_MARCH", "").split() or NATIVE
+            path, why = _find_or_build(tuple(march))
             if path is None:
                 _state["why"] = why
                 return None
