@@ -68,6 +68,8 @@ except ImportError:
 try:
     import torch
     import torch.nn.functional as F
+
+    TORCH_THREADS = torch.get_num_threads()  # its default, before any contender sets it
 except ImportError:
     torch = None
 
@@ -364,7 +366,7 @@ def main(argv=None):
         + (f" {importlib.metadata.version('numba')}" if kernels.HAVE_NUMBA else "")
         + (f", tensorflow {tf.__version__}" if tf else ", tensorflow: not importable")
         + (
-            f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
+            f", torch {torch.__version__} ({TORCH_THREADS} threads)"
             if torch
             else ", torch: not importable"
         )
@@ -408,7 +410,7 @@ def make_contenders(tables, batches, max_len, args) -> dict:
     if tf is not None and "tf.eager" in wanted:
         contenders["tf.eager"] = tf_contender(tables, batches, max_len, args, False)
     if torch is not None:
-        default_threads = torch.get_num_threads()
+        default_threads = TORCH_THREADS
         if "torch" in wanted:  # torch's default: one intra-op thread per core
             contenders[f"torch[{default_threads}t]"] = torch_contender(
                 tables, batches, max_len, args, default_threads
