@@ -186,6 +186,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingRowsToOffsets": [_P, _I64, _I64, _P],
         "EmServingSetPrefetch": [_I64],
         "EmServingSetFused": [_I64],
+        "EmServingSetRowLines": [_I64],
         "EmServingVectorWidth": [],
     }
     for symbol, argtypes in sigs.items():

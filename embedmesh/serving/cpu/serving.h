@@ -42,6 +42,10 @@ int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
 // the lines of a row, within [2, 64]; 0: no prefetch); returns the previous value.
 int64_t EmServingSetPrefetch(int64_t entries);
 
+// Cache lines prefetched per row (default 0: every line the row touches); returns the
+// previous setting.
+int64_t EmServingSetRowLines(int64_t n);
+
 // Whether rows of at most one register block use the one-pass kernel (default 1);
 // returns the previous setting (benchmarks compare the two).
 int64_t EmServingSetFused(int64_t on);
