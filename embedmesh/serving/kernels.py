@@ -9,17 +9,24 @@ non-temporal stores where rows are whole cache lines), `sparse_offsets`
 `prepare_bag_combine` / `prepare_gather` split the first two into checks
 (now) and the kernel (later), so a caller can run many kernels back to back.
 
-Two backends compute the same thing:
+Three backends compute the same thing:
 
-- "numba" (the default when numba is importable; compiled kernels in
-  `embedmesh.serving.numba_kernels`, imported at first use, never by
-  `import embedmesh`): one sequential pass over
+- "native" (the default where its library loads): C++ kernels
+  (`embedmesh/serving/cpu/serving.cc`, plain C called through ctypes, which
+  releases the GIL; found or built by `embedmesh.serving.native.library()`,
+  imported at first use). The bag kernel makes one pass per bag: range check,
+  pruning, denominator, software prefetch of the rows ahead, and the sums held
+  in vector registers (one template instance per register-block width, a masked
+  tail for odd widths); float32, in entry order, no FMA. Nothing is compiled at a
+  call: a serving process's first lookup is as fast as its later ones.
+- "numba" (when the C++ kernels are unavailable and numba is importable;
+  compiled kernels in `embedmesh.serving.numba_kernels`, imported at first use,
+  never by `import embedmesh`, compiled at a process's first call): one
+  sequential pass over
   the entries, software-prefetching the table rows a few entries ahead;
   each bag accumulated in float32, in entry order, in registers (stack
   accumulators, options fixed at compile time), then normalised; no
-  intermediate [nnz, dim] array. On the serving benchmark (8 tables x 1M x
-  64, Zipf ids; benchmarks/RESULTS_serving.md) the kernel alone runs at
-  about torch's `embedding_bag` with one thread. A `prange` version was no
+  intermediate [nnz, dim] array. A `prange` version was no
   faster on 2 shared cores and, under OpenMP, up to 10x slower whenever the
   other core is busy, so kernels are single-threaded and release the GIL
   (nogil); `serving.set_host_threads` spreads features over threads.
@@ -27,8 +34,9 @@ Two backends compute the same thing:
   group of equal-length rows as `[rows, L, dim].sum(axis=1)`.
 
 `set_backend` switches between them (tests, benchmarks); the environment
-variable `EMBEDMESH_NUMBA=0` (read once, by `embedmesh._runtime`) disables
-numba altogether, here and in host preprocessing.
+variable `EMBEDMESH_SERVING_NATIVE=0` disables the C++ kernels and
+`EMBEDMESH_NUMBA=0` (read once, by `embedmesh._runtime`) numba altogether,
+here and in host preprocessing.
 Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
 references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
