@@ -683,8 +683,12 @@ class ServingFunction:
                 empty.append(SparseTensor(idx, np.zeros(0, spec.dtype), (0,) + spec.shape))
             else:
                 empty.append(RaggedTensor(np.zeros(0, spec.dtype), np.zeros(1, spec.splits_dtype)))
-        self(_rebuild_structure(self._in, iter(empty)))  # the smallest bucket, end to end
-        for b in self.batch_sizes:  # twice for the smallest: its second run is warmer still
+        # the smallest bucket end to end, a few times: a call's first runs are slower
+        # (malloc growing its heap for the padded inputs, caches, the executable's state)
+        for _ in range(3):
+            self(_rebuild_structure(self._in, iter(empty)))
+        for b in self.batch_sizes:
+            self._run_zeros(b)
             self._run_zeros(b)
         # the garbage of loading and compiling, collected now rather than by a request
         gc.collect()
