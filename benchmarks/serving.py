@@ -68,6 +68,8 @@ except ImportError:
 try:
     import torch
     import torch.nn.functional as F
+
+    TORCH_THREADS = torch.get_num_threads()  # its default, before any contender sets it
 except ImportError:
     torch = None
 
@@ -328,6 +330,9 @@ def main(argv=None):
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument(
+        "--dims", help="comma-separated dims to sweep (one workload each; --dim ignored)"
+    )
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--ids-per-sample", type=int, default=10)
     p.add_argument("--zipf", type=float, default=1.05)
@@ -338,9 +343,10 @@ def main(argv=None):
     p.add_argument("--combiners", default="sum,mean")
     p.add_argument(
         "--contenders",
-        default="embedmesh[numba],embedmesh[numba-Nt],"
-        "embedmesh[numpy],tf.function,tf.eager,torch,torch[1t]",
-        help="comma-separated; embedmesh[numba-Nt] spreads features over one thread per core",
+        default="embedmesh[native],embedmesh[native-Nt],tf.function,torch,torch[1t]",
+        help="comma-separated; embedmesh[B] (B: native, numba, numpy) runs the host path on "
+        "kernel backend B, embedmesh[B-Nt] spreads features over one thread per core; "
+        "tf.function, tf.eager, torch (default threads), torch[1t], jax.jit (the traced path)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -351,57 +357,85 @@ def main(argv=None):
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
-    rng = np.random.default_rng(args.seed)
-    t0 = time.perf_counter()
-    tables, batches, max_len = make_workload(args, rng)
+    print(machine_line())
     print(
-        f"workload built in {time.perf_counter() - t0:.1f}s: {args.tables} tables x "
-        f"{args.vocab} x {args.dim} f32, batch {args.batch}, Poisson({args.ids_per_sample}) "
-        f"ids/sample (max {max_len}), Zipf({args.zipf}); unique ids per table per batch ~"
-        f"{int(np.mean([np.unique(f['ids']).size for f in batches[0]]))} of "
-        f"{int(np.mean([f['ids'].size for f in batches[0]]))}"
-    )
-    print(
-        f"python {platform.python_version()}, numpy {np.__version__}, "
-        f"embedmesh kernels: numba={'yes' if kernels.HAVE_NUMBA else 'no'}"
+        f"python {platform.python_version()}, numpy {np.__version__}, embedmesh kernels: "
+        f"native={'yes' if kernels.HAVE_NATIVE else 'no'}"
+        + (f" ({native_line()})" if kernels.HAVE_NATIVE else "")
+        + f", numba={'yes' if kernels.HAVE_NUMBA else 'no'}"
         + (f" {importlib.metadata.version('numba')}" if kernels.HAVE_NUMBA else "")
         + (f", tensorflow {tf.__version__}" if tf else ", tensorflow: not importable")
         + (
-            f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
+            f", torch {torch.__version__} ({TORCH_THREADS} threads)"
             if torch
             else ", torch: not importable"
         )
         + f", cpus {os.cpu_count()}"
     )
+    results = []
+    dims = [int(d) for d in args.dims.split(",")] if args.dims else [args.dim]
+    for dim in dims:
+        args.dim = dim
+        results += run_dim(args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                {"args": vars(args), "machine": machine_line(), "results": results}, fh, indent=1
+            )
+    summary(results)
+    return results
 
+
+def make_contenders(tables, batches, max_len, args) -> dict:
     wanted = args.contenders.split(",")
     contenders = {}
-    if "embedmesh[numba]" in wanted and kernels.HAVE_NUMBA:
-        contenders["embedmesh[numba]"] = embedmesh_contender(
-            tables, batches, max_len, args, "numba"
-        )
-    if "embedmesh[numba-Nt]" in wanted and kernels.HAVE_NUMBA and (os.cpu_count() or 1) > 1:
-        # features spread over one thread per core (serving.set_host_threads)
-        contenders[f"embedmesh[numba-{os.cpu_count()}t]"] = embedmesh_contender(
-            tables, batches, max_len, args, "numba", threads=os.cpu_count()
-        )
-    if "embedmesh[numpy]" in wanted:
-        contenders["embedmesh[numpy]"] = embedmesh_contender(
-            tables, batches, max_len, args, "numpy"
-        )
+    cores = os.cpu_count() or 1
+    for backend in ("native", "numba", "numpy"):
+        usable = {
+            "native": lambda: kernels.HAVE_NATIVE,
+            "numba": lambda: kernels.HAVE_NUMBA,
+            "numpy": lambda: True,
+        }[backend]
+        if f"embedmesh[{backend}]" in wanted and usable():
+            contenders[f"embedmesh[{backend}]"] = embedmesh_contender(
+                tables, batches, max_len, args, backend
+            )
+        if f"embedmesh[{backend}-Nt]" in wanted and usable() and cores > 1:
+            # features spread over one thread per core (serving.set_host_threads)
+            contenders[f"embedmesh[{backend}-{cores}t]"] = embedmesh_contender(
+                tables, batches, max_len, args, backend, threads=cores
+            )
     if tf is not None and "tf.function" in wanted:
         contenders["tf.function"] = tf_contender(tables, batches, max_len, args, True)
     if tf is not None and "tf.eager" in wanted:
         contenders["tf.eager"] = tf_contender(tables, batches, max_len, args, False)
     if torch is not None:
-        default_threads = torch.get_num_threads()
+        default_threads = TORCH_THREADS
         if "torch" in wanted:  # torch's default: one intra-op thread per core
             contenders[f"torch[{default_threads}t]"] = torch_contender(
                 tables, batches, max_len, args, default_threads
             )
         if "torch[1t]" in wanted and default_threads != 1:
             contenders["torch[1t]"] = torch_contender(tables, batches, max_len, args, 1)
+    if "jax.jit" in wanted:
+        contenders["jax.jit"] = jit_contender(tables, batches, max_len, args)
+    return contenders
 
+
+def run_dim(args) -> list:
+    """Every kind and combiner at args.dim: results rows (also printed)."""
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+    tables, batches, max_len = make_workload(args, rng)
+    print(
+        f"\n#### dim {args.dim}: workload built in {time.perf_counter() - t0:.1f}s: "
+        f"{args.tables} tables x {args.vocab} x {args.dim} f32, batch {args.batch}, "
+        f"Poisson({args.ids_per_sample}) ids/sample (max {max_len}), Zipf({args.zipf}); "
+        f"unique ids per table per batch ~"
+        f"{int(np.mean([np.unique(f['ids']).size for f in batches[0]]))} of "
+        f"{int(np.mean([f['ids'].size for f in batches[0]]))}"
+    )
+    contenders = make_contenders(tables, batches, max_len, args)
     results = []
     for kind in args.kinds.split(","):
         for combiner in args.combiners.split(","):
@@ -442,6 +476,7 @@ def main(argv=None):
                 for name, t in time_round(calls, args.reps, r, args.blocks).items():
                     per_round[name].append(t)
             row = {
+                "dim": args.dim,
                 "input": label,
                 "ids_per_call": n_ids,
                 "max_abs_diff_vs_tf": diffs,
@@ -457,8 +492,8 @@ def main(argv=None):
                     row["ratio"][f"{em_name} / {peer}"] = statistics.median(ratios)
             results.append(row)
             print(
-                f"\n== {label}: {n_ids:.0f} ids per call, median of {args.rounds} rounds x "
-                f"{args.reps * args.batches} calls"
+                f"\n== dim {args.dim} {label}: {n_ids:.0f} ids per call, median of "
+                f"{args.rounds} rounds x {args.reps * args.batches} calls"
                 + (", each contender alone in turn" if args.blocks else ", interleaved")
             )
             for name in names:
@@ -475,10 +510,101 @@ def main(argv=None):
                         f"{diffs[k + ' allclose']}"
                     )
             sys.stdout.flush()
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "results": results}, fh, indent=1)
     return results
+
+
+def summary(results) -> None:
+    """One line per (dim, input): embedmesh over each peer, medians of per-round ratios."""
+    print("\n#### summary: embedmesh / peer (median of per-round ratios)")
+    for row in results:
+        pairs = [
+            f"{k.replace('embedmesh', 'em')}: {v:.2f}x"
+            for k, v in row["ratio"].items()
+            if _same_threads(k)
+        ]
+        print(f"  dim {row['dim']:4d} {row['input']:12s} " + "  ".join(pairs))
+
+
+def _same_threads(pair: str) -> bool:
+    """A ratio worth summarising: 1 thread vs 1 thread, N vs N, or vs TF / jit."""
+    em, peer = pair.split(" / ")
+    if not peer.startswith("torch"):
+        return True
+    em_t = em.rsplit("-", 1)[1].rstrip("]") if "t]" in em else "1t"
+    peer_t = peer[peer.index("[") + 1 : -1]
+    return em_t == peer_t
+
+
+def machine_line() -> str:
+    """CPU model, cores and vector ISA extensions (lscpu's), for the record."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    isa = [f for f in flags if f.startswith(("avx", "fma", "sse4_2", "amx"))]
+    return f"cpu: {model}, {os.cpu_count()} cpus, isa: {' '.join(isa) or 'unknown'}"
+
+
+def native_line() -> str:
+    from embedmesh.serving import native
+
+    width = native.library().EmServingVectorWidth()
+    return f"{width}-float vectors, {os.path.basename(native.path())}"
+
+
+def jit_contender(tables, batches, max_len, args):
+    """The traced path: `serving_embedding_lookup` inside `jax.jit`, tables as arguments
+    (device arrays), inputs as device arrays; one compile per batch shape (warm-up)."""
+    import jax
+    import jax.numpy as jnp
+
+    names = [f"f{i}" for i in range(args.tables)]
+    dev_tables = [jnp.asarray(t) for t in tables]
+
+    def prepare(kind, combiner):
+        tcs = [
+            em.TableConfig(args.vocab, args.dim, combiner=combiner, name=f"t{i}")
+            for i in range(args.tables)
+        ]
+        fcs = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
+
+        @jax.jit
+        def lookup(inputs, tabs):
+            return em.serving_embedding_lookup(inputs, None, dict(zip(tcs, tabs)), fcs)
+
+        calls = Calls()
+        for feats in batches:
+            if kind == "ragged":
+                inputs = {
+                    n: em.RaggedTensor(jnp.asarray(f["ids"]), jnp.asarray(f["splits"]))
+                    for n, f in zip(names, feats)
+                }
+            elif kind == "sparse":
+                inputs = {
+                    n: em.SparseTensor(
+                        jnp.asarray(sparse_indices(f)), jnp.asarray(f["ids"]), (args.batch, max_len)
+                    )
+                    for n, f in zip(names, feats)
+                }
+            else:
+                inputs = {n: jnp.asarray(f["dense"]) for n, f in zip(names, feats)}
+
+            def call(inputs=inputs):
+                out = lookup(inputs, dev_tables)
+                for v in out.values():
+                    v.block_until_ready()
+                return [out[n] for n in names]
+
+            calls.append(call)
+        return calls
+
+    return prepare
 
 
 if __name__ == "__main__":

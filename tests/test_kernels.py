@@ -1,4 +1,4 @@
-"""Property tests of `embedmesh.serving.kernels.weighted_segment_sum`, both backends.
+"""Property tests of `embedmesh.serving.kernels.weighted_segment_sum`, every backend.
 
 The reference is a float64 loop written out below. Every output buffer the
 kernels allocate is poisoned with NaN first, so an element a kernel forgets
@@ -22,8 +22,16 @@ from hypothesis import strategies as st
 
 from embedmesh.serving import kernels
 
-BACKENDS = ["numpy"] + (["numba"] if kernels.HAVE_NUMBA else [])
-IMPLS = {"numpy": kernels.weighted_segment_sum_numpy, "numba": kernels.weighted_segment_sum_numba}
+BACKENDS = (
+    ["numpy"]
+    + (["numba"] if kernels.HAVE_NUMBA else [])
+    + (["native"] if kernels.HAVE_NATIVE else [])
+)
+IMPLS = {
+    "numpy": kernels.weighted_segment_sum_numpy,
+    "numba": kernels.weighted_segment_sum_numba,
+    "native": kernels.weighted_segment_sum_native,
+}
 COMBINERS = [None, "sum", "mean", "sqrtn"]
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 EPS = {
@@ -147,14 +155,15 @@ def test_matches_float64_reference(backend, problem):
     check_against_reference(out, table, ids, rows, weights, num_rows, combiner)
 
 
-@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba is not importable")
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="neither numba nor the C++ kernels are usable")
+@pytest.mark.parametrize("backend", BACKENDS[1:])
 @SETTINGS
 @given(problem=problems(dtypes=(np.float32,)))
-def test_backends_agree(problem):
+def test_backends_agree(backend, problem):
     """Same float32 products added in the same order: sums agree bit for bit."""
     table, ids, rows, weights, num_rows, combiner = problem
     a = kernels.weighted_segment_sum_numpy(table, ids, rows, weights, num_rows, combiner)
-    b = kernels.weighted_segment_sum_numba(table, ids, rows, weights, num_rows, combiner)
+    b = IMPLS[backend](table, ids, rows, weights, num_rows, combiner)
     if combiner in (None, "sum"):
         np.testing.assert_array_equal(a, b)
     else:  # the denominators may be summed in another order by numpy
@@ -177,7 +186,8 @@ def test_dispatch_follows_backend(backend, monkeypatch):
 
 
 def test_default_backend():
-    assert kernels.get_backend() == ("numba" if kernels.HAVE_NUMBA else "numpy")
+    default = "native" if kernels.HAVE_NATIVE else "numba" if kernels.HAVE_NUMBA else "numpy"
+    assert kernels.get_backend() == default
     with pytest.raises(ValueError, match="unknown backend"):
         kernels.set_backend("cuda")
 
@@ -296,8 +306,9 @@ out = k.weighted_segment_sum(t, np.array([1, 3, 2]), np.array([0, 0, 2]),
 np.testing.assert_allclose(out, [[5, 6], [0, 0], [4, 5], [0, 0]])
 print("ok")
 """
+    env = {**os.environ, "EMBEDMESH_SERVING_NATIVE": "0"}  # the C++ kernels off too
     res = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
     )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
@@ -315,7 +326,7 @@ def test_module_loads_standalone():
     top = {(mod, name) for indent, mod, name in imports if not indent}
     assert top <= {("embedmesh", "_runtime"), ("embedmesh._runtime", "aligned_empty")}, top
     lazy = {(mod, name) for indent, mod, name in imports if indent}
-    assert not lazy, lazy
+    assert lazy <= {("embedmesh.serving", "native")}, lazy  # the C++ kernels' loader
     with open(spec.origin) as fh:  # the kernels module, imported at first use only
         assert '_runtime.numba_module("embedmesh.serving.numba_kernels")' in fh.read()
     with open(importlib.util.find_spec("embedmesh._runtime").origin) as fh:

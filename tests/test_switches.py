@@ -102,11 +102,13 @@ print(json.dumps(seen))
 
 
 def test_numba_off_makes_preprocessing_and_serving_use_numpy(tmp_path):
-    off = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "off.npz")
+    # EMBEDMESH_SERVING_NATIVE=0: the serving kernels' C++ backend off too (it needs no numba)
+    no_cc = {"EMBEDMESH_SERVING_NATIVE": "0"}
+    off = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0", **no_cc}, tmp_path / "off.npz")
     assert off == {"numba": False, "preprocess_numba": False, "serving": "numpy"}
     if not HAVE_NUMBA:
         pytest.skip("numba is not installed: no numba run to compare with")
-    on = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "1"}, tmp_path / "on.npz")
+    on = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "1", **no_cc}, tmp_path / "on.npz")
     assert on == {"numba": True, "preprocess_numba": True, "serving": "numba"}
     a, b = np.load(tmp_path / "off.npz"), np.load(tmp_path / "on.npz")
     assert sorted(a.files) == sorted(b.files) and len(a.files) > 6
@@ -115,6 +117,22 @@ def test_numba_off_makes_preprocessing_and_serving_use_numpy(tmp_path):
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
         else:  # mean/sqrtn denominators may be summed in another order
             np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_serving_native_is_the_default_and_needs_no_numba(tmp_path):
+    from embedmesh.serving import kernels, native
+
+    if not kernels.HAVE_NATIVE:
+        pytest.skip(f"no C++ serving kernels here: {native.reason()}")
+    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "native.npz")
+    assert seen == {"numba": False, "preprocess_numba": False, "serving": "native"}
+    ref = run_with(
+        WORKLOAD, {"EMBEDMESH_NUMBA": "0", "EMBEDMESH_SERVING_NATIVE": "0"}, tmp_path / "np.npz"
+    )
+    assert ref["serving"] == "numpy"
+    a, b = np.load(tmp_path / "native.npz"), np.load(tmp_path / "np.npz")
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
 
 SERVING_THREADS = """

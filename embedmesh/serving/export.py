@@ -44,6 +44,7 @@ shapes.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -582,7 +583,7 @@ class ServingFunction:
     `tables` (`{name: device array}`).
     """
 
-    def __init__(self, directory):
+    def __init__(self, directory, *, precompile: bool = True):
 
         self.directory = os.fspath(directory)
         with open(os.path.join(self.directory, MANIFEST)) as f:
@@ -613,6 +614,8 @@ class ServingFunction:
         self._forked = False
         self._load_arrays()
         _LIVE.add(self)
+        if precompile:  # no cold start: the first request runs a compiled, warm program
+            self._warm_up()
 
     def _load_arrays(self):
         """Tables and parameters onto the device; programs compiled afresh on first use."""
@@ -662,6 +665,52 @@ class ServingFunction:
                 jax.jit(exported.call).lower(specs, self._tables, self._params).compile()
             )
         return fn
+
+    def _warm_up(self):
+        """Compile every bucket's program and run each once (zeros), and one empty call
+        through `__call__`: the first request then pays no compile and no first-run
+        cost (the program's first execution, numpy's first use of a function)."""
+        from embedmesh.inputs import RaggedTensor, SparseTensor
+
+        for b in self.batch_sizes:
+            self._program(b)
+        empty = []
+        for spec in _spec_leaves(self._in):
+            if isinstance(spec, Dense):
+                empty.append(np.zeros((0,) + spec.shape, spec.dtype))
+            elif isinstance(spec, Sparse):
+                idx = np.zeros((0, 1 + len(spec.shape)), spec.index_dtype)
+                empty.append(SparseTensor(idx, np.zeros(0, spec.dtype), (0,) + spec.shape))
+            else:
+                empty.append(RaggedTensor(np.zeros(0, spec.dtype), np.zeros(1, spec.splits_dtype)))
+        # the smallest bucket end to end, a few times: a call's first runs are slower
+        # (malloc growing its heap for the padded inputs, caches, the executable's state)
+        for _ in range(3):
+            self(_rebuild_structure(self._in, iter(empty)))
+        for b in self.batch_sizes:
+            self._run_zeros(b)
+            self._run_zeros(b)
+        # the garbage of loading and compiling, collected now rather than by a request
+        gc.collect()
+
+    def _run_zeros(self, b: int):
+        """Run bucket b's program once on zero inputs (its first execution)."""
+        pb = b + self._extra
+        flat = []
+        for spec in _spec_leaves(self._in):
+            if isinstance(spec, Dense):
+                flat.append(np.zeros((pb,) + spec.shape, spec.dtype))
+            elif isinstance(spec, Sparse):
+                cap = b * int(spec.nnz_per_example or 0)
+                flat += [
+                    np.zeros((cap, 1 + len(spec.shape)), spec.index_dtype),
+                    np.zeros(cap, spec.dtype),
+                ]
+            else:
+                cap = b * spec.nnz_per_example
+                flat += [np.zeros(cap, spec.dtype), np.zeros(pb + 1, spec.splits_dtype)]
+        for r in self._program(b)(flat, self._tables, self._params):
+            np.asarray(r)
 
     def _prepare_for_fork(self):
         """Before a fork (in the parent): every bucket compiled and serialized, so that a
@@ -745,7 +794,21 @@ class ServingFunction:
         return _rebuild_structure(self._out, iter(flat_out))
 
 
-def load_serving(directory) -> ServingFunction:
+def _spec_leaves(structure: dict) -> list:
+    """The input specs of a manifest structure, in its leaves' order."""
+    t = structure["t"]
+    if t == "leaf":
+        return [_spec_from_json(structure["spec"])]
+    if t == "none":
+        return []
+    return [x for sub in structure["v"] for x in _spec_leaves(sub)]
+
+
+def load_serving(directory, *, precompile: bool = True) -> ServingFunction:
     """Load an export of `export_serving`: a callable taking numpy / SparseTensor /
-    RaggedTensor inputs in the exported structure and returning numpy outputs."""
-    return ServingFunction(directory)
+    RaggedTensor inputs in the exported structure and returning numpy outputs.
+
+    With `precompile` (the default) every batch bucket's program is compiled here,
+    so the first call runs as fast as later ones; `precompile=False` compiles each
+    bucket at its first use instead (a faster load, a slow first call per bucket)."""
+    return ServingFunction(directory, precompile=precompile)

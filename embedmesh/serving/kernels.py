@@ -9,17 +9,24 @@ non-temporal stores where rows are whole cache lines), `sparse_offsets`
 `prepare_bag_combine` / `prepare_gather` split the first two into checks
 (now) and the kernel (later), so a caller can run many kernels back to back.
 
-Two backends compute the same thing:
+Three backends compute the same thing:
 
-- "numba" (the default when numba is importable; compiled kernels in
-  `embedmesh.serving.numba_kernels`, imported at first use, never by
-  `import embedmesh`): one sequential pass over
+- "native" (the default where its library loads): C++ kernels
+  (`embedmesh/serving/cpu/serving.cc`, plain C called through ctypes, which
+  releases the GIL; found or built by `embedmesh.serving.native.library()`,
+  imported at first use). The bag kernel makes one pass per bag: range check,
+  pruning, denominator, software prefetch of the rows ahead, and the sums held
+  in vector registers (one template instance per register-block width, a masked
+  tail for odd widths); float32, in entry order, no FMA. Nothing is compiled at a
+  call: a serving process's first lookup is as fast as its later ones.
+- "numba" (when the C++ kernels are unavailable and numba is importable;
+  compiled kernels in `embedmesh.serving.numba_kernels`, imported at first use,
+  never by `import embedmesh`, compiled at a process's first call): one
+  sequential pass over
   the entries, software-prefetching the table rows a few entries ahead;
   each bag accumulated in float32, in entry order, in registers (stack
   accumulators, options fixed at compile time), then normalised; no
-  intermediate [nnz, dim] array. On the serving benchmark (8 tables x 1M x
-  64, Zipf ids; benchmarks/RESULTS_serving.md) the kernel alone runs at
-  about torch's `embedding_bag` with one thread. A `prange` version was no
+  intermediate [nnz, dim] array. A `prange` version was no
   faster on 2 shared cores and, under OpenMP, up to 10x slower whenever the
   other core is busy, so kernels are single-threaded and release the GIL
   (nogil); `serving.set_host_threads` spreads features over threads.
@@ -27,8 +34,9 @@ Two backends compute the same thing:
   group of equal-length rows as `[rows, L, dim].sum(axis=1)`.
 
 `set_backend` switches between them (tests, benchmarks); the environment
-variable `EMBEDMESH_NUMBA=0` (read once, by `embedmesh._runtime`) disables
-numba altogether, here and in host preprocessing.
+variable `EMBEDMESH_SERVING_NATIVE=0` disables the C++ kernels and
+`EMBEDMESH_NUMBA=0` (read once, by `embedmesh._runtime`) numba altogether,
+here and in host preprocessing.
 Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
 references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
@@ -40,6 +48,7 @@ import functools
 import math
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -61,13 +70,14 @@ __all__ = [
     "sparse_offsets",
     "weighted_segment_sum",
     "weighted_segment_sum_numba",
+    "weighted_segment_sum_native",
     "weighted_segment_sum_numpy",
 ]
 
 _ALIGN = 64  # bytes; XLA's CPU client aliases host buffers aligned like this
 
 _NUMBA = None  # None: not tried yet; False: unavailable; else embedmesh.serving.numba_kernels
-_backend: str | None = None  # "numba" or "numpy"; None: numba if it loads at first use
+_backend: str | None = None  # "native", "numba" or "numpy"; None: chosen at first use
 
 
 def _numba_kernels():
@@ -78,30 +88,55 @@ def _numba_kernels():
     return _NUMBA or None
 
 
+def _native_library():
+    """The C++ serving kernels (`embedmesh.serving.native.library()`), or None."""
+    global _LIB
+    if _LIB is None:
+        from embedmesh.serving import native
+
+        _LIB = native.library() or False
+    return _LIB or None
+
+
+_LIB: Any = None  # None: not tried yet; False: unavailable; else the ctypes library
+_BACKENDS = ("native", "numba", "numpy")
+
+
 def __getattr__(name):
-    # HAVE_NUMBA: whether the numba backend can be used (asking imports numba)
+    # HAVE_NUMBA: whether the numba backend can be used (asking imports numba);
+    # HAVE_NATIVE: whether the C++ kernels can be used (asking builds or loads them)
     if name == "HAVE_NUMBA":
         return _numba_kernels() is not None
+    if name == "HAVE_NATIVE":
+        return _native_library() is not None
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_backend() -> str:
-    """The implementation the kernels use now: "numba" or "numpy"."""
+    """The implementation the kernels use now: "native", "numba" or "numpy"."""
     global _backend
     if _backend is None:
-        _backend = "numba" if _numba_kernels() is not None else "numpy"
+        if _native_library() is not None:
+            _backend = "native"
+        else:
+            _backend = "numba" if _numba_kernels() is not None else "numpy"
     return _backend
 
 
 def set_backend(name: str) -> str:
-    """Select "numba" (requires numba) or "numpy"; returns the previous backend."""
+    """Select "native" (the C++ kernels; needs a C++ compiler or the built library),
+    "numba" (requires numba) or "numpy"; returns the previous backend."""
     global _backend
-    if name not in ("numba", "numpy"):
-        raise ValueError(f"unknown backend {name!r}: expected 'numba' or 'numpy'")
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(_BACKENDS)}")
     if name == "numba" and _numba_kernels() is None:
         raise RuntimeError(
             "the numba backend needs numba, which is not importable (or EMBEDMESH_NUMBA=0)"
         )
+    if name == "native" and _native_library() is None:
+        from embedmesh.serving import native
+
+        raise RuntimeError(f"the native backend is unavailable: {native.reason()}")
     previous, _backend = get_backend(), name
     return previous
 
@@ -513,6 +548,169 @@ def weighted_segment_sum_numba(
         raise
 
 
+# ---------------------------------------------------------------------------
+# native backend: the C++ kernels (`embedmesh/serving/cpu/serving.cc`) through ctypes
+# (`_LIB`, loaded by `get_backend` / `set_backend` before any of these runs); ctypes
+# releases the GIL for each call.
+
+
+class _NativeCall:
+    """A C++ kernel with its checked arguments (raw addresses), the arrays behind them
+    (`keep`: alive until it has run) and its output, run later (see `_KernelCall`)."""
+
+    __slots__ = ("fn", "args", "keep", "out", "ids", "vocab")
+
+    def __init__(self, fn, args, keep, out, ids, vocab):
+        self.fn, self.args, self.keep, self.out = fn, args, keep, out
+        self.ids, self.vocab = ids, vocab
+
+    def __call__(self) -> np.ndarray:
+        bad = self.fn(*self.args)
+        if bad >= 0:
+            raise IdOutOfRange(bad, self.ids[bad], self.vocab)
+        return self.out
+
+
+def _native_ids(ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Signed ids as a contiguous int32 or int64 array, and whether they are int64."""
+    if ids.dtype == np.int64 or ids.dtype == np.int32:
+        ids = np.ascontiguousarray(ids)
+    else:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+    return ids, int(ids.dtype == np.int64)
+
+
+def _row_major(table: np.ndarray) -> np.ndarray:
+    """The table, or a contiguous copy if its rows are not each contiguous."""
+    item = table.dtype.itemsize
+    if table.strides[1] == item and table.strides[0] >= 0 and table.strides[0] % item == 0:
+        return table
+    return np.ascontiguousarray(table)
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _prepare_gather_native(table: np.ndarray, ids: np.ndarray):
+    if table.dtype.hasobject or table.dtype.itemsize == 0:
+        return lambda: _gather_numpy(table, ids)
+    table = _row_major(table)
+    out = output_empty((ids.shape[0], table.shape[1]), table.dtype)
+    ids, is64 = _native_ids(ids)
+    args = (
+        _addr(table),
+        table.shape[0],
+        table.shape[1] * table.dtype.itemsize,
+        table.strides[0],
+        _addr(ids),
+        is64,
+        ids.shape[0],
+        _addr(out),
+    )
+    return _NativeCall(_LIB.EmServingGather, args, (table, ids), out, ids, table.shape[0])
+
+
+def _bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w) -> np.ndarray:
+    return _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w)()
+
+
+def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
+    """The C++ bag kernel ready to run, giving float32 sums; tables of other dtypes are
+    pruned, gathered and widened when run."""
+    if table.dtype != np.float32:
+
+        def run():
+            c_ids, c_offsets, c_w = _drop_pruned(
+                ids, offsets, weights, table.shape[0], prune_ids, prune_w
+            )
+            wide = _prepare_gather_native(table, c_ids)().astype(np.float32)
+            return _bag_native(
+                wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w, mode, False, False
+            )
+
+        return run
+    table = _row_major(table)
+    num_rows, dim = offsets.shape[0] - 1, table.shape[1]
+    out = output_empty((num_rows, dim), np.float32)
+    ids, is64 = _native_ids(ids)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    has_w = weights is not None
+    args = (
+        _addr(table),
+        table.shape[0],
+        dim,
+        table.strides[0] // 4,
+        _addr(ids),
+        is64,
+        _addr(offsets),
+        num_rows,
+        _addr(weights) if has_w else None,
+        mode,
+        int(prune_ids),
+        int(prune_w and has_w),
+        _addr(out),
+        dim,
+    )
+    keep = (table, ids, offsets, weights)
+    return _NativeCall(_LIB.EmServingBagF32, args, keep, out, ids, table.shape[0])
+
+
+def _rows_to_offsets_native(rows: np.ndarray, num_rows: int) -> np.ndarray | None:
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    offsets = np.empty(num_rows + 1, np.int64)
+    bad = _LIB.EmServingRowsToOffsets(_addr(rows), rows.shape[0], num_rows, _addr(offsets))
+    return offsets if bad < 0 else None
+
+
+def weighted_segment_sum_native(
+    table: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    num_rows: int,
+    combiner: str | None,
+) -> np.ndarray:
+    """`weighted_segment_sum` with the C++ kernels (requires them)."""
+    if _native_library() is None:
+        from embedmesh.serving import native
+
+        raise RuntimeError(f"the native backend is unavailable: {native.reason()}")
+    mode = combiner_code(combiner)
+    table, ids, rows, weights, num_rows = _prepare(table, ids, rows, weights, num_rows)
+    offsets = _rows_to_offsets_native(rows, num_rows)
+    if offsets is None:
+        raise _rows_error(rows, num_rows)
+    ids, _ = _signed_ids(ids)
+    try:
+        if _is_plain_lookup(rows, weights, num_rows, mode):
+            return _prepare_gather_native(table, ids)()
+        return _finish(_bag_native(table, ids, offsets, weights, mode, False, False), table.dtype)
+    except IdOutOfRange:
+        _check_ids(ids, table.shape[0])  # the old message: the range of the ids
+        raise
+
+
+def _sparse_offsets_native(indices, shape, num_rows):
+    rank = shape.shape[0]
+    if indices.ndim != 2 or indices.shape[1] != rank or rank < 1:
+        return None
+    if indices.dtype != np.int64 and indices.dtype != np.int32:
+        indices = indices.astype(np.int64)
+    indices = np.ascontiguousarray(indices)
+    shape = np.ascontiguousarray(shape, dtype=np.int64)
+    offsets = np.empty(num_rows + 1, np.int64)
+    bad = _LIB.EmServingSparseOffsets(
+        _addr(indices),
+        int(indices.dtype == np.int64),
+        indices.shape[0],
+        rank,
+        _addr(shape),
+        _addr(offsets),
+    )
+    return (offsets, -1) if bad < 0 else (None, int(bad))
+
+
 def weighted_segment_sum(
     table: np.ndarray,
     ids: np.ndarray,
@@ -532,7 +730,10 @@ def weighted_segment_sum(
     dtype. Uses the numba backend when numba is importable (see
     `set_backend`); both backends give the same values.
     """
-    if (_backend or get_backend()) == "numba":
+    backend = _backend or get_backend()
+    if backend == "native":
+        return weighted_segment_sum_native(table, ids, rows, weights, num_rows, combiner)
+    if backend == "numba":
         return weighted_segment_sum_numba(table, ids, rows, weights, num_rows, combiner)
     return weighted_segment_sum_numpy(table, ids, rows, weights, num_rows, combiner)
 
@@ -598,7 +799,12 @@ def prepare_bag_combine(
     ids, can_be_negative = _signed_ids(ids)
     prune_ids = prune_ids and can_be_negative
     prune_weights = prune_weights and weights is not None
-    if (_backend or get_backend()) == "numba":
+    backend = _backend or get_backend()
+    if backend == "native":
+        run = _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_weights)
+        if table.dtype != np.float32:
+            run = functools.partial(_finish_run, run, table.dtype)
+    elif backend == "numba":
         run = _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_weights)
         if table.dtype != np.float32:
             run = functools.partial(_finish_run, run, table.dtype)
@@ -628,7 +834,10 @@ def prepare_gather(table, ids):
         raise ValueError(
             f"table must be 2-D and ids 1-D integers, got {table.shape} and {ids.dtype} {ids.shape}"
         )
-    if (_backend or get_backend()) == "numba":
+    backend = _backend or get_backend()
+    if backend == "native":
+        return _report_given_ids(_prepare_gather_native(table, _signed_ids(ids)[0]), ids)
+    if backend == "numba":
         return _report_given_ids(_prepare_gather_numba(table, ids), ids)
     return _report_given_ids(lambda: _gather_numpy(table, _signed_ids(ids)[0]), ids)
 
@@ -658,7 +867,12 @@ def sparse_offsets(indices: np.ndarray, dense_shape: tuple) -> tuple[np.ndarray 
     indices = np.asarray(indices)
     shape = np.asarray(dense_shape, np.int64)
     num_rows = int(np.prod(shape[:-1]))
-    if (_backend or get_backend()) == "numba":
+    backend = _backend or get_backend()
+    if backend == "native":
+        done = _sparse_offsets_native(indices, shape, num_rows)
+        if done is not None:
+            return done
+    elif backend == "numba":
         offsets = np.empty(num_rows + 1, np.int64)
         if shape.shape[0] == 2 and indices.ndim == 2 and indices.shape[1] == 2:
             bad = _NUMBA.sparse_offsets_2d(indices, shape[0], shape[1], offsets)

@@ -22,6 +22,7 @@ and read as zero rows.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - imported now, not in the first call's pool
 import itertools
 from typing import Any
 
@@ -39,7 +40,7 @@ from embedmesh.inputs import (
     is_concrete,
     to_csr,
 )
-from embedmesh.serving import kernels
+from embedmesh.serving import kernels, native  # noqa: F401 - native: its loader, imported now
 
 __all__ = ["serving_embedding_lookup", "set_host_threads"]
 

@@ -1,0 +1,1 @@
+"""C++ sources of the serving kernels (package data; see embedmesh.serving.native)."""

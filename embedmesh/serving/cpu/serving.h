@@ -1,0 +1,56 @@
+// Serving kernels of embedmesh: plain C ABI (no XLA headers), called with ctypes.
+//
+// Every function works on caller-owned memory, allocates nothing the caller sees,
+// and returns -1 on success or the index of the first offending entry.
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+// out[r, :] = combine over kept k in [offsets[r], offsets[r+1]) of w_k * table[ids[k], :].
+// ids: int32 (ids_are_64 = 0) or int64 (1). weights: NULL for all ones. mode: 0 sum,
+// 1 mean (divide by sum w), 2 sqrtn (divide by sqrt(sum w^2)); a zero denominator gives
+// a zero row. prune_ids: skip ids < 0; prune_weights: skip entries whose weight is not
+// > 0 (TensorFlow's safe lookup). Accumulates in float32 in entry order, no FMA.
+// table_stride and out_stride in floats. Returns -1, or the first kept entry whose id
+// lies outside [0, vocab) (rows before it are written, the rest are not).
+int64_t EmServingBagF32(const float* table, int64_t vocab, int64_t dim, int64_t table_stride,
+                        const void* ids, int32_t ids_are_64, const int64_t* offsets,
+                        int64_t num_rows, const float* weights, int32_t mode, int32_t prune_ids,
+                        int32_t prune_weights, float* out, int64_t out_stride);
+
+// out[k, :] = table[ids[k], :] byte for byte, rows of row_bytes (table rows
+// table_stride_bytes apart, out rows packed). Returns -1, or the first k with an id
+// outside [0, vocab).
+int64_t EmServingGather(const void* table, int64_t vocab, int64_t row_bytes,
+                        int64_t table_stride_bytes, const void* ids, int32_t ids_are_64,
+                        int64_t n, void* out);
+
+// Bag offsets (num_rows + 1 values, num_rows = prod(shape[:-1])) of sorted COO
+// indices [n, rank] (int32 or int64): checks each index lies in shape and follows the
+// previous one in row-major order without repeats. Returns -1 or the first bad entry.
+int64_t EmServingSparseOffsets(const void* indices, int32_t indices_are_64, int64_t n,
+                               int64_t rank, const int64_t* shape, int64_t* offsets);
+
+// offsets[r] = first entry of row r of non-decreasing int64 rows in [0, num_rows);
+// returns -1, or the first entry breaking that.
+int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
+                               int64_t* offsets);
+
+// Cache lines of rows prefetched ahead (default 128; the entries ahead are this over
+// the lines of a row, within [2, 64]; 0: no prefetch); returns the previous value.
+int64_t EmServingSetPrefetch(int64_t entries);
+
+// Cache lines prefetched per row (default 0: every line the row touches); returns the
+// previous setting.
+int64_t EmServingSetRowLines(int64_t n);
+
+// Whether rows of at most one register block use the one-pass kernel (default 1);
+// returns the previous setting (benchmarks compare the two).
+int64_t EmServingSetFused(int64_t on);
+
+// The vector width the kernels were built for, in floats (16 AVX-512, 8 AVX2, 4 else).
+int64_t EmServingVectorWidth(void);
+
+}  // extern "C"

@@ -1,0 +1,99 @@
+"""The serving kernels' C++ library (`embedmesh/serving/cpu/*.cc`), through ctypes.
+
+`library()` returns it as a `ctypes.CDLL` (argument types set), or None when it
+cannot be had (no build and no C++ compiler, a failed build,
+`EMBEDMESH_SERVING_NATIVE=0`); `reason()` says why. The library is built at
+install with the device kernels, per ISA variant, and found by
+`embedmesh._native.load("serving")` (`EMBEDMESH_CPU_ISA` picks a variant). ctypes
+releases the GIL around every call, so features run in parallel on
+`set_host_threads` threads. Everything else in `embedmesh.serving` goes through
+`library()`, never through how the library was found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from embedmesh import _native
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib" once loaded; "why" once that failed
+
+
+def library():
+    """The serving kernels as a `ctypes.CDLL` (argument types set), or None (see
+    `reason()`). Found once per process."""
+    with _lock:
+        if "lib" in _state or "why" in _state:
+            return _state.get("lib")
+        if _env_off():
+            _state["why"] = "disabled by EMBEDMESH_SERVING_NATIVE=0"
+            return None
+        try:
+            lib = _native.load("serving")
+            _state["lib"] = declare(lib)
+            _state["path"] = lib._name
+        except Exception as e:  # noqa: BLE001 - any failure means: another backend
+            _state["why"] = f"{type(e).__name__}: {e}"
+        return _state.get("lib")
+
+
+def _env_off() -> bool:
+    return os.environ.get("EMBEDMESH_SERVING_NATIVE", "").strip().lower() in (
+        "0",
+        "false",
+        "off",
+        "no",
+    )
+
+
+def reason() -> str:
+    """Why `library()` is None ("" when it is not)."""
+    library()
+    return _state.get("why", "")
+
+
+def path() -> str:
+    """The loaded library's path ("" when none is loaded)."""
+    return _state.get("path", "")
+
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the argument and result types of the serving symbols of `lib`."""
+    sigs = {
+        "EmServingBagF32": [
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _I32,
+            _P,
+            _I64,
+            _P,
+            _I32,
+            _I32,
+            _I32,
+            _P,
+            _I64,
+        ],
+        "EmServingGather": [_P, _I64, _I64, _I64, _P, _I32, _I64, _P],
+        "EmServingSparseOffsets": [_P, _I32, _I64, _I64, _P, _P],
+        "EmServingRowsToOffsets": [_P, _I64, _I64, _P],
+        "EmServingSetPrefetch": [_I64],
+        "EmServingSetFused": [_I64],
+        "EmServingSetRowLines": [_I64],
+        "EmServingVectorWidth": [],
+    }
+    for symbol, argtypes in sigs.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes = argtypes
+        fn.restype = _I64
+    return lib

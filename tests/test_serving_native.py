@@ -1,0 +1,213 @@
+"""The C++ serving kernels (`embedmesh/serving/cpu/serving.cc`) against float64 numpy.
+
+Row widths cover every code path of the build's vector width (16 floats with AVX-512,
+8 with AVX2): one register block with and without a masked tail, several blocks (the
+two-pass kernel, dims over 256 with AVX-512), and both the one-pass and the two-pass
+kernel (`EmServingSetFused`) for every width. Outputs are poisoned (NaN) before the
+kernels write them; tables are random; weights are quarters (exact sums).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embedmesh.serving import kernels, native
+
+pytestmark = pytest.mark.skipif(
+    not kernels.HAVE_NATIVE, reason=f"no C++ serving kernels: {native.reason()}"
+)
+
+DIMS = [1, 3, 7, 8, 15, 16, 17, 31, 48, 64, 100, 127, 128, 129, 255, 256, 257, 300, 520]
+SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture(autouse=True)
+def native_poisoned(monkeypatch):
+    """The native backend, every output buffer NaN until written."""
+    real = kernels.output_empty
+
+    def poisoned(shape, dtype):
+        out = real(shape, dtype)
+        out.view(np.uint8)[...] = 0xFF
+        return out
+
+    monkeypatch.setattr(kernels, "output_empty", poisoned)
+    previous = kernels.set_backend("native")
+    yield
+    kernels.set_backend(previous)
+    native.library().EmServingSetFused(1)
+
+
+def reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights):
+    """float64 loops with TensorFlow's pruning; (out, tolerance scale per row)."""
+    num_rows, dim = len(offsets) - 1, table.shape[1]
+    tab = table.astype(np.float64)
+    out = np.zeros((num_rows, dim))
+    scale = np.zeros(num_rows)
+    for r in range(num_rows):
+        den = 0.0
+        for k in range(offsets[r], offsets[r + 1]):
+            w = 1.0 if weights is None else float(weights[k])
+            if (prune_ids and ids[k] < 0) or (prune_weights and not w > 0):
+                continue
+            out[r] += w * tab[ids[k]]
+            scale[r] += abs(w) * np.abs(tab[ids[k]]).max()
+            den += w if combiner == "mean" else w * w
+        if combiner in ("mean", "sqrtn"):
+            d = den if combiner == "mean" else np.sqrt(den)
+            if d == 0:
+                out[r], scale[r] = 0.0, 0.0
+            else:
+                out[r] /= d
+                scale[r] /= abs(d)
+    return out, scale
+
+
+@st.composite
+def bags(draw):
+    dim = draw(st.sampled_from(DIMS))
+    vocab = draw(st.integers(1, 40))
+    counts = draw(st.lists(st.integers(0, 7), max_size=9))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    n = int(offsets[-1])
+    prune_ids = draw(st.booleans())
+    ids = np.asarray(
+        draw(st.lists(st.integers(-2 if prune_ids else 0, vocab - 1), min_size=n, max_size=n)),
+        dtype=draw(st.sampled_from([np.int32, np.int64])),
+    )
+    weights = None
+    if draw(st.booleans()):
+        weights = (
+            np.asarray(draw(st.lists(st.integers(-6, 8), min_size=n, max_size=n)), np.float32) / 4
+        )
+    combiner = draw(st.sampled_from(["sum", "mean", "sqrtn"]))
+    prune_weights = draw(st.booleans())
+    fused = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31))
+    table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(np.float32)
+    return table, ids, offsets, weights, combiner, prune_ids, prune_weights, fused
+
+
+@SETTINGS
+@given(problem=bags())
+def test_bag_matches_float64_reference(problem):
+    table, ids, offsets, weights, combiner, prune_ids, prune_weights, fused = problem
+    native.library().EmServingSetFused(int(fused))
+    out = kernels.bag_combine(
+        table, ids, offsets, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
+    )
+    assert out.shape == (len(offsets) - 1, table.shape[1]) and out.dtype == np.float32
+    assert not np.isnan(out).any(), "an output element was never written"
+    want, scale = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
+    counts = np.diff(offsets)
+    tol = (4 * (counts + 2) * 2.0**-24 * scale)[:, None] + 2.0**-24 * np.abs(want)
+    assert np.all(np.abs(out - want) <= tol + 1e-30), np.max(np.abs(out - want))
+
+
+@SETTINGS
+@given(problem=bags())
+def test_one_pass_and_two_pass_kernels_agree_bit_for_bit(problem):
+    table, ids, offsets, weights, combiner, prune_ids, prune_weights, _ = problem
+    outs = []
+    for fused in (1, 0):
+        native.library().EmServingSetFused(fused)
+        outs.append(
+            kernels.bag_combine(
+                table,
+                ids,
+                offsets,
+                weights,
+                combiner,
+                prune_ids=prune_ids,
+                prune_weights=prune_weights,
+            ).copy()
+        )
+    np.testing.assert_array_equal(outs[0], outs[1])
+    kernels.set_backend("numpy")
+    ref = kernels.bag_combine(
+        table, ids, offsets, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
+    )
+    if combiner == "sum":  # same products added in the same order as the numpy backend
+        np.testing.assert_array_equal(outs[0], ref)
+
+
+@pytest.mark.parametrize("fused", [1, 0])
+@pytest.mark.parametrize("dim", [16, 100, 300])
+def test_out_of_range_id_names_the_entry(fused, dim):
+    native.library().EmServingSetFused(fused)
+    table = np.ones((10, dim), np.float32)
+    ids = np.array([1, 2, -1, 3, 10, 4], np.int64)
+    offsets = np.array([0, 3, 6])
+    # id -1 is pruned; id 10 (entry 4) is outside the table
+    with pytest.raises(kernels.IdOutOfRange, match="got id 10 at entry 4"):
+        kernels.bag_combine(table, ids, offsets, None, "sum", prune_ids=True)
+    with pytest.raises(kernels.IdOutOfRange, match="got id -1 at entry 2"):
+        kernels.bag_combine(table, ids, offsets, None, "sum")
+
+
+@SETTINGS
+@given(
+    dim=st.sampled_from(DIMS + [4, 32]),
+    dtype=st.sampled_from([np.float32, np.float16, np.int8, np.float64]),
+    n=st.integers(0, 40),
+    seed=st.integers(0, 2**31),
+)
+def test_gather_is_bit_exact(dim, dtype, n, seed):
+    rng = np.random.default_rng(seed)
+    table = (rng.standard_normal((50, dim)) * 100).astype(dtype)
+    ids = rng.integers(0, 50, n)
+    out = kernels.gather(table, ids)
+    assert out.dtype == table.dtype and (n == 0 or out.ctypes.data % 64 == 0)
+    np.testing.assert_array_equal(out.view(np.uint8), table[ids].view(np.uint8))
+
+
+def test_bag_on_a_strided_table_and_low_precision_tables():
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((30, 40)).astype(np.float32)
+    table = wide[:, 3:20]  # rows not contiguous with each other
+    ids = rng.integers(0, 30, 25)
+    offsets = np.array([0, 5, 5, 17, 25])
+    out = kernels.bag_combine(table, ids, offsets, None, "mean")
+    want, _ = reference(table, ids, offsets, None, "mean", False, False)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    half = table.astype(np.float16)
+    out16 = kernels.bag_combine(half, ids, offsets, None, "sum")
+    assert out16.dtype == np.float16
+    want16, _ = reference(half, ids, offsets, None, "sum", False, False)
+    np.testing.assert_allclose(out16.astype(np.float64), want16, rtol=2e-3, atol=2e-3)
+
+
+@SETTINGS
+@given(
+    rows=st.lists(st.integers(0, 4), max_size=12),
+    cols=st.integers(1, 5),
+    rank3=st.booleans(),
+    idx64=st.booleans(),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_sparse_offsets_match_numpy(rows, cols, rank3, idx64, shuffle, seed):
+    rng = np.random.default_rng(seed)
+    entries = sorted({(r, int(rng.integers(0, cols))) for r in rows})
+    idx = np.array(entries, np.int64).reshape(-1, 2)
+    shape = (5, cols)
+    if rank3:  # [5, 2, cols]: the leading dims flattened
+        idx = np.stack([idx[:, 0] // 3, idx[:, 0] % 2, idx[:, 1]], 1)
+        shape = (2, 2, cols)
+        idx = idx[np.lexsort(idx.T[::-1])] if len(idx) else idx.reshape(0, 3)
+    if shuffle and len(idx) > 1:
+        idx = idx[::-1].copy()
+    idx = idx.astype(np.int64 if idx64 else np.int32)
+    got = kernels.sparse_offsets(idx, shape)
+    kernels.set_backend("numpy")
+    want = kernels.sparse_offsets(idx, shape)
+    assert got[1] == want[1]
+    if want[0] is None:
+        assert got[0] is None
+    else:
+        np.testing.assert_array_equal(got[0], want[0])
