@@ -328,7 +328,7 @@ def test_backward_update_sharded_matches_the_exchange_path(
     num_rows=st.integers(1, 8),
     d=st.sampled_from([1, 8, 16]),
     grouped=st.booleans(),
-    keep=st.sampled_from([True, True, False]),
+    keep=st.just(True),  # keep=False: the multi-process cases (host_exchange_worker)
     seed=st.integers(0, 2**31 - 1),
 )
 def test_replicated_backward_update_matches_the_gather_path(

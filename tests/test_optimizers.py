@@ -21,7 +21,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+from embedmesh.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    Optimizer,
+    RowWiseAdagrad,
+)
 
 ALL = [SGD, Adagrad, AdagradMomentum, Adam, FTRL]
 
@@ -271,7 +279,7 @@ SPECIFIC = {
     ),
 }
 
-CLASSES = {c.__name__: c for c in ALL}
+CLASSES = {c.__name__: c for c in [*ALL, RowWiseAdagrad]}
 
 
 def build(name, hp):

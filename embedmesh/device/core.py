@@ -160,7 +160,9 @@ class EmbeddingCore:
         s = self.plan.stack(stack)
         return (s.num_rows, s.dim)
 
-    def _make_stack_array(self, stack: str, default: float, pieces) -> jax.Array:
+    def _make_stack_array(
+        self, stack: str, default: float, pieces, width: int | None = None
+    ) -> jax.Array:
         """Global stack array: each local shard j starts as `default` on its
         device and receives `pieces(j, device)`, an iterable of `(row offset,
         [rows, dim_t] array)`, written in place one at a time.
@@ -169,13 +171,15 @@ class EmbeddingCore:
         a host copy of the whole shard as well (2x less peak memory); big CPU
         shards are on transparent huge pages (random row access 1.2x faster
         here) in buffers XLA owns, so the first donated step updates in place.
+        `width`: the columns of the array (default the stack's dim; a row slot's: 1).
         """
         spec = self.plan.stack(stack)
         S = spec.rows_per_shard
-        shape = self.stack_shape(stack)
+        width = spec.dim if width is None else int(width)
+        shape = self.stack_shape(stack)[:1] + (width,)
         datas = []
         for device, index in self.row_sharding.addressable_devices_indices_map(shape).items():
-            buf = ops.full((S, spec.dim), default, spec.dtype, device)
+            buf = ops.full((S, width), default, spec.dtype, device)
             for offset, rows in pieces((index[0].start or 0) // S, device):
                 rows = jax.device_put(rows, device)
                 buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset))
@@ -219,7 +223,7 @@ class EmbeddingCore:
             if opt is not None:
                 for slot, value in opt.slot_initial_values.items():
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, value, lambda j, device: ()
+                        spec.name, value, lambda j, device: (), opt.slot_width(slot, spec.dim)
                     )
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return EmbeddingState(tables, slots, step)
@@ -267,7 +271,10 @@ class EmbeddingCore:
                 for slot, init in opt.slot_initial_values.items():
                     src = lambda n, slot=slot: slot_values.get(n, {}).get(slot)
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, init, functools.partial(pieces, source=src)
+                        spec.name,
+                        init,
+                        functools.partial(pieces, source=src),
+                        opt.slot_width(slot, spec.dim),
                     )
         return EmbeddingState(
             tables, slots, jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)
