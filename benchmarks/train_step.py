@@ -1063,11 +1063,12 @@ def main():
     if bad:
         sys.exit(f"--optimizer: unknown {bad}; one or more of {', '.join(OPTIMIZERS)}")
     if optimizers != ["adagrad"]:
-        peers = [
-            f"{p}:{o}"
+        peers = [  # a peer named PEER:OPT already runs that optimizer only
+            p if ":" in p else f"{p}:{o}"
             for p in peers
-            for o in optimizers
-            if not (p == "fbgemm-exact" and o not in FBGEMM_OPTIM)
+            for o in ([None] if ":" in p else optimizers)
+            if ":" in p
+            or not (p == "fbgemm-exact" and o not in FBGEMM_OPTIM)
             and not (p == "fbgemm-rowwise" and o != "rowwise_adagrad")
         ]
     if args.baseline:

@@ -95,16 +95,23 @@ struct Common {
 
 // ---------------------------------------------------------------------------------------
 // Optimizer rules: float32 arithmetic on a clipped gradient g, the old weight w, the slot
-// values s[] (read and written) and the learning rate lr; `Step` returns the new weight
+// values s[] (read and written) and the learning rate lr; `Step<V>` returns the new weight
 // before weight decay and clamping. Each mirrors its class's `_rule` in embedmesh.optimizers
 // operation by operation; the constants computed in Python doubles there (1 - beta, ...)
 // arrive as attributes computed the same way.
+// A rule's options that choose between code paths make its variant V (`Variant(p)`, one of
+// kVariants), a template argument: a branch inside the element loop would keep it scalar
+// (a conditional sqrt or division is never if-converted under IEEE trapping semantics), so
+// the Updater instantiates one vectorisable loop per variant and picks it per call.
 
 struct Sgd {
   static constexpr int kSlots = 0;
   static constexpr bool kRowWise = false;
+  static constexpr int kVariants = 1;
   struct Params {};
   static Params Read(AttrReader&) { return {}; }
+  static int Variant(const Params&) { return 0; }
+  template <int V>
   static inline float Step(const Params&, float w, float g, float lr, float*, float) {
     return w - lr * g;
   }
@@ -113,8 +120,11 @@ struct Sgd {
 struct Adagrad {
   static constexpr int kSlots = 1;  // accumulators
   static constexpr bool kRowWise = false;
+  static constexpr int kVariants = 1;
   struct Params {};
   static Params Read(AttrReader&) { return {}; }
+  static int Variant(const Params&) { return 0; }
+  template <int V>
   static inline float Step(const Params&, float w, float g, float lr, float* s, float) {
     const float a = s[0] + g * g;
     s[0] = a;
@@ -137,14 +147,33 @@ struct AdagradMomentum {
     p.beta2_is_one = a.B("beta2_is_one"), p.exponent_is_two = a.B("exponent_is_two");
     return p;
   }
+  // bit 0: beta2 == 1, bit 1: exponent == 2, bit 2: Nesterov
+  static constexpr int kVariants = 8;
+  static int Variant(const Params& p) {
+    return (p.beta2_is_one ? 1 : 0) | (p.exponent_is_two ? 2 : 0) | (p.nesterov ? 4 : 0);
+  }
+  template <int V>
   static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
     float a = s[0];
-    a = p.beta2_is_one ? a + g * g : p.beta2 * a + p.one_minus_beta2 * g * g;
-    const float scale = p.exponent_is_two ? 1.0f / std::sqrt(a + p.epsilon)
-                                          : std::pow(a + p.epsilon, p.neg_inv_exponent);
+    if constexpr ((V & 1) != 0) {
+      a = a + g * g;
+    } else {
+      a = p.beta2 * a + p.one_minus_beta2 * g * g;
+    }
+    float scale;
+    if constexpr ((V & 2) != 0) {
+      scale = 1.0f / std::sqrt(a + p.epsilon);
+    } else {
+      scale = std::pow(a + p.epsilon, p.neg_inv_exponent);
+    }
     const float sg = scale * g;
     const float m = p.momentum * s[1] + sg;
-    const float step = p.nesterov ? p.momentum * m + sg : m;
+    float step;
+    if constexpr ((V & 4) != 0) {
+      step = p.momentum * m + sg;
+    } else {
+      step = m;
+    }
     s[0] = a, s[1] = m;
     return w - lr * step;
   }
@@ -165,24 +194,30 @@ struct Adam {
     p.sum_inside_sqrt = a.B("sum_inside_sqrt");
     return p;
   }
+  static constexpr int kVariants = 2;  // sum_inside_sqrt
+  static int Variant(const Params& p) { return p.sum_inside_sqrt ? 1 : 0; }
+  template <int V>
   static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
     const float m = p.b1 * s[0] + p.one_minus_b1 * g;
     const float v = p.b2 * s[1] + p.one_minus_b2 * g * g;
-    const float denom =
-        p.sum_inside_sqrt ? std::sqrt(v + p.eps_inside) : std::sqrt(v) + p.eps_outside;
+    float denom;
+    if constexpr (V == 1) {
+      denom = std::sqrt(v + p.eps_inside);
+    } else {
+      denom = std::sqrt(v) + p.eps_outside;
+    }
     s[0] = m, s[1] = v;
     return w - lr * m / denom;
   }
 };
 
 // x**q for x >= 0 with 0**q == 0 (q > 0), x**0 == 1: optimizers._pow.
-inline float PowNonNeg(float x, float q, int kind) {
-  switch (kind) {
-    case 0: return 1.0f;          // q == 0
-    case 1: return x;             // q == 1
-    case 2: return std::sqrt(x);  // q == 0.5
-    default: return x > 0.0f ? std::pow(x, q) : 0.0f;
-  }
+template <int kKind>
+inline float PowNonNeg(float x, float q) {
+  if constexpr (kKind == 0) return 1.0f;          // q == 0
+  if constexpr (kKind == 1) return x;             // q == 1
+  if constexpr (kKind == 2) return std::sqrt(x);  // q == 0.5
+  if constexpr (kKind == 3) return x > 0.0f ? std::pow(x, q) : 0.0f;
 }
 
 struct Ftrl {
@@ -200,13 +235,20 @@ struct Ftrl {
     p.mult_linear = a.B("multiply_linear_by_learning_rate");
     return p;
   }
+  // bits 0-1: the power's kind (PowNonNeg), bit 2: multiply_linear_by_learning_rate,
+  // bit 3: l1 == 0
+  static constexpr int kVariants = 16;
+  static int Variant(const Params& p) {
+    return (p.q_kind & 3) | (p.mult_linear ? 4 : 0) | (p.l1 == 0.0f ? 8 : 0);
+  }
+  template <int V>
   static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
     const float a = s[0];
     const float a_new = a + g * g;
-    const float pw = PowNonNeg(a_new, p.q, p.q_kind);
-    const float dp = pw - PowNonNeg(a, p.q, p.q_kind);
+    const float pw = PowNonNeg<V & 3>(a_new, p.q);
+    const float dp = pw - PowNonNeg<V & 3>(a, p.q);
     float lin = s[1], bound, d;
-    if (p.mult_linear) {
+    if constexpr ((V & 4) != 0) {
       lin = lin + lr * g - dp * w;
       bound = lr * p.l1;
       d = pw + 2.0f * lr * p.l2 + p.beta;
@@ -216,7 +258,7 @@ struct Ftrl {
       d = (pw + p.beta) / lr + p.two_l2;
     }
     float n;
-    if (p.l1 == 0.0f) {
+    if constexpr ((V & 8) != 0) {
       n = -lin;
     } else {
       float c = lin < -bound ? -bound : lin;
@@ -224,7 +266,9 @@ struct Ftrl {
       n = c - lin;
     }
     s[0] = a_new, s[1] = lin;
-    return d != 0.0f ? n / d : 0.0f;
+    const bool nonzero = d != 0.0f;
+    const float q = n / (nonzero ? d : 1.0f);  // as the rule: no division by zero
+    return nonzero ? q : 0.0f;
   }
 };
 
@@ -234,6 +278,7 @@ struct Ftrl {
 struct RowWiseAdagrad {
   static constexpr int kSlots = 1;  // accumulators, [rows, 1]
   static constexpr bool kRowWise = true;
+  static constexpr int kVariants = 1;
   struct Params {
     float epsilon, l2;
   };
@@ -242,6 +287,7 @@ struct RowWiseAdagrad {
     p.epsilon = a.F("epsilon"), p.l2 = a.F("l2");
     return p;
   }
+  static int Variant(const Params&) { return 0; }
   static inline float Grad(const Params& p, float w, float g) { return g + p.l2 * w; }
   // the row's multiplier lr / (sqrt(a) + eps), given the sum of its g'^2 over its `dim`
   // columns (stacks of this rule are unpadded: the row's width is its table's dim)
@@ -250,6 +296,7 @@ struct RowWiseAdagrad {
     *a = acc;
     return lr / (std::sqrt(acc) + p.epsilon);
   }
+  template <int V>
   static inline float Step(const Params& p, float w, float g, float, float*, float scale) {
     return w - scale * Grad(p, w, g);
   }
@@ -279,18 +326,44 @@ struct Updater {
       PrefetchWrite(reinterpret_cast<char*>(slot[j] + r * slot_width), sizeof(T) * slot_width);
   }
 
-  // Row r of the table and its slots, given its summed gradient gr [d].
+  // Row r of the table and its slots, given its summed gradient gr [d]: the loop of the
+  // rule's variant, with or without weight decay.
   inline void Row(int64_t r, const float* __restrict__ gr) const {
+    Dispatch<0>(Rule::Variant(p) * 2 + (c.has_wd ? 1 : 0), r, gr);
+  }
+
+  template <int kV>
+  inline void Dispatch(int v, int64_t r, const float* __restrict__ gr) const {
+    if constexpr (kV + 1 < 2 * Rule::kVariants) {
+      if (v != kV) return Dispatch<kV + 1>(v, r, gr);
+    }
+    RowLoop<kV / 2, (kV % 2) != 0>(r, gr);
+  }
+
+  template <int kVariant, bool kWd>
+  inline void RowLoop(int64_t r, const float* __restrict__ gr) const {
     T* __restrict__ wr = w + r * d;
     T* __restrict__ s0 = kSlots > 0 ? slot[0] + r * slot_width : nullptr;
     T* __restrict__ s1 = kSlots > 1 ? slot[kSlots > 1 ? 1 : 0] + r * slot_width : nullptr;
     float scale = 0.0f;
     if constexpr (Rule::kRowWise) {
-      float sum_sq = 0.0f;
-      for (int64_t k = 0; k < d; ++k) {
-        const float g = RowWiseGrad(Load(wr[k]), Clip(gr[k]));
-        sum_sq += g * g;
+      // the sum of g'^2 in 16 fixed lanes, then the lanes in order: a vectorisable
+      // reduction of a fixed order (the same sum on every run and machine)
+      constexpr int kLanes = 16;
+      float lanes[kLanes] = {};
+      int64_t k = 0;
+      for (; k + kLanes <= d; k += kLanes) {
+        for (int j = 0; j < kLanes; ++j) {
+          const float g = RowWiseGrad(Load(wr[k + j]), Clip(gr[k + j]));
+          lanes[j] += g * g;
+        }
       }
+      for (int j = 0; k < d; ++k, ++j) {
+        const float g = RowWiseGrad(Load(wr[k]), Clip(gr[k]));
+        lanes[j] += g * g;
+      }
+      float sum_sq = 0.0f;
+      for (int j = 0; j < kLanes; ++j) sum_sq += lanes[j];
       float a = Load(s0[0]);
       scale = Rule::RowScale(p, sum_sq, static_cast<float>(d), lr, &a);
       s0[0] = Store<T>(a);
@@ -301,10 +374,10 @@ struct Updater {
       float s[kSlots > 0 ? kSlots : 1];
       if constexpr (kSlots > 0 && !Rule::kRowWise) s[0] = Load(s0[k]);
       if constexpr (kSlots > 1) s[1] = Load(s1[k]);
-      float wn = Rule::Step(p, w_old, g, lr, s, scale);
+      float wn = Rule::template Step<kVariant>(p, w_old, g, lr, s, scale);
       if constexpr (kSlots > 0 && !Rule::kRowWise) s0[k] = Store<T>(s[0]);
       if constexpr (kSlots > 1) s1[k] = Store<T>(s[1]);
-      if (c.has_wd) wn = wn - wd * w_old;
+      if constexpr (kWd) wn = wn - wd * w_old;
       wn = wn < c.wmin ? c.wmin : wn;
       wn = wn > c.wmax ? c.wmax : wn;
       wr[k] = Store<T>(wn);
