@@ -342,9 +342,18 @@ struct Updater {
 
   template <int kVariant, bool kWd>
   inline void RowLoop(int64_t r, const float* __restrict__ gr) const {
-    T* __restrict__ wr = w + r * d;
-    T* __restrict__ s0 = kSlots > 0 ? slot[0] + r * slot_width : nullptr;
-    T* __restrict__ s1 = kSlots > 1 ? slot[kSlots > 1 ? 1 : 0] + r * slot_width : nullptr;
+    RowKernel<kVariant, kWd>(w + r * d, kSlots > 0 ? slot[0] + r * slot_width : nullptr,
+                             kSlots > 1 ? slot[kSlots > 1 ? 1 : 0] + r * slot_width : nullptr,
+                             gr);
+  }
+
+  // The row's arrays as restrict parameters (no aliasing to check at run time).
+  template <int kVariant, bool kWd>
+  inline void RowKernel(T* __restrict__ wr, T* __restrict__ s0, T* __restrict__ s1,
+                        const float* __restrict__ gr) const {
+    const int64_t d = this->d;
+    const float lr = this->lr, wd = this->wd, wmin = c.wmin, wmax = c.wmax;
+    const typename Rule::Params p = this->p;
     float scale = 0.0f;
     if constexpr (Rule::kRowWise) {
       // the sum of g'^2 in 16 fixed lanes, then the lanes in order: a vectorisable
@@ -368,8 +377,11 @@ struct Updater {
       scale = Rule::RowScale(p, sum_sq, static_cast<float>(d), lr, &a);
       s0[0] = Store<T>(a);
     }
+    const float lo = c.clip_lo, hi = c.clip_hi;
     for (int64_t k = 0; k < d; ++k) {
-      const float g = Clip(gr[k]);
+      float g = gr[k];
+      g = g < lo ? lo : g;
+      g = g > hi ? hi : g;
       const float w_old = Load(wr[k]);
       float s[kSlots > 0 ? kSlots : 1];
       if constexpr (kSlots > 0 && !Rule::kRowWise) s[0] = Load(s0[k]);
@@ -378,8 +390,8 @@ struct Updater {
       if constexpr (kSlots > 0 && !Rule::kRowWise) s0[k] = Store<T>(s[0]);
       if constexpr (kSlots > 1) s1[k] = Store<T>(s[1]);
       if constexpr (kWd) wn = wn - wd * w_old;
-      wn = wn < c.wmin ? c.wmin : wn;
-      wn = wn > c.wmax ? c.wmax : wn;
+      wn = wn < wmin ? wmin : wn;
+      wn = wn > wmax ? wmax : wn;
       wr[k] = Store<T>(wn);
     }
   }
