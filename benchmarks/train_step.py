@@ -37,6 +37,12 @@ within one invocation; medians over rounds of per-round medians:
                     tables, `optax.adagrad` on them (jit, tables and state donated).
   fbgemm-exact      `SplitTableBatchedEmbeddingBagsCodegen` on CPU, EXACT_ADAGRAD.
   fbgemm-rowwise    the same, EXACT_ROWWISE_ADAGRAD (one accumulator per row).
+  torch             `torch.nn.EmbeddingBag(sparse=True)` per table and a sparse torch
+                    optimizer (SGD, SparseAdam, Adagrad: see --optimizer).
+
+`--optimizer adagrad,adam,...` runs each peer with each optimizer (peers PEER:OPT) in
+the same interleaved rounds; fbgemm-exact runs FBGEMM's optimizer of that name where its
+CPU kernels have it (sgd, adagrad, rowwise_adagrad).
 
 Memory: peak RSS (VmHWM) of each child after setup and during the timed steps
 (reset through /proc/self/clear_refs), against the bytes of tables + slots.
@@ -213,7 +219,7 @@ def embedmesh_setup(batches, capacity_batches=None):
     pipelined = os.environ.get("EMBEDMESH_BENCH_PIPELINED") == "1"
     emb = em.MeshEmbedding(
         fc,
-        em.Adagrad(learning_rate=LR),
+        make_optimizer(bench_optimizer_name()),
         pipelined,
         mesh=mesh,
         capacities=caps,
@@ -224,6 +230,35 @@ def embedmesh_setup(batches, capacity_batches=None):
     return emb, feats, caps
 
 
+# --optimizer: embedmesh's optimizer of each name (lr LR), FBGEMM's CPU optimizer type for
+# it (None: FBGEMM's CPU kernels lack it), torch's sparse optimizer for the torch peer.
+OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl", "adagrad_momentum", "rowwise_adagrad")
+FBGEMM_OPTIM = {
+    "sgd": "EXACT_SGD",
+    "adagrad": "EXACT_ADAGRAD",
+    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+}
+
+
+def bench_optimizer_name() -> str:
+    return os.environ.get("EMBEDMESH_BENCH_OPTIMIZER", "adagrad")
+
+
+def make_optimizer(name: str):
+    """embedmesh's optimizer `name` at lr LR (defaults otherwise; Adagrad's accumulator
+    starts at 0.1 as FBGEMM's and optax's do here)."""
+    import embedmesh as em
+
+    return {
+        "sgd": lambda: em.SGD(learning_rate=LR),
+        "adagrad": lambda: em.Adagrad(learning_rate=LR),
+        "adam": lambda: em.Adam(learning_rate=LR),
+        "ftrl": lambda: em.FTRL(learning_rate=LR),
+        "adagrad_momentum": lambda: em.AdagradMomentum(learning_rate=LR, momentum=0.9),
+        "rowwise_adagrad": lambda: em.RowWiseAdagrad(learning_rate=LR, epsilon=1e-8),
+    }[name]()
+
+
 def chosen_strategies(sharding: str, fc, batch, mesh) -> dict:
     """`{table: strategy}`: `sharding` for every table, or with "auto" the planner's
     pick from `batch` for `mesh` (the facade's own call: `planner.plan` on the batch's
@@ -231,7 +266,6 @@ def chosen_strategies(sharding: str, fc, batch, mesh) -> dict:
     names = [f"t{t}" for t in range(T)]
     if sharding != "auto":
         return {t: sharding for t in names}
-    import embedmesh as em
     from embedmesh.config import resolve_feature_config
     from embedmesh.device import peers
     from embedmesh.inputs import flatten_inputs_like, to_csr
@@ -240,7 +274,7 @@ def chosen_strategies(sharding: str, fc, batch, mesh) -> dict:
     resolved = resolve_feature_config(fc)
     flat = flatten_inputs_like(resolved, batch)
     csrs = [to_csr(n, f, x) for n, f, x in zip(resolved.feature_names, resolved.features, flat)]
-    opt = em.Adagrad(learning_rate=LR)
+    opt = make_optimizer(bench_optimizer_name())
     stats = planner.table_stats(resolved, {t: opt for t in resolved.table_names}, csrs)
     machine = planner.machine_for(mesh, peers.mesh_on_cpu(mesh))
     chosen, _ = planner.plan(stats, {t: "auto" for t in names}, mesh.size, B, machine)
@@ -426,11 +460,10 @@ def child_fbgemm(args, batches):
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    optim = (
-        EmbOptimType.EXACT_ADAGRAD
-        if args.child == "fbgemm-exact"
-        else EmbOptimType.EXACT_ROWWISE_ADAGRAD
-    )
+    if args.child == "fbgemm-rowwise":
+        optim = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    else:  # fbgemm-exact: the optimizer of --optimizer
+        optim = getattr(EmbOptimType, FBGEMM_OPTIM[bench_optimizer_name()])
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(V, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T,
         optimizer=optim,
@@ -469,6 +502,67 @@ def child_fbgemm(args, batches):
     state_bytes += sum(
         s.numel() * s.element_size() for st in tbe.split_optimizer_states() for s in st
     )
+    return dict(
+        enqueue=enq,
+        device=dev,
+        setup_hwm=setup_hwm,
+        step_hwm=step_hwm,
+        rss=rss,
+        state_bytes=state_bytes,
+        devices=1,
+        threads=torch.get_num_threads(),
+    )
+
+
+def child_torch(args, batches):
+    """torch's `EmbeddingBag(sparse=True)` per table (sum) and a sparse optimizer: SGD,
+    Adagrad or SparseAdam for --optimizer's sgd, adagrad, adam; torch has no sparse
+    FTRL or Adagrad-with-momentum, so those (and rowwise_adagrad) run torch's Adagrad,
+    the nearest sparse rule (same per-row memory traffic as Adagrad)."""
+    import numpy as np
+    import torch
+
+    bags = torch.nn.ModuleList(
+        [torch.nn.EmbeddingBag(V, D, mode="sum", sparse=True) for _ in range(T)]
+    )
+    name = bench_optimizer_name()
+    params = list(bags.parameters())
+    if name == "sgd":
+        opt = torch.optim.SGD(params, lr=LR)
+    elif name == "adam":
+        opt = torch.optim.SparseAdam(params, lr=LR)
+    else:
+        opt = torch.optim.Adagrad(params, lr=LR, initial_accumulator_value=0.1)
+
+    def host_prep(b):
+        out = []
+        for v, l in b:
+            offsets = np.zeros(l.size, np.int64)
+            np.cumsum(l[:-1], out=offsets[1:])
+            out.append((torch.from_numpy(v.astype(np.int64)), torch.from_numpy(offsets)))
+        return out
+
+    inputs = [host_prep(b) for b in batches]
+    nb = len(inputs)
+
+    def device_step(x):
+        opt.zero_grad(set_to_none=True)
+        loss = sum(0.5 * (bag(i, o) ** 2).sum() for bag, (i, o) in zip(bags, x)) / B
+        loss.backward()
+        opt.step()
+
+    for i in range(args.warmup):
+        device_step(inputs[i % nb])
+    setup_hwm, _ = rss_status()
+    reset_peak()
+    it = iter(range(10**9))
+    enq = timed(lambda: host_prep(batches[next(it) % nb]), args.steps)
+    it = iter(range(10**9))
+    dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
+    step_hwm, rss = rss_status()
+    state_bytes = sum(p.numel() * p.element_size() for p in params)
+    for st in opt.state.values():
+        state_bytes += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
     return dict(
         enqueue=enq,
         device=dev,
@@ -772,6 +866,8 @@ def child_main(args):
         batches = make_batches(args.seed)
     if name.startswith("fbgemm"):
         res = child_fbgemm(args, batches)
+    elif name == "torch":
+        res = child_torch(args, batches)
     elif name == "plain-jax":
         res = child_plain(args, batches)
     elif name == "profile":
@@ -801,7 +897,7 @@ def child_env(peer):
 
 # Peak RSS of each child (GB, measured here), to wait for or skip a child rather than push a
 # shared machine into the OOM killer.
-NEEDS_GB = {"plain-jax": 9.0, "fbgemm-exact": 4.5, "fbgemm-rowwise": 2.5}
+NEEDS_GB = {"plain-jax": 9.0, "fbgemm-exact": 4.5, "fbgemm-rowwise": 2.5, "torch": 6.0}
 
 
 def mem_available_gb():
@@ -819,7 +915,7 @@ def child_cmd(peer, args, *extra) -> list:
 
 
 def run_child(peer, args):
-    need = NEEDS_GB.get(peer, 7.0) + 0.5
+    need = NEEDS_GB.get(peer.partition(":")[0], 7.0) * min(1.0, args.vocab / 1_000_000) + 0.5
     waited = 0
     while mem_available_gb() < need and waited < args.mem_wait:
         time.sleep(10)
@@ -829,10 +925,13 @@ def run_child(peer, args):
             f"skipped: needs ~{need:.1f} GB, {mem_available_gb():.1f} GB available "
             f"after waiting {waited} s"
         )
+    peer, _, optimizer = peer.partition(":")  # "embedmesh:adam": with that optimizer
     base, _, strategy = peer.partition("@")  # "embedmesh-2proc@mod": that peer, one strategy
     env = child_env(base)
     if strategy:
         env["EMBEDMESH_BENCH_SHARDING"] = strategy
+    if optimizer:
+        env["EMBEDMESH_BENCH_OPTIMIZER"] = optimizer
     cmd = child_cmd(base, args, "--rounds", str(args.rounds))
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in r.stdout.splitlines():
@@ -920,6 +1019,15 @@ def main():
         "adds the peer "
         "embedmesh-base, embedmesh run with it (measures the gain of this one)",
     )
+    ap.add_argument(
+        "--optimizer",
+        default="adagrad",
+        help="the optimizer of every peer, or several (comma-separated): each peer then "
+        "runs once with each, as PEER:OPTIMIZER, in the same interleaved rounds, of "
+        + ", ".join(OPTIMIZERS)
+        + "; FBGEMM's CPU kernels have sgd, adagrad and rowwise_adagrad only (its peers "
+        "are skipped for the others); the torch peer runs SGD, SparseAdam or Adagrad",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -950,6 +1058,19 @@ def main():
         return
 
     peers = [p for p in args.peers.split(",") if p]
+    optimizers = [o for o in args.optimizer.split(",") if o]
+    bad = [o for o in optimizers if o not in OPTIMIZERS]
+    if bad:
+        sys.exit(f"--optimizer: unknown {bad}; one or more of {', '.join(OPTIMIZERS)}")
+    if optimizers != ["adagrad"]:
+        peers = [  # a peer named PEER:OPT already runs that optimizer only
+            p if ":" in p else f"{p}:{o}"
+            for p in peers
+            for o in ([None] if ":" in p else optimizers)
+            if ":" in p
+            or not (p == "fbgemm-exact" and o not in FBGEMM_OPTIM)
+            and not (p == "fbgemm-rowwise" and o != "rowwise_adagrad")
+        ]
     if args.baseline:
         global BASELINE
         BASELINE = os.path.abspath(args.baseline)
@@ -1049,9 +1170,39 @@ def main():
                     f"{rows['embedmesh']['ids_s_e2e'] / rows[q]['ids_s']:5.2f}x"
                 )
     print_scale_out(rows, results)
+    print_optimizer_ratios(results, optimizers)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "raw": results}, f, indent=1)
+
+
+def print_optimizer_ratios(results, optimizers):
+    """With several --optimizer: each embedmesh optimizer's device step against its
+    Adagrad's, and each peer's step against embedmesh's of the same optimizer, as medians
+    of per-round ratios (the rounds interleave the children)."""
+    if len(optimizers) < 2 and optimizers == ["adagrad"]:
+        return
+
+    def per_round(a, b):  # median over rounds of step(a) / step(b)
+        ra, rb = results.get(a, []), results.get(b, [])
+        vals = [
+            statistics.median(x["device"]) / statistics.median(y["device"]) for x, y in zip(ra, rb)
+        ]
+        return (statistics.median(vals), len(vals)) if vals else (None, 0)
+
+    print("\noptimizers: device-step time ratios, medians of per-round ratios")
+    for o in optimizers:
+        line = [f"  {o:17s}"]
+        for num, den, what in (
+            (f"embedmesh:{o}", "embedmesh:adagrad", "embedmesh step / its Adagrad step"),
+            (f"torch:{o}", f"embedmesh:{o}", "torch / embedmesh"),
+            (f"fbgemm-exact:{o}", f"embedmesh:{o}", "FBGEMM / embedmesh"),
+            (f"fbgemm-rowwise:{o}", f"embedmesh:{o}", "FBGEMM rowwise / embedmesh"),
+        ):
+            r, n = per_round(num, den)
+            if r is not None and num != den:
+                line.append(f"{what} {r:.2f}x ({n} rounds)")
+        print(";  ".join(line))
 
 
 def print_scale_out(rows, results):

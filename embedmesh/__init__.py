@@ -16,7 +16,15 @@ from embedmesh.initializers import RowIdInitializer, row_id_initializer
 from embedmesh.inputs import RaggedTensor, SparseTensor
 from embedmesh.layout.sharding import shards_to_table, table_to_shards
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
-from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+from embedmesh.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    Optimizer,
+    RowWiseAdagrad,
+)
 from embedmesh.serving.export import export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup
 
@@ -48,6 +56,7 @@ __all__ = [
     "MeshEmbedding",
     "Optimizer",
     "PartitionedCsrFormatTensor",
+    "RowWiseAdagrad",
     "PreprocessStats",
     "QuantizationConfig",
     "RaggedTensor",

@@ -166,6 +166,33 @@ def test_restore_on_other_device_counts_and_stackings(sources, case):
                 )
 
 
+def test_rowwise_adagrad_round_trip_and_no_restore_from_adagrad(sources, tmp_path):
+    """RowWiseAdagrad's [rows, 1] accumulators save and restore on another device count
+    (and train on identically); an Adagrad checkpoint (per-element accumulators of the
+    same name) restored into it, or its checkpoint into Adagrad, is a clear error."""
+    opt = em.RowWiseAdagrad(0.2, epsilon=1e-3)
+    emb, feats = engine(4, optimizer=opt)
+    for s in range(2):
+        train_step(emb, feats, seed=s)
+    saved = variables_by_name(emb)
+    for name in "abc":  # d keeps its own Adam
+        d = saved[name]
+        assert d["accumulators"].shape == (d["parameters"].shape[0], 1), name
+        assert (d["accumulators"] > 0).any(), name  # trained: not the initial zeros
+    assert ckpt.save(tmp_path / "rw", emb)
+    acts = train_step(emb, feats, seed=2)
+    other, _ = engine(2, optimizer=opt)
+    assert ckpt.restore(other, tmp_path / "rw") == 2
+    assert_same_variables(variables_by_name(other), saved)
+    acts2 = train_step(other, feats, seed=2)
+    for k in acts:
+        np.testing.assert_allclose(acts2[k], acts[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match="optimizer is Adagrad, this one RowWiseAdagrad"):
+        ckpt.restore(engine(2, optimizer=opt)[0], sources[4]["path"])
+    with pytest.raises(ValueError, match="optimizer is RowWiseAdagrad, this one Adagrad"):
+        ckpt.restore(engine(2)[0], tmp_path / "rw")
+
+
 def test_restore_streams_one_table_at_a_time(tmp_path, monkeypatch):
     """Restoring N=4 -> M=2 reads one leaf (one table or slot) at a time, and the host
     memory it allocates on top (that table's shards in the new layout, which on CPU become

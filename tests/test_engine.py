@@ -10,6 +10,7 @@ import training_reference as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
+from optimizer_reference import numpy_update_rows
 from test_optimizers import build as build_optimizer
 from test_optimizers import ref_update
 
@@ -84,6 +85,18 @@ OPTIMIZER_HP = {
             clipvalue=1.0,
             weight_decay_factor=0.01,
             clip_weight_min=-0.9,
+        ),
+    ],
+    # not in test_optimizers' element-wise reference: optimizer_reference's numpy rule
+    "RowWiseAdagrad": [
+        dict(lr_spec=("const", 0.3), initial_accumulator_value=0.1, epsilon=1e-3),
+        dict(
+            lr_spec=("linear", 0.3, 0.1, 3),
+            l2_regularization_strength=0.05,
+            clipvalue=0.5,
+            weight_decay_factor=0.1,
+            multiply_weight_decay_factor_by_learning_rate=True,
+            clip_weight_min=-0.7,
         ),
     ],
 }
@@ -194,7 +207,11 @@ def reference_update(opt_name, hp, tables, slots, row_grads, step):
         rows = tables[tname][ids]
         s = {k: v[ids] for k, v in slots[tname].items()}
         g = np.stack([per_id[i] for i in ids])
-        w, _, new_s, _ = ref_update(opt_name, hp, rows, s, g, step)
+        if opt_name == "RowWiseAdagrad":  # one accumulator a row: the numpy rule
+            opt = em.RowWiseAdagrad(**{k: v for k, v in hp.items() if k != "lr_spec"})
+            w, new_s = numpy_update_rows(opt, rows, s, g, step)
+        else:
+            w, _, new_s, _ = ref_update(opt_name, hp, rows, s, g, step)
         tables[tname][ids] = w
         for k in new_s:
             slots[tname][k][ids] = new_s[k]

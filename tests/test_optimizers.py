@@ -21,7 +21,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+from embedmesh.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    Optimizer,
+    RowWiseAdagrad,
+)
 
 ALL = [SGD, Adagrad, AdagradMomentum, Adam, FTRL]
 
@@ -271,7 +279,7 @@ SPECIFIC = {
     ),
 }
 
-CLASSES = {c.__name__: c for c in ALL}
+CLASSES = {c.__name__: c for c in [*ALL, RowWiseAdagrad]}
 
 
 def build(name, hp):
@@ -830,3 +838,27 @@ def test_hashable_frozen_and_value_equal():
     with pytest.raises(dataclasses.FrozenInstanceError):
         SGD().learning_rate = 1.0
     assert "Adam(" in repr(Adam()) and "beta_1=0.9" in repr(Adam())
+
+
+def test_rowwise_adagrad_rule_slots_and_validation():
+    """RowWiseAdagrad's update_rows against the independent float64 rule (FBGEMM's
+    EXACT_ROWWISE_ADAGRAD: mean of g'^2 over the row, eps outside the root), its
+    [rows, 1] slot, its defaults and its errors."""
+    from optimizer_reference import numpy_update_rows
+
+    rng = np.random.default_rng(3)
+    opt = RowWiseAdagrad(0.2, epsilon=1e-3, l2_regularization_strength=0.1, clipvalue=0.5)
+    rows, g = signed(rng, (6, 5), 0.1, 1.0), signed(rng, (6, 5), 0.1, 1.0)
+    acc = rng.uniform(0.1, 1.0, (6, 1)).astype(np.float32)
+    w, s = opt.update_rows(rows, {"accumulators": acc}, g, 0)
+    want_w, want_s = numpy_update_rows(opt, rows, {"accumulators": acc}, g, 0)
+    assert s["accumulators"].shape == (6, 1)
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(s["accumulators"]), want_s["accumulators"], rtol=1e-5)
+    d = RowWiseAdagrad()
+    assert (d.learning_rate, d.epsilon, d.initial_accumulator_value) == (0.01, 1e-8, 0.0)
+    assert d.slot_width("accumulators", 64) == 1 and Adagrad().slot_width("accumulators", 64) == 64
+    with pytest.raises(ValueError, match="RowWiseAdagrad.epsilon"):
+        RowWiseAdagrad(epsilon=0.0)
+    with pytest.raises(ValueError, match="slot 'accumulators' shape"):
+        opt.update_rows(rows, {"accumulators": np.ones((6, 5), np.float32)}, g, 0)

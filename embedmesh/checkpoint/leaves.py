@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from embedmesh.checkpoint.checksums import CHECKSUM, _expected_checksum
+from embedmesh.checkpoint.format import LOOKUP_FIELD
 from embedmesh.checkpoint.reading import _host_buffer, _wait
 from embedmesh.checkpoint.recut import (
     _recut_copies,
@@ -87,7 +88,8 @@ def _start_leaf(
     src_layout = row_layout(reader.layout.name, n_old)
     src = _stored_table(meta_table, n_old)
     stored_shape = reader.shape(leaf)
-    _stored_shape_check(stored_shape, meta_table, n_old, int(reader.meta["num_shards"]), t.dim)
+    width = t.dim if field in ("parameters", LOOKUP_FIELD) else None  # slots: checked before
+    _stored_shape_check(stored_shape, meta_table, n_old, int(reader.meta["num_shards"]), width)
     rest = tuple(stored_shape[1:])
     pieces, copies = [], []
     empty = None  # shards outside the table's span: one zero block, never written

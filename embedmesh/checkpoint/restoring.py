@@ -23,9 +23,39 @@ from embedmesh.checkpoint.leaves import (
     _wait_leaf,
 )
 from embedmesh.checkpoint.reading import _item_dir, _Reader
+from embedmesh.checkpoint.saving import _optimizer_name
 from embedmesh.device.stack_tables import write_table
 
 MISSING_POLICIES = ("error", "keep")
+
+
+# Optimizers whose slots hold one value a row ([rows, 1]), by class name
+_ROW_SLOT_OPTIMIZERS = frozenset({"RowWiseAdagrad"})
+
+
+def _check_slot_kinds(name: str, opt, meta_table: dict) -> None:
+    """ValueError when the checkpoint's optimizer keeps its slots per row and the live one
+    per element, or the reverse (an Adagrad checkpoint into RowWiseAdagrad: both name
+    their slot "accumulators", of different shapes); no conversion is made."""
+    stored = meta_table.get("optimizer")
+    live = _optimizer_name(opt)
+    if stored is None or live is None or stored == live:
+        return
+    if (stored in _ROW_SLOT_OPTIMIZERS) != (live in _ROW_SLOT_OPTIMIZERS):
+        raise ValueError(
+            f"table {name}: the checkpoint's optimizer is {stored}, this one {live}; their "
+            f"slots {sorted(meta_table.get('slots', []))} are not interchangeable (one "
+            "value a row against one an element), so they cannot be restored into it (restore "
+            "with the checkpoint's optimizer, or load only the tables with load_tables)"
+        )
+
+
+def _field_width(core, t, field: str) -> int:
+    """The columns of a table's stored array `field` (its dim; a row slot's: 1)."""
+    opt = core.optimizer_of(t.stack)
+    if field in ("parameters", LOOKUP_FIELD) or opt is None or field not in opt.slot_names:
+        return t.dim
+    return opt.slot_width(field, t.dim)
 
 
 def _local_shards(core, shape: tuple) -> list:
@@ -172,6 +202,7 @@ def core_restore(
                 problems.append(f"table {t.name} is not in the checkpoint")
                 continue
             todo.append((t, m, "parameters"))
+            _check_slot_kinds(t.name, core.optimizer_of(t.stack), m)
             for slot in live.slots[t.stack]:
                 if slot in m["slots"]:
                     todo.append((t, m, slot))
@@ -202,8 +233,8 @@ def core_restore(
             else ("slots", m["key"], field)
             for t, m, field in todo
         ]
-        for (t, m, _), leaf in zip(todo, leaves):  # before anything is read
-            _check_leaf(reader, leaf, m, t.dim)
+        for (t, m, field), leaf in zip(todo, leaves):  # before anything is read
+            _check_leaf(reader, leaf, m, _field_width(core, t, field))
         # The new state: starts as the live arrays; an array is replaced by a new one on
         # its first write (not donated: the live one stays intact), written in place after
         # (the lookup tables, read last, start as the restored tables of their stack)

@@ -154,10 +154,13 @@ class EmbeddingCore:
         s = self.plan.stack(stack)
         return (s.num_rows, s.dim)
 
-    def _make_stack_array(self, stack: str, default: float, pieces) -> jax.Array:
+    def _make_stack_array(
+        self, stack: str, default: float, pieces, width: int | None = None
+    ) -> jax.Array:
         """Global stack array, each local shard built from `pieces` (see
-        `stack_tables.make_stack_array`)."""
-        return stack_tables.make_stack_array(self, stack, default, pieces)
+        `stack_tables.make_stack_array`); `width` its columns (default the stack's dim; a
+        row slot's: 1)."""
+        return stack_tables.make_stack_array(self, stack, default, pieces, width)
 
     def init(self, key) -> EmbeddingState:
         """Fresh state, built shard by shard: no host or device ever holds a whole table.
@@ -196,7 +199,7 @@ class EmbeddingCore:
             if opt is not None:
                 for slot, value in opt.slot_initial_values.items():
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, value, lambda j, device: ()
+                        spec.name, value, lambda j, device: (), opt.slot_width(slot, spec.dim)
                     )
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return EmbeddingState(tables, slots, step)
@@ -244,7 +247,10 @@ class EmbeddingCore:
                 for slot, init in opt.slot_initial_values.items():
                     src = lambda n, slot=slot: slot_values.get(n, {}).get(slot)
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, init, functools.partial(pieces, source=src)
+                        spec.name,
+                        init,
+                        functools.partial(pieces, source=src),
+                        opt.slot_width(slot, spec.dim),
                     )
         return EmbeddingState(
             tables, slots, jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)

@@ -37,7 +37,9 @@ def _write_rows(buf, rows, offset):
     return jax.lax.dynamic_update_slice(buf, rows, (offset, jnp.int32(0)))
 
 
-def make_stack_array(core, stack: str, default: float, pieces) -> jax.Array:
+def make_stack_array(
+    core, stack: str, default: float, pieces, width: int | None = None
+) -> jax.Array:
     """Global stack array of `core`: each local shard j starts as `default` on its
     device and receives `pieces(j, device)`, an iterable of `(row offset,
     [rows, dim_t] array)`, written in place one at a time.
@@ -46,13 +48,15 @@ def make_stack_array(core, stack: str, default: float, pieces) -> jax.Array:
     a host copy of the whole shard as well (2x less peak memory); big CPU
     shards are on transparent huge pages (random row access 1.2x faster
     here) in buffers XLA owns, so the first donated step updates in place.
+    `width`: the columns of the array (default the stack's dim; a row slot's: 1).
     """
     spec = core.plan.stack(stack)
     S = spec.rows_per_shard
-    shape = core.stack_shape(stack)
+    width = spec.dim if width is None else int(width)
+    shape = core.stack_shape(stack)[:1] + (width,)
     datas = []
     for device, index in core.row_sharding.addressable_devices_indices_map(shape).items():
-        buf = ops.full((S, spec.dim), default, spec.dtype, device)
+        buf = ops.full((S, width), default, spec.dtype, device)
         for offset, rows in pieces((index[0].start or 0) // S, device):
             rows = jax.device_put(rows, device)
             buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset))
@@ -154,7 +158,7 @@ def write_table(core, stack_array, piece, t, donate: bool) -> jax.Array:
 def table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
     """The table's `[N * rows_per_shard, dim]` array sliced out of its stack on device."""
     spec = core.plan.stack(t.stack)
-    dim = t.dim if stack_array.ndim == 2 else None
+    dim = min(t.dim, stack_array.shape[1]) if stack_array.ndim == 2 else None  # a row slot: 1
     if (
         len(spec.tables) == 1
         and t.local_row_offset == 0

@@ -231,8 +231,10 @@ class StackingPlan:
     def row_bytes(self, stack: str) -> int:
         """Bytes of one local row of a stack: its parameters and each optimizer slot."""
         s = self.stack(stack)
-        slots = len(getattr(s.optimizer, "slot_names", ()) or ())
-        return s.dim * np.dtype(s.dtype).itemsize * (1 + slots)
+        opt = s.optimizer
+        slots = getattr(opt, "slot_names", ()) or ()
+        width = s.dim + sum(opt.slot_width(k, s.dim) for k in slots)  # a row slot: 1
+        return width * np.dtype(s.dtype).itemsize
 
     def describe(self) -> str:
         """The plan for a person: each table's strategy, stack, owners, and the memory
@@ -495,7 +497,9 @@ def _merge_table_wise(stacks_idx: list, strategies: tuple, padded: list, n: int,
     out: list = []
     for key, members in sorted(stacks_idx, key=lambda s: -s[0][0]):
         best, saving = None, 0
-        if all(strategies[i] == "table_wise" for i in members):
+        if all(strategies[i] == "table_wise" for i in members) and not getattr(
+            key[1], "row_wise", False
+        ):  # a row-wise optimizer's stack keeps its own dim
             for k, (okey, other) in enumerate(out):
                 if okey[1:] != key[1:] or (
                     limit is not None and sum(padded[i] for i in other + members) > limit
@@ -582,9 +586,11 @@ def plan_stacking(
     # Group tables (in order of first use) by their stacking key.
     groups: list[tuple[Any, list[int]]] = []
     for i, t in enumerate(resolved.tables):
+        opt = _effective_optimizer(t, default_optimizer)
         key = (
-            _round_up(t.dim, dim_multiple),
-            _effective_optimizer(t, default_optimizer),
+            # a row-wise optimizer's mean is over the row's columns: its own dim, unpadded
+            t.dim if getattr(opt, "row_wise", False) else _round_up(t.dim, dim_multiple),
+            opt,
             np.dtype(dtypes.get(resolved.table_names[i], np.float32)),
             (stack_keys or {}).get(resolved.table_names[i]),
             strategies[i] == "data_parallel",  # replicas stack only with replicas

@@ -36,7 +36,7 @@ end are padding.
   update of the rows `ids`, in place. Reference: `gather_rows`, the
   optimizer's `update_rows`, `scatter_rows`. The CPU kernel fuses it in one
   pass over the rows for the optimizers that name it (`Optimizer.fused_kernel`:
-  SGD and Adagrad, float32).
+  all six built in, float32; `Adam(lazy_adam=False)` moves every row, densely).
 - `backward_update(...)`: one shard's backward (pairs -> per-row gradient
   sums) and update, as one op. Reference: `segment_gather_sum`, `dedup_sum`,
   `sparse_update`. The CPU kernel fuses them for the same optimizers: no
@@ -683,7 +683,8 @@ def pooled_backward_update(
     distinct id, the sum over sources (in order) of each source's pair-order sum, then
     one update of its row; `keep` (traced bool) False moves no row. Returns (table,
     slots). Reference: `segment_gather_sum`, `dedup_sum`, `sparse_update`; the CPU
-    kernel fuses them for SGD and Adagrad (no [N * U, D] buffer)."""
+    kernel fuses them for every optimizer that names a fused kernel (no [N * U, D]
+    buffer)."""
     return _dispatch(
         "pooled_backward_update",
         table,
