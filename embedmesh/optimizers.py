@@ -67,7 +67,7 @@ import numpy as np
 
 from embedmesh import _compat
 
-__all__ = ["Optimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL"]
+__all__ = ["Optimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL", "RowWiseAdagrad"]
 
 LearningRate = Union[float, Callable[[Any], Any]]
 ClipValue = Union[None, float, tuple]
@@ -256,6 +256,22 @@ class Optimizer(abc.ABC):
             wmax=inf if self.clip_weight_max is None else self.clip_weight_max,
         )
 
+    def fused_rule_attrs(self) -> dict:
+        """The rule's own scalars a fused kernel applies (update.cc's rule of
+        `fused_kernel` reads them by name), computed as `_rule` computes them (constants
+        such as `1 - beta` in Python floats, then float32). Empty for SGD and Adagrad."""
+        return {}
+
+    # Slots holding one value a row ([rows, 1], not [rows, dim]).
+    _ROW_SLOTS: ClassVar[tuple[str, ...]] = ()
+
+    def slot_width(self, name: str, dim: int) -> int:
+        """The width of slot `name` for rows of width `dim`: `dim`, or 1 for a slot of one
+        value a row (RowWiseAdagrad's accumulator)."""
+        if name not in self._SLOTS:
+            raise ValueError(f"{type(self).__name__} has no slot {name!r}")
+        return 1 if name in self._ROW_SLOTS else int(dim)
+
     def learning_rate_at(self, step) -> jax.Array:
         """The learning rate at `step` as a float32 scalar (jittable)."""
         lr: Any = self.learning_rate
@@ -295,9 +311,11 @@ class Optimizer(abc.ABC):
             )
         slots = {k: jnp.asarray(slots[k]) for k in self._SLOTS}
         for k, v in slots.items():
-            if v.shape != rows.shape:
+            want = rows.shape[:-1] + (self.slot_width(k, rows.shape[-1]),) if rows.ndim else ()
+            if v.shape != want:
                 raise ValueError(
-                    f"{name}.update_rows: slot {k!r} shape {v.shape} != rows shape {rows.shape}"
+                    f"{name}.update_rows: slot {k!r} shape {v.shape} != {want} "
+                    f"(rows shape {rows.shape})"
                 )
 
         return self.update_rows_at_lr(rows, slots, grads, self.learning_rate_at(step))
@@ -309,7 +327,8 @@ class Optimizer(abc.ABC):
         with no validation and no learning-rate schedule: pure elementwise
         jax.numpy, so a kernel (e.g. a Pallas one, which cannot run a schedule
         or a host callback) can call it on rows it has loaded, with `lr`
-        computed outside. `slots` holds exactly `slot_names`, shaped like `rows`.
+        computed outside. `slots` holds exactly `slot_names`, shaped like `rows` (a row
+        slot: its last axis 1).
         """
         w_old = rows.astype(jnp.float32)
         g = grads.astype(jnp.float32)
@@ -528,6 +547,7 @@ class AdagradMomentum(Optimizer):
     """
 
     _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators", "momenta")
+    _FUSED_KERNEL: ClassVar[str | None] = "adagrad_momentum"
 
     learning_rate: LearningRate = 0.001
     momentum: float = 0.0
@@ -566,6 +586,18 @@ class AdagradMomentum(Optimizer):
         )
         self._validate()
 
+    def fused_rule_attrs(self) -> dict:
+        return dict(
+            momentum=self.momentum,
+            beta2=self.beta2,
+            one_minus_beta2=1.0 - self.beta2,
+            epsilon=self.epsilon,
+            neg_inv_exponent=-1.0 / self.exponent,
+            use_nesterov=self.use_nesterov,
+            beta2_is_one=self.beta2 == 1.0,
+            exponent_is_two=self.exponent == 2.0,
+        )
+
     def _rule(self, w, slots, g, lr):
         a, m = slots["accumulators"], slots["momenta"]
         if self.beta2 == 1.0:
@@ -598,6 +630,7 @@ class Adam(Optimizer):
     """
 
     _SLOTS: ClassVar[tuple[str, ...]] = ("momenta", "velocities")
+    _FUSED_KERNEL: ClassVar[str | None] = "adam"
 
     learning_rate: LearningRate = 0.001
     beta_1: float = 0.9
@@ -632,6 +665,22 @@ class Adam(Optimizer):
     def touches_all_rows(self) -> bool:
         return not self.lazy_adam
 
+    @property
+    def fused_kernel(self) -> str | None:
+        # lazy_adam=False moves every row (the dense path); the kernels update touched rows
+        return super().fused_kernel if self.lazy_adam else None
+
+    def fused_rule_attrs(self) -> dict:
+        return dict(
+            beta_1=self.beta_1,
+            one_minus_beta_1=1.0 - self.beta_1,
+            beta_2=self.beta_2,
+            one_minus_beta_2=1.0 - self.beta_2,
+            epsilon=self.epsilon,
+            epsilon_squared=self.epsilon**2,
+            sum_inside_sqrt=self.sum_inside_sqrt,
+        )
+
     def _rule(self, w, slots, g, lr):
         b1, b2 = self.beta_1, self.beta_2
         m = b1 * slots["momenta"] + (1.0 - b1) * g
@@ -663,6 +712,7 @@ class FTRL(Optimizer):
     """
 
     _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators", "linears")
+    _FUSED_KERNEL: ClassVar[str | None] = "ftrl"
 
     learning_rate: LearningRate = 0.001
     learning_rate_power: float = -0.5
@@ -726,6 +776,18 @@ class FTRL(Optimizer):
     def slot_initial_values(self) -> dict[str, float]:
         return {"accumulators": self.initial_accumulator_value, "linears": 0.0}
 
+    def fused_rule_attrs(self) -> dict:
+        q = -self.learning_rate_power
+        return dict(
+            q=q,
+            q_kind={0.0: 0, 1.0: 1, 0.5: 2}.get(q, 3),
+            l1=self.l1_regularization_strength,
+            l2=self.l2_regularization_strength,
+            two_l2=2.0 * self.l2_regularization_strength,
+            beta=self.beta,
+            multiply_linear_by_learning_rate=self.multiply_linear_by_learning_rate,
+        )
+
     def _rule(self, w, slots, g, lr):
         q = -self.learning_rate_power
         l1, l2, beta = (self.l1_regularization_strength, self.l2_regularization_strength, self.beta)
@@ -745,3 +807,69 @@ class FTRL(Optimizer):
         nonzero = d != 0
         w_new = jnp.where(nonzero, n / jnp.where(nonzero, d, 1.0), 0.0)
         return w_new, {"accumulators": a_new, "linears": lin}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWiseAdagrad(Optimizer):
+    """Row-wise Adagrad, as FBGEMM's EXACT_ROWWISE_ADAGRAD (TorchRec's default): one
+    accumulator a row (slot `accumulators` of shape [rows, 1], half of Adagrad's state
+    and less), `a += mean(g'**2)` over the row's own `dim` columns,
+    `w -= lr / (sqrt(a) + epsilon) * g'`, with `g' = g + l2_regularization_strength * w`.
+
+    As in FBGEMM: epsilon is added outside the square root (default 1e-8), the
+    accumulator starts at 0 (`initial_accumulator_value`), the learning rate defaults to
+    0.01; FBGEMM's weight-decay modes are `l2_regularization_strength` (its L2 mode: the
+    decay enters the gradient, and so the accumulator) and the common
+    `weight_decay_factor` with `multiply_weight_decay_factor_by_learning_rate=True` (its
+    DECOUPLE mode: `w -= lr * wd * w`, outside the accumulator). Not TensorFlow's: beyond
+    the TPU API. A table using it is stacked only with tables of its own dim, unpadded,
+    so the mean is over the table's own columns.
+
+    Its accumulator is not Adagrad's (one value a row, not one an element): restoring an
+    Adagrad checkpoint into it, or the reverse, is an error.
+    """
+
+    _SLOTS: ClassVar[tuple[str, ...]] = ("accumulators",)
+    _ROW_SLOTS: ClassVar[tuple[str, ...]] = ("accumulators",)
+    _FUSED_KERNEL: ClassVar[str | None] = "rowwise_adagrad"
+
+    learning_rate: LearningRate = 0.01
+    epsilon: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    l2_regularization_strength: float = 0.0
+    use_gradient_accumulation: bool = True
+    clip_weight_min: float | None = None
+    clip_weight_max: float | None = None
+    weight_decay_factor: float | None = None
+    multiply_weight_decay_factor_by_learning_rate: bool | None = None
+    slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
+    clipvalue: ClipValue = None
+    low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self):
+        _set(
+            self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0", lambda x: x > 0)
+        )
+        for f in ("initial_accumulator_value", "l2_regularization_strength"):
+            _set(self, f, _number(self, f, getattr(self, f), "a number >= 0", lambda x: x >= 0))
+        self._validate()
+
+    @property
+    def row_wise(self) -> bool:
+        """Its slot holds one value a row: its tables stack only with tables of their own
+        dim, unpadded (`layout.stacking`)."""
+        return True
+
+    @property
+    def slot_initial_values(self) -> dict[str, float]:
+        return {"accumulators": self.initial_accumulator_value}
+
+    def fused_rule_attrs(self) -> dict:
+        # `dim`: the width of the rows the kernel is given (stacks of it are unpadded)
+        return dict(epsilon=self.epsilon, l2=self.l2_regularization_strength)
+
+    def _rule(self, w, slots, g, lr):
+        g = g + self.l2_regularization_strength * w
+        a = slots["accumulators"] + jnp.sum(g * g, axis=-1, keepdims=True) / float(g.shape[-1])
+        scale = lr / (jnp.sqrt(a) + self.epsilon)
+        return w - scale * g, {"accumulators": a}

@@ -227,13 +227,27 @@ def run_early(mesh, job):
     os._exit(0)  # the job is broken: no shutdown barrier
 
 
+def case_optimizer(case: int):
+    """The fused optimizer of a case: SGD, Adagrad, AdagradMomentum, Adam, FTRL,
+    RowWiseAdagrad for cases 0-5, each with options set (optimizer_reference)."""
+    from optimizer_reference import ALL_FUSED
+
+    return ALL_FUSED[(0, 1, 2, 4, 6, 8)[case % 6]]
+
+
+def random_slots(r, opt, rows, d):
+    """Every device's slots of `opt`, [N, 1, rows, width]: positive random values."""
+    return {
+        k: r.uniform(0.1, 1.0, (N, 1, rows, opt.slot_width(k, d))).astype(np.float32)
+        for k in opt.slot_names
+    }
+
+
 def run_ops(mesh, job):
     """The host kernels of lookup_from_shards and backward_update_sharded against their
     references (the exchange path, XLA's all_to_all over gloo), on random batches with
     padding ids, ids past the end, out-of-range slots, padding pairs, unsorted ids or
-    ungrouped pairs, and keep=False."""
-    from embedmesh.optimizers import SGD, Adagrad
-
+    ungrouped pairs, and keep=False; each case another fused optimizer."""
     sh = NamedSharding(mesh, P("x"))
 
     def put(x):  # [N, ...] per device -> a global array sharded over devices
@@ -243,13 +257,19 @@ def run_ops(mesh, job):
     def gathered(a):
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
+    def put_slots(slots):
+        return {k: put(v) for k, v in slots.items()}
+
+    def gathered_slots(slots):
+        return {k: gathered(v) for k, v in slots.items()}
+
     for case in range(6) if N <= 2 else (1, 3, 4):  # 4 processes on 2 cores: fewer
         r = np.random.default_rng(1000 + case)
         rows, u, p, num_rows, d = 30, int(r.integers(1, 9)), int(r.integers(0, 25)), 7, 8
-        adagrad, keep = bool(case % 2), case != 4
+        opt, keep = case_optimizer(case), case != 4
         grouped, shuffled = case in (0, 1, 4), case == 3
         tables = r.standard_normal((N, 1, rows, d)).astype(np.float32)
-        accs = r.uniform(0.1, 1.0, (N, 1, rows, d)).astype(np.float32)
+        accs = random_slots(r, opt, rows, d)
         uids = np.full((N, N, u), ops.PAD_ID, np.int32)
         for dev in range(N):
             for s in range(N):
@@ -282,17 +302,12 @@ def run_ops(mesh, job):
         _, ref = lookup(0)
         np.testing.assert_allclose(host, ref, rtol=1e-6, atol=1e-6, err_msg=f"lookup {case}")
 
-        lr, clip, wd = 0.3, 0.8, 0.05
-        kw = dict(clipvalue=clip, weight_decay_factor=wd)
-        opt = Adagrad(lr, **kw) if adagrad else SGD(lr, **kw)
-
         def update(host_job):
             def body(t, a, ui, act, pr, pu, g):
-                slots = {"accumulators": a[0]} if adagrad else {}
                 t, slots = ops.backward_update_sharded(
                     opt,
                     t[0],
-                    slots,
+                    {k: v[0] for k, v in a.items()},
                     ui,
                     act,
                     pr,
@@ -305,52 +320,59 @@ def run_ops(mesh, job):
                     host_job=host_job,
                     channel="ops/up",
                 )
-                return t[None], slots.get("accumulators", a[0])[None]
+                return t[None], {k: v[None] for k, v in slots.items()}
 
             fn = jax.jit(
                 jax.shard_map(
                     body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
                 )
             )
-            args = (put(tables), put(accs), put(uids), put(acts), put(prows), put(puniq))
+            args = (put(tables), put_slots(accs), put(uids), put(acts), put(prows), put(puniq))
             args = args + (put(gains),)
-            return fn.lower(*args).as_text(), [gathered(x) for x in fn(*args)]
+            t, sl = fn(*args)
+            return fn.lower(*args).as_text(), (gathered(t), gathered_slots(sl))
 
         text, (t_host, a_host) = update(job)
-        assert f"embedmesh_backward_{'adagrad' if adagrad else 'sgd'}_from_host_sources" in text
+        assert f"embedmesh_backward_{opt.fused_kernel}_from_host_sources" in text
         _, (t_ref, a_ref) = update(0)
         np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"table {case}")
-        np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"acc {case}")
+        for k in a_ref:
+            np.testing.assert_allclose(
+                a_host[k], a_ref[k], rtol=2e-6, atol=2e-6, err_msg=f"{k} {case}"
+            )
         if not keep:
             np.testing.assert_array_equal(t_host, tables.reshape(t_host.shape))
 
         # replicated (data_parallel): every device the same table, one partition each
         rep_t = np.broadcast_to(tables[:1], tables.shape).copy()
-        rep_a = np.broadcast_to(accs[:1], accs.shape).copy()
+        rep_a = {k: np.broadcast_to(v[:1], v.shape).copy() for k, v in accs.items()}
         rep = [put(x[:, :1]) for x in (uids, prows, puniq, gains)]
 
         def replicated(host_job):
             def body(t, a, ui, act, pr, pu, g):
-                slots = {"accumulators": a[0]} if adagrad else {}
                 t, slots = ops.backward_update_sharded(
-                    opt, t[0], slots, ui, act, pr, pu, g, keep, 0, "x", N,
-                    host_job=host_job, channel="ops/rep", replicated=True,
+                    opt, t[0], {k: v[0] for k, v in a.items()}, ui, act, pr, pu, g, keep, 0,
+                    "x", N, host_job=host_job, channel="ops/rep", replicated=True,
                 )  # fmt: skip
-                return t[None], slots.get("accumulators", a[0])[None]
+                return t[None], {k: v[None] for k, v in slots.items()}
 
             fn = jax.jit(
                 jax.shard_map(
                     body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
                 )
             )
-            args = (put(rep_t), put(rep_a), rep[0], put(acts), rep[1], rep[2], rep[3])
-            return fn.lower(*args).as_text(), [gathered(x) for x in fn(*args)]
+            args = (put(rep_t), put_slots(rep_a), rep[0], put(acts), rep[1], rep[2], rep[3])
+            t, sl = fn(*args)
+            return fn.lower(*args).as_text(), (gathered(t), gathered_slots(sl))
 
         text, (t_host, a_host) = replicated(job)
-        assert f"embedmesh_backward_{'adagrad' if adagrad else 'sgd'}_from_host_sources" in text
+        assert f"embedmesh_backward_{opt.fused_kernel}_from_host_sources" in text
         _, (t_ref, a_ref) = replicated(0)
         np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"rep {case}")
-        np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"rep {case}")
+        for k in a_ref:
+            np.testing.assert_allclose(
+                a_host[k], a_ref[k], rtol=2e-6, atol=2e-6, err_msg=f"rep {k} {case}"
+            )
         for dev in range(N):  # the replicas stay bitwise equal
             np.testing.assert_array_equal(t_host[dev], t_host[0])
     print("OK ops", flush=True)
@@ -361,10 +383,8 @@ def run_pooled(mesh, job):
     (exchange_pooled_pairs, exchange_pooled_partials, exchange_pooled_backward_update)
     against their references (the unfused op, then XLA's all_to_all over gloo), on
     random batches with positions and rows out of range, padding and ids past the
-    table, a compacted and an uncompacted row map, SGD and Adagrad, and keep=False
-    (the tables come back unchanged)."""
-    from embedmesh.optimizers import SGD, Adagrad
-
+    table, a compacted and an uncompacted row map, and keep=False (the tables come back
+    unchanged); each case another fused optimizer."""
     sh = NamedSharding(mesh, P("x"))
 
     def put(x):  # [N, ...] per device -> a global array sharded over devices
@@ -374,6 +394,12 @@ def run_pooled(mesh, job):
     def gathered(a):
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
+    def put_slots(slots):
+        return {k: put(v) for k, v in slots.items()}
+
+    def gathered_slots(slots):
+        return {k: gathered(v) for k, v in slots.items()}
+
     def run(body, n_in, *args):
         fn = jax.jit(
             jax.shard_map(
@@ -382,13 +408,14 @@ def run_pooled(mesh, job):
         )
         out = fn(*args)
         text = fn.lower(*args).as_text()
-        return text, [gathered(x) for x in (out if isinstance(out, tuple) else (out,))]
+        outs = out if isinstance(out, tuple) else (out,)
+        return text, [jax.tree.map(gathered, x) for x in outs]
 
     peers = dict(axis_name="x", num_shards=N)
-    for case in range(4) if N <= 2 else (1, 3):  # 4 processes on 2 cores: fewer
+    for case in range(6) if N <= 2 else (1, 3):  # 4 processes on 2 cores: fewer
         r = np.random.default_rng(2000 + case)
         rows, u, p, num_rows, d = 40, int(r.integers(1, 9)), int(r.integers(1, 25)), 9, 8
-        adagrad, keep, compacted = case % 2 == 1, case != 3, case < 2
+        opt, keep, compacted = case_optimizer(case), case != 3, case in (0, 1, 4)
         uids = r.integers(0, rows + 3, size=(N, N, u)).astype(np.int32)  # some past the end
         uids[r.random((N, N, u)) < 0.2] = ops.PAD_ID
         prows = r.integers(-1, num_rows + 2, size=(N, N, p)).astype(np.int32)  # some "none"
@@ -426,7 +453,7 @@ def run_pooled(mesh, job):
         served = served_ref.reshape(N, N, -1)
 
         tables = r.standard_normal((N, 1, rows, d)).astype(np.float32)
-        accs = r.uniform(0.1, 1.0, (N, 1, rows, d)).astype(np.float32)
+        accs = random_slots(r, opt, rows, d)
 
         def partials(host_job):
             def body(t, m):
@@ -449,15 +476,13 @@ def run_pooled(mesh, job):
         assert np.abs(back_ref).sum() > 0, "no pair contributed: the case tests nothing"
 
         grads = r.standard_normal((N, N, rc, d)).astype(np.float32)
-        opt = Adagrad(0.3, clipvalue=0.8) if adagrad else SGD(0.3, weight_decay_factor=0.05)
 
         def backward(host_job):
             def body(t, a, m, g):
-                slots = {"accumulators": a[0]} if adagrad else {}
                 t, slots = ops.exchange_pooled_backward_update(
                     opt,
                     t[0],
-                    slots,
+                    {k: v[0] for k, v in a.items()},
                     m,
                     g.reshape(N, rc, d),
                     keep,
@@ -468,15 +493,19 @@ def run_pooled(mesh, job):
                     channel="pooled/grads",
                     **peers,
                 )
-                return t[None], slots.get("accumulators", a[0])[None]
+                return t[None], {k: v[None] for k, v in slots.items()}
 
-            return run(body, 4, put(tables), put(accs), put(served), put(grads))
+            text, (t, sl) = run(body, 4, put(tables), put_slots(accs), put(served), put(grads))
+            return text, (t, sl)
 
         text, (t_host, a_host) = backward(job)
-        assert f"embedmesh_host_pooled_backward_{'adagrad' if adagrad else 'sgd'}" in text
+        assert f"embedmesh_host_pooled_backward_{opt.fused_kernel}" in text
         _, (t_ref, a_ref) = backward(0)
         np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"table {case}")
-        np.testing.assert_allclose(a_host, a_ref, rtol=2e-6, atol=2e-6, err_msg=f"acc {case}")
+        for k in a_ref:
+            np.testing.assert_allclose(
+                a_host[k], a_ref[k], rtol=2e-6, atol=2e-6, err_msg=f"{k} {case}"
+            )
         if keep:
             assert not np.array_equal(t_ref, tables.reshape(t_ref.shape)), "no row moved"
         else:

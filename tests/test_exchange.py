@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from optimizer_reference import ALL_FUSED, numpy_update_rows
 
 from embedmesh.device import ops
 from embedmesh.device.ops import cpu
@@ -209,14 +210,15 @@ def _sharded_batch(r, n, rows, u, p, num_rows, d, grouped, shuffled=False):
     return uids, puniq, prows, gains, acts
 
 
-def update_oracle(tables, accs, uids, puniq, prows, gains, acts, lr, clip, wd, adagrad):
+def update_oracle(tables, slots, uids, puniq, prows, gains, acts, opt):
     """float64: owner s sums, over every device r and pair of r's partition s, gain *
-    act_r[row] into the row it names; every asked row is updated once (Adagrad or SGD,
-    gradient clip, weight decay times lr)."""
+    act_r[row] into the row it names; every asked row is updated once by `opt`'s rule
+    (the numpy one of optimizer_reference, at step 0)."""
     n = len(tables)
-    new_t, new_a = [], []
+    new_t, new_s = [], []
     for s in range(n):
-        w, a = tables[s].astype(np.float64), accs[s].astype(np.float64)
+        w = tables[s].astype(np.float64)
+        sl = {k: v[s].astype(np.float64) for k, v in slots.items()}
         g = np.zeros_like(w)
         asked = set()
         for dev in range(n):
@@ -226,22 +228,30 @@ def update_oracle(tables, accs, uids, puniq, prows, gains, acts, lr, clip, wd, a
                 k, row = puniq[dev, s, q], prows[dev, s, q]
                 if 0 <= k < ids.size and ids[k] != ops.PAD_ID and 0 <= row < acts.shape[1]:
                     g[ids[k]] += gains[dev, s, q] * acts[dev, row]
-        for i in sorted(asked):
-            gi = np.clip(g[i], -clip, clip)
-            w_old = w[i].copy()
-            if adagrad:
-                a[i] = a[i] + gi * gi
-                w[i] = w_old - lr * gi / np.sqrt(a[i])
-            else:
-                w[i] = w_old - lr * gi
-            w[i] -= wd * lr * w_old
+        rows = sorted(asked)
+        if rows:
+            nw, ns = numpy_update_rows(
+                opt, w[rows], {k: v[rows] for k, v in sl.items()}, g[rows], 0
+            )
+            w[rows] = nw
+            for k in sl:
+                sl[k][rows] = ns[k]
         new_t.append(w)
-        new_a.append(a)
-    return new_t, new_a
+        new_s.append(sl)
+    return new_t, {k: [x[k] for x in new_s] for k in slots}
+
+
+def _random_slots(r, opt, n, rows, d):
+    """n shards' slots of `opt`: positive random values (valid for every rule)."""
+    return {
+        k: [r.uniform(0.1, 1.0, (rows, opt.slot_width(k, d))).astype(np.float32) for _ in range(n)]
+        for k in opt.slot_names
+    }
 
 
 @needs_kernels
-@settings(max_examples=20, deadline=None)
+@pytest.mark.parametrize("opt", ALL_FUSED, ids=lambda o: type(o).__name__)
+@settings(max_examples=3, deadline=None)
 @given(
     n=st.sampled_from([2, 4, 8]),
     rows=st.integers(1, 40),
@@ -249,28 +259,21 @@ def update_oracle(tables, accs, uids, puniq, prows, gains, acts, lr, clip, wd, a
     p=st.integers(0, 30),
     num_rows=st.integers(1, 8),
     d=st.sampled_from([1, 8, 16]),
-    adagrad=st.booleans(),
     grouped=st.booleans(),
     shuffled=st.booleans(),
     keep=st.sampled_from([True, True, False]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_backward_update_sharded_matches_the_exchange_path(
-    n, rows, u, p, num_rows, d, adagrad, grouped, shuffled, keep, seed
+    opt, n, rows, u, p, num_rows, d, grouped, shuffled, keep, seed
 ):
     """The fused in-process N-shard backward + update (each owner reads its sources'
     pairs and gradients) against its reference (sums, all_to_all, dedup, update) and a
     float64 oracle; `keep=False` moves nothing."""
-    from embedmesh.optimizers import SGD, Adagrad
-
     r = np.random.default_rng(seed)
     mesh = mesh_of(n)
-    lr, clip, wd = 0.3, 0.8, 0.05
-    kw = dict(clipvalue=clip, weight_decay_factor=wd)
-    kw["multiply_weight_decay_factor_by_learning_rate"] = True
-    opt = Adagrad(lr, **kw) if adagrad else SGD(lr, **kw)
     tables = [r.standard_normal((rows, d)).astype(np.float32) for _ in range(n)]
-    accs = [r.uniform(0.1, 1.0, (rows, d)).astype(np.float32) for _ in range(n)]
+    slots = _random_slots(r, opt, n, rows, d)
     uids, puniq, prows, gains, acts = _sharded_batch(
         r, n, rows, u, p, num_rows, d, grouped, shuffled
     )
@@ -278,44 +281,45 @@ def test_backward_update_sharded_matches_the_exchange_path(
     flat = lambda x: jax.device_put(x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), sh)
     args = (flat(uids), flat(acts), flat(prows), flat(puniq), flat(gains))
 
+    def state():
+        return (
+            jax.device_put(np.concatenate(tables), sh),
+            {k: jax.device_put(np.concatenate(v), sh) for k, v in slots.items()},
+        )
+
     def run(in_process):
-        def body(t, a, ui, act, pr, pu, g):
-            slots = {"accumulators": a} if adagrad else {}
-            t, slots = ops.backward_update_sharded(
-                opt, t, slots, ui, act, pr, pu, g, keep, 0, "x", n, in_process=in_process
+        def body(t, sl, ui, act, pr, pu, g):
+            return ops.backward_update_sharded(
+                opt, t, sl, ui, act, pr, pu, g, keep, 0, "x", n, in_process=in_process
             )
-            return t, slots.get("accumulators", a)
 
         fn = jax.jit(
             jax.shard_map(
                 body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
             )
         )
-        state = (
-            jax.device_put(np.concatenate(tables), sh),
-            jax.device_put(np.concatenate(accs), sh),
-        )
-        return fn, [np.asarray(x) for x in fn(*state, *args)]
+        t, sl = fn(*state(), *args)
+        return fn, np.asarray(t), {k: np.asarray(v) for k, v in sl.items()}
 
-    fused_fn, (t_fused, a_fused) = run(True)
-    state = (jax.device_put(np.concatenate(tables), sh), jax.device_put(np.concatenate(accs), sh))
-    kind = "adagrad" if adagrad else "sgd"
-    assert f"embedmesh_backward_{kind}_from_sources" in fused_fn.lower(*state, *args).as_text()
-    _, (t_ref, a_ref) = run(False)
+    fused_fn, t_fused, s_fused = run(True)
+    kind = opt.fused_kernel
+    assert f"embedmesh_backward_{kind}_from_sources" in fused_fn.lower(*state(), *args).as_text()
+    _, t_ref, s_ref = run(False)
     np.testing.assert_allclose(t_fused, t_ref, rtol=2e-6, atol=2e-6)
-    np.testing.assert_allclose(a_fused, a_ref, rtol=2e-6, atol=2e-6)
+    for k in slots:
+        np.testing.assert_allclose(s_fused[k], s_ref[k], rtol=2e-6, atol=2e-6)
     if keep:
-        want_t, want_a = update_oracle(
-            tables, accs, uids, puniq, prows, gains, acts, lr, clip, wd, adagrad
-        )
+        want_t, want_s = update_oracle(tables, slots, uids, puniq, prows, gains, acts, opt)
     else:
-        want_t, want_a = tables, accs
-    np.testing.assert_allclose(t_fused, np.concatenate(want_t), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(a_fused, np.concatenate(want_a), rtol=1e-5, atol=1e-5)
+        want_t, want_s = tables, slots
+    np.testing.assert_allclose(t_fused, np.concatenate(want_t), rtol=1e-4, atol=1e-5)
+    for k in slots:
+        np.testing.assert_allclose(s_fused[k], np.concatenate(want_s[k]), rtol=1e-4, atol=1e-5)
 
 
 @needs_kernels
-@settings(max_examples=5, deadline=None)
+@pytest.mark.parametrize("opt", ALL_FUSED, ids=lambda o: type(o).__name__)
+@settings(max_examples=1, deadline=None)
 @given(
     n=st.sampled_from([2, 4]),
     rows=st.integers(1, 40),
@@ -323,29 +327,22 @@ def test_backward_update_sharded_matches_the_exchange_path(
     p=st.integers(0, 30),
     num_rows=st.integers(1, 8),
     d=st.sampled_from([1, 8, 16]),
-    adagrad=st.booleans(),
     grouped=st.booleans(),
     keep=st.sampled_from([True, True, False]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_replicated_backward_update_matches_the_gather_path(
-    n, rows, u, p, num_rows, d, adagrad, grouped, keep, seed
+    opt, n, rows, u, p, num_rows, d, grouped, keep, seed
 ):
     """`backward_update_sharded(replicated=True)`: every device holds a replica and
     sends its one partition; the fused kernel (each replica reads every device's batch
     in place) against its reference (per-id sums, one all-gathered message, merge,
     update) and a float64 oracle over the global batch; the replicas stay bitwise
     equal; `keep=False` moves nothing."""
-    from embedmesh.optimizers import SGD, Adagrad
-
     r = np.random.default_rng(seed)
     mesh = mesh_of(n)
-    lr, clip, wd = 0.3, 0.8, 0.05
-    kw = dict(clipvalue=clip, weight_decay_factor=wd)
-    kw["multiply_weight_decay_factor_by_learning_rate"] = True
-    opt = Adagrad(lr, **kw) if adagrad else SGD(lr, **kw)
     table = r.standard_normal((rows, d)).astype(np.float32)
-    acc = r.uniform(0.1, 1.0, (rows, d)).astype(np.float32)
+    slot = {k: v[0] for k, v in _random_slots(r, opt, 1, rows, d).items()}
     uids, puniq, prows, gains, acts = _sharded_batch(r, n, rows, u, p, num_rows, d, grouped, False)
     # one partition a device: its partition 0
     uids, puniq, prows, gains = (x[:, :1] for x in (uids, puniq, prows, gains))
@@ -354,13 +351,11 @@ def test_replicated_backward_update_matches_the_gather_path(
     args = (flat(uids), flat(acts), flat(prows), flat(puniq), flat(gains))
 
     def run(in_process):
-        def body(t, a, ui, act, pr, pu, g):
-            slots = {"accumulators": a} if adagrad else {}
-            t, slots = ops.backward_update_sharded(
-                opt, t, slots, ui, act, pr, pu, g, keep, 0, "x", n,
+        def body(t, sl, ui, act, pr, pu, g):
+            return ops.backward_update_sharded(
+                opt, t, sl, ui, act, pr, pu, g, keep, 0, "x", n,
                 in_process=in_process, replicated=True, channel="test/replicated",
             )  # fmt: skip
-            return t, slots.get("accumulators", a)
 
         fn = jax.jit(
             jax.shard_map(
@@ -369,20 +364,26 @@ def test_replicated_backward_update_matches_the_gather_path(
         )
         state = (
             jax.device_put(np.concatenate([table] * n), sh),
-            jax.device_put(np.concatenate([acc] * n), sh),
+            {k: jax.device_put(np.concatenate([v] * n), sh) for k, v in slot.items()},
         )
         lowered = fn.lower(*state, *args).as_text()
-        return lowered, [np.asarray(x).reshape(n, rows, d) for x in fn(*state, *args)]
+        t, sl = fn(*state, *args)
+        return (
+            lowered,
+            np.asarray(t).reshape(n, rows, d),
+            {k: np.asarray(v).reshape((n,) + slot[k].shape) for k, v in sl.items()},
+        )
 
-    text, (t_fused, a_fused) = run(True)
-    kind = "adagrad" if adagrad else "sgd"
-    assert f"embedmesh_backward_{kind}_from_sources" in text
-    _, (t_ref, a_ref) = run(False)
+    text, t_fused, s_fused = run(True)
+    assert f"embedmesh_backward_{opt.fused_kernel}_from_sources" in text
+    _, t_ref, s_ref = run(False)
     for j in range(n):  # bitwise equal replicas
         np.testing.assert_array_equal(t_fused[j], t_fused[0])
-        np.testing.assert_array_equal(a_fused[j], a_fused[0])
+        for k in slot:
+            np.testing.assert_array_equal(s_fused[k][j], s_fused[k][0])
     np.testing.assert_allclose(t_fused, t_ref, rtol=2e-6, atol=2e-6)
-    np.testing.assert_allclose(a_fused, a_ref, rtol=2e-6, atol=2e-6)
+    for k in slot:
+        np.testing.assert_allclose(s_fused[k], s_ref[k], rtol=2e-6, atol=2e-6)
     if keep:  # the oracle of one owner holding every row, each device a source
         # owner 0 of n: partition 0 is every device's batch, the others empty (PAD)
         def widen(x, fill):
@@ -390,20 +391,19 @@ def test_replicated_backward_update_matches_the_gather_path(
             out[:, :1] = x
             return out
 
-        want_t, want_a = update_oracle(
+        want_t, want_s = update_oracle(
             [table] * n,
-            [acc] * n,
+            {k: [v] * n for k, v in slot.items()},
             widen(uids, ops.PAD_ID),
             widen(puniq, 0),
             widen(prows, 0),
             widen(gains, 0),
             acts,
-            lr,
-            clip,
-            wd,
-            adagrad,
+            opt,
         )
+        want_s = {k: v[0] for k, v in want_s.items()}
     else:
-        want_t, want_a = [table], [acc]
-    np.testing.assert_allclose(t_fused[0], want_t[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(a_fused[0], want_a[0], rtol=1e-5, atol=1e-5)
+        want_t, want_s = [table], slot
+    np.testing.assert_allclose(t_fused[0], want_t[0], rtol=1e-4, atol=1e-5)
+    for k in slot:
+        np.testing.assert_allclose(s_fused[k][0], want_s[k], rtol=1e-4, atol=1e-5)

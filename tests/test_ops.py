@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from optimizer_reference import ALL_FUSED, numpy_update_rows
 
 from embedmesh import _runtime
 from embedmesh.device import ops
 from embedmesh.device.ops import cpu, reference
 from embedmesh.device.ops.cpu import kernels as cpu_kernels
-from embedmesh.optimizers import SGD, Adagrad, AdagradMomentum
+from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowWiseAdagrad
 
 PAD = ops.PAD_ID
 
@@ -182,7 +183,7 @@ def test_dedup_sum(case):
         Adagrad(lambda step: 0.1 / (1.0 + step), weight_decay_factor=0.02),
         SGD(0.5),
         SGD(0.2, clipvalue=(-0.1, None), clip_weight_max=0.3),
-        AdagradMomentum(0.1, momentum=0.5),  # generic path
+        *ALL_FUSED,
     ],
 )
 def test_sparse_update_matches_update_rows(opt):
@@ -190,7 +191,8 @@ def test_sparse_update_matches_update_rows(opt):
     rows, d = 300, 12
     table = r.standard_normal((rows, d)).astype(np.float32)
     slots = {
-        k: np.full((rows, d), v, np.float32) + r.random((rows, d)).astype(np.float32)
+        k: np.full((rows, opt.slot_width(k, d)), v, np.float32)
+        + r.random((rows, opt.slot_width(k, d))).astype(np.float32)
         for k, v in opt.slot_initial_values.items()
     }
     ids = ids_with_padding(r, rows, 128, 100, sort=True)
@@ -206,10 +208,22 @@ def test_sparse_update_matches_update_rows(opt):
         jnp.asarray(grads),
         step,
     )
+    assert (
+        opt.fused_kernel is None
+        or ops.kernel_for(
+            "sparse_update", "cpu", table, slots, ids, grads, optimizer=opt, step=step
+        )
+        is cpu_kernels.sparse_update
+    )
     want_t, want_s = _reference_update(opt, table, slots, ids, grads, step)
     np.testing.assert_allclose(np.asarray(got_t), want_t, rtol=2e-6, atol=1e-7)
     for k in want_s:
         np.testing.assert_allclose(np.asarray(got_s[k]), want_s[k], rtol=2e-6, atol=1e-7)
+    # and the float64 numpy rule
+    want_t, want_s = _reference_update(opt, table, slots, ids, grads, step, numpy_update_rows)
+    np.testing.assert_allclose(np.asarray(got_t), want_t, rtol=1e-4, atol=1e-5)
+    for k in want_s:
+        np.testing.assert_allclose(np.asarray(got_s[k]), want_s[k], rtol=1e-4, atol=1e-5)
 
 
 @needs_kernels
@@ -263,9 +277,19 @@ def test_full_on_a_device(dtype, value, min_bytes):
     "case", ["sorted", "unsorted_ids", "unsorted_pairs", "large", "large_unsorted_at_chunk_edge"]
 )
 @pytest.mark.parametrize(
-    "opt", [Adagrad(0.2, weight_decay_factor=0.01, clipvalue=0.5), SGD(0.3, clip_weight_min=-1.0)]
+    "opt",
+    [
+        Adagrad(0.2, weight_decay_factor=0.01, clipvalue=0.5),
+        SGD(0.3, clip_weight_min=-1.0),
+        AdagradMomentum(0.1, momentum=0.5, use_nesterov=True),
+        Adam(0.05, clipvalue=0.5),
+        FTRL(0.1, l1_regularization_strength=0.01, weight_decay_factor=0.01),
+        RowWiseAdagrad(0.1, clip_weight_max=0.9),
+    ],
 )
 def test_backward_update_matches_unfused(case, opt):
+    if case.startswith("large") and opt.fused_kernel not in ("sgd", "adagrad"):
+        pytest.skip("the large cases exercise the transport, not the rule")
     r = rng(8)
     rows, d, u_cap, p_cap, R = 400, 8, 64, 200, 50
     used = 50
@@ -298,7 +322,10 @@ def test_backward_update_matches_unfused(case, opt):
         pu[:n_pairs], pr[:n_pairs], pg[:n_pairs] = pu[q], pr[q], pg[q]
     act = r.standard_normal((R, d)).astype(np.float32)
     table = r.standard_normal((rows, d)).astype(np.float32)
-    slots = {k: np.full((rows, d), v, np.float32) for k, v in opt.slot_initial_values.items()}
+    slots = {
+        k: np.full((rows, opt.slot_width(k, d)), v, np.float32)
+        for k, v in opt.slot_initial_values.items()
+    }
     step = jnp.int32(2)
     fused = jax.jit(lambda t, s, *a: ops.backward_update(opt, t, s, *a, step))
     got_t, got_s = fused(
@@ -319,10 +346,11 @@ def test_backward_update_matches_unfused(case, opt):
         )
 
 
-def _reference_update(opt, table, slots, uniq, g, step):
+def _reference_update(opt, table, slots, uniq, g, step, update_rows=None):
     t, s = table.copy(), {k: v.copy() for k, v in slots.items()}
     valid = uniq != PAD
-    nr, ns = opt.update_rows(
+    nr, ns = (update_rows or type(opt).update_rows)(
+        opt,
         jnp.asarray(table[uniq[valid]]),
         {k: jnp.asarray(v[uniq[valid]]) for k, v in slots.items()},
         jnp.asarray(g[valid]),
@@ -542,7 +570,11 @@ def test_one_shard_update_is_one_fused_op_and_others_compose():
     fused = _custom_calls(step(Adagrad(0.1), {"accumulators": table}), table, ids, act, pr, pu, pg)
     assert len(fused) == 1 and "embedmesh_backward_adagrad" in fused[0]
     slots = {"accumulators": table, "momenta": table}
-    parts = " ".join(_custom_calls(step(AdagradMomentum(0.1), slots), table, ids, act, pr, pu, pg))
+
+    class Custom(AdagradMomentum):  # a subclass may change the rule: no fused kernel
+        pass
+
+    parts = " ".join(_custom_calls(step(Custom(0.1), slots), table, ids, act, pr, pu, pg))
     for target in ("segment_gather_sum", "dedup_sum", "gather_rows", "scatter_rows"):
         assert f"embedmesh_{target}" in parts
 
@@ -676,12 +708,13 @@ def test_no_platform_question_outside_the_ops_layer():
 
 
 def test_optimizers_name_their_fused_kernel():
-    from embedmesh.optimizers import FTRL, Adam
-
     assert SGD(0.1).fused_kernel == "sgd"
     assert Adagrad(0.1, clipvalue=1.0, weight_decay_factor=0.1).fused_kernel == "adagrad"
-    for opt in (AdagradMomentum(0.1), Adam(0.1), Adam(0.1, lazy_adam=False), FTRL(0.1)):
-        assert opt.fused_kernel is None, opt
+    assert AdagradMomentum(0.1).fused_kernel == "adagrad_momentum"
+    assert Adam(0.1).fused_kernel == "adam"
+    assert FTRL(0.1).fused_kernel == "ftrl"
+    assert RowWiseAdagrad(0.1).fused_kernel == "rowwise_adagrad"
+    assert Adam(0.1, lazy_adam=False).fused_kernel is None  # every row: the dense path
 
     class Subclass(SGD):  # may change the rule: no kernel unless it says so
         pass

@@ -66,58 +66,63 @@ def dedup_sum(ids, grads):
     )
 
 
-# The optimizers the update kernels fuse (`Optimizer.fused_kernel`) and the slots each has.
-_FUSED_SLOTS = {"sgd": (), "adagrad": ("accumulators",)}
+# The optimizers the update kernels fuse (`Optimizer.fused_kernel`): update.cc's rule of
+# each. The slots a rule reads are the optimizer's `slot_names`, in that order.
+_FUSED_KINDS = frozenset(("sgd", "adagrad", "adagrad_momentum", "adam", "ftrl", "rowwise_adagrad"))
 
 
 def _fused(table, slots, *args, optimizer, step) -> bool:
     """Whether the fused update kernels take this optimizer, table and slots."""
-    kind = optimizer.fused_kernel
     return (
-        kind in _FUSED_SLOTS
-        and tuple(sorted(slots)) == _FUSED_SLOTS[kind]
+        optimizer.fused_kernel in _FUSED_KINDS
+        and set(slots) == set(optimizer.slot_names)
         and table.dtype == jnp.float32
         and all(v.dtype == jnp.float32 for v in slots.values())
     )
 
 
-def _scalars(optimizer, step):
-    """(learning rate [1], the other scalars as FFI attributes) of the fused kernels."""
-    attrs = optimizer.fused_attrs(step)
-    lr = attrs.pop("learning_rate").reshape(1)
-    types = {"has_wd": np.int32, "wd_lr": np.int32}
-    return lr, {k: types.get(k, np.float32)(v) for k, v in attrs.items()}
+def _ffi_scalar(value):
+    """An FFI attribute of a fused kernel: bool -> int32, int -> int64, else float32."""
+    if isinstance(value, (bool, np.bool_)):
+        return np.int32(value)
+    if isinstance(value, (int, np.integer)):
+        return np.int64(value)
+    return np.float32(value)
+
+
+def _update(target, table, slots, args, *, optimizer, step, **attrs):
+    """The fused update `target` ("embedmesh_sparse_{}", ...: formatted with the
+    optimizer's `fused_kernel`) of `table` and its slots: the call's fixed `args` (the
+    learning rate's place marked by `_LR`), then the table and the slots (aliased to the
+    results), and as attributes the optimizer's scalars (`fused_attrs`, `fused_rule_attrs`)
+    plus `attrs`. Returns (new table, new slots)."""
+    scalars = optimizer.fused_attrs(step)
+    lr = scalars.pop("learning_rate").reshape(1)
+    scalars.update(optimizer.fused_rule_attrs())
+    names = tuple(optimizer.slot_names)
+    state = (table, *(slots[k] for k in names))
+    fixed = tuple(lr if a is _LR else a for a in args)
+    outs = jax.ffi.ffi_call(
+        target.format(optimizer.fused_kernel),
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state),
+        input_output_aliases={len(fixed) + i: i for i in range(len(state))},
+    )(*fixed, *state, **{k: _ffi_scalar(v) for k, v in scalars.items()}, **attrs)
+    return outs[0], dict(zip(names, outs[1:]))
+
+
+_LR = object()  # the place of the learning rate [1] among a fused update's arguments
 
 
 def sparse_update(table, slots, ids, grads, *, optimizer, step):
-    lr, attrs = _scalars(optimizer, step)
-    grads = grads.astype(jnp.float32)
-    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
-    if optimizer.fused_kernel == "sgd":
-        t = jax.ffi.ffi_call("embedmesh_sparse_sgd", shape, input_output_aliases={0: 0})(
-            table, ids, grads, lr, **attrs
-        )
-        return t, {}
-    t, a = jax.ffi.ffi_call(
-        "embedmesh_sparse_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
-    )(table, slots["accumulators"], ids, grads, lr, **attrs)
-    return t, {"accumulators": a}
+    args = (ids, grads.astype(jnp.float32), _LR)
+    return _update("embedmesh_sparse_{}", table, slots, args, optimizer=optimizer, step=step)
 
 
 def backward_update(
     table, slots, ids, act_grads, pair_rows, pair_unique, pair_gains, *, optimizer, step
 ):
-    lr, attrs = _scalars(optimizer, step)
-    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
-    if optimizer.fused_kernel == "sgd":
-        t = jax.ffi.ffi_call("embedmesh_backward_sgd", shape, input_output_aliases={0: 0})(
-            table, ids, act_grads, pair_rows, pair_unique, pair_gains, lr, **attrs
-        )
-        return t, {}
-    t, a = jax.ffi.ffi_call(
-        "embedmesh_backward_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
-    )(table, slots["accumulators"], ids, act_grads, pair_rows, pair_unique, pair_gains, lr, **attrs)
-    return t, {"accumulators": a}
+    args = (ids, act_grads, pair_rows, pair_unique, pair_gains, _LR)
+    return _update("embedmesh_backward_{}", table, slots, args, optimizer=optimizer, step=step)
 
 
 _exchange_tags = itertools.count(1)
@@ -283,34 +288,32 @@ def backward_update_sharded(
 ):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc);
     `replicated`: each device a replica, applying every source's one partition."""
-    lr, attrs = _scalars(optimizer, step)
     if in_process:
-        rank, peer_attrs = _peers(axis_name, num_shards)
+        rank, attrs = _peers(axis_name, num_shards)
         target = "embedmesh_backward_{}_from_sources"
     else:  # processes of one host: the sources' batches in shared memory (update.cc)
-        rank, peer_attrs = _host_peers(axis_name, num_shards, host_job, channel + "/sources")
+        rank, attrs = _host_peers(axis_name, num_shards, host_job, channel + "/sources")
         target = "embedmesh_backward_{}_from_host_sources"
-    attrs.update(peer_attrs, replica=np.int64(bool(replicated)))
-    batch = (
+    args = (
         unique_ids,
         act_grads,
         pair_rows,
         pair_unique,
         pair_gains,
-        lr,
+        _LR,
         keep.astype(jnp.int32).reshape(1),
         rank,
     )
-    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
-    if optimizer.fused_kernel == "sgd":
-        t = jax.ffi.ffi_call(target.format("sgd"), shape, input_output_aliases={0: 0})(
-            table, *batch, **attrs
-        )
-        return t, {}
-    t, a = jax.ffi.ffi_call(
-        target.format("adagrad"), (shape, shape), input_output_aliases={0: 0, 1: 1}
-    )(table, slots["accumulators"], *batch, **attrs)
-    return t, {"accumulators": a}
+    return _update(
+        target,
+        table,
+        slots,
+        args,
+        optimizer=optimizer,
+        step=step,
+        replica=np.int64(bool(replicated)),
+        **attrs,
+    )
 
 
 def _fused_in_process(
@@ -348,21 +351,18 @@ def pooled_partials(table, served, *, unique_capacity, width):
 def pooled_backward_update(
     table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width
 ):
-    lr, attrs = _scalars(optimizer, step)
-    attrs.update(
-        u=np.int64(unique_capacity), rc=np.int64(width), k=_pooled_words(unique_capacity, width)
+    args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1))
+    return _update(
+        "embedmesh_pooled_backward_{}",
+        table,
+        slots,
+        args,
+        optimizer=optimizer,
+        step=step,
+        u=np.int64(unique_capacity),
+        rc=np.int64(width),
+        k=_pooled_words(unique_capacity, width),
     )
-    args = (served, grads, lr, keep.astype(jnp.int32).reshape(1))
-    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
-    if optimizer.fused_kernel == "sgd":
-        t = jax.ffi.ffi_call("embedmesh_pooled_backward_sgd", shape, input_output_aliases={0: 0})(
-            table, *args, **attrs
-        )
-        return t, {}
-    t, a = jax.ffi.ffi_call(
-        "embedmesh_pooled_backward_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
-    )(table, slots["accumulators"], *args, **attrs)
-    return t, {"accumulators": a}
 
 
 def _fused_pooled(table, slots, served, grads, keep, *, optimizer, step, **params) -> bool:
@@ -411,27 +411,22 @@ def exchange_pooled_partials(table, served, *, unique_capacity, width, **peers):
 def exchange_pooled_backward_update(
     table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, **peers
 ):
-    lr, attrs = _scalars(optimizer, step)
-    rank, peer_attrs = _host_peers(
+    rank, attrs = _host_peers(
         peers["axis_name"], grads.shape[0], peers["host_job"], peers["channel"]
     )
-    attrs.update(
-        peer_attrs,
+    args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1), rank)
+    return _update(
+        "embedmesh_host_pooled_backward_{}",
+        table,
+        slots,
+        args,
+        optimizer=optimizer,
+        step=step,
         u=np.int64(unique_capacity),
         rc=np.int64(width),
         k=_pooled_words(unique_capacity, width),
+        **attrs,
     )
-    args = (served, grads, lr, keep.astype(jnp.int32).reshape(1), rank)
-    shape = jax.ShapeDtypeStruct(table.shape, table.dtype)
-    if optimizer.fused_kernel == "sgd":
-        t = jax.ffi.ffi_call(
-            "embedmesh_host_pooled_backward_sgd", shape, input_output_aliases={0: 0}
-        )(table, *args, **attrs)
-        return t, {}
-    t, a = jax.ffi.ffi_call(
-        "embedmesh_host_pooled_backward_adagrad", (shape, shape), input_output_aliases={0: 0, 1: 1}
-    )(table, slots["accumulators"], *args, **attrs)
-    return t, {"accumulators": a}
 
 
 def _between_host_processes(x, *, num_shards, in_process, host_job=0, channel="", **_) -> bool:

@@ -53,6 +53,23 @@ TARGETS = {
     "embedmesh_host_pooled_partials": "EmHostPooledPartials",
     "embedmesh_host_pooled_backward_sgd": "EmHostPooledBackwardSgd",
     "embedmesh_host_pooled_backward_adagrad": "EmHostPooledBackwardAdagrad",
+    **{  # the fused updates of the optimizers beyond SGD and Adagrad (update.cc)
+        target.format(kind): symbol.format(rule)
+        for kind, rule in (
+            ("adagrad_momentum", "AdagradMomentum"),
+            ("adam", "Adam"),
+            ("ftrl", "Ftrl"),
+            ("rowwise_adagrad", "RowWiseAdagrad"),
+        )
+        for target, symbol in (
+            ("embedmesh_sparse_{}", "EmSparse{}"),
+            ("embedmesh_backward_{}", "EmBackward{}"),
+            ("embedmesh_backward_{}_from_sources", "EmBackward{}FromSources"),
+            ("embedmesh_backward_{}_from_host_sources", "EmBackward{}FromHostSources"),
+            ("embedmesh_pooled_backward_{}", "EmPooledBackward{}"),
+            ("embedmesh_host_pooled_backward_{}", "EmHostPooledBackward{}"),
+        )
+    },
     "embedmesh_huge_page_copy": "EmHugePageCopy",
     "embedmesh_huge_page_fill": "EmHugePageFill",
 }

@@ -1,7 +1,30 @@
-// Fused sparse SGD / Adagrad updates, alone and fused with the backward (on one shard, and
-// on N in-process shards reading their sources' gradients through peers.h, and on N shards
-// in processes of one host reading them in shared memory through host_peers.h).
+// Fused sparse optimizer updates, alone and fused with the backward (on one shard, on N
+// in-process shards reading their sources' gradients through peers.h, on N shards in
+// processes of one host reading them in shared memory through host_peers.h, and from the
+// pooled messages of pooled.h).
+//
+// One implementation per transport, generic over the optimizer and the storage type:
+//   - an optimizer is a rule struct (Sgd, Adagrad, ...): its slot count, whether its slot
+//     holds one value a row (kRowWise), its hyperparameters read from the call's FFI
+//     attributes, and its float32 arithmetic per element (`Step`) and, for a row-wise rule,
+//     per row (`RowScale`);
+//   - `Updater<Rule, T>` applies a rule to rows of a table of element type T (float now;
+//     bfloat16 / float16 drop in through Load / Store), with the common options around
+//     the rule: gradient clamp, rule, weight decay, weight clamp;
+//   - each transport (Sparse, Backward, FromSources, FromHostSources, Pooled, HostPooled)
+//     is a template over the rule that finds the rows and their summed gradients and calls
+//     `Updater::Row` on each;
+//   - the FFI handlers are generated for every (transport, rule) pair at the end of this
+//     file (EM_FOR_EACH_RULE x EM_DEFINE_*), named Em<Transport><Rule>.
+// Every handler takes its fixed arguments first, then the state: the table and the rule's
+// slots (the last 1 + kSlots arguments, aliased to the 1 + kSlots results), and all its
+// attributes as one dictionary. The arithmetic is that of `embedmesh.optimizers`
+// (`Optimizer.update_rows_at_lr`), in float32, in the same order, with no FMA contraction
+// (build.py: -ffp-contract=off).
 // Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
+#include <string>
+#include <string_view>
+
 #include "common.h"
 #include "host_peers.h"
 #include "peers.h"
@@ -10,58 +33,347 @@
 namespace embedmesh {
 namespace {
 
-// the table (and accumulator) are aliased to the results. Same float32 arithmetic, in the
-// same order, as `embedmesh.optimizers` (clip g, rule, weight decay, clip w).
-struct UpdateAttrs {
-  float clip_lo, clip_hi, wd, wmin, wmax;
-  bool has_wd, wd_lr;
+// ---------------------------------------------------------------------------------------
+// Storage types: the arithmetic is float32 whatever the table holds.
+
+template <typename T>
+inline float Load(T x) {
+  return static_cast<float>(x);
+}
+template <typename T>
+inline T Store(float x) {
+  return static_cast<T>(x);
+}
+
+template <typename T>
+struct DType;
+template <>
+struct DType<float> {
+  static constexpr ffi::DataType kType = ffi::DataType::F32;
 };
 
-template <bool kAdagrad>
-inline void UpdateRow(float* __restrict__ wr, float* __restrict__ ar, const float* __restrict__ gr,
-                      int64_t d, float lr, float wd, const UpdateAttrs& at) {
-  for (int64_t k = 0; k < d; ++k) {
-    float gk = gr[k];
-    gk = gk < at.clip_lo ? at.clip_lo : gk;
-    gk = gk > at.clip_hi ? at.clip_hi : gk;
-    const float w_old = wr[k];
-    float wn;
-    if (kAdagrad) {
-      const float a = ar[k] + gk * gk;
-      ar[k] = a;
-      wn = w_old - lr * gk * (1.0f / std::sqrt(a));
-    } else {
-      wn = w_old - lr * gk;
+// ---------------------------------------------------------------------------------------
+// Attributes
+
+// Reads named scalars from a call's attribute dictionary, remembering the first failure.
+class AttrReader {
+ public:
+  explicit AttrReader(const ffi::Dictionary& d) : d_(d) {}
+  float F(const char* name) { return Get<float>(name, 0.0f); }
+  bool B(const char* name) { return Get<int32_t>(name, 0) != 0; }
+  int64_t I(const char* name) { return Get<int64_t>(name, 0); }
+  std::string_view S(const char* name) { return Get<std::string_view>(name, {}); }
+  const std::string& error() const { return error_; }
+
+ private:
+  template <typename V>
+  V Get(const char* name, V fallback) {
+    auto v = d_.get<V>(name);
+    if (v.has_error()) {
+      if (error_.empty()) error_ = std::string("attribute ") + name + ": " + v.error().message();
+      return fallback;
     }
-    if (at.has_wd) wn = wn - wd * w_old;
-    wn = wn < at.wmin ? at.wmin : wn;
-    wn = wn > at.wmax ? at.wmax : wn;
-    wr[k] = wn;
+    return *v;
+  }
+  const ffi::Dictionary& d_;
+  std::string error_;
+};
+
+// The options every optimizer has, in `update_rows`'s order around the rule.
+struct Common {
+  float clip_lo, clip_hi, wd, wmin, wmax;
+  bool has_wd, wd_lr;
+  static Common Read(AttrReader& a) {
+    Common c;
+    c.clip_lo = a.F("clip_lo"), c.clip_hi = a.F("clip_hi"), c.wd = a.F("wd");
+    c.has_wd = a.B("has_wd"), c.wd_lr = a.B("wd_lr");
+    c.wmin = a.F("wmin"), c.wmax = a.F("wmax");
+    return c;
+  }
+  float EffectiveWd(float lr) const { return has_wd ? (wd_lr ? wd * lr : wd) : 0.0f; }
+};
+
+// ---------------------------------------------------------------------------------------
+// Optimizer rules: float32 arithmetic on a clipped gradient g, the old weight w, the slot
+// values s[] (read and written) and the learning rate lr; `Step` returns the new weight
+// before weight decay and clamping. Each mirrors its class's `_rule` in embedmesh.optimizers
+// operation by operation; the constants computed in Python doubles there (1 - beta, ...)
+// arrive as attributes computed the same way.
+
+struct Sgd {
+  static constexpr int kSlots = 0;
+  static constexpr bool kRowWise = false;
+  struct Params {};
+  static Params Read(AttrReader&) { return {}; }
+  static inline float Step(const Params&, float w, float g, float lr, float*, float) {
+    return w - lr * g;
+  }
+};
+
+struct Adagrad {
+  static constexpr int kSlots = 1;  // accumulators
+  static constexpr bool kRowWise = false;
+  struct Params {};
+  static Params Read(AttrReader&) { return {}; }
+  static inline float Step(const Params&, float w, float g, float lr, float* s, float) {
+    const float a = s[0] + g * g;
+    s[0] = a;
+    return w - lr * g * (1.0f / std::sqrt(a));
+  }
+};
+
+struct AdagradMomentum {
+  static constexpr int kSlots = 2;  // accumulators, momenta
+  static constexpr bool kRowWise = false;
+  struct Params {
+    float momentum, beta2, one_minus_beta2, epsilon, neg_inv_exponent;
+    bool nesterov, beta2_is_one, exponent_is_two;
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.momentum = a.F("momentum"), p.beta2 = a.F("beta2");
+    p.one_minus_beta2 = a.F("one_minus_beta2"), p.epsilon = a.F("epsilon");
+    p.neg_inv_exponent = a.F("neg_inv_exponent"), p.nesterov = a.B("use_nesterov");
+    p.beta2_is_one = a.B("beta2_is_one"), p.exponent_is_two = a.B("exponent_is_two");
+    return p;
+  }
+  static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
+    float a = s[0];
+    a = p.beta2_is_one ? a + g * g : p.beta2 * a + p.one_minus_beta2 * g * g;
+    const float scale = p.exponent_is_two ? 1.0f / std::sqrt(a + p.epsilon)
+                                          : std::pow(a + p.epsilon, p.neg_inv_exponent);
+    const float sg = scale * g;
+    const float m = p.momentum * s[1] + sg;
+    const float step = p.nesterov ? p.momentum * m + sg : m;
+    s[0] = a, s[1] = m;
+    return w - lr * step;
+  }
+};
+
+struct Adam {
+  static constexpr int kSlots = 2;  // momenta, velocities
+  static constexpr bool kRowWise = false;
+  struct Params {
+    float b1, one_minus_b1, b2, one_minus_b2, eps_inside, eps_outside;
+    bool sum_inside_sqrt;
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.b1 = a.F("beta_1"), p.one_minus_b1 = a.F("one_minus_beta_1");
+    p.b2 = a.F("beta_2"), p.one_minus_b2 = a.F("one_minus_beta_2");
+    p.eps_inside = a.F("epsilon_squared"), p.eps_outside = a.F("epsilon");
+    p.sum_inside_sqrt = a.B("sum_inside_sqrt");
+    return p;
+  }
+  static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
+    const float m = p.b1 * s[0] + p.one_minus_b1 * g;
+    const float v = p.b2 * s[1] + p.one_minus_b2 * g * g;
+    const float denom =
+        p.sum_inside_sqrt ? std::sqrt(v + p.eps_inside) : std::sqrt(v) + p.eps_outside;
+    s[0] = m, s[1] = v;
+    return w - lr * m / denom;
+  }
+};
+
+// x**q for x >= 0 with 0**q == 0 (q > 0), x**0 == 1: optimizers._pow.
+inline float PowNonNeg(float x, float q, int kind) {
+  switch (kind) {
+    case 0: return 1.0f;          // q == 0
+    case 1: return x;             // q == 1
+    case 2: return std::sqrt(x);  // q == 0.5
+    default: return x > 0.0f ? std::pow(x, q) : 0.0f;
   }
 }
 
-inline float EffectiveWd(float lr, const UpdateAttrs& at) {
-  return at.has_wd ? (at.wd_lr ? at.wd * lr : at.wd) : 0.0f;
+struct Ftrl {
+  static constexpr int kSlots = 2;  // accumulators, linears
+  static constexpr bool kRowWise = false;
+  struct Params {
+    float q, l1, l2, two_l2, beta;
+    int q_kind;
+    bool mult_linear;
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.q = a.F("q"), p.l1 = a.F("l1"), p.l2 = a.F("l2"), p.two_l2 = a.F("two_l2");
+    p.beta = a.F("beta"), p.q_kind = static_cast<int>(a.I("q_kind"));
+    p.mult_linear = a.B("multiply_linear_by_learning_rate");
+    return p;
+  }
+  static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
+    const float a = s[0];
+    const float a_new = a + g * g;
+    const float pw = PowNonNeg(a_new, p.q, p.q_kind);
+    const float dp = pw - PowNonNeg(a, p.q, p.q_kind);
+    float lin = s[1], bound, d;
+    if (p.mult_linear) {
+      lin = lin + lr * g - dp * w;
+      bound = lr * p.l1;
+      d = pw + 2.0f * lr * p.l2 + p.beta;
+    } else {
+      lin = lin + g - dp * w / lr;
+      bound = p.l1;
+      d = (pw + p.beta) / lr + p.two_l2;
+    }
+    float n;
+    if (p.l1 == 0.0f) {
+      n = -lin;
+    } else {
+      float c = lin < -bound ? -bound : lin;
+      c = c > bound ? bound : c;
+      n = c - lin;
+    }
+    s[0] = a_new, s[1] = lin;
+    return d != 0.0f ? n / d : 0.0f;
+  }
+};
+
+// FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator a row, a += mean(g'^2) over the row's
+// d columns (its table's own dim: stacks of it are never padded), w -= lr / (sqrt(a) + eps) * g', with
+// g' = g + l2 * w (FBGEMM's L2 weight-decay mode; l2 = 0: none).
+struct RowWiseAdagrad {
+  static constexpr int kSlots = 1;  // accumulators, [rows, 1]
+  static constexpr bool kRowWise = true;
+  struct Params {
+    float epsilon, l2;
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.epsilon = a.F("epsilon"), p.l2 = a.F("l2");
+    return p;
+  }
+  static inline float Grad(const Params& p, float w, float g) { return g + p.l2 * w; }
+  // the row's multiplier lr / (sqrt(a) + eps), given the sum of its g'^2 over its `dim`
+  // columns (stacks of this rule are unpadded: the row's width is its table's dim)
+  static inline float RowScale(const Params& p, float sum_sq, float dim, float lr, float* a) {
+    const float acc = *a + sum_sq / dim;
+    *a = acc;
+    return lr / (std::sqrt(acc) + p.epsilon);
+  }
+  static inline float Step(const Params& p, float w, float g, float, float*, float scale) {
+    return w - scale * Grad(p, w, g);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// The row update: one rule on one table of element type T, with the common options.
+
+template <class Rule, typename T>
+struct Updater {
+  static constexpr int kSlots = Rule::kSlots;
+  T* w = nullptr;
+  T* slot[kSlots > 0 ? kSlots : 1] = {};
+  int64_t rows = 0, d = 0, slot_width = 0;
+  float lr = 0.0f, wd = 0.0f;
+  Common c;
+  typename Rule::Params p;
+
+  inline float Clip(float g) const {
+    g = g < c.clip_lo ? c.clip_lo : g;
+    return g > c.clip_hi ? c.clip_hi : g;
+  }
+
+  inline void Prefetch(int64_t r) const {
+    PrefetchWrite(reinterpret_cast<char*>(w + r * d), sizeof(T) * d);
+    for (int j = 0; j < kSlots; ++j)
+      PrefetchWrite(reinterpret_cast<char*>(slot[j] + r * slot_width), sizeof(T) * slot_width);
+  }
+
+  // Row r of the table and its slots, given its summed gradient gr [d].
+  inline void Row(int64_t r, const float* __restrict__ gr) const {
+    T* __restrict__ wr = w + r * d;
+    T* __restrict__ s0 = kSlots > 0 ? slot[0] + r * slot_width : nullptr;
+    T* __restrict__ s1 = kSlots > 1 ? slot[kSlots > 1 ? 1 : 0] + r * slot_width : nullptr;
+    float scale = 0.0f;
+    if constexpr (Rule::kRowWise) {
+      float sum_sq = 0.0f;
+      for (int64_t k = 0; k < d; ++k) {
+        const float g = RowWiseGrad(Load(wr[k]), Clip(gr[k]));
+        sum_sq += g * g;
+      }
+      float a = Load(s0[0]);
+      scale = Rule::RowScale(p, sum_sq, static_cast<float>(d), lr, &a);
+      s0[0] = Store<T>(a);
+    }
+    for (int64_t k = 0; k < d; ++k) {
+      const float g = Clip(gr[k]);
+      const float w_old = Load(wr[k]);
+      float s[kSlots > 0 ? kSlots : 1];
+      if constexpr (kSlots > 0 && !Rule::kRowWise) s[0] = Load(s0[k]);
+      if constexpr (kSlots > 1) s[1] = Load(s1[k]);
+      float wn = Rule::Step(p, w_old, g, lr, s, scale);
+      if constexpr (kSlots > 0 && !Rule::kRowWise) s0[k] = Store<T>(s[0]);
+      if constexpr (kSlots > 1) s1[k] = Store<T>(s[1]);
+      if (c.has_wd) wn = wn - wd * w_old;
+      wn = wn < c.wmin ? c.wmin : wn;
+      wn = wn > c.wmax ? c.wmax : wn;
+      wr[k] = Store<T>(wn);
+    }
+  }
+
+  inline float RowWiseGrad(float w_old, float g) const {
+    if constexpr (Rule::kRowWise) return Rule::Grad(p, w_old, g);
+    return g;
+  }
+};
+
+// The state of a call: the table and its slots are its last 1 + kSlots arguments, aliased
+// to its 1 + kSlots results (copied when XLA did not alias them). Fills `up` (lr from the
+// [1] buffer) or returns why not.
+template <class Rule, typename T>
+ffi::Error MakeUpdater(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
+                       const ffi::Dictionary& attrs, const float* lr, Updater<Rule, T>* up,
+                       const ffi::AnyBuffer** table_out = nullptr) {
+  if (state.size() != 1 + Rule::kSlots || outs.size() != 1 + Rule::kSlots)
+    return ffi::Error::InvalidArgument("update: expected the table and " +
+                                       std::to_string(Rule::kSlots) + " slot(s)");
+  AttrReader reader(attrs);
+  up->c = Common::Read(reader);
+  up->p = Rule::Read(reader);
+  if (!reader.error().empty()) return ffi::Error::InvalidArgument("update: " + reader.error());
+  for (int i = 0; i <= Rule::kSlots; ++i) {
+    auto in = state.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    const ffi::AnyBuffer& b = *in;
+    if (b.element_type() != DType<T>::kType)
+      return ffi::Error::InvalidArgument("update: table and slots must share the kernel's type");
+    T* o = reinterpret_cast<T*>((*out)->untyped_data());
+    if (o != b.untyped_data()) std::memcpy(o, b.untyped_data(), b.size_bytes());
+    auto dims = b.dimensions();
+    const int64_t rows = dims.size() ? dims[0] : 1;
+    if (i == 0) {
+      up->w = o, up->rows = rows, up->d = RowWidth(dims);
+    } else {
+      const int64_t width = RowWidth(dims);
+      if (rows != up->rows || width != (Rule::kRowWise ? 1 : up->d))
+        return ffi::Error::InvalidArgument("update: a slot's shape does not fit the table");
+      up->slot[i - 1] = o, up->slot_width = width;
+    }
+  }
+  up->lr = lr[0];
+  up->wd = up->c.EffectiveWd(up->lr);
+  return ffi::Error::Success();
 }
 
-template <bool kAdagrad>
-void SparseUpdate(float* w, float* acc, int64_t rows, int64_t d, const int32_t* id, int64_t n,
-                  const float* g, float lr, const UpdateAttrs& at) {
-  const float wd = EffectiveWd(lr, at);
-  const int64_t grain = 2048;
+// ---------------------------------------------------------------------------------------
+// Transports
+
+// ops.sparse_update: rows ids[i] (distinct; PAD and out-of-range skipped) with grads[i].
+template <class U>
+void SparseUpdate(const U& up, const int32_t* id, int64_t n, const float* g) {
+  const int64_t grain = 2048, rows = up.rows, d = up.d;
   ParallelFor(NumChunks(n, grain), [&](int64_t c) {
     const int64_t lo = c * grain, hi = std::min(n, lo + grain);
     for (int64_t i = lo; i < hi; ++i) {
       if (i + kPrefetch < hi) {
-        int64_t r = id[i + kPrefetch];
-        if (r >= 0 && r < rows) {
-          PrefetchWrite(reinterpret_cast<char*>(w + r * d), 4 * d);
-          if (kAdagrad) PrefetchWrite(reinterpret_cast<char*>(acc + r * d), 4 * d);
-        }
+        const int64_t r = id[i + kPrefetch];
+        if (r >= 0 && r < rows) up.Prefetch(r);
       }
       const int64_t r = id[i];
       if (r < 0 || r >= rows) continue;
-      UpdateRow<kAdagrad>(w + r * d, kAdagrad ? acc + r * d : nullptr, g + i * d, d, lr, wd, at);
+      up.Row(r, g + i * d);
     }
   });
 }
@@ -92,13 +404,12 @@ bool GroupPairs(const int32_t* id, int64_t nu, const int32_t* prow, int64_t nr,
   return true;
 }
 
-template <bool kAdagrad>
-void BackwardUpdate(float* w, float* acc, int64_t rows, int64_t d, const int32_t* id, int64_t nu,
-                    const float* act, int64_t nr, const int32_t* prow, const int32_t* puniq,
-                    const float* gain, int64_t np, float lr, const UpdateAttrs& at) {
+template <class U>
+void BackwardUpdate(const U& up, const int32_t* id, int64_t nu, const float* act, int64_t nr,
+                    const int32_t* prow, const int32_t* puniq, const float* gain, int64_t np) {
+  const int64_t rows = up.rows, d = up.d;
   std::vector<int64_t> beg(nu + 1, 0), cnt(nu, 0);
   const bool ok = GroupPairs(id, nu, prow, nr, puniq, np, beg.data(), cnt.data());
-  const float wd = EffectiveWd(lr, at);
   if (!ok) {  // general order: per-slot sums, then dedup by row, then update
     std::vector<float> sums(nu * d, 0.0f);
     for (int64_t q = 0; q < np; ++q) {
@@ -117,8 +428,7 @@ void BackwardUpdate(float* w, float* acc, int64_t rows, int64_t d, const int32_t
       for (; j < order.size() && id[order[j]] == id[order[i]]; ++j)
         for (int64_t k = 0; k < d; ++k) g[k] += sums[order[j] * d + k];
       const int64_t r = id[order[i]];
-      if (r >= 0 && r < rows)
-        UpdateRow<kAdagrad>(w + r * d, kAdagrad ? acc + r * d : nullptr, g.data(), d, lr, wd, at);
+      if (r >= 0 && r < rows) up.Row(r, g.data());
       i = j;
     }
     return;
@@ -130,10 +440,7 @@ void BackwardUpdate(float* w, float* acc, int64_t rows, int64_t d, const int32_t
     for (int64_t u = lo; u < hi; ++u) {
       if (u + kPrefetch < hi) {
         int64_t r = id[u + kPrefetch];
-        if (r >= 0 && r < rows) {
-          PrefetchWrite(reinterpret_cast<char*>(w + r * d), 4 * d);
-          if (kAdagrad) PrefetchWrite(reinterpret_cast<char*>(acc + r * d), 4 * d);
-        }
+        if (r >= 0 && r < rows) up.Prefetch(r);
       }
       if (u + kPrefetch / 2 < hi) {  // the activation gradients of a coming row (5-8%)
         const int64_t v = u + kPrefetch / 2;
@@ -153,85 +460,10 @@ void BackwardUpdate(float* w, float* acc, int64_t rows, int64_t d, const int32_t
         const float* __restrict__ src = act + ar * d;
         for (int64_t k = 0; k < d; ++k) g[k] += gq * src[k];
       }
-      UpdateRow<kAdagrad>(w + r * d, kAdagrad ? acc + r * d : nullptr, g.data(), d, lr, wd, at);
+      up.Row(r, g.data());
     }
   });
 }
-
-UpdateAttrs MakeAttrs(float clip_lo, float clip_hi, float wd, int32_t has_wd, int32_t wd_lr,
-                      float wmin, float wmax) {
-  return UpdateAttrs{clip_lo, clip_hi, wd, wmin, wmax, has_wd != 0, wd_lr != 0};
-}
-
-ffi::Error SparseSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
-                     ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr, float clip_lo,
-                     float clip_hi, float wd, int32_t has_wd, int32_t wd_lr, float wmin,
-                     float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  float* w = out->typed_data();
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  auto td = table.dimensions();
-  SparseUpdate<false>(w, nullptr, td.size() ? td[0] : 1, RowWidth(td), ids.typed_data(),
-                      ids.element_count(), grads.typed_data(), lr.typed_data()[0],
-                      MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax));
-  return ffi::Error::Success();
-}
-
-ffi::Error SparseAdagrad(ffi::Buffer<ffi::F32> table,
-                         ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> ids,
-                         ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr, float clip_lo,
-                         float clip_hi, float wd, int32_t has_wd, int32_t wd_lr, float wmin,
-                         float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                         ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
-  float* w = out->typed_data();
-  float* a = out_acc->typed_data();
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  if (a != accum.typed_data()) std::memcpy(a, accum.typed_data(), accum.size_bytes());
-  auto td = table.dimensions();
-  SparseUpdate<true>(w, a, td.size() ? td[0] : 1, RowWidth(td), ids.typed_data(),
-                     ids.element_count(), grads.typed_data(), lr.typed_data()[0],
-                     MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax));
-  return ffi::Error::Success();
-}
-
-ffi::Error BackwardAdagrad(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum,
-                           ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
-                           ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
-                           ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr, float clip_lo,
-                           float clip_hi, float wd, int32_t has_wd, int32_t wd_lr, float wmin,
-                           float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
-  float* w = out->typed_data();
-  float* a = out_acc->typed_data();
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  if (a != accum.typed_data()) std::memcpy(a, accum.typed_data(), accum.size_bytes());
-  auto td = table.dimensions();
-  auto ad = act.dimensions();
-  BackwardUpdate<true>(w, a, td.size() ? td[0] : 1, RowWidth(td), ids.typed_data(),
-                       ids.element_count(), act.typed_data(), ad.size() ? ad[0] : 1,
-                       prow.typed_data(), puniq.typed_data(), gains.typed_data(),
-                       prow.element_count(), lr.typed_data()[0],
-                       MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax));
-  return ffi::Error::Success();
-}
-
-ffi::Error BackwardSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
-                       ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow,
-                       ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
-                       ffi::Buffer<ffi::F32> lr, float clip_lo, float clip_hi, float wd,
-                       int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
-                       ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  float* w = out->typed_data();
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  auto td = table.dimensions();
-  auto ad = act.dimensions();
-  BackwardUpdate<false>(w, nullptr, td.size() ? td[0] : 1, RowWidth(td), ids.typed_data(),
-                        ids.element_count(), act.typed_data(), ad.size() ? ad[0] : 1,
-                        prow.typed_data(), puniq.typed_data(), gains.typed_data(),
-                        prow.element_count(), lr.typed_data()[0],
-                        MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax));
-  return ffi::Error::Success();
-}
-
 
 // What one source device lends its owners in the fused N-shard backward (peers.h).
 struct SourceBatch {
@@ -249,12 +481,11 @@ struct SourceBatch {
 // Equal to backward (per-source segment sums) -> exchange -> dedup_sum -> sparse_update,
 // with no [N, U, D] gradient buffer, no exchange and no dedup output. A source whose pairs
 // are not grouped by slot (see GroupPairs) gets its per-slot sums materialised first.
-template <bool kAdagrad>
-void BackwardUpdateFromSources(float* w, float* acc, int64_t rows, int64_t d, int64_t me,
-                               const std::vector<const SourceBatch*>& src, float lr,
-                               const UpdateAttrs& at) {
+template <class U>
+void BackwardUpdateFromSources(const U& up, int64_t me,
+                               const std::vector<const SourceBatch*>& src) {
+  const int64_t rows = up.rows, d = up.d;
   const int64_t n = static_cast<int64_t>(src.size());
-  const float wd = EffectiveWd(lr, at);
   struct Part {  // source r's partition for this shard
     const int32_t* ids;
     const int32_t* prow;
@@ -333,8 +564,7 @@ void BackwardUpdateFromSources(float* w, float* acc, int64_t rows, int64_t d, in
     for (int64_t i = lo; i < hi; ++i) {
       if (i + kPrefetch < hi) {
         const int64_t r = asked[starts[i + kPrefetch]].first;
-        PrefetchWrite(reinterpret_cast<char*>(w + r * d), 4 * d);
-        if (kAdagrad) PrefetchWrite(reinterpret_cast<char*>(acc + r * d), 4 * d);
+        up.Prefetch(r);
       }
       std::fill(g.begin(), g.end(), 0.0f);
       for (int64_t e = starts[i]; e < starts[i + 1]; ++e) {
@@ -356,7 +586,7 @@ void BackwardUpdateFromSources(float* w, float* acc, int64_t rows, int64_t d, in
         for (int64_t j = 0; j < d; ++j) g[j] += gr[j];
       }
       const int64_t r = asked[starts[i]].first;
-      UpdateRow<kAdagrad>(w + r * d, kAdagrad ? acc + r * d : nullptr, g.data(), d, lr, wd, at);
+      up.Row(r, g.data());
     }
   });
 }
@@ -391,136 +621,53 @@ void DecodeSources(PooledSources& ps, const int32_t* served, int64_t n, int64_t 
   }
 }
 
-// ops.pooled_backward_update: an owner's fused backward + update from its N sources'
-// pooled messages and the gradients [N * Rc, D] of the rows they feed:
-// BackwardUpdateFromSources, no [N * U, D] buffer, no dedup output.
-template <bool kAdagrad>
-ffi::Error PooledBackward(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::Buffer<ffi::S32> served,
-                          ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr,
-                          ffi::Buffer<ffi::S32> keep, int64_t u, int64_t rc, int64_t k,
-                          const UpdateAttrs& at, float* w, float* a) {
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
-  if (keep.typed_data()[0] == 0) return ffi::Error::Success();  // a rejected step
-  auto td = table.dimensions();
-  auto sd = served.dimensions();
-  const int64_t d = RowWidth(td);
-  const int64_t n = sd.size() ? sd[0] : 1;
-  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
-  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
-  PooledSources ps;
-  DecodeSources(ps, served.typed_data(), n, words, l,
-                [&](int64_t s) { return grads.typed_data() + s * rc * d; });
-  BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, d, 0, ps.src,
-                                      lr.typed_data()[0], at);
+// ---------------------------------------------------------------------------------------
+// The handlers of each transport, generic over the rule and the storage type T.
+
+#define EM_MAKE_UPDATER(lr_buf)                                                  \
+  Updater<Rule, T> up;                                                           \
+  if (ffi::Error e = MakeUpdater(state, outs, attrs, (lr_buf).typed_data(), &up); \
+      e.failure())                                                               \
+    return e;
+
+template <class Rule, typename T>
+ffi::Error Sparse(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
+                  ffi::Buffer<ffi::F32> lr, ffi::RemainingArgs state, ffi::RemainingRets outs,
+                  ffi::Dictionary attrs) {
+  EM_MAKE_UPDATER(lr)
+  SparseUpdate(up, ids.typed_data(), ids.element_count(), grads.typed_data());
   return ffi::Error::Success();
 }
 
-// ops.exchange_pooled_backward_update between processes of one host: this rank publishes
-// the gradients [N, Rc, D] of the rows each other owner feeds in its segment, and applies
-// every source's gradients for its own rows read in place (its own from `grads`):
-// pooled_backward_update(..., exchange(grads)), with no exchanged copy.
-template <bool kAdagrad>
-ffi::Error HostPooledBackward(ffi::Buffer<ffi::F32> table, float* acc_in,
-                              ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
-                              ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-                              ffi::Buffer<ffi::S32> rank_buf, int64_t u, int64_t rc, int64_t k,
-                              const hostpeers::HostCall& base, const UpdateAttrs& at, float* w,
-                              float* a) {
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
-  hostpeers::HostCall call = base;
-  call.rank = rank_buf.typed_data()[0];
-  auto td = table.dimensions();
-  const int64_t d = RowWidth(td), n = call.n, rank = call.rank;
-  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
-  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
-  const float* g = grads.typed_data();
-  const size_t block = sizeof(float) * rc * d;
-  const bool apply = keep.typed_data()[0] != 0;  // every process agrees (the finite check)
-  const float rate = lr.typed_data()[0];
-  return hostpeers::WithHostPeers(
-      call, n * block,
-      [&](char* seg) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) std::memcpy(seg + s * block, g + s * rc * d, block);
-        }
-      },
-      [&](const std::vector<const char*>& peers) {
-        if (!apply) return std::string();  // a rejected step: no row moves
-        PooledSources ps;
-        DecodeSources(ps, served.typed_data(), n, words, l, [&](int64_t s) {
-          return s == rank ? g + rank * rc * d
-                           : reinterpret_cast<const float*>(peers[s] + rank * block);
-        });
-        BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, d, 0, ps.src, rate, at);
-        return std::string();
-      });
+template <class Rule, typename T>
+ffi::Error Backward(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+                    ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+                    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
+                    ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  EM_MAKE_UPDATER(lr)
+  auto ad = act.dimensions();
+  BackwardUpdate(up, ids.typed_data(), ids.element_count(), act.typed_data(),
+                 ad.size() ? ad[0] : 1, prow.typed_data(), puniq.typed_data(),
+                 gains.typed_data(), prow.element_count());
+  return ffi::Error::Success();
 }
 
-ffi::Error HostPooledBackwardSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
-                                 ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr,
-                                 ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank,
-                                 int64_t u, int64_t rc, int64_t k, int64_t job, int64_t tag,
-                                 int64_t n, int64_t timeout_ms, std::string_view channel,
-                                 float clip_lo, float clip_hi, float wd, int32_t has_wd,
-                                 int32_t wd_lr, float wmin, float wmax,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  return HostPooledBackward<false>(table, nullptr, served, grads, lr, keep, rank, u, rc, k,
-                                   hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
-                                   MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
-                                   out->typed_data(), nullptr);
-}
-
-ffi::Error HostPooledBackwardAdagrad(
-    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> served,
-    ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-    ffi::Buffer<ffi::S32> rank, int64_t u, int64_t rc, int64_t k, int64_t job, int64_t tag,
-    int64_t n, int64_t timeout_ms, std::string_view channel, float clip_lo, float clip_hi,
-    float wd, int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
-    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
-  return HostPooledBackward<true>(table, accum.typed_data(), served, grads, lr, keep, rank, u,
-                                  rc, k, hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel},
-                                  MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
-                                  out->typed_data(), out_acc->typed_data());
-}
-
-ffi::Error PooledBackwardSgd(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
-                             ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::F32> lr,
-                             ffi::Buffer<ffi::S32> keep, int64_t u, int64_t rc, int64_t k,
-                             float clip_lo, float clip_hi, float wd, int32_t has_wd,
-                             int32_t wd_lr, float wmin, float wmax,
-                             ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  return PooledBackward<false>(table, nullptr, served, grads, lr, keep, u, rc, k,
-                               MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
-                               out->typed_data(), nullptr);
-}
-
-ffi::Error PooledBackwardAdagrad(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum,
-                                 ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
-                                 ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, int64_t u,
-                                 int64_t rc, int64_t k, float clip_lo, float clip_hi, float wd,
-                                 int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
-  return PooledBackward<true>(table, accum.typed_data(), served, grads, lr, keep, u, rc, k,
-                              MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
-                              out->typed_data(), out_acc->typed_data());
-}
-
-template <bool kAdagrad>
-ffi::Error BackwardFromSources(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::Buffer<ffi::S32> ids,
-                               ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow,
-                               ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
-                               ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-                               ffi::Buffer<ffi::S32> rank_buf, int64_t tag, int64_t n,
-                               bool replica, const UpdateAttrs& at, float* w, float* a) {
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
-  auto td = table.dimensions();
+// N in-process shards: each source device lends its batch through peers.h and each owner
+// applies every source's part for its rows (a replica, data_parallel: every source's one
+// partition to its whole table).
+template <class Rule, typename T>
+ffi::Error FromSources(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+                       ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+                       ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
+                       ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
+                       ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  EM_MAKE_UPDATER(lr)
+  AttrReader a(attrs);
+  const int64_t tag = a.I("tag"), n = a.I("n");
+  const bool replica = a.I("replica") != 0;
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
   auto ad = act.dimensions();
   const int64_t rank = rank_buf.typed_data()[0];
-  // a replica (data_parallel) applies every source's one partition to its whole table
   const int64_t parts = replica ? 1 : n, part = replica ? 0 : rank;
   SourceBatch mine{ids.typed_data(),
                    act.typed_data(),
@@ -531,36 +678,38 @@ ffi::Error BackwardFromSources(ffi::Buffer<ffi::F32> table, float* acc_in, ffi::
                    parts >= 1 ? static_cast<int64_t>(prow.element_count()) / parts : 0,
                    ad.size() ? ad[0] : 1};
   const bool apply = keep.typed_data()[0] != 0;
-  const float rate = lr.typed_data()[0];
   return WithPeers(tag, n, rank, &mine, "backward", [&](const auto& peers) {
     if (!apply) return;  // a rejected step: every process agrees, no row moves
     std::vector<const SourceBatch*> src(n);
     for (int64_t s = 0; s < n; ++s) src[s] = reinterpret_cast<const SourceBatch*>(peers[s]);
-    BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), part, src,
-                                        rate, at);
+    BackwardUpdateFromSources(up, part, src);
   });
 }
 
-// The same fused backward + update over N shards in processes of one host: each source
-// device publishes its batch (ids, activation gradients, pairs) in its shared-memory
-// segment (host_peers.h) and each owner runs BackwardUpdateFromSources on every source's
-// batch read in place: no [N, U, D] gradient buffer, one copy of each source's batch.
-template <bool kAdagrad>
-ffi::Error BackwardFromHostSources(ffi::Buffer<ffi::F32> table, float* acc_in,
-                                   ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
-                                   ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
-                                   ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
-                                   ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
-                                   const hostpeers::HostCall& base, bool replica,
-                                   const UpdateAttrs& at, float* w, float* a) {
-  if (w != table.typed_data()) std::memcpy(w, table.typed_data(), table.size_bytes());
-  if (kAdagrad && a != acc_in) std::memcpy(a, acc_in, table.size_bytes());
-  auto td = table.dimensions();
+hostpeers::HostCall ReadHostCall(AttrReader& a) {
+  return hostpeers::HostCall{a.I("job"), a.I("tag"), a.I("n"), 0, a.I("timeout_ms"),
+                             a.S("channel")};
+}
+
+// The same over N shards in processes of one host: each source device publishes its batch
+// (ids, activation gradients, pairs) in its shared-memory segment (host_peers.h) and each
+// owner runs BackwardUpdateFromSources on every source's batch read in place: no [N, U, D]
+// gradient buffer, one copy of each source's batch.
+template <class Rule, typename T>
+ffi::Error FromHostSources(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+                           ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+                           ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
+                           ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
+                           ffi::RemainingArgs state, ffi::RemainingRets outs,
+                           ffi::Dictionary attrs) {
+  EM_MAKE_UPDATER(lr)
+  AttrReader a(attrs);
+  hostpeers::HostCall call = ReadHostCall(a);
+  const bool replica = a.I("replica") != 0;
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
   auto ad = act.dimensions();
-  hostpeers::HostCall call = base;
   call.rank = rank_buf.typed_data()[0];
   const int64_t n = call.n;
-  // a replica (data_parallel) applies every source's one partition to its whole table
   const int64_t parts = replica ? 1 : n, part = replica ? 0 : call.rank;
   const int64_t u = parts >= 1 ? static_cast<int64_t>(ids.element_count()) / parts : 0;
   const int64_t p = parts >= 1 ? static_cast<int64_t>(prow.element_count()) / parts : 0;
@@ -570,7 +719,6 @@ ffi::Error BackwardFromHostSources(ffi::Buffer<ffi::F32> table, float* acc_in,
   const size_t at_prow = pack.Add(prow.size_bytes()), at_puniq = pack.Add(puniq.size_bytes());
   const size_t at_gain = pack.Add(gains.size_bytes());
   const bool apply = keep.typed_data()[0] != 0;
-  const float rate = lr.typed_data()[0];
   return hostpeers::WithHostPeers(
       call, pack.bytes,
       [&](char* seg) {
@@ -596,203 +744,122 @@ ffi::Error BackwardFromHostSources(ffi::Buffer<ffi::F32> table, float* acc_in,
                                    nr};
           src[s] = &batches[s];
         }
-        BackwardUpdateFromSources<kAdagrad>(w, a, td.size() ? td[0] : 1, RowWidth(td), part, src,
-                                            rate, at);
+        BackwardUpdateFromSources(up, part, src);
         return std::string();
       });
 }
 
-ffi::Error BackwardSgdFromHostSources(
-    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
-    ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
-    ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank,
-    int64_t job, int64_t tag, int64_t n, int64_t timeout_ms, std::string_view channel,
-    int64_t replica, float clip_lo, float clip_hi, float wd, int32_t has_wd, int32_t wd_lr,
-    float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  return BackwardFromHostSources<false>(
-      table, nullptr, ids, act, prow, puniq, gains, lr, keep, rank,
-      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel}, replica != 0,
-      MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax), out->typed_data(), nullptr);
+// ops.pooled_backward_update: an owner's fused backward + update from its N sources'
+// pooled messages and the gradients [N * Rc, D] of the rows they feed:
+// BackwardUpdateFromSources, no [N * U, D] buffer, no dedup output.
+template <class Rule, typename T>
+ffi::Error Pooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
+                  ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, ffi::RemainingArgs state,
+                  ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  EM_MAKE_UPDATER(lr)
+  AttrReader a(attrs);
+  const int64_t u = a.I("u"), rc = a.I("rc"), k = a.I("k");
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
+  if (keep.typed_data()[0] == 0) return ffi::Error::Success();  // a rejected step
+  auto sd = served.dimensions();
+  const int64_t d = up.d;
+  const int64_t n = sd.size() ? sd[0] : 1;
+  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  PooledSources ps;
+  DecodeSources(ps, served.typed_data(), n, words, l,
+                [&](int64_t s) { return grads.typed_data() + s * rc * d; });
+  BackwardUpdateFromSources(up, 0, ps.src);
+  return ffi::Error::Success();
 }
 
-ffi::Error BackwardAdagradFromHostSources(
-    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> ids,
-    ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
-    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-    ffi::Buffer<ffi::S32> rank, int64_t job, int64_t tag, int64_t n, int64_t timeout_ms,
-    std::string_view channel, int64_t replica, float clip_lo, float clip_hi, float wd,
-    int32_t has_wd, int32_t wd_lr, float wmin, float wmax, ffi::Result<ffi::Buffer<ffi::F32>> out,
-    ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
-  return BackwardFromHostSources<true>(
-      table, accum.typed_data(), ids, act, prow, puniq, gains, lr, keep, rank,
-      hostpeers::HostCall{job, tag, n, 0, timeout_ms, channel}, replica != 0,
-      MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax), out->typed_data(),
-      out_acc->typed_data());
+// ops.exchange_pooled_backward_update between processes of one host: this rank publishes
+// the gradients [N, Rc, D] of the rows each other owner feeds in its segment, and applies
+// every source's gradients for its own rows read in place (its own from `grads`):
+// pooled_backward_update(..., exchange(grads)), with no exchanged copy.
+template <class Rule, typename T>
+ffi::Error HostPooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
+                      ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+                      ffi::Buffer<ffi::S32> rank_buf, ffi::RemainingArgs state,
+                      ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  EM_MAKE_UPDATER(lr)
+  AttrReader a(attrs);
+  const int64_t u = a.I("u"), rc = a.I("rc"), k = a.I("k");
+  hostpeers::HostCall call = ReadHostCall(a);
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
+  call.rank = rank_buf.typed_data()[0];
+  const int64_t d = up.d, n = call.n, rank = call.rank;
+  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  const float* g = grads.typed_data();
+  const size_t block = sizeof(float) * rc * d;
+  const bool apply = keep.typed_data()[0] != 0;  // every process agrees (the finite check)
+  return hostpeers::WithHostPeers(
+      call, n * block,
+      [&](char* seg) {
+        for (int64_t s = 0; s < n; ++s) {
+          if (s != rank) std::memcpy(seg + s * block, g + s * rc * d, block);
+        }
+      },
+      [&](const std::vector<const char*>& peers) {
+        if (!apply) return std::string();  // a rejected step: no row moves
+        PooledSources ps;
+        DecodeSources(ps, served.typed_data(), n, words, l, [&](int64_t s) {
+          return s == rank ? g + rank * rc * d
+                           : reinterpret_cast<const float*>(peers[s] + rank * block);
+        });
+        BackwardUpdateFromSources(up, 0, ps.src);
+        return std::string();
+      });
 }
 
-ffi::Error BackwardSgdFromSources(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
-                                  ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow,
-                                  ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
-                                  ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-                                  ffi::Buffer<ffi::S32> rank, int64_t tag, int64_t n,
-                                  int64_t replica, float clip_lo, float clip_hi, float wd,
-                                  int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
-                                  ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  return BackwardFromSources<false>(table, nullptr, ids, act, prow, puniq, gains, lr, keep, rank,
-                                    tag, n, replica != 0, MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
-                                    out->typed_data(), nullptr);
-}
-
-ffi::Error BackwardAdagradFromSources(
-    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accum, ffi::Buffer<ffi::S32> ids,
-    ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
-    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-    ffi::Buffer<ffi::S32> rank, int64_t tag, int64_t n, int64_t replica, float clip_lo,
-    float clip_hi, float wd, int32_t has_wd, int32_t wd_lr, float wmin, float wmax,
-    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> out_acc) {
-  return BackwardFromSources<true>(table, accum.typed_data(), ids, act, prow, puniq, gains, lr,
-                                   keep, rank, tag, n, replica != 0,
-                                   MakeAttrs(clip_lo, clip_hi, wd, has_wd, wd_lr, wmin, wmax),
-                                   out->typed_data(), out_acc->typed_data());
-}
+#undef EM_MAKE_UPDATER
 
 }  // namespace
 }  // namespace embedmesh
 
-#define EM_UPDATE_ATTRS                 \
-  .Attr<float>("clip_lo")               \
-      .Attr<float>("clip_hi")           \
-      .Attr<float>("wd")                \
-      .Attr<int32_t>("has_wd")          \
-      .Attr<int32_t>("wd_lr")           \
-      .Attr<float>("wmin")              \
-      .Attr<float>("wmax")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSparseSgd, embedmesh::SparseSgd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSparseAdagrad, embedmesh::SparseAdagrad,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardSgd, embedmesh::BackwardSgd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagrad, embedmesh::BackwardAdagrad,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-#define EM_SOURCES_ARGS                  \
-  .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Attr<int64_t>("tag")              \
-      .Attr<int64_t>("n")                \
-      .Attr<int64_t>("replica")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardSgdFromSources, embedmesh::BackwardSgdFromSources,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_SOURCES_ARGS EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagradFromSources,
-                              embedmesh::BackwardAdagradFromSources,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_SOURCES_ARGS EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-#define EM_HOST_SOURCES_ARGS             \
-  .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Attr<int64_t>("job")              \
-      .Attr<int64_t>("tag")              \
-      .Attr<int64_t>("n")                \
-      .Attr<int64_t>("timeout_ms")       \
-      .Attr<std::string_view>("channel") \
-      .Attr<int64_t>("replica")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardSgdFromHostSources, embedmesh::BackwardSgdFromHostSources,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_SOURCES_ARGS
-                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmBackwardAdagradFromHostSources,
-                              embedmesh::BackwardAdagradFromHostSources,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_SOURCES_ARGS
-                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-#define EM_POOLED_ARGS                   \
-  .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Attr<int64_t>("u")                \
-      .Attr<int64_t>("rc")               \
-      .Attr<int64_t>("k")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledBackwardSgd, embedmesh::PooledBackwardSgd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_POOLED_ARGS EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledBackwardAdagrad, embedmesh::PooledBackwardAdagrad,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_POOLED_ARGS EM_UPDATE_ATTRS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-#define EM_HOST_POOLED_ARGS              \
-  .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Attr<int64_t>("u")                \
-      .Attr<int64_t>("rc")               \
-      .Attr<int64_t>("k")                \
-      .Attr<int64_t>("job")              \
-      .Attr<int64_t>("tag")              \
-      .Attr<int64_t>("n")                \
-      .Attr<int64_t>("timeout_ms")       \
-      .Attr<std::string_view>("channel")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledBackwardSgd, embedmesh::HostPooledBackwardSgd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_POOLED_ARGS
-                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledBackwardAdagrad, embedmesh::HostPooledBackwardAdagrad,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() EM_HOST_POOLED_ARGS
-                                      EM_UPDATE_ATTRS.Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// ---------------------------------------------------------------------------------------
+// Registration: every (transport, rule) pair, float32 tables. The Python side
+// (kernels.py, library.TARGETS) names them embedmesh_<transport>_<rule>.
+
+#define EM_F32 ffi::Buffer<ffi::F32>
+#define EM_S32 ffi::Buffer<ffi::S32>
+#define EM_STATE .RemainingArgs().RemainingRets().Attrs()
+#define EM_BIND_Sparse ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>() EM_STATE
+#define EM_BIND_PAIRS                                                                      \
+  ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_S32>().Arg<EM_S32>().Arg<EM_F32>() \
+      .Arg<EM_F32>()
+#define EM_BIND_Backward EM_BIND_PAIRS EM_STATE
+#define EM_BIND_FromSources EM_BIND_PAIRS.Arg<EM_S32>().Arg<EM_S32>() EM_STATE
+#define EM_BIND_FromHostSources EM_BIND_FromSources
+#define EM_BIND_Pooled \
+  ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>().Arg<EM_S32>() EM_STATE
+#define EM_BIND_HostPooled                                                                 \
+  ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>().Arg<EM_S32>().Arg<EM_S32>() \
+      EM_STATE
+
+// the exported symbols, Em<...><Rule><...> (library.TARGETS)
+#define EM_SYMBOL_Sparse(rule) EmSparse##rule
+#define EM_SYMBOL_Backward(rule) EmBackward##rule
+#define EM_SYMBOL_FromSources(rule) EmBackward##rule##FromSources
+#define EM_SYMBOL_FromHostSources(rule) EmBackward##rule##FromHostSources
+#define EM_SYMBOL_Pooled(rule) EmPooledBackward##rule
+#define EM_SYMBOL_HostPooled(rule) EmHostPooledBackward##rule
+#define EM_DEFINE(transport, rule)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(EM_SYMBOL_##transport(rule),                         \
+                                (embedmesh::transport<embedmesh::rule, float>),      \
+                                EM_BIND_##transport);
+#define EM_FOR_EACH_RULE(transport) \
+  EM_DEFINE(transport, Sgd)         \
+  EM_DEFINE(transport, Adagrad)     \
+  EM_DEFINE(transport, AdagradMomentum) \
+  EM_DEFINE(transport, Adam)        \
+  EM_DEFINE(transport, Ftrl)        \
+  EM_DEFINE(transport, RowWiseAdagrad)
+
+EM_FOR_EACH_RULE(Sparse)
+EM_FOR_EACH_RULE(Backward)
+EM_FOR_EACH_RULE(FromSources)
+EM_FOR_EACH_RULE(FromHostSources)
+EM_FOR_EACH_RULE(Pooled)
+EM_FOR_EACH_RULE(HostPooled)
