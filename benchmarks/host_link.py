@@ -3,7 +3,7 @@
 What `Machine.this_cpu("host_shm")` (layout/cost_model.py) charges an exchange between
 processes: a latency per collective and bytes at a bandwidth. Two processes on
 127.0.0.1 (jax.distributed, gloo), each pinned to its own core with one CPU device, run
-a jitted `shard_map` of `ops.exchange(x, host_job=...)` over [2, rows, 64] float32
+a jitted `shard_map` of `ops.exchange(x, Transport(host_job=...))` over [2, rows, 64] float32
 blocks (each process sends the other one block), `--iters` times per size after a
 warm-up; each process reports the median time of a call, and the slower process's
 median counts. The fit over the sizes up to `--fit-max-kb` (least squares, time =
@@ -59,9 +59,8 @@ def worker(args) -> None:
 
         def body(v, rows=rows, kb=kb):
             blocks = v.reshape(2, rows, D)
-            return ops.exchange(blocks, "x", 2, host_job=job, channel=f"link/{kb}").reshape(
-                2 * rows, D
-            )
+            link = ops.Transport("x", 2, host_job=job, channel=f"link/{kb}")
+            return ops.exchange(blocks, link).reshape(2 * rows, D)
 
         fn = jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)

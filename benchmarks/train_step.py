@@ -159,16 +159,13 @@ def loss_of(acts_list):
 
 
 def embedmesh_setup(batches, capacity_batches=None):
-    orig = os.environ.get("EMBEDMESH_BENCH_SPARSE_OPS")
-    if orig:  # a baseline shard_program.py (e.g. the version before the CPU kernels)
-        import importlib.util
-
-        from embedmesh.device import core
-
-        spec = importlib.util.spec_from_file_location("baseline_shard_program", orig)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        core.shard_program = mod  # it must have this one's interface (lookup, update_shard)
+    if os.environ.get("EMBEDMESH_BENCH_SPARSE_OPS"):
+        # the core no longer calls one shard_program module (each strategy has its own,
+        # embedmesh/device/strategies/): an older file cannot be swapped in
+        raise SystemExit(
+            "--baseline (an older shard_program.py) is no longer supported; compare two "
+            "trees with benchmarks/ab.py --only train_step"
+        )
     import jax
     import jax.numpy as jnp
     import numpy as np

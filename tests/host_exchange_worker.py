@@ -106,8 +106,8 @@ def mapped(mesh, f, n_in=1):
 
 def run_exchange(mesh, job):
     def both(x):  # the host kernel and XLA's all_to_all (host_job=0: gloo) side by side
-        a = ops.exchange(x, "x", N, host_job=job, channel="test/both")
-        b = ops.exchange(x, "x", N, host_job=0, channel="test/xla")
+        a = ops.exchange(x, ops.Transport("x", N, host_job=job, channel="test/both"))
+        b = ops.exchange(x, ops.Transport("x", N, host_job=0, channel="test/xla"))
         return jnp.stack([a, b])
 
     both_mapped = jax.jit(
@@ -131,7 +131,7 @@ def run_exchange(mesh, job):
     # many rounds in one program: generation counters
     def loop(x):
         def body(i, v):
-            return ops.exchange(v, "x", N, host_job=job, channel="test/loop") + 1
+            return ops.exchange(v, ops.Transport("x", N, host_job=job, channel="test/loop")) + 1
 
         return jax.lax.fori_loop(0, 40, body, x)
 
@@ -142,16 +142,18 @@ def run_exchange(mesh, job):
     check("fori_loop", mapped(mesh, loop)(shard(g, mesh)), want)
 
     # a Python loop of calls of one program, and growing sizes on one channel (remaps)
-    once = mapped(mesh, lambda x: ops.exchange(x, "x", N, host_job=job, channel="test/grow"))
+    once = mapped(
+        mesh, lambda x: ops.exchange(x, ops.Transport("x", N, host_job=job, channel="test/grow"))
+    )
     for step, k in enumerate([4, 4, 32, 2048, 1, 35000, 150000, 8, 150000]):
         g = global_input((N * N * k, 8), np.float32, seed=100 + step)
         check(f"grow {k}", once(shard(g, mesh)), expected_all_to_all(g))
 
     # two channels in one program, independent and chained
     def two(x, y):
-        a = ops.exchange(x, "x", N, host_job=job, channel="test/two/a")
-        b = ops.exchange(y, "x", N, host_job=job, channel="test/two/b")
-        c = ops.exchange(a * 2, "x", N, host_job=job, channel="test/two/c")
+        a = ops.exchange(x, ops.Transport("x", N, host_job=job, channel="test/two/a"))
+        b = ops.exchange(y, ops.Transport("x", N, host_job=job, channel="test/two/b"))
+        c = ops.exchange(a * 2, ops.Transport("x", N, host_job=job, channel="test/two/c"))
         return a + b + c
 
     gx = global_input((N * N * 5, 3), np.float32, seed=7)
@@ -169,7 +171,10 @@ def run_mismatch(mesh, job):
     x = jax.make_array_from_single_device_arrays(
         (N * rows, 2), NamedSharding(mesh, P("x")), [jax.device_put(block, jax.local_devices()[0])]
     )
-    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/mismatch"))
+    f = mapped(
+        mesh,
+        lambda v: ops.exchange(v, ops.Transport("x", N, host_job=job, channel="test/mismatch")),
+    )
     try:
         np.asarray(local(f(x))[0])
     except Exception as e:  # noqa: BLE001 - the runtime's error type
@@ -182,7 +187,9 @@ def run_absent(mesh, job):
     """Process 1 leaves after one round: process 0's next call times out naming it
     (EMBEDMESH_EXCHANGE_TIMEOUT_S), and, once process 1 has exited, the call after fails
     at once saying so. Prints "CAUGHT timeout ..." and "CAUGHT exited ..."."""
-    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/absent"))
+    f = mapped(
+        mesh, lambda v: ops.exchange(v, ops.Transport("x", N, host_job=job, channel="test/absent"))
+    )
     g = global_input((N * N * 2, 3), np.float32, seed=1)
     x = shard(g, mesh)
     check("absent round 1", f(x), expected_all_to_all(g))
@@ -203,7 +210,9 @@ def run_absent(mesh, job):
 
 
 def run_killed(mesh, job):
-    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/killed"))
+    f = mapped(
+        mesh, lambda v: ops.exchange(v, ops.Transport("x", N, host_job=job, channel="test/killed"))
+    )
     g = global_input((N * N * 2, 3), np.float32, seed=2)
     check("killed round 1", f(shard(g, mesh)), expected_all_to_all(g))
     print(f"JOB {job:x}", flush=True)
@@ -215,7 +224,9 @@ def run_early(mesh, job):
         time.sleep(1)  # the others are in their exchange by then
         os.kill(os.getpid(), signal.SIGKILL)
     print(f"JOB {job:x}", flush=True)
-    f = mapped(mesh, lambda v: ops.exchange(v, "x", N, host_job=job, channel="test/early"))
+    f = mapped(
+        mesh, lambda v: ops.exchange(v, ops.Transport("x", N, host_job=job, channel="test/early"))
+    )
     t = time.perf_counter()
     try:
         np.asarray(local(f(shard(global_input((N * N, 2), np.float32, seed=3), mesh)))[0])
@@ -286,7 +297,7 @@ def run_ops(mesh, job):
         def lookup(host_job):
             def body(t, ui, pu, g, pr):
                 return ops.lookup_from_shards(
-                    t[0], ui, pu, g, pr, num_rows, "x", N, host_job=host_job, channel="ops/lk"
+                    t[0], ui, pu, g, pr, num_rows, ops.Transport("x", N, False, host_job, "ops/lk")
                 )
 
             fn = jax.jit(
@@ -315,10 +326,7 @@ def run_ops(mesh, job):
                     g,
                     keep,
                     0,
-                    "x",
-                    N,
-                    host_job=host_job,
-                    channel="ops/up",
+                    ops.Transport("x", N, host_job=host_job, channel="ops/up"),
                 )
                 return t[None], {k: v[None] for k, v in slots.items()}
 
@@ -352,7 +360,7 @@ def run_ops(mesh, job):
             def body(t, a, ui, act, pr, pu, g):
                 t, slots = ops.backward_update_sharded(
                     opt, t[0], {k: v[0] for k, v in a.items()}, ui, act, pr, pu, g, keep, 0,
-                    "x", N, host_job=host_job, channel="ops/rep", replicated=True,
+                    ops.Transport("x", N, host_job=host_job, channel="ops/rep"), replicated=True,
                 )  # fmt: skip
                 return t[None], {k: v[None] for k, v in slots.items()}
 
@@ -411,7 +419,9 @@ def run_pooled(mesh, job):
         outs = out if isinstance(out, tuple) else (out,)
         return text, [jax.tree.map(gathered, x) for x in outs]
 
-    peers = dict(axis_name="x", num_shards=N)
+    def transport_of(host_job, channel):
+        return ops.Transport("x", N, host_job=host_job, channel=channel)
+
     for case in range(6) if N <= 2 else (1, 3):  # 4 processes on 2 cores: fewer
         r = np.random.default_rng(2000 + case)
         rows, u, p, num_rows, d = 40, int(r.integers(1, 9)), int(r.integers(1, 25)), 9, 8
@@ -439,9 +449,7 @@ def run_pooled(mesh, job):
                     g,
                     jnp.asarray(compact),
                     width=rc,
-                    host_job=host_job,
-                    channel="pooled/pairs",
-                    **peers,
+                    transport=transport_of(host_job, "pooled/pairs"),
                 )
 
             return run(body, 4, put(uids), put(prows), put(puniq), put(gains))
@@ -462,9 +470,7 @@ def run_pooled(mesh, job):
                     m,
                     unique_capacity=u,
                     width=rc,
-                    host_job=host_job,
-                    channel="pooled/partials",
-                    **peers,
+                    transport=transport_of(host_job, "pooled/partials"),
                 )
 
             return run(body, 2, put(tables), put(served))
@@ -489,9 +495,7 @@ def run_pooled(mesh, job):
                     0,
                     unique_capacity=u,
                     width=rc,
-                    host_job=host_job,
-                    channel="pooled/grads",
-                    **peers,
+                    transport=transport_of(host_job, "pooled/grads"),
                 )
                 return t[None], {k: v[None] for k, v in slots.items()}
 

@@ -40,7 +40,7 @@ def exchange_fn(mesh: Mesh, in_process: bool, repeats: int = 1):
 
     def body(x):
         for _ in range(repeats):  # one call site per repeat: separate rendezvous
-            x = ops.exchange(x, axes, n, in_process=in_process)
+            x = ops.exchange(x, ops.Transport(axes, n, in_process=in_process))
         return x
 
     return jax.jit(
@@ -91,7 +91,7 @@ def test_exchanges_in_sequence_and_in_a_loop(n):
 
     def loop(a):
         return jax.lax.fori_loop(
-            0, 5, lambda i, v: ops.exchange(v * 2.0 + 1.0, axes, n, in_process=True), a
+            0, 5, lambda i, v: ops.exchange(v * 2.0 + 1.0, ops.Transport(axes, n, True)), a
         )
 
     fn = jax.jit(
@@ -112,7 +112,7 @@ def test_exchange_over_processes_uses_xla():
     text = exchange_fn(mesh, in_process=False).lower(x).as_text()
     assert "embedmesh_exchange" not in text and "all_to_all" in text
     # one device: no exchange at all
-    assert ops.exchange(jnp.ones(3), "x", 1, in_process=True).shape == (3,)
+    assert ops.exchange(jnp.ones(3), ops.Transport("x", 1, in_process=True)).shape == (3,)
 
 
 def test_core_knows_its_mesh_is_in_process():
@@ -122,6 +122,7 @@ def test_core_knows_its_mesh_is_in_process():
 
     fc = {"f": FeatureConfig(TableConfig(16, 4, name="t"))}
     core = EmbeddingCore(plan_stacking(fc, 4), mesh_of(4))
+    assert core.transport == ops.Transport(("x",), 4, in_process=True, host_job=0)
     assert core.in_process
 
 
@@ -175,7 +176,7 @@ def test_lookup_from_shards_matches_the_exchange_path(n, rows, u, p, num_rows, d
     def run(in_process):
         def body(t, ui, pu, g, pr):
             return ops.lookup_from_shards(
-                t[0], ui, pu, g, pr, num_rows, "x", n, in_process=in_process
+                t[0], ui, pu, g, pr, num_rows, ops.Transport("x", n, in_process=in_process)
             )
 
         spec = P("x")
@@ -290,7 +291,7 @@ def test_backward_update_sharded_matches_the_exchange_path(
     def run(in_process):
         def body(t, sl, ui, act, pr, pu, g):
             return ops.backward_update_sharded(
-                opt, t, sl, ui, act, pr, pu, g, keep, 0, "x", n, in_process=in_process
+                opt, t, sl, ui, act, pr, pu, g, keep, 0, ops.Transport("x", n, in_process)
             )
 
         fn = jax.jit(
@@ -353,8 +354,8 @@ def test_replicated_backward_update_matches_the_gather_path(
     def run(in_process):
         def body(t, sl, ui, act, pr, pu, g):
             return ops.backward_update_sharded(
-                opt, t, sl, ui, act, pr, pu, g, keep, 0, "x", n,
-                in_process=in_process, replicated=True, channel="test/replicated",
+                opt, t, sl, ui, act, pr, pu, g, keep, 0,
+                ops.Transport("x", n, in_process, channel="test/replicated"), replicated=True,
             )  # fmt: skip
 
         fn = jax.jit(

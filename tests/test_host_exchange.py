@@ -159,7 +159,7 @@ def test_exchange_timeout_setting(monkeypatch):
         monkeypatch.setenv("EMBEDMESH_EXCHANGE_TIMEOUT_S", value)
         _runtime.reset()
         f = jax.shard_map(
-            lambda x: ops.exchange(x, "x", 2, host_job=7, channel="timeout"),
+            lambda x: ops.exchange(x, ops.Transport("x", 2, host_job=7, channel="timeout")),
             mesh=mesh,
             in_specs=P("x"),
             out_specs=P("x"),
@@ -193,8 +193,8 @@ def test_one_program_cannot_use_a_channel_twice():
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
 
     def body(x, channel_b):
-        a = ops.exchange(x, "x", 2, host_job=12345, channel="dup/a")
-        b = ops.exchange(x * 2, "x", 2, host_job=12345, channel=channel_b)
+        a = ops.exchange(x, ops.Transport("x", 2, host_job=12345, channel="dup/a"))
+        b = ops.exchange(x * 2, ops.Transport("x", 2, host_job=12345, channel=channel_b))
         return a + b
 
     def program(channel_b):

@@ -194,6 +194,40 @@ def test_optional_extras_are_imported_only_where_they_belong():
     assert not bad, "\n".join(bad)
 
 
+# Inside the device layer, in data-flow order: the ops (and their kernels, the transport),
+# the per-shard program's shared pieces, one module per sharding strategy, then the core
+# and its helpers. (module prefix, what it may import from embedmesh.device besides itself)
+DEVICE_LAYERS = [
+    ("embedmesh.device.ops", set()),
+    ("embedmesh.device.shard_program", {"embedmesh.device.ops"}),
+    (
+        "embedmesh.device.strategies",
+        {"embedmesh.device.ops", "embedmesh.device.shard_program"},
+    ),
+]
+
+
+@pytest.mark.parametrize("prefix,allowed", DEVICE_LAYERS, ids=[p for p, _ in DEVICE_LAYERS])
+def test_device_sublayers_import_only_earlier_ones(prefix, allowed):
+    """The ops know no strategy, shard_program no strategy, a strategy no core: the
+    transport and the strategies are passed down, never looked up from above."""
+    path = PKG.parent.joinpath(*prefix.split("."))
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    assert files, prefix
+    bad = []
+    for f in files:
+        for name in _imports(f):
+            if not name.startswith("embedmesh.device") or name.startswith(prefix):
+                continue
+            if name in ("embedmesh.device.ops", "embedmesh.device.shard_program"):
+                target = name  # `from embedmesh.device import ops`
+            else:
+                target = _module_of(name) or name
+            if not any(target == a or target.startswith(a + ".") for a in allowed):
+                bad.append(f"{f.relative_to(PKG.parent).as_posix()} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
 def test_platform_dispatch_only_in_the_ops_layer():
     """Which kernel runs on which platform is decided in embedmesh/device/ops only."""
     needles = (

@@ -696,7 +696,13 @@ def test_kernel_sources_are_package_data():
 
 def test_no_platform_question_outside_the_ops_layer():
     device_dir = os.path.dirname(os.path.dirname(ops.__file__))
-    for name in ("core.py", "shard_program.py"):
+    strategy_modules = sorted(
+        os.path.join("strategies", f)
+        for f in os.listdir(os.path.join(device_dir, "strategies"))
+        if f.endswith(".py")
+    )
+    assert len(strategy_modules) >= 5, strategy_modules
+    for name in ("core.py", "shard_program.py", *strategy_modules):
         with open(os.path.join(device_dir, name)) as f:
             text = f.read()
         for word in ("default_backend", "platform", "available(", "PendingGradients"):

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import embedmesh as em
 from embedmesh import _runtime
-from embedmesh.device import shard_program
 from embedmesh.device.core import EmbeddingCore
+from embedmesh.device.strategies import pooled
 
 POOLED = ("row_wise_pooled", "table_wise")
 
@@ -77,7 +77,7 @@ def test_pooled_training_with_unpacked_pairs(monkeypatch):
 
 def test_pooled_rows_feed_only_the_owners_rows():
     # rows 0-3 fed by shard 1 only, rows 4-9 by every shard, rows 10-11 by shards 0 and 2
-    p = shard_program.PooledRows(12, [(0, 4, (1,)), (4, 6, (0, 1, 2)), (10, 2, (0, 2))], 3)
+    p = pooled.PooledRows(12, [(0, 4, (1,)), (4, 6, (0, 1, 2)), (10, 2, (0, 2))], 3)
     assert p.width == 10
     fed = [sorted(int(r) for r in p.rows[o] if r < 12) for o in range(3)]
     assert fed == [list(range(4, 12)), list(range(0, 10)), list(range(4, 12))]
@@ -89,9 +89,9 @@ def test_pooled_rows_feed_only_the_owners_rows():
     assert (p.compact[1, 10:12] == p.width).all()
     assert p.runs == [[(4, 6), (10, 2)], [(0, 4), (4, 6)], [(4, 6), (10, 2)]]
     assert not p.one_owner
-    everyone = shard_program.PooledRows(5, [(0, 5, (0, 1))], 2)
+    everyone = pooled.PooledRows(5, [(0, 5, (0, 1))], 2)
     assert everyone.rows is None and everyone.width == 5
-    table_wise = shard_program.PooledRows(7, [(0, 3, (1,)), (3, 0, (0,)), (3, 4, (0,))], 2)
+    table_wise = pooled.PooledRows(7, [(0, 3, (1,)), (3, 0, (0,)), (3, 4, (0,))], 2)
     assert table_wise.one_owner and table_wise.runs == [[(3, 4)], [(0, 3)]]
     assert table_wise.width == 4 and list(table_wise.rows[1]) == [0, 1, 2, 7]
 

@@ -14,12 +14,17 @@ inside a user's own `jax.jit` train step:
         return state, params, loss
 
 `csr` is `{stack: PartitionedCsrFormatTensor}` placed on the mesh (see
-`EmbeddingCore.put`). Tables and slots are stacked and mod-sharded: each
+`EmbeddingCore.put`). Tables and slots are stacked and row-sharded: each
 stack is one global array `[N * rows_per_shard, padded_dim]` whose block j
 (rows `[j*S, (j+1)*S)`) is shard j, on device j of the mesh (all mesh axes
 flattened, in mesh order). Activations come out as global arrays sharded on
 the batch axis over the same devices: the layout a data-parallel dense model
 expects.
+
+How each stack's lookup and update cross the devices is its sharding strategy's
+(`embedmesh.device.strategies`, one object a stack, chosen once when the core is
+made); the core sequences the stacks of one program and never asks which strategy
+a stack has. Where the devices are is one `ops.Transport` (`self.transport`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from embedmesh._runtime import pooled_pair_fields
-from embedmesh.device import peers, shard_program, stack_tables
+from embedmesh.device import ops, peers, stack_tables, strategies
+from embedmesh.device.shard_program import ShardBatch, after
 from embedmesh.layout import sharding as mod_sharding
 from embedmesh.layout.stacking import StackingPlan
 
@@ -67,6 +72,8 @@ class EmbeddingCore:
       mesh: a `jax.sharding.Mesh`; tables shard over all of its axes.
       optimizer: the default optimizer of tables without one (None: lookups
         only; `apply_gradients` then raises).
+      exchange: each stack's exchange form, "rows" or "pooled" (one for every stack,
+        or `{stack or table name: form}`; see `embedmesh.device.strategies`).
     """
 
     def __init__(self, plan: StackingPlan, mesh, optimizer=None, exchange="rows"):
@@ -78,72 +85,54 @@ class EmbeddingCore:
         self.mesh = mesh
         self.axes = tuple(mesh.axis_names)
         self.num_shards = mesh.size
-        # every device of the mesh in this process: exchanges may go through shared memory
-        self.in_process = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        # several processes, all on this host: exchanges may go through shared memory
-        self.host_job = 0 if self.in_process else peers.same_host_job(mesh)
+        # every device of the mesh in this process: exchanges may go through shared memory;
+        # several processes, all on this host: through the host's (`host_job`)
+        in_process = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        self.transport = ops.Transport(
+            axis_name=self.axes,
+            num_shards=mesh.size,
+            in_process=in_process,
+            host_job=0 if in_process else peers.same_host_job(mesh),
+        )
         self.default_optimizer = optimizer
         self.row_sharding = NamedSharding(mesh, P(self.axes))
         self.replicated = NamedSharding(mesh, P())
         self._stack_optimizer = {
             s.name: (s.optimizer if s.optimizer is not None else optimizer) for s in plan.stacks
         }
-        self.exchange = _exchange_forms(plan, exchange)
-
-    def is_replicated(self, stack: str) -> bool:
-        """Whether `stack` is replicated (data_parallel) over N > 1 devices: lookups read
-        the device's own replica, and every replica applies the same update."""
-        return self.num_shards > 1 and self.plan.stack(stack).replicated
-
-    def pooled_rows(self, stack: str, c) -> shard_program.PooledRows | None:
-        """The rows each shard feeds when `stack` pools on the owners (N > 1), else None."""
-        if self.exchange[stack] != "pooled" or self.num_shards == 1 or self.is_replicated(stack):
-            return None
-        layout = self.plan.row_layout
-        segments = [
-            (
-                f.row_offset,
-                f.num_rows,
-                layout.shards_of(self.plan.table(self.plan.feature(f.name).table)),
+        self.exchange = strategies.exchange_forms(plan, exchange)
+        # {stack: its sharding strategy}, chosen here once (`strategies.strategy_name`)
+        self.strategies = {
+            s.name: strategies.strategy_for(
+                plan, s.name, self.exchange[s.name], self._stack_optimizer[s.name], self.transport
             )
-            for f in c.features
-        ]
-        return shard_program.PooledRows(c.rows_per_device, segments, self.num_shards)
+            for s in plan.stacks
+        }
+
+    @property
+    def in_process(self) -> bool:
+        """Whether every device of the mesh is in this process (`transport.in_process`)."""
+        return self.transport.in_process
+
+    @property
+    def host_job(self) -> int:
+        """The job's shared-memory key when the mesh spans processes of this host only,
+        else 0 (`transport.host_job`)."""
+        return self.transport.host_job
 
     def exchange_bytes(self, csr: dict, *, carrying: bool = True) -> dict:
         """`{stack: bytes}` one device sends the others in one training step (lookup and
         update) of a batch shaped like `csr`, at its compiled capacities: the blocks
-        of the all-to-alls it does not keep. Rows: ids, rows, gradients and ids again
-        for U distinct ids per partition; pooled: ids and pairs, [Rc, D] partial sums,
-        [Rc, D] gradients, and with `carrying` False (an update not given the lookup's
-        view, see `lookup`) the ids and pairs again; replicated: nothing in the lookup, each
-        device's distinct ids and their gradient sums to every other in the update.
-        In-process CPU devices run the row form by reading each other's memory: the same
-        bytes cross, nothing is copied."""
-        n = self.num_shards
-        out = {}
-        for s, c in csr.items():
-            if n == 1:
-                out[s] = 0
-                continue
-            d = self.plan.stack(s).dim
-            u, p = int(c.unique_ids.shape[-1]), int(c.pair_rows.shape[-1])
-            pooled = self.pooled_rows(s, c)
-            rows = u * (4 + 4 * d)  # ids, then rows or their gradients
-            if self.is_replicated(s):
-                forward, backward = 0, rows
-            elif pooled is None:
-                forward = backward = rows
-            else:
-                pair = 4 * pooled_pair_fields(u, pooled.width)
-                forward = 4 * u + pair * p + 4 * d * pooled.width
-                backward = 4 * d * pooled.width
-                if not self.carries_view(s, c):
-                    backward = rows  # the dense update's path (or no optimizer)
-                elif not carrying:
-                    backward = forward
-            out[s] = (n - 1) * (forward + backward)
-        return out
+        of the all-to-alls it does not keep (each stack's strategy counts them:
+        `Strategy.exchange_bytes`; `carrying` False: an update not given the lookup's
+        view, see `lookup`). In-process CPU devices run the row form by reading each
+        other's memory: the same bytes cross, nothing is copied."""
+        return {s: self.strategies[s].exchange_bytes(c, carrying=carrying) for s, c in csr.items()}
+
+    def memory_held(self) -> int:
+        """Bytes of tables and slots each device holds, from the strategies
+        (`Strategy.memory_held`); `bytes_per_device` measures the built arrays."""
+        return sum(st.memory_held() for st in self.strategies.values())
 
     # -- state ----------------------------------------------------------------
 
@@ -287,12 +276,22 @@ class EmbeddingCore:
     def _specs(self, tree):
         return jax.tree_util.tree_map(lambda _: P(self.axes), tree)
 
-    def carries_view(self, stack: str, c) -> bool:
+    def carries_view(self, stack: str, c=None) -> bool:
         """Whether `stack`'s update can take the owners' view of its batch from the lookup
-        (`lookup(carrying=True)`): pooled on the owners with a sparse optimizer."""
-        opt = self.optimizer_of(stack)
-        return (
-            self.pooled_rows(stack, c) is not None and opt is not None and not opt.touches_all_rows
+        (`lookup(carrying=True)`): its strategy's answer (pooled on the owners with a
+        sparse optimizer)."""
+        return self.strategies[stack].carries_view()
+
+    @staticmethod
+    def _shard_batch(c, previous) -> ShardBatch:
+        """This device's block of `c` inside `shard_map`, its exchanges after `previous`."""
+        return ShardBatch(
+            after(c.unique_ids[0], previous),
+            c.pair_rows[0],
+            c.pair_unique[0],
+            c.pair_gains[0],
+            c.rows_per_device,
+            c.features,
         )
 
     def lookup(self, state: EmbeddingState, csr: dict, *, carrying: bool = False):
@@ -305,16 +304,16 @@ class EmbeddingCore:
 
         With `carrying`, returns `(activations, view)`: `view` is `{stack: the
         owners' view of the batch}` for the stacks pooled on their owners (the ids
-        and pairs each owner received, `shard_program.serve_pairs`). Passed to
+        and pairs each owner received, `strategies.pooled.serve_pairs`). Passed to
         `apply_gradients` with the same `csr`, the update sends only the
         activation gradients instead of the pairs a second time.
         """
-        N, axes = self.num_shards, self.axes
+        axes = self.axes
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
         tables = {s: state.tables[s] for s in stacks}
         csr = {s: csr[s] for s in stacks}
 
-        viewed = [s for s in stacks if carrying and self.carries_view(s, csr[s])]
+        viewed = [s for s in stacks if carrying and self.carries_view(s)]
 
         def body(tables, csr):
             acts, view = {}, {}
@@ -323,30 +322,11 @@ class EmbeddingCore:
             previous = tables[stacks[-1]] if stacks else None
             for s in stacks:
                 c = csr[s]
-                pooled = self.pooled_rows(s, c)
-                if self.is_replicated(s):
-                    lookup = shard_program.lookup_replicated
-                elif pooled is None:
-                    lookup = shard_program.lookup
-                else:
-                    lookup = functools.partial(
-                        shard_program.lookup_pooled, pooled=pooled, carry=s in viewed
-                    )
-                act = lookup(
-                    tables[s],
-                    shard_program.after(c.unique_ids[0], previous),
-                    c.pair_rows[0],
-                    c.pair_unique[0],
-                    c.pair_gains[0],
-                    **({} if pooled is not None else {"num_rows": c.rows_per_device}),
-                    axis_name=axes,
-                    num_shards=N,
-                    in_process=self.in_process,
-                    host_job=self.host_job,
-                    channel=s,
+                act, carried = self.strategies[s].lookup(
+                    tables[s], self._shard_batch(c, previous), carry=s in viewed
                 )
                 if s in viewed:
-                    act, view[s] = act
+                    view[s] = carried
                 previous = act
                 for feature in c.features:
                     a = act[
@@ -457,7 +437,8 @@ class EmbeddingCore:
         grads = {k: g for k, g in gradients.items() if g is not None and g.size}
         if not grads and batch_number is None:  # (an empty batch: nothing to check)
             return jnp.asarray([1, -1, -1], jnp.int32)
-        n, axes = self.num_shards, self.axes
+        n = self.num_shards
+        transport = self.transport.on("finite")
 
         def body(grads, batch_number):
             finite = (
@@ -467,9 +448,7 @@ class EmbeddingCore:
             )
             number = batch_number[0] if batch_number is not None else jnp.int32(-1)
             row = jnp.stack([finite.astype(jnp.int32), number.astype(jnp.int32)])
-            got = shard_program.exchange(
-                jnp.broadcast_to(row, (n, 2)), axes, n, self.in_process, self.host_job, "finite"
-            )
+            got = ops.exchange(jnp.broadcast_to(row, (n, 2)), transport)
             return jnp.stack(
                 [jnp.all(got[:, 0] != 0).astype(jnp.int32), got[:, 1].min(), got[:, 1].max()]
             )
@@ -502,7 +481,6 @@ class EmbeddingCore:
         same `csr` from `lookup(carrying=True)` (stacks it lacks send their pairs
         again).
         """
-        N, axes = self.num_shards, self.axes
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
         for s in stacks:
             if self.optimizer_of(s) is None:
@@ -517,9 +495,7 @@ class EmbeddingCore:
                 if g is not None:
                     grads[feature.name] = g
 
-        view = {
-            s: v for s, v in (view or {}).items() if s in stacks and self.carries_view(s, csr[s])
-        }
+        view = {s: v for s, v in (view or {}).items() if s in stacks and self.carries_view(s)}
 
         def update(state, ok=None):
             tables = {s: state.tables[s] for s in stacks}
@@ -550,35 +526,14 @@ class EmbeddingCore:
                         else jnp.zeros((0, spec.dim), jnp.float32)
                     )
                     # ok False (rejected): every id becomes padding, no row moves
-                    pooled = self.pooled_rows(s, c)
-                    if self.is_replicated(s):
-                        update = functools.partial(
-                            shard_program.update_replicated, unique_capacity=c.unique_ids.shape[2]
-                        )
-                    elif pooled is not None and not self.optimizer_of(s).touches_all_rows:
-                        update = functools.partial(
-                            shard_program.update_shard_pooled, pooled=pooled, served=view.get(s)
-                        )
-                    else:
-                        update = functools.partial(
-                            shard_program.update_shard, unique_capacity=c.unique_ids.shape[2]
-                        )
-                    new_tables[s], new_slots[s] = update(
+                    new_tables[s], new_slots[s] = self.strategies[s].update(
                         tables[s],
                         slots[s],
-                        shard_program.after(c.unique_ids[0], previous),
+                        self._shard_batch(c, previous),
                         buf,
-                        c.pair_rows[0],
-                        c.pair_unique[0],
-                        c.pair_gains[0],
-                        optimizer=self.optimizer_of(s),
                         step=step,
-                        axis_name=axes,
-                        num_shards=N,
                         keep=ok,
-                        in_process=self.in_process,
-                        host_job=self.host_job,
-                        channel=s,
+                        view=view.get(s),
                     )
                     previous = new_tables[s]
                 return new_tables, new_slots
@@ -612,34 +567,3 @@ class EmbeddingCore:
         # Sparse rules move only the rows they are given: a rejected update
         # hands them none (no `cond`, which costs 2-10 ms a step on CPU).
         return update(state, ok), ok
-
-
-EXCHANGE_FORMS = ("rows", "pooled")
-
-
-def _exchange_forms(plan: StackingPlan, exchange) -> dict:
-    """`{stack: "rows" | "pooled"}` from one form for every stack or a mapping from stack
-    (or table) names to forms (a table names its stack; missing stacks: "rows")."""
-    if isinstance(exchange, str):
-        if exchange not in EXCHANGE_FORMS:
-            raise ValueError(f"exchange must be one of {EXCHANGE_FORMS}, got {exchange!r}")
-        return {s.name: exchange for s in plan.stacks}
-    out = {s.name: "rows" for s in plan.stacks}
-    for name, form in dict(exchange).items():
-        if form not in EXCHANGE_FORMS:
-            raise ValueError(
-                f"exchange of {name!r}: expected one of {EXCHANGE_FORMS}, got {form!r}"
-            )
-        if name in out:
-            stack = name
-        else:
-            try:
-                stack = plan.table(name).stack
-            except KeyError:
-                raise ValueError(
-                    f"exchange names {name!r}, which is neither a stack nor a table of this plan"
-                ) from None
-        if out[stack] != "rows" and out[stack] != form:
-            raise ValueError(f"stack {stack}: its tables ask for different exchanges")
-        out[stack] = form
-    return out

@@ -41,14 +41,16 @@ end are padding.
   sums) and update, as one op. Reference: `segment_gather_sum`, `dedup_sum`,
   `sparse_update`. The CPU kernel fuses them for the same optimizers: no
   [U, D] gradient buffer.
-- `exchange(x, axis_name, num_shards, in_process, host_job, channel)`: inside
-  `shard_map`, block j of axis 0 goes to device j, block s of the result came
-  from device s (`all_to_all`, tiled). The CPU kernel copies through shared
-  memory when every device of the mesh is in this process (`in_process`):
-  XLA's CPU all_to_all moves ~1.4 GB/s here, a memcpy ~10x more. When the
-  mesh spans processes that are all on this host (`host_job`, the job's key
-  from `embedmesh.device.peers`), through POSIX shared-memory segments named
-  by the job and the call's `channel` (`cpu/host_exchange.cc`, `host_peers.h`),
+- `exchange(x, transport)`: inside `shard_map`, block j of axis 0 goes to
+  device j, block s of the result came from device s (`all_to_all`, tiled).
+  The `Transport` (`ops/transport.py`: axis name, device count, in-process or
+  host job, channel) is one immutable value every op that crosses devices
+  takes. The CPU kernel copies through shared memory when every device of the
+  mesh is in this process (`transport.in_process`): XLA's CPU all_to_all moves
+  ~1.4 GB/s here, a memcpy ~10x more. When the mesh spans processes that are
+  all on this host (`transport.host_job`, the job's key from
+  `embedmesh.device.peers`), through POSIX shared-memory segments named by the
+  job and the call's `transport.channel` (`cpu/host_exchange.cc`, `host_peers.h`),
   where XLA's goes through gloo's TCP (~0.2 GB/s). On those segments
   `lookup_from_shards` and `backward_update_sharded` have host kernels too:
   each owner gathers the rows asked of it into its segment and each device
@@ -58,7 +60,7 @@ end are padding.
   that does not arrive fails the call after `EMBEDMESH_EXCHANGE_TIMEOUT_S`
   (default 60 s), sooner when its process exited.
 - `lookup_from_shards(table_shard, unique_ids, pair_unique, pair_gains,
-  pair_rows, num_rows, ...)`: inside `shard_map` over N > 1 shards, this
+  pair_rows, num_rows, transport)`: inside `shard_map` over N > 1 shards, this
   device's activations [R, D] from the rows `unique_ids[s]` [N, U] of every
   shard s. Reference: `exchange` the ids, `gather_rows` on the owners,
   `exchange` the rows [N, U, D], `segment_gather_sum`. The CPU kernel, for
@@ -71,7 +73,7 @@ end are padding.
   and activation gradients directly: no [N, U, D] buffer, no exchange.
 - `pack_pooled_pairs(...)`, `pooled_partials(table, served)`,
   `pooled_backward_update(optimizer, table, slots, served, grads, keep, step)`:
-  pooling on the owners (`shard_program.lookup_pooled`). A source packs, per owner,
+  pooling on the owners (`strategies.pooled.lookup`). A source packs, per owner,
   the ids it asks and its pairs (position, row among the owner's, gain) into one int32
   message; an owner combines its sources' messages into partial sums, or applies their
   rows' gradients as one fused backward + update. References: unpacking
@@ -109,11 +111,13 @@ import numpy as np
 
 from embedmesh._runtime import PAD_ID, pooled_pair_fields
 from embedmesh.device.ops import cpu, gpu, reference
+from embedmesh.device.ops.transport import Transport
 
 __all__ = [
     "HUGE_PAGE_MIN_BYTES",
     "PAD_ID",
     "Kernel",
+    "Transport",
     "backward_update",
     "backward_update_sharded",
     "dedup_sum",
@@ -359,28 +363,15 @@ def _backward_update_reference(
     return sparse_update(optimizer, table, slots, uniq, grads, step)
 
 
-def exchange(
-    x, axis_name, num_shards: int, *, in_process: bool = False, host_job: int = 0, channel: str = ""
-):
-    """Block j of axis 0 to device j of `axis_name` (inside `shard_map`).
+def exchange(x, transport: Transport):
+    """Block j of axis 0 to device j of the transport's axis (inside `shard_map`).
 
-    `in_process`: every device of the mesh is in this process (so they can read
-    each other's buffers). `host_job`: nonzero when every process of the job is on
-    this host, the job's key (see `embedmesh.device.peers`): the processes can
-    exchange through shared memory. `channel`: a name of this call, the same in
-    every process and distinct among the calls of one program (the processes'
-    calls pair up by it)."""
-    if num_shards == 1:
+    `transport`: where the devices are and the call's channel (`Transport`: in one
+    process they can read each other's buffers; processes of one host exchange
+    through shared memory; the processes' calls pair up by the channel)."""
+    if transport.num_shards == 1:
         return x
-    return _dispatch(
-        "exchange",
-        x,
-        axis_name=axis_name,
-        num_shards=num_shards,
-        in_process=in_process,
-        host_job=host_job,
-        channel=channel,
-    )
+    return _dispatch("exchange", x, transport=transport)
 
 
 def slot_index(pair_unique, unique_capacity: int):
@@ -400,12 +391,7 @@ def lookup_from_shards(
     pair_gains,
     pair_rows,
     num_rows: int,
-    axis_name,
-    num_shards: int,
-    *,
-    in_process: bool = False,
-    host_job: int = 0,
-    channel: str = "",
+    transport: Transport,
 ):
     """Activations [num_rows, D] (float32) of this device: `sum gains * shard_s[ids]` over
     its pairs (`pair_*` [N, P]) into the rows of every shard s (`unique_ids` [N, U]).
@@ -419,33 +405,17 @@ def lookup_from_shards(
         pair_gains.astype(jnp.float32),
         pair_rows.astype(jnp.int32),
         num_rows=num_rows,
-        axis_name=axis_name,
-        num_shards=num_shards,
-        in_process=in_process,
-        host_job=host_job,
-        channel=channel,
+        transport=transport,
     )
 
 
 def _lookup_from_shards_reference(
-    table,
-    unique_ids,
-    pair_unique,
-    pair_gains,
-    pair_rows,
-    *,
-    num_rows,
-    axis_name,
-    num_shards,
-    in_process,
-    host_job=0,
-    channel="",
+    table, unique_ids, pair_unique, pair_gains, pair_rows, *, num_rows, transport
 ):
     """Send the ids to their owners, gather there, send the rows back, combine."""
-    peers = dict(in_process=in_process, host_job=host_job)
-    served = exchange(unique_ids, axis_name, num_shards, channel=channel + "/ids", **peers)
+    served = exchange(unique_ids, transport.at("ids"))
     rows = gather_rows(table, served.reshape(-1)).reshape(served.shape + table.shape[1:])
-    rows = exchange(rows, axis_name, num_shards, channel=channel + "/rows", **peers)
+    rows = exchange(rows, transport.at("rows"))
     n, u, d = rows.shape
     return segment_gather_sum(
         rows.reshape(n * u, d),
@@ -467,12 +437,8 @@ def backward_update_sharded(
     pair_gains,
     keep,
     step,
-    axis_name,
-    num_shards: int,
+    transport: Transport,
     *,
-    in_process: bool = False,
-    host_job: int = 0,
-    channel: str = "",
     replicated: bool = False,
 ):
     """This shard's update from every device's batch (inside `shard_map`, N > 1):
@@ -495,11 +461,7 @@ def backward_update_sharded(
         jnp.asarray(keep, bool),
         optimizer=optimizer,
         step=step,
-        axis_name=axis_name,
-        num_shards=num_shards,
-        in_process=in_process,
-        host_job=host_job,
-        channel=channel,
+        transport=transport,
         replicated=replicated,
     )
 
@@ -516,11 +478,7 @@ def _backward_update_sharded_reference(
     *,
     optimizer,
     step,
-    axis_name,
-    num_shards,
-    in_process,
-    host_job=0,
-    channel="",
+    transport,
     replicated=False,
 ):
     """Per-unique sums for every shard, sent with the ids to the owners, merged, applied.
@@ -538,19 +496,14 @@ def _backward_update_sharded_reference(
             keep,
             optimizer=optimizer,
             step=step,
-            peers=dict(axis_name=axis_name, num_shards=num_shards, in_process=in_process),
-            host_job=host_job,
-            channel=channel,
+            transport=transport,
         )
     n, u = unique_ids.shape
     per_unique = segment_gather_sum(
         act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), n * u
     )
-    peers = dict(in_process=in_process, host_job=host_job)
-    grads = exchange(
-        per_unique.reshape(n, u, -1), axis_name, num_shards, channel=channel + "/grads", **peers
-    )
-    served = exchange(unique_ids, axis_name, num_shards, channel=channel + "/ids", **peers)
+    grads = exchange(per_unique.reshape(n, u, -1), transport.at("grads"))
+    served = exchange(unique_ids, transport.at("ids"))
     served = jnp.where(keep, served, PAD_ID)
     uniq, g_sum = dedup_sum(served, grads.reshape(n * u, -1))
     return sparse_update(optimizer, table, slots, uniq, g_sum, step)
@@ -568,22 +521,15 @@ def _replicated_update_reference(
     *,
     optimizer,
     step,
-    peers,
-    host_job,
-    channel,
+    transport,
 ):
-    n, (_, u) = peers["num_shards"], unique_ids.shape
+    n, (_, u) = transport.num_shards, unique_ids.shape
     per_unique = segment_gather_sum(
         act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), u
     )
     ids_bits = jax.lax.bitcast_convert_type(unique_ids.reshape(u, 1), jnp.float32)
     message = jnp.concatenate([ids_bits, per_unique], axis=1)  # [U, 1 + D]
-    got = exchange(
-        jnp.broadcast_to(message[None], (n,) + message.shape),
-        host_job=host_job,
-        channel=channel + "/gathered",
-        **peers,
-    )
+    got = exchange(jnp.broadcast_to(message[None], (n,) + message.shape), transport.at("gathered"))
     ids = jax.lax.bitcast_convert_type(got[..., 0], jnp.int32)  # [N, U], device order
     ids = jnp.where(keep, ids, PAD_ID)
     uniq, g_sum = dedup_sum(ids, got[..., 1:].reshape(n * u, -1))
@@ -715,16 +661,6 @@ def _pooled_backward_update_reference(
 # write the message straight into the shared segment and read the peers' in place.
 
 
-def _peer_params(axis_name, num_shards, in_process, host_job, channel) -> dict:
-    return dict(
-        axis_name=axis_name,
-        num_shards=num_shards,
-        in_process=in_process,
-        host_job=host_job,
-        channel=channel,
-    )
-
-
 def exchange_pooled_pairs(
     unique_ids,
     pair_rows,
@@ -733,11 +669,7 @@ def exchange_pooled_pairs(
     compact,
     *,
     width: int,
-    axis_name,
-    num_shards: int,
-    in_process: bool = False,
-    host_job: int = 0,
-    channel: str = "",
+    transport: Transport,
 ):
     """The owners' view of this device's batch: `exchange(pack_pooled_pairs(...))`, block
     s the message [U + P * k] source s sent this owner."""
@@ -749,17 +681,17 @@ def exchange_pooled_pairs(
         pair_gains.astype(jnp.float32),
         compact.astype(jnp.int32),
         width=width,
-        **_peer_params(axis_name, num_shards, in_process, host_job, channel),
+        transport=transport,
     )
 
 
 def _exchange_pooled_pairs_reference(
-    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, **peers
+    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, transport
 ):
     message = pack_pooled_pairs(
         unique_ids, pair_rows, pair_unique, pair_gains, compact, width=width
     )
-    return exchange(message, **peers)
+    return exchange(message, transport)
 
 
 def exchange_pooled_partials(
@@ -768,11 +700,7 @@ def exchange_pooled_partials(
     *,
     unique_capacity: int,
     width: int,
-    axis_name,
-    num_shards: int,
-    in_process: bool = False,
-    host_job: int = 0,
-    channel: str = "",
+    transport: Transport,
 ):
     """This device's partial activations from every owner [N * Rc, D]:
     `exchange(pooled_partials(table, served))`, block s the partials owner s summed for
@@ -783,14 +711,14 @@ def exchange_pooled_partials(
         served.astype(jnp.int32),
         unique_capacity=unique_capacity,
         width=width,
-        **_peer_params(axis_name, num_shards, in_process, host_job, channel),
+        transport=transport,
     )
 
 
-def _exchange_pooled_partials_reference(table, served, *, unique_capacity, width, **peers):
+def _exchange_pooled_partials_reference(table, served, *, unique_capacity, width, transport):
     n, d = served.shape[0], table.shape[-1]
     partial = pooled_partials(table, served, unique_capacity=unique_capacity, width=width)
-    back = exchange(partial.reshape(n, width, d), **peers)
+    back = exchange(partial.reshape(n, width, d), transport)
     return back.reshape(n * width, d)
 
 
@@ -805,11 +733,7 @@ def exchange_pooled_backward_update(
     *,
     unique_capacity: int,
     width: int,
-    axis_name,
-    num_shards: int,
-    in_process: bool = False,
-    host_job: int = 0,
-    channel: str = "",
+    transport: Transport,
 ):
     """`pooled_backward_update` of this owner from the gradients every source sends it:
     `grads` [N, Rc, D] block o are this device's gradients of the rows owner o feeds
@@ -825,15 +749,15 @@ def exchange_pooled_backward_update(
         step=step,
         unique_capacity=unique_capacity,
         width=width,
-        **_peer_params(axis_name, num_shards, in_process, host_job, channel),
+        transport=transport,
     )
 
 
 def _exchange_pooled_backward_update_reference(
-    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, **peers
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
 ):
     n, rc, d = grads.shape
-    received = exchange(grads, **peers).reshape(n * rc, d)
+    received = exchange(grads, transport).reshape(n * rc, d)
     return pooled_backward_update(
         optimizer,
         table,

@@ -98,11 +98,12 @@ def dedup_sum(ids, grads, *, sorted_hint: bool = False):
     return jax.lax.cond(_ascending_distinct(flat), as_is, by_sort, flat, grads)
 
 
-def exchange(x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""):
-    """`all_to_all` over `axis_name`: block j of axis 0 to device j (inside `shard_map`)."""
-    if num_shards == 1:
+def exchange(x, *, transport):
+    """`all_to_all` over the transport's axis: block j of axis 0 to device j (inside
+    `shard_map`)."""
+    if transport.num_shards == 1:
         return x
-    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+    return jax.lax.all_to_all(x, transport.axis_name, 0, 0, tiled=True)
 
 
 def huge_page_copy(x):

@@ -128,42 +128,42 @@ def backward_update(
 _exchange_tags = itertools.count(1)
 
 
-def _peers(axis_name, num_shards: int):
+def _peers(transport):
     """(this device's rank [1], the FFI attributes pairing this call site's calls across
     the devices: a tag of its own per traced call, and the device count)."""
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-    return rank, dict(tag=np.int64(next(_exchange_tags)), n=np.int64(num_shards))
+    rank = jax.lax.axis_index(transport.axis_name).astype(jnp.int32).reshape(1)
+    return rank, dict(tag=np.int64(next(_exchange_tags)), n=np.int64(transport.num_shards))
 
 
-def exchange(x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""):
+def exchange(x, *, transport):
     """The all-to-all through shared memory: block j to device j.
 
     In one process (exchange.cc), each traced call gets its own tag, which pairs up the
     calls of the devices. Between the processes of one host (`host_job`, host_exchange.cc),
     the call's tag is a stable hash of its channel, the same in every process.
     """
-    if in_process or not host_job:
-        rank, attrs = _peers(axis_name, num_shards)
+    if transport.in_process or not transport.host_job:
+        rank, attrs = _peers(transport)
         out = jax.ShapeDtypeStruct(x.shape, x.dtype)
         return jax.ffi.ffi_call("embedmesh_exchange", out)(x, rank, **attrs)
-    rank, attrs = _host_peers(axis_name, num_shards, host_job, channel)
+    rank, attrs = _host_peers(transport)
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     return jax.ffi.ffi_call("embedmesh_host_exchange", out)(x, rank, **attrs)
 
 
-def _host_peers(axis_name, num_shards: int, host_job: int, channel: str):
+def _host_peers(transport):
     """(this device's rank [1], the FFI attributes of a host rendezvous (host_peers.h):
     the job's key, the channel's tag, the device count, the timeout, the channel)."""
     from embedmesh.device.ops.cpu import library
 
     library.release_host_exchanges_at_exit()
-    rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    rank = jax.lax.axis_index(transport.axis_name).astype(jnp.int32).reshape(1)
     return rank, dict(
-        job=np.int64(host_job),
-        tag=np.int64(channel_tag(channel)),
-        n=np.int64(num_shards),
+        job=np.int64(transport.host_job),
+        tag=np.int64(channel_tag(transport.channel)),
+        n=np.int64(transport.num_shards),
         timeout_ms=np.int64(_timeout_ms(_runtime.exchange_timeout_s())),
-        channel=str(channel),
+        channel=str(transport.channel),
     )
 
 
@@ -209,26 +209,24 @@ def _claim_channel(channel: str) -> None:
         )
 
 
-def _in_process(
-    x, *, axis_name, num_shards: int, in_process: bool, host_job: int = 0, channel=""
-) -> bool:
+def _in_process(x, *, transport) -> bool:
     """The devices of this process share memory (exchange.cc); so do the processes of one
     host (`host_job`, host_exchange.cc, which also claims the call's channel); a mesh
     over hosts uses XLA's."""
-    if num_shards <= 1 or x.shape[0] % num_shards != 0:
+    if transport.num_shards <= 1 or x.shape[0] % transport.num_shards != 0:
         return False
-    if in_process:
+    if transport.in_process:
         return True
-    return _host_call(x, host_job, channel)
+    return _host_call(x, transport)
 
 
-def _host_call(x, host_job: int, channel: str) -> bool:
+def _host_call(x, transport) -> bool:
     """Whether a call that is not in-process takes a host kernel: when the processes are
     on one host (`host_job`); claims its channel in the current trace."""
-    if not host_job:
+    if not transport.host_job:
         return False
     if isinstance(x, jax.core.Tracer):
-        _claim_channel(channel)
+        _claim_channel(transport.channel)
     return True
 
 
@@ -240,31 +238,25 @@ def lookup_from_shards(
     pair_rows,
     *,
     num_rows,
-    axis_name,
-    num_shards,
-    in_process,
-    host_job=0,
-    channel="",
+    transport,
 ):
     """This device's activations read straight from every shard's table (exchange.cc);
     between processes of one host, from the rows each owner gathered into its shared
     memory (host_exchange.cc: two rounds, the ids then the rows)."""
     out = jax.ShapeDtypeStruct((num_rows,) + table.shape[1:], jnp.float32)
     args = (table, unique_ids, pair_unique, pair_gains, pair_rows)
-    if in_process:
-        rank, attrs = _peers(axis_name, num_shards)
+    if transport.in_process:
+        rank, attrs = _peers(transport)
         return jax.ffi.ffi_call("embedmesh_lookup_from_shards", out)(*args, rank, **attrs)
-    rank, attrs = _host_peers(axis_name, num_shards, host_job, channel + "/ids")
-    attrs["rows_tag"] = np.int64(channel_tag(channel + "/rows"))
+    rank, attrs = _host_peers(transport.at("ids"))
+    attrs["rows_tag"] = np.int64(channel_tag(transport.at("rows").channel))
     return jax.ffi.ffi_call("embedmesh_host_lookup", out)(*args, rank, **attrs)
 
 
-def _lookup_in_process(
-    table, *args, num_shards: int, in_process: bool, host_job: int = 0, channel="", **params
-) -> bool:
-    if num_shards <= 1 or table.dtype != jnp.float32:
+def _lookup_in_process(table, *args, transport, **params) -> bool:
+    if transport.num_shards <= 1 or table.dtype != jnp.float32:
         return False
-    return in_process or _host_call(table, host_job, channel)
+    return transport.in_process or _host_call(table, transport)
 
 
 def backward_update_sharded(
@@ -279,20 +271,16 @@ def backward_update_sharded(
     *,
     optimizer,
     step,
-    axis_name,
-    num_shards,
-    in_process,
-    host_job=0,
-    channel="",
+    transport,
     replicated=False,
 ):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc);
     `replicated`: each device a replica, applying every source's one partition."""
-    if in_process:
-        rank, attrs = _peers(axis_name, num_shards)
+    if transport.in_process:
+        rank, attrs = _peers(transport)
         target = "embedmesh_backward_{}_from_sources"
     else:  # processes of one host: the sources' batches in shared memory (update.cc)
-        rank, attrs = _host_peers(axis_name, num_shards, host_job, channel + "/sources")
+        rank, attrs = _host_peers(transport.at("sources"))
         target = "embedmesh_backward_{}_from_host_sources"
     args = (
         unique_ids,
@@ -316,12 +304,10 @@ def backward_update_sharded(
     )
 
 
-def _fused_in_process(
-    table, slots, *args, optimizer, step, num_shards, in_process, host_job=0, channel="", **params
-):
-    if num_shards <= 1 or not _fused(table, slots, optimizer=optimizer, step=step):
+def _fused_in_process(table, slots, *args, optimizer, step, transport, **params):
+    if transport.num_shards <= 1 or not _fused(table, slots, optimizer=optimizer, step=step):
         return False
-    return in_process or _host_call(table, host_job, channel)
+    return transport.in_process or _host_call(table, transport)
 
 
 def _pooled_words(unique_capacity: int, width: int) -> np.int64:
@@ -374,11 +360,11 @@ def _fused_pooled(table, slots, served, grads, keep, *, optimizer, step, **param
 
 
 def exchange_pooled_pairs(
-    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, **peers
+    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, transport
 ):
     n, u = unique_ids.shape
     k = _pooled_words(u, width)
-    rank, attrs = _host_peers(peers["axis_name"], n, peers["host_job"], peers["channel"])
+    rank, attrs = _host_peers(transport)
     out = jax.ShapeDtypeStruct((n, u + pair_rows.shape[1] * int(k)), jnp.int32)
     return jax.ffi.ffi_call("embedmesh_host_pack_pooled_pairs", out)(
         unique_ids,
@@ -393,9 +379,9 @@ def exchange_pooled_pairs(
     )
 
 
-def exchange_pooled_partials(table, served, *, unique_capacity, width, **peers):
+def exchange_pooled_partials(table, served, *, unique_capacity, width, transport):
     n = served.shape[0]
-    rank, attrs = _host_peers(peers["axis_name"], n, peers["host_job"], peers["channel"])
+    rank, attrs = _host_peers(transport)
     out = jax.ShapeDtypeStruct((n * width,) + table.shape[1:], jnp.float32)
     return jax.ffi.ffi_call("embedmesh_host_pooled_partials", out)(
         table,
@@ -409,11 +395,9 @@ def exchange_pooled_partials(table, served, *, unique_capacity, width, **peers):
 
 
 def exchange_pooled_backward_update(
-    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, **peers
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
 ):
-    rank, attrs = _host_peers(
-        peers["axis_name"], grads.shape[0], peers["host_job"], peers["channel"]
-    )
+    rank, attrs = _host_peers(transport)
     args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1), rank)
     return _update(
         "embedmesh_host_pooled_backward_{}",
@@ -429,26 +413,26 @@ def exchange_pooled_backward_update(
     )
 
 
-def _between_host_processes(x, *, num_shards, in_process, host_job=0, channel="", **_) -> bool:
+def _between_host_processes(x, transport) -> bool:
     """Whether the call is an exchange between processes of one host (host_peers.h);
     claims its channel in the current trace. In one process the ops' references run
     (the in-process exchange kernel reads its peers' buffers anyway)."""
-    return num_shards > 1 and not in_process and _host_call(x, host_job, channel)
+    return transport.num_shards > 1 and not transport.in_process and _host_call(x, transport)
 
 
-def _host_pooled_pairs(unique_ids, *args, width, **peers) -> bool:
-    return _between_host_processes(unique_ids, **peers)
+def _host_pooled_pairs(unique_ids, *args, width, transport) -> bool:
+    return _between_host_processes(unique_ids, transport)
 
 
-def _host_pooled_partials(table, served, *, unique_capacity, width, **peers) -> bool:
-    return table.dtype == jnp.float32 and _between_host_processes(table, **peers)
+def _host_pooled_partials(table, served, *, unique_capacity, width, transport) -> bool:
+    return table.dtype == jnp.float32 and _between_host_processes(table, transport)
 
 
 def _host_pooled_backward(
-    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, **peers
+    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
 ) -> bool:
     return _fused(table, slots, optimizer=optimizer, step=step) and _between_host_processes(
-        table, **peers
+        table, transport
     )
 
 
