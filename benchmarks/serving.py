@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -355,6 +356,13 @@ def main(argv=None):
         help="time each contender alone for its turn of a round (see time_round)",
     )
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--saved-model",
+        action="store_true",
+        help="then time the TensorFlow SavedModel (export_saved_model, run by TF) against "
+        "load_serving on the same requests: benchmarks/serving_saved_model.py, its own "
+        "workload (100k-row tables and a small MLP), --rounds rounds",
+    )
     args = p.parse_args(argv)
 
     print(machine_line())
@@ -383,6 +391,14 @@ def main(argv=None):
                 {"args": vars(args), "machine": machine_line(), "results": results}, fh, indent=1
             )
     summary(results)
+    if args.saved_model:
+        here = os.path.dirname(os.path.abspath(__file__))
+        spec = importlib.util.spec_from_file_location(
+            "serving_saved_model", os.path.join(here, "serving_saved_model.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.main(["--rounds", str(args.rounds), "--seed", str(args.seed)])
     return results
 
 

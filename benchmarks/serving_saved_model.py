@@ -25,6 +25,8 @@ Needs TensorFlow and jax in one environment (the `embedmesh[tf]` extra). Run fro
 repository root:
 
     PYTHONPATH=. .venv-flax/bin/python benchmarks/serving_saved_model.py
+
+or as the last part of `benchmarks/serving.py --saved-model` (with its `--rounds`).
 """
 
 from __future__ import annotations
