@@ -8,6 +8,8 @@ Usage: flax_multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE MODE
 import os
 import sys
 
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
+
 process_id, num_processes, port, out_file, mode = (
     int(sys.argv[1]),
     int(sys.argv[2]),

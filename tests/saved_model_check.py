@@ -8,6 +8,7 @@ Usage: saved_model_check.py SAVED_MODEL_DIR CASES.npz
 import sys
 
 import numpy as np
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
 import tensorflow as tf
 
 directory, cases_file = sys.argv[1], sys.argv[2]
