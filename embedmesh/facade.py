@@ -985,10 +985,15 @@ class MeshEmbedding:
         arr = np.asarray(value)
         name = self._resolved.table_name(table)
         want = (table.vocabulary_size, table.dim)
+        expected = "(vocabulary_size, dim)"
+        if what != "parameters":
+            opt = self.core.optimizer_of(self.core.plan.table(name).stack)
+            if opt is not None and what in opt.slot_names and opt.slot_width(what, 2) == 1:
+                want, expected = (table.vocabulary_size, 1), "(vocabulary_size, 1): a row slot"
         if arr.shape != want:
             raise ValueError(
                 f"set_tables: table {name} {what} has shape {arr.shape}, expected "
-                f"(vocabulary_size, dim) = {want}"
+                f"{expected} = {want}"
             )
         return arr
 

@@ -24,7 +24,7 @@ from embedmesh import _runtime
 from embedmesh.device import ops
 from embedmesh.device.ops import gpu, reference
 from embedmesh.device.ops.gpu import pallas, xla
-from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
+from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowWiseAdagrad
 
 PAD = ops.PAD_ID
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -81,11 +81,14 @@ OPTIMIZERS = [
         weight_decay_factor=0.01,
         clip_weight_min=-0.9,
     ),
+    RowWiseAdagrad(0.2, epsilon=1e-3, l2_regularization_strength=0.05, clip_weight_max=0.9),
 ]
 HOST_LR = Adagrad(lambda: 0.25)  # TensorFlow's zero-argument form: a host callback
 
 
 def slots_of(opt, r, rows, dim):
+    if isinstance(opt, RowWiseAdagrad):  # one accumulator a row: [rows, 1]
+        return {"accumulators": r.uniform(0.1, 2.0, (rows, 1)).astype(np.float32)}
     return random_slots(type(opt).__name__, r, (rows, dim))
 
 

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from embedmesh._runtime import PAD_ID
-from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
+from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowWiseAdagrad
 
 __all__ = [
     "INTERPRET",
@@ -59,7 +59,7 @@ INTERPRET = False  # run the kernels in Pallas's interpreter (any backend)
 
 # The optimizers whose `update_rows_at_lr` is known to lower to Triton (elementwise
 # jax.numpy only); a subclass may change the rule, so it takes the XLA path.
-_OPTIMIZERS = (SGD, Adagrad, AdagradMomentum, Adam, FTRL)
+_OPTIMIZERS = (SGD, Adagrad, AdagradMomentum, Adam, FTRL, RowWiseAdagrad)
 
 _MAX_ELEMENTS = 2**31  # an array's elements (int32 row indices)
 
@@ -277,14 +277,16 @@ def _takes_segment_sum(src, *args, num_segments: int) -> bool:
 
 
 def _takes_update(table, slots, ids, *args, optimizer, step) -> bool:
-    """One of the five optimizers, its slots, all float32 as `_fits` says (and the
-    [U, D] gradients of `sparse_update` too)."""
+    """One of the six optimizers, its slots (each [rows, its slot_width]: the table's
+    dim, or 1 for a row slot), all float32 as `_fits` says (and the [U, D] gradients of
+    `sparse_update` too)."""
     slot_arrays = list(slots.values())
+    rows, dim = table.shape
     return (
         type(optimizer) in _OPTIMIZERS
         and ids.shape[0] * table.shape[-1] < _MAX_ELEMENTS
         and set(slots) == set(optimizer.slot_names)
-        and all(v.shape == table.shape for v in slot_arrays)
+        and all(v.shape == (rows, optimizer.slot_width(k, dim)) for k, v in slots.items())
         and _fits(table, *slot_arrays)
     )
 
