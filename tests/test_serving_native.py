@@ -327,3 +327,24 @@ def test_lookup_sparse_one_pass_equals_offsets_path(case, monkeypatch):
     else:
         assert isinstance(results[0], str) and results[0] == results[1]
         assert ("sorted in row-major order" in results[0]) == (case != "bad_id")
+
+
+@pytest.mark.parametrize("idx64", [True, False])
+def test_sparse_offsets_across_blocks(idx64):
+    """The branchless offsets pass checks 1024 entries a block: a bad entry in a later
+    block, and good input spanning several blocks with empty rows, against numpy."""
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 5, 1500)
+    counts[::7] = 0
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    idx, width = _coo(offsets, rng)
+    idx = idx.astype(np.int64 if idx64 else np.int32)
+    shape = (len(counts), width)
+    got, bad = kernels.sparse_offsets(idx, shape)
+    assert bad == -1
+    np.testing.assert_array_equal(got, offsets)
+    assert len(idx) > 2100
+    for k, value in [(2100, (len(counts), 0)), (1100, (idx[1099, 0], idx[1099, 1]))]:
+        broken = idx.copy()
+        broken[k] = value
+        assert kernels.sparse_offsets(broken, shape) == (None, k)

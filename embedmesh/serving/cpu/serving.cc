@@ -428,7 +428,11 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
       if (row != r) break;  // row > r: every entry of a row before r was taken there
       prev_row = row;
       prev_col = col;
-      if (k + ahead < n) prefetch_row(table, vocab, stride, lines, ids[k + ahead]);
+      if (k + ahead < n) {
+        prefetch_row(table, vocab, stride, lines, ids[k + ahead]);
+        // the indices too: sparse/sum 0.75x torch without, 0.81-0.93x with (dims 16-64)
+        prefetch(idx + 2 * (k + ahead));
+      }
       const Id id = ids[k];
       if (prune_ids && id < 0) continue;
       const float w = HasW ? weights[k] : 1.0f;
