@@ -226,9 +226,11 @@ def _coo(offsets, rng, extra_cols=3):
 
 @SETTINGS
 @given(problem=bags(), idx64=st.booleans())
-def test_sparse_bag_matches_float64_reference(problem, idx64):
+def test_sparse_bag_matches_float64_reference(problem, idx64, monkeypatch):
     """The sparse bag kernel (indices checked in its own pass) against float64 loops,
-    and bit for bit against the offsets kernel on the offsets the indices give."""
+    and bit for bit against the offsets kernel on the offsets the indices give; every
+    dim its build covers (the lookup gives it dims up to SPARSE_ONE_PASS_MAX_DIM)."""
+    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6)
     table, ids, offsets, weights, combiner, prune_ids, prune_weights, _ = problem
     rng = np.random.default_rng(len(ids))
     idx, width = _coo(offsets, rng)
@@ -253,9 +255,10 @@ def test_sparse_bag_matches_float64_reference(problem, idx64):
 
 
 @pytest.mark.parametrize("dim", [16, 100])
-def test_sparse_bag_errors_bad_index_first(dim):
+def test_sparse_bag_errors_bad_index_first(dim, monkeypatch):
     """A bad index is reported (its entry) before any bad id, wherever each lies; a
     bad id alone is reported by entry as bag_combine does."""
+    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6)
     rng = np.random.default_rng(dim)
     offsets = np.array([0, 3, 3, 7, 12], np.int64)
     idx, width = _coo(offsets, rng)
