@@ -199,12 +199,20 @@ def sparse_row_offsets(name: str, inp: SparseTensor) -> np.ndarray:
     offsets, bad = kernels.sparse_offsets(idx, shape)
     if offsets is not None:
         return offsets
+    raise sparse_index_error(name, inp, bad)
+
+
+def sparse_index_error(name: str, inp: SparseTensor, bad: int) -> ValueError:
+    """The ValueError for entry `bad`, the first index of `inp` outside its
+    dense_shape or not after the previous one in row-major order."""
+    idx = np.asarray(inp.indices)
+    shape = tuple(inp.dense_shape)
     entry = idx[bad]
     if np.any(entry < 0) or np.any(entry >= np.asarray(shape)):
-        raise ValueError(
+        return ValueError(
             f"feature {name}: SparseTensor index {entry.tolist()} is outside dense_shape {shape}"
         )
-    raise ValueError(
+    return ValueError(
         f"feature {name}: SparseTensor indices must be sorted in row-major order "
         f"without repeats; entry {bad} {entry.tolist()} follows "
         f"{idx[bad - 1].tolist()}"

@@ -211,3 +211,143 @@ def test_sparse_offsets_match_numpy(rows, cols, rank3, idx64, shuffle, seed):
         assert got[0] is None
     else:
         np.testing.assert_array_equal(got[0], want[0])
+
+
+def _coo(offsets, rng, extra_cols=3):
+    """Row-major COO indices [n, 2] of bags given by offsets: each row's columns
+    strictly increasing, with gaps; and the dense_shape's column count."""
+    counts = np.diff(offsets)
+    width = int(counts.max(initial=0)) + extra_cols
+    cols = [np.sort(rng.choice(width, int(c), replace=False)) for c in counts]
+    rows = np.repeat(np.arange(len(counts)), counts)
+    col = np.concatenate(cols).astype(np.int64) if cols else np.zeros(0, np.int64)
+    return np.stack([rows, col], 1).reshape(-1, 2), width
+
+
+@SETTINGS
+@given(problem=bags(), idx64=st.booleans())
+def test_sparse_bag_matches_float64_reference(problem, idx64, monkeypatch):
+    """The sparse bag kernel (indices checked in its own pass) against float64 loops,
+    and bit for bit against the offsets kernel on the offsets the indices give; every
+    dim its build covers (the lookup gives it dims up to SPARSE_ONE_PASS_MAX_DIM)."""
+    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6)
+    table, ids, offsets, weights, combiner, prune_ids, prune_weights, _ = problem
+    rng = np.random.default_rng(len(ids))
+    idx, width = _coo(offsets, rng)
+    idx = idx.astype(np.int64 if idx64 else np.int32)
+    shape = (len(offsets) - 1, width)
+    run = kernels.prepare_sparse_bag_combine(
+        table, ids, idx, shape, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
+    )
+    if table.shape[1] > native.library().EmServingMaxFusedDim():
+        assert run is None
+        return
+    assert run is not None
+    out = run().copy()
+    assert out.shape == (shape[0], table.shape[1]) and not np.isnan(out).any()
+    want, scale = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
+    tol = (4 * (np.diff(offsets) + 2) * 2.0**-24 * scale)[:, None] + 2.0**-24 * np.abs(want)
+    assert np.all(np.abs(out - want) <= tol + 1e-30), np.max(np.abs(out - want))
+    same = kernels.bag_combine(
+        table, ids, offsets, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
+    )
+    np.testing.assert_array_equal(out, same)
+
+
+@pytest.mark.parametrize("dim", [16, 100])
+def test_sparse_bag_errors_bad_index_first(dim, monkeypatch):
+    """A bad index is reported (its entry) before any bad id, wherever each lies; a
+    bad id alone is reported by entry as bag_combine does."""
+    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6)
+    rng = np.random.default_rng(dim)
+    offsets = np.array([0, 3, 3, 7, 12], np.int64)
+    idx, width = _coo(offsets, rng)
+    table = rng.standard_normal((20, dim)).astype(np.float32)
+    ids = rng.integers(0, 20, 12)
+    shape = (4, width)
+
+    def run(ids, idx):
+        return kernels.prepare_sparse_bag_combine(table, ids, idx, shape, None, "sum")()
+
+    bad_ids = ids.copy()
+    bad_ids[2] = 20
+    with pytest.raises(kernels.IdOutOfRange) as e:
+        run(bad_ids, idx)
+    assert (e.value.entry, e.value.id) == (2, 20)
+    for k, change in [(9, (1, 0)), (9, (0, width)), (4, (0, -1)), (0, (-1, 0)), (11, (1, 0))]:
+        bad_idx = idx.copy()
+        bad_idx[k] = idx[k] + np.array(change) if change != (0, -1) else idx[k - 1]
+        if change == (-1, 0):
+            bad_idx[k, 0] = -1
+        _, want = kernels.sparse_offsets(bad_idx, shape)
+        assert want >= 0
+        for i in (ids, bad_ids):  # with a bad id at entry 2 too
+            with pytest.raises(kernels.BadSparseIndex) as e:
+                run(i, bad_idx)
+            assert e.value.entry == want
+
+
+@pytest.mark.parametrize("case", ["good", "bad_id", "bad_index", "both", "weights"])
+def test_lookup_sparse_one_pass_equals_offsets_path(case, monkeypatch):
+    """serving_embedding_lookup on 2-D sparse input: the one-pass kernel gives the
+    offsets path's outputs bit for bit and its errors word for word."""
+    import embedmesh as em
+
+    rng = np.random.default_rng(7)
+    offsets = np.array([0, 2, 2, 6, 9], np.int64)
+    idx, width = _coo(offsets, rng)
+    ids = rng.integers(0, 30, 9)
+    w = None
+    if case in ("bad_id", "both"):
+        ids[5] = 30
+    if case in ("bad_index", "both"):
+        idx[7] = idx[6]
+    if case == "weights":
+        ids[1] = -1
+        w = em.SparseTensor(idx, (rng.integers(-2, 8, 9) / 4).astype(np.float32), (4, width))
+    tc = em.TableConfig(30, 17, combiner="mean", name="t")
+    fc = {"f": em.FeatureConfig(tc, name="f")}
+    tables = {tc: rng.standard_normal((30, 17)).astype(np.float32)}
+    inputs = {"f": em.SparseTensor(idx, ids, (4, width))}
+    weights = None if w is None else {"f": w}
+    used = []
+    real = kernels.prepare_sparse_bag_combine
+    monkeypatch.setattr(
+        kernels, "prepare_sparse_bag_combine", lambda *a, **k: used.append(1) or real(*a, **k)
+    )
+    results = []
+    for one_pass in (True, False):
+        if not one_pass:
+            monkeypatch.setattr(kernels, "prepare_sparse_bag_combine", lambda *a, **k: None)
+        try:
+            results.append(np.array(em.serving_embedding_lookup(inputs, weights, tables, fc)["f"]))
+        except ValueError as e:
+            results.append(str(e))
+    assert used
+    if case in ("good", "weights"):
+        assert not np.isnan(results[0]).any()
+        np.testing.assert_array_equal(results[0], results[1])
+    else:
+        assert isinstance(results[0], str) and results[0] == results[1]
+        assert ("sorted in row-major order" in results[0]) == (case != "bad_id")
+
+
+@pytest.mark.parametrize("idx64", [True, False])
+def test_sparse_offsets_across_blocks(idx64):
+    """The branchless offsets pass checks 1024 entries a block: a bad entry in a later
+    block, and good input spanning several blocks with empty rows, against numpy."""
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 5, 1500)
+    counts[::7] = 0
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    idx, width = _coo(offsets, rng)
+    idx = idx.astype(np.int64 if idx64 else np.int32)
+    shape = (len(counts), width)
+    got, bad = kernels.sparse_offsets(idx, shape)
+    assert bad == -1
+    np.testing.assert_array_equal(got, offsets)
+    assert len(idx) > 2100
+    for k, value in [(2100, (len(counts), 0)), (1100, (idx[1099, 0], idx[1099, 1]))]:
+        broken = idx.copy()
+        broken[k] = value
+        assert kernels.sparse_offsets(broken, shape) == (None, k)

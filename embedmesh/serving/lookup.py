@@ -13,8 +13,9 @@ lookups, combined bags, sequences): the feature becomes an `inputs.Csr`
 the kernel's one pass) and a host kernel (`embedmesh.serving.kernels`) runs
 over the table's memory, range checking ids (a `ValueError` naming the
 feature). A call checks every feature and takes its output buffer first, then
-runs the kernels back to back, spread over threads (`set_host_threads`,
-`EMBEDMESH_SERVING_THREADS`). Inside `jax.jit`/`jax.export` (traced inputs)
+runs the kernels back to back (2-D sparse indices, at dims up to 64, are checked by
+their kernel's own pass: `kernels.prepare_sparse_bag_combine`), spread over threads
+(`set_host_threads`, `EMBEDMESH_SERVING_THREADS`). Inside `jax.jit`/`jax.export` (traced inputs)
 `_traced_lookup` builds per-entry rows from the same layout with masks at
 static shapes and computes with jax.numpy; ids out of range cannot raise there
 and read as zero rows.
@@ -38,7 +39,9 @@ from embedmesh.inputs import (
     id_range_error,
     input_kind,
     is_concrete,
+    sparse_index_error,
     to_csr,
+    validate_structure,
 )
 from embedmesh.serving import kernels, native  # noqa: F401 - native: its loader, imported now
 
@@ -59,6 +62,10 @@ def _prepare_host(name: str, feature: FeatureConfig, inp, weight, table) -> _nam
     checked gather, anything else a bag combine (sequences: one id a bag).
     """
     layout = feature_layout(name, feature, inp, weight)  # TensorFlow's errors first
+    if layout.kind == "combined" and input_kind(inp) == "sparse":
+        run = _prepare_sparse(name, feature, inp, weight, table, layout)
+        if run is not None:
+            return run
     csr = to_csr(name, feature, inp, weight, prune=False, layout=layout)
     table_np = np.asarray(table)
     shape = layout.activation_shape(table_np.shape[1])
@@ -80,20 +87,45 @@ def _prepare_host(name: str, feature: FeatureConfig, inp, weight, table) -> _nam
     )
 
 
+def _prepare_sparse(name, feature, inp, weight, table, layout) -> _named | None:
+    """A 2-D sparse feature's bag combine with its indices checked in the kernel's
+    pass (`kernels.prepare_sparse_bag_combine`), or None where that kernel does not
+    apply. Same checks, errors and values as `to_csr` + `prepare_bag_combine`."""
+    validate_structure(name, inp, weight)
+    ids = np.asarray(inp.values)
+    w = None if weight is None or not layout.use_weights else np.asarray(weight.values, np.float32)
+    table_np = np.asarray(table)
+    run = kernels.prepare_sparse_bag_combine(
+        table_np,
+        ids,
+        inp.indices,
+        tuple(inp.dense_shape),
+        w,
+        layout.combiner,
+        prune_ids=layout.prune_ids and ids.dtype.kind != "u",
+        prune_weights=layout.prune_weights and w is not None,
+    )
+    if run is None:
+        return None
+    return _named(name, run, layout.activation_shape(table_np.shape[1]), inp)
+
+
 class _named:
     """A prepared kernel `run` whose output is reshaped to `shape`, a bad id
     reported as a ValueError naming the feature."""
 
-    __slots__ = ("name", "run", "shape")
+    __slots__ = ("name", "run", "shape", "inp")
 
-    def __init__(self, name: str, run, shape):
-        self.name, self.run, self.shape = name, run, tuple(shape)
+    def __init__(self, name: str, run, shape, inp=None):
+        self.name, self.run, self.shape, self.inp = name, run, tuple(shape), inp
 
     def __call__(self) -> np.ndarray:
         try:
             return self.run().reshape(self.shape)
         except kernels.IdOutOfRange as e:
             raise id_range_error(self.name, e.id, e.entry, e.vocabulary_size) from None
+        except kernels.BadSparseIndex as e:  # inp: the SparseTensor its kernel checks
+            raise sparse_index_error(self.name, self.inp, e.entry) from None
 
 
 def _host_to_jax(outs: list) -> list:
