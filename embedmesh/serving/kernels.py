@@ -497,6 +497,23 @@ class _KernelCall:
         return self.out
 
 
+def _widened_bag(gather, bag, table, ids, offsets, weights, mode, prune_ids, prune_w):
+    """A bag kernel for a table of another dtype than float32 (float16, bfloat16: no
+    arithmetic of theirs in the kernels): when run, prune, `gather` the rows, widen them
+    to float32, then reduce them with the float32 `bag` kernel of the same backend."""
+
+    def run():
+        c_ids, c_offsets, c_w = _drop_pruned(
+            ids, offsets, weights, table.shape[0], prune_ids, prune_w
+        )
+        wide = gather(table, c_ids).astype(np.float32)
+        return bag(
+            wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w, mode, False, False
+        )
+
+    return run
+
+
 def _bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_w) -> np.ndarray:
     return _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_w)()
 
@@ -505,18 +522,9 @@ def _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_w):
     """The bag kernel ready to run, giving float32 sums; tables of other dtypes are
     pruned, gathered and widened when run."""
     if table.dtype != np.float32:
-
-        def run():
-            # numba has no float16/bfloat16 arithmetic: prune, gather, widen, then reduce
-            c_ids, c_offsets, c_w = _drop_pruned(
-                ids, offsets, weights, table.shape[0], prune_ids, prune_w
-            )
-            wide = _gather_numba(table, c_ids).astype(np.float32)
-            return _bag_numba(
-                wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w, mode, False, False
-            )
-
-        return run
+        return _widened_bag(
+            _gather_numba, _bag_numba, table, ids, offsets, weights, mode, prune_ids, prune_w
+        )
     out = output_empty((offsets.shape[0] - 1, table.shape[1]), np.float32)
     has_w = weights is not None
     kernel = _NUMBA.bag_kernel(mode, has_w, prune_ids, prune_w)
@@ -628,17 +636,10 @@ def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
     """The C++ bag kernel ready to run, giving float32 sums; tables of other dtypes are
     pruned, gathered and widened when run."""
     if table.dtype != np.float32:
-
-        def run():
-            c_ids, c_offsets, c_w = _drop_pruned(
-                ids, offsets, weights, table.shape[0], prune_ids, prune_w
-            )
-            wide = _prepare_gather_native(table, c_ids)().astype(np.float32)
-            return _bag_native(
-                wide, np.arange(c_ids.shape[0], dtype=np.int64), c_offsets, c_w, mode, False, False
-            )
-
-        return run
+        gather = lambda t, i: _prepare_gather_native(t, i)()
+        return _widened_bag(
+            gather, _bag_native, table, ids, offsets, weights, mode, prune_ids, prune_w
+        )
     table = _row_major(table)
     num_rows, dim = offsets.shape[0] - 1, table.shape[1]
     out = output_empty((num_rows, dim), np.float32)
