@@ -19,8 +19,8 @@
 // Every handler takes its fixed arguments first, then the state: the table and the rule's
 // slots (the last 1 + kSlots arguments, aliased to the 1 + kSlots results), and all its
 // attributes as one dictionary. The arithmetic is that of `embedmesh.optimizers`
-// (`Optimizer.update_rows_at_lr`), in float32, in the same order, with no FMA contraction
-// (build.py: -ffp-contract=off).
+// (`Optimizer.update_rows_at_lr`), in float32, in the same order (except FTRL's divisions by
+// lr, products with 1 / lr here: see Ftrl), with no FMA contraction (-ffp-contract=off).
 // Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
 #include <string>
 #include <string_view>
