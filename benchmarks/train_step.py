@@ -73,7 +73,8 @@ import subprocess
 import sys
 import time
 
-T, D, B, VALENCY, ZIPF_A = 8, 64, 4096, 10, 1.05
+T, B, VALENCY, ZIPF_A = 8, 4096, 10, 1.05
+D = int(os.environ.get("EMBEDMESH_BENCH_DIM", 64))  # each table's dim (--dim)
 V = int(os.environ.get("EMBEDMESH_BENCH_VOCAB", 1_000_000))  # rows a table (--vocab)
 LR = 0.01
 NUM_BATCHES = 4  # distinct batches, cycled
@@ -1025,6 +1026,7 @@ def main():
         + "; FBGEMM's CPU kernels have sgd, adagrad and rowwise_adagrad only (its peers "
         "are skipped for the others); the torch peer runs SGD, SparseAdam or Adagrad",
     )
+    ap.add_argument("--dim", type=int, default=D, help="each table's dim (default 64)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1032,6 +1034,7 @@ def main():
     if not args.child:  # the children's (child_env); a child keeps the one it was given
         os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
+        os.environ["EMBEDMESH_BENCH_DIM"] = str(args.dim)
     if args.trace and not args.child:
         os.environ["EMBEDMESH_BENCH_TRACE"] = os.path.abspath(args.trace)
     if args.child:
@@ -1041,7 +1044,8 @@ def main():
 
     print(
         f"python {platform.python_version()}, {os.cpu_count()} cpus, load "
-        f"{os.getloadavg()[0]:.1f}; workload {T} tables x {args.vocab} rows x {D}, batch {B}, "
+        f"{os.getloadavg()[0]:.1f}; workload {T} tables x {args.vocab} rows x {args.dim}, "
+        f"batch {B}, "
         f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad"
     )
     if args.profile:
