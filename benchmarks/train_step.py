@@ -44,8 +44,14 @@ within one invocation; medians over rounds of per-round medians:
 the same interleaved rounds; fbgemm-exact runs FBGEMM's optimizer of that name where its
 CPU kernels have it (sgd, adagrad, rowwise_adagrad).
 
-Memory: peak RSS (VmHWM) of each child after setup and during the timed steps
-(reset through /proc/self/clear_refs), against the bytes of tables + slots.
+Memory: peak RSS (VmHWM) of each child after setup, during the timed device steps and
+during the end to end with prefetch (each phase from a reset through /proc/self/clear_refs),
+against the bytes of tables + slots; benchmarks/train_memory.py says where it goes.
+
+End to end: from the same raw (ids, lengths) arrays, embedmesh through `emb.prefetch`
+(RaggedTensors built in its thread), FBGEMM through its own preparation (int64 ids,
+offsets) serially and in a thread 2 batches ahead (the faster counts); each embedmesh peer
+is compared with each FBGEMM peer of its optimizer as medians of per-round ratios.
 
     /tmp/trainbench/bin/python benchmarks/train_step.py            # all peers
     ... --peers embedmesh,fbgemm-exact --rounds 5 --steps 10
