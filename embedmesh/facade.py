@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import itertools
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -68,23 +67,23 @@ def _return_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's `malloc_trim`).
 
     Building a layer (table pieces, the planner's statistics) and compiling its
-    programs (XLA's LLVM) free hundreds of MB into malloc's arenas, which glibc keeps
-    resident (benchmarks/RESULTS_train.md, 2026-12-03: what this saves). The facade calls this twice a layer (after `build`, after its first
-    update program compiles); a no-op off glibc or with EMBEDMESH_MALLOC_TRIM=0."""
+    programs (XLA's LLVM) free tens of MB into malloc's arenas, which glibc keeps
+    resident (benchmarks/RESULTS_train.md, 2026-12-03: 30-40 MB less peak RSS in
+    training). The facade calls this twice a layer: after `build`, after its first
+    update program compiles. A no-op off glibc."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
         _MALLOC_TRIM = False
-        if os.environ.get("EMBEDMESH_MALLOC_TRIM", "1").strip() != "0":
-            try:
-                _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
-                _MALLOC_TRIM.argtypes = [ctypes.c_size_t]
-            except (OSError, AttributeError):  # not glibc
-                pass
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+            _MALLOC_TRIM.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):  # not glibc
+            pass
     if _MALLOC_TRIM:
         _MALLOC_TRIM(0)
 
 
-_MALLOC_TRIM: Any = None  # None: not looked up yet; False: unavailable or switched off
+_MALLOC_TRIM: Any = None  # None: not looked up yet; False: unavailable (not glibc)
 
 
 def default_mesh() -> Mesh:
