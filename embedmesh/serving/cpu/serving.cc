@@ -238,7 +238,7 @@ inline int64_t entries_ahead(int64_t& lines) {
 // The prefetch of the row gather (it copies whole rows) and of the one-pass sparse
 // kernel, as all the kernels' before 2026-12-03: every line of rows of up to 5 lines,
 // g_prefetch lines in flight; longer rows their first 2 lines, g_prefetch / 8 entries
-// ahead. The sparse kernel (dims <= 64) lost with the bag kernels' rule: 0.69x torch
+// ahead. The sparse kernel (dims <= 64 then) lost with the bag kernels' rule: 0.69x torch
 // against 0.73x this way at dim 64 (kernel alone, same process, 31 rounds).
 inline int64_t all_lines_entries_ahead(int64_t& lines) {
   if (g_prefetch <= 0 || lines <= 0) return 0;
