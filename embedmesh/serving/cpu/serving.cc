@@ -466,7 +466,8 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
       if (row != r) break;  // row > r: every entry of a row before r was taken there
       prev_row = row;
       prev_col = col;
-      if (ahead) prefetch_ahead(table, vocab, stride, lines, ids, k + ahead, n);
+      // (the branch-free prefetch_ahead: 0.72x torch against 0.75x this way at dim 32)
+      if (k + ahead < n) prefetch_row(table, vocab, stride, lines, ids[k + ahead]);
       // the indices' stream too (sparse/sum 0.75x torch without, 0.81-0.93x with at dims
       // 16-64), kIdxAhead entries ahead whatever the rows' distance (32 at dims 48-64)
       if (k + kIdxAhead < n) prefetch(idx + 2 * (k + kIdxAhead));
