@@ -44,8 +44,14 @@ within one invocation; medians over rounds of per-round medians:
 the same interleaved rounds; fbgemm-exact runs FBGEMM's optimizer of that name where its
 CPU kernels have it (sgd, adagrad, rowwise_adagrad).
 
-Memory: peak RSS (VmHWM) of each child after setup and during the timed steps
-(reset through /proc/self/clear_refs), against the bytes of tables + slots.
+Memory: peak RSS (VmHWM) of each child after setup, during the timed device steps and
+during the end to end with prefetch (each phase from a reset through /proc/self/clear_refs),
+against the bytes of tables + slots; benchmarks/train_memory.py says where it goes.
+
+End to end: from the same raw (ids, lengths) arrays, embedmesh through `emb.prefetch`
+(RaggedTensors built in its thread), FBGEMM through its own preparation (int64 ids,
+offsets) serially and in a thread 2 batches ahead (the faster counts); each embedmesh peer
+is compared with each FBGEMM peer of its optimizer as medians of per-round ratios.
 
     /tmp/trainbench/bin/python benchmarks/train_step.py            # all peers
     ... --peers embedmesh,fbgemm-exact --rounds 5 --steps 10
@@ -73,7 +79,8 @@ import subprocess
 import sys
 import time
 
-T, D, B, VALENCY, ZIPF_A = 8, 64, 4096, 10, 1.05
+T, B, VALENCY, ZIPF_A = 8, 4096, 10, 1.05
+D = int(os.environ.get("EMBEDMESH_BENCH_DIM", 64))  # each table's dim (--dim)
 V = int(os.environ.get("EMBEDMESH_BENCH_VOCAB", 1_000_000))  # rows a table (--vocab)
 LR = 0.01
 NUM_BATCHES = 4  # distinct batches, cycled
@@ -148,6 +155,26 @@ def timed(fn, n):
         fn()
         ts.append(time.perf_counter() - t)
     return ts
+
+
+def thread_prefetch(fn, items, depth: int = 2):
+    """Yield `fn(item)` computed in a thread up to `depth` items ahead: the standard
+    library's version of `MeshEmbedding.prefetch` for the peers (no embedmesh or jax
+    import in their processes)."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    end = object()
+
+    def work():
+        for item in items:
+            q.put(fn(item))
+        q.put(end)
+
+    threading.Thread(target=work, daemon=True).start()
+    while (x := q.get()) is not end:
+        yield x
 
 
 def loss_of(acts_list):
@@ -329,18 +356,30 @@ def child_embedmesh(args, batches, capacity_batches=None):
     it = iter(range(10**9))
     import resource
 
+    reset_peak()  # the device steps' own peak (FBGEMM's is measured the same way)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     dev = timed(lambda: device_step(csrs[next(it) % nb]), args.steps)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
+    step_hwm, _ = rss_status()
+
+    from embedmesh.inputs import RaggedTensor
 
     def e2e():
-        src = (feats[i % nb] for i in range(args.steps))
+        # from the raw ids, as FBGEMM's end to end: the RaggedTensors are built in the
+        # prefetch thread (it runs the generator), preprocessed, placed, then stepped on
+        src = (
+            {f"f{t}": RaggedTensor.from_row_lengths(*batches[i % nb][t]) for t in range(T)}
+            for i in range(args.steps)
+        )
         t = time.perf_counter()
         for csr in emb.prefetch(src):
             device_step(csr)
+        jax.block_until_ready(emb.state)
         return (time.perf_counter() - t) / args.steps
 
+    reset_peak()
     e2e_t = e2e()
+    e2e_hwm, _ = rss_status()
     trace_dir = os.environ.get("EMBEDMESH_BENCH_TRACE")
     if trace_dir:  # a perfetto trace of a few device steps (--trace)
         it = iter(range(10**9))
@@ -350,7 +389,7 @@ def child_embedmesh(args, batches, capacity_batches=None):
             for _ in range(4):
                 device_step(csrs[next(it) % nb])
             jax.block_until_ready(emb.state)
-    step_hwm, rss = rss_status()
+    _, rss = rss_status()
     state_bytes = sum(
         x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
     )
@@ -360,6 +399,7 @@ def child_embedmesh(args, batches, capacity_batches=None):
         e2e=[e2e_t],
         setup_hwm=setup_hwm,
         step_hwm=step_hwm,
+        e2e_hwm=e2e_hwm,
         rss=rss,
         state_bytes=state_bytes,
         devices=len(jax.devices()),
@@ -493,8 +533,24 @@ def child_fbgemm(args, batches):
     it = iter(range(10**9))
     enq = timed(lambda: host_prep(batches[next(it) % nb]), args.steps)
     it = iter(range(10**9))
+    reset_peak()  # the device steps' own peak
     dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
-    step_hwm, rss = rss_status()
+    step_hwm, _ = rss_status()
+
+    def e2e(prefetch: bool):
+        """Seconds a step from the raw ids: FBGEMM's input preparation (ids to int64,
+        offsets) then the step, serially or with the preparation in a thread ahead
+        (`thread_prefetch`, as `MeshEmbedding.prefetch`: 2 batches ahead)."""
+        src = (batches[i % nb] for i in range(args.steps))
+        t = time.perf_counter()
+        for x in thread_prefetch(host_prep, src) if prefetch else map(host_prep, src):
+            device_step(x)
+        return (time.perf_counter() - t) / args.steps
+
+    reset_peak()
+    e2e_serial = e2e(False)
+    e2e_prefetch = e2e(True)
+    e2e_hwm, rss = rss_status()
     state_bytes = sum(p.numel() * p.element_size() for p in tbe.split_embedding_weights())
     state_bytes += sum(
         s.numel() * s.element_size() for st in tbe.split_optimizer_states() for s in st
@@ -502,8 +558,13 @@ def child_fbgemm(args, batches):
     return dict(
         enqueue=enq,
         device=dev,
+        # FBGEMM's better way (its preparation is ~1 ms: a thread may not pay)
+        e2e=[min(e2e_serial, e2e_prefetch)],
+        e2e_serial=[e2e_serial],
+        e2e_prefetch=[e2e_prefetch],
         setup_hwm=setup_hwm,
         step_hwm=step_hwm,
+        e2e_hwm=e2e_hwm,
         rss=rss,
         state_bytes=state_bytes,
         devices=1,
@@ -823,7 +884,7 @@ def child_processes(args):
     merged = dict(outs[0])
     for key in ("enqueue", "device", "e2e"):  # the job is as fast as its slower process
         merged[key] = [max(a, b) for a, b in zip(outs[0][key], outs[1][key])]
-    for key in ("setup_hwm", "step_hwm", "rss", "state_bytes"):
+    for key in ("setup_hwm", "step_hwm", "e2e_hwm", "rss", "state_bytes"):
         merged[key] = max(outs[0][key], outs[1][key])
     merged["ids"] = outs[0]["ids"] + outs[1]["ids"]
     merged["processes"] = outs
@@ -1025,6 +1086,7 @@ def main():
         + "; FBGEMM's CPU kernels have sgd, adagrad and rowwise_adagrad only (its peers "
         "are skipped for the others); the torch peer runs SGD, SparseAdam or Adagrad",
     )
+    ap.add_argument("--dim", type=int, default=D, help="each table's dim (default 64)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1032,6 +1094,7 @@ def main():
     if not args.child:  # the children's (child_env); a child keeps the one it was given
         os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
+        os.environ["EMBEDMESH_BENCH_DIM"] = str(args.dim)
     if args.trace and not args.child:
         os.environ["EMBEDMESH_BENCH_TRACE"] = os.path.abspath(args.trace)
     if args.child:
@@ -1041,7 +1104,8 @@ def main():
 
     print(
         f"python {platform.python_version()}, {os.cpu_count()} cpus, load "
-        f"{os.getloadavg()[0]:.1f}; workload {T} tables x {args.vocab} rows x {D}, batch {B}, "
+        f"{os.getloadavg()[0]:.1f}; workload {T} tables x {args.vocab} rows x {args.dim}, "
+        f"batch {B}, "
         f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad"
     )
     if args.profile:
@@ -1119,6 +1183,7 @@ def main():
             ids_s_serial=ids / (dev + enq),
             setup_hwm=max(r["setup_hwm"] for r in results[p]),
             step_hwm=max(r["step_hwm"] for r in results[p]),
+            e2e_hwm=max((r["e2e_hwm"] for r in results[p] if "e2e_hwm" in r), default=None),
             state_bytes=results[p][0]["state_bytes"],
             exchange_bytes=results[p][0].get("exchange_bytes"),
             mod_exchange_bytes=results[p][0].get("mod_exchange_bytes"),
@@ -1132,7 +1197,7 @@ def main():
     print(
         f"  {'peer':15s} {'host prep':>9s} {'device':>9s} {'M ids/s':>8s} {'best':>9s} "
         f"{'M ids/s':>8s} {'e2e prefetch':>12s} {'M ids/s':>8s} {'tables+slots':>12s} "
-        f"{'peak setup':>10s} {'peak steps':>10s}"
+        f"{'peak setup':>10s} {'peak steps':>10s} {'peak e2e':>10s}"
     )
     for p, r in rows.items():
         e2e = f"{r['e2e'] * 1e3:9.1f} ms" if r["e2e"] else f"{'-':>12s}"
@@ -1141,7 +1206,8 @@ def main():
             f"  {p:15s} {r['enqueue'] * 1e3:6.1f} ms {r['device'] * 1e3:6.1f} ms "
             f"{r['ids_s'] / 1e6:8.2f} {r['device_best'] * 1e3:6.1f} ms "
             f"{r['ids_s_best'] / 1e6:8.2f} {e2e} {e2e_ids} {gb(r['state_bytes']):>9s} GB "
-            f"{gb(r['setup_hwm']):>7s} GB {gb(r['step_hwm']):>7s} GB"
+            f"{gb(r['setup_hwm']):>7s} GB {gb(r['step_hwm']):>7s} GB "
+            + (f"{gb(r['e2e_hwm']):>7s} GB" if r["e2e_hwm"] else f"{'-':>10s}")
         )
     print("\nratios of device-step ids/s (row peer / column peer):")
     refs = [
@@ -1159,18 +1225,63 @@ def main():
                 if q != p
             )
         )
-    if "embedmesh" in rows:
-        for q in ("fbgemm-exact", "fbgemm-rowwise"):
-            if q in rows and rows["embedmesh"]["ids_s_e2e"]:
-                print(
-                    f"  embedmesh end-to-end (prefetch) vs {q}: "
-                    f"{rows['embedmesh']['ids_s_e2e'] / rows[q]['ids_s']:5.2f}x"
-                )
+    print_against_fbgemm(results)
     print_scale_out(rows, results)
     print_optimizer_ratios(results, optimizers)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "raw": results}, f, indent=1)
+
+
+def print_against_fbgemm(results):
+    """Each embedmesh peer against each FBGEMM peer of the same optimizer (the same
+    tables, slots and batches): medians of per-round ratios of the device step, of the
+    end to end from raw ids with prefetch (FBGEMM: its own preparation, serial or in a
+    thread ahead, the faster), and of the peak RSS of each phase (FBGEMM / embedmesh
+    for times: > 1 is embedmesh faster; embedmesh / FBGEMM for memory: < 1 is smaller)."""
+
+    def of(peer):
+        name, _, opt = peer.partition(":")
+        return name, opt or bench_optimizer_name()
+
+    lines = []
+    for p in results:
+        name, opt = of(p)
+        if not name.startswith("embedmesh") or "@" in name:
+            continue
+        for q in results:
+            qname, qopt = of(q)
+            if not qname.startswith("fbgemm") or qopt != opt:
+                continue
+            if qname == "fbgemm-rowwise" and opt != "rowwise_adagrad" and ":" in p:
+                continue
+            pairs = list(zip(results[p], results[q]))
+            cols = []
+            for what, key, inverse in (
+                ("device step", "device", True),
+                ("e2e prefetch", "e2e", True),
+                ("peak RSS steps", "step_hwm", False),
+                ("peak RSS e2e", "e2e_hwm", False),
+            ):
+                vals = []
+                for a, b in pairs:
+                    if key not in a or key not in b:
+                        continue
+                    x, y = a[key], b[key]
+                    if isinstance(x, list):
+                        x, y = statistics.median(x), statistics.median(y)
+                    vals.append(y / x if inverse else x / y)
+                if vals:
+                    rounds = " / ".join(f"{v:.2f}" for v in vals)
+                    cols.append(f"{what} {statistics.median(vals):.2f}x ({rounds})")
+            if cols:
+                lines.append(f"  {p} vs {q}: " + "; ".join(cols))
+    if lines:
+        print(
+            "\nagainst FBGEMM, medians of per-round ratios (times: FBGEMM / embedmesh; "
+            "peak RSS: embedmesh / FBGEMM):"
+        )
+        print("\n".join(lines))
 
 
 def print_optimizer_ratios(results, optimizers):

@@ -862,3 +862,66 @@ def test_rowwise_adagrad_rule_slots_and_validation():
         RowWiseAdagrad(epsilon=0.0)
     with pytest.raises(ValueError, match="slot 'accumulators' shape"):
         opt.update_rows(rows, {"accumulators": np.ones((6, 5), np.float32)}, g, 0)
+
+
+@pytest.mark.parametrize("l1", [0.0, 0.05])  # the kernel's N = -lin loop, and the clamp's
+@pytest.mark.parametrize("multiply", [False, True])
+@pytest.mark.parametrize("power", [0.0, -1.0, -0.5, -0.3])  # PowNonNeg's four kinds
+def test_fused_ftrl_kernel_every_variant(power, multiply, l1):
+    """The C++ FTRL kernel (sparse_update) in each of its 16 compiled loops against
+    update_rows (float32, at test_ops' tolerance) and the float64 numpy rule: an odd dim
+    (vector body and tail), zero accumulators and gradients (with l1 = 0: beta = l2 = 0,
+    so some denominators are exactly 0 and their weights must become 0, not nan), and
+    untouched rows left bit for bit."""
+    from optimizer_reference import numpy_update_rows
+
+    from embedmesh.device import ops
+    from embedmesh.device.ops import cpu
+    from embedmesh.device.ops.cpu import kernels as cpu_kernels
+
+    if not cpu.ready():
+        pytest.skip(f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+    regular = dict(l2_regularization_strength=0.1, beta=0.3) if l1 else {}
+    opt = FTRL(
+        0.2,
+        learning_rate_power=power,
+        l1_regularization_strength=l1,
+        multiply_linear_by_learning_rate=multiply,
+        initial_accumulator_value=0.0,
+        allow_zero_accumulator=True,
+        **regular,
+    )
+    rng = np.random.default_rng([int(-power * 10), int(multiply), int(l1 > 0)])
+    rows, d, n = 60, 19, 40
+    table = signed(rng, (rows, d), 0.1, 2.0)
+    acc = rng.uniform(0.1, 2.0, (rows, d)).astype(np.float32)
+    acc[rng.random((rows, d)) < 0.2] = 0.0
+    slots = {"accumulators": acc, "linears": signed(rng, (rows, d), 0.01, 1.0)}
+    ids = np.sort(rng.choice(rows, n, replace=False)).astype(np.int32)
+    grads = signed(rng, (n, d), 0.05, 2.0)
+    grads[rng.random((n, d)) < 0.2] = 0.0
+    step = jnp.int32(0)
+    assert (
+        ops.kernel_for("sparse_update", "cpu", table, slots, ids, grads, optimizer=opt, step=step)
+        is cpu_kernels.sparse_update
+    )
+    got_t, got_s = jax.jit(lambda t, s, i, g: ops.sparse_update(opt, t, s, i, g, step))(
+        jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()}, ids, grads
+    )
+    got = {"rows": np.asarray(got_t), **{k: np.asarray(v) for k, v in got_s.items()}}
+    before = {"rows": table, **slots}
+    untouched = np.setdiff1d(np.arange(rows), ids)
+    f32_w, f32_s = opt.update_rows(table[ids], {k: v[ids] for k, v in slots.items()}, grads, 0)
+    f64_w, f64_s = numpy_update_rows(
+        opt, table[ids], {k: v[ids] for k, v in slots.items()}, grads, 0
+    )
+    f32, f64 = {"rows": f32_w, **f32_s}, {"rows": f64_w, **f64_s}
+    for k in got:
+        assert np.isfinite(got[k]).all(), k
+        np.testing.assert_array_equal(got[k][untouched], before[k][untouched])
+        np.testing.assert_allclose(got[k][ids], np.asarray(f32[k]), rtol=2e-6, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(got[k][ids], f64[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    if not l1 and power != 0.0:  # denominators of exactly 0 (a = g = 0): weight 0
+        zero = (acc[ids] == 0) & (grads == 0)
+        assert zero.any()
+        assert (got["rows"][ids][zero] == 0).all()

@@ -717,10 +717,12 @@ class _NativeSparseCall(_NativeCall):
 
 _MAX_FUSED_DIM: list = []  # [EmServingMaxFusedDim()] once asked
 # Widest rows given to the one-pass sparse kernel. Same process, interleaved with torch,
-# 8 x 1M tables, sparse/sum: one pass 1.30x / 1.17x / 1.08-1.11x the speed of offsets then
-# bag at dims 16 / 32 / 64, 0.94-0.95x at dim 128 (rows of 9 lines, 2 of them prefetched:
-# the indices' stream competes with the hardware prefetchers fetching the rest).
-SPARSE_ONE_PASS_MAX_DIM = 64
+# 8 x 1M tables, sparse/sum (benchmarks/serving_sparse_ab.py): one pass 1.30x / 1.17x /
+# 1.08-1.11x the speed of offsets then bag at dims 16 / 32 / 64, 0.94-0.95x at dim 128
+# (2026-12-03, wall clock); once the bag kernel prefetched only the first line of rows
+# over 3 lines (same day, thread CPU time, 11 rounds): 1.22x / 1.00x / 0.83x at 16 / 32 /
+# 64, so dims over 32 take the offsets pass and the bag kernel.
+SPARSE_ONE_PASS_MAX_DIM = 32
 
 
 def prepare_sparse_bag_combine(

@@ -13,7 +13,7 @@ lookups, combined bags, sequences): the feature becomes an `inputs.Csr`
 the kernel's one pass) and a host kernel (`embedmesh.serving.kernels`) runs
 over the table's memory, range checking ids (a `ValueError` naming the
 feature). A call checks every feature and takes its output buffer first, then
-runs the kernels back to back (2-D sparse indices, at dims up to 64, are checked by
+runs the kernels back to back (2-D sparse indices, at dims up to 32, are checked by
 their kernel's own pass: `kernels.prepare_sparse_bag_combine`), spread over threads
 (`set_host_threads`, `EMBEDMESH_SERVING_THREADS`). Inside `jax.jit`/`jax.export` (traced inputs)
 `_traced_lookup` builds per-entry rows from the same layout with masks at

@@ -196,15 +196,51 @@ inline void prefetch_row(const float* table, uint64_t vocab, int64_t stride, int
   }
 }
 
-// Entries ahead whose rows are prefetched, and (in `lines`) how many cache lines of each.
-// Rows of up to 5 lines (dim <= 64, 16-byte offset rows included): every line, about
-// g_prefetch lines in flight (64 entries of 1-2 line rows, 25 of dim 64's). Longer rows:
-// their first 2 lines, g_prefetch / 8 entries ahead (16); the hardware's adjacent-line and
-// stream prefetchers fetch the rest. Measured on 8 x 1M-row tables, kernel alone against
-// torch's: dim 128 1.10-1.17x this way, 0.93-0.94x prefetching all 9 lines 14 entries
-// ahead; dim 32 needs all 3 lines of its (unaligned) rows: 2 of them gave 0.87-0.90x.
-// g_row_lines > 0 caps the lines per row instead (benchmarks). 0 entries: no prefetch.
+// In the bag loops: prefetch the rows of entry k + ahead (of the last entry past the end)
+// without a branch on it: an id outside [0, vocab) prefetches row 0 instead.
+template <typename Id>
+inline void prefetch_ahead(const float* table, uint64_t vocab, int64_t stride, int64_t lines,
+                           const Id* ids, int64_t k, int64_t n) {
+  const int64_t kp = k < n ? k : n - 1;
+  uint64_t id = static_cast<uint64_t>(static_cast<int64_t>(ids[kp]));
+  id = id < vocab ? id : 0;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(table + static_cast<int64_t>(id) * stride);
+  const char* p = reinterpret_cast<const char*>(a & ~static_cast<uintptr_t>(63));
+  for (int64_t l = 0; l < lines; ++l) prefetch(p + 64 * l);
+}
+
+// The bag kernels' prefetch: entries ahead whose rows are prefetched, and (in `lines`) how
+// many cache lines of each. Rows of up to 3 lines (dims <= 32 on numpy's 16-byte offset
+// rows): every line, g_prefetch lines in flight (64 entries of 1-2 line rows, 42 of 3).
+// Longer rows: their first line only, g_prefetch / 4 entries ahead (32): the out-of-order
+// core issues the rest of each row's loads itself some entries ahead, and every prefetch
+// instruction spent on them costs it window. Kernel alone against torch's on 8 x 1M
+// tables, same process (benchmarks/serving_kernel_ab.py, 2026-12-03, load 8-10): dim 64
+// 0.90-0.94x torch prefetching all 5 lines 25 entries ahead, 1.00-1.05x the first line
+// 24-64 entries ahead (2 lines: 0.95-0.99x, 3: 0.94-0.96x); dim 128 1.11x its first 2
+// lines 16 ahead, 1.15x the first 32 ahead; dim 32 1.02x all 3 lines, 0.93x the first
+// only. g_row_lines > 0 caps the lines per row instead (benchmarks). 0: no prefetch.
 inline int64_t entries_ahead(int64_t& lines) {
+  if (g_prefetch <= 0 || lines <= 0) return 0;
+  int64_t n;
+  if (g_row_lines > 0) {
+    if (lines > g_row_lines) lines = g_row_lines;
+    n = g_prefetch / lines;
+  } else if (lines > 3) {
+    lines = 1;
+    n = g_prefetch / 4;
+  } else {
+    n = g_prefetch / lines;
+  }
+  return n < 2 ? 2 : n > 64 ? 64 : n;
+}
+
+// The prefetch of the row gather (it copies whole rows) and of the one-pass sparse
+// kernel, as all the kernels' before 2026-12-03: every line of rows of up to 5 lines,
+// g_prefetch lines in flight; longer rows their first 2 lines, g_prefetch / 8 entries
+// ahead. The sparse kernel (dims <= 64 then) lost with the bag kernels' rule: 0.69x torch
+// against 0.73x this way at dim 64 (kernel alone, same process, 31 rounds).
+inline int64_t all_lines_entries_ahead(int64_t& lines) {
   if (g_prefetch <= 0 || lines <= 0) return 0;
   int64_t n;
   if (g_row_lines > 0) {
@@ -245,7 +281,7 @@ int64_t bag(const float* table, uint64_t vocab, int64_t dim, int64_t stride, con
     int64_t m = 0;
     float den = 0.0f;
     for (int64_t k = lo; k < hi; ++k) {
-      if (k + ahead < n) prefetch_row(table, vocab, stride, lines, ids[k + ahead]);
+      if (ahead) prefetch_ahead(table, vocab, stride, lines, ids, k + ahead, n);
       const Id id = ids[k];
       if (PruneIds && id < 0) continue;
       const float w = HasW ? weights[k] : 1.0f;
@@ -322,7 +358,7 @@ int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* 
     for (int v = 0; v < NV; ++v) acc[v] = vf{};
     float den = 0.0f;
     for (int64_t k = lo; k < hi; ++k) {
-      if (k + ahead < n) prefetch_row(table, vocab, stride, lines, ids[k + ahead]);
+      if (ahead) prefetch_ahead(table, vocab, stride, lines, ids, k + ahead, n);
       const Id id = ids[k];
       if (prune_ids && id < 0) continue;
       const float w = HasW ? weights[k] : 1.0f;
@@ -412,7 +448,7 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
                          const float* weights, int mode, bool prune_ids, bool prune_w, int tail,
                          float* out, int64_t out_stride) {
   int64_t lines = row_lines(table, stride * 4, (NV * kV + tail) * 4);
-  const int64_t ahead = entries_ahead(lines);
+  const int64_t ahead = all_lines_entries_ahead(lines);
   const uint64_t R = static_cast<uint64_t>(num_rows), C = static_cast<uint64_t>(num_cols);
   for (int64_t k = 0; k < ahead && k < n; ++k) prefetch_row(table, vocab, stride, lines, ids[k]);
   int64_t k = 0, prev_row = -1, prev_col = 0, bad_id = -1;
@@ -430,9 +466,10 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
       if (row != r) break;  // row > r: every entry of a row before r was taken there
       prev_row = row;
       prev_col = col;
+      // (the branch-free prefetch_ahead: 0.72x torch against 0.75x this way at dim 32)
       if (k + ahead < n) prefetch_row(table, vocab, stride, lines, ids[k + ahead]);
       // the indices' stream too (sparse/sum 0.75x torch without, 0.81-0.93x with at dims
-      // 16-64), kIdxAhead entries ahead whatever the rows' distance (16 at dim 128)
+      // 16-64), kIdxAhead entries ahead whatever the rows' distance (32 at dims 48-64)
       if (k + kIdxAhead < n) prefetch(idx + 2 * (k + kIdxAhead));
       const Id id = ids[k];
       if (prune_ids && id < 0) continue;
@@ -560,7 +597,7 @@ template <typename Id>
 int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t stride,
                const Id* ids, int64_t n, char* out) {
   int64_t lines = row_lines(table, stride, row_bytes);
-  const int64_t ahead = entries_ahead(lines);
+  const int64_t ahead = all_lines_entries_ahead(lines);
   const bool stream = row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
   auto pf = [&](Id id) {
     if (static_cast<uint64_t>(static_cast<int64_t>(id)) < vocab) {

@@ -52,8 +52,10 @@ int64_t EmServingSparseOffsets(const void* indices, int32_t indices_are_64, int6
 int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
                                int64_t* offsets);
 
-// Cache lines of rows prefetched ahead (default 128; the entries ahead are this over
-// the lines of a row, within [2, 64]; 0: no prefetch); returns the previous value.
+// Cache lines of rows prefetched ahead (default 128; the bag kernels' entries ahead are
+// this over the lines of a row for rows of up to 3 lines, this over 4 for longer rows, of
+// which only the first line is prefetched; within [2, 64]; 0: no prefetch); returns the
+// previous value.
 int64_t EmServingSetPrefetch(int64_t entries);
 
 // Cache lines prefetched per row (default 0: every line the row touches); returns the

@@ -19,11 +19,13 @@
 // Every handler takes its fixed arguments first, then the state: the table and the rule's
 // slots (the last 1 + kSlots arguments, aliased to the 1 + kSlots results), and all its
 // attributes as one dictionary. The arithmetic is that of `embedmesh.optimizers`
-// (`Optimizer.update_rows_at_lr`), in float32, in the same order, with no FMA contraction
-// (build.py: -ffp-contract=off).
+// (`Optimizer.update_rows_at_lr`), in float32, in the same order (except FTRL's divisions by
+// lr, products with 1 / lr here: see Ftrl), with no FMA contraction (-ffp-contract=off).
 // Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "common.h"
 #include "host_peers.h"
@@ -220,6 +222,16 @@ inline float PowNonNeg(float x, float q) {
   if constexpr (kKind == 3) return x > 0.0f ? std::pow(x, q) : 0.0f;
 }
 
+// TF's FTRL-Proximal (optimizers.FTRL). Per element, with q = -learning_rate_power:
+// a' = a + g^2, p = a'^q, dp = p - a^q; default: lin += g - dp * w / lr,
+// d = (p + beta) / lr + 2 * l2; multiply_linear_by_learning_rate: lin += lr * g - dp * w,
+// d = p + 2 * lr * l2 + beta; then w = (clamp(lin, -bound, bound) - lin) / d (0 where d is
+// 0), bound = l1 (times lr in the second form). The common q = 0.5 takes two square roots
+// (PowNonNeg); the divisions by lr are products with 1 / lr (AtLr, once a call), so an
+// element divides once: 2 square roots and 1 division where the plain form has 3
+// divisions. (Within a few float32 ulps of `_rule`'s order: tests/test_ops.py compares them
+// at 2e-6.) The division is unconditional and its quotient selected after, so the loop
+// needs no masked division and stays vectorised in every context.
 struct Ftrl {
   static constexpr int kSlots = 2;  // accumulators, linears
   static constexpr bool kRowWise = false;
@@ -227,13 +239,20 @@ struct Ftrl {
     float q, l1, l2, two_l2, beta;
     int q_kind;
     bool mult_linear;
+    float inv_lr, lr_l1, two_l2_lr;  // of the call's learning rate (AtLr)
   };
   static Params Read(AttrReader& a) {
     Params p;
     p.q = a.F("q"), p.l1 = a.F("l1"), p.l2 = a.F("l2"), p.two_l2 = a.F("two_l2");
     p.beta = a.F("beta"), p.q_kind = static_cast<int>(a.I("q_kind"));
     p.mult_linear = a.B("multiply_linear_by_learning_rate");
+    p.inv_lr = p.lr_l1 = p.two_l2_lr = 0.0f;
     return p;
+  }
+  static void AtLr(Params& p, float lr) {
+    p.inv_lr = 1.0f / lr;
+    p.lr_l1 = lr * p.l1;
+    p.two_l2_lr = 2.0f * lr * p.l2;  // (2 lr) l2, as _rule
   }
   // bits 0-1: the power's kind (PowNonNeg), bit 2: multiply_linear_by_learning_rate,
   // bit 3: l1 == 0
@@ -250,12 +269,12 @@ struct Ftrl {
     float lin = s[1], bound, d;
     if constexpr ((V & 4) != 0) {
       lin = lin + lr * g - dp * w;
-      bound = lr * p.l1;
-      d = pw + 2.0f * lr * p.l2 + p.beta;
+      bound = p.lr_l1;
+      d = pw + p.two_l2_lr + p.beta;
     } else {
-      lin = lin + g - dp * w / lr;
+      lin = lin + g - dp * w * p.inv_lr;
       bound = p.l1;
-      d = (pw + p.beta) / lr + p.two_l2;
+      d = (pw + p.beta) * p.inv_lr + p.two_l2;
     }
     float n;
     if constexpr ((V & 8) != 0) {
@@ -266,9 +285,8 @@ struct Ftrl {
       n = c - lin;
     }
     s[0] = a_new, s[1] = lin;
-    const bool nonzero = d != 0.0f;
-    const float q = n / (nonzero ? d : 1.0f);  // as the rule: no division by zero
-    return nonzero ? q : 0.0f;
+    const float q = n / d;  // inf or nan where d == 0: not selected
+    return d != 0.0f ? q : 0.0f;
   }
 };
 
@@ -327,17 +345,36 @@ struct Updater {
   }
 
   // Row r of the table and its slots, given its summed gradient gr [d]: the loop of the
-  // rule's variant, with or without weight decay.
+  // rule's variant, with or without weight decay. A rule of one variant has its two loops
+  // inlined into the transport's; a rule of several calls the loop `Select` chose for the
+  // call through `row_fn`: each is then a function of its own, compiled (and vectorised)
+  // alone. Inlined into the transports, GCC threaded some of FTRL's 32 loops through the
+  // select before its division and left them scalar (4x slower, which ones changing with
+  // the code around them), and the choice cost a chain of up to 32 compares a row.
+  using RowFn = void (*)(const Updater&, int64_t, const float*);
+  RowFn row_fn = nullptr;
+
   inline void Row(int64_t r, const float* __restrict__ gr) const {
-    Dispatch<0>(Rule::Variant(p) * 2 + (c.has_wd ? 1 : 0), r, gr);
+    if constexpr (Rule::kVariants == 1) {
+      if (c.has_wd) return RowLoop<0, true>(r, gr);
+      return RowLoop<0, false>(r, gr);
+    } else {
+      row_fn(*this, r, gr);
+    }
   }
 
+  // Chooses the call's loop (after p and c are read).
+  void Select() { row_fn = RowFns(std::make_integer_sequence<int, 2 * Rule::kVariants>())[Index()]; }
+  int Index() const { return Rule::Variant(p) * 2 + (c.has_wd ? 1 : 0); }
+
   template <int kV>
-  inline void Dispatch(int v, int64_t r, const float* __restrict__ gr) const {
-    if constexpr (kV + 1 < 2 * Rule::kVariants) {
-      if (v != kV) return Dispatch<kV + 1>(v, r, gr);
-    }
-    RowLoop<kV / 2, (kV % 2) != 0>(r, gr);
+  __attribute__((noinline)) static void RowAt(const Updater& u, int64_t r, const float* gr) {
+    u.template RowLoop<kV / 2, (kV % 2) != 0>(r, gr);
+  }
+  template <int... kV>
+  static const RowFn* RowFns(std::integer_sequence<int, kV...>) {
+    static const RowFn fns[] = {&RowAt<kV>...};
+    return fns;
   }
 
   template <int kVariant, bool kWd>
@@ -402,6 +439,13 @@ struct Updater {
   }
 };
 
+// Whether a rule has constants of the call's learning rate (`AtLr(Params&, lr)`).
+template <class Rule, class = void>
+struct HasAtLr : std::false_type {};
+template <class Rule>
+struct HasAtLr<Rule, std::void_t<decltype(Rule::AtLr(std::declval<typename Rule::Params&>(),
+                                                    0.0f))>> : std::true_type {};
+
 // The state of a call: the table and its slots are its last 1 + kSlots arguments, aliased
 // to its 1 + kSlots results (copied when XLA did not alias them). Fills `up` (lr from the
 // [1] buffer) or returns why not.
@@ -439,6 +483,8 @@ ffi::Error MakeUpdater(const ffi::RemainingArgs& state, const ffi::RemainingRets
   }
   up->lr = lr[0];
   up->wd = up->c.EffectiveWd(up->lr);
+  if constexpr (HasAtLr<Rule>::value) Rule::AtLr(up->p, up->lr);
+  up->Select();
   return ffi::Error::Success();
 }
 

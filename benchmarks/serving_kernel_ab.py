@@ -1,0 +1,218 @@
+"""The serving bag kernel alone, several builds of it against torch's `embedding_bag`.
+
+Same process, same arrays: benchmarks/serving.py's workload (tables x vocab x dim float32,
+batch 4096, Poisson(10) lengths, Zipf(1.05) ids, `--batches` batches), ragged input
+(ids + offsets, which is what both kernels take), 1 thread each. Each contender is one
+build of `embedmesh/serving/cpu/serving.cc` (or another source), compiled here with the
+package's flags plus the variant's `-D` macros, called through ctypes
+(`EmServingBagF32`, or `EmServingSparseBagF32` with `--sparse`) on preallocated
+outputs; torch[1t] is `F.embedding_bag(ids, table, offsets, mode=...)` per table.
+Rounds: every contender runs one pass over the batches in a shuffled order; the ratio
+torch time / contender time is taken per round; the medians over rounds are printed
+(with the range). Table rows are filled with (row % 97) / 100 (the kernels' speed does not depend
+on the values; builds fast).
+
+    PYTHONPATH=. python benchmarks/serving_kernel_ab.py --dim 64 \\
+        --variant base= --variant pf16=-DEM_PF_ENTRIES=16 [--variant x=/tmp/x.cc:-DFOO]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from embedmesh import _native
+from embedmesh.serving import kernels, native
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(native.__file__)), "cpu", "serving.cc")
+
+
+def build(name: str, spec: str, out_dir: str) -> ctypes.CDLL:
+    """`[path.cc]:-DA -DB[@prefetch,row_lines]` or `-DA -DB` (the package's source) -> the
+    loaded library (its own copy: its prefetch settings are its own)."""
+    spec, _, runtime = spec.partition("@")
+    src, defs = SRC, spec
+    if spec.split(":")[0].endswith(".cc"):
+        src, _, defs = spec.partition(":")
+    flags = [*_native.FLAGS, *_native.variant_flags(_native.selected_variant()), *defs.split()]
+    inc = os.path.dirname(SRC)
+    key = hashlib.sha256((open(src).read() + " ".join(flags)).encode()).hexdigest()[:16]
+    built = os.path.join(out_dir, f"{key}.so")
+    if not os.path.exists(built):
+        cmd = [_native.compiler() or "c++", *flags, f"-I{inc}", src, "-o", built + ".tmp"]
+        subprocess.run(cmd, check=True)
+        os.replace(built + ".tmp", built)
+    so = os.path.join(out_dir, f"{name}-{key}.so")
+    shutil.copyfile(built, so)
+    lib = native.declare(ctypes.CDLL(so))
+    if runtime:
+        pf, _, rl = runtime.partition(",")
+        lib.EmServingSetPrefetch(int(pf))
+        if rl:
+            lib.EmServingSetRowLines(int(rl))
+    return lib
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1_000_000)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--combiner", default="sum")
+    p.add_argument("--sparse", action="store_true")
+    p.add_argument("--variant", action="append", default=[], help="name=spec")
+    p.add_argument("--out", default="/tmp/serving_kernel_ab")
+    p.add_argument(
+        "--clock",
+        default="thread",
+        choices=("thread", "wall"),
+        help="thread: the calling thread's CPU time (both kernels run on it with 1 thread; "
+        "time spent descheduled by other processes is left out), wall: perf_counter",
+    )
+    args = p.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    libs = {}
+    for v in args.variant or ["base="]:
+        name, _, spec = v.partition("=")
+        libs[name] = build(name, spec, args.out)
+    rng = np.random.default_rng(0)
+    cdf = np.cumsum(np.arange(1, args.vocab + 1, dtype=np.float64) ** -1.05)
+    cdf /= cdf[-1]
+
+    def draw(n):
+        return np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), args.vocab - 1)
+
+    tables = []
+    for _ in range(args.tables):
+        t = np.empty((args.vocab, args.dim), np.float32)
+        t[:] = (np.arange(args.vocab, dtype=np.float32) % 97 * 0.01)[:, None]
+        tables.append(t)
+    batches = []
+    for _ in range(args.batches):
+        feats = []
+        for _t in range(args.tables):
+            lengths = rng.poisson(10, args.batch)
+            splits = np.zeros(args.batch + 1, np.int64)
+            np.cumsum(lengths, out=splits[1:])
+            ids = rng.permutation(args.vocab)[draw(int(splits[-1]))].astype(np.int64)
+            rows = np.repeat(np.arange(args.batch, dtype=np.int64), lengths)
+            idx = np.stack([rows, np.arange(splits[-1]) - splits[:-1][rows]], axis=1)
+            feats.append((ids, splits, idx, int(lengths.max())))
+        batches.append(feats)
+    mode = {"sum": 0, "mean": 1, "sqrtn": 2}[args.combiner]
+    outs = [kernels.output_empty((args.batch, args.dim), np.float32) for _ in range(args.tables)]
+    tw = [torch.from_numpy(t) for t in tables]
+    tin = [
+        [(torch.from_numpy(ids), torch.from_numpy(sp[:-1].copy())) for ids, sp, _, _ in b]
+        for b in batches
+    ]
+
+    def em_call(lib, b):
+        for t, (ids, splits, idx, maxlen) in enumerate(batches[b]):
+            if args.sparse:
+                r = lib.EmServingSparseBagF32(
+                    tables[t].ctypes.data,
+                    args.vocab,
+                    args.dim,
+                    args.dim,
+                    ids.ctypes.data,
+                    1,
+                    idx.ctypes.data,
+                    1,
+                    ids.size,
+                    args.batch,
+                    maxlen,
+                    None,
+                    mode,
+                    0,
+                    0,
+                    outs[t].ctypes.data,
+                    args.dim,
+                )
+            else:
+                r = lib.EmServingBagF32(
+                    tables[t].ctypes.data,
+                    args.vocab,
+                    args.dim,
+                    args.dim,
+                    ids.ctypes.data,
+                    1,
+                    splits.ctypes.data,
+                    args.batch,
+                    None,
+                    mode,
+                    0,
+                    0,
+                    outs[t].ctypes.data,
+                    args.dim,
+                )
+            assert r == -1, r
+
+    def torch_call(b):
+        with torch.inference_mode():
+            return [F.embedding_bag(x, w, o, mode=args.combiner) for (x, o), w in zip(tin[b], tw)]
+
+    # correctness, once
+    for lib in libs.values():
+        em_call(lib, 0)
+        ref = torch_call(0)
+        for t in range(args.tables):
+            np.testing.assert_allclose(outs[t], ref[t].numpy(), rtol=1e-5, atol=1e-5)
+    contenders = {"torch": torch_call} | {
+        n: (lambda b, lib=lib: em_call(lib, b)) for n, lib in libs.items()
+    }
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    ratios = {n: [] for n in libs}
+    per_call = {n: [] for n in contenders}
+    for rnd in range(args.rounds + 1):
+        t = dict.fromkeys(contenders, 0.0)
+        for b in range(args.batches):
+            order = list(contenders)
+            np.random.default_rng(rnd * 1000 + b).shuffle(order)
+            for n in order:
+                t0 = clock()
+                contenders[n](b)
+                t[n] += clock() - t0
+        if rnd == 0:
+            continue  # warm-up
+        for n in contenders:
+            per_call[n].append(t[n] / args.batches)
+        for n in libs:
+            ratios[n].append(t["torch"] / t[n])
+    kind = "sparse" if args.sparse else "ragged"
+    nids = sum(f[0].size for f in batches[0])
+    print(
+        f"dim {args.dim} {kind}/{args.combiner}, {args.tables} x {args.vocab}, "
+        f"{nids} ids a call, {args.rounds} rounds, {args.clock} clock, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    print(f"  torch[1t]  {statistics.median(per_call['torch']) * 1e3:7.2f} ms/call")
+    for n in libs:
+        r = ratios[n]
+        print(
+            f"  {n:10s} {statistics.median(per_call[n]) * 1e3:7.2f} ms/call  "
+            f"speed / torch {statistics.median(r):.3f} ({min(r):.2f}-{max(r):.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
