@@ -66,11 +66,10 @@ class EmbeddingState:
 _SHARED_INIT_MAX_ELEMENTS = 1 << 22
 
 
-def _init_device(device, elements: int):
-    """Where a piece of `elements` values is initialised (see _SHARED_INIT_MAX_ELEMENTS)."""
-    if elements > _SHARED_INIT_MAX_ELEMENTS:
-        return device
-    return jax.local_devices(backend=device.platform)[0]
+def _init_device(device, home, elements: int):
+    """Where a piece of `elements` values for `device` is initialised: `home` (this
+    process's first device of the mesh) up to _SHARED_INIT_MAX_ELEMENTS, else `device`."""
+    return device if elements > _SHARED_INIT_MAX_ELEMENTS else home
 
 
 def _row_initializer(init):
@@ -175,6 +174,8 @@ class EmbeddingCore:
         """
         plan = self.plan
         tables, slots = {}, {}
+        me = jax.process_index()
+        home = next(d for d in self.mesh.devices.flat if d.process_index == me)
         for spec in plan.stacks:
             placed = [plan.table(n) for n in spec.tables]
 
@@ -192,7 +193,7 @@ class EmbeddingCore:
                         vals = row_init(rows, t.dim, spec.dtype)
                     else:
                         k = jax.random.fold_in(jax.random.fold_in(key, t.index), source)
-                        with jax.default_device(_init_device(device, rows.size * t.dim)):
+                        with jax.default_device(_init_device(device, home, rows.size * t.dim)):
                             vals = cfg.initialize(k, (rows.size, t.dim), spec.dtype)
                     yield t.local_row_offset, vals
 
