@@ -24,7 +24,9 @@ the CPU cannot run is a `ValueError`). Other architectures have one variant, `ge
 Where `load` finds a library, in order:
 1. built with the package (`pip install .` or `pip install -e .`): `embedmesh/_libs/`,
    with `manifest.json` recording each library's source digest, variants and compiler;
-   used when its digest matches the sources next to it;
+   used when its digest matches the sources next to it (and, for an FFI library, the
+   jaxlib it was built against is the one running); a reinstall into the same folder
+   compiles only what would come out different;
 2. the cache (`$EMBEDMESH_CACHE_DIR`, else `$XDG_CACHE_HOME/embedmesh`, else
    `~/.cache/embedmesh`; a per-user temporary directory when that is not writable),
    keyed by a hash of sources, compiler, flags and jaxlib's version;
@@ -313,18 +315,24 @@ def build_all(
         "machine": platform.machine(),
         "libraries": {},
     }
+    previous = _read_manifest(out_dir)
     tasks = []
     for kind in kinds:
         lib = LIBRARIES[kind]
         entry = manifest["libraries"][kind] = {"digest": lib.digest(), "variants": {}}
         entry["failed"] = {}
         for variant in variants:
-            tasks.append((kind, variant))
-    if cxx is None:
+            built = _up_to_date(previous, manifest, kind, variant, out_dir)
+            if built is None:
+                tasks.append((kind, variant))
+            else:
+                entry["variants"][variant] = built
+                log(f"embedmesh: the {kind} kernels ({variant}) are up to date")
+    if cxx is None and tasks:
         for kind, variant in tasks:
             manifest["libraries"][kind]["failed"][variant] = "no C++ compiler found (set CXX)"
         log("embedmesh: no C++ compiler found (set CXX): the C++ kernels are not built")
-    else:
+    elif tasks:
 
         def one(task):
             kind, variant = task
@@ -351,6 +359,34 @@ def build_all(
     return manifest
 
 
+def _read_manifest(out_dir: str) -> dict:
+    try:
+        with open(os.path.join(out_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+        return manifest if isinstance(manifest, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _up_to_date(previous: dict, manifest: dict, kind: str, variant: str, out_dir: str):
+    """The previous build's entry for (kind, variant) when building again would make the
+    same library: same sources, compiler, machine, flags and (FFI libraries) jaxlib, and
+    its file still there; else None. A reinstall (CI's second `pip install -e`, a
+    Python 3.12 venv on the same checkout) then compiles only what changed."""
+    keys = ("compiler", "machine") + (("jaxlib",) if LIBRARIES[kind].ffi else ())
+    if not manifest["compiler"] or any(previous.get(k) != manifest[k] for k in keys):
+        return None
+    entry = previous.get("libraries", {}).get(kind, {})
+    built = entry.get("variants", {}).get(variant)
+    if entry.get("digest") != manifest["libraries"][kind]["digest"] or not built:
+        return None
+    if built.get("flags") != [*FLAGS, *variant_flags(variant)]:
+        return None
+    if not os.path.isfile(os.path.join(out_dir, str(built.get("file")))):
+        return None
+    return built
+
+
 # ---------------------------------------------------------------------------------------
 # Loading
 
@@ -368,11 +404,17 @@ def _installed(kind: str, variant: str, digest: str) -> tuple[str | None, str]:
     """The installed library's path, or (None, why it cannot be used)."""
     try:
         with open(os.path.join(PACKAGE_LIB_DIR, MANIFEST)) as f:
-            entry = json.load(f)["libraries"][kind]
-    except (OSError, ValueError, KeyError):
+            manifest = json.load(f)
+        entry = manifest["libraries"][kind]
+    except (OSError, ValueError, KeyError, TypeError):
         return None, "not built with the package (a source checkout without an install?)"
     if entry.get("digest") != digest:
         return None, "its sources changed since the install"
+    if LIBRARIES[kind].ffi and manifest.get("jaxlib") != _jaxlib_version():
+        return None, (
+            f"the install built them against jaxlib {manifest.get('jaxlib')}, "
+            f"this is jaxlib {_jaxlib_version()}"
+        )
     built = entry.get("variants", {}).get(variant)
     if built is None:
         failed = entry.get("failed", {}).get(variant)

@@ -28,7 +28,9 @@ process_id, port, root, out_dir, after = (
     sys.argv[5],
 )
 heartbeat = int(sys.argv[6]) if len(sys.argv) > 6 else 100
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 " + os.environ.get(
+    "EMBEDMESH_TEST_XLA_FLAGS", ""
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

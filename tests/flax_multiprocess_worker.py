@@ -17,7 +17,10 @@ process_id, num_processes, port, out_file, mode = (
     sys.argv[4],
     sys.argv[5],
 )
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // num_processes}"
+os.environ["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count={4 // num_processes} "
+    + os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

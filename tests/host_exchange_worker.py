@@ -41,7 +41,9 @@ process_id, num_processes, port, mode = (
     sys.argv[4],
 )
 out_file = sys.argv[5] if len(sys.argv) > 5 else ""
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 " + os.environ.get(
+    "EMBEDMESH_TEST_XLA_FLAGS", ""
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -184,6 +184,53 @@ def test_stale_or_missing_install_builds_into_the_cache_saying_so(tiny, capfd):
     assert "its sources changed since the install" in err[0]
 
 
+@needs_compiler
+def test_reinstall_compiles_only_what_changed(tiny, monkeypatch):
+    """A second install into the same folder (CI's second `pip install -e`, another venv
+    on the same checkout) reuses what would be built the same, and rebuilds on a change."""
+    lib, tmp = tiny
+    out, variant = str(tmp / "libs"), _native.selected_variant()
+    first = _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
+    compiled = []
+    real = _native.compile_library
+
+    def counting(lib, variant, *args, **kwargs):
+        compiled.append(variant)
+        return real(lib, variant, *args, **kwargs)
+
+    monkeypatch.setattr(_native, "compile_library", counting)
+    said = []
+    assert _native.build_all(out, kinds=["tiny"], variants=[variant], log=said.append) == first
+    assert compiled == [] and said == [f"embedmesh: the tiny kernels ({variant}) are up to date"]
+    (tmp / "src" / "tiny.h").write_text("constexpr int kAnswer = 44;\n")  # sources changed
+    _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
+    assert compiled == [variant]
+    os.remove(os.path.join(out, f"embedmesh_tiny-{variant}.so"))  # the file gone
+    _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
+    assert compiled == [variant, variant]
+    monkeypatch.setattr(lib, "ffi", True)  # an FFI library: jaxlib's version counts too
+    monkeypatch.setattr(_native, "_jaxlib_version", lambda: "0.0.1")
+    _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
+    assert compiled == [variant] * 3
+    _no_compiler(monkeypatch)
+    assert _native.load("tiny").EmTinyAnswer() == 44
+    assert os.path.dirname(_native.library_path("tiny")) == out
+
+
+@needs_compiler
+def test_ffi_library_built_against_another_jaxlib_is_not_loaded(tiny, monkeypatch, capfd):
+    lib, tmp = tiny
+    monkeypatch.setattr(lib, "ffi", True)
+    monkeypatch.setattr(_native, "_jaxlib_version", lambda: "0.0.1")
+    _native.build_all(str(tmp / "libs"), kinds=["tiny"], variants=[_native.selected_variant()])
+    monkeypatch.setattr(_native, "_jaxlib_version", lambda: "0.0.2")  # jaxlib upgraded since
+    capfd.readouterr()
+    assert _native.load("tiny").EmTinyAnswer() == 42
+    assert os.path.dirname(_native.library_path("tiny")) == str(tmp / "cache")
+    err = capfd.readouterr().err
+    assert "built them against jaxlib 0.0.1, this is jaxlib 0.0.2" in err
+
+
 def test_no_install_and_no_compiler_is_a_clear_error(tiny, monkeypatch):
     _no_compiler(monkeypatch)
     for _ in range(2):  # and again on a later call, without retrying
@@ -277,7 +324,7 @@ def test_fresh_process_first_lookup_compiles_nothing(tmp_path):
         shutil.copy(cpu.library_path(), os.path.join(libs, name))
         entry = {"digest": digest, "failed": {}, "variants": {variant: {"file": name}}}
         with open(os.path.join(libs, "manifest.json"), "w") as f:
-            json.dump({"libraries": {"device": entry}}, f)
+            json.dump({"jaxlib": _native._jaxlib_version(), "libraries": {"device": entry}}, f)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBEDMESH_", "CXX"))}
     env.update(
         EMBEDMESH_CACHE_DIR=str(tmp_path / "cache"),
