@@ -3,9 +3,9 @@
 import os
 
 # XLA's backend at optimisation level 0: the suite's programs are small and compiled
-# once each, so compiling dominates (-20% CPU measured on test_data_parallel); the
-# numerics are the same IEEE float32 operations.
-# The workers of the multi-process tests set their own device count and add these.
+# once each, so compiling dominates (-20% CPU measured on test_data_parallel).
+# Children (multi-process workers, fresh-process checks) get these flags too, with their
+# own device count: float results can differ by an ulp between optimisation levels.
 os.environ.setdefault("EMBEDMESH_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ.setdefault(
     "XLA_FLAGS",

@@ -53,7 +53,7 @@ def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: 
     here = os.path.dirname(os.path.abspath(__file__))
     worker = os.path.join(here, "multiprocess_worker.py")
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
     single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
     subprocess.run(

@@ -54,7 +54,8 @@ FATAL = "JAX distributed service detected fatal errors"
 
 def _env():
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the worker sets 2 devices per process
+    # the worker sets 2 devices per process (conftest: the suite's XLA flags)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
     return env
 

@@ -253,7 +253,8 @@ def test_fresh_process_loads_and_matches(exported, tmp_path):
     )
     np.savez(tmp_path / "expected.npz", **in_process)
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device: no mesh of any kind
+    # one CPU device: no mesh of any kind (conftest: the suite's XLA flags)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     env["PYTHONPATH"] = os.path.dirname(HERE)
     proc = subprocess.run(
         [

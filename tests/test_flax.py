@@ -236,7 +236,7 @@ def test_nnx_two_processes_train_like_one(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     worker = os.path.join(here, "flax_multiprocess_worker.py")
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
     single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
     port = free_port()

@@ -35,7 +35,7 @@ needs_kernels = pytest.mark.skipif(not library.ready(), reason="no CPU kernels")
 
 def _env(**extra):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
