@@ -107,6 +107,24 @@ Entry* scratch(int64_t n) {
   return s.entries.data();
 }
 
+// Store one combined row: out[0 : NV*kV (+ tail)] = acc, divided by d first when
+// `divide` (0 where d == 0: an empty or all-pruned bag under mean / sqrtn).
+template <int NV, bool Tail>
+inline void store_combined(vf* acc, vf tacc, bool divide, float d, int tail, float* o) {
+  if (divide) {
+    if (d == 0.0f) {
+      for (int v = 0; v < NV; ++v) acc[v] = vf{};
+      tacc = vf{};
+    } else {
+      const vf dv = splat(d);
+      for (int v = 0; v < NV; ++v) acc[v] = acc[v] / dv;
+      tacc = tacc / dv;
+    }
+  }
+  for (int v = 0; v < NV; ++v) store(o + v * kV, acc[v]);
+  if (Tail) store_tail(o + NV * kV, tacc, tail);
+}
+
 // One column block of one bag: acc = sum_i w_i * row_i[col0 : col0 + NV*kV (+ tail)],
 // then out = acc (div = 0) or acc / d (0 where d == 0).
 template <int NV, bool Tail, bool HasW>
@@ -125,19 +143,7 @@ void block(const Entry* e, int64_t m, int64_t col0, int tail, int div, float d, 
       if (Tail) tacc += load_tail(p + NV * kV, tail);
     }
   }
-  float* o = out + col0;
-  if (div) {
-    if (d == 0.0f) {
-      for (int v = 0; v < NV; ++v) acc[v] = vf{};
-      tacc = vf{};
-    } else {
-      const vf dv = splat(d);
-      for (int v = 0; v < NV; ++v) acc[v] = acc[v] / dv;
-      tacc = tacc / dv;
-    }
-  }
-  for (int v = 0; v < NV; ++v) store(o + v * kV, acc[v]);
-  if (Tail) store_tail(o + NV * kV, tacc, tail);
+  store_combined<NV, Tail>(acc, tacc, div != 0, d, tail, out + col0);
 }
 
 using BlockFn = void (*)(const Entry*, int64_t, int64_t, int, int, float, float*);
@@ -376,20 +382,8 @@ int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* 
         if (Tail) tacc += load_tail(p + NV * kV, tail);
       }
     }
-    if (mode) {
-      const float d = mode == 2 ? std::sqrt(den) : den;
-      if (d == 0.0f) {
-        for (int v = 0; v < NV; ++v) acc[v] = vf{};
-        tacc = vf{};
-      } else {
-        const vf dv = splat(d);
-        for (int v = 0; v < NV; ++v) acc[v] = acc[v] / dv;
-        tacc = tacc / dv;
-      }
-    }
-    float* o = out + r * out_stride;
-    for (int v = 0; v < NV; ++v) store(o + v * kV, acc[v]);
-    if (Tail) store_tail(o + NV * kV, tacc, tail);
+    const float d = mode == 2 ? std::sqrt(den) : den;
+    store_combined<NV, Tail>(acc, tacc, mode != 0, d, tail, out + r * out_stride);
   }
   return -1;
 }
@@ -492,20 +486,8 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
       }
     }
     if (bad_id >= 0) break;
-    if (mode) {
-      const float d = mode == 2 ? std::sqrt(den) : den;
-      if (d == 0.0f) {
-        for (int v = 0; v < NV; ++v) acc[v] = vf{};
-        tacc = vf{};
-      } else {
-        const vf dv = splat(d);
-        for (int v = 0; v < NV; ++v) acc[v] = acc[v] / dv;
-        tacc = tacc / dv;
-      }
-    }
-    float* o = out + r * out_stride;
-    for (int v = 0; v < NV; ++v) store(o + v * kV, acc[v]);
-    if (Tail) store_tail(o + NV * kV, tacc, tail);
+    const float d = mode == 2 ? std::sqrt(den) : den;
+    store_combined<NV, Tail>(acc, tacc, mode != 0, d, tail, out + r * out_stride);
   }
   if (bad_id >= 0 || k < n) {  // an id error, or entries left: check every index first
     const int64_t bad = first_bad_index(idx, n, num_rows, num_cols);
