@@ -1,7 +1,8 @@
 """Builds the package's C++ libraries at install (`pip install .`, `pip install -e .`,
-`pip wheel .`): every library of `embedmesh/_native.py`'s `LIBRARIES` once per ISA
-variant, in parallel, into `embedmesh/_libs/` (the wheel's, or the checkout's for an
-editable install). Everything else is in pyproject.toml."""
+`pip wheel .`): every library of `embedmesh/_native.py`'s `LIBRARIES`, in parallel, into
+`embedmesh/_libs/` (the wheel's, or the checkout's for an editable install): once per
+ISA variant for a wheel, the variant this CPU loads for an editable install
+(`EMBEDMESH_BUILD_VARIANTS=all` builds them all). Everything else is in pyproject.toml."""
 
 import importlib.util
 import os
@@ -38,7 +39,12 @@ class BuildNative(build_ext):
     def run(self):
         native = _native()
         jobs = int(os.environ.get("EMBEDMESH_BUILD_JOBS", "0")) or os.cpu_count() or 1
-        native.build_all(self._out_dir(), jobs=jobs, log=lambda m: print(m, flush=True))
+        editable = self.inplace or getattr(self, "editable_mode", False)
+        # a wheel: every ISA variant; a checkout: the one this CPU loads
+        variants = native.editable_variants() if editable else native.install_variants()
+        native.build_all(
+            self._out_dir(), variants=variants, jobs=jobs, log=lambda m: print(m, flush=True)
+        )
 
     def get_outputs(self):
         if self.inplace or getattr(self, "editable_mode", False):

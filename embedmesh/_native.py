@@ -63,6 +63,8 @@ __all__ = [
     "build_all",
     "choose_variant",
     "cpu_flags",
+    "editable_variants",
+    "install_variants",
     "library_path",
     "load",
     "selected_variant",
@@ -147,8 +149,34 @@ def is_x86_64(machine: str | None = None) -> bool:
 
 
 def install_variants(machine: str | None = None) -> list[str]:
-    """The variants built at install on this architecture."""
+    """The variants a wheel (`pip install .`, `pip wheel .`) builds on this architecture:
+    every one, so that it runs on any CPU of the architecture at its speed."""
     return list(VARIANTS) if is_x86_64(machine) else [GENERIC]
+
+
+BUILD_VARIANTS_ENV = "EMBEDMESH_BUILD_VARIANTS"
+
+
+def editable_variants() -> list[str]:
+    """The variants an editable install (`pip install -e .`) builds: the one this CPU
+    loads (a checkout runs where it was installed; each x86-64 variant is 20-60
+    CPU-seconds), or what `EMBEDMESH_BUILD_VARIANTS` says ("all", or names/aliases
+    separated by commas). Another variant, if one is ever selected, is built into the
+    cache at first use, saying so."""
+    value = os.environ.get(BUILD_VARIANTS_ENV, "").strip().lower()
+    if not value:
+        best = choose_variant(cpu_flags())
+        return [best]
+    if value == "all":
+        return install_variants()
+    names = [ALIASES.get(v.strip(), v.strip()) for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in install_variants()]
+    if unknown or not names:
+        raise ValueError(
+            f"{BUILD_VARIANTS_ENV}={value!r}: expected 'all' or some of "
+            f"{', '.join(install_variants())}"
+        )
+    return names
 
 
 def variant_flags(variant: str) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ PAD = ops.PAD_ID
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 _random_inputs = settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 

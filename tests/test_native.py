@@ -98,6 +98,25 @@ def test_isa_override(isa):
         isa("sse9")
 
 
+def test_editable_install_builds_the_variant_this_cpu_loads(monkeypatch):
+    """A wheel builds every variant; an editable install the one this CPU loads, unless
+    EMBEDMESH_BUILD_VARIANTS says otherwise."""
+    monkeypatch.setattr(_native, "is_x86_64", lambda machine=None: True)
+    monkeypatch.setenv(_native.ISA_ENV, "avx2")  # a runtime choice: not what is built
+    for flags, want in ((SAPPHIRE_RAPIDS, "x86-64-v4"), (ZEN3, "x86-64-v3"), (CORE2, "x86-64")):
+        monkeypatch.setattr(_native, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.delenv(_native.BUILD_VARIANTS_ENV, raising=False)
+        assert _native.editable_variants() == [want]
+        monkeypatch.setenv(_native.BUILD_VARIANTS_ENV, " ALL ")
+        assert _native.editable_variants() == _native.install_variants() == list(_native.VARIANTS)
+    monkeypatch.setenv(_native.BUILD_VARIANTS_ENV, "avx2, baseline")
+    assert _native.editable_variants() == ["x86-64-v3", "x86-64"]
+    for bad in ("sse9", ",", "avx2,native"):
+        monkeypatch.setenv(_native.BUILD_VARIANTS_ENV, bad)
+        with pytest.raises(ValueError, match=r"EMBEDMESH_BUILD_VARIANTS=.*expected 'all'"):
+            _native.editable_variants()
+
+
 def test_native_module_imports_only_the_standard_library():
     """setup.py loads it by path in the build environment (no jax, numpy, embedmesh)."""
     path = os.path.join(ROOT, "embedmesh", "_native.py")

@@ -326,6 +326,14 @@ def _signed_ids(ids: np.ndarray) -> tuple[np.ndarray, bool]:
     return ids, True
 
 
+def _numba_ids(ids: np.ndarray) -> np.ndarray:
+    """Signed ids as int64 for the numba kernels: one compile per kernel instead of one
+    per id type (~3 CPU-s each on a cold cache; the copy of int32 ids costs less than
+    the rows they fetch)."""
+    ids, _ = _signed_ids(ids)
+    return ids.astype(np.int64, copy=False)
+
+
 def _check_offsets(offsets, n) -> np.ndarray:
     offsets = np.asarray(offsets)
     if offsets.ndim != 1 or offsets.shape[0] < 1 or offsets.dtype.kind not in "iu":
@@ -468,7 +476,7 @@ def _prepare_gather_numba(table: np.ndarray, ids: np.ndarray):
     if uint is None or table.dtype.hasobject:
         return lambda: _gather_numpy(table, ids)
     out = output_empty((ids.shape[0], table.shape[1]), table.dtype)
-    ids, _ = _signed_ids(ids)
+    ids = _numba_ids(ids)
     row_bytes = table.shape[1] * table.dtype.itemsize
     if row_bytes % 64 == 0 and row_bytes and out.ctypes.data % 64 == 0 and table.flags.c_contiguous:
         kernel = _NUMBA.gather_streaming_kernel
@@ -526,6 +534,7 @@ def _prepare_bag_numba(table, ids, offsets, weights, mode, prune_ids, prune_w):
             _gather_numba, _bag_numba, table, ids, offsets, weights, mode, prune_ids, prune_w
         )
     out = output_empty((offsets.shape[0] - 1, table.shape[1]), np.float32)
+    ids = _numba_ids(ids)
     has_w = weights is not None
     kernel = _NUMBA.bag_kernel(mode, has_w, prune_ids, prune_w)
     return _KernelCall(

@@ -1,8 +1,8 @@
 """The serving lookup's compiled host kernels (numba): imported by
 `embedmesh.serving.kernels` at first use, so importing embedmesh never imports
 numba. Module-level `@njit` functions cached on disk; `bag_kernel(mode, has_w,
-prune_ids, prune_w)` returns the bag kernel compiled for those options (runtime
-flags tested per entry cost ~10%). See `embedmesh.serving.kernels` for what
+prune_ids, prune_w)` returns the bag kernel compiled for the combiner and weights
+(the pruning options are run-time flags). See `embedmesh.serving.kernels` for what
 each computes and the numpy backend that matches it.
 """
 
@@ -174,17 +174,20 @@ def _store(acc, out, r, j0, width, mode, den):  # pragma: no cover (compiled)
             out[r, j0 + j] = acc[j] / d
 
 
-def _specialised_bag_kernel(mode, has_w, prune_ids, prune_w):
-    """The bag kernel with its options fixed at compile time: the one kernel built
-    by a factory, as its four options must be constants for LLVM.
+def _specialised_bag_kernel(mode, has_w):
+    """The bag kernel with the combiner and weights fixed at compile time: the one
+    kernel built by a factory, as those must be constants for LLVM.
 
-    Runtime flags tested per entry cost ~10% (0.93x torch's embedding_bag
-    against 1.03-1.07x specialised, same workload); closures are cached
-    on disk per value of their constants.
+    All four options as run-time flags tested per entry cost ~10% (0.93x torch's
+    embedding_bag against 1.03-1.07x specialised, same workload). The two pruning
+    flags are run-time arguments (loop-invariant branches): specialising them too
+    made 4x the compiles (~2.7 CPU-s each, 24 per id type) for a fallback backend
+    (the C++ kernels serve by default). Closures are cached on disk per value of
+    their constants.
     """
 
     @numba.njit(cache=True, nogil=True)
-    def kernel(src, ids, offsets, weights, out):  # pragma: no cover (compiled)
+    def kernel(src, ids, offsets, weights, out, prune_ids, prune_w):  # pragma: no cover
         """out[r] = combine(w_k * src[ids_k] for kept k in [offsets[r], offsets[r+1])).
 
         Kept: not (prune_ids and id < 0) and not (prune_w and not w > 0).
@@ -338,11 +341,12 @@ _BAG_KERNELS: dict = {}  # options -> compiled bag kernel
 def bag_kernel(mode, has_w, prune_ids, prune_w):
     """The bag kernel for these options (`mode`: 0 sum, 1 mean, 2 sqrtn; has
     weights; prune ids < 0; prune weights <= 0), compiled at first use."""
-    key = (int(mode), bool(has_w), bool(prune_ids), bool(prune_w))
+    key = (int(mode), bool(has_w))
     kern = _BAG_KERNELS.get(key)
     if kern is None:
         kern = _BAG_KERNELS[key] = _specialised_bag_kernel(*key)
-    return kern
+    prune = (bool(prune_ids), bool(prune_w))
+    return lambda src, ids, offsets, weights, out: kern(src, ids, offsets, weights, out, *prune)
 
 
 @numba.njit(cache=True, nogil=True)
