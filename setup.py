@@ -30,24 +30,26 @@ class BuildNative(build_ext):
     """Compiles the C++ libraries (they are no Python extensions: plain shared
     libraries loaded with ctypes); a failed build is recorded and said at first use."""
 
+    def _editable(self) -> bool:
+        return bool(self.inplace or getattr(self, "editable_mode", False))
+
     def _out_dir(self):
         native = _native()
-        if self.inplace or getattr(self, "editable_mode", False):
+        if self._editable():
             return os.path.join(ROOT, "embedmesh", native.LIB_DIR_NAME)
         return os.path.join(self.build_lib, "embedmesh", native.LIB_DIR_NAME)
 
     def run(self):
         native = _native()
         jobs = int(os.environ.get("EMBEDMESH_BUILD_JOBS", "0")) or os.cpu_count() or 1
-        editable = self.inplace or getattr(self, "editable_mode", False)
         # a wheel: every ISA variant; a checkout: the one this CPU loads
-        variants = native.editable_variants() if editable else native.install_variants()
+        variants = native.editable_variants() if self._editable() else native.install_variants()
         native.build_all(
             self._out_dir(), variants=variants, jobs=jobs, log=lambda m: print(m, flush=True)
         )
 
     def get_outputs(self):
-        if self.inplace or getattr(self, "editable_mode", False):
+        if self._editable():
             return []
         out = self._out_dir()
         return [os.path.join(out, f) for f in os.listdir(out)] if os.path.isdir(out) else []

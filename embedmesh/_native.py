@@ -165,11 +165,11 @@ def editable_variants() -> list[str]:
     cache at first use, saying so."""
     value = os.environ.get(BUILD_VARIANTS_ENV, "").strip().lower()
     if not value:
-        best = choose_variant(cpu_flags())
-        return [best]
+        return [choose_variant(cpu_flags())]
     if value == "all":
         return install_variants()
-    names = [ALIASES.get(v.strip(), v.strip()) for v in value.split(",") if v.strip()]
+    words = [v.strip() for v in value.split(",")]
+    names = [ALIASES.get(w, w) for w in words if w]
     unknown = [n for n in names if n not in install_variants()]
     if unknown or not names:
         raise ValueError(
