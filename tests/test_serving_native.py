@@ -151,6 +151,40 @@ def test_out_of_range_id_names_the_entry(fused, dim):
 
 
 @SETTINGS
+@given(problem=bags(), fused=st.booleans(), past=st.integers(1, 3), where=st.integers(0, 10**6))
+def test_first_kept_bad_id_is_the_error_whatever_pruning_drops(problem, fused, past, where):
+    """Ids outside the table among pruned ones: the error names the first entry TensorFlow
+    would keep (ids < 0 pruned, then weights not > 0), pruned bad ids are no error."""
+    table, ids, offsets, weights, combiner, prune_ids, prune_weights, _ = problem
+    if ids.size == 0:
+        return
+    ids = ids.copy()
+    vocab = table.shape[0]
+    ids[where % ids.size] = vocab - 1 + past  # outside the table
+    if where % 3 == 0:
+        ids[(where // 7) % ids.size] = -1 - past  # negative: an error unless pruned
+    native.library().EmServingSetFused(int(fused))
+    kept = [
+        k
+        for k in range(ids.size)
+        if not (prune_ids and ids[k] < 0)
+        and not (prune_weights and weights is not None and not weights[k] > 0)
+    ]
+    bad = [k for k in kept if not 0 <= ids[k] < vocab]
+    run = lambda: kernels.bag_combine(  # noqa: E731
+        table, ids, offsets, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
+    )
+    if not bad:
+        out = run()
+        want, _ = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        return
+    with pytest.raises(kernels.IdOutOfRange) as err:
+        run()
+    assert err.value.entry == bad[0], (err.value.entry, bad)
+
+
+@SETTINGS
 @given(
     dim=st.sampled_from(DIMS + [4, 32]),
     dtype=st.sampled_from([np.float32, np.float16, np.int8, np.float64]),

@@ -2,16 +2,15 @@
 // sum per bag, normalise, TensorFlow's pruning and the id range check in one pass),
 // a checked row gather, and the offsets of sparse inputs.
 //
-// The bag kernel works one bag at a time in two steps: a pass over the bag's ids
-// (range check, pruning, denominator, software prefetch of the rows some entries
-// ahead) that lists the kept (row pointer, weight) pairs in a per-thread scratch,
-// then the accumulation over that list, its columns in register blocks: up to kMaxNV
-// vectors of the build's width (AVX-512: 16 x 16 floats, so any dim up to 256 is one
-// pass with every accumulator in a register) plus one masked vector for the last
-// dim % width columns. Each block size is its own template instance (constant trip
-// counts: the accumulators live in registers), chosen once per call. Sums are taken in
-// float32, in entry order, without FMA (built with -ffp-contract=off): the same values
-// as the numpy fallback.
+// The bag kernels walk the entries one bag at a time (`walk`: range check, pruning, the
+// denominators, software prefetch of the rows some entries ahead, in as few instructions
+// an entry as the checks allow). Rows of one register block (AVX-512: up to 16 x 16
+// floats plus a masked tail, so any dim up to 271) are summed in the same walk, in
+// registers (`bag_fused`); wider rows list the kept (row, weight) pairs in a per-thread
+// scratch and sum them block by block (`bag`). Each block shape is its own template
+// instance (constant trip counts: the accumulators live in registers), chosen once per
+// call. Sums are taken in float32, in entry order, without FMA (built with
+// -ffp-contract=off): the same values as the numpy fallback.
 
 #include "serving.h"
 
@@ -202,38 +201,19 @@ inline void prefetch_row(const float* table, uint64_t vocab, int64_t stride, int
   }
 }
 
-// In the bag loops: prefetch the rows of entry k + ahead (of the last entry past the end)
-// without a branch on it: an id outside [0, vocab) prefetches row 0 instead.
-template <typename Id>
-inline void prefetch_ahead(const float* table, uint64_t vocab, int64_t stride, int64_t lines,
-                           const Id* ids, int64_t k, int64_t n) {
-  const int64_t kp = k < n ? k : n - 1;
-  uint64_t id = static_cast<uint64_t>(static_cast<int64_t>(ids[kp]));
-  id = id < vocab ? id : 0;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(table + static_cast<int64_t>(id) * stride);
-  const char* p = reinterpret_cast<const char*>(a & ~static_cast<uintptr_t>(63));
-  for (int64_t l = 0; l < lines; ++l) prefetch(p + 64 * l);
-}
-
-// The bag kernels' prefetch: entries ahead whose rows are prefetched, and (in `lines`) how
-// many cache lines of each. Rows of up to 3 lines (dims <= 32 on numpy's 16-byte offset
-// rows): every line, g_prefetch lines in flight (64 entries of 1-2 line rows, 42 of 3).
-// Longer rows: their first line only, g_prefetch / 4 entries ahead (32): the out-of-order
-// core issues the rest of each row's loads itself some entries ahead, and every prefetch
-// instruction spent on them costs it window. Kernel alone against torch's on 8 x 1M
-// tables, same process (benchmarks/serving_kernel_ab.py, 2026-12-03, load 8-10): dim 64
-// 0.90-0.94x torch prefetching all 5 lines 25 entries ahead, 1.00-1.05x the first line
-// 24-64 entries ahead (2 lines: 0.95-0.99x, 3: 0.94-0.96x); dim 128 1.11x its first 2
-// lines 16 ahead, 1.15x the first 32 ahead; dim 32 1.02x all 3 lines, 0.93x the first
-// only. g_row_lines > 0 caps the lines per row instead (benchmarks). 0: no prefetch.
-inline int64_t entries_ahead(int64_t& lines) {
+// The bag kernels' prefetch: entries ahead whose rows are prefetched. `lines` is the
+// row's length in cache lines (see row_lines). Rows of up to 3 lines (dims <= 32 on
+// numpy's 16-byte offset rows) are prefetched whole, g_prefetch lines in flight (64
+// entries of 1-2 line rows, 42 of 3); longer rows their first line only, g_prefetch / 4
+// entries ahead (32): the out-of-order core issues the rest of each row's loads itself,
+// and every prefetch instruction spent on them costs it window. g_row_lines > 0 sets
+// the distance as if rows were that many lines (benchmarks). 0: no prefetch.
+inline int64_t entries_ahead(int64_t lines) {
   if (g_prefetch <= 0 || lines <= 0) return 0;
   int64_t n;
   if (g_row_lines > 0) {
-    if (lines > g_row_lines) lines = g_row_lines;
-    n = g_prefetch / lines;
+    n = g_prefetch / (lines < g_row_lines ? lines : g_row_lines);
   } else if (lines > 3) {
-    lines = 1;
     n = g_prefetch / 4;
   } else {
     n = g_prefetch / lines;
@@ -241,11 +221,9 @@ inline int64_t entries_ahead(int64_t& lines) {
   return n < 2 ? 2 : n > 64 ? 64 : n;
 }
 
-// The prefetch of the row gather (it copies whole rows) and of the one-pass sparse
-// kernel, as all the kernels' before 2026-12-03: every line of rows of up to 5 lines,
-// g_prefetch lines in flight; longer rows their first 2 lines, g_prefetch / 8 entries
-// ahead. The sparse kernel (dims <= 64 then) lost with the bag kernels' rule: 0.69x torch
-// against 0.73x this way at dim 64 (kernel alone, same process, 31 rounds).
+// The prefetch of the row gather (it copies whole rows): every line of rows of up to 5
+// lines, g_prefetch lines in flight; longer rows their first 2 lines, g_prefetch / 8
+// entries ahead.
 inline int64_t all_lines_entries_ahead(int64_t& lines) {
   if (g_prefetch <= 0 || lines <= 0) return 0;
   int64_t n;
@@ -267,122 +245,188 @@ inline int64_t row_lines(const void* table, int64_t stride_bytes, int64_t bytes)
   return (bytes + 63) / 64 + (aligned || bytes == 0 ? 0 : 1);
 }
 
-template <typename Id, bool HasW, bool PruneIds, bool PruneW, int Mode>
+// ---------------------------------------------------------------------------
+// The bag kernels' loop over entries, shared by all of them.
+//
+// Every instruction per entry counts: the loop is bound by how many rows' misses the
+// out-of-order window holds, and the window is counted in instructions. So the hot path
+// of an entry is: one prefetch (two or three for short rows) of a row some entries
+// ahead, without a branch and without clamping that id (a prefetch never faults,
+// whatever the address); the id's load and one range check (pruning, an error: both
+// behind that one branch, except pruning by weight); the denominators without a branch
+// on the combiner; the row's loads and adds. Against the loop this replaced (prefetch
+// through a clamped id and a loop over lines, the combiner and pruning tested per
+// entry), kernel alone, 8 x 1M tables, same process, quiet machine, 21-31 rounds
+// (benchmarks/serving_kernel_ab.py, 2026-12-03): dim 16 1.16 -> 1.42x torch, dim 32
+// 1.05 -> 1.35x, dim 64 0.96 -> 1.24x, dim 64 mean 1.37 -> 1.52x, dim 128 1.09 -> 1.16x.
+
+// Cache lines prefetched per entry, fixed per register-block shape (lanes: the widest
+// row the instance takes): rows of up to 16 floats (at most 2 lines, however they sit)
+// their first and last float, rows of up to 32 (at most 3 lines) the first, the next
+// line and the last float, longer rows their first line only.
+constexpr int prefetch_shape(int lanes) { return lanes <= 16 ? 2 : lanes <= 32 ? 3 : 1; }
+
+// Prefetch the row of `id` (see prefetch_shape); `last`: the offset of its last float.
+template <int Pf, typename Id>
+inline void prefetch_entry(const float* table, uint64_t stride_bytes, int64_t last, Id id) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(table) +
+                      static_cast<uint64_t>(static_cast<int64_t>(id)) * stride_bytes;
+  const float* p = reinterpret_cast<const float*>(a);
+  prefetch(p);
+  if (Pf == 3) prefetch(p + 16);
+  if (Pf >= 2) prefetch(p + last);
+}
+
+// What one entry gives: 0 a row to add, 1 nothing (pruned), 2 an id outside the table.
+// TensorFlow's order: ids < 0 pruned, then weights not > 0, then the range check.
+template <typename Id, bool HasW>
+inline int check_entry(Id id, float w, uint64_t vocab, bool prune_ids, bool prune_w) {
+  if (__builtin_expect(static_cast<uint64_t>(static_cast<int64_t>(id)) >= vocab, 0)) {
+    if (prune_ids && id < 0) return 1;
+    if (HasW && prune_w && !(w > 0.0f)) return 1;
+    return 2;
+  }
+  if (HasW && prune_w && !(w > 0.0f)) return 1;
+  return 0;
+}
+
+// The prefetching walk over entries [lo, hi) of n: fn(k) per entry, false to stop (its
+// k returned); -1 when all ran. Bags ending `ahead` or more before n prefetch entry
+// k + ahead as it is; the last ones clamp it to n - 1.
+template <int Pf, typename Id, typename Fn>
+inline int64_t walk(const float* table, uint64_t stride_bytes, int64_t last, const Id* ids,
+                    int64_t lo, int64_t hi, int64_t n, int64_t ahead, Fn fn) {
+  if (hi + ahead <= n) {
+    for (int64_t k = lo; k < hi; ++k) {
+      prefetch_entry<Pf>(table, stride_bytes, last, ids[k + ahead]);
+      if (!fn(k)) return k;
+    }
+  } else {
+    for (int64_t k = lo; k < hi; ++k) {
+      prefetch_entry<Pf>(table, stride_bytes, last, ids[k + ahead < n ? k + ahead : n - 1]);
+      if (!fn(k)) return k;
+    }
+  }
+  return -1;
+}
+
+// Prefetch the first `ahead` entries' rows (before a walk).
+template <typename Id>
+inline void prefetch_start(const float* table, uint64_t vocab, int64_t stride, int64_t lines,
+                           const Id* ids, int64_t ahead, int64_t n) {
+  for (int64_t k = 0; k < ahead && k < n; ++k) prefetch_row(table, vocab, stride, lines, ids[k]);
+}
+
+// The two-pass bag kernel (rows wider than one register block, or EmServingSetFused(0)):
+// the walk lists each bag's kept (row, weight) pairs, then Plan sums them block by block.
+template <typename Id, bool HasW, int Pf>
 int64_t bag(const float* table, uint64_t vocab, int64_t dim, int64_t stride, const Id* ids,
-            const int64_t* offsets, int64_t num_rows, const float* weights, float* out,
-            int64_t out_stride) {
+            const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
+            bool prune_ids, bool prune_w, float* out, int64_t out_stride) {
   const Plan plan(dim, HasW);
   const int64_t n = offsets[num_rows];
-  int64_t lines = row_lines(table, stride * 4, dim * 4);
+  const int64_t lines = row_lines(table, stride * 4, dim * 4);
   const int64_t ahead = entries_ahead(lines);
+  const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
+  const int64_t last = dim > 0 ? dim - 1 : 0;
   int64_t max_bag = 0;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t len = offsets[r + 1] - offsets[r];
     if (len > max_bag) max_bag = len;
   }
   Entry* e = scratch(max_bag > 0 ? max_bag : 1);
-  for (int64_t k = 0; k < ahead && k < n; ++k) prefetch_row(table, vocab, stride, lines, ids[k]);
+  prefetch_start(table, vocab, stride, lines, ids, ahead, n);
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t lo = offsets[r], hi = offsets[r + 1];
     int64_t m = 0;
-    float den = 0.0f;
-    for (int64_t k = lo; k < hi; ++k) {
-      if (ahead) prefetch_ahead(table, vocab, stride, lines, ids, k + ahead, n);
-      const Id id = ids[k];
-      if (PruneIds && id < 0) continue;
-      const float w = HasW ? weights[k] : 1.0f;
-      if (PruneW && !(w > 0.0f)) continue;
-      if (static_cast<uint64_t>(static_cast<int64_t>(id)) >= vocab) return k;
-      if (Mode == 1) den += w;
-      if (Mode == 2) den += w * w;
-      e[m].row = table + static_cast<int64_t>(id) * stride;
-      e[m].w = w;
-      ++m;
-    }
-    const float d = Mode == 2 ? std::sqrt(den) : den;
-    plan.run(e, m, Mode, d, out + r * out_stride);
+    float den = 0.0f, den2 = 0.0f;
+    const int64_t bad = walk<Pf>(table, stride_bytes, last, ids, offsets[r], offsets[r + 1], n,
+                                 ahead, [&](int64_t k) {
+                                   const Id id = ids[k];
+                                   const float w = HasW ? weights[k] : 1.0f;
+                                   const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
+                                                                        prune_w);
+                                   if (c == 0) {
+                                     den += w;
+                                     if (HasW) den2 += w * w;
+                                     e[m].row = table + static_cast<int64_t>(id) * stride;
+                                     e[m].w = w;
+                                     ++m;
+                                   }
+                                   return c != 2;
+                                 });
+    if (bad >= 0) return bad;
+    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
+    plan.run(e, m, mode, d, out + r * out_stride);
   }
   return -1;
 }
 
 using BagFn = int64_t (*)(const float*, uint64_t, int64_t, int64_t, const void*, const int64_t*,
-                          int64_t, const float*, float*, int64_t);
+                          int64_t, const float*, int, bool, bool, float*, int64_t);
 
-template <typename Id, bool HasW, bool PruneIds, bool PruneW, int Mode>
+template <typename Id, bool HasW, int Pf>
 int64_t bag_erased(const float* table, uint64_t vocab, int64_t dim, int64_t stride,
                    const void* ids, const int64_t* offsets, int64_t num_rows,
-                   const float* weights, float* out, int64_t out_stride) {
-  return bag<Id, HasW, PruneIds, PruneW, Mode>(table, vocab, dim, stride,
-                                              static_cast<const Id*>(ids), offsets, num_rows,
-                                              weights, out, out_stride);
-}
-
-template <typename Id, bool HasW, bool PruneIds, bool PruneW>
-BagFn pick_mode(int mode) {
-  switch (mode) {
-    case 0:
-      return &bag_erased<Id, HasW, PruneIds, PruneW, 0>;
-    case 1:
-      return &bag_erased<Id, HasW, PruneIds, PruneW, 1>;
-    default:
-      return &bag_erased<Id, HasW, PruneIds, PruneW, 2>;
-  }
-}
-
-template <typename Id, bool HasW>
-BagFn pick_prune(bool prune_ids, bool prune_w, int mode) {
-  if (prune_ids) {
-    return prune_w ? pick_mode<Id, HasW, true, true>(mode)
-                   : pick_mode<Id, HasW, true, false>(mode);
-  }
-  return prune_w ? pick_mode<Id, HasW, false, true>(mode) : pick_mode<Id, HasW, false, false>(mode);
+                   const float* weights, int mode, bool prune_ids, bool prune_w, float* out,
+                   int64_t out_stride) {
+  return bag<Id, HasW, Pf>(table, vocab, dim, stride, static_cast<const Id*>(ids), offsets,
+                           num_rows, weights, mode, prune_ids, prune_w, out, out_stride);
 }
 
 template <typename Id>
-BagFn pick(bool has_w, bool prune_ids, bool prune_w, int mode) {
-  // pruning by weight needs weights (the caller drops it without them)
-  return has_w ? pick_prune<Id, true>(prune_ids, prune_w, mode)
-               : pick_prune<Id, false>(prune_ids, false, mode);
+BagFn pick(int64_t dim, bool has_w) {
+  const int pf = prefetch_shape(static_cast<int>(dim < 64 ? dim : 64));
+  if (has_w) {
+    return pf == 2 ? &bag_erased<Id, true, 2>
+                   : pf == 3 ? &bag_erased<Id, true, 3> : &bag_erased<Id, true, 1>;
+  }
+  return pf == 2 ? &bag_erased<Id, false, 2>
+                 : pf == 3 ? &bag_erased<Id, false, 3> : &bag_erased<Id, false, 1>;
 }
 
-
 // The whole bag kernel in one pass for rows of at most one register block (any dim up
-// to kMaxNV vectors plus a tail: 256 floats with AVX-512): checks, pruning, the
-// denominator, prefetch and the sums in the same loop over the entries.
+// to kMaxNV vectors plus a tail: 271 floats with AVX-512): checks, pruning, the
+// denominator, prefetch and the sums in the same walk over the entries, the sums in
+// registers.
 template <typename Id, int NV, bool Tail, bool HasW>
 int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* ids,
                   const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
                   bool prune_ids, bool prune_w, int tail, float* out, int64_t out_stride) {
+  constexpr int kPf = prefetch_shape(NV * kV + (Tail ? kV - 1 : 0));
   const int64_t n = offsets[num_rows];
-  int64_t lines = row_lines(table, stride * 4, (NV * kV + tail) * 4);
+  const int64_t row_floats = NV * kV + tail;
+  const int64_t lines = row_lines(table, stride * 4, row_floats * 4);
   const int64_t ahead = entries_ahead(lines);
-  for (int64_t k = 0; k < ahead && k < n; ++k) prefetch_row(table, vocab, stride, lines, ids[k]);
+  const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
+  const int64_t last = row_floats > 0 ? row_floats - 1 : 0;
+  prefetch_start(table, vocab, stride, lines, ids, ahead, n);
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t lo = offsets[r], hi = offsets[r + 1];
     vf acc[NV > 0 ? NV : 1];
     vf tacc = vf{};
     for (int v = 0; v < NV; ++v) acc[v] = vf{};
-    float den = 0.0f;
-    for (int64_t k = lo; k < hi; ++k) {
-      if (ahead) prefetch_ahead(table, vocab, stride, lines, ids, k + ahead, n);
-      const Id id = ids[k];
-      if (prune_ids && id < 0) continue;
-      const float w = HasW ? weights[k] : 1.0f;
-      if (prune_w && !(w > 0.0f)) continue;
-      if (static_cast<uint64_t>(static_cast<int64_t>(id)) >= vocab) return k;
-      if (mode == 1) den += w;
-      if (mode == 2) den += w * w;
-      const float* p = table + static_cast<int64_t>(id) * stride;
-      if (HasW) {
-        const vf wv = splat(w);
-        for (int v = 0; v < NV; ++v) acc[v] += wv * load(p + v * kV);
-        if (Tail) tacc += wv * load_tail(p + NV * kV, tail);
-      } else {
-        for (int v = 0; v < NV; ++v) acc[v] += load(p + v * kV);
-        if (Tail) tacc += load_tail(p + NV * kV, tail);
-      }
-    }
-    const float d = mode == 2 ? std::sqrt(den) : den;
+    float den = 0.0f, den2 = 0.0f;
+    const int64_t bad = walk<kPf>(table, stride_bytes, last, ids, offsets[r], offsets[r + 1], n,
+                                  ahead, [&](int64_t k) {
+                                    const Id id = ids[k];
+                                    const float w = HasW ? weights[k] : 1.0f;
+                                    const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
+                                                                         prune_w);
+                                    if (c != 0) return c != 2;
+                                    den += w;
+                                    if (HasW) den2 += w * w;
+                                    const float* p = table + static_cast<int64_t>(id) * stride;
+                                    if (HasW) {
+                                      const vf wv = splat(w);
+                                      for (int v = 0; v < NV; ++v) acc[v] += wv * load(p + v * kV);
+                                      if (Tail) tacc += wv * load_tail(p + NV * kV, tail);
+                                    } else {
+                                      for (int v = 0; v < NV; ++v) acc[v] += load(p + v * kV);
+                                      if (Tail) tacc += load_tail(p + NV * kV, tail);
+                                    }
+                                    return true;
+                                  });
+    if (bad >= 0) return bad;
+    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
     store_combined<NV, Tail>(acc, tacc, mode != 0, d, tail, out + r * out_stride);
   }
   return -1;
@@ -441,16 +485,20 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
                          const I* idx, int64_t n, int64_t num_rows, int64_t num_cols,
                          const float* weights, int mode, bool prune_ids, bool prune_w, int tail,
                          float* out, int64_t out_stride) {
-  int64_t lines = row_lines(table, stride * 4, (NV * kV + tail) * 4);
-  const int64_t ahead = all_lines_entries_ahead(lines);
+  constexpr int kPf = prefetch_shape(NV * kV + (Tail ? kV - 1 : 0));
+  const int64_t row_floats = NV * kV + tail;
+  const int64_t lines = row_lines(table, stride * 4, row_floats * 4);
+  const int64_t ahead = entries_ahead(lines);
+  const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
+  const int64_t last = row_floats > 0 ? row_floats - 1 : 0;
   const uint64_t R = static_cast<uint64_t>(num_rows), C = static_cast<uint64_t>(num_cols);
-  for (int64_t k = 0; k < ahead && k < n; ++k) prefetch_row(table, vocab, stride, lines, ids[k]);
+  prefetch_start(table, vocab, stride, lines, ids, ahead, n);
   int64_t k = 0, prev_row = -1, prev_col = 0, bad_id = -1;
   for (int64_t r = 0; r < num_rows; ++r) {
     vf acc[NV > 0 ? NV : 1];
     vf tacc = vf{};
     for (int v = 0; v < NV; ++v) acc[v] = vf{};
-    float den = 0.0f;
+    float den = 0.0f, den2 = 0.0f;
     for (; k < n; ++k) {
       const int64_t row = idx[2 * k], col = idx[2 * k + 1];
       if (!((static_cast<uint64_t>(row) < R) & (static_cast<uint64_t>(col) < C) &
@@ -460,21 +508,20 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
       if (row != r) break;  // row > r: every entry of a row before r was taken there
       prev_row = row;
       prev_col = col;
-      // (the branch-free prefetch_ahead: 0.72x torch against 0.75x this way at dim 32)
-      if (k + ahead < n) prefetch_row(table, vocab, stride, lines, ids[k + ahead]);
+      prefetch_entry<kPf>(table, stride_bytes, last, ids[k + ahead < n ? k + ahead : n - 1]);
       // the indices' stream too (sparse/sum 0.75x torch without, 0.81-0.93x with at dims
-      // 16-64), kIdxAhead entries ahead whatever the rows' distance (32 at dims 48-64)
-      if (k + kIdxAhead < n) prefetch(idx + 2 * (k + kIdxAhead));
+      // 16-64), kIdxAhead entries ahead whatever the rows' distance
+      prefetch(idx + 2 * (k + kIdxAhead < n ? k + kIdxAhead : n - 1));
       const Id id = ids[k];
-      if (prune_ids && id < 0) continue;
       const float w = HasW ? weights[k] : 1.0f;
-      if (prune_w && !(w > 0.0f)) continue;
-      if (static_cast<uint64_t>(static_cast<int64_t>(id)) >= vocab) {
+      const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids, prune_w);
+      if (c == 1) continue;
+      if (c == 2) {
         bad_id = k;
         break;
       }
-      if (mode == 1) den += w;
-      if (mode == 2) den += w * w;
+      den += w;
+      if (HasW) den2 += w * w;
       const float* p = table + static_cast<int64_t>(id) * stride;
       if (HasW) {
         const vf wv = splat(w);
@@ -486,7 +533,7 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
       }
     }
     if (bad_id >= 0) break;
-    const float d = mode == 2 ? std::sqrt(den) : den;
+    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
     store_combined<NV, Tail>(acc, tacc, mode != 0, d, tail, out + r * out_stride);
   }
   if (bad_id >= 0 || k < n) {  // an id error, or entries left: check every index first
@@ -720,10 +767,9 @@ int64_t EmServingBagF32(const float* table, int64_t vocab, int64_t dim, int64_t 
                static_cast<int>(dim % kV), out, out_stride);
     }
   }
-  const BagFn fn = ids_are_64 ? pick<int64_t>(has_w, prune_ids, prune_weights, mode)
-                              : pick<int32_t>(has_w, prune_ids, prune_weights, mode);
+  const BagFn fn = ids_are_64 ? pick<int64_t>(dim, has_w) : pick<int32_t>(dim, has_w);
   return fn(table, static_cast<uint64_t>(vocab), dim, table_stride, ids, offsets, num_rows,
-            weights, out, out_stride);
+            weights, mode, prune_ids != 0, prune_weights != 0 && has_w, out, out_stride);
 }
 
 int64_t EmServingSparseBagF32(const float* table, int64_t vocab, int64_t dim,
