@@ -48,10 +48,15 @@ def build(name: str, spec: str, out_dir: str) -> ctypes.CDLL:
         src, _, defs = spec.partition(":")
     flags = [*_native.FLAGS, *_native.variant_flags(_native.selected_variant()), *defs.split()]
     inc = os.path.dirname(SRC)
-    key = hashlib.sha256((open(src).read() + " ".join(flags)).encode()).hexdigest()[:16]
+    runner = os.path.join(inc, "runner.cc")
+    extra = open(runner).read() if os.path.exists(runner) else ""
+    key = hashlib.sha256((open(src).read() + extra + " ".join(flags)).encode()).hexdigest()[:16]
     built = os.path.join(out_dir, f"{key}.so")
     if not os.path.exists(built):
-        cmd = [_native.compiler() or "c++", *flags, f"-I{inc}", src, "-o", built + ".tmp"]
+        # the folder's other sources (the request runner) with the kernels' source
+        others = [os.path.join(inc, f) for f in sorted(os.listdir(inc)) if f.endswith(".cc")]
+        others = [f for f in others if os.path.basename(f) != os.path.basename(SRC)]
+        cmd = [_native.compiler() or "c++", *flags, f"-I{inc}", src, *others, "-o", built + ".tmp"]
         subprocess.run(cmd, check=True)
         os.replace(built + ".tmp", built)
     so = os.path.join(out_dir, f"{name}-{key}.so")

@@ -80,7 +80,16 @@ ISA_ENV = "EMBEDMESH_CPU_ISA"
 # No FMA contraction: the float32 arithmetic matches the pure-JAX path. No errno from
 # sqrt: with it GCC cannot vectorise the optimizer rows (150 -> 19 ns per 64-wide
 # Adagrad row measured). -w: XLA's headers warn a lot.
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = (
+    "-O3",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-w",
+)
 
 
 class Library:

@@ -171,7 +171,7 @@ def test_first_kept_bad_id_is_the_error_whatever_pruning_drops(problem, fused, p
         and not (prune_weights and weights is not None and not weights[k] > 0)
     ]
     bad = [k for k in kept if not 0 <= ids[k] < vocab]
-    run = lambda: kernels.bag_combine(  # noqa: E731
+    run = lambda: kernels.bag_combine(
         table, ids, offsets, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
     )
     if not bad:
@@ -385,3 +385,132 @@ def test_sparse_offsets_across_blocks(idx64):
         broken = idx.copy()
         broken[k] = value
         assert kernels.sparse_offsets(broken, shape) == (None, k)
+
+
+# ---------------------------------------------------------------------------
+# EmServingRun: a request's kernels in one call, in chunks, on a pool of threads
+
+
+def _task(rng, kind, n, dim, vocab, bad=()):
+    """A prepared native call of `kind` (bag, sparse, gather) over ~n entries, with ids
+    outside the table at the entries in `bad` (sparse: dims up to 32, its one-pass kernel's)."""
+    dim = min(dim, kernels.SPARSE_ONE_PASS_MAX_DIM) if kind == "sparse" else dim
+    table = rng.standard_normal((vocab, dim)).astype(np.float32)
+    if kind == "gather":
+        ids = rng.integers(0, vocab, n)
+        ids[list(bad)] = vocab + 3
+        return lambda: kernels.prepare_gather(table, ids)
+    lengths = rng.poisson(6, max(n // 6, 1))
+    lengths[rng.integers(0, lengths.size)] += 3000  # one long bag: chunks by entries
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(-1, vocab, int(offsets[-1])).astype(rng.choice([np.int32, np.int64]))
+    ids[[b % ids.size for b in bad]] = vocab + 5
+    w = (rng.integers(-2, 8, ids.size) / 4).astype(np.float32) if rng.random() < 0.5 else None
+    combiner = rng.choice(["sum", "mean", "sqrtn"])
+    if kind == "sparse":
+        idx, width = _coo(offsets, rng)
+        return lambda: kernels.prepare_sparse_bag_combine(
+            table,
+            ids,
+            idx,
+            (offsets.size - 1, width),
+            w,
+            combiner,
+            prune_ids=True,
+            prune_weights=w is not None,
+        )
+    return lambda: kernels.prepare_bag_combine(
+        table, ids, offsets, w, combiner, prune_ids=True, prune_weights=w is not None
+    )
+
+
+def _outcome(call, code=None):
+    try:
+        return call() if code is None else call.finish(code)
+    except (kernels.IdOutOfRange, kernels.BadSparseIndex) as e:
+        return (type(e).__name__, e.entry)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["bag", "sparse", "gather"]), min_size=1, max_size=5),
+    threads=st.integers(1, 4),
+    sizes=st.lists(st.integers(0, 30_000), min_size=5, max_size=5),
+    dims=st.lists(st.sampled_from([1, 8, 17, 32, 64, 100, 300]), min_size=5, max_size=5),
+    bad=st.lists(st.integers(0, 30_000), max_size=3),
+    bad_task=st.integers(0, 4),
+    seed=st.integers(0, 2**31),
+)
+def test_run_native_equals_each_kernel_alone(kinds, threads, sizes, dims, bad, bad_task, seed):
+    """One EmServingRun over a request's kernels (split into chunks of whole bags or id
+    ranges on 1-4 threads) gives each kernel's own output bit for bit, and its own error:
+    the first bad entry of the whole task whichever chunk holds it."""
+    rng = np.random.default_rng(seed)
+    makers = []
+    for i, kind in enumerate(kinds):
+        dim, n = dims[i], sizes[i]
+        marks = [b % n for b in bad] if (i == bad_task % len(kinds) and n) else []
+        makers.append(_task(rng, kind, n, dim, 50, marks))
+    alone = [_outcome(make()) for make in makers]
+    calls = [make() for make in makers]
+    assert all(kernels.is_native_call(c) for c in calls)
+    codes = kernels.run_native(calls, threads)
+    together = [_outcome(c, code) for c, code in zip(calls, codes)]
+    for a, t in zip(alone, together):
+        if isinstance(a, tuple):
+            assert a == t
+        else:
+            assert not np.isnan(t).any(), "an output element was never written"
+            np.testing.assert_array_equal(a, t)
+
+
+def test_run_native_from_many_request_threads_at_once():
+    """Requests on several Python threads at once: one holds the pool, the others run on
+    their own threads; every result is each kernel's own."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(3)
+    makers = [_task(rng, k, 20_000, 64, 200) for k in ("bag", "gather", "bag", "sparse")]
+    want = [make()().copy() for make in makers]
+
+    def request(_):
+        calls = [make() for make in makers]
+        codes = kernels.run_native(calls, 2)
+        return [c.finish(code).copy() for c, code in zip(calls, codes)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        for got in ex.map(request, range(16)):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+
+
+def test_run_native_in_a_forked_child():
+    """A child forked after the pool started gets a pool of its own (the parent's threads
+    do not exist there): its request finishes with the right result."""
+    import os
+    import time
+
+    rng = np.random.default_rng(4)
+    makers = [_task(rng, "bag", 20_000, 32, 100) for _ in range(3)]
+    want = [make()() for make in makers]
+    calls = [make() for make in makers]
+    kernels.run_native(calls, 2)  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        ok = 1
+        try:
+            calls = [make() for make in makers]
+            codes = kernels.run_native(calls, 2)
+            ok = int(not all(np.array_equal(c.finish(k), w) for c, k, w in zip(calls, codes, want)))
+        finally:
+            os._exit(ok)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's request did not finish (a pool without threads?)")

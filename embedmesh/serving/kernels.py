@@ -582,19 +582,52 @@ def weighted_segment_sum_numba(
 
 class _NativeCall:
     """A C++ kernel with its checked arguments (raw addresses), the arrays behind them
-    (`keep`: alive until it has run) and its output, run later (see `_KernelCall`)."""
+    (`keep`: alive until it has run) and its output, run later (see `_KernelCall`):
+    alone (`call()`), or with a request's other kernels in one `run_native` call
+    (`words`: its task for `EmServingRun`)."""
 
-    __slots__ = ("fn", "args", "keep", "out", "ids", "vocab")
+    __slots__ = ("fn", "args", "keep", "out", "ids", "vocab", "kind")
 
-    def __init__(self, fn, args, keep, out, ids, vocab):
+    KIND = 0  # EmServingRun's task kind: 0 bag, 1 sparse bag, 2 gather
+
+    def __init__(self, fn, args, keep, out, ids, vocab, kind=None):
         self.fn, self.args, self.keep, self.out = fn, args, keep, out
         self.ids, self.vocab = ids, vocab
+        self.kind = self.KIND if kind is None else kind
 
     def __call__(self) -> np.ndarray:
-        bad = self.fn(*self.args)
+        return self.finish(self.fn(*self.args))
+
+    def words(self) -> list:
+        """Its task row for `EmServingRun`: the kind, then the arguments (None as 0)."""
+        w = [self.kind, *(0 if a is None else a for a in self.args)]
+        return w + [0] * (TASK_WORDS - len(w))
+
+    def finish(self, bad: int) -> np.ndarray:
+        """The output, given what the kernel returned (an error raised)."""
         if bad >= 0:
             raise IdOutOfRange(bad, self.ids[bad], self.vocab)
         return self.out
+
+
+TASK_WORDS = 18  # EM_TASK_WORDS (serving.h)
+
+
+def run_native(calls: list, threads: int) -> list:
+    """Run prepared `_NativeCall`s (a request's kernels) in one C++ call on `threads`
+    threads (`EmServingRun`: chunks of whole bags, a pool of threads that sleep between
+    requests); return what each kernel returned, for its `finish`."""
+    tasks = np.array([c.words() for c in calls], np.int64)
+    results = np.empty(len(calls), np.int64)
+    bad = _LIB.EmServingRun(_addr(tasks), len(calls), max(int(threads), 1), _addr(results))
+    if bad >= 0:  # pragma: no cover - every kind here is one the library knows
+        raise RuntimeError(f"EmServingRun: unknown task kind in task {bad}")
+    return results.tolist()
+
+
+def is_native_call(run) -> bool:
+    """Whether `run` (from a prepare_* function) can go to `run_native`."""
+    return type(run) in (_NativeCall, _NativeSparseCall)
 
 
 def _native_ids(ids: np.ndarray) -> tuple[np.ndarray, int]:
@@ -634,7 +667,7 @@ def _prepare_gather_native(table: np.ndarray, ids: np.ndarray):
         ids.shape[0],
         _addr(out),
     )
-    return _NativeCall(_LIB.EmServingGather, args, (table, ids), out, ids, table.shape[0])
+    return _NativeCall(_LIB.EmServingGather, args, (table, ids), out, ids, table.shape[0], 2)
 
 
 def _bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w) -> np.ndarray:
@@ -715,8 +748,9 @@ class _NativeSparseCall(_NativeCall):
 
     __slots__ = ()
 
-    def __call__(self) -> np.ndarray:
-        bad = self.fn(*self.args)
+    KIND = 1
+
+    def finish(self, bad: int) -> np.ndarray:
         if bad >= 0:
             raise IdOutOfRange(bad, self.ids[bad], self.vocab)
         if bad < -1:

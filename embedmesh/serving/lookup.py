@@ -14,8 +14,10 @@ the kernel's one pass) and a host kernel (`embedmesh.serving.kernels`) runs
 over the table's memory, range checking ids (a `ValueError` naming the
 feature). A call checks every feature and takes its output buffer first, then
 runs the kernels back to back (2-D sparse indices, at dims up to 32, are checked by
-their kernel's own pass: `kernels.prepare_sparse_bag_combine`), spread over threads
-(`set_host_threads`, `EMBEDMESH_SERVING_THREADS`). Inside `jax.jit`/`jax.export` (traced inputs)
+their kernel's own pass: `kernels.prepare_sparse_bag_combine`): with the C++ kernels
+in one call (`kernels.run_native`), which splits them into chunks of whole bags over
+threads (`set_host_threads`, `EMBEDMESH_SERVING_THREADS`); other backends spread
+whole features over Python threads. Inside `jax.jit`/`jax.export` (traced inputs)
 `_traced_lookup` builds per-entry rows from the same layout with masks at
 static shapes and computes with jax.numpy; ids out of range cannot raise there
 and read as zero rows.
@@ -120,8 +122,12 @@ class _named:
         self.name, self.run, self.shape, self.inp = name, run, tuple(shape), inp
 
     def __call__(self) -> np.ndarray:
+        return self.finish(self.run)
+
+    def finish(self, result) -> np.ndarray:
+        """The output of `result()` (the run itself, or a finished native call's result)."""
         try:
-            return self.run().reshape(self.shape)
+            return result().reshape(self.shape)
         except kernels.IdOutOfRange as e:
             raise id_range_error(self.name, e.id, e.entry, e.vocabulary_size) from None
         except kernels.BadSparseIndex as e:  # inp: the SparseTensor its kernel checks
@@ -334,13 +340,23 @@ def serving_embedding_lookup(
     # kernels._KernelCall)
     runs = [_prepare_host(*task[1:]) for task in host]
     threads = _host_threads or _runtime.serving_threads()
-    if threads > 1 and len(runs) > 1:
+    if runs and all(kernels.is_native_call(r.run) for r in runs):
+        # one C++ call, its own threads (chunks of bags: see kernels.run_native)
+        codes = kernels.run_native([r.run for r in runs], threads)
+        results = _finish_all(runs, codes)
+    elif threads > 1 and len(runs) > 1:
         results = _run_on_threads(runs, min(threads, len(runs)))
     else:
         results = [run() for run in runs]
     for task, arr in zip(host, _host_to_jax(results)):
         outputs[task[0]] = arr
     return _pack_like_inputs(resolved, inputs, outputs)
+
+
+def _finish_all(runs: list, codes: list) -> list:
+    """Each run's output from its native kernel's result; the first error in feature
+    order is raised (as `_run_on_threads` raises it)."""
+    return [r.finish(lambda r=r, c=c: r.run.finish(c)) for r, c in zip(runs, codes)]
 
 
 def _raise_table_shape(name: str, shape, table) -> None:
@@ -364,10 +380,12 @@ def _default_threads() -> int:
 
 
 def set_host_threads(n: int) -> int:
-    """Threads the host path spreads features over, the caller's included (1: the
-    caller's thread only; the default is one per core, up to 8); returns the
-    previous value. Each feature's kernel runs on one thread; a server running
-    many lookups at once may prefer 1 (or EMBEDMESH_SERVING_THREADS=1)."""
+    """Threads a host lookup runs on, the caller's included (1: the caller's thread
+    only; the default is one per core, up to 8); returns the previous value. The C++
+    kernels split each feature into chunks of whole bags over them (other backends:
+    whole features). A server running many lookups at once may prefer 1 (or
+    EMBEDMESH_SERVING_THREADS=1); lookups that find the C++ pool busy run on their
+    caller's thread alone."""
     global _host_threads
     if int(n) < 1:
         raise ValueError(f"threads must be >= 1, got {n}")

@@ -5,9 +5,10 @@ cannot be had (no build and no C++ compiler, a failed build,
 `EMBEDMESH_SERVING_NATIVE=0`); `reason()` says why. The library is built at
 install with the device kernels, per ISA variant, and found by
 `embedmesh._native.load("serving")` (`EMBEDMESH_CPU_ISA` picks a variant). ctypes
-releases the GIL around every call, so features run in parallel on
-`set_host_threads` threads. Everything else in `embedmesh.serving` goes through
-`library()`, never through how the library was found.
+releases the GIL around every call; a request's kernels go in one call
+(`EmServingRun`), which spreads them over `set_host_threads` threads itself.
+Everything else in `embedmesh.serving` goes through `library()`, never through
+how the library was found.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingSetFused": [_I64],
         "EmServingSetRowLines": [_I64],
         "EmServingVectorWidth": [],
+        "EmServingRun": [_P, _I64, _I64, _P],
     }
     for symbol, argtypes in sigs.items():
         fn = getattr(lib, symbol)

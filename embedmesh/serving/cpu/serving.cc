@@ -313,8 +313,10 @@ inline int64_t walk(const float* table, uint64_t stride_bytes, int64_t last, con
 // Prefetch the first `ahead` entries' rows (before a walk).
 template <typename Id>
 inline void prefetch_start(const float* table, uint64_t vocab, int64_t stride, int64_t lines,
-                           const Id* ids, int64_t ahead, int64_t n) {
-  for (int64_t k = 0; k < ahead && k < n; ++k) prefetch_row(table, vocab, stride, lines, ids[k]);
+                           const Id* ids, int64_t ahead, int64_t k0, int64_t n) {
+  for (int64_t k = k0; k < k0 + ahead && k < n; ++k) {
+    prefetch_row(table, vocab, stride, lines, ids[k]);
+  }
 }
 
 // The two-pass bag kernel (rows wider than one register block, or EmServingSetFused(0)):
@@ -335,7 +337,7 @@ int64_t bag(const float* table, uint64_t vocab, int64_t dim, int64_t stride, con
     if (len > max_bag) max_bag = len;
   }
   Entry* e = scratch(max_bag > 0 ? max_bag : 1);
-  prefetch_start(table, vocab, stride, lines, ids, ahead, n);
+  prefetch_start(table, vocab, stride, lines, ids, ahead, offsets[0], n);
   for (int64_t r = 0; r < num_rows; ++r) {
     int64_t m = 0;
     float den = 0.0f, den2 = 0.0f;
@@ -399,7 +401,7 @@ int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* 
   const int64_t ahead = entries_ahead(lines);
   const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
   const int64_t last = row_floats > 0 ? row_floats - 1 : 0;
-  prefetch_start(table, vocab, stride, lines, ids, ahead, n);
+  prefetch_start(table, vocab, stride, lines, ids, ahead, offsets[0], n);
   for (int64_t r = 0; r < num_rows; ++r) {
     vf acc[NV > 0 ? NV : 1];
     vf tacc = vf{};
@@ -492,7 +494,7 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
   const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
   const int64_t last = row_floats > 0 ? row_floats - 1 : 0;
   const uint64_t R = static_cast<uint64_t>(num_rows), C = static_cast<uint64_t>(num_cols);
-  prefetch_start(table, vocab, stride, lines, ids, ahead, n);
+  prefetch_start(table, vocab, stride, lines, ids, ahead, 0, n);
   int64_t k = 0, prev_row = -1, prev_col = 0, bad_id = -1;
   for (int64_t r = 0; r < num_rows; ++r) {
     vf acc[NV > 0 ? NV : 1];

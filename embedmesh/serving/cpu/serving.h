@@ -52,6 +52,17 @@ int64_t EmServingSparseOffsets(const void* indices, int32_t indices_are_64, int6
 int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
                                int64_t* offsets);
 
+// One request's kernels in one call. `tasks`: n_tasks rows of EM_TASK_WORDS int64 words,
+// each a kind (0: EmServingBagF32, 1: EmServingSparseBagF32, 2: EmServingGather) then
+// that function's arguments in order (pointers and NULL as integers), unused words 0.
+// Bag tasks are split into chunks of whole bags, gathers into id ranges, of about equal
+// entries, run on `threads` threads: the caller's, plus a pool started at first use (a
+// request arriving while another holds the pool runs on its caller's thread alone).
+// results[t]: what task t's function returns for all of its entries. Returns -1, or the
+// first task of an unknown kind (then nothing ran).
+#define EM_TASK_WORDS 18
+int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int64_t* results);
+
 // Cache lines of rows prefetched ahead (default 128; the bag kernels' entries ahead are
 // this over the lines of a row for rows of up to 3 lines, this over 4 for longer rows, of
 // which only the first line is prefetched; within [2, 64]; 0: no prefetch); returns the
