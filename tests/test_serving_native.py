@@ -259,12 +259,13 @@ def _coo(offsets, rng, extra_cols=3):
 
 
 @SETTINGS
-@given(problem=bags(), idx64=st.booleans())
-def test_sparse_bag_matches_float64_reference(problem, idx64, monkeypatch):
-    """The sparse bag kernel (indices checked in its own pass) against float64 loops,
-    and bit for bit against the offsets kernel on the offsets the indices give; every
-    dim its build covers (the lookup gives it dims up to SPARSE_ONE_PASS_MAX_DIM)."""
-    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6)
+@given(problem=bags(), idx64=st.booleans(), one_pass=st.booleans())
+def test_sparse_bag_matches_float64_reference(problem, idx64, one_pass, monkeypatch):
+    """The sparse bag kernels that check the indices when they run against float64
+    loops, and bit for bit against the offsets kernel on the offsets the indices give:
+    the one-pass kernel at every dim its build covers (the lookup gives it dims up to
+    SPARSE_ONE_PASS_MAX_DIM), and offsets in EmServingRun's first phase (any dim)."""
+    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6 if one_pass else 0)
     table, ids, offsets, weights, combiner, prune_ids, prune_weights, _ = problem
     rng = np.random.default_rng(len(ids))
     idx, width = _coo(offsets, rng)
@@ -273,9 +274,6 @@ def test_sparse_bag_matches_float64_reference(problem, idx64, monkeypatch):
     run = kernels.prepare_sparse_bag_combine(
         table, ids, idx, shape, weights, combiner, prune_ids=prune_ids, prune_weights=prune_weights
     )
-    if table.shape[1] > native.library().EmServingMaxFusedDim():
-        assert run is None
-        return
     assert run is not None
     out = run().copy()
     assert out.shape == (shape[0], table.shape[1]) and not np.isnan(out).any()
@@ -321,10 +319,13 @@ def test_sparse_bag_errors_bad_index_first(dim, monkeypatch):
             assert e.value.entry == want
 
 
+@pytest.mark.parametrize("dim", [17, 64])
 @pytest.mark.parametrize("case", ["good", "bad_id", "bad_index", "both", "weights"])
-def test_lookup_sparse_one_pass_equals_offsets_path(case, monkeypatch):
-    """serving_embedding_lookup on 2-D sparse input: the one-pass kernel gives the
-    offsets path's outputs bit for bit and its errors word for word."""
+def test_lookup_sparse_one_pass_equals_offsets_path(case, dim, monkeypatch):
+    """serving_embedding_lookup on 2-D sparse input: the kernels that check the indices
+    when they run (the one-pass kernel at dim 17, offsets in EmServingRun's first phase
+    at 64) give the Python offsets path's outputs bit for bit and its errors word for
+    word."""
     import embedmesh as em
 
     rng = np.random.default_rng(7)
@@ -339,9 +340,9 @@ def test_lookup_sparse_one_pass_equals_offsets_path(case, monkeypatch):
     if case == "weights":
         ids[1] = -1
         w = em.SparseTensor(idx, (rng.integers(-2, 8, 9) / 4).astype(np.float32), (4, width))
-    tc = em.TableConfig(30, 17, combiner="mean", name="t")
+    tc = em.TableConfig(30, dim, combiner="mean", name="t")
     fc = {"f": em.FeatureConfig(tc, name="f")}
-    tables = {tc: rng.standard_normal((30, 17)).astype(np.float32)}
+    tables = {tc: rng.standard_normal((30, dim)).astype(np.float32)}
     inputs = {"f": em.SparseTensor(idx, ids, (4, width))}
     weights = None if w is None else {"f": w}
     used = []
@@ -387,14 +388,54 @@ def test_sparse_offsets_across_blocks(idx64):
         assert kernels.sparse_offsets(broken, shape) == (None, k)
 
 
+@SETTINGS
+@given(
+    counts=st.lists(st.integers(0, 6), min_size=1, max_size=40),
+    idx64=st.booleans(),
+    damage=st.sampled_from(["none", "row", "col", "negative", "repeat", "order"]),
+    where=st.integers(0, 10**6),
+    seed=st.integers(0, 2**31),
+)
+def test_sparse_offsets_8_entries_a_step(counts, idx64, damage, where, seed):
+    """The offsets pass 8 entries a step (AVX-512 builds): rows ending inside and across
+    steps, empty rows, a tail of under 8, and one bad entry anywhere (outside the shape,
+    negative, a repeat, out of order) named as numpy names it."""
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    idx, width = _coo(offsets, rng)
+    shape = (len(counts), width)
+    n = len(idx)
+    if damage != "none" and n:
+        k = where % n
+        if damage == "row":
+            idx[k, 0] = len(counts) + where % 3
+        elif damage == "col":
+            idx[k, 1] = width + where % 3
+        elif damage == "negative":
+            idx[k, where % 2] = -1 - where % 3
+        elif damage == "repeat" and k > 0:
+            idx[k] = idx[k - 1]
+        elif damage == "order" and k > 0:
+            idx[[k - 1, k]] = idx[[k, k - 1]]
+    idx = idx.astype(np.int64 if idx64 else np.int32)
+    got = kernels.sparse_offsets(idx, shape)
+    kernels.set_backend("numpy")
+    want = kernels.sparse_offsets(idx, shape)
+    assert got[1] == want[1]
+    if want[0] is None:
+        assert got[0] is None
+    else:
+        np.testing.assert_array_equal(got[0], want[0])
+
+
 # ---------------------------------------------------------------------------
 # EmServingRun: a request's kernels in one call, in chunks, on a pool of threads
 
 
 def _task(rng, kind, n, dim, vocab, bad=()):
     """A prepared native call of `kind` (bag, sparse, gather) over ~n entries, with ids
-    outside the table at the entries in `bad` (sparse: dims up to 32, its one-pass kernel's)."""
-    dim = min(dim, kernels.SPARSE_ONE_PASS_MAX_DIM) if kind == "sparse" else dim
+    outside the table at the entries in `bad` (sparse: the one-pass kernel up to
+    SPARSE_ONE_PASS_MAX_DIM, offsets in the run's first phase above)."""
     table = rng.standard_normal((vocab, dim)).astype(np.float32)
     if kind == "gather":
         ids = rng.integers(0, vocab, n)
@@ -484,6 +525,7 @@ def test_run_native_from_many_request_threads_at_once():
                 np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.filterwarnings("ignore:os.fork")
 def test_run_native_in_a_forked_child():
     """A child forked after the pool started gets a pool of its own (the parent's threads
     do not exist there): its request finishes with the right result."""

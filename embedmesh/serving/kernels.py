@@ -588,7 +588,7 @@ class _NativeCall:
 
     __slots__ = ("fn", "args", "keep", "out", "ids", "vocab", "kind")
 
-    KIND = 0  # EmServingRun's task kind: 0 bag, 1 sparse bag, 2 gather
+    KIND = 0  # EmServingRun's task kind: 0 bag, 1 sparse bag, 2 gather, 3 sparse offsets + bag
 
     def __init__(self, fn, args, keep, out, ids, vocab, kind=None):
         self.fn, self.args, self.keep, self.out = fn, args, keep, out
@@ -596,6 +596,8 @@ class _NativeCall:
         self.kind = self.KIND if kind is None else kind
 
     def __call__(self) -> np.ndarray:
+        if self.fn is None:  # a task only EmServingRun runs (kind 3)
+            return self.finish(run_native([self], 1)[0])
         return self.finish(self.fn(*self.args))
 
     def words(self) -> list:
@@ -610,7 +612,7 @@ class _NativeCall:
         return self.out
 
 
-TASK_WORDS = 18  # EM_TASK_WORDS (serving.h)
+TASK_WORDS = 20  # EM_TASK_WORDS (serving.h)
 
 
 def run_native(calls: list, threads: int) -> list:
@@ -781,11 +783,12 @@ def prepare_sparse_bag_combine(
 ):
     """`prepare_bag_combine` for 2-D sparse input whose bags are the rows of COO
     `indices [n, 2]`, checked (inside `dense_shape`, row-major order, no repeats)
-    in the kernel's own pass instead of a pass deriving offsets first: the run
-    raises `BadSparseIndex(k)` for the first bad index (before any bad id),
-    `IdOutOfRange` as `bag_combine`. Only with the C++ kernels, a float32 table
-    of a dim their one-pass kernel covers, signed int32/int64 ids and indices;
-    dims up to `SPARSE_ONE_PASS_MAX_DIM`; None otherwise (the caller takes
+    when the kernels run, not now: the run raises `BadSparseIndex(k)` for the first
+    bad index (before any bad id), `IdOutOfRange` as `bag_combine`. Dims up to
+    `SPARSE_ONE_PASS_MAX_DIM` check the indices in the bag kernel's own pass;
+    wider rows derive the bag offsets first, in `run_native`'s first phase (in
+    parallel over features, no Python between). Only with the C++ kernels, a float32
+    table, signed int32/int64 ids and indices; None otherwise (the caller takes
     `sparse_offsets` + `prepare_bag_combine`)."""
     if (_backend or get_backend()) != "native":
         return None
@@ -806,8 +809,9 @@ def prepare_sparse_bag_combine(
     if not _MAX_FUSED_DIM:
         _MAX_FUSED_DIM.append(int(_LIB.EmServingMaxFusedDim()))
     dim = table.shape[1]
-    if not 0 < dim <= min(_MAX_FUSED_DIM[0], SPARSE_ONE_PASS_MAX_DIM):
+    if dim <= 0:
         return None
+    one_pass = dim <= min(_MAX_FUSED_DIM[0], SPARSE_ONE_PASS_MAX_DIM)
     mode = combiner_code(combiner)
     if weights is not None:
         weights = np.ascontiguousarray(weights, dtype=np.float32)
@@ -839,7 +843,13 @@ def prepare_sparse_bag_combine(
         dim,
     )
     keep = (table, ids, indices, weights)
-    return _NativeSparseCall(_LIB.EmServingSparseBagF32, args, keep, out, ids, table.shape[0])
+    if one_pass:
+        return _NativeSparseCall(_LIB.EmServingSparseBagF32, args, keep, out, ids, table.shape[0])
+    offsets = np.empty(num_rows + 1, np.int64)  # written by the run's first phase
+    bag_args = (*args[:6], _addr(offsets), num_rows, *args[11:])
+    more = (_addr(indices), int(indices.dtype == np.int64), ids.shape[0], num_cols)
+    keep = (*keep, offsets)
+    return _NativeSparseCall(None, (*bag_args, *more), keep, out, ids, table.shape[0], 3)
 
 
 def _sparse_offsets_native(indices, shape, num_rows):

@@ -23,7 +23,7 @@
 namespace embedmesh_serving_runner {
 namespace {
 
-constexpr int64_t kBag = 0, kSparseBag = 1, kGather = 2;
+constexpr int64_t kBag = 0, kSparseBag = 1, kGather = 2, kSparseOffsetsBag = 3;
 constexpr int64_t kMinChunkEntries = 4096;  // below this a chunk's start-up costs show
 
 // A piece of one task: bags [lo, hi) of a bag task, ids [lo, hi) of a gather, or a whole
@@ -39,10 +39,12 @@ inline T* ptr(int64_t w) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(w));
 }
 
-// Entries of task t (the unit chunks are sized in).
+// Entries of task t (the unit chunks are sized in; a sparse offsets task's bag part once
+// its offsets are written).
 int64_t entries(const int64_t* w) {
   switch (w[0]) {
-    case kBag: {
+    case kBag:
+    case kSparseOffsetsBag: {
       const int64_t* offsets = ptr<const int64_t>(w[7]);
       return offsets[w[8]] - offsets[0];
     }
@@ -85,11 +87,23 @@ void split(const int64_t* w, int64_t t, int64_t target, std::vector<Chunk>& out)
   }
 }
 
+// The first phase of a sparse offsets task: its bag offsets from its COO indices
+// (checked: inside the dense shape, row-major, no repeats); -1 or -2 - the first bad
+// index (EmServingSparseBagF32's convention).
+int64_t run_offsets(const int64_t* tasks, const Chunk& c) {
+  const int64_t* w = words(tasks, c.task);
+  const int64_t shape[2] = {w[8], w[18]};
+  const int64_t bad = EmServingSparseOffsets(ptr<const void>(w[15]), static_cast<int32_t>(w[16]),
+                                             w[17], 2, shape, ptr<int64_t>(w[7]));
+  return bad >= 0 ? -2 - bad : -1;
+}
+
 // Run one chunk; the result as its whole task's kernel would give it for those entries.
 int64_t run_chunk(const int64_t* tasks, const Chunk& c) {
   const int64_t* w = words(tasks, c.task);
   switch (w[0]) {
-    case kBag: {
+    case kBag:
+    case kSparseOffsetsBag: {
       const int64_t out_stride = w[14];
       return EmServingBagF32(ptr<const float>(w[1]), w[2], w[3], w[4], ptr<const void>(w[5]),
                              static_cast<int32_t>(w[6]), ptr<const int64_t>(w[7]) + c.lo,
@@ -120,16 +134,22 @@ struct Job {
   const Chunk* chunks;
   int64_t n_chunks;
   int64_t* chunk_results;
-  int helpers;  // pool threads wanted besides the caller
+  int64_t (*run)(const int64_t*, const Chunk&);
+  int helpers = 0;  // pool threads wanted besides the caller
   std::atomic<int64_t> next{0};
 
   void work() {
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_chunks;
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      chunk_results[i] = run_chunk(tasks, chunks[i]);
+      chunk_results[i] = run(tasks, chunks[i]);
     }
   }
 };
+
+// Run `chunks` with `run` on up to `threads` threads; their results in `chunk_results`.
+void run_all(const int64_t* tasks, const std::vector<Chunk>& chunks,
+             int64_t (*run)(const int64_t*, const Chunk&), int64_t threads,
+             std::vector<int64_t>& chunk_results);
 
 // Threads that sleep between requests. One request uses it at a time; another request
 // arriving meanwhile runs on its own thread alone (a server with its own request
@@ -196,6 +216,26 @@ Pool* pool() {
   return g_pool;
 }
 
+void run_all(const int64_t* tasks, const std::vector<Chunk>& chunks,
+             int64_t (*run)(const int64_t*, const Chunk&), int64_t threads,
+             std::vector<int64_t>& chunk_results) {
+  chunk_results.assign(chunks.size(), -1);
+  Job job;
+  job.tasks = tasks;
+  job.chunks = chunks.data();
+  job.n_chunks = static_cast<int64_t>(chunks.size());
+  job.chunk_results = chunk_results.data();
+  job.run = run;
+  const int use = static_cast<int>(std::min<int64_t>(threads, job.n_chunks));
+  Pool* p = use > 1 ? pool() : nullptr;
+  if (p != nullptr && p->busy.try_lock()) {
+    p->run(job, use);
+    p->busy.unlock();
+  } else {
+    job.work();
+  }
+}
+
 }  // namespace
 }  // namespace embedmesh_serving_runner
 
@@ -206,32 +246,34 @@ extern "C" {
 int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int64_t* results) {
   for (int64_t t = 0; t < n_tasks; ++t) {
     const int64_t kind = words(tasks, t)[0];
-    if (kind != kBag && kind != kSparseBag && kind != kGather) return t;
+    if (kind != kBag && kind != kSparseBag && kind != kGather && kind != kSparseOffsetsBag) {
+      return t;
+    }
   }
-  int64_t total = 0;
-  for (int64_t t = 0; t < n_tasks; ++t) total += entries(words(tasks, t));
-  const int64_t target =
-      threads > 1 ? std::max(kMinChunkEntries, total / (threads * 4)) : 0;
-  std::vector<Chunk> chunks;
-  chunks.reserve(static_cast<size_t>(n_tasks) * 4);
-  for (int64_t t = 0; t < n_tasks; ++t) split(words(tasks, t), t, target, chunks);
-  std::vector<int64_t> chunk_results(chunks.size(), -1);
-  Job job;
-  job.tasks = tasks;
-  job.chunks = chunks.data();
-  job.n_chunks = static_cast<int64_t>(chunks.size());
-  job.chunk_results = chunk_results.data();
-  const int use = static_cast<int>(std::min<int64_t>(threads, job.n_chunks));
-  Pool* p = use > 1 ? pool() : nullptr;
-  if (p != nullptr && p->busy.try_lock()) {
-    p->run(job, use);
-    p->busy.unlock();
-  } else {
-    job.helpers = 0;
-    job.work();
-  }
-  // each task's result: its first chunk (in entry order) that did not succeed
   for (int64_t t = 0; t < n_tasks; ++t) results[t] = -1;
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> chunk_results;
+  // phase 1: the offsets of sparse offsets tasks, a task a chunk
+  for (int64_t t = 0; t < n_tasks; ++t) {
+    if (words(tasks, t)[0] == kSparseOffsetsBag) chunks.push_back({t, 0, 0});
+  }
+  if (!chunks.empty()) {
+    run_all(tasks, chunks, &run_offsets, threads, chunk_results);
+    for (size_t i = 0; i < chunks.size(); ++i) results[chunks[i].task] = chunk_results[i];
+    chunks.clear();
+  }
+  // phase 2: every kernel (but those whose indices were bad), in chunks
+  int64_t total = 0;
+  for (int64_t t = 0; t < n_tasks; ++t) {
+    if (results[t] == -1) total += entries(words(tasks, t));
+  }
+  const int64_t target = threads > 1 ? std::max(kMinChunkEntries, total / (threads * 4)) : 0;
+  chunks.reserve(static_cast<size_t>(n_tasks) * 4);
+  for (int64_t t = 0; t < n_tasks; ++t) {
+    if (results[t] == -1) split(words(tasks, t), t, target, chunks);
+  }
+  run_all(tasks, chunks, &run_chunk, threads, chunk_results);
+  // each task's result: its first chunk (in entry order) that did not succeed
   for (size_t i = chunks.size(); i-- > 0;) {
     if (chunk_results[i] != -1) results[chunks[i].task] = chunk_results[i];
   }

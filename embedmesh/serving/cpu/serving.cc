@@ -717,12 +717,86 @@ int64_t sparse_offsets_2d_fast(const I* idx, int64_t n, int64_t num_rows, int64_
   return -1;
 }
 
+#if defined(__AVX512F__)
+// sparse_offsets_2d_fast for int64 indices, 8 entries a step: the rows and columns of
+// 8 entries deinterleaved into two vectors, checked against the bounds and against the
+// entry before each (the previous step's last one for the first) into a mask, and each
+// row's end written only by the lanes that end a row in the step (plus the step's
+// last lane), with one masked scatter. Entries per lane and order as the scalar loop,
+// so a bad step hands over to sparse_offsets_2d as that loop's bad block does. The 327k
+// entries of serving.py's 8 features (`kernels.sparse_offsets` from Python, hot caches):
+// 0.86 -> 0.46 ms, where numpy's sum over the same bytes takes 0.21-0.25 ms.
+int64_t sparse_offsets_2d_avx512(const int64_t* idx, int64_t n, int64_t num_rows,
+                                 int64_t num_cols, int64_t* offsets) {
+  if (n < 8 || num_rows <= 0 || num_cols <= 0) {
+    return sparse_offsets_2d_fast(idx, n, num_rows, num_cols, offsets);
+  }
+  std::memset(offsets, 0, static_cast<size_t>(num_rows + 1) * sizeof(int64_t));
+  const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m512i odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+  const __m512i R = _mm512_set1_epi64(num_rows), C = _mm512_set1_epi64(num_cols);
+  const __m512i one = _mm512_set1_epi64(1);
+  __m512i prev_rows = _mm512_set1_epi64(-1), prev_cols = _mm512_setzero_si512();
+  __m512i k1 = _mm512_add_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), one);  // k + 1
+  const __m512i eight = _mm512_set1_epi64(8);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m512i a = _mm512_loadu_si512(idx + 2 * k), b = _mm512_loadu_si512(idx + 2 * k + 8);
+    const __m512i rows = _mm512_permutex2var_epi64(a, even, b);
+    const __m512i cols = _mm512_permutex2var_epi64(a, odd, b);
+    // the entry before each lane: [previous step's last, lanes 0..6]
+    const __m512i pr = _mm512_alignr_epi64(rows, prev_rows, 7);
+    const __m512i pc = _mm512_alignr_epi64(cols, prev_cols, 7);
+    __mmask8 ok = _mm512_cmplt_epu64_mask(rows, R) & _mm512_cmplt_epu64_mask(cols, C);
+    ok &= _mm512_cmpgt_epi64_mask(rows, pr) |
+          (_mm512_cmpeq_epi64_mask(rows, pr) & _mm512_cmpgt_epi64_mask(cols, pc));
+    if (ok != 0xFF) return sparse_offsets_2d(idx, n, num_rows, num_cols, offsets);
+    // lanes whose next entry starts another row, and the last lane
+    const __mmask8 ends =
+        _mm512_cmpneq_epi64_mask(rows, _mm512_alignr_epi64(rows, rows, 1)) | 0x80;
+    _mm512_mask_i64scatter_epi64(offsets + 1, ends, rows, k1, 8);
+    k1 = _mm512_add_epi64(k1, eight);
+    prev_rows = rows;
+    prev_cols = cols;
+  }
+  int64_t prev_row = k > 0 ? idx[2 * (k - 1)] : -1, prev_col = k > 0 ? idx[2 * k - 1] : 0;
+  const uint64_t Ru = static_cast<uint64_t>(num_rows), Cu = static_cast<uint64_t>(num_cols);
+  for (; k < n; ++k) {
+    const int64_t row = idx[2 * k], col = idx[2 * k + 1];
+    const bool good = (static_cast<uint64_t>(row) < Ru) & (static_cast<uint64_t>(col) < Cu) &
+                      ((row > prev_row) | ((row == prev_row) & (col > prev_col)));
+    if (!good) return sparse_offsets_2d(idx, n, num_rows, num_cols, offsets);
+    offsets[row + 1] = k + 1;
+    prev_row = row;
+    prev_col = col;
+  }
+  int64_t run = 0;
+  for (int64_t r = 1; r <= num_rows; ++r) {
+    run = offsets[r] > run ? offsets[r] : run;
+    offsets[r] = run;
+  }
+  return -1;
+}
+#endif
+
+template <typename I>
+int64_t sparse_offsets_2d_best(const I* idx, int64_t n, int64_t num_rows, int64_t num_cols,
+                               int64_t* offsets) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(I) == 8) {
+    return sparse_offsets_2d_avx512(reinterpret_cast<const int64_t*>(idx), n, num_rows,
+                                    num_cols, offsets);
+  }
+#endif
+  return sparse_offsets_2d_fast(idx, n, num_rows, num_cols, offsets);
+}
+
 template <typename I>
 int64_t sparse_offsets(const I* idx, int64_t n, int64_t rank, const int64_t* shape,
                        int64_t* offsets) {
   int64_t num_rows = 1;
   for (int64_t d = 0; d + 1 < rank; ++d) num_rows *= shape[d];
-  if (rank == 2) return sparse_offsets_2d_fast(idx, n, shape[0], shape[1], offsets);
+  if (rank == 2) return sparse_offsets_2d_best(idx, n, shape[0], shape[1], offsets);
   int64_t cur = 0, prev_row = -1, prev_col = -1;
   offsets[0] = 0;
   for (int64_t k = 0; k < n; ++k) {

@@ -55,12 +55,16 @@ int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
 // One request's kernels in one call. `tasks`: n_tasks rows of EM_TASK_WORDS int64 words,
 // each a kind (0: EmServingBagF32, 1: EmServingSparseBagF32, 2: EmServingGather) then
 // that function's arguments in order (pointers and NULL as integers), unused words 0.
+// Kind 3, 2-D sparse input: EmServingBagF32's arguments, then the COO indices [n, 2], whether
+// they are int64, n, and the dense shape's column count; the bag offsets (its `offsets`
+// argument, num_rows + 1 values) are written from the indices first (as
+// EmServingSparseOffsets; a bad index k gives the result -2 - k, and no bag is summed).
 // Bag tasks are split into chunks of whole bags, gathers into id ranges, of about equal
 // entries, run on `threads` threads: the caller's, plus a pool started at first use (a
 // request arriving while another holds the pool runs on its caller's thread alone).
 // results[t]: what task t's function returns for all of its entries. Returns -1, or the
 // first task of an unknown kind (then nothing ran).
-#define EM_TASK_WORDS 18
+#define EM_TASK_WORDS 20
 int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int64_t* results);
 
 // Cache lines of rows prefetched ahead (default 128; the bag kernels' entries ahead are
