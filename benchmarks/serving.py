@@ -228,10 +228,19 @@ class Calls(list):
     setup = None
 
 
-def torch_contender(tables, batches, max_len, args, threads: int):
+def torch_contender(tables, batches, max_len, args, threads: int, coo: bool = False):
+    """torch's `embedding_bag` (dense: `embedding`) on the same tables. Ragged and sparse
+    input both reach it as ids + bag offsets, given for free; with `coo` (sparse input
+    only: torch-coo) it is handed what embedmesh and TensorFlow get, the COO indices,
+    and derives the offsets from their rows itself (`bincount`, an exclusive `cumsum`;
+    it checks nothing of the indices, where embedmesh checks each)."""
     weights = [torch.from_numpy(t) for t in tables]  # shares the numpy tables' memory
 
     def prepare(kind, combiner):
+        if coo and kind != "sparse":
+            return None
+        if coo:
+            return _torch_coo_calls(batches, weights, combiner, threads, args.batch)
         calls = Calls()
         calls.setup = lambda: torch.set_num_threads(threads)
         for feats in batches:
@@ -258,6 +267,25 @@ def torch_contender(tables, batches, max_len, args, threads: int):
         return calls
 
     return prepare
+
+
+def _torch_coo_calls(batches, weights, combiner, threads, batch):
+    calls = Calls()
+    calls.setup = lambda: torch.set_num_threads(threads)
+    for feats in batches:
+        ins = [(torch.from_numpy(f["ids"]), torch.from_numpy(sparse_indices(f))) for f in feats]
+
+        def call(ins=ins):
+            with torch.inference_mode():
+                outs = []
+                for (x, idx), w in zip(ins, weights):
+                    counts = torch.bincount(idx[:, 0], minlength=batch)
+                    offsets = torch.cumsum(counts, 0) - counts
+                    outs.append(F.embedding_bag(x, w, offsets, mode=combiner))
+                return outs
+
+        calls.append(call)
+    return calls
 
 
 def as_numpy(x):
@@ -354,7 +382,9 @@ def main(argv=None):
         default="embedmesh[native],embedmesh[native-Nt],tf.function,torch,torch[1t]",
         help="comma-separated; embedmesh[B] (B: native, numba, numpy) runs the host path on "
         "kernel backend B, embedmesh[B-Nt] spreads features over one thread per core; "
-        "tf.function, tf.eager, torch (default threads), torch[1t], jax.jit (the traced path)",
+        "tf.function, tf.eager, torch (default threads), torch[1t], torch-coo, torch-coo[1t] "
+        "(sparse input: torch derives its offsets from the COO indices), jax.jit (the traced "
+        "path)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -378,7 +408,11 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
     if args.clock == "thread":
-        multi = [c for c in args.contenders.split(",") if c.endswith("-Nt]") or c == "torch"]
+        multi = [
+            c
+            for c in args.contenders.split(",")
+            if c.endswith("-Nt]") or c in ("torch", "torch-coo")
+        ]
         multi += [c for c in args.contenders.split(",") if c.startswith("tf.")]
         if multi:
             p.error(f"--clock thread times 1-thread contenders only, not {multi}")
@@ -453,6 +487,14 @@ def make_contenders(tables, batches, max_len, args) -> dict:
             )
         if "torch[1t]" in wanted and default_threads != 1:
             contenders["torch[1t]"] = torch_contender(tables, batches, max_len, args, 1)
+        if "torch-coo" in wanted:  # sparse input only: offsets from the COO indices
+            contenders[f"torch-coo[{default_threads}t]"] = torch_contender(
+                tables, batches, max_len, args, default_threads, coo=True
+            )
+        if "torch-coo[1t]" in wanted and default_threads != 1:
+            contenders["torch-coo[1t]"] = torch_contender(
+                tables, batches, max_len, args, 1, coo=True
+            )
     if "jax.jit" in wanted:
         contenders["jax.jit"] = jit_contender(tables, batches, max_len, args)
     return contenders
@@ -480,6 +522,7 @@ def run_dim(args) -> list:
             label = f"{kind}" + ("" if kind == "dense" else f"/{combiner}")
             n_ids = statistics.mean(ids_in(kind, b) for b in batches)  # per call
             calls = {name: prep(kind, combiner) for name, prep in contenders.items()}
+            calls = {name: cs for name, cs in calls.items() if cs is not None}
             # Warm up (tracing, jit, caches) and check outputs against TensorFlow.
             outs = {}
             for name, cs in calls.items():

@@ -323,9 +323,8 @@ def test_sparse_bag_errors_bad_index_first(dim, monkeypatch):
 @pytest.mark.parametrize("case", ["good", "bad_id", "bad_index", "both", "weights"])
 def test_lookup_sparse_one_pass_equals_offsets_path(case, dim, monkeypatch):
     """serving_embedding_lookup on 2-D sparse input: the kernels that check the indices
-    when they run (the one-pass kernel at dim 17, offsets in EmServingRun's first phase
-    at 64) give the Python offsets path's outputs bit for bit and its errors word for
-    word."""
+    when they run (offsets in EmServingRun's first phase) give the Python offsets path's
+    outputs bit for bit and its errors word for word."""
     import embedmesh as em
 
     rng = np.random.default_rng(7)
@@ -434,8 +433,8 @@ def test_sparse_offsets_8_entries_a_step(counts, idx64, damage, where, seed):
 
 def _task(rng, kind, n, dim, vocab, bad=()):
     """A prepared native call of `kind` (bag, sparse, gather) over ~n entries, with ids
-    outside the table at the entries in `bad` (sparse: the one-pass kernel up to
-    SPARSE_ONE_PASS_MAX_DIM, offsets in the run's first phase above)."""
+    outside the table at the entries in `bad` (sparse: the one-pass kernel, task kind 1,
+    or offsets in the run's first phase, kind 3, drawn)."""
     table = rng.standard_normal((vocab, dim)).astype(np.float32)
     if kind == "gather":
         ids = rng.integers(0, vocab, n)
@@ -450,7 +449,16 @@ def _task(rng, kind, n, dim, vocab, bad=()):
     combiner = rng.choice(["sum", "mean", "sqrtn"])
     if kind == "sparse":
         idx, width = _coo(offsets, rng)
-        return lambda: kernels.prepare_sparse_bag_combine(
+        one_pass_max = int(rng.choice([0, 10**6]))
+
+        def sparse():
+            limit, kernels.SPARSE_ONE_PASS_MAX_DIM = kernels.SPARSE_ONE_PASS_MAX_DIM, one_pass_max
+            try:
+                return sparse_call()
+            finally:
+                kernels.SPARSE_ONE_PASS_MAX_DIM = limit
+
+        sparse_call = lambda: kernels.prepare_sparse_bag_combine(
             table,
             ids,
             idx,
@@ -460,6 +468,7 @@ def _task(rng, kind, n, dim, vocab, bad=()):
             prune_ids=True,
             prune_weights=w is not None,
         )
+        return sparse
     return lambda: kernels.prepare_bag_combine(
         table, ids, offsets, w, combiner, prune_ids=True, prune_weights=w is not None
     )

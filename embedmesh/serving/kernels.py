@@ -766,8 +766,12 @@ _MAX_FUSED_DIM: list = []  # [EmServingMaxFusedDim()] once asked
 # 1.08-1.11x the speed of offsets then bag at dims 16 / 32 / 64, 0.94-0.95x at dim 128
 # (2026-12-03, wall clock); once the bag kernel prefetched only the first line of rows
 # over 3 lines (same day, thread CPU time, 11 rounds): 1.22x / 1.00x / 0.83x at 16 / 32 /
-# 64, so dims over 32 take the offsets pass and the bag kernel.
-SPARSE_ONE_PASS_MAX_DIM = 32
+# 64, so dims over 32 took the offsets pass and the bag kernel. Once the bag kernel's
+# walk was cut to ~14 instructions an entry and the offsets pass went 8 entries a step
+# (later the same day, quiet machine, thread CPU time, 11 rounds): one pass 0.95x / 0.89x
+# at dims 16 / 32 (0.78x at 64), so no dim takes it now: 0. The kernel stays, the
+# baseline of that A/B (serving_sparse_ab.py) and tested as any other.
+SPARSE_ONE_PASS_MAX_DIM = 0
 
 
 def prepare_sparse_bag_combine(
