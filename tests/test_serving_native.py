@@ -492,9 +492,10 @@ def _outcome(call, code=None):
     seed=st.integers(0, 2**31),
 )
 def test_run_native_equals_each_kernel_alone(kinds, threads, sizes, dims, bad, bad_task, seed):
-    """One EmServingRun over a request's kernels (split into chunks of whole bags or id
-    ranges on 1-4 threads) gives each kernel's own output bit for bit, and its own error:
-    the first bad entry of the whole task whichever chunk holds it."""
+    """A request's kernels in one EmServingRun, or handed over one by one (split into
+    chunks of whole bags or id ranges on 1-4 threads), give each kernel's own output bit
+    for bit, and its own error: the first bad entry of the whole task whichever chunk
+    holds it."""
     rng = np.random.default_rng(seed)
     makers = []
     for i, kind in enumerate(kinds):
@@ -504,7 +505,13 @@ def test_run_native_equals_each_kernel_alone(kinds, threads, sizes, dims, bad, b
     alone = [_outcome(make()) for make in makers]
     calls = [make() for make in makers]
     assert all(kernels.is_native_call(c) for c in calls)
-    codes = kernels.run_native(calls, threads)
+    if seed % 2:  # one call (EmServingRun)
+        codes = kernels.run_native(calls, threads)
+    else:  # handed over one by one (EmServingOpen / Add / Close)
+        request = kernels.NativeRequest(len(calls), threads)
+        for c in calls:
+            request.add(c)
+        codes = request.close()
     together = [_outcome(c, code) for c, code in zip(calls, codes)]
     for a, t in zip(alone, together):
         if isinstance(a, tuple):
@@ -565,3 +572,61 @@ def test_run_native_in_a_forked_child():
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's request did not finish (a pool without threads?)")
+
+
+def _lookup_problem(rng, n_features=6, dim=24, batch=3000):
+    import embedmesh as em
+
+    tcs = [em.TableConfig(500, dim, combiner="mean", name=f"t{i}") for i in range(n_features)]
+    fcs = {f"f{i}": em.FeatureConfig(tc, name=f"f{i}") for i, tc in enumerate(tcs)}
+    tables = {tc: rng.standard_normal((500, dim)).astype(np.float32) for tc in tcs}
+    inputs = {}
+    for i in range(n_features):
+        lengths = rng.poisson(5, batch)
+        splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        inputs[f"f{i}"] = em.RaggedTensor(rng.integers(0, 500, int(splits[-1])), splits)
+    return fcs, tables, inputs
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_lookup_on_threads_hands_features_over_as_prepared(threads):
+    """The lookup on several threads (each feature handed to the pool once prepared)
+    equals the lookup on one, with a feature in the middle that is no C++ kernel call
+    (uint64 ids: the kernels' error names them as given) and one whose input is bad
+    (its error, and the lookups after it still right: the request was closed)."""
+    import embedmesh as em
+    from embedmesh.serving import lookup
+
+    rng = np.random.default_rng(11)
+    fcs, tables, inputs = _lookup_problem(rng)
+    mixed = dict(inputs)
+    mixed["f2"] = em.RaggedTensor(inputs["f2"].values.astype(np.uint64), inputs["f2"].row_splits)
+    previous = lookup.set_host_threads(1)
+    try:
+        want = {
+            k: np.asarray(v)
+            for k, v in em.serving_embedding_lookup(mixed, None, tables, fcs).items()
+        }
+        lookup.set_host_threads(threads)
+        for _ in range(3):
+            got = em.serving_embedding_lookup(mixed, None, tables, fcs)
+            for k in want:
+                np.testing.assert_array_equal(np.asarray(got[k]), want[k])
+        bad = dict(inputs)
+        splits = np.array(inputs["f4"].row_splits)
+        splits[5] = splits[4] - 1  # decreasing
+        bad["f4"] = em.RaggedTensor(inputs["f4"].values, splits)
+        with pytest.raises(ValueError, match="f4"):
+            em.serving_embedding_lookup(bad, None, tables, fcs)
+        bad_id = dict(inputs)
+        ids = np.array(inputs["f3"].values)
+        ids[-1] = 500
+        bad_id["f3"] = em.RaggedTensor(ids, inputs["f3"].row_splits)
+        with pytest.raises(ValueError, match="f3"):
+            em.serving_embedding_lookup(bad_id, None, tables, fcs)
+        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        for k in want:
+            if k != "f2":
+                np.testing.assert_array_equal(np.asarray(got[k]), want[k])
+    finally:
+        lookup.set_host_threads(previous)

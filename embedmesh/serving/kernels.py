@@ -159,6 +159,7 @@ class _BufferPool:
         self.limit = int(limit)
         self._bufs: list[np.ndarray] = []
         self._starts: list[int] = []  # offset of the first 64-byte aligned byte of each
+        self._addrs: list[int] = []  # that byte's address (for the C++ kernels)
         self._bytes = 0
         self.release = None  # called before allocating afresh (see set_release_hook)
         self._lock = threading.Lock()
@@ -166,34 +167,43 @@ class _BufferPool:
         self.enabled = gil is None or bool(gil())
 
     def empty(self, shape, dtype) -> np.ndarray:
+        return self.empty_at(shape, dtype)[0]
+
+    def empty_at(self, shape, dtype) -> tuple[np.ndarray, int]:
+        """`empty`, and the array's address (remembered per pooled buffer: reading it
+        from numpy costs ~1 us, and a call takes 8+ buffers)."""
         # cheap on purpose: the serving lookup takes 8+ buffers per call, on caches
         # its kernels have just flushed
         dtype = np.dtype(dtype)
         shape = tuple(map(int, shape))
         nbytes = math.prod(shape) * dtype.itemsize
         if not self.enabled or nbytes == 0 or dtype.hasobject:
-            return aligned_empty(shape, dtype)
+            out = aligned_empty(shape, dtype)
+            return out, _addr(out)
         size = nbytes + _ALIGN
         with self._lock:  # between finding a free buffer and viewing it, no other taker
-            found = self._free(size)
-            if found is None and self.release is not None:
+            i = self._free(size)
+            if i is None and self.release is not None:
                 self.release()
-                found = self._free(size)
-            if found is not None:
-                raw, start = found
-                return np.ndarray(shape, dtype, buffer=raw, offset=start)
+                i = self._free(size)
+            if i is not None:
+                out = np.ndarray(shape, dtype, buffer=self._bufs[i], offset=self._starts[i])
+                return out, self._addrs[i]
             raw, start = _runtime.aligned_buffer(nbytes, _ALIGN)
+            out = np.ndarray(shape, dtype, buffer=raw, offset=start)
+            addr = _addr(out)
             if self._bytes + size > self.limit:
                 self._evict(self._bytes + size - self.limit)
             if self._bytes + size <= self.limit:
                 self._bufs.append(raw)
                 self._starts.append(start)
+                self._addrs.append(addr)
                 self._bytes += size
-            return np.ndarray(shape, dtype, buffer=raw, offset=start)
+            return out, addr
 
     def _evict(self, nbytes: int) -> None:
         """Drop free buffers, oldest first, until `nbytes` are dropped (or none is free)."""
-        keep, starts = [], []
+        keep, starts, addrs = [], [], []
         for i in range(len(self._bufs)):
             buf = self._bufs[i]  # by index: zip's reused tuple would hold another reference
             if nbytes > 0 and sys.getrefcount(buf) == 3:  # list, loop variable, argument
@@ -202,20 +212,21 @@ class _BufferPool:
             else:
                 keep.append(buf)
                 starts.append(self._starts[i])
-        self._bufs, self._starts = keep, starts
+                addrs.append(self._addrs[i])
+        self._bufs, self._starts, self._addrs = keep, starts, addrs
 
     def _free(self, size):
-        """(raw buffer, aligned start) of a free buffer of `size` bytes, or None."""
+        """The index of a free buffer of `size` bytes, or None."""
         bufs = self._bufs
         for i in range(len(bufs)):
             # 2 references: the list's and getrefcount's argument
             if bufs[i].shape[0] == size and sys.getrefcount(bufs[i]) == 2:
-                return bufs[i], self._starts[i]
+                return i
         return None
 
     def clear(self) -> None:
         with self._lock:
-            self._bufs, self._starts, self._bytes = [], [], 0
+            self._bufs, self._starts, self._addrs, self._bytes = [], [], [], 0
 
 
 _pool = _BufferPool(_runtime.output_pool_bytes())  # EMBEDMESH_OUTPUT_POOL_MB
@@ -238,6 +249,18 @@ def set_output_pool_limit(nbytes: int) -> int:
 def output_empty(shape, dtype) -> np.ndarray:
     """An aligned output array, from the reuse pool when one is free."""
     return _pool.empty(shape, dtype)
+
+
+def _output_at(shape, dtype) -> tuple[np.ndarray, int]:
+    """`output_empty` and the output's address, for the C++ kernels. Goes through
+    `output_empty` when that has been replaced (tests poison the outputs it gives)."""
+    if output_empty is not _OUTPUT_EMPTY:
+        out = output_empty(shape, dtype)
+        return out, _addr(out)
+    return _pool.empty_at(shape, dtype)
+
+
+_OUTPUT_EMPTY = output_empty
 
 
 class BadSparseIndex(ValueError):
@@ -586,7 +609,7 @@ class _NativeCall:
     alone (`call()`), or with a request's other kernels in one `run_native` call
     (`words`: its task for `EmServingRun`)."""
 
-    __slots__ = ("fn", "args", "keep", "out", "ids", "vocab", "kind")
+    __slots__ = ("fn", "args", "keep", "out", "ids", "vocab", "kind", "_words")
 
     KIND = 0  # EmServingRun's task kind: 0 bag, 1 sparse bag, 2 gather, 3 sparse offsets + bag
 
@@ -594,16 +617,19 @@ class _NativeCall:
         self.fn, self.args, self.keep, self.out = fn, args, keep, out
         self.ids, self.vocab = ids, vocab
         self.kind = self.KIND if kind is None else kind
+        self._words = None
 
     def __call__(self) -> np.ndarray:
         if self.fn is None:  # a task only EmServingRun runs (kind 3)
             return self.finish(run_native([self], 1)[0])
         return self.finish(self.fn(*self.args))
 
-    def words(self) -> list:
+    def words(self) -> tuple:
         """Its task row for `EmServingRun`: the kind, then the arguments (None as 0)."""
-        w = [self.kind, *(0 if a is None else a for a in self.args)]
-        return w + [0] * (TASK_WORDS - len(w))
+        if self._words is None:
+            w = (self.kind, *[0 if a is None else a for a in self.args])
+            self._words = w + (0,) * (TASK_WORDS - len(w))
+        return self._words
 
     def finish(self, bad: int) -> np.ndarray:
         """The output, given what the kernel returned (an error raised)."""
@@ -625,6 +651,43 @@ def run_native(calls: list, threads: int) -> list:
     if bad >= 0:  # pragma: no cover - every kind here is one the library knows
         raise RuntimeError(f"EmServingRun: unknown task kind in task {bad}")
     return results.tolist()
+
+
+class NativeRequest:
+    """A request's C++ kernels handed over one by one as they are prepared
+    (`EmServingOpen` / `Add` / `Close`): with more than one thread, the pool starts on
+    the first feature while the caller prepares the next. `close()` must follow
+    `open`, whatever happens in between (it waits for the kernels already running,
+    which write into buffers the caller owns)."""
+
+    __slots__ = ("_handle", "_tasks", "_addr", "calls")
+
+    def __init__(self, max_tasks: int, threads: int):
+        self._tasks = np.zeros((max(max_tasks, 1), TASK_WORDS), np.int64)
+        self._addr = _addr(self._tasks)
+        self.calls: list = []
+        self._handle = _LIB.EmServingOpen(max_tasks, max(int(threads), 1))
+
+    def add(self, call) -> None:
+        """Hand `call` (a `_NativeCall`) to the pool now."""
+        i = len(self.calls)
+        self._tasks[i] = call.words()
+        if _LIB.EmServingAdd(self._handle, self._addr + i * TASK_WORDS * 8) != -1:
+            raise RuntimeError("EmServingAdd: an unknown task kind, or more than max_tasks")
+        self.calls.append(call)
+
+    def close(self) -> list:
+        """Wait for every added call; what each returned, for its `finish`."""
+        results = np.empty(max(len(self.calls), 1), np.int64)
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            _LIB.EmServingClose(handle, _addr(results))
+        return results[: len(self.calls)].tolist()
+
+
+def native_in_use() -> bool:
+    """Whether the lookup's kernels are the C++ ones now (the backend in use)."""
+    return (_backend or get_backend()) == "native"
 
 
 def is_native_call(run) -> bool:
@@ -657,7 +720,7 @@ def _prepare_gather_native(table: np.ndarray, ids: np.ndarray):
     if table.dtype.hasobject or table.dtype.itemsize == 0:
         return lambda: _gather_numpy(table, ids)
     table = _row_major(table)
-    out = output_empty((ids.shape[0], table.shape[1]), table.dtype)
+    out, out_addr = _output_at((ids.shape[0], table.shape[1]), table.dtype)
     ids, is64 = _native_ids(ids)
     args = (
         _addr(table),
@@ -667,7 +730,7 @@ def _prepare_gather_native(table: np.ndarray, ids: np.ndarray):
         _addr(ids),
         is64,
         ids.shape[0],
-        _addr(out),
+        out_addr,
     )
     return _NativeCall(_LIB.EmServingGather, args, (table, ids), out, ids, table.shape[0], 2)
 
@@ -686,7 +749,7 @@ def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
         )
     table = _row_major(table)
     num_rows, dim = offsets.shape[0] - 1, table.shape[1]
-    out = output_empty((num_rows, dim), np.float32)
+    out, out_addr = _output_at((num_rows, dim), np.float32)
     ids, is64 = _native_ids(ids)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     has_w = weights is not None
@@ -703,7 +766,7 @@ def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
         mode,
         int(prune_ids),
         int(prune_w and has_w),
-        _addr(out),
+        out_addr,
         dim,
     )
     keep = (table, ids, offsets, weights)
@@ -825,7 +888,7 @@ def prepare_sparse_bag_combine(
     ids = np.ascontiguousarray(ids)
     indices = np.ascontiguousarray(indices)
     num_rows, num_cols = int(dense_shape[0]), int(dense_shape[1])
-    out = output_empty((num_rows, dim), np.float32)
+    out, out_addr = _output_at((num_rows, dim), np.float32)
     has_w = weights is not None
     args = (
         _addr(table),
@@ -843,7 +906,7 @@ def prepare_sparse_bag_combine(
         mode,
         int(prune_ids),
         int(prune_weights and has_w),
-        _addr(out),
+        out_addr,
         dim,
     )
     keep = (table, ids, indices, weights)

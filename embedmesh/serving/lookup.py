@@ -13,11 +13,13 @@ lookups, combined bags, sequences): the feature becomes an `inputs.Csr`
 the kernel's one pass) and a host kernel (`embedmesh.serving.kernels`) runs
 over the table's memory, range checking ids (a `ValueError` naming the
 feature). A call checks every feature and takes its output buffer first, then
-runs the kernels back to back (2-D sparse indices, at dims up to 32, are checked by
-their kernel's own pass: `kernels.prepare_sparse_bag_combine`): with the C++ kernels
-in one call (`kernels.run_native`), which splits them into chunks of whole bags over
-threads (`set_host_threads`, `EMBEDMESH_SERVING_THREADS`); other backends spread
-whole features over Python threads. Inside `jax.jit`/`jax.export` (traced inputs)
+runs the kernels back to back (2-D sparse indices are checked when the kernels run:
+`kernels.prepare_sparse_bag_combine`). The C++ kernels split
+every feature into chunks of whole bags over threads (`set_host_threads`,
+`EMBEDMESH_SERVING_THREADS`): with one thread in one call at the end
+(`kernels.run_native`), with more each feature handed to the pool as soon as it is
+prepared (`kernels.NativeRequest`); other backends spread whole features over Python
+threads. Inside `jax.jit`/`jax.export` (traced inputs)
 `_traced_lookup` builds per-entry rows from the same layout with masks at
 static shapes and computes with jax.numpy; ids out of range cannot raise there
 and read as zero rows.
@@ -338,19 +340,45 @@ def serving_embedding_lookup(
     # every input checked and every output buffer taken first, then the kernels
     # back to back: 6-9% faster than one feature after the other (see
     # kernels._KernelCall)
-    runs = [_prepare_host(*task[1:]) for task in host]
     threads = _host_threads or _runtime.serving_threads()
-    if runs and all(kernels.is_native_call(r.run) for r in runs):
-        # one C++ call, its own threads (chunks of bags: see kernels.run_native)
-        codes = kernels.run_native([r.run for r in runs], threads)
-        results = _finish_all(runs, codes)
-    elif threads > 1 and len(runs) > 1:
-        results = _run_on_threads(runs, min(threads, len(runs)))
+    if threads > 1 and host and kernels.native_in_use():
+        results = _run_handed_over(host, threads)
     else:
-        results = [run() for run in runs]
+        runs = [_prepare_host(*task[1:]) for task in host]
+        if runs and all(kernels.is_native_call(r.run) for r in runs):
+            # one C++ call (chunks of bags: see kernels.run_native)
+            codes = kernels.run_native([r.run for r in runs], threads)
+            results = _finish_all(runs, codes)
+        elif threads > 1 and len(runs) > 1:
+            results = _run_on_threads(runs, min(threads, len(runs)))
+        else:
+            results = [run() for run in runs]
     for task, arr in zip(host, _host_to_jax(results)):
         outputs[task[0]] = arr
     return _pack_like_inputs(resolved, inputs, outputs)
+
+
+def _run_handed_over(host: list, threads: int) -> list:
+    """The host lookups with the C++ kernels on `threads` threads, each feature's kernel
+    handed to the pool as soon as it is prepared (`kernels.NativeRequest`): the pool
+    sums the first features while this thread checks and prepares the next. Features
+    after one that is not a C++ kernel run here afterwards, in order."""
+    request = kernels.NativeRequest(len(host), threads)
+    runs = []
+    try:
+        for task in host:
+            run = _prepare_host(*task[1:])
+            runs.append(run)
+            if len(request.calls) == len(runs) - 1 and kernels.is_native_call(run.run):
+                request.add(run.run)
+    finally:
+        codes = request.close()  # also on an error: the kernels write buffers we hold
+    handed = len(codes)
+    done = _finish_all(runs[:handed], codes)
+    rest = runs[handed:]
+    if len(rest) > 1:
+        return done + _run_on_threads(rest, min(threads, len(rest)))
+    return done + [run() for run in rest]
 
 
 def _finish_all(runs: list, codes: list) -> list:

@@ -118,4 +118,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, symbol)
         fn.argtypes = argtypes
         fn.restype = _I64
+    # a request handed its tasks one by one (see serving.h)
+    lib.EmServingOpen.argtypes, lib.EmServingOpen.restype = [_I64, _I64], _P
+    lib.EmServingAdd.argtypes, lib.EmServingAdd.restype = [_P, _P], _I64
+    lib.EmServingClose.argtypes, lib.EmServingClose.restype = [_P, _P], None
     return lib

@@ -1,19 +1,24 @@
-// One serving request's kernels in one call, spread over a pool of threads (see
-// EmServingRun in serving.h).
+// One serving request's kernels, spread over a pool of threads (see EmServingRun and
+// EmServingOpen in serving.h).
 //
 // Why here and not in Python: a request is 8-30 kernel calls of 0.2-2 ms each. Spread over
 // Python threads, each feature was one unit of work (a thread holding a large feature
 // finished last), every call took the GIL around ctypes' argument conversion, and a pool
 // thread's wake-up cost tens of microseconds under load. Here every task is split into
-// chunks of whole bags (or id ranges) of about equal entries, the threads take chunks
-// from one atomic counter, and the request costs one ctypes call.
+// chunks of whole bags (or id ranges) of about equal entries, and the threads take chunks
+// from one atomic counter. A request can also be handed its tasks one by one
+// (EmServingOpen / Add / Close): the pool starts on the first feature's chunks while the
+// caller still checks and prepares the next ones in Python.
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -24,23 +29,31 @@ namespace embedmesh_serving_runner {
 namespace {
 
 constexpr int64_t kBag = 0, kSparseBag = 1, kGather = 2, kSparseOffsetsBag = 3;
-constexpr int64_t kMinChunkEntries = 4096;  // below this a chunk's start-up costs show
+constexpr int64_t kMinChunkEntries = 2048;  // below this a chunk's start-up costs show
+// Chunks of one task, at most, per thread: a request's last chunk leaves the other
+// threads idle while it runs, so chunks are small against a thread's share (8 features
+// on 2 threads, one chunk each: up to 1/8 of the work on one thread at the end).
+constexpr int64_t kChunksPerThread = 4;
 
-// A piece of one task: bags [lo, hi) of a bag task, ids [lo, hi) of a gather, or a whole
-// sparse bag task (its bags are found by reading its indices in order).
+// A piece of one task: bags [lo, hi) of a bag task, ids [lo, hi) of a gather, a whole
+// sparse bag task (its bags are found by reading its indices in order), or (offsets) the
+// first phase of a sparse offsets task.
 struct Chunk {
   int64_t task, lo, hi;
+  bool offsets;
 };
-
-inline const int64_t* words(const int64_t* tasks, int64_t t) { return tasks + t * EM_TASK_WORDS; }
 
 template <typename T>
 inline T* ptr(int64_t w) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(w));
 }
 
-// Entries of task t (the unit chunks are sized in; a sparse offsets task's bag part once
-// its offsets are written).
+bool known_kind(int64_t kind) {
+  return kind == kBag || kind == kSparseBag || kind == kGather || kind == kSparseOffsetsBag;
+}
+
+// Entries of a task (what chunks are sized in; a sparse offsets task's bag part once its
+// offsets are written).
 int64_t entries(const int64_t* w) {
   switch (w[0]) {
     case kBag:
@@ -55,19 +68,28 @@ int64_t entries(const int64_t* w) {
   }
 }
 
-// The chunks of task t, about `target` entries each (one when target <= 0).
-void split(const int64_t* w, int64_t t, int64_t target, std::vector<Chunk>& out) {
+// Pieces for a task of n entries on `threads` threads.
+int64_t pieces_for(int64_t n, int64_t threads) {
+  if (threads <= 1) return 1;
+  const int64_t by_size = (n + kMinChunkEntries - 1) / kMinChunkEntries;
+  return std::max<int64_t>(1, std::min(by_size, threads * kChunksPerThread));
+}
+
+// Append the chunks of task t (whose words are w) to `out`.
+template <typename Out>
+void split(const int64_t* w, int64_t t, int64_t threads, Out&& out) {
   const int64_t kind = w[0];
   const int64_t n = entries(w);
-  int64_t pieces = target > 0 ? (n + target - 1) / target : 1;
-  if (kind == kSparseBag || pieces < 1) pieces = 1;
-  if (kind == kGather) {
-    const int64_t count = w[7];
-    for (int64_t j = 0; j < pieces; ++j) out.push_back({t, count * j / pieces, count * (j + 1) / pieces});
+  const int64_t pieces = kind == kSparseBag ? 1 : pieces_for(n, threads);
+  if (kind == kSparseBag) {
+    out(Chunk{t, 0, 0, false});
     return;
   }
-  if (kind == kSparseBag) {
-    out.push_back({t, 0, 0});
+  if (kind == kGather) {
+    const int64_t count = w[7];
+    for (int64_t j = 0; j < pieces; ++j) {
+      out(Chunk{t, count * j / pieces, count * (j + 1) / pieces, false});
+    }
     return;
   }
   // bags [lo, hi): each piece ends at the first bag starting at or after its share of
@@ -81,7 +103,7 @@ void split(const int64_t* w, int64_t t, int64_t target, std::vector<Chunk>& out)
                     : std::lower_bound(offsets + lo, offsets + rows, base + n * j / pieces) -
                           offsets;
     if (hi > lo) {
-      out.push_back({t, lo, hi});
+      out(Chunk{t, lo, hi, false});
       lo = hi;
     }
   }
@@ -90,17 +112,16 @@ void split(const int64_t* w, int64_t t, int64_t target, std::vector<Chunk>& out)
 // The first phase of a sparse offsets task: its bag offsets from its COO indices
 // (checked: inside the dense shape, row-major, no repeats); -1 or -2 - the first bad
 // index (EmServingSparseBagF32's convention).
-int64_t run_offsets(const int64_t* tasks, const Chunk& c) {
-  const int64_t* w = words(tasks, c.task);
+int64_t run_offsets(const int64_t* w) {
   const int64_t shape[2] = {w[8], w[18]};
   const int64_t bad = EmServingSparseOffsets(ptr<const void>(w[15]), static_cast<int32_t>(w[16]),
                                              w[17], 2, shape, ptr<int64_t>(w[7]));
   return bad >= 0 ? -2 - bad : -1;
 }
 
-// Run one chunk; the result as its whole task's kernel would give it for those entries.
-int64_t run_chunk(const int64_t* tasks, const Chunk& c) {
-  const int64_t* w = words(tasks, c.task);
+// Run one kernel chunk; the result as its whole task's kernel would give it for those
+// entries.
+int64_t run_kernel(const int64_t* w, const Chunk& c) {
   switch (w[0]) {
     case kBag:
     case kSparseOffsetsBag: {
@@ -117,39 +138,112 @@ int64_t run_chunk(const int64_t* tasks, const Chunk& c) {
           static_cast<int32_t>(w[6]), ptr<const void>(w[7]), static_cast<int32_t>(w[8]), w[9],
           w[10], w[11], ptr<const float>(w[12]), static_cast<int32_t>(w[13]),
           static_cast<int32_t>(w[14]), static_cast<int32_t>(w[15]), ptr<float>(w[16]), w[17]);
-    case kGather: {
+    default: {  // kGather
       const int64_t id_bytes = w[6] ? 8 : 4, row_bytes = w[3];
       const int64_t bad = EmServingGather(
           ptr<const void>(w[1]), w[2], row_bytes, w[4], ptr<const char>(w[5]) + c.lo * id_bytes,
           static_cast<int32_t>(w[6]), c.hi - c.lo, ptr<char>(w[8]) + c.lo * row_bytes);
       return bad >= 0 ? bad + c.lo : bad;
     }
-    default:
-      return INT64_MIN + 1;  // unknown kind (the caller checks kinds first)
   }
 }
 
-struct Job {
-  const int64_t* tasks;
-  const Chunk* chunks;
-  int64_t n_chunks;
-  int64_t* chunk_results;
-  int64_t (*run)(const int64_t*, const Chunk&);
-  int helpers = 0;  // pool threads wanted besides the caller
-  std::atomic<int64_t> next{0};
+// One request: its tasks' words (copied in), and the chunks the threads take in order.
+// Chunks are appended (by the caller adding a task, or by the thread that wrote a sparse
+// task's offsets) under `append`, then published by raising `published`; threads claim
+// them through `next`. Storage is reserved up front, so claimed chunks never move.
+class Request {
+ public:
+  Request(int64_t max_tasks, int64_t threads)
+      : max_tasks_(max_tasks), threads_(threads < 1 ? 1 : threads) {
+    words_.resize(static_cast<size_t>(max_tasks_ * EM_TASK_WORDS));
+    // per task: its offsets chunk and at most pieces_for(...) kernel chunks
+    const int64_t per_task = 1 + (threads_ <= 1 ? 1 : threads_ * kChunksPerThread);
+    chunks_.resize(static_cast<size_t>(max_tasks_ * per_task));
+    results_.assign(chunks_.size(), -1);
+  }
 
+  // Copy task t's words in and publish its first chunks; false for an unknown kind or a
+  // request already full.
+  bool add(const int64_t* w) {
+    if (!known_kind(w[0]) || n_tasks_ >= max_tasks_) return false;
+    const int64_t t = n_tasks_++;
+    int64_t* mine = &words_[static_cast<size_t>(t * EM_TASK_WORDS)];
+    std::memcpy(mine, w, EM_TASK_WORDS * sizeof(int64_t));
+    if (mine[0] == kSparseOffsetsBag) {
+      pending_.fetch_add(1, std::memory_order_acq_rel);
+      append_and_publish([&](auto&& out) { out(Chunk{t, 0, 0, true}); });
+    } else {
+      append_and_publish([&](auto&& out) { split(mine, t, threads_, out); });
+    }
+    return true;
+  }
+
+  void close() { closed_.store(true, std::memory_order_release); }
+
+  // Take and run chunks until the request is closed and every chunk has run or been
+  // claimed; threads that find nothing yet yield (the caller is preparing the next task).
   void work() {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_chunks;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      chunk_results[i] = run(tasks, chunks[i]);
+    for (;;) {
+      int64_t i = next_.load(std::memory_order_acquire);
+      if (i < published_.load(std::memory_order_acquire)) {
+        if (next_.compare_exchange_weak(i, i + 1, std::memory_order_acq_rel)) run(i);
+        continue;
+      }
+      if (closed_.load(std::memory_order_acquire) &&
+          pending_.load(std::memory_order_acquire) == 0 &&
+          next_.load(std::memory_order_acquire) >= published_.load(std::memory_order_acquire)) {
+        return;
+      }
+      sched_yield();
     }
   }
-};
 
-// Run `chunks` with `run` on up to `threads` threads; their results in `chunk_results`.
-void run_all(const int64_t* tasks, const std::vector<Chunk>& chunks,
-             int64_t (*run)(const int64_t*, const Chunk&), int64_t threads,
-             std::vector<int64_t>& chunk_results);
+  // Each task's result: its first chunk (offsets first, then entry order) that failed.
+  void results(int64_t* out) const {
+    for (int64_t t = 0; t < n_tasks_; ++t) out[t] = -1;
+    const int64_t n = published_.load(std::memory_order_acquire);
+    std::vector<bool> done(static_cast<size_t>(n_tasks_), false);
+    for (int64_t i = 0; i < n; ++i) {
+      const Chunk& c = chunks_[static_cast<size_t>(i)];
+      if (!done[static_cast<size_t>(c.task)] && results_[static_cast<size_t>(i)] != -1) {
+        out[c.task] = results_[static_cast<size_t>(i)];
+        done[static_cast<size_t>(c.task)] = true;
+      }
+    }
+  }
+
+ private:
+  const int64_t max_tasks_, threads_;
+  int64_t n_tasks_ = 0;  // the adding thread's only
+  std::vector<int64_t> words_;
+  std::vector<Chunk> chunks_;
+  std::vector<int64_t> results_;
+  std::mutex append_;
+  int64_t appended_ = 0;  // under append_
+  std::atomic<int64_t> published_{0}, next_{0}, pending_{0};
+  std::atomic<bool> closed_{false};
+
+  template <typename F>
+  void append_and_publish(F&& make) {
+    std::lock_guard<std::mutex> lk(append_);
+    make([&](const Chunk& c) { chunks_[static_cast<size_t>(appended_++)] = c; });
+    published_.store(appended_, std::memory_order_release);
+  }
+
+  void run(int64_t i) {
+    const Chunk c = chunks_[static_cast<size_t>(i)];
+    const int64_t* w = &words_[static_cast<size_t>(c.task * EM_TASK_WORDS)];
+    if (!c.offsets) {
+      results_[static_cast<size_t>(i)] = run_kernel(w, c);
+      return;
+    }
+    const int64_t r = run_offsets(w);
+    results_[static_cast<size_t>(i)] = r;
+    if (r == -1) append_and_publish([&](auto&& out) { split(w, c.task, threads_, out); });
+    pending_.fetch_sub(1, std::memory_order_acq_rel);  // after its chunks are published
+  }
+};
 
 // Threads that sleep between requests. One request uses it at a time; another request
 // arriving meanwhile runs on its own thread alone (a server with its own request
@@ -159,18 +253,21 @@ class Pool {
   const pid_t pid = getpid();
   std::mutex busy;  // held by the request using the pool
 
-  void run(Job& job, int threads) {
-    grow(threads - 1);
-    job.helpers = threads - 1;
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      job_ = &job;
-      ++generation_;
-    }
+  // Wake `helpers` threads onto `r` (they work until it is closed and drained).
+  void start(Request* r, int helpers) {
+    grow(helpers);
+    std::lock_guard<std::mutex> lk(m_);
+    request_ = r;
+    helpers_ = helpers;
+    ++generation_;
     cv_.notify_all();
-    job.work();
+  }
+
+  // After the caller has drained `r` too: no thread joins from now; wait for those that
+  // did.
+  void finish() {
     std::unique_lock<std::mutex> lk(m_);
-    job_ = nullptr;  // no thread joins from now; wait for those that did
+    request_ = nullptr;
     done_.wait(lk, [&] { return active_ == 0; });
   }
 
@@ -178,7 +275,8 @@ class Pool {
   std::mutex m_;
   std::condition_variable cv_, done_;
   std::vector<std::thread> threads_;  // never joined: the pool lives as long as the process
-  Job* job_ = nullptr;
+  Request* request_ = nullptr;
+  int helpers_ = 0;
   uint64_t generation_ = 0;
   int active_ = 0;
 
@@ -195,11 +293,11 @@ class Pool {
     for (;;) {
       cv_.wait(lk, [&] { return generation_ != seen; });
       seen = generation_;
-      Job* job = job_;
-      if (job == nullptr || index >= job->helpers) continue;
+      Request* r = request_;
+      if (r == nullptr || index >= helpers_) continue;
       ++active_;
       lk.unlock();
-      job->work();
+      r->work();
       lk.lock();
       if (--active_ == 0) done_.notify_all();
     }
@@ -216,24 +314,34 @@ Pool* pool() {
   return g_pool;
 }
 
-void run_all(const int64_t* tasks, const std::vector<Chunk>& chunks,
-             int64_t (*run)(const int64_t*, const Chunk&), int64_t threads,
-             std::vector<int64_t>& chunk_results) {
-  chunk_results.assign(chunks.size(), -1);
-  Job job;
-  job.tasks = tasks;
-  job.chunks = chunks.data();
-  job.n_chunks = static_cast<int64_t>(chunks.size());
-  job.chunk_results = chunk_results.data();
-  job.run = run;
-  const int use = static_cast<int>(std::min<int64_t>(threads, job.n_chunks));
-  Pool* p = use > 1 ? pool() : nullptr;
-  if (p != nullptr && p->busy.try_lock()) {
-    p->run(job, use);
-    p->busy.unlock();
-  } else {
-    job.work();
+// A request and the pool it holds (nullptr: the caller's thread alone).
+struct Handle {
+  Request request;
+  Pool* pool = nullptr;
+  Handle(int64_t max_tasks, int64_t threads) : request(max_tasks, threads) {}
+};
+
+Handle* open(int64_t max_tasks, int64_t threads) {
+  Handle* h = new Handle(max_tasks, threads);
+  if (threads > 1) {
+    Pool* p = pool();
+    if (p->busy.try_lock()) {
+      h->pool = p;
+      p->start(&h->request, static_cast<int>(threads - 1));
+    }
   }
+  return h;
+}
+
+void close(Handle* h, int64_t* results) {
+  h->request.close();
+  h->request.work();
+  if (h->pool != nullptr) {
+    h->pool->finish();
+    h->pool->busy.unlock();
+  }
+  h->request.results(results);
+  delete h;
 }
 
 }  // namespace
@@ -245,39 +353,24 @@ extern "C" {
 
 int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int64_t* results) {
   for (int64_t t = 0; t < n_tasks; ++t) {
-    const int64_t kind = words(tasks, t)[0];
-    if (kind != kBag && kind != kSparseBag && kind != kGather && kind != kSparseOffsetsBag) {
-      return t;
-    }
+    if (!known_kind(tasks[t * EM_TASK_WORDS])) return t;
   }
-  for (int64_t t = 0; t < n_tasks; ++t) results[t] = -1;
-  std::vector<Chunk> chunks;
-  std::vector<int64_t> chunk_results;
-  // phase 1: the offsets of sparse offsets tasks, a task a chunk
-  for (int64_t t = 0; t < n_tasks; ++t) {
-    if (words(tasks, t)[0] == kSparseOffsetsBag) chunks.push_back({t, 0, 0});
-  }
-  if (!chunks.empty()) {
-    run_all(tasks, chunks, &run_offsets, threads, chunk_results);
-    for (size_t i = 0; i < chunks.size(); ++i) results[chunks[i].task] = chunk_results[i];
-    chunks.clear();
-  }
-  // phase 2: every kernel (but those whose indices were bad), in chunks
-  int64_t total = 0;
-  for (int64_t t = 0; t < n_tasks; ++t) {
-    if (results[t] == -1) total += entries(words(tasks, t));
-  }
-  const int64_t target = threads > 1 ? std::max(kMinChunkEntries, total / (threads * 4)) : 0;
-  chunks.reserve(static_cast<size_t>(n_tasks) * 4);
-  for (int64_t t = 0; t < n_tasks; ++t) {
-    if (results[t] == -1) split(words(tasks, t), t, target, chunks);
-  }
-  run_all(tasks, chunks, &run_chunk, threads, chunk_results);
-  // each task's result: its first chunk (in entry order) that did not succeed
-  for (size_t i = chunks.size(); i-- > 0;) {
-    if (chunk_results[i] != -1) results[chunks[i].task] = chunk_results[i];
-  }
+  Handle* h = open(n_tasks, threads);
+  for (int64_t t = 0; t < n_tasks; ++t) h->request.add(tasks + t * EM_TASK_WORDS);
+  close(h, results);
   return -1;
+}
+
+void* EmServingOpen(int64_t max_tasks, int64_t threads) {
+  return open(max_tasks < 0 ? 0 : max_tasks, threads);
+}
+
+int64_t EmServingAdd(void* request, const int64_t* words) {
+  return static_cast<Handle*>(request)->request.add(words) ? -1 : 0;
+}
+
+void EmServingClose(void* request, int64_t* results) {
+  close(static_cast<Handle*>(request), results);
 }
 
 }  // extern "C"

@@ -67,6 +67,16 @@ int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
 #define EM_TASK_WORDS 20
 int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int64_t* results);
 
+// The same, its tasks handed over one by one as the caller prepares them: the pool's
+// threads start on the first task's chunks at once. EmServingOpen returns the request
+// (for up to max_tasks tasks); EmServingAdd copies one task's EM_TASK_WORDS words in and
+// returns -1, or 0 (an unknown kind or a full request: not added); EmServingClose runs
+// what is left on the caller's thread too, waits for the rest, writes each added task's
+// result and frees the request. Every request opened must be closed.
+void* EmServingOpen(int64_t max_tasks, int64_t threads);
+int64_t EmServingAdd(void* request, const int64_t* words);
+void EmServingClose(void* request, int64_t* results);
+
 // Cache lines of rows prefetched ahead (default 128; the bag kernels' entries ahead are
 // this over the lines of a row for rows of up to 3 lines, this over 4 for longer rows, of
 // which only the first line is prefetched; within [2, 64]; 0: no prefetch); returns the
