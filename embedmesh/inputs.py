@@ -131,6 +131,9 @@ def is_concrete(x) -> bool:
 
 
 _NOT_NUMERIC = frozenset("OUSVM")  # object, str, bytes, void, datetime: not a tensor of numbers
+# np.issubdtype(dtype, np.integer) by dtype kind (timedelta64 too, as numpy has it), ~20x
+# cheaper: the serving lookup checks every feature's arrays on every call
+_INTEGER_KINDS = frozenset("ium")
 
 
 def _not_numbers(name: str, kind: str, x, arr: np.ndarray) -> ValueError:
@@ -155,7 +158,7 @@ def _check_int_ids(name: str, ids) -> np.ndarray:
     ids = np.asarray(ids)
     if ids.dtype.kind in _NOT_NUMERIC:  # TensorFlow: a ValueError (not a tensor type)
         raise _not_numbers(name, "ids", src, ids)
-    if not np.issubdtype(ids.dtype, np.integer):
+    if ids.dtype.kind not in _INTEGER_KINDS:
         raise TypeError(f"feature {name}: ids must be integers, got dtype {ids.dtype}")
     return ids
 
@@ -165,7 +168,7 @@ def _check_float_weights(name: str, w) -> np.ndarray:
     w = np.asarray(w)
     if w.dtype.kind in _NOT_NUMERIC:
         raise _not_numbers(name, "weights", src, w)
-    if not (np.issubdtype(w.dtype, np.floating) or np.issubdtype(w.dtype, np.integer)):
+    if w.dtype.kind not in _INTEGER_KINDS and w.dtype.kind != "f":  # floating or integer
         raise TypeError(f"feature {name}: weights must be numeric, got dtype {w.dtype}")
     w = w.astype(np.float32, copy=False)
     if not np.isfinite(w).all():  # one vectorised pass; NaN/Inf would poison rows and slots
@@ -255,7 +258,7 @@ def validate_structure(name: str, inp, weight=None) -> None:
                 f"feature {name}: SparseTensor indices {idx.shape} and values "
                 f"{ids.shape} do not fit dense_shape {inp.dense_shape}"
             )
-        if not np.issubdtype(idx.dtype, np.integer):
+        if idx.dtype.kind not in _INTEGER_KINDS:
             raise TypeError(
                 f"feature {name}: SparseTensor indices must be integers, got {idx.dtype}"
             )
@@ -278,7 +281,7 @@ def validate_structure(name: str, inp, weight=None) -> None:
     if (
         splits.ndim != 1
         or splits.shape[0] < 1
-        or not np.issubdtype(splits.dtype, np.integer)
+        or splits.dtype.kind not in _INTEGER_KINDS
         or splits[0] != 0
         or splits[-1] != ids.shape[0]
         or (splits[1:] < splits[:-1]).any()
