@@ -167,3 +167,33 @@ def test_flatten_inputs_like_allows_dict_subsets_only():
         flatten_inputs_like(r, {"b": [np.array([1])]})
     with pytest.raises(ValueError, match="not in the feature config"):
         flatten_inputs_like(r, {"c": np.array([1])})
+
+
+def test_integer_kinds_are_numpys_integer_dtypes():
+    """The input checks test dtypes by kind (`_INTEGER_KINDS`, cheap on every serving
+    call); that must be np.issubdtype's answer for every dtype users may pass."""
+    import ml_dtypes
+
+    from embedmesh.inputs import _INTEGER_KINDS
+
+    for dt in [
+        np.int8,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint64,
+        np.bool_,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.longdouble,
+        ml_dtypes.bfloat16,
+        np.complex64,
+        np.object_,
+        np.str_,
+        np.bytes_,
+        np.datetime64,
+        np.timedelta64,
+    ]:
+        d = np.dtype(dt)
+        assert (d.kind in _INTEGER_KINDS) == np.issubdtype(d, np.integer), d
