@@ -53,14 +53,14 @@ SETTINGS = settings(
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     """Every buffer the kernels allocate starts as NaN (all-ones bits for ints)."""
-    real = kernels.output_empty
+    real = kernels._pool.empty_at  # every output buffer comes from here
 
     def poisoned(shape, dtype):
-        out = real(shape, dtype)
+        out, addr = real(shape, dtype)
         out.view(np.uint8)[...] = 0xFF  # NaN for every float dtype
-        return out
+        return out, addr
 
-    monkeypatch.setattr(kernels, "output_empty", poisoned)
+    monkeypatch.setattr(kernels._pool, "empty_at", poisoned)
     yield
 
 

@@ -252,15 +252,8 @@ def output_empty(shape, dtype) -> np.ndarray:
 
 
 def _output_at(shape, dtype) -> tuple[np.ndarray, int]:
-    """`output_empty` and the output's address, for the C++ kernels. Goes through
-    `output_empty` when that has been replaced (tests poison the outputs it gives)."""
-    if output_empty is not _OUTPUT_EMPTY:
-        out = output_empty(shape, dtype)
-        return out, _addr(out)
+    """`output_empty` and the output's address, for the C++ kernels."""
     return _pool.empty_at(shape, dtype)
-
-
-_OUTPUT_EMPTY = output_empty
 
 
 class BadSparseIndex(ValueError):

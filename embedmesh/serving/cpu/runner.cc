@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>

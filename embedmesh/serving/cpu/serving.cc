@@ -124,6 +124,20 @@ inline void store_combined(vf* acc, vf tacc, bool divide, float d, int tail, flo
   if (Tail) store_tail(o + NV * kV, tacc, tail);
 }
 
+// acc += w * row[0 : NV*kV] and tacc += w * row[NV*kV : + tail] (no product without
+// weights): one entry's row added to a bag's register block.
+template <int NV, bool Tail, bool HasW>
+inline void accumulate(vf* acc, vf& tacc, const float* p, float w, int tail) {
+  if (HasW) {
+    const vf wv = splat(w);
+    for (int v = 0; v < NV; ++v) acc[v] += wv * load(p + v * kV);
+    if (Tail) tacc += wv * load_tail(p + NV * kV, tail);
+  } else {
+    for (int v = 0; v < NV; ++v) acc[v] += load(p + v * kV);
+    if (Tail) tacc += load_tail(p + NV * kV, tail);
+  }
+}
+
 // One column block of one bag: acc = sum_i w_i * row_i[col0 : col0 + NV*kV (+ tail)],
 // then out = acc (div = 0) or acc / d (0 where d == 0).
 template <int NV, bool Tail, bool HasW>
@@ -132,15 +146,7 @@ void block(const Entry* e, int64_t m, int64_t col0, int tail, int div, float d, 
   vf tacc = vf{};
   for (int v = 0; v < NV; ++v) acc[v] = vf{};
   for (int64_t i = 0; i < m; ++i) {
-    const float* p = e[i].row + col0;
-    if (HasW) {
-      const vf w = splat(e[i].w);
-      for (int v = 0; v < NV; ++v) acc[v] += w * load(p + v * kV);
-      if (Tail) tacc += w * load_tail(p + NV * kV, tail);
-    } else {
-      for (int v = 0; v < NV; ++v) acc[v] += load(p + v * kV);
-      if (Tail) tacc += load_tail(p + NV * kV, tail);
-    }
+    accumulate<NV, Tail, HasW>(acc, tacc, e[i].row + col0, e[i].w, tail);
   }
   store_combined<NV, Tail>(acc, tacc, div != 0, d, tail, out + col0);
 }
@@ -416,15 +422,9 @@ int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* 
                                     if (c != 0) return c != 2;
                                     den += w;
                                     if (HasW) den2 += w * w;
-                                    const float* p = table + static_cast<int64_t>(id) * stride;
-                                    if (HasW) {
-                                      const vf wv = splat(w);
-                                      for (int v = 0; v < NV; ++v) acc[v] += wv * load(p + v * kV);
-                                      if (Tail) tacc += wv * load_tail(p + NV * kV, tail);
-                                    } else {
-                                      for (int v = 0; v < NV; ++v) acc[v] += load(p + v * kV);
-                                      if (Tail) tacc += load_tail(p + NV * kV, tail);
-                                    }
+                                    accumulate<NV, Tail, HasW>(
+                                        acc, tacc, table + static_cast<int64_t>(id) * stride, w,
+                                        tail);
                                     return true;
                                   });
     if (bad >= 0) return bad;
@@ -524,15 +524,7 @@ int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, con
       }
       den += w;
       if (HasW) den2 += w * w;
-      const float* p = table + static_cast<int64_t>(id) * stride;
-      if (HasW) {
-        const vf wv = splat(w);
-        for (int v = 0; v < NV; ++v) acc[v] += wv * load(p + v * kV);
-        if (Tail) tacc += wv * load_tail(p + NV * kV, tail);
-      } else {
-        for (int v = 0; v < NV; ++v) acc[v] += load(p + v * kV);
-        if (Tail) tacc += load_tail(p + NV * kV, tail);
-      }
+      accumulate<NV, Tail, HasW>(acc, tacc, table + static_cast<int64_t>(id) * stride, w, tail);
     }
     if (bad_id >= 0) break;
     const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
