@@ -251,11 +251,6 @@ def output_empty(shape, dtype) -> np.ndarray:
     return _pool.empty(shape, dtype)
 
 
-def _output_at(shape, dtype) -> tuple[np.ndarray, int]:
-    """`output_empty` and the output's address, for the C++ kernels."""
-    return _pool.empty_at(shape, dtype)
-
-
 class BadSparseIndex(ValueError):
     """A sparse index outside dense_shape or out of row-major order; `entry` is its
     position in the indices (see `prepare_sparse_bag_combine`)."""
@@ -599,17 +594,16 @@ def weighted_segment_sum_numba(
 class _NativeCall:
     """A C++ kernel with its checked arguments (raw addresses), the arrays behind them
     (`keep`: alive until it has run) and its output, run later (see `_KernelCall`):
-    alone (`call()`), or with a request's other kernels in one `run_native` call
-    (`words`: its task for `EmServingRun`)."""
+    alone (calling it), or with a request's other kernels (`run_native`,
+    `NativeRequest`; `words`: its task for `EmServingRun`, whose task `kind` it is:
+    0 bag, 1 sparse bag, 2 gather, 3 sparse offsets + bag)."""
 
     __slots__ = ("fn", "args", "keep", "out", "ids", "vocab", "kind", "_words")
 
-    KIND = 0  # EmServingRun's task kind: 0 bag, 1 sparse bag, 2 gather, 3 sparse offsets + bag
-
-    def __init__(self, fn, args, keep, out, ids, vocab, kind=None):
+    def __init__(self, fn, args, keep, out, ids, vocab, kind):
         self.fn, self.args, self.keep, self.out = fn, args, keep, out
         self.ids, self.vocab = ids, vocab
-        self.kind = self.KIND if kind is None else kind
+        self.kind = kind
         self._words = None
 
     def __call__(self) -> np.ndarray:
@@ -713,7 +707,7 @@ def _prepare_gather_native(table: np.ndarray, ids: np.ndarray):
     if table.dtype.hasobject or table.dtype.itemsize == 0:
         return lambda: _gather_numpy(table, ids)
     table = _row_major(table)
-    out, out_addr = _output_at((ids.shape[0], table.shape[1]), table.dtype)
+    out, out_addr = _pool.empty_at((ids.shape[0], table.shape[1]), table.dtype)
     ids, is64 = _native_ids(ids)
     args = (
         _addr(table),
@@ -742,7 +736,7 @@ def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
         )
     table = _row_major(table)
     num_rows, dim = offsets.shape[0] - 1, table.shape[1]
-    out, out_addr = _output_at((num_rows, dim), np.float32)
+    out, out_addr = _pool.empty_at((num_rows, dim), np.float32)
     ids, is64 = _native_ids(ids)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     has_w = weights is not None
@@ -763,7 +757,7 @@ def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
         dim,
     )
     keep = (table, ids, offsets, weights)
-    return _NativeCall(_LIB.EmServingBagF32, args, keep, out, ids, table.shape[0])
+    return _NativeCall(_LIB.EmServingBagF32, args, keep, out, ids, table.shape[0], 0)
 
 
 def _rows_to_offsets_native(rows: np.ndarray, num_rows: int) -> np.ndarray | None:
@@ -805,8 +799,6 @@ class _NativeSparseCall(_NativeCall):
     """`EmServingSparseBagF32` with its arguments: -2 - k names a bad index k."""
 
     __slots__ = ()
-
-    KIND = 1
 
     def finish(self, bad: int) -> np.ndarray:
         if bad >= 0:
@@ -881,7 +873,7 @@ def prepare_sparse_bag_combine(
     ids = np.ascontiguousarray(ids)
     indices = np.ascontiguousarray(indices)
     num_rows, num_cols = int(dense_shape[0]), int(dense_shape[1])
-    out, out_addr = _output_at((num_rows, dim), np.float32)
+    out, out_addr = _pool.empty_at((num_rows, dim), np.float32)
     has_w = weights is not None
     args = (
         _addr(table),
@@ -904,7 +896,8 @@ def prepare_sparse_bag_combine(
     )
     keep = (table, ids, indices, weights)
     if one_pass:
-        return _NativeSparseCall(_LIB.EmServingSparseBagF32, args, keep, out, ids, table.shape[0])
+        fn = _LIB.EmServingSparseBagF32
+        return _NativeSparseCall(fn, args, keep, out, ids, table.shape[0], 1)
     offsets = np.empty(num_rows + 1, np.int64)  # written by the run's first phase
     bag_args = (*args[:6], _addr(offsets), num_rows, *args[11:])
     more = (_addr(indices), int(indices.dtype == np.int64), ids.shape[0], num_cols)
