@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh.serving import kernels, native
+from embedmesh.serving import fast_path, kernels, native
 
 pytestmark = pytest.mark.skipif(
     not kernels.HAVE_NATIVE, reason=f"no C++ serving kernels: {native.reason()}"
@@ -354,8 +354,12 @@ def test_lookup_sparse_one_pass_equals_offsets_path(case, dim, monkeypatch):
         kernels, "prepare_sparse_bag_combine", lambda *a, **k: used.append(1) or real(*a, **k)
     )
     results = []
-    for one_pass in (True, False):
-        if not one_pass:
+    # the fast path (inputs without weights), the general path with the checking kernels,
+    # the general path with Python's offsets
+    for path in ("fast", "checking kernels", "python offsets"):
+        if path == "checking kernels":
+            monkeypatch.setattr(fast_path, "lookup", lambda *a, **k: None)
+        if path == "python offsets":
             monkeypatch.setattr(kernels, "prepare_sparse_bag_combine", lambda *a, **k: None)
         try:
             results.append(np.array(em.serving_embedding_lookup(inputs, weights, tables, fc)["f"]))
@@ -365,8 +369,9 @@ def test_lookup_sparse_one_pass_equals_offsets_path(case, dim, monkeypatch):
     if case in ("good", "weights"):
         assert not np.isnan(results[0]).any()
         np.testing.assert_array_equal(results[0], results[1])
+        np.testing.assert_array_equal(results[0], results[2])
     else:
-        assert isinstance(results[0], str) and results[0] == results[1]
+        assert isinstance(results[0], str) and results[0] == results[1] == results[2]
         assert ("sorted in row-major order" in results[0]) == (case != "bad_id")
 
 

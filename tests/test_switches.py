@@ -148,6 +148,8 @@ real = lookup._run_on_threads
 lookup._run_on_threads = lambda runs, threads: used.append(threads) or real(runs, threads)
 real_run = kernels.run_native
 kernels.run_native = lambda calls, threads: used.append(threads) or real_run(calls, threads)
+real_tasks = kernels.run_tasks
+kernels.run_tasks = lambda words, threads: used.append(threads) or real_tasks(words, threads)
 class Request(kernels.NativeRequest):
     def __init__(self, n, threads):
         used.append(threads)

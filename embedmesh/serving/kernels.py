@@ -44,6 +44,7 @@ references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 import sys
@@ -249,6 +250,11 @@ def set_output_pool_limit(nbytes: int) -> int:
 def output_empty(shape, dtype) -> np.ndarray:
     """An aligned output array, from the reuse pool when one is free."""
     return _pool.empty(shape, dtype)
+
+
+def output_empty_at(shape, dtype) -> tuple[np.ndarray, int]:
+    """`output_empty`, and the array's address."""
+    return _pool.empty_at(shape, dtype)
 
 
 class BadSparseIndex(ValueError):
@@ -632,9 +638,17 @@ def run_native(calls: list, threads: int) -> list:
     """Run prepared `_NativeCall`s (a request's kernels) in one C++ call on `threads`
     threads (`EmServingRun`: chunks of whole bags, a pool of threads that sleep between
     requests); return what each kernel returned, for its `finish`."""
-    tasks = np.array([c.words() for c in calls], np.int64)
-    results = np.empty(len(calls), np.int64)
-    bad = _LIB.EmServingRun(_addr(tasks), len(calls), max(int(threads), 1), _addr(results))
+    return run_tasks(array.array("q", [w for c in calls for w in c.words()]), threads)
+
+
+def run_tasks(words: array.array, threads: int) -> list:
+    """Run the tasks whose `TASK_WORDS` words each (`EmServingRun`'s rows) `words` holds,
+    in one C++ call on `threads` threads; return each task's result."""
+    n = len(words) // TASK_WORDS
+    results = array.array("q", bytes(8 * n))
+    bad = _LIB.EmServingRun(
+        words.buffer_info()[0], n, max(int(threads), 1), results.buffer_info()[0]
+    )
     if bad >= 0:  # pragma: no cover - every kind here is one the library knows
         raise RuntimeError(f"EmServingRun: unknown task kind in task {bad}")
     return results.tolist()

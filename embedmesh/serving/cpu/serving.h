@@ -59,6 +59,9 @@ int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
 // they are int64, n, and the dense shape's column count; the bag offsets (its `offsets`
 // argument, num_rows + 1 values) are written from the indices first (as
 // EmServingSparseOffsets; a bad index k gives the result -2 - k, and no bag is summed).
+// Kind 4, ragged input: kind 0's words, then (word 15) the number of ids; the offsets are
+// checked first (non-decreasing from 0 to that number; else the result is -3, and no bag is
+// summed).
 // Bag tasks are split into chunks of whole bags, gathers into id ranges, of about equal
 // entries, run on `threads` threads: the caller's, plus a pool started at first use (a
 // request arriving while another holds the pool runs on its caller's thread alone).

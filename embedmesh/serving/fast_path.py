@@ -1,0 +1,213 @@
+"""The host lookup of the common inputs, prepared in a few Python operations a feature.
+
+A serving request is mostly ragged, 2-D sparse or dense numpy ids with no weights, on
+float32 numpy tables: the general host path (`lookup._prepare_host`) spends ~30 us of
+Python a feature on them (layouts, structure checks in numpy, `to_csr`, argument
+conversions, ~5 array addresses at ~1 us each), 0.4 ms of a batch-64 request whose kernels
+take 0.1 ms. Here each such feature becomes one C++ task (`kernels.run_tasks`) after a
+handful of type, dtype and shape tests, and its structure is checked in C++ as the task
+is added: ragged row_splits by the runner (task kind 4), sparse indices by the offsets
+phase (kind 3), ids by the kernels.
+
+Anything else (weights, sequence features, `output_shape`, other dtypes or array types,
+a table of the wrong shape, the numba/numpy backends) returns None, and so does any
+error the C++ side reports: the caller then runs the general path, which raises
+TensorFlow's errors exactly as it always has (nothing was written but fresh output
+buffers). Results are bit for bit the general path's: the same kernels on the same
+arrays (tests/test_serving_fast_path.py compares the two on every input kind).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+
+import jax
+import numpy as np
+
+from embedmesh.inputs import RaggedTensor, SparseTensor
+from embedmesh.serving import kernels
+
+__all__ = ["lookup"]
+
+_I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
+_KIND_BAG_CHECKED, _KIND_SPARSE_OFFSETS_BAG, _KIND_GATHER = 4, 3, 2
+_PAD = (0,) * kernels.TASK_WORDS
+_Tracer = jax.core.Tracer
+
+
+def _address(a: np.ndarray) -> int:
+    """The data address of a contiguous array: through ctypes' buffer view (~0.3 us),
+    else (read-only or empty arrays) numpy's interface (~1.1 us)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.__array_interface__["data"][0]
+
+
+def _ids_ok(v) -> bool:
+    """Signed int32/int64 ids in one contiguous numpy array."""
+    return type(v) is np.ndarray and (v.dtype is _I64 or v.dtype is _I32) and v.flags.c_contiguous
+
+
+def _table_ok(t, feature) -> np.ndarray | None:
+    """The table as a float32 numpy array of the feature's shape with contiguous rows, or
+    None (another dtype or shape, a tracer: the general path's)."""
+    if type(t) is not np.ndarray:
+        if isinstance(t, _Tracer) or not isinstance(t, jax.Array):
+            return None
+        t = np.asarray(t)
+    cfg = feature.table
+    if (
+        t.dtype is not _F32
+        or t.ndim != 2
+        or t.shape[0] != cfg.vocabulary_size
+        or t.shape[1] != cfg.dim
+        or cfg.dim <= 0
+        or t.strides[1] != 4
+        or t.strides[0] < 0
+        or t.strides[0] % 4
+    ):
+        return None
+    return t
+
+
+def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | None:
+    """Every given feature's output (None where no input is given), or None: some
+    feature is not a common case, or the C++ side reported an error (the caller runs
+    the general path, which raises it)."""
+    if not kernels.native_in_use():
+        return None
+    words: list = []
+    outs: list = []
+    keep: list = []  # tables converted here and sparse offsets, alive until the kernels ran
+    for feature, inp, weight in zip(features, flat_inputs, flat_weights):
+        if inp is None:
+            outs.append(None)
+            continue
+        if weight is not None or feature.max_sequence_length or feature.output_shape:
+            return None
+        table = _table_ok(tables.get(feature.table), feature)
+        if table is None:
+            return None
+        kind = type(inp)
+        if kind is RaggedTensor:
+            task = _ragged(feature, inp, table)
+        elif kind is SparseTensor:
+            task = _sparse(feature, inp, table, keep)
+        elif kind is np.ndarray:
+            task = _dense(inp, table)
+        else:
+            return None
+        if task is None:
+            return None
+        out, task_words = task
+        outs.append(out)
+        words.extend(task_words)
+        keep.append(table)
+    if not words:
+        return outs
+    codes = kernels.run_tasks(array.array("q", words), threads)
+    if any(c != -1 for c in codes):
+        return None  # an error: the general path names it
+    return outs
+
+
+def _ragged(feature, inp, table):
+    ids, splits = inp.values, inp.row_splits
+    if (
+        not _ids_ok(ids)
+        or ids.ndim != 1
+        or type(splits) is not np.ndarray
+        or splits.dtype is not _I64
+        or splits.ndim != 1
+        or splits.shape[0] < 2
+        or not splits.flags.c_contiguous
+    ):
+        return None
+    rows, dim = splits.shape[0] - 1, table.shape[1]
+    out, out_addr = kernels.output_empty_at((rows, dim), _F32)
+    mode = kernels.combiner_code(feature.table.combiner)
+    task = (
+        _KIND_BAG_CHECKED,
+        _address(table),
+        table.shape[0],
+        dim,
+        table.strides[0] >> 2,
+        _address(ids),
+        int(ids.dtype is _I64),
+        _address(splits),
+        rows,
+        0,  # no weights
+        mode,
+        0,  # ragged input: nothing pruned
+        0,
+        out_addr,
+        dim,
+        ids.shape[0],  # checked against row_splits[-1] as the task is added
+    )
+    return out, task + _PAD[len(task) :]
+
+
+def _sparse(feature, inp, table, keep):
+    ids, idx, shape = inp.values, inp.indices, inp.dense_shape
+    if (
+        len(shape) != 2
+        or not _ids_ok(ids)
+        or ids.ndim != 1
+        or type(idx) is not np.ndarray
+        or not (idx.dtype is _I64 or idx.dtype is _I32)
+        or idx.ndim != 2
+        or idx.shape[0] != ids.shape[0]
+        or idx.shape[1] != 2
+        or not idx.flags.c_contiguous
+    ):
+        return None
+    rows, cols, dim = int(shape[0]), int(shape[1]), table.shape[1]
+    if rows <= 0 or cols <= 0:
+        return None
+    out, out_addr = kernels.output_empty_at((rows, dim), _F32)
+    offsets = np.empty(rows + 1, np.int64)  # written by the request's first phase
+    keep.append(offsets)
+    mode = kernels.combiner_code(feature.table.combiner)
+    task = (
+        _KIND_SPARSE_OFFSETS_BAG,
+        _address(table),
+        table.shape[0],
+        dim,
+        table.strides[0] >> 2,
+        _address(ids),
+        int(ids.dtype is _I64),
+        _address(offsets),
+        rows,
+        0,  # no weights
+        mode,
+        int(bool(feature.validate_weights_and_indices)),  # TensorFlow's safe lookup: ids < 0
+        0,
+        out_addr,
+        dim,
+        _address(idx),
+        int(idx.dtype is _I64),
+        ids.shape[0],
+        cols,
+    )
+    return out, task + _PAD[len(task) :]
+
+
+def _dense(inp, table):
+    if not _ids_ok(inp) or inp.ndim < 1:
+        return None
+    dim = table.shape[1]
+    out, out_addr = kernels.output_empty_at((*inp.shape, dim), _F32)
+    task = (
+        _KIND_GATHER,
+        _address(table),
+        table.shape[0],
+        dim * 4,
+        table.strides[0],
+        _address(inp),
+        int(inp.dtype is _I64),
+        inp.size,
+        out_addr,
+    )
+    return out, task + _PAD[len(task) :]

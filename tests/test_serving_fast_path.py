@@ -1,0 +1,309 @@
+"""The serving lookup's fast path (`embedmesh/serving/fast_path.py`) against the general
+host path and float64 numpy.
+
+The fast path must take every common input (ragged, 2-D sparse and dense ids without
+weights on float32 tables), give the general path's outputs bit for bit (and the float64
+reference's within float32 rounding), hand every other input to the general path, and on
+any error let the general path raise exactly the error it always raised. Outputs are
+poisoned (0xFF bytes) before the kernels write them.
+"""
+
+from __future__ import annotations
+
+import array
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_serving import reference_lookup
+
+import embedmesh as em
+from embedmesh.serving import fast_path, kernels, lookup, native
+
+pytestmark = pytest.mark.skipif(
+    not kernels.HAVE_NATIVE, reason=f"no C++ serving kernels: {native.reason()}"
+)
+
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+VOCAB = 300
+
+
+@pytest.fixture(autouse=True)
+def native_poisoned(monkeypatch):
+    """The native backend, every output buffer 0xFF (NaN) until written."""
+    real = kernels._pool.empty_at
+
+    def poisoned(shape, dtype):
+        out, addr = real(shape, dtype)
+        out.view(np.uint8)[...] = 0xFF
+        return out, addr
+
+    monkeypatch.setattr(kernels._pool, "empty_at", poisoned)
+    previous = kernels.set_backend("native")
+    yield
+    kernels.set_backend(previous)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """What each fast-path call returned: a list of results, or None (the general path)."""
+    seen: list = []
+    real = fast_path.lookup
+
+    def spied(*a, **k):
+        out = real(*a, **k)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(fast_path, "lookup", spied)
+    return seen
+
+
+def _general_only(monkeypatch):
+    monkeypatch.setattr(fast_path, "lookup", lambda *a, **k: None)
+
+
+def _lengths(rng, batch, empty_rows):
+    lengths = rng.poisson(3, batch)
+    if empty_rows:
+        lengths[rng.random(batch) < 0.3] = 0
+    return lengths
+
+
+def _feature_input(rng, kind, batch, id_dtype, idx_dtype, empty, negative):
+    """One feature's common-case input (empty: no ids at all)."""
+    lengths = np.zeros(batch, np.int64) if empty else _lengths(rng, batch, True)
+    n = int(lengths.sum())
+    ids = rng.integers(0, VOCAB, n).astype(id_dtype)
+    if kind == "dense":
+        return rng.integers(0, VOCAB, (batch, 0 if empty else 3)).astype(id_dtype)
+    splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    if kind == "ragged":
+        return em.RaggedTensor(ids, splits)
+    if negative and n:
+        ids[rng.random(n) < 0.2] = -1  # pruned by TensorFlow's safe lookup
+    rows = np.repeat(np.arange(batch), lengths)
+    cols = np.arange(n) - splits[:-1][rows]
+    indices = np.stack([rows, cols], axis=1).astype(idx_dtype)
+    return em.SparseTensor(indices, ids, (batch, int(lengths.max(initial=0)) + 2))
+
+
+@st.composite
+def requests(draw):
+    n = draw(st.integers(1, 4))
+    kinds = draw(st.lists(st.sampled_from(["ragged", "sparse", "dense"]), min_size=n, max_size=n))
+    dims = draw(
+        st.lists(st.sampled_from([1, 7, 8, 16, 17, 33, 64, 100, 128, 257]), min_size=n, max_size=n)
+    )
+    combiners = draw(st.lists(st.sampled_from(["sum", "mean", "sqrtn"]), min_size=n, max_size=n))
+    return dict(
+        kinds=kinds,
+        dims=dims,
+        combiners=combiners,
+        batch=draw(st.integers(1, 70)),
+        id_dtype=draw(st.sampled_from([np.int32, np.int64])),
+        idx_dtype=draw(st.sampled_from([np.int32, np.int64])),
+        empty=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+        validate=draw(st.booleans()),
+        threads=draw(st.sampled_from([1, 2])),
+        jax_tables=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _build(p):
+    rng = np.random.default_rng(p["seed"])
+    fcs, tables, inputs = {}, {}, {}
+    for i, (kind, dim, comb) in enumerate(zip(p["kinds"], p["dims"], p["combiners"])):
+        tc = em.TableConfig(VOCAB, dim, combiner=comb, name=f"t{i}")
+        fcs[f"f{i}"] = em.FeatureConfig(
+            tc, name=f"f{i}", validate_weights_and_indices=p["validate"]
+        )
+        t = rng.standard_normal((VOCAB, dim)).astype(np.float32)
+        tables[tc] = jnp.asarray(t) if p["jax_tables"] else t
+        inputs[f"f{i}"] = _feature_input(
+            rng, kind, p["batch"], p["id_dtype"], p["idx_dtype"], p["empty"][i], p["validate"]
+        )
+    return fcs, tables, inputs
+
+
+@SETTINGS
+@given(p=requests())
+def test_common_inputs_take_the_fast_path_and_equal_the_general_path(p, spy, monkeypatch):
+    fcs, tables, inputs = _build(p)
+    previous = lookup.set_host_threads(p["threads"])
+    try:
+        spy.clear()
+        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        assert len(spy) == 1 and spy[0] is not None, "a common request left the fast path"
+        with monkeypatch.context() as m:
+            _general_only(m)
+            want = em.serving_embedding_lookup(inputs, None, tables, fcs)
+    finally:
+        lookup.set_host_threads(previous)
+    for name, fc in fcs.items():
+        g = np.asarray(got[name])
+        assert isinstance(got[name], jax.Array)
+        np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
+        ref = reference_lookup(fc, inputs[name], None, np.asarray(tables[fc.table]))
+        scale = reference_lookup(fc, inputs[name], None, np.asarray(tables[fc.table]), scale=True)
+        assert g.shape == ref.shape
+        np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
+
+
+def _common(rng, n=3, dim=16, batch=20):
+    fcs, tables, inputs = {}, {}, {}
+    for i in range(n):
+        tc = em.TableConfig(VOCAB, dim, combiner="mean", name=f"t{i}")
+        fcs[f"f{i}"] = em.FeatureConfig(tc, name=f"f{i}")
+        tables[tc] = rng.standard_normal((VOCAB, dim)).astype(np.float32)
+        inputs[f"f{i}"] = _feature_input(rng, "ragged", batch, np.int64, np.int64, False, False)
+    return fcs, tables, inputs
+
+
+def _uncommon_cases(rng, fcs, tables, inputs):
+    """(what, features, tables, inputs, weights) the fast path must leave to the general path."""
+    f0 = inputs["f0"]
+    tc0 = fcs["f0"].table
+    cases = []
+    w = em.RaggedTensor(np.full(f0.values.shape, 0.5, np.float32), f0.row_splits)
+    cases.append(("weights", fcs, tables, inputs, {"f0": w}))
+    seq = dict(fcs, f0=em.FeatureConfig(tc0, name="f0", max_sequence_length=4))
+    cases.append(("sequence feature", seq, tables, inputs, None))
+    batch = f0.nrows
+    shaped = dict(fcs, f0=em.FeatureConfig(tc0, name="f0", output_shape=[batch]))
+    cases.append(("output_shape", shaped, tables, inputs, None))
+    for what, changed in [
+        ("uint64 ids", em.RaggedTensor(f0.values.astype(np.uint64), f0.row_splits)),
+        ("int16 ids", em.RaggedTensor(f0.values.astype(np.int16), f0.row_splits)),
+        ("int32 row_splits", em.RaggedTensor(f0.values, f0.row_splits.astype(np.int32))),
+        ("strided ids", em.RaggedTensor(np.repeat(f0.values, 2)[::2], f0.row_splits)),
+        ("jax ids", em.RaggedTensor(jnp.asarray(f0.values), f0.row_splits)),
+        ("a list of ids", np.asarray(f0.values)[: batch * 2].reshape(batch, 2).tolist()),
+    ]:
+        cases.append((what, fcs, tables, dict(inputs, f0=changed), None))
+    t64 = {**tables, tc0: tables[tc0].astype(np.float64)}
+    cases.append(("float64 table", fcs, t64, inputs, None))
+    return cases
+
+
+def test_uncommon_inputs_take_the_general_path(spy, monkeypatch):
+    """Each uncommon input: the fast path says None, and the lookup equals the general
+    path's (which the other serving tests check against float64)."""
+    rng = np.random.default_rng(3)
+    fcs, tables, inputs = _common(rng)
+    for what, f, t, x, w in _uncommon_cases(rng, fcs, tables, inputs):
+        spy.clear()
+        got = em.serving_embedding_lookup(x, w, t, f)
+        assert spy == [None], what
+        with monkeypatch.context() as m:
+            _general_only(m)
+            want = em.serving_embedding_lookup(x, w, t, f)
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=what)
+
+
+def test_traced_inputs_take_the_traced_path(spy):
+    rng = np.random.default_rng(4)
+    fcs, tables, inputs = _common(rng)
+    want = em.serving_embedding_lookup(inputs, None, tables, fcs)
+    got = jax.jit(lambda t: em.serving_embedding_lookup(inputs, None, t, fcs))(tables)
+    assert spy[-1] is None
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+
+
+def _bad_requests(rng):
+    """(what, inputs, features) of bad common-case requests, the bad feature in the middle."""
+    out = []
+    base_fcs, tables, inputs = _common(rng, n=3)
+    f1 = inputs["f1"]
+    n = f1.values.shape[0]
+    for what, splits in [
+        ("first split not 0", np.concatenate([[1], f1.row_splits[1:]])),
+        ("last split not len(values)", np.concatenate([f1.row_splits[:-1], [n + 5]])),
+        ("last split short", np.concatenate([f1.row_splits[:-1], [n - 1]])),
+        ("decreasing splits", f1.row_splits.copy()),
+    ]:
+        if what == "decreasing splits":
+            splits[3] = splits[2] - 1
+        out.append((what, dict(inputs, f1=em.RaggedTensor(f1.values, splits.astype(np.int64)))))
+    for bad_id in (VOCAB, -1, 2**40):
+        ids = f1.values.copy()
+        ids[n // 2] = bad_id
+        out.append((f"ragged id {bad_id}", dict(inputs, f1=em.RaggedTensor(ids, f1.row_splits))))
+    ids = f1.values.astype(np.int32)
+    ids[-1] = VOCAB + 3
+    out.append(("int32 id", dict(inputs, f1=em.RaggedTensor(ids, f1.row_splits))))
+    dense = rng.integers(0, VOCAB, (20, 3))
+    dense[4, 1] = VOCAB
+    out.append(("dense id", dict(inputs, f1=dense)))
+    sp = _feature_input(rng, "sparse", 20, np.int64, np.int64, False, False)
+    for what in ("index outside", "index out of order", "sparse id", "index repeated"):
+        idx, vals = sp.indices.copy(), sp.values.copy()
+        if what == "index outside":
+            idx[len(idx) // 2, 1] = sp.dense_shape[1]
+        elif what == "index out of order":
+            idx[[0, -1]] = idx[[-1, 0]]  # the last entry first
+        elif what == "index repeated":
+            idx[2] = idx[1]
+        else:
+            vals[3] = VOCAB
+        out.append((what, dict(inputs, f1=em.SparseTensor(idx, vals, sp.dense_shape))))
+    return base_fcs, tables, out
+
+
+def test_errors_are_the_general_paths(spy, monkeypatch):
+    """A bad request: the fast path hands it on (None), the lookup raises the general
+    path's error word for word, naming the feature, and a good request after it runs on
+    the fast path again."""
+    rng = np.random.default_rng(5)
+    fcs, tables, bad = _bad_requests(rng)
+    good = _common(np.random.default_rng(5), n=3)[2]
+    for what, inputs in bad:
+        spy.clear()
+        with pytest.raises(ValueError, match="f1") as fast:
+            em.serving_embedding_lookup(inputs, None, tables, fcs)
+        assert spy == [None], what
+        with monkeypatch.context() as m:
+            _general_only(m)
+            with pytest.raises(ValueError) as general:
+                em.serving_embedding_lookup(inputs, None, tables, fcs)
+        assert str(fast.value) == str(general.value), what
+    spy.clear()
+    em.serving_embedding_lookup(good, None, tables, fcs)
+    assert spy[0] is not None
+
+
+@pytest.mark.parametrize(
+    "splits", [[1, 2, 4], [0, 2, 5], [0, 2, 3], [0, 3, 2, 4], [0, -1, 4], [0, 9, 4]]
+)
+def test_checked_bag_task_rejects_bad_offsets_before_any_write(splits):
+    """Task kind 4: offsets that do not run non-decreasing from 0 to the id count give -3,
+    no bag is summed (the poisoned output stays poisoned), a good task beside it runs."""
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((50, 8)).astype(np.float32)
+    ids = rng.integers(0, 50, 4).astype(np.int64)
+    offsets = np.array(splits, np.int64)
+    rows = offsets.shape[0] - 1
+    out, out_addr = kernels.output_empty_at((rows, 8), np.float32)
+    good_off = np.array([0, 1, 4], np.int64)
+    good, good_addr = kernels.output_empty_at((2, 8), np.float32)
+
+    def task(off, rows, addr):
+        w = [4, fast_path._address(table), 50, 8, 8, fast_path._address(ids), 1]
+        w += [fast_path._address(off), rows, 0, 0, 0, 0, addr, 8, 4]
+        return w + [0] * (kernels.TASK_WORDS - len(w))
+
+    codes = kernels.run_tasks(
+        array.array("q", task(offsets, rows, out_addr) + task(good_off, 2, good_addr)), 2
+    )
+    assert codes == [-3, -1]
+    assert (out.view(np.uint32) == 0xFFFFFFFF).all()
+    np.testing.assert_allclose(good[0], table[ids[0]], rtol=1e-6)
+    np.testing.assert_allclose(good[1], table[ids[1:]].sum(0), rtol=1e-5)
