@@ -110,15 +110,25 @@ def requests(draw):
         idx_dtype=draw(st.sampled_from([np.int32, np.int64])),
         empty=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
         validate=draw(st.booleans()),
+        weighted=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
         threads=draw(st.sampled_from([1, 2])),
         jax_tables=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
+def _weights_for(rng, inp):
+    """Weights for a ragged or sparse input: quarters in [-0.5, 2] (some not > 0: TensorFlow's
+    safe lookup drops those under mean and sqrtn)."""
+    values = (rng.integers(-2, 9, inp.values.shape[0]) / 4).astype(np.float32)
+    if isinstance(inp, em.RaggedTensor):
+        return em.RaggedTensor(values, inp.row_splits)
+    return em.SparseTensor(inp.indices, values, inp.dense_shape)
+
+
 def _build(p):
     rng = np.random.default_rng(p["seed"])
-    fcs, tables, inputs = {}, {}, {}
+    fcs, tables, inputs, weights = {}, {}, {}, {}
     for i, (kind, dim, comb) in enumerate(zip(p["kinds"], p["dims"], p["combiners"])):
         tc = em.TableConfig(VOCAB, dim, combiner=comb, name=f"t{i}")
         fcs[f"f{i}"] = em.FeatureConfig(
@@ -129,29 +139,33 @@ def _build(p):
         inputs[f"f{i}"] = _feature_input(
             rng, kind, p["batch"], p["id_dtype"], p["idx_dtype"], p["empty"][i], p["validate"]
         )
-    return fcs, tables, inputs
+        if p["weighted"][i] and kind != "dense":
+            weights[f"f{i}"] = _weights_for(rng, inputs[f"f{i}"])
+    return fcs, tables, inputs, weights or None
 
 
 @SETTINGS
 @given(p=requests())
 def test_common_inputs_take_the_fast_path_and_equal_the_general_path(p, spy, monkeypatch):
-    fcs, tables, inputs = _build(p)
+    fcs, tables, inputs, weights = _build(p)
     previous = lookup.set_host_threads(p["threads"])
     try:
         spy.clear()
-        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        got = em.serving_embedding_lookup(inputs, weights, tables, fcs)
         assert len(spy) == 1 and spy[0] is not None, "a common request left the fast path"
         with monkeypatch.context() as m:
             _general_only(m)
-            want = em.serving_embedding_lookup(inputs, None, tables, fcs)
+            want = em.serving_embedding_lookup(inputs, weights, tables, fcs)
     finally:
         lookup.set_host_threads(previous)
     for name, fc in fcs.items():
         g = np.asarray(got[name])
         assert isinstance(got[name], jax.Array)
         np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
-        ref = reference_lookup(fc, inputs[name], None, np.asarray(tables[fc.table]))
-        scale = reference_lookup(fc, inputs[name], None, np.asarray(tables[fc.table]), scale=True)
+        w = (weights or {}).get(name)
+        table = np.asarray(tables[fc.table])
+        ref = reference_lookup(fc, inputs[name], w, table)
+        scale = reference_lookup(fc, inputs[name], w, table, scale=True)
         assert g.shape == ref.shape
         np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
 
@@ -171,8 +185,8 @@ def _uncommon_cases(rng, fcs, tables, inputs):
     f0 = inputs["f0"]
     tc0 = fcs["f0"].table
     cases = []
-    w = em.RaggedTensor(np.full(f0.values.shape, 0.5, np.float32), f0.row_splits)
-    cases.append(("weights", fcs, tables, inputs, {"f0": w}))
+    w = em.RaggedTensor(np.full(f0.values.shape, 0.5, np.float64), f0.row_splits)
+    cases.append(("float64 weights", fcs, tables, inputs, {"f0": w}))
     seq = dict(fcs, f0=em.FeatureConfig(tc0, name="f0", max_sequence_length=4))
     cases.append(("sequence feature", seq, tables, inputs, None))
     batch = f0.nrows
@@ -243,6 +257,16 @@ def _bad_requests(rng):
     dense = rng.integers(0, VOCAB, (20, 3))
     dense[4, 1] = VOCAB
     out.append(("dense id", dict(inputs, f1=dense)))
+    out = [(what, x, None) for what, x in out]
+    w = _weights_for(rng, f1)
+    w.values[2] = np.nan
+    out.append(("NaN weight", inputs, {"f1": w}))
+    w = em.RaggedTensor(np.ones(n, np.float32), f1.row_splits.copy())
+    w.row_splits[1] += 1
+    out.append(("weights of other splits", inputs, {"f1": w}))
+    out.append(("weights of another kind", inputs, {"f1": np.ones(n, np.float32)}))
+    dense_w = {"f1": np.ones((20, 3), np.float32)}
+    out.append(("weights for dense ids", dict(inputs, f1=rng.integers(0, VOCAB, (20, 3))), dense_w))
     sp = _feature_input(rng, "sparse", 20, np.int64, np.int64, False, False)
     for what in ("index outside", "index out of order", "sparse id", "index repeated"):
         idx, vals = sp.indices.copy(), sp.values.copy()
@@ -254,7 +278,10 @@ def _bad_requests(rng):
             idx[2] = idx[1]
         else:
             vals[3] = VOCAB
-        out.append((what, dict(inputs, f1=em.SparseTensor(idx, vals, sp.dense_shape))))
+        out.append((what, dict(inputs, f1=em.SparseTensor(idx, vals, sp.dense_shape)), None))
+    w = _weights_for(rng, sp)
+    w = em.SparseTensor(w.indices, w.values, (w.dense_shape[0] + 1, w.dense_shape[1]))
+    out.append(("sparse weights of another shape", dict(inputs, f1=sp), {"f1": w}))
     return base_fcs, tables, out
 
 
@@ -265,15 +292,15 @@ def test_errors_are_the_general_paths(spy, monkeypatch):
     rng = np.random.default_rng(5)
     fcs, tables, bad = _bad_requests(rng)
     good = _common(np.random.default_rng(5), n=3)[2]
-    for what, inputs in bad:
+    for what, inputs, weights in bad:
         spy.clear()
         with pytest.raises(ValueError, match="f1") as fast:
-            em.serving_embedding_lookup(inputs, None, tables, fcs)
+            em.serving_embedding_lookup(inputs, weights, tables, fcs)
         assert spy == [None], what
         with monkeypatch.context() as m:
             _general_only(m)
             with pytest.raises(ValueError) as general:
-                em.serving_embedding_lookup(inputs, None, tables, fcs)
+                em.serving_embedding_lookup(inputs, weights, tables, fcs)
         assert str(fast.value) == str(general.value), what
     spy.clear()
     em.serving_embedding_lookup(good, None, tables, fcs)

@@ -1,6 +1,6 @@
 """The host lookup of the common inputs, prepared in a few Python operations a feature.
 
-A serving request is mostly ragged, 2-D sparse or dense numpy ids with no weights, on
+A serving request is mostly ragged, 2-D sparse or dense numpy ids, with or without weights, on
 float32 numpy tables: the general host path (`lookup._prepare_host`) spends ~30 us of
 Python a feature on them (layouts, structure checks in numpy, `to_csr`, argument
 conversions, ~5 array addresses at ~1 us each), 0.4 ms of a batch-64 request whose kernels
@@ -9,7 +9,8 @@ handful of type, dtype and shape tests, and its structure is checked in C++ as t
 is added: ragged row_splits by the runner (task kind 4), sparse indices by the offsets
 phase (kind 3), ids by the kernels.
 
-Anything else (weights, sequence features, `output_shape`, other dtypes or array types,
+Weights are taken as they are when they are finite float32 numpy arrays laid out like
+their input. Anything else (sequence features, `output_shape`, other dtypes or array types,
 a table of the wrong shape, the numba/numpy backends) returns None, and so does any
 error the C++ side reports: the caller then runs the general path, which raises
 TensorFlow's errors exactly as it always has (nothing was written but fresh output
@@ -85,17 +86,19 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | 
         if inp is None:
             outs.append(None)
             continue
-        if weight is not None or feature.max_sequence_length or feature.output_shape:
+        if feature.max_sequence_length or feature.output_shape:
             return None
         table = _table_ok(tables.get(feature.table), feature)
         if table is None:
             return None
         kind = type(inp)
+        if weight is not None and type(weight) is not kind:
+            return None  # a dense input with weights, or weights of another kind
         if kind is RaggedTensor:
-            task = _ragged(feature, inp, table)
+            task = _ragged(feature, inp, weight, table)
         elif kind is SparseTensor:
-            task = _sparse(feature, inp, table, keep)
-        elif kind is np.ndarray:
+            task = _sparse(feature, inp, weight, table, keep)
+        elif kind is np.ndarray and weight is None:  # weights for dense ids: an error
             task = _dense(inp, table)
         else:
             return None
@@ -113,7 +116,24 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | 
     return outs
 
 
-def _ragged(feature, inp, table):
+def _weights_address(weight, ids) -> int | None:
+    """The address of finite float32 weights fitting `ids` (0 for no weights), or None
+    (another dtype or layout, a NaN or Inf: the general path converts or names it)."""
+    if weight is None:
+        return 0
+    w = weight.values
+    if (
+        type(w) is not np.ndarray
+        or w.dtype is not _F32
+        or w.shape != ids.shape
+        or not w.flags.c_contiguous
+        or not np.isfinite(w).all()
+    ):
+        return None
+    return _address(w)
+
+
+def _ragged(feature, inp, weight, table):
     ids, splits = inp.values, inp.row_splits
     if (
         not _ids_ok(ids)
@@ -124,6 +144,15 @@ def _ragged(feature, inp, table):
         or splits.shape[0] < 2
         or not splits.flags.c_contiguous
     ):
+        return None
+    if (
+        weight is not None
+        and weight.row_splits is not splits
+        and not np.array_equal(weight.row_splits, splits)
+    ):
+        return None  # the general path names the mismatch
+    w_addr = _weights_address(weight, ids)
+    if w_addr is None:
         return None
     rows, dim = splits.shape[0] - 1, table.shape[1]
     out, out_addr = kernels.output_empty_at((rows, dim), _F32)
@@ -138,7 +167,7 @@ def _ragged(feature, inp, table):
         int(ids.dtype is _I64),
         _address(splits),
         rows,
-        0,  # no weights
+        w_addr,
         mode,
         0,  # ragged input: nothing pruned
         0,
@@ -149,7 +178,7 @@ def _ragged(feature, inp, table):
     return out, task + _PAD[len(task) :]
 
 
-def _sparse(feature, inp, table, keep):
+def _sparse(feature, inp, weight, table, keep):
     ids, idx, shape = inp.values, inp.indices, inp.dense_shape
     if (
         len(shape) != 2
@@ -166,10 +195,18 @@ def _sparse(feature, inp, table, keep):
     rows, cols, dim = int(shape[0]), int(shape[1]), table.shape[1]
     if rows <= 0 or cols <= 0:
         return None
+    if weight is not None and tuple(weight.dense_shape) != tuple(shape):
+        return None
+    w_addr = _weights_address(weight, ids)
+    if w_addr is None:
+        return None
+    # TensorFlow's safe lookup (validate_weights_and_indices): ids < 0 dropped, and with
+    # a combiner other than sum weights not > 0
+    safe = bool(feature.validate_weights_and_indices)
+    combiner = feature.table.combiner
     out, out_addr = kernels.output_empty_at((rows, dim), _F32)
     offsets = np.empty(rows + 1, np.int64)  # written by the request's first phase
     keep.append(offsets)
-    mode = kernels.combiner_code(feature.table.combiner)
     task = (
         _KIND_SPARSE_OFFSETS_BAG,
         _address(table),
@@ -180,10 +217,10 @@ def _sparse(feature, inp, table, keep):
         int(ids.dtype is _I64),
         _address(offsets),
         rows,
-        0,  # no weights
-        mode,
-        int(bool(feature.validate_weights_and_indices)),  # TensorFlow's safe lookup: ids < 0
-        0,
+        w_addr,
+        kernels.combiner_code(combiner),
+        int(safe),
+        int(safe and w_addr != 0 and combiner != "sum"),
         out_addr,
         dim,
         _address(idx),
