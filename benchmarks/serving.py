@@ -15,7 +15,8 @@ Contenders, run in the same process, interleaved round by round:
 - embedmesh[numpy]: the same with the pure-numpy kernel backend;
 - tf.function / tf.eager: `tf.tpu.experimental.embedding.serving_embedding_lookup`
   on tf.RaggedTensor / tf.SparseTensor / tf.Tensor inputs and tf.Variable
-  tables (when TensorFlow is importable);
+  tables (when TensorFlow is importable), on its default threads (every core), or
+  on `--tf-threads` of them;
 - torch[Nt] / torch[1t]: `torch.nn.functional.embedding_bag` (offsets form;
   one call per table) or `F.embedding` for dense inputs, under
   `torch.inference_mode`, on tables sharing the numpy tables' memory (when
@@ -398,6 +399,13 @@ def main(argv=None):
         action="store_true",
         help="time each contender alone for its turn of a round (see time_round)",
     )
+    p.add_argument(
+        "--tf-threads",
+        type=int,
+        default=0,
+        help="TensorFlow's intra- and inter-op threads (0: its default, every core); "
+        "1 compares it on one thread, as embedmesh[native] and torch[1t] run",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
         "--saved-model",
@@ -407,6 +415,9 @@ def main(argv=None):
         "workload (100k-row tables and a small MLP), --rounds rounds",
     )
     args = p.parse_args(argv)
+    if args.tf_threads and tf is not None:  # before TensorFlow runs anything
+        tf.config.threading.set_intra_op_parallelism_threads(args.tf_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.tf_threads)
     if args.clock == "thread":
         multi = [
             c
@@ -426,7 +437,11 @@ def main(argv=None):
         + (f" ({native_line()})" if kernels.HAVE_NATIVE else "")
         + f", numba={'yes' if kernels.HAVE_NUMBA else 'no'}"
         + (f" {importlib.metadata.version('numba')}" if kernels.HAVE_NUMBA else "")
-        + (f", tensorflow {tf.__version__}" if tf else ", tensorflow: not importable")
+        + (
+            f", tensorflow {tf.__version__} ({args.tf_threads or 'default'} threads)"
+            if tf
+            else ", tensorflow: not importable"
+        )
         + (
             f", torch {torch.__version__} ({TORCH_THREADS} threads)"
             if torch

@@ -334,3 +334,30 @@ def test_checked_bag_task_rejects_bad_offsets_before_any_write(splits):
     assert (out.view(np.uint32) == 0xFFFFFFFF).all()
     np.testing.assert_allclose(good[0], table[ids[0]], rtol=1e-6)
     np.testing.assert_allclose(good[1], table[ids[1:]].sum(0), rtol=1e-5)
+
+
+def test_concurrent_requests_from_python_threads(spy):
+    """Requests from several Python threads at once (one holds the C++ pool, the others
+    run on their own threads) each get their own outputs."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(9)
+    fcs, tables, _ = _common(rng, n=3, batch=500)
+    requests_ = [_common(np.random.default_rng(100 + i), n=3, batch=500)[2] for i in range(6)]
+    want = [
+        {k: np.asarray(v) for k, v in em.serving_embedding_lookup(x, None, tables, fcs).items()}
+        for x in requests_
+    ]
+    previous = lookup.set_host_threads(2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for _ in range(3):
+                got = list(
+                    pool.map(lambda x: em.serving_embedding_lookup(x, None, tables, fcs), requests_)
+                )
+                for g, w in zip(got, want):
+                    for k in w:
+                        np.testing.assert_array_equal(np.asarray(g[k]), w[k])
+    finally:
+        lookup.set_host_threads(previous)
+    assert spy and all(s is not None for s in spy)
