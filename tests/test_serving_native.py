@@ -38,7 +38,10 @@ def native_poisoned(monkeypatch):
 
     monkeypatch.setattr(kernels._pool, "empty_at", poisoned)
     previous = kernels.set_backend("native")
+    # every request shared over the threads it is given, however small (the tests' are)
+    min_entries = native.library().EmServingSetMinEntriesPerThread(1)
     yield
+    native.library().EmServingSetMinEntriesPerThread(min_entries)
     kernels.set_backend(previous)
     native.library().EmServingSetFused(1)
 
@@ -631,3 +634,37 @@ def test_lookup_on_threads_hands_features_over_as_prepared(threads):
                 np.testing.assert_array_equal(np.asarray(got[k]), want[k])
     finally:
         lookup.set_host_threads(previous)
+
+
+@pytest.mark.parametrize(
+    "entries, threads, want",
+    [
+        ([5000], 4, 1),
+        ([3000, 3000, 3000], 2, 1),
+        ([10000, 10000], 2, 2),
+        ([100_000], 4, 4),
+        ([20_000], 8, 2),
+        ([0], 3, 1),
+    ],
+)
+def test_a_small_request_runs_on_fewer_threads(entries, threads, want):
+    """A request is shared only among threads with at least 8,192 entries each (waking
+    a pool thread costs more than a smaller share saves), counted from what each task was
+    given (a ragged task's id count, a sparse one's entries), never its unchecked offsets."""
+    lib = native.library()
+    min_entries = lib.EmServingSetMinEntriesPerThread(8192)
+    try:
+        rows = []
+        for i, n in enumerate(entries):
+            kind = (4, 3, 2)[i % 3]  # checked bag (w[15]), sparse offsets bag (w[17]), gather
+            w = [kind] + [0] * (kernels.TASK_WORDS - 1)
+            w[{4: 15, 3: 17, 2: 7}[kind]] = n
+            w[7 if kind != 2 else 8] = 0 if kind == 2 else 1  # unchecked offsets: never read
+            rows += w
+        import array
+
+        words = array.array("q", rows)
+        got = lib.EmServingThreadsFor(words.buffer_info()[0], len(entries), threads)
+        assert got == want
+    finally:
+        lib.EmServingSetMinEntriesPerThread(min_entries)

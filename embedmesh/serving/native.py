@@ -113,6 +113,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingSetRowLines": [_I64],
         "EmServingVectorWidth": [],
         "EmServingRun": [_P, _I64, _I64, _P],
+        "EmServingThreadsFor": [_P, _I64, _I64],
+        "EmServingSetMinEntriesPerThread": [_I64],
     }
     for symbol, argtypes in sigs.items():
         fn = getattr(lib, symbol)

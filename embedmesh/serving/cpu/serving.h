@@ -67,8 +67,13 @@ int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
 // request arriving while another holds the pool runs on its caller's thread alone).
 // results[t]: what task t's function returns for all of its entries. Returns -1, or the
 // first task of an unknown kind (then nothing ran).
+// A request too small to share (under 8,192 entries a thread, or what
+// EmServingSetMinEntriesPerThread set, returning the previous value) runs on fewer
+// threads (EmServingThreadsFor: how many).
 #define EM_TASK_WORDS 20
 int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int64_t* results);
+int64_t EmServingThreadsFor(const int64_t* tasks, int64_t n_tasks, int64_t threads);
+int64_t EmServingSetMinEntriesPerThread(int64_t n);
 
 // The same, its tasks handed over one by one as the caller prepares them: the pool's
 // threads start on the first task's chunks at once. EmServingOpen returns the request
