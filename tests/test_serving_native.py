@@ -668,3 +668,35 @@ def test_a_small_request_runs_on_fewer_threads(entries, threads, want):
         assert got == want
     finally:
         lib.EmServingSetMinEntriesPerThread(min_entries)
+
+
+@pytest.mark.parametrize("dim", [16, 17, 48, 64, 80, 128, 300])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_streamed_outputs_equal_cached_ones(dim, threads):
+    """Outputs of 256 KB or more are written with streaming stores where their rows sit
+    on 64-byte lines (EmServingSetStreamOutput): the same values bit for bit as plain
+    stores, on one thread and in the runner's chunks (which judge by the whole task's
+    output), and the float64 reference's."""
+    lib = native.library()
+    rng = np.random.default_rng(dim)
+    rows = (300 << 10) // (4 * dim) + 7  # over 256 KB of output
+    table = rng.standard_normal((1000, dim)).astype(np.float32)
+    lengths = rng.poisson(3, rows)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(0, 1000, int(offsets[-1]))
+    weights = (rng.integers(1, 8, ids.shape[0]) / 4).astype(np.float32)
+    outs = []
+    previous = lib.EmServingSetStreamOutput(1)
+    try:
+        for stream in (1, 0):
+            lib.EmServingSetStreamOutput(stream)
+            alone = kernels.bag_combine(table, ids, offsets, weights, "mean")
+            call = kernels.prepare_bag_combine(table, ids, offsets, weights, "mean")
+            together = call.finish(kernels.run_native([call], threads)[0])
+            np.testing.assert_array_equal(alone, together)
+            outs.append(np.array(alone))
+    finally:
+        lib.EmServingSetStreamOutput(previous)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want, scale = reference(table, ids, offsets, weights, "mean", False, False)
+    assert (np.abs(outs[0] - want) <= 1e-5 * scale[:, None] + 1e-30).all()

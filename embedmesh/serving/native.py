@@ -112,6 +112,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingSetFused": [_I64],
         "EmServingSetRowLines": [_I64],
         "EmServingVectorWidth": [],
+        "EmServingSetStreamOutput": [_I64],
         "EmServingRun": [_P, _I64, _I64, _P],
         "EmServingThreadsFor": [_P, _I64, _I64],
         "EmServingSetMinEntriesPerThread": [_I64],

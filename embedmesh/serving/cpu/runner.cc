@@ -167,6 +167,10 @@ int64_t run_offsets(const int64_t* w) {
   return bad >= 0 ? -2 - bad : -1;
 }
 
+struct OutputBytesReset {
+  ~OutputBytesReset() { embedmesh_serving::t_output_bytes = 0; }
+};
+
 // Run one kernel chunk; the result as its whole task's kernel would give it for those
 // entries.
 int64_t run_kernel(const int64_t* w, const Chunk& c) {
@@ -177,6 +181,9 @@ int64_t run_kernel(const int64_t* w, const Chunk& c) {
     case kCheckedBag:
     case kSparseOffsetsBag: {
       const int64_t out_stride = w[14];
+      // the whole task's output, not this chunk's (see stream_rows in serving.cc)
+      embedmesh_serving::t_output_bytes = w[8] * out_stride * 4;
+      const OutputBytesReset reset;
       return EmServingBagF32(ptr<const float>(w[1]), w[2], w[3], w[4], ptr<const void>(w[5]),
                              static_cast<int32_t>(w[6]), ptr<const int64_t>(w[7]) + c.lo,
                              c.hi - c.lo, ptr<const float>(w[9]), static_cast<int32_t>(w[10]),

@@ -102,4 +102,15 @@ int64_t EmServingSetFused(int64_t on);
 // The vector width the kernels were built for, in floats (16 AVX-512, 8 AVX2, 4 else).
 int64_t EmServingVectorWidth(void);
 
+// Whether bag kernels may write outputs of 256 KB or more with streaming stores (default
+// 1); returns the previous setting (benchmarks compare the two; same values either way).
+int64_t EmServingSetStreamOutput(int64_t on);
+
 }  // extern "C"
+
+namespace embedmesh_serving {
+// The output bytes of the whole task the calling thread's bag kernel call is a chunk of
+// (set by the runner around each chunk; 0: the call is the whole task). Kernels judge
+// whether to stream their output by it.
+extern thread_local int64_t t_output_bytes;
+}  // namespace embedmesh_serving
