@@ -11,6 +11,8 @@ poisoned (0xFF bytes) before the kernels write them.
 from __future__ import annotations
 
 import array
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +117,7 @@ def requests(draw):
         validate=draw(st.booleans()),
         weighted=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
         threads=draw(st.sampled_from([1, 2])),
-        jax_tables=draw(st.booleans()),
+        tables=draw(st.sampled_from(["numpy", "jax", "memmap"])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -129,6 +131,16 @@ def _weights_for(rng, inp):
     return em.SparseTensor(inp.indices, values, inp.dense_shape)
 
 
+_MAPPED = tempfile.TemporaryDirectory()  # removed when the test process exits
+
+
+def _memmap(t):
+    """`t` as a read-only np.memmap (a served checkpoint's table mapped from its file)."""
+    path = os.path.join(_MAPPED.name, f"{len(os.listdir(_MAPPED.name))}.npy")
+    np.save(path, t)
+    return np.load(path, mmap_mode="r")
+
+
 def _build(p):
     rng = np.random.default_rng(p["seed"])
     fcs, tables, inputs, weights = {}, {}, {}, {}
@@ -138,7 +150,7 @@ def _build(p):
             tc, name=f"f{i}", validate_weights_and_indices=p["validate"]
         )
         t = rng.standard_normal((VOCAB, dim)).astype(np.float32)
-        tables[tc] = jnp.asarray(t) if p["jax_tables"] else t
+        tables[tc] = {"numpy": t, "jax": jnp.asarray(t), "memmap": _memmap(t)}[p["tables"]]
         inputs[f"f{i}"] = _feature_input(
             rng, kind, p["batch"], p["id_dtype"], p["idx_dtype"], p["empty"][i], p["validate"]
         )

@@ -54,7 +54,7 @@ def _ids_ok(v) -> bool:
 def _table_ok(t, feature) -> np.ndarray | None:
     """The table as a float32 numpy array of the feature's shape with contiguous rows, or
     None (another dtype or shape, a tracer: the general path's)."""
-    if type(t) is not np.ndarray:
+    if not isinstance(t, np.ndarray):  # np.memmap tables (a checkpoint mapped) are arrays
         if isinstance(t, _Tracer) or not isinstance(t, jax.Array):
             return None
         t = np.asarray(t)
@@ -88,7 +88,7 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | 
             continue
         if feature.max_sequence_length or feature.output_shape:
             return None
-        table = _table_ok(tables.get(feature.table), feature)
+        table = _table_ok(tables[feature.table] if feature.table in tables else None, feature)
         if table is None:
             return None
         kind = type(inp)
