@@ -196,40 +196,50 @@ def _common(rng, n=3, dim=16, batch=20):
 
 
 def _uncommon_cases(rng, fcs, tables, inputs):
-    """(what, features, tables, inputs, weights) the fast path must leave to the general path."""
-    f0 = inputs["f0"]
-    tc0 = fcs["f0"].table
+    """(what, features, tables, inputs, weights) the fast path must leave to the general path
+    (the feature in the middle uncommon, f0 prepared before it)."""
+    f1 = inputs["f1"]
+    tc1 = fcs["f1"].table
     cases = []
-    w = em.RaggedTensor(np.full(f0.values.shape, 0.5, np.float64), f0.row_splits)
-    cases.append(("float64 weights", fcs, tables, inputs, {"f0": w}))
-    seq = dict(fcs, f0=em.FeatureConfig(tc0, name="f0", max_sequence_length=4))
+    w = em.RaggedTensor(np.full(f1.values.shape, 0.5, np.float64), f1.row_splits)
+    cases.append(("float64 weights", fcs, tables, inputs, {"f1": w}))
+    seq = dict(fcs, f1=em.FeatureConfig(tc1, name="f1", max_sequence_length=4))
     cases.append(("sequence feature", seq, tables, inputs, None))
-    batch = f0.nrows
-    shaped = dict(fcs, f0=em.FeatureConfig(tc0, name="f0", output_shape=[batch]))
+    batch = f1.nrows
+    shaped = dict(fcs, f1=em.FeatureConfig(tc1, name="f1", output_shape=[batch]))
     cases.append(("output_shape", shaped, tables, inputs, None))
     for what, changed in [
-        ("uint64 ids", em.RaggedTensor(f0.values.astype(np.uint64), f0.row_splits)),
-        ("int16 ids", em.RaggedTensor(f0.values.astype(np.int16), f0.row_splits)),
-        ("int32 row_splits", em.RaggedTensor(f0.values, f0.row_splits.astype(np.int32))),
-        ("strided ids", em.RaggedTensor(np.repeat(f0.values, 2)[::2], f0.row_splits)),
-        ("jax ids", em.RaggedTensor(jnp.asarray(f0.values), f0.row_splits)),
-        ("a list of ids", np.asarray(f0.values)[: batch * 2].reshape(batch, 2).tolist()),
+        ("uint64 ids", em.RaggedTensor(f1.values.astype(np.uint64), f1.row_splits)),
+        ("int16 ids", em.RaggedTensor(f1.values.astype(np.int16), f1.row_splits)),
+        ("int32 row_splits", em.RaggedTensor(f1.values, f1.row_splits.astype(np.int32))),
+        ("strided ids", em.RaggedTensor(np.repeat(f1.values, 2)[::2], f1.row_splits)),
+        ("jax ids", em.RaggedTensor(jnp.asarray(f1.values), f1.row_splits)),
+        ("a list of ids", np.asarray(f1.values)[: batch * 2].reshape(batch, 2).tolist()),
     ]:
-        cases.append((what, fcs, tables, dict(inputs, f0=changed), None))
-    t64 = {**tables, tc0: tables[tc0].astype(np.float64)}
+        cases.append((what, fcs, tables, dict(inputs, f1=changed), None))
+    t64 = {**tables, tc1: tables[tc1].astype(np.float64)}
     cases.append(("float64 table", fcs, t64, inputs, None))
     return cases
 
 
-def test_uncommon_inputs_take_the_general_path(spy, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_uncommon_inputs_take_the_general_path(threads, spy, monkeypatch):
     """Each uncommon input: the fast path says None, and the lookup equals the general
-    path's (which the other serving tests check against float64)."""
+    path's (which the other serving tests check against float64), on 1 and 2 threads. A
+    sequence feature or output_shape is seen before anything is prepared."""
     rng = np.random.default_rng(3)
     fcs, tables, inputs = _common(rng)
+    prepared = []
+    real_prepare = fast_path._prepare
+    monkeypatch.setattr(fast_path, "_prepare", lambda *a: prepared.append(1) or real_prepare(*a))
+    monkeypatch.setattr(lookup, "_host_threads", threads)
     for what, f, t, x, w in _uncommon_cases(rng, fcs, tables, inputs):
         spy.clear()
+        prepared.clear()
         got = em.serving_embedding_lookup(x, w, t, f)
         assert spy == [None], what
+        if what in ("sequence feature", "output_shape", "a list of ids"):
+            assert not prepared, what
         with monkeypatch.context() as m:
             _general_only(m)
             want = em.serving_embedding_lookup(x, w, t, f)

@@ -77,42 +77,64 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | 
     """Every given feature's output (None where no input is given), or None: some
     feature is not a common case, or the C++ side reported an error (the caller runs
     the general path, which raises it)."""
-    if not kernels.native_in_use():
+    if not kernels.native_in_use() or not _plausible(features, flat_inputs, flat_weights):
         return None
+    # every task made first, then one C++ call: handing each task to the pool as it was
+    # made (as the general path does) measured 0.95-0.98x this with 2 threads at dims 16
+    # and 32 (benchmarks/RESULTS_serving.md), the preparing being ~10 us a feature
+    keep: list = []
     words: list = []
+    outs = _prepare(features, flat_inputs, flat_weights, tables, words.extend, keep)
+    codes = kernels.run_tasks(array.array("q", words), threads) if outs and words else []
+    if outs is None or any(c != -1 for c in codes):
+        return None  # not a common request, or an error: the general path names it
+    return outs
+
+
+def _plausible(features, flat_inputs, flat_weights) -> bool:
+    """Whether every feature may be a common case, by the tests that cost nothing (a
+    sequence feature among the others is common in recommenders: its requests must not
+    sum the others here first, with more than one thread, only to sum them again)."""
+    for feature, inp, weight in zip(features, flat_inputs, flat_weights):
+        if inp is None:
+            continue
+        kind = type(inp)
+        if (
+            feature.max_sequence_length
+            or feature.output_shape
+            or not (kind is RaggedTensor or kind is SparseTensor or kind is np.ndarray)
+            or (weight is not None and (type(weight) is not kind or kind is np.ndarray))
+        ):
+            return False
+    return True
+
+
+def _prepare(features, flat_inputs, flat_weights, tables, add, keep) -> list | None:
+    """Each given feature's output buffer (None where no input is given), its task given
+    to `add` (its words), or None: a feature that is not a common case. `keep` gets the
+    arrays the tasks read that nothing else holds (tables converted here, sparse offsets):
+    the caller holds them until the kernels ran."""
     outs: list = []
-    keep: list = []  # tables converted here and sparse offsets, alive until the kernels ran
     for feature, inp, weight in zip(features, flat_inputs, flat_weights):
         if inp is None:
             outs.append(None)
             continue
-        if feature.max_sequence_length or feature.output_shape:
-            return None
         table = _table_ok(tables[feature.table] if feature.table in tables else None, feature)
         if table is None:
             return None
-        kind = type(inp)
-        if weight is not None and type(weight) is not kind:
-            return None  # a dense input with weights, or weights of another kind
+        kind = type(inp)  # with fitting weights (see _plausible)
         if kind is RaggedTensor:
             task = _ragged(feature, inp, weight, table)
         elif kind is SparseTensor:
             task = _sparse(feature, inp, weight, table, keep)
-        elif kind is np.ndarray and weight is None:  # weights for dense ids: an error
-            task = _dense(inp, table)
         else:
-            return None
+            task = _dense(inp, table)
         if task is None:
             return None
         out, task_words = task
         outs.append(out)
-        words.extend(task_words)
         keep.append(table)
-    if not words:
-        return outs
-    codes = kernels.run_tasks(array.array("q", words), threads)
-    if any(c != -1 for c in codes):
-        return None  # an error: the general path names it
+        add(task_words)
     return outs
 
 

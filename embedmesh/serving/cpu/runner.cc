@@ -373,24 +373,33 @@ Pool* pool() {
   return g_pool;
 }
 
-// A request and the pool it holds (nullptr: the caller's thread alone).
+// A request and the pool it holds (nullptr: the caller's thread alone). The pool is
+// woken once the tasks added hold enough entries for a second thread (threads_for):
+// a small request never wakes it.
 struct Handle {
   Request request;
+  const int64_t threads;
+  int64_t entries = 0;
+  bool asked = false;  // the pool was asked for (and given, or found busy)
   Pool* pool = nullptr;
-  Handle(int64_t max_tasks, int64_t threads) : request(max_tasks, threads) {}
+  Handle(int64_t max_tasks, int64_t threads) : request(max_tasks, threads), threads(threads) {}
+
+  bool add(const int64_t* w) {
+    if (!request.add(w)) return false;
+    entries += entries_given(w);
+    if (!asked && threads > 1 && threads_for(entries, threads) > 1) {
+      asked = true;
+      Pool* p = embedmesh_serving_runner::pool();
+      if (p->busy.try_lock()) {
+        pool = p;
+        p->start(&request, static_cast<int>(threads - 1));
+      }
+    }
+    return true;
+  }
 };
 
-Handle* open(int64_t max_tasks, int64_t threads) {
-  Handle* h = new Handle(max_tasks, threads);
-  if (threads > 1) {
-    Pool* p = pool();
-    if (p->busy.try_lock()) {
-      h->pool = p;
-      p->start(&h->request, static_cast<int>(threads - 1));
-    }
-  }
-  return h;
-}
+Handle* open(int64_t max_tasks, int64_t threads) { return new Handle(max_tasks, threads); }
 
 void close(Handle* h, int64_t* results) {
   h->request.close();
@@ -425,7 +434,7 @@ int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int
     if (!known_kind(tasks[t * EM_TASK_WORDS])) return t;
   }
   Handle* h = open(n_tasks, EmServingThreadsFor(tasks, n_tasks, threads));
-  for (int64_t t = 0; t < n_tasks; ++t) h->request.add(tasks + t * EM_TASK_WORDS);
+  for (int64_t t = 0; t < n_tasks; ++t) h->add(tasks + t * EM_TASK_WORDS);
   close(h, results);
   return -1;
 }
@@ -435,7 +444,7 @@ void* EmServingOpen(int64_t max_tasks, int64_t threads) {
 }
 
 int64_t EmServingAdd(void* request, const int64_t* words) {
-  return static_cast<Handle*>(request)->request.add(words) ? -1 : 0;
+  return static_cast<Handle*>(request)->add(words) ? -1 : 0;
 }
 
 void EmServingClose(void* request, int64_t* results) {

@@ -80,7 +80,8 @@ int64_t EmServingSetMinEntriesPerThread(int64_t n);
 // (for up to max_tasks tasks); EmServingAdd copies one task's EM_TASK_WORDS words in and
 // returns -1, or 0 (an unknown kind or a full request: not added); EmServingClose runs
 // what is left on the caller's thread too, waits for the rest, writes each added task's
-// result and frees the request. Every request opened must be closed.
+// result and frees the request. Every request opened must be closed. The pool's threads
+// join once the tasks added hold 8,192 entries a thread for two of them (see below).
 void* EmServingOpen(int64_t max_tasks, int64_t threads);
 int64_t EmServingAdd(void* request, const int64_t* words);
 void EmServingClose(void* request, int64_t* results);
