@@ -80,7 +80,7 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | 
     if not kernels.native_in_use() or not _plausible(features, flat_inputs, flat_weights):
         return None
     # every task made first, then one C++ call: handing each task to the pool as it was
-    # made (as the general path does) measured 0.95-0.98x this with 2 threads at dims 16
+    # made (as the general path does) measured 0.95-0.99x this with 2 threads at dims 16
     # and 32 (benchmarks/RESULTS_serving.md), the preparing being ~10 us a feature
     keep: list = []
     words: list = []
