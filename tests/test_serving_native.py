@@ -27,22 +27,9 @@ SETTINGS = settings(
 
 
 @pytest.fixture(autouse=True)
-def native_poisoned(monkeypatch):
-    """The native backend, every output buffer NaN until written."""
-    real = kernels._pool.empty_at
-
-    def poisoned(shape, dtype):
-        out, addr = real(shape, dtype)
-        out.view(np.uint8)[...] = 0xFF
-        return out, addr
-
-    monkeypatch.setattr(kernels._pool, "empty_at", poisoned)
-    previous = kernels.set_backend("native")
-    # every request shared over the threads it is given, however small (the tests' are)
-    min_entries = native.library().EmServingSetMinEntriesPerThread(1)
+def native_kernels(native_poisoned):
+    """The native backend, outputs poisoned (conftest); the one-pass kernel back on after."""
     yield
-    native.library().EmServingSetMinEntriesPerThread(min_entries)
-    kernels.set_backend(previous)
     native.library().EmServingSetFused(1)
 
 

@@ -176,28 +176,31 @@ def _ragged(feature, inp, weight, table):
     w_addr = _weights_address(weight, ids)
     if w_addr is None:
         return None
-    rows, dim = splits.shape[0] - 1, table.shape[1]
-    out, out_addr = kernels.output_empty_at((rows, dim), _F32)
-    mode = kernels.combiner_code(feature.table.combiner)
-    task = (
-        _KIND_BAG_CHECKED,
+    rows = splits.shape[0] - 1
+    out, out_addr = kernels.output_empty_at((rows, table.shape[1]), _F32)
+    task = _bag_words(_KIND_BAG_CHECKED, table, ids, _address(splits), rows, w_addr, feature)
+    task += (out_addr, table.shape[1], ids.shape[0])  # ids: checked against row_splits[-1]
+    return out, task + _PAD[len(task) :]
+
+
+def _bag_words(kind, table, ids, offsets_addr, rows, w_addr, feature, prune_ids=0, prune_w=0):
+    """A bag task's first words: its kind, then EmServingBagF32's arguments up to the
+    output's."""
+    return (
+        kind,
         _address(table),
         table.shape[0],
-        dim,
+        table.shape[1],
         table.strides[0] >> 2,
         _address(ids),
         int(ids.dtype is _I64),
-        _address(splits),
+        offsets_addr,
         rows,
         w_addr,
-        mode,
-        0,  # ragged input: nothing pruned
-        0,
-        out_addr,
-        dim,
-        ids.shape[0],  # checked against row_splits[-1] as the task is added
+        kernels.combiner_code(feature.table.combiner),
+        prune_ids,
+        prune_w,
     )
-    return out, task + _PAD[len(task) :]
 
 
 def _sparse(feature, inp, weight, table, keep):
@@ -229,27 +232,19 @@ def _sparse(feature, inp, weight, table, keep):
     out, out_addr = kernels.output_empty_at((rows, dim), _F32)
     offsets = np.empty(rows + 1, np.int64)  # written by the request's first phase
     keep.append(offsets)
-    task = (
+    prune_w = int(safe and w_addr != 0 and combiner != "sum")
+    task = _bag_words(
         _KIND_SPARSE_OFFSETS_BAG,
-        _address(table),
-        table.shape[0],
-        dim,
-        table.strides[0] >> 2,
-        _address(ids),
-        int(ids.dtype is _I64),
+        table,
+        ids,
         _address(offsets),
         rows,
         w_addr,
-        kernels.combiner_code(combiner),
+        feature,
         int(safe),
-        int(safe and w_addr != 0 and combiner != "sum"),
-        out_addr,
-        dim,
-        _address(idx),
-        int(idx.dtype is _I64),
-        ids.shape[0],
-        cols,
+        prune_w,
     )
+    task += (out_addr, dim, _address(idx), int(idx.dtype is _I64), ids.shape[0], cols)
     return out, task + _PAD[len(task) :]
 
 
