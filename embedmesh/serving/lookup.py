@@ -7,6 +7,12 @@ from `inputs.feature_layout`, the rules training follows too:
     out[row] = sum_k weight_k * table[id_k]          (kept entries only)
     out[row] /= sum_k w_k  (mean)  or  sqrt(sum_k w_k^2)  (sqrtn);  0/0 = 0
 
+Concrete inputs that are all common cases (ragged, 2-D sparse or dense int32/int64
+numpy ids, finite float32 weights or none, float32 tables, no sequence features or
+output_shape) take `fast_path.lookup`: one C++ task a feature after a few Python tests.
+Anything else, and any error there, takes the general host path, which raises
+TensorFlow's errors as described below.
+
 Concrete (numpy) inputs take the host path, for every output kind (plain
 lookups, combined bags, sequences): the feature becomes an `inputs.Csr`
 (`to_csr`, the form host preprocessing takes too; TensorFlow's pruning left to
