@@ -334,8 +334,8 @@ def test_checked_bag_task_rejects_bad_offsets_before_any_write(splits):
     good, good_addr = kernels.output_empty_at((2, 8), np.float32)
 
     def task(off, rows, addr):
-        w = [4, fast_path._address(table), 50, 8, 8, fast_path._address(ids), 1]
-        w += [fast_path._address(off), rows, 0, 0, 0, 0, addr, 8, 4]
+        w = [4, kernels.address(table), 50, 8, 8, kernels.address(ids), 1]
+        w += [kernels.address(off), rows, 0, 0, 0, 0, addr, 8, 4]
         return w + [0] * (kernels.TASK_WORDS - len(w))
 
     codes = kernels.run_tasks(

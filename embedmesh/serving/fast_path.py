@@ -21,7 +21,6 @@ arrays (tests/test_serving_fast_path.py compares the two on every input kind).
 from __future__ import annotations
 
 import array
-import ctypes
 
 import jax
 import numpy as np
@@ -35,15 +34,6 @@ _I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
 _KIND_BAG_CHECKED, _KIND_SPARSE_OFFSETS_BAG, _KIND_GATHER = 4, 3, 2
 _PAD = (0,) * kernels.TASK_WORDS
 _Tracer = jax.core.Tracer
-
-
-def _address(a: np.ndarray) -> int:
-    """The data address of a contiguous array: through ctypes' buffer view (~0.3 us),
-    else (read-only or empty arrays) numpy's interface (~1.1 us)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(a))
-    except (TypeError, ValueError, BufferError):
-        return a.__array_interface__["data"][0]
 
 
 def _ids_ok(v) -> bool:
@@ -152,7 +142,7 @@ def _weights_address(weight, ids) -> int | None:
         or not np.isfinite(w).all()
     ):
         return None
-    return _address(w)
+    return kernels.address(w)
 
 
 def _ragged(feature, inp, weight, table):
@@ -178,7 +168,7 @@ def _ragged(feature, inp, weight, table):
         return None
     rows = splits.shape[0] - 1
     out, out_addr = kernels.output_empty_at((rows, table.shape[1]), _F32)
-    task = _bag_words(_KIND_BAG_CHECKED, table, ids, _address(splits), rows, w_addr, feature)
+    task = _bag_words(_KIND_BAG_CHECKED, table, ids, kernels.address(splits), rows, w_addr, feature)
     task += (out_addr, table.shape[1], ids.shape[0])  # ids: checked against row_splits[-1]
     return out, task + _PAD[len(task) :]
 
@@ -188,11 +178,11 @@ def _bag_words(kind, table, ids, offsets_addr, rows, w_addr, feature, prune_ids=
     output's."""
     return (
         kind,
-        _address(table),
+        kernels.address(table),
         table.shape[0],
         table.shape[1],
         table.strides[0] >> 2,
-        _address(ids),
+        kernels.address(ids),
         int(ids.dtype is _I64),
         offsets_addr,
         rows,
@@ -237,14 +227,14 @@ def _sparse(feature, inp, weight, table, keep):
         _KIND_SPARSE_OFFSETS_BAG,
         table,
         ids,
-        _address(offsets),
+        kernels.address(offsets),
         rows,
         w_addr,
         feature,
         int(safe),
         prune_w,
     )
-    task += (out_addr, dim, _address(idx), int(idx.dtype is _I64), ids.shape[0], cols)
+    task += (out_addr, dim, kernels.address(idx), int(idx.dtype is _I64), ids.shape[0], cols)
     return out, task + _PAD[len(task) :]
 
 
@@ -255,11 +245,11 @@ def _dense(inp, table):
     out, out_addr = kernels.output_empty_at((*inp.shape, dim), _F32)
     task = (
         _KIND_GATHER,
-        _address(table),
+        kernels.address(table),
         table.shape[0],
         dim * 4,
         table.strides[0],
-        _address(inp),
+        kernels.address(inp),
         int(inp.dtype is _I64),
         inp.size,
         out_addr,

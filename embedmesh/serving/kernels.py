@@ -45,6 +45,7 @@ references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
 from __future__ import annotations
 
 import array
+import ctypes
 import functools
 import math
 import sys
@@ -180,7 +181,7 @@ class _BufferPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if not self.enabled or nbytes == 0 or dtype.hasobject:
             out = aligned_empty(shape, dtype)
-            return out, _addr(out)
+            return out, address(out)
         size = nbytes + _ALIGN
         with self._lock:  # between finding a free buffer and viewing it, no other taker
             i = self._free(size)
@@ -192,7 +193,7 @@ class _BufferPool:
                 return out, self._addrs[i]
             raw, start = _runtime.aligned_buffer(nbytes, _ALIGN)
             out = np.ndarray(shape, dtype, buffer=raw, offset=start)
-            addr = _addr(out)
+            addr = address(out)
             if self._bytes + size > self.limit:
                 self._evict(self._bytes + size - self.limit)
             if self._bytes + size <= self.limit:
@@ -665,7 +666,7 @@ class NativeRequest:
 
     def __init__(self, max_tasks: int, threads: int):
         self._tasks = np.zeros((max(max_tasks, 1), TASK_WORDS), np.int64)
-        self._addr = _addr(self._tasks)
+        self._addr = address(self._tasks)
         self.calls: list = []
         self._handle = _LIB.EmServingOpen(max_tasks, max(int(threads), 1))
 
@@ -682,7 +683,7 @@ class NativeRequest:
         results = np.empty(max(len(self.calls), 1), np.int64)
         handle, self._handle = self._handle, None
         if handle is not None:
-            _LIB.EmServingClose(handle, _addr(results))
+            _LIB.EmServingClose(handle, address(results))
         return results[: len(self.calls)].tolist()
 
 
@@ -713,8 +714,14 @@ def _row_major(table: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(table)
 
 
-def _addr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+def address(a: np.ndarray) -> int:
+    """The data address of an array: through ctypes' view of a writable contiguous
+    buffer (~0.3 us), else numpy's interface (~1.1 us; read-only, strided or empty
+    arrays). A request takes 3-5 addresses a feature."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.__array_interface__["data"][0]
 
 
 def _prepare_gather_native(table: np.ndarray, ids: np.ndarray):
@@ -724,11 +731,11 @@ def _prepare_gather_native(table: np.ndarray, ids: np.ndarray):
     out, out_addr = _pool.empty_at((ids.shape[0], table.shape[1]), table.dtype)
     ids, is64 = _native_ids(ids)
     args = (
-        _addr(table),
+        address(table),
         table.shape[0],
         table.shape[1] * table.dtype.itemsize,
         table.strides[0],
-        _addr(ids),
+        address(ids),
         is64,
         ids.shape[0],
         out_addr,
@@ -755,15 +762,15 @@ def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     has_w = weights is not None
     args = (
-        _addr(table),
+        address(table),
         table.shape[0],
         dim,
         table.strides[0] // 4,
-        _addr(ids),
+        address(ids),
         is64,
-        _addr(offsets),
+        address(offsets),
         num_rows,
-        _addr(weights) if has_w else None,
+        address(weights) if has_w else None,
         mode,
         int(prune_ids),
         int(prune_w and has_w),
@@ -777,7 +784,7 @@ def _prepare_bag_native(table, ids, offsets, weights, mode, prune_ids, prune_w):
 def _rows_to_offsets_native(rows: np.ndarray, num_rows: int) -> np.ndarray | None:
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     offsets = np.empty(num_rows + 1, np.int64)
-    bad = _LIB.EmServingRowsToOffsets(_addr(rows), rows.shape[0], num_rows, _addr(offsets))
+    bad = _LIB.EmServingRowsToOffsets(address(rows), rows.shape[0], num_rows, address(offsets))
     return offsets if bad < 0 else None
 
 
@@ -890,18 +897,18 @@ def prepare_sparse_bag_combine(
     out, out_addr = _pool.empty_at((num_rows, dim), np.float32)
     has_w = weights is not None
     args = (
-        _addr(table),
+        address(table),
         table.shape[0],
         dim,
         table.strides[0] // 4,
-        _addr(ids),
+        address(ids),
         int(ids.dtype == np.int64),
-        _addr(indices),
+        address(indices),
         int(indices.dtype == np.int64),
         ids.shape[0],
         num_rows,
         num_cols,
-        _addr(weights) if has_w else None,
+        address(weights) if has_w else None,
         mode,
         int(prune_ids),
         int(prune_weights and has_w),
@@ -913,8 +920,8 @@ def prepare_sparse_bag_combine(
         fn = _LIB.EmServingSparseBagF32
         return _NativeSparseCall(fn, args, keep, out, ids, table.shape[0], 1)
     offsets = np.empty(num_rows + 1, np.int64)  # written by the run's first phase
-    bag_args = (*args[:6], _addr(offsets), num_rows, *args[11:])
-    more = (_addr(indices), int(indices.dtype == np.int64), ids.shape[0], num_cols)
+    bag_args = (*args[:6], address(offsets), num_rows, *args[11:])
+    more = (address(indices), int(indices.dtype == np.int64), ids.shape[0], num_cols)
     keep = (*keep, offsets)
     return _NativeSparseCall(None, (*bag_args, *more), keep, out, ids, table.shape[0], 3)
 
@@ -929,12 +936,12 @@ def _sparse_offsets_native(indices, shape, num_rows):
     shape = np.ascontiguousarray(shape, dtype=np.int64)
     offsets = np.empty(num_rows + 1, np.int64)
     bad = _LIB.EmServingSparseOffsets(
-        _addr(indices),
+        address(indices),
         int(indices.dtype == np.int64),
         indices.shape[0],
         rank,
-        _addr(shape),
-        _addr(offsets),
+        address(shape),
+        address(offsets),
     )
     return (offsets, -1) if bad < 0 else (None, int(bad))
 
