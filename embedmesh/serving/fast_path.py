@@ -74,17 +74,18 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | 
     # and 32 (benchmarks/RESULTS_serving.md), the preparing being ~10 us a feature
     keep: list = []
     words: list = []
-    outs = _prepare(features, flat_inputs, flat_weights, tables, words.extend, keep)
-    codes = kernels.run_tasks(array.array("q", words), threads) if outs and words else []
-    if outs is None or any(c != -1 for c in codes):
-        return None  # not a common request, or an error: the general path names it
+    outs = _prepare(features, flat_inputs, flat_weights, tables, words, keep)
+    if outs is None:
+        return None  # not a common request: the general path's
+    if words and any(c != -1 for c in kernels.run_tasks(array.array("q", words), threads)):
+        return None  # an error: the general path names it
     return outs
 
 
 def _plausible(features, flat_inputs, flat_weights) -> bool:
-    """Whether every feature may be a common case, by the tests that cost nothing (a
-    sequence feature among the others is common in recommenders: its requests must not
-    sum the others here first, with more than one thread, only to sum them again)."""
+    """Whether every feature may be a common case, by the tests that cost nothing, before
+    any output buffer is taken (a sequence feature among the others is common in
+    recommenders: its requests go to the general path at once)."""
     for feature, inp, weight in zip(features, flat_inputs, flat_weights):
         if inp is None:
             continue
@@ -99,9 +100,9 @@ def _plausible(features, flat_inputs, flat_weights) -> bool:
     return True
 
 
-def _prepare(features, flat_inputs, flat_weights, tables, add, keep) -> list | None:
-    """Each given feature's output buffer (None where no input is given), its task given
-    to `add` (its words), or None: a feature that is not a common case. `keep` gets the
+def _prepare(features, flat_inputs, flat_weights, tables, words, keep) -> list | None:
+    """Each given feature's output buffer (None where no input is given), its task's
+    words appended to `words`, or None: a feature that is not a common case. `keep` gets the
     arrays the tasks read that nothing else holds (tables converted here, sparse offsets):
     the caller holds them until the kernels ran."""
     outs: list = []
@@ -124,7 +125,7 @@ def _prepare(features, flat_inputs, flat_weights, tables, add, keep) -> list | N
         out, task_words = task
         outs.append(out)
         keep.append(table)
-        add(task_words)
+        words.extend(task_words)
     return outs
 
 
