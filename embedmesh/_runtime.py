@@ -18,6 +18,8 @@ lists them:
                               `num_threads`)
   EMBEDMESH_SERVING_THREADS=n threads of the serving lookup (0 or 1: caller only)
   EMBEDMESH_OUTPUT_POOL_MB=n  serving's reusable output buffers
+  EMBEDMESH_SERVING_SPIN_US=n how long the serving pool's threads poll for the next
+                              request before they sleep (default 300; 0: sleep at once)
   EMBEDMESH_GPU_SCATTER_WORKAROUND=0  no XLA flag against jaxlib 0.10.2-0.11.0's
                               slow GPU scatter-add (see `embedmesh._gpu_guard`)
   EMBEDMESH_CACHE_DIR=path    where kernels built at first use are cached
@@ -185,6 +187,21 @@ def serving_threads() -> int:
 
 
 @functools.cache
+def serving_spin_us() -> int | None:
+    """EMBEDMESH_SERVING_SPIN_US (None: the C++ runner's default, 300)."""
+    value = _env("EMBEDMESH_SERVING_SPIN_US")
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"EMBEDMESH_SERVING_SPIN_US={value!r}: expected an integer >= 0")
+    return n
+
+
+@functools.cache
 def output_pool_bytes() -> int:
     """EMBEDMESH_OUTPUT_POOL_MB (default 256) in bytes."""
     value = _env("EMBEDMESH_OUTPUT_POOL_MB")
@@ -262,6 +279,7 @@ def reset() -> None:
         cpu_threads,
         preprocess_threads,
         serving_threads,
+        serving_spin_us,
         output_pool_bytes,
         cache_dir,
         exchange_timeout_s,

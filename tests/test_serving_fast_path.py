@@ -233,6 +233,110 @@ def test_uncommon_inputs_take_the_general_path(threads, spy, monkeypatch):
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=what)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_outputs_are_wrapped_before_the_kernels_and_alias_their_buffers(threads, monkeypatch):
+    """The result is made once, before the kernels run (its arrays read the buffers the
+    kernels then fill), and holds the kernels' values, not the buffers' poison."""
+    rng = np.random.default_rng(6)
+    fcs, tables, inputs = _common(rng, n=4)
+    inputs["f2"] = rng.integers(0, VOCAB, (20, 3))  # a dense feature among the bags
+    del inputs["f3"]  # and a feature without input
+    made = []
+    real = lookup._finish_common
+    monkeypatch.setattr(lookup, "_finish_common", lambda *a: made.append(a[-1]) or real(*a))
+    monkeypatch.setattr(lookup, "_host_threads", threads)
+    got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+    assert made == [True]
+    assert sorted(got) == ["f0", "f1", "f2"]
+    for name, x in got.items():
+        fc = fcs[name]
+        want = reference_lookup(fc, inputs[name], None, tables[fc.table])
+        np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_outputs_copied_when_wrapped_are_wrapped_again_after_the_kernels(threads, monkeypatch):
+    """Where jax copies the output buffers (another device_put), the copies made before
+    the kernels ran hold poison: the result is made again after them, with the kernels'
+    values."""
+    rng = np.random.default_rng(7)
+    fcs, tables, inputs = _common(rng, n=3)
+    made = []
+    real = lookup._finish_common
+    monkeypatch.setattr(lookup, "_finish_common", lambda *a: made.append(a[-1]) or real(*a))
+    monkeypatch.setattr(lookup, "_host_to_jax", lambda outs: [jnp.array(x) for x in outs])
+    monkeypatch.setattr(lookup, "_host_threads", threads)
+    got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+    assert made == [True, False]
+    for name, x in got.items():
+        fc = fcs[name]
+        want = reference_lookup(fc, inputs[name], None, tables[fc.table])
+        np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "threads, min_entries, handed_over", [(1, 1, False), (2, 1, True), (2, 10**9, False)]
+)
+def test_requests_for_several_threads_are_handed_over_task_by_task(
+    threads, min_entries, handed_over, monkeypatch
+):
+    """A request that several threads share goes to the pool task by task as each is
+    made; one that runs on one thread (one given, or too few ids for two) is one C++
+    call. Both give the kernels' values."""
+    rng = np.random.default_rng(8)
+    fcs, tables, inputs = _common(rng, n=3)
+    calls = {"add_words": 0, "run_tasks": 0}
+    real_add, real_run = kernels.NativeRequest.add_words, kernels.run_tasks
+
+    def add_words(self, words):
+        calls["add_words"] += 1
+        return real_add(self, words)
+
+    def run_tasks(words, n):
+        calls["run_tasks"] += 1
+        return real_run(words, n)
+
+    monkeypatch.setattr(kernels.NativeRequest, "add_words", add_words)
+    monkeypatch.setattr(kernels, "run_tasks", run_tasks)
+    monkeypatch.setattr(lookup, "_host_threads", threads)
+    previous = native.library().EmServingSetMinEntriesPerThread(min_entries)
+    try:
+        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+    finally:
+        native.library().EmServingSetMinEntriesPerThread(previous)
+    assert calls == (
+        {"add_words": 3, "run_tasks": 0} if handed_over else {"add_words": 0, "run_tasks": 1}
+    )
+    for name, x in got.items():
+        fc = fcs[name]
+        want = reference_lookup(fc, inputs[name], None, tables[fc.table])
+        np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("spin_us", [0, 300, 50_000])
+def test_pool_polling_leaves_results_alone(spin_us, monkeypatch):
+    """However long the pool's threads poll for the next request (0: they sleep at
+    once), requests back to back and after a pause give the kernels' values."""
+    import time
+
+    rng = np.random.default_rng(9)
+    fcs, tables, inputs = _common(rng, n=4, batch=40)
+    lib = native.library()
+    previous = lib.EmServingSetPoolSpin(spin_us)
+    monkeypatch.setattr(lookup, "_host_threads", 2)
+    try:
+        for i in range(6):
+            if i == 3:
+                time.sleep(0.002)
+            got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+            for name, x in got.items():
+                fc = fcs[name]
+                want = reference_lookup(fc, inputs[name], None, tables[fc.table])
+                np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6)
+    finally:
+        lib.EmServingSetPoolSpin(previous)
+
+
 def test_traced_inputs_take_the_traced_path(spy):
     rng = np.random.default_rng(4)
     fcs, tables, inputs = _common(rng)
@@ -296,10 +400,12 @@ def _bad_requests(rng):
     return base_fcs, tables, out
 
 
-def test_errors_are_the_general_paths(spy, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_errors_are_the_general_paths(threads, spy, monkeypatch):
     """A bad request: the fast path hands it on (None), the lookup raises the general
     path's error word for word, naming the feature, and a good request after it runs on
-    the fast path again."""
+    the fast path again; one C++ call (1 thread) or tasks handed over (2)."""
+    monkeypatch.setattr(lookup, "_host_threads", threads)
     rng = np.random.default_rng(5)
     fcs, tables, bad = _bad_requests(rng)
     good = _common(np.random.default_rng(5), n=3)[2]

@@ -202,6 +202,29 @@ def test_preprocess_threads(threads):
     assert seen == {"default": threads, "asked": [] if threads == 1 else [threads]}
 
 
+SERVING_SPIN = """
+import json
+from embedmesh.serving import native
+
+try:
+    lib = native.library()
+    print(json.dumps({"spin_us": lib.EmServingSetPoolSpin(0)}))
+except ValueError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+@pytest.mark.parametrize("value, want", [(None, 300), ("0", 0), ("2500", 2500), ("-1", None)])
+def test_serving_spin_us(value, want):
+    """How long the serving pool's threads poll before they sleep: the C++ default when
+    unset, the value given, and a clear error naming the variable for a bad one."""
+    seen = run_with(SERVING_SPIN, {} if value is None else {"EMBEDMESH_SERVING_SPIN_US": value})
+    if want is None:
+        assert "EMBEDMESH_SERVING_SPIN_US='-1'" in seen["error"]
+    else:
+        assert seen == {"spin_us": want}
+
+
 OUTPUT_POOL = """
 import json
 import numpy as np

@@ -63,29 +63,59 @@ def _table_ok(t, feature) -> np.ndarray | None:
     return t
 
 
-def lookup(features, flat_inputs, flat_weights, tables, threads: int) -> list | None:
-    """Every given feature's output (None where no input is given), or None: some
-    feature is not a common case, or the C++ side reported an error (the caller runs
-    the general path, which raises it)."""
-    if not kernels.native_in_use() or not _plausible(features, flat_inputs, flat_weights):
+def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
+    """The request's result, or None: some feature is not a common case, or the C++
+    side reported an error (the caller runs the general path, which raises it).
+
+    `finish(outs, before_run)` makes the result from the output buffers (`outs`: None
+    where a feature has no input). It is called first before the kernels have run,
+    while the caches are warm; where it cannot be made then (it returns None) it is
+    called again after them.
+
+    A request large enough for several threads is handed to the C++ pool task by task
+    as each is made (`kernels.NativeRequest`): the pool's threads sum the first
+    features while this thread makes the next ones and the result. Back to back on 2
+    threads, each system alone in its turn (benchmarks/RESULTS_serving.md, sixth
+    session), 8 x 1M tables: 1.04-1.11x one C++ call at the end, at dims 16-64.
+    """
+    if not kernels.native_in_use():
         return None
-    # every task made first, then one C++ call: handing each task to the pool as it was
-    # made (as the general path does) measured 0.95-0.99x this with 2 threads at dims 16
-    # and 32 (benchmarks/RESULTS_serving.md), the preparing being ~10 us a feature
+    entries = _plausible(features, flat_inputs, flat_weights)
+    if entries < 0:
+        return None
     keep: list = []
+    if threads > 1 and kernels.threads_for_entries(entries, threads) > 1:
+        return _handed_over(features, flat_inputs, flat_weights, tables, threads, finish, keep)
     words: list = []
-    outs = _prepare(features, flat_inputs, flat_weights, tables, words, keep)
+    outs = _prepare(features, flat_inputs, flat_weights, tables, words.extend, keep)
     if outs is None:
         return None  # not a common request: the general path's
+    result = finish(outs, True)
     if words and any(c != -1 for c in kernels.run_tasks(array.array("q", words), threads)):
         return None  # an error: the general path names it
-    return outs
+    return result if result is not None else finish(outs, False)
 
 
-def _plausible(features, flat_inputs, flat_weights) -> bool:
-    """Whether every feature may be a common case, by the tests that cost nothing, before
-    any output buffer is taken (a sequence feature among the others is common in
-    recommenders: its requests go to the general path at once)."""
+def _handed_over(features, flat_inputs, flat_weights, tables, threads, finish, keep):
+    """`lookup`'s request, each task handed to the pool as it is made."""
+    request = kernels.NativeRequest(len(flat_inputs), threads)
+    outs = result = None
+    try:
+        outs = _prepare(features, flat_inputs, flat_weights, tables, request.add_words, keep)
+        if outs is not None:
+            result = finish(outs, True)
+    finally:
+        results = request.close()  # waits for the tasks added: they write into `outs`
+    if outs is None or any(c != -1 for c in results):
+        return None
+    return result if result is not None else finish(outs, False)
+
+
+def _plausible(features, flat_inputs, flat_weights) -> int:
+    """The request's ids, or -1: some feature is not a common case, by the tests that
+    cost nothing, made before any output buffer is taken (a sequence feature among the
+    others is common in recommenders: its requests go to the general path at once)."""
+    entries = 0
     for feature, inp, weight in zip(features, flat_inputs, flat_weights):
         if inp is None:
             continue
@@ -96,15 +126,18 @@ def _plausible(features, flat_inputs, flat_weights) -> bool:
             or not (kind is RaggedTensor or kind is SparseTensor or kind is np.ndarray)
             or (weight is not None and (type(weight) is not kind or kind is np.ndarray))
         ):
-            return False
-    return True
+            return -1
+        ids = inp if kind is np.ndarray else inp.values
+        if type(ids) is np.ndarray:
+            entries += ids.size
+    return entries
 
 
-def _prepare(features, flat_inputs, flat_weights, tables, words, keep) -> list | None:
+def _prepare(features, flat_inputs, flat_weights, tables, add, keep) -> list | None:
     """Each given feature's output buffer (None where no input is given), its task's
-    words appended to `words`, or None: a feature that is not a common case. `keep` gets the
-    arrays the tasks read that nothing else holds (tables converted here, sparse offsets):
-    the caller holds them until the kernels ran."""
+    words given to `add` as they are made, or None: a feature that is not a common case.
+    `keep` gets the arrays the tasks read that nothing else holds (tables converted here,
+    sparse offsets): the caller holds them until the kernels ran."""
     outs: list = []
     for feature, inp, weight in zip(features, flat_inputs, flat_weights):
         if inp is None:
@@ -125,7 +158,7 @@ def _prepare(features, flat_inputs, flat_weights, tables, words, keep) -> list |
         out, task_words = task
         outs.append(out)
         keep.append(table)
-        words.extend(task_words)
+        add(task_words)
     return outs
 
 

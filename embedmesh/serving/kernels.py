@@ -655,6 +655,12 @@ def run_tasks(words: array.array, threads: int) -> list:
     return results.tolist()
 
 
+def threads_for_entries(entries: int, threads: int) -> int:
+    """Threads of `threads` that a request of `entries` ids runs on (the C++ runner's
+    rule: enough entries a thread to be worth waking it)."""
+    return _LIB.EmServingThreadsForEntries(int(entries), int(threads))
+
+
 class NativeRequest:
     """A request's C++ kernels handed over one by one as they are prepared
     (`EmServingOpen` / `Add` / `Close`): with more than one thread, the pool starts on
@@ -677,6 +683,14 @@ class NativeRequest:
         if _LIB.EmServingAdd(self._handle, self._addr + i * TASK_WORDS * 8) != -1:
             raise RuntimeError("EmServingAdd: an unknown task kind, or more than max_tasks")
         self.calls.append(call)
+
+    def add_words(self, words) -> None:
+        """Hand a task given as its `TASK_WORDS` words (a sequence of ints) to the pool now."""
+        i = len(self.calls)
+        self._tasks[i] = words
+        if _LIB.EmServingAdd(self._handle, self._addr + i * TASK_WORDS * 8) != -1:
+            raise RuntimeError("EmServingAdd: an unknown task kind, or more than max_tasks")
+        self.calls.append(None)
 
     def close(self) -> list:
         """Wait for every added call; what each returned, for its `finish`."""

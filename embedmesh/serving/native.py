@@ -17,7 +17,7 @@ import ctypes
 import os
 import threading
 
-from embedmesh import _native
+from embedmesh import _native, _runtime
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib" once loaded; "why" once that failed
@@ -32,12 +32,15 @@ def library():
         if _env_off():
             _state["why"] = "disabled by EMBEDMESH_SERVING_NATIVE=0"
             return None
+        spin = _runtime.serving_spin_us()  # a bad value raises, not a silent fallback
         try:
             lib = _native.load("serving")
             _state["lib"] = declare(lib)
             _state["path"] = lib._name
         except Exception as e:  # noqa: BLE001 - any failure means: another backend
             _state["why"] = f"{type(e).__name__}: {e}"
+        if spin is not None and "lib" in _state:
+            _state["lib"].EmServingSetPoolSpin(spin)
         return _state.get("lib")
 
 
@@ -116,6 +119,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingRun": [_P, _I64, _I64, _P],
         "EmServingThreadsFor": [_P, _I64, _I64],
         "EmServingSetMinEntriesPerThread": [_I64],
+        "EmServingThreadsForEntries": [_I64, _I64],
+        "EmServingSetPoolSpin": [_I64],
     }
     for symbol, argtypes in sigs.items():
         fn = getattr(lib, symbol)

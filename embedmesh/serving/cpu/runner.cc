@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -304,7 +305,28 @@ class Request {
   }
 };
 
-// Threads that sleep between requests. One request uses it at a time; another request
+// How long a pool thread keeps polling for the next request after one (microseconds)
+// before it sleeps, as OpenMP runtimes' threads do. Waking a sleeping thread costs tens
+// of microseconds on a VM, and that thread then starts late on a request of ~1 ms.
+// Requests back to back on 2 threads, each system alone in its turn, 8 x 1M tables
+// (benchmarks/RESULTS_serving.md, sixth session): dim 16 0.90 -> 0.97x torch's 2
+// threads, dim 32 0.98 -> 1.05x, batch 512 0.72 -> 0.88x. A thread polls with `pause`;
+// only processes that ran a request on 2+ threads have pool threads at all.
+constexpr int64_t kDefaultPoolSpinUs = 300;
+std::atomic<int64_t> g_pool_spin_us{kDefaultPoolSpinUs};  // EmServingSetPoolSpin
+
+// A polling loop's pause: lets the core's other hyperthread (or the VM's other guest
+// threads) run, and costs no memory traffic.
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Threads that sleep between requests (after polling for the next one a while: see
+// g_pool_spin_us). One request uses it at a time; another request
 // arriving meanwhile runs on its own thread alone (a server with its own request
 // threads gets one core a request, and nobody waits for the pool).
 class Pool {
@@ -318,7 +340,7 @@ class Pool {
     std::lock_guard<std::mutex> lk(m_);
     request_ = r;
     helpers_ = helpers;
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_release);
     cv_.notify_all();
   }
 
@@ -336,7 +358,7 @@ class Pool {
   std::vector<std::thread> threads_;  // never joined: the pool lives as long as the process
   Request* request_ = nullptr;
   int helpers_ = 0;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
   int active_ = 0;
 
   void grow(int n) {
@@ -350,8 +372,18 @@ class Pool {
     uint64_t seen = 0;
     std::unique_lock<std::mutex> lk(m_);
     for (;;) {
-      cv_.wait(lk, [&] { return generation_ != seen; });
-      seen = generation_;
+      const int64_t spin = g_pool_spin_us.load(std::memory_order_relaxed);
+      if (spin > 0 && generation_.load(std::memory_order_acquire) == seen) {
+        lk.unlock();  // poll without the lock: start() takes it
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin);
+        while (generation_.load(std::memory_order_acquire) == seen &&
+               std::chrono::steady_clock::now() < until) {
+          relax();
+        }
+        lk.lock();
+      }
+      cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+      seen = generation_.load(std::memory_order_acquire);
       Request* r = request_;
       if (r == nullptr || index >= helpers_) continue;
       ++active_;
@@ -421,6 +453,12 @@ extern "C" {
 
 int64_t EmServingSetMinEntriesPerThread(int64_t n) {
   return g_min_entries_per_thread.exchange(n < 1 ? 1 : n);
+}
+
+int64_t EmServingSetPoolSpin(int64_t us) { return g_pool_spin_us.exchange(us < 0 ? 0 : us); }
+
+int64_t EmServingThreadsForEntries(int64_t entries, int64_t threads) {
+  return threads_for(entries, threads);
 }
 
 int64_t EmServingThreadsFor(const int64_t* tasks, int64_t n_tasks, int64_t threads) {

@@ -74,6 +74,11 @@ int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
 int64_t EmServingRun(const int64_t* tasks, int64_t n_tasks, int64_t threads, int64_t* results);
 int64_t EmServingThreadsFor(const int64_t* tasks, int64_t n_tasks, int64_t threads);
 int64_t EmServingSetMinEntriesPerThread(int64_t n);
+// Threads a request of `entries` entries runs on, of `threads`.
+int64_t EmServingThreadsForEntries(int64_t entries, int64_t threads);
+// How long (microseconds; default 300, 0: not at all) the pool's threads poll for the next
+// request before they sleep; returns the previous value.
+int64_t EmServingSetPoolSpin(int64_t us);
 
 // The same, its tasks handed over one by one as the caller prepares them: the pool's
 // threads start on the first task's chunks at once. EmServingOpen returns the request
