@@ -169,6 +169,31 @@ def test_flatten_inputs_like_allows_dict_subsets_only():
         flatten_inputs_like(r, {"c": np.array([1])})
 
 
+@given(
+    names=st.lists(st.text("abAB_1", min_size=1, max_size=3), min_size=1, max_size=6, unique=True),
+    data=st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_flat_dict_requests_flatten_as_the_walk_does(names, data):
+    """A flat dict of features (the serving shortcut): the same list as the general walk,
+    for any subset of keys in any order, and an extra key the walk's error."""
+    from embedmesh.inputs import _flatten_walk, resolved_structure
+
+    t = TableConfig(5, 2)
+    fc = {n: FeatureConfig(t) for n in names}
+    r = resolve_feature_config(fc)
+    given_names = data.draw(st.lists(st.sampled_from(names), unique=True))
+    inputs = {n: np.array([i]) for i, n in enumerate(given_names)}
+    want: list = []
+    _flatten_walk(resolved_structure(r), inputs, "", want, "features")
+    got = flatten_inputs_like(r, inputs)
+    assert [None if x is None else x.tolist() for x in got] == [
+        None if x is None else x.tolist() for x in want
+    ]
+    with pytest.raises(ValueError, match="not in the feature config"):
+        flatten_inputs_like(r, dict(inputs, zzzz=np.array([0])))
+
+
 def test_integer_kinds_are_numpys_integer_dtypes():
     """The input checks test dtypes by kind (`_INTEGER_KINDS`, cheap on every serving
     call); that must be np.issubdtype's answer for every dtype users may pass."""

@@ -255,16 +255,23 @@ def test_outputs_are_wrapped_before_the_kernels_and_alias_their_buffers(threads,
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_outputs_copied_when_wrapped_are_wrapped_again_after_the_kernels(threads, monkeypatch):
-    """Where jax copies the output buffers (another device_put), the copies made before
-    the kernels ran hold poison: the result is made again after them, with the kernels'
+@pytest.mark.parametrize("batched", [False, True])
+def test_outputs_copied_when_wrapped_are_wrapped_again_after_the_kernels(
+    threads, batched, monkeypatch
+):
+    """Where jax copies the output buffers (jax.device_put to another device, or a
+    jaxlib whose batched put copied when first seen), the copies made before the
+    kernels ran hold poison: the result is made again after them, with the kernels'
     values."""
     rng = np.random.default_rng(7)
     fcs, tables, inputs = _common(rng, n=3)
     made = []
     real = lookup._finish_common
     monkeypatch.setattr(lookup, "_finish_common", lambda *a: made.append(a[-1]) or real(*a))
-    monkeypatch.setattr(lookup, "_host_to_jax", lambda outs: [jnp.array(x) for x in outs])
+    monkeypatch.setattr(
+        lookup, "_host_to_jax_via", lambda outs: ([jnp.array(x) for x in outs], batched)
+    )
+    monkeypatch.setattr(lookup, "_batched_put_aliases", False)
     monkeypatch.setattr(lookup, "_host_threads", threads)
     got = em.serving_embedding_lookup(inputs, None, tables, fcs)
     assert made == [True, False]

@@ -144,8 +144,14 @@ class _named:
 
 
 def _host_to_jax(outs: list) -> list:
-    """The host kernel's outputs as jax.Arrays; they are 64-byte aligned, so XLA's
-    CPU client wraps them without a copy (uncommitted, like any device_put).
+    """The host kernel's outputs as jax.Arrays (see `_host_to_jax_via`)."""
+    return _host_to_jax_via(outs)[0]
+
+
+def _host_to_jax_via(outs: list) -> tuple[list, bool]:
+    """The host kernel's outputs as jax.Arrays, and whether jaxlib's batched put made
+    them; they are 64-byte aligned, so XLA's CPU client wraps them without a copy
+    (uncommitted, like any device_put).
 
     `jax.device_put` spends ~18 us of Python per array warm and 60-100 us inside
     a serving call; where the result would be a plain uncommitted CPU array
@@ -155,15 +161,16 @@ def _host_to_jax(outs: list) -> list:
     takes `jax.device_put`.
     """
     if not outs:
-        return []
+        return [], False
     target = _plain_cpu_target()
     if target is not None and all(_dtype_kept_by_jax(x.dtype) for x in outs):
         device, sharding = target
         try:
-            return [_BATCHED_DEVICE_PUT(_aval(x), sharding, [x], [device], False) for x in outs]
+            put = [_BATCHED_DEVICE_PUT(_aval(x), sharding, [x], [device], False) for x in outs]
+            return put, True
         except Exception:  # pragma: no cover - a jaxlib whose signature moved
             _disable_fast_put()
-    return jax.device_put(outs, may_alias=True)
+    return jax.device_put(outs, may_alias=True), False
 
 
 _BATCHED_DEVICE_PUT = _compat.batched_device_put()
@@ -485,26 +492,36 @@ def _finish_common(resolved, inputs, outs: list, before_run: bool):
     batch 4096 on one thread, 2.0-5.1% on two, 7-14% at batch 64.
     """
     done = [x for x in outs if x is not None]
-    arrays = _host_to_jax(done)
-    if before_run and not _aliases(arrays, done):
+    arrays, batched = _host_to_jax_via(done)
+    if before_run and not _aliases(arrays, done, batched):
         return None
     it = iter(arrays)
     return _pack_like_inputs(resolved, inputs, [None if x is None else next(it) for x in outs])
 
 
-def _aliases(arrays: list, buffers: list) -> bool:
+def _aliases(arrays: list, buffers: list, batched: bool) -> bool:
     """Whether the jax arrays read their numpy buffers' memory (not copies of them).
 
-    The first non-empty one is asked (~3.5 us an array, fresh): the buffers of a
-    request all come from one pool (64-byte aligned, C order, float32) through one
-    put, which aliases all of them or none."""
+    The first non-empty one is asked (~15 us for a fresh array): a request's buffers
+    all come from one pool (64-byte aligned, C order) through one put, which aliases
+    all of them or none. jaxlib's `batched_device_put` to the plain CPU device is asked
+    once a process; `jax.device_put` (another default device) every time."""
+    global _batched_put_aliases
+    if batched and _batched_put_aliases:
+        return True
     for a, b in zip(arrays, buffers):
         if b.size:
             try:
-                return a.unsafe_buffer_pointer() == kernels.address(b)
+                ok = a.unsafe_buffer_pointer() == kernels.address(b)
             except Exception:  # pragma: no cover - an array type without a buffer pointer
                 return False
+            if batched and ok:
+                _batched_put_aliases = True
+            return ok
     return True
+
+
+_batched_put_aliases = False  # seen once: jaxlib's CPU put wraps our buffers, never copies
 
 
 def _pack_like_inputs(resolved, inputs, flat_outputs):
