@@ -74,9 +74,10 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
 
     A request large enough for several threads is handed to the C++ pool task by task
     as each is made (`kernels.NativeRequest`): the pool's threads sum the first
-    features while this thread makes the next ones and the result. Back to back on 2
-    threads, each system alone in its turn (benchmarks/RESULTS_serving.md, sixth
-    session), 8 x 1M tables: 1.04-1.11x one C++ call at the end, at dims 16-64.
+    features while this thread makes the next ones and the result. Requests back to
+    back on 2 threads, 8 x 1M tables (benchmarks/RESULTS_serving.md, sixth session):
+    0.99-1.08x one C++ call at the end at dims 16-64 by itself, 1.06-1.16x with the
+    pool's threads polling for the next request (runner.cc, g_pool_spin_us).
     """
     if not kernels.native_in_use():
         return None
