@@ -7,8 +7,8 @@ conversions, ~5 array addresses at ~1 us each), 0.4 ms of a batch-64 request who
 take 0.1 ms. Here each such feature becomes one C++ task after a handful of type, dtype
 and shape tests (all run in one C++ call, `kernels.run_tasks`, or handed to the pool one
 by one as they are made when the request is large enough for several threads), and its
-structure is checked in C++ as the task is added: ragged row_splits by the runner (task kind 4), sparse indices by the offsets
-phase (kind 3), ids by the kernels.
+structure is checked in C++ as the task is added: ragged row_splits by the runner (task
+kind 4), sparse indices by the offsets phase (kind 3), ids by the kernels.
 
 Weights are taken as they are when they are finite float32 numpy arrays laid out like
 their input. Anything else (sequence features, `output_shape`, other dtypes or array types,
