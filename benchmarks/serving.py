@@ -60,6 +60,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embedmesh as em
+from embedmesh import _runtime
 from embedmesh.serving import kernels
 from embedmesh.serving import lookup as em_serving
 
@@ -96,7 +97,10 @@ def make_workload(args, rng):
     perms = [rng.permutation(args.vocab) for _ in range(args.tables)]
     tables = []
     for _ in range(args.tables):
-        t = np.empty((args.vocab, args.dim), np.float32)
+        if getattr(args, "aligned", False):  # rows on 64-byte lines (torch's own allocation)
+            t = _runtime.aligned_empty((args.vocab, args.dim), np.float32, 64)
+        else:  # numpy's: 16 bytes past a line
+            t = np.empty((args.vocab, args.dim), np.float32)
         for lo in range(0, args.vocab, 1 << 18):  # chunked: no float64 temporary of 256 MB
             hi = min(lo + (1 << 18), args.vocab)
             t[lo:hi] = rng.standard_normal((hi - lo, args.dim), dtype=np.float32)
@@ -406,6 +410,12 @@ def main(argv=None):
         help="TensorFlow's intra- and inter-op threads (0: its default, every core); "
         "1 compares it on one thread, as embedmesh[native] and torch[1t] run",
     )
+    p.add_argument(
+        "--aligned",
+        action="store_true",
+        help="tables start on a 64-byte line (as torch's allocator, embedmesh's checkpoint "
+        "loaders and jax arrays give them); default: numpy's, 16 bytes past one",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
         "--saved-model",
@@ -522,7 +532,8 @@ def run_dim(args) -> list:
     tables, batches, max_len = make_workload(args, rng)
     print(
         f"\n#### dim {args.dim}: workload built in {time.perf_counter() - t0:.1f}s: "
-        f"{args.tables} tables x {args.vocab} x {args.dim} f32, batch {args.batch}, "
+        f"{args.tables} tables x {args.vocab} x {args.dim} f32 (first row at "
+        f"{tables[0].ctypes.data % 64} bytes past a 64-byte line), batch {args.batch}, "
         f"Poisson({args.ids_per_sample}) ids/sample (max {max_len}), Zipf({args.zipf}); "
         f"unique ids per table per batch ~"
         f"{int(np.mean([np.unique(f['ids']).size for f in batches[0]]))} of "

@@ -687,3 +687,42 @@ def test_streamed_outputs_equal_cached_ones(dim, threads):
     np.testing.assert_array_equal(outs[0], outs[1])
     want, scale = reference(table, ids, offsets, weights, "mean", False, False)
     assert (np.abs(outs[0] - want) <= 1e-5 * scale[:, None] + 1e-30).all()
+
+
+@pytest.mark.parametrize("dim", [1, 7, 15, 16, 17, 31, 32, 33, 48])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rows_on_64_byte_lines_give_the_same_sums(dim, weighted):
+    """A table whose rows start on 64-byte lines takes the kernels that prefetch fewer
+    lines an entry (EmServingSetAlignedPrefetch): the same values bit for bit as the
+    same rows 16 bytes past a line and as with the switch off, and the float64
+    reference's."""
+    from embedmesh import _runtime
+
+    lib = native.library()
+    rng = np.random.default_rng(dim)
+    stride = -(-dim // 16) * 16  # floats: rows on 64-byte lines
+
+    def rows_at(skip):  # a [500, dim] view whose rows start `skip` floats past a line
+        raw = _runtime.aligned_empty((500 * stride + 4,), np.float32, 64)
+        raw[...] = np.nan  # poison: the padding is never read
+        return raw[skip : skip + 500 * stride].reshape(500, stride)[:, :dim]
+
+    aligned, shifted = rows_at(0), rows_at(4)
+    aligned[...] = rng.standard_normal((500, dim)).astype(np.float32)
+    shifted[...] = aligned
+    assert kernels.address(aligned) % 64 == 0 and kernels.address(shifted) % 64 == 16
+    lengths = rng.poisson(4, 300)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(0, 500, int(offsets[-1]))
+    weights = (rng.integers(1, 8, ids.shape[0]) / 4).astype(np.float32) if weighted else None
+    previous = lib.EmServingSetAlignedPrefetch(1)
+    try:
+        on = kernels.bag_combine(aligned, ids, offsets, weights, "sum")
+        lib.EmServingSetAlignedPrefetch(0)
+        off = kernels.bag_combine(aligned, ids, offsets, weights, "sum")
+    finally:
+        lib.EmServingSetAlignedPrefetch(previous)
+    np.testing.assert_array_equal(on, off)
+    np.testing.assert_array_equal(on, kernels.bag_combine(shifted, ids, offsets, weights, "sum"))
+    want, scale = reference(aligned, ids, offsets, weights, "sum", False, False)
+    assert (np.abs(on - want) <= 1e-5 * scale[:, None] + 1e-30).all()

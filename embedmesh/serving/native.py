@@ -113,6 +113,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingRowsToOffsets": [_P, _I64, _I64, _P],
         "EmServingSetPrefetch": [_I64],
         "EmServingSetFused": [_I64],
+        "EmServingSetAlignedPrefetch": [_I64],
         "EmServingSetRowLines": [_I64],
         "EmServingVectorWidth": [],
         "EmServingSetStreamOutput": [_I64],

@@ -326,6 +326,14 @@ inline int64_t row_lines(const void* table, int64_t stride_bytes, int64_t bytes)
 // line and the last float, longer rows their first line only.
 constexpr int prefetch_shape(int lanes) { return lanes <= 16 ? 2 : lanes <= 32 ? 3 : 1; }
 
+// The same where every row starts on a 64-byte line (the table's address and row stride
+// multiples of 64): rows of up to 16 floats are one line (1: the first float), rows of up
+// to 32 two lines (4: the first and the 17th float); the last float is in a line already
+// prefetched. One prefetch an entry fewer on the aligned tables of torch's allocator,
+// embedmesh's checkpoint loaders and jax arrays (see EmServingSetAlignedPrefetch).
+constexpr int aligned_prefetch_shape(int pf) { return pf == 2 ? 1 : pf == 3 ? 4 : pf; }
+int g_aligned_prefetch = 1;
+
 // Prefetch the row of `id` (see prefetch_shape); `last`: the offset of its last float.
 template <int Pf, typename Id>
 inline void prefetch_entry(const float* table, uint64_t stride_bytes, int64_t last, Id id) {
@@ -333,8 +341,8 @@ inline void prefetch_entry(const float* table, uint64_t stride_bytes, int64_t la
                       static_cast<uint64_t>(static_cast<int64_t>(id)) * stride_bytes;
   const float* p = reinterpret_cast<const float*>(a);
   prefetch(p);
-  if (Pf == 3) prefetch(p + 16);
-  if (Pf >= 2) prefetch(p + last);
+  if (Pf == 3 || Pf == 4) prefetch(p + 16);
+  if (Pf == 2 || Pf == 3) prefetch(p + last);
 }
 
 // What one entry gives: 0 a row to add, 1 nothing (pruned), 2 an id outside the table.
@@ -451,11 +459,10 @@ BagFn pick(int64_t dim, bool has_w) {
 // to kMaxNV vectors plus a tail: 271 floats with AVX-512): checks, pruning, the
 // denominator, prefetch and the sums in the same walk over the entries, the sums in
 // registers.
-template <typename Id, int NV, bool Tail, bool HasW>
+template <typename Id, int NV, bool Tail, bool HasW, int kPf>
 int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* ids,
                   const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
                   bool prune_ids, bool prune_w, int tail, float* out, int64_t out_stride) {
-  constexpr int kPf = prefetch_shape(NV * kV + (Tail ? kV - 1 : 0));
   const bool stream = stream_rows(out, out_stride, num_rows);
   const int64_t n = offsets[num_rows];
   const int64_t row_floats = NV * kV + tail;
@@ -496,27 +503,35 @@ using FusedFn = int64_t (*)(const float*, uint64_t, int64_t, const Id*, const in
 
 template <typename Id, int NV>
 struct FusedTable {
-  static FusedFn<Id> get(int nv, bool tail, bool has_w) {
-    if (nv == NV) {
-      if (tail) return has_w ? &bag_fused<Id, NV, true, true> : &bag_fused<Id, NV, true, false>;
-      return has_w ? &bag_fused<Id, NV, false, true> : &bag_fused<Id, NV, false, false>;
+  template <bool Tail>
+  static FusedFn<Id> with(bool has_w, bool aligned) {
+    constexpr int pf = prefetch_shape(NV * kV + (Tail ? kV - 1 : 0));
+    constexpr int pfa = aligned_prefetch_shape(pf);
+    if (aligned) {
+      return has_w ? &bag_fused<Id, NV, Tail, true, pfa> : &bag_fused<Id, NV, Tail, false, pfa>;
     }
-    return FusedTable<Id, NV - 1>::get(nv, tail, has_w);
+    return has_w ? &bag_fused<Id, NV, Tail, true, pf> : &bag_fused<Id, NV, Tail, false, pf>;
+  }
+
+  static FusedFn<Id> get(int nv, bool tail, bool has_w, bool aligned) {
+    if (nv == NV) return tail ? with<true>(has_w, aligned) : with<false>(has_w, aligned);
+    return FusedTable<Id, NV - 1>::get(nv, tail, has_w, aligned);
   }
 };
 
 template <typename Id>
 struct FusedTable<Id, -1> {
-  static FusedFn<Id> get(int, bool, bool) { return nullptr; }
+  static FusedFn<Id> get(int, bool, bool, bool) { return nullptr; }
 };
 
 // The fused kernel for this dim, or nullptr when the row needs more than one block.
 template <typename Id>
-FusedFn<Id> fused_for(int64_t dim, bool has_w) {
+FusedFn<Id> fused_for(int64_t dim, bool has_w, bool aligned) {
   const int64_t nvec = dim / kV;
   const bool tail = dim % kV != 0;
   if (dim <= 0 || nvec + (tail ? 1 : 0) > kMaxNV + (tail ? 1 : 0) || nvec > kMaxNV) return nullptr;
-  return FusedTable<Id, kMaxNV>::get(static_cast<int>(nvec), tail, has_w);
+  return FusedTable<Id, kMaxNV>::get(static_cast<int>(nvec), tail, has_w,
+                                     aligned && g_aligned_prefetch);
 }
 
 // bag_fused for 2-D sparse (COO) input: the bags are the rows of `idx [n, 2]`, read in
@@ -887,14 +902,16 @@ static int64_t bag_f32(const float* table, int64_t vocab, int64_t dim, int64_t t
                        int64_t num_rows, const float* weights, int32_t mode, int32_t prune_ids,
                        int32_t prune_weights, float* out, int64_t out_stride) {
   const bool has_w = weights != nullptr;
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(table) % 64 == 0 && (table_stride * 4) % 64 == 0;
   if (g_fused && ids_are_64) {
-    if (auto f = fused_for<int64_t>(dim, has_w)) {
+    if (auto f = fused_for<int64_t>(dim, has_w, aligned)) {
       return f(table, static_cast<uint64_t>(vocab), table_stride, static_cast<const int64_t*>(ids),
                offsets, num_rows, weights, mode, prune_ids, prune_weights && has_w,
                static_cast<int>(dim % kV), out, out_stride);
     }
   } else if (g_fused) {
-    if (auto f = fused_for<int32_t>(dim, has_w)) {
+    if (auto f = fused_for<int32_t>(dim, has_w, aligned)) {
       return f(table, static_cast<uint64_t>(vocab), table_stride, static_cast<const int32_t*>(ids),
                offsets, num_rows, weights, mode, prune_ids, prune_weights && has_w,
                static_cast<int>(dim % kV), out, out_stride);
@@ -1006,6 +1023,12 @@ int64_t EmServingSetStreamOutput(int64_t on) {
 int64_t EmServingSetRowLines(int64_t n) {
   const int64_t previous = g_row_lines;
   g_row_lines = n < 0 ? 0 : n;
+  return previous;
+}
+
+int64_t EmServingSetAlignedPrefetch(int64_t on) {
+  const int64_t previous = g_aligned_prefetch;
+  g_aligned_prefetch = on != 0;
   return previous;
 }
 

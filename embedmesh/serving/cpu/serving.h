@@ -101,6 +101,10 @@ int64_t EmServingSetPrefetch(int64_t entries);
 // previous setting.
 int64_t EmServingSetRowLines(int64_t n);
 
+// Whether rows on 64-byte lines skip the prefetches that land in a line already
+// prefetched (default 1); returns the previous setting (benchmarks compare the two).
+int64_t EmServingSetAlignedPrefetch(int64_t on);
+
 // Whether rows of at most one register block use the one-pass kernel (default 1);
 // returns the previous setting (benchmarks compare the two).
 int64_t EmServingSetFused(int64_t on);
