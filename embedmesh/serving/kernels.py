@@ -678,11 +678,8 @@ class NativeRequest:
 
     def add(self, call) -> None:
         """Hand `call` (a `_NativeCall`) to the pool now."""
-        i = len(self.calls)
-        self._tasks[i] = call.words()
-        if _LIB.EmServingAdd(self._handle, self._addr + i * TASK_WORDS * 8) != -1:
-            raise RuntimeError("EmServingAdd: an unknown task kind, or more than max_tasks")
-        self.calls.append(call)
+        self.add_words(call.words())
+        self.calls[-1] = call
 
     def add_words(self, words) -> None:
         """Hand a task given as its `TASK_WORDS` words (a sequence of ints) to the pool now."""

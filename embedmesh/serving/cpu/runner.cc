@@ -308,9 +308,10 @@ class Request {
 // How long a pool thread keeps polling for the next request after one (microseconds)
 // before it sleeps, as OpenMP runtimes' threads do. Waking a sleeping thread costs tens
 // of microseconds on a VM, and that thread then starts late on a request of ~1 ms.
-// Requests back to back on 2 threads, each system alone in its turn, 8 x 1M tables
-// (benchmarks/RESULTS_serving.md, sixth session): dim 16 0.90 -> 0.97x torch's 2
-// threads, dim 32 0.98 -> 1.05x, batch 512 0.72 -> 0.88x. A thread polls with `pause`;
+// Requests handed over task by task, back to back on 2 threads, each system alone in its
+// turn, 8 x 1M tables (benchmarks/serving_pool_ab.py, 11 rounds, 2026-12-03), torch's 2
+// threads over ours: dim 16 0.925 -> 0.995, dim 32 0.991 -> 1.048, dim 64 1.128 -> 1.203,
+// batch 512 0.732 -> 0.813 (1000 us: 0.996, 1.077, 1.262). A thread polls with `pause`;
 // only processes that ran a request on 2+ threads have pool threads at all.
 constexpr int64_t kDefaultPoolSpinUs = 300;
 std::atomic<int64_t> g_pool_spin_us{kDefaultPoolSpinUs};  // EmServingSetPoolSpin

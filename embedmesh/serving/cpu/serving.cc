@@ -109,6 +109,11 @@ Entry* scratch(int64_t n) {
   return s.entries.data();
 }
 
+// Whether every row of an array at `p`, `stride_bytes` apart, starts on a 64-byte line.
+inline bool rows_on_lines(const void* p, int64_t stride_bytes) {
+  return reinterpret_cast<uintptr_t>(p) % 64 == 0 && stride_bytes % 64 == 0;
+}
+
 // A store that bypasses the caches (p aligned to the vector): no read of the line first.
 inline void store_stream(float* p, vf v) {
 #if defined(__AVX512F__)
@@ -149,8 +154,7 @@ int g_stream_output = EM_STREAM_OUTPUT;
 
 inline bool stream_rows(const float* out, int64_t out_stride, int64_t rows) {
   const int64_t bytes = t_output_bytes > 0 ? t_output_bytes : rows * out_stride * 4;
-  return g_stream_output && bytes >= kStreamOutputBytes &&
-         reinterpret_cast<uintptr_t>(out) % 64 == 0 && (out_stride * 4) % 64 == 0;
+  return g_stream_output && bytes >= kStreamOutputBytes && rows_on_lines(out, out_stride * 4);
 }
 
 // Store one combined row: out[0 : NV*kV (+ tail)] = acc, divided by d first when
@@ -301,8 +305,7 @@ inline int64_t all_lines_entries_ahead(int64_t& lines) {
 
 // Cache lines a row of `bytes` may touch: one more unless every row starts on a line.
 inline int64_t row_lines(const void* table, int64_t stride_bytes, int64_t bytes) {
-  const bool aligned = reinterpret_cast<uintptr_t>(table) % 64 == 0 && stride_bytes % 64 == 0;
-  return (bytes + 63) / 64 + (aligned || bytes == 0 ? 0 : 1);
+  return (bytes + 63) / 64 + (rows_on_lines(table, stride_bytes) || bytes == 0 ? 0 : 1);
 }
 
 // ---------------------------------------------------------------------------
@@ -693,7 +696,7 @@ int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t str
                const Id* ids, int64_t n, char* out) {
   int64_t lines = row_lines(table, stride, row_bytes);
   const int64_t ahead = all_lines_entries_ahead(lines);
-  const bool stream = row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  const bool stream = rows_on_lines(out, row_bytes);
   auto pf = [&](Id id) {
     if (static_cast<uint64_t>(static_cast<int64_t>(id)) < vocab) {
       const uintptr_t a = reinterpret_cast<uintptr_t>(table + static_cast<int64_t>(id) * stride);
@@ -902,8 +905,7 @@ static int64_t bag_f32(const float* table, int64_t vocab, int64_t dim, int64_t t
                        int64_t num_rows, const float* weights, int32_t mode, int32_t prune_ids,
                        int32_t prune_weights, float* out, int64_t out_stride) {
   const bool has_w = weights != nullptr;
-  const bool aligned =
-      reinterpret_cast<uintptr_t>(table) % 64 == 0 && (table_stride * 4) % 64 == 0;
+  const bool aligned = rows_on_lines(table, table_stride * 4);
   if (g_fused && ids_are_64) {
     if (auto f = fused_for<int64_t>(dim, has_w, aligned)) {
       return f(table, static_cast<uint64_t>(vocab), table_stride, static_cast<const int64_t*>(ids),
@@ -964,7 +966,10 @@ int64_t EmServingSparseBagF32(const float* table, int64_t vocab, int64_t dim,
                               int64_t num_rows, int64_t num_cols, const float* weights,
                               int32_t mode, int32_t prune_ids, int32_t prune_weights, float* out,
                               int64_t out_stride) {
-  const int64_t r = sparse_bag_f32(table, vocab, dim, table_stride, ids, ids_are_64, indices, indices_are_64, n, num_rows, num_cols, weights, mode, prune_ids, prune_weights, out, out_stride);
+  const int64_t r =
+      sparse_bag_f32(table, vocab, dim, table_stride, ids, ids_are_64, indices, indices_are_64,
+                     n, num_rows, num_cols, weights, mode, prune_ids, prune_weights, out,
+                     out_stride);
   fence_streams();
   return r;
 }
