@@ -17,7 +17,7 @@ lists them:
   EMBEDMESH_PREPROCESS_THREADS=n   threads of host preprocessing (its default
                               `num_threads`)
   EMBEDMESH_SERVING_THREADS=n threads of the serving lookup (0 or 1: caller only)
-  EMBEDMESH_OUTPUT_POOL_MB=n  serving's reusable output buffers
+  EMBEDMESH_OUTPUT_POOL_MB=n  MB of free serving output buffers kept for reuse
   EMBEDMESH_SERVING_SPIN_US=n how long the serving pool's threads poll for the next
                               request before they sleep (default 300; 0: sleep at once)
   EMBEDMESH_GPU_SCATTER_WORKAROUND=0  no XLA flag against jaxlib 0.10.2-0.11.0's

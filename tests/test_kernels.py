@@ -607,26 +607,91 @@ def test_output_pool_reuses_only_unreferenced_buffers():
         np.testing.assert_array_equal(view, 1)
         addr = view.ctypes.data - 3 * 64 * 4
         del view, b, c
-        d = kernels.output_empty((100, 64), np.float32)  # free again: reused
-        e = kernels.output_empty((100, 64), np.float32)
-        assert addr in (d.ctypes.data, e.ctypes.data) and d.ctypes.data % 64 == 0
+        # free again: reused (once jaxlib lets go of the numpy array `held` aliased)
+        d, e, g = (kernels.output_empty((100, 64), np.float32) for _ in range(3))
+        assert addr in (d.ctypes.data, e.ctypes.data, g.ctypes.data)
+        assert d.ctypes.data % 64 == 0
         kernels.set_output_pool_limit(0)  # no pooling: every buffer is fresh
-        assert not kernels._pool._bufs
+        del d, e, g
+        assert kernels._pool.free_bytes() == 0
         f = kernels.output_empty((100, 64), np.float32)
-        assert not kernels._pool._bufs and f.shape == (100, 64)
+        del f
+        assert kernels._pool.free_bytes() == 0
     finally:
         kernels.set_output_pool_limit(previous)
 
 
-def test_output_pool_evicts_free_buffers_of_other_sizes():
-    previous = kernels.set_output_pool_limit(4160 + 4064 + 100)
+def test_output_pool_limit_bounds_the_free_buffers_oldest_go_first(monkeypatch):
+    from embedmesh import _runtime
+
+    fresh = []
+    real = _runtime.aligned_buffer
+    monkeypatch.setattr(_runtime, "aligned_buffer", lambda *a: fresh.append(a) or real(*a))
+    one = 1024 * 4  # bytes of a (1024,) float32 buffer
+    previous = kernels.set_output_pool_limit(2 * one + 100)
     try:
-        held = kernels.output_empty((1024,), np.float32)  # 4096 + 64 bytes, stays referenced
-        kernels.output_empty((1000,), np.float32)  # 4000 + 64, free at once
-        assert sorted(b.shape[0] for b in kernels._pool._bufs) == [4064, 4160]
-        new = kernels.output_empty((1020,), np.float32)  # no room: the free buffer goes
-        sizes = sorted(b.shape[0] for b in kernels._pool._bufs)
-        assert sizes == [4144, 4160] and kernels._pool._bytes == sum(sizes)
-        assert not np.shares_memory(held, new)
+        a = kernels.output_empty((1024,), np.float32)
+        b = kernels.output_empty((32, 32), np.float32)  # the same bytes, another shape
+        c = kernels.output_empty((1000,), np.float32)
+        addr_b, addr_c = b.ctypes.data, c.ctypes.data
+        assert kernels._pool.free_bytes() == 0 and len(fresh) == 3  # in use: not the pool's
+        del a
+        del c
+        assert kernels._pool.free_bytes() == one + 4000
+        del b  # no room for a third: the oldest freed (a's) goes
+        assert kernels._pool.free_bytes() == one + 4000
+        x = kernels.output_empty((1024,), np.float32)
+        assert x.ctypes.data == addr_b and len(fresh) == 3
+        y = kernels.output_empty((1024,), np.float32)  # a's was dropped: a fresh one
+        assert len(fresh) == 4 and not np.shares_memory(x, y)
+        z = kernels.output_empty((10, 100), np.float32)
+        assert z.ctypes.data == addr_c and kernels._pool.free_bytes() == 0 and len(fresh) == 4
+        big = kernels.output_empty((4096,), np.float32)  # over the limit: never kept
+        del big
+        assert kernels._pool.free_bytes() == 0
+    finally:
+        kernels.set_output_pool_limit(previous)
+
+
+def test_output_pool_keeps_a_loop_in_its_buffers_while_the_caller_holds_a_result(monkeypatch):
+    """A serving loop holds its last result while it asks for the next: with room for
+    one request's outputs in the pool (4.5 buffers' bytes, not 8), only the first two
+    requests allocate; every later one reuses the buffers freed by the one before."""
+    from embedmesh import _runtime
+
+    fresh = []
+    real = _runtime.aligned_buffer
+    monkeypatch.setattr(_runtime, "aligned_buffer", lambda *a: fresh.append(a) or real(*a))
+    shape, n = (256, 64), 4
+    nbytes = 256 * 64 * 4
+    previous = kernels.set_output_pool_limit(n * nbytes + nbytes // 2)
+    try:
+        held = None
+        for request in range(8):
+            outs = [kernels.output_empty(shape, np.float32) for _ in range(n)]
+            for o in outs:
+                o[...] = request
+            assert len(fresh) == n * min(request + 1, 2), request
+            assert held is None or not any(np.shares_memory(o, h) for o in outs for h in held)
+            held = outs
+        assert held[0][0, 0] == 7
+    finally:
+        kernels.set_output_pool_limit(previous)
+
+
+def test_output_pool_hands_out_non_native_dtypes_over_the_same_memory():
+    import ml_dtypes
+
+    previous = kernels.set_output_pool_limit(1 << 20)
+    try:
+        a, addr = kernels.output_empty_at((3, 5), ml_dtypes.bfloat16)
+        assert a.dtype == ml_dtypes.bfloat16 and a.shape == (3, 5) and addr % 64 == 0
+        assert a.ctypes.data == addr and a.flags.writeable and a.flags.c_contiguous
+        a[...] = 1.5
+        b, addr_b = kernels.output_empty_at((5, 3), np.dtype(">f4"))
+        assert b.dtype == np.dtype(">f4") and b.ctypes.data == addr_b != addr
+        del a
+        c, addr_c = kernels.output_empty_at((15,), np.float16)  # the same 30 bytes
+        assert addr_c == addr and c.dtype == np.float16
     finally:
         kernels.set_output_pool_limit(previous)

@@ -39,7 +39,8 @@ variable `EMBEDMESH_SERVING_NATIVE=0` disables the C++ kernels and
 here and in host preprocessing.
 Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
-references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`).
+references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`: the free
+bytes kept).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ import array
 import ctypes
 import functools
 import math
-import sys
 import threading
 from typing import Any
 
@@ -143,92 +143,123 @@ def set_backend(name: str) -> str:
     return previous
 
 
+class _Lease:
+    """One output buffer handed out. numpy reads its memory through
+    `__array_interface__`, so the array made over it, every numpy view of that array
+    and every jax.Array aliasing it (`device_put(..., may_alias=True)` holds the
+    numpy array) keep this object alive; when the last of them goes, `__del__` gives
+    the memory back to the pool, in O(1), with no scan of reference counts."""
+
+    __slots__ = ("__array_interface__", "_raw", "_pool")
+
+    def __del__(self) -> None:
+        try:
+            self._pool._give_back(self._raw)
+        except Exception:  # noqa: BLE001 - at interpreter exit the module may be gone
+            pass
+
+
 class _BufferPool:
     """Output buffers reused once nothing references them any more.
 
     On the serving machine (a VM) the first touch of fresh memory costs
     ~0.45 ms per MB in page faults: 3.7 ms for eight 1 MB outputs against
-    0.15 ms to rewrite reused ones, as much as the lookup itself. A buffer
-    handed out is a view of a pooled uint8 array; every numpy view of it,
-    and every jax array aliasing it (`device_put(..., may_alias=True)`
-    holds the numpy array), keeps a reference to that base array, so its
-    reference count says when it is free again. Buffers are matched by
-    byte size; at most `limit` bytes are pooled. Off (plain allocation)
-    where reference counts cannot be trusted (free-threaded Python).
+    0.15 ms to rewrite reused ones, as much as the lookup itself. Each buffer
+    handed out is an array over a `_Lease`, which returns the memory when the
+    last array over it is gone; buffers are matched by byte size.
+
+    `limit` bounds the bytes of free buffers kept (the oldest freed go first),
+    not the buffers in use: those are the caller's outputs. A caller that holds
+    one result while it asks for the next (a serving loop) needs two requests'
+    outputs in the pool; counting the held ones against the limit made every
+    request over half the limit allocate afresh and fault its pages in (dense
+    dim 128, batch 4096 x 10, 8 tables: 168 MB a request, 29.6 against 18.8 ms
+    a call; benchmarks/RESULTS_serving.md, seventh session).
     """
 
     def __init__(self, limit: int):
         self.limit = int(limit)
-        self._bufs: list[np.ndarray] = []
-        self._starts: list[int] = []  # offset of the first 64-byte aligned byte of each
-        self._addrs: list[int] = []  # that byte's address (for the C++ kernels)
-        self._bytes = 0
+        # byte size -> free raw buffers of that size, oldest first (`_aligned_raw`)
+        self._free: dict[int, list[list]] = {}
+        self._free_bytes = 0
         self.release = None  # called before allocating afresh (see set_release_hook)
-        self._lock = threading.Lock()
-        gil = getattr(sys, "_is_gil_enabled", None)
-        self.enabled = gil is None or bool(gil())
+        # re-entrant: a lease's __del__ may run inside this pool's own allocation (the
+        # cyclic garbage collector runs there) and give a buffer back
+        self._lock = threading.RLock()
 
     def empty(self, shape, dtype) -> np.ndarray:
         return self.empty_at(shape, dtype)[0]
 
     def empty_at(self, shape, dtype) -> tuple[np.ndarray, int]:
-        """`empty`, and the array's address (remembered per pooled buffer: reading it
-        from numpy costs ~1 us, and a call takes 8+ buffers)."""
+        """`empty`, and the array's address (kept with the buffer: reading it from
+        numpy costs ~1 us, and a call takes 8+ buffers)."""
         # cheap on purpose: the serving lookup takes 8+ buffers per call, on caches
         # its kernels have just flushed
         dtype = np.dtype(dtype)
         shape = tuple(map(int, shape))
         nbytes = math.prod(shape) * dtype.itemsize
-        if not self.enabled or nbytes == 0 or dtype.hasobject:
+        if nbytes == 0 or dtype.hasobject:
             out = aligned_empty(shape, dtype)
             return out, address(out)
-        size = nbytes + _ALIGN
-        with self._lock:  # between finding a free buffer and viewing it, no other taker
-            i = self._free(size)
-            if i is None and self.release is not None:
-                self.release()
-                i = self._free(size)
-            if i is not None:
-                out = np.ndarray(shape, dtype, buffer=self._bufs[i], offset=self._starts[i])
-                return out, self._addrs[i]
-            raw, start = _runtime.aligned_buffer(nbytes, _ALIGN)
-            out = np.ndarray(shape, dtype, buffer=raw, offset=start)
-            addr = address(out)
-            if self._bytes + size > self.limit:
-                self._evict(self._bytes + size - self.limit)
-            if self._bytes + size <= self.limit:
-                self._bufs.append(raw)
-                self._starts.append(start)
-                self._addrs.append(addr)
-                self._bytes += size
-            return out, addr
+        raw = self._take(nbytes)
+        if raw is None and self.release is not None:
+            self.release()  # jax.Arrays deleted but not yet released give theirs back
+            raw = self._take(nbytes)
+        if raw is None:
+            raw = _aligned_raw(nbytes)
+        lease = _Lease()
+        lease._raw, lease._pool = raw, self
+        if dtype.isbuiltin != 1:  # ml_dtypes' bfloat16, structured: bytes, viewed as the dtype
+            lease.__array_interface__ = {
+                "shape": (nbytes,),
+                "typestr": "|u1",
+                "data": (raw[1], False),
+                "version": 3,
+            }
+            return np.asarray(lease).view(dtype).reshape(shape), raw[1]
+        key = (shape, dtype.str)  # numpy's own dtypes: the type string says it all
+        if raw[3] != key:  # a buffer mostly comes back for the same shape: its interface kept
+            raw[3] = key
+            raw[4] = {"shape": shape, "typestr": dtype.str, "data": (raw[1], False), "version": 3}
+        lease.__array_interface__ = raw[4]
+        return np.asarray(lease), raw[1]
 
-    def _evict(self, nbytes: int) -> None:
-        """Drop free buffers, oldest first, until `nbytes` are dropped (or none is free)."""
-        keep, starts, addrs = [], [], []
-        for i in range(len(self._bufs)):
-            buf = self._bufs[i]  # by index: zip's reused tuple would hold another reference
-            if nbytes > 0 and sys.getrefcount(buf) == 3:  # list, loop variable, argument
-                nbytes -= buf.shape[0]
-                self._bytes -= buf.shape[0]
-            else:
-                keep.append(buf)
-                starts.append(self._starts[i])
-                addrs.append(self._addrs[i])
-        self._bufs, self._starts, self._addrs = keep, starts, addrs
+    def _take(self, nbytes: int):
+        with self._lock:
+            free = self._free.get(nbytes)
+            if not free:
+                return None
+            raw = free.pop()  # the most recently freed: the likeliest still in cache
+            self._free_bytes -= nbytes
+            return raw
 
-    def _free(self, size):
-        """The index of a free buffer of `size` bytes, or None."""
-        bufs = self._bufs
-        for i in range(len(bufs)):
-            # 2 references: the list's and getrefcount's argument
-            if bufs[i].shape[0] == size and sys.getrefcount(bufs[i]) == 2:
-                return i
-        return None
+    def _give_back(self, raw: list) -> None:
+        nbytes = raw[2]
+        with self._lock:
+            if nbytes > self.limit:
+                return
+            while self._free_bytes + nbytes > self.limit:  # the oldest freed go first
+                size, free = next((k, v) for k, v in self._free.items() if v)
+                free.pop(0)
+                self._free_bytes -= size
+            self._free.setdefault(nbytes, []).append(raw)
+            self._free_bytes += nbytes
+
+    def free_bytes(self) -> int:
+        """Bytes of free buffers kept for reuse."""
+        return self._free_bytes
 
     def clear(self) -> None:
         with self._lock:
-            self._bufs, self._starts, self._addrs, self._bytes = [], [], [], 0
+            self._free, self._free_bytes = {}, 0
+
+
+def _aligned_raw(nbytes: int) -> list:
+    """A fresh buffer: `[raw, address, nbytes, key, interface]`, where raw is a uint8
+    array with room for `nbytes` from its 64-byte aligned `address` on, and `interface`
+    the `__array_interface__` last handed out over it, for (shape, type string) `key`."""
+    raw, start = _runtime.aligned_buffer(nbytes, _ALIGN)
+    return [raw, address(raw) + start, nbytes, None, None]
 
 
 _pool = _BufferPool(_runtime.output_pool_bytes())  # EMBEDMESH_OUTPUT_POOL_MB
@@ -242,7 +273,8 @@ def set_release_hook(fn) -> None:
 
 
 def set_output_pool_limit(nbytes: int) -> int:
-    """Bytes of output buffers kept for reuse (0: none); returns the previous limit."""
+    """Bytes of free output buffers kept for reuse (0: none; the outputs in use do not
+    count); returns the previous limit."""
     previous, _pool.limit = _pool.limit, int(nbytes)
     _pool.clear()
     return previous
