@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.dist import Distribution
 
@@ -27,8 +27,10 @@ def _native():
 
 
 class BuildNative(build_ext):
-    """Compiles the C++ libraries (they are no Python extensions: plain shared
-    libraries loaded with ctypes); a failed build is recorded and said at first use."""
+    """Compiles the C++ libraries (plain shared libraries loaded with ctypes; a failed
+    build is recorded and said at first use), then the one Python extension,
+    `embedmesh.serving._request` (optional: without it the serving lookup runs the same
+    checks in Python)."""
 
     def _editable(self) -> bool:
         return bool(self.inplace or getattr(self, "editable_mode", False))
@@ -47,15 +49,15 @@ class BuildNative(build_ext):
         native.build_all(
             self._out_dir(), variants=variants, jobs=jobs, log=lambda m: print(m, flush=True)
         )
+        super().run()
 
     def get_outputs(self):
+        ext = super().get_outputs()
         if self._editable():
-            return []
+            return ext
         out = self._out_dir()
-        return [os.path.join(out, f) for f in os.listdir(out)] if os.path.isdir(out) else []
-
-    def get_output_mapping(self):
-        return {}
+        libs = [os.path.join(out, f) for f in os.listdir(out)] if os.path.isdir(out) else []
+        return ext + libs
 
 
 class BinaryDistribution(Distribution):
@@ -65,4 +67,20 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_ext": BuildNative}, distclass=BinaryDistribution)
+# The serving request path (embedmesh/serving/fast_path.py): CPython's stable ABI, so one
+# build serves Python 3.11 and newer.
+REQUEST = Extension(
+    "embedmesh.serving._request",
+    ["embedmesh/serving/ext/request.cc"],
+    py_limited_api=True,
+    define_macros=[("Py_LIMITED_API", "0x030B0000")],
+    extra_compile_args=["-O2", "-std=c++17"],
+    optional=True,
+)
+
+setup(
+    cmdclass={"build_ext": BuildNative},
+    distclass=BinaryDistribution,
+    ext_modules=[REQUEST],
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+)

@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embedmesh as em
 from embedmesh import _runtime
-from embedmesh.serving import kernels
+from embedmesh.serving import fast_path, kernels
 from embedmesh.serving import lookup as em_serving
 
 try:
@@ -137,7 +137,9 @@ def ids_in(kind: str, feats) -> int:
 # Contenders: each is (name, prepare(kind, combiner) -> list of per-batch thunks)
 
 
-def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
+def embedmesh_contender(tables, batches, max_len, args, backend, threads=1, compiled=True):
+    """compiled=False: the request's checks in Python (fast_path.py's form) rather than
+    the compiled one (embedmesh.serving._request)."""
     names = [f"f{i}" for i in range(args.tables)]
 
     def prepare(kind, combiner):
@@ -162,10 +164,12 @@ def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
 
             def call(inputs=inputs):
                 prev = kernels.set_backend(backend)
+                prev_compiled = fast_path.use_compiled(compiled)
                 try:
                     out = em.serving_embedding_lookup(inputs, None, tabs, fcs)
                 finally:
                     kernels.set_backend(prev)
+                    fast_path.use_compiled(prev_compiled)
                 for v in out.values():
                     v.block_until_ready()
                 return [out[n] for n in names]
@@ -387,6 +391,8 @@ def main(argv=None):
         default="embedmesh[native],embedmesh[native-Nt],tf.function,torch,torch[1t]",
         help="comma-separated; embedmesh[B] (B: native, numba, numpy) runs the host path on "
         "kernel backend B, embedmesh[B-Nt] spreads features over one thread per core; "
+        "embedmesh[native-py] / [native-py-Nt]: native with the request's checks in Python "
+        "(fast_path.py) instead of compiled (embedmesh.serving._request); "
         "tf.function, tf.eager, torch (default threads), torch[1t], torch-coo, torch-coo[1t] "
         "(sparse input: torch derives its offsets from the COO indices), jax.jit (the traced "
         "path)",
@@ -500,6 +506,14 @@ def make_contenders(tables, batches, max_len, args) -> dict:
             contenders[f"embedmesh[{backend}-{cores}t]"] = embedmesh_contender(
                 tables, batches, max_len, args, backend, threads=cores
             )
+    if "embedmesh[native-py]" in wanted and kernels.HAVE_NATIVE:
+        contenders["embedmesh[native-py]"] = embedmesh_contender(
+            tables, batches, max_len, args, "native", compiled=False
+        )
+    if "embedmesh[native-py-Nt]" in wanted and kernels.HAVE_NATIVE and cores > 1:
+        contenders[f"embedmesh[native-py-{cores}t]"] = embedmesh_contender(
+            tables, batches, max_len, args, "native", threads=cores, compiled=False
+        )
     if tf is not None and "tf.function" in wanted:
         contenders["tf.function"] = tf_contender(tables, batches, max_len, args, True)
     if tf is not None and "tf.eager" in wanted:

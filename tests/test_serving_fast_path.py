@@ -35,9 +35,15 @@ SETTINGS = settings(
 VOCAB = 300
 
 
-@pytest.fixture(autouse=True)
-def native_kernels(native_poisoned):
-    """The native backend, outputs poisoned, tiny requests shared (conftest)."""
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def request_form(request, native_poisoned, monkeypatch):
+    """The native backend, outputs poisoned, tiny requests shared (conftest); every test
+    runs on both forms of the fast path's checks: the compiled one
+    (`embedmesh.serving._request`, where the install built it) and fast_path.py's."""
+    if request.param == "compiled" and not fast_path.compiled_available():
+        pytest.skip("embedmesh.serving._request was not built")
+    monkeypatch.setattr(fast_path, "_use_compiled", request.param == "compiled")
+    return request.param
 
 
 @pytest.fixture
@@ -285,11 +291,12 @@ def test_outputs_copied_when_wrapped_are_wrapped_again_after_the_kernels(
     "threads, min_entries, handed_over", [(1, 1, False), (2, 1, True), (2, 10**9, False)]
 )
 def test_requests_for_several_threads_are_handed_over_task_by_task(
-    threads, min_entries, handed_over, monkeypatch
+    threads, min_entries, handed_over, request_form, monkeypatch
 ):
     """A request that several threads share goes to the pool task by task as each is
     made; one that runs on one thread (one given, or too few ids for two) is one C++
-    call. Both give the kernels' values."""
+    call. Both give the kernels' values. (The Python form's routes: the compiled form
+    always hands its tasks over, and none of these run.)"""
     rng = np.random.default_rng(8)
     fcs, tables, inputs = _common(rng, n=3)
     calls = {"add_words": 0, "run_tasks": 0}
@@ -311,9 +318,12 @@ def test_requests_for_several_threads_are_handed_over_task_by_task(
         got = em.serving_embedding_lookup(inputs, None, tables, fcs)
     finally:
         native.library().EmServingSetMinEntriesPerThread(previous)
-    assert calls == (
-        {"add_words": 3, "run_tasks": 0} if handed_over else {"add_words": 0, "run_tasks": 1}
-    )
+    if request_form == "compiled":
+        assert calls == {"add_words": 0, "run_tasks": 0}
+    else:
+        assert calls == (
+            {"add_words": 3, "run_tasks": 0} if handed_over else {"add_words": 0, "run_tasks": 1}
+        )
     for name, x in got.items():
         fc = fcs[name]
         want = reference_lookup(fc, inputs[name], None, tables[fc.table])
@@ -485,3 +495,25 @@ def test_concurrent_requests_from_python_threads(spy):
     finally:
         lookup.set_host_threads(previous)
     assert spy and all(s is not None for s in spy)
+
+
+def test_the_install_built_the_compiled_checks():
+    """README's install builds `embedmesh.serving._request` wherever it builds the C++
+    kernels (a failed build is optional for the install, so this says it)."""
+    assert fast_path.compiled_available(), "embedmesh.serving._request was not built"
+
+
+def test_the_compiled_checks_run_no_python_form(request_form, monkeypatch):
+    """On the compiled form a common request passes none of this module's Python checks
+    (they would double its cost); on the Python form it passes all of them."""
+    rng = np.random.default_rng(10)
+    fcs, tables, inputs = _common(rng, n=3)
+    ran = []
+    real = fast_path._prepare
+    monkeypatch.setattr(fast_path, "_prepare", lambda *a: ran.append(1) or real(*a))
+    got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+    assert ran == ([] if request_form == "compiled" else [1])
+    for name, x in got.items():
+        fc = fcs[name]
+        want = reference_lookup(fc, inputs[name], None, tables[fc.table])
+        np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -17,6 +17,13 @@ error the C++ side reports: the caller then runs the general path, which raises
 TensorFlow's errors exactly as it always has (nothing was written but fresh output
 buffers). Results are bit for bit the general path's: the same kernels on the same
 arrays (tests/test_serving_fast_path.py compares the two on every input kind).
+
+The same tests run compiled where the install built `embedmesh.serving._request`
+(embedmesh/serving/ext/request.cc, CPython's stable ABI): ~1 us a feature against ~5
+warm and 15-20 cold here, whose Python a second thread cannot share. Batch 64, dim 64,
+8 x 1M tables: 0.26 -> 0.19 ms a request (benchmarks/RESULTS_serving.md, seventh
+session). This module's form stays for a checkout used without an install, and as the
+readable statement of the rules; `use_compiled(False)` selects it.
 """
 
 from __future__ import annotations
@@ -26,10 +33,17 @@ import array
 import jax
 import numpy as np
 
+from embedmesh._runtime import combiner_code
 from embedmesh.inputs import RaggedTensor, SparseTensor
 from embedmesh.serving import kernels
 
-__all__ = ["lookup"]
+try:  # the same checks compiled (setup.py builds it; a checkout used without an install
+    # has none)
+    from embedmesh.serving import _request as _compiled
+except ImportError:  # pragma: no cover - the install builds it where a compiler is
+    _compiled = None
+
+__all__ = ["lookup", "use_compiled"]
 
 _I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
 _KIND_BAG_CHECKED, _KIND_SPARSE_OFFSETS_BAG, _KIND_GATHER = 4, 3, 2
@@ -82,6 +96,12 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
     """
     if not kernels.native_in_use():
         return None
+    if _use_compiled and _compiled is not None and type(tables) is dict:
+        if not _bound:
+            _bind()
+        return _compiled.lookup(
+            _plans(features), flat_inputs, flat_weights, tables, _TYPES, _alloc, finish, threads
+        )
     entries = _plausible(features, flat_inputs, flat_weights)
     if entries < 0:
         return None
@@ -96,6 +116,61 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
     if words and any(c != -1 for c in kernels.run_tasks(array.array("q", words), threads)):
         return None  # an error: the general path names it
     return result if result is not None else finish(outs, False)
+
+
+_use_compiled = True
+_bound = False
+_TYPES = (np.ndarray, RaggedTensor, SparseTensor)
+_plan_cache: dict = {}  # id(features) -> (features, plans)
+
+
+def use_compiled(on: bool) -> bool:
+    """Whether requests take the compiled form of this module's checks
+    (`embedmesh.serving._request`, where it was built); returns the previous setting
+    (tests and benchmarks compare the two forms)."""
+    global _use_compiled
+    previous, _use_compiled = _use_compiled, bool(on)
+    return previous
+
+
+def compiled_available() -> bool:
+    """Whether the compiled form was built."""
+    return _compiled is not None
+
+
+def _bind() -> None:
+    global _bound
+    _compiled.bind(*kernels.runner_addresses())
+    _bound = True
+
+
+def _plans(features) -> tuple:
+    """Per feature, what the compiled checks need of its config: (common: no sequence
+    or output_shape, vocabulary size, dim, combiner code, safe lookup, table config,
+    prune weights: safe and a combiner other than sum). Kept per resolved config."""
+    hit = _plan_cache.get(id(features))
+    if hit is not None and hit[0] is features:
+        return hit[1]
+    plans = tuple(
+        (
+            not (f.max_sequence_length or f.output_shape),
+            f.table.vocabulary_size,
+            f.table.dim,
+            combiner_code(f.table.combiner),
+            bool(f.validate_weights_and_indices),
+            f.table,
+            bool(f.validate_weights_and_indices) and f.table.combiner != "sum",
+        )
+        for f in features
+    )
+    if len(_plan_cache) > 64:
+        _plan_cache.clear()
+    _plan_cache[id(features)] = (features, plans)
+    return plans
+
+
+def _alloc(shape):
+    return kernels.output_empty_at(shape, _F32)
 
 
 def _handed_over(features, flat_inputs, flat_weights, tables, threads, finish, keep):

@@ -687,6 +687,20 @@ def run_tasks(words: array.array, threads: int) -> list:
     return results.tolist()
 
 
+def runner_addresses() -> tuple[int, int, int, int]:
+    """The addresses of EmServingOpen, Add, Close and ThreadsForEntries (for the
+    compiled request path, `embedmesh.serving._request.bind`)."""
+    return tuple(  # type: ignore[return-value]
+        ctypes.cast(getattr(_LIB, name), ctypes.c_void_p).value
+        for name in (
+            "EmServingOpen",
+            "EmServingAdd",
+            "EmServingClose",
+            "EmServingThreadsForEntries",
+        )
+    )
+
+
 def threads_for_entries(entries: int, threads: int) -> int:
     """Threads of `threads` that a request of `entries` ids runs on (the C++ runner's
     rule: enough entries a thread to be worth waking it)."""

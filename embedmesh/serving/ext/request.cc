@@ -1,0 +1,449 @@
+// embedmesh.serving._request: a serving request's common features checked and turned
+// into C++ kernel tasks in one call (the Python form: embedmesh/serving/fast_path.py).
+//
+// Why compiled: that Python spends ~5 us a feature warm and 15-20 cold (the kernels of
+// the request before have just streamed megabytes through the caches), on type, dtype
+// and layout tests and on ~4 array addresses; on 2 threads only one thread sums while
+// the caller does it. Here each feature takes ~1 us: its arrays are read through the
+// buffer protocol (stable ABI, Python 3.11+), and its task goes to the serving
+// library's runner (EmServingOpen / Add / Close, bound once through `bind`) as soon as
+// its output buffer is taken. Whatever is not a common case (fast_path.py's rules, the
+// same tests) returns None before any buffer is taken, and so does any error the
+// kernels report: the caller then runs the general path, which raises it.
+
+#define PY_SSIZE_T_CLEAN
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030B0000
+#endif
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace {
+
+constexpr int kTaskWords = 20;  // EM_TASK_WORDS (serving/cpu/serving.h)
+constexpr int64_t kGather = 2, kSparseOffsetsBag = 3, kCheckedBag = 4;
+
+using OpenFn = void* (*)(int64_t, int64_t);
+using AddFn = int64_t (*)(void*, const int64_t*);
+using CloseFn = void (*)(void*, int64_t*);
+using ThreadsFn = int64_t (*)(int64_t, int64_t);
+OpenFn g_open = nullptr;
+AddFn g_add = nullptr;
+CloseFn g_close = nullptr;
+ThreadsFn g_threads_for = nullptr;
+
+// A buffer view released with its holder.
+struct View {
+  Py_buffer b{};
+  bool held = false;
+  View() = default;
+  View(const View&) = delete;
+  View& operator=(const View&) = delete;
+  ~View() {
+    if (held) PyBuffer_Release(&b);
+  }
+  // false (and no Python error set) when `obj` has no buffer of this kind
+  bool get(PyObject* obj) {
+    if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    held = true;
+    return true;
+  }
+  int64_t addr() const { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.buf)); }
+  // the format's one type code, native little-endian order ('=', '<', '@' or none)
+  char code() const {
+    const char* f = b.format == nullptr ? "B" : b.format;
+    if (*f == '=' || *f == '<' || *f == '@') ++f;
+    return f[0] != '\0' && f[1] == '\0' ? f[0] : '\0';
+  }
+  bool contiguous() const { return PyBuffer_IsContiguous(&b, 'C') != 0; }
+};
+
+// Signed integer ids (int32 or int64) in one C-contiguous buffer of an np.ndarray;
+// *is64 says which.
+bool ids_ok(const View& v, int* is64) {
+  const char c = v.code();
+  if (!v.contiguous()) return false;
+  if ((c == 'l' || c == 'q') && v.b.itemsize == 8) {
+    *is64 = 1;
+    return true;
+  }
+  if ((c == 'i' || c == 'l') && v.b.itemsize == 4) {
+    *is64 = 0;
+    return true;
+  }
+  return false;
+}
+
+bool is_int64(const View& v) {
+  const char c = v.code();
+  return (c == 'l' || c == 'q') && v.b.itemsize == 8 && v.contiguous();
+}
+
+bool is_float32(const View& v) { return v.code() == 'f' && v.b.itemsize == 4; }
+
+// An attribute as a new reference, or nullptr (no Python error left set).
+PyObject* attr(PyObject* obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj, name);
+  if (r == nullptr) PyErr_Clear();
+  return r;
+}
+
+struct Owned {
+  PyObject* p;
+  explicit Owned(PyObject* q = nullptr) : p(q) {}
+  Owned(const Owned&) = delete;
+  Owned& operator=(const Owned&) = delete;
+  ~Owned() { Py_XDECREF(p); }
+};
+
+// One feature's prepared task: its arrays' views, its output's shape, its words.
+struct Feature {
+  View table, ids, splits, indices, weights;
+  Owned values, row_splits, idx, wvalues;  // the objects the views read
+  int64_t kind = 0, rows = 0, cols = 0, entries = 0;
+  int64_t out_shape[8] = {0};
+  int out_ndim = 0;
+  int64_t words[kTaskWords] = {0};
+};
+
+PyObject* s_values = nullptr;  // interned attribute names
+PyObject* s_row_splits = nullptr;
+PyObject* s_indices = nullptr;
+PyObject* s_dense_shape = nullptr;
+
+// Weights: finite float32 of the ids' shape in one C-contiguous buffer of an np.ndarray.
+bool weights_ok(PyObject* ndarray, Feature& f, PyObject* weight) {
+  f.wvalues.p = attr(weight, s_values);
+  if (f.wvalues.p == nullptr || Py_TYPE(f.wvalues.p) != reinterpret_cast<PyTypeObject*>(ndarray))
+    return false;
+  if (!f.weights.get(f.wvalues.p) || !is_float32(f.weights) || !f.weights.contiguous() ||
+      f.weights.b.ndim != f.ids.b.ndim)
+    return false;
+  for (int d = 0; d < f.ids.b.ndim; ++d) {
+    if (f.weights.b.shape[d] != f.ids.b.shape[d]) return false;
+  }
+  const uint32_t* w = static_cast<const uint32_t*>(f.weights.b.buf);
+  const Py_ssize_t n = f.weights.b.len / 4;
+  uint32_t bad = 0;  // a NaN or Inf: all exponent bits set
+  for (Py_ssize_t k = 0; k < n; ++k) bad |= (w[k] & 0x7f800000u) == 0x7f800000u;
+  return bad == 0;
+}
+
+// The two ints of a length-2 sequence (a dense shape), or false.
+bool shape2(PyObject* seq, int64_t* a, int64_t* b) {
+  if (seq == nullptr || !PySequence_Check(seq) || PySequence_Size(seq) != 2) {
+    PyErr_Clear();
+    return false;
+  }
+  int64_t out[2];
+  for (int i = 0; i < 2; ++i) {
+    Owned item(PySequence_GetItem(seq, i));
+    Owned num(item.p == nullptr ? nullptr : PyNumber_Index(item.p));
+    out[i] = num.p == nullptr ? -1 : PyLong_AsLongLong(num.p);
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  *a = out[0];
+  *b = out[1];
+  return true;
+}
+
+void table_words(const Feature& f, int64_t* w) {
+  w[1] = f.table.addr();
+  w[2] = f.table.b.shape[0];
+  w[3] = f.table.b.shape[1];
+  w[4] = f.table.b.strides[0] / 4;
+}
+
+// Check one feature (plan: (eligible, vocab, dim, combiner code, safe, table key,
+// prune weights)) and fill its words but the output's address; false: not a common case.
+bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, PyObject* types,
+             Feature& f) {
+  PyObject* ndarray = PyTuple_GetItem(types, 0);
+  PyObject* ragged = PyTuple_GetItem(types, 1);
+  PyObject* sparse = PyTuple_GetItem(types, 2);
+  if (!PyObject_IsTrue(PyTuple_GetItem(plan, 0))) return false;  // sequence, output_shape
+  const int64_t vocab = PyLong_AsLongLong(PyTuple_GetItem(plan, 1));
+  const int64_t dim = PyLong_AsLongLong(PyTuple_GetItem(plan, 2));
+  const int64_t combiner = PyLong_AsLongLong(PyTuple_GetItem(plan, 3));
+  const bool safe = PyObject_IsTrue(PyTuple_GetItem(plan, 4)) == 1;
+  const bool prune_weights = PyObject_IsTrue(PyTuple_GetItem(plan, 6)) == 1;
+  PyTypeObject* kind = Py_TYPE(inp);
+  if (weight != Py_None && (Py_TYPE(weight) != kind || reinterpret_cast<PyObject*>(kind) == ndarray))
+    return false;
+  if (table == nullptr || !f.table.get(table) || !is_float32(f.table) || f.table.b.ndim != 2 ||
+      f.table.b.shape[0] != vocab || f.table.b.shape[1] != dim || dim <= 0 ||
+      f.table.b.strides[1] != 4 || f.table.b.strides[0] < 0 || f.table.b.strides[0] % 4)
+    return false;
+  int is64 = 0;
+  int64_t* w = f.words;
+  if (reinterpret_cast<PyObject*>(kind) == ragged) {
+    f.values.p = attr(inp, s_values);
+    f.row_splits.p = attr(inp, s_row_splits);
+    if (f.values.p == nullptr || f.row_splits.p == nullptr ||
+        Py_TYPE(f.values.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+        Py_TYPE(f.row_splits.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+        !f.ids.get(f.values.p) || !ids_ok(f.ids, &is64) || f.ids.b.ndim != 1 ||
+        !f.splits.get(f.row_splits.p) || !is_int64(f.splits) || f.splits.b.ndim != 1 ||
+        f.splits.b.shape[0] < 2)
+      return false;
+    if (weight != Py_None) {
+      Owned wsplits(attr(weight, s_row_splits));
+      if (wsplits.p == nullptr) return false;
+      if (wsplits.p != f.row_splits.p) {  // equal values, else the general path names it
+        View ws;
+        if (!ws.get(wsplits.p) || !is_int64(ws) || ws.b.ndim != 1 ||
+            ws.b.len != f.splits.b.len || std::memcmp(ws.b.buf, f.splits.b.buf, ws.b.len) != 0)
+          return false;
+      }
+      if (!weights_ok(ndarray, f, weight)) return false;
+    }
+    f.kind = kCheckedBag;
+    f.rows = f.splits.b.shape[0] - 1;
+    f.entries = f.ids.b.shape[0];
+    f.out_ndim = 2;
+    f.out_shape[0] = f.rows;
+    f.out_shape[1] = dim;
+    w[0] = kCheckedBag;
+    table_words(f, w);
+    w[5] = f.ids.addr();
+    w[6] = is64;
+    w[7] = f.splits.addr();
+    w[8] = f.rows;
+    w[9] = weight != Py_None ? f.weights.addr() : 0;
+    w[10] = combiner;
+    w[14] = dim;
+    w[15] = f.entries;  // checked against row_splits[-1] by the runner
+    return true;
+  }
+  if (reinterpret_cast<PyObject*>(kind) == sparse) {
+    int64_t rows = 0, cols = 0;
+    Owned shape(attr(inp, s_dense_shape));
+    if (!shape2(shape.p, &rows, &cols)) return false;
+    f.values.p = attr(inp, s_values);
+    f.idx.p = attr(inp, s_indices);
+    if (f.values.p == nullptr || f.idx.p == nullptr ||
+        Py_TYPE(f.values.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+        Py_TYPE(f.idx.p) != reinterpret_cast<PyTypeObject*>(ndarray) || !f.ids.get(f.values.p) ||
+        !ids_ok(f.ids, &is64) || f.ids.b.ndim != 1 || !f.indices.get(f.idx.p))
+      return false;
+    int idx64 = 0;
+    if (!ids_ok(f.indices, &idx64) || f.indices.b.ndim != 2 ||
+        f.indices.b.shape[0] != f.ids.b.shape[0] || f.indices.b.shape[1] != 2)
+      return false;
+    if (rows <= 0 || cols <= 0) return false;
+    if (weight != Py_None) {
+      Owned wshape(attr(weight, s_dense_shape));
+      int64_t wr = 0, wc = 0;
+      if (!shape2(wshape.p, &wr, &wc) || wr != rows || wc != cols) return false;
+      if (!weights_ok(ndarray, f, weight)) return false;
+    }
+    // TensorFlow's safe lookup (validate_weights_and_indices): ids < 0 dropped, and with
+    // a combiner other than sum weights not > 0 (plan[6])
+    const int64_t prune_w = prune_weights && weight != Py_None;
+    f.kind = kSparseOffsetsBag;
+    f.rows = rows;
+    f.cols = cols;
+    f.entries = f.ids.b.shape[0];
+    f.out_ndim = 2;
+    f.out_shape[0] = rows;
+    f.out_shape[1] = dim;
+    w[0] = kSparseOffsetsBag;
+    table_words(f, w);
+    w[5] = f.ids.addr();
+    w[6] = is64;
+    // w[7]: the offsets, written by the request's first phase (set when added)
+    w[8] = rows;
+    w[9] = weight != Py_None ? f.weights.addr() : 0;
+    w[10] = combiner;
+    w[11] = safe;
+    w[12] = prune_w;
+    w[14] = dim;
+    w[15] = f.indices.addr();
+    w[16] = idx64;
+    w[17] = f.entries;
+    w[18] = cols;
+    return true;
+  }
+  if (reinterpret_cast<PyObject*>(kind) == ndarray) {
+    if (!f.ids.get(inp) || !ids_ok(f.ids, &is64) || f.ids.b.ndim < 1 || f.ids.b.ndim > 7)
+      return false;
+    f.kind = kGather;
+    f.entries = f.ids.b.len / f.ids.b.itemsize;
+    f.out_ndim = f.ids.b.ndim + 1;
+    for (int d = 0; d < f.ids.b.ndim; ++d) f.out_shape[d] = f.ids.b.shape[d];
+    f.out_shape[f.ids.b.ndim] = dim;
+    w[0] = kGather;
+    w[1] = f.table.addr();
+    w[2] = f.table.b.shape[0];
+    w[3] = dim * 4;
+    w[4] = f.table.b.strides[0];
+    w[5] = f.ids.addr();
+    w[6] = is64;
+    w[7] = f.entries;
+    return true;
+  }
+  return false;
+}
+
+// A request open in the runner, closed whatever happens (its kernels write buffers the
+// caller holds).
+struct Request {
+  void* handle = nullptr;
+  std::vector<int64_t> results;
+  int64_t added = 0;
+  ~Request() { close(); }
+  void close() {
+    if (handle == nullptr) return;
+    results.assign(static_cast<size_t>(added > 0 ? added : 1), -1);
+    Py_BEGIN_ALLOW_THREADS g_close(handle, results.data());
+    Py_END_ALLOW_THREADS handle = nullptr;
+  }
+  bool ok() const {
+    for (int64_t t = 0; t < added; ++t) {
+      if (results[static_cast<size_t>(t)] != -1) return false;
+    }
+    return true;
+  }
+};
+
+// lookup(plans, inputs, weights, tables, types, alloc, finish, threads)
+//   plans: per feature (eligible, vocab, dim, combiner code, safe, table key, prune
+//   weights: safe and a combiner other than sum);
+//   inputs / weights: per feature (None: no input / no weights); tables: the user's
+//   dict; types: (np.ndarray, RaggedTensor, SparseTensor); alloc(shape) -> (array,
+//   address) of a float32 output; finish(outs, before_run) -> result or None.
+// Returns the result, or None (not a common request, or a kernel reported an error).
+PyObject* lookup(PyObject*, PyObject* args) {
+  PyObject *plans, *inputs, *weights, *tables, *types, *alloc, *finish;
+  long long threads;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OOL", &PyTuple_Type, &plans, &PyList_Type, &inputs,
+                        &PyList_Type, &weights, &PyDict_Type, &tables, &PyTuple_Type, &types,
+                        &alloc, &finish, &threads))
+    return nullptr;
+  if (g_open == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "embedmesh.serving._request: bind() was not called");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_Size(plans);
+  if (PyList_Size(inputs) != n || PyList_Size(weights) != n || PyTuple_Size(types) != 3) {
+    PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
+    return nullptr;
+  }
+  std::vector<std::unique_ptr<Feature>> features(static_cast<size_t>(n));
+  int64_t entries = 0, tasks = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {  // every test first: nothing taken yet
+    PyObject* inp = PyList_GetItem(inputs, i);
+    if (inp == Py_None) continue;
+    PyObject* plan = PyTuple_GetItem(plans, i);
+    PyObject* table = PyDict_GetItemWithError(tables, PyTuple_GetItem(plan, 5));
+    if (table == nullptr && PyErr_Occurred()) return nullptr;
+    auto f = std::make_unique<Feature>();
+    if (!prepare(plan, inp, PyList_GetItem(weights, i), table, types, *f)) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;  // not a common case: the general path's
+    }
+    entries += f->entries;
+    ++tasks;
+    features[static_cast<size_t>(i)] = std::move(f);
+  }
+  Owned outs(PyList_New(n));
+  if (outs.p == nullptr) return nullptr;
+  std::vector<std::unique_ptr<int64_t[]>> offsets;  // sparse features' bag offsets
+  Request request;
+  {
+    const int64_t t = threads < 1 ? 1 : threads;
+    request.handle = g_open(tasks, t > 1 ? g_threads_for(entries, t) : 1);
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Feature* f = features[static_cast<size_t>(i)].get();
+    if (f == nullptr) {
+      Py_INCREF(Py_None);
+      PyList_SetItem(outs.p, i, Py_None);
+      continue;
+    }
+    Owned shape(PyTuple_New(f->out_ndim));
+    if (shape.p == nullptr) return nullptr;
+    for (int d = 0; d < f->out_ndim; ++d) {
+      PyObject* v = PyLong_FromLongLong(f->out_shape[d]);
+      if (v == nullptr) return nullptr;
+      PyTuple_SetItem(shape.p, d, v);
+    }
+    Owned got(PyObject_CallFunctionObjArgs(alloc, shape.p, nullptr));
+    if (got.p == nullptr) return nullptr;
+    PyObject* out = PyTuple_GetItem(got.p, 0);
+    const int64_t out_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
+    if (out == nullptr || PyErr_Occurred()) return nullptr;
+    Py_INCREF(out);
+    PyList_SetItem(outs.p, i, out);
+    int64_t* w = f->words;
+    if (f->kind == kGather) {
+      w[8] = out_addr;
+    } else {
+      w[13] = out_addr;
+    }
+    if (f->kind == kSparseOffsetsBag) {
+      offsets.emplace_back(new int64_t[static_cast<size_t>(f->rows + 1)]);
+      w[7] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(offsets.back().get()));
+    }
+    if (g_add(request.handle, w) != -1) {
+      PyErr_SetString(PyExc_RuntimeError, "EmServingAdd: an unknown task kind");
+      return nullptr;
+    }
+    ++request.added;
+  }
+  // the result while the kernels run (see lookup._finish_common)
+  Owned result(PyObject_CallFunctionObjArgs(finish, outs.p, Py_True, nullptr));
+  if (result.p == nullptr) return nullptr;
+  request.close();
+  if (!request.ok()) Py_RETURN_NONE;  // the general path names the error
+  if (result.p != Py_None) {
+    Py_INCREF(result.p);
+    return result.p;
+  }
+  return PyObject_CallFunctionObjArgs(finish, outs.p, Py_False, nullptr);
+}
+
+// bind(open, add, close, threads_for): the serving library's runner functions' addresses.
+PyObject* bind(PyObject*, PyObject* args) {
+  unsigned long long o, a, c, t;
+  if (!PyArg_ParseTuple(args, "KKKK", &o, &a, &c, &t)) return nullptr;
+  if (o == 0 || a == 0 || c == 0 || t == 0) {
+    PyErr_SetString(PyExc_ValueError, "bind: a null function address");
+    return nullptr;
+  }
+  g_open = reinterpret_cast<OpenFn>(static_cast<uintptr_t>(o));
+  g_add = reinterpret_cast<AddFn>(static_cast<uintptr_t>(a));
+  g_close = reinterpret_cast<CloseFn>(static_cast<uintptr_t>(c));
+  g_threads_for = reinterpret_cast<ThreadsFn>(static_cast<uintptr_t>(t));
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"lookup", lookup, METH_VARARGS, "A request's common features on the C++ kernels."},
+    {"bind", bind, METH_VARARGS, "Bind the serving library's runner functions."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_request", nullptr, -1, kMethods,
+                       nullptr,               nullptr,    nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__request(void) {
+  s_values = PyUnicode_InternFromString("values");
+  s_row_splits = PyUnicode_InternFromString("row_splits");
+  s_indices = PyUnicode_InternFromString("indices");
+  s_dense_shape = PyUnicode_InternFromString("dense_shape");
+  if (!s_values || !s_row_splits || !s_indices || !s_dense_shape) return nullptr;
+  return PyModule_Create(&kModule);
+}
