@@ -155,6 +155,16 @@ class Request(kernels.NativeRequest):
         used.append(threads)
         super().__init__(n, threads)
 kernels.NativeRequest = Request
+from embedmesh.serving import fast_path
+compiled = fast_path._compiled  # the compiled request path gets the threads as its last argument
+if compiled is not None:
+    class Compiled:
+        bind = staticmethod(compiled.bind)
+        @staticmethod
+        def lookup(*a):
+            used.append(a[-1])
+            return compiled.lookup(*a)
+    fast_path._compiled = Compiled
 t = em.TableConfig(40, 8, name="t")
 fc = {f"f{i}": em.FeatureConfig(t) for i in range(6)}
 rng = np.random.default_rng(0)
