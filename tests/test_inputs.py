@@ -192,6 +192,16 @@ def test_flat_dict_requests_flatten_as_the_walk_does(names, data):
     ]
     with pytest.raises(ValueError, match="not in the feature config"):
         flatten_inputs_like(r, dict(inputs, zzzz=np.array([0])))
+    # and back: the outputs packed as the inputs are, as jax's unflatten and a prune do
+    from embedmesh.inputs import unflatten_flat_dict
+
+    outs = [object() for _ in names]  # one distinct output per feature, in config order
+    full = jax.tree_util.tree_unflatten(r.treedef, outs)
+    packed = unflatten_flat_dict(r, inputs, outs)
+    assert list(packed) == list(inputs)  # the inputs' keys, in their order
+    assert all(packed[k] is full[k] for k in inputs)
+    assert unflatten_flat_dict(r, dict(inputs, zzzz=1), outs) is None
+    assert unflatten_flat_dict(r, [inputs], outs) is None
 
 
 def test_integer_kinds_are_numpys_integer_dtypes():

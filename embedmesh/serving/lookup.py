@@ -52,6 +52,7 @@ from embedmesh.inputs import (
     is_concrete,
     sparse_index_error,
     to_csr,
+    unflatten_flat_dict,
     validate_structure,
 )
 from embedmesh.serving import fast_path, kernels, native  # noqa: F401 - native: its loader, imported now
@@ -525,6 +526,9 @@ _batched_put_aliases = False  # seen once: jaxlib's CPU put wraps our buffers, n
 
 
 def _pack_like_inputs(resolved, inputs, flat_outputs):
+    packed = unflatten_flat_dict(resolved, inputs, flat_outputs)  # the common request
+    if packed is not None:
+        return packed
     full = jax.tree_util.tree_unflatten(resolved.treedef, flat_outputs)
 
     def prune(cfg_out, inp):
