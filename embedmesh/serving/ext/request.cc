@@ -19,7 +19,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <new>
 #include <vector>
 
 namespace {
@@ -323,7 +325,20 @@ struct Request {
 //   dict; types: (np.ndarray, RaggedTensor, SparseTensor); alloc(shape) -> (array,
 //   address) of a float32 output; finish(outs, before_run) -> result or None.
 // Returns the result, or None (not a common request, or a kernel reported an error).
+PyObject* lookup_checked(PyObject* args);
+
 PyObject* lookup(PyObject*, PyObject* args) {
+  try {  // no C++ exception may cross into the interpreter
+    return lookup_checked(args);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* lookup_checked(PyObject* args) {
   PyObject *plans, *inputs, *weights, *tables, *types, *alloc, *finish;
   long long threads;
   if (!PyArg_ParseTuple(args, "O!O!O!O!O!OOL", &PyTuple_Type, &plans, &PyList_Type, &inputs,
