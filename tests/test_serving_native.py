@@ -726,3 +726,50 @@ def test_rows_on_64_byte_lines_give_the_same_sums(dim, weighted):
     np.testing.assert_array_equal(on, kernels.bag_combine(shifted, ids, offsets, weights, "sum"))
     want, scale = reference(aligned, ids, offsets, weights, "sum", False, False)
     assert (np.abs(on - want) <= 1e-5 * scale[:, None] + 1e-30).all()
+
+
+@pytest.mark.parametrize("row_bytes", [4, 12, 28, 64, 100, 400, 404, 1000, 4096, 4100])
+@pytest.mark.parametrize("offset", [0, 4, 16, 60])
+def test_gather_of_long_outputs_at_any_alignment(row_bytes, offset):
+    """The gather's output streamed through its staging buffer (outputs of 64 KB and more
+    whose rows are not whole 64-byte lines): every row byte for byte, at any offset of the
+    output from a line, nothing written outside it, a bad id stopping it with the rows
+    before it written (the rows after it untouched), and the same split into two chunks
+    (the runner's threads) as in one."""
+    lib = native.library()
+    rng = np.random.default_rng(row_bytes + offset)
+    vocab = 97
+    table = rng.integers(0, 256, (vocab, row_bytes + 8), dtype=np.uint8)  # row stride > row
+    n = (200 << 10) // row_bytes + 3
+    ids = rng.integers(0, vocab, n).astype(np.int64)
+    want = table[ids, :row_bytes].reshape(-1)
+    stride = table.strides[0]
+
+    def run(ids, pieces):
+        buf = np.full(n * row_bytes + offset + 256, 0xAB, np.uint8)
+        base = kernels.address(buf) + (-kernels.address(buf)) % 64 + offset
+        start = base - kernels.address(buf)
+        codes = []
+        for j in range(pieces):
+            lo, hi = n * j // pieces, n * (j + 1) // pieces
+            codes.append(
+                lib.EmServingGather(
+                    kernels.address(table), vocab, row_bytes, stride,
+                    kernels.address(ids) + 8 * lo, 1, hi - lo, base + lo * row_bytes,
+                )
+            )  # fmt: skip
+        return buf, start, codes
+
+    for pieces in (1, 2):
+        buf, start, codes = run(ids, pieces)
+        assert codes == [-1] * pieces
+        np.testing.assert_array_equal(buf[start : start + n * row_bytes], want)
+        assert (buf[:start] == 0xAB).all() and (buf[start + n * row_bytes :] == 0xAB).all()
+    bad_at = n // 2 + 1
+    bad = ids.copy()
+    bad[bad_at] = vocab
+    buf, start, codes = run(bad, 1)
+    assert codes == [bad_at]
+    written = bad_at * row_bytes
+    np.testing.assert_array_equal(buf[start : start + written], want[:written])
+    assert (buf[start + written :] == 0xAB).all() and (buf[:start] == 0xAB).all()

@@ -691,12 +691,109 @@ inline void copy_row(char* dst, const char* src, int64_t bytes, bool stream) {
   std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
 
-template <typename Id>
-int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t stride,
-               const Id* ids, int64_t n, char* out) {
-  int64_t lines = row_lines(table, stride, row_bytes);
-  const int64_t ahead = all_lines_entries_ahead(lines);
-  const bool stream = rows_on_lines(out, row_bytes);
+// One aligned 64-byte line from `src` (aligned) to `dst` (aligned) with streaming stores.
+inline void copy_line_stream(char* dst, const char* src) {
+#if defined(__AVX512F__)
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst),
+                      _mm512_load_si512(reinterpret_cast<const void*>(src)));
+#elif defined(__AVX__)
+  for (int j = 0; j < 64; j += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm256_load_si256(reinterpret_cast<const __m256i*>(src + j)));
+  }
+#elif defined(__SSE2__)
+  for (int j = 0; j < 64; j += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm_load_si128(reinterpret_cast<const __m128i*>(src + j)));
+  }
+#else
+  std::memcpy(dst, src, 64);
+#endif
+}
+
+// The output of a gather whose rows are not whole 64-byte lines (dim 100: 400-byte rows),
+// streamed all the same: rows are copied into a line-aligned staging buffer that stays in
+// L1, whose whole lines go out with streaming stores; the partial lines at the range's
+// two ends (shared with the neighbouring chunks' threads) get plain stores. Plain stores
+// into lines a row only half covers first read each line in: dim 100, 8 x 1M tables,
+// batch 4096 x 10, one thread, 24.4 ms a call against torch's 24.7 and TensorFlow's 21.5
+// (benchmarks/RESULTS_serving.md, seventh session). Staged over plain, same process,
+// 1 thread (2 threads): dim 100 1.41x (1.61x), dim 50 1.75x, dim 36 1.31x, dim 20
+// 0.97x, dim 8 0.74x (0.85x): rows of fewer than 128 bytes stay plain (kMinStagedRow).
+constexpr int64_t kMinStagedRow = 128;
+class StagedOutput {
+ public:
+  StagedOutput(char* begin, int64_t bytes) : end_(begin + bytes) {
+    const uintptr_t b = reinterpret_cast<uintptr_t>(begin);
+    const uintptr_t e = reinterpret_cast<uintptr_t>(end_);
+    a_ = reinterpret_cast<char*>((b + 63) & ~static_cast<uintptr_t>(63));
+    z_ = reinterpret_cast<char*>(e & ~static_cast<uintptr_t>(63));
+    if (z_ < a_) z_ = a_;  // no whole line inside: plain stores only
+    next_ = a_;
+  }
+  // Whether enough whole lines lie inside [begin, begin + bytes) to be worth it.
+  static bool worth(const char* begin, int64_t bytes) {
+    const uintptr_t b = reinterpret_cast<uintptr_t>(begin);
+    const uintptr_t a = (b + 63) & ~static_cast<uintptr_t>(63);
+    const uintptr_t z = (b + static_cast<uintptr_t>(bytes)) & ~static_cast<uintptr_t>(63);
+    return z > a && static_cast<int64_t>(z - a) >= kMinStagedBytes;
+  }
+
+  // Write the bytes [d, d + len) of the output from `src` (rows in order).
+  void put(char* d, const char* src, int64_t len) {
+    char* d1 = d + len;
+    if (d < a_) {  // the range's first partial line
+      const int64_t m = (d1 < a_ ? d1 : a_) - d;
+      std::memcpy(d, src, static_cast<size_t>(m));
+    }
+    char* m0 = d > a_ ? d : a_;
+    char* m1 = d1 < z_ ? d1 : z_;
+    if (m1 > m0) {
+      const int64_t m = m1 - m0;
+      std::memcpy(stage_ + filled_, src + (m0 - d), static_cast<size_t>(m));
+      filled_ += m;
+      if (filled_ >= kFlushBytes) flush();
+    }
+    if (d1 > z_) {  // its last partial line
+      char* t0 = d > z_ ? d : z_;
+      std::memcpy(t0, src + (t0 - d), static_cast<size_t>(d1 - t0));
+    }
+  }
+
+  // Every staged byte out: whole lines streamed, a last partial line (only where the
+  // gather stopped at a bad id) stored plainly.
+  void finish() {
+    flush();
+    if (filled_ > 0) std::memcpy(next_, stage_, static_cast<size_t>(filled_));
+    filled_ = 0;
+  }
+
+ private:
+  static constexpr int64_t kFlushBytes = 4096;
+  static constexpr int64_t kMinStagedBytes = 64 << 10;
+  alignas(64) char stage_[kFlushBytes + 4096];  // + a row of up to 4 KB past the mark
+  char *end_, *a_, *z_, *next_;
+  int64_t filled_ = 0;
+
+  void flush() {
+    const int64_t whole = filled_ & ~static_cast<int64_t>(63);
+    copy_lines_stream(next_, stage_, whole);
+    next_ += whole;
+    filled_ -= whole;
+    if (filled_ > 0) std::memmove(stage_, stage_ + whole, static_cast<size_t>(filled_));
+  }
+
+  static void copy_lines_stream(char* dst, const char* src, int64_t bytes) {
+    for (int64_t j = 0; j < bytes; j += 64) copy_line_stream(dst + j, src + j);
+  }
+};
+
+// The gather's walk: each row `write(k, row)` in order, the rows ahead prefetched (every
+// line of rows of up to 5 lines); stops at the first id outside [0, vocab) (returned,
+// else -1).
+template <typename Id, typename Write>
+int64_t walk_rows(const char* table, uint64_t vocab, int64_t stride, const Id* ids, int64_t n,
+                  int64_t lines, int64_t ahead, Write&& write) {
   auto pf = [&](Id id) {
     if (static_cast<uint64_t>(static_cast<int64_t>(id)) < vocab) {
       const uintptr_t a = reinterpret_cast<uintptr_t>(table + static_cast<int64_t>(id) * stride);
@@ -705,18 +802,36 @@ int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t str
     }
   };
   for (int64_t k = 0; k < ahead && k < n; ++k) pf(ids[k]);
-  int64_t bad = -1;
   for (int64_t k = 0; k < n; ++k) {
     if (k + ahead < n) pf(ids[k + ahead]);
     const Id id = ids[k];
-    if (static_cast<uint64_t>(static_cast<int64_t>(id)) >= vocab) {
-      bad = k;
-      break;
-    }
-    copy_row(out + k * row_bytes, table + static_cast<int64_t>(id) * stride, row_bytes, stream);
+    if (static_cast<uint64_t>(static_cast<int64_t>(id)) >= vocab) return k;
+    write(k, table + static_cast<int64_t>(id) * stride);
+  }
+  return -1;
+}
+
+template <typename Id>
+int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t stride,
+               const Id* ids, int64_t n, char* out) {
+  int64_t lines = row_lines(table, stride, row_bytes);
+  const int64_t ahead = all_lines_entries_ahead(lines);
+  const bool stream = rows_on_lines(out, row_bytes);
+  int64_t bad;
+  if (!stream && row_bytes >= kMinStagedRow && row_bytes <= 4096 && g_stream_output &&
+      StagedOutput::worth(out, n * row_bytes)) {
+    StagedOutput staged(out, n * row_bytes);
+    bad = walk_rows(table, vocab, stride, ids, n, lines, ahead, [&](int64_t k, const char* row) {
+      staged.put(out + k * row_bytes, row, row_bytes);
+    });
+    staged.finish();
+  } else {
+    bad = walk_rows(table, vocab, stride, ids, n, lines, ahead, [&](int64_t k, const char* row) {
+      copy_row(out + k * row_bytes, row, row_bytes, stream);
+    });
   }
 #if defined(__SSE2__) || defined(__AVX__)
-  if (stream) _mm_sfence();  // order the streaming stores before anything that follows
+  _mm_sfence();  // order the streaming stores before anything that follows
 #endif
   return bad;
 }
