@@ -691,26 +691,6 @@ inline void copy_row(char* dst, const char* src, int64_t bytes, bool stream) {
   std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
 
-// One aligned 64-byte line from `src` (aligned) to `dst` (aligned) with streaming stores.
-inline void copy_line_stream(char* dst, const char* src) {
-#if defined(__AVX512F__)
-  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst),
-                      _mm512_load_si512(reinterpret_cast<const void*>(src)));
-#elif defined(__AVX__)
-  for (int j = 0; j < 64; j += 32) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j),
-                        _mm256_load_si256(reinterpret_cast<const __m256i*>(src + j)));
-  }
-#elif defined(__SSE2__)
-  for (int j = 0; j < 64; j += 16) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j),
-                     _mm_load_si128(reinterpret_cast<const __m128i*>(src + j)));
-  }
-#else
-  std::memcpy(dst, src, 64);
-#endif
-}
-
 // The output of a gather whose rows are not whole 64-byte lines (dim 100: 400-byte rows),
 // streamed all the same: rows are copied into a line-aligned staging buffer that stays in
 // L1, whose whole lines go out with streaming stores; the partial lines at the range's
@@ -723,20 +703,13 @@ inline void copy_line_stream(char* dst, const char* src) {
 constexpr int64_t kMinStagedRow = 128;
 class StagedOutput {
  public:
-  StagedOutput(char* begin, int64_t bytes) : end_(begin + bytes) {
-    const uintptr_t b = reinterpret_cast<uintptr_t>(begin);
-    const uintptr_t e = reinterpret_cast<uintptr_t>(end_);
-    a_ = reinterpret_cast<char*>((b + 63) & ~static_cast<uintptr_t>(63));
-    z_ = reinterpret_cast<char*>(e & ~static_cast<uintptr_t>(63));
-    if (z_ < a_) z_ = a_;  // no whole line inside: plain stores only
-    next_ = a_;
-  }
+  // The whole lines of [begin, begin + bytes) go through the stage (worth() said so).
+  StagedOutput(char* begin, int64_t bytes)
+      : a_(line_up(begin)), z_(line_down(begin + bytes)), next_(a_) {}
+
   // Whether enough whole lines lie inside [begin, begin + bytes) to be worth it.
-  static bool worth(const char* begin, int64_t bytes) {
-    const uintptr_t b = reinterpret_cast<uintptr_t>(begin);
-    const uintptr_t a = (b + 63) & ~static_cast<uintptr_t>(63);
-    const uintptr_t z = (b + static_cast<uintptr_t>(bytes)) & ~static_cast<uintptr_t>(63);
-    return z > a && static_cast<int64_t>(z - a) >= kMinStagedBytes;
+  static bool worth(char* begin, int64_t bytes) {
+    return line_down(begin + bytes) - line_up(begin) >= kMinStagedBytes;
   }
 
   // Write the bytes [d, d + len) of the output from `src` (rows in order).
@@ -772,19 +745,24 @@ class StagedOutput {
   static constexpr int64_t kFlushBytes = 4096;
   static constexpr int64_t kMinStagedBytes = 64 << 10;
   alignas(64) char stage_[kFlushBytes + 4096];  // + a row of up to 4 KB past the mark
-  char *end_, *a_, *z_, *next_;
+  char* const a_;  // the range's first and last line boundaries: stage [a_, z_)
+  char* const z_;
+  char* next_;  // where the stage's first byte goes
   int64_t filled_ = 0;
 
+  static char* line_up(char* p) {
+    return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+  }
+  static char* line_down(char* p) {
+    return reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+  }
+
   void flush() {
-    const int64_t whole = filled_ & ~static_cast<int64_t>(63);
-    copy_lines_stream(next_, stage_, whole);
+    const int64_t whole = filled_ & ~int64_t{63};
+    copy_row(next_, stage_, whole, true);  // whole lines, both ends on lines: streamed
     next_ += whole;
     filled_ -= whole;
     if (filled_ > 0) std::memmove(stage_, stage_ + whole, static_cast<size_t>(filled_));
-  }
-
-  static void copy_lines_stream(char* dst, const char* src, int64_t bytes) {
-    for (int64_t j = 0; j < bytes; j += 64) copy_line_stream(dst + j, src + j);
   }
 };
 
@@ -817,9 +795,10 @@ int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t str
   int64_t lines = row_lines(table, stride, row_bytes);
   const int64_t ahead = all_lines_entries_ahead(lines);
   const bool stream = rows_on_lines(out, row_bytes);
+  const bool staged_out = !stream && row_bytes >= kMinStagedRow && row_bytes <= 4096 &&
+                          g_stream_output && StagedOutput::worth(out, n * row_bytes);
   int64_t bad;
-  if (!stream && row_bytes >= kMinStagedRow && row_bytes <= 4096 && g_stream_output &&
-      StagedOutput::worth(out, n * row_bytes)) {
+  if (staged_out) {
     StagedOutput staged(out, n * row_bytes);
     bad = walk_rows(table, vocab, stride, ids, n, lines, ahead, [&](int64_t k, const char* row) {
       staged.put(out + k * row_bytes, row, row_bytes);
@@ -831,7 +810,7 @@ int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t str
     });
   }
 #if defined(__SSE2__) || defined(__AVX__)
-  _mm_sfence();  // order the streaming stores before anything that follows
+  if (stream || staged_out) _mm_sfence();  // order the streaming stores before what follows
 #endif
   return bad;
 }

@@ -109,7 +109,7 @@ struct Owned {
 struct Feature {
   View table, ids, splits, indices, weights;
   Owned values, row_splits, idx, wvalues;  // the objects the views read
-  int64_t kind = 0, rows = 0, cols = 0, entries = 0;
+  int64_t kind = 0, rows = 0, entries = 0;
   int64_t out_shape[8] = {0};
   int out_ndim = 0;
   int64_t words[kTaskWords] = {0};
@@ -254,7 +254,6 @@ bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, P
     const int64_t prune_w = prune_weights && weight != Py_None;
     f.kind = kSparseOffsetsBag;
     f.rows = rows;
-    f.cols = cols;
     f.entries = f.ids.b.shape[0];
     f.out_ndim = 2;
     f.out_shape[0] = rows;
@@ -307,8 +306,10 @@ struct Request {
   void close() {
     if (handle == nullptr) return;
     results.assign(static_cast<size_t>(added > 0 ? added : 1), -1);
-    Py_BEGIN_ALLOW_THREADS g_close(handle, results.data());
-    Py_END_ALLOW_THREADS handle = nullptr;
+    Py_BEGIN_ALLOW_THREADS;  // the kernels may run ~ms: other Python threads go on
+    g_close(handle, results.data());
+    Py_END_ALLOW_THREADS;
+    handle = nullptr;
   }
   bool ok() const {
     for (int64_t t = 0; t < added; ++t) {
