@@ -28,7 +28,9 @@ Inputs for every contender are built before timing. One timed sample is one
 call over all 8 features on one batch. In each round the contenders take
 turns call by call on the same batches (order shuffled), `--reps` passes over
 the batches (with `--blocks`: each contender in turn runs its passes alone,
-after an untimed one); a round gives each contender's median seconds per
+after an untimed one); TensorFlow, which reads its own copy of the tables,
+runs its passes as such a block before or after the others' (see time_round;
+`--tf-interleaved` interleaves it too); a round gives each contender's median seconds per
 call, ratios are taken within a round, and the medians over rounds are
 reported. embedmesh's outputs are
 checked against TensorFlow's (and torch's) with allclose; the max abs diff is
@@ -316,6 +318,10 @@ def as_numpy(x):
 CLOCK = [time.perf_counter]
 
 
+# Contender names timed apart from the interleaved others (see time_round); main() fills it.
+APART: set[str] = set()
+
+
 def time_round(calls: dict, reps: int, seed: int, blocks: bool = False) -> dict:
     """One round: {contender: median seconds per call}.
 
@@ -330,9 +336,31 @@ def time_round(calls: dict, reps: int, seed: int, blocks: bool = False) -> dict:
     passes, as a server running only that system would. Interleaved calls
     each inherit the caches (TensorFlow keeps its own copy of the tables) and
     the still-spinning worker threads of another system.
+
+    Contenders named in APART (TensorFlow's, unless --tf-interleaved) run as blocks
+    even so, before or after the interleaved others by turns: they read their own
+    copy of the tables, so a call of theirs evicts the rows that the contenders sharing
+    the numpy tables (embedmesh, torch) keep warm for each other, and the call after
+    it finds them cold. Interleaved with TensorFlow, embedmesh[native] and torch[1t]
+    both ran 2.1-2.6x slower (ragged/sum, dim 32: 5.33 and 5.38 ms a call against 2.02
+    and 2.54 without it, 2026-12-04), which moved their ratio from 1.26x to 0.99x.
     """
     if blocks:
         return _time_blocks(calls, reps, seed)
+    apart = {n: cs for n, cs in calls.items() if n in APART}
+    shared = {n: cs for n, cs in calls.items() if n not in APART}
+    if apart:  # their block before or after the others' interleaved calls, by turns
+        first = seed % 2 == 0
+        result = _time_blocks(apart, reps, seed) if first else {}
+        for cs in shared.values():  # untimed: the rows that the apart block evicted back
+            if getattr(cs, "setup", None):
+                cs.setup()
+            for c in cs:
+                c()
+        result.update(time_round(shared, reps, seed) if shared else {})
+        if not first:
+            result.update(_time_blocks(apart, reps, seed))
+        return {name: result[name] for name in calls}
     names = list(calls)
     times = {name: [] for name in names}
     shuffle = random.Random(seed)
@@ -410,6 +438,12 @@ def main(argv=None):
         help="time each contender alone for its turn of a round (see time_round)",
     )
     p.add_argument(
+        "--tf-interleaved",
+        action="store_true",
+        help="interleave TensorFlow's calls with the others' too (default: its own block "
+        "in each round; see time_round)",
+    )
+    p.add_argument(
         "--tf-threads",
         type=int,
         default=0,
@@ -431,6 +465,9 @@ def main(argv=None):
         "workload (100k-row tables and a small MLP), --rounds rounds",
     )
     args = p.parse_args(argv)
+    APART.clear()
+    if not args.tf_interleaved:
+        APART.update(("tf.function", "tf.eager"))
     if args.tf_threads and tf is not None:  # before TensorFlow runs anything
         tf.config.threading.set_intra_op_parallelism_threads(args.tf_threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.tf_threads)
