@@ -53,6 +53,7 @@ import random
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -127,6 +128,42 @@ def make_workload(args, rng):
         batches.append(feats)
     max_len = max(int(f["lengths"].max()) for b in batches for f in b)
     return tables, batches, max_len
+
+
+class Workload(NamedTuple):
+    """make_workload's arrays with embedmesh's configs for them (see workload_at)."""
+
+    tables: list  # numpy [vocab, dim] float32, one a feature
+    batches: list  # per batch, per feature: {"ids", "splits", "lengths", "dense"}
+    max_len: int  # the longest bag (a sparse input's dense_shape[1])
+    names: list  # feature names f0, f1, ...
+    by_config: dict  # {TableConfig: table}
+    features: dict  # {name: FeatureConfig}
+
+
+def workload_at(
+    dim: int, tables: int = 8, vocab: int = 1_000_000, batch: int = 4096, combiner: str = "sum"
+) -> Workload:
+    """The default workload at `dim` (2 batches, seed 0, numpy's table layout) and
+    embedmesh's configs for it: for the benchmarks that time one part of what this one
+    compares."""
+    args = argparse.Namespace(
+        tables=tables, vocab=vocab, dim=dim, batch=batch, ids_per_sample=10, zipf=1.05,
+        batches=2,
+    )  # fmt: skip
+    arrays, batches, max_len = make_workload(args, np.random.default_rng(0))
+    names = [f"f{i}" for i in range(tables)]
+    tcs = [em.TableConfig(vocab, dim, combiner=combiner, name=f"t{i}") for i in range(tables)]
+    features = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
+    return Workload(arrays, batches, max_len, names, dict(zip(tcs, arrays)), features)
+
+
+def each_dim(args, run_dim) -> None:
+    """The machine, then `run_dim(args, dim)` for each of `args.dims` (comma-separated)."""
+    print(machine_line())
+    print(native_line())
+    for dim in (int(d) for d in args.dims.split(",")):
+        run_dim(args, dim)
 
 
 def ids_in(kind: str, feats) -> int:

@@ -44,23 +44,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=6, help="timed calls per variant per round")
-    args = p.parse_args()
-    print(bench.machine_line())
-    print(bench.native_line())
-    for dim in (int(d) for d in args.dims.split(",")):
-        run_dim(args, dim)
+    bench.each_dim(p.parse_args(), run_dim)
 
 
 def run_dim(args, dim: int) -> None:
-    wl = argparse.Namespace(
-        tables=args.tables, vocab=args.vocab, dim=dim, batch=args.batch,
-        ids_per_sample=10, zipf=1.05, batches=2,
-    )  # fmt: skip
-    tables, batches, _ = bench.make_workload(wl, np.random.default_rng(0))
-    names = [f"f{i}" for i in range(args.tables)]
-    tcs = [em.TableConfig(args.vocab, dim, name=f"t{i}") for i in range(args.tables)]
-    fcs = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
-    tabs = dict(zip(tcs, tables))
+    w = bench.workload_at(dim, args.tables, args.vocab, args.batch)
+    batches, names, tabs, fcs = w.batches, w.names, w.by_config, w.features
     shape = batches[0][0]["dense"].shape
     patterns = {
         "one row": [{n: np.zeros(shape, np.int64) for n in names}] * 2,

@@ -29,7 +29,6 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np
 import serving as bench
 
 import embedmesh as em
@@ -46,27 +45,15 @@ except ImportError:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="16,64")
-    p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--calls", type=int, default=8, help="timed calls per contender per round")
-    args = p.parse_args()
-    print(bench.machine_line())
-    print(bench.native_line())
-    for dim in (int(d) for d in args.dims.split(",")):
-        run_dim(args, dim)
+    bench.each_dim(p.parse_args(), run_dim)
 
 
 def run_dim(args, dim: int) -> None:
-    wl = argparse.Namespace(
-        tables=args.tables, vocab=1_000_000, dim=dim, batch=4096, ids_per_sample=10,
-        zipf=1.05, batches=2, aligned=False,
-    )  # fmt: skip
-    tables, batches, max_len = bench.make_workload(wl, np.random.default_rng(0))
-    names = [f"f{i}" for i in range(args.tables)]
-    tcs = [em.TableConfig(wl.vocab, dim, name=f"t{i}") for i in range(args.tables)]
-    fcs = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
-    tabs = dict(zip(tcs, tables))
-    shape = (wl.batch, max_len)
+    w = bench.workload_at(dim, combiner="sum")
+    tables, batches, names, tabs, fcs = w.tables, w.batches, w.names, w.by_config, w.features
+    shape = (4096, w.max_len)
     indices = [[bench.sparse_indices(f) for f in feats] for feats in batches]
     sparse = [
         {n: em.SparseTensor(ix, f["ids"], shape) for n, f, ix in zip(names, feats, ixs)}
