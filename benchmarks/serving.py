@@ -355,11 +355,19 @@ def as_numpy(x):
 CLOCK = [time.perf_counter]
 
 
-# Contender names timed apart from the interleaved others (see time_round); main() fills it.
-APART: set[str] = set()
+# Contenders timed apart from the interleaved others unless --tf-interleaved (see time_round).
+TF_CONTENDERS = ("tf.function", "tf.eager")
 
 
-def time_round(calls: dict, reps: int, seed: int, blocks: bool = False) -> dict:
+def warm_pass(cs) -> None:
+    """One untimed call of a contender on each batch (after its setup)."""
+    if getattr(cs, "setup", None):
+        cs.setup()
+    for c in cs:
+        c()
+
+
+def time_round(calls: dict, reps: int, seed: int, blocks: bool = False, apart: tuple = ()) -> dict:
     """One round: {contender: median seconds per call}.
 
     Contenders alternate call by call (batch by batch, in an order shuffled
@@ -374,7 +382,7 @@ def time_round(calls: dict, reps: int, seed: int, blocks: bool = False) -> dict:
     each inherit the caches (TensorFlow keeps its own copy of the tables) and
     the still-spinning worker threads of another system.
 
-    Contenders named in APART (TensorFlow's, unless --tf-interleaved) run as blocks
+    Contenders named in `apart` (TensorFlow's, unless --tf-interleaved) run as blocks
     even so, before or after the interleaved others by turns: they read their own
     copy of the tables, so a call of theirs evicts the rows that the contenders sharing
     the numpy tables (embedmesh, torch) keep warm for each other, and the call after
@@ -384,19 +392,16 @@ def time_round(calls: dict, reps: int, seed: int, blocks: bool = False) -> dict:
     """
     if blocks:
         return _time_blocks(calls, reps, seed)
-    apart = {n: cs for n, cs in calls.items() if n in APART}
-    shared = {n: cs for n, cs in calls.items() if n not in APART}
-    if apart:  # their block before or after the others' interleaved calls, by turns
+    alone = {n: cs for n, cs in calls.items() if n in apart}
+    if alone:  # their block before or after the others' interleaved calls, by turns
+        shared = {n: cs for n, cs in calls.items() if n not in apart}
         first = seed % 2 == 0
-        result = _time_blocks(apart, reps, seed) if first else {}
-        for cs in shared.values():  # untimed: the rows that the apart block evicted back
-            if getattr(cs, "setup", None):
-                cs.setup()
-            for c in cs:
-                c()
+        result = _time_blocks(alone, reps, seed) if first else {}
+        for cs in shared.values():  # untimed: the rows that the block evicted back
+            warm_pass(cs)
         result.update(time_round(shared, reps, seed) if shared else {})
         if not first:
-            result.update(_time_blocks(apart, reps, seed))
+            result.update(_time_blocks(alone, reps, seed))
         return {name: result[name] for name in calls}
     names = list(calls)
     times = {name: [] for name in names}
@@ -421,10 +426,7 @@ def _time_blocks(calls: dict, reps: int, seed: int) -> dict:
     result = {}
     for name in order:
         cs = calls[name]
-        if getattr(cs, "setup", None):
-            cs.setup()
-        for c in cs:  # untimed: from here on this contender runs alone
-            c()
+        warm_pass(cs)  # from here on this contender runs alone
         times = []
         for _rep in range(reps):
             for c in cs:
@@ -502,9 +504,6 @@ def main(argv=None):
         "workload (100k-row tables and a small MLP), --rounds rounds",
     )
     args = p.parse_args(argv)
-    APART.clear()
-    if not args.tf_interleaved:
-        APART.update(("tf.function", "tf.eager"))
     if args.tf_threads and tf is not None:  # before TensorFlow runs anything
         tf.config.threading.set_intra_op_parallelism_threads(args.tf_threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.tf_threads)
@@ -659,14 +658,12 @@ def run_dim(args) -> list:
                 ok = all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(out, ref))
                 diffs[name + " allclose"] = ok
             for cs in calls.values():
-                if getattr(cs, "setup", None):
-                    cs.setup()
-                for c in cs:
-                    c()
+                warm_pass(cs)
             per_round = {name: [] for name in calls}
             names = list(calls)
             for r in range(args.rounds):
-                for name, t in time_round(calls, args.reps, r, args.blocks).items():
+                apart = () if args.tf_interleaved else TF_CONTENDERS
+                for name, t in time_round(calls, args.reps, r, args.blocks, apart).items():
                     per_round[name].append(t)
             row = {
                 "dim": args.dim,

@@ -53,7 +53,7 @@ def main() -> None:
 def run_dim(args, dim: int) -> None:
     w = bench.workload_at(dim, combiner="sum")
     tables, batches, names, tabs, fcs = w.tables, w.batches, w.names, w.by_config, w.features
-    shape = (4096, w.max_len)
+    shape = (batches[0][0]["lengths"].size, w.max_len)  # [batch, longest bag]
     indices = [[bench.sparse_indices(f) for f in feats] for feats in batches]
     sparse = [
         {n: em.SparseTensor(ix, f["ids"], shape) for n, f, ix in zip(names, feats, ixs)}
