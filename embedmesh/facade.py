@@ -31,7 +31,7 @@ from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like, to_csr
 from embedmesh.layout import planner as _planner
-from embedmesh.layout.stacking import StackingPlan
+from embedmesh.layout.stacking import StackingPlan, dim_multiple_for
 from embedmesh.optimizers import Optimizer
 
 
@@ -414,11 +414,14 @@ class MeshEmbedding:
             raise RuntimeError(f"{what} needs build() first")
 
     def _stacking(self) -> dict:
-        """`plan_stacking`'s options of this layer (the planner's memory rule uses them)."""
+        """`plan_stacking`'s options of this layer (the planner's memory rule uses them);
+        the dim multiple is the mesh's platform's (whole 128-lane rows on a TPU)."""
+        platform = self._mesh.devices.flat[0].platform if self._mesh is not None else "cpu"
         return dict(
             stack_tables=self._stack_tables,
             max_stack_rows=self._max_stack_rows,
             default_optimizer=self._optimizer,
+            dim_multiple=dim_multiple_for(platform),
         )
 
     def _memory_limit_of(self, mesh, on_cpu: bool) -> float | None:

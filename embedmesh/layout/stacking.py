@@ -91,6 +91,16 @@ __all__ = [
 ]
 
 DEFAULT_DIM_MULTIPLE = 8
+# A platform's dim multiple where it differs: a TPU moves rows of whole 128-lane vregs
+# many times faster than narrower ones (embedmesh.device.ops.tpu).
+PLATFORM_DIM_MULTIPLE = {"tpu": 128}
+
+
+def dim_multiple_for(platform: str) -> int:
+    """The dim multiple of stacks on devices of `platform` ("cpu", "gpu", "tpu")."""
+    return PLATFORM_DIM_MULTIPLE.get(platform, DEFAULT_DIM_MULTIPLE)
+
+
 SHARDINGS = (
     "mod",
     "table_wise",

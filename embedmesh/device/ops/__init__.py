@@ -3,8 +3,8 @@
 Each op has exactly one reference implementation (pure JAX, in `reference`; for
 the composite ops, their definition below in terms of the other ops) and
 optional per-platform kernels registered here by platform name ("cpu" from
-`embedmesh.device.ops.cpu`, "gpu" from `embedmesh.device.ops.gpu`; "tpu" has
-none yet). A kernel may also be registered for one lowering platform of a
+`embedmesh.device.ops.cpu`, "gpu" from `embedmesh.device.ops.gpu`, "tpu" from
+`embedmesh.device.ops.tpu`). A kernel may also be registered for one lowering platform of a
 device platform ("cuda" of "gpu"), where it replaces that platform's: the
 Pallas Triton kernels are CUDA only, so ROCm keeps the "gpu" ones. A call stages the
 kernel of every platform whose kernel is ready and takes the call, and the
@@ -88,6 +88,9 @@ end are padding.
 - On GPU (`EMBEDMESH_GPU_KERNELS`, see `embedmesh.device.ops.gpu`): XLA
   variants that sort instead of contending on atomics (the default), or Pallas
   kernels fusing both updates for all five optimizers.
+- On TPU (see `embedmesh.device.ops.tpu`): the in-place scatter a DMA a row, and
+  Pallas pair loops for the lookup's combine and the backward's per-unique sums where
+  rows are 256 lanes or more; stacks there are padded to whole 128-lane rows.
 - `huge_page_copy(x)`, `full(shape, value, dtype, device)`: a copy, or a
   constant array made on a device; the CPU kernels put the buffer on
   transparent huge pages (see `embedmesh.device.ops.cpu.memory`).
@@ -110,7 +113,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from embedmesh._runtime import PAD_ID, pooled_pair_fields
-from embedmesh.device.ops import cpu, gpu, reference
+from embedmesh.device.ops import cpu, gpu, reference, tpu
 from embedmesh.device.ops.transport import Transport
 
 __all__ = [
@@ -815,6 +818,8 @@ for _op, (_fn, _supports) in cpu.KERNELS.items():
 for _platform, _table in (("gpu", gpu.KERNELS), ("cuda", gpu.CUDA_KERNELS)):
     for _op, (_fn, _supports) in _table.items():
         register_kernel(_op, _platform, _fn, ready=gpu.ready, supports=_supports)
+for _op, (_fn, _supports) in tpu.KERNELS.items():
+    register_kernel(_op, "tpu", _fn, ready=tpu.ready, supports=_supports)
 del _op, _fn, _supports, _platform, _table
 
 

@@ -1,0 +1,470 @@
+"""embedmesh on one TPU chip: correctness against the CPU, then the training step against
+plain JAX, and the chip's row-move bound, all in one process (issue #38).
+
+Sections, in order (each case's result is written to `--out`/tpu.json and tpu.md as soon
+as it ends, so a run cut short keeps what it measured; `--budget` seconds in all, the
+later cases skipped when it runs out):
+
+1. correctness: every optimizer (every one a 1-chip mesh takes: on one device every
+   placement is the one-device strategy), 3 steps on the chip and on this process's CPU
+   from the same tables and batches; the largest difference of tables and slots.
+2. the step (`dequeue` + loss gradient + `apply_gradients`, the facade's loop; the
+   workload of `train_step.py`: 8 tables, batch 4096, Poisson(10) Zipf(1.05) ids, sum
+   combiner, Adagrad) at each `--dims`, against plain JAX dense (take + segment_sum,
+   `jax.grad` to the whole tables, optax.adagrad) and plain JAX sparse (unique + take +
+   segment_sum, the gradient of the gathered rows, Adagrad on them, a scatter with
+   `unique_indices`: what a careful JAX user writes); at dim 64 also embedmesh with its
+   TPU kernels off (XLA's ops: the path before them).
+3. the row-move bound: a DMA a row (`ops.tpu.pallas`), gather and in-place scatter of
+   the workload's distinct rows, at each width the steps move.
+4. every optimizer's step at dim 64 against Adagrad's.
+
+    python benchmarks/tpu.py --out DIR              # on the chip (README "TPU")
+    python benchmarks/tpu.py --smoke --allow-cpu    # the plumbing, tiny, on CPU (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+T, B, VALENCY, ZIPF_A, LR = 8, 4096, 10, 1.05, 0.01
+BYTES_LIMIT = 12 << 30  # a dim's rows a table: 1M, or fewer where tables + slots exceed this
+
+
+def make_batches(v, b, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(np.arange(1, v + 1, dtype=np.float64) ** -ZIPF_A)
+    cdf /= cdf[-1]
+    perms = [rng.permutation(v).astype(np.int32) for _ in range(T)]
+    out = []
+    for _ in range(n):
+        feats = []
+        for t in range(T):
+            lengths = rng.poisson(VALENCY, b).astype(np.int64)
+            r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), v - 1)
+            feats.append((perms[t][r], lengths))
+        out.append(feats)
+    return out
+
+
+def timed(fn, n):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+class Report:
+    def __init__(self, out, budget):
+        self.out, self.deadline = out, time.monotonic() + budget
+        self.data = {"cases": []}
+        os.makedirs(out, exist_ok=True)
+
+    def left(self):
+        return self.deadline - time.monotonic()
+
+    def case(self, name, fn, need=20.0):
+        if self.left() < need:
+            rec = {"name": name, "skipped": f"budget: {self.left():.0f} s left"}
+        else:
+            t0 = time.perf_counter()
+            try:
+                rec = {"name": name, **fn()}
+            except Exception as e:  # noqa: BLE001 - a case's failure is its result
+                rec = {"name": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+                rec["traceback"] = traceback.format_exc()[-2500:]
+            rec["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+        self.data["cases"].append(rec)
+        self.save()
+        return rec
+
+    def save(self):
+        with open(os.path.join(self.out, "tpu.json"), "w") as f:
+            json.dump(self.data, f, indent=1)
+        with open(os.path.join(self.out, "tpu.md"), "w") as f:
+            f.write(self.markdown())
+
+    def markdown(self):
+        lines = [f"# benchmarks/tpu.py: {self.data.get('device', '?')}", ""]
+        for rec in self.data["cases"]:
+            body = ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in rec.items()
+                if k not in ("name", "traceback")
+            )
+            lines.append(f"- **{rec['name']}**: {body}")
+        return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# 1. correctness against the CPU
+
+
+OPTIMIZER_NAMES = ("sgd", "adagrad", "adagrad_momentum", "adam", "ftrl", "rowwise_adagrad")
+
+
+def optimizers():
+    import embedmesh as em
+
+    return {
+        "sgd": em.SGD(learning_rate=0.1),
+        "adagrad": em.Adagrad(learning_rate=0.1),
+        "adagrad_momentum": em.AdagradMomentum(
+            learning_rate=0.1, momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.99
+        ),
+        "adam": em.Adam(learning_rate=0.05),
+        "ftrl": em.FTRL(learning_rate=0.1, l1_regularization_strength=0.01, beta=0.1),
+        "rowwise_adagrad": em.RowWiseAdagrad(learning_rate=0.1),
+    }
+
+
+def correctness(opt_name, smoke):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.inputs import RaggedTensor
+
+    opt = optimizers()[opt_name]
+    # dims 16 and 64 take the XLA ops, 256 the Pallas pair loops
+    dims = {"a": (1000, 16, "mean"), "b": (2000, 64, "sum"), "c": (500, 256, "sqrtn")}
+    rng = np.random.default_rng(7)
+    values = {n: rng.normal(size=(v, d)).astype(np.float32) for n, (v, d, _) in dims.items()}
+    fc = {
+        f"f{n}": em.FeatureConfig(em.TableConfig(v, d, combiner=c, name=n))
+        for n, (v, d, c) in dims.items()
+    }
+    b = 16 if smoke else 64
+    batches = []
+    for _ in range(3):
+        feats = {}
+        for n, (v, _, _) in dims.items():
+            lengths = rng.poisson(4, b)
+            ids = rng.zipf(1.3, int(lengths.sum())) % v
+            feats[f"f{n}"] = RaggedTensor.from_row_lengths(ids.astype(np.int32), lengths)
+        batches.append(feats)
+
+    def run(devices):
+        emb = em.MeshEmbedding(fc, optimizer=opt, mesh=Mesh(np.array(devices), ("d",)))
+        emb.build()
+        emb.state = emb.core.state_from_tables(values)
+        for feats in batches:
+            acts, pres = emb(feats)
+            grads = {k: jnp.sin(a) for k, a in acts.items()}
+            emb.apply_gradients(grads, pres)
+        tables = {t.name: np.asarray(a) for t, a in emb.embedding_tables.items()}
+        slots = {
+            (t.name, s): np.asarray(a)
+            for t, d in emb.variables.items()
+            for s, a in d.items()
+            if s != "parameters"
+        }
+        return tables, slots
+
+    chip = [d for d in jax.devices() if d.platform != "cpu"][:1] or jax.devices("cpu")[:1]
+    t_chip, s_chip = run(chip)
+    t_cpu, s_cpu = run(jax.devices("cpu")[:1])
+    diff = max(float(np.abs(t_chip[k] - t_cpu[k]).max()) for k in t_cpu)
+    sdiff = max([float(np.abs(s_chip[k] - s_cpu[k]).max()) for k in s_cpu] or [0.0])
+    scale = max(float(np.abs(a).max()) for a in t_cpu.values())
+    return {"table_max_abs_diff": diff, "slot_max_abs_diff": sdiff, "table_max_abs": scale}
+
+
+# ---------------------------------------------------------------------------
+# 2. the step
+
+
+def rows_for(dim, slots=1):
+    lanes = -(-dim // 128) * 128
+    per_row = lanes * 4 * (1 + slots) * T
+    return min(1_000_000, BYTES_LIMIT // per_row // 1000 * 1000)
+
+
+def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.device.ops import tpu as tpu_ops
+    from embedmesh.inputs import RaggedTensor
+
+    tpu_ops.ENABLED = kernels
+    try:
+
+        def const_init(key, shape, dtype):
+            return jnp.full(shape, 0.01, dtype)
+
+        opt = optimizers()[opt_name] if opt_name != "adagrad" else em.Adagrad(LR)
+        fc = {
+            f"f{t}": em.FeatureConfig(
+                em.TableConfig(v, dim, initializer=const_init, combiner="sum", name=f"t{t}")
+            )
+            for t in range(T)
+        }
+        feats = [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
+        from embedmesh.layout.stacking import dim_multiple_for, plan_stacking
+
+        device = jax.devices()[0]
+        plan = plan_stacking(fc, 1, dim_multiple=dim_multiple_for(device.platform))
+        caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
+        emb = em.MeshEmbedding(
+            fc, optimizer=opt, mesh=Mesh(np.array([device]), ("d",)), capacities=caps
+        )
+        emb.build()
+        bsz = feats[0]["f0"].row_splits.shape[0] - 1
+        lossgrad = jax.jit(
+            jax.grad(lambda acts: sum(0.5 * (a * a).sum() for a in acts.values()) / bsz)
+        )
+        csrs = [emb.enqueue(f) for f in feats]
+        t0 = time.perf_counter()
+
+        def step(c):
+            acts, pres = emb.dequeue(c)
+            emb.apply_gradients(lossgrad(acts), pres)
+
+        for i in range(3):
+            step(csrs[i % len(csrs)])
+        jax.block_until_ready(emb.state)
+        compile_s = time.perf_counter() - t0
+        it = iter(range(10**9))
+        enq = timed(lambda: jax.block_until_ready(emb.enqueue(feats[next(it) % 4])), 5)
+        it = iter(range(10**9))
+
+        def one():
+            step(csrs[next(it) % len(csrs)])
+            jax.block_until_ready(emb.state)
+
+        dev = timed(one, steps)
+        ids = sum(int(b[t][1].sum()) for b in batches[:1] for t in range(T))
+        unique = sum(int(np.unique(b[t][0]).size) for b in batches[:1] for t in range(T))
+        return {
+            "dim": dim,
+            "rows": v,
+            "optimizer": opt_name,
+            "kernels": kernels,
+            "step_ms": dev * 1e3,
+            "ids_per_s_M": ids / dev / 1e6,
+            "enqueue_ms": enq * 1e3,
+            "first_steps_s": compile_s,
+            "ids": ids,
+            "unique": unique,
+        }
+    finally:
+        tpu_ops.ENABLED = True
+
+
+def plain_step(dim, v, batches, sparse, steps=10):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    b = int(batches[0][0][1].size)
+    cap = max(int(l.sum()) for bb in batches for _, l in bb)
+    cap = -(-cap // 1024) * 1024
+
+    def prep(bb):
+        ids = np.zeros((T, cap), np.int32)
+        seg = np.full((T, cap), b, np.int32)
+        for t, (vals, lengths) in enumerate(bb):
+            ids[t, : vals.size] = vals
+            seg[t, : vals.size] = np.repeat(np.arange(b, dtype=np.int32), lengths)
+        return jax.device_put(ids), jax.device_put(seg)
+
+    inputs = [prep(bb) for bb in batches]
+
+    def loss_of(acts):
+        return sum(0.5 * (a * a).sum() for a in acts) / b
+
+    if not sparse:
+        tables = [jnp.full((v, dim), 0.01, jnp.float32) for _ in range(T)]
+        opt = optax.adagrad(LR, initial_accumulator_value=0.1)
+        state = [tables, opt.init(tables)]
+
+        def loss(tables, ids, seg):
+            return loss_of(
+                [
+                    jax.ops.segment_sum(jnp.take(tables[t], ids[t], axis=0), seg[t], b)
+                    for t in range(T)
+                ]
+            )
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(tables, opt_state, ids, seg):
+            g = jax.grad(loss)(tables, ids, seg)
+            updates, opt_state = opt.update(g, opt_state, tables)
+            return optax.apply_updates(tables, updates), opt_state
+
+    else:
+        tables = [jnp.full((v, dim), 0.01, jnp.float32) for _ in range(T)]
+        accs = [jnp.full((v, dim), 0.1, jnp.float32) for _ in range(T)]
+        state = [tables, accs]
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(tables, accs, ids, seg):
+            uniq, inv, rows = [], [], []
+            for t in range(T):
+                u, i = jnp.unique(ids[t], size=cap, fill_value=v, return_inverse=True)
+                uniq.append(u)
+                inv.append(i.reshape(-1))
+                rows.append(jnp.take(tables[t], u, axis=0, mode="fill", fill_value=0))
+
+            def loss(rows):
+                return loss_of(
+                    [
+                        jax.ops.segment_sum(jnp.take(rows[t], inv[t], axis=0), seg[t], b)
+                        for t in range(T)
+                    ]
+                )
+
+            g = jax.grad(loss)(rows)
+            new_t, new_a = [], []
+            for t in range(T):
+                a = jnp.take(accs[t], uniq[t], axis=0, mode="fill", fill_value=1) + g[t] ** 2
+                w = rows[t] - LR * g[t] * jax.lax.rsqrt(a)
+                new_t.append(tables[t].at[uniq[t]].set(w, mode="drop", unique_indices=True))
+                new_a.append(accs[t].at[uniq[t]].set(a, mode="drop", unique_indices=True))
+            return new_t, new_a
+
+    def one_step(x):
+        state[0], state[1] = step(state[0], state[1], *x)
+        jax.block_until_ready(state[0])
+
+    t0 = time.perf_counter()
+    for i in range(3):
+        one_step(inputs[i % len(inputs)])
+    compile_s = time.perf_counter() - t0
+    it = iter(range(10**9))
+    dev = timed(lambda: one_step(inputs[next(it) % len(inputs)]), steps)
+    ids = sum(int(bb[t][1].sum()) for bb in batches[:1] for t in range(T))
+    state.clear()
+    return {
+        "dim": dim,
+        "rows": v,
+        "step_ms": dev * 1e3,
+        "ids_per_s_M": ids / dev / 1e6,
+        "first_steps_s": compile_s,
+    }
+
+
+# ---------------------------------------------------------------------------
+# 3. the row-move bound
+
+
+def row_bound(width, v, batches, limit=None):
+    import jax
+    import jax.numpy as jnp
+
+    from embedmesh.device.ops.tpu import pallas as tpk
+
+    tpk.INTERPRET = jax.default_backend() != "tpu"  # the smoke run on CPU
+    ids = np.unique(np.concatenate([bb[0] + t * v for t, bb in enumerate(batches[0])]))
+    ids = jnp.asarray(ids[:limit].astype(np.int32))
+    table = jnp.full((T * v, width), 0.5, jnp.float32)
+    gather = jax.jit(tpk.gather_rows_dma)
+    scatter = jax.jit(tpk.scatter_rows_dma, donate_argnums=0)
+    xla_gather = jax.jit(lambda t, i: jnp.take(t, i, axis=0))
+    rows = gather(table, ids)
+    jax.block_until_ready(rows)
+    tg = timed(lambda: jax.block_until_ready(gather(table, ids)), 10)
+    txg = timed(lambda: jax.block_until_ready(xla_gather(table, ids)), 10)
+    box = [scatter(table, ids, rows)]
+    jax.block_until_ready(box[0])
+
+    def sc():
+        box[0] = scatter(box[0], ids, rows)
+        jax.block_until_ready(box[0])
+
+    ts = timed(sc, 10)
+    n = int(ids.shape[0])
+    box.clear()
+    return {
+        "width": width,
+        "rows": n,
+        "dma_gather_Mrows_s": n / tg / 1e6,
+        "dma_scatter_Mrows_s": n / ts / 1e6,
+        "xla_gather_Mrows_s": n / txg / 1e6,
+    }
+
+
+# ---------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", ".cache/tpu"))
+    ap.add_argument("--budget", type=float, default=470.0)
+    ap.add_argument("--dims", default="16,32,64,128,256")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (the plumbing)")
+    ap.add_argument("--allow-cpu", action="store_true", help="run without a TPU (CI)")
+    ap.add_argument("--sections", default="correctness,step,bound,optimizers")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZER_NAMES))
+    args = ap.parse_args()
+    os.environ.setdefault("EMBEDMESH_CPU_KERNELS", "0")  # the CPU side: the references
+    import jax
+
+    if jax.default_backend() != "tpu" and not args.allow_cpu:
+        print(f"no TPU: the default backend is {jax.default_backend()}", file=sys.stderr)
+        raise SystemExit(3)
+    rep = Report(args.out, args.budget)
+    rep.data["device"] = str(jax.devices()[0].device_kind)
+    rep.data["jax"] = jax.__version__
+    sections = set(args.sections.split(","))
+    global B
+    if args.smoke:
+        B = 64
+    dims = [int(d) for d in args.dims.split(",")]
+    steps = 2 if args.smoke else args.steps
+
+    if "correctness" in sections:
+        for name in optimizers():
+            rep.case(f"correct/{name}", lambda name=name: correctness(name, args.smoke))
+    if "step" in sections:
+        for dim in dims:
+            v = 2000 if args.smoke else rows_for(dim)
+            batches = make_batches(v, B)
+            rep.case(f"step/embedmesh/d{dim}", lambda: embedmesh_step(dim, v, batches, steps=steps))
+            if dim == 64:
+                rep.case(
+                    f"step/embedmesh-xla/d{dim}",
+                    lambda: embedmesh_step(dim, v, batches, kernels=False, steps=steps),
+                )
+            rep.case(f"step/jax-dense/d{dim}", lambda: plain_step(dim, v, batches, False, steps))
+            rep.case(f"step/jax-sparse/d{dim}", lambda: plain_step(dim, v, batches, True, steps))
+    if "bound" in sections:
+        v = 2000 if args.smoke else 1_000_000
+        batches = make_batches(v, B, n=1)
+        for width in (128,) if args.smoke else (128, 256, 512):
+            vw = min(v, (3 << 30) // (width * 4 * T))
+            limit = 24 if args.smoke else None  # interpret mode: a few rows
+            rep.case(f"bound/w{width}", lambda: row_bound(width, vw, batches, limit))
+    if "optimizers" in sections:
+        v = 2000 if args.smoke else rows_for(64, slots=2)
+        batches = make_batches(v, B)
+        for name in args.optimizers.split(","):
+            rep.case(
+                f"optimizer/{name}/d64", lambda: embedmesh_step(64, v, batches, name, steps=steps)
+            )
+    print(f"wrote {args.out}/tpu.json, tpu.md", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""TPU probe: the row moves and pair loops a lookup and update are built from, timed on
+the chip in one process (results to $OUT/probe.json after every case).
+
+    python benchmarks/tpu_probe.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+T, B, VALENCY, ZIPF_A, V = 8, 4096, 10, 1.05, 1_000_000
+
+
+def workload(seed=0):
+    """The train_step workload as one stack's CSR: unique ids ascending, pairs by
+    (unique, row) with summed gains (sum combiner)."""
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(np.arange(1, V + 1, dtype=np.float64) ** -ZIPF_A)
+    cdf /= cdf[-1]
+    rows, ids = [], []
+    for t in range(T):
+        perm = rng.permutation(V).astype(np.int64)
+        lengths = rng.poisson(VALENCY, B)
+        r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), V - 1)
+        ids.append(perm[r] + t * V)
+        rows.append(np.repeat(np.arange(B) + t * B, lengths))
+    ids = np.concatenate(ids)
+    rows = np.concatenate(rows)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    pair_key = inv.astype(np.int64) * (T * B) + rows
+    pk, counts = np.unique(pair_key, return_counts=True)
+    pu = (pk // (T * B)).astype(np.int32)
+    pr = (pk % (T * B)).astype(np.int32)
+    return uniq.astype(np.int32), pu, pr, counts.astype(np.float32), int(ids.size)
+
+
+TIMED_RUNS = 10
+
+
+def timeit(fn, *args, n=None):
+    n = TIMED_RUNS if n is None else n
+    import jax
+
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--interpret", action="store_true")  # CPU check of the script
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import jax
+    import jax.numpy as jnp
+
+    from embedmesh.device.ops.tpu import pallas as tpk
+
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "cases": []}
+    path = os.path.join(args.out, "probe.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    def case(name, fn):
+        t0 = time.perf_counter()
+        try:
+            rec = fn()
+            rec["name"] = name
+        except Exception as e:  # noqa: BLE001
+            rec = {
+                "name": name,
+                "error": f"{type(e).__name__}: {e}"[:3000],
+                "tb": traceback.format_exc()[-3000:],
+            }
+        rec["wall_s"] = round(time.perf_counter() - t0, 2)
+        print(json.dumps(rec)[:600], flush=True)
+        results["cases"].append(rec)
+        save()
+
+    if args.quick or args.interpret:
+        global V, B
+        V = 20000
+        if args.interpret:
+            B = 16
+            tpk.INTERPRET = True
+            global TIMED_RUNS
+            TIMED_RUNS = 1
+    uniq, pu, pr, gains, nids = workload()
+    U, P, R = uniq.size, pu.size, T * B
+    results.update(U=int(U), P=int(P), R=R, ids=nids)
+    print("U", U, "P", P, "ids", nids, flush=True)
+    d_uniq = jnp.asarray(uniq)
+    d_pu, d_pr, d_g = jnp.asarray(pu), jnp.asarray(pr), jnp.asarray(gains)
+    S = T * V
+
+    # 1. XLA gather / scatter of U distinct rows, by row width
+    for w in (128, 512):
+
+        def gs(w=w):
+            rows_w = min(S, (4 << 30) // (w * 4))  # tables of at most 4 GB
+            ids = jnp.asarray(np.unique(uniq % rows_w))
+            table = jnp.ones((rows_w, w), jnp.float32)
+            g = jax.jit(lambda t, i: jnp.take(t, i, axis=0))
+            tg, rows = timeit(g, table, ids)
+            sc = jax.jit(
+                lambda t, i, r: t.at[i].set(r, unique_indices=True, mode="drop"),
+                donate_argnums=0,
+            )
+            out = sc(table, ids, rows)
+            jax.block_until_ready(out)
+            ts = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                out = sc(out, ids, rows)
+                jax.block_until_ready(out)
+                ts.append(time.perf_counter() - t0)
+            tsc = statistics.median(ts)
+            del out
+            n = ids.shape[0]
+            return {
+                "width": w,
+                "rows": n,
+                "table_rows": rows_w,
+                "gather_ms": tg * 1e3,
+                "gather_Mrows_s": n / tg / 1e6,
+                "scatter_ms": tsc * 1e3,
+                "scatter_Mrows_s": n / tsc / 1e6,
+            }
+
+        case(f"xla_gather_scatter_w{w}", gs)
+
+    # 2. the pair loops, both forms, dims 64 and 256
+    rng = np.random.default_rng(1)
+    for dim in (64, 256):
+        src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
+        act = jnp.asarray(rng.normal(size=(R, dim)).astype(np.float32))
+        want_c = jax.jit(
+            lambda s: jax.ops.segment_sum(
+                jnp.take(s, d_pu, axis=0) * d_g[:, None], d_pr, num_segments=R
+            )
+        )(src)
+        want_r = jax.jit(
+            lambda a: jax.ops.segment_sum(
+                jnp.take(a, d_pr, axis=0) * d_g[:, None], d_pu, num_segments=U
+            )
+        )(act)
+        xla_c = jax.jit(
+            lambda s: jax.ops.segment_sum(
+                jnp.take(s, d_pu, axis=0) * d_g[:, None], d_pr, num_segments=R
+            )
+        )
+        case(f"xla_segment_combine_d{dim}", lambda: {"ms": timeit(xla_c, src)[0] * 1e3})
+        for form, loop in (
+            ("row", "when"),
+            ("row", "select"),
+            ("row", "unroll"),
+            ("tile", "unroll"),
+        ):
+            for tp in (1024,):
+
+                def run(form=form, tp=tp, dim=dim, src=src, act=act, loop=loop):
+                    tpk.FORM = form
+                    tpk.LOOP = loop
+                    c = jax.jit(
+                        lambda s: tpk.combine_sorted(s, d_pu, d_pr, d_g, num_dst=R, tp=tp)[0][
+                            :, :dim
+                        ]
+                    )
+                    r = jax.jit(
+                        lambda a: tpk.reduce_sorted(a, d_pu, d_pr, d_g, num_out=U, tp=tp)[0][
+                            :, :dim
+                        ]
+                    )
+                    tc, oc = timeit(c, src)
+                    tr, orr = timeit(r, act)
+                    return {
+                        "form": form,
+                        "loop": loop,
+                        "tp": tp,
+                        "dim": dim,
+                        "combine_ms": tc * 1e3,
+                        "combine_Mpairs_s": P / tc / 1e6,
+                        "combine_err": float(jnp.abs(oc - want_c).max()),
+                        "reduce_ms": tr * 1e3,
+                        "reduce_Mpairs_s": P / tr / 1e6,
+                        "reduce_err": float(jnp.abs(orr - want_r).max()),
+                    }
+
+                case(f"pallas_{form}_{loop}_d{dim}", run)
+
+    # 3. an XLA Adagrad update over fused [w | acc] rows (dim 64 -> 128 lanes)
+    def fused_update():
+        table = jnp.ones((S, 128), jnp.float32)
+        gsum = jnp.asarray(rng.normal(size=(U, 64)).astype(np.float32))
+
+        def upd(t, i, g):
+            rows = jnp.take(t, i, axis=0)
+            w, a = rows[:, :64], rows[:, 64:]
+            a = a + g * g
+            w = w - 0.01 * g * jax.lax.rsqrt(a)
+            return t.at[i].set(jnp.concatenate([w, a], 1), unique_indices=True, mode="drop")
+
+        f = jax.jit(upd, donate_argnums=0)
+        out = f(table, d_uniq, gsum)
+        ts = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            out = f(out, d_uniq, gsum)
+            jax.block_until_ready(out)
+            ts.append(time.perf_counter() - t0)
+        return {"ms": statistics.median(ts) * 1e3}
+
+    case("xla_fused_adagrad_update_d64", fused_update)
+
+    # 4. a DMA a row: gather and in-place scatter, by width and block
+    for w in (128, 512):
+        for tg in (256, 1024):
+
+            def dma(w=w, tg=tg):
+                rows_w = min(S, (4 << 30) // (w * 4))
+                ids = jnp.asarray(np.unique(uniq % rows_w))
+                table = jnp.asarray(
+                    np.arange(rows_w, dtype=np.float32)[:, None] * np.ones((1, w), np.float32)
+                )
+                g = jax.jit(lambda t, i: tpk.gather_rows_dma(t, i, tg=tg))
+                tg_s, rows = timeit(g, table, ids)
+                err = float(jnp.abs(rows[:, 0] - ids.astype(jnp.float32)).max())
+                out = tpk.scatter_rows_dma(table, ids, rows + 1, tg=tg)
+                jax.block_until_ready(out)
+                ts = []
+                for _ in range(TIMED_RUNS):
+                    t0 = time.perf_counter()
+                    out = tpk.scatter_rows_dma(out, ids, rows, tg=tg)
+                    jax.block_until_ready(out)
+                    ts.append(time.perf_counter() - t0)
+                chk = jnp.take(out, ids, axis=0)
+                err2 = float(jnp.abs(chk - rows).max())
+                n = ids.shape[0]
+                return {
+                    "width": w,
+                    "tg": tg,
+                    "rows": n,
+                    "gather_ms": tg_s * 1e3,
+                    "gather_Mrows_s": n / tg_s / 1e6,
+                    "gather_err": err,
+                    "scatter_ms": statistics.median(ts) * 1e3,
+                    "scatter_Mrows_s": n / statistics.median(ts) / 1e6,
+                    "scatter_err": err2,
+                }
+
+            case(f"dma_rows_w{w}_tg{tg}", dma)
+
+    # 5. sorting the pairs on the device (by output row)
+    def sorts():
+        key = d_pr * jnp.int32(1)
+        f = jax.jit(lambda k: jnp.argsort(k, stable=True))
+        t1, _ = timeit(f, key)
+        f2 = jax.jit(
+            lambda k: jax.lax.sort((k, jnp.arange(k.shape[0], dtype=jnp.int32)), num_keys=1)
+        )
+        t2, _ = timeit(f2, key)
+        return {"argsort_ms": t1 * 1e3, "sort_pair_ms": t2 * 1e3}
+
+    case("device_sort_pairs", sorts)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

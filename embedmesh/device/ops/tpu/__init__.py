@@ -1,0 +1,81 @@
+"""TPU kernels of the device ops, registered through the same registry as the CPU and GPU
+ones (`embedmesh.device.ops`).
+
+What a v5e chip showed (`benchmarks/tpu_probe.py`, `pallas`'s docstring): rows move
+between HBM and the core at a cost a row, and narrow rows cost as much as 128-lane ones
+or far more (XLA's gather reads 64-float rows at 10 M rows/s, 128-float rows at 66 M;
+its scatter writes them at 5.6 M and 12.7 M rows/s). Hence, on a TPU mesh:
+
+- every stack's rows are whole 128-lane vregs: `layout.stacking.dim_multiple_for`
+  pads dims to a multiple of 128 there (a row-wise optimizer's stack keeps its own
+  dim, whose mean it takes);
+- `scatter_rows`: a DMA a row from VMEM into the table in place
+  (`pallas.scatter_rows_dma`, 24 M rows/s at 128 lanes) for float32 tables of
+  whole vregs, else XLA's scatter told the ids are distinct;
+- `segment_gather_sum(_mapped)`: the Pallas pair loops (`pallas.combine`,
+  `pallas.reduce`) where the rows are 256 lanes or more (measured faster than XLA's
+  take + segment_sum there: 8.9 against 11.6 ms; at 64 lanes XLA's is: 6.4 against
+  7.9), else the reference;
+- gathers stay XLA's (66 M rows/s, against 21 M for a DMA a row); `sparse_update` and
+  `backward_update` are their references' compositions of these.
+
+`ENABLED = False` turns them all off (every op its reference: the A/B switch of
+`benchmarks/tpu.py`). `KERNELS` maps op names to `(kernel, supports)` like the CPU
+and GPU tables.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from embedmesh.device.ops.tpu import pallas
+
+__all__ = ["ENABLED", "KERNELS", "PAIR_LOOP_MIN_LANES", "ready"]
+
+ENABLED = True
+PAIR_LOOP_MIN_LANES = 256  # the pair loops beat XLA's segment sum from this width
+
+
+def ready() -> bool:
+    """Whether the TPU kernels are used (`ENABLED`)."""
+    return ENABLED
+
+
+def _whole_vregs(table) -> bool:
+    return (
+        table.ndim == 2
+        and table.shape[1] % pallas.LANES == 0
+        and jnp.dtype(table.dtype).itemsize == 4
+        and table.shape[0] < 2**31
+    )
+
+
+def scatter_rows(table, ids, rows):
+    """`table.at[ids].set(rows, mode="drop")`, ids distinct: a DMA a row where the rows
+    are whole float32 vregs, else XLA's scatter told the ids are distinct."""
+    if _whole_vregs(table):
+        return pallas.scatter_rows_dma(table, ids, rows)
+    return table.at[ids].set(rows.astype(table.dtype), mode="drop", unique_indices=True)
+
+
+def _wide(src) -> bool:
+    return src.ndim == 2 and pallas.lane_width(src.shape[1]) >= PAIR_LOOP_MIN_LANES
+
+
+def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
+    """The backward's per-unique sums (pairs sorted by `dst_idx`): `pallas.reduce`."""
+    return pallas.reduce(src, dst_idx, src_idx, gains, num_segments)
+
+
+def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
+    """A lookup from the table: the distinct rows gathered (XLA), then `pallas.combine`
+    over the pairs sorted by their position among them."""
+    rows = jnp.take(src, src_map, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    return pallas.combine(rows, src_idx, dst_idx, gains, num_segments)
+
+
+KERNELS = {
+    "scatter_rows": (scatter_rows, None),
+    "segment_gather_sum": (segment_gather_sum, lambda src, *a, **k: _wide(src)),
+    "segment_gather_sum_mapped": (segment_gather_sum_mapped, lambda src, *a, **k: _wide(src)),
+}

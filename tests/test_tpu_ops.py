@@ -1,0 +1,452 @@
+"""The Pallas TPU kernels (`embedmesh.device.ops.tpu.pallas`), each against a float64
+reference written out as plain loops: the pair loops `combine` / `reduce` (sorted pairs
+through the kernels, any other order through XLA's segment sum, the resident side split
+into row ranges), their `schedule` and `is_sorted`, and the row moves `gather_rows_dma`
+/ `scatter_rows_dma`.
+
+Off a TPU the kernels run in Pallas's TPU interpreter (`pallas.INTERPRET = True`, slow:
+the shapes are small, the blocks too, so that they still make many blocks). On a TPU
+the same tests run compiled: `JAX_PLATFORMS=tpu pytest -p no:xdist tests/test_tpu_ops.py`
+on the chip (conftest.py otherwise picks the CPU).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from embedmesh.device.ops.tpu import pallas
+
+# No shrinking: each example runs the interpreter for seconds (a failure shows as drawn).
+_random_inputs = settings(
+    max_examples=5, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate]
+)
+BIG = 2**31 - 1
+DIMS = [1, 3, 64, 100, 128, 129, 256]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret_off_tpu():
+    """The kernels run in the interpreter unless the backend is a TPU (then compiled)."""
+    old = pallas.INTERPRET
+    if jax.default_backend() != "tpu":
+        pallas.INTERPRET = True
+    yield
+    pallas.INTERPRET = old
+    _clear_kernel_caches()  # no interpreted trace outlives the module
+
+
+def _clear_kernel_caches():
+    """Drop the kernels' jit traces (they read INTERPRET and RESIDENT_BYTES when traced)."""
+    for f in (
+        pallas.combine_sorted,
+        pallas.reduce_sorted,
+        pallas.gather_rows_dma,
+        pallas.scatter_rows_dma,
+    ):
+        if hasattr(f, "clear_cache"):  # the jitted ones
+            f.clear_cache()
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def signed(r, shape, lo=0.1, hi=2.0):
+    """Random values of magnitude in [lo, hi], either sign: never zero."""
+    return (r.uniform(lo, hi, shape) * r.choice([-1.0, 1.0], shape)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# Pairs as the host makes them, and the float64 references
+
+
+def skewed_keys(r, num_keys, n):
+    """[n] keys in [0, num_keys), Zipf-like (a few keys take most pairs), drawn from
+    three quarters of the keys: the others get no pair."""
+    used = r.choice(num_keys, max(1, 3 * num_keys // 4), replace=False)
+    ranks = (r.zipf(1.3, n) - 1) % used.size
+    return used[ranks]
+
+
+def bad_pairs(r, num_keys, num_dst, n):
+    """[n] invalid pairs with non-zero gains: dst out of range (past the end, 2**31-1,
+    -2**31) or key out of range (the same). Ids in [-rows, 0): test_pair_ops_skip_negative_ids."""
+    key = np.empty(n, np.int64)
+    dst = np.empty(n, np.int64)
+    for i in range(n):
+        k, d = int(r.integers(0, num_keys)), int(r.integers(0, num_dst))
+        kind = i % 7
+        if kind < 4:
+            d = [num_dst, num_dst + 3, BIG, -(2**31)][kind]
+        else:
+            k = [num_keys, BIG, -(2**31)][kind - 4]
+        key[i], dst[i] = k, d
+    return key, dst, signed(r, n)
+
+
+def make_pairs(r, num_keys, num_dst, n_valid, *, n_bad=0, n_pad=0, layout="sorted", keys=None):
+    """Pairs in the host's order (by key, then dst), `n_bad` invalid ones and `n_pad`
+    padding pairs (key 0, dst num_dst, gain 0) laid out as `layout`:
+    "sorted": the invalid and padding pairs after the valid ones (the kernels' path);
+    "invalid_inside": the invalid pairs among the valid ones, the padding last;
+    "unsorted": all of them shuffled."""
+    if keys is None:
+        keys = skewed_keys(r, num_keys, n_valid)
+    keys = np.asarray(keys, np.int64)
+    dst = r.integers(0, num_dst, keys.size)
+    order = np.lexsort((dst, keys))
+    key, dst, gains = keys[order], dst[order], signed(r, keys.size)
+    bk, bd, bg = bad_pairs(r, num_keys, num_dst, n_bad)
+    pk, pd, pg = np.zeros(n_pad, np.int64), np.full(n_pad, num_dst), np.zeros(n_pad, np.float32)
+    if layout == "invalid_inside" and key.size and n_bad:
+        at = r.integers(0, key.size, n_bad)  # each before some valid pair
+        key, dst, gains = (np.insert(a, at, b) for a, b in ((key, bk), (dst, bd), (gains, bg)))
+        bk, bd, bg = bk[:0], bd[:0], bg[:0]
+    key, dst, gains = (np.concatenate(x) for x in ((key, bk, pk), (dst, bd, pd), (gains, bg, pg)))
+    if layout == "unsorted":
+        perm = r.permutation(key.size)
+        key, dst, gains = key[perm], dst[perm], gains[perm]
+    return key.astype(np.int32), dst.astype(np.int32), gains.astype(np.float32)
+
+
+def combine_reference(src, key, dst, gains, num_dst):
+    """out[dst[p]] += gains[p] * src[key[p]] over the valid pairs, in float64; and the
+    sum of the terms' magnitudes (for the tolerance)."""
+    out = np.zeros((num_dst, src.shape[1]))
+    mag = np.zeros_like(out)
+    for p in range(key.size):
+        k, d = int(key[p]), int(dst[p])
+        if 0 <= k < src.shape[0] and 0 <= d < num_dst:
+            term = float(gains[p]) * src[k].astype(np.float64)
+            out[d] += term
+            mag[d] += np.abs(term)
+    return out, mag
+
+
+def reduce_reference(src, key, dst, gains, num_out):
+    """out[key[p]] += gains[p] * src[dst[p]] over the valid pairs, in float64; and the
+    sum of the terms' magnitudes."""
+    out = np.zeros((num_out, src.shape[1]))
+    mag = np.zeros_like(out)
+    for p in range(key.size):
+        k, d = int(key[p]), int(dst[p])
+        if 0 <= k < num_out and 0 <= d < src.shape[0]:
+            term = float(gains[p]) * src[d].astype(np.float64)
+            out[k] += term
+            mag[k] += np.abs(term)
+    return out, mag
+
+
+def sorted_reference(key, dst, num_keys, num_dst):
+    """Whether the valid pairs come in ascending key order, every invalid pair after them."""
+    seen_invalid, last = False, -1
+    for k, d in zip(key.tolist(), dst.tolist()):
+        if not (0 <= k < num_keys and 0 <= d < num_dst):
+            seen_invalid = True
+        elif seen_invalid or k < last:
+            return False
+        else:
+            last = k
+    return True
+
+
+def assert_sums_close(got, want, mag):
+    got = np.asarray(got)
+    assert got.shape == want.shape
+    atol = 1e-5 * max(1.0, float(mag.max(initial=0)))  # scaled to the largest sums
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
+
+
+def sides(op, r, num_keys, num_dst, dim):
+    """The rows `op` reads: combine's are the keys' (streamed), reduce's the dsts'
+    (resident); and its reference and output rows."""
+    if op == "combine":
+        return signed(r, (num_keys, dim)), combine_reference, num_dst
+    return signed(r, (num_dst, dim)), reduce_reference, num_keys
+
+
+# ---------------------------------------------------------------------------
+# combine / reduce, the host's pairs
+
+
+@_random_inputs
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dim=st.sampled_from(DIMS),
+    num_keys=st.sampled_from([1, 7, 50]),
+    num_dst=st.sampled_from([1, 9, 40]),
+    n_valid=st.sampled_from([0, 1, 37, 200]),
+    n_bad=st.sampled_from([0, 7]),  # 7: every kind of invalid pair
+    n_pad=st.sampled_from([0, 13]),
+    layout=st.sampled_from(["sorted", "invalid_inside"]),
+)
+@pytest.mark.parametrize("op", ["combine", "reduce"])
+def test_pair_ops_match_reference(op, seed, dim, num_keys, num_dst, n_valid, n_bad, n_pad, layout):
+    r = rng(seed)
+    key, dst, gains = make_pairs(
+        r, num_keys, num_dst, n_valid, n_bad=n_bad, n_pad=n_pad, layout=layout
+    )
+    src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
+    # sorted: the kernels' path; invalid pairs among valid ones: XLA's
+    kernel_path = layout == "sorted" or not (n_valid and n_bad)
+    assert bool(pallas.is_sorted(key, dst, num_keys, num_dst)) == kernel_path
+    got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
+    want, mag = reference(src, key, dst, gains, num_out)
+    assert_sums_close(got, want, mag)
+    if op == "reduce":  # keys without a pair: zero rows
+        absent = np.setdiff1d(np.arange(num_out), key)
+        assert (np.asarray(got)[absent] == 0).all()
+
+
+@pytest.mark.parametrize("dim", [3, 128])
+@pytest.mark.parametrize("op", ["combine", "reduce"])
+def test_pair_ops_take_any_order(op, dim):
+    """Pairs out of key order (padding and invalid pairs among them): XLA's segment sum."""
+    r = rng(10 + dim)
+    num_keys, num_dst = 30, 20
+    key, dst, gains = make_pairs(r, num_keys, num_dst, 150, n_bad=7, n_pad=6, layout="unsorted")
+    assert not bool(pallas.is_sorted(key, dst, num_keys, num_dst))
+    src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
+    got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
+    assert_sums_close(got, *reference(src, key, dst, gains, num_out))
+
+
+@pytest.mark.parametrize("order", ["sorted", "negative_first"])
+@pytest.mark.parametrize("op", ["combine", "reduce"])
+def test_pair_ops_skip_negative_ids(op, order):
+    """A pair whose id on the read side (combine's key, reduce's dst) is -1 contributes
+    nothing: behind the valid pairs (the kernels) or before them (XLA's path)."""
+    src = jnp.asarray([[1.0], [2.0]])  # -1 read as the last row would add 2
+    ids = np.array([0, -1] if order == "sorted" else [-1, 0], np.int32)
+    zeros, gains = np.zeros(2, np.int32), np.ones(2, np.float32)
+    if op == "combine":
+        got = pallas.combine(src, ids, zeros, gains, 1)
+    else:
+        got = pallas.reduce(src, zeros, ids, gains, 1)
+    np.testing.assert_array_equal(np.asarray(got), [[1.0]])
+
+
+def test_pair_ops_without_pairs():
+    r = rng(3)
+    src = signed(r, (9, 64))
+    none_i, none_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    got = pallas.combine(jnp.asarray(src), none_i, none_i, none_f, 5)
+    np.testing.assert_array_equal(np.asarray(got), np.zeros((5, 64), np.float32))
+    got = pallas.reduce(jnp.asarray(src), none_i, none_i, none_f, 6)
+    np.testing.assert_array_equal(np.asarray(got), np.zeros((6, 64), np.float32))
+
+
+# ---------------------------------------------------------------------------
+# combine_sorted / reduce_sorted, small blocks: items across key and pair blocks
+
+TW, TP = 16, 32
+
+
+def small_block_case(name, r):
+    """(num_keys, num_dst, key, dst, gains) of the small-block cases (TW keys, TP pairs)."""
+    if name == "hot_key":  # key 5: 100 pairs, more than TP (a key block over 4+ pair blocks)
+        keys = np.concatenate([[5] * 100, skewed_keys(r, 40, 60)])
+        return (40, 30, *make_pairs(r, 40, 30, 0, n_pad=7, keys=keys))
+    if name == "spread":  # 40 keys over 6 key blocks: a pair block covers several
+        keys = np.repeat(r.choice(90, 40, replace=False), r.integers(1, 3, 40))
+        return (90, 20, *make_pairs(r, 90, 20, 0, n_bad=3, keys=keys))
+    if name == "empty_blocks":  # keys in [0, 10) and [50, 60) only: blocks 1, 2, 4 empty
+        keys = np.concatenate([r.integers(0, 10, 50), r.integers(50, 60, 30)])
+        return (80, 25, *make_pairs(r, 80, 25, 0, n_pad=5, keys=keys))
+    if name == "zipf":
+        return (70, 33, *make_pairs(r, 70, 33, 250, n_bad=6, n_pad=9))
+    if name == "padding_only":
+        return (20, 10, *make_pairs(r, 20, 10, 0, n_pad=40))
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize(
+    "op, case, dim",
+    [
+        ("combine", "hot_key", 1),
+        ("combine", "spread", 129),
+        ("combine", "empty_blocks", 256),
+        ("combine", "zipf", 100),
+        ("combine", "padding_only", 3),
+        ("reduce", "hot_key", 129),
+        ("reduce", "spread", 3),
+        ("reduce", "empty_blocks", 64),
+        ("reduce", "zipf", 256),
+        ("reduce", "padding_only", 128),
+    ],
+)
+def test_sorted_kernels_with_small_blocks(op, case, dim):
+    r = rng(len(case) * 1000 + dim)
+    num_keys, num_dst, key, dst, gains = small_block_case(case, r)
+    src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
+    if op == "combine":
+        out, ok = pallas.combine_sorted(src, key, dst, gains, num_dst=num_dst, tw=TW, tp=TP)
+    else:
+        out, ok = pallas.reduce_sorted(src, key, dst, gains, num_out=num_keys, tw=TW, tp=TP)
+    assert bool(ok)
+    out = np.asarray(out)
+    assert out.shape == (num_out, pallas.lane_width(dim))
+    assert_sums_close(out[:, :dim], *reference(src, key, dst, gains, num_out))
+    assert (out[:, dim:] == 0).all()  # the lanes past the dim
+
+
+# ---------------------------------------------------------------------------
+# The resident side split into row ranges
+
+
+@pytest.fixture
+def small_resident(monkeypatch):
+    """RESIDENT_BYTES of 40 rows of 128 lanes; counts the kernel calls (one a range)."""
+    monkeypatch.setattr(pallas, "RESIDENT_BYTES", 8 * 128 * 4 * 5)
+    calls = []
+    real = pallas._call
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pallas, "_call", counted)
+    _clear_kernel_caches()  # traced again with the small limit
+    yield calls
+    _clear_kernel_caches()
+
+
+@pytest.mark.parametrize(
+    "op, dim, resident, ranges",
+    [
+        ("combine", 64, 100, 3),  # 40 + 40 + 20 output rows
+        ("reduce", 129, 50, 4),  # 16 + 16 + 16 + 2 source rows (256 lanes a row)
+    ],
+)
+def test_resident_side_split_into_ranges(small_resident, op, dim, resident, ranges):
+    r = rng(dim)
+    streamed = 45
+    num_keys, num_dst = streamed, resident
+    key, dst, gains = make_pairs(r, num_keys, num_dst, 260, n_bad=4, n_pad=5)
+    assert len(pallas._chunks(resident, pallas.lane_width(dim))) == ranges
+    assert bool(pallas.is_sorted(key, dst, num_keys, num_dst))
+    src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
+    got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
+    assert len(small_resident) == ranges
+    assert_sums_close(got, *reference(src, key, dst, gains, num_out))
+
+
+# ---------------------------------------------------------------------------
+# is_sorted and schedule
+
+K, D = 8, 6  # keys, dsts of the is_sorted cases
+SORTED_CASES = [
+    ("sorted", [0, 0, 1, 3, 3, 3, 7], [1, 4, 0, 2, 2, 5, 3], True),
+    ("equal_keys_any_dst", [2, 2, 2, 4], [5, 1, 3, 0], True),
+    ("padding_tail", [0, 1, 1, 6, 0, 0], [3, 0, 2, 1, D, D], True),
+    ("invalid_tail", [1, 2, -1, K, 3, BIG], [0, 0, 1, 1, D + 1, -1], True),
+    ("unsorted", [0, 2, 1, 3], [0, 0, 0, 0], False),
+    ("descending_run", [5, 5, 4], [1, 2, 3], False),
+    ("invalid_inside", [0, 0, 1, 2], [1, D, 0, 0], False),
+    ("padding_first", [0, 0, 3], [D, 1, 1], False),
+    ("only_padding", [0, 0, 0], [D, D, D], True),
+    ("one_pair", [7], [5], True),
+    ("none", [], [], True),
+]
+
+
+@pytest.mark.parametrize("name, key, dst, want", SORTED_CASES, ids=[c[0] for c in SORTED_CASES])
+def test_is_sorted(name, key, dst, want):
+    key, dst = np.asarray(key, np.int32), np.asarray(dst, np.int32)
+    assert sorted_reference(key, dst, K, D) == want  # the case is what it says
+    assert bool(pallas.is_sorted(key, dst, K, D)) == want
+    gains = np.ones(key.size, np.float32)
+    for tw, tp in [(8, 8), (16, 4)]:
+        assert bool(pallas.schedule(key, dst, gains, K, D, tw, tp)[1]) == want
+
+
+@settings(max_examples=15, deadline=None, phases=_random_inputs.phases)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    num_keys=st.sampled_from([1, 5, 40, 100]),
+    n_valid=st.sampled_from([0, 1, 31, 32, 33, 150]),
+    n_tail=st.sampled_from([0, 4]),
+    tw=st.sampled_from([8, 16]),
+    tp=st.sampled_from([8, 32]),
+)
+def test_schedule_covers_each_valid_pair_once(seed, num_keys, n_valid, n_tail, tw, tp):
+    r = rng(seed)
+    num_dst = 12
+    key, dst, gains = make_pairs(r, num_keys, num_dst, n_valid, n_bad=n_tail, n_pad=n_tail)
+    sched, ok = pallas.schedule(
+        jnp.asarray(key), jnp.asarray(dst), jnp.asarray(gains), num_keys, num_dst, tw, tp
+    )
+    assert bool(ok)
+    block, pair_block, lo, hi, first = (np.asarray(a) for a in sched.scalars)
+    p = key.size
+    nkb, npb = max(1, -(-num_keys // tw)), max(1, -(-p // tp))
+    assert sched.num_blocks == nkb
+    assert block.shape == pair_block.shape == lo.shape == hi.shape == first.shape
+
+    valid = (key >= 0) & (key < num_keys) & (dst >= 0) & (dst < num_dst)
+    cover = np.zeros(p, int)
+    for i in range(block.size):
+        assert 0 <= block[i] < nkb and 0 <= pair_block[i] < npb
+        assert 0 <= lo[i] <= hi[i] <= tp
+        for q in range(lo[i], hi[i]):
+            pair = pair_block[i] * tp + q
+            assert pair < p and valid[pair], (i, pair)  # only real, valid pairs
+            assert key[pair] // tw == block[i], (i, pair)
+            cover[pair] += 1
+    np.testing.assert_array_equal(cover[valid], 1)
+    # each key block's items in one run (every block has one), `first` on the first
+    assert (np.diff(block) >= 0).all()
+    assert set(block.tolist()) == set(range(nkb))
+    for i in range(block.size):
+        assert first[i] == int(i == 0 or block[i] != block[i - 1]), i
+
+
+# ---------------------------------------------------------------------------
+# Row moves a DMA a row
+
+
+def random_row_ids(r, rows, n, *, distinct):
+    """[n] ids: rows of the table (distinct if asked) and ids outside it."""
+    outside = [-1, -7, rows, rows + 5, BIG, -(2**31)]
+    ids = r.choice(rows, n, replace=not distinct).astype(np.int64)
+    bad = r.random(n) < 0.3
+    ids[bad] = r.choice(outside, int(bad.sum()))
+    if n >= len(outside):  # each kind at least once
+        ids[: len(outside)] = outside
+        r.shuffle(ids)
+    return ids.astype(np.int32)
+
+
+@pytest.mark.parametrize("n", [5, 37])
+@pytest.mark.parametrize("width", [128, 256])
+def test_gather_rows_dma(width, n):
+    r = rng(width + n)
+    rows = 50
+    table = signed(r, (rows, width))
+    ids = random_row_ids(r, rows, n, distinct=False)
+    want = np.zeros((n, width), np.float32)
+    for i, row in enumerate(ids.tolist()):
+        if 0 <= row < rows:
+            want[i] = table[row]
+    got = pallas.gather_rows_dma(jnp.asarray(table), jnp.asarray(ids), tg=16)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("n", [5, 37])
+@pytest.mark.parametrize("width", [128, 256])
+def test_scatter_rows_dma(width, n):
+    r = rng(2 * width + n)
+    rows = 60
+    table = signed(r, (rows, width))
+    ids = random_row_ids(r, rows, n, distinct=True)
+    new = signed(r, (n, width))
+    want = table.copy()
+    for i, row in enumerate(ids.tolist()):
+        if 0 <= row < rows:
+            want[row] = new[i]
+    # a fresh device copy each call: the kernel writes the table in place (aliased)
+    got = pallas.scatter_rows_dma(jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=16)
+    np.testing.assert_array_equal(np.asarray(got), want)
