@@ -368,7 +368,7 @@ def plain_step(dim, v, batches, sparse, steps=10):
 # 3. the row-move bound
 
 
-def row_bound(width, v, batches, limit=None):
+def row_bound(width, v, batches, limit=None, n=10):
     import jax
     import jax.numpy as jnp
 
@@ -383,8 +383,8 @@ def row_bound(width, v, batches, limit=None):
     xla_gather = jax.jit(lambda t, i: jnp.take(t, i, axis=0))
     rows = gather(table, ids)
     jax.block_until_ready(rows)
-    tg = timed(lambda: jax.block_until_ready(gather(table, ids)), 10)
-    txg = timed(lambda: jax.block_until_ready(xla_gather(table, ids)), 10)
+    tg = timed(lambda: jax.block_until_ready(gather(table, ids)), n)
+    txg = timed(lambda: jax.block_until_ready(xla_gather(table, ids)), n)
     box = [scatter(table, ids, rows)]
     jax.block_until_ready(box[0])
 
@@ -392,7 +392,7 @@ def row_bound(width, v, batches, limit=None):
         box[0] = scatter(box[0], ids, rows)
         jax.block_until_ready(box[0])
 
-    ts = timed(sc, 10)
+    ts = timed(sc, n)
     n = int(ids.shape[0])
     box.clear()
     return {
@@ -435,7 +435,7 @@ def main():
     steps = 2 if args.smoke else args.steps
 
     if "correctness" in sections:
-        for name in optimizers():
+        for name in args.optimizers.split(","):
             rep.case(f"correct/{name}", lambda name=name: correctness(name, args.smoke))
     if "step" in sections:
         for dim in dims:
@@ -455,7 +455,7 @@ def main():
         for width in (128,) if args.smoke else (128, 256, 512):
             vw = min(v, (3 << 30) // (width * 4 * T))
             limit = 24 if args.smoke else None  # interpret mode: a few rows
-            rep.case(f"bound/w{width}", lambda: row_bound(width, vw, batches, limit))
+            rep.case(f"bound/w{width}", lambda: row_bound(width, vw, batches, limit, steps))
     if "optimizers" in sections:
         v = 2000 if args.smoke else rows_for(64, slots=2)
         batches = make_batches(v, B)

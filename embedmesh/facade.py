@@ -139,7 +139,8 @@ class MeshEmbedding:
         hold (every plan, explicit or "auto": a plan over it is a ValueError
         naming the tables, the bytes and the limit, raised by `build()` before
         anything is allocated; "auto" picks among the plans that fit). Default:
-        a GPU's own limit (`device.memory_stats()["bytes_limit"]`); on CPU 80%
+        an accelerator's own limit (a GPU's or a TPU's `device.memory_stats()["bytes_limit"]`,
+        counting a TPU's rows padded to 128 lanes); on CPU 80%
         of the host's physical memory over this process's devices.
       capacities: `{stack: Capacity}` or one `Capacity` (see
         `compute_sparse_core_stats`); default: sized from the first batch.

@@ -450,3 +450,88 @@ def test_scatter_rows_dma(width, n):
     # a fresh device copy each call: the kernel writes the table in place (aliased)
     got = pallas.scatter_rows_dma(jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=16)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# ---------------------------------------------------------------------------
+# The registered TPU ops and the TPU layout rule
+
+
+def test_tpu_stacks_are_whole_vregs():
+    """On a TPU mesh stacks are padded to 128 lanes (a row-wise optimizer's keeps its
+    own dim, whose mean it takes); elsewhere to 8."""
+    import embedmesh as em
+    from embedmesh.layout.stacking import dim_multiple_for, plan_stacking
+
+    assert dim_multiple_for("tpu") == 128 and dim_multiple_for("cpu") == 8
+    fc = {
+        "a": em.FeatureConfig(em.TableConfig(100, 40, name="a")),
+        "b": em.FeatureConfig(
+            em.TableConfig(100, 24, name="b", optimizer=em.RowWiseAdagrad(0.1))
+        ),
+    }
+    dims = {
+        s.tables[0]: s.dim
+        for s in plan_stacking(fc, 1, dim_multiple=128, default_optimizer=em.Adagrad(0.1)).stacks
+    }
+    assert dims == {"a": 128, "b": 24}
+
+
+def test_registered_tpu_ops_match_their_references():
+    """The kernels the registry runs on a TPU (called here as the registry would, in
+    interpret mode) against each op's reference, and the calls each one takes."""
+    from embedmesh.device import ops
+    from embedmesh.device.ops import tpu
+
+    r = rng(3)
+    for width in (64, 128):  # XLA's scatter / a DMA a row
+        table = signed(r, (300, width)).astype(np.float32)
+        ids = np.array([5, 299, 0, 77, 2**31 - 1], np.int32)
+        rows = signed(r, (5, width)).astype(np.float32)
+        got = tpu.scatter_rows(jnp.asarray(table), jnp.asarray(ids), jnp.asarray(rows))
+        want = np.asarray(
+            ops.reference_of("scatter_rows")(jnp.asarray(table), jnp.asarray(ids), rows)
+        )
+        np.testing.assert_array_equal(np.asarray(got), want)
+    table = signed(r, (60, 256)).astype(np.float32)
+    uniq = np.array([3, 8, 9, 41, 59, 2**31 - 1], np.int32)
+    key = np.array([0, 0, 1, 2, 2, 2, 3, 4, 0], np.int32)  # host order, a pad pair last
+    dst = np.array([0, 5, 1, 0, 2, 6, 3, 4, 7], np.int32)
+    gains = signed(r, (9,)).astype(np.float32)
+    gains[-1] = 0.0
+    dst[-1] = 7  # == num rows: padding
+    got = tpu.segment_gather_sum_mapped(table, uniq, key, gains, dst, num_segments=7)
+    want = ops.reference_of("segment_gather_sum_mapped")(
+        table, uniq, key, gains, dst, num_segments=7
+    )
+    assert_sums_close(got, np.asarray(want, np.float64), np.abs(np.asarray(want)) + 1)
+    acts = signed(r, (7, 256)).astype(np.float32)
+    got = tpu.segment_gather_sum(acts, dst, gains, key, num_segments=6)
+    want = ops.reference_of("segment_gather_sum")(acts, dst, gains, key, num_segments=6)
+    assert_sums_close(got, np.asarray(want, np.float64), np.abs(np.asarray(want)) + 1)
+    # which calls the TPU kernels take: the pair loops from 256 lanes
+    take = tpu.KERNELS["segment_gather_sum_mapped"][1]
+    assert take(jnp.zeros((4, 256)), None) and not take(jnp.zeros((4, 128)), None)
+
+
+def test_a_model_over_the_chip_is_refused_at_its_padded_bytes():
+    """26 tables x 1M x 64 with Adagrad: 13.3 GB of state, 26.6 GB in a TPU's whole-vreg
+    rows. The planner's memory rule (a plan over the device's limit is a ValueError
+    before anything is allocated) counts the padded bytes on a TPU."""
+    import embedmesh as em
+    from embedmesh.config import resolve_feature_config
+    from embedmesh.layout import planner
+    from embedmesh.layout.stacking import dim_multiple_for
+
+    fc = {
+        f"f{i}": em.FeatureConfig(em.TableConfig(1_000_000, 64, name=f"t{i}"))
+        for i in range(26)
+    }
+    resolved = resolve_feature_config(fc)
+    assign = {t: "mod" for t in resolved.table_names}
+    opt = em.Adagrad(0.1)
+    for platform, width in (("cpu", 64), ("tpu", 128)):
+        memory = planner.layout_memory(
+            resolved, 1, default_optimizer=opt, dim_multiple=dim_multiple_for(platform)
+        )
+        (held,) = memory(assign)
+        assert held == 26 * 1_000_000 * width * 4 * 2, platform

@@ -26,14 +26,23 @@ and GPU tables.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import importlib
 
-from embedmesh.device.ops.tpu import pallas
+import jax.numpy as jnp
 
 __all__ = ["ENABLED", "KERNELS", "PAIR_LOOP_MIN_LANES", "ready"]
 
 ENABLED = True
 PAIR_LOOP_MIN_LANES = 256  # the pair loops beat XLA's segment sum from this width
+
+
+LANES = 128
+
+
+def _pallas():
+    """`embedmesh.device.ops.tpu.pallas`, imported at the first TPU call (it imports
+    Pallas, which `import embedmesh` does not)."""
+    return importlib.import_module("embedmesh.device.ops.tpu.pallas")
 
 
 def ready() -> bool:
@@ -44,7 +53,7 @@ def ready() -> bool:
 def _whole_vregs(table) -> bool:
     return (
         table.ndim == 2
-        and table.shape[1] % pallas.LANES == 0
+        and table.shape[1] % LANES == 0
         and jnp.dtype(table.dtype).itemsize == 4
         and table.shape[0] < 2**31
     )
@@ -54,24 +63,24 @@ def scatter_rows(table, ids, rows):
     """`table.at[ids].set(rows, mode="drop")`, ids distinct: a DMA a row where the rows
     are whole float32 vregs, else XLA's scatter told the ids are distinct."""
     if _whole_vregs(table):
-        return pallas.scatter_rows_dma(table, ids, rows)
+        return _pallas().scatter_rows_dma(table, ids, rows)
     return table.at[ids].set(rows.astype(table.dtype), mode="drop", unique_indices=True)
 
 
 def _wide(src) -> bool:
-    return src.ndim == 2 and pallas.lane_width(src.shape[1]) >= PAIR_LOOP_MIN_LANES
+    return src.ndim == 2 and -(-src.shape[1] // LANES) * LANES >= PAIR_LOOP_MIN_LANES
 
 
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     """The backward's per-unique sums (pairs sorted by `dst_idx`): `pallas.reduce`."""
-    return pallas.reduce(src, dst_idx, src_idx, gains, num_segments)
+    return _pallas().reduce(src, dst_idx, src_idx, gains, num_segments)
 
 
 def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
     """A lookup from the table: the distinct rows gathered (XLA), then `pallas.combine`
     over the pairs sorted by their position among them."""
     rows = jnp.take(src, src_map, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-    return pallas.combine(rows, src_idx, dst_idx, gains, num_segments)
+    return _pallas().combine(rows, src_idx, dst_idx, gains, num_segments)
 
 
 KERNELS = {

@@ -338,6 +338,7 @@ def combine(src, key, dst, gains, num_dst: int):
         return combine_sorted(src, key, dst, gains, num_dst=num_dst)[0][:, :width]
 
     def fallback(src, key, dst, gains):
+        key = jnp.where(key < 0, src.shape[0], key)  # never wrapped: read as a fill row
         rows = jnp.take(src, key, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
         return jax.ops.segment_sum(rows * gains[:, None], dst, num_segments=num_dst)
 
@@ -353,6 +354,7 @@ def reduce(src, key, dst, gains, num_out: int):
         return reduce_sorted(src, key, dst, gains, num_out=num_out)[0][:, :width]
 
     def fallback(src, key, dst, gains):
+        dst = jnp.where(dst < 0, src.shape[0], dst)  # never wrapped: read as a fill row
         rows = jnp.take(src, dst, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
         return jax.ops.segment_sum(rows * gains[:, None], key, num_segments=num_out)
 
@@ -362,8 +364,7 @@ def reduce(src, key, dst, gains, num_out: int):
 
 def is_sorted(key, dst, num_keys: int, num_dst: int):
     """Whether the valid pairs (key in `[0, num_keys)`, dst in `[0, num_dst)`) come in
-    ascending key order with the invalid ones after them or between equal keys' runs
-    (each invalid pair reads as key `num_keys`, so only a tail of them passes)."""
+    ascending key order with the invalid ones (the host's padding) all after them."""
     valid = (key >= 0) & (key < num_keys) & (dst >= 0) & (dst < num_dst)
     k = jnp.where(valid, key, num_keys)
     return jnp.all(k[1:] >= k[:-1]) if k.shape[0] > 1 else jnp.asarray(True)
