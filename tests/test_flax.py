@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import training_reference as ref
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import embedmesh as em
@@ -282,9 +284,11 @@ def test_nnx_jit_with_donation_updates_the_tables_in_place():
 
 
 def test_linen_inside_a_model_gives_activation_gradients_through_perturbations():
-    """`Embed` marks its activations (`perturb`): jax.grad over the "perturbations"
-    collection of a larger linen model is d loss / d activations, which
-    `apply_gradients` takes; here loss = sum(acts^2) / 2, whose gradient is acts."""
+    """`Embed` marks its activations as a perturbation: jax.grad over the
+    "perturbations" collection of a larger linen model is d loss / d activations, which
+    `apply_gradients` takes; here loss = sum(acts^2) / 2, whose gradient is acts. The
+    perturbations are per batch: `init` makes none for `Embed` (the model's own
+    perturbation is its business), an `apply` with the collection mutable does."""
     import flax.linen as nn
 
     emb_layer = layer(2, em.SGD(0.5))
@@ -294,19 +298,23 @@ def test_linen_inside_a_model_gives_activation_gradients_through_perturbations()
         @nn.compact
         def __call__(self, csr):
             acts = em_linen.Embed(emb_layer, name="embed")(csr)
-            return sum(jnp.sum(jnp.square(a)) for a in jax.tree_util.tree_leaves(acts)) / 2, acts
+            total = sum(jnp.sum(jnp.square(a)) for a in jax.tree_util.tree_leaves(acts)) / 2
+            return self.perturb("total", total), acts
 
     model = Model()
     data = batches(9, steps=1)
     csr = embed.enqueue(data[0])
     variables = model.init(jax.random.key(0), csr)
     assert set(variables) == {"embedding", "perturbations"}
+    assert set(variables["perturbations"]) == {"total"}  # the model's, not Embed's
+    acts = model.apply(variables, csr)[1]  # a collection without Embed's: no perturbation
+    _, perturbations = model.apply(variables, csr, mutable=["perturbations"])
+    assert set(perturbations["perturbations"]) == {"total", "embed"}
 
     def loss(perturbations):
-        return model.apply({**variables, "perturbations": perturbations}, csr)[0]
+        return model.apply({**variables, **perturbations}, csr)[0]
 
-    grads = jax.grad(loss)(variables["perturbations"])["embed"]["activations"]
-    acts = model.apply(variables, csr)[1]
+    grads = jax.grad(loss)(perturbations)["perturbations"]["embed"]["activations"]
     for k in acts:
         np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(acts[k]), rtol=1e-6)
     before = embed.embedding_tables({"embedding": variables["embedding"]["embed"]})
@@ -325,3 +333,99 @@ def test_linen_inside_a_model_gives_activation_gradients_through_perturbations()
     want = {t.name: v for t, v in facade.embedding_tables.items()}
     for t, v in after.items():
         np.testing.assert_allclose(v, want[t.name], rtol=1e-5, atol=1e-6, err_msg=t.name)
+
+
+def test_linen_init_on_one_batch_size_applies_and_trains_on_another():
+    """Issue #40: `init` returns only the "embedding" collection (the perturbations of
+    the activations are shaped by a batch, so they are made per batch, never by
+    `init`): initialized on a batch of 8, the module looks up and trains on batches of
+    12 as MeshEmbedding does, d loss / d activations taken through perturbations made
+    for the batch of 12; perturbations made for another batch are a clear error."""
+    opt = em.Adagrad(0.3, initial_accumulator_value=0.2)
+    embed = em_linen.Embed(layer(4, opt))
+    small, big = batches(12, steps=1, batch=8)[0], batches(13, steps=2, batch=12)
+    variables = embed.init(jax.random.key(0), embed.enqueue(small))
+    only_embedding = set(variables) == {"embedding"}  # checked last: first, the batch of 12
+
+    def loss(perturbations, variables, csr):  # d loss / d acts = grad_of(acts)
+        acts = embed.apply({**variables, **perturbations}, csr)
+        return sum(jnp.sum(-jnp.cos(3.0 * a) / 3.0 + 0.1 * a) for a in jax.tree.leaves(acts))
+
+    @jax.jit
+    def step(variables, csr):
+        acts, perturbations = embed.apply(variables, csr, mutable=["perturbations"])
+        g_acts = jax.grad(loss)(perturbations, variables, csr)["perturbations"]["activations"]
+        _, variables = embed.apply(
+            variables, g_acts, csr, method="apply_gradients", mutable=["embedding"]
+        )
+        return variables, acts
+
+    facade = layer(4, opt)
+    for b in big:
+        csr = embed.enqueue(b)
+        want, pre = facade(b)
+        got = [embed.apply(variables, csr)] if b is big[0] else []  # outside a jit too
+        variables, acts = step(variables, csr)
+        assert set(variables) == {"embedding"}
+        facade.apply_gradients(grad_of(want), pre)
+        for k, x in [(k, x) for a in (acts, *got) for k, x in a.items()]:
+            np.testing.assert_allclose(np.asarray(x), want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    want = {t.name: v for t, v in facade.embedding_tables.items()}
+    for t, v in embed.embedding_tables(variables).items():
+        np.testing.assert_allclose(v, want[t.name], rtol=1e-5, atol=1e-6, err_msg=t.name)
+    assert only_embedding  # what init returned
+    _, of_small = embed.apply(variables, embed.enqueue(small), mutable=["perturbations"])
+    with pytest.raises(ValueError, match="perturbations.*another batch"):
+        embed.apply({**variables, **of_small}, embed.enqueue(big[0]))
+
+
+# names that are attributes of a mapping, an nnx container or the module, or odd strings
+AWKWARD_NAMES = [
+    "items", "keys", "values", "get", "pop", "update", "__class__", "__init__", "__dict__",
+    "__getattr__", "_pytree__nodes", "_pytree__state", "tables", "slots", "step", "layer",
+    "state", "a.b", "a-b", "a/b", "a b", "ü表", "0",
+]  # fmt: skip
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(AWKWARD_NAMES) | st.text(min_size=1, max_size=6),
+        min_size=2,
+        max_size=2,
+        unique=True,
+    )
+)
+@example(["items", "b"])  # issue #40's name, then one a Python object has
+@example(["__class__", "a.b"])
+def test_nnx_takes_any_table_name(names):
+    """Issue #40: the nnx module's tables and slots are keyed by stack name, which is the
+    user's table name; no name collides with the container's methods or attributes
+    (`items` once hid `.items()`). A lookup and an Adagrad step under `nnx.jit` match
+    MeshEmbedding on the same tables."""
+    t1 = em.TableConfig(30, 8, combiner="mean", name=names[0])
+    t2 = em.TableConfig(20, 16, combiner="sum", name=names[1])  # a stack each
+    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
+    rng = np.random.default_rng(0)
+    batch = {"a": rng.integers(0, 30, (BATCH, 2)), "b": rng.integers(0, 20, BATCH)}
+    opt = em.Adagrad(0.3, initial_accumulator_value=0.2)
+    embed = em_nnx.Embed(em.MeshEmbedding(feats, opt, mesh=mesh_of(2)))
+    facade = em.MeshEmbedding(feats, opt, mesh=mesh_of(2))
+    stacks = {s.name for s in embed.layer.plan.stacks}
+    assert stacks == set(names)
+    assert set(embed.tables) == set(embed.slots) == stacks
+    assert set(embed.state.tables) == stacks
+
+    @nnx.jit
+    def step(embed, csr):
+        acts = embed(csr)
+        embed.apply_gradients(grad_of(acts), csr)
+        return acts
+
+    acts = step(embed, embed.enqueue(batch))
+    want, pre = facade(batch)
+    facade.apply_gradients(grad_of(want), pre)
+    assert_same(embed.variables, [acts], facade.variables, [want])
+    assert int(embed.step.get_value()) == 1
+    state = nnx.state(embed, em_nnx.EmbeddingVariable)
+    assert set(state["tables"]) == stacks

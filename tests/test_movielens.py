@@ -220,6 +220,9 @@ def test_history_figure_content(tmp_path):
 
     bare = plot.history_figure(train_loss, val_auc)  # no per-step or validation losses,
     assert [len(ax.get_lines()) for ax in bare.axes] == [1, 1]  # no reference, no mark
+    assert bare._suptitle is None
+    titled = plot.history_figure(train_loss, val_auc, title="MovieLens-100k: test AUC 0.7880")
+    assert titled._suptitle.get_text() == "MovieLens-100k: test AUC 0.7880"
 
     import matplotlib.image
 
@@ -253,3 +256,17 @@ def test_large_table_mode_reports_one_device_and_the_default_mesh(capsys):
     assert all(r["ids_per_s"] > 0 and r["recompiles"] >= 0 for r in res["runs"])
     out = capsys.readouterr().out
     assert "ids/s on 1 device" in out and "on 4 (" in out
+
+
+def test_every_demo_flag_says_what_it_does():
+    """`python -m examples.movielens --help` shows a help text for every flag, and its
+    default where it has one."""
+    from examples.movielens import run
+
+    parser = run.build_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"--{action.dest} has no help text"
+    text = parser.format_help()
+    assert "(default: 10)" in text and "(default: 1024)" in text

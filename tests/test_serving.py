@@ -654,3 +654,18 @@ def test_thread_runner_uses_threads_again_in_a_forked_child():
         [sys.executable, "-c", _FORK_CHILD_SCRIPT], timeout=120, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_tables_keyed_by_name_get_an_error_that_says_the_keys_are_table_configs():
+    """A newcomer's `{"video": array}`: the error names the feature and table, says the
+    keys are `TableConfig`s and shows how to map names to them."""
+    video = em.TableConfig(vocabulary_size=10, dim=4, name="video")
+    features = {"watched": em.FeatureConfig(video)}
+    table = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match="watched") as err:
+        em.serving_embedding_lookup({"watched": np.array([1, 2])}, None, {"video": table}, features)
+    message = str(err.value)
+    assert "TableConfig" in message and "'video'" in message and "f.table.name" in message
+    # keyed by the configs, the same call works
+    out = em.serving_embedding_lookup({"watched": np.array([1, 2])}, None, {video: table}, features)
+    np.testing.assert_allclose(out["watched"], table[[1, 2]], rtol=1e-6)

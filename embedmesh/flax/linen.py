@@ -15,9 +15,21 @@
                                   mutable=["embedding"])  # fused sparse update
         return emb_vars, params, opt_state, loss
 
-Inside a larger linen model, `Embed` also marks its activations with
-`self.perturb("activations", ...)`: `jax.grad` over the `"perturbations"` collection
-then gives d loss / d activations (flax's intermediate gradients).
+Inside a larger linen model, `Embed` also marks its activations as a perturbation
+(`"perturbations"` collection, name `"activations"`): `jax.grad` over that collection
+gives d loss / d activations (flax's intermediate gradients). A perturbation has the
+activations' shape, so it belongs to one batch, not to the model: `init` makes none
+(its variables are `{"embedding": ...}` only, fit for any batch size), and the
+perturbations of a batch come from an `apply` with the collection mutable:
+
+    _, perturbations = model.apply(variables, csr, mutable=["perturbations"])  # zeros
+    def loss_fn(perturbations):
+        return loss(model.apply({**variables, **perturbations}, csr), labels)
+    g_acts = jax.grad(loss_fn)(perturbations)["perturbations"][...]["activations"]
+
+Without a perturbation for it (none passed, or a `"perturbations"` collection holding
+only other modules'), the activations are used as they are; one made for another batch
+is an error.
 
 The collection `"embedding"` holds `{"tables": {stack: array}, "slots": {stack:
 {slot: array}}, "step": int32}`, each array a global array sharded over the mesh
@@ -32,6 +44,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from embedmesh.device.core import EmbeddingState
 from embedmesh.facade import MeshEmbedding
@@ -40,6 +53,7 @@ from embedmesh.flax import _layer
 __all__ = ["Embed", "state_of", "variables_of"]
 
 COLLECTION = _layer.COLLECTION
+PERTURBATIONS = "perturbations"  # flax's collection of intermediate-gradient perturbations
 
 
 def state_of(variables: dict) -> EmbeddingState:
@@ -133,7 +147,29 @@ class Embed(nn.Module):
     def __call__(self, csr: dict) -> Any:
         """Activations of an enqueued batch (`enqueue`), in the feature config's structure."""
         acts = _layer.lookup(self.layer, self._embedding_state(), csr)
-        return self.perturb("activations", acts)
+        return self._perturbed(acts)
+
+    def _perturbed(self, acts: Any) -> Any:
+        """`acts` plus this batch's perturbation (`Module.perturb`, except that `init`
+        makes none and a missing one is no perturbation: they are per batch)."""
+        if self.is_initializing():
+            return acts
+        if self.is_mutable_collection(PERTURBATIONS) and not self.has_variable(
+            PERTURBATIONS, "activations"
+        ):
+            self.put_variable(PERTURBATIONS, "activations", jax.tree.map(jnp.zeros_like, acts))
+        if not self.has_variable(PERTURBATIONS, "activations"):
+            return acts
+        perturbation = self.get_variable(PERTURBATIONS, "activations")
+        want = jax.tree.map(jnp.shape, acts)
+        got = jax.tree.map(jnp.shape, perturbation)
+        if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
+            raise ValueError(
+                f"the {PERTURBATIONS!r} of the activations were made for another batch "
+                f"(shapes {got}, the activations' {want}): they are per batch; make "
+                f"them with apply(variables, csr, mutable=[{PERTURBATIONS!r}])"
+            )
+        return jax.tree.map(jnp.add, acts, perturbation)
 
     def apply_gradients(self, gradients: Any, csr: dict, check_finite: bool = True):
         """One fused sparse update from d loss / d activations (call with

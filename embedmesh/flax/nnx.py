@@ -19,7 +19,10 @@
 The tables, the optimizer slots and the step count are `EmbeddingVariable`s (their
 own collection, `nnx.state(model, EmbeddingVariable)`), each a global array sharded
 over the mesh exactly as the core shards it; `nnx.Param` filters (and so
-`nnx.Optimizer(model, tx, wrt=nnx.Param)`, `nnx.grad`) never see them.
+`nnx.Optimizer(model, tx, wrt=nnx.Param)`, `nnx.grad`) never see them. `Embed.tables`
+is a plain dict `{stack name: EmbeddingVariable}` and `Embed.slots` `{stack name: {slot
+name: EmbeddingVariable}}` (nnx state paths `tables/<stack>`, `slots/<stack>/<slot>`):
+keys, not attributes, so any table name works (`items`, `__class__`, `a.b`...).
 """
 
 from __future__ import annotations
@@ -51,8 +54,11 @@ class Embed(nnx.Module):
         used: read `Embed.embedding_tables` instead.
     """
 
-    tables: nnx.Dict
-    slots: nnx.Dict
+    # plain dicts keyed by stack name (the table's name for a stack of one table), not
+    # nnx.Dict: its keys are attributes, so a table named "items" or "__class__" would
+    # hide or break the container's own attributes
+    tables: dict[str, EmbeddingVariable]
+    slots: dict[str, dict[str, EmbeddingVariable]]
     step: EmbeddingVariable
 
     def __init__(self, layer: MeshEmbedding):
@@ -80,9 +86,9 @@ class Embed(nnx.Module):
                     self.slots[s][k].set_value(a)
             self.step.set_value(state.step)
             return
-        self.tables = nnx.Dict({s: var(a) for s, a in state.tables.items()})
-        self.slots = nnx.Dict(
-            {s: nnx.Dict({k: var(a) for k, a in d.items()}) for s, d in state.slots.items()}
+        self.tables = nnx.data({s: var(a) for s, a in state.tables.items()})
+        self.slots = nnx.data(
+            {s: {k: var(a) for k, a in d.items()} for s, d in state.slots.items()}
         )
         self.step = var(state.step)
 

@@ -302,6 +302,23 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
 # The lookup
 
 
+def _missing_table_message(tables, feature_name, resolved, table) -> str:
+    """The error of a feature whose table `tables` lacks: its keys are `TableConfig`s."""
+    table_name = resolved.table_name(table)
+    msg = (
+        f"tables has no entry for the table of feature {feature_name} ({table_name}): "
+        f"tables maps each TableConfig (the objects of the feature config, "
+        f"`feature.table`) to its array"
+    )
+    names = [k for k in tables if isinstance(k, str)]
+    if names:
+        msg += (
+            f", not table names (got {sorted(names)[:5]}); for tables keyed by name, pass "
+            f"{{f.table: tables[f.table.name] for f in your feature configs}}"
+        )
+    return msg
+
+
 def serving_embedding_lookup(
     inputs: Any, weights: Any | None, tables: dict, feature_config: Any
 ) -> Any:
@@ -348,10 +365,7 @@ def serving_embedding_lookup(
             outputs.append(None)
             continue
         if feature.table not in tables:
-            raise ValueError(
-                f"tables has no entry for the table of feature {name} "
-                f"({resolved.table_name(feature.table)})"
-            )
+            raise ValueError(_missing_table_message(tables, name, resolved, feature.table))
         table = tables[feature.table]
         shape = getattr(table, "shape", None)
         if shape is None:

@@ -27,10 +27,12 @@ def history_figure(
     *,
     val_loss: Sequence[float] = (),
     best_epoch: int | None = None,
+    title: str | None = None,
 ) -> Figure:
     """Two panels: log-loss (training per step and epoch mean, validation per epoch:
     where the two part, the model overfits) and validation AUC (+ reference), the kept
-    (best validation) epoch marked on both."""
+    (best validation) epoch marked on both; `title` above both (the data set, the kept
+    model's test result)."""
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     FigureCanvasAgg(fig)
     a, b = fig.subplots(1, 2)
@@ -52,6 +54,8 @@ def history_figure(
         b.plot([best_epoch], [val_auc[best_epoch - 1]], "*", color="k", ms=12, zorder=3)
     a.legend()
     b.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 
