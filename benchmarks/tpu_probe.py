@@ -270,6 +270,85 @@ def main():
 
             case(f"dma_rows_w{w}_tg{tg}", dma)
 
+    # 6. where a pair loop's ~26 ns go: the combine's loop with parts of its body removed
+    def loop_parts():
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import tpu as pltpu
+
+        dim = 128
+        src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
+        tw, tp = tpk.TW, tpk.TP
+        sched, _ = tpk.schedule(d_pu, d_pr, d_g, U, R, tw, tp)
+        nkb = sched.num_blocks
+        padded = jnp.zeros((nkb * tw, dim), jnp.float32).at[:U].set(src)
+        out = {}
+        for body in ("scalar", "read", "rmw_same_row", "rmw"):
+
+            def kernel(
+                b_ref,
+                pb_ref,
+                lo_ref,
+                hi_ref,
+                first_ref,
+                pk_ref,
+                pd_ref,
+                pg_ref,
+                src_ref,
+                out_ref,
+                body=body,
+            ):
+                j = pl.program_id(0)
+
+                @pl.when(j == 0)
+                def _():
+                    out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+                base = b_ref[j] * tw
+
+                def step(p, carry):
+                    r, u, g = pd_ref[p], pk_ref[p] - base, pg_ref[p]
+                    if body == "scalar":
+                        return carry + (r + u).astype(jnp.float32) * g
+                    if body == "read":
+                        return carry + g * src_ref[pl.ds(u, 1), :]
+                    row = 0 if body == "rmw_same_row" else r
+                    out_ref[pl.ds(row, 1), :] = (
+                        out_ref[pl.ds(row, 1), :] + g * src_ref[pl.ds(u, 1), :]
+                    )
+                    return carry
+
+                init = jnp.float32(0) if body == "scalar" else jnp.zeros((1, dim), jnp.float32)
+                acc = jax.lax.fori_loop(lo_ref[j], hi_ref[j], step, init)
+                if body in ("scalar", "read"):
+                    out_ref[pl.ds(1, 1), :] = out_ref[pl.ds(1, 1), :] + acc
+
+            call = pl.pallas_call(
+                kernel,
+                grid_spec=pltpu.PrefetchScalarGridSpec(
+                    num_scalar_prefetch=5,
+                    grid=(sched.block.shape[0],),
+                    in_specs=[
+                        pl.BlockSpec((tp,), lambda j, b, pb, *_: (pb[j],), memory_space=pltpu.SMEM)
+                        for _ in range(3)
+                    ]
+                    + [pl.BlockSpec((tw, dim), lambda j, b, *_: (b[j], 0))],
+                    out_specs=pl.BlockSpec((R, dim), lambda j, *_: (0, 0)),
+                ),
+                out_shape=jax.ShapeDtypeStruct((R, dim), jnp.float32),
+                compiler_params=pltpu.CompilerParams(
+                    dimension_semantics=("arbitrary",), vmem_limit_bytes=100 << 20
+                ),
+                interpret=tpk._interpret(),
+            )
+            f = jax.jit(lambda *a, call=call: call(*a))
+            args_ = (*sched.scalars, sched.key, sched.dst, sched.gains, padded)
+            t, _ = timeit(f, *args_)
+            out[f"{body}_ms"] = t * 1e3
+            out[f"{body}_ns_a_pair"] = t / P * 1e9
+        return out
+
+    case("pair_loop_parts_d128", loop_parts)
+
     # 5. sorting the pairs on the device (by output row)
     def sorts():
         key = d_pr * jnp.int32(1)
