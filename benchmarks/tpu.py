@@ -8,7 +8,8 @@ later cases skipped when it runs out):
 1. correctness: every optimizer (every one a 1-chip mesh takes: on one device every
    placement is the one-device strategy), 3 steps on the chip and on this process's CPU
    from the same tables and batches; the largest difference of tables and slots.
-2. the step (`dequeue` + loss gradient + `apply_gradients`, the facade's loop; the
+2. the step (`dequeue` + loss gradient + `apply_gradients`, the facade's loop, and end
+   to end from the raw ids with `prefetch` preprocessing in its thread; the
    workload of `train_step.py`: 8 tables, batch 4096, Poisson(10) Zipf(1.05) ids, sum
    combiner, Adagrad) at each `--dims`, against plain JAX dense (take + segment_sum,
    `jax.grad` to the whole tables, optax.adagrad) and plain JAX sparse (unique + take +
@@ -251,6 +252,19 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10):
             jax.block_until_ready(emb.state)
 
         dev = timed(one, steps)
+
+        def e2e():  # from the raw ids, preprocessed in prefetch's thread while steps run
+            src = (
+                {f"f{t}": RaggedTensor.from_row_lengths(*batches[i % 4][t]) for t in range(T)}
+                for i in range(steps)
+            )
+            t0 = time.perf_counter()
+            for csr in emb.prefetch(src):
+                step(csr)
+            jax.block_until_ready(emb.state)
+            return (time.perf_counter() - t0) / steps
+
+        end_to_end = e2e()
         ids = sum(int(b[t][1].sum()) for b in batches[:1] for t in range(T))
         unique = sum(int(np.unique(b[t][0]).size) for b in batches[:1] for t in range(T))
         return {
@@ -261,6 +275,8 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10):
             "step_ms": dev * 1e3,
             "ids_per_s_M": ids / dev / 1e6,
             "enqueue_ms": enq * 1e3,
+            "e2e_prefetch_ms": end_to_end * 1e3,
+            "e2e_over_step": end_to_end / dev,
             "first_steps_s": compile_s,
             "ids": ids,
             "unique": unique,
