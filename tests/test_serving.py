@@ -669,3 +669,30 @@ def test_tables_keyed_by_name_get_an_error_that_says_the_keys_are_table_configs(
     # keyed by the configs, the same call works
     out = em.serving_embedding_lookup({"watched": np.array([1, 2])}, None, {video: table}, features)
     np.testing.assert_allclose(out["watched"], table[[1, 2]], rtol=1e-6)
+
+
+def test_a_float64_table_is_served_in_float32_with_a_warning_once(monkeypatch):
+    """JAX (and the kernels) serve float32: a float64 table's outputs are float32, which
+    TensorFlow's would not be; said once a table and process, naming the table."""
+    from embedmesh.serving import lookup
+
+    monkeypatch.setattr(lookup, "_NARROWED_WARNED", set())
+    wide = em.TableConfig(vocabulary_size=10, dim=4, name="wide")
+    features = {"a": em.FeatureConfig(wide)}
+    table = np.random.default_rng(1).normal(size=(10, 4))  # float64
+    with pytest.warns(UserWarning, match="table wide is float64"):
+        out = em.serving_embedding_lookup({"a": np.array([1, 2])}, None, {wide: table}, features)
+    assert np.asarray(out["a"]).dtype == np.float32
+    np.testing.assert_allclose(out["a"], table[[1, 2]], rtol=1e-6)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call: no second warning
+        em.serving_embedding_lookup({"a": np.array([3])}, None, {wide: table}, features)
+    # a float32 table: no warning at all
+    monkeypatch.setattr(lookup, "_NARROWED_WARNED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        em.serving_embedding_lookup(
+            {"a": np.array([3])}, None, {wide: table.astype(np.float32)}, features
+        )

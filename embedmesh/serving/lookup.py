@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - imported now, not in the first call's pool
 import itertools
+import warnings
 from typing import Any
 
 import jax
@@ -302,6 +303,25 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
 # The lookup
 
 
+_NARROWED_WARNED: set = set()
+
+
+def _warn_if_narrowed(table_name: str, table) -> None:
+    """A float64 table is served in float32 (JAX's default, and the kernels'), where
+    TensorFlow would return float64: say so once a table and process."""
+    dtype = getattr(table, "dtype", None)
+    if dtype is None or np.dtype(dtype) != np.float64 or table_name in _NARROWED_WARNED:
+        return
+    _NARROWED_WARNED.add(table_name)
+    warnings.warn(
+        f"serving_embedding_lookup: table {table_name} is float64; it is served in float32 "
+        f"(outputs float32; TensorFlow would return float64). Cast it once with "
+        f"np.asarray(table, np.float32) to serve it without the conversion each call.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 def _missing_table_message(tables, feature_name, resolved, table) -> str:
     """The error of a feature whose table `tables` lacks: its keys are `TableConfig`s."""
     table_name = resolved.table_name(table)
@@ -367,6 +387,7 @@ def serving_embedding_lookup(
         if feature.table not in tables:
             raise ValueError(_missing_table_message(tables, name, resolved, feature.table))
         table = tables[feature.table]
+        _warn_if_narrowed(resolved.table_name(feature.table), table)
         shape = getattr(table, "shape", None)
         if shape is None:
             shape = np.shape(table)
