@@ -164,14 +164,15 @@ class TableConfig:
             "a QuantizationConfig or None",
         )
         if self.optimizer is not None:
-            from embedmesh.optimizers import Optimizer  # local: optimizers imports nothing here
+            # local: optimizers imports nothing here
+            from embedmesh.optimizers import Optimizer, optimizer_class_names
 
             _require(
                 isinstance(self.optimizer, Optimizer),
                 "TableConfig",
                 "optimizer",
                 self.optimizer,
-                "an embedmesh optimizer or None",
+                f"an embedmesh optimizer ({optimizer_class_names()}) or None",
             )
         if self.quantization_config is not None:
             _warn_quantization_ignored()

@@ -873,3 +873,20 @@ class RowWiseAdagrad(Optimizer):
         a = slots["accumulators"] + jnp.sum(g * g, axis=-1, keepdims=True) / float(g.shape[-1])
         scale = lr / (jnp.sqrt(a) + self.epsilon)
         return w - scale * g, {"accumulators": a}
+
+
+def optimizer_class_names() -> str:
+    """embedmesh's optimizer classes for error messages ("SGD, Adagrad, ... or
+    RowWiseAdagrad"): every concrete `Optimizer` subclass of this module, in the order
+    they are defined, so that a new optimizer is named without editing the messages."""
+    names = [
+        c.__name__
+        for c in globals().values()
+        if isinstance(c, type)
+        and issubclass(c, Optimizer)
+        and c is not Optimizer
+        and c.__module__ == __name__
+        and not c.__name__.startswith("_")
+        and not inspect.isabstract(c)
+    ]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)

@@ -320,3 +320,54 @@ def test_plan_core_last_stats_before_build():
     for name in ("plan", "core", "last_stats"):
         assert getattr(MeshEmbedding, name).__doc__, name
         assert f"\n |  {name}\n |      " in text, name  # help() lists it with its doc
+
+
+# -- issue #40: a feature missing from the gradients ----------------------------------
+
+
+def test_missing_gradient_feature_is_value_error_state_untouched():
+    """TensorFlow asserts the gradients' structure is the feature config's: a feature
+    left out of the gradients is an error naming it (not a silent zero update), and an
+    unknown name given with it is named too; only an explicit None is a zero gradient."""
+    t, feats, emb = small()
+    acts, pre = emb(BATCH)
+    snap = snapshot(emb)
+    with pytest.raises(ValueError, match=r"gradients lack feature\(s\) \['y'\]") as e:
+        emb.apply_gradients({"x": jnp.ones((4, 4))}, pre)
+    assert "None" in str(e.value)  # says how to give a zero gradient
+    assert_same(emb, snap)
+    with pytest.raises(ValueError, match=r"\['x', 'y'\]") as e:
+        emb.apply_gradients({}, pre)
+    assert_same(emb, snap)
+    with pytest.raises(ValueError, match=r"lack feature\(s\) \['y'\]") as e:
+        emb.apply_gradients({"x": jnp.ones((4, 4)), "why": jnp.ones((4, 4))}, pre)
+    assert "['why']" in str(e.value) and "not in the feature config" in str(e.value)
+    assert_same(emb, snap)
+    # the same outputs still take a well-formed update; an explicit None is zero
+    emb.apply_gradients({"x": jnp.ones((4, 4)), "y": None}, pre)
+    assert int(emb.state.step) == 1
+    changed = np.nonzero(np.abs(emb.embedding_tables[t] - snap[0][t]["parameters"]).sum(1))[0]
+    assert changed.tolist() == [1, 2, 3, 4]
+
+
+def test_missing_gradient_in_a_nested_structure_names_its_path():
+    t = TableConfig(10, 4, name="t")
+    feats = {
+        "a": {"x": FeatureConfig(t), "y": FeatureConfig(t, name="named_y")},
+        "b": [FeatureConfig(t), FeatureConfig(t)],
+    }
+    emb = MeshEmbedding(feats, em.SGD(0.5), mesh=mesh_of(2))
+    emb.build()
+    x = np.array([1, 2, 3, 4])
+    acts, pre = emb({"a": {"x": x, "y": x}, "b": [x, x]})
+    snap = snapshot(emb)
+    g = jnp.ones((4, 4))
+    with pytest.raises(ValueError, match=r"lack feature\(s\) \['named_y'\]"):
+        emb.apply_gradients({"a": {"x": g}, "b": [g, g]}, pre)
+    with pytest.raises(ValueError, match=r"lack feature\(s\) \['a/x', 'named_y'\]"):
+        emb.apply_gradients({"b": [g, g]}, pre)
+    assert_same(emb, snap)
+    # explicit None, for a leaf or a whole subtree, is a zero gradient
+    emb.apply_gradients({"a": None, "b": [g, None]}, pre)
+    emb.apply_gradients({"a": {"x": None, "y": g}, "b": [None, None]}, pre)
+    assert int(emb.state.step) == 2

@@ -508,3 +508,53 @@ def test_garbled_embedding_metadata_names_the_item_and_key(tmp_path):
             with pytest.raises(ValueError, match=pattern):
                 call()
         assert_bit_identical(variables_by_name(target), before)
+
+
+def test_relative_paths_save_and_restore(tmp_path, monkeypatch):
+    """Issue #40: a relative checkpoint directory works (taken from the working directory
+    at the call) for every entry point, where orbax wanted an absolute path and a restore
+    first said it could not read the embedmesh metadata, as if the checkpoint were
+    damaged."""
+    monkeypatch.chdir(tmp_path)
+    emb = random_engine(2, seed=5, step=3)
+    want = variables_by_name(emb)
+    assert ckpt.save("ckpt", emb)
+    assert (tmp_path / "ckpt" / "3" / "embedding").is_dir()
+    other = random_engine(2, seed=6, step=9)
+    assert ckpt.restore(other, "ckpt") == 3
+    assert_bit_identical(variables_by_name(other), want)
+    assert ckpt.latest_step("ckpt") == 3 and ckpt.read_metadata("ckpt")["step"] == 3
+    loaded = ckpt.load_tables(os.path.join("ckpt", "3"), feature_config=FEATS)
+    np.testing.assert_array_equal(loaded[TABLES["z"]], want["z"]["parameters"])
+    serving = ckpt.EmbeddingForServing(FEATS)
+    assert serving.restore(os.path.join(".", "ckpt", "3", "embedding")) == 3
+    # the functional core's entry points, and a path with ".." in it
+    os.mkdir("sub")
+    assert ckpt.core_save(os.path.join("sub", "..", "core_ckpt"), emb.core, emb.state, step=4)
+    third = random_engine(2, seed=7, step=1)
+    assert (tmp_path / "core_ckpt" / "4" / "embedding").is_dir()
+    restored = ckpt.core_restore(third.core, third.state, "core_ckpt")
+    assert restored.step == 3  # the state's step count, saved as checkpoint step 4
+    third.install_restored(restored)
+    assert_bit_identical(variables_by_name(third), want)
+
+
+def test_saving_through_a_manager_on_a_relative_path_says_so(tmp_path, monkeypatch):
+    """A user's own manager opened on a relative directory cannot save (orbax writes to
+    absolute paths only): a ValueError saying so before anything is written, instead of
+    orbax's error from its writer thread after it made a temporary step."""
+    monkeypatch.chdir(tmp_path)
+    emb = random_engine(2, seed=5, step=3)
+    mngr = ocp.CheckpointManager("rel")
+    try:
+        with pytest.raises(ValueError, match=r"directory 'rel' is relative.*os.path.abspath"):
+            ckpt.save(mngr, emb)
+        assert not (tmp_path / "rel").exists() or not os.listdir(tmp_path / "rel")
+    finally:
+        mngr.close()
+    # a manager on the absolute path saves, and a restore through a relative path reads it
+    with ocp.CheckpointManager(os.path.abspath("rel")) as mngr:
+        assert ckpt.save(mngr, emb, wait=True)
+    other = random_engine(2, seed=6, step=9)
+    assert ckpt.restore(other, "rel") == 3
+    assert_bit_identical(variables_by_name(other), variables_by_name(emb))

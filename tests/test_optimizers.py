@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -925,3 +926,29 @@ def test_fused_ftrl_kernel_every_variant(power, multiply, l1):
         zero = (acc[ids] == 0) & (grads == 0)
         assert zero.any()
         assert (got["rows"][ids][zero] == 0).all()
+
+
+def test_optimizer_type_errors_list_every_optimizer_class():
+    """Issue #40: the error for a non-optimizer named the classes by hand and left out
+    RowWiseAdagrad. Every concrete Optimizer class of embedmesh.optimizers is named, in
+    the facade's error and TableConfig's."""
+    import inspect
+
+    import embedmesh as em
+    from embedmesh import optimizers
+
+    classes = [
+        c
+        for _, c in inspect.getmembers(optimizers, inspect.isclass)
+        if issubclass(c, Optimizer) and c is not Optimizer and not inspect.isabstract(c)
+    ]
+    assert {c.__name__ for c in classes} >= {"SGD", "Adagrad", "RowWiseAdagrad", "FTRL"}
+    table = em.TableConfig(10, 4, name="t")
+    with pytest.raises(ValueError, match="optimizer") as facade_error:
+        em.MeshEmbedding({"f": em.FeatureConfig(table)}, optimizer="adagrad")
+    with pytest.raises(ValueError, match="optimizer") as table_error:
+        em.TableConfig(10, 4, optimizer=optax.sgd(0.1))
+    for error in (facade_error, table_error):
+        message = str(error.value)
+        for c in classes:
+            assert re.search(rf"\b{c.__name__}\b", message), (c.__name__, message)

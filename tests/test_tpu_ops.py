@@ -465,9 +465,7 @@ def test_tpu_stacks_are_whole_vregs():
     assert dim_multiple_for("tpu") == 128 and dim_multiple_for("cpu") == 8
     fc = {
         "a": em.FeatureConfig(em.TableConfig(100, 40, name="a")),
-        "b": em.FeatureConfig(
-            em.TableConfig(100, 24, name="b", optimizer=em.RowWiseAdagrad(0.1))
-        ),
+        "b": em.FeatureConfig(em.TableConfig(100, 24, name="b", optimizer=em.RowWiseAdagrad(0.1))),
     }
     dims = {
         s.tables[0]: s.dim
@@ -522,10 +520,7 @@ def test_a_model_over_the_chip_is_refused_at_its_padded_bytes():
     from embedmesh.layout import planner
     from embedmesh.layout.stacking import dim_multiple_for
 
-    fc = {
-        f"f{i}": em.FeatureConfig(em.TableConfig(1_000_000, 64, name=f"t{i}"))
-        for i in range(26)
-    }
+    fc = {f"f{i}": em.FeatureConfig(em.TableConfig(1_000_000, 64, name=f"t{i}")) for i in range(26)}
     resolved = resolve_feature_config(fc)
     assign = {t: "mod" for t in resolved.table_names}
     opt = em.Adagrad(0.1)

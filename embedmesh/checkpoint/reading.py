@@ -25,9 +25,17 @@ from embedmesh.layout.rows import RowLayout
 _ALIGN = 4096  # host buffers: page aligned, so CPU device_put aliases them
 
 
+def absolute_path(path) -> epath.Path:
+    """`path` as an absolute `epath.Path`: a relative local directory is taken from the
+    working directory now (orbax's tensorstore specs take absolute paths only); an
+    absolute path, or a remote one (`gs://...`, absolute to epath), is kept as it is."""
+    path = epath.Path(path)
+    return path if path.is_absolute() else path.absolute()
+
+
 def latest_step(directory) -> int | None:
     """The latest committed step under a checkpoint root (None if there is none)."""
-    meta = ocp.step.latest_step_metadata(epath.Path(directory), ocp.step.standard_name_format())
+    meta = ocp.step.latest_step_metadata(absolute_path(directory), ocp.step.standard_name_format())
     return None if meta is None else int(meta.step)
 
 
@@ -63,7 +71,8 @@ def _item_dir(source, step: int | None, item: str) -> epath.Path:
     """The embedding item's directory from a manager, a root, a step or an item directory.
 
     A manager's save in flight is waited for first; a step (or item) that is only
-    present as orbax's temporary directory raises a FileNotFoundError saying so.
+    present as orbax's temporary directory raises a FileNotFoundError saying so. A
+    relative directory is taken from the working directory (`absolute_path`).
     """
     if isinstance(source, ocp.CheckpointManager):
         source.wait_until_finished()  # an async save in flight: its step becomes readable
@@ -75,9 +84,9 @@ def _item_dir(source, step: int | None, item: str) -> epath.Path:
         step_dir = (
             finder(step, source.directory) if finder is not None else source.directory / str(step)
         )
-        path = epath.Path(step_dir) / item
+        path = absolute_path(step_dir) / item
     else:
-        root = epath.Path(source)
+        root = absolute_path(source)
         if _TMP in root.name or any(_TMP in p for p in root.parts):
             raise _still_written(f"checkpoint directory {root}", "an orbax temporary directory")
         if _is_item_dir(root):

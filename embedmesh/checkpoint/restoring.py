@@ -317,7 +317,7 @@ def restore(
       emb: a `MeshEmbedding`.
       source: an `ocp.CheckpointManager` (a save in flight is waited for), a
         checkpoint root directory, a step directory or the embedding item's
-        directory.
+        directory (a relative one is taken from the working directory).
       step: the step (default: the latest committed one).
       item: the embedding item's name in the `Composite`.
       missing: "error" (default) raises ValueError when a table of `emb`, or

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 from jax.sharding import PartitionSpec as P
 
 from embedmesh.checkpoint.checksums import CHECKSUM, _checksum_hex, _device_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM, FORMAT, FORMAT_VERSION, LOOKUP_FIELD
+from embedmesh.checkpoint.reading import absolute_path
 from embedmesh.device.stack_tables import table_block_array
 
 
@@ -262,9 +262,17 @@ def _save_items(target, args, step: int, item: str, others: dict | None, wait: b
             value if isinstance(value, ocp.args.CheckpointArgs) else ocp.args.StandardSave(value)
         )
     own = not isinstance(target, ocp.CheckpointManager)
+    if not own and not target.directory.is_absolute():
+        # orbax's own error comes from its writer thread, after it made a temporary step
+        raise ValueError(
+            f"the CheckpointManager's directory {str(target.directory)!r} is relative, and "
+            f"orbax writes to absolute paths only: open the manager on "
+            f"os.path.abspath({str(target.directory)!r}) (or pass the directory itself, "
+            f"which is resolved from the working directory); nothing was saved"
+        )
     manager = (
         ocp.CheckpointManager(
-            epath.Path(target),
+            absolute_path(target),  # orbax writes to absolute paths only
             options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
         )
         if own
@@ -313,8 +321,10 @@ def save(
     """Save `emb` (and `others`) as step `step` of a checkpoint directory.
 
     Args:
-      target: an `ocp.CheckpointManager` (saves are async when it is), or a
-        directory, for which a synchronous manager is opened and closed.
+      target: an `ocp.CheckpointManager` (saves are async when it is; its
+        directory must be absolute, as orbax requires), or a directory (a
+        relative one is taken from the working directory), for which a
+        synchronous manager is opened and closed.
       emb: the `MeshEmbedding`.
       step: the checkpoint step (default: the embedding's update count).
       item: the name of the embedding item in the `Composite`.

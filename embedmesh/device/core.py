@@ -489,10 +489,14 @@ class EmbeddingCore:
         """New state after one fused sparse update; and whether it was applied.
 
         `gradients` is `{feature name: array shaped like its activation, or
-        None}` (None counts as zero). Each touched row is updated exactly once
-        with the sum of its gradients over the global batch. With
-        `check_finite`, a non-finite gradient anywhere leaves the state
-        unchanged and the returned flag False. `view`: the owners' view of this
+        None}` (None counts as zero). Unlike the facade's `apply_gradients`, which
+        checks the gradients against the feature structure (a feature left out is a
+        ValueError there), this takes a partial dict: a feature name left out counts
+        as zero too, and names of no feature of `csr` are ignored (the dict is a
+        traced argument; the facade passes only its non-None gradients). Each
+        touched row is updated exactly once with the sum of its gradients over the
+        global batch. With `check_finite`, a non-finite gradient anywhere leaves
+        the state unchanged and the returned flag False. `view`: the owners' view of this
         same `csr` from `lookup(carrying=True)` (stacks it lacks send their pairs
         again).
         """

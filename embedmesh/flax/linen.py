@@ -160,10 +160,11 @@ class Embed(nn.Module):
             self.put_variable(PERTURBATIONS, "activations", jax.tree.map(jnp.zeros_like, acts))
         if not self.has_variable(PERTURBATIONS, "activations"):
             return acts
-        perturbation = self.get_variable(PERTURBATIONS, "activations")
+        perturbation: Any = self.get_variable(PERTURBATIONS, "activations")
         want = jax.tree.map(jnp.shape, acts)
         got = jax.tree.map(jnp.shape, perturbation)
-        if jax.tree.structure(got) != jax.tree.structure(want) or got != want:
+        got_def: Any = jax.tree.structure(got)
+        if got_def != jax.tree.structure(want) or got != want:
             raise ValueError(
                 f"the {PERTURBATIONS!r} of the activations were made for another batch "
                 f"(shapes {got}, the activations' {want}): they are per batch; make "
