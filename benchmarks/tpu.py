@@ -11,7 +11,8 @@ later cases skipped when it runs out):
 2. the step (`dequeue` + loss gradient + `apply_gradients`, the facade's loop, and end
    to end from the raw ids with `prefetch` preprocessing in its thread; the
    workload of `train_step.py`: 8 tables, batch 4096, Poisson(10) Zipf(1.05) ids, sum
-   combiner, Adagrad) at each `--dims`, against plain JAX dense (take + segment_sum,
+   combiner, Adagrad) at each `--dims` (at 64 also pipelined, each update in the next
+   lookup's program), against plain JAX dense (take + segment_sum,
    `jax.grad` to the whole tables, optax.adagrad) and plain JAX sparse (unique + take +
    segment_sum, the gradient of the gathered rows, Adagrad on them, a scatter with
    `unique_indices`: what a careful JAX user writes); at dim 64 also embedmesh with its
@@ -196,7 +197,7 @@ def rows_for(dim, slots=1):
     return min(1_000_000, BYTES_LIMIT // per_row // 1000 * 1000)
 
 
-def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10):
+def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10, pipelined=False):
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -225,7 +226,11 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10):
         plan = plan_stacking(fc, 1, dim_multiple=dim_multiple_for(device.platform))
         caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
         emb = em.MeshEmbedding(
-            fc, optimizer=opt, mesh=Mesh(np.array([device]), ("d",)), capacities=caps
+            fc,
+            optimizer=opt,
+            pipeline_execution_with_tensor_core=pipelined,
+            mesh=Mesh(np.array([device]), ("d",)),
+            capacities=caps,
         )
         emb.build()
         bsz = feats[0]["f0"].row_splits.shape[0] - 1
@@ -272,6 +277,7 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10):
             "rows": v,
             "optimizer": opt_name,
             "kernels": kernels,
+            "pipelined": pipelined,
             "step_ms": dev * 1e3,
             "ids_per_s_M": ids / dev / 1e6,
             "enqueue_ms": enq * 1e3,
@@ -462,6 +468,10 @@ def main():
                 rep.case(
                     f"step/embedmesh-xla/d{dim}",
                     lambda: embedmesh_step(dim, v, batches, kernels=False, steps=steps),
+                )
+                rep.case(
+                    f"step/embedmesh-pipelined/d{dim}",
+                    lambda: embedmesh_step(dim, v, batches, steps=steps, pipelined=True),
                 )
             rep.case(f"step/jax-dense/d{dim}", lambda: plain_step(dim, v, batches, False, steps))
             rep.case(f"step/jax-sparse/d{dim}", lambda: plain_step(dim, v, batches, True, steps))

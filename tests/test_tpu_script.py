@@ -35,6 +35,7 @@ def test_smoke_on_cpu(tmp_path):
         "correct/adagrad",
         "step/embedmesh/d64",
         "step/embedmesh-xla/d64",
+        "step/embedmesh-pipelined/d64",
         "step/jax-dense/d64",
         "step/jax-sparse/d64",
         "bound/w128",
