@@ -41,6 +41,7 @@ each a call that skips the pairs of the others.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,24 +78,25 @@ def _interpret():
     return pltpu.InterpretParams() if INTERPRET else False
 
 
-class Schedule:
-    """The work items of one pair walk (all int32 arrays of `num_items`): `block` the
-    key block, `pair_block` the pair block, `[lo, hi)` the item's pairs within it,
-    `first` 1 on the first item of a key block; plus the padded pair arrays."""
+class Schedule(NamedTuple):
+    """The work items of one pair walk (int32 arrays of `num_items`): `block` the key
+    block, `pair_block` the pair block, `[lo, hi)` the item's pairs within it, `first` 1
+    on the first item of a key block; the pair arrays padded to whole pair blocks
+    (`key`, `dst`, `gains`); `num_blocks` the key blocks."""
 
-    def __init__(self, block, pair_block, lo, hi, first, key, dst, gains, num_blocks):
-        self.num_blocks = num_blocks
-        self.block, self.pair_block, self.lo, self.hi, self.first = (
-            block,
-            pair_block,
-            lo,
-            hi,
-            first,
-        )
-        self.key, self.dst, self.gains = key, dst, gains
+    block: Any
+    pair_block: Any
+    lo: Any
+    hi: Any
+    first: Any
+    key: Any
+    dst: Any
+    gains: Any
+    num_blocks: int
 
     @property
-    def scalars(self):
+    def scalars(self) -> tuple:
+        """The arrays Pallas prefetches into SMEM, in the kernels' argument order."""
         return (self.block, self.pair_block, self.lo, self.hi, self.first)
 
 
