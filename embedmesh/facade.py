@@ -22,12 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from embedmesh import _compat, _runtime
-from embedmesh.config import (
-    FeatureConfig,
-    _path_str,
-    flatten_features,
-    resolve_feature_config,
-)
+from embedmesh.config import resolve_feature_config
 from embedmesh.device import peers as _peers
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.host import agree as _agree
@@ -236,7 +231,6 @@ class MeshEmbedding:
         self.last_stats = None
         self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
         self._attempts = 0  # several processes: enqueue attempts, failed ones included
-        self._names_by_path: dict | None = None  # see _feature_name_of_path
 
     # -- build ------------------------------------------------------------------
 
@@ -816,44 +810,10 @@ class MeshEmbedding:
 
     # -- update -------------------------------------------------------------------
 
-    def _check_gradient_keys(self, gradients) -> None:
-        """TensorFlow's structure check of the gradients: a ValueError naming every
-        feature a dict of the gradients leaves out (and any key the config lacks), before
-        anything is read. Only an explicit None (a leaf or a whole subtree) is a zero
-        gradient; other structure mismatches are `flatten_inputs_like`'s errors."""
-        missing: list[str] = []
-        extra: list[str] = []
-        _gradient_gaps(self._feature_config, gradients, (), missing, extra)
-        if not missing:
-            return  # extra keys alone: flatten_inputs_like's ValueError names them
-        names = self._feature_name_of_path()
-        lacking = [names.get(p, p) for p in missing]
-        order = {n: i for i, n in enumerate(self._resolved.feature_names)}
-        lacking.sort(key=lambda n: order.get(n, len(order)))
-        message = (
-            f"apply_gradients: gradients lack feature(s) {lacking}: the gradients must "
-            f"have the feature config's structure (pass None for a feature's zero "
-            f"gradient)"
-        )
-        if extra:
-            message += f"; and keys {sorted(extra)} are not in the feature config"
-        raise ValueError(message + ". Nothing was applied; the tables are unchanged")
-
-    def _feature_name_of_path(self) -> dict:
-        """`{feature path ("a/0"): its name}` (the name is the path unless the
-        FeatureConfig names the feature)."""
-        names = getattr(self, "_names_by_path", None)
-        if names is None:
-            paths = [p for p, _ in flatten_features(self._feature_config)]
-            names = self._names_by_path = dict(zip(paths, self._resolved.feature_names))
-        return names
-
     def _flat_gradients(self, gradients, csr) -> dict:
-        if gradients is not None:
-            self._check_gradient_keys(gradients)
         segments = self._segments(csr)
         flat = (
-            flatten_inputs_like(self._resolved, gradients, "gradients")
+            flatten_inputs_like(self._resolved, gradients, "gradients", every_feature=True)
             if gradients is not None
             else [None] * len(self._resolved.features)
         )
@@ -1072,37 +1032,6 @@ class MeshEmbedding:
                 f"{expected} = {want}"
             )
         return arr
-
-
-def _gradient_gaps(cfg, grads, path: tuple, missing: list, extra: list) -> None:
-    """Walk the feature structure beside the gradients': the paths ("a/0", as
-    `flatten_features` writes them) of the features whose dict key the gradients leave
-    out go to `missing`, those of keys the config lacks to `extra`. An explicit None is
-    no gap; other mismatches (kinds, lengths) are left to `flatten_inputs_like`. A
-    module-level function, not a closure (see `flatten_inputs_like`)."""
-    if grads is None or isinstance(cfg, FeatureConfig):
-        return
-    if isinstance(cfg, dict) and isinstance(grads, dict):
-        for k in grads:
-            if k not in cfg:
-                extra.append(_path_str(path + (jax.tree_util.DictKey(k),)))
-        for k in cfg:
-            key = path + (jax.tree_util.DictKey(k),)
-            if k in grads:
-                _gradient_gaps(cfg[k], grads[k], key, missing, extra)
-            else:
-                for sub, _leaf in jax.tree_util.tree_flatten_with_path(cfg[k])[0]:
-                    missing.append(_path_str(key + tuple(sub)))
-        return
-    if isinstance(cfg, (list, tuple)) and type(grads) is type(cfg) and len(grads) == len(cfg):
-        fields = getattr(cfg, "_fields", None)  # a namedtuple: jax's path names the field
-        for i, (c, g) in enumerate(zip(cfg, grads)):
-            key = (
-                jax.tree_util.GetAttrKey(fields[i])
-                if fields is not None
-                else jax.tree_util.SequenceKey(i)
-            )
-            _gradient_gaps(c, g, path + (key,), missing, extra)
 
 
 def _planner_sample(resolved, features, weights) -> list:

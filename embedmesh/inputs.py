@@ -613,26 +613,52 @@ def check_id_range(name: str, ids: np.ndarray, vocabulary_size: int) -> None:
         raise id_range_error(name, ids[bad], bad, vocabulary_size)
 
 
-def flatten_inputs_like(resolved, inputs, what: str = "features") -> list[Any | None]:
+def flatten_inputs_like(
+    resolved, inputs, what: str = "features", *, every_feature: bool = False
+) -> list[Any | None]:
     """Inputs flattened in the feature config's order; a feature left out is None.
 
     Inputs may be a subset of the feature structure (dict keys may be
     missing). As TensorFlow's nest checks: a different kind of sequence (a
     list for a dict, a tuple for a list) is a TypeError; extra keys, a
     sequence of another length or a leaf where the config nests are
-    ValueErrors. Any dict matches a dict.
+    ValueErrors. Any dict matches a dict. With `every_feature` (gradients, which
+    TensorFlow checks against the whole structure), a dict that leaves a feature's key
+    out is a ValueError naming the features (and any keys the config lacks); only an
+    explicit None, for a feature or a subtree, stands for none.
     """
     if type(inputs) is dict:
         flat = _flat_dict_keys(resolved)
         if flat is not None and flat[1].issuperset(inputs):
             # a flat dict of features (the common serving request): no walk
+            if every_feature and len(inputs) < len(flat[0]):
+                left_out = [flat[2][k] for k in flat[0] if k not in inputs]
+                _raise_left_out(resolved, left_out, [], what)
             return [None if (x := inputs.get(k)) is None else convert_input(x) for k in flat[0]]
     out: list[Any | None] = []
+    gaps: tuple[list, list] | None = ([], []) if every_feature else None
     # a module-level walker: a nested one refers to itself through its closure, a
     # reference cycle that kept `out` (a step's converted inputs or gradients) alive until
     # the cyclic GC ran (8 MB a step of the training benchmark's gradients, ~100 MB)
-    _flatten_walk(resolved_structure(resolved), inputs, "", out, what)
+    _flatten_walk(resolved_structure(resolved), inputs, "", out, what, gaps)
+    if gaps is not None and (gaps[0] or gaps[1]):
+        _raise_left_out(resolved, *gaps, what)
     return out
+
+
+def _raise_left_out(resolved, left_out: list, extra: list, what: str):
+    """The ValueError of `every_feature`: the features (positions in the flat order) a
+    dict left out, by name, and the keys (paths) the config lacks."""
+    if not left_out:
+        raise ValueError(f"{what}: keys {sorted(extra)} are not in the feature config")
+    names = [resolved.feature_names[i] for i in sorted(left_out)]
+    message = (
+        f"{what} lack feature(s) {names}: the {what} must have the feature config's "
+        f"structure (pass None for a feature that has none)"
+    )
+    if extra:
+        message += f"; and keys {sorted(extra)} are not in the feature config"
+    raise ValueError(message)
 
 
 def unflatten_flat_dict(resolved, inputs, flat_outputs: list) -> dict | None:
@@ -681,7 +707,11 @@ def _is_leaf(x) -> bool:
     )
 
 
-def _flatten_walk(cfg, inp, path: str, out: list, what: str) -> None:
+def _flatten_walk(cfg, inp, path: str, out: list, what: str, gaps=None) -> None:
+    """Append the inputs of `cfg`'s features to `out`; `gaps` (`every_feature`): lists
+    that collect the positions of features whose dict key is left out, and the paths of
+    keys the config lacks, instead of reading the first as None and raising on the
+    second."""
     from embedmesh.config import FeatureConfig
 
     if isinstance(cfg, FeatureConfig):
@@ -700,13 +730,20 @@ def _flatten_walk(cfg, inp, path: str, out: list, what: str) -> None:
                 f"feature config, got {type(inp).__name__}"
             )
         extra = set(inp) - set(cfg)
-        if extra:
+        if extra and gaps is not None:
+            gaps[1].extend(f"{path}/{k}" if path else str(k) for k in extra)
+        elif extra:
             raise ValueError(
                 f"{what} at {path or '<root>'}: keys {sorted(map(str, extra))} "
                 f"are not in the feature config"
             )
         for k in sorted(cfg):
-            _flatten_walk(cfg[k], inp.get(k), f"{path}/{k}" if path else str(k), out, what)
+            if gaps is not None and k not in inp:
+                start = len(out)
+                out.extend(None for _ in jax.tree_util.tree_leaves(cfg[k]))
+                gaps[0].extend(range(start, len(out)))
+                continue
+            _flatten_walk(cfg[k], inp.get(k), f"{path}/{k}" if path else str(k), out, what, gaps)
         return
     if isinstance(cfg, (list, tuple)):
         kind = type(cfg).__name__
@@ -722,7 +759,7 @@ def _flatten_walk(cfg, inp, path: str, out: list, what: str) -> None:
                 f"{type(inp).__name__}" + (f" of {len(inp)}" if _is_sequence(inp) else "")
             )
         for i, (c, x) in enumerate(zip(cfg, inp)):
-            _flatten_walk(c, x, f"{path}/{i}" if path else str(i), out, what)
+            _flatten_walk(c, x, f"{path}/{i}" if path else str(i), out, what, gaps)
         return
     raise ValueError(f"unsupported feature config node {type(cfg).__name__} at {path}")
 
