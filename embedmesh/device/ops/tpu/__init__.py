@@ -30,13 +30,18 @@ import importlib
 
 import jax.numpy as jnp
 
-__all__ = ["ENABLED", "KERNELS", "PAIR_LOOP_MIN_LANES", "ready"]
+__all__ = ["ENABLED", "KERNELS", "LANES", "PAIR_LOOP_MIN_LANES", "lane_width", "ready"]
 
 ENABLED = True
 PAIR_LOOP_MIN_LANES = 256  # the pair loops beat XLA's segment sum from this width
 
 
 LANES = 128
+
+
+def lane_width(dim: int) -> int:
+    """Columns a row takes on a TPU: `dim` rounded up to whole 128-lane vregs."""
+    return -(-int(dim) // LANES) * LANES
 
 
 def _pallas():
@@ -68,7 +73,7 @@ def scatter_rows(table, ids, rows):
 
 
 def _wide(src) -> bool:
-    return src.ndim == 2 and -(-src.shape[1] // LANES) * LANES >= PAIR_LOOP_MIN_LANES
+    return src.ndim == 2 and lane_width(src.shape[1]) >= PAIR_LOOP_MIN_LANES
 
 
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):

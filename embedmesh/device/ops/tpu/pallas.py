@@ -48,6 +48,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from embedmesh.device.ops import reference
+from embedmesh.device.ops.tpu import lane_width
+
 __all__ = [
     "INTERPRET",
     "combine",
@@ -64,14 +67,8 @@ __all__ = [
 INTERPRET = False
 TW = 512  # keys a block (rows of the streamed side)
 TP = 1024  # pairs a block
-LANES = 128
 RESIDENT_BYTES = 48 << 20  # the resident side's VMEM at most (a v5e core has 128 MiB)
 _VMEM_LIMIT = 100 << 20
-
-
-def lane_width(dim: int) -> int:
-    """Columns a row takes in the kernels: `dim` rounded up to whole 128-lane vregs."""
-    return -(-int(dim) // LANES) * LANES
 
 
 def _interpret():
@@ -117,7 +114,7 @@ def schedule(key, dst, gains, num_keys: int, num_dst: int, tw: int = TW, tp: int
     k = jnp.pad(k, (0, ppad - p), constant_values=big)
     d = jnp.pad(jnp.where(valid, dst, 0).astype(jnp.int32), (0, ppad - p))
     g = jnp.pad(jnp.where(valid, gains, 0).astype(jnp.float32), (0, ppad - p))
-    ok = jnp.all(k[1:] >= k[:-1]) if ppad > 1 else jnp.asarray(True)
+    ok = is_sorted(key, dst, num_keys, num_dst)
     bounds = jnp.arange(nkb + 1, dtype=jnp.int32) * tw
     off = jnp.searchsorted(k, bounds, side="left").astype(jnp.int32)  # [nkb + 1]
     first_pb = jnp.minimum(off[:-1] // tp, npb - 1)
@@ -176,7 +173,7 @@ def _pair_loop(lo, hi, pk_ref, pd_ref, pg_ref, base, tw, r0, rows, step):
     jax.lax.fori_loop(lo, hi, body, 0)
 
 
-def _combine_kernel(
+def _pair_kernel(
     b_ref,
     pb_ref,
     lo_ref,
@@ -191,61 +188,24 @@ def _combine_kernel(
     tw,
     r0,
     rows,
+    streamed_out,
 ):
+    """One work item of `combine` (`streamed_out` False: `out[dst] += g * src[key]`,
+    `out` resident, zeroed at the first item) or `reduce` (True: `out[key] += g *
+    src[dst]`, `out` the item's key block, zeroed at its block's first item)."""
     j = pl.program_id(0)
 
-    @pl.when(j == 0)
+    @pl.when((first_ref[j] == 1) if streamed_out else (j == 0))
     def _():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
-    _pair_loop(
-        lo_ref[j],
-        hi_ref[j],
-        pk_ref,
-        pd_ref,
-        pg_ref,
-        b_ref[j] * tw,
-        tw,
-        r0,
-        rows,
-        lambda u, r, g: _add_row(out_ref, r, src_ref, u, g),
-    )
+    def step(u, r, g):
+        if streamed_out:
+            _add_row(out_ref, u, src_ref, r, g)
+        else:
+            _add_row(out_ref, r, src_ref, u, g)
 
-
-def _reduce_kernel(
-    b_ref,
-    pb_ref,
-    lo_ref,
-    hi_ref,
-    first_ref,
-    pk_ref,
-    pd_ref,
-    pg_ref,
-    src_ref,
-    out_ref,
-    *,
-    tw,
-    r0,
-    rows,
-):
-    j = pl.program_id(0)
-
-    @pl.when(first_ref[j] == 1)
-    def _():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
-
-    _pair_loop(
-        lo_ref[j],
-        hi_ref[j],
-        pk_ref,
-        pd_ref,
-        pg_ref,
-        b_ref[j] * tw,
-        tw,
-        r0,
-        rows,
-        lambda u, r, g: _add_row(out_ref, u, src_ref, r, g),
-    )
+    _pair_loop(lo_ref[j], hi_ref[j], pk_ref, pd_ref, pg_ref, b_ref[j] * tw, tw, r0, rows, step)
 
 
 def _pair_specs(tp):
@@ -293,7 +253,7 @@ def combine_sorted(src, key, dst, gains, *, num_dst: int, tw: int = TW, tp: int 
     pieces = []
     for r0, rows in _chunks(num_dst, dc):
         rows8 = -(-rows // 8) * 8
-        kernel = functools.partial(_combine_kernel, tw=tw, r0=r0, rows=rows)
+        kernel = functools.partial(_pair_kernel, tw=tw, r0=r0, rows=rows, streamed_out=False)
         src_spec = _rows_spec(tw, dc, lambda j, b, *_: b[j])
         out_spec = _rows_spec(rows8, dc, lambda j, *_: 0)
         out_shape = jax.ShapeDtypeStruct((rows8, dc), jnp.float32)
@@ -322,7 +282,7 @@ def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int =
             .at[:rows, :width]
             .set(src[r0 : r0 + rows].astype(jnp.float32))
         )
-        kernel = functools.partial(_reduce_kernel, tw=tw, r0=r0, rows=rows)
+        kernel = functools.partial(_pair_kernel, tw=tw, r0=r0, rows=rows, streamed_out=True)
         src_spec = _rows_spec(rows8, dc, lambda j, *_: 0)
         out_spec = _rows_spec(tw, dc, lambda j, b, *_: b[j])
         out_shape = jax.ShapeDtypeStruct((nkb * tw, dc), jnp.float32)
@@ -331,37 +291,34 @@ def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int =
     return total[:num_out], ok
 
 
+def _kernel_or_xla(ok, kernel, src, read, write, gains, num_out: int):
+    """`kernel()`'s [num_out, D] where `ok` (the pairs in key order), else the op's
+    reference (XLA's segment sum, any order) of `src[read]` into `write`, where a
+    negative index is out of range too (never wrapped)."""
+    width = src.shape[1]
+
+    def fallback(src, read, write, gains):
+        read = jnp.where(read < 0, src.shape[0], read)
+        return reference.segment_gather_sum(
+            src.astype(jnp.float32), read, gains, write, num_segments=num_out
+        )
+
+    return jax.lax.cond(ok, lambda *_: kernel()[0][:, :width], fallback, src, read, write, gains)
+
+
 def combine(src, key, dst, gains, num_dst: int):
     """`combine_sorted` where the pairs are sorted by key, else XLA's segment sum (any
     order): [num_dst, D] float32."""
-    width = src.shape[1]
-
-    def kernel(src, key, dst, gains):
-        return combine_sorted(src, key, dst, gains, num_dst=num_dst)[0][:, :width]
-
-    def fallback(src, key, dst, gains):
-        key = jnp.where(key < 0, src.shape[0], key)  # never wrapped: read as a fill row
-        rows = jnp.take(src, key, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-        return jax.ops.segment_sum(rows * gains[:, None], dst, num_segments=num_dst)
-
     ok = is_sorted(key, dst, src.shape[0], num_dst)
-    return jax.lax.cond(ok, kernel, fallback, src, key, dst, gains)
+    kernel = lambda: combine_sorted(src, key, dst, gains, num_dst=num_dst)
+    return _kernel_or_xla(ok, kernel, src, key, dst, gains, num_dst)
 
 
 def reduce(src, key, dst, gains, num_out: int):
     """`reduce_sorted` where the pairs are sorted by key, else XLA's: [num_out, D]."""
-    width = src.shape[1]
-
-    def kernel(src, key, dst, gains):
-        return reduce_sorted(src, key, dst, gains, num_out=num_out)[0][:, :width]
-
-    def fallback(src, key, dst, gains):
-        dst = jnp.where(dst < 0, src.shape[0], dst)  # never wrapped: read as a fill row
-        rows = jnp.take(src, dst, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-        return jax.ops.segment_sum(rows * gains[:, None], key, num_segments=num_out)
-
     ok = is_sorted(key, dst, num_out, src.shape[0])
-    return jax.lax.cond(ok, kernel, fallback, src, key, dst, gains)
+    kernel = lambda: reduce_sorted(src, key, dst, gains, num_out=num_out)
+    return _kernel_or_xla(ok, kernel, src, dst, key, gains, num_out)
 
 
 def is_sorted(key, dst, num_keys: int, num_dst: int):
@@ -379,35 +336,42 @@ def is_sorted(key, dst, num_keys: int, num_dst: int):
 TG = 512  # rows a block of a row move
 
 
-def _gather_kernel(ids_ref, table_ref, out_ref, sem, *, num_rows):
-    n = out_ref.shape[0]
+def _dma_rows(ids_ref, n: int, num_rows: int, copy, missing=None):
+    """Start `copy(i, row)` (a DMA descriptor) for each of the block's `n` ids in
+    `[0, num_rows)` (`missing(i)` for the others), then wait for them all: every copy in
+    flight at once on the one semaphore the descriptors share."""
 
-    def start(i, c):
+    def each(i, c, *, start):
         row = ids_ref[i]
         ok = (row >= 0) & (row < num_rows)
 
         @pl.when(ok)
         def _():
-            pltpu.make_async_copy(table_ref.at[pl.ds(row, 1)], out_ref.at[pl.ds(i, 1)], sem).start()
+            if start:
+                copy(i, row).start()
+            else:
+                copy(i, 0).wait()  # a wait counts the bytes of one copy of that shape
 
-        @pl.when(jnp.logical_not(ok))
-        def _():
-            out_ref[pl.ds(i, 1), :] = jnp.zeros((1, out_ref.shape[1]), out_ref.dtype)
+        if start and missing is not None:
 
-        return c
-
-    jax.lax.fori_loop(0, n, start, 0)
-
-    def wait(i, c):
-        row = ids_ref[i]
-
-        @pl.when((row >= 0) & (row < num_rows))
-        def _():
-            pltpu.make_async_copy(table_ref.at[pl.ds(0, 1)], out_ref.at[pl.ds(i, 1)], sem).wait()
+            @pl.when(jnp.logical_not(ok))
+            def _():
+                missing(i)
 
         return c
 
-    jax.lax.fori_loop(0, n, wait, 0)
+    jax.lax.fori_loop(0, n, functools.partial(each, start=True), 0)
+    jax.lax.fori_loop(0, n, functools.partial(each, start=False), 0)
+
+
+def _gather_kernel(ids_ref, table_ref, out_ref, sem, *, num_rows):
+    def copy(i, row):
+        return pltpu.make_async_copy(table_ref.at[pl.ds(row, 1)], out_ref.at[pl.ds(i, 1)], sem)
+
+    def zero(i):
+        out_ref[pl.ds(i, 1), :] = jnp.zeros((1, out_ref.shape[1]), out_ref.dtype)
+
+    _dma_rows(ids_ref, out_ref.shape[0], num_rows, copy, zero)
 
 
 def gather_rows_dma(table, ids, *, tg: int = TG):
@@ -433,31 +397,11 @@ def gather_rows_dma(table, ids, *, tg: int = TG):
 
 def _scatter_kernel(ids_ref, rows_ref, table_in, table_ref, sem, *, num_rows):
     del table_in  # aliased to table_ref
-    n = rows_ref.shape[0]
 
-    def start(i, c):
-        row = ids_ref[i]
+    def copy(i, row):
+        return pltpu.make_async_copy(rows_ref.at[pl.ds(i, 1)], table_ref.at[pl.ds(row, 1)], sem)
 
-        @pl.when((row >= 0) & (row < num_rows))
-        def _():
-            pltpu.make_async_copy(
-                rows_ref.at[pl.ds(i, 1)], table_ref.at[pl.ds(row, 1)], sem
-            ).start()
-
-        return c
-
-    jax.lax.fori_loop(0, n, start, 0)
-
-    def wait(i, c):
-        row = ids_ref[i]
-
-        @pl.when((row >= 0) & (row < num_rows))
-        def _():
-            pltpu.make_async_copy(rows_ref.at[pl.ds(i, 1)], table_ref.at[pl.ds(0, 1)], sem).wait()
-
-        return c
-
-    jax.lax.fori_loop(0, n, wait, 0)
+    _dma_rows(ids_ref, rows_ref.shape[0], num_rows, copy)
 
 
 def scatter_rows_dma(table, ids, rows, *, tg: int = TG):
