@@ -40,24 +40,16 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-T, B, VALENCY, ZIPF_A, LR = 8, 4096, 10, 1.05, 0.01
+T, B, LR = 8, 4096, 0.01  # train_step.py's tables, batch and Adagrad rate
 BYTES_LIMIT = 12 << 30  # a dim's rows a table: 1M, or fewer where tables + slots exceed this
 
 
-def make_batches(v, b, n=4, seed=0):
-    rng = np.random.default_rng(seed)
-    cdf = np.cumsum(np.arange(1, v + 1, dtype=np.float64) ** -ZIPF_A)
-    cdf /= cdf[-1]
-    perms = [rng.permutation(v).astype(np.int32) for _ in range(T)]
-    out = []
-    for _ in range(n):
-        feats = []
-        for t in range(T):
-            lengths = rng.poisson(VALENCY, b).astype(np.int64)
-            r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), v - 1)
-            feats.append((perms[t][r], lengths))
-        out.append(feats)
-    return out
+def make_batches(v, b, n=4):
+    """`train_step.py`'s workload over `v` rows a table, batch `b`, `n` batches."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import train_step
+
+    return train_step.make_batches(vocab=v, batch=b, num=n)
 
 
 def timed(fn, n):

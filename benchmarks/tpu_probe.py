@@ -18,24 +18,20 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-T, B, VALENCY, ZIPF_A, V = 8, 4096, 10, 1.05, 1_000_000
+T, B, V = 8, 4096, 1_000_000  # train_step.py's workload
 
 
-def workload(seed=0):
-    """The train_step workload as one stack's CSR: unique ids ascending, pairs by
-    (unique, row) with summed gains (sum combiner)."""
-    rng = np.random.default_rng(seed)
-    cdf = np.cumsum(np.arange(1, V + 1, dtype=np.float64) ** -ZIPF_A)
-    cdf /= cdf[-1]
-    rows, ids = [], []
-    for t in range(T):
-        perm = rng.permutation(V).astype(np.int64)
-        lengths = rng.poisson(VALENCY, B)
-        r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), V - 1)
-        ids.append(perm[r] + t * V)
-        rows.append(np.repeat(np.arange(B) + t * B, lengths))
-    ids = np.concatenate(ids)
-    rows = np.concatenate(rows)
+def workload():
+    """The train_step workload (its first batch) as one stack's CSR: unique ids
+    ascending, pairs by (unique, row) with summed gains (sum combiner)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import train_step
+
+    batch = train_step.make_batches(vocab=V, batch=B, num=1)[0]
+    ids = np.concatenate([vals.astype(np.int64) + t * V for t, (vals, _) in enumerate(batch)])
+    rows = np.concatenate(
+        [np.repeat(np.arange(B) + t * B, lengths) for t, (_, lengths) in enumerate(batch)]
+    )
     uniq, inv = np.unique(ids, return_inverse=True)
     pair_key = inv.astype(np.int64) * (T * B) + rows
     pk, counts = np.unique(pair_key, return_counts=True)
@@ -60,6 +56,22 @@ def timeit(fn, *args, n=None):
         jax.block_until_ready(out)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts), out
+
+
+def time_in_place(update, table, *args):
+    """Median seconds of `table = update(table, *args)` (the table donated, updated in
+    place), after one untimed call."""
+    import jax
+
+    box = [update(table, *args)]
+    jax.block_until_ready(box[0])
+    ts = []
+    for _ in range(TIMED_RUNS):
+        t = time.perf_counter()
+        box[0] = update(box[0], *args)
+        jax.block_until_ready(box[0])
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), box.pop()
 
 
 def main():
@@ -126,16 +138,7 @@ def main():
                 lambda t, i, r: t.at[i].set(r, unique_indices=True, mode="drop"),
                 donate_argnums=0,
             )
-            out = sc(table, ids, rows)
-            jax.block_until_ready(out)
-            ts = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                out = sc(out, ids, rows)
-                jax.block_until_ready(out)
-                ts.append(time.perf_counter() - t0)
-            tsc = statistics.median(ts)
-            del out
+            tsc, _ = time_in_place(sc, table, ids, rows)
             n = ids.shape[0]
             return {
                 "width": w,
@@ -149,64 +152,37 @@ def main():
 
         case(f"xla_gather_scatter_w{w}", gs)
 
-    # 2. the pair loops, both forms, dims 64 and 256
+    # 2. the pair loops against XLA's take + segment_sum, dims 64 and 256 (the loop forms
+    # measured on 2026-12-04, all within 3%: runs/tpu_probe_2026-12-04_b.txt)
     rng = np.random.default_rng(1)
+
+    def xla_pairs(src, read, write, num):
+        return jax.ops.segment_sum(jnp.take(src, read, axis=0) * d_g[:, None], write, num)
+
     for dim in (64, 256):
         src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
         act = jnp.asarray(rng.normal(size=(R, dim)).astype(np.float32))
-        want_c = jax.jit(
-            lambda s: jax.ops.segment_sum(
-                jnp.take(s, d_pu, axis=0) * d_g[:, None], d_pr, num_segments=R
-            )
-        )(src)
-        want_r = jax.jit(
-            lambda a: jax.ops.segment_sum(
-                jnp.take(a, d_pr, axis=0) * d_g[:, None], d_pu, num_segments=U
-            )
-        )(act)
-        xla_c = jax.jit(
-            lambda s: jax.ops.segment_sum(
-                jnp.take(s, d_pu, axis=0) * d_g[:, None], d_pr, num_segments=R
-            )
-        )
+        xla_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))
+        want_c = xla_c(src)
+        want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
         case(f"xla_segment_combine_d{dim}", lambda: {"ms": timeit(xla_c, src)[0] * 1e3})
-        for form, loop in (
-            ("row", "when"),
-            ("row", "select"),
-            ("row", "unroll"),
-            ("tile", "unroll"),
-        ):
-            for tp in (1024,):
 
-                def run(form=form, tp=tp, dim=dim, src=src, act=act, loop=loop):
-                    tpk.FORM = form
-                    tpk.LOOP = loop
-                    c = jax.jit(
-                        lambda s: tpk.combine_sorted(s, d_pu, d_pr, d_g, num_dst=R, tp=tp)[0][
-                            :, :dim
-                        ]
-                    )
-                    r = jax.jit(
-                        lambda a: tpk.reduce_sorted(a, d_pu, d_pr, d_g, num_out=U, tp=tp)[0][
-                            :, :dim
-                        ]
-                    )
-                    tc, oc = timeit(c, src)
-                    tr, orr = timeit(r, act)
-                    return {
-                        "form": form,
-                        "loop": loop,
-                        "tp": tp,
-                        "dim": dim,
-                        "combine_ms": tc * 1e3,
-                        "combine_Mpairs_s": P / tc / 1e6,
-                        "combine_err": float(jnp.abs(oc - want_c).max()),
-                        "reduce_ms": tr * 1e3,
-                        "reduce_Mpairs_s": P / tr / 1e6,
-                        "reduce_err": float(jnp.abs(orr - want_r).max()),
-                    }
+        def run(dim=dim, src=src, act=act, want_c=want_c, want_r=want_r):
+            c = jax.jit(lambda s: tpk.combine_sorted(s, d_pu, d_pr, d_g, num_dst=R)[0][:, :dim])
+            r = jax.jit(lambda a: tpk.reduce_sorted(a, d_pu, d_pr, d_g, num_out=U)[0][:, :dim])
+            tc, oc = timeit(c, src)
+            tr, orr = timeit(r, act)
+            return {
+                "dim": dim,
+                "combine_ms": tc * 1e3,
+                "combine_Mpairs_s": P / tc / 1e6,
+                "combine_err": float(jnp.abs(oc - want_c).max()),
+                "reduce_ms": tr * 1e3,
+                "reduce_Mpairs_s": P / tr / 1e6,
+                "reduce_err": float(jnp.abs(orr - want_r).max()),
+            }
 
-                case(f"pallas_{form}_{loop}_d{dim}", run)
+        case(f"pallas_pairs_d{dim}", run)
 
     # 3. an XLA Adagrad update over fused [w | acc] rows (dim 64 -> 128 lanes)
     def fused_update():
@@ -220,15 +196,8 @@ def main():
             w = w - 0.01 * g * jax.lax.rsqrt(a)
             return t.at[i].set(jnp.concatenate([w, a], 1), unique_indices=True, mode="drop")
 
-        f = jax.jit(upd, donate_argnums=0)
-        out = f(table, d_uniq, gsum)
-        ts = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            out = f(out, d_uniq, gsum)
-            jax.block_until_ready(out)
-            ts.append(time.perf_counter() - t0)
-        return {"ms": statistics.median(ts) * 1e3}
+        t, _ = time_in_place(jax.jit(upd, donate_argnums=0), table, d_uniq, gsum)
+        return {"ms": t * 1e3}
 
     case("xla_fused_adagrad_update_d64", fused_update)
 
@@ -245,14 +214,10 @@ def main():
                 g = jax.jit(lambda t, i: tpk.gather_rows_dma(t, i, tg=tg))
                 tg_s, rows = timeit(g, table, ids)
                 err = float(jnp.abs(rows[:, 0] - ids.astype(jnp.float32)).max())
-                out = tpk.scatter_rows_dma(table, ids, rows + 1, tg=tg)
-                jax.block_until_ready(out)
-                ts = []
-                for _ in range(TIMED_RUNS):
-                    t0 = time.perf_counter()
-                    out = tpk.scatter_rows_dma(out, ids, rows, tg=tg)
-                    jax.block_until_ready(out)
-                    ts.append(time.perf_counter() - t0)
+                scatter = jax.jit(
+                    lambda t, i, r: tpk.scatter_rows_dma(t, i, r, tg=tg), donate_argnums=0
+                )
+                tsc, out = time_in_place(scatter, table, ids, rows)
                 chk = jnp.take(out, ids, axis=0)
                 err2 = float(jnp.abs(chk - rows).max())
                 n = ids.shape[0]
@@ -263,8 +228,8 @@ def main():
                     "gather_ms": tg_s * 1e3,
                     "gather_Mrows_s": n / tg_s / 1e6,
                     "gather_err": err,
-                    "scatter_ms": statistics.median(ts) * 1e3,
-                    "scatter_Mrows_s": n / statistics.median(ts) / 1e6,
+                    "scatter_ms": tsc * 1e3,
+                    "scatter_Mrows_s": n / tsc / 1e6,
                     "scatter_err": err2,
                 }
 
@@ -273,7 +238,6 @@ def main():
     # 6. where a pair loop's ~26 ns go: the combine's loop with parts of its body removed
     def loop_parts():
         from jax.experimental import pallas as pl
-        from jax.experimental.pallas import tpu as pltpu
 
         dim = 128
         src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
@@ -322,27 +286,16 @@ def main():
                 if body in ("scalar", "read"):
                     out_ref[pl.ds(1, 1), :] = out_ref[pl.ds(1, 1), :] + acc
 
-            call = pl.pallas_call(
-                kernel,
-                grid_spec=pltpu.PrefetchScalarGridSpec(
-                    num_scalar_prefetch=5,
-                    grid=(sched.block.shape[0],),
-                    in_specs=[
-                        pl.BlockSpec((tp,), lambda j, b, pb, *_: (pb[j],), memory_space=pltpu.SMEM)
-                        for _ in range(3)
-                    ]
-                    + [pl.BlockSpec((tw, dim), lambda j, b, *_: (b[j], 0))],
-                    out_specs=pl.BlockSpec((R, dim), lambda j, *_: (0, 0)),
-                ),
-                out_shape=jax.ShapeDtypeStruct((R, dim), jnp.float32),
-                compiler_params=pltpu.CompilerParams(
-                    dimension_semantics=("arbitrary",), vmem_limit_bytes=100 << 20
-                ),
-                interpret=tpk._interpret(),
+            specs = tpk._pair_specs(tp) + [tpk._rows_spec(tw, dim, lambda j, b, *_: b[j])]
+            out_spec = tpk._rows_spec(R, dim, lambda j, *_: 0)
+            shape = jax.ShapeDtypeStruct((R, dim), jnp.float32)
+            grid = sched.block.shape[0]
+            f = jax.jit(
+                lambda kernel=kernel: tpk._call(
+                    kernel, sched, grid, specs, out_spec, shape, (padded,)
+                )
             )
-            f = jax.jit(lambda *a, call=call: call(*a))
-            args_ = (*sched.scalars, sched.key, sched.dst, sched.gains, padded)
-            t, _ = timeit(f, *args_)
+            t, _ = timeit(f)
             out[f"{body}_ms"] = t * 1e3
             out[f"{body}_ns_a_pair"] = t / P * 1e9
         return out

@@ -106,23 +106,26 @@ PEERS = (
 # Shared helpers (child side)
 
 
-def make_batches(seed=0, stream=0):
-    """NUM_BATCHES batches: per table (values int32, lengths int64). Streams > 0 draw
-    other samples over the same ids (the same permuted ranks): one per process."""
+def make_batches(seed=0, stream=0, *, vocab=None, batch=None, num=None):
+    """NUM_BATCHES (`num`) batches: per table (values int32, lengths int64), over `vocab`
+    rows (default V) with `batch` samples (default B). Streams > 0 draw other samples
+    over the same ids (the same permuted ranks): one per process."""
     import numpy as np
 
+    v = V if vocab is None else vocab
+    b = B if batch is None else batch
     rng = np.random.default_rng(seed)
-    cdf = np.cumsum(np.arange(1, V + 1, dtype=np.float64) ** -ZIPF_A)
+    cdf = np.cumsum(np.arange(1, v + 1, dtype=np.float64) ** -ZIPF_A)
     cdf /= cdf[-1]
-    perms = [rng.permutation(V).astype(np.int32) for _ in range(T)]
+    perms = [rng.permutation(v).astype(np.int32) for _ in range(T)]
     if stream:
         rng = np.random.default_rng([seed, stream])
     out = []
-    for _ in range(NUM_BATCHES):
+    for _ in range(NUM_BATCHES if num is None else num):
         feats = []
         for t in range(T):
-            lengths = rng.poisson(VALENCY, B).astype(np.int64)
-            r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), V - 1)
+            lengths = rng.poisson(VALENCY, b).astype(np.int64)
+            r = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), v - 1)
             feats.append((perms[t][r], lengths))
         out.append(feats)
     return out
