@@ -30,6 +30,9 @@ import importlib
 
 import jax.numpy as jnp
 
+from embedmesh.device.ops import reference
+from embedmesh.device.ops.gpu import xla  # XLA's ops told what the op guarantees
+
 __all__ = ["ENABLED", "KERNELS", "LANES", "PAIR_LOOP_MIN_LANES", "lane_width", "ready"]
 
 ENABLED = True
@@ -69,7 +72,7 @@ def scatter_rows(table, ids, rows):
     are whole float32 vregs, else XLA's scatter told the ids are distinct."""
     if _whole_vregs(table):
         return _pallas().scatter_rows_dma(table, ids, rows)
-    return table.at[ids].set(rows.astype(table.dtype), mode="drop", unique_indices=True)
+    return xla.scatter_rows(table, ids, rows)
 
 
 def _wide(src) -> bool:
@@ -84,7 +87,7 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
 def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
     """A lookup from the table: the distinct rows gathered (XLA), then `pallas.combine`
     over the pairs sorted by their position among them."""
-    rows = jnp.take(src, src_map, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    rows = reference.gather_rows(src, src_map).astype(jnp.float32)
     return _pallas().combine(rows, src_idx, dst_idx, gains, num_segments)
 
 
