@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")  # CPU check of the script
+    ap.add_argument("--only", default="", help="run only the cases whose name starts so")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import jax
@@ -94,6 +95,8 @@ def main():
             json.dump(results, f, indent=1)
 
     def case(name, fn):
+        if not name.startswith(args.only):
+            return
         t0 = time.perf_counter()
         try:
             rec = fn()
@@ -152,37 +155,57 @@ def main():
 
         case(f"xla_gather_scatter_w{w}", gs)
 
-    # 2. the pair loops against XLA's take + segment_sum, dims 64 and 256 (the loop forms
-    # measured on 2026-12-04, all within 3%: runs/tpu_probe_2026-12-04_b.txt)
+    # 2. the pair sums (rows gathered into VMEM, one-hot matmuls) against XLA's take +
+    # segment_sum, by dim and block sizes (the scalar pair loops they replace, measured on
+    # 2026-12-04: runs/tpu_probe_2026-12-04_b.txt)
     rng = np.random.default_rng(1)
 
     def xla_pairs(src, read, write, num):
         return jax.ops.segment_sum(jnp.take(src, read, axis=0) * d_g[:, None], write, num)
 
-    for dim in (64, 256):
-        src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
-        act = jnp.asarray(rng.normal(size=(R, dim)).astype(np.float32))
-        xla_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))
-        want_c = xla_c(src)
-        want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
-        case(f"xla_segment_combine_d{dim}", lambda: {"ms": timeit(xla_c, src)[0] * 1e3})
+    blocks_r = ((256, 512), (512, 512))
+    blocks_c = ((128, 512), (256, 512))
+    if args.interpret:
+        blocks_r = blocks_c = ((64, 128),)
+    for dim in (64, 128, 256):
 
-        def run(dim=dim, src=src, act=act, want_c=want_c, want_r=want_r):
-            c = jax.jit(lambda s: tpk.combine_sorted(s, d_pu, d_pr, d_g, num_dst=R)[0][:, :dim])
-            r = jax.jit(lambda a: tpk.reduce_sorted(a, d_pu, d_pr, d_g, num_out=U)[0][:, :dim])
-            tc, oc = timeit(c, src)
-            tr, orr = timeit(r, act)
-            return {
-                "dim": dim,
-                "combine_ms": tc * 1e3,
-                "combine_Mpairs_s": P / tc / 1e6,
-                "combine_err": float(jnp.abs(oc - want_c).max()),
-                "reduce_ms": tr * 1e3,
-                "reduce_Mpairs_s": P / tr / 1e6,
-                "reduce_err": float(jnp.abs(orr - want_r).max()),
-            }
+        def mxu(dim=dim):
+            src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
+            act = jnp.asarray(rng.normal(size=(R, dim)).astype(np.float32))
+            want_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))(src)
+            want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
+            rec = {"dim": dim}
+            rec["xla_combine_ms"] = (
+                timeit(jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R)), src)[0] * 1e3
+            )
+            rec["xla_reduce_ms"] = (
+                timeit(jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U)), act)[0] * 1e3
+            )
+            for tw, tp in blocks_r:
+                try:
+                    r = jax.jit(
+                        lambda a, tw=tw, tp=tp: tpk.reduce_sorted(
+                            a, d_pu, d_pr, d_g, num_out=U, tw=tw, tp=tp
+                        )[0][:, :dim]
+                    )
+                    t, o = timeit(r, act)
+                    rec[f"reduce_{tw}_{tp}_ms"] = t * 1e3
+                    rec[f"reduce_{tw}_{tp}_err"] = float(jnp.abs(o - want_r).max())
+                except Exception as e:  # noqa: BLE001
+                    rec[f"reduce_{tw}_{tp}_error"] = f"{type(e).__name__}: {e}"[:800]
+            for tw, tp in blocks_c:
+                try:
+                    c = jax.jit(
+                        lambda s, tw=tw, tp=tp: tpk.combine(s, d_pu, d_pr, d_g, R, tw=tw, tp=tp)
+                    )
+                    t, o = timeit(c, src)
+                    rec[f"combine_{tw}_{tp}_ms"] = t * 1e3
+                    rec[f"combine_{tw}_{tp}_err"] = float(jnp.abs(o - want_c).max())
+                except Exception as e:  # noqa: BLE001
+                    rec[f"combine_{tw}_{tp}_error"] = f"{type(e).__name__}: {e}"[:800]
+            return rec
 
-        case(f"pallas_pairs_d{dim}", run)
+        case(f"pair_sums_d{dim}", mxu)
 
     # 3. an XLA Adagrad update over fused [w | acc] rows (dim 64 -> 128 lanes)
     def fused_update():
@@ -234,73 +257,6 @@ def main():
                 }
 
             case(f"dma_rows_w{w}_tg{tg}", dma)
-
-    # 6. where a pair loop's ~26 ns go: the combine's loop with parts of its body removed
-    def loop_parts():
-        from jax.experimental import pallas as pl
-
-        dim = 128
-        src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
-        tw, tp = tpk.TW, tpk.TP
-        sched, _ = tpk.schedule(d_pu, d_pr, d_g, U, R, tw, tp)
-        nkb = sched.num_blocks
-        padded = jnp.zeros((nkb * tw, dim), jnp.float32).at[:U].set(src)
-        out = {}
-        for body in ("scalar", "read", "rmw_same_row", "rmw"):
-
-            def kernel(
-                b_ref,
-                pb_ref,
-                lo_ref,
-                hi_ref,
-                first_ref,
-                pk_ref,
-                pd_ref,
-                pg_ref,
-                src_ref,
-                out_ref,
-                body=body,
-            ):
-                j = pl.program_id(0)
-
-                @pl.when(j == 0)
-                def _():
-                    out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
-
-                base = b_ref[j] * tw
-
-                def step(p, carry):
-                    r, u, g = pd_ref[p], pk_ref[p] - base, pg_ref[p]
-                    if body == "scalar":
-                        return carry + (r + u).astype(jnp.float32) * g
-                    if body == "read":
-                        return carry + g * src_ref[pl.ds(u, 1), :]
-                    row = 0 if body == "rmw_same_row" else r
-                    out_ref[pl.ds(row, 1), :] = (
-                        out_ref[pl.ds(row, 1), :] + g * src_ref[pl.ds(u, 1), :]
-                    )
-                    return carry
-
-                init = jnp.float32(0) if body == "scalar" else jnp.zeros((1, dim), jnp.float32)
-                acc = jax.lax.fori_loop(lo_ref[j], hi_ref[j], step, init)
-                if body in ("scalar", "read"):
-                    out_ref[pl.ds(1, 1), :] = out_ref[pl.ds(1, 1), :] + acc
-
-            specs = tpk._pair_specs(tp) + [tpk._rows_spec(tw, dim, lambda j, b, *_: b[j])]
-            out_spec = tpk._rows_spec(R, dim, lambda j, *_: 0)
-            shape = jax.ShapeDtypeStruct((R, dim), jnp.float32)
-            grid = sched.block.shape[0]
-            f = jax.jit(
-                lambda kernel=kernel: tpk._call(
-                    kernel, sched, grid, specs, out_spec, shape, (padded,)
-                )
-            )
-            t, _ = timeit(f)
-            out[f"{body}_ms"] = t * 1e3
-            out[f"{body}_ns_a_pair"] = t / P * 1e9
-        return out
-
-    case("pair_loop_parts_d128", loop_parts)
 
     # 5. sorting the pairs on the device (by output row)
     def sorts():

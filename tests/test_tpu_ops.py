@@ -1,8 +1,8 @@
 """The Pallas TPU kernels (`embedmesh.device.ops.tpu.pallas`), each against a float64
-reference written out as plain loops: the pair loops `combine` / `reduce` (sorted pairs
-through the kernels, any other order through XLA's segment sum, the resident side split
-into row ranges), their `schedule` and `is_sorted`, and the row moves `gather_rows_dma`
-/ `scatter_rows_dma`.
+reference written out as plain loops: the pair sums `combine` / `reduce` (pairs in the
+host's order, in any order: sorted on the device; the resident side split into row
+ranges), their `schedule` and `is_sorted`, and the row moves `gather_rows_dma` /
+`scatter_rows_dma`.
 
 Off a TPU the kernels run in Pallas's TPU interpreter (`pallas.INTERPRET = True`, slow:
 the shapes are small, the blocks too, so that they still make many blocks). On a TPU
@@ -41,7 +41,6 @@ def interpret_off_tpu():
 def _clear_kernel_caches():
     """Drop the kernels' jit traces (they read INTERPRET and RESIDENT_BYTES when traced)."""
     for f in (
-        pallas.combine_sorted,
         pallas.reduce_sorted,
         pallas.gather_rows_dma,
         pallas.scatter_rows_dma,
@@ -161,8 +160,8 @@ def assert_sums_close(got, want, mag):
 
 
 def sides(op, r, num_keys, num_dst, dim):
-    """The rows `op` reads: combine's are the keys' (streamed), reduce's the dsts'
-    (resident); and its reference and output rows."""
+    """The rows `op` reads (the resident side): combine's are the keys', reduce's the
+    dsts'; and its reference and output rows."""
     if op == "combine":
         return signed(r, (num_keys, dim)), combine_reference, num_dst
     return signed(r, (num_dst, dim)), reduce_reference, num_keys
@@ -204,7 +203,7 @@ def test_pair_ops_match_reference(op, seed, dim, num_keys, num_dst, n_valid, n_b
 @pytest.mark.parametrize("dim", [3, 128])
 @pytest.mark.parametrize("op", ["combine", "reduce"])
 def test_pair_ops_take_any_order(op, dim):
-    """Pairs out of key order (padding and invalid pairs among them): XLA's segment sum."""
+    """Pairs out of key order (padding and invalid pairs among them): sorted on the device."""
     r = rng(10 + dim)
     num_keys, num_dst = 30, 20
     key, dst, gains = make_pairs(r, num_keys, num_dst, 150, n_bad=7, n_pad=6, layout="unsorted")
@@ -218,7 +217,7 @@ def test_pair_ops_take_any_order(op, dim):
 @pytest.mark.parametrize("op", ["combine", "reduce"])
 def test_pair_ops_skip_negative_ids(op, order):
     """A pair whose id on the read side (combine's key, reduce's dst) is -1 contributes
-    nothing: behind the valid pairs (the kernels) or before them (XLA's path)."""
+    nothing: behind the valid pairs or before them (sorted on the device)."""
     src = jnp.asarray([[1.0], [2.0]])  # -1 read as the last row would add 2
     ids = np.array([0, -1] if order == "sorted" else [-1, 0], np.int32)
     zeros, gains = np.zeros(2, np.int32), np.ones(2, np.float32)
@@ -227,6 +226,21 @@ def test_pair_ops_skip_negative_ids(op, order):
     else:
         got = pallas.reduce(src, zeros, ids, gains, 1)
     np.testing.assert_array_equal(np.asarray(got), [[1.0]])
+
+
+def test_reference_segment_sum_drops_extreme_ids():
+    """The op's reference (XLA's segment sum, which every kernel falls back to or is
+    checked against) skips dst ids 2**31 - 1, -2**31 and past-the-end ones: on a TPU,
+    XLA's scatter added such rows into other rows (found on the chip, 2026-12-04)."""
+    from embedmesh.device.ops import reference
+
+    r = rng(11)
+    src = signed(r, (6, 256))
+    key = np.array([0, 1, BIG, 2, -(2**31), 1, 4, 3], np.int32)  # dst of the sums
+    read = np.array([0, 5, 1, 2, 3, 4, 5, 1], np.int32)
+    gains = signed(r, key.size)
+    got = reference.segment_gather_sum(jnp.asarray(src), read, gains, key, num_segments=4)
+    assert_sums_close(got, *reduce_reference(src, key, read, gains, 4))
 
 
 def test_pair_ops_without_pairs():
@@ -240,9 +254,11 @@ def test_pair_ops_without_pairs():
 
 
 # ---------------------------------------------------------------------------
-# combine_sorted / reduce_sorted, small blocks: items across key and pair blocks
+# reduce_sorted (and combine), small blocks: items across key and pair blocks
 
-TW, TP = 16, 32
+# A TPU takes rank-1 SMEM blocks of 128 pairs or more; the interpreter any.
+TW, TP = 16, (128 if jax.default_backend() == "tpu" else 32)
+TG = 128 if jax.default_backend() == "tpu" else 16
 
 
 def small_block_case(name, r):
@@ -283,14 +299,15 @@ def test_sorted_kernels_with_small_blocks(op, case, dim):
     num_keys, num_dst, key, dst, gains = small_block_case(case, r)
     src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
     if op == "combine":
-        out, ok = pallas.combine_sorted(src, key, dst, gains, num_dst=num_dst, tw=TW, tp=TP)
+        out = pallas.combine(src, key, dst, gains, num_dst, tw=TW, tp=TP)
     else:
         out, ok = pallas.reduce_sorted(src, key, dst, gains, num_out=num_keys, tw=TW, tp=TP)
-    assert bool(ok)
-    out = np.asarray(out)
-    assert out.shape == (num_out, pallas.lane_width(dim))
-    assert_sums_close(out[:, :dim], *reference(src, key, dst, gains, num_out))
-    assert (out[:, dim:] == 0).all()  # the lanes past the dim
+        assert bool(ok)
+        out = np.asarray(out)
+        assert out.shape == (num_out, pallas.lane_width(dim))
+        assert (out[:, dim:] == 0).all()  # the lanes past the dim
+        out = out[:, :dim]
+    assert_sums_close(out, *reference(src, key, dst, gains, num_out))
 
 
 # ---------------------------------------------------------------------------
@@ -302,33 +319,33 @@ def small_resident(monkeypatch):
     """RESIDENT_BYTES of 40 rows of 128 lanes; counts the kernel calls (one a range)."""
     monkeypatch.setattr(pallas, "RESIDENT_BYTES", 8 * 128 * 4 * 5)
     calls = []
-    real = pallas._call
+    real = pallas._reduce_call
 
     def counted(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(pallas, "_call", counted)
+    monkeypatch.setattr(pallas, "_reduce_call", counted)
     _clear_kernel_caches()  # traced again with the small limit
     yield calls
     _clear_kernel_caches()
 
 
 @pytest.mark.parametrize(
-    "op, dim, resident, ranges",
+    "op, dim, src_rows, ranges",
     [
-        ("combine", 64, 100, 3),  # 40 + 40 + 20 output rows
-        ("reduce", 129, 50, 4),  # 16 + 16 + 16 + 2 source rows (256 lanes a row)
+        ("combine", 64, 100, 3),  # 40 + 40 + 20 source rows (the keys')
+        ("reduce", 129, 50, 4),  # 16 + 16 + 16 + 2 source rows (the dsts', 256 lanes a row)
     ],
 )
-def test_resident_side_split_into_ranges(small_resident, op, dim, resident, ranges):
+def test_resident_side_split_into_ranges(small_resident, op, dim, src_rows, ranges):
     r = rng(dim)
-    streamed = 45
-    num_keys, num_dst = streamed, resident
+    other = 45
+    num_keys, num_dst = (src_rows, other) if op == "combine" else (other, src_rows)
     key, dst, gains = make_pairs(r, num_keys, num_dst, 260, n_bad=4, n_pad=5)
-    assert len(pallas._chunks(resident, pallas.lane_width(dim))) == ranges
-    assert bool(pallas.is_sorted(key, dst, num_keys, num_dst))
+    assert len(pallas._chunks(src_rows, pallas.lane_width(dim))) == ranges
     src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
+    assert src.shape[0] == src_rows
     got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
     assert len(small_resident) == ranges
     assert_sums_close(got, *reference(src, key, dst, gains, num_out))
@@ -431,7 +448,7 @@ def test_gather_rows_dma(width, n):
     for i, row in enumerate(ids.tolist()):
         if 0 <= row < rows:
             want[i] = table[row]
-    got = pallas.gather_rows_dma(jnp.asarray(table), jnp.asarray(ids), tg=16)
+    got = pallas.gather_rows_dma(jnp.asarray(table), jnp.asarray(ids), tg=TG)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -448,7 +465,7 @@ def test_scatter_rows_dma(width, n):
         if 0 <= row < rows:
             want[row] = new[i]
     # a fresh device copy each call: the kernel writes the table in place (aliased)
-    got = pallas.scatter_rows_dma(jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=16)
+    got = pallas.scatter_rows_dma(jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=TG)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -506,9 +523,10 @@ def test_registered_tpu_ops_match_their_references():
     got = tpu.segment_gather_sum(acts, dst, gains, key, num_segments=6)
     want = ops.reference_of("segment_gather_sum")(acts, dst, gains, key, num_segments=6)
     assert_sums_close(got, np.asarray(want, np.float64), np.abs(np.asarray(want)) + 1)
-    # which calls the TPU kernels take: the pair loops from 256 lanes
+    # which calls the TPU kernels take: rows of every width
     take = tpu.KERNELS["segment_gather_sum_mapped"][1]
-    assert take(jnp.zeros((4, 256)), None) and not take(jnp.zeros((4, 128)), None)
+    assert take(jnp.zeros((4, 256)), None) and take(jnp.zeros((4, 64)), None)
+    assert not take(jnp.zeros((4,)), None)
 
 
 def test_a_model_over_the_chip_is_refused_at_its_padded_bytes():

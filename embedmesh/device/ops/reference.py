@@ -47,9 +47,12 @@ def scatter_rows(table, ids, rows):
 
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     """`segment_sum(src[src_idx] * gains[:, None], dst_idx, num_segments)`; pairs with an
-    out-of-range `src_idx` or `dst_idx` contribute nothing."""
+    out-of-range `src_idx` or `dst_idx` contribute nothing (a `dst_idx` outside is made
+    `num_segments`, just past the end: XLA's TPU scatter adds the rows of ids such as
+    2**31 - 1 or -2**31 into other rows, where every other backend drops them)."""
     g = jnp.take(src, src_idx, axis=0, mode="fill", fill_value=0) * gains[:, None]
-    return jax.ops.segment_sum(g, dst_idx, num_segments=num_segments)
+    dst = jnp.where((dst_idx >= 0) & (dst_idx < num_segments), dst_idx, num_segments)
+    return jax.ops.segment_sum(g, dst, num_segments=num_segments)
 
 
 def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):

@@ -1,39 +1,39 @@
-"""Pallas TPU (Mosaic) kernels: row moves a DMA a row, and the pair loops of a lookup
-and of its backward.
+"""Pallas TPU (Mosaic) kernels: the pair sums of a lookup and of its backward on the MXU,
+and row moves a DMA a row.
 
-Measured on a v5e chip (2026-12-04, `benchmarks/tpu_probe.py`, 117,749 distinct rows of
-an 8M-row table, 310,109 pairs; runs in `benchmarks/runs/tpu_probe_*`):
+The pair sums: `reduce(src, key, dst, gains, num_out)` is `out[key[p]] += gains[p] *
+src[dst[p]]` (a backward: `src` the activation gradients, `key` each pair's distinct
+row, the result each distinct row's gradient sum); `combine(src, key, dst, gains,
+num_dst)` is `out[dst[p]] += gains[p] * src[key[p]]` (a lookup: `src` the gathered
+distinct rows), computed as a `reduce` keyed by dst after one device sort of the pairs.
+`reduce` needs the pairs ordered by key (the host's order: by distinct id, then output
+row; `is_sorted` checks it, and any other order is sorted on the device first).
 
+Each work item of `schedule` (a block of `TW` keys x a block of `TP` pairs that share
+pairs) gathers its pairs' `src` rows into VMEM (a row a step, 8 a loop turn: the reads
+are independent, unlike an add into a row another pair may also add to), scales them by
+their gains and adds `onehot(key) @ rows` to its key block on the MXU: the one-hot
+matrix is exact in bfloat16, the rows go as three bfloat16 parts (`_split3`) whose
+products sum in float32, so the sums are float32 sums. `src` (the resident side) is
+copied into VMEM once, a row range of at most `RESIDENT_BYTES` a call (more: one call a
+range, each skipping the pairs of the others). Pairs outside `[0, num_keys)` x `[0,
+num_src)` are skipped (the host's padding).
+
+Measured on a v5e chip (2026-12-04, `benchmarks/tpu_probe.py`, 117,295 distinct rows of
+an 8M-row table, 308,894 pairs; runs in `benchmarks/runs/tpu_probe_*`):
+
+- `reduce`: 3.7 ms at dims 64 and 128, 5.3 ms at 256; XLA's take + segment_sum of the
+  same pairs 6.1, 6.0 and 7.6 ms; the scalar pair loop this replaces (an add a pair
+  into VMEM, ~26 ns a pair whatever its form: each add waits for the last) 7.9 and 8.9;
+- `combine` (its device sort included, ~1.3 ms): 3.35 ms at dims 64 and 128, 8.2 ms at
+  256 (two row ranges), against XLA's 6.2, 6.1 and 9.5 ms;
 - `scatter_rows_dma` (in place, a DMA a row, blocks of `TG` rows): 24 M rows/s at 128
   lanes, 19 M at 512, against XLA's scatter (`unique_indices`) at 12.7 M and 8.5 M;
   `gather_rows_dma`: 21 M / 17 M rows/s, slower than XLA's gather (66 M / 52 M), so
-  gathers stay XLA's;
-- `combine` / `reduce`: 35-39 M pairs/s at dims 64 and 256 whatever the form of the
-  loop (a branch a pair, selects, 8 pairs unrolled, 8-row tiles rotated and masked:
-  all within 3%): the loop is bound by its chain of dependent VMEM reads and writes,
-  not by its arithmetic. XLA's take + segment_sum of the same pairs: 6.4 ms at dim 64
-  (the kernel: 7.9 ms), 11.6 ms at dim 256 (the kernel: 8.9 ms).
+  gathers stay XLA's.
 
-The pair loops: each kernel keeps one side of the pairs whole in VMEM (the activation
-rows, or their gradients: [R, Dc] float32, Dc the dim in whole 128-lane vregs) and
-streams the other (the batch's distinct rows, in blocks of `TW`); a scalar loop over
-the pairs adds `gain * row` from one to the other inside VMEM.
-
-- `combine(src, key, dst, gains, num_dst)`: `out[dst[p]] += gains[p] * src[key[p]]`,
-  `src` streamed by blocks of its rows, `out` [num_dst, D] resident (a lookup:
-  `src` the gathered distinct rows, `key` each pair's position among them);
-- `reduce(src, key, dst, gains, num_out)`: `out[key[p]] += gains[p] * src[dst[p]]`,
-  `src` resident, `out` streamed (a backward: `src` the activation gradients, the
-  result each distinct row's gradient sum).
-
-Both need the pairs ordered by `key` (the host's order: by unique id, then output
-row; `is_sorted` checks it and XLA's segment sum takes any other order); `schedule`
-walks them as work items, one per (block of `TW` keys, block of `TP` pairs) that
-share pairs, so that every item's pairs and rows are fixed-size blocks Pallas
-pipelines (pairs into SMEM, rows into VMEM) and a block of keys stays in VMEM while
-its items run. Pairs outside `[0, num_src)` or `[0, num_dst)` are skipped (the host's
-padding). A resident side larger than `RESIDENT_BYTES` is split into row ranges,
-each a call that skips the pairs of the others.
+Block sizes on a TPU: a rank-1 block in SMEM (`TP`, `TG`) must be a power of two of at
+least 128 (or a multiple of 1024); the interpreter takes any.
 
 `INTERPRET = True` runs them in Pallas's TPU interpreter (on CPU: the tests).
 """
@@ -48,13 +48,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from embedmesh.device.ops import reference
 from embedmesh.device.ops.tpu import lane_width
 
 __all__ = [
     "INTERPRET",
     "combine",
-    "combine_sorted",
     "gather_rows_dma",
     "is_sorted",
     "lane_width",
@@ -65,10 +63,10 @@ __all__ = [
 ]
 
 INTERPRET = False
-TW = 512  # keys a block (rows of the streamed side)
-TP = 1024  # pairs a block
-RESIDENT_BYTES = 48 << 20  # the resident side's VMEM at most (a v5e core has 128 MiB)
-_VMEM_LIMIT = 100 << 20
+TW = 256  # keys a block
+TP = 512  # pairs a block
+RESIDENT_BYTES = 80 << 20  # the resident side's one VMEM buffer at most (a core: 128 MiB)
+_VMEM_LIMIT = 120 << 20
 
 
 def _interpret():
@@ -138,81 +136,75 @@ def schedule(key, dst, gains, num_keys: int, num_dst: int, tw: int = TW, tp: int
 
 
 # ---------------------------------------------------------------------------
-# Row access inside VMEM
+# The pair sums on the MXU
 
 
-def _add_row(dst_ref, r, src_ref, u, g):
-    """`dst_ref[r] += g * src_ref[u]` (refs [n, Dc]; r, u traced scalars)."""
-    dst_ref[pl.ds(r, 1), :] = dst_ref[pl.ds(r, 1), :] + g * src_ref[pl.ds(u, 1), :]
+def _split3(x):
+    """`x` (float32) as three bfloat16 parts whose float32 sum is `x` to float32
+    precision: a one-hot matrix times each part, summed in float32 on the MXU, is then
+    the float32 segment sum (the one-hot entries are exact in bfloat16)."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return hi, mid, lo
 
 
-def _rows_spec(rows: int, width: int, row_block):
-    """A block of `rows` rows, the `row_block(*grid_and_scalars)`-th."""
-    return pl.BlockSpec((rows, width), lambda *a: (row_block(*a), 0))
-
-
-# ---------------------------------------------------------------------------
-# The kernels
-
-
-def _pair_loop(lo, hi, pk_ref, pd_ref, pg_ref, base, tw, r0, rows, step):
-    """`step(u, r, g)` for the item's pairs [lo, hi) whose dst lies in [r0, r0 + rows)
-    (and, a guard against damaged input, whose key lies in the item's block)."""
-
-    def body(p, carry):
-        r = pd_ref[p] - r0
-        u = pk_ref[p] - base
-        g = pg_ref[p]
-
-        @pl.when((r >= 0) & (r < rows) & (u >= 0) & (u < tw))
-        def _():
-            step(u, r, g)
-
-        return carry
-
-    jax.lax.fori_loop(lo, hi, body, 0)
-
-
-def _pair_kernel(
+def _reduce_kernel(
     b_ref,
     pb_ref,
     lo_ref,
     hi_ref,
     first_ref,
-    pk_ref,
     pd_ref,
-    pg_ref,
-    src_ref,
+    key_ref,
+    gain_ref,
+    src_hbm,
     out_ref,
+    src_ref,
+    x_ref,
+    sem,
     *,
     tw,
     r0,
     rows,
-    streamed_out,
 ):
-    """One work item of `combine` (`streamed_out` False: `out[dst] += g * src[key]`,
-    `out` resident, zeroed at the first item) or `reduce` (True: `out[key] += g *
-    src[dst]`, `out` the item's key block, zeroed at its block's first item)."""
+    """One work item: gather `src[dst[p]]` of the item's pairs into `x` (zero rows for a
+    dst outside the resident range), scale them by their gains (zero outside the item's
+    [lo, hi)), and add `onehot(key) @ x` to the key block (zeroed at its first item).
+    The resident rows are copied into VMEM once, at the first item."""
     j = pl.program_id(0)
+    lo, hi = lo_ref[j], hi_ref[j]
+    tp = x_ref.shape[0]
 
-    @pl.when((first_ref[j] == 1) if streamed_out else (j == 0))
+    @pl.when(j == 0)
+    def _():
+        copy = pltpu.make_async_copy(src_hbm, src_ref, sem)
+        copy.start()
+        copy.wait()
+
+    @pl.when(first_ref[j] == 1)
     def _():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
-    def step(u, r, g):
-        if streamed_out:
-            _add_row(out_ref, u, src_ref, r, g)
-        else:
-            _add_row(out_ref, r, src_ref, u, g)
+    def group(gi, c):
+        base = pl.multiple_of(gi * 8, 8)
+        for k in range(8):
+            r = pd_ref[base + k] - r0
+            row = src_ref[pl.ds(jnp.clip(r, 0, rows - 1), 1), :]
+            x_ref[pl.ds(base + k, 1), :] = jnp.where((r >= 0) & (r < rows), row, 0.0)
+        return c
 
-    _pair_loop(lo_ref[j], hi_ref[j], pk_ref, pd_ref, pg_ref, b_ref[j] * tw, tw, r0, rows, step)
-
-
-def _pair_specs(tp):
-    def at(j, b, pb, *_):
-        return (pb[j],)
-
-    return [pl.BlockSpec((tp,), at, memory_space=pltpu.SMEM) for _ in range(3)]
+    jax.lax.fori_loop(lo // 8, (hi + 7) // 8, group, 0)
+    at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+    x = jnp.where((at >= lo) & (at < hi), x_ref[...] * gain_ref[...], 0.0)
+    keys = key_ref[...] - b_ref[j] * tw  # [1, tp]
+    onehot = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (tw, tp), 0) == keys, 1.0, 0.0)
+    onehot = onehot.astype(jnp.bfloat16)
+    acc = out_ref[...]
+    for part in _split3(x):
+        acc = acc + jnp.dot(onehot, part, preferred_element_type=jnp.float32)
+    out_ref[...] = acc
 
 
 def _chunks(num_rows: int, width: int):
@@ -221,60 +213,45 @@ def _chunks(num_rows: int, width: int):
     return [(r0, min(per, num_rows - r0)) for r0 in range(0, num_rows, per)]
 
 
-def _call(kernel, sched, grid, in_specs, out_spec, out_shape, args):
+def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows):
+    """One `pallas_call` of `_reduce_kernel` over the resident rows `part` [rows8, dc]."""
+    at_pair_block = lambda j, b, pb, *_: pb[j]
     return pl.pallas_call(
-        kernel,
+        functools.partial(_reduce_kernel, tw=tw, r0=r0, rows=rows),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            grid=(grid,),
-            in_specs=in_specs,
-            out_specs=out_spec,
+            grid=(sched.block.shape[0],),
+            in_specs=[
+                pl.BlockSpec((tp,), lambda *a: (at_pair_block(*a),), memory_space=pltpu.SMEM),
+                pl.BlockSpec((1, tp), lambda *a: (0, at_pair_block(*a))),
+                pl.BlockSpec((tp, 1), lambda *a: (at_pair_block(*a), 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((tw, dc), lambda j, b, *_: (b[j], 0)),
+            scratch_shapes=[
+                pltpu.VMEM(part.shape, jnp.float32),
+                pltpu.VMEM((tp, dc), jnp.float32),
+                pltpu.SemaphoreType.DMA(()),
+            ],
         ),
-        out_shape=out_shape,
+        out_shape=jax.ShapeDtypeStruct((sched.num_blocks * tw, dc), jnp.float32),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT
         ),
         interpret=_interpret(),
-    )(*sched.scalars, sched.key, sched.dst, sched.gains, *args)
-
-
-@functools.partial(jax.jit, static_argnames=("num_dst", "tw", "tp"))
-def combine_sorted(src, key, dst, gains, *, num_dst: int, tw: int = TW, tp: int = TP):
-    """`out[dst[p]] += gains[p] * src[key[p]]` ([num_dst, Dc] float32, Dc = src's
-    width rounded to 128 lanes) for pairs sorted by key. Returns (out, sorted)."""
-    num_src, width = src.shape
-    dc = lane_width(width)
-    sched, ok = schedule(key, dst, gains, num_src, num_dst, tw, tp)
-    nkb = sched.num_blocks
-    padded = (
-        jnp.zeros((nkb * tw, dc), jnp.float32).at[:num_src, :width].set(src.astype(jnp.float32))
-    )
-    grid = sched.block.shape[0]
-    pieces = []
-    for r0, rows in _chunks(num_dst, dc):
-        rows8 = -(-rows // 8) * 8
-        kernel = functools.partial(_pair_kernel, tw=tw, r0=r0, rows=rows, streamed_out=False)
-        src_spec = _rows_spec(tw, dc, lambda j, b, *_: b[j])
-        out_spec = _rows_spec(rows8, dc, lambda j, *_: 0)
-        out_shape = jax.ShapeDtypeStruct((rows8, dc), jnp.float32)
-        out = _call(
-            kernel, sched, grid, _pair_specs(tp) + [src_spec], out_spec, out_shape, (padded,)
-        )
-        pieces.append(out[:rows])
-    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-    return out, ok
+    )(*sched.scalars, sched.dst, key_row, gains_col, part)
 
 
 @functools.partial(jax.jit, static_argnames=("num_out", "tw", "tp"))
 def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int = TP):
-    """`out[key[p]] += gains[p] * src[dst[p]]` ([num_out, Dc] float32) for pairs sorted
-    by key (`src` [num_src, D] the resident side). Returns (out, sorted)."""
+    """`out[key[p]] += gains[p] * src[dst[p]]` ([num_out, Dc] float32, Dc = src's width
+    rounded to 128 lanes) for pairs sorted by key. Returns (out, sorted)."""
     num_src, width = src.shape
     dc = lane_width(width)
     sched, ok = schedule(key, dst, gains, num_out, num_src, tw, tp)
-    nkb = sched.num_blocks
-    grid = sched.block.shape[0]
-    total = None
+    ppad = sched.key.shape[0]
+    key_row, gains_col = sched.key.reshape(1, ppad), sched.gains.reshape(ppad, 1)
+    parts = []
     for r0, rows in _chunks(num_src, dc):
         rows8 = -(-rows // 8) * 8
         part = (
@@ -282,43 +259,43 @@ def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int =
             .at[:rows, :width]
             .set(src[r0 : r0 + rows].astype(jnp.float32))
         )
-        kernel = functools.partial(_pair_kernel, tw=tw, r0=r0, rows=rows, streamed_out=True)
-        src_spec = _rows_spec(rows8, dc, lambda j, *_: 0)
-        out_spec = _rows_spec(tw, dc, lambda j, b, *_: b[j])
-        out_shape = jax.ShapeDtypeStruct((nkb * tw, dc), jnp.float32)
-        out = _call(kernel, sched, grid, _pair_specs(tp) + [src_spec], out_spec, out_shape, (part,))
-        total = out if total is None else total + out
-    return total[:num_out], ok
-
-
-def _kernel_or_xla(ok, kernel, src, read, write, gains, num_out: int):
-    """`kernel()`'s [num_out, D] where `ok` (the pairs in key order), else the op's
-    reference (XLA's segment sum, any order) of `src[read]` into `write`, where a
-    negative index is out of range too (never wrapped)."""
-    width = src.shape[1]
-
-    def fallback(src, read, write, gains):
-        read = jnp.where(read < 0, src.shape[0], read)
-        return reference.segment_gather_sum(
-            src.astype(jnp.float32), read, gains, write, num_segments=num_out
+        parts.append(
+            _reduce_call(sched, key_row, gains_col, part, tw=tw, tp=tp, dc=dc, r0=r0, rows=rows)
         )
-
-    return jax.lax.cond(ok, lambda *_: kernel()[0][:, :width], fallback, src, read, write, gains)
-
-
-def combine(src, key, dst, gains, num_dst: int):
-    """`combine_sorted` where the pairs are sorted by key, else XLA's segment sum (any
-    order): [num_dst, D] float32."""
-    ok = is_sorted(key, dst, src.shape[0], num_dst)
-    kernel = lambda: combine_sorted(src, key, dst, gains, num_dst=num_dst)
-    return _kernel_or_xla(ok, kernel, src, key, dst, gains, num_dst)
+    return functools.reduce(jnp.add, parts)[:num_out], ok
 
 
-def reduce(src, key, dst, gains, num_out: int):
-    """`reduce_sorted` where the pairs are sorted by key, else XLA's: [num_out, D]."""
-    ok = is_sorted(key, dst, num_out, src.shape[0])
-    kernel = lambda: reduce_sorted(src, key, dst, gains, num_out=num_out)
-    return _kernel_or_xla(ok, kernel, src, dst, key, gains, num_out)
+def _sort_by(key, dst, gains, num_keys: int, num_dst: int):
+    """The pairs sorted by key, the invalid ones (key outside `[0, num_keys)` or dst
+    outside `[0, num_dst)`) last: one device sort of the three arrays."""
+    valid = (key >= 0) & (key < num_keys) & (dst >= 0) & (dst < num_dst)
+    k = jnp.where(valid, key, num_keys).astype(jnp.int32)
+    return jax.lax.sort((k, dst.astype(jnp.int32), gains.astype(jnp.float32)), num_keys=1)
+
+
+def reduce(src, key, dst, gains, num_out: int, *, tw: int = TW, tp: int = TP):
+    """`reduce_sorted`'s sums for pairs in any order (sorted on the device unless they
+    come sorted by key): [num_out, D] float32."""
+    num_src, width = src.shape
+    ok = is_sorted(key, dst, num_out, num_src)
+    key, dst, gains = (jnp.asarray(a) for a in (key, dst, gains))
+    key, dst, gains = jax.lax.cond(
+        ok,
+        lambda k, d, g: (k, d, g),
+        lambda k, d, g: _sort_by(k, d, g, num_out, num_src),
+        key,
+        dst,
+        gains,
+    )
+    return reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp)[0][:, :width]
+
+
+def combine(src, key, dst, gains, num_dst: int, *, tw: int = TW, tp: int = TP):
+    """`out[dst[p]] += gains[p] * src[key[p]]` ([num_dst, D] float32) for pairs in any
+    order: sorted by dst on the device, then `reduce_sorted` keyed by dst."""
+    num_src, width = src.shape
+    d, k, g = _sort_by(jnp.asarray(dst), jnp.asarray(key), jnp.asarray(gains), num_dst, num_src)
+    return reduce_sorted(src, d, k, g, num_out=num_dst, tw=tw, tp=tp)[0][:, :width]
 
 
 def is_sorted(key, dst, num_keys: int, num_dst: int):
