@@ -229,9 +229,9 @@ def test_pair_ops_skip_negative_ids(op, order):
 
 
 def test_reference_segment_sum_drops_extreme_ids():
-    """The op's reference (XLA's segment sum, which every kernel falls back to or is
-    checked against) skips dst ids 2**31 - 1, -2**31 and past-the-end ones: on a TPU,
-    XLA's scatter added such rows into other rows (found on the chip, 2026-12-04)."""
+    """The op's reference (XLA's segment sum, which the kernels are checked against and
+    every op without a kernel runs) skips dst ids 2**31 - 1, -2**31 and past-the-end
+    ones: on the chip, XLA's segment sum added such rows into segment 0 (2026-12-04)."""
     from embedmesh.device.ops import reference
 
     r = rng(11)
@@ -241,6 +241,45 @@ def test_reference_segment_sum_drops_extreme_ids():
     gains = signed(r, key.size)
     got = reference.segment_gather_sum(jnp.asarray(src), read, gains, key, num_segments=4)
     assert_sums_close(got, *reduce_reference(src, key, read, gains, 4))
+
+
+@pytest.mark.parametrize("form", ["segment_sum", "add_drop", "set_drop"])
+@pytest.mark.parametrize("rows", [4, 3000])
+def test_xla_scatter_drops_ids_outside(form, rows):
+    """What this backend's XLA does with ids past the end under "drop" (embedmesh's
+    padding is 2**31 - 1): dropped on CPU. A failure on a chip says which of XLA's
+    scatters there needs its ids made valid first (as `reference.segment_gather_sum`
+    does): the diagnosis of test_reference_segment_sum_drops_extreme_ids."""
+    r = rng(rows)
+    n = 40
+    ids = r.integers(0, rows, n)
+    ids[::4] = rows  # just past the end
+    ids[1::8] = BIG
+    ids[3::8] = rows + 7
+    ids = ids.astype(np.int32)
+    upd = signed(r, (n, 128))
+    base = signed(r, (rows, 128))
+    ok = ids < rows
+    want = np.zeros((rows, 128)) if form == "segment_sum" else base.astype(np.float64)
+    for i in np.flatnonzero(ok):
+        if form == "set_drop":
+            want[ids[i]] = upd[i]
+        else:
+            want[ids[i]] += upd[i]
+    if form == "set_drop":  # distinct ids: the set is then defined
+        _, first = np.unique(ids, return_index=True)
+        keep = np.zeros(n, bool)
+        keep[first] = True
+        ids = np.where(keep | ~ok, ids, rows)
+        want = base.astype(np.float64)
+        want[ids[ids < rows]] = upd[ids < rows]
+    f = {
+        "segment_sum": lambda b, i, u: jax.ops.segment_sum(u, i, num_segments=rows),
+        "add_drop": lambda b, i, u: b.at[i].add(u, mode="drop"),
+        "set_drop": lambda b, i, u: b.at[i].set(u, mode="drop"),
+    }[form]
+    got = jax.jit(f)(jnp.asarray(base), jnp.asarray(ids), jnp.asarray(upd))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
 
 
 def test_pair_ops_without_pairs():

@@ -47,12 +47,16 @@ def scatter_rows(table, ids, rows):
 
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     """`segment_sum(src[src_idx] * gains[:, None], dst_idx, num_segments)`; pairs with an
-    out-of-range `src_idx` or `dst_idx` contribute nothing (a `dst_idx` outside is made
-    `num_segments`, just past the end: XLA's TPU scatter adds the rows of ids such as
-    2**31 - 1 or -2**31 into other rows, where every other backend drops them)."""
+    out-of-range `src_idx` or `dst_idx` contribute nothing. No id outside reaches XLA's
+    segment sum: such a pair adds an exact zero row to segment 0 (on the v5e chip, XLA's
+    segment sum added the rows of ids outside `[0, num_segments)` into segment 0, where
+    the CPU drops them: tests/test_tpu_ops.py, 2026-12-04)."""
     g = jnp.take(src, src_idx, axis=0, mode="fill", fill_value=0) * gains[:, None]
-    dst = jnp.where((dst_idx >= 0) & (dst_idx < num_segments), dst_idx, num_segments)
-    return jax.ops.segment_sum(g, dst, num_segments=num_segments)
+    if num_segments == 0:
+        return jnp.zeros((0,) + g.shape[1:], g.dtype)
+    valid = (dst_idx >= 0) & (dst_idx < num_segments)
+    g = jnp.where(valid.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0)
+    return jax.ops.segment_sum(g, jnp.where(valid, dst_idx, 0), num_segments=num_segments)
 
 
 def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
