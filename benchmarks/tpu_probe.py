@@ -207,7 +207,8 @@ def main():
 
         case(f"pair_sums_d{dim}", mxu)
 
-    # 3. an XLA Adagrad update over fused [w | acc] rows (dim 64 -> 128 lanes)
+    # 3. an Adagrad update over fused [w | acc] rows (dim 64 -> 128 lanes): one gather and
+    # one scatter of 117k rows a step where two 128-lane arrays take two of each
     def fused_update():
         table = jnp.ones((S, 128), jnp.float32)
         gsum = jnp.asarray(rng.normal(size=(U, 64)).astype(np.float32))
@@ -217,10 +218,17 @@ def main():
             w, a = rows[:, :64], rows[:, 64:]
             a = a + g * g
             w = w - 0.01 * g * jax.lax.rsqrt(a)
-            return t.at[i].set(jnp.concatenate([w, a], 1), unique_indices=True, mode="drop")
+            new = jnp.concatenate([w, a], 1)
+            if dma:  # the in-place row update embedmesh uses on a TPU
+                return tpk.scatter_rows_dma(t, i, new, one_wait=one_wait)
+            return t.at[i].set(new, unique_indices=True, mode="drop")
 
-        t, _ = time_in_place(jax.jit(upd, donate_argnums=0), table, d_uniq, gsum)
-        return {"ms": t * 1e3}
+        rec = {}
+        for dma, one_wait in ((False, False), (True, False), (True, True)):
+            f = jax.jit(upd, donate_argnums=0)
+            t, table = time_in_place(f, table, d_uniq, gsum)
+            rec[(("dma_one_wait" if one_wait else "dma") if dma else "xla") + "_ms"] = t * 1e3
+        return rec
 
     case("xla_fused_adagrad_update_d64", fused_update)
 
@@ -237,23 +245,28 @@ def main():
                 g = jax.jit(lambda t, i: tpk.gather_rows_dma(t, i, tg=tg))
                 tg_s, rows = timeit(g, table, ids)
                 err = float(jnp.abs(rows[:, 0] - ids.astype(jnp.float32)).max())
-                scatter = jax.jit(
-                    lambda t, i, r: tpk.scatter_rows_dma(t, i, r, tg=tg), donate_argnums=0
-                )
-                tsc, out = time_in_place(scatter, table, ids, rows)
-                chk = jnp.take(out, ids, axis=0)
-                err2 = float(jnp.abs(chk - rows).max())
+                rec = {}
+                for one_wait in (False, True):
+                    scatter = jax.jit(
+                        lambda t, i, r, ow=one_wait: tpk.scatter_rows_dma(
+                            t, i, r, tg=tg, one_wait=ow
+                        ),
+                        donate_argnums=0,
+                    )
+                    tsc, table = time_in_place(scatter, table, ids, rows)
+                    chk = jnp.take(table, ids, axis=0)
+                    key = "scatter_one_wait" if one_wait else "scatter"
+                    rec[f"{key}_ms"] = tsc * 1e3
+                    rec[f"{key}_Mrows_s"] = ids.shape[0] / tsc / 1e6
+                    rec[f"{key}_err"] = float(jnp.abs(chk - rows).max())
                 n = ids.shape[0]
-                return {
+                return rec | {
                     "width": w,
                     "tg": tg,
                     "rows": n,
                     "gather_ms": tg_s * 1e3,
                     "gather_Mrows_s": n / tg_s / 1e6,
                     "gather_err": err,
-                    "scatter_ms": tsc * 1e3,
-                    "scatter_Mrows_s": n / tsc / 1e6,
-                    "scatter_err": err2,
                 }
 
             case(f"dma_rows_w{w}_tg{tg}", dma)

@@ -491,9 +491,10 @@ def test_gather_rows_dma(width, n):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("one_wait", [False, True])
 @pytest.mark.parametrize("n", [5, 37])
 @pytest.mark.parametrize("width", [128, 256])
-def test_scatter_rows_dma(width, n):
+def test_scatter_rows_dma(width, n, one_wait):
     r = rng(2 * width + n)
     rows = 60
     table = signed(r, (rows, width))
@@ -504,7 +505,9 @@ def test_scatter_rows_dma(width, n):
         if 0 <= row < rows:
             want[row] = new[i]
     # a fresh device copy each call: the kernel writes the table in place (aliased)
-    got = pallas.scatter_rows_dma(jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=TG)
+    got = pallas.scatter_rows_dma(
+        jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=TG, one_wait=one_wait
+    )
     np.testing.assert_array_equal(np.asarray(got), want)
 
 

@@ -372,18 +372,43 @@ def gather_rows_dma(table, ids, *, tg: int = TG):
     return out[:n]
 
 
-def _scatter_kernel(ids_ref, rows_ref, table_in, table_ref, sem, *, num_rows):
+def _scatter_kernel(ids_ref, rows_ref, table_in, table_ref, sem, *scratch, num_rows):
     del table_in  # aliased to table_ref
 
     def copy(i, row):
         return pltpu.make_async_copy(rows_ref.at[pl.ds(i, 1)], table_ref.at[pl.ds(row, 1)], sem)
 
-    _dma_rows(ids_ref, rows_ref.shape[0], num_rows, copy)
+    if not scratch:
+        _dma_rows(ids_ref, rows_ref.shape[0], num_rows, copy)
+        return
+    # one wait for the block: a row id outside the table copies its row into a VMEM
+    # row of its own instead, so that every id moves one row's bytes
+    (trash,) = scratch
+    n = rows_ref.shape[0]
+
+    def start(i, c):
+        row = ids_ref[i]
+        ok = (row >= 0) & (row < num_rows)
+
+        @pl.when(ok)
+        def _():
+            copy(i, row).start()
+
+        @pl.when(jnp.logical_not(ok))
+        def _():
+            pltpu.make_async_copy(rows_ref.at[pl.ds(i, 1)], trash, sem).start()
+
+        return c
+
+    jax.lax.fori_loop(0, n, start, 0)
+    pltpu.make_async_copy(rows_ref, table_ref.at[pl.ds(0, n)], sem).wait()  # n rows' bytes
 
 
-def scatter_rows_dma(table, ids, rows, *, tg: int = TG):
+def scatter_rows_dma(table, ids, rows, *, tg: int = TG, one_wait: bool = False):
     """`table.at[ids].set(rows)` in place (ids distinct; outside the table: skipped):
-    the table is aliased to the result (donate it, or XLA copies it first)."""
+    the table is aliased to the result (donate it, or XLA copies it first).
+    `one_wait`: the block's copies waited for at once, not a wait a row (an A/B of
+    `benchmarks/tpu_probe.py`; needs a table of at least `tg` rows)."""
     n = ids.shape[0]
     nb = max(1, -(-n // tg))
     idp = jnp.pad(ids.astype(jnp.int32), (0, nb * tg - n), constant_values=-1)
@@ -398,7 +423,8 @@ def scatter_rows_dma(table, ids, rows, *, tg: int = TG):
         ],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         out_shape=jax.ShapeDtypeStruct(table.shape, table.dtype),
-        scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        scratch_shapes=[pltpu.SemaphoreType.DMA(())]
+        + ([pltpu.VMEM((1, table.shape[1]), table.dtype)] if one_wait else []),
         input_output_aliases={2: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), has_side_effects=True
