@@ -1,0 +1,115 @@
+"""Sphinx configuration of embedmesh's documentation (docs/: MyST Markdown guides and an
+API reference from the docstrings). Built by .ci/run with warnings as errors:
+
+    .venv/bin/sphinx-build -W --keep-going -b html docs /tmp/embedmesh-docs
+
+No network is used: no intersphinx inventories, no remote images.
+"""
+
+import os
+import re
+import sys
+
+from docutils.utils import new_document
+from myst_parser.mdit_to_docutils.sphinx_ import SphinxRenderer
+from myst_parser.parsers.mdit import create_md_parser
+from sphinx.util.docutils import SphinxDirective
+
+# Build from this checkout (CI installs it editable; a plain checkout works too).
+sys.path.insert(0, os.path.abspath(".."))
+# `import embedmesh` starts no backend; keep autodoc's imports on the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import embedmesh
+
+project = "embedmesh"
+author = "the embedmesh authors"
+copyright = "the embedmesh authors"
+version = release = embedmesh.__version__
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+]
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build"]
+
+# MyST: `#section` links to headings up to ### (the same slugs as GitHub's), and
+# ```{directive} fences.
+myst_heading_anchors = 3
+myst_enable_extensions = ["colon_fence"]
+
+autodoc_default_options = {"members": True}
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_class_signature = "mixed"
+
+html_theme = "alabaster"
+html_title = f"embedmesh {release}"
+html_theme_options = {"description": "TPUEmbeddingV2's API on JAX", "fixed_sidebar": True}
+html_show_sourcelink = False
+
+
+# The docstrings are Markdown (`code` spans, `- ` lists, code blocks indented after a
+# blank line, `**bold**`), with Google-style `Args:` / `Returns:` / `Raises:` sections,
+# not reST: read as reST they give dozens of docutils warnings. Each docstring is parsed
+# with MyST instead (the `embedmesh-markdown` directive below, through autodoc's
+# docstring hook), its sections turned into Markdown lists first.
+SECTIONS = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Attributes):\s*$")
+
+
+def google_sections_to_markdown(lines: list[str]) -> list[str]:
+    """`Args:` and its indented `name: text` entries -> `**Args:**` and a Markdown list
+    (continuation lines join their entry); other sections' text as a paragraph."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = SECTIONS.match(lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        out += [f"**{m.group(1)}:**", ""]
+        i += 1
+        body = []
+        while i < len(lines) and (not lines[i].strip() or lines[i][:1].isspace()):
+            body.append(lines[i])
+            i += 1
+        while body and not body[-1].strip():
+            body.pop()
+        indent = min((len(b) - len(b.lstrip()) for b in body if b.strip()), default=0)
+        listed = m.group(1) != "Returns" and m.group(1) != "Yields"
+        for b in body:
+            if not b.strip():
+                out.append("")
+            elif listed and len(b) - len(b.lstrip()) == indent:
+                out.append("- " + b.strip())
+            else:
+                out.append("  " + b.strip())
+        out.append("")
+    return out
+
+
+def markdown_docstring(app, what, name, obj, options, lines):
+    if lines:
+        body = google_sections_to_markdown(lines)
+        lines[:] = [".. embedmesh-markdown::", ""] + ["   " + b if b else "" for b in body]
+
+
+class MarkdownDocstring(SphinxDirective):
+    """Its content parsed as MyST Markdown (a docstring), the nodes put in place."""
+
+    has_content = True
+
+    def run(self):
+        document = new_document(self.get_source_info()[0], self.state.document.settings)
+        parser = create_md_parser(self.env.myst_config, SphinxRenderer)
+        parser.options["document"] = document
+        parser.render("\n".join(self.content))
+        return list(document.children)
+
+
+def setup(app):
+    app.add_directive("embedmesh-markdown", MarkdownDocstring)
+    app.connect("autodoc-process-docstring", markdown_docstring)
