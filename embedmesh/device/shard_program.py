@@ -142,8 +142,12 @@ def merge_and_apply(table_shard, slots, ids, grads, keep, optimizer, step):
 
 
 def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
-    """Every row moves (non-lazy Adam): O(shard) work, by the user's choice."""
-    dense_g = jnp.zeros(table_shard.shape, jnp.float32).at[uniq].add(g_sum, mode="drop")
+    """Every row moves (non-lazy Adam): O(shard) work, by the user's choice. Only valid
+    ids reach XLA's scatter (a padding id adds an exact zero row to row 0): on the v5e
+    chip XLA's scatter-add put rows of ids past the end into row 0."""
+    valid = (uniq >= 0) & (uniq < table_shard.shape[0])
+    g_sum = jnp.where(valid[:, None], g_sum.astype(jnp.float32), 0.0)
+    dense_g = jnp.zeros(table_shard.shape, jnp.float32).at[jnp.where(valid, uniq, 0)].add(g_sum)
     new_rows, new_slots = optimizer.update_rows(table_shard, dict(slots), dense_g, step)
     return (
         new_rows.astype(table_shard.dtype),

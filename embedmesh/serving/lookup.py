@@ -285,11 +285,16 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
             rows = row_of
     if keep is not None:
         w = jnp.where(keep, w, 0.0)
-        rows = jnp.where(keep, rows, num_rows)  # out of range: dropped by segment_sum
+        # weight 0 and a valid row: no id past the end reaches XLA's segment sum (on the
+        # v5e chip it added such rows into row 0)
+        rows = jnp.where(keep, rows, 0)
     gathered = jnp.take(table, ids.astype(jnp.int32), axis=0, mode="fill", fill_value=0).astype(
         jnp.float32
     )
-    out = jax.ops.segment_sum(gathered * w[:, None], rows, num_segments=num_rows)
+    contrib = gathered * w[:, None]
+    if keep is not None:
+        contrib = jnp.where(keep[:, None], contrib, 0.0)
+    out = jax.ops.segment_sum(contrib, rows, num_segments=num_rows)
     if layout.combiner in ("mean", "sqrtn"):
         wd = w if layout.combiner == "mean" else w * w
         den = jax.ops.segment_sum(wd, rows, num_segments=num_rows)
