@@ -110,6 +110,16 @@ class MarkdownDocstring(SphinxDirective):
         return list(document.children)
 
 
+# The guides link to files of the repository outside docs/ (`../benchmarks/RESULTS.md`),
+# which GitHub shows; in the site they become downloads (copied into it, no network).
+REPO_FILE_LINK = re.compile(r"\[([^\]`<>]+)\]\((\.\./[^)#\s]+)\)")
+
+
+def repository_links_as_downloads(app, docname, source):
+    source[0] = REPO_FILE_LINK.sub(r"{download}`\1 <\2>`", source[0])
+
+
 def setup(app):
     app.add_directive("embedmesh-markdown", MarkdownDocstring)
+    app.connect("source-read", repository_links_as_downloads)
     app.connect("autodoc-process-docstring", markdown_docstring)
