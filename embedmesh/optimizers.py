@@ -822,8 +822,10 @@ class RowWiseAdagrad(Optimizer):
     decay enters the gradient, and so the accumulator) and the common
     `weight_decay_factor` with `multiply_weight_decay_factor_by_learning_rate=True` (its
     DECOUPLE mode: `w -= lr * wd * w`, outside the accumulator). Not TensorFlow's: beyond
-    the TPU API. A table using it is stacked only with tables of its own dim, unpadded,
-    so the mean is over the table's own columns.
+    the TPU API. A table using it is stacked only with tables of its own dim, so the mean
+    is over the table's own columns: unpadded, except on a TPU, where its stack's rows are
+    whole 128-lane vregs like every other and the stacking sets `mean_dim` (the mean then
+    over the row's first `mean_dim` columns, the table's own).
 
     Its accumulator is not Adagrad's (one value a row, not one an element): restoring an
     Adagrad checkpoint into it, or the reverse, is an error.
@@ -845,6 +847,8 @@ class RowWiseAdagrad(Optimizer):
     slot_variable_creation_fn: Any = dataclasses.field(default=None, repr=False)
     clipvalue: ClipValue = None
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
+    # the columns the mean is over (the first ones of a padded row); None: all of them
+    mean_dim: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         _set(
@@ -852,13 +856,27 @@ class RowWiseAdagrad(Optimizer):
         )
         for f in ("initial_accumulator_value", "l2_regularization_strength"):
             _set(self, f, _number(self, f, getattr(self, f), "a number >= 0", lambda x: x >= 0))
+        if self.mean_dim is not None and not (
+            isinstance(self.mean_dim, (int, np.integer))
+            and not isinstance(self.mean_dim, bool)
+            and self.mean_dim >= 1
+        ):
+            raise ValueError(
+                f"RowWiseAdagrad: mean_dim must be None or an int >= 1, got {self.mean_dim!r}"
+            )
         self._validate()
 
     @property
     def row_wise(self) -> bool:
         """Its slot holds one value a row: its tables stack only with tables of their own
-        dim, unpadded (`layout.stacking`)."""
+        dim (`layout.stacking`)."""
         return True
+
+    @property
+    def fused_kernel(self) -> str | None:
+        # the CPU kernel takes the mean over the whole row: rows padded past `mean_dim`
+        # (a TPU's stacks) take the reference
+        return None if self.mean_dim is not None else super().fused_kernel
 
     @property
     def slot_initial_values(self) -> dict[str, float]:
@@ -870,7 +888,9 @@ class RowWiseAdagrad(Optimizer):
 
     def _rule(self, w, slots, g, lr):
         g = g + self.l2_regularization_strength * w
-        a = slots["accumulators"] + jnp.sum(g * g, axis=-1, keepdims=True) / float(g.shape[-1])
+        d = g.shape[-1] if self.mean_dim is None else min(self.mean_dim, g.shape[-1])
+        own = g[..., :d]  # a padded row's other columns are not the table's
+        a = slots["accumulators"] + jnp.sum(own * own, axis=-1, keepdims=True) / float(d)
         scale = lr / (jnp.sqrt(a) + self.epsilon)
         return w - scale * g, {"accumulators": a}
 

@@ -10,6 +10,8 @@ the same tests run compiled: `JAX_PLATFORMS=tpu pytest -p no:xdist tests/test_tp
 on the chip (conftest.py otherwise picks the CPU).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -518,8 +520,8 @@ def test_scatter_rows_dma(width, n, one_wait):
 
 
 def test_tpu_stacks_are_whole_vregs():
-    """On a TPU mesh stacks are padded to 128 lanes (a row-wise optimizer's keeps its
-    own dim, whose mean it takes); elsewhere to 8."""
+    """On a TPU mesh stacks are padded to 128 lanes, a row-wise optimizer's too (its mean
+    told its table's dim, `mean_dim`); elsewhere to 8 (a row-wise one's not at all)."""
     import embedmesh as em
     from embedmesh.layout.stacking import dim_multiple_for, plan_stacking
 
@@ -528,11 +530,102 @@ def test_tpu_stacks_are_whole_vregs():
         "a": em.FeatureConfig(em.TableConfig(100, 40, name="a")),
         "b": em.FeatureConfig(em.TableConfig(100, 24, name="b", optimizer=em.RowWiseAdagrad(0.1))),
     }
-    dims = {
-        s.tables[0]: s.dim
-        for s in plan_stacking(fc, 1, dim_multiple=128, default_optimizer=em.Adagrad(0.1)).stacks
-    }
-    assert dims == {"a": 128, "b": 24}
+    for multiple, want in ((128, {"a": 128, "b": 128}), (8, {"a": 40, "b": 24})):
+        stacks = plan_stacking(
+            fc, 1, dim_multiple=multiple, default_optimizer=em.Adagrad(0.1)
+        ).stacks
+        assert {s.tables[0]: s.dim for s in stacks} == want
+        (rowwise,) = [s.optimizer for s in stacks if s.tables == ("b",)]
+        assert rowwise.mean_dim == (24 if multiple == 128 else None)
+    # row-wise tables of two dims padded to one width still stack apart (two means)
+    fc["c"] = em.FeatureConfig(em.TableConfig(100, 40, name="c", optimizer=em.RowWiseAdagrad(0.1)))
+    stacks = plan_stacking(fc, 1, dim_multiple=128, default_optimizer=em.Adagrad(0.1)).stacks
+    assert sorted(s.tables for s in stacks) == [("a",), ("b",), ("c",)]
+
+
+@_random_inputs
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dim=st.sampled_from([1, 7, 24, 64, 100, 127]),
+    l2=st.sampled_from([0.0, 0.05]),
+    clip_min=st.sampled_from([None, 0.2]),
+)
+def test_row_wise_mean_over_the_tables_columns(seed, dim, l2, clip_min):
+    """RowWiseAdagrad on rows padded to 128 lanes (`mean_dim` = the table's dim), the
+    padded columns holding other values (weight clipping moves them off zero): the
+    table's columns and the accumulator as the float64 rule on the unpadded rows."""
+    from optimizer_reference import numpy_update_rows
+
+    import embedmesh as em
+
+    r = rng(seed)
+    n = 9
+    opt = em.RowWiseAdagrad(
+        0.3, l2_regularization_strength=l2, clip_weight_min=clip_min, initial_accumulator_value=0.1
+    )
+    padded_opt = dataclasses.replace(opt, mean_dim=dim)
+    assert padded_opt.fused_kernel is None and opt.fused_kernel == "rowwise_adagrad"
+    w = signed(r, (n, 128))
+    g = np.zeros((n, 128), np.float32)
+    g[:, :dim] = signed(r, (n, dim))
+    acc = r.uniform(0.1, 2.0, (n, 1)).astype(np.float32)
+    got_w, got_s = padded_opt.update_rows(w, {"accumulators": acc}, g, 2)
+    want_w, want_s = numpy_update_rows(
+        opt,
+        w[:, :dim].astype(np.float64),
+        {"accumulators": acc.astype(np.float64)},
+        g[:, :dim].astype(np.float64),
+        2,
+    )
+    np.testing.assert_allclose(np.asarray(got_w)[:, :dim], want_w, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(got_s["accumulators"]), want_s["accumulators"], rtol=2e-6, atol=1e-7
+    )
+
+
+def test_row_wise_trains_the_same_in_padded_stacks(monkeypatch):
+    """A model with a RowWiseAdagrad table (dim 24, L2 decay, weight clipping) and an
+    Adagrad one, trained 3 steps on 2 CPU devices with a TPU's stacks (128 lanes: the
+    row-wise stack padded, its mean over 24 columns) and with the CPU's (unpadded, the
+    fused CPU kernel): the same tables."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.facade import MeshEmbedding
+    from embedmesh.layout import stacking
+
+    # the TPU kernels staged beside the CPU's compiled, not interpreted (an interpreted
+    # kernel's callbacks cannot sit in the platform switch)
+    monkeypatch.setattr(pallas, "INTERPRET", False)
+    _clear_kernel_caches()
+
+    def train(multiple):
+        monkeypatch.setitem(stacking.PLATFORM_DIM_MULTIPLE, "cpu", multiple)
+        rw = em.RowWiseAdagrad(0.5, l2_regularization_strength=0.05, clip_weight_min=-0.3)
+        a = em.TableConfig(50, 24, name="a", combiner="mean", optimizer=rw)
+        b = em.TableConfig(40, 40, name="b", combiner="sum")
+        feats = {"fa": em.FeatureConfig(a), "fb": em.FeatureConfig(b)}
+        emb = MeshEmbedding(feats, em.Adagrad(0.2), mesh=Mesh(np.array(jax.devices()[:2]), ("x",)))
+        emb.build()
+        r = rng(5)
+        for _ in range(3):
+            batch = {
+                "fa": em.RaggedTensor(values=r.integers(0, 50, 24), row_splits=np.arange(0, 25, 3)),
+                "fb": r.integers(0, 40, (8, 2)),
+            }
+            acts, pre = emb(batch)
+            grads = {k: jnp.asarray(signed(r, v.shape)) for k, v in acts.items()}
+            emb.apply_gradients(grads, pre)
+        dims = {s.tables: (s.dim, getattr(s.optimizer, "mean_dim", None)) for s in emb.plan.stacks}
+        return {t.name: np.asarray(v) for t, v in emb.embedding_tables.items()}, dims
+
+    got, dims = train(128)
+    assert dims == {("a",): (128, 24), ("b",): (128, None)}
+    want, dims = train(8)
+    assert dims == {("a",): (24, None), ("b",): (40, None)}
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
 
 
 def test_registered_tpu_ops_match_their_references():

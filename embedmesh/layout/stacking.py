@@ -53,7 +53,8 @@ feature config, the placements and `N`):
   previous one's last, partial round of rows ended (and at least one shard
   further), so that e.g. eight one-row tables land on eight different shards
   and row 0 of consecutive big tables does too;
-- the stack's dim is padded to a multiple of `dim_multiple` (default 8);
+- the stack's dim is padded to a multiple of `dim_multiple` (default 8; a row-wise
+  optimizer's stack keeps its table's dim below `ROW_WISE_PADDED_FROM`, see `_stack_dim`);
   padded columns and padded rows are zero and never touched by a lookup;
 - memory: a stacked array is evenly sharded, so every device holds
   `rows_per_shard` rows of every stack (`StackingPlan.bytes_per_device`): a
@@ -94,6 +95,10 @@ DEFAULT_DIM_MULTIPLE = 8
 # A platform's dim multiple where it differs: a TPU moves rows of whole 128-lane vregs
 # many times faster than narrower ones (embedmesh.device.ops.tpu).
 PLATFORM_DIM_MULTIPLE = {"tpu": 128}
+# From this dim multiple (whole vregs: a TPU's) a row-wise optimizer's stack is padded too,
+# its mean told its table's dim (`mean_dim`); below it the stack keeps its own dim (the CPU
+# kernel's mean is over the whole row, and a few padded columns buy nothing there).
+ROW_WISE_PADDED_FROM = 128
 
 
 def dim_multiple_for(platform: str) -> int:
@@ -440,6 +445,19 @@ def _effective_optimizer(table: TableConfig, default):
     return table.optimizer if table.optimizer is not None else default
 
 
+def _stack_dim(dim: int, opt, dim_multiple: int) -> tuple[int, Any]:
+    """The width of a table's stack and the optimizer its stack runs. A row-wise
+    optimizer's mean is over its table's own columns: its stack keeps the table's dim, or
+    from `ROW_WISE_PADDED_FROM` is padded like any other with the optimizer told its
+    table's dim (`mean_dim`; tables of other dims then stack apart)."""
+    padded = _round_up(dim, dim_multiple)
+    if not getattr(opt, "row_wise", False):
+        return padded, opt
+    if dim_multiple < ROW_WISE_PADDED_FROM or padded == dim:
+        return dim, opt
+    return padded, dataclasses.replace(opt, mean_dim=dim)
+
+
 ShardingArg = Union[str, Mapping[Any, str]]
 
 
@@ -596,10 +614,9 @@ def plan_stacking(
     # Group tables (in order of first use) by their stacking key.
     groups: list[tuple[Any, list[int]]] = []
     for i, t in enumerate(resolved.tables):
-        opt = _effective_optimizer(t, default_optimizer)
+        dim, opt = _stack_dim(t.dim, _effective_optimizer(t, default_optimizer), dim_multiple)
         key = (
-            # a row-wise optimizer's mean is over the row's columns: its own dim, unpadded
-            t.dim if getattr(opt, "row_wise", False) else _round_up(t.dim, dim_multiple),
+            dim,
             opt,
             np.dtype(dtypes.get(resolved.table_names[i], np.float32)),
             (stack_keys or {}).get(resolved.table_names[i]),

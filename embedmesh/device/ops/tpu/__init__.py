@@ -7,8 +7,9 @@ or far more (XLA's gather reads 64-float rows at 10 M rows/s, 128-float rows at 
 its scatter writes them at 5.6 M and 12.7 M rows/s). Hence, on a TPU mesh:
 
 - every stack's rows are whole 128-lane vregs: `layout.stacking.dim_multiple_for`
-  pads dims to a multiple of 128 there (a row-wise optimizer's stack keeps its own
-  dim, whose mean it takes);
+  pads dims to a multiple of 128 there, a row-wise optimizer's stack too (its mean
+  over its table's own columns, `RowWiseAdagrad.mean_dim`: before, its 64-wide rows
+  made its step 2.1x Adagrad's);
 - `scatter_rows`: a DMA a row from VMEM into the table in place
   (`pallas.scatter_rows_dma`, 24 M rows/s at 128 lanes) for float32 tables of
   whole vregs, else XLA's scatter told the ids are distinct;
