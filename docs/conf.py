@@ -16,7 +16,7 @@ from myst_parser.parsers.mdit import create_md_parser
 from sphinx.util.docutils import SphinxDirective
 
 # Build from this checkout (CI installs it editable; a plain checkout works too).
-sys.path.insert(0, os.path.abspath(".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # `import embedmesh` starts no backend; keep autodoc's imports on the CPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
