@@ -352,7 +352,7 @@ def test_sorted_kernels_with_small_blocks(op, case, dim):
 
 
 # ---------------------------------------------------------------------------
-# The resident side split into row ranges
+# The resident side split into column blocks and row ranges
 
 
 @pytest.fixture
@@ -376,7 +376,9 @@ def small_resident(monkeypatch):
     "op, dim, src_rows, ranges",
     [
         ("combine", 64, 100, 3),  # 40 + 40 + 20 source rows (the keys')
-        ("reduce", 129, 50, 4),  # 16 + 16 + 16 + 2 source rows (the dsts', 256 lanes a row)
+        ("reduce", 129, 50, 4),  # 2 column blocks of 128 lanes x rows 40 + 10 (the dsts')
+        ("reduce", 200, 30, 2),  # 2 column blocks of 128 lanes, every row in each
+        ("combine", 250, 10, 1),  # 256 lanes of 10 rows: one block
     ],
 )
 def test_resident_side_split_into_ranges(small_resident, op, dim, src_rows, ranges):

@@ -15,8 +15,9 @@ are independent, unlike an add into a row another pair may also add to), scales 
 their gains and adds `onehot(key) @ rows` to its key block on the MXU: the one-hot
 matrix is exact in bfloat16, the rows go as three bfloat16 parts (`_split3`) whose
 products sum in float32, so the sums are float32 sums. `src` (the resident side) is
-copied into VMEM once, a row range of at most `RESIDENT_BYTES` a call (more: one call a
-range, each skipping the pairs of the others). Pairs outside `[0, num_keys)` x `[0,
+copied into VMEM once, a block of at most `RESIDENT_BYTES` a call (more: one call a
+column block, and where 128 lanes of every row are still more, a row range, each
+skipping the pairs of the others). Pairs outside `[0, num_keys)` x `[0,
 num_src)` are skipped (the host's padding).
 
 Measured on a v5e chip (2026-12-04, `benchmarks/tpu_probe.py`, 117,295 distinct rows of
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from embedmesh.device.ops.tpu import lane_width
+from embedmesh.device.ops.tpu import LANES, lane_width
 
 __all__ = [
     "INTERPRET",
@@ -208,9 +209,20 @@ def _reduce_kernel(
 
 
 def _chunks(num_rows: int, width: int):
-    """Row ranges of the resident side, each within RESIDENT_BYTES (multiples of 8)."""
-    per = max(8, (RESIDENT_BYTES // (width * 4)) // 8 * 8)
-    return [(r0, min(per, num_rows - r0)) for r0 in range(0, num_rows, per)]
+    """Blocks `(r0, rows, c0, cols)` of the resident side [num_rows, width], each within
+    RESIDENT_BYTES: column blocks first (the widest multiple of 128 lanes whose rows all
+    fit), then row ranges (multiples of 8) where even 128 lanes of every row do not. A
+    column block's pass gathers only its lanes; a row range's gathers every lane of its
+    pairs' rows and skips the others' pairs, so columns cost less."""
+    lanes = width // LANES
+    per_lane_row = num_rows * LANES * 4
+    cw = LANES * max(1, min(lanes, RESIDENT_BYTES // max(1, per_lane_row)))
+    per = max(8, (RESIDENT_BYTES // (cw * 4)) // 8 * 8)
+    return [
+        (r0, min(per, num_rows - r0), c0, min(cw, width - c0))
+        for c0 in range(0, width, cw)
+        for r0 in range(0, num_rows, per)
+    ]
 
 
 def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows):
@@ -251,18 +263,21 @@ def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int =
     sched, ok = schedule(key, dst, gains, num_out, num_src, tw, tp)
     ppad = sched.key.shape[0]
     key_row, gains_col = sched.key.reshape(1, ppad), sched.gains.reshape(ppad, 1)
-    parts = []
-    for r0, rows in _chunks(num_src, dc):
+    columns: dict[int, list] = {}  # column block -> the sums of its row ranges
+    for r0, rows, c0, cols in _chunks(num_src, dc):
         rows8 = -(-rows // 8) * 8
+        real = max(0, min(cols, width - c0))  # the block's columns of src (the rest: zero)
         part = (
-            jnp.zeros((rows8, dc), jnp.float32)
-            .at[:rows, :width]
-            .set(src[r0 : r0 + rows].astype(jnp.float32))
+            jnp.zeros((rows8, cols), jnp.float32)
+            .at[:rows, :real]
+            .set(src[r0 : r0 + rows, c0 : c0 + real].astype(jnp.float32))
         )
-        parts.append(
-            _reduce_call(sched, key_row, gains_col, part, tw=tw, tp=tp, dc=dc, r0=r0, rows=rows)
+        columns.setdefault(c0, []).append(
+            _reduce_call(sched, key_row, gains_col, part, tw=tw, tp=tp, dc=cols, r0=r0, rows=rows)
         )
-    return functools.reduce(jnp.add, parts)[:num_out], ok
+    blocks = [functools.reduce(jnp.add, columns[c0]) for c0 in sorted(columns)]
+    out = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
+    return out[:num_out], ok
 
 
 def _sort_by(key, dst, gains, num_keys: int, num_dst: int):
