@@ -1,10 +1,10 @@
-"""Cold start: README's Training block up to the first lookup's result, in a fresh
-process with empty caches (`EMBEDMESH_CACHE_DIR` and `NUMBA_CACHE_DIR` new temporary
+"""Cold start: the Training guide's first block (docs/training.md) up to the first lookup's result,
+in a fresh process with empty caches (`EMBEDMESH_CACHE_DIR` and `NUMBA_CACHE_DIR` new temporary
 folders), as a user runs it right after `pip install`. Phases: `import embedmesh`,
-`MeshEmbedding(...).build()`, the first lookup (host preprocessing, numba compiling
-its kernels at first use, XLA compiling the program, the C++ kernels loaded), and the
-first update. Interleaved rounds of: empty caches; numba's cache warm (what numba's
-compile costs); `EMBEDMESH_NUMBA=0` (no numba at all).
+`MeshEmbedding(...).build()`, the first lookup (host preprocessing, numba compiling its kernels
+at first use, XLA compiling the program, the C++ kernels loaded), and the first update.
+Interleaved rounds of: empty caches; numba's cache warm (what numba's compile costs);
+`EMBEDMESH_NUMBA=0` (no numba at all).
 
     python benchmarks/cold_start.py --rounds 3          # the interpreter whose embedmesh to time
 """

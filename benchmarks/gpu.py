@@ -6,7 +6,7 @@ on the same GPU in the same run.
     bash benchmarks/gpu_run.sh --skip-correctness              # 2nd call: ~6 min
     python benchmarks/gpu.py --out DIR --smoke --allow-cpu     # tiny sizes, CPU (CI)
 
-(README "GPUs" gives the device tool's calls.) Writes DIR/gpu.json (every figure) and
+(docs/gpu.md gives the device tool's calls.) Writes DIR/gpu.json (every figure) and
 DIR/gpu.md (the summary table, also printed last), both rewritten whenever a child
 saves a section or a correctness step and when it ends, so a call cut short still
 returns what ran (marked incomplete). Exit status: 0 all well; 1 a correctness case
@@ -112,7 +112,7 @@ FULL = dict(
     reps=10,
     copy_bytes=4 << 30,
     copy_reps=20,
-    # the second device call (README "GPUs"): its timeout_s 420 leaves the kill grace,
+    # the second device call (docs/gpu.md): its timeout_s 420 leaves the kill grace,
     # the report and a margin; the first call (--smoke) has checked correctness already
     budget_s=330.0,
     variants="xla,pallas,reference",

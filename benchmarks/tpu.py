@@ -21,7 +21,7 @@ later cases skipped when it runs out):
    the workload's distinct rows, at each width the steps move.
 4. every optimizer's step at dim 64 against Adagrad's.
 
-    python benchmarks/tpu.py --out DIR              # on the chip (README "TPU")
+    python benchmarks/tpu.py --out DIR              # on the chip (docs/tpu.md)
     python benchmarks/tpu.py --smoke --allow-cpu    # the plumbing, tiny, on CPU (CI)
 """
 

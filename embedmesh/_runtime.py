@@ -2,7 +2,7 @@
 
 Environment switches are read here, once, the first time they are asked for
 (tests reset them with `reset()`); every module asks this one instead of
-reading `os.environ` itself. README's "CPU kernels and environment variables"
+reading `os.environ` itself. docs/environment.md
 lists them:
 
   EMBEDMESH_NUMBA=0           host kernels (preprocessing, serving) use numpy

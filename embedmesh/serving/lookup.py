@@ -1,7 +1,7 @@
 """`serving_embedding_lookup`: TensorFlow's CPU serving lookup, in JAX.
 
 Semantics follow `tf.tpu.experimental.embedding.serving_embedding_lookup`
-exactly (see README, "Serving semantics"). Every feature's output rows come
+exactly (see docs/inputs.md). Every feature's output rows come
 from `inputs.feature_layout`, the rules training follows too:
 
     out[row] = sum_k weight_k * table[id_k]          (kept entries only)

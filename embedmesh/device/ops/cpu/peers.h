@@ -68,7 +68,7 @@ ffi::Error WithPeers(int64_t tag, int64_t n, int64_t rank, const void* mine, con
                       std::string("embedmesh ") + what + ": only " +
                           std::to_string(rv.arrived + 1) + " of " + std::to_string(n) +
                           " devices arrived within 60 s (on XLA:CPU, keep at most two "
-                          "multi-device steps in flight: see README)");
+                          "multi-device steps in flight: see docs/training.md)");
   }
   const std::vector<const char*> peers = rv.inputs;
   lock.unlock();
