@@ -284,6 +284,19 @@ def test_xla_scatter_drops_ids_outside(form, rows):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["combine", "reduce"])
+def test_pair_ops_read_whole_vreg_rows_in_place(op):
+    """Rows already whole float32 vregs, a multiple of 8 of them (a TPU stack's): the
+    kernel reads them as they are, no padded copy; the sums as the reference's."""
+    r = rng(21)
+    num_keys, num_dst = (16, 11) if op == "combine" else (11, 16)
+    key, dst, gains = make_pairs(r, num_keys, num_dst, 90, n_bad=7, n_pad=3)
+    src, reference, num_out = sides(op, r, num_keys, num_dst, 128)
+    assert src.shape == (16, 128)
+    got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
+    assert_sums_close(got, *reference(src, key, dst, gains, num_out))
+
+
 def test_pair_ops_without_pairs():
     r = rng(3)
     src = signed(r, (9, 64))

@@ -27,7 +27,8 @@ an 8M-row table, 308,894 pairs; runs in `benchmarks/runs/tpu_probe_*`):
   same pairs 6.1, 6.0 and 7.6 ms; the scalar pair loop this replaces (an add a pair
   into VMEM, ~26 ns a pair whatever its form: each add waits for the last) 7.9 and 8.9;
 - `combine` (its device sort included, ~1.3 ms): 3.35 ms at dims 64 and 128, 8.2 ms at
-  256 (two row ranges), against XLA's 6.2, 6.1 and 9.5 ms;
+  256 (then in two row ranges; in two column blocks since, not yet measured), against
+  XLA's 6.2, 6.1 and 9.5 ms;
 - `scatter_rows_dma` (in place, a DMA a row, blocks of `TG` rows): 24 M rows/s at 128
   lanes, 19 M at 512, against XLA's scatter (`unique_indices`) at 12.7 M and 8.5 M;
   `gather_rows_dma`: 21 M / 17 M rows/s, slower than XLA's gather (66 M / 52 M), so
@@ -267,11 +268,14 @@ def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int =
     for r0, rows, c0, cols in _chunks(num_src, dc):
         rows8 = -(-rows // 8) * 8
         real = max(0, min(cols, width - c0))  # the block's columns of src (the rest: zero)
-        part = (
-            jnp.zeros((rows8, cols), jnp.float32)
-            .at[:rows, :real]
-            .set(src[r0 : r0 + rows, c0 : c0 + real].astype(jnp.float32))
-        )
+        if (rows8, cols) == src.shape == (rows, real) and src.dtype == jnp.float32:
+            part = src  # whole vregs already (a TPU stack's rows): no copy
+        else:
+            part = (
+                jnp.zeros((rows8, cols), jnp.float32)
+                .at[:rows, :real]
+                .set(src[r0 : r0 + rows, c0 : c0 + real].astype(jnp.float32))
+            )
         columns.setdefault(c0, []).append(
             _reduce_call(sched, key_row, gains_col, part, tw=tw, tp=tp, dc=cols, r0=r0, rows=rows)
         )
