@@ -170,6 +170,7 @@ def _reduce_kernel(
     tw,
     r0,
     rows,
+    every_row,
 ):
     """One work item: gather `src[dst[p]]` of the item's pairs into `x` (zero rows for a
     dst outside the resident range), scale them by their gains (zero outside the item's
@@ -193,6 +194,9 @@ def _reduce_kernel(
         base = pl.multiple_of(gi * 8, 8)
         for k in range(8):
             r = pd_ref[base + k] - r0
+            if every_row:  # `schedule` made every dst a row of src: read it as it is
+                x_ref[pl.ds(base + k, 1), :] = src_ref[pl.ds(r, 1), :]
+                continue
             row = src_ref[pl.ds(jnp.clip(r, 0, rows - 1), 1), :]
             x_ref[pl.ds(base + k, 1), :] = jnp.where((r >= 0) & (r < rows), row, 0.0)
         return c
@@ -226,11 +230,11 @@ def _chunks(num_rows: int, width: int):
     ]
 
 
-def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows):
+def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows, every_row):
     """One `pallas_call` of `_reduce_kernel` over the resident rows `part` [rows8, dc]."""
     at_pair_block = lambda j, b, pb, *_: pb[j]
     return pl.pallas_call(
-        functools.partial(_reduce_kernel, tw=tw, r0=r0, rows=rows),
+        functools.partial(_reduce_kernel, tw=tw, r0=r0, rows=rows, every_row=every_row),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(sched.block.shape[0],),
@@ -277,7 +281,18 @@ def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int =
                 .set(src[r0 : r0 + rows, c0 : c0 + real].astype(jnp.float32))
             )
         columns.setdefault(c0, []).append(
-            _reduce_call(sched, key_row, gains_col, part, tw=tw, tp=tp, dc=cols, r0=r0, rows=rows)
+            _reduce_call(
+                sched,
+                key_row,
+                gains_col,
+                part,
+                tw=tw,
+                tp=tp,
+                dc=cols,
+                r0=r0,
+                rows=rows,
+                every_row=rows == num_src,  # no dst outside this block's rows
+            )
         )
     blocks = [functools.reduce(jnp.add, columns[c0]) for c0 in sorted(columns)]
     out = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
