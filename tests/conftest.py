@@ -15,6 +15,30 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# JAX's persistent compilation cache, fresh for each run (never kept between runs): the
+# tests build the same small programs again and again (every MeshEmbedding, every
+# fresh jit of the same body, every child process), and XLA compiled each one anew.
+# A program is found by the hash of its HLO, its compile options and XLA's flags, so a
+# hit is the executable XLA would compile again: nothing is tested differently.
+# test_engine.py on 2 workers: 164 -> 88 CPU-seconds. Each xdist worker has its own
+# directory (a cache file is written in place: a worker must not read one another is
+# writing); its children (multi-process workers, fresh-process checks) share it.
+# One set by whoever runs the tests (not by this file) is kept.
+if "EMBEDMESH_TEST_JAX_CACHE" in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_root = os.environ.get("EMBEDMESH_TEST_JAX_CACHE")
+    if _cache_root is None:  # the first process of the run: the controller, or -n 0
+        _cache_root = tempfile.mkdtemp(prefix="embedmesh-tests-jax-cache-")
+        os.environ["EMBEDMESH_TEST_JAX_CACHE"] = _cache_root
+        atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
+    _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache_root, _worker)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):

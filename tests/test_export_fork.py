@@ -18,6 +18,11 @@ def test_forked_children_serve_like_the_parent(exported, tmp_path):  # noqa: F81
     env = dict(os.environ)
     env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE])
+    # without conftest's persistent compilation cache: with it, a forked child of
+    # jaxlib 0.10.2 failed (once, in the whole suite) to run an executable it read from
+    # the cache ("NOT_FOUND: Function wrapped_broadcast.1 not found"); the fork is
+    # tested as before, as users run it by default
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     out = tmp_path / "out.npz"
     try:
         proc = subprocess.run(
