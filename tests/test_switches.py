@@ -101,16 +101,25 @@ print(json.dumps(seen))
 """
 
 
-def test_numba_off_makes_preprocessing_and_serving_use_numpy(tmp_path):
+@pytest.fixture(scope="module")
+def numpy_run(tmp_path_factory):
+    """WORKLOAD with numba and the C++ serving kernels off (one process for the two
+    tests that compare with it): (what it saw, its arrays' file)."""
+    out = tmp_path_factory.mktemp("switches") / "off.npz"
     # EMBEDMESH_SERVING_NATIVE=0: the serving kernels' C++ backend off too (it needs no numba)
-    no_cc = {"EMBEDMESH_SERVING_NATIVE": "0"}
-    off = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0", **no_cc}, tmp_path / "off.npz")
+    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0", "EMBEDMESH_SERVING_NATIVE": "0"}, out)
+    return seen, out
+
+
+def test_numba_off_makes_preprocessing_and_serving_use_numpy(numpy_run, tmp_path):
+    off, off_file = numpy_run
     assert off == {"numba": False, "preprocess_numba": False, "serving": "numpy"}
     if not HAVE_NUMBA:
         pytest.skip("numba is not installed: no numba run to compare with")
+    no_cc = {"EMBEDMESH_SERVING_NATIVE": "0"}
     on = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "1", **no_cc}, tmp_path / "on.npz")
     assert on == {"numba": True, "preprocess_numba": True, "serving": "numba"}
-    a, b = np.load(tmp_path / "off.npz"), np.load(tmp_path / "on.npz")
+    a, b = np.load(off_file), np.load(tmp_path / "on.npz")
     assert sorted(a.files) == sorted(b.files) and len(a.files) > 6
     for k in a.files:
         if k.startswith("pre/"):  # the backends are bit-identical
@@ -119,18 +128,16 @@ def test_numba_off_makes_preprocessing_and_serving_use_numpy(tmp_path):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
 
-def test_serving_native_is_the_default_and_needs_no_numba(tmp_path):
+def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
     from embedmesh.serving import kernels, native
 
     if not kernels.HAVE_NATIVE:
         pytest.skip(f"no C++ serving kernels here: {native.reason()}")
     seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "native.npz")
     assert seen == {"numba": False, "preprocess_numba": False, "serving": "native"}
-    ref = run_with(
-        WORKLOAD, {"EMBEDMESH_NUMBA": "0", "EMBEDMESH_SERVING_NATIVE": "0"}, tmp_path / "np.npz"
-    )
+    ref, ref_file = numpy_run  # the same workload and switches, EMBEDMESH_SERVING_NATIVE=0
     assert ref["serving"] == "numpy"
-    a, b = np.load(tmp_path / "native.npz"), np.load(tmp_path / "np.npz")
+    a, b = np.load(tmp_path / "native.npz"), np.load(ref_file)
     for k in a.files:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
