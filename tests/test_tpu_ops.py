@@ -681,6 +681,40 @@ def test_registered_tpu_ops_match_their_references():
     assert not take(jnp.zeros((4,)), None)
 
 
+@pytest.mark.parametrize("op", ["segment_gather_sum", "segment_gather_sum_mapped"])
+def test_registered_ops_keep_a_non_finite_row_to_its_own_sums(op):
+    """A NaN row and an inf row (and an inf gain): only the sums they enter are
+    non-finite, as in the float64 reference (the MXU's one-hot zeros would carry them into
+    their blocks' other rows: 0 * NaN is NaN); every other sum as the reference's."""
+    from embedmesh.device.ops import tpu
+
+    r = rng(17)
+    num_rows, num_out = 40, 30
+    src = signed(r, (num_rows, 128))
+    src[3, 5] = np.nan
+    src[7] = np.inf
+    key, dst, gains = make_pairs(r, num_out, num_rows, 200, n_pad=4)  # reduce's pairs
+    gains[int(np.flatnonzero(dst == 11)[0])] = np.inf if (dst == 11).any() else gains[0]
+    if op == "segment_gather_sum":  # the backward: sums keyed by `key`, rows by `dst`
+        got = tpu.segment_gather_sum(jnp.asarray(src), dst, gains, key, num_segments=num_out)
+        with np.errstate(invalid="ignore"):  # inf - inf in the reference: NaN, as wanted
+            want, _ = reduce_reference(src, key, dst, gains, num_out)
+    else:  # the lookup: rows src[src_map[key]], sums keyed by `dst`
+        src_map = r.permutation(num_rows).astype(np.int32)
+        got = tpu.segment_gather_sum_mapped(
+            jnp.asarray(src), src_map, dst, gains, key, num_segments=num_out
+        )
+        with np.errstate(invalid="ignore"):
+            want, _ = reduce_reference(src[src_map], key, dst, gains, num_out)
+    got = np.asarray(got)
+    assert (~np.isfinite(want)).any() and np.isfinite(want).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4)
+
+
 def test_a_model_over_the_chip_is_refused_at_its_padded_bytes():
     """26 tables x 1M x 64 with Adagrad: 13.3 GB of state, 26.6 GB in a TPU's whole-vreg
     rows. The planner's memory rule (a plan over the device's limit is a ValueError

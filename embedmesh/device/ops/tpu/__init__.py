@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 
+import jax
 import jax.numpy as jnp
 
 from embedmesh.device.ops import reference
@@ -79,17 +80,41 @@ def _rows(src) -> bool:
     return src.ndim == 2 and src.shape[0] < 2**31
 
 
+def _finite_or_reference(kernel, src, src_idx, gains, dst_idx, num_segments: int):
+    """`kernel()` where every row of `src` and every gain is finite, else the op's
+    reference. The MXU sums multiply each row by the one-hot matrix's zeros for every
+    other key of its block, and 0 * NaN is NaN: a non-finite row would reach up to a
+    block of other rows' sums, where the reference keeps it to its own. One pass over
+    `src` (~0.1 ms for 60 MB on a v5e) buys the reference's semantics there."""
+    finite = jnp.all(jnp.isfinite(src)) & jnp.all(jnp.isfinite(gains))
+
+    def fallback(src, src_idx, gains, dst_idx):
+        src_idx = jnp.where(src_idx < 0, src.shape[0], src_idx)  # skipped, never wrapped
+        return reference.segment_gather_sum(src, src_idx, gains, dst_idx, num_segments=num_segments)
+
+    return jax.lax.cond(finite, lambda *_: kernel(), fallback, src, src_idx, gains, dst_idx)
+
+
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     """The backward's per-unique sums (pairs sorted by `dst_idx`, else sorted on the
     device): `pallas.reduce`."""
-    return _pallas().reduce(src, dst_idx, src_idx, gains, num_segments)
+    src = src.astype(jnp.float32)
+
+    def kernel():
+        return _pallas().reduce(src, dst_idx, src_idx, gains, num_segments)
+
+    return _finite_or_reference(kernel, src, src_idx, gains, dst_idx, num_segments)
 
 
 def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
     """A lookup from the table: the distinct rows gathered (XLA), then `pallas.combine`
     (the pairs sorted by output row on the device)."""
     rows = reference.gather_rows(src, src_map).astype(jnp.float32)
-    return _pallas().combine(rows, src_idx, dst_idx, gains, num_segments)
+
+    def kernel():
+        return _pallas().combine(rows, src_idx, dst_idx, gains, num_segments)
+
+    return _finite_or_reference(kernel, rows, src_idx, gains, dst_idx, num_segments)
 
 
 KERNELS = {
