@@ -79,7 +79,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")  # CPU check of the script
-    ap.add_argument("--only", default="", help="run only the cases whose name starts so")
+    ap.add_argument(
+        "--only", default="", help="run only the cases whose name starts so (comma-separated)"
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import jax
@@ -95,7 +97,7 @@ def main():
             json.dump(results, f, indent=1)
 
     def case(name, fn):
-        if not name.startswith(args.only):
+        if not any(name.startswith(p) for p in args.only.split(",")):
             return
         t0 = time.perf_counter()
         try:
