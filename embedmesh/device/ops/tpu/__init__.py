@@ -98,7 +98,6 @@ def _finite_or_reference(kernel, src, src_idx, gains, dst_idx, num_segments: int
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     """The backward's per-unique sums (pairs sorted by `dst_idx`, else sorted on the
     device): `pallas.reduce`."""
-    src = src.astype(jnp.float32)
 
     def kernel():
         return _pallas().reduce(src, dst_idx, src_idx, gains, num_segments)
