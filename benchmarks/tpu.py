@@ -431,6 +431,9 @@ def main():
     ap.add_argument("--allow-cpu", action="store_true", help="run without a TPU (CI)")
     ap.add_argument("--sections", default="correctness,step,bound,optimizers")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZER_NAMES))
+    ap.add_argument(
+        "--peers", default="dense,sparse", help="the plain-JAX peers of the step ('' none)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("EMBEDMESH_CPU_KERNELS", "0")  # the CPU side: the references
     import jax
@@ -465,8 +468,11 @@ def main():
                     f"step/embedmesh-pipelined/d{dim}",
                     lambda: embedmesh_step(dim, v, batches, steps=steps, pipelined=True),
                 )
-            rep.case(f"step/jax-dense/d{dim}", lambda: plain_step(dim, v, batches, False, steps))
-            rep.case(f"step/jax-sparse/d{dim}", lambda: plain_step(dim, v, batches, True, steps))
+            for peer in filter(None, args.peers.split(",")):
+                rep.case(
+                    f"step/jax-{peer}/d{dim}",
+                    lambda peer=peer: plain_step(dim, v, batches, peer == "sparse", steps),
+                )
     if "bound" in sections:
         v = 2000 if args.smoke else 1_000_000
         batches = make_batches(v, B, n=1)
