@@ -99,15 +99,16 @@ def _jobs(outs) -> set[str]:
 
 @needs_kernels
 def test_killed_processes_leave_no_segments_and_are_noticed_within_seconds():
-    """A job SIGKILLed whole in its first round leaves its segments (their names go at
-    the second round) until the next job on the host, which removes them (their creators
-    are dead). A peer killed before it created its segment fails the others within
-    seconds (its pid, gathered at build, is gone), even with no timeout (inf)."""
+    """A job SIGKILLed whole right after its first round leaves no segment (their names
+    go once every peer has arrived in the first round: each has mapped them). A peer killed
+    before it created its segment fails the others within seconds (its pid, gathered at
+    build, is gone), even with no timeout (inf); the segments left then are removed by the
+    next job on the host (their creators are dead)."""
     env = _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="inf")
     codes, outs = run_collect(_commands(2, "killed"), env, timeout=TIMEOUT)
     assert codes == [-signal.SIGKILL] * 2, "\n=====\n".join(o[-3000:] for o in outs)
     (killed,) = _jobs(outs)
-    assert len(_segments(killed)) == 2  # what the next job finds
+    assert _segments(killed) == []
 
     codes, outs = run_collect(_commands(2, "early"), env, timeout=TIMEOUT)
     assert codes == [0, -signal.SIGKILL], "\n=====\n".join(o[-3000:] for o in outs)

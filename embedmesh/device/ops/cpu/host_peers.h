@@ -20,12 +20,13 @@
 // sooner when its process, or any process of the job, exited (the job's pids are registered
 // at build, EmbedmeshHostJobBegin, so a peer that died before creating its segment counts
 // too; then this process unlinks the job's segments it knows of); a size mismatch fails
-// naming both sizes. A writer unlinks its segment's name at its second round (every peer
-// has it open by then; mappings and descriptors outlive the name), so a process killed
-// later leaves nothing in /dev/shm; at exit (EmbedmeshHostExchangeRelease, from a Python
+// naming both sizes. Every rank maps its peers' segments before it first publishes, so once
+// all its peers have arrived in the first round a writer unlinks its segment's name
+// (mappings and descriptors outlive the name): a process killed later leaves nothing in
+// /dev/shm; at exit (EmbedmeshHostExchangeRelease, from a Python
 // atexit hook) each process waits, briefly, until its peers have read its last round, then
-// unlinks the names still there. A job killed whole before its second round leaves its
-// segments to the next job on the host: EmbedmeshHostJobBegin removes every segment whose
+// unlinks the names still there. A job killed whole before every rank arrived in its
+// first round leaves its segments to the next job on the host: EmbedmeshHostJobBegin removes every segment whose
 // writer has exited (the header names it: pid, pid namespace and start time, so a reused
 // pid does not pass for it).
 #pragma once
@@ -366,8 +367,8 @@ inline void UnlinkJob(int64_t job) {
   }
 }
 
-// Removes the segments in /dev/shm whose writer has exited (jobs killed whole before their
-// second round, which unlinks the names); how many. A segment still being created (no
+// Removes the segments in /dev/shm whose writer has exited (jobs killed whole before every
+// rank arrived in their first round, which unlinks the names); how many. A segment still being created (no
 // header yet) or of another pid namespace stays.
 inline int64_t RemoveDeadSegments() {
   DIR* dir = opendir("/dev/shm");  // where glibc's shm_open keeps them
@@ -502,13 +503,6 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
       }
     }
     if (!late.empty()) return missing(late, "finish the previous round");
-    // every peer has read a round of mine, so has my segment open (and remaps it through
-    // its descriptor when it grows): its name can go now, and a process that dies later
-    // without its atexit hooks (SIGKILL, os._exit) leaves nothing behind
-    if (!ch.unlinked) {
-      shm_unlink(ch.Name(rank).c_str());
-      ch.unlinked = true;
-    }
   }
 
   // (b) publish my data
@@ -526,14 +520,16 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
   }
   fill(ch.own.data());
   mine->size.v.store(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-  mine->arrived.v.store(g, std::memory_order_release);
-  meanwhile();
-
-  // (c) every peer's data, once all have arrived
+  // every peer's segment mapped before this rank first arrives: a peer seen arrived has
+  // mapped this rank's segment (see the unlink below)
   for (int64_t s = 0; s < n; ++s) {
     if (s == rank) continue;
     if (auto e = open_peer(s)) return std::move(*e);
   }
+  mine->arrived.v.store(g, std::memory_order_release);
+  meanwhile();
+
+  // (c) every peer's data, once all have arrived
   std::vector<int64_t> late;
   for (int64_t s = 0; s < n; ++s)
     if (s != rank) late.push_back(s);
@@ -547,6 +543,13 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
           },
           deadline, [&] { return !Exited(ch, late).empty() || job_broken(); })) {
     return missing(late, "arrive");
+  }
+  // every peer has arrived, so has my segment mapped (and remaps it through its
+  // descriptor when it grows): its name can go now, and a job killed from here on
+  // (SIGKILL, os._exit: no atexit hooks) leaves nothing in /dev/shm
+  if (!ch.unlinked) {
+    shm_unlink(ch.Name(rank).c_str());
+    ch.unlinked = true;
   }
   std::vector<const char*> data(n);
   for (int64_t s = 0; s < n; ++s) {
