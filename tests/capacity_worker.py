@@ -23,7 +23,9 @@ field, one case after the other: each a ValueError on every process at build,
 process 1's loop catches its enqueue error and goes on with its next batch; the
 next step pairs different batches: a RuntimeError on every process, tables as
 after the last good step; "skip_prefetch": pipelined, check_finite=False,
-EMBEDMESH_HOST_EXCHANGE=0, batches through `prefetch`, restarted after the error).
+EMBEDMESH_HOST_EXCHANGE=0, batches through `prefetch`, restarted after the error;
+"skip_prefetch_shm": the same over the shared-memory exchange; a suffix "_p0": process 0
+is the one that overflows and skips).
 """
 
 import contextlib
@@ -172,8 +174,8 @@ def job_mismatches():
 def skip_a_batch(mode):
     """Process 1 skips its overflowing step-2 batch; the step pairing it with process
     0's step-2 batch fails on both, before its update."""
-    prefetching = mode == "skip_prefetch"
-    with exchange_switch("0" if prefetching else None):
+    prefetching = mode.startswith("skip_prefetch")
+    with exchange_switch("0" if mode == "skip_prefetch" else None):
         _skip_a_batch(mode, prefetching)
 
 
@@ -193,7 +195,9 @@ def _skip_a_batch(mode, prefetching):
     batches = (
         dict(b, b=em.RaggedTensor.from_row_lengths(*b["b"]))
         # (restarting prefetch loses the batches its thread had taken: a long stream)
-        for b in process_batches(process_id, "late_error", 2 * STEPS)
+        for b in process_batches(
+            1 - process_id if mode.endswith("_p0") else process_id, "late_error", 2 * STEPS
+        )
     )
     stream = emb.prefetch(batches) if prefetching else map(emb.enqueue, batches)
     before = None

@@ -96,7 +96,8 @@ def _caught(out, mode):
 
 
 def test_errors_reach_every_process_before_any_mismatched_collective(tmp_path):
-    modes = "mismatch,first_error,job,skip,skip_prefetch,late_error"
+    skips = ("skip", "skip_prefetch", "skip_prefetch_shm", "skip_prefetch_shm_p0")
+    modes = ",".join(["mismatch", "first_error", "job", *skips, "late_error"])
     # (ten builds and compiles in each process: minutes on a loaded machine)
     codes, outs = _pair(tmp_path / "errors", modes, timeout=2 * TIMEOUT)
     assert codes == [3, 3], "\n=====\n".join(o[-3000:] for o in outs)
@@ -118,11 +119,13 @@ def test_errors_reach_every_process_before_any_mismatched_collective(tmp_path):
             ), line
         # item 5: a process that skips a batch after its enqueue error: the next step
         # pairs different batches and fails on every process, its update not applied
-        for mode in ("skip", "skip_prefetch"):
+        # (over gloo and over shared memory; process 1 skipping, or process 0)
+        for mode in skips:
             line = _caught(out, mode)
             assert "RuntimeError: this step paired different batches" in line, line
-            # process 1's third attempt failed: its fourth meets process 0's third
-            mine, other = (3, 4) if pid == 0 else (4, 3)
+            # the skipper's third attempt failed: its fourth meets the other's third
+            skipper = 0 if mode.endswith("_p0") else 1
+            mine, other = (4, 3) if pid == skipper else (3, 4)
             assert f"process {pid} is at batch {mine}, another process at batch {other}" in line
             assert f"UNTOUCHED {mode}" in out
     # an overflow in one process's first batch (the agreement): its own error there,
