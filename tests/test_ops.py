@@ -753,3 +753,28 @@ def test_fused_attrs():
     assert b == dict(
         clip_lo=-inf, clip_hi=inf, wd=0.0, has_wd=False, wd_lr=False, wmin=-inf, wmax=inf
     )
+
+
+@needs_kernels
+def test_the_library_lists_every_target_the_python_side_calls():
+    """The FFI targets come from the C++ library's own list (common.h `Handlers`): every
+    target name the Python side calls is listed, and the fused optimizers are exactly
+    the built-in optimizers that name a fused kernel (update.cc's rules)."""
+    import inspect
+
+    from embedmesh.device.ops.cpu import library, memory
+
+    assert cpu.ready()
+    listed = library.targets()
+    assert all(isinstance(a, int) and a for a in listed.values())
+    called = set()
+    for module in (cpu_kernels, memory):
+        src = inspect.getsource(module)
+        called |= set(re.findall(r'"(embedmesh_[a-z_]+)"', src))
+        templates = re.findall(r'"(embedmesh_[a-z_]*\{\}[a-z_]*)"', src)
+        called |= {t.format(k) for t in templates for k in cpu_kernels.fused_kinds()}
+    called.discard("embedmesh_sparse_")  # fused_kinds' prefix
+    assert called and called <= set(listed), sorted(called - set(listed))
+    optimizers = [SGD(0.1), Adagrad(0.1), AdagradMomentum(0.1), Adam(0.1), FTRL(0.1)]
+    optimizers.append(RowWiseAdagrad(0.1))
+    assert cpu_kernels.fused_kinds() == {o.fused_kernel for o in optimizers}

@@ -40,4 +40,12 @@ int64_t EmbedmeshThreads() { return embedmesh::NumWorkers(); }
 
 int32_t EmbedmeshPadId() { return embedmesh::kPad; }
 
+// The handlers to register (embedmesh::Handlers): how many, and the i-th's target name
+// and address (library.py registers each with XLA).
+int64_t EmbedmeshHandlerCount() { return static_cast<int64_t>(embedmesh::Handlers().size()); }
+
+const char* EmbedmeshHandlerName(int64_t i) { return embedmesh::Handlers()[i].first.c_str(); }
+
+void* EmbedmeshHandlerAddress(int64_t i) { return embedmesh::Handlers()[i].second; }
+
 }  // extern "C"

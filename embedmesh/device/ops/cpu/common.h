@@ -15,7 +15,9 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -23,6 +25,25 @@
 namespace ffi = xla::ffi;
 
 namespace embedmesh {
+
+// The library's FFI handlers under their XLA target names, in definition order: the
+// Python side registers exactly these (EmbedmeshHandlerCount / Name / Address, common.cc),
+// so the list of targets, and of the optimizers the update kernels fuse, is kept here
+// alone. `EM_LIST_HANDLER(target, Symbol)` after a handler's XLA_FFI_DEFINE_HANDLER_SYMBOL
+// lists it.
+inline std::vector<std::pair<std::string, void*>>& Handlers() {
+  static std::vector<std::pair<std::string, void*>> handlers;
+  return handlers;
+}
+
+struct ListHandler {
+  ListHandler(std::string target, void* handler) {
+    Handlers().emplace_back(std::move(target), handler);
+  }
+};
+
+#define EM_LIST_HANDLER(target, symbol) \
+  static const embedmesh::ListHandler em_listed_##symbol{target, reinterpret_cast<void*>(&symbol)};
 
 // Padding id of unique-id lists: int32 max, equal to embedmesh._runtime.PAD_ID
 // (tests/test_ops.py checks it through EmbedmeshPadId).

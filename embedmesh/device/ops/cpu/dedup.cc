@@ -91,3 +91,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmDedupSum, embedmesh::DedupSum,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+EM_LIST_HANDLER("embedmesh_dedup_sum", EmDedupSum)

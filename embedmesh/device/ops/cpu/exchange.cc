@@ -72,6 +72,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmExchange, embedmesh::Exchange,
                                   .Attr<int64_t>("tag")
                                   .Attr<int64_t>("n")
                                   .Ret<ffi::AnyBuffer>());
+EM_LIST_HANDLER("embedmesh_exchange", EmExchange)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmLookupFromShards, embedmesh::LookupFromShards,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -83,3 +84,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmLookupFromShards, embedmesh::LookupFromShards,
                                   .Attr<int64_t>("tag")
                                   .Attr<int64_t>("n")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+EM_LIST_HANDLER("embedmesh_lookup_from_shards", EmLookupFromShards)

@@ -67,9 +67,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmGatherRows, embedmesh::GatherRows,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
+EM_LIST_HANDLER("embedmesh_gather_rows", EmGatherRows)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmScatterRows, embedmesh::ScatterRows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+EM_LIST_HANDLER("embedmesh_scatter_rows", EmScatterRows)

@@ -179,6 +179,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostExchange, embedmesh::HostExchange,
                                   .Attr<int64_t>("timeout_ms")
                                   .Attr<std::string_view>("channel")
                                   .Ret<ffi::AnyBuffer>());
+EM_LIST_HANDLER("embedmesh_host_exchange", EmHostExchange)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostLookup, embedmesh::HostLookup,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -194,3 +195,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostLookup, embedmesh::HostLookup,
                                   .Attr<int64_t>("timeout_ms")
                                   .Attr<std::string_view>("channel")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+EM_LIST_HANDLER("embedmesh_host_lookup", EmHostLookup)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from embedmesh import _runtime
-from embedmesh.device.ops.cpu import memory
+from embedmesh.device.ops.cpu import library, memory
 
 __all__ = ["KERNELS"]
 
@@ -66,15 +66,18 @@ def dedup_sum(ids, grads):
     )
 
 
-# The optimizers the update kernels fuse (`Optimizer.fused_kernel`): update.cc's rule of
-# each. The slots a rule reads are the optimizer's `slot_names`, in that order.
-_FUSED_KINDS = frozenset(("sgd", "adagrad", "adagrad_momentum", "adam", "ftrl", "rowwise_adagrad"))
+def fused_kinds() -> frozenset:
+    """The optimizers the update kernels fuse (`Optimizer.fused_kernel` names): the rules
+    update.cc lists a sparse update of (`library.targets()`; empty until loaded). The
+    slots a rule reads are the optimizer's `slot_names`, in that order."""
+    prefix = "embedmesh_sparse_"
+    return frozenset(t[len(prefix) :] for t in library.targets() if t.startswith(prefix))
 
 
 def _fused(table, slots, *args, optimizer, step) -> bool:
     """Whether the fused update kernels take this optimizer, table and slots."""
     return (
-        optimizer.fused_kernel in _FUSED_KINDS
+        optimizer.fused_kernel in fused_kinds()
         and set(slots) == set(optimizer.slot_names)
         and table.dtype == jnp.float32
         and all(v.dtype == jnp.float32 for v in slots.values())

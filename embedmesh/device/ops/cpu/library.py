@@ -26,53 +26,27 @@ import warnings
 
 from embedmesh import _native, _runtime
 
-# FFI target name -> the handler symbol exported by the library.
-TARGETS = {
-    "embedmesh_gather_rows": "EmGatherRows",
-    "embedmesh_scatter_rows": "EmScatterRows",
-    "embedmesh_segment_gather_sum": "EmSegmentGatherSum",
-    "embedmesh_segment_gather_sum_mapped": "EmSegmentGatherSumMapped",
-    "embedmesh_dedup_sum": "EmDedupSum",
-    "embedmesh_sparse_sgd": "EmSparseSgd",
-    "embedmesh_sparse_adagrad": "EmSparseAdagrad",
-    "embedmesh_backward_sgd": "EmBackwardSgd",
-    "embedmesh_backward_adagrad": "EmBackwardAdagrad",
-    "embedmesh_exchange": "EmExchange",
-    "embedmesh_host_exchange": "EmHostExchange",
-    "embedmesh_host_lookup": "EmHostLookup",
-    "embedmesh_backward_sgd_from_host_sources": "EmBackwardSgdFromHostSources",
-    "embedmesh_backward_adagrad_from_host_sources": "EmBackwardAdagradFromHostSources",
-    "embedmesh_lookup_from_shards": "EmLookupFromShards",
-    "embedmesh_backward_sgd_from_sources": "EmBackwardSgdFromSources",
-    "embedmesh_backward_adagrad_from_sources": "EmBackwardAdagradFromSources",
-    "embedmesh_pack_pooled_pairs": "EmPackPooledPairs",
-    "embedmesh_pooled_partials": "EmPooledPartials",
-    "embedmesh_pooled_backward_sgd": "EmPooledBackwardSgd",
-    "embedmesh_pooled_backward_adagrad": "EmPooledBackwardAdagrad",
-    "embedmesh_host_pack_pooled_pairs": "EmHostPackPooledPairs",
-    "embedmesh_host_pooled_partials": "EmHostPooledPartials",
-    "embedmesh_host_pooled_backward_sgd": "EmHostPooledBackwardSgd",
-    "embedmesh_host_pooled_backward_adagrad": "EmHostPooledBackwardAdagrad",
-    **{  # the fused updates of the optimizers beyond SGD and Adagrad (update.cc)
-        target.format(kind): symbol.format(rule)
-        for kind, rule in (
-            ("adagrad_momentum", "AdagradMomentum"),
-            ("adam", "Adam"),
-            ("ftrl", "Ftrl"),
-            ("rowwise_adagrad", "RowWiseAdagrad"),
-        )
-        for target, symbol in (
-            ("embedmesh_sparse_{}", "EmSparse{}"),
-            ("embedmesh_backward_{}", "EmBackward{}"),
-            ("embedmesh_backward_{}_from_sources", "EmBackward{}FromSources"),
-            ("embedmesh_backward_{}_from_host_sources", "EmBackward{}FromHostSources"),
-            ("embedmesh_pooled_backward_{}", "EmPooledBackward{}"),
-            ("embedmesh_host_pooled_backward_{}", "EmHostPooledBackward{}"),
-        )
-    },
-    "embedmesh_huge_page_copy": "EmHugePageCopy",
-    "embedmesh_huge_page_fill": "EmHugePageFill",
-}
+# The FFI targets the library lists (common.h `Handlers`): name -> address, once loaded.
+_TARGETS: dict[str, int] = {}
+
+
+def targets() -> dict[str, int]:
+    """The library's FFI targets, `{name: handler address}` ({} until it is loaded): the
+    C++ side lists them, so no list is kept here."""
+    return dict(_TARGETS)
+
+
+def _listed_handlers(lib) -> dict[str, int]:
+    lib.EmbedmeshHandlerCount.restype = ctypes.c_int64
+    lib.EmbedmeshHandlerName.argtypes = [ctypes.c_int64]
+    lib.EmbedmeshHandlerName.restype = ctypes.c_char_p
+    lib.EmbedmeshHandlerAddress.argtypes = [ctypes.c_int64]
+    lib.EmbedmeshHandlerAddress.restype = ctypes.c_void_p
+    return {
+        lib.EmbedmeshHandlerName(i).decode(): lib.EmbedmeshHandlerAddress(i)
+        for i in range(lib.EmbedmeshHandlerCount())
+    }
+
 
 _lock = threading.Lock()
 _loaded: dict = {}  # "lib" (CDLL) and "path" once loaded; "why" once it failed
@@ -109,10 +83,10 @@ def _load() -> bool:
             lib.EmbedmeshHostExchangeRelease.argtypes = [ctypes.c_double]
             lib.EmbedmeshHostExchangeRelease.restype = ctypes.c_int64
             lib.EmbedmeshSetThreads(threads_setting)
-            for target, symbol in TARGETS.items():
-                jax.ffi.register_ffi_target(
-                    target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
-                )
+            listed = _listed_handlers(lib)
+            for target, address in listed.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(address), platform="cpu")
+            _TARGETS.update(listed)
         except Exception as e:  # any failure means: fall back
             _loaded["why"] = f"{type(e).__name__}: {e}"
             _warn(_loaded["why"])

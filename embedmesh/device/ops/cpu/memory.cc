@@ -44,7 +44,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHugePageCopy, embedmesh::HugePageCopy,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+EM_LIST_HANDLER("embedmesh_huge_page_copy", EmHugePageCopy)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHugePageFill, embedmesh::HugePageFill,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+EM_LIST_HANDLER("embedmesh_huge_page_fill", EmHugePageFill)

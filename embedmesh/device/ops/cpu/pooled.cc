@@ -186,6 +186,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPackPooledPairs, embedmesh::PackPooledPairs,
                                   .Attr<int64_t>("rc")
                                   .Attr<int64_t>("k")
                                   .Ret<ffi::Buffer<ffi::S32>>());
+EM_LIST_HANDLER("embedmesh_pack_pooled_pairs", EmPackPooledPairs)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -194,6 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials,
                                   .Attr<int64_t>("rc")
                                   .Attr<int64_t>("k")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+EM_LIST_HANDLER("embedmesh_pooled_partials", EmPooledPartials)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPackPooledPairs, embedmesh::HostPackPooledPairs,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -210,6 +212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPackPooledPairs, embedmesh::HostPackPooledPa
                                   .Attr<int64_t>("timeout_ms")
                                   .Attr<std::string_view>("channel")
                                   .Ret<ffi::Buffer<ffi::S32>>());
+EM_LIST_HANDLER("embedmesh_host_pack_pooled_pairs", EmHostPackPooledPairs)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledPartials, embedmesh::HostPooledPartials,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -224,3 +227,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledPartials, embedmesh::HostPooledPartial
                                   .Attr<int64_t>("timeout_ms")
                                   .Attr<std::string_view>("channel")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+EM_LIST_HANDLER("embedmesh_host_pooled_partials", EmHostPooledPartials)

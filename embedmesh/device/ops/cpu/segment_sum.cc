@@ -55,6 +55,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSum, embedmesh::SegmentGatherSum,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+EM_LIST_HANDLER("embedmesh_segment_gather_sum", EmSegmentGatherSum)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSumMapped, embedmesh::SegmentGatherSumMapped,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -63,3 +64,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSumMapped, embedmesh::SegmentGather
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+EM_LIST_HANDLER("embedmesh_segment_gather_sum_mapped", EmSegmentGatherSumMapped)

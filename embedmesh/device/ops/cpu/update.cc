@@ -107,6 +107,7 @@ struct Common {
 // the Updater instantiates one vectorisable loop per variant and picks it per call.
 
 struct Sgd {
+  static constexpr const char* kName = "sgd";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 0;
   static constexpr bool kRowWise = false;
   static constexpr int kVariants = 1;
@@ -120,6 +121,7 @@ struct Sgd {
 };
 
 struct Adagrad {
+  static constexpr const char* kName = "adagrad";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 1;  // accumulators
   static constexpr bool kRowWise = false;
   static constexpr int kVariants = 1;
@@ -135,6 +137,7 @@ struct Adagrad {
 };
 
 struct AdagradMomentum {
+  static constexpr const char* kName = "adagrad_momentum";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 2;  // accumulators, momenta
   static constexpr bool kRowWise = false;
   struct Params {
@@ -182,6 +185,7 @@ struct AdagradMomentum {
 };
 
 struct Adam {
+  static constexpr const char* kName = "adam";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 2;  // momenta, velocities
   static constexpr bool kRowWise = false;
   struct Params {
@@ -233,6 +237,7 @@ inline float PowNonNeg(float x, float q) {
 // at 2e-6.) The division is unconditional and its quotient selected after, so the loop
 // needs no masked division and stays vectorised in every context.
 struct Ftrl {
+  static constexpr const char* kName = "ftrl";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 2;  // accumulators, linears
   static constexpr bool kRowWise = false;
   struct Params {
@@ -294,6 +299,7 @@ struct Ftrl {
 // d columns (its table's own dim: stacks of it are never padded), w -= lr / (sqrt(a) + eps) * g', with
 // g' = g + l2 * w (FBGEMM's L2 weight-decay mode; l2 = 0: none).
 struct RowWiseAdagrad {
+  static constexpr const char* kName = "rowwise_adagrad";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 1;  // accumulators, [rows, 1]
   static constexpr bool kRowWise = true;
   static constexpr int kVariants = 1;
@@ -950,8 +956,8 @@ ffi::Error HostPooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
 }  // namespace embedmesh
 
 // ---------------------------------------------------------------------------------------
-// Registration: every (transport, rule) pair, float32 tables. The Python side
-// (kernels.py, library.TARGETS) names them embedmesh_<transport>_<rule>.
+// Registration: every (transport, rule) pair, float32 tables, listed (common.h) under the
+// target names kernels.py calls; the rules listed here are the optimizers the CPU fuses.
 
 #define EM_F32 ffi::Buffer<ffi::F32>
 #define EM_S32 ffi::Buffer<ffi::S32>
@@ -969,17 +975,28 @@ ffi::Error HostPooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
   ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>().Arg<EM_S32>().Arg<EM_S32>() \
       EM_STATE
 
-// the exported symbols, Em<...><Rule><...> (library.TARGETS)
+// the exported symbols, Em<...><Rule><...>
 #define EM_SYMBOL_Sparse(rule) EmSparse##rule
 #define EM_SYMBOL_Backward(rule) EmBackward##rule
 #define EM_SYMBOL_FromSources(rule) EmBackward##rule##FromSources
 #define EM_SYMBOL_FromHostSources(rule) EmBackward##rule##FromHostSources
 #define EM_SYMBOL_Pooled(rule) EmPooledBackward##rule
 #define EM_SYMBOL_HostPooled(rule) EmHostPooledBackward##rule
+// their target names, embedmesh_..._<rule's kName>_... (kernels.py calls them so)
+#define EM_TARGET_Sparse(rule) std::string("embedmesh_sparse_") + embedmesh::rule::kName
+#define EM_TARGET_Backward(rule) std::string("embedmesh_backward_") + embedmesh::rule::kName
+#define EM_TARGET_FromSources(rule) EM_TARGET_Backward(rule) + "_from_sources"
+#define EM_TARGET_FromHostSources(rule) EM_TARGET_Backward(rule) + "_from_host_sources"
+#define EM_TARGET_Pooled(rule) \
+  std::string("embedmesh_pooled_backward_") + embedmesh::rule::kName
+#define EM_TARGET_HostPooled(rule) \
+  std::string("embedmesh_host_pooled_backward_") + embedmesh::rule::kName
 #define EM_DEFINE(transport, rule)                                                   \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(EM_SYMBOL_##transport(rule),                         \
                                 (embedmesh::transport<embedmesh::rule, float>),      \
-                                EM_BIND_##transport);
+                                EM_BIND_##transport);                                \
+  static const embedmesh::ListHandler em_listed_##transport##_##rule{                \
+      EM_TARGET_##transport(rule), reinterpret_cast<void*>(&EM_SYMBOL_##transport(rule))};
 #define EM_FOR_EACH_RULE(transport) \
   EM_DEFINE(transport, Sgd)         \
   EM_DEFINE(transport, Adagrad)     \
