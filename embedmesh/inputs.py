@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from embedmesh import sparse_index
+
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -193,13 +195,12 @@ def sparse_row_offsets(name: str, inp: SparseTensor) -> np.ndarray:
     """Entry offsets of each row of a structurally valid SparseTensor, its leading
     dimensions flattened (`prod(dense_shape[:-1]) + 1` values), after checking
     every index lies in `dense_shape` and indices are sorted row-major without
-    repeats. One compiled pass when numba is present (kernels.sparse_offsets).
+    repeats. One pass (`embedmesh.sparse_index.sparse_offsets`: the serving
+    kernels' backend in use, C++ by default).
     """
-    from embedmesh.serving import kernels  # numba: loaded at first use
-
     idx = np.asarray(inp.indices)
     shape = tuple(inp.dense_shape)
-    offsets, bad = kernels.sparse_offsets(idx, shape)
+    offsets, bad = sparse_index.sparse_offsets(idx, shape)
     if offsets is not None:
         return offsets
     raise sparse_index_error(name, inp, bad)

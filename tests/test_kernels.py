@@ -1,15 +1,19 @@
-"""Property tests of `embedmesh.serving.kernels.weighted_segment_sum`, every backend.
+"""The serving kernels (`embedmesh.serving.kernels`), every available backend, against
+plain float64 references written out below: `bag_combine` (each combiner, with and
+without weights, TensorFlow's pruning of ids and weights, tables of every dtype),
+`gather`, `sparse_offsets` (also as `inputs`' check, through `embedmesh.sparse_index`),
+the backend switch and the output pool.
 
-The reference is a float64 loop written out below. Every output buffer the
-kernels allocate is poisoned with NaN first, so an element a kernel forgets
-to write shows up. Weights are multiples of 1/4 (negative and zero included)
-or positive floats, so sums of weights are exact in float32 and float64 and
-both decide "zero denominator" alike.
+Every output buffer the kernels allocate is poisoned with NaN first, so an element a
+kernel forgets to write shows up. Inputs are random (tables standard normal); the
+seeded cases check their reference is mostly non-zero, so a kernel that writes zeros
+cannot pass. Weights are multiples of 1/4 (negative and zero included) or positive
+floats, so sums of weights are exact in float32 and float64 and both decide "zero
+denominator" alike.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,18 +24,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh.serving import kernels
+from embedmesh import sparse_index
+from embedmesh.serving import backends, kernels
+from embedmesh.serving.backends import native as native_backend
+from embedmesh.serving.backends import numba as numba_backend
+from embedmesh.serving.backends import numpy as numpy_backend
 
 BACKENDS = (
     ["numpy"]
     + (["numba"] if kernels.HAVE_NUMBA else [])
     + (["native"] if kernels.HAVE_NATIVE else [])
 )
-IMPLS = {
-    "numpy": kernels.weighted_segment_sum_numpy,
-    "numba": kernels.weighted_segment_sum_numba,
-    "native": kernels.weighted_segment_sum_native,
-}
+MODULES = {"numpy": numpy_backend, "numba": numba_backend, "native": native_backend}
 COMBINERS = [None, "sum", "mean", "sqrtn"]
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 EPS = {
@@ -55,77 +59,52 @@ def poison(poisoned_outputs):
     """Every buffer the kernels allocate starts as NaN (all-ones bits for ints): conftest."""
 
 
-def reference(table, ids, rows, weights, num_rows, combiner):
-    """float64 loops: sum, then normalise; a zero denominator gives a zero row."""
-    dim = table.shape[1]
+def _with_backend(backend, fn, *args, **kwargs):
+    previous = kernels.set_backend(backend)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        kernels.set_backend(previous)
+
+
+def reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights):
+    """float64 loops over the bags, TensorFlow's pruning rules: sum, then normalise;
+    a zero denominator gives a zero row. Also each row's sum |w x| and its number of
+    kept entries (they set the tolerance)."""
+    num_rows, dim = len(offsets) - 1, table.shape[1]
     tab = np.asarray(table, dtype=np.float64)
     out = np.zeros((num_rows, dim))
-    den = np.zeros(num_rows)
-    scale = np.zeros(num_rows)  # sum |w x|: sets the tolerance
-    for k in range(len(ids)):
-        r, w = int(rows[k]), float(weights[k])
-        for j in range(dim):
-            out[r, j] += w * tab[ids[k], j]
-        scale[r] += abs(w) * np.abs(tab[ids[k]]).max()
-        if combiner == "mean":
-            den[r] += w
-        elif combiner == "sqrtn":
-            den[r] += w * w
-    if combiner in ("mean", "sqrtn"):
-        if combiner == "sqrtn":
-            den = np.sqrt(den)
-        for r in range(num_rows):
-            if den[r] == 0:
-                out[r] = 0.0
-                scale[r] = 0.0
+    scale = np.zeros(num_rows)
+    counts = np.zeros(num_rows, np.int64)
+    for r in range(num_rows):
+        den = 0.0
+        for k in range(offsets[r], offsets[r + 1]):
+            w = 1.0 if weights is None else float(weights[k])
+            if (prune_ids and ids[k] < 0) or (prune_weights and not w > 0):
+                continue
+            out[r] += w * tab[ids[k]]
+            scale[r] += abs(w) * np.abs(tab[ids[k]]).max()
+            counts[r] += 1
+            den += w if combiner == "mean" else w * w
+        if combiner in ("mean", "sqrtn"):
+            den = np.sqrt(den) if combiner == "sqrtn" else den
+            if den == 0:
+                out[r], scale[r] = 0.0, 0.0
             else:
-                out[r] /= den[r]
-                scale[r] /= abs(den[r])
-    return out, scale
+                out[r] /= den
+                scale[r] /= abs(den)
+    return out, scale, counts
 
 
-@st.composite
-def problems(draw, dtypes=tuple(DTYPES)):
-    vocab = draw(st.integers(1, 30))
-    dim = draw(st.integers(1, 20))
-    counts = draw(st.lists(st.integers(0, 6), min_size=0, max_size=12))
-    extra_rows = draw(st.integers(0, 3))  # num_rows beyond the last row used
-    num_rows = len(counts) + extra_rows
-    rows = np.repeat(
-        np.arange(len(counts), dtype=draw(st.sampled_from([np.int32, np.int64]))), counts
-    )
-    n = rows.shape[0]
-    ids = np.asarray(
-        draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)),
-        dtype=draw(st.sampled_from([np.int32, np.int64])),
-    )
-    kind = draw(st.sampled_from(["ones", "quarters", "positive"]))
-    if kind == "ones":
-        weights = np.ones(n, np.float32)
-    elif kind == "quarters":  # negative, zero and positive; sums exact
-        weights = (
-            np.asarray(draw(st.lists(st.integers(-12, 12), min_size=n, max_size=n)), np.float32) / 4
-        )
-    else:
-        weights = np.asarray(
-            draw(st.lists(st.floats(0.0625, 10.0, width=32), min_size=n, max_size=n)), np.float32
-        )
-    dtype = draw(st.sampled_from(dtypes))
-    seed = draw(st.integers(0, 2**32 - 1))
-    table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(dtype)
-    combiner = draw(st.sampled_from(COMBINERS))
-    return table, ids, rows, weights, num_rows, combiner
-
-
-def check_against_reference(out, table, ids, rows, weights, num_rows, combiner):
-    dim = table.shape[1]
+def check_against_reference(out, table, ids, offsets, weights, combiner, prune_ids, prune_w):
+    """`out` (a kernel's) within float32 accumulation's error of the float64 reference."""
+    num_rows, dim = len(offsets) - 1, table.shape[1]
     assert out.shape == (num_rows, dim)
     assert out.dtype == table.dtype
     assert out.size == 0 or out.ctypes.data % 64 == 0
     got = np.asarray(out, dtype=np.float64)
     assert not np.isnan(got).any(), "an output element was never written"
-    want, scale = reference(table, ids, rows, weights, num_rows, combiner)
-    counts = np.bincount(np.asarray(rows, np.int64), minlength=num_rows)[:num_rows]
+    want, scale, counts = reference(table, ids, offsets, weights, combiner, prune_ids, prune_w)
     # float32 accumulation over counts[r] terms, then rounding to the table dtype
     tol = (
         (4 * (counts + 2) * 2.0**-24 * scale)[:, None]
@@ -135,232 +114,31 @@ def check_against_reference(out, table, ids, rows, weights, num_rows, combiner):
     assert np.all(np.abs(got - want) <= tol + 1e-30), (
         f"max err {np.max(np.abs(got - want))}, combiner {combiner}"
     )
+    return want
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@SETTINGS
-@given(problem=problems())
-def test_matches_float64_reference(backend, problem):
-    table, ids, rows, weights, num_rows, combiner = problem
-    out = IMPLS[backend](table, ids, rows, weights, num_rows, combiner)
-    check_against_reference(out, table, ids, rows, weights, num_rows, combiner)
-
-
-@pytest.mark.skipif(len(BACKENDS) < 2, reason="neither numba nor the C++ kernels are usable")
-@pytest.mark.parametrize("backend", BACKENDS[1:])
-@SETTINGS
-@given(problem=problems(dtypes=(np.float32,)))
-def test_backends_agree(backend, problem):
-    """Same float32 products added in the same order: sums agree bit for bit."""
-    table, ids, rows, weights, num_rows, combiner = problem
-    a = kernels.weighted_segment_sum_numpy(table, ids, rows, weights, num_rows, combiner)
-    b = IMPLS[backend](table, ids, rows, weights, num_rows, combiner)
-    if combiner in (None, "sum"):
-        np.testing.assert_array_equal(a, b)
-    else:  # the denominators may be summed in another order by numpy
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dispatch_follows_backend(backend, monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        kernels, f"weighted_segment_sum_{backend}", lambda *a: calls.append(backend) or "sentinel"
-    )
-    previous = kernels.set_backend(backend)
-    try:
-        assert kernels.get_backend() == backend
-        assert kernels.weighted_segment_sum(None, None, None, None, 0, None) == "sentinel"
-    finally:
-        kernels.set_backend(previous)
-    assert calls == [backend]
-
-
-def test_default_backend():
-    default = "native" if kernels.HAVE_NATIVE else "numba" if kernels.HAVE_NUMBA else "numpy"
-    assert kernels.get_backend() == default
-    with pytest.raises(ValueError, match="unknown backend"):
-        kernels.set_backend("cuda")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_plain_lookup_is_bit_exact(backend, dtype):
-    table = np.random.default_rng(0).standard_normal((50, 7)).astype(dtype)
-    table[3, 0] = -0.0
-    table[4, 1] = np.nan
-    ids = np.array([3, 4, 3, 49, 0])
-    out = IMPLS[backend](table, ids, np.arange(5), np.ones(5, np.float32), 5, None)
-    assert out.dtype == table.dtype and out.ctypes.data % 64 == 0
-    np.testing.assert_array_equal(out.view(np.uint8), table[ids].view(np.uint8))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_not_a_plain_lookup_when_rows_repeat(backend):
-    """n == num_rows, first row 0, last row n-1, but rows [0, 0, 2]: a real sum."""
-    table = np.arange(12, dtype=np.float32).reshape(4, 3)
-    out = IMPLS[backend](
-        table, np.array([1, 2, 3]), np.array([0, 0, 2]), np.ones(3, np.float32), 3, None
-    )
-    np.testing.assert_array_equal(out, [[9, 11, 13], [0, 0, 0], [9, 10, 11]])
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("combiner", COMBINERS)
-@pytest.mark.parametrize("num_rows", [0, 4])
-def test_empty_input(backend, combiner, num_rows):
-    table = np.ones((5, 3), ml_dtypes.bfloat16)
-    out = IMPLS[backend](
-        table,
-        np.zeros(0, np.int64),
-        np.zeros(0, np.int32),
-        np.zeros(0, np.float32),
-        num_rows,
-        combiner,
-    )
-    assert out.shape == (num_rows, 3) and out.dtype == table.dtype
-    assert not np.any(np.asarray(out, np.float32))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_zero_denominators_give_zero_rows(backend):
-    table = np.array([[1, 2], [3, 5], [7, 11]], np.float32)
-    ids = np.array([0, 1, 2, 0])
-    rows = np.array([0, 0, 1, 3])
-    weights = np.array([1.5, -1.5, 0.0, 2.0], np.float32)
-    # row 0: weights sum to 0 but the weighted sum is not 0; row 1: weight 0;
-    # rows 2 and 4: no entries
-    mean = IMPLS[backend](table, ids, rows, weights, 5, "mean")
-    np.testing.assert_array_equal(mean, [[0, 0], [0, 0], [0, 0], [1, 2], [0, 0]])
-    sqrtn = IMPLS[backend](table, ids, rows, weights, 5, "sqrtn")
-    np.testing.assert_allclose(sqrtn[0], np.array([-3, -4.5]) / np.sqrt(4.5), rtol=1e-6)
-    np.testing.assert_array_equal(sqrtn[1:], [[0, 0], [0, 0], [1, 2], [0, 0]])
-    total = IMPLS[backend](table, ids, rows, weights, 5, "sum")
-    np.testing.assert_array_equal(total, [[-3, -4.5], [0, 0], [0, 0], [2, 4], [0, 0]])
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_arguments(backend):
-    f = IMPLS[backend]
-    table = np.ones((4, 2), np.float32)
-    w = np.ones(3, np.float32)
-    with pytest.raises(ValueError, match="ids must lie"):
-        f(table, np.array([0, 4, 1]), np.array([0, 1, 2]), w, 3, "sum")
-    with pytest.raises(ValueError, match="ids must lie"):
-        f(table, np.array([0, -1, 1]), np.array([0, 1, 2]), w, 3, "sum")
-    with pytest.raises(ValueError, match="non-decreasing"):
-        f(table, np.array([0, 1, 1]), np.array([0, 2, 1]), w, 3, "sum")
-    with pytest.raises(ValueError, match="num_rows"):
-        f(table, np.array([0, 1, 1]), np.array([0, 1, 3]), w, 3, "sum")
-    with pytest.raises(ValueError, match="num_rows"):
-        f(table, np.array([0, 1, 1]), np.array([-1, 1, 2]), w, 3, "sum")
-    with pytest.raises(ValueError, match="combiner"):
-        f(table, np.array([0, 1, 1]), np.array([0, 1, 2]), w, 3, "max")
-    with pytest.raises(ValueError, match="1-D of one length"):
-        f(table, np.array([0, 1]), np.array([0, 1, 2]), w, 3, "sum")
-
-
-def test_large_random_batch_both_backends():
-    """A serving-sized feature (Poisson lengths, many empty rows at the end)."""
-    rng = np.random.default_rng(1)
-    table = rng.standard_normal((1000, 16)).astype(np.float32)
-    lengths = rng.poisson(4, 300)
-    rows = np.repeat(np.arange(300), lengths)
-    ids = rng.integers(0, 1000, rows.shape[0])
-    weights = rng.uniform(0.1, 2, rows.shape[0]).astype(np.float32)
-    for backend in BACKENDS:
-        for combiner in COMBINERS:
-            out = IMPLS[backend](table, ids, rows, weights, 310, combiner)
-            check_against_reference(out, table, ids, rows, weights, 310, combiner)
-
-
-def test_numpy_fallback_without_numba(tmp_path):
-    """With numba not importable, the module loads, picks numpy and computes."""
-    path = os.path.join(os.path.dirname(kernels.__file__), "kernels.py")
-    script = f"""
-import sys, importlib.util
-import numpy as np
-sys.modules["numba"] = None  # import numba -> ImportError
-spec = importlib.util.spec_from_file_location("kernels_without_numba", {path!r})
-k = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(k)
-assert not k.HAVE_NUMBA and k.get_backend() == "numpy"
-try:
-    k.set_backend("numba")
-except RuntimeError:
-    pass
-else:
-    raise AssertionError("set_backend('numba') should fail without numba")
-t = np.arange(8, dtype=np.float32).reshape(4, 2)
-out = k.weighted_segment_sum(t, np.array([1, 3, 2]), np.array([0, 0, 2]),
-                             np.array([1, 3, 2], np.float32), 4, "mean")
-np.testing.assert_allclose(out, [[5, 6], [0, 0], [4, 5], [0, 0]])
-print("ok")
-"""
-    env = {**os.environ, "EMBEDMESH_SERVING_NATIVE": "0"}  # the C++ kernels off too
-    res = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
-
-
-def test_module_loads_standalone():
-    """kernels.py imports from embedmesh only `_runtime` (numpy only) at import, and
-    its numba kernels at first use (the fallback test relies on it)."""
-    import re
-
-    spec = importlib.util.find_spec("embedmesh.serving.kernels")
-    with open(spec.origin) as fh:
-        imports = re.findall(
-            r"^( *)(?:from|import) (embedmesh\S*)(?: import (\w+))?", fh.read(), re.M
+def _weights(draw, n):
+    kind = draw(st.sampled_from(["none", "ones", "quarters", "positive"]))
+    if kind == "none":
+        return None
+    if kind == "ones":
+        return np.ones(n, np.float32)
+    if kind == "quarters":  # negative, zero and positive; sums exact
+        return (
+            np.asarray(draw(st.lists(st.integers(-12, 12), min_size=n, max_size=n)), np.float32) / 4
         )
-    top = {(mod, name) for indent, mod, name in imports if not indent}
-    assert top <= {("embedmesh", "_runtime"), ("embedmesh._runtime", "aligned_empty")}, top
-    lazy = {(mod, name) for indent, mod, name in imports if indent}
-    assert lazy <= {("embedmesh.serving", "native")}, lazy  # the C++ kernels' loader
-    with open(spec.origin) as fh:  # the kernels module, imported at first use only
-        assert '_runtime.numba_module("embedmesh.serving.numba_kernels")' in fh.read()
-    with open(importlib.util.find_spec("embedmesh._runtime").origin) as fh:
-        runtime = fh.read()
-    assert "from embedmesh" not in runtime and "import jax" not in runtime
-
-
-# ---------------------------------------------------------------------------
-# bag_combine, gather, sparse_offsets and the output pool
-
-
-def bag_reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights):
-    """Loops over bags in float64, with TensorFlow's pruning rules."""
-    rows, kept_ids, kept_w = [], [], []
-    for r in range(len(offsets) - 1):
-        for k in range(offsets[r], offsets[r + 1]):
-            w = 1.0 if weights is None else float(weights[k])
-            if (prune_ids and ids[k] < 0) or (prune_weights and not w > 0):
-                continue
-            rows.append(r)
-            kept_ids.append(int(ids[k]))
-            kept_w.append(w)
-    return (
-        reference(
-            table,
-            np.array(kept_ids, np.int64),
-            np.array(rows, np.int64),
-            np.array(kept_w),
-            len(offsets) - 1,
-            combiner,
-        ),
-        rows,
-        kept_ids,
-        kept_w,
+    return np.asarray(
+        draw(st.lists(st.floats(0.0625, 10.0, width=32), min_size=n, max_size=n)), np.float32
     )
 
 
 @st.composite
-def bag_problems(draw):
+def bag_problems(draw, dtypes=tuple(DTYPES)):
     vocab = draw(st.integers(1, 30))
     # 64-wide blocks, 16-wide blocks and a tail, in every combination
-    dim = draw(st.sampled_from([1, 3, 15, 16, 17, 33, 64, 65, 80, 100, 128, 143]))
-    counts = draw(st.lists(st.integers(0, 6), min_size=0, max_size=10))
+    dim = draw(st.sampled_from([1, 3, 7, 15, 16, 17, 20, 33, 64, 65, 80, 100, 128, 143]))
+    counts = draw(st.lists(st.integers(0, 6), min_size=0, max_size=12))
+    counts += [0] * draw(st.integers(0, 3))  # empty bags at the end
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(
         draw(st.sampled_from([np.int32, np.int64]))
     )
@@ -371,32 +149,17 @@ def bag_problems(draw):
         draw(st.lists(st.integers(low, vocab - 1), min_size=n, max_size=n)),
         dtype=draw(st.sampled_from([np.int32, np.int64])),
     )
-    weights = None
-    if draw(st.booleans()):
-        weights = (
-            np.asarray(draw(st.lists(st.integers(-8, 8), min_size=n, max_size=n)), np.float32) / 4
-        )
+    weights = _weights(draw, n)
     combiner = draw(st.sampled_from(COMBINERS))
     prune_weights = draw(st.booleans())
     seed = draw(st.integers(0, 2**32 - 1))
-    table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(np.float32)
+    dtype = draw(st.sampled_from(dtypes))
+    table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(dtype)
     return table, ids, offsets, weights, combiner, prune_ids, prune_weights
 
 
-def _with_backend(backend, fn, *args, **kwargs):
-    previous = kernels.set_backend(backend)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        kernels.set_backend(previous)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@SETTINGS
-@given(problem=bag_problems())
-def test_bag_combine_matches_reference(backend, problem):
-    table, ids, offsets, weights, combiner, prune_ids, prune_weights = problem
-    out = _with_backend(
+def _bag(backend, table, ids, offsets, weights, combiner, prune_ids, prune_weights):
+    return _with_backend(
         backend,
         kernels.bag_combine,
         table,
@@ -407,64 +170,196 @@ def test_bag_combine_matches_reference(backend, problem):
         prune_ids=prune_ids,
         prune_weights=prune_weights,
     )
-    (want, _), rows, kept_ids, kept_w = bag_reference(
-        table, ids, offsets, weights, combiner, prune_ids, prune_weights
-    )
-    check_against_reference(
-        out,
-        table,
-        np.array(kept_ids, np.int64),
-        np.array(rows, np.int64),
-        np.array(kept_w, np.float32),
-        len(offsets) - 1,
-        combiner,
-    )
 
 
-@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba is not importable")
+@pytest.mark.parametrize("backend", BACKENDS)
 @SETTINGS
 @given(problem=bag_problems())
-def test_bag_combine_backends_and_segment_sum_agree(problem):
-    """Both backends, and weighted_segment_sum on the pruned entries, bit for bit (sum)."""
-    table, ids, offsets, weights, combiner, prune_ids, prune_weights = problem
-    a = _with_backend(
-        "numba",
-        kernels.bag_combine,
-        table,
-        ids,
-        offsets,
-        weights,
-        combiner,
-        prune_ids=prune_ids,
-        prune_weights=prune_weights,
-    )
-    b = _with_backend(
-        "numpy",
-        kernels.bag_combine,
-        table,
-        ids,
-        offsets,
-        weights,
-        combiner,
-        prune_ids=prune_ids,
-        prune_weights=prune_weights,
-    )
-    _, rows, kept_ids, kept_w = bag_reference(
-        table, ids, offsets, weights, combiner, prune_ids, prune_weights
-    )
-    c = kernels.weighted_segment_sum_numba(
-        table,
-        np.array(kept_ids, np.int64),
-        np.array(rows, np.int64),
-        np.array(kept_w, np.float32),
-        len(offsets) - 1,
-        combiner,
-    )
-    np.testing.assert_array_equal(a, c)
-    if combiner in (None, "sum"):
+def test_bag_combine_matches_float64_reference(backend, problem):
+    out = _bag(backend, *problem)
+    check_against_reference(out, *problem)
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="neither numba nor the C++ kernels are usable")
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@SETTINGS
+@given(problem=bag_problems())
+def test_backends_agree_with_numpy(backend, problem):
+    """Same float32 products added in the same order: sums agree with the numpy
+    backend's exactly (as values: numpy copies a one-entry bag's -0.0 product where the
+    compiled kernels add it to +0.0; its denominators may be summed in another order)."""
+    a = _bag("numpy", *problem)
+    b = _bag(backend, *problem)
+    if problem[4] in (None, "sum"):
         np.testing.assert_array_equal(a, b)
     else:
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    not (kernels.HAVE_NUMBA and kernels.HAVE_NATIVE), reason="numba or the C++ kernels missing"
+)
+@SETTINGS
+@given(problem=bag_problems())
+def test_numba_and_native_agree_bit_for_bit(problem):
+    """The two compiled backends: the same values, bit for bit, for every combiner."""
+    a = _bag("numba", *problem)
+    b = _bag("native", *problem)
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("prune", [False, True])
+@pytest.mark.parametrize("dim", [16, 64, 70])
+def test_bag_combine_random_batch(backend, combiner, weighted, prune, dim):
+    """A serving-sized feature (Poisson lengths, empty bags, the last ones too), seeded:
+    each combiner with and without weights, with and without pruned ids and weights."""
+    rng = np.random.default_rng(dim)
+    table = rng.standard_normal((1000, dim)).astype(np.float32)
+    lengths = np.concatenate([rng.poisson(4, 300), [0] * 10])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    n = int(offsets[-1])
+    ids = rng.integers(0, 1000, n)
+    weights = rng.uniform(0.1, 2, n).astype(np.float32) if weighted else None
+    if prune:
+        ids[rng.random(n) < 0.2] = -1
+        if weighted:
+            weights[rng.random(n) < 0.2] = 0.0
+    problem = (table, ids, offsets, weights, combiner, prune, prune)
+    out = _bag(backend, *problem)
+    want = check_against_reference(out, *problem)
+    assert np.count_nonzero(want) > 0.8 * want.size  # only the empty (or pruned) bags are zero
+    if backend != "numpy" and combiner in (None, "sum"):
+        np.testing.assert_array_equal(out, _bag("numpy", *problem))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatch_follows_backend(backend, monkeypatch):
+    """Each op runs the backend chosen by set_backend, and only that one."""
+    calls = []
+    for name, module in MODULES.items():
+        for op in ("prepare_bag", "prepare_gather", "sparse_offsets"):
+            monkeypatch.setattr(
+                module,
+                op,
+                lambda *a, name=name, op=op: calls.append((name, op)) or (lambda: "sentinel"),
+            )
+    table, ids = np.ones((4, 2), np.float32), np.array([0, 1])
+    previous = kernels.set_backend(backend)
+    try:
+        assert kernels.get_backend() == backend
+        assert kernels.bag_combine(table, ids, np.array([0, 2])) == "sentinel"
+        assert kernels.gather(table, ids) == "sentinel"
+        kernels.sparse_offsets(np.zeros((0, 2), np.int64), (2, 2))
+    finally:
+        kernels.set_backend(previous)
+    assert calls == [
+        (backend, "prepare_bag"),
+        (backend, "prepare_gather"),
+        (backend, "sparse_offsets"),
+    ]
+
+
+def test_backends_implement_one_interface():
+    """Every backend module has the same ops (the interface in `backends`' docstring)."""
+    for name, module in MODULES.items():
+        assert name == module.NAME
+        for op in ("load", "prepare_bag", "prepare_gather", "sparse_offsets"):
+            assert callable(getattr(module, op)), (name, op)
+        assert op in backends.__doc__
+    assert not hasattr(kernels, "weighted_segment_sum")
+
+
+def test_default_backend():
+    default = "native" if kernels.HAVE_NATIVE else "numba" if kernels.HAVE_NUMBA else "numpy"
+    assert kernels.get_backend() == default
+    with pytest.raises(ValueError, match="unknown backend"):
+        kernels.set_backend("cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("num_rows", [0, 4])
+def test_empty_input(backend, combiner, num_rows):
+    table = np.ones((5, 3), ml_dtypes.bfloat16)
+    ids = np.zeros(0, np.int64)
+    offsets = np.zeros(num_rows + 1, np.int64)
+    for weights in (None, np.zeros(0, np.float32)):
+        out = _bag(backend, table, ids, offsets, weights, combiner, False, False)
+        assert out.shape == (num_rows, 3) and out.dtype == table.dtype
+        assert not np.any(np.asarray(out, np.float32))
+    out = _with_backend(backend, kernels.gather, table, ids)
+    assert out.shape == (0, 3) and out.dtype == table.dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_denominators_give_zero_rows(backend):
+    table = np.array([[1, 2], [3, 5], [7, 11]], np.float32)
+    ids = np.array([0, 1, 2, 0])
+    offsets = np.array([0, 2, 3, 3, 4, 4])
+    weights = np.array([1.5, -1.5, 0.0, 2.0], np.float32)
+    # bag 0: weights sum to 0 but the weighted sum is not 0; bag 1: weight 0;
+    # bags 2 and 4: no entries
+    mean = _bag(backend, table, ids, offsets, weights, "mean", False, False)
+    np.testing.assert_array_equal(mean, [[0, 0], [0, 0], [0, 0], [1, 2], [0, 0]])
+    sqrtn = _bag(backend, table, ids, offsets, weights, "sqrtn", False, False)
+    np.testing.assert_allclose(sqrtn[0], np.array([-3, -4.5]) / np.sqrt(4.5), rtol=1e-6)
+    np.testing.assert_array_equal(sqrtn[1:], [[0, 0], [0, 0], [1, 2], [0, 0]])
+    total = _bag(backend, table, ids, offsets, weights, "sum", False, False)
+    np.testing.assert_array_equal(total, [[-3, -4.5], [0, 0], [0, 0], [2, 4], [0, 0]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_arguments(backend):
+    table = np.ones((4, 2), np.float32)
+    ids, offsets = np.array([0, 1, 1]), np.array([0, 1, 3])
+
+    def bag(*args, **kwargs):
+        return _with_backend(backend, kernels.bag_combine, *args, **kwargs)
+
+    with pytest.raises(ValueError, match="combiner"):
+        bag(table, ids, offsets, None, "max")
+    with pytest.raises(ValueError, match="must match ids"):
+        bag(table, ids, offsets, np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="2-D"):
+        bag(table[0], ids, offsets)
+    with pytest.raises(ValueError, match="1-D integers"):
+        bag(table, ids.astype(np.float32), offsets)
+    with pytest.raises(ValueError, match="offsets"):
+        bag(table, ids, offsets.astype(np.float32))
+    with pytest.raises(ValueError, match="1-D integers"):
+        _with_backend(backend, kernels.gather, table, ids[:, None])
+
+
+def test_numpy_fallback_without_numba_or_native():
+    """With numba not importable and the C++ kernels off, the kernels load, pick numpy
+    and compute (a process without a compiler and without numba)."""
+    script = """
+import sys
+import numpy as np
+sys.modules["numba"] = None  # import numba -> ImportError
+from embedmesh.serving import kernels
+assert not kernels.HAVE_NUMBA and not kernels.HAVE_NATIVE and kernels.get_backend() == "numpy"
+for name in ("numba", "native"):
+    try:
+        kernels.set_backend(name)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError(f"set_backend({name!r}) should fail")
+t = np.arange(8, dtype=np.float32).reshape(4, 2)
+out = kernels.bag_combine(t, np.array([1, 3, 2]), np.array([0, 2, 2, 3, 3]),
+                          np.array([1, 3, 2], np.float32), "mean")
+np.testing.assert_allclose(out, [[5, 6], [0, 0], [4, 5], [0, 0]])
+print("ok")
+"""
+    env = {**os.environ, "EMBEDMESH_SERVING_NATIVE": "0"}
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -535,8 +430,11 @@ def test_bag_combine_narrow_tables(backend, dtype):
 @pytest.mark.parametrize("row_bytes", [None, 64, 192])  # None: 7 wide; else streaming stores
 def test_gather_is_bit_exact_and_checks_ids(backend, dtype, row_bytes):
     dim = 7 if row_bytes is None else row_bytes // np.dtype(dtype).itemsize
-    table = (np.random.default_rng(0).standard_normal((50, dim)) * 10).astype(dtype)
-    ids = np.array([3, 4, 3, 49, 0], np.int32)
+    rng = np.random.default_rng(0)
+    table = (rng.standard_normal((50, dim)) * 10).astype(dtype)
+    if np.dtype(dtype).kind == "f" or dtype is ml_dtypes.bfloat16:
+        table[3, 0], table[4, 1] = -0.0, np.nan  # copied as bits
+    ids = np.concatenate([[3, 4, 3, 49, 0], rng.integers(0, 50, 200)]).astype(np.int32)
     out = _with_backend(backend, kernels.gather, table, ids)
     assert out.dtype == table.dtype and out.ctypes.data % 64 == 0
     np.testing.assert_array_equal(out.view(np.uint8), table[ids].view(np.uint8))
@@ -586,6 +484,30 @@ def test_sparse_offsets_match_loops(backend, data):
         assert got is None
     else:
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_sparse_check_follows_the_backend(backend, monkeypatch):
+    """`inputs`' check of sparse indices (`sparse_index.sparse_offsets`) runs the
+    serving kernels' backend in use; without it installed, its numpy form: the same
+    answers."""
+    idx = np.array([[0, 1], [0, 3], [2, 0], [2, 2]], np.int64)
+    want = np.array([0, 2, 2, 4, 4])
+    got, bad = _with_backend(backend, sparse_index.sparse_offsets, idx, (4, 5))
+    assert bad == -1
+    np.testing.assert_array_equal(got, want)
+    seen = []
+    monkeypatch.setattr(MODULES[backend], "sparse_offsets", lambda *a: seen.append(a) or (None, 3))
+    assert _with_backend(backend, sparse_index.sparse_offsets, idx, (4, 5)) == (None, 3)
+    assert len(seen) == 1
+    previous = sparse_index.set_kernel(None)
+    try:
+        got, bad = sparse_index.sparse_offsets(idx, (4, 5))
+        np.testing.assert_array_equal(got, want)
+        assert sparse_index.sparse_offsets(idx[::-1], (4, 5)) == (None, 1)
+    finally:
+        sparse_index.set_kernel(previous)
+    assert previous == kernels.sparse_offsets
 
 
 def test_output_pool_reuses_only_unreferenced_buffers():

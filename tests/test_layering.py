@@ -25,6 +25,7 @@ ALWAYS = {
     "embedmesh.initializers",
     "embedmesh.inputs",
     "embedmesh.batch",
+    "embedmesh.sparse_index",  # the check of COO indices, below inputs (imports no embedmesh)
 }
 # the checkpoint modules serving may import: the host-side readers (no mesh, no device)
 CHECKPOINT_READERS = {
@@ -33,21 +34,20 @@ CHECKPOINT_READERS = {
     "embedmesh.checkpoint.loading",
 }
 LAYERS = {
-    # inputs checks sparse indices with the host kernels' one-pass check (imported at
-    # first use): the one edge from the declared layer to a later one
     "declare": (
         [
             "config",
             "optimizers",
             "initializers",
             "inputs",
+            "sparse_index",
             "batch",
             "_runtime",
             "_compat",
             "_gpu_guard",
             "_native",
         ],
-        {"embedmesh.serving.kernels"},
+        set(),
     ),
     "layout": (["layout"], set()),
     "host": (["host"], {"embedmesh.layout"}),

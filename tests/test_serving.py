@@ -365,8 +365,9 @@ def test_weights_prune_rules_for_sparse():
 
 def _per_entry_reference(name, feature, inp, weight, table):
     """TensorFlow's rules as per-entry arrays (output row, id, weight, kept), summed
-    by `kernels.weighted_segment_sum`: the form the serving path had before it
-    took bags (`inputs.to_csr`) for every output kind."""
+    by the kernels (bags from the sorted per-entry rows, a plain lookup gathered): the
+    form the serving path had before it took bags (`inputs.to_csr`) for every output
+    kind."""
     from embedmesh.inputs import (
         check_id_range,
         feature_layout,
@@ -412,7 +413,11 @@ def _per_entry_reference(name, feature, inp, weight, table):
     if keep is not None:
         ids, rows, w = ids[keep], rows[keep], w[keep]
     check_id_range(name, ids, table.shape[0])
-    out = kernels.weighted_segment_sum(table, ids, rows, w, layout.num_rows, layout.combiner)
+    if layout.kind == "lookup":
+        out = kernels.gather(table, ids)
+    else:  # rows non-decreasing (validated indices, row-major)
+        offsets = np.searchsorted(rows, np.arange(layout.num_rows + 1), side="left")
+        out = kernels.bag_combine(table, ids, offsets, w, layout.combiner)
     return out.reshape(layout.activation_shape(table.shape[1]))
 
 

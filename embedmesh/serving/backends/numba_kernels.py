@@ -1,9 +1,9 @@
-"""The serving lookup's compiled host kernels (numba): imported by
-`embedmesh.serving.kernels` at first use, so importing embedmesh never imports
-numba. Module-level `@njit` functions cached on disk; `bag_kernel(mode, has_w,
+"""The serving lookup's compiled host kernels (numba): imported by the numba
+backend (`embedmesh.serving.backends.numba`) at first use, so importing embedmesh
+never imports numba. Module-level `@njit` functions cached on disk; `bag_kernel(mode, has_w,
 prune_ids, prune_w)` returns the bag kernel compiled for the combiner and weights
 (the pruning options are run-time flags). See `embedmesh.serving.kernels` for what
-each computes and the numpy backend that matches it.
+each computes and `backends/numpy.py` for the numpy form that matches it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ __all__ = [
     "bag_kernel",
     "gather_kernel",
     "gather_streaming_kernel",
-    "rows_to_offsets",
     "sparse_offsets_2d",
     "sparse_offsets_kernel",
 ]
@@ -393,28 +392,6 @@ def gather_streaming_kernel(src, ids, out):  # pragma: no cover (compiled)
             _stream_copy64(dst + j, row + j)
     _store_fence()
     return -1
-
-
-@numba.njit(cache=True, nogil=True)
-def rows_to_offsets(rows, num_rows, offsets):  # pragma: no cover (compiled)
-    """offsets[r] = first entry of row r (rows sorted); False if rows are not
-    non-decreasing within [0, num_rows)."""
-    n = rows.shape[0]
-    cur = 0
-    offsets[0] = 0
-    prev = 0
-    for k in range(n):
-        row = rows[k]
-        if row < prev or row >= num_rows:
-            return False
-        while cur < row:
-            cur += 1
-            offsets[cur] = k
-        prev = row
-    while cur < num_rows:
-        cur += 1
-        offsets[cur] = n
-    return True
 
 
 @numba.njit(cache=True, nogil=True)
