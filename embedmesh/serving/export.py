@@ -310,8 +310,6 @@ def export_serving(
     """
     import jax
 
-    from embedmesh.config import resolve_feature_config
-
     buckets = sorted({int(b) for b in batch_sizes})
     if not buckets or buckets[0] < 1:
         raise ValueError(f"batch_sizes must be ints >= 1, got {batch_sizes!r}")
@@ -331,20 +329,8 @@ def export_serving(
         raise ValueError("input_signature has no inputs")
     extra = int(any(not isinstance(s, Dense) for s in spec_leaves))
 
-    # tables, in a fixed order, and their file names
-    configs = list(tables)
-    names = {}
-    if feature_config is not None:
-        resolved = resolve_feature_config(feature_config)
-        names = {id(t): n for t, n in zip(resolved.tables, resolved.table_names)}
-    table_entries, used = [], set()
-    for i, cfg in enumerate(configs):
-        name = names.get(id(cfg)) or getattr(cfg, "name", None) or f"table_{i}"
-        file = f"tables/{_safe(name)}.npy"
-        if file in used:
-            file = f"tables/{i}_{_safe(name)}.npy"
-        used.add(file)
-        table_entries.append({"name": name, "file": file})
+    configs = list(tables)  # in a fixed order
+    table_entries = _table_files(configs, feature_config)
     table_arrays = [np.asarray(tables[c]) for c in configs]
     param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
     param_arrays = [np.asarray(p) for p in param_leaves]
@@ -372,45 +358,19 @@ def export_serving(
     table_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in table_arrays]
     param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in param_arrays]
     for b in buckets:
-        pb = b + extra
-        in_specs = [a for s in spec_leaves for a in _bucket_args(s, b, pb)]
-        captured = {}
-
-        def flat_fn(flat_inputs, table_list, param_list, pb=pb, captured=captured):
-            leaves, structure = program(flat_inputs, table_list, param_list, pb)
-            captured["structure"] = structure
-            return leaves
-
-        exported = jax.export.export(jax.jit(flat_fn), platforms=tuple(platforms))(
-            in_specs, table_specs, param_specs
+        in_specs = [a for s in spec_leaves for a in _bucket_args(s, b, b + extra)]
+        exported, structure = _export_bucket(
+            program, b, b + extra, (in_specs, table_specs, param_specs), platforms
         )
         if out_structure is None:
-            out_structure = captured["structure"]
-        elif captured["structure"] != out_structure:
+            out_structure = structure
+        elif structure != out_structure:
             raise ValueError("the serving function's output structure depends on the batch size")
-        for i, aval in enumerate(exported.out_avals):
-            if len(aval.shape) == 0 or aval.shape[0] != pb:
-                raise ValueError(
-                    f"output leaf {i} has shape {aval.shape}: every output needs "
-                    f"the batch ({pb} in bucket {b}) as its leading axis"
-                )
         programs[b] = f"program_{b}.bin"
         with open(os.path.join(directory, programs[b]), "wb") as f:
             f.write(exported.serialize())
 
-    os.makedirs(os.path.join(directory, "tables"), exist_ok=True)
-    for entry, arr in zip(table_entries, table_arrays):
-        np.save(os.path.join(directory, entry["file"]), arr)
-        entry.update(shape=list(arr.shape), dtype=_dtype_name(arr.dtype))
-    param_entries = []
-    if param_arrays:
-        os.makedirs(os.path.join(directory, "params"), exist_ok=True)
-    for i, arr in enumerate(param_arrays):
-        file = f"params/{i}.npy"
-        np.save(os.path.join(directory, file), arr)
-        param_entries.append(
-            {"file": file, "shape": list(arr.shape), "dtype": _dtype_name(arr.dtype)}
-        )
+    param_entries = _save_arrays(directory, table_entries, table_arrays, param_arrays)
     # the package's __init__ (the one version source) is loaded: it is this module's parent
     version = getattr(sys.modules.get("embedmesh"), "__version__", "unknown")
     manifest = {
@@ -430,6 +390,66 @@ def export_serving(
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
+
+
+def _export_bucket(program, b: int, pb: int, specs: tuple, platforms):
+    """`program` exported for bucket `b` (`pb` rows: the batch and its extra row), and
+    its output structure; every output leaf must lead with the batch."""
+    import jax
+
+    captured = {}
+
+    def flat_fn(flat_inputs, table_list, param_list):
+        leaves, captured["structure"] = program(flat_inputs, table_list, param_list, pb)
+        return leaves
+
+    exported = jax.export.export(jax.jit(flat_fn), platforms=tuple(platforms))(*specs)
+    for i, aval in enumerate(exported.out_avals):
+        if len(aval.shape) == 0 or aval.shape[0] != pb:
+            raise ValueError(
+                f"output leaf {i} has shape {aval.shape}: every output needs "
+                f"the batch ({pb} in bucket {b}) as its leading axis"
+            )
+    return exported, captured["structure"]
+
+
+def _table_files(configs: list, feature_config) -> list[dict]:
+    """Each table's name (the feature config's, the config's, else `table_<i>`) and
+    the file it is saved to, one distinct file each."""
+    from embedmesh.config import resolve_feature_config
+
+    names = {}
+    if feature_config is not None:
+        resolved = resolve_feature_config(feature_config)
+        names = {id(t): n for t, n in zip(resolved.tables, resolved.table_names)}
+    table_entries, used = [], set()
+    for i, cfg in enumerate(configs):
+        name = names.get(id(cfg)) or getattr(cfg, "name", None) or f"table_{i}"
+        file = f"tables/{_safe(name)}.npy"
+        if file in used:
+            file = f"tables/{i}_{_safe(name)}.npy"
+        used.add(file)
+        table_entries.append({"name": name, "file": file})
+    return table_entries
+
+
+def _save_arrays(directory, table_entries: list, table_arrays: list, param_arrays: list) -> list:
+    """Save the tables (their entries gain shape and dtype) and the parameters under
+    `directory`; returns the parameters' manifest entries."""
+    os.makedirs(os.path.join(directory, "tables"), exist_ok=True)
+    for entry, arr in zip(table_entries, table_arrays):
+        np.save(os.path.join(directory, entry["file"]), arr)
+        entry.update(shape=list(arr.shape), dtype=_dtype_name(arr.dtype))
+    param_entries = []
+    if param_arrays:
+        os.makedirs(os.path.join(directory, "params"), exist_ok=True)
+    for i, arr in enumerate(param_arrays):
+        file = f"params/{i}.npy"
+        np.save(os.path.join(directory, file), arr)
+        param_entries.append(
+            {"file": file, "shape": list(arr.shape), "dtype": _dtype_name(arr.dtype)}
+        )
+    return param_entries
 
 
 # ---------------------------------------------------------------------------

@@ -405,7 +405,7 @@ def serving_embedding_lookup(
             outputs.append(_traced_lookup(name, feature, inp, w, table))
     # every input checked and every output buffer taken first, then the kernels
     # back to back: 6-9% faster than one feature after the other (see
-    # kernels._KernelCall)
+    # backends.numba._KernelCall)
     if threads > 1 and host and kernels.native_in_use():
         results = _run_handed_over(host, threads)
     else:

@@ -172,17 +172,7 @@ def export_saved_model(
     resolved = resolve_feature_config(feature_config)
     specs = _flat_specs(resolved, input_signature)
     names = signature_names(feature_config, input_signature, weighted)
-    by_name = {}
-    for t, n in zip(resolved.tables, resolved.table_names):
-        match = [v for k, v in tables.items() if k is t]
-        if not match:
-            raise ValueError(f"tables has no array for table {n}")
-        arr = np.asarray(match[0], np.float32)
-        if arr.shape != (t.vocabulary_size, t.dim):
-            raise ValueError(
-                f"table {n} has shape {arr.shape}, expected ({t.vocabulary_size}, {t.dim})"
-            )
-        by_name[n] = arr
+    by_name = _tables_by_name(resolved, tables)
     tf_tables, tf_feats = _tf_feature_config(resolved, tf)
 
     param_leaves, param_tree = jax.tree_util.tree_flatten(params)
@@ -207,32 +197,7 @@ def export_saved_model(
         for i, x in enumerate(param_leaves)
     ]
 
-    tensor_specs = []
-    keys = []
-    for name, spec in zip(resolved.feature_names, specs):
-        n = names[name]
-        if isinstance(spec, Dense):
-            tensor_specs.append(
-                tf.TensorSpec((None, *spec.shape), tf.as_dtype(spec.dtype), n["ids"])
-            )
-            keys.append(n["ids"])
-        elif isinstance(spec, Ragged):
-            tensor_specs += [
-                tf.TensorSpec((None,), tf.as_dtype(spec.dtype), n["values"]),
-                tf.TensorSpec((None,), tf.as_dtype(spec.splits_dtype), n["row_splits"]),
-            ]
-            keys += [n["values"], n["row_splits"]]
-        else:
-            rank = 1 + len(spec.shape)
-            tensor_specs += [
-                tf.TensorSpec((None, rank), tf.int64, n["indices"]),
-                tf.TensorSpec((None,), tf.as_dtype(spec.dtype), n["values"]),
-                tf.TensorSpec((rank,), tf.int64, n["dense_shape"]),
-            ]
-            keys += [n["indices"], n["values"], n["dense_shape"]]
-        if "weights" in n:
-            tensor_specs.append(tf.TensorSpec((None,), tf.float32, n["weights"]))
-            keys.append(n["weights"])
+    tensor_specs, keys = _signature_specs(resolved, specs, names, tf)
 
     def serve(**kw):
         inputs, weights = [], []
@@ -271,3 +236,50 @@ def export_saved_model(
     directory = os.fspath(directory)
     tf.saved_model.save(module, directory, signatures={"serving_default": fn})
     return names
+
+
+def _tables_by_name(resolved, tables: dict) -> dict:
+    """`{table name: float32 array}` for the feature config's tables, each checked."""
+    by_name = {}
+    for t, n in zip(resolved.tables, resolved.table_names):
+        match = [v for k, v in tables.items() if k is t]
+        if not match:
+            raise ValueError(f"tables has no array for table {n}")
+        arr = np.asarray(match[0], np.float32)
+        if arr.shape != (t.vocabulary_size, t.dim):
+            raise ValueError(
+                f"table {n} has shape {arr.shape}, expected ({t.vocabulary_size}, {t.dim})"
+            )
+        by_name[n] = arr
+    return by_name
+
+
+def _signature_specs(resolved, specs, names: dict, tf) -> tuple[list, list]:
+    """The signature's `tf.TensorSpec`s, feature by feature, and their input names."""
+    tensor_specs = []
+    keys = []
+    for name, spec in zip(resolved.feature_names, specs):
+        n = names[name]
+        if isinstance(spec, Dense):
+            tensor_specs.append(
+                tf.TensorSpec((None, *spec.shape), tf.as_dtype(spec.dtype), n["ids"])
+            )
+            keys.append(n["ids"])
+        elif isinstance(spec, Ragged):
+            tensor_specs += [
+                tf.TensorSpec((None,), tf.as_dtype(spec.dtype), n["values"]),
+                tf.TensorSpec((None,), tf.as_dtype(spec.splits_dtype), n["row_splits"]),
+            ]
+            keys += [n["values"], n["row_splits"]]
+        else:
+            rank = 1 + len(spec.shape)
+            tensor_specs += [
+                tf.TensorSpec((None, rank), tf.int64, n["indices"]),
+                tf.TensorSpec((None,), tf.as_dtype(spec.dtype), n["values"]),
+                tf.TensorSpec((rank,), tf.int64, n["dense_shape"]),
+            ]
+            keys += [n["indices"], n["values"], n["dense_shape"]]
+        if "weights" in n:
+            tensor_specs.append(tf.TensorSpec((None,), tf.float32, n["weights"]))
+            keys.append(n["weights"])
+    return tensor_specs, keys

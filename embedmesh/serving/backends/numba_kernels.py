@@ -182,7 +182,7 @@ def _specialised_bag_kernel(mode, has_w):
     flags are run-time arguments (loop-invariant branches): specialising them too
     made 4x the compiles (~2.7 CPU-s each, 24 per id type) for a fallback backend
     (the C++ kernels serve by default). Closures are cached on disk per value of
-    their constants.
+    their constants. Over 120 lines: it holds the kernel (see its docstring).
     """
 
     @numba.njit(cache=True, nogil=True)
@@ -195,6 +195,11 @@ def _specialised_bag_kernel(mode, has_w):
         accumulators stay in registers; the first block also checks ids
         and sums the denominator. Returns -1, or the first entry whose
         (kept) id is outside the table.
+
+        Over 120 lines as one compiled function: its per-entry work is already in
+        the inlined `_accumulate` and `_store`; what stays are the column-block
+        loops over accumulators local to it (`_stack_block` arrays, which LLVM keeps
+        in registers), one branch per block width.
         """
         num_rows = out.shape[0]
         dim = out.shape[1]
