@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,30 +39,19 @@ def default_initializer(dim: int) -> Initializer:
     return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(dim))
 
 
-_QUANTIZATION_WARNED = False
-
-
-def _warn_quantization_ignored() -> None:
-    global _QUANTIZATION_WARNED
-    if not _QUANTIZATION_WARNED:
-        _QUANTIZATION_WARNED = True
-        warnings.warn(
-            "TableConfig.quantization_config is accepted but ignored by embedmesh: "
-            "activations are not quantized (warned once per process)",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class QuantizationConfig:
-    """Simulated quantization of activations: ACCEPTED AND IGNORED for now.
+    """Simulated quantization of a table's lookups, as TensorFlow documents it.
 
-    TensorFlow's SparseCore rounds activations onto `num_buckets` levels in
-    `[lower, upper]`. embedmesh validates the fields and keeps the object on
-    its `TableConfig` (so configs port unchanged) but applies no quantization:
-    lookups, updates and serving all use the table's dtype. A `TableConfig`
-    with a quantization config warns once per process.
+    In training, every row a lookup reads is clipped to `[lower, upper]` and rounded
+    onto `num_buckets` levels before the combiner (weights, mean, sqrtn) applies:
+    `quantum = (upper - lower) / (num_buckets - 1)`, `x = floor((x - lower) / quantum
+    + 0.5) * quantum + lower`, in float32. The table and its updates stay float32, and
+    the gradient is straight-through: the update takes the activation gradients as if
+    the rows had not been quantized (clipping included). Serving does not quantize
+    (`serving_embedding_lookup` is TensorFlow's plain CPU lookup, which ignores the
+    config). Lookups of a quantized table run each op's reference (XLA), not the
+    platform kernels.
     """
 
     num_buckets: int
@@ -112,9 +100,8 @@ class TableConfig:
     flattening). `copy.copy` keeps the creation index; `dataclasses.replace`
     makes a new table with a new one.
 
-    `quantization_config` is accepted and IGNORED for now (embedmesh computes
-    activations in the table's dtype, no simulated quantization); see
-    `QuantizationConfig`. A table with one warns once.
+    `quantization_config`: the table's lookups in training are quantized (see
+    `QuantizationConfig`); tables with different ones never share a stack.
     """
 
     vocabulary_size: int
@@ -174,8 +161,6 @@ class TableConfig:
                 self.optimizer,
                 f"an embedmesh optimizer ({optimizer_class_names()}) or None",
             )
-        if self.quantization_config is not None:
-            _warn_quantization_ignored()
         object.__setattr__(self, "_creation_index", next(_TABLE_COUNTER))
 
     def _order_key(self) -> tuple:

@@ -89,9 +89,10 @@ def after(x, previous):
     return jnp.where(bits == jnp.int32(-1), x + 1, x)
 
 
-def lookup_local(table_shard, batch: ShardBatch):
+def lookup_local(table_shard, batch: ShardBatch, quantization=None):
     """Activation rows [R, D] (float32) combined straight from this device's own rows
-    (every id of `batch` is one of them): no [U, D] buffer."""
+    (every id of `batch` is one of them): no [U, D] buffer (`quantization`: the stack's,
+    applied to each row read)."""
     return ops.segment_gather_sum(
         table_shard,
         batch.pair_unique.reshape(-1),
@@ -99,6 +100,7 @@ def lookup_local(table_shard, batch: ShardBatch):
         batch.pair_rows.reshape(-1),
         batch.num_rows,
         src_map=batch.unique_ids.reshape(-1),
+        quantization=quantization,
     )
 
 

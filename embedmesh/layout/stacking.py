@@ -195,6 +195,9 @@ class StackSpec:
     num_shards: int
     num_rows: int  # stacked rows: num_shards * the most local rows any shard uses
     replicated: bool = False  # its tables are data_parallel (all or none of them are)
+    # its tables' QuantizationConfig as (num_buckets, lower, upper), or None: tables with
+    # different ones never share a stack (their lookups quantize the rows they read)
+    quantization: tuple | None = None
 
     @property
     def rows_per_shard(self) -> int:
@@ -441,6 +444,12 @@ class StackingPlan:
         return self.unlocate(stack, rows % self.num_shards, rows // self.num_shards)
 
 
+def quantization_of(table: TableConfig) -> tuple | None:
+    """A table's `QuantizationConfig` as the value `(num_buckets, lower, upper)`."""
+    q = table.quantization_config
+    return None if q is None else (int(q.num_buckets), float(q.lower), float(q.upper))
+
+
 def _effective_optimizer(table: TableConfig, default):
     return table.optimizer if table.optimizer is not None else default
 
@@ -621,6 +630,7 @@ def plan_stacking(
             np.dtype(dtypes.get(resolved.table_names[i], np.float32)),
             (stack_keys or {}).get(resolved.table_names[i]),
             strategies[i] == "data_parallel",  # replicas stack only with replicas
+            quantization_of(t),
         )
         for gkey, members in groups:
             if stack_tables and gkey == key:
@@ -681,7 +691,7 @@ def plan_stacking(
     stack_specs = []
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
-        dim, optimizer, dtype, _, replicated = key
+        dim, optimizer, dtype, _, replicated, quantization = key
         # row order: the mod tables one after another, then each table-wise table
         # after the earlier ones of its owner
         members = [i for i in members if strategies[i] == "mod"] + [
@@ -738,6 +748,7 @@ def plan_stacking(
                 num_shards=n,
                 num_rows=rows_per_shard * n,
                 replicated=replicated,
+                quantization=quantization,
             )
         )
 

@@ -28,6 +28,10 @@ end are padding.
   `segment_sum(src[src_idx] * gains[:, None], dst_idx, num_segments)`, pairs
   with an out-of-range `src_idx` or `dst_idx` skipped; sums in pair order.
   With `src_map`, the op `segment_gather_sum_mapped` (rows `src[src_map]`).
+  The lookup ops (this one, `lookup_from_shards`, `pooled_partials`,
+  `exchange_pooled_partials`) take `quantization=(num_buckets, lower, upper)`, a
+  table's `QuantizationConfig`: each row read is `reference.quantize`d before it is
+  weighted; no kernel applies it, so such a call runs the op's reference.
 - `dedup_sum(ids, grads)`: the distinct ids of `ids` ascending (padded with
   `PAD_ID`, ids equal to `PAD_ID` dropped) and the sum of the `grads` rows of
   each, in input order. Linear when every row of `ids` [N, U] is ascending (an
@@ -202,6 +206,8 @@ def reference_of(op: str) -> Callable:
 
 
 def _takes(kernel: Kernel, args, params) -> bool:
+    if params.get("quantization") is not None:  # a row transform no kernel applies
+        return False
     return kernel.ready() and (kernel.supports is None or kernel.supports(*args, **params))
 
 
@@ -213,6 +219,7 @@ def kernel_for(op: str, platform: str, *args, **params) -> Callable:
         if (
             kernel is not None
             and kernel.ready()
+            and params.get("quantization") is None
             and (
                 not (args or params) or kernel.supports is None or kernel.supports(*args, **params)
             )
@@ -260,7 +267,15 @@ def scatter_rows(table, ids, rows):
     return _dispatch("scatter_rows", table, ids.astype(jnp.int32), rows.astype(table.dtype))
 
 
-def segment_gather_sum(src, src_idx, gains, dst_idx, num_segments: int, *, src_map=None):
+def _quantized(quantization) -> dict:
+    """The `quantization` parameter of a lookup op's call: only when set (the kernels
+    take no such parameter; a call with it runs the op's reference, `_takes`)."""
+    return {} if quantization is None else {"quantization": tuple(quantization)}
+
+
+def segment_gather_sum(
+    src, src_idx, gains, dst_idx, num_segments: int, *, src_map=None, quantization=None
+):
     """`segment_sum(src[rows] * gains[:, None], dst_idx, num_segments)` in float32.
 
     src [M, D]; src_idx, gains, dst_idx [P]; `rows = src_idx`, or
@@ -268,14 +283,19 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, num_segments: int, *, src_m
     `src_map` the ids to read: no intermediate [len(src_map), D] buffer). Pairs
     whose index (or mapped row) is out of range, or whose `dst_idx` is outside
     `[0, num_segments)`, contribute nothing. Each segment sums in pair order.
+    `quantization` `(num_buckets, lower, upper)`: the rows are `reference.quantize`d
+    before they are weighted and summed (a lookup of a table with a QuantizationConfig).
     """
     src_idx = src_idx.astype(jnp.int32)
     gains = gains.astype(jnp.float32)
     dst_idx = dst_idx.astype(jnp.int32)
     if src_map is None:
+        src = src.astype(jnp.float32)
+        if quantization is not None:
+            src = reference.quantize(src, quantization)
         return _dispatch(
             "segment_gather_sum",
-            src.astype(jnp.float32),
+            src,
             src_idx,
             gains,
             dst_idx,
@@ -289,6 +309,7 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, num_segments: int, *, src_m
         gains,
         dst_idx,
         num_segments=num_segments,
+        **_quantized(quantization),
     )
 
 
@@ -395,11 +416,13 @@ def lookup_from_shards(
     pair_rows,
     num_rows: int,
     transport: Transport,
+    quantization=None,
 ):
     """Activations [num_rows, D] (float32) of this device: `sum gains * shard_s[ids]` over
     its pairs (`pair_*` [N, P]) into the rows of every shard s (`unique_ids` [N, U]).
     Pairs with `pair_unique` outside [0, U), a padding id or `pair_rows` outside
-    [0, num_rows) contribute nothing."""
+    [0, num_rows) contribute nothing. `quantization`: as `segment_gather_sum`'s (the
+    owners quantize the rows they send)."""
     return _dispatch(
         "lookup_from_shards",
         table_shard,
@@ -409,15 +432,18 @@ def lookup_from_shards(
         pair_rows.astype(jnp.int32),
         num_rows=num_rows,
         transport=transport,
+        **_quantized(quantization),
     )
 
 
 def _lookup_from_shards_reference(
-    table, unique_ids, pair_unique, pair_gains, pair_rows, *, num_rows, transport
+    table, unique_ids, pair_unique, pair_gains, pair_rows, *, num_rows, transport, quantization=None
 ):
     """Send the ids to their owners, gather there, send the rows back, combine."""
     served = exchange(unique_ids, transport.at("ids"))
     rows = gather_rows(table, served.reshape(-1)).reshape(served.shape + table.shape[1:])
+    if quantization is not None:
+        rows = reference.quantize(rows, quantization)
     rows = exchange(rows, transport.at("rows"))
     n, u, d = rows.shape
     return segment_gather_sum(
@@ -603,25 +629,28 @@ def unpack_pooled_pairs(served, *, unique_capacity: int, width: int):
     return ids, slot, row.reshape(-1).astype(jnp.int32), gains.reshape(-1)
 
 
-def pooled_partials(table, served, *, unique_capacity: int, width: int):
+def pooled_partials(table, served, *, unique_capacity: int, width: int, quantization=None):
     """An owner's partial sums [N * Rc, D] (float32) for its N sources' messages
     (`pack_pooled_pairs`): block s row j sums gain * table[id] over source s's pairs
-    of row j, in pair order."""
+    of row j, in pair order (`quantization`: as `segment_gather_sum`'s)."""
     return _dispatch(
         "pooled_partials",
         table,
         served.astype(jnp.int32),
         unique_capacity=unique_capacity,
         width=width,
+        **_quantized(quantization),
     )
 
 
-def _pooled_partials_reference(table, served, *, unique_capacity, width):
+def _pooled_partials_reference(table, served, *, unique_capacity, width, quantization=None):
     ids, slot, row, gains = unpack_pooled_pairs(
         served, unique_capacity=unique_capacity, width=width
     )
     n = served.shape[0]
-    return segment_gather_sum(table, slot, gains, row, n * width, src_map=ids.reshape(-1))
+    return segment_gather_sum(
+        table, slot, gains, row, n * width, src_map=ids.reshape(-1), quantization=quantization
+    )
 
 
 def pooled_backward_update(
@@ -704,6 +733,7 @@ def exchange_pooled_partials(
     unique_capacity: int,
     width: int,
     transport: Transport,
+    quantization=None,
 ):
     """This device's partial activations from every owner [N * Rc, D]:
     `exchange(pooled_partials(table, served))`, block s the partials owner s summed for
@@ -715,12 +745,17 @@ def exchange_pooled_partials(
         unique_capacity=unique_capacity,
         width=width,
         transport=transport,
+        **_quantized(quantization),
     )
 
 
-def _exchange_pooled_partials_reference(table, served, *, unique_capacity, width, transport):
+def _exchange_pooled_partials_reference(
+    table, served, *, unique_capacity, width, transport, quantization=None
+):
     n, d = served.shape[0], table.shape[-1]
-    partial = pooled_partials(table, served, unique_capacity=unique_capacity, width=width)
+    partial = pooled_partials(
+        table, served, unique_capacity=unique_capacity, width=width, quantization=quantization
+    )
     back = exchange(partial.reshape(n, width, d), transport)
     return back.reshape(n * width, d)
 

@@ -28,6 +28,7 @@ __all__ = [
     "exchange",
     "full",
     "gather_rows",
+    "quantize",
     "huge_page_copy",
     "scatter_rows",
     "segment_gather_sum",
@@ -59,9 +60,26 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     return jax.ops.segment_sum(g, jnp.where(valid, dst_idx, 0), num_segments=num_segments)
 
 
-def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
-    """`segment_gather_sum` over the rows `src[src_map]` (in float32)."""
+def quantize(rows, quantization):
+    """TensorFlow's simulated quantization of looked-up rows, in float32:
+    `quantization = (num_buckets, lower, upper)`; each value clipped to [lower, upper],
+    then `floor((x - lower) / quantum + 0.5) * quantum + lower`, `quantum = (upper -
+    lower) / (num_buckets - 1)` (`config.QuantizationConfig`)."""
+    buckets, lower, upper = quantization
+    lo, hi = jnp.float32(lower), jnp.float32(upper)
+    quantum = (hi - lo) / jnp.float32(buckets - 1)
+    x = jnp.clip(rows.astype(jnp.float32), lo, hi)
+    return jnp.floor((x - lo) / quantum + jnp.float32(0.5)) * quantum + lo
+
+
+def segment_gather_sum_mapped(
+    src, src_map, src_idx, gains, dst_idx, *, num_segments: int, quantization=None
+):
+    """`segment_gather_sum` over the rows `src[src_map]` (in float32), each row
+    `quantize`d first when a `quantization` is given."""
     rows = gather_rows(src, src_map).astype(jnp.float32)
+    if quantization is not None:
+        rows = quantize(rows, quantization)
     return segment_gather_sum(rows, src_idx, gains, dst_idx, num_segments=num_segments)
 
 

@@ -36,7 +36,9 @@ class DataParallel(Strategy):
         return (self.transport.num_shards - 1) * rows.row_bytes(csr, self.spec.dim)
 
     def lookup(self, table, batch: ShardBatch, *, carry: bool = False) -> tuple:
-        return shard_program.lookup_local(table, batch.first_partition()), None
+        return shard_program.lookup_local(
+            table, batch.first_partition(), self.spec.quantization
+        ), None
 
     def update(
         self, table, slots: dict, batch: ShardBatch, act_grads, *, step, keep=None, view=None

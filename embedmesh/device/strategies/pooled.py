@@ -143,6 +143,7 @@ class PooledOnOwners(Strategy):
             unique_capacity=batch.unique_capacity,
             width=rc,
             transport=at.at("partials"),
+            quantization=self.spec.quantization,
         )
         if pooled.rows is None:
             act = jnp.sum(back.reshape(n, rc, d), axis=0)

@@ -69,6 +69,7 @@ class RowExchange(Strategy):
             batch.pair_rows,
             batch.num_rows,
             self.transport.at("lookup"),
+            quantization=self.spec.quantization,
         )
         return act, None
 
