@@ -72,7 +72,10 @@ def local_slice(batch, pid, nproc):
 
 
 def main():
-    t1 = em.TableConfig(50, 8, combiner="mean", name="t1", initializer=HashInit(1.0))
+    q = em.QuantizationConfig(9, -0.3, 0.3)  # its lookups quantized (in both processes)
+    t1 = em.TableConfig(
+        50, 8, combiner="mean", name="t1", initializer=HashInit(1.0), quantization_config=q
+    )
     t2 = em.TableConfig(30, 4, combiner="sqrtn", name="t2", initializer=HashInit(2.0))
     feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2), "ragged": em.FeatureConfig(t2)}
     mesh = Mesh(np.array(jax.devices()), ("x",))
