@@ -496,8 +496,7 @@ def random_row_ids(r, rows, n, *, distinct):
 
 
 @pytest.mark.parametrize("order", ["random", "ascending"])
-@pytest.mark.parametrize("n", [5, 37, 300])
-@pytest.mark.parametrize("width", [128, 256])
+@pytest.mark.parametrize("width, n", [(128, 5), (128, 300), (256, 37)])
 def test_gather_rows_dma(width, n, order):
     """Ids in any order, outside the table among them (the tested loop), and ascending
     with the padding last (full blocks untested)."""
@@ -516,8 +515,7 @@ def test_gather_rows_dma(width, n, order):
 
 
 @pytest.mark.parametrize("order", ["random", "ascending"])
-@pytest.mark.parametrize("n", [5, 37, 300])
-@pytest.mark.parametrize("width", [128, 256])
+@pytest.mark.parametrize("width, n", [(128, 5), (128, 300), (256, 37)])
 def test_scatter_rows_dma(width, n, order):
     """Ids in any order with some outside the table (the tested loop), and a stack's
     distinct ids, ascending with the padding past the end (the untested loop, its
