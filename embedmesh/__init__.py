@@ -14,6 +14,7 @@ from embedmesh.host.preprocess import (
 )
 from embedmesh.initializers import RowIdInitializer, row_id_initializer
 from embedmesh.inputs import RaggedTensor, SparseTensor
+from embedmesh.job import EmbeddingJob
 from embedmesh.layout.sharding import shards_to_table, table_to_shards
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
 from embedmesh.optimizers import (
@@ -51,6 +52,7 @@ __all__ = [
     "Adam",
     "Capacity",
     "EmbeddingCore",
+    "EmbeddingJob",
     "EmbeddingState",
     "FeatureConfig",
     "MeshEmbedding",

@@ -30,6 +30,7 @@ from embedmesh.host import fingerprint as _fingerprint
 from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like, to_csr
+from embedmesh.job import EmbeddingJob
 from embedmesh.layout import planner as _planner
 from embedmesh.layout.stacking import StackingPlan, dim_multiple_for
 from embedmesh.optimizers import Optimizer, optimizer_class_names
@@ -547,6 +548,27 @@ class MeshEmbedding:
         self._core = value
 
     @property
+    def job(self) -> EmbeddingJob:
+        """This layer without its state (`EmbeddingJob`: the resolved features, `plan`,
+        `core`, the seed, and the checks and shape work around the core), for code that
+        keeps the state elsewhere (the flax modules). Built on first access as `plan`
+        is."""
+        return EmbeddingJob(self._resolved, self.plan, self.core, self._seed)
+
+    def release_state(self) -> EmbeddingState:
+        """Hand the state over to a new owner (a flax module): this layer keeps no
+        reference to it (one copy of the tables, not two) and must not be stepped
+        itself afterwards; a fresh initial state when it holds none (a second owner).
+        Not in pipelined mode (its state is one update stale)."""
+        if self._pipelined:
+            raise ValueError("release_state: a pipelined layer's state is one update stale")
+        self.build()
+        self.flush()
+        state = self._state if self._state is not None else self.job.init_state()
+        self._state = None
+        return state
+
+    @property
     def last_stats(self) -> _pre.PreprocessStats | None:
         """The `PreprocessStats` of the latest `enqueue` (per stack: ids per partition,
         capacity, ids dropped by overflow="drop", whether the capacity grew); None before
@@ -733,121 +755,20 @@ class MeshEmbedding:
         return self.dequeue(self.enqueue(features, weights))
 
     def _partitioned_dict(self, value, what: str) -> dict:
-        """The `{stack: PartitionedCsrFormatTensor}` of `value` (a dict, or the
-        seed's `(dict, int, int)` tuple), placed on the mesh if it is host data."""
-        if isinstance(value, tuple) and value and isinstance(value[0], dict):
-            if len(value) != 3 or not all(
-                isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value[1:]
-            ):
-                raise ValueError(
-                    f"{what}: a tuple must be (dict of PartitionedCsrFormatTensor, "
-                    f"int, int) as enqueue/preprocess_features return it, got "
-                    f"({', '.join(type(v).__name__ for v in value)})"
-                )
-            value = value[0]
-        if (
-            isinstance(value, dict)
-            and value
-            and all(
-                isinstance(v, _pre.PartitionedCsrFormatTensor)
-                and isinstance(v.unique_ids, np.ndarray)
-                for v in value.values()
-            )
-        ):
-            value = self.core.put(value)  # host arrays from preprocess_features
-        return value
+        return self.job.placed(value, what)
 
     def _check_preserved(self, preserved) -> None:
-        """ValueError unless `preserved` is this layer's dequeue output."""
-        if not isinstance(preserved, dict):
-            raise ValueError(
-                f"preserved_outputs must be the dict of PartitionedCsrFormatTensor "
-                f"returned by this layer's dequeue/embedding_lookup, got "
-                f"{type(preserved).__name__}"
-            )
-        want = {s.name: s for s in self.plan.stacks}
-        extra = sorted(map(str, set(preserved) - set(want)))
-        missing = sorted(set(want) - set(preserved))
-        if extra or missing:
-            raise ValueError(
-                f"preserved_outputs do not come from this layer: stacks "
-                f"{extra} are not this layer's and {missing} are missing (this "
-                f"layer's stacks: {sorted(want)})"
-            )
-        for name, c in preserved.items():
-            if not isinstance(c, _pre.PartitionedCsrFormatTensor):
-                raise ValueError(
-                    f"preserved_outputs[{name!r}] must be a "
-                    f"PartitionedCsrFormatTensor, got {type(c).__name__}"
-                )
-            # (rows per sample depend on the batch's input forms: not compared)
-            slots = tuple((f.name, f.dim) for f in c.features)
-            spec = want[name]
-            expect = tuple((f, self.plan.feature(f).dim) for f in spec.features)
-            if slots != expect or c.num_shards != self.plan.num_shards:
-                raise ValueError(
-                    f"preserved_outputs[{name!r}] come from another layer: they "
-                    f"hold features {[f[0] for f in slots]} on {c.num_shards} "
-                    f"shards, this layer's stack {name} holds {list(spec.features)}"
-                    f" on {self.plan.num_shards}"
-                )
+        self.job.check_preserved(preserved)
 
     __call__ = embedding_lookup
 
-    def _segments(self, csr: dict) -> dict:
-        """`{feature name: its FeatureSegment}` of a batch."""
-        return {seg.name: seg for c in csr.values() for seg in c.features}
-
     def _pack_activations(self, acts: dict, csr: dict):
-        segments = self._segments(csr)
-        flat = []
-        for name in self._resolved.feature_names:
-            a = acts[name]
-            if segments[name].output_shape is not None:
-                a = a.reshape(segments[name].activation_shape(self.mesh.size))
-            flat.append(a)
-        return jax.tree_util.tree_unflatten(self._resolved.treedef, flat)
+        return self.job.pack_activations(acts, csr)
 
     # -- update -------------------------------------------------------------------
 
     def _flat_gradients(self, gradients, csr) -> dict:
-        segments = self._segments(csr)
-        flat = (
-            flatten_inputs_like(self._resolved, gradients, "gradients", every_feature=True)
-            if gradients is not None
-            else [None] * len(self._resolved.features)
-        )
-        out = {}
-        for name, _feature, g in zip(self._resolved.feature_names, self._resolved.features, flat):
-            if g is None:
-                continue
-            if name not in segments:
-                raise ValueError(
-                    f"gradient for feature {name}, which the preserved outputs do not cover"
-                )
-            shape = segments[name].activation_shape(self.mesh.size)
-            if not hasattr(g, "shape") or not hasattr(g, "dtype"):  # TF: a ValueError
-                raise ValueError(
-                    f"gradient for feature {name} must be an array, got {type(g).__name__}"
-                )
-            if not jnp.issubdtype(g.dtype, jnp.floating):
-                raise TypeError(
-                    f"gradient for feature {name} must be floating point, got dtype {g.dtype}"
-                )
-            if tuple(g.shape) != shape:
-                raise ValueError(
-                    f"gradient for feature {name} has shape {tuple(g.shape)}, "
-                    f"expected the activation's shape {shape}"
-                )
-            if not isinstance(g, jax.Array):
-                g = jax.device_put(np.asarray(g), self.core.row_sharding)
-            seg = segments[name]
-            if seg.output_shape is not None:  # back to the lookup's [B, *sample_shape, dim]
-                g = g.reshape(
-                    (seg.samples * self.mesh.size,) + tuple(seg.sample_shape) + (seg.dim,)
-                )
-            out[name] = g
-        return out
+        return self.job.flat_gradients(gradients, csr)
 
     def apply_gradients(self, gradients: Any, preserved_outputs: dict):
         """Apply one fused sparse update (see `EmbeddingCore.apply_gradients`).
@@ -934,11 +855,8 @@ class MeshEmbedding:
 
     # -- reading state ------------------------------------------------------------
 
-    def _logical_table(self, table_cfg, field="parameters", state=None):
-        state = self.observed_state() if state is None else state
-        t = self.plan.table(table_cfg)
-        arr = state.tables[t.stack] if field == "parameters" else state.slots[t.stack][field]
-        return self.core.read_table(arr, t)
+    def _logical_table(self, table_cfg, field="parameters"):
+        return self.job.read_table(self.observed_state(), table_cfg, field)
 
     @property
     def embedding_tables(self) -> dict:
@@ -958,13 +876,13 @@ class MeshEmbedding:
         """
         _check_not_traced("variables")
         self._maybe_build()
-        state = self.observed_state()
+        state, job = self.observed_state(), self.job
         out = {}
         for t in self._resolved.tables:
             spec = self.plan.stack_of(t)
-            entry = {"parameters": _read_only(self._logical_table(t, state=state))}
+            entry = {"parameters": _read_only(job.read_table(state, t))}
             for slot in state.slots[spec.name]:
-                entry[slot] = _read_only(self._logical_table(t, slot, state=state))
+                entry[slot] = _read_only(job.read_table(state, t, slot))
             out[t] = entry
         return out
 

@@ -108,12 +108,13 @@ def train_linen(n, opt, data, sharding):
         variables, acts = step(variables, embed.enqueue(b))
         acts_seen.append(jax.tree_util.tree_map(np.asarray, acts))
     state = em_linen.state_of(variables)
+    job = embed.layer.job
     out = {
         t: {
-            f: embed.layer._logical_table(t, f, state=state)
-            for f in ["parameters", *state.slots[embed.layer.plan.stack_of(t).name]]
+            f: job.read_table(state, t, f)
+            for f in ["parameters", *state.slots[job.plan.stack_of(t).name]]
         }
-        for t in embed.layer._resolved.tables
+        for t in job.tables
     }
     return out, acts_seen
 

@@ -52,7 +52,8 @@ LAYERS = {
     "layout": (["layout"], set()),
     "host": (["host"], {"embedmesh.layout"}),
     "device": (["device"], {"embedmesh.layout"}),
-    "facade": (["facade"], {"embedmesh.layout", "embedmesh.host", "embedmesh.device"}),
+    # the facade and the stateless job under it (`job.py`, what the flax modules use)
+    "facade": (["facade", "job"], {"embedmesh.layout", "embedmesh.host", "embedmesh.device"}),
     "checkpoint": (["checkpoint"], {"embedmesh.layout", "embedmesh.device"}),
     "serving": (["serving"], {"embedmesh.layout", "embedmesh.host"} | CHECKPOINT_READERS),
     # the flax modules: over the facade (the job's plan and host preprocessing), the core
@@ -64,6 +65,7 @@ LAYERS = {
             "embedmesh.host",
             "embedmesh.device",
             "embedmesh.facade",
+            "embedmesh.job",
             "embedmesh.checkpoint",
         },
     ),

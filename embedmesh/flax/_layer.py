@@ -30,12 +30,7 @@ def built_layer(layer: MeshEmbedding) -> tuple[MeshEmbedding, EmbeddingState]:
             "the flax modules do not pipeline (pipeline_execution_with_tensor_core=True): "
             "use core.lookup_then_apply_gradients in a step of your own"
         )
-    layer.build()
-    state = layer._state
-    if state is None:  # a second module over one layer: a fresh initial state
-        state = layer.core.init(jax.random.key(layer._seed))
-    layer._state = None  # the facade's own state is never read again: the module holds it
-    return layer, state
+    return layer, layer.release_state()  # a second module over one layer: a fresh state
 
 
 def lookup(layer: MeshEmbedding, state: EmbeddingState, csr: dict) -> Any:
@@ -44,7 +39,7 @@ def lookup(layer: MeshEmbedding, state: EmbeddingState, csr: dict) -> Any:
     gradient flows to the activations, never densely to the tables."""
     state = jax.tree_util.tree_map(jax.lax.stop_gradient, state)
     acts = layer.core.lookup(state, _placed(layer, csr))
-    return layer._pack_activations(acts, csr)
+    return layer.job.pack_activations(acts, csr)
 
 
 def apply_gradients(
@@ -53,15 +48,16 @@ def apply_gradients(
     """`(new state, ok)` after one fused sparse update from d loss / d activations
     (`gradients` in the feature config's structure; None leaves count as zero). Shapes
     and dtypes are checked with the facade's errors, naming the feature."""
+    job = layer.job
     csr = _placed(layer, csr)
-    layer._check_preserved(csr)
-    grads = layer._flat_gradients(gradients, csr)
+    job.check_preserved(csr)
+    grads = job.flat_gradients(gradients, csr)
     return layer.core.apply_gradients(state, grads, csr, check_finite=check_finite)
 
 
 def _placed(layer: MeshEmbedding, csr) -> dict:
     """`csr` as the core takes it: `enqueue`'s dict (or the seed's `(dict, int, int)`)."""
-    return layer._partitioned_dict(csr, "the embedding module")
+    return layer.job.placed(csr, "the embedding module")
 
 
 def save_args(layer: MeshEmbedding, state: EmbeddingState):

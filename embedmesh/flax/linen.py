@@ -88,7 +88,7 @@ class _Layer:
         """The initial state, handed out once (later inits build a fresh one)."""
         state, self.initial = self.initial, None
         if state is None:
-            state = self.layer.core.init(jax.random.key(self.layer._seed))
+            state = self.layer.job.init_state()
         return state
 
 
@@ -195,7 +195,8 @@ class Embed(nn.Module):
     def embedding_tables(self, variables: dict) -> dict:
         """`{TableConfig: numpy [vocabulary_size, dim]}` of `variables`, logical order."""
         state = state_of(variables)
-        return {t: self.layer._logical_table(t, state=state) for t in self.layer._resolved.tables}
+        job = self.layer.job
+        return {t: job.read_table(state, t) for t in job.tables}
 
     def save_args(self, variables: dict):
         """orbax args of the embedding item (`checkpoint.core_save_args`)."""

@@ -163,9 +163,10 @@ class Embed(nnx.Module):
 def _read(layer: MeshEmbedding, state: EmbeddingState, field: str | None) -> dict:
     """Logical numpy tables (`field="parameters"`) or every variable (`field=None`)."""
     out = {}
-    for cfg in layer._resolved.tables:
-        stack = layer.plan.stack_of(cfg).name
+    job = layer.job
+    for cfg in job.tables:
+        stack = job.plan.stack_of(cfg).name
         fields = ["parameters"] if field else ["parameters", *state.slots.get(stack, {})]
-        read = {f: layer._logical_table(cfg, f, state=state) for f in fields}
+        read = {f: job.read_table(state, cfg, f) for f in fields}
         out[cfg] = read["parameters"] if field else read
     return out
