@@ -257,7 +257,7 @@ class Optimizer(abc.ABC):
         )
 
     def fused_rule_attrs(self) -> dict:
-        """The rule's own scalars a fused kernel applies (update.cc's rule of
+        """The rule's own scalars a fused kernel applies (update_rules.h's rule of
         `fused_kernel` reads them by name), computed as `_rule` computes them (constants
         such as `1 - beta` in Python floats, then float32). Empty for SGD and Adagrad."""
         return {}

@@ -1,0 +1,310 @@
+// The optimizer rules of the fused CPU updates (update.cc): storage types, the FFI
+// attribute reader, and one rule struct per optimizer (its slot count, whether its slot
+// holds one value a row, its hyperparameters, its float32 arithmetic per element and, for a
+// row-wise rule, per row). Each mirrors its class's `_rule` in embedmesh.optimizers; its
+// `kName` is that class's `_FUSED_KERNEL`. Included by update.cc only.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "common.h"
+
+namespace embedmesh {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Storage types: the arithmetic is float32 whatever the table holds.
+
+template <typename T>
+inline float Load(T x) {
+  return static_cast<float>(x);
+}
+template <typename T>
+inline T Store(float x) {
+  return static_cast<T>(x);
+}
+
+template <typename T>
+struct DType;
+template <>
+struct DType<float> {
+  static constexpr ffi::DataType kType = ffi::DataType::F32;
+};
+
+// ---------------------------------------------------------------------------------------
+// Attributes
+
+// Reads named scalars from a call's attribute dictionary, remembering the first failure.
+class AttrReader {
+ public:
+  explicit AttrReader(const ffi::Dictionary& d) : d_(d) {}
+  float F(const char* name) { return Get<float>(name, 0.0f); }
+  bool B(const char* name) { return Get<int32_t>(name, 0) != 0; }
+  int64_t I(const char* name) { return Get<int64_t>(name, 0); }
+  std::string_view S(const char* name) { return Get<std::string_view>(name, {}); }
+  const std::string& error() const { return error_; }
+
+ private:
+  template <typename V>
+  V Get(const char* name, V fallback) {
+    auto v = d_.get<V>(name);
+    if (v.has_error()) {
+      if (error_.empty()) error_ = std::string("attribute ") + name + ": " + v.error().message();
+      return fallback;
+    }
+    return *v;
+  }
+  const ffi::Dictionary& d_;
+  std::string error_;
+};
+
+// The options every optimizer has, in `update_rows`'s order around the rule.
+struct Common {
+  float clip_lo, clip_hi, wd, wmin, wmax;
+  bool has_wd, wd_lr;
+  static Common Read(AttrReader& a) {
+    Common c;
+    c.clip_lo = a.F("clip_lo"), c.clip_hi = a.F("clip_hi"), c.wd = a.F("wd");
+    c.has_wd = a.B("has_wd"), c.wd_lr = a.B("wd_lr");
+    c.wmin = a.F("wmin"), c.wmax = a.F("wmax");
+    return c;
+  }
+  float EffectiveWd(float lr) const { return has_wd ? (wd_lr ? wd * lr : wd) : 0.0f; }
+};
+
+// ---------------------------------------------------------------------------------------
+// Optimizer rules: float32 arithmetic on a clipped gradient g, the old weight w, the slot
+// values s[] (read and written) and the learning rate lr; `Step<V>` returns the new weight
+// before weight decay and clamping. Each mirrors its class's `_rule` in embedmesh.optimizers
+// operation by operation; the constants computed in Python doubles there (1 - beta, ...)
+// arrive as attributes computed the same way.
+// A rule's options that choose between code paths make its variant V (`Variant(p)`, one of
+// kVariants), a template argument: a branch inside the element loop would keep it scalar
+// (a conditional sqrt or division is never if-converted under IEEE trapping semantics), so
+// the Updater instantiates one vectorisable loop per variant and picks it per call.
+
+struct Sgd {
+  static constexpr const char* kName = "sgd";  // Optimizer._FUSED_KERNEL
+  static constexpr int kSlots = 0;
+  static constexpr bool kRowWise = false;
+  static constexpr int kVariants = 1;
+  struct Params {};
+  static Params Read(AttrReader&) { return {}; }
+  static int Variant(const Params&) { return 0; }
+  template <int V>
+  static inline float Step(const Params&, float w, float g, float lr, float*, float) {
+    return w - lr * g;
+  }
+};
+
+struct Adagrad {
+  static constexpr const char* kName = "adagrad";  // Optimizer._FUSED_KERNEL
+  static constexpr int kSlots = 1;  // accumulators
+  static constexpr bool kRowWise = false;
+  static constexpr int kVariants = 1;
+  struct Params {};
+  static Params Read(AttrReader&) { return {}; }
+  static int Variant(const Params&) { return 0; }
+  template <int V>
+  static inline float Step(const Params&, float w, float g, float lr, float* s, float) {
+    const float a = s[0] + g * g;
+    s[0] = a;
+    return w - lr * g * (1.0f / std::sqrt(a));
+  }
+};
+
+struct AdagradMomentum {
+  static constexpr const char* kName = "adagrad_momentum";  // Optimizer._FUSED_KERNEL
+  static constexpr int kSlots = 2;  // accumulators, momenta
+  static constexpr bool kRowWise = false;
+  struct Params {
+    float momentum, beta2, one_minus_beta2, epsilon, neg_inv_exponent;
+    bool nesterov, beta2_is_one, exponent_is_two;
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.momentum = a.F("momentum"), p.beta2 = a.F("beta2");
+    p.one_minus_beta2 = a.F("one_minus_beta2"), p.epsilon = a.F("epsilon");
+    p.neg_inv_exponent = a.F("neg_inv_exponent"), p.nesterov = a.B("use_nesterov");
+    p.beta2_is_one = a.B("beta2_is_one"), p.exponent_is_two = a.B("exponent_is_two");
+    return p;
+  }
+  // bit 0: beta2 == 1, bit 1: exponent == 2, bit 2: Nesterov
+  static constexpr int kVariants = 8;
+  static int Variant(const Params& p) {
+    return (p.beta2_is_one ? 1 : 0) | (p.exponent_is_two ? 2 : 0) | (p.nesterov ? 4 : 0);
+  }
+  template <int V>
+  static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
+    float a = s[0];
+    if constexpr ((V & 1) != 0) {
+      a = a + g * g;
+    } else {
+      a = p.beta2 * a + p.one_minus_beta2 * g * g;
+    }
+    float scale;
+    if constexpr ((V & 2) != 0) {
+      scale = 1.0f / std::sqrt(a + p.epsilon);
+    } else {
+      scale = std::pow(a + p.epsilon, p.neg_inv_exponent);
+    }
+    const float sg = scale * g;
+    const float m = p.momentum * s[1] + sg;
+    float step;
+    if constexpr ((V & 4) != 0) {
+      step = p.momentum * m + sg;
+    } else {
+      step = m;
+    }
+    s[0] = a, s[1] = m;
+    return w - lr * step;
+  }
+};
+
+struct Adam {
+  static constexpr const char* kName = "adam";  // Optimizer._FUSED_KERNEL
+  static constexpr int kSlots = 2;  // momenta, velocities
+  static constexpr bool kRowWise = false;
+  struct Params {
+    float b1, one_minus_b1, b2, one_minus_b2, eps_inside, eps_outside;
+    bool sum_inside_sqrt;
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.b1 = a.F("beta_1"), p.one_minus_b1 = a.F("one_minus_beta_1");
+    p.b2 = a.F("beta_2"), p.one_minus_b2 = a.F("one_minus_beta_2");
+    p.eps_inside = a.F("epsilon_squared"), p.eps_outside = a.F("epsilon");
+    p.sum_inside_sqrt = a.B("sum_inside_sqrt");
+    return p;
+  }
+  static constexpr int kVariants = 2;  // sum_inside_sqrt
+  static int Variant(const Params& p) { return p.sum_inside_sqrt ? 1 : 0; }
+  template <int V>
+  static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
+    const float m = p.b1 * s[0] + p.one_minus_b1 * g;
+    const float v = p.b2 * s[1] + p.one_minus_b2 * g * g;
+    float denom;
+    if constexpr (V == 1) {
+      denom = std::sqrt(v + p.eps_inside);
+    } else {
+      denom = std::sqrt(v) + p.eps_outside;
+    }
+    s[0] = m, s[1] = v;
+    return w - lr * m / denom;
+  }
+};
+
+// x**q for x >= 0 with 0**q == 0 (q > 0), x**0 == 1: optimizers._pow.
+template <int kKind>
+inline float PowNonNeg(float x, float q) {
+  if constexpr (kKind == 0) return 1.0f;          // q == 0
+  if constexpr (kKind == 1) return x;             // q == 1
+  if constexpr (kKind == 2) return std::sqrt(x);  // q == 0.5
+  if constexpr (kKind == 3) return x > 0.0f ? std::pow(x, q) : 0.0f;
+}
+
+// TF's FTRL-Proximal (optimizers.FTRL). Per element, with q = -learning_rate_power:
+// a' = a + g^2, p = a'^q, dp = p - a^q; default: lin += g - dp * w / lr,
+// d = (p + beta) / lr + 2 * l2; multiply_linear_by_learning_rate: lin += lr * g - dp * w,
+// d = p + 2 * lr * l2 + beta; then w = (clamp(lin, -bound, bound) - lin) / d (0 where d is
+// 0), bound = l1 (times lr in the second form). The common q = 0.5 takes two square roots
+// (PowNonNeg); the divisions by lr are products with 1 / lr (AtLr, once a call), so an
+// element divides once: 2 square roots and 1 division where the plain form has 3
+// divisions. (Within a few float32 ulps of `_rule`'s order: tests/test_ops.py compares them
+// at 2e-6.) The division is unconditional and its quotient selected after, so the loop
+// needs no masked division and stays vectorised in every context.
+struct Ftrl {
+  static constexpr const char* kName = "ftrl";  // Optimizer._FUSED_KERNEL
+  static constexpr int kSlots = 2;  // accumulators, linears
+  static constexpr bool kRowWise = false;
+  struct Params {
+    float q, l1, l2, two_l2, beta;
+    int q_kind;
+    bool mult_linear;
+    float inv_lr, lr_l1, two_l2_lr;  // of the call's learning rate (AtLr)
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.q = a.F("q"), p.l1 = a.F("l1"), p.l2 = a.F("l2"), p.two_l2 = a.F("two_l2");
+    p.beta = a.F("beta"), p.q_kind = static_cast<int>(a.I("q_kind"));
+    p.mult_linear = a.B("multiply_linear_by_learning_rate");
+    p.inv_lr = p.lr_l1 = p.two_l2_lr = 0.0f;
+    return p;
+  }
+  static void AtLr(Params& p, float lr) {
+    p.inv_lr = 1.0f / lr;
+    p.lr_l1 = lr * p.l1;
+    p.two_l2_lr = 2.0f * lr * p.l2;  // (2 lr) l2, as _rule
+  }
+  // bits 0-1: the power's kind (PowNonNeg), bit 2: multiply_linear_by_learning_rate,
+  // bit 3: l1 == 0
+  static constexpr int kVariants = 16;
+  static int Variant(const Params& p) {
+    return (p.q_kind & 3) | (p.mult_linear ? 4 : 0) | (p.l1 == 0.0f ? 8 : 0);
+  }
+  template <int V>
+  static inline float Step(const Params& p, float w, float g, float lr, float* s, float) {
+    const float a = s[0];
+    const float a_new = a + g * g;
+    const float pw = PowNonNeg<V & 3>(a_new, p.q);
+    const float dp = pw - PowNonNeg<V & 3>(a, p.q);
+    float lin = s[1], bound, d;
+    if constexpr ((V & 4) != 0) {
+      lin = lin + lr * g - dp * w;
+      bound = p.lr_l1;
+      d = pw + p.two_l2_lr + p.beta;
+    } else {
+      lin = lin + g - dp * w * p.inv_lr;
+      bound = p.l1;
+      d = (pw + p.beta) * p.inv_lr + p.two_l2;
+    }
+    float n;
+    if constexpr ((V & 8) != 0) {
+      n = -lin;
+    } else {
+      float c = lin < -bound ? -bound : lin;
+      c = c > bound ? bound : c;
+      n = c - lin;
+    }
+    s[0] = a_new, s[1] = lin;
+    const float q = n / d;  // inf or nan where d == 0: not selected
+    return d != 0.0f ? q : 0.0f;
+  }
+};
+
+// FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator a row, a += mean(g'^2) over the row's
+// d columns (its table's own dim: stacks of it are never padded), w -= lr / (sqrt(a) + eps) * g', with
+// g' = g + l2 * w (FBGEMM's L2 weight-decay mode; l2 = 0: none).
+struct RowWiseAdagrad {
+  static constexpr const char* kName = "rowwise_adagrad";  // Optimizer._FUSED_KERNEL
+  static constexpr int kSlots = 1;  // accumulators, [rows, 1]
+  static constexpr bool kRowWise = true;
+  static constexpr int kVariants = 1;
+  struct Params {
+    float epsilon, l2;
+  };
+  static Params Read(AttrReader& a) {
+    Params p;
+    p.epsilon = a.F("epsilon"), p.l2 = a.F("l2");
+    return p;
+  }
+  static int Variant(const Params&) { return 0; }
+  static inline float Grad(const Params& p, float w, float g) { return g + p.l2 * w; }
+  // the row's multiplier lr / (sqrt(a) + eps), given the sum of its g'^2 over its `dim`
+  // columns (stacks of this rule are unpadded: the row's width is its table's dim)
+  static inline float RowScale(const Params& p, float sum_sq, float dim, float lr, float* a) {
+    const float acc = *a + sum_sq / dim;
+    *a = acc;
+    return lr / (std::sqrt(acc) + p.epsilon);
+  }
+  template <int V>
+  static inline float Step(const Params& p, float w, float g, float, float*, float scale) {
+    return w - scale * Grad(p, w, g);
+  }
+};
+
+}  // namespace
+}  // namespace embedmesh
