@@ -110,7 +110,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingMaxFusedDim": [],
         "EmServingGather": [_P, _I64, _I64, _I64, _P, _I32, _I64, _P],
         "EmServingSparseOffsets": [_P, _I32, _I64, _I64, _P, _P],
-        "EmServingRowsToOffsets": [_P, _I64, _I64, _P],
         "EmServingSetPrefetch": [_I64],
         "EmServingSetFused": [_I64],
         "EmServingSetAlignedPrefetch": [_I64],

@@ -1091,20 +1091,6 @@ int64_t EmServingSparseOffsets(const void* indices, int32_t indices_are_64, int6
   return sparse_offsets(static_cast<const int32_t*>(indices), n, rank, shape, offsets);
 }
 
-int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
-                               int64_t* offsets) {
-  int64_t cur = 0, prev = 0;
-  offsets[0] = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t row = rows[k];
-    if (row < prev || row >= num_rows) return k;
-    while (cur < row) offsets[++cur] = k;
-    prev = row;
-  }
-  while (cur < num_rows) offsets[++cur] = n;
-  return -1;
-}
-
 int64_t EmServingSetPrefetch(int64_t entries) {
   const int64_t previous = g_prefetch;
   g_prefetch = entries < 0 ? 0 : entries;

@@ -47,11 +47,6 @@ int64_t EmServingGather(const void* table, int64_t vocab, int64_t row_bytes,
 int64_t EmServingSparseOffsets(const void* indices, int32_t indices_are_64, int64_t n,
                                int64_t rank, const int64_t* shape, int64_t* offsets);
 
-// offsets[r] = first entry of row r of non-decreasing int64 rows in [0, num_rows);
-// returns -1, or the first entry breaking that.
-int64_t EmServingRowsToOffsets(const int64_t* rows, int64_t n, int64_t num_rows,
-                               int64_t* offsets);
-
 // One request's kernels in one call. `tasks`: n_tasks rows of EM_TASK_WORDS int64 words,
 // each a kind (0: EmServingBagF32, 1: EmServingSparseBagF32, 2: EmServingGather) then
 // that function's arguments in order (pointers and NULL as integers), unused words 0.
