@@ -2,7 +2,7 @@
 
 The parent's plan (order, budget skips, the report rewritten as children save, exit
 status, the pre-flight) runs in-process with stand-in children on a fake clock; the
-script itself runs end to end once as `--smoke --allow-cpu --budget-s 60` (tiny sizes,
+script itself runs end to end once as `--smoke --allow-cpu --budget-s 40` (tiny sizes,
 on whatever this machine's load leaves of a minute: no timing is checked, only that
 what ran is right and what did not is listed), and once without `--allow-cpu`, where
 its pre-flight must stop it at once.
@@ -129,9 +129,9 @@ def test_plan_order_skips_and_incremental_report(gpu, tmp_path, monkeypatch):
 
 
 def test_gpu_script_smoke_on_cpu(tmp_path):
-    """A minute of budget: every child that ran is right, every one that did not is
+    """40 s of budget: every child that ran is right, every one that did not is
     listed as skipped or cut short by the budget; nothing crashed."""
-    report, md, log = _run(tmp_path, "--allow-cpu", "--budget-s", "60")
+    report, md, log = _run(tmp_path, "--allow-cpu", "--budget-s", "40")
     assert report["state"] == "finished", log
     assert report["preflight"]["backend"] == "cpu" and report["preflight"]["status"] == "ok"
     assert report["exit_status"] in (0, 2), log  # 2: something did not fit the minute
