@@ -296,17 +296,7 @@ def main():
                     copy(j, row).start()
                 return c
 
-            if unroll > 1:
-
-                def turn(k, c):
-                    for u in range(unroll):
-                        start(k * unroll + u, c)
-                    return c
-
-                jax.lax.fori_loop(0, count // unroll, turn, 0)
-                jax.lax.fori_loop((count // unroll) * unroll, count, start, 0)
-            else:
-                jax.lax.fori_loop(0, count, start, 0)
+            tpk._unrolled(count, start, unroll)  # (unroll 1: the plain loop)
             if waits == "row":
                 jax.lax.fori_loop(0, count, lambda j, c: (copy(0, 0).wait(), c)[1], 0)
             else:  # one wait when the block is full

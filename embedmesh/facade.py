@@ -229,6 +229,7 @@ class MeshEmbedding:
         self._after_lookup: EmbeddingState | None = None
         self._plan: StackingPlan | None = None  # set by build(): see the properties
         self._core: EmbeddingCore | None = None
+        self._job: EmbeddingJob | None = None  # `job`, made again when plan or core change
         self.last_stats = None
         self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
         self._attempts = 0  # several processes: enqueue attempts, failed ones included
@@ -553,7 +554,10 @@ class MeshEmbedding:
         `core`, the seed, and the checks and shape work around the core), for code that
         keeps the state elsewhere (the flax modules). Built on first access as `plan`
         is."""
-        return EmbeddingJob(self._resolved, self.plan, self.core, self._seed)
+        job = self._job
+        if job is None or job.plan is not self.plan or job.core is not self.core:
+            job = self._job = EmbeddingJob(self._resolved, self.plan, self.core, self._seed)
+        return job
 
     def release_state(self) -> EmbeddingState:
         """Hand the state over to a new owner (a flax module): this layer keeps no
