@@ -1,10 +1,12 @@
 """Serving trained tables on a CPU host: the lookup (`serving_embedding_lookup`),
+quantized tables for it (`quantize_tables`: int8 rows, fp16, bf16, bucket codes),
 its host kernels, an exported, jax-free-at-load serving function, and
 `EmbeddingForServing` (a training checkpoint's tables, loaded on first use of the name:
 it loads orbax)."""
 
 from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
+from embedmesh.serving.quantized import QuantizedTable, quantize_table, quantize_tables
 
 # (TensorFlow is imported by its call only: `embedmesh[tf]`)
 from embedmesh.serving.saved_model import export_saved_model, signature_names
@@ -12,11 +14,14 @@ from embedmesh.serving.saved_model import export_saved_model, signature_names
 __all__ = [
     "Dense",
     "EmbeddingForServing",
+    "QuantizedTable",
     "Ragged",
     "Sparse",
     "export_saved_model",
     "export_serving",
     "load_serving",
+    "quantize_table",
+    "quantize_tables",
     "serving_embedding_lookup",
     "set_host_threads",
     "signature_names",

@@ -53,14 +53,16 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from embedmesh import _compat
+from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = ["Dense", "Ragged", "ServingFunction", "Sparse", "export_serving", "load_serving"]
 
 FORMAT = "embedmesh.serving"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quantized tables (written only where one is)
 MANIFEST = "manifest.json"
 
 
@@ -331,7 +333,7 @@ def export_serving(
 
     configs = list(tables)  # in a fixed order
     table_entries = _table_files(configs, feature_config)
-    table_arrays = [np.asarray(tables[c]) for c in configs]
+    table_arrays, table_parts = _table_arrays(tables, configs)
     param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
     param_arrays = [np.asarray(p) for p in param_leaves]
 
@@ -339,7 +341,7 @@ def export_serving(
         it = iter(flat_inputs)
         rebuilt = iter([_rebuild_leaf(s, it, pb) for s in spec_leaves])
         inputs = _rebuild_structure(in_structure, rebuilt)
-        tabs = dict(zip(configs, table_list))
+        tabs = _rebuild_tables(configs, table_parts, table_list)
         if params is None:
             out = fn(inputs, tabs)
         else:
@@ -370,12 +372,13 @@ def export_serving(
         with open(os.path.join(directory, programs[b]), "wb") as f:
             f.write(exported.serialize())
 
-    param_entries = _save_arrays(directory, table_entries, table_arrays, param_arrays)
+    param_entries = _save_arrays(directory, table_entries, table_arrays, param_arrays, table_parts)
     # the package's __init__ (the one version source) is loaded: it is this module's parent
     version = getattr(sys.modules.get("embedmesh"), "__version__", "unknown")
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        # 2 only where a table is quantized: plain exports stay readable by older loaders
+        "format_version": 2 if any(m for _, m in table_parts) else 1,
         "embedmesh_version": version,
         "jax_version": jax.__version__,
         "platforms": list(platforms),
@@ -433,13 +436,64 @@ def _table_files(configs: list, feature_config) -> list[dict]:
     return table_entries
 
 
-def _save_arrays(directory, table_entries: list, table_arrays: list, param_arrays: list) -> list:
-    """Save the tables (their entries gain shape and dtype) and the parameters under
-    `directory`; returns the parameters' manifest entries."""
+def _table_arrays(tables: dict, configs: list) -> tuple[list, list]:
+    """The tables' arrays in order, flat (a `QuantizedTable` gives its arrays: rows, then
+    the codes' values), and per table (how many arrays, its `meta()` or None)."""
+    arrays, parts = [], []
+    for c in configs:
+        t = tables[c]
+        if isinstance(t, QuantizedTable):
+            got = [np.asarray(a) for a in t.arrays()]
+            arrays += got
+            parts.append((len(got), t.meta()))
+        else:
+            arrays.append(np.asarray(t))
+            parts.append((1, None))
+    return arrays, parts
+
+
+def _rebuild_tables(configs: list, parts: list, flat: list) -> dict:
+    """`{TableConfig: table}` from the flat arrays of `_table_arrays` (inside the program:
+    quantized tables rebuilt around their traced arrays)."""
+    tabs, i = {}, 0
+    for c, (n, meta) in zip(configs, parts):
+        tabs[c] = flat[i] if meta is None else QuantizedTable.from_arrays(meta, flat[i : i + n])
+        i += n
+    return tabs
+
+
+def _save_array(directory, file: str, arr: np.ndarray) -> dict:
+    """`arr` saved to `directory/file` (bfloat16 as its uint16 bits: numpy cannot read a
+    saved bfloat16 back); its manifest fields."""
+    dtype = _dtype_name(arr.dtype)
+    np.save(os.path.join(directory, file), arr.view(np.uint16) if dtype == "bfloat16" else arr)
+    return {"file": file, "shape": list(arr.shape), "dtype": dtype}
+
+
+def _load_array(directory, entry: dict) -> np.ndarray:
+    """An array `_save_array` saved (memory-mapped)."""
+    arr = np.load(os.path.join(directory, entry["file"]), mmap_mode="r")
+    if entry.get("dtype") == "bfloat16":
+        arr = arr.view(ml_dtypes.bfloat16)
+    return arr
+
+
+def _save_arrays(
+    directory, table_entries: list, table_arrays: list, param_arrays: list, table_parts: list
+) -> list:
+    """Save the tables (their entries gain shape and dtype; a quantized table's, its
+    `quantized` meta and its further arrays) and the parameters under `directory`;
+    returns the parameters' manifest entries."""
     os.makedirs(os.path.join(directory, "tables"), exist_ok=True)
-    for entry, arr in zip(table_entries, table_arrays):
-        np.save(os.path.join(directory, entry["file"]), arr)
-        entry.update(shape=list(arr.shape), dtype=_dtype_name(arr.dtype))
+    it = iter(table_arrays)
+    for entry, (n, meta) in zip(table_entries, table_parts):
+        entry.update(_save_array(directory, entry["file"], next(it)))
+        if meta is not None:
+            entry["quantized"] = dict(meta)
+            stem = entry["file"][: -len(".npy")]
+            entry["more"] = [
+                _save_array(directory, f"{stem}.{j}.npy", next(it)) for j in range(1, n)
+            ]
     param_entries = []
     if param_arrays:
         os.makedirs(os.path.join(directory, "params"), exist_ok=True)
@@ -642,13 +696,18 @@ class ServingFunction:
         import jax
 
         def load(entry):  # mapped from disk, copied once into a device buffer
-            arr = np.load(os.path.join(self.directory, entry["file"]), mmap_mode="r")
-            return jax.device_put(np.asarray(arr))
+            return jax.device_put(np.asarray(_load_array(self.directory, entry)))
 
         self._pid = os.getpid()
-        self._tables = [load(e) for e in self.manifest["tables"]]
+        self._tables, self.tables = [], {}
+        for e in self.manifest["tables"]:  # a quantized table: its rows, then its values
+            arrays = [load(e)] + [load(m) for m in e.get("more", ())]
+            self._tables += arrays
+            meta = e.get("quantized")
+            self.tables[e["name"]] = (
+                arrays[0] if meta is None else QuantizedTable.from_arrays(meta, arrays)
+            )
         self._params = [load(e) for e in self.manifest["params"]]
-        self.tables = {e["name"]: a for e, a in zip(self.manifest["tables"], self._tables)}
         self._programs: dict = {}
 
     def _after_fork(self):

@@ -59,6 +59,7 @@ from embedmesh.serving.pool import (
     set_output_pool_limit,
     set_release_hook,
 )
+from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = [
     "TASK_WORDS",
@@ -150,6 +151,13 @@ def _check_offsets(offsets, n) -> np.ndarray:
     return offsets
 
 
+def _check_ids(ids) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"ids must be 1-D integers, got {ids.dtype} {ids.shape}")
+    return ids
+
+
 def _check_table_ids(table, ids):
     table = np.asarray(table)
     ids = np.asarray(ids)
@@ -215,7 +223,11 @@ def prepare_bag_combine(
     integer array running non-decreasing from 0 to len(ids) (ragged row_splits
     validated by `inputs.validate_structure`)."""
     mode = combiner_code(combiner)
-    table, ids = _check_table_ids(table, ids)
+    quantized = isinstance(table, QuantizedTable)
+    if quantized:  # decoded inside the kernel (every backend: `prepare_bag`)
+        table, ids = table.host(), _check_ids(ids)
+    else:
+        table, ids = _check_table_ids(table, ids)
     if offsets_checked:
         offsets = np.asarray(offsets).astype(np.int64, copy=False)
     else:
@@ -226,7 +238,7 @@ def prepare_bag_combine(
     prune_ids = prune_ids and can_be_negative
     prune_weights = prune_weights and weights is not None
     run = _impl().prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_weights)
-    if table.dtype != np.float32:  # the kernels sum in float32
+    if not quantized and table.dtype != np.float32:  # the kernels sum in float32
         run = functools.partial(_finish_run, run, table.dtype)
     return _report_given_ids(run, given)
 
@@ -243,7 +255,11 @@ def gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def prepare_gather(table, ids):
-    """`gather` in two steps, as `prepare_bag_combine`."""
+    """`gather` in two steps, as `prepare_bag_combine`. A `QuantizedTable`'s rows are
+    decoded: one bag a row (float32)."""
+    if isinstance(table, QuantizedTable):
+        ids = _check_ids(ids)
+        return prepare_bag_combine(table, ids, np.arange(ids.shape[0] + 1), offsets_checked=True)
     table, ids = _check_table_ids(table, ids)
     return _report_given_ids(_impl().prepare_gather(table, signed_ids(ids)[0]), ids)
 
@@ -296,7 +312,7 @@ def prepare_sparse_bag_combine(
     parallel over features, no Python between). Only with the C++ kernels, a float32
     table, signed int32/int64 ids and indices; None otherwise (the caller takes
     `sparse_offsets` + `prepare_bag_combine`)."""
-    if (_backend or get_backend()) != "native":
+    if (_backend or get_backend()) != "native" or isinstance(table, QuantizedTable):
         return None
     table = np.asarray(table)
     ids = np.asarray(ids)

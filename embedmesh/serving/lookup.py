@@ -30,6 +30,11 @@ threads. Inside `jax.jit`/`jax.export` (traced inputs)
 `_traced_lookup` builds per-entry rows from the same layout with masks at
 static shapes and computes with jax.numpy; ids out of range cannot raise there
 and read as zero rows.
+
+Quantized tables (`embedmesh.serving.quantized.QuantizedTable`: int8 rows, fp16, bf16,
+bucket codes) take the general host path (the fast path is float32 only): their rows
+are decoded inside the bag kernels (a plain lookup is one bag a row) and summed in
+float32; traced, `QuantizedTable.take` decodes the gathered rows. Outputs are float32.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from embedmesh.inputs import (
     validate_structure,
 )
 from embedmesh.serving import fast_path, kernels, native  # noqa: F401 - native: its loader, imported now
+from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = ["serving_embedding_lookup", "set_host_threads"]
 
@@ -80,7 +86,7 @@ def _prepare_host(name: str, feature: FeatureConfig, inp, weight, table) -> _nam
         if run is not None:
             return run
     csr = to_csr(name, feature, inp, weight, prune=False, layout=layout)
-    table_np = np.asarray(table)
+    table_np = _host_table(table)
     shape = layout.activation_shape(table_np.shape[1])
     if layout.kind == "lookup":
         return _named(name, kernels.prepare_gather(table_np, csr.ids), shape)
@@ -107,7 +113,7 @@ def _prepare_sparse(name, feature, inp, weight, table, layout) -> _named | None:
     validate_structure(name, inp, weight)
     ids = np.asarray(inp.values)
     w = None if weight is None or not layout.use_weights else np.asarray(weight.values, np.float32)
-    table_np = np.asarray(table)
+    table_np = _host_table(table)
     run = kernels.prepare_sparse_bag_combine(
         table_np,
         ids,
@@ -121,6 +127,14 @@ def _prepare_sparse(name, feature, inp, weight, table, layout) -> _named | None:
     if run is None:
         return None
     return _named(name, run, layout.activation_shape(table_np.shape[1]), inp)
+
+
+def _host_table(table):
+    """The table for the host kernels: a numpy array, or a `QuantizedTable` of numpy
+    arrays (decoded inside the kernels)."""
+    if isinstance(table, QuantizedTable):
+        return table.host()
+    return np.asarray(table)
 
 
 class _named:
@@ -243,12 +257,18 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
     Ids outside the table read as zero rows (nothing can raise under a trace).
     """
     layout = feature_layout(name, feature, inp, weight)
-    table = jnp.asarray(table)
-    dim = table.shape[1]
+    if isinstance(table, QuantizedTable):  # rows decoded to float32 as they are read
+        take, dim, out_dtype = table.take, table.dim, jnp.float32
+    else:
+        table = jnp.asarray(table)
+        dim, out_dtype = table.shape[1], table.dtype
+
+        def take(ids):
+            return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
     if layout.kind == "lookup":
         ids = jnp.asarray(inp).reshape(-1).astype(jnp.int32)
-        out = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
-        return out.reshape(layout.activation_shape(dim))
+        return take(ids).reshape(layout.activation_shape(dim))
     ids = jnp.asarray(inp.values)
     num_rows = layout.num_rows
     w = (
@@ -288,9 +308,7 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
         # weight 0 and a valid row: no id past the end reaches XLA's segment sum (on the
         # v5e chip it added such rows into row 0)
         rows = jnp.where(keep, rows, 0)
-    gathered = jnp.take(table, ids.astype(jnp.int32), axis=0, mode="fill", fill_value=0).astype(
-        jnp.float32
-    )
+    gathered = take(ids.astype(jnp.int32)).astype(jnp.float32)
     contrib = gathered * w[:, None]
     if keep is not None:
         contrib = jnp.where(keep[:, None], contrib, 0.0)
@@ -301,7 +319,7 @@ def _traced_lookup(name: str, feature: FeatureConfig, inp, weight, table) -> jax
         if layout.combiner == "sqrtn":
             den = jnp.sqrt(den)
         out = jnp.where(den[:, None] == 0, 0.0, out / jnp.where(den == 0, 1.0, den)[:, None])
-    return out.astype(table.dtype).reshape(layout.activation_shape(dim))
+    return out.astype(out_dtype).reshape(layout.activation_shape(dim))
 
 
 # ---------------------------------------------------------------------------
@@ -352,7 +370,9 @@ def serving_embedding_lookup(
     `inputs` has the structure of `feature_config` or a subset of it (dict
     keys may be left out); `weights` is None or matches `inputs`, with None
     entries allowed. `tables` maps each `TableConfig` to a `[vocabulary_size,
-    dim]` array (another shape is a ValueError naming the table). Concrete
+    dim]` array (another shape is a ValueError naming the table) or a
+    `QuantizedTable` (`embedmesh.serving.quantize_tables`: decoded in the kernels,
+    float32 sums and outputs). Concrete
     weights must be finite (a NaN/Inf weight is a ValueError naming the
     feature and the entry; traced weights are not checked). Returns
     activations in the structure of `inputs`. Works on concrete arrays (host

@@ -45,6 +45,7 @@ import numpy as np
 
 from embedmesh.config import resolve_feature_config
 from embedmesh.serving.export import Dense, Ragged, Sparse
+from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = ["export_saved_model", "signature_names"]
 
@@ -239,13 +240,21 @@ def export_saved_model(
 
 
 def _tables_by_name(resolved, tables: dict) -> dict:
-    """`{table name: float32 array}` for the feature config's tables, each checked."""
+    """`{table name: float32 array}` for the feature config's tables, each checked.
+
+    A `QuantizedTable` is decoded here, at export: the SavedModel holds its float32
+    values (TensorFlow's lookup sums them in float32, as embedmesh's kernels sum the
+    decoded rows), so it serves the same values, without the memory saving (a lookup
+    decoding inside TensorFlow's graph is not built)."""
     by_name = {}
     for t, n in zip(resolved.tables, resolved.table_names):
         match = [v for k, v in tables.items() if k is t]
         if not match:
             raise ValueError(f"tables has no array for table {n}")
-        arr = np.asarray(match[0], np.float32)
+        value = match[0]
+        if isinstance(value, QuantizedTable):
+            value = value.dequantize()
+        arr = np.asarray(value, np.float32)
         if arr.shape != (t.vocabulary_size, t.dim):
             raise ValueError(
                 f"table {n} has shape {arr.shape}, expected ({t.vocabulary_size}, {t.dim})"

@@ -12,6 +12,9 @@ and `inputs` use), over numpy memory, with outputs from `embedmesh.serving.pool`
   `ids[offsets[r]:offsets[r+1]]` summed with their weights (None: ones), in float32
   and entry order, normalised by `mode` (`_runtime.combiner_code`), TensorFlow's
   pruning in the same pass, ready to run: a callable giving float32 [bags, dim];
+  `table` may be a `QuantizedTable` (`embedmesh.serving.quantized`, numpy arrays):
+  its rows decoded to float32 in the sum (C++: `EmServingBagQ`; numba and numpy:
+  `common.decoded_bag`, the same values bit for bit);
 - `sparse_offsets(indices, shape, num_rows)`: COO indices checked and turned into
   bag offsets (`embedmesh.sparse_index.sparse_offsets`'s contract), or None where
   the backend's kernel does not apply (the numpy form then).

@@ -9,7 +9,15 @@ import numpy as np
 
 from embedmesh.serving import pool
 
-__all__ = ["BadSparseIndex", "IdOutOfRange", "drop_pruned", "finish", "signed_ids", "widened_bag"]
+__all__ = [
+    "BadSparseIndex",
+    "IdOutOfRange",
+    "decoded_bag",
+    "drop_pruned",
+    "finish",
+    "signed_ids",
+    "widened_bag",
+]
 
 
 class BadSparseIndex(ValueError):
@@ -72,8 +80,9 @@ def drop_pruned(ids, offsets, weights, vocab, prune_ids, prune_w):
 
 def widened_bag(gather, bag, table, ids, offsets, weights, mode, prune_ids, prune_w):
     """A bag kernel for a table of another dtype than float32 (float16, bfloat16: no
-    arithmetic of theirs in the kernels): when run, prune, `gather` the rows, widen them
-    to float32, then reduce them with the float32 `bag` kernel of the same backend."""
+    arithmetic of theirs in the kernels) or a `QuantizedTable` (`decoded_bag`): when
+    run, prune, `gather` the rows, widen them to float32, then reduce them with the
+    float32 `bag` kernel of the same backend."""
 
     def run():
         c_ids, c_offsets, c_w = drop_pruned(
@@ -85,3 +94,12 @@ def widened_bag(gather, bag, table, ids, offsets, weights, mode, prune_ids, prun
         )
 
     return run
+
+
+def decoded_bag(bag, table, ids, offsets, weights, mode, prune_ids, prune_w):
+    """A bag kernel for a `QuantizedTable` (numpy and numba backends): when run, prune,
+    decode the kept rows to float32 (`QuantizedTable.rows`: the C++ kernel's decode,
+    bit for bit), then reduce them with the float32 `bag` kernel of the same backend."""
+    return widened_bag(
+        lambda t, i: t.rows(i), bag, table, ids, offsets, weights, mode, prune_ids, prune_w
+    )

@@ -24,6 +24,7 @@ from embedmesh.serving import pool
 from embedmesh.serving.backends import numpy as numpy_backend
 from embedmesh.serving.backends.common import BadSparseIndex, IdOutOfRange, widened_bag
 from embedmesh.serving.pool import address
+from embedmesh.serving.quantized import FORMAT_CODES, QuantizedTable
 
 __all__ = [
     "NAME",
@@ -178,7 +179,7 @@ class NativeRequest:
 
 def is_native_call(run) -> bool:
     """Whether `run` (from a prepare_* function) can go to `run_native`."""
-    return type(run) in (_NativeCall, _NativeSparseCall)
+    return type(run) in (_NativeCall, _NativeSparseCall, _NativeQuantizedCall)
 
 
 class _NativeSparseCall(_NativeCall):
@@ -236,8 +237,11 @@ def _bag(table, ids, offsets, weights, mode, prune_ids, prune_w) -> np.ndarray:
 
 
 def prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
-    """The C++ bag kernel ready to run, giving float32 sums; tables of other dtypes are
-    pruned, gathered and widened when run."""
+    """The C++ bag kernel ready to run, giving float32 sums: a float32 table, or a
+    `QuantizedTable` (its rows decoded inside the kernel: `EmServingBagQ`); tables of
+    other dtypes are pruned, gathered and widened when run."""
+    if isinstance(table, QuantizedTable):
+        return _prepare_quantized_bag(table, ids, offsets, weights, mode, prune_ids, prune_w)
     if table.dtype != np.float32:
         gather = lambda t, i: prepare_gather(t, i)()
         return widened_bag(gather, _bag, table, ids, offsets, weights, mode, prune_ids, prune_w)
@@ -265,6 +269,50 @@ def prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
     )
     keep = (table, ids, offsets, weights)
     return _NativeCall(_LIB.EmServingBagF32, args, keep, out, ids, table.shape[0], 0)
+
+
+class _NativeQuantizedCall(_NativeCall):
+    """`EmServingBagQ` with its arguments: a bag task whose row format (its last
+    argument) goes to word 19 of the task (`EmServingRun`'s convention)."""
+
+    __slots__ = ()
+
+    def words(self) -> tuple:
+        if self._words is None:
+            w = (self.kind, *[0 if a is None else a for a in self.args[:-1]])
+            self._words = w + (0,) * (TASK_WORDS - 1 - len(w)) + (self.args[-1],)
+        return self._words
+
+
+def _prepare_quantized_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
+    """`EmServingBagQ` over a host `QuantizedTable` (numpy arrays, contiguous rows)."""
+    data = table.data
+    num_rows, dim = offsets.shape[0] - 1, table.dim
+    out, out_addr = pool._pool.empty_at((num_rows, dim), np.float32)
+    ids, is64 = _native_ids(ids)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    has_w = weights is not None
+    values = table.values
+    fmt = np.array([FORMAT_CODES[table.kind], 0 if values is None else address(values)], np.int64)
+    args = (
+        address(data),
+        data.shape[0],
+        dim,
+        data.strides[0],
+        address(ids),
+        is64,
+        address(offsets),
+        num_rows,
+        address(weights) if has_w else None,
+        mode,
+        int(prune_ids),
+        int(prune_w and has_w),
+        out_addr,
+        dim,
+        address(fmt),
+    )
+    keep = (data, values, fmt, ids, offsets, weights)
+    return _NativeQuantizedCall(_LIB.EmServingBagQ, args, keep, out, ids, data.shape[0], 0)
 
 
 def sparse_offsets(indices, shape, num_rows):

@@ -24,7 +24,8 @@ import numpy as np
 from embedmesh import _runtime
 from embedmesh.serving import pool
 from embedmesh.serving.backends import numpy as numpy_backend
-from embedmesh.serving.backends.common import IdOutOfRange, signed_ids, widened_bag
+from embedmesh.serving.backends.common import IdOutOfRange, decoded_bag, signed_ids, widened_bag
+from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = ["NAME", "load", "prepare_bag", "prepare_gather", "sparse_offsets"]
 
@@ -96,7 +97,9 @@ def _bag(table, ids, offsets, weights, mode, prune_ids, prune_w) -> np.ndarray:
 
 def prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
     """The bag kernel ready to run, giving float32 sums; tables of other dtypes are
-    pruned, gathered and widened when run."""
+    pruned, gathered and widened when run (a `QuantizedTable`: decoded)."""
+    if isinstance(table, QuantizedTable):
+        return decoded_bag(_bag, table, ids, offsets, weights, mode, prune_ids, prune_w)
     if table.dtype != np.float32:
         return widened_bag(_gather, _bag, table, ids, offsets, weights, mode, prune_ids, prune_w)
     out = pool.output_empty((offsets.shape[0] - 1, table.shape[1]), np.float32)

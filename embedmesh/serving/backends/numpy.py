@@ -11,7 +11,8 @@ import numpy as np
 
 from embedmesh import sparse_index
 from embedmesh.serving import pool
-from embedmesh.serving.backends.common import drop_pruned
+from embedmesh.serving.backends.common import decoded_bag, drop_pruned
+from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = ["NAME", "gather", "load", "prepare_bag", "prepare_gather", "sparse_offsets"]
 
@@ -38,7 +39,10 @@ def prepare_gather(table, ids):
 
 
 def prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
-    """The bag sums, run later: float32 [bags, dim]."""
+    """The bag sums, run later: float32 [bags, dim] (a `QuantizedTable`'s kept rows
+    decoded first)."""
+    if isinstance(table, QuantizedTable):
+        return decoded_bag(_bag, table, ids, offsets, weights, mode, prune_ids, prune_w)
     return functools.partial(_bag, table, ids, offsets, weights, mode, prune_ids, prune_w)
 
 

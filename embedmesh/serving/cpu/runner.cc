@@ -185,6 +185,14 @@ int64_t run_kernel(const int64_t* w, const Chunk& c) {
       // the whole task's output, not this chunk's (see stream_rows in serving.cc)
       embedmesh_serving::t_output_bytes = w[8] * out_stride * 4;
       const OutputBytesReset reset;
+      if (w[19] != 0) {  // a quantized table (EmServingBagQ: word 4 in bytes)
+        return EmServingBagQ(ptr<const void>(w[1]), w[2], w[3], w[4], ptr<const void>(w[5]),
+                             static_cast<int32_t>(w[6]), ptr<const int64_t>(w[7]) + c.lo,
+                             c.hi - c.lo, ptr<const float>(w[9]), static_cast<int32_t>(w[10]),
+                             static_cast<int32_t>(w[11]), static_cast<int32_t>(w[12]),
+                             ptr<float>(w[13]) + c.lo * out_stride, out_stride,
+                             ptr<const int64_t>(w[19]));
+      }
       return EmServingBagF32(ptr<const float>(w[1]), w[2], w[3], w[4], ptr<const void>(w[5]),
                              static_cast<int32_t>(w[6]), ptr<const int64_t>(w[7]) + c.lo,
                              c.hi - c.lo, ptr<const float>(w[9]), static_cast<int32_t>(w[10]),

@@ -37,6 +37,21 @@ int64_t EmServingSparseBagF32(const float* table, int64_t vocab, int64_t dim,
 
 int64_t EmServingMaxFusedDim(void);
 
+// EmServingBagF32 over a quantized table (embedmesh/serving/quantized.py): each row is
+// decoded to float32 inside the sum, then summed as EmServingBagF32 sums (float32, entry
+// order, no FMA). `format`: two int64 words, the row format and (codes) the address of
+// the codes' float32 values. Formats: 1 float16 [dim], 2 bfloat16 [dim], 3 FBGEMM's
+// fused 8-bit row-wise (dim bytes q, then float32 scale and bias: q * scale + bias), 4
+// one-byte codes (values[q]). `table_stride_bytes`: in bytes (rows of at least the
+// format's row bytes). Returns as EmServingBagF32, or INT64_MIN for an unknown format.
+// In a bag task of EmServingRun (kinds 0, 3, 4), word 19 holds `format` (0: a float32
+// table, EmServingBagF32) and word 4 the stride in bytes.
+int64_t EmServingBagQ(const void* table, int64_t vocab, int64_t dim, int64_t table_stride_bytes,
+                      const void* ids, int32_t ids_are_64, const int64_t* offsets,
+                      int64_t num_rows, const float* weights, int32_t mode, int32_t prune_ids,
+                      int32_t prune_weights, float* out, int64_t out_stride,
+                      const int64_t* format);
+
 int64_t EmServingGather(const void* table, int64_t vocab, int64_t row_bytes,
                         int64_t table_stride_bytes, const void* ids, int32_t ids_are_64,
                         int64_t n, void* out);

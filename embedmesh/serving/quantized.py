@@ -1,0 +1,391 @@
+"""Quantized serving tables: `quantize_tables` and `QuantizedTable`.
+
+A `QuantizedTable` stands in for a float32 `[vocabulary_size, dim]` table in the
+`tables` dict of `serving_embedding_lookup`, `export_serving` / `load_serving` and
+`export_saved_model`. Lookups dequantize each row inside the bag kernel and sum in
+float32 (the C++ kernels, the numba and numpy fallbacks, and the traced jax path all
+decode the same way); outputs are float32. The kinds (`dtype=` of `quantize_tables`):
+
+- ``"int8"``: FBGEMM's fused 8-bit row-wise layout (`FloatToFused8BitRowwiseQuantized`,
+  what torch's `embedding_bag_byte_rowwise_offsets` reads): each row is `dim` unsigned
+  bytes `q`, then its float32 `scale`, then its float32 `bias` (little-endian), one
+  `uint8 [vocabulary_size, dim + 8]` array. `bias = min(row)`, `scale = (max(row) -
+  min(row)) / 255` (float32), `q = round((x - bias) / scale)` (float64, clipped to [0,
+  255]); a constant row has scale 0 and is exact. Decoded value `x_hat = q * scale +
+  bias`, computed in float32 (a product, then a sum: no FMA on the host; the traced
+  path leaves that to XLA). Error bound, per element: `|x - x_hat| <= scale / 2` for
+  the exactly computed `q * scale + bias`, plus the float32 rounding of that
+  expression (at most `2**-23 * (|bias| + 255 * scale)`). dim + 8 bytes a row.
+- ``"fp16"`` / ``"bf16"``: the rows rounded to nearest-even float16 / bfloat16 (`[V,
+  dim]` of that dtype): `|x - x_hat| <= 2**-11 |x|` (float16, normal range; below
+  2**-14 the absolute error is at most 2**-25; a value beyond float16's range is a
+  ValueError) and `<= 2**-8 |x|` (bfloat16). 2 * dim bytes a row.
+- ``"codes"``: for a table whose `TableConfig.quantization_config` has at most 256
+  buckets: one byte a value, the index of its level, and a table of the `num_buckets`
+  level values (float32, ascending); a value decodes to `values[code]`. Both come from
+  training's own formula (`floor((clip(x, lower, upper) - lower) / quantum + 0.5) *
+  quantum + lower`, `embedmesh.device.ops.reference.quantize`) run by XLA on the CPU,
+  so a served row is bit for bit the row training's lookup saw on the CPU. (Not numpy's
+  float32 arithmetic: XLA's CPU code contracts `k * quantum + lower` into one FMA and
+  divides by the quantum its own way, so numpy's levels differ in the last bit and a
+  value on a half-way point can land one bucket apart.) `uint8 [V, dim]` + `float32
+  [num_buckets]`: dim bytes a row.
+
+TensorFlow: `tf.tpu.experimental.embedding.serving_embedding_lookup`
+(`tensorflow/python/tpu/tpu_embedding_for_serving.py`, `cpu_embedding_lookup`,
+read at commit 0595e766c598) never reads `TableConfig.quantization_config`: it looks
+rows up with `embedding_lookup_v2`, `embedding_lookup_sparse_v2` /
+`safe_embedding_lookup_sparse_v2` and `embedding_lookup_ragged` on the float table
+variables as they are, so TensorFlow serves the unquantized rows. embedmesh's
+`serving_embedding_lookup` does the same for plain float tables; the `"codes"` kind
+here is the way to serve the values training's lookup saw (and a 4x smaller table).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+__all__ = ["KINDS", "QuantizedTable", "quantize_table", "quantize_tables"]
+
+KINDS = ("int8", "fp16", "bf16", "codes")
+_ALIASES = {
+    "int8": "int8",
+    "uint8": "int8",
+    "int8_rowwise": "int8",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "codes": "codes",
+    "bucket_codes": "codes",
+    "fp32": None,
+    "float32": None,
+}
+# the C++ kernels' row format codes (EmServingBagQ in serving.h)
+FORMAT_CODES = {"fp16": 1, "bf16": 2, "int8": 3, "codes": 4}
+_STORAGE = {"int8": np.uint8, "fp16": np.float16, "bf16": ml_dtypes.bfloat16, "codes": np.uint8}
+_FP16_MAX = float(np.finfo(np.float16).max)
+MAX_CODE_BUCKETS = 256
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedTable:
+    """A quantized serving table (see the module's docstring for the kinds and layouts).
+
+    Attributes: `kind` ("int8", "fp16", "bf16" or "codes"), `data` (the rows: `uint8
+    [V, dim + 8]` for int8, `float16` / `bfloat16 [V, dim]`, `uint8 [V, dim]` codes),
+    `values` (codes only: the float32 value of each code), `dim`; `shape` is the float
+    table's `(vocabulary_size, dim)`. A jax pytree (its arrays are the leaves), so it
+    goes through `jax.jit` and `jax.export` as a table argument.
+    """
+
+    __slots__ = ("kind", "data", "values", "dim")
+
+    def __init__(self, kind: str, data, dim: int, values=None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown quantized table kind {kind!r}: expected one of {KINDS}")
+        self.kind, self.data, self.dim, self.values = kind, data, int(dim), values
+
+    # -- jax pytree
+    def tree_flatten(self):
+        leaves = (self.data,) if self.values is None else (self.data, self.values)
+        return leaves, (self.kind, self.dim)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        kind, dim = aux
+        return cls(kind, leaves[0], dim, leaves[1] if len(leaves) > 1 else None)
+
+    def arrays(self) -> list:
+        """Its arrays in order (what `export_serving` saves): data, then values (codes)."""
+        return self.tree_flatten()[0]
+
+    def meta(self) -> dict:
+        """What rebuilds it from `arrays()` (with `from_arrays`): JSON-able."""
+        return {"kind": self.kind, "dim": self.dim}
+
+    @classmethod
+    def from_arrays(cls, meta: dict, arrays) -> QuantizedTable:
+        return cls.tree_unflatten((meta["kind"], meta["dim"]), list(arrays))
+
+    # -- what the lookup reads
+    @property
+    def shape(self) -> tuple:
+        return (int(self.data.shape[0]), self.dim)
+
+    @property
+    def vocabulary_size(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in self.arrays())
+
+    @property
+    def bytes_per_row(self) -> int:
+        return int(self.data.shape[1]) * np.dtype(self.data.dtype).itemsize
+
+    def __repr__(self) -> str:
+        return f"QuantizedTable({self.kind}, shape={self.shape}, {self.nbytes} bytes)"
+
+    def host(self) -> QuantizedTable:
+        """The same table with numpy arrays (C-contiguous rows), for the host kernels."""
+        arrays = [np.ascontiguousarray(np.asarray(a)) for a in self.arrays()]
+        if all(a is b for a, b in zip(arrays, self.arrays())):
+            return self
+        return QuantizedTable.tree_unflatten((self.kind, self.dim), arrays)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Decoded float32 rows `[len(ids), dim]` for ids in range (numpy; the numpy and
+        numba backends' form, the same values as the C++ kernels, bit for bit)."""
+        data = np.asarray(self.data)
+        got = np.take(data, ids, axis=0)
+        return _decode_numpy(self.kind, got, self.dim, self.values)
+
+    def dequantize(self) -> np.ndarray:
+        """The whole table decoded: float32 `[vocabulary_size, dim]`."""
+        return _decode_numpy(self.kind, np.asarray(self.data), self.dim, self.values)
+
+    def take(self, ids) -> jax.Array:
+        """Decoded float32 rows for jax ids (the traced path): ids outside the table
+        read as zero rows, as the float tables' traced lookup has them."""
+        data = jnp.asarray(self.data)
+        ids = jnp.asarray(ids).astype(jnp.int32)
+        valid = (ids >= 0) & (ids < data.shape[0])
+        got = jnp.take(data, jnp.where(valid, ids, 0), axis=0)
+        if self.kind in ("fp16", "bf16"):
+            rows = got.astype(jnp.float32)
+        elif self.kind == "codes":
+            rows = jnp.take(jnp.asarray(self.values), got.astype(jnp.int32), axis=0)
+        else:
+            q = got[:, : self.dim].astype(jnp.float32)
+            sb = jax.lax.bitcast_convert_type(
+                got[:, self.dim : self.dim + 8].reshape(got.shape[0], 2, 4), jnp.float32
+            )
+            rows = q * sb[:, 0:1] + sb[:, 1:2]
+        return jnp.where(valid[:, None], rows, jnp.float32(0))
+
+
+def _decode_numpy(kind: str, got: np.ndarray, dim: int, values) -> np.ndarray:
+    """Rows of `data` decoded to float32 (float32 arithmetic: q * scale, then + bias)."""
+    if kind in ("fp16", "bf16"):
+        return got.astype(np.float32)
+    if kind == "codes":
+        return np.asarray(values, np.float32)[got]
+    q = got[:, :dim].astype(np.float32)
+    sb = np.ascontiguousarray(got[:, dim : dim + 8]).view(np.float32)  # [n, 2]
+    out = q * sb[:, 0:1]
+    out += sb[:, 1:2]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Quantizing
+
+
+def _kind_of(dtype, where: str) -> str | None:
+    """The kind a `dtype=` value names (None: left float32); ValueError naming `where`."""
+    if dtype is None:
+        return None
+    key = dtype if isinstance(dtype, str) else None
+    if key is None:
+        try:
+            key = np.dtype(dtype).name
+        except TypeError:
+            key = None
+    if key is None or key.lower() not in _ALIASES:
+        raise ValueError(
+            f"{where}: unknown serving dtype {dtype!r}: expected one of "
+            f"'int8', 'fp16', 'bf16', 'codes' or 'float32'"
+        )
+    return _ALIASES[key.lower()]
+
+
+def quantize_table(table, dtype, *, config=None, name: str = "table") -> QuantizedTable | Any:
+    """One `[vocabulary_size, dim]` table quantized to `dtype` ("int8", "fp16", "bf16",
+    "codes", or "float32" / None: returned as a float32 numpy array). "codes" needs
+    `config`, the table's `TableConfig`, with a `quantization_config` of at most 256
+    buckets. Errors are ValueErrors naming the table (`name`)."""
+    kind = _kind_of(dtype, f"table {name}")
+    x = np.asarray(table)
+    if x.ndim != 2:
+        raise ValueError(f"table {name}: expected a [vocabulary_size, dim] array, got {x.shape}")
+    if x.dtype.kind != "f":
+        raise ValueError(f"table {name}: expected a float table, got {x.dtype}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if kind is None:
+        return x
+    if not np.isfinite(x).all():
+        bad = np.argwhere(~np.isfinite(x))[0]
+        raise ValueError(
+            f"table {name}: cannot quantize a non-finite value ({x[tuple(bad)]} at row "
+            f"{bad[0]}, column {bad[1]})"
+        )
+    if kind == "fp16":
+        big = np.abs(x) > _FP16_MAX
+        if big.any():
+            bad = np.argwhere(big)[0]
+            raise ValueError(
+                f"table {name}: value {x[tuple(bad)]} at row {bad[0]} is outside float16's "
+                f"range (+-{_FP16_MAX}); use 'bf16' or 'int8'"
+            )
+        return QuantizedTable("fp16", x.astype(np.float16), x.shape[1])
+    if kind == "bf16":
+        return QuantizedTable("bf16", x.astype(ml_dtypes.bfloat16), x.shape[1])
+    if kind == "int8":
+        return QuantizedTable("int8", _rowwise_int8(x), x.shape[1])
+    return _codes(x, config, name)
+
+
+def _rowwise_int8(x: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+    """FBGEMM's fused 8-bit row-wise rows of float32 `x` (see the module's docstring)."""
+    vocab, dim = x.shape
+    out = np.empty((vocab, dim + 8), np.uint8)
+    for lo in range(0, vocab, chunk):
+        rows = x[lo : lo + chunk]
+        if dim == 0:
+            mn = np.zeros(rows.shape[0], np.float32)
+            mx = mn
+        else:
+            mn, mx = rows.min(axis=1), rows.max(axis=1)
+        scale = ((mx - mn) / np.float32(255)).astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
+        q = np.rint((rows.astype(np.float64) - mn.astype(np.float64)[:, None]) / safe[:, None])
+        q = np.clip(q, 0, 255)
+        q[scale == 0] = 0
+        part = out[lo : lo + chunk]
+        part[:, :dim] = q.astype(np.uint8)
+        part[:, dim:] = np.stack([scale, mn.astype(np.float32)], axis=1).view(np.uint8)
+    return out
+
+
+def _codes(x: np.ndarray, config, name: str) -> QuantizedTable:
+    """Bucket codes of training's `QuantizationConfig` formula, and their values."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        raise ValueError(
+            f"table {name}: dtype 'codes' needs a TableConfig with a quantization_config "
+            f"(the buckets training's lookups used); this table has none"
+        )
+    buckets = int(qc.num_buckets)
+    if buckets > MAX_CODE_BUCKETS:
+        raise ValueError(
+            f"table {name}: dtype 'codes' stores one byte a value, at most "
+            f"{MAX_CODE_BUCKETS} buckets; its quantization_config has {buckets} "
+            f"(use 'int8', 'fp16' or 'bf16')"
+        )
+    quantization = (buckets, float(qc.lower), float(qc.upper))
+    values = _code_values(*quantization)
+    seen = _on_cpu(x, quantization)  # what training's formula gives each value
+    codes = np.searchsorted(values, seen).clip(0, buckets - 1).astype(np.uint8)
+    if not np.array_equal(values[codes], seen):  # pragma: no cover - XLA changed its mind
+        raise ValueError(
+            f"table {name}: training's formula gave values outside its {buckets} levels; "
+            f"cannot serve it as codes (use 'int8', 'fp16' or 'bf16')"
+        )
+    return QuantizedTable("codes", codes, x.shape[1], values)
+
+
+def _code_values(buckets: int, lower: float, upper: float) -> np.ndarray:
+    """The float32 value of each bucket, ascending, as training's formula computes it on
+    XLA's CPU backend (`k * quantum + lower`: one FMA there), applied to a value in the
+    middle of each bucket."""
+    lo, hi = np.float32(lower), np.float32(upper)
+    quantum = (hi - lo) / np.float32(buckets - 1)
+    inside = (np.arange(buckets, dtype=np.float32) * quantum + lo).astype(np.float32)
+    values = _on_cpu(inside, (buckets, lower, upper))
+    if not (np.diff(values) > 0).all():  # pragma: no cover - levels closer than float32
+        raise ValueError(f"{buckets} buckets in [{lower}, {upper}] are not distinct in float32")
+    return values
+
+
+def _on_cpu(x: np.ndarray, quantization: tuple, chunk: int = 1 << 20) -> np.ndarray:
+    """Training's formula (`embedmesh.device.ops.reference.quantize`, the same program;
+    serving does not import the device layer) over `x`, by XLA on the CPU, in chunks of
+    one compiled shape. Bucket indices are not computed with numpy: XLA's CPU code
+    divides by the quantum another way (a half-way value can land one bucket apart)."""
+    cpu = jax.local_devices(backend="cpu")[0]
+    flat = np.ascontiguousarray(x, np.float32).reshape(-1)
+    out = np.empty_like(flat)
+    size = min(chunk, max(flat.size, 1))
+    with jax.default_device(cpu):
+        for start in range(0, flat.size, size):
+            part = flat[start : start + size]
+            padded = np.zeros(size, np.float32)
+            padded[: part.size] = part
+            got = np.asarray(_training_formula(jnp.asarray(padded), quantization))
+            out[start : start + part.size] = got[: part.size]
+    return out.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _training_formula(rows, quantization):
+    buckets, lower, upper = quantization
+    lo, hi = jnp.float32(lower), jnp.float32(upper)
+    quantum = (hi - lo) / jnp.float32(buckets - 1)
+    x = jnp.clip(rows.astype(jnp.float32), lo, hi)
+    return jnp.floor((x - lo) / quantum + jnp.float32(0.5)) * quantum + lo
+
+
+def quantize_tables(tables: dict, dtype, *, feature_config: Any = None) -> dict:
+    """`{TableConfig: array}` -> the same keys with quantized tables (`QuantizedTable`s).
+
+    `dtype`: one of "int8", "fp16", "bf16", "codes" (see this module's docstring: the
+    layouts and error bounds) for every table, "float32" / None to keep them float32,
+    or a dict from `TableConfig` or table name to one of those (tables it leaves out
+    stay float32). "codes" needs the table's `quantization_config` with at most 256
+    buckets. `feature_config` (optional) names the tables as it resolves them (else
+    `TableConfig.name`, else `table_<i>`), for the errors: an unknown dtype, too many
+    buckets, a table without a quantization config, non-finite values, a value beyond
+    float16's range are ValueErrors naming the table.
+    """
+    configs = list(tables)
+    names = _names(configs, feature_config)
+    per_table = isinstance(dtype, dict)
+    if per_table:
+        known = set(names.values())
+        for key in dtype:
+            if key not in tables and key not in known:
+                raise ValueError(f"dtype names table {key!r}, which is not in tables")
+    out = {}
+    for cfg in configs:
+        name = names[id(cfg)]
+        if per_table:
+            want = dtype.get(cfg, dtype.get(name)) if _hashable(cfg) else dtype.get(name)
+        else:
+            want = dtype
+        out[cfg] = quantize_table(tables[cfg], want, config=cfg, name=name)
+    return out
+
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _names(configs: list, feature_config) -> dict:
+    """id(TableConfig) -> its name (the feature config's, its own, else `table_<i>`)."""
+    names = {}
+    if feature_config is not None:
+        from embedmesh.config import resolve_feature_config
+
+        resolved = resolve_feature_config(feature_config)
+        names = {id(t): n for t, n in zip(resolved.tables, resolved.table_names)}
+    return {
+        id(c): names.get(id(c)) or getattr(c, "name", None) or f"table_{i}"
+        for i, c in enumerate(configs)
+    }
+
+
+def is_quantized(table) -> bool:
+    """Whether `table` is a `QuantizedTable`."""
+    return isinstance(table, QuantizedTable)
