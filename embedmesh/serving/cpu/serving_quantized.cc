@@ -11,7 +11,9 @@
 // uses: the entry walk with its prefetch (walk, check_entry), the per-thread entry
 // scratch, the output rows' store (store_combined, streaming stores).
 //
-// Two passes per bag, like serving.cc's `bag`: the walk lists the kept (row, weight)
+// Rows of 1, 2, 4, 8 or 16 full vectors (dims 16-256 with AVX-512) are summed in the
+// walk itself, in registers (qbag_fused, as serving.cc's bag_fused); other widths take
+// two passes per bag, like serving.cc's `bag`: the walk lists the kept (row, weight)
 // pairs, then each block of columns is summed over them with its accumulators in
 // registers (one template instance per format, register block, tail and weights).
 // Quantized rows are 2-4x narrower than float32 ones, so the walk's prefetch covers
@@ -343,6 +345,117 @@ int64_t qbag_erased(const char* table, uint64_t vocab, int64_t stride_bytes, int
                             out_stride, plan);
 }
 
+// The whole bag in one pass for rows of NV full vectors (NV in 1, 2, 4, 8, 16: dims 16,
+// 32, 64, 128, 256 with AVX-512), as serving.cc's bag_fused: checks, pruning, the
+// denominators, prefetch and the decoded sums in the same walk, the sums in registers.
+// Rows of other widths, and EmServingSetFused(0), take qbag's two passes.
+template <int K, int NV>
+constexpr int64_t fused_row_bytes() {
+  return K == kQInt8 ? NV * kV + 8 : (K == kQF16 || K == kQBF16) ? 2 * NV * kV : NV * kV;
+}
+
+template <int K, int NV>
+constexpr int fused_prefetch_shape() {
+  return fused_row_bytes<K, NV>() <= 64 ? 2 : fused_row_bytes<K, NV>() <= 132 ? 3 : 1;
+}
+
+template <int K, typename Id, int NV, bool HasW>
+int64_t qbag_fused(const char* table, uint64_t vocab, int64_t stride_bytes, const Id* ids,
+                   const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
+                   bool prune_ids, bool prune_w, float* out, int64_t out_stride,
+                   const QCtx& ctx) {
+  constexpr int kPf = fused_prefetch_shape<K, NV>();
+  constexpr int64_t row_bytes = fused_row_bytes<K, NV>();
+  const bool stream = stream_rows(out, out_stride, num_rows);
+  const int64_t n = offsets[num_rows];
+  const int64_t lines = row_lines(table, stride_bytes, row_bytes);
+  const int64_t ahead = entries_ahead(lines);
+  const uint64_t ustride = static_cast<uint64_t>(stride_bytes);
+  constexpr int64_t last = (row_bytes - 1) / 4;
+  const float* tf = reinterpret_cast<const float*>(table);  // addresses only
+  for (int64_t k = offsets[0]; k < offsets[0] + ahead && k < n; ++k) {
+    if (static_cast<uint64_t>(static_cast<int64_t>(ids[k])) < vocab) {
+      const char* p = table + static_cast<int64_t>(ids[k]) * stride_bytes;
+      prefetch(p);
+      prefetch(p + row_bytes - 1);
+    }
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    vf acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = vf{};
+    float den = 0.0f, den2 = 0.0f;
+    const int64_t bad = walk<kPf>(tf, ustride, last, ids, offsets[r], offsets[r + 1], n, ahead,
+                                  [&](int64_t k) {
+                                    const Id id = ids[k];
+                                    const float w = HasW ? weights[k] : 1.0f;
+                                    const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
+                                                                         prune_w);
+                                    if (c != 0) return c != 2;
+                                    den += w;
+                                    if (HasW) den2 += w * w;
+                                    const Dec<K> row(
+                                        table + static_cast<int64_t>(id) * stride_bytes, ctx);
+                                    if (HasW) {
+                                      const vf wv = splat(w);
+                                      for (int v = 0; v < NV; ++v) acc[v] += wv * row.at(v * kV);
+                                    } else {
+                                      for (int v = 0; v < NV; ++v) acc[v] += row.at(v * kV);
+                                    }
+                                    return true;
+                                  });
+    if (bad >= 0) return bad;
+    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
+    store_combined<NV, false>(acc, vf{}, mode != 0, d, 0, out + r * out_stride, stream);
+  }
+  return -1;
+}
+
+template <typename Id>
+using QFusedFn = int64_t (*)(const char*, uint64_t, int64_t, const Id*, const int64_t*, int64_t,
+                             const float*, int, bool, bool, float*, int64_t, const QCtx&);
+
+template <int K, typename Id, int NV>
+QFusedFn<Id> qfused_with(bool has_w) {
+  return has_w ? &qbag_fused<K, Id, NV, true> : &qbag_fused<K, Id, NV, false>;
+}
+
+template <int K, typename Id>
+QFusedFn<Id> qfused_nv(int64_t nv, bool has_w) {
+  switch (nv) {
+    case 1:
+      return qfused_with<K, Id, 1>(has_w);
+    case 2:
+      return qfused_with<K, Id, 2>(has_w);
+    case 4:
+      return qfused_with<K, Id, 4>(has_w);
+    case 8:
+      return kMaxNV >= 8 ? qfused_with<K, Id, (kMaxNV >= 8 ? 8 : 1)>(has_w) : nullptr;
+    case 16:
+      return kMaxNV >= 16 ? qfused_with<K, Id, (kMaxNV >= 16 ? 16 : 1)>(has_w) : nullptr;
+    default:
+      return nullptr;
+  }
+}
+
+// The one-pass kernel for this format and dim, or nullptr (qbag's two passes).
+template <typename Id>
+QFusedFn<Id> qfused_for(int kind, int64_t dim, bool has_w) {
+  if (!g_fused || dim <= 0 || dim % kV != 0) return nullptr;
+  const int64_t nv = dim / kV;
+  switch (kind) {
+    case kQF16:
+      return qfused_nv<kQF16, Id>(nv, has_w);
+    case kQBF16:
+      return qfused_nv<kQBF16, Id>(nv, has_w);
+    case kQInt8:
+      return qfused_nv<kQInt8, Id>(nv, has_w);
+    case kQCodes:
+      return qfused_nv<kQCodes, Id>(nv, has_w);
+    default:
+      return nullptr;
+  }
+}
+
 // The walk's prefetch shape for rows of `row_bytes` (see prefetch_shape in serving.cc):
 // rows of one line at most their first and last byte, of up to 132 bytes (at most three
 // lines) those and the next line, longer rows their first line.
@@ -405,8 +518,24 @@ int64_t EmServingBagQ(const void* table, int64_t vocab, int64_t dim, int64_t str
   }
   if (dim <= 0 || stride_bytes < row_bytes) return INT64_MIN;
   const bool has_w = weights != nullptr;
-  const QPlan plan(kind, dim, has_w, values);
   const char* t = static_cast<const char*>(table);
+  const QCtx ctx{dim, values};
+  if (ids_are_64) {
+    if (auto f = qfused_for<int64_t>(kind, dim, has_w)) {
+      const int64_t r = f(t, static_cast<uint64_t>(vocab), stride_bytes,
+                          static_cast<const int64_t*>(ids), offsets, num_rows, weights, mode,
+                          prune_ids != 0, prune_weights != 0 && has_w, out, out_stride, ctx);
+      fence_streams();
+      return r;
+    }
+  } else if (auto f = qfused_for<int32_t>(kind, dim, has_w)) {
+    const int64_t r = f(t, static_cast<uint64_t>(vocab), stride_bytes,
+                        static_cast<const int32_t*>(ids), offsets, num_rows, weights, mode,
+                        prune_ids != 0, prune_weights != 0 && has_w, out, out_stride, ctx);
+    fence_streams();
+    return r;
+  }
+  const QPlan plan(kind, dim, has_w, values);
   const bool aligned = rows_on_lines(t, stride_bytes) && row_bytes <= 128;
   const QBagFn fn = ids_are_64 ? qpick<int64_t>(row_bytes, aligned, has_w)
                                : qpick<int32_t>(row_bytes, aligned, has_w);
