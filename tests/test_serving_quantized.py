@@ -160,7 +160,7 @@ def bag_cases(draw):
     seed = draw(st.integers(0, 2**31 - 1))
     r = np.random.default_rng(seed)
     vocab = draw(st.integers(1, 30))
-    dim = draw(st.sampled_from([1, 3, 8, 16, 17, 33, 64, 100, 272, 300]))
+    dim = draw(st.sampled_from([1, 3, 8, 16, 17, 33, 64, 100, 128, 256, 272, 300]))
     bags = draw(st.integers(0, 9))
     lengths = r.integers(0, 6, bags)
     n = int(lengths.sum())
@@ -244,11 +244,12 @@ def _denominators(ids, offsets, weights, combiner, prune):
     return out
 
 
+@pytest.mark.parametrize("dim", [4, 16, 256])  # two passes; one pass; one, all lines prefetched
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_id_in_a_quantized_table_names_the_feature(backend):
+def test_bad_id_in_a_quantized_table_names_the_feature(backend, dim):
     kernels.set_backend(backend)
-    t = em.TableConfig(10, 4, name="tab")
-    q = quantize_tables({t: _table(np.random.default_rng(0), 10, 4)}, "int8")
+    t = em.TableConfig(10, dim, name="tab")
+    q = quantize_tables({t: _table(np.random.default_rng(0), 10, dim)}, "int8")
     bad = em.RaggedTensor(values=np.array([1, 10]), row_splits=np.array([0, 2]))
     with pytest.raises(ValueError, match="feat"):
         em.serving_embedding_lookup({"feat": bad}, None, q, {"feat": em.FeatureConfig(t)})

@@ -128,6 +128,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "EmServingGather": [_P, _I64, _I64, _I64, _P, _I32, _I64, _P],
         "EmServingSparseOffsets": [_P, _I32, _I64, _I64, _P, _P],
         "EmServingSetPrefetch": [_I64],
+        "EmServingSetQuantizedRowPrefetch": [_I64],
         "EmServingSetFused": [_I64],
         "EmServingSetAlignedPrefetch": [_I64],
         "EmServingSetRowLines": [_I64],

@@ -37,6 +37,10 @@ int64_t EmServingSparseBagF32(const float* table, int64_t vocab, int64_t dim,
 
 int64_t EmServingMaxFusedDim(void);
 
+// Whether EmServingBagQ prefetches every line of rows over 132 bytes (default 1; 0: the
+// first line only, as the float32 kernels); returns the previous setting (A/B runs).
+int64_t EmServingSetQuantizedRowPrefetch(int64_t on);
+
 // EmServingBagF32 over a quantized table (embedmesh/serving/quantized.py): each row is
 // decoded to float32 inside the sum, then summed as EmServingBagF32 sums (float32, entry
 // order, no FMA). `format`: two int64 words, the row format and (codes) the address of

@@ -359,6 +359,34 @@ constexpr int fused_prefetch_shape() {
   return fused_row_bytes<K, NV>() <= 64 ? 2 : fused_row_bytes<K, NV>() <= 132 ? 3 : 1;
 }
 
+// Rows of more than 132 bytes (int8 and float16 rows at dims 128 and 256): every line of
+// the row is prefetched (its first byte, every 64 bytes after, its last byte), where
+// serving.cc's walk prefetches the first line only of float32 rows this long
+// (EmServingSetQuantizedRowPrefetch(0): that walk here too, for A/B runs).
+int g_q_row_prefetch = 1;
+
+template <int64_t RowBytes, typename Id, typename Fn>
+inline int64_t walk_all_lines(const char* table, uint64_t stride_bytes, const Id* ids,
+                              int64_t lo, int64_t hi, int64_t n, int64_t ahead, Fn fn) {
+  auto pf = [&](Id id) {
+    const char* p = table + static_cast<uint64_t>(static_cast<int64_t>(id)) * stride_bytes;
+    for (int64_t b = 0; b < RowBytes; b += 64) prefetch(p + b);
+    prefetch(p + RowBytes - 1);
+  };
+  if (hi + ahead <= n) {
+    for (int64_t k = lo; k < hi; ++k) {
+      pf(ids[k + ahead]);
+      if (!fn(k)) return k;
+    }
+  } else {
+    for (int64_t k = lo; k < hi; ++k) {
+      pf(ids[k + ahead < n ? k + ahead : n - 1]);
+      if (!fn(k)) return k;
+    }
+  }
+  return -1;
+}
+
 template <int K, typename Id, int NV, bool HasW>
 int64_t qbag_fused(const char* table, uint64_t vocab, int64_t stride_bytes, const Id* ids,
                    const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
@@ -380,12 +408,12 @@ int64_t qbag_fused(const char* table, uint64_t vocab, int64_t stride_bytes, cons
       prefetch(p + row_bytes - 1);
     }
   }
+  const bool all_lines = row_bytes > 132 && g_q_row_prefetch;
   for (int64_t r = 0; r < num_rows; ++r) {
     vf acc[NV];
     for (int v = 0; v < NV; ++v) acc[v] = vf{};
     float den = 0.0f, den2 = 0.0f;
-    const int64_t bad = walk<kPf>(tf, ustride, last, ids, offsets[r], offsets[r + 1], n, ahead,
-                                  [&](int64_t k) {
+    auto entry = [&](int64_t k) {
                                     const Id id = ids[k];
                                     const float w = HasW ? weights[k] : 1.0f;
                                     const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
@@ -402,7 +430,11 @@ int64_t qbag_fused(const char* table, uint64_t vocab, int64_t stride_bytes, cons
                                       for (int v = 0; v < NV; ++v) acc[v] += row.at(v * kV);
                                     }
                                     return true;
-                                  });
+    };
+    const int64_t bad =
+        all_lines ? walk_all_lines<row_bytes>(table, ustride, ids, offsets[r], offsets[r + 1], n,
+                                              ahead, entry)
+                  : walk<kPf>(tf, ustride, last, ids, offsets[r], offsets[r + 1], n, ahead, entry);
     if (bad >= 0) return bad;
     const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
     store_combined<NV, false>(acc, vf{}, mode != 0, d, 0, out + r * out_stride, stream);
@@ -544,6 +576,12 @@ int64_t EmServingBagQ(const void* table, int64_t vocab, int64_t dim, int64_t str
                        out_stride, plan);
   fence_streams();
   return r;
+}
+
+int64_t EmServingSetQuantizedRowPrefetch(int64_t on) {
+  const int64_t previous = embedmesh_serving::g_q_row_prefetch;
+  embedmesh_serving::g_q_row_prefetch = on != 0;
+  return previous;
 }
 
 }  // extern "C"
