@@ -24,6 +24,17 @@ Contenders, run in the same process, interleaved round by round:
   and with one thread (`torch.set_num_threads`, set before each timed block:
   on this 2-core shared machine OpenMP's barrier makes 2 threads far slower).
 
+Quantized tables (`--table-dtypes float32,int8,fp16`; embedmesh.serving.quantize_table,
+made once per dim from the same float32 tables): embedmesh[native:int8] (and
+[native:int8-Nt], ...) serve them; against them, beside torch's embedding_bag on the
+float32 tables:
+- torch-q8[Nt] / torch-q8[1t]: `torch.ops.quantized.embedding_bag_byte_rowwise_offsets`
+  (FBGEMM's 8-bit row-wise kernel inside torch) on the very bytes embedmesh's int8
+  tables hold (the same fused layout), one call per table;
+- fbgemm-int8[..] / fbgemm-fp16[..]: FBGEMM's `IntNBitTableBatchedEmbeddingBagsCodegen`
+  (fbgemm-gpu-cpu, when importable: see fbgemm_modules) over all 8 tables in one call,
+  rows of its own layout filled at random (its timing does not depend on the values).
+
 Inputs for every contender are built before timing. One timed sample is one
 call over all 8 features on one batch. In each round the contenders take
 turns call by call on the same batches (order shuffled), `--reps` passes over
@@ -178,7 +189,7 @@ def ids_in(kind: str, feats) -> int:
 
 def embedmesh_contender(tables, batches, max_len, args, backend, threads=1, compiled=True):
     """compiled=False: the request's checks in Python (fast_path.py's form) rather than
-    the compiled one (embedmesh.serving._request)."""
+    the compiled one (embedmesh.serving._request). `tables` may be `QuantizedTable`s."""
     names = [f"f{i}" for i in range(args.tables)]
 
     def prepare(kind, combiner):
@@ -495,6 +506,14 @@ def main(argv=None):
         help="tables start on a 64-byte line (as torch's allocator, embedmesh's checkpoint "
         "loaders and jax arrays give them); default: numpy's, 16 bytes past one",
     )
+    p.add_argument(
+        "--table-dtypes",
+        default="float32",
+        help="comma-separated: float32 and quantized serving dtypes (int8, fp16, bf16); "
+        "each quantized one adds embedmesh[B:dtype] for every embedmesh[B] contender "
+        "(-Nt too), and for int8 torch-q8 / torch-q8[1t] and fbgemm-int8, for fp16 "
+        "fbgemm-fp16 when named in --contenders",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
         "--saved-model",
@@ -511,7 +530,7 @@ def main(argv=None):
         multi = [
             c
             for c in args.contenders.split(",")
-            if c.endswith("-Nt]") or c in ("torch", "torch-coo")
+            if c.endswith("-Nt]") or c in ("torch", "torch-coo", "torch-q8")
         ]
         multi += [c for c in args.contenders.split(",") if c.startswith("tf.")]
         if multi:
@@ -609,7 +628,174 @@ def make_contenders(tables, batches, max_len, args) -> dict:
             )
     if "jax.jit" in wanted:
         contenders["jax.jit"] = jit_contender(tables, batches, max_len, args)
+    contenders.update(quantized_contenders(tables, batches, max_len, args, wanted, cores))
     return contenders
+
+
+def quantized_contenders(tables, batches, max_len, args, wanted, cores) -> dict:
+    """embedmesh on `--table-dtypes` other than float32 (quantized once from `tables`),
+    torch's 8-bit row-wise bag on embedmesh's int8 bytes, FBGEMM's TBE (see the module's
+    docstring)."""
+    from embedmesh.serving import quantize_table
+
+    contenders = {}
+    dtypes = [d for d in args.table_dtypes.split(",") if d not in ("float32", "fp32", "")]
+    for dtype in dtypes:
+        t0 = time.perf_counter()
+        qtables = [quantize_table(t, dtype) for t in tables]
+        print(
+            f"  {dtype} tables: quantized in {time.perf_counter() - t0:.1f}s, "
+            f"{qtables[0].bytes_per_row} bytes a row (float32: {args.dim * 4})"
+        )
+        for backend in ("native", "numba", "numpy"):
+            if f"embedmesh[{backend}]" in wanted:
+                contenders[f"embedmesh[{backend}:{dtype}]"] = embedmesh_contender(
+                    qtables, batches, max_len, args, backend
+                )
+            if f"embedmesh[{backend}-Nt]" in wanted and cores > 1:
+                contenders[f"embedmesh[{backend}:{dtype}-{cores}t]"] = embedmesh_contender(
+                    qtables, batches, max_len, args, backend, threads=cores
+                )
+        if torch is not None and dtype == "int8":
+            rows = [torch.from_numpy(q.data) for q in qtables]  # the same bytes
+            for name, n in (("torch-q8", TORCH_THREADS), ("torch-q8[1t]", 1)):
+                if name in wanted:
+                    contenders[f"torch-q8[{n}t]"] = torch_q8_contender(rows, batches, n)
+        if torch is not None and f"fbgemm-{dtype}" in wanted and fbgemm_modules() is not None:
+            # one thread only under --clock thread (CPU time of the calling thread)
+            for n in [1] if CLOCK[0] is time.thread_time else sorted({1, TORCH_THREADS}):
+                contenders[f"fbgemm-{dtype}[{n}t]"] = fbgemm_contender(batches, args, dtype, n)
+    return contenders
+
+
+def torch_q8_contender(rows, batches, threads: int):
+    """torch.ops.quantized.embedding_bag_byte_rowwise_offsets (FBGEMM's 8-bit row-wise
+    kernel in torch) on fused rows [V, dim + 8]: ragged/sparse input (sum, mean)."""
+
+    def prepare(kind, combiner):
+        if kind == "dense":
+            return None
+        mode = {"sum": 0, "mean": 1}[combiner]
+        calls = Calls()
+        calls.setup = lambda: torch.set_num_threads(threads)
+        for feats in batches:
+            ins = [
+                (torch.from_numpy(f["ids"]), torch.from_numpy(f["splits"][:-1].copy()))
+                for f in feats
+            ]
+
+            def call(ins=ins):
+                with torch.inference_mode():
+                    return [
+                        torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+                            w, x, o, False, mode, False, None, None, False
+                        )
+                        for (x, o), w in zip(ins, rows)
+                    ]
+
+            calls.append(call)
+        return calls
+
+    return prepare
+
+
+_FBGEMM: list = []  # [modules or None] once tried
+
+
+def fbgemm_modules():
+    """FBGEMM's inference TBE modules, or None (printed why). fbgemm-gpu-cpu 1.9.0 (the
+    newest) was built for an older torch: under torch 2.13 its fbgemm_gpu_py,
+    tbe_index_select and training_backward libraries fail to load (undefined symbol
+    torch::autograd::_wrap_outputs), so `import fbgemm_gpu` fails; the inference TBE's
+    libraries load, so they are loaded one by one and the package is imported without
+    its __init__ (a namespace stub)."""
+    if _FBGEMM:
+        return _FBGEMM[0]
+    _FBGEMM.append(None)
+    spec = importlib.util.find_spec("fbgemm_gpu")
+    if spec is None or torch is None:
+        print("  fbgemm: not installed")
+        return None
+    import glob
+    import types
+
+    where = os.path.dirname(spec.origin)
+    failed = []
+    for so in sorted(glob.glob(os.path.join(where, "*.so"))):
+        try:
+            torch.ops.load_library(so)
+        except OSError:
+            failed.append(os.path.basename(so))
+    if "fbgemm_gpu" not in sys.modules:
+        stub = types.ModuleType("fbgemm_gpu")
+        stub.__path__ = [where]
+        sys.modules["fbgemm_gpu"] = stub
+    try:
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+            IntNBitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as e:  # noqa: BLE001 - whatever fails, the benchmark runs without it
+        print(f"  fbgemm: unusable ({type(e).__name__}: {e}); libraries not loaded: {failed}")
+        return None
+    version = importlib.metadata.version("fbgemm-gpu-cpu")
+    print(f"  fbgemm-gpu-cpu {version}: libraries that did not load (unused here): {failed}")
+    _FBGEMM[0] = (
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+        SparseType,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    return _FBGEMM[0]
+
+
+def fbgemm_contender(batches, args, dtype: str, threads: int):
+    """FBGEMM's IntNBitTableBatchedEmbeddingBagsCodegen, all tables in one call (its form),
+    rows of `dtype` ("int8": its 8-bit rows, "fp16") filled at random; ragged/sparse."""
+    tbe, sparse_type, location, pooling = fbgemm_modules()
+    weights_ty = {"int8": sparse_type.INT8, "fp16": sparse_type.FP16}[dtype]
+    op = tbe(
+        embedding_specs=[
+            (f"t{i}", args.vocab, args.dim, weights_ty, location.HOST) for i in range(args.tables)
+        ],
+        device="cpu",
+        pooling_mode=pooling.SUM,
+        output_dtype=sparse_type.FP32,
+    )
+    op.fill_random_weights()
+    modes = {"sum": pooling.SUM, "mean": pooling.MEAN}
+
+    def prepare(kind, combiner):
+        if kind == "dense":
+            return None
+        calls = Calls()
+
+        def setup():
+            torch.set_num_threads(threads)
+            op.pooling_mode = modes[combiner]
+
+        calls.setup = setup
+        for feats in batches:
+            ids = torch.from_numpy(np.concatenate([f["ids"] for f in feats]))
+            starts = np.cumsum([0] + [f["ids"].size for f in feats])
+            offsets = np.concatenate(
+                [f["splits"][:-1] + s for f, s in zip(feats, starts)] + [[starts[-1]]]
+            )
+            offsets = torch.from_numpy(offsets.astype(np.int64))
+
+            def call(ids=ids, offsets=offsets):
+                with torch.inference_mode():
+                    out = op(ids, offsets)  # [batch, tables * dim]
+                return list(out.split(args.dim, dim=1))
+
+            calls.append(call)
+        return calls
+
+    return prepare
 
 
 def run_dim(args) -> list:
@@ -718,7 +904,7 @@ def summary(results) -> None:
 def _same_threads(pair: str) -> bool:
     """A ratio worth summarising: 1 thread vs 1 thread, N vs N, or vs TF / jit."""
     em, peer = pair.split(" / ")
-    if not peer.startswith("torch"):
+    if not peer.endswith("t]"):  # TensorFlow, jax.jit: whatever their threads
         return True
     em_t = em.rsplit("-", 1)[1].rstrip("]") if "t]" in em else "1t"
     peer_t = peer[peer.index("[") + 1 : -1]
