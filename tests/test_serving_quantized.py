@@ -344,6 +344,30 @@ def test_lookup_quantized_equals_lookup_of_decoded_tables(kind):
     assert np.abs(want64).max() > 0
 
 
+@pytest.mark.skipif(not kernels.HAVE_NATIVE, reason="no C++ serving kernels")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantized_bags_split_over_threads(native_poisoned, threads):
+    """The C++ runner cuts a quantized bag task into chunks of bags over its threads
+    (however small the request: native_poisoned), one call or handed over feature by
+    feature: the same values as the decoded float32 tables."""
+    from embedmesh.serving import lookup
+
+    feats, configs = _features()
+    r = np.random.default_rng(21 + threads)
+    tables = {t: _table(r, t.vocabulary_size, t.dim) for t in configs}
+    q = quantize_tables(tables, {"ta": "int8", "tb": "fp16", "tc": "bf16"})
+    decoded = {t: v.dequantize() for t, v in q.items()}
+    inputs, weights = _inputs(r, batch=3000)  # ~6k ids a feature: chunks of >= 2048 (runner.cc)
+    previous = lookup.set_host_threads(threads)
+    try:
+        got = em.serving_embedding_lookup(inputs, weights, q, feats)
+        want = em.serving_embedding_lookup(inputs, weights, decoded, feats)
+    finally:
+        lookup.set_host_threads(previous)
+    for name in feats:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
+
+
 def test_codes_serve_what_training_looked_up():
     """A table with a QuantizationConfig trained on one device: serving its codes gives
     training's activations, bit for bit where a row is not combined with another (a
