@@ -463,6 +463,34 @@ def test_export_round_trip_keeps_the_dtypes(tmp_path):
         np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=2e-6, atol=1e-6, err_msg=k)
 
 
+def test_load_tables_quantizes_a_checkpoint_table_by_table(tmp_path):
+    """`embedmesh.serving.load_tables(..., dtype=)`: the checkpoint's tables, quantized
+    as `quantize_tables` quantizes what `checkpoint.load_tables` returns."""
+    from embedmesh import checkpoint as ckpt
+    from embedmesh.serving import load_tables
+
+    ta = em.TableConfig(30, 16, name="a")
+    tb = em.TableConfig(20, 5, name="b", quantization_config=QUANT)
+    feats = {"fa": em.FeatureConfig(ta), "fb": em.FeatureConfig(tb)}
+    emb = em.MeshEmbedding(feats, em.SGD(0.1), mesh=Mesh(np.array(jax.devices()[:1]), ("x",)))
+    r = np.random.default_rng(3)
+    emb.set_tables({t: _table(r, t.vocabulary_size, t.dim) for t in (ta, tb)})
+    ckpt.save(tmp_path, emb)
+    plain = ckpt.load_tables(tmp_path, feature_config=feats)
+    kinds = {"a": "int8", "b": "codes"}
+    got = load_tables(tmp_path, feature_config=feats, dtype=kinds)  # one table at a time
+    want = quantize_tables(plain, kinds)
+    assert set(got) == {ta, tb}
+    for t in (ta, tb):
+        assert got[t].kind == kinds[t.name]
+        np.testing.assert_array_equal(np.asarray(got[t].data), np.asarray(want[t].data))
+    np.testing.assert_array_equal(got[tb].values, want[tb].values)
+    for t, v in load_tables(tmp_path, feature_config=feats).items():  # dtype None: float32
+        np.testing.assert_array_equal(v, plain[t])
+    together = load_tables(tmp_path, dtype="fp16")  # no feature config: read, then quantized
+    assert {t.name: v.kind for t, v in together.items()} == {"a": "fp16", "b": "fp16"}
+
+
 def test_saved_model_tables_are_decoded():
     """`export_saved_model` (TensorFlow, not installed in CI) gives TF the decoded float32
     tables: checked on its table conversion, which needs no TensorFlow."""

@@ -6,7 +6,12 @@ it loads orbax)."""
 
 from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
-from embedmesh.serving.quantized import QuantizedTable, quantize_table, quantize_tables
+from embedmesh.serving.quantized import (
+    QuantizedTable,
+    load_tables,
+    quantize_table,
+    quantize_tables,
+)
 
 # (TensorFlow is imported by its call only: `embedmesh[tf]`)
 from embedmesh.serving.saved_model import export_saved_model, signature_names
@@ -20,6 +25,7 @@ __all__ = [
     "export_saved_model",
     "export_serving",
     "load_serving",
+    "load_tables",
     "quantize_table",
     "quantize_tables",
     "serving_embedding_lookup",

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-__all__ = ["KINDS", "QuantizedTable", "quantize_table", "quantize_tables"]
+__all__ = ["KINDS", "QuantizedTable", "load_tables", "quantize_table", "quantize_tables"]
 
 KINDS = ("int8", "fp16", "bf16", "codes")
 _ALIASES = {
@@ -347,20 +347,62 @@ def quantize_tables(tables: dict, dtype, *, feature_config: Any = None) -> dict:
     """
     configs = list(tables)
     names = _names(configs, feature_config)
-    per_table = isinstance(dtype, dict)
-    if per_table:
+    _check_dtype_keys(dtype, configs, names)
+    return {
+        cfg: quantize_table(
+            tables[cfg], _dtype_for(dtype, cfg, names[id(cfg)]), config=cfg, name=names[id(cfg)]
+        )
+        for cfg in configs
+    }
+
+
+def _check_dtype_keys(dtype, configs: list, names: dict) -> None:
+    """A per-table `dtype` dict names only tables there are (a config or a name)."""
+    if isinstance(dtype, dict):
         known = set(names.values())
         for key in dtype:
-            if key not in tables and key not in known:
+            if not any(key is c or key == c for c in configs) and key not in known:
                 raise ValueError(f"dtype names table {key!r}, which is not in tables")
+
+
+def _dtype_for(dtype, cfg, name: str):
+    """The dtype `dtype` (one for all, or a per-table dict) gives table `cfg` / `name`."""
+    if not isinstance(dtype, dict):
+        return dtype
+    if _hashable(cfg) and cfg in dtype:
+        return dtype[cfg]
+    return dtype.get(name)
+
+
+def load_tables(
+    source, step: int | None = None, *, feature_config: Any = None, item=None, dtype=None
+) -> dict:
+    """`embedmesh.checkpoint.load_tables` with `dtype=`: a checkpoint's parameters for
+    serving, quantized (`dtype` as `quantize_tables` takes it; None: float32, as the
+    checkpoint's function returns them). With a `feature_config` whose tables are all
+    named, the tables are read and quantized one at a time, so the float32 tables are
+    never all in memory at once (one table at most, beside the quantized ones); else
+    they are read together, then quantized. Quantizing lives here, in the serving layer:
+    the checkpoint layer does not import serving."""
+    from embedmesh.checkpoint import loading
+    from embedmesh.config import FeatureConfig, resolve_feature_config
+
+    kw = {} if item is None else {"item": item}
+    if dtype is None:
+        return loading.load_tables(source, step, feature_config=feature_config, **kw)
+    if feature_config is None or any(
+        t.name is None for t in resolve_feature_config(feature_config).tables
+    ):
+        tables = loading.load_tables(source, step, feature_config=feature_config, **kw)
+        return quantize_tables(tables, dtype, feature_config=feature_config)
+    resolved = resolve_feature_config(feature_config)
+    names = {id(t): n for t, n in zip(resolved.tables, resolved.table_names)}
+    _check_dtype_keys(dtype, list(resolved.tables), names)
     out = {}
-    for cfg in configs:
-        name = names[id(cfg)]
-        if per_table:
-            want = dtype.get(cfg, dtype.get(name)) if _hashable(cfg) else dtype.get(name)
-        else:
-            want = dtype
-        out[cfg] = quantize_table(tables[cfg], want, config=cfg, name=name)
+    for cfg, name in zip(resolved.tables, resolved.table_names):
+        one = loading.load_tables(source, step, feature_config={name: FeatureConfig(cfg)}, **kw)
+        out[cfg] = quantize_table(one[cfg], _dtype_for(dtype, cfg, name), config=cfg, name=name)
+        del one
     return out
 
 
