@@ -16,10 +16,13 @@ later cases skipped when it runs out):
    `jax.grad` to the whole tables, optax.adagrad) and plain JAX sparse (unique + take +
    segment_sum, the gradient of the gathered rows, Adagrad on them, a scatter with
    `unique_indices`: what a careful JAX user writes); at dim 64 also embedmesh with its
-   TPU kernels off (XLA's ops: the path before them).
+   TPU kernels off (XLA's ops: the path before them), and at `--apart-dims` with each
+   optimizer slot an array of its own (the layout before slots in rows: the A/B).
 3. the row-move bound: a DMA a row (`ops.tpu.pallas`), gather and in-place scatter of
    the workload's distinct rows, at each width the steps move.
 4. every optimizer's step at dim 64 against Adagrad's.
+5. with `--sections ...,big`: the 26 x 1M x 64 Adagrad model built and stepped on the
+   chip (or refused before allocating, with the bytes it needs).
 
     python benchmarks/tpu.py --out DIR              # on the chip (docs/tpu.md)
     python benchmarks/tpu.py --smoke --allow-cpu    # the plumbing, tiny, on CPU (CI)
@@ -189,7 +192,10 @@ def rows_for(dim, slots=1):
     return min(1_000_000, BYTES_LIMIT // per_row // 1000 * 1000)
 
 
-def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10, pipelined=False):
+def embedmesh_step(
+    dim, v, batches, opt_name="adagrad", kernels=True, steps=10, pipelined=False, apart=False
+):
+    """`apart`: each optimizer slot an array of its own (the layout before slots in rows)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -197,8 +203,13 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10, 
     import embedmesh as em
     from embedmesh.device.ops import tpu as tpu_ops
     from embedmesh.inputs import RaggedTensor
+    from embedmesh.layout import stacking
 
     tpu_ops.ENABLED = kernels
+    platform = jax.devices()[0].platform
+    in_rows = stacking.PLATFORM_SLOTS_IN_ROWS.get(platform)
+    if apart:
+        stacking.PLATFORM_SLOTS_IN_ROWS[platform] = 0
     try:
 
         def const_init(key, shape, dtype):
@@ -215,7 +226,13 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10, 
         from embedmesh.layout.stacking import dim_multiple_for, plan_stacking
 
         device = jax.devices()[0]
-        plan = plan_stacking(fc, 1, dim_multiple=dim_multiple_for(device.platform))
+        plan = plan_stacking(
+            fc,
+            1,
+            dim_multiple=dim_multiple_for(device.platform),
+            default_optimizer=opt,
+            slots_in_rows=0 if apart else stacking.slots_in_rows_for(device.platform),
+        )
         caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
         emb = em.MeshEmbedding(
             fc,
@@ -270,6 +287,9 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10, 
             "optimizer": opt_name,
             "kernels": kernels,
             "pipelined": pipelined,
+            "slots": "apart" if apart else "in rows" if emb.plan.stacks[0].slot_columns else "-",
+            "row_width": emb.plan.stacks[0].width,
+            "state_bytes": sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(emb.state)),
             "step_ms": dev * 1e3,
             "ids_per_s_M": ids / dev / 1e6,
             "enqueue_ms": enq * 1e3,
@@ -281,6 +301,51 @@ def embedmesh_step(dim, v, batches, opt_name="adagrad", kernels=True, steps=10, 
         }
     finally:
         tpu_ops.ENABLED = True
+        if in_rows is None:
+            stacking.PLATFORM_SLOTS_IN_ROWS.pop(platform, None)
+        else:
+            stacking.PLATFORM_SLOTS_IN_ROWS[platform] = in_rows
+
+
+def big_model(dim=64, tables=26, rows=1_000_000, steps=3):
+    """The issue's 26 x 1M x 64 Adagrad model (13.3 GB of state with the accumulators in
+    the rows): built and stepped on the chip, or refused with the bytes it needs."""
+    import jax
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.inputs import RaggedTensor
+
+    fc = {
+        f"f{t}": em.FeatureConfig(em.TableConfig(rows, dim, combiner="sum", name=f"t{t}"))
+        for t in range(tables)
+    }
+    device = jax.devices()[0]
+    try:
+        emb = em.MeshEmbedding(fc, optimizer=em.Adagrad(LR), mesh=Mesh(np.array([device]), ("d",)))
+        emb.build()
+    except ValueError as e:
+        return {"refused": str(e)[:400]}
+    held = sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(emb.state))
+    r = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = {}
+        for t in range(tables):
+            lengths = r.poisson(10, 512)
+            ids = (r.zipf(1.05, lengths.sum()) - 1) % rows
+            batch[f"f{t}"] = RaggedTensor.from_row_lengths(ids, lengths)
+        acts, pre = emb(batch)
+        emb.apply_gradients({k: a * 0.01 for k, a in acts.items()}, pre)
+    jax.block_until_ready(emb.state)
+    stats = device.memory_stats() or {}
+    return {
+        "state_bytes": held,
+        "steps_s": time.perf_counter() - t0,
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "bytes_limit": stats.get("bytes_limit"),
+        "row_width": emb.plan.stacks[0].width,
+    }
 
 
 def plain_step(dim, v, batches, sparse, steps=10):
@@ -429,10 +494,19 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (the plumbing)")
     ap.add_argument("--allow-cpu", action="store_true", help="run without a TPU (CI)")
-    ap.add_argument("--sections", default="correctness,step,bound,optimizers")
+    ap.add_argument(
+        "--sections",
+        default="correctness,step,xla,pipelined,bound,optimizers",
+        help="also 'big': the 26 x 1M x 64 Adagrad model on the chip",
+    )
     ap.add_argument("--optimizers", default=",".join(OPTIMIZER_NAMES))
     ap.add_argument(
         "--peers", default="dense,sparse", help="the plain-JAX peers of the step ('' none)"
+    )
+    ap.add_argument(
+        "--apart-dims",
+        default="64",
+        help="dims at which the step also runs with each slot an array ('' none)",
     )
     args = ap.parse_args()
     os.environ.setdefault("EMBEDMESH_CPU_KERNELS", "0")  # the CPU side: the references
@@ -459,11 +533,17 @@ def main():
             v = 2000 if args.smoke else rows_for(dim)
             batches = make_batches(v, B)
             rep.case(f"step/embedmesh/d{dim}", lambda: embedmesh_step(dim, v, batches, steps=steps))
-            if dim == 64:
+            if str(dim) in args.apart_dims.split(","):
+                rep.case(
+                    f"step/embedmesh-apart/d{dim}",
+                    lambda: embedmesh_step(dim, v, batches, steps=steps, apart=True),
+                )
+            if dim == 64 and "xla" in sections:
                 rep.case(
                     f"step/embedmesh-xla/d{dim}",
                     lambda: embedmesh_step(dim, v, batches, kernels=False, steps=steps),
                 )
+            if dim == 64 and "pipelined" in sections:
                 rep.case(
                     f"step/embedmesh-pipelined/d{dim}",
                     lambda: embedmesh_step(dim, v, batches, steps=steps, pipelined=True),
@@ -473,6 +553,8 @@ def main():
                     f"step/jax-{peer}/d{dim}",
                     lambda peer=peer: plain_step(dim, v, batches, peer == "sparse", steps),
                 )
+    if "big" in sections:
+        rep.case("big/26x1Mx64", lambda: big_model(), need=120.0)
     if "bound" in sections:
         v = 2000 if args.smoke else 1_000_000
         batches = make_batches(v, B, n=1)

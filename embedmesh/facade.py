@@ -32,7 +32,7 @@ from embedmesh.host.prefetch import background_map
 from embedmesh.inputs import flatten_inputs_like, to_csr
 from embedmesh.job import EmbeddingJob
 from embedmesh.layout import planner as _planner
-from embedmesh.layout.stacking import StackingPlan, dim_multiple_for
+from embedmesh.layout.stacking import StackingPlan, dim_multiple_for, slots_in_rows_for
 from embedmesh.optimizers import Optimizer, optimizer_class_names
 
 
@@ -419,13 +419,15 @@ class MeshEmbedding:
 
     def _stacking(self) -> dict:
         """`plan_stacking`'s options of this layer (the planner's memory rule uses them);
-        the dim multiple is the mesh's platform's (whole 128-lane rows on a TPU)."""
+        the dim multiple and where slots are kept are the mesh's platform's (on a TPU:
+        whole 128-lane rows, the slots in them)."""
         platform = self._mesh.devices.flat[0].platform if self._mesh is not None else "cpu"
         return dict(
             stack_tables=self._stack_tables,
             max_stack_rows=self._max_stack_rows,
             default_optimizer=self._optimizer,
             dim_multiple=dim_multiple_for(platform),
+            slots_in_rows=slots_in_rows_for(platform),
         )
 
     def _memory_limit_of(self, mesh, on_cpu: bool) -> float | None:
@@ -885,7 +887,7 @@ class MeshEmbedding:
         for t in self._resolved.tables:
             spec = self.plan.stack_of(t)
             entry = {"parameters": _read_only(job.read_table(state, t))}
-            for slot in state.slots[spec.name]:
+            for slot in job.core.slot_names(spec.name):
                 entry[slot] = _read_only(job.read_table(state, t, slot))
             out[t] = entry
         return out

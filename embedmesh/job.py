@@ -169,6 +169,4 @@ class EmbeddingJob:
     def read_table(self, state: EmbeddingState, table, field: str = "parameters") -> np.ndarray:
         """Table `table`'s `field` ("parameters" or a slot name) of `state`,
         `[vocabulary_size, dim]` in logical row order, on the host."""
-        t = self.plan.table(table)
-        arr = state.tables[t.stack] if field == "parameters" else state.slots[t.stack][field]
-        return self.core.read_table(arr, t)
+        return self.core.read_field(state, table, field)

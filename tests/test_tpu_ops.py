@@ -684,6 +684,24 @@ def test_registered_tpu_ops_match_their_references():
     got = tpu.segment_gather_sum(acts, dst, gains, key, num_segments=6)
     want = ops.reference_of("segment_gather_sum")(acts, dst, gains, key, num_segments=6)
     assert_sums_close(got, np.asarray(want, np.float64), np.abs(np.asarray(want)) + 1)
+    # a stack keeping its slots in its rows: only the parameters' columns read and summed
+    # (the slot columns poisoned: a NaN there must reach no sum)
+    fused = signed(r, (60, 256)).astype(np.float32)
+    fused[:, 40:] = np.nan
+    for columns in (40, 200):
+        src = np.where(np.arange(256) < columns, np.nan_to_num(fused, nan=1.5), np.nan)
+        src = src.astype(np.float32)
+        got = tpu.segment_gather_sum_mapped(
+            src, uniq, key, gains, dst, num_segments=7, columns=columns
+        )
+        want = ops.reference_of("segment_gather_sum_mapped")(
+            src, uniq, key, gains, dst, num_segments=7, columns=columns
+        )
+        assert got.shape == (7, columns) and np.isfinite(np.asarray(want)).all()
+        assert_sums_close(got, np.asarray(want, np.float64), np.abs(np.asarray(want)) + 1)
+    got = np.asarray(tpu.gather_columns(jnp.asarray(src), jnp.asarray(uniq), 128))
+    np.testing.assert_array_equal(got[:-1], src[uniq[:-1], :128])
+    np.testing.assert_array_equal(got[-1], 0)  # an id past the end: a zero row
     # which calls the TPU kernels take: rows of every width
     take = tpu.KERNELS["segment_gather_sum_mapped"][1]
     assert take(jnp.zeros((4, 256)), None) and take(jnp.zeros((4, 64)), None)
@@ -722,24 +740,3 @@ def test_registered_ops_keep_a_non_finite_row_to_its_own_sums(op):
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4)
-
-
-def test_a_model_over_the_chip_is_refused_at_its_padded_bytes():
-    """26 tables x 1M x 64 with Adagrad: 13.3 GB of state, 26.6 GB in a TPU's whole-vreg
-    rows. The planner's memory rule (a plan over the device's limit is a ValueError
-    before anything is allocated) counts the padded bytes on a TPU."""
-    import embedmesh as em
-    from embedmesh.config import resolve_feature_config
-    from embedmesh.layout import planner
-    from embedmesh.layout.stacking import dim_multiple_for
-
-    fc = {f"f{i}": em.FeatureConfig(em.TableConfig(1_000_000, 64, name=f"t{i}")) for i in range(26)}
-    resolved = resolve_feature_config(fc)
-    assign = {t: "mod" for t in resolved.table_names}
-    opt = em.Adagrad(0.1)
-    for platform, width in (("cpu", 64), ("tpu", 128)):
-        memory = planner.layout_memory(
-            resolved, 1, default_optimizer=opt, dim_multiple=dim_multiple_for(platform)
-        )
-        (held,) = memory(assign)
-        assert held == 26 * 1_000_000 * width * 4 * 2, platform

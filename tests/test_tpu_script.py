@@ -24,6 +24,8 @@ def test_smoke_on_cpu(tmp_path):
         "64",
         "--optimizers",
         "adagrad",
+        "--apart-dims",
+        "",  # slots apart: the same program on CPU (no slots in rows there)
         "--out",
         str(tmp_path),
     ]

@@ -76,10 +76,12 @@ def _place_leaf(
     stats: dict | None = None,
     *,
     donate: bool = True,
+    column: int = 0,
 ) -> jax.Array:
     """Wait for a leaf's reads, verify its checksum, then return the stack array with it
-    written in: in place (`donate=True`: `stack_array` is consumed), or into a new array
-    (`donate=False`: `stack_array` stays intact)."""
+    written in from column `column` (a slot kept in the rows: its first): in place
+    (`donate=True`: `stack_array` is consumed), or into a new array (`donate=False`:
+    `stack_array` stays intact)."""
     _wait_leaf(pending, stats)
     rest = pending.pieces[0][2].shape[1:] if pending.pieces else stack_array.shape[1:]
     shape = (core.num_shards * t.rows_per_shard,) + tuple(rest)
@@ -95,7 +97,7 @@ def _place_leaf(
         raise
     # The first write into a live stack is not donated (`restore` builds the new state
     # beside the live one); later writes into that new array are in place
-    out = write_table(core, stack_array, piece, t, donate)
+    out = write_table(core, stack_array, piece, t, donate, column)
     # wait, so that this table's buffers are freed before the next table is read
     out.block_until_ready()
     piece.delete()
@@ -203,7 +205,7 @@ def core_restore(
                 continue
             todo.append((t, m, "parameters"))
             _check_slot_kinds(t.name, core.optimizer_of(t.stack), m)
-            for slot in live.slots[t.stack]:
+            for slot in core.slot_names(t.stack):
                 if slot in m["slots"]:
                     todo.append((t, m, slot))
                 else:
@@ -243,9 +245,16 @@ def core_restore(
         lookup = {}
         fresh = set()  # targets that hold a new array of ours
 
+        in_rows = {s.name for s in plan.stacks if s.slot_columns}  # slots in the table's rows
+
+        def array_of(field, stack):  # which array a field is written into (its key)
+            if field == LOOKUP_FIELD or (field != "parameters" and stack not in in_rows):
+                return field
+            return "parameters"
+
         def target(i):
             t, _, field = todo[i]
-            if field == "parameters":
+            if field == "parameters" or (field != LOOKUP_FIELD and t.stack in in_rows):
                 return tables[t.stack]
             if field == LOOKUP_FIELD:
                 return lookup.get(t.stack, tables[t.stack])
@@ -268,11 +277,16 @@ def core_restore(
         with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
             for i, current in enumerate(pending):
                 t, m, field = todo[i]
-                key = (t.stack, field)
-                out = _place_leaf(core, current, target(i), t, _stats, donate=key in fresh)
+                key = (t.stack, array_of(field, t.stack))
+                column = 0
+                if key[1] == "parameters" and field != "parameters":  # a slot in the rows
+                    column = plan.stack(t.stack).columns_of(field)[0]
+                out = _place_leaf(
+                    core, current, target(i), t, _stats, donate=key in fresh, column=column
+                )
                 del current
                 fresh.add(key)
-                if field == "parameters":
+                if key[1] == "parameters":
                     tables[t.stack] = out
                 elif field == LOOKUP_FIELD:
                     lookup[t.stack] = out

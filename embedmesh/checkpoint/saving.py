@@ -125,7 +125,7 @@ def _metadata(core, state, step: int) -> dict:
                 "stack": t.stack,
                 "optimizer": _optimizer_name(opt),
                 "optimizer_repr": repr(opt) if opt is not None else None,
-                "slots": sorted(state.slots[t.stack]),
+                "slots": sorted(core.slot_names(t.stack)),
             }
         )
     return {
@@ -174,8 +174,9 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
         hashes[t.name] = {"parameters": _device_checksum(core, block, t)}
         tables[key] = _span_array(core, block, t)
         slots[key] = {}
-        for name, arr in state.slots[t.stack].items():
-            block = table_block_array(core, arr, t)
+        for name in core.slot_names(t.stack):
+            arr, column = core.field_array(state, t.stack, name)
+            block = table_block_array(core, arr, t, column, core.field_width(t, name))
             hashes[t.name][name] = _device_checksum(core, block, t)
             slots[key][name] = _span_array(core, block, t)
         if t.stack in lookup:

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from embedmesh.device import ops, peers, stack_tables, strategies
+from embedmesh.device import ops, peers, slots_in_rows, stack_tables, strategies
 from embedmesh.device.shard_program import ShardBatch, after
 from embedmesh.layout import sharding as mod_sharding
 from embedmesh.layout.stacking import StackingPlan
@@ -115,9 +115,15 @@ class EmbeddingCore:
         }
         self.exchange = strategies.exchange_forms(plan, exchange)
         # {stack: its sharding strategy}, chosen here once (`strategies.strategy_name`)
+        # {stack: its sharding strategy}, chosen here once (`strategies.strategy_name`);
+        # a stack with its slots in its rows runs its optimizer on whole rows (`SlotsInRows`)
         self.strategies = {
             s.name: strategies.strategy_for(
-                plan, s.name, self.exchange[s.name], self._stack_optimizer[s.name], self.transport
+                plan,
+                s.name,
+                self.exchange[s.name],
+                slots_in_rows.device_optimizer(s, self._stack_optimizer[s.name]),
+                self.transport,
             )
             for s in plan.stacks
         }
@@ -152,9 +158,25 @@ class EmbeddingCore:
     def optimizer_of(self, stack: str):
         return self._stack_optimizer[stack]
 
+    def slot_names(self, stack: str) -> tuple:
+        """The optimizer slots of `stack` (arrays of their own, or columns of its rows)."""
+        opt = self._stack_optimizer[stack]
+        return tuple(opt.slot_names) if opt is not None else ()
+
+    def field_array(self, state: EmbeddingState, stack: str, field: str) -> tuple:
+        """`(array, first column)` holding `field` ("parameters" or a slot name) of
+        `stack` in `state`: a slot's own array from column 0, or where the stack keeps its
+        slots in its rows, the table array from the slot's first column."""
+        spec = self.plan.stack(stack)
+        if field == "parameters":
+            return state.tables[stack], 0
+        if spec.slot_columns:
+            return state.tables[stack], spec.columns_of(field)[0]
+        return state.slots[stack][field], 0
+
     def stack_shape(self, stack: str) -> tuple:
         s = self.plan.stack(stack)
-        return (s.num_rows, s.dim)
+        return (s.num_rows, s.width)
 
     def _make_stack_array(
         self, stack: str, default: float, pieces, width: int | None = None
@@ -197,10 +219,12 @@ class EmbeddingCore:
                             vals = cfg.initialize(k, (rows.size, t.dim), spec.dtype)
                     yield t.local_row_offset, vals
 
-            tables[spec.name] = self._make_stack_array(spec.name, 0.0, pieces)
             opt = self.optimizer_of(spec.name)
+            tables[spec.name] = self._make_stack_array(
+                spec.name, slots_in_rows.initial_row(spec, opt), pieces
+            )
             slots[spec.name] = {}
-            if opt is not None:
+            if opt is not None and not spec.slot_columns:
                 for slot, value in opt.slot_initial_values.items():
                     slots[spec.name][slot] = self._make_stack_array(
                         spec.name, value, lambda j, device: (), opt.slot_width(slot, spec.dim)
@@ -242,12 +266,26 @@ class EmbeddingCore:
                             mod_sharding.table_shard(arr, plan, t, j)[:, : t.dim],
                         )
 
-            tables[spec.name] = self._make_stack_array(
-                spec.name, 0.0, functools.partial(pieces, source=lambda n: values.get(n))
-            )
-            slots[spec.name] = {}
             opt = self.optimizer_of(spec.name)
-            if opt is not None:
+            table_pieces = [functools.partial(pieces, source=lambda n: values.get(n))]
+            slots[spec.name] = {}
+            if opt is not None and spec.slot_columns:  # the slots' pieces in their columns
+                for slot in opt.slot_initial_values:
+                    src = lambda n, slot=slot: slot_values.get(n, {}).get(slot)
+                    column = spec.columns_of(slot)[0]
+                    table_pieces.append(
+                        lambda j, device, src=src, column=column: (
+                            (offset, rows, column) for offset, rows in pieces(j, device, source=src)
+                        )
+                    )
+            tables[spec.name] = self._make_stack_array(
+                spec.name,
+                slots_in_rows.initial_row(spec, opt),
+                lambda j, device, parts=table_pieces: (
+                    piece for part in parts for piece in part(j, device)
+                ),
+            )
+            if opt is not None and not spec.slot_columns:
                 for slot, init in opt.slot_initial_values.items():
                     src = lambda n, slot=slot: slot_values.get(n, {}).get(slot)
                     slots[spec.name][slot] = self._make_stack_array(
@@ -260,9 +298,24 @@ class EmbeddingCore:
             tables, slots, jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)
         )
 
-    def read_table(self, stack_array: jax.Array, table) -> np.ndarray:
-        """The logical `[V, dim]` numpy array of one table from a stack array."""
-        return stack_tables.read_table(self, stack_array, table)
+    def read_table(self, stack_array: jax.Array, table, column: int = 0) -> np.ndarray:
+        """The logical `[V, dim]` numpy array of one table from a stack array (its columns
+        from `column`: a slot kept in the rows, `field_array`)."""
+        return stack_tables.read_table(self, stack_array, table, column)
+
+    def read_field(self, state: EmbeddingState, table, field: str = "parameters") -> np.ndarray:
+        """Table `table`'s `field` ("parameters" or a slot name) of `state`, `[V, dim]`
+        (a row slot: `[V, 1]`) in logical row order, on the host."""
+        t = self.plan.table(table)
+        arr, column = self.field_array(state, t.stack, field)
+        return stack_tables.read_table(self, arr, t, column, self.field_width(t, field))
+
+    def field_width(self, t, field: str) -> int:
+        """The columns of a table's `field`: its dim, a row slot's 1."""
+        opt = self.optimizer_of(t.stack)
+        if field == "parameters" or opt is None:
+            return t.dim
+        return opt.slot_width(field, t.dim)
 
     # -- inputs ---------------------------------------------------------------
 

@@ -89,10 +89,10 @@ def after(x, previous):
     return jnp.where(bits == jnp.int32(-1), x + 1, x)
 
 
-def lookup_local(table_shard, batch: ShardBatch, quantization=None):
+def lookup_local(table_shard, batch: ShardBatch, quantization=None, columns=None):
     """Activation rows [R, D] (float32) combined straight from this device's own rows
     (every id of `batch` is one of them): no [U, D] buffer (`quantization`: the stack's,
-    applied to each row read)."""
+    applied to each row read; `columns`: the parameters' where the rows hold slots too)."""
     return ops.segment_gather_sum(
         table_shard,
         batch.pair_unique.reshape(-1),
@@ -101,6 +101,7 @@ def lookup_local(table_shard, batch: ShardBatch, quantization=None):
         batch.num_rows,
         src_map=batch.unique_ids.reshape(-1),
         quantization=quantization,
+        columns=columns,
     )
 
 
@@ -149,7 +150,8 @@ def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
     chip XLA's scatter-add put rows of ids past the end into row 0."""
     valid = (uniq >= 0) & (uniq < table_shard.shape[0])
     g_sum = jnp.where(valid[:, None], g_sum.astype(jnp.float32), 0.0)
-    dense_g = jnp.zeros(table_shard.shape, jnp.float32).at[jnp.where(valid, uniq, 0)].add(g_sum)
+    shape = (table_shard.shape[0], g_sum.shape[1])  # the parameters' (slots may be in rows)
+    dense_g = jnp.zeros(shape, jnp.float32).at[jnp.where(valid, uniq, 0)].add(g_sum)
     new_rows, new_slots = optimizer.update_rows(table_shard, dict(slots), dense_g, step)
     return (
         new_rows.astype(table_shard.dtype),

@@ -32,42 +32,50 @@ __all__ = ["make_stack_array", "read_table", "table_block_array", "write_table"]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write_rows(buf, rows, offset):
-    """`buf` with `rows` written at row `offset`, columns from 0 (in place: donated)."""
-    return jax.lax.dynamic_update_slice(buf, rows, (offset, jnp.int32(0)))
+def _write_rows(buf, rows, offset, column):
+    """`buf` with `rows` written at row `offset`, column `column` (in place: donated)."""
+    return jax.lax.dynamic_update_slice(buf, rows, (offset, column))
 
 
-def make_stack_array(
-    core, stack: str, default: float, pieces, width: int | None = None
-) -> jax.Array:
-    """Global stack array of `core`: each local shard j starts as `default` on its
-    device and receives `pieces(j, device)`, an iterable of `(row offset,
-    [rows, dim_t] array)`, written in place one at a time.
+def make_stack_array(core, stack: str, default, pieces, width: int | None = None) -> jax.Array:
+    """Global stack array of `core`: each local shard j starts as `default` (a value, or
+    one a column) on its device and receives `pieces(j, device)`, an iterable of `(row
+    offset, [rows, dim_t] array)` or `(row offset, rows, first column)`, written in place
+    one at a time.
 
     So building a shard holds the shard plus one table's piece of it, not
     a host copy of the whole shard as well (2x less peak memory); big CPU
     shards are on transparent huge pages (random row access 1.2x faster
     here) in buffers XLA owns, so the first donated step updates in place.
-    `width`: the columns of the array (default the stack's dim; a row slot's: 1).
+    `width`: the columns of the array (default the stack's table array's, `spec.width`;
+    a slot's: its own).
     """
     spec = core.plan.stack(stack)
     S = spec.rows_per_shard
-    width = spec.dim if width is None else int(width)
+    width = spec.width if width is None else int(width)
     shape = core.stack_shape(stack)[:1] + (width,)
+    # a value a column (slots in the rows) is broadcast by XLA: the kernels fill scalars
+    min_bytes = {} if np.ndim(default) == 0 else {"min_bytes": float("inf")}
     datas = []
     for device, index in core.row_sharding.addressable_devices_indices_map(shape).items():
-        buf = ops.full((S, width), default, spec.dtype, device)
-        for offset, rows in pieces((index[0].start or 0) // S, device):
+        buf = ops.full((S, width), default, spec.dtype, device, **min_bytes)
+        for offset, rows, *column in pieces((index[0].start or 0) // S, device):
             rows = jax.device_put(rows, device)
-            buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset))
+            col = jnp.int32(column[0] if column else 0)
+            buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset), col)
         datas.append(buf)
     return jax.make_array_from_single_device_arrays(shape, core.row_sharding, datas)
 
 
-def read_table(core, stack_array: jax.Array, table) -> np.ndarray:
-    """The logical `[V, dim]` numpy array of one table from a stack array of `core`."""
+def read_table(
+    core, stack_array: jax.Array, table, column: int = 0, width: int | None = None
+) -> np.ndarray:
+    """The logical `[V, width]` numpy array of one table from a stack array of `core`: its
+    columns `[column, column + width)` (default: from 0, the table's dim or what the
+    array has)."""
     plan = core.plan
     t = plan.table(table)
+    cols = slice(column, column + (t.dim if width is None else width))
     arr = stack_array
     if not arr.is_fully_addressable:
         arr = jax.jit(lambda a: a, out_shardings=core.replicated)(arr)
@@ -83,14 +91,14 @@ def read_table(core, stack_array: jax.Array, table) -> np.ndarray:
             for jj in range(core.num_shards):
                 shards[jj] = full[
                     jj * S + t.local_row_offset : jj * S + t.local_row_offset + t.rows_per_shard,
-                    : t.dim,
+                    cols,
                 ]
             break
         if j in seen:
             continue
         seen.add(j)
         shards[j] = np.asarray(shard.data)[
-            t.local_row_offset : t.local_row_offset + t.rows_per_shard, : t.dim
+            t.local_row_offset : t.local_row_offset + t.rows_per_shard, cols
         ]
     return mod_sharding.shards_to_table(shards, plan, t)
 
@@ -103,13 +111,15 @@ def _slicer(mesh, axes, rows: int, dim: int | None):
     program serves every table of the same shape (was: one compile per table).
     """
 
-    def body(x, lo):
+    def body(x, lo, col):
         if x.ndim == 2:
-            return jax.lax.dynamic_slice(x, (lo, 0), (rows, dim))
+            return jax.lax.dynamic_slice(x, (lo, col), (rows, dim))
         return jax.lax.dynamic_slice(x, (lo,), (rows,))
 
     return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes), check_vma=False)
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(axes), P(), P()), out_specs=P(axes), check_vma=False
+        )
     )
 
 
@@ -123,9 +133,9 @@ def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
     table has blocks only on shards `[first, first + span)` (two more arguments); the
     other shards keep their rows there (other tables' rows)."""
 
-    def body(stack, piece, lo, first=None, span=None):
+    def body(stack, piece, lo, col, first=None, span=None):
         piece = piece.astype(stack.dtype)
-        start = (lo, 0) if stack.ndim == 2 else (lo,)
+        start = (lo, col) if stack.ndim == 2 else (lo,)
         if spanned:
             j = jax.lax.axis_index(axes)
             inside = (j >= first) & (j < first + span)
@@ -136,7 +146,7 @@ def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(P(axes), P(axes), P()) + ((P(), P()) if spanned else ()),
+            in_specs=(P(axes), P(axes), P(), P()) + ((P(), P()) if spanned else ()),
             out_specs=P(axes),
             check_vma=False,
         ),
@@ -144,28 +154,36 @@ def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
     )
 
 
-def write_table(core, stack_array, piece, t, donate: bool) -> jax.Array:
+def write_table(core, stack_array, piece, t, donate: bool, column: int = 0) -> jax.Array:
     """`stack_array` with table `t`'s `[N * rows_per_shard, ...]` blocks `piece` written at
-    its local rows, on the shards of its span only (every shard for a replica)."""
-    lo = np.int32(t.local_row_offset)
+    its local rows from column `column` (a slot kept in the rows: its first), on the
+    shards of its span only (every shard for a replica)."""
+    lo, col = np.int32(t.local_row_offset), np.int32(column)
     if t.span == core.num_shards or t.replicated:
-        return _writer(core.mesh, core.axes, donate)(stack_array, piece, lo)
+        return _writer(core.mesh, core.axes, donate)(stack_array, piece, lo, col)
     return _writer(core.mesh, core.axes, donate, True)(
-        stack_array, piece, lo, np.int32(t.first_shard), np.int32(t.span)
+        stack_array, piece, lo, col, np.int32(t.first_shard), np.int32(t.span)
     )
 
 
-def table_block_array(core, stack_array: jax.Array, t) -> jax.Array:
-    """The table's `[N * rows_per_shard, dim]` array sliced out of its stack on device."""
+def table_block_array(
+    core, stack_array: jax.Array, t, column: int = 0, width: int | None = None
+) -> jax.Array:
+    """The table's `[N * rows_per_shard, width]` array (default width: its dim, or what
+    the array has) sliced out of its stack on device, from column `column`."""
     spec = core.plan.stack(t.stack)
-    dim = min(t.dim, stack_array.shape[1]) if stack_array.ndim == 2 else None  # a row slot: 1
+    if stack_array.ndim == 2:
+        dim = min(t.dim if width is None else width, stack_array.shape[1] - column)
+    else:
+        dim = None
     if (
         len(spec.tables) == 1
         and t.local_row_offset == 0
         and t.rows_per_shard == spec.rows_per_shard
+        and column == 0
         and (dim is None or dim == stack_array.shape[1])
     ):
         return stack_array  # the stack is exactly this table: no copy
     return _slicer(core.mesh, core.axes, t.rows_per_shard, dim)(
-        stack_array, np.int32(t.local_row_offset)
+        stack_array, np.int32(t.local_row_offset), np.int32(column)
     )

@@ -166,7 +166,7 @@ def _read(layer: MeshEmbedding, state: EmbeddingState, field: str | None) -> dic
     job = layer.job
     for cfg in job.tables:
         stack = job.plan.stack_of(cfg).name
-        fields = ["parameters"] if field else ["parameters", *state.slots.get(stack, {})]
+        fields = ["parameters"] if field else ["parameters", *job.core.slot_names(stack)]
         read = {f: job.read_table(state, cfg, f) for f in fields}
         out[cfg] = read["parameters"] if field else read
     return out

@@ -56,6 +56,12 @@ feature config, the placements and `N`):
 - the stack's dim is padded to a multiple of `dim_multiple` (default 8; a row-wise
   optimizer's stack keeps its table's dim below `ROW_WISE_PADDED_FROM`, see `_stack_dim`);
   padded columns and padded rows are zero and never touched by a lookup;
+- slots in rows (`slots_in_rows`, a TPU's): a stack whose optimizer has slots keeps them
+  in its table's rows, `[parameters | slot ... | zero]`, each row padded to a multiple of
+  `slots_in_rows` columns (`StackSpec.width`, `StackSpec.slot_columns`): one row move
+  reads or writes a row and all its state, where separate arrays cost one move each
+  (a v5e moves rows at a cost a row: `embedmesh.device.ops.tpu`). Tables stack there by
+  that row width; the stack's dim is its widest table's, rounded to `DEFAULT_DIM_MULTIPLE`;
 - memory: a stacked array is evenly sharded, so every device holds
   `rows_per_shard` rows of every stack (`StackingPlan.bytes_per_device`): a
   table-wise block costs its rows on every device, filled there by other
@@ -99,11 +105,35 @@ PLATFORM_DIM_MULTIPLE = {"tpu": 128}
 # its mean told its table's dim (`mean_dim`); below it the stack keeps its own dim (the CPU
 # kernel's mean is over the whole row, and a few padded columns buy nothing there).
 ROW_WISE_PADDED_FROM = 128
+# A platform whose stacks keep their optimizer slots in the table's rows, and the multiple
+# such a row's width is padded to: a TPU's 128 lanes (one row move, not one per array).
+PLATFORM_SLOTS_IN_ROWS = {"tpu": 128}
 
 
 def dim_multiple_for(platform: str) -> int:
     """The dim multiple of stacks on devices of `platform` ("cpu", "gpu", "tpu")."""
     return PLATFORM_DIM_MULTIPLE.get(platform, DEFAULT_DIM_MULTIPLE)
+
+
+def slots_in_rows_for(platform: str) -> int:
+    """`plan_stacking`'s `slots_in_rows` on devices of `platform` (0: slots apart)."""
+    return PLATFORM_SLOTS_IN_ROWS.get(platform, 0)
+
+
+def _slot_columns(opt, dim: int) -> tuple:
+    """`((slot, first column, width), ...)` of `opt`'s slots after `dim` parameter columns."""
+    out, start = [], dim
+    for slot in getattr(opt, "slot_names", ()) or ():
+        width = opt.slot_width(slot, dim)
+        out.append((slot, start, width))
+        start += width
+    return tuple(out)
+
+
+def _row_width(opt, dim: int, multiple: int) -> int:
+    """The columns of a row holding `dim` parameters and `opt`'s slots, padded to `multiple`."""
+    cols = _slot_columns(opt, dim)
+    return _round_up(cols[-1][1] + cols[-1][2] if cols else dim, multiple)
 
 
 SHARDINGS = (
@@ -198,10 +228,36 @@ class StackSpec:
     # its tables' QuantizationConfig as (num_buckets, lower, upper), or None: tables with
     # different ones never share a stack (their lookups quantize the rows they read)
     quantization: tuple | None = None
+    # slots in rows: ((slot, first column, width), ...) of each optimizer slot inside the
+    # table's rows (`plan_stacking(slots_in_rows=...)`); () keeps each slot an array
+    slot_columns: tuple = ()
+    row_width: int = 0  # the table array's columns where slots are in rows (0: `dim`)
 
     @property
     def rows_per_shard(self) -> int:
         return self.num_rows // self.num_shards
+
+    @property
+    def width(self) -> int:
+        """The columns of the stack's table array: `dim`, or with its slots in its rows
+        the parameters, the slots and zero padding."""
+        return self.row_width or self.dim
+
+    @property
+    def lookup_columns(self) -> int | None:
+        """The columns a lookup reads of each row: the parameters' (`dim`) where the rows
+        also hold slots, else None (all of them)."""
+        return self.dim if self.slot_columns else None
+
+    def columns_of(self, field: str) -> tuple:
+        """`(first column, width)` of `field` ("parameters" or a slot kept in the rows)
+        in the table array's rows; a KeyError for a slot kept apart."""
+        if field == "parameters":
+            return 0, self.dim
+        for slot, start, width in self.slot_columns:
+            if slot == field:
+                return start, width
+        raise KeyError(f"stack {self.name} keeps no slot {field!r} in its rows")
 
 
 TableKey = Union[str, TableConfig, TablePlacement]
@@ -252,6 +308,8 @@ class StackingPlan:
         opt = s.optimizer
         slots = getattr(opt, "slot_names", ()) or ()
         width = s.dim + sum(opt.slot_width(k, s.dim) for k in slots)  # a row slot: 1
+        if s.slot_columns:
+            width = s.width  # the slots in the table's rows
         return width * np.dtype(s.dtype).itemsize
 
     def describe(self) -> str:
@@ -296,6 +354,13 @@ class StackingPlan:
                     c = costs[name]
                     line += f" {mb(c.owner.bytes_sent + c.owner.bytes_recv):>14}"
                 lines.append(line)
+        in_rows = [s for s in self.stacks if s.slot_columns]
+        for s in in_rows:
+            cols = ", ".join(f"{k} [{a}, {a + w})" for k, a, w in s.slot_columns)
+            lines.append(
+                f"stack {s.name}: slots in rows of {s.width} columns "
+                f"(parameters [0, {s.dim}), {cols})"
+            )
         lines.append(
             "memory a device holds (tables + slots, every stack's block, MB): "
             + ", ".join(f"{j}: {mb(x)}" for j, x in enumerate(self.bytes_per_device))
@@ -564,6 +629,7 @@ def plan_stacking(
     table_dtypes: Mapping[str, Any] | None = None,
     sharding: ShardingArg = "mod",
     stack_keys: Mapping[str, Any] | None = None,
+    slots_in_rows: int = 0,
 ) -> StackingPlan:
     """Group the tables of `feature_config` into stacks for `num_shards` shards.
 
@@ -586,6 +652,9 @@ def plan_stacking(
         them}` (tables not named: "mod").
       stack_keys: optional `{table name: hashable}`: tables with different
         keys never share a stack (the facade keeps one exchange form a stack).
+      slots_in_rows: 0 (default) keeps each optimizer slot an array of its own; a
+        multiple of columns (a TPU's 128, `slots_in_rows_for`) keeps the slots of every
+        stack whose optimizer has some in the table's rows, each row padded to it.
 
     Tables stack when (padded dim, optimizer, dtype) match, in order of first
     use; then a stack of table-wise tables only joins a wider one (its dims
@@ -605,6 +674,8 @@ def plan_stacking(
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     if not (isinstance(dim_multiple, (int, np.integer)) and dim_multiple >= 1):
         raise ValueError(f"dim_multiple must be an int >= 1, got {dim_multiple!r}")
+    if not (isinstance(slots_in_rows, (int, np.integer)) and slots_in_rows >= 0):
+        raise ValueError(f"slots_in_rows must be an int >= 0, got {slots_in_rows!r}")
     if max_stack_rows is not None and not (
         isinstance(max_stack_rows, (int, np.integer)) and max_stack_rows >= 1
     ):
@@ -624,6 +695,10 @@ def plan_stacking(
     groups: list[tuple[Any, list[int]]] = []
     for i, t in enumerate(resolved.tables):
         dim, opt = _stack_dim(t.dim, _effective_optimizer(t, default_optimizer), dim_multiple)
+        if slots_in_rows and getattr(opt, "slot_names", ()):
+            if getattr(opt, "row_wise", False) and opt.mean_dim is None:  # a mean a dim
+                opt = dataclasses.replace(opt, mean_dim=t.dim)
+            dim = _row_width(opt, _round_up(t.dim, DEFAULT_DIM_MULTIPLE), slots_in_rows)
         key = (
             dim,
             opt,
@@ -692,6 +767,11 @@ def plan_stacking(
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
         dim, optimizer, dtype, _, replicated, quantization = key
+        slot_columns, row_width = (), 0
+        if slots_in_rows and getattr(optimizer, "slot_names", ()):  # `dim`: the row width
+            row_width = dim
+            dim = _round_up(max(resolved.tables[i].dim for i in members), DEFAULT_DIM_MULTIPLE)
+            slot_columns = _slot_columns(optimizer, dim)
         # row order: the mod tables one after another, then each table-wise table
         # after the earlier ones of its owner
         members = [i for i in members if strategies[i] == "mod"] + [
@@ -749,6 +829,8 @@ def plan_stacking(
                 num_rows=rows_per_shard * n,
                 replicated=replicated,
                 quantization=quantization,
+                slot_columns=slot_columns,
+                row_width=row_width,
             )
         )
 

@@ -31,7 +31,12 @@ end are padding.
   The lookup ops (this one, `lookup_from_shards`, `pooled_partials`,
   `exchange_pooled_partials`) take `quantization=(num_buckets, lower, upper)`, a
   table's `QuantizationConfig`: each row read is `reference.quantize`d before it is
-  weighted; no kernel applies it, so such a call runs the op's reference.
+  weighted; no kernel applies it, so such a call runs the op's reference. They take
+  `columns=D` too, for a stack keeping its optimizer slots in its rows
+  (`embedmesh.device.slots_in_rows`): only each row's first D columns are parameters;
+  the TPU's lookup applies it, elsewhere such a call runs the reference. The updates
+  need nothing: such a stack has no slot arrays and its optimizer, `SlotsInRows`,
+  updates whole rows.
 - `dedup_sum(ids, grads)`: the distinct ids of `ids` ascending (padded with
   `PAD_ID`, ids equal to `PAD_ID` dropped) and the sum of the `grads` rows of
   each, in input order. Linear when every row of `ids` [N, U] is ascending (an
@@ -169,6 +174,9 @@ class Kernel:
     fn: Callable
     ready: Callable[[], bool]
     supports: Callable[..., bool] | None = None
+    # the optional row-read parameters it applies itself ("columns"); a call with another
+    # set (`_ROW_READ`) runs the reference
+    params: frozenset = frozenset()
 
 
 _REFERENCES: dict[str, Callable] = {}
@@ -192,12 +200,14 @@ def register_kernel(
     *,
     ready: Callable[[], bool] = lambda: True,
     supports: Callable[..., bool] | None = None,
+    params: frozenset = frozenset(),
 ) -> None:
     """Make `fn` the kernel of `op` on `platform` ("cpu", "gpu", "tpu", or a lowering
-    platform of one, "cuda" or "rocm", which then takes precedence there), replacing any."""
+    platform of one, "cuda" or "rocm", which then takes precedence there), replacing any.
+    `params`: the row-read parameters (`_ROW_READ`) it takes."""
     if op not in _REFERENCES:
         raise KeyError(f"unknown op {op!r}; ops: {sorted(_REFERENCES)}")
-    _PLATFORM_KERNELS[op][platform] = Kernel(fn, ready, supports)
+    _PLATFORM_KERNELS[op][platform] = Kernel(fn, ready, supports, frozenset(params))
 
 
 def reference_of(op: str) -> Callable:
@@ -205,8 +215,18 @@ def reference_of(op: str) -> Callable:
     return _REFERENCES[op]
 
 
+# The lookups' optional row-read parameters: `quantization` (no kernel applies it) and
+# `columns` (a stack keeping its slots in its rows: only the first columns are parameters)
+_ROW_READ = ("quantization", "columns")
+
+
+def _reads_as(kernel: Kernel, params) -> bool:
+    """Whether `kernel` applies every row-read parameter the call sets."""
+    return all(params.get(p) is None or p in kernel.params for p in _ROW_READ)
+
+
 def _takes(kernel: Kernel, args, params) -> bool:
-    if params.get("quantization") is not None:  # a row transform no kernel applies
+    if not _reads_as(kernel, params):
         return False
     return kernel.ready() and (kernel.supports is None or kernel.supports(*args, **params))
 
@@ -219,7 +239,7 @@ def kernel_for(op: str, platform: str, *args, **params) -> Callable:
         if (
             kernel is not None
             and kernel.ready()
-            and params.get("quantization") is None
+            and _reads_as(kernel, params)
             and (
                 not (args or params) or kernel.supports is None or kernel.supports(*args, **params)
             )
@@ -267,14 +287,27 @@ def scatter_rows(table, ids, rows):
     return _dispatch("scatter_rows", table, ids.astype(jnp.int32), rows.astype(table.dtype))
 
 
-def _quantized(quantization) -> dict:
-    """The `quantization` parameter of a lookup op's call: only when set (the kernels
-    take no such parameter; a call with it runs the op's reference, `_takes`)."""
-    return {} if quantization is None else {"quantization": tuple(quantization)}
+def _row_read(quantization, columns) -> dict:
+    """The row-read parameters of a lookup op's call, only those set (a kernel that does
+    not apply one leaves the call to the op's reference, `_takes`)."""
+    out = {}
+    if quantization is not None:
+        out["quantization"] = tuple(quantization)
+    if columns is not None:
+        out["columns"] = int(columns)
+    return out
 
 
 def segment_gather_sum(
-    src, src_idx, gains, dst_idx, num_segments: int, *, src_map=None, quantization=None
+    src,
+    src_idx,
+    gains,
+    dst_idx,
+    num_segments: int,
+    *,
+    src_map=None,
+    quantization=None,
+    columns=None,
 ):
     """`segment_sum(src[rows] * gains[:, None], dst_idx, num_segments)` in float32.
 
@@ -285,12 +318,14 @@ def segment_gather_sum(
     `[0, num_segments)`, contribute nothing. Each segment sums in pair order.
     `quantization` `(num_buckets, lower, upper)`: the rows are `reference.quantize`d
     before they are weighted and summed (a lookup of a table with a QuantizationConfig).
+    `columns` (with `src_map`): only each row's first `columns` columns are read and
+    summed (a stack keeping its slots in its rows: its parameters).
     """
     src_idx = src_idx.astype(jnp.int32)
     gains = gains.astype(jnp.float32)
     dst_idx = dst_idx.astype(jnp.int32)
     if src_map is None:
-        src = src.astype(jnp.float32)
+        src = (src if columns is None else src[:, :columns]).astype(jnp.float32)
         if quantization is not None:
             src = reference.quantize(src, quantization)
         return _dispatch(
@@ -309,7 +344,7 @@ def segment_gather_sum(
         gains,
         dst_idx,
         num_segments=num_segments,
-        **_quantized(quantization),
+        **_row_read(quantization, columns),
     )
 
 
@@ -417,12 +452,13 @@ def lookup_from_shards(
     num_rows: int,
     transport: Transport,
     quantization=None,
+    columns=None,
 ):
     """Activations [num_rows, D] (float32) of this device: `sum gains * shard_s[ids]` over
     its pairs (`pair_*` [N, P]) into the rows of every shard s (`unique_ids` [N, U]).
     Pairs with `pair_unique` outside [0, U), a padding id or `pair_rows` outside
-    [0, num_rows) contribute nothing. `quantization`: as `segment_gather_sum`'s (the
-    owners quantize the rows they send)."""
+    [0, num_rows) contribute nothing. `quantization`, `columns`: as
+    `segment_gather_sum`'s (the owners quantize the rows they send, only their columns)."""
     return _dispatch(
         "lookup_from_shards",
         table_shard,
@@ -432,16 +468,27 @@ def lookup_from_shards(
         pair_rows.astype(jnp.int32),
         num_rows=num_rows,
         transport=transport,
-        **_quantized(quantization),
+        **_row_read(quantization, columns),
     )
 
 
 def _lookup_from_shards_reference(
-    table, unique_ids, pair_unique, pair_gains, pair_rows, *, num_rows, transport, quantization=None
+    table,
+    unique_ids,
+    pair_unique,
+    pair_gains,
+    pair_rows,
+    *,
+    num_rows,
+    transport,
+    quantization=None,
+    columns=None,
 ):
     """Send the ids to their owners, gather there, send the rows back, combine."""
     served = exchange(unique_ids, transport.at("ids"))
     rows = gather_rows(table, served.reshape(-1)).reshape(served.shape + table.shape[1:])
+    if columns is not None:
+        rows = rows[..., :columns]
     if quantization is not None:
         rows = reference.quantize(rows, quantization)
     rows = exchange(rows, transport.at("rows"))
@@ -629,27 +676,38 @@ def unpack_pooled_pairs(served, *, unique_capacity: int, width: int):
     return ids, slot, row.reshape(-1).astype(jnp.int32), gains.reshape(-1)
 
 
-def pooled_partials(table, served, *, unique_capacity: int, width: int, quantization=None):
+def pooled_partials(
+    table, served, *, unique_capacity: int, width: int, quantization=None, columns=None
+):
     """An owner's partial sums [N * Rc, D] (float32) for its N sources' messages
     (`pack_pooled_pairs`): block s row j sums gain * table[id] over source s's pairs
-    of row j, in pair order (`quantization`: as `segment_gather_sum`'s)."""
+    of row j, in pair order (`quantization`, `columns`: as `segment_gather_sum`'s)."""
     return _dispatch(
         "pooled_partials",
         table,
         served.astype(jnp.int32),
         unique_capacity=unique_capacity,
         width=width,
-        **_quantized(quantization),
+        **_row_read(quantization, columns),
     )
 
 
-def _pooled_partials_reference(table, served, *, unique_capacity, width, quantization=None):
+def _pooled_partials_reference(
+    table, served, *, unique_capacity, width, quantization=None, columns=None
+):
     ids, slot, row, gains = unpack_pooled_pairs(
         served, unique_capacity=unique_capacity, width=width
     )
     n = served.shape[0]
     return segment_gather_sum(
-        table, slot, gains, row, n * width, src_map=ids.reshape(-1), quantization=quantization
+        table,
+        slot,
+        gains,
+        row,
+        n * width,
+        src_map=ids.reshape(-1),
+        quantization=quantization,
+        columns=columns,
     )
 
 
@@ -734,6 +792,7 @@ def exchange_pooled_partials(
     width: int,
     transport: Transport,
     quantization=None,
+    columns=None,
 ):
     """This device's partial activations from every owner [N * Rc, D]:
     `exchange(pooled_partials(table, served))`, block s the partials owner s summed for
@@ -745,16 +804,21 @@ def exchange_pooled_partials(
         unique_capacity=unique_capacity,
         width=width,
         transport=transport,
-        **_quantized(quantization),
+        **_row_read(quantization, columns),
     )
 
 
 def _exchange_pooled_partials_reference(
-    table, served, *, unique_capacity, width, transport, quantization=None
+    table, served, *, unique_capacity, width, transport, quantization=None, columns=None
 ):
-    n, d = served.shape[0], table.shape[-1]
+    n, d = served.shape[0], table.shape[-1] if columns is None else columns
     partial = pooled_partials(
-        table, served, unique_capacity=unique_capacity, width=width, quantization=quantization
+        table,
+        served,
+        unique_capacity=unique_capacity,
+        width=width,
+        quantization=quantization,
+        columns=columns,
     )
     back = exchange(partial.reshape(n, width, d), transport)
     return back.reshape(n * width, d)
@@ -854,7 +918,9 @@ for _platform, _table in (("gpu", gpu.KERNELS), ("cuda", gpu.CUDA_KERNELS)):
     for _op, (_fn, _supports) in _table.items():
         register_kernel(_op, _platform, _fn, ready=gpu.ready, supports=_supports)
 for _op, (_fn, _supports) in tpu.KERNELS.items():
-    register_kernel(_op, "tpu", _fn, ready=tpu.ready, supports=_supports)
+    register_kernel(
+        _op, "tpu", _fn, ready=tpu.ready, supports=_supports, params=tpu.ROW_READ.get(_op, ())
+    )
 del _op, _fn, _supports, _platform, _table
 
 

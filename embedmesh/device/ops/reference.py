@@ -73,11 +73,14 @@ def quantize(rows, quantization):
 
 
 def segment_gather_sum_mapped(
-    src, src_map, src_idx, gains, dst_idx, *, num_segments: int, quantization=None
+    src, src_map, src_idx, gains, dst_idx, *, num_segments: int, quantization=None, columns=None
 ):
-    """`segment_gather_sum` over the rows `src[src_map]` (in float32), each row
-    `quantize`d first when a `quantization` is given."""
-    rows = gather_rows(src, src_map).astype(jnp.float32)
+    """`segment_gather_sum` over the rows `src[src_map]` (in float32; their first `columns`
+    columns where given), each row `quantize`d first when a `quantization` is given."""
+    rows = gather_rows(src, src_map)
+    if columns is not None:
+        rows = rows[:, :columns]
+    rows = rows.astype(jnp.float32)
     if quantization is not None:
         rows = quantize(rows, quantization)
     return segment_gather_sum(rows, src_idx, gains, dst_idx, num_segments=num_segments)

@@ -80,9 +80,10 @@ class Strategy(abc.ABC):
     def memory_held(self) -> int:
         """Bytes of the stack's table and optimizer slots one device holds: its
         `rows_per_shard` rows of the table and of each slot (a slot's width: the
-        optimizer's `slot_width` where it has one, else the stack's dim)."""
+        optimizer's `slot_width` where it has one, else the stack's dim; slots kept in the
+        rows are in the table's `width`)."""
         spec, opt = self.spec, self.optimizer
-        width = spec.dim
+        width = spec.width  # the slots in the rows, if the stack keeps them there
         for slot in getattr(opt, "slot_names", ()) or ():
             slot_width = getattr(opt, "slot_width", None)
             width += spec.dim if slot_width is None else slot_width(slot, spec.dim)

@@ -37,7 +37,7 @@ class DataParallel(Strategy):
 
     def lookup(self, table, batch: ShardBatch, *, carry: bool = False) -> tuple:
         return shard_program.lookup_local(
-            table, batch.first_partition(), self.spec.quantization
+            table, batch.first_partition(), self.spec.quantization, self.spec.lookup_columns
         ), None
 
     def update(

@@ -134,7 +134,7 @@ class PooledOnOwners(Strategy):
         (`serve_pairs`), which `update` takes instead of sending the pairs again."""
         pooled = self.pooled_rows(batch.features, batch.num_rows)
         n = self.transport.num_shards
-        rc, d = pooled.width, table.shape[-1]
+        rc, d = pooled.width, self.spec.dim  # the parameters' columns (not slots in rows)
         at = self.transport.at("lookup", "pooled")
         served = serve_pairs(batch, pooled, at.at("pairs"))
         back = ops.exchange_pooled_partials(
@@ -144,6 +144,7 @@ class PooledOnOwners(Strategy):
             width=rc,
             transport=at.at("partials"),
             quantization=self.spec.quantization,
+            columns=self.spec.lookup_columns,
         )
         if pooled.rows is None:
             act = jnp.sum(back.reshape(n, rc, d), axis=0)

@@ -70,6 +70,7 @@ class RowExchange(Strategy):
             batch.num_rows,
             self.transport.at("lookup"),
             quantization=self.spec.quantization,
+            columns=self.spec.lookup_columns,
         )
         return act, None
 

@@ -29,7 +29,9 @@ class SingleDevice(Strategy):
         return 0
 
     def lookup(self, table, batch: ShardBatch, *, carry: bool = False) -> tuple:
-        return shard_program.lookup_local(table, batch, self.spec.quantization), None
+        return shard_program.lookup_local(
+            table, batch, self.spec.quantization, self.spec.lookup_columns
+        ), None
 
     def update(
         self, table, slots: dict, batch: ShardBatch, act_grads, *, step, keep=None, view=None

@@ -10,6 +10,11 @@ its scatter writes them at 5.6 M and 12.7 M rows/s). Hence, on a TPU mesh:
   pads dims to a multiple of 128 there, a row-wise optimizer's stack too (its mean
   over its table's own columns, `RowWiseAdagrad.mean_dim`: before, its 64-wide rows
   made its step 2.1x Adagrad's);
+- a stack's optimizer slots live in its rows (`layout.stacking.slots_in_rows_for`:
+  `[w | acc]` in one 128-lane row at dims up to 64, 256 lanes at 128): the update
+  gathers and scatters each touched row once, not once per array, and a dim-64 Adagrad
+  model takes half the HBM (`embedmesh.device.slots_in_rows`); a lookup reads only the
+  parameters' vregs (`segment_gather_sum_mapped(columns=...)`, `gather_columns`);
 - `scatter_rows`: a DMA a row from VMEM into the table in place
   (`pallas.scatter_rows_dma`, 49.5 M rows/s at 128 lanes) for float32 tables of
   whole vregs, else XLA's scatter told the ids are distinct;
@@ -35,9 +40,12 @@ import jax.numpy as jnp
 from embedmesh.device.ops import reference
 from embedmesh.device.ops.gpu import xla  # XLA's ops told what the op guarantees
 
-__all__ = ["ENABLED", "KERNELS", "LANES", "lane_width", "ready"]
+__all__ = ["ENABLED", "KERNELS", "LANES", "ROW_READ", "gather_columns", "lane_width", "ready"]
 
 ENABLED = True
+# A lookup of a stack with its slots in its rows reads the parameters' vregs with XLA's
+# gather of part of each row (True) or gathers whole rows, then slices (False).
+PARTIAL_GATHER = False
 
 
 LANES = 128
@@ -105,16 +113,52 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     return _finite_or_reference(kernel, src, src_idx, gains, dst_idx, num_segments)
 
 
-def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
-    """A lookup from the table: the distinct rows gathered (XLA), then `pallas.combine`
-    (the pairs sorted by output row on the device)."""
-    rows = reference.gather_rows(src, src_map).astype(jnp.float32)
+def gather_columns(table, ids, columns: int):
+    """`table[ids, :columns]`, zero rows for ids outside the table: XLA's gather reading
+    only those columns of each row (a stack keeping its slots in its rows: the
+    parameters' whole vregs)."""
+    dnums = jax.lax.GatherDimensionNumbers(
+        offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    return jax.lax.gather(
+        table,
+        ids.reshape(-1, 1),
+        dnums,
+        slice_sizes=(1, columns),
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        fill_value=0,
+    )
+
+
+def segment_gather_sum_mapped(
+    src, src_map, src_idx, gains, dst_idx, *, num_segments: int, columns=None
+):
+    """A lookup from the table: the distinct rows gathered (XLA; of a stack keeping its
+    slots in its rows, the parameters' vregs), then `pallas.combine` (the pairs sorted by
+    output row on the device); `columns`: the parameters' columns of each row."""
+    if columns is None:
+        rows = reference.gather_rows(src, src_map).astype(jnp.float32)
+    else:  # whole vregs moved and summed (the MXU's work is a vreg's), the rest cut after
+        lanes = min(lane_width(columns), src.shape[1])
+        if lanes == src.shape[1] or PARTIAL_GATHER:
+            rows = gather_columns(src, src_map, lanes)
+        else:  # whole rows, then the parameters' vregs (the barrier keeps XLA from fusing
+            # the slice into the gather: a gather of part of each row)
+            rows = jax.lax.optimization_barrier(reference.gather_rows(src, src_map))
+            rows = rows[:, :lanes]
+        rows = rows.astype(jnp.float32)
+        if lanes != columns:
+            rows = jnp.where(jnp.arange(lanes) < columns, rows, 0.0)  # no slot is summed
 
     def kernel():
         return _pallas().combine(rows, src_idx, dst_idx, gains, num_segments)
 
-    return _finite_or_reference(kernel, rows, src_idx, gains, dst_idx, num_segments)
+    out = _finite_or_reference(kernel, rows, src_idx, gains, dst_idx, num_segments)
+    return out if columns is None else out[:, :columns]
 
+
+# the row-read parameters (`ops._ROW_READ`) a kernel applies itself
+ROW_READ = {"segment_gather_sum_mapped": ("columns",)}
 
 KERNELS = {
     "scatter_rows": (scatter_rows, None),
