@@ -140,7 +140,7 @@ def test_a_chip_model_fits_with_its_slots_in_its_rows():
 # The optimizer on whole rows
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     name=st.sampled_from(sorted(OPTIMIZERS)),
     dim=st.sampled_from([1, 8, 24, 40, 64]),
