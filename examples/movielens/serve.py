@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 
 import embedmesh as em
 from embedmesh import checkpoint as em_ckpt
+from embedmesh import serving as em_serving
 from examples.movielens import model as mdl
 
 MODEL_ITEM = "model"
@@ -74,8 +75,9 @@ class ServingModel:
             return np.asarray(self._forward(self.params, acts))
 
 
-def load_for_serving(path: Path, device=None) -> ServingModel:
-    """Everything from the checkpoint on disk: no trainer, no mesh, no optimizer slots."""
+def load_for_serving(path: Path, device=None, dtype=None) -> ServingModel:
+    """Everything from the checkpoint on disk: no trainer, no mesh, no optimizer slots.
+    `dtype`: the tables quantized for serving ("int8", "fp16", "bf16"; None: float32)."""
     path = Path(path).resolve()
     mngr = ocp.CheckpointManager(path)
     try:
@@ -97,7 +99,7 @@ def load_for_serving(path: Path, device=None) -> ServingModel:
     finally:
         mngr.close()
     feature_config = mdl.feature_config(meta["vocab_sizes"], features, cfg)
-    tables = em_ckpt.load_tables(path, step, feature_config=feature_config)
+    tables = em_serving.load_tables(path, step, feature_config=feature_config, dtype=dtype)
     params = jax.tree_util.tree_map(np.asarray, params)
     return ServingModel(feature_config, tables, params, features, cfg, device=device)
 
