@@ -49,6 +49,7 @@ import json
 import os
 import re
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -685,6 +686,7 @@ class ServingFunction:
                 f"with multiprocessing's 'spawn' or 'forkserver'"
             )
         self._serialized: dict = {}  # bucket -> serialized executable (for forked children)
+        self._compile_lock = threading.Lock()
         self._forked = False
         self._load_arrays()
         _LIVE.add(self)
@@ -725,6 +727,13 @@ class ServingFunction:
 
     def _program(self, b: int):
         """Bucket b's program, compiled ahead of time for the loaded tables' devices."""
+        fn = self._programs.get(b)
+        if fn is not None:
+            return fn
+        with self._compile_lock:  # threads racing to a bucket's first use compile it once
+            return self._compile(b)
+
+    def _compile(self, b: int):
         fn = self._programs.get(b)
         if fn is None:
             if self._forked:

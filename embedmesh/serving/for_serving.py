@@ -4,6 +4,7 @@ mesh, no slots), looked up with `serving_embedding_lookup`."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
@@ -32,11 +33,16 @@ class EmbeddingForServing:
         self._resolved = resolve_feature_config(feature_config)
         self.optimizer = optimizer
         self._tables: dict | None = None
+        self._build_lock = threading.Lock()  # threads racing to a first call build once
         self.step: int | None = None
 
     def build(self, seed: int = 0):
         """Initialise every table on the host from its initializer."""
-        if self._tables is None:
+        if self._tables is not None:
+            return
+        with self._build_lock:
+            if self._tables is not None:
+                return
             key = jax.random.key(seed)
             self._tables = {
                 t: np.asarray(t.initialize(jax.random.fold_in(key, i)))

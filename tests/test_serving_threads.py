@@ -1,0 +1,205 @@
+"""One loaded model called from many threads at once gives what one thread gives.
+
+`serving_embedding_lookup` on a table dict (float32 and int8 tables), an
+`EmbeddingForServing`, and a `load_serving` export: each request is answered once
+in this thread, then every request several times from 4 threads at once (each
+thread in its own order, so different shapes overlap), and each concurrent answer
+must equal the single-thread one bit for bit. Outputs are checked while other
+threads still run, and held across requests, so an output buffer handed to two
+requests, or scratch state shared by two, shows as a wrong value. No timing.
+"""
+
+import threading
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import embedmesh as em
+from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
+from embedmesh.serving import (
+    EmbeddingForServing,
+    Ragged,
+    export_serving,
+    load_serving,
+    quantize_tables,
+)
+
+THREADS = 4
+REPEATS = 3
+
+A = TableConfig(vocabulary_size=300, dim=16, combiner="sum", name="a")
+B = TableConfig(vocabulary_size=200, dim=8, combiner="mean", name="b")
+C = TableConfig(vocabulary_size=100, dim=32, combiner="sqrtn", name="c")
+FEATURES = {"fa": FeatureConfig(A), "fb": FeatureConfig(B), "fc": FeatureConfig(C)}
+
+
+def _tables():
+    rng = np.random.default_rng(7)
+    return {t: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32) for t in (A, B, C)}
+
+
+TABLES = _tables()
+TABLES_INT8 = quantize_tables(TABLES, "int8")
+
+
+def _ragged(rng, batch, vocab, max_len):
+    lengths = rng.integers(0, max_len + 1, size=batch)
+    ids = rng.integers(0, vocab, size=int(lengths.sum())).astype(np.int64)
+    return RaggedTensor.from_row_lengths(ids, lengths)
+
+
+def _sparse(rng, batch, vocab, max_len):
+    idx, vals = [], []
+    for r in range(batch):
+        cols = np.sort(rng.choice(max_len, size=rng.integers(0, max_len + 1), replace=False))
+        idx += [(r, int(c)) for c in cols]
+        vals += list(rng.integers(0, vocab, size=len(cols)))
+    indices = np.array(idx, np.int64).reshape(-1, 2)
+    return SparseTensor(indices, np.array(vals, np.int64), (batch, max_len))
+
+
+def _request(seed, batch, max_len):
+    """fa ragged, fb 2-D sparse, fc dense ids [batch]."""
+    rng = np.random.default_rng(seed)
+    return {
+        "fa": _ragged(rng, batch, A.vocabulary_size, max_len),
+        "fb": _sparse(rng, batch, B.vocabulary_size, max_len),
+        "fc": rng.integers(0, C.vocabulary_size, size=batch).astype(np.int64),
+    }
+
+
+def _same(got, want):
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+def _concurrently(call, requests, expected):
+    """Every request REPEATS times from THREADS threads, each in its own order; every
+    output checked against `expected` (the one-thread answers) with the thread's
+    previous outputs still held."""
+    errors, start = [], threading.Barrier(THREADS)
+
+    def worker(t):
+        try:
+            order = np.random.default_rng(t).permutation(len(requests) * REPEATS)
+            start.wait()
+            held = []
+            for j in order:
+                i = int(j) % len(requests)
+                out = call(requests[i])
+                _same(out, expected[i])
+                held = [*held[-2:], (i, out)]  # older outputs stay referenced, then freed
+                for k, old in held:
+                    _same(old, expected[k])
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
+shapes = st.lists(
+    st.tuples(st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 8, 64]), st.integers(1, 12)),
+    min_size=2,
+    max_size=5,
+)
+SETTINGS = settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture(params=["alone", "pool"])
+def pool(request):
+    """ "pool": every request asks the C++ pool for 4 threads (one entry a thread is
+    enough), so requests find it busy or take it while others run."""
+    if request.param == "alone":
+        yield
+        return
+    from embedmesh.serving import native, set_host_threads
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip(native.reason())
+    previous_threads = set_host_threads(4)
+    previous_min = lib.EmServingSetMinEntriesPerThread(1)
+    yield
+    lib.EmServingSetMinEntriesPerThread(previous_min)
+    set_host_threads(previous_threads)
+
+
+@pytest.mark.parametrize("tables", [TABLES, TABLES_INT8], ids=["float32", "int8"])
+@SETTINGS
+@given(shapes=shapes)
+def test_lookup_from_threads(pool, tables, shapes):
+    requests = [_request(*s) for s in shapes]
+
+    def call(r):
+        return em.serving_embedding_lookup(r, None, tables, FEATURES)
+
+    expected = [call(r) for r in requests]
+    _concurrently(call, requests, expected)
+
+
+@SETTINGS
+@given(shapes=shapes)
+def test_embedding_for_serving_from_threads(shapes):
+    serving = EmbeddingForServing(FEATURES)
+    serving.build()
+    requests = [_request(*s) for s in shapes]
+    expected = [serving(r) for r in requests]
+    _concurrently(serving, requests, expected)
+
+
+def test_embedding_for_serving_first_use_from_threads():
+    """Tables built lazily by the first call: threads racing to it see one set."""
+    serving = EmbeddingForServing(FEATURES)
+    requests = [_request(s, 8, 5) for s in range(3)]
+    reference = EmbeddingForServing(FEATURES)
+    expected = [reference(r) for r in requests]
+    _concurrently(serving, requests, expected)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("threads_export")
+    feats = {"fa": FEATURES["fa"], "fb": FEATURES["fb"]}
+    tables = {A: TABLES[A], B: TABLES[B]}
+    params = {"w": np.random.default_rng(3).normal(size=(16, 4)).astype(np.float32)}
+
+    def serve(inputs, tables, params):
+        acts = em.serving_embedding_lookup(inputs, None, tables, feats)
+        return {"score": acts["fa"] @ params["w"], "b": acts["fb"]}
+
+    export_serving(
+        serve,
+        directory,
+        tables=tables,
+        params=params,
+        input_signature={"fa": Ragged(nnz_per_example=12), "fb": Ragged(nnz_per_example=12)},
+        batch_sizes=(2, 8),
+    )
+    return load_serving(directory, precompile=False)  # buckets compiled by racing threads
+
+
+@SETTINGS
+@given(shapes=shapes)
+def test_load_serving_from_threads(loaded, shapes):
+    requests = []
+    for seed, batch, max_len in shapes:
+        rng = np.random.default_rng(seed)
+        requests.append(
+            {
+                "fa": _ragged(rng, min(batch, 12), A.vocabulary_size, max_len),
+                "fb": _ragged(rng, min(batch, 12), B.vocabulary_size, max_len),
+            }
+        )
+    expected = [loaded(r) for r in requests]
+    _concurrently(loaded, requests, expected)
