@@ -9,9 +9,10 @@ caps them), and advise their large outputs to use huge pages before writing
 them (one fault per 2 MiB instead of per 4 KiB).
 
 - `*.cc`, `common.h`: the C++ sources, one concern a file (gathers and
-  scatters, segment sums, dedup, fused updates, huge-page memory, the
-  shared-memory rendezvous of processes of one host: `host_peers.h`), shipped
-  as package data;
+  scatters, segment sums, dedup, fused updates, huge-page memory), shipped as
+  package data; every op that crosses devices is written once over
+  `transport.h`'s transports: the devices of one process (`peers.h`) and the
+  processes of one host through POSIX shared memory (`host_peers.h`);
 - `build.py`: the sources (`embedmesh._native`'s "device" library: built at install per
   ISA variant, the running CPU's best loaded);
 - `library.py`: when the kernels are used (`ready()`), loading the library,

@@ -16,6 +16,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -44,6 +45,32 @@ struct ListHandler {
 
 #define EM_LIST_HANDLER(target, symbol) \
   static const embedmesh::ListHandler em_listed_##symbol{target, reinterpret_cast<void*>(&symbol)};
+
+// Reads named attributes from a call's attribute dictionary, remembering the first failure
+// (the fused updates' hyperparameters, the transports' call sites: transport.h).
+class AttrReader {
+ public:
+  explicit AttrReader(const ffi::Dictionary& d) : d_(d) {}
+  float F(const char* name) { return Get<float>(name, 0.0f); }
+  bool B(const char* name) { return Get<int32_t>(name, 0) != 0; }
+  int64_t I(const char* name) { return Get<int64_t>(name, 0); }
+  std::string_view S(const char* name) { return Get<std::string_view>(name, {}); }
+  bool Has(const char* name) const { return d_.contains(name); }
+  const std::string& error() const { return error_; }
+
+ private:
+  template <typename V>
+  V Get(const char* name, V fallback) {
+    auto v = d_.get<V>(name);
+    if (v.has_error()) {
+      if (error_.empty()) error_ = std::string("attribute ") + name + ": " + v.error().message();
+      return fallback;
+    }
+    return *v;
+  }
+  const ffi::Dictionary& d_;
+  std::string error_;
+};
 
 // Padding id of unique-id lists: int32 max, equal to embedmesh._runtime.PAD_ID
 // (tests/test_ops.py checks it through EmbedmeshPadId).

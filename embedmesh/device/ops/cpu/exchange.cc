@@ -1,87 +1,91 @@
-// Collectives of CPU devices that live in one process, through their shared memory: the
-// all-to-all, and the lookup read straight from every shard's table.
-// Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
+// The all-to-all (ops.exchange) and the N-shard lookup (ops.lookup_from_shards), written
+// once over the transports of transport.h: between the CPU devices of one process, and
+// between processes of one host through POSIX shared memory.
+// Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by library.py.
 //
-// XLA's own CPU all_to_all moves about 1.4 GB/s here (its rendezvous copies each block
-// through a staging path); the devices of one process share an address space, so each
-// device can copy the blocks meant for it straight out of its peers' input buffers.
-// The rendezvous that pairs the calls of the devices is in peers.h.
-#include "peers.h"
+// Why: XLA's own CPU all_to_all moves about 1.4 GB/s here in one process (its rendezvous
+// copies each block through a staging path), and about 0.21 GB/s across processes (gloo's
+// TCP loopback). The devices of one process share an address space, so each device copies
+// the blocks meant for it straight out of its peers' input buffers; processes of one host
+// share memory segments, so each device writes its input once into its segment and each
+// peer copies its block out of it, at memcpy speed. The lookup does better still: no
+// exchanged copy of a row (ReadPeerRows).
+#include "transport.h"
 
 namespace embedmesh {
 namespace {
 
-ffi::Error Exchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf, int64_t tag, int64_t n,
-                    ffi::Result<ffi::AnyBuffer> out) {
-  const int64_t rank = rank_buf.typed_data()[0];
+template <class T>
+ffi::Error Exchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+  T t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "exchange", &t, &e)) return e;
   const size_t bytes = x.size_bytes();
-  if (n >= 1 && bytes % n != 0) {
+  if (t.n < 1 || bytes % t.n != 0) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "embedmesh exchange: " + std::to_string(bytes) +
-                          " bytes do not split into " + std::to_string(n) + " blocks");
+                      t.Where() + ": " + std::to_string(bytes) + " bytes do not split into " +
+                          std::to_string(t.n) + " blocks");
   }
-  const size_t block = n >= 1 ? bytes / n : 0;
+  const size_t block = bytes / t.n;
+  const char* src = static_cast<const char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
-  return WithPeers(tag, n, rank, x.untyped_data(), "exchange", [&](const auto& peers) {
-    PrepareOutput(dst, bytes);
-    for (int64_t s = 0; s < n; ++s) std::memcpy(dst + s * block, peers[s] + rank * block, block);
-  });
+  PrepareOutput(dst, bytes);
+  return AllToAll(t, block, dst, src,
+                  [&](int64_t s, char* to) { std::memcpy(to, src + s * block, block); });
 }
 
 // The lookup of one device straight from every shard's table: out[pair_rows[s, p]] +=
 // gains[s, p] * table_s[unique_ids[s, pair_unique[s, p]]], table_s being device s's
 // shard (all of `rows` x `d`), summed in (s, p) order: what the exchange of ids, the
 // owners' gathers into [N, U, D], the exchange of rows and the combine compute, with no
-// [N, U, D] buffer and no copy of a row.
+// [N, U, D] buffer in process and no exchanged copy of a row.
+template <class T>
 ffi::Error LookupFromShards(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> uids,
                             ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
                             ffi::Buffer<ffi::S32> prows, ffi::Buffer<ffi::S32> rank_buf,
-                            int64_t tag, int64_t n, ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  const int64_t rank = rank_buf.typed_data()[0];
+                            ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Dictionary attrs) {
+  T t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "lookup", &t, &e)) return e;
+  const int64_t n = t.n;
   auto td = table.dimensions();
   const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
   auto od = out->dimensions();
   const int64_t segs = od.size() ? od[0] : 1;
   const int64_t u = n >= 1 ? uids.element_count() / n : 0;
   const int64_t p = n >= 1 ? puniq.element_count() / n : 0;
-  const int32_t* id = uids.typed_data();
   const int32_t* pu = puniq.typed_data();
   const int32_t* pr = prows.typed_data();
   const float* g = gains.typed_data();
   float* o = out->typed_data();
-  // the pairs are [n, p] row-major: the flat pair q = s * p + k belongs to shard s
-  return WithPeers(tag, n, rank, table.typed_data(), "lookup", [&](const auto& peers) {
-    SegmentRowSums(o, d, segs, n * p, pr, g, [&](int64_t q) -> const float* {
-      const int64_t k = pu[q];
-      if (k < 0 || k >= u) return nullptr;
-      const int64_t s = q / p;
-      const int64_t r = id[s * u + k];
-      if (r < 0 || r >= rows) return nullptr;
-      return reinterpret_cast<const float*>(peers[s]) + r * d;
-    });
-  });
+  return ReadPeerRows(t, table.typed_data(), rows, d, uids.typed_data(), u,
+                      [&](const auto& row_of) {
+                        // the pairs are [n, p] row-major: pair q = s * p + k is shard s's
+                        SegmentRowSums(o, d, segs, n * p, pr, g, [&](int64_t q) -> const float* {
+                          const int64_t k = pu[q];
+                          return k < 0 || k >= u ? nullptr : row_of(q / p, k);
+                        });
+                        return std::string();
+                      });
 }
 
 }  // namespace
 }  // namespace embedmesh
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmExchange, embedmesh::Exchange,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("n")
-                                  .Ret<ffi::AnyBuffer>());
-EM_LIST_HANDLER("embedmesh_exchange", EmExchange)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmLookupFromShards, embedmesh::LookupFromShards,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("n")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-EM_LIST_HANDLER("embedmesh_lookup_from_shards", EmLookupFromShards)
+EM_DEFINE_TRANSPORTED(Exchange,
+                      ffi::Ffi::Bind()
+                          .Arg<ffi::AnyBuffer>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::AnyBuffer>()
+                          .Attrs(),
+                      "embedmesh_exchange", "embedmesh_host_exchange")
+EM_DEFINE_TRANSPORTED(LookupFromShards,
+                      ffi::Ffi::Bind()
+                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::F32>>()
+                          .Attrs(),
+                      "embedmesh_lookup_from_shards", "embedmesh_host_lookup")

@@ -1,6 +1,6 @@
 // The rendezvous of device ranks in different processes of one host, through POSIX shared
-// memory: what the host exchange and the host variants of the N-shard lookup and update
-// (host_exchange.cc, update.cc) are built on. Part of embedmesh's CPU kernels (XLA FFI).
+// memory: what the SharedMemory transport of the cross-device ops (transport.h) is built on;
+// the segments' lifecycle calls are in host_exchange.cc. Part of embedmesh's CPU kernels.
 //
 // Each device rank r of a call site (`tag`, a stable hash of the call's channel name, the
 // same in every process) owns the segment /embedmesh-<job>-<tag>-<n>-<r> (job: the job's
@@ -574,34 +574,6 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
   // (d) done reading: peers may overwrite their segments
   mine->done.v.store(g, std::memory_order_release);
   return ffi::Error::Success();
-}
-
-template <typename Fill, typename Work>
-ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill, const Work& work) {
-  return WithHostPeers(call, bytes, fill, [] {}, work);
-}
-
-// An all-to-all of `block`-byte blocks whose blocks are written, not copied in:
-// write(s, dst) writes this rank's block for rank s at dst, straight into its segment
-// for each peer and into `out` for itself (while the peers arrive); then block s of
-// `out` is copied from peer s's segment. (ops.exchange, and the pooled ops fused with it.)
-template <typename Write>
-ffi::Error WrittenAllToAll(const HostCall& call, size_t block, char* out, const Write& write) {
-  const int64_t n = call.n, rank = call.rank;
-  return WithHostPeers(
-      call, n * block,
-      [&](char* seg) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) write(s, seg + s * block);
-        }
-      },
-      [&] { write(rank, out + rank * block); },
-      [&](const std::vector<const char*>& peers) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) std::memcpy(out + s * block, peers[s] + rank * block, block);
-        }
-        return std::string();
-      });
 }
 
 // Offsets of consecutive arrays packed into one segment, each 64-byte aligned.

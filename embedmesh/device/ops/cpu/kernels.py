@@ -131,43 +131,36 @@ def backward_update(
 _exchange_tags = itertools.count(1)
 
 
-def _peers(transport):
-    """(this device's rank [1], the FFI attributes pairing this call site's calls across
-    the devices: a tag of its own per traced call, and the device count)."""
+def _transport(transport, in_process: str, host: str):
+    """(the target, this device's rank [1], the FFI attributes of its transport
+    (transport.h)) of a cross-device kernel: `in_process` between the devices of this
+    process (a tag of its own per traced call, the device count), else `host` between
+    processes of one host (the job's key, the channel's tag, the device count, the
+    timeout, the channel)."""
     rank = jax.lax.axis_index(transport.axis_name).astype(jnp.int32).reshape(1)
-    return rank, dict(tag=np.int64(next(_exchange_tags)), n=np.int64(transport.num_shards))
-
-
-def exchange(x, *, transport):
-    """The all-to-all through shared memory: block j to device j.
-
-    In one process (exchange.cc), each traced call gets its own tag, which pairs up the
-    calls of the devices. Between the processes of one host (`host_job`, host_exchange.cc),
-    the call's tag is a stable hash of its channel, the same in every process.
-    """
-    if transport.in_process or not transport.host_job:
-        rank, attrs = _peers(transport)
-        out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return jax.ffi.ffi_call("embedmesh_exchange", out)(x, rank, **attrs)
-    rank, attrs = _host_peers(transport)
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ffi.ffi_call("embedmesh_host_exchange", out)(x, rank, **attrs)
-
-
-def _host_peers(transport):
-    """(this device's rank [1], the FFI attributes of a host rendezvous (host_peers.h):
-    the job's key, the channel's tag, the device count, the timeout, the channel)."""
-    from embedmesh.device.ops.cpu import library
-
+    n = np.int64(transport.num_shards)
+    if transport.in_process:
+        return in_process, rank, dict(tag=np.int64(next(_exchange_tags)), n=n)
     library.release_host_exchanges_at_exit()
-    rank = jax.lax.axis_index(transport.axis_name).astype(jnp.int32).reshape(1)
-    return rank, dict(
+    attrs = dict(
         job=np.int64(transport.host_job),
         tag=np.int64(channel_tag(transport.channel)),
-        n=np.int64(transport.num_shards),
+        n=n,
         timeout_ms=np.int64(_timeout_ms(_runtime.exchange_timeout_s())),
         channel=str(transport.channel),
     )
+    return host, rank, attrs
+
+
+def exchange(x, *, transport):
+    """The all-to-all through shared memory: block j to device j (exchange.cc).
+
+    In one process each traced call gets its own tag, which pairs up the calls of the
+    devices; between the processes of one host (`host_job`) the call's tag is a stable
+    hash of its channel, the same in every process."""
+    target, rank, attrs = _transport(transport, "embedmesh_exchange", "embedmesh_host_exchange")
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ffi.ffi_call(target, out)(x, rank, **attrs)
 
 
 def _timeout_ms(seconds: float) -> int:
@@ -213,14 +206,15 @@ def _claim_channel(channel: str) -> None:
 
 
 def _in_process(x, *, transport) -> bool:
-    """The devices of this process share memory (exchange.cc); so do the processes of one
-    host (`host_job`, host_exchange.cc, which also claims the call's channel); a mesh
-    over hosts uses XLA's."""
-    if transport.num_shards <= 1 or x.shape[0] % transport.num_shards != 0:
-        return False
-    if transport.in_process:
-        return True
-    return _host_call(x, transport)
+    """The devices of this process share memory; so do the processes of one host
+    (`host_job`; the call claims its channel); a mesh over hosts uses XLA's."""
+    return x.shape[0] % transport.num_shards == 0 and _crosses_shared_memory(x, transport)
+
+
+def _crosses_shared_memory(x, transport) -> bool:
+    """Whether a call crosses devices that share memory: in this process, or in processes
+    of one host (then it claims its channel in the current trace)."""
+    return transport.num_shards > 1 and (transport.in_process or _host_call(x, transport))
 
 
 def _host_call(x, transport) -> bool:
@@ -245,21 +239,19 @@ def lookup_from_shards(
 ):
     """This device's activations read straight from every shard's table (exchange.cc);
     between processes of one host, from the rows each owner gathered into its shared
-    memory (host_exchange.cc: two rounds, the ids then the rows)."""
+    memory (two rounds, the ids then the rows: channels "<channel>/ids" and "/rows")."""
     out = jax.ShapeDtypeStruct((num_rows,) + table.shape[1:], jnp.float32)
     args = (table, unique_ids, pair_unique, pair_gains, pair_rows)
-    if transport.in_process:
-        rank, attrs = _peers(transport)
-        return jax.ffi.ffi_call("embedmesh_lookup_from_shards", out)(*args, rank, **attrs)
-    rank, attrs = _host_peers(transport.at("ids"))
-    attrs["rows_tag"] = np.int64(channel_tag(transport.at("rows").channel))
-    return jax.ffi.ffi_call("embedmesh_host_lookup", out)(*args, rank, **attrs)
+    target, rank, attrs = _transport(
+        transport.at("ids"), "embedmesh_lookup_from_shards", "embedmesh_host_lookup"
+    )
+    if not transport.in_process:
+        attrs["rows_tag"] = np.int64(channel_tag(transport.at("rows").channel))
+    return jax.ffi.ffi_call(target, out)(*args, rank, **attrs)
 
 
 def _lookup_in_process(table, *args, transport, **params) -> bool:
-    if transport.num_shards <= 1 or table.dtype != jnp.float32:
-        return False
-    return transport.in_process or _host_call(table, transport)
+    return table.dtype == jnp.float32 and _crosses_shared_memory(table, transport)
 
 
 def backward_update_sharded(
@@ -279,12 +271,11 @@ def backward_update_sharded(
 ):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc);
     `replicated`: each device a replica, applying every source's one partition."""
-    if transport.in_process:
-        rank, attrs = _peers(transport)
-        target = "embedmesh_backward_{}_from_sources"
-    else:  # processes of one host: the sources' batches in shared memory (update.cc)
-        rank, attrs = _host_peers(transport.at("sources"))
-        target = "embedmesh_backward_{}_from_host_sources"
+    target, rank, attrs = _transport(
+        transport.at("sources"),
+        "embedmesh_backward_{}_from_sources",
+        "embedmesh_backward_{}_from_host_sources",
+    )
     args = (
         unique_ids,
         act_grads,
@@ -308,13 +299,20 @@ def backward_update_sharded(
 
 
 def _fused_in_process(table, slots, *args, optimizer, step, transport, **params):
-    if transport.num_shards <= 1 or not _fused(table, slots, optimizer=optimizer, step=step):
-        return False
-    return transport.in_process or _host_call(table, transport)
+    return _fused(table, slots, optimizer=optimizer, step=step) and _crosses_shared_memory(
+        table, transport
+    )
 
 
 def _pooled_words(unique_capacity: int, width: int) -> np.int64:
     return np.int64(_runtime.pooled_pair_fields(unique_capacity, width))
+
+
+def _pooled_attrs(unique_capacity: int, width: int) -> dict:
+    """The attributes of an owner's kernel reading pooled messages (pooled.h)."""
+    return dict(
+        u=np.int64(unique_capacity), rc=np.int64(width), k=_pooled_words(unique_capacity, width)
+    )
 
 
 def pack_pooled_pairs(unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width):
@@ -331,9 +329,7 @@ def pooled_partials(table, served, *, unique_capacity, width):
     return jax.ffi.ffi_call("embedmesh_pooled_partials", out)(
         table,
         served,
-        u=np.int64(unique_capacity),
-        rc=np.int64(width),
-        k=_pooled_words(unique_capacity, width),
+        **_pooled_attrs(unique_capacity, width),
     )
 
 
@@ -348,9 +344,7 @@ def pooled_backward_update(
         args,
         optimizer=optimizer,
         step=step,
-        u=np.int64(unique_capacity),
-        rc=np.int64(width),
-        k=_pooled_words(unique_capacity, width),
+        **_pooled_attrs(unique_capacity, width),
     )
 
 
@@ -358,8 +352,8 @@ def _fused_pooled(table, slots, served, grads, keep, *, optimizer, step, **param
     return _fused(table, slots, optimizer=optimizer, step=step)
 
 
-# Pooling fused with its exchange, between processes of one host (pooled.cc, update.cc):
-# the message written straight into this rank's segment, the peers' read in place.
+# Pooling fused with its exchange (pooled.cc, update.cc): each message written straight
+# into where its receiver reads it, the gradients read in place where they were sent.
 
 
 def exchange_pooled_pairs(
@@ -367,9 +361,11 @@ def exchange_pooled_pairs(
 ):
     n, u = unique_ids.shape
     k = _pooled_words(u, width)
-    rank, attrs = _host_peers(transport)
+    target, rank, attrs = _transport(
+        transport, "embedmesh_exchange_pooled_pairs", "embedmesh_host_pack_pooled_pairs"
+    )
     out = jax.ShapeDtypeStruct((n, u + pair_rows.shape[1] * int(k)), jnp.int32)
-    return jax.ffi.ffi_call("embedmesh_host_pack_pooled_pairs", out)(
+    return jax.ffi.ffi_call(target, out)(
         unique_ids,
         pair_rows,
         pair_unique,
@@ -384,15 +380,15 @@ def exchange_pooled_pairs(
 
 def exchange_pooled_partials(table, served, *, unique_capacity, width, transport):
     n = served.shape[0]
-    rank, attrs = _host_peers(transport)
+    target, rank, attrs = _transport(
+        transport, "embedmesh_exchange_pooled_partials", "embedmesh_host_pooled_partials"
+    )
     out = jax.ShapeDtypeStruct((n * width,) + table.shape[1:], jnp.float32)
-    return jax.ffi.ffi_call("embedmesh_host_pooled_partials", out)(
+    return jax.ffi.ffi_call(target, out)(
         table,
         served,
         rank,
-        u=np.int64(unique_capacity),
-        rc=np.int64(width),
-        k=_pooled_words(unique_capacity, width),
+        **_pooled_attrs(unique_capacity, width),
         **attrs,
     )
 
@@ -400,41 +396,36 @@ def exchange_pooled_partials(table, served, *, unique_capacity, width, transport
 def exchange_pooled_backward_update(
     table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
 ):
-    rank, attrs = _host_peers(transport)
+    target, rank, attrs = _transport(
+        transport,
+        "embedmesh_exchange_pooled_backward_{}",
+        "embedmesh_host_pooled_backward_{}",
+    )
     args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1), rank)
     return _update(
-        "embedmesh_host_pooled_backward_{}",
+        target,
         table,
         slots,
         args,
         optimizer=optimizer,
         step=step,
-        u=np.int64(unique_capacity),
-        rc=np.int64(width),
-        k=_pooled_words(unique_capacity, width),
+        **_pooled_attrs(unique_capacity, width),
         **attrs,
     )
 
 
-def _between_host_processes(x, transport) -> bool:
-    """Whether the call is an exchange between processes of one host (host_peers.h);
-    claims its channel in the current trace. In one process the ops' references run
-    (the in-process exchange kernel reads its peers' buffers anyway)."""
-    return transport.num_shards > 1 and not transport.in_process and _host_call(x, transport)
+def _pooled_pairs_kernel(unique_ids, *args, width, transport) -> bool:
+    return _crosses_shared_memory(unique_ids, transport)
 
 
-def _host_pooled_pairs(unique_ids, *args, width, transport) -> bool:
-    return _between_host_processes(unique_ids, transport)
+def _pooled_partials_kernel(table, served, *, unique_capacity, width, transport) -> bool:
+    return table.dtype == jnp.float32 and _crosses_shared_memory(table, transport)
 
 
-def _host_pooled_partials(table, served, *, unique_capacity, width, transport) -> bool:
-    return table.dtype == jnp.float32 and _between_host_processes(table, transport)
-
-
-def _host_pooled_backward(
+def _pooled_backward_kernel(
     table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
 ) -> bool:
-    return _fused(table, slots, optimizer=optimizer, step=step) and _between_host_processes(
+    return _fused(table, slots, optimizer=optimizer, step=step) and _crosses_shared_memory(
         table, transport
     )
 
@@ -454,9 +445,9 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "pack_pooled_pairs": (pack_pooled_pairs, None),
     "pooled_partials": (pooled_partials, _float32_source),
     "pooled_backward_update": (pooled_backward_update, _fused_pooled),
-    "exchange_pooled_pairs": (exchange_pooled_pairs, _host_pooled_pairs),
-    "exchange_pooled_partials": (exchange_pooled_partials, _host_pooled_partials),
-    "exchange_pooled_backward_update": (exchange_pooled_backward_update, _host_pooled_backward),
+    "exchange_pooled_pairs": (exchange_pooled_pairs, _pooled_pairs_kernel),
+    "exchange_pooled_partials": (exchange_pooled_partials, _pooled_partials_kernel),
+    "exchange_pooled_backward_update": (exchange_pooled_backward_update, _pooled_backward_kernel),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
 }

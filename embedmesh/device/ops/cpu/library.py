@@ -137,8 +137,8 @@ def threads() -> int:
 
 
 def all_cpu(devices) -> bool:
-    """Whether these devices are all CPU devices, which the host kernels
-    (`host_exchange.cc`) can serve when their processes share a host."""
+    """Whether these devices are all CPU devices, which the host kernels (the
+    SharedMemory transport, `transport.h`) can serve when their processes share a host."""
     return all(d.platform == "cpu" for d in devices)
 
 

@@ -1,5 +1,6 @@
 // The rendezvous of the CPU devices of one process: what lets a kernel on one device read
-// its peers' buffers (exchange.cc, update.cc). Part of embedmesh's CPU kernels (XLA FFI).
+// its peers' buffers, the InProcess transport of the cross-device ops (transport.h). Part of
+// embedmesh's CPU kernels (XLA FFI).
 //
 // Every device of a mesh runs the same program, so the k-th call at a given call site
 // (`tag`, unique per traced call) on every device belongs to one round. Each call registers

@@ -1,11 +1,11 @@
 // Pooling on the owner (shard_program.lookup_pooled): a source packs its pairs for each
 // owner into one int32 message (pooled.h), and an owner sums its sources' pairs from its
-// table into partial activations; between processes of one host, each fused with its
-// exchange (written straight into the shared segment, host_peers.h). Part of embedmesh's CPU kernels (XLA FFI); built by
-// build.py, registered by kernels.py.
-#include "common.h"
-#include "host_peers.h"
+// table into partial activations; each also fused with its exchange, written once over the
+// transports of transport.h (each message written straight into where its receiver reads
+// it). Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by
+// library.py.
 #include "pooled.h"
+#include "transport.h"
 
 namespace embedmesh {
 namespace {
@@ -74,24 +74,25 @@ ffi::Error PackPooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> prow
   return ffi::Error::Success();
 }
 
-// ops.exchange_pooled_pairs between processes of one host: each owner's message packed
-// straight into this rank's segment (its own into the output), then each source's message
-// for this rank copied out of the source's segment: exchange(pack_pooled_pairs(...)).
-ffi::Error HostPackPooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> prow,
+// ops.exchange_pooled_pairs: each owner's message packed straight into where the owner
+// reads it (AllToAll): exchange(pack_pooled_pairs(...)).
+template <class T>
+ffi::Error ExchangePooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> prow,
                                ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
                                ffi::Buffer<ffi::S32> compact, ffi::Buffer<ffi::S32> rank_buf,
-                               int64_t rc, int64_t k, int64_t job, int64_t tag, int64_t n,
-                               int64_t timeout_ms, std::string_view channel,
-                               ffi::Result<ffi::Buffer<ffi::S32>> out) {
-  const int64_t rank = rank_buf.typed_data()[0];
+                               ffi::Result<ffi::Buffer<ffi::S32>> out, ffi::Dictionary attrs) {
+  T t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "exchange_pooled_pairs", &t, &e)) return e;
+  AttrReader a(attrs);
+  const int64_t rc = a.I("rc"), k = a.I("k");
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
   PooledLayout l{};
-  const PairSource src = SourceOf(ids, prow, puniq, gains, compact, n, &l, rc, k);
-  const int64_t width = l.width();
-  const size_t block = sizeof(int32_t) * width;
-  return hostpeers::WrittenAllToAll(
-      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, block,
-      reinterpret_cast<char*>(out->typed_data()),
-      [&](int64_t s, char* to) { PackBlock(src, l, s, reinterpret_cast<int32_t*>(to)); });
+  const PairSource src = SourceOf(ids, prow, puniq, gains, compact, t.n, &l, rc, k);
+  const size_t block = sizeof(int32_t) * l.width();
+  return AllToAll(t, block, reinterpret_cast<char*>(out->typed_data()), nullptr,
+                  [&](int64_t s, char* to) {
+                    PackBlock(src, l, s, reinterpret_cast<int32_t*>(to));
+                  });
 }
 
 // The pairs of every source's message (served [n, words]) decoded for the partial sums:
@@ -150,27 +151,29 @@ ffi::Error PooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ser
   return ffi::Error::Success();
 }
 
-// ops.exchange_pooled_partials between processes of one host: the partials of each other
-// source summed straight into this rank's segment (its own into the output), then each
-// owner's partials for this rank copied out of the owner's segment:
-// exchange(pooled_partials(...)).
-ffi::Error HostPooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
-                              ffi::Buffer<ffi::S32> rank_buf, int64_t u, int64_t rc, int64_t k,
-                              int64_t job, int64_t tag, int64_t n, int64_t timeout_ms,
-                              std::string_view channel, ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  const int64_t rank = rank_buf.typed_data()[0];
+// ops.exchange_pooled_partials: the partials of each source summed straight into where
+// the source reads them (AllToAll): exchange(pooled_partials(...)).
+template <class T>
+ffi::Error ExchangePooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
+                                  ffi::Buffer<ffi::S32> rank_buf,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Dictionary attrs) {
+  T t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "exchange_pooled_partials", &t, &e)) return e;
+  AttrReader a(attrs);
+  const int64_t u = a.I("u"), rc = a.I("rc"), k = a.I("k");
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
+  const int64_t n = t.n;
   auto td = table.dimensions();
   const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
   const ServedPairs sp = DecodeServed(served.typed_data(), n, words, u, rc, k, rows);
-  const float* t = table.typed_data();
+  const float* w = table.typed_data();
   const size_t block = sizeof(float) * rc * d;
   float* o = out->typed_data();
   PrepareOutput(o, n * block);
-  return hostpeers::WrittenAllToAll(
-      hostpeers::HostCall{job, tag, n, rank, timeout_ms, channel}, block,
-      reinterpret_cast<char*>(o),
-      [&](int64_t s, char* to) { PartialsOf(sp, t, d, s, reinterpret_cast<float*>(to)); });
+  return AllToAll(t, block, reinterpret_cast<char*>(o), nullptr, [&](int64_t s, char* to) {
+    PartialsOf(sp, w, d, s, reinterpret_cast<float*>(to));
+  });
 }
 
 }  // namespace
@@ -196,35 +199,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials,
                                   .Attr<int64_t>("k")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 EM_LIST_HANDLER("embedmesh_pooled_partials", EmPooledPartials)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPackPooledPairs, embedmesh::HostPackPooledPairs,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("rc")
-                                  .Attr<int64_t>("k")
-                                  .Attr<int64_t>("job")
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("n")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<std::string_view>("channel")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-EM_LIST_HANDLER("embedmesh_host_pack_pooled_pairs", EmHostPackPooledPairs)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHostPooledPartials, embedmesh::HostPooledPartials,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("u")
-                                  .Attr<int64_t>("rc")
-                                  .Attr<int64_t>("k")
-                                  .Attr<int64_t>("job")
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("n")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<std::string_view>("channel")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-EM_LIST_HANDLER("embedmesh_host_pooled_partials", EmHostPooledPartials)
+EM_DEFINE_TRANSPORTED(ExchangePooledPairs,
+                      ffi::Ffi::Bind()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::S32>>()
+                          .Attrs(),
+                      "embedmesh_exchange_pooled_pairs", "embedmesh_host_pack_pooled_pairs")
+EM_DEFINE_TRANSPORTED(ExchangePooledPartials,
+                      ffi::Ffi::Bind()
+                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Arg<ffi::Buffer<ffi::S32>>()
+                          .Ret<ffi::Buffer<ffi::F32>>()
+                          .Attrs(),
+                      "embedmesh_exchange_pooled_partials", "embedmesh_host_pooled_partials")

@@ -1,9 +1,10 @@
 // Fused sparse optimizer updates, alone and fused with the backward (on one shard, on N
-// in-process shards reading their sources' gradients through peers.h, on N shards in
-// processes of one host reading them in shared memory through host_peers.h, and from the
-// pooled messages of pooled.h).
+// shards reading their sources' gradients where the sources shared them: a transport of
+// transport.h, in process or between processes of one host; and from the pooled messages
+// of pooled.h).
 //
-// One implementation per transport, generic over the optimizer and the storage type:
+// One implementation per form of the update, generic over the optimizer, the storage type
+// and, for the forms that cross devices, the transport:
 //   - an optimizer is a rule struct (Sgd, Adagrad, ...): its slot count, whether its slot
 //     holds one value a row (kRowWise), its hyperparameters read from the call's FFI
 //     attributes, and its float32 arithmetic per element (`Step`) and, for a row-wise rule,
@@ -11,28 +12,27 @@
 //   - `Updater<Rule, T>` applies a rule to rows of a table of element type T (float now;
 //     bfloat16 / float16 drop in through Load / Store), with the common options around
 //     the rule: gradient clamp, rule, weight decay, weight clamp;
-//   - each transport (Sparse, Backward, FromSources, FromHostSources, Pooled, HostPooled)
-//     is a template over the rule that finds the rows and their summed gradients and calls
-//     `Updater::Row` on each;
-//   - the FFI handlers are generated for every (transport, rule) pair at the end of this
-//     file (EM_FOR_EACH_RULE x EM_DEFINE_*), named Em<Transport><Rule>.
+//   - each form (Sparse, Backward, Sharded, Pooled, ExchangePooled) is a template over the
+//     rule that finds the rows and their summed gradients and calls `Updater::Row` on each;
+//     Sharded and ExchangePooled also over the transport;
+//   - the FFI handlers are generated for every (form, rule) pair, on each transport, at the
+//     end of this file (EM_FOR_EACH_RULE x EM_DEFINE_RULE).
 // Every handler takes its fixed arguments first, then the state: the table and the rule's
 // slots (the last 1 + kSlots arguments, aliased to the 1 + kSlots results), and all its
 // attributes as one dictionary. The arithmetic is that of `embedmesh.optimizers`
 // (`Optimizer.update_rows_at_lr`), in float32, in the same order (except FTRL's divisions by
 // lr, products with 1 / lr here: see Ftrl), with no FMA contraction (-ffp-contract=off).
-// Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
-// The rules are in update_rules.h, the row update in updater.h; this file holds the
-// transports and the registration.
+// Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by library.py.
+// The rules are in update_rules.h, the row update in updater.h; this file holds the forms
+// and the registration.
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
 
 #include "common.h"
-#include "host_peers.h"
-#include "peers.h"
 #include "pooled.h"
+#include "transport.h"
 #include "update_rules.h"
 #include "updater.h"
 
@@ -40,7 +40,7 @@ namespace embedmesh {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// Transports
+// The row sums of each form
 
 // ops.sparse_update: rows ids[i] (distinct; PAD and out-of-range skipped) with grads[i].
 template <class U>
@@ -304,7 +304,7 @@ void DecodeSources(PooledSources& ps, const int32_t* served, int64_t n, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------
-// The handlers of each transport, generic over the rule and the storage type T.
+// The handlers of each form, generic over the rule and the storage type T.
 
 #define EM_MAKE_UPDATER(lr_buf)                                                  \
   Updater<Rule, T> up;                                                           \
@@ -334,101 +334,53 @@ ffi::Error Backward(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
   return ffi::Error::Success();
 }
 
-// N in-process shards: each source device lends its batch through peers.h and each owner
-// applies every source's part for its rows (a replica, data_parallel: every source's one
-// partition to its whole table).
-template <class Rule, typename T>
-ffi::Error FromSources(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
-                       ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
-                       ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
-                       ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
-                       ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
+// ops.backward_update_sharded over N shards: each source device shares its batch (ids,
+// activation gradients, pairs: ShareArrays, lent in process, in its segment between
+// processes) and each owner runs BackwardUpdateFromSources on every source's batch read in
+// place (a replica, data_parallel: every source's one partition to its whole table): no
+// [N, U, D] gradient buffer, no exchange.
+template <class Rule, typename T, class Tr>
+ffi::Error Sharded(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+                   ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+                   ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
+                   ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
+                   ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
   EM_MAKE_UPDATER(lr)
+  Tr t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "backward", &t, &e)) return e;
   AttrReader a(attrs);
-  const int64_t tag = a.I("tag"), n = a.I("n");
   const bool replica = a.I("replica") != 0;
   if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
-  auto ad = act.dimensions();
-  const int64_t rank = rank_buf.typed_data()[0];
-  const int64_t parts = replica ? 1 : n, part = replica ? 0 : rank;
-  SourceBatch mine{ids.typed_data(),
-                   act.typed_data(),
-                   prow.typed_data(),
-                   puniq.typed_data(),
-                   gains.typed_data(),
-                   parts >= 1 ? static_cast<int64_t>(ids.element_count()) / parts : 0,
-                   parts >= 1 ? static_cast<int64_t>(prow.element_count()) / parts : 0,
-                   ad.size() ? ad[0] : 1};
-  const bool apply = keep.typed_data()[0] != 0;
-  return WithPeers(tag, n, rank, &mine, "backward", [&](const auto& peers) {
-    if (!apply) return;  // a rejected step: every process agrees, no row moves
-    std::vector<const SourceBatch*> src(n);
-    for (int64_t s = 0; s < n; ++s) src[s] = reinterpret_cast<const SourceBatch*>(peers[s]);
-    BackwardUpdateFromSources(up, part, src);
-  });
-}
-
-hostpeers::HostCall ReadHostCall(AttrReader& a) {
-  return hostpeers::HostCall{a.I("job"), a.I("tag"), a.I("n"), 0, a.I("timeout_ms"),
-                             a.S("channel")};
-}
-
-// The same over N shards in processes of one host: each source device publishes its batch
-// (ids, activation gradients, pairs) in its shared-memory segment (host_peers.h) and each
-// owner runs BackwardUpdateFromSources on every source's batch read in place: no [N, U, D]
-// gradient buffer, one copy of each source's batch.
-template <class Rule, typename T>
-ffi::Error FromHostSources(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
-                           ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
-                           ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
-                           ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
-                           ffi::RemainingArgs state, ffi::RemainingRets outs,
-                           ffi::Dictionary attrs) {
-  EM_MAKE_UPDATER(lr)
-  AttrReader a(attrs);
-  hostpeers::HostCall call = ReadHostCall(a);
-  const bool replica = a.I("replica") != 0;
-  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
-  auto ad = act.dimensions();
-  call.rank = rank_buf.typed_data()[0];
-  const int64_t n = call.n;
-  const int64_t parts = replica ? 1 : n, part = replica ? 0 : call.rank;
+  const int64_t n = t.n;
+  const int64_t parts = replica ? 1 : n, part = replica ? 0 : t.rank;
   const int64_t u = parts >= 1 ? static_cast<int64_t>(ids.element_count()) / parts : 0;
   const int64_t p = parts >= 1 ? static_cast<int64_t>(prow.element_count()) / parts : 0;
+  auto ad = act.dimensions();
   const int64_t nr = ad.size() ? ad[0] : 1;
-  hostpeers::Packing pack;
-  const size_t at_ids = pack.Add(ids.size_bytes()), at_act = pack.Add(act.size_bytes());
-  const size_t at_prow = pack.Add(prow.size_bytes()), at_puniq = pack.Add(puniq.size_bytes());
-  const size_t at_gain = pack.Add(gains.size_bytes());
   const bool apply = keep.typed_data()[0] != 0;
-  return hostpeers::WithHostPeers(
-      call, pack.bytes,
-      [&](char* seg) {
-        std::memcpy(seg + at_ids, ids.typed_data(), ids.size_bytes());
-        std::memcpy(seg + at_act, act.typed_data(), act.size_bytes());
-        std::memcpy(seg + at_prow, prow.typed_data(), prow.size_bytes());
-        std::memcpy(seg + at_puniq, puniq.typed_data(), puniq.size_bytes());
-        std::memcpy(seg + at_gain, gains.typed_data(), gains.size_bytes());
-      },
-      [&](const std::vector<const char*>& peers) {
-        if (!apply) return std::string();  // a rejected step: every process agrees
-        std::vector<SourceBatch> batches(n);
-        std::vector<const SourceBatch*> src(n);
-        for (int64_t s = 0; s < n; ++s) {
-          const char* b = peers[s];
-          batches[s] = SourceBatch{reinterpret_cast<const int32_t*>(b + at_ids),
-                                   reinterpret_cast<const float*>(b + at_act),
-                                   reinterpret_cast<const int32_t*>(b + at_prow),
-                                   reinterpret_cast<const int32_t*>(b + at_puniq),
-                                   reinterpret_cast<const float*>(b + at_gain),
-                                   u,
-                                   p,
-                                   nr};
-          src[s] = &batches[s];
-        }
-        BackwardUpdateFromSources(up, part, src);
-        return std::string();
-      });
+  const std::array<Span, 5> mine{{{ids.typed_data(), ids.size_bytes()},
+                                  {act.typed_data(), act.size_bytes()},
+                                  {prow.typed_data(), prow.size_bytes()},
+                                  {puniq.typed_data(), puniq.size_bytes()},
+                                  {gains.typed_data(), gains.size_bytes()}}};
+  return ShareArrays(t, mine, [&](const auto& array) {
+    if (!apply) return std::string();  // a rejected step: every process agrees, no row moves
+    std::vector<SourceBatch> batches(n);
+    std::vector<const SourceBatch*> src(n);
+    for (int64_t s = 0; s < n; ++s) {
+      batches[s] = SourceBatch{reinterpret_cast<const int32_t*>(array(s, 0)),
+                               reinterpret_cast<const float*>(array(s, 1)),
+                               reinterpret_cast<const int32_t*>(array(s, 2)),
+                               reinterpret_cast<const int32_t*>(array(s, 3)),
+                               reinterpret_cast<const float*>(array(s, 4)),
+                               u,
+                               p,
+                               nr};
+      src[s] = &batches[s];
+    }
+    BackwardUpdateFromSources(up, part, src);
+    return std::string();
+  });
 }
 
 // ops.pooled_backward_update: an owner's fused backward + update from its N sources'
@@ -455,44 +407,36 @@ ffi::Error Pooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
   return ffi::Error::Success();
 }
 
-// ops.exchange_pooled_backward_update between processes of one host: this rank publishes
-// the gradients [N, Rc, D] of the rows each other owner feeds in its segment, and applies
-// every source's gradients for its own rows read in place (its own from `grads`):
+// ops.exchange_pooled_backward_update: this rank shares the gradients [N, Rc, D] of the
+// rows each owner feeds (ReadBlocks: lent in process, in its segment between processes),
+// and applies every source's gradients for its own rows read in place:
 // pooled_backward_update(..., exchange(grads)), with no exchanged copy.
-template <class Rule, typename T>
-ffi::Error HostPooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
-                      ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
-                      ffi::Buffer<ffi::S32> rank_buf, ffi::RemainingArgs state,
-                      ffi::RemainingRets outs, ffi::Dictionary attrs) {
+template <class Rule, typename T, class Tr>
+ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
+                          ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+                          ffi::Buffer<ffi::S32> rank_buf, ffi::RemainingArgs state,
+                          ffi::RemainingRets outs, ffi::Dictionary attrs) {
   EM_MAKE_UPDATER(lr)
+  Tr t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "pooled backward", &t, &e)) return e;
   AttrReader a(attrs);
   const int64_t u = a.I("u"), rc = a.I("rc"), k = a.I("k");
-  hostpeers::HostCall call = ReadHostCall(a);
   if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
-  call.rank = rank_buf.typed_data()[0];
-  const int64_t d = up.d, n = call.n, rank = call.rank;
+  const int64_t d = up.d, n = t.n;
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
   const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
-  const float* g = grads.typed_data();
   const size_t block = sizeof(float) * rc * d;
   const bool apply = keep.typed_data()[0] != 0;  // every process agrees (the finite check)
-  return hostpeers::WithHostPeers(
-      call, n * block,
-      [&](char* seg) {
-        for (int64_t s = 0; s < n; ++s) {
-          if (s != rank) std::memcpy(seg + s * block, g + s * rc * d, block);
-        }
-      },
-      [&](const std::vector<const char*>& peers) {
-        if (!apply) return std::string();  // a rejected step: no row moves
-        PooledSources ps;
-        DecodeSources(ps, served.typed_data(), n, words, l, [&](int64_t s) {
-          return s == rank ? g + rank * rc * d
-                           : reinterpret_cast<const float*>(peers[s] + rank * block);
-        });
-        BackwardUpdateFromSources(up, 0, ps.src);
-        return std::string();
-      });
+  return ReadBlocks(t, block, reinterpret_cast<const char*>(grads.typed_data()),
+                    [&](const auto& block_for_me) {
+                      if (!apply) return std::string();  // a rejected step: no row moves
+                      PooledSources ps;
+                      DecodeSources(ps, served.typed_data(), n, words, l, [&](int64_t s) {
+                        return reinterpret_cast<const float*>(block_for_me(s));
+                      });
+                      BackwardUpdateFromSources(up, 0, ps.src);
+                      return std::string();
+                    });
 }
 
 #undef EM_MAKE_UPDATER
@@ -501,8 +445,9 @@ ffi::Error HostPooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
 }  // namespace embedmesh
 
 // ---------------------------------------------------------------------------------------
-// Registration: every (transport, rule) pair, float32 tables, listed (common.h) under the
-// target names kernels.py calls; the rules listed here are the optimizers the CPU fuses.
+// Registration: every (form, rule) pair, on each transport, float32 tables, listed
+// (common.h) under the target names kernels.py calls; the rules listed here are the
+// optimizers the CPU fuses.
 
 #define EM_F32 ffi::Buffer<ffi::F32>
 #define EM_S32 ffi::Buffer<ffi::S32>
@@ -512,47 +457,47 @@ ffi::Error HostPooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
   ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_S32>().Arg<EM_S32>().Arg<EM_F32>() \
       .Arg<EM_F32>()
 #define EM_BIND_Backward EM_BIND_PAIRS EM_STATE
-#define EM_BIND_FromSources EM_BIND_PAIRS.Arg<EM_S32>().Arg<EM_S32>() EM_STATE
-#define EM_BIND_FromHostSources EM_BIND_FromSources
+#define EM_BIND_Sharded EM_BIND_PAIRS.Arg<EM_S32>().Arg<EM_S32>() EM_STATE
 #define EM_BIND_Pooled \
   ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>().Arg<EM_S32>() EM_STATE
-#define EM_BIND_HostPooled                                                                 \
+#define EM_BIND_ExchangePooled                                                             \
   ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>().Arg<EM_S32>().Arg<EM_S32>() \
       EM_STATE
 
-// the exported symbols, Em<...><Rule><...>
-#define EM_SYMBOL_Sparse(rule) EmSparse##rule
-#define EM_SYMBOL_Backward(rule) EmBackward##rule
-#define EM_SYMBOL_FromSources(rule) EmBackward##rule##FromSources
-#define EM_SYMBOL_FromHostSources(rule) EmBackward##rule##FromHostSources
-#define EM_SYMBOL_Pooled(rule) EmPooledBackward##rule
-#define EM_SYMBOL_HostPooled(rule) EmHostPooledBackward##rule
-// their target names, embedmesh_..._<rule's kName>_... (kernels.py calls them so)
-#define EM_TARGET_Sparse(rule) std::string("embedmesh_sparse_") + embedmesh::rule::kName
-#define EM_TARGET_Backward(rule) std::string("embedmesh_backward_") + embedmesh::rule::kName
-#define EM_TARGET_FromSources(rule) EM_TARGET_Backward(rule) + "_from_sources"
-#define EM_TARGET_FromHostSources(rule) EM_TARGET_Backward(rule) + "_from_host_sources"
-#define EM_TARGET_Pooled(rule) \
-  std::string("embedmesh_pooled_backward_") + embedmesh::rule::kName
-#define EM_TARGET_HostPooled(rule) \
-  std::string("embedmesh_host_pooled_backward_") + embedmesh::rule::kName
-#define EM_DEFINE(transport, rule)                                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(EM_SYMBOL_##transport(rule),                         \
-                                (embedmesh::transport<embedmesh::rule, float>),      \
-                                EM_BIND_##transport);                                \
-  static const embedmesh::ListHandler em_listed_##transport##_##rule{                \
-      EM_TARGET_##transport(rule), reinterpret_cast<void*>(&EM_SYMBOL_##transport(rule))};
-#define EM_FOR_EACH_RULE(transport) \
-  EM_DEFINE(transport, Sgd)         \
-  EM_DEFINE(transport, Adagrad)     \
-  EM_DEFINE(transport, AdagradMomentum) \
-  EM_DEFINE(transport, Adam)        \
-  EM_DEFINE(transport, Ftrl)        \
-  EM_DEFINE(transport, RowWiseAdagrad)
+// each form's function of a rule, over a transport of transport.h (InProcess, SharedMemory)
+#define EM_FN(form, rule) (embedmesh::form<embedmesh::rule, float>)
+#define EM_FN_ON(form, rule, tr) (embedmesh::form<embedmesh::rule, float, embedmesh::tr>)
+// the exported symbols, Em<...><Rule><...>, and their target names,
+// embedmesh_..._<rule's kName>_... (kernels.py calls them so)
+#define EM_BACKWARD(rule) std::string("embedmesh_backward_") + embedmesh::rule::kName
+#define EM_POOLED(rule) std::string("pooled_backward_") + embedmesh::rule::kName
+#define EM_DEFINE(symbol, fn, bind, target)                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn, bind);             \
+  static const embedmesh::ListHandler em_listed_##symbol{target, \
+                                                         reinterpret_cast<void*>(&symbol)};
+#define EM_DEFINE_RULE(rule)                                                                 \
+  EM_DEFINE(EmSparse##rule, EM_FN(Sparse, rule), EM_BIND_Sparse,                             \
+            std::string("embedmesh_sparse_") + embedmesh::rule::kName)                       \
+  EM_DEFINE(EmBackward##rule, EM_FN(Backward, rule), EM_BIND_Backward, EM_BACKWARD(rule))    \
+  EM_DEFINE(EmBackward##rule##FromSources, EM_FN_ON(Sharded, rule, InProcess),       \
+            EM_BIND_Sharded, EM_BACKWARD(rule) + "_from_sources")                            \
+  EM_DEFINE(EmBackward##rule##FromHostSources, EM_FN_ON(Sharded, rule, SharedMemory), \
+            EM_BIND_Sharded, EM_BACKWARD(rule) + "_from_host_sources")                       \
+  EM_DEFINE(EmPooledBackward##rule, EM_FN(Pooled, rule), EM_BIND_Pooled,                     \
+            "embedmesh_" + EM_POOLED(rule))                                                  \
+  EM_DEFINE(EmExchangePooledBackward##rule, EM_FN_ON(ExchangePooled, rule, InProcess), \
+            EM_BIND_ExchangePooled, "embedmesh_exchange_" + EM_POOLED(rule))                 \
+  EM_DEFINE(EmHostPooledBackward##rule,                                                      \
+            EM_FN_ON(ExchangePooled, rule, SharedMemory), EM_BIND_ExchangePooled,    \
+            "embedmesh_host_" + EM_POOLED(rule))
 
-EM_FOR_EACH_RULE(Sparse)
-EM_FOR_EACH_RULE(Backward)
-EM_FOR_EACH_RULE(FromSources)
-EM_FOR_EACH_RULE(FromHostSources)
-EM_FOR_EACH_RULE(Pooled)
-EM_FOR_EACH_RULE(HostPooled)
+// the rules the CPU fuses
+#define EM_FOR_EACH_RULE(X) \
+  X(Sgd)                    \
+  X(Adagrad)                \
+  X(AdagradMomentum)        \
+  X(Adam)                   \
+  X(Ftrl)                   \
+  X(RowWiseAdagrad)
+
+EM_FOR_EACH_RULE(EM_DEFINE_RULE)

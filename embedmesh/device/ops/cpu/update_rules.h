@@ -1,8 +1,8 @@
-// The optimizer rules of the fused CPU updates (update.cc): storage types, the FFI
-// attribute reader, and one rule struct per optimizer (its slot count, whether its slot
-// holds one value a row, its hyperparameters, its float32 arithmetic per element and, for a
-// row-wise rule, per row). Each mirrors its class's `_rule` in embedmesh.optimizers; its
-// `kName` is that class's `_FUSED_KERNEL`. Included by update.cc only.
+// The optimizer rules of the fused CPU updates (update.cc): storage types and one rule
+// struct per optimizer (its slot count, whether its slot holds one value a row, its
+// hyperparameters, its float32 arithmetic per element and, for a row-wise rule, per row).
+// Each mirrors its class's `_rule` in embedmesh.optimizers; its `kName` is that class's
+// `_FUSED_KERNEL`. Included by update.cc only.
 #pragma once
 
 #include <string>
@@ -32,33 +32,6 @@ struct DType;
 template <>
 struct DType<float> {
   static constexpr ffi::DataType kType = ffi::DataType::F32;
-};
-
-// ---------------------------------------------------------------------------------------
-// Attributes
-
-// Reads named scalars from a call's attribute dictionary, remembering the first failure.
-class AttrReader {
- public:
-  explicit AttrReader(const ffi::Dictionary& d) : d_(d) {}
-  float F(const char* name) { return Get<float>(name, 0.0f); }
-  bool B(const char* name) { return Get<int32_t>(name, 0) != 0; }
-  int64_t I(const char* name) { return Get<int64_t>(name, 0); }
-  std::string_view S(const char* name) { return Get<std::string_view>(name, {}); }
-  const std::string& error() const { return error_; }
-
- private:
-  template <typename V>
-  V Get(const char* name, V fallback) {
-    auto v = d_.get<V>(name);
-    if (v.has_error()) {
-      if (error_.empty()) error_ = std::string("attribute ") + name + ": " + v.error().message();
-      return fallback;
-    }
-    return *v;
-  }
-  const ffi::Dictionary& d_;
-  std::string error_;
 };
 
 // The options every optimizer has, in `update_rows`'s order around the rule.

@@ -1,0 +1,135 @@
+"""The CPU kernels' one transport interface (`ops/cpu/transport.h`): the pooled ops fused
+with their exchange, written once over it, run between in-process devices too, and give
+exactly what the references (pack / partials / backward, then `ops.exchange`) give."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from optimizer_reference import ALL_FUSED
+
+from embedmesh import _runtime
+from embedmesh.device import ops
+from embedmesh.device.ops import cpu
+from embedmesh.device.ops.cpu import kernels as cpu_kernels
+
+needs_kernels = pytest.mark.skipif(
+    not cpu.ready(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}"
+)
+PAD = ops.PAD_ID
+U, P_PAIRS, WIDTH, ROWS, D = 6, 40, 7, 30, 5
+
+
+def source_batch(r, n, compacted):
+    """One device's batch for its n owners: ascending distinct ids (PAD padded), pairs
+    whose positions and rows are sometimes out of range, a compact map or none."""
+    ids = np.full((n, U), PAD, np.int32)
+    for o in range(n):
+        used = int(r.integers(0, U + 1))
+        ids[o, :used] = np.sort(r.choice(ROWS + 3, used, replace=False))  # some past ROWS
+    pair_rows = r.integers(-1, WIDTH + 2, (n, P_PAIRS)).astype(np.int32)
+    pair_unique = r.integers(-1, U + 2, (n, P_PAIRS)).astype(np.int32)
+    gains = r.standard_normal((n, P_PAIRS)).astype(np.float32)
+    compact = np.zeros((n, 0), np.int32)
+    if compacted:
+        compact = np.full((n, WIDTH + 3), WIDTH, np.int32)
+        for o in range(n):
+            fed = r.choice(WIDTH + 2, WIDTH, replace=False)
+            compact[o, fed] = np.arange(WIDTH)
+    return ids, pair_rows, pair_unique, gains, compact
+
+
+def per_device(fn, mesh, n_in):
+    spec = P("x")
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * n_in, out_specs=spec, check_vma=False)
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("compacted", [False, True])
+def test_in_process_pooled_exchanges_match_their_references(n, compacted):
+    r = np.random.default_rng(n * 10 + compacted)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    transport = ops.Transport("x", n, in_process=True, channel="pooled")
+    batches = [source_batch(r, n, compacted) for _ in range(n)]
+    batch = [jnp.asarray(np.concatenate([b[i] for b in batches])) for i in range(5)]
+    assert (
+        ops.kernel_for("exchange_pooled_pairs", "cpu", *batch, width=WIDTH, transport=transport)
+        is cpu_kernels.exchange_pooled_pairs
+    )
+
+    def pairs(kernel):
+        return per_device(lambda *a: kernel(*a, width=WIDTH, transport=transport), mesh, 5)
+
+    kernel = pairs(cpu_kernels.exchange_pooled_pairs)
+    assert "embedmesh_exchange_pooled_pairs" in kernel.lower(*batch).as_text()
+    served = kernel(*batch)
+    want = pairs(ops.reference_of("exchange_pooled_pairs"))(*batch)
+    np.testing.assert_array_equal(np.asarray(served), np.asarray(want))
+
+    table = jnp.asarray(r.standard_normal((n * ROWS, D)).astype(np.float32))
+    params = dict(unique_capacity=U, width=WIDTH, transport=transport)
+
+    def partials(kernel):
+        return per_device(lambda t, s: kernel(t, s, **params), mesh, 2)
+
+    got = partials(cpu_kernels.exchange_pooled_partials)(table, served)
+    want = partials(ops.reference_of("exchange_pooled_partials"))(table, served)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@needs_kernels
+@pytest.mark.parametrize("opt", ALL_FUSED[:3], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("keep", [True, False])
+def test_in_process_pooled_backward_update_matches_its_reference(opt, keep):
+    n = 4
+    r = np.random.default_rng(7)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    transport = ops.Transport("x", n, in_process=True, channel="pooled")
+    batches = [source_batch(r, n, False) for _ in range(n)]
+    batch = [jnp.asarray(np.concatenate([b[i] for b in batches])) for i in range(5)]
+    served = per_device(
+        lambda *a: ops.reference_of("exchange_pooled_pairs")(*a, width=WIDTH, transport=transport),
+        mesh,
+        5,
+    )(*batch)
+    assert served.shape[1] == U + P_PAIRS * _runtime.pooled_pair_fields(U, WIDTH)
+    table = jnp.asarray(r.standard_normal((n * ROWS, D)).astype(np.float32))
+    slots = {
+        k: jnp.asarray((0.1 + r.random((n * ROWS, opt.slot_width(k, D)))).astype(np.float32))
+        for k in opt.slot_names
+    }
+    grads = jnp.asarray(r.standard_normal((n * n, WIDTH, D)).astype(np.float32))
+    keeps = jnp.full((n,), keep)
+    params = dict(optimizer=opt, step=jnp.int32(3), unique_capacity=U, width=WIDTH)
+
+    def update(kernel):
+        def body(t, s, m, g, k):
+            return kernel(t, s, m, g, k[0], **params, transport=transport)
+
+        spec = P("x")
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(spec, {k: spec for k in slots}, spec, spec, spec),
+                out_specs=(spec, {k: spec for k in slots}),
+                check_vma=False,
+            )
+        )
+
+    fused = update(cpu_kernels.exchange_pooled_backward_update)
+    text = fused.lower(table, slots, served, grads, keeps).as_text()
+    assert f"embedmesh_exchange_pooled_backward_{opt.fused_kernel}" in text
+    got = fused(table, slots, served, grads, keeps)
+    want = update(ops.reference_of("exchange_pooled_backward_update"))(
+        table, slots, served, grads, keeps
+    )
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    if not keep:  # a rejected step moves no row
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(table))
