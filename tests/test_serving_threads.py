@@ -116,12 +116,21 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(params=["alone", "pool"])
+@pytest.fixture(params=["alone", "release", "pool"])
 def pool(request):
-    """ "pool": every request asks the C++ pool for 4 threads (one entry a thread is
-    enough), so requests find it busy or take it while others run."""
+    """release: every request releases the GIL while its kernels run (by default small
+    ones keep it); pool: every request asks the C++ pool for 4 threads (one entry a
+    thread is enough), so requests find it busy or take it while others run."""
     if request.param == "alone":
         yield
+        return
+    if request.param == "release":
+        from embedmesh.serving import fast_path
+
+        previous = fast_path.hold_gil_below(0)
+        yield
+        if previous is not None:
+            fast_path.hold_gil_below(previous)
         return
     from embedmesh.serving import native, set_host_threads
 

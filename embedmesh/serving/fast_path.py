@@ -133,6 +133,18 @@ def use_compiled(on: bool) -> bool:
     return previous
 
 
+def hold_gil_below(entries: int) -> int | None:
+    """Requests of fewer than `entries` ids (summed or copied, all features) keep the GIL
+    while their kernels run in the compiled form (0: every request releases it; the
+    default is 4096); returns the previous value, None where the compiled form (or this
+    setting in it) was not built. Releasing the GIL costs a small request little alone,
+    but beside a busy Python thread taking it back waits up to Python's switch interval
+    (`sys.getswitchinterval()`, 5 ms), against tens of microseconds of kernels below 4k
+    ids. The Python form's kernels go through ctypes, which always releases it."""
+    fn = getattr(_compiled, "set_hold_gil_below", None)
+    return None if fn is None else fn(int(entries))
+
+
 def compiled_available() -> bool:
     """Whether the compiled form was built."""
     return _compiled is not None

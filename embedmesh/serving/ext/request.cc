@@ -37,6 +37,14 @@ OpenFn g_open = nullptr;
 AddFn g_add = nullptr;
 CloseFn g_close = nullptr;
 ThreadsFn g_threads_for = nullptr;
+// Requests of fewer entries (ids summed or copied) than this run their kernels with the
+// GIL held (set_hold_gil_below): releasing it costs a request nothing alone, but beside a
+// busy Python thread taking it back waits up to Python's switch interval (5 ms), far
+// longer than a small request's kernels (4k entries: tens of us; the runner wakes no
+// pool thread below 8k). 26 features, batch 8 (2.3k entries), same process, loaded
+// 2-core machine: 1.41x the requests/s beside a busy Python thread, 1.11x with 2
+// clients, p50 0.85x with 1 (benchmarks/RESULTS_serving.md, 2026-12-04).
+int64_t g_hold_gil_below = 4096;
 
 // A buffer view released with its holder.
 struct View {
@@ -302,13 +310,18 @@ struct Request {
   void* handle = nullptr;
   std::vector<int64_t> results;
   int64_t added = 0;
+  int64_t entries = 0;  // what the kernels sum or copy (the GIL kept below g_hold_gil_below)
   ~Request() { close(); }
   void close() {
     if (handle == nullptr) return;
     results.assign(static_cast<size_t>(added > 0 ? added : 1), -1);
-    Py_BEGIN_ALLOW_THREADS;  // the kernels may run ~ms: other Python threads go on
-    g_close(handle, results.data());
-    Py_END_ALLOW_THREADS;
+    if (entries < g_hold_gil_below) {
+      g_close(handle, results.data());
+    } else {
+      Py_BEGIN_ALLOW_THREADS;  // the kernels may run ~ms: other Python threads go on
+      g_close(handle, results.data());
+      Py_END_ALLOW_THREADS;
+    }
     handle = nullptr;
   }
   bool ok() const {
@@ -379,6 +392,7 @@ PyObject* lookup_checked(PyObject* args) {
   {
     const int64_t t = threads < 1 ? 1 : threads;
     request.handle = g_open(tasks, t > 1 ? g_threads_for(entries, t) : 1);
+    request.entries = entries;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
     Feature* f = features[static_cast<size_t>(i)].get();
@@ -444,7 +458,19 @@ PyObject* bind(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// set_hold_gil_below(n) -> the previous value: requests of fewer than n entries keep the
+// GIL while their kernels run (0: every request releases it; default 4096).
+PyObject* set_hold_gil_below(PyObject*, PyObject* args) {
+  long long n;
+  if (!PyArg_ParseTuple(args, "L", &n)) return nullptr;
+  const int64_t previous = g_hold_gil_below;
+  g_hold_gil_below = n < 0 ? 0 : n;
+  return PyLong_FromLongLong(previous);
+}
+
 PyMethodDef kMethods[] = {
+    {"set_hold_gil_below", set_hold_gil_below, METH_VARARGS,
+     "Requests of fewer entries keep the GIL while their kernels run."},
     {"lookup", lookup, METH_VARARGS, "A request's common features on the C++ kernels."},
     {"bind", bind, METH_VARARGS, "Bind the serving library's runner functions."},
     {nullptr, nullptr, 0, nullptr},
