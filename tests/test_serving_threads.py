@@ -116,13 +116,21 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(params=["alone", "release", "pool"])
+@pytest.fixture(params=["alone", "release", "pool", "numpy"])
 def pool(request):
     """release: every request releases the GIL while its kernels run (by default small
     ones keep it); pool: every request asks the C++ pool for 4 threads (one entry a
-    thread is enough), so requests find it busy or take it while others run."""
+    thread is enough), so requests find it busy or take it while others run; numpy:
+    outputs are the output pool's buffers themselves (`set_numpy_outputs`)."""
     if request.param == "alone":
         yield
+        return
+    if request.param == "numpy":
+        from embedmesh.serving.lookup import set_numpy_outputs
+
+        previous = set_numpy_outputs(True)
+        yield
+        set_numpy_outputs(previous)
         return
     if request.param == "release":
         from embedmesh.serving import fast_path
@@ -155,6 +163,33 @@ def test_lookup_from_threads(pool, tables, shapes):
 
     expected = [call(r) for r in requests]
     _concurrently(call, requests, expected)
+
+
+@pytest.mark.parametrize("tables", [TABLES, TABLES_INT8], ids=["float32", "int8"])
+def test_numpy_outputs_equal_jax_outputs(tables):
+    from embedmesh.serving.lookup import set_numpy_outputs
+
+    requests = [_request(s, b, 7) for s, b in enumerate((1, 8, 64))]
+    requests.append({"fa": requests[0]["fa"]})  # a subset of the features
+    want = [em.serving_embedding_lookup(r, None, tables, FEATURES) for r in requests]
+    previous = set_numpy_outputs(True)
+    try:
+        got = [em.serving_embedding_lookup(r, None, tables, FEATURES) for r in requests]
+        # the general path too (a float64 table is converted there, never fast)
+        general = None
+        if tables is TABLES:
+            t64 = {**tables, C: TABLES[C].astype(np.float64)}
+            with pytest.warns(UserWarning, match="float64"):
+                general = em.serving_embedding_lookup(requests[0], None, t64, FEATURES)
+    finally:
+        set_numpy_outputs(previous)
+    for g, w in zip(got, want):
+        assert all(type(x) is np.ndarray and x.dtype == np.float32 for x in g.values())
+        assert not any(type(x) is np.ndarray for x in w.values())
+        _same(g, w)
+    if general:
+        assert all(type(x) is np.ndarray for x in general.values())
+        _same(general, want[0])
 
 
 @SETTINGS

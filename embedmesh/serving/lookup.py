@@ -159,8 +159,29 @@ class _named:
             raise sparse_index_error(self.name, self.inp, e.entry) from None
 
 
+_numpy_outputs = False  # set_numpy_outputs
+
+
+def set_numpy_outputs(on: bool) -> bool:
+    """Whether a lookup run on the host (concrete inputs and tables) returns numpy arrays
+    (float32, 64-byte aligned buffers of the output pool) instead of jax.Arrays over
+    them; returns the previous setting (default False: jax.Arrays). Process-wide. A
+    traced lookup (inside `jax.jit` / `jax.export`) returns jax values either way.
+
+    Wrapping a request's outputs as jax arrays costs ~7 us an array: ~190 us of a
+    930 us batch-64 request of 26 features (benchmarks/RESULTS_serving.md, 2026-12-04).
+    A server that hands the activations to numpy code, or to a jitted model that takes
+    numpy arguments anyway, need not pay it."""
+    global _numpy_outputs
+    previous, _numpy_outputs = _numpy_outputs, bool(on)
+    return previous
+
+
 def _host_to_jax(outs: list) -> list:
-    """The host kernel's outputs as jax.Arrays (see `_host_to_jax_via`)."""
+    """The host kernel's outputs as jax.Arrays (see `_host_to_jax_via`), or as they are
+    under `set_numpy_outputs(True)`."""
+    if _numpy_outputs:
+        return list(outs)
     return _host_to_jax_via(outs)[0]
 
 
@@ -553,9 +574,12 @@ def _finish_common(resolved, inputs, outs: list, before_run: bool):
     batch 4096 on one thread, 2.0-5.1% on two, 7-14% at batch 64.
     """
     done = [x for x in outs if x is not None]
-    arrays, batched = _host_to_jax_via(done)
-    if before_run and not _aliases(arrays, done, batched):
-        return None
+    if _numpy_outputs:  # the buffers themselves (set_numpy_outputs)
+        arrays = done
+    else:
+        arrays, batched = _host_to_jax_via(done)
+        if before_run and not _aliases(arrays, done, batched):
+            return None
     it = iter(arrays)
     return _pack_like_inputs(resolved, inputs, [None if x is None else next(it) for x in outs])
 
