@@ -59,7 +59,8 @@ end are padding.
   ~1.4 GB/s here, a memcpy ~10x more. When the mesh spans processes that are
   all on this host (`transport.host_job`, the job's key from
   `embedmesh.device.peers`), through POSIX shared-memory segments named by the
-  job and the call's `transport.channel` (`cpu/host_exchange.cc`, `host_peers.h`),
+  job and the call's `transport.channel` (`cpu/transport.h`: each cross-device
+  kernel is one template over its two transports, in-process and shared memory),
   where XLA's goes through gloo's TCP (~0.2 GB/s). On those segments
   `lookup_from_shards` and `backward_update_sharded` have host kernels too:
   each owner gathers the rows asked of it into its segment and each device
@@ -90,8 +91,9 @@ end are padding.
   CPU kernels do each in one pass (pooled.cc, update.cc).
 - `exchange_pooled_pairs`, `exchange_pooled_partials`,
   `exchange_pooled_backward_update`: each of those with the exchange that carries
-  its message (reference: the two ops). Between processes of one host the CPU
-  kernels write the message straight into the shared segment and the owner's
+  its message (reference: the two ops). Between devices of one process and between
+  processes of one host the CPU kernels write the message straight into its
+  receiver's buffer (the shared segment across processes) and the owner's
   backward reads its sources' gradients there in place: no exchanged copy, no
   fresh buffer for the message.
 - On GPU (`EMBEDMESH_GPU_KERNELS`, see `embedmesh.device.ops.gpu`): XLA

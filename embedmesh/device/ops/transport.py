@@ -3,8 +3,9 @@
 One immutable value travels from `EmbeddingCore` through the sharding strategies
 (`embedmesh.device.strategies`) and the ops (`embedmesh.device.ops`) down to the
 kernels (`ops/cpu/kernels.py`), where it chooses among the shared memory of one
-process (exchange.cc), the POSIX shared memory of the processes of one host
-(host_exchange.cc) and XLA's collectives (`all_to_all`: gloo on CPU, NCCL on GPU).
+process and the POSIX shared memory of the processes of one host (the C++ kernels'
+two transports, `cpu/transport.h`) and XLA's collectives (`all_to_all`: gloo on CPU,
+NCCL on GPU).
 """
 
 from __future__ import annotations
