@@ -52,10 +52,7 @@ def _check_slot_kinds(name: str, opt, meta_table: dict) -> None:
 
 def _field_width(core, t, field: str) -> int:
     """The columns of a table's stored array `field` (its dim; a row slot's: 1)."""
-    opt = core.optimizer_of(t.stack)
-    if field in ("parameters", LOOKUP_FIELD) or opt is None or field not in opt.slot_names:
-        return t.dim
-    return opt.slot_width(field, t.dim)
+    return t.dim if field == LOOKUP_FIELD else core.field_width(t, field)
 
 
 def _local_shards(core, shape: tuple) -> list:
@@ -254,9 +251,10 @@ def core_restore(
 
         def target(i):
             t, _, field = todo[i]
-            if field == "parameters" or (field != LOOKUP_FIELD and t.stack in in_rows):
+            key = array_of(field, t.stack)
+            if key == "parameters":
                 return tables[t.stack]
-            if field == LOOKUP_FIELD:
+            if key == LOOKUP_FIELD:
                 return lookup.get(t.stack, tables[t.stack])
             return slots[t.stack][field]
 

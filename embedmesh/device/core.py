@@ -257,51 +257,45 @@ class EmbeddingCore:
         for spec in plan.stacks:
             placed = [plan.table(n) for n in spec.tables]
 
-            def pieces(j, device, placed=placed, source=None):
-                for t in placed:
-                    arr = source(t.name)
-                    if arr is not None:
-                        yield (
-                            t.local_row_offset,
-                            mod_sharding.table_shard(arr, plan, t, j)[:, : t.dim],
-                        )
+            def pieces(j, device, placed=placed, sources=()):
+                # `sources`: ((table name -> array or None, first column), ...)
+                for source, column in sources:
+                    for t in placed:
+                        arr = source(t.name)
+                        if arr is not None:
+                            rows = mod_sharding.table_shard(arr, plan, t, j)[:, : t.dim]
+                            yield t.local_row_offset, rows, column
+
+            def slot_source(slot):
+                return lambda n: slot_values.get(n, {}).get(slot)
 
             opt = self.optimizer_of(spec.name)
-            table_pieces = [functools.partial(pieces, source=lambda n: values.get(n))]
-            slots[spec.name] = {}
-            if opt is not None and spec.slot_columns:  # the slots' pieces in their columns
-                for slot in opt.slot_initial_values:
-                    src = lambda n, slot=slot: slot_values.get(n, {}).get(slot)
-                    column = spec.columns_of(slot)[0]
-                    table_pieces.append(
-                        lambda j, device, src=src, column=column: (
-                            (offset, rows, column) for offset, rows in pieces(j, device, source=src)
-                        )
-                    )
+            in_rows = opt is not None and bool(spec.slot_columns)
+            sources = [(values.get, 0)]  # with the slots in the rows: theirs too
+            if in_rows:
+                sources += [(slot_source(k), spec.columns_of(k)[0]) for k in opt.slot_names]
             tables[spec.name] = self._make_stack_array(
                 spec.name,
                 slots_in_rows.initial_row(spec, opt),
-                lambda j, device, parts=table_pieces: (
-                    piece for part in parts for piece in part(j, device)
-                ),
+                functools.partial(pieces, sources=sources),
             )
-            if opt is not None and not spec.slot_columns:
+            slots[spec.name] = {}
+            if opt is not None and not in_rows:
                 for slot, init in opt.slot_initial_values.items():
-                    src = lambda n, slot=slot: slot_values.get(n, {}).get(slot)
                     slots[spec.name][slot] = self._make_stack_array(
                         spec.name,
                         init,
-                        functools.partial(pieces, source=src),
+                        functools.partial(pieces, sources=[(slot_source(slot), 0)]),
                         opt.slot_width(slot, spec.dim),
                     )
         return EmbeddingState(
             tables, slots, jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)
         )
 
-    def read_table(self, stack_array: jax.Array, table, column: int = 0) -> np.ndarray:
-        """The logical `[V, dim]` numpy array of one table from a stack array (its columns
-        from `column`: a slot kept in the rows, `field_array`)."""
-        return stack_tables.read_table(self, stack_array, table, column)
+    def read_table(self, stack_array: jax.Array, table) -> np.ndarray:
+        """The logical `[V, dim]` numpy array of one table from a stack array (a field of
+        a stack that keeps its slots in its rows: `read_field`)."""
+        return stack_tables.read_table(self, stack_array, table)
 
     def read_field(self, state: EmbeddingState, table, field: str = "parameters") -> np.ndarray:
         """Table `table`'s `field` ("parameters" or a slot name) of `state`, `[V, dim]`

@@ -35,7 +35,6 @@ class SlotsInRows:
     slot_columns: tuple  # ((slot, first column, width), ...)
 
     slot_names: tuple = ()
-    slot_initial_values: dict = dataclasses.field(default_factory=dict, compare=False)
     fused_kernel: None = None
 
     @property

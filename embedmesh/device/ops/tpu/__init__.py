@@ -43,9 +43,6 @@ from embedmesh.device.ops.gpu import xla  # XLA's ops told what the op guarantee
 __all__ = ["ENABLED", "KERNELS", "LANES", "ROW_READ", "gather_columns", "lane_width", "ready"]
 
 ENABLED = True
-# A lookup of a stack with its slots in its rows reads the parameters' vregs with XLA's
-# gather of part of each row (True) or gathers whole rows, then slices (False).
-PARTIAL_GATHER = False
 
 
 LANES = 128
@@ -115,8 +112,9 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
 
 def gather_columns(table, ids, columns: int):
     """`table[ids, :columns]`, zero rows for ids outside the table: XLA's gather reading
-    only those columns of each row (a stack keeping its slots in its rows: the
-    parameters' whole vregs)."""
+    only those columns of each row. On a v5e it took 126 ms for 117k rows of 256 lanes
+    against 1.9 ms for whole rows then a slice (`benchmarks/tpu_gather_probe.py`), so the
+    lookups gather whole rows; kept for that probe."""
     dnums = jax.lax.GatherDimensionNumbers(
         offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)
     )
@@ -140,12 +138,10 @@ def segment_gather_sum_mapped(
         rows = reference.gather_rows(src, src_map).astype(jnp.float32)
     else:  # whole vregs moved and summed (the MXU's work is a vreg's), the rest cut after
         lanes = min(lane_width(columns), src.shape[1])
-        if lanes == src.shape[1] or PARTIAL_GATHER:
-            rows = gather_columns(src, src_map, lanes)
-        else:  # whole rows, then the parameters' vregs (the barrier keeps XLA from fusing
-            # the slice into the gather: a gather of part of each row)
-            rows = jax.lax.optimization_barrier(reference.gather_rows(src, src_map))
-            rows = rows[:, :lanes]
+        rows = reference.gather_rows(src, src_map)
+        if lanes < src.shape[1]:  # the parameters' vregs of whole rows: the barrier keeps
+            # XLA from fusing the slice into the gather (`gather_columns`, 66x slower)
+            rows = jax.lax.optimization_barrier(rows)[:, :lanes]
         rows = rows.astype(jnp.float32)
         if lanes != columns:
             rows = jnp.where(jnp.arange(lanes) < columns, rows, 0.0)  # no slot is summed
