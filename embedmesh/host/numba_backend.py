@@ -4,9 +4,10 @@ Importing this module imports numba (`embedmesh.host.preprocess` does that at
 first use, never at `import embedmesh`). Module-level `@njit` functions, cached
 on disk (`cache=True`), taking arrays and a few ints:
 
-- `table_kernel`: one table's features for one local device, appended to the
-  stack's partitions (radix sort per (table, device) block, one pass to
-  merge duplicates and fill);
+- `table_sort`: one table's features for one local device, keyed and sorted
+  (radix sort per (table, device) block; the tables of a stack in parallel);
+- `table_fill`: its sorted entries appended to the stack's partitions (one pass
+  to merge duplicates and fill; a stack's tables in row order);
 - `fill_padding`: the padding after the last kept entry of every partition.
 
 A table's scalar parameters travel in one int64 array (`table_params`, indexed
@@ -25,7 +26,7 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["COUNTERS", "KERNEL_LAYOUTS", "fill_padding", "table_kernel", "table_params"]
+__all__ = ["COUNTERS", "KERNEL_LAYOUTS", "fill_padding", "table_fill", "table_params", "table_sort"]
 
 # The row layouts whose kernel_params the kernel understands.
 KERNEL_LAYOUTS = ("mod",)
@@ -90,47 +91,41 @@ def table_params(
 
 
 @njit(cache=True, nogil=True)
-def table_kernel(
-    ids, weights, splits, fmeta, params, d, unique_ids, pair_rows, pair_unique, pair_gains, counts
-):  # pragma: no cover (compiled)
-    """One table's features for local device `d`, appended to its partitions.
+def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no cover (compiled)
+    """The first half of one table's work for local device `d`: its entries keyed and
+    sorted. Tables of a stack sort independently (a thread each); `table_fill` then
+    appends them to the partitions in row order.
 
     `ids`, `weights` (empty: all ones), `splits`: the table's features
     concatenated; `fmeta[f] = (first split index, rows per device, buffer row
-    offset, combiner code)`; `params`: `table_params`. Outputs `[D, N, U|P]`,
-    counters `[COUNTERS, D, N]` carried over from the stack's previous tables.
+    offset, combiner code)`; `params`: `table_params`.
 
     The (table, device) block is sorted by key `shard * rows_per_shard +
     block row` (a stable LSD radix sort, so entries with one key stay in entry
-    order, i.e. in output-row order), then one pass per shard merges
-    duplicates and appends to the partition. Sort values pack the key above
+    order, i.e. in output-row order). Sort values pack the key above
     `low_bits` bits holding the output row (unweighted) or the entry's index
     in the block (weighted).
 
-    Returns `(bad, dropped)`: the first entry whose id is outside the table
-    (-1: none; nothing is written then), and the input entries dropped for
-    capacity.
+    Returns `(bad, sorted values, per-shard starts [n_shards + 1], gain, orow,
+    row_scale)`: `bad` is the first entry whose id is outside the table (-1: none;
+    the arrays are then meaningless); `gain`/`orow` (weighted) or `row_scale`
+    (unweighted) are what `table_fill` reads through the values' low bits.
     """
-    n_shards = unique_ids.shape[1]
     span = params[P_SPAN]
     first_shard = params[P_FIRST_SHARD]
     rotation = params[P_ROTATION]
     shard_shift = params[P_SHARD_SHIFT]
     rps = params[P_ROWS_PER_SHARD]
-    local_off = params[P_LOCAL_ROW_OFFSET]
     vocab = params[P_VOCAB]
     nbits = params[P_KEY_BITS]
     low_bits = params[P_LOW_BITS]
     row_base = params[P_ROW_BASE]
     row_span = params[P_ROW_SPAN]
-    cap_u = params[P_CAP_UNIQUE]
-    cap_p = params[P_CAP_PAIRS]
     has_w = weights.shape[0] > 0
     n_feat = fmeta.shape[0]
     passes = (nbits + 10) // 11  # LSD radix sort: <= 11 bits a pass
     bits = (nbits + passes - 1) // passes if passes else 1
     mask = (1 << bits) - 1
-    low_mask = (np.int64(1) << low_bits) - 1
     m = 0
     for f in range(n_feat):
         sb = fmeta[f, 0]
@@ -174,7 +169,7 @@ def table_kernel(
             for k in range(s, e):
                 v = np.int64(ids[k])
                 if v < 0 or v >= vocab:
-                    return k, 0
+                    return k, vals, per_shard, gain, orow, row_scale
                 if shard_shift >= 0:
                     q = v >> shard_shift
                     rem = v & (span - 1)
@@ -223,6 +218,40 @@ def table_kernel(
         srt, dst = dst, srt
     for j in range(n_shards):
         per_shard[j + 1] += per_shard[j]
+    return -1, srt, per_shard, gain, orow, row_scale
+
+
+@njit(cache=True, nogil=True)
+def table_fill(
+    srt,
+    per_shard,
+    gain,
+    orow,
+    row_scale,
+    params,
+    d,
+    unique_ids,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    counts,
+):  # pragma: no cover (compiled)
+    """The second half: one table's sorted entries (`table_sort`'s outputs) for local
+    device `d`, appended to its partitions (outputs `[D, N, U|P]`, counters
+    `[COUNTERS, D, N]` carried over from the stack's previous tables, so tables run in
+    row order here): one pass per shard merges duplicates and appends.
+
+    Returns the input entries dropped for capacity.
+    """
+    n_shards = unique_ids.shape[1]
+    rps = params[P_ROWS_PER_SHARD]
+    local_off = params[P_LOCAL_ROW_OFFSET]
+    low_bits = params[P_LOW_BITS]
+    row_base = params[P_ROW_BASE]
+    cap_u = params[P_CAP_UNIQUE]
+    cap_p = params[P_CAP_PAIRS]
+    has_w = row_scale.shape[0] == 0  # table_sort's row_scale: empty when weighted
+    low_mask = (np.int64(1) << low_bits) - 1
     n_drop = 0
     for j in range(n_shards):
         t0 = per_shard[j]
@@ -292,7 +321,7 @@ def table_kernel(
         counts[C_PAIR_TOTAL, d, j] = pc
         counts[C_UNIQUE_KEPT, d, j] = uk
         counts[C_PAIR_KEPT, d, j] = pk
-    return -1, n_drop
+    return n_drop
 
 
 @njit(cache=True, nogil=True)
