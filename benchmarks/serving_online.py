@@ -10,8 +10,20 @@ share the numpy tables' memory) and the same requests:
   `RaggedTensor`s, with `set_host_threads(1)` (each client thread is one core's work);
 - em-numpy: the same under `embedmesh.serving.lookup.set_numpy_outputs(True)` (numpy
   outputs, no jax arrays);
+- em-np-release / em-np-hold: em-numpy under the other GIL policies, for A/B (the
+  default: a request of fewer than 32k ids keeps the GIL through its kernels while no
+  other thread is inside a lookup; release: every request releases it,
+  `fast_path.hold_gil_below(0)`; hold: a request under 32k ids keeps it whatever other
+  threads do, `fast_path.release_when_shared(False)`; nohandoff: the default without
+  the hand-over, `fast_path.gil_handoff_us(0)`);
 - torch: `torch.nn.functional.embedding_bag(ids, table, offsets, mode=...)` a feature,
-  under `torch.inference_mode()`, `torch.set_num_threads(1)`.
+  under `torch.inference_mode()`, `torch.set_num_threads(1)`;
+- tf: TensorFlow's `tf.tpu.experimental.embedding.serving_embedding_lookup` in a
+  `tf.function` (one trace: a ragged input signature) on `tf.RaggedTensor`s built
+  before timing, TensorFlow's intra- and inter-op pools of `--tf-threads` (1) threads
+  each: TF runs a graph's ops on its pools, not on the calling threads, so with N
+  clients it has those threads (a run with `--tf-threads 2` gives it 2). Skipped,
+  saying why, where TensorFlow does not import.
 
 Closed loop: N client threads (1, 2, 4) each send the next request as soon as the
 last is answered, for `--seconds`; every request's latency is recorded. Reported per
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -41,7 +54,7 @@ import time
 import numpy as np
 
 import embedmesh as em
-from embedmesh.serving import set_host_threads
+from embedmesh.serving import fast_path, set_host_threads
 from embedmesh.serving.lookup import set_numpy_outputs
 
 try:
@@ -49,6 +62,11 @@ try:
     import torch.nn.functional as F
 except ImportError:  # embedmesh alone
     torch = None
+
+try:
+    import tensorflow as tf
+except Exception as e:  # noqa: BLE001 - not installed, or broken: say why and go on
+    tf, TF_REASON = None, f"{type(e).__name__}: {e}"
 
 N_FEATURES = 26
 DIMS = (16, 32, 64, 128)
@@ -88,11 +106,62 @@ def make_requests(features, max_ids, batch: int, n: int, vocab: int, seed: int):
     return out
 
 
-def embedmesh_call(features, tables, numpy_outputs: bool = False):
+GIL_POLICIES = {  # (hold_gil_below, release_when_shared, gil_handoff_us)
+    "auto": (32768, True, 200),
+    "release": (0, True, 200),
+    "hold": (32768, False, 200),
+    "nohandoff": (32768, True, 0),
+}
+
+
+def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "auto"):
     def call(req):
         return em.serving_embedding_lookup(req[0], None, tables, features)
 
-    call.setup = lambda: set_numpy_outputs(numpy_outputs)  # before each cell
+    def setup():  # before each cell
+        set_numpy_outputs(numpy_outputs)
+        below, shared, handoff = GIL_POLICIES[gil]
+        fast_path.hold_gil_below(below)
+        fast_path.release_when_shared(shared)
+        fast_path.gil_handoff_us(handoff)
+
+    call.setup = setup
+    return call
+
+
+def tf_call(features, tables):
+    """TensorFlow's serving lookup in one tf.function; a request's inputs are made into
+    tf.RaggedTensors before timing (`call.convert`)."""
+    emb = tf.tpu.experimental.embedding
+    tcs, fcs, tabs = {}, {}, {}
+    for name, f in features.items():
+        t = f.table
+        tc = emb.TableConfig(
+            vocabulary_size=t.vocabulary_size, dim=t.dim, combiner=t.combiner, name=t.name
+        )
+        tcs[name] = tc
+        fcs[name] = emb.FeatureConfig(table=tc, name=name)
+        tabs[tc] = tf.constant(tables[t])
+    spec = {
+        n: tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1, row_splits_dtype=tf.int64)
+        for n in features
+    }
+
+    @tf.function(input_signature=[spec])
+    def lookup(inputs):
+        return emb.serving_embedding_lookup(inputs, None, tabs, fcs)
+
+    def call(req):
+        out = lookup(req[2])
+        return [out[n] for n in features]
+
+    def convert(req):
+        return {
+            n: tf.RaggedTensor.from_row_splits(r.values, np.asarray(r.row_splits, np.int64))
+            for n, r in req[0].items()
+        }
+
+    call.convert = convert
     return call
 
 
@@ -148,14 +217,19 @@ def closed_loop(call, requests, clients: int, seconds: float, busy: bool = False
     return all_lat, len(all_lat) / elapsed
 
 
-def check(features, tables, requests):
+def check(features, tables, requests, tf_lookup=None):
+    """max |embedmesh - torch| (and |tf - torch|) on a request, asserting allclose."""
     got = embedmesh_call(features, tables)(requests[0])
     want = torch_call(features, tables)(requests[0])
-    worst = 0.0
+    worst, worst_tf = 0.0, 0.0
     for name, w in zip(features, want):
         np.testing.assert_allclose(got[name], w.numpy(), rtol=1e-5, atol=1e-5)
         worst = max(worst, float(np.max(np.abs(np.asarray(got[name]) - w.numpy()))))
-    return worst
+    if tf_lookup is not None:
+        for t, w in zip(tf_lookup(requests[0]), want):
+            np.testing.assert_allclose(t.numpy(), w.numpy(), rtol=1e-5, atol=1e-5)
+            worst_tf = max(worst_tf, float(np.max(np.abs(t.numpy() - w.numpy()))))
+    return worst, worst_tf
 
 
 def main(argv=None):
@@ -168,7 +242,17 @@ def main(argv=None):
     p.add_argument("--clients", default=",".join(map(str, CLIENTS)))
     p.add_argument("--no-busy", action="store_true", help="skip the busy-thread cells")
     p.add_argument("--json", help="write every round's figures here")
+    p.add_argument(
+        "--contenders",
+        default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
+        help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, torch, tf",
+    )
+    p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
     args = p.parse_args(argv)
+    wanted = args.contenders.split(",")
+    if tf is not None and "tf" in wanted:  # before TensorFlow runs anything
+        tf.config.threading.set_intra_op_parallelism_threads(args.tf_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.tf_threads)
     batches = [int(b) for b in args.batches.split(",")]
     client_counts = [int(c) for c in args.clients.split(",")]
 
@@ -179,16 +263,37 @@ def main(argv=None):
     reqs = {
         b: make_requests(features, max_ids, b, args.requests, args.vocab, seed=b) for b in batches
     }
-    contenders = {
-        "embedmesh": embedmesh_call(features, tables),
-        "em-numpy": embedmesh_call(features, tables, numpy_outputs=True),
+    makers = {
+        "embedmesh": lambda: embedmesh_call(features, tables),
+        "em-numpy": lambda: embedmesh_call(features, tables, numpy_outputs=True),
+        "em-np-release": lambda: embedmesh_call(features, tables, True, "release"),
+        "em-np-hold": lambda: embedmesh_call(features, tables, True, "hold"),
+        "em-np-nohandoff": lambda: embedmesh_call(features, tables, True, "nohandoff"),
     }
     if torch is not None:
-        contenders["torch"] = torch_call(features, tables)
+        makers["torch"] = lambda: torch_call(features, tables)
+    elif "torch" in wanted:
+        print("torch not importable: skipped", file=sys.stderr)
+    if tf is not None:
+        makers["tf"] = lambda: tf_call(features, tables)
+    elif "tf" in wanted:
+        print(f"tensorflow skipped, not importable ({TF_REASON})")
+    contenders = {name: makers[name]() for name in wanted if name in makers}
+    if "tf" in contenders:
+        for b in batches:  # TF's inputs made before timing, as torch's are
+            reqs[b] = [(*q[:2], contenders["tf"].convert(q)) for q in reqs[b]]
+    if torch is not None:
         for b in batches:
-            print(f"batch {b}: max |embedmesh - torch| {check(features, tables, reqs[b]):.2e}")
-    else:
-        print("torch not importable: embedmesh alone", file=sys.stderr)
+            worst, worst_tf = check(features, tables, reqs[b], contenders.get("tf"))
+            print(
+                f"batch {b}: max |embedmesh - torch| {worst:.2e}"
+                + (f", |tf - torch| {worst_tf:.2e}" if "tf" in contenders else "")
+            )
+    print(
+        f"versions: numpy {np.__version__}"
+        + (f", torch {torch.__version__}" if torch is not None else "")
+        + (f", tensorflow {tf.__version__} ({args.tf_threads} threads)" if tf else "")
+    )
     ids = {
         b: np.mean([sum(len(r.values) for r in q[0].values()) for q in reqs[b]]) for b in batches
     }
@@ -200,6 +305,7 @@ def main(argv=None):
                 call(r)
 
     rounds = []  # per round: {(contender, batch, clients or "busy"): (p50, p99, rps)}
+    loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         cells = {}
         names = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
@@ -220,14 +326,16 @@ def main(argv=None):
                         rps,
                     )
         rounds.append(cells)
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+        loads.append(os.getloadavg()[0])
+        print(f"round {r + 1}/{args.rounds} done (load {loads[-1]:.1f})", file=sys.stderr)
 
     def med(f):
         return statistics.median(f(c) for c in rounds)
 
     print(
         f"\n{len(rounds)} rounds x {args.seconds} s a cell; medians over rounds "
-        "(latencies in us; ratios are medians of per-round ratios)"
+        "(latencies in us; ratios are medians of per-round ratios); 1-minute load average "
+        f"{min(loads):.1f}-{max(loads):.1f} over the run"
     )
     head = "contender  batch clients    p50    p99  p99/p50   req/s  rps/1-client"
     print(head)
@@ -254,6 +362,47 @@ def main(argv=None):
                         f"{med(lambda c: c[e][1] / c[t][1]):10.2f} "
                         f"{med(lambda c: c[e][2] / c[t][2]):12.2f}"
                     )
+    modes = client_counts + ([] if args.no_busy else ["busy"])
+    print(
+        "\nsummary (markdown): p50 us at 1 client; p50 and p99 / torch's; p99/p50 at 2 and 4"
+        " clients; requests/s at 2 and 4 clients / at 1; beside a busy thread / alone"
+    )
+    print(
+        "| contender | batch | p50 us | p50/torch 1 / 2 / 4 | p99/torch 1 / 2 / 4 |"
+        " p99/p50 2 / 4 | req/s 2c/1c | 4c/1c | busy/alone |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def cell(k, i):
+        return med(lambda c: c[k][i]) if all(k in c for c in rounds) else float("nan")
+
+    def vs(name, b, i):
+        if "torch" not in contenders:
+            return "-"
+        return " / ".join(
+            f"{med(lambda c: c[(name, b, n)][i] / c[('torch', b, n)][i]):.2f}"
+            for n in client_counts
+        )
+
+    def per(name, b, n, f):
+        if n not in modes:
+            return "-"
+        return f"{med(lambda c: f(c, n)):.2f}"
+
+    for name in contenders:
+        for b in batches:
+            spread = " / ".join(
+                per(name, b, n, lambda c, n: c[(name, b, n)][1] / c[(name, b, n)][0])
+                for n in (2, 4)
+            )
+            scale = [
+                per(name, b, n, lambda c, n: c[(name, b, n)][2] / c[(name, b, 1)][2])
+                for n in (2, 4, "busy")
+            ]
+            print(
+                f"| {name} | {b} | {cell((name, b, 1), 0) * 1e6:.0f} | {vs(name, b, 0)} |"
+                f" {vs(name, b, 1)} | {spread} | {scale[0]} | {scale[1]} | {scale[2]} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

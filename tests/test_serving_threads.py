@@ -12,6 +12,7 @@ requests, or scratch state shared by two, shows as a wrong value. No timing.
 import threading
 
 import hypothesis.strategies as st
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -116,12 +117,14 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(params=["alone", "release", "pool", "numpy"])
+@pytest.fixture(params=["alone", "release", "hold", "pool", "numpy"])
 def pool(request):
     """release: every request releases the GIL while its kernels run (by default small
-    ones keep it); pool: every request asks the C++ pool for 4 threads (one entry a
-    thread is enough), so requests find it busy or take it while others run; numpy:
-    outputs are the output pool's buffers themselves (`set_numpy_outputs`)."""
+    ones keep it while no other thread is in a lookup); hold: every request keeps it,
+    other threads in a lookup or not; pool: every request asks the C++ pool for 4
+    threads (one entry a thread is enough), so requests find it busy or take it while
+    others run; numpy: outputs are the output pool's buffers themselves
+    (`set_numpy_outputs`)."""
     if request.param == "alone":
         yield
         return
@@ -139,6 +142,16 @@ def pool(request):
         yield
         if previous is not None:
             fast_path.hold_gil_below(previous)
+        return
+    if request.param == "hold":
+        from embedmesh.serving import fast_path
+
+        previous = fast_path.hold_gil_below(2**62)
+        shared = fast_path.release_when_shared(False)
+        yield
+        if previous is not None:
+            fast_path.hold_gil_below(previous)
+            fast_path.release_when_shared(shared)
         return
     from embedmesh.serving import native, set_host_threads
 
@@ -163,6 +176,26 @@ def test_lookup_from_threads(pool, tables, shapes):
 
     expected = [call(r) for r in requests]
     _concurrently(call, requests, expected)
+
+
+def test_in_flight_count_returns_to_zero():
+    """The GIL policy's count of threads inside a lookup: back to 0 after threads, after
+    a request that raised, and after a traced one."""
+    from embedmesh.serving import fast_path
+
+    requests = [_request(s, b, 6) for s, b in enumerate((1, 8, 64))]
+    expected = [em.serving_embedding_lookup(r, None, TABLES, FEATURES) for r in requests]
+    _concurrently(
+        lambda r: em.serving_embedding_lookup(r, None, TABLES, FEATURES), requests, expected
+    )
+    assert fast_path.in_flight() == 0
+    bad = {"fa": em.RaggedTensor(np.array([A.vocabulary_size]), np.array([0, 1]))}
+    with pytest.raises(ValueError):
+        em.serving_embedding_lookup(bad, None, TABLES, FEATURES)
+    assert fast_path.in_flight() == 0
+    traced = jax.jit(lambda ids: em.serving_embedding_lookup({"fa": ids}, None, TABLES, FEATURES))
+    traced(np.zeros((2, 3), np.int32))
+    assert fast_path.in_flight() == 0
 
 
 @pytest.mark.parametrize("tables", [TABLES, TABLES_INT8], ids=["float32", "int8"])

@@ -43,7 +43,14 @@ try:  # the same checks compiled (setup.py builds it; a checkout used without an
 except ImportError:  # pragma: no cover - the install builds it where a compiler is
     _compiled = None
 
-__all__ = ["lookup", "use_compiled"]
+__all__ = [
+    "gil_handoff_us",
+    "hold_gil_below",
+    "in_flight",
+    "lookup",
+    "release_when_shared",
+    "use_compiled",
+]
 
 _I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
 _KIND_BAG_CHECKED, _KIND_SPARSE_OFFSETS_BAG, _KIND_GATHER = 4, 3, 2
@@ -135,14 +142,55 @@ def use_compiled(on: bool) -> bool:
 
 def hold_gil_below(entries: int) -> int | None:
     """Requests of fewer than `entries` ids (summed or copied, all features) keep the GIL
-    while their kernels run in the compiled form (0: every request releases it; the
-    default is 4096); returns the previous value, None where the compiled form (or this
-    setting in it) was not built. Releasing the GIL costs a small request little alone,
+    while their kernels run in the compiled form, when no other thread is inside
+    `serving_embedding_lookup` (`release_when_shared`); 0: every request releases it;
+    the default is 32768. Returns the previous value, None where the compiled form (or
+    this setting in it) was not built. Releasing the GIL costs a request little alone,
     but beside a busy Python thread taking it back waits up to Python's switch interval
-    (`sys.getswitchinterval()`, 5 ms), against tens of microseconds of kernels below 4k
-    ids. The Python form's kernels go through ctypes, which always releases it."""
+    (`sys.getswitchinterval()`, 5 ms), against at most ~1 ms of kernels below 32k ids.
+    The Python form's kernels go through ctypes, which always releases it."""
     fn = getattr(_compiled, "set_hold_gil_below", None)
     return None if fn is None else fn(int(entries))
+
+
+def release_when_shared(on: bool) -> bool | None:
+    """Whether a request under `hold_gil_below` releases the GIL all the same while
+    other threads are inside `serving_embedding_lookup` (default True); returns the
+    previous setting, None where the compiled form was not built. Holding it then makes
+    the other threads wait for it until Python's switch interval forces it out: their
+    requests run one after the other, with ~5 ms waits in the tail."""
+    fn = getattr(_compiled, "set_release_when_shared", None)
+    return None if fn is None else fn(bool(on))
+
+
+def gil_handoff_us(us: int) -> int | None:
+    """How long a thread that released the GIL for its kernels, leaving other serving
+    threads waiting for it, waits after them (yielding its core) until one of those ran
+    before it takes the GIL back (0: no wait; default 200); returns the previous value,
+    None without the compiled form. Python's GIL is not fair: without the wait, a thread
+    that gives it up for a few us takes it back before a waiting one has woken, and
+    that one's wait starts again each time, for many ms."""
+    fn = getattr(_compiled, "set_handoff_us", None)
+    return None if fn is None else fn(int(us))
+
+
+def in_flight() -> int:
+    """Threads inside `serving_embedding_lookup` now, as the GIL policy counts them (0
+    without the compiled form)."""
+    fn = getattr(_compiled, "in_flight", None)
+    return 0 if fn is None else fn()
+
+
+def _nothing() -> None:
+    return None
+
+
+def in_flight_hooks() -> tuple:
+    """(enter, leave): what `serving_embedding_lookup` calls around its work, so the
+    compiled form knows how many threads are serving at once."""
+    if _compiled is None or not hasattr(_compiled, "enter"):
+        return _nothing, _nothing
+    return _compiled.enter, _compiled.leave
 
 
 def compiled_available() -> bool:

@@ -399,7 +399,21 @@ def serving_embedding_lookup(
     activations in the structure of `inputs`. Works on concrete arrays (host
     kernels, errors for bad ids) and inside `jax.jit`/`jax.export` (pure
     jax.numpy).
+
+    May be called from many threads at once (docs/serving.md#serving-from-many-threads).
     """
+    _enter()  # while others are inside it too, small requests release the GIL
+    try:
+        return _lookup(inputs, weights, tables, feature_config)
+    finally:
+        _leave()
+
+
+_enter, _leave = fast_path.in_flight_hooks()
+
+
+def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any) -> Any:
+    """`serving_embedding_lookup`'s work."""
     resolved = resolve_feature_config(feature_config)
     flat_inputs = flatten_inputs_like(resolved, inputs, "features")
     if weights is None:

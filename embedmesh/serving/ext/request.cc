@@ -17,11 +17,14 @@
 #endif
 #include <Python.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -37,14 +40,44 @@ OpenFn g_open = nullptr;
 AddFn g_add = nullptr;
 CloseFn g_close = nullptr;
 ThreadsFn g_threads_for = nullptr;
-// Requests of fewer entries (ids summed or copied) than this run their kernels with the
-// GIL held (set_hold_gil_below): releasing it costs a request nothing alone, but beside a
-// busy Python thread taking it back waits up to Python's switch interval (5 ms), far
-// longer than a small request's kernels (4k entries: tens of us; the runner wakes no
-// pool thread below 8k). 26 features, batch 8 (2.3k entries), same process, loaded
-// 2-core machine: 1.41x the requests/s beside a busy Python thread, 1.11x with 2
-// clients, p50 0.85x with 1 (benchmarks/RESULTS_serving.md, 2026-12-04).
-int64_t g_hold_gil_below = 4096;
+// The GIL policy. A request whose kernels sum or copy fewer entries (ids) than
+// g_hold_gil_below keeps the GIL while they run, unless another thread is inside a host
+// lookup too (g_in_flight > 1): then it releases it, as every larger request does.
+// - Alone, releasing costs a small request nothing, but beside a busy Python thread
+//   (one that is not serving) taking the GIL back waits up to Python's switch interval
+//   (5 ms), far longer than the kernels (32k entries: ~1 ms on one core, within what
+//   Python lets one thread hold it before it asks for it back).
+// - With other threads serving, the one that holds the GIL through its kernels makes
+//   them wait for it until the switch interval forces it out: the requests run one
+//   after the other, and the waits show as a p99 of ~5 ms. Released, the next thread
+//   takes it as soon as the kernels start, and its Python runs beside them.
+// Measured with benchmarks/serving_online.py (benchmarks/RESULTS_serving.md).
+int64_t g_hold_gil_below = 32768;
+// Threads inside a host lookup (enter / leave around serving_embedding_lookup); changed
+// and read only with the GIL held, so a plain integer.
+int64_t g_in_flight = 0;
+// The hand-over. Python's GIL is not fair: a thread that gives it up for a few us of
+// kernels takes it back before a waiting thread has woken, and each time it does, the
+// waiting thread's 5 ms wait starts again (CPython 3.11-3.13 take_gil: a drop request
+// only when no switch happened in the interval), so short releases starve the other
+// clients for many ms. After its kernels, a thread that left others waiting waits (at
+// most g_handoff_us, yielding its core) until one of them shows it ran: g_progress
+// moves whenever a thread enters or leaves a lookup or takes the GIL back after its
+// kernels. g_in_kernels: threads in their kernels without the GIL (so not waiting).
+std::atomic<int64_t> g_progress{0};
+std::atomic<int64_t> g_in_kernels{0};
+int64_t g_handoff_us = 200;
+
+void wait_for_progress(int64_t seen, int64_t us) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  while (g_progress.load() == seen && std::chrono::steady_clock::now() < until) {
+    std::this_thread::yield();
+  }
+}
+
+// Whether a small request releases the GIL when others are in flight (false: the size
+// alone decides; kept for A/B, set_release_when_shared).
+bool g_release_when_shared = true;
 
 // A buffer view released with its holder.
 struct View {
@@ -310,18 +343,29 @@ struct Request {
   void* handle = nullptr;
   std::vector<int64_t> results;
   int64_t added = 0;
-  int64_t entries = 0;  // what the kernels sum or copy (the GIL kept below g_hold_gil_below)
+  int64_t entries = 0;  // what the kernels sum or copy (see g_hold_gil_below)
   ~Request() { close(); }
   void close() {
     if (handle == nullptr) return;
     results.assign(static_cast<size_t>(added > 0 ? added : 1), -1);
-    if (entries < g_hold_gil_below) {
+    const bool shared = g_in_flight > 1;
+    if (entries < g_hold_gil_below && (!shared || !g_release_when_shared)) {  // kept
       g_close(handle, results.data());
-    } else {
-      Py_BEGIN_ALLOW_THREADS;  // the kernels may run ~ms: other Python threads go on
-      g_close(handle, results.data());
-      Py_END_ALLOW_THREADS;
+      handle = nullptr;
+      return;
     }
+    // Threads in a lookup that are neither here nor in their kernels wait for the GIL
+    // (or run with it): let one of them take it before this thread asks for it again.
+    const int64_t in_kernels = g_in_kernels.fetch_add(1) + 1;
+    const bool hand_over = shared && g_handoff_us > 0 && g_in_flight > in_kernels;
+    const int64_t seen = g_progress.load();
+    const int64_t handoff_us = g_handoff_us;
+    Py_BEGIN_ALLOW_THREADS;  // the kernels may run ~ms: other Python threads go on
+    g_close(handle, results.data());
+    g_in_kernels.fetch_sub(1);
+    if (hand_over) wait_for_progress(seen, handoff_us);
+    Py_END_ALLOW_THREADS;
+    g_progress.fetch_add(1);  // this thread has the GIL again
     handle = nullptr;
   }
   bool ok() const {
@@ -459,7 +503,8 @@ PyObject* bind(PyObject*, PyObject* args) {
 }
 
 // set_hold_gil_below(n) -> the previous value: requests of fewer than n entries keep the
-// GIL while their kernels run (0: every request releases it; default 4096).
+// GIL while their kernels run when no other thread is inside a host lookup (0: every
+// request releases it; default 32768).
 PyObject* set_hold_gil_below(PyObject*, PyObject* args) {
   long long n;
   if (!PyArg_ParseTuple(args, "L", &n)) return nullptr;
@@ -468,9 +513,52 @@ PyObject* set_hold_gil_below(PyObject*, PyObject* args) {
   return PyLong_FromLongLong(previous);
 }
 
+// enter() / leave(): a thread starts / ends a host lookup (serving_embedding_lookup
+// calls them around its work); in_flight() -> how many are inside one now.
+PyObject* enter(PyObject*, PyObject*) {
+  ++g_in_flight;
+  g_progress.fetch_add(1);
+  Py_RETURN_NONE;
+}
+
+PyObject* leave(PyObject*, PyObject*) {
+  if (g_in_flight > 0) --g_in_flight;
+  g_progress.fetch_add(1);
+  Py_RETURN_NONE;
+}
+
+// set_handoff_us(us) -> the previous value: how long a thread waits, after its kernels,
+// for a thread it left waiting for the GIL to run (0: no wait; default 200).
+PyObject* set_handoff_us(PyObject*, PyObject* args) {
+  long long us;
+  if (!PyArg_ParseTuple(args, "L", &us)) return nullptr;
+  const int64_t previous = g_handoff_us;
+  g_handoff_us = us < 0 ? 0 : us;
+  return PyLong_FromLongLong(previous);
+}
+
+PyObject* in_flight(PyObject*, PyObject*) { return PyLong_FromLongLong(g_in_flight); }
+
+// set_release_when_shared(on) -> the previous setting: whether a small request releases
+// the GIL while other threads are inside a host lookup (default true).
+PyObject* set_release_when_shared(PyObject*, PyObject* args) {
+  int on;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  const bool previous = g_release_when_shared;
+  g_release_when_shared = on != 0;
+  return PyBool_FromLong(previous);
+}
+
 PyMethodDef kMethods[] = {
     {"set_hold_gil_below", set_hold_gil_below, METH_VARARGS,
-     "Requests of fewer entries keep the GIL while their kernels run."},
+     "Requests of fewer entries keep the GIL while their kernels run, when alone."},
+    {"set_release_when_shared", set_release_when_shared, METH_VARARGS,
+     "Whether a small request releases the GIL while others are in a lookup."},
+    {"set_handoff_us", set_handoff_us, METH_VARARGS,
+     "How long a thread waits for one it left waiting for the GIL to run."},
+    {"enter", enter, METH_NOARGS, "A thread starts a host lookup."},
+    {"leave", leave, METH_NOARGS, "A thread ends a host lookup."},
+    {"in_flight", in_flight, METH_NOARGS, "Threads inside a host lookup now."},
     {"lookup", lookup, METH_VARARGS, "A request's common features on the C++ kernels."},
     {"bind", bind, METH_VARARGS, "Bind the serving library's runner functions."},
     {nullptr, nullptr, 0, nullptr},
