@@ -117,11 +117,12 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(params=["alone", "release", "hold", "pool", "numpy"])
+@pytest.fixture(params=["alone", "release", "hold", "buffers", "pool", "numpy"])
 def pool(request):
     """release: every request releases the GIL while its kernels run (by default small
     ones keep it while no other thread is in a lookup); hold: every request keeps it,
-    other threads in a lookup or not; pool: every request asks the C++ pool for 4
+    other threads in a lookup or not; buffers: each output its own buffer from the pool
+    (by default a request's outputs are views of one); pool: every request asks the C++ pool for 4
     threads (one entry a thread is enough), so requests find it busy or take it while
     others run; numpy: outputs are the output pool's buffers themselves
     (`set_numpy_outputs`)."""
@@ -142,6 +143,14 @@ def pool(request):
         yield
         if previous is not None:
             fast_path.hold_gil_below(previous)
+        return
+    if request.param == "buffers":
+        from embedmesh.serving import fast_path
+
+        previous = fast_path.one_buffer(False)
+        yield
+        if previous is not None:
+            fast_path.one_buffer(previous)
         return
     if request.param == "hold":
         from embedmesh.serving import fast_path

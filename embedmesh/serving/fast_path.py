@@ -47,6 +47,7 @@ __all__ = [
     "gil_handoff_us",
     "hold_gil_below",
     "in_flight",
+    "one_buffer",
     "lookup",
     "release_when_shared",
     "use_compiled",
@@ -172,6 +173,17 @@ def gil_handoff_us(us: int) -> int | None:
     that one's wait starts again each time, for many ms."""
     fn = getattr(_compiled, "set_handoff_us", None)
     return None if fn is None else fn(int(us))
+
+
+def one_buffer(on: bool) -> bool | None:
+    """Whether a request's outputs in the compiled form are views of one buffer taken
+    from the output pool for the request (default True), each 64-byte aligned, or each
+    its own buffer (the Python form's way); returns the previous setting, None without
+    the compiled form. A buffer from the pool costs ~4 us of Python: 26 features at
+    batch 1, numpy outputs, 124 -> 60 us a request (benchmarks/RESULTS_serving.md). A
+    view held keeps the whole request's buffer from reuse."""
+    fn = getattr(_compiled, "set_one_buffer", None)
+    return None if fn is None else fn(bool(on))
 
 
 def in_flight() -> int:

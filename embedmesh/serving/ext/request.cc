@@ -160,6 +160,17 @@ PyObject* s_values = nullptr;  // interned attribute names
 PyObject* s_row_splits = nullptr;
 PyObject* s_indices = nullptr;
 PyObject* s_dense_shape = nullptr;
+PyObject* s_reshape = nullptr;
+
+// A feature's output elements.
+int64_t out_size(const Feature& f) {
+  int64_t size = 1;
+  for (int d = 0; d < f.out_ndim; ++d) size *= f.out_shape[d];
+  return size;
+}
+
+// Whether a request's outputs are views of one buffer (set_one_buffer; default true).
+bool g_one_buffer = true;
 
 // Weights: finite float32 of the ids' shape in one C-contiguous buffer of an np.ndarray.
 bool weights_ok(PyObject* ndarray, Feature& f, PyObject* weight) {
@@ -431,6 +442,29 @@ PyObject* lookup_checked(PyObject* args) {
   }
   Owned outs(PyList_New(n));
   if (outs.p == nullptr) return nullptr;
+  // One output buffer for the request (g_one_buffer): each feature's output a view of
+  // it, 64-byte aligned (jax wraps it without a copy); taking one buffer from the pool
+  // a feature cost ~4 us of Python each (a batch-1 request of 26 features: most of it).
+  std::vector<int64_t> starts(static_cast<size_t>(n), 0);
+  Owned block;
+  int64_t block_addr = 0;
+  if (g_one_buffer && tasks > 1) {
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const Feature* f = features[static_cast<size_t>(i)].get();
+      if (f == nullptr) continue;
+      starts[static_cast<size_t>(i)] = total;
+      total += (out_size(*f) + 15) / 16 * 16;  // floats: 64-byte steps
+    }
+    Owned shape(Py_BuildValue("(L)", static_cast<long long>(total > 0 ? total : 16)));
+    if (shape.p == nullptr) return nullptr;
+    Owned got(PyObject_CallFunctionObjArgs(alloc, shape.p, nullptr));
+    if (got.p == nullptr) return nullptr;
+    block.p = PyTuple_GetItem(got.p, 0);
+    block_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
+    if (block.p == nullptr || PyErr_Occurred()) return nullptr;
+    Py_INCREF(block.p);
+  }
   std::vector<std::unique_ptr<int64_t[]>> offsets;  // sparse features' bag offsets
   Request request;
   {
@@ -452,12 +486,27 @@ PyObject* lookup_checked(PyObject* args) {
       if (v == nullptr) return nullptr;
       PyTuple_SetItem(shape.p, d, v);
     }
-    Owned got(PyObject_CallFunctionObjArgs(alloc, shape.p, nullptr));
-    if (got.p == nullptr) return nullptr;
-    PyObject* out = PyTuple_GetItem(got.p, 0);
-    const int64_t out_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
-    if (out == nullptr || PyErr_Occurred()) return nullptr;
-    Py_INCREF(out);
+    PyObject* out = nullptr;
+    int64_t out_addr = 0;
+    if (block.p != nullptr) {  // a view of the request's one buffer
+      const int64_t start = starts[static_cast<size_t>(i)];
+      Owned lo(PyLong_FromLongLong(start)), hi(PyLong_FromLongLong(start + out_size(*f)));
+      if (lo.p == nullptr || hi.p == nullptr) return nullptr;
+      Owned range(PySlice_New(lo.p, hi.p, nullptr));
+      if (range.p == nullptr) return nullptr;
+      Owned flat(PyObject_GetItem(block.p, range.p));
+      if (flat.p == nullptr) return nullptr;
+      out = PyObject_CallMethodObjArgs(flat.p, s_reshape, shape.p, nullptr);
+      if (out == nullptr) return nullptr;
+      out_addr = block_addr + 4 * start;
+    } else {
+      Owned got(PyObject_CallFunctionObjArgs(alloc, shape.p, nullptr));
+      if (got.p == nullptr) return nullptr;
+      out = PyTuple_GetItem(got.p, 0);
+      out_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
+      if (out == nullptr || PyErr_Occurred()) return nullptr;
+      Py_INCREF(out);
+    }
     PyList_SetItem(outs.p, i, out);
     int64_t* w = f->words;
     if (f->kind == kGather) {
@@ -537,6 +586,16 @@ PyObject* set_handoff_us(PyObject*, PyObject* args) {
   return PyLong_FromLongLong(previous);
 }
 
+// set_one_buffer(on) -> the previous setting: whether a request's outputs are views of
+// one buffer taken for it (default true) or each its own buffer from the pool.
+PyObject* set_one_buffer(PyObject*, PyObject* args) {
+  int on;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  const bool previous = g_one_buffer;
+  g_one_buffer = on != 0;
+  return PyBool_FromLong(previous);
+}
+
 PyObject* in_flight(PyObject*, PyObject*) { return PyLong_FromLongLong(g_in_flight); }
 
 // set_release_when_shared(on) -> the previous setting: whether a small request releases
@@ -556,6 +615,8 @@ PyMethodDef kMethods[] = {
      "Whether a small request releases the GIL while others are in a lookup."},
     {"set_handoff_us", set_handoff_us, METH_VARARGS,
      "How long a thread waits for one it left waiting for the GIL to run."},
+    {"set_one_buffer", set_one_buffer, METH_VARARGS,
+     "Whether a request's outputs are views of one buffer."},
     {"enter", enter, METH_NOARGS, "A thread starts a host lookup."},
     {"leave", leave, METH_NOARGS, "A thread ends a host lookup."},
     {"in_flight", in_flight, METH_NOARGS, "Threads inside a host lookup now."},
@@ -574,6 +635,7 @@ PyMODINIT_FUNC PyInit__request(void) {
   s_row_splits = PyUnicode_InternFromString("row_splits");
   s_indices = PyUnicode_InternFromString("indices");
   s_dense_shape = PyUnicode_InternFromString("dense_shape");
-  if (!s_values || !s_row_splits || !s_indices || !s_dense_shape) return nullptr;
+  s_reshape = PyUnicode_InternFromString("reshape");
+  if (!s_values || !s_row_splits || !s_indices || !s_dense_shape || !s_reshape) return nullptr;
   return PyModule_Create(&kModule);
 }
