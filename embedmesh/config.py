@@ -19,8 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 COMBINERS = ("sum", "mean", "sqrtn")
+# The storage dtypes of a training table (`TableConfig.dtype`)
+TABLE_DTYPES = ("float32", "bfloat16", "float16")
 
 Initializer = Callable[[Any, Sequence[int], Any], Any]
 
@@ -102,6 +105,14 @@ class TableConfig:
 
     `quantization_config`: the table's lookups in training are quantized (see
     `QuantizationConfig`); tables with different ones never share a stack.
+
+    `dtype`: the table's storage type in training, `jnp.float32` (default),
+    `jnp.bfloat16` or `jnp.float16` (or their names). Lookups read rows in that type
+    and sum them in float32 (activations are float32); an update is computed in float32
+    and rounded to it stochastically (`embedmesh.device.rounding`: unbiased, reproducible
+    for the engine's seed). `slot_dtype`: the optimizer slots' type, None (default)
+    for float32, or the table's own dtype. Tables of different dtypes (or slot
+    dtypes) never share a stack.
     """
 
     vocabulary_size: int
@@ -111,6 +122,8 @@ class TableConfig:
     combiner: str = "mean"
     name: str | None = None
     quantization_config: QuantizationConfig | None = None
+    dtype: Any = jnp.float32
+    slot_dtype: Any = None
 
     def __post_init__(self):
         _require(
@@ -150,6 +163,15 @@ class TableConfig:
             self.quantization_config,
             "a QuantizationConfig or None",
         )
+        object.__setattr__(self, "dtype", self._storage_dtype("dtype", self.dtype))
+        if self.slot_dtype is not None:
+            slot = self._storage_dtype("slot_dtype", self.slot_dtype)
+            if slot not in (np.dtype(np.float32), self.dtype):
+                raise ValueError(
+                    f"TableConfig {self.name or '<unnamed>'}: slot_dtype must be None, "
+                    f"float32 or the table's dtype ({self.dtype.name}), got {slot.name}"
+                )
+            object.__setattr__(self, "slot_dtype", slot)
         if self.optimizer is not None:
             # local: optimizers imports nothing here
             from embedmesh.optimizers import Optimizer, optimizer_class_names
@@ -162,6 +184,25 @@ class TableConfig:
                 f"an embedmesh optimizer ({optimizer_class_names()}) or None",
             )
         object.__setattr__(self, "_creation_index", next(_TABLE_COUNTER))
+
+    def _storage_dtype(self, field: str, value) -> np.dtype:
+        """`value` as a numpy dtype of `TABLE_DTYPES`, else a ValueError naming the table."""
+        try:
+            dtype = np.dtype(value)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.name not in TABLE_DTYPES:
+            raise ValueError(
+                f"TableConfig {self.name or '<unnamed>'}: {field} must be one of "
+                f"{', '.join(TABLE_DTYPES)} (jnp.float32, jnp.bfloat16, jnp.float16), "
+                f"got {value!r}"
+            )
+        return dtype
+
+    @property
+    def storage_slot_dtype(self) -> np.dtype:
+        """The optimizer slots' dtype: `slot_dtype`, or float32 where it is None."""
+        return self.slot_dtype if self.slot_dtype is not None else np.dtype(np.float32)
 
     def _order_key(self) -> tuple:
         index: int = self.__dict__["_creation_index"]  # set once, in __post_init__
@@ -198,7 +239,10 @@ class TableConfig:
             f"TableConfig(vocabulary_size={self.vocabulary_size}, dim={self.dim}, "
             f"initializer={init or self.initializer}, optimizer={self.optimizer!r}, "
             f"combiner={self.combiner!r}, name={self.name!r}, "
-            f"quantization_config={self.quantization_config!r})"
+            f"quantization_config={self.quantization_config!r}"
+            + (f", dtype={self.dtype.name}" if self.dtype != np.float32 else "")
+            + (f", slot_dtype={self.slot_dtype.name}" if self.slot_dtype is not None else "")
+            + ")"
         )
 
 

@@ -151,7 +151,8 @@ class MeshEmbedding:
         processes, automatic and grown capacities are agreed among them (see
         `enqueue`).
       check_finite: a non-finite gradient raises and leaves tables untouched.
-      seed: the initialisation seed.
+      seed: the initialisation seed, and that of the stochastic rounding of bfloat16 and
+        float16 tables' updates (`TableConfig.dtype`).
 
     Properties beside the methods: `plan` (what lives where, `print(emb.plan)`),
     `core` (the functional core for a jitted step of one's own), `state`, `mesh` and
@@ -258,7 +259,7 @@ class MeshEmbedding:
             predicted=predicted,
             planned_batch=planned_batch,
         )
-        self.core = EmbeddingCore(plan, mesh, self._optimizer, exchanges)
+        self.core = EmbeddingCore(plan, mesh, self._optimizer, exchanges, rounding_seed=self._seed)
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
         if local != list(range(local[0], local[0] + len(local))):

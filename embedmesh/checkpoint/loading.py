@@ -48,7 +48,11 @@ def load_tables(
             wanted = [
                 (
                     TableConfig(
-                        m["vocabulary_size"], m["dim"], combiner=m["combiner"], name=m["name"]
+                        m["vocabulary_size"],
+                        m["dim"],
+                        combiner=m["combiner"],
+                        name=m["name"],
+                        dtype=m.get("dtype", "float32"),
                     ),
                     m,
                 )

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from embedmesh.device import ops, peers, slots_in_rows, stack_tables, strategies
+from embedmesh.device import ops, peers, rounding, slots_in_rows, stack_tables, strategies
 from embedmesh.device.shard_program import ShardBatch, after
 from embedmesh.layout import sharding as mod_sharding
 from embedmesh.layout.stacking import StackingPlan
@@ -87,9 +87,13 @@ class EmbeddingCore:
         only; `apply_gradients` then raises).
       exchange: each stack's exchange form, "rows" or "pooled" (one for every stack,
         or `{stack or table name: form}`; see `embedmesh.device.strategies`).
+      rounding_seed: the seed of the stochastic rounding of bfloat16 and float16 tables'
+        updates (`embedmesh.device.rounding`; the facade passes its `seed`).
     """
 
-    def __init__(self, plan: StackingPlan, mesh, optimizer=None, exchange="rows"):
+    def __init__(
+        self, plan: StackingPlan, mesh, optimizer=None, exchange="rows", *, rounding_seed: int = 0
+    ):
         if plan.num_shards != mesh.size:
             raise ValueError(
                 f"the plan has {plan.num_shards} shards but the mesh has {mesh.size} devices"
@@ -114,15 +118,22 @@ class EmbeddingCore:
             s.name: (s.optimizer if s.optimizer is not None else optimizer) for s in plan.stacks
         }
         self.exchange = strategies.exchange_forms(plan, exchange)
-        # {stack: its sharding strategy}, chosen here once (`strategies.strategy_name`)
+        self.rounding_seed = int(rounding_seed)
         # {stack: its sharding strategy}, chosen here once (`strategies.strategy_name`);
-        # a stack with its slots in its rows runs its optimizer on whole rows (`SlotsInRows`)
+        # a stack with its slots in its rows runs its optimizer on whole rows (`SlotsInRows`),
+        # a bfloat16 / float16 one in float32, rounded stochastically (`rounding.Rounded`)
         self.strategies = {
             s.name: strategies.strategy_for(
                 plan,
                 s.name,
                 self.exchange[s.name],
-                slots_in_rows.device_optimizer(s, self._stack_optimizer[s.name]),
+                rounding.device_optimizer(
+                    plan,
+                    s,
+                    slots_in_rows.device_optimizer(s, self._stack_optimizer[s.name]),
+                    self.axes,
+                    self.rounding_seed,
+                ),
                 self.transport,
             )
             for s in plan.stacks
@@ -179,12 +190,12 @@ class EmbeddingCore:
         return (s.num_rows, s.width)
 
     def _make_stack_array(
-        self, stack: str, default: float, pieces, width: int | None = None
+        self, stack: str, default: float, pieces, width: int | None = None, dtype=None
     ) -> jax.Array:
         """Global stack array, each local shard built from `pieces` (see
         `stack_tables.make_stack_array`); `width` its columns (default the stack's dim; a
-        row slot's: 1)."""
-        return stack_tables.make_stack_array(self, stack, default, pieces, width)
+        row slot's: 1); `dtype` its type (default the stack's table dtype)."""
+        return stack_tables.make_stack_array(self, stack, default, pieces, width, dtype)
 
     def init(self, key) -> EmbeddingState:
         """Fresh state, built shard by shard: no host or device ever holds a whole table.
@@ -227,7 +238,11 @@ class EmbeddingCore:
             if opt is not None and not spec.slot_columns:
                 for slot, value in opt.slot_initial_values.items():
                     slots[spec.name][slot] = self._make_stack_array(
-                        spec.name, value, lambda j, device: (), opt.slot_width(slot, spec.dim)
+                        spec.name,
+                        value,
+                        lambda j, device: (),
+                        opt.slot_width(slot, spec.dim),
+                        spec.slots_dtype,
                     )
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return EmbeddingState(tables, slots, step)
@@ -287,6 +302,7 @@ class EmbeddingCore:
                         init,
                         functools.partial(pieces, sources=[(slot_source(slot), 0)]),
                         opt.slot_width(slot, spec.dim),
+                        spec.slots_dtype,
                     )
         return EmbeddingState(
             tables, slots, jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)
@@ -394,7 +410,8 @@ class EmbeddingCore:
                     a = act[
                         feature.row_offset : feature.row_offset + feature.num_rows, : feature.dim
                     ]
-                    acts[feature.name] = a.reshape(feature.local_shape()).astype(tables[s].dtype)
+                    # float32 whatever the table's dtype: rows are summed in float32
+                    acts[feature.name] = a.reshape(feature.local_shape()).astype(jnp.float32)
             return acts, view
 
         out_names = [feature.name for s in stacks for feature in csr[s].features]

@@ -152,7 +152,13 @@ def _dense_update(table_shard, slots, uniq, g_sum, optimizer, step):
     g_sum = jnp.where(valid[:, None], g_sum.astype(jnp.float32), 0.0)
     shape = (table_shard.shape[0], g_sum.shape[1])  # the parameters' (slots may be in rows)
     dense_g = jnp.zeros(shape, jnp.float32).at[jnp.where(valid, uniq, 0)].add(g_sum)
-    new_rows, new_slots = optimizer.update_rows(table_shard, dict(slots), dense_g, step)
+    if getattr(optimizer, "takes_ids", False):  # stochastic rounding: every row's id
+        ids = jnp.arange(table_shard.shape[0], dtype=jnp.int32)
+        new_rows, new_slots = optimizer.update_rows(
+            table_shard, dict(slots), dense_g, step, ids=ids
+        )
+    else:
+        new_rows, new_slots = optimizer.update_rows(table_shard, dict(slots), dense_g, step)
     return (
         new_rows.astype(table_shard.dtype),
         {k: new_slots[k].astype(v.dtype) for k, v in slots.items()},

@@ -37,7 +37,9 @@ def _write_rows(buf, rows, offset, column):
     return jax.lax.dynamic_update_slice(buf, rows, (offset, column))
 
 
-def make_stack_array(core, stack: str, default, pieces, width: int | None = None) -> jax.Array:
+def make_stack_array(
+    core, stack: str, default, pieces, width: int | None = None, dtype=None
+) -> jax.Array:
     """Global stack array of `core`: each local shard j starts as `default` (a value, or
     one a column) on its device and receives `pieces(j, device)`, an iterable of `(row
     offset, [rows, dim_t] array)` or `(row offset, rows, first column)`, written in place
@@ -48,9 +50,11 @@ def make_stack_array(core, stack: str, default, pieces, width: int | None = None
     shards are on transparent huge pages (random row access 1.2x faster
     here) in buffers XLA owns, so the first donated step updates in place.
     `width`: the columns of the array (default the stack's table array's, `spec.width`;
-    a slot's: its own).
+    a slot's: its own); `dtype`: its type (default the stack's table dtype, `spec.dtype`;
+    a slot's: `spec.slots_dtype`).
     """
     spec = core.plan.stack(stack)
+    dtype = spec.dtype if dtype is None else dtype
     S = spec.rows_per_shard
     width = spec.width if width is None else int(width)
     shape = core.stack_shape(stack)[:1] + (width,)
@@ -58,11 +62,11 @@ def make_stack_array(core, stack: str, default, pieces, width: int | None = None
     min_bytes = {} if np.ndim(default) == 0 else {"min_bytes": float("inf")}
     datas = []
     for device, index in core.row_sharding.addressable_devices_indices_map(shape).items():
-        buf = ops.full((S, width), default, spec.dtype, device, **min_bytes)
+        buf = ops.full((S, width), default, dtype, device, **min_bytes)
         for offset, rows, *column in pieces((index[0].start or 0) // S, device):
             rows = jax.device_put(rows, device)
             col = jnp.int32(column[0] if column else 0)
-            buf = _write_rows(buf, rows.astype(spec.dtype), jnp.int32(offset), col)
+            buf = _write_rows(buf, rows.astype(dtype), jnp.int32(offset), col)
         datas.append(buf)
     return jax.make_array_from_single_device_arrays(shape, core.row_sharding, datas)
 

@@ -162,6 +162,7 @@ def table_stats(resolved, optimizers: Mapping[str, object], csrs: Sequence | Non
                 name=tname,
                 rows=int(table.vocabulary_size),
                 dim=int(table.dim),
+                bytes_per_element=int(np.dtype(table.dtype).itemsize),
                 slots=slots,
                 ids_per_sample=float(per_sample),
                 zipf_a=zipf_a,

@@ -221,7 +221,7 @@ class StackSpec:
     features: tuple  # feature names, in config order (the activation buffer order)
     dim: int  # padded dim
     optimizer: Any  # the tables' effective optimizer (None: the engine's default)
-    dtype: Any  # numpy dtype of the parameters
+    dtype: Any  # numpy dtype of the parameters (its tables' `TableConfig.dtype`)
     num_shards: int
     num_rows: int  # stacked rows: num_shards * the most local rows any shard uses
     replicated: bool = False  # its tables are data_parallel (all or none of them are)
@@ -232,6 +232,17 @@ class StackSpec:
     # table's rows (`plan_stacking(slots_in_rows=...)`); () keeps each slot an array
     slot_columns: tuple = ()
     row_width: int = 0  # the table array's columns where slots are in rows (0: `dim`)
+    # numpy dtype of the optimizer slot arrays (`TableConfig.slot_dtype`; None: float32);
+    # slots kept in the rows have the table's (they are kept there only where equal)
+    slot_dtype: Any = None
+
+    @property
+    def slots_dtype(self) -> np.dtype:
+        """The optimizer slots' dtype: the table's where they are in its rows, else
+        `slot_dtype` (float32 where None)."""
+        if self.slot_columns:
+            return np.dtype(self.dtype)
+        return np.dtype(self.slot_dtype if self.slot_dtype is not None else np.float32)
 
     @property
     def rows_per_shard(self) -> int:
@@ -305,12 +316,12 @@ class StackingPlan:
     def row_bytes(self, stack: str) -> int:
         """Bytes of one local row of a stack: its parameters and each optimizer slot."""
         s = self.stack(stack)
+        if s.slot_columns:
+            return s.width * np.dtype(s.dtype).itemsize  # the slots in the table's rows
         opt = s.optimizer
         slots = getattr(opt, "slot_names", ()) or ()
-        width = s.dim + sum(opt.slot_width(k, s.dim) for k in slots)  # a row slot: 1
-        if s.slot_columns:
-            width = s.width  # the slots in the table's rows
-        return width * np.dtype(s.dtype).itemsize
+        slot_width = sum(opt.slot_width(k, s.dim) for k in slots)  # a row slot: 1
+        return s.dim * np.dtype(s.dtype).itemsize + slot_width * s.slots_dtype.itemsize
 
     def describe(self) -> str:
         """The plan for a person: each table's strategy, stack, owners, and the memory
@@ -354,6 +365,11 @@ class StackingPlan:
                     c = costs[name]
                     line += f" {mb(c.owner.bytes_sent + c.owner.bytes_recv):>14}"
                 lines.append(line)
+        for s in self.stacks:
+            if np.dtype(s.dtype) != np.float32 or s.slots_dtype != np.float32:
+                lines.append(
+                    f"stack {s.name}: {np.dtype(s.dtype).name} rows, {s.slots_dtype.name} slots"
+                )
         in_rows = [s for s in self.stacks if s.slot_columns]
         for s in in_rows:
             cols = ", ".join(f"{k} [{a}, {a + w})" for k, a, w in s.slot_columns)
@@ -645,8 +661,8 @@ def plan_stacking(
       default_optimizer: the optimizer of tables whose `optimizer` is None
         (the engine's default); stacking compares effective optimizers by
         equality.
-      table_dtypes: optional `{table name: dtype}` (default float32); only
-        tables of one dtype stack.
+      table_dtypes: optional `{table name: dtype}` overriding the tables'
+        `TableConfig.dtype`; only tables of one dtype (and one slot dtype) stack.
       sharding: each table's placement (module docstring): "mod" (default),
         "table_wise" or "data_parallel" for every table, or `{table name: one of
         them}` (tables not named: "mod").
@@ -654,9 +670,11 @@ def plan_stacking(
         keys never share a stack (the facade keeps one exchange form a stack).
       slots_in_rows: 0 (default) keeps each optimizer slot an array of its own; a
         multiple of columns (a TPU's 128, `slots_in_rows_for`) keeps the slots of every
-        stack whose optimizer has some in the table's rows, each row padded to it.
+        stack whose optimizer has some in the table's rows, each row padded to it,
+        except where the slots' dtype differs from the table's (`TableConfig.slot_dtype`:
+        a bfloat16 table's float32 slots stay arrays of their own).
 
-    Tables stack when (padded dim, optimizer, dtype) match, in order of first
+    Tables stack when (padded dim, optimizer, dtype, slot dtype) match, in order of first
     use; then a stack of table-wise tables only joins a wider one (its dims
     padded) where that costs fewer bytes a device (`_merge_table_wise`). A
     single-table stack is named after its table; a multi-table stack joins its
@@ -695,17 +713,20 @@ def plan_stacking(
     groups: list[tuple[Any, list[int]]] = []
     for i, t in enumerate(resolved.tables):
         dim, opt = _stack_dim(t.dim, _effective_optimizer(t, default_optimizer), dim_multiple)
-        if slots_in_rows and getattr(opt, "slot_names", ()):
+        dtype = np.dtype(dtypes.get(resolved.table_names[i], t.dtype))
+        slot_dtype = np.dtype(t.storage_slot_dtype)
+        if slots_in_rows and getattr(opt, "slot_names", ()) and slot_dtype == dtype:
             if getattr(opt, "row_wise", False) and opt.mean_dim is None:  # a mean a dim
                 opt = dataclasses.replace(opt, mean_dim=t.dim)
             dim = _row_width(opt, _round_up(t.dim, DEFAULT_DIM_MULTIPLE), slots_in_rows)
         key = (
             dim,
             opt,
-            np.dtype(dtypes.get(resolved.table_names[i], np.float32)),
+            dtype,
             (stack_keys or {}).get(resolved.table_names[i]),
             strategies[i] == "data_parallel",  # replicas stack only with replicas
             quantization_of(t),
+            slot_dtype,
         )
         for gkey, members in groups:
             if stack_tables and gkey == key:
@@ -766,9 +787,11 @@ def plan_stacking(
     stack_specs = []
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
-        dim, optimizer, dtype, _, replicated, quantization = key
+        dim, optimizer, dtype, _, replicated, quantization, slot_dtype = key
         slot_columns, row_width = (), 0
-        if slots_in_rows and getattr(optimizer, "slot_names", ()):  # `dim`: the row width
+        if (
+            slots_in_rows and getattr(optimizer, "slot_names", ()) and slot_dtype == dtype
+        ):  # `dim`: the row width
             row_width = dim
             dim = _round_up(max(resolved.tables[i].dim for i in members), DEFAULT_DIM_MULTIPLE)
             slot_columns = _slot_columns(optimizer, dim)
@@ -831,6 +854,7 @@ def plan_stacking(
                 quantization=quantization,
                 slot_columns=slot_columns,
                 row_width=row_width,
+                slot_dtype=None if slot_dtype == np.float32 else slot_dtype,
             )
         )
 

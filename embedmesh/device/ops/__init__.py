@@ -45,7 +45,10 @@ end are padding.
   update of the rows `ids`, in place. Reference: `gather_rows`, the
   optimizer's `update_rows`, `scatter_rows`. The CPU kernel fuses it in one
   pass over the rows for the optimizers that name it (`Optimizer.fused_kernel`:
-  all six built in, float32; `Adam(lazy_adam=False)` moves every row, densely).
+  all six built in, float32; `Adam(lazy_adam=False)` moves every row, densely). A
+  bfloat16 or float16 stack runs `device.rounding.Rounded(optimizer)` (float32
+  arithmetic, stochastic rounding to the storage type), which no kernel fuses: the
+  reference, its `update_rows` given the row ids.
 - `backward_update(...)`: one shard's backward (pairs -> per-row gradient
   sums) and update, as one op. Reference: `segment_gather_sum`, `dedup_sum`,
   `sparse_update`. The CPU kernel fuses them for the same optimizers: no
@@ -385,7 +388,10 @@ def _sparse_update_reference(table, slots, ids, grads, *, optimizer, step):
     """Gather the rows and slots, `optimizer.update_rows`, scatter them back (any optimizer)."""
     rows = gather_rows(table, ids)
     old = {k: gather_rows(v, ids) for k, v in slots.items()}
-    new_rows, new_slots = optimizer.update_rows(rows, old, grads, step)
+    if getattr(optimizer, "takes_ids", False):  # stochastic rounding (`device.rounding`)
+        new_rows, new_slots = optimizer.update_rows(rows, old, grads, step, ids=ids)
+    else:
+        new_rows, new_slots = optimizer.update_rows(rows, old, grads, step)
     return (
         scatter_rows(table, ids, new_rows),
         {k: scatter_rows(v, ids, new_slots[k]) for k, v in slots.items()},

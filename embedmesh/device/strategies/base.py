@@ -84,10 +84,12 @@ class Strategy(abc.ABC):
         rows are in the table's `width`)."""
         spec, opt = self.spec, self.optimizer
         width = spec.width  # the slots in the rows, if the stack keeps them there
+        slots = 0
         for slot in getattr(opt, "slot_names", ()) or ():
             slot_width = getattr(opt, "slot_width", None)
-            width += spec.dim if slot_width is None else slot_width(slot, spec.dim)
-        return int(spec.rows_per_shard * width * np.dtype(spec.dtype).itemsize)
+            slots += spec.dim if slot_width is None else slot_width(slot, spec.dim)
+        row = width * np.dtype(spec.dtype).itemsize + slots * spec.slots_dtype.itemsize
+        return int(spec.rows_per_shard * row)
 
     def carries_view(self) -> bool:
         """Whether `lookup(carry=True)` returns a view of the batch that `update` takes
