@@ -15,6 +15,7 @@ counter in each sketch row (`sketch_columns`, a hash) and counts as the docstrin
 
 import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,8 +118,12 @@ def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
     empty = index[:, 2, :] == im.EMPTY
     words = junk(int(empty.sum()))
     index[:, 0, :][empty], index[:, 1, :][empty] = words[:, 0], words[:, 1]
-    free = np.asarray(state.row_slot) < 0
-    c = free.shape[0]
+    c = state.config.capacity
+    free = np.ones(c, bool)
+    free[list(im.live_ids(state).values())] = False
+    # a free row's slot number: never used (-1), or any slot (a live row's, an empty one)
+    row_slot = np.array(state.row_slot)
+    row_slot[free] = rng.integers(-1, state.config.num_slots, int(free.sum()))
     row_id = np.array(state.row_id)
     row_id[free] = junk(int(free.sum()))
     last = np.where(free, rng.integers(-(2**31), 2**31, c), np.asarray(state.last_used))
@@ -131,6 +136,7 @@ def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
         state,
         index=jnp.asarray(index),
         row_id=jnp.asarray(row_id),
+        row_slot=jnp.asarray(row_slot.astype(np.int32)),
         last_used=jnp.asarray(last.astype(np.int32)),
         use_count=jnp.asarray(count.astype(np.int32)),
         free=jnp.asarray(fl.astype(np.int32)),
@@ -240,7 +246,7 @@ def run_stream(name, universe, calls, seed):
 
 @pytest.mark.parametrize("name", CONFIGS)
 @settings(
-    max_examples=40, deadline=None, derandomize=True,
+    max_examples=25, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip
 @given(stream=streams(), seed=st.integers(0, 2**32 - 1))
@@ -287,38 +293,56 @@ def test_empty_map_finds_nothing_even_id_zero():
     assert (int(stats["hits"]), int(stats["admissions"])) == (0, 5)
 
 
+# 500 rows (64 buckets of 16 slots), batches of 256, admission after 2 sightings
+SCALE = im.IdMapConfig(capacity=500, eviction="lfu", admit_after=2, evict_batch=24, seed=11)
+SCALE_BATCH = 256
+SCALE_FN = jax.jit(im.map_ids, donate_argnums=0)
+
+
 def test_adversarial_ids_at_scale_match_the_reference_and_never_overflow_buckets():
-    """1024 rows (128 buckets of 16 slots), 256-id batches of ids all equal modulo 2**32,
-    modulo 1024 and modulo 8, negative and random, churning through the table: the
-    reference's rows and evictions, no id refused for a full bucket."""
-    cfg = im.IdMapConfig(capacity=1024, eviction="lfu", evict_batch=48, seed=11)
+    """Batches of ids all equal modulo 2**32, modulo 1024 and modulo 8, negative and
+    random, churning through the table: the reference's rows, admissions and evictions,
+    no id refused for a full bucket."""
     rng = np.random.default_rng(5)
     pool = np.concatenate(
         [
-            np.arange(1, 1500, dtype=np.int64) << 32,  # low words all zero
-            -(np.arange(1, 1500, dtype=np.int64) << 32),
-            np.arange(1500, dtype=np.int64) * 8192 + 77,  # equal modulo 1024 and 8
-            rng.integers(-(2**63), 2**63 - 1, 1500, dtype=np.int64),
+            np.arange(1, 1200, dtype=np.int64) << 32,  # low words all zero
+            -(np.arange(1, 1200, dtype=np.int64) << 32),
+            np.arange(1200, dtype=np.int64) * 8192 + 77,  # equal modulo 1024 and 8
+            rng.integers(-(2**63), 2**63 - 1, 1200, dtype=np.int64),
         ]
     )
-    fn = jax.jit(im.map_ids)
-    ref, state = Reference(cfg), im.init(cfg)
-    total_evictions = 0
-    for step in range(24):
+    cols = np.asarray(im.sketch_columns(SCALE, im.split_ids(pool)))
+    ref = Reference(SCALE, {int(i): list(cols[:, k]) for k, i in enumerate(pool)})
+    state = im.init(SCALE)
+    total = collections.Counter()
+    for step in range(20):
         # a drifting window of the pool, Zipf-ish repeats inside a batch
-        window = pool[(step * 211 + np.arange(900)) % pool.size]
-        ids = window[np.minimum(rng.zipf(1.3, 256) - 1, 899)]
-        valid = rng.random(256) < 0.95
-        state, rows, fresh, stats = fn(state, im.split_ids(ids), valid, jnp.int32(step))
+        window = pool[(step * 97 + np.arange(700)) % pool.size]
+        ids = window[np.minimum(rng.zipf(1.2, SCALE_BATCH) - 1, 699)]
+        valid = rng.random(SCALE_BATCH) < 0.95
+        state, rows, fresh, stats = SCALE_FN(state, im.split_ids(ids), valid, jnp.int32(step))
         want_rows, want_fresh, want_stats = ref.call(ids.tolist(), valid.tolist(), step)
         assert np.asarray(rows).tolist() == want_rows
         assert np.asarray(fresh).tolist() == want_fresh
         assert {k: int(v) for k, v in stats.items()} == want_stats
-        total_evictions += want_stats["evictions"]
+        total.update(want_stats)
     check_state(state, ref)
-    assert total_evictions > 100  # the churn did evict
+    assert min(total["evictions"], total["hits"]) > 50 and total["pending"] > 300
     load = (np.asarray(state.index)[:, 2, :] != im.EMPTY).sum(axis=1)
     assert load.max() < im.BUCKET_WIDTH
+
+
+def test_no_capacity_sized_copy_in_the_compiled_program():
+    """The project's rule, no O(table) work a step: with the state donated, XLA updates
+    it in place; the program copies no array of the capacity's size (a branch that both
+    read and wrote a row array made XLA copy the state around the sweep's `lax.cond`)."""
+    args = (im.init(SCALE), jnp.zeros((SCALE_BATCH, 2), jnp.uint32), jnp.ones(SCALE_BATCH, bool))
+    hlo = SCALE_FN.lower(*args, jnp.int32(0)).compile().as_text()
+    big = {"500", "500,2", "64,3,16", "2,512"}  # row arrays, the index, the sketch
+    copies = re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", hlo)
+    assert not [s for s in copies if s in big], copies
+    assert "conditional" in hlo  # the sweep and the halving are branches, not selects
 
 
 # --------------------------------------------------------------------- routing, ids

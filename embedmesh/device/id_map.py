@@ -210,8 +210,10 @@ class IdMapState:
     - `index` uint32 `[num_buckets, 3, BUCKET_WIDTH]`: each slot's id (high word, low
       word) and row (`EMPTY` = 0xFFFFFFFF: an empty slot, whose id words mean nothing);
     - `row_id` uint32 `[capacity, 2]`: each row's raw id (meaningful for live rows only);
-    - `row_slot` int32 `[capacity]`: the row's slot in the index (`bucket * 16 + i`),
-      -1 for a free row;
+    - `row_slot` int32 `[capacity]`: the row's slot in the index (`bucket * 16 + i`), -1
+      for a row never used; a row is live iff its slot's row word names it (an evicted
+      row keeps its old slot number: a sweep writes no row array, so XLA updates the
+      state in place, no copy of it);
     - `last_used`, `use_count` int32 `[capacity]`: the row's last step and occurrences;
     - `free` int32 `[capacity]`: `free[free_head : free_head + num_free]` are the free
       rows, ascending;
@@ -386,10 +388,17 @@ def lookup(state: IdMapState, raw_ids, valid_mask=None) -> jax.Array:
     return jnp.where(found, row, -1).reshape(shape)
 
 
+def _live(config: IdMapConfig, index, row_slot):
+    """bool `[capacity]`: the live rows (their slot's row word names them)."""
+    s = jnp.clip(row_slot, 0, config.num_slots - 1)
+    word = index[s // BUCKET_WIDTH, _ROW, s % BUCKET_WIDTH]
+    rows = jnp.arange(config.capacity, dtype=jnp.uint32)
+    return (row_slot >= 0) & (word == rows)
+
+
 def live_ids(state: IdMapState) -> dict[int, int]:
     """{raw id (int64): row} of the live rows, on the host (tests, debugging; O(capacity))."""
-    slot = np.asarray(state.row_slot)
-    rows = np.flatnonzero(slot >= 0)
+    rows = np.flatnonzero(np.asarray(_live(state.config, state.index, state.row_slot)))
     ids = join_ids(np.asarray(state.row_id)[rows])
     return {int(i): int(r) for i, r in zip(ids, rows)}
 
@@ -403,12 +412,14 @@ def _sort_rank(keys_first, n):
     return lax.sort((keys_first, jnp.arange(n, dtype=jnp.int32)), num_keys=2)[1]
 
 
-def _sweep(config: IdMapConfig, step, needed, st):
+def _sweep(config: IdMapConfig, step, needed, row_slot, last_used, use_count, carried):
     """Evict `max(evict_batch, needed - num_free)` rows (at most the evictable ones) in the
-    policy's order, empty their slots, rebuild the free list. O(capacity log capacity)."""
-    index, row_slot, last_used, use_count, free, free_head, num_free = st
+    policy's order, empty their slots, rebuild the free list. O(capacity log capacity).
+    Writes the index and the free list only (the rows' arrays are read): with a branch
+    that reads an array and writes it too, XLA copies the state around the `lax.cond`."""
+    index, free, free_head, num_free = carried
     c = config.capacity
-    live = row_slot >= 0
+    live = _live(config, index, row_slot)
     evictable = live & (last_used != step)
     n_ev = jnp.minimum(
         jnp.maximum(config.evict_batch, needed - num_free), evictable.sum(dtype=jnp.int32)
@@ -419,16 +430,13 @@ def _sweep(config: IdMapConfig, step, needed, st):
         order = lax.sort((excluded, last_used, rows), num_keys=3)[-1]
     else:
         order = lax.sort((excluded, use_count, last_used, rows), num_keys=4)[-1]
-    victim = jnp.arange(c) < n_ev
+    victim = rows < n_ev
     slot = jnp.where(victim, row_slot[order], config.num_slots)  # out of range: dropped
+    is_victim = jnp.zeros((c,), bool).at[jnp.where(victim, order, c)].set(True, mode="drop")
     index = index.at[slot // BUCKET_WIDTH, _ROW, slot % BUCKET_WIDTH].set(EMPTY, mode="drop")
-    row_slot = row_slot.at[jnp.where(victim, order, c)].set(-1, mode="drop")
-    is_free = row_slot < 0
+    is_free = ~live | is_victim
     free = jnp.nonzero(is_free, size=c, fill_value=0)[0].astype(jnp.int32)
-    return (
-        (index, row_slot, last_used, use_count, free, jnp.int32(0), is_free.sum(dtype=jnp.int32)),
-        n_ev,
-    )
+    return (index, free, jnp.int32(0), is_free.sum(dtype=jnp.int32)), n_ev
 
 
 def _sketch_sight(config: IdMapConfig, sketch, sightings, hi, lo, sighted):
@@ -521,22 +529,15 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step):
     needed = cand.sum(dtype=jnp.int32)
 
     # 4. a sweep when the candidates outnumber the free rows
-    st = (
-        state.index,
-        state.row_slot,
-        last_used,
-        cnt,
-        state.free,
-        state.free_head,
-        state.num_free,
-    )
-    st, evictions = lax.cond(
+    carried = (state.index, state.free, state.free_head, state.num_free)
+    row_slot = state.row_slot
+    carried, evictions = lax.cond(
         needed > state.num_free,
-        lambda st: _sweep(config, step, needed, st),
-        lambda st: (st, jnp.int32(0)),
-        st,
+        lambda carried: _sweep(config, step, needed, row_slot, last_used, cnt, carried),
+        lambda carried: (carried, jnp.int32(0)),
+        carried,
     )
-    index, row_slot, last_used, cnt, free, free_head, num_free = st
+    index, free, free_head, num_free = carried
 
     # 5. the first `num_free` candidates (first-position order) may take a row
     def rank_of(mask):  # rank of each u among the masked, in admission order
