@@ -89,7 +89,8 @@ O(c log c / evict_batch) an admission; default `evict_batch` = c / 64); and a ha
 the sketch, O(sketch_depth * sketch_width), once every `sketch_halve_every` sightings.
 Both are `lax.cond` branches: skipped, not computed and discarded (under `vmap` a
 `lax.cond` runs both branches: call `map_ids` per shard inside `shard_map`, not under
-`vmap`).
+`vmap`). With the state donated, XLA updates it in place: the compiled program copies no
+array of the capacity's size (tests/test_id_map.py reads the compiled HLO for copies).
 
 Memory: the index 12 bytes a slot (at least 24 bytes a row), the row arrays 24 bytes a
 row, the sketch `4 * sketch_depth * sketch_width` bytes.
