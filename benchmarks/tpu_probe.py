@@ -209,6 +209,38 @@ def main():
 
         case(f"pair_sums_d{dim}", mxu)
 
+    # 2b. the pair loop's unrolling: pair rows gathered into VMEM `unroll` a loop turn
+    # (more independent loads in flight, more wasted reads at the items' ends)
+    def unrolling():
+        src = jnp.asarray(rng.normal(size=(U, 128)).astype(np.float32))
+        act = jnp.asarray(rng.normal(size=(R, 128)).astype(np.float32))
+        want_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))(src)
+        want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
+        rec = {}
+        for tp, unroll in ((512, 4), (512, 8), (512, 16), (512, 32), (1024, 16), (256, 16)):
+            if args.interpret and (tp, unroll) != (512, 8):
+                continue
+            try:
+                r = jax.jit(
+                    lambda a, tp=tp, u=unroll: tpk.reduce_sorted(
+                        a, d_pu, d_pr, d_g, num_out=U, tp=tp, unroll=u
+                    )[0][:, :128]
+                )
+                t, o = timeit(r, act)
+                rec[f"reduce_tp{tp}_u{unroll}_ms"] = t * 1e3
+                rec[f"reduce_tp{tp}_u{unroll}_err"] = float(jnp.abs(o - want_r).max())
+                c = jax.jit(
+                    lambda s, tp=tp, u=unroll: tpk.combine(s, d_pu, d_pr, d_g, R, tp=tp, unroll=u)
+                )
+                t, o = timeit(c, src)
+                rec[f"combine_tp{tp}_u{unroll}_ms"] = t * 1e3
+                rec[f"combine_tp{tp}_u{unroll}_err"] = float(jnp.abs(o - want_c).max())
+            except Exception as e:  # noqa: BLE001
+                rec[f"tp{tp}_u{unroll}_error"] = f"{type(e).__name__}: {e}"[:800]
+        return rec
+
+    case("unroll", unrolling)
+
     # 3. an Adagrad update over fused [w | acc] rows (dim 64 -> 128 lanes): one gather and
     # one scatter of 117k rows a step where two 128-lane arrays take two of each
     def fused_update():

@@ -68,6 +68,7 @@ __all__ = [
 INTERPRET = False
 TW = 256  # keys a block
 TP = 512  # pairs a block
+UNROLL = 8  # pair rows gathered into VMEM a loop turn (a divisor of TP)
 RESIDENT_BYTES = 80 << 20  # the resident side's one VMEM buffer at most (a core: 128 MiB)
 _VMEM_LIMIT = 120 << 20
 
@@ -172,6 +173,7 @@ def _reduce_kernel(
     r0,
     rows,
     every_row,
+    unroll,
 ):
     """One work item: gather `src[dst[p]]` of the item's pairs into `x` (zero rows for a
     dst outside the resident range), scale them by their gains (zero outside the item's
@@ -192,8 +194,8 @@ def _reduce_kernel(
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
     def group(gi, c):
-        base = pl.multiple_of(gi * 8, 8)
-        for k in range(8):
+        base = pl.multiple_of(gi * unroll, unroll)
+        for k in range(unroll):
             r = pd_ref[base + k] - r0
             if every_row:  # `schedule` made every dst a row of src: read it as it is
                 x_ref[pl.ds(base + k, 1), :] = src_ref[pl.ds(r, 1), :]
@@ -202,7 +204,7 @@ def _reduce_kernel(
             x_ref[pl.ds(base + k, 1), :] = jnp.where((r >= 0) & (r < rows), row, 0.0)
         return c
 
-    jax.lax.fori_loop(lo // 8, (hi + 7) // 8, group, 0)
+    jax.lax.fori_loop(lo // unroll, (hi + unroll - 1) // unroll, group, 0)
     at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
     x = jnp.where((at >= lo) & (at < hi), x_ref[...] * gain_ref[...], 0.0)
     keys = key_ref[...] - b_ref[j] * tw  # [1, tp]
@@ -231,11 +233,13 @@ def _chunks(num_rows: int, width: int):
     ]
 
 
-def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows, every_row):
+def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows, every_row, unroll):
     """One `pallas_call` of `_reduce_kernel` over the resident rows `part` [rows8, dc]."""
     at_pair_block = lambda j, b, pb, *_: pb[j]
     return pl.pallas_call(
-        functools.partial(_reduce_kernel, tw=tw, r0=r0, rows=rows, every_row=every_row),
+        functools.partial(
+            _reduce_kernel, tw=tw, r0=r0, rows=rows, every_row=every_row, unroll=unroll
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(sched.block.shape[0],),
@@ -260,8 +264,10 @@ def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows, every
     )(*sched.scalars, sched.dst, key_row, gains_col, part)
 
 
-@functools.partial(jax.jit, static_argnames=("num_out", "tw", "tp"))
-def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int = TP):
+@functools.partial(jax.jit, static_argnames=("num_out", "tw", "tp", "unroll"))
+def reduce_sorted(
+    src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int = TP, unroll: int = UNROLL
+):
     """`out[key[p]] += gains[p] * src[dst[p]]` ([num_out, Dc] float32, Dc = src's width
     rounded to 128 lanes) for pairs sorted by key. Returns (out, sorted)."""
     num_src, width = src.shape
@@ -293,6 +299,7 @@ def reduce_sorted(src, key, dst, gains, *, num_out: int, tw: int = TW, tp: int =
                 r0=r0,
                 rows=rows,
                 every_row=rows == num_src,  # no dst outside this block's rows
+                unroll=unroll,
             )
         )
     blocks = [functools.reduce(jnp.add, columns[c0]) for c0 in sorted(columns)]
@@ -308,7 +315,7 @@ def _sort_by(key, dst, gains, num_keys: int, num_dst: int):
     return jax.lax.sort((k, dst.astype(jnp.int32), gains.astype(jnp.float32)), num_keys=1)
 
 
-def reduce(src, key, dst, gains, num_out: int, *, tw: int = TW, tp: int = TP):
+def reduce(src, key, dst, gains, num_out: int, *, tw: int = TW, tp: int = TP, unroll: int = UNROLL):
     """`reduce_sorted`'s sums for pairs in any order (sorted on the device unless they
     come sorted by key): [num_out, D] float32."""
     num_src, width = src.shape
@@ -322,15 +329,19 @@ def reduce(src, key, dst, gains, num_out: int, *, tw: int = TW, tp: int = TP):
         dst,
         gains,
     )
-    return reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp)[0][:, :width]
+    out = reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp, unroll=unroll)
+    return out[0][:, :width]
 
 
-def combine(src, key, dst, gains, num_dst: int, *, tw: int = TW, tp: int = TP):
+def combine(
+    src, key, dst, gains, num_dst: int, *, tw: int = TW, tp: int = TP, unroll: int = UNROLL
+):
     """`out[dst[p]] += gains[p] * src[key[p]]` ([num_dst, D] float32) for pairs in any
     order: sorted by dst on the device, then `reduce_sorted` keyed by dst."""
     num_src, width = src.shape
     d, k, g = _sort_by(jnp.asarray(dst), jnp.asarray(key), jnp.asarray(gains), num_dst, num_src)
-    return reduce_sorted(src, d, k, g, num_out=num_dst, tw=tw, tp=tp)[0][:, :width]
+    out = reduce_sorted(src, d, k, g, num_out=num_dst, tw=tw, tp=tp, unroll=unroll)
+    return out[0][:, :width]
 
 
 def is_sorted(key, dst, num_keys: int, num_dst: int):
