@@ -246,7 +246,7 @@ def run_stream(name, universe, calls, seed):
 
 @pytest.mark.parametrize("name", CONFIGS)
 @settings(
-    max_examples=25, deadline=None, derandomize=True,
+    max_examples=20, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip
 @given(stream=streams(), seed=st.integers(0, 2**32 - 1))
