@@ -12,10 +12,15 @@ shared-memory kernel (host_exchange.cc). Modes:
   "mismatch": the processes trace different sizes for one channel; each prints
     "CAUGHT <message>" (the kernel's error naming both sizes).
   "absent": a peer that stops calling, then exits: timeout, then exit errors.
-  "killed": one round, then every process prints "JOB <key>" and SIGKILLs itself (the
-    segments' names are unlinked at the second round: they are left in /dev/shm).
+  "killed": one round, then every process prints "JOB <key>" and SIGKILLs itself.
   "early": the last process SIGKILLs itself before its first exchange (before its
     segment exists); process 0 prints "JOB <key>" and "CAUGHT <seconds> s <message>".
+  "killed_waiting": every process prints "JOB <key>"; the others wait in their first
+    exchange for the last one, which has not started its own; the job is SIGKILLed whole
+    there (one `kill -9` of every pid), before any process saw all its peers arrive.
+  "named" (with others): the last process acts as if it could not open the others'
+    directories, so the job's segments are named ones in /dev/shm, not nameless memfds.
+    Every process prints "NAMELESS <0 or 1>" at the start.
   "ops": the host kernels of lookup_from_shards and backward_update_sharded (sharded
     and replicated) equal their references (the exchange path over gloo). Prints
     "OK ops".
@@ -29,6 +34,7 @@ shared-memory kernel (host_exchange.cc). Modes:
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -60,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from embedmesh.device import ops, peers  # noqa: E402
+from embedmesh.device.ops.cpu import library  # noqa: E402
 
 N = num_processes
 
@@ -238,6 +245,24 @@ def run_early(mesh, job):
     else:
         print("NO ERROR", flush=True)
     os._exit(0)  # the job is broken: no shutdown barrier
+
+
+def run_killed_waiting(mesh, job):
+    pids = np.asarray(multihost_utils.process_allgather(np.int32(os.getpid()))).ravel()
+    print(f"JOB {job:x}", flush=True)
+    if process_id == N - 1:  # never reaches its exchange
+        time.sleep(60)
+        os._exit(1)
+    if process_id == 0:  # the whole job at once, by a killer that needs no GIL of ours
+        victims = " ".join(str(int(p)) for p in pids)
+        subprocess.Popen(["sh", "-c", f"sleep 1.5; kill -9 {victims}"])
+    f = mapped(
+        mesh,
+        lambda v: ops.exchange(v, ops.Transport("x", N, host_job=job, channel="test/waiting")),
+    )
+    np.asarray(local(f(shard(global_input((N * N, 2), np.float32, seed=4), mesh)))[0])
+    print("NO KILL", flush=True)
+    os._exit(1)
 
 
 def case_optimizer(case: int):
@@ -601,9 +626,19 @@ def main():
         run_train()
     else:
         mesh = Mesh(np.array(jax.devices()), ("x",))
+        modes = mode.split(",")
+        if "named" in modes and process_id == N - 1:
+            # as if this process could not open the others' descriptors (/proc/<pid>/fd:
+            # another pid namespace or user): the job falls back to named segments
+            from embedmesh.device.ops import cpu
+
+            cpu.open_host_directories = lambda *args: False
         job = peers.same_host_job(mesh)
         assert job != 0, "same_host_job found no shared host on 127.0.0.1"
-        for m in mode.split(","):
+        print(f"NAMELESS {int(library.host_job_nameless(job))}", flush=True)
+        for m in modes:
+            if m == "named":
+                continue
             {
                 "exchange": run_exchange,
                 "mismatch": run_mismatch,
@@ -612,6 +647,7 @@ def main():
                 "absent": run_absent,
                 "killed": run_killed,
                 "early": run_early,
+                "killed_waiting": run_killed_waiting,
             }[m](mesh, job)
     jax.distributed.shutdown()
 

@@ -97,26 +97,49 @@ def _jobs(outs) -> set[str]:
     return {x.split()[1] for out in outs for x in out.splitlines() if x.startswith("JOB ")}
 
 
+def _nameless(outs) -> set[str]:
+    return {x.split()[1] for out in outs for x in out.splitlines() if x.startswith("NAMELESS ")}
+
+
 @needs_kernels
-def test_killed_processes_leave_no_segments_and_are_noticed_within_seconds():
-    """A job SIGKILLed whole right after its first round leaves no segment (their names
-    go once every peer has arrived in the first round: each has mapped them). A peer killed
-    before it created its segment fails the others within seconds (its pid, gathered at
-    build, is gone), even with no timeout (inf); the segments left then are removed by the
-    next job on the host (their creators are dead)."""
+@pytest.mark.parametrize("segments", ["nameless", "named"])
+def test_killed_processes_leave_no_segments_and_are_noticed_within_seconds(segments):
+    """A job SIGKILLed whole right after its first round leaves no segment: nameless ones
+    (memfds) never had a name; named ones (the fallback, when a process cannot open the
+    others' descriptors: here one pretends so) lose theirs once every peer has arrived in
+    the first round (each has mapped them). A peer killed before it created its segment
+    fails the others within seconds (its pid, gathered at build, is gone), even with no
+    timeout (inf); the named segments left then are unlinked by the process that noticed."""
     env = _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="inf")
-    codes, outs = run_collect(_commands(2, "killed"), env, timeout=TIMEOUT)
+    extra = ",named" if segments == "named" else ""
+    codes, outs = run_collect(_commands(2, "killed" + extra), env, timeout=TIMEOUT)
     assert codes == [-signal.SIGKILL] * 2, "\n=====\n".join(o[-3000:] for o in outs)
+    assert _nameless(outs) == {"1" if segments == "nameless" else "0"}
     (killed,) = _jobs(outs)
     assert _segments(killed) == []
 
-    codes, outs = run_collect(_commands(2, "early"), env, timeout=TIMEOUT)
+    codes, outs = run_collect(_commands(2, "early" + extra), env, timeout=TIMEOUT)
     assert codes == [0, -signal.SIGKILL], "\n=====\n".join(o[-3000:] for o in outs)
+    assert _nameless(outs) == {"1" if segments == "nameless" else "0"}
     (line,) = [x for x in outs[0].splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
     assert "channel 'test/early'" in line and "process 1 (pid " in line, line
     assert "exited" in line and float(line.split()[1]) < 20, line
     (early,) = _jobs(outs)
     assert _segments(killed) == [] and _segments(early) == []
+
+
+@needs_kernels
+def test_a_job_killed_inside_its_first_exchange_leaves_no_segment():
+    """SIGKILLed whole (one `kill -9` of both pids) while process 0 waits in its first
+    exchange for process 1, which never started its own, so that no process saw all its
+    peers arrive: nothing of the job is left in /dev/shm (its segments never had a name
+    there). Before nameless segments, process 0's stayed until the next job on the host."""
+    env = _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="inf")
+    codes, outs = run_collect(_commands(2, "killed_waiting"), env, timeout=TIMEOUT)
+    assert codes == [-signal.SIGKILL] * 2, "\n=====\n".join(o[-3000:] for o in outs)
+    assert _nameless(outs) == {"1"}
+    (job,) = _jobs(outs)
+    assert _segments(job) == []
 
 
 @needs_kernels

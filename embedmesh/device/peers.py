@@ -10,6 +10,10 @@ returns a key for the job's shared-memory segments, drawn by process 0 and the
 same in every process (0 otherwise: the exchanges stay XLA's), and hands the
 kernels the job's pids (a peer that dies is noticed within a second, even before
 its segment exists) and removes the segments that jobs killed whole left behind.
+Each process also gathers the descriptor of its directory of segments; when every
+process can open every other's (through /proc/<pid>/fd), a second all-gather of one
+flag makes the job's segments nameless: a job killed at any moment leaves nothing in
+/dev/shm (`host_peers.h`).
 The shared-memory exchange itself is the CPU kernel of `ops.exchange`
 (`host_exchange.cc`).
 
@@ -64,19 +68,26 @@ def same_host_job(mesh) -> int:
     usable = 1 if cpu.ready() else 0
     key = secrets.randbits(62) | 1 if jax.process_index() == 0 else 0
     pid_ns = _pid_namespace()
+    directory = cpu.new_host_directory() if usable else -1
     # 31-bit parts: without jax_enable_x64 the all-gather carries int32
     local = np.array(
         [host_identity(), usable, key >> 31, key & 0x7FFFFFFF, os.getpid(),
-         (pid_ns >> 31) & 0x7FFFFFFF, pid_ns & 0x7FFFFFFF],
+         (pid_ns >> 31) & 0x7FFFFFFF, pid_ns & 0x7FFFFFFF, directory],
         np.int32,
     )  # fmt: skip
-    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 7)
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 8)
     if len(set(gathered[:, 0].tolist())) != 1 or not gathered[:, 1].all():
         return 0
     job = (int(gathered[0, 2]) << 31) | int(gathered[0, 3])
     # every process's pid: the exchanges notice within a second when one exits
+    pids = [int(p) for p in gathered[:, 4]]
     namespaces = [(int(hi) << 31) | int(lo) for hi, lo in gathered[:, 5:7]]
-    cpu.begin_host_job(job, [int(p) for p in gathered[:, 4]], namespaces)
+    cpu.begin_host_job(job, pids, namespaces)
+    # nameless segments (a kill leaves nothing in /dev/shm) when every process can open
+    # every other's directory; else named ones (host_peers.h): all processes the same
+    opened = cpu.open_host_directories(job, jax.process_index(), pids, gathered[:, 7])
+    agreed = multihost_utils.process_allgather(np.array([opened], np.int32))
+    cpu.set_host_job_nameless(job, bool(np.asarray(agreed).all()))
     return job
 
 

@@ -33,8 +33,11 @@ from embedmesh.device.ops.cpu.library import (
     all_cpu,
     begin_host_job,
     library_path,
+    new_host_directory,
+    open_host_directories,
     pad_id,
     ready,
+    set_host_job_nameless,
     threads,
     unavailable_reason,
 )
@@ -44,8 +47,11 @@ __all__ = [
     "all_cpu",
     "begin_host_job",
     "library_path",
+    "new_host_directory",
+    "open_host_directories",
     "pad_id",
     "ready",
+    "set_host_job_nameless",
     "threads",
     "unavailable_reason",
 ]

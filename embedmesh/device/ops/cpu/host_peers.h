@@ -3,11 +3,10 @@
 // the segments' lifecycle calls are in host_exchange.cc. Part of embedmesh's CPU kernels.
 //
 // Each device rank r of a call site (`tag`, a stable hash of the call's channel name, the
-// same in every process) owns the segment /embedmesh-<job>-<tag>-<n>-<r> (job: the job's
-// random key, so segments of crashed jobs never collide): a header (the rounds it
-// published and finished, its capacity and this round's size, its process, on separate
-// cache lines) and the data. Round g of a call site (counted per process-local handle;
-// every process runs the same calls in the same order), `WithHostPeers`:
+// same in every process) owns a segment: a header (the rounds it published and finished, its
+// capacity and this round's size, its process, on separate cache lines) and the data. Round g
+// of a call site (counted per process-local handle; every process runs the same calls in the
+// same order), `WithHostPeers`:
 //   (a) wait until every peer has finished round g - 1 (nobody still reads my data),
 //   (b) grow my segment if needed (ftruncate + fallocate + remap), write my data, publish
 //       `arrived = g` (release),
@@ -19,16 +18,28 @@
 // TIMEOUT_S, default 60 s; -1 ms: none) naming the channel, the rank and the missing peers,
 // sooner when its process, or any process of the job, exited (the job's pids are registered
 // at build, EmbedmeshHostJobBegin, so a peer that died before creating its segment counts
-// too; then this process unlinks the job's segments it knows of); a size mismatch fails
-// naming both sizes. Every rank maps its peers' segments before it first publishes, so once
+// too); a size mismatch fails naming both sizes.
+//
+// How peers find a segment. Nameless (the default, when every process of the job can open
+// every other's descriptors through /proc/<pid>/fd: the same pid namespace, same user): a
+// segment is a memfd, never a name in /dev/shm; each process lists its segments (tag, n,
+// rank, descriptor) in its directory, a memfd made before the job's key is agreed (its
+// descriptor gathered at build with the pids; EmbedmeshHostJobDirectories opens every
+// process's directory, and only when all processes could does the job go nameless,
+// EmbedmeshHostJobNameless). A peer finds rank r's entry in the directories and opens
+// /proc/<pid>/fd/<fd>. Everything vanishes with the processes: a job killed at any moment,
+// even whole and inside its first exchange, leaves nothing in /dev/shm. Named (the
+// fallback: processes in different pid namespaces sharing /dev/shm, /proc hidden):
+// /embedmesh-<job>-<tag>-<n>-<r> (job: the job's random key, so segments of crashed jobs
+// never collide); every rank maps its peers' segments before it first publishes, so once
 // all its peers have arrived in the first round a writer unlinks its segment's name
-// (mappings and descriptors outlive the name): a process killed later leaves nothing in
-// /dev/shm; at exit (EmbedmeshHostExchangeRelease, from a Python
-// atexit hook) each process waits, briefly, until its peers have read its last round, then
-// unlinks the names still there. A job killed whole before every rank arrived in its
-// first round leaves its segments to the next job on the host: EmbedmeshHostJobBegin removes every segment whose
-// writer has exited (the header names it: pid, pid namespace and start time, so a reused
-// pid does not pass for it).
+// (mappings and descriptors outlive the name); at exit (EmbedmeshHostExchangeRelease, from a
+// Python atexit hook) each process waits, briefly, until its peers have read its last round,
+// then unlinks the names still there; a process that sees a peer's process exit unlinks the
+// job's names it knows of; and a job killed whole before every rank arrived in its first
+// round leaves its segments to the next job on the host: EmbedmeshHostJobBegin removes
+// every segment whose writer has exited (the header names it: pid, pid namespace and start
+// time, so a reused pid does not pass for it).
 #pragma once
 
 #include <dirent.h>
@@ -169,6 +180,55 @@ inline int64_t ExitedProcess(int64_t job, int64_t* pid) {
   return -1;
 }
 
+// A process's directory of its nameless segments of one job (see the top): entries
+// [0, count) are published (count stored with release after the entry), by one writer
+// (ChannelOf, under Mutex()).
+constexpr int64_t kDirectoryMagic = 0x656d646972656374;
+constexpr int64_t kDirectorySlots = 4096;  // channels a process may open in one job
+
+struct DirectorySlot {
+  int64_t tag, n, rank, fd;
+};
+
+struct Directory {
+  std::atomic<int64_t> count;
+  int64_t magic;
+  DirectorySlot slots[kDirectorySlots];
+};
+
+// A job's directories: its processes' (by process; own at `self`), mapped at build.
+struct JobDirectories {
+  bool nameless = false;  // set only when every process opened every directory
+  int64_t self = -1;
+  std::vector<int64_t> pids;
+  std::vector<const Directory*> dirs;
+};
+
+inline std::map<int64_t, JobDirectories>& JobDirectoryTable() {
+  static auto* table = new std::map<int64_t, JobDirectories>;  // under JobsMutex()
+  return *table;
+}
+
+// This process's directories not yet given to a job, by descriptor.
+inline std::map<int64_t, Directory*>& NewDirectories() {
+  static auto* table = new std::map<int64_t, Directory*>;  // under JobsMutex()
+  return *table;
+}
+
+// The directories of `job` when it is nameless (a copy: the mappings never go), else
+// nullopt.
+inline std::optional<JobDirectories> NamelessJob(int64_t job) {
+  std::lock_guard<std::mutex> lock(JobsMutex());
+  auto it = JobDirectoryTable().find(job);
+  if (it == JobDirectoryTable().end() || !it->second.nameless) return std::nullopt;
+  return it->second;
+}
+
+// The path through which this process opens descriptor fd of process pid.
+inline std::string ProcFd(int64_t pid, int64_t fd) {
+  return "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+}
+
 // Spins, then yields, then sleeps (20 us growing to 200 us: a peer's lateness costs at
 // most that much) until ready() or the deadline;
 // while sleeping, gives up early (false) when abandoned() says the awaited peer is gone.
@@ -229,6 +289,7 @@ struct Channel {
   std::vector<Mapping> peers;  // by rank; peers[rank] unused
   std::atomic<bool> busy{false};
   bool unlinked = false;  // its name, once every peer has it mapped
+  bool nameless = false;  // a memfd listed in this process's directory: never a name
   std::string Name(int64_t r) const { return prefix + std::to_string(r); }
 };
 
@@ -282,21 +343,35 @@ inline Channel* ChannelOf(int64_t job, int64_t tag, int64_t n, int64_t rank, std
   ch->prefix = "/embedmesh-" + Hex(job) + "-" + Hex(tag) + "-" + std::to_string(n) + "-";
   ch->peers.resize(n);
   const std::string name = ch->Name(rank);
-  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) {
-    why = "shm_open(" + name + ") failed: " + std::strerror(errno);
+  const std::optional<JobDirectories> dirs = NamelessJob(job);
+  Directory* own_dir = dirs ? const_cast<Directory*>(dirs->dirs[dirs->self]) : nullptr;
+  ch->nameless = own_dir != nullptr;
+  auto give_up = [&](const std::string& what) -> Channel* {
+    why = what;
+    if (ch->own.fd >= 0) {
+      if (!ch->nameless) shm_unlink(name.c_str());
+      close(ch->own.fd);
+    }
     Channels().erase({job, tag, n, rank});
     return nullptr;
+  };
+  if (own_dir != nullptr &&
+      own_dir->count.load(std::memory_order_relaxed) >= kDirectorySlots) {
+    return give_up("this process has " + std::to_string(kDirectorySlots) +
+                   " host-exchange channels in this job, the most its directory lists");
+  }
+  int fd = ch->nameless ? memfd_create(name.c_str() + 1, MFD_CLOEXEC)
+                        : shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    return give_up(std::string(ch->nameless ? "memfd_create(" : "shm_open(") + name +
+                   ") failed: " + std::strerror(errno));
   }
   ch->own.fd = fd;
   const size_t cap = GrownCapacity(0, 0);
   std::string reserve = Reserve(fd, kHeaderBytes + cap);
   if (!reserve.empty() || !Remap(ch->own, kHeaderBytes + cap, true)) {
-    why = "sizing " + name + " failed: " + (reserve.empty() ? std::strerror(errno) : reserve);
-    shm_unlink(name.c_str());
-    close(fd);
-    Channels().erase({job, tag, n, rank});
-    return nullptr;
+    return give_up("sizing " + name +
+                   " failed: " + (reserve.empty() ? std::strerror(errno) : reserve));
   }
   SegmentHeader* h = ch->own.header();  // zero-filled by ftruncate: rounds 0
   h->magic = kMagic;
@@ -306,8 +381,30 @@ inline Channel* ChannelOf(int64_t job, int64_t tag, int64_t n, int64_t rank, std
   h->pid_ns = PidNamespace();
   h->start = OwnStart();
   h->capacity.v.store(cap, std::memory_order_release);
+  if (own_dir != nullptr) {  // listed once its header is written: peers may open it now
+    const int64_t i = own_dir->count.load(std::memory_order_relaxed);
+    own_dir->slots[i] = DirectorySlot{tag, n, rank, fd};
+    own_dir->count.store(i + 1, std::memory_order_release);
+    ch->unlinked = true;  // no name to unlink
+  }
   slot = std::move(ch);
   return slot.get();
+}
+
+// Opens (into m.fd) rank s's nameless segment of ch once a directory of the job lists it;
+// false while none does (or its process's descriptor cannot be opened yet).
+inline bool OpenListed(const Channel& ch, const JobDirectories& dirs, int64_t s, Mapping& m) {
+  for (size_t p = 0; p < dirs.dirs.size(); ++p) {
+    const Directory* d = dirs.dirs[p];
+    const int64_t count = d->count.load(std::memory_order_acquire);
+    for (int64_t i = 0; i < count; ++i) {
+      const DirectorySlot& e = d->slots[i];
+      if (e.tag != ch.tag || e.n != ch.n || e.rank != s) continue;
+      m.fd = open(ProcFd(dirs.pids[p], e.fd).c_str(), O_RDONLY | O_CLOEXEC);
+      return m.fd >= 0;
+    }
+  }
+  return false;
 }
 
 // Opens and maps peer s's segment once it exists with its header (retrying until the
@@ -318,10 +415,18 @@ std::string OpenPeer(Channel& ch, int64_t s, Clock::time_point deadline,
   Mapping& m = ch.peers[s];
   if (m.base != nullptr) return "";
   const std::string name = ch.Name(s);
+  std::optional<JobDirectories> dirs;
+  if (ch.nameless) dirs = NamelessJob(ch.job);
   struct stat st {};
   appeared = WaitUntil(
       [&] {
-        if (m.fd < 0) m.fd = shm_open(name.c_str(), O_RDONLY, 0);
+        if (m.fd < 0) {
+          if (dirs) {
+            OpenListed(ch, *dirs, s, m);
+          } else {
+            m.fd = shm_open(name.c_str(), O_RDONLY, 0);
+          }
+        }
         if (m.fd < 0) return false;
         return fstat(m.fd, &st) == 0 && static_cast<size_t>(st.st_size) >= kHeaderBytes;
       },
@@ -329,6 +434,10 @@ std::string OpenPeer(Channel& ch, int64_t s, Clock::time_point deadline,
   if (!appeared) return "create its segment " + name;
   if (!Remap(m, st.st_size, false)) {
     return "mapping " + name + " failed: " + std::strerror(errno);
+  }
+  const SegmentHeader* h = m.header();  // a nameless one is listed after its header
+  if (ch.nameless && (h->magic != kMagic || h->rank != s || h->n != ch.n)) {
+    return "the segment listed for " + name + " is another file (its process exited?)";
   }
   return "";
 }
@@ -362,7 +471,7 @@ inline std::string Ranks(const std::vector<int64_t>& ranks) {
 inline void UnlinkJob(int64_t job) {
   std::lock_guard<std::mutex> lock(Mutex());
   for (auto& [key, ch] : Channels()) {
-    if (ch->job != job) continue;
+    if (ch->job != job || ch->nameless) continue;
     for (int64_t r = 0; r < ch->n; ++r) shm_unlink(ch->Name(r).c_str());
   }
 }
@@ -544,9 +653,9 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
           deadline, [&] { return !Exited(ch, late).empty() || job_broken(); })) {
     return missing(late, "arrive");
   }
-  // every peer has arrived, so has my segment mapped (and remaps it through its
-  // descriptor when it grows): its name can go now, and a job killed from here on
-  // (SIGKILL, os._exit: no atexit hooks) leaves nothing in /dev/shm
+  // (named segments) every peer has arrived, so has my segment mapped (and remaps it
+  // through its descriptor when it grows): its name can go now, and a job killed from here
+  // on (SIGKILL, os._exit: no atexit hooks) leaves nothing in /dev/shm
   if (!ch.unlinked) {
     shm_unlink(ch.Name(rank).c_str());
     ch.unlinked = true;

@@ -180,6 +180,55 @@ def begin_host_job(job: int, pids, pid_namespaces) -> int:
     )
 
 
+def new_host_directory() -> int:
+    """A new directory of this process's nameless host-exchange segments
+    (`host_peers.h`): its descriptor, for the job about to start to gather with the
+    pids, or -1 (without the kernels, or when it cannot be made)."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return -1
+    lib.EmbedmeshHostDirectory.restype = ctypes.c_int64
+    return int(lib.EmbedmeshHostDirectory())
+
+
+def open_host_directories(job: int, process: int, pids, fds) -> bool:
+    """Open every process's directory of job `job` (`fds[i]`, made by process `pids[i]`
+    with `new_host_directory`; this one is `process`): whether all opened (through
+    /proc/<pid>/fd: the same pid namespace and user)."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return False
+    count = len(pids)
+    fn = lib.EmbedmeshHostJobDirectories
+    fn.argtypes = [ctypes.c_int64] * 2 + [ctypes.POINTER(ctypes.c_int64)] * 2 + [ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    arrays = [(ctypes.c_int64 * count)(*(int(v) for v in a)) for a in (pids, fds)]
+    return bool(fn(job, process, *arrays, count))
+
+
+def set_host_job_nameless(job: int, nameless: bool) -> None:
+    """Whether job `job`'s segments are nameless (memfds found through the directories,
+    never a name in /dev/shm): True only when every process opened every directory."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return
+    fn = lib.EmbedmeshHostJobNameless
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    fn.restype = None
+    fn(job, 1 if nameless else 0)
+
+
+def host_job_nameless(job: int) -> bool:
+    """Whether job `job`'s segments are nameless here (`set_host_job_nameless`)."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return False
+    fn = lib.EmbedmeshHostJobIsNameless
+    fn.argtypes = [ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    return bool(fn(job))
+
+
 def host_channel_tags(job: int) -> set[int]:
     """The tags of this process's host-exchange channels of job `job` (which host kernels
     ran here; empty when `ready()` is False)."""
