@@ -34,6 +34,7 @@ import sys
 import time
 
 import orphan_guard  # noqa: F401  (this worker dies with the test process)
+from process_helpers import start_cpu_process
 
 process_id, num_processes, port, out_prefix, modes = (
     int(sys.argv[1]),
@@ -42,20 +43,9 @@ process_id, num_processes, port, out_prefix, modes = (
     sys.argv[4],
     sys.argv[5].split(","),
 )
-os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={4 // num_processes} "
-    + os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
-)
-os.environ["JAX_PLATFORMS"] = "cpu"
+start_cpu_process(process_id, num_processes, port)
 
 import jax  # noqa: E402
-
-if num_processes > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
-    )
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402

@@ -5,10 +5,10 @@ Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE [SHARDING]
 "mod", is MeshEmbedding's `sharding`.)
 """
 
-import os
 import sys
 
 import orphan_guard  # noqa: F401  (this worker dies with the test process)
+from process_helpers import global_batches, local_slice, start_cpu_process
 
 process_id, num_processes, port, out_file = (
     int(sys.argv[1]),
@@ -17,20 +17,9 @@ process_id, num_processes, port, out_file = (
     sys.argv[4],
 )
 sharding = sys.argv[5] if len(sys.argv) > 5 else "mod"
-os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={4 // num_processes} "
-    + os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
-)
-os.environ["JAX_PLATFORMS"] = "cpu"
+start_cpu_process(process_id, num_processes, port)
 
 import jax  # noqa: E402
-
-if num_processes > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
-    )
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -41,34 +30,6 @@ from jax.sharding import Mesh  # noqa: E402
 import embedmesh as em  # noqa: E402
 from embedmesh.facade import MeshEmbedding  # noqa: E402
 from embedmesh.host.preprocess import Capacity  # noqa: E402
-
-
-def global_batches(steps, batch):
-    rng = np.random.default_rng(7)
-    for _ in range(steps):
-        lengths = rng.integers(0, 5, batch)
-        yield {
-            "a": rng.integers(0, 50, (batch, 3)),
-            "b": rng.integers(0, 30, (batch,)),
-            "ragged": (rng.integers(0, 30, int(lengths.sum())), lengths),
-        }
-
-
-def local_slice(batch, pid, nproc):
-    out = {}
-    for k, v in batch.items():
-        if k == "ragged":
-            values, lengths = v
-            per = len(lengths) // nproc
-            splits = np.concatenate([[0], np.cumsum(lengths)])
-            lo, hi = splits[pid * per], splits[(pid + 1) * per]
-            out[k] = em.RaggedTensor.from_row_lengths(
-                values[lo:hi], lengths[pid * per : (pid + 1) * per]
-            )
-        else:
-            per = v.shape[0] // nproc
-            out[k] = v[pid * per : (pid + 1) * per]
-    return out
 
 
 def main():

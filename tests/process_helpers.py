@@ -71,3 +71,66 @@ def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: 
         env=env,
     )
     return np.load(single), np.load(multi)
+
+
+def start_cpu_process(process_id: int, num_processes: int, port: int, devices: int = 4):
+    """Set up this worker process before anything imports jax: `devices` CPU devices
+    shared out over the job (`devices // num_processes` here, after any flags in
+    EMBEDMESH_TEST_XLA_FLAGS), and with more than one process, gloo collectives and
+    `jax.distributed` on 127.0.0.1:`port`. Returns the jax module."""
+    import os
+
+    os.environ["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices // num_processes} "
+        + os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
+    )
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+    import jax
+
+    if num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+    return jax
+
+
+def global_batches(steps, batch):
+    """`steps` global batches of `batch` samples (seeded: every process draws the same):
+    a 3-valent feature "a", a 1-valent "b" and a ragged one, as (values, lengths)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for _ in range(steps):
+        lengths = rng.integers(0, 5, batch)
+        yield {
+            "a": rng.integers(0, 50, (batch, 3)),
+            "b": rng.integers(0, 30, (batch,)),
+            "ragged": (rng.integers(0, 30, int(lengths.sum())), lengths),
+        }
+
+
+def local_slice(batch, pid, nproc):
+    """Process `pid`'s contiguous share of a `global_batches` batch (of `nproc`),
+    the ragged feature as an `em.RaggedTensor`."""
+    import numpy as np
+
+    import embedmesh as em
+
+    out = {}
+    for k, v in batch.items():
+        if k == "ragged":
+            values, lengths = v
+            per = len(lengths) // nproc
+            splits = np.concatenate([[0], np.cumsum(lengths)])
+            lo, hi = splits[pid * per], splits[(pid + 1) * per]
+            out[k] = em.RaggedTensor.from_row_lengths(
+                values[lo:hi], lengths[pid * per : (pid + 1) * per]
+            )
+        else:
+            per = v.shape[0] // nproc
+            out[k] = v[pid * per : (pid + 1) * per]
+    return out
