@@ -462,21 +462,7 @@ def _resolve_backend(backend: str):
     return K
 
 
-def preprocess_features_tf(
-    num_replicas_in_sync: int,
-    max_ids_per_chip_per_sample: int,
-    max_minibatches_per_sc: int,
-    num_sc_per_chip: int,
-    num_sc_shards: int,
-    stacked_table_to_tables: Mapping[str, Any] | None,
-    table_to_stacked_table_offset: Mapping[str, tuple] | None,
-    table_to_sample_count: Mapping[str, int] | None,
-    feature_to_sample_offset: Mapping[str, int] | None,
-    flat_features: Any,
-    flat_inputs: Any,
-    flat_weights: Any | None = None,
-    **options,
-) -> tuple:
+def preprocess_features_tf(*args, **kwargs) -> tuple:
     """TensorFlow's `TPUEmbeddingV2.preprocess_features` on embedmesh's plan (the
     arguments' mapping: `embedmesh.host.preprocess_tf.seed_batch_arguments`);
     `**options` are `preprocess_batch`'s keywords (capacities, overflow,
@@ -488,27 +474,19 @@ def preprocess_features_tf(
     (the ints: the batch's largest partition, before padding; TensorFlow's are
     its unpadded CSR sizes). Statistics: use `preprocess_batch`.
     """
-    features, weights, plan, options = seed_batch_arguments(
-        num_replicas_in_sync,
-        max_ids_per_chip_per_sample,
-        max_minibatches_per_sc,
-        num_sc_per_chip,
-        num_sc_shards,
-        stacked_table_to_tables,
-        table_to_stacked_table_offset,
-        table_to_sample_count,
-        feature_to_sample_offset,
-        flat_features,
-        flat_inputs,
-        flat_weights,
-        **options,
-    )
+    features, weights, plan, options = seed_batch_arguments(*args, **kwargs)
     out, stats = preprocess_batch(features, weights, plan, **options)
     return (
         out,
         max((st.max_ids_per_partition for st in stats.stacks.values()), default=0),
         max((st.max_unique_ids_per_partition for st in stats.stacks.values()), default=0),
     )
+
+
+# TensorFlow's parameters, those `seed_batch_arguments` takes (help(), inspect.signature)
+preprocess_features_tf.__signature__ = inspect.signature(seed_batch_arguments).replace(  # type: ignore[attr-defined]
+    return_annotation="tuple"
+)
 
 
 def preprocess_features(*args, **kwargs):

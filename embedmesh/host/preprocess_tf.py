@@ -7,6 +7,7 @@ embedmesh's stacking and mapped onto `preprocess_batch`'s (`seed_batch_arguments
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,21 +18,6 @@ from embedmesh.inputs import resolved_structure
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
 
 __all__ = ["SEED_ARGS", "seed_batch_arguments"]
-
-SEED_ARGS = (
-    "num_replicas_in_sync",
-    "max_ids_per_chip_per_sample",
-    "max_minibatches_per_sc",
-    "num_sc_per_chip",
-    "num_sc_shards",
-    "stacked_table_to_tables",
-    "table_to_stacked_table_offset",
-    "table_to_sample_count",
-    "feature_to_sample_offset",
-    "flat_features",
-    "flat_inputs",
-    "flat_weights",
-)
 
 
 def _seed_int(field: str, value, minimum: int = 1) -> int:
@@ -180,6 +166,10 @@ def seed_batch_arguments(
                 weights = jax.tree_util.tree_unflatten(resolved.treedef, list(flat_weights))
     options.setdefault("num_devices_local", n)
     return features, weights, plan, options
+
+
+# TensorFlow's parameters of `preprocess_features`, in order (`**options` left out)
+SEED_ARGS = tuple(inspect.signature(seed_batch_arguments).parameters)[:-1]
 
 
 def _seed_groups(stacked_table_to_tables, resolved) -> dict:
