@@ -66,6 +66,16 @@ def progress_bar(total: int, prefix: str, live: bool) -> tqdm:
     )
 
 
+def masked_losses(logits, acts, labels, mask, feats, cfg: mdl.ModelConfig):
+    """(objective, loss) of a batch: the mean over unmasked samples of the binary
+    cross-entropy plus the embeddings' penalty (what is minimized), and of the
+    cross-entropy alone (what is reported)."""
+    bce = mdl.bce_with_logits(logits, labels)
+    obj = bce + mdl.penalty(acts, feats, cfg)
+    denom = jnp.sum(mask)
+    return jnp.sum(obj * mask) / denom, jnp.sum(bce * mask) / denom
+
+
 class Trainer:
     """A `MeshEmbedding` (state, host preprocessing) + dense parameters + jitted steps.
 
@@ -108,20 +118,22 @@ class Trainer:
         self.core = self.emb.core
         k_dense = jax.random.fold_in(jax.random.key(seed), 1)
         self.tx = dense_optimizer or optax.adam(1e-3)
-        params = mdl.init_dense(k_dense, len(self.features), model_cfg)
-        self.params = jax.device_put(params, self.core.replicated)
-        self.opt_state = jax.device_put(self.tx.init(self.params), self.core.replicated)
         self.dropout_key = jax.random.fold_in(k_dense, 1)
         self.recompiles = 0
         self.max_in_flight = 2
+        self._build_model(k_dense, model_cfg)
+
+    def _build_model(self, k_dense, model_cfg: mdl.ModelConfig) -> None:
+        """The dense parameters (initialized from `k_dense`), their optimizer state and
+        the jitted train and predict steps (a subclass builds its own model here)."""
+        params = mdl.init_dense(k_dense, len(self.features), model_cfg)
+        self.params = jax.device_put(params, self.core.replicated)
+        self.opt_state = jax.device_put(self.tx.init(self.params), self.core.replicated)
         core, feats, tx, cfg = self.core, self.features, self.tx, model_cfg
 
         def loss_fn(params, acts, labels, mask, key):
             logits = mdl.forward(params, acts, feats, cfg, dropout_key=key)
-            bce = mdl.bce_with_logits(logits, labels)
-            obj = bce + mdl.penalty(acts, feats, cfg)
-            denom = jnp.sum(mask)
-            return jnp.sum(obj * mask) / denom, jnp.sum(bce * mask) / denom
+            return masked_losses(logits, acts, labels, mask, feats, cfg)
 
         def train_step(state, params, opt_state, csr, labels, mask, key):
             acts = core.lookup(state, csr)

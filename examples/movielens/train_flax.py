@@ -12,59 +12,21 @@ fast path), with that state donated, so tables and slots are updated in place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
-import jax.numpy as jnp
-import optax
 from flax import nnx
-from jax.sharding import Mesh
 
-import embedmesh as em
-from embedmesh.facade import MeshEmbedding
 from examples.movielens import model as mdl
 from examples.movielens import model_flax
-from examples.movielens.train import Trainer
+from examples.movielens.train import Trainer, masked_losses
 
 
 class FlaxTrainer(Trainer):
     """`Trainer`'s interface (epochs, evaluation, snapshots, the embedding for
     checkpoints) over an nnx `Ranker` and an `nnx.Optimizer`."""
 
-    def __init__(
-        self,
-        vocab_sizes: dict,
-        features: Sequence[str],
-        mesh: Mesh,
-        *,
-        model_cfg: mdl.ModelConfig = mdl.ModelConfig(),
-        table_optimizer: em.Optimizer | None = None,
-        dense_optimizer=None,
-        seed: int = 0,
-        capacities=None,
-        feature_config=None,
-    ):
-        self.features = tuple(features)
-        self.model_cfg = model_cfg
-        self.mesh = mesh
-        self.feature_config = feature_config or mdl.feature_config(
-            vocab_sizes, self.features, model_cfg
-        )
-        self.table_optimizer = table_optimizer or em.Adagrad(learning_rate=0.05)
-        self.seed = seed
-        # the job's description and host preprocessing; the module takes its state
-        self.emb = MeshEmbedding(
-            self.feature_config,
-            self.table_optimizer,
-            mesh=mesh,
-            capacities=capacities,
-            overflow="grow",
-            seed=seed,
-        )
-        self.emb.build()
-        self.core = self.emb.core
-        k_dense = jax.random.fold_in(jax.random.key(seed), 1)
-        self.tx = dense_optimizer or optax.adam(1e-3)
+    def _build_model(self, k_dense, model_cfg: mdl.ModelConfig) -> None:
+        """The nnx `Ranker` over the embedding (the module takes the facade's state),
+        its `nnx.Optimizer` and the jitted steps over their split state."""
         # the same initial values as the plain-JAX trainer's, replicated on the mesh
         params = jax.device_put(
             mdl.init_dense(k_dense, len(self.features), model_cfg), self.core.replicated
@@ -72,9 +34,6 @@ class FlaxTrainer(Trainer):
         model = model_flax.Ranker(self.emb, params, self.features, model_cfg)
         optimizer = nnx.Optimizer(model, self.tx, wrt=nnx.Param)
         self.graphdef, self.nstate = nnx.split((model, optimizer))
-        self.dropout_key = jax.random.fold_in(k_dense, 1)
-        self.recompiles = 0
-        self.max_in_flight = 2
         graphdef, feats, cfg = self.graphdef, self.features, model_cfg
 
         def train_step(nstate, csr, labels, mask, key):
@@ -84,10 +43,7 @@ class FlaxTrainer(Trainer):
 
             def loss_fn(model, acts):
                 logits = model(acts, dropout_key=key)
-                bce = mdl.bce_with_logits(logits, labels)
-                obj = bce + mdl.penalty(acts, feats, cfg)
-                denom = jnp.sum(mask)
-                return jnp.sum(obj * mask) / denom, jnp.sum(bce * mask) / denom
+                return masked_losses(logits, acts, labels, mask, feats, cfg)
 
             (_, loss), (g_model, g_acts) = nnx.value_and_grad(
                 loss_fn, argnums=(0, 1), has_aux=True
