@@ -160,6 +160,41 @@ def timed(fn, n):
     return ts
 
 
+def time_steps(args, batches, inputs, host_prep, device_step, reset_before_steps=False):
+    """A contender's warm-up (`args.warmup` steps over `inputs`, its prepared batches),
+    then `args.steps` timings of `host_prep` over the raw `batches` and of `device_step`
+    over `inputs`: (enqueue s, device s, peak RSS after the warm-up). The peak is reset
+    before the timings (`reset_before_steps`: again before the device steps)."""
+    nb = len(inputs)
+    for i in range(args.warmup):
+        device_step(inputs[i % nb])
+    setup_hwm, _ = rss_status()
+    reset_peak()
+    it = iter(range(10**9))
+    enq = timed(lambda: host_prep(batches[next(it) % nb]), args.steps)
+    it = iter(range(10**9))
+    if reset_before_steps:
+        reset_peak()  # the device steps' own peak
+    dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
+    return enq, dev, setup_hwm
+
+
+def step_result(enq, dev, setup_hwm, step_hwm, rss, state_bytes, devices, **more) -> dict:
+    """A child's result: host-preparation and device-step times, the peak RSS after
+    setup and over the steps, the RSS at the end, the tables' and slots' bytes, the
+    devices used, then what that contender adds (`more`)."""
+    return dict(
+        enqueue=enq,
+        device=dev,
+        setup_hwm=setup_hwm,
+        step_hwm=step_hwm,
+        rss=rss,
+        state_bytes=state_bytes,
+        devices=devices,
+        **more,
+    )
+
+
 def thread_prefetch(fn, items, depth: int = 2):
     """Yield `fn(item)` computed in a thread up to `depth` items ahead: the standard
     library's version of `MeshEmbedding.prefetch` for the peers (no embedmesh or jax
@@ -396,16 +431,16 @@ def child_embedmesh(args, batches, capacity_batches=None):
     state_bytes = sum(
         x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
     )
-    return dict(
-        enqueue=enq,
-        device=dev,
+    return step_result(
+        enq,
+        dev,
+        setup_hwm,
+        step_hwm,
+        rss,
+        state_bytes,
+        len(jax.devices()),
         e2e=[e2e_t],
-        setup_hwm=setup_hwm,
-        step_hwm=step_hwm,
         e2e_hwm=e2e_hwm,
-        rss=rss,
-        state_bytes=state_bytes,
-        devices=len(jax.devices()),
         capacity=str(list(caps.values())[0]),
         exchange_bytes=sum(emb.core.exchange_bytes(csrs[0]).values()),
         page_faults_per_step=faults,
@@ -455,32 +490,18 @@ def child_plain(args, batches):
         return optax.apply_updates(tables, updates), opt_state
 
     inputs = [host_prep(b) for b in batches]
-    nb = len(inputs)
     state = [tables, opt_state]
 
     def device_step(x):
         state[0], state[1] = step(state[0], state[1], *x)
         jax.block_until_ready(state[0])
 
-    for i in range(args.warmup):
-        device_step(inputs[i % nb])
-    setup_hwm, _ = rss_status()
-    reset_peak()
-    it = iter(range(10**9))
-    enq = timed(lambda: jax.block_until_ready(host_prep(batches[next(it) % nb])), args.steps)
-    it = iter(range(10**9))
-    dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
+    enq, dev, setup_hwm = time_steps(
+        args, batches, inputs, lambda b: jax.block_until_ready(host_prep(b)), device_step
+    )
     step_hwm, rss = rss_status()
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
-    return dict(
-        enqueue=enq,
-        device=dev,
-        setup_hwm=setup_hwm,
-        step_hwm=step_hwm,
-        rss=rss,
-        state_bytes=state_bytes,
-        devices=1,
-    )
+    return step_result(enq, dev, setup_hwm, step_hwm, rss, state_bytes, 1)
 
 
 # ---------------------------------------------------------------------------
@@ -529,15 +550,9 @@ def child_fbgemm(args, batches):
         loss = 0.5 * (out * out).sum() / B
         loss.backward()  # the fused optimizer updates the touched rows here
 
-    for i in range(args.warmup):
-        device_step(inputs[i % nb])
-    setup_hwm, _ = rss_status()
-    reset_peak()
-    it = iter(range(10**9))
-    enq = timed(lambda: host_prep(batches[next(it) % nb]), args.steps)
-    it = iter(range(10**9))
-    reset_peak()  # the device steps' own peak
-    dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
+    enq, dev, setup_hwm = time_steps(
+        args, batches, inputs, host_prep, device_step, reset_before_steps=True
+    )
     step_hwm, _ = rss_status()
 
     def e2e(prefetch: bool):
@@ -558,19 +573,19 @@ def child_fbgemm(args, batches):
     state_bytes += sum(
         s.numel() * s.element_size() for st in tbe.split_optimizer_states() for s in st
     )
-    return dict(
-        enqueue=enq,
-        device=dev,
+    return step_result(
+        enq,
+        dev,
+        setup_hwm,
+        step_hwm,
+        rss,
+        state_bytes,
+        1,
         # FBGEMM's better way (its preparation is ~1 ms: a thread may not pay)
         e2e=[min(e2e_serial, e2e_prefetch)],
         e2e_serial=[e2e_serial],
         e2e_prefetch=[e2e_prefetch],
-        setup_hwm=setup_hwm,
-        step_hwm=step_hwm,
         e2e_hwm=e2e_hwm,
-        rss=rss,
-        state_bytes=state_bytes,
-        devices=1,
         threads=torch.get_num_threads(),
     )
 
@@ -604,7 +619,6 @@ def child_torch(args, batches):
         return out
 
     inputs = [host_prep(b) for b in batches]
-    nb = len(inputs)
 
     def device_step(x):
         opt.zero_grad(set_to_none=True)
@@ -612,27 +626,13 @@ def child_torch(args, batches):
         loss.backward()
         opt.step()
 
-    for i in range(args.warmup):
-        device_step(inputs[i % nb])
-    setup_hwm, _ = rss_status()
-    reset_peak()
-    it = iter(range(10**9))
-    enq = timed(lambda: host_prep(batches[next(it) % nb]), args.steps)
-    it = iter(range(10**9))
-    dev = timed(lambda: device_step(inputs[next(it) % nb]), args.steps)
+    enq, dev, setup_hwm = time_steps(args, batches, inputs, host_prep, device_step)
     step_hwm, rss = rss_status()
     state_bytes = sum(p.numel() * p.element_size() for p in params)
     for st in opt.state.values():
         state_bytes += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-    return dict(
-        enqueue=enq,
-        device=dev,
-        setup_hwm=setup_hwm,
-        step_hwm=step_hwm,
-        rss=rss,
-        state_bytes=state_bytes,
-        devices=1,
-        threads=torch.get_num_threads(),
+    return step_result(
+        enq, dev, setup_hwm, step_hwm, rss, state_bytes, 1, threads=torch.get_num_threads()
     )
 
 
