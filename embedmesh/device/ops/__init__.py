@@ -568,55 +568,24 @@ def _backward_update_sharded_reference(
     """Per-unique sums for every shard, sent with the ids to the owners, merged, applied.
     Replicated: this device's per-unique sums and ids to every device (one message, the
     ids' bits in a column of their own), merged and applied by every replica."""
-    if replicated:
-        return _replicated_update_reference(
-            table,
-            slots,
-            unique_ids,
-            act_grads,
-            pair_rows,
-            pair_unique,
-            pair_gains,
-            keep,
-            optimizer=optimizer,
-            step=step,
-            transport=transport,
-        )
-    n, u = unique_ids.shape
+    n, u = unique_ids.shape  # N partitions; a replica's one
     per_unique = segment_gather_sum(
         act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), n * u
     )
-    grads = exchange(per_unique.reshape(n, u, -1), transport.at("grads"))
-    served = exchange(unique_ids, transport.at("ids"))
+    if replicated:
+        n = transport.num_shards
+        ids_bits = jax.lax.bitcast_convert_type(unique_ids.reshape(u, 1), jnp.float32)
+        message = jnp.concatenate([ids_bits, per_unique], axis=1)  # [U, 1 + D]
+        got = exchange(
+            jnp.broadcast_to(message[None], (n,) + message.shape), transport.at("gathered")
+        )
+        served = jax.lax.bitcast_convert_type(got[..., 0], jnp.int32)  # [N, U], device order
+        grads = got[..., 1:]
+    else:
+        grads = exchange(per_unique.reshape(n, u, -1), transport.at("grads"))
+        served = exchange(unique_ids, transport.at("ids"))
     served = jnp.where(keep, served, PAD_ID)
     uniq, g_sum = dedup_sum(served, grads.reshape(n * u, -1))
-    return sparse_update(optimizer, table, slots, uniq, g_sum, step)
-
-
-def _replicated_update_reference(
-    table,
-    slots,
-    unique_ids,
-    act_grads,
-    pair_rows,
-    pair_unique,
-    pair_gains,
-    keep,
-    *,
-    optimizer,
-    step,
-    transport,
-):
-    n, (_, u) = transport.num_shards, unique_ids.shape
-    per_unique = segment_gather_sum(
-        act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), u
-    )
-    ids_bits = jax.lax.bitcast_convert_type(unique_ids.reshape(u, 1), jnp.float32)
-    message = jnp.concatenate([ids_bits, per_unique], axis=1)  # [U, 1 + D]
-    got = exchange(jnp.broadcast_to(message[None], (n,) + message.shape), transport.at("gathered"))
-    ids = jax.lax.bitcast_convert_type(got[..., 0], jnp.int32)  # [N, U], device order
-    ids = jnp.where(keep, ids, PAD_ID)
-    uniq, g_sum = dedup_sum(ids, got[..., 1:].reshape(n * u, -1))
     return sparse_update(optimizer, table, slots, uniq, g_sum, step)
 
 

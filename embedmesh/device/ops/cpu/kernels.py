@@ -227,21 +227,13 @@ def _host_call(x, transport) -> bool:
     return True
 
 
-def lookup_from_shards(
-    table,
-    unique_ids,
-    pair_unique,
-    pair_gains,
-    pair_rows,
-    *,
-    num_rows,
-    transport,
-):
+def lookup_from_shards(table, *pairs, num_rows, transport):
     """This device's activations read straight from every shard's table (exchange.cc);
     between processes of one host, from the rows each owner gathered into its shared
-    memory (two rounds, the ids then the rows: channels "<channel>/ids" and "/rows")."""
+    memory (two rounds, the ids then the rows: channels "<channel>/ids" and "/rows").
+    `pairs`: the op's (unique_ids, pair_unique, pair_gains, pair_rows), passed on."""
     out = jax.ShapeDtypeStruct((num_rows,) + table.shape[1:], jnp.float32)
-    args = (table, unique_ids, pair_unique, pair_gains, pair_rows)
+    args = (table, *pairs)
     target, rank, attrs = _transport(
         transport.at("ids"), "embedmesh_lookup_from_shards", "embedmesh_host_lookup"
     )
@@ -254,48 +246,19 @@ def _lookup_in_process(table, *args, transport, **params) -> bool:
     return table.dtype == jnp.float32 and _crosses_shared_memory(table, transport)
 
 
-def backward_update_sharded(
-    table,
-    slots,
-    unique_ids,
-    act_grads,
-    pair_rows,
-    pair_unique,
-    pair_gains,
-    keep,
-    *,
-    optimizer,
-    step,
-    transport,
-    replicated=False,
-):
+def backward_update_sharded(table, slots, *batch, optimizer, step, transport, replicated=False):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc);
-    `replicated`: each device a replica, applying every source's one partition."""
+    `replicated`: each device a replica, applying every source's one partition. `batch`:
+    the op's (unique_ids, act_grads, pair_rows, pair_unique, pair_gains, keep), passed on."""
+    *pairs, keep = batch
     target, rank, attrs = _transport(
         transport.at("sources"),
         "embedmesh_backward_{}_from_sources",
         "embedmesh_backward_{}_from_host_sources",
     )
-    args = (
-        unique_ids,
-        act_grads,
-        pair_rows,
-        pair_unique,
-        pair_gains,
-        _LR,
-        keep.astype(jnp.int32).reshape(1),
-        rank,
-    )
-    return _update(
-        target,
-        table,
-        slots,
-        args,
-        optimizer=optimizer,
-        step=step,
-        replica=np.int64(bool(replicated)),
-        **attrs,
-    )
+    args = (*pairs, _LR, keep.astype(jnp.int32).reshape(1), rank)
+    attrs = dict(replica=np.int64(bool(replicated)), **attrs)
+    return _update(target, table, slots, args, optimizer=optimizer, step=step, **attrs)
 
 
 def _fused_in_process(table, slots, *args, optimizer, step, transport, **params):
@@ -402,16 +365,8 @@ def exchange_pooled_backward_update(
         "embedmesh_host_pooled_backward_{}",
     )
     args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1), rank)
-    return _update(
-        target,
-        table,
-        slots,
-        args,
-        optimizer=optimizer,
-        step=step,
-        **_pooled_attrs(unique_capacity, width),
-        **attrs,
-    )
+    attrs = {**_pooled_attrs(unique_capacity, width), **attrs}
+    return _update(target, table, slots, args, optimizer=optimizer, step=step, **attrs)
 
 
 def _pooled_pairs_kernel(unique_ids, *args, width, transport) -> bool:
