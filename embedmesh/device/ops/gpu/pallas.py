@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from embedmesh._runtime import PAD_ID
+from embedmesh.device.ops.gpu import xla
 from embedmesh.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowWiseAdagrad
 
 __all__ = [
@@ -127,22 +128,8 @@ def _segment_sum(src, rows, gains, valid, dst_idx, num_segments: int):
     return _call(_segment_kernel, out, num_segments, dim)(starts, rows, gains, src)
 
 
-def _in_range(idx, n: int):
-    return (idx >= 0) & (idx < n)
-
-
-def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
-    """The reference's sum, one program per segment."""
-    valid = _in_range(src_idx, src.shape[0]) & _in_range(dst_idx, num_segments)
-    return _segment_sum(src, src_idx, gains, valid, dst_idx, num_segments)
-
-
-def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
-    """The mapped sum: each pair's row `src_map[src_idx]` is read from `src` itself."""
-    in_map = _in_range(src_idx, src_map.shape[0])
-    rows = jnp.take(src_map, jnp.where(in_map, src_idx, 0), mode="clip")
-    valid = in_map & _in_range(rows, src.shape[0]) & _in_range(dst_idx, num_segments)
-    return _segment_sum(src, rows, gains, valid, dst_idx, num_segments)
+# the reference's sums, one program per segment
+segment_gather_sum, segment_gather_sum_mapped = xla.segment_sums(_segment_sum)
 
 
 def _update_row(optimizer, names, lr_ref, target, grad, table_ref, slot_refs, outs):
@@ -191,7 +178,7 @@ def _backward_update_kernel(
 def _targets(ids, num_rows: int, canonical=None):
     """The row each program updates: `ids[u]`, or -1 to skip (PAD_ID, out of range, or
     not the first occurrence of a repeated id when `canonical` is given)."""
-    ok = _in_range(ids, num_rows) & (ids != PAD_ID)
+    ok = xla.in_range(ids, num_rows) & (ids != PAD_ID)
     if canonical is not None:
         ok &= canonical == jnp.arange(ids.shape[0], dtype=jnp.int32)
     return jnp.where(ok, ids, -1).astype(jnp.int32)
@@ -242,7 +229,7 @@ def backward_update(
     if num_unique == 0:
         return table, dict(slots)
     first = _first_occurrence(ids)
-    valid = _in_range(pair_rows, act_grads.shape[0]) & _in_range(pair_unique, num_unique)
+    valid = xla.in_range(pair_rows, act_grads.shape[0]) & xla.in_range(pair_unique, num_unique)
     dst = jnp.take(first, jnp.where(valid, pair_unique, 0), mode="clip")
     starts, rows, gains = csr_pairs(valid, dst, pair_rows, pair_gains, num_unique)
     lr = optimizer.learning_rate_at(step).reshape(1)

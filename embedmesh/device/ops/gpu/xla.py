@@ -53,23 +53,35 @@ def _sorted_segment_sum(src, rows, gains, valid, dst_idx, num_segments: int):
     return jax.ops.segment_sum(contrib, key, num_segments=num_segments, indices_are_sorted=True)
 
 
-def _in_range(idx, n: int):
+def in_range(idx, n: int):
+    """Whether each of `idx` is in [0, n)."""
     return (idx >= 0) & (idx < n)
 
 
-def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
-    """The reference's sum, pairs sorted by `dst_idx` (no atomics on repeated segments)."""
-    valid = _in_range(src_idx, src.shape[0]) & _in_range(dst_idx, num_segments)
-    return _sorted_segment_sum(src, src_idx, gains, valid, dst_idx, num_segments)
+def segment_sums(segment_sum):
+    """The ops `segment_gather_sum` and `segment_gather_sum_mapped` over a segment sum
+    `segment_sum(src, rows, gains, valid, dst_idx, num_segments)` of the valid pairs:
+    which pairs are valid (their row in `src`, their segment in range) and, mapped, each
+    pair's row `src_map[src_idx]`, read from `src` directly (no [len(src_map), D] buffer):
+    the same for every backend's sum."""
+
+    def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
+        """The sum over the pairs whose row and segment are in range."""
+        valid = in_range(src_idx, src.shape[0]) & in_range(dst_idx, num_segments)
+        return segment_sum(src, src_idx, gains, valid, dst_idx, num_segments)
+
+    def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
+        """`segment_gather_sum` over `src[src_map]`, each pair's row read from `src`."""
+        in_map = in_range(src_idx, src_map.shape[0])
+        rows = jnp.take(src_map, jnp.where(in_map, src_idx, 0), mode="clip")
+        valid = in_map & in_range(rows, src.shape[0]) & in_range(dst_idx, num_segments)
+        return segment_sum(src, rows, gains, valid, dst_idx, num_segments)
+
+    return segment_gather_sum, segment_gather_sum_mapped
 
 
-def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segments: int):
-    """`segment_gather_sum` over `src[src_map]`, reading each pair's row from `src`
-    directly (no [len(src_map), D] buffer)."""
-    in_map = _in_range(src_idx, src_map.shape[0])
-    rows = jnp.take(src_map, jnp.where(in_map, src_idx, 0), mode="clip")
-    valid = in_map & _in_range(rows, src.shape[0]) & _in_range(dst_idx, num_segments)
-    return _sorted_segment_sum(src, rows, gains, valid, dst_idx, num_segments)
+# the reference's sums, pairs sorted by `dst_idx` (no atomics on repeated segments)
+segment_gather_sum, segment_gather_sum_mapped = segment_sums(_sorted_segment_sum)
 
 
 def dedup_sum(ids, grads):
