@@ -100,3 +100,25 @@ def trained_checkpoints(tmp_path_factory, specs: dict, engine) -> dict:
         assert ckpt.save(path, emb)
         out[name] = dict(path=path, saved=variables_by_name(emb), emb=emb)
     return out
+
+
+def save_edited(root, emb, step: int, edit) -> None:
+    """Save `emb` as a checkpoint of step `step` under `root` (synchronously) with its
+    metadata changed by `edit(meta)` (in place): a checkpoint as another version or
+    writer left it."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    from embedmesh import checkpoint as ckpt
+
+    tree = ckpt.state_tree(emb)
+    meta = json.loads(bytes(tree["meta"]).decode())
+    edit(meta)
+    tree["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8).copy()
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
+    mngr.save(step, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
+    mngr.wait_until_finished()
+    mngr.close()

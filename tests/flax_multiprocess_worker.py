@@ -8,7 +8,7 @@ Usage: flax_multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE MODE
 import sys
 
 import orphan_guard  # noqa: F401  (this worker dies with the test process)
-from process_helpers import global_batches, local_slice, start_cpu_process
+from process_helpers import global_batches, local_slice, save_and_leave, start_cpu_process
 
 process_id, num_processes, port, out_file, mode = (
     int(sys.argv[1]),
@@ -60,10 +60,7 @@ def main():
         for batch in batches:
             step(embed, embed.enqueue(batch))
         tables = embed.variables
-    if process_id == 0:
-        np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
-    if num_processes > 1:
-        jax.distributed.shutdown()
+    save_and_leave(out_file, tables, process_id, num_processes)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE [SHARDING]
 import sys
 
 import orphan_guard  # noqa: F401  (this worker dies with the test process)
-from process_helpers import global_batches, local_slice, start_cpu_process
+from process_helpers import global_batches, local_slice, save_and_leave, start_cpu_process
 
 process_id, num_processes, port, out_file = (
     int(sys.argv[1]),
@@ -50,10 +50,7 @@ def main():
         acts, pre = emb(local_slice(batch, process_id, num_processes))
         emb.apply_gradients(grad_fn(acts), pre)
     tables = emb.variables
-    if process_id == 0:
-        np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
-    if num_processes > 1:
-        jax.distributed.shutdown()
+    save_and_leave(out_file, tables, process_id, num_processes)
 
 
 if __name__ == "__main__":

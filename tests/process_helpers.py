@@ -1,13 +1,26 @@
 """Launching real worker processes for the multi-process tests (127.0.0.1 only)."""
 
+import os
 import socket
 import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+    """A worker process's environment: this one's, with the test XLA flags alone (not
+    this process's device count: each worker sets its own) and the repository on
+    PYTHONPATH."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    return env
 
 
 def run_collect(commands, env, timeout=300):
@@ -45,16 +58,12 @@ def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: 
     """`multiprocess_worker.py` once as one process with 4 devices under
     `single_sharding`, and as two processes of 2 devices under `multi_sharding`; the
     two saved results (`np.load`), the single one first."""
-    import os
     import sys
 
     import numpy as np
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    worker = os.path.join(here, "multiprocess_worker.py")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    worker = os.path.join(HERE, "multiprocess_worker.py")
+    env = worker_env()
     single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
     subprocess.run(
         [sys.executable, worker, "0", "1", "0", str(single), single_sharding],
@@ -96,6 +105,18 @@ def start_cpu_process(process_id: int, num_processes: int, port: int, devices: i
             process_id=process_id,
         )
     return jax
+
+
+def save_and_leave(out_file, tables, process_id: int, num_processes: int) -> None:
+    """A worker's end: process 0 saves `tables` ({TableConfig: {field: array}}) as the
+    .npz `out_file`, keys "table.field"; with more than one process, each leaves the job."""
+    import jax
+    import numpy as np
+
+    if process_id == 0:
+        np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
+    if num_processes > 1:
+        jax.distributed.shutdown()
 
 
 def global_batches(steps, batch):

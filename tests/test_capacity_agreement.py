@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from process_helpers import free_port, run_collect
+from process_helpers import free_port, run_collect, worker_env
 
 import embedmesh as em
 from embedmesh.config import resolve_feature_config
@@ -36,18 +36,11 @@ TIMEOUT = 300  # a hang in a collective fails the test instead of stalling it (a
 # process's build and compiles take over 60 s on a loaded 2-core machine)
 
 
-def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    return env
-
-
 def _pair(prefix, modes, timeout=TIMEOUT):
     port = free_port()
     return run_collect(
         [[sys.executable, WORKER, str(i), "2", str(port), str(prefix), modes] for i in range(2)],
-        env=_env(),
+        env=worker_env(),
         timeout=timeout,
     )
 
@@ -58,7 +51,7 @@ def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("capacity")
     subprocess.run(
         [sys.executable, WORKER, "0", "1", "0", str(d / "single"), "auto,grow"],
-        env=_env(),
+        env=worker_env(),
         check=True,
         timeout=TIMEOUT,
     )

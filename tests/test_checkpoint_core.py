@@ -2,7 +2,6 @@
 jitted train step of their own saves and restores without a facade; the facade's calls
 are wrappers of the same functions. And the row layout a checkpoint records."""
 
-import json
 import re
 
 import jax
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from checkpoint_common import HashInit, variables_by_name
+from checkpoint_common import HashInit, save_edited, variables_by_name
 from jax.sharding import Mesh
 
 import embedmesh as em
@@ -230,20 +229,15 @@ def test_pipelined_core_restore_is_what_the_facade_installs(tmp_path):
 def _save_with_layout(root, emb, layout):
     """A checkpoint of `emb` whose metadata names row layout `layout` (None: no key, as
     checkpoints written before the key existed)."""
-    tree = ckpt.state_tree(emb)
-    meta = json.loads(bytes(tree["meta"]).decode())
-    assert meta["row_layout"] == "mod"
-    if layout is None:
-        del meta["row_layout"]
-    else:
-        meta["row_layout"] = layout
-    tree["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8).copy()
-    mngr = ocp.CheckpointManager(
-        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-    )
-    mngr.save(1, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
-    mngr.wait_until_finished()
-    mngr.close()
+
+    def edit(meta):
+        assert meta["row_layout"] == "mod"
+        if layout is None:
+            del meta["row_layout"]
+        else:
+            meta["row_layout"] = layout
+
+    save_edited(root, emb, 1, edit)
 
 
 def test_row_layout_recorded_defaulted_and_unknown_refused(tmp_path):

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from checkpoint_common import variables_by_name
+from checkpoint_common import save_edited, variables_by_name
 from checkpoint_damage import chunk_locations, flip_bytes
 from jax.sharding import Mesh
 
@@ -305,18 +305,13 @@ def test_checkpoints_without_checksums_still_load(tmp_path):
     restores and loads, unverified."""
     emb = random_engine(4, seed=6, step=3)
     values = variables_by_name(emb)
-    tree = ckpt.state_tree(emb)
-    meta = json.loads(bytes(tree["meta"]).decode())
-    del meta["checksum"]
-    for m in meta["tables"]:
-        del m["checksums"]
-    tree["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8).copy()
-    mngr = ocp.CheckpointManager(
-        tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-    )
-    mngr.save(3, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
-    mngr.wait_until_finished()
-    mngr.close()
+
+    def edit(meta):
+        del meta["checksum"]
+        for m in meta["tables"]:
+            del m["checksums"]
+
+    save_edited(tmp_path, emb, 3, edit)
     assert "checksum" not in ckpt.read_metadata(tmp_path)
     for n in (4, 2):
         target = random_engine(n, seed=7, step=0)

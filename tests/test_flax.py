@@ -234,13 +234,10 @@ def test_nnx_two_processes_train_like_one(tmp_path):
     import os
     import sys
 
-    from process_helpers import free_port, run_together
+    from process_helpers import HERE, free_port, run_together, worker_env
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    worker = os.path.join(here, "flax_multiprocess_worker.py")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    worker = os.path.join(HERE, "flax_multiprocess_worker.py")
+    env = worker_env()
     single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
     port = free_port()
     run_together(

@@ -5,28 +5,25 @@ import subprocess
 import sys
 
 import numpy as np
-from process_helpers import free_port, run_together
+from process_helpers import free_port, run_together, worker_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "multiprocess_worker.py")
-
-
-def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    return env
 
 
 def test_two_processes_match_one_process_with_four_devices(tmp_path):
     single = tmp_path / "single.npz"
     multi = tmp_path / "multi.npz"
     subprocess.run(
-        [sys.executable, WORKER, "0", "1", "0", str(single)], env=_env(), check=True, timeout=300
+        [sys.executable, WORKER, "0", "1", "0", str(single)],
+        env=worker_env(),
+        check=True,
+        timeout=300,
     )
     port = free_port()
     run_together(
-        [[sys.executable, WORKER, str(i), "2", str(port), str(multi)] for i in range(2)], env=_env()
+        [[sys.executable, WORKER, str(i), "2", str(port), str(multi)] for i in range(2)],
+        env=worker_env(),
     )
     a, b = np.load(single), np.load(multi)
     assert sorted(a.files) == sorted(b.files) and len(a.files) == 4

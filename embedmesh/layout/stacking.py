@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import numpy as np
@@ -274,6 +274,15 @@ class StackSpec:
 TableKey = Union[str, TableConfig, TablePlacement]
 
 
+def _named(by_name: Mapping, name, kind: str, known: Callable[[], str]):
+    """`by_name[name]`, else a KeyError "no `kind` named `name` in this plan" + `known()`
+    (what the plan has; only computed for the error)."""
+    try:
+        return by_name[name]
+    except KeyError:
+        raise KeyError(f"no {kind} named {name!r} in this plan{known()}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class StackingPlan:
     """Immutable result of `plan_stacking`; compare and hash like a value.
@@ -431,26 +440,15 @@ class StackingPlan:
             return table
         if isinstance(table, TableConfig):
             table = self.resolved.table_name(table)
-        try:
-            return self._table_by_name[table]
-        except KeyError:
-            raise KeyError(
-                f"no table named {table!r} in this plan (tables: {sorted(self._table_by_name)})"
-            ) from None
+        known = lambda: f" (tables: {sorted(self._table_by_name)})"
+        return _named(self._table_by_name, table, "table", known)
 
     def stack(self, name: str) -> StackSpec:
-        try:
-            return self._stack_by_name[name]
-        except KeyError:
-            raise KeyError(
-                f"no stack named {name!r} in this plan (stacks: {[s.name for s in self.stacks]})"
-            ) from None
+        known = lambda: f" (stacks: {[s.name for s in self.stacks]})"
+        return _named(self._stack_by_name, name, "stack", known)
 
     def feature(self, name: str) -> FeaturePlacement:
-        try:
-            return self._feature_by_name[name]
-        except KeyError:
-            raise KeyError(f"no feature named {name!r} in this plan") from None
+        return _named(self._feature_by_name, name, "feature", lambda: "")
 
     def stack_of(self, table: TableKey) -> StackSpec:
         return self.stack(self.table(table).stack)
