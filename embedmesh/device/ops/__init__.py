@@ -551,23 +551,13 @@ def backward_update_sharded(
 
 
 def _backward_update_sharded_reference(
-    table,
-    slots,
-    unique_ids,
-    act_grads,
-    pair_rows,
-    pair_unique,
-    pair_gains,
-    keep,
-    *,
-    optimizer,
-    step,
-    transport,
-    replicated=False,
+    table, slots, unique_ids, act_grads, *pairs, optimizer, step, transport, replicated=False
 ):
     """Per-unique sums for every shard, sent with the ids to the owners, merged, applied.
     Replicated: this device's per-unique sums and ids to every device (one message, the
-    ids' bits in a column of their own), merged and applied by every replica."""
+    ids' bits in a column of their own), merged and applied by every replica. `pairs`:
+    the op's (pair_rows, pair_unique, pair_gains, keep)."""
+    pair_rows, pair_unique, pair_gains, keep = pairs
     n, u = unique_ids.shape  # N partitions; a replica's one
     per_unique = segment_gather_sum(
         act_grads, pair_rows.reshape(-1), pair_gains.reshape(-1), slot_index(pair_unique, u), n * u
@@ -602,15 +592,14 @@ def pack_pooled_pairs(unique_ids, pair_rows, pair_unique, pair_gains, compact, *
     `compact[o][pair_rows]` (`compact` [N, R + 1], `PooledRows.compact`), or with
     `compact` of shape [N, 0] the row itself (every shard feeds every row: Rc = R).
     Positions and rows out of range become "none"."""
-    return _dispatch(
-        "pack_pooled_pairs",
-        unique_ids.astype(jnp.int32),
-        pair_rows.astype(jnp.int32),
-        pair_unique.astype(jnp.int32),
-        pair_gains.astype(jnp.float32),
-        compact.astype(jnp.int32),
-        width=width,
-    )
+    args = _pooled_pairs_args(unique_ids, pair_rows, pair_unique, pair_gains, compact)
+    return _dispatch("pack_pooled_pairs", *args, width=width)
+
+
+def _pooled_pairs_args(unique_ids, pair_rows, pair_unique, pair_gains, compact) -> tuple:
+    """A source's pooled-pair arrays in the dtypes the ops take (gains float32)."""
+    i32 = (x.astype(jnp.int32) for x in (unique_ids, pair_rows, pair_unique))
+    return (*i32, pair_gains.astype(jnp.float32), compact.astype(jnp.int32))
 
 
 def _pack_pooled_pairs_reference(unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width):
@@ -659,14 +648,9 @@ def pooled_partials(
     """An owner's partial sums [N * Rc, D] (float32) for its N sources' messages
     (`pack_pooled_pairs`): block s row j sums gain * table[id] over source s's pairs
     of row j, in pair order (`quantization`, `columns`: as `segment_gather_sum`'s)."""
-    return _dispatch(
-        "pooled_partials",
-        table,
-        served.astype(jnp.int32),
-        unique_capacity=unique_capacity,
-        width=width,
-        **_row_read(quantization, columns),
-    )
+    pooled = dict(unique_capacity=unique_capacity, width=width)
+    served = served.astype(jnp.int32)
+    return _dispatch("pooled_partials", table, served, **pooled, **_row_read(quantization, columns))
 
 
 def _pooled_partials_reference(
@@ -698,18 +682,15 @@ def pooled_backward_update(
     slots). Reference: `segment_gather_sum`, `dedup_sum`, `sparse_update`; the CPU
     kernel fuses them for every optimizer that names a fused kernel (no [N * U, D]
     buffer)."""
-    return _dispatch(
-        "pooled_backward_update",
-        table,
-        dict(slots),
-        served.astype(jnp.int32),
-        grads.astype(jnp.float32),
-        jnp.asarray(keep, bool),
-        optimizer=optimizer,
-        step=step,
-        unique_capacity=unique_capacity,
-        width=width,
-    )
+    args = _owner_update_args(table, slots, served, grads, keep)
+    pooled = dict(unique_capacity=unique_capacity, width=width)
+    return _dispatch("pooled_backward_update", *args, optimizer=optimizer, step=step, **pooled)
+
+
+def _owner_update_args(table, slots, served, grads, keep) -> tuple:
+    """An owner's update arrays (`pooled_backward_update`'s) in the dtypes the ops take."""
+    served, grads = served.astype(jnp.int32), grads.astype(jnp.float32)
+    return table, dict(slots), served, grads, jnp.asarray(keep, bool)
 
 
 def _pooled_backward_update_reference(
@@ -740,16 +721,8 @@ def exchange_pooled_pairs(
 ):
     """The owners' view of this device's batch: `exchange(pack_pooled_pairs(...))`, block
     s the message [U + P * k] source s sent this owner."""
-    return _dispatch(
-        "exchange_pooled_pairs",
-        unique_ids.astype(jnp.int32),
-        pair_rows.astype(jnp.int32),
-        pair_unique.astype(jnp.int32),
-        pair_gains.astype(jnp.float32),
-        compact.astype(jnp.int32),
-        width=width,
-        transport=transport,
-    )
+    args = _pooled_pairs_args(unique_ids, pair_rows, pair_unique, pair_gains, compact)
+    return _dispatch("exchange_pooled_pairs", *args, width=width, transport=transport)
 
 
 def _exchange_pooled_pairs_reference(
@@ -774,14 +747,10 @@ def exchange_pooled_partials(
     """This device's partial activations from every owner [N * Rc, D]:
     `exchange(pooled_partials(table, served))`, block s the partials owner s summed for
     this device's rows."""
+    pooled = dict(unique_capacity=unique_capacity, width=width, transport=transport)
+    served = served.astype(jnp.int32)
     return _dispatch(
-        "exchange_pooled_partials",
-        table,
-        served.astype(jnp.int32),
-        unique_capacity=unique_capacity,
-        width=width,
-        transport=transport,
-        **_row_read(quantization, columns),
+        "exchange_pooled_partials", table, served, **pooled, **_row_read(quantization, columns)
     )
 
 
@@ -817,18 +786,10 @@ def exchange_pooled_backward_update(
     """`pooled_backward_update` of this owner from the gradients every source sends it:
     `grads` [N, Rc, D] block o are this device's gradients of the rows owner o feeds
     (`exchange`d, then applied over `served`). Returns (table, slots)."""
+    args = _owner_update_args(table, slots, served, grads, keep)
+    pooled = dict(unique_capacity=unique_capacity, width=width, transport=transport)
     return _dispatch(
-        "exchange_pooled_backward_update",
-        table,
-        dict(slots),
-        served.astype(jnp.int32),
-        grads.astype(jnp.float32),
-        jnp.asarray(keep, bool),
-        optimizer=optimizer,
-        step=step,
-        unique_capacity=unique_capacity,
-        width=width,
-        transport=transport,
+        "exchange_pooled_backward_update", *args, optimizer=optimizer, step=step, **pooled
     )
 
 
