@@ -113,6 +113,19 @@ def _set(obj, field: str, value) -> None:
     object.__setattr__(obj, field, value)  # normalizing a frozen dataclass field
 
 
+def _check_numbers(obj, what: str, ok, *fields: str) -> None:
+    """Each of `fields` of `obj` as a finite float satisfying `ok` (`what` says which
+    numbers), else ValueError naming the field."""
+    for field in fields:
+        _set(obj, field, _number(obj, field, getattr(obj, field), what, ok))
+
+
+def _check_flags(obj, *fields: str) -> None:
+    """Each of `fields` of `obj` as a bool, else ValueError naming the field."""
+    for field in fields:
+        _set(obj, field, _flag(obj, field, getattr(obj, field)))
+
+
 def _pow(x, q: float):
     """x**q for x >= 0 and a static q >= 0, with 0**q == 0 (q > 0) and x**0 == 1.
 
@@ -514,17 +527,7 @@ class Adagrad(Optimizer):
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
-        _set(
-            self,
-            "initial_accumulator_value",
-            _number(
-                self,
-                "initial_accumulator_value",
-                self.initial_accumulator_value,
-                "a number > 0",
-                lambda x: x > 0,
-            ),
-        )
+        _check_numbers(self, "a number > 0", lambda x: x > 0, "initial_accumulator_value")
         self._validate()
 
     @property
@@ -565,25 +568,11 @@ class AdagradMomentum(Optimizer):
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
-        _set(
-            self,
-            "momentum",
-            _number(self, "momentum", self.momentum, "a number >= 0", lambda x: x >= 0),
-        )
-        _set(self, "use_nesterov", _flag(self, "use_nesterov", self.use_nesterov))
-        _set(
-            self,
-            "exponent",
-            _number(self, "exponent", self.exponent, "a number > 0", lambda x: x > 0),
-        )
-        _set(
-            self,
-            "beta2",
-            _number(self, "beta2", self.beta2, "a number in [0, 1]", lambda x: 0 <= x <= 1),
-        )
-        _set(
-            self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0", lambda x: x > 0)
-        )
+        _check_numbers(self, "a number >= 0", lambda x: x >= 0, "momentum")
+        _check_flags(self, "use_nesterov")
+        _check_numbers(self, "a number > 0", lambda x: x > 0, "exponent")
+        _check_numbers(self, "a number in [0, 1]", lambda x: 0 <= x <= 1, "beta2")
+        _check_numbers(self, "a number > 0", lambda x: x > 0, "epsilon")
         self._validate()
 
     def fused_rule_attrs(self) -> dict:
@@ -648,17 +637,9 @@ class Adam(Optimizer):
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
-        for f in ("beta_1", "beta_2"):
-            _set(
-                self,
-                f,
-                _number(self, f, getattr(self, f), "a number in [0, 1)", lambda x: 0 <= x < 1),
-            )
-        _set(
-            self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0", lambda x: x > 0)
-        )
-        _set(self, "lazy_adam", _flag(self, "lazy_adam", self.lazy_adam))
-        _set(self, "sum_inside_sqrt", _flag(self, "sum_inside_sqrt", self.sum_inside_sqrt))
+        _check_numbers(self, "a number in [0, 1)", lambda x: 0 <= x < 1, "beta_1", "beta_2")
+        _check_numbers(self, "a number > 0", lambda x: x > 0, "epsilon")
+        _check_flags(self, "lazy_adam", "sum_inside_sqrt")
         self._validate()
 
     @property
@@ -732,43 +713,15 @@ class FTRL(Optimizer):
     low_dimensional_packing_status: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
-        _set(
-            self,
-            "learning_rate_power",
-            _number(
-                self,
-                "learning_rate_power",
-                self.learning_rate_power,
-                "a number <= 0",
-                lambda x: x <= 0,
-            ),
-        )
-        for f in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
-            _set(self, f, _number(self, f, getattr(self, f), "a number >= 0", lambda x: x >= 0))
-        _set(
-            self,
-            "multiply_linear_by_learning_rate",
-            _flag(self, "multiply_linear_by_learning_rate", self.multiply_linear_by_learning_rate),
-        )
-        azero = _flag(self, "allow_zero_accumulator", self.allow_zero_accumulator)
-        _set(self, "allow_zero_accumulator", azero)
-        if azero:
-            iav = _number(
-                self,
-                "initial_accumulator_value",
-                self.initial_accumulator_value,
-                "a number >= 0",
-                lambda x: x >= 0,
-            )
+        _check_numbers(self, "a number <= 0", lambda x: x <= 0, "learning_rate_power")
+        regularization = ("l1_regularization_strength", "l2_regularization_strength", "beta")
+        _check_numbers(self, "a number >= 0", lambda x: x >= 0, *regularization)
+        _check_flags(self, "multiply_linear_by_learning_rate", "allow_zero_accumulator")
+        if self.allow_zero_accumulator:
+            _check_numbers(self, "a number >= 0", lambda x: x >= 0, "initial_accumulator_value")
         else:
-            iav = _number(
-                self,
-                "initial_accumulator_value",
-                self.initial_accumulator_value,
-                "a number > 0 (or >= 0 with allow_zero_accumulator)",
-                lambda x: x > 0,
-            )
-        _set(self, "initial_accumulator_value", iav)
+            what = "a number > 0 (or >= 0 with allow_zero_accumulator)"
+            _check_numbers(self, what, lambda x: x > 0, "initial_accumulator_value")
         # The default mode divides by lr, hence lr > 0 (a schedule is trusted).
         self._validate(lr_positive=True)
 
@@ -851,11 +804,9 @@ class RowWiseAdagrad(Optimizer):
     mean_dim: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        _set(
-            self, "epsilon", _number(self, "epsilon", self.epsilon, "a number > 0", lambda x: x > 0)
-        )
-        for f in ("initial_accumulator_value", "l2_regularization_strength"):
-            _set(self, f, _number(self, f, getattr(self, f), "a number >= 0", lambda x: x >= 0))
+        _check_numbers(self, "a number > 0", lambda x: x > 0, "epsilon")
+        nonnegative = ("initial_accumulator_value", "l2_regularization_strength")
+        _check_numbers(self, "a number >= 0", lambda x: x >= 0, *nonnegative)
         if self.mean_dim is not None and not (
             isinstance(self.mean_dim, (int, np.integer))
             and not isinstance(self.mean_dim, bool)
