@@ -183,16 +183,9 @@ def step_result(enq, dev, setup_hwm, step_hwm, rss, state_bytes, devices, **more
     """A child's result: host-preparation and device-step times, the peak RSS after
     setup and over the steps, the RSS at the end, the tables' and slots' bytes, the
     devices used, then what that contender adds (`more`)."""
-    return dict(
-        enqueue=enq,
-        device=dev,
-        setup_hwm=setup_hwm,
-        step_hwm=step_hwm,
-        rss=rss,
-        state_bytes=state_bytes,
-        devices=devices,
-        **more,
-    )
+    common = (enq, dev, setup_hwm, step_hwm, rss, state_bytes, devices)
+    keys = ("enqueue", "device", "setup_hwm", "step_hwm", "rss", "state_bytes", "devices")
+    return dict(zip(keys, common), **more)
 
 
 def thread_prefetch(fn, items, depth: int = 2):
@@ -431,14 +424,7 @@ def child_embedmesh(args, batches, capacity_batches=None):
     state_bytes = sum(
         x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
     )
-    return step_result(
-        enq,
-        dev,
-        setup_hwm,
-        step_hwm,
-        rss,
-        state_bytes,
-        len(jax.devices()),
+    more = dict(
         e2e=[e2e_t],
         e2e_hwm=e2e_hwm,
         capacity=str(list(caps.values())[0]),
@@ -447,6 +433,8 @@ def child_embedmesh(args, batches, capacity_batches=None):
         mod_exchange_bytes=emb.mod_exchange_bytes,
         strategies="+".join(sorted({s for _, s in emb.plan.strategies})),
     )
+    devices = len(jax.devices())
+    return step_result(enq, dev, setup_hwm, step_hwm, rss, state_bytes, devices, **more)
 
 
 # ---------------------------------------------------------------------------
@@ -573,14 +561,7 @@ def child_fbgemm(args, batches):
     state_bytes += sum(
         s.numel() * s.element_size() for st in tbe.split_optimizer_states() for s in st
     )
-    return step_result(
-        enq,
-        dev,
-        setup_hwm,
-        step_hwm,
-        rss,
-        state_bytes,
-        1,
+    more = dict(
         # FBGEMM's better way (its preparation is ~1 ms: a thread may not pay)
         e2e=[min(e2e_serial, e2e_prefetch)],
         e2e_serial=[e2e_serial],
@@ -588,6 +569,7 @@ def child_fbgemm(args, batches):
         e2e_hwm=e2e_hwm,
         threads=torch.get_num_threads(),
     )
+    return step_result(enq, dev, setup_hwm, step_hwm, rss, state_bytes, 1, **more)
 
 
 def child_torch(args, batches):
