@@ -310,6 +310,156 @@ def test_bf16_rounds_the_same_on_any_device_count_and_strategy():
                 np.testing.assert_array_equal(g[t][k], w[t][k], err_msg=f"{kind} {t}.{k}")
 
 
+# ---------------------------------------------------------------------------
+# The CPU's fused update of bf16 / fp16 stacks: rounding.py's generator, bit for bit
+
+FUSED = {k: v for k, v in OPTIMIZERS.items() if v.fused_kernel}  # all but DenseAdam
+
+
+def _cpu_kernels():
+    from embedmesh.device.ops.cpu import kernels, library
+
+    if not library.ready():
+        pytest.skip(f"no CPU kernels: {library.unavailable_reason()}")
+    return kernels
+
+
+def _kernel_arithmetic_rounded(rounded, rows, slots, grads, step, ids):
+    """`Rounded.update_rows` with the fused kernel's float32 arithmetic: the float32
+    kernel's update of the rows widened (XLA's own contracts multiply-adds into FMAs and
+    takes an approximate rsqrt), each result rounded by rounding.py (`Rounded.round`, the
+    logical rows from `Rounded.logical_rows`)."""
+    at = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    wide = {k: v.astype(jnp.float32) for k, v in slots.items()}
+    new_rows, new_slots = _cpu_kernels().sparse_update(
+        rows.astype(jnp.float32), wide, at, grads, optimizer=rounded.optimizer, step=step
+    )
+    table, row = rounded.logical_rows(ids)
+    step = jnp.asarray(step, jnp.int32)
+    names = tuple(rounded.optimizer.slot_names)
+    return rounded.round(new_rows, rows.dtype, step, 0, table, row), {
+        k: rounded.round(new_slots[k], slots[k].dtype, step, 1 + names.index(k), table, row)
+        for k in slots
+    }
+
+
+@pytest.mark.parametrize("slot", ["float32", "table"])
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_fused_update_rounds_as_the_generator_bit_for_bit(name, slot):
+    """The CPU's fused update of a bf16 / fp16 stack (two tables, a padding block, a seed
+    past 32 bits), every optimizer with a fused kernel, slots float32 or of the table's
+    type, random rows, slots and gradients: bit-identical to the kernel's float32 update
+    rounded by rounding.py. Against the XLA reference (`Rounded.update_rows`, whose float32
+    arithmetic is XLA's): SGD's equal; the others' rare 16-bit differences one code apart
+    (under 1%), float32 slots within 2e-6."""
+    kernels = _cpu_kernels()
+    from embedmesh.layout.rows import ModRowLayout
+
+    dtype = DTYPES[name]
+    r = np.random.default_rng(7)
+    v, d, n = 300, 24, 200
+    # tables 2 (rows 0-149) and 5 (140 rows at 150-289; 290-299 pad), one shard
+    tables = ((2, 0, 150, (1, 0, 0, 150), False), (5, 150, 150, (1, 0, 0, 140), False))
+    for oname, opt in FUSED.items():
+        rounded = Rounded(opt, (3 << 32) + 17, tables, ModRowLayout(1))
+        sdt = jnp.float32 if slot == "float32" else dtype
+        table = jnp.asarray(r.normal(size=(v, d)), dtype)
+        slots = {
+            k: jnp.asarray(np.abs(r.normal(size=(v, opt.slot_width(k, d)))) + 0.1, sdt)
+            for k in opt.slot_names
+        }
+        ids = r.choice(v, n, replace=False).astype(np.int32)
+        ids[:3] = ops.PAD_ID
+        ids = jnp.asarray(ids)
+        grads = jnp.asarray(r.normal(size=(n, d)), jnp.float32)
+        call = (table, slots, ids, grads)
+        kernel = ops.kernel_for("sparse_update", "cpu", *call, optimizer=rounded, step=3)
+        assert kernel is kernels.sparse_update, oname
+        got = jax.jit(lambda *a, o=rounded: ops.sparse_update(o, *a, 3))(*call)
+
+        def want_update(table, slots, ids, grads, rounded=rounded):
+            safe = jnp.where(ids == ops.PAD_ID, 0, ids)
+            rows, old = table[safe], {k: x[safe] for k, x in slots.items()}
+            new_rows, new = _kernel_arithmetic_rounded(rounded, rows, old, grads, 3, ids)
+            put = lambda x, y: x.at[ids].set(y, mode="drop")
+            return put(table, new_rows), {k: put(x, new[k]) for k, x in slots.items()}
+
+        want = jax.jit(want_update)(*call)
+        ref_fn = ops.reference_of("sparse_update")
+        ref = jax.jit(lambda *a, o=rounded: ref_fn(*a, optimizer=o, step=3))(*call)
+        for field, g, w, x in [("parameters", got[0], want[0], ref[0])] + [
+            (k, got[1][k], want[1][k], ref[1][k]) for k in slots
+        ]:
+            g, w, x = np.asarray(g), np.asarray(w), np.asarray(x)
+            assert g.dtype == w.dtype, (oname, field)
+            np.testing.assert_array_equal(
+                g.view(np.uint16 if g.itemsize == 2 else np.uint32),
+                w.view(np.uint16 if w.itemsize == 2 else np.uint32),
+                err_msg=f"{oname}.{field}",
+            )
+            if g.dtype == np.float32:  # float32 slots: not rounded (test_ops' tolerance)
+                np.testing.assert_allclose(g, x, rtol=2e-6, atol=1e-7, err_msg=oname)
+                continue
+            differ = g != x
+            if oname == "SGD":
+                assert not differ.any()
+            assert differ.mean() < 1e-2, (oname, field, differ.mean())
+            if differ.any():  # neighbours: one code apart
+                codes = np.abs(g.view(np.int16).astype(np.int32) - x.view(np.int16))
+                assert np.all(codes[differ] == 1), (oname, codes[differ])
+
+
+# every fused optimizer, bf16 and fp16, slots float32 and the table's type, one kind each
+FUSED_KINDS = [
+    (jnp.bfloat16, None, (FUSED["Adagrad"], FUSED["RowWiseAdagrad"])),
+    (jnp.bfloat16, jnp.bfloat16, (FUSED["Adam"], FUSED["FTRL"])),
+    (jnp.float16, None, (FUSED["AdagradMomentum"], FUSED["SGD"])),
+    (jnp.float16, jnp.float16, (FUSED["FTRL"], FUSED["Adagrad"])),
+]
+FUSED_STRATEGIES = {
+    "a_0": "table_wise",
+    "b_0": "row_wise_pooled",
+    "a_1": "data_parallel",
+    "a_2": "row_wise_pooled",
+    "b_3": "table_wise",
+}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_fused_training_rounds_as_the_generator_on_1_and_2_devices(n, monkeypatch):
+    """Training bf16 / fp16 tables (every fused optimizer, slots float32 or the table's
+    type) with the CPU's fused updates, on 1 device and on 2 under mod and the other
+    strategies (table-wise, pooled on the owners, replicas): every variable bit-identical
+    to the ops' references run with the kernel's float32 arithmetic and rounding.py's
+    rounding (`_kernel_arithmetic_rounded`; the gradient sums are exact)."""
+    _cpu_kernels()
+    sharding = "mod" if n == 1 else FUSED_STRATEGIES
+    emb, got = _train(FUSED_KINDS, None, n, sharding, steps=3)
+    if n == 2:
+        assert set(dict(emb.plan.strategies).values()) == {
+            "mod",
+            "table_wise",
+            "row_wise_pooled",
+            "data_parallel",
+        }
+    for s in emb.plan.stacks:
+        assert emb.core.strategies[s.name].optimizer.fused_kernel is not None
+    jax.clear_caches()
+    monkeypatch.setattr(Rounded, "fused_kernel", property(lambda self: None))
+
+    def update_rows(self, rows, slots, grads, step, ids=None):
+        return _kernel_arithmetic_rounded(self, rows, slots, grads, step, ids)
+
+    monkeypatch.setattr(Rounded, "update_rows", update_rows)
+    _, want = _train(FUSED_KINDS, None, n, sharding, steps=3)
+    jax.clear_caches()
+    for kind, (g, w) in enumerate(zip(got, want)):
+        for t in w:
+            for k in w[t]:
+                assert g[t][k].dtype == w[t][k].dtype
+                np.testing.assert_array_equal(g[t][k], w[t][k], err_msg=f"{kind} {t}.{k}")
+
+
 def test_bf16_slots_in_rows_only_with_bf16_slots(monkeypatch):
     """With a TPU's layout on CPU: bfloat16 tables with bfloat16 slots keep them in their
     rows and train bit-identically to slots apart; with float32 slots they stay apart."""
@@ -327,15 +477,22 @@ def test_bf16_slots_in_rows_only_with_bf16_slots(monkeypatch):
     assert emb.plan.measured_bytes_per_device == emb.plan.bytes_per_device
 
 
-def test_cpu_kernels_decline_and_rows_cross_in_the_storage_type():
-    """A bf16 stack's optimizer is `Rounded` (no fused kernel: the op's reference); its
-    lookup's exchange carries bfloat16 rows (2 devices, the row exchange)."""
+def test_cpu_kernels_fuse_the_update_and_rows_cross_in_the_storage_type():
+    """A bf16 stack's optimizer is `Rounded`, fused by the CPU's update kernel (its
+    optimizer's); its lookup reads the table in the op's reference, and the lookup's
+    exchange carries bfloat16 rows (2 devices, the row exchange)."""
+    from embedmesh.device.ops.cpu import kernels as cpu_kernels
+
     emb, _ = _train(BF16[:1], OPTIMIZERS["Adagrad"], 2, steps=0)
     ids = jnp.zeros(3, jnp.int32)
     for s in emb.plan.stacks:
         dev = emb.core.strategies[s.name].optimizer
-        assert isinstance(dev, Rounded) and dev.fused_kernel is None
+        assert isinstance(dev, Rounded) and dev.fused_kernel == "adagrad"
         table = emb.state.tables[s.name]
+        slots = dict(emb.state.slots[s.name])
+        call = (table, slots, ids, jnp.ones((3, table.shape[1])))
+        kernel = ops.kernel_for("sparse_update", "cpu", *call, optimizer=dev, step=0)
+        assert kernel is cpu_kernels.sparse_update
         args = (table, ids, ids, jnp.ones(3), ids)
         ref = ops.reference_of("segment_gather_sum_mapped")
         assert ops.kernel_for("segment_gather_sum_mapped", "cpu", *args, num_segments=2) is ref

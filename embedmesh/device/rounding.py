@@ -27,11 +27,18 @@ replicas all take the canonical copy's rows, and stay bit-equal. The uniform in 
 compared with the probability is the hash's top 24 bits times 2^-24.
 
 Where it runs: the ops' references (`ops.sparse_update`'s reference passes the row ids
-to `update_rows`; the dense update of optimizers that move every row passes every row).
-No fused kernel takes a `Rounded` optimizer (`fused_kernel` None: the CPU update kernels
-are float32; their float32 tables are unchanged), so a low-precision stack's updates run
-the XLA reference of the op on every platform, and its lookups too where a platform's
-kernel reads float32 tables only (the CPU's); rows cross devices in the storage type.
+to `update_rows`; the dense update of optimizers that move every row passes every row),
+and on CPU the fused C++ updates (`cpu/update.cc`, `Updater<Rule, T, S>`): a `Rounded`'s
+`fused_kernel` is its optimizer's (slots apart, the mod layout), and the kernel is given
+`rounding_words(step)` (the seed, step, shard and each table's index, local offset and
+layout parameters), from which it computes the same logical rows and the same bits and
+rounds the same way (tests/test_low_precision.py checks it bit for bit). The kernel's
+float32 arithmetic before the rounding is the float32 kernel's: the same operations as
+`update_rows`, but XLA's CPU code contracts multiply-adds into FMAs and takes an
+approximate `rsqrt`, so the two can differ in the last float32 bit (as for float32
+tables), and a rounding then rarely differs by one spacing. The GPU and TPU run the
+references; lookups run their references where a platform's kernel reads float32 tables
+only (the CPU's); rows cross devices in the storage type.
 """
 
 from __future__ import annotations
@@ -111,7 +118,8 @@ class Rounded:
     rows per shard, the layout's kernel params, replicated), ...)` of the stack's tables,
     from which the local rows an update touches are mapped back to logical rows;
     `axis_name`: the mesh axes (the shard's index inside `shard_map`), None on one shard.
-    `fused_kernel` is None: no fused kernel runs it (the ops' references do)."""
+    `fused_kernel`: the optimizer's (the CPU's fused updates round as `update_rows`, given
+    `rounding_words`), None for slots kept in the rows or a layout other than "mod"."""
 
     optimizer: Any
     seed: int
@@ -119,8 +127,40 @@ class Rounded:
     layout: Any
     axis_name: Any = None
 
-    fused_kernel: ClassVar[None] = None
     takes_ids: ClassVar[bool] = True  # `update_rows` wants the rows' ids (`ops.sparse_update`)
+
+    @property
+    def fused_kernel(self) -> str | None:
+        """The optimizer's fused kernel (`SlotsInRows` has none), where the kernels can
+        compute the layout's logical rows (the mod rule, `cpu/updater.h`'s `Rounding`)."""
+        if getattr(self.layout, "name", None) != "mod":
+            return None
+        return getattr(self.optimizer, "fused_kernel", None)
+
+    def fused_attrs(self, step) -> dict:
+        return self.optimizer.fused_attrs(step)
+
+    def fused_rule_attrs(self) -> dict:
+        return self.optimizer.fused_rule_attrs()
+
+    def rounding_words(self, step):
+        """int32 [5 + 8 * tables]: what a fused kernel rounds by (`cpu/updater.h`'s
+        `Rounding`): `[step, shard, seed low 32 bits, seed high 32 bits, tables]`, then per
+        table `(index, local row offset, rows per shard, replicated, k, rotation, first,
+        vocabulary size)` (the mod layout's kernel params, `logical_rows`' arguments)."""
+        seed = int(self.seed)
+        words = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, len(self.tables)]
+        for index, offset, rows, params, replicated in self.tables:
+            words += [index, offset, rows, int(bool(replicated)), *params]
+        static = np.asarray(words, np.int64).astype(np.uint32).view(np.int32)
+        shard = jnp.int32(0) if self.axis_name is None else jax.lax.axis_index(self.axis_name)
+        return jnp.concatenate(
+            [
+                jnp.asarray(step, jnp.int32).reshape(1),
+                jnp.asarray(shard, jnp.int32).reshape(1),
+                jnp.asarray(static),
+            ]
+        )
 
     @property
     def slot_names(self) -> tuple:

@@ -74,13 +74,20 @@ def fused_kinds() -> frozenset:
     return frozenset(t[len(prefix) :] for t in library.targets() if t.startswith(prefix))
 
 
+_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _fused(table, slots, *args, optimizer, step) -> bool:
-    """Whether the fused update kernels take this optimizer, table and slots."""
-    return (
-        optimizer.fused_kernel in fused_kinds()
-        and set(slots) == set(optimizer.slot_names)
-        and table.dtype == jnp.float32
-        and all(v.dtype == jnp.float32 for v in slots.values())
+    """Whether the fused update kernels take this optimizer, table and slots: float32
+    arrays, or (a `device.rounding.Rounded` optimizer, rounding stochastically) a bfloat16
+    or float16 table whose slots are all float32 or all of its type."""
+    if optimizer.fused_kernel not in fused_kinds() or set(slots) != set(optimizer.slot_names):
+        return False
+    kinds = {jnp.dtype(v.dtype) for v in slots.values()}
+    if getattr(optimizer, "rounding_words", None) is None:
+        return table.dtype == jnp.float32 and kinds <= {jnp.dtype(jnp.float32)}
+    return jnp.dtype(table.dtype) in _LOW and (
+        kinds <= {jnp.dtype(jnp.float32)} or kinds == {jnp.dtype(table.dtype)}
     )
 
 
@@ -98,13 +105,16 @@ def _update(target, table, slots, args, *, optimizer, step, **attrs):
     optimizer's `fused_kernel`) of `table` and its slots: the call's fixed `args` (the
     learning rate's place marked by `_LR`), then the table and the slots (aliased to the
     results), and as attributes the optimizer's scalars (`fused_attrs`, `fused_rule_attrs`)
-    plus `attrs`. Returns (new table, new slots)."""
+    plus `attrs`; a `Rounded` optimizer's `rounding_words` go between the fixed arguments
+    and the state (update.cc's `WithUpdater`). Returns (new table, new slots)."""
     scalars = optimizer.fused_attrs(step)
     lr = scalars.pop("learning_rate").reshape(1)
     scalars.update(optimizer.fused_rule_attrs())
     names = tuple(optimizer.slot_names)
     state = (table, *(slots[k] for k in names))
     fixed = tuple(lr if a is _LR else a for a in args)
+    if getattr(optimizer, "rounding_words", None) is not None:
+        fixed = (*fixed, optimizer.rounding_words(step))
     outs = jax.ffi.ffi_call(
         target.format(optimizer.fused_kernel),
         tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state),

@@ -9,9 +9,12 @@
 //     holds one value a row (kRowWise), its hyperparameters read from the call's FFI
 //     attributes, and its float32 arithmetic per element (`Step`) and, for a row-wise rule,
 //     per row (`RowScale`);
-//   - `Updater<Rule, T>` applies a rule to rows of a table of element type T (float now;
-//     bfloat16 / float16 drop in through Load / Store), with the common options around
-//     the rule: gradient clamp, rule, weight decay, weight clamp;
+//   - `Updater<Rule, T, S>` applies a rule to rows of a table of element type T with slots
+//     of type S (float32; bfloat16 / float16 tables with float32 slots or slots of their
+//     type, each new value rounded stochastically by device/rounding.py's generator, bit
+//     for bit: `Rounding`), with the common options around the rule: gradient clamp,
+//     rule, weight decay, weight clamp; a handler picks the pair from its state's types
+//     (`WithUpdater`);
 //   - each form (Sparse, Backward, Sharded, Pooled, ExchangePooled) is a template over the
 //     rule that finds the rows and their summed gradients and calls `Updater::Row` on each;
 //     Sharded and ExchangePooled also over the transport;
@@ -306,32 +309,87 @@ void DecodeSources(PooledSources& ps, const int32_t* served, int64_t n, int64_t 
 // ---------------------------------------------------------------------------------------
 // The handlers of each form, generic over the rule and the storage type T.
 
-#define EM_MAKE_UPDATER(lr_buf)                                                  \
-  Updater<Rule, T> up;                                                           \
-  if (ffi::Error e = MakeUpdater(state, outs, attrs, (lr_buf).typed_data(), &up); \
-      e.failure())                                                               \
-    return e;
+// A call's updater, by the state's types: `Updater<Rule, float>` for float32 tables (the
+// forms inlined over it); for a bfloat16 / float16 table (its slots float32 or its type),
+// `Updater<Rule, T, S>` with the call's rounding (its int32 words are the first of the
+// remaining arguments, before the state) behind an `AnyUpdater`, so that each form is
+// compiled once for all four low-precision pairs, calling their rows through a pointer.
+struct AnyUpdater {
+  const void* self = nullptr;
+  void (*row)(const void*, int64_t, const float*) = nullptr;
+  void (*prefetch)(const void*, int64_t) = nullptr;
+  int64_t rows = 0, d = 0;
+  inline void Row(int64_t r, const float* g) const { row(self, r, g); }
+  inline void Prefetch(int64_t r) const { prefetch(self, r); }
+};
 
-template <class Rule, typename T>
+template <class Rule, typename T, typename S, class Body>
+ffi::Error WithRounding(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
+                        const ffi::Dictionary& attrs, const float* lr, const Body& body) {
+  using U = Updater<Rule, T, S>;
+  U up;
+  if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up, 1); e.failure()) return e;
+  auto words = state.get<ffi::AnyBuffer>(0);
+  if (words.has_error()) return words.error();
+  const ffi::AnyBuffer& wb = *words;
+  Rounding rounding;
+  if (wb.element_type() != ffi::DataType::S32 ||
+      !rounding.Read(static_cast<const int32_t*>(wb.untyped_data()),
+                     static_cast<int64_t>(wb.element_count()), 1 + Rule::kSlots, up.d))
+    return ffi::Error::InvalidArgument("update: malformed rounding words");
+  up.rounding = &rounding;
+  AnyUpdater any;
+  any.self = &up;
+  any.row = [](const void* u, int64_t r, const float* g) { static_cast<const U*>(u)->Row(r, g); };
+  any.prefetch = [](const void* u, int64_t r) { static_cast<const U*>(u)->Prefetch(r); };
+  any.rows = up.rows, any.d = up.d;
+  return body(any);
+}
+
+template <class Rule, class Body>
+ffi::Error WithUpdater(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
+                       const ffi::Dictionary& attrs, const float* lr, const Body& body) {
+  if (state.size() != 2 + Rule::kSlots) {  // float32: no rounding words
+    Updater<Rule, float> up;
+    if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up); e.failure()) return e;
+    return body(up);
+  }
+  using DT = ffi::DataType;
+  auto type = [&](size_t i) {
+    auto b = state.get<ffi::AnyBuffer>(i);
+    return b.has_error() ? DT::INVALID : (*b).element_type();
+  };
+  const DT t = type(1), s = Rule::kSlots > 0 ? type(2) : t;
+  if (t == DT::BF16 && s == DT::F32) return WithRounding<Rule, Bf16, float>(state, outs, attrs, lr, body);
+  if (t == DT::BF16 && s == DT::BF16) return WithRounding<Rule, Bf16, Bf16>(state, outs, attrs, lr, body);
+  if (t == DT::F16 && s == DT::F32) return WithRounding<Rule, F16, float>(state, outs, attrs, lr, body);
+  if (t == DT::F16 && s == DT::F16) return WithRounding<Rule, F16, F16>(state, outs, attrs, lr, body);
+  return ffi::Error::InvalidArgument(
+      "update: a rounded update takes a bfloat16 or float16 table, its slots float32 or its type");
+}
+
+template <class Rule>
 ffi::Error Sparse(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
                   ffi::Buffer<ffi::F32> lr, ffi::RemainingArgs state, ffi::RemainingRets outs,
                   ffi::Dictionary attrs) {
-  EM_MAKE_UPDATER(lr)
-  SparseUpdate(up, ids.typed_data(), ids.element_count(), grads.typed_data());
-  return ffi::Error::Success();
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(), [&](const auto& up) {
+    SparseUpdate(up, ids.typed_data(), ids.element_count(), grads.typed_data());
+    return ffi::Error::Success();
+  });
 }
 
-template <class Rule, typename T>
+template <class Rule>
 ffi::Error Backward(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
                     ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
                     ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
                     ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
-  EM_MAKE_UPDATER(lr)
-  auto ad = act.dimensions();
-  BackwardUpdate(up, ids.typed_data(), ids.element_count(), act.typed_data(),
-                 ad.size() ? ad[0] : 1, prow.typed_data(), puniq.typed_data(),
-                 gains.typed_data(), prow.element_count());
-  return ffi::Error::Success();
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(), [&](const auto& up) {
+    auto ad = act.dimensions();
+    BackwardUpdate(up, ids.typed_data(), ids.element_count(), act.typed_data(),
+                   ad.size() ? ad[0] : 1, prow.typed_data(), puniq.typed_data(),
+                   gains.typed_data(), prow.element_count());
+    return ffi::Error::Success();
+  });
 }
 
 // ops.backward_update_sharded over N shards: each source device shares its batch (ids,
@@ -339,13 +397,14 @@ ffi::Error Backward(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
 // processes) and each owner runs BackwardUpdateFromSources on every source's batch read in
 // place (a replica, data_parallel: every source's one partition to its whole table): no
 // [N, U, D] gradient buffer, no exchange.
-template <class Rule, typename T, class Tr>
+template <class Rule, class Tr>
 ffi::Error Sharded(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
                    ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
                    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
                    ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
                    ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
-  EM_MAKE_UPDATER(lr)
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(),
+                           [&](const auto& up) -> ffi::Error {
   Tr t;
   if (ffi::Error e; !ReadTransport(attrs, rank_buf, "backward", &t, &e)) return e;
   AttrReader a(attrs);
@@ -381,16 +440,18 @@ ffi::Error Sharded(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
     BackwardUpdateFromSources(up, part, src);
     return std::string();
   });
+  });
 }
 
 // ops.pooled_backward_update: an owner's fused backward + update from its N sources'
 // pooled messages and the gradients [N * Rc, D] of the rows they feed:
 // BackwardUpdateFromSources, no [N * U, D] buffer, no dedup output.
-template <class Rule, typename T>
+template <class Rule>
 ffi::Error Pooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
                   ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, ffi::RemainingArgs state,
                   ffi::RemainingRets outs, ffi::Dictionary attrs) {
-  EM_MAKE_UPDATER(lr)
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(),
+                           [&](const auto& up) -> ffi::Error {
   AttrReader a(attrs);
   const int64_t u = a.I("u"), rc = a.I("rc"), k = a.I("k");
   if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
@@ -405,18 +466,20 @@ ffi::Error Pooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
                 [&](int64_t s) { return grads.typed_data() + s * rc * d; });
   BackwardUpdateFromSources(up, 0, ps.src);
   return ffi::Error::Success();
+  });
 }
 
 // ops.exchange_pooled_backward_update: this rank shares the gradients [N, Rc, D] of the
 // rows each owner feeds (ReadBlocks: lent in process, in its segment between processes),
 // and applies every source's gradients for its own rows read in place:
 // pooled_backward_update(..., exchange(grads)), with no exchanged copy.
-template <class Rule, typename T, class Tr>
+template <class Rule, class Tr>
 ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
                           ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
                           ffi::Buffer<ffi::S32> rank_buf, ffi::RemainingArgs state,
                           ffi::RemainingRets outs, ffi::Dictionary attrs) {
-  EM_MAKE_UPDATER(lr)
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(),
+                           [&](const auto& up) -> ffi::Error {
   Tr t;
   if (ffi::Error e; !ReadTransport(attrs, rank_buf, "pooled backward", &t, &e)) return e;
   AttrReader a(attrs);
@@ -437,15 +500,15 @@ ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> gr
                       BackwardUpdateFromSources(up, 0, ps.src);
                       return std::string();
                     });
+  });
 }
-
-#undef EM_MAKE_UPDATER
 
 }  // namespace
 }  // namespace embedmesh
 
 // ---------------------------------------------------------------------------------------
-// Registration: every (form, rule) pair, on each transport, float32 tables, listed
+// Registration: every (form, rule) pair, on each transport (each handler takes float32,
+// bfloat16 and float16 tables: WithUpdater), listed
 // (common.h) under the target names kernels.py calls; the rules listed here are the
 // optimizers the CPU fuses.
 
@@ -465,8 +528,8 @@ ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> gr
       EM_STATE
 
 // each form's function of a rule, over a transport of transport.h (InProcess, SharedMemory)
-#define EM_FN(form, rule) (embedmesh::form<embedmesh::rule, float>)
-#define EM_FN_ON(form, rule, tr) (embedmesh::form<embedmesh::rule, float, embedmesh::tr>)
+#define EM_FN(form, rule) (embedmesh::form<embedmesh::rule>)
+#define EM_FN_ON(form, rule, tr) (embedmesh::form<embedmesh::rule, embedmesh::tr>)
 // the exported symbols, Em<...><Rule><...>, and their target names,
 // embedmesh_..._<rule's kName>_... (kernels.py calls them so)
 #define EM_BACKWARD(rule) std::string("embedmesh_backward_") + embedmesh::rule::kName

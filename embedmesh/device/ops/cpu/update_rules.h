@@ -16,7 +16,8 @@ namespace embedmesh {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// Storage types: the arithmetic is float32 whatever the table holds.
+// Storage types: the arithmetic is float32 whatever the table holds (float32, or
+// bfloat16 / float16 rounded stochastically: device/rounding.py, bit for bit).
 
 template <typename T>
 inline float Load(T x) {
@@ -33,6 +34,101 @@ template <>
 struct DType<float> {
   static constexpr ffi::DataType kType = ffi::DataType::F32;
 };
+
+// bfloat16 and float16 storage: the 16-bit codes (a code +- 1 is the next value of its
+// sign away from / towards zero, as device/rounding.py steps them). Load widens exactly;
+// Nearest rounds to nearest, ties to even (as XLA's convert), past the largest finite value
+// to infinity, NaN to a quiet NaN.
+struct Bf16 {
+  uint16_t code;
+};
+struct F16 {
+  uint16_t code;
+};
+template <>
+struct DType<Bf16> {
+  static constexpr ffi::DataType kType = ffi::DataType::BF16;
+};
+template <>
+struct DType<F16> {
+  static constexpr ffi::DataType kType = ffi::DataType::F16;
+};
+
+inline float Widen(Bf16 x) {
+  const uint32_t b = static_cast<uint32_t>(x.code) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+inline float Widen(F16 x) {
+  _Float16 h;
+  std::memcpy(&h, &x.code, 2);
+  return static_cast<float>(h);
+}
+inline float Load(Bf16 x) { return Widen(x); }
+inline float Load(F16 x) { return Widen(x); }
+
+template <typename T>
+inline T Nearest(float x);
+template <>
+inline Bf16 Nearest<Bf16>(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return Bf16{static_cast<uint16_t>((b >> 16) | 0x40u)};
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  return Bf16{static_cast<uint16_t>(b >> 16)};
+}
+template <>
+inline F16 Nearest<F16>(float x) {
+  const _Float16 h = static_cast<_Float16>(x);
+  F16 out;
+  std::memcpy(&out.code, &h, 2);
+  return out;
+}
+
+// device/rounding.py's generator: lowbias32 (Wellons) absorbed over the words (seed, step,
+// field, table, row, column), each word w as Mix(h ^ Mix(w + key)), its key one of these.
+inline uint32_t Mix(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x846CA68Bu;
+  return h ^ (h >> 16);
+}
+constexpr uint32_t kStepKey = 0x85EBCA6Bu, kFieldKey = 0xC2B2AE35u, kTableKey = 0x27D4EB2Fu,
+                   kRowKey = 0x165667B1u, kColumnKey = 0xD3A2646Cu;
+inline uint32_t Absorb(uint32_t h, uint32_t word, uint32_t key) {
+  return Mix(h ^ Mix(word + key));
+}
+
+// rounding.stochastic_round of x to T with the value's random bits: the nearest value, or
+// the neighbour on x's other side with probability |x - near| / |other - near| (the
+// uniform (bits >> 8) * 2^-24); x already representable, NaN, infinities and values whose
+// neighbours are not both finite keep the nearest rounding.
+template <typename T>
+inline T StochasticRound(float x, uint32_t bits) {
+  const T near = Nearest<T>(x);
+  const float nf = Widen(near);
+  const bool up = std::fabs(nf) < std::fabs(x);
+  const T other{static_cast<uint16_t>(near.code + (up ? 1 : 0xFFFF))};
+  const float of = Widen(other);
+  const float p = std::fabs(x - nf) / std::fabs(of - nf);
+  const float u = static_cast<float>(bits >> 8) * 0x1p-24f;
+  const bool keep = nf == x || !std::isfinite(x) || !std::isfinite(nf) || !std::isfinite(of);
+  return (keep || u >= p) ? near : other;
+}
+
+// A value stored into an array of type S: float32 as it is; bfloat16 / float16 rounded
+// stochastically with the bits Mix(h ^ column_word) (h: the row's and array's words
+// absorbed, column_word: Mix(column + kColumnKey)).
+template <typename S>
+inline S Put(float x, uint32_t h, uint32_t column_word) {
+  if constexpr (std::is_same_v<S, float>) {
+    return x;
+  } else {
+    return StochasticRound<S>(x, Mix(h ^ column_word));
+  }
+}
 
 // The options every optimizer has, in `update_rows`'s order around the rule.
 struct Common {

@@ -1,6 +1,9 @@
-// The row update of the fused CPU updates (update.cc): `Updater<Rule, T>` applies one rule
-// (update_rules.h) to rows of a table of element type T, with the options common to every
-// rule (gradient clamp, rule, weight decay, weight clamp). Included by update.cc only.
+// The row update of the fused CPU updates (update.cc): `Updater<Rule, T, S>` applies one
+// rule (update_rules.h) to rows of a table of element type T with slots of type S (float32,
+// or T), with the options common to every rule (gradient clamp, rule, weight decay, weight
+// clamp); a bfloat16 / float16 array's new values are rounded stochastically with
+// device/rounding.py's generator (`Rounding`: the words of the call and of each local row's
+// table and logical row). Included by update.cc only.
 #pragma once
 
 #include "update_rules.h"
@@ -9,13 +12,81 @@ namespace embedmesh {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// The row update: one rule on one table of element type T, with the common options.
+// The stochastic rounding of a call (device/rounding.Rounded): its words, read from the
+// int32 array kernels.py passes before the state, `[step, shard, seed_lo, seed_hi, tables,
+// then per table (index, local row offset, rows per shard, replicated, k, rotation, first,
+// vocabulary size)]`, the last four the mod layout's kernel params (layout/rows.py).
 
-template <class Rule, typename T>
+struct Rounding {
+  struct Table {
+    int64_t index, offset, rows, replicated, k, rotation, first, vocab;
+  };
+  uint32_t step_hash = 0;  // the seed's and step's words absorbed
+  int64_t shard = 0;
+  std::vector<Table> tables;
+  std::vector<uint32_t> field_words, column_words;  // Mix(word + key) of each
+
+  // Reads `words` [n]; false when they are malformed.
+  bool Read(const int32_t* words, int64_t n, int fields, int64_t columns) {
+    if (n < 5) return false;
+    const int64_t count = words[4];
+    if (count < 0 || n != 5 + 8 * count) return false;
+    const uint32_t lo = static_cast<uint32_t>(words[2]), hi = static_cast<uint32_t>(words[3]);
+    step_hash = Absorb(Mix(lo ^ Mix(hi)), static_cast<uint32_t>(words[0]), kStepKey);
+    shard = words[1];
+    tables.clear();
+    for (int64_t t = 0; t < count; ++t) {
+      const int32_t* w = words + 5 + 8 * t;
+      tables.push_back(Table{w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]});
+      if (w[4] <= 0) return false;
+    }
+    field_words.resize(fields);
+    for (int f = 0; f < fields; ++f) field_words[f] = Mix(static_cast<uint32_t>(f) + kFieldKey);
+    column_words.resize(std::max<int64_t>(columns, 1));
+    for (int64_t c = 0; c < static_cast<int64_t>(column_words.size()); ++c)
+      column_words[c] = Mix(static_cast<uint32_t>(c) + kColumnKey);
+    return true;
+  }
+
+  // Rounded.logical_rows of local row r: (table index, logical row), (-1, -1) for a row
+  // of no table (padding). The mod rule: block * k + (at - first - rotation) mod k, plus
+  // the vocabulary size outside the span (`at`: this shard, a replica's canonical first).
+  std::pair<int32_t, int32_t> Logical(int64_t r) const {
+    int32_t table = -1, row = -1;
+    for (const Table& t : tables) {
+      const int64_t block = r - t.offset;
+      if (block < 0 || block >= t.rows) continue;
+      const int64_t at = t.replicated ? t.first : shard, local = at - t.first;
+      const int64_t outside = (local < 0 || local >= t.k) ? 1 : 0;
+      const int64_t phase = ((local - t.rotation) % t.k + t.k) % t.k;
+      const int64_t logical = block * t.k + phase + outside * t.vocab;
+      if (logical < t.vocab) table = static_cast<int32_t>(t.index), row = static_cast<int32_t>(logical);
+    }
+    return {table, row};
+  }
+
+  // The words of field f (0: the parameters, 1 + i: slot i) of local row r absorbed,
+  // all but the column's.
+  void RowHashes(int64_t r, int fields, uint32_t* out) const {
+    const auto [table, row] = Logical(r);
+    const uint32_t tw = Mix(static_cast<uint32_t>(table) + kTableKey);
+    const uint32_t rw = Mix(static_cast<uint32_t>(row) + kRowKey);
+    for (int f = 0; f < fields; ++f) out[f] = Mix(Mix(Mix(step_hash ^ field_words[f]) ^ tw) ^ rw);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// The row update: one rule on one table of element type T (slots of type S), with the
+// common options.
+
+template <class Rule, typename T, typename S = T>
 struct Updater {
   static constexpr int kSlots = Rule::kSlots;
+  // whether any array is stored in a 16-bit type (its new values rounded stochastically)
+  static constexpr bool kRound = !std::is_same_v<T, float> || !std::is_same_v<S, float>;
   T* w = nullptr;
-  T* slot[kSlots > 0 ? kSlots : 1] = {};
+  S* slot[kSlots > 0 ? kSlots : 1] = {};
+  const Rounding* rounding = nullptr;  // kRound: the call's words
   int64_t rows = 0, d = 0, slot_width = 0;
   float lr = 0.0f, wd = 0.0f;
   Common c;
@@ -29,7 +100,7 @@ struct Updater {
   inline void Prefetch(int64_t r) const {
     PrefetchWrite(reinterpret_cast<char*>(w + r * d), sizeof(T) * d);
     for (int j = 0; j < kSlots; ++j)
-      PrefetchWrite(reinterpret_cast<char*>(slot[j] + r * slot_width), sizeof(T) * slot_width);
+      PrefetchWrite(reinterpret_cast<char*>(slot[j] + r * slot_width), sizeof(S) * slot_width);
   }
 
   // Row r of the table and its slots, given its summed gradient gr [d]: the loop of the
@@ -67,15 +138,20 @@ struct Updater {
 
   template <int kVariant, bool kWd>
   inline void RowLoop(int64_t r, const float* __restrict__ gr) const {
+    uint32_t h[1 + kSlots] = {};  // each array's words of this row (kRound)
+    if constexpr (kRound) rounding->RowHashes(r, 1 + kSlots, h);
     RowKernel<kVariant, kWd>(w + r * d, kSlots > 0 ? slot[0] + r * slot_width : nullptr,
                              kSlots > 1 ? slot[kSlots > 1 ? 1 : 0] + r * slot_width : nullptr,
-                             gr);
+                             gr, h);
   }
 
-  // The row's arrays as restrict parameters (no aliasing to check at run time).
+  // The row's arrays as restrict parameters (no aliasing to check at run time). `h`: each
+  // array's row words (kRound), `cw` the columns' (each new value Put: update_rules.h).
   template <int kVariant, bool kWd>
-  inline void RowKernel(T* __restrict__ wr, T* __restrict__ s0, T* __restrict__ s1,
-                        const float* __restrict__ gr) const {
+  inline void RowKernel(T* __restrict__ wr, S* __restrict__ s0, S* __restrict__ s1,
+                        const float* __restrict__ gr, const uint32_t* h) const {
+    const uint32_t* cw = kRound ? rounding->column_words.data() : nullptr;
+    const uint32_t h0 = h[0], h1 = h[kSlots > 0 ? 1 : 0], h2 = h[kSlots > 1 ? 2 : 0];
     const int64_t d = this->d;
     const float lr = this->lr, wd = this->wd, wmin = c.wmin, wmax = c.wmax;
     const typename Rule::Params p = this->p;
@@ -100,7 +176,11 @@ struct Updater {
       for (int j = 0; j < kLanes; ++j) sum_sq += lanes[j];
       float a = Load(s0[0]);
       scale = Rule::RowScale(p, sum_sq, static_cast<float>(d), lr, &a);
-      s0[0] = Store<T>(a);
+      if constexpr (kRound) {
+        s0[0] = Put<S>(a, h1, cw[0]);
+      } else {
+        s0[0] = Store<S>(a);
+      }
     }
     const float lo = c.clip_lo, hi = c.clip_hi;
     for (int64_t k = 0; k < d; ++k) {
@@ -112,12 +192,21 @@ struct Updater {
       if constexpr (kSlots > 0 && !Rule::kRowWise) s[0] = Load(s0[k]);
       if constexpr (kSlots > 1) s[1] = Load(s1[k]);
       float wn = Rule::template Step<kVariant>(p, w_old, g, lr, s, scale);
-      if constexpr (kSlots > 0 && !Rule::kRowWise) s0[k] = Store<T>(s[0]);
-      if constexpr (kSlots > 1) s1[k] = Store<T>(s[1]);
+      if constexpr (kRound) {
+        if constexpr (kSlots > 0 && !Rule::kRowWise) s0[k] = Put<S>(s[0], h1, cw[k]);
+        if constexpr (kSlots > 1) s1[k] = Put<S>(s[1], h2, cw[k]);
+      } else {
+        if constexpr (kSlots > 0 && !Rule::kRowWise) s0[k] = Store<S>(s[0]);
+        if constexpr (kSlots > 1) s1[k] = Store<S>(s[1]);
+      }
       if constexpr (kWd) wn = wn - wd * w_old;
       wn = wn < wmin ? wmin : wn;
       wn = wn > wmax ? wmax : wn;
-      wr[k] = Store<T>(wn);
+      if constexpr (kRound) {
+        wr[k] = Put<T>(wn, h0, cw[k]);
+      } else {
+        wr[k] = Store<T>(wn);
+      }
     }
   }
 
@@ -135,13 +224,14 @@ struct HasAtLr<Rule, std::void_t<decltype(Rule::AtLr(std::declval<typename Rule:
                                                     0.0f))>> : std::true_type {};
 
 // The state of a call: the table and its slots are its last 1 + kSlots arguments, aliased
-// to its 1 + kSlots results (copied when XLA did not alias them). Fills `up` (lr from the
-// [1] buffer) or returns why not.
-template <class Rule, typename T>
+// to its 1 + kSlots results (copied when XLA did not alias them); `first`: the table's
+// place among the remaining arguments (1 after a rounding's words). Fills `up` (lr from
+// the [1] buffer) or returns why not.
+template <class Rule, typename T, typename S>
 ffi::Error MakeUpdater(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
-                       const ffi::Dictionary& attrs, const float* lr, Updater<Rule, T>* up,
-                       const ffi::AnyBuffer** table_out = nullptr) {
-  if (state.size() != 1 + Rule::kSlots || outs.size() != 1 + Rule::kSlots)
+                       const ffi::Dictionary& attrs, const float* lr, Updater<Rule, T, S>* up,
+                       size_t first = 0) {
+  if (state.size() != first + 1 + Rule::kSlots || outs.size() != 1 + Rule::kSlots)
     return ffi::Error::InvalidArgument("update: expected the table and " +
                                        std::to_string(Rule::kSlots) + " slot(s)");
   AttrReader reader(attrs);
@@ -149,24 +239,24 @@ ffi::Error MakeUpdater(const ffi::RemainingArgs& state, const ffi::RemainingRets
   up->p = Rule::Read(reader);
   if (!reader.error().empty()) return ffi::Error::InvalidArgument("update: " + reader.error());
   for (int i = 0; i <= Rule::kSlots; ++i) {
-    auto in = state.get<ffi::AnyBuffer>(i);
+    auto in = state.get<ffi::AnyBuffer>(first + i);
     auto out = outs.get<ffi::AnyBuffer>(i);
     if (in.has_error()) return in.error();
     if (out.has_error()) return out.error();
     const ffi::AnyBuffer& b = *in;
-    if (b.element_type() != DType<T>::kType)
-      return ffi::Error::InvalidArgument("update: table and slots must share the kernel's type");
-    T* o = reinterpret_cast<T*>((*out)->untyped_data());
+    if (b.element_type() != (i == 0 ? DType<T>::kType : DType<S>::kType))
+      return ffi::Error::InvalidArgument("update: table and slots must be of the kernel's types");
+    void* o = (*out)->untyped_data();
     if (o != b.untyped_data()) std::memcpy(o, b.untyped_data(), b.size_bytes());
     auto dims = b.dimensions();
     const int64_t rows = dims.size() ? dims[0] : 1;
     if (i == 0) {
-      up->w = o, up->rows = rows, up->d = RowWidth(dims);
+      up->w = static_cast<T*>(o), up->rows = rows, up->d = RowWidth(dims);
     } else {
       const int64_t width = RowWidth(dims);
       if (rows != up->rows || width != (Rule::kRowWise ? 1 : up->d))
         return ffi::Error::InvalidArgument("update: a slot's shape does not fit the table");
-      up->slot[i - 1] = o, up->slot_width = width;
+      up->slot[i - 1] = static_cast<S*>(o), up->slot_width = width;
     }
   }
   up->lr = lr[0];
