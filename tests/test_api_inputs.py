@@ -8,17 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
+from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, SparseTensor, TableConfig
 from embedmesh.facade import MeshEmbedding
 from embedmesh.inputs import check_id_range
 from embedmesh.serving import kernels
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def layer(n=2):

@@ -10,7 +10,6 @@ import sys
 import time
 import tracemalloc
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -22,7 +21,7 @@ from checkpoint_common import (
     train_step,
     variables_by_name,
 )
-from jax.sharding import Mesh
+from meshes import mesh_of
 from process_helpers import free_port, run_together
 
 import embedmesh as em
@@ -33,10 +32,6 @@ from embedmesh.facade import MeshEmbedding
 from embedmesh.layout.rows import logical_layout, row_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def engine(n, tables=None, stack_tables=True, optimizer=None):

@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from checkpoint_common import HashInit, save_edited, variables_by_name
-from jax.sharding import Mesh
+from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
@@ -35,10 +35,6 @@ FEATS = {
     "fz": em.FeatureConfig(TABLES["z"]),
 }
 BATCH = 12  # a multiple of every device count used here
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def batch(step):

@@ -6,23 +6,17 @@ retry crashed the process) and 16 (flipped bytes in stored chunks restored as ga
 import json
 import os
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from checkpoint_common import save_edited, variables_by_name
 from checkpoint_damage import chunk_locations, flip_bytes
-from jax.sharding import Mesh
+from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
 from embedmesh.checkpoint import reading, restoring
 from embedmesh.facade import MeshEmbedding
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
-
 
 TABLES = {
     "u": em.TableConfig(3000, 8, name="u"),  # u and w share a stack

@@ -3,11 +3,10 @@ restored from a checkpoint saved mid-pipeline (an update pending) resumes
 bit-identically to the run that was never interrupted, on any device count and
 stacking (issue #12, item 1)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
@@ -17,10 +16,6 @@ from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import Capacity
 
 CAPS = Capacity(64, 64)
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def _features():

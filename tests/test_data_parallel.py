@@ -21,7 +21,7 @@ from checkpoint_common import (
     trained_checkpoints,
     variables_by_name,
 )
-from jax.sharding import Mesh
+from meshes import mesh_of
 from process_helpers import train_one_and_two_processes
 from test_engine import OPTIMIZER_HP
 
@@ -33,10 +33,6 @@ from embedmesh.facade import MeshEmbedding
 from embedmesh.layout import cost_model
 from embedmesh.layout.planner import BUILT_OPTIONS, PLANNED
 from embedmesh.layout.stacking import plan_stacking
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def replica_blocks(emb, table_name: str, state=None) -> list:

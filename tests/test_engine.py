@@ -10,6 +10,7 @@ import training_reference as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
+from meshes import mesh_of
 from optimizer_reference import numpy_update_rows
 from test_optimizers import build as build_optimizer
 from test_optimizers import ref_update
@@ -100,10 +101,6 @@ OPTIMIZER_HP = {
         ),
     ],
 }
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def random_input(rng, kind, batch, vocab, seq_len, weighted):

@@ -4,16 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import Capacity
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def _features():

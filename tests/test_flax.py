@@ -9,7 +9,7 @@ import pytest
 import training_reference as ref
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
+from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh import checkpoint as em_ckpt
@@ -22,10 +22,6 @@ from embedmesh.flax import nnx as em_nnx
 
 STEPS = 3
 BATCH = 8
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def features():

@@ -9,13 +9,12 @@ The layout is the TPU's; here it is switched on for CPU devices
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
+from meshes import mesh_of
 from optimizer_reference import numpy_update_rows
 
 import embedmesh as em
@@ -42,10 +41,6 @@ OPTIMIZERS = {
 
 def signed(r, shape):
     return (r.uniform(0.1, 2.0, shape) * r.choice([-1, 1], shape)).astype(np.float32)
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 @pytest.fixture

@@ -12,10 +12,8 @@ import dataclasses
 import inspect
 import pathlib
 
-import jax
-import numpy as np
 import pytest
-from jax.sharding import Mesh
+from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh.config import resolve_feature_config
@@ -34,10 +32,6 @@ CASES = {
     "pooled": (4, "row_wise_pooled"),
     "data_parallel": (4, "data_parallel"),
 }
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 def features():

@@ -24,7 +24,7 @@ from checkpoint_common import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
+from meshes import mesh_of
 from process_helpers import free_port, run_together, train_one_and_two_processes
 from test_engine import OPTIMIZER_HP
 
@@ -43,10 +43,6 @@ from embedmesh.layout.sharding import (
 from embedmesh.layout.stacking import plan_stacking
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
 # ---------------------------------------------------------------------------
