@@ -60,10 +60,23 @@ inline float Widen(Bf16 x) {
   std::memcpy(&f, &b, 4);
   return f;
 }
+// float16 in integer arithmetic (no _Float16: its conversions do not vectorise without
+// F16C, and a flushed float32 subnormal would lose fp16's subnormals): normal values
+// rebias their exponent, subnormals are their code times 2^-24, inf / NaN keep the payload.
 inline float Widen(F16 x) {
-  _Float16 h;
-  std::memcpy(&h, &x.code, 2);
-  return static_cast<float>(h);
+  const uint32_t h = x.code, sign = (h & 0x8000u) << 16, em = h & 0x7FFFu;
+  const uint32_t normal = (em + ((127 - 15) << 10)) << 13, special = (em << 13) | 0x7F800000u;
+  const float sub = static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f;
+  uint32_t sb;
+  std::memcpy(&sb, &sub, 4);
+  // selects as masks (GCC left the ternaries as branches here)
+  const uint32_t is_special = 0u - static_cast<uint32_t>(em >= 0x7C00u);
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(em < 0x400u);
+  const uint32_t big = (special & is_special) | (normal & ~is_special);
+  const uint32_t b = sign | (sb & is_sub) | (big & ~is_sub);
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
 }
 inline float Load(Bf16 x) { return Widen(x); }
 inline float Load(F16 x) { return Widen(x); }
@@ -74,16 +87,27 @@ template <>
 inline Bf16 Nearest<Bf16>(float x) {
   uint32_t b;
   std::memcpy(&b, &x, 4);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return Bf16{static_cast<uint16_t>((b >> 16) | 0x40u)};
-  b += 0x7FFFu + ((b >> 16) & 1u);
-  return Bf16{static_cast<uint16_t>(b >> 16)};
+  const uint32_t nan = (b >> 16) | 0x40u, rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  return Bf16{static_cast<uint16_t>((b & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded)};
 }
+// Round to nearest even through float32 additions that round at fp16's spacing (M.
+// Dukhan's FP16 library, fp16_ieee_from_fp32_value): subnormals and overflow included.
 template <>
 inline F16 Nearest<F16>(float x) {
-  const _Float16 h = static_cast<_Float16>(x);
-  F16 out;
-  std::memcpy(&out.code, &h, 2);
-  return out;
+  uint32_t w;
+  std::memcpy(&w, &x, 4);
+  float base = (std::fabs(x) * 0x1p112f) * 0x1p-110f;
+  const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+  const uint32_t bias = std::max(shl1 & 0xFF000000u, 0x71000000u);
+  const uint32_t magic = (bias >> 1) + 0x07800000u;
+  float mf;
+  std::memcpy(&mf, &magic, 4);
+  base = mf + base;
+  uint32_t bits;
+  std::memcpy(&bits, &base, 4);
+  const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+  const uint32_t nan = 0u - static_cast<uint32_t>(shl1 > 0xFF000000u);
+  return F16{static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan))};
 }
 
 // device/rounding.py's generator: lowbias32 (Wellons) absorbed over the words (seed, step,
@@ -101,21 +125,28 @@ inline uint32_t Absorb(uint32_t h, uint32_t word, uint32_t key) {
   return Mix(h ^ Mix(word + key));
 }
 
+inline bool Finite(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return (b & 0x7F800000u) != 0x7F800000u;
+}
+
 // rounding.stochastic_round of x to T with the value's random bits: the nearest value, or
 // the neighbour on x's other side with probability |x - near| / |other - near| (the
 // uniform (bits >> 8) * 2^-24); x already representable, NaN, infinities and values whose
-// neighbours are not both finite keep the nearest rounding.
+// neighbours are not both finite keep the nearest rounding. Branch-free (selects, bitwise
+// ors), so that the row loops vectorise around it.
 template <typename T>
 inline T StochasticRound(float x, uint32_t bits) {
-  const T near = Nearest<T>(x);
-  const float nf = Widen(near);
-  const bool up = std::fabs(nf) < std::fabs(x);
-  const T other{static_cast<uint16_t>(near.code + (up ? 1 : 0xFFFF))};
-  const float of = Widen(other);
+  const uint16_t near = Nearest<T>(x).code;
+  const float nf = Widen(T{near});
+  const uint16_t step = std::fabs(nf) < std::fabs(x) ? 1 : 0xFFFF;  // towards x
+  const uint16_t other = static_cast<uint16_t>(near + step);
+  const float of = Widen(T{other});
   const float p = std::fabs(x - nf) / std::fabs(of - nf);
   const float u = static_cast<float>(bits >> 8) * 0x1p-24f;
-  const bool keep = nf == x || !std::isfinite(x) || !std::isfinite(nf) || !std::isfinite(of);
-  return (keep || u >= p) ? near : other;
+  const bool keep = (nf == x) | !Finite(x) | !Finite(nf) | !Finite(of);
+  return T{(keep | (u >= p)) ? near : other};
 }
 
 // A value stored into an array of type S: float32 as it is; bfloat16 / float16 rounded
