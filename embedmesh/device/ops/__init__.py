@@ -45,10 +45,11 @@ end are padding.
   update of the rows `ids`, in place. Reference: `gather_rows`, the
   optimizer's `update_rows`, `scatter_rows`. The CPU kernel fuses it in one
   pass over the rows for the optimizers that name it (`Optimizer.fused_kernel`:
-  all six built in, float32; `Adam(lazy_adam=False)` moves every row, densely). A
+  all six built in; `Adam(lazy_adam=False)` moves every row, densely). A
   bfloat16 or float16 stack runs `device.rounding.Rounded(optimizer)` (float32
-  arithmetic, stochastic rounding to the storage type), which no kernel fuses: the
-  reference, its `update_rows` given the row ids.
+  arithmetic, stochastic rounding to the storage type): the CPU kernel fuses it too
+  (its optimizer's kernel, given `Rounded.rounding_words`); the reference gives
+  its `update_rows` the row ids.
 - `backward_update(...)`: one shard's backward (pairs -> per-row gradient
   sums) and update, as one op. Reference: `segment_gather_sum`, `dedup_sum`,
   `sparse_update`. The CPU kernel fuses them for the same optimizers: no
