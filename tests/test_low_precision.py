@@ -416,32 +416,27 @@ FUSED_KINDS = [
     (jnp.float16, None, (FUSED["AdagradMomentum"], FUSED["SGD"])),
     (jnp.float16, jnp.float16, (FUSED["FTRL"], FUSED["Adagrad"])),
 ]
-FUSED_STRATEGIES = {
-    "a_0": "table_wise",
-    "b_0": "row_wise_pooled",
-    "a_1": "data_parallel",
-    "a_2": "row_wise_pooled",
-    "b_3": "table_wise",
-}
+# each half's tables (renumbered from 0) on 2 devices: mod and three other strategies
+FUSED_STRATEGIES_2 = [
+    {"a_0": "table_wise", "b_0": "row_wise_pooled", "a_1": "data_parallel"},
+    {"a_0": "row_wise_pooled", "b_1": "table_wise", "b_0": "data_parallel"},
+]
 
 
+@pytest.mark.parametrize("half", [0, 1])  # the bfloat16 kinds, the float16 kinds
 @pytest.mark.parametrize("n", [1, 2])
-def test_fused_training_rounds_as_the_generator_on_1_and_2_devices(n, monkeypatch):
+def test_fused_training_rounds_as_the_generator_on_1_and_2_devices(n, half, monkeypatch):
     """Training bf16 / fp16 tables (every fused optimizer, slots float32 or the table's
     type) with the CPU's fused updates, on 1 device and on 2 under mod and the other
     strategies (table-wise, pooled on the owners, replicas): every variable bit-identical
     to the ops' references run with the kernel's float32 arithmetic and rounding.py's
     rounding (`_kernel_arithmetic_rounded`; the gradient sums are exact)."""
     _cpu_kernels()
-    sharding = "mod" if n == 1 else FUSED_STRATEGIES
-    emb, got = _train(FUSED_KINDS, None, n, sharding, steps=3)
+    kinds = FUSED_KINDS[2 * half : 2 * half + 2]
+    sharding = "mod" if n == 1 else FUSED_STRATEGIES_2[half]
+    emb, got = _train(kinds, None, n, sharding, steps=2)
     if n == 2:
-        assert set(dict(emb.plan.strategies).values()) == {
-            "mod",
-            "table_wise",
-            "row_wise_pooled",
-            "data_parallel",
-        }
+        assert {"mod", "table_wise", "row_wise_pooled"} <= set(dict(emb.plan.strategies).values())
     for s in emb.plan.stacks:
         assert emb.core.strategies[s.name].optimizer.fused_kernel is not None
     jax.clear_caches()
@@ -451,7 +446,7 @@ def test_fused_training_rounds_as_the_generator_on_1_and_2_devices(n, monkeypatc
         return _kernel_arithmetic_rounded(self, rows, slots, grads, step, ids)
 
     monkeypatch.setattr(Rounded, "update_rows", update_rows)
-    _, want = _train(FUSED_KINDS, None, n, sharding, steps=3)
+    _, want = _train(kinds, None, n, sharding, steps=2)
     jax.clear_caches()
     for kind, (g, w) in enumerate(zip(got, want)):
         for t in w:
