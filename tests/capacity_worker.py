@@ -25,7 +25,9 @@ next step pairs different batches: a RuntimeError on every process, tables as
 after the last good step; "skip_prefetch": pipelined, check_finite=False,
 EMBEDMESH_HOST_EXCHANGE=0, batches through `prefetch`, restarted after the error;
 "skip_prefetch_shm": the same over the shared-memory exchange; a suffix "_p0": process 0
-is the one that overflows and skips).
+is the one that overflows and skips), "skip_first" (process 1's first batch overflows the
+explicit capacities; both processes' loops skip on ValueError: both skip it, both train
+on the 3 others).
 """
 
 import contextlib
@@ -63,7 +65,7 @@ def process_batches(pid, mode, steps=STEPS):
     rng = np.random.default_rng(100 + pid)
     for step in range(steps):
         hi = 6 if pid == 0 else 200
-        if mode in ("auto", "late_error") and step > 0:
+        if mode in ("auto", "late_error", "skip_first") and step > 0:
             hi = 6  # later batches fit the capacities agreed at the first
         lengths = rng.integers(1, 4, BATCH)
         if mode in ("grow", "late_error") and pid == 1 and step == 2:
@@ -214,12 +216,39 @@ def _skip_a_batch(mode, prefetching):
         print(f"UNTOUCHED {mode}", flush=True)
 
 
+def skip_first():
+    """Process 1's first batch overflows the explicit capacities (the agreement): its own
+    ValueError there, `agree.BatchFailedElsewhere` (a ValueError too) on process 0, so
+    the usual loop, skipping a batch on ValueError, skips it on both and both train on
+    the next ones in step."""
+    t1 = em.TableConfig(256, 8, combiner="mean", name="t1")
+    t2 = em.TableConfig(64, 4, combiner="sqrtn", name="t2")
+    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2)}
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    emb = MeshEmbedding(feats, em.Adagrad(0.2), mesh=mesh, capacities=Capacity(32, 6))
+    grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
+    trained = skipped = 0
+    for b in process_batches(process_id, "skip_first"):
+        try:
+            enqueued = emb.enqueue(dict(b, b=em.RaggedTensor.from_row_lengths(*b["b"])))
+        except ValueError as e:  # the user's loop skips the batch and goes on
+            print(f"SKIPPED skip_first {type(e).__name__}: {e}", flush=True)
+            skipped += 1
+            continue
+        acts, pre = emb.dequeue(enqueued)
+        emb.apply_gradients(grad_fn(acts), pre)
+        trained += 1
+    print(f"TRAINED skip_first {trained} SKIPPED {skipped}", flush=True)
+
+
 def main():
     for mode in modes:
         t = time.perf_counter()
         try:
             if mode == "job":
                 job_mismatches()
+            elif mode == "skip_first":
+                skip_first()
             elif mode.startswith("skip"):
                 skip_a_batch(mode)
             else:

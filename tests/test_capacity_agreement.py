@@ -90,7 +90,7 @@ def _caught(out, mode):
 
 def test_errors_reach_every_process_before_any_mismatched_collective(tmp_path):
     skips = ("skip", "skip_prefetch", "skip_prefetch_shm", "skip_prefetch_shm_p0")
-    modes = ",".join(["mismatch", "first_error", "job", *skips, "late_error"])
+    modes = ",".join(["mismatch", "first_error", "job", *skips, "skip_first", "late_error"])
     # (ten builds and compiles in each process: minutes on a loaded machine)
     codes, outs = _pair(tmp_path / "errors", modes, timeout=2 * TIMEOUT)
     assert codes == [3, 3], "\n=====\n".join(o[-3000:] for o in outs)
@@ -127,7 +127,15 @@ def test_errors_reach_every_process_before_any_mismatched_collective(tmp_path):
     assert re.search(r"ValueError: stack t1\+t2: device [23] .* needs \d+ unique ids", line), line
     assert "max_unique_ids_per_partition=6" in line, line
     line = _caught(outs[0], "first_error")
-    assert "RuntimeError: process(es) [1] could not preprocess their batch" in line, line
+    assert "BatchFailedElsewhere: process(es) [1] could not preprocess their batch" in line, line
+    # the same where both processes' loops skip a batch on ValueError: both skip it (the
+    # other's error a ValueError too) and train on in step, no process left waiting
+    for pid, out in enumerate(outs):
+        skipped = [x for x in out.splitlines() if x.startswith("SKIPPED skip_first ")]
+        assert len(skipped) == 1, out[-3000:]
+        want = "ValueError: stack" if pid == 1 else "BatchFailedElsewhere: process(es) [1]"
+        assert want in skipped[0], skipped[0]
+        assert "TRAINED skip_first 3 SKIPPED 1" in out, out[-3000:]
     # overflow in a later batch with fixed capacities (no per-step collective): the
     # overflowing process raises before any collective; the other, already in the
     # step's collective, gets the runtime's error when that process exits
@@ -210,8 +218,9 @@ def test_disagreements_raise_naming_stack_field_and_sizes():
     with pytest.raises(ValueError, match=rf"stack {re.escape(name)}: .* rows_per_device"):
         agree.decide(g, plan, {name: Capacity(64, 64)}, "error")
     g[1] = agree.failed_vector(plan)
-    with pytest.raises(RuntimeError, match=r"process\(es\) \[1\] could not preprocess"):
+    with pytest.raises(RuntimeError, match=r"process\(es\) \[1\] could not preprocess") as e:
         agree.decide(g, plan, {name: Capacity(64, 64)}, "error")
+    assert isinstance(e.value, ValueError)  # a loop skipping on ValueError skips it too
     shapes = agree.shapes_of(g[0], {name: Capacity(64, 64)}, plan)
     agree.check_unchanged(shapes, g[0], plan, 0)
     later = _gathered(plan, [_batch(rng, 6, batch=4)], Capacity(64, 64))[0]

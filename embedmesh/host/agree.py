@@ -24,7 +24,25 @@ import numpy as np
 from embedmesh.batch import Capacity, PreprocessStats, capacity_bucket
 from embedmesh.layout.stacking import StackingPlan
 
-__all__ = ["check_unchanged", "decide", "failed_vector", "local_vector", "shapes_of"]
+__all__ = [
+    "BatchFailedElsewhere",
+    "check_unchanged",
+    "decide",
+    "failed_vector",
+    "local_vector",
+    "shapes_of",
+]
+
+
+class BatchFailedElsewhere(RuntimeError, ValueError):
+    """Another process could not preprocess its part of this batch (its own error, a
+    ValueError for an overflow or a bad id, says why), so no process runs it.
+
+    A RuntimeError, and a ValueError too: a training loop that skips a batch on
+    `except ValueError` skips it on every process alike (the failing one with its own
+    error, the others with this one), and the processes stay on the same batch; one that
+    only caught the failing process's error would leave this one to end the others."""
+
 
 _HEADER = 2  # [status (0 ok, 1 this process's preprocessing failed), number of stacks]
 # per stack: the needs, then what must be equal on every process
@@ -111,15 +129,16 @@ def decide(
 
     Automatic stacks take the bucketed max need; with overflow="grow" a stack
     whose max need exceeds its capacity grows as `preprocess_batch` grows it;
-    otherwise the capacity stays. Raises RuntimeError when a process could not
-    preprocess its batch, ValueError naming the stack, the field and each
-    process's value when shapes or given capacities differ.
+    otherwise the capacity stays. Raises `BatchFailedElsewhere` (a RuntimeError and a
+    ValueError) when a process could not preprocess its batch, ValueError naming the
+    stack, the field and each process's value when shapes or given capacities differ.
     """
     failed = [int(p) for p in np.flatnonzero(gathered[:, 0])]
     if failed:
-        raise RuntimeError(
+        raise BatchFailedElsewhere(
             f"process(es) {failed} could not preprocess their batch (their own error says "
-            f"why); every process stops here, before any step runs"
+            f"why); every process stops here, before any step runs (a loop that skips the "
+            f"batch on ValueError skips it on every process)"
         )
     per = _per_stack(gathered)
     agreed = {}
