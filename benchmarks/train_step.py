@@ -82,6 +82,9 @@ import time
 T, B, VALENCY, ZIPF_A = 8, 4096, 10, 1.05
 D = int(os.environ.get("EMBEDMESH_BENCH_DIM", 64))  # each table's dim (--dim)
 V = int(os.environ.get("EMBEDMESH_BENCH_VOCAB", 1_000_000))  # rows a table (--vocab)
+# the tables' storage type (--table-dtype): embedmesh's TableConfig dtype (stochastic
+# rounding of the updates) and FBGEMM's weights_precision (its own stochastic rounding)
+TABLE_DTYPE = os.environ.get("EMBEDMESH_BENCH_TABLE_DTYPE", "fp32")
 LR = 0.01
 NUM_BATCHES = 4  # distinct batches, cycled
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -237,7 +240,14 @@ def embedmesh_setup(batches, capacity_batches=None):
 
     fc = {
         f"f{t}": em.FeatureConfig(
-            em.TableConfig(V, D, initializer=const_init, combiner="sum", name=f"t{t}")
+            em.TableConfig(
+                V,
+                D,
+                initializer=const_init,
+                combiner="sum",
+                name=f"t{t}",
+                dtype={"fp32": jnp.float32, "fp16": jnp.float16}[TABLE_DTYPE],
+            )
         )
         for t in range(T)
     }
@@ -519,7 +529,7 @@ def child_fbgemm(args, batches):
         learning_rate=LR,
         eps=1e-8,
         pooling_mode=PoolingMode.SUM,
-        weights_precision=SparseType.FP32,
+        weights_precision={"fp32": SparseType.FP32, "fp16": SparseType.FP16}[TABLE_DTYPE],
         device=torch.device("cpu"),
     )
 
@@ -1072,6 +1082,15 @@ def main():
         "are skipped for the others); the torch peer runs SGD, SparseAdam or Adagrad",
     )
     ap.add_argument("--dim", type=int, default=D, help="each table's dim (default 64)")
+    ap.add_argument(
+        "--table-dtype",
+        choices=("fp32", "fp16"),
+        default="fp32",
+        help="the tables' storage type, embedmesh's and FBGEMM's (fp16: embedmesh's "
+        "TableConfig(dtype=float16), stochastically rounded updates; FBGEMM's "
+        "weights_precision FP16); e.g. --peers embedmesh,fbgemm-rowwise "
+        "--optimizer rowwise_adagrad --table-dtype fp16",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1080,6 +1099,7 @@ def main():
         os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
         os.environ["EMBEDMESH_BENCH_DIM"] = str(args.dim)
+        os.environ["EMBEDMESH_BENCH_TABLE_DTYPE"] = args.table_dtype
     if args.trace and not args.child:
         os.environ["EMBEDMESH_BENCH_TRACE"] = os.path.abspath(args.trace)
     if args.child:
@@ -1090,7 +1110,7 @@ def main():
     print(
         f"python {platform.python_version()}, {os.cpu_count()} cpus, load "
         f"{os.getloadavg()[0]:.1f}; workload {T} tables x {args.vocab} rows x {args.dim}, "
-        f"batch {B}, "
+        f"{args.table_dtype}, batch {B}, "
         f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad"
     )
     if args.profile:
