@@ -1,0 +1,530 @@
+// The forms of the fused sparse optimizer updates and their registration macros, shared by
+// update.cc and update_moments.cc (see update.cc): two translation units, so the install
+// compiles the rules in parallel (one took 72 s).
+#pragma once
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "common.h"
+#include "pooled.h"
+#include "transport.h"
+#include "update_rules.h"
+#include "updater.h"
+
+namespace embedmesh {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// The row sums of each form
+
+// ops.sparse_update: rows ids[i] (distinct; PAD and out-of-range skipped) with grads[i].
+template <class U>
+void SparseUpdate(const U& up, const int32_t* id, int64_t n, const float* g) {
+  const int64_t grain = 2048, rows = up.rows, d = up.d;
+  ParallelFor(NumChunks(n, grain), [&](int64_t c) {
+    const int64_t lo = c * grain, hi = std::min(n, lo + grain);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kPrefetch < hi) {
+        const int64_t r = id[i + kPrefetch];
+        if (r >= 0 && r < rows) up.Prefetch(r);
+      }
+      const int64_t r = id[i];
+      if (r < 0 || r >= rows) continue;
+      up.Row(r, g + i * d);
+    }
+  });
+}
+
+// One shard, fused backward + update: for each unique slot u (ids[u] its row), the gradient
+// sum_q gains[q] * act[rows[q]] over the pairs q with uniq[q] == u, in pair order, then the
+// update of row ids[u]. Equal to segment_gather_sum -> dedup_sum -> sparse_update when ids is
+// ascending and distinct (up to trailing PAD) and the valid pairs (rows[q] in range) come in
+// non-decreasing uniq order, as the host preprocessing makes them; otherwise it runs those
+// three steps itself.
+// For the fused backward: beg[u] and cnt[u], the first valid pair (rows[q] in [0, nr),
+// uniq[q] in [0, nu)) of slot u and how many it has; false unless the ids are ascending and
+// distinct up to trailing PAD and the valid pairs come in non-decreasing slot order. One
+// serial pass (~1 ms for 400k pairs): a chunked parallel version was slower on 2 cores.
+bool GroupPairs(const int32_t* id, int64_t nu, const int32_t* prow, int64_t nr,
+                const int32_t* puniq, int64_t np, int64_t* beg, int64_t* cnt) {
+  for (int64_t u = 1; u < nu; ++u)
+    if (id[u] != kPad && id[u] <= id[u - 1]) return false;
+  int64_t last = 0;
+  for (int64_t q = 0; q < np; ++q) {
+    if (prow[q] < 0 || prow[q] >= nr) continue;
+    const int64_t u = puniq[q];
+    if (u < 0 || u >= nu) continue;
+    if (u < last) return false;
+    last = u;
+    if (cnt[u]++ == 0) beg[u] = q;
+  }
+  return true;
+}
+
+template <class U>
+void BackwardUpdate(const U& up, const int32_t* id, int64_t nu, const float* act, int64_t nr,
+                    const int32_t* prow, const int32_t* puniq, const float* gain, int64_t np) {
+  const int64_t rows = up.rows, d = up.d;
+  std::vector<int64_t> beg(nu + 1, 0), cnt(nu, 0);
+  const bool ok = GroupPairs(id, nu, prow, nr, puniq, np, beg.data(), cnt.data());
+  if (!ok) {  // general order: per-slot sums, then dedup by row, then update
+    std::vector<float> sums(nu * d, 0.0f);
+    for (int64_t q = 0; q < np; ++q) {
+      const int64_t r = prow[q], u = puniq[q];
+      if (r < 0 || r >= nr || u < 0 || u >= nu) continue;
+      for (int64_t k = 0; k < d; ++k) sums[u * d + k] += gain[q] * act[r * d + k];
+    }
+    std::vector<int64_t> order;
+    for (int64_t u = 0; u < nu; ++u) if (id[u] != kPad) order.push_back(u);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+    std::vector<float> g(d);
+    for (size_t i = 0; i < order.size();) {
+      size_t j = i;
+      std::fill(g.begin(), g.end(), 0.0f);
+      for (; j < order.size() && id[order[j]] == id[order[i]]; ++j)
+        for (int64_t k = 0; k < d; ++k) g[k] += sums[order[j] * d + k];
+      const int64_t r = id[order[i]];
+      if (r >= 0 && r < rows) up.Row(r, g.data());
+      i = j;
+    }
+    return;
+  }
+  const int64_t grain = 1024;
+  ParallelFor(NumChunks(nu, grain), [&](int64_t c) {
+    const int64_t lo = c * grain, hi = std::min(nu, lo + grain);
+    std::vector<float> g(d);
+    for (int64_t u = lo; u < hi; ++u) {
+      if (u + kPrefetch < hi) {
+        int64_t r = id[u + kPrefetch];
+        if (r >= 0 && r < rows) up.Prefetch(r);
+      }
+      if (u + kPrefetch / 2 < hi) {  // the activation gradients of a coming row (5-8%)
+        const int64_t v = u + kPrefetch / 2;
+        for (int64_t q = beg[v], left = cnt[v]; left > 0; ++q, --left) {
+          const int64_t ar = prow[q];
+          if (ar >= 0 && ar < nr) PrefetchRead(reinterpret_cast<const char*>(act + ar * d), 4 * d);
+        }
+      }
+      const int64_t r = id[u];
+      if (r < 0 || r >= rows) continue;
+      std::fill(g.begin(), g.end(), 0.0f);
+      for (int64_t q = beg[u], left = cnt[u]; left > 0; ++q) {
+        const int64_t ar = prow[q];
+        if (ar < 0 || ar >= nr || puniq[q] != u) continue;
+        --left;
+        const float gq = gain[q];
+        const float* __restrict__ src = act + ar * d;
+        for (int64_t k = 0; k < d; ++k) g[k] += gq * src[k];
+      }
+      up.Row(r, g.data());
+    }
+  });
+}
+
+// What one source device lends its owners in the fused N-shard backward (peers.h).
+struct SourceBatch {
+  const int32_t* ids;    // [n, u] the rows it asked of each shard (ascending, PAD padded)
+  const float* act;      // [nr, d] its activation gradients
+  const int32_t* prow;   // [n, p] activation row of each pair
+  const int32_t* puniq;  // [n, p] position of each pair's id in ids[shard]
+  const float* gain;     // [n, p]
+  int64_t u, p, nr;
+};
+
+// N in-process shards, fused backward + update on the owner: for each distinct row this
+// shard was asked for by any source, the gradient sum over sources (in source order) of
+// each source's pair-order sum over its pairs of that row, then one update of the row.
+// Equal to backward (per-source segment sums) -> exchange -> dedup_sum -> sparse_update,
+// with no [N, U, D] gradient buffer, no exchange and no dedup output. A source whose pairs
+// are not grouped by slot (see GroupPairs) gets its per-slot sums materialised first.
+template <class U>
+void BackwardUpdateFromSources(const U& up, int64_t me,
+                               const std::vector<const SourceBatch*>& src) {
+  const int64_t rows = up.rows, d = up.d;
+  const int64_t n = static_cast<int64_t>(src.size());
+  struct Part {  // source r's partition for this shard
+    const int32_t* ids;
+    const int32_t* prow;
+    const int32_t* puniq;
+    const float* gain;
+    const float* act;
+    int64_t u, p, nr;
+    std::vector<int64_t> beg, cnt;
+    std::vector<float> sums;  // [u, d] when the pairs are not grouped
+  };
+  std::vector<Part> parts(n);
+  for (int64_t r = 0; r < n; ++r) {
+    const SourceBatch& b = *src[r];
+    Part& q = parts[r];
+    q.ids = b.ids + me * b.u;
+    q.prow = b.prow + me * b.p;
+    q.puniq = b.puniq + me * b.p;
+    q.gain = b.gain + me * b.p;
+    q.act = b.act;
+    q.u = b.u, q.p = b.p, q.nr = b.nr;
+    q.beg.assign(q.u + 1, 0);
+    q.cnt.assign(q.u, 0);
+    if (!GroupPairs(q.ids, q.u, q.prow, q.nr, q.puniq, q.p, q.beg.data(), q.cnt.data())) {
+      q.beg.clear();
+      q.sums.assign(q.u * d, 0.0f);
+      for (int64_t k = 0; k < q.p; ++k) {
+        const int64_t ar = q.prow[k], s = q.puniq[k];
+        if (ar < 0 || ar >= q.nr || s < 0 || s >= q.u) continue;
+        for (int64_t j = 0; j < d; ++j) q.sums[s * d + j] += q.gain[k] * q.act[ar * d + j];
+      }
+    }
+  }
+  // The distinct rows asked of this shard, ascending, each with its (source, slot) list
+  // in source order: a merge when every list is ascending, else a sort.
+  int64_t max_u = 1;
+  for (const Part& q : parts) max_u = std::max(max_u, q.u);
+  // per source, its valid (row, source * max_u + slot) entries in slot order
+  std::vector<std::vector<std::pair<int32_t, int64_t>>> lists(n);
+  bool ascending = true;
+  size_t total = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t k = 0; k < parts[r].u; ++k) {
+      const int32_t row = parts[r].ids[k];
+      if (row == kPad || row < 0 || row >= rows) continue;
+      if (!lists[r].empty() && row <= lists[r].back().first) ascending = false;
+      lists[r].emplace_back(row, r * max_u + k);
+    }
+    total += lists[r].size();
+  }
+  std::vector<std::pair<int32_t, int64_t>> asked;  // (row, source * max_u + slot)
+  asked.reserve(total);
+  if (ascending) {  // the host's order: an N-way merge, ties in source order
+    std::vector<size_t> at(n, 0);
+    for (size_t i = 0; i < total; ++i) {
+      int64_t best = -1;
+      for (int64_t r = 0; r < n; ++r)
+        if (at[r] < lists[r].size() &&
+            (best < 0 || lists[r][at[r]].first < lists[best][at[best]].first))
+          best = r;
+      asked.push_back(lists[best][at[best]++]);
+    }
+  } else {
+    for (const auto& l : lists) asked.insert(asked.end(), l.begin(), l.end());
+    std::stable_sort(asked.begin(), asked.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+  }
+  std::vector<int64_t> starts;
+  for (size_t i = 0; i < asked.size(); ++i)
+    if (i == 0 || asked[i].first != asked[i - 1].first) starts.push_back(static_cast<int64_t>(i));
+  const int64_t distinct = static_cast<int64_t>(starts.size());
+  starts.push_back(static_cast<int64_t>(asked.size()));
+  const int64_t grain = 1024;
+  ParallelFor(NumChunks(distinct, grain), [&](int64_t c) {
+    const int64_t lo = c * grain, hi = std::min(distinct, lo + grain);
+    std::vector<float> g(d), gr(d);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kPrefetch < hi) {
+        const int64_t r = asked[starts[i + kPrefetch]].first;
+        up.Prefetch(r);
+      }
+      std::fill(g.begin(), g.end(), 0.0f);
+      for (int64_t e = starts[i]; e < starts[i + 1]; ++e) {
+        const Part& q = parts[asked[e].second / max_u];
+        const int64_t k = asked[e].second % max_u;
+        if (!q.sums.empty()) {
+          for (int64_t j = 0; j < d; ++j) g[j] += q.sums[k * d + j];
+          continue;
+        }
+        std::fill(gr.begin(), gr.end(), 0.0f);
+        for (int64_t t = q.beg[k], left = q.cnt[k]; left > 0; ++t) {
+          const int64_t ar = q.prow[t];
+          if (ar < 0 || ar >= q.nr || q.puniq[t] != k) continue;
+          --left;
+          const float gq = q.gain[t];
+          const float* __restrict__ a = q.act + ar * d;
+          for (int64_t j = 0; j < d; ++j) gr[j] += gq * a[j];
+        }
+        for (int64_t j = 0; j < d; ++j) g[j] += gr[j];
+      }
+      const int64_t r = asked[starts[i]].first;
+      up.Row(r, g.data());
+    }
+  });
+}
+
+// An owner's N sources' pooled messages (pooled.h) decoded once, each into a SourceBatch
+// (its block of ids, its Rc gradient rows at grads_of(s)).
+struct PooledSources {
+  std::vector<int32_t> prow, puniq;
+  std::vector<float> gain;
+  std::vector<SourceBatch> batches;
+  std::vector<const SourceBatch*> src;
+};
+
+template <typename GradsOf>
+void DecodeSources(PooledSources& ps, const int32_t* served, int64_t n, int64_t words,
+                   const PooledLayout& l, const GradsOf& grads_of) {
+  ps.prow.resize(n * l.p);
+  ps.puniq.resize(n * l.p);
+  ps.gain.resize(n * l.p);
+  ps.batches.resize(n);
+  ps.src.resize(n);
+  for (int64_t s = 0; s < n; ++s) {
+    const int32_t* block = served + s * words;
+    for (int64_t q = 0; q < l.p; ++q) {
+      const int64_t i = s * l.p + q;
+      DecodePair(block, l, q, &ps.puniq[i], &ps.prow[i], &ps.gain[i]);
+    }
+    ps.batches[s] = SourceBatch{block,   grads_of(s), ps.prow.data() + s * l.p,
+                                ps.puniq.data() + s * l.p, ps.gain.data() + s * l.p, l.u, l.p,
+                                l.rc};
+    ps.src[s] = &ps.batches[s];
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The handlers of each form, generic over the rule and the storage type T.
+
+// A call's updater, by the state's types: `Updater<Rule, float>` for float32 tables (the
+// forms inlined over it); for a bfloat16 / float16 table (its slots float32 or its type),
+// `Updater<Rule, T, S>` with the call's rounding (its int32 words are the first of the
+// remaining arguments, before the state) behind an `AnyUpdater`, so that each form is
+// compiled once for all four low-precision pairs, calling their rows through a pointer.
+struct AnyUpdater {
+  const void* self = nullptr;
+  void (*row)(const void*, int64_t, const float*) = nullptr;
+  void (*prefetch)(const void*, int64_t) = nullptr;
+  int64_t rows = 0, d = 0;
+  inline void Row(int64_t r, const float* g) const { row(self, r, g); }
+  inline void Prefetch(int64_t r) const { prefetch(self, r); }
+};
+
+template <class Rule, typename T, typename S, class Body>
+ffi::Error WithRounding(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
+                        const ffi::Dictionary& attrs, const float* lr, const Body& body) {
+  using U = Updater<Rule, T, S>;
+  U up;
+  if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up, 1); e.failure()) return e;
+  auto words = state.get<ffi::AnyBuffer>(0);
+  if (words.has_error()) return words.error();
+  const ffi::AnyBuffer& wb = *words;
+  Rounding rounding;
+  if (wb.element_type() != ffi::DataType::S32 ||
+      !rounding.Read(static_cast<const int32_t*>(wb.untyped_data()),
+                     static_cast<int64_t>(wb.element_count()), 1 + Rule::kSlots, up.d))
+    return ffi::Error::InvalidArgument("update: malformed rounding words");
+  up.rounding = &rounding;
+  AnyUpdater any;
+  any.self = &up;
+  any.row = [](const void* u, int64_t r, const float* g) { static_cast<const U*>(u)->Row(r, g); };
+  any.prefetch = [](const void* u, int64_t r) { static_cast<const U*>(u)->Prefetch(r); };
+  any.rows = up.rows, any.d = up.d;
+  return body(any);
+}
+
+template <class Rule, class Body>
+ffi::Error WithUpdater(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
+                       const ffi::Dictionary& attrs, const float* lr, const Body& body) {
+  if (state.size() != 2 + Rule::kSlots) {  // float32: no rounding words
+    Updater<Rule, float> up;
+    if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up); e.failure()) return e;
+    return body(up);
+  }
+  using DT = ffi::DataType;
+  auto type = [&](size_t i) {
+    auto b = state.get<ffi::AnyBuffer>(i);
+    return b.has_error() ? DT::INVALID : (*b).element_type();
+  };
+  const DT t = type(1), s = Rule::kSlots > 0 ? type(2) : t;
+  if (t == DT::BF16 && s == DT::F32) return WithRounding<Rule, Bf16, float>(state, outs, attrs, lr, body);
+  if (t == DT::BF16 && s == DT::BF16) return WithRounding<Rule, Bf16, Bf16>(state, outs, attrs, lr, body);
+  if (t == DT::F16 && s == DT::F32) return WithRounding<Rule, F16, float>(state, outs, attrs, lr, body);
+  if (t == DT::F16 && s == DT::F16) return WithRounding<Rule, F16, F16>(state, outs, attrs, lr, body);
+  return ffi::Error::InvalidArgument(
+      "update: a rounded update takes a bfloat16 or float16 table, its slots float32 or its type");
+}
+
+template <class Rule>
+ffi::Error Sparse(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
+                  ffi::Buffer<ffi::F32> lr, ffi::RemainingArgs state, ffi::RemainingRets outs,
+                  ffi::Dictionary attrs) {
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(), [&](const auto& up) {
+    SparseUpdate(up, ids.typed_data(), ids.element_count(), grads.typed_data());
+    return ffi::Error::Success();
+  });
+}
+
+template <class Rule>
+ffi::Error Backward(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+                    ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+                    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
+                    ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(), [&](const auto& up) {
+    auto ad = act.dimensions();
+    BackwardUpdate(up, ids.typed_data(), ids.element_count(), act.typed_data(),
+                   ad.size() ? ad[0] : 1, prow.typed_data(), puniq.typed_data(),
+                   gains.typed_data(), prow.element_count());
+    return ffi::Error::Success();
+  });
+}
+
+// ops.backward_update_sharded over N shards: each source device shares its batch (ids,
+// activation gradients, pairs: ShareArrays, lent in process, in its segment between
+// processes) and each owner runs BackwardUpdateFromSources on every source's batch read in
+// place (a replica, data_parallel: every source's one partition to its whole table): no
+// [N, U, D] gradient buffer, no exchange.
+template <class Rule, class Tr>
+ffi::Error Sharded(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
+                   ffi::Buffer<ffi::S32> prow, ffi::Buffer<ffi::S32> puniq,
+                   ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> lr,
+                   ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> rank_buf,
+                   ffi::RemainingArgs state, ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(),
+                           [&](const auto& up) -> ffi::Error {
+  Tr t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "backward", &t, &e)) return e;
+  AttrReader a(attrs);
+  const bool replica = a.I("replica") != 0;
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
+  const int64_t n = t.n;
+  const int64_t parts = replica ? 1 : n, part = replica ? 0 : t.rank;
+  const int64_t u = parts >= 1 ? static_cast<int64_t>(ids.element_count()) / parts : 0;
+  const int64_t p = parts >= 1 ? static_cast<int64_t>(prow.element_count()) / parts : 0;
+  auto ad = act.dimensions();
+  const int64_t nr = ad.size() ? ad[0] : 1;
+  const bool apply = keep.typed_data()[0] != 0;
+  const std::array<Span, 5> mine{{{ids.typed_data(), ids.size_bytes()},
+                                  {act.typed_data(), act.size_bytes()},
+                                  {prow.typed_data(), prow.size_bytes()},
+                                  {puniq.typed_data(), puniq.size_bytes()},
+                                  {gains.typed_data(), gains.size_bytes()}}};
+  return ShareArrays(t, mine, [&](const auto& array) {
+    if (!apply) return std::string();  // a rejected step: every process agrees, no row moves
+    std::vector<SourceBatch> batches(n);
+    std::vector<const SourceBatch*> src(n);
+    for (int64_t s = 0; s < n; ++s) {
+      batches[s] = SourceBatch{reinterpret_cast<const int32_t*>(array(s, 0)),
+                               reinterpret_cast<const float*>(array(s, 1)),
+                               reinterpret_cast<const int32_t*>(array(s, 2)),
+                               reinterpret_cast<const int32_t*>(array(s, 3)),
+                               reinterpret_cast<const float*>(array(s, 4)),
+                               u,
+                               p,
+                               nr};
+      src[s] = &batches[s];
+    }
+    BackwardUpdateFromSources(up, part, src);
+    return std::string();
+  });
+  });
+}
+
+// ops.pooled_backward_update: an owner's fused backward + update from its N sources'
+// pooled messages and the gradients [N * Rc, D] of the rows they feed:
+// BackwardUpdateFromSources, no [N * U, D] buffer, no dedup output.
+template <class Rule>
+ffi::Error Pooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
+                  ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep, ffi::RemainingArgs state,
+                  ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(),
+                           [&](const auto& up) -> ffi::Error {
+  AttrReader a(attrs);
+  const int64_t u = a.I("u"), rc = a.I("rc"), k = a.I("k");
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
+  if (keep.typed_data()[0] == 0) return ffi::Error::Success();  // a rejected step
+  auto sd = served.dimensions();
+  const int64_t d = up.d;
+  const int64_t n = sd.size() ? sd[0] : 1;
+  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  PooledSources ps;
+  DecodeSources(ps, served.typed_data(), n, words, l,
+                [&](int64_t s) { return grads.typed_data() + s * rc * d; });
+  BackwardUpdateFromSources(up, 0, ps.src);
+  return ffi::Error::Success();
+  });
+}
+
+// ops.exchange_pooled_backward_update: this rank shares the gradients [N, Rc, D] of the
+// rows each owner feeds (ReadBlocks: lent in process, in its segment between processes),
+// and applies every source's gradients for its own rows read in place:
+// pooled_backward_update(..., exchange(grads)), with no exchanged copy.
+template <class Rule, class Tr>
+ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
+                          ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
+                          ffi::Buffer<ffi::S32> rank_buf, ffi::RemainingArgs state,
+                          ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(),
+                           [&](const auto& up) -> ffi::Error {
+  Tr t;
+  if (ffi::Error e; !ReadTransport(attrs, rank_buf, "pooled backward", &t, &e)) return e;
+  AttrReader a(attrs);
+  const int64_t u = a.I("u"), rc = a.I("rc"), k = a.I("k");
+  if (!a.error().empty()) return ffi::Error::InvalidArgument(a.error());
+  const int64_t d = up.d, n = t.n;
+  const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  const size_t block = sizeof(float) * rc * d;
+  const bool apply = keep.typed_data()[0] != 0;  // every process agrees (the finite check)
+  return ReadBlocks(t, block, reinterpret_cast<const char*>(grads.typed_data()),
+                    [&](const auto& block_for_me) {
+                      if (!apply) return std::string();  // a rejected step: no row moves
+                      PooledSources ps;
+                      DecodeSources(ps, served.typed_data(), n, words, l, [&](int64_t s) {
+                        return reinterpret_cast<const float*>(block_for_me(s));
+                      });
+                      BackwardUpdateFromSources(up, 0, ps.src);
+                      return std::string();
+                    });
+  });
+}
+
+}  // namespace
+}  // namespace embedmesh
+
+// ---------------------------------------------------------------------------------------
+// Registration: every (form, rule) pair, on each transport (each handler takes float32,
+// bfloat16 and float16 tables: WithUpdater), listed
+// (common.h) under the target names kernels.py calls; the rules listed here are the
+// optimizers the CPU fuses.
+
+#define EM_F32 ffi::Buffer<ffi::F32>
+#define EM_S32 ffi::Buffer<ffi::S32>
+#define EM_STATE .RemainingArgs().RemainingRets().Attrs()
+#define EM_BIND_Sparse ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>() EM_STATE
+#define EM_BIND_PAIRS                                                                      \
+  ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_S32>().Arg<EM_S32>().Arg<EM_F32>() \
+      .Arg<EM_F32>()
+#define EM_BIND_Backward EM_BIND_PAIRS EM_STATE
+#define EM_BIND_Sharded EM_BIND_PAIRS.Arg<EM_S32>().Arg<EM_S32>() EM_STATE
+#define EM_BIND_Pooled \
+  ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>().Arg<EM_S32>() EM_STATE
+#define EM_BIND_ExchangePooled                                                             \
+  ffi::Ffi::Bind().Arg<EM_S32>().Arg<EM_F32>().Arg<EM_F32>().Arg<EM_S32>().Arg<EM_S32>() \
+      EM_STATE
+
+// each form's function of a rule, over a transport of transport.h (InProcess, SharedMemory)
+#define EM_FN(form, rule) (embedmesh::form<embedmesh::rule>)
+#define EM_FN_ON(form, rule, tr) (embedmesh::form<embedmesh::rule, embedmesh::tr>)
+// the exported symbols, Em<...><Rule><...>, and their target names,
+// embedmesh_..._<rule's kName>_... (kernels.py calls them so)
+#define EM_BACKWARD(rule) std::string("embedmesh_backward_") + embedmesh::rule::kName
+#define EM_POOLED(rule) std::string("pooled_backward_") + embedmesh::rule::kName
+#define EM_DEFINE(symbol, fn, bind, target)                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn, bind);             \
+  static const embedmesh::ListHandler em_listed_##symbol{target, \
+                                                         reinterpret_cast<void*>(&symbol)};
+#define EM_DEFINE_RULE(rule)                                                                 \
+  EM_DEFINE(EmSparse##rule, EM_FN(Sparse, rule), EM_BIND_Sparse,                             \
+            std::string("embedmesh_sparse_") + embedmesh::rule::kName)                       \
+  EM_DEFINE(EmBackward##rule, EM_FN(Backward, rule), EM_BIND_Backward, EM_BACKWARD(rule))    \
+  EM_DEFINE(EmBackward##rule##FromSources, EM_FN_ON(Sharded, rule, InProcess),       \
+            EM_BIND_Sharded, EM_BACKWARD(rule) + "_from_sources")                            \
+  EM_DEFINE(EmBackward##rule##FromHostSources, EM_FN_ON(Sharded, rule, SharedMemory), \
+            EM_BIND_Sharded, EM_BACKWARD(rule) + "_from_host_sources")                       \
+  EM_DEFINE(EmPooledBackward##rule, EM_FN(Pooled, rule), EM_BIND_Pooled,                     \
+            "embedmesh_" + EM_POOLED(rule))                                                  \
+  EM_DEFINE(EmExchangePooledBackward##rule, EM_FN_ON(ExchangePooled, rule, InProcess), \
+            EM_BIND_ExchangePooled, "embedmesh_exchange_" + EM_POOLED(rule))                 \
+  EM_DEFINE(EmHostPooledBackward##rule,                                                      \
+            EM_FN_ON(ExchangePooled, rule, SharedMemory), EM_BIND_ExchangePooled,    \
+            "embedmesh_host_" + EM_POOLED(rule))
+
