@@ -47,7 +47,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -307,18 +306,6 @@ def _cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
-def _unit_bytes(source: str, folder: str) -> int:
-    """Bytes of a source and of the package headers it includes (one level): how long
-    its compile takes, roughly, so that the long ones start first."""
-    total = os.path.getsize(source)
-    with open(source) as f:
-        for line in f:
-            m = re.match(r'\s*#include "([^"]+)"', line)
-            if m and os.path.exists(os.path.join(folder, m.group(1))):
-                total += os.path.getsize(os.path.join(folder, m.group(1)))
-    return total
-
-
 def compile_library(
     lib: Library, variant: str, out: str, cxx: str, include: str | None = None
 ) -> None:
@@ -337,7 +324,7 @@ def compile_library(
             unity = os.path.join(tmp, f"embedmesh_{lib.name}.cc")
             with open(unity, "w") as f:
                 f.write("".join(f'#include "{s}"\n' for s in rest))
-            sources = [f for f in sources if f not in rest] + [unity]
+            sources = [f for f in sources if f not in rest] + [unity]  # long ones first
 
         def run(command: list[str], what: str) -> None:
             try:
@@ -359,9 +346,8 @@ def compile_library(
             return obj
 
         jobs = min(len(sources), os.cpu_count() or 1)
-        order = sorted(sources, key=lambda f: -_unit_bytes(f, lib.source_dir))  # big first
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            objects = list(pool.map(compile_one, order))
+            objects = list(pool.map(compile_one, sources))
         part = os.path.join(tmp, os.path.basename(out))
         run([cxx, *flags, "-Wl,--no-undefined", *objects, "-o", part], "linking")
         os.replace(part, out)  # atomic: concurrent builders are safe

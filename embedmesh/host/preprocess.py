@@ -380,15 +380,15 @@ def _execute(runs: list, D: int, threads: int) -> list:
     several tables on one device is not one thread's work: a v5e host's enqueue of 8
     tables on one chip took 10-13 ms on one of its 13 cores."""
     tasks = [(r, d) for r in runs if hasattr(r, "device") for d in range(D)]
-    if threads <= 1 or len(tasks) <= 1 and not any(len(r.calls) > 1 for r, _ in tasks):
+    sorts = [(r, d, i) for r, d in tasks for i in range(len(r.calls))]
+    if threads > 1 and len(tasks) < threads and len(sorts) > len(tasks):
+        pool = _runtime.thread_pool(threads)
+        list(pool.map(lambda task: task[0].sort(task[1], task[2]), sorts))
+    if threads <= 1 or len(tasks) <= 1:
         for r, d in tasks:
             r.device(d)
-        return [r.finish() for r in runs]
-    pool = _runtime.thread_pool(threads)
-    if len(tasks) < threads:
-        sorts = [(r, d, i) for r, d in tasks for i in range(len(r.calls))]
-        list(pool.map(lambda task: task[0].sort(task[1], task[2]), sorts))
-    list(pool.map(lambda task: task[0].device(task[1]), tasks))
+    else:
+        list(_runtime.thread_pool(threads).map(lambda task: task[0].device(task[1]), tasks))
     return [r.finish() for r in runs]
 
 
