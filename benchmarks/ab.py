@@ -1,13 +1,19 @@
 """A/B harness: this tree's embedmesh against a baseline tree, benchmark by benchmark.
 
-For issue #13's "No speed lost": each of `train_step.py`, `serving.py`, `preprocess.py`
-and `checkpoint.py` runs against a baseline tree (a git worktree of the commit before
-the redesign), both trees in the same invocation of this script, interleaved.
+For issue #13's "No speed lost": each of `train/train_step.py`, `serving/serving.py`,
+`train/preprocess.py` and `checkpoint/checkpoint.py` runs against a baseline tree (a git
+worktree of the commit before the redesign), both trees in the same invocation of this
+script, interleaved. The same harness compares two settings of one tree: `--baseline .
+--new .` with `--baseline-env` / `--new-env` (an environment variable set on one side
+only): e.g. the C++ kernels' ISA variants (`EMBEDMESH_CPU_ISA`, what the one-off
+benchmarks/isa.py measured) or the shared-memory exchange against gloo
+(`EMBEDMESH_HOST_EXCHANGE=0`) in train_step's scale-out rows.
 
 Method. Every run is a fresh process running the tree's OWN copy of the script,
-`<tree>/benchmarks/<script>.py <args>`, with cwd=<tree> and PYTHONPATH=<tree>, so each
-imports its own embedmesh (checked before the first round: `embedmesh.__file__` must lie
-in the tree) and each keeps the import paths of its own layout. A round runs the script
+`<tree>/benchmarks/<area>/<script>.py <args>` (or `<tree>/benchmarks/<script>.py`, where
+the tree predates the areas), with cwd=<tree> and PYTHONPATH=<tree>, so each imports its
+own embedmesh (checked before the first round: `embedmesh.__file__` must lie in the tree)
+and each keeps the import paths of its own layout. A round runs the script
 once in each tree, the baseline first in even rounds and the new tree first in odd ones
 (ABBA...), so slow drift of the machine's load and a predecessor effect (page cache,
 thermal, allocator) fall on both sides alike. From each run's output a per-script parser
@@ -36,11 +42,14 @@ Usage (from the new tree's root; the baseline worktree made once with
         --args "serving=--rounds 3 --kinds ragged,dense" --tag serving
     python benchmarks/ab.py --baseline ../wt-base --quick --rounds 2  # harness check
     python benchmarks/ab.py --baseline . --new . --only train_step    # A/A: the noise
+    python benchmarks/ab.py --baseline . --new . --only train_step \\
+        --baseline-env EMBEDMESH_CPU_ISA=x86-64-v3 --args "train_step=--peers embedmesh"
 
 Options: --baseline PATH (required), --new PATH (default: the tree holding this file),
 --rounds R (3), --warmup N (untimed rounds first, default 0), --only a,b,
 --args SCRIPT=ARGS (repeatable), --quick, --python (default: this interpreter),
---timeout S per run, --threshold, --tag, --log PATH, --json PATH, --dry-run.
+--baseline-env VAR=VALUE and --new-env VAR=VALUE (repeatable), --timeout S per run,
+--threshold, --tag, --log PATH, --json PATH, --dry-run.
 Exit status 1 when a run failed or timed out, 0 otherwise (ratios are reported, not
 judged).
 """
@@ -63,6 +72,13 @@ from collections.abc import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPTS = ("train_step", "serving", "preprocess", "checkpoint")
+# Where each script lies under a tree's benchmarks/: by area, else (older trees) flat.
+LOCATIONS: dict[str, tuple[str, ...]] = {
+    "train_step": ("train/train_step.py", "train_step.py"),
+    "serving": ("serving/serving.py", "serving.py"),
+    "preprocess": ("train/preprocess.py", "preprocess.py"),
+    "checkpoint": ("checkpoint/checkpoint.py", "checkpoint.py"),
+}
 
 # Passed first: embedmesh's contenders only.
 DEFAULT_ARGS: dict[str, str] = {
@@ -198,20 +214,32 @@ PARSERS: dict[str, Callable[[str], Metrics]] = {
 # Runs
 
 
-def tree_env(tree: str) -> dict[str, str]:
+def script_path(tree: str, script: str) -> str | None:
+    """The tree's own copy of a script: the first of LOCATIONS that exists, or None."""
+    for rel in LOCATIONS[script]:
+        path = os.path.join(tree, "benchmarks", rel)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def tree_env(tree: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = tree  # only the tree: nothing else's embedmesh comes first
+    env.update(extra or {})
     return env
 
 
-def run(cmd: list[str], tree: str, timeout: float) -> tuple[int | str, str, float]:
+def run(
+    cmd: list[str], tree: str, timeout: float, extra_env: dict[str, str] | None = None
+) -> tuple[int | str, str, float]:
     """(return code or "timeout", stdout+stderr, seconds). The run gets its own process
     group, killed whole on timeout (train_step starts children)."""
     t = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
         cwd=tree,
-        env=tree_env(tree),
+        env=tree_env(tree, extra_env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -321,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny sizes (checks the harness; the figures mean nothing)",
     )
+    for side in ("baseline", "new"):
+        ap.add_argument(
+            f"--{side}-env",
+            action="append",
+            default=[],
+            metavar="VAR=VALUE",
+            help=f"an environment variable for the {side}'s runs only (repeatable)",
+        )
     ap.add_argument("--python", default=sys.executable, help="interpreter for every run")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--threshold", type=float, default=0.97, help="mark median ratios below this")
@@ -340,10 +376,21 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--args wants SCRIPT=ARGS with SCRIPT one of {list(SCRIPTS)}: {item!r}")
         extra[name] += shlex.split(rest)
     trees = {"baseline": os.path.abspath(args.baseline), "new": os.path.abspath(args.new)}
+    envs: dict[str, dict[str, str]] = {}
+    for side in trees:
+        envs[side] = {}
+        for item in getattr(args, f"{side}_env"):
+            var, sep, value = item.partition("=")
+            if not sep or not var:
+                ap.error(f"--{side}-env wants VAR=VALUE: {item!r}")
+            envs[side][var] = value
+    paths: dict[tuple[str, str], str] = {}
     for tree in trees.values():
         for s in scripts:
-            if not os.path.isfile(os.path.join(tree, "benchmarks", s + ".py")):
-                sys.exit(f"ab.py: {tree} has no benchmarks/{s}.py")
+            path = script_path(tree, s)
+            if path is None:
+                sys.exit(f"ab.py: {tree} has none of {['benchmarks/' + p for p in LOCATIONS[s]]}")
+            paths[tree, s] = path
     argvs = {
         s: shlex.split(DEFAULT_ARGS[s])
         + shlex.split(QUICK_ARGS[s] if args.quick else "")
@@ -352,12 +399,18 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def command(tree: str, s: str) -> list[str]:
-        return [args.python, os.path.join(tree, "benchmarks", s + ".py"), *argvs[s]]
+        return [args.python, paths[tree, s], *argvs[s]]
+
+    def env_words(side: str) -> str:
+        return "".join(f", {k}={v}" for k, v in envs[side].items())
 
     if args.dry_run:
         for s in scripts:
             for side, tree in trees.items():
-                print(f"{side:8s} (cwd {tree}, PYTHONPATH={tree}): {shlex.join(command(tree, s))}")
+                print(
+                    f"{side:8s} (cwd {tree}, PYTHONPATH={tree}{env_words(side)}): "
+                    f"{shlex.join(command(tree, s))}"
+                )
         return 0
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S")
@@ -377,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"A/B {stamp}: ratio = baseline / new per round (> 1: new is faster or smaller)")
         say(f"  new:      {describe(trees['new'])}")
         say(f"  baseline: {describe(trees['baseline'])}")
+        for side in trees:
+            if envs[side]:
+                say(f"  {side} runs with{env_words(side)[1:]}")
         say(
             f"  python {args.python}; {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}; "
             f"rounds {args.rounds} (+{args.warmup} warm-up), baseline first in even rounds" + quick
@@ -396,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 got: dict[str, Metrics] = {}
                 for side in ("baseline", "new") if r % 2 == 0 else ("new", "baseline"):
                     cmd = command(trees[side], s)
-                    rc, out, secs = run(cmd, trees[side], args.timeout)
+                    rc, out, secs = run(cmd, trees[side], args.timeout, envs[side])
                     raw.write(
                         f"\n######## {s} {label} {side} (rc {rc}, {secs:.0f} s): "
                         f"{shlex.join(cmd)}\n{out}"
@@ -422,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
             record[s] = {"args": argvs[s], "rounds": [{"baseline": b, "new": n} for b, n in rounds]}
         say(f"\nlog: {log_path}; figures: {json_path}")
     with open(json_path, "w") as f:
-        json.dump({"trees": trees, "rounds": args.rounds, "scripts": record}, f, indent=1)
+        json.dump(
+            {"trees": trees, "env": envs, "rounds": args.rounds, "scripts": record}, f, indent=1
+        )
     return 1 if failed else 0
 
 

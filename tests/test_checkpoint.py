@@ -273,7 +273,7 @@ def test_load_tables_for_serving_reads_parameters_only(sources, tmp_path):
 
 def test_restore_and_load_tables_retain_no_objects(sources):
     """Reading a checkpoint keeps nothing per call, so save + restore cycles do not grow
-    memory on its account (issue 24, item 11; benchmarks/checkpoint_rss.py): orbax's
+    memory on its account (issue 24, item 11; benchmarks/checkpoint/checkpoint_rss.py): orbax's
     `metadata()` of the item retained every array's spec (tensorstore 0.1.86's
     `Spec.to_json` leaks the nested values it returns)."""
     emb, _ = engine(4)

@@ -392,7 +392,7 @@ def test_pallas_segment_sums_lower_for_cuda(monkeypatch):
 
 
 def test_pallas_kernels_lower_at_the_scale_runs_shapes(monkeypatch, capsys):
-    """benchmarks/gpu.py's scale run, as abstract shapes (nothing is allocated): the
+    """benchmarks/gpu/gpu.py's scale run, as abstract shapes (nothing is allocated): the
     16M x 128 float32 stacked table (8.2 GB), ~10.5M pairs, 524,288 segments (8 tables x
     batch 65,536). Above 4 GiB Pallas addresses an array with 64-bit offsets: the table's
     (and slots') rows take that path, the 256 MB activations the 32-bit one."""

@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py, the GPU machine's one prepared script, on CPU.
+"""benchmarks/gpu/gpu.py, the GPU machine's one prepared script, on CPU.
 
 The parent's plan (order, budget skips, the report rewritten as children save, exit
 status, the pre-flight) runs in-process with stand-in children on a fake clock; the
@@ -18,7 +18,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "gpu.py")
 
 OPTIMIZERS = {"SGD", "Adagrad", "AdagradMomentum", "Adam(lazy)", "Adam(non-lazy)", "FTRL"}
 COMBINERS = {"sum", "mean", "sqrtn"}

@@ -100,11 +100,18 @@ def test_ci_runs_the_linters_between_install_and_tests():
 
 
 def test_benchmark_logs_live_in_runs():
-    stray = glob.glob(os.path.join(ROOT, "benchmarks", "*_run_*.txt"))
+    stray = [
+        path
+        for path in glob.glob(os.path.join(ROOT, "benchmarks", "**", "*_run_*.txt"), recursive=True)
+        if os.path.dirname(path) != RUNS
+    ]
     assert not stray, f"move these to benchmarks/runs/: {stray}"
-    for md in glob.glob(os.path.join(ROOT, "benchmarks", "RESULTS*.md")):
+    pages = glob.glob(os.path.join(ROOT, "benchmarks", "**", "RESULTS*.md"), recursive=True)
+    pages += glob.glob(os.path.join(RUNS, "*-history.md"))
+    assert pages
+    for md in pages:
         with open(md) as f:
-            for name in re.findall(r"`runs/([\w.-]+\.txt)`", f.read()):
+            for name in re.findall(r"`(?:\.\./)?runs/([\w.-]+\.(?:txt|json))`", f.read()):
                 assert os.path.isfile(os.path.join(RUNS, name)), f"{md} cites runs/{name}"
 
 
@@ -185,7 +192,36 @@ def test_ab_dry_run_runs_each_trees_own_script(ab):
         )
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
+    script = ab.script_path(ROOT, "serving")
+    assert script and os.path.isfile(script)
     for line in lines:
         assert f"PYTHONPATH={ROOT}" in line
-        assert os.path.join(ROOT, "benchmarks", "serving.py") in line
+        assert script in line
         assert line.endswith("--rounds 2")
+
+
+def test_ab_finds_scripts_by_area_or_flat(ab, tmp_path):
+    """A tree from before the areas (benchmarks/train_step.py) still runs as a baseline."""
+    assert ab.script_path(ROOT, "train_step") == os.path.join(
+        ROOT, "benchmarks", "train", "train_step.py"
+    )
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "train_step.py").write_text("")
+    assert ab.script_path(str(tmp_path), "train_step") == str(
+        tmp_path / "benchmarks" / "train_step.py"
+    )
+    assert ab.script_path(str(tmp_path), "checkpoint") is None
+
+
+def test_ab_env_goes_to_one_side(ab):
+    """--baseline . --new . with an environment variable on one side: an A/B of a setting
+    (what the one-off benchmarks/isa.py did for EMBEDMESH_CPU_ISA)."""
+    out = io.StringIO()
+    argv = ["--baseline", ROOT, "--new", ROOT, "--only", "train_step", "--dry-run"]
+    with contextlib.redirect_stdout(out):
+        assert ab.main([*argv, "--baseline-env", "EMBEDMESH_CPU_ISA=x86-64-v3"]) == 0
+    base, new = out.getvalue().splitlines()
+    assert base.startswith("baseline") and "EMBEDMESH_CPU_ISA=x86-64-v3" in base
+    assert new.startswith("new") and "EMBEDMESH_CPU_ISA" not in new
+    with pytest.raises(SystemExit):
+        ab.main([*argv, "--new-env", "no-equals-sign"])

@@ -5,7 +5,7 @@ compile, tracing), importing a module, or starting a process (the compiler). The
 children here record each of those while their first call runs: a Python audit hook
 sees imports, code compiles, subprocesses and `dlopen`s; jax's monitoring listeners see
 every trace and compile. None may happen, except loading the installed C++ library
-(milliseconds). Nothing is timed: the timings live in `benchmarks/cold_start.py` and
+(milliseconds). Nothing is timed: the timings live in `benchmarks/train/cold_start.py` and
 `benchmarks/RESULTS_serving.md`.
 """
 

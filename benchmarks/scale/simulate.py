@@ -3,7 +3,7 @@ N = 1, 2, 4, ..., 1024 devices under each sharding strategy and the planner's mi
 the cost model `embedmesh.layout.cost_model` (no jax, no devices: a model).
 
 Shapes:
-  train   the training benchmark (`benchmarks/train_step.py`): 8 tables x 1M rows x 64
+  train   the training benchmark (`benchmarks/train/train_step.py`): 8 tables x 1M rows x 64
           float32, Poisson(10) ids per sample Zipf(1.05), sum, Adagrad; global batch
           4096 as measured (strong scaling: 4096 / N samples per device).
   dlrm    MLPerf DLRM-DCNv2 (Criteo 1TB multi-hot): 26 tables of the MLPerf reference
@@ -16,7 +16,7 @@ Shapes:
 Machines: `Machine.this_cpu()` (calibrated here) for the measured in-process points,
 `Machine.h100_cluster()` (a datasheet projection) for N past this machine.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/simulate.py             # tables + plot
+    PYTHONPATH=. .venv/bin/python benchmarks/scale/simulate.py             # tables + plot
     ... --calibrate        # fit the CPU overhead constants to the measured points
     ... --measure          # a few seconds of numpy row-read/write microbenchmarks
     ... --measured FILE    # more measured points (JSON list, see MEASURED_FORMAT)
@@ -36,13 +36,13 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from embedmesh.layout import cost_model as cm  # noqa: E402
 from embedmesh.layout.cost_model import Machine, TableStats  # noqa: E402
 
 NS = [2**i for i in range(11)]  # 1 .. 1024
-RUN_FILE = os.path.join(HERE, "runs", "train_run_2026-12-01_ndev.txt")
+RUN_FILE = os.path.join(os.path.dirname(HERE), "runs", "train_run_2026-12-01_ndev.txt")
 TRAIN_GLOBAL_BATCH = 4096
 DLRM_GLOBAL_BATCH = 55_296
 DLRM_VOCAB = (
@@ -183,7 +183,7 @@ def calibrate(points, verbose=True):
     """Fit step_overhead_s (per device program: N of them share the 2 cores) and the
     shm rendezvous's per_peer_s (4 collectives a step) to the measured in-process
     points by non-negative least squares; the compute constants stay as measured
-    (RESULTS_train.md table 3), not fitted."""
+    (runs/train-history.md, table 3), not fitted."""
     pts = [p for p in points if p["shape"] == "train" and p["transport"] == "shm"]
     base = Machine.this_cpu(step_overhead_s=0.0)
     base = Machine.this_cpu(
@@ -213,7 +213,7 @@ def calibrate(points, verbose=True):
     overhead, per_peer = best[1]
     if verbose:
         print(
-            f"calibration on {len(pts)} points: compute from RESULTS_train.md table 3 "
+            f"calibration on {len(pts)} points: compute from runs/train-history.md, table 3 "
             f"(N=1 kernels alone: {_cpu_row_wise(1, base)[0] * 1e3:.2f} ms); fitted "
             f"step_overhead_s = {overhead * 1e6:.0f} us per device program, shm "
             f"per_peer_s = {per_peer * 1e6:.0f} us per collective per extra device"
@@ -412,7 +412,7 @@ def main(argv=None):
     out.append("### Calibration: this machine, the training benchmark, row-wise rows\n")
     overhead, per_peer = calibrate(points, verbose=False)
     out.append(
-        "Compute constants from RESULTS_train.md table 3 (not fitted); fitted to the "
+        "Compute constants from runs/train-history.md, table 3 (not fitted); fitted to the "
         f"points below: step_overhead_s = {overhead * 1e6:.0f} us, shm per_peer_s = "
         f"{per_peer * 1e6:.0f} us per collective per extra device.\n"
     )

@@ -2,9 +2,9 @@
 step, forward and serving throughput of embedmesh on the default device, against torch
 on the same GPU in the same run.
 
-    bash benchmarks/gpu_run.sh --smoke --variants xla,pallas   # 1st call: ~3 min
-    bash benchmarks/gpu_run.sh --skip-correctness              # 2nd call: ~6 min
-    python benchmarks/gpu.py --out DIR --smoke --allow-cpu     # tiny sizes, CPU (CI)
+    bash benchmarks/gpu/gpu_run.sh --smoke --variants xla,pallas   # 1st call: ~3 min
+    bash benchmarks/gpu/gpu_run.sh --skip-correctness              # 2nd call: ~6 min
+    python benchmarks/gpu/gpu.py --out DIR --smoke --allow-cpu     # tiny sizes, CPU (CI)
 
 (docs/gpu.md gives the device tool's calls.) Writes DIR/gpu.json (every figure) and
 DIR/gpu.md (the summary table, also printed last), both rewritten whenever a child
@@ -90,7 +90,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path[:1]:  # the repository's embedmesh, installed or not
     sys.path.insert(0, ROOT)
 

@@ -10,7 +10,7 @@ median counts. The fit over the sizes up to `--fit-max-kb` (least squares, time 
 latency + bytes sent / bandwidth) gives the link's two constants: a step's messages are
 at most a few MB a block, and bigger ones slow down (the fresh output's page faults).
 
-    .venv/bin/python benchmarks/host_link.py [--sizes-kb 4,256,1024,4096,16384] [--json F]
+    .venv/bin/python benchmarks/scale/host_link.py [--sizes-kb 4,256,1024,4096,16384] [--json F]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 D = 64
 
 

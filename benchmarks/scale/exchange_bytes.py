@@ -9,7 +9,7 @@ batch compiled (what crosses between processes; in-process devices read each
 other's memory instead). "planned" is the planner's choice for N processes of one
 host (`Machine.this_cpu("host_shm")`), measured the same way.
 
-    .venv/bin/python benchmarks/exchange_bytes.py [--devices 2,4,8] [--json out.json]
+    .venv/bin/python benchmarks/scale/exchange_bytes.py [--devices 2,4,8] [--json out.json]
 
 Nothing is timed.
 """
@@ -22,7 +22,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "train"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import train_step as ts  # noqa: E402  (the workload)

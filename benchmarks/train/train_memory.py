@@ -7,7 +7,7 @@ bytes free but kept, bytes in mmapped chunks), the live jax arrays (embedmesh), 
 the end of the steps the resident pages by mapping (`/proc/self/smaps`: the libraries'
 code, the heap, anonymous memory). No timing: see train_step.py for speed.
 
-    PYTHONPATH=$PWD /tmp/benchenv/bin/python benchmarks/train_memory.py --vocab 250000
+    PYTHONPATH=$PWD /tmp/benchenv/bin/python benchmarks/train/train_memory.py --vocab 250000
     ... --vocab 1000          # the runtime alone (tables of 2 MB): the fixed overhead
     ... --optimizer adagrad   # embedmesh's Adagrad (FBGEMM: EXACT_ADAGRAD)
 """
@@ -219,7 +219,8 @@ def main():
     env["EMBEDMESH_BENCH_OPTIMIZER"] = args.optimizer
     env["EMBEDMESH_BENCH_SHARDING"] = "auto"
     env.setdefault("JAX_PLATFORMS", "cpu")
-    env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    root = os.path.dirname(os.path.dirname(HERE))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     results = {}
     for peer in args.peers.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", peer]

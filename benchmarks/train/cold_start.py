@@ -6,7 +6,7 @@ at first use, XLA compiling the program, the C++ kernels loaded), and the first 
 Interleaved rounds of: empty caches; numba's cache warm (what numba's compile costs);
 `EMBEDMESH_NUMBA=0` (no numba at all).
 
-    python benchmarks/cold_start.py --rounds 3          # the interpreter whose embedmesh to time
+    python benchmarks/train/cold_start.py --rounds 3    # the interpreter whose embedmesh to time
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@
 # root first on sys.path). Results under the tool's $OUT (which comes back; elsewhere
 # /tmp/embedmesh-gpu): gpu.json, gpu.md (also printed last), both rewritten as the run
 # goes, children.log (each child's output), log (this run's output), nvidia-smi.csv.
-# Exit status: see benchmarks/gpu.py.
+# Exit status: see benchmarks/gpu/gpu.py.
 set -u
 OUT=${OUT:-/tmp/embedmesh-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
-PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/log"
+PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu/gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/log"
 exit "${PIPESTATUS[0]}"

@@ -12,8 +12,8 @@ form (embedmesh: a `RaggedTensor`, ten ids a row for "dense"; jax-tpu-embedding:
 `[B, 10]` array or an object array of per-sample arrays). Prints the median
 ids/s of each and the ratio.
 
-    PYTHONPATH=. python benchmarks/preprocess.py            # both cores
-    PYTHONPATH=. python benchmarks/preprocess.py --cores 1  # pin everything to one core
+    PYTHONPATH=. python benchmarks/train/preprocess.py            # both cores
+    PYTHONPATH=. python benchmarks/train/preprocess.py --cores 1  # pin everything to one core
 
 jax-tpu-embedding is an optional peer (`pip install jax-tpu-embedding`, in a
 separate environment: it is no dependency of embedmesh); without it only

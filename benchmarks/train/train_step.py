@@ -46,14 +46,14 @@ CPU kernels have it (sgd, adagrad, rowwise_adagrad).
 
 Memory: peak RSS (VmHWM) of each child after setup, during the timed device steps and
 during the end to end with prefetch (each phase from a reset through /proc/self/clear_refs),
-against the bytes of tables + slots; benchmarks/train_memory.py says where it goes.
+against the bytes of tables + slots; benchmarks/train/train_memory.py says where it goes.
 
 End to end: from the same raw (ids, lengths) arrays, embedmesh through `emb.prefetch`
 (RaggedTensors built in its thread), FBGEMM through its own preparation (int64 ids,
 offsets) serially and in a thread 2 batches ahead (the faster counts); each embedmesh peer
 is compared with each FBGEMM peer of its optimizer as medians of per-round ratios.
 
-    /tmp/trainbench/bin/python benchmarks/train_step.py            # all peers
+    /tmp/trainbench/bin/python benchmarks/train/train_step.py            # all peers
     ... --peers embedmesh,fbgemm-exact --rounds 5 --steps 10
     ... --profile                        # where embedmesh's step time goes
     ... --sharding table_wise            # one strategy (default auto: the planner's)
@@ -65,7 +65,7 @@ from the first batch, as `MeshEmbedding(sharding="auto")` makes it); each report
 bytes its device sends per step (`EmbeddingCore.exchange_bytes`) against the row
 exchange of mod sharding at its capacities.
 
-See benchmarks/requirements-train.txt for the peer environment.
+See benchmarks/train/requirements-train.txt for the peer environment.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ LR = 0.01
 NUM_BATCHES = 4  # distinct batches, cycled
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINE = os.environ.get("EMBEDMESH_BENCH_BASELINE", "")  # see --baseline
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 PEERS = (
     "embedmesh",
     "embedmesh-pipelined",

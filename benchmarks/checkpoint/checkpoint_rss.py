@@ -8,7 +8,8 @@ pools) and every --every cycles it prints the RSS (/proc/self/status VmRSS after
 gc.collect()), its growth since cycle 1 and the growth of the objects the garbage
 collector tracks (a leak of Python objects shows there first).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/checkpoint_rss.py [--cycles 300] [--directory]
+    PYTHONPATH=. .venv/bin/python benchmarks/checkpoint/checkpoint_rss.py \\
+        [--cycles 300] [--directory]
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ Measured, in one run, on the file system of --dir:
 
 Run from the repo root (needs ~12 GB of free memory at the default size):
 
-    PYTHONPATH=. /tmp/venv/bin/python benchmarks/checkpoint.py [--rows 1000000] [--dir /tmp/x]
+    PYTHONPATH=. /tmp/venv/bin/python benchmarks/checkpoint/checkpoint.py \\
+        [--rows 1000000] [--dir /tmp/x]
 """
 
 from __future__ import annotations
