@@ -11,9 +11,13 @@ and, under OpenMP, up to 10x slower whenever the other core is busy, so kernels
 are single-threaded and release the GIL (nogil); `serving.set_host_threads`
 spreads features over threads.
 
-Kept because it serves that user: 5.6x / 6.1x / 2.0x the numpy backend's speed at
-dims 16 / 64 / 256 (batch 4096, 8 tables of 100k rows, ragged/sum, medians of 7
-interleaved rounds' ratios, 2026-12-04; the C++ backend 2.0x / 1.3x / 3.8x numba's).
+Kept because it serves that user (measured again for issue #39,
+benchmarks/runs/serving_2026-12-04_numba_vs_numpy.txt: 8 tables of 100k rows, ragged,
+sum and mean, one thread, medians of 7 interleaved rounds' ratios, the same outputs bit
+for bit): 2.1-2.6x the numpy backend's speed at batch 1, 2.1-6.8x at batch 64,
+2.6-7.4x at batch 4096 (dims 16, 64, 256; the C++ backend 1.3-3.8x numba's, 2026-12-04).
+Its cost: a kernel variant's first call compiles, 3.2-4.6 s with an empty numba cache
+(0.7 s with numba's disk cache warm), and ~19 s of compiling in the test suite.
 Implements the backend interface (`embedmesh.serving.backends`).
 """
 
