@@ -49,7 +49,7 @@ BYTES_LIMIT = 12 << 30  # a dim's rows a table: 1M, or fewer where tables + slot
 
 def make_batches(v, b, n=4):
     """`train_step.py`'s workload over `v` rows a table, batch `b`, `n` batches."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "train"))
     import train_step
 
     return train_step.make_batches(vocab=v, batch=b, num=n)
@@ -193,9 +193,19 @@ def rows_for(dim, slots=1):
 
 
 def embedmesh_step(
-    dim, v, batches, opt_name="adagrad", kernels=True, steps=10, pipelined=False, apart=False
+    dim,
+    v,
+    batches,
+    opt_name="adagrad",
+    kernels=True,
+    steps=10,
+    pipelined=False,
+    apart=False,
+    table_dtype="float32",
 ):
-    """`apart`: each optimizer slot an array of its own (the layout before slots in rows)."""
+    """`apart`: each optimizer slot an array of its own (the layout before slots in rows).
+    `table_dtype`: the tables' storage type, "float32", "bfloat16" / "float16" (slots in
+    the same type: in the rows), or "bfloat16+f32" (float32 slots: apart)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -216,9 +226,19 @@ def embedmesh_step(
             return jnp.full(shape, 0.01, dtype)
 
         opt = optimizers()[opt_name] if opt_name != "adagrad" else em.Adagrad(LR)
+        dtype, _, slots = table_dtype.partition("+")
+        slot_dtype = None if slots == "f32" or dtype == "float32" else dtype
         fc = {
             f"f{t}": em.FeatureConfig(
-                em.TableConfig(v, dim, initializer=const_init, combiner="sum", name=f"t{t}")
+                em.TableConfig(
+                    v,
+                    dim,
+                    initializer=const_init,
+                    combiner="sum",
+                    name=f"t{t}",
+                    dtype=dtype,
+                    slot_dtype=slot_dtype,
+                )
             )
             for t in range(T)
         }
@@ -285,6 +305,7 @@ def embedmesh_step(
             "dim": dim,
             "rows": v,
             "optimizer": opt_name,
+            "table_dtype": table_dtype,
             "kernels": kernels,
             "pipelined": pipelined,
             "slots": "apart" if apart else "in rows" if emb.plan.stacks[0].slot_columns else "-",
@@ -504,6 +525,11 @@ def main():
         "--peers", default="dense,sparse", help="the plain-JAX peers of the step ('' none)"
     )
     ap.add_argument(
+        "--table-dtypes",
+        default="float32",
+        help="the step's table types, e.g. float32,bfloat16,bfloat16+f32 (float32 slots)",
+    )
+    ap.add_argument(
         "--apart-dims",
         default="64",
         help="dims at which the step also runs with each slot an array ('' none)",
@@ -532,7 +558,12 @@ def main():
         for dim in dims:
             v = 2000 if args.smoke else rows_for(dim)
             batches = make_batches(v, B)
-            rep.case(f"step/embedmesh/d{dim}", lambda: embedmesh_step(dim, v, batches, steps=steps))
+            for dt in args.table_dtypes.split(","):
+                name = "embedmesh" if dt == "float32" else f"embedmesh-{dt}"
+                rep.case(
+                    f"step/{name}/d{dim}",
+                    lambda dt=dt: embedmesh_step(dim, v, batches, steps=steps, table_dtype=dt),
+                )
             if str(dim) in args.apart_dims.split(","):
                 rep.case(
                     f"step/embedmesh-apart/d{dim}",

@@ -24,7 +24,7 @@ T, B, V = 8, 4096, 1_000_000  # train_step.py's workload
 def workload():
     """The train_step workload (its first batch) as one stack's CSR: unique ids
     ascending, pairs by (unique, row) with summed gains (sum combiner)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train"))
     import train_step
 
     batch = train_step.make_batches(vocab=V, batch=B, num=1)[0]
@@ -156,6 +156,52 @@ def main():
             }
 
         case(f"xla_gather_scatter_w{w}", gs)
+
+    # 1b. 16-bit rows (a TPU interleaves two rows a 32-bit word): XLA's gather and
+    # scatter of bfloat16 rows, against the row-pair DMAs (`pallas.gather_pairs_dma`,
+    # `ops.tpu.scatter_rows_paired`) and the float32 DMA scatter, the same ids
+    def sixteen(w=128):
+        from embedmesh.device.ops import tpu as tpu_ops
+
+        rows_w = min(S, (2 << 30) // (w * 2))
+        rows_w -= rows_w % 2
+        ids = jnp.asarray(np.unique(uniq % rows_w).astype(np.int32))
+        n = int(ids.shape[0])
+        r16 = np.random.default_rng(2)
+        table = jnp.asarray(r16.normal(size=(1024, w)).astype(np.float32))
+        table = jnp.tile(table, (rows_w // 1024 + 1, 1))[:rows_w].astype(jnp.bfloat16)
+        rows = jnp.asarray(r16.normal(size=(n, w)).astype(np.float32)).astype(jnp.bfloat16)
+        rec = {"width": w, "rows": n, "table_rows": rows_w}
+        g = jax.jit(lambda t, i: jnp.take(t, i, axis=0))
+        rec["xla_gather_ms"] = timeit(g, table, ids)[0] * 1e3
+        gp = jax.jit(lambda t, i: tpk.gather_pairs_dma(t, i >> 1))
+        rec["dma_gather_pairs_ms"] = timeit(gp, table, ids)[0] * 1e3
+        want = table.at[ids].set(rows, unique_indices=True, mode="drop")
+        want_bits = jax.lax.bitcast_convert_type(want, jnp.uint16)
+        sc = jax.jit(
+            lambda t, i, r: t.at[i].set(r, unique_indices=True, mode="drop"), donate_argnums=0
+        )
+        rec["xla_scatter_ms"] = time_in_place(sc, jnp.array(table), ids, rows)[0] * 1e3
+        for partners in ("xla", "dma"):
+            tpu_ops.PARTNERS = partners
+            pc = jax.jit(tpu_ops.scatter_rows_paired, donate_argnums=0)
+            out = pc(jnp.array(table), ids, rows)  # from the table before: = XLA's
+            got = jax.lax.bitcast_convert_type(out, jnp.uint16)
+            rec[f"paired_{partners}_equal"] = bool(jnp.array_equal(got, want_bits))
+            del got
+            rec[f"paired_{partners}_ms"] = time_in_place(pc, out, ids, rows)[0] * 1e3
+        tpu_ops.PARTNERS = "xla"
+        f32 = jnp.zeros((rows_w // 2, w), jnp.float32)  # the same bytes as float32 rows
+        ids32 = ids // 2
+        ids32 = jnp.asarray(np.unique(np.asarray(ids32)).astype(np.int32))
+        r32 = jnp.ones((int(ids32.shape[0]), w), jnp.float32)
+        s32 = jax.jit(tpk.scatter_rows_dma, donate_argnums=0)
+        rec["f32_dma_scatter_ms"] = time_in_place(s32, f32, ids32, r32)[0] * 1e3
+        rec["f32_rows"] = int(ids32.shape[0])
+        return rec
+
+    case("sixteen_w128", sixteen)
+    case("sixteen_w256", lambda: sixteen(256))
 
     # 2. the pair sums (rows gathered into VMEM, one-hot matmuls) against XLA's take +
     # segment_sum, by dim and block sizes (the scalar pair loops they replace, measured on

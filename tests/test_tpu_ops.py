@@ -536,6 +536,81 @@ def test_scatter_rows_dma(width, n, order):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def pair_layout(bits16):
+    """The uint32 words of 16-bit rows as a TPU lays them out, written for clarity: word
+    (p, c) = row 2p's column c (low half) | row 2p + 1's (high half)."""
+    rows, width = bits16.shape
+    words = np.zeros((rows // 2, width), np.uint64)
+    for p in range(rows // 2):
+        words[p] = bits16[2 * p].astype(np.uint64) + (bits16[2 * p + 1].astype(np.uint64) << 16)
+    return words.astype(np.uint32)
+
+
+def bits_of(x):
+    return np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_pair_moves(dtype):
+    """`gather_pairs_dma` / `scatter_pairs_dma`: 16-bit rows moved as 32-bit words two
+    rows at a time (ids outside the table: zero words / skipped)."""
+    r = rng(11)
+    rows, width = 64, 128
+    table = jnp.asarray(signed(r, (rows, width))).astype(dtype)
+    want_words = pair_layout(bits_of(table))
+    pairs = np.array([3, 0, 31, 17, -1, 32, BIG, 5], np.int32)
+    got = np.asarray(pallas.gather_pairs_dma(table, jnp.asarray(pairs), tg=TG))
+    for i, p in enumerate(pairs.tolist()):
+        np.testing.assert_array_equal(got[i], want_words[p] if 0 <= p < rows // 2 else 0)
+    new = r.integers(0, 2**32, (pairs.size, width), dtype=np.uint64).astype(np.uint32)
+    new[:, :] &= 0x3FFF3FFF  # finite 16-bit values either half
+    out = pallas.scatter_pairs_dma(jnp.array(table), jnp.asarray(pairs), jnp.asarray(new), tg=TG)
+    want = want_words.copy()
+    for i, p in enumerate(pairs.tolist()):
+        if 0 <= p < rows // 2:
+            want[p] = new[i]
+    assert out.dtype == table.dtype and out.shape == table.shape
+    np.testing.assert_array_equal(pair_layout(bits_of(out)), want)
+
+
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(
+    partners=st.sampled_from(["xla", "dma"]),
+    dtype=st.sampled_from(["bfloat16", "float16"]),
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 40),
+    ascending=st.booleans(),
+)
+def test_scatter_rows_paired(partners, dtype, seed, n, ascending):
+    """A 16-bit table's rows written a pair at a time keep every row not written,
+    partners of written rows included (written together or not), in any id order."""
+    from embedmesh.device.ops import tpu
+
+    r = rng(seed)
+    rows, width = 80, 256
+    ids = random_row_ids(r, rows, n, distinct=True)
+    if r.random() < 0.5:  # many whole pairs
+        base = r.choice(rows // 2, n // 2 + 1, replace=False) * 2
+        both = np.concatenate([base, base + 1])[:n]
+        ids = r.permutation(both).astype(np.int32)
+    if ascending:
+        ids = np.sort(np.where((ids >= 0) & (ids < rows), ids, BIG)).astype(np.int32)
+        ids[np.r_[False, ids[1:] == ids[:-1]]] = BIG  # pads only repeat
+    table = jnp.asarray(signed(r, (rows, width))).astype(dtype)
+    new = jnp.asarray(signed(r, (n, width))).astype(dtype)
+    want = bits_of(table).copy()
+    new_bits = bits_of(new)
+    for i, row in enumerate(ids.tolist()):
+        if 0 <= row < rows:
+            want[row] = new_bits[i]
+    old, tpu.PARTNERS = tpu.PARTNERS, partners
+    try:
+        got = tpu.scatter_rows_paired(jnp.array(table), jnp.asarray(ids), new)
+    finally:
+        tpu.PARTNERS = old
+    np.testing.assert_array_equal(bits_of(got), want)
+
+
 # ---------------------------------------------------------------------------
 # The registered TPU ops and the TPU layout rule
 

@@ -73,12 +73,80 @@ def _whole_vregs(table) -> bool:
     )
 
 
+def _paired(table) -> bool:
+    """A 16-bit table whose rows move in pairs (`pallas.scatter_pairs_dma`)."""
+    return (
+        table.ndim == 2
+        and table.shape[1] % LANES == 0
+        and jnp.dtype(table.dtype).itemsize == 2
+        and table.shape[0] % 2 == 0
+        and table.shape[0] < 2**31
+    )
+
+
 def scatter_rows(table, ids, rows):
     """`table.at[ids].set(rows, mode="drop")`, ids distinct: a DMA a row where the rows
-    are whole float32 vregs, else XLA's scatter told the ids are distinct."""
+    are whole float32 vregs, a DMA a row pair for 16-bit ones (`scatter_rows_paired`),
+    else XLA's scatter told the ids are distinct."""
     if _whole_vregs(table):
         return _pallas().scatter_rows_dma(table, ids, rows)
+    if _paired(table):
+        return scatter_rows_paired(table, ids, rows)
     return xla.scatter_rows(table, ids, rows)
+
+
+# Where `scatter_rows_paired` reads the partners it does not write: "xla" (XLA's gather
+# of the partner rows) or "dma" (`pallas.gather_pairs_dma` of the pairs)
+PARTNERS = "xla"
+
+
+def _partner_positions(ids, inside):
+    """For each of the distinct `ids`, the position in `ids` of its pair partner
+    (`id ^ 1`), -1 where that is not among them (or the id is outside): a neighbour once
+    sorted (ascending ids, the padding last, skip the sort)."""
+    n = ids.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+
+    def neighbours(order):
+        s = ids[order]
+        nxt = jnp.concatenate([s[1:], jnp.full((1,), -1, s.dtype)])
+        prv = jnp.concatenate([jnp.full((1,), -1, s.dtype), s[:-1]])
+        at = jnp.where(nxt == (s ^ 1), pos + 1, jnp.where(prv == (s ^ 1), pos - 1, -1))
+        found = jnp.where(at >= 0, order[jnp.maximum(at, 0)], -1)
+        return jnp.zeros(n, jnp.int32).at[order].set(found)
+
+    ascending = jnp.all(ids[1:] > ids[:-1]) if n > 1 else jnp.bool_(True)
+    out = jax.lax.cond(
+        ascending, lambda: neighbours(pos), lambda: neighbours(jnp.argsort(ids).astype(jnp.int32))
+    )
+    return jnp.where(inside, out, -1)
+
+
+def scatter_rows_paired(table, ids, rows):
+    """`table.at[ids].set(rows, mode="drop")` for a 16-bit table, ids distinct: a TPU
+    keeps two 16-bit rows in one 32-bit word (rows 2p and 2p + 1, `pallas._pairs`), and a
+    DMA moves words, so each row is written with its partner: the partner's new row
+    where it is among `ids`, else its current one (`PARTNERS`). A pair written twice
+    (both rows among `ids`) gets the same words both times."""
+    n = ids.shape[0]
+    if n == 0:
+        return table
+    num_rows = table.shape[0]
+    ids = ids.astype(jnp.int32)
+    inside = (ids >= 0) & (ids < num_rows)
+    own = jax.lax.bitcast_convert_type(rows.astype(table.dtype), jnp.uint16).astype(jnp.uint32)
+    odd = (ids & 1)[:, None] == 1
+    if PARTNERS == "dma":
+        words = _pallas().gather_pairs_dma(table, jnp.where(inside, ids >> 1, -1))
+        old = jnp.where(odd, words & 0xFFFF, words >> 16)
+    else:
+        partner_rows = reference.gather_rows(table, jnp.where(inside, ids ^ 1, -1))
+        old = jax.lax.bitcast_convert_type(partner_rows, jnp.uint16).astype(jnp.uint32)
+    at = _partner_positions(ids, inside)
+    partner = jnp.where((at >= 0)[:, None], own[jnp.maximum(at, 0)], old)
+    words = jnp.where(odd, partner | (own << 16), own | (partner << 16))
+    pairs = jnp.where(inside, ids >> 1, jnp.where(ids < 0, -1, ids))
+    return _pallas().scatter_pairs_dma(table, pairs, words)
 
 
 def _rows(src) -> bool:

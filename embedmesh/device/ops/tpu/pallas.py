@@ -397,7 +397,32 @@ def _valid_prefix(ids, num_rows: int):
     return jnp.where(is_prefix, valid, -1)[None]
 
 
-def _gather_kernel(meta_ref, ids_ref, table_ref, out_ref, sem, *, num_rows):
+def _pairs(ref):
+    """A 16-bit table's HBM ref (R, W) seen as uint32 (R / 2, W): word (p, c) holds row
+    2p's column c in its low half and row 2p + 1's in its high half. This is how a TPU
+    lays 16-bit rows out (two rows interleaved a 32-bit word), so it moves no byte; a DMA
+    moves 32-bit words, hence a 16-bit row moves with its partner."""
+    return ref.bitcast(jnp.uint32)
+
+
+def pair_words(table):
+    """`_pairs` of a 16-bit array as an XLA op (a copy): what Pallas's interpreter, which
+    cannot bitcast a ref a DMA reads or writes, runs the pair kernels on."""
+    bits = jax.lax.bitcast_convert_type(table, jnp.uint16).astype(jnp.uint32)
+    return bits[0::2] | (bits[1::2] << 16)
+
+
+def pair_rows(words, dtype):
+    """The inverse of `pair_words`: uint32 [R / 2, W] -> `dtype` [R, W]."""
+    lo = (words & 0xFFFF).astype(jnp.uint16)
+    hi = (words >> 16).astype(jnp.uint16)
+    bits = jnp.stack([lo, hi], axis=1).reshape(-1, words.shape[1])
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _gather_kernel(meta_ref, ids_ref, table_ref, out_ref, sem, *, num_rows, view=None):
+    if view is not None:
+        table_ref = view(table_ref)
     tg = out_ref.shape[0]
     prefix = meta_ref[0]
     full = (prefix >= 0) & (prefix - pl.program_id(0) * tg >= tg)
@@ -425,13 +450,27 @@ def _gather_kernel(meta_ref, ids_ref, table_ref, out_ref, sem, *, num_rows):
 
 def gather_rows_dma(table, ids, *, tg: int = TG):
     """`table[ids]` (zero rows for ids outside it), a DMA a row."""
+    return _gather_call(table, ids, table.shape, table.dtype, tg=tg)
+
+
+def gather_pairs_dma(table, pairs, *, tg: int = TG):
+    """A 16-bit table's row pairs `pairs` as uint32 words (`_pairs`; zero words for
+    pairs outside it), a DMA a pair: [n, W]."""
+    rows, width = table.shape
+    if _interpret():
+        return _gather_call(pair_words(table), pairs, (rows // 2, width), jnp.uint32, tg=tg)
+    return _gather_call(table, pairs, (rows // 2, width), jnp.uint32, tg=tg, view=_pairs)
+
+
+def _gather_call(table, ids, shape, dtype, *, tg, view=None):
+    """`gather_rows_dma` of the table seen as `shape` / `dtype` through `view`."""
     n = ids.shape[0]
     nb = max(1, -(-n // tg))
     ids = ids.astype(jnp.int32)
-    meta = _valid_prefix(ids, table.shape[0])
+    meta = _valid_prefix(ids, shape[0])
     idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
     out = pl.pallas_call(
-        functools.partial(_gather_kernel, num_rows=table.shape[0]),
+        functools.partial(_gather_kernel, num_rows=shape[0], view=view),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(nb,),
@@ -439,10 +478,10 @@ def gather_rows_dma(table, ids, *, tg: int = TG):
                 pl.BlockSpec((tg,), lambda i, m: (i,), memory_space=pltpu.SMEM),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
-            out_specs=pl.BlockSpec((tg, table.shape[1]), lambda i, m: (i, 0)),
+            out_specs=pl.BlockSpec((tg, shape[1]), lambda i, m: (i, 0)),
             scratch_shapes=[pltpu.SemaphoreType.DMA(())],
         ),
-        out_shape=jax.ShapeDtypeStruct((nb * tg, table.shape[1]), table.dtype),
+        out_shape=jax.ShapeDtypeStruct((nb * tg, shape[1]), dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=_interpret(),
     )(meta, idp, table)
@@ -462,8 +501,10 @@ def _unrolled(n, body, unroll: int = 8):
     jax.lax.fori_loop((n // unroll) * unroll, n, body, c)
 
 
-def _scatter_kernel(meta_ref, ids_ref, rows_ref, table_in, table_ref, sem, *, num_rows):
+def _scatter_kernel(meta_ref, ids_ref, rows_ref, table_in, table_ref, sem, *, num_rows, view=None):
     del table_in  # aliased to table_ref
+    if view is not None:
+        table_ref = view(table_ref)
     tg = rows_ref.shape[0]
     prefix = meta_ref[0]  # the valid ids are the first `prefix`; -1: they are not a prefix
 
@@ -505,20 +546,36 @@ def scatter_rows_dma(table, ids, rows, *, tg: int = TG):
     them at once, 8 a loop turn: 49.5 M rows/s at 128 lanes on a v5e, against 28.9 M
     with a test and a wait a row (`runs/tpu_probe_2026-12-04_e.json`); other orders
     take the tested loop."""
+    return _scatter_call(table, ids, rows.astype(table.dtype), table.shape[0], tg=tg)
+
+
+def scatter_pairs_dma(table, pairs, words, *, tg: int = TG):
+    """A 16-bit table's row pairs `pairs` set to `words` (uint32 [n, W], `_pairs`) in
+    place, a DMA a pair (outside the table: skipped; the same pair twice only with the
+    same words)."""
+    words = words.astype(jnp.uint32)
+    if _interpret():
+        out = _scatter_call(pair_words(table), pairs, words, table.shape[0] // 2, tg=tg)
+        return pair_rows(out, table.dtype)
+    return _scatter_call(table, pairs, words, table.shape[0] // 2, tg=tg, view=_pairs)
+
+
+def _scatter_call(table, ids, rows, num_rows: int, *, tg, view=None):
+    """`scatter_rows_dma` of `rows` into the table seen through `view` (`num_rows` rows)."""
     n = ids.shape[0]
     nb = max(1, -(-n // tg))
     ids = ids.astype(jnp.int32)
-    meta = _valid_prefix(ids, table.shape[0])
+    meta = _valid_prefix(ids, num_rows)
     idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
-    rp = jnp.pad(rows.astype(table.dtype), ((0, nb * tg - n), (0, 0)))
+    rp = jnp.pad(rows, ((0, nb * tg - n), (0, 0)))
     return pl.pallas_call(
-        functools.partial(_scatter_kernel, num_rows=table.shape[0]),
+        functools.partial(_scatter_kernel, num_rows=num_rows, view=view),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(nb,),
             in_specs=[
                 pl.BlockSpec((tg,), lambda i, m: (i,), memory_space=pltpu.SMEM),
-                pl.BlockSpec((tg, table.shape[1]), lambda i, m: (i, 0)),
+                pl.BlockSpec((tg, rows.shape[1]), lambda i, m: (i, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
