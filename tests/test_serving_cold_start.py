@@ -6,7 +6,7 @@ children here record each of those while their first call runs: a Python audit h
 sees imports, code compiles, subprocesses and `dlopen`s; jax's monitoring listeners see
 every trace and compile. None may happen, except loading the installed C++ library
 (milliseconds). Nothing is timed: the timings live in `benchmarks/train/cold_start.py` and
-`benchmarks/RESULTS_serving.md`.
+`benchmarks/serving/RESULTS.md`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ arrays (tests/test_serving_fast_path.py compares the two on every input kind).
 The same tests run compiled where the install built `embedmesh.serving._request`
 (embedmesh/serving/ext/request.cc, CPython's stable ABI): ~1 us a feature against ~5
 warm and 15-20 cold here, whose Python a second thread cannot share. Batch 64, dim 64,
-8 x 1M tables: 0.26 -> 0.19 ms a request (benchmarks/RESULTS_serving.md, seventh
+8 x 1M tables: 0.26 -> 0.19 ms a request (benchmarks/runs/serving-history.md, seventh
 session). This module's form stays for a checkout used without an install, and as the
 readable statement of the rules; `use_compiled(False)` selects it.
 """
@@ -98,7 +98,7 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
     A request large enough for several threads is handed to the C++ pool task by task
     as each is made (`kernels.NativeRequest`): the pool's threads sum the first
     features while this thread makes the next ones and the result. Requests back to
-    back on 2 threads, 8 x 1M tables (benchmarks/RESULTS_serving.md, sixth session):
+    back on 2 threads, 8 x 1M tables (benchmarks/runs/serving-history.md, sixth session):
     0.99-1.08x one C++ call at the end at dims 16-64 by itself, 1.06-1.16x with the
     pool's threads polling for the next request (runner.cc, g_pool_spin_us).
     """
@@ -180,7 +180,7 @@ def one_buffer(on: bool) -> bool | None:
     from the output pool for the request (default True), each 64-byte aligned, or each
     its own buffer (the Python form's way); returns the previous setting, None without
     the compiled form. A buffer from the pool costs ~4 us of Python: 26 features at
-    batch 1, numpy outputs, 124 -> 60 us a request (benchmarks/RESULTS_serving.md). A
+    batch 1, numpy outputs, 124 -> 60 us a request (benchmarks/runs/serving-history.md). A
     view held keeps the whole request's buffer from reuse."""
     fn = getattr(_compiled, "set_one_buffer", None)
     return None if fn is None else fn(bool(on))

@@ -280,7 +280,8 @@ def _report_given_ids(run, given: np.ndarray):
 
 
 # Widest rows given to the one-pass sparse kernel. Same process, interleaved with torch,
-# 8 x 1M tables, sparse/sum (benchmarks/serving_sparse_ab.py): one pass 1.30x / 1.17x /
+# 8 x 1M tables, sparse/sum (benchmarks/serving_sparse_ab.py, removed since: `git show
+# 978d03b:benchmarks/serving_sparse_ab.py`): one pass 1.30x / 1.17x /
 # 1.08-1.11x the speed of offsets then bag at dims 16 / 32 / 64, 0.94-0.95x at dim 128
 # (2026-12-03, wall clock); once the bag kernel prefetched only the first line of rows
 # over 3 lines (same day, thread CPU time, 11 rounds): 1.22x / 1.00x / 0.83x at 16 / 32 /
@@ -288,7 +289,7 @@ def _report_given_ids(run, given: np.ndarray):
 # walk was cut to ~14 instructions an entry and the offsets pass went 8 entries a step
 # (later the same day, quiet machine, thread CPU time, 11 rounds): one pass 0.95x / 0.89x
 # at dims 16 / 32 (0.78x at 64), so no dim takes it now: 0. The kernel stays, the
-# baseline of that A/B (serving_sparse_ab.py) and tested as any other.
+# baseline of that A/B and tested as any other.
 SPARSE_ONE_PASS_MAX_DIM = 0
 
 

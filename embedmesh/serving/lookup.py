@@ -169,7 +169,7 @@ def set_numpy_outputs(on: bool) -> bool:
     traced lookup (inside `jax.jit` / `jax.export`) returns jax values either way.
 
     Wrapping a request's outputs as jax arrays costs ~7 us an array: ~190 us of a
-    930 us batch-64 request of 26 features (benchmarks/RESULTS_serving.md, 2026-12-04).
+    930 us batch-64 request of 26 features (benchmarks/runs/serving-history.md, 2026-12-04).
     A server that hands the activations to numpy code, or to a jitted model that takes
     numpy arguments anyway, need not pay it."""
     global _numpy_outputs
@@ -584,7 +584,7 @@ def _finish_common(resolved, inputs, outs: list, before_run: bool):
     Why before: after the kernels have streamed megabytes of rows through the caches,
     wrapping and packing take ~100 us of cold-cache Python (11 us an array, against
     ~4 warm), which a second thread cannot share. Same process, interleaved, 8 x 1M
-    tables (benchmarks/RESULTS_serving.md, sixth session): 1.4-2.3% faster a call at
+    tables (benchmarks/runs/serving-history.md, sixth session): 1.4-2.3% faster a call at
     batch 4096 on one thread, 2.0-5.1% on two, 7-14% at batch 64.
     """
     done = [x for x in outs if x is not None]

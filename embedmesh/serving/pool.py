@@ -61,7 +61,7 @@ class _BufferPool:
     outputs in the pool; counting the held ones against the limit made every
     request over half the limit allocate afresh and fault its pages in (dense
     dim 128, batch 4096 x 10, 8 tables: 168 MB a request, 29.6 against 18.8 ms
-    a call; benchmarks/RESULTS_serving.md, seventh session).
+    a call; benchmarks/runs/serving-history.md, seventh session).
     """
 
     def __init__(self, limit: int):

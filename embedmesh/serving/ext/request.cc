@@ -51,7 +51,7 @@ ThreadsFn g_threads_for = nullptr;
 //   them wait for it until the switch interval forces it out: the requests run one
 //   after the other, and the waits show as a p99 of ~5 ms. Released, the next thread
 //   takes it as soon as the kernels start, and its Python runs beside them.
-// Measured with benchmarks/serving_online.py (benchmarks/RESULTS_serving.md).
+// Measured with benchmarks/serving/serving_online.py (benchmarks/serving/RESULTS.md).
 int64_t g_hold_gil_below = 32768;
 // Threads inside a host lookup (enter / leave around serving_embedding_lookup); changed
 // and read only with the GIL held, so a plain integer.

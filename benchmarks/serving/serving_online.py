@@ -36,9 +36,9 @@ at N clients / at 1 client), since a noisy machine moves whole rounds.
 GIL except at the interpreter's switch interval): requests/s against one client alone.
 
 Outputs are checked against torch's (allclose) before timing. Run in the benchmark
-environment (benchmarks/requirements-serving.txt; torch is never a dependency):
+environment (benchmarks/serving/requirements-serving.txt; torch is never a dependency):
 
-    PYTHONPATH=. /tmp/benchenv/bin/python benchmarks/serving_online.py [--rounds 5]
+    PYTHONPATH=. /tmp/benchenv/bin/python benchmarks/serving/serving_online.py [--rounds 5]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A 2-D SparseTensor request carries its bags as COO indices, 16 bytes an id (int64 row and
 column), which the lookup must read to find (and check) the bags: 5.2 MB a call on
-benchmarks/serving.py's workload, where ragged row_splits are 33 KB a feature. torch's
+benchmarks/serving/serving.py's workload, where ragged row_splits are 33 KB a feature. torch's
 `embedding_bag` handed the bag offsets for free (serving.py's `torch` contender for
 sparse input) reads none of it. This runs, in one process, 1 thread, interleaved call
 by call in a shuffled order (medians over rounds of the per-round medians):
@@ -14,7 +14,7 @@ by call in a shuffled order (medians over rounds of the per-round medians):
 - `read indices`: numpy's sum over the same int64 indices (a plain read of the bytes);
 - `torch[1t]` (when importable): `embedding_bag` given the offsets, as serving.py runs it.
 
-    PYTHONPATH=. python benchmarks/serving_sparse_bound.py [--dims 16,64] [--rounds 9]
+    PYTHONPATH=. python benchmarks/serving/serving_sparse_bound.py [--dims 16,64] [--rounds 9]
 """
 
 from __future__ import annotations

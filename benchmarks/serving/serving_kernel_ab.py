@@ -1,6 +1,6 @@
 """The serving bag kernel alone, several builds of it against torch's `embedding_bag`.
 
-Same process, same arrays: benchmarks/serving.py's workload (tables x vocab x dim float32,
+Same process, same arrays: benchmarks/serving/serving.py's workload (tables x vocab x dim float32,
 batch 4096, Poisson(10) lengths, Zipf(1.05) ids, `--batches` batches), ragged input
 (ids + offsets, which is what both kernels take), 1 thread each. Each contender is one
 build of `embedmesh/serving/cpu/serving.cc` (or another source), compiled here with the
@@ -12,7 +12,7 @@ torch time / contender time is taken per round; the medians over rounds are prin
 (with the range). Table rows are filled with (row % 97) / 100 (the kernels' speed does not depend
 on the values; builds fast).
 
-    PYTHONPATH=. python benchmarks/serving_kernel_ab.py --dim 64 \\
+    PYTHONPATH=. python benchmarks/serving/serving_kernel_ab.py --dim 64 \\
         --variant base= --variant pf16=-DEM_PF_ENTRIES=16 [--variant x=/tmp/x.cc:-DFOO]
 """
 
@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from embedmesh import _native
 from embedmesh.serving import kernels, native

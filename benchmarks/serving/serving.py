@@ -47,9 +47,9 @@ reported. embedmesh's outputs are
 checked against TensorFlow's (and torch's) with allclose; the max abs diff is
 printed.
 
-Environment: see benchmarks/requirements-serving.txt. Run from the repo root:
+Environment: see benchmarks/serving/requirements-serving.txt. Run from the repo root:
 
-    PYTHONPATH=. /tmp/benchenv/bin/python benchmarks/serving.py
+    PYTHONPATH=. /tmp/benchenv/bin/python benchmarks/serving/serving.py
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import embedmesh as em
 from embedmesh import _runtime
@@ -519,7 +519,7 @@ def main(argv=None):
         "--saved-model",
         action="store_true",
         help="then time the TensorFlow SavedModel (export_saved_model, run by TF) against "
-        "load_serving on the same requests: benchmarks/serving_saved_model.py, its own "
+        "load_serving on the same requests: benchmarks/serving/serving_saved_model.py, its own "
         "workload (100k-row tables and a small MLP), --rounds rounds",
     )
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Where a serving call's time goes: the phases of one `serving_embedding_lookup` call.
 
-Runs benchmarks/serving.py's workload (8 tables x 1M x dim, batch 4096, Poisson(10)
+Runs benchmarks/serving/serving.py's workload (8 tables x 1M x dim, batch 4096, Poisson(10)
 Zipf(1.05) ids) on the host path and splits each call into: prepare (checks, layouts,
 the bag offsets, output buffers: `lookup._prepare_host`), kernels (the host kernels:
 `kernels.run_native`'s one call with the C++ kernels, else per feature on the caller's
@@ -8,7 +8,7 @@ thread with 1 thread, the whole thread runner with more),
 wrap (the outputs as jax.Arrays: `lookup._host_to_jax`) and the rest (config and
 structure glue). Medians over the calls. No peers: this times one system's phases.
 
-    PYTHONPATH=. python benchmarks/serving_phases.py ragged sum 1 [dim] [backend]
+    PYTHONPATH=. python benchmarks/serving/serving_phases.py ragged sum 1 [dim] [backend]
 """
 
 from __future__ import annotations

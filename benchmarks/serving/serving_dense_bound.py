@@ -2,7 +2,7 @@
 
 A dense lookup ([batch, 10] ids, no combiner) copies one table row per id into its
 output: 84 MB written a call at dim 64 (8 tables, batch 4096). This runs
-`serving_embedding_lookup` on benchmarks/serving.py's workload with three id patterns,
+`serving_embedding_lookup` on benchmarks/serving/serving.py's workload with three id patterns,
 on 1 and 2 threads, next to memset-like writes of the same bytes, all in one process,
 interleaved round by round (medians over rounds):
 
@@ -14,7 +14,7 @@ interleaved round by round (medians over rounds):
   lookup that allocates its outputs afresh writes; what a pool of buffers saves);
 - `numpy fill, reused`: `ndarray.fill` of the reused buffer (numpy's loop, not memset).
 
-    PYTHONPATH=. python benchmarks/serving_dense_bound.py [--dims 16,64,128] [--rounds 5]
+    PYTHONPATH=. python benchmarks/serving/serving_dense_bound.py [--dims 16,64,128] [--rounds 5]
 """
 
 from __future__ import annotations

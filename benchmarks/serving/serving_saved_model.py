@@ -24,9 +24,9 @@ Outputs are compared (allclose) first.
 Needs TensorFlow and jax in one environment (the `embedmesh[tf]` extra). Run from the
 repository root:
 
-    PYTHONPATH=. .venv-flax/bin/python benchmarks/serving_saved_model.py
+    PYTHONPATH=. .venv-flax/bin/python benchmarks/serving/serving_saved_model.py
 
-or as the last part of `benchmarks/serving.py --saved-model` (with its `--rounds`).
+or as the last part of `benchmarks/serving/serving.py --saved-model` (with its `--rounds`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax
 import jax.numpy as jnp
