@@ -474,8 +474,9 @@ def test_bf16_slots_in_rows_only_with_bf16_slots(monkeypatch):
 
 def test_cpu_kernels_fuse_the_update_and_rows_cross_in_the_storage_type():
     """A bf16 stack's optimizer is `Rounded`, fused by the CPU's update kernel (its
-    optimizer's); its lookup reads the table in the op's reference, and the lookup's
-    exchange carries bfloat16 rows (2 devices, the row exchange)."""
+    optimizer's); its lookup is the C++ kernel reading the bfloat16 table (the combine's,
+    and on 2 devices the row exchange's: each device reads the bf16 shards in place;
+    tests/test_low_precision_lookup.py checks their sums)."""
     from embedmesh.device.ops.cpu import kernels as cpu_kernels
 
     emb, _ = _train(BF16[:1], OPTIMIZERS["Adagrad"], 2, steps=0)
@@ -489,14 +490,14 @@ def test_cpu_kernels_fuse_the_update_and_rows_cross_in_the_storage_type():
         kernel = ops.kernel_for("sparse_update", "cpu", *call, optimizer=dev, step=0)
         assert kernel is cpu_kernels.sparse_update
         args = (table, ids, ids, jnp.ones(3), ids)
-        ref = ops.reference_of("segment_gather_sum_mapped")
-        assert ops.kernel_for("segment_gather_sum_mapped", "cpu", *args, num_segments=2) is ref
+        kernel = ops.kernel_for("segment_gather_sum_mapped", "cpu", *args, num_segments=2)
+        assert kernel is cpu_kernels.segment_gather_sum_mapped
     batch = {"fa_0": np.zeros((8, 3), np.int64), "fb_0": np.zeros((8, 2), np.int64)}
     batch["seq_0"] = em.RaggedTensor.from_row_lengths(np.zeros(8, np.int64), [1] * 8)
     csr = emb.enqueue(batch)
     text = jax.jit(emb.core.lookup).lower(emb.state, csr).as_text()
-    exchanged = [line for line in text.splitlines() if "embedmesh_exchange" in line]
-    assert any("bf16" in line for line in exchanged), exchanged
+    looked_up = [line for line in text.splitlines() if "embedmesh_lookup_from_shards" in line]
+    assert any("bf16" in line for line in looked_up), looked_up
 
 
 # ---------------------------------------------------------------------------

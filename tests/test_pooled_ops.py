@@ -250,7 +250,12 @@ def test_pooled_kernels_take_their_calls():
     table = jnp.zeros((4, 2), jnp.float32)
     served = jnp.zeros((2, 3), jnp.int32)
     assert ops.kernel_for("pooled_partials", "cpu", table, served) is cpu_kernels.pooled_partials
+    for low in (jnp.bfloat16, jnp.float16):  # one template over the storage type
+        low_table = table.astype(low)
+        assert ops.kernel_for("pooled_partials", "cpu", low_table, served) is (
+            cpu_kernels.pooled_partials
+        )
     assert ops.kernel_for(
-        "pooled_partials", "cpu", table.astype(jnp.bfloat16), served
+        "pooled_partials", "cpu", table.astype(jnp.int32), served
     ) is ops.reference_of("pooled_partials")
     assert ops.kernel_for("pack_pooled_pairs", "cpu") is cpu_kernels.pack_pooled_pairs

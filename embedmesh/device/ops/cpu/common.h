@@ -18,9 +18,11 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "storage.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -181,13 +183,15 @@ inline void PrepareOutput(void* p, size_t bytes) {
   if (bytes >= (size_t{4} << 20)) AdviseHuge(p, bytes);
 }
 
-// out[dst[q]] += gains[q] * row_of(q) over the pairs q in [0, np), `row_of(q)` a float
-// row of width d or nullptr (the pair is skipped; so is a dst outside [0, segs)). Threads
-// own disjoint destination ranges, so each destination sums in pair order. The combine
-// and backward sums of segment_sum.cc and the in-process lookup of exchange.cc.
+// out[dst[q]] += gains[q] * row_of(q) over the pairs q in [0, np), `row_of(q)` a row of
+// width d of a storage type E (storage.h: float32, bfloat16, float16; read as float32) or
+// nullptr (the pair is skipped; so is a dst outside [0, segs)). Threads own disjoint
+// destination ranges, so each destination sums in pair order, in float32. The combine and
+// backward sums of segment_sum.cc, the lookups of exchange.cc and pooled.cc.
 template <typename RowOf>
 void SegmentRowSums(float* o, int64_t d, int64_t segs, int64_t np, const int32_t* dst,
                     const float* gains, const RowOf& row_of) {
+  using E = std::remove_const_t<std::remove_pointer_t<decltype(row_of(int64_t{0}))>>;
   PrepareOutput(o, sizeof(float) * segs * d);
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(NumWorkers(), 16));
   const int64_t span = (segs + parts - 1) / parts;
@@ -199,18 +203,18 @@ void SegmentRowSums(float* o, int64_t d, int64_t segs, int64_t np, const int32_t
       if (q + kPrefetch < np) {
         const int64_t tq = dst[q + kPrefetch];
         if (tq >= lo && tq < hi) {
-          const float* src = row_of(q + kPrefetch);
-          if (src != nullptr) PrefetchRead(reinterpret_cast<const char*>(src), 4 * d);
+          const E* src = row_of(q + kPrefetch);
+          if (src != nullptr) PrefetchRead(reinterpret_cast<const char*>(src), sizeof(E) * d);
           PrefetchWrite(reinterpret_cast<char*>(o + tq * d), 4 * d);  // 15% less CPU
         }
       }
       const int64_t t = dst[q];
       if (t < lo || t >= hi) continue;
-      const float* __restrict__ srow = row_of(q);
+      const E* __restrict__ srow = row_of(q);
       if (srow == nullptr) continue;
       const float gq = gains[q];
       float* __restrict__ orow = o + t * d;
-      for (int64_t k = 0; k < d; ++k) orow[k] += gq * srow[k];
+      for (int64_t k = 0; k < d; ++k) orow[k] += gq * Load(srow[k]);
     }
   });
 }

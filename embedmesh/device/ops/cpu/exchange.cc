@@ -36,11 +36,12 @@ ffi::Error Exchange(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
 
 // The lookup of one device straight from every shard's table: out[pair_rows[s, p]] +=
 // gains[s, p] * table_s[unique_ids[s, pair_unique[s, p]]], table_s being device s's
-// shard (all of `rows` x `d`), summed in (s, p) order: what the exchange of ids, the
-// owners' gathers into [N, U, D], the exchange of rows and the combine compute, with no
-// [N, U, D] buffer in process and no exchanged copy of a row.
+// shard (all of `rows` x `d`, of a storage type: storage.h, read as float32), summed in
+// (s, p) order in float32: what the exchange of ids, the owners' gathers into [N, U, D],
+// the exchange of rows and the combine compute, with no [N, U, D] buffer in process and no
+// exchanged copy of a row (between processes the rows cross in their storage type).
 template <class T>
-ffi::Error LookupFromShards(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> uids,
+ffi::Error LookupFromShards(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> uids,
                             ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
                             ffi::Buffer<ffi::S32> prows, ffi::Buffer<ffi::S32> rank_buf,
                             ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Dictionary attrs) {
@@ -57,15 +58,18 @@ ffi::Error LookupFromShards(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> u
   const int32_t* pr = prows.typed_data();
   const float* g = gains.typed_data();
   float* o = out->typed_data();
-  return ReadPeerRows(t, table.typed_data(), rows, d, uids.typed_data(), u,
-                      [&](const auto& row_of) {
-                        // the pairs are [n, p] row-major: pair q = s * p + k is shard s's
-                        SegmentRowSums(o, d, segs, n * p, pr, g, [&](int64_t q) -> const float* {
-                          const int64_t k = pu[q];
-                          return k < 0 || k >= u ? nullptr : row_of(q / p, k);
+  return WithStorage(table.element_type(), "lookup", [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    return ReadPeerRows(t, static_cast<const E*>(table.untyped_data()), rows, d,
+                        uids.typed_data(), u, [&](const auto& row_of) {
+                          // the pairs are [n, p] row-major: pair q = s * p + k is shard s's
+                          SegmentRowSums(o, d, segs, n * p, pr, g, [&](int64_t q) -> const E* {
+                            const int64_t k = pu[q];
+                            return k < 0 || k >= u ? nullptr : row_of(q / p, k);
+                          });
+                          return std::string();
                         });
-                        return std::string();
-                      });
+  });
 }
 
 }  // namespace
@@ -80,7 +84,7 @@ EM_DEFINE_TRANSPORTED(Exchange,
                       "embedmesh_exchange", "embedmesh_host_exchange")
 EM_DEFINE_TRANSPORTED(LookupFromShards,
                       ffi::Ffi::Bind()
-                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::Buffer<ffi::F32>>()

@@ -51,8 +51,13 @@ def segment_gather_sum_mapped(src, src_map, src_idx, gains, dst_idx, *, num_segm
     )
 
 
-def _float32_source(src, *args, **params) -> bool:
-    return src.dtype == jnp.float32  # the kernel reads float32 tables only
+# The storage types the lookup kernels read (storage.h: each widened to float32 exactly,
+# summed in float32), one template each.
+_STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _storage_source(src, *args, **params) -> bool:
+    return jnp.dtype(src.dtype) in _STORAGE
 
 
 def dedup_sum(ids, grads):
@@ -253,7 +258,7 @@ def lookup_from_shards(table, *pairs, num_rows, transport):
 
 
 def _lookup_in_process(table, *args, transport, **params) -> bool:
-    return table.dtype == jnp.float32 and _crosses_shared_memory(table, transport)
+    return _storage_source(table) and _crosses_shared_memory(table, transport)
 
 
 def backward_update_sharded(table, slots, *batch, optimizer, step, transport, replicated=False):
@@ -384,7 +389,7 @@ def _pooled_pairs_kernel(unique_ids, *args, width, transport) -> bool:
 
 
 def _pooled_partials_kernel(table, served, *, unique_capacity, width, transport) -> bool:
-    return table.dtype == jnp.float32 and _crosses_shared_memory(table, transport)
+    return _storage_source(table) and _crosses_shared_memory(table, transport)
 
 
 def _pooled_backward_kernel(
@@ -399,8 +404,8 @@ def _pooled_backward_kernel(
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
     "scatter_rows": (scatter_rows, None),
-    "segment_gather_sum": (segment_gather_sum, None),
-    "segment_gather_sum_mapped": (segment_gather_sum_mapped, _float32_source),
+    "segment_gather_sum": (segment_gather_sum, _storage_source),
+    "segment_gather_sum_mapped": (segment_gather_sum_mapped, _storage_source),
     "dedup_sum": (dedup_sum, None),
     "sparse_update": (sparse_update, _fused),
     "backward_update": (backward_update, _fused),
@@ -408,7 +413,7 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "lookup_from_shards": (lookup_from_shards, _lookup_in_process),
     "backward_update_sharded": (backward_update_sharded, _fused_in_process),
     "pack_pooled_pairs": (pack_pooled_pairs, None),
-    "pooled_partials": (pooled_partials, _float32_source),
+    "pooled_partials": (pooled_partials, _storage_source),
     "pooled_backward_update": (pooled_backward_update, _fused_pooled),
     "exchange_pooled_pairs": (exchange_pooled_pairs, _pooled_pairs_kernel),
     "exchange_pooled_partials": (exchange_pooled_partials, _pooled_partials_kernel),

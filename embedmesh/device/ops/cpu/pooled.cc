@@ -127,17 +127,18 @@ ServedPairs DecodeServed(const int32_t* msg, int64_t n, int64_t words, int64_t u
 }
 
 // Source s's partial activations [rc, d] into o: each row sums gain * table row over its
-// pairs, in pair order (SegmentRowSums).
-void PartialsOf(const ServedPairs& sp, const float* t, int64_t d, int64_t s, float* o) {
+// pairs, in pair order, in float32 (SegmentRowSums; the table of a storage type E).
+template <typename E>
+void PartialsOf(const ServedPairs& sp, const E* t, int64_t d, int64_t s, float* o) {
   const int64_t at = s * sp.l.p;
   const int32_t* src = sp.src.data() + at;
   SegmentRowSums(o, d, sp.l.rc, sp.l.p, sp.dst.data() + at, sp.gain.data() + at,
-                 [&](int64_t q) -> const float* { return src[q] >= 0 ? t + src[q] * d : nullptr; });
+                 [&](int64_t q) -> const E* { return src[q] >= 0 ? t + src[q] * d : nullptr; });
 }
 
 // ops.pooled_partials: out[s * rc + row] += gain * table[ids_s[position]] over each
 // source's pairs.
-ffi::Error PooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served, int64_t u,
+ffi::Error PooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> served, int64_t u,
                           int64_t rc, int64_t k, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto td = table.dimensions();
   auto sd = served.dimensions();
@@ -147,14 +148,18 @@ ffi::Error PooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ser
   const ServedPairs sp = DecodeServed(served.typed_data(), n, words, u, rc, k, rows);
   float* o = out->typed_data();
   PrepareOutput(o, sizeof(float) * n * rc * d);
-  for (int64_t s = 0; s < n; ++s) PartialsOf(sp, table.typed_data(), d, s, o + s * rc * d);
-  return ffi::Error::Success();
+  return WithStorage(table.element_type(), "pooled_partials", [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    const E* w = static_cast<const E*>(table.untyped_data());
+    for (int64_t s = 0; s < n; ++s) PartialsOf(sp, w, d, s, o + s * rc * d);
+    return ffi::Error::Success();
+  });
 }
 
 // ops.exchange_pooled_partials: the partials of each source summed straight into where
 // the source reads them (AllToAll): exchange(pooled_partials(...)).
 template <class T>
-ffi::Error ExchangePooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> served,
+ffi::Error ExchangePooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> served,
                                   ffi::Buffer<ffi::S32> rank_buf,
                                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Dictionary attrs) {
   T t;
@@ -167,12 +172,15 @@ ffi::Error ExchangePooledPartials(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::
   const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
   const ServedPairs sp = DecodeServed(served.typed_data(), n, words, u, rc, k, rows);
-  const float* w = table.typed_data();
   const size_t block = sizeof(float) * rc * d;
   float* o = out->typed_data();
   PrepareOutput(o, n * block);
-  return AllToAll(t, block, reinterpret_cast<char*>(o), nullptr, [&](int64_t s, char* to) {
-    PartialsOf(sp, w, d, s, reinterpret_cast<float*>(to));
+  return WithStorage(table.element_type(), "exchange_pooled_partials", [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    const E* w = static_cast<const E*>(table.untyped_data());
+    return AllToAll(t, block, reinterpret_cast<char*>(o), nullptr, [&](int64_t s, char* to) {
+      PartialsOf(sp, w, d, s, reinterpret_cast<float*>(to));
+    });
   });
 }
 
@@ -192,7 +200,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPackPooledPairs, embedmesh::PackPooledPairs,
 EM_LIST_HANDLER("embedmesh_pack_pooled_pairs", EmPackPooledPairs)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("u")
                                   .Attr<int64_t>("rc")
@@ -212,7 +220,7 @@ EM_DEFINE_TRANSPORTED(ExchangePooledPairs,
                       "embedmesh_exchange_pooled_pairs", "embedmesh_host_pack_pooled_pairs")
 EM_DEFINE_TRANSPORTED(ExchangePooledPartials,
                       ffi::Ffi::Bind()
-                          .Arg<ffi::Buffer<ffi::F32>>()
+                          .Arg<ffi::AnyBuffer>()
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Arg<ffi::Buffer<ffi::S32>>()
                           .Ret<ffi::Buffer<ffi::F32>>()

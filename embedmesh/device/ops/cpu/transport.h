@@ -196,15 +196,15 @@ ffi::Error ShareArrays(const T& t, const std::array<Span, K>& mine, const Work& 
   }
 }
 
-// Rows of every rank's table (`rows` x `d` floats on each): this rank asks rank s for the
+// Rows of every rank's table (`rows` x `d` values of storage type E on each: storage.h): this rank asks rank s for the
 // rows ids[s * u + k], k < u; work(row_of) reads row_of(s, k), that row of rank s's table
 // (nullptr when out of range), and returns "" or an error. In process each rank's table is
 // lent and read in place. Between processes, two rounds: every rank publishes the ids it
 // asks ([n, u]), then each owner gathers the rows each other rank asked of it into its
 // segment ([n, u, d]; zeros for out-of-range ids) and each rank reads them there (its own
-// shard's in its table).
-template <class T, class Work>
-ffi::Error ReadPeerRows(const T& t, const float* table, int64_t rows, int64_t d,
+// shard's in its table). Rows cross in their storage type.
+template <class T, typename E, class Work>
+ffi::Error ReadPeerRows(const T& t, const E* table, int64_t rows, int64_t d,
                         const int32_t* ids, int64_t u, const Work& work) {
   const int64_t n = t.n, rank = t.rank;
   auto row_id = [&](int64_t s, int64_t k) -> int64_t {
@@ -213,21 +213,21 @@ ffi::Error ReadPeerRows(const T& t, const float* table, int64_t rows, int64_t d,
   };
   if constexpr (T::kLends) {
     return t.Round(0, table, NoFill, Nothing, [&](const std::vector<const char*>& tables) {
-      return work([&](int64_t s, int64_t k) -> const float* {
+      return work([&](int64_t s, int64_t k) -> const E* {
         const int64_t r = row_id(s, k);
-        return r < 0 ? nullptr : reinterpret_cast<const float*>(tables[s]) + r * d;
+        return r < 0 ? nullptr : reinterpret_cast<const E*>(tables[s]) + r * d;
       });
     });
   } else {
     const size_t id_bytes = sizeof(int32_t) * n * u;
-    const size_t row_bytes = sizeof(float) * n * u * d;
+    const size_t row_bytes = sizeof(E) * n * u * d;
     return t.Round(
         id_bytes, nullptr, [&](char* seg) { std::memcpy(seg, ids, id_bytes); }, Nothing,
         [&](const std::vector<const char*>& asked) {
           ffi::Error e = t.Second().Round(
               row_bytes, nullptr,
               [&](char* seg) {  // the rows each other rank asked of this one
-                float* dst = reinterpret_cast<float*>(seg);
+                E* dst = reinterpret_cast<E*>(seg);
                 const int64_t grain = 1024;
                 ParallelFor(NumChunks(n * u, grain), [&](int64_t c) {
                   const int64_t lo = c * grain, hi = std::min(n * u, lo + grain);
@@ -235,22 +235,22 @@ ffi::Error ReadPeerRows(const T& t, const float* table, int64_t rows, int64_t d,
                     const int64_t r = q / u, k = q % u;
                     if (r == rank) continue;  // this rank reads its own shard in place
                     const int32_t row = reinterpret_cast<const int32_t*>(asked[r])[rank * u + k];
-                    float* to = dst + q * d;
+                    E* to = dst + q * d;
                     if (row < 0 || row >= rows) {
-                      std::memset(to, 0, sizeof(float) * d);
+                      std::memset(to, 0, sizeof(E) * d);
                     } else {
-                      std::memcpy(to, table + static_cast<int64_t>(row) * d, sizeof(float) * d);
+                      std::memcpy(to, table + static_cast<int64_t>(row) * d, sizeof(E) * d);
                     }
                   }
                 });
               },
               Nothing,
               [&](const std::vector<const char*>& served) {
-                return work([&](int64_t s, int64_t k) -> const float* {
+                return work([&](int64_t s, int64_t k) -> const E* {
                   const int64_t r = row_id(s, k);
                   if (r < 0) return nullptr;
                   if (s == rank) return table + r * d;
-                  return reinterpret_cast<const float*>(served[s]) + (rank * u + k) * d;
+                  return reinterpret_cast<const E*>(served[s]) + (rank * u + k) * d;
                 });
               });
           return e.success() ? std::string() : std::string(e.message());
