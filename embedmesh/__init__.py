@@ -1,7 +1,13 @@
 """embedmesh: TPUEmbeddingV2's mid-level API on JAX, for every accelerator XLA runs on."""
 
 from embedmesh import _gpu_guard
-from embedmesh.config import FeatureConfig, QuantizationConfig, TableConfig, resolve_feature_config
+from embedmesh.config import (
+    DynamicIds,
+    FeatureConfig,
+    QuantizationConfig,
+    TableConfig,
+    resolve_feature_config,
+)
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.facade import MeshEmbedding, default_mesh
 from embedmesh.host.preprocess import (
@@ -51,6 +57,7 @@ __all__ = [
     "AdagradMomentum",
     "Adam",
     "Capacity",
+    "DynamicIds",
     "EmbeddingCore",
     "EmbeddingJob",
     "EmbeddingState",

@@ -148,6 +148,12 @@ class PartitionedCsrFormatTensor:
                    process (`EmbeddingCore.step_check`): a process that skipped or
                    repeated a batch would otherwise pair its step with another
                    batch of the others. None: not checked.
+      unique_raw_ids [D, N, U, 2] uint32 or None: for a stack of raw 64-bit ids
+                   (`TableConfig.id_map`), the raw id (high word, low word) of each
+                   entry of `unique_ids`, which then holds placeholders (`PAD_ID`
+                   where padding) until the owners' id maps give them rows
+                   (`EmbeddingCore.map_ids`, which returns the batch with rows in
+                   `unique_ids` and this field None). None for every other stack.
 
     On device d: `buffer = segment_sum(gains[..., None] *
     rows_j[pair_unique], pair_rows, R)` over all (j, p), with `rows_j` the
@@ -165,6 +171,7 @@ class PartitionedCsrFormatTensor:
     rows_per_device: int
     features: tuple
     batch_number: Any = None
+    unique_raw_ids: Any = None
 
     _ARRAYS = (
         "unique_ids",
@@ -177,14 +184,15 @@ class PartitionedCsrFormatTensor:
 
     def tree_flatten(self):
         return (
-            tuple(getattr(self, a) for a in self._ARRAYS) + (self.batch_number,),
+            tuple(getattr(self, a) for a in self._ARRAYS)
+            + (self.batch_number, self.unique_raw_ids),
             (self.stack, self.rows_per_device, self.features),
         )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        *arrays, batch_number = children
-        return cls(*arrays, *aux, batch_number=batch_number)
+        *arrays, batch_number, unique_raw_ids = children
+        return cls(*arrays, *aux, batch_number=batch_number, unique_raw_ids=unique_raw_ids)
 
     @property
     def num_devices(self) -> int:
@@ -215,6 +223,10 @@ class StackStats:
     dropped_ids: int  # input entries lost to overflow="drop"
     capacity: Capacity  # capacity of the returned arrays
     grown: bool  # overflow="grow" raised the capacity for this batch
+    # a stack of raw ids (`TableConfig.id_map`): its id maps' counts at the latest lookup
+    # (`EmbeddingCore.map_ids`: hits, admissions, evictions, pending, refused, occupancy;
+    # over distinct ids, summed over the owners); None for other stacks
+    id_map: Mapping[str, int] | None = None
 
     @property
     def max_ids_per_partition(self) -> int:

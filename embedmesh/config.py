@@ -85,6 +85,79 @@ class QuantizationConfig:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicIds:
+    """A table of raw 64-bit ids (a dynamic vocabulary, issue 42): `TableConfig(
+    vocabulary_size=capacity, ..., id_map=DynamicIds(...))`.
+
+    Inputs of such a table carry any int64 (or uint64) ids, negative ones and the
+    extremes included; the table keeps `vocabulary_size` rows as its capacity, split
+    evenly over the shards (`vocabulary_size` must be a multiple of the shard count).
+    Each id is routed to the shard that owns it by a keyed hash of the id (not
+    `id % N`), and that shard's id map (`embedmesh.device.id_map`) gives it a row of
+    its own inside the device program: no two live ids ever share a row. An unknown id
+    is admitted at its `admit_after`-th sighting (a step in which it occurs) into a
+    free row, or into a row evicted by `eviction` (`"lru"`: least recently used step;
+    `"lfu"`: fewest uses, a use being one source device's sighting in one step, then
+    LRU). A row given to an id is re-initialised with the table's initializer (keyed
+    by the id: the same values on any device count) and its optimizer slots reset, in
+    the same step, before it is read. An id not admitted yet (or refused: every row
+    used in this step) reads a zero row and gets no update.
+
+    Immutable, hashable, validated (a `ValueError` names the bad field).
+
+    Args:
+      eviction: `"lru"` or `"lfu"`.
+      admit_after: sightings before an unknown id is admitted (1: at once).
+      seed: the hash seed, in `[0, 2**32)` (routing, buckets, sketch).
+      evict_batch: rows one eviction sweep frees at least (None: 1/64 of a shard's
+        rows; 1: exact LRU/LFU).
+      sketch_width, sketch_depth, sketch_halve_every: the admission sketch
+        (`embedmesh.device.id_map.IdMapConfig`; None: its defaults).
+    """
+
+    eviction: str = "lru"
+    admit_after: int = 1
+    seed: int = 0
+    evict_batch: int | None = None
+    sketch_width: int | None = None
+    sketch_depth: int = 2
+    sketch_halve_every: int | None = None
+
+    def __post_init__(self):
+        _require(
+            self.eviction in ("lru", "lfu"),
+            "DynamicIds",
+            "eviction",
+            self.eviction,
+            "'lru' or 'lfu'",
+        )
+        for field, low, high in (
+            ("admit_after", 1, 2**31 - 1),
+            ("seed", 0, 2**32 - 1),
+            ("sketch_depth", 1, 16),
+        ):
+            v = getattr(self, field)
+            _require(
+                _is_int(v) and low <= v <= high,
+                "DynamicIds",
+                field,
+                v,
+                f"an int in [{low}, {high}]",
+            )
+        for field in ("evict_batch", "sketch_width", "sketch_halve_every"):
+            v = getattr(self, field)
+            _require(
+                v is None or (_is_int(v) and 1 <= v <= 2**31 - 1),
+                "DynamicIds",
+                field,
+                v,
+                "None or an int >= 1",
+            )
+        w = self.sketch_width
+        _require(w is None or not (w & (w - 1)), "DynamicIds", "sketch_width", w, "a power of two")
+
+
 _TABLE_COUNTER = itertools.count()  # creation order of TableConfigs, for their total order
 
 
@@ -113,6 +186,10 @@ class TableConfig:
     for the engine's seed). `slot_dtype`: the optimizer slots' type, None (default)
     for float32, or the table's own dtype. Tables of different dtypes (or slot
     dtypes) never share a stack.
+
+    `id_map`: a `DynamicIds` makes this a table of raw 64-bit ids (a dynamic
+    vocabulary): `vocabulary_size` is then its capacity in rows, its inputs take any
+    int64 id, and it never shares a stack.
     """
 
     vocabulary_size: int
@@ -124,8 +201,16 @@ class TableConfig:
     quantization_config: QuantizationConfig | None = None
     dtype: Any = jnp.float32
     slot_dtype: Any = None
+    id_map: DynamicIds | None = None
 
     def __post_init__(self):
+        _require(
+            self.id_map is None or isinstance(self.id_map, DynamicIds),
+            "TableConfig",
+            "id_map",
+            self.id_map,
+            "a DynamicIds or None",
+        )
         _require(
             _is_int(self.vocabulary_size) and self.vocabulary_size >= 1,
             "TableConfig",
@@ -242,6 +327,7 @@ class TableConfig:
             f"quantization_config={self.quantization_config!r}"
             + (f", dtype={self.dtype.name}" if self.dtype != np.float32 else "")
             + (f", slot_dtype={self.slot_dtype.name}" if self.slot_dtype is not None else "")
+            + (f", id_map={self.id_map!r}" if self.id_map is not None else "")
             + ")"
         )
 

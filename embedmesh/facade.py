@@ -231,7 +231,8 @@ class MeshEmbedding:
         self._plan: StackingPlan | None = None  # set by build(): see the properties
         self._core: EmbeddingCore | None = None
         self._job: EmbeddingJob | None = None  # `job`, made again when plan or core change
-        self.last_stats = None
+        self._last_stats: _pre.PreprocessStats | None = None
+        self._id_stats: dict = {}  # the latest map_ids counts, read by last_stats
         self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
         self._attempts = 0  # several processes: enqueue attempts, failed ones included
 
@@ -259,7 +260,14 @@ class MeshEmbedding:
             predicted=predicted,
             planned_batch=planned_batch,
         )
-        self.core = EmbeddingCore(plan, mesh, self._optimizer, exchanges, rounding_seed=self._seed)
+        core = EmbeddingCore(plan, mesh, self._optimizer, exchanges, rounding_seed=self._seed)
+        if core.dynamic and self._pipelined:
+            raise NotImplementedError(
+                f"tables of raw ids ({', '.join(core.dynamic_table_names)}) are not pipelined yet "
+                f"(pipeline_execution_with_tensor_core=True): their ids are mapped before "
+                f"the lookup, after the previous update"
+            )
+        self.core = core
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
         if local != list(range(local[0], local[0] + len(local))):
@@ -301,6 +309,8 @@ class MeshEmbedding:
             lambda st, g, c, view: core.apply_gradients(st, g, c, check_finite=False, view=view)[0]
         )
         self._step_check_fn = jax.jit(core.step_check)
+        # tables of raw ids: their ids become rows before the lookup (`core.map_ids`)
+        self._map_fn = jax.jit(core.map_ids, donate_argnums=0)
         self._built = True
         _return_free_heap()  # the build's temporaries
 
@@ -389,6 +399,12 @@ class MeshEmbedding:
         unless pipelined with an update pending, and then holds only the stacks that
         update touches (the others read the observed tables). Never changes what the next
         lookup reads."""
+        if self._built and self.core.dynamic:
+            raise NotImplementedError(
+                f"checkpoints of tables of raw ids "
+                f"({', '.join(self.core.dynamic_table_names)}) are not built yet (issue 42): "
+                f"their id maps are not saved"
+            )
         state = self.observed_state()
         if not self._pipelined:
             return state, {}
@@ -579,8 +595,24 @@ class MeshEmbedding:
     def last_stats(self) -> _pre.PreprocessStats | None:
         """The `PreprocessStats` of the latest `enqueue` (per stack: ids per partition,
         capacity, ids dropped by overflow="drop", whether the capacity grew); None before
-        the first batch."""
-        return self._last_stats
+        the first batch. A stack of raw ids (`TableConfig.id_map`) has its id maps'
+        counts of the latest lookup in `id_map` (hits, admissions, evictions, pending,
+        refused, occupancy; reading them waits for that lookup)."""
+        stats: _pre.PreprocessStats | None = self._last_stats
+        if stats is not None and self._id_stats:
+            counts = {
+                s: {k: int(v) for k, v in c.items()}
+                for s, c in jax.device_get(self._id_stats).items()
+            }
+            self._id_stats = {}
+            stats = _pre.PreprocessStats(
+                {
+                    name: dataclasses.replace(st, id_map=counts.get(name, st.id_map))
+                    for name, st in stats.stacks.items()
+                }
+            )
+            self._last_stats = stats
+        return stats
 
     @last_stats.setter
     def last_stats(self, value: _pre.PreprocessStats | None) -> None:
@@ -740,6 +772,15 @@ class MeshEmbedding:
         _check_not_traced("dequeue", partitioned_tensors)
         self._require_built("dequeue")
         partitioned_tensors = self._partitioned_dict(partitioned_tensors, "dequeue")
+        if any(
+            getattr(c, "unique_raw_ids", None) is not None for c in partitioned_tensors.values()
+        ):
+            # raw ids to rows (`EmbeddingCore.map_ids`), after the pending update: the map
+            # may give its rows to other ids
+            self.flush()
+            self._state, partitioned_tensors, self._id_stats = self._map_fn(
+                self._state, partitioned_tensors
+            )
         if self._pending is not None:
             grads, prev, view = self._pending
             self._pending = None

@@ -435,7 +435,8 @@ def feature_layout(name: str, feature, inp, weight=None, *, batch_scale: int = 1
             shape[0],
             shape[1:-1],
             combiner,
-            prune_ids=prune,
+            # a table of raw ids (`TableConfig.id_map`): a negative id is an id
+            prune_ids=prune and getattr(feature.table, "id_map", None) is None,
             prune_weights=prune and combiner != "sum",
         )
     b = inp.nrows

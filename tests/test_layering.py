@@ -214,10 +214,11 @@ def test_optional_extras_are_imported_only_where_they_belong():
 # and its helpers. (module prefix, what it may import from embedmesh.device besides itself)
 DEVICE_LAYERS = [
     ("embedmesh.device.ops", set()),
+    ("embedmesh.device.id_map", set()),  # plain jax: imports nothing of embedmesh's
     ("embedmesh.device.shard_program", {"embedmesh.device.ops"}),
     (
         "embedmesh.device.strategies",
-        {"embedmesh.device.ops", "embedmesh.device.shard_program"},
+        {"embedmesh.device.ops", "embedmesh.device.shard_program", "embedmesh.device.id_map"},
     ),
 ]
 

@@ -39,7 +39,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from embedmesh.device import ops, peers, rounding, slots_in_rows, stack_tables, strategies
+from embedmesh.device import (
+    id_map,
+    ops,
+    peers,
+    rounding,
+    slots_in_rows,
+    stack_tables,
+    strategies,
+)
 from embedmesh.device.shard_program import ShardBatch, after
 from embedmesh.layout import sharding as mod_sharding
 from embedmesh.layout.stacking import StackingPlan
@@ -51,12 +59,17 @@ class EmbeddingState:
     """All trainable embedding state: a pytree of global arrays.
 
     tables: {stack: [N*S, dim]}; slots: {stack: {slot name: [N*S, dim]}};
-    step: int32 scalar, the number of updates applied (schedules read it).
+    step: int32 scalar, the number of updates applied (schedules read it);
+    id_maps: the id maps of the stacks of raw ids (`EmbeddingCore.map_ids`), each shard's
+    own, and the key their fresh rows are initialised from.
     """
 
     tables: dict
     slots: dict
     step: Any
+    # {stack: {"map": IdMapState (arrays [N, ...], one map a shard), "key": key data}}
+    # for the stacks of raw 64-bit ids (`TableConfig.id_map`); empty otherwise
+    id_maps: dict = dataclasses.field(default_factory=dict)
 
 
 # Pieces up to this many elements are initialised on one device and copied to theirs:
@@ -70,6 +83,64 @@ def _init_device(device, home, elements: int):
     """Where a piece of `elements` values for `device` is initialised: `home` (this
     process's first device of the mesh) up to _SHARED_INIT_MAX_ELEMENTS, else `device`."""
     return device if elements > _SHARED_INIT_MAX_ELEMENTS else home
+
+
+# the fresh rows' key: `fold_in(init key, _FRESH_SALT)`, then the table's index, then the
+# raw id's two words (so a row's initial values depend on its id only, not on the shards)
+_FRESH_SALT = 0x1D5
+# what `map_ids` counts, per stack (`id_map.map_ids`'s stats, summed over the shards)
+ID_STATS = ("hits", "admissions", "evictions", "pending", "refused", "occupancy")
+
+
+def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
+    """`{stack: (TablePlacement, IdMapConfig)}` for the tables of raw ids
+    (`TableConfig.id_map`), each checked to be one the strategies can hold: alone in
+    its stack, row-sharded over every shard (mod / row-wise, rows or pooled exchange),
+    its capacity a multiple of the shards, its slots in arrays of their own."""
+    out = {}
+    for spec in plan.stacks:
+        configs = [plan.table_config(t) for t in spec.tables]
+        if not any(getattr(c, "id_map", None) is not None for c in configs):
+            continue
+        t, cfg = plan.table(spec.tables[0]), configs[0]
+        if len(spec.tables) != 1:
+            raise ValueError(
+                f"stack {spec.name}: a table of raw ids (TableConfig.id_map) must be alone in "
+                f"its stack, it holds {list(spec.tables)}"
+            )
+        strategy = by_stack[spec.name]
+        every_shard = len(plan.row_layout.shards_of(t)) == num_shards
+        if not strategy.holds_raw_ids or not every_shard:
+            raise NotImplementedError(
+                f"table {t.name}: a table of raw ids (TableConfig.id_map) is row-sharded over "
+                f"every device (sharding 'mod', 'row_wise_rows' or 'row_wise_pooled'); its "
+                f"strategy here ({strategy.name}, over {len(plan.row_layout.shards_of(t))} of "
+                f"{num_shards} shards) cannot hold it yet"
+            )
+        v = cfg.vocabulary_size
+        if v % num_shards:
+            raise ValueError(
+                f"table {t.name}: vocabulary_size {v}, the capacity of a table of raw ids, "
+                f"must be a multiple of the {num_shards} shards (each holds an equal share)"
+            )
+        if spec.slot_columns:
+            raise NotImplementedError(
+                f"table {t.name}: a table of raw ids cannot keep its optimizer slots in its "
+                f"rows (slots_in_rows) yet"
+            )
+        d = cfg.id_map
+        config = id_map.IdMapConfig(
+            capacity=v // num_shards,
+            eviction=d.eviction,
+            admit_after=d.admit_after,
+            seed=d.seed,
+            evict_batch=d.evict_batch,
+            sketch_width=d.sketch_width,
+            sketch_depth=d.sketch_depth,
+            sketch_halve_every=d.sketch_halve_every,
+        )
+        out[spec.name] = (t, config)
+    return out
 
 
 def _row_initializer(init):
@@ -138,6 +209,8 @@ class EmbeddingCore:
             )
             for s in plan.stacks
         }
+        # {stack: (TablePlacement, IdMapConfig)}: the stacks of raw 64-bit ids
+        self.dynamic = _dynamic_stacks(plan, mesh.size, self.strategies)
 
     @property
     def in_process(self) -> bool:
@@ -245,7 +318,29 @@ class EmbeddingCore:
                         spec.slots_dtype,
                     )
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
-        return EmbeddingState(tables, slots, step)
+        return EmbeddingState(tables, slots, step, self._init_id_maps(key))
+
+    def _init_id_maps(self, key) -> dict:
+        """Empty id maps of the dynamic stacks, one a shard, and their fresh rows' key."""
+        out = {}
+        for stack, (_, config) in self.dynamic.items():
+            empty = jax.tree_util.tree_map(np.asarray, id_map.init(config))
+            n = self.num_shards
+
+            def place(x, n=n):
+                full = np.broadcast_to(x[None], (n,) + x.shape)
+                return jax.make_array_from_callback(
+                    full.shape, self.row_sharding, lambda idx, full=full: full[idx]
+                )
+
+            data = np.asarray(jax.random.key_data(jax.random.fold_in(key, _FRESH_SALT)))
+            out[stack] = {
+                "map": jax.tree_util.tree_map(place, empty),
+                "key": jax.make_array_from_callback(
+                    data.shape, self.replicated, lambda idx, data=data: data[idx]
+                ),
+            }
+        return out
 
     def bytes_per_device(self, state: EmbeddingState) -> tuple:
         """Bytes of tables and slots each device of the mesh holds, measured from the
@@ -304,9 +399,20 @@ class EmbeddingCore:
                         opt.slot_width(slot, spec.dim),
                         spec.slots_dtype,
                     )
+        if self.dynamic:
+            raise NotImplementedError(
+                f"state_from_tables of tables of raw ids "
+                f"({', '.join(self.dynamic_table_names)}): their id maps cannot be set from "
+                f"logical arrays yet (issue 42)"
+            )
         return EmbeddingState(
             tables, slots, jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)
         )
+
+    @property
+    def dynamic_table_names(self) -> tuple:
+        """The names of the tables of raw ids (`TableConfig.id_map`), in stack order."""
+        return tuple(t.name for t, _ in self.dynamic.values())
 
     def read_table(self, stack_array: jax.Array, table) -> np.ndarray:
         """The logical `[V, dim]` numpy array of one table from a stack array (a field of
@@ -349,6 +455,147 @@ class EmbeddingCore:
             out[name] = jax.tree_util.tree_unflatten(treedef, placed)
         return out
 
+    # -- tables of raw ids ----------------------------------------------------
+
+    def _reinit_fresh(self, stack: str, key_data, table, slots: dict, rows, fresh, raw):
+        """Rows given to an id in this step (`fresh` [M], the map's `rows` [M], their ids
+        `raw` [M, 2]): the table's initializer keyed by the id, the slots' initial
+        values; the other rows as they were."""
+        t, _ = self.dynamic[stack]
+        cfg = self.plan.table_config(t.name)
+        base = jax.random.fold_in(jax.random.wrap_key_data(key_data), t.index)
+
+        def one(pair):
+            k = jax.random.fold_in(jax.random.fold_in(base, pair[0]), pair[1])
+            return cfg.initialize(k, (1, t.dim), jnp.float32)[0]
+
+        values = jax.vmap(one)(raw)
+        values = jnp.pad(values, ((0, 0), (0, table.shape[1] - t.dim))).astype(table.dtype)
+        at = jnp.where(fresh & (rows >= 0), rows + t.local_row_offset, table.shape[0])
+        table = table.at[at].set(values, mode="drop")
+        opt = self.optimizer_of(stack)
+        slots = dict(slots)
+        for name, value in opt.slot_initial_values.items() if opt is not None else ():
+            arr = slots[name]
+            slots[name] = arr.at[at].set(jnp.asarray(value, arr.dtype), mode="drop")
+        return table, slots
+
+    def map_ids(self, state: EmbeddingState, csr: dict):
+        """The raw ids of the stacks of raw ids (`TableConfig.id_map`) mapped to rows:
+        `(new state, csr, stats)`. Run it on a batch before `lookup` and
+        `apply_gradients` (which refuse a batch with raw ids still in it), once a batch.
+
+        Each device sends its distinct raw ids to their owners (the host routed them
+        there: `host.dynamic_ids.owner_of`); each owner maps them with its id map
+        (`id_map.map_ids`, at `state.step`), re-initialises the rows given to an id in
+        this call (the table's initializer keyed by the id, the optimizer slots' initial
+        values) and sends the rows back: the batch returned has rows in `unique_ids`
+        (`PAD_ID` for an id pending admission or refused: a zero row, no update) and no
+        raw ids. Other stacks pass through unchanged. `stats`: `{stack: {name: int32}}`,
+        `ID_STATS` summed over the owners. Pure: jit it, donate the state."""
+        stacks = [s.name for s in self.plan.stacks if s.name in csr and s.name in self.dynamic]
+        if not stacks:
+            return state, csr, {}
+        for s in stacks:
+            if csr[s].unique_raw_ids is None:
+                raise ValueError(
+                    f"stack {s}: the batch has no raw ids (map_ids was run on it already, or it "
+                    f"was not preprocessed for this plan)"
+                )
+            if s not in state.id_maps:
+                raise ValueError(
+                    f"stack {s}: the state has no id map (a state from EmbeddingCore.init holds "
+                    f"one for every table of raw ids)"
+                )
+        tables = {s: state.tables[s] for s in stacks}
+        slots = {s: state.slots[s] for s in stacks}
+        maps = {s: state.id_maps[s]["map"] for s in stacks}
+        keys = {s: state.id_maps[s]["key"] for s in stacks}
+        ids = {s: csr[s].unique_ids for s in stacks}
+        raws = {s: csr[s].unique_raw_ids for s in stacks}
+
+        def body(tables, slots, maps, keys, step, ids, raws):
+            out_t, out_s, out_m, out_rows, out_stats = {}, {}, {}, {}, {}
+            previous = None
+            for s in stacks:
+                m = jax.tree_util.tree_map(lambda x: x[0], maps[s])
+                table, sl, m, rows, stats = self.strategies[s].map_ids(
+                    tables[s],
+                    slots[s],
+                    m,
+                    after(ids[s][0], previous),
+                    raws[s][0],
+                    step,
+                    functools.partial(self._reinit_fresh, s, keys[s]),
+                )
+                previous = rows
+                out_t[s], out_s[s], out_rows[s] = table, sl, rows[None]
+                out_m[s] = jax.tree_util.tree_map(lambda x: x[None], m)
+                out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
+            return out_t, out_s, out_m, out_rows, out_stats
+
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(
+                self._specs(tables),
+                self._specs(slots),
+                self._specs(maps),
+                P(),
+                P(),
+                self._specs(ids),
+                self._specs(raws),
+            ),
+            out_specs=(
+                self._specs(tables),
+                self._specs(slots),
+                self._specs(maps),
+                self._specs(ids),
+                self._specs(ids),
+            ),
+            check_vma=False,
+        )
+        new_t, new_s, new_m, rows, counts = fn(tables, slots, maps, keys, state.step, ids, raws)
+        state = dataclasses.replace(
+            state,
+            tables=dict(state.tables, **new_t),
+            slots=dict(state.slots, **new_s),
+            id_maps=dict(state.id_maps, **{s: {"map": new_m[s], "key": keys[s]} for s in stacks}),
+        )
+        csr = dict(csr)
+        for s in stacks:
+            csr[s] = dataclasses.replace(csr[s], unique_ids=rows[s], unique_raw_ids=None)
+        stats = {s: {k: counts[s][:, i].sum() for i, k in enumerate(ID_STATS)} for s in stacks}
+        return state, csr, stats
+
+    def read_dynamic(self, state: EmbeddingState, table, field: str = "parameters") -> dict:
+        """A table of raw ids on the host: `{raw id (int): (shard, row in the shard's map,
+        values)}` for its live ids (`field`: "parameters" or a slot name)."""
+        t = self.plan.table(table)
+        if t.stack not in self.dynamic:
+            raise ValueError(f"table {t.name} is not a table of raw ids (TableConfig.id_map)")
+        _, config = self.dynamic[t.stack]
+        arr, column = self.field_array(state, t.stack, field)
+        width = self.field_width(t, field)
+        host = np.asarray(jax.device_get(arr))
+        maps = jax.device_get(state.id_maps[t.stack]["map"])
+        per_shard = host.shape[0] // self.num_shards
+        out = {}
+        for j in range(self.num_shards):
+            m = jax.tree_util.tree_map(lambda x, j=j: np.asarray(x)[j], maps)
+            for raw, row in id_map.live_ids(m).items():
+                at = j * per_shard + t.local_row_offset + row
+                out[raw] = (j, row, host[at, column : column + width].copy())
+        return out
+
+    def _refuse_raw(self, csr: dict, what: str) -> None:
+        raw = [s for s, c in csr.items() if getattr(c, "unique_raw_ids", None) is not None]
+        if raw:
+            raise ValueError(
+                f"{what}: stacks {sorted(raw)} still carry raw ids: run map_ids(state, csr) on "
+                f"the batch first and pass the batch it returns"
+            )
+
     # -- the device programs --------------------------------------------------
 
     def _specs(self, tree):
@@ -386,6 +633,7 @@ class EmbeddingCore:
         `apply_gradients` with the same `csr`, the update sends only the
         activation gradients instead of the pairs a second time.
         """
+        self._refuse_raw(csr, "lookup")
         axes = self.axes
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
         tables = {s: state.tables[s] for s in stacks}
@@ -564,6 +812,7 @@ class EmbeddingCore:
         same `csr` from `lookup(carrying=True)` (stacks it lacks send their pairs
         again).
         """
+        self._refuse_raw(csr, "apply_gradients")
         stacks = [s.name for s in self.plan.stacks if s.name in csr]
         for s in stacks:
             if self.optimizer_of(s) is None:
@@ -640,7 +889,7 @@ class EmbeddingCore:
             all_tables = dict(state.tables, **new_tables)
             all_slots = dict(state.slots, **new_slots)
             advance = 1 if ok is None else ok.astype(state.step.dtype)
-            return EmbeddingState(all_tables, all_slots, state.step + advance)
+            return EmbeddingState(all_tables, all_slots, state.step + advance, state.id_maps)
 
         if not check_finite or not grads:
             return update(state), jnp.asarray(True)

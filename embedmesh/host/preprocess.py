@@ -17,7 +17,9 @@ reference):
   lie in `[0, vocabulary_size)`, else a `ValueError` names the feature and
   the first bad id. This holds whatever
   `validate_weights_and_indices` says: an out-of-range id has no safe meaning
-  in a stacked table (TensorFlow silently reads the next table's rows).
+  in a stacked table (TensorFlow silently reads the next table's rows). A table
+  of raw ids (`TableConfig.id_map`) takes any int64 id instead, routed to its
+  owner by a hash (`embedmesh.host.dynamic_ids`, always the numpy path).
 - Gains follow the SparseCore: each entry's gain is `w * scale[row]`, scale 1
   (sum), `1/sum(w)` (mean), `1/sqrt(sum(w^2))` (sqrtn), the sums taken over
   all of the row's entries before duplicates merge, 0 when the sum is 0.
@@ -77,6 +79,7 @@ from embedmesh.batch import (
     StackStats,
     capacity_bucket,
 )
+from embedmesh.host import dynamic_ids as _dynamic
 from embedmesh.host import numpy_backend
 from embedmesh.host.numpy_backend import bits_needed
 from embedmesh.host.preprocess_tf import SEED_ARGS, seed_batch_arguments
@@ -113,8 +116,11 @@ def _kernel_csr(name: str, feature, inp, weight, batch_scale: int) -> Csr:
     the dtypes the kernels take: int32/int64 ids, int64 splits, float32 weights."""
     c = to_csr(name, feature, inp, weight, batch_scale=batch_scale)
     ids = c.ids
-    if ids.dtype == np.uint64:  # checked before the int64 view turns 2**64-1 into -1
-        check_id_range(name, ids, feature.table.vocabulary_size)
+    dynamic = getattr(feature.table, "id_map", None) is not None  # raw ids: any 64 bits
+    if ids.dtype == np.uint64 and not dynamic:  # checked before the int64 view turns
+        check_id_range(name, ids, feature.table.vocabulary_size)  # 2**64-1 into -1
+    if dynamic and ids.dtype == np.uint64:
+        ids = ids.view(np.int64)
     if ids.dtype != np.int32 and ids.dtype != np.int64:
         ids = ids.astype(np.int64)
     splits = np.ascontiguousarray(c.splits, np.int64)
@@ -588,7 +594,18 @@ def preprocess_batch(
     jobs = _make_jobs(plan, csrs, batch, D)
     sorted_tables = {}  # numpy backend: per-table sorts, reused by every run of a stack
 
+    dynamic = {}  # stacks of raw ids: {stack: distinct raw ids of the batch}
+
     def make_run(job, cap):
+        config = plan.table_config(job.tables[0].name) if len(job.tables) == 1 else None
+        id_map = getattr(config, "id_map", None)
+        if id_map is not None:  # raw ids: the numpy path on codes (`host.dynamic_ids`)
+            if job.name not in sorted_tables:
+                members = [(fp.name, c, seg) for fp, c, seg in job.members(job.tables[0].name)]
+                coded, table, layout, uniq = _dynamic.prepare_stack(members, N, id_map.seed)
+                dynamic[job.name] = uniq
+                sorted_tables[job.name] = [numpy_backend.sort_table(coded, table, layout, D, N)]
+            return _NumpyRun(job, D, N, cap, sorted_tables[job.name])
         if K is not None and _numba_fits(job, plan, K):
             return _NumbaRun(job, plan, D, cap, K)
         if job.name not in sorted_tables:
@@ -643,8 +660,15 @@ def preprocess_batch(
     out, stats = {}, {}
     for job in jobs:
         arrays, u_tot, p_tot, dropped = results[job.name]
+        raw = None
+        if job.name in dynamic:
+            raw = _dynamic.raw_pairs(arrays[0], dynamic[job.name], PAD_ID)
         out[job.name] = PartitionedCsrFormatTensor(
-            *arrays, stack=job.name, rows_per_device=job.rows_per_device, features=job.segments
+            *arrays,
+            stack=job.name,
+            rows_per_device=job.rows_per_device,
+            features=job.segments,
+            unique_raw_ids=raw,
         )
         num_ids = sum(int(c.splits[-1]) for _, c, _ in job.feats)
         stats[job.name] = StackStats(

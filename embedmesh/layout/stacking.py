@@ -725,6 +725,8 @@ def plan_stacking(
             strategies[i] == "data_parallel",  # replicas stack only with replicas
             quantization_of(t),
             slot_dtype,
+            # a table of raw ids (`TableConfig.id_map`) is alone in its stack
+            resolved.table_names[i] if getattr(t, "id_map", None) is not None else None,
         )
         for gkey, members in groups:
             if stack_tables and gkey == key:
@@ -785,7 +787,7 @@ def plan_stacking(
     stack_specs = []
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
-        dim, optimizer, dtype, _, replicated, quantization, slot_dtype = key
+        dim, optimizer, dtype, _, replicated, quantization, slot_dtype, _ = key
         slot_columns, row_width = (), 0
         if (
             slots_in_rows and getattr(optimizer, "slot_names", ()) and slot_dtype == dtype

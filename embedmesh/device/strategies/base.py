@@ -39,10 +39,14 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from embedmesh._runtime import PAD_ID
+from embedmesh.device import id_map, ops
 from embedmesh.device.ops import Transport
-from embedmesh.device.shard_program import ShardBatch
+from embedmesh.device.shard_program import ShardBatch, after
 
 __all__ = ["STRATEGIES", "ShardBatch", "Strategy", "register"]
 
@@ -58,6 +62,8 @@ class Strategy(abc.ABC):
     """
 
     name: ClassVar[str]
+    # whether it can hold a table of raw ids (`TableConfig.id_map`, `map_ids`)
+    holds_raw_ids: ClassVar[bool] = True
 
     def __init__(self, plan, stack: str, optimizer: Any, transport: Transport):
         self.plan = plan
@@ -109,6 +115,37 @@ class Strategy(abc.ABC):
         """`(new table shard, new slots)` after one update from this device's activation
         gradients `act_grads` [R, D] (and every other device's); `keep` False: no row
         moves; `view`: what this batch's `lookup(carry=True)` returned."""
+
+    def map_ids(self, table, slots: dict, id_state, unique_ids, raw, step, reinit) -> tuple:
+        """A stack of raw ids (`TableConfig.id_map`): this device's distinct raw ids
+        `raw` [N, U, 2] (uint32 pairs; valid where `unique_ids` [N, U] is not `PAD_ID`),
+        block j for shard j, sent to their owners (one exchange); the owner maps the ids
+        its sources sent with its `id_state` (`id_map.map_ids`, in source order),
+        `reinit(table, slots, rows, fresh, raw)`s the rows given to an id in this call,
+        and sends each source the rows of its ids back (stack rows, `PAD_ID` for none).
+        Returns `(table, slots, id_state, rows [N, U], stats)`. The strategies that
+        shard rows over every device (and one device) share this; the others refuse
+        such tables (`embedmesh.device.core`)."""
+        n = self.transport.num_shards
+        if n > 1:
+            at = self.transport.at("map")
+            msg = jnp.concatenate(
+                [lax.bitcast_convert_type(raw, jnp.int32), unique_ids[..., None]], axis=-1
+            )
+            got = ops.exchange(msg, at.at("ids"))
+            raw_o = lax.bitcast_convert_type(got[..., :2], jnp.uint32)
+            valid = got[..., 2] != PAD_ID
+        else:
+            raw_o, valid = raw, unique_ids != PAD_ID
+        id_state, rows, fresh, stats = id_map.map_ids(id_state, raw_o, valid, step)
+        table, slots = reinit(
+            table, slots, rows.reshape(-1), fresh.reshape(-1), raw_o.reshape(-1, 2)
+        )
+        offset = self.plan.table(self.spec.tables[0]).local_row_offset
+        local = jnp.where(rows >= 0, rows + offset, PAD_ID).astype(jnp.int32)
+        if n > 1:
+            local = ops.exchange(after(local, table), at.at("rows"))
+        return table, slots, id_state, local, stats
 
 
 # name -> Strategy subclass: filled by `register` as the strategy modules load

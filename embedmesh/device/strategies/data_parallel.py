@@ -31,6 +31,7 @@ class DataParallel(Strategy):
     """A replica on every device, looked up in place, updated from every device's ids."""
 
     name = "data_parallel"
+    holds_raw_ids = False  # every replica would need every id's row: not built
 
     def exchange_bytes(self, csr, *, carrying: bool = True) -> int:
         return (self.transport.num_shards - 1) * rows.row_bytes(csr, self.spec.dim)

@@ -1,0 +1,120 @@
+"""The host half of tables of raw 64-bit ids (`TableConfig.id_map`, a `DynamicIds`).
+
+Such a table is alone in its stack. Its ids are not rows: the host routes each raw id
+to the shard that owns it (`owner_of`: the same keyed hash as
+`embedmesh.device.id_map.owner_of`, in numpy) and hands the device the raw ids
+themselves, as uint32 pairs (`PartitionedCsrFormatTensor.unique_raw_ids`); the owner's
+id map gives them rows inside the device program (`EmbeddingCore.map_ids`).
+
+The rest of preprocessing (bags, combiners, gains, sequence features, capacities and
+their overflow policies) is the static tables' numpy path, run on codes: each distinct
+raw id of the batch gets a code (its rank among the batch's distinct ids, ascending as
+int64), routed to its owner by a stand-in row layout, so a partition lists its ids
+ascending (by raw id) as every partition does, and `unique_ids` holds the codes
+(`PAD_ID` padding), `unique_raw_ids` the ids they stand for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["owner_of", "prepare_stack", "raw_pairs", "split_ids"]
+
+# the keyed hash of `embedmesh.device.id_map` (its salts and finaliser; tests/test_dynamic_ids.py
+# checks the two agree)
+_SALT_OWNER = 0x6A09E667
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32_int(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def split_ids(ids) -> np.ndarray:
+    """int64 (or uint64) ids -> uint32 `[..., 2]` (high word, low word)."""
+    a = np.asarray(ids)
+    u = a.astype(np.int64).view(np.uint64) if a.dtype.kind == "i" else a.astype(np.uint64)
+    return np.stack([(u >> np.uint64(32)).astype(np.uint32), u.astype(np.uint32)], axis=-1)
+
+
+def owner_of(ids, num_shards: int, seed: int = 0) -> np.ndarray:
+    """The shard (int64 in `[0, num_shards)`) owning each int64 id: a keyed hash of both
+    halves modulo the shard count, as `embedmesh.device.id_map.owner_of`."""
+    p = split_ids(ids)
+    hi, lo = p[..., 0], p[..., 1]
+    s0 = _fmix32_int((int(seed) ^ _SALT_OWNER) & _M32)
+    s1 = _fmix32_int((s0 + 0x9E3779B9) & _M32)
+    s2 = _fmix32_int((s1 + 0x9E3779B9) & _M32)
+    with np.errstate(over="ignore"):
+        a = _fmix32(lo ^ np.uint32(s0))
+        b = _fmix32(hi ^ np.uint32(s1))
+        h = _fmix32((a + b * np.uint32(0x9E3779B1)) ^ np.uint32(s2))
+    return (h % np.uint32(num_shards)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CodeTable:
+    """Stands in for the table in `numpy_backend.sort_table`: codes `[0, K)` as rows."""
+
+    vocabulary_size: int
+    rows_per_shard: int
+    local_row_offset: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnerLayout:
+    """Stands in for the row layout: code k lives on shard `owner[k]`, block row k."""
+
+    owner: np.ndarray
+
+    def shard_of(self, table, codes):
+        return self.owner[codes]
+
+    def block_row(self, table, codes):
+        return codes
+
+
+def _raw(ids: np.ndarray) -> np.ndarray:
+    """Input ids as int64 raw ids (uint64 read bit for bit)."""
+    if ids.dtype == np.uint64:
+        return ids.view(np.int64)
+    return ids.astype(np.int64, copy=False)
+
+
+def prepare_stack(members: list, num_shards: int, seed: int) -> tuple:
+    """`(members on codes, stand-in table, stand-in layout, distinct raw ids)` for one
+    dynamic table's features (`(name, Csr, FeatureSegment)`), for `sort_table`."""
+    raws = [_raw(c.ids) for _, c, _ in members]
+    flat = np.concatenate(raws) if raws else np.zeros(0, np.int64)
+    uniq, inverse = np.unique(flat, return_inverse=True)
+    coded, start = [], 0
+    for (name, c, seg), r in zip(members, raws):
+        codes = inverse[start : start + r.shape[0]].astype(np.int64)
+        start += r.shape[0]
+        coded.append((name, dataclasses.replace(c, ids=codes), seg))
+    k = max(int(uniq.shape[0]), 1)
+    layout = _OwnerLayout(owner_of(uniq, num_shards, seed) if uniq.size else np.zeros(0, np.int64))
+    return coded, _CodeTable(k, k), layout, uniq
+
+
+def raw_pairs(unique_ids: np.ndarray, uniq: np.ndarray, pad_id: int) -> np.ndarray:
+    """uint32 `[..., 2]` raw ids of the codes in `unique_ids` (zeros at padding)."""
+    valid = unique_ids != pad_id
+    out = np.zeros(unique_ids.shape + (2,), np.uint32)
+    if uniq.size:
+        out[valid] = split_ids(uniq[unique_ids[valid]])
+    return out

@@ -1,0 +1,288 @@
+"""Tables of raw 64-bit ids (`TableConfig.id_map`, issue 42) through the engine, against a
+host reference written for clarity: a plain dict from id to row per owner shard with
+LRU/LFU bookkeeping (and the admission sketch, counted as `id_map` documents it), and
+float64 numpy rows and optimizer slots per id.
+
+What the reference pins (`embedmesh.config.DynamicIds`, `embedmesh.device.id_map`):
+- routing: an id's owner is `owner_of(id, N, seed)`; each source device sends each owner
+  its distinct ids of the owner, ascending as int64; the owner sees them in source order;
+- the map: hits refresh (last step, use count += the sources that sent the id); misses
+  are sighted, the due ones ("candidates", first-position order) take the lowest free rows,
+  after a sweep (when they outnumber the free rows) that frees max(evict_batch, needed -
+  free) of the rows not used at this step, in LRU (last step, row) or LFU (uses, last
+  step, row) order; candidates beyond the free rows are refused;
+- rows: a row given to an id takes the table's initializer keyed by the id, its slots
+  their initial values, before it is read; ids without a row read zeros, get no update.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from meshes import mesh_of
+from optimizer_reference import numpy_update_rows
+
+import embedmesh as em
+from embedmesh.device import core as core_module
+from embedmesh.device import id_map
+from embedmesh.host import dynamic_ids
+
+CAP_PER_SHARD = 4  # rows of each shard's map: small, so steps evict
+SAMPLES_PER_DEVICE = 3
+IDS_PER_SAMPLE = 2
+DIM = 4
+SEED = 7  # the engine's seed: the fresh rows' key
+HASH_SEED = 11
+OPT = em.Adagrad(0.3, initial_accumulator_value=0.2)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _init(key, shape, dtype):  # key-dependent, never zero: a swapped or stale row shows
+    return jax.random.uniform(key, shape, dtype, 0.5, 1.5)
+
+
+# -------------------------------------------------------------------------- reference
+
+
+class RefShard:
+    """One owner's id map, as the docstrings say it works."""
+
+    def __init__(self, config: id_map.IdMapConfig):
+        self.config = config
+        self.row_of = {}  # raw id -> row
+        self.last_used = [-1] * config.capacity
+        self.uses = [0] * config.capacity
+        self.free = set(range(config.capacity))
+        self.sketch = np.zeros((config.sketch_depth, config.sketch_width), np.int64)
+        self.sightings = 0
+
+    def map(self, received: list, step: int) -> tuple:
+        """`received`: the ids sources sent, in source order (an id once a source).
+        Returns ({id: row} of this call, fresh ids, stats)."""
+        c = self.config
+        order = list(dict.fromkeys(received))  # distinct, first-position order
+        occurrences = {i: received.count(i) for i in order}
+        stats = dict.fromkeys(core_module.ID_STATS, 0)
+        rows = {}
+        misses = []
+        for i in order:
+            if i in self.row_of:
+                r = self.row_of[i]
+                self.last_used[r] = step
+                self.uses[r] += occurrences[i]
+                rows[i] = r
+                stats["hits"] += 1
+            else:
+                misses.append(i)
+        if c.admit_after > 1 and misses:
+            cols = np.asarray(id_map.sketch_columns(c, dynamic_ids.split_ids(np.array(misses))))
+            depth = np.arange(c.sketch_depth)[:, None]
+            est = self.sketch[depth, cols].min(axis=0) + 1
+            np.maximum.at(self.sketch, (np.broadcast_to(depth, cols.shape), cols), est[None, :])
+            self.sightings += len(misses)
+            if self.sightings >= c.sketch_halve_every:
+                self.sketch >>= 1
+                self.sightings = 0
+            candidates = [i for i, e in zip(misses, est) if e >= c.admit_after]
+        else:
+            candidates = misses
+        stats["pending"] = len(misses) - len(candidates)
+        if len(candidates) > len(self.free):
+            live = sorted(self.row_of.items(), key=lambda kv: kv[1])
+            evictable = [(i, r) for i, r in live if self.last_used[r] != step]
+            if c.eviction == "lru":
+                evictable.sort(key=lambda ir: (self.last_used[ir[1]], ir[1]))
+            else:
+                evictable.sort(key=lambda ir: (self.uses[ir[1]], self.last_used[ir[1]], ir[1]))
+            n = min(max(c.evict_batch, len(candidates) - len(self.free)), len(evictable))
+            for i, r in evictable[:n]:
+                del self.row_of[i]
+                self.free.add(r)
+            stats["evictions"] = n
+        fresh = []
+        for i in candidates:
+            if not self.free:
+                stats["refused"] += 1
+                continue
+            r = min(self.free)
+            self.free.remove(r)
+            self.row_of[i] = r
+            self.last_used[r] = step
+            self.uses[r] = occurrences[i]
+            rows[i] = r
+            fresh.append(i)
+        stats["admissions"] = len(fresh)
+        stats["occupancy"] = len(self.row_of)
+        return rows, fresh, stats
+
+
+class Reference:
+    """The engine's table of raw ids, in plain Python and float64 numpy."""
+
+    def __init__(self, n: int, config: id_map.IdMapConfig, table_index: int):
+        self.n = n
+        self.shards = [RefShard(config) for _ in range(n)]
+        self.values = {}  # raw id -> float64 [DIM]
+        self.slots = {}  # raw id -> {slot: float64 [DIM]}
+        key = jax.random.fold_in(jax.random.key(SEED), core_module._FRESH_SALT)
+        self.key = jax.random.fold_in(key, table_index)
+        self.step = 0
+
+    def fresh_values(self, raw: int) -> np.ndarray:
+        hi, lo = (int(x) for x in dynamic_ids.split_ids(np.array(raw)))
+        k = jax.random.fold_in(jax.random.fold_in(self.key, np.uint32(hi)), np.uint32(lo))
+        return np.asarray(_init(k, (1, DIM), jnp.float32)[0], np.float64)
+
+    def lookup(self, ids: np.ndarray) -> tuple:
+        """ids [B, k] -> (activations [B, DIM] (sum combiner), {id: (shard, row)}, stats)."""
+        b = ids.shape[0] // self.n
+        owner = dynamic_ids.owner_of(ids, self.n, HASH_SEED)
+        stats = dict.fromkeys(core_module.ID_STATS, 0)
+        has_row = {}
+        for j, shard in enumerate(self.shards):
+            received = []  # source order; per source its distinct ids of j, ascending
+            for d in range(self.n):
+                mine = ids[d * b : (d + 1) * b][owner[d * b : (d + 1) * b] == j]
+                received += [int(i) for i in np.unique(mine)]
+            rows, fresh, s = shard.map(received, self.step)
+            for i in fresh:
+                self.values[i] = self.fresh_values(i)
+                self.slots[i] = {k: np.full(DIM, v, np.float64) for k, v in OPT.slot_initial_values.items()}
+            for i, r in rows.items():
+                has_row[i] = (j, r)
+            for k in stats:
+                stats[k] += s[k]
+        acts = np.zeros((ids.shape[0], DIM))
+        for s_, row in enumerate(ids):
+            for i in row:
+                if int(i) in has_row:
+                    acts[s_] += self.values[int(i)]
+        return acts, has_row, stats
+
+    def update(self, ids: np.ndarray, grads: np.ndarray, has_row: dict) -> None:
+        per_id = {}
+        for s_, row in enumerate(ids):
+            for i in row:
+                if int(i) in has_row:
+                    per_id[int(i)] = per_id.get(int(i), 0.0) + grads[s_].astype(np.float64)
+        for i, g in per_id.items():
+            w, slots = numpy_update_rows(OPT, self.values[i][None], {k: v[None] for k, v in self.slots[i].items()}, g[None], self.step)
+            self.values[i] = w[0]
+            self.slots[i] = {k: v[0] for k, v in slots.items()}
+        self.step += 1
+
+    def live(self) -> dict:
+        return {i: (j, r) for j, s in enumerate(self.shards) for i, r in s.row_of.items()}
+
+
+# ----------------------------------------------------------------------------- engine
+
+_ENGINES: dict = {}
+
+
+def _engine(n: int, eviction: str, admit_after: int, evict_batch: int):
+    """One engine a configuration (compiled once; each example starts from a fresh state)."""
+    key = (n, eviction, admit_after, evict_batch)
+    if key not in _ENGINES:
+        dyn = em.TableConfig(
+            CAP_PER_SHARD * n,
+            DIM,
+            initializer=_init,
+            combiner="sum",
+            name="dyn",
+            id_map=em.DynamicIds(
+                eviction=eviction, admit_after=admit_after, seed=HASH_SEED, evict_batch=evict_batch
+            ),
+        )
+        static = em.TableConfig(16, DIM, combiner="sum", name="static")
+        features = {
+            "raw": em.FeatureConfig(dyn, name="raw"),
+            "plain": em.FeatureConfig(static, name="plain"),
+        }
+        b = SAMPLES_PER_DEVICE * n
+        emb = em.MeshEmbedding(
+            features,
+            OPT,
+            mesh=mesh_of(n),
+            seed=SEED,
+            capacities=em.Capacity(b * IDS_PER_SAMPLE, b * IDS_PER_SAMPLE),
+        )
+        emb.build()
+        _ENGINES[key] = emb
+    emb = _ENGINES[key]
+    emb.state = emb.job.init_state()
+    return emb
+
+
+def _run(n: int, policy: tuple, batches: list) -> None:
+    emb = _engine(n, *policy)
+    t = emb.plan.table("dyn")
+    ref = Reference(n, emb.core.dynamic[t.stack][1], t.index)
+    rng = np.random.default_rng(len(batches))
+    for ids in batches:
+        ids = np.asarray(ids, np.int64)
+        plain = rng.integers(0, 16, size=(ids.shape[0], 1))
+        splits = np.arange(0, ids.size + 1, IDS_PER_SAMPLE)
+        acts, preserved = emb({"raw": em.RaggedTensor(ids.reshape(-1), splits), "plain": plain})
+        want_acts, has_row, want_stats = ref.lookup(ids)
+        np.testing.assert_allclose(np.asarray(acts["raw"]), want_acts, rtol=2e-6, atol=1e-6)
+        assert emb.last_stats["dyn"].id_map == want_stats
+        grads = rng.normal(size=(ids.shape[0], DIM)).astype(np.float32)
+        emb.apply_gradients({"raw": jnp.asarray(grads), "plain": None}, preserved)
+        ref.update(ids, grads, has_row)
+        got = emb.core.read_dynamic(emb.state, "dyn")
+        assert {i: v[:2] for i, v in got.items()} == ref.live()  # the rows, the evictions
+        for i, (_, _, values) in got.items():
+            np.testing.assert_allclose(values, ref.values[i], rtol=2e-6, atol=1e-6)
+        acc = emb.core.read_dynamic(emb.state, "dyn", "accumulators")
+        for i, (_, _, values) in acc.items():
+            np.testing.assert_allclose(values, ref.slots[i]["accumulators"], rtol=2e-6)
+
+
+# ids from a small pool (hits, evictions) with adversarial members: equal modulo the
+# shard counts and the capacities, the int64 extremes, negative ids
+POOL = [
+    0,
+    8,
+    16,
+    24,
+    4096,
+    -1,
+    -8,
+    INT64_MIN,
+    INT64_MAX,
+    INT64_MIN + 8,
+    INT64_MAX - 7,
+    2**32,
+    2**33,
+    123456789012,
+]
+POLICIES = [("lru", 1, 1), ("lfu", 1, 2), ("lru", 2, 1)]
+
+
+def _batches(n: int):
+    ids = st.lists(
+        st.lists(st.sampled_from(POOL), min_size=IDS_PER_SAMPLE, max_size=IDS_PER_SAMPLE),
+        min_size=SAMPLES_PER_DEVICE * n,
+        max_size=SAMPLES_PER_DEVICE * n,
+    )
+    return st.lists(ids, min_size=2, max_size=4)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_engine_matches_the_reference(n, data):
+    policy = data.draw(st.sampled_from(POLICIES if n == 1 else POLICIES[:2]))
+    _run(n, policy, data.draw(_batches(n)))
+
+
+def test_four_devices_match_the_reference():
+    rng = np.random.default_rng(3)
+    batches = [rng.choice(POOL, size=(SAMPLES_PER_DEVICE * 4, IDS_PER_SAMPLE)) for _ in range(3)]
+    _run(4, ("lru", 1, 1), batches)
