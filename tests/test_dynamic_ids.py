@@ -152,7 +152,9 @@ class Reference:
             rows, fresh, s = shard.map(received, self.step)
             for i in fresh:
                 self.values[i] = self.fresh_values(i)
-                self.slots[i] = {k: np.full(DIM, v, np.float64) for k, v in OPT.slot_initial_values.items()}
+                self.slots[i] = {
+                    k: np.full(DIM, v, np.float64) for k, v in OPT.slot_initial_values.items()
+                }
             for i, r in rows.items():
                 has_row[i] = (j, r)
             for k in stats:
@@ -171,7 +173,13 @@ class Reference:
                 if int(i) in has_row:
                     per_id[int(i)] = per_id.get(int(i), 0.0) + grads[s_].astype(np.float64)
         for i, g in per_id.items():
-            w, slots = numpy_update_rows(OPT, self.values[i][None], {k: v[None] for k, v in self.slots[i].items()}, g[None], self.step)
+            w, slots = numpy_update_rows(
+                OPT,
+                self.values[i][None],
+                {k: v[None] for k, v in self.slots[i].items()},
+                g[None],
+                self.step,
+            )
             self.values[i] = w[0]
             self.slots[i] = {k: v[0] for k, v in slots.items()}
         self.step += 1
@@ -185,9 +193,9 @@ class Reference:
 _ENGINES: dict = {}
 
 
-def _engine(n: int, eviction: str, admit_after: int, evict_batch: int):
+def _engine(n: int, eviction: str, admit_after: int, evict_batch: int, sharding: str = "mod"):
     """One engine a configuration (compiled once; each example starts from a fresh state)."""
-    key = (n, eviction, admit_after, evict_batch)
+    key = (n, eviction, admit_after, evict_batch, sharding)
     if key not in _ENGINES:
         dyn = em.TableConfig(
             CAP_PER_SHARD * n,
@@ -210,6 +218,7 @@ def _engine(n: int, eviction: str, admit_after: int, evict_batch: int):
             OPT,
             mesh=mesh_of(n),
             seed=SEED,
+            sharding={"dyn": sharding},
             capacities=em.Capacity(b * IDS_PER_SAMPLE, b * IDS_PER_SAMPLE),
         )
         emb.build()
@@ -237,6 +246,8 @@ def _run(n: int, policy: tuple, batches: list) -> None:
         ref.update(ids, grads, has_row)
         got = emb.core.read_dynamic(emb.state, "dyn")
         assert {i: v[:2] for i, v in got.items()} == ref.live()  # the rows, the evictions
+        places = [v[:2] for v in got.values()]
+        assert len(set(places)) == len(places)  # no two live ids share a row
         for i, (_, _, values) in got.items():
             np.testing.assert_allclose(values, ref.values[i], rtol=2e-6, atol=1e-6)
         acc = emb.core.read_dynamic(emb.state, "dyn", "accumulators")
@@ -262,6 +273,7 @@ POOL = [
     2**33,
     123456789012,
 ]
+# (eviction, admit_after, evict_batch): one compiled engine each and device count
 POLICIES = [("lru", 1, 1), ("lfu", 1, 2), ("lru", 2, 1)]
 
 
@@ -278,11 +290,104 @@ def _batches(n: int):
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_engine_matches_the_reference(n, data):
-    policy = data.draw(st.sampled_from(POLICIES if n == 1 else POLICIES[:2]))
+    policy = data.draw(st.sampled_from(POLICIES[1:] if n == 1 else POLICIES[:1]))
     _run(n, policy, data.draw(_batches(n)))
 
 
-def test_four_devices_match_the_reference():
+def test_four_devices_pooled_match_the_reference():
     rng = np.random.default_rng(3)
     batches = [rng.choice(POOL, size=(SAMPLES_PER_DEVICE * 4, IDS_PER_SAMPLE)) for _ in range(3)]
-    _run(4, ("lru", 1, 1), batches)
+    _run(4, ("lfu", 1, 1, "row_wise_pooled"), batches)
+
+
+@st.composite
+def _family(draw):
+    """Ids built to collide under a naive map: equal modulo N and modulo the capacity
+    (multiples of a large power of two, plus one offset), sharing a half, at the int64
+    extremes, negative."""
+    kind = draw(st.sampled_from(["stride", "low_word", "high_word", "extremes", "negative"]))
+    k = draw(st.integers(0, 2**20))
+    if kind == "stride":
+        stride = 2 ** draw(st.integers(1, 62))
+        return [(k + j * stride) % 2**64 - 2**63 for j in range(6)]
+    if kind == "low_word":
+        return [(j << 32) | (k & 0xFFFFFFFF) for j in range(6)]
+    if kind == "high_word":
+        return [((k & 0x7FFFFFFF) << 32) | j for j in range(6)]
+    if kind == "extremes":
+        return [INT64_MIN, INT64_MIN + 1, INT64_MAX, INT64_MAX - 1, -1, 0]
+    return [-(k + 1) - j * 2**40 for j in range(6)]
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_adversarial_ids_never_share_a_row(data):
+    ids = data.draw(_family())
+    rng = np.random.default_rng(len(ids))
+    batches = [rng.permutation(np.array(ids * 2, np.int64)).reshape(6, 2) for _ in range(2)]
+    _run(2, ("lru", 1, 1), batches)
+
+
+def test_host_routing_is_the_device_hash():
+    ids = np.array(POOL + [2**40 + 3, -(2**62), 99], np.int64)
+    for n, seed in ((1, 0), (2, HASH_SEED), (3, 1), (8, 2**32 - 1)):
+        want = np.asarray(id_map.owner_of(dynamic_ids.split_ids(ids), n, seed))
+        np.testing.assert_array_equal(dynamic_ids.owner_of(ids, n, seed), want)
+    # uint64 ids are read bit for bit
+    u = np.array([2**64 - 1, 2**63], np.uint64)
+    np.testing.assert_array_equal(dynamic_ids.split_ids(u), dynamic_ids.split_ids(u.view(np.int64)))
+
+
+def test_config_is_validated_and_immutable():
+    with pytest.raises(ValueError, match="DynamicIds.eviction"):
+        em.DynamicIds(eviction="fifo")
+    with pytest.raises(ValueError, match="DynamicIds.admit_after"):
+        em.DynamicIds(admit_after=0)
+    with pytest.raises(ValueError, match="DynamicIds.sketch_width"):
+        em.DynamicIds(sketch_width=100)
+    with pytest.raises(ValueError, match="TableConfig.id_map"):
+        em.TableConfig(8, 4, id_map="lru")
+    d = em.DynamicIds(eviction="lfu")
+    assert d == em.DynamicIds(eviction="lfu") and hash(d) == hash(em.DynamicIds(eviction="lfu"))
+    with pytest.raises(AttributeError):
+        d.eviction = "lru"
+
+
+def _core(n, sharding="mod", vocabulary_size=8):
+    from embedmesh.device.core import EmbeddingCore
+    from embedmesh.layout.stacking import plan_stacking
+
+    dyn = em.TableConfig(vocabulary_size, DIM, name="dyn", id_map=em.DynamicIds())
+    other = em.TableConfig(8, DIM, name="other")
+    fc = {"a": em.FeatureConfig(dyn), "b": em.FeatureConfig(other)}
+    plan = plan_stacking(fc, n, sharding={"dyn": sharding})
+    return plan, EmbeddingCore(plan, mesh_of(n), OPT)
+
+
+def test_what_refuses_a_table_of_raw_ids():
+    plan, _ = _core(2)
+    assert [s.tables for s in plan.stacks] == [("dyn",), ("other",)]  # alone in its stack
+    for sharding in ("table_wise", "data_parallel"):
+        with pytest.raises(NotImplementedError, match="table dyn: a table of raw ids"):
+            _core(2, sharding)
+    with pytest.raises(ValueError, match="multiple of the 2 shards"):
+        _core(2, vocabulary_size=9)
+    dyn = em.TableConfig(8, DIM, name="dyn", id_map=em.DynamicIds())
+    emb = em.MeshEmbedding({"a": em.FeatureConfig(dyn)}, OPT, True, mesh=mesh_of(1))
+    with pytest.raises(NotImplementedError, match="not pipelined yet"):
+        emb.build()
+
+
+def test_the_core_refuses_a_batch_with_raw_ids():
+    emb = _engine(1, *POLICIES[0])
+    ids = np.array([[INT64_MIN, 5]] * SAMPLES_PER_DEVICE, np.int64)
+    csr = emb.enqueue(
+        {
+            "raw": em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, 2)),
+            "plain": np.zeros((3, 1), np.int64),
+        }
+    )
+    with pytest.raises(ValueError, match="still carry raw ids: run map_ids"):
+        emb.core.lookup(emb.state, csr)
+    with pytest.raises(NotImplementedError, match=r"checkpoints of tables of raw ids \(dyn\)"):
+        emb.checkpoint_state()
