@@ -108,10 +108,13 @@ _NUM = r"([0-9]+(?:\.[0-9]*)?)"
 
 def parse_train_step(text: str) -> Metrics:
     """The summary table: per embedmesh peer host prep, device step (median and best),
-    end to end with prefetch (ms) and peak RSS (setup, steps; GB)."""
+    end to end with prefetch (ms) and peak RSS (setup, steps; GB). Since 2026-12-03 the
+    table ends in a fourth size, the peak of the end-to-end run (a size or "-"); older
+    logs (and baseline trees) have three."""
     row = re.compile(
         rf"^\s+(embedmesh\S*)\s+{_NUM} ms\s+{_NUM} ms\s+{_NUM}\s+{_NUM} ms\s+{_NUM}\s+"
-        rf"(?:{_NUM} ms|-)\s+(?:{_NUM}|-)\s+{_NUM} GB\s+{_NUM} GB\s+{_NUM} GB\s*$"
+        rf"(?:{_NUM} ms|-)\s+(?:{_NUM}|-)\s+{_NUM} GB\s+{_NUM} GB\s+{_NUM} GB"
+        rf"(?:\s+(?:{_NUM} GB|-))?\s*$"
     )
     out: Metrics = {}
     for line in text.splitlines():
@@ -126,6 +129,8 @@ def parse_train_step(text: str) -> Metrics:
             out[f"{peer} end-to-end (prefetch)"] = (float(m[7]), "ms")
         out[f"{peer} peak RSS, setup"] = (float(m[10]), "GB")
         out[f"{peer} peak RSS, steps"] = (float(m[11]), "GB")
+        if m[12] is not None:
+            out[f"{peer} peak RSS, end to end"] = (float(m[12]), "GB")
     return out
 
 

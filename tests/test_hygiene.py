@@ -129,6 +129,30 @@ def test_ab_parses_train_step_log(ab):
     assert all(k.startswith("embedmesh") for k in got)  # no fbgemm / plain-jax figures
 
 
+def test_ab_parses_train_step_table_with_the_end_to_end_peak(ab):
+    """train_step.py's table since 2026-12-03: a fourth size, the end-to-end peak ("-" for
+    a peer without an end-to-end run)."""
+    text = (
+        "  peer            host prep    device  M ids/s      best  M ids/s e2e prefetch  "
+        "M ids/s tables+slots peak setup peak steps   peak e2e\n"
+        "  embedmesh          9.3 ms  192.4 ms     1.70   40.4 ms     8.12      59.3 ms     "
+        "5.52      3.81 GB    4.26 GB    4.28 GB    4.29 GB\n"
+        "  embedmesh-2dev     9.0 ms   30.0 ms    10.90   28.0 ms    11.70            -        "
+        "-      3.81 GB    4.20 GB    4.30 GB          -\n"
+        "  fbgemm-rowwise     0.1 ms   25.4 ms    12.88   23.5 ms    13.95            -        "
+        "-      1.91 GB    2.28 GB    2.29 GB          -\n"
+    )
+    got = ab.parse_train_step(text)
+    assert got["embedmesh device step"] == (192.4, "ms")
+    assert got["embedmesh end-to-end (prefetch)"] == (59.3, "ms")
+    assert got["embedmesh peak RSS, steps"] == (4.28, "GB")
+    assert got["embedmesh peak RSS, end to end"] == (4.29, "GB")
+    assert got["embedmesh-2dev device step, best"] == (28.0, "ms")
+    assert "embedmesh-2dev end-to-end (prefetch)" not in got
+    assert "embedmesh-2dev peak RSS, end to end" not in got
+    assert all(k.startswith("embedmesh") for k in got)
+
+
 def test_ab_parses_serving_log(ab):
     got = ab.parse_serving(read("benchmarks", "runs", "serving_run_2026-11-30_d.txt"))
     value, unit = got["ragged/sum embedmesh[numba]"]
