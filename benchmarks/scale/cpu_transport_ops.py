@@ -2,7 +2,15 @@
 """Micro-benchmark of the cross-device ops on 2 CPU devices (this tree's embedmesh, from
 PYTHONPATH): in one process (`inproc`) or two processes of one host (`host`, jax.distributed
 over 127.0.0.1, shared-memory transport), each op jitted alone in shard_map, REPS calls
-timed: min and median in ms (host: each process prints its own)."""
+timed: min and median in ms (host: each process prints its own).
+
+    PYTHONPATH=. python benchmarks/scale/cpu_transport_ops.py inproc REPS
+    PYTHONPATH=. python benchmarks/scale/cpu_transport_ops.py host REPS PROC PORT  # PROC 0 and 1
+    ONLY=exchange,lookup_from_shards ...   # only these ops
+
+An A/B of two trees runs each tree's copy in turn (ABBA) and compares the RES lines
+(benchmarks/scale/RESULTS.md, "the cross-device ops one at a time").
+"""
 
 import os
 import sys
