@@ -138,8 +138,18 @@ class Reference:
         k = jax.random.fold_in(jax.random.fold_in(self.key, np.uint32(hi)), np.uint32(lo))
         return np.asarray(_init(k, (1, DIM), jnp.float32)[0], np.float64)
 
-    def lookup(self, ids: np.ndarray) -> tuple:
-        """ids [B, k] -> (activations [B, DIM] (sum combiner), {id: (shard, row)}, stats)."""
+    @staticmethod
+    def gains(weights: np.ndarray, combiner: str) -> np.ndarray:
+        """[B, k] gains of the entries: the combiner's scale over all of a sample's
+        entries (those without a row too: the host cannot know them) times the weight."""
+        w = weights.astype(np.float64)
+        if combiner == "sum":
+            return w
+        den = w.sum(axis=1) if combiner == "mean" else np.sqrt((w * w).sum(axis=1))
+        return w / den[:, None]
+
+    def lookup(self, ids: np.ndarray, gains: np.ndarray) -> tuple:
+        """ids [B, k] -> (activations [B, DIM], {id: (shard, row)}, stats)."""
         b = ids.shape[0] // self.n
         owner = dynamic_ids.owner_of(ids, self.n, HASH_SEED)
         stats = dict.fromkeys(core_module.ID_STATS, 0)
@@ -161,17 +171,18 @@ class Reference:
                 stats[k] += s[k]
         acts = np.zeros((ids.shape[0], DIM))
         for s_, row in enumerate(ids):
-            for i in row:
-                if int(i) in has_row:
-                    acts[s_] += self.values[int(i)]
+            for i, gain in zip(row, gains[s_]):
+                if int(i) in has_row:  # no row (pending, refused): a zero row
+                    acts[s_] += gain * self.values[int(i)]
         return acts, has_row, stats
 
-    def update(self, ids: np.ndarray, grads: np.ndarray, has_row: dict) -> None:
+    def update(self, ids: np.ndarray, gains: np.ndarray, grads: np.ndarray, has_row: dict):
         per_id = {}
         for s_, row in enumerate(ids):
-            for i in row:
-                if int(i) in has_row:
-                    per_id[int(i)] = per_id.get(int(i), 0.0) + grads[s_].astype(np.float64)
+            for i, gain in zip(row, gains[s_]):
+                if int(i) in has_row:  # no row: no update
+                    g = gain * grads[s_].astype(np.float64)
+                    per_id[int(i)] = per_id.get(int(i), 0.0) + g
         for i, g in per_id.items():
             w, slots = numpy_update_rows(
                 OPT,
@@ -193,15 +204,22 @@ class Reference:
 _ENGINES: dict = {}
 
 
-def _engine(n: int, eviction: str, admit_after: int, evict_batch: int, sharding: str = "mod"):
+def _engine(
+    n: int,
+    eviction: str,
+    admit_after: int,
+    evict_batch: int,
+    sharding: str = "mod",
+    combiner: str = "sum",
+):
     """One engine a configuration (compiled once; each example starts from a fresh state)."""
-    key = (n, eviction, admit_after, evict_batch, sharding)
+    key = (n, eviction, admit_after, evict_batch, sharding, combiner)
     if key not in _ENGINES:
         dyn = em.TableConfig(
             CAP_PER_SHARD * n,
             DIM,
             initializer=_init,
-            combiner="sum",
+            combiner=combiner,
             name="dyn",
             id_map=em.DynamicIds(
                 eviction=eviction, admit_after=admit_after, seed=HASH_SEED, evict_batch=evict_batch
@@ -230,20 +248,27 @@ def _engine(n: int, eviction: str, admit_after: int, evict_batch: int, sharding:
 
 def _run(n: int, policy: tuple, batches: list) -> None:
     emb = _engine(n, *policy)
+    combiner = emb.plan.table_config("dyn").combiner
     t = emb.plan.table("dyn")
     ref = Reference(n, emb.core.dynamic[t.stack][1], t.index)
     rng = np.random.default_rng(len(batches))
     for ids in batches:
         ids = np.asarray(ids, np.int64)
         plain = rng.integers(0, 16, size=(ids.shape[0], 1))
+        weights = rng.uniform(0.5, 2.0, size=ids.shape).astype(np.float32)
+        if combiner == "sum":  # (and unweighted)
+            weights[:] = 1.0
+        gains = ref.gains(weights, combiner)
         splits = np.arange(0, ids.size + 1, IDS_PER_SAMPLE)
-        acts, preserved = emb({"raw": em.RaggedTensor(ids.reshape(-1), splits), "plain": plain})
-        want_acts, has_row, want_stats = ref.lookup(ids)
+        raw = em.RaggedTensor(ids.reshape(-1), splits)
+        w = None if combiner == "sum" else em.RaggedTensor(weights.reshape(-1), splits)
+        acts, preserved = emb({"raw": raw, "plain": plain}, {"raw": w, "plain": None})
+        want_acts, has_row, want_stats = ref.lookup(ids, gains)
         np.testing.assert_allclose(np.asarray(acts["raw"]), want_acts, rtol=2e-6, atol=1e-6)
         assert emb.last_stats["dyn"].id_map == want_stats
         grads = rng.normal(size=(ids.shape[0], DIM)).astype(np.float32)
         emb.apply_gradients({"raw": jnp.asarray(grads), "plain": None}, preserved)
-        ref.update(ids, grads, has_row)
+        ref.update(ids, gains, grads, has_row)
         got = emb.core.read_dynamic(emb.state, "dyn")
         assert {i: v[:2] for i, v in got.items()} == ref.live()  # the rows, the evictions
         places = [v[:2] for v in got.values()]
@@ -274,7 +299,8 @@ POOL = [
     123456789012,
 ]
 # (eviction, admit_after, evict_batch): one compiled engine each and device count
-POLICIES = [("lru", 1, 1), ("lfu", 1, 2), ("lru", 2, 1)]
+# (and the 2-device one a weighted mean, the 4-device one pooled with a weighted sqrtn)
+POLICIES = [("lru", 1, 1, "mod", "mean"), ("lfu", 1, 2), ("lru", 2, 1)]
 
 
 def _batches(n: int):
@@ -297,7 +323,7 @@ def test_engine_matches_the_reference(n, data):
 def test_four_devices_pooled_match_the_reference():
     rng = np.random.default_rng(3)
     batches = [rng.choice(POOL, size=(SAMPLES_PER_DEVICE * 4, IDS_PER_SAMPLE)) for _ in range(3)]
-    _run(4, ("lfu", 1, 1, "row_wise_pooled"), batches)
+    _run(4, ("lfu", 1, 1, "row_wise_pooled", "sqrtn"), batches)
 
 
 @st.composite
@@ -325,7 +351,7 @@ def test_adversarial_ids_never_share_a_row(data):
     ids = data.draw(_family())
     rng = np.random.default_rng(len(ids))
     batches = [rng.permutation(np.array(ids * 2, np.int64)).reshape(6, 2) for _ in range(2)]
-    _run(2, ("lru", 1, 1), batches)
+    _run(2, POLICIES[0], batches)
 
 
 def test_host_routing_is_the_device_hash():
@@ -379,12 +405,12 @@ def test_what_refuses_a_table_of_raw_ids():
 
 
 def test_the_core_refuses_a_batch_with_raw_ids():
-    emb = _engine(1, *POLICIES[0])
-    ids = np.array([[INT64_MIN, 5]] * SAMPLES_PER_DEVICE, np.int64)
+    emb = _engine(2, *POLICIES[0])  # (the engine of the 2-device tests)
+    ids = np.array([[INT64_MIN, 5]] * SAMPLES_PER_DEVICE * 2, np.int64)
     csr = emb.enqueue(
         {
             "raw": em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, 2)),
-            "plain": np.zeros((3, 1), np.int64),
+            "plain": np.zeros((ids.shape[0], 1), np.int64),
         }
     )
     with pytest.raises(ValueError, match="still carry raw ids: run map_ids"):
