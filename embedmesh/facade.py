@@ -838,6 +838,13 @@ class MeshEmbedding:
         self._require_built("apply_gradients")
         preserved_outputs = self._partitioned_dict(preserved_outputs, "apply_gradients")
         self._check_preserved(preserved_outputs)
+        raw = [s for s, c in preserved_outputs.items() if c.unique_raw_ids is not None]
+        if raw:  # a table of raw ids: the batch dequeue returned has rows, not raw ids
+            raise ValueError(
+                f"apply_gradients: stacks {sorted(raw)} of these preserved_outputs still carry "
+                f"raw ids: pass the preserved_outputs that dequeue/embedding_lookup returned "
+                f"(their ids mapped to rows), not enqueue's batch"
+            )
         grads = self._flat_gradients(gradients, preserved_outputs)
         self._check_step(grads, preserved_outputs)
         self.flush()  # two updates without a lookup between them

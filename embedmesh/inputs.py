@@ -563,7 +563,7 @@ def to_csr(
             # range-check what is kept now, so an error names the entry as given
             vocab = feature.table.vocabulary_size
             out = keep & (ids >= vocab)
-            if out.any():
+            if out.any() and getattr(feature.table, "id_map", None) is None:  # (raw ids: any)
                 bad = int(np.flatnonzero(out)[0])
                 raise id_range_error(name, ids[bad], bad, vocab)
             kept = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])

@@ -415,5 +415,64 @@ def test_the_core_refuses_a_batch_with_raw_ids():
     )
     with pytest.raises(ValueError, match="still carry raw ids: run map_ids"):
         emb.core.lookup(emb.state, csr)
+    with pytest.raises(ValueError, match="still carry raw ids: pass the preserved_outputs"):
+        emb.apply_gradients(None, csr)
     with pytest.raises(NotImplementedError, match=r"checkpoints of tables of raw ids \(dyn\)"):
         emb.checkpoint_state()
+
+
+def test_host_batch_of_raw_ids():
+    """The host's arrays of a stack of raw ids: each partition (device d, owner j) lists
+    the distinct ids of d's samples that j owns, ascending as int64, as uint32 pairs, and
+    the pairs point at them; overflow policies work as for any stack."""
+    from embedmesh._runtime import PAD_ID
+    from embedmesh.host.preprocess import preprocess_batch
+    from embedmesh.layout.stacking import plan_stacking
+
+    n, d_local = 4, 2  # this process drives 2 of 4 devices
+    dyn = em.TableConfig(8, DIM, name="dyn", combiner="sum", id_map=em.DynamicIds(seed=HASH_SEED))
+    plan = plan_stacking({"a": em.FeatureConfig(dyn, name="a")}, n)
+    ids = np.array(
+        [[INT64_MIN, -1], [INT64_MAX, INT64_MIN], [2**40, 2**40], [-(2**33), 0]], np.int64
+    )
+    feats = {"a": em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, 2))}
+    csr, stats = preprocess_batch(feats, None, plan, num_devices_local=d_local, backend="numpy")
+    c = csr["dyn"]
+    assert c.unique_raw_ids.shape == c.unique_ids.shape + (2,)
+    owner = dynamic_ids.owner_of(ids, n, HASH_SEED)
+    for d in range(d_local):
+        mine, own = ids[2 * d : 2 * d + 2], owner[2 * d : 2 * d + 2]
+        for j in range(n):
+            k = int(c.unique_counts[d, j])
+            got = id_map.join_ids(c.unique_raw_ids[d, j, :k])
+            np.testing.assert_array_equal(got, np.unique(mine[own == j]))
+            assert (c.unique_ids[d, j, k:] == PAD_ID).all()
+            p = int(c.pair_counts[d, j])
+            ids_of_pairs = got[c.pair_unique[d, j, :p]]
+            rows = c.pair_rows[d, j, :p]
+            for r, i, g in zip(rows, ids_of_pairs, c.pair_gains[d, j, :p]):
+                assert g == np.count_nonzero(mine[r] == i)  # duplicates merged, gains added
+    with pytest.raises(ValueError, match="stack dyn: device"):
+        preprocess_batch(feats, None, plan, num_devices_local=d_local, capacities=em.Capacity(1, 1))
+    _, grown = preprocess_batch(
+        feats, None, plan, num_devices_local=d_local, capacities=em.Capacity(1, 1), overflow="grow"
+    )
+    assert grown["dyn"].grown
+
+
+def test_sparse_inputs_keep_negative_and_huge_ids():
+    """TensorFlow's "safe" sparse lookup drops negative ids: for a table of raw ids they are
+    ids. Entries with weights <= 0 are still dropped (mean), with no range check."""
+    from embedmesh.host.preprocess import preprocess_batch
+    from embedmesh.layout.stacking import plan_stacking
+
+    dyn = em.TableConfig(8, DIM, name="dyn", combiner="mean", id_map=em.DynamicIds())
+    plan = plan_stacking({"a": em.FeatureConfig(dyn, name="a")}, 1)
+    idx = np.array([[0, 0], [0, 1], [1, 0], [1, 1]])
+    values = np.array([2**62, -5, INT64_MAX, -7], np.int64)
+    sp = em.SparseTensor(indices=idx, values=values, dense_shape=(2, 3))
+    w = em.SparseTensor(indices=idx, values=np.array([1, 0, 2, 1], np.float32), dense_shape=(2, 3))
+    csr, _ = preprocess_batch({"a": sp}, {"a": w}, plan)
+    c = csr["dyn"]
+    got = id_map.join_ids(c.unique_raw_ids[0, 0, : int(c.unique_counts[0, 0])])
+    np.testing.assert_array_equal(got, [-7, 2**62, INT64_MAX])  # -5: weight 0, dropped
