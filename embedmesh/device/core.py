@@ -469,9 +469,30 @@ class EmbeddingCore:
             k = jax.random.fold_in(jax.random.fold_in(base, pair[0]), pair[1])
             return cfg.initialize(k, (1, t.dim), jnp.float32)[0]
 
-        values = jax.vmap(one)(raw)
+        fresh = fresh & (rows >= 0)
+        m = raw.shape[0]
+        few = max(1, m // 16)
+
+        def some(size):  # the first `size` fresh entries' values, at their positions
+            def run(raw, fresh):
+                pos = jnp.nonzero(fresh, size=size, fill_value=m)[0]
+                vals = jax.vmap(one)(raw[jnp.minimum(pos, m - 1)])
+                return jnp.zeros((m, t.dim), jnp.float32).at[pos].set(vals, mode="drop")
+
+            return run
+
+        # the initializer runs on the fresh entries only (a step of hits runs it on none;
+        # one with few admissions on a sixteenth of the ids): `lax.switch` runs one branch
+        count = fresh.sum(dtype=jnp.int32)
+        branch = jnp.where(count == 0, 0, jnp.where(count <= few, 1, 2))
+        values = jax.lax.switch(
+            branch,
+            [lambda raw, fresh: jnp.zeros((m, t.dim), jnp.float32), some(few), some(m)],
+            raw,
+            fresh,
+        )
         values = jnp.pad(values, ((0, 0), (0, table.shape[1] - t.dim))).astype(table.dtype)
-        at = jnp.where(fresh & (rows >= 0), rows + t.local_row_offset, table.shape[0])
+        at = jnp.where(fresh, rows + t.local_row_offset, table.shape[0])
         table = table.at[at].set(values, mode="drop")
         opt = self.optimizer_of(stack)
         slots = dict(slots)
