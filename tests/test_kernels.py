@@ -21,6 +21,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from bag_reference import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,35 +66,6 @@ def _with_backend(backend, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         kernels.set_backend(previous)
-
-
-def reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights):
-    """float64 loops over the bags, TensorFlow's pruning rules: sum, then normalise;
-    a zero denominator gives a zero row. Also each row's sum |w x| and its number of
-    kept entries (they set the tolerance)."""
-    num_rows, dim = len(offsets) - 1, table.shape[1]
-    tab = np.asarray(table, dtype=np.float64)
-    out = np.zeros((num_rows, dim))
-    scale = np.zeros(num_rows)
-    counts = np.zeros(num_rows, np.int64)
-    for r in range(num_rows):
-        den = 0.0
-        for k in range(offsets[r], offsets[r + 1]):
-            w = 1.0 if weights is None else float(weights[k])
-            if (prune_ids and ids[k] < 0) or (prune_weights and not w > 0):
-                continue
-            out[r] += w * tab[ids[k]]
-            scale[r] += abs(w) * np.abs(tab[ids[k]]).max()
-            counts[r] += 1
-            den += w if combiner == "mean" else w * w
-        if combiner in ("mean", "sqrtn"):
-            den = np.sqrt(den) if combiner == "sqrtn" else den
-            if den == 0:
-                out[r], scale[r] = 0.0, 0.0
-            else:
-                out[r] /= den
-                scale[r] /= abs(den)
-    return out, scale, counts
 
 
 def check_against_reference(out, table, ids, offsets, weights, combiner, prune_ids, prune_w):

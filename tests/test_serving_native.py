@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bag_reference import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,31 +32,6 @@ def native_kernels(native_poisoned):
     """The native backend, outputs poisoned (conftest); the one-pass kernel back on after."""
     yield
     native.library().EmServingSetFused(1)
-
-
-def reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights):
-    """float64 loops with TensorFlow's pruning; (out, tolerance scale per row)."""
-    num_rows, dim = len(offsets) - 1, table.shape[1]
-    tab = table.astype(np.float64)
-    out = np.zeros((num_rows, dim))
-    scale = np.zeros(num_rows)
-    for r in range(num_rows):
-        den = 0.0
-        for k in range(offsets[r], offsets[r + 1]):
-            w = 1.0 if weights is None else float(weights[k])
-            if (prune_ids and ids[k] < 0) or (prune_weights and not w > 0):
-                continue
-            out[r] += w * tab[ids[k]]
-            scale[r] += abs(w) * np.abs(tab[ids[k]]).max()
-            den += w if combiner == "mean" else w * w
-        if combiner in ("mean", "sqrtn"):
-            d = den if combiner == "mean" else np.sqrt(den)
-            if d == 0:
-                out[r], scale[r] = 0.0, 0.0
-            else:
-                out[r] /= d
-                scale[r] /= abs(d)
-    return out, scale
 
 
 @st.composite
@@ -93,7 +69,7 @@ def test_bag_matches_float64_reference(problem):
     )
     assert out.shape == (len(offsets) - 1, table.shape[1]) and out.dtype == np.float32
     assert not np.isnan(out).any(), "an output element was never written"
-    want, scale = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
+    want, scale, _ = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
     counts = np.diff(offsets)
     tol = (4 * (counts + 2) * 2.0**-24 * scale)[:, None] + 2.0**-24 * np.abs(want)
     assert np.all(np.abs(out - want) <= tol + 1e-30), np.max(np.abs(out - want))
@@ -166,7 +142,7 @@ def test_first_kept_bad_id_is_the_error_whatever_pruning_drops(problem, fused, p
     )
     if not bad:
         out = run()
-        want, _ = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
+        want, _, _ = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
         return
     with pytest.raises(kernels.IdOutOfRange) as err:
@@ -197,12 +173,12 @@ def test_bag_on_a_strided_table_and_low_precision_tables():
     ids = rng.integers(0, 30, 25)
     offsets = np.array([0, 5, 5, 17, 25])
     out = kernels.bag_combine(table, ids, offsets, None, "mean")
-    want, _ = reference(table, ids, offsets, None, "mean", False, False)
+    want, _, _ = reference(table, ids, offsets, None, "mean", False, False)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     half = table.astype(np.float16)
     out16 = kernels.bag_combine(half, ids, offsets, None, "sum")
     assert out16.dtype == np.float16
-    want16, _ = reference(half, ids, offsets, None, "sum", False, False)
+    want16, _, _ = reference(half, ids, offsets, None, "sum", False, False)
     np.testing.assert_allclose(out16.astype(np.float64), want16, rtol=2e-3, atol=2e-3)
 
 
@@ -271,7 +247,7 @@ def test_sparse_bag_matches_float64_reference(problem, idx64, one_pass, monkeypa
     assert run is not None
     out = run().copy()
     assert out.shape == (shape[0], table.shape[1]) and not np.isnan(out).any()
-    want, scale = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
+    want, scale, _ = reference(table, ids, offsets, weights, combiner, prune_ids, prune_weights)
     tol = (4 * (np.diff(offsets) + 2) * 2.0**-24 * scale)[:, None] + 2.0**-24 * np.abs(want)
     assert np.all(np.abs(out - want) <= tol + 1e-30), np.max(np.abs(out - want))
     same = kernels.bag_combine(
@@ -685,7 +661,7 @@ def test_streamed_outputs_equal_cached_ones(dim, threads):
     finally:
         lib.EmServingSetStreamOutput(previous)
     np.testing.assert_array_equal(outs[0], outs[1])
-    want, scale = reference(table, ids, offsets, weights, "mean", False, False)
+    want, scale, _ = reference(table, ids, offsets, weights, "mean", False, False)
     assert (np.abs(outs[0] - want) <= 1e-5 * scale[:, None] + 1e-30).all()
 
 
@@ -724,7 +700,7 @@ def test_rows_on_64_byte_lines_give_the_same_sums(dim, weighted):
         lib.EmServingSetAlignedPrefetch(previous)
     np.testing.assert_array_equal(on, off)
     np.testing.assert_array_equal(on, kernels.bag_combine(shifted, ids, offsets, weights, "sum"))
-    want, scale = reference(aligned, ids, offsets, weights, "sum", False, False)
+    want, scale, _ = reference(aligned, ids, offsets, weights, "sum", False, False)
     assert (np.abs(on - want) <= 1e-5 * scale[:, None] + 1e-30).all()
 
 

@@ -220,14 +220,19 @@ def embedmesh_contender(tables, batches, max_len, args, backend, threads=1, comp
                 finally:
                     kernels.set_backend(prev)
                     fast_path.use_compiled(prev_compiled)
-                for v in out.values():
-                    v.block_until_ready()
-                return [out[n] for n in names]
+                return ready(out, names)
 
             calls.append(call)
         return calls
 
     return prepare
+
+
+def ready(out: dict, names: list) -> list:
+    """A lookup's outputs in `names`' order, once every one is computed."""
+    for v in out.values():
+        v.block_until_ready()
+    return [out[n] for n in names]
 
 
 def sparse_indices(f) -> np.ndarray:
@@ -972,10 +977,7 @@ def jit_contender(tables, batches, max_len, args):
                 inputs = {n: jnp.asarray(f["dense"]) for n, f in zip(names, feats)}
 
             def call(inputs=inputs):
-                out = lookup(inputs, dev_tables)
-                for v in out.values():
-                    v.block_until_ready()
-                return [out[n] for n in names]
+                return ready(lookup(inputs, dev_tables), names)
 
             calls.append(call)
         return calls

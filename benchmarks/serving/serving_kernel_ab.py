@@ -48,15 +48,19 @@ def build(name: str, spec: str, out_dir: str) -> ctypes.CDLL:
         src, _, defs = spec.partition(":")
     flags = [*_native.FLAGS, *_native.variant_flags(_native.selected_variant()), *defs.split()]
     inc = os.path.dirname(SRC)
-    runner = os.path.join(inc, "runner.cc")
-    extra = open(runner).read() if os.path.exists(runner) else ""
-    key = hashlib.sha256((open(src).read() + extra + " ".join(flags)).encode()).hexdigest()[:16]
+    # one translation unit of the folder's sources, `src` in place of serving.cc (as the
+    # package builds them: serving_quantized.cc uses serving.cc's vector types)
+    sources = [os.path.join(inc, f) for f in sorted(os.listdir(inc)) if f.endswith(".cc")]
+    sources = [src if os.path.basename(f) == os.path.basename(SRC) else f for f in sources]
+    text = "".join(open(f).read() for f in sources)
+    key = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
     built = os.path.join(out_dir, f"{key}.so")
     if not os.path.exists(built):
-        # the folder's other sources (the request runner) with the kernels' source
-        others = [os.path.join(inc, f) for f in sorted(os.listdir(inc)) if f.endswith(".cc")]
-        others = [f for f in others if os.path.basename(f) != os.path.basename(SRC)]
-        cmd = [_native.compiler() or "c++", *flags, f"-I{inc}", src, *others, "-o", built + ".tmp"]
+        os.makedirs(out_dir, exist_ok=True)
+        unity = os.path.join(out_dir, f"{key}.cc")
+        with open(unity, "w") as f:
+            f.write("".join(f'#include "{os.path.abspath(s)}"\n' for s in sources))
+        cmd = [_native.compiler() or "c++", *flags, f"-I{inc}", unity, "-o", built + ".tmp"]
         subprocess.run(cmd, check=True)
         os.replace(built + ".tmp", built)
     so = os.path.join(out_dir, f"{name}-{key}.so")
@@ -133,43 +137,13 @@ def main() -> None:
 
     def em_call(lib, b):
         for t, (ids, splits, idx, maxlen) in enumerate(batches[b]):
+            table = (tables[t].ctypes.data, args.vocab, args.dim, args.dim, ids.ctypes.data, 1)
+            rest = (None, mode, 0, 0, outs[t].ctypes.data, args.dim)  # no weights, no pruning
             if args.sparse:
-                r = lib.EmServingSparseBagF32(
-                    tables[t].ctypes.data,
-                    args.vocab,
-                    args.dim,
-                    args.dim,
-                    ids.ctypes.data,
-                    1,
-                    idx.ctypes.data,
-                    1,
-                    ids.size,
-                    args.batch,
-                    maxlen,
-                    None,
-                    mode,
-                    0,
-                    0,
-                    outs[t].ctypes.data,
-                    args.dim,
-                )
+                bags = (idx.ctypes.data, 1, ids.size, args.batch, maxlen)
+                r = lib.EmServingSparseBagF32(*table, *bags, *rest)
             else:
-                r = lib.EmServingBagF32(
-                    tables[t].ctypes.data,
-                    args.vocab,
-                    args.dim,
-                    args.dim,
-                    ids.ctypes.data,
-                    1,
-                    splits.ctypes.data,
-                    args.batch,
-                    None,
-                    mode,
-                    0,
-                    0,
-                    outs[t].ctypes.data,
-                    args.dim,
-                )
+                r = lib.EmServingBagF32(*table, splits.ctypes.data, args.batch, *rest)
             assert r == -1, r
 
     def torch_call(b):

@@ -67,82 +67,36 @@ def path() -> str:
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int32
+_CODES = {"p": _P, "q": _I64, "i": _I32}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set the argument and result types of the serving symbols of `lib`."""
+    """Set the argument and result types of the serving symbols of `lib`: each
+    signature a string of argument codes in the order `embedmesh/serving/cpu/serving.h`
+    declares them (p a pointer, q an int64, i an int32); every result an int64."""
     sigs = {
-        "EmServingBagF32": [
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _I32,
-            _P,
-            _I64,
-            _P,
-            _I32,
-            _I32,
-            _I32,
-            _P,
-            _I64,
-        ],
-        "EmServingSparseBagF32": [
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _I32,
-            _P,
-            _I32,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _I32,
-            _I32,
-            _I32,
-            _P,
-            _I64,
-        ],
-        "EmServingBagQ": [
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _I32,
-            _P,
-            _I64,
-            _P,
-            _I32,
-            _I32,
-            _I32,
-            _P,
-            _I64,
-            _P,
-        ],
-        "EmServingMaxFusedDim": [],
-        "EmServingGather": [_P, _I64, _I64, _I64, _P, _I32, _I64, _P],
-        "EmServingSparseOffsets": [_P, _I32, _I64, _I64, _P, _P],
-        "EmServingSetPrefetch": [_I64],
-        "EmServingSetQuantizedRowPrefetch": [_I64],
-        "EmServingSetFused": [_I64],
-        "EmServingSetAlignedPrefetch": [_I64],
-        "EmServingSetRowLines": [_I64],
-        "EmServingVectorWidth": [],
-        "EmServingSetStreamOutput": [_I64],
-        "EmServingRun": [_P, _I64, _I64, _P],
-        "EmServingThreadsFor": [_P, _I64, _I64],
-        "EmServingSetMinEntriesPerThread": [_I64],
-        "EmServingThreadsForEntries": [_I64, _I64],
-        "EmServingSetPoolSpin": [_I64],
+        "EmServingBagF32": "pqqqpipqpiiipq",
+        "EmServingSparseBagF32": "pqqqpipiqqqpiiipq",
+        "EmServingBagQ": "pqqqpipqpiiipqp",
+        "EmServingMaxFusedDim": "",
+        "EmServingGather": "pqqqpiqp",
+        "EmServingSparseOffsets": "piqqpp",
+        "EmServingSetPrefetch": "q",
+        "EmServingSetQuantizedRowPrefetch": "q",
+        "EmServingSetFused": "q",
+        "EmServingSetAlignedPrefetch": "q",
+        "EmServingSetRowLines": "q",
+        "EmServingVectorWidth": "",
+        "EmServingSetStreamOutput": "q",
+        "EmServingRun": "pqqp",
+        "EmServingThreadsFor": "pqq",
+        "EmServingSetMinEntriesPerThread": "q",
+        "EmServingThreadsForEntries": "qq",
+        "EmServingSetPoolSpin": "q",
     }
-    for symbol, argtypes in sigs.items():
+    for symbol, codes in sigs.items():
         fn = getattr(lib, symbol)
-        fn.argtypes = argtypes
+        fn.argtypes = [_CODES[c] for c in codes]
         fn.restype = _I64
     # a request handed its tasks one by one (see serving.h)
     lib.EmServingOpen.argtypes, lib.EmServingOpen.restype = [_I64, _I64], _P

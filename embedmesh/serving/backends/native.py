@@ -246,16 +246,29 @@ def prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
         gather = lambda t, i: prepare_gather(t, i)()
         return widened_bag(gather, _bag, table, ids, offsets, weights, mode, prune_ids, prune_w)
     table = _row_major(table)
-    num_rows, dim = offsets.shape[0] - 1, table.shape[1]
+    stride = table.strides[0] // 4  # in floats
+    args, out, ids, offsets = _bag_args(
+        table, table.shape[1], stride, ids, offsets, weights, mode, prune_ids, prune_w
+    )
+    keep = (table, ids, offsets, weights)
+    return _NativeCall(_LIB.EmServingBagF32, args, keep, out, ids, table.shape[0], 0)
+
+
+def _bag_args(data, dim, row_stride, ids, offsets, weights, mode, prune_ids, prune_w):
+    """The arguments the C++ bag kernels share (`EmServingBagF32`, `EmServingBagQ`'s
+    first 14: rows `data` of `row_stride` elements or bytes, ids, offsets, weights,
+    options, the output), the output taken from the pool, and the ids and offsets in
+    the form the arguments point at (to keep alive): (args, out, ids, offsets)."""
+    num_rows = offsets.shape[0] - 1
     out, out_addr = pool._pool.empty_at((num_rows, dim), np.float32)
     ids, is64 = _native_ids(ids)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     has_w = weights is not None
     args = (
-        address(table),
-        table.shape[0],
+        address(data),
+        data.shape[0],
         dim,
-        table.strides[0] // 4,
+        row_stride,
         address(ids),
         is64,
         address(offsets),
@@ -267,8 +280,7 @@ def prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
         out_addr,
         dim,
     )
-    keep = (table, ids, offsets, weights)
-    return _NativeCall(_LIB.EmServingBagF32, args, keep, out, ids, table.shape[0], 0)
+    return args, out, ids, offsets
 
 
 class _NativeQuantizedCall(_NativeCall):
@@ -286,31 +298,12 @@ class _NativeQuantizedCall(_NativeCall):
 
 def _prepare_quantized_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
     """`EmServingBagQ` over a host `QuantizedTable` (numpy arrays, contiguous rows)."""
-    data = table.data
-    num_rows, dim = offsets.shape[0] - 1, table.dim
-    out, out_addr = pool._pool.empty_at((num_rows, dim), np.float32)
-    ids, is64 = _native_ids(ids)
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    has_w = weights is not None
-    values = table.values
+    data, values = table.data, table.values
     fmt = np.array([FORMAT_CODES[table.kind], 0 if values is None else address(values)], np.int64)
-    args = (
-        address(data),
-        data.shape[0],
-        dim,
-        data.strides[0],
-        address(ids),
-        is64,
-        address(offsets),
-        num_rows,
-        address(weights) if has_w else None,
-        mode,
-        int(prune_ids),
-        int(prune_w and has_w),
-        out_addr,
-        dim,
-        address(fmt),
+    args, out, ids, offsets = _bag_args(
+        data, table.dim, data.strides[0], ids, offsets, weights, mode, prune_ids, prune_w
     )
+    args += (address(fmt),)
     keep = (data, values, fmt, ids, offsets, weights)
     return _NativeQuantizedCall(_LIB.EmServingBagQ, args, keep, out, ids, data.shape[0], 0)
 
