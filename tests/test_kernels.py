@@ -131,17 +131,8 @@ def bag_problems(draw, dtypes=tuple(DTYPES)):
 
 
 def _bag(backend, table, ids, offsets, weights, combiner, prune_ids, prune_weights):
-    return _with_backend(
-        backend,
-        kernels.bag_combine,
-        table,
-        ids,
-        offsets,
-        weights,
-        combiner,
-        prune_ids=prune_ids,
-        prune_weights=prune_weights,
-    )
+    kw = {"prune_ids": prune_ids, "prune_weights": prune_weights}
+    return _with_backend(backend, kernels.bag_combine, table, ids, offsets, weights, combiner, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -348,17 +339,7 @@ def test_bag_combine_errors_name_the_first_bad_kept_entry(backend):
     # a pruned weight hides its (bad) id
     w = np.array([1, 1, 0, 1], np.float32)
     with pytest.raises(kernels.IdOutOfRange) as info:
-        _with_backend(
-            backend,
-            kernels.bag_combine,
-            table,
-            ids,
-            offsets,
-            w,
-            "mean",
-            prune_ids=True,
-            prune_weights=True,
-        )
+        _bag(backend, table, ids, offsets, w, "mean", True, True)
     assert info.value.entry == 3
     huge = np.array([1, 2**63 + 5], np.uint64)  # unsigned ids: never pruned, range checked
     with pytest.raises(kernels.IdOutOfRange):
@@ -378,17 +359,7 @@ def test_bag_combine_narrow_tables(backend, dtype):
     ids = np.array([3, -1, 4, 19, 0, 5])
     offsets = np.array([0, 3, 3, 6])
     w = np.array([1, 2, 0.5, -1, 2, 1], np.float32)
-    out = _with_backend(
-        backend,
-        kernels.bag_combine,
-        table,
-        ids,
-        offsets,
-        w,
-        "mean",
-        prune_ids=True,
-        prune_weights=True,
-    )
+    out = _bag(backend, table, ids, offsets, w, "mean", True, True)
     assert out.dtype == table.dtype and out.shape == (3, 70)
     t = table.astype(np.float32)
     want = np.stack([(t[3] + 0.5 * t[4]) / 1.5, np.zeros(70), (2 * t[0] + t[5]) / 3])

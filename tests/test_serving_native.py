@@ -82,17 +82,8 @@ def test_one_pass_and_two_pass_kernels_agree_bit_for_bit(problem):
     outs = []
     for fused in (1, 0):
         native.library().EmServingSetFused(fused)
-        outs.append(
-            kernels.bag_combine(
-                table,
-                ids,
-                offsets,
-                weights,
-                combiner,
-                prune_ids=prune_ids,
-                prune_weights=prune_weights,
-            ).copy()
-        )
+        kw = {"prune_ids": prune_ids, "prune_weights": prune_weights}
+        outs.append(kernels.bag_combine(table, ids, offsets, weights, combiner, **kw).copy())
     np.testing.assert_array_equal(outs[0], outs[1])
     kernels.set_backend("numpy")
     ref = kernels.bag_combine(

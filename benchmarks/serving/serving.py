@@ -235,6 +235,11 @@ def ready(out: dict, names: list) -> list:
     return [out[n] for n in names]
 
 
+def torch_bags(feats: list) -> list:
+    """Each feature's ids and bag offsets as torch tensors (embedding_bag's offsets form)."""
+    return [(torch.from_numpy(f["ids"]), torch.from_numpy(f["splits"][:-1].copy())) for f in feats]
+
+
 def sparse_indices(f) -> np.ndarray:
     splits, lengths = f["splits"], f["lengths"]
     rows = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)
@@ -315,10 +320,7 @@ def torch_contender(tables, batches, max_len, args, threads: int, coo: bool = Fa
                     with torch.inference_mode():
                         return [F.embedding(x, w) for x, w in zip(ins, weights)]
             else:
-                ins = [
-                    (torch.from_numpy(f["ids"]), torch.from_numpy(f["splits"][:-1].copy()))
-                    for f in feats
-                ]
+                ins = torch_bags(feats)
 
                 def call(ins=ins):
                     with torch.inference_mode():
@@ -684,10 +686,7 @@ def torch_q8_contender(rows, batches, threads: int):
         calls = Calls()
         calls.setup = lambda: torch.set_num_threads(threads)
         for feats in batches:
-            ins = [
-                (torch.from_numpy(f["ids"]), torch.from_numpy(f["splits"][:-1].copy()))
-                for f in feats
-            ]
+            ins = torch_bags(feats)
 
             def call(ins=ins):
                 with torch.inference_mode():

@@ -254,6 +254,14 @@ def prepare_bag(table, ids, offsets, weights, mode, prune_ids, prune_w):
     return _NativeCall(_LIB.EmServingBagF32, args, keep, out, ids, table.shape[0], 0)
 
 
+def _options_and_out(weights, mode, prune_ids, prune_w, out_addr, dim) -> tuple:
+    """The last 6 arguments of every C++ bag kernel: the weights (or none), the
+    options, the output and its row stride."""
+    has_w = weights is not None
+    prune = (int(prune_ids), int(prune_w and has_w))
+    return (address(weights) if has_w else None, mode, *prune, out_addr, dim)
+
+
 def _bag_args(data, dim, row_stride, ids, offsets, weights, mode, prune_ids, prune_w):
     """The arguments the C++ bag kernels share (`EmServingBagF32`, `EmServingBagQ`'s
     first 14: rows `data` of `row_stride` elements or bytes, ids, offsets, weights,
@@ -263,7 +271,6 @@ def _bag_args(data, dim, row_stride, ids, offsets, weights, mode, prune_ids, pru
     out, out_addr = pool._pool.empty_at((num_rows, dim), np.float32)
     ids, is64 = _native_ids(ids)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    has_w = weights is not None
     args = (
         address(data),
         data.shape[0],
@@ -273,12 +280,7 @@ def _bag_args(data, dim, row_stride, ids, offsets, weights, mode, prune_ids, pru
         is64,
         address(offsets),
         num_rows,
-        address(weights) if has_w else None,
-        mode,
-        int(prune_ids),
-        int(prune_w and has_w),
-        out_addr,
-        dim,
+        *_options_and_out(weights, mode, prune_ids, prune_w, out_addr, dim),
     )
     return args, out, ids, offsets
 
@@ -350,7 +352,6 @@ def prepare_sparse_bag(
     table = _row_major(table)
     dim = table.shape[1]
     out, out_addr = pool._pool.empty_at((num_rows, dim), np.float32)
-    has_w = weights is not None
     args = (
         address(table),
         table.shape[0],
@@ -363,12 +364,7 @@ def prepare_sparse_bag(
         ids.shape[0],
         num_rows,
         num_cols,
-        address(weights) if has_w else None,
-        mode,
-        int(prune_ids),
-        int(prune_w and has_w),
-        out_addr,
-        dim,
+        *_options_and_out(weights, mode, prune_ids, prune_w, out_addr, dim),
     )
     keep = (table, ids, indices, weights)
     if one_pass:
