@@ -455,7 +455,8 @@ def _time_blocks(calls: dict, reps: int, seed: int) -> dict:
     return {name: result[name] for name in calls}
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked; sets TensorFlow's threads and the clock it asks for."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--vocab", type=int, default=1_000_000)
@@ -545,8 +546,12 @@ def main(argv=None):
         CLOCK[0] = time.thread_time
         print("clock: the calling thread's CPU time (--clock thread)")
 
-    print(machine_line())
-    print(
+    return args
+
+
+def versions_line(args) -> str:
+    """Python, numpy, the kernels embedmesh runs on and the peers' versions."""
+    return (
         f"python {platform.python_version()}, numpy {np.__version__}, embedmesh kernels: "
         f"native={'yes' if kernels.HAVE_NATIVE else 'no'}"
         + (f" ({native_line()})" if kernels.HAVE_NATIVE else "")
@@ -564,6 +569,12 @@ def main(argv=None):
         )
         + f", cpus {os.cpu_count()}"
     )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(machine_line())
+    print(versions_line(args))
     results = []
     dims = [int(d) for d in args.dims.split(",")] if args.dims else [args.dim]
     for dim in dims:

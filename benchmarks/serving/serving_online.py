@@ -232,37 +232,9 @@ def check(features, tables, requests, tf_lookup=None):
     return worst, worst_tf
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=0.5, help="per cell and round")
-    p.add_argument("--vocab", type=int, default=50_000)
-    p.add_argument("--requests", type=int, default=32, help="distinct requests per batch")
-    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    p.add_argument("--clients", default=",".join(map(str, CLIENTS)))
-    p.add_argument("--no-busy", action="store_true", help="skip the busy-thread cells")
-    p.add_argument("--json", help="write every round's figures here")
-    p.add_argument(
-        "--contenders",
-        default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
-        help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, torch, tf",
-    )
-    p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
-    args = p.parse_args(argv)
-    wanted = args.contenders.split(",")
-    if tf is not None and "tf" in wanted:  # before TensorFlow runs anything
-        tf.config.threading.set_intra_op_parallelism_threads(args.tf_threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.tf_threads)
-    batches = [int(b) for b in args.batches.split(",")]
-    client_counts = [int(c) for c in args.clients.split(",")]
-
-    set_host_threads(1)
-    if torch is not None:
-        torch.set_num_threads(1)
-    features, tables, max_ids = make_model(args.vocab)
-    reqs = {
-        b: make_requests(features, max_ids, b, args.requests, args.vocab, seed=b) for b in batches
-    }
+def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
+    """The contenders named in `wanted` that can run here, their outputs checked against
+    torch's; TensorFlow's inputs converted into `reqs` before any timing."""
     makers = {
         "embedmesh": lambda: embedmesh_call(features, tables),
         "em-numpy": lambda: embedmesh_call(features, tables, numpy_outputs=True),
@@ -294,16 +266,12 @@ def main(argv=None):
         + (f", torch {torch.__version__}" if torch is not None else "")
         + (f", tensorflow {tf.__version__} ({args.tf_threads} threads)" if tf else "")
     )
-    ids = {
-        b: np.mean([sum(len(r.values) for r in q[0].values()) for q in reqs[b]]) for b in batches
-    }
-    print("ids a request: " + ", ".join(f"batch {b} {ids[b]:.0f}" for b in batches))
-    for call in contenders.values():  # warm: first calls, caches, allocator
-        getattr(call, "setup", lambda: None)()
-        for b in batches:
-            for r in reqs[b][:4]:
-                call(r)
+    return contenders
 
+
+def time_rounds(args, contenders, reqs, batches, client_counts) -> tuple[list, list]:
+    """`args.rounds` rounds of closed loops, contenders in alternating order: per round
+    {(contender, batch, clients or "busy"): (p50, p99, requests/s)}; the load averages."""
     rounds = []  # per round: {(contender, batch, clients or "busy"): (p50, p99, rps)}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
@@ -328,6 +296,12 @@ def main(argv=None):
         rounds.append(cells)
         loads.append(os.getloadavg()[0])
         print(f"round {r + 1}/{args.rounds} done (load {loads[-1]:.1f})", file=sys.stderr)
+
+    return rounds, loads
+
+
+def report(args, contenders, batches, client_counts, rounds, loads) -> None:
+    """Print the medians over rounds: per cell, against torch, and the markdown summary."""
 
     def med(f):
         return statistics.median(f(c) for c in rounds)
@@ -403,6 +377,52 @@ def main(argv=None):
                 f"| {name} | {b} | {cell((name, b, 1), 0) * 1e6:.0f} | {vs(name, b, 0)} |"
                 f" {vs(name, b, 1)} | {spread} | {scale[0]} | {scale[1]} | {scale[2]} |"
             )
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=0.5, help="per cell and round")
+    p.add_argument("--vocab", type=int, default=50_000)
+    p.add_argument("--requests", type=int, default=32, help="distinct requests per batch")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--clients", default=",".join(map(str, CLIENTS)))
+    p.add_argument("--no-busy", action="store_true", help="skip the busy-thread cells")
+    p.add_argument("--json", help="write every round's figures here")
+    p.add_argument(
+        "--contenders",
+        default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
+        help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, torch, tf",
+    )
+    p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
+    args = p.parse_args(argv)
+    wanted = args.contenders.split(",")
+    if tf is not None and "tf" in wanted:  # before TensorFlow runs anything
+        tf.config.threading.set_intra_op_parallelism_threads(args.tf_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.tf_threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    client_counts = [int(c) for c in args.clients.split(",")]
+
+    set_host_threads(1)
+    if torch is not None:
+        torch.set_num_threads(1)
+    features, tables, max_ids = make_model(args.vocab)
+    reqs = {
+        b: make_requests(features, max_ids, b, args.requests, args.vocab, seed=b) for b in batches
+    }
+    contenders = make_contenders(args, wanted, batches, features, tables, reqs)
+    ids = {
+        b: np.mean([sum(len(r.values) for r in q[0].values()) for q in reqs[b]]) for b in batches
+    }
+    print("ids a request: " + ", ".join(f"batch {b} {ids[b]:.0f}" for b in batches))
+    for call in contenders.values():  # warm: first calls, caches, allocator
+        getattr(call, "setup", lambda: None)()
+        for b in batches:
+            for r in reqs[b][:4]:
+                call(r)
+
+    rounds, loads = time_rounds(args, contenders, reqs, batches, client_counts)
+    report(args, contenders, batches, client_counts, rounds, loads)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

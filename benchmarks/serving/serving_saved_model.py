@@ -79,6 +79,45 @@ def zipf_ids(rng, vocab, n, perm):
     return perm[ranks - 1].astype(np.int32)
 
 
+def make_batches(rng, args) -> list:
+    """`args.batches` requests: per feature, ragged Poisson(10) Zipf ids."""
+    perms = [rng.permutation(args.vocab) for _ in range(NUM_FEATURES)]
+    batches = []
+    for _ in range(args.batches):
+        batch = {}
+        for i in range(NUM_FEATURES):
+            lengths = rng.poisson(10, args.batch)
+            ids = zipf_ids(rng, args.vocab, int(lengths.sum()), perms[i])
+            batch[f"f{i}"] = em.RaggedTensor.from_row_lengths(ids, lengths)
+        batches.append(batch)
+    return batches
+
+
+def time_rounds(contenders: dict, num_batches: int, args) -> tuple[dict, list]:
+    """`args.rounds` rounds, the contenders in a shuffled order, each `args.reps` passes
+    over the batches: per contender its median seconds a call each round, and per round
+    the ratio saved_model / load_serving."""
+    per_round = {k: [] for k in contenders}
+    ratios = []
+    order = list(contenders)
+    rnd = random.Random(args.seed)
+    for _ in range(args.rounds):
+        rnd.shuffle(order)
+        med = {}
+        for name in order:
+            fn = contenders[name]
+            ts = []
+            for _ in range(args.reps):
+                for i in range(num_batches):
+                    t0 = time.perf_counter()
+                    fn(i)
+                    ts.append(time.perf_counter() - t0)
+            med[name] = statistics.median(ts)
+            per_round[name].append(med[name])
+        ratios.append(med["saved_model"] / med["load_serving"])
+    return per_round, ratios
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, default=100_000)
@@ -115,15 +154,7 @@ def main(argv=None):
     def serve(inputs, tables, p):
         return model(p, em.serving_embedding_lookup(inputs, None, tables, feats))
 
-    perms = [rng.permutation(args.vocab) for _ in range(NUM_FEATURES)]
-    batches = []
-    for _ in range(args.batches):
-        batch = {}
-        for i in range(NUM_FEATURES):
-            lengths = rng.poisson(10, args.batch)
-            ids = zipf_ids(rng, args.vocab, int(lengths.sum()), perms[i])
-            batch[f"f{i}"] = em.RaggedTensor.from_row_lengths(ids, lengths)
-        batches.append(batch)
+    batches = make_batches(rng, args)
     nnz = max(int(np.diff(b[f].row_splits).max()) for b in batches for f in b)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,24 +207,7 @@ def main(argv=None):
         for fn in contenders.values():  # warm-up
             for i in range(len(batches)):
                 fn(i)
-        per_round = {k: [] for k in contenders}
-        ratios = []
-        order = list(contenders)
-        rnd = random.Random(args.seed)
-        for _ in range(args.rounds):
-            rnd.shuffle(order)
-            med = {}
-            for name in order:
-                fn = contenders[name]
-                ts = []
-                for _ in range(args.reps):
-                    for i in range(len(batches)):
-                        t0 = time.perf_counter()
-                        fn(i)
-                        ts.append(time.perf_counter() - t0)
-                med[name] = statistics.median(ts)
-                per_round[name].append(med[name])
-            ratios.append(med["saved_model"] / med["load_serving"])
+        per_round, ratios = time_rounds(contenders, len(batches), args)
 
     print(f"CPU: {cpu_model()}")
     print(f"tensorflow {tf.__version__}, jax {jax.__version__}, embedmesh {em.__version__}")
