@@ -459,7 +459,14 @@ def gather_pairs_dma(table, pairs, *, tg: int = TG):
     rows, width = table.shape
     if _interpret():
         return _gather_call(pair_words(table), pairs, (rows // 2, width), jnp.uint32, tg=tg)
+    table = _as_bf16(table)
     return _gather_call(table, pairs, (rows // 2, width), jnp.uint32, tg=tg, view=_pairs)
+
+
+def _as_bf16(table):
+    """A 16-bit table as bfloat16 bits (Mosaic takes no float16 argument); a bitcast of
+    the same width, which moves nothing."""
+    return jax.lax.bitcast_convert_type(table, jnp.bfloat16)
 
 
 def _gather_call(table, ids, shape, dtype, *, tg, view=None):
@@ -557,7 +564,8 @@ def scatter_pairs_dma(table, pairs, words, *, tg: int = TG):
     if _interpret():
         out = _scatter_call(pair_words(table), pairs, words, table.shape[0] // 2, tg=tg)
         return pair_rows(out, table.dtype)
-    return _scatter_call(table, pairs, words, table.shape[0] // 2, tg=tg, view=_pairs)
+    out = _scatter_call(_as_bf16(table), pairs, words, table.shape[0] // 2, tg=tg, view=_pairs)
+    return jax.lax.bitcast_convert_type(out, table.dtype)
 
 
 def _scatter_call(table, ids, rows, num_rows: int, *, tg, view=None):
