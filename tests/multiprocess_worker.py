@@ -38,7 +38,14 @@ def main():
         50, 8, combiner="mean", name="t1", initializer=HashInit(1.0), quantization_config=q
     )
     t2 = em.TableConfig(30, 4, combiner="sqrtn", name="t2", initializer=HashInit(2.0))
-    feats = {"a": em.FeatureConfig(t1), "b": em.FeatureConfig(t2), "ragged": em.FeatureConfig(t2)}
+    # bfloat16 rows (float32 slots), stochastically rounded: the same bits on any layout
+    t3 = em.TableConfig(30, 8, name="t3", initializer=HashInit(3.0), dtype=jnp.bfloat16)
+    feats = {
+        "a": em.FeatureConfig(t1),
+        "b": em.FeatureConfig(t2),
+        "ragged": em.FeatureConfig(t2),
+        "c": em.FeatureConfig(t3),
+    }
     mesh = Mesh(np.array(jax.devices()), ("x",))
     assert mesh.size == 4, mesh
     emb = MeshEmbedding(
@@ -47,9 +54,13 @@ def main():
     emb.build()
     grad_fn = jax.jit(lambda a: jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, a))
     for batch in global_batches(3, 16):
+        batch["c"] = (batch["b"] * 7 + 3) % 30
         acts, pre = emb(local_slice(batch, process_id, num_processes))
         emb.apply_gradients(grad_fn(acts), pre)
-    tables = emb.variables
+    assert emb.variables[t3]["parameters"].dtype == jnp.bfloat16
+    tables = {
+        t: {k: np.asarray(v, np.float32) for k, v in d.items()} for t, d in emb.variables.items()
+    }
     save_and_leave(out_file, tables, process_id, num_processes)
 
 
