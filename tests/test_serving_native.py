@@ -220,13 +220,11 @@ def _coo(offsets, rng, extra_cols=3):
 
 
 @SETTINGS
-@given(problem=bags(), idx64=st.booleans(), one_pass=st.booleans())
-def test_sparse_bag_matches_float64_reference(problem, idx64, one_pass, monkeypatch):
-    """The sparse bag kernels that check the indices when they run against float64
-    loops, and bit for bit against the offsets kernel on the offsets the indices give:
-    the one-pass kernel at every dim its build covers (the lookup gives it dims up to
-    SPARSE_ONE_PASS_MAX_DIM), and offsets in EmServingRun's first phase (any dim)."""
-    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6 if one_pass else 0)
+@given(problem=bags(), idx64=st.booleans())
+def test_sparse_bag_matches_float64_reference(problem, idx64):
+    """The sparse bag that checks the indices when it runs (offsets in EmServingRun's
+    first phase, then the bag kernel) against float64 loops, and bit for bit against
+    the offsets kernel on the offsets the indices give."""
     table, ids, offsets, weights, combiner, prune_ids, prune_weights, _ = problem
     rng = np.random.default_rng(len(ids))
     idx, width = _coo(offsets, rng)
@@ -248,10 +246,9 @@ def test_sparse_bag_matches_float64_reference(problem, idx64, one_pass, monkeypa
 
 
 @pytest.mark.parametrize("dim", [16, 100])
-def test_sparse_bag_errors_bad_index_first(dim, monkeypatch):
+def test_sparse_bag_errors_bad_index_first(dim):
     """A bad index is reported (its entry) before any bad id, wherever each lies; a
     bad id alone is reported by entry as bag_combine does."""
-    monkeypatch.setattr(kernels, "SPARSE_ONE_PASS_MAX_DIM", 10**6)
     rng = np.random.default_rng(dim)
     offsets = np.array([0, 3, 3, 7, 12], np.int64)
     idx, width = _coo(offsets, rng)
@@ -282,7 +279,7 @@ def test_sparse_bag_errors_bad_index_first(dim, monkeypatch):
 
 @pytest.mark.parametrize("dim", [17, 64])
 @pytest.mark.parametrize("case", ["good", "bad_id", "bad_index", "both", "weights"])
-def test_lookup_sparse_one_pass_equals_offsets_path(case, dim, monkeypatch):
+def test_lookup_sparse_checking_kernels_equal_offsets_path(case, dim, monkeypatch):
     """serving_embedding_lookup on 2-D sparse input: the kernels that check the indices
     when they run (offsets in EmServingRun's first phase) give the Python offsets path's
     outputs bit for bit and its errors word for word."""
@@ -391,8 +388,8 @@ def test_sparse_offsets_8_entries_a_step(counts, idx64, damage, where, seed):
 
 def _task(rng, kind, n, dim, vocab, bad=()):
     """A prepared native call of `kind` (bag, sparse, gather) over ~n entries, with ids
-    outside the table at the entries in `bad` (sparse: the one-pass kernel, task kind 1,
-    or offsets in the run's first phase, kind 3, drawn)."""
+    outside the table at the entries in `bad` (sparse: offsets in the run's first phase,
+    task kind 3)."""
     table = rng.standard_normal((vocab, dim)).astype(np.float32)
     if kind == "gather":
         ids = rng.integers(0, vocab, n)
@@ -407,16 +404,7 @@ def _task(rng, kind, n, dim, vocab, bad=()):
     combiner = rng.choice(["sum", "mean", "sqrtn"])
     if kind == "sparse":
         idx, width = _coo(offsets, rng)
-        one_pass_max = int(rng.choice([0, 10**6]))
-
-        def sparse():
-            limit, kernels.SPARSE_ONE_PASS_MAX_DIM = kernels.SPARSE_ONE_PASS_MAX_DIM, one_pass_max
-            try:
-                return sparse_call()
-            finally:
-                kernels.SPARSE_ONE_PASS_MAX_DIM = limit
-
-        sparse_call = lambda: kernels.prepare_sparse_bag_combine(
+        return lambda: kernels.prepare_sparse_bag_combine(
             table,
             ids,
             idx,
@@ -426,7 +414,6 @@ def _task(rng, kind, n, dim, vocab, bad=()):
             prune_ids=True,
             prune_weights=w is not None,
         )
-        return sparse
     return lambda: kernels.prepare_bag_combine(
         table, ids, offsets, w, combiner, prune_ids=True, prune_weights=w is not None
     )

@@ -5,7 +5,7 @@ batch 4096, Poisson(10) lengths, Zipf(1.05) ids, `--batches` batches), ragged in
 (ids + offsets, which is what both kernels take), 1 thread each. Each contender is one
 build of `embedmesh/serving/cpu/serving.cc` (or another source), compiled here with the
 package's flags plus the variant's `-D` macros, called through ctypes
-(`EmServingBagF32`, or `EmServingSparseBagF32` with `--sparse`) on preallocated
+(`EmServingBagF32`) on preallocated
 outputs; torch[1t] is `F.embedding_bag(ids, table, offsets, mode=...)` per table.
 Rounds: every contender runs one pass over the batches in a shuffled order; the ratio
 torch time / contender time is taken per round; the medians over rounds are printed
@@ -83,7 +83,6 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--combiner", default="sum")
-    p.add_argument("--sparse", action="store_true")
     p.add_argument("--variant", action="append", default=[], help="name=spec")
     p.add_argument("--out", default="/tmp/serving_kernel_ab")
     p.add_argument(
@@ -123,27 +122,21 @@ def main() -> None:
             splits = np.zeros(args.batch + 1, np.int64)
             np.cumsum(lengths, out=splits[1:])
             ids = rng.permutation(args.vocab)[draw(int(splits[-1]))].astype(np.int64)
-            rows = np.repeat(np.arange(args.batch, dtype=np.int64), lengths)
-            idx = np.stack([rows, np.arange(splits[-1]) - splits[:-1][rows]], axis=1)
-            feats.append((ids, splits, idx, int(lengths.max())))
+            feats.append((ids, splits))
         batches.append(feats)
     mode = {"sum": 0, "mean": 1, "sqrtn": 2}[args.combiner]
     outs = [kernels.output_empty((args.batch, args.dim), np.float32) for _ in range(args.tables)]
     tw = [torch.from_numpy(t) for t in tables]
     tin = [
-        [(torch.from_numpy(ids), torch.from_numpy(sp[:-1].copy())) for ids, sp, _, _ in b]
+        [(torch.from_numpy(ids), torch.from_numpy(sp[:-1].copy())) for ids, sp in b]
         for b in batches
     ]
 
     def em_call(lib, b):
-        for t, (ids, splits, idx, maxlen) in enumerate(batches[b]):
+        for t, (ids, splits) in enumerate(batches[b]):
             table = (tables[t].ctypes.data, args.vocab, args.dim, args.dim, ids.ctypes.data, 1)
             rest = (None, mode, 0, 0, outs[t].ctypes.data, args.dim)  # no weights, no pruning
-            if args.sparse:
-                bags = (idx.ctypes.data, 1, ids.size, args.batch, maxlen)
-                r = lib.EmServingSparseBagF32(*table, *bags, *rest)
-            else:
-                r = lib.EmServingBagF32(*table, splits.ctypes.data, args.batch, *rest)
+            r = lib.EmServingBagF32(*table, splits.ctypes.data, args.batch, *rest)
             assert r == -1, r
 
     def torch_call(b):
@@ -177,10 +170,9 @@ def main() -> None:
             per_call[n].append(t[n] / args.batches)
         for n in libs:
             ratios[n].append(t["torch"] / t[n])
-    kind = "sparse" if args.sparse else "ragged"
     nids = sum(f[0].size for f in batches[0])
     print(
-        f"dim {args.dim} {kind}/{args.combiner}, {args.tables} x {args.vocab}, "
+        f"dim {args.dim} ragged/{args.combiner}, {args.tables} x {args.vocab}, "
         f"{nids} ids a call, {args.rounds} rounds, {args.clock} clock, "
         f"load {os.getloadavg()[0]:.1f}"
     )

@@ -279,20 +279,6 @@ def _report_given_ids(run, given: np.ndarray):
     return checked
 
 
-# Widest rows given to the one-pass sparse kernel. Same process, interleaved with torch,
-# 8 x 1M tables, sparse/sum (benchmarks/serving_sparse_ab.py, removed since: `git show
-# 978d03b:benchmarks/serving_sparse_ab.py`): one pass 1.30x / 1.17x /
-# 1.08-1.11x the speed of offsets then bag at dims 16 / 32 / 64, 0.94-0.95x at dim 128
-# (2026-12-03, wall clock); once the bag kernel prefetched only the first line of rows
-# over 3 lines (same day, thread CPU time, 11 rounds): 1.22x / 1.00x / 0.83x at 16 / 32 /
-# 64, so dims over 32 took the offsets pass and the bag kernel. Once the bag kernel's
-# walk was cut to ~14 instructions an entry and the offsets pass went 8 entries a step
-# (later the same day, quiet machine, thread CPU time, 11 rounds): one pass 0.95x / 0.89x
-# at dims 16 / 32 (0.78x at 64), so no dim takes it now: 0. The kernel stays, the
-# baseline of that A/B and tested as any other.
-SPARSE_ONE_PASS_MAX_DIM = 0
-
-
 def prepare_sparse_bag_combine(
     table,
     ids,
@@ -307,12 +293,17 @@ def prepare_sparse_bag_combine(
     """`prepare_bag_combine` for 2-D sparse input whose bags are the rows of COO
     `indices [n, 2]`, checked (inside `dense_shape`, row-major order, no repeats)
     when the kernels run, not now: the run raises `BadSparseIndex(k)` for the first
-    bad index (before any bad id), `IdOutOfRange` as `bag_combine`. Dims up to
-    `SPARSE_ONE_PASS_MAX_DIM` check the indices in the bag kernel's own pass;
-    wider rows derive the bag offsets first, in `run_native`'s first phase (in
-    parallel over features, no Python between). Only with the C++ kernels, a float32
+    bad index (before any bad id), `IdOutOfRange` as `bag_combine`. The bag offsets
+    are derived first, in `run_native`'s first phase (in parallel over features, no
+    Python between), then the bag kernel sums. Only with the C++ kernels, a float32
     table, signed int32/int64 ids and indices; None otherwise (the caller takes
-    `sparse_offsets` + `prepare_bag_combine`)."""
+    `sparse_offsets` + `prepare_bag_combine`).
+
+    A one-pass kernel that checked the indices in the bag kernel's own walk was slower
+    at every dim once that walk and the offsets pass were tuned (0.95x / 0.89x / 0.78x
+    at dims 16 / 32 / 64, 2026-12-03) and was removed (issue #39): history in
+    benchmarks/runs/serving-history.md, its A/B `git show
+    978d03b:benchmarks/serving_sparse_ab.py`."""
     if (_backend or get_backend()) != "native" or isinstance(table, QuantizedTable):
         return None
     table = np.asarray(table)
@@ -329,10 +320,8 @@ def prepare_sparse_bag_combine(
         or indices.dtype not in (np.int32, np.int64)
     ):
         return None
-    dim = table.shape[1]
-    if dim <= 0:
+    if table.shape[1] <= 0:
         return None
-    one_pass = dim <= min(native_backend.max_fused_dim(), SPARSE_ONE_PASS_MAX_DIM)
     mode = combiner_code(combiner)
     weights = _checked_weights(weights, ids)
     return native_backend.prepare_sparse_bag(
@@ -345,7 +334,6 @@ def prepare_sparse_bag_combine(
         mode,
         prune_ids,
         prune_weights,
-        one_pass,
     )
 
 

@@ -76,9 +76,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     declares them (p a pointer, q an int64, i an int32); every result an int64."""
     sigs = {
         "EmServingBagF32": "pqqqpipqpiiipq",
-        "EmServingSparseBagF32": "pqqqpipiqqqpiiipq",
         "EmServingBagQ": "pqqqpipqpiiipqp",
-        "EmServingMaxFusedDim": "",
         "EmServingGather": "pqqqpiqp",
         "EmServingSparseOffsets": "piqqpp",
         "EmServingSetPrefetch": "q",

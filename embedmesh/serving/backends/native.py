@@ -9,8 +9,8 @@ process's first lookup is as fast as its later ones.
 
 Implements the backend interface (`embedmesh.serving.backends`), and beyond it
 what only this backend has: a request's kernels run in one C++ call on a pool of
-threads (`run_native`, `run_tasks`, `NativeRequest`) and the one-pass sparse bag
-(`prepare_sparse_bag`).
+threads (`run_native`, `run_tasks`, `NativeRequest`), 2-D sparse bags among them
+(`prepare_sparse_bag`: the offsets from the indices, then the bag kernel, in one task).
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ def is_native_call(run) -> bool:
 
 
 class _NativeSparseCall(_NativeCall):
-    """`EmServingSparseBagF32` with its arguments: -2 - k names a bad index k."""
+    """A 2-D sparse bag task (kind 3: the offsets from the COO indices, then the bag
+    kernel): a result of -2 - k names a bad index k."""
 
     __slots__ = ()
 
@@ -332,46 +333,17 @@ def sparse_offsets(indices, shape, num_rows):
     return (offsets, -1) if bad < 0 else (None, int(bad))
 
 
-_MAX_FUSED_DIM: list = []  # [EmServingMaxFusedDim()] once asked
-
-
-def max_fused_dim() -> int:
-    """The widest rows the one-pass sparse kernel takes."""
-    if not _MAX_FUSED_DIM:
-        _MAX_FUSED_DIM.append(int(_LIB.EmServingMaxFusedDim()))
-    return _MAX_FUSED_DIM[0]
-
-
-def prepare_sparse_bag(
-    table, ids, indices, num_rows, num_cols, weights, mode, prune_ids, prune_w, one_pass
-):
+def prepare_sparse_bag(table, ids, indices, num_rows, num_cols, weights, mode, prune_ids, prune_w):
     """The sparse bag ready to run (see `kernels.prepare_sparse_bag_combine`, which
     checks the arguments): a float32 table, contiguous int32/int64 ids and indices
-    [n, 2], float32 weights or None. `one_pass`: the indices checked in the bag
-    kernel's own pass (else the offsets derived first, in `run_native`'s first phase)."""
+    [n, 2], float32 weights or None. The bag offsets are derived from the indices
+    (checked) in `run_native`'s first phase, then the bag kernel sums."""
     table = _row_major(table)
-    dim = table.shape[1]
-    out, out_addr = pool._pool.empty_at((num_rows, dim), np.float32)
-    args = (
-        address(table),
-        table.shape[0],
-        dim,
-        table.strides[0] // 4,
-        address(ids),
-        int(ids.dtype == np.int64),
-        address(indices),
-        int(indices.dtype == np.int64),
-        ids.shape[0],
-        num_rows,
-        num_cols,
-        *_options_and_out(weights, mode, prune_ids, prune_w, out_addr, dim),
-    )
-    keep = (table, ids, indices, weights)
-    if one_pass:
-        fn = _LIB.EmServingSparseBagF32
-        return _NativeSparseCall(fn, args, keep, out, ids, table.shape[0], 1)
     offsets = np.empty(num_rows + 1, np.int64)  # written by the run's first phase
-    bag_args = (*args[:6], address(offsets), num_rows, *args[11:])
+    stride = table.strides[0] // 4  # in floats
+    args, out, ids, offsets = _bag_args(
+        table, table.shape[1], stride, ids, offsets, weights, mode, prune_ids, prune_w
+    )
     more = (address(indices), int(indices.dtype == np.int64), ids.shape[0], num_cols)
-    keep = (*keep, offsets)
-    return _NativeSparseCall(None, (*bag_args, *more), keep, out, ids, table.shape[0], 3)
+    keep = (table, ids, indices, weights, offsets)
+    return _NativeSparseCall(None, (*args, *more), keep, out, ids, table.shape[0], 3)

@@ -28,7 +28,7 @@
 namespace embedmesh_serving_runner {
 namespace {
 
-constexpr int64_t kBag = 0, kSparseBag = 1, kGather = 2, kSparseOffsetsBag = 3;
+constexpr int64_t kBag = 0, kGather = 2, kSparseOffsetsBag = 3;  // 1: a one-pass sparse bag, gone
 constexpr int64_t kCheckedBag = 4;   // a bag task whose offsets (ragged row_splits) add() checks
 constexpr int64_t kRejectedBag = -4;  // internal: a kCheckedBag whose offsets broke the rules
 constexpr int64_t kBadOffsets = -3;   // its result
@@ -38,9 +38,8 @@ constexpr int64_t kMinChunkEntries = 2048;  // below this a chunk's start-up cos
 // on 2 threads, one chunk each: up to 1/8 of the work on one thread at the end).
 constexpr int64_t kChunksPerThread = 4;
 
-// A piece of one task: bags [lo, hi) of a bag task, ids [lo, hi) of a gather, a whole
-// sparse bag task (its bags are found by reading its indices in order), or (offsets) the
-// first phase of a sparse offsets task.
+// A piece of one task: bags [lo, hi) of a bag task, ids [lo, hi) of a gather, or
+// (offsets) the first phase of a sparse offsets task.
 struct Chunk {
   int64_t task, lo, hi;
   bool offsets;
@@ -52,8 +51,7 @@ inline T* ptr(int64_t w) {
 }
 
 bool known_kind(int64_t kind) {
-  return kind == kBag || kind == kSparseBag || kind == kGather || kind == kSparseOffsetsBag ||
-         kind == kCheckedBag;
+  return kind == kBag || kind == kGather || kind == kSparseOffsetsBag || kind == kCheckedBag;
 }
 
 // Whether a kCheckedBag's offsets (w[7], w[8] + 1 of them) run non-decreasing from 0 to its
@@ -79,8 +77,6 @@ int64_t entries(const int64_t* w) {
       const int64_t* offsets = ptr<const int64_t>(w[7]);
       return offsets[w[8]] - offsets[0];
     }
-    case kSparseBag:
-      return w[9];
     case kRejectedBag:
       return 0;
     default:
@@ -99,8 +95,6 @@ int64_t entries_given(const int64_t* w) {
       return w[15];
     case kSparseOffsetsBag:
       return w[17];
-    case kSparseBag:
-      return w[9];
     default:
       return w[7];
   }
@@ -129,8 +123,8 @@ template <typename Out>
 void split(const int64_t* w, int64_t t, int64_t threads, Out&& out) {
   const int64_t kind = w[0];
   const int64_t n = entries(w);
-  const int64_t pieces = kind == kSparseBag ? 1 : pieces_for(n, threads);
-  if (kind == kSparseBag || kind == kRejectedBag) {
+  const int64_t pieces = pieces_for(n, threads);
+  if (kind == kRejectedBag) {
     out(Chunk{t, 0, 0, false});
     return;
   }
@@ -160,7 +154,7 @@ void split(const int64_t* w, int64_t t, int64_t threads, Out&& out) {
 
 // The first phase of a sparse offsets task: its bag offsets from its COO indices
 // (checked: inside the dense shape, row-major, no repeats); -1 or -2 - the first bad
-// index (EmServingSparseBagF32's convention).
+// index (the result of a task whose index k is bad: -2 - k).
 int64_t run_offsets(const int64_t* w) {
   const int64_t shape[2] = {w[8], w[18]};
   const int64_t bad = EmServingSparseOffsets(ptr<const void>(w[15]), static_cast<int32_t>(w[16]),
@@ -199,12 +193,6 @@ int64_t run_kernel(const int64_t* w, const Chunk& c) {
                              static_cast<int32_t>(w[11]), static_cast<int32_t>(w[12]),
                              ptr<float>(w[13]) + c.lo * out_stride, out_stride);
     }
-    case kSparseBag:
-      return EmServingSparseBagF32(
-          ptr<const float>(w[1]), w[2], w[3], w[4], ptr<const void>(w[5]),
-          static_cast<int32_t>(w[6]), ptr<const void>(w[7]), static_cast<int32_t>(w[8]), w[9],
-          w[10], w[11], ptr<const float>(w[12]), static_cast<int32_t>(w[13]),
-          static_cast<int32_t>(w[14]), static_cast<int32_t>(w[15]), ptr<float>(w[16]), w[17]);
     default: {  // kGather
       const int64_t id_bytes = w[6] ? 8 : 4, row_bytes = w[3];
       const int64_t bad = EmServingGather(
@@ -317,9 +305,10 @@ class Request {
 // before it sleeps, as OpenMP runtimes' threads do. Waking a sleeping thread costs tens
 // of microseconds on a VM, and that thread then starts late on a request of ~1 ms.
 // Requests handed over task by task, back to back on 2 threads, each system alone in its
-// turn, 8 x 1M tables (benchmarks/serving_pool_ab.py, 11 rounds, 2026-12-03), torch's 2
-// threads over ours: dim 16 0.925 -> 0.995, dim 32 0.991 -> 1.048, dim 64 1.128 -> 1.203,
-// batch 512 0.732 -> 0.813 (1000 us: 0.996, 1.077, 1.262). A thread polls with `pause`;
+// turn, 8 x 1M tables (benchmarks/serving_pool_ab.py, 11 rounds, 2026-12-03; removed
+// since: `git show 978d03b:benchmarks/serving_pool_ab.py`), torch's 2 threads over ours:
+// dim 16 0.925 -> 0.995, dim 32 0.991 -> 1.048, dim 64 1.128 -> 1.203, batch 512 0.732 ->
+// 0.813 (1000 us: 0.996, 1.077, 1.262). A thread polls with `pause`;
 // only processes that ran a request on 2+ threads have pool threads at all.
 constexpr int64_t kDefaultPoolSpinUs = 300;
 std::atomic<int64_t> g_pool_spin_us{kDefaultPoolSpinUs};  // EmServingSetPoolSpin

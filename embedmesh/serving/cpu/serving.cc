@@ -140,7 +140,7 @@ inline void fence_streams() {
 // buffers are cold: the walk has just streamed megabytes of rows through the caches),
 // and those reads compete with the walk's own row misses. Streaming stores skip them:
 // kernel alone against torch's, 8 x 1M tables, batch 4096, thread clock, same process
-// (benchmarks/serving_kernel_ab.py, 2026-12-03, two builds of the streamed variant
+// (benchmarks/serving/serving_kernel_ab.py, 2026-12-03, two builds of the streamed variant
 // against one of plain stores, 31 rounds): dim 64 1.12 -> 1.22x, dim 32 1.18 ->
 // 1.20-1.29x; 15 rounds: dim 128 1.15 -> 1.17x, dim 16 1.52 -> 1.46x (within its
 // 1.20-1.95 spread). Small outputs stay cached for whoever reads them
@@ -320,7 +320,7 @@ inline int64_t row_lines(const void* table, int64_t stride_bytes, int64_t bytes)
 // on the combiner; the row's loads and adds. Against the loop this replaced (prefetch
 // through a clamped id and a loop over lines, the combiner and pruning tested per
 // entry), kernel alone, 8 x 1M tables, same process, quiet machine, 21-31 rounds
-// (benchmarks/serving_kernel_ab.py, 2026-12-03): dim 16 1.16 -> 1.42x torch, dim 32
+// (benchmarks/serving/serving_kernel_ab.py, 2026-12-03): dim 16 1.16 -> 1.42x torch, dim 32
 // 1.05 -> 1.35x, dim 64 0.96 -> 1.24x, dim 64 mean 1.37 -> 1.52x, dim 128 1.09 -> 1.16x.
 
 // Cache lines prefetched per entry, fixed per register-block shape (lanes: the widest
@@ -537,127 +537,6 @@ FusedFn<Id> fused_for(int64_t dim, bool has_w, bool aligned) {
                                      aligned && g_aligned_prefetch);
 }
 
-// bag_fused for 2-D sparse (COO) input: the bags are the rows of `idx [n, 2]`, read in
-// the same pass as the ids instead of from offsets derived in a pass of their own (on
-// serving's cold inputs that pass cost as much as a third of the kernel at dims 16-64).
-// Each index is checked there as sparse_offsets_2d checks it: inside [num_rows,
-// num_cols) and after the previous one in row-major order; the first bad one is
-// returned as -2 - k. A bad index anywhere takes precedence over a bad id: the id
-// error (k >= 0) is returned only once every index has been checked.
-template <typename I>
-int64_t sparse_offsets_2d(const I* idx, int64_t n, int64_t num_rows, int64_t num_cols,
-                          int64_t* offsets);
-
-template <typename I>
-int64_t first_bad_index(const I* idx, int64_t n, int64_t num_rows, int64_t num_cols) {
-  std::vector<int64_t> offsets(static_cast<size_t>(num_rows > 0 ? num_rows + 1 : 1));
-  return sparse_offsets_2d(idx, n, num_rows, num_cols, offsets.data());
-}
-
-constexpr int64_t kIdxAhead = 64;  // entries: 1 KB of int64 indices
-
-template <typename Id, typename I, int NV, bool Tail, bool HasW>
-int64_t sparse_bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* ids,
-                         const I* idx, int64_t n, int64_t num_rows, int64_t num_cols,
-                         const float* weights, int mode, bool prune_ids, bool prune_w, int tail,
-                         float* out, int64_t out_stride) {
-  constexpr int kPf = prefetch_shape(NV * kV + (Tail ? kV - 1 : 0));
-  const bool stream = stream_rows(out, out_stride, num_rows);
-  const int64_t row_floats = NV * kV + tail;
-  const int64_t lines = row_lines(table, stride * 4, row_floats * 4);
-  const int64_t ahead = entries_ahead(lines);
-  const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
-  const int64_t last = row_floats > 0 ? row_floats - 1 : 0;
-  const uint64_t R = static_cast<uint64_t>(num_rows), C = static_cast<uint64_t>(num_cols);
-  prefetch_start(table, vocab, stride, lines, ids, ahead, 0, n);
-  int64_t k = 0, prev_row = -1, prev_col = 0, bad_id = -1;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    vf acc[NV > 0 ? NV : 1];
-    vf tacc = vf{};
-    for (int v = 0; v < NV; ++v) acc[v] = vf{};
-    float den = 0.0f, den2 = 0.0f;
-    for (; k < n; ++k) {
-      const int64_t row = idx[2 * k], col = idx[2 * k + 1];
-      if (!((static_cast<uint64_t>(row) < R) & (static_cast<uint64_t>(col) < C) &
-            ((row > prev_row) | ((row == prev_row) & (col > prev_col))))) {
-        return -2 - k;
-      }
-      if (row != r) break;  // row > r: every entry of a row before r was taken there
-      prev_row = row;
-      prev_col = col;
-      prefetch_entry<kPf>(table, stride_bytes, last, ids[k + ahead < n ? k + ahead : n - 1]);
-      // the indices' stream too (sparse/sum 0.75x torch without, 0.81-0.93x with at dims
-      // 16-64), kIdxAhead entries ahead whatever the rows' distance
-      prefetch(idx + 2 * (k + kIdxAhead < n ? k + kIdxAhead : n - 1));
-      const Id id = ids[k];
-      const float w = HasW ? weights[k] : 1.0f;
-      const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids, prune_w);
-      if (c == 1) continue;
-      if (c == 2) {
-        bad_id = k;
-        break;
-      }
-      den += w;
-      if (HasW) den2 += w * w;
-      accumulate<NV, Tail, HasW>(acc, tacc, table + static_cast<int64_t>(id) * stride, w, tail);
-    }
-    if (bad_id >= 0) break;
-    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
-    store_combined<NV, Tail>(acc, tacc, mode != 0, d, tail, out + r * out_stride, stream);
-  }
-  if (bad_id >= 0 || k < n) {  // an id error, or entries left: check every index first
-    const int64_t bad = first_bad_index(idx, n, num_rows, num_cols);
-    if (bad >= 0) return -2 - bad;
-  }
-  return bad_id;
-}
-
-template <typename Id, typename I>
-using SparseFn = int64_t (*)(const float*, uint64_t, int64_t, const Id*, const I*, int64_t,
-                             int64_t, int64_t, const float*, int, bool, bool, int, float*,
-                             int64_t);
-
-template <typename Id, typename I, int NV>
-struct SparseTable {
-  static SparseFn<Id, I> get(int nv, bool tail, bool has_w) {
-    if (nv == NV) {
-      if (tail) {
-        return has_w ? &sparse_bag_fused<Id, I, NV, true, true>
-                     : &sparse_bag_fused<Id, I, NV, true, false>;
-      }
-      return has_w ? &sparse_bag_fused<Id, I, NV, false, true>
-                   : &sparse_bag_fused<Id, I, NV, false, false>;
-    }
-    return SparseTable<Id, I, NV - 1>::get(nv, tail, has_w);
-  }
-};
-
-template <typename Id, typename I>
-struct SparseTable<Id, I, -1> {
-  static SparseFn<Id, I> get(int, bool, bool) { return nullptr; }
-};
-
-template <typename Id, typename I>
-SparseFn<Id, I> sparse_fused_for(int64_t dim, bool has_w) {
-  const int64_t nvec = dim / kV;
-  const bool tail = dim % kV != 0;
-  if (dim <= 0 || nvec > kMaxNV) return nullptr;
-  return SparseTable<Id, I, kMaxNV>::get(static_cast<int>(nvec), tail, has_w);
-}
-
-template <typename Id, typename I>
-int64_t sparse_bag_call(const float* table, int64_t vocab, int64_t dim, int64_t table_stride,
-                        const void* ids, const void* indices, int64_t n, int64_t num_rows,
-                        int64_t num_cols, const float* weights, int32_t mode, int32_t prune_ids,
-                        int32_t prune_weights, float* out, int64_t out_stride) {
-  const bool has_w = weights != nullptr;
-  auto f = sparse_fused_for<Id, I>(dim, has_w);
-  if (f == nullptr) return INT64_MIN;  // no kernel for this dim (EmServingMaxFusedDim)
-  return f(table, static_cast<uint64_t>(vocab), table_stride, static_cast<const Id*>(ids),
-           static_cast<const I*>(indices), n, num_rows, num_cols, weights, mode, prune_ids != 0,
-           (prune_weights != 0) && has_w, static_cast<int>(dim % kV), out, out_stride);
-}
-
 // ---------------------------------------------------------------------------
 // gather
 
@@ -697,7 +576,7 @@ inline void copy_row(char* dst, const char* src, int64_t bytes, bool stream) {
 // two ends (shared with the neighbouring chunks' threads) get plain stores. Plain stores
 // into lines a row only half covers first read each line in: dim 100, 8 x 1M tables,
 // batch 4096 x 10, one thread, 24.4 ms a call against torch's 24.7 and TensorFlow's 21.5
-// (benchmarks/RESULTS_serving.md, seventh session). Staged over plain, same process,
+// (benchmarks/runs/serving-history.md, seventh session). Staged over plain, same process,
 // 1 thread (2 threads): dim 100 1.41x (1.61x), dim 50 1.75x, dim 36 1.31x, dim 20
 // 0.97x, dim 8 0.74x (0.85x): rows of fewer than 128 bytes stay plain (kMinStagedRow).
 constexpr int64_t kMinStagedRow = 128;
@@ -1027,48 +906,6 @@ int64_t EmServingBagF32(const float* table, int64_t vocab, int64_t dim, int64_t 
   fence_streams();
   return r;
 }
-
-static int64_t sparse_bag_f32(const float* table, int64_t vocab, int64_t dim,
-                              int64_t table_stride, const void* ids, int32_t ids_are_64,
-                              const void* indices, int32_t indices_are_64, int64_t n,
-                              int64_t num_rows, int64_t num_cols, const float* weights,
-                              int32_t mode, int32_t prune_ids, int32_t prune_weights, float* out,
-                              int64_t out_stride) {
-  if (ids_are_64) {
-    if (indices_are_64) {
-      return sparse_bag_call<int64_t, int64_t>(table, vocab, dim, table_stride, ids, indices, n,
-                                               num_rows, num_cols, weights, mode, prune_ids,
-                                               prune_weights, out, out_stride);
-    }
-    return sparse_bag_call<int64_t, int32_t>(table, vocab, dim, table_stride, ids, indices, n,
-                                             num_rows, num_cols, weights, mode, prune_ids,
-                                             prune_weights, out, out_stride);
-  }
-  if (indices_are_64) {
-    return sparse_bag_call<int32_t, int64_t>(table, vocab, dim, table_stride, ids, indices, n,
-                                             num_rows, num_cols, weights, mode, prune_ids,
-                                             prune_weights, out, out_stride);
-  }
-  return sparse_bag_call<int32_t, int32_t>(table, vocab, dim, table_stride, ids, indices, n,
-                                           num_rows, num_cols, weights, mode, prune_ids,
-                                           prune_weights, out, out_stride);
-}
-
-int64_t EmServingSparseBagF32(const float* table, int64_t vocab, int64_t dim,
-                              int64_t table_stride, const void* ids, int32_t ids_are_64,
-                              const void* indices, int32_t indices_are_64, int64_t n,
-                              int64_t num_rows, int64_t num_cols, const float* weights,
-                              int32_t mode, int32_t prune_ids, int32_t prune_weights, float* out,
-                              int64_t out_stride) {
-  const int64_t r =
-      sparse_bag_f32(table, vocab, dim, table_stride, ids, ids_are_64, indices, indices_are_64,
-                     n, num_rows, num_cols, weights, mode, prune_ids, prune_weights, out,
-                     out_stride);
-  fence_streams();
-  return r;
-}
-
-int64_t EmServingMaxFusedDim(void) { return kMaxNV * kV + kV - 1; }
 
 int64_t EmServingGather(const void* table, int64_t vocab, int64_t row_bytes,
                         int64_t table_stride_bytes, const void* ids, int32_t ids_are_64,

@@ -20,23 +20,6 @@ int64_t EmServingBagF32(const float* table, int64_t vocab, int64_t dim, int64_t 
                         int64_t num_rows, const float* weights, int32_t mode, int32_t prune_ids,
                         int32_t prune_weights, float* out, int64_t out_stride);
 
-// out[k, :] = table[ids[k], :] byte for byte, rows of row_bytes (table rows
-// table_stride_bytes apart, out rows packed). Returns -1, or the first k with an id
-// outside [0, vocab).
-// The bag combine of 2-D sparse input: bags are the rows of COO `indices [n, 2]` (int64
-// or int32), checked in the same pass (inside [num_rows, num_cols), row-major order,
-// no repeats). Returns -1, k >= 0 for the first kept id outside [0, vocab) (only when
-// every index is good), -2 - k for the first bad index k, INT64_MIN where dim exceeds
-// EmServingMaxFusedDim(). Same sums as EmServingBagF32 over the derived offsets.
-int64_t EmServingSparseBagF32(const float* table, int64_t vocab, int64_t dim,
-                              int64_t table_stride, const void* ids, int32_t ids_are_64,
-                              const void* indices, int32_t indices_are_64, int64_t n,
-                              int64_t num_rows, int64_t num_cols, const float* weights,
-                              int32_t mode, int32_t prune_ids, int32_t prune_weights, float* out,
-                              int64_t out_stride);
-
-int64_t EmServingMaxFusedDim(void);
-
 // Whether EmServingBagQ prefetches every line of rows over 132 bytes (default 1; 0: the
 // first line only, as the float32 kernels); returns the previous setting (A/B runs).
 int64_t EmServingSetQuantizedRowPrefetch(int64_t on);
@@ -56,6 +39,9 @@ int64_t EmServingBagQ(const void* table, int64_t vocab, int64_t dim, int64_t tab
                       int32_t prune_weights, float* out, int64_t out_stride,
                       const int64_t* format);
 
+// out[k, :] = table[ids[k], :] byte for byte, rows of row_bytes (table rows
+// table_stride_bytes apart, out rows packed). Returns -1, or the first k with an id
+// outside [0, vocab).
 int64_t EmServingGather(const void* table, int64_t vocab, int64_t row_bytes,
                         int64_t table_stride_bytes, const void* ids, int32_t ids_are_64,
                         int64_t n, void* out);
@@ -67,7 +53,7 @@ int64_t EmServingSparseOffsets(const void* indices, int32_t indices_are_64, int6
                                int64_t rank, const int64_t* shape, int64_t* offsets);
 
 // One request's kernels in one call. `tasks`: n_tasks rows of EM_TASK_WORDS int64 words,
-// each a kind (0: EmServingBagF32, 1: EmServingSparseBagF32, 2: EmServingGather) then
+// each a kind (0: EmServingBagF32, 2: EmServingGather; 1, a one-pass sparse bag, is gone) then
 // that function's arguments in order (pointers and NULL as integers), unused words 0.
 // Kind 3, 2-D sparse input: EmServingBagF32's arguments, then the COO indices [n, 2], whether
 // they are int64, n, and the dense shape's column count; the bag offsets (its `offsets`
