@@ -309,11 +309,11 @@ def _batches(n: int):
         min_size=SAMPLES_PER_DEVICE * n,
         max_size=SAMPLES_PER_DEVICE * n,
     )
-    return st.lists(ids, min_size=2, max_size=4)
+    return st.lists(ids, min_size=2, max_size=3)
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_engine_matches_the_reference(n, data):
     policy = data.draw(st.sampled_from(POLICIES[1:] if n == 1 else POLICIES[:1]))
@@ -472,7 +472,36 @@ def test_sparse_inputs_keep_negative_and_huge_ids():
     values = np.array([2**62, -5, INT64_MAX, -7], np.int64)
     sp = em.SparseTensor(indices=idx, values=values, dense_shape=(2, 3))
     w = em.SparseTensor(indices=idx, values=np.array([1, 0, 2, 1], np.float32), dense_shape=(2, 3))
-    csr, _ = preprocess_batch({"a": sp}, {"a": w}, plan)
+    csr, _ = preprocess_batch({"a": sp}, {"a": w}, plan)  # (no numba: never needed here)
     c = csr["dyn"]
     got = id_map.join_ids(c.unique_raw_ids[0, 0, : int(c.unique_counts[0, 0])])
     np.testing.assert_array_equal(got, [-7, 2**62, INT64_MAX])  # -5: weight 0, dropped
+
+
+def test_sequence_and_dense_features_read_their_ids_rows():
+    """A sequence feature and dense ids on one table of raw ids: each position reads its
+    id's row (as `read_dynamic` has it before the update), zeros where the id has none
+    (refused: 5 distinct ids, 4 rows) and past a sequence's end."""
+    dyn = em.TableConfig(4, DIM, initializer=_init, name="dyn", id_map=em.DynamicIds())
+    features = {
+        "seq": em.FeatureConfig(dyn, max_sequence_length=3, name="seq"),
+        "dense": em.FeatureConfig(dyn, name="dense"),
+    }
+    emb = em.MeshEmbedding(features, OPT, mesh=mesh_of(1), seed=SEED)
+    seq_ids = np.array([INT64_MIN, -3, INT64_MAX, -3, 9], np.int64)
+    dense = np.array([[9, 2**50], [INT64_MAX, 9]], np.int64)
+    seq = em.RaggedTensor(seq_ids, np.array([0, 3, 5]))
+    acts, _ = emb({"seq": seq, "dense": dense})
+    rows = {i: v[2] for i, v in emb.core.read_dynamic(emb.state, "dyn").items()}
+    assert len(rows) == 4 and emb.last_stats["dyn"].id_map["refused"] == 1
+
+    def row(i):
+        return rows.get(int(i), np.zeros(DIM))
+
+    want_seq = np.zeros((2, 3, DIM))
+    for s_, (a, b) in enumerate([(0, 3), (3, 5)]):
+        for p, i in enumerate(seq_ids[a:b]):
+            want_seq[s_, p] = row(i)
+    np.testing.assert_allclose(np.asarray(acts["seq"]), want_seq, rtol=1e-6)
+    want_dense = np.stack([[row(i) for i in r] for r in dense])
+    np.testing.assert_allclose(np.asarray(acts["dense"]), want_dense, rtol=1e-6)

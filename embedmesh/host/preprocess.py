@@ -577,7 +577,8 @@ def preprocess_batch(
     D = int(num_devices_local)
     if D < 1:
         raise ValueError(f"num_devices_local must be >= 1, got {num_devices_local}")
-    K = _resolve_backend(backend)
+    if backend not in ("auto", "numba", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'numba' or 'numpy', got {backend!r}")
     threads = default_num_threads() if num_threads is None else int(num_threads)
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
@@ -592,6 +593,13 @@ def preprocess_batch(
             f"padded samples out of the loss) or drop the remainder"
         )
     jobs = _make_jobs(plan, csrs, batch, D)
+    # numba only where a stack takes its kernels (a table of raw ids never does)
+    static = any(
+        len(job.tables) != 1
+        or getattr(plan.table_config(job.tables[0].name), "id_map", None) is None
+        for job in jobs
+    )
+    K = _resolve_backend(backend) if static else None
     sorted_tables = {}  # numpy backend: per-table sorts, reused by every run of a stack
 
     dynamic = {}  # stacks of raw ids: {stack: distinct raw ids of the batch}
