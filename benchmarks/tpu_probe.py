@@ -200,6 +200,37 @@ def main():
         rec["f32_rows"] = int(ids32.shape[0])
         return rec
 
+    def sixteen_round(w=128):
+        """The stochastic rounding of an update's new rows (`device.rounding`: the hash
+        of each value's words, then the rounding) against a plain conversion."""
+        from embedmesh.device import rounding
+
+        n = int(uniq.size)
+        r16 = np.random.default_rng(3)
+        vals = jnp.asarray(r16.normal(size=(n, w)).astype(np.float32))
+        table_ix = jnp.asarray((uniq // V).astype(np.int32))
+        row_ix = jnp.asarray((uniq % V).astype(np.int32))
+        fields = jnp.zeros((w,), jnp.int32)
+        cols = jnp.arange(w, dtype=jnp.int32)
+
+        def stochastic(x, t, r):
+            bits = rounding.random_bits(
+                7, jnp.int32(3), fields[None], t[:, None], r[:, None], cols[None]
+            )
+            return rounding.stochastic_round(x, jnp.bfloat16, bits)
+
+        def bits_only(x, t, r):
+            return rounding.random_bits(
+                7, jnp.int32(3), fields[None], t[:, None], r[:, None], cols[None]
+            )
+
+        rec = {"rows": n, "width": w}
+        rec["nearest_ms"] = timeit(jax.jit(lambda x: x.astype(jnp.bfloat16)), vals)[0] * 1e3
+        rec["bits_ms"] = timeit(jax.jit(bits_only), vals, table_ix, row_ix)[0] * 1e3
+        rec["stochastic_ms"] = timeit(jax.jit(stochastic), vals, table_ix, row_ix)[0] * 1e3
+        return rec
+
+    case("sixteen_round", sixteen_round)
     case("sixteen_w128", sixteen)
     case("sixteen_w256", lambda: sixteen(256))
 
