@@ -25,7 +25,7 @@ from bag_reference import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh import sparse_index
+from embedmesh import QuantizationConfig, TableConfig, sparse_index
 from embedmesh.serving import backends, kernels
 from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.backends import numba as numba_backend
@@ -157,6 +157,29 @@ def test_backends_agree_with_numpy(backend, problem):
         np.testing.assert_array_equal(a, b)
     else:
         np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    not (kernels.HAVE_NUMBA and kernels.HAVE_NATIVE), reason="numba or the C++ kernels missing"
+)
+@pytest.mark.parametrize("kind", ["int8", "fp16", "codes"])
+def test_numba_and_native_agree_on_quantized_tables(kind):
+    """numba's quantized bag (numpy's decode, then its float32 kernel) against the C++
+    kernel's decode in the sum, bit for bit (tests/test_serving_quantized.py checks the
+    C++ and numpy backends against float64 references)."""
+    from embedmesh.serving import quantize_table
+
+    rng = np.random.default_rng(5)
+    cfg = TableConfig(50, 20, quantization_config=QuantizationConfig(200, -1.5, 1.25))
+    q = quantize_table(rng.standard_normal((50, 20)).astype(np.float32), kind, config=cfg)
+    ids = rng.integers(-1, 50, 40)
+    offsets = np.array([0, 0, 7, 19, 20, 40])
+    w = (rng.integers(-2, 8, 40) / 4).astype(np.float32)
+    for combiner in ("sum", "mean", "sqrtn"):
+        problem = (q, ids, offsets, w, combiner, True, True)
+        want = _bag("native", *problem)
+        assert not np.isnan(want).any() and np.abs(want).max() > 0
+        np.testing.assert_array_equal(_bag("numba", *problem), want)
 
 
 @pytest.mark.skipif(

@@ -1,6 +1,6 @@
 """Quantized serving tables (`embedmesh.serving.quantize_tables`, issue 41 item 3):
 int8 rows (FBGEMM's fused 8-bit row-wise layout), fp16, bf16 and bucket codes, served
-by `serving_embedding_lookup` (C++, numba and numpy backends, and the traced path),
+by `serving_embedding_lookup` (C++ and numpy backends, and the traced path),
 `export_serving` / `load_serving` and the SavedModel export's table conversion.
 
 References are float64, written here: the decoded value of each layout (`q * scale +
@@ -32,11 +32,10 @@ from embedmesh.serving import (
     quantize_tables,
 )
 
-BACKENDS = (
-    ["numpy"]
-    + (["numba"] if kernels.HAVE_NUMBA else [])
-    + (["native"] if kernels.HAVE_NATIVE else [])
-)
+# Not numba: its quantized bag is the numpy backend's decode (`backends.common.decoded_bag`)
+# then its float32 bag kernel, which tests/test_kernels.py checks against float64 (the
+# same kernels, bit for bit); here it cost ~19 s of compiling in a CI worker.
+BACKENDS = ["numpy"] + (["native"] if kernels.HAVE_NATIVE else [])
 KINDS = ["int8", "fp16", "bf16", "codes"]
 COMBINERS = ["sum", "mean", "sqrtn"]
 QUANT = em.QuantizationConfig(200, -1.5, 1.25)
@@ -217,8 +216,8 @@ def test_bag_combine_quantized_every_backend(case):
         err = np.abs(out.astype(np.float64) - want)
         assert (err <= (length + 3) * 2.0**-23 * absum + 1e-30).all(), (backend, err.max())
         got[backend] = out.copy()
-    if "native" in got and "numba" in got:  # the same decode and sums, bit for bit
-        np.testing.assert_array_equal(got["native"], got["numba"])
+    if "native" in got and combiner == "sum":  # the same decode and sums, bit for bit
+        np.testing.assert_array_equal(got["native"], got["numpy"])  # (denominators: any order)
     # against the unquantized table: within the stated element bound, summed
     if kind != "codes":
         want_x, _ = bag64(x.astype(np.float64), ids, offsets, weights, combiner, prune)
