@@ -46,16 +46,16 @@ def poisoned_outputs(monkeypatch):
     float dtype) until a kernel writes it: an element a kernel forgets shows."""
     import numpy as np
 
-    from embedmesh.serving import kernels
+    from embedmesh.serving import pool
 
-    real = kernels._pool.empty_at  # every output buffer comes from here
+    real = pool._pool.empty_at  # every output buffer comes from here
 
     def poisoned(shape, dtype):
         out, addr = real(shape, dtype)
         out.view(np.uint8)[...] = 0xFF
         return out, addr
 
-    monkeypatch.setattr(kernels._pool, "empty_at", poisoned)
+    monkeypatch.setattr(pool._pool, "empty_at", poisoned)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedmesh import QuantizationConfig, TableConfig, sparse_index
-from embedmesh.serving import backends, kernels
+from embedmesh.serving import backends, kernels, pool
 from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.backends import numba as numba_backend
 from embedmesh.serving.backends import numpy as numpy_backend
@@ -479,34 +479,34 @@ def test_inputs_sparse_check_follows_the_backend(backend, monkeypatch):
 def test_output_pool_reuses_only_unreferenced_buffers():
     import jax
 
-    previous = kernels.set_output_pool_limit(64 << 20)
+    previous = pool.set_output_pool_limit(64 << 20)
     try:
-        a = kernels.output_empty((100, 64), np.float32)
+        a = pool.output_empty((100, 64), np.float32)
         a[...] = 1
         held = jax.device_put(a, may_alias=True)
         view = a[3:5]
         del a
-        b = kernels.output_empty((100, 64), np.float32)  # a is still referenced twice over
+        b = pool.output_empty((100, 64), np.float32)  # a is still referenced twice over
         assert not np.shares_memory(b, view)
         b[...] = 2
         del held
-        c = kernels.output_empty((100, 64), np.float32)  # the numpy view still holds it
+        c = pool.output_empty((100, 64), np.float32)  # the numpy view still holds it
         assert not np.shares_memory(c, view)
         np.testing.assert_array_equal(view, 1)
         addr = view.ctypes.data - 3 * 64 * 4
         del view, b, c
         # free again: reused (once jaxlib lets go of the numpy array `held` aliased)
-        d, e, g = (kernels.output_empty((100, 64), np.float32) for _ in range(3))
+        d, e, g = (pool.output_empty((100, 64), np.float32) for _ in range(3))
         assert addr in (d.ctypes.data, e.ctypes.data, g.ctypes.data)
         assert d.ctypes.data % 64 == 0
-        kernels.set_output_pool_limit(0)  # no pooling: every buffer is fresh
+        pool.set_output_pool_limit(0)  # no pooling: every buffer is fresh
         del d, e, g
-        assert kernels._pool.free_bytes() == 0
-        f = kernels.output_empty((100, 64), np.float32)
+        assert pool._pool.free_bytes() == 0
+        f = pool.output_empty((100, 64), np.float32)
         del f
-        assert kernels._pool.free_bytes() == 0
+        assert pool._pool.free_bytes() == 0
     finally:
-        kernels.set_output_pool_limit(previous)
+        pool.set_output_pool_limit(previous)
 
 
 def test_output_pool_limit_bounds_the_free_buffers_oldest_go_first(monkeypatch):
@@ -516,29 +516,29 @@ def test_output_pool_limit_bounds_the_free_buffers_oldest_go_first(monkeypatch):
     real = _runtime.aligned_buffer
     monkeypatch.setattr(_runtime, "aligned_buffer", lambda *a: fresh.append(a) or real(*a))
     one = 1024 * 4  # bytes of a (1024,) float32 buffer
-    previous = kernels.set_output_pool_limit(2 * one + 100)
+    previous = pool.set_output_pool_limit(2 * one + 100)
     try:
-        a = kernels.output_empty((1024,), np.float32)
-        b = kernels.output_empty((32, 32), np.float32)  # the same bytes, another shape
-        c = kernels.output_empty((1000,), np.float32)
+        a = pool.output_empty((1024,), np.float32)
+        b = pool.output_empty((32, 32), np.float32)  # the same bytes, another shape
+        c = pool.output_empty((1000,), np.float32)
         addr_b, addr_c = b.ctypes.data, c.ctypes.data
-        assert kernels._pool.free_bytes() == 0 and len(fresh) == 3  # in use: not the pool's
+        assert pool._pool.free_bytes() == 0 and len(fresh) == 3  # in use: not the pool's
         del a
         del c
-        assert kernels._pool.free_bytes() == one + 4000
+        assert pool._pool.free_bytes() == one + 4000
         del b  # no room for a third: the oldest freed (a's) goes
-        assert kernels._pool.free_bytes() == one + 4000
-        x = kernels.output_empty((1024,), np.float32)
+        assert pool._pool.free_bytes() == one + 4000
+        x = pool.output_empty((1024,), np.float32)
         assert x.ctypes.data == addr_b and len(fresh) == 3
-        y = kernels.output_empty((1024,), np.float32)  # a's was dropped: a fresh one
+        y = pool.output_empty((1024,), np.float32)  # a's was dropped: a fresh one
         assert len(fresh) == 4 and not np.shares_memory(x, y)
-        z = kernels.output_empty((10, 100), np.float32)
-        assert z.ctypes.data == addr_c and kernels._pool.free_bytes() == 0 and len(fresh) == 4
-        big = kernels.output_empty((4096,), np.float32)  # over the limit: never kept
+        z = pool.output_empty((10, 100), np.float32)
+        assert z.ctypes.data == addr_c and pool._pool.free_bytes() == 0 and len(fresh) == 4
+        big = pool.output_empty((4096,), np.float32)  # over the limit: never kept
         del big
-        assert kernels._pool.free_bytes() == 0
+        assert pool._pool.free_bytes() == 0
     finally:
-        kernels.set_output_pool_limit(previous)
+        pool.set_output_pool_limit(previous)
 
 
 def test_output_pool_keeps_a_loop_in_its_buffers_while_the_caller_holds_a_result(monkeypatch):
@@ -552,11 +552,11 @@ def test_output_pool_keeps_a_loop_in_its_buffers_while_the_caller_holds_a_result
     monkeypatch.setattr(_runtime, "aligned_buffer", lambda *a: fresh.append(a) or real(*a))
     shape, n = (256, 64), 4
     nbytes = 256 * 64 * 4
-    previous = kernels.set_output_pool_limit(n * nbytes + nbytes // 2)
+    previous = pool.set_output_pool_limit(n * nbytes + nbytes // 2)
     try:
         held = None
         for request in range(8):
-            outs = [kernels.output_empty(shape, np.float32) for _ in range(n)]
+            outs = [pool.output_empty(shape, np.float32) for _ in range(n)]
             for o in outs:
                 o[...] = request
             assert len(fresh) == n * min(request + 1, 2), request
@@ -564,22 +564,22 @@ def test_output_pool_keeps_a_loop_in_its_buffers_while_the_caller_holds_a_result
             held = outs
         assert held[0][0, 0] == 7
     finally:
-        kernels.set_output_pool_limit(previous)
+        pool.set_output_pool_limit(previous)
 
 
 def test_output_pool_hands_out_non_native_dtypes_over_the_same_memory():
     import ml_dtypes
 
-    previous = kernels.set_output_pool_limit(1 << 20)
+    previous = pool.set_output_pool_limit(1 << 20)
     try:
-        a, addr = kernels.output_empty_at((3, 5), ml_dtypes.bfloat16)
+        a, addr = pool.output_empty_at((3, 5), ml_dtypes.bfloat16)
         assert a.dtype == ml_dtypes.bfloat16 and a.shape == (3, 5) and addr % 64 == 0
         assert a.ctypes.data == addr and a.flags.writeable and a.flags.c_contiguous
         a[...] = 1.5
-        b, addr_b = kernels.output_empty_at((5, 3), np.dtype(">f4"))
+        b, addr_b = pool.output_empty_at((5, 3), np.dtype(">f4"))
         assert b.dtype == np.dtype(">f4") and b.ctypes.data == addr_b != addr
         del a
-        c, addr_c = kernels.output_empty_at((15,), np.float16)  # the same 30 bytes
+        c, addr_c = pool.output_empty_at((15,), np.float16)  # the same 30 bytes
         assert addr_c == addr and c.dtype == np.float16
     finally:
-        kernels.set_output_pool_limit(previous)
+        pool.set_output_pool_limit(previous)

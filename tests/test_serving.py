@@ -512,7 +512,7 @@ def test_host_outputs_become_uncommitted_jax_arrays_without_a_copy(fast, monkeyp
     """The host path's jax.Arrays: what `jax.device_put` gives (uncommitted, on the
     default device, x64 rules), aliasing the kernel's aligned buffers on CPU;
     jaxlib's direct call (fast) and `jax.device_put` agree."""
-    from embedmesh.serving import kernels
+    from embedmesh._runtime import aligned_empty
     from embedmesh.serving import lookup as serving
 
     if not fast:
@@ -520,7 +520,7 @@ def test_host_outputs_become_uncommitted_jax_arrays_without_a_copy(fast, monkeyp
     rng = np.random.default_rng(0)
     outs = []
     for shape, dtype in [((5, 16), np.float32), ((3, 2, 8), np.float16), ((0, 4), np.float32)]:
-        a = kernels.aligned_empty(shape, dtype)
+        a = aligned_empty(shape, dtype)
         a[...] = rng.normal(size=shape)
         outs.append(a)
     got = serving._host_to_jax(outs)
@@ -531,7 +531,7 @@ def test_host_outputs_become_uncommitted_jax_arrays_without_a_copy(fast, monkeyp
         np.testing.assert_array_equal(np.asarray(g), a)
         if a.size:
             assert g.unsafe_buffer_pointer() == a.ctypes.data  # no copy
-    wide = kernels.aligned_empty((2, 3), np.float64)
+    wide = aligned_empty((2, 3), np.float64)
     wide[...] = 1.5
     (g,) = serving._host_to_jax([wide])  # canonicalised as jax.device_put does
     assert g.dtype == jax.device_put(wide).dtype

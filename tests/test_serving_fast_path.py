@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from test_serving import reference_lookup
 
 import embedmesh as em
-from embedmesh.serving import fast_path, kernels, lookup, native
+from embedmesh.serving import fast_path, kernels, lookup, native, pool
+from embedmesh.serving.backends import native as native_backend
 
 pytestmark = pytest.mark.skipif(
     not kernels.HAVE_NATIVE, reason=f"no C++ serving kernels: {native.reason()}"
@@ -300,7 +301,7 @@ def test_requests_for_several_threads_are_handed_over_task_by_task(
     rng = np.random.default_rng(8)
     fcs, tables, inputs = _common(rng, n=3)
     calls = {"add_words": 0, "run_tasks": 0}
-    real_add, real_run = kernels.NativeRequest.add_words, kernels.run_tasks
+    real_add, real_run = native_backend.NativeRequest.add_words, native_backend.run_tasks
 
     def add_words(self, words):
         calls["add_words"] += 1
@@ -310,8 +311,8 @@ def test_requests_for_several_threads_are_handed_over_task_by_task(
         calls["run_tasks"] += 1
         return real_run(words, n)
 
-    monkeypatch.setattr(kernels.NativeRequest, "add_words", add_words)
-    monkeypatch.setattr(kernels, "run_tasks", run_tasks)
+    monkeypatch.setattr(native_backend.NativeRequest, "add_words", add_words)
+    monkeypatch.setattr(native_backend, "run_tasks", run_tasks)
     monkeypatch.setattr(lookup, "_host_threads", threads)
     previous = native.library().EmServingSetMinEntriesPerThread(min_entries)
     try:
@@ -452,16 +453,16 @@ def test_checked_bag_task_rejects_bad_offsets_before_any_write(splits):
     ids = rng.integers(0, 50, 4).astype(np.int64)
     offsets = np.array(splits, np.int64)
     rows = offsets.shape[0] - 1
-    out, out_addr = kernels.output_empty_at((rows, 8), np.float32)
+    out, out_addr = pool.output_empty_at((rows, 8), np.float32)
     good_off = np.array([0, 1, 4], np.int64)
-    good, good_addr = kernels.output_empty_at((2, 8), np.float32)
+    good, good_addr = pool.output_empty_at((2, 8), np.float32)
 
     def task(off, rows, addr):
-        w = [4, kernels.address(table), 50, 8, 8, kernels.address(ids), 1]
-        w += [kernels.address(off), rows, 0, 0, 0, 0, addr, 8, 4]
-        return w + [0] * (kernels.TASK_WORDS - len(w))
+        w = [4, pool.address(table), 50, 8, 8, pool.address(ids), 1]
+        w += [pool.address(off), rows, 0, 0, 0, 0, addr, 8, 4]
+        return w + [0] * (native_backend.TASK_WORDS - len(w))
 
-    codes = kernels.run_tasks(
+    codes = native_backend.run_tasks(
         array.array("q", task(offsets, rows, out_addr) + task(good_off, 2, good_addr)), 2
     )
     assert codes == [-3, -1]

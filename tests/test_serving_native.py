@@ -15,7 +15,8 @@ from bag_reference import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh.serving import fast_path, kernels, native
+from embedmesh.serving import fast_path, kernels, native, pool
+from embedmesh.serving.backends import native as native_backend
 
 pytestmark = pytest.mark.skipif(
     not kernels.HAVE_NATIVE, reason=f"no C++ serving kernels: {native.reason()}"
@@ -449,11 +450,11 @@ def test_run_native_equals_each_kernel_alone(kinds, threads, sizes, dims, bad, b
         makers.append(_task(rng, kind, n, dim, 50, marks))
     alone = [_outcome(make()) for make in makers]
     calls = [make() for make in makers]
-    assert all(kernels.is_native_call(c) for c in calls)
+    assert all(native_backend.is_native_call(c) for c in calls)
     if seed % 2:  # one call (EmServingRun)
-        codes = kernels.run_native(calls, threads)
+        codes = native_backend.run_native(calls, threads)
     else:  # handed over one by one (EmServingOpen / Add / Close)
-        request = kernels.NativeRequest(len(calls), threads)
+        request = native_backend.NativeRequest(len(calls), threads)
         for c in calls:
             request.add(c)
         codes = request.close()
@@ -477,7 +478,7 @@ def test_run_native_from_many_request_threads_at_once():
 
     def request(_):
         calls = [make() for make in makers]
-        codes = kernels.run_native(calls, 2)
+        codes = native_backend.run_native(calls, 2)
         return [c.finish(code).copy() for c, code in zip(calls, codes)]
 
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
@@ -497,13 +498,13 @@ def test_run_native_in_a_forked_child():
     makers = [_task(rng, "bag", 20_000, 32, 100) for _ in range(3)]
     want = [make()() for make in makers]
     calls = [make() for make in makers]
-    kernels.run_native(calls, 2)  # the parent's pool is running
+    native_backend.run_native(calls, 2)  # the parent's pool is running
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         ok = 1
         try:
             calls = [make() for make in makers]
-            codes = kernels.run_native(calls, 2)
+            codes = native_backend.run_native(calls, 2)
             ok = int(not all(np.array_equal(c.finish(k), w) for c, k, w in zip(calls, codes, want)))
         finally:
             os._exit(ok)
@@ -598,7 +599,7 @@ def test_a_small_request_runs_on_fewer_threads(entries, threads, want):
         rows = []
         for i, n in enumerate(entries):
             kind = (4, 3, 2)[i % 3]  # checked bag (w[15]), sparse offsets bag (w[17]), gather
-            w = [kind] + [0] * (kernels.TASK_WORDS - 1)
+            w = [kind] + [0] * (native_backend.TASK_WORDS - 1)
             w[{4: 15, 3: 17, 2: 7}[kind]] = n
             w[7 if kind != 2 else 8] = 0 if kind == 2 else 1  # unchecked offsets: never read
             rows += w
@@ -633,7 +634,7 @@ def test_streamed_outputs_equal_cached_ones(dim, threads):
             lib.EmServingSetStreamOutput(stream)
             alone = kernels.bag_combine(table, ids, offsets, weights, "mean")
             call = kernels.prepare_bag_combine(table, ids, offsets, weights, "mean")
-            together = call.finish(kernels.run_native([call], threads)[0])
+            together = call.finish(native_backend.run_native([call], threads)[0])
             np.testing.assert_array_equal(alone, together)
             outs.append(np.array(alone))
     finally:
@@ -664,7 +665,7 @@ def test_rows_on_64_byte_lines_give_the_same_sums(dim, weighted):
     aligned, shifted = rows_at(0), rows_at(4)
     aligned[...] = rng.standard_normal((500, dim)).astype(np.float32)
     shifted[...] = aligned
-    assert kernels.address(aligned) % 64 == 0 and kernels.address(shifted) % 64 == 16
+    assert pool.address(aligned) % 64 == 0 and pool.address(shifted) % 64 == 16
     lengths = rng.poisson(4, 300)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ids = rng.integers(0, 500, int(offsets[-1]))
@@ -701,15 +702,15 @@ def test_gather_of_long_outputs_at_any_alignment(row_bytes, offset):
 
     def run(ids, pieces):
         buf = np.full(n * row_bytes + offset + 256, 0xAB, np.uint8)
-        base = kernels.address(buf) + (-kernels.address(buf)) % 64 + offset
-        start = base - kernels.address(buf)
+        base = pool.address(buf) + (-pool.address(buf)) % 64 + offset
+        start = base - pool.address(buf)
         codes = []
         for j in range(pieces):
             lo, hi = n * j // pieces, n * (j + 1) // pieces
             codes.append(
                 lib.EmServingGather(
-                    kernels.address(table), vocab, row_bytes, stride,
-                    kernels.address(ids) + 8 * lo, 1, hi - lo, base + lo * row_bytes,
+                    pool.address(table), vocab, row_bytes, stride,
+                    pool.address(ids) + 8 * lo, 1, hi - lo, base + lo * row_bytes,
                 )
             )  # fmt: skip
         return buf, start, codes

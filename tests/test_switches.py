@@ -147,21 +147,20 @@ import json
 import numpy as np
 import embedmesh as em
 from embedmesh.serving import lookup
-
-from embedmesh.serving import kernels
+from embedmesh.serving.backends import native as native_backend
 
 used = []
 real = lookup._run_on_threads
 lookup._run_on_threads = lambda runs, threads: used.append(threads) or real(runs, threads)
-real_run = kernels.run_native
-kernels.run_native = lambda calls, threads: used.append(threads) or real_run(calls, threads)
-real_tasks = kernels.run_tasks
-kernels.run_tasks = lambda words, threads: used.append(threads) or real_tasks(words, threads)
-class Request(kernels.NativeRequest):
+real_run = native_backend.run_native
+native_backend.run_native = lambda calls, threads: used.append(threads) or real_run(calls, threads)
+real_tasks = native_backend.run_tasks
+native_backend.run_tasks = lambda words, threads: used.append(threads) or real_tasks(words, threads)
+class Request(native_backend.NativeRequest):
     def __init__(self, n, threads):
         used.append(threads)
         super().__init__(n, threads)
-kernels.NativeRequest = Request
+native_backend.NativeRequest = Request
 from embedmesh.serving import fast_path
 compiled = fast_path._compiled  # the compiled request path gets the threads as its last argument
 if compiled is not None:
@@ -247,7 +246,7 @@ import gc
 import json
 import numpy as np
 import embedmesh as em
-from embedmesh.serving import kernels
+from embedmesh.serving import pool
 
 t = em.TableConfig(1000, 64, name="t")
 fc = {"a": em.FeatureConfig(t), "b": em.FeatureConfig(t)}
@@ -255,13 +254,13 @@ rng = np.random.default_rng(0)
 inputs = {k: rng.integers(0, 1000, (1200, 2)) for k in fc}  # 600 KiB outputs
 out = em.serving_embedding_lookup(inputs, None,
                                   {t: rng.standard_normal((1000, 64)).astype(np.float32)}, fc)
-in_use = kernels._pool.free_bytes()
+in_use = pool._pool.free_bytes()
 del out
 gc.collect()
-if kernels._pool.release is not None:
-    kernels._pool.release()  # jaxlib lets go of the numpy arrays its arrays aliased
-print(json.dumps({"limit": kernels._pool.limit, "in_use": in_use,
-                  "kept": kernels._pool.free_bytes()}))
+if pool._pool.release is not None:
+    pool._pool.release()  # jaxlib lets go of the numpy arrays its arrays aliased
+print(json.dumps({"limit": pool._pool.limit, "in_use": in_use,
+                  "kept": pool._pool.free_bytes()}))
 """
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from embedmesh import _native
-from embedmesh.serving import kernels, native
+from embedmesh.serving import native, pool
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(native.__file__)), "cpu", "serving.cc")
 
@@ -125,7 +125,7 @@ def main() -> None:
             feats.append((ids, splits))
         batches.append(feats)
     mode = {"sum": 0, "mean": 1, "sqrtn": 2}[args.combiner]
-    outs = [kernels.output_empty((args.batch, args.dim), np.float32) for _ in range(args.tables)]
+    outs = [pool.output_empty((args.batch, args.dim), np.float32) for _ in range(args.tables)]
     tw = [torch.from_numpy(t) for t in tables]
     tin = [
         [(torch.from_numpy(ids), torch.from_numpy(sp[:-1].copy())) for ids, sp in b]

@@ -3,7 +3,7 @@
 Runs benchmarks/serving/serving.py's workload (8 tables x 1M x dim, batch 4096, Poisson(10)
 Zipf(1.05) ids) on the host path and splits each call into: prepare (checks, layouts,
 the bag offsets, output buffers: `lookup._prepare_host`), kernels (the host kernels:
-`kernels.run_native`'s one call with the C++ kernels, else per feature on the caller's
+`native_backend.run_native`'s one call with the C++ kernels, else per feature on the caller's
 thread with 1 thread, the whole thread runner with more),
 wrap (the outputs as jax.Arrays: `lookup._host_to_jax`) and the rest (config and
 structure glue). Medians over the calls. No peers: this times one system's phases.
@@ -26,6 +26,7 @@ import numpy as np
 import serving as bench
 
 from embedmesh.serving import kernels, lookup
+from embedmesh.serving.backends import native as native_backend
 
 
 def main() -> None:
@@ -54,8 +55,8 @@ def main() -> None:
 
     lookup._prepare_host = timed("prepare", lookup._prepare_host)
     lookup._host_to_jax = timed("wrap", lookup._host_to_jax)
-    # the C++ kernels run in one call (kernels.run_native); other backends per feature
-    kernels.run_native = timed("kernels", kernels.run_native)
+    # the C++ kernels run in one call (native_backend.run_native); other backends per feature
+    native_backend.run_native = timed("kernels", native_backend.run_native)
     if threads == 1:
         lookup._named.__call__ = timed("kernels", lookup._named.__call__)
     else:

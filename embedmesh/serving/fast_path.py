@@ -5,7 +5,7 @@ float32 numpy tables: the general host path (`lookup._prepare_host`) spends ~30 
 Python a feature on them (layouts, structure checks in numpy, `to_csr`, argument
 conversions, ~5 array addresses at ~1 us each), 0.4 ms of a batch-64 request whose kernels
 take 0.1 ms. Here each such feature becomes one C++ task after a handful of type, dtype
-and shape tests (all run in one C++ call, `kernels.run_tasks`, or handed to the pool one
+and shape tests (all run in one C++ call, `native_backend.run_tasks`, or handed to the pool one
 by one as they are made when the request is large enough for several threads), and its
 structure is checked in C++ as the task is added: ragged row_splits by the runner (task
 kind 4), sparse indices by the offsets phase (kind 3), ids by the kernels.
@@ -35,7 +35,8 @@ import numpy as np
 
 from embedmesh._runtime import combiner_code
 from embedmesh.inputs import RaggedTensor, SparseTensor
-from embedmesh.serving import kernels
+from embedmesh.serving import kernels, pool
+from embedmesh.serving.backends import native as native_backend
 
 try:  # the same checks compiled (setup.py builds it; a checkout used without an install
     # has none)
@@ -55,7 +56,7 @@ __all__ = [
 
 _I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
 _KIND_BAG_CHECKED, _KIND_SPARSE_OFFSETS_BAG, _KIND_GATHER = 4, 3, 2
-_PAD = (0,) * kernels.TASK_WORDS
+_PAD = (0,) * native_backend.TASK_WORDS
 _Tracer = jax.core.Tracer
 
 
@@ -96,7 +97,7 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
     called again after them.
 
     A request large enough for several threads is handed to the C++ pool task by task
-    as each is made (`kernels.NativeRequest`): the pool's threads sum the first
+    as each is made (`native_backend.NativeRequest`): the pool's threads sum the first
     features while this thread makes the next ones and the result. Requests back to
     back on 2 threads, 8 x 1M tables (benchmarks/runs/serving-history.md, sixth session):
     0.99-1.08x one C++ call at the end at dims 16-64 by itself, 1.06-1.16x with the
@@ -114,14 +115,14 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
     if entries < 0:
         return None
     keep: list = []
-    if threads > 1 and kernels.threads_for_entries(entries, threads) > 1:
+    if threads > 1 and native_backend.threads_for_entries(entries, threads) > 1:
         return _handed_over(features, flat_inputs, flat_weights, tables, threads, finish, keep)
     words: list = []
     outs = _prepare(features, flat_inputs, flat_weights, tables, words.extend, keep)
     if outs is None:
         return None  # not a common request: the general path's
     result = finish(outs, True)
-    if words and any(c != -1 for c in kernels.run_tasks(array.array("q", words), threads)):
+    if words and any(c != -1 for c in native_backend.run_tasks(array.array("q", words), threads)):
         return None  # an error: the general path names it
     return result if result is not None else finish(outs, False)
 
@@ -212,7 +213,7 @@ def compiled_available() -> bool:
 
 def _bind() -> None:
     global _bound
-    _compiled.bind(*kernels.runner_addresses())
+    _compiled.bind(*native_backend.runner_addresses())
     _bound = True
 
 
@@ -242,12 +243,12 @@ def _plans(features) -> tuple:
 
 
 def _alloc(shape):
-    return kernels.output_empty_at(shape, _F32)
+    return pool.output_empty_at(shape, _F32)
 
 
 def _handed_over(features, flat_inputs, flat_weights, tables, threads, finish, keep):
     """`lookup`'s request, each task handed to the pool as it is made."""
-    request = kernels.NativeRequest(len(flat_inputs), threads)
+    request = native_backend.NativeRequest(len(flat_inputs), threads)
     outs = result = None
     try:
         outs = _prepare(features, flat_inputs, flat_weights, tables, request.add_words, keep)
@@ -325,7 +326,7 @@ def _weights_address(weight, ids) -> int | None:
         or not np.isfinite(w).all()
     ):
         return None
-    return kernels.address(w)
+    return pool.address(w)
 
 
 def _ragged(feature, inp, weight, table):
@@ -350,8 +351,8 @@ def _ragged(feature, inp, weight, table):
     if w_addr is None:
         return None
     rows = splits.shape[0] - 1
-    out, out_addr = kernels.output_empty_at((rows, table.shape[1]), _F32)
-    task = _bag_words(_KIND_BAG_CHECKED, table, ids, kernels.address(splits), rows, w_addr, feature)
+    out, out_addr = pool.output_empty_at((rows, table.shape[1]), _F32)
+    task = _bag_words(_KIND_BAG_CHECKED, table, ids, pool.address(splits), rows, w_addr, feature)
     task += (out_addr, table.shape[1], ids.shape[0])  # ids: checked against row_splits[-1]
     return out, task + _PAD[len(task) :]
 
@@ -361,16 +362,16 @@ def _bag_words(kind, table, ids, offsets_addr, rows, w_addr, feature, prune_ids=
     output's."""
     return (
         kind,
-        kernels.address(table),
+        pool.address(table),
         table.shape[0],
         table.shape[1],
         table.strides[0] >> 2,
-        kernels.address(ids),
+        pool.address(ids),
         int(ids.dtype is _I64),
         offsets_addr,
         rows,
         w_addr,
-        kernels.combiner_code(feature.table.combiner),
+        combiner_code(feature.table.combiner),
         prune_ids,
         prune_w,
     )
@@ -402,7 +403,7 @@ def _sparse(feature, inp, weight, table, keep):
     # a combiner other than sum weights not > 0
     safe = bool(feature.validate_weights_and_indices)
     combiner = feature.table.combiner
-    out, out_addr = kernels.output_empty_at((rows, dim), _F32)
+    out, out_addr = pool.output_empty_at((rows, dim), _F32)
     offsets = np.empty(rows + 1, np.int64)  # written by the request's first phase
     keep.append(offsets)
     prune_w = int(safe and w_addr != 0 and combiner != "sum")
@@ -410,14 +411,14 @@ def _sparse(feature, inp, weight, table, keep):
         _KIND_SPARSE_OFFSETS_BAG,
         table,
         ids,
-        kernels.address(offsets),
+        pool.address(offsets),
         rows,
         w_addr,
         feature,
         int(safe),
         prune_w,
     )
-    task += (out_addr, dim, kernels.address(idx), int(idx.dtype is _I64), ids.shape[0], cols)
+    task += (out_addr, dim, pool.address(idx), int(idx.dtype is _I64), ids.shape[0], cols)
     return out, task + _PAD[len(task) :]
 
 
@@ -425,14 +426,14 @@ def _dense(inp, table):
     if not _ids_ok(inp) or inp.ndim < 1:
         return None
     dim = table.shape[1]
-    out, out_addr = kernels.output_empty_at((*inp.shape, dim), _F32)
+    out, out_addr = pool.output_empty_at((*inp.shape, dim), _F32)
     task = (
         _KIND_GATHER,
-        kernels.address(table),
+        pool.address(table),
         table.shape[0],
         dim * 4,
         table.strides[0],
-        kernels.address(inp),
+        pool.address(inp),
         int(inp.dtype is _I64),
         inp.size,
         out_addr,

@@ -16,7 +16,8 @@ Each op is implemented once per backend, one module each
 - "native" (`backends/native.py`, the default where its library loads): C++
   kernels (`embedmesh/serving/cpu/serving.cc`, loaded by
   `embedmesh.serving.native.library()`); a request's kernels also run in one C++
-  call on a pool of threads (`run_native`, `NativeRequest`);
+  call on a pool of threads (`run_native`, `NativeRequest` there: the request path,
+  `lookup.py` and `fast_path.py`, calls them directly);
 - "numba" (`backends/numba.py`, when the C++ kernels are unavailable and numba is
   importable; compiled at a process's first call, never imported by `import
   embedmesh`);
@@ -27,7 +28,7 @@ All give the same values, bit for bit: float32 accumulation in entry order, no F
 `EMBEDMESH_SERVING_NATIVE=0` disables the C++ kernels and `EMBEDMESH_NUMBA=0`
 (read once, by `embedmesh._runtime`) numba altogether, here and in host
 preprocessing. Outputs come from `embedmesh.serving.pool` (64-byte aligned,
-reused; `set_output_pool_limit`).
+reused; `set_output_pool_limit`), which this module does not re-export.
 """
 
 from __future__ import annotations
@@ -37,58 +38,26 @@ import functools
 import numpy as np
 
 from embedmesh import sparse_index
-from embedmesh._runtime import aligned_empty, combiner_code
+from embedmesh._runtime import combiner_code
 from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.backends import numba as numba_backend
 from embedmesh.serving.backends import numpy as numpy_backend
 from embedmesh.serving.backends.common import BadSparseIndex, IdOutOfRange, finish, signed_ids
-from embedmesh.serving.backends.native import (
-    TASK_WORDS,
-    NativeRequest,
-    is_native_call,
-    run_native,
-    run_tasks,
-    runner_addresses,
-    threads_for_entries,
-)
-from embedmesh.serving.pool import (
-    _pool,
-    address,
-    output_empty,
-    output_empty_at,
-    set_output_pool_limit,
-    set_release_hook,
-)
 from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = [
-    "TASK_WORDS",
     "BadSparseIndex",
     "IdOutOfRange",
-    "NativeRequest",
-    "address",
-    "aligned_empty",
     "bag_combine",
-    "combiner_code",
     "gather",
     "get_backend",
-    "is_native_call",
     "native_in_use",
-    "output_empty",
-    "output_empty_at",
     "prepare_bag_combine",
     "prepare_gather",
     "prepare_sparse_bag_combine",
-    "run_native",
-    "run_tasks",
-    "runner_addresses",
     "set_backend",
-    "set_output_pool_limit",
-    "set_release_hook",
     "sparse_offsets",
-    "threads_for_entries",
 ]
-_ = _pool  # the pool itself (tests poison its buffers; benchmarks read its state)
 
 _BACKENDS = {m.NAME: m for m in (native_backend, numba_backend, numpy_backend)}
 _backend: str | None = None  # a key of _BACKENDS; None: chosen at first use

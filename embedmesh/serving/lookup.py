@@ -24,8 +24,8 @@ runs the kernels back to back (2-D sparse indices are checked when the kernels r
 `kernels.prepare_sparse_bag_combine`). The C++ kernels split
 every feature into chunks of whole bags over threads (`set_host_threads`,
 `EMBEDMESH_SERVING_THREADS`): with one thread in one call at the end
-(`kernels.run_native`), with more each feature handed to the pool as soon as it is
-prepared (`kernels.NativeRequest`); other backends spread whole features over Python
+(`native_backend.run_native`), with more each feature handed to the pool as soon as it is
+prepared (`native_backend.NativeRequest`); other backends spread whole features over Python
 threads. Inside `jax.jit`/`jax.export` (traced inputs)
 `_traced_lookup` builds per-entry rows from the same layout with masks at
 static shapes and computes with jax.numpy; ids out of range cannot raise there
@@ -61,7 +61,13 @@ from embedmesh.inputs import (
     unflatten_flat_dict,
     validate_structure,
 )
-from embedmesh.serving import fast_path, kernels, native  # noqa: F401 - native: its loader, imported now
+from embedmesh.serving import (
+    fast_path,
+    kernels,
+    native,  # noqa: F401 - its loader, imported now
+    pool,
+)
+from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.quantized import QuantizedTable
 
 __all__ = ["serving_embedding_lookup", "set_host_threads"]
@@ -263,7 +269,7 @@ def _release_dead_jax_references() -> None:
 
 _JAX_COLLECT_GARBAGE = _compat.collect_garbage()
 if _JAX_COLLECT_GARBAGE is not None:
-    kernels.set_release_hook(_release_dead_jax_references)
+    pool.set_release_hook(_release_dead_jax_references)
 
 # ---------------------------------------------------------------------------
 # The traced path (inside jax.jit / jax.export)
@@ -465,9 +471,9 @@ def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any)
         results = _run_handed_over(host, threads)
     else:
         runs = [_prepare_host(*task[1:]) for task in host]
-        if runs and all(kernels.is_native_call(r.run) for r in runs):
-            # one C++ call (chunks of bags: see kernels.run_native)
-            codes = kernels.run_native([r.run for r in runs], threads)
+        if runs and all(native_backend.is_native_call(r.run) for r in runs):
+            # one C++ call (chunks of bags: see native_backend.run_native)
+            codes = native_backend.run_native([r.run for r in runs], threads)
             results = _finish_all(runs, codes)
         elif threads > 1 and len(runs) > 1:
             results = _run_on_threads(runs, min(threads, len(runs)))
@@ -480,16 +486,16 @@ def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any)
 
 def _run_handed_over(host: list, threads: int) -> list:
     """The host lookups with the C++ kernels on `threads` threads, each feature's kernel
-    handed to the pool as soon as it is prepared (`kernels.NativeRequest`): the pool
+    handed to the pool as soon as it is prepared (`native_backend.NativeRequest`): the pool
     sums the first features while this thread checks and prepares the next. Features
     after one that is not a C++ kernel run here afterwards, in order."""
-    request = kernels.NativeRequest(len(host), threads)
+    request = native_backend.NativeRequest(len(host), threads)
     runs = []
     try:
         for task in host:
             run = _prepare_host(*task[1:])
             runs.append(run)
-            if len(request.calls) == len(runs) - 1 and kernels.is_native_call(run.run):
+            if len(request.calls) == len(runs) - 1 and native_backend.is_native_call(run.run):
                 request.add(run.run)
     finally:
         codes = request.close()  # also on an error: the kernels write buffers we hold
@@ -611,7 +617,7 @@ def _aliases(arrays: list, buffers: list, batched: bool) -> bool:
     for a, b in zip(arrays, buffers):
         if b.size:
             try:
-                ok = a.unsafe_buffer_pointer() == kernels.address(b)
+                ok = a.unsafe_buffer_pointer() == pool.address(b)
             except Exception:  # pragma: no cover - an array type without a buffer pointer
                 return False
             if batched and ok:

@@ -5,7 +5,7 @@ Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
 references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`: the free
 bytes kept). Every backend (`embedmesh.serving.backends`) takes its outputs
-here; `embedmesh.serving.kernels` re-exports the public names.
+here, and so does the request path (`lookup.py`, `fast_path.py`).
 """
 
 from __future__ import annotations
