@@ -321,7 +321,7 @@ def run_ops(mesh, job):
         gains = r.standard_normal((N, N, p)).astype(np.float32)
         acts = r.standard_normal((N, num_rows, d)).astype(np.float32)
 
-        def lookup(host_job):
+        def lookup(host_job, tables=tables):
             def body(t, ui, pu, g, pr):
                 return ops.lookup_from_shards(
                     t[0], ui, pu, g, pr, num_rows, ops.Transport("x", N, False, host_job, "ops/lk")
@@ -339,6 +339,12 @@ def run_ops(mesh, job):
         assert "embedmesh_host_lookup" in text
         _, ref = lookup(0)
         np.testing.assert_allclose(host, ref, rtol=1e-6, atol=1e-6, err_msg=f"lookup {case}")
+        if case < 2:  # a bfloat16, a float16 table: rows cross in the storage type, and the
+            # sums are the float32 kernel's on the widened table, bit for bit
+            low = tables.astype((jnp.bfloat16, jnp.float16)[case])
+            text, host_low = lookup(job, low)
+            assert "embedmesh_host_lookup" in text and ("bf16", "f16")[case] in text
+            np.testing.assert_array_equal(host_low, lookup(job, low.astype(np.float32))[1])
 
         def update(host_job):
             def body(t, a, ui, act, pr, pu, g):
