@@ -7,6 +7,10 @@ the bag offsets, output buffers: `lookup._prepare_host`), kernels (the host kern
 thread with 1 thread, the whole thread runner with more),
 wrap (the outputs as jax.Arrays: `lookup._host_to_jax`) and the rest (config and
 structure glue). Medians over the calls. No peers: this times one system's phases.
+Common inputs (float32 tables, int ids: this workload) on the C++ backend take the
+compiled fast path (`embedmesh.serving.fast_path`) instead: one call into the compiled
+request checks and the runner that this script cannot split, all of it counted as the
+rest; the phases above are the general path's (another backend, e.g. `numpy`).
 
     PYTHONPATH=. python benchmarks/serving/serving_phases.py ragged sum 1 [dim] [backend]
 """
