@@ -100,7 +100,12 @@ def prepare_stack(members: list, num_shards: int, seed: int) -> tuple:
     dynamic table's features (`(name, Csr, FeatureSegment)`), for `sort_table`."""
     raws = [_raw(c.ids) for _, c, _ in members]
     flat = np.concatenate(raws) if raws else np.zeros(0, np.int64)
-    uniq, inverse = np.unique(flat, return_inverse=True)
+    # (np.unique's return_inverse sorts by argsort: a sort and a search are ~1.5x faster)
+    ordered = np.sort(flat)
+    first = np.ones(ordered.shape, bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    uniq = ordered[first]
+    inverse = np.searchsorted(uniq, flat)
     coded, start = [], 0
     for (name, c, seg), r in zip(members, raws):
         codes = inverse[start : start + r.shape[0]].astype(np.int64)
