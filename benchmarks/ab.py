@@ -83,7 +83,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
 # Passed first: embedmesh's contenders only.
 DEFAULT_ARGS: dict[str, str] = {
     "train_step": "--peers embedmesh,embedmesh-pipelined,embedmesh-core,embedmesh-2dev",
-    "serving": "--contenders embedmesh[numba],embedmesh[numba-Nt],embedmesh[numpy]",
+    "serving": "--contenders embedmesh[native],embedmesh[native-Nt],embedmesh[numpy]",
     "preprocess": "",
     "checkpoint": "",
 }
