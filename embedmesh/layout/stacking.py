@@ -80,7 +80,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -632,6 +632,248 @@ def _merge_table_wise(stacks_idx: list, strategies: tuple, padded: list, n: int,
     return [(key, sorted(members)) for key, members in out]
 
 
+class _StackKey(NamedTuple):
+    """What tables must share to stack (a tuple: compared and hashed as one)."""
+
+    dim: int  # padded dim; with slots in rows, the row width
+    optimizer: Any  # the effective optimizer (a row-wise one told its table's dim)
+    dtype: np.dtype
+    exchange: Any  # `stack_keys`' value for the table (None: not named)
+    replicated: bool  # data_parallel: replicas stack only with replicas
+    quantization: tuple | None
+    slot_dtype: np.dtype
+    alone: str | None  # a table of raw ids (`TableConfig.id_map`): its name, alone in its stack
+
+
+def _check_plan_args(num_shards, dim_multiple, slots_in_rows, max_stack_rows) -> None:
+    """ValueError for a `plan_stacking` number out of its range, before any work."""
+    if not (
+        isinstance(num_shards, (int, np.integer))
+        and not isinstance(num_shards, bool)
+        and num_shards >= 1
+    ):
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    if not (isinstance(dim_multiple, (int, np.integer)) and dim_multiple >= 1):
+        raise ValueError(f"dim_multiple must be an int >= 1, got {dim_multiple!r}")
+    if not (isinstance(slots_in_rows, (int, np.integer)) and slots_in_rows >= 0):
+        raise ValueError(f"slots_in_rows must be an int >= 0, got {slots_in_rows!r}")
+    if max_stack_rows is not None and not (
+        isinstance(max_stack_rows, (int, np.integer)) and max_stack_rows >= 1
+    ):
+        raise ValueError(f"max_stack_rows must be None or an int >= 1, got {max_stack_rows!r}")
+
+
+def _stack_key(
+    t: TableConfig,
+    name: str,
+    strategy: str,
+    *,
+    default_optimizer: Any,
+    dim_multiple: int,
+    dtype: Any,
+    exchange: Any,
+    slots_in_rows: int,
+) -> _StackKey:
+    """Table `t`'s stacking key. With slots in rows its width is the row's (parameters and
+    slots, padded to `slots_in_rows`), so that tables whose rows are as wide stack."""
+    dim, opt = _stack_dim(t.dim, _effective_optimizer(t, default_optimizer), dim_multiple)
+    dtype = np.dtype(dtype)
+    slot_dtype = np.dtype(t.storage_slot_dtype)
+    if slots_in_rows and getattr(opt, "slot_names", ()) and slot_dtype == dtype:
+        if getattr(opt, "row_wise", False) and opt.mean_dim is None:  # a mean a dim
+            opt = dataclasses.replace(opt, mean_dim=t.dim)
+        dim = _row_width(opt, _round_up(t.dim, DEFAULT_DIM_MULTIPLE), slots_in_rows)
+    return _StackKey(
+        dim,
+        opt,
+        dtype,
+        exchange,
+        strategy == "data_parallel",
+        quantization_of(t),
+        slot_dtype,
+        name if getattr(t, "id_map", None) is not None else None,
+    )
+
+
+def _group(keys: list, stack_tables: bool) -> list:
+    """`[(key, [table index, ...])]`: the tables of equal keys together, in order of first
+    use (every table on its own where not `stack_tables`)."""
+    groups: list[tuple[Any, list[int]]] = []
+    for i, key in enumerate(keys):
+        for gkey, members in groups:
+            if stack_tables and gkey == key:
+                members.append(i)
+                break
+        else:
+            groups.append((key, [i]))
+    return groups
+
+
+def _split_by_rows(groups: list, padded: list, limit: int | None) -> list:
+    """Each group cut, in table order, before a table that would take its padded rows
+    (`padded[i]`) over `limit` (`max_stack_rows`; None: no limit)."""
+    out: list[tuple[Any, list[int]]] = []
+    for key, members in groups:
+        current: list[int] = []
+        rows = 0
+        for i in members:
+            if current and limit is not None and rows + padded[i] > limit:
+                out.append((key, current))
+                current, rows = [], 0
+            current.append(i)
+            rows += padded[i]
+        out.append((key, current))
+    return out
+
+
+def _rotations(layout: RowLayout, vocabs: list, strategies: tuple) -> dict:
+    """`{table index: rotation}`: the layout's, over the mod tables in table order (module
+    docstring); 0 for the others."""
+    mod_tables = [i for i, st in enumerate(strategies) if st == "mod"]
+    rotation = dict.fromkeys(range(len(vocabs)), 0)
+    rotation.update(zip(mod_tables, layout.rotations([vocabs[i] for i in mod_tables])))
+    return rotation
+
+
+def _table_wise_owners(stacks_idx: list, vocabs: list, strategies: tuple, n: int) -> dict:
+    """`{table index: owner shard}` of the table-wise tables: bin-packed by rows in each
+    stack (`_pack`), the stacks with the most table-wise bytes first, ties onto the shard
+    with the fewest table-wise bytes over all stacks so far."""
+    owners: dict[int, int] = {}
+    load = [0] * n
+    table_wise = [
+        (key[0], [i for i in members if strategies[i] == "table_wise"])
+        for key, members in stacks_idx
+    ]
+    for dim, tw in sorted(table_wise, key=lambda s: -s[0] * sum(vocabs[i] for i in s[1])):
+        rows = [vocabs[i] for i in tw]
+        where, _ = _pack(rows, n, load)
+        for i, v, j in zip(tw, rows, where):
+            owners[i] = j
+            load[j] += v * dim
+    return owners
+
+
+def _stack_name(members: list, table_names: tuple, used: set) -> str:
+    """A stack's name: its table's, or its tables' joined by "+" (a ValueError where that
+    is already the name of a table or another stack)."""
+    names = [table_names[i] for i in members]
+    name = names[0] if len(members) == 1 else "+".join(names)
+    if len(members) > 1 and name in used:
+        raise ValueError(f"stack name {name!r} collides with a table or stack name")
+    return name
+
+
+def _block_offsets(
+    members: list, spans: list, owners: dict, padded: list, n: int, replicated: bool
+) -> tuple:
+    """`({table index: local row offset}, rows per shard)` of a stack whose tables are
+    `members` in row order: each table's block after the rows its shards already use (a
+    replicated one: the same local rows on every shard)."""
+    used = [0] * n  # local rows used on each shard
+    offsets = {}
+    for i in members:
+        first = owners.get(i, 0)
+        reserved = slice(0, n) if replicated else slice(first, first + spans[i])
+        offsets[i] = max(used[reserved])
+        used[reserved] = [offsets[i] + padded[i] // spans[i]] * len(used[reserved])
+    return offsets, max(used)
+
+
+def _stack_columns(key: _StackKey, tables: list, slots_in_rows: int) -> tuple:
+    """`(dim, slot columns, row width)` of a stack: with its slots in its rows (the key's dim
+    is then the row width), its widest table's dim rounded to `DEFAULT_DIM_MULTIPLE` and
+    where each slot sits; else the key's dim, (), 0."""
+    if slots_in_rows and getattr(key.optimizer, "slot_names", ()) and key.slot_dtype == key.dtype:
+        dim = _round_up(max(t.dim for t in tables), DEFAULT_DIM_MULTIPLE)
+        return dim, _slot_columns(key.optimizer, dim), key.dim
+    return key.dim, (), 0
+
+
+def _place_stack(
+    key: _StackKey,
+    members: list,
+    name: str,
+    *,
+    resolved: ResolvedFeatures,
+    n: int,
+    spans: list,
+    padded: list,
+    owners: dict,
+    rotation: dict,
+    slots_in_rows: int,
+) -> tuple:
+    """`(StackSpec, [TablePlacement of each member])` of one stack, its tables `members`
+    (indices) in row order; a ValueError where its rows a shard do not fit int32."""
+    tables = [resolved.tables[i] for i in members]
+    dim, slot_columns, row_width = _stack_columns(key, tables, slots_in_rows)
+    offsets, rows_per_shard = _block_offsets(members, spans, owners, padded, n, key.replicated)
+    if rows_per_shard > _INT32_MAX:
+        raise ValueError(
+            f"stack {name}: {rows_per_shard} rows per shard do not fit int32; "
+            f"use more shards or a smaller max_stack_rows"
+        )
+    placements = [
+        TablePlacement(
+            name=resolved.table_names[i],
+            index=i,
+            stack=name,
+            num_shards=n,
+            vocabulary_size=t.vocabulary_size,
+            padded_vocabulary_size=padded[i],
+            dim=t.dim,
+            padded_dim=dim,
+            row_offset=offsets[i] * n,
+            rotation=rotation[i],
+            first_shard=owners.get(i, 0),
+            span=spans[i],
+            replicated=key.replicated,
+        )
+        for i, t in zip(members, tables)
+    ]
+    spec = StackSpec(
+        name=name,
+        tables=tuple(resolved.table_names[i] for i in members),
+        features=tuple(
+            fname
+            for fname, f in zip(resolved.feature_names, resolved.features)
+            if any(f.table is t for t in tables)
+        ),
+        dim=dim,
+        optimizer=key.optimizer,
+        dtype=key.dtype,
+        num_shards=n,
+        num_rows=rows_per_shard * n,
+        replicated=key.replicated,
+        quantization=key.quantization,
+        slot_columns=slot_columns,
+        row_width=row_width,
+        slot_dtype=None if key.slot_dtype == np.float32 else key.slot_dtype,
+    )
+    return spec, placements
+
+
+def _feature_placements(resolved: ResolvedFeatures, stack_of: list) -> tuple:
+    """Each feature's `FeaturePlacement`, in config order (`stack_of[i]`: table i's stack)."""
+    table_of = {id(t): i for i, t in enumerate(resolved.tables)}
+    features = []
+    for k, (fname, f) in enumerate(zip(resolved.feature_names, resolved.features)):
+        ti = table_of[id(f.table)]
+        seq = f.max_sequence_length > 0
+        features.append(
+            FeaturePlacement(
+                name=fname,
+                index=k,
+                table=resolved.table_names[ti],
+                stack=stack_of[ti],
+                rows_per_sample=f.max_sequence_length if seq else 1,
+                dim=f.table.dim,
+                combiner=None if seq else f.table.combiner,
+            )
+        )
+    return tuple(features)
+
+
 def plan_stacking(
     feature_config: Any,
     num_shards: int,
@@ -682,20 +924,7 @@ def plan_stacking(
         if isinstance(feature_config, ResolvedFeatures)
         else resolve_feature_config(feature_config)
     )
-    if not (
-        isinstance(num_shards, (int, np.integer))
-        and not isinstance(num_shards, bool)
-        and num_shards >= 1
-    ):
-        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
-    if not (isinstance(dim_multiple, (int, np.integer)) and dim_multiple >= 1):
-        raise ValueError(f"dim_multiple must be an int >= 1, got {dim_multiple!r}")
-    if not (isinstance(slots_in_rows, (int, np.integer)) and slots_in_rows >= 0):
-        raise ValueError(f"slots_in_rows must be an int >= 0, got {slots_in_rows!r}")
-    if max_stack_rows is not None and not (
-        isinstance(max_stack_rows, (int, np.integer)) and max_stack_rows >= 1
-    ):
-        raise ValueError(f"max_stack_rows must be None or an int >= 1, got {max_stack_rows!r}")
+    _check_plan_args(num_shards, dim_multiple, slots_in_rows, max_stack_rows)
     n = int(num_shards)
     layout = row_layout("mod", n)
     strategies = table_shardings(sharding, resolved)
@@ -707,178 +936,60 @@ def plan_stacking(
     if unknown:
         raise ValueError(f"table_dtypes names unknown tables {sorted(unknown)}")
 
-    # Group tables (in order of first use) by their stacking key.
-    groups: list[tuple[Any, list[int]]] = []
-    for i, t in enumerate(resolved.tables):
-        dim, opt = _stack_dim(t.dim, _effective_optimizer(t, default_optimizer), dim_multiple)
-        dtype = np.dtype(dtypes.get(resolved.table_names[i], t.dtype))
-        slot_dtype = np.dtype(t.storage_slot_dtype)
-        if slots_in_rows and getattr(opt, "slot_names", ()) and slot_dtype == dtype:
-            if getattr(opt, "row_wise", False) and opt.mean_dim is None:  # a mean a dim
-                opt = dataclasses.replace(opt, mean_dim=t.dim)
-            dim = _row_width(opt, _round_up(t.dim, DEFAULT_DIM_MULTIPLE), slots_in_rows)
-        key = (
-            dim,
-            opt,
-            dtype,
-            (stack_keys or {}).get(resolved.table_names[i]),
-            strategies[i] == "data_parallel",  # replicas stack only with replicas
-            quantization_of(t),
-            slot_dtype,
-            # a table of raw ids (`TableConfig.id_map`) is alone in its stack
-            resolved.table_names[i] if getattr(t, "id_map", None) is not None else None,
+    keys = [
+        _stack_key(
+            t,
+            name,
+            strategy,
+            default_optimizer=default_optimizer,
+            dim_multiple=dim_multiple,
+            dtype=dtypes.get(name, t.dtype),
+            exchange=(stack_keys or {}).get(name),
+            slots_in_rows=slots_in_rows,
         )
-        for gkey, members in groups:
-            if stack_tables and gkey == key:
-                members.append(i)
-                break
-        else:
-            groups.append((key, [i]))
-
-    def padded_rows(i: int) -> int:  # the rows of table i's blocks
-        return layout.block_rows(resolved.tables[i].vocabulary_size, spans[i]) * spans[i]
-
-    # Split groups by the size limit, keeping table order.
-    stacks_idx: list[tuple[Any, list[int]]] = []
-    for key, members in groups:
-        current: list[int] = []
-        rows = 0
-        for i in members:
-            vp = padded_rows(i)
-            if current and max_stack_rows is not None and rows + vp > max_stack_rows:
-                stacks_idx.append((key, current))
-                current, rows = [], 0
-            current.append(i)
-            rows += vp
-        stacks_idx.append((key, current))
+        for t, name, strategy in zip(resolved.tables, resolved.table_names, strategies)
+    ]
+    # the rows of each table's blocks
+    padded = [layout.block_rows(t.vocabulary_size, s) * s for t, s in zip(resolved.tables, spans)]
+    stacks_idx = _split_by_rows(_group(keys, stack_tables), padded, max_stack_rows)
     if stack_tables and n > 1:
-        padded = [padded_rows(i) for i in range(len(resolved.tables))]
         stacks_idx = _merge_table_wise(stacks_idx, strategies, padded, n, max_stack_rows)
     stacks_idx.sort(key=lambda s: s[1][0])
 
-    # Rotation: the layout's parameter per mod table, in table order (see module
-    # docstring). Owners of the table-wise tables: bin-packed by rows in each stack
-    # (`_pack`), the stacks with the most table-wise bytes first, ties onto the shard
-    # with the fewest table-wise bytes over all stacks so far.
-    mod_tables = [i for i, st in enumerate(strategies) if st == "mod"]
-    rotation = dict.fromkeys(range(len(resolved.tables)), 0)
-    rotation.update(
-        zip(
-            mod_tables,
-            layout.rotations([resolved.tables[i].vocabulary_size for i in mod_tables]),
-        )
-    )
-    owners: dict[int, int] = {}
-    load = [0] * n
-    table_wise = [
-        (key[0], [i for i in members if strategies[i] == "table_wise"])
-        for key, members in stacks_idx
-    ]
-    for dim, tw in sorted(
-        table_wise, key=lambda s: -s[0] * sum(resolved.tables[i].vocabulary_size for i in s[1])
-    ):
-        rows = [resolved.tables[i].vocabulary_size for i in tw]
-        where, _ = _pack(rows, n, load)
-        for i, v, j in zip(tw, rows, where):
-            owners[i] = j
-            load[j] += v * dim
-
+    vocabs = [t.vocabulary_size for t in resolved.tables]
+    rotation = _rotations(layout, vocabs, strategies)
+    owners = _table_wise_owners(stacks_idx, vocabs, strategies, n)
     table_placements: dict[int, TablePlacement] = {}
     stack_specs = []
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
-        dim, optimizer, dtype, _, replicated, quantization, slot_dtype, _ = key
-        slot_columns, row_width = (), 0
-        if (
-            slots_in_rows and getattr(optimizer, "slot_names", ()) and slot_dtype == dtype
-        ):  # `dim`: the row width
-            row_width = dim
-            dim = _round_up(max(resolved.tables[i].dim for i in members), DEFAULT_DIM_MULTIPLE)
-            slot_columns = _slot_columns(optimizer, dim)
         # row order: the mod tables one after another, then each table-wise table
         # after the earlier ones of its owner
         members = [i for i in members if strategies[i] == "mod"] + [
             i for i in members if strategies[i] != "mod"
         ]
-        names = [resolved.table_names[i] for i in members]
-        name = names[0] if len(members) == 1 else "+".join(names)
-        if len(members) > 1 and name in used_names:
-            raise ValueError(f"stack name {name!r} collides with a table or stack name")
+        name = _stack_name(members, resolved.table_names, used_names)
         used_names.add(name)
-        used = [0] * n  # local rows used on each shard
-        for i in members:
-            t = resolved.tables[i]
-            first = owners.get(i, 0)
-            span = spans[i]
-            # a replicated table's rows: the same local rows on every shard
-            reserved = slice(0, n) if replicated else slice(first, first + span)
-            offset = max(used[reserved])
-            table_placements[i] = TablePlacement(
-                name=resolved.table_names[i],
-                index=i,
-                stack=name,
-                num_shards=n,
-                vocabulary_size=t.vocabulary_size,
-                padded_vocabulary_size=padded_rows(i),
-                dim=t.dim,
-                padded_dim=dim,
-                row_offset=offset * n,
-                rotation=rotation[i],
-                first_shard=first,
-                span=span,
-                replicated=replicated,
-            )
-            used[reserved] = [offset + padded_rows(i) // span] * len(used[reserved])
-        rows_per_shard = max(used)
-        if rows_per_shard > _INT32_MAX:
-            raise ValueError(
-                f"stack {name}: {rows_per_shard} rows per shard do not fit int32; "
-                f"use more shards or a smaller max_stack_rows"
-            )
-        feats = tuple(
-            fname
-            for fname, f in zip(resolved.feature_names, resolved.features)
-            if any(f.table is resolved.tables[i] for i in members)
+        spec, placed = _place_stack(
+            key,
+            members,
+            name,
+            resolved=resolved,
+            n=n,
+            spans=spans,
+            padded=padded,
+            owners=owners,
+            rotation=rotation,
+            slots_in_rows=slots_in_rows,
         )
-        stack_specs.append(
-            StackSpec(
-                name=name,
-                tables=tuple(names),
-                features=feats,
-                dim=dim,
-                optimizer=optimizer,
-                dtype=dtype,
-                num_shards=n,
-                num_rows=rows_per_shard * n,
-                replicated=replicated,
-                quantization=quantization,
-                slot_columns=slot_columns,
-                row_width=row_width,
-                slot_dtype=None if slot_dtype == np.float32 else slot_dtype,
-            )
-        )
-
-    table_of = {id(t): i for i, t in enumerate(resolved.tables)}
-    features = []
-    for k, (fname, f) in enumerate(zip(resolved.feature_names, resolved.features)):
-        ti = table_of[id(f.table)]
-        seq = f.max_sequence_length > 0
-        features.append(
-            FeaturePlacement(
-                name=fname,
-                index=k,
-                table=resolved.table_names[ti],
-                stack=table_placements[ti].stack,
-                rows_per_sample=f.max_sequence_length if seq else 1,
-                dim=f.table.dim,
-                combiner=None if seq else f.table.combiner,
-            )
-        )
+        stack_specs.append(spec)
+        table_placements.update(zip(members, placed))
+    tables = tuple(table_placements[i] for i in range(len(resolved.tables)))
     return StackingPlan(
         num_shards=n,
         stacks=tuple(stack_specs),
-        tables=tuple(table_placements[i] for i in range(len(resolved.tables))),
-        features=tuple(features),
+        tables=tables,
+        features=_feature_placements(resolved, [t.stack for t in tables]),
         resolved=resolved,
         row_layout=layout,
     )
