@@ -1,0 +1,300 @@
+"""A table of raw 64-bit ids against the static table, on train_step.py's workload (issue 42).
+
+Workload: train_step.py's (8 tables x V rows x dim 64, float32, one feature each, batch
+4096, ragged Poisson(10) ids a sample drawn Zipf(1.05) over permuted ranks, sum
+combiner, the loss `0.5 * sum(act**2) / B`, Adagrad lr 0.01; its `make_batches`, `T`,
+`B`, `V`, `D`, `loss_of`, `make_optimizer`), on one CPU device, two contenders built in
+this one process:
+
+  static    the tables as train_step.py's `embedmesh` peer has them (ids in [0, V)).
+  dynamic   each table `TableConfig(V, ..., id_map=DynamicIds(eviction))`, fed the same
+            ids through a fixed random 64-bit bijection (splitmix64's finalizer with a
+            seed: odd multipliers and xor-shifts), so the raw ids look like production
+            hashes while the vocabulary (at most V distinct ids a table) fits the
+            capacity: after the warm-up every step is hits, as a steady state is.
+
+Each contender's capacities come from `compute_sparse_core_stats` over its batches
+(as train_step.py's). Timed, as train_step.py times its `embedmesh` peer: `enqueue`
+(host preprocessing + transfer, blocked on) and the device step (`dequeue`, the loss
+gradient, `apply_gradients`; the facade runs each update with the next lookup, so a
+step holds the previous update and its own lookup; the dynamic table's `dequeue` also
+runs `map_ids`). Rounds interleave the contenders (static then dynamic, then the other
+order), each round `--steps` steps of each after a warm-up; the figures are the medians
+over rounds of the per-round ratios dynamic / static of the per-round medians.
+
+`--profile`: the dynamic step split into `map_ids`'s program (the facade's jitted map,
+blocked on) and the rest (lookup + update), and the host preprocessing's share that is
+the raw ids' routing (`host.dynamic_ids`), by a cProfile of `enqueue`.
+
+    .venv/bin/python benchmarks/train/dynamic_ids.py                 # 5 rounds x 8 steps
+    ... --rounds 3 --steps 5 --vocab 131072 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+
+def bijection64(ids, seed: int = 0x5EED):
+    """A fixed random bijection of the 64-bit integers (splitmix64's finalizer after
+    adding a seeded odd constant): ids in [0, V) become raw int64 hashes."""
+    import numpy as np
+
+    z = ids.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15) & (2**64 - 1) | 1)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))).view(np.int64)
+
+
+def build(kind: str, batches, eviction: str):
+    """(MeshEmbedding, features per batch) of one contender."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import train_step as ts
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.inputs import RaggedTensor
+    from embedmesh.layout.stacking import plan_stacking
+
+    def const_init(key, shape, dtype):  # cheap; values do not change the speed
+        return jnp.full(shape, 0.01, dtype)
+
+    id_map = em.DynamicIds(eviction=eviction) if kind == "dynamic" else None
+    fc = {
+        f"f{t}": em.FeatureConfig(
+            em.TableConfig(
+                ts.V, ts.D, initializer=const_init, combiner="sum", name=f"t{t}", id_map=id_map
+            )
+        )
+        for t in range(ts.T)
+    }
+    raw = (lambda x: bijection64(x)) if kind == "dynamic" else (lambda x: x)
+    feats = [
+        {f"f{t}": RaggedTensor.from_row_lengths(raw(b[t][0]), b[t][1]) for t in range(ts.T)}
+        for b in batches
+    ]
+    mesh = Mesh(np.array(jax.devices()[:1]), ("devices",))
+    plan = plan_stacking(fc, 1)
+    caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
+    emb = em.MeshEmbedding(
+        fc, ts.make_optimizer("adagrad"), mesh=mesh, capacities=caps, sharding="mod"
+    )
+    emb.build()
+    return emb, feats, caps
+
+
+class Contender:
+    def __init__(self, kind, batches, eviction, warmup):
+        import jax
+        import train_step as ts
+
+        self.kind = kind
+        self.emb, self.feats, self.caps = build(kind, batches, eviction)
+        self.lossgrad = jax.jit(jax.grad(lambda acts: ts.loss_of(list(acts.values()))))
+        self.csrs = [self.emb.enqueue(f) for f in self.feats]  # raw ids kept: mapped per step
+        self.i = 0
+        for _ in range(warmup):
+            self.device_step()
+        jax.block_until_ready(self.emb.state)
+
+    def device_step(self):
+        csr = self.csrs[self.i % len(self.csrs)]
+        self.i += 1
+        acts, pres = self.emb.dequeue(csr)
+        self.emb.apply_gradients(self.lossgrad(acts), pres)  # syncs on its finite check
+
+    def enqueue(self):
+        import jax
+
+        jax.block_until_ready(self.emb.enqueue(self.feats[self.i % len(self.feats)]))
+        self.i += 1
+
+    def time(self, fn, steps):
+        ts = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+
+def profile(dyn: Contender, steps: int) -> None:
+    """Where the dynamic step and its preprocessing go."""
+    import cProfile
+    import pstats
+
+    import jax
+
+    emb = dyn.emb
+    inner = emb._map_fn
+    spent = []
+
+    def timed_map(state, csr):
+        t = time.perf_counter()
+        out = jax.block_until_ready(inner(state, csr))
+        spent.append(time.perf_counter() - t)
+        return out
+
+    emb._map_fn = timed_map
+    try:
+        whole = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            dyn.device_step()
+            whole.append(time.perf_counter() - t)
+    finally:
+        emb._map_fn = inner
+    m, w = statistics.median(spent), statistics.median(whole)
+    print(
+        f"dynamic device step {w * 1e3:.1f} ms: map_ids's program {m * 1e3:.1f} ms "
+        f"({m / w:.0%}), the rest (lookup + update + loss gradient) {(w - m) * 1e3:.1f} ms"
+    )
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        dyn.enqueue()
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = sum(v[3] for k, v in st.stats.items() if k[2] == "enqueue") / steps
+    # only top-level entries of host/dynamic_ids.py: cumulative times of its functions
+    # nest, so take the largest cumulative one as the routing's time
+    routing = max((v[3] for k, v in st.stats.items() if "host/dynamic_ids" in k[0]), default=0.0)
+    print(
+        f"dynamic enqueue {total * 1e3:.1f} ms a batch (under cProfile): host/dynamic_ids.py's "
+        f"largest cumulative {routing / steps * 1e3:.1f} ms; top functions by own time:"
+    )
+    st.sort_stats("tottime").print_stats(12)
+
+
+def profile_map(capacity: int, slots: int, live: int, steps: int) -> None:
+    """`id_map.map_ids` alone on one table's map (a step of hits), and what its three
+    multi-operand sorts cost on their own: where the map's time goes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from embedmesh.device import id_map
+
+    def med(fn, *a):
+        jax.block_until_ready(fn(*a))
+        ts = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e3
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-(2**63), 2**63 - 1, size=slots, dtype=np.int64)
+    pairs = jnp.asarray(id_map.split_ids(ids))
+    valid = jnp.asarray(np.arange(slots) < live)
+    fn = jax.jit(id_map.map_ids, donate_argnums=0)
+    state, *_ = fn(id_map.init(id_map.IdMapConfig(capacity=capacity)), pairs, valid, 0)
+    ts = []
+    for step in range(1, steps + 3):
+        t = time.perf_counter()
+        state, rows, *_ = fn(state, pairs, valid, jnp.int32(step))
+        jax.block_until_ready(rows)
+        ts.append(time.perf_counter() - t)
+    whole = statistics.median(ts[2:]) * 1e3
+    k = [jnp.asarray(rng.integers(0, 2**32, slots, dtype=np.uint32)) for _ in range(3)]
+    pos = jnp.arange(slots, dtype=jnp.int32)
+    four = med(jax.jit(lambda a, b, c, p: lax.sort((a, b, c, p), num_keys=4)), *k, pos)
+    two = med(jax.jit(lambda a, p: lax.sort((a, p), num_keys=2)), k[0], pos)
+    one = med(jax.jit(jnp.sort), k[0])
+    print(
+        f"map_ids alone, one table: capacity {capacity}, {slots} id slots, {live} valid "
+        f"(hits): {whole:.1f} ms. Its sorts over {slots}: a 4-operand sort {four:.1f} ms, "
+        f"two 2-operand sorts {2 * two:.1f} ms (a 1-operand sort: {one:.2f} ms)"
+    )
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps a contender a round")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--vocab", type=int, help="rows a table (default train_step's V)")
+    ap.add_argument("--eviction", default="lru", choices=("lru", "lfu"))
+    ap.add_argument("--profile", action="store_true", help="then where the dynamic time goes")
+    args = ap.parse_args(argv)
+    if args.vocab:
+        os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
+    import platform
+
+    import jax
+    import numpy as np
+    import train_step as ts
+
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {platform.node()}, "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; jax {jax.__version__}; "
+        f"{ts.T} tables x {ts.V} rows x dim {ts.D}, batch {ts.B}, Poisson({ts.VALENCY}) "
+        f"Zipf({ts.ZIPF_A}) ids, Adagrad; dynamic: DynamicIds(eviction={args.eviction!r})"
+    )
+    batches = ts.make_batches(0)
+    t = time.perf_counter()
+    static = Contender("static", batches, args.eviction, args.warmup)
+    dyn = Contender("dynamic", batches, args.eviction, args.warmup)
+    print(f"set-up and warm-up {time.perf_counter() - t:.0f} s")
+    for c in (static, dyn):
+        cap = next(iter(c.caps.values()))
+        print(f"{c.kind:8s} stacks {len(c.caps)}, capacity of the first {cap}")
+    stats = dyn.emb.last_stats
+    counts = [stats[f"t{t}"].id_map for t in range(ts.T)]
+    print(
+        "dynamic id maps after the warm-up: "
+        + ", ".join(f"{k} {sum(c[k] for c in counts)}" for k in counts[0])
+    )
+    rows = []
+    for r in range(args.rounds):
+        order = (static, dyn) if r % 2 == 0 else (dyn, static)
+        got = {}
+        for c in order:
+            dev = c.time(c.device_step, args.steps)
+            jax.block_until_ready(c.emb.state)
+            enq = c.time(c.enqueue, args.steps)
+            got[c.kind] = (dev, enq)
+        rows.append(got)
+        (sd, se), (dd, de) = got["static"], got["dynamic"]
+        print(
+            f"round {r}: device step static {sd * 1e3:.1f} ms, dynamic {dd * 1e3:.1f} ms "
+            f"({dd / sd:.2f}x); enqueue static {se * 1e3:.1f} ms, dynamic {de * 1e3:.1f} ms "
+            f"({de / se:.2f}x); load {os.getloadavg()[0]:.2f}"
+        )
+
+    def med(i, kind):
+        return statistics.median(g[kind][i] for g in rows) * 1e3
+
+    def ratio(i):
+        return statistics.median(g["dynamic"][i] / g["static"][i] for g in rows)
+
+    print(
+        f"\nmedians over {args.rounds} rounds | static ms | dynamic ms | dynamic / static "
+        "(median of per-round ratios)"
+    )
+    print(f"device step | {med(0, 'static'):.1f} | {med(0, 'dynamic'):.1f} | {ratio(0):.2f}x")
+    print(f"enqueue | {med(1, 'static'):.1f} | {med(1, 'dynamic'):.1f} | {ratio(1):.2f}x")
+    if args.profile:
+        print()
+        profile(dyn, args.steps)
+        csr = dyn.csrs[0][next(iter(dyn.caps))]
+        slots = next(iter(dyn.caps.values())).max_unique_ids_per_partition
+        live = int(np.asarray(csr.unique_counts).sum())
+        profile_map(ts.V, slots, live, args.steps)
+
+
+if __name__ == "__main__":
+    main()
