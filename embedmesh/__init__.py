@@ -1,6 +1,8 @@
 """embedmesh: TPUEmbeddingV2's mid-level API on JAX, for every accelerator XLA runs on."""
 
-from embedmesh import _gpu_guard
+import importlib as _importlib
+
+from embedmesh import _gpu_guard, _lazy
 from embedmesh.config import (
     DynamicIds,
     FeatureConfig,
@@ -41,14 +43,10 @@ __version__ = "0.1.0"
 _gpu_guard.apply()
 
 
-def __getattr__(name):
-    # `embedmesh.checkpoint` loads orbax only when used.
-    if name == "checkpoint":
-        import importlib
-
-        return importlib.import_module("embedmesh.checkpoint")
-    raise AttributeError(f"module 'embedmesh' has no attribute {name!r}")
-
+# `embedmesh.checkpoint` loads orbax only when used.
+__getattr__ = _lazy.lazy_getattr(
+    __name__, checkpoint=lambda: _importlib.import_module("embedmesh.checkpoint")
+)
 
 __all__ = [
     "FTRL",

@@ -13,6 +13,8 @@ from embedmesh import (
     TableConfig,
     serving_embedding_lookup,
 )
+from embedmesh import serving as _serving
+from embedmesh._lazy import lazy_getattr
 from embedmesh.facade import MeshEmbedding as TPUEmbeddingV2
 
 __all__ = [
@@ -30,10 +32,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    # TPUEmbeddingForServing loads checkpoints; load orbax only when asked.
-    if name == "TPUEmbeddingForServing":
-        from embedmesh.serving.for_serving import EmbeddingForServing
-
-        return EmbeddingForServing
-    raise AttributeError(f"module 'embedmesh.tpu' has no attribute {name!r}")
+# TPUEmbeddingForServing loads checkpoints; load orbax only when asked.
+__getattr__ = lazy_getattr(__name__, TPUEmbeddingForServing=lambda: _serving.EmbeddingForServing)

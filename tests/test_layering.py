@@ -20,6 +20,7 @@ ALWAYS = {
     "embedmesh._native",  # the C++ libraries' loader: standard library only (test_native)
     "embedmesh._runtime",
     "embedmesh._compat",
+    "embedmesh._lazy",  # a module `__getattr__` loading a name on use: standard library only
     "embedmesh.config",
     "embedmesh.optimizers",
     "embedmesh.initializers",
@@ -46,6 +47,7 @@ LAYERS = {
             "_compat",
             "_gpu_guard",
             "_native",
+            "_lazy",
         ],
         set(),
     ),

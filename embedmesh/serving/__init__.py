@@ -4,6 +4,7 @@ its host kernels, an exported, jax-free-at-load serving function, and
 `EmbeddingForServing` (a training checkpoint's tables, loaded on first use of the name:
 it loads orbax)."""
 
+from embedmesh._lazy import lazy_getattr
 from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
 from embedmesh.serving.quantized import (
@@ -34,9 +35,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    if name == "EmbeddingForServing":
-        from embedmesh.serving.for_serving import EmbeddingForServing
+def _embedding_for_serving():
+    from embedmesh.serving.for_serving import EmbeddingForServing
 
-        return EmbeddingForServing
-    raise AttributeError(f"module 'embedmesh.serving' has no attribute {name!r}")
+    return EmbeddingForServing
+
+
+__getattr__ = lazy_getattr(__name__, EmbeddingForServing=_embedding_for_serving)
