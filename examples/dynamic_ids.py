@@ -35,6 +35,12 @@ its evictions per phase are about a cohort once the table is full. The gap is la
 in the phases after the table fills. If the live ids outgrew the capacity, the map
 would evict live ids too and the gap would narrow: the map buys exactness for the ids
 that fit, not more rows.
+
+A run (2026-12-04, the 2-core host, 44 s; means over phases 1-11): AUC modulo 0.690,
+lru 0.728, lfu 0.707 (truth 0.842); log-loss 0.583 / 0.569 / 0.578 (truth 0.453). LFU
+without aging suits a drifting stream badly: faded ids keep their high use counts, so
+the rows just given to new ids are the least frequently used and go first (165k
+evictions against LRU's 16k, most of them ids still alive, admitted again).
 """
 
 from __future__ import annotations
@@ -160,7 +166,7 @@ class Contender:
             em.Adagrad(0.1),
             mesh=mesh,
             seed=seed,
-            capacities=em.Capacity(2 * BATCH, 2 * BATCH),  # the two tables may stack
+            capacities=em.Capacity(2 * BATCH, 2 * BATCH),  # both tables may share a stack
         )
         self.emb.build()
         self.bias = jnp.zeros((), jnp.float32)
