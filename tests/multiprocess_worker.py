@@ -8,14 +8,16 @@ Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE [SHARDING]
 import sys
 
 import orphan_guard  # noqa: F401  (this worker dies with the test process)
-from process_helpers import global_batches, local_slice, save_and_leave, start_cpu_process
-
-process_id, num_processes, port, out_file = (
-    int(sys.argv[1]),
-    int(sys.argv[2]),
-    int(sys.argv[3]),
-    sys.argv[4],
+from process_helpers import (
+    global_batches,
+    job_args,
+    local_slice,
+    save_and_leave,
+    start_cpu_process,
 )
+
+process_id, num_processes, port = job_args()
+out_file = sys.argv[4]
 sharding = sys.argv[5] if len(sys.argv) > 5 else "mod"
 start_cpu_process(process_id, num_processes, port)
 

@@ -82,6 +82,36 @@ def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: 
     return np.load(single), np.load(multi)
 
 
+def check_two_processes_match_one(tmp_path, single_sharding, multi_sharding, rtol, atol):
+    """`train_one_and_two_processes`: the same six arrays (tables and slots), equal to
+    `rtol` / `atol`, and the accumulators moved from their 0.1. The bfloat16 table
+    (stochastically rounded) has the same bits under the same strategy; under another,
+    whose float32 sums may differ in their last bit, each value within one bfloat16
+    spacing of the other."""
+    import numpy as np
+
+    a, b = train_one_and_two_processes(tmp_path, single_sharding, multi_sharding)
+    assert sorted(a.files) == sorted(b.files) and len(a.files) == 6
+    for k in a.files:
+        if k != "t3.parameters":
+            np.testing.assert_allclose(b[k], a[k], rtol=rtol, atol=atol, err_msg=k)
+        elif single_sharding == multi_sharding:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(b[k], a[k], rtol=2.0**-7, atol=1e-30, err_msg=k)
+    for k in ("t1.accumulators", "t3.accumulators"):
+        assert np.abs(a[k] - 0.1).max() > 1e-3, k
+
+
+def job_args() -> tuple[int, int, int]:
+    """A worker's first three arguments: its process id, the number of processes and the
+    coordinator's port."""
+    import sys
+
+    process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
+    return process_id, num_processes, port
+
+
 def start_cpu_process(process_id: int, num_processes: int, port: int, devices: int = 4):
     """Set up this worker process before anything imports jax: `devices` CPU devices
     shared out over the job (`devices // num_processes` here, after any flags in

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_engine
+import test_table_wise
 from checkpoint_common import (
     make_batch,
     make_features,
@@ -22,11 +23,9 @@ from checkpoint_common import (
     variables_by_name,
 )
 from meshes import mesh_of
-from process_helpers import train_one_and_two_processes
-from test_engine import OPTIMIZER_HP
+from process_helpers import check_two_processes_match_one
 
 import embedmesh as em
-from embedmesh import checkpoint as ckpt
 from embedmesh.checkpoint import reading
 from embedmesh.config import FeatureConfig, TableConfig
 from embedmesh.facade import MeshEmbedding
@@ -132,15 +131,8 @@ TRAINING = [
 
 @pytest.mark.parametrize(("num_devices", "opt_name", "variant", "sharding"), TRAINING)
 def test_training_matches_reference(num_devices, opt_name, variant, sharding):
-    test_engine.check_training(
-        num_devices,
-        opt_name,
-        OPTIMIZER_HP[opt_name][variant],
-        stack_tables=variant != 1,
-        seed=91 * num_devices + variant,
-        sharding=sharding,
-        poison=True,
-    )
+    seed = 91 * num_devices + variant
+    test_engine.check_placed_training(num_devices, opt_name, variant, sharding, seed)
 
 
 def engine(n, sharding, pipelined=False):
@@ -203,11 +195,7 @@ def test_a_rejected_update_leaves_every_replica_as_it_was():
 def test_two_processes_match_one_process(tmp_path):
     """Two processes of two devices each, every table replicated (the update's ids and
     gradients go through shared memory), against one process of four devices, mod."""
-    a, b = train_one_and_two_processes(tmp_path, "mod", "data_parallel")
-    assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
-    for k in a.files:
-        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    assert np.abs(a["t1.accumulators"] - 0.1).max() > 1e-3
+    check_two_processes_match_one(tmp_path, "mod", "data_parallel", rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -235,35 +223,19 @@ RESTORES = {
 
 @pytest.mark.parametrize("case", list(RESTORES))
 def test_restore_across_placements_and_device_counts(sources, case):
-    name, n_to, sharding = RESTORES[case]
-    src = sources[name]
-    emb, feats = engine(n_to, sharding)
-    stats = {}
-    assert ckpt.restore(emb, src["path"], _stats=stats) == 2
-    if (n_to, sharding) == SOURCES[name]:  # same mesh and placements: whole blocks
-        assert set(stats) == {"direct"}
-    got = variables_by_name(emb)
-    for t in src["saved"]:
-        for k in src["saved"][t]:
-            np.testing.assert_array_equal(got[t][k], src["saved"][t][k], err_msg=f"{t}.{k}")
+    src, emb, feats = test_table_wise.restore_case(sources, SOURCES, RESTORES[case], engine)
     if any(t.replicated for t in emb.plan.tables):
         assert_replicas_equal(emb)  # every replica restored, not only the canonical one
     if case in ("dp4_to_mod2", "mod2_to_mixed8"):  # and training goes on alike
-        want = train_step(src["emb"], feats, seed=9)
-        got_acts = train_step(emb, feats, seed=9)
-        for k in want:
-            np.testing.assert_allclose(got_acts[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        test_table_wise.assert_trains_alike(src["emb"], emb, feats)
 
 
 def test_stored_arrays_hold_one_copy(sources):
     """A replicated table is stored once (its canonical block), not N times."""
     src = sources["dp4"]
     plan = src["emb"].plan
-    meta = ckpt.read_metadata(src["path"])
-    item = src["path"] / "2" / "embedding"
-    with reading._Reader(item) as reader:
-        for m in meta["tables"]:
-            t = plan.table(m["name"])
+    with reading._Reader(src["path"] / "2" / "embedding") as reader:
+        for t, m in test_table_wise.stored_tables(src):
             assert (m["sharding"], m["first_shard"], m["span"]) == ("data_parallel", 0, 1)
             n = plan.num_shards
             assert reader.shape(("tables", m["key"])) == (-(-t.vocabulary_size // n) * n, t.dim)
@@ -271,9 +243,7 @@ def test_stored_arrays_hold_one_copy(sources):
             np.testing.assert_array_equal(
                 stored[: t.vocabulary_size], src["saved"][t.name]["parameters"]
             )
-    loaded = {c.name: v for c, v in ckpt.load_tables(src["path"]).items()}
-    for t in plan.tables:
-        np.testing.assert_array_equal(loaded[t.name], src["saved"][t.name]["parameters"])
+    test_table_wise.assert_loads_as_saved(src)
 
 
 # ---------------------------------------------------------------------------

@@ -303,6 +303,20 @@ def check_training(
         )
 
 
+def check_placed_training(num_devices, opt_name, variant, sharding, seed):
+    """`check_training` of `OPTIMIZER_HP[opt_name][variant]` under `sharding` from a
+    poisoned state, the tables stacked except in variant 1 (the placements' tests)."""
+    check_training(
+        num_devices,
+        opt_name,
+        OPTIMIZER_HP[opt_name][variant],
+        stack_tables=variant != 1,
+        seed=seed,
+        sharding=sharding,
+        poison=True,
+    )
+
+
 DEVICE_COUNTS = (1, 2, 4, 8)
 # every optimizer on 1, 2 and 4 devices; two of them on 8 as well
 TRAINING_CASES = [(n, opt) for opt in OPTIMIZER_HP for n in DEVICE_COUNTS[:3]] + [
@@ -389,6 +403,14 @@ def _small():
     return t, feats
 
 
+def _small_built(opt):
+    """`_small`'s table and an engine of it and `opt` on 2 devices, built."""
+    t, feats = _small()
+    emb = MeshEmbedding(feats, opt, mesh=mesh_of(2))
+    emb.build()
+    return t, emb
+
+
 def test_apply_gradients_before_build_is_runtime_error():
     _, feats = _small()
     emb = MeshEmbedding(feats, em.SGD(0.1), mesh=mesh_of(2))
@@ -397,9 +419,7 @@ def test_apply_gradients_before_build_is_runtime_error():
 
 
 def test_gradient_errors_name_the_feature_and_leave_tables_untouched():
-    t, feats = _small()
-    emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(2))
-    emb.build()
+    t, emb = _small_built(em.Adagrad(0.1))
     before = emb.variables[t]
     acts, pre = emb({"x": np.array([1, 2, 3, 4]), "y": np.array([5, 6, 7, 8])})
     with pytest.raises(ValueError, match="feature y has shape"):
@@ -421,9 +441,7 @@ def test_gradient_errors_name_the_feature_and_leave_tables_untouched():
 
 
 def test_none_gradient_is_zero_gradient():
-    t, feats = _small()
-    emb = MeshEmbedding(feats, em.SGD(0.5), mesh=mesh_of(2))
-    emb.build()
+    t, emb = _small_built(em.SGD(0.5))
     before = emb.embedding_tables[t]
     acts, pre = emb({"x": np.array([1, 1, 2, 2]), "y": np.array([5, 6, 7, 8])})
     emb.apply_gradients({"x": jnp.ones((4, 4)), "y": None}, pre)

@@ -25,7 +25,7 @@ from checkpoint_common import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from meshes import mesh_of
-from process_helpers import free_port, run_together, train_one_and_two_processes
+from process_helpers import check_two_processes_match_one, free_port, run_together
 from test_engine import OPTIMIZER_HP
 
 import embedmesh as em
@@ -330,23 +330,12 @@ TRAINING = [
 
 @pytest.mark.parametrize(("num_devices", "opt_name", "variant", "sharding"), TRAINING)
 def test_training_matches_reference(num_devices, opt_name, variant, sharding):
-    test_engine.check_training(
-        num_devices,
-        opt_name,
-        OPTIMIZER_HP[opt_name][variant],
-        stack_tables=variant != 1,
-        seed=77 * num_devices + variant,
-        sharding=sharding,
-        poison=True,
-    )
+    seed = 77 * num_devices + variant
+    test_engine.check_placed_training(num_devices, opt_name, variant, sharding, seed)
 
 
 def test_two_processes_match_one_process_table_wise(tmp_path):
-    a, b = train_one_and_two_processes(tmp_path, "table_wise", "table_wise")
-    assert sorted(a.files) == sorted(b.files) and len(a.files) == 4
-    for k in a.files:
-        np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
-    assert np.abs(a["t1.accumulators"] - 0.1).max() > 1e-3
+    check_two_processes_match_one(tmp_path, "table_wise", "table_wise", rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------
@@ -550,19 +539,33 @@ RESTORES = {
 
 @pytest.mark.parametrize("case", list(RESTORES))
 def test_restore_across_placements_and_device_counts(sources, case):
-    name, n_to, sharding = RESTORES[case]
+    src, emb, feats = restore_case(sources, SOURCES, RESTORES[case], engine)
+    if case == "tw4_to_mod2":  # and training goes on alike
+        assert_trains_alike(src["emb"], emb, feats)
+
+
+def restore_case(sources, specs, restore, engine):
+    """`(src, emb, feats)`: `restore`'s `(source name, devices, sharding)`, the source's
+    checkpoint restored into a new `engine` of those devices and placements: step 2, whole
+    blocks read as they are when they are the source's (`specs`), every table and slot as
+    saved."""
+    name, n_to, sharding = restore
     src = sources[name]
     emb, feats = engine(n_to, sharding)
-    stats = {}
+    stats: dict = {}
     assert ckpt.restore(emb, src["path"], _stats=stats) == 2
-    if (n_to, sharding) == SOURCES[name]:  # same mesh and placements: whole blocks
+    if (n_to, sharding) == specs[name]:  # same mesh and placements: whole blocks
         assert set(stats) == {"direct"}
     assert_same(variables_by_name(emb), src["saved"])
-    if case == "tw4_to_mod2":  # and training goes on alike
-        want = train_step(src["emb"], feats, seed=9)
-        got = train_step(emb, feats, seed=9)
-        for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    return src, emb, feats
+
+
+def assert_trains_alike(want_emb, emb, feats):
+    """One more step of `emb` gives `want_emb`'s activations."""
+    want = train_step(want_emb, feats, seed=9)
+    got = train_step(emb, feats, seed=9)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def assert_same(got, want):
@@ -577,11 +580,8 @@ def test_stored_arrays_hold_only_the_span_and_metadata_records_it(sources):
     for name in ("tw4", "mixed8"):
         src = sources[name]
         plan = src["emb"].plan
-        meta = ckpt.read_metadata(src["path"])
-        item = src["path"] / "2" / "embedding"
-        with reading._Reader(item) as reader:
-            for m in meta["tables"]:
-                t = plan.table(m["name"])
+        with reading._Reader(src["path"] / "2" / "embedding") as reader:
+            for t, m in stored_tables(src):
                 assert (m["sharding"], m["first_shard"], m["span"]) == (
                     t.sharding,
                     t.first_shard,
@@ -602,9 +602,20 @@ def test_stored_arrays_hold_only_the_span_and_metadata_records_it(sources):
                         v = t.vocabulary_size
                         np.testing.assert_array_equal(stored[:v], src["saved"][t.name][want])
                         assert not stored[v:].any()
-        loaded = {c.name: v for c, v in ckpt.load_tables(src["path"]).items()}
-        for t in plan.tables:
-            np.testing.assert_array_equal(loaded[t.name], src["saved"][t.name]["parameters"])
+        assert_loads_as_saved(src)
+
+
+def stored_tables(src) -> list:
+    """`[(t, m)]`: each table of `src`'s checkpoint, its plan entry and its metadata record."""
+    plan = src["emb"].plan
+    return [(plan.table(m["name"]), m) for m in ckpt.read_metadata(src["path"])["tables"]]
+
+
+def assert_loads_as_saved(src):
+    """`load_tables` of `src`'s checkpoint gives every table's saved parameters."""
+    loaded = {c.name: v for c, v in ckpt.load_tables(src["path"]).items()}
+    for t in src["emb"].plan.tables:
+        np.testing.assert_array_equal(loaded[t.name], src["saved"][t.name]["parameters"])
 
 
 def _save_tree(root, tree, step=2):
