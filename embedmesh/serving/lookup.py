@@ -418,9 +418,33 @@ def serving_embedding_lookup(
 _enter, _leave = fast_path.in_flight_hooks()
 
 
+# resolved configs (by id, kept alive here) whose tables are all looked up by row
+_ROW_TABLES: dict[int, Any] = {}
+
+
+def _refuse_raw_id_tables(resolved) -> None:
+    """A table of raw ids (`TableConfig(id_map=DynamicIds(...))`) keeps its rows by the
+    slot its id map gave each id, not by id: looked up by id it would read other ids'
+    rows. Serving by raw id is not built yet, so such a table is refused, naming it."""
+    if id(resolved) in _ROW_TABLES:
+        return
+    for table in resolved.tables:
+        if getattr(table, "id_map", None) is not None:
+            raise NotImplementedError(
+                f"table {resolved.table_name(table)!r} is a table of raw ids (id_map="
+                f"{table.id_map!r}): its rows are in the order its id map gave them, so "
+                "serving_embedding_lookup cannot look them up by id; serving tables of raw "
+                "ids is not built yet (docs/dynamic-ids.md)"
+            )
+    if len(_ROW_TABLES) > 64:
+        _ROW_TABLES.clear()
+    _ROW_TABLES[id(resolved)] = resolved
+
+
 def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any) -> Any:
     """`serving_embedding_lookup`'s work."""
     resolved = resolve_feature_config(feature_config)
+    _refuse_raw_id_tables(resolved)
     flat_inputs = flatten_inputs_like(resolved, inputs, "features")
     if weights is None:
         flat_weights = [None] * len(flat_inputs)
