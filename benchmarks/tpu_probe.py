@@ -426,31 +426,8 @@ def main():
             idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
             rp = jnp.pad(rows, ((0, nb * tg - n), (0, 0)))
             nvalid = jnp.full((1,), n, jnp.int32)
-            rows_spec = (
-                pl.BlockSpec(memory_space=pl.ANY)
-                if source == "hbm"
-                else pl.BlockSpec((tg, w), lambda i, nv: (i, 0))
-            )
-            return pl.pallas_call(
-                kernel,
-                grid_spec=pltpu.PrefetchScalarGridSpec(
-                    num_scalar_prefetch=1,
-                    grid=(nb,),
-                    in_specs=[
-                        pl.BlockSpec((tg,), lambda i, nv: (i,), memory_space=pltpu.SMEM),
-                        rows_spec,
-                        pl.BlockSpec(memory_space=pl.ANY),
-                    ],
-                    out_specs=pl.BlockSpec(memory_space=pl.ANY),
-                    scratch_shapes=[pltpu.SemaphoreType.DMA(())],
-                ),
-                out_shape=jax.ShapeDtypeStruct(table.shape, table.dtype),
-                input_output_aliases={3: 0},
-                compiler_params=pltpu.CompilerParams(
-                    dimension_semantics=("arbitrary",), has_side_effects=True
-                ),
-                interpret=tpk._interpret(),
-            )(nvalid, idp, rp, table)
+            call = tpk.in_place_rows_call(kernel, table, tg, w, nb, rows_in_hbm=source == "hbm")
+            return call(nvalid, idp, rp, table)
 
         return run
 

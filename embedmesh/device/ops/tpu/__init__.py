@@ -40,7 +40,17 @@ import jax.numpy as jnp
 from embedmesh.device.ops import reference
 from embedmesh.device.ops.gpu import xla  # XLA's ops told what the op guarantees
 
-__all__ = ["ENABLED", "KERNELS", "LANES", "ROW_READ", "gather_columns", "lane_width", "ready"]
+__all__ = [
+    "ENABLED",
+    "KERNELS",
+    "LANES",
+    "PARTNERS",
+    "ROW_READ",
+    "gather_columns",
+    "lane_width",
+    "ready",
+    "scatter_rows_paired",
+]
 
 ENABLED = True
 

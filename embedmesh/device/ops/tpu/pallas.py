@@ -56,11 +56,16 @@ from embedmesh.device.ops.tpu import LANES, lane_width
 __all__ = [
     "INTERPRET",
     "combine",
+    "gather_pairs_dma",
     "gather_rows_dma",
+    "in_place_rows_call",
     "is_sorted",
     "lane_width",
+    "pair_rows",
+    "pair_words",
     "reduce",
     "reduce_sorted",
+    "scatter_pairs_dma",
     "scatter_rows_dma",
     "schedule",
 ]
@@ -576,14 +581,28 @@ def _scatter_call(table, ids, rows, num_rows: int, *, tg, view=None):
     meta = _valid_prefix(ids, num_rows)
     idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
     rp = jnp.pad(rows, ((0, nb * tg - n), (0, 0)))
+    kernel = functools.partial(_scatter_kernel, num_rows=num_rows, view=view)
+    return in_place_rows_call(kernel, table, tg, rows.shape[1], nb)(meta, idp, rp, table)
+
+
+def in_place_rows_call(kernel, table, tg: int, width: int, nb: int, *, rows_in_hbm=False):
+    """The `pallas_call` of a kernel that writes rows into `table` in place: called with
+    (one prefetched int32 scalar, ids [nb * tg] (SMEM blocks), rows [nb * tg, width]
+    (VMEM blocks, or `rows_in_hbm`: left in HBM), table (aliased to the result));
+    `kernel(meta, ids, rows, table_in, table_out, sem)`."""
+    rows_spec = (
+        pl.BlockSpec(memory_space=pl.ANY)
+        if rows_in_hbm
+        else pl.BlockSpec((tg, width), lambda i, m: (i, 0))
+    )
     return pl.pallas_call(
-        functools.partial(_scatter_kernel, num_rows=num_rows, view=view),
+        kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(nb,),
             in_specs=[
                 pl.BlockSpec((tg,), lambda i, m: (i,), memory_space=pltpu.SMEM),
-                pl.BlockSpec((tg, rows.shape[1]), lambda i, m: (i, 0)),
+                rows_spec,
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
@@ -595,4 +614,4 @@ def _scatter_call(table, ids, rows, num_rows: int, *, tg, view=None):
             dimension_semantics=("arbitrary",), has_side_effects=True
         ),
         interpret=_interpret(),
-    )(meta, idp, rp, table)
+    )
