@@ -416,7 +416,55 @@ FUSED_KINDS = [
     (jnp.float16, None, (FUSED["AdagradMomentum"], FUSED["SGD"])),
     (jnp.float16, jnp.float16, (FUSED["FTRL"], FUSED["Adagrad"])),
 ]
+
+
 # each half's tables (renumbered from 0) on 2 devices: mod and three other strategies
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_fused_update_rounds_edge_values_as_the_generator(name):
+    """The fused update (SGD, lr 1: new = w - g) of rows 32 wide (the vectorised rounding's
+    16-column blocks) whose values land on every edge: the type's subnormals (and float32's
+    for bf16), zero, the largest finite value and past it (infinity or the largest kept),
+    NaN and infinite gradients, values already representable: bit-identical to the float32
+    update rounded by rounding.py."""
+    from embedmesh.layout.rows import ModRowLayout
+
+    _cpu_kernels()
+    dtype = DTYPES[name]
+    r = np.random.default_rng(11)
+    big = float(jnp.finfo(dtype).max)
+    tiny = 2.0**-24 if name == "float16" else 2.0**-133  # the smallest subnormal
+    v, d = 40, 32
+    w = r.normal(size=(v, d)) * 2.0 ** r.integers(-8, 8, (v, d))
+    g = r.normal(size=(v, d)) * 2.0 ** r.integers(-14, 2, (v, d))
+    edges = [
+        (big, -big / 2**11),  # past the largest finite: infinity, or kept
+        (big, -big / 2**12),
+        (-big, big / 2**11),
+        (big, 0.0),
+        (3 * tiny, 0.4 * tiny),  # subnormal results
+        (0.0, 2.5 * tiny),
+        (-tiny, tiny),
+        (1.0, np.nan),
+        (1.0, np.inf),
+        (-1.0, -np.inf),
+        (2.0, 1e30),
+        (0.5, 0.0),
+    ]
+    at = r.choice(v * d, (len(edges), 20), replace=False)
+    for (wv, gv), where in zip(edges, at):
+        w.reshape(-1)[where], g.reshape(-1)[where] = wv, gv
+    table = jnp.asarray(w, dtype)
+    ids = jnp.arange(v, dtype=jnp.int32)
+    grads = jnp.asarray(g, jnp.float32)
+    tables = ((0, 0, v, (1, 0, 0, v), False),)
+    rounded = Rounded(em.SGD(1.0), 99, tables, ModRowLayout(1))
+    got = jax.jit(lambda t, i, gr: ops.sparse_update(rounded, t, {}, i, gr, 4))(table, ids, grads)
+    want, _ = _kernel_arithmetic_rounded(rounded, table, {}, grads, 4, ids)
+    got, want = np.asarray(got[0]), np.asarray(want)
+    assert np.isinf(got.astype(np.float32)).any() and np.isnan(got.astype(np.float32)).any()
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 FUSED_STRATEGIES_2 = [
     {"a_0": "table_wise", "b_0": "row_wise_pooled", "a_1": "data_parallel"},
     {"a_0": "row_wise_pooled", "b_1": "table_wise", "b_0": "data_parallel"},

@@ -12,6 +12,10 @@
 
 #include "common.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace embedmesh {
 namespace {
 
@@ -84,6 +88,52 @@ inline T StochasticRound(float x, uint32_t bits) {
   const bool keep = (nf == x) | !Finite(x) | !Finite(nf) | !Finite(of);
   return T{(keep | (u >= p)) ? near : other};
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define EM_F16_ROUND_VECTOR 1
+// StochasticRound<F16> of 16 values at once (`m` the lanes to store), bit for bit the
+// scalar one: the hardware's conversions (exact float16 -> float32; float32 -> float16 to
+// nearest, ties to even, overflow to infinity, as Nearest<F16>; a NaN then made
+// Nearest's quiet NaN) in place of the integer arithmetic the scalar loops vectorise, the
+// neighbour rule the same. `bits` the values' random bits (Mix(h ^ column word)).
+inline void StochasticRoundF16x16(const float* x, const uint32_t* bits, uint16_t* out,
+                                  __mmask16 m) {
+  const __m512 vx = _mm512_maskz_loadu_ps(m, x);
+  const __m512i xi = _mm512_castps_si512(vx);
+  __m256i near = _mm512_cvtps_ph(vx, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 nan = _mm512_cmp_ps_mask(vx, vx, _CMP_UNORD_Q);
+  const __m256i qnan = _mm256_or_si256(
+      _mm512_cvtepi32_epi16(_mm512_and_si512(_mm512_srli_epi32(xi, 16),
+                                             _mm512_set1_epi32(0x8000))),
+      _mm256_set1_epi16(0x7E00));
+  near = _mm256_mask_blend_epi16(nan, near, qnan);
+  const __m512 nf = _mm512_cvtph_ps(near);
+  const __m512 ax = _mm512_abs_ps(vx), anf = _mm512_abs_ps(nf);
+  const __mmask16 towards_up = _mm512_cmp_ps_mask(anf, ax, _CMP_LT_OQ);
+  const __m256i step =
+      _mm256_mask_blend_epi16(towards_up, _mm256_set1_epi16(-1), _mm256_set1_epi16(1));
+  const __m256i other = _mm256_add_epi16(near, step);
+  const __m512 of = _mm512_cvtph_ps(other);
+  // p = |x - nf| / s, s = |of - nf| a power of two in [2^-24, 2^5] when both are finite
+  // (else the value is kept, whatever p is): times 1 / s, exact from s's exponent, it is
+  // the quotient bit for bit, with no division's latency
+  const __m512i ex = _mm512_set1_epi32(0x7F800000);
+  const __m512 spacing = _mm512_abs_ps(_mm512_sub_ps(of, nf));
+  const __m512 inverse = _mm512_castsi512_ps(_mm512_sub_epi32(
+      _mm512_set1_epi32(254 << 23), _mm512_and_si512(_mm512_castps_si512(spacing), ex)));
+  const __m512 p = _mm512_mul_ps(_mm512_abs_ps(_mm512_sub_ps(vx, nf)), inverse);
+  const __m512i bi = _mm512_maskz_loadu_epi32(m, bits);
+  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bi, 8)),
+                                 _mm512_set1_ps(0x1p-24f));
+  auto infinite = [&](__m512 v) {
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), ex), ex);
+  };
+  const __mmask16 keep = _mm512_cmp_ps_mask(nf, vx, _CMP_EQ_OQ) | infinite(vx) |
+                         infinite(nf) | infinite(of) | _mm512_cmp_ps_mask(u, p, _CMP_GE_OQ);
+  const __m256i result = _mm256_mask_blend_epi16(keep, other, near);
+  _mm256_mask_storeu_epi16(out, m, result);
+}
+#endif
 
 // A value stored into an array of type S: float32 as it is; bfloat16 / float16 rounded
 // stochastically with the bits Mix(h ^ column_word) (h: the row's and array's words

@@ -183,7 +183,8 @@ struct Updater {
       }
     }
     const float lo = c.clip_lo, hi = c.clip_hi;
-    for (int64_t k = 0; k < d; ++k) {
+    // column k: the slots' new values stored, the parameter's new value returned
+    auto column = [&](int64_t k) -> float {
       float g = gr[k];
       g = g < lo ? lo : g;
       g = g > hi ? hi : g;
@@ -201,7 +202,26 @@ struct Updater {
       }
       if constexpr (kWd) wn = wn - wd * w_old;
       wn = wn < wmin ? wmin : wn;
-      wn = wn > wmax ? wmax : wn;
+      return wn > wmax ? wmax : wn;
+    };
+    int64_t k = 0;
+#ifdef EM_F16_ROUND_VECTOR
+    if constexpr (std::is_same_v<T, F16>) {
+      // 16 columns at a time: their new values and random bits, then the vector rounding
+      // (update_rules.h; the same bits as Put's)
+      for (; k + 16 <= d; k += 16) {
+        float nw[16];
+        uint32_t bits[16];
+        for (int j = 0; j < 16; ++j) {
+          nw[j] = column(k + j);
+          bits[j] = Mix(h0 ^ cw[k + j]);
+        }
+        StochasticRoundF16x16(nw, bits, reinterpret_cast<uint16_t*>(wr + k), 0xFFFF);
+      }
+    }
+#endif
+    for (; k < d; ++k) {
+      const float wn = column(k);
       if constexpr (kRound) {
         wr[k] = Put<T>(wn, h0, cw[k]);
       } else {
