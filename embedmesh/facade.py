@@ -69,7 +69,7 @@ def _return_free_heap() -> None:
 
     Building a layer (table pieces, the planner's statistics) and compiling its
     programs (XLA's LLVM) free tens of MB into malloc's arenas, which glibc keeps
-    resident (benchmarks/RESULTS_train.md, 2026-12-03: 30-40 MB less peak RSS in
+    resident (benchmarks/runs/train-history.md, 2026-12-03: 30-40 MB less peak RSS in
     training). The facade calls this twice a layer: after `build`, after its first
     update program compiles. A no-op off glibc."""
     global _MALLOC_TRIM

@@ -50,7 +50,7 @@ composite-key sort per table). numba is imported at the first preprocessing
 call that uses it, never by `import embedmesh`. Both place rows through the
 plan's `RowLayout` (the kernels receive its `kernel_params`). Threads:
 `num_threads`, default `EMBEDMESH_PREPROCESS_THREADS`, else one per usable
-core. See `benchmarks/RESULTS_preprocess.md` for their speed.
+core. Their speed: `benchmarks/train/RESULTS.md`, `benchmarks/runs/preprocess-history.md`.
 
 This module holds the orchestration and the entry points: embedmesh's form
 `preprocess_batch`, TensorFlow's `preprocess_features_tf` (its arguments mapped
@@ -562,7 +562,7 @@ def preprocess_batch(
         local device) pair as one task (default `default_num_threads()`: the
         environment variable `EMBEDMESH_PREPROCESS_THREADS`, read once, else
         the cores this process may use; 1 is faster on an oversubscribed
-        host, see benchmarks/RESULTS_preprocess.md).
+        host, see benchmarks/runs/preprocess-history.md).
 
     Returns:
       `({stack name: PartitionedCsrFormatTensor}, PreprocessStats)`; pure
