@@ -136,6 +136,93 @@ class RestoredState:
         )
 
 
+def _leaves_to_read(core, by_name: dict, pipelined: bool) -> tuple:
+    """`(todo, problems)` for a checkpoint whose tables are `by_name`: `todo`, the
+    `(placement, meta table, field)` to read in plan order (each table's parameters, then
+    its slots; with `pipelined` the stored lookup tables last), `problems`, what it lacks.
+    A ValueError, before anything is read, where a table or its slots cannot be restored."""
+    todo, problems = [], []
+    for t in core.plan.tables:
+        m = by_name.get(t.name)
+        _check_compatible(t.name, t, m)
+        if m is None:
+            problems.append(f"table {t.name} is not in the checkpoint")
+            continue
+        todo.append((t, m, "parameters"))
+        _check_slot_kinds(t.name, core.optimizer_of(t.stack), m)
+        for slot in core.slot_names(t.stack):
+            if slot in m["slots"]:
+                todo.append((t, m, slot))
+            else:
+                problems.append(
+                    f"slot {slot!r} of table {t.name} is not in the checkpoint "
+                    f"(it has {m['slots']}; optimizer {m['optimizer']})"
+                )
+    if pipelined:  # what the next lookup reads, where an update was pending at save
+        todo += [
+            (t, by_name[t.name], LOOKUP_FIELD)
+            for t in core.plan.tables
+            if by_name.get(t.name, {}).get("lookup")
+        ]
+    return todo, problems
+
+
+def _leaf_key(m: dict, field: str) -> tuple:
+    """The stored leaf of a table's `field` (`m`: the table's meta)."""
+    if field == "parameters":
+        return ("tables", m["key"])
+    if field == LOOKUP_FIELD:
+        return ("lookup_tables", m["key"])
+    return ("slots", m["key"], field)
+
+
+class _NewState:
+    """The restored state's arrays as they are written. Each starts as the live one and is
+    replaced by a new array on its first write (not donated: the live one stays intact),
+    then written in place; the lookup tables, read last, start as the restored tables of
+    their stack. A slot kept in its table's rows is written into the table's array."""
+
+    def __init__(self, live, plan):
+        self.plan = plan
+        self.tables = dict(live.tables)
+        self.slots = {s: dict(v) for s, v in live.slots.items()}
+        self.lookup: dict = {}
+        self.fresh: set = set()  # (stack, array) that hold a new array of ours
+        self.in_rows = {s.name for s in plan.stacks if s.slot_columns}
+
+    def array_of(self, t, field: str) -> tuple:
+        """`(stack, array)`: the array of `t`'s stack that `field` is written into."""
+        if field == LOOKUP_FIELD or (field != "parameters" and t.stack not in self.in_rows):
+            return t.stack, field
+        return t.stack, "parameters"
+
+    def target(self, t, field: str):
+        """The array `field` of table `t` is written into, as it is now."""
+        _, key = self.array_of(t, field)
+        if key == "parameters":
+            return self.tables[t.stack]
+        if key == LOOKUP_FIELD:
+            return self.lookup.get(t.stack, self.tables[t.stack])
+        return self.slots[t.stack][field]
+
+    def column(self, t, field: str) -> int:
+        """The first column `field` is written at (a slot in the rows: its own; else 0)."""
+        if self.array_of(t, field)[1] == "parameters" and field != "parameters":
+            return self.plan.stack(t.stack).columns_of(field)[0]
+        return 0
+
+    def put(self, t, field: str, out) -> None:
+        """`out` (the target with `field` written in) in place of the target."""
+        key = self.array_of(t, field)
+        self.fresh.add(key)
+        if key[1] == "parameters":
+            self.tables[t.stack] = out
+        elif field == LOOKUP_FIELD:
+            self.lookup[t.stack] = out
+        else:
+            self.slots[t.stack][field] = out
+
+
 def core_restore(
     core,
     state,
@@ -191,25 +278,7 @@ def core_restore(
     with _Reader(path) as reader:
         meta = reader.meta
         reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
-        by_name = {m["name"]: m for m in meta["tables"]}
-        todo = []  # (placement, meta table, field) in plan order
-        problems = []
-        for t in plan.tables:
-            m = by_name.get(t.name)
-            _check_compatible(t.name, t, m)
-            if m is None:
-                problems.append(f"table {t.name} is not in the checkpoint")
-                continue
-            todo.append((t, m, "parameters"))
-            _check_slot_kinds(t.name, core.optimizer_of(t.stack), m)
-            for slot in core.slot_names(t.stack):
-                if slot in m["slots"]:
-                    todo.append((t, m, slot))
-                else:
-                    problems.append(
-                        f"slot {slot!r} of table {t.name} is not in the checkpoint "
-                        f"(it has {m['slots']}; optimizer {m['optimizer']})"
-                    )
+        todo, problems = _leaves_to_read(core, {m["name"]: m for m in meta["tables"]}, pipelined)
         if problems and missing == "error":
             raise ValueError(
                 "cannot restore "
@@ -218,45 +287,10 @@ def core_restore(
                 + "; ".join(problems)
                 + " (pass missing='keep' to keep their current values)"
             )
-        if pipelined:  # what the next lookup reads, where an update was pending at save
-            todo += [
-                (t, by_name[t.name], LOOKUP_FIELD)
-                for t in plan.tables
-                if by_name.get(t.name, {}).get("lookup")
-            ]
-        leaves = [
-            ("tables", m["key"])
-            if field == "parameters"
-            else ("lookup_tables", m["key"])
-            if field == LOOKUP_FIELD
-            else ("slots", m["key"], field)
-            for t, m, field in todo
-        ]
+        leaves = [_leaf_key(m, field) for _, m, field in todo]
         for (t, m, field), leaf in zip(todo, leaves):  # before anything is read
             _check_leaf(reader, leaf, m, _field_width(core, t, field))
-        # The new state: starts as the live arrays; an array is replaced by a new one on
-        # its first write (not donated: the live one stays intact), written in place after
-        # (the lookup tables, read last, start as the restored tables of their stack)
-        tables = dict(live.tables)
-        slots = {s: dict(v) for s, v in live.slots.items()}
-        lookup = {}
-        fresh = set()  # targets that hold a new array of ours
-
-        in_rows = {s.name for s in plan.stacks if s.slot_columns}  # slots in the table's rows
-
-        def array_of(field, stack):  # which array a field is written into (its key)
-            if field == LOOKUP_FIELD or (field != "parameters" and stack not in in_rows):
-                return field
-            return "parameters"
-
-        def target(i):
-            t, _, field = todo[i]
-            key = array_of(field, t.stack)
-            if key == "parameters":
-                return tables[t.stack]
-            if key == LOOKUP_FIELD:
-                return lookup.get(t.stack, tables[t.stack])
-            return slots[t.stack][field]
+        new = _NewState(live, plan)
 
         def start(i):
             t, m, field = todo[i]
@@ -268,37 +302,33 @@ def core_restore(
                 plan.row_layout,
                 t,
                 _local_shards(core, shape),
-                target(i).dtype,
+                new.target(t, field).dtype,
                 field,
             )
 
         with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
             for i, current in enumerate(pending):
-                t, m, field = todo[i]
-                key = (t.stack, array_of(field, t.stack))
-                column = 0
-                if key[1] == "parameters" and field != "parameters":  # a slot in the rows
-                    column = plan.stack(t.stack).columns_of(field)[0]
+                t, _, field = todo[i]
                 out = _place_leaf(
-                    core, current, target(i), t, _stats, donate=key in fresh, column=column
+                    core,
+                    current,
+                    new.target(t, field),
+                    t,
+                    _stats,
+                    donate=new.array_of(t, field) in new.fresh,
+                    column=new.column(t, field),
                 )
                 del current
-                fresh.add(key)
-                if key[1] == "parameters":
-                    tables[t.stack] = out
-                elif field == LOOKUP_FIELD:
-                    lookup[t.stack] = out
-                else:
-                    slots[t.stack][field] = out
+                new.put(t, field, out)
                 del out
         step_count = int(meta["step"])
-    new = dataclasses.replace(
+    restored = dataclasses.replace(
         live,
-        tables=tables,
-        slots=slots,
+        tables=new.tables,
+        slots=new.slots,
         step=jax.device_put(jnp.asarray(step_count, jnp.int32), core.replicated),
     )
-    return RestoredState(new, step_count, lookup)
+    return RestoredState(restored, step_count, new.lookup)
 
 
 def restore(
