@@ -140,22 +140,19 @@ def test_seed_form_stack_tables_false_and_errors():
     kw = seed_kwargs(cfg, tables, 2, feats, weights, {"x": [t1, t3], "y": [t2]})
     with pytest.raises(ValueError, match="cannot realise"):
         preprocess_features(**kw)
-    kw = seed_kwargs(cfg, tables, 2, feats, weights)
-    kw["num_sc_shards"] = 7
-    with pytest.raises(ValueError, match="num_sc_shards"):
-        preprocess_features(**kw)
-    kw = seed_kwargs(cfg, tables, 2, feats, weights)
-    kw["table_to_stacked_table_offset"]["t1"] = ("t3", 0, 0)
-    with pytest.raises(ValueError, match="table t1 in stack 't3'"):
-        preprocess_features(**kw)
-    kw = seed_kwargs(cfg, tables, 2, feats, weights)
-    kw["feature_to_sample_offset"] = {"a": 0}
-    with pytest.raises(ValueError, match="feature_to_sample_offset"):
-        preprocess_features(**kw)
-    kw = seed_kwargs(cfg, tables, 2, feats, weights)
-    kw["max_minibatches_per_sc"] = 0
-    with pytest.raises(ValueError, match="max_minibatches_per_sc"):
-        preprocess_features(**kw)
+    offsets = seed_kwargs(cfg, tables, 2, feats, weights)["table_to_stacked_table_offset"]
+    wrong = [  # (arguments changed, the error's words)
+        ({"num_sc_shards": 7}, "num_sc_shards"),
+        (
+            {"table_to_stacked_table_offset": {**offsets, "t1": ("t3", 0, 0)}},
+            "table t1 in stack 't3'",
+        ),
+        ({"feature_to_sample_offset": {"a": 0}}, "feature_to_sample_offset"),
+        ({"max_minibatches_per_sc": 0}, "max_minibatches_per_sc"),
+    ]
+    for change, words in wrong:
+        with pytest.raises(ValueError, match=words):
+            preprocess_features(**{**seed_kwargs(cfg, tables, 2, feats, weights), **change})
 
 
 # TPUEmbeddingV2.preprocess_features's parameters (seeds/: the TF docs), in order

@@ -22,6 +22,17 @@ def _features():
     }
 
 
+def _built(feats, opt, num_devices, *pipelined):
+    """An engine of `feats` and `opt` on `num_devices` devices (capacities 64, 64) for each
+    flag of `pipelined` (pipelined or not), built."""
+    out = []
+    for p in pipelined:
+        emb = MeshEmbedding(feats, opt, p, mesh=mesh_of(num_devices), capacities=Capacity(64, 64))
+        emb.build()
+        out.append(emb)
+    return out
+
+
 def _batch(rng, batch=8, max_len=4):
     lengths = rng.integers(0, max_len + 1, batch)
     return {
@@ -34,12 +45,7 @@ def _batch(rng, batch=8, max_len=4):
 @pytest.mark.parametrize("num_devices", [1, 4])
 def test_pipelined_lookups_see_tables_one_update_stale(num_devices):
     feats = _features()
-    opt = em.Adagrad(0.3)
-    caps = Capacity(64, 64)
-    piped = MeshEmbedding(feats, opt, True, mesh=mesh_of(num_devices), capacities=caps)
-    lagged = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), capacities=caps)
-    piped.build()
-    lagged.build()
+    piped, lagged = _built(feats, em.Adagrad(0.3), num_devices, True, False)
     rng = np.random.default_rng(0)
     previous = None
     for step in range(5):
@@ -89,10 +95,7 @@ def test_unpipelined_update_rides_with_the_next_lookup_but_is_never_stale(num_de
     each update at once), including two updates with no lookup between."""
     feats = _features()
     opt = em.Adagrad(0.3, weight_decay_factor=0.01)
-    lazy = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), capacities=Capacity(64, 64))
-    eager = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), capacities=Capacity(64, 64))
-    lazy.build()
-    eager.build()
+    lazy, eager = _built(feats, opt, num_devices, False, False)
     rng = np.random.default_rng(11)
     for step in range(4):
         batch = _batch(rng)
@@ -140,10 +143,7 @@ def test_unpipelined_non_finite_gradient_raises_at_apply_and_keeps_the_previous_
 
 def test_pipelined_non_finite_gradient_raises_at_apply_and_tables_stay():
     feats = _features()
-    piped = MeshEmbedding(feats, em.SGD(0.5), True, mesh=mesh_of(2), capacities=Capacity(64, 64))
-    eager = MeshEmbedding(feats, em.SGD(0.5), mesh=mesh_of(2), capacities=Capacity(64, 64))
-    piped.build()
-    eager.build()
+    piped, eager = _built(feats, em.SGD(0.5), 2, True, False)
     batch = _batch(np.random.default_rng(13))
     acts, pre = piped(batch)
     acts_e, pre_e = eager(batch)
@@ -296,12 +296,7 @@ def test_pipelined_reads_never_change_the_trajectory(num_devices, opt):
     every later lookup bit-identical to the run that never looked; what is read
     is the state with every accepted update applied (an eager run's)."""
     feats = _features()
-    caps = Capacity(64, 64)
-    quiet = MeshEmbedding(feats, opt, True, mesh=mesh_of(num_devices), capacities=caps)
-    watched = MeshEmbedding(feats, opt, True, mesh=mesh_of(num_devices), capacities=caps)
-    eager = MeshEmbedding(feats, opt, mesh=mesh_of(num_devices), capacities=caps)
-    for e in (quiet, watched, eager):
-        e.build()
+    quiet, watched, eager = _built(feats, opt, num_devices, True, True, False)
     rng = np.random.default_rng(3)
     for step in range(5):
         batch = _batch(rng)

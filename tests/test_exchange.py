@@ -54,6 +54,23 @@ def random_array(rng, shape, dtype):
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
 
 
+SEEDS = st.integers(0, 2**31 - 1)  # the random tests' seeds
+
+
+def shard_cases(devices, rows=40, u=10, num_rows=8) -> dict:
+    """The strategies of the sharded lookup and update tests' shapes: `n` one of
+    `devices`; `rows`, `u`, `num_rows` from 1 to the given bound, `p` from 0 to 30; `d` 1, 8
+    or 16."""
+    return dict(
+        n=st.sampled_from(devices),
+        rows=st.integers(1, rows),
+        u=st.integers(1, u),
+        p=st.integers(0, 30),
+        num_rows=st.integers(1, num_rows),
+        d=st.sampled_from([1, 8, 16]),
+    )
+
+
 @needs_kernels
 @settings(max_examples=20, deadline=None)
 @given(
@@ -62,7 +79,7 @@ def random_array(rng, shape, dtype):
     width=st.sampled_from([(), (1,), (3,), (16,), (2, 5)]),
     dtype=st.sampled_from([np.float32, np.int32, jnp.bfloat16]),
     two_axes=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
 )
 def test_exchange_matches_block_transpose(n, b, width, dtype, two_axes, seed):
     mesh = mesh_of(n, two_axes and n >= 4)
@@ -147,15 +164,7 @@ def lookup_oracle(tables, unique_ids, pair_unique, gains, pair_rows, num_rows):
 
 @needs_kernels
 @settings(max_examples=15, deadline=None)
-@given(
-    n=st.sampled_from([2, 4, 8]),
-    rows=st.integers(1, 50),
-    u=st.integers(1, 12),
-    p=st.integers(0, 30),
-    num_rows=st.integers(1, 9),
-    d=st.sampled_from([1, 8, 16]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(**shard_cases([2, 4, 8], rows=50, u=12, num_rows=9), seed=SEEDS)
 def test_lookup_from_shards_matches_the_exchange_path(n, rows, u, p, num_rows, d, seed):
     """The fused in-process lookup against its reference (ids out, gathers, rows back,
     combine: XLA's all_to_all) and a float64 oracle, with padding ids, out-of-range
@@ -254,16 +263,11 @@ def _random_slots(r, opt, n, rows, d):
 @pytest.mark.parametrize("opt", ALL_FUSED, ids=lambda o: type(o).__name__)
 @settings(max_examples=3, deadline=None)
 @given(
-    n=st.sampled_from([2, 4, 8]),
-    rows=st.integers(1, 40),
-    u=st.integers(1, 10),
-    p=st.integers(0, 30),
-    num_rows=st.integers(1, 8),
-    d=st.sampled_from([1, 8, 16]),
+    **shard_cases([2, 4, 8]),
     grouped=st.booleans(),
     shuffled=st.booleans(),
     keep=st.sampled_from([True, True, False]),
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
 )
 def test_backward_update_sharded_matches_the_exchange_path(
     opt, n, rows, u, p, num_rows, d, grouped, shuffled, keep, seed
@@ -322,15 +326,10 @@ def test_backward_update_sharded_matches_the_exchange_path(
 @pytest.mark.parametrize("opt", ALL_FUSED, ids=lambda o: type(o).__name__)
 @settings(max_examples=1, deadline=None)
 @given(
-    n=st.sampled_from([2, 4]),
-    rows=st.integers(1, 40),
-    u=st.integers(1, 10),
-    p=st.integers(0, 30),
-    num_rows=st.integers(1, 8),
-    d=st.sampled_from([1, 8, 16]),
+    **shard_cases([2, 4]),
     grouped=st.booleans(),
     keep=st.just(True),  # keep=False: the multi-process cases (host_exchange_worker)
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
 )
 def test_replicated_backward_update_matches_the_gather_path(
     opt, n, rows, u, p, num_rows, d, grouped, keep, seed

@@ -32,6 +32,9 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 _random_inputs = settings(
     max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+# the random tests' seeds and row widths
+SEEDS = st.integers(0, 2**31 - 1)
+DIMS = st.sampled_from([8, 16, 64])
 
 
 @pytest.fixture(autouse=True)
@@ -152,11 +155,11 @@ SEGMENT_SUMS = {
 
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     m=st.sampled_from([1, 9, 40]),
     p=st.sampled_from([0, 1, 6, 300]),
     segs=st.sampled_from([1, 7, 64]),
-    dim=st.sampled_from([8, 16, 64]),
+    dim=DIMS,
     all_padding=st.booleans(),
 )
 @pytest.mark.parametrize("variant", sorted(SEGMENT_SUMS))
@@ -204,10 +207,10 @@ def test_segment_sums_of_long_segments_match_float64():
 
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     rows=st.sampled_from([1, 30, 200]),
     n=st.sampled_from([0, 1, 5, 64]),
-    dim=st.sampled_from([8, 16, 64]),
+    dim=DIMS,
 )
 def test_xla_scatter_rows_matches_reference(seed, rows, n, dim):
     r = rng(seed)
@@ -221,7 +224,7 @@ def test_xla_scatter_rows_matches_reference(seed, rows, n, dim):
 
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     blocks=st.sampled_from([1, 3]),
     u=st.sampled_from([1, 16, 64]),
     order=st.sampled_from(["ascending", "any", "all_padding"]),
@@ -251,10 +254,10 @@ def test_xla_dedup_sum_matches_reference(seed, blocks, u, order):
 
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     opt=st.sampled_from(OPTIMIZERS + [HOST_LR]),
     u=st.sampled_from([1, 9, 32]),
-    dim=st.sampled_from([8, 16, 64]),
+    dim=DIMS,
 )
 def test_pallas_sparse_update_matches_reference(seed, opt, u, dim):
     r = rng(seed)
@@ -277,11 +280,11 @@ def test_pallas_sparse_update_matches_reference(seed, opt, u, dim):
 
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     opt=st.sampled_from(OPTIMIZERS),
     u=st.sampled_from([1, 9, 32]),
     p=st.sampled_from([0, 1, 20, 200]),
-    dim=st.sampled_from([8, 16, 64]),
+    dim=DIMS,
     repeated=st.booleans(),
     all_padding=st.booleans(),
 )

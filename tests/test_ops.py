@@ -367,12 +367,13 @@ def _reference_update(opt, table, slots, uniq, g, step, update_rows=None):
 # Random inputs: each primitive op's CPU kernel against its reference
 
 _random_inputs = settings(max_examples=15, deadline=None)
+SEEDS = st.integers(0, 2**31 - 1)  # the random tests' seeds
 
 
 @needs_kernels
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     rows=st.sampled_from([1, 37, 300]),
     dim=st.sampled_from([1, 8]),
     n=st.sampled_from([0, 5, 256]),
@@ -398,7 +399,7 @@ def test_gather_scatter_kernels_match_references_on_random_inputs(seed, rows, di
 @needs_kernels
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     m=st.sampled_from([1, 50]),
     p=st.sampled_from([0, 7, 400]),
     segs=st.sampled_from([1, 33]),
@@ -425,7 +426,7 @@ def test_segment_gather_sum_kernels_match_references_on_random_inputs(seed, m, p
 @needs_kernels
 @_random_inputs
 @given(
-    seed=st.integers(0, 2**31 - 1),
+    seed=SEEDS,
     blocks=st.sampled_from([1, 3]),
     u=st.sampled_from([1, 16, 64]),
     sort=st.booleans(),
