@@ -39,25 +39,13 @@ import sys
 import time
 
 import orphan_guard  # noqa: F401  (this worker dies with the test process)
+from process_helpers import job_args, start_cpu_process
 
-process_id, num_processes, port, mode = (
-    int(sys.argv[1]),
-    int(sys.argv[2]),
-    int(sys.argv[3]),
-    sys.argv[4],
-)
+process_id, num_processes, port = job_args()
+mode = sys.argv[4]
 out_file = sys.argv[5] if len(sys.argv) > 5 else ""
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 " + os.environ.get(
-    "EMBEDMESH_TEST_XLA_FLAGS", ""
-)
-os.environ["JAX_PLATFORMS"] = "cpu"
-
-import jax  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
-)
+# one CPU device a process, gloo, jax.distributed (every job here has 2 or more processes)
+jax = start_cpu_process(process_id, num_processes, port, devices=num_processes)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -91,6 +79,34 @@ def expected_all_to_all(g):
 def shard(g, mesh):
     sharding = NamedSharding(mesh, P("x"))
     return jax.make_array_from_callback(g.shape, sharding, lambda index: g[index])
+
+
+def gathered(a):
+    """A global array read back whole in every process, as numpy."""
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def run_mapped(mesh, body, n_in, *args):
+    """`body` over the devices of `mesh` (`mapped`) on `args`: its lowered program's text
+    and each of its outputs (an array or a dict of them) gathered whole."""
+    fn = mapped(mesh, body, n_in)
+    out = fn(*args)
+    text = fn.lower(*args).as_text()
+    outs = out if isinstance(out, tuple) else (out,)
+    return text, [jax.tree.map(gathered, x) for x in outs]
+
+
+def per_device(mesh):
+    """`(put, put_slots)` over `mesh`: `put` makes [N, ...] (a block a device) a global
+    array sharded over the devices; `put_slots` does it to each array of a dict."""
+
+    def put(x):
+        return shard(x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), mesh)
+
+    def put_slots(slots):
+        return {k: put(v) for k, v in slots.items()}
+
+    return put, put_slots
 
 
 def local(a):
@@ -286,20 +302,7 @@ def run_ops(mesh, job):
     references (the exchange path, XLA's all_to_all over gloo), on random batches with
     padding ids, ids past the end, out-of-range slots, padding pairs, unsorted ids or
     ungrouped pairs, and keep=False; each case another fused optimizer."""
-    sh = NamedSharding(mesh, P("x"))
-
-    def put(x):  # [N, ...] per device -> a global array sharded over devices
-        flat = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-        return jax.make_array_from_callback(flat.shape, sh, lambda index: flat[index])
-
-    def gathered(a):
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-    def put_slots(slots):
-        return {k: put(v) for k, v in slots.items()}
-
-    def gathered_slots(slots):
-        return {k: gathered(v) for k, v in slots.items()}
+    put, put_slots = per_device(mesh)
 
     for case in range(6) if N <= 2 else (1, 3, 4):  # 4 processes on 2 cores: fewer
         r = np.random.default_rng(1000 + case)
@@ -327,13 +330,10 @@ def run_ops(mesh, job):
                     t[0], ui, pu, g, pr, num_rows, ops.Transport("x", N, False, host_job, "ops/lk")
                 )
 
-            fn = jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"), check_vma=False
-                )
+            text, (out,) = run_mapped(
+                mesh, body, 5, put(tables), put(uids), put(puniq), put(gains), put(prows)
             )
-            args = (put(tables), put(uids), put(puniq), put(gains), put(prows))
-            return fn.lower(*args).as_text(), gathered(fn(*args))
+            return text, out
 
         text, host = lookup(job)
         assert "embedmesh_host_lookup" in text
@@ -346,74 +346,44 @@ def run_ops(mesh, job):
             assert "embedmesh_host_lookup" in text and ("bf16", "f16")[case] in text
             np.testing.assert_array_equal(host_low, lookup(job, low.astype(np.float32))[1])
 
-        def update(host_job):
-            def body(t, a, ui, act, pr, pu, g):
-                t, slots = ops.backward_update_sharded(
-                    opt,
-                    t[0],
-                    {k: v[0] for k, v in a.items()},
-                    ui,
-                    act,
-                    pr,
-                    pu,
-                    g,
-                    keep,
-                    0,
-                    ops.Transport("x", N, host_job=host_job, channel="ops/up"),
-                )
-                return t[None], {k: v[None] for k, v in slots.items()}
-
-            fn = jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
-                )
-            )
-            args = (put(tables), put_slots(accs), put(uids), put(acts), put(prows), put(puniq))
-            args = args + (put(gains),)
-            t, sl = fn(*args)
-            return fn.lower(*args).as_text(), (gathered(t), gathered_slots(sl))
-
-        text, (t_host, a_host) = update(job)
-        assert f"embedmesh_backward_{opt.fused_kernel}_from_host_sources" in text
-        _, (t_ref, a_ref) = update(0)
-        np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"table {case}")
-        for k in a_ref:
-            np.testing.assert_allclose(
-                a_host[k], a_ref[k], rtol=2e-6, atol=2e-6, err_msg=f"{k} {case}"
-            )
-        if not keep:
-            np.testing.assert_array_equal(t_host, tables.reshape(t_host.shape))
-
         # replicated (data_parallel): every device the same table, one partition each
         rep_t = np.broadcast_to(tables[:1], tables.shape).copy()
         rep_a = {k: np.broadcast_to(v[:1], v.shape).copy() for k, v in accs.items()}
         rep = [put(x[:, :1]) for x in (uids, prows, puniq, gains)]
 
-        def replicated(host_job):
+        def update(host_job, replicated):
+            channel = "ops/rep" if replicated else "ops/up"
+
             def body(t, a, ui, act, pr, pu, g):
                 t, slots = ops.backward_update_sharded(
                     opt, t[0], {k: v[0] for k, v in a.items()}, ui, act, pr, pu, g, keep, 0,
-                    ops.Transport("x", N, host_job=host_job, channel="ops/rep"), replicated=True,
+                    ops.Transport("x", N, host_job=host_job, channel=channel),
+                    replicated=replicated,
                 )  # fmt: skip
                 return t[None], {k: v[None] for k, v in slots.items()}
 
-            fn = jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x"), check_vma=False
-                )
-            )
-            args = (put(rep_t), put_slots(rep_a), rep[0], put(acts), rep[1], rep[2], rep[3])
-            t, sl = fn(*args)
-            return fn.lower(*args).as_text(), (gathered(t), gathered_slots(sl))
+            if replicated:
+                args = (put(rep_t), put_slots(rep_a), rep[0], put(acts), rep[1], rep[2], rep[3])
+            else:
+                args = (put(tables), put_slots(accs), put(uids), put(acts), put(prows))
+                args += (put(puniq), put(gains))
+            return run_mapped(mesh, body, 7, *args)
 
-        text, (t_host, a_host) = replicated(job)
-        assert f"embedmesh_backward_{opt.fused_kernel}_from_host_sources" in text
-        _, (t_ref, a_ref) = replicated(0)
-        np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=f"rep {case}")
-        for k in a_ref:
-            np.testing.assert_allclose(
-                a_host[k], a_ref[k], rtol=2e-6, atol=2e-6, err_msg=f"rep {k} {case}"
-            )
+        def check_update(replicated, table_msg, slot_msg):
+            text, (t_host, a_host) = update(job, replicated)
+            assert f"embedmesh_backward_{opt.fused_kernel}_from_host_sources" in text
+            _, (t_ref, a_ref) = update(0, replicated)
+            np.testing.assert_allclose(t_host, t_ref, rtol=2e-6, atol=2e-6, err_msg=table_msg)
+            for k in a_ref:
+                np.testing.assert_allclose(
+                    a_host[k], a_ref[k], rtol=2e-6, atol=2e-6, err_msg=f"{slot_msg}{k} {case}"
+                )
+            return t_host
+
+        t_host = check_update(False, f"table {case}", "")
+        if not keep:
+            np.testing.assert_array_equal(t_host, tables.reshape(t_host.shape))
+        t_host = check_update(True, f"rep {case}", "rep ")
         for dev in range(N):  # the replicas stay bitwise equal
             np.testing.assert_array_equal(t_host[dev], t_host[0])
     print("OK ops", flush=True)
@@ -426,31 +396,7 @@ def run_pooled(mesh, job):
     random batches with positions and rows out of range, padding and ids past the
     table, a compacted and an uncompacted row map, and keep=False (the tables come back
     unchanged); each case another fused optimizer."""
-    sh = NamedSharding(mesh, P("x"))
-
-    def put(x):  # [N, ...] per device -> a global array sharded over devices
-        flat = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-        return jax.make_array_from_callback(flat.shape, sh, lambda index: flat[index])
-
-    def gathered(a):
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-    def put_slots(slots):
-        return {k: put(v) for k, v in slots.items()}
-
-    def gathered_slots(slots):
-        return {k: gathered(v) for k, v in slots.items()}
-
-    def run(body, n_in, *args):
-        fn = jax.jit(
-            jax.shard_map(
-                body, mesh=mesh, in_specs=(P("x"),) * n_in, out_specs=P("x"), check_vma=False
-            )
-        )
-        out = fn(*args)
-        text = fn.lower(*args).as_text()
-        outs = out if isinstance(out, tuple) else (out,)
-        return text, [jax.tree.map(gathered, x) for x in outs]
+    put, put_slots = per_device(mesh)
 
     def transport_of(host_job, channel):
         return ops.Transport("x", N, host_job=host_job, channel=channel)
@@ -485,7 +431,7 @@ def run_pooled(mesh, job):
                     transport=transport_of(host_job, "pooled/pairs"),
                 )
 
-            return run(body, 4, put(uids), put(prows), put(puniq), put(gains))
+            return run_mapped(mesh, body, 4, put(uids), put(prows), put(puniq), put(gains))
 
         text, (served_host,) = pairs(job)
         assert "embedmesh_host_pack_pooled_pairs" in text
@@ -506,7 +452,7 @@ def run_pooled(mesh, job):
                     transport=transport_of(host_job, "pooled/partials"),
                 )
 
-            return run(body, 2, put(tables), put(served))
+            return run_mapped(mesh, body, 2, put(tables), put(served))
 
         text, (back_host,) = partials(job)
         assert "embedmesh_host_pooled_partials" in text
@@ -532,7 +478,9 @@ def run_pooled(mesh, job):
                 )
                 return t[None], {k: v[None] for k, v in slots.items()}
 
-            text, (t, sl) = run(body, 4, put(tables), put_slots(accs), put(served), put(grads))
+            text, (t, sl) = run_mapped(
+                mesh, body, 4, put(tables), put_slots(accs), put(served), put(grads)
+            )
             return text, (t, sl)
 
         text, (t_host, a_host) = backward(job)
