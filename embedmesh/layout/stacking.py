@@ -764,16 +764,25 @@ def _stack_name(members: list, table_names: tuple, used: set) -> str:
     return name
 
 
-def _block_offsets(
-    members: list, spans: list, owners: dict, padded: list, n: int, replicated: bool
-) -> tuple:
+class _Where(NamedTuple):
+    """Where each table goes, by table index (what `_place_stack` reads)."""
+
+    n: int  # shards
+    spans: list  # the shards of its span (N, or 1: table-wise, data_parallel)
+    padded: list  # the rows of its blocks
+    owners: dict  # a table-wise table's owner shard
+    rotation: dict  # its rotation
+
+
+def _block_offsets(members: list, where: _Where, replicated: bool) -> tuple:
     """`({table index: local row offset}, rows per shard)` of a stack whose tables are
     `members` in row order: each table's block after the rows its shards already use (a
     replicated one: the same local rows on every shard)."""
+    n, spans, padded = where.n, where.spans, where.padded
     used = [0] * n  # local rows used on each shard
     offsets = {}
     for i in members:
-        first = owners.get(i, 0)
+        first = where.owners.get(i, 0)
         reserved = slice(0, n) if replicated else slice(first, first + spans[i])
         offsets[i] = max(used[reserved])
         used[reserved] = [offsets[i] + padded[i] // spans[i]] * len(used[reserved])
@@ -794,20 +803,16 @@ def _place_stack(
     key: _StackKey,
     members: list,
     name: str,
-    *,
     resolved: ResolvedFeatures,
-    n: int,
-    spans: list,
-    padded: list,
-    owners: dict,
-    rotation: dict,
+    where: _Where,
     slots_in_rows: int,
 ) -> tuple:
     """`(StackSpec, [TablePlacement of each member])` of one stack, its tables `members`
     (indices) in row order; a ValueError where its rows a shard do not fit int32."""
     tables = [resolved.tables[i] for i in members]
     dim, slot_columns, row_width = _stack_columns(key, tables, slots_in_rows)
-    offsets, rows_per_shard = _block_offsets(members, spans, owners, padded, n, key.replicated)
+    n = where.n
+    offsets, rows_per_shard = _block_offsets(members, where, key.replicated)
     if rows_per_shard > _INT32_MAX:
         raise ValueError(
             f"stack {name}: {rows_per_shard} rows per shard do not fit int32; "
@@ -820,13 +825,13 @@ def _place_stack(
             stack=name,
             num_shards=n,
             vocabulary_size=t.vocabulary_size,
-            padded_vocabulary_size=padded[i],
+            padded_vocabulary_size=where.padded[i],
             dim=t.dim,
             padded_dim=dim,
             row_offset=offsets[i] * n,
-            rotation=rotation[i],
-            first_shard=owners.get(i, 0),
-            span=spans[i],
+            rotation=where.rotation[i],
+            first_shard=where.owners.get(i, 0),
+            span=where.spans[i],
             replicated=key.replicated,
         )
         for i, t in zip(members, tables)
@@ -957,8 +962,8 @@ def plan_stacking(
     stacks_idx.sort(key=lambda s: s[1][0])
 
     vocabs = [t.vocabulary_size for t in resolved.tables]
-    rotation = _rotations(layout, vocabs, strategies)
     owners = _table_wise_owners(stacks_idx, vocabs, strategies, n)
+    where = _Where(n, spans, padded, owners, _rotations(layout, vocabs, strategies))
     table_placements: dict[int, TablePlacement] = {}
     stack_specs = []
     used_names = set(resolved.table_names)
@@ -970,18 +975,7 @@ def plan_stacking(
         ]
         name = _stack_name(members, resolved.table_names, used_names)
         used_names.add(name)
-        spec, placed = _place_stack(
-            key,
-            members,
-            name,
-            resolved=resolved,
-            n=n,
-            spans=spans,
-            padded=padded,
-            owners=owners,
-            rotation=rotation,
-            slots_in_rows=slots_in_rows,
-        )
+        spec, placed = _place_stack(key, members, name, resolved, where, slots_in_rows)
         stack_specs.append(spec)
         table_placements.update(zip(members, placed))
     tables = tuple(table_placements[i] for i in range(len(resolved.tables)))
