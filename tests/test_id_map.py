@@ -183,15 +183,16 @@ JITTED = {}
 LOOKUP = jax.jit(im.lookup)
 
 
-def jitted(name):
-    if name not in JITTED:
+def jitted(name, distinct=False):
+    key = (name, distinct)
+    if key not in JITTED:
 
         def body(state, ids, valid, step):
-            TRACES[name] += 1
-            return im.map_ids(state, ids, valid, step)
+            TRACES[key] += 1
+            return im.map_ids(state, ids, valid, step, distinct=distinct)
 
-        JITTED[name] = jax.jit(body)
-    return JITTED[name]
+        JITTED[key] = jax.jit(body)
+    return JITTED[key]
 
 
 ADVERSARIAL = [
@@ -219,9 +220,9 @@ def streams(draw):
     return universe, calls
 
 
-def run_stream(name, universe, calls, seed):
+def run_stream(name, universe, calls, seed, distinct=False):
     cfg = CONFIGS[name]
-    fn = jitted(name)
+    fn = jitted(name, distinct)
     cols = None
     if cfg.admit_after > 1:
         c = np.asarray(im.sketch_columns(cfg, im.split_ids(np.array(universe, np.int64))))
@@ -253,7 +254,42 @@ def run_stream(name, universe, calls, seed):
 def test_map_ids_matches_the_reference(name, stream, seed):
     universe, calls = stream
     run_stream(name, universe, calls, seed)
-    assert TRACES[name] == 1  # one compilation for the batch shape, whatever the stream
+    assert TRACES[(name, False)] == 1  # one compilation for the batch shape, whatever the stream
+
+
+@st.composite
+def distinct_streams(draw):
+    """Calls whose valid ids are distinct (a host's distinct ids), the invalid slots
+    anywhere, holding any id (a duplicate of a valid one too)."""
+    universe = draw(st.lists(ID, min_size=3, max_size=16, unique=True))
+    calls, step = [], 0
+    for _ in range(draw(st.integers(1, 10))):
+        k = draw(st.integers(0, min(BATCH, len(universe))))
+        chosen = draw(st.permutations(universe))[:k]
+        fill = draw(st.lists(st.sampled_from(universe), min_size=BATCH - k, max_size=BATCH - k))
+        where = draw(st.permutations(range(BATCH)))
+        ids, valid = [0] * BATCH, [False] * BATCH
+        for slot, i in zip(where, chosen + fill):
+            ids[slot] = i
+        for slot in where[:k]:
+            valid[slot] = True
+        step += draw(st.sampled_from([0, 1, 1, 2]))
+        calls.append((ids, valid, step))
+    return universe, calls
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu-admit3"])
+@settings(
+    max_examples=10, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)  # fmt: skip
+@given(stream=distinct_streams(), seed=st.integers(0, 2**32 - 1))
+def test_map_ids_of_distinct_ids_skips_the_sorts_alike(name, stream, seed):
+    """`distinct=True` (no deduplication, the admission order counted): the reference's
+    rows, fresh rows, stats and state on streams whose valid ids are distinct."""
+    universe, calls = stream
+    run_stream(name, universe, calls, seed, distinct=True)
+    assert TRACES[(name, True)] == 1
 
 
 def test_capacity_pressure_refuses_and_counts():
@@ -277,7 +313,7 @@ def test_capacity_pressure_refuses_and_counts():
     state, rows, fresh, stats = jitted(name)(state, pairs2, only_new, jnp.int32(5))
     assert np.asarray(rows).tolist() == [0, 1] + [-1] * 6  # LRU ties: lowest rows first
     assert int(stats["evictions"]) == 2 and np.asarray(fresh).tolist()[:2] == [True, True]
-    assert TRACES[name] == 1
+    assert TRACES[(name, False)] == 1
 
 
 def test_empty_map_finds_nothing_even_id_zero():

@@ -79,7 +79,8 @@ The algorithm
   reading it, at every position the id occurs.
 
 Cost per call, batch `n` (slots of ids; `c` the capacity): three sorts of `n` entries
-(dedup; the admission order; the new ids by bucket), two gathers of 2 buckets
+(dedup; the admission order; the new ids by bucket; one where the caller says the ids are
+distinct, `map_ids(distinct=True)`), two gathers of 2 buckets
 (`2 * 3 * 16` words) per distinct id (the lookup, and the new ids' buckets after a sweep),
 and scatters of O(n) words into the index, the row arrays and the sketch (`sketch_depth`
 counters an id). Nothing of size `c` is read or written, except:
@@ -461,7 +462,44 @@ def _sketch_sight(config: IdMapConfig, sketch, sightings, hi, lo, sighted):
     return sketch, sightings, est
 
 
-def map_ids(state: IdMapState, raw_ids, valid_mask, step):
+def _distinct_by_sort(hi, lo, valid, pos):
+    """The valid ids' distinct values (step 1 of `map_ids`): sorted by (invalid, hi, lo,
+    position); `u` = a distinct id at its group's index in [0, n) (entries of `u` past
+    the distinct count are unused). Returns (u_hi, u_lo, u_first, u_valid, u_occ,
+    inverse, order): each u's first position, validity, occurrences, each position's u,
+    and the u in the order of their first position (the admission order)."""
+    n = hi.shape[0]
+    inv_key = (~valid).astype(jnp.uint32)
+    s_inv, s_hi, s_lo, s_pos = lax.sort((inv_key, hi, lo, pos), num_keys=4)
+    lead = jnp.ones((n,), bool)
+    if n > 1:
+        same = (s_inv[1:] == s_inv[:-1]) & (s_hi[1:] == s_hi[:-1]) & (s_lo[1:] == s_lo[:-1])
+        lead = lead.at[1:].set(~same)
+    seg = jnp.cumsum(lead, dtype=jnp.int32) - 1
+    at_lead = jnp.where(lead, seg, n)
+    u_hi = jnp.zeros((n,), jnp.uint32).at[at_lead].set(s_hi, mode="drop")
+    u_lo = jnp.zeros((n,), jnp.uint32).at[at_lead].set(s_lo, mode="drop")
+    u_first = jnp.full((n,), n, jnp.int32).at[at_lead].set(s_pos, mode="drop")
+    u_valid = jnp.zeros((n,), bool).at[at_lead].set(s_inv == 0, mode="drop")
+    u_occ = jnp.zeros((n,), jnp.int32).at[seg].add((s_inv == 0).astype(jnp.int32))
+    inverse = jnp.zeros((n,), jnp.int32).at[s_pos].set(seg)
+    order = _sort_rank(jnp.where(u_valid, u_first, n), n)
+    return u_hi, u_lo, u_first, u_valid, u_occ, inverse, order
+
+
+def _distinct_as_given(hi, lo, valid, pos):
+    """`_distinct_by_sort` for valid ids known to be distinct: each position its own u,
+    in place; the admission order (the valid positions, then the others) by a count, not
+    a sort."""
+    n = hi.shape[0]
+    ones = valid.astype(jnp.int32)
+    num_valid = ones.sum(dtype=jnp.int32)
+    rank = jnp.where(valid, jnp.cumsum(ones) - 1, num_valid + jnp.cumsum(1 - ones) - 1)
+    order = jnp.zeros((n,), jnp.int32).at[rank].set(pos)
+    return hi, lo, jnp.where(valid, pos, n), valid, ones, pos, order
+
+
+def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = False):
     """Map raw ids to rows, admitting and evicting as the config says (module docstring:
     the algorithm, its order and its cost).
 
@@ -470,6 +508,9 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step):
       raw_ids: uint32/int32 pairs `[..., 2]` (or, x64 on, int64/uint64 ids `[...]`).
       valid_mask: bool of the ids' shape; invalid positions are ignored (row -1).
       step: int32 scalar, the training step; must not decrease between calls.
+      distinct: the caller guarantees that no valid id occurs twice (a host's distinct
+        ids): the deduplication's and the admission order's sorts are skipped, the same
+        result (an id given twice then is not deduplicated: two rows, a collision).
 
     Returns:
       `(state, rows, fresh, stats)`: `rows` int32 of the ids' shape, each id's row, -1
@@ -490,24 +531,9 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step):
     n = hi.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
 
-    # 1. dedup: sort by (invalid, hi, lo, position); u = a distinct id, at its group's
-    #    index in [0, n) (entries of u past the distinct count are unused)
-    inv_key = (~valid).astype(jnp.uint32)
-    s_inv, s_hi, s_lo, s_pos = lax.sort((inv_key, hi, lo, pos), num_keys=4)
-    lead = jnp.ones((n,), bool)
-    if n > 1:
-        same = (s_inv[1:] == s_inv[:-1]) & (s_hi[1:] == s_hi[:-1]) & (s_lo[1:] == s_lo[:-1])
-        lead = lead.at[1:].set(~same)
-    seg = jnp.cumsum(lead, dtype=jnp.int32) - 1
-    at_lead = jnp.where(lead, seg, n)
-    u_hi = jnp.zeros((n,), jnp.uint32).at[at_lead].set(s_hi, mode="drop")
-    u_lo = jnp.zeros((n,), jnp.uint32).at[at_lead].set(s_lo, mode="drop")
-    u_first = jnp.full((n,), n, jnp.int32).at[at_lead].set(s_pos, mode="drop")
-    u_valid = jnp.zeros((n,), bool).at[at_lead].set(s_inv == 0, mode="drop")
-    u_occ = jnp.zeros((n,), jnp.int32).at[seg].add((s_inv == 0).astype(jnp.int32))
-    inverse = jnp.zeros((n,), jnp.int32).at[s_pos].set(seg)
-    # the distinct valid ids in the order of their first position (the admission order)
-    order = _sort_rank(jnp.where(u_valid, u_first, n), n)
+    # 1. the distinct valid ids u, their first positions, and the admission order
+    distinct_ids = _distinct_as_given if distinct else _distinct_by_sort
+    u_hi, u_lo, _, u_valid, u_occ, inverse, order = distinct_ids(hi, lo, valid, pos)
 
     # 2. lookup, hits
     found, row, _ = _find(state, u_hi, u_lo)
@@ -556,7 +582,7 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step):
     bucket = jnp.where(use2, b2, b1)
     empty = jnp.where(use2[:, None], empty2, empty1)
     key_b = jnp.where(fits, bucket, config.num_buckets)
-    s_b, s_u = lax.sort((key_b, pos), num_keys=2)
+    s_b, s_u = lax.sort((key_b, pos), num_keys=1, is_stable=True)  # by bucket, then u
     starts = jnp.where(jnp.concatenate([jnp.ones((1,), bool), s_b[1:] != s_b[:-1]]), pos, 0)
     in_bucket = jnp.zeros((n,), jnp.int32).at[s_u].set(pos - lax.cummax(starts))
     k_th = (jnp.cumsum(empty, axis=1, dtype=jnp.int32) == (in_bucket + 1)[:, None]) & empty

@@ -135,9 +135,9 @@ class Strategy(abc.ABC):
             got = ops.exchange(msg, at.at("ids"))
             raw_o = lax.bitcast_convert_type(got[..., :2], jnp.uint32)
             valid = got[..., 2] != PAD_ID
-        else:
+        else:  # one source: the host's distinct ids, so the map skips its dedup sorts
             raw_o, valid = raw, unique_ids != PAD_ID
-        id_state, rows, fresh, stats = id_map.map_ids(id_state, raw_o, valid, step)
+        id_state, rows, fresh, stats = id_map.map_ids(id_state, raw_o, valid, step, distinct=n == 1)
         table, slots = reinit(
             table, slots, rows.reshape(-1), fresh.reshape(-1), raw_o.reshape(-1, 2)
         )
