@@ -19,7 +19,6 @@ from checkpoint_common import (
     make_features,
     make_tables,
     train_step,
-    trained_checkpoints,
     variables_by_name,
 )
 from meshes import mesh_of
@@ -204,10 +203,7 @@ def test_two_processes_match_one_process(tmp_path):
 
 SOURCES = {"dp4": (4, "data_parallel"), "mixed8": (8, CK_MIXED), "mod2": (2, "mod")}
 
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    return trained_checkpoints(tmp_path_factory, SOURCES, engine)
+sources = test_table_wise.sources_fixture(SOURCES, engine)
 
 
 RESTORES = {

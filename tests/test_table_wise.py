@@ -522,9 +522,17 @@ def engine(n, sharding):
 SOURCES = {"tw4": (4, "table_wise"), "mixed8": (8, CK_MIXED), "mod2": (2, "mod")}
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    return trained_checkpoints(tmp_path_factory, SOURCES, engine)
+def sources_fixture(specs, engine):
+    """The module-scoped fixture `sources`: `trained_checkpoints` of `specs` and `engine`."""
+
+    @pytest.fixture(scope="module")
+    def sources(tmp_path_factory):
+        return trained_checkpoints(tmp_path_factory, specs, engine)
+
+    return sources
+
+
+sources = sources_fixture(SOURCES, engine)
 
 
 RESTORES = {

@@ -147,6 +147,21 @@ SMOKE = dict(
 # Shared helpers
 
 
+def rates_of(mean_ids, touched):
+    """`rates(med, what)`: the figures of a step of median `med` seconds that touches
+    `touched[what]` bytes and looks up `mean_ids` ids."""
+
+    def rates(med, what):
+        return dict(
+            ms=med * 1e3,
+            ids_per_s=mean_ids / med,
+            bytes_touched=touched[what],
+            touched_GBps=touched[what] / med / 1e9,
+        )
+
+    return rates
+
+
 def median(xs):
     return statistics.median(xs) if xs else None
 
@@ -657,13 +672,7 @@ def run_jax_scale(w: Worker, cfg):
     mean_ids, mean_uniq = statistics.mean(ids), statistics.mean(uniq)
     touched = bytes_touched(cfg, mean_ids, mean_uniq, num_slots=1)
 
-    def rates(med, what):
-        return dict(
-            ms=med * 1e3,
-            ids_per_s=mean_ids / med,
-            bytes_touched=touched[what],
-            touched_GBps=touched[what] / med / 1e9,
-        )
+    rates = rates_of(mean_ids, touched)
 
     def fwd():
         med, ts = timed_median(
@@ -794,13 +803,7 @@ def run_torch(w: Worker, cfg):
     gen = torch.Generator(device=dev).manual_seed(1)
     R = [torch.randn(B, D, device=dev, generator=gen) for _ in range(T)]
 
-    def rates(med, what):
-        return dict(
-            ms=med * 1e3,
-            ids_per_s=mean_ids / med,
-            bytes_touched=touched[what],
-            touched_GBps=touched[what] / med / 1e9,
-        )
+    rates = rates_of(mean_ids, touched)
 
     def setup(sparse, fused=True):
         torch.manual_seed(0)
