@@ -370,6 +370,17 @@ _random_inputs = settings(max_examples=15, deadline=None)
 SEEDS = st.integers(0, 2**31 - 1)  # the random tests' seeds
 
 
+def kernel_and_reference(op: str, *args, **static):
+    """Op `op` of the C++ kernels and of the reference on `args`, each jitted (`static`:
+    its static keyword arguments), as numpy (each output of a tuple)."""
+
+    def run(module):
+        out = jax.jit(lambda *a: getattr(module, op)(*a, **static))(*args)
+        return jax.tree.map(np.asarray, out)
+
+    return run(cpu_kernels), run(reference)
+
+
 @needs_kernels
 @_random_inputs
 @given(
@@ -384,16 +395,11 @@ def test_gather_scatter_kernels_match_references_on_random_inputs(seed, rows, di
     ids = r.integers(0, rows + 3, n).astype(np.int32)  # some past the end
     ids[r.random(n) < 0.1] = PAD
     ids = jnp.asarray(ids)
-    np.testing.assert_array_equal(
-        np.asarray(jax.jit(cpu_kernels.gather_rows)(table, ids)),
-        np.asarray(jax.jit(reference.gather_rows)(table, ids)),
-    )
+    np.testing.assert_array_equal(*kernel_and_reference("gather_rows", table, ids))
     distinct = ids_with_padding(r, rows, n, min(n, rows) // 2, sort=False)
     vals = jnp.asarray(r.standard_normal((n, dim)).astype(np.float32))
-    np.testing.assert_array_equal(
-        np.asarray(jax.jit(cpu_kernels.scatter_rows)(table, jnp.asarray(distinct), vals)),
-        np.asarray(jax.jit(reference.scatter_rows)(table, jnp.asarray(distinct), vals)),
-    )
+    got, want = kernel_and_reference("scatter_rows", table, jnp.asarray(distinct), vals)
+    np.testing.assert_array_equal(got, want)
 
 
 @needs_kernels
@@ -412,15 +418,13 @@ def test_segment_gather_sum_kernels_match_references_on_random_inputs(seed, m, p
     didx = jnp.asarray(r.integers(-1, segs + 2, p).astype(np.int32))
     gains = jnp.asarray(r.standard_normal(p).astype(np.float32))
     args = (src, sidx, gains, didx)
-    got = jax.jit(lambda *a: cpu_kernels.segment_gather_sum(*a, num_segments=segs))(*args)
-    want = jax.jit(lambda *a: reference.segment_gather_sum(*a, num_segments=segs))(*args)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    got, want = kernel_and_reference("segment_gather_sum", *args, num_segments=segs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     table = jnp.asarray(r.standard_normal((3 * m, d)).astype(np.float32))
     smap = jnp.asarray(r.integers(0, 3 * m + 2, m).astype(np.int32))
     args = (table, smap, sidx, gains, didx)
-    got = jax.jit(lambda *a: cpu_kernels.segment_gather_sum_mapped(*a, num_segments=segs))(*args)
-    want = jax.jit(lambda *a: reference.segment_gather_sum_mapped(*a, num_segments=segs))(*args)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    got, want = kernel_and_reference("segment_gather_sum_mapped", *args, num_segments=segs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
@@ -443,10 +447,9 @@ def test_dedup_sum_kernel_matches_reference_on_random_inputs(seed, blocks, u, so
         ids[r.random(ids.shape) < 0.2] = 3  # duplicates, in any order
     grads = jnp.asarray(r.standard_normal((ids.size, 5)).astype(np.float32))
     ids = jnp.asarray(ids)
-    gu, gs = jax.jit(cpu_kernels.dedup_sum)(ids, grads)
-    wu, ws = jax.jit(reference.dedup_sum)(ids, grads)
-    np.testing.assert_array_equal(np.asarray(gu), np.asarray(wu))
-    np.testing.assert_allclose(np.asarray(gs), np.asarray(ws), rtol=1e-5, atol=1e-6)
+    (gu, gs), (wu, ws) = kernel_and_reference("dedup_sum", ids, grads)
+    np.testing.assert_array_equal(gu, wu)
+    np.testing.assert_allclose(gs, ws, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------

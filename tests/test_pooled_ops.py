@@ -23,13 +23,14 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-def random_batch(r, n, u, p, num_rows, width, compacted):
-    """A source's [N, ...] batch: ascending distinct ids per block (PAD padded), pairs
-    whose positions and rows are sometimes out of range, and each block's compact map."""
+def random_batch(r, n, u, p, num_rows, width, compacted, ids_below=50):
+    """A source's [N, ...] batch: ascending distinct ids below `ids_below` per block (PAD
+    padded), pairs whose positions and rows are sometimes out of range, and each block's
+    compact map."""
     ids = np.full((n, u), PAD, np.int32)
     for o in range(n):
         used = int(r.integers(0, u + 1))
-        ids[o, :used] = np.sort(r.choice(50, used, replace=False))
+        ids[o, :used] = np.sort(r.choice(ids_below, used, replace=False))
     pair_rows = r.integers(-1, num_rows + 2, (n, p)).astype(np.int32)
     pair_unique = r.integers(-1, u + 2, (n, p)).astype(np.int32)
     pair_gains = r.standard_normal((n, p)).astype(np.float32)
