@@ -30,6 +30,7 @@ import embedmesh as em
 from embedmesh.device import core as core_module
 from embedmesh.device import id_map
 from embedmesh.host import dynamic_ids
+from embedmesh.layout import stacking
 
 CAP_PER_SHARD = 4  # rows of each shard's map: small, so steps evict
 SAMPLES_PER_DEVICE = 3
@@ -213,7 +214,8 @@ def _engine(
     combiner: str = "sum",
 ):
     """One engine a configuration (compiled once; each example starts from a fresh state)."""
-    key = (n, eviction, admit_after, evict_batch, sharding, combiner)
+    in_rows = stacking.PLATFORM_SLOTS_IN_ROWS.get("cpu")  # a TPU's layout, forced in a test
+    key = (n, eviction, admit_after, evict_batch, sharding, combiner, in_rows)
     if key not in _ENGINES:
         dyn = em.TableConfig(
             CAP_PER_SHARD * n,
@@ -318,6 +320,17 @@ def _batches(n: int):
 def test_engine_matches_the_reference(n, data):
     policy = data.draw(st.sampled_from(POLICIES[1:] if n == 1 else POLICIES[:1]))
     _run(n, policy, data.draw(_batches(n)))
+
+
+def test_slots_in_the_rows_match_the_reference(monkeypatch):
+    """A TPU keeps a stack's optimizer slots in its rows (`[w | acc]`): a fresh id's row
+    starts from the initializer and the slot's initial value in its columns."""
+    monkeypatch.setitem(stacking.PLATFORM_SLOTS_IN_ROWS, "cpu", 128)
+    rng = np.random.default_rng(5)
+    batches = [rng.choice(POOL, size=(SAMPLES_PER_DEVICE, IDS_PER_SAMPLE)) for _ in range(4)]
+    _run(1, ("lru", 1, 1), batches)
+    emb = _engine(1, "lru", 1, 1)
+    assert emb.plan.stack(emb.plan.table("dyn").stack).slot_columns  # in the rows indeed
 
 
 def test_four_devices_pooled_match_the_reference():

@@ -123,11 +123,6 @@ def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
                 f"table {t.name}: vocabulary_size {v}, the capacity of a table of raw ids, "
                 f"must be a multiple of the {num_shards} shards (each holds an equal share)"
             )
-        if spec.slot_columns:
-            raise NotImplementedError(
-                f"table {t.name}: a table of raw ids cannot keep its optimizer slots in its "
-                f"rows (slots_in_rows) yet"
-            )
         d = cfg.id_map
         config = id_map.IdMapConfig(
             capacity=v // num_shards,
@@ -491,12 +486,18 @@ class EmbeddingCore:
             raw,
             fresh,
         )
-        values = jnp.pad(values, ((0, 0), (0, table.shape[1] - t.dim))).astype(table.dtype)
+        opt = self.optimizer_of(stack)
+        # the row a fresh id starts from: the padding 0 and, where the stack keeps its
+        # slots in its rows (a TPU's layout), each slot's initial value in its columns
+        start = slots_in_rows.initial_row(self.plan.stack(stack), opt)
+        start = jnp.broadcast_to(jnp.asarray(start, jnp.float32), (m, table.shape[1]))
+        values = start.at[:, : t.dim].set(values).astype(table.dtype)
         at = jnp.where(fresh, rows + t.local_row_offset, table.shape[0])
         table = table.at[at].set(values, mode="drop")
-        opt = self.optimizer_of(stack)
         slots = dict(slots)
         for name, value in opt.slot_initial_values.items() if opt is not None else ():
+            if name not in slots:  # in the rows: set above
+                continue
             arr = slots[name]
             slots[name] = arr.at[at].set(jnp.asarray(value, arr.dtype), mode="drop")
         return table, slots
