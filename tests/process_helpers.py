@@ -112,6 +112,24 @@ def job_args() -> tuple[int, int, int]:
     return process_id, num_processes, port
 
 
+def run_python(code: str, env: dict | None = None, cwd: str | None = None, timeout=300) -> str:
+    """`code` run by this interpreter in a fresh process (`python -c`), with `env` (None:
+    this process's) in `cwd`: its stdout; an AssertionError with the output's end if it
+    fails."""
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
 def start_cpu_process(process_id: int, num_processes: int, port: int, devices: int = 4):
     """Set up this worker process before anything imports jax: `devices` CPU devices
     shared out over the job (`devices // num_processes` here, after any flags in

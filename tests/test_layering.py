@@ -8,10 +8,9 @@ functions)."""
 
 import ast
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from process_helpers import run_python
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "embedmesh"
 
@@ -274,14 +273,7 @@ def test_import_embedmesh_loads_no_numba_and_builds_nothing(tmp_path):
         "('numba', 'llvmlite', 'orbax', 'tensorstore', 'tensorflow', 'flax')))"
     )
     env = {"EMBEDMESH_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
-        cwd=str(PKG.parent),
-    ).stdout.strip()
+    out = run_python(code, env, str(PKG.parent)).strip()
     assert out == "[]"
     assert not (tmp_path / "cache").exists()  # no kernel was built
 

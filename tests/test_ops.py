@@ -7,8 +7,6 @@ exercised by every other test in that case, and here too with
 
 import os
 import re
-import subprocess
-import sys
 import tomllib
 
 import jax
@@ -18,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optimizer_reference import ALL_FUSED, numpy_update_rows
+from process_helpers import run_python
 
 from embedmesh import _runtime
 from embedmesh.device import ops
@@ -607,16 +606,7 @@ def _run_python(code: str, **env_vars) -> str:
     for k in ("EMBEDMESH_CPU_KERNELS", "EMBEDMESH_CPU_THREADS"):
         env.pop(k, None)
     env.update(env_vars)
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return r.stdout
+    return run_python(code, env, _ROOT)
 
 
 def test_switch_off_runs_every_op_as_its_reference():
