@@ -11,10 +11,10 @@ from embedmesh import (
     PartitionedCsrFormatTensor,
     QuantizationConfig,
     TableConfig,
+    _lazy,
     serving_embedding_lookup,
 )
 from embedmesh import serving as _serving
-from embedmesh._lazy import lazy_getattr
 from embedmesh.facade import MeshEmbedding as TPUEmbeddingV2
 
 __all__ = [
@@ -33,4 +33,6 @@ __all__ = [
 
 
 # TPUEmbeddingForServing loads checkpoints; load orbax only when asked.
-__getattr__ = lazy_getattr(__name__, TPUEmbeddingForServing=lambda: _serving.EmbeddingForServing)
+__getattr__ = _lazy.lazy_getattr(
+    __name__, TPUEmbeddingForServing=lambda: _serving.EmbeddingForServing
+)

@@ -4,7 +4,7 @@ its host kernels, an exported, jax-free-at-load serving function, and
 `EmbeddingForServing` (a training checkpoint's tables, loaded on first use of the name:
 it loads orbax)."""
 
-from embedmesh._lazy import lazy_getattr
+from embedmesh import _lazy
 from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
 from embedmesh.serving.quantized import (
@@ -41,4 +41,4 @@ def _embedding_for_serving():
     return EmbeddingForServing
 
 
-__getattr__ = lazy_getattr(__name__, EmbeddingForServing=_embedding_for_serving)
+__getattr__ = _lazy.lazy_getattr(__name__, EmbeddingForServing=_embedding_for_serving)
