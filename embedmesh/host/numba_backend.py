@@ -91,6 +91,70 @@ def table_params(
 
 
 @njit(cache=True, nogil=True)
+def _entries(splits, fmeta, d):  # pragma: no cover (compiled)
+    """The entries of device `d`'s rows over a table's features (`table_sort`'s `m`)."""
+    m = 0
+    for f in range(fmeta.shape[0]):
+        sb = fmeta[f, 0]
+        rpd = fmeta[f, 1]
+        m += splits[sb + (d + 1) * rpd] - splits[sb + d * rpd]
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _combiner_scale(weights, s, e, comb, has_w):  # pragma: no cover (compiled)
+    """What an output row's entries `[s, e)` are scaled by: 1 for "sum" (`comb` 0), one
+    over their weights' sum ("mean", 1) or root of their squares' sum ("sqrtn", 2),
+    their count where unweighted; 0 where that is 0."""
+    if comb == 0:
+        return 1.0
+    acc = 0.0
+    if has_w:
+        for k in range(s, e):
+            w = np.float64(weights[k])
+            acc += w if comb == 1 else w * w
+    else:
+        acc = np.float64(e - s)
+    if comb == 2:
+        acc = math.sqrt(acc)
+    return 1.0 / acc if acc != 0.0 else 0.0
+
+
+@njit(cache=True, nogil=True)
+def _radix_sort(vals, hist, passes, bits, low_bits):  # pragma: no cover (compiled)
+    """`vals` sorted by `vals >> low_bits` (stable LSD radix sort, `bits` a pass, with the
+    histograms `hist` of each pass counted by the caller; consumed). Returns the sorted
+    array (`vals` or a new one)."""
+    m = vals.shape[0]
+    mask = (1 << bits) - 1
+    srt = vals
+    dst = np.empty(m, np.int64)
+    for p in range(passes):
+        c = hist[p]
+        trivial = False
+        for b in range(1 << bits):
+            if c[b] == m:
+                trivial = True
+                break
+        if trivial:
+            continue
+        acc_c = 0
+        for b in range(1 << bits):
+            cnt = c[b]
+            c[b] = acc_c
+            acc_c += cnt
+        shift = low_bits + p * bits
+        for i in range(m):
+            x = srt[i]
+            b = (x >> shift) & mask
+            pos = c[b]
+            c[b] = pos + 1
+            dst[pos] = x
+        srt, dst = dst, srt
+    return srt
+
+
+@njit(cache=True, nogil=True)
 def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no cover (compiled)
     """The first half of one table's work for local device `d`: its entries keyed and
     sorted. Tables of a stack sort independently (a thread each); `table_fill` then
@@ -110,6 +174,10 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
     row_scale)`: `bad` is the first entry whose id is outside the table (-1: none;
     the arrays are then meaningless); `gain`/`orow` (weighted) or `row_scale`
     (unweighted) are what `table_fill` reads through the values' low bits.
+
+    The per-entry loop stays here in one piece (the hot part); the helpers around it
+    (`_entries`, `_combiner_scale`, `_radix_sort`) measured at par with the one-function
+    kernel (benchmarks/train/preprocess.py's workload, 2026-12-04).
     """
     span = params[P_SPAN]
     first_shard = params[P_FIRST_SHARD]
@@ -122,15 +190,10 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
     row_base = params[P_ROW_BASE]
     row_span = params[P_ROW_SPAN]
     has_w = weights.shape[0] > 0
-    n_feat = fmeta.shape[0]
     passes = (nbits + 10) // 11  # LSD radix sort: <= 11 bits a pass
     bits = (nbits + passes - 1) // passes if passes else 1
     mask = (1 << bits) - 1
-    m = 0
-    for f in range(n_feat):
-        sb = fmeta[f, 0]
-        rpd = fmeta[f, 1]
-        m += splits[sb + (d + 1) * rpd] - splits[sb + d * rpd]
+    m = _entries(splits, fmeta, d)
     vals = np.empty(m, np.int64)
     hist = np.zeros((max(passes, 1), 1 << bits), np.int64)
     per_shard = np.zeros(n_shards + 1, np.int64)
@@ -143,7 +206,7 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
         orow = np.empty(0, np.int32)
         row_scale = np.empty(row_span, np.float64)
     i = 0
-    for f in range(n_feat):
+    for f in range(fmeta.shape[0]):
         sb = fmeta[f, 0]
         rpd = fmeta[f, 1]
         ooff = fmeta[f, 2]
@@ -151,18 +214,7 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
         for r in range(rpd):
             s = splits[sb + d * rpd + r]
             e = splits[sb + d * rpd + r + 1]
-            scale = 1.0
-            if comb != 0:
-                acc = 0.0
-                if has_w:
-                    for k in range(s, e):
-                        w = np.float64(weights[k])
-                        acc += w if comb == 1 else w * w
-                else:
-                    acc = np.float64(e - s)
-                if comb == 2:
-                    acc = math.sqrt(acc)
-                scale = 1.0 / acc if acc != 0.0 else 0.0
+            scale = _combiner_scale(weights, s, e, comb, has_w)
             o = ooff + r
             if not has_w:
                 row_scale[o - row_base] = scale
@@ -191,31 +243,7 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
                 else:
                     vals[i] = (key << low_bits) | o
                 i += 1
-    # Stable LSD radix sort of vals by `vals >> low_bits` (histograms counted above).
-    srt = vals
-    dst = np.empty(m, np.int64)
-    for p in range(passes):
-        c = hist[p]
-        trivial = False
-        for b in range(1 << bits):
-            if c[b] == m:
-                trivial = True
-                break
-        if trivial:
-            continue
-        acc_c = 0
-        for b in range(1 << bits):
-            cnt = c[b]
-            c[b] = acc_c
-            acc_c += cnt
-        shift = low_bits + p * bits
-        for i in range(m):
-            x = srt[i]
-            b = (x >> shift) & mask
-            pos = c[b]
-            c[b] = pos + 1
-            dst[pos] = x
-        srt, dst = dst, srt
+    srt = _radix_sort(vals, hist, passes, bits, low_bits)
     for j in range(n_shards):
         per_shard[j + 1] += per_shard[j]
     return -1, srt, per_shard, gain, orow, row_scale
