@@ -5,6 +5,16 @@ import numpy as np
 import embedmesh as em
 
 
+def apply_copies(stored: np.ndarray, copies: list, out: np.ndarray) -> np.ndarray:
+    """numpy reference of a copy list (checks the index arithmetic of the re-cut)."""
+    for d0, dstep, s0, sstep, rows in copies:
+        if rows > 0:
+            out[d0 : d0 + dstep * (rows - 1) + 1 : dstep] = stored[
+                s0 : s0 + sstep * (rows - 1) + 1 : sstep
+            ]
+    return out
+
+
 class HashInit:
     """Row-aware, cheap, shard-count independent pseudo-random initializer."""
 

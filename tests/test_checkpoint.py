@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 from checkpoint_common import (
     HashInit,
+    apply_copies,
     make_batch,
     make_features,
     make_tables,
@@ -520,16 +521,6 @@ def test_two_processes_save_their_own_shards(tmp_path):
             for k, v in d.items():
                 np.testing.assert_array_equal(v, want[f"{t}.{k}"], err_msg=f"{n} {t}.{k}")
     assert all("restored ok" in out for out in outs), outs
-
-
-def apply_copies(stored: np.ndarray, copies: list, out: np.ndarray) -> np.ndarray:
-    """numpy reference of a copy list (checks the index arithmetic of the re-cut)."""
-    for d0, dstep, s0, sstep, rows in copies:
-        if rows > 0:
-            out[d0 : d0 + dstep * (rows - 1) + 1 : dstep] = stored[
-                s0 : s0 + sstep * (rows - 1) + 1 : sstep
-            ]
-    return out
 
 
 def placed_on(meta: dict, n: int, rotation: int):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoint_common import apply_copies
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,15 +199,6 @@ def stored_array(table: np.ndarray, layout: RowLayout, t) -> np.ndarray:
     for j in range(layout.num_shards):
         rows = layout.rows_on_shard(t, j)
         out[j * t.rows_per_shard + layout.block_row(t, rows)] = table[rows]
-    return out
-
-
-def apply_copies(stored, copies, out):
-    for d0, dstep, s0, sstep, rows in copies:
-        if rows > 0:
-            out[d0 : d0 + dstep * (rows - 1) + 1 : dstep] = stored[
-                s0 : s0 + sstep * (rows - 1) + 1 : sstep
-            ]
     return out
 
 
