@@ -1078,6 +1078,37 @@ def _feasible_memory(mem: np.ndarray, limit: float) -> bool:
     return float(mem.max()) <= limit
 
 
+def _check_overrides(names: list, overrides: Mapping[str, str]) -> None:
+    """ValueError where table names repeat, or `overrides` name an unknown table or
+    strategy (`plan_tables`' arguments, before any costing)."""
+    if len(set(names)) != len(names):
+        raise ValueError("table names must be distinct")
+    unknown = set(overrides) - set(names)
+    if unknown:
+        raise ValueError(f"overrides name unknown tables: {sorted(unknown)}")
+    for s in overrides.values():
+        if s not in STRATEGIES:
+            raise ValueError(f"unknown strategy {s!r}")
+
+
+def _no_fit_error(tables, assign: Mapping, overrides: Mapping, need, limit: float, n: int):
+    """The ValueError of `plan_tables` when even its best assignment `assign` needs more
+    than `limit` bytes on a device (`need`: each device's): the worst device, and each
+    table's strategy and bytes."""
+    worst = int(np.argmax(need))
+    tables_text = ", ".join(
+        f"{t.name} {assign[t.name]}"
+        + (" (as asked)" if t.name in overrides else "")
+        + f" ({t.state_bytes:,} bytes of table + slots)"
+        for t in tables
+    )
+    return ValueError(
+        f"no plan fits the memory limit of {limit:,.0f} bytes a device on {n} devices: "
+        f"the least it found needs {float(need[worst]):,.0f} bytes on device {worst}, with "
+        f"tables {tables_text}"
+    )
+
+
 def plan_tables(
     tables: Sequence[TableStats],
     num_devices: int,
@@ -1105,15 +1136,7 @@ def plan_tables(
     (the overrides included), naming the tables, the bytes and the limit."""
     n, b = int(num_devices), int(batch_per_device)
     overrides = dict(overrides or {})
-    names = [t.name for t in tables]
-    if len(set(names)) != len(names):
-        raise ValueError("table names must be distinct")
-    unknown = set(overrides) - set(names)
-    if unknown:
-        raise ValueError(f"overrides name unknown tables: {sorted(unknown)}")
-    for s in overrides.values():
-        if s not in STRATEGIES:
-            raise ValueError(f"unknown strategy {s!r}")
+    _check_overrides([t.name for t in tables], overrides)
     limit = machine.memory_per_device if memory_limit is None else float(memory_limit)
     given = dict(strategy_options or {})
     options = {
@@ -1172,19 +1195,7 @@ def plan_tables(
     assert best is not None
     (over, total), detail, assign = best
     if over > 0:
-        need = detail["memory"]
-        worst = int(np.argmax(need))
-        tables_text = ", ".join(
-            f"{t.name} {assign[t.name]}"
-            + (" (as asked)" if t.name in overrides else "")
-            + f" ({t.state_bytes:,} bytes of table + slots)"
-            for t in tables
-        )
-        raise ValueError(
-            f"no plan fits the memory limit of {limit:,.0f} bytes a device on {n} devices: "
-            f"the least it found needs {float(need[worst]):,.0f} bytes on device {worst}, with "
-            f"tables {tables_text}"
-        )
+        raise _no_fit_error(tables, assign, overrides, detail["memory"], limit, n)
     return Plan(
         num_devices=n,
         batch_per_device=b,
