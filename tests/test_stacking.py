@@ -31,11 +31,17 @@ def _config(vocabs, dims=None, optimizers=None):
 
 
 @st.composite
+def table_shapes(draw):
+    """`(vocabulary sizes, dims, shards)` of 1 to 5 small tables (also test_table_wise's)."""
+    k = draw(st.integers(1, 5))
+    vocabs = draw(st.lists(st.integers(1, 40), min_size=k, max_size=k))
+    dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=k, max_size=k))
+    return vocabs, dims, draw(st.sampled_from([1, 2, 3, 4, 8]))
+
+
+@st.composite
 def plans(draw):
-    n_tables = draw(st.integers(1, 5))
-    vocabs = draw(st.lists(st.integers(1, 40), min_size=n_tables, max_size=n_tables))
-    dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=n_tables, max_size=n_tables))
-    n = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    vocabs, dims, n = draw(table_shapes())
     stack = draw(st.booleans())
     limit = draw(st.one_of(st.none(), st.integers(1, 80)))
     return plan_stacking(_config(vocabs, dims), n, stack_tables=stack, max_stack_rows=limit)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from meshes import mesh_of
 from process_helpers import check_two_processes_match_one, free_port, run_together
 from test_engine import OPTIMIZER_HP
+from test_stacking import table_shapes
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
@@ -51,10 +52,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @st.composite
 def placed(draw):
-    k = draw(st.integers(1, 5))
-    vocabs = draw(st.lists(st.integers(1, 40), min_size=k, max_size=k))
-    dims = draw(st.lists(st.sampled_from([1, 3, 8, 9, 16]), min_size=k, max_size=k))
-    n = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    vocabs, dims, n = draw(table_shapes())
+    k = len(vocabs)
     form = draw(st.sampled_from(["mod", "table_wise", "data_parallel", "mapping"]))
     if form == "mapping":
         names = draw(st.lists(st.sampled_from([f"t{i}" for i in range(k)]), unique=True))
