@@ -515,11 +515,17 @@ def test_kernel_for_picks_the_cpu_kernel_when_it_takes_the_call():
     assert (
         ops.kernel_for("sparse_update", "cpu", *call, optimizer=MyAdagrad(0.1), step=0) is generic
     )
-    src = jnp.zeros((5, 2), jnp.bfloat16)  # the mapped kernel reads float32 tables only
-    assert (
-        ops.kernel_for("segment_gather_sum_mapped", "cpu", src, *[jnp.zeros(1)] * 4, num_segments=1)
-        is reference.segment_gather_sum_mapped
-    )
+
+    # the mapped kernel reads float32, bfloat16 and float16 tables, nothing else
+    def mapped_for(dtype):
+        src = jnp.zeros((5, 2), dtype)
+        return ops.kernel_for(
+            "segment_gather_sum_mapped", "cpu", src, *[jnp.zeros(1)] * 4, num_segments=1
+        )
+
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        assert mapped_for(dtype) is cpu_kernels.KERNELS["segment_gather_sum_mapped"][0], dtype
+    assert mapped_for(jnp.int32) is reference.segment_gather_sum_mapped
 
 
 def _custom_calls(fn, *args):
