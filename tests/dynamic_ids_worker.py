@@ -6,6 +6,7 @@ devices. Args: process_id num_processes port."""
 import json
 import sys
 
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
 from process_helpers import start_cpu_process
 
 pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
