@@ -64,12 +64,9 @@ def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: 
 
     worker = os.path.join(HERE, "multiprocess_worker.py")
     env = worker_env()
-    single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
-    subprocess.run(
-        [sys.executable, worker, "0", "1", "0", str(single), single_sharding],
-        env=env,
-        check=True,
-        timeout=300,
+    single, multi = (
+        _single_reference(worker, env, single_sharding, tmp_path),
+        tmp_path / "multi.npz",
     )
     port = free_port()
     run_together(
@@ -80,6 +77,26 @@ def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: 
         env=env,
     )
     return np.load(single), np.load(multi)
+
+
+def _single_reference(worker, env, sharding: str, tmp_path):
+    """The one-process, 4-device result of `worker` under `sharding` (deterministic): run
+    once per test run and kept in the run's cache folder (conftest's
+    EMBEDMESH_TEST_JAX_CACHE, shared by the xdist workers and removed at the end), so the
+    four tests comparing two processes against "mod" run it once, not four times."""
+    import sys
+
+    root = os.environ.get("EMBEDMESH_TEST_JAX_CACHE")
+    path = os.path.join(root, f"single-{sharding}.npz") if root else str(tmp_path / "single.npz")
+    if os.path.exists(path):
+        return path
+    scratch = str(tmp_path / "single.npz")
+    subprocess.run(
+        [sys.executable, worker, "0", "1", "0", scratch, sharding], env=env, check=True, timeout=300
+    )
+    if scratch != path and not os.path.exists(path):
+        os.replace(scratch, path)  # atomic: a worker that raced us wrote the same result
+    return path if os.path.exists(path) else scratch
 
 
 def check_two_processes_match_one(tmp_path, single_sharding, multi_sharding, rtol, atol):

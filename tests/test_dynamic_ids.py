@@ -315,7 +315,7 @@ def _batches(n: int):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_engine_matches_the_reference(n, data):
     policy = data.draw(st.sampled_from(POLICIES[1:] if n == 1 else POLICIES[:1]))

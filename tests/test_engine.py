@@ -350,7 +350,7 @@ def test_training_matches_reference(num_devices, opt_name):
     )
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     num_devices=st.sampled_from([1, 2, 4, 8]),
     opt_name=st.sampled_from(list(OPTIMIZER_HP)),

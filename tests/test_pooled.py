@@ -58,7 +58,7 @@ def test_mixed_strategies_match_reference():
         test_engine.check_training(n, "Adagrad", hp, True, 12 + n, sharding=mix, poison=True)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     num_devices=st.sampled_from([2, 4, 8]),
     opt_name=st.sampled_from(list(test_engine.OPTIMIZER_HP)),

@@ -573,7 +573,7 @@ def test_pair_moves(dtype):
     np.testing.assert_array_equal(pair_layout(bits_of(out)), want)
 
 
-@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(
     partners=st.sampled_from(["xla", "dma"]),
     dtype=st.sampled_from(["bfloat16", "float16"]),
