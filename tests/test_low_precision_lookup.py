@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from meshes import mesh_of
+from test_pooled_ops import random_batch
 
 import embedmesh as em
 from embedmesh import FeatureConfig, TableConfig
@@ -132,21 +133,11 @@ def test_pooled_partials_read_the_storage_type(name, n, u, p, num_rows, d, compa
     against float64 and bit for bit against the float32 kernel on the widened table."""
     r = np.random.default_rng(seed)
     rows = 50
-    ids = np.full((n, u), PAD, np.int32)
-    for o in range(n):
-        used = int(r.integers(0, u + 1))
-        ids[o, :used] = np.sort(r.choice(rows + 2, used, replace=False))  # some past the end
-    pair_rows = r.integers(-1, num_rows + 2, (n, p)).astype(np.int32)
-    pair_unique = r.integers(-1, u + 2, (n, p)).astype(np.int32)
-    gains = r.standard_normal((n, p)).astype(np.float32)
     width = max(1, num_rows - 1) if compacted else num_rows
-    if compacted:
-        compact = np.full((n, num_rows + 1), width, np.int32)
-        for o in range(n):
-            fed = r.choice(num_rows, min(width, num_rows), replace=False)
-            compact[o, fed] = np.arange(fed.size)
-    else:
-        compact = np.zeros((n, 0), np.int32)
+    # some ids past the table's end
+    ids, pair_rows, pair_unique, gains, compact = random_batch(
+        r, n, u, p, num_rows, width, compacted, ids_below=rows + 2
+    )
     served = ops.pack_pooled_pairs(ids, pair_rows, pair_unique, gains, compact, width=width)
     uids, slot, row, g = (
         np.asarray(x) for x in ops.unpack_pooled_pairs(served, unique_capacity=u, width=width)
