@@ -3,7 +3,7 @@
 Part 1, for Adagrad, Adam and FTRL, a 1000 x 64 table trained 4 steps
 from tables every dtype represents, with small integer gradients, on the chip's first
 device: the bfloat16 table (float32 slots, then bfloat16 slots) against the chip's
-float32 run (the bound of tests/test_low_precision.py: 2 * steps * 2^-7 * max|w|), the
+float32 run (the bound of tests/device/test_low_precision.py: 2 * steps * 2^-7 * max|w|), the
 stacks' slot columns (a TPU keeps slots in its rows only where they are bfloat16), the
 fraction of values equal to the CPU's bfloat16 run (the chip's float32 arithmetic rounds
 apart from the CPU's: not expected equal), the plan's bytes against the arrays'.

@@ -2,7 +2,7 @@
 
 Each hook has a public fallback at its call site, so a jax or orbax release
 that moves one keeps embedmesh working (slower, or with a plainer error); a
-fallback taken silently would hide that, so `tests/test_compat.py` checks that
+fallback taken silently would hide that, so `tests/project/test_compat.py` checks that
 each hook in `HOOKS` still resolves on the installed versions and fails when
 one stops resolving. Resolution is lazy: importing this module imports
 nothing private (and never orbax).
@@ -199,7 +199,7 @@ def _orbax_hooks_resolve() -> bool:
     )
 
 
-# name -> a check that the hook resolves on the installed versions (tests/test_compat.py)
+# name -> a check that the hook resolves on the installed versions (tests/project/test_compat.py)
 HOOKS: dict = {
     "jax._src.core.trace_state_clean": lambda: _trace_state_clean() is not None,
     "jax._src.lib.xla_client.batched_device_put": lambda: batched_device_put() is not None,

@@ -1,8 +1,18 @@
 """Test-wide setup: 8 virtual CPU devices for multi-device tests (set before jax loads)."""
 
 import os
+import sys
 
 import pytest
+
+# The helpers (support/) and every layer's test modules importable by bare name
+# (support/paths.py says why)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from paths import import_path
+
+for _folder in reversed(import_path()):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 # XLA's backend at optimisation level 0: the suite's programs are small and compiled
 # once each, so compiling dominates (-20% CPU measured on test_data_parallel).

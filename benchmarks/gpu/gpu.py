@@ -35,8 +35,8 @@ variable, it never reads what it selects.
     gradients each step; all 18 tables in one embedding (one program per variant: half
     the compile time of one per optimizer; if it raises, one per optimizer): the lookup
     activations at each of 3 steps and the tables and slots after them, on the default
-    device, against the float64 numpy reference (`tests/training_reference.py` for
-    lookups and row gradients, `tests/test_optimizers.ref_update` for the optimizer
+    device, against the float64 numpy reference (`tests/support/training_reference.py` for
+    lookups and row gradients, `tests/device/test_optimizers.ref_update` for the optimizer
     math; if that module cannot be imported, against the same run of embedmesh on the
     CPU backend, and the output says so); then `serving_embedding_lookup` on the
     read-back (exported) tables, host path (its reused output buffers poisoned with NaN
@@ -360,17 +360,21 @@ def run_correctness(w: Worker, cfg):
     import embedmesh as em
     from embedmesh.host.preprocess import Capacity
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "device"))  # test_optimizers
     import training_reference as ref
 
     try:
         import test_optimizers as topt
 
-        ref_kind = "float64 numpy (tests/training_reference.py, tests/test_optimizers.ref_update)"
+        ref_kind = (
+            "float64 numpy (tests/support/training_reference.py, "
+            "tests/device/test_optimizers.ref_update)"
+        )
     except Exception as e:  # noqa: BLE001 - any import failure: use the CPU backend instead
         topt = None
         ref_kind = (
-            f"lookups: float64 numpy (tests/training_reference.py); tables and slots: the "
+            f"lookups: float64 numpy (tests/support/training_reference.py); tables and slots: the "
             f"same run of embedmesh on the CPU backend (test_optimizers not importable: "
             f"{type(e).__name__}: {e})"
         )

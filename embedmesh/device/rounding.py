@@ -32,7 +32,7 @@ and on CPU the fused C++ updates (`cpu/update.cc`, `Updater<Rule, T, S>`): a `Ro
 `fused_kernel` is its optimizer's (slots apart, the mod layout), and the kernel is given
 `rounding_words(step)` (the seed, step, shard and each table's index, local offset and
 layout parameters), from which it computes the same logical rows and the same bits and
-rounds the same way (tests/test_low_precision.py checks it bit for bit). The kernel's
+rounds the same way (tests/device/test_low_precision.py checks it bit for bit). The kernel's
 float32 arithmetic before the rounding is the float32 kernel's: the same operations as
 `update_rows`, but XLA's CPU code contracts multiply-adds into FMAs and takes an
 approximate `rsqrt`, so the two can differ in the last float32 bit (as for float32

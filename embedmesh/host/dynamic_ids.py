@@ -22,8 +22,8 @@ import numpy as np
 
 __all__ = ["owner_of", "prepare_stack", "raw_pairs", "split_ids"]
 
-# the keyed hash of `embedmesh.device.id_map` (its salts and finaliser; tests/test_dynamic_ids.py
-# checks the two agree)
+# the keyed hash of `embedmesh.device.id_map` (its salts and finaliser;
+# tests/engine/test_dynamic_ids.py checks the two agree)
 _SALT_OWNER = 0x6A09E667
 _M32 = 0xFFFFFFFF
 

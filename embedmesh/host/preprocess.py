@@ -7,7 +7,7 @@ shard, sorted and de-duplicated, plus for every (output row, id) pair the
 position of its id in that list and its gain. Every array has a static padded
 size (the stack's `Capacity`) so the device program compiles once.
 
-Semantics (all pinned by `tests/test_preprocess.py` against a loop-and-dict
+Semantics (all pinned by `tests/host/test_preprocess.py` against a loop-and-dict
 reference):
 
 - The process-local batch of `B` samples is split evenly and in order over

@@ -16,7 +16,7 @@ a table of the wrong shape, the numba/numpy backends) returns None, and so does 
 error the C++ side reports: the caller then runs the general path, which raises
 TensorFlow's errors exactly as it always has (nothing was written but fresh output
 buffers). Results are bit for bit the general path's: the same kernels on the same
-arrays (tests/test_serving_fast_path.py compares the two on every input kind).
+arrays (tests/serving/test_serving_fast_path.py compares the two on every input kind).
 
 The same tests run compiled where the install built `embedmesh.serving._request`
 (embedmesh/serving/ext/request.cc, CPython's stable ABI): ~1 us a feature against ~5

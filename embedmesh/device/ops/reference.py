@@ -51,7 +51,7 @@ def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
     out-of-range `src_idx` or `dst_idx` contribute nothing. No id outside reaches XLA's
     segment sum: such a pair adds an exact zero row to segment 0 (on the v5e chip, XLA's
     segment sum added the rows of ids outside `[0, num_segments)` into segment 0, where
-    the CPU drops them: tests/test_tpu_ops.py, 2026-12-04)."""
+    the CPU drops them: tests/device/test_tpu_ops.py, 2026-12-04)."""
     g = jnp.take(src, src_idx, axis=0, mode="fill", fill_value=0) * gains[:, None]
     if num_segments == 0:
         return jnp.zeros((0,) + g.shape[1:], g.dtype)

@@ -26,6 +26,6 @@ picks one):
 - `numba` (when the C++ kernels are unavailable and numba is importable);
 - `numpy` (always available).
 
-Every backend gives the same values, bit for bit (tests/test_kernels.py). Where
+Every backend gives the same values, bit for bit (tests/device/test_kernels.py). Where
 they share code (errors, pruning, widening non-float32 tables): `common`.
 """

@@ -75,7 +75,7 @@ class AttrReader {
 };
 
 // Padding id of unique-id lists: int32 max, equal to embedmesh._runtime.PAD_ID
-// (tests/test_ops.py checks it through EmbedmeshPadId).
+// (tests/device/test_ops.py checks it through EmbedmeshPadId).
 constexpr int32_t kPad = 2147483647;
 constexpr int64_t kPrefetch = 16;  // rows ahead
 

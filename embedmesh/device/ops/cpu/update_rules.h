@@ -299,7 +299,7 @@ inline float PowNonNeg(float x, float q) {
 // 0), bound = l1 (times lr in the second form). The common q = 0.5 takes two square roots
 // (PowNonNeg); the divisions by lr are products with 1 / lr (AtLr, once a call), so an
 // element divides once: 2 square roots and 1 division where the plain form has 3
-// divisions. (Within a few float32 ulps of `_rule`'s order: tests/test_ops.py compares them
+// divisions. (Within a few float32 ulps of `_rule`'s order: tests/device/test_ops.py compares them
 // at 2e-6.) The division is unconditional and its quotient selected after, so the loop
 // needs no masked division and stays vectorised in every context.
 struct Ftrl {

@@ -19,7 +19,7 @@ rows; the learning rate is computed outside (it may be a schedule or a host
 callback) and passed as a one-element array. Whole arrays are passed
 unblocked: Pallas computes a ref's element offsets in 32 bits, or in 64 bits
 for an array over 4 GiB, such as the GPU benchmark's 16M x 128 stacked table
-(8.2 GB; `tests/test_gpu_ops.py` lowers the kernels at its shapes).
+(8.2 GB; `tests/device/test_gpu_ops.py` lowers the kernels at its shapes).
 `supports` asks for float32, a power-of-two dim (a Triton block) and fewer
 than 2**31 elements an array (row indices are int32; nothing larger has been
 lowered).

@@ -1,0 +1,106 @@
+"""The public, stateless job under the facade (`embedmesh.EmbeddingJob`, issue #39 item
+2): the flax modules and checkpoints reach the facade through public names only, and the
+job does what the facade did with its state kept elsewhere."""
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+import embedmesh as em
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "embedmesh"
+
+
+def _private_uses(path: pathlib.Path) -> list[str]:
+    """`x._name` attribute reads in a module whose object is not `self`/`cls` or a
+    module alias (the names a module calls its facade: layer, emb, embedding, ...)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in {"layer", "emb", "embedding", "facade", "mesh_embedding"}
+        ):
+            bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.value.id}.{node.attr}")
+        if (  # self.layer._x (the modules keep their layer as an attribute)
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "layer"
+        ):
+            bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} .layer.{node.attr}")
+    return bad
+
+
+def test_flax_and_checkpoints_use_no_private_name_of_the_facade():
+    paths = sorted((PKG / "flax").glob("*.py")) + sorted((PKG / "checkpoint").glob("*.py"))
+    bad = [b for p in paths for b in _private_uses(p)]
+    assert not bad, bad
+
+
+def test_the_scan_finds_a_private_use(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f(layer):\n    return layer._state, self.layer._seed\n")
+    assert len(_private_uses_at(f)) == 2
+
+
+def _private_uses_at(path):
+    global PKG
+    saved, PKG = PKG, path.parent
+    try:
+        return _private_uses(path)
+    finally:
+        PKG = saved
+
+
+def _layer():
+    t = em.TableConfig(20, 4, name="t", combiner="mean")
+    u = em.TableConfig(10, 8, name="u", combiner="sum")
+    feats = {"a": em.FeatureConfig(t), "b": em.FeatureConfig(u, output_shape=(4, 2))}
+    return em.MeshEmbedding(feats, em.Adagrad(0.3)), t, u
+
+
+def test_the_job_steps_like_the_facade_with_the_state_outside():
+    """Lookup and update through the job and the core, the state held by the caller,
+    give the facade's activations and tables; `release_state` hands the state over."""
+    r = np.random.default_rng(0)
+    batch = {"a": r.integers(0, 20, (8, 2)), "b": r.integers(0, 10, (8,))}
+    emb, t, u = _layer()
+    acts, pre = emb.dequeue(emb.enqueue(batch))
+    grads = {k: r.uniform(-1, 1, np.shape(a)).astype(np.float32) for k, a in acts.items()}
+    emb.apply_gradients(grads, pre)
+    want = emb.embedding_tables
+
+    layer, t, u = _layer()  # (tables compare by identity: the second layer's own)
+    job = layer.job
+    assert isinstance(job, em.EmbeddingJob) and job.tables == tuple(layer.job.resolved.tables)
+    state = layer.release_state()
+    csr = job.placed(layer.enqueue(batch), "test")
+    got_acts = job.pack_activations(job.core.lookup(state, csr), csr)
+    for k in acts:
+        np.testing.assert_array_equal(np.asarray(got_acts[k]), np.asarray(acts[k]))
+    job.check_preserved(csr)
+    state, ok = job.core.apply_gradients(state, job.flat_gradients(grads, csr), csr)
+    assert bool(ok)
+    for cfg, name in ((t, "t"), (u, "u")):
+        got = job.read_table(state, cfg)
+        np.testing.assert_array_equal(got, want[next(k for k in want if k.name == name)])
+    # a second owner gets a fresh initial state, not the one handed over
+    fresh = layer.release_state()
+    assert fresh is not state
+    np.testing.assert_array_equal(job.read_table(fresh, t), job.read_table(job.init_state(), t))
+
+
+def test_job_errors_name_the_feature():
+    layer, _, _ = _layer()
+    job = layer.job
+    csr = job.placed(layer.enqueue({"a": np.zeros((8, 2), int), "b": np.zeros(8, int)}), "x")
+    with pytest.raises(ValueError, match="gradient for feature a has shape"):
+        job.flat_gradients({"a": np.zeros((3, 4), np.float32), "b": None}, csr)
+    with pytest.raises(ValueError, match="preserved_outputs must be the dict"):
+        job.check_preserved([1])

@@ -1,0 +1,33 @@
+"""A table of raw ids (`TableConfig.id_map`) trained by two real processes (1 CPU device
+each, the host's shared-memory exchanges) ends as it does in one process with 2 devices:
+the same ids on the same shards and rows, the same values."""
+
+import json
+import os
+import sys
+
+import numpy as np
+from paths import SUPPORT
+from process_helpers import free_port, run_together, worker_env
+
+WORKER = os.path.join(SUPPORT, "dynamic_ids_worker.py")
+
+
+def _result(output: str) -> dict:
+    line = next(x for x in output.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_two_processes_match_one_process_with_two_devices():
+    port = free_port()
+    one, *two = run_together(  # the three at once
+        [[sys.executable, WORKER, "0", "1", "0"]]
+        + [[sys.executable, WORKER, str(i), "2", str(port)] for i in range(2)],
+        env=worker_env(),
+    )
+    single = _result(one)
+    multi = {**_result(two[0]), **_result(two[1])}
+    assert len(single) == 7  # 8 rows, 10 ids: evictions happened
+    assert {k: v[:2] for k, v in multi.items()} == {k: v[:2] for k, v in single.items()}
+    for k, v in single.items():
+        np.testing.assert_allclose(multi[k][2], v[2], rtol=1e-6, err_msg=k)

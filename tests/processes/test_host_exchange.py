@@ -1,0 +1,238 @@
+"""The shared-memory exchange between processes of one host (host_exchange.cc).
+
+Real processes on 127.0.0.1 (one CPU device each, gloo) exchange through
+`ops.exchange` with the job's same-host key: the results equal numpy's and XLA's
+all-to-all exactly, and the host kernels of the N-shard lookup and update equal their
+references (tests/support/host_exchange_worker.py says what it runs); sizes that
+differ per process are a clear error on every process; a MeshEmbedding trains to
+the same tables as with EMBEDMESH_HOST_EXCHANGE=0 (gloo). In this process: the
+channel tags and the check that one program uses each channel once.
+"""
+
+import glob
+import os
+import signal
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from paths import SUPPORT as HERE  # the worker's folder
+from paths import child_pythonpath
+from process_helpers import free_port, run_collect, run_together
+
+from embedmesh import _runtime
+from embedmesh.device import ops
+from embedmesh.device.ops.cpu import kernels, library
+
+WORKER = os.path.join(HERE, "host_exchange_worker.py")
+TIMEOUT = 120
+
+needs_kernels = pytest.mark.skipif(not library.ready(), reason="no CPU kernels")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
+    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+def _commands(n, mode, *rest):
+    port = str(free_port())
+    return [[sys.executable, WORKER, str(i), str(n), port, mode, *rest] for i in range(n)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("processes, modes", [(2, "exchange,ops,pooled"), (4, "ops,pooled")])
+def test_processes_exchange_like_all_to_all(processes, modes):
+    """ops.exchange, and the host kernels of the N-shard lookup and update and of the
+    pooled ops, against XLA's exchange."""
+    outs = run_together(_commands(processes, modes), _env(), timeout=TIMEOUT)
+    for out in outs:
+        for mode in modes.split(","):
+            assert f"OK {mode}" in out, out[-3000:]
+
+
+@needs_kernels
+def test_sizes_that_differ_per_process_fail_on_every_process():
+    codes, outs = run_collect(
+        _commands(2, "mismatch"), _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="20"), timeout=TIMEOUT
+    )
+    assert codes == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
+    for pid, out in enumerate(outs):
+        (line,) = [x for x in out.splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
+        mine, theirs = (64, 128) if pid == 0 else (128, 64)
+        assert "channel 'test/mismatch'" in line and f"rank {pid} of 2" in line, line
+        assert f"rank {1 - pid} sent {theirs} bytes, this rank {mine}" in line, line
+
+
+@needs_kernels
+def test_a_missing_peer_fails_the_call_and_an_exited_one_at_once():
+    codes, outs = run_collect(
+        _commands(2, "absent"), _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="1.5"), timeout=TIMEOUT
+    )
+    assert codes == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
+    lines = [x for x in outs[0].splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
+    assert len(lines) == 2, outs[0][-3000:]
+    where = "channel 'test/absent', tag "
+    assert lines[0].startswith("CAUGHT timeout") and where in lines[0], lines[0]
+    assert "rank 0 of 2), round 2: peers 1 did not arrive within 1.5 s" in lines[0], lines[0]
+    assert (
+        lines[1].startswith("CAUGHT exited")
+        and "round 3: the process of peers 1 exited" in (lines[1])
+    ), lines[1]
+    assert float(lines[1].split()[2]) < 1.5  # not the timeout: it saw the process gone
+
+
+def _segments(job: str) -> list[str]:
+    """The names of job `job`'s segments in /dev/shm (`job`: its key in hex)."""
+    return sorted(glob.glob(f"/dev/shm/embedmesh-{job}-*"))
+
+
+def _jobs(outs) -> set[str]:
+    return {x.split()[1] for out in outs for x in out.splitlines() if x.startswith("JOB ")}
+
+
+def _nameless(outs) -> set[str]:
+    return {x.split()[1] for out in outs for x in out.splitlines() if x.startswith("NAMELESS ")}
+
+
+@needs_kernels
+@pytest.mark.parametrize("segments", ["nameless", "named"])
+def test_killed_processes_leave_no_segments_and_are_noticed_within_seconds(segments):
+    """A job SIGKILLed whole right after its first round leaves no segment: nameless ones
+    (memfds) never had a name; named ones (the fallback, when a process cannot open the
+    others' descriptors: here one pretends so) lose theirs once every peer has arrived in
+    the first round (each has mapped them). A peer killed before it created its segment
+    fails the others within seconds (its pid, gathered at build, is gone), even with no
+    timeout (inf); the named segments left then are unlinked by the process that noticed."""
+    env = _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="inf")
+    extra = ",named" if segments == "named" else ""
+    codes, outs = run_collect(_commands(2, "killed" + extra), env, timeout=TIMEOUT)
+    assert codes == [-signal.SIGKILL] * 2, "\n=====\n".join(o[-3000:] for o in outs)
+    assert _nameless(outs) == {"1" if segments == "nameless" else "0"}
+    (killed,) = _jobs(outs)
+    assert _segments(killed) == []
+
+    codes, outs = run_collect(_commands(2, "early" + extra), env, timeout=TIMEOUT)
+    assert codes == [0, -signal.SIGKILL], "\n=====\n".join(o[-3000:] for o in outs)
+    assert _nameless(outs) == {"1" if segments == "nameless" else "0"}
+    (line,) = [x for x in outs[0].splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
+    assert "channel 'test/early'" in line and "process 1 (pid " in line, line
+    assert "exited" in line and float(line.split()[1]) < 20, line
+    (early,) = _jobs(outs)
+    assert _segments(killed) == [] and _segments(early) == []
+
+
+@needs_kernels
+def test_a_job_killed_inside_its_first_exchange_leaves_no_segment():
+    """SIGKILLed whole (one `kill -9` of both pids) while process 0 waits in its first
+    exchange for process 1, which never started its own, so that no process saw all its
+    peers arrive: nothing of the job is left in /dev/shm (its segments never had a name
+    there). Before nameless segments, process 0's stayed until the next job on the host."""
+    env = _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="inf")
+    codes, outs = run_collect(_commands(2, "killed_waiting"), env, timeout=TIMEOUT)
+    assert codes == [-signal.SIGKILL] * 2, "\n=====\n".join(o[-3000:] for o in outs)
+    assert _nameless(outs) == {"1"}
+    (job,) = _jobs(outs)
+    assert _segments(job) == []
+
+
+@needs_kernels
+def test_training_matches_the_gloo_exchange(tmp_path):
+    """Adagrad on one stack; SGD on two stacks with each update fused with the next lookup
+    (independent host calls in one program): the same tables as XLA's exchange (gloo)."""
+    channels = {
+        "adagrad": ["finite", "t1+t2/lookup/ids", "t1+t2/lookup/rows", "t1+t2/update/sources"],
+        "sgd": [f"{t}/{k}" for t in ("t1", "t2") for k in ("lookup/ids", "lookup/rows")],
+    }
+    channels["sgd"] = sorted(channels["sgd"] + ["finite", "t1/update/sources", "t2/update/sources"])
+    tables = {}
+    for setting in ("1", "0"):
+        out_file = str(tmp_path / f"tables_{setting}.npz")
+        outs = run_together(
+            _commands(2, "train", out_file), _env(EMBEDMESH_HOST_EXCHANGE=setting), timeout=TIMEOUT
+        )
+        for out in outs:
+            for name, expected in channels.items():
+                # the setting took: the core has a same-host key or not
+                assert f"HOST_JOB {name} {setting}" in out, out[-3000:]
+                # a NaN in one process's gradients: both reject the step, tables as before
+                assert f"REJECTED {name} unchanged=True" in out, out[-3000:]
+                # the host lookup and update kernels ran (their segments), or none
+                assert f"CHANNELS {name} {expected if setting == '1' else []}" in out, out[-3000:]
+        tables[setting] = np.load(out_file)
+    a, b = tables["1"], tables["0"]
+    assert sorted(a.files) == sorted(b.files) and len(a.files) == 6
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert np.abs(a["adagrad/t1.accumulators"] - 0.1).max() > 1e-3  # training happened
+
+
+@needs_kernels
+def test_exchange_timeout_setting(monkeypatch):
+    """EMBEDMESH_EXCHANGE_TIMEOUT_S reaches the kernel's attribute (inf: -1, no deadline);
+    a value that is not a positive number raises naming the variable and the value."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def lowered(value):  # a fresh function: traced anew
+        monkeypatch.setenv("EMBEDMESH_EXCHANGE_TIMEOUT_S", value)
+        _runtime.reset()
+        f = jax.shard_map(
+            lambda x: ops.exchange(x, ops.Transport("x", 2, host_job=7, channel="timeout")),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+        return jax.jit(f).lower(jnp.zeros((4, 2), jnp.float32)).as_text()
+
+    try:
+        for value, ms in [("2.5", 2500), (" inf ", -1), ("1e300", -1), ("1e-9", 1)]:
+            text = lowered(value)
+            assert "embedmesh_host_exchange" in text and f"timeout_ms = {ms} :" in text, value
+        for value in ["-1", "0", "nan", "-inf", "soon"]:
+            with pytest.raises(ValueError, match=f"EMBEDMESH_EXCHANGE_TIMEOUT_S='{value}'"):
+                lowered(value)
+    finally:
+        monkeypatch.delenv("EMBEDMESH_EXCHANGE_TIMEOUT_S")
+        _runtime.reset()
+    assert _runtime.exchange_timeout_s() == 60.0
+
+
+def test_channel_tags_are_stable_and_distinct():
+    # the same in every process (not Python's salted hash): fixed values
+    assert kernels.channel_tag("stack/lookup/ids") == 0x72A9FEC7C7C7D50A
+    names = [f"stack{i}/{p}/{k}" for i in range(50) for p in ("lookup", "update") for k in "ab"]
+    tags = {kernels.channel_tag(c) for c in names}
+    assert len(tags) == len(names) and all(0 <= t < 2**63 for t in tags)
+
+
+@needs_kernels
+def test_one_program_cannot_use_a_channel_twice():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def body(x, channel_b):
+        a = ops.exchange(x, ops.Transport("x", 2, host_job=12345, channel="dup/a"))
+        b = ops.exchange(x * 2, ops.Transport("x", 2, host_job=12345, channel=channel_b))
+        return a + b
+
+    def program(channel_b):
+        f = jax.shard_map(
+            lambda x: body(x, channel_b),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+        return jax.jit(f).lower(jnp.zeros((8, 3), jnp.float32))  # traced, never run
+
+    program("dup/b")  # distinct channels: fine
+    program("dup/b")  # a second program (a new trace) may use the same channels
+    with pytest.raises(ValueError, match="channel 'dup/a' is used twice in one program"):
+        program("dup/a")

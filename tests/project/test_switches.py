@@ -1,0 +1,295 @@
+"""Each environment switch does what README says, in a fresh process with it set.
+
+Switches are read once (`embedmesh._runtime`), so every case runs in a
+subprocess with the variable in its environment and reports what it saw as
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from paths import ROOT
+
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+
+
+def run_with(script: str, env: dict, *args) -> dict:
+    """Run `script` in a fresh interpreter (this checkout first on sys.path) with
+    the EMBEDMESH_* variables of `env` alone set; its last stdout line, as JSON."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDMESH_")}
+    full.update(env)
+    full.setdefault("JAX_PLATFORMS", "cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        cwd=ROOT,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+NUMBA_MODULES = 'any(m.split(".")[0] in ("numba", "llvmlite") for m in sys.modules)'
+
+
+def test_import_embedmesh_loads_no_numba_and_builds_no_kernels():
+    seen = run_with(
+        f"""
+import json, sys
+import embedmesh
+print(json.dumps({{"numba": {NUMBA_MODULES},
+                  "compiled": [m for m in sys.modules if m.startswith("embedmesh.")
+                               and m.endswith(("numba_backend", "numba_kernels"))]}}))
+""",
+        {},
+    )
+    assert seen == {"numba": False, "compiled": []}
+
+
+# Random features of every kind through one preprocessing and one serving call;
+# the arrays are saved to argv[1].
+WORKLOAD = f"""
+import json, sys
+import numpy as np
+import embedmesh as em
+from embedmesh.host import preprocess
+from embedmesh.serving import kernels
+
+rng = np.random.default_rng(7)
+ta = em.TableConfig(50, 8, combiner="mean", name="a")
+tb = em.TableConfig(30, 4, combiner="sqrtn", name="b")
+fc = {{"r": em.FeatureConfig(ta), "s": em.FeatureConfig(tb), "d": em.FeatureConfig(tb),
+      "q": em.FeatureConfig(ta, max_sequence_length=3)}}
+B = 16
+lengths = rng.integers(0, 6, B)
+splits = np.concatenate([[0], np.cumsum(lengths)])
+n = int(splits[-1])
+rows = np.repeat(np.arange(B), lengths)
+cols = np.concatenate([np.sort(rng.choice(6, k, replace=False)) for k in lengths])
+inputs = {{"r": em.RaggedTensor(rng.integers(0, 50, n), splits),
+          "s": em.SparseTensor(np.stack([rows, cols], 1), rng.integers(0, 30, n), (B, 6)),
+          "d": rng.integers(0, 30, (B, 2)),
+          "q": em.RaggedTensor(rng.integers(0, 50, n), splits)}}
+weights = {{"r": em.RaggedTensor(rng.uniform(0.5, 2, n).astype(np.float32), splits),
+           "s": em.SparseTensor(np.stack([rows, cols], 1),
+                                rng.uniform(0.5, 2, n).astype(np.float32), (B, 6)),
+           "d": None, "q": None}}
+tables = {{ta: rng.standard_normal((50, 8)).astype(np.float32),
+          tb: rng.standard_normal((30, 4)).astype(np.float32)}}
+plan = em.plan_stacking(fc, 4)
+csr, _ = em.preprocess_features(inputs, weights, plan, num_devices_local=4)
+served = em.serving_embedding_lookup(inputs, weights, tables, fc)
+seen = {{"numba": {NUMBA_MODULES}}}
+out = {{}}
+for stack, t in csr.items():
+    for field in t._ARRAYS:
+        out[f"pre/{{stack}}/{{field}}"] = np.asarray(getattr(t, field))
+for k, v in served.items():
+    out[f"serve/{{k}}"] = np.asarray(v)
+np.savez(sys.argv[1], **out)
+seen.update(preprocess_numba=preprocess.numba_available(), serving=kernels.get_backend())
+print(json.dumps(seen))
+"""
+
+
+@pytest.fixture(scope="module")
+def numpy_run(tmp_path_factory):
+    """WORKLOAD with numba and the C++ serving kernels off (one process for the two
+    tests that compare with it): (what it saw, its arrays' file)."""
+    out = tmp_path_factory.mktemp("switches") / "off.npz"
+    # EMBEDMESH_SERVING_NATIVE=0: the serving kernels' C++ backend off too (it needs no numba)
+    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0", "EMBEDMESH_SERVING_NATIVE": "0"}, out)
+    return seen, out
+
+
+def test_numba_off_makes_preprocessing_and_serving_use_numpy(numpy_run, tmp_path):
+    off, off_file = numpy_run
+    assert off == {"numba": False, "preprocess_numba": False, "serving": "numpy"}
+    if not HAVE_NUMBA:
+        pytest.skip("numba is not installed: no numba run to compare with")
+    no_cc = {"EMBEDMESH_SERVING_NATIVE": "0"}
+    on = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "1", **no_cc}, tmp_path / "on.npz")
+    assert on == {"numba": True, "preprocess_numba": True, "serving": "numba"}
+    a, b = np.load(off_file), np.load(tmp_path / "on.npz")
+    assert sorted(a.files) == sorted(b.files) and len(a.files) > 6
+    for k in a.files:
+        if k.startswith("pre/"):  # the backends are bit-identical
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        else:  # mean/sqrtn denominators may be summed in another order
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
+    from embedmesh.serving import kernels, native
+
+    if not kernels.HAVE_NATIVE:
+        pytest.skip(f"no C++ serving kernels here: {native.reason()}")
+    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "native.npz")
+    assert seen == {"numba": False, "preprocess_numba": False, "serving": "native"}
+    ref, ref_file = numpy_run  # the same workload and switches, EMBEDMESH_SERVING_NATIVE=0
+    assert ref["serving"] == "numpy"
+    a, b = np.load(tmp_path / "native.npz"), np.load(ref_file)
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+SERVING_THREADS = """
+import json
+import numpy as np
+import embedmesh as em
+from embedmesh.serving import lookup
+from embedmesh.serving.backends import native as native_backend
+
+used = []
+real = lookup._run_on_threads
+lookup._run_on_threads = lambda runs, threads: used.append(threads) or real(runs, threads)
+real_run = native_backend.run_native
+native_backend.run_native = lambda calls, threads: used.append(threads) or real_run(calls, threads)
+real_tasks = native_backend.run_tasks
+native_backend.run_tasks = lambda words, threads: used.append(threads) or real_tasks(words, threads)
+class Request(native_backend.NativeRequest):
+    def __init__(self, n, threads):
+        used.append(threads)
+        super().__init__(n, threads)
+native_backend.NativeRequest = Request
+from embedmesh.serving import fast_path
+compiled = fast_path._compiled  # the compiled request path gets the threads as its last argument
+if compiled is not None:
+    class Compiled:
+        bind = staticmethod(compiled.bind)
+        @staticmethod
+        def lookup(*a):
+            used.append(a[-1])
+            return compiled.lookup(*a)
+    fast_path._compiled = Compiled
+t = em.TableConfig(40, 8, name="t")
+fc = {f"f{i}": em.FeatureConfig(t) for i in range(6)}
+rng = np.random.default_rng(0)
+inputs = {k: rng.integers(0, 40, (5, 3)) for k in fc}
+em.serving_embedding_lookup(inputs, None, {t: rng.standard_normal((40, 8)).astype(np.float32)}, fc)
+print(json.dumps({"used": used, "previous": em.serving.set_host_threads(2)}))
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_serving_threads(threads):
+    """The lookup runs on that many threads (the C++ kernels' one call or request, or
+    Python's thread runner, is given it; 1: the caller's thread); `set_host_threads`
+    reports the setting as the value it replaces."""
+    seen = run_with(SERVING_THREADS, {"EMBEDMESH_SERVING_THREADS": str(threads)})
+    assert seen["previous"] == threads
+    # one call or request (the C++ kernels, even on one thread), or Python's runner
+    assert seen["used"] == [threads] or (threads == 1 and seen["used"] == [])
+
+
+PREPROCESS_THREADS = """
+import json
+import numpy as np
+import embedmesh as em
+from embedmesh import _runtime
+from embedmesh.host import preprocess
+
+asked = []
+real = _runtime.thread_pool
+_runtime.thread_pool = lambda n: asked.append(n) or real(n)
+t = em.TableConfig(64, 8, name="t")
+plan = em.plan_stacking({"a": em.FeatureConfig(t)}, 4)
+preprocess.preprocess_features({"a": np.arange(32).reshape(16, 2)}, None, plan,
+                               num_devices_local=4, backend="numba")
+print(json.dumps({"default": preprocess.default_num_threads(), "asked": sorted(set(asked))}))
+"""
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="threads are the numba backend's")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_preprocess_threads(threads):
+    """The default `num_threads`: 1 runs the (stack, device) tasks on the caller's
+    thread, 3 on a pool of three."""
+    seen = run_with(PREPROCESS_THREADS, {"EMBEDMESH_PREPROCESS_THREADS": str(threads)})
+    assert seen == {"default": threads, "asked": [] if threads == 1 else [threads]}
+
+
+SERVING_SPIN = """
+import json
+from embedmesh.serving import native
+
+try:
+    lib = native.library()
+    print(json.dumps({"spin_us": lib.EmServingSetPoolSpin(0)}))
+except ValueError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+@pytest.mark.parametrize("value, want", [(None, 300), ("0", 0), ("2500", 2500), ("-1", None)])
+def test_serving_spin_us(value, want):
+    """How long the serving pool's threads poll before they sleep: the C++ default when
+    unset, the value given, and a clear error naming the variable for a bad one."""
+    seen = run_with(SERVING_SPIN, {} if value is None else {"EMBEDMESH_SERVING_SPIN_US": value})
+    if want is None:
+        assert "EMBEDMESH_SERVING_SPIN_US='-1'" in seen["error"]
+    else:
+        assert seen == {"spin_us": want}
+
+
+OUTPUT_POOL = """
+import gc
+import json
+import numpy as np
+import embedmesh as em
+from embedmesh.serving import pool
+
+t = em.TableConfig(1000, 64, name="t")
+fc = {"a": em.FeatureConfig(t), "b": em.FeatureConfig(t)}
+rng = np.random.default_rng(0)
+inputs = {k: rng.integers(0, 1000, (1200, 2)) for k in fc}  # 600 KiB outputs
+out = em.serving_embedding_lookup(inputs, None,
+                                  {t: rng.standard_normal((1000, 64)).astype(np.float32)}, fc)
+in_use = pool._pool.free_bytes()
+del out
+gc.collect()
+if pool._pool.release is not None:
+    pool._pool.release()  # jaxlib lets go of the numpy arrays its arrays aliased
+print(json.dumps({"limit": pool._pool.limit, "in_use": in_use,
+                  "kept": pool._pool.free_bytes()}))
+"""
+
+
+@pytest.mark.parametrize("mb", [0, 1, 4])
+def test_output_pool_mb(mb):
+    """The serving output pool keeps at most the given MB of free buffers for reuse. A
+    request's outputs are views of one buffer (`fast_path.one_buffer`): its two 600 KiB
+    outputs one 1.2 MB buffer, which a 1 MB pool does not keep and a 4 MB pool does."""
+    seen = run_with(OUTPUT_POOL, {"EMBEDMESH_OUTPUT_POOL_MB": str(mb)})
+    one = 1200 * 2 * 64 * 4  # an output's bytes
+    assert seen == {"limit": mb << 20, "in_use": 0, "kept": {0: 0, 1: 0, 4: 2 * one}[mb]}
+
+
+CPU_KERNELS = """
+import json
+import jax
+import jax.numpy as jnp
+import embedmesh.device.ops as ops
+
+text = jax.jit(lambda t, i: ops.gather_rows(t, i)).lower(
+    jnp.zeros((10, 4)), jnp.zeros(3, jnp.int32)).as_text()
+print(json.dumps({"custom_call": "custom_call" in text}))
+"""
+
+
+def test_cpu_kernels_off_lowers_device_ops_to_pure_jax():
+    """EMBEDMESH_CPU_KERNELS=0: a device op lowers to plain XLA, no FFI custom call
+    (seen in the lowered program, whatever the ops layer looks like inside)."""
+    default = run_with(CPU_KERNELS, {})
+    if not default["custom_call"]:
+        pytest.skip("the C++ CPU kernels are not available here: nothing to switch off")
+    assert run_with(CPU_KERNELS, {"EMBEDMESH_CPU_KERNELS": "0"}) == {"custom_call": False}

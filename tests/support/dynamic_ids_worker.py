@@ -1,0 +1,53 @@
+"""A worker of tests/processes/test_dynamic_ids_multiprocess.py: a table of raw ids trained
+for a few steps on a mesh of 2 CPU devices, as one process or as one of two (1 device each);
+prints `RESULT {raw id: [shard, row, parameters]}` of the live ids on this process's
+devices. Args: process_id num_processes port."""
+
+import json
+import sys
+
+import orphan_guard  # noqa: F401  (this worker dies with the test process)
+from process_helpers import start_cpu_process
+
+pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+jax = start_cpu_process(pid, nproc, port, devices=2)
+
+import numpy as np  # noqa: E402
+
+import embedmesh as em  # noqa: E402
+from embedmesh.device import id_map  # noqa: E402
+
+dyn = em.TableConfig(8, 4, name="dyn", combiner="sum", id_map=em.DynamicIds(evict_batch=1))
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+emb = em.MeshEmbedding(
+    {"a": em.FeatureConfig(dyn, name="a")},
+    em.Adagrad(0.3),
+    mesh=mesh,
+    seed=3,
+    capacities=em.Capacity(16, 16),
+)
+rng = np.random.default_rng(0)
+pool = np.array([0, 8, -1, 2**63 - 1, -(2**63), 17, 2**40, 5, 6, 7], np.int64)
+for _ in range(4):
+    ids = rng.choice(pool, size=(4, 2))  # the global batch: 4 samples
+    if nproc > 1:
+        ids = ids[pid * 2 : pid * 2 + 2]  # this process's half
+    acts, preserved = emb({"a": em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, 2))})
+    emb.apply_gradients(jax.tree.map(lambda a: a * 0 + 1.0, acts), preserved)
+state = emb.state
+devices = list(mesh.devices.flat)
+
+
+def local(x, device):
+    return np.asarray(next(s.data for s in x.addressable_shards if s.device == device))
+
+
+out = {}
+for shard in state.tables["dyn"].addressable_shards:
+    m = jax.tree_util.tree_map(lambda x: local(x, shard.device)[0], state.id_maps["dyn"]["map"])
+    values = np.asarray(shard.data)
+    for raw, row in id_map.live_ids(m).items():
+        out[str(raw)] = [devices.index(shard.device), row, values[row, :4].tolist()]
+print("RESULT", json.dumps(out))
+if nproc > 1:
+    jax.distributed.shutdown()

@@ -1,0 +1,223 @@
+"""Launching real worker processes for the multi-process tests (127.0.0.1 only)."""
+
+import os
+import socket
+import subprocess
+
+from paths import SUPPORT as HERE  # the workers' folder
+from paths import child_pythonpath
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+    """A worker process's environment: this one's, with the test XLA flags alone (not
+    this process's device count: each worker sets its own) and the repository on
+    PYTHONPATH."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
+    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH", ""))
+    return env
+
+
+def run_collect(commands, env, timeout=300):
+    """Start every command at once, wait for all (killing any still running after
+    `timeout` seconds: a hang fails the caller, it does not stall it);
+    `(return codes, outputs)`, a killed process's code negative."""
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for cmd in commands
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += f"\n[killed after {timeout} s]".encode()
+        finally:
+            if p.poll() is None:
+                p.kill()
+        outputs.append(out.decode(errors="replace"))
+    return [p.returncode for p in procs], outputs
+
+
+def run_together(commands, env, timeout=300):
+    """Start every command at once, wait for all; assert each exits 0 (showing its output)."""
+    codes, outputs = run_collect(commands, env, timeout)
+    for code, out in zip(codes, outputs):
+        assert code == 0, out[-3000:]
+    return outputs
+
+
+def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: str):
+    """`multiprocess_worker.py` once as one process with 4 devices under
+    `single_sharding`, and as two processes of 2 devices under `multi_sharding`; the
+    two saved results (`np.load`), the single one first."""
+    import sys
+
+    import numpy as np
+
+    worker = os.path.join(HERE, "multiprocess_worker.py")
+    env = worker_env()
+    single, multi = (
+        _single_reference(worker, env, single_sharding, tmp_path),
+        tmp_path / "multi.npz",
+    )
+    port = free_port()
+    run_together(
+        [
+            [sys.executable, worker, str(i), "2", str(port), str(multi), multi_sharding]
+            for i in range(2)
+        ],
+        env=env,
+    )
+    return np.load(single), np.load(multi)
+
+
+def _single_reference(worker, env, sharding: str, tmp_path):
+    """The one-process, 4-device result of `worker` under `sharding` (deterministic): run
+    once per test run and kept in the run's cache folder (conftest's
+    EMBEDMESH_TEST_JAX_CACHE, shared by the xdist workers and removed at the end), so the
+    four tests comparing two processes against "mod" run it once, not four times."""
+    import sys
+
+    root = os.environ.get("EMBEDMESH_TEST_JAX_CACHE")
+    path = os.path.join(root, f"single-{sharding}.npz") if root else str(tmp_path / "single.npz")
+    if os.path.exists(path):
+        return path
+    scratch = str(tmp_path / "single.npz")
+    subprocess.run(
+        [sys.executable, worker, "0", "1", "0", scratch, sharding], env=env, check=True, timeout=300
+    )
+    if scratch != path and not os.path.exists(path):
+        os.replace(scratch, path)  # atomic: a worker that raced us wrote the same result
+    return path if os.path.exists(path) else scratch
+
+
+def check_two_processes_match_one(tmp_path, single_sharding, multi_sharding, rtol, atol):
+    """`train_one_and_two_processes`: the same six arrays (tables and slots), equal to
+    `rtol` / `atol`, and the accumulators moved from their 0.1. The bfloat16 table
+    (stochastically rounded) has the same bits under the same strategy; under another,
+    whose float32 sums may differ in their last bit, each value within one bfloat16
+    spacing of the other."""
+    import numpy as np
+
+    a, b = train_one_and_two_processes(tmp_path, single_sharding, multi_sharding)
+    assert sorted(a.files) == sorted(b.files) and len(a.files) == 6
+    for k in a.files:
+        if k != "t3.parameters":
+            np.testing.assert_allclose(b[k], a[k], rtol=rtol, atol=atol, err_msg=k)
+        elif single_sharding == multi_sharding:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(b[k], a[k], rtol=2.0**-7, atol=1e-30, err_msg=k)
+    for k in ("t1.accumulators", "t3.accumulators"):
+        assert np.abs(a[k] - 0.1).max() > 1e-3, k
+
+
+def job_args() -> tuple[int, int, int]:
+    """A worker's first three arguments: its process id, the number of processes and the
+    coordinator's port."""
+    import sys
+
+    process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
+    return process_id, num_processes, port
+
+
+def run_python(code: str, env: dict | None = None, cwd: str | None = None, timeout=300) -> str:
+    """`code` run by this interpreter in a fresh process (`python -c`), with `env` (None:
+    this process's) in `cwd`: its stdout; an AssertionError with the output's end if it
+    fails."""
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def start_cpu_process(process_id: int, num_processes: int, port: int, devices: int = 4):
+    """Set up this worker process before anything imports jax: `devices` CPU devices
+    shared out over the job (`devices // num_processes` here, after any flags in
+    EMBEDMESH_TEST_XLA_FLAGS), and with more than one process, gloo collectives and
+    `jax.distributed` on 127.0.0.1:`port`. Returns the jax module."""
+    import os
+
+    os.environ["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices // num_processes} "
+        + os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
+    )
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+    import jax
+
+    if num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+    return jax
+
+
+def save_and_leave(out_file, tables, process_id: int, num_processes: int) -> None:
+    """A worker's end: process 0 saves `tables` ({TableConfig: {field: array}}) as the
+    .npz `out_file`, keys "table.field"; with more than one process, each leaves the job."""
+    import jax
+    import numpy as np
+
+    if process_id == 0:
+        np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
+    if num_processes > 1:
+        jax.distributed.shutdown()
+
+
+def global_batches(steps, batch):
+    """`steps` global batches of `batch` samples (seeded: every process draws the same):
+    a 3-valent feature "a", a 1-valent "b" and a ragged one, as (values, lengths)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for _ in range(steps):
+        lengths = rng.integers(0, 5, batch)
+        yield {
+            "a": rng.integers(0, 50, (batch, 3)),
+            "b": rng.integers(0, 30, (batch,)),
+            "ragged": (rng.integers(0, 30, int(lengths.sum())), lengths),
+        }
+
+
+def local_slice(batch, pid, nproc):
+    """Process `pid`'s contiguous share of a `global_batches` batch (of `nproc`),
+    the ragged feature as an `em.RaggedTensor`."""
+    import numpy as np
+
+    import embedmesh as em
+
+    out = {}
+    for k, v in batch.items():
+        if k == "ragged":
+            values, lengths = v
+            per = len(lengths) // nproc
+            splits = np.concatenate([[0], np.cumsum(lengths)])
+            lo, hi = splits[pid * per], splits[(pid + 1) * per]
+            out[k] = em.RaggedTensor.from_row_lengths(
+                values[lo:hi], lengths[pid * per : (pid + 1) * per]
+            )
+        else:
+            per = v.shape[0] // nproc
+            out[k] = v[pid * per : (pid + 1) * per]
+    return out
