@@ -201,10 +201,8 @@ def embedmesh_step(
     pipelined=False,
     apart=False,
     table_dtype="float32",
-    pair_sums="mxu",
 ):
-    """`pair_sums`: `pallas.PAIR_SUMS` ("mxu" one-hot matmuls, "scan" a running sum).
-    `apart`: each optimizer slot an array of its own (the layout before slots in rows).
+    """`apart`: each optimizer slot an array of its own (the layout before slots in rows).
     `table_dtype`: the tables' storage type, "float32", "bfloat16" / "float16" (slots in
     the same type: in the rows), or "bfloat16+f32" (float32 slots: apart)."""
     import jax
@@ -213,12 +211,10 @@ def embedmesh_step(
 
     import embedmesh as em
     from embedmesh.device.ops import tpu as tpu_ops
-    from embedmesh.device.ops.tpu import pallas as tpk
     from embedmesh.inputs import RaggedTensor
     from embedmesh.layout import stacking
 
     tpu_ops.ENABLED = kernels
-    tpk.PAIR_SUMS = pair_sums
     platform = jax.devices()[0].platform
     in_rows = stacking.PLATFORM_SLOTS_IN_ROWS.get(platform)
     if apart:
@@ -309,7 +305,6 @@ def embedmesh_step(
             "rows": v,
             "optimizer": opt_name,
             "table_dtype": table_dtype,
-            "pair_sums": pair_sums,
             "kernels": kernels,
             "pipelined": pipelined,
             "slots": "apart" if apart else "in rows" if emb.plan.stacks[0].slot_columns else "-",
@@ -326,7 +321,6 @@ def embedmesh_step(
         }
     finally:
         tpu_ops.ENABLED = True
-        tpk.PAIR_SUMS = "mxu"
         if in_rows is None:
             stacking.PLATFORM_SLOTS_IN_ROWS.pop(platform, None)
         else:
@@ -535,11 +529,6 @@ def main():
         help="the step's table types, e.g. float32,bfloat16,bfloat16+f32 (float32 slots)",
     )
     ap.add_argument(
-        "--pair-sums",
-        default="mxu",
-        help="the pair sums of each step case: mxu,scan (`pallas.PAIR_SUMS`)",
-    )
-    ap.add_argument(
         "--apart-dims",
         default="64",
         help="dims at which the step also runs with each slot an array ('' none)",
@@ -569,15 +558,11 @@ def main():
             v = 2000 if args.smoke else rows_for(dim)
             batches = make_batches(v, B)
             for dt in args.table_dtypes.split(","):
-                for ps in args.pair_sums.split(","):
-                    name = "embedmesh" if dt == "float32" else f"embedmesh-{dt}"
-                    name += "" if ps == "mxu" else f"-{ps}"
-                    rep.case(
-                        f"step/{name}/d{dim}",
-                        lambda dt=dt, ps=ps: embedmesh_step(
-                            dim, v, batches, steps=steps, table_dtype=dt, pair_sums=ps
-                        ),
-                    )
+                name = "embedmesh" if dt == "float32" else f"embedmesh-{dt}"
+                rep.case(
+                    f"step/{name}/d{dim}",
+                    lambda dt=dt: embedmesh_step(dim, v, batches, steps=steps, table_dtype=dt),
+                )
             if str(dim) in args.apart_dims.split(","):
                 rep.case(
                     f"step/embedmesh-apart/d{dim}",

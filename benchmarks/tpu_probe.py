@@ -318,59 +318,6 @@ def main():
 
     case("unroll", unrolling)
 
-    # 2c. the pair sums as a running sum a pair (`pallas.scan_sorted`) against the MXU's
-    # one-hot matmuls, for the backward (pairs by distinct row) and the lookup (pairs by
-    # output row: after the device sort, or given in that order)
-    def scans():
-        src = jnp.asarray(rng.normal(size=(U, 128)).astype(np.float32))
-        act = jnp.asarray(rng.normal(size=(R, 128)).astype(np.float32))
-        want_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))(src)
-        want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
-        by_row = np.lexsort((pu, pr))
-        c_key, c_dst = jnp.asarray(pr[by_row]), jnp.asarray(pu[by_row])
-        c_g = jnp.asarray(gains[by_row])
-        rec = {}
-
-        def put(name, fn, x, want):
-            try:
-                t, o = timeit(jax.jit(fn), x)
-                rec[f"{name}_ms"] = t * 1e3
-                rec[f"{name}_err"] = float(jnp.abs(o[:, :128] - want).max())
-            except Exception as e:  # noqa: BLE001
-                rec[f"{name}_error"] = f"{type(e).__name__}: {e}"[:800]
-
-        put(
-            "reduce_mxu", lambda a: tpk.reduce_sorted(a, d_pu, d_pr, d_g, num_out=U)[0], act, want_r
-        )
-        for u in (8, 16):
-            put(
-                f"reduce_scan_u{u}",
-                lambda a, u=u: tpk.scan_sorted(a, d_pu, d_pr, d_g, num_out=U, unroll=u)[0],
-                act,
-                want_r,
-            )
-        put("combine_mxu", lambda s: tpk.combine(s, d_pu, d_pr, d_g, R), src, want_c)
-        put(
-            "combine_mxu_presorted",
-            lambda s: tpk.reduce_sorted(s, c_key, c_dst, c_g, num_out=R)[0],
-            src,
-            want_c,
-        )
-        put(
-            "combine_scan_presorted",
-            lambda s: tpk.scan_sorted(s, c_key, c_dst, c_g, num_out=R)[0],
-            src,
-            want_c,
-        )
-        tpk.PAIR_SUMS = "scan"
-        try:
-            put("combine_scan", lambda s: tpk.combine(s, d_pu, d_pr, d_g, R), src, want_c)
-        finally:
-            tpk.PAIR_SUMS = "mxu"
-        return rec
-
-    case("scan", scans)
-
     # 3. an Adagrad update over fused [w | acc] rows (dim 64 -> 128 lanes): one gather and
     # one scatter of 117k rows a step where two 128-lane arrays take two of each
     def fused_update():

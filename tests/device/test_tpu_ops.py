@@ -364,34 +364,6 @@ def test_sorted_kernels_with_small_blocks(op, case, dim):
     assert_sums_close(out, *reference(src, key, dst, gains, num_out))
 
 
-@pytest.mark.parametrize(
-    "op, case, dim",
-    [
-        ("combine", "hot_key", 129),
-        ("combine", "zipf", 3),
-        ("reduce", "hot_key", 1),
-        ("reduce", "spread", 64),
-        ("reduce", "empty_blocks", 256),
-        ("reduce", "padding_only", 128),
-    ],
-)
-def test_pair_sums_as_a_running_sum(monkeypatch, op, case, dim):
-    """`PAIR_SUMS = "scan"` (`scan_sorted`: a running sum a pair, restarted where the key
-    changes and carried from one pair block to the next): the reference's sums, zero rows
-    for keys without a pair."""
-    monkeypatch.setattr(pallas, "PAIR_SUMS", "scan")
-    r = rng(len(case) * 77 + dim)
-    num_keys, num_dst, key, dst, gains = small_block_case(case, r)
-    src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
-    assert pallas._scans(src.shape[0], num_out, dim)
-    got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out, tp=TP, unroll=4)
-    want, mag = reference(src, key, dst, gains, num_out)
-    assert_sums_close(got, want, mag)
-    if op == "reduce":
-        absent = np.setdiff1d(np.arange(num_out), key)
-        assert (np.asarray(got)[absent] == 0).all()
-
-
 # ---------------------------------------------------------------------------
 # The resident side split into column blocks and row ranges
 

@@ -26,6 +26,13 @@ an 8M-row table, 308,894 pairs; runs in `benchmarks/runs/tpu_probe_*`):
 - `reduce`: 3.7 ms at dims 64 and 128, 5.3 ms at 256; XLA's take + segment_sum of the
   same pairs 6.1, 6.0 and 7.6 ms; the scalar pair loop this replaces (an add a pair
   into VMEM, ~26 ns a pair whatever its form: each add waits for the last) 7.9 and 8.9;
+- a running sum a pair in place of the one-hot matmuls (each pair's row read from VMEM,
+  added into a register restarted where the key changes, stored into its key's row;
+  tried 2026-12-05, `runs/tpu_probe_2026-12-05_a.json`): 2.39-2.55 ms against 2.56 for
+  the backward's 309k pairs, 2.58 against 2.21 for a lookup's; the step the same (12.81
+  against 12.62 ms at dim 64, 13.00 against 12.93 at 16). Both forms cost ~8 ns a pair:
+  the pair's row read from a dynamic place in VMEM, not the matmuls, bounds them;
+  and the lookup's device sort of the pairs is ~0.02 ms of its 2.2 (presorted: 2.21);
 - `combine` (its device sort included, ~1.3 ms): 3.35 ms at dims 64 and 128, 8.2 ms at
   256 (then in two row ranges; in two column blocks since, not yet measured), against
   XLA's 6.2, 6.1 and 9.5 ms;
@@ -74,7 +81,6 @@ INTERPRET = False
 TW = 256  # keys a block
 TP = 512  # pairs a block
 UNROLL = 8  # pair rows gathered into VMEM a loop turn (a divisor of TP)
-PAIR_SUMS = "mxu"  # "mxu": `reduce_sorted`; "scan": `scan_sorted` where it fits VMEM
 RESIDENT_BYTES = 80 << 20  # the resident side's one VMEM buffer at most (a core: 128 MiB)
 _VMEM_LIMIT = 120 << 20
 
@@ -313,13 +319,6 @@ def reduce_sorted(
     return out[:num_out], ok
 
 
-def _scans(num_src: int, num_out: int, width: int) -> bool:
-    """Whether the pair sums run as `scan_sorted` (`PAIR_SUMS`): both resident sides in
-    VMEM at once."""
-    rows = -(-num_src // 8) * 8 + -(-(num_out + 2) // 8) * 8
-    return PAIR_SUMS == "scan" and rows * lane_width(width) * 4 <= RESIDENT_BYTES
-
-
 def _sort_by(key, dst, gains, num_keys: int, num_dst: int):
     """The pairs sorted by key, the invalid ones (key outside `[0, num_keys)` or dst
     outside `[0, num_dst)`) last: one device sort of the three arrays."""
@@ -342,10 +341,7 @@ def reduce(src, key, dst, gains, num_out: int, *, tw: int = TW, tp: int = TP, un
         dst,
         gains,
     )
-    if _scans(num_src, num_out, width):
-        out = scan_sorted(src, key, dst, gains, num_out=num_out, tp=tp, unroll=unroll)
-    else:
-        out = reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp, unroll=unroll)
+    out = reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp, unroll=unroll)
     return out[0][:, :width]
 
 
@@ -356,99 +352,8 @@ def combine(
     order: sorted by dst on the device, then `reduce_sorted` keyed by dst."""
     num_src, width = src.shape
     d, k, g = _sort_by(jnp.asarray(dst), jnp.asarray(key), jnp.asarray(gains), num_dst, num_src)
-    if _scans(num_src, num_dst, width):
-        out = scan_sorted(src, d, k, g, num_out=num_dst, tp=tp, unroll=unroll)
-    else:
-        out = reduce_sorted(src, d, k, g, num_out=num_dst, tw=tw, tp=tp, unroll=unroll)
+    out = reduce_sorted(src, d, k, g, num_out=num_dst, tw=tw, tp=tp, unroll=unroll)
     return out[0][:, :width]
-
-
-def _scan_kernel(
-    key_ref, dst_ref, gain_ref, src_hbm, out_hbm, src_ref, acc_ref, carry, sem, *, unroll
-):
-    """One block of pairs sorted by key: a running sum `acc` of `gain * src[dst]` that
-    restarts where the key changes, stored into the key's row after every pair (the last
-    store of a key holds its whole sum; invalid pairs, keyed to the junk row with gain 0,
-    store there and restart nothing). The resident sides (`src`, the sums) stay in VMEM
-    for the whole grid; the running sum and its key carry from block to block."""
-    j = pl.program_id(0)
-    tp = key_ref.shape[0]
-    dc = acc_ref.shape[1]
-
-    @pl.when(j == 0)
-    def _():
-        copy = pltpu.make_async_copy(src_hbm, src_ref, sem)
-        copy.start()
-        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
-        carry[0] = -1
-        copy.wait()
-
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, dc), 1)
-    last = acc_ref.shape[0] - 1  # the running sum's own row
-    junk = last - 1  # the invalid pairs' row
-
-    def turn(i, c):
-        run, prev = c
-        for u in range(unroll):
-            p = i * unroll + u
-            k, d, g = key_ref[p], dst_ref[p], gain_ref[p]
-            skip = k == junk  # an invalid pair: adds 0 into the junk row, breaks no run
-            keep = lanes < jnp.where((k == prev) | skip, dc, 0)
-            run = jnp.where(keep, run, 0.0) + g * src_ref[pl.ds(d, 1), :]
-            acc_ref[pl.ds(k, 1), :] = run
-            prev = jnp.where(skip, prev, k)
-        return run, prev
-
-    run, prev = jax.lax.fori_loop(0, tp // unroll, turn, (acc_ref[pl.ds(last, 1), :], carry[0]))
-    acc_ref[pl.ds(last, 1), :] = run
-    carry[0] = prev
-
-    @pl.when(j == pl.num_programs(0) - 1)
-    def _():
-        copy = pltpu.make_async_copy(acc_ref, out_hbm, sem)
-        copy.start()
-        copy.wait()
-
-
-@functools.partial(jax.jit, static_argnames=("num_out", "tp", "unroll"))
-def scan_sorted(src, key, dst, gains, *, num_out: int, tp: int = TP, unroll: int = UNROLL):
-    """`reduce_sorted`'s sums as a running sum a pair (`_scan_kernel`): no one-hot matrix,
-    no matmul, each pair's row read once from VMEM and added in float32 in pair order.
-    The valid pairs sorted by key (invalid ones anywhere: they add nothing); both resident sides
-    ([num_src, Dc] and [num_out, Dc] float32) must fit VMEM together. Returns (out, sorted)."""
-    num_src, width = src.shape
-    dc = lane_width(width)
-    p = key.shape[0]
-    npb = max(1, -(-p // tp))
-    valid = (key >= 0) & (key < num_out) & (dst >= 0) & (dst < num_src)
-    ok = is_sorted(key, dst, num_out, num_src)
-    rows8 = -(-(num_out + 2) // 8) * 8  # the sums, a junk row for invalid pairs, the carry
-    junk = rows8 - 2
-    k = jnp.where(valid, key, junk).astype(jnp.int32)
-    k = jnp.pad(k, (0, npb * tp - p), constant_values=junk)
-    d = jnp.pad(jnp.where(valid, dst, 0).astype(jnp.int32), (0, npb * tp - p))
-    g = jnp.pad(jnp.where(valid, gains, 0).astype(jnp.float32), (0, npb * tp - p))
-    src8 = -(-num_src // 8) * 8
-    part = jnp.zeros((src8, dc), jnp.float32).at[:num_src, :width].set(src.astype(jnp.float32))
-    smem = lambda: pl.BlockSpec((tp,), lambda j: (j,), memory_space=pltpu.SMEM)
-    out = pl.pallas_call(
-        functools.partial(_scan_kernel, unroll=unroll),
-        grid=(npb,),
-        in_specs=[smem(), smem(), smem(), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
-        scratch_shapes=[
-            pltpu.VMEM((src8, dc), jnp.float32),
-            pltpu.VMEM((rows8, dc), jnp.float32),
-            pltpu.SMEM((1,), jnp.int32),
-            pltpu.SemaphoreType.DMA(()),
-        ],
-        out_shape=jax.ShapeDtypeStruct((rows8, dc), jnp.float32),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT
-        ),
-        interpret=_interpret(),
-    )(k, d, g, part)
-    return out[:num_out], ok
 
 
 def is_sorted(key, dst, num_keys: int, num_dst: int):
