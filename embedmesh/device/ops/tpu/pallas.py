@@ -32,7 +32,8 @@ an 8M-row table, 308,894 pairs; runs in `benchmarks/runs/tpu_probe_*`):
   the backward's 309k pairs, 2.58 against 2.21 for a lookup's; the step the same (12.81
   against 12.62 ms at dim 64, 13.00 against 12.93 at 16). Both forms cost ~8 ns a pair:
   the pair's row read from a dynamic place in VMEM, not the matmuls, bounds them;
-  and the lookup's device sort of the pairs is ~0.02 ms of its 2.2 (presorted: 2.21);
+  pairs given already sorted by output row took 2.21 ms against 2.23 with the sort, so
+  sending the host's order would not help either;
 - `combine` (its device sort included, ~1.3 ms): 3.35 ms at dims 64 and 128, 8.2 ms at
   256 (then in two row ranges; in two column blocks since, not yet measured), against
   XLA's 6.2, 6.1 and 9.5 ms;
