@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from paths import ROOT
 
 
@@ -47,3 +48,10 @@ def test_smoke_on_cpu(tmp_path):
     # on one CPU the "chip" is the CPU too: the same program, the same tables
     assert cases[0]["table_max_abs_diff"] == 0.0
     assert (tmp_path / "tpu.md").read_text().startswith("# benchmarks/tpu.py")
+    # the step's rows moved against the bound of the same run: a lookup gather, the
+    # update's gather and scatter of the table and its accumulator (slots apart on CPU)
+    step = cases[1]
+    moved = json.loads((tmp_path / "tpu.json").read_text())["rows_moved"]["step/embedmesh/d64"]
+    assert moved["rows"] == step["unique"] * 5 > 0
+    assert 0 < moved["at_best_movers_ms"] <= moved["at_dma_bound_ms"]
+    assert moved["of_step_dma_bound"] == pytest.approx(moved["at_dma_bound_ms"] / step["step_ms"])
