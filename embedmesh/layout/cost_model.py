@@ -327,20 +327,21 @@ class Machine:
     def this_cpu(transport: str = "shm", **changes) -> Machine:
         """This 2-core AMD EPYC VM (23 GiB), N in-process CPU devices sharing its cores.
 
-        Compute constants from `benchmarks/RESULTS_train.md` table 3 (1 device, the
-        training benchmark, 256-byte rows): combining pairs from a [U, D] buffer 5.4 ms
+        Compute constants from table 3 of the training benchmark's history,
+        `benchmarks/runs/train-history.md` ("Where the time goes": 1 device, 256-byte rows):
+        combining pairs from a [U, D] buffer 5.4 ms
         (17.5 ns a pair, less 9.5 ns of bytes at 27 GB/s: pair_row_s 8 ns); combining
         308,894 pairs straight from the table 8.8 ms, where a lookup reads each distinct
         row from memory once and finds it in cache for its other pairs: the model's
         111,915 distinct rows (measured: 117,295) at t_read and the other pairs at
         t_pair give read_row_s 38 ns (a cold 256-byte row, 47.5 ns with its bytes: near
-        the 40 ns measured in `RESULTS_serving.md`);
+        the 40 ns measured in `benchmarks/runs/serving-history.md`);
         the fused backward + dedup + Adagrad update 16.8 ms = 308,894 pairs x 17.5 ns +
         117,295 rows x 97 ns, i.e. 48.5 ns per table-or-slot row (update_row_s 29.5 ns
         + 2 x 256 B at 27 GB/s). mem_bw 27 GB/s: the write floor measured in
-        `RESULTS_serving.md`. Two constants are fitted (non-negative least
-        squares, `benchmarks/simulate.py --calibrate`) to the 1/2/4-device medians of
-        `runs/train_run_2026-12-01_ndev.txt` (26.3 / 27.0 / 30.8 ms): step_overhead_s
+        `benchmarks/runs/serving-history.md`. Two constants are fitted (non-negative least
+        squares, `benchmarks/scale/simulate.py --calibrate`) to the 1/2/4-device medians of
+        `benchmarks/runs/train_run_2026-12-01_ndev.txt` (26.3 / 27.0 / 30.8 ms): step_overhead_s
         (per device program) came out 0 (table 3's kernels alone already predict
         26.7 ms at N=1), the shm link's per_peer_s 240 us per collective per extra
         device (4 collectives a step: ~1.0 ms per extra device, which lumps the
@@ -349,7 +350,7 @@ class Machine:
 
         `transport`: "shm" (the shared-memory kernels: zero copy), "host_shm" (2+
         processes on this host, each device's blocks copied through shared memory:
-        measured 2026-12-02, `benchmarks/host_link.py`, 2.5 GB/s and 20 us a call for
+        measured 2026-12-02, `benchmarks/scale/host_link.py`, 2.5 GB/s and 20 us a call for
         messages of 0.26-4 MB; 8-16 MB ones ran at 1.0-1.8 GB/s),
         "xla" (XLA's CPU
         all_to_all in process: ~1.4 GB/s, `ops/cpu/exchange.cc`), "gloo" (2+
@@ -375,7 +376,7 @@ class Machine:
                 "processes on one host, POSIX shared memory (two copies)",
                 2.5e9,
                 20e-6,
-                source="measured 2026-12-02 (benchmarks/host_link.py: ops.exchange between 2 "
+                source="measured 2026-12-02 (benchmarks/scale/host_link.py: ops.exchange between 2 "
                 "pinned processes, 0.26-4 MB sent: 2.5 GB/s fitted; a 4 KB call 20 us)",
             ),
             "gloo": Link(
@@ -399,8 +400,8 @@ class Machine:
             step_overhead_s=0.0,
             host_shared=True,
             notes=(
-                "read/pair/update row costs: RESULTS_train.md table 3 (1 device)",
-                "mem_bw 27 GB/s: RESULTS_serving.md write floor",
+                "read/pair/update row costs: runs/train-history.md table 3 (1 device)",
+                "mem_bw 27 GB/s: runs/serving-history.md write floor",
                 "step_overhead_s, shm latency: fitted to train_run_2026-12-01_ndev.txt",
                 f"link: {link.source}",
             ),

@@ -3,7 +3,7 @@
 XLA's CPU gather and scatter move about 2-3 M rows of 64 float32 per second
 on this project's 2-core machines, whatever the access pattern, and with the
 page faults of XLA's fresh output buffers they were most of a training step
-(see `benchmarks/RESULTS_train.md`). These handlers do the same row moves with
+(see `benchmarks/runs/train-history.md`). These handlers do the same row moves with
 software prefetch, on all the CPUs the process may use (`EMBEDMESH_CPU_THREADS`
 caps them), and advise their large outputs to use huge pages before writing
 them (one fault per 2 MiB instead of per 4 KiB).

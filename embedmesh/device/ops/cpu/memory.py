@@ -2,7 +2,7 @@
 
 XLA's own buffers get 4 KiB pages; random row access into multi-GB tables and
 slots is faster on huge pages in a VM, where TLB misses are expensive (the
-training step of `benchmarks/train_step.py` went from 47 to 40 ms).
+training step of `benchmarks/train/train_step.py` went from 47 to 40 ms).
 `EmbeddingCore` builds its tables and slots with `embedmesh.device.ops.full`,
 which comes here for big CPU buffers. The handlers advise the output to use
 huge pages before its first write, then copy or fill it on the kernels'
