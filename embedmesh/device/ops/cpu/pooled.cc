@@ -60,15 +60,21 @@ PairSource SourceOf(ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::S32>& prow,
                     n ? static_cast<int64_t>(compact.element_count()) / n : 0};
 }
 
+// The attributes' names, for the handlers bound from their signatures (ffi::Attr).
+constexpr char kPooledU[] = "u";
+constexpr char kPooledRc[] = "rc";
+constexpr char kPooledK[] = "k";
+
 // ops.pack_pooled_pairs: the message of every owner.
 ffi::Error PackPooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> prow,
                            ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gains,
-                           ffi::Buffer<ffi::S32> compact, int64_t rc, int64_t k,
+                           ffi::Buffer<ffi::S32> compact, ffi::Attr<int64_t, kPooledRc> rc,
+                           ffi::Attr<int64_t, kPooledK> k,
                            ffi::Result<ffi::Buffer<ffi::S32>> out) {
   auto idd = ids.dimensions();
   const int64_t n = idd.size() ? idd[0] : 1;
   PooledLayout l{};
-  const PairSource src = SourceOf(ids, prow, puniq, gains, compact, n, &l, rc, k);
+  const PairSource src = SourceOf(ids, prow, puniq, gains, compact, n, &l, *rc, *k);
   int32_t* o = out->typed_data();
   ParallelFor(n, [&](int64_t s) { PackBlock(src, l, s, o + s * l.width()); });
   return ffi::Error::Success();
@@ -138,8 +144,12 @@ void PartialsOf(const ServedPairs& sp, const E* t, int64_t d, int64_t s, float* 
 
 // ops.pooled_partials: out[s * rc + row] += gain * table[ids_s[position]] over each
 // source's pairs.
-ffi::Error PooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> served, int64_t u,
-                          int64_t rc, int64_t k, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+ffi::Error PooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> served,
+                          ffi::Attr<int64_t, kPooledU> u_attr,
+                          ffi::Attr<int64_t, kPooledRc> rc_attr,
+                          ffi::Attr<int64_t, kPooledK> k_attr,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const int64_t u = *u_attr, rc = *rc_attr, k = *k_attr;
   auto td = table.dimensions();
   auto sd = served.dimensions();
   const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
@@ -187,25 +197,10 @@ ffi::Error ExchangePooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> se
 }  // namespace
 }  // namespace embedmesh
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPackPooledPairs, embedmesh::PackPooledPairs,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("rc")
-                                  .Attr<int64_t>("k")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+// Bound from the functions' own signatures (XLA FFI's automatic binding).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPackPooledPairs, embedmesh::PackPooledPairs);
 EM_LIST_HANDLER("embedmesh_pack_pooled_pairs", EmPackPooledPairs)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("u")
-                                  .Attr<int64_t>("rc")
-                                  .Attr<int64_t>("k")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials);
 EM_LIST_HANDLER("embedmesh_pooled_partials", EmPooledPartials)
 EM_DEFINE_TRANSPORTED(ExchangePooledPairs,
                       ffi::Ffi::Bind()

@@ -48,20 +48,8 @@ ffi::Error SegmentGatherSumMapped(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> map,
 }  // namespace
 }  // namespace embedmesh
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSum, embedmesh::SegmentGatherSum,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Bound from the functions' own signatures (XLA FFI's automatic binding).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSum, embedmesh::SegmentGatherSum);
 EM_LIST_HANDLER("embedmesh_segment_gather_sum", EmSegmentGatherSum)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSumMapped, embedmesh::SegmentGatherSumMapped,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSumMapped, embedmesh::SegmentGatherSumMapped);
 EM_LIST_HANDLER("embedmesh_segment_gather_sum_mapped", EmSegmentGatherSumMapped)

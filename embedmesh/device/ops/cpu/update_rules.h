@@ -172,28 +172,28 @@ struct Common {
 // (a conditional sqrt or division is never if-converted under IEEE trapping semantics), so
 // the Updater instantiates one vectorisable loop per variant and picks it per call.
 
-struct Sgd {
-  static constexpr const char* kName = "sgd";  // Optimizer._FUSED_KERNEL
-  static constexpr int kSlots = 0;
+// What a rule with no options of its own (SGD, Adagrad) declares: no parameters, one
+// variant, one slot value an element.
+struct NoOptions {
   static constexpr bool kRowWise = false;
   static constexpr int kVariants = 1;
   struct Params {};
   static Params Read(AttrReader&) { return {}; }
   static int Variant(const Params&) { return 0; }
+};
+
+struct Sgd : NoOptions {
+  static constexpr const char* kName = "sgd";  // Optimizer._FUSED_KERNEL
+  static constexpr int kSlots = 0;
   template <int V>
   static inline float Step(const Params&, float w, float g, float lr, float*, float) {
     return w - lr * g;
   }
 };
 
-struct Adagrad {
+struct Adagrad : NoOptions {
   static constexpr const char* kName = "adagrad";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 1;  // accumulators
-  static constexpr bool kRowWise = false;
-  static constexpr int kVariants = 1;
-  struct Params {};
-  static Params Read(AttrReader&) { return {}; }
-  static int Variant(const Params&) { return 0; }
   template <int V>
   static inline float Step(const Params&, float w, float g, float lr, float* s, float) {
     const float a = s[0] + g * g;
