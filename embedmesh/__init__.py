@@ -10,6 +10,7 @@ from embedmesh.config import (
     TableConfig,
     resolve_feature_config,
 )
+from embedmesh.device.by_id import export_increment, raw_id_tables
 from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.facade import MeshEmbedding, default_mesh
 from embedmesh.host.preprocess import (
@@ -23,6 +24,7 @@ from embedmesh.host.preprocess import (
 from embedmesh.initializers import RowIdInitializer, row_id_initializer
 from embedmesh.inputs import RaggedTensor, SparseTensor
 from embedmesh.job import EmbeddingJob
+from embedmesh.layout.by_id import RawIdTable, RawIdUpdate, apply_increment
 from embedmesh.layout.sharding import shards_to_table, table_to_shards
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
 from embedmesh.optimizers import (
@@ -67,17 +69,22 @@ __all__ = [
     "PreprocessStats",
     "QuantizationConfig",
     "RaggedTensor",
+    "RawIdTable",
+    "RawIdUpdate",
     "RowIdInitializer",
     "SparseCoreStats",
     "SparseTensor",
     "StackingPlan",
     "TableConfig",
+    "apply_increment",
     "compute_sparse_core_stats",
     "default_mesh",
+    "export_increment",
     "export_serving",
     "load_serving",
     "plan_stacking",
     "preprocess_features",
+    "raw_id_tables",
     "resolve_feature_config",
     "row_id_initializer",
     "serving_embedding_lookup",

@@ -917,11 +917,22 @@ class MeshEmbedding:
     def embedding_tables(self) -> dict:
         """`{TableConfig: [vocabulary_size, dim] numpy array}` in logical row order.
 
-        Read-only copies (writing raises): load rows with `set_tables`.
+        Read-only copies (writing raises): load rows with `set_tables`. A table of raw
+        ids (`TableConfig.id_map`) gives its `embedmesh.RawIdTable` instead: its
+        live ids, sorted, and their rows (what `serving_embedding_lookup` and
+        `export_serving` take for it; docs/dynamic-ids.md).
         """
         _check_not_traced("embedding_tables")
         self._maybe_build()
-        return {t: _read_only(self._logical_table(t)) for t in self._resolved.tables}
+        raw = {}
+        if self.core.dynamic:
+            from embedmesh.device.by_id import raw_id_tables
+
+            raw = raw_id_tables(self.core, self.observed_state())
+        return {
+            t: raw[t] if t in raw else _read_only(self._logical_table(t))
+            for t in self._resolved.tables
+        }
 
     @property
     def variables(self) -> dict:

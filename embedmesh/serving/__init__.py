@@ -1,5 +1,8 @@
 """Serving trained tables on a CPU host: the lookup (`serving_embedding_lookup`),
 quantized tables for it (`quantize_tables`: int8 rows, fp16, bf16, bucket codes),
+tables of raw 64-bit ids served by id (`RawIdTable`) and kept fresh by increments
+(`RawIdUpdate`, `apply_increment`; read from training by `embedmesh.raw_id_tables` and
+`embedmesh.export_increment`),
 its host kernels, an exported, jax-free-at-load serving function, and
 `EmbeddingForServing` (a training checkpoint's tables, loaded on first use of the name:
 it loads orbax)."""
@@ -13,6 +16,7 @@ from embedmesh.serving.quantized import (
     quantize_table,
     quantize_tables,
 )
+from embedmesh.serving.raw_ids import RawIdTable, RawIdUpdate, apply_increment
 
 # (TensorFlow is imported by its call only: `embedmesh[tf]`)
 from embedmesh.serving.saved_model import export_saved_model, signature_names
@@ -22,7 +26,10 @@ __all__ = [
     "EmbeddingForServing",
     "QuantizedTable",
     "Ragged",
+    "RawIdTable",
+    "RawIdUpdate",
     "Sparse",
+    "apply_increment",
     "export_saved_model",
     "export_serving",
     "load_serving",

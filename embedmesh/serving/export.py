@@ -43,6 +43,7 @@ shapes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -58,12 +59,14 @@ import ml_dtypes
 import numpy as np
 
 from embedmesh import _compat
+from embedmesh.serving import raw_ids
 from embedmesh.serving.quantized import QuantizedTable
+from embedmesh.serving.raw_ids import RawIdTable, RawIdUpdate
 
 __all__ = ["Dense", "Ragged", "ServingFunction", "Sparse", "export_serving", "load_serving"]
 
 FORMAT = "embedmesh.serving"
-FORMAT_VERSION = 2  # 2: quantized tables (written only where one is)
+FORMAT_VERSION = 3  # 2: quantized tables, 3: tables of raw ids (each only where one is)
 MANIFEST = "manifest.json"
 
 
@@ -300,7 +303,9 @@ def export_serving(
         tuple) of arrays whose leading axis is the batch.
       directory: created if needed; existing export files are replaced.
       tables: `{TableConfig: [vocabulary_size, dim] array}`, e.g.
-        `MeshEmbedding.embedding_tables` or `checkpoint.load_tables(...)`.
+        `MeshEmbedding.embedding_tables` or `checkpoint.load_tables(...)`; a table of
+        raw ids as its `RawIdTable` (its ids: signature inputs given to the lookup as
+        they are; docs/dynamic-ids.md#serving-tables-of-raw-ids).
       input_signature: a structure of dicts / lists / tuples / None whose
         leaves are `Dense`, `Sparse` or `Ragged`; every leaf is batched.
       params: optional pytree of arrays passed to `fn` as arguments (the dense
@@ -335,6 +340,8 @@ def export_serving(
     configs = list(tables)  # in a fixed order
     table_entries = _table_files(configs, feature_config)
     table_arrays, table_parts = _table_arrays(tables, configs)
+    raw_tables = {i: tables[c] for i, c in enumerate(configs) if isinstance(tables[c], RawIdTable)}
+    raw_uses: dict = {}  # input leaf -> {(kind, table)}: which leaves go to tables of raw ids
     param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
     param_arrays = [np.asarray(p) for p in param_leaves]
 
@@ -342,11 +349,12 @@ def export_serving(
         it = iter(flat_inputs)
         rebuilt = iter([_rebuild_leaf(s, it, pb) for s in spec_leaves])
         inputs = _rebuild_structure(in_structure, rebuilt)
-        tabs = _rebuild_tables(configs, table_parts, table_list)
-        if params is None:
-            out = fn(inputs, tabs)
-        else:
-            out = fn(inputs, tabs, jax.tree_util.tree_unflatten(param_treedef, param_list))
+        tabs = _rebuild_tables(configs, table_parts, table_list, raw_tables)
+        with _noting_raw_uses(raw_tables, spec_leaves, flat_inputs, raw_uses):
+            if params is None:
+                out = fn(inputs, tabs)
+            else:
+                out = fn(inputs, tabs, jax.tree_util.tree_unflatten(param_treedef, param_list))
         out_leaves = []
 
         def out_leaf(x):
@@ -373,13 +381,16 @@ def export_serving(
         with open(os.path.join(directory, programs[b]), "wb") as f:
             f.write(exported.serialize())
 
+    raw_inputs = _raw_inputs(raw_uses, configs, raw_tables, spec_leaves, table_entries)
     param_entries = _save_arrays(directory, table_entries, table_arrays, param_arrays, table_parts)
+    _save_raw_ids(directory, table_entries, raw_tables)
     # the package's __init__ (the one version source) is loaded: it is this module's parent
     version = getattr(sys.modules.get("embedmesh"), "__version__", "unknown")
     manifest = {
         "format": FORMAT,
-        # 2 only where a table is quantized: plain exports stay readable by older loaders
-        "format_version": 2 if any(m for _, m in table_parts) else 1,
+        # 2 where a table is quantized, 3 where one is of raw ids: others stay readable by
+        # older loaders
+        "format_version": 3 if raw_tables else 2 if any(m for _, m in table_parts) else 1,
         "embedmesh_version": version,
         "jax_version": jax.__version__,
         "platforms": list(platforms),
@@ -391,6 +402,8 @@ def export_serving(
         "tables": table_entries,
         "params": param_entries,
     }
+    if raw_tables:
+        manifest["raw_id_inputs"] = raw_inputs
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
@@ -447,20 +460,86 @@ def _table_arrays(tables: dict, configs: list) -> tuple[list, list]:
             got = [np.asarray(a) for a in t.arrays()]
             arrays += got
             parts.append((len(got), t.meta()))
+        elif isinstance(t, RawIdTable):  # its rows in id order, zero rows after them
+            arrays.append(t.padded)
+            parts.append((1, None))
         else:
             arrays.append(np.asarray(t))
             parts.append((1, None))
     return arrays, parts
 
 
-def _rebuild_tables(configs: list, parts: list, flat: list) -> dict:
+def _rebuild_tables(configs: list, parts: list, flat: list, raw: dict) -> dict:
     """`{TableConfig: table}` from the flat arrays of `_table_arrays` (inside the program:
-    quantized tables rebuilt around their traced arrays)."""
+    quantized tables rebuilt around their traced arrays; a table of raw ids (index in
+    `raw`) as `raw_ids.HostMapped`: its inputs arrive as positions)."""
     tabs, i = {}, 0
-    for c, (n, meta) in zip(configs, parts):
-        tabs[c] = flat[i] if meta is None else QuantizedTable.from_arrays(meta, flat[i : i + n])
+    for k, (c, (n, meta)) in enumerate(zip(configs, parts)):
+        if k in raw:
+            tabs[c] = raw_ids.HostMapped(flat[i])
+        else:
+            tabs[c] = flat[i] if meta is None else QuantizedTable.from_arrays(meta, flat[i : i + n])
         i += n
     return tabs
+
+
+@contextlib.contextmanager
+def _noting_raw_uses(raw_tables: dict, spec_leaves: list, flat_inputs: list, uses: dict):
+    """While the serving function is traced: `raw_ids.served_request` notes in `uses`
+    which input leaves the lookups take (by their ids arrays), for the tables of raw ids."""
+    if not raw_tables:
+        yield
+        return
+    raw_ids._EXPORT.ctx = {"leaves": _value_leaves(spec_leaves, flat_inputs), "uses": uses}
+    try:
+        yield
+    finally:
+        raw_ids._EXPORT.ctx = None
+
+
+def _save_raw_ids(directory, table_entries: list, raw_tables: dict) -> None:
+    """Each table of raw ids' sorted ids beside its rows (its entry's `raw_ids`)."""
+    for i, t in raw_tables.items():
+        stem = table_entries[i]["file"][: -len(".npy")]
+        table_entries[i]["raw_ids"] = {
+            "ids": _save_array(directory, f"{stem}.ids.npy", np.asarray(t.ids)),
+            "capacity": t.capacity,
+            "step": t.step,
+        }
+
+
+def _value_leaves(spec_leaves: list, flat_inputs: list) -> dict:
+    """{id(ids array): input leaf index}: the array holding each leaf's ids (a dense
+    leaf itself, a sparse or ragged leaf's values) among the program's flat inputs."""
+    out, k = {}, 0
+    for li, spec in enumerate(spec_leaves):
+        at = k + 1 if isinstance(spec, Sparse) else k
+        out[id(flat_inputs[at])] = li
+        k += 1 if isinstance(spec, Dense) else 2
+    return out
+
+
+def _raw_inputs(uses: dict, configs: list, raw: dict, spec_leaves: list, entries: list) -> list:
+    """[[input leaf, table index]] of the leaves looked up in tables of raw ids; a leaf
+    given to a table of raw ids and to any other table is refused (its ids become
+    positions in that one table's rows on the host)."""
+    index = {id(configs[i]): i for i in raw}
+    out = []
+    for leaf, keys in sorted(uses.items()):
+        raw_keys = [k for k in keys if k[0] == "raw"]
+        if not raw_keys:
+            continue
+        if len(keys) > 1:
+            names = sorted(
+                entries[index[k[1]]]["name"] if k[0] == "raw" else "a plain table" for k in keys
+            )
+            raise ValueError(
+                f"input leaf {leaf} ({type(spec_leaves[leaf]).__name__}) is looked up in a table "
+                f"of raw ids and in another table ({names}): the loaded function turns its "
+                f"ids into rows of one table of raw ids; give each table its own input"
+            )
+        out.append([leaf, index[raw_keys[0][1]]])
+    return out
 
 
 def _save_array(directory, file: str, arr: np.ndarray) -> dict:
@@ -655,7 +734,7 @@ class ServingFunction:
     """A loaded export: call it with inputs of the exported signature; numpy outputs.
 
     Attributes: `batch_sizes` (the buckets), `manifest` (the JSON manifest),
-    `tables` (`{name: device array}`).
+    `tables` (`{name: device array}`; a table of raw ids: its current `RawIdTable`).
     """
 
     def __init__(self, directory, *, precompile: bool = True):
@@ -687,6 +766,8 @@ class ServingFunction:
             )
         self._serialized: dict = {}  # bucket -> serialized executable (for forked children)
         self._compile_lock = threading.Lock()
+        self._update_lock = threading.Lock()  # apply_increment: one writer at a time
+        self._raw_applied: dict = {}  # name -> RawIdTable updated in memory (apply_increment)
         self._forked = False
         self._load_arrays()
         _LIVE.add(self)
@@ -702,7 +783,19 @@ class ServingFunction:
 
         self._pid = os.getpid()
         self._tables, self.tables = [], {}
+        raw = {}  # name -> (flat index of its array, RawIdTable)
         for e in self.manifest["tables"]:  # a quantized table: its rows, then its values
+            r = e.get("raw_ids")
+            if r is not None:  # a table of raw ids: its sorted ids on the host
+                t = self._raw_applied.get(e["name"])
+                if t is None:
+                    ids = np.array(_load_array(self.directory, r["ids"]))
+                    rows = np.asarray(_load_array(self.directory, e))
+                    t = RawIdTable._of_sorted(ids, rows, r["capacity"], r["step"])
+                raw[e["name"]] = (len(self._tables), t)
+                self._tables.append(jax.device_put(np.asarray(t.padded)))
+                self.tables[e["name"]] = t
+                continue
             arrays = [load(e)] + [load(m) for m in e.get("more", ())]
             self._tables += arrays
             meta = e.get("quantized")
@@ -711,6 +804,42 @@ class ServingFunction:
             )
         self._params = [load(e) for e in self.manifest["params"]]
         self._programs: dict = {}
+        # (input leaf, table name) of the leaves whose raw ids the host looks up
+        names = [e["name"] for e in self.manifest["tables"]]
+        self._raw_inputs = [(leaf, names[i]) for leaf, i in self.manifest.get("raw_id_inputs", [])]
+        self._raw_index = {name: at for name, (at, _) in raw.items()}
+        # what a call reads, swapped whole by apply_increment: (table arrays, raw tables)
+        self._live = (list(self._tables), {name: t for name, (_, t) in raw.items()})
+
+    def apply_increment(self, updates: dict) -> None:
+        """Apply `RawIdUpdate`s (`embedmesh.serving.export_increment`) to this function's
+        tables of raw ids: `{table name or TableConfig: RawIdUpdate}`, each made against
+        the table's current step (`tables[name].step`). The new rows are put on the
+        device, then swapped in with the ids at once: calls running meanwhile (any
+        thread) use the tables before or after, never a mix. In memory only: the export
+        directory is not changed (a process that loads it again starts from the export;
+        a child forked later keeps the updates)."""
+        with self._update_lock:
+            arrays, raw = self._live
+            arrays, raw = list(arrays), dict(raw)
+            for key, update in updates.items():
+                name = key if isinstance(key, str) else getattr(key, "name", None)
+                if name not in raw:
+                    raise KeyError(
+                        f"{key!r} is not a table of raw ids of this export (those: {sorted(raw)})"
+                    )
+                if not isinstance(update, RawIdUpdate):
+                    raise TypeError(f"updates[{name!r}] must be a RawIdUpdate")
+                raw[name] = raw[name].apply(update)
+            import jax
+
+            for name, t in raw.items():
+                if t is not self._live[1][name]:
+                    arrays[self._raw_index[name]] = jax.device_put(np.asarray(t.padded))
+            self._raw_applied.update(raw)
+            self._tables = arrays
+            self.tables = {**self.tables, **raw}
+            self._live = (arrays, raw)
 
     def _after_fork(self):
         """In a forked child: jax's runtime re-initialised, the tables and parameters
@@ -845,6 +974,7 @@ class ServingFunction:
     def __call__(self, inputs: Any) -> Any:
         if os.getpid() != self._pid:  # a forked child: the parent's runtime does not work
             self._after_fork()
+        tables, raw = self._live  # one snapshot for the whole call (apply_increment)
         leaves = _leaves(self._in, inputs)
         specs = [(where, _spec_from_json(s["spec"]), x) for where, s, x in leaves]
         parts, batch = [], None
@@ -855,6 +985,8 @@ class ServingFunction:
             elif n != batch:
                 raise ValueError(f"{where}: batch size {n}, but {specs[0][0]} has {batch}")
             parts.append(p)
+        for leaf, name in self._raw_inputs:  # raw ids -> rows of the table's sorted ids
+            parts[leaf] = _positions(specs[leaf][1], parts[leaf], raw[name])
         counts = [
             (where, spec, _counts(spec, p, batch)) for (where, spec, _), p in zip(specs, parts)
         ]
@@ -873,13 +1005,22 @@ class ServingFunction:
             b = self._bucket(n, nnz)
             pb = b + self._extra
             flat = [a for (_, spec, _), s in zip(specs, sub) for a in _pad(spec, s, n, b, pb)]
-            result = self._program(b)(flat, self._tables, self._params)
+            result = self._program(b)(flat, tables, self._params)
             outputs.append([np.asarray(r)[:n] for r in result])
         flat_out = [
             np.concatenate(parts_, axis=0) if len(outputs) > 1 else parts_[0]
             for parts_ in zip(*outputs)
         ]
         return _rebuild_structure(self._out, iter(flat_out))
+
+
+def _positions(spec, parts, table: RawIdTable) -> tuple:
+    """A leaf's numpy parts with its raw ids replaced by their rows in `table.padded`."""
+    if isinstance(spec, Dense):
+        return (table.positions(parts[0]),)
+    if isinstance(spec, Sparse):
+        return parts[0], table.positions(parts[1])
+    return table.positions(parts[0]), parts[1]
 
 
 def _spec_leaves(structure: dict) -> list:

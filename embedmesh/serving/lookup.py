@@ -35,6 +35,12 @@ Quantized tables (`embedmesh.serving.quantized.QuantizedTable`: int8 rows, fp16,
 bucket codes) take the general host path (the fast path is float32 only): their rows
 are decoded inside the bag kernels (a plain lookup is one bag a row) and summed in
 float32; traced, `QuantizedTable.take` decodes the gathered rows. Outputs are float32.
+
+Tables of raw ids (`TableConfig.id_map`) are given as their `RawIdTable`: before anything
+else, `raw_ids.served_request` turns their features' raw ids into positions in the
+table's `padded` rows (a binary search in its sorted ids; unknown ids: the zero row at
+`capacity`) under a served config of `vocabulary_size + 1` rows, and the request runs as
+any other (fast path included). Requests without such a table pay one dict lookup.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from embedmesh.serving import (
     kernels,
     native,  # noqa: F401 - its loader, imported now
     pool,
+    raw_ids,
 )
 from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.quantized import QuantizedTable
@@ -399,7 +406,8 @@ def serving_embedding_lookup(
     entries allowed. `tables` maps each `TableConfig` to a `[vocabulary_size,
     dim]` array (another shape is a ValueError naming the table) or a
     `QuantizedTable` (`embedmesh.serving.quantize_tables`: decoded in the kernels,
-    float32 sums and outputs). Concrete
+    float32 sums and outputs), or for a table of raw ids (`TableConfig.id_map`) its
+    `RawIdTable`, looked up by raw int64 id (unknown ids: zero rows). Concrete
     weights must be finite (a NaN/Inf weight is a ValueError naming the
     feature and the entry; traced weights are not checked). Returns
     activations in the structure of `inputs`. Works on concrete arrays (host
@@ -418,33 +426,26 @@ def serving_embedding_lookup(
 _enter, _leave = fast_path.in_flight_hooks()
 
 
-# resolved configs (by id, kept alive here) whose tables are all looked up by row
-_ROW_TABLES: dict[int, Any] = {}
+# resolved configs (by id, kept alive here): whether some table is a table of raw ids
+_RAW_ID_CONFIGS: dict[int, tuple] = {}
 
 
-def _refuse_raw_id_tables(resolved) -> None:
-    """A table of raw ids (`TableConfig(id_map=DynamicIds(...))`) keeps its rows by the
-    slot its id map gave each id, not by id: looked up by id it would read other ids'
-    rows. Serving by raw id is not built yet, so such a table is refused, naming it."""
-    if id(resolved) in _ROW_TABLES:
-        return
-    for table in resolved.tables:
-        if getattr(table, "id_map", None) is not None:
-            raise NotImplementedError(
-                f"table {resolved.table_name(table)!r} is a table of raw ids (id_map="
-                f"{table.id_map!r}): its rows are in the order its id map gave them, so "
-                "serving_embedding_lookup cannot look them up by id; serving tables of raw "
-                "ids is not built yet (docs/dynamic-ids.md)"
-            )
-    if len(_ROW_TABLES) > 64:
-        _ROW_TABLES.clear()
-    _ROW_TABLES[id(resolved)] = resolved
+def _has_raw_id_tables(resolved) -> bool:
+    """Whether a table of `resolved` is a table of raw ids (`TableConfig(id_map=...)`):
+    its features' raw ids are looked up in its `RawIdTable` (`raw_ids.served_request`)."""
+    hit = _RAW_ID_CONFIGS.get(id(resolved))
+    if hit is not None and hit[0] is resolved:
+        return hit[1]
+    raw = bool(raw_ids.raw_features(resolved))
+    if len(_RAW_ID_CONFIGS) > 64:
+        _RAW_ID_CONFIGS.clear()
+    _RAW_ID_CONFIGS[id(resolved)] = (resolved, raw)
+    return raw
 
 
 def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any) -> Any:
     """`serving_embedding_lookup`'s work."""
     resolved = resolve_feature_config(feature_config)
-    _refuse_raw_id_tables(resolved)
     flat_inputs = flatten_inputs_like(resolved, inputs, "features")
     if weights is None:
         flat_weights = [None] * len(flat_inputs)
@@ -453,6 +454,8 @@ def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any)
         for name, x, w in zip(resolved.feature_names, flat_inputs, flat_weights):
             if x is None and w is not None:
                 raise ValueError(f"weights given for {name}, which has no input")
+    if _has_raw_id_tables(resolved):  # raw ids -> positions in their RawIdTable's rows
+        resolved, flat_inputs, tables = raw_ids.served_request(resolved, flat_inputs, tables)
     threads = _host_threads or _runtime.serving_threads()
     if _JAX_COLLECT_GARBAGE is not None:
         _JAX_COLLECT_GARBAGE()  # free the buffers of dropped results before reusing them

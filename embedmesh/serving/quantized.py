@@ -51,6 +51,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from embedmesh.layout.by_id import RawIdTable
+
 __all__ = ["KINDS", "QuantizedTable", "load_tables", "quantize_table", "quantize_tables"]
 
 KINDS = ("int8", "fp16", "bf16", "codes")
@@ -213,6 +215,13 @@ def quantize_table(table, dtype, *, config=None, name: str = "table") -> Quantiz
     `config`, the table's `TableConfig`, with a `quantization_config` of at most 256
     buckets. Errors are ValueErrors naming the table (`name`)."""
     kind = _kind_of(dtype, f"table {name}")
+    if isinstance(table, RawIdTable):  # a table of raw ids: served as it is
+        if kind is None:
+            return table
+        raise NotImplementedError(
+            f"table {name}: a table of raw ids (RawIdTable) cannot be quantized yet; serve "
+            f"it in its own dtype (docs/dynamic-ids.md#serving-tables-of-raw-ids)"
+        )
     x = np.asarray(table)
     if x.ndim != 2:
         raise ValueError(f"table {name}: expected a [vocabulary_size, dim] array, got {x.shape}")

@@ -165,7 +165,13 @@ def export_saved_model(
       weighted: names of Ragged / Sparse features that take weights (`<f>_weights`).
 
     Returns `signature_names(feature_config, input_signature, weighted)`.
+
+    Tables of raw ids (`TableConfig.id_map`) are refused (`NotImplementedError`, before
+    TensorFlow is imported): TensorFlow's lookup takes ids in `[0, vocabulary_size)`,
+    and mapping raw ids to rows inside the SavedModel (a sorted-ids search in the
+    graph, updated by increments) is not built; serve them with `export_serving`.
     """
+    _refuse_raw_ids(feature_config)
     import jax
     import tensorflow as tf
     from jax.experimental import jax2tf
@@ -237,6 +243,19 @@ def export_saved_model(
     directory = os.fspath(directory)
     tf.saved_model.save(module, directory, signatures={"serving_default": fn})
     return names
+
+
+def _refuse_raw_ids(feature_config) -> None:
+    resolved = resolve_feature_config(feature_config)
+    raw = [n for t, n in zip(resolved.tables, resolved.table_names) if t.id_map is not None]
+    if raw:
+        raise NotImplementedError(
+            f"export_saved_model: tables {raw} are tables of raw ids (TableConfig.id_map): "
+            f"TensorFlow's serving lookup takes ids in [0, vocabulary_size), and a SavedModel "
+            f"that maps raw ids to rows (and takes increments) is not built; serve them with "
+            f"export_serving / load_serving, or serving_embedding_lookup "
+            f"(docs/dynamic-ids.md#serving)"
+        )
 
 
 def _tables_by_name(resolved, tables: dict) -> dict:
