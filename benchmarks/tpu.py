@@ -49,20 +49,22 @@ T, B, LR = 8, 4096, 0.01  # train_step.py's tables, batch and Adagrad rate
 BYTES_LIMIT = 12 << 30  # a dim's rows a table: 1M, or fewer where tables + slots exceed this
 
 
-def make_batches(v, b, n=4):
-    """`train_step.py`'s workload over `v` rows a table, batch `b`, `n` batches."""
+def train_step_module():
+    """benchmarks/train/train_step.py, whose workload and plain-JAX step this reuses."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", "train"))
     import train_step
 
-    return train_step.make_batches(vocab=v, batch=b, num=n)
+    return train_step
+
+
+def make_batches(v, b, n=4):
+    """`train_step.py`'s workload over `v` rows a table, batch `b`, `n` batches."""
+    return train_step_module().make_batches(vocab=v, batch=b, num=n)
 
 
 def timed(fn, n):
     """The median seconds of `n` calls of `fn` (`train_step.timed`'s times)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "train"))
-    import train_step
-
-    return statistics.median(train_step.timed(fn, n))
+    return statistics.median(train_step_module().timed(fn, n))
 
 
 class Report:
@@ -387,19 +389,10 @@ def plain_step(dim, v, batches, sparse, steps=10):
     import jax.numpy as jnp
     import optax
 
+    train_step = train_step_module()
     b = int(batches[0][0][1].size)
-    cap = max(int(l.sum()) for bb in batches for _, l in bb)
-    cap = -(-cap // 1024) * 1024
-
-    def prep(bb):
-        ids = np.zeros((T, cap), np.int32)
-        seg = np.full((T, cap), b, np.int32)
-        for t, (vals, lengths) in enumerate(bb):
-            ids[t, : vals.size] = vals
-            seg[t, : vals.size] = np.repeat(np.arange(b, dtype=np.int32), lengths)
-        return jax.device_put(ids), jax.device_put(seg)
-
-    inputs = [prep(bb) for bb in batches]
+    cap = train_step.padded_cap(batches)
+    inputs = [train_step.padded_ids(bb, cap, b) for bb in batches]
 
     def loss_of(acts):
         return sum(0.5 * (a * a).sum() for a in acts) / b

@@ -451,24 +451,38 @@ def child_embedmesh(args, batches, capacity_batches=None):
 # plain JAX
 
 
+def padded_cap(batches) -> int:
+    """The plain-JAX step's fixed id count a table: the most ids a table has in any of
+    `batches`, rounded up to a multiple of 1024."""
+    cap = max(int(l.sum()) for b in batches for _, l in b)
+    return -(-cap // 1024) * 1024
+
+
+def padded_ids(b, cap, batch):
+    """Batch `b` in fixed shapes, on the device: ids [T, cap] (each table's padded to
+    `cap`) and each id's sample [T, cap], pad entries going to sample `batch` (dropped)."""
+    import jax
+    import numpy as np
+
+    ids = np.zeros((T, cap), np.int32)
+    seg = np.full((T, cap), batch, np.int32)
+    for t, (vals, lengths) in enumerate(b):
+        ids[t, : vals.size] = vals
+        seg[t, : vals.size] = np.repeat(np.arange(batch, dtype=np.int32), lengths)
+    return jax.device_put(ids), jax.device_put(seg)
+
+
 def child_plain(args, batches):
     import functools
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
-    cap = max(int(l.sum()) for b in batches for _, l in b)
-    cap = -(-cap // 1024) * 1024
+    cap = padded_cap(batches)
 
-    def host_prep(b):  # fixed shapes: pad ids to `cap`, pad entries go to segment B (dropped)
-        ids = np.zeros((T, cap), np.int32)
-        seg = np.full((T, cap), B, np.int32)
-        for t, (vals, lengths) in enumerate(b):
-            ids[t, : vals.size] = vals
-            seg[t, : vals.size] = np.repeat(np.arange(B, dtype=np.int32), lengths)
-        return jax.device_put(ids), jax.device_put(seg)
+    def host_prep(b):
+        return padded_ids(b, cap, B)
 
     tables = [jnp.full((V, D), 0.01, jnp.float32) for _ in range(T)]
     opt = optax.adagrad(LR, initial_accumulator_value=0.1)
