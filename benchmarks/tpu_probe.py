@@ -58,6 +58,16 @@ def timeit(fn, *args, n=None):
     return statistics.median(ts), out
 
 
+def time_against(rec, key, fn, arg, want):
+    """`rec[key + "_ms"]`: fn(arg)'s median milliseconds; `rec[key + "_err"]`: the largest
+    distance of its result from `want`."""
+    import jax.numpy as jnp
+
+    t, o = timeit(fn, arg)
+    rec[f"{key}_ms"] = t * 1e3
+    rec[f"{key}_err"] = float(jnp.abs(o - want).max())
+
+
 def time_in_place(update, table, *args):
     """Median seconds of `table = update(table, *args)` (the table donated, updated in
     place), after one untimed call."""
@@ -242,6 +252,25 @@ def main():
     def xla_pairs(src, read, write, num):
         return jax.ops.segment_sum(jnp.take(src, read, axis=0) * d_g[:, None], write, num)
 
+    def pair_inputs(dim):
+        """Random pair sources [U, dim] and activations [R, dim], and XLA's combine of the
+        sources and reduce of the activations (what the kernels must give)."""
+        src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
+        act = jnp.asarray(rng.normal(size=(R, dim)).astype(np.float32))
+        want_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))(src)
+        want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
+        return src, act, want_c, want_r
+
+    def reduce_kernel(dim, **blocks):
+        """The kernels' reduce of activations [R, dim] into [U, dim] (`blocks`: tw, tp, unroll)."""
+        return jax.jit(
+            lambda a: tpk.reduce_sorted(a, d_pu, d_pr, d_g, num_out=U, **blocks)[0][:, :dim]
+        )
+
+    def combine_kernel(**blocks):
+        """The kernels' combine of sources [U, dim] into [R, dim] (`blocks`: tw, tp, unroll)."""
+        return jax.jit(lambda s: tpk.combine(s, d_pu, d_pr, d_g, R, **blocks))
+
     blocks_r = ((256, 512), (512, 512))
     blocks_c = ((128, 512), (256, 512))
     if args.interpret:
@@ -249,10 +278,7 @@ def main():
     for dim in (64, 128, 256):
 
         def mxu(dim=dim):
-            src = jnp.asarray(rng.normal(size=(U, dim)).astype(np.float32))
-            act = jnp.asarray(rng.normal(size=(R, dim)).astype(np.float32))
-            want_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))(src)
-            want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
+            src, act, want_c, want_r = pair_inputs(dim)
             rec = {"dim": dim}
             rec["xla_combine_ms"] = (
                 timeit(jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R)), src)[0] * 1e3
@@ -262,24 +288,15 @@ def main():
             )
             for tw, tp in blocks_r:
                 try:
-                    r = jax.jit(
-                        lambda a, tw=tw, tp=tp: tpk.reduce_sorted(
-                            a, d_pu, d_pr, d_g, num_out=U, tw=tw, tp=tp
-                        )[0][:, :dim]
-                    )
-                    t, o = timeit(r, act)
-                    rec[f"reduce_{tw}_{tp}_ms"] = t * 1e3
-                    rec[f"reduce_{tw}_{tp}_err"] = float(jnp.abs(o - want_r).max())
+                    r = reduce_kernel(dim, tw=tw, tp=tp)
+                    time_against(rec, f"reduce_{tw}_{tp}", r, act, want_r)
                 except Exception as e:  # noqa: BLE001
                     rec[f"reduce_{tw}_{tp}_error"] = f"{type(e).__name__}: {e}"[:800]
             for tw, tp in blocks_c:
                 try:
-                    c = jax.jit(
-                        lambda s, tw=tw, tp=tp: tpk.combine(s, d_pu, d_pr, d_g, R, tw=tw, tp=tp)
+                    time_against(
+                        rec, f"combine_{tw}_{tp}", combine_kernel(tw=tw, tp=tp), src, want_c
                     )
-                    t, o = timeit(c, src)
-                    rec[f"combine_{tw}_{tp}_ms"] = t * 1e3
-                    rec[f"combine_{tw}_{tp}_err"] = float(jnp.abs(o - want_c).max())
                 except Exception as e:  # noqa: BLE001
                     rec[f"combine_{tw}_{tp}_error"] = f"{type(e).__name__}: {e}"[:800]
             return rec
@@ -289,29 +306,16 @@ def main():
     # 2b. the pair loop's unrolling: pair rows gathered into VMEM `unroll` a loop turn
     # (more independent loads in flight, more wasted reads at the items' ends)
     def unrolling():
-        src = jnp.asarray(rng.normal(size=(U, 128)).astype(np.float32))
-        act = jnp.asarray(rng.normal(size=(R, 128)).astype(np.float32))
-        want_c = jax.jit(lambda s: xla_pairs(s, d_pu, d_pr, R))(src)
-        want_r = jax.jit(lambda a: xla_pairs(a, d_pr, d_pu, U))(act)
+        src, act, want_c, want_r = pair_inputs(128)
         rec = {}
         for tp, unroll in ((512, 4), (512, 8), (512, 16), (512, 32), (1024, 16), (256, 16)):
             if args.interpret and (tp, unroll) != (512, 8):
                 continue
             try:
-                r = jax.jit(
-                    lambda a, tp=tp, u=unroll: tpk.reduce_sorted(
-                        a, d_pu, d_pr, d_g, num_out=U, tp=tp, unroll=u
-                    )[0][:, :128]
-                )
-                t, o = timeit(r, act)
-                rec[f"reduce_tp{tp}_u{unroll}_ms"] = t * 1e3
-                rec[f"reduce_tp{tp}_u{unroll}_err"] = float(jnp.abs(o - want_r).max())
-                c = jax.jit(
-                    lambda s, tp=tp, u=unroll: tpk.combine(s, d_pu, d_pr, d_g, R, tp=tp, unroll=u)
-                )
-                t, o = timeit(c, src)
-                rec[f"combine_tp{tp}_u{unroll}_ms"] = t * 1e3
-                rec[f"combine_tp{tp}_u{unroll}_err"] = float(jnp.abs(o - want_c).max())
+                r = reduce_kernel(128, tp=tp, unroll=unroll)
+                time_against(rec, f"reduce_tp{tp}_u{unroll}", r, act, want_r)
+                c = combine_kernel(tp=tp, unroll=unroll)
+                time_against(rec, f"combine_tp{tp}_u{unroll}", c, src, want_c)
             except Exception as e:  # noqa: BLE001
                 rec[f"tp{tp}_u{unroll}_error"] = f"{type(e).__name__}: {e}"[:800]
         return rec
