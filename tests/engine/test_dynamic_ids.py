@@ -519,20 +519,3 @@ def test_sequence_and_dense_features_read_their_ids_rows():
     want_dense = np.stack([[row(i) for i in r] for r in dense])
     np.testing.assert_allclose(np.asarray(acts["dense"]), want_dense, rtol=1e-6)
 
-
-def test_serving_refuses_a_table_of_raw_ids():
-    """Its rows are in the order its id map gave them: looked up by id, the serving
-    lookup would read other ids' rows, so it refuses, naming the table (host and traced
-    paths alike); other tables of the same config are not the reason."""
-    plain = em.TableConfig(8, 4, name="plain")
-    raw = em.TableConfig(8, 4, name="raw_ids", id_map=em.DynamicIds())
-    features = {"a": em.FeatureConfig(plain), "b": em.FeatureConfig(raw)}
-    tables = {plain: np.ones((8, 4), np.float32), raw: np.ones((8, 4), np.float32)}
-    inputs = {"a": np.array([[1], [2]]), "b": np.array([[3], [12345678901234]])}
-    with pytest.raises(NotImplementedError, match="raw_ids"):
-        em.serving_embedding_lookup(inputs, None, tables, features)
-    with pytest.raises(NotImplementedError, match="raw_ids"):
-        jax.jit(lambda t: em.serving_embedding_lookup(inputs, None, t, features))(tables)
-    alone = {"a": em.FeatureConfig(plain)}
-    out = em.serving_embedding_lookup({"a": inputs["a"]}, None, {plain: tables[plain]}, alone)
-    np.testing.assert_array_equal(np.asarray(out["a"]), 1.0)
