@@ -399,12 +399,6 @@ class MeshEmbedding:
         unless pipelined with an update pending, and then holds only the stacks that
         update touches (the others read the observed tables). Never changes what the next
         lookup reads."""
-        if self._built and self.core.dynamic:
-            raise NotImplementedError(
-                f"checkpoints of tables of raw ids "
-                f"({', '.join(self.core.dynamic_table_names)}) are not built yet (issue 42): "
-                f"their id maps are not saved"
-            )
         state = self.observed_state()
         if not self._pipelined:
             return state, {}

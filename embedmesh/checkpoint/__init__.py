@@ -25,7 +25,8 @@ number of devices and any stacking:
      "slots":  {key: {slot name: [R, dim]}},
      "step":   int64 scalar,
      "meta":   uint8 [bytes of a JSON document],
-     "lookup_tables": {key: [R, dim]}}  # pipelined, update pending
+     "lookup_tables": {key: [R, dim]},  # pipelined, update pending
+     "id_maps": {key: {field: [N, ...]}}}  # tables of raw ids (`id_maps`)
 
 (`R = k * rows_per_shard` rounded up to a multiple of N, `k` the shards of the
 table's span: `N * rows_per_shard` for a "mod" table, `V` plus fewer than N
@@ -121,7 +122,11 @@ Modules (this package's `__init__` re-exports the public names):
 - `recut`: which stored rows go where in another layout (index arithmetic);
 - `leaves`: one stored array read into host blocks of any layout, streamed, verified;
 - `restoring`: `core_restore` / `restore` onto a mesh (`RestoredState`);
-- `loading`: `load_tables`, the parameters on the host for serving.
+- `loading`: `load_tables`, the parameters on the host for serving;
+- `id_maps`: the id maps of tables of raw ids (`TableConfig.id_map`): saved beside their
+  rows with checksums, restored bit for bit on the same device count and map
+  configuration, else rebuilt on their new owners (live ids moved with their rows, slots
+  and LRU/LFU bookkeeping; the admission sketch merged or reset: its docstring).
 
 A table's blocks are sliced out of and written into its stack on the devices by
 `embedmesh.device.stack_tables` (the engine's one home for stack <-> table arrays); the

@@ -70,6 +70,13 @@ def load_tables(
                 _check_compatible(name, cfg, m, "the feature config")
                 wanted.append((cfg, m))
         for _, m in wanted:  # before anything is read
+            if m.get("id_map") is not None:
+                raise ValueError(
+                    f"table {m['name']} of checkpoint item {reader.path} is a table of raw ids: "
+                    f"its rows are placed by its id map, not by id, so load_tables cannot "
+                    f"return it as a [vocabulary_size, dim] table (pass a feature_config "
+                    f"without it)"
+                )
             _check_leaf(reader, ("tables", m["key"]), m, m["dim"])
         layout, logical = logical_layout(), [_logical_table(m) for _, m in wanted]
 

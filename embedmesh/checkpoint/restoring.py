@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from embedmesh.checkpoint import id_maps
 from embedmesh.checkpoint.checksums import _checksum_hex, _device_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM, LOOKUP_FIELD
 from embedmesh.checkpoint.leaves import (
@@ -27,6 +28,7 @@ from embedmesh.checkpoint.saving import _optimizer_name
 from embedmesh.device.stack_tables import write_table
 
 MISSING_POLICIES = ("error", "keep")
+_DIRECT = id_maps.Plan(None, {}, True, {}, None)  # a table restored by its leaves alone
 
 
 # Optimizers whose slots hold one value a row ([rows, 1]), by class name
@@ -144,7 +146,8 @@ def _leaves_to_read(core, by_name: dict, pipelined: bool) -> tuple:
     todo, problems = [], []
     for t in core.plan.tables:
         m = by_name.get(t.name)
-        _check_compatible(t.name, t, m)
+        if t.stack not in core.dynamic:  # a table of raw ids may change its capacity
+            _check_compatible(t.name, t, m)
         if m is None:
             problems.append(f"table {t.name} is not in the checkpoint")
             continue
@@ -244,7 +247,10 @@ def core_restore(
     need), checked against the checksum recorded at save (checkpoints written
     before checksums existed are not checked), and written into the new
     state's stack arrays. Tables of the checkpoint that the plan lacks are
-    ignored.
+    ignored. A table of raw ids (`TableConfig.id_map`) brings its id maps: as saved
+    on the same device count and map configuration (bit-identical resume), else
+    rebuilt on their new owners (`embedmesh.checkpoint.id_maps`; its capacity may
+    differ from the checkpoint's, and a ValueError says where the live ids do not fit).
 
     Pure and all or nothing: `state` is never changed or donated (each stack
     array of the new state is copied from it on its first write, then written
@@ -278,7 +284,9 @@ def core_restore(
     with _Reader(path) as reader:
         meta = reader.meta
         reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
-        todo, problems = _leaves_to_read(core, {m["name"]: m for m in meta["tables"]}, pipelined)
+        by_name = {m["name"]: m for m in meta["tables"]}
+        id_maps.check_kinds(core, by_name)
+        todo, problems = _leaves_to_read(core, by_name, pipelined)
         if problems and missing == "error":
             raise ValueError(
                 "cannot restore "
@@ -290,6 +298,26 @@ def core_restore(
         leaves = [_leaf_key(m, field) for _, m, field in todo]
         for (t, m, field), leaf in zip(todo, leaves):  # before anything is read
             _check_leaf(reader, leaf, m, _field_width(core, t, field))
+        # tables of raw ids: their maps read and verified, and where the mesh or the map
+        # changed, rebuilt on their new owners (a ValueError where the live ids do not
+        # fit), before any table is read; a rebuilt table's rows and slots are read last
+        dynamic = {
+            t.name: id_maps.plan_table(core, reader, t, by_name[t.name])
+            for t in plan.tables
+            if t.stack in core.dynamic and t.name in by_name
+        }
+        rebuilt = [i for i, (t, _, _) in enumerate(todo) if not dynamic.get(t.name, _DIRECT).direct]
+        for name in dynamic:  # (missing="keep": the problems did not raise)
+            mine = [q for q in problems if f" of table {name} " in q]
+            if mine:
+                raise ValueError(
+                    f"cannot restore {path}: table {name} is a table of raw ids, whose rows "
+                    f"and slots belong to the ids of its restored id map, so what the "
+                    f"checkpoint lacks cannot be kept from another state: " + "; ".join(mine)
+                )
+        rebuilt_todo = [(todo[i], leaves[i]) for i in rebuilt]
+        todo = [x for i, x in enumerate(todo) if i not in rebuilt]
+        leaves = [x for i, x in enumerate(leaves) if i not in rebuilt]
         new = _NewState(live, plan)
 
         def start(i):
@@ -321,12 +349,30 @@ def core_restore(
                 del current
                 new.put(t, field, out)
                 del out
+        for (t, _, field), leaf in rebuilt_todo:
+            out = id_maps.write_rebuilt(
+                core,
+                reader,
+                dynamic[t.name],
+                field,
+                leaf,
+                new.target(t, field),
+                new.array_of(t, field) in new.fresh,
+                new.column(t, field),
+            )
+            new.put(t, field, out)
+            del out
+        maps = dict(live.id_maps)
+        for p in dynamic.values():
+            live_key = (live.id_maps.get(p.table.stack) or {}).get("key")
+            maps[p.table.stack] = id_maps.place_maps(core, p, live_key)
         step_count = int(meta["step"])
     restored = dataclasses.replace(
         live,
         tables=new.tables,
         slots=new.slots,
         step=jax.device_put(jnp.asarray(step_count, jnp.int32), core.replicated),
+        id_maps=maps,
     )
     return RestoredState(restored, step_count, new.lookup)
 

@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
+from embedmesh.checkpoint import id_maps
 from embedmesh.checkpoint.checksums import CHECKSUM, _checksum_hex, _device_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM, FORMAT, FORMAT_VERSION, LOOKUP_FIELD
 from embedmesh.checkpoint.reading import absolute_path
@@ -128,9 +129,11 @@ def _metadata(core, state, step: int) -> dict:
                 "slots": sorted(core.slot_names(t.stack)),
             }
         )
+        if t.stack in core.dynamic:  # a table of raw ids: its map's configuration
+            tables[-1]["id_map"] = id_maps.config_meta(core.dynamic[t.stack][1])
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if core.dynamic else 1,
         "embedmesh_version": _version(),
         "num_shards": plan.num_shards,
         "row_layout": plan.row_layout.name,
@@ -164,7 +167,7 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
     step = int(jax.device_get(state.step))
     meta = _metadata(core, state, step)
     keys = {m["name"]: m["key"] for m in meta["tables"]}
-    tables, slots, stored_lookup = {}, {}, {}
+    tables, slots, stored_lookup, stored_maps = {}, {}, {}, {}
     hashes = {}  # computed on the devices holding the arrays, fetched once
     for t in plan.tables:
         key = keys[t.name]
@@ -179,6 +182,10 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
             block = table_block_array(core, arr, t, column, core.field_width(t, name))
             hashes[t.name][name] = _device_checksum(core, block, t)
             slots[key][name] = _span_array(core, block, t)
+        if t.stack in core.dynamic:  # a table of raw ids: its owners' id maps
+            arrays, sums = id_maps.saved_arrays(core, state, t)
+            stored_maps[key] = arrays
+            hashes[t.name].update(sums)
         if t.stack in lookup:
             block = table_block_array(core, lookup[t.stack], t)
             hashes[t.name][LOOKUP_FIELD] = _device_checksum(core, block, t)
@@ -193,6 +200,8 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
     tree = {"tables": tables, "slots": slots, "step": np.asarray(step, np.int64), "meta": blob}
     if stored_lookup:
         tree["lookup_tables"] = stored_lookup
+    if stored_maps:
+        tree[id_maps.SUBTREE] = stored_maps
     return tree
 
 
