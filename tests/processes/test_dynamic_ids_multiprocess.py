@@ -1,14 +1,19 @@
 """A table of raw ids (`TableConfig.id_map`) trained by two real processes (1 CPU device
 each, the host's shared-memory exchanges) ends as it does in one process with 2 devices:
-the same ids on the same shards and rows, the same values."""
+the same ids on the same shards and rows, the same values; their checkpoint (each
+process writing its own shards of the rows and id maps) restores onto one device with
+every live id's values."""
 
 import json
 import os
 import sys
 
 import numpy as np
+from meshes import mesh_of
 from paths import SUPPORT
 from process_helpers import free_port, run_together, worker_env
+
+import embedmesh as em
 
 WORKER = os.path.join(SUPPORT, "dynamic_ids_worker.py")
 
@@ -18,11 +23,12 @@ def _result(output: str) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
-def test_two_processes_match_one_process_with_two_devices():
+def test_two_processes_match_one_process_with_two_devices(tmp_path):
     port = free_port()
+    saved = str(tmp_path / "ckpt")
     one, *two = run_together(  # the three at once
         [[sys.executable, WORKER, "0", "1", "0"]]
-        + [[sys.executable, WORKER, str(i), "2", str(port)] for i in range(2)],
+        + [[sys.executable, WORKER, str(i), "2", str(port), saved] for i in range(2)],
         env=worker_env(),
     )
     single = _result(one)
@@ -31,3 +37,13 @@ def test_two_processes_match_one_process_with_two_devices():
     assert {k: v[:2] for k, v in multi.items()} == {k: v[:2] for k, v in single.items()}
     for k, v in single.items():
         np.testing.assert_allclose(multi[k][2], v[2], rtol=1e-6, err_msg=k)
+    # the two processes' checkpoint, restored onto one device (the id maps rebuilt)
+    dyn = em.TableConfig(8, 4, name="dyn", combiner="sum", id_map=em.DynamicIds(evict_batch=1))
+    emb = em.MeshEmbedding(
+        {"a": em.FeatureConfig(dyn, name="a")}, em.Adagrad(0.3), mesh=mesh_of(1), seed=3
+    )
+    assert em.checkpoint.restore(emb, saved) == 4
+    restored = emb.core.read_dynamic(emb.state, "dyn")
+    assert set(restored) == {int(k) for k in multi}
+    for k, v in multi.items():
+        np.testing.assert_array_equal(restored[int(k)][2], np.float32(v[2]), err_msg=k)

@@ -1,7 +1,8 @@
 """A worker of tests/processes/test_dynamic_ids_multiprocess.py: a table of raw ids trained
 for a few steps on a mesh of 2 CPU devices, as one process or as one of two (1 device each);
 prints `RESULT {raw id: [shard, row, parameters]}` of the live ids on this process's
-devices. Args: process_id num_processes port."""
+devices. Args: process_id num_processes port [checkpoint directory: saved there at the
+end, every process writing its own shards of the rows and id maps]."""
 
 import json
 import sys
@@ -10,6 +11,7 @@ import orphan_guard  # noqa: F401  (this worker dies with the test process)
 from process_helpers import start_cpu_process
 
 pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+save_to = sys.argv[4] if len(sys.argv) > 4 else None
 jax = start_cpu_process(pid, nproc, port, devices=2)
 
 import numpy as np  # noqa: E402
@@ -48,6 +50,8 @@ for shard in state.tables["dyn"].addressable_shards:
     values = np.asarray(shard.data)
     for raw, row in id_map.live_ids(m).items():
         out[str(raw)] = [devices.index(shard.device), row, values[row, :4].tolist()]
+if save_to is not None:
+    em.checkpoint.save(save_to, emb)
 print("RESULT", json.dumps(out))
 if nproc > 1:
     jax.distributed.shutdown()
