@@ -106,12 +106,17 @@ def test_failed_restore_leaves_state_untouched_and_retry_works(saved, tmp_path, 
         bad_root = copy_checkpoint(good_root, tmp_path / f"bad{attempt}")
         locations = chunk_locations(bad_root / "5" / "embedding")
         chunks = {}  # file -> [(offset, array)]
+        others = {}  # file -> the offsets of what is read before the arrays (meta, step)
         for key, (f, off, _length) in locations.items():
-            if key.split("/")[0] in order:  # not meta, step
+            if key.split("/")[0] in order:
                 chunks.setdefault(f, []).append((off, key.split("/")[0]))
-        candidates = []
+            else:
+                others.setdefault(f, []).append(off)
+        candidates = [(-1, 0, None, order[0])]
         for f, items in chunks.items():
             for off, _ in items:
+                if any(o >= off for o in others.get(f, [])):
+                    continue  # the cut would lose the metadata too: it fails first
                 first_lost = min((a for o, a in items if o >= off), key=order.index)
                 candidates.append((order.index(first_lost), off, f, first_lost))
         _, cut, file, lost = max(candidates)
