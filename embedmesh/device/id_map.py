@@ -5,7 +5,8 @@ The building block of dynamic vocabularies: the owner shard of a table keeps one
 it received; every live raw id has its own row (no two live ids ever share one), misses
 are admitted into free rows or into rows evicted by the policy. Pure and functional (state
 in, state out), fixed shapes, compiled once per batch shape, no host work; plain
-`jax.numpy`/`lax` only, so it runs unchanged on CPU, GPU and TPU.
+`jax.numpy`/`lax` (the "jnp path"), so it runs unchanged on CPU, GPU and TPU, plus, where
+the CPU kernels are in use, a native hit path (below).
 
 Raw ids
 -------
@@ -91,7 +92,20 @@ the sketch, O(sketch_depth * sketch_width), once every `sketch_halve_every` sigh
 Both are `lax.cond` branches: skipped, not computed and discarded (under `vmap` a
 `lax.cond` runs both branches: call `map_ids` per shard inside `shard_map`, not under
 `vmap`). With the state donated, XLA updates it in place: the compiled program copies no
-array of the capacity's size (tests/test_id_map.py reads the compiled HLO for copies).
+array of the capacity's size (tests/device/test_id_map.py reads the compiled HLO for copies).
+
+The native hit path (CPU): the steady state of a table is calls of hits only, where the
+jnp path's sorts and bucket gathers are most of the cost. Where the op has a kernel
+(`ops.id_map_hits_native()`: the CPU kernels in use; not on GPU or TPU), `map_ids` first
+asks `ops.id_map_hits` (cpu/id_map.cc: both buckets of each id probed with prefetch, on
+every CPU, stopping at the first miss) for every valid id's row; when all hit (and no
+count is near saturation, no halving due), the jnp path's work on the ids is skipped
+(`lax.cond` branches that read the state and write none of it: `_unless`) and only the
+hit rows' last-used steps and counts are scattered; otherwise the jnp path runs as
+without the op. Either way the state, rows, fresh flags and stats are bit for bit the
+jnp path's (tests/device/test_id_map_native.py). Measured on a step of hits (capacity
+1M, 16,384 slots, 14,737 valid, the 2-core host): 1.6 ms against 16.0 ms
+(`benchmarks/train/RESULTS.md`).
 
 Memory: the index 12 bytes a slot (at least 24 bytes a row), the row arrays 24 bytes a
 row, the sketch `4 * sketch_depth * sketch_width` bytes.
@@ -107,6 +121,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from embedmesh.device import ops
+from embedmesh.device.ops import id_hash
+
 __all__ = [
     "BUCKET_WIDTH",
     "IdMapConfig",
@@ -121,10 +138,10 @@ __all__ = [
     "split_ids",
 ]
 
-BUCKET_WIDTH = 16  # slots a bucket: one lookup reads 2 buckets
-EMPTY = np.uint32(0xFFFFFFFF)  # the row word of an empty slot
+BUCKET_WIDTH = id_hash.BUCKET_WIDTH  # 16 slots a bucket: one lookup reads 2 buckets
+EMPTY = id_hash.EMPTY  # the row word of an empty slot
 _INT32_MAX = np.iinfo(np.int32).max
-_KEY, _LO, _ROW = 0, 1, 2  # the words of a slot: [hi, lo, row]
+_KEY, _LO, _ROW = id_hash.KEY, id_hash.LO, id_hash.ROW  # the words of a slot: [hi, lo, row]
 
 # salts of the keyed hashes, one a purpose (fixed: part of the checkpointed layout)
 _SALT_OWNER = 0x6A09E667
@@ -307,32 +324,16 @@ def _pairs(raw_ids) -> tuple[jax.Array, jax.Array]:
 # ----------------------------------------------------------------------------- hashing
 
 
-def _fmix32(h):
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _fmix32_int(h: int) -> int:
-    m = 0xFFFFFFFF
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & m
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & m
-    return h ^ (h >> 16)
+_fmix32 = id_hash.fmix32
+_fmix32_int = id_hash.fmix32_int
+_hash_words = id_hash.hash_words
+_hash_keyed = id_hash.hash_keyed
 
 
 def _hash(hi, lo, seed: int, salt: int):
     """A keyed 32-bit hash of (hi, lo): each half through its own seeded finaliser (a
     bijection of the half), combined, finalised again."""
-    s0 = _fmix32_int((seed ^ salt) & 0xFFFFFFFF)
-    s1 = _fmix32_int((s0 + 0x9E3779B9) & 0xFFFFFFFF)
-    s2 = _fmix32_int((s1 + 0x9E3779B9) & 0xFFFFFFFF)
-    a = _fmix32(lo ^ jnp.uint32(s0))
-    b = _fmix32(hi ^ jnp.uint32(s1))
-    return _fmix32((a + b * jnp.uint32(0x9E3779B1)) ^ jnp.uint32(s2))
+    return _hash_keyed(hi, lo, _hash_words(seed, salt))
 
 
 def owner_of(raw_ids, num_shards: int, seed: int = 0) -> jax.Array:
@@ -345,9 +346,17 @@ def owner_of(raw_ids, num_shards: int, seed: int = 0) -> jax.Array:
     return (_hash(hi, lo, int(seed), _SALT_OWNER) % jnp.uint32(num_shards)).astype(jnp.int32)
 
 
+def bucket_keys(config: IdMapConfig) -> tuple[int, ...]:
+    """The seed words of the two bucket hashes (3 each): what the CPU kernel of the hit
+    path (`ops.id_map_hits`) hashes with."""
+    return tuple(w for salt in _SALT_BUCKET for w in _hash_words(config.seed, salt))
+
+
+_buckets_keyed = id_hash.buckets
+
+
 def _buckets(config: IdMapConfig, hi, lo):
-    mask = jnp.uint32(config.num_buckets - 1)
-    return tuple((_hash(hi, lo, config.seed, s) & mask).astype(jnp.int32) for s in _SALT_BUCKET)
+    return _buckets_keyed(config.num_buckets, bucket_keys(config), hi, lo)
 
 
 def sketch_columns(config: IdMapConfig, raw_ids) -> jax.Array:
@@ -368,15 +377,10 @@ def sketch_columns(config: IdMapConfig, raw_ids) -> jax.Array:
 
 def _find(state: IdMapState, hi, lo):
     """(found, row, flat slot) for 1-D id words; one gather of both buckets."""
-    b1, b2 = _buckets(state.config, hi, lo)
-    t = jnp.concatenate([state.index[b1], state.index[b2]], axis=-1)  # [n, 3, 2W]
-    match = (t[:, _ROW] != EMPTY) & (t[:, _KEY] == hi[:, None]) & (t[:, _LO] == lo[:, None])
-    found = match.any(axis=1)
-    j = jnp.argmax(match, axis=1)
-    row = jnp.take_along_axis(t[:, _ROW], j[:, None], axis=1)[:, 0]
-    row = jnp.where(found, lax.bitcast_convert_type(row, jnp.int32), -1)
-    slot = jnp.where(j < BUCKET_WIDTH, b1 * BUCKET_WIDTH + j, b2 * BUCKET_WIDTH + j - BUCKET_WIDTH)
-    return found, row, jnp.where(found, slot, -1)
+    return _find_keyed(state.index, bucket_keys(state.config), hi, lo)
+
+
+_find_keyed = id_hash.find
 
 
 def lookup(state: IdMapState, raw_ids, valid_mask=None) -> jax.Array:
@@ -408,10 +412,20 @@ def live_ids(state: IdMapState) -> dict[int, int]:
 # ----------------------------------------------------------------------------- map_ids
 
 
-def _sort_rank(keys_first, n):
-    """Stable rank order of `keys_first` (int32 [n]): the permutation sorting it (ties by
-    position)."""
-    return lax.sort((keys_first, jnp.arange(n, dtype=jnp.int32)), num_keys=2)[1]
+def _first_position_order(u_first, u_valid):
+    """The u in the order of their first positions (the valid ones, whose first positions
+    are distinct, in [0, n)), then the others by index: the permutation a stable sort of
+    `where(u_valid, u_first, n)` gives, by scatters and a count instead of XLA's
+    two-operand sort (several times a one-operand sort's cost on CPU)."""
+    n = u_first.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    at = jnp.where(u_valid, u_first, n)
+    held = jnp.zeros((n,), jnp.int32).at[at].set(1, mode="drop")  # a valid u starts here
+    before = jnp.cumsum(held, dtype=jnp.int32) - held  # valid u starting earlier
+    others = jnp.cumsum(~u_valid, dtype=jnp.int32) - 1
+    num_valid = u_valid.sum(dtype=jnp.int32)
+    rank = jnp.where(u_valid, before[jnp.minimum(at, n - 1)], num_valid + others)
+    return jnp.zeros((n,), jnp.int32).at[rank].set(pos)
 
 
 def _sweep(config: IdMapConfig, step, needed, row_slot, last_used, use_count, carried):
@@ -483,7 +497,7 @@ def _distinct_by_sort(hi, lo, valid, pos):
     u_valid = jnp.zeros((n,), bool).at[at_lead].set(s_inv == 0, mode="drop")
     u_occ = jnp.zeros((n,), jnp.int32).at[seg].add((s_inv == 0).astype(jnp.int32))
     inverse = jnp.zeros((n,), jnp.int32).at[s_pos].set(seg)
-    order = _sort_rank(jnp.where(u_valid, u_first, n), n)
+    order = _first_position_order(u_first, u_valid)
     return u_hi, u_lo, u_first, u_valid, u_occ, inverse, order
 
 
@@ -522,27 +536,103 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
       `occupancy` (live rows after the call).
     """
     config = state.config
-    c = config.capacity
     hi, lo = _pairs(raw_ids)
     shape = hi.shape
     hi, lo = hi.reshape(-1), lo.reshape(-1)
     valid = jnp.broadcast_to(jnp.asarray(valid_mask, bool), shape).reshape(-1)
     step = jnp.asarray(step, jnp.int32)
+    if not native_hits():
+        return _map_ids(state, hi, lo, valid, step, distinct, shape)
+
+    # A call of hits only (the steady state) answered by one native op: each id's row;
+    # the jnp path's work on the ids is then skipped (`_map_ids`)
+    status, rows = ops.id_map_hits(
+        state.index,
+        state.use_count,
+        hi,
+        lo,
+        valid,
+        keys=bucket_keys(config),
+        distinct=distinct,
+    )
+    all_hit = status[0] == 1
+    if config.admit_after > 1:  # a call of hits sights nothing: no halving is due
+        all_hit = all_hit & (state.sightings < config.sketch_halve_every)
+    return _map_ids(state, hi, lo, valid, step, distinct, shape, native=(all_hit, status, rows))
+
+
+def native_hits() -> bool:
+    """Whether `map_ids` runs its hit path as the native op (`ops.id_map_hits`: the CPU
+    kernels are in use in this process), the jnp path only for calls with a miss."""
+    return ops.id_map_hits_native()
+
+
+def _touch(last_used, cnt, at, occ, step):
+    """The rows `at` (capacity: none) used at `step`, their use counts `occ` more
+    (saturating)."""
+    c = last_used.shape[0]
+    last_used = last_used.at[at].set(step, mode="drop")
+    room = _INT32_MAX - cnt[jnp.minimum(at, c - 1)]
+    cnt = cnt.at[at].add(jnp.minimum(occ, room), mode="drop")
+    return last_used, cnt
+
+
+def _sort_by_bucket(key_b, num_buckets: int):
+    """(sorted keys, the u in that order) of `key_b` [n] in [0, num_buckets], ties by u:
+    one one-operand sort of `key * n + u` where that fits 32 bits (2^17 buckets and 16,384
+    slots do), XLA's CPU sort of two operands costing several times one's."""
+    n = key_b.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    if (num_buckets + 1) * n > 2**32:
+        return lax.sort((key_b, pos), num_keys=1, is_stable=True)
+    packed = jnp.sort(key_b.astype(jnp.uint32) * jnp.uint32(n) + pos.astype(jnp.uint32))
+    return (packed // jnp.uint32(n)).astype(jnp.int32), (packed % jnp.uint32(n)).astype(jnp.int32)
+
+
+def _unless(skip, heavy, *operands):
+    """`heavy(*operands)`, or where `skip` (a traced bool) zeros of its results: a
+    `lax.cond` whose branches read the state and write none of it (a branch writing a
+    state array makes XLA copy the state around the conditional); `skip` None: no cond."""
+    if skip is None:
+        return heavy(*operands)
+
+    def zeros(*operands):
+        shapes = jax.eval_shape(heavy, *operands)
+        return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+    return lax.cond(skip, zeros, heavy, *operands)
+
+
+def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape, native=None):
+    """`map_ids`'s jnp path: any call, hits, misses, admissions and evictions.
+
+    `native`: `(all_hit, status, rows)` of `ops.id_map_hits` on this call. Where every
+    valid id hit, the jnp path's work on the ids (sorts, bucket reads: `_unless`, whose
+    zeros make every later mask False) is skipped, the op's rows are touched, and its
+    rows and hits are the answer: the same state, rows and stats as without it (no
+    count saturates in such a call: the op says so). Elsewhere, the jnp path as is."""
+    config = state.config
+    c = config.capacity
     n = hi.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
+    skip = None if native is None else native[0]
+    keys = bucket_keys(config)
 
-    # 1. the distinct valid ids u, their first positions, and the admission order
-    distinct_ids = _distinct_as_given if distinct else _distinct_by_sort
-    u_hi, u_lo, _, u_valid, u_occ, inverse, order = distinct_ids(hi, lo, valid, pos)
+    # 1, 2: the distinct valid ids, lookup, hits
+    def distinct_and_found(hi, lo, valid):
+        distinct_ids = _distinct_as_given if distinct else _distinct_by_sort
+        u_hi, u_lo, _, u_valid, u_occ, inverse, order = distinct_ids(hi, lo, valid, pos)
+        found, row, _ = _find_keyed(state.index, keys, u_hi, u_lo)
+        return u_hi, u_lo, u_valid, u_occ, inverse, order, found, row
 
-    # 2. lookup, hits
-    found, row, _ = _find(state, u_hi, u_lo)
+    found_all = _unless(skip, distinct_and_found, hi, lo, valid)
+    u_hi, u_lo, u_valid, u_occ, inverse, order, found, row = found_all
     hit = u_valid & found
-    hit_row = jnp.where(hit, row, c)
-    last_used = state.last_used.at[hit_row].set(step, mode="drop")
-    cnt = state.use_count
-    room = _INT32_MAX - cnt[jnp.minimum(hit_row, c - 1)]
-    cnt = cnt.at[hit_row].add(jnp.minimum(u_occ, room), mode="drop")
+    at, occ = jnp.where(hit, row, c), u_occ
+    if native is not None:  # all hits: the op's rows, an occurrence a position (no u)
+        at = jnp.where(skip, jnp.where(valid, native[2], c), at)
+        occ = jnp.where(skip, 1, occ)
+    last_used, cnt = _touch(state.last_used, state.use_count, at, occ, step)
 
     # 3. sightings, candidates
     miss = u_valid & ~found
@@ -566,32 +656,36 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
     )
     index, free, free_head, num_free = carried
 
-    # 5. the first `num_free` candidates (first-position order) may take a row
-    def rank_of(mask):  # rank of each u among the masked, in admission order
-        r = jnp.cumsum(mask[order], dtype=jnp.int32) - 1
-        return jnp.zeros((n,), jnp.int32).at[order].set(r)
+    def admitted(cand, order, u_hi, u_lo, free_head, num_free):
+        # 5. the first `num_free` candidates (first-position order) may take a row
+        def rank_of(mask):  # rank of each u among the masked, in admission order
+            r = jnp.cumsum(mask[order], dtype=jnp.int32) - 1
+            return jnp.zeros((n,), jnp.int32).at[order].set(r)
 
-    fits = cand & (rank_of(cand) < num_free)
+        fits = cand & (rank_of(cand) < num_free)
 
-    # 6. a slot in the emptier of the two buckets (first on a tie), the k-th empty slot
-    #    for the k-th id (in u order) choosing that bucket
-    b1, b2 = _buckets(config, u_hi, u_lo)
-    empty1 = index[b1, _ROW] == EMPTY  # [n, W]
-    empty2 = index[b2, _ROW] == EMPTY
-    use2 = empty2.sum(axis=1) > empty1.sum(axis=1)
-    bucket = jnp.where(use2, b2, b1)
-    empty = jnp.where(use2[:, None], empty2, empty1)
-    key_b = jnp.where(fits, bucket, config.num_buckets)
-    s_b, s_u = lax.sort((key_b, pos), num_keys=1, is_stable=True)  # by bucket, then u
-    starts = jnp.where(jnp.concatenate([jnp.ones((1,), bool), s_b[1:] != s_b[:-1]]), pos, 0)
-    in_bucket = jnp.zeros((n,), jnp.int32).at[s_u].set(pos - lax.cummax(starts))
-    k_th = (jnp.cumsum(empty, axis=1, dtype=jnp.int32) == (in_bucket + 1)[:, None]) & empty
-    slotted = k_th.any(axis=1)
-    slot = bucket * BUCKET_WIDTH + jnp.argmax(k_th, axis=1).astype(jnp.int32)
-    admit = fits & slotted
+        # 6. a slot in the emptier of the two buckets (first on a tie), the k-th empty
+        #    slot for the k-th id (in u order) choosing that bucket
+        b1, b2 = _buckets_keyed(config.num_buckets, keys, u_hi, u_lo)
+        empty1 = index[b1, _ROW] == EMPTY  # [n, W]
+        empty2 = index[b2, _ROW] == EMPTY
+        use2 = empty2.sum(axis=1) > empty1.sum(axis=1)
+        bucket = jnp.where(use2, b2, b1)
+        empty = jnp.where(use2[:, None], empty2, empty1)
+        key_b = jnp.where(fits, bucket, config.num_buckets)
+        s_b, s_u = _sort_by_bucket(key_b, config.num_buckets)  # by bucket, then u
+        starts = jnp.where(jnp.concatenate([jnp.ones((1,), bool), s_b[1:] != s_b[:-1]]), pos, 0)
+        in_bucket = jnp.zeros((n,), jnp.int32).at[s_u].set(pos - lax.cummax(starts))
+        k_th = (jnp.cumsum(empty, axis=1, dtype=jnp.int32) == (in_bucket + 1)[:, None]) & empty
+        slotted = k_th.any(axis=1)
+        slot = bucket * BUCKET_WIDTH + jnp.argmax(k_th, axis=1).astype(jnp.int32)
+        admit = fits & slotted
 
-    # 7. rows, lowest free first, in admission order
-    new_row = free[jnp.minimum(free_head + rank_of(admit), c - 1)]
+        # 7. rows, lowest free first, in admission order
+        new_row = free[jnp.minimum(free_head + rank_of(admit), c - 1)]
+        return admit, slot, new_row
+
+    admit, slot, new_row = _unless(skip, admitted, cand, order, u_hi, u_lo, free_head, num_free)
     taken = admit.sum(dtype=jnp.int32)
     at_row = jnp.where(admit, new_row, c)
     at_slot = jnp.where(admit, slot, config.num_slots)
@@ -607,10 +701,16 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
 
     # 8. per position
     u_row = jnp.where(hit, row, jnp.where(admit, new_row, -1))
-    rows = jnp.where(valid, u_row[inverse], -1).reshape(shape)
-    fresh = (valid & admit[inverse]).reshape(shape)
+    rows = jnp.where(valid, u_row[inverse], -1)
+    fresh = valid & admit[inverse]
+    hits = hit.sum(dtype=jnp.int32)
+    if native is not None:
+        rows = jnp.where(skip, native[2], rows)
+        fresh = fresh & ~skip
+        hits = jnp.where(skip, native[1][1], hits)
+    rows, fresh = rows.reshape(shape), fresh.reshape(shape)
     stats = {
-        "hits": hit.sum(dtype=jnp.int32),
+        "hits": hits,
         "admissions": taken,
         "evictions": evictions,
         "pending": pending.sum(dtype=jnp.int32),

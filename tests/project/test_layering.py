@@ -215,7 +215,8 @@ def test_optional_extras_are_imported_only_where_they_belong():
 # and its helpers. (module prefix, what it may import from embedmesh.device besides itself)
 DEVICE_LAYERS = [
     ("embedmesh.device.ops", set()),
-    ("embedmesh.device.id_map", set()),  # plain jax: imports nothing of embedmesh's
+    # plain jax, and the ops' id hash and hit path (`ops.id_map_hits`, `ops.id_hash`)
+    ("embedmesh.device.id_map", {"embedmesh.device.ops"}),
     ("embedmesh.device.shard_program", {"embedmesh.device.ops"}),
     (
         "embedmesh.device.strategies",

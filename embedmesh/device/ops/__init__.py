@@ -106,6 +106,11 @@ end are padding.
 - On TPU (see `embedmesh.device.ops.tpu`): the in-place scatter a DMA a row, and
   Pallas pair loops for the lookup's combine and the backward's per-unique sums where
   rows are 256 lanes or more; stacks there are padded to whole 128-lane rows.
+- `id_map_hits(index, use_count, hi, lo, valid, keys, distinct)`: the id map's hit path
+  (`embedmesh.device.id_map.map_ids`): every valid raw id's row from its two hash buckets
+  and whether all hit (then `map_ids` skips its sorts and bucket reads). Reference:
+  `id_hash.hits_reference` (the map's own hash and probe, `ops/id_hash.py`); the CPU
+  kernel probes with prefetch on every CPU and stops at the first miss.
 - `huge_page_copy(x)`, `full(shape, value, dtype, device)`: a copy, or a
   constant array made on a device; the CPU kernels put the buffer on
   transparent huge pages (see `embedmesh.device.ops.cpu.memory`).
@@ -128,7 +133,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from embedmesh._runtime import PAD_ID, pooled_pair_fields
-from embedmesh.device.ops import cpu, gpu, reference, tpu
+from embedmesh.device.ops import cpu, gpu, id_hash, reference, tpu
 from embedmesh.device.ops.transport import Transport
 
 __all__ = [
@@ -146,6 +151,8 @@ __all__ = [
     "full",
     "gather_rows",
     "huge_page_copy",
+    "id_map_hits",
+    "id_map_hits_native",
     "kernel_for",
     "lookup_from_shards",
     "op_names",
@@ -832,6 +839,37 @@ def full(shape, value, dtype, device, min_bytes: int = HUGE_PAGE_MIN_BYTES):
     return _dispatch_on(device, "full", shape, value, dtype, device)
 
 
+def id_map_hits_native() -> bool:
+    """Whether `id_map_hits` runs a kernel in this process (the CPU kernels in use: not
+    under `EMBEDMESH_CPU_KERNELS=0`, nor with another default backend). `map_ids` calls
+    the op only then: elsewhere its reference would redo the jnp path's lookup."""
+    return kernel_for("id_map_hits", "cpu") is not _REFERENCES["id_map_hits"]
+
+
+def id_map_hits(index, use_count, hi, lo, valid, *, keys, distinct: bool):
+    """The id map's hit path (`embedmesh.device.id_map.map_ids`): `(status [2], rows [n])`.
+    `index`, `use_count`: an `IdMapState`'s (read only); `hi`, `lo` uint32 [n]: the raw
+    ids' words, `valid` bool [n]; `keys`: the two bucket hashes' seed words
+    (`id_map.bucket_keys`); `distinct`: no valid id occurs twice.
+
+    `status` is `(1, distinct hits)` when every valid id is in the index and the state
+    lets the call be answered without the jnp path's arithmetic (rows in range, use counts
+    neither negative nor within n of saturating), and `rows` then each valid id's row
+    (-1 where invalid); otherwise `(0, 0)` (rows meaningless). Reference: the jnp path's
+    deduplication and lookup; the CPU kernel (cpu/id_map.cc) probes both buckets with
+    prefetch, on every CPU, and stops at the first miss."""
+    return _dispatch(
+        "id_map_hits",
+        index,
+        use_count,
+        hi.reshape(-1).astype(jnp.uint32),
+        lo.reshape(-1).astype(jnp.uint32),
+        valid.reshape(-1).astype(bool),
+        keys=tuple(int(k) for k in keys),
+        distinct=bool(distinct),
+    )
+
+
 _define("gather_rows", reference.gather_rows)
 _define("scatter_rows", reference.scatter_rows)
 _define("segment_gather_sum", reference.segment_gather_sum)
@@ -850,6 +888,7 @@ _define("exchange_pooled_partials", _exchange_pooled_partials_reference)
 _define("exchange_pooled_backward_update", _exchange_pooled_backward_update_reference)
 _define("huge_page_copy", reference.huge_page_copy)
 _define("full", reference.full)
+_define("id_map_hits", id_hash.hits_reference)
 
 for _op, (_fn, _supports) in cpu.KERNELS.items():
     register_kernel(_op, "cpu", _fn, ready=cpu.ready, supports=_supports)

@@ -9,7 +9,8 @@ caps them), and advise their large outputs to use huge pages before writing
 them (one fault per 2 MiB instead of per 4 KiB).
 
 - `*.cc`, `common.h`: the C++ sources, one concern a file (gathers and
-  scatters, segment sums, dedup, fused updates, huge-page memory; `storage.h`: the
+  scatters, segment sums, dedup, fused updates, huge-page memory, the id map's hit
+  path; `storage.h`: the
   storage types, float32, bfloat16 and float16, each kernel that reads a table one
   template over them), shipped as
   package data; every op that crosses devices is written once over

@@ -400,6 +400,26 @@ def _pooled_backward_kernel(
     )
 
 
+def id_map_hits(index, use_count, hi, lo, valid, *, keys, distinct):
+    """id_map.cc: the id map's hit path (reads the state, writes none of it)."""
+    outs = (jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(hi.shape, jnp.int32))
+    names = ("a0", "a1", "a2", "b0", "b1", "b2")
+    status, rows = jax.ffi.ffi_call("embedmesh_id_map_hits", outs)(
+        index,
+        use_count,
+        hi,
+        lo,
+        valid,
+        **{k: np.int64(v) for k, v in zip(names, keys)},
+        distinct=np.int64(bool(distinct)),
+    )
+    return status, rows
+
+
+def _id_map_state(index, use_count, *args, **params) -> bool:
+    return index.dtype == jnp.uint32 and index.ndim == 3 and use_count.dtype == jnp.int32
+
+
 # op name -> (kernel, supports or None)
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
@@ -420,4 +440,5 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "exchange_pooled_backward_update": (exchange_pooled_backward_update, _pooled_backward_kernel),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
+    "id_map_hits": (id_map_hits, _id_map_state),
 }

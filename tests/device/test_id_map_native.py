@@ -1,0 +1,247 @@
+"""The id map's native hit path (`ops.id_map_hits`, cpu/id_map.cc) against its jnp path:
+`map_ids` with the CPU kernels gives bit for bit the state, rows, fresh flags and stats
+of `map_ids` without them, over random mixes of calls of hits only (the kernel's answer)
+and calls with misses (the jnp path's, after the kernel declined), on one device and on
+several (one map a device inside `shard_map`, as the engine runs it); and the op's kernel
+gives its reference's answer, declining the calls the jnp path must decide."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from embedmesh import _runtime
+from embedmesh.device import id_map as im
+from embedmesh.device import ops
+from embedmesh.device.ops import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.ready(), reason="the CPU kernels are not built here")
+
+BATCH = 24
+FIRST_STEP = 1000  # never zero: a step written where it should not be shows
+CONFIGS = {
+    "lru": im.IdMapConfig(capacity=20, eviction="lru", evict_batch=3, seed=5),
+    "lfu-admit2": im.IdMapConfig(
+        capacity=20, eviction="lfu", admit_after=2, evict_batch=2, seed=9, sketch_width=64
+    ),
+}
+# a pool of ids, adversarial members among them (int64 extremes, equal low or high words)
+POOL = np.concatenate(
+    [
+        np.array([-(2**63), 2**63 - 1, -1, 0, 1 << 32, (1 << 32) + 1, 7, -7], np.int64),
+        np.random.default_rng(3).integers(-(2**63), 2**63 - 1, 24, dtype=np.int64),
+    ]
+)
+
+
+def _jnp_path(state, raw, valid, step, *, distinct):
+    hi, lo = raw[..., 0].reshape(-1), raw[..., 1].reshape(-1)
+    return im._map_ids(state, hi, lo, valid.reshape(-1), step, distinct, valid.shape)
+
+
+@functools.cache
+def _fns(name: str, distinct: bool):
+    """(native map_ids, jnp path), jitted with the state donated, as the engine runs it."""
+    native = jax.jit(functools.partial(im.map_ids, distinct=distinct), donate_argnums=0)
+    plain = jax.jit(functools.partial(_jnp_path, distinct=distinct), donate_argnums=0)
+    return native, plain
+
+
+def _call(distinct: bool):
+    window = st.integers(4, len(POOL))
+    if distinct:
+        ids = window.flatmap(
+            lambda w: st.lists(st.integers(0, w - 1), max_size=16, unique=True).map(
+                lambda ix: (w, ix)
+            )
+        )
+    else:
+        ids = window.flatmap(
+            lambda w: st.lists(st.integers(0, w - 1), max_size=BATCH).map(lambda ix: (w, ix))
+        )
+    return st.tuples(ids, st.lists(st.booleans(), min_size=BATCH, max_size=BATCH))
+
+
+def _batch(call):
+    (_, ix), valid = call
+    ids = np.full(BATCH, 12345, np.int64)  # padding positions: an id, masked off
+    ids[: len(ix)] = POOL[np.asarray(ix, np.int64)]
+    mask = np.zeros(BATCH, bool)
+    mask[: len(ix)] = np.asarray(valid[: len(ix)], bool) | (np.arange(len(ix)) % 3 == 0)
+    return jnp.asarray(im.split_ids(ids)), jnp.asarray(mask)
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _all_hit(stats):
+    return stats["admissions"] == 0 and stats["pending"] == 0 and stats["refused"] == 0
+
+
+@pytest.mark.parametrize(
+    "name,distinct", [("lru", False), ("lfu-admit2", True)], ids=["lru-repeats", "lfu-admit2"]
+)
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_native_hits_match_the_jnp_path(name, distinct, data):
+    native, plain = _fns(name, distinct)
+    a = im.init(CONFIGS[name])
+    b = jax.tree_util.tree_map(jnp.copy, a)
+    calls = data.draw(st.lists(_call(distinct), min_size=3, max_size=6))
+    calls = calls + calls[-1:] * 2  # a call repeated: the second and third are all hits
+    hits_only = 0
+    for k, call in enumerate(calls):
+        raw, valid = _batch(call)
+        step = jnp.int32(FIRST_STEP + k // 2)  # two calls a step: "used at this step" rows
+        a, rows_a, fresh_a, stats_a = native(a, raw, valid, step)
+        b, rows_b, fresh_b, stats_b = plain(b, raw, valid, step)
+        _same((a, rows_a, fresh_a, stats_a), (b, rows_b, fresh_b, stats_b))
+        hits_only += bool(_all_hit({k: int(v) for k, v in stats_a.items()}))
+    assert hits_only >= 1
+
+
+def test_native_hits_on_several_devices():
+    """One map a device inside `shard_map` (each device's kernel call at once, repeats in
+    its ids, as an owner receives them from several sources), against the jnp path."""
+    n = 2
+    config = CONFIGS["lru"]
+    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+
+    def sharded(fn):
+        def body(state, raw, valid, step):
+            state = jax.tree_util.tree_map(lambda x: x[0], state)
+            state, rows, fresh, stats = fn(state, raw[0], valid[0], step)
+            lift = functools.partial(jax.tree_util.tree_map, lambda x: x[None])
+            return lift(state), rows[None], fresh[None], lift(stats)
+
+        spec = P("x")
+        return jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec, check_vma=False
+            ),
+            donate_argnums=0,
+        )
+
+    native = sharded(functools.partial(im.map_ids, distinct=False))
+    plain = sharded(functools.partial(_jnp_path, distinct=False))
+    one = im.init(config)
+    a = jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), one)
+    b = jax.tree_util.tree_map(jnp.copy, a)
+    rng = np.random.default_rng(11)
+    hits_only = 0
+    for k in range(7):
+        # device d draws from its own window; new ids arrive every third call
+        ids = np.stack(
+            [rng.choice(POOL[d * 8 : d * 8 + 12 + (k // 3) * 4], BATCH) for d in range(n)]
+        )
+        valid = rng.random((n, BATCH)) < 0.8
+        raw, valid = jnp.asarray(im.split_ids(ids)), jnp.asarray(valid)
+        step = jnp.int32(FIRST_STEP + k)
+        a, rows_a, fresh_a, stats_a = native(a, raw, valid, step)
+        b, rows_b, fresh_b, stats_b = plain(b, raw, valid, step)
+        _same((a, rows_a, fresh_a, stats_a), (b, rows_b, fresh_b, stats_b))
+        per_device = [{s: int(v[d]) for s, v in stats_a.items()} for d in range(n)]
+        hits_only += sum(_all_hit(s) for s in per_device)
+    assert hits_only >= 2
+
+
+def _op(fn, state, raw, valid, distinct):
+    return fn(
+        state.index,
+        state.use_count,
+        raw[:, 0],
+        raw[:, 1],
+        valid,
+        keys=im.bucket_keys(state.config),
+        distinct=distinct,
+    )
+
+
+def _padded(ids, valid):
+    """To BATCH positions (one compiled shape), the padding invalid and an unknown id."""
+    k = BATCH - len(ids)
+    return np.r_[ids, np.full(k, 777, np.int64)], np.r_[valid, np.zeros(k, bool)]
+
+
+def test_the_kernel_answers_as_its_reference_and_declines_alike():
+    """`ops.id_map_hits`'s CPU kernel and its reference: the same status and rows on a
+    call of hits; status 0 on a call with a miss, and on a state the jnp path must judge
+    (a row word past the capacity, a use count negative or about to saturate)."""
+    config = CONFIGS["lru"]
+    ids = POOL[:16]
+    raw = jnp.asarray(im.split_ids(ids))
+    state, *_ = jax.jit(im._map_ids, static_argnums=(5, 6))(
+        im.init(config),
+        raw[:, 0],
+        raw[:, 1],
+        jnp.ones(16, bool),
+        jnp.int32(FIRST_STEP),
+        True,
+        (16,),
+    )
+    kernel = jax.jit(cpu.KERNELS["id_map_hits"][0], static_argnames=("keys", "distinct"))
+    reference = jax.jit(ops.reference_of("id_map_hits"), static_argnames=("keys", "distinct"))
+    repeats = np.r_[ids[:10], ids[:6], ids[3:11]]  # 24: ids given up to three times
+    cases = {
+        "hits, distinct": (ids[:12], np.arange(12) != 3, True, 11),
+        "hits, repeats": (repeats, np.arange(24) % 5 != 4, False, 11),
+        "a miss": (np.r_[ids[:8], [424242]], np.ones(9, bool), False, None),
+        "a miss at an invalid position": (np.r_[ids[:8], [424242]], np.arange(9) != 8, True, 8),
+    }
+    for what, (got_ids, got_valid, distinct, hits) in cases.items():
+        got_ids, got_valid = _padded(got_ids, got_valid)
+        args = (jnp.asarray(im.split_ids(got_ids)), jnp.asarray(got_valid))
+        k_status, k_rows = (np.asarray(x) for x in _op(kernel, state, *args, distinct))
+        r_status, r_rows = (np.asarray(x) for x in _op(reference, state, *args, distinct))
+        want = [0, 0] if hits is None else [1, hits]
+        assert k_status.tolist() == r_status.tolist() == want, what
+        if hits is not None:
+            np.testing.assert_array_equal(k_rows, r_rows)
+            assert (k_rows[~got_valid] == -1).all()
+            want_rows = np.asarray(im.lookup(state, args[0], args[1]))
+            np.testing.assert_array_equal(k_rows, want_rows)
+    # states only the jnp path judges: the kernel and the reference decline alike
+    live = int(np.asarray(im.lookup(state, raw[:1]))[0])
+    index = np.asarray(state.index).copy()
+    index[:, 2][index[:, 2] == live] = config.capacity + 3
+    broken = {
+        "a negative use count": dataclasses.replace(
+            state, use_count=state.use_count.at[live].set(-5)
+        ),
+        "a use count about to saturate": dataclasses.replace(
+            state, use_count=state.use_count.at[live].set(2**31 - 4)
+        ),
+        "a row word past the capacity": dataclasses.replace(state, index=jnp.asarray(index)),
+    }
+    for what, s in broken.items():
+        got_ids, got_valid = _padded(ids[:4], np.ones(4, bool))
+        args = (jnp.asarray(im.split_ids(got_ids)), jnp.asarray(got_valid))
+        for fn in (kernel, reference):
+            status, _ = _op(fn, s, *args, True)
+            assert np.asarray(status).tolist() == [0, 0], what
+
+
+def test_without_the_kernels_map_ids_is_the_jnp_path(monkeypatch):
+    """`EMBEDMESH_CPU_KERNELS=0`, or another default backend (GPU, TPU): no native op in
+    the program, the jnp path alone."""
+    config = CONFIGS["lru"]
+    args = (im.init(config), jnp.zeros((BATCH, 2), jnp.uint32), jnp.ones(BATCH, bool), 0)
+    assert im.native_hits()
+    assert "embedmesh_id_map_hits" in str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
+    monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
+    assert not im.native_hits()
+    assert "embedmesh_id_map_hits" not in str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
+    monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert not im.native_hits()
