@@ -79,9 +79,11 @@ The algorithm
   row reused): the caller re-initialises that row and resets its optimizer slots before
   reading it, at every position the id occurs.
 
-Cost per call, batch `n` (slots of ids; `c` the capacity): three sorts of `n` entries
-(dedup; the admission order; the new ids by bucket; one where the caller says the ids are
-distinct, `map_ids(distinct=True)`), two gathers of 2 buckets
+Cost per call, batch `n` (slots of ids; `c` the capacity): two sorts of `n` entries (the
+dedup, four operands, skipped where the caller says the ids are distinct,
+`map_ids(distinct=True)`; the new ids by bucket, one operand where `(num_buckets + 1) * n`
+fits 32 bits: XLA's CPU sort of several operands costs several times one's), the
+admission order by a count, two gathers of 2 buckets
 (`2 * 3 * 16` words) per distinct id (the lookup, and the new ids' buckets after a sweep),
 and scatters of O(n) words into the index, the row arrays and the sketch (`sketch_depth`
 counters an id). Nothing of size `c` is read or written, except:
