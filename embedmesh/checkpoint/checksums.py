@@ -127,7 +127,8 @@ def _logical_checksum(arr: np.ndarray, t) -> str:
     what `load_tables` verifies."""
     if arr.shape[0] != t.vocabulary_size:
         raise ValueError(f"table {t.name}: {arr.shape[0]} rows, expected {t.vocabulary_size}")
-    return _checksum_hex(_logical_hasher()(jax.device_put(arr, jax.devices("cpu")[0])))
+    host = jax.local_devices(backend="cpu")[0]  # this process's: any process may verify
+    return _checksum_hex(_logical_hasher()(jax.device_put(arr, host)))
 
 
 def _expected_checksum(reader, meta_table: dict, field: str, leaf: tuple, dtype) -> str | None:

@@ -96,7 +96,8 @@ def _flat_hasher(out_sharding=None):
 
 
 def _host_checksum(arr: np.ndarray) -> str:
-    return _checksum_hex(_flat_hasher()(jax.device_put(arr, jax.devices("cpu")[0])))
+    host = jax.local_devices(backend="cpu")[0]  # this process's: each process verifies
+    return _checksum_hex(_flat_hasher()(jax.device_put(arr, host)))
 
 
 # ------------------------------------------------------------------------------- saving

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from embedmesh.checkpoint import id_maps
 from embedmesh.checkpoint.checksums import _checksum_hex, _device_checksum
@@ -371,7 +371,11 @@ def core_restore(
         live,
         tables=new.tables,
         slots=new.slots,
-        step=jax.device_put(jnp.asarray(step_count, jnp.int32), core.replicated),
+        # from host data: device_put of a (local) jax array onto a sharding of several
+        # processes' devices gives an array whose shards cannot be read
+        step=jax.make_array_from_callback(
+            (), core.replicated, lambda _: np.asarray(step_count, np.int32)
+        ),
         id_maps=maps,
     )
     return RestoredState(restored, step_count, new.lookup)

@@ -1,7 +1,8 @@
 """A table of raw ids (`TableConfig.id_map`) trained by two real processes (1 CPU device
 each, the host's shared-memory exchanges) ends as it does in one process with 2 devices:
 the same ids on the same shards and rows, the same values; their checkpoint (each
-process writing its own shards of the rows and id maps) restores onto one device with
+process writing its own shards of the rows and id maps) restores in those processes (as
+it was, bit for bit; into a larger table, the maps rebuilt) and onto one device with
 every live id's values."""
 
 import json
@@ -18,9 +19,9 @@ import embedmesh as em
 WORKER = os.path.join(SUPPORT, "dynamic_ids_worker.py")
 
 
-def _result(output: str) -> dict:
-    line = next(x for x in output.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+def _result(output: str, what: str = "RESULT") -> dict:
+    line = next(x for x in output.splitlines() if x.startswith(what + " "))
+    return json.loads(line[len(what) + 1 :])
 
 
 def test_two_processes_match_one_process_with_two_devices(tmp_path):
@@ -37,7 +38,10 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
     assert {k: v[:2] for k, v in multi.items()} == {k: v[:2] for k, v in single.items()}
     for k, v in single.items():
         np.testing.assert_allclose(multi[k][2], v[2], rtol=1e-6, err_msg=k)
-    # the two processes' checkpoint, restored onto one device (the id maps rebuilt)
+    # the two processes restored their checkpoint into a table of twice the capacity
+    rebuilt = {**_result(two[0], "REBUILT"), **_result(two[1], "REBUILT")}
+    assert rebuilt == {k: v[2] for k, v in multi.items()}
+    # and it restores onto one device (the id maps rebuilt)
     dyn = em.TableConfig(8, 4, name="dyn", combiner="sum", id_map=em.DynamicIds(evict_batch=1))
     emb = em.MeshEmbedding(
         {"a": em.FeatureConfig(dyn, name="a")}, em.Adagrad(0.3), mesh=mesh_of(1), seed=3

@@ -2,7 +2,9 @@
 for a few steps on a mesh of 2 CPU devices, as one process or as one of two (1 device each);
 prints `RESULT {raw id: [shard, row, parameters]}` of the live ids on this process's
 devices. Args: process_id num_processes port [checkpoint directory: saved there at the
-end, every process writing its own shards of the rows and id maps]."""
+end, every process writing its own shards of the rows and id maps, then restored by these
+processes as it was (checked bit for bit here) and into a table of twice the capacity
+(the maps rebuilt): `REBUILT {raw id: parameters}` of its live ids on this process]."""
 
 import json
 import sys
@@ -50,8 +52,23 @@ for shard in state.tables["dyn"].addressable_shards:
     values = np.asarray(shard.data)
     for raw, row in id_map.live_ids(m).items():
         out[str(raw)] = [devices.index(shard.device), row, values[row, :4].tolist()]
+print("RESULT", json.dumps(out))
 if save_to is not None:
     em.checkpoint.save(save_to, emb)
-print("RESULT", json.dumps(out))
+    before = [[np.asarray(s.data) for s in x.addressable_shards] for x in jax.tree.leaves(state)]
+    em.checkpoint.restore(emb, save_to)  # as it was: bit for bit
+    after = [[np.asarray(s.data) for s in x.addressable_shards] for x in jax.tree.leaves(emb.state)]
+    assert all(a.tobytes() == b.tobytes() for x, y in zip(before, after) for a, b in zip(x, y))
+    big = em.TableConfig(16, 4, name="dyn", combiner="sum", id_map=em.DynamicIds(evict_batch=1))
+    emb = em.MeshEmbedding({"a": em.FeatureConfig(big, name="a")}, em.Adagrad(0.3), mesh=mesh)
+    em.checkpoint.restore(emb, save_to)  # the maps rebuilt
+    rebuilt = {}
+    for shard in emb.state.tables["dyn"].addressable_shards:
+        maps = emb.state.id_maps["dyn"]["map"]
+        m = jax.tree_util.tree_map(lambda x: local(x, shard.device)[0], maps)
+        values = np.asarray(shard.data)
+        for raw, row in id_map.live_ids(m).items():
+            rebuilt[str(raw)] = values[row, :4].tolist()
+    print("REBUILT", json.dumps(rebuilt))
 if nproc > 1:
     jax.distributed.shutdown()
