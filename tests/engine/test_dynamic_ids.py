@@ -516,4 +516,3 @@ def test_sequence_and_dense_features_read_their_ids_rows():
     np.testing.assert_allclose(np.asarray(acts["seq"]), want_seq, rtol=1e-6)
     want_dense = np.stack([[row(i) for i in r] for r in dense])
     np.testing.assert_allclose(np.asarray(acts["dense"]), want_dense, rtol=1e-6)
-
