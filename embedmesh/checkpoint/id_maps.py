@@ -252,7 +252,7 @@ def _insert(config: id_map.IdMapConfig, pairs: np.ndarray, what: str) -> tuple:
     row_slot = np.full((config.capacity,), -1, np.int32)
     if not len(pairs):
         return index, row_slot
-    b1, b2 = (np.asarray(b) for b in id_map._buckets(config, pairs[:, 0], pairs[:, 1]))
+    b1, b2 = (np.asarray(b) for b in id_map.buckets(config, pairs[:, 0], pairs[:, 1]))
     fill = [0] * config.num_buckets
     for k in range(len(pairs)):
         x, y = int(b1[k]), int(b2[k])

@@ -326,8 +326,6 @@ def _pairs(raw_ids) -> tuple[jax.Array, jax.Array]:
 # ----------------------------------------------------------------------------- hashing
 
 
-_fmix32 = id_hash.fmix32
-_fmix32_int = id_hash.fmix32_int
 _hash_words = id_hash.hash_words
 _hash_keyed = id_hash.hash_keyed
 
@@ -357,7 +355,9 @@ def bucket_keys(config: IdMapConfig) -> tuple[int, ...]:
 _buckets_keyed = id_hash.buckets
 
 
-def _buckets(config: IdMapConfig, hi, lo):
+def buckets(config: IdMapConfig, hi, lo):
+    """The two buckets (int32) of each id given as its words `hi`, `lo` (what a rebuild of
+    the map, `embedmesh.checkpoint.id_maps`, inserts by)."""
     return _buckets_keyed(config.num_buckets, bucket_keys(config), hi, lo)
 
 

@@ -13,7 +13,7 @@ constexpr int32_t kMax = 2147483647;      // use counts saturate here
 constexpr int64_t kAhead = 8;             // ids ahead whose buckets are prefetched
 constexpr int64_t kChunk = 2048;          // ids a task
 
-inline uint32_t Fmix(uint32_t h) {  // id_map._fmix32
+inline uint32_t Fmix(uint32_t h) {  // ops/id_hash.fmix32
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
@@ -21,7 +21,7 @@ inline uint32_t Fmix(uint32_t h) {  // id_map._fmix32
   return h ^ (h >> 16);
 }
 
-// id_map._hash with its three seed words (id_map._hash_words)
+// id_hash.hash_keyed with its three seed words (id_hash.hash_words)
 struct Keys {
   uint32_t s0, s1, s2;
   uint32_t operator()(uint32_t hi, uint32_t lo) const {
