@@ -437,7 +437,9 @@ def test_save_into_manager_with_others_and_policies(tmp_path):
 
 def _env(devices=4):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} " + os.environ.get(
+        "EMBEDMESH_TEST_XLA_FLAGS", ""
+    )
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH", ""))
     return env

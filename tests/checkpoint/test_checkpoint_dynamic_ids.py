@@ -148,7 +148,7 @@ def _batches(rng, count: int, pool=POOL, width: int = 2) -> list:
 POLICIES = [("lru", 1), ("lfu", 1), ("lru", 2), ("lfu", 2)]
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     n=st.sampled_from([1, 2, 4]),
     policy=st.sampled_from(POLICIES),
@@ -179,7 +179,7 @@ def test_same_device_count_resumes_bit_identically(tmp_path_factory, n, policy, 
     _assert_same_state(_leaves(emb), final)
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     counts=st.sampled_from([(4, 2), (1, 4), (2, 1), (4, 1), (2, 4)]),
     policy=st.sampled_from(POLICIES),

@@ -680,7 +680,9 @@ def test_two_processes_save_table_wise_tables_on_their_owners(tmp_path):
     port, root = free_port(), tmp_path / "ckpt"
     worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 " + os.environ.get(
+        "EMBEDMESH_TEST_XLA_FLAGS", ""
+    )
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH", ""))
     outs = run_together(

@@ -34,7 +34,8 @@ def gpu():
 
 def _env():
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on the GPU machine (one device)
+    # one CPU device, as on the GPU machine (one device); the suite's fast-compile flags
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return env

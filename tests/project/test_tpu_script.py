@@ -15,7 +15,8 @@ from paths import ROOT
 
 def test_smoke_on_cpu(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", EMBEDMESH_CPU_KERNELS="0")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on the chip's host
+    # one CPU device, as on the chip's host; the suite's fast-compile flags
+    env["XLA_FLAGS"] = os.environ.get("EMBEDMESH_TEST_XLA_FLAGS", "")
     cmd = [
         sys.executable,
         os.path.join(ROOT, "benchmarks", "tpu.py"),
