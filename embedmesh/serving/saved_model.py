@@ -31,6 +31,16 @@ padding (`nnz_per_example` of the specs is not used). The model must work for an
 batch size (usual ranking models do); features with a fixed `output_shape` fix the
 batch to that shape's.
 
+A table of raw ids (`TableConfig.id_map`) is given as its `RawIdTable` (`raw_id_tables`,
+`export_increment`'s tables): the SavedModel holds its rows and a zero row
+(`RawIdTable.padded`, `[capacity + 1, dim]`) and its live ids, sorted (int64 variable
+`<table>_raw_ids`); the signature takes the raw ids (int64; uint64 read as their two's
+complement bits) and the graph finds each one's row by a binary search
+(`tf.searchsorted`) before TensorFlow's lookup, an id it does not hold reading the zero
+row (counted in a mean's or sqrtn's weights), as `serving_embedding_lookup` does. A
+SavedModel is a snapshot: fresher rows are a new export (a new version for TF Serving);
+`export_serving`'s functions take increments in place.
+
 TensorFlow is needed to export (the `embedmesh[tf]` extra) and is imported only here.
 """
 
@@ -44,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from embedmesh.config import resolve_feature_config
+from embedmesh.layout.by_id import RawIdTable
 from embedmesh.serving.export import Dense, Ragged, Sparse
 from embedmesh.serving.quantized import QuantizedTable
 
@@ -116,8 +127,8 @@ def _tf_feature_config(resolved, tf):
     emb = tf.tpu.experimental.embedding
     tf_tables = {}
     for t, n in zip(resolved.tables, resolved.table_names):
-        tf_tables[n] = emb.TableConfig(
-            vocabulary_size=t.vocabulary_size,
+        tf_tables[n] = emb.TableConfig(  # a table of raw ids: its rows, then the zero row
+            vocabulary_size=t.vocabulary_size + (t.id_map is not None),
             dim=t.dim,
             initializer=tf.zeros_initializer(),
             combiner=t.combiner,
@@ -157,7 +168,7 @@ def export_saved_model(
         ("output_<i>").
       directory: the SavedModel directory (created; replaced if it exists).
       tables: `{TableConfig: [vocabulary_size, dim] array}` (`embedding_tables`,
-        `checkpoint.load_tables(...)`).
+        `checkpoint.load_tables(...)`); for a table of raw ids its `RawIdTable`.
       feature_config: the feature structure of the tables.
       input_signature: the feature structure with a `Dense`, `Ragged` or `Sparse`
         spec per feature (see the module doc for the signature's inputs).
@@ -166,12 +177,9 @@ def export_saved_model(
 
     Returns `signature_names(feature_config, input_signature, weighted)`.
 
-    Tables of raw ids (`TableConfig.id_map`) are refused (`NotImplementedError`, before
-    TensorFlow is imported): TensorFlow's lookup takes ids in `[0, vocabulary_size)`,
-    and mapping raw ids to rows inside the SavedModel (a sorted-ids search in the
-    graph, updated by increments) is not built; serve them with `export_serving`.
+    A table of raw ids is served by a binary search over its sorted live ids in the
+    graph (module doc).
     """
-    _refuse_raw_ids(feature_config)
     import jax
     import tensorflow as tf
     from jax.experimental import jax2tf
@@ -179,7 +187,7 @@ def export_saved_model(
     resolved = resolve_feature_config(feature_config)
     specs = _flat_specs(resolved, input_signature)
     names = signature_names(feature_config, input_signature, weighted)
-    by_name = _tables_by_name(resolved, tables)
+    by_name, raw_ids = _tables_by_name(resolved, tables)
     tf_tables, tf_feats = _tf_feature_config(resolved, tf)
 
     param_leaves, param_tree = jax.tree_util.tree_flatten(params)
@@ -199,6 +207,9 @@ def export_saved_model(
 
     module = tf.Module()
     module.tables = {n: tf.Variable(a, name=n, trainable=False) for n, a in by_name.items()}
+    module.raw_ids = {
+        n: tf.Variable(ids, name=f"{n}_raw_ids", trainable=False) for n, ids in raw_ids.items()
+    }
     module.params = [
         tf.Variable(np.asarray(x), name=f"param_{i}", trainable=False)
         for i, x in enumerate(param_leaves)
@@ -208,18 +219,28 @@ def export_saved_model(
 
     def serve(**kw):
         inputs, weights = [], []
-        for name, spec in zip(resolved.feature_names, specs):
+        for name, spec, f in zip(resolved.feature_names, specs, resolved.features):
             n = names[name]
             w = kw.get(n.get("weights", ""))
+            table = resolved.table_name(f.table)
+
+            def ids(x, table=table):  # a table of raw ids: raw ids -> rows of its variable
+                if table not in module.raw_ids:
+                    return x
+                capacity = by_name[table].shape[0] - 1
+                return _raw_ids_to_rows(tf, x, module.raw_ids[table], capacity)
+
             if isinstance(spec, Dense):
-                inputs.append(kw[n["ids"]])
+                inputs.append(ids(kw[n["ids"]]))
             elif isinstance(spec, Ragged):
-                inputs.append(tf.RaggedTensor.from_row_splits(kw[n["values"]], kw[n["row_splits"]]))
+                inputs.append(
+                    tf.RaggedTensor.from_row_splits(ids(kw[n["values"]]), kw[n["row_splits"]])
+                )
                 if w is not None:
                     w = tf.RaggedTensor.from_row_splits(w, kw[n["row_splits"]])
             else:
                 inputs.append(
-                    tf.SparseTensor(kw[n["indices"]], kw[n["values"]], kw[n["dense_shape"]])
+                    tf.SparseTensor(kw[n["indices"]], ids(kw[n["values"]]), kw[n["dense_shape"]])
                 )
                 if w is not None:
                     w = tf.SparseTensor(kw[n["indices"]], w, kw[n["dense_shape"]])
@@ -245,32 +266,55 @@ def export_saved_model(
     return names
 
 
-def _refuse_raw_ids(feature_config) -> None:
-    resolved = resolve_feature_config(feature_config)
-    raw = [n for t, n in zip(resolved.tables, resolved.table_names) if t.id_map is not None]
-    if raw:
-        raise NotImplementedError(
-            f"export_saved_model: tables {raw} are tables of raw ids (TableConfig.id_map): "
-            f"TensorFlow's serving lookup takes ids in [0, vocabulary_size), and a SavedModel "
-            f"that maps raw ids to rows (and takes increments) is not built; serve them with "
-            f"export_serving / load_serving, or serving_embedding_lookup "
-            f"(docs/dynamic-ids.md#serving)"
-        )
+def _raw_ids_to_rows(tf, x, sorted_ids, capacity: int):
+    """Each raw id of `x` (any shape; int64, or uint64 read as its bits) -> its row: its
+    place in `sorted_ids` (int64, ascending), `capacity` (the zero row) where absent."""
+    x = tf.bitcast(x, tf.int64) if x.dtype == tf.uint64 else tf.cast(x, tf.int64)
+    flat = tf.reshape(x, [-1])
+    known = sorted_ids.read_value()
+    if known.shape[0] == 0:  # nothing live: every id reads the zero row
+        rows = tf.fill(tf.shape(flat), tf.constant(capacity, tf.int64))
+    else:
+        pos = tf.searchsorted(known, flat, side="left", out_type=tf.int64)
+        at = tf.minimum(pos, known.shape[0] - 1)
+        rows = tf.where(tf.gather(known, at) == flat, pos, tf.constant(capacity, tf.int64))
+    return tf.reshape(rows, tf.shape(x))
 
 
-def _tables_by_name(resolved, tables: dict) -> dict:
-    """`{table name: float32 array}` for the feature config's tables, each checked.
+def _tables_by_name(resolved, tables: dict) -> tuple[dict, dict]:
+    """`{table name: float32 array}` for the feature config's tables, each checked, and
+    `{table name: sorted int64 raw ids}` for its tables of raw ids (their arrays the
+    `RawIdTable.padded` rows: `[capacity + 1, dim]`, the last rows zero).
 
     A `QuantizedTable` is decoded here, at export: the SavedModel holds its float32
     values (TensorFlow's lookup sums them in float32, as embedmesh's kernels sum the
     decoded rows), so it serves the same values, without the memory saving (a lookup
     decoding inside TensorFlow's graph is not built)."""
-    by_name = {}
+    by_name, raw_ids = {}, {}
     for t, n in zip(resolved.tables, resolved.table_names):
         match = [v for k, v in tables.items() if k is t]
         if not match:
             raise ValueError(f"tables has no array for table {n}")
         value = match[0]
+        if (t.id_map is not None) != isinstance(value, RawIdTable):
+            raise ValueError(
+                f"table {n}: "
+                + (
+                    f"a table of raw ids (TableConfig.id_map) takes its RawIdTable "
+                    f"(embedmesh.raw_id_tables), got {type(value).__name__}"
+                    if t.id_map is not None
+                    else "a RawIdTable is for a table of raw ids (TableConfig.id_map)"
+                )
+            )
+        if isinstance(value, RawIdTable):
+            if (value.capacity, value.dim) != (t.vocabulary_size, t.dim):
+                raise ValueError(
+                    f"table {n}: its RawIdTable has capacity {value.capacity} and dim "
+                    f"{value.dim}, expected {t.vocabulary_size} and {t.dim}"
+                )
+            raw_ids[n] = np.asarray(value.ids, np.int64)
+            by_name[n] = np.asarray(value.padded, np.float32)
+            continue
         if isinstance(value, QuantizedTable):
             value = value.dequantize()
         arr = np.asarray(value, np.float32)
@@ -279,7 +323,7 @@ def _tables_by_name(resolved, tables: dict) -> dict:
                 f"table {n} has shape {arr.shape}, expected ({t.vocabulary_size}, {t.dim})"
             )
         by_name[n] = arr
-    return by_name
+    return by_name, raw_ids
 
 
 def _signature_specs(resolved, specs, names: dict, tf) -> tuple[list, list]:

@@ -517,14 +517,6 @@ def test_what_refuses_a_table_of_raw_ids(tmp_path):
         )
     with pytest.raises(NotImplementedError, match="cannot be quantized yet"):
         em.serving.quantize_tables({cfg: t}, "int8")
-    with pytest.raises(NotImplementedError, match=r"tables \['items'\] are tables of raw ids"):
-        em.serving.export_saved_model(
-            lambda a: a["item"],
-            tmp_path,
-            tables={cfg: t},
-            feature_config=features,
-            input_signature={"item": Dense((1,), np.int64)},
-        )
 
 
 def test_apply_increment_while_threads_serve(tmp_path):
