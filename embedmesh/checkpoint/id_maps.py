@@ -44,32 +44,29 @@ reads only the process's own rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from embedmesh.checkpoint.checksums import CHECKSUM, _checksum_hex, _logical_checksum, _rows_hash
+from embedmesh.checkpoint import id_map_format
+from embedmesh.checkpoint.checksums import _logical_checksum
+from embedmesh.checkpoint.id_map_format import (
+    KEY_FIELD,
+    MAP_FIELDS,
+    _flat_hasher,
+    checksum_field,
+    live_entries,
+)
 from embedmesh.checkpoint.leaves import _start_leaf, _verify, _wait_leaf
-from embedmesh.checkpoint.reading import _host_buffer, _wait
+from embedmesh.checkpoint.reading import _host_buffer
 from embedmesh.checkpoint.recut import _logical_table, _same_layout, _stored_table
 from embedmesh.device import id_map
 from embedmesh.device.stack_tables import write_table
 from embedmesh.layout.rows import logical_layout, row_layout
 
-SUBTREE = "id_maps"  # the embedding item's subtree of the maps
-KEY_FIELD = "fresh_key"  # the key data a table's fresh rows are initialised from
-MAP_FIELDS = tuple(f.name for f in dataclasses.fields(id_map.IdMapState) if f.name != "config")
-FIELDS = MAP_FIELDS + (KEY_FIELD,)
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(id_map.IdMapConfig))
 _W = id_map.BUCKET_WIDTH
-_KEY, _LO, _ROW = 0, 1, 2  # the words of an index slot (`id_map`'s layout)
-
-
-def checksum_field(field: str) -> str:
-    """The name of a map array's checksum in the table's "checksums"."""
-    return f"id_map.{field}"
+_KEY, _LO, _ROW = id_map_format.KEY, id_map_format.LO, id_map_format.ROW
 
 
 def config_meta(config: id_map.IdMapConfig) -> dict:
@@ -78,26 +75,6 @@ def config_meta(config: id_map.IdMapConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------- checksums
-
-
-@functools.cache
-def _flat_hasher(out_sharding=None):
-    """jit: the checksum (uint32[2]) of an array seen as rows of its first axis (a map
-    field `[N, ...]`: a row a shard): `CHECKSUM`'s row hash with row i = index i. The same
-    function hashes the sharded arrays at save (the result replicated on the mesh:
-    `out_sharding`, so every process fetches it) and the host arrays a restore read."""
-
-    def fn(x):
-        rows = x.reshape(x.shape[0], -1) if x.ndim else x.reshape(1, 1)
-        i = jnp.arange(rows.shape[0], dtype=jnp.int32)
-        return _rows_hash(rows, i, jnp.ones(rows.shape[:1], bool))
-
-    return jax.jit(fn, out_shardings=out_sharding)
-
-
-def _host_checksum(arr: np.ndarray) -> str:
-    host = jax.local_devices(backend="cpu")[0]  # this process's: each process verifies
-    return _checksum_hex(_flat_hasher()(jax.device_put(arr, host)))
 
 
 # ------------------------------------------------------------------------------- saving
@@ -149,19 +126,6 @@ def check_kinds(core, by_name: dict) -> None:
             )
 
 
-def _read_whole(reader, leaf: tuple, what: str) -> np.ndarray:
-    shape, dtype = reader.shape(leaf), reader.dtype(leaf)
-    buf = _host_buffer(shape, dtype)
-    try:
-        if len(shape):
-            _wait(reader.start_fill(leaf, [(buf, 0, 1, 0, 1, shape[0])]))
-        else:  # pragma: no cover - every map array has a shard axis
-            buf[...] = reader.read(leaf)
-    except Exception as e:
-        raise ValueError(f"cannot read {what} from checkpoint item {reader.path}: {e}") from e
-    return buf
-
-
 def read_maps(reader, m: dict) -> dict:
     """`{field: numpy [N_saved, ...]}` of a stored table's id maps (and its fresh rows'
     key), each checked against its recorded checksum; a ValueError naming the table and
@@ -182,63 +146,7 @@ def read_maps(reader, m: dict) -> dict:
         "sketch": (n,) + sketch,
         "sightings": (n,),
     }
-    verify = reader.meta.get("checksum") == CHECKSUM
-    sums = m.get("checksums") or {}
-    out = {}
-    for field in FIELDS:
-        leaf = (SUBTREE, m["key"], field)
-        what = f"the id map's array {field!r} of table {m['name']} (array '{'.'.join(leaf)}')"
-        if not reader.has(leaf):
-            raise ValueError(
-                f"checkpoint item {reader.path} lacks {what}, which a table of raw ids has"
-            )
-        shape = reader.shape(leaf)
-        if field in shapes and shape != shapes[field]:
-            raise ValueError(
-                f"checkpoint item {reader.path}: {what} has shape {shape}, its metadata says "
-                f"{shapes[field]}"
-            )
-        arr = _read_whole(reader, leaf, what)
-        recorded = sums.get(checksum_field(field))
-        if verify and recorded is not None:
-            got = _host_checksum(arr)
-            if got != recorded:
-                raise ValueError(
-                    f"checkpoint item {reader.path}: {what} is corrupted: its checksum is "
-                    f"{got}, the checkpoint recorded {recorded} ({CHECKSUM})"
-                )
-        elif verify:
-            raise ValueError(
-                f"checkpoint item {reader.path}: no checksum of {what} is recorded "
-                f"(a table of raw ids is never restored unverified)"
-            )
-        out[field] = arr
-    return out
-
-
-def live_entries(maps: dict) -> dict:
-    """The live ids of saved maps, in (shard, row) order: `{"ids": int64, "shard",
-    "row", "last_used", "use_count"}` arrays (`id_map`'s liveness: a row whose slot's
-    row word names it)."""
-    n, c = maps["row_slot"].shape
-    num_slots = maps["index"].shape[1] * _W
-    shards, rows = [], []
-    for j in range(n):
-        slot = maps["row_slot"][j]
-        s = np.clip(slot, 0, num_slots - 1)
-        word = maps["index"][j][s // _W, _ROW, s % _W]
-        live = (slot >= 0) & (word == np.arange(c, dtype=np.uint32))
-        r = np.flatnonzero(live)
-        shards.append(np.full(r.shape, j, np.int64))
-        rows.append(r.astype(np.int64))
-    shard, row = np.concatenate(shards), np.concatenate(rows)
-    return {
-        "ids": id_map.join_ids(maps["row_id"][shard, row]),
-        "shard": shard,
-        "row": row,
-        "last_used": maps["last_used"][shard, row].astype(np.int32),
-        "use_count": maps["use_count"][shard, row].astype(np.int32),
-    }
+    return id_map_format.read_maps(reader, m, shapes)
 
 
 # -------------------------------------------------------------------------- rebuilding

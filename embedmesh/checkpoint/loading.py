@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from embedmesh.checkpoint import id_map_format
 from embedmesh.checkpoint.checksums import _logical_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM
 from embedmesh.checkpoint.leaves import (
@@ -19,15 +20,18 @@ from embedmesh.checkpoint.leaves import (
     _wait_leaf,
 )
 from embedmesh.checkpoint.reading import _item_dir, _Reader
-from embedmesh.checkpoint.recut import _logical_table
-from embedmesh.config import TableConfig, resolve_feature_config
-from embedmesh.layout.rows import logical_layout
+from embedmesh.checkpoint.recut import _logical_table, _stored_table
+from embedmesh.config import DynamicIds, TableConfig, resolve_feature_config
+from embedmesh.layout.by_id import RawIdTable
+from embedmesh.layout.rows import logical_layout, row_layout
 
 
 def load_tables(
     source, step: int | None = None, *, feature_config: Any = None, item: str = DEFAULT_ITEM
 ) -> dict:
-    """`{TableConfig: [vocabulary_size, dim] numpy array}` of a checkpoint's parameters.
+    """`{TableConfig: [vocabulary_size, dim] numpy array}` of a checkpoint's parameters;
+    for a table of raw ids (`TableConfig.id_map`) its `RawIdTable` (the live raw ids its
+    saved id maps hold, each with its row; `step` the checkpoint's), ready to serve.
 
     Reads only the parameters (optimizer slots are never read) on any
     machine: no mesh, no devices needed. Each stored block is read straight
@@ -38,7 +42,8 @@ def load_tables(
     checked) and only its tables are read; without, new `TableConfig`s with
     the saved names, sizes and combiners. Each table is checked against the
     checksum recorded at save (on the host CPU; older checkpoints have none):
-    an unreadable or corrupted table raises ValueError naming it.
+    an unreadable or corrupted table raises ValueError naming it (a table of raw ids: its
+    id maps too).
     """
     with _Reader(_item_dir(source, step, item)) as reader:
         meta = reader.meta
@@ -53,6 +58,7 @@ def load_tables(
                         combiner=m["combiner"],
                         name=m["name"],
                         dtype=m.get("dtype", "float32"),
+                        id_map=_dynamic_ids(m),
                     ),
                     m,
                 )
@@ -69,15 +75,21 @@ def load_tables(
                     )
                 _check_compatible(name, cfg, m, "the feature config")
                 wanted.append((cfg, m))
-        for _, m in wanted:  # before anything is read
-            if m.get("id_map") is not None:
+        for cfg, m in wanted:  # before anything is read
+            if (cfg.id_map is None) != (m.get("id_map") is None):
                 raise ValueError(
-                    f"table {m['name']} of checkpoint item {reader.path} is a table of raw ids: "
-                    f"its rows are placed by its id map, not by id, so load_tables cannot "
-                    f"return it as a [vocabulary_size, dim] table (pass a feature_config "
-                    f"without it)"
+                    f"table {m['name']}: the checkpoint's is "
+                    + ("a table of raw ids" if m.get("id_map") else "not a table of raw ids")
+                    + " (TableConfig.id_map), the feature config's "
+                    + ("is" if cfg.id_map is not None else "is not")
                 )
             _check_leaf(reader, ("tables", m["key"]), m, m["dim"])
+        # the id maps of tables of raw ids, read and verified before any table is
+        maps = {
+            i: id_map_format.read_maps(reader, m)
+            for i, (_, m) in enumerate(wanted)
+            if m.get("id_map")
+        }
         layout, logical = logical_layout(), [_logical_table(m) for _, m in wanted]
 
         def start(i):  # the logical table: one block of the logical layout, on the host
@@ -99,5 +111,26 @@ def load_tables(
                 _wait_leaf(current)
                 arr = current.pieces[0][2]
                 _verify(current, lambda: _logical_checksum(arr, logical[i]))
+                if i in maps:
+                    arr = _by_id(reader, wanted[i][1], maps.pop(i), arr)
                 out[wanted[i][0]] = arr
         return out
+
+
+def _dynamic_ids(m: dict) -> DynamicIds | None:
+    """The `DynamicIds` of a stored table of raw ids (None for a static table)."""
+    saved = m.get("id_map")
+    if not saved:
+        return None
+    return DynamicIds(**{k: v for k, v in saved.items() if k != "capacity"})
+
+
+def _by_id(reader, m: dict, maps: dict, table: np.ndarray) -> RawIdTable:
+    """The `RawIdTable` of a stored table of raw ids: each live id of its saved maps with
+    the row its owner put it at (`table`: the stored rows in the logical layout)."""
+    live = id_map_format.live_entries(maps)
+    n = int(reader.meta["num_shards"])
+    layout = row_layout(reader.layout.name, n)
+    params = np.asarray(layout.kernel_params(_stored_table(m, n)), np.int64)
+    rows = table[layout.logical_rows_from_params(params, live["shard"], live["row"])]
+    return RawIdTable(live["ids"], rows, m["vocabulary_size"], step=int(reader.meta["step"]))

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
-from embedmesh.checkpoint import id_maps
+from embedmesh.checkpoint import id_map_format, id_maps
 from embedmesh.checkpoint.checksums import CHECKSUM, _checksum_hex, _device_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM, FORMAT, FORMAT_VERSION, LOOKUP_FIELD
 from embedmesh.checkpoint.reading import absolute_path
@@ -201,7 +201,7 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
     if stored_lookup:
         tree["lookup_tables"] = stored_lookup
     if stored_maps:
-        tree[id_maps.SUBTREE] = stored_maps
+        tree[id_map_format.SUBTREE] = stored_maps
     return tree
 
 

@@ -326,13 +326,35 @@ def test_a_table_too_small_for_the_live_ids_leaves_the_engine_untouched(tmp_path
     _assert_same_ids(_by_id(bigger), want)
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_load_tables_gives_each_live_id_with_its_row(tmp_path, n):
+    """`load_tables` of a table of raw ids: its `RawIdTable` (the live ids of every
+    shard's saved map, each with its row; the checkpoint's step), with or without the
+    feature config, equal to the engine's rows by id."""
+    emb = _train(n, 20 + n)
+    ckpt.save(tmp_path, emb)
+    want = _by_id(emb)
+    (dyn,) = emb.embedding_tables  # the engine's TableConfig
+    for features in (None, {"raw": em.FeatureConfig(dyn, name="raw")}):
+        ((cfg, table),) = ckpt.load_tables(tmp_path, feature_config=features).items()
+        assert isinstance(table, em.RawIdTable) and cfg.id_map is not None, table
+        assert cfg.id_map.seed == HASH_SEED and cfg.name == "dyn"
+        assert (table.capacity, table.dim, table.step) == (CAPACITY, DIM, 3)
+        assert sorted(table.ids.tolist()) == sorted(want) and len(want) > 4
+        for i, row in zip(table.ids.tolist(), table.rows):
+            assert row.tobytes() == want[i][0].tobytes(), i
+        assert not table.padded[len(table) :].any()
+
+
 def test_raw_ids_and_plain_tables_do_not_mix(tmp_path):
-    """A table of raw ids is never restored from or into a table of ids in [0, V), and
-    load_tables refuses it (its rows are placed by its map)."""
+    """A table of raw ids is never restored from or into a table of ids in [0, V), nor
+    loaded as one by load_tables."""
     emb = _train(1, 5, steps=1)
     ckpt.save(tmp_path / "dyn", emb)
+    plain_features = {"raw": em.FeatureConfig(em.TableConfig(CAPACITY, DIM, name="dyn"))}
+    (dyn,) = emb.embedding_tables
     plain = em.MeshEmbedding(
-        {"raw": em.FeatureConfig(em.TableConfig(CAPACITY, DIM, name="dyn"))},
+        plain_features,
         OPT,
         mesh=mesh_of(1),
     )
@@ -344,8 +366,12 @@ def test_raw_ids_and_plain_tables_do_not_mix(tmp_path):
     assert ckpt.read_metadata(tmp_path / "plain")["format_version"] == 1
     with pytest.raises(ValueError, match="table dyn is a table of raw ids .* here"):
         ckpt.restore(emb, tmp_path / "plain")
-    with pytest.raises(ValueError, match="table dyn of checkpoint item .* is a table of raw ids"):
-        ckpt.load_tables(tmp_path / "dyn")
+    for item, features, message in [
+        ("dyn", plain_features, "checkpoint's is a table of raw ids .* config's is not"),
+        ("plain", {"raw": em.FeatureConfig(dyn)}, "checkpoint's is not a table of raw .* is"),
+    ]:
+        with pytest.raises(ValueError, match=f"table dyn: the {message}"):
+            ckpt.load_tables(tmp_path / item, feature_config=features)
 
 
 def test_the_functional_core_restores_the_maps_and_keeps_the_given_state(tmp_path):
@@ -375,3 +401,19 @@ def test_slots_kept_in_the_rows_are_rebuilt_with_their_ids(tmp_path, monkeypatch
     assert target.plan.stack(target.plan.table("dyn").stack).slot_columns  # in the rows
     ckpt.restore(target, tmp_path)
     _assert_same_ids(_by_id(target), want)
+
+
+def test_the_stored_form_names_the_maps_fields_and_words():
+    """`id_map_format` (device-free, for serving) describes the engine's maps: the
+    fields of `IdMapState`, the words of a slot, the raw id of a pair of words."""
+    import dataclasses
+
+    from embedmesh.checkpoint import id_map_format as fmt
+    from embedmesh.device.ops import id_hash
+
+    fields = tuple(f.name for f in dataclasses.fields(id_map.IdMapState) if f.name != "config")
+    assert fields == fmt.MAP_FIELDS
+    assert (fmt.KEY, fmt.LO, fmt.ROW) == (id_hash.KEY, id_hash.LO, id_hash.ROW)
+    ids = np.array(POOL + [INT64_MIN + 1, -(2**31), 2**31], np.int64)
+    pairs = np.asarray(id_map.split_ids(ids))
+    assert fmt.join_ids(pairs).tolist() == ids.tolist() == id_map.join_ids(pairs).tolist()
