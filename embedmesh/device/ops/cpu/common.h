@@ -32,8 +32,8 @@ namespace embedmesh {
 // The library's FFI handlers under their XLA target names, in definition order: the
 // Python side registers exactly these (EmbedmeshHandlerCount / Name / Address, common.cc),
 // so the list of targets, and of the optimizers the update kernels fuse, is kept here
-// alone. `EM_LIST_HANDLER(target, Symbol)` after a handler's XLA_FFI_DEFINE_HANDLER_SYMBOL
-// lists it.
+// alone. `EM_HANDLER(target, Symbol, fn[, binding])` defines a handler and lists it
+// (`EM_LIST_HANDLER(target, Symbol)` lists one XLA_FFI_DEFINE_HANDLER_SYMBOL defined).
 inline std::vector<std::pair<std::string, void*>>& Handlers() {
   static std::vector<std::pair<std::string, void*>> handlers;
   return handlers;
@@ -47,6 +47,12 @@ struct ListHandler {
 
 #define EM_LIST_HANDLER(target, symbol) \
   static const embedmesh::ListHandler em_listed_##symbol{target, reinterpret_cast<void*>(&symbol)};
+
+// The FFI handler `symbol` calling `fn`, bound from fn's own signature (XLA FFI's automatic
+// binding) or by the explicit binding after it, listed under `target`.
+#define EM_HANDLER(target, symbol, ...)              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, __VA_ARGS__); \
+  EM_LIST_HANDLER(target, symbol)
 
 // Reads named attributes from a call's attribute dictionary, remembering the first failure
 // (the fused updates' hyperparameters, the transports' call sites: transport.h).

@@ -85,10 +85,9 @@ ffi::Error DedupSum(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
 }  // namespace
 }  // namespace embedmesh
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmDedupSum, embedmesh::DedupSum,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-EM_LIST_HANDLER("embedmesh_dedup_sum", EmDedupSum)
+EM_HANDLER("embedmesh_dedup_sum", EmDedupSum, embedmesh::DedupSum,
+           ffi::Ffi::Bind()
+               .Arg<ffi::Buffer<ffi::S32>>()
+               .Arg<ffi::Buffer<ffi::F32>>()
+               .Ret<ffi::Buffer<ffi::S32>>()
+               .Ret<ffi::Buffer<ffi::F32>>())

@@ -64,8 +64,5 @@ ffi::Error ScatterRows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids, ffi::Any
 }  // namespace
 }  // namespace embedmesh
 
-// Bound from the functions' own signatures (XLA FFI's automatic binding).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmGatherRows, embedmesh::GatherRows);
-EM_LIST_HANDLER("embedmesh_gather_rows", EmGatherRows)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmScatterRows, embedmesh::ScatterRows);
-EM_LIST_HANDLER("embedmesh_scatter_rows", EmScatterRows)
+EM_HANDLER("embedmesh_gather_rows", EmGatherRows, embedmesh::GatherRows)
+EM_HANDLER("embedmesh_scatter_rows", EmScatterRows, embedmesh::ScatterRows)

@@ -40,13 +40,11 @@ ffi::Error HugePageFill(ffi::AnyBuffer value, ffi::Result<ffi::AnyBuffer> out) {
 }  // namespace
 }  // namespace embedmesh
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHugePageCopy, embedmesh::HugePageCopy,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-EM_LIST_HANDLER("embedmesh_huge_page_copy", EmHugePageCopy)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmHugePageFill, embedmesh::HugePageFill,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-EM_LIST_HANDLER("embedmesh_huge_page_fill", EmHugePageFill)
+EM_HANDLER("embedmesh_huge_page_copy", EmHugePageCopy, embedmesh::HugePageCopy,
+           ffi::Ffi::Bind()
+               .Arg<ffi::AnyBuffer>()
+               .Ret<ffi::AnyBuffer>())
+EM_HANDLER("embedmesh_huge_page_fill", EmHugePageFill, embedmesh::HugePageFill,
+           ffi::Ffi::Bind()
+               .Arg<ffi::AnyBuffer>()
+               .Ret<ffi::AnyBuffer>())

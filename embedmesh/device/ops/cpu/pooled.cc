@@ -197,11 +197,8 @@ ffi::Error ExchangePooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> se
 }  // namespace
 }  // namespace embedmesh
 
-// Bound from the functions' own signatures (XLA FFI's automatic binding).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPackPooledPairs, embedmesh::PackPooledPairs);
-EM_LIST_HANDLER("embedmesh_pack_pooled_pairs", EmPackPooledPairs)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmPooledPartials, embedmesh::PooledPartials);
-EM_LIST_HANDLER("embedmesh_pooled_partials", EmPooledPartials)
+EM_HANDLER("embedmesh_pack_pooled_pairs", EmPackPooledPairs, embedmesh::PackPooledPairs)
+EM_HANDLER("embedmesh_pooled_partials", EmPooledPartials, embedmesh::PooledPartials)
 EM_DEFINE_TRANSPORTED(ExchangePooledPairs,
                       ffi::Ffi::Bind()
                           .Arg<ffi::Buffer<ffi::S32>>()

@@ -48,8 +48,6 @@ ffi::Error SegmentGatherSumMapped(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> map,
 }  // namespace
 }  // namespace embedmesh
 
-// Bound from the functions' own signatures (XLA FFI's automatic binding).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSum, embedmesh::SegmentGatherSum);
-EM_LIST_HANDLER("embedmesh_segment_gather_sum", EmSegmentGatherSum)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmSegmentGatherSumMapped, embedmesh::SegmentGatherSumMapped);
-EM_LIST_HANDLER("embedmesh_segment_gather_sum_mapped", EmSegmentGatherSumMapped)
+EM_HANDLER("embedmesh_segment_gather_sum", EmSegmentGatherSum, embedmesh::SegmentGatherSum)
+EM_HANDLER("embedmesh_segment_gather_sum_mapped", EmSegmentGatherSumMapped,
+           embedmesh::SegmentGatherSumMapped)

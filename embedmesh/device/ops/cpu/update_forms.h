@@ -508,10 +508,7 @@ ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> gr
 // embedmesh_..._<rule's kName>_... (kernels.py calls them so)
 #define EM_BACKWARD(rule) std::string("embedmesh_backward_") + embedmesh::rule::kName
 #define EM_POOLED(rule) std::string("pooled_backward_") + embedmesh::rule::kName
-#define EM_DEFINE(symbol, fn, bind, target)                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn, bind);             \
-  static const embedmesh::ListHandler em_listed_##symbol{target, \
-                                                         reinterpret_cast<void*>(&symbol)};
+#define EM_DEFINE(symbol, fn, bind, target) EM_HANDLER(target, symbol, fn, bind)
 #define EM_DEFINE_RULE(rule)                                                                 \
   EM_DEFINE(EmSparse##rule, EM_FN(Sparse, rule), EM_BIND_Sparse,                             \
             std::string("embedmesh_sparse_") + embedmesh::rule::kName)                       \
