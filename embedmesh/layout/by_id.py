@@ -126,6 +126,20 @@ class RawIdTable:
         """The rows of `raw_ids` (`[..., dim]`; zero rows for unknown ids)."""
         return self.padded[self.positions(raw_ids)]
 
+    @property
+    def lookup_table(self):
+        """What the lookup kernels read at the positions `positions` gives: `padded` (a
+        subclass holding encoded rows gives its decoding table instead)."""
+        return self.padded
+
+    def _stored_rows(self, rows: np.ndarray) -> np.ndarray:
+        """An update's float rows as this table stores rows (a subclass encodes them)."""
+        return rows.astype(self.dtype, copy=False)
+
+    def _like(self, ids: np.ndarray, padded: np.ndarray, step: int) -> RawIdTable:
+        """A table of this kind over other sorted ids and stored rows."""
+        return RawIdTable._of_sorted(ids, padded, self.capacity, step)
+
     def apply(self, update: RawIdUpdate) -> RawIdTable:
         """This table with `update` applied: its `removed` ids dropped, its `ids` set to
         its rows (new ids added): the table at `update.step`. The update must have been
@@ -151,9 +165,9 @@ class RawIdTable:
         order = np.argsort(ids, kind="stable")
         padded = np.zeros_like(self.padded)
         n = ids.shape[0]
-        src = np.concatenate([self.rows[keep], update.rows.astype(self.dtype, copy=False)])
+        src = np.concatenate([self.rows[keep], self._stored_rows(np.asarray(update.rows))])
         padded[:n] = src[order]
-        return RawIdTable._of_sorted(ids[order], padded, self.capacity, update.step)
+        return self._like(ids[order], padded, update.step)
 
 
 def _isin_sorted(a: np.ndarray, sorted_b: np.ndarray) -> np.ndarray:

@@ -60,7 +60,7 @@ import numpy as np
 
 from embedmesh import _compat
 from embedmesh.serving import raw_ids
-from embedmesh.serving.quantized import QuantizedTable
+from embedmesh.serving.quantized import QuantizedRawIdTable, QuantizedTable
 from embedmesh.serving.raw_ids import RawIdTable, RawIdUpdate
 
 __all__ = ["Dense", "Ragged", "ServingFunction", "Sparse", "export_serving", "load_serving"]
@@ -461,8 +461,8 @@ def _table_arrays(tables: dict, configs: list) -> tuple[list, list]:
             arrays += got
             parts.append((len(got), t.meta()))
         elif isinstance(t, RawIdTable):  # its rows in id order, zero rows after them
-            arrays.append(t.padded)
-            parts.append((1, None))
+            arrays.append(t.padded)  # a quantized one's encoded rows: one array
+            parts.append((1, t.quantized.meta() if isinstance(t, QuantizedRawIdTable) else None))
         else:
             arrays.append(np.asarray(t))
             parts.append((1, None))
@@ -475,10 +475,8 @@ def _rebuild_tables(configs: list, parts: list, flat: list, raw: dict) -> dict:
     `raw`) as `raw_ids.HostMapped`: its inputs arrive as positions)."""
     tabs, i = {}, 0
     for k, (c, (n, meta)) in enumerate(zip(configs, parts)):
-        if k in raw:
-            tabs[c] = raw_ids.HostMapped(flat[i])
-        else:
-            tabs[c] = flat[i] if meta is None else QuantizedTable.from_arrays(meta, flat[i : i + n])
+        table = flat[i] if meta is None else QuantizedTable.from_arrays(meta, flat[i : i + n])
+        tabs[c] = raw_ids.HostMapped(table) if k in raw else table
         i += n
     return tabs
 
@@ -791,7 +789,14 @@ class ServingFunction:
                 if t is None:
                     ids = np.array(_load_array(self.directory, r["ids"]))
                     rows = np.asarray(_load_array(self.directory, e))
-                    t = RawIdTable._of_sorted(ids, rows, r["capacity"], r["step"])
+                    meta = e.get("quantized")
+                    t = (
+                        RawIdTable._of_sorted(ids, rows, r["capacity"], r["step"])
+                        if meta is None
+                        else QuantizedRawIdTable._make(
+                            ids, rows, r["capacity"], r["step"], meta["kind"], meta["dim"]
+                        )
+                    )
                 raw[e["name"]] = (len(self._tables), t)
                 self._tables.append(jax.device_put(np.asarray(t.padded)))
                 self.tables[e["name"]] = t

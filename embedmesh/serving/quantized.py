@@ -53,7 +53,14 @@ import numpy as np
 
 from embedmesh.layout.by_id import RawIdTable
 
-__all__ = ["KINDS", "QuantizedTable", "load_tables", "quantize_table", "quantize_tables"]
+__all__ = [
+    "KINDS",
+    "QuantizedRawIdTable",
+    "QuantizedTable",
+    "load_tables",
+    "quantize_table",
+    "quantize_tables",
+]
 
 KINDS = ("int8", "fp16", "bf16", "codes")
 _ALIASES = {
@@ -215,13 +222,8 @@ def quantize_table(table, dtype, *, config=None, name: str = "table") -> Quantiz
     `config`, the table's `TableConfig`, with a `quantization_config` of at most 256
     buckets. Errors are ValueErrors naming the table (`name`)."""
     kind = _kind_of(dtype, f"table {name}")
-    if isinstance(table, RawIdTable):  # a table of raw ids: served as it is
-        if kind is None:
-            return table
-        raise NotImplementedError(
-            f"table {name}: a table of raw ids (RawIdTable) cannot be quantized yet; serve "
-            f"it in its own dtype (docs/dynamic-ids.md#serving-tables-of-raw-ids)"
-        )
+    if isinstance(table, RawIdTable):
+        return _quantized_raw_ids(table, kind, name)
     x = np.asarray(table)
     if x.ndim != 2:
         raise ValueError(f"table {name}: expected a [vocabulary_size, dim] array, got {x.shape}")
@@ -250,6 +252,77 @@ def quantize_table(table, dtype, *, config=None, name: str = "table") -> Quantiz
     if kind == "int8":
         return QuantizedTable("int8", _rowwise_int8(x), x.shape[1])
     return _codes(x, config, name)
+
+
+class QuantizedRawIdTable(RawIdTable):
+    """A table of raw ids served from quantized rows (`quantize_table(raw_id_table,
+    kind)`, kind "int8", "fp16" or "bf16"): `ids`, `capacity` and `step` as its
+    `RawIdTable`'s; `padded` (and `rows`, its first `len(ids)` rows) hold the rows encoded
+    as a `QuantizedTable` of that `kind` holds them (`quantized`, what the lookups read;
+    `get` decodes). The zero rows of unknown ids encode to zero bytes, which decode to
+    zeros in every kind ("codes" cannot: its code 0 is the lowest bucket's value, so it is
+    refused). `apply` encodes an update's rows the same way, each row alone (every kind
+    encodes a row independently of the others), so applying increments to the quantized
+    table gives the quantized table of the increments applied in float32, bit for bit."""
+
+    kind: str
+
+    @classmethod
+    def _make(cls, ids, padded, capacity, step, kind: str, dim: int) -> QuantizedRawIdTable:
+        obj = cls._of_sorted(ids, padded, capacity, step)
+        object.__setattr__(obj, "kind", kind)
+        object.__setattr__(obj, "_dim", int(dim))
+        return obj
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def quantized(self) -> QuantizedTable:
+        """The encoded rows as a `QuantizedTable` (`[capacity + 1, dim]`)."""
+        return QuantizedTable(self.kind, self.padded, self._dim)
+
+    @property
+    def lookup_table(self) -> QuantizedTable:
+        return self.quantized
+
+    def get(self, raw_ids) -> np.ndarray:
+        pos = self.positions(raw_ids)
+        got = _decode_numpy(self.kind, self.padded[pos.reshape(-1)], self._dim, None)
+        return got.reshape(pos.shape + (self._dim,))
+
+    def _stored_rows(self, rows: np.ndarray) -> np.ndarray:
+        return quantize_table(rows, self.kind, name="of the update").data
+
+    def _like(self, ids, padded, step) -> QuantizedRawIdTable:
+        return QuantizedRawIdTable._make(ids, padded, self.capacity, step, self.kind, self._dim)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedRawIdTable({len(self)} ids of {self.capacity}, dim={self.dim}, "
+            f"{self.kind}, step={self.step})"
+        )
+
+
+def _quantized_raw_ids(table: RawIdTable, kind: str | None, name: str) -> RawIdTable:
+    """A table of raw ids quantized to `kind` (None: as it is, float32 rows)."""
+    if isinstance(table, QuantizedRawIdTable):
+        if kind in (None, table.kind):
+            return table
+        raise ValueError(
+            f"table {name}: already quantized ({table.kind}); quantize its float32 "
+            f"RawIdTable to {kind} instead"
+        )
+    if kind is None:
+        return table
+    if kind == "codes":
+        raise ValueError(
+            f"table {name}: a table of raw ids cannot be served as bucket codes: an unknown "
+            f"id reads a zero row, which no code holds; use 'int8', 'fp16' or 'bf16'"
+        )
+    q = quantize_table(np.asarray(table.padded), kind, name=name)
+    return QuantizedRawIdTable._make(table.ids, q.data, table.capacity, table.step, kind, q.dim)
 
 
 def _rowwise_int8(x: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:

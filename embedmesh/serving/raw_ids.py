@@ -71,9 +71,9 @@ class HostMapped:
     the loaded function turns into positions on the host; `padded` the traced array."""
 
     def __init__(self, padded):
-        self.padded = padded
+        self.padded = padded  # an array, or a QuantizedTable of its encoded rows
         self.shape = padded.shape
-        self.dtype = padded.dtype
+        self.dtype = getattr(padded, "dtype", None)
 
 
 # export_serving's trace: {id(values tracer): leaf index}, and the uses found
@@ -165,7 +165,7 @@ def served_request(resolved, flat_inputs: list, tables: dict):
         else:
             pos = _traced_positions(name, table, values)
         flat[i] = _with_values(inp, pos)
-        tables[scfg] = table.padded
+        tables[scfg] = table.lookup_table  # its rows (a quantized table: its QuantizedTable)
     return served, flat, tables
 
 

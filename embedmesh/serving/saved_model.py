@@ -313,7 +313,9 @@ def _tables_by_name(resolved, tables: dict) -> tuple[dict, dict]:
                     f"{value.dim}, expected {t.vocabulary_size} and {t.dim}"
                 )
             raw_ids[n] = np.asarray(value.ids, np.int64)
-            by_name[n] = np.asarray(value.padded, np.float32)
+            rows = value.lookup_table  # a quantized table's: decoded here, as below
+            rows = rows.dequantize() if isinstance(rows, QuantizedTable) else rows
+            by_name[n] = np.asarray(rows, np.float32)
             continue
         if isinstance(value, QuantizedTable):
             value = value.dequantize()

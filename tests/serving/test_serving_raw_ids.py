@@ -515,8 +515,6 @@ def test_what_refuses_a_table_of_raw_ids(tmp_path):
         jax.jit(lambda i: em.serving_embedding_lookup({"item": i}, None, {cfg: t}, features))(
             np.array([[3]], np.int32)
         )
-    with pytest.raises(NotImplementedError, match="cannot be quantized yet"):
-        em.serving.quantize_tables({cfg: t}, "int8")
 
 
 def test_apply_increment_while_threads_serve(tmp_path):
