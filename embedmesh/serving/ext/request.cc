@@ -551,15 +551,29 @@ PyObject* bind(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// The setters below: `setting` takes the call's one argument (a count, negatives 0; or a
+// flag), its previous value returned.
+PyObject* set_count(PyObject* args, int64_t& setting) {
+  long long n;
+  if (!PyArg_ParseTuple(args, "L", &n)) return nullptr;
+  const int64_t previous = setting;
+  setting = n < 0 ? 0 : n;
+  return PyLong_FromLongLong(previous);
+}
+
+PyObject* set_flag(PyObject* args, bool& setting) {
+  int on;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  const bool previous = setting;
+  setting = on != 0;
+  return PyBool_FromLong(previous);
+}
+
 // set_hold_gil_below(n) -> the previous value: requests of fewer than n entries keep the
 // GIL while their kernels run when no other thread is inside a host lookup (0: every
 // request releases it; default 32768).
 PyObject* set_hold_gil_below(PyObject*, PyObject* args) {
-  long long n;
-  if (!PyArg_ParseTuple(args, "L", &n)) return nullptr;
-  const int64_t previous = g_hold_gil_below;
-  g_hold_gil_below = n < 0 ? 0 : n;
-  return PyLong_FromLongLong(previous);
+  return set_count(args, g_hold_gil_below);
 }
 
 // enter() / leave(): a thread starts / ends a host lookup (serving_embedding_lookup
@@ -578,34 +592,18 @@ PyObject* leave(PyObject*, PyObject*) {
 
 // set_handoff_us(us) -> the previous value: how long a thread waits, after its kernels,
 // for a thread it left waiting for the GIL to run (0: no wait; default 200).
-PyObject* set_handoff_us(PyObject*, PyObject* args) {
-  long long us;
-  if (!PyArg_ParseTuple(args, "L", &us)) return nullptr;
-  const int64_t previous = g_handoff_us;
-  g_handoff_us = us < 0 ? 0 : us;
-  return PyLong_FromLongLong(previous);
-}
+PyObject* set_handoff_us(PyObject*, PyObject* args) { return set_count(args, g_handoff_us); }
 
 // set_one_buffer(on) -> the previous setting: whether a request's outputs are views of
 // one buffer taken for it (default true) or each its own buffer from the pool.
-PyObject* set_one_buffer(PyObject*, PyObject* args) {
-  int on;
-  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
-  const bool previous = g_one_buffer;
-  g_one_buffer = on != 0;
-  return PyBool_FromLong(previous);
-}
+PyObject* set_one_buffer(PyObject*, PyObject* args) { return set_flag(args, g_one_buffer); }
 
 PyObject* in_flight(PyObject*, PyObject*) { return PyLong_FromLongLong(g_in_flight); }
 
 // set_release_when_shared(on) -> the previous setting: whether a small request releases
 // the GIL while other threads are inside a host lookup (default true).
 PyObject* set_release_when_shared(PyObject*, PyObject* args) {
-  int on;
-  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
-  const bool previous = g_release_when_shared;
-  g_release_when_shared = on != 0;
-  return PyBool_FromLong(previous);
+  return set_flag(args, g_release_when_shared);
 }
 
 PyMethodDef kMethods[] = {
