@@ -227,30 +227,42 @@ struct Table<-1> {
   static BlockFn get(int, bool, bool) { return nullptr; }
 };
 
-// The column blocks of a row of `dim` floats: `full` blocks of kMaxNV vectors, then the
-// rest (`last`, from column `last_col`, with the masked tail), if any.
-struct Plan {
-  BlockFn full = nullptr;
+// The column blocks of a row of `dim` values: `nfull` blocks of kMaxNV vectors (`full`),
+// then the rest (`last`, from column `last_col`, with the masked tail), if any;
+// block_for(nv, tail) is the kernel of a block of nv vectors. Fn: the kernels' type (Plan
+// below for float rows; serving_quantized.cc's QPlan for decoded ones, `ctx` its rows'
+// format).
+template <typename Fn>
+struct Blocks {
+  Fn full = nullptr;
   int64_t nfull = 0;
-  BlockFn last = nullptr;
+  Fn last = nullptr;
   int64_t last_col = 0;
   int tail = 0;
 
-  Plan(int64_t dim, bool has_w) {
+  template <typename BlockFor>
+  Blocks(int64_t dim, BlockFor block_for) {
     int64_t nvec = dim / kV;
     tail = static_cast<int>(dim % kV);
     nfull = nvec / kMaxNV;
     if (nfull > 0 && nvec % kMaxNV == 0 && tail) --nfull;  // the tail needs one more register
-    full = Table<kMaxNV>::get(kMaxNV, false, has_w);
+    full = block_for(kMaxNV, false);
     nvec -= nfull * kMaxNV;
     last_col = nfull * kMaxNV * kV;
-    if (nvec > 0 || tail) last = Table<kMaxNV>::get(static_cast<int>(nvec), tail != 0, has_w);
+    if (nvec > 0 || tail) last = block_for(static_cast<int>(nvec), tail != 0);
   }
 
-  void run(const Entry* e, int64_t m, int div, float d, float* out, bool stream) const {
-    for (int64_t b = 0; b < nfull; ++b) full(e, m, b * kMaxNV * kV, 0, div, d, out, stream);
-    if (last) last(e, m, last_col, tail, div, d, out, stream);
+  template <typename... Ctx>
+  void run(const Entry* e, int64_t m, int div, float d, float* out, bool stream,
+           const Ctx&... ctx) const {
+    for (int64_t b = 0; b < nfull; ++b) full(e, m, b * kMaxNV * kV, 0, div, d, out, stream, ctx...);
+    if (last) last(e, m, last_col, tail, div, d, out, stream, ctx...);
   }
+};
+
+struct Plan : Blocks<BlockFn> {
+  Plan(int64_t dim, bool has_w)
+      : Blocks(dim, [=](int nv, bool tail) { return Table<kMaxNV>::get(nv, tail, has_w); }) {}
 };
 
 // Prefetch every cache line of row `id` (`lines`: its length in cache lines, plus one
@@ -361,6 +373,19 @@ inline int check_entry(Id id, float w, uint64_t vocab, bool prune_ids, bool prun
   return 0;
 }
 
+// check_entry, and a kept entry's (0) weight added to its bag's denominators (den: the
+// kept weights' sum, den2: their squares').
+template <typename Id, bool HasW>
+inline int keep_entry(Id id, float w, uint64_t vocab, bool prune_ids, bool prune_w, float& den,
+                      float& den2) {
+  const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids, prune_w);
+  if (c == 0) {
+    den += w;
+    if (HasW) den2 += w * w;
+  }
+  return c;
+}
+
 // The prefetching walk over entries [lo, hi) of n: fn(k) per entry, false to stop (its
 // k returned); -1 when all ran. Bags ending `ahead` or more before n prefetch entry
 // k + ahead as it is; the last ones clamp it to n - 1.
@@ -390,6 +415,50 @@ inline void prefetch_start(const float* table, uint64_t vocab, int64_t stride, i
   }
 }
 
+// The two passes of a bag kernel, over the rows at `table` + id * stride_bytes (float or
+// quantized: addresses only here): per bag, the walk lists its kept (row, weight) pairs,
+// then plan.run sums them into the bag's output row. `prefetch_first()` runs once the
+// scratch is ready, before the first walk. The entry of the first id outside the table,
+// or -1.
+template <typename Id, bool HasW, int Pf, typename PlanT, typename Start>
+int64_t two_pass_bags(const char* table, uint64_t vocab, int64_t stride_bytes, int64_t last,
+                      int64_t ahead, const Id* ids, const int64_t* offsets, int64_t num_rows,
+                      const float* weights, int mode, bool prune_ids, bool prune_w, float* out,
+                      int64_t out_stride, const PlanT& plan, Start prefetch_first) {
+  const bool stream = stream_rows(out, out_stride, num_rows);
+  const int64_t n = offsets[num_rows];
+  const uint64_t ustride = static_cast<uint64_t>(stride_bytes);
+  const float* tf = reinterpret_cast<const float*>(table);  // addresses only
+  int64_t max_bag = 0;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t len = offsets[r + 1] - offsets[r];
+    if (len > max_bag) max_bag = len;
+  }
+  Entry* e = scratch(max_bag > 0 ? max_bag : 1);
+  prefetch_first();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    int64_t m = 0;
+    float den = 0.0f, den2 = 0.0f;
+    auto entry = [&](int64_t k) {
+      const Id id = ids[k];
+      const float w = HasW ? weights[k] : 1.0f;
+      const int c = keep_entry<Id, HasW>(id, w, vocab, prune_ids, prune_w, den, den2);
+      if (c == 0) {
+        e[m].row = reinterpret_cast<const float*>(table + static_cast<int64_t>(id) * stride_bytes);
+        e[m].w = w;
+        ++m;
+      }
+      return c != 2;
+    };
+    const int64_t bad =
+        walk<Pf>(tf, ustride, last, ids, offsets[r], offsets[r + 1], n, ahead, entry);
+    if (bad >= 0) return bad;
+    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
+    plan.run(e, m, mode, d, out + r * out_stride, stream);
+  }
+  return -1;
+}
+
 // The two-pass bag kernel (rows wider than one register block, or EmServingSetFused(0)):
 // the walk lists each bag's kept (row, weight) pairs, then Plan sums them block by block.
 template <typename Id, bool HasW, int Pf>
@@ -397,42 +466,13 @@ int64_t bag(const float* table, uint64_t vocab, int64_t dim, int64_t stride, con
             const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
             bool prune_ids, bool prune_w, float* out, int64_t out_stride) {
   const Plan plan(dim, HasW);
-  const bool stream = stream_rows(out, out_stride, num_rows);
-  const int64_t n = offsets[num_rows];
   const int64_t lines = row_lines(table, stride * 4, dim * 4);
   const int64_t ahead = entries_ahead(lines);
-  const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
-  const int64_t last = dim > 0 ? dim - 1 : 0;
-  int64_t max_bag = 0;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t len = offsets[r + 1] - offsets[r];
-    if (len > max_bag) max_bag = len;
-  }
-  Entry* e = scratch(max_bag > 0 ? max_bag : 1);
-  prefetch_start(table, vocab, stride, lines, ids, ahead, offsets[0], n);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    int64_t m = 0;
-    float den = 0.0f, den2 = 0.0f;
-    const int64_t bad = walk<Pf>(table, stride_bytes, last, ids, offsets[r], offsets[r + 1], n,
-                                 ahead, [&](int64_t k) {
-                                   const Id id = ids[k];
-                                   const float w = HasW ? weights[k] : 1.0f;
-                                   const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
-                                                                        prune_w);
-                                   if (c == 0) {
-                                     den += w;
-                                     if (HasW) den2 += w * w;
-                                     e[m].row = table + static_cast<int64_t>(id) * stride;
-                                     e[m].w = w;
-                                     ++m;
-                                   }
-                                   return c != 2;
-                                 });
-    if (bad >= 0) return bad;
-    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
-    plan.run(e, m, mode, d, out + r * out_stride, stream);
-  }
-  return -1;
+  return two_pass_bags<Id, HasW, Pf>(
+      reinterpret_cast<const char*>(table), vocab, stride * 4, dim > 0 ? dim - 1 : 0, ahead, ids,
+      offsets, num_rows, weights, mode, prune_ids, prune_w, out, out_stride, plan, [&] {
+        prefetch_start(table, vocab, stride, lines, ids, ahead, offsets[0], offsets[num_rows]);
+      });
 }
 
 using BagFn = int64_t (*)(const float*, uint64_t, int64_t, int64_t, const void*, const int64_t*,
@@ -458,6 +498,37 @@ BagFn pick(int64_t dim, bool has_w) {
                  : pf == 3 ? &bag_erased<Id, false, 3> : &bag_erased<Id, false, 1>;
 }
 
+// The loop of the one-pass kernels (float rows: bag_fused; quantized rows:
+// serving_quantized.cc's qbag_fused): per bag, walk_bag(r, entry) runs entry(k) over its
+// entries (with the kernel's prefetch), each kept entry's row added to the register sums
+// by add_row(acc, tacc, id, w), then the sums are combined and stored. The entry of the
+// first id outside the table, or -1.
+template <typename Id, int NV, bool Tail, bool HasW, typename AddRow, typename WalkBag>
+int64_t fused_bags(const Id* ids, const float* weights, uint64_t vocab, bool prune_ids,
+                   bool prune_w, int mode, int tail, int64_t num_rows, float* out,
+                   int64_t out_stride, AddRow add_row, WalkBag walk_bag) {
+  const bool stream = stream_rows(out, out_stride, num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    vf acc[NV > 0 ? NV : 1];
+    vf tacc = vf{};
+    for (int v = 0; v < NV; ++v) acc[v] = vf{};
+    float den = 0.0f, den2 = 0.0f;
+    auto entry = [&](int64_t k) {
+      const Id id = ids[k];
+      const float w = HasW ? weights[k] : 1.0f;
+      const int c = keep_entry<Id, HasW>(id, w, vocab, prune_ids, prune_w, den, den2);
+      if (c != 0) return c != 2;
+      add_row(acc, tacc, id, w);
+      return true;
+    };
+    const int64_t bad = walk_bag(r, entry);
+    if (bad >= 0) return bad;
+    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
+    store_combined<NV, Tail>(acc, tacc, mode != 0, d, tail, out + r * out_stride, stream);
+  }
+  return -1;
+}
+
 // The whole bag kernel in one pass for rows of at most one register block (any dim up
 // to kMaxNV vectors plus a tail: 271 floats with AVX-512): checks, pruning, the
 // denominator, prefetch and the sums in the same walk over the entries, the sums in
@@ -466,7 +537,6 @@ template <typename Id, int NV, bool Tail, bool HasW, int kPf>
 int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* ids,
                   const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
                   bool prune_ids, bool prune_w, int tail, float* out, int64_t out_stride) {
-  const bool stream = stream_rows(out, out_stride, num_rows);
   const int64_t n = offsets[num_rows];
   const int64_t row_floats = NV * kV + tail;
   const int64_t lines = row_lines(table, stride * 4, row_floats * 4);
@@ -474,30 +544,15 @@ int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* 
   const uint64_t stride_bytes = static_cast<uint64_t>(stride) * 4;
   const int64_t last = row_floats > 0 ? row_floats - 1 : 0;
   prefetch_start(table, vocab, stride, lines, ids, ahead, offsets[0], n);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    vf acc[NV > 0 ? NV : 1];
-    vf tacc = vf{};
-    for (int v = 0; v < NV; ++v) acc[v] = vf{};
-    float den = 0.0f, den2 = 0.0f;
-    const int64_t bad = walk<kPf>(table, stride_bytes, last, ids, offsets[r], offsets[r + 1], n,
-                                  ahead, [&](int64_t k) {
-                                    const Id id = ids[k];
-                                    const float w = HasW ? weights[k] : 1.0f;
-                                    const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
-                                                                         prune_w);
-                                    if (c != 0) return c != 2;
-                                    den += w;
-                                    if (HasW) den2 += w * w;
-                                    accumulate<NV, Tail, HasW>(
-                                        acc, tacc, table + static_cast<int64_t>(id) * stride, w,
-                                        tail);
-                                    return true;
-                                  });
-    if (bad >= 0) return bad;
-    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
-    store_combined<NV, Tail>(acc, tacc, mode != 0, d, tail, out + r * out_stride, stream);
-  }
-  return -1;
+  return fused_bags<Id, NV, Tail, HasW>(
+      ids, weights, vocab, prune_ids, prune_w, mode, tail, num_rows, out, out_stride,
+      [&](vf* acc, vf& tacc, Id id, float w) {
+        accumulate<NV, Tail, HasW>(acc, tacc, table + static_cast<int64_t>(id) * stride, w, tail);
+      },
+      [&](int64_t r, auto& entry) {
+        return walk<kPf>(table, stride_bytes, last, ids, offsets[r], offsets[r + 1], n, ahead,
+                         entry);
+      });
 }
 
 template <typename Id>
@@ -540,33 +595,35 @@ FusedFn<Id> fused_for(int64_t dim, bool has_w, bool aligned) {
 // ---------------------------------------------------------------------------
 // gather
 
-inline void copy_row(char* dst, const char* src, int64_t bytes, bool stream) {
+// One vector's streaming store of the widest the target has (kStreamWidth bytes, 0: none).
 #if defined(__AVX512F__)
-  if (stream) {
-    for (int64_t j = 0; j < bytes; j += 64) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j),
-                          _mm512_loadu_si512(reinterpret_cast<const void*>(src + j)));
-    }
-    return;
-  }
+constexpr int64_t kStreamWidth = 64;
+inline void stream_vector(char* dst, const char* src) {
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst),
+                      _mm512_loadu_si512(reinterpret_cast<const void*>(src)));
+}
 #elif defined(__AVX__)
-  if (stream) {
-    for (int64_t j = 0; j < bytes; j += 32) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
-    }
-    return;
-  }
+constexpr int64_t kStreamWidth = 32;
+inline void stream_vector(char* dst, const char* src) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
 #elif defined(__SSE2__)
-  if (stream) {
-    for (int64_t j = 0; j < bytes; j += 16) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
-    }
+constexpr int64_t kStreamWidth = 16;
+inline void stream_vector(char* dst, const char* src) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+#else
+constexpr int64_t kStreamWidth = 0;
+inline void stream_vector(char*, const char*) {}
+#endif
+
+inline void copy_row(char* dst, const char* src, int64_t bytes, bool stream) {
+  if (kStreamWidth > 0 && stream) {
+    for (int64_t j = 0; j < bytes; j += kStreamWidth) stream_vector(dst + j, src + j);
     return;
   }
-#endif
-  (void)stream;
   std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
 
@@ -697,26 +754,41 @@ int64_t gather(const char* table, uint64_t vocab, int64_t row_bytes, int64_t str
 // ---------------------------------------------------------------------------
 // offsets
 
+// The checking loop, any rank (rank 2: sparse_offsets_2d, the fast forms' fallback that
+// finds the first bad entry): entry k must lie in `shape` and after entry k - 1 in
+// row-major order, else k is returned; offsets[r + 1] is the end of row r's entries (a
+// row: the index without its last dimension). -1: every entry good.
 template <typename I>
-int64_t sparse_offsets_2d(const I* idx, int64_t n, int64_t num_rows, int64_t num_cols,
-                          int64_t* offsets) {
-  int64_t cur = 0, prev_row = 0, prev_col = -1;
+int64_t sparse_offsets_checked(const I* idx, int64_t n, int64_t rank, const int64_t* shape,
+                               int64_t* offsets) {
+  int64_t num_rows = 1;
+  for (int64_t d = 0; d + 1 < rank; ++d) num_rows *= shape[d];
+  int64_t cur = 0, prev_row = -1, prev_col = -1;
   offsets[0] = 0;
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t row = idx[2 * k], col = idx[2 * k + 1];
-    if (row < 0 || row >= num_rows || col < 0 || col >= num_cols) return k;
-    if (row == prev_row) {
-      if (col <= prev_col) return k;
-    } else if (row < prev_row) {
-      return k;
-    } else {
-      while (cur < row) offsets[++cur] = k;
+    const I* e = idx + k * rank;
+    int64_t row = 0;
+    for (int64_t d = 0; d + 1 < rank; ++d) {
+      const int64_t v = e[d];
+      if (v < 0 || v >= shape[d]) return k;
+      row = row * shape[d] + v;
     }
+    const int64_t col = e[rank - 1];
+    if (col < 0 || col >= shape[rank - 1]) return k;
+    if (row < prev_row || (row == prev_row && col <= prev_col)) return k;
+    while (cur < row) offsets[++cur] = k;
     prev_row = row;
     prev_col = col;
   }
   while (cur < num_rows) offsets[++cur] = n;
   return -1;
+}
+
+template <typename I>
+int64_t sparse_offsets_2d(const I* idx, int64_t n, int64_t num_rows, int64_t num_cols,
+                          int64_t* offsets) {
+  const int64_t shape[2] = {num_rows, num_cols};
+  return sparse_offsets_checked(idx, n, 2, shape, offsets);
 }
 
 // sparse_offsets_2d without a branch per entry: each entry is checked (in range, after
@@ -842,28 +914,16 @@ int64_t sparse_offsets_2d_best(const I* idx, int64_t n, int64_t num_rows, int64_
 template <typename I>
 int64_t sparse_offsets(const I* idx, int64_t n, int64_t rank, const int64_t* shape,
                        int64_t* offsets) {
-  int64_t num_rows = 1;
-  for (int64_t d = 0; d + 1 < rank; ++d) num_rows *= shape[d];
   if (rank == 2) return sparse_offsets_2d_best(idx, n, shape[0], shape[1], offsets);
-  int64_t cur = 0, prev_row = -1, prev_col = -1;
-  offsets[0] = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const I* e = idx + k * rank;
-    int64_t row = 0;
-    for (int64_t d = 0; d + 1 < rank; ++d) {
-      const int64_t v = e[d];
-      if (v < 0 || v >= shape[d]) return k;
-      row = row * shape[d] + v;
-    }
-    const int64_t col = e[rank - 1];
-    if (col < 0 || col >= shape[rank - 1]) return k;
-    if (row < prev_row || (row == prev_row && col <= prev_col)) return k;
-    while (cur < row) offsets[++cur] = k;
-    prev_row = row;
-    prev_col = col;
-  }
-  while (cur < num_rows) offsets[++cur] = n;
-  return -1;
+  return sparse_offsets_checked(idx, n, rank, shape, offsets);
+}
+
+// The EmServingSet* calls: `setting` takes `value`, its previous value returned.
+template <typename T>
+int64_t replace_setting(T& setting, int64_t value) {
+  const int64_t previous = setting;
+  setting = static_cast<T>(value);
+  return previous;
 }
 
 }  // namespace
@@ -929,35 +989,19 @@ int64_t EmServingSparseOffsets(const void* indices, int32_t indices_are_64, int6
 }
 
 int64_t EmServingSetPrefetch(int64_t entries) {
-  const int64_t previous = g_prefetch;
-  g_prefetch = entries < 0 ? 0 : entries;
-  return previous;
+  return replace_setting(g_prefetch, entries < 0 ? 0 : entries);
 }
 
 int64_t EmServingVectorWidth(void) { return kV; }
 
-int64_t EmServingSetStreamOutput(int64_t on) {
-  const int64_t previous = g_stream_output;
-  g_stream_output = on != 0;
-  return previous;
-}
+int64_t EmServingSetStreamOutput(int64_t on) { return replace_setting(g_stream_output, on != 0); }
 
-int64_t EmServingSetRowLines(int64_t n) {
-  const int64_t previous = g_row_lines;
-  g_row_lines = n < 0 ? 0 : n;
-  return previous;
-}
+int64_t EmServingSetRowLines(int64_t n) { return replace_setting(g_row_lines, n < 0 ? 0 : n); }
 
 int64_t EmServingSetAlignedPrefetch(int64_t on) {
-  const int64_t previous = g_aligned_prefetch;
-  g_aligned_prefetch = on != 0;
-  return previous;
+  return replace_setting(g_aligned_prefetch, on != 0);
 }
 
-int64_t EmServingSetFused(int64_t on) {
-  const int64_t previous = g_fused;
-  g_fused = on != 0;
-  return previous;
-}
+int64_t EmServingSetFused(int64_t on) { return replace_setting(g_fused, on != 0); }
 
 }  // extern "C"

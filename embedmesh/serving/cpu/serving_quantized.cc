@@ -252,30 +252,16 @@ inline QBlockFn qblock_for(int kind, int nv, bool tail, bool has_w) {
   }
 }
 
-// The column blocks of a decoded row (as serving.cc's Plan): `nfull` blocks of kMaxNV
-// vectors, then the rest with the masked tail.
-struct QPlan {
-  QBlockFn full = nullptr;
-  int64_t nfull = 0;
-  QBlockFn last = nullptr;
-  int64_t last_col = 0;
-  int tail = 0;
+// The column blocks of a decoded row (serving.cc's Blocks), the rows' format in `ctx`.
+struct QPlan : Blocks<QBlockFn> {
   QCtx ctx;
 
-  QPlan(int kind, int64_t dim, bool has_w, const float* values) : ctx{dim, values} {
-    int64_t nvec = dim / kV;
-    tail = static_cast<int>(dim % kV);
-    nfull = nvec / kMaxNV;
-    if (nfull > 0 && nvec % kMaxNV == 0 && tail) --nfull;  // the tail needs one more register
-    full = qblock_for(kind, kMaxNV, false, has_w);
-    nvec -= nfull * kMaxNV;
-    last_col = nfull * kMaxNV * kV;
-    if (nvec > 0 || tail) last = qblock_for(kind, static_cast<int>(nvec), tail != 0, has_w);
-  }
+  QPlan(int kind, int64_t dim, bool has_w, const float* values)
+      : Blocks(dim, [=](int nv, bool tail) { return qblock_for(kind, nv, tail, has_w); }),
+        ctx{dim, values} {}
 
   void run(const Entry* e, int64_t m, int div, float d, float* out, bool stream) const {
-    for (int64_t b = 0; b < nfull; ++b) full(e, m, b * kMaxNV * kV, 0, div, d, out, stream, ctx);
-    if (last) last(e, m, last_col, tail, div, d, out, stream, ctx);
+    Blocks::run(e, m, div, d, out, stream, ctx);
   }
 };
 
@@ -285,50 +271,20 @@ int64_t qbag(const char* table, uint64_t vocab, int64_t stride_bytes, int64_t ro
              const Id* ids, const int64_t* offsets, int64_t num_rows, const float* weights,
              int mode, bool prune_ids, bool prune_w, float* out, int64_t out_stride,
              const QPlan& plan) {
-  const bool stream = stream_rows(out, out_stride, num_rows);
-  const int64_t n = offsets[num_rows];
-  const int64_t lines = row_lines(table, stride_bytes, row_bytes);
-  const int64_t ahead = entries_ahead(lines);
-  const uint64_t ustride = static_cast<uint64_t>(stride_bytes);
+  const int64_t ahead = entries_ahead(row_lines(table, stride_bytes, row_bytes));
   const int64_t last = row_bytes > 4 ? (row_bytes - 1) / 4 : 0;  // floats: the row's last line
-  const float* tf = reinterpret_cast<const float*>(table);  // addresses only, never read as floats
-  int64_t max_bag = 0;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t len = offsets[r + 1] - offsets[r];
-    if (len > max_bag) max_bag = len;
-  }
-  Entry* e = scratch(max_bag > 0 ? max_bag : 1);
-  for (int64_t k = offsets[0]; k < offsets[0] + ahead && k < n; ++k) {
-    if (static_cast<uint64_t>(static_cast<int64_t>(ids[k])) < vocab) {
-      const char* p = table + static_cast<int64_t>(ids[k]) * stride_bytes;
-      prefetch(p);
-      prefetch(p + row_bytes - 1);
-    }
-  }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    int64_t m = 0;
-    float den = 0.0f, den2 = 0.0f;
-    const int64_t bad = walk<Pf>(tf, ustride, last, ids, offsets[r], offsets[r + 1], n, ahead,
-                                 [&](int64_t k) {
-                                   const Id id = ids[k];
-                                   const float w = HasW ? weights[k] : 1.0f;
-                                   const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
-                                                                        prune_w);
-                                   if (c == 0) {
-                                     den += w;
-                                     if (HasW) den2 += w * w;
-                                     e[m].row = reinterpret_cast<const float*>(
-                                         table + static_cast<int64_t>(id) * stride_bytes);
-                                     e[m].w = w;
-                                     ++m;
-                                   }
-                                   return c != 2;
-                                 });
-    if (bad >= 0) return bad;
-    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
-    plan.run(e, m, mode, d, out + r * out_stride, stream);
-  }
-  return -1;
+  return two_pass_bags<Id, HasW, Pf>(
+      table, vocab, stride_bytes, last, ahead, ids, offsets, num_rows, weights, mode, prune_ids,
+      prune_w, out, out_stride, plan, [&] {
+        const int64_t n = offsets[num_rows];
+        for (int64_t k = offsets[0]; k < offsets[0] + ahead && k < n; ++k) {
+          if (static_cast<uint64_t>(static_cast<int64_t>(ids[k])) < vocab) {
+            const char* p = table + static_cast<int64_t>(ids[k]) * stride_bytes;
+            prefetch(p);
+            prefetch(p + row_bytes - 1);
+          }
+        }
+      });
 }
 
 using QBagFn = int64_t (*)(const char*, uint64_t, int64_t, int64_t, const void*,
@@ -394,7 +350,6 @@ int64_t qbag_fused(const char* table, uint64_t vocab, int64_t stride_bytes, cons
                    const QCtx& ctx) {
   constexpr int kPf = fused_prefetch_shape<K, NV>();
   constexpr int64_t row_bytes = fused_row_bytes<K, NV>();
-  const bool stream = stream_rows(out, out_stride, num_rows);
   const int64_t n = offsets[num_rows];
   const int64_t lines = row_lines(table, stride_bytes, row_bytes);
   const int64_t ahead = entries_ahead(lines);
@@ -409,37 +364,23 @@ int64_t qbag_fused(const char* table, uint64_t vocab, int64_t stride_bytes, cons
     }
   }
   const bool all_lines = row_bytes > 132 && g_q_row_prefetch;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    vf acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = vf{};
-    float den = 0.0f, den2 = 0.0f;
-    auto entry = [&](int64_t k) {
-                                    const Id id = ids[k];
-                                    const float w = HasW ? weights[k] : 1.0f;
-                                    const int c = check_entry<Id, HasW>(id, w, vocab, prune_ids,
-                                                                         prune_w);
-                                    if (c != 0) return c != 2;
-                                    den += w;
-                                    if (HasW) den2 += w * w;
-                                    const Dec<K> row(
-                                        table + static_cast<int64_t>(id) * stride_bytes, ctx);
-                                    if (HasW) {
-                                      const vf wv = splat(w);
-                                      for (int v = 0; v < NV; ++v) acc[v] += wv * row.at(v * kV);
-                                    } else {
-                                      for (int v = 0; v < NV; ++v) acc[v] += row.at(v * kV);
-                                    }
-                                    return true;
-    };
-    const int64_t bad =
-        all_lines ? walk_all_lines<row_bytes>(table, ustride, ids, offsets[r], offsets[r + 1], n,
-                                              ahead, entry)
-                  : walk<kPf>(tf, ustride, last, ids, offsets[r], offsets[r + 1], n, ahead, entry);
-    if (bad >= 0) return bad;
-    const float d = mode == 2 ? std::sqrt(HasW ? den2 : den) : den;
-    store_combined<NV, false>(acc, vf{}, mode != 0, d, 0, out + r * out_stride, stream);
-  }
-  return -1;
+  return fused_bags<Id, NV, false, HasW>(
+      ids, weights, vocab, prune_ids, prune_w, mode, 0, num_rows, out, out_stride,
+      [&](vf* acc, vf&, Id id, float w) {
+        const Dec<K> row(table + static_cast<int64_t>(id) * stride_bytes, ctx);
+        if (HasW) {
+          const vf wv = splat(w);
+          for (int v = 0; v < NV; ++v) acc[v] += wv * row.at(v * kV);
+        } else {
+          for (int v = 0; v < NV; ++v) acc[v] += row.at(v * kV);
+        }
+      },
+      [&](int64_t r, auto& entry) {
+        return all_lines ? walk_all_lines<row_bytes>(table, ustride, ids, offsets[r],
+                                                     offsets[r + 1], n, ahead, entry)
+                         : walk<kPf>(tf, ustride, last, ids, offsets[r], offsets[r + 1], n,
+                                     ahead, entry);
+      });
 }
 
 template <typename Id>
@@ -488,6 +429,20 @@ QFusedFn<Id> qfused_for(int kind, int64_t dim, bool has_w) {
   }
 }
 
+template <typename Id, bool HasW>
+QBagFn qbag_for(int pf) {
+  switch (pf) {
+    case 1:
+      return &qbag_erased<Id, HasW, 1>;
+    case 2:
+      return &qbag_erased<Id, HasW, 2>;
+    case 3:
+      return &qbag_erased<Id, HasW, 3>;
+    default:
+      return &qbag_erased<Id, HasW, 4>;
+  }
+}
+
 // The walk's prefetch shape for rows of `row_bytes` (see prefetch_shape in serving.cc):
 // rows of one line at most their first and last byte, of up to 132 bytes (at most three
 // lines) those and the next line, longer rows their first line.
@@ -495,28 +450,7 @@ template <typename Id>
 QBagFn qpick(int64_t row_bytes, bool aligned, bool has_w) {
   int pf = row_bytes <= 64 ? 2 : row_bytes <= 132 ? 3 : 1;
   if (aligned && g_aligned_prefetch) pf = aligned_prefetch_shape(pf);
-  if (has_w) {
-    switch (pf) {
-      case 1:
-        return &qbag_erased<Id, true, 1>;
-      case 2:
-        return &qbag_erased<Id, true, 2>;
-      case 3:
-        return &qbag_erased<Id, true, 3>;
-      default:
-        return &qbag_erased<Id, true, 4>;
-    }
-  }
-  switch (pf) {
-    case 1:
-      return &qbag_erased<Id, false, 1>;
-    case 2:
-      return &qbag_erased<Id, false, 2>;
-    case 3:
-      return &qbag_erased<Id, false, 3>;
-    default:
-      return &qbag_erased<Id, false, 4>;
-  }
+  return has_w ? qbag_for<Id, true>(pf) : qbag_for<Id, false>(pf);
 }
 
 }  // namespace
@@ -579,9 +513,7 @@ int64_t EmServingBagQ(const void* table, int64_t vocab, int64_t dim, int64_t str
 }
 
 int64_t EmServingSetQuantizedRowPrefetch(int64_t on) {
-  const int64_t previous = embedmesh_serving::g_q_row_prefetch;
-  embedmesh_serving::g_q_row_prefetch = on != 0;
-  return previous;
+  return embedmesh_serving::replace_setting(embedmesh_serving::g_q_row_prefetch, on != 0);
 }
 
 }  // extern "C"
