@@ -19,7 +19,8 @@ reference):
   `validate_weights_and_indices` says: an out-of-range id has no safe meaning
   in a stacked table (TensorFlow silently reads the next table's rows). A table
   of raw ids (`TableConfig.id_map`) takes any int64 id instead, routed to its
-  owner by a hash (`embedmesh.host.dynamic_ids`, always the numpy path).
+  owner by a hash (`embedmesh.host.dynamic_ids`; numba kernels in
+  `embedmesh.host.numba_dynamic`, the numpy path without them).
 - Gains follow the SparseCore: each entry's gain is `w * scale[row]`, scale 1
   (sum), `1/sum(w)` (mean), `1/sqrt(sum(w^2))` (sqrtn), the sums taken over
   all of the row's entries before duplicates merge, 0 when the sum is 0.
@@ -181,6 +182,18 @@ def _numba_backend():
     if _NUMBA is None:
         _NUMBA = _runtime.numba_module("embedmesh.host.numba_backend") or False
     return _NUMBA or None
+
+
+def _numba_dynamic():
+    """The raw ids' numba kernels (`embedmesh.host.numba_dynamic`), or None."""
+    return _runtime.numba_module("embedmesh.host.numba_dynamic")
+
+
+def _id_map(plan: StackingPlan, job: _StackJob):
+    """The stack's `DynamicIds` (a table of raw ids, alone in its stack), or None."""
+    if len(job.tables) != 1:
+        return None
+    return getattr(plan.table_config(job.tables[0].name), "id_map", None)
 
 
 def numba_available() -> bool:
@@ -593,26 +606,44 @@ def preprocess_batch(
             f"padded samples out of the loss) or drop the remainder"
         )
     jobs = _make_jobs(plan, csrs, batch, D)
-    # numba only where a stack takes its kernels (a table of raw ids never does)
-    static = any(
-        len(job.tables) != 1
-        or getattr(plan.table_config(job.tables[0].name), "id_map", None) is None
-        for job in jobs
-    )
-    K = _resolve_backend(backend) if static else None
+    K = _resolve_backend(backend)
     sorted_tables = {}  # numpy backend: per-table sorts, reused by every run of a stack
 
-    dynamic = {}  # stacks of raw ids: {stack: distinct raw ids of the batch}
+    # stacks of raw ids (one table, `TableConfig.id_map`): {stack: distinct raw ids}; with
+    # numba their codes come from `numba_dynamic` (all stacks' in parallel), else numpy
+    id_maps = {job.name: _id_map(plan, job) for job in jobs}
+    dynamic = {}
+    coded = {}  # numba: {stack: (job on codes, stand-in plan)}
+    KD = _numba_dynamic() if K is not None else None
+    todo = [job for job in jobs if id_maps[job.name] is not None]
+    if KD is not None and todo:
+
+        def prepare(job):
+            t = job.tables[0].name
+            return _dynamic.prepare_numba(job.members(t), t, N, id_maps[job.name].seed, KD)
+
+        if threads > 1 and len(todo) > 1:
+            prepared = list(_runtime.thread_pool(threads).map(prepare, todo))
+        else:
+            prepared = [prepare(job) for job in todo]
+        code_plan = _dynamic.code_plan(N)
+        for job, (members, table, uniq) in zip(todo, prepared):
+            cjob = dataclasses.replace(job, feats=members, tables=[table])
+            if _numba_fits(cjob, code_plan, KD):  # type: ignore[arg-type]
+                dynamic[job.name] = uniq
+                coded[job.name] = (cjob, code_plan)
 
     def make_run(job, cap):
-        config = plan.table_config(job.tables[0].name) if len(job.tables) == 1 else None
-        id_map = getattr(config, "id_map", None)
+        if job.name in coded:  # raw ids on codes: the static kernels
+            cjob, cplan = coded[job.name]
+            return _NumbaRun(cjob, cplan, D, cap, KD)
+        id_map = id_maps[job.name]
         if id_map is not None:  # raw ids: the numpy path on codes (`host.dynamic_ids`)
             if job.name not in sorted_tables:
                 members = [(fp.name, c, seg) for fp, c, seg in job.members(job.tables[0].name)]
-                coded, table, layout, uniq = _dynamic.prepare_stack(members, N, id_map.seed)
+                coded_, table, layout, uniq = _dynamic.prepare_stack(members, N, id_map.seed)
                 dynamic[job.name] = uniq
-                sorted_tables[job.name] = [numpy_backend.sort_table(coded, table, layout, D, N)]
+                sorted_tables[job.name] = [numpy_backend.sort_table(coded_, table, layout, D, N)]
             return _NumpyRun(job, D, N, cap, sorted_tables[job.name])
         if K is not None and _numba_fits(job, plan, K):
             return _NumbaRun(job, plan, D, cap, K)
@@ -670,7 +701,9 @@ def preprocess_batch(
         arrays, u_tot, p_tot, dropped = results[job.name]
         raw = None
         if job.name in dynamic:
-            raw = _dynamic.raw_pairs(arrays[0], dynamic[job.name], PAD_ID)
+            raw = _dynamic.raw_pairs(
+                arrays[0], dynamic[job.name], PAD_ID, KD if job.name in coded else None
+            )
         out[job.name] = PartitionedCsrFormatTensor(
             *arrays,
             stack=job.name,

@@ -1,0 +1,285 @@
+"""The numba kernels of tables of raw 64-bit ids (`embedmesh.host.dynamic_ids`).
+
+Importing this module imports numba (`embedmesh.host.preprocess` does that at first
+use, as it does `numba_backend`). Module-level `@njit(cache=True, nogil=True)`
+functions:
+
+- `raw_codes`: one table's raw ids -> each entry's sort key `owner * K + rank` (its
+  id's rank among the batch's K distinct ids, ascending as int64, and the shard
+  owning it by the id map's keyed hash, `embedmesh.device.ops.id_hash`) and the
+  distinct ids ascending: a hash-table dedup, then a sort of the distinct ids only
+  (a bucket sort over their range; an LSD radix sort where that is uneven);
+- `table_sort`: `numba_backend.table_sort` on those keys, by one counting sort (the
+  module stands in for `numba_backend` in `preprocess._NumbaRun`: `table_fill`,
+  `fill_padding` and the constants are `numba_backend`'s);
+- `raw_pairs`: the uint32 `(high, low)` words of the raw id behind each unique id of
+  the partitions (zeros at padding).
+
+Key `owner * K + rank` is what the static tables' kernels (`numba_backend`, the mod
+layout over N shards, K rows a shard) key code `rank * N + owner` by: each entry on
+its owner at block row `rank`, the numpy path's placement (`dynamic_ids.prepare_stack`),
+so both give the same arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from embedmesh.host.numba_backend import (
+    C_PAIR_KEPT,
+    C_PAIR_TOTAL,
+    C_UNIQUE_KEPT,
+    C_UNIQUE_TOTAL,
+    COUNTERS,
+    KERNEL_LAYOUTS,
+    P_LOW_BITS,
+    P_ROW_BASE,
+    P_ROW_SPAN,
+    P_ROWS_PER_SHARD,
+    _combiner_scale,
+    _entries,
+    fill_padding,
+    table_fill,
+    table_params,
+)
+
+__all__ = [
+    "COUNTERS",
+    "C_PAIR_KEPT",
+    "C_PAIR_TOTAL",
+    "C_UNIQUE_KEPT",
+    "C_UNIQUE_TOTAL",
+    "KERNEL_LAYOUTS",
+    "fill_padding",
+    "raw_codes",
+    "raw_pairs",
+    "table_fill",
+    "table_params",
+    "table_sort",
+]
+
+_M32 = np.uint64(0xFFFFFFFF)
+_SIGN = np.uint64(0x8000000000000000)
+
+
+@njit(cache=True, nogil=True)
+def _fmix32(h):  # pragma: no cover (compiled)
+    """MurmurHash3's 32-bit finaliser on a uint64 holding 32 bits (`id_hash.fmix32`)."""
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x85EBCA6B)) & _M32
+    h = h ^ (h >> np.uint64(13))
+    h = (h * np.uint64(0xC2B2AE35)) & _M32
+    return h ^ (h >> np.uint64(16))
+
+
+@njit(cache=True, nogil=True)
+def _slot_hash(u, shift):  # pragma: no cover (compiled)
+    """The dedup table's slot of id `u` (uint64): its high word folded into the low one,
+    then Fibonacci hashing (the top bits of a product by 2**64 / golden ratio), which
+    spreads strided ids too; `shift` = 64 - log2(table size)."""
+    u = u ^ (u >> np.uint64(32))
+    return np.int64((u * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+
+
+@njit(cache=True, nogil=True)
+def _lsd_order(u, order):  # pragma: no cover (compiled)
+    """`order` (indices into `u`, uint64) sorted by `u`: a stable LSD radix sort, 11 bits
+    a pass, passes where every value has one digit skipped. Returns the sorted array."""
+    k = order.shape[0]
+    passes = 6
+    hist = np.zeros((passes, 2048), np.int64)
+    for i in range(k):
+        x = u[order[i]]
+        for p in range(passes):
+            hist[p, np.int64((x >> np.uint64(11 * p)) & np.uint64(2047))] += 1
+    tmp = np.empty(k, np.int64)
+    for p in range(passes):
+        c = hist[p]
+        trivial = False
+        for b in range(2048):
+            if c[b] == k:
+                trivial = True
+                break
+        if trivial:
+            continue
+        acc = 0
+        for b in range(2048):
+            cnt = c[b]
+            c[b] = acc
+            acc += cnt
+        sh = np.uint64(11 * p)
+        for i in range(k):
+            j = order[i]
+            b = np.int64((u[j] >> sh) & np.uint64(2047))
+            tmp[c[b]] = j
+            c[b] += 1
+        order, tmp = tmp, order
+    return order
+
+
+@njit(cache=True, nogil=True)
+def _sorted_order(u):  # pragma: no cover (compiled)
+    """Indices of the distinct uint64 `u` in ascending order: a bucket sort over their
+    range (about one value a bucket for spread ids: one counting pass, then insertion
+    sorts of a few values), the LSD radix sort where some bucket holds over 64."""
+    k = u.shape[0]
+    order = np.arange(k)
+    if k < 2:
+        return order
+    lo = u[0]
+    hi = u[0]
+    for i in range(k):
+        if u[i] < lo:
+            lo = u[i]
+        if u[i] > hi:
+            hi = u[i]
+    nb = 1
+    while nb < k:
+        nb *= 2
+    span = hi - lo
+    shift = np.uint64(0)
+    while (span >> shift) >= np.uint64(nb):
+        shift += np.uint64(1)
+    start = np.zeros(nb + 1, np.int64)
+    for i in range(k):
+        start[np.int64((u[i] - lo) >> shift) + 1] += 1
+    for b in range(nb):
+        if start[b + 1] > 64:
+            return _lsd_order(u, order)
+        start[b + 1] += start[b]
+    pos = start[:nb].copy()
+    for i in range(k):
+        b = np.int64((u[i] - lo) >> shift)
+        order[pos[b]] = i
+        pos[b] += 1
+    for b in range(nb):
+        for i in range(start[b] + 1, start[b + 1]):
+            j = order[i]
+            x = u[j]
+            t = i - 1
+            while t >= start[b] and u[order[t]] > x:
+                order[t + 1] = order[t]
+                t -= 1
+            order[t + 1] = j
+    return order
+
+
+@njit(cache=True, nogil=True)
+def raw_codes(ids, n_shards, s0, s1, s2):  # pragma: no cover (compiled)
+    """`(keys int64 [m], distinct ids int64 [K] ascending)` of one table's ids.
+
+    `ids`: int64 (or int32) raw ids; `s0, s1, s2`: the owner hash's seed words
+    (`id_hash.hash_words`). Entry e's key is `owner * K + rank` of its id: the sort
+    key of the static tables' kernels for code `rank * n_shards + owner` on the mod
+    layout over `n_shards` shards, `K` rows a shard (`table_sort` takes the keys).
+    """
+    m = ids.shape[0]
+    bits = 4
+    while (1 << bits) < m + m // 2:  # load factor at most 2/3
+        bits += 1
+    size = 1 << bits
+    mask = size - 1
+    shift = np.uint64(64 - bits)
+    slot_idx = np.full(size, -1, np.int32)
+    slot_key = np.empty(size, np.int64)
+    first = np.empty(m, np.uint64)  # distinct ids (sign bit flipped), first sighting first
+    dist = np.empty(m, np.int32)  # each entry's distinct index
+    k = 0
+    for e in range(m):
+        x = np.int64(ids[e])
+        s = _slot_hash(np.uint64(x), shift)
+        while True:
+            j = slot_idx[s]
+            if j < 0:
+                slot_idx[s] = k
+                slot_key[s] = x
+                first[k] = np.uint64(x) ^ _SIGN
+                dist[e] = k
+                k += 1
+                break
+            if slot_key[s] == x:
+                dist[e] = j
+                break
+            s = (s + 1) & mask
+    order = _sorted_order(first[:k])
+    uniq = np.empty(k, np.int64)
+    key_of = np.empty(k, np.int64)
+    n = np.uint64(n_shards)
+    w0, w1, w2 = np.uint64(s0), np.uint64(s1), np.uint64(s2)
+    for r in range(k):
+        j = order[r]
+        u = first[j] ^ _SIGN
+        uniq[r] = np.int64(u)
+        a = _fmix32((u & _M32) ^ w0)
+        b = _fmix32((u >> np.uint64(32)) ^ w1)
+        h = _fmix32(((a + b * np.uint64(0x9E3779B1)) & _M32) ^ w2)
+        key_of[j] = np.int64(h % n) * k + r
+    keys = np.empty(m, np.int64)
+    for e in range(m):
+        keys[e] = key_of[dist[e]]
+    return keys, uniq
+
+
+@njit(cache=True, nogil=True)
+def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no cover (compiled)
+    """`numba_backend.table_sort` for a table of raw ids, on `raw_codes`'s keys (`owner *
+    K + rank`, `K` = `params[P_ROWS_PER_SHARD]`): the same outputs, by one counting sort
+    over the `n_shards * K` keys (stable: entries of one key stay in entry order)."""
+    rps = params[P_ROWS_PER_SHARD]
+    low_bits = params[P_LOW_BITS]
+    row_base = params[P_ROW_BASE]
+    row_span = params[P_ROW_SPAN]
+    nkeys = n_shards * rps
+    has_w = weights.shape[0] > 0
+    m = _entries(splits, fmeta, d)
+    vals = np.empty(m, np.int64)
+    start = np.zeros(nkeys + 1, np.int64)  # key counts, then each key's first position
+    per_shard = np.zeros(n_shards + 1, np.int64)
+    # weighted: each entry's gain and output row; unweighted: each output row's scale
+    gain = np.empty(m if has_w else 0, np.float64)
+    orow = np.empty(m if has_w else 0, np.int32)
+    row_scale = np.empty(0 if has_w else row_span, np.float64)
+    i = 0
+    for f in range(fmeta.shape[0]):
+        sb, rpd, ooff, comb = fmeta[f, 0], fmeta[f, 1], fmeta[f, 2], fmeta[f, 3]
+        first_split = sb + d * rpd - ooff
+        for o in range(ooff, ooff + rpd):
+            lo, hi = splits[first_split + o], splits[first_split + o + 1]
+            scale = _combiner_scale(weights, lo, hi, comb, has_w)
+            if not has_w:
+                row_scale[o - row_base] = scale
+            for k in range(lo, hi):
+                key = keys[k]
+                if key < 0 or key >= nkeys:
+                    return k, vals, per_shard, gain, orow, row_scale
+                start[key + 1] += 1
+                if has_w:
+                    gain[i], orow[i] = np.float64(weights[k]) * scale, o
+                vals[i] = (key << low_bits) | (i if has_w else o)
+                i += 1
+    for c in range(nkeys):
+        start[c + 1] += start[c]
+    for j in range(n_shards + 1):
+        per_shard[j] = start[j * rps]
+    srt = np.empty(m, np.int64)
+    for t in range(m):
+        x = vals[t]
+        c = x >> low_bits
+        srt[start[c]] = x
+        start[c] += 1
+    return -1, srt, per_shard, gain, orow, row_scale
+
+
+@njit(cache=True, nogil=True)
+def raw_pairs(unique_ids, uniq, pad_id):  # pragma: no cover (compiled)
+    """uint32 `[n, 2]` (high, low) words of `uniq[unique_ids]` (1-D), zeros at `pad_id`."""
+    n = unique_ids.shape[0]
+    out = np.zeros((n, 2), np.uint32)
+    for i in range(n):
+        c = unique_ids[i]
+        if c != pad_id:
+            u = np.uint64(uniq[c])
+            out[i, 0] = np.uint32(u >> np.uint64(32))
+            out[i, 1] = np.uint32(u & _M32)
+    return out
