@@ -3,13 +3,10 @@ embedmesh import) serves with the same outputs as serving_embedding_lookup + the
 for ragged, sparse (combined and sequence) and dense features, weighted and not, at
 several batch sizes, with and without empty (padded) samples."""
 
-import os
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from process_helpers import check_saved_model
 
 import embedmesh as em
 from embedmesh.serving import Dense, Ragged, Sparse
@@ -140,27 +137,7 @@ def test_saved_model_serves_like_serving_embedding_lookup(tmp_path):
             cases[f"case{i}/in/{k}"] = v
         for k, v in want.items():
             cases[f"case{i}/out/{k}"] = np.asarray(v)
-    cases["count"] = np.array(len(sizes))
-    np.savez(tmp_path / "cases.npz", **cases)
-    from paths import SUPPORT as here  # the check (a fresh process: no PYTHONPATH)
-
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(here, "saved_model_check.py"),
-            str(tmp_path / "saved"),
-            str(tmp_path / "cases.npz"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(tmp_path),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"OK {len(sizes)} cases" in proc.stdout
+    check_saved_model(tmp_path / "saved", cases, len(sizes), tmp_path)
 
 
 def test_input_signature_errors_name_the_feature(tmp_path):

@@ -7,12 +7,9 @@ negative ids; a wrong kind of table is a ValueError naming it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from process_helpers import check_saved_model
 from test_serving_raw_ids import DIM, INT64_MAX, INT64_MIN, reference
 
 import embedmesh as em
@@ -114,23 +111,7 @@ def test_saved_model_serves_raw_ids_like_the_reference(tmp_path):
             cases[f"case{case}/out/{k}"] = v.astype(np.float32)
         for k, v in inputs.items():
             cases[f"case{case}/in/{k}"] = v
-    cases["count"] = np.array(2)
-    np.savez(tmp_path / "cases.npz", **cases)
-    from paths import SUPPORT  # the check: a fresh process, TensorFlow alone
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(SUPPORT, "saved_model_check.py"), str(tmp_path / "saved")]
-        + [str(tmp_path / "cases.npz")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(tmp_path),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "OK 2 cases" in proc.stdout
+    check_saved_model(tmp_path / "saved", cases, 2, tmp_path)
 
 
 def test_a_wrong_kind_of_table_names_it(tmp_path):

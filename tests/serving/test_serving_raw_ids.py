@@ -468,14 +468,12 @@ def test_export_refuses_an_input_given_to_two_kinds_of_table(tmp_path):
         )
         return {"s": acts["item"] + acts["other"]}
 
+    def export(fn):
+        signature = {"x": Ragged(2)}
+        export_serving(fn, tmp_path, tables=served, input_signature=signature, batch_sizes=(2,))
+
     with pytest.raises(ValueError, match="input leaf 0 .* is looked up in a table of raw ids"):
-        export_serving(
-            both,
-            tmp_path,
-            tables=served,
-            input_signature={"x": Ragged(2)},
-            batch_sizes=(2,),
-        )
+        export(both)
 
     def hashed(inputs, tables):  # ids transformed before the lookup: not a signature input
         x = inputs["x"]
@@ -487,13 +485,7 @@ def test_export_refuses_an_input_given_to_two_kinds_of_table(tmp_path):
         )
 
     with pytest.raises(ValueError, match="must be an input of the signature"):
-        export_serving(
-            hashed,
-            tmp_path,
-            tables=served,
-            input_signature={"x": Ragged(2)},
-            batch_sizes=(2,),
-        )
+        export(hashed)
 
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 import os
 import socket
 import subprocess
+import sys
 
+import numpy as np
 from paths import SUPPORT as HERE  # the workers' folder
 from paths import child_pythonpath
 
@@ -221,3 +223,23 @@ def local_slice(batch, pid, nproc):
             per = v.shape[0] // nproc
             out[k] = v[pid * per : (pid + 1) * per]
     return out
+
+
+def check_saved_model(saved_dir, cases: dict, count: int, tmp_path) -> None:
+    """Serve `count` cases (`cases`: "case{i}/in/{input}" the request, "case{i}/out/{name}"
+    the outputs it must give) through the SavedModel at `saved_dir` in a fresh process with
+    TensorFlow alone (saved_model_check.py: no PYTHONPATH, so no embedmesh either)."""
+    np.savez(tmp_path / "cases.npz", count=np.array(count), **cases)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    check = os.path.join(HERE, "saved_model_check.py")
+    proc = subprocess.run(
+        [sys.executable, check, str(saved_dir), str(tmp_path / "cases.npz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"OK {count} cases" in proc.stdout
