@@ -499,7 +499,8 @@ def test_saved_model_tables_are_decoded():
     feats, configs = _features()
     r = np.random.default_rng(5)
     q = quantize_tables({t: _table(r, t.vocabulary_size, t.dim) for t in configs}, "int8")
-    by_name = _tables_by_name(resolve_feature_config(feats), q)
+    by_name, raw_ids = _tables_by_name(resolve_feature_config(feats), q)
+    assert raw_ids == {}  # no table of raw ids
     for t in configs:
         np.testing.assert_array_equal(by_name[t.name], q[t].dequantize())
         assert by_name[t.name].dtype == np.float32
