@@ -261,12 +261,6 @@ class MeshEmbedding:
             planned_batch=planned_batch,
         )
         core = EmbeddingCore(plan, mesh, self._optimizer, exchanges, rounding_seed=self._seed)
-        if core.dynamic and self._pipelined:
-            raise NotImplementedError(
-                f"tables of raw ids ({', '.join(core.dynamic_table_names)}) are not pipelined yet "
-                f"(pipeline_execution_with_tensor_core=True): their ids are mapped before "
-                f"the lookup, after the previous update"
-            )
         self.core = core
         devices = list(mesh.devices.flat)
         local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
@@ -311,6 +305,26 @@ class MeshEmbedding:
         self._step_check_fn = jax.jit(core.step_check)
         # tables of raw ids: their ids become rows before the lookup (`core.map_ids`)
         self._map_fn = jax.jit(core.map_ids, donate_argnums=0)
+
+        # pipelined, an update pending: the next batch's ids are mapped first, at the
+        # step that update brings (the map's decisions are the unpipelined run's), and
+        # the rows it gave to an id are re-initialised again after that update (whose
+        # gradient of an id evicted meanwhile may land on one): see `_map_ahead`
+        def map_ahead(st, c):
+            ahead = dataclasses.replace(st, step=st.step + 1)
+            ahead, c, stats, fresh = core.map_ids(ahead, c, keep_fresh=True)
+            return dataclasses.replace(ahead, step=st.step), c, stats, fresh
+
+        self._map_ahead_fn = jax.jit(map_ahead, donate_argnums=0)
+
+        def lookup_apply_refresh(st, g, c_prev, view, c_next, fresh):
+            out, st = lookup_then_apply(st, g, c_prev, view, c_next)
+            return out, core.reinit_fresh_rows(st, fresh)
+
+        self._fused_refresh_fn = jax.jit(lookup_apply_refresh, donate_argnums=0)
+        # (restored mid-pipeline: `_map_restored`; once, so nothing donated)
+        self._map_keep_fn = jax.jit(lambda st, c: core.map_ids(st, c, keep_fresh=True))
+        self._reinit_fn = jax.jit(core.reinit_fresh_rows)
         self._built = True
         _return_free_heap()  # the build's temporaries
 
@@ -766,21 +780,32 @@ class MeshEmbedding:
         _check_not_traced("dequeue", partitioned_tensors)
         self._require_built("dequeue")
         partitioned_tensors = self._partitioned_dict(partitioned_tensors, "dequeue")
+        fresh = None
         if any(
             getattr(c, "unique_raw_ids", None) is not None for c in partitioned_tensors.values()
         ):
-            # raw ids to rows (`EmbeddingCore.map_ids`), after the pending update: the map
-            # may give its rows to other ids
-            self.flush()
-            self._state, partitioned_tensors, self._id_stats = self._map_fn(
-                self._state, partitioned_tensors
-            )
+            if self._pipelined and self._pending is not None:
+                partitioned_tensors, fresh = self._map_ahead(partitioned_tensors)
+            elif self._pipelined and self._after_lookup is not None:
+                partitioned_tensors = self._map_restored(partitioned_tensors)
+            else:
+                # raw ids to rows (`EmbeddingCore.map_ids`), after the pending update: the
+                # map may give its rows to other ids
+                self.flush()
+                self._state, partitioned_tensors, self._id_stats = self._map_fn(
+                    self._state, partitioned_tensors
+                )
         if self._pending is not None:
             grads, prev, view = self._pending
             self._pending = None
             self._observed = None  # the read copy, if any, is not needed any more
-            run = self._fused_fn if self._pipelined else self._apply_lookup_fn
-            (acts, view), self._state = run(self._state, grads, prev, view, partitioned_tensors)
+            if fresh is not None:  # pipelined, raw ids: see `_map_ahead`
+                (acts, view), self._state = self._fused_refresh_fn(
+                    self._state, grads, prev, view, partitioned_tensors, fresh
+                )
+            else:
+                run = self._fused_fn if self._pipelined else self._apply_lookup_fn
+                (acts, view), self._state = run(self._state, grads, prev, view, partitioned_tensors)
             if not self._trimmed:  # its compilation's temporaries (the step's own are small)
                 self._trimmed = True
                 _return_free_heap()
@@ -790,6 +815,37 @@ class MeshEmbedding:
                 self._state, self._after_lookup = self._after_lookup, None
         self._view = (partitioned_tensors, view)
         return self._pack_activations(acts, partitioned_tensors), partitioned_tensors
+
+    def _map_ahead(self, csr: dict) -> tuple:
+        """Pipelined, an update pending: map the raw ids of the next batch `csr` before
+        that update, `(csr with rows, what the map re-initialised)`.
+
+        The map runs at the step the pending update brings, so its decisions (rows,
+        admissions, evictions, LRU/LFU order) are those of the unpipelined run, and
+        reads the state the lookup reads (one update stale). The pending update may
+        then hold the gradient of an id this map evicted, whose row it gave to another
+        id: `dequeue` runs the update and re-initialises the rows given in this map
+        again (`EmbeddingCore.reinit_fresh_rows`), so no update of an old id stays on
+        a new id's row, as if the map had run after the update (the old id's values
+        are discarded by its eviction either way)."""
+        self._state, csr, self._id_stats, fresh = self._map_ahead_fn(self._state, csr)
+        return csr, fresh
+
+    def _map_restored(self, csr: dict) -> dict:
+        """Pipelined, restored from a checkpoint saved with an update pending (the next
+        lookup reads `_state`, the tables before that update; `_after_lookup` has it
+        applied): map `csr`'s raw ids with the restored state's maps at its step, as
+        the saving run did (`_map_ahead`), into both states, the rows the map gave away
+        re-initialised in the tables the lookup reads too. Returns `csr` with rows."""
+        full = self._after_lookup
+        assert full is not None
+        stale = {s: a for s, a in self._state.tables.items() if a is not full.tables[s]}
+        step = self._state.step
+        full, csr, self._id_stats, fresh = self._map_keep_fn(full, csr)
+        lookup = dataclasses.replace(full, tables=dict(full.tables, **stale), step=step)
+        self._state = self._reinit_fn(lookup, fresh)
+        self._after_lookup = full
+        return csr
 
     def embedding_lookup(self, features: Any, weights: Any | None = None):
         """`(activations, preserved_outputs)` for a batch: enqueue then dequeue."""

@@ -502,7 +502,7 @@ class EmbeddingCore:
             slots[name] = arr.at[at].set(jnp.asarray(value, arr.dtype), mode="drop")
         return table, slots
 
-    def map_ids(self, state: EmbeddingState, csr: dict):
+    def map_ids(self, state: EmbeddingState, csr: dict, *, keep_fresh: bool = False):
         """The raw ids of the stacks of raw ids (`TableConfig.id_map`) mapped to rows:
         `(new state, csr, stats)`. Run it on a batch before `lookup` and
         `apply_gradients` (which refuse a batch with raw ids still in it), once a batch.
@@ -514,10 +514,15 @@ class EmbeddingCore:
         values) and sends the rows back: the batch returned has rows in `unique_ids`
         (`PAD_ID` for an id pending admission or refused: a zero row, no update) and no
         raw ids. Other stacks pass through unchanged. `stats`: `{stack: {name: int32}}`,
-        `ID_STATS` summed over the owners. Pure: jit it, donate the state."""
+        `ID_STATS` summed over the owners. Pure: jit it, donate the state.
+
+        With `keep_fresh`, returns `(state, csr, stats, fresh)` too: `fresh`, what each
+        owner re-initialised (its received ids' rows, fresh flags and raw ids), for
+        `reinit_fresh_rows` to do again after an update that ran late (pipelining: the
+        previous batch's update, which may write a row this call gave to another id)."""
         stacks = [s.name for s in self.plan.stacks if s.name in csr and s.name in self.dynamic]
         if not stacks:
-            return state, csr, {}
+            return (state, csr, {}, {}) if keep_fresh else (state, csr, {})
         for s in stacks:
             if csr[s].unique_raw_ids is None:
                 raise ValueError(
@@ -537,24 +542,23 @@ class EmbeddingCore:
         raws = {s: csr[s].unique_raw_ids for s in stacks}
 
         def body(tables, slots, maps, keys, step, ids, raws):
-            out_t, out_s, out_m, out_rows, out_stats = {}, {}, {}, {}, {}
+            out_t, out_s, out_m, out_rows, out_stats, kept = {}, {}, {}, {}, {}, {}
             previous = None
             for s in stacks:
                 m = jax.tree_util.tree_map(lambda x: x[0], maps[s])
+
+                def reinit(table, sl, rows, fresh, raw, s=s):
+                    kept[s] = (rows[None], fresh[None], raw[None])
+                    return self._reinit_fresh(s, keys[s], table, sl, rows, fresh, raw)
+
                 table, sl, m, rows, stats = self.strategies[s].map_ids(
-                    tables[s],
-                    slots[s],
-                    m,
-                    after(ids[s][0], previous),
-                    raws[s][0],
-                    step,
-                    functools.partial(self._reinit_fresh, s, keys[s]),
+                    tables[s], slots[s], m, after(ids[s][0], previous), raws[s][0], step, reinit
                 )
                 previous = rows
                 out_t[s], out_s[s], out_rows[s] = table, sl, rows[None]
                 out_m[s] = jax.tree_util.tree_map(lambda x: x[None], m)
                 out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
-            return out_t, out_s, out_m, out_rows, out_stats
+            return out_t, out_s, out_m, out_rows, out_stats, kept
 
         fn = jax.shard_map(
             body,
@@ -574,10 +578,13 @@ class EmbeddingCore:
                 self._specs(maps),
                 self._specs(ids),
                 self._specs(ids),
+                {s: (P(self.axes),) * 3 for s in stacks},
             ),
             check_vma=False,
         )
-        new_t, new_s, new_m, rows, counts = fn(tables, slots, maps, keys, state.step, ids, raws)
+        new_t, new_s, new_m, rows, counts, kept = fn(
+            tables, slots, maps, keys, state.step, ids, raws
+        )
         state = dataclasses.replace(
             state,
             tables=dict(state.tables, **new_t),
@@ -588,7 +595,42 @@ class EmbeddingCore:
         for s in stacks:
             csr[s] = dataclasses.replace(csr[s], unique_ids=rows[s], unique_raw_ids=None)
         stats = {s: {k: counts[s][:, i].sum() for i, k in enumerate(ID_STATS)} for s in stacks}
-        return state, csr, stats
+        return (state, csr, stats, kept) if keep_fresh else (state, csr, stats)
+
+    def reinit_fresh_rows(self, state: EmbeddingState, fresh: dict) -> EmbeddingState:
+        """The rows a `map_ids(keep_fresh=True)` call gave to an id, re-initialised again
+        (the same values: keyed by the id; the slots' initial values), the other rows
+        as they are: after an update of an earlier batch that ran after that call
+        (pipelining), whose gradient of an evicted id would otherwise land on the row
+        of the id that took it. Pure: jit it, donate the state."""
+        stacks = [s for s in fresh if s in self.dynamic]
+        if not stacks:
+            return state
+        tables = {s: state.tables[s] for s in stacks}
+        slots = {s: state.slots[s] for s in stacks}
+        keys = {s: state.id_maps[s]["key"] for s in stacks}
+        kept = {s: fresh[s] for s in stacks}
+
+        def body(tables, slots, keys, kept):
+            out_t, out_s = {}, {}
+            for s in stacks:
+                rows, flags, raw = (x[0] for x in kept[s])
+                out_t[s], out_s[s] = self._reinit_fresh(
+                    s, keys[s], tables[s], slots[s], rows, flags, raw
+                )
+            return out_t, out_s
+
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(self._specs(tables), self._specs(slots), P(), self._specs(kept)),
+            out_specs=(self._specs(tables), self._specs(slots)),
+            check_vma=False,
+        )
+        new_t, new_s = fn(tables, slots, keys, kept)
+        return dataclasses.replace(
+            state, tables=dict(state.tables, **new_t), slots=dict(state.slots, **new_s)
+        )
 
     def read_dynamic(self, state: EmbeddingState, table, field: str = "parameters") -> dict:
         """A table of raw ids on the host: `{raw id (int): (shard, row in the shard's map,
