@@ -324,8 +324,10 @@ class EmbeddingCore:
 
             def place(x, n=n):
                 full = np.broadcast_to(x[None], (n,) + x.shape)
-                return jax.make_array_from_callback(
-                    full.shape, self.row_sharding, lambda idx, full=full: full[idx]
+                return id_map.on_huge_pages(
+                    jax.make_array_from_callback(
+                        full.shape, self.row_sharding, lambda idx, full=full: full[idx]
+                    )
                 )
 
             data = np.asarray(jax.random.key_data(jax.random.fold_in(key, _FRESH_SALT)))
@@ -467,40 +469,36 @@ class EmbeddingCore:
         fresh = fresh & (rows >= 0)
         m = raw.shape[0]
         few = max(1, m // 16)
-
-        def some(size):  # the first `size` fresh entries' values, at their positions
-            def run(raw, fresh):
-                pos = jnp.nonzero(fresh, size=size, fill_value=m)[0]
-                vals = jax.vmap(one)(raw[jnp.minimum(pos, m - 1)])
-                return jnp.zeros((m, t.dim), jnp.float32).at[pos].set(vals, mode="drop")
-
-            return run
-
-        # the initializer runs on the fresh entries only (a step of hits runs it on none;
-        # one with few admissions on a sixteenth of the ids): `lax.switch` runs one branch
-        count = fresh.sum(dtype=jnp.int32)
-        branch = jnp.where(count == 0, 0, jnp.where(count <= few, 1, 2))
-        values = jax.lax.switch(
-            branch,
-            [lambda raw, fresh: jnp.zeros((m, t.dim), jnp.float32), some(few), some(m)],
-            raw,
-            fresh,
-        )
         opt = self.optimizer_of(stack)
         # the row a fresh id starts from: the padding 0 and, where the stack keeps its
         # slots in its rows (a TPU's layout), each slot's initial value in its columns
         start = slots_in_rows.initial_row(self.plan.stack(stack), opt)
-        start = jnp.broadcast_to(jnp.asarray(start, jnp.float32), (m, table.shape[1]))
-        values = start.at[:, : t.dim].set(values).astype(table.dtype)
-        at = jnp.where(fresh, rows + t.local_row_offset, table.shape[0])
-        table = table.at[at].set(values, mode="drop")
-        slots = dict(slots)
-        for name, value in opt.slot_initial_values.items() if opt is not None else ():
-            if name not in slots:  # in the rows: set above
-                continue
-            arr = slots[name]
-            slots[name] = arr.at[at].set(jnp.asarray(value, arr.dtype), mode="drop")
-        return table, slots
+        start = jnp.broadcast_to(jnp.asarray(start, jnp.float32), (few, table.shape[1]))
+        chunks = -(-m // few)
+        # the fresh positions first, in `few`-long chunks: the initializer and the writes
+        # run on the fresh entries only, a chunk a loop step (a step of hits runs none,
+        # and materialises no [m, dim] array); the loop carries the table and slots,
+        # updated in place
+        order = jnp.nonzero(fresh, size=chunks * few, fill_value=m)[0]
+        count = fresh.sum(dtype=jnp.int32)
+        initial = opt.slot_initial_values.items() if opt is not None else ()
+
+        def chunk(k, carried):
+            table, slots = carried
+            pos = jax.lax.dynamic_slice(order, (k * few,), (few,))
+            at_m = jnp.minimum(pos, m - 1)
+            values = start.at[:, : t.dim].set(jax.vmap(one)(raw[at_m])).astype(table.dtype)
+            at = jnp.where(pos < m, rows[at_m] + t.local_row_offset, table.shape[0])
+            table = table.at[at].set(values, mode="drop")
+            slots = dict(slots)
+            for name, value in initial:
+                if name not in slots:  # in the rows: set above
+                    continue
+                arr = slots[name]
+                slots[name] = arr.at[at].set(jnp.asarray(value, arr.dtype), mode="drop")
+            return table, slots
+
+        return jax.lax.fori_loop(0, (count + few - 1) // few, chunk, (table, dict(slots)))
 
     def map_ids(self, state: EmbeddingState, csr: dict, *, keep_fresh: bool = False):
         """The raw ids of the stacks of raw ids (`TableConfig.id_map`) mapped to rows:

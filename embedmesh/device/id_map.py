@@ -135,6 +135,7 @@ __all__ = [
     "live_ids",
     "lookup",
     "map_ids",
+    "on_huge_pages",
     "owner_of",
     "sketch_columns",
     "split_ids",
@@ -282,6 +283,23 @@ def init(config: IdMapConfig) -> IdMapState:
         sketch=jnp.zeros(sketch_shape, jnp.int32),
         sightings=jnp.int32(0),
     )
+
+
+HUGE_PAGE_MIN_BYTES = 1 << 20  # a state array's shard at least this big: huge pages
+
+
+def on_huge_pages(array: jax.Array) -> jax.Array:
+    """`array` (a global array of a map's state, one shard a device) with each shard of
+    at least `HUGE_PAGE_MIN_BYTES` copied into a buffer on transparent huge pages
+    (`ops.huge_page_copy`; CPU only, elsewhere as is). The map reads its index and row
+    arrays at random: with 4 KiB pages nearly every probe also misses the TLB (measured
+    on a step of hits with a cold cache, capacity 1M: the op `id_map_hits` 16% faster).
+    A donated map program updates them in place, so they stay there."""
+    shards = array.addressable_shards
+    if not shards or shards[0].data.nbytes < HUGE_PAGE_MIN_BYTES:
+        return array
+    datas = [ops.huge_page_copy(s.data) for s in shards]
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, datas)
 
 
 # ---------------------------------------------------------------------------- raw ids
