@@ -37,9 +37,34 @@ def lookup(layer: MeshEmbedding, state: EmbeddingState, csr: dict) -> Any:
     """Activations in the feature config's structure (`output_shape` applied), as the
     facade's `dequeue` returns them. Tables enter as constants of differentiation: the
     gradient flows to the activations, never densely to the tables."""
+    placed = _placed(layer, csr)
+    _refuse_raw(placed, "the forward pass")
     state = jax.tree_util.tree_map(jax.lax.stop_gradient, state)
-    acts = layer.core.lookup(state, _placed(layer, csr))
+    acts = layer.core.lookup(state, placed)
     return layer.job.pack_activations(acts, csr)
+
+
+def map_ids(layer: MeshEmbedding, state: EmbeddingState, csr: dict) -> tuple:
+    """`(new state, csr)`: the raw ids of the batch's tables of raw ids (`TableConfig.id_map`)
+    mapped to rows by the state's id maps (`EmbeddingCore.map_ids`: admissions,
+    evictions, fresh rows), the batch the forward pass and the update then take; a batch
+    without raw ids as it is."""
+    placed = _placed(layer, csr)
+    if not any(c.unique_raw_ids is not None for c in placed.values()):
+        return state, placed
+    state, placed, _ = layer.core.map_ids(state, placed)
+    return state, placed
+
+
+def _refuse_raw(csr: dict, what: str) -> None:
+    raw = sorted(s for s, c in csr.items() if c.unique_raw_ids is not None)
+    if raw:
+        raise ValueError(
+            f"{what}: stacks {raw} of this batch still carry raw ids (tables with "
+            f"TableConfig.id_map): map them to rows first with the module's map_ids(csr) "
+            f"(it updates the id maps) and pass the batch it returns to the forward pass "
+            f"and to apply_gradients"
+        )
 
 
 def apply_gradients(
@@ -50,6 +75,7 @@ def apply_gradients(
     and dtypes are checked with the facade's errors, naming the feature."""
     job = layer.job
     csr = _placed(layer, csr)
+    _refuse_raw(csr, "apply_gradients")
     job.check_preserved(csr)
     grads = job.flat_gradients(gradients, csr)
     return layer.core.apply_gradients(state, grads, csr, check_finite=check_finite)
@@ -68,3 +94,16 @@ def save_args(layer: MeshEmbedding, state: EmbeddingState):
 def restore(layer: MeshEmbedding, state: EmbeddingState, source, step=None, **kwargs):
     """The state restored from a checkpoint (any device count, any stacking)."""
     return _ckpt.core_restore(layer.core, state, source, step, **kwargs).state
+
+
+def read_tables(layer: MeshEmbedding, state: EmbeddingState) -> dict:
+    """`{TableConfig: numpy [vocabulary_size, dim]}` in logical row order; a table of raw
+    ids as its `RawIdTable` (its live ids and their rows), as the facade's
+    `embedding_tables` gives them."""
+    job = layer.job
+    raw: dict = {}
+    if job.core.dynamic:
+        from embedmesh.device.by_id import raw_id_tables
+
+        raw = raw_id_tables(job.core, state)
+    return {t: raw[t] if t in raw else job.read_table(state, t) for t in job.tables}

@@ -31,8 +31,14 @@ Without a perturbation for it (none passed, or a `"perturbations"` collection ho
 only other modules'), the activations are used as they are; one made for another batch
 is an error.
 
+Tables of raw ids (`TableConfig.id_map`): the step maps its batch first and passes the
+batch `map_ids` returns to the lookup and the update (docs/dynamic-ids.md):
+
+    csr, emb_vars = embed.apply(emb_vars, csr, method="map_ids", mutable=["embedding"])
+
 The collection `"embedding"` holds `{"tables": {stack: array}, "slots": {stack:
-{slot: array}}, "step": int32}`, each array a global array sharded over the mesh
+{slot: array}}, "step": int32}` (and `"id_maps": {stack: ...}` with tables of raw ids),
+each array a global array sharded over the mesh
 exactly as the core shards it. `init` must run eagerly (not under `jax.jit`): the
 tables are built shard by shard on their devices.
 """
@@ -59,18 +65,25 @@ PERTURBATIONS = "perturbations"  # flax's collection of intermediate-gradient pe
 def state_of(variables: dict) -> EmbeddingState:
     """The `EmbeddingState` of a module's variables (`{"embedding": ...}` or its value)."""
     v = variables.get(COLLECTION, variables)
-    return EmbeddingState(tables=dict(v["tables"]), slots=dict(v["slots"]), step=v["step"])
+    return EmbeddingState(
+        tables=dict(v["tables"]),
+        slots=dict(v["slots"]),
+        step=v["step"],
+        id_maps=dict(v.get("id_maps", {})),
+    )
 
 
 def variables_of(state: EmbeddingState) -> dict:
-    """`{"embedding": ...}` variables of an `EmbeddingState`."""
-    return {
-        COLLECTION: {
-            "tables": dict(state.tables),
-            "slots": {s: dict(d) for s, d in state.slots.items()},
-            "step": state.step,
-        }
+    """`{"embedding": ...}` variables of an `EmbeddingState` (`"id_maps"` only where it has
+    tables of raw ids)."""
+    out = {
+        "tables": dict(state.tables),
+        "slots": {s: dict(d) for s, d in state.slots.items()},
+        "step": state.step,
     }
+    if state.id_maps:
+        out["id_maps"] = dict(state.id_maps)
+    return {COLLECTION: out}
 
 
 _HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -134,19 +147,37 @@ class Embed(nn.Module):
                     f"Embed.init (or embedmesh.flax.linen.variables_of(state))"
                 )
             init = self.holder.take_initial()
-            self.put_variable(COLLECTION, "tables", dict(init.tables))
-            self.put_variable(COLLECTION, "slots", {s: dict(d) for s, d in init.slots.items()})
-            self.put_variable(COLLECTION, "step", init.step)
+            for name, value in variables_of(init)[COLLECTION].items():
+                self.put_variable(COLLECTION, name, value)
         slots: dict = self.get_variable(COLLECTION, "slots")
+        maps = self.get_variable(COLLECTION, "id_maps") if self.core.dynamic else None
         return EmbeddingState(
             tables=dict(self.get_variable(COLLECTION, "tables")),
             slots={s: dict(d) for s, d in slots.items()},
             step=self.get_variable(COLLECTION, "step"),
+            id_maps=dict(maps or {}),
         )
 
+    def map_ids(self, csr: dict) -> dict:
+        """A batch with tables of raw ids (`TableConfig.id_map`) mapped to rows by the
+        id maps (call with `mutable=["embedding"]`: admissions and evictions change the
+        maps, fresh rows the tables): the batch `__call__` and `apply_gradients` take.
+        A batch without raw ids comes back as it is."""
+        state, csr = _layer.map_ids(self.layer, self._embedding_state(), csr)
+        if state.id_maps:
+            for name, value in variables_of(state)[COLLECTION].items():
+                self.put_variable(COLLECTION, name, value)
+        return csr
+
     def __call__(self, csr: dict) -> Any:
-        """Activations of an enqueued batch (`enqueue`), in the feature config's structure."""
-        acts = _layer.lookup(self.layer, self._embedding_state(), csr)
+        """Activations of an enqueued batch (`enqueue`; with tables of raw ids, the
+        batch `map_ids` returns), in the feature config's structure. `init` takes a batch
+        of raw ids too: its activations from a map thrown away (the variables keep the
+        empty maps, so the first step maps that batch as any other)."""
+        state = self._embedding_state()
+        if self.is_initializing():
+            _, csr = _layer.map_ids(self.layer, state, csr)
+        acts = _layer.lookup(self.layer, state, csr)
         return self._perturbed(acts)
 
     def _perturbed(self, acts: Any) -> Any:
@@ -193,10 +224,9 @@ class Embed(nn.Module):
         return self.layer.prefetch(batches, buffer_size)
 
     def embedding_tables(self, variables: dict) -> dict:
-        """`{TableConfig: numpy [vocabulary_size, dim]}` of `variables`, logical order."""
-        state = state_of(variables)
-        job = self.layer.job
-        return {t: job.read_table(state, t) for t in job.tables}
+        """`{TableConfig: numpy [vocabulary_size, dim]}` of `variables`, logical order (a
+        table of raw ids: its `RawIdTable`)."""
+        return _layer.read_tables(self.layer, state_of(variables))
 
     def save_args(self, variables: dict):
         """orbax args of the embedding item (`checkpoint.core_save_args`)."""

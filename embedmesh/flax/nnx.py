@@ -23,6 +23,14 @@ over the mesh exactly as the core shards it; `nnx.Param` filters (and so
 is a plain dict `{stack name: EmbeddingVariable}` and `Embed.slots` `{stack name: {slot
 name: EmbeddingVariable}}` (nnx state paths `tables/<stack>`, `slots/<stack>/<slot>`):
 keys, not attributes, so any table name works (`items`, `__class__`, `a.b`...).
+
+Tables of raw ids (`TableConfig.id_map`): the step maps its batch first, in place, and
+passes the batch `map_ids` returns to the forward pass and `apply_gradients`:
+
+        csr = model.embed.map_ids(csr)                        # raw ids -> rows
+        acts = model.embed(csr)
+
+Their id maps are `Embed.id_maps` (`{stack: EmbeddingVariable}`, docs/dynamic-ids.md).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class Embed(nnx.Module):
     tables: dict[str, EmbeddingVariable]
     slots: dict[str, dict[str, EmbeddingVariable]]
     step: EmbeddingVariable
+    id_maps: dict[str, EmbeddingVariable]  # the tables of raw ids' (empty: none)
 
     def __init__(self, layer: MeshEmbedding):
         layer, state = _layer.built_layer(layer)
@@ -85,12 +94,16 @@ class Embed(nnx.Module):
                 for k, a in d.items():
                     self.slots[s][k].set_value(a)
             self.step.set_value(state.step)
+            for s, m in state.id_maps.items():
+                self.id_maps[s].set_value(m)
             return
         self.tables = nnx.data({s: var(a) for s, a in state.tables.items()})
         self.slots = nnx.data(
             {s: {k: var(a) for k, a in d.items()} for s, d in state.slots.items()}
         )
         self.step = var(state.step)
+        # the id maps of the tables of raw ids (a pytree a stack: `EmbeddingState.id_maps`)
+        self.id_maps = nnx.data({s: EmbeddingVariable(m) for s, m in state.id_maps.items()})
 
     @property
     def state(self) -> EmbeddingState:
@@ -99,6 +112,7 @@ class Embed(nnx.Module):
             tables={s: v.get_value() for s, v in self.tables.items()},
             slots={s: {k: v.get_value() for k, v in d.items()} for s, d in self.slots.items()},
             step=self.step.get_value(),
+            id_maps={s: v.get_value() for s, v in self.id_maps.items()},
         )
 
     @state.setter
@@ -123,8 +137,19 @@ class Embed(nnx.Module):
 
     # -- forward and update -----------------------------------------------------------
 
+    def map_ids(self, csr: dict) -> dict:
+        """A batch with tables of raw ids (`TableConfig.id_map`) mapped to rows by the
+        id maps, in place (admissions and evictions change the maps, fresh rows the
+        tables): the batch the forward pass and `apply_gradients` take. A batch without
+        raw ids comes back as it is."""
+        state, csr = _layer.map_ids(self.layer, self.state, csr)
+        if state.id_maps:
+            self._set(state)
+        return csr
+
     def __call__(self, csr: dict) -> Any:
-        """Activations of an enqueued batch, in the feature config's structure."""
+        """Activations of an enqueued batch (with tables of raw ids, the batch `map_ids`
+        returns), in the feature config's structure."""
         return _layer.lookup(self.layer, self.state, csr)
 
     def apply_gradients(self, gradients: Any, csr: dict, *, check_finite: bool = True):
@@ -140,8 +165,9 @@ class Embed(nnx.Module):
 
     @property
     def embedding_tables(self) -> dict:
-        """`{TableConfig: numpy [vocabulary_size, dim]}` in logical row order."""
-        return _read(self.layer, self.state, "parameters")
+        """`{TableConfig: numpy [vocabulary_size, dim]}` in logical row order (a table of
+        raw ids: its `RawIdTable`)."""
+        return _layer.read_tables(self.layer, self.state)
 
     @property
     def variables(self) -> dict:

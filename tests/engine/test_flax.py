@@ -87,12 +87,14 @@ def train_nnx(n, opt, data, sharding):
     return embed.variables, acts_seen, embed
 
 
-def train_linen(n, opt, data, sharding):
-    embed = em_linen.Embed(layer(n, opt, sharding))
+def linen_steps(embed, data) -> tuple:
+    """`(variables, activations)` of a linen `Embed` trained on `data` (the batch mapped
+    first: `map_ids` gives a batch without raw ids back as it is)."""
     variables = embed.init(jax.random.key(0), embed.enqueue(data[0]))
 
     @jax.jit
     def step(variables, csr):
+        csr, variables = embed.apply(variables, csr, method="map_ids", mutable=["embedding"])
         acts = embed.apply(variables, csr)
         _, variables = embed.apply(
             variables, grad_of(acts), csr, method="apply_gradients", mutable=["embedding"]
@@ -103,6 +105,12 @@ def train_linen(n, opt, data, sharding):
     for b in data:
         variables, acts = step(variables, embed.enqueue(b))
         acts_seen.append(jax.tree_util.tree_map(np.asarray, acts))
+    return variables, acts_seen
+
+
+def train_linen(n, opt, data, sharding):
+    embed = em_linen.Embed(layer(n, opt, sharding))
+    variables, acts_seen = linen_steps(embed, data)
     state = em_linen.state_of(variables)
     job = embed.layer.job
     out = {
@@ -423,3 +431,61 @@ def test_nnx_takes_any_table_name(names):
     assert int(embed.step.get_value()) == 1
     state = nnx.state(embed, em_nnx.EmbeddingVariable)
     assert set(state["tables"]) == stacks
+
+
+def test_tables_of_raw_ids_train_like_mesh_embedding():
+    """A table of raw ids (`TableConfig.id_map`, 4 rows a shard: the stream evicts) beside a
+    static one: nnx and linen, the batch mapped by the module's `map_ids` inside the
+    jitted step, give the facade's activations, rows by id and slots; the forward pass
+    refuses a batch still carrying raw ids."""
+    pool = np.array([0, -1, 2**63 - 1, -(2**63), 2**40, 7, 8, 16, 123456789012, -8], np.int64)
+    rng = np.random.default_rng(3)
+    data = [
+        {"raw": rng.choice(pool, (BATCH, 2)), "plain": rng.integers(0, 25, BATCH)} for _ in range(4)
+    ]
+
+    def raw_layer():
+        dyn = em.TableConfig(8, 4, combiner="mean", name="dyn", id_map=em.DynamicIds("lfu"))
+        plain = em.TableConfig(25, 4, name="plain")
+        fc = {"raw": em.FeatureConfig(dyn), "plain": em.FeatureConfig(plain)}
+        return em.MeshEmbedding(fc, em.Adagrad(0.2), mesh=mesh_of(2), seed=1)
+
+    emb = raw_layer()
+    want, evictions = [], 0
+    for b in data:
+        acts, pre = emb(b)
+        want.append(jax.tree_util.tree_map(np.asarray, acts))
+        emb.apply_gradients(grad_of(acts), pre)
+        evictions += emb.last_stats["dyn"].id_map["evictions"]
+    assert evictions > 0
+    want_tables = emb.embedding_tables
+
+    nnx_embed = em_nnx.Embed(raw_layer())
+    with pytest.raises(ValueError, match=r"stacks \['dyn'\] of this batch still carry raw ids"):
+        nnx_embed(nnx_embed.enqueue(data[0]))
+
+    @nnx.jit
+    def nnx_step(embed, csr):
+        csr = embed.map_ids(csr)
+        acts = embed(csr)
+        embed.apply_gradients(grad_of(acts), csr)
+        return acts
+
+    got_nnx = [nnx_step(nnx_embed, nnx_embed.enqueue(b)) for b in data]
+
+    lin = em_linen.Embed(raw_layer())
+    variables, got_linen = linen_steps(lin, data)  # (init leaves the maps empty)
+    for got, tables in (
+        (got_nnx, nnx_embed.embedding_tables),
+        (got_linen, lin.embedding_tables(variables)),
+    ):
+        for x, y in zip(got, want):
+            for k in y:
+                np.testing.assert_allclose(np.asarray(x[k]), y[k], rtol=1e-5, atol=1e-6)
+        by_name = {t.name: v for t, v in tables.items()}
+        for t, v in want_tables.items():
+            if t.name == "dyn":
+                np.testing.assert_array_equal(by_name["dyn"].ids, v.ids)
+                np.testing.assert_allclose(by_name["dyn"].rows, v.rows, rtol=1e-5, atol=1e-6)
+            else:
+                np.testing.assert_allclose(by_name[t.name], v, rtol=1e-5, atol=1e-6)
