@@ -107,7 +107,10 @@ hit rows' last-used steps and counts are scattered; otherwise the jnp path runs 
 without the op. Either way the state, rows, fresh flags and stats are bit for bit the
 jnp path's (tests/device/test_id_map_native.py). Measured on a step of hits (capacity
 1M, 16,384 slots, 14,737 valid, the 2-core host): 1.6 ms against 16.0 ms
-(`benchmarks/train/RESULTS.md`).
+(`benchmarks/train/RESULTS.md`). In a training step the index is cold in the cache
+(the tables' rows stream through it between two calls): each probe misses the cache
+and, on 4 KiB pages, the TLB too; `on_huge_pages` puts the state's big arrays on
+transparent huge pages where the engine makes them (`EmbeddingCore.init`).
 
 Memory: the index 12 bytes a slot (at least 24 bytes a row), the row arrays 24 bytes a
 row, the sketch `4 * sketch_depth * sketch_width` bytes.

@@ -381,6 +381,18 @@ def test_no_capacity_sized_copy_in_the_compiled_program():
     assert "conditional" in hlo  # the sweep and the halving are branches, not selects
 
 
+def test_on_huge_pages_keeps_values_and_sharding(monkeypatch):
+    """`on_huge_pages`: the same values, shape and sharding (a shard of at least
+    `HUGE_PAGE_MIN_BYTES` copied, a smaller array returned as is)."""
+    state = im.init(im.IdMapConfig(capacity=300))
+    x = jax.device_put(state.index[None])
+    assert im.on_huge_pages(x) is x  # 6 KiB: below the threshold
+    monkeypatch.setattr(im, "HUGE_PAGE_MIN_BYTES", 1)
+    y = im.on_huge_pages(x)
+    assert y is not x and y.sharding == x.sharding and y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(state.index[None]))
+
+
 # --------------------------------------------------------------------- routing, ids
 
 
