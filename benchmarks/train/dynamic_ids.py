@@ -24,10 +24,14 @@ over rounds of the per-round ratios dynamic / static of the per-round medians.
 
 `--profile`: the dynamic step split into `map_ids`'s program (the facade's jitted map,
 blocked on) and the rest (lookup + update), and the host preprocessing's share that is
-the raw ids' routing (`host.dynamic_ids`), by a cProfile of `enqueue`.
+the raw ids' routing (`host.dynamic_ids`), by a cProfile of `enqueue`. `--trace DIR`:
+a `jax.profiler` trace of `--steps` dynamic steps into DIR, and the time a step of each
+program (its thunks' span) and of its costliest HLO ops (the thunks' own times; an op
+inside a `conditional` or `while` counts in its parent too).
 
     .venv/bin/python benchmarks/train/dynamic_ids.py                 # 5 rounds x 8 steps
     ... --rounds 3 --steps 5 --vocab 131072 --profile
+    ... --rounds 1 --trace /tmp/dyn_trace
 """
 
 from __future__ import annotations
@@ -177,6 +181,40 @@ def profile(dyn: Contender, steps: int) -> None:
     st.sort_stats("tottime").print_stats(12)
 
 
+def trace(dyn: Contender, steps: int, out: str, top: int = 25) -> None:
+    """A `jax.profiler` trace of `steps` dynamic steps; per program (XLA module) the span
+    of its thunks a step, then the `top` HLO ops by their thunks' time a step."""
+    import collections
+    import glob
+    import gzip
+    import json
+
+    import jax
+
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        for _ in range(steps):
+            dyn.device_step()
+        jax.block_until_ready(dyn.emb.state)
+    path = sorted(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True))[-1]
+    ops, spans = collections.Counter(), {}
+    for e in json.load(gzip.open(path))["traceEvents"]:
+        a = e.get("args", {})
+        if e.get("ph") != "X" or "hlo_module" not in a:
+            continue
+        ops[f"{a['hlo_module']}:{a['hlo_op']}"] += e["dur"]
+        run = (a["hlo_module"], a.get("run_id"))
+        t0, t1 = spans.get(run, (float("inf"), 0.0))
+        spans[run] = (min(t0, e["ts"]), max(t1, e["ts"] + e["dur"]))
+    programs = collections.Counter()
+    for (module, _), (t0, t1) in spans.items():
+        programs[module] += t1 - t0
+    print(f"trace of {steps} dynamic steps ({path}), ms a step:")
+    for module, us in programs.most_common():
+        print(f"  program {module}: {us / steps / 1e3:.2f}")
+    for op, us in ops.most_common(top):
+        print(f"    {us / steps / 1e3:8.2f}  {op}")
+
+
 def profile_map(capacity: int, slots: int, live: int, steps: int) -> None:
     """`id_map.map_ids` alone on one table's map (a step of hits), and what its three
     multi-operand sorts cost on their own: where the map's time goes."""
@@ -229,6 +267,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, help="rows a table (default train_step's V)")
     ap.add_argument("--eviction", default="lru", choices=("lru", "lfu"))
     ap.add_argument("--profile", action="store_true", help="then where the dynamic time goes")
+    ap.add_argument("--trace", metavar="DIR", help="then a jax.profiler trace of dynamic steps")
     args = ap.parse_args(argv)
     if args.vocab:
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
@@ -294,6 +333,9 @@ def main(argv=None):
         slots = next(iter(dyn.caps.values())).max_unique_ids_per_partition
         live = int(np.asarray(csr.unique_counts).sum())
         profile_map(ts.V, slots, live, args.steps)
+    if args.trace:
+        print()
+        trace(dyn, args.steps, args.trace)
 
 
 if __name__ == "__main__":
