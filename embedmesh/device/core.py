@@ -95,8 +95,10 @@ ID_STATS = ("hits", "admissions", "evictions", "pending", "refused", "occupancy"
 def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
     """`{stack: (TablePlacement, IdMapConfig)}` for the tables of raw ids
     (`TableConfig.id_map`), each checked to be one the strategies can hold: alone in
-    its stack, row-sharded over every shard (mod / row-wise, rows or pooled exchange),
-    its capacity a multiple of the shards, its slots in arrays of their own."""
+    its stack, not replicated, its capacity a multiple of the shards of its span (every
+    shard: mod / row-wise, rows or pooled exchange; one: table-wise), its slots in arrays
+    of their own. Each shard of the span holds a map of `vocabulary_size / span` rows
+    (`id_owners`); the shards outside it hold an empty one, never given an id."""
     out = {}
     for spec in plan.stacks:
         configs = [plan.table_config(t) for t in spec.tables]
@@ -109,23 +111,23 @@ def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
                 f"its stack, it holds {list(spec.tables)}"
             )
         strategy = by_stack[spec.name]
-        every_shard = len(plan.row_layout.shards_of(t)) == num_shards
-        if not strategy.holds_raw_ids or not every_shard:
+        _, k = plan.row_layout.span(t)
+        if not strategy.holds_raw_ids or k not in (1, num_shards):
             raise NotImplementedError(
                 f"table {t.name}: a table of raw ids (TableConfig.id_map) is row-sharded over "
-                f"every device (sharding 'mod', 'row_wise_rows' or 'row_wise_pooled'); its "
-                f"strategy here ({strategy.name}, over {len(plan.row_layout.shards_of(t))} of "
-                f"{num_shards} shards) cannot hold it yet"
+                f"every device (sharding 'mod', 'row_wise_rows' or 'row_wise_pooled') or "
+                f"placed whole on one ('table_wise'); its strategy here ({strategy.name}, over "
+                f"{k} of {num_shards} shards) cannot hold it yet"
             )
         v = cfg.vocabulary_size
-        if v % num_shards:
+        if v % k:
             raise ValueError(
                 f"table {t.name}: vocabulary_size {v}, the capacity of a table of raw ids, "
-                f"must be a multiple of the {num_shards} shards (each holds an equal share)"
+                f"must be a multiple of the {k} shards (each holds an equal share)"
             )
         d = cfg.id_map
         config = id_map.IdMapConfig(
-            capacity=v // num_shards,
+            capacity=v // k,
             eviction=d.eviction,
             admit_after=d.admit_after,
             seed=d.seed,
@@ -136,6 +138,14 @@ def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
         )
         out[spec.name] = (t, config)
     return out
+
+
+def id_owners(plan, table) -> tuple:
+    """`(first, k)`: a table of raw ids' ids are owned by the shards `[first, first + k)` of
+    its span, id x by shard `first + owner_of(x, k, seed)` (`id_map.owner_of`; every shard
+    for mod and row-wise placements, `(owner, 1)` for table-wise)."""
+    first, k = plan.row_layout.span(plan.table(table))
+    return int(first), int(k)
 
 
 def _row_initializer(init):

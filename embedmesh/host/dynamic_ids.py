@@ -110,9 +110,11 @@ def _raw(ids: np.ndarray) -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
-def prepare_stack(members: list, num_shards: int, seed: int) -> tuple:
+def prepare_stack(members: list, num_shards: int, seed: int, owners: tuple | None = None) -> tuple:
     """`(members on codes, stand-in table, stand-in layout, distinct raw ids)` for one
-    dynamic table's features (`(name, Csr, FeatureSegment)`), for `sort_table`."""
+    dynamic table's features (`(name, Csr, FeatureSegment)`), for `sort_table`.
+    `owners`: `(first, k)`, the shards owning the table's ids (`first + owner_of(id, k)`;
+    `(owner, 1)` for a table-wise one); None: every shard."""
     raws = [_raw(c.ids) for _, c, _ in members]
     flat = np.concatenate(raws) if raws else np.zeros(0, np.int64)
     # (np.unique's return_inverse sorts by argsort: a sort and a search are ~1.5x faster)
@@ -127,7 +129,10 @@ def prepare_stack(members: list, num_shards: int, seed: int) -> tuple:
         start += r.shape[0]
         coded.append((name, dataclasses.replace(c, ids=codes), seg))
     k = max(int(uniq.shape[0]), 1)
-    layout = _OwnerLayout(owner_of(uniq, num_shards, seed) if uniq.size else np.zeros(0, np.int64))
+    first, k_own = (0, num_shards) if owners is None else owners
+    layout = _OwnerLayout(
+        first + owner_of(uniq, k_own, seed) if uniq.size else np.zeros(0, np.int64)
+    )
     return coded, _CodeTable(k, k), layout, uniq
 
 
@@ -156,14 +161,19 @@ def code_plan(num_shards: int) -> _CodePlan:
     return _CodePlan(num_shards, ModRowLayout(num_shards))
 
 
-def prepare_numba(members: list, table: str, num_shards: int, seed: int, kernels) -> tuple:
+def prepare_numba(
+    members: list, table: str, num_shards: int, seed: int, kernels, owners: tuple | None = None
+) -> tuple:
     """`(members on keys owner * K + rank, stand-in placement, distinct raw ids)` for
     one dynamic table's features (`(FeaturePlacement, Csr, FeatureSegment)`), by the
     kernels `embedmesh.host.numba_dynamic` (no GIL held), whose `table_sort` takes
-    the keys."""
+    the keys. `owners`: as `prepare_stack`'s."""
     raws = [_raw(c.ids) for _, c, _ in members]  # int64: one compiled kernel
     flat = raws[0] if len(raws) == 1 else np.concatenate(raws or [np.zeros(0, np.int64)])
-    keys, uniq = kernels.raw_codes(flat, num_shards, *_owner_words(seed))
+    first, k_own = (0, num_shards) if owners is None else owners
+    keys, uniq = kernels.raw_codes(flat, k_own, *_owner_words(seed))
+    if first:  # owner first + h % k: its key `owner * K + rank` shifted by `first * K`
+        keys += first * uniq.shape[0]
     coded, start = [], 0
     for (fp, c, seg), r in zip(members, raws):
         coded.append((fp, dataclasses.replace(c, ids=keys[start : start + r.shape[0]]), seg))

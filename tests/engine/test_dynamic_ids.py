@@ -125,8 +125,10 @@ class RefShard:
 class Reference:
     """The engine's table of raw ids, in plain Python and float64 numpy."""
 
-    def __init__(self, n: int, config: id_map.IdMapConfig, table_index: int):
+    def __init__(self, n: int, config: id_map.IdMapConfig, table_index: int, owners=None):
         self.n = n
+        # (first, k): the shards owning the ids, `first + owner_of(id, k)` (`core.id_owners`)
+        self.owners = (0, n) if owners is None else owners
         self.shards = [RefShard(config) for _ in range(n)]
         self.values = {}  # raw id -> float64 [DIM]
         self.slots = {}  # raw id -> {slot: float64 [DIM]}
@@ -154,7 +156,8 @@ class Reference:
         `step` (default: the updates applied)."""
         step = self.step if step is None else step
         b = ids.shape[0] // self.n
-        owner = dynamic_ids.owner_of(ids, self.n, HASH_SEED)
+        first, k = self.owners
+        owner = first + dynamic_ids.owner_of(ids, k, HASH_SEED)
         stats = dict.fromkeys(core_module.ID_STATS, 0)
         has_row = {}
         for j, shard in enumerate(self.shards):
@@ -215,13 +218,17 @@ def _engine(
     sharding: str = "mod",
     combiner: str = "sum",
     pipelined: bool = False,
+    static_sharding: str = "mod",
+    capacity: int | None = None,
 ):
-    """One engine a configuration (compiled once; each example starts from a fresh state)."""
+    """One engine a configuration (compiled once; each example starts from a fresh state).
+    `capacity`: the table of raw ids' `vocabulary_size` (default `CAP_PER_SHARD * n`)."""
     in_rows = stacking.PLATFORM_SLOTS_IN_ROWS.get("cpu")  # a TPU's layout, forced in a test
     key = (n, eviction, admit_after, evict_batch, sharding, combiner, pipelined, in_rows)
+    key += (static_sharding, capacity)
     if key not in _ENGINES:
         dyn = em.TableConfig(
-            CAP_PER_SHARD * n,
+            CAP_PER_SHARD * n if capacity is None else capacity,
             DIM,
             initializer=_init,
             combiner=combiner,
@@ -242,7 +249,7 @@ def _engine(
             pipelined,
             mesh=mesh_of(n),
             seed=SEED,
-            sharding={"dyn": sharding},
+            sharding={"dyn": sharding, "static": static_sharding},
             capacities=em.Capacity(b * IDS_PER_SAMPLE, b * IDS_PER_SAMPLE),
         )
         emb.build()
@@ -263,7 +270,8 @@ def _run(n: int, policy: tuple, batches: list) -> None:
     pipelined = emb.pipelined
     combiner = emb.plan.table_config("dyn").combiner
     t = emb.plan.table("dyn")
-    ref = Reference(n, emb.core.dynamic[t.stack][1], t.index)
+    owners = core_module.id_owners(emb.plan, "dyn")
+    ref = Reference(n, emb.core.dynamic[t.stack][1], t.index, owners)
     pending = None
     rng = np.random.default_rng(len(batches))
     for ids in batches:
@@ -482,9 +490,8 @@ def _core(n, sharding="mod", vocabulary_size=8):
 def test_what_refuses_a_table_of_raw_ids():
     plan, _ = _core(2)
     assert [s.tables for s in plan.stacks] == [("dyn",), ("other",)]  # alone in its stack
-    for sharding in ("table_wise", "data_parallel"):
-        with pytest.raises(NotImplementedError, match="table dyn: a table of raw ids"):
-            _core(2, sharding)
+    with pytest.raises(NotImplementedError, match="table dyn: a table of raw ids"):
+        _core(2, "data_parallel")  # (table_wise: tests/engine/test_dynamic_ids_table_wise.py)
     with pytest.raises(ValueError, match="multiple of the 2 shards"):
         _core(2, vocabulary_size=9)
 
