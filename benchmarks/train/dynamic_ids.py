@@ -22,9 +22,12 @@ runs `map_ids`). Rounds interleave the contenders (static then dynamic, then the
 order), each round `--steps` steps of each after a warm-up; the figures are the medians
 over rounds of the per-round ratios dynamic / static of the per-round medians.
 
-`--profile`: the dynamic step split into `map_ids`'s program (the facade's jitted map,
-blocked on) and the rest (lookup + update), and the host preprocessing's share that is
-the raw ids' routing (`host.dynamic_ids`), by a cProfile of `enqueue`. `--trace DIR`:
+`--enqueue-parts`: each round also times enqueue's two parts apart, the host
+preprocessing (`preprocess_batch`) and the transfer of its arrays (`core.put`, blocked
+on), with their ratios. `--profile`: the dynamic step split into `map_ids`'s program
+(the facade's jitted map, blocked on) and the rest (lookup + update), and the host
+preprocessing's share that is the raw ids' routing (`host.dynamic_ids`), by a cProfile
+of `enqueue`. `--trace DIR`:
 a `jax.profiler` trace of `--steps` dynamic steps into DIR, and the time a step of each
 program (its thunks' span) and of its costliest HLO ops (the thunks' own times; an op
 inside a `conditional` or `while` counts in its parent too).
@@ -32,6 +35,7 @@ inside a `conditional` or `while` counts in its parent too).
     .venv/bin/python benchmarks/train/dynamic_ids.py                 # 5 rounds x 8 steps
     ... --rounds 3 --steps 5 --vocab 131072 --profile
     ... --rounds 1 --trace /tmp/dyn_trace
+    ... --rounds 7 --enqueue-parts      # enqueue's preprocessing and transfer apart too
 """
 
 from __future__ import annotations
@@ -123,6 +127,29 @@ class Contender:
 
         jax.block_until_ready(self.emb.enqueue(self.feats[self.i % len(self.feats)]))
         self.i += 1
+
+    def preprocess(self):
+        """Host preprocessing alone (`enqueue` without the transfer): `(csr, seconds)`."""
+        e = self.emb
+        f = self.feats[self.i % len(self.feats)]
+        self.i += 1
+        t = time.perf_counter()
+        csr, _ = e._preprocess(f, None, e._capacities, e._overflow)
+        return csr, time.perf_counter() - t
+
+    def parts(self, steps):
+        """Median seconds of `enqueue`'s two parts: host preprocessing, then the transfer
+        of its arrays (`core.put`, blocked on)."""
+        import jax
+
+        pre, put = [], []
+        for _ in range(steps):
+            csr, s = self.preprocess()
+            pre.append(s)
+            t = time.perf_counter()
+            jax.block_until_ready(self.emb.core.put(csr))
+            put.append(time.perf_counter() - t)
+        return statistics.median(pre), statistics.median(put)
 
     def time(self, fn, steps):
         ts = []
@@ -268,6 +295,11 @@ def main(argv=None):
     ap.add_argument("--eviction", default="lru", choices=("lru", "lfu"))
     ap.add_argument("--profile", action="store_true", help="then where the dynamic time goes")
     ap.add_argument("--trace", metavar="DIR", help="then a jax.profiler trace of dynamic steps")
+    ap.add_argument(
+        "--enqueue-parts",
+        action="store_true",
+        help="time enqueue's host preprocessing and transfer apart too, each round",
+    )
     args = ap.parse_args(argv)
     if args.vocab:
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
@@ -305,13 +337,17 @@ def main(argv=None):
             dev = c.time(c.device_step, args.steps)
             jax.block_until_ready(c.emb.state)
             enq = c.time(c.enqueue, args.steps)
-            got[c.kind] = (dev, enq)
+            got[c.kind] = (dev, enq) + (c.parts(args.steps) if args.enqueue_parts else ())
         rows.append(got)
-        (sd, se), (dd, de) = got["static"], got["dynamic"]
+        (sd, se, *sp), (dd, de, *dp) = got["static"], got["dynamic"]
+        parts = "".join(
+            f"; {what} static {a * 1e3:.2f} ms, dynamic {b * 1e3:.2f} ms ({b / a:.2f}x)"
+            for what, a, b in zip(("preprocessing", "transfer"), sp, dp)
+        )
         print(
             f"round {r}: device step static {sd * 1e3:.1f} ms, dynamic {dd * 1e3:.1f} ms "
             f"({dd / sd:.2f}x); enqueue static {se * 1e3:.1f} ms, dynamic {de * 1e3:.1f} ms "
-            f"({de / se:.2f}x); load {os.getloadavg()[0]:.2f}"
+            f"({de / se:.2f}x){parts}; load {os.getloadavg()[0]:.2f}"
         )
 
     def med(i, kind):
@@ -326,6 +362,9 @@ def main(argv=None):
     )
     print(f"device step | {med(0, 'static'):.1f} | {med(0, 'dynamic'):.1f} | {ratio(0):.2f}x")
     print(f"enqueue | {med(1, 'static'):.1f} | {med(1, 'dynamic'):.1f} | {ratio(1):.2f}x")
+    if args.enqueue_parts:
+        for i, what in ((2, "enqueue's preprocessing"), (3, "enqueue's transfer")):
+            print(f"{what} | {med(i, 'static'):.2f} | {med(i, 'dynamic'):.2f} | {ratio(i):.2f}x")
     if args.profile:
         print()
         profile(dyn, args.steps)
