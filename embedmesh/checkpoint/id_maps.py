@@ -59,8 +59,14 @@ from embedmesh.checkpoint.id_map_format import (
 )
 from embedmesh.checkpoint.leaves import _start_leaf, _verify, _wait_leaf
 from embedmesh.checkpoint.reading import _host_buffer
-from embedmesh.checkpoint.recut import _logical_table, _same_layout, _stored_table
+from embedmesh.checkpoint.recut import (
+    _logical_table,
+    _same_layout,
+    _stored_table,
+    saved_logical_rows,
+)
 from embedmesh.device import id_map
+from embedmesh.device.core import id_owners as core_id_owners
 from embedmesh.device.stack_tables import write_table
 from embedmesh.layout.rows import logical_layout, row_layout
 
@@ -178,8 +184,11 @@ def _insert(config: id_map.IdMapConfig, pairs: np.ndarray, what: str) -> tuple:
     return index, row_slot
 
 
-def _merged_sketch(saved_cfg: dict, config: id_map.IdMapConfig, maps: dict, n_new: int):
-    """The sketch and sightings count of every new shard (module docstring)."""
+def _merged_sketch(
+    saved_cfg: dict, config: id_map.IdMapConfig, maps: dict, n_new: int, same_owners: bool
+):
+    """The sketch and sightings count of every new shard (module docstring);
+    `same_owners`: the saved and the new shards own the same ids."""
     keys = ("seed", "sketch_width", "sketch_depth")
     if (
         config.admit_after > 1
@@ -187,7 +196,7 @@ def _merged_sketch(saved_cfg: dict, config: id_map.IdMapConfig, maps: dict, n_ne
         and all(saved_cfg[k] == getattr(config, k) for k in keys)
     ):
         n_old = maps["sketch"].shape[0]
-        if n_old == n_new:  # same owners (same seed): each shard its own
+        if n_old == n_new and same_owners:  # same owners (same seed): each shard its own
             return [maps["sketch"][j] for j in range(n_new)], list(maps["sightings"])
         sketch, sightings = maps["sketch"].max(axis=0), maps["sightings"].max()
         return [sketch] * n_new, [sightings] * n_new
@@ -195,28 +204,40 @@ def _merged_sketch(saved_cfg: dict, config: id_map.IdMapConfig, maps: dict, n_ne
     return [np.zeros(shape, np.int32)] * n_new, [np.int32(0)] * n_new
 
 
-def rebuild(name: str, saved_cfg: dict, maps: dict, config, n_new: int) -> tuple:
-    """The maps of `n_new` owners with `config` holding every live id of the saved `maps`:
+def rebuild(
+    name: str,
+    saved_cfg: dict,
+    maps: dict,
+    config,
+    n_new: int,
+    owners: tuple | None = None,
+    same_owners: bool = True,
+) -> tuple:
+    """The maps of `n_new` shards with `config` holding every live id of the saved `maps`:
     `(fields, sources)`, `fields` `{field: numpy [n_new, ...]}` (an `IdMapState`'s), and
-    `sources[j]` = (saved shard, saved row) int64 arrays of shard j's rows `0..k-1`. A
+    `sources[j]` = (saved shard, saved row) int64 arrays of shard j's rows `0..k-1`.
+    `owners`: `(first, k)`, the new shards owning the ids (`first + owner_of(id, k, seed)`;
+    `core.id_owners`; None: all `n_new`), the other shards' maps empty; `same_owners`:
+    the saved shards owned ids by the same rule (each then keeps its own sketch). A
     ValueError naming the table and the numbers where some owner gets more live ids than
     its rows."""
     live = live_entries(maps)
     n_old = maps["row_slot"].shape[0]
     pairs = id_map.split_ids(live["ids"])
-    owner = np.asarray(id_map.owner_of(pairs, n_new, config.seed)).astype(np.int64)
+    first, k_own = (0, n_new) if owners is None else owners
+    owner = first + np.asarray(id_map.owner_of(pairs, k_own, config.seed)).astype(np.int64)
     counts = np.bincount(owner, minlength=n_new)
     c = config.capacity
     if counts.size and counts.max() > c:
         j = int(np.argmax(counts))
         raise ValueError(
             f"table {name}: its checkpoint holds {live['ids'].size} live ids (on {n_old} "
-            f"shards of {saved_cfg['capacity']} rows); on {n_new} shards of {c} rows "
-            f"(vocabulary_size {c * n_new}), shard {j} would own {int(counts[j])} of them, more "
+            f"shards of {saved_cfg['capacity']} rows); on {k_own} shards of {c} rows "
+            f"(vocabulary_size {c * k_own}), shard {j} would own {int(counts[j])} of them, more "
             f"than its {c} rows: restore with a larger vocabulary_size (at least "
-            f"{int(counts.max()) * n_new}) or onto other devices; nothing was changed"
+            f"{int(counts.max()) * k_own}) or onto other devices; nothing was changed"
         )
-    sketches, sightings = _merged_sketch(saved_cfg, config, maps, n_new)
+    sketches, sightings = _merged_sketch(saved_cfg, config, maps, n_new, same_owners)
     out = {f: [] for f in MAP_FIELDS}
     sources = []
     for j in range(n_new):
@@ -272,16 +293,20 @@ def plan_table(core, reader, t, m: dict) -> Plan:
     n_old, n_new = int(reader.meta["num_shards"]), core.num_shards
     src_layout = row_layout(reader.layout.name, n_old)
     src = _stored_table(m, n_old)
+    owners = core_id_owners(core.plan, t.name)
+    same_owners = (int(m.get("first_shard", 0)), int(m.get("span", n_old))) == owners
     direct = (
         n_old == n_new
         and m["id_map"] == config_meta(config)
-        and m.get("span", n_old) == n_old
+        and same_owners
         and _same_layout(src_layout, src, core.plan.row_layout, t)
     )
     key = maps.pop(KEY_FIELD)
     if direct:
         return Plan(t, m, True, maps, key)
-    fields, sources = rebuild(t.name, m["id_map"], maps, config, n_new)
+    fields, sources = rebuild(
+        t.name, m["id_map"], maps, config, n_new, owners, same_owners and n_old == n_new
+    )
     return Plan(t, m, False, fields, key, sources)
 
 
@@ -329,14 +354,12 @@ def write_rebuilt(core, reader, plan: Plan, field: str, leaf: tuple, target, don
     _wait_leaf(pending)
     table = pending.pieces[0][2]
     _verify(pending, lambda: _logical_checksum(table, logical_t))
-    src_layout = row_layout(reader.layout.name, n_old)
-    params = np.asarray(src_layout.kernel_params(_stored_table(m, n_old)), np.int64)
     width = table.shape[1] if table.ndim > 1 else 1
     arr = table.reshape(table.shape[0], width)
     pieces = []
     for j, device in _local_shards(core, t.rows_per_shard, width):
         shard, row = plan.sources[j]
-        logical = src_layout.logical_rows_from_params(params, shard, row)
+        logical = saved_logical_rows(reader.layout.name, n_old, m, shard, row)
         piece = _host_buffer((t.rows_per_shard, width), np.dtype(dtype))
         piece[:] = 0
         piece[: logical.size] = arr[logical]

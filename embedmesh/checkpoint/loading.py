@@ -20,10 +20,10 @@ from embedmesh.checkpoint.leaves import (
     _wait_leaf,
 )
 from embedmesh.checkpoint.reading import _item_dir, _Reader
-from embedmesh.checkpoint.recut import _logical_table, _stored_table
+from embedmesh.checkpoint.recut import _logical_table, saved_logical_rows
 from embedmesh.config import DynamicIds, TableConfig, resolve_feature_config
 from embedmesh.layout.by_id import RawIdTable
-from embedmesh.layout.rows import logical_layout, row_layout
+from embedmesh.layout.rows import logical_layout
 
 
 def load_tables(
@@ -130,7 +130,5 @@ def _by_id(reader, m: dict, maps: dict, table: np.ndarray) -> RawIdTable:
     the row its owner put it at (`table`: the stored rows in the logical layout)."""
     live = id_map_format.live_entries(maps)
     n = int(reader.meta["num_shards"])
-    layout = row_layout(reader.layout.name, n)
-    params = np.asarray(layout.kernel_params(_stored_table(m, n)), np.int64)
-    rows = table[layout.logical_rows_from_params(params, live["shard"], live["row"])]
+    rows = table[saved_logical_rows(reader.layout.name, n, m, live["shard"], live["row"])]
     return RawIdTable(live["ids"], rows, m["vocabulary_size"], step=int(reader.meta["step"]))

@@ -70,6 +70,18 @@ def _stored_table(meta_table: dict, n: int) -> TablePlacement:
     )
 
 
+def saved_logical_rows(layout_name: str, n_old: int, m: dict, shard, row) -> np.ndarray:
+    """The logical rows of a stored table of raw ids (metadata `m`, saved on `n_old`
+    shards) at its saved maps' (shard, row) pairs: block row `row` of the saving mesh's
+    shard `shard`, in the table's span (`first_shard`, `span`: every shard, or a
+    table-wise table's owner)."""
+    first, k = int(m.get("first_shard", 0)), int(m.get("span", n_old))
+    layout = row_layout(layout_name, k)
+    params = np.asarray(layout.kernel_params(_stored_table(m, k)), np.int64)
+    local = np.asarray(shard, np.int64) - first
+    return layout.logical_rows_from_params(params, local, np.asarray(row, np.int64))
+
+
 def _logical_table(meta_table: dict) -> TablePlacement:
     """The logical `[vocabulary_size, ...]` table as a placement of `logical_layout()`."""
     return _stored_table(

@@ -3,15 +3,19 @@ table, and its one id map of `vocabulary_size` rows, on its owner device; every 
 the table routed to that owner, mapped there (admission, eviction, fresh rows) as the
 row-sharded placements map theirs. Trained beside a static table-wise table on another
 owner, against the dict-and-float64 reference of `test_dynamic_ids` (its `Reference`
-given the owner: `core.id_owners`), on a stream that evicts, and its serving read
-(`RawIdTable`)."""
+given the owner: `core.id_owners`), on a stream that evicts; then a checkpoint of it
+restored onto another device count (the maps rebuilt on the new placement's owners) and
+back into a table-wise placement, and its serving read (`RawIdTable`)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_dynamic_ids import IDS_PER_SAMPLE, POOL, SAMPLES_PER_DEVICE, _engine, _run
 
+import embedmesh as em
+from embedmesh import checkpoint as em_ckpt
 from embedmesh.device import core as core_module
 
 # 6 rows for the 14 ids of the pool: every step admits and evicts
@@ -49,3 +53,63 @@ def test_table_wise_matches_the_reference(n, eviction, combiner):
     assert served.ids.tolist() == sorted(live)
     for i, row in zip(served.ids.tolist(), np.asarray(served.rows)):
         np.testing.assert_array_equal(row, live[i][2])
+
+
+def _steps(emb, batches, grads) -> list:
+    out = []
+    for ids, g in zip(batches, grads):
+        raw = em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, IDS_PER_SAMPLE))
+        plain = np.full((ids.shape[0], 1), 3, np.int64)
+        acts, preserved = emb({"raw": raw, "plain": plain})
+        emb.apply_gradients({"raw": jnp.asarray(g), "plain": None}, preserved)
+        out.append(np.asarray(acts["raw"]))
+    return out
+
+
+def test_checkpoint_onto_another_device_count(tmp_path):
+    """Saved from a table-wise placement on 2 devices (LRU): restored as it was (bit for
+    bit, the same next step), onto 4 devices table-wise (LFU: the map rebuilt on the new
+    owner) and onto 4 devices mod (the ids hashed over every shard): every live id keeps
+    its values and slots and reads them, and `load_tables` reads it by id without a mesh."""
+    two = _engine(2, *_policy("lru", "mean"))
+    batches = _batches(2, 21, 3)
+    rng = np.random.default_rng(22)
+    grads = [rng.normal(size=(b.shape[0], 4)).astype(np.float32) for b in batches]
+    _steps(two, batches[:2], grads[:2])
+    em_ckpt.save(tmp_path / "c", two)
+    before = two.core.read_dynamic(two.state, "dyn")
+    slots = two.core.read_dynamic(two.state, "dyn", "accumulators")
+    assert len(before) == CAPACITY
+    want = _steps(two, batches[2:], grads[2:])
+    em_ckpt.restore(two, tmp_path / "c")  # as it was: the same next step, bit for bit
+    np.testing.assert_array_equal(_steps(two, batches[2:], grads[2:])[0], want[0])
+
+    served = em_ckpt.load_tables(tmp_path / "c")  # by id, no mesh
+    got = served[next(c for c in served if c.name == "dyn")]
+    assert got.ids.tolist() == sorted(before)
+    for i, row in zip(got.ids.tolist(), np.asarray(got.rows)):
+        np.testing.assert_array_equal(row, before[i][2])
+
+    # onto 4 devices: table-wise (the reference test's engine: LFU, `vocabulary_size` 6;
+    # the ids on its owner) and mod (the ids hashed over every shard, 6 rows each)
+    for policy in (_policy("lfu", "sum"), ("lru", 1, 1, "mod", "mean", False, "table_wise", 24)):
+        four = _engine(4, *policy)
+        em_ckpt.restore(four, tmp_path / "c")
+        first, k = core_module.id_owners(four.plan, "dyn")
+        after = four.core.read_dynamic(four.state, "dyn")
+        acc = four.core.read_dynamic(four.state, "dyn", "accumulators")
+        assert after.keys() == before.keys()
+        for i, (j, _, values) in after.items():
+            assert first <= j < first + k
+            np.testing.assert_array_equal(values, before[i][2])
+            np.testing.assert_array_equal(acc[i][2], slots[i][2])
+        if k != 1:
+            continue  # (mod: the maps rebuilt; its lookups: test_dynamic_ids)
+        # and it trains on: a lookup of the live ids reads their rows
+        ids = np.array(sorted(before)[: SAMPLES_PER_DEVICE * 4], np.int64)
+        ids = np.resize(ids, SAMPLES_PER_DEVICE * 4)[:, None].repeat(IDS_PER_SAMPLE, 1)
+        raw = em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, IDS_PER_SAMPLE))
+        acts, _ = four({"raw": raw, "plain": np.zeros((ids.shape[0], 1), np.int64)})
+        scale = 2.0 if policy[4] == "sum" else 1.0  # (two equal ids a sample)
+        want_acts = scale * np.stack([before[int(i)][2] for i in ids[:, 0]])
+        np.testing.assert_allclose(np.asarray(acts["raw"]), want_acts, rtol=1e-6)
