@@ -62,6 +62,7 @@ from embedmesh.checkpoint.reading import _host_buffer
 from embedmesh.checkpoint.recut import (
     _logical_table,
     _same_layout,
+    _stored_shards,
     _stored_table,
     saved_logical_rows,
 )
@@ -291,8 +292,9 @@ def plan_table(core, reader, t, m: dict) -> Plan:
     maps = read_maps(reader, m)
     _, config = core.dynamic[t.stack]
     n_old, n_new = int(reader.meta["num_shards"]), core.num_shards
-    src_layout = row_layout(reader.layout.name, n_old)
-    src = _stored_table(m, n_old)
+    k_old = _stored_shards(reader.meta, m)  # the stored blocks: the span's (leaves.py)
+    src_layout = row_layout(reader.layout.name, k_old)
+    src = _stored_table(m, k_old)
     owners = core_id_owners(core.plan, t.name)
     same_owners = (int(m.get("first_shard", 0)), int(m.get("span", n_old))) == owners
     direct = (
