@@ -503,6 +503,12 @@ class MeshEmbedding:
             _planner.machine_for(mesh, on_cpu),
             memory_limit=self._memory_limit_of(mesh, on_cpu),
             memory_of=_planner.layout_memory(self._resolved, mesh.size, **self._stacking()),
+            # a table of raw ids cannot be replicated (its id map: `core._dynamic_stacks`)
+            excluded={
+                t: ("data_parallel",)
+                for t, c in zip(names, self._resolved.tables)
+                if getattr(c, "id_map", None) is not None
+            },
         )
         if "auto" in self._strategies.values() and jax.process_count() > 1:
             codes = np.array(

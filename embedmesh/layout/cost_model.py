@@ -1122,6 +1122,7 @@ def plan_tables(
     passes: int = 3,
     strategy_options: Mapping[str, Mapping] | None = None,
     memory_of: Callable[[Mapping[str, str]], Sequence[float]] | None = None,
+    excluded: Mapping[str, Sequence[str]] | None = None,
 ) -> Plan:
     """A strategy per table minimising `plan_step_time` subject to memory per device.
 
@@ -1133,10 +1134,17 @@ def plan_tables(
     `strategy_options`: `{strategy: options of strategy_cost}` (e.g. a data_parallel
     variant). `memory_of`: the bytes each device holds under an assignment `{table:
     strategy}` (the built layout's, which pads: `embedmesh.layout.planner`), in place of
-    the sum of the strategies' `Load.memory`. Raises ValueError when no assignment fits
-    (the overrides included), naming the tables, the bytes and the limit."""
+    the sum of the strategies' `Load.memory`. `excluded`: `{table name: strategies it
+    cannot take}` (e.g. a table of raw ids: not data_parallel), never planned for it.
+    Raises ValueError when no assignment fits (the overrides included), naming the
+    tables, the bytes and the limit."""
     n, b = int(num_devices), int(batch_per_device)
     overrides = dict(overrides or {})
+    banned = {name: set(ss) for name, ss in (excluded or {}).items()}
+
+    def allowed(t) -> list:
+        return [s for s in strategies if s not in banned.get(t.name, ())] or list(strategies)
+
     _check_overrides([t.name for t in tables], overrides)
     limit = machine.memory_per_device if memory_limit is None else float(memory_limit)
     given = dict(strategy_options or {})
@@ -1162,7 +1170,7 @@ def plan_tables(
             for t in sorted(tables, key=lambda t: -t.state_bytes):
                 if t.name in overrides:
                     continue
-                for s in strategies:
+                for s in allowed(t):
                     if s == assign[t.name]:
                         continue
                     trial = dict(assign, **{t.name: s})
@@ -1182,12 +1190,14 @@ def plan_tables(
         if t.name in overrides:
             alone[t.name] = overrides[t.name]
             continue
-        fits = [s for s in strategies if options[t.name][s].owner.memory <= limit]
-        pool = fits or list(strategies)
+        fits = [s for s in allowed(t) if options[t.name][s].owner.memory <= limit]
+        pool = fits or allowed(t)
         alone[t.name] = min(pool, key=lambda s: step_time(options[t.name][s], t, n, b, machine))
     starts.append(alone)
     for s in strategies:
-        starts.append({t.name: overrides.get(t.name, s) for t in tables})
+        starts.append(
+            {t.name: overrides.get(t.name, s if s in allowed(t) else alone[t.name]) for t in tables}
+        )
     best = None
     for start in starts:
         result = search(start)

@@ -198,11 +198,13 @@ def plan(
     *,
     memory_limit: float | None = None,
     memory_of: Callable[[Mapping[str, str]], Sequence[float]] | None = None,
+    excluded: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[dict, Plan]:
     """`({table: strategy}, the cost model's Plan)`: "auto" tables planned over
     `PLANNED`, the others kept (as the planner's overrides, "mod" as row_wise_rows),
     every device's bytes (`memory_of`, e.g. `layout_memory`) within `memory_limit`
-    (default: the machine's); a ValueError when no plan fits."""
+    (default: the machine's); `excluded`: `{table: strategies it cannot take}` (the
+    cost model's); a ValueError when no plan fits."""
     overrides = {
         name: ("row_wise_rows" if s == "mod" else s) for name, s in requested.items() if s != "auto"
     }
@@ -216,6 +218,7 @@ def plan(
         strategy_options=BUILT_OPTIONS,
         memory_limit=memory_limit,
         memory_of=memory_of,
+        excluded=excluded,
     )
     chosen = {
         name: requested[name] if requested[name] != "auto" else result.strategy_of(name)

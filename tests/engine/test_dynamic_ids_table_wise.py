@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from meshes import mesh_of
 from test_dynamic_ids import IDS_PER_SAMPLE, POOL, SAMPLES_PER_DEVICE, _engine, _run
 
 import embedmesh as em
@@ -116,3 +117,27 @@ def test_checkpoint_onto_another_device_count(tmp_path, monkeypatch):
         scale = 2.0 if policy[4] == "sum" else 1.0  # (two equal ids a sample)
         want_acts = scale * np.stack([before[int(i)][2] for i in ids[:, 0]])
         np.testing.assert_allclose(np.asarray(acts["raw"]), want_acts, rtol=1e-6)
+
+
+def test_auto_never_replicates_a_table_of_raw_ids():
+    """`sharding="auto"`: the planner may place a table of raw ids table-wise or
+    row-sharded, never data_parallel (a replica cannot hold its id map): the facade
+    excludes it (`excluded=`), where a small, hot table is otherwise replicated."""
+    from embedmesh.layout import cost_model, planner
+
+    stats = [
+        cost_model.TableStats("dyn", rows=64, dim=4, ids_per_sample=8.0),
+        cost_model.TableStats("big", rows=1 << 20, dim=64),
+    ]
+    args = (stats, {"dyn": "auto", "big": "auto"}, 4, 512, cost_model.Machine.this_cpu("shm"))
+    free, _ = planner.plan(*args)
+    assert free["dyn"] == "data_parallel"  # (what the exclusion changes)
+    chosen, _ = planner.plan(*args, excluded={"dyn": ("data_parallel",)})
+    assert chosen["dyn"] in ("mod", "row_wise_rows", "row_wise_pooled", "table_wise")
+    # the facade passes it: a small table of raw ids, planned on 4 devices, then built
+    dyn = em.TableConfig(64, 4, name="dyn", id_map=em.DynamicIds())
+    features = {"a": em.FeatureConfig(dyn, max_sequence_length=0)}
+    emb = em.MeshEmbedding(features, em.SGD(0.1), mesh=mesh_of(4), sharding="auto")
+    emb.build()
+    assert not emb.plan.table("dyn").replicated
+    assert emb.plan.stack(emb.plan.table("dyn").stack).name in emb.core.dynamic
