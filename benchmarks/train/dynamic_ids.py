@@ -24,7 +24,9 @@ over rounds of the per-round ratios dynamic / static of the per-round medians.
 
 `--enqueue-parts`: each round also times enqueue's two parts apart, the host
 preprocessing (`preprocess_batch`) and the transfer of its arrays (`core.put`, blocked
-on), with their ratios. `--profile`: the dynamic step split into `map_ids`'s program
+on), with their ratios. `--put batched`: both contenders' transfer by `batched_put`
+(jaxlib's batched put a leaf) instead of `EmbeddingCore.put`, a proposal measured here
+before it is made. `--profile`: the dynamic step split into `map_ids`'s program
 (the facade's jitted map, blocked on) and the rest (lookup + update), and the host
 preprocessing's share that is the raw ids' routing (`host.dynamic_ids`), by a cProfile
 of `enqueue`. `--trace DIR`:
@@ -36,6 +38,7 @@ inside a `conditional` or `while` counts in its parent too).
     ... --rounds 3 --steps 5 --vocab 131072 --profile
     ... --rounds 1 --trace /tmp/dyn_trace
     ... --rounds 7 --enqueue-parts      # enqueue's preprocessing and transfer apart too
+    ... --rounds 7 --enqueue-parts --put batched
 """
 
 from __future__ import annotations
@@ -61,6 +64,33 @@ def bijection64(ids, seed: int = 0x5EED):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return (z ^ (z >> np.uint64(31))).view(np.int64)
+
+
+def batched_put(core, csr: dict) -> dict:
+    """What `--put batched` puts in place of `EmbeddingCore.put` (a proposal for
+    embedmesh/device/core.py, measured here): on one process, every leaf by jaxlib's
+    `batched_device_put` (`embedmesh._compat`, as serving's outputs) with its per-device
+    slices, where `jax.device_put` spends ~50 us a leaf; the same global arrays."""
+    import jax
+    import numpy as np
+
+    from embedmesh import _compat
+
+    put, aval = _compat.batched_device_put(), _compat.shaped_array()
+    if jax.process_count() != 1 or put is None or aval is None:
+        return core.put(csr)
+    sharding = core.row_sharding
+    out = {}
+    for name, c in csr.items():
+        leaves, treedef = jax.tree_util.tree_flatten(c)
+        placed = []
+        for leaf in map(np.asarray, leaves):
+            index = sharding.addressable_devices_indices_map(leaf.shape)
+            devices = list(index)
+            shards = [leaf[index[d]] for d in devices]
+            placed.append(put(aval(leaf.shape, leaf.dtype), sharding, shards, devices, True))
+        out[name] = jax.tree_util.tree_unflatten(treedef, placed)
+    return out
 
 
 def build(kind: str, batches, eviction: str):
@@ -103,12 +133,23 @@ def build(kind: str, batches, eviction: str):
 
 
 class Contender:
-    def __init__(self, kind, batches, eviction, warmup):
+    def __init__(self, kind, batches, eviction, warmup, put="core"):
+        import functools
+
         import jax
+        import numpy as np
         import train_step as ts
 
         self.kind = kind
         self.emb, self.feats, self.caps = build(kind, batches, eviction)
+        if put == "batched":  # both contenders: `batched_put` in place of core.put
+            e = self.emb
+            csr, _ = e._preprocess(self.feats[0], None, e._capacities, e._overflow)
+            want, got = e.core.put(csr), batched_put(e.core, csr)
+            for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+                assert a.sharding == b.sharding and a.dtype == b.dtype, (a.sharding, b.sharding)
+                assert a.committed == b.committed and (np.asarray(a) == np.asarray(b)).all()
+            e.core.put = functools.partial(batched_put, e.core)
         self.lossgrad = jax.jit(jax.grad(lambda acts: ts.loss_of(list(acts.values()))))
         self.csrs = [self.emb.enqueue(f) for f in self.feats]  # raw ids kept: mapped per step
         self.i = 0
@@ -296,6 +337,12 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="then where the dynamic time goes")
     ap.add_argument("--trace", metavar="DIR", help="then a jax.profiler trace of dynamic steps")
     ap.add_argument(
+        "--put",
+        default="core",
+        choices=("core", "batched"),
+        help="the transfer enqueue runs: EmbeddingCore.put, or batched_put (a proposal)",
+    )
+    ap.add_argument(
         "--enqueue-parts",
         action="store_true",
         help="time enqueue's host preprocessing and transfer apart too, each round",
@@ -313,12 +360,13 @@ def main(argv=None):
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {platform.node()}, "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; jax {jax.__version__}; "
         f"{ts.T} tables x {ts.V} rows x dim {ts.D}, batch {ts.B}, Poisson({ts.VALENCY}) "
-        f"Zipf({ts.ZIPF_A}) ids, Adagrad; dynamic: DynamicIds(eviction={args.eviction!r})"
+        f"Zipf({ts.ZIPF_A}) ids, Adagrad; dynamic: DynamicIds(eviction={args.eviction!r}); "
+        f"transfer: {'EmbeddingCore.put' if args.put == 'core' else 'batched_put'}"
     )
     batches = ts.make_batches(0)
     t = time.perf_counter()
-    static = Contender("static", batches, args.eviction, args.warmup)
-    dyn = Contender("dynamic", batches, args.eviction, args.warmup)
+    static = Contender("static", batches, args.eviction, args.warmup, args.put)
+    dyn = Contender("dynamic", batches, args.eviction, args.warmup, args.put)
     print(f"set-up and warm-up {time.perf_counter() - t:.0f} s")
     for c in (static, dyn):
         cap = next(iter(c.caps.values()))
