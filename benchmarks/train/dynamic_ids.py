@@ -70,7 +70,8 @@ def batched_put(core, csr: dict) -> dict:
     """What `--put batched` puts in place of `EmbeddingCore.put` (a proposal for
     embedmesh/device/core.py, measured here): on one process, every leaf by jaxlib's
     `batched_device_put` (`embedmesh._compat`, as serving's outputs) with its per-device
-    slices, where `jax.device_put` spends ~50 us a leaf; the same global arrays."""
+    slices, where `jax.device_put` spends 40-140 us a leaf; the same global arrays, copies
+    (`force_copy`) as `jax.device_put` makes."""
     import jax
     import numpy as np
 
@@ -88,7 +89,9 @@ def batched_put(core, csr: dict) -> dict:
             index = sharding.addressable_devices_indices_map(leaf.shape)
             devices = list(index)
             shards = [leaf[index[d]] for d in devices]
-            placed.append(put(aval(leaf.shape, leaf.dtype), sharding, shards, devices, True))
+            # force_copy: the arrays own their memory, as jax.device_put's (jaxlib's
+            # default, zero copy, aliases a 64-byte-aligned numpy buffer on CPU)
+            placed.append(put(aval(leaf.shape, leaf.dtype), sharding, shards, devices, True, True))
         out[name] = jax.tree_util.tree_unflatten(treedef, placed)
     return out
 
