@@ -112,7 +112,9 @@ def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
             )
         strategy = by_stack[spec.name]
         _, k = plan.row_layout.span(t)
-        if not strategy.holds_raw_ids or k not in (1, num_shards):
+        # the table's span, not the strategy: over every shard, or whole on one owner
+        every_shard, one_owner = k == num_shards, k == 1
+        if not strategy.holds_raw_ids or not (every_shard or one_owner):
             raise NotImplementedError(
                 f"table {t.name}: a table of raw ids (TableConfig.id_map) is row-sharded over "
                 f"every device (sharding 'mod', 'row_wise_rows' or 'row_wise_pooled') or "
