@@ -67,7 +67,6 @@ from embedmesh.checkpoint.recut import (
     saved_logical_rows,
 )
 from embedmesh.device import id_map
-from embedmesh.device.core import id_owners as core_id_owners
 from embedmesh.device.stack_tables import write_table
 from embedmesh.layout.rows import logical_layout, row_layout
 
@@ -218,7 +217,7 @@ def rebuild(
     `(fields, sources)`, `fields` `{field: numpy [n_new, ...]}` (an `IdMapState`'s), and
     `sources[j]` = (saved shard, saved row) int64 arrays of shard j's rows `0..k-1`.
     `owners`: `(first, k)`, the new shards owning the ids (`first + owner_of(id, k, seed)`;
-    `core.id_owners`; None: all `n_new`), the other shards' maps empty; `same_owners`:
+    `StackingPlan.id_owners`; None: all `n_new`), the other shards' maps empty; `same_owners`:
     the saved shards owned ids by the same rule (each then keeps its own sketch). A
     ValueError naming the table and the numbers where some owner gets more live ids than
     its rows."""
@@ -295,7 +294,7 @@ def plan_table(core, reader, t, m: dict) -> Plan:
     k_old = _stored_shards(reader.meta, m)  # the stored blocks: the span's (leaves.py)
     src_layout = row_layout(reader.layout.name, k_old)
     src = _stored_table(m, k_old)
-    owners = core_id_owners(core.plan, t.name)
+    owners = core.plan.id_owners(t.name)
     same_owners = (int(m.get("first_shard", 0)), int(m.get("span", n_old))) == owners
     direct = (
         n_old == n_new

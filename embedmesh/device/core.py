@@ -98,7 +98,7 @@ def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
     its stack, not replicated, its capacity a multiple of the shards of its span (every
     shard: mod / row-wise, rows or pooled exchange; one: table-wise), its slots in arrays
     of their own. Each shard of the span holds a map of `vocabulary_size / span` rows
-    (`id_owners`); the shards outside it hold an empty one, never given an id."""
+    (`StackingPlan.id_owners`); the shards outside it hold an empty one, never given an id."""
     out = {}
     for spec in plan.stacks:
         configs = [plan.table_config(t) for t in spec.tables]
@@ -140,14 +140,6 @@ def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
         )
         out[spec.name] = (t, config)
     return out
-
-
-def id_owners(plan, table) -> tuple:
-    """`(first, k)`: a table of raw ids' ids are owned by the shards `[first, first + k)` of
-    its span, id x by shard `first + owner_of(x, k, seed)` (`id_map.owner_of`; every shard
-    for mod and row-wise placements, `(owner, 1)` for table-wise)."""
-    first, k = plan.row_layout.span(plan.table(table))
-    return int(first), int(k)
 
 
 def _row_initializer(init):

@@ -196,13 +196,6 @@ def _id_map(plan: StackingPlan, job: _StackJob):
     return getattr(plan.table_config(job.tables[0].name), "id_map", None)
 
 
-def _id_owners(plan: StackingPlan, job: _StackJob) -> tuple:
-    """`(first, k)`: the shards owning a table of raw ids' ids, its span (every shard, or
-    a table-wise table's owner: `embedmesh.device.core.id_owners`)."""
-    first, k = plan.row_layout.span(job.tables[0])
-    return int(first), int(k)
-
-
 def numba_available() -> bool:
     """True when the numba backend can be used (numba importable, and
     `EMBEDMESH_NUMBA` not 0); asking imports numba."""
@@ -628,7 +621,7 @@ def preprocess_batch(
         def prepare(job):
             t = job.tables[0].name
             return _dynamic.prepare_numba(
-                job.members(t), t, N, id_maps[job.name].seed, KD, _id_owners(plan, job)
+                job.members(t), t, N, id_maps[job.name].seed, KD, plan.id_owners(t)
             )
 
         if threads > 1 and len(todo) > 1:
@@ -651,7 +644,7 @@ def preprocess_batch(
             if job.name not in sorted_tables:
                 members = [(fp.name, c, seg) for fp, c, seg in job.members(job.tables[0].name)]
                 coded_, table, layout, uniq = _dynamic.prepare_stack(
-                    members, N, id_map.seed, _id_owners(plan, job)
+                    members, N, id_map.seed, plan.id_owners(job.tables[0])
                 )
                 dynamic[job.name] = uniq
                 sorted_tables[job.name] = [numpy_backend.sort_table(coded_, table, layout, D, N)]

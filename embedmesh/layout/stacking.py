@@ -443,6 +443,14 @@ class StackingPlan:
         known = lambda: f" (tables: {sorted(self._table_by_name)})"
         return _named(self._table_by_name, table, "table", known)
 
+    def id_owners(self, table: TableKey) -> tuple:
+        """`(first, k)`: the shards `[first, first + k)` owning a table of raw ids' ids, its
+        span; id x goes to shard `first + owner_of(x, k, seed)` (`device.id_map.owner_of`;
+        every shard for mod and row-wise placements, `(owner, 1)` for table-wise). The one
+        rule the host's routing, the device's maps and checkpoint rebuilds share."""
+        first, k = self.row_layout.span(self.table(table))
+        return int(first), int(k)
+
     def stack(self, name: str) -> StackSpec:
         known = lambda: f" (stacks: {[s.name for s in self.stacks]})"
         return _named(self._stack_by_name, name, "stack", known)

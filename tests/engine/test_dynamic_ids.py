@@ -127,7 +127,7 @@ class Reference:
 
     def __init__(self, n: int, config: id_map.IdMapConfig, table_index: int, owners=None):
         self.n = n
-        # (first, k): the shards owning the ids, `first + owner_of(id, k)` (`core.id_owners`)
+        # (first, k): the shards owning the ids, `first + owner_of(id, k)` (plan.id_owners)
         self.owners = (0, n) if owners is None else owners
         self.shards = [RefShard(config) for _ in range(n)]
         self.values = {}  # raw id -> float64 [DIM]
@@ -270,7 +270,7 @@ def _run(n: int, policy: tuple, batches: list) -> None:
     pipelined = emb.pipelined
     combiner = emb.plan.table_config("dyn").combiner
     t = emb.plan.table("dyn")
-    owners = core_module.id_owners(emb.plan, "dyn")
+    owners = emb.plan.id_owners("dyn")
     ref = Reference(n, emb.core.dynamic[t.stack][1], t.index, owners)
     pending = None
     rng = np.random.default_rng(len(batches))

@@ -3,7 +3,7 @@ table, and its one id map of `vocabulary_size` rows, on its owner device; every 
 the table routed to that owner, mapped there (admission, eviction, fresh rows) as the
 row-sharded placements map theirs. Trained beside a static table-wise table on another
 owner, against the dict-and-float64 reference of `test_dynamic_ids` (its `Reference`
-given the owner: `core.id_owners`), on a stream that evicts; then a checkpoint of it
+given the owner: `StackingPlan.id_owners`), on a stream that evicts; then a checkpoint of it
 restored onto another device count (the maps rebuilt on the new placement's owners) and
 back into a table-wise placement, and its serving read (`RawIdTable`)."""
 
@@ -18,7 +18,6 @@ from test_dynamic_ids import IDS_PER_SAMPLE, POOL, SAMPLES_PER_DEVICE, _engine, 
 import embedmesh as em
 from embedmesh import checkpoint as em_ckpt
 from embedmesh.checkpoint import id_maps
-from embedmesh.device import core as core_module
 
 # 6 rows for the 14 ids of the pool: every step admits and evicts
 CAPACITY = 6
@@ -40,7 +39,7 @@ def test_table_wise_matches_the_reference(n, eviction, combiner):
     policy = _policy(eviction, combiner)
     emb = _engine(n, *policy)
     dyn, static = emb.plan.table("dyn"), emb.plan.table("static")
-    first, k = core_module.id_owners(emb.plan, "dyn")
+    first, k = emb.plan.id_owners("dyn")
     assert k == 1 and (dyn.first_shard, dyn.span) == (first, 1)  # whole, on one owner
     assert (static.span, static.first_shard != first) == (1, True)  # another owner
     _, config = emb.core.dynamic[dyn.stack]
@@ -99,7 +98,7 @@ def test_checkpoint_onto_another_device_count(tmp_path, monkeypatch):
     for policy in (_policy("lfu", "sum"), ("lru", 1, 1, "mod", "mean", False, "table_wise", 24)):
         four = _engine(4, *policy)
         em_ckpt.restore(four, tmp_path / "c")
-        first, k = core_module.id_owners(four.plan, "dyn")
+        first, k = four.plan.id_owners("dyn")
         after = four.core.read_dynamic(four.state, "dyn")
         acc = four.core.read_dynamic(four.state, "dyn", "accumulators")
         assert after.keys() == before.keys()
