@@ -724,6 +724,8 @@ def preprocess_batch(
             caps[job.name],
             job.name in grown,
         )
+    if K is not None:  # numba ran: its LLVM is not needed again until it compiles
+        _runtime.page_out_llvm()
     return out, PreprocessStats(stats)
 
 
