@@ -10,12 +10,15 @@ share the numpy tables' memory) and the same requests:
   `RaggedTensor`s, with `set_host_threads(1)` (each client thread is one core's work);
 - em-numpy: the same under `embedmesh.serving.lookup.set_numpy_outputs(True)` (numpy
   outputs, no jax arrays);
-- em-np-release / em-np-hold: em-numpy under the other GIL policies, for A/B (the
-  default: a request of fewer than 32k ids keeps the GIL through its kernels while no
-  other thread is inside a lookup; release: every request releases it,
-  `fast_path.hold_gil_below(0)`; hold: a request under 32k ids keeps it whatever other
-  threads do, `fast_path.release_when_shared(False)`; nohandoff: the default without
-  the hand-over, `fast_path.gil_handoff_us(0)`);
+- em-np-release / em-np-hold / em-np-nohandoff / em-np-nowindow: em-numpy under the
+  other GIL policies, for A/B (the default: a request of fewer than 32k ids keeps the
+  GIL through its kernels while no other thread is inside a lookup or entered one in
+  the last 20 ms; release: every request releases it, `fast_path.hold_gil_below(0)`;
+  hold: a request under 32k ids keeps it whatever other threads do,
+  `fast_path.release_when_shared(False)`; nohandoff: the default without the hand-over
+  (after its kernels a thread waits, without the GIL, while another serving thread holds
+  it), `fast_path.gil_handoff_us(0)`; nowindow: only threads inside a lookup now count,
+  `fast_path.shared_window_us(0)`);
 - torch: `torch.nn.functional.embedding_bag(ids, table, offsets, mode=...)` a feature,
   under `torch.inference_mode()`, `torch.set_num_threads(1)`;
 - tf: TensorFlow's `tf.tpu.experimental.embedding.serving_embedding_lookup` in a
@@ -106,12 +109,32 @@ def make_requests(features, max_ids, batch: int, n: int, vocab: int, seed: int):
     return out
 
 
-GIL_POLICIES = {  # (hold_gil_below, release_when_shared, gil_handoff_us)
-    "auto": (32768, True, 200),
-    "release": (0, True, 200),
-    "hold": (32768, False, 200),
-    "nohandoff": (32768, True, 0),
+# (hold_gil_below, release_when_shared, gil_handoff_us, shared_window_us); None: the
+# library's default
+GIL_POLICIES = {
+    "auto": (None, None, None, None),
+    "release": (0, None, None, None),
+    "hold": (None, False, None, None),
+    "nohandoff": (None, None, 0, None),
+    "nowindow": (None, None, None, 0),
 }
+_GIL_SETTERS = (
+    fast_path.hold_gil_below,
+    fast_path.release_when_shared,
+    fast_path.gil_handoff_us,
+    getattr(fast_path, "shared_window_us", lambda _: None),  # an older tree's A/B
+)
+
+
+def _default(set_):
+    """A GIL setting's default (None where this tree lacks it): set, read back, restored."""
+    old = set_(0)
+    if old is not None:
+        set_(old)
+    return old
+
+
+_GIL_DEFAULTS = tuple(_default(set_) for set_ in _GIL_SETTERS)
 
 
 def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "auto"):
@@ -120,10 +143,9 @@ def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "au
 
     def setup():  # before each cell
         set_numpy_outputs(numpy_outputs)
-        below, shared, handoff = GIL_POLICIES[gil]
-        fast_path.hold_gil_below(below)
-        fast_path.release_when_shared(shared)
-        fast_path.gil_handoff_us(handoff)
+        for set_, value, default in zip(_GIL_SETTERS, GIL_POLICIES[gil], _GIL_DEFAULTS):
+            if default is not None:
+                set_(default if value is None else value)
 
     call.setup = setup
     return call
@@ -241,6 +263,7 @@ def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
         "em-np-release": lambda: embedmesh_call(features, tables, True, "release"),
         "em-np-hold": lambda: embedmesh_call(features, tables, True, "hold"),
         "em-np-nohandoff": lambda: embedmesh_call(features, tables, True, "nohandoff"),
+        "em-np-nowindow": lambda: embedmesh_call(features, tables, True, "nowindow"),
     }
     if torch is not None:
         makers["torch"] = lambda: torch_call(features, tables)
@@ -392,7 +415,8 @@ def main(argv=None):
     p.add_argument(
         "--contenders",
         default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
-        help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, torch, tf",
+        help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, "
+        "em-np-nowindow, torch, tf",
     )
     p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
     args = p.parse_args(argv)

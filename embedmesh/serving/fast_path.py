@@ -46,11 +46,13 @@ except ImportError:  # pragma: no cover - the install builds it where a compiler
 
 __all__ = [
     "gil_handoff_us",
+    "gil_stats",
     "hold_gil_below",
     "in_flight",
     "one_buffer",
     "lookup",
     "release_when_shared",
+    "shared_window_us",
     "use_compiled",
 ]
 
@@ -166,14 +168,35 @@ def release_when_shared(on: bool) -> bool | None:
 
 
 def gil_handoff_us(us: int) -> int | None:
-    """How long a thread that released the GIL for its kernels, leaving other serving
-    threads waiting for it, waits after them (yielding its core) until one of those ran
-    before it takes the GIL back (0: no wait; default 200); returns the previous value,
-    None without the compiled form. Python's GIL is not fair: without the wait, a thread
-    that gives it up for a few us takes it back before a waiting one has woken, and
-    that one's wait starts again each time, for many ms."""
+    """How long a thread that released the GIL for its kernels while others are serving
+    waits after them, without the GIL and yielding its core, while another serving thread
+    holds the GIL inside a lookup, before it asks for the GIL (0: no wait; default 1000);
+    returns the previous value, None without the compiled form. Asking at once, it would
+    sleep in CPython until that thread drops the GIL and be woken then (tens of us on a
+    VM, the GIL idle meanwhile); and CPython's GIL is not fair: a thread that gives it up
+    for a few us takes it back before a sleeping waiter has woken."""
     fn = getattr(_compiled, "set_handoff_us", None)
     return None if fn is None else fn(int(us))
+
+
+def shared_window_us(us: int) -> int | None:
+    """How long after another thread entered `serving_embedding_lookup` a request counts
+    as shared (so a small one releases the GIL for its kernels: `hold_gil_below`) although
+    no other thread is inside a lookup now (0: only while one is; default 20000); returns
+    the previous value, None without the compiled form. A serving thread between two
+    requests (its own Python) is not inside a lookup, yet waits for the GIL: a request
+    that keeps it through its kernels made that thread wait up to Python's switch interval
+    (5 ms). One thread serving beside a busy Python thread is never shared."""
+    fn = getattr(_compiled, "set_shared_window_us", None)
+    return None if fn is None else fn(int(us))
+
+
+def gil_stats() -> tuple[int, int, int] | None:
+    """(requests, those that released the GIL, ns their kernels ran without it) of the
+    compiled form since the process started; None without it. What is not those ns of a
+    request's time holds the GIL: its checks, output views and result."""
+    fn = getattr(_compiled, "stats", None)
+    return None if fn is None else fn()
 
 
 def one_buffer(on: bool) -> bool | None:

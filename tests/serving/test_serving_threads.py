@@ -117,11 +117,16 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(params=["alone", "release", "hold", "buffers", "pool", "numpy"])
+@pytest.fixture(
+    params=["alone", "release", "hold", "nohandoff", "nowindow", "buffers", "pool", "numpy"]
+)
 def pool(request):
     """release: every request releases the GIL while its kernels run (by default small
-    ones keep it while no other thread is in a lookup); hold: every request keeps it,
-    other threads in a lookup or not; buffers: each output its own buffer from the pool
+    ones keep it while no other thread is in a lookup or entered one lately); hold: every
+    request keeps it, other threads in a lookup or not; nohandoff: a thread asks for the
+    GIL back as soon as its kernels end (by default it waits while another serving thread
+    holds it); nowindow: only threads inside a lookup now make a request shared;
+    buffers: each output its own buffer from the pool
     (by default a request's outputs are views of one); pool: every request asks the C++ pool for 4
     threads (one entry a thread is enough), so requests find it busy or take it while
     others run; numpy: outputs are the output pool's buffers themselves
@@ -143,6 +148,15 @@ def pool(request):
         yield
         if previous is not None:
             fast_path.hold_gil_below(previous)
+        return
+    if request.param in ("nohandoff", "nowindow"):
+        from embedmesh.serving import fast_path
+
+        setter = {"nohandoff": fast_path.gil_handoff_us, "nowindow": fast_path.shared_window_us}
+        previous = setter[request.param](0)
+        yield
+        if previous is not None:
+            setter[request.param](previous)
         return
     if request.param == "buffers":
         from embedmesh.serving import fast_path
@@ -205,6 +219,44 @@ def test_in_flight_count_returns_to_zero():
     traced = jax.jit(lambda ids: em.serving_embedding_lookup({"fa": ids}, None, TABLES, FEATURES))
     traced(np.zeros((2, 3), np.int32))
     assert fast_path.in_flight() == 0
+
+
+def test_gil_stats_count_requests():
+    """The compiled path's counters: every fast request counted, and with every request
+    releasing the GIL (hold_gil_below(0)) each one counted as released, its kernels'
+    time without the GIL not negative; the thread then holds the GIL again."""
+    from embedmesh.serving import fast_path
+
+    if not fast_path.compiled_available():
+        pytest.skip("the compiled request path was not built")
+    requests = [_request(s, b, 6) for s, b in enumerate((1, 8, 64))]
+    previous = fast_path.hold_gil_below(0)
+    try:
+        before = fast_path.gil_stats()
+        for r in requests:
+            em.serving_embedding_lookup(r, None, TABLES, FEATURES)
+        after = fast_path.gil_stats()
+    finally:
+        fast_path.hold_gil_below(previous)
+    assert after[0] - before[0] == len(requests)
+    assert after[1] - before[1] == len(requests)
+    assert after[2] >= before[2]
+    assert fast_path.in_flight() == 0
+
+
+def test_gil_settings_return_previous_values():
+    from embedmesh.serving import fast_path
+
+    if not fast_path.compiled_available():
+        pytest.skip("the compiled request path was not built")
+    for setter, value in (
+        (fast_path.gil_handoff_us, 7),
+        (fast_path.shared_window_us, 9),
+        (fast_path.hold_gil_below, 11),
+    ):
+        previous = setter(value)
+        assert setter(-1) == value  # negatives are 0
+        assert setter(previous) == 0
 
 
 @pytest.mark.parametrize("tables", [TABLES, TABLES_INT8], ids=["float32", "int8"])

@@ -56,28 +56,81 @@ int64_t g_hold_gil_below = 32768;
 // Threads inside a host lookup (enter / leave around serving_embedding_lookup); changed
 // and read only with the GIL held, so a plain integer.
 int64_t g_in_flight = 0;
-// The hand-over. Python's GIL is not fair: a thread that gives it up for a few us of
-// kernels takes it back before a waiting thread has woken, and each time it does, the
-// waiting thread's 5 ms wait starts again (CPython 3.11-3.13 take_gil: a drop request
-// only when no switch happened in the interval), so short releases starve the other
-// clients for many ms. After its kernels, a thread that left others waiting waits (at
-// most g_handoff_us, yielding its core) until one of them shows it ran: g_progress
-// moves whenever a thread enters or leaves a lookup or takes the GIL back after its
-// kernels. g_in_kernels: threads in their kernels without the GIL (so not waiting).
-std::atomic<int64_t> g_progress{0};
-std::atomic<int64_t> g_in_kernels{0};
-int64_t g_handoff_us = 200;
+// The hand-over. A thread whose kernels end while another serving thread holds the GIL
+// inside a lookup would block in CPython's take_gil on a condition variable, and be woken
+// (a futex wake: 10-50 us on this VM, the GIL idle meanwhile) only when that thread gives
+// it up: with 2 clients at batch 1 that wake cost more than the kernels it let overlap
+// (2 clients served 0.55x one client's requests). CPython's GIL is not fair either: a
+// thread that gives it up for a few us of kernels takes it back before a sleeping waiter
+// has woken. So after its kernels a thread waits here, without the GIL, yielding its core
+// (at most g_handoff_us), while g_gil_busy says another serving thread holds the GIL in
+// a lookup, then claims it (g_gil_busy 0 -> 1) and takes the GIL, which that thread has
+// just dropped: no sleep, and the threads take turns. g_gil_busy is set by a thread that
+// holds the GIL inside a lookup (enter, the GIL taken back after its kernels) and cleared
+// once it has dropped the GIL for its kernels, or leaves the lookup (its own Python may
+// then block and release the GIL in ways not seen here: a waiter takes the GIL as usual).
+std::atomic<int> g_gil_busy{0};
+std::atomic<int64_t> g_in_kernels{0};  // threads between dropping the GIL and taking it back
+int64_t g_handoff_us = 1000;
 
-void wait_for_progress(int64_t seen, int64_t us) {
+// Threads waiting here at once: at most one fewer than the cores, so that waiting never
+// takes a core from the thread that holds the GIL (4 clients on 2 cores, all waiting
+// here: the holder lost its core for whole time slices, p99 up to 75x the p50); the
+// others ask for the GIL at once, as without the hand-over.
+std::atomic<int64_t> g_waiters{0};
+const int64_t g_max_waiters = [] {
+  const int64_t cores = static_cast<int64_t>(std::thread::hardware_concurrency());
+  return cores > 1 ? cores - 1 : 1;
+}();
+
+void wait_for_gil(int64_t us) {
+  if (g_waiters.fetch_add(1) >= g_max_waiters) {
+    g_waiters.fetch_sub(1);
+    return;
+  }
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
-  while (g_progress.load() == seen && std::chrono::steady_clock::now() < until) {
+  for (;;) {
+    int free = 0;
+    if (g_gil_busy.load(std::memory_order_relaxed) == 0 &&
+        g_gil_busy.compare_exchange_strong(free, 1))
+      break;  // claimed: the GIL was dropped by its last serving holder
+    if (std::chrono::steady_clock::now() >= until) break;
     std::this_thread::yield();
   }
+  g_waiters.fetch_sub(1);
 }
 
 // Whether a small request releases the GIL when others are in flight (false: the size
 // alone decides; kept for A/B, set_release_when_shared).
 bool g_release_when_shared = true;
+
+// Serving threads that wait for the GIL outside a lookup (between two requests: a
+// client's own Python) are not in g_in_flight, yet a request that keeps the GIL through
+// its kernels makes them wait for it until Python's switch interval forces it out (5 ms):
+// with 2 clients, each one's next request started late, and they ran one after the
+// other. So "shared" also counts a lookup entered by another thread within the last
+// g_shared_window_us: a server whose threads take turns stays shared; one thread beside
+// a busy Python thread that is not serving is never shared. Read and written with the
+// GIL held.
+int64_t g_shared_window_us = 20000;
+int64_t g_shared_until_ns = 0;   // steady clock, ns
+const void* g_last_thread = nullptr;  // the last thread that entered a lookup
+thread_local char t_token;            // its address names this thread
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Another thread is inside a lookup, or entered one lately.
+bool shared_now() {
+  return g_in_flight > 1 || (g_shared_window_us > 0 && now_ns() < g_shared_until_ns);
+}
+
+// Counters of what ran without the GIL (stats()): requests, those that released it, ns
+// between releasing and asking for it back.
+int64_t g_requests = 0, g_released = 0, g_released_ns = 0;
 
 // A buffer view released with its holder.
 struct View {
@@ -348,45 +401,6 @@ bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, P
   return false;
 }
 
-// A request open in the runner, closed whatever happens (its kernels write buffers the
-// caller holds).
-struct Request {
-  void* handle = nullptr;
-  std::vector<int64_t> results;
-  int64_t added = 0;
-  int64_t entries = 0;  // what the kernels sum or copy (see g_hold_gil_below)
-  ~Request() { close(); }
-  void close() {
-    if (handle == nullptr) return;
-    results.assign(static_cast<size_t>(added > 0 ? added : 1), -1);
-    const bool shared = g_in_flight > 1;
-    if (entries < g_hold_gil_below && (!shared || !g_release_when_shared)) {  // kept
-      g_close(handle, results.data());
-      handle = nullptr;
-      return;
-    }
-    // Threads in a lookup that are neither here nor in their kernels wait for the GIL
-    // (or run with it): let one of them take it before this thread asks for it again.
-    const int64_t in_kernels = g_in_kernels.fetch_add(1) + 1;
-    const bool hand_over = shared && g_handoff_us > 0 && g_in_flight > in_kernels;
-    const int64_t seen = g_progress.load();
-    const int64_t handoff_us = g_handoff_us;
-    Py_BEGIN_ALLOW_THREADS;  // the kernels may run ~ms: other Python threads go on
-    g_close(handle, results.data());
-    g_in_kernels.fetch_sub(1);
-    if (hand_over) wait_for_progress(seen, handoff_us);
-    Py_END_ALLOW_THREADS;
-    g_progress.fetch_add(1);  // this thread has the GIL again
-    handle = nullptr;
-  }
-  bool ok() const {
-    for (int64_t t = 0; t < added; ++t) {
-      if (results[static_cast<size_t>(t)] != -1) return false;
-    }
-    return true;
-  }
-};
-
 // lookup(plans, inputs, weights, tables, types, alloc, finish, threads)
 //   plans: per feature (eligible, vocab, dim, combiner code, safe, table key, prune
 //   weights: safe and a combiner other than sum);
@@ -466,12 +480,6 @@ PyObject* lookup_checked(PyObject* args) {
     Py_INCREF(block.p);
   }
   std::vector<std::unique_ptr<int64_t[]>> offsets;  // sparse features' bag offsets
-  Request request;
-  {
-    const int64_t t = threads < 1 ? 1 : threads;
-    request.handle = g_open(tasks, t > 1 ? g_threads_for(entries, t) : 1);
-    request.entries = entries;
-  }
   for (Py_ssize_t i = 0; i < n; ++i) {
     Feature* f = features[static_cast<size_t>(i)].get();
     if (f == nullptr) {
@@ -518,17 +526,57 @@ PyObject* lookup_checked(PyObject* args) {
       offsets.emplace_back(new int64_t[static_cast<size_t>(f->rows + 1)]);
       w[7] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(offsets.back().get()));
     }
-    if (g_add(request.handle, w) != -1) {
-      PyErr_SetString(PyExc_RuntimeError, "EmServingAdd: an unknown task kind");
-      return nullptr;
-    }
-    ++request.added;
   }
-  // the result while the kernels run (see lookup._finish_common)
+  // the result while the kernels have not run (see lookup._finish_common)
   Owned result(PyObject_CallFunctionObjArgs(finish, outs.p, Py_True, nullptr));
   if (result.p == nullptr) return nullptr;
-  request.close();
-  if (!request.ok()) Py_RETURN_NONE;  // the general path names the error
+  // The kernels: handed to the runner (the runner's checks of ragged row_splits as each
+  // task is added, its thread pool, the sums), with the GIL or without it (the GIL
+  // policy above). Nothing below touches a Python object until the GIL is taken back:
+  // the views of the inputs and tables stay held by `features` meanwhile.
+  const int64_t t = threads < 1 ? 1 : threads;
+  const int64_t run_threads = t > 1 ? g_threads_for(entries, t) : 1;
+  std::vector<int64_t> results(static_cast<size_t>(tasks > 0 ? tasks : 1), -1);
+  int64_t added = 0;
+  bool unknown_kind = false;
+  auto run = [&] {
+    void* handle = g_open(tasks, run_threads);
+    for (const auto& f : features) {
+      if (f == nullptr) continue;
+      if (g_add(handle, f->words) != -1) {
+        unknown_kind = true;
+        break;
+      }
+      ++added;
+    }
+    g_close(handle, results.data());  // runs the tasks added, whatever happened
+  };
+  const bool shared = shared_now();
+  ++g_requests;
+  if (entries < g_hold_gil_below && (!shared || !g_release_when_shared)) {
+    run();  // kept (see g_hold_gil_below)
+  } else {
+    const int64_t spin_us = shared ? g_handoff_us : 0;
+    g_in_kernels.fetch_add(1);
+    PyThreadState* state = PyEval_SaveThread();  // other Python threads go on
+    g_gil_busy.store(0);
+    const int64_t t0 = now_ns();
+    run();
+    const int64_t ns = now_ns() - t0;
+    if (spin_us > 0) wait_for_gil(spin_us);
+    g_in_kernels.fetch_sub(1);
+    PyEval_RestoreThread(state);
+    g_gil_busy.store(1);  // held inside the lookup until it drops or leaves
+    ++g_released;
+    g_released_ns += ns;
+  }
+  if (unknown_kind) {
+    PyErr_SetString(PyExc_RuntimeError, "EmServingAdd: an unknown task kind");
+    return nullptr;
+  }
+  for (int64_t k = 0; k < added; ++k) {
+    if (results[static_cast<size_t>(k)] != -1) Py_RETURN_NONE;  // the general path names it
+  }
   if (result.p != Py_None) {
     Py_INCREF(result.p);
     return result.p;
@@ -580,13 +628,17 @@ PyObject* set_hold_gil_below(PyObject*, PyObject* args) {
 // calls them around its work); in_flight() -> how many are inside one now.
 PyObject* enter(PyObject*, PyObject*) {
   ++g_in_flight;
-  g_progress.fetch_add(1);
+  g_gil_busy.store(1);  // this thread holds the GIL inside a lookup
+  if (g_last_thread != &t_token) {  // another thread than the last one: shared a while
+    if (g_last_thread != nullptr) g_shared_until_ns = now_ns() + g_shared_window_us * 1000;
+    g_last_thread = &t_token;
+  }
   Py_RETURN_NONE;
 }
 
 PyObject* leave(PyObject*, PyObject*) {
   if (g_in_flight > 0) --g_in_flight;
-  g_progress.fetch_add(1);
+  g_gil_busy.store(0);  // what this thread's Python does next is not seen here
   Py_RETURN_NONE;
 }
 
@@ -606,7 +658,23 @@ PyObject* set_release_when_shared(PyObject*, PyObject* args) {
   return set_flag(args, g_release_when_shared);
 }
 
+// set_shared_window_us(us) -> the previous value: how long after another thread entered
+// a lookup a request counts as shared (0: only while another is inside one).
+PyObject* set_shared_window_us(PyObject*, PyObject* args) {
+  return set_count(args, g_shared_window_us);
+}
+
+// stats() -> (requests, requests that released the GIL, ns between releasing it and
+// asking for it back, their kernels): counted since the process started.
+PyObject* stats(PyObject*, PyObject*) {
+  return Py_BuildValue("(LLL)", static_cast<long long>(g_requests),
+                       static_cast<long long>(g_released), static_cast<long long>(g_released_ns));
+}
+
 PyMethodDef kMethods[] = {
+    {"set_shared_window_us", set_shared_window_us, METH_VARARGS,
+     "How long after another thread entered a lookup a request counts as shared."},
+    {"stats", stats, METH_NOARGS, "(requests, released the GIL, ns released)."},
     {"set_hold_gil_below", set_hold_gil_below, METH_VARARGS,
      "Requests of fewer entries keep the GIL while their kernels run, when alone."},
     {"set_release_when_shared", set_release_when_shared, METH_VARARGS,
