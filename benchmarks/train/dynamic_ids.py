@@ -26,10 +26,11 @@ over rounds of the per-round ratios dynamic / static of the per-round medians.
 preprocessing (`preprocess_batch`) and the transfer of its arrays (`core.put`, blocked
 on), with their ratios. `--put batched`: both contenders' transfer by `batched_put`
 (jaxlib's batched put a leaf) instead of `EmbeddingCore.put`, a proposal measured here
-before it is made. `--profile`: the dynamic step split into `map_ids`'s program
-(the facade's jitted map, blocked on) and the rest (lookup + update), and the host
-preprocessing's share that is the raw ids' routing (`host.dynamic_ids`), by a cProfile
-of `enqueue`. `--trace DIR`:
+before it was made: `EmbeddingCore.put` puts so itself since issue 42's batched put
+(`device/core.py`), so the option now compares only with older checkouts. `--profile`:
+the dynamic step split into `map_ids`'s program (the facade's jitted map, blocked on)
+and the rest (lookup + update), and the host preprocessing's share that is the raw
+ids' routing (`host.dynamic_ids`), by a cProfile of `enqueue`. `--trace DIR`:
 a `jax.profiler` trace of `--steps` dynamic steps into DIR, and the time a step of each
 program (its thunks' span) and of its costliest HLO ops (the thunks' own times; an op
 inside a `conditional` or `while` counts in its parent too).
@@ -67,11 +68,11 @@ def bijection64(ids, seed: int = 0x5EED):
 
 
 def batched_put(core, csr: dict) -> dict:
-    """What `--put batched` puts in place of `EmbeddingCore.put` (a proposal for
-    embedmesh/device/core.py, measured here): on one process, every leaf by jaxlib's
-    `batched_device_put` (`embedmesh._compat`, as serving's outputs) with its per-device
-    slices, where `jax.device_put` spends 40-140 us a leaf; the same global arrays, copies
-    (`force_copy`) as `jax.device_put` makes."""
+    """What `--put batched` puts in place of `EmbeddingCore.put` (the proposal, measured
+    here, that `EmbeddingCore.put` adopted: the same on checkouts since): on one process,
+    every leaf by jaxlib's `batched_device_put` (`embedmesh._compat`, as serving's
+    outputs) with its per-device slices, where `jax.device_put` spends 40-140 us a leaf;
+    the same global arrays, copies (`force_copy`) as `jax.device_put` makes."""
     import jax
     import numpy as np
 
@@ -343,7 +344,7 @@ def main(argv=None):
         "--put",
         default="core",
         choices=("core", "batched"),
-        help="the transfer enqueue runs: EmbeddingCore.put, or batched_put (a proposal)",
+        help="the transfer enqueue runs: EmbeddingCore.put, or batched_put (core.put's since #42)",
     )
     ap.add_argument(
         "--enqueue-parts",

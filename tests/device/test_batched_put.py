@@ -1,0 +1,128 @@
+"""`EmbeddingCore.put` on one process: jaxlib's batched put a leaf (`embedmesh._compat`)
+gives the arrays `jax.device_put` gives (values, dtype, sharding, committed), copies
+that never alias the host's numpy buffers; without the hook, `jax.device_put` itself."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import embedmesh as em
+from embedmesh import _compat
+
+
+def _engine(n, raw_ids):
+    """A built engine on n devices: a table of raw ids (or a static one) and a static
+    one; and one batch's preprocessed host arrays (`{stack: csr}` of numpy leaves)."""
+    dyn = em.TableConfig(
+        64 * n,
+        8,
+        combiner="sum",
+        name="dyn",
+        id_map=em.DynamicIds(eviction="lru") if raw_ids else None,
+    )
+    static = em.TableConfig(40, 8, combiner="mean", name="static")
+    features = {"a": em.FeatureConfig(dyn, name="a"), "b": em.FeatureConfig(static, name="b")}
+    b = 8 * n
+    emb = em.MeshEmbedding(
+        features,
+        em.Adagrad(0.1),
+        mesh=Mesh(np.array(jax.devices()[:n]), ("data",)),
+        capacities=em.Capacity(b * 4, b * 4),
+    )
+    rng = np.random.default_rng(n)
+    lengths = rng.integers(1, 4, b)
+    ids = rng.integers(0, 2**40, lengths.sum()) if raw_ids else rng.integers(0, 64, lengths.sum())
+    batch = {
+        "a": em.RaggedTensor.from_row_lengths(ids, lengths),
+        "b": rng.integers(0, 40, b),
+    }
+    emb.build()
+    csr, _ = emb._preprocess(batch, None, emb._capacities, emb._overflow)
+    return emb, csr
+
+
+def _reference(core, csr):
+    """The arrays `put` gave before the batched put (and gives without the hook)."""
+    return {
+        name: jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x), core.row_sharding), c)
+        for name, c in csr.items()
+    }
+
+
+def _same(got, want):
+    g, gt = jax.tree_util.tree_flatten(got)
+    w, wt = jax.tree_util.tree_flatten(want)
+    assert gt == wt and len(g) == len(w) > 0
+    for a, b in zip(g, w):
+        assert a.sharding == b.sharding, (a.sharding, b.sharding)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.weak_type == b.weak_type
+        assert a.committed == b.committed
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert [s.device for s in a.addressable_shards] == [s.device for s in b.addressable_shards]
+        for sa, sb in zip(a.addressable_shards, b.addressable_shards):
+            np.testing.assert_array_equal(np.asarray(sa.data), np.asarray(sb.data))
+
+
+def test_the_hook_resolves():
+    """Else the tests below would test the fallback twice (test_compat says so too)."""
+    assert _compat.batched_device_put() is not None and _compat.shaped_array() is not None
+
+
+@pytest.mark.parametrize("raw_ids", [True, False])
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_put_gives_device_puts_arrays(n, raw_ids):
+    emb, csr = _engine(n, raw_ids)
+    got = emb.core.put(csr)
+    _same(got, _reference(emb.core, csr))
+    for leaf in jax.tree_util.tree_leaves(got):
+        assert leaf.sharding == emb.core.row_sharding
+
+
+@pytest.mark.parametrize("raw_ids", [True, False])
+@pytest.mark.parametrize("n", [1, 8])
+def test_put_copies_the_host_buffers(n, raw_ids):
+    """Writing the host arrays right after `put` (not waited on) changes no device array:
+    `jax.device_put` zero-copies 64-byte-aligned numpy buffers on CPU and reads the others
+    after it returns, so the old put did not promise this."""
+    emb, csr = _engine(n, raw_ids)
+    want = jax.tree_util.tree_map(lambda x: np.array(x, copy=True), csr)
+    for _ in range(5):  # a buffer's alignment varies from run to run
+        host = jax.tree_util.tree_map(lambda x: np.array(x, copy=True), csr)
+        got = emb.core.put(host)
+        for x in jax.tree_util.tree_leaves(host):
+            x[...] = 7 if x.dtype != bool else ~x
+        _same(got, _reference(emb.core, want))
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_put_of_plain_arrays_large_and_canonicalised(n):
+    """Leaves of any shape and dtype: large ones (a transfer that takes a while), ones
+    jax converts (int64 and float64 without x64: `jax.device_put`'s dtypes), empty ones."""
+    emb, _ = _engine(n, False)
+    rng = np.random.default_rng(0)
+    host = {
+        "big": rng.integers(0, 1000, (n * 65536, 3), dtype=np.int32),
+        "wide": {"i64": np.arange(n * 4, dtype=np.int64), "f64": np.ones(n * 2)},
+        "empty": np.zeros((n * 2, 0), np.float32),
+        "bools": np.arange(n * 8) % 3 == 0,
+    }
+    want = _reference(emb.core, host)
+    got = emb.core.put(jax.tree_util.tree_map(lambda x: np.array(x, copy=True), host))
+    _same(got, want)
+    assert got["wide"]["i64"].dtype == jax.dtypes.canonicalize_dtype(np.int64)
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_put_without_the_hook_is_device_put(n, monkeypatch):
+    emb, csr = _engine(n, True)
+    monkeypatch.setattr(_compat, "batched_device_put", lambda: None)
+    _same(emb.core.put(csr), _reference(emb.core, csr))
+
+
+def test_put_of_an_indivisible_batch_raises_as_device_put():
+    emb, _ = _engine(8, False)
+    with pytest.raises(ValueError, match="evenly divide"):
+        jax.device_put(np.zeros(6), emb.core.row_sharding)
+    with pytest.raises(ValueError, match="evenly divide"):
+        emb.core.put({"x": np.zeros(6)})
