@@ -25,6 +25,7 @@ from test_serving import reference_lookup
 import embedmesh as em
 from embedmesh.serving import fast_path, kernels, lookup, native, pool
 from embedmesh.serving.backends import native as native_backend
+from embedmesh.serving.quantized import QuantizedTable, quantize_table
 
 pytestmark = pytest.mark.skipif(
     not kernels.HAVE_NATIVE, reason=f"no C++ serving kernels: {native.reason()}"
@@ -174,6 +175,55 @@ def test_common_inputs_take_the_fast_path_and_equal_the_general_path(p, spy, mon
         table = np.asarray(tables[fc.table])
         ref = reference_lookup(fc, inputs[name], w, table)
         scale = reference_lookup(fc, inputs[name], w, table, scale=True)
+        assert g.shape == ref.shape
+        np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
+
+
+def _quantized(rng, kind, dim):
+    """A QuantizedTable of `kind` for a [VOCAB, dim] table (codes: 7 levels)."""
+    if kind == "codes":
+        values = np.sort(rng.standard_normal(7)).astype(np.float32)
+        codes = rng.integers(0, 7, (VOCAB, dim)).astype(np.uint8)
+        return QuantizedTable("codes", codes, dim, values)
+    return quantize_table(rng.standard_normal((VOCAB, dim)).astype(np.float32), kind)
+
+
+@settings(SETTINGS, max_examples=25)
+@given(
+    p=requests(),
+    qkinds=st.lists(st.sampled_from(["int8", "fp16", "bf16", "codes"]), min_size=4, max_size=4),
+)
+def test_quantized_tables_take_the_fast_path_and_equal_the_general_path(
+    p, qkinds, spy, monkeypatch
+):
+    """Ragged and sparse features on int8, fp16 and codes tables (numpy rows) are common:
+    the fast path sums them with EmServingBagQ, bit for bit the general path's, within
+    float32 summation of the float64 sums of the decoded rows. A dense lookup (a gather of
+    float rows) or a bf16 table leaves the request to the general path."""
+    fcs, tables, inputs, weights = _build(p)
+    rng = np.random.default_rng(p["seed"] + 1)
+    tables = {tc: _quantized(rng, k, tc.dim) for tc, k in zip(tables, qkinds)}
+    common = all(
+        not isinstance(inputs[name], np.ndarray) and tables[fc.table].kind != "bf16"
+        for name, fc in fcs.items()
+    )
+    previous = lookup.set_host_threads(p["threads"])
+    try:
+        spy.clear()
+        got = em.serving_embedding_lookup(inputs, weights, tables, fcs)
+        assert len(spy) == 1 and (spy[0] is not None) == common
+        with monkeypatch.context() as m:
+            _general_only(m)
+            want = em.serving_embedding_lookup(inputs, weights, tables, fcs)
+    finally:
+        lookup.set_host_threads(previous)
+    for name, fc in fcs.items():
+        g = np.asarray(got[name])
+        np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
+        w = (weights or {}).get(name)
+        decoded = tables[fc.table].dequantize()
+        ref = reference_lookup(fc, inputs[name], w, decoded)
+        scale = reference_lookup(fc, inputs[name], w, decoded, scale=True)
         assert g.shape == ref.shape
         np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
 

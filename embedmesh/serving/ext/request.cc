@@ -17,7 +17,18 @@
 #endif
 #include <Python.h>
 
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <pthread.h>
+#endif
+
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -98,6 +109,94 @@ void wait_for_gil(int64_t us) {
     std::this_thread::yield();
   }
   g_waiters.fetch_sub(1);
+}
+
+// The fair hand-over (set_fair_gil; default on). With 3+ serving threads CPython's GIL
+// is taken by whichever thread asks at the right moment: a thread asleep in CPython's
+// take_gil is woken when the GIL is dropped, finds it taken again by a thread that
+// asked meanwhile, and sleeps another switch interval, each time anew as long as other
+// threads keep switching (4 clients at batch 1: the slowest 1% of requests slept 5.6 ms
+// of their 21 ms in take_gil, the median request 65 us in all; perf sched, 2026-12-05).
+// Here threads whose kernels have ended take the GIL back in the order their kernels
+// ended: each takes a ticket (g_gil_turn) and sleeps on a futex without the GIL until
+// the thread before it has the GIL; then, first in line, it waits (yielding, at most
+// g_handoff_us) while another serving thread holds the GIL in a lookup, claims it as
+// that one drops it, and takes it, the only serving thread asking for it. Threads that
+// are not serving take the GIL as usual.
+//
+// The kernel slots (set_kernel_slots; default 0: no limit): at most that many serving
+// threads run their kernels at once, in the order they dropped the GIL, the others
+// asleep on a futex without it, so that kernels never crowd the cores (and a thread
+// holding the GIL, or first in line for it, off them).
+//
+// Both are tickets on a 32-bit counter: ticket t may pass once t - done < limit, a
+// passing thread adds 1 to done and wakes (FUTEX_WAKE_BITSET, bit t % 32) only the
+// thread whose turn came. A forked child starts them again (pthread_atfork).
+class Turns {
+ public:
+  uint32_t take() { return next_.fetch_add(1); }
+
+  // Until ticket t may pass (`limit` tickets at once).
+  void wait(uint32_t t, uint32_t limit) {
+    for (;;) {
+      const uint32_t d = done_.load();
+      if (t - d < limit) return;
+#if defined(__linux__)
+      // sleeps unless done_ has moved on from d meanwhile
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&done_), FUTEX_WAIT_BITSET_PRIVATE, d,
+              nullptr, nullptr, bit(t));
+#else
+      std::this_thread::yield();
+#endif
+    }
+  }
+
+  // The thread holding ticket t lets the next one in (`limit` as in wait).
+  void pass(uint32_t limit) {
+    const uint32_t d = done_.fetch_add(1) + 1;  // seq_cst both: against take() then wait()
+    if (next_.load() - d < limit) return;  // every ticket taken may pass: nobody waits
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&done_), FUTEX_WAKE_BITSET_PRIVATE, INT_MAX,
+            nullptr, nullptr, bit(d + limit - 1));
+#endif
+  }
+
+  void reset() {
+    next_.store(0);
+    done_.store(0);
+  }
+
+ private:
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word");
+  std::atomic<uint32_t> next_{0};
+  std::atomic<uint32_t> done_{0};
+  static uint32_t bit(uint32_t t) { return 1u << (t % 32); }
+};
+
+Turns g_gil_turns, g_kernel_turns;
+bool g_fair_gil = true;
+int64_t g_kernel_slots = 0;
+
+// First in line for the GIL: wait (yielding, at most `us`) while another serving thread
+// holds it inside a lookup, and claim it as that thread drops it.
+void wait_first_in_line(int64_t us) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  for (;;) {
+    int free = 0;
+    if (g_gil_busy.load(std::memory_order_relaxed) == 0 &&
+        g_gil_busy.compare_exchange_strong(free, 1))
+      return;
+    if (std::chrono::steady_clock::now() >= until) return;
+    std::this_thread::yield();
+  }
+}
+
+void reset_after_fork() {
+  g_gil_turns.reset();
+  g_kernel_turns.reset();
+  g_waiters.store(0);
+  g_in_kernels.store(0);
+  g_gil_busy.store(0);
 }
 
 // Whether a small request releases the GIL when others are in flight (false: the size
@@ -201,9 +300,10 @@ struct Owned {
 
 // One feature's prepared task: its arrays' views, its output's shape, its words.
 struct Feature {
-  View table, ids, splits, indices, weights;
-  Owned values, row_splits, idx, wvalues;  // the objects the views read
+  View table, ids, splits, indices, weights, qvalues;
+  Owned values, row_splits, idx, wvalues, qdata, qcodes;  // the objects the views read
   int64_t kind = 0, rows = 0, entries = 0;
+  int64_t format[2] = {0, 0};  // a quantized table's row format (EmServingBagQ), else 0
   int64_t out_shape[8] = {0};
   int out_ndim = 0;
   int64_t words[kTaskWords] = {0};
@@ -264,11 +364,67 @@ bool shape2(PyObject* seq, int64_t* a, int64_t* b) {
   return true;
 }
 
-void table_words(const Feature& f, int64_t* w) {
+void table_words(const Feature& f, int64_t* w, int64_t dim) {
   w[1] = f.table.addr();
   w[2] = f.table.b.shape[0];
-  w[3] = f.table.b.shape[1];
-  w[4] = f.table.b.strides[0] / 4;
+  w[3] = dim;
+  if (f.format[0] != 0) {  // EmServingBagQ: the stride in bytes, the format in word 19
+    w[4] = f.table.b.strides[0];
+    w[19] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(f.format));
+  } else {
+    w[4] = f.table.b.strides[0] / 4;
+  }
+}
+
+PyObject* s_kind = nullptr;  // QuantizedTable's attributes
+PyObject* s_data = nullptr;
+PyObject* s_dim = nullptr;
+
+// A QuantizedTable (embedmesh/serving/quantized.py) whose rows the bag kernels decode
+// (EmServingBagQ): its `data` a numpy array [vocab, row] of contiguous rows of its
+// kind's bytes (int8: dim + 8 bytes, fp16: dim float16 values, codes: dim bytes and
+// float32 `values`), its `dim` the feature's. Sets f.table (the rows) and f.format;
+// false: the general path's (which converts, or names what is wrong; bf16 too: numpy's
+// buffer protocol does not carry ml_dtypes' bfloat16).
+bool quantized_ok(PyObject* ndarray, PyObject* table, int64_t vocab, int64_t dim, Feature& f) {
+  Owned kind(attr(table, s_kind)), qdim(attr(table, s_dim));
+  f.qdata.p = attr(table, s_data);
+  if (kind.p == nullptr || qdim.p == nullptr || f.qdata.p == nullptr ||
+      Py_TYPE(f.qdata.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+      !PyUnicode_Check(kind.p) || !PyLong_Check(qdim.p))
+    return false;
+  if (PyLong_AsLongLong(qdim.p) != dim || PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  int64_t code = 0, itemsize = 1, row = dim;
+  if (PyUnicode_CompareWithASCIIString(kind.p, "int8") == 0) {
+    code = 3;
+    row = dim + 8;
+  } else if (PyUnicode_CompareWithASCIIString(kind.p, "fp16") == 0) {
+    code = 1;
+    itemsize = 2;
+  } else if (PyUnicode_CompareWithASCIIString(kind.p, "codes") == 0) {
+    code = 4;
+  } else {
+    return false;
+  }
+  View& t = f.table;
+  if (!t.get(f.qdata.p) || t.b.ndim != 2 || t.b.itemsize != itemsize || t.b.shape[0] != vocab ||
+      t.b.shape[1] != row || t.b.strides[1] != itemsize || t.b.strides[0] < row * itemsize)
+    return false;
+  if (code == 1 && t.code() != 'e') return false;
+  if ((code == 3 || code == 4) && t.code() != 'B') return false;
+  f.format[0] = code;
+  if (code == 4) {
+    f.qcodes.p = attr(table, s_values);
+    if (f.qcodes.p == nullptr || Py_TYPE(f.qcodes.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+        !f.qvalues.get(f.qcodes.p) || !is_float32(f.qvalues) || f.qvalues.b.ndim != 1 ||
+        !f.qvalues.contiguous() || f.qvalues.b.shape[0] < 1)
+      return false;
+    f.format[1] = f.qvalues.addr();
+  }
+  return true;
 }
 
 // Check one feature (plan: (eligible, vocab, dim, combiner code, safe, table key,
@@ -287,10 +443,19 @@ bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, P
   PyTypeObject* kind = Py_TYPE(inp);
   if (weight != Py_None && (Py_TYPE(weight) != kind || reinterpret_cast<PyObject*>(kind) == ndarray))
     return false;
-  if (table == nullptr || !f.table.get(table) || !is_float32(f.table) || f.table.b.ndim != 2 ||
-      f.table.b.shape[0] != vocab || f.table.b.shape[1] != dim || dim <= 0 ||
-      f.table.b.strides[1] != 4 || f.table.b.strides[0] < 0 || f.table.b.strides[0] % 4)
+  if (table == nullptr || dim <= 0) return false;
+  PyObject* quantized = PyTuple_Size(types) > 3 ? PyTuple_GetItem(types, 3) : nullptr;
+  if (quantized != nullptr && Py_TYPE(table) == reinterpret_cast<PyTypeObject*>(quantized)) {
+    // decoded by the bag kernels: ragged and sparse input (a dense lookup is a gather of
+    // float rows: the general path's)
+    if (reinterpret_cast<PyObject*>(kind) == ndarray) return false;
+    if (!quantized_ok(ndarray, table, vocab, dim, f)) return false;
+  } else if (!f.table.get(table) || !is_float32(f.table) || f.table.b.ndim != 2 ||
+             f.table.b.shape[0] != vocab || f.table.b.shape[1] != dim ||
+             f.table.b.strides[1] != 4 || f.table.b.strides[0] < 0 ||
+             f.table.b.strides[0] % 4) {
     return false;
+  }
   int is64 = 0;
   int64_t* w = f.words;
   if (reinterpret_cast<PyObject*>(kind) == ragged) {
@@ -321,7 +486,7 @@ bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, P
     f.out_shape[0] = f.rows;
     f.out_shape[1] = dim;
     w[0] = kCheckedBag;
-    table_words(f, w);
+    table_words(f, w, dim);
     w[5] = f.ids.addr();
     w[6] = is64;
     w[7] = f.splits.addr();
@@ -364,7 +529,7 @@ bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, P
     f.out_shape[0] = rows;
     f.out_shape[1] = dim;
     w[0] = kSparseOffsetsBag;
-    table_words(f, w);
+    table_words(f, w, dim);
     w[5] = f.ids.addr();
     w[6] = is64;
     // w[7]: the offsets, written by the request's first phase (set when added)
@@ -405,7 +570,8 @@ bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, P
 //   plans: per feature (eligible, vocab, dim, combiner code, safe, table key, prune
 //   weights: safe and a combiner other than sum);
 //   inputs / weights: per feature (None: no input / no weights); tables: the user's
-//   dict; types: (np.ndarray, RaggedTensor, SparseTensor); alloc(shape) -> (array,
+//   dict; types: (np.ndarray, RaggedTensor, SparseTensor[, QuantizedTable]: ragged and
+//   sparse features on its tables are decoded by EmServingBagQ); alloc(shape) -> (array,
 //   address) of a float32 output; finish(outs, before_run) -> result or None.
 // Returns the result, or None (not a common request, or a kernel reported an error).
 PyObject* lookup_checked(PyObject* args);
@@ -433,7 +599,8 @@ PyObject* lookup_checked(PyObject* args) {
     return nullptr;
   }
   const Py_ssize_t n = PyTuple_Size(plans);
-  if (PyList_Size(inputs) != n || PyList_Size(weights) != n || PyTuple_Size(types) != 3) {
+  if (PyList_Size(inputs) != n || PyList_Size(weights) != n || PyTuple_Size(types) < 3 ||
+      PyTuple_Size(types) > 4) {
     PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
     return nullptr;
   }
@@ -557,16 +724,27 @@ PyObject* lookup_checked(PyObject* args) {
     run();  // kept (see g_hold_gil_below)
   } else {
     const int64_t spin_us = shared ? g_handoff_us : 0;
+    const bool fair = shared && g_fair_gil;
+    const uint32_t slots =
+        shared && g_kernel_slots > 0 ? static_cast<uint32_t>(std::min<int64_t>(g_kernel_slots, 1 << 20)) : 0;
     g_in_kernels.fetch_add(1);
     PyThreadState* state = PyEval_SaveThread();  // other Python threads go on
     g_gil_busy.store(0);
+    if (slots > 0) g_kernel_turns.wait(g_kernel_turns.take(), slots);
     const int64_t t0 = now_ns();
     run();
     const int64_t ns = now_ns() - t0;
-    if (spin_us > 0) wait_for_gil(spin_us);
+    if (slots > 0) g_kernel_turns.pass(slots);
+    if (fair) {
+      g_gil_turns.wait(g_gil_turns.take(), 1);
+      if (spin_us > 0) wait_first_in_line(spin_us);
+    } else if (spin_us > 0) {
+      wait_for_gil(spin_us);
+    }
     g_in_kernels.fetch_sub(1);
     PyEval_RestoreThread(state);
     g_gil_busy.store(1);  // held inside the lookup until it drops or leaves
+    if (fair) g_gil_turns.pass(1);  // the next in line may wait for it now
     ++g_released;
     g_released_ns += ns;
   }
@@ -646,6 +824,14 @@ PyObject* leave(PyObject*, PyObject*) {
 // for a thread it left waiting for the GIL to run (0: no wait; default 200).
 PyObject* set_handoff_us(PyObject*, PyObject* args) { return set_count(args, g_handoff_us); }
 
+// set_fair_gil(on) -> the previous setting: whether serving threads whose kernels end
+// take the GIL back in the order their kernels ended (default true).
+PyObject* set_fair_gil(PyObject*, PyObject* args) { return set_flag(args, g_fair_gil); }
+
+// set_kernel_slots(n) -> the previous value: at most n serving threads run their kernels
+// at once while requests are shared (0: no limit; default 0).
+PyObject* set_kernel_slots(PyObject*, PyObject* args) { return set_count(args, g_kernel_slots); }
+
 // set_one_buffer(on) -> the previous setting: whether a request's outputs are views of
 // one buffer taken for it (default true) or each its own buffer from the pool.
 PyObject* set_one_buffer(PyObject*, PyObject* args) { return set_flag(args, g_one_buffer); }
@@ -681,6 +867,10 @@ PyMethodDef kMethods[] = {
      "Whether a small request releases the GIL while others are in a lookup."},
     {"set_handoff_us", set_handoff_us, METH_VARARGS,
      "How long a thread waits for one it left waiting for the GIL to run."},
+    {"set_fair_gil", set_fair_gil, METH_VARARGS,
+     "Whether serving threads take the GIL back in the order their kernels ended."},
+    {"set_kernel_slots", set_kernel_slots, METH_VARARGS,
+     "At most this many serving threads run their kernels at once (0: no limit)."},
     {"set_one_buffer", set_one_buffer, METH_VARARGS,
      "Whether a request's outputs are views of one buffer."},
     {"enter", enter, METH_NOARGS, "A thread starts a host lookup."},
@@ -702,6 +892,19 @@ PyMODINIT_FUNC PyInit__request(void) {
   s_indices = PyUnicode_InternFromString("indices");
   s_dense_shape = PyUnicode_InternFromString("dense_shape");
   s_reshape = PyUnicode_InternFromString("reshape");
-  if (!s_values || !s_row_splits || !s_indices || !s_dense_shape || !s_reshape) return nullptr;
-  return PyModule_Create(&kModule);
+  s_kind = PyUnicode_InternFromString("kind");
+  s_data = PyUnicode_InternFromString("data");
+  s_dim = PyUnicode_InternFromString("dim");
+  if (!s_values || !s_row_splits || !s_indices || !s_dense_shape || !s_reshape || !s_kind ||
+      !s_data || !s_dim)
+    return nullptr;
+  static const bool at_fork = pthread_atfork(nullptr, nullptr, reset_after_fork) == 0;
+  (void)at_fork;
+  PyObject* m = PyModule_Create(&kModule);
+  // lookup's `types` may name QuantizedTable fourth: its tables go to EmServingBagQ
+  if (m != nullptr && PyModule_AddIntConstant(m, "QUANTIZED_TABLES", 1) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }
