@@ -3,7 +3,8 @@
 Standard library only, no jax and no other embedmesh module at import: `setup.py` loads
 this file by path to build the libraries at install (`build_all`), and both the device
 layer (`embedmesh.device.ops.cpu`, XLA FFI handlers) and the serving layer (plain C,
-ctypes) load theirs with `load(kind) -> ctypes.CDLL`.
+ctypes) load theirs with `load(kind) -> ctypes.CDLL`, as does the host layer (host
+preprocessing's kernels, plain C).
 
 `LIBRARIES` is the table of libraries: a name, the package folder of its `*.cc` / `*.h`
 sources (all `.cc` of a folder are compiled as one translation unit), and whether it
@@ -136,6 +137,8 @@ LIBRARIES = {
     ),
     # the serving lookup's bag kernels: plain C ABI (extern "C"), loaded with ctypes
     "serving": Library("serving", "serving/cpu", ffi=False),
+    # host preprocessing's kernels (embedmesh.host.native_backend): plain C, ctypes
+    "host": Library("host", "host/cpu", ffi=False),
 }
 
 # x86-64 variants, best first: (name, compiler flags, /proc/cpuinfo flags it needs).

@@ -6,6 +6,8 @@ reading `os.environ` itself. docs/environment.md
 lists them:
 
   EMBEDMESH_NUMBA=0           host kernels (preprocessing, serving) use numpy
+  EMBEDMESH_PREPROCESS_NATIVE=0   host preprocessing without its C++ kernels (numba's,
+                              then numpy's)
   EMBEDMESH_PAGE_OUT_LLVM=0   keep numba's LLVM code resident once the preprocessing
                               kernels are loaded (default: paged out, `page_out_llvm`)
   EMBEDMESH_CPU_KERNELS=0|1   device ops: 0 pure JAX; 1 build the C++ kernels
@@ -62,6 +64,7 @@ __all__ = [
     "page_out_llvm",
     "page_out_llvm_enabled",
     "pooled_pair_fields",
+    "preprocess_native_enabled",
     "preprocess_threads",
     "reset",
     "serving_threads",
@@ -122,6 +125,13 @@ def _positive_int(name: str) -> int | None:
 def numba_enabled() -> bool:
     """False when EMBEDMESH_NUMBA is 0/false/no/off: host kernels use numpy."""
     return _env("EMBEDMESH_NUMBA").lower() not in _OFF
+
+
+@functools.cache
+def preprocess_native_enabled() -> bool:
+    """False when EMBEDMESH_PREPROCESS_NATIVE is 0/false/no/off: host preprocessing
+    without its C++ kernels (`embedmesh.host.native_backend`)."""
+    return _env("EMBEDMESH_PREPROCESS_NATIVE").lower() not in _OFF
 
 
 @functools.cache
@@ -357,6 +367,7 @@ def reset() -> None:
     """Forget the switches read so far (tests change the environment)."""
     for fn in (
         numba_enabled,
+        preprocess_native_enabled,
         page_out_llvm_enabled,
         cpu_kernels_setting,
         gpu_kernels_variant,

@@ -2,9 +2,10 @@
 in a fresh process with empty caches (`EMBEDMESH_CACHE_DIR` and `NUMBA_CACHE_DIR` new temporary
 folders), as a user runs it right after `pip install`. Phases: `import embedmesh`,
 `MeshEmbedding(...).build()`, the first lookup (host preprocessing, numba compiling its kernels
-at first use, XLA compiling the program, the C++ kernels loaded), and the first update.
-Interleaved rounds of: empty caches; numba's cache warm (what numba's compile costs);
-`EMBEDMESH_NUMBA=0` (no numba at all).
+at first use where it runs, XLA compiling the program, the C++ kernels loaded), and the first
+update. Interleaved rounds of: empty caches (preprocessing on its C++ kernels, the default:
+no numba imported); `EMBEDMESH_PREPROCESS_NATIVE=0` (numba's kernels) with numba's cache
+empty, then warm (what numba's compile costs); `EMBEDMESH_NUMBA=0` (no numba at all).
 
     python benchmarks/train/cold_start.py --rounds 3    # the interpreter whose embedmesh to time
 """
@@ -20,7 +21,7 @@ import sys
 import tempfile
 
 CHILD = """
-import json, time
+import json, sys, time
 t0 = time.perf_counter()
 import jax, jax.numpy as jnp, numpy as np
 import embedmesh as em
@@ -42,7 +43,8 @@ jax.block_until_ready(emb.embedding_tables)
 t4 = time.perf_counter()
 from embedmesh.device.ops import cpu
 print(json.dumps({"import": t1 - t0, "build": t2 - t1, "first_lookup": t3 - t2,
-                  "to_lookup": t3 - t0, "to_update": t4 - t0, "library": cpu.library_path()}))
+                  "to_lookup": t3 - t0, "to_update": t4 - t0, "library": cpu.library_path(),
+                  "numba": any(m.split(".")[0] == "numba" for m in sys.modules)}))
 """
 
 
@@ -63,7 +65,12 @@ def main() -> None:
     args = p.parse_args()
     print(f"{sys.executable}; load average at start {os.getloadavg()}")
     keys = ("import", "build", "first_lookup", "to_lookup", "to_update")
-    results: dict[str, list[dict]] = {"cold": [], "numba warm": [], "numba off": []}
+    results: dict[str, list[dict]] = {
+        "cold": [],
+        "numba cold": [],
+        "numba warm": [],
+        "numba off": [],
+    }
     for i in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
             base = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDMESH_")}
@@ -73,12 +80,18 @@ def main() -> None:
                 JAX_PLATFORMS="cpu",
             )
             results["cold"].append(child(base))
-            results["numba warm"].append(child(base))  # numba's cache now holds the kernels
+            numba = dict(base, EMBEDMESH_PREPROCESS_NATIVE="0")  # numba's kernels
+            results["numba cold"].append(child(numba))  # numba's cache still empty
+            results["numba warm"].append(child(numba))  # numba's cache now holds the kernels
             results["numba off"].append(child(dict(base, EMBEDMESH_NUMBA="0")))
             built = os.path.exists(os.path.join(tmp, "embedmesh"))
         for name, runs in results.items():
             r = runs[-1]
-            print(f"round {i} {name:10s} " + "  ".join(f"{k} {r[k]:.2f}s" for k in keys))
+            print(
+                f"round {i} {name:10s} "
+                + "  ".join(f"{k} {r[k]:.2f}s" for k in keys)
+                + f"  numba imported: {r.get('numba')}"
+            )
         print(f"  library {results['cold'][-1]['library']}; built into the cache: {built}")
     print(f"load average at end {os.getloadavg()}\nmedians:")
     for name, runs in results.items():

@@ -40,6 +40,7 @@ import numpy as np
 from embedmesh.config import FeatureConfig, TableConfig
 from embedmesh.host.preprocess import (
     compute_sparse_core_stats,
+    native_available,
     numba_available,
     preprocess_features,
 )
@@ -202,11 +203,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default="dense,ragged")
     ap.add_argument("--numpy", action="store_true", help="also time the pure numpy backend")
+    ap.add_argument(
+        "--backends",
+        default=",".join(
+            b for b, ok in (("native", native_available()), ("numba", numba_available())) if ok
+        ),
+        help="compiled backends to time, comma-separated (default: native,numba where available); "
+        "the first's per-round ratio against the second is printed",
+    )
     args = ap.parse_args()
 
     peer, why = load_peer()
     print(
-        f"cores: {len(os.sched_getaffinity(0))}, numba: {numba_available()}, "
+        f"cores: {len(os.sched_getaffinity(0))}, native: {native_available()}, "
+        f"numba: {numba_available()}, "
         f"jax-tpu-embedding: {'yes' if peer else 'missing (' + why + ')'}"
     )
     t = time.perf_counter()
@@ -227,13 +237,23 @@ def main():
         )
         n_ids = sum(int(x.row_splits[-1]) for x in ours.values())
         runners = {}
-        if numba_available():
-            for threads in range(1, len(os.sched_getaffinity(0)) + 1):
-                for stack in (True, False):
-                    runners[f"numba {threads}T, {'stacked' if stack else 'unstacked'}"] = (
-                        embedmesh_runner(ours, stack, "numba", threads)
+        compiled = [b for b in args.backends.split(",") if b]
+        for threads in range(1, len(os.sched_getaffinity(0)) + 1):
+            for stack in (True, False):
+                for backend in compiled:  # native then numba: interleaved in each round
+                    runners[f"{backend} {threads}T, {'stacked' if stack else 'unstacked'}"] = (
+                        embedmesh_runner(ours, stack, backend, threads)
                     )
-        if args.numpy or not numba_available():
+        if len(compiled) > 1:  # the compiled backends agree bit for bit on this batch
+            for k in [k for k in runners if k.startswith(compiled[0])]:
+                a, *others = [runners[k.replace(compiled[0], b, 1)]()[0] for b in compiled]
+                for b in others:
+                    for name in a:
+                        for f in a[name]._ARRAYS:
+                            x, y = getattr(a[name], f), getattr(b[name], f)
+                            np.testing.assert_array_equal(x, y, err_msg=f"{k}: {name}.{f}")
+            print(f"{variant}: {', '.join(compiled)} gave identical arrays")
+        if args.numpy or not compiled:
             runners["numpy, stacked"] = embedmesh_runner(ours, True, "numpy")
             runners["numpy, unstacked"] = embedmesh_runner(ours, False, "numpy")
         if peer:
@@ -260,6 +280,15 @@ def main():
                 f" (best {n_ids / min(wall[k]) / 1e6:5.1f})   cpu {mcpu[k] * 1e3:7.1f} ms "
                 f"{n_ids / mcpu[k] / 1e6:6.1f} M ids/cpu-s"
             )
+        if len(compiled) > 1:  # medians of per-round ratios against the second backend
+            for k in [k for k in runners if k.startswith(compiled[0])]:
+                other = k.replace(compiled[0], compiled[1], 1)
+                r = [b / a for a, b in zip(wall[k], wall[other])]
+                rc = [b / a for a, b in zip(cpu[k], cpu[other])]
+                print(
+                    f"  {k} vs {compiled[1]}: wall {statistics.median(r):.2f}x faster "
+                    f"(rounds {min(r):.2f}-{max(r):.2f}), cpu {statistics.median(rc):.2f}x"
+                )
         if peer:
             ref, ref_cpu = med["jax-tpu-embedding"], mcpu["jax-tpu-embedding"]
             for k in med:

@@ -324,6 +324,16 @@ def make_optimizer(name: str):
     }[name]()
 
 
+def preprocess_backend() -> str:
+    """The host preprocessing's backend ("auto"'s pick), "+numba" where numba was imported."""
+    try:
+        from embedmesh.host.preprocess import auto_backend
+    except ImportError:  # an older embedmesh (--baseline)
+        return "?"
+    loaded = any(m.split(".")[0] == "numba" for m in sys.modules)
+    return auto_backend() + (" (numba imported)" if loaded else " (numba not imported)")
+
+
 def chosen_strategies(sharding: str, fc, batch, mesh) -> dict:
     """`{table: strategy}`: `sharding` for every table, or with "auto" the planner's
     pick from `batch` for `mesh` (the facade's own call: `planner.plan` on the batch's
@@ -442,6 +452,8 @@ def child_embedmesh(args, batches, capacity_batches=None):
         page_faults_per_step=faults,
         mod_exchange_bytes=emb.mod_exchange_bytes,
         strategies="+".join(sorted({s for _, s in emb.plan.strategies})),
+        # the host preprocessing's backend, and whether the process imported numba
+        preprocess=preprocess_backend(),
     )
     devices = len(jax.devices())
     return step_result(enq, dev, setup_hwm, step_hwm, rss, state_bytes, devices, **more)
@@ -1172,10 +1184,11 @@ def main():
                 continue
             results[p].append(res)
             step_ms = statistics.median(res["device"]) * 1e3
+            pre = f", preprocessing {res['preprocess']}" if "preprocess" in res else ""
             print(
                 f"  round {rnd}: {p:15s} device step {step_ms:8.1f} ms "
                 f"({time.perf_counter() - t:.0f} s with setup), load "
-                f"{os.getloadavg()[0]:.1f}",
+                f"{os.getloadavg()[0]:.1f}{pre}",
                 flush=True,
             )
 

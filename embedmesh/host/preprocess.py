@@ -42,15 +42,20 @@ reference):
   arrays get the next capacity bucket (`capacity_bucket`) and the statistics
   report it, so the engine can recompile once.
 
-Two interchangeable backends give bit-identical output: numba kernels
-(`embedmesh.host.numba_backend`, `backend="numba"`, used by `"auto"` when numba
-is importable and `EMBEDMESH_NUMBA` is not 0: radix sort per (table, device)
-block, one pass to dedup and fill, (stack, device) tasks on a thread pool) and
-pure numpy (`embedmesh.host.numpy_backend`, `backend="numpy"`: one
-composite-key sort per table). numba is imported at the first preprocessing
-call that uses it, never by `import embedmesh`. Both place rows through the
-plan's `RowLayout` (the kernels receive its `kernel_params`). Threads:
-`num_threads`, default `EMBEDMESH_PREPROCESS_THREADS`, else one per usable
+Three interchangeable backends give bit-identical output, picked in one place
+(`_resolve_backend`): C++ kernels (`embedmesh.host.native_backend`,
+`embedmesh/host/cpu/preprocess.cc`, `backend="native"`, used by `"auto"` when the
+package's "host" library loads and `EMBEDMESH_PREPROCESS_NATIVE` is not 0: one ctypes
+call per (stack, device) task, the GIL released, nothing compiled at run time, no
+numba imported), numba kernels (`embedmesh.host.numba_backend`, `backend="numba"`,
+used by `"auto"` next, when numba is importable and `EMBEDMESH_NUMBA` is not 0; the
+same algorithm: radix sort per (table, device) block, one pass to dedup and fill,
+(stack, device) tasks on a thread pool) and pure numpy (`embedmesh.host.numpy_backend`,
+`backend="numpy"`: one composite-key sort per table). numba is imported at the first
+preprocessing call that uses it (the numba backend, or a table of raw ids, whose
+kernels are numba's under either compiled backend), never by `import embedmesh`. All
+place rows through the plan's `RowLayout` (the kernels receive its `kernel_params`).
+Threads: `num_threads`, default `EMBEDMESH_PREPROCESS_THREADS`, else one per usable
 core. Their speed: `benchmarks/train/RESULTS.md`, `benchmarks/runs/preprocess-history.md`.
 
 This module holds the orchestration and the entry points: embedmesh's form
@@ -99,6 +104,8 @@ __all__ = [
     "capacity_bucket",
     "compute_sparse_core_stats",
     "default_num_threads",
+    "auto_backend",
+    "native_available",
     "numba_available",
     "preprocess_batch",
     "preprocess_features",
@@ -196,10 +203,30 @@ def _id_map(plan: StackingPlan, job: _StackJob):
     return getattr(plan.table_config(job.tables[0].name), "id_map", None)
 
 
+def _native_backend():
+    """The C++ backend module (`embedmesh.host.native_backend`) when its library loads
+    (and `EMBEDMESH_PREPROCESS_NATIVE` is not 0), else None; imports no numba."""
+    from embedmesh.host import native_backend
+
+    return native_backend if native_backend.library() is not None else None
+
+
 def numba_available() -> bool:
     """True when the numba backend can be used (numba importable, and
     `EMBEDMESH_NUMBA` not 0); asking imports numba."""
     return _numba_backend() is not None
+
+
+def native_available() -> bool:
+    """True when the C++ backend can be used (its library built or buildable, and
+    `EMBEDMESH_PREPROCESS_NATIVE` not 0); asking loads it, and imports no numba."""
+    return _native_backend() is not None
+
+
+def auto_backend() -> str:
+    """The backend `backend="auto"` uses: "native" (the C++ kernels) when their library
+    loads, else "numba" when numba is importable, else "numpy"."""
+    return _resolve_backend("auto")[0]
 
 
 def default_num_threads() -> int:
@@ -297,8 +324,10 @@ def _table_inputs(members: list):
     return ids, weights, np.concatenate(parts), np.array(rows, np.int64)
 
 
-class _NumbaRun:
-    """One stack's numba work at one capacity: output arrays, then one task per device."""
+class _KernelRun:
+    """One stack's work on compiled kernels at one capacity (numba's or C++'s, the
+    subclasses): output arrays and every table's kernel inputs, then one task per
+    device (`device`), the tables' sorts ahead of it where threads are spare (`sort`)."""
 
     def __init__(self, job: _StackJob, plan: StackingPlan, D: int, cap: Capacity, K):
         N = plan.num_shards
@@ -344,6 +373,26 @@ class _NumbaRun:
             )
             self.calls.append((t, np.full(D, -1, np.int64), (ids, weights, splits, fmeta, params)))
 
+    def finish(self):
+        for t, bad, _ in self.calls:
+            if (bad >= 0).any():
+                _range_error(self.job, t)
+        K, c = self.K, self.counts
+        arrays = (
+            self.unique_ids,
+            c[K.C_UNIQUE_KEPT].astype(np.int32),
+            self.pair_rows,
+            self.pair_unique,
+            self.pair_gains,
+            c[K.C_PAIR_KEPT].astype(np.int32),
+        )
+        return arrays, c[K.C_UNIQUE_TOTAL], c[K.C_PAIR_TOTAL], int(self.dropped.sum())
+
+
+class _NumbaRun(_KernelRun):
+    """A stack's work on numba's kernels (`embedmesh.host.numba_backend`, or
+    `numba_dynamic` on raw ids' codes)."""
+
     def sort(self, d: int, i: int) -> None:
         """Table i's entries for local device d keyed and sorted (no GIL held): the
         tables of a stack sort in parallel, `device` appends them in order."""
@@ -365,20 +414,57 @@ class _NumbaRun:
             )
         self.K.fill_padding(*self.outputs, PAD_ID, self.job.rows_per_device, d)
 
-    def finish(self):
-        for t, bad, _ in self.calls:
-            if (bad >= 0).any():
-                _range_error(self.job, t)
-        K, c = self.K, self.counts
-        arrays = (
-            self.unique_ids,
-            c[K.C_UNIQUE_KEPT].astype(np.int32),
-            self.pair_rows,
-            self.pair_unique,
-            self.pair_gains,
-            c[K.C_PAIR_KEPT].astype(np.int32),
+
+class _NativeRun(_KernelRun):
+    """A stack's work on the C++ kernels (`embedmesh.host.native_backend`): one call a
+    device task (`EmHostDevice`: sort, append, pad), the GIL released; a table's sort
+    run ahead (`EmHostSort`) leaves a handle that the device's call consumes."""
+
+    def __init__(self, job: _StackJob, plan: StackingPlan, D: int, cap: Capacity, K):
+        super().__init__(job, plan, D, cap, K)
+        self.lib = K.library()
+        T = len(self.calls)
+        self.desc = K.describe([inputs for _, _, inputs in self.calls])
+        self.bad = np.full((T, D), -1, np.int64)
+        for i, (t, _, inputs) in enumerate(self.calls):  # `finish` reads bad by table
+            self.calls[i] = (t, self.bad[i], inputs)
+        self.handles = np.zeros((D, max(T, 1)), np.int64)
+
+    def sort(self, d: int, i: int) -> None:
+        handle = self.lib.EmHostSort(self.desc[i].ctypes.data, d, self.unique_ids.shape[1])
+        if handle == 0:
+            raise MemoryError("host preprocessing (C++): out of memory sorting a table")
+        self.handles[d, i] = handle
+
+    def device(self, d: int) -> None:
+        D, N, U = self.unique_ids.shape
+        rc = self.lib.EmHostDevice(
+            self.desc.ctypes.data,
+            len(self.calls),
+            self.handles[d].ctypes.data,
+            d,
+            D,
+            N,
+            U,
+            self.pair_rows.shape[2],
+            self.unique_ids.ctypes.data,
+            self.pair_rows.ctypes.data,
+            self.pair_unique.ctypes.data,
+            self.pair_gains.ctypes.data,
+            self.counts.ctypes.data,
+            PAD_ID,
+            self.job.rows_per_device,
+            self.bad.ctypes.data,
+            self.dropped.ctypes.data,
         )
-        return arrays, c[K.C_UNIQUE_TOTAL], c[K.C_PAIR_TOTAL], int(self.dropped.sum())
+        if rc != 0:
+            raise MemoryError("host preprocessing (C++): out of memory")
+
+    def __del__(self):  # handles of sorts whose device task never ran (an error)
+        handles = getattr(self, "handles", None)
+        if handles is not None and handles.any():
+            for h in handles[handles != 0]:
+                self.lib.EmHostFree(int(h))
 
 
 class _NumpyRun:
@@ -468,17 +554,38 @@ def _make_jobs(plan: StackingPlan, csrs: list, batch: int, D: int) -> list:
     return jobs
 
 
+BACKENDS = ("auto", "native", "numba", "numpy")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'native', 'numba' or 'numpy', got {backend!r}")
+
+
 def _resolve_backend(backend: str):
-    if backend not in ("auto", "numba", "numpy"):
-        raise ValueError(f"backend must be 'auto', 'numba' or 'numpy', got {backend!r}")
+    """`(name, kernels module or None)` for a `backend` argument: the one place that
+    picks a backend. "auto": the C++ kernels, else numba's, else numpy (None)."""
+    _check_backend(backend)
     if backend == "numpy":
-        return None
+        return "numpy", None
+    if backend in ("auto", "native"):
+        K = _native_backend()
+        if K is not None:
+            return "native", K
+        if backend == "native":
+            from embedmesh.host import native_backend
+
+            raise ImportError(
+                f"backend='native' needs the C++ preprocessing kernels: {native_backend.reason()}"
+            )
     K = _numba_backend()
-    if K is None and backend == "numba":
+    if K is not None:
+        return "numba", K
+    if backend == "numba":
         raise ImportError(
             "backend='numba' needs the numba package (and EMBEDMESH_NUMBA not set to 0)"
         )
-    return K
+    return "numpy", None
 
 
 def preprocess_features_tf(*args, **kwargs) -> tuple:
@@ -569,9 +676,11 @@ def preprocess_batch(
       overflow: "error" (default), "drop" or "grow" (module docstring).
       process_index: this process's index, for error messages (global device
         = process_index * D + local device).
-      backend: "auto" (numba when importable and `EMBEDMESH_NUMBA` is not
-        0), "numba" or "numpy".
-      num_threads: threads of the numba backend, which runs every (stack,
+      backend: "auto" (the C++ kernels where their library loads, else
+        numba's when importable and `EMBEDMESH_NUMBA` is not 0, else numpy's;
+        `auto_backend()` says which), "native", "numba" or "numpy" (the same
+        arrays from each).
+      num_threads: threads of the compiled backends, which run every (stack,
         local device) pair as one task (default `default_num_threads()`: the
         environment variable `EMBEDMESH_PREPROCESS_THREADS`, read once, else
         the cores this process may use; 1 is faster on an oversubscribed
@@ -590,8 +699,7 @@ def preprocess_batch(
     D = int(num_devices_local)
     if D < 1:
         raise ValueError(f"num_devices_local must be >= 1, got {num_devices_local}")
-    if backend not in ("auto", "numba", "numpy"):
-        raise ValueError(f"backend must be 'auto', 'numba' or 'numpy', got {backend!r}")
+    _check_backend(backend)
     threads = default_num_threads() if num_threads is None else int(num_threads)
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
@@ -606,7 +714,8 @@ def preprocess_batch(
             f"padded samples out of the loss) or drop the remainder"
         )
     jobs = _make_jobs(plan, csrs, batch, D)
-    K = _resolve_backend(backend)
+    name, K = _resolve_backend(backend)
+    Run = _NativeRun if name == "native" else _NumbaRun
     sorted_tables = {}  # numpy backend: per-table sorts, reused by every run of a stack
 
     # stacks of raw ids (one table, `TableConfig.id_map`): {stack: distinct raw ids}; with
@@ -614,8 +723,10 @@ def preprocess_batch(
     id_maps = {job.name: _id_map(plan, job) for job in jobs}
     dynamic = {}
     coded = {}  # numba: {stack: (job on codes, stand-in plan)}
-    KD = _numba_dynamic() if K is not None else None
     todo = [job for job in jobs if id_maps[job.name] is not None]
+    # the raw ids' numba kernels (with the native or numba backend), only where a stack
+    # has raw ids: numba is not imported otherwise
+    KD = _numba_dynamic() if K is not None and todo else None
     if KD is not None and todo:
 
         def prepare(job):
@@ -637,7 +748,7 @@ def preprocess_batch(
 
     def make_run(job, cap):
         if job.name in coded:  # raw ids on codes: the static kernels
-            cjob, cplan = coded[job.name]
+            cjob, cplan = coded[job.name]  # keys, not ids: numba_dynamic's table_sort
             return _NumbaRun(cjob, cplan, D, cap, KD)
         id_map = id_maps[job.name]
         if id_map is not None:  # raw ids: the numpy path on codes (`host.dynamic_ids`)
@@ -650,7 +761,7 @@ def preprocess_batch(
                 sorted_tables[job.name] = [numpy_backend.sort_table(coded_, table, layout, D, N)]
             return _NumpyRun(job, D, N, cap, sorted_tables[job.name])
         if K is not None and _numba_fits(job, plan, K):
-            return _NumbaRun(job, plan, D, cap, K)
+            return Run(job, plan, D, cap, K)
         if job.name not in sorted_tables:
             sorted_tables[job.name] = [
                 numpy_backend.sort_table(
@@ -724,8 +835,8 @@ def preprocess_batch(
             caps[job.name],
             job.name in grown,
         )
-    if K is not None:  # numba ran: its LLVM is not needed again until it compiles
-        _runtime.page_out_llvm()
+    if name == "numba" or KD is not None:  # numba ran: its LLVM is not needed again
+        _runtime.page_out_llvm()  # until it compiles
     return out, PreprocessStats(stats)
 
 

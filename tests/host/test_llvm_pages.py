@@ -48,7 +48,8 @@ plan = em.plan_stacking(fc, 1)
 
 def preprocess():
     feats = {f: em.RaggedTensor(rng.integers(0, 100, 40), np.arange(0, 41, 5)) for f in fc}
-    return em.preprocess_features(feats, None, plan, num_devices_local=1)
+    # numba's kernels (the default is the C++ ones, which load no LLVM)
+    return em.preprocess_features(feats, None, plan, num_devices_local=1, backend="numba")
 
 
 preprocess()

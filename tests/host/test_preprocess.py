@@ -18,6 +18,7 @@ from embedmesh.host.preprocess import (
     PartitionedCsrFormatTensor,
     capacity_bucket,
     compute_sparse_core_stats,
+    native_available,
     numba_available,
     preprocess_features,
 )
@@ -25,7 +26,11 @@ from embedmesh.inputs import RaggedTensor, SparseTensor
 from embedmesh.layout.sharding import stack_to_shards
 from embedmesh.layout.stacking import plan_stacking
 
-BACKENDS = ["numpy"] + (["numba"] if numba_available() else [])
+BACKENDS = (
+    ["numpy"]
+    + (["numba"] if numba_available() else [])
+    + (["native"] if native_available() else [])
+)
 SETTINGS = settings(
     max_examples=40,
     deadline=None,
@@ -289,7 +294,7 @@ def test_backends_agree_bit_for_bit_and_processes_concatenate(case):
             features, weights, plan, num_devices_local=n_dev, backend=b, num_threads=t
         )
         for b in BACKENDS
-        for t in ((1, 3) if b == "numba" else (1,))
+        for t in ((1, 3) if b in ("numba", "native") else (1,))
     ]
     out, stats = results[0]
     for other, _ in results[1:]:
@@ -760,3 +765,46 @@ def test_numpy_fallback_when_numba_is_missing(monkeypatch):
     check_against_reference(out, stats, reference(plan, feats, None, 2), 2, 4)
     with pytest.raises(ImportError, match="numba"):
         preprocess_features(feats, None, plan, num_devices_local=2, backend="numba")
+
+
+def test_fallback_when_the_cpp_kernels_are_missing(monkeypatch):
+    """ "auto" takes the C++ kernels where their library loads, else numba's, else
+    numpy's; "native" without the library names the cause."""
+    import embedmesh.host.preprocess as pp
+    from embedmesh.host import native_backend
+
+    monkeypatch.setattr(native_backend, "_state", {"why": "no library in this test"})
+    assert not pp.native_available()
+    assert pp.auto_backend() == ("numba" if numba_available() else "numpy")
+    plan, feats = _skewed_case()
+    out, stats = preprocess_features(feats, None, plan, num_devices_local=2)  # backend="auto"
+    check_against_reference(out, stats, reference(plan, feats, None, 2), 2, 4)
+    with pytest.raises(ImportError, match="no library in this test"):
+        preprocess_features(feats, None, plan, num_devices_local=2, backend="native")
+    monkeypatch.setattr(pp, "_NUMBA", False)
+    assert pp.auto_backend() == "numpy"
+
+
+@pytest.mark.skipif(not native_available(), reason="no C++ preprocessing kernels here")
+def test_native_is_auto_and_a_bad_id_after_a_presorted_table_frees_its_sorts():
+    """ "auto" is the C++ kernels; a stack whose second table has a bad id (its first
+    table's sort run ahead on another thread) raises the range error and leaves no
+    sort behind."""
+    import embedmesh.host.preprocess as pp
+
+    assert pp.auto_backend() == "native"
+    t = TableConfig(16, 4, name="t")
+    u = TableConfig(8, 4, name="u")
+    plan = plan_stacking({"a": FeatureConfig(t), "b": FeatureConfig(u)}, 2)
+    feats = {"a": np.arange(8).reshape(4, 2) % 16, "b": np.array([[1, 2], [3, 9], [0, 0], [1, 1]])}
+    with pytest.raises(ValueError, match="b"):
+        preprocess_features(feats, None, plan, num_devices_local=1, backend="native", num_threads=2)
+    out, _ = preprocess_features(
+        {"a": feats["a"], "b": feats["b"] % 8}, None, plan, num_devices_local=1, num_threads=2
+    )
+    ref, _ = preprocess_features(
+        {"a": feats["a"], "b": feats["b"] % 8}, None, plan, num_devices_local=1, backend="numpy"
+    )
+    for name in out:
+        for f in PartitionedCsrFormatTensor._ARRAYS:
+            np.testing.assert_array_equal(getattr(out[name], f), getattr(ref[name], f))

@@ -88,7 +88,7 @@ tables = {{ta: rng.standard_normal((50, 8)).astype(np.float32),
 plan = em.plan_stacking(fc, 4)
 csr, _ = em.preprocess_features(inputs, weights, plan, num_devices_local=4)
 served = em.serving_embedding_lookup(inputs, weights, tables, fc)
-seen = {{"numba": {NUMBA_MODULES}}}
+seen = {{"numba": {NUMBA_MODULES}, "preprocess": preprocess.auto_backend()}}
 out = {{}}
 for stack, t in csr.items():
     for field in t._ARRAYS:
@@ -106,19 +106,32 @@ def numpy_run(tmp_path_factory):
     """WORKLOAD with numba and the C++ serving kernels off (one process for the two
     tests that compare with it): (what it saw, its arrays' file)."""
     out = tmp_path_factory.mktemp("switches") / "off.npz"
-    # EMBEDMESH_SERVING_NATIVE=0: the serving kernels' C++ backend off too (it needs no numba)
-    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0", "EMBEDMESH_SERVING_NATIVE": "0"}, out)
+    # EMBEDMESH_SERVING_NATIVE=0 / EMBEDMESH_PREPROCESS_NATIVE=0: the C++ kernels of
+    # serving and preprocessing off too (they need no numba)
+    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0", **NO_CC}, out)
     return seen, out
+
+
+NO_CC = {"EMBEDMESH_SERVING_NATIVE": "0", "EMBEDMESH_PREPROCESS_NATIVE": "0"}
 
 
 def test_numba_off_makes_preprocessing_and_serving_use_numpy(numpy_run, tmp_path):
     off, off_file = numpy_run
-    assert off == {"numba": False, "preprocess_numba": False, "serving": "numpy"}
+    assert off == {
+        "numba": False,
+        "preprocess": "numpy",
+        "preprocess_numba": False,
+        "serving": "numpy",
+    }
     if not HAVE_NUMBA:
         pytest.skip("numba is not installed: no numba run to compare with")
-    no_cc = {"EMBEDMESH_SERVING_NATIVE": "0"}
-    on = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "1", **no_cc}, tmp_path / "on.npz")
-    assert on == {"numba": True, "preprocess_numba": True, "serving": "numba"}
+    on = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "1", **NO_CC}, tmp_path / "on.npz")
+    assert on == {
+        "numba": True,
+        "preprocess": "numba",
+        "preprocess_numba": True,
+        "serving": "numba",
+    }
     a, b = np.load(off_file), np.load(tmp_path / "on.npz")
     assert sorted(a.files) == sorted(b.files) and len(a.files) > 6
     for k in a.files:
@@ -133,13 +146,44 @@ def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
 
     if not kernels.HAVE_NATIVE:
         pytest.skip(f"no C++ serving kernels here: {native.reason()}")
+    from embedmesh.host import preprocess
+
+    pre = "native" if preprocess.native_available() else "numpy"
     seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "native.npz")
-    assert seen == {"numba": False, "preprocess_numba": False, "serving": "native"}
-    ref, ref_file = numpy_run  # the same workload and switches, EMBEDMESH_SERVING_NATIVE=0
+    assert seen == {
+        "numba": False,
+        "preprocess": pre,
+        "preprocess_numba": False,
+        "serving": "native",
+    }
+    ref, ref_file = numpy_run  # the same workload, the C++ kernels off
     assert ref["serving"] == "numpy"
     a, b = np.load(tmp_path / "native.npz"), np.load(ref_file)
     for k in a.files:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
+        if k.startswith("pre/"):  # preprocessing's backends are bit-identical
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_preprocessing_and_serving_import_no_numba_by_default(tmp_path):
+    """No switch set: preprocessing and serving run their C++ kernels, and numba is
+    never imported, though it is installed (EMBEDMESH_PREPROCESS_NATIVE=0 is the
+    numba run above)."""
+    from embedmesh.host import preprocess
+    from embedmesh.serving import kernels, native
+
+    if not preprocess.native_available() or not kernels.HAVE_NATIVE:
+        pytest.skip(f"no C++ kernels here: {native.reason()}")
+    seen = run_with(
+        WORKLOAD.replace("preprocess.numba_available()", "None"), {}, tmp_path / "d.npz"
+    )
+    assert seen == {
+        "numba": False,
+        "preprocess": "native",
+        "preprocess_numba": None,
+        "serving": "native",
+    }
 
 
 SERVING_THREADS = """
