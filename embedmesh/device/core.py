@@ -581,7 +581,7 @@ class EmbeddingCore:
             out_t, out_s, out_m, out_rows, out_stats, kept = {}, {}, {}, {}, {}, {}
             previous = None
             for s in stacks:
-                m = jax.tree_util.tree_map(lambda x: x[0], maps[s])
+                m = maps[s]  # this shard's block, [1, ...] (id_map.map_ids takes it so)
 
                 def reinit(table, sl, rows, fresh, raw, s=s):
                     kept[s] = (rows[None], fresh[None], raw[None])
@@ -592,7 +592,7 @@ class EmbeddingCore:
                 )
                 previous = rows
                 out_t[s], out_s[s], out_rows[s] = table, sl, rows[None]
-                out_m[s] = jax.tree_util.tree_map(lambda x: x[None], m)
+                out_m[s] = m
                 out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
             return out_t, out_s, out_m, out_rows, out_stats, kept
 

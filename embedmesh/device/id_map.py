@@ -96,21 +96,21 @@ Both are `lax.cond` branches: skipped, not computed and discarded (under `vmap` 
 `vmap`). With the state donated, XLA updates it in place: the compiled program copies no
 array of the capacity's size (tests/device/test_id_map.py reads the compiled HLO for copies).
 
-The native hit path (CPU): the steady state of a table is calls of hits only, where the
-jnp path's sorts and bucket gathers are most of the cost. Where the op has a kernel
-(`ops.id_map_hits_native()`: the CPU kernels in use; not on GPU or TPU), `map_ids` first
-asks `ops.id_map_hits` (cpu/id_map.cc: both buckets of each id probed with prefetch, on
-every CPU, stopping at the first miss) for every valid id's row; when all hit (and no
-count is near saturation, no halving due), the jnp path's work on the ids is skipped
-(`lax.cond` branches that read the state and write none of it: `_unless`) and only the
-hit rows' last-used steps and counts are scattered; otherwise the jnp path runs as
-without the op. Either way the state, rows, fresh flags and stats are bit for bit the
-jnp path's (tests/device/test_id_map_native.py). Measured on a step of hits (capacity
-1M, 16,384 slots, 14,737 valid, the 2-core host): 1.6 ms against 16.0 ms
-(`benchmarks/train/RESULTS.md`). In a training step the index is cold in the cache
-(the tables' rows stream through it between two calls): each probe misses the cache
-and, on 4 KiB pages, the TLB too; `on_huge_pages` puts the state's big arrays on
-transparent huge pages where the engine makes them (`EmbeddingCore.init`).
+The native path (CPU): where the CPU kernels are in use (`ops.id_map_step_native()`;
+not on GPU or TPU), `map_ids` is one op, `ops.id_map_step` (cpu/id_map.cc), whose
+reference is the jnp path: the whole call in C++ (both buckets of each id probed with
+prefetch on every CPU, the hits touched there; a hash of the call's ids where they may
+repeat; the sketch, a sweep by a partial selection instead of a sort, the admissions),
+the state's arrays aliased to its results and updated in place, bit for bit the jnp
+path's state, rows, fresh flags and stats on a consistent state
+(tests/device/test_id_map_native.py). An engine passes each shard's block of its map as
+it is (`[1, ...]` arrays inside `shard_map`: a squeeze before an aliased operand made
+XLA copy every state array before the op). In a training step the index is cold in the
+cache (the tables' rows stream through it between two calls): each probe misses the
+cache and, on 4 KiB pages, the TLB too; `on_huge_pages` puts the state's big arrays on
+transparent huge pages where the engine makes them (`EmbeddingCore.init`). The op
+`ops.id_map_hits` (the hit path alone, the jnp path for a call with a miss: the path
+before `id_map_step`) runs only where the CPU kernels lack `id_map_step`.
 
 Memory: the index 12 bytes a slot (at least 24 bytes a row), the row arrays 24 bytes a
 row, the sketch `4 * sketch_depth * sketch_width` bytes.
@@ -541,7 +541,9 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
     the algorithm, its order and its cost).
 
     Args:
-      state: the map (`init`).
+      state: the map (`init`), or one shard's block of an engine's map (each array with
+        a leading dimension of 1, as `shard_map` gives it: the native op updates it as
+        it is, where a squeeze before the op would cost XLA a copy of every array).
       raw_ids: uint32/int32 pairs `[..., 2]` (or, x64 on, int64/uint64 ids `[...]`).
       valid_mask: bool of the ids' shape; invalid positions are ignored (row -1).
       step: int32 scalar, the training step; must not decrease between calls.
@@ -559,11 +561,17 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
       `occupancy` (live rows after the call).
     """
     config = state.config
+    if state.index.ndim == 4 and not native_step():  # one shard's block: squeezed
+        one = jax.tree_util.tree_map(lambda x: x[0], state)
+        one, rows, fresh, stats = map_ids(one, raw_ids, valid_mask, step, distinct=distinct)
+        return jax.tree_util.tree_map(lambda x: x[None], one), rows, fresh, stats
     hi, lo = _pairs(raw_ids)
     shape = hi.shape
     hi, lo = hi.reshape(-1), lo.reshape(-1)
     valid = jnp.broadcast_to(jnp.asarray(valid_mask, bool), shape).reshape(-1)
     step = jnp.asarray(step, jnp.int32)
+    if native_step():
+        return _map_ids_native(state, hi, lo, valid, step, distinct, shape)
     if not native_hits():
         return _map_ids(state, hi, lo, valid, step, distinct, shape)
 
@@ -582,6 +590,63 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
     if config.admit_after > 1:  # a call of hits sights nothing: no halving is due
         all_hit = all_hit & (state.sightings < config.sketch_halve_every)
     return _map_ids(state, hi, lo, valid, step, distinct, shape, native=(all_hit, status, rows))
+
+
+STAT_NAMES = ("hits", "admissions", "evictions", "pending", "refused", "occupancy")
+_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(IdMapState) if f.name != "config")
+
+
+def native_step() -> bool:
+    """Whether `map_ids` runs each call as one native op (`ops.id_map_step`: the CPU
+    kernels are in use in this process), the jnp path being its reference."""
+    return ops.id_map_step_native()
+
+
+def sketch_keys(config: IdMapConfig) -> tuple[int, ...]:
+    """The seed words of the sketch rows' hashes (3 a row; none when `admit_after` is 1)."""
+    if config.admit_after == 1:
+        return ()
+    return tuple(
+        w
+        for d in range(config.sketch_depth)
+        for w in _hash_words(config.seed, _SALT_SKETCH + 0x1000193 * d)
+    )
+
+
+def _map_ids_native(state: IdMapState, hi, lo, valid, step, distinct: bool, shape):
+    """`map_ids` as the op `ops.id_map_step` (its CPU kernel: the whole call, the state
+    updated in place), whose reference is `_map_ids` on the same arguments."""
+    config = state.config
+    n = hi.shape[0]
+
+    blocked = state.index.ndim == 4
+
+    def jnp_path(*args):
+        arrays = [x[0] for x in args[:10]] if blocked else args[:10]
+        st = IdMapState(config, *arrays)
+        st, rows, fresh, stats = _map_ids(st, *args[10:], distinct, (n,))
+        stats = jnp.stack([stats[k] for k in STAT_NAMES])
+        arrays = [getattr(st, f) for f in _STATE_FIELDS]
+        return (*(x[None] if blocked else x for x in arrays), rows, fresh, stats)
+
+    out = ops.id_map_step(
+        tuple(getattr(state, f) for f in _STATE_FIELDS),
+        hi,
+        lo,
+        valid,
+        step,
+        keys=bucket_keys(config) + sketch_keys(config),
+        lfu=config.eviction == "lfu",
+        admit_after=config.admit_after,
+        evict_batch=config.evict_batch,
+        halve_every=config.sketch_halve_every,
+        distinct=distinct,
+        fallback=jnp_path,
+    )
+    new_state = IdMapState(config, *out[:10])
+    rows, fresh, stats = out[10:]
+    stats = {k: stats[i] for i, k in enumerate(STAT_NAMES)}
+    return new_state, rows.reshape(shape), fresh.reshape(shape), stats
 
 
 def native_hits() -> bool:

@@ -374,11 +374,24 @@ def test_no_capacity_sized_copy_in_the_compiled_program():
     it in place; the program copies no array of the capacity's size (a branch that both
     read and wrote a row array made XLA copy the state around the sweep's `lax.cond`)."""
     args = (im.init(SCALE), jnp.zeros((SCALE_BATCH, 2), jnp.uint32), jnp.ones(SCALE_BATCH, bool))
-    hlo = SCALE_FN.lower(*args, jnp.int32(0)).compile().as_text()
+    pairs = args[1]
+    jnp_path = jax.jit(
+        lambda st, ids, valid, step: im._map_ids(
+            st, ids[:, 0], ids[:, 1], valid, step, False, valid.shape
+        ),
+        donate_argnums=0,
+    )
+    programs = {"jnp path": jnp_path.lower(im.init(SCALE), pairs, args[2], jnp.int32(0))}
+    programs["map_ids"] = SCALE_FN.lower(*args, jnp.int32(0))
     big = {"500", "500,2", "64,3,16", "2,512"}  # row arrays, the index, the sketch
-    copies = re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", hlo)
-    assert not [s for s in copies if s in big], copies
-    assert "conditional" in hlo  # the sweep and the halving are branches, not selects
+    for what, lowered in programs.items():
+        hlo = lowered.compile().as_text()
+        copies = re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", hlo)
+        assert not [s for s in copies if s in big], (what, copies)
+        if what == "jnp path":
+            assert "conditional" in hlo  # the sweep and the halving are branches, not selects
+        elif im.native_step():  # the whole call one op, the state aliased
+            assert "embedmesh_id_map_step" in hlo
 
 
 def test_on_huge_pages_keeps_values_and_sharding(monkeypatch):

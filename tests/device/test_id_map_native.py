@@ -1,12 +1,15 @@
-"""The id map's native hit path (`ops.id_map_hits`, cpu/id_map.cc) against its jnp path:
-`map_ids` with the CPU kernels gives bit for bit the state, rows, fresh flags and stats
-of `map_ids` without them, over random mixes of calls of hits only (the kernel's answer)
-and calls with misses (the jnp path's, after the kernel declined), on one device and on
-several (one map a device inside `shard_map`, as the engine runs it); and the op's kernel
-gives its reference's answer, declining the calls the jnp path must decide."""
+"""The id map's native paths against its jnp path: `map_ids` with the CPU kernels runs
+each call as one op (`ops.id_map_step`, cpu/id_map.cc: hits, the sketch, sweeps,
+admissions, the state updated in place) and gives bit for bit the state, rows, fresh
+flags and stats of `map_ids` without them (the jnp path, the op's reference), over random
+mixes of calls of hits only and calls with misses, admissions and evictions, on one
+device and on several (one map a device inside `shard_map`, as the engine runs it); and
+the hit op `ops.id_map_hits`'s kernel gives its reference's answer, declining the calls
+the jnp path must decide."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -118,12 +121,15 @@ def test_native_hits_on_several_devices():
     config = CONFIGS["lru"]
     mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
 
-    def sharded(fn):
+    def sharded(fn, block=False):
+        # `block`: the shard's block of the map passed as it is ([1, ...], as the engine
+        # passes it), else squeezed
         def body(state, raw, valid, step):
-            state = jax.tree_util.tree_map(lambda x: x[0], state)
-            state, rows, fresh, stats = fn(state, raw[0], valid[0], step)
             lift = functools.partial(jax.tree_util.tree_map, lambda x: x[None])
-            return lift(state), rows[None], fresh[None], lift(stats)
+            if not block:
+                state = jax.tree_util.tree_map(lambda x: x[0], state)
+            state, rows, fresh, stats = fn(state, raw[0], valid[0], step)
+            return state if block else lift(state), rows[None], fresh[None], lift(stats)
 
         spec = P("x")
         return jax.jit(
@@ -133,7 +139,7 @@ def test_native_hits_on_several_devices():
             donate_argnums=0,
         )
 
-    native = sharded(functools.partial(im.map_ids, distinct=False))
+    native = sharded(functools.partial(im.map_ids, distinct=False), block=True)
     plain = sharded(functools.partial(_jnp_path, distinct=False))
     one = im.init(config)
     a = jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), one)
@@ -237,11 +243,61 @@ def test_without_the_kernels_map_ids_is_the_jnp_path(monkeypatch):
     the program, the jnp path alone."""
     config = CONFIGS["lru"]
     args = (im.init(config), jnp.zeros((BATCH, 2), jnp.uint32), jnp.ones(BATCH, bool), 0)
-    assert im.native_hits()
-    assert "embedmesh_id_map_hits" in str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
+    assert im.native_step() and im.native_hits()
+    assert "embedmesh_id_map_step" in str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
     monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
-    assert not im.native_hits()
-    assert "embedmesh_id_map_hits" not in str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
+    assert not im.native_step() and not im.native_hits()
+    jaxpr = str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
+    assert "embedmesh_id_map" not in jaxpr
     monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: None)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert not im.native_hits()
+    assert not im.native_step() and not im.native_hits()
+
+
+STEP_CONFIGS = {
+    "lru": im.IdMapConfig(capacity=16, eviction="lru", evict_batch=1, seed=2),
+    "lru-batch5": im.IdMapConfig(capacity=16, eviction="lru", evict_batch=5, seed=3),
+    "lfu-admit2": im.IdMapConfig(
+        capacity=16,
+        eviction="lfu",
+        admit_after=2,
+        evict_batch=3,
+        seed=4,
+        sketch_width=64,
+        sketch_depth=3,
+        sketch_halve_every=40,
+    ),
+}
+
+
+@pytest.mark.parametrize("distinct", [False, True], ids=["repeats", "distinct"])
+@pytest.mark.parametrize("name", list(STEP_CONFIGS))
+def test_native_step_under_eviction_matches_the_jnp_path(name, distinct):
+    """`ops.id_map_step`'s kernel against the jnp path on a stream that keeps the map
+    full: a pool twice the capacity, new ids every call, sweeps of one row and of
+    several, the sketch's halvings, two calls a step (rows used at this step are not
+    evicted: refusals), the state poisoned nowhere but compared whole after each call."""
+    config = STEP_CONFIGS[name]
+    native, plain = (
+        jax.jit(functools.partial(im.map_ids, distinct=distinct), donate_argnums=0),
+        jax.jit(functools.partial(_jnp_path, distinct=distinct), donate_argnums=0),
+    )
+    a = im.init(config)
+    b = jax.tree_util.tree_map(jnp.copy, a)
+    rng = np.random.default_rng(len(name) + distinct)
+    seen = collections.Counter()
+    for k in range(14):
+        if distinct:
+            ids = rng.permutation(POOL)[:BATCH]
+        else:
+            ids = rng.choice(POOL[: 8 + 2 * k], BATCH)
+        valid = rng.random(BATCH) < 0.85
+        raw, valid = jnp.asarray(im.split_ids(ids)), jnp.asarray(valid)
+        step = jnp.int32(FIRST_STEP + k // 2)
+        a, rows_a, fresh_a, stats_a = native(a, raw, valid, step)
+        b, rows_b, fresh_b, stats_b = plain(b, raw, valid, step)
+        _same((a, rows_a, fresh_a, stats_a), (b, rows_b, fresh_b, stats_b))
+        seen.update({s: int(v) > 0 for s, v in stats_a.items()})
+    assert seen["evictions"] and seen["admissions"] and seen["hits"], seen
+    if config.admit_after > 1:
+        assert seen["pending"]

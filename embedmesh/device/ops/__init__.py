@@ -111,6 +111,10 @@ end are padding.
   and whether all hit (then `map_ids` skips its sorts and bucket reads). Reference:
   `id_hash.hits_reference` (the map's own hash and probe, `ops/id_hash.py`); the CPU
   kernel probes with prefetch on every CPU and stops at the first miss.
+- `id_map_step(state, hi, lo, valid, step, ...)`: a whole call of the id map (hits, the
+  admission sketch, a sweep, admissions), the state updated in place. Reference: the
+  caller's jnp path (`fallback`, `id_map._map_ids`); the CPU kernel is that path bit for
+  bit, and `map_ids` runs it wherever the CPU kernels are in use.
 - `huge_page_copy(x)`, `full(shape, value, dtype, device)`: a copy, or a
   constant array made on a device; the CPU kernels put the buffer on
   transparent huge pages (see `embedmesh.device.ops.cpu.memory`).
@@ -153,6 +157,8 @@ __all__ = [
     "huge_page_copy",
     "id_map_hits",
     "id_map_hits_native",
+    "id_map_step",
+    "id_map_step_native",
     "kernel_for",
     "lookup_from_shards",
     "op_names",
@@ -870,6 +876,61 @@ def id_map_hits(index, use_count, hi, lo, valid, *, keys, distinct: bool):
     )
 
 
+def id_map_step_native() -> bool:
+    """Whether `id_map_step` runs a kernel in this process (the CPU kernels in use; not
+    under `EMBEDMESH_CPU_KERNELS=0`, nor with another default backend). `map_ids` calls
+    the op only then: elsewhere its reference is the jnp path itself."""
+    return kernel_for("id_map_step", "cpu") is not _REFERENCES["id_map_step"]
+
+
+def id_map_step(
+    state: tuple,
+    hi,
+    lo,
+    valid,
+    step,
+    *,
+    keys,
+    lfu: bool,
+    admit_after: int,
+    evict_batch: int,
+    halve_every: int,
+    distinct: bool,
+    fallback,
+):
+    """A whole call of the id map (`embedmesh.device.id_map.map_ids`): `state` its ten
+    arrays (`IdMapState`'s fields in order), `hi`, `lo` uint32 [n] the raw ids' words,
+    `valid` bool [n], `step` int32; `keys` the two bucket hashes' seed words then each
+    sketch row's (3 each); the config's `lfu`, `admit_after`, `evict_batch`,
+    `halve_every`; `distinct`: no valid id occurs twice. Returns the new state's ten
+    arrays, `rows` int32 [n], `fresh` bool [n] and `stats` int32 [6] (`id_map.ID_STATS`'
+    order: hits, admissions, evictions, pending, refused, occupancy).
+
+    The reference is `fallback` (the caller's jnp path, `id_map._map_ids`, called with the
+    same positional arguments: the ops know no id map); the CPU kernel (cpu/id_map.cc)
+    is that path bit for bit on a consistent state (a row word of a live slot below the
+    capacity, counters not negative), with the state updated in place."""
+    return _dispatch(
+        "id_map_step",
+        *state,
+        hi.reshape(-1).astype(jnp.uint32),
+        lo.reshape(-1).astype(jnp.uint32),
+        valid.reshape(-1).astype(bool),
+        jnp.asarray(step, jnp.int32),
+        keys=tuple(int(k) for k in keys),
+        lfu=bool(lfu),
+        admit_after=int(admit_after),
+        evict_batch=int(evict_batch),
+        halve_every=int(halve_every),
+        distinct=bool(distinct),
+        fallback=fallback,
+    )
+
+
+def _id_map_step_reference(*args, fallback, **params):
+    return fallback(*args)
+
+
 _define("gather_rows", reference.gather_rows)
 _define("scatter_rows", reference.scatter_rows)
 _define("segment_gather_sum", reference.segment_gather_sum)
@@ -889,6 +950,7 @@ _define("exchange_pooled_backward_update", _exchange_pooled_backward_update_refe
 _define("huge_page_copy", reference.huge_page_copy)
 _define("full", reference.full)
 _define("id_map_hits", id_hash.hits_reference)
+_define("id_map_step", _id_map_step_reference)
 
 for _op, (_fn, _supports) in cpu.KERNELS.items():
     register_kernel(_op, "cpu", _fn, ready=cpu.ready, supports=_supports)

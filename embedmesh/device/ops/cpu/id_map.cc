@@ -158,3 +158,387 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmIdMapHits, embedmesh::id_map_hits::Hits,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 EM_LIST_HANDLER("embedmesh_id_map_hits", EmIdMapHits)
+
+// ---------------------------------------------------------------------------------------
+// The whole of a `map_ids` call (embedmesh/device/id_map.py's `_map_ids`, the jnp path,
+// bit for bit on a consistent state): hits, the admission sketch, a sweep, admissions.
+// The state arrays are aliased to the results and updated in place; nothing of the
+// capacity's size is read or written except by a sweep (as in the jnp path).
+namespace embedmesh {
+namespace id_map_step {
+
+using id_map_hits::Keys;
+using id_map_hits::kEmpty;
+using id_map_hits::kMax;
+using id_map_hits::kWidth;
+using id_map_hits::PrefetchBucket;
+constexpr int64_t kChunk = 2048;  // positions a task
+constexpr int64_t kAhead = 8;     // positions ahead whose buckets are prefetched
+
+// jnp's int32 arithmetic (wrapping)
+inline int32_t Wrap(int64_t x) { return static_cast<int32_t>(static_cast<uint32_t>(x)); }
+// `_touch`: cnt + min(occ, MAX - cnt), in wrapping int32 as XLA computes it
+inline int32_t SatAdd(int32_t cnt, int32_t occ) {
+  const int32_t room = Wrap(int64_t{kMax} - cnt);
+  return Wrap(int64_t{cnt} + std::min(occ, room));
+}
+inline uint32_t Biased(int32_t x) { return static_cast<uint32_t>(x) ^ 0x80000000u; }
+
+inline int EmptiesIn(const uint32_t* ix, int64_t b) {
+  const uint32_t* row = ix + b * 3 * kWidth + 2 * kWidth;
+  int e = 0;
+  for (int64_t j = 0; j < kWidth; ++j) e += row[j] == kEmpty;
+  return e;
+}
+
+template <typename T>
+T* InPlace(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  T* dst = static_cast<T*>(out->untyped_data());
+  if (dst != in.untyped_data()) std::memcpy(dst, in.untyped_data(), in.size_bytes());
+  return dst;
+}
+
+// Operands: the state (index u32 [B, 3, W], row_id u32 [c, 2], row_slot, last_used,
+// use_count, free s32 [c], free_head, num_free s32 [], sketch s32 [depth, width],
+// sightings s32 []), the call (hi, lo u32 [n], valid pred [n], step s32 []) and `keys`
+// u32 [2 + depth, 3] (the bucket hashes' seed words, then each sketch row's). Attributes:
+// lfu, admit_after, evict_batch, halve_every, distinct. Results: the state (aliased),
+// rows s32 [n], fresh pred [n], stats s32 [6] (hits, admissions, evictions, pending,
+// refused, occupancy).
+ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffer row_slot_in,
+                ffi::AnyBuffer last_used_in, ffi::AnyBuffer use_count_in, ffi::AnyBuffer free_in,
+                ffi::AnyBuffer free_head_in, ffi::AnyBuffer num_free_in,
+                ffi::AnyBuffer sketch_in, ffi::AnyBuffer sightings_in,
+                ffi::Buffer<ffi::U32> hi_in, ffi::Buffer<ffi::U32> lo_in,
+                ffi::Buffer<ffi::PRED> valid_in, ffi::Buffer<ffi::S32> step_in,
+                ffi::Buffer<ffi::U32> keys_in, int64_t lfu, int64_t admit_after,
+                int64_t evict_batch, int64_t halve_every, int64_t distinct,
+                ffi::Result<ffi::AnyBuffer> index_out, ffi::Result<ffi::AnyBuffer> row_id_out,
+                ffi::Result<ffi::AnyBuffer> row_slot_out,
+                ffi::Result<ffi::AnyBuffer> last_used_out,
+                ffi::Result<ffi::AnyBuffer> use_count_out, ffi::Result<ffi::AnyBuffer> free_out,
+                ffi::Result<ffi::AnyBuffer> free_head_out,
+                ffi::Result<ffi::AnyBuffer> num_free_out, ffi::Result<ffi::AnyBuffer> sketch_out,
+                ffi::Result<ffi::AnyBuffer> sightings_out,
+                ffi::Result<ffi::Buffer<ffi::S32>> rows_out,
+                ffi::Result<ffi::Buffer<ffi::PRED>> fresh_out,
+                ffi::Result<ffi::Buffer<ffi::S32>> stats_out) {
+  // the state's arrays as they are, or with leading unit dimensions (one shard's block
+  // of an engine's map: a squeeze before an aliased operand costs XLA a copy)
+  auto idims = index_in.dimensions();
+  const size_t r = idims.size();
+  if (r < 3 || idims[r - 2] != 3 || idims[r - 1] != kWidth)
+    return ffi::Error::InvalidArgument("id_map_step: index must be [..., buckets, 3, 16]");
+  const int64_t buckets = idims[r - 3];
+  if (buckets <= 0 || (buckets & (buckets - 1)))
+    return ffi::Error::InvalidArgument("id_map_step: the bucket count must be a power of two");
+  const int64_t num_slots = buckets * kWidth;
+  const uint32_t mask = static_cast<uint32_t>(buckets - 1);
+  const int64_t c = use_count_in.element_count();
+  const int64_t n = hi_in.element_count();
+  auto sdims = sketch_in.dimensions();
+  if (sdims.size() < 2) return ffi::Error::InvalidArgument("id_map_step: sketch must be 2-d");
+  const int64_t depth = sdims[sdims.size() - 2];
+  const int64_t width = sdims[sdims.size() - 1];
+  if (static_cast<int64_t>(keys_in.element_count()) < 3 * (2 + (admit_after > 1 ? depth : 0)))
+    return ffi::Error::InvalidArgument("id_map_step: keys must be [2 + depth, 3]");
+
+  uint32_t* ix = InPlace<uint32_t>(index_in, index_out);
+  uint32_t* row_id = InPlace<uint32_t>(row_id_in, row_id_out);
+  int32_t* row_slot = InPlace<int32_t>(row_slot_in, row_slot_out);
+  int32_t* last_used = InPlace<int32_t>(last_used_in, last_used_out);
+  int32_t* cnt = InPlace<int32_t>(use_count_in, use_count_out);
+  int32_t* free_rows = InPlace<int32_t>(free_in, free_out);
+  int32_t* free_head = InPlace<int32_t>(free_head_in, free_head_out);
+  int32_t* num_free = InPlace<int32_t>(num_free_in, num_free_out);
+  int32_t* sketch = InPlace<int32_t>(sketch_in, sketch_out);
+  int32_t* sightings = InPlace<int32_t>(sightings_in, sightings_out);
+  const uint32_t* hi = hi_in.typed_data();
+  const uint32_t* lo = lo_in.typed_data();
+  const bool* valid = valid_in.typed_data();
+  const int32_t step = step_in.typed_data()[0];
+  const uint32_t* kw = keys_in.typed_data();
+  int32_t* rows = rows_out->typed_data();
+  bool* fresh = fresh_out->typed_data();
+  int32_t* stats = stats_out->typed_data();
+  const Keys k1{kw[0], kw[1], kw[2]}, k2{kw[3], kw[4], kw[5]};
+
+  // 1. every valid position's row word (-1: not in the index); with distinct ids each
+  //    position is its own u, and a hit's row is touched here (distinct rows: no race)
+  std::vector<int64_t> found(n);
+  ParallelFor(NumChunks(n, kChunk), [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunk, end = std::min(n, begin + kChunk);
+    uint32_t first[kChunk], second[kChunk];
+    for (int64_t i = begin; i < end; ++i) {
+      first[i - begin] = k1(hi[i], lo[i]) & mask;
+      second[i - begin] = k2(hi[i], lo[i]) & mask;
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kAhead < end && valid[i + kAhead]) {
+        PrefetchBucket(ix + int64_t{first[i + kAhead - begin]} * 3 * kWidth);
+        PrefetchBucket(ix + int64_t{second[i + kAhead - begin]} * 3 * kWidth);
+      }
+      if (!valid[i]) {
+        found[i] = -1;
+        continue;
+      }
+      int64_t r = id_map_hits::Probe(ix + int64_t{first[i - begin]} * 3 * kWidth, hi[i], lo[i]);
+      if (r < 0) r = id_map_hits::Probe(ix + int64_t{second[i - begin]} * 3 * kWidth, hi[i], lo[i]);
+      found[i] = r;
+      if (distinct && r >= 0 && r < c) {
+        last_used[r] = step;
+        cnt[r] = SatAdd(cnt[r], 1);
+      }
+    }
+  });
+
+  // 2. the distinct valid ids ("u"), in the order of their first position (the
+  //    admission order): first position, occurrences; each position's u
+  std::vector<int32_t> u_first, u_occ, inverse;
+  inverse.assign(n, -1);
+  if (distinct) {
+    u_first.reserve(n);
+    for (int64_t i = 0; i < n; ++i)
+      if (valid[i]) {
+        inverse[i] = static_cast<int32_t>(u_first.size());
+        u_first.push_back(static_cast<int32_t>(i));
+      }
+    u_occ.assign(u_first.size(), 1);
+  } else {
+    int64_t size = 16;
+    while (size < 2 * n) size <<= 1;
+    std::vector<int32_t> table(size, -1);
+    for (int64_t i = 0; i < n; ++i) {
+      if (!valid[i]) continue;
+      uint64_t h = (uint64_t{hi[i]} << 32 | lo[i]) * 0x9E3779B97F4A7C15ull;
+      int64_t s = static_cast<int64_t>(h >> 32) & (size - 1);
+      for (;; s = (s + 1) & (size - 1)) {
+        const int32_t u = table[s];
+        if (u < 0) {
+          table[s] = static_cast<int32_t>(u_first.size());
+          inverse[i] = table[s];
+          u_first.push_back(static_cast<int32_t>(i));
+          u_occ.push_back(1);
+          break;
+        }
+        const int32_t f = u_first[u];
+        if (hi[f] == hi[i] && lo[f] == lo[i]) {
+          inverse[i] = u;
+          ++u_occ[u];
+          break;
+        }
+      }
+    }
+  }
+  const int64_t nu = static_cast<int64_t>(u_first.size());
+
+  // 3. hits (touched: the repeats' occurrences at once), misses
+  int32_t hits = 0;
+  std::vector<int32_t> misses;  // u
+  for (int64_t u = 0; u < nu; ++u) {
+    const int64_t r = found[u_first[u]];
+    if (r < 0) {
+      misses.push_back(static_cast<int32_t>(u));
+      continue;
+    }
+    ++hits;
+    if (!distinct && r < c) {
+      last_used[r] = step;
+      cnt[r] = SatAdd(cnt[r], u_occ[u]);
+    }
+  }
+  int64_t evictions = 0, taken = 0, needed = 0, pending = 0;
+  std::vector<int32_t> new_row;  // a miss's row, -1 for none
+  if (!misses.empty()) {
+    // 4. sightings (conservative update from the estimates before the call), candidates
+    std::vector<int32_t> cand;
+    if (admit_after > 1) {
+      const uint32_t wmask = static_cast<uint32_t>(width - 1);
+      std::vector<int32_t> est(misses.size());
+      std::vector<uint32_t> cols(misses.size() * depth);
+      for (size_t m = 0; m < misses.size(); ++m) {
+        const int32_t f = u_first[misses[m]];
+        int32_t least = kMax;
+        for (int64_t d = 0; d < depth; ++d) {
+          const Keys kd{kw[3 * (2 + d)], kw[3 * (2 + d) + 1], kw[3 * (2 + d) + 2]};
+          const uint32_t col = kd(hi[f], lo[f]) & wmask;
+          cols[m * depth + d] = col;
+          least = std::min(least, sketch[d * width + col]);
+        }
+        est[m] = std::min(Wrap(int64_t{least} + 1), kMax);
+      }
+      for (size_t m = 0; m < misses.size(); ++m)
+        for (int64_t d = 0; d < depth; ++d) {
+          int32_t& counter = sketch[d * width + cols[m * depth + d]];
+          counter = std::max(counter, est[m]);
+        }
+      *sightings = Wrap(int64_t{*sightings} + static_cast<int64_t>(misses.size()));
+      if (*sightings >= halve_every) {
+        for (int64_t k = 0; k < depth * width; ++k) sketch[k] >>= 1;
+        *sightings = 0;
+      }
+      for (size_t m = 0; m < misses.size(); ++m)
+        if (est[m] >= admit_after) cand.push_back(misses[m]);
+    } else {
+      cand = misses;
+    }
+    needed = static_cast<int64_t>(cand.size());
+    pending = static_cast<int64_t>(misses.size()) - needed;
+
+    // 5. a sweep when the candidates outnumber the free rows
+    if (needed > *num_free) {
+      std::vector<uint8_t> live(c);
+      struct Key {
+        uint64_t a;
+        uint32_t b;
+      };
+      std::vector<Key> evictable;
+      for (int64_t r = 0; r < c; ++r) {
+        const int64_t s = std::min<int64_t>(std::max<int64_t>(row_slot[r], 0), num_slots - 1);
+        const uint32_t word = ix[(s / kWidth) * 3 * kWidth + 2 * kWidth + s % kWidth];
+        live[r] = row_slot[r] >= 0 && word == static_cast<uint32_t>(r);
+        if (live[r] && last_used[r] != step) {
+          if (lfu)
+            evictable.push_back({uint64_t{Biased(cnt[r])} << 32 | Biased(last_used[r]),
+                                 static_cast<uint32_t>(r)});
+          else
+            evictable.push_back({uint64_t{Biased(last_used[r])} << 32 | static_cast<uint32_t>(r),
+                                 0});
+        }
+      }
+      const int64_t want = std::max<int64_t>(evict_batch, needed - *num_free);
+      evictions = std::min<int64_t>(want, static_cast<int64_t>(evictable.size()));
+      auto less = [](const Key& x, const Key& y) { return x.a != y.a ? x.a < y.a : x.b < y.b; };
+      if (evictions < static_cast<int64_t>(evictable.size()))
+        std::nth_element(evictable.begin(), evictable.begin() + evictions, evictable.end(), less);
+      for (int64_t k = 0; k < evictions; ++k) {
+        const int64_t r = lfu ? evictable[k].b : static_cast<int64_t>(evictable[k].a & 0xFFFFFFFFu);
+        const int64_t s = row_slot[r];
+        ix[(s / kWidth) * 3 * kWidth + 2 * kWidth + s % kWidth] = kEmpty;
+        live[r] = 2;  // a victim: free
+      }
+      int64_t k = 0;
+      for (int64_t r = 0; r < c; ++r)
+        if (live[r] != 1) free_rows[k++] = static_cast<int32_t>(r);
+      std::fill(free_rows + k, free_rows + c, 0);
+      *free_head = 0;
+      *num_free = static_cast<int32_t>(k);
+    }
+
+    // 6. the first num_free candidates, each in the emptier of its two buckets (the
+    //    first on a tie), the k-th empty slot of a bucket for its k-th id in u order
+    //    (u order: the position with distinct ids, else the id's (hi, lo))
+    const int64_t fits = std::min<int64_t>(needed, std::max<int32_t>(*num_free, 0));
+    struct Want {
+      int64_t bucket;
+      uint64_t tie;
+      int32_t m;  // index into cand
+    };
+    std::vector<Want> wants(fits);
+    for (int64_t m = 0; m < fits; ++m) {
+      const int32_t f = u_first[cand[m]];
+      const int64_t b1 = k1(hi[f], lo[f]) & mask, b2 = k2(hi[f], lo[f]) & mask;
+      const int64_t b = EmptiesIn(ix, b2) > EmptiesIn(ix, b1) ? b2 : b1;
+      const uint64_t tie = distinct ? static_cast<uint64_t>(f) : (uint64_t{hi[f]} << 32 | lo[f]);
+      wants[m] = {b, tie, static_cast<int32_t>(m)};
+    }
+    std::sort(wants.begin(), wants.end(), [](const Want& x, const Want& y) {
+      return x.bucket != y.bucket ? x.bucket < y.bucket : x.tie < y.tie;
+    });
+    std::vector<int64_t> slot(fits, -1);
+    for (int64_t g = 0; g < fits;) {
+      const int64_t b = wants[g].bucket;
+      const uint32_t* word = ix + b * 3 * kWidth + 2 * kWidth;
+      int64_t j = 0;
+      for (; g < fits && wants[g].bucket == b; ++g) {
+        while (j < kWidth && word[j] != kEmpty) ++j;
+        if (j < kWidth) slot[wants[g].m] = b * kWidth + j++;
+      }
+    }
+    // 7. rows, lowest free first, in admission order
+    new_row.assign(nu, -1);
+    for (int64_t m = 0; m < fits; ++m) {
+      if (slot[m] < 0) continue;
+      const int32_t u = cand[m], f = u_first[u];
+      const int32_t r = free_rows[std::min<int64_t>(*free_head + taken, c - 1)];
+      ++taken;
+      new_row[u] = r;
+      uint32_t* bucket = ix + (slot[m] / kWidth) * 3 * kWidth;
+      const int64_t j = slot[m] % kWidth;
+      bucket[j] = hi[f];
+      bucket[kWidth + j] = lo[f];
+      bucket[2 * kWidth + j] = static_cast<uint32_t>(r);
+      row_id[2 * int64_t{r}] = hi[f];
+      row_id[2 * int64_t{r} + 1] = lo[f];
+      row_slot[r] = static_cast<int32_t>(slot[m]);
+      last_used[r] = step;
+      cnt[r] = u_occ[u];
+    }
+    *num_free -= static_cast<int32_t>(taken);
+    *free_head += static_cast<int32_t>(taken);
+  }
+
+  // 8. per position
+  for (int64_t i = 0; i < n; ++i) {
+    fresh[i] = false;
+    if (!valid[i]) {
+      rows[i] = -1;
+      continue;
+    }
+    const int64_t r = found[i];
+    if (r >= 0) {
+      rows[i] = static_cast<int32_t>(static_cast<uint32_t>(r));
+      continue;
+    }
+    const int32_t nr = new_row.empty() ? -1 : new_row[inverse[i]];
+    rows[i] = nr;
+    fresh[i] = nr >= 0;
+  }
+  stats[0] = hits;
+  stats[1] = static_cast<int32_t>(taken);
+  stats[2] = static_cast<int32_t>(evictions);
+  stats[3] = static_cast<int32_t>(pending);
+  stats[4] = static_cast<int32_t>(needed - taken);
+  stats[5] = static_cast<int32_t>(c - *num_free);
+  return ffi::Error::Success();
+}
+
+}  // namespace id_map_step
+}  // namespace embedmesh
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmIdMapStep, embedmesh::id_map_step::Step,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("lfu")
+                                  .Attr<int64_t>("admit_after")
+                                  .Attr<int64_t>("evict_batch")
+                                  .Attr<int64_t>("halve_every")
+                                  .Attr<int64_t>("distinct")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+EM_LIST_HANDLER("embedmesh_id_map_step", EmIdMapStep)

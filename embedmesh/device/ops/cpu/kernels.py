@@ -420,6 +420,43 @@ def _id_map_state(index, use_count, *args, **params) -> bool:
     return index.dtype == jnp.uint32 and index.ndim == 3 and use_count.dtype == jnp.int32
 
 
+def id_map_step(*args, keys, lfu, admit_after, evict_batch, halve_every, distinct, fallback):
+    """id_map.cc: a whole `map_ids` call, the state's ten arrays updated in place
+    (aliased); `fallback` (the jnp path: the op's reference) is not run here."""
+    state, (hi, lo, valid, step) = args[:10], args[10:]
+    outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state) + (
+        jax.ShapeDtypeStruct(hi.shape, jnp.int32),
+        jax.ShapeDtypeStruct(hi.shape, jnp.bool_),
+        jax.ShapeDtypeStruct((6,), jnp.int32),
+    )
+    words = jnp.asarray(np.asarray(keys, np.uint32).reshape(-1, 3))
+    return jax.ffi.ffi_call(
+        "embedmesh_id_map_step", outs, input_output_aliases={i: i for i in range(10)}
+    )(
+        *state,
+        hi,
+        lo,
+        valid,
+        jnp.asarray(step, jnp.int32).reshape(1),
+        words,
+        lfu=np.int64(bool(lfu)),
+        admit_after=np.int64(admit_after),
+        evict_batch=np.int64(evict_batch),
+        halve_every=np.int64(halve_every),
+        distinct=np.int64(bool(distinct)),
+    )
+
+
+def _id_map_step_state(index, row_id, row_slot, last_used, use_count, *args, **params) -> bool:
+    ints = (row_slot, last_used, use_count)
+    return (
+        index.dtype == jnp.uint32
+        and index.ndim in (3, 4)
+        and row_id.dtype == jnp.uint32
+        and all(x.dtype == jnp.int32 for x in ints)
+    )
+
+
 # op name -> (kernel, supports or None)
 KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "gather_rows": (gather_rows, None),
@@ -441,4 +478,5 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
     "id_map_hits": (id_map_hits, _id_map_state),
+    "id_map_step": (id_map_step, _id_map_step_state),
 }
