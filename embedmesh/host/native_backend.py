@@ -59,6 +59,7 @@ _state: dict = {}  # "lib" once loaded; "why" once that failed
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+_DT32, _DT64, _DTF = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
 
 
 def library():
@@ -99,13 +100,20 @@ def describe(inputs: list) -> np.ndarray:
     int64, params int64; C-contiguous). The arrays must outlive the calls."""
     desc = np.zeros((len(inputs), TABLE_WORDS), np.int64)
     for i, (ids, weights, splits, fmeta, params) in enumerate(inputs):
-        for a, dtype in ((ids, ids.dtype), (splits, np.int64), (fmeta, np.int64)):
-            if a.dtype != dtype or not a.flags.c_contiguous:
-                raise TypeError(f"kernel input of dtype {a.dtype}, expected a contiguous {dtype}")
-        if ids.dtype not in (np.int32, np.int64):
-            raise TypeError(f"ids of dtype {ids.dtype}: expected int32 or int64")
-        if weights.shape[0] and (weights.dtype != np.float32 or not weights.flags.c_contiguous):
-            raise TypeError(f"weights of dtype {weights.dtype}: expected contiguous float32")
+        if not (
+            (ids.dtype == _DT32 or ids.dtype == _DT64)
+            and splits.dtype == _DT64 == fmeta.dtype == params.dtype
+            and (weights.shape[0] == 0 or weights.dtype == _DTF)
+            and ids.flags.c_contiguous
+            and splits.flags.c_contiguous
+            and fmeta.flags.c_contiguous
+            and weights.flags.c_contiguous
+        ):
+            raise TypeError(
+                f"kernel inputs of dtypes {ids.dtype}, {weights.dtype}, {splits.dtype}, "
+                f"{fmeta.dtype}, {params.dtype}: expected contiguous int32/int64, float32, "
+                f"int64, int64, int64"
+            )
         desc[i] = (
             ids.ctypes.data,
             ids.dtype == np.int64,

@@ -429,21 +429,13 @@ class _NativeRun(_KernelRun):
         for i, (t, _, inputs) in enumerate(self.calls):  # `finish` reads bad by table
             self.calls[i] = (t, self.bad[i], inputs)
         self.handles = np.zeros((D, max(T, 1)), np.int64)
-
-    def sort(self, d: int, i: int) -> None:
-        handle = self.lib.EmHostSort(self.desc[i].ctypes.data, d, self.unique_ids.shape[1])
-        if handle == 0:
-            raise MemoryError("host preprocessing (C++): out of memory sorting a table")
-        self.handles[d, i] = handle
-
-    def device(self, d: int) -> None:
-        D, N, U = self.unique_ids.shape
-        rc = self.lib.EmHostDevice(
-            self.desc.ctypes.data,
-            len(self.calls),
-            self.handles[d].ctypes.data,
-            d,
-            D,
+        # the calls' addresses, taken once (a batch of small stacks is bound by the calls)
+        D_, N, U = self.unique_ids.shape
+        self.desc_at, self.handles_at = self.desc.ctypes.data, self.handles.ctypes.data
+        self.row_bytes = self.handles.strides[0]
+        self.before = (self.desc_at, T)
+        self.after = (
+            D_,
             N,
             U,
             self.pair_rows.shape[2],
@@ -456,6 +448,17 @@ class _NativeRun(_KernelRun):
             self.job.rows_per_device,
             self.bad.ctypes.data,
             self.dropped.ctypes.data,
+        )
+
+    def sort(self, d: int, i: int) -> None:
+        handle = self.lib.EmHostSort(self.desc_at + i * self.desc.strides[0], d, self.after[1])
+        if handle == 0:
+            raise MemoryError("host preprocessing (C++): out of memory sorting a table")
+        self.handles[d, i] = handle
+
+    def device(self, d: int) -> None:
+        rc = self.lib.EmHostDevice(
+            *self.before, self.handles_at + d * self.row_bytes, d, *self.after
         )
         if rc != 0:
             raise MemoryError("host preprocessing (C++): out of memory")
