@@ -10,15 +10,18 @@ share the numpy tables' memory) and the same requests:
   `RaggedTensor`s, with `set_host_threads(1)` (each client thread is one core's work);
 - em-numpy: the same under `embedmesh.serving.lookup.set_numpy_outputs(True)` (numpy
   outputs, no jax arrays);
-- em-np-release / em-np-hold / em-np-nohandoff / em-np-nowindow: em-numpy under the
-  other GIL policies, for A/B (the default: a request of fewer than 32k ids keeps the
-  GIL through its kernels while no other thread is inside a lookup or entered one in
-  the last 20 ms; release: every request releases it, `fast_path.hold_gil_below(0)`;
-  hold: a request under 32k ids keeps it whatever other threads do,
-  `fast_path.release_when_shared(False)`; nohandoff: the default without the hand-over
-  (after its kernels a thread waits, without the GIL, while another serving thread holds
-  it), `fast_path.gil_handoff_us(0)`; nowindow: only threads inside a lookup now count,
-  `fast_path.shared_window_us(0)`);
+- em-np-release / em-np-hold / em-np-nohandoff / em-np-nowindow / em-np-unfair /
+  em-np-slots: em-numpy under the other GIL policies, for A/B (the default: a request
+  of fewer than 32k ids keeps the GIL through its kernels while no other thread is
+  inside a lookup or entered one in the last 20 ms; release: every request releases
+  it, `fast_path.hold_gil_below(0)`; hold: a request under 32k ids keeps it whatever
+  other threads do, `fast_path.release_when_shared(False)`; nohandoff: the default
+  without the hand-over (after its kernels a thread waits, without the GIL, while
+  another serving thread holds it), `fast_path.gil_handoff_us(0)`; nowindow: only
+  threads inside a lookup now count, `fast_path.shared_window_us(0)`; unfair: threads
+  whose kernels end ask CPython for the GIL each at once instead of in the order their
+  kernels ended, `fast_path.fair_gil(False)`; slots: at most as many threads run
+  kernels at once as there are cores, `fast_path.kernel_slots(os.cpu_count())`);
 - torch: `torch.nn.functional.embedding_bag(ids, table, offsets, mode=...)` a feature,
   under `torch.inference_mode()`, `torch.set_num_threads(1)`;
 - tf: TensorFlow's `tf.tpu.experimental.embedding.serving_embedding_lookup` in a
@@ -109,20 +112,25 @@ def make_requests(features, max_ids, batch: int, n: int, vocab: int, seed: int):
     return out
 
 
-# (hold_gil_below, release_when_shared, gil_handoff_us, shared_window_us); None: the
-# library's default
+# (hold_gil_below, release_when_shared, gil_handoff_us, shared_window_us, fair_gil,
+# kernel_slots); None: the library's default
 GIL_POLICIES = {
-    "auto": (None, None, None, None),
-    "release": (0, None, None, None),
-    "hold": (None, False, None, None),
-    "nohandoff": (None, None, 0, None),
-    "nowindow": (None, None, None, 0),
+    "auto": (None, None, None, None, None, None),
+    "release": (0, None, None, None, None, None),
+    "hold": (None, False, None, None, None, None),
+    "nohandoff": (None, None, 0, None, None, None),
+    "nowindow": (None, None, None, 0, None, None),
+    "unfair": (None, None, None, None, False, None),
+    "slots": (None, None, None, None, None, os.cpu_count() or 1),
 }
+_NONE = lambda _: None  # a setting an older tree lacks (its A/B)
 _GIL_SETTERS = (
     fast_path.hold_gil_below,
     fast_path.release_when_shared,
     fast_path.gil_handoff_us,
-    getattr(fast_path, "shared_window_us", lambda _: None),  # an older tree's A/B
+    getattr(fast_path, "shared_window_us", _NONE),
+    getattr(fast_path, "fair_gil", _NONE),
+    getattr(fast_path, "kernel_slots", _NONE),
 )
 
 
@@ -264,6 +272,8 @@ def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
         "em-np-hold": lambda: embedmesh_call(features, tables, True, "hold"),
         "em-np-nohandoff": lambda: embedmesh_call(features, tables, True, "nohandoff"),
         "em-np-nowindow": lambda: embedmesh_call(features, tables, True, "nowindow"),
+        "em-np-unfair": lambda: embedmesh_call(features, tables, True, "unfair"),
+        "em-np-slots": lambda: embedmesh_call(features, tables, True, "slots"),
     }
     if torch is not None:
         makers["torch"] = lambda: torch_call(features, tables)
@@ -416,7 +426,7 @@ def main(argv=None):
         "--contenders",
         default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
         help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, "
-        "em-np-nowindow, torch, tf",
+        "em-np-nowindow, em-np-unfair, em-np-slots, torch, tf",
     )
     p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
     args = p.parse_args(argv)

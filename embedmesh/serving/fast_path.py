@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - the install builds it where a compiler
 
 __all__ = [
     "fair_gil",
+    "gil_between_us",
     "gil_handoff_us",
     "gil_stats",
     "hold_gil_below",
@@ -211,19 +212,36 @@ def fair_gil(on: bool) -> bool | None:
     kernels ended, while requests are shared (default True); returns the previous
     setting, None without the compiled form. Each takes a ticket and sleeps on a futex
     without the GIL until the thread before it has the GIL; the first in line then waits
-    for it as `gil_handoff_us` says, the only serving thread asking for it. Off, every
-    such thread asks CPython at once, and CPython's GIL goes to whichever asks at the
-    right moment: with 4 clients one request in a hundred waited a switch interval
-    (5 ms) or more while the others took turns."""
+    for it as `gil_handoff_us` and `gil_between_us` say, the only serving thread asking
+    for it. Off, every such thread asks CPython at once, and CPython's GIL goes to
+    whichever asks at the right moment: a thread asleep in take_gil is woken, finds it
+    taken again and sleeps another switch interval (5 ms), anew each time. 4 clients,
+    26 features (benchmarks/serving/RESULTS.md): p99/p50 1.6-2.0 at batch 1-256 on
+    (37.7 / 7.2 / 12.0 / 2.05 off; torch's own 2.2-2.6 in that run); it costs 4 clients
+    14-17% of their requests/s at batch 8 and 64 (sleepers woken in turn)."""
     fn = getattr(_compiled, "set_fair_gil", None)
     return None if fn is None else fn(bool(on))
+
+
+def gil_between_us(us: int) -> int | None:
+    """How long after a serving thread that holds the GIL left its lookup the first in
+    line (`fair_gil`) still waits for that thread's next request to drop it, rather than
+    asking CPython (0: not at all; default 100); returns the previous value, None
+    without the compiled form. It waits only while serving threads come back within
+    that time (a running mean of the time from a thread's leaving a lookup to its
+    entering the next): a client thread's own Python between two requests takes a few
+    us, and a thread asleep in CPython's take_gil takes 50-250 us to wake on a VM. A
+    server whose threads block between requests (a socket, a queue) does not wait."""
+    fn = getattr(_compiled, "set_between_us", None)
+    return None if fn is None else fn(int(us))
 
 
 def kernel_slots(n: int) -> int | None:
     """At most `n` serving threads run their kernels at once while requests are shared,
     the others asleep on a futex without the GIL and let in the order they came
     (0: no limit, the default); returns the previous value, None without the compiled
-    form."""
+    form. For A/B: at `os.cpu_count()` it left the tails and requests/s as they were
+    (benchmarks/serving/RESULTS.md)."""
     fn = getattr(_compiled, "set_kernel_slots", None)
     return None if fn is None else fn(int(n))
 

@@ -118,7 +118,18 @@ SETTINGS = settings(
 
 
 @pytest.fixture(
-    params=["alone", "release", "hold", "nohandoff", "nowindow", "buffers", "pool", "numpy"]
+    params=[
+        "alone",
+        "release",
+        "hold",
+        "nohandoff",
+        "nowindow",
+        "unfair",
+        "slots",
+        "buffers",
+        "pool",
+        "numpy",
+    ]
 )
 def pool(request):
     """release: every request releases the GIL while its kernels run (by default small
@@ -126,7 +137,11 @@ def pool(request):
     request keeps it, other threads in a lookup or not; nohandoff: a thread asks for the
     GIL back as soon as its kernels end (by default it waits while another serving thread
     holds it); nowindow: only threads inside a lookup now make a request shared;
-    buffers: each output its own buffer from the pool
+    unfair: threads whose kernels end ask CPython for the GIL at once (by default they
+    take it back in the order their kernels ended, `fair_gil`); slots: every request
+    releases the GIL and one thread at a time runs its kernels, the others asleep in
+    line, the GIL taken back in order without the hand-over's wait (`kernel_slots(1)`,
+    `gil_handoff_us(0)`); buffers: each output its own buffer from the pool
     (by default a request's outputs are views of one); pool: every request asks the C++ pool for 4
     threads (one entry a thread is enough), so requests find it busy or take it while
     others run; numpy: outputs are the output pool's buffers themselves
@@ -149,14 +164,33 @@ def pool(request):
         if previous is not None:
             fast_path.hold_gil_below(previous)
         return
-    if request.param in ("nohandoff", "nowindow"):
+    if request.param in ("nohandoff", "nowindow", "unfair"):
         from embedmesh.serving import fast_path
 
-        setter = {"nohandoff": fast_path.gil_handoff_us, "nowindow": fast_path.shared_window_us}
-        previous = setter[request.param](0)
+        setter = {
+            "nohandoff": fast_path.gil_handoff_us,
+            "nowindow": fast_path.shared_window_us,
+            "unfair": fast_path.fair_gil,
+        }[request.param]
+        previous = setter(0)
         yield
         if previous is not None:
-            setter[request.param](previous)
+            setter(previous)
+        return
+    if request.param == "slots":
+        from embedmesh.serving import fast_path
+
+        settings_ = (
+            (fast_path.kernel_slots, 1),
+            (fast_path.hold_gil_below, 0),
+            (fast_path.gil_handoff_us, 0),
+            (fast_path.fair_gil, True),
+        )
+        previous = [set_(value) for set_, value in settings_]
+        yield
+        for (set_, _), old in zip(settings_, previous):
+            if old is not None:
+                set_(old)
         return
     if request.param == "buffers":
         from embedmesh.serving import fast_path
@@ -253,10 +287,15 @@ def test_gil_settings_return_previous_values():
         (fast_path.gil_handoff_us, 7),
         (fast_path.shared_window_us, 9),
         (fast_path.hold_gil_below, 11),
+        (fast_path.kernel_slots, 3),
+        (fast_path.gil_between_us, 5),
     ):
         previous = setter(value)
         assert setter(-1) == value  # negatives are 0
         assert setter(previous) == 0
+    previous = fast_path.fair_gil(False)
+    assert fast_path.fair_gil(True) is False
+    assert fast_path.fair_gil(previous) is True
 
 
 @pytest.mark.parametrize("tables", [TABLES, TABLES_INT8], ids=["float32", "int8"])

@@ -78,8 +78,9 @@ int64_t g_in_flight = 0;
 // a lookup, then claims it (g_gil_busy 0 -> 1) and takes the GIL, which that thread has
 // just dropped: no sleep, and the threads take turns. g_gil_busy is set by a thread that
 // holds the GIL inside a lookup (enter, the GIL taken back after its kernels) and cleared
-// once it has dropped the GIL for its kernels, or leaves the lookup (its own Python may
-// then block and release the GIL in ways not seen here: a waiter takes the GIL as usual).
+// once it has dropped the GIL for its kernels; 2 once it leaves the lookup (its own
+// Python may then block and release the GIL in ways not seen here: a waiter here takes
+// 2 as 0, the fair hand-over's first in line as g_between_us says).
 std::atomic<int> g_gil_busy{0};
 std::atomic<int64_t> g_in_kernels{0};  // threads between dropping the GIL and taking it back
 int64_t g_handoff_us = 1000;
@@ -101,9 +102,8 @@ void wait_for_gil(int64_t us) {
   }
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
   for (;;) {
-    int free = 0;
-    if (g_gil_busy.load(std::memory_order_relaxed) == 0 &&
-        g_gil_busy.compare_exchange_strong(free, 1))
+    int free = g_gil_busy.load(std::memory_order_relaxed);
+    if (free != 1 && g_gil_busy.compare_exchange_strong(free, 1))
       break;  // claimed: the GIL was dropped by its last serving holder
     if (std::chrono::steady_clock::now() >= until) break;
     std::this_thread::yield();
@@ -115,8 +115,11 @@ void wait_for_gil(int64_t us) {
 // is taken by whichever thread asks at the right moment: a thread asleep in CPython's
 // take_gil is woken when the GIL is dropped, finds it taken again by a thread that
 // asked meanwhile, and sleeps another switch interval, each time anew as long as other
-// threads keep switching (4 clients at batch 1: the slowest 1% of requests slept 5.6 ms
-// of their 21 ms in take_gil, the median request 65 us in all; perf sched, 2026-12-05).
+// threads keep switching (4 clients at batch 1, perf sched, 2026-12-05: the slowest 1%
+// of requests took 21 ms against a 65 us median, waiting while two other serving threads
+// handed the GIL to each other and held the cores 40% of that time, other processes 60%;
+// p99/p50 with 4 clients 37.7 / 7.2 / 12.0 / 2.05 at batch 1 / 8 / 64 / 256 without the
+// turns, 1.97 / 1.56 / 1.92 / 1.93 with them, benchmarks/serving/RESULTS.md).
 // Here threads whose kernels have ended take the GIL back in the order their kernels
 // ended: each takes a ticket (g_gil_turn) and sleeps on a futex without the GIL until
 // the thread before it has the GIL; then, first in line, it waits (yielding, at most
@@ -127,7 +130,8 @@ void wait_for_gil(int64_t us) {
 // The kernel slots (set_kernel_slots; default 0: no limit): at most that many serving
 // threads run their kernels at once, in the order they dropped the GIL, the others
 // asleep on a futex without it, so that kernels never crowd the cores (and a thread
-// holding the GIL, or first in line for it, off them).
+// holding the GIL, or first in line for it, off them). Measured at 2 slots on 2 cores:
+// no better than none (kept for A/B).
 //
 // Both are tickets on a 32-bit counter: ticket t may pass once t - done < limit, a
 // passing thread adds 1 to done and wakes (FUTEX_WAKE_BITSET, bit t % 32) only the
@@ -139,8 +143,9 @@ class Turns {
   // Until ticket t may pass (`limit` tickets at once).
   void wait(uint32_t t, uint32_t limit) {
     for (;;) {
+      // signed: done_ may have passed t already (later tickets passed first)
       const uint32_t d = done_.load();
-      if (t - d < limit) return;
+      if (static_cast<int32_t>(t - d) < static_cast<int32_t>(limit)) return;
 #if defined(__linux__)
       // sleeps unless done_ has moved on from d meanwhile
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&done_), FUTEX_WAIT_BITSET_PRIVATE, d,
@@ -173,7 +178,29 @@ class Turns {
   static uint32_t bit(uint32_t t) { return 1u << (t % 32); }
 };
 
+int64_t now_ns();
+
 Turns g_gil_turns, g_kernel_turns;
+// g_gil_busy 2: the serving thread that holds the GIL has left its lookup (at
+// g_left_ns). A client thread whose next request follows at once (its own Python
+// between two requests: a few us) drops the GIL again in that request's kernels: the
+// first in line keeps waiting for that, g_between_us at most after the leave, as long
+// as serving threads come back within g_between_us (g_gap_ns: a running mean of the
+// time from a thread's leave to its next enter). Asking CPython instead, it sleeps in
+// take_gil until the holder drops the GIL, and waking it then costs 50-250 us on this
+// VM (perf sched, 2 clients at batch 1: the slowest 1% slept 256 us and waited another
+// 104 us to run). A server whose threads block between requests (a socket, a queue)
+// has a long gap: the first in line asks at once, as before.
+std::atomic<int64_t> g_left_ns{0};
+std::atomic<int64_t> g_gap_ns{INT64_MAX / 2};  // nothing measured yet: no wait
+int64_t g_between_us = 100;
+thread_local int64_t t_left_ns = 0;  // this thread's last leave (0: none yet)
+
+bool holder_back_soon() {
+  const int64_t between = g_between_us * 1000;
+  return g_gap_ns.load(std::memory_order_relaxed) < between &&
+         now_ns() - g_left_ns.load(std::memory_order_relaxed) < between;
+}
 bool g_fair_gil = true;
 int64_t g_kernel_slots = 0;
 
@@ -182,10 +209,9 @@ int64_t g_kernel_slots = 0;
 void wait_first_in_line(int64_t us) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
   for (;;) {
-    int free = 0;
-    if (g_gil_busy.load(std::memory_order_relaxed) == 0 &&
-        g_gil_busy.compare_exchange_strong(free, 1))
-      return;
+    int seen = g_gil_busy.load(std::memory_order_relaxed);
+    if (seen == 2 && holder_back_soon()) seen = -1;  // wait for its next lookup to drop it
+    if ((seen == 0 || seen == 2) && g_gil_busy.compare_exchange_strong(seen, 1)) return;
     if (std::chrono::steady_clock::now() >= until) return;
     std::this_thread::yield();
   }
@@ -807,6 +833,11 @@ PyObject* set_hold_gil_below(PyObject*, PyObject* args) {
 PyObject* enter(PyObject*, PyObject*) {
   ++g_in_flight;
   g_gil_busy.store(1);  // this thread holds the GIL inside a lookup
+  if (t_left_ns != 0) {  // the gap since its last lookup, into the running mean (1/8)
+    const int64_t gap = now_ns() - t_left_ns, mean = g_gap_ns.load(std::memory_order_relaxed);
+    g_gap_ns.store(mean >= INT64_MAX / 2 ? gap : mean + (gap - mean) / 8,
+                   std::memory_order_relaxed);
+  }
   if (g_last_thread != &t_token) {  // another thread than the last one: shared a while
     if (g_last_thread != nullptr) g_shared_until_ns = now_ns() + g_shared_window_us * 1000;
     g_last_thread = &t_token;
@@ -816,7 +847,9 @@ PyObject* enter(PyObject*, PyObject*) {
 
 PyObject* leave(PyObject*, PyObject*) {
   if (g_in_flight > 0) --g_in_flight;
-  g_gil_busy.store(0);  // what this thread's Python does next is not seen here
+  t_left_ns = now_ns();
+  g_left_ns.store(t_left_ns, std::memory_order_relaxed);
+  g_gil_busy.store(2);  // held, outside a lookup: what comes next is not seen here
   Py_RETURN_NONE;
 }
 
@@ -831,6 +864,11 @@ PyObject* set_fair_gil(PyObject*, PyObject* args) { return set_flag(args, g_fair
 // set_kernel_slots(n) -> the previous value: at most n serving threads run their kernels
 // at once while requests are shared (0: no limit; default 0).
 PyObject* set_kernel_slots(PyObject*, PyObject* args) { return set_count(args, g_kernel_slots); }
+
+// set_between_us(us) -> the previous value: how long after a serving thread that holds
+// the GIL left its lookup the first in line still waits for it (0: not at all; default
+// 100), while serving threads come back within it.
+PyObject* set_between_us(PyObject*, PyObject* args) { return set_count(args, g_between_us); }
 
 // set_one_buffer(on) -> the previous setting: whether a request's outputs are views of
 // one buffer taken for it (default true) or each its own buffer from the pool.
@@ -871,6 +909,8 @@ PyMethodDef kMethods[] = {
      "Whether serving threads take the GIL back in the order their kernels ended."},
     {"set_kernel_slots", set_kernel_slots, METH_VARARGS,
      "At most this many serving threads run their kernels at once (0: no limit)."},
+    {"set_between_us", set_between_us, METH_VARARGS,
+     "How long the first in line waits for a thread that left a lookup holding the GIL."},
     {"set_one_buffer", set_one_buffer, METH_VARARGS,
      "Whether a request's outputs are views of one buffer."},
     {"enter", enter, METH_NOARGS, "A thread starts a host lookup."},
