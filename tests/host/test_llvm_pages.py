@@ -7,13 +7,10 @@ fresh process (the switch is read once; smaps are per process)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 
 import pytest
-from paths import ROOT
+from process_helpers import run_json
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise: Linux only"),
@@ -61,18 +58,7 @@ print(json.dumps({"first": first, "second": second}))
 
 
 def run(env: dict) -> dict:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDMESH_")}
-    full.update(env, JAX_PLATFORMS="cpu")
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=ROOT,
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(SCRIPT, dict(env, JAX_PLATFORMS="cpu"))
 
 
 def test_llvm_code_paged_out_after_the_kernels_load_and_kept_with_the_switch_off():

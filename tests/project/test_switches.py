@@ -8,41 +8,19 @@ one JSON line.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from paths import ROOT
+from process_helpers import run_json
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-
-
-def run_with(script: str, env: dict, *args) -> dict:
-    """Run `script` in a fresh interpreter (this checkout first on sys.path) with
-    the EMBEDMESH_* variables of `env` alone set; its last stdout line, as JSON."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDMESH_")}
-    full.update(env)
-    full.setdefault("JAX_PLATFORMS", "cpu")
-    done = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)],
-        cwd=ROOT,
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 NUMBA_MODULES = 'any(m.split(".")[0] in ("numba", "llvmlite") for m in sys.modules)'
 
 
 def test_import_embedmesh_loads_no_numba_and_builds_no_kernels():
-    seen = run_with(
+    seen = run_json(
         f"""
 import json, sys
 import embedmesh
@@ -108,7 +86,7 @@ def numpy_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("switches") / "off.npz"
     # EMBEDMESH_SERVING_NATIVE=0 / EMBEDMESH_PREPROCESS_NATIVE=0: the C++ kernels of
     # serving and preprocessing off too (they need no numba)
-    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0", **NO_CC}, out)
+    seen = run_json(WORKLOAD, {"EMBEDMESH_NUMBA": "0", **NO_CC}, out)
     return seen, out
 
 
@@ -125,7 +103,7 @@ def test_numba_off_makes_preprocessing_and_serving_use_numpy(numpy_run, tmp_path
     }
     if not HAVE_NUMBA:
         pytest.skip("numba is not installed: no numba run to compare with")
-    on = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "1", **NO_CC}, tmp_path / "on.npz")
+    on = run_json(WORKLOAD, {"EMBEDMESH_NUMBA": "1", **NO_CC}, tmp_path / "on.npz")
     assert on == {
         "numba": True,
         "preprocess": "numba",
@@ -149,7 +127,7 @@ def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
     from embedmesh.host import preprocess
 
     pre = "native" if preprocess.native_available() else "numpy"
-    seen = run_with(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "native.npz")
+    seen = run_json(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "native.npz")
     assert seen == {
         "numba": False,
         "preprocess": pre,
@@ -175,7 +153,7 @@ def test_preprocessing_and_serving_import_no_numba_by_default(tmp_path):
 
     if not preprocess.native_available() or not kernels.HAVE_NATIVE:
         pytest.skip(f"no C++ kernels here: {native.reason()}")
-    seen = run_with(
+    seen = run_json(
         WORKLOAD.replace("preprocess.numba_available()", "None"), {}, tmp_path / "d.npz"
     )
     assert seen == {
@@ -229,7 +207,7 @@ def test_serving_threads(threads):
     """The lookup runs on that many threads (the C++ kernels' one call or request, or
     Python's thread runner, is given it; 1: the caller's thread); `set_host_threads`
     reports the setting as the value it replaces."""
-    seen = run_with(SERVING_THREADS, {"EMBEDMESH_SERVING_THREADS": str(threads)})
+    seen = run_json(SERVING_THREADS, {"EMBEDMESH_SERVING_THREADS": str(threads)})
     assert seen["previous"] == threads
     # one call or request (the C++ kernels, even on one thread), or Python's runner
     assert seen["used"] == [threads] or (threads == 1 and seen["used"] == [])
@@ -258,7 +236,7 @@ print(json.dumps({"default": preprocess.default_num_threads(), "asked": sorted(s
 def test_preprocess_threads(threads):
     """The default `num_threads`: 1 runs the (stack, device) tasks on the caller's
     thread, 3 on a pool of three."""
-    seen = run_with(PREPROCESS_THREADS, {"EMBEDMESH_PREPROCESS_THREADS": str(threads)})
+    seen = run_json(PREPROCESS_THREADS, {"EMBEDMESH_PREPROCESS_THREADS": str(threads)})
     assert seen == {"default": threads, "asked": [] if threads == 1 else [threads]}
 
 
@@ -278,7 +256,7 @@ except ValueError as e:
 def test_serving_spin_us(value, want):
     """How long the serving pool's threads poll before they sleep: the C++ default when
     unset, the value given, and a clear error naming the variable for a bad one."""
-    seen = run_with(SERVING_SPIN, {} if value is None else {"EMBEDMESH_SERVING_SPIN_US": value})
+    seen = run_json(SERVING_SPIN, {} if value is None else {"EMBEDMESH_SERVING_SPIN_US": value})
     if want is None:
         assert "EMBEDMESH_SERVING_SPIN_US='-1'" in seen["error"]
     else:
@@ -313,7 +291,7 @@ def test_output_pool_mb(mb):
     """The serving output pool keeps at most the given MB of free buffers for reuse. A
     request's outputs are views of one buffer (`fast_path.one_buffer`): its two 600 KiB
     outputs one 1.2 MB buffer, which a 1 MB pool does not keep and a 4 MB pool does."""
-    seen = run_with(OUTPUT_POOL, {"EMBEDMESH_OUTPUT_POOL_MB": str(mb)})
+    seen = run_json(OUTPUT_POOL, {"EMBEDMESH_OUTPUT_POOL_MB": str(mb)})
     one = 1200 * 2 * 64 * 4  # an output's bytes
     assert seen == {"limit": mb << 20, "in_use": 0, "kept": {0: 0, 1: 0, 4: 2 * one}[mb]}
 
@@ -333,7 +311,7 @@ print(json.dumps({"custom_call": "custom_call" in text}))
 def test_cpu_kernels_off_lowers_device_ops_to_pure_jax():
     """EMBEDMESH_CPU_KERNELS=0: a device op lowers to plain XLA, no FFI custom call
     (seen in the lowered program, whatever the ops layer looks like inside)."""
-    default = run_with(CPU_KERNELS, {})
+    default = run_json(CPU_KERNELS, {})
     if not default["custom_call"]:
         pytest.skip("the C++ CPU kernels are not available here: nothing to switch off")
-    assert run_with(CPU_KERNELS, {"EMBEDMESH_CPU_KERNELS": "0"}) == {"custom_call": False}
+    assert run_json(CPU_KERNELS, {"EMBEDMESH_CPU_KERNELS": "0"}) == {"custom_call": False}

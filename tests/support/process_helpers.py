@@ -132,14 +132,16 @@ def job_args() -> tuple[int, int, int]:
     return process_id, num_processes, port
 
 
-def run_python(code: str, env: dict | None = None, cwd: str | None = None, timeout=300) -> str:
-    """`code` run by this interpreter in a fresh process (`python -c`), with `env` (None:
-    this process's) in `cwd`: its stdout; an AssertionError with the output's end if it
-    fails."""
+def run_python(
+    code: str, env: dict | None = None, cwd: str | None = None, timeout=300, args=()
+) -> str:
+    """`code` run by this interpreter in a fresh process (`python -c code *args`), with
+    `env` (None: this process's) in `cwd`: its stdout; an AssertionError with the output's
+    end if it fails."""
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *map(str, args)],
         env=env,
         cwd=cwd,
         capture_output=True,
@@ -148,6 +150,21 @@ def run_python(code: str, env: dict | None = None, cwd: str | None = None, timeo
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r.stdout
+
+
+def run_json(code: str, env: dict, *args) -> dict:
+    """`code` run in a fresh process (this checkout first on sys.path, CPU jax unless
+    `env` says otherwise) with the EMBEDMESH_* variables of `env` alone set: its last
+    stdout line, as JSON."""
+    import json
+    import os
+
+    from paths import ROOT
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDMESH_")}
+    full.update(env)
+    full.setdefault("JAX_PLATFORMS", "cpu")
+    return json.loads(run_python(code, full, cwd=ROOT, args=args).strip().splitlines()[-1])
 
 
 def start_cpu_process(process_id: int, num_processes: int, port: int, devices: int = 4):
