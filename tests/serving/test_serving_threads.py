@@ -139,13 +139,13 @@ def pool(request):
     holds it); nowindow: only threads inside a lookup now make a request shared;
     unfair: threads whose kernels end ask CPython for the GIL at once (by default they
     take it back in the order their kernels ended, `fair_gil`); slots: every request
-    releases the GIL and one thread at a time runs its kernels, the others asleep in
-    line, the GIL taken back in order without the hand-over's wait (`kernel_slots(1)`,
-    `gil_handoff_us(0)`); buffers: each output its own buffer from the pool
-    (by default a request's outputs are views of one); pool: every request asks the C++ pool for 4
-    threads (one entry a thread is enough), so requests find it busy or take it while
-    others run; numpy: outputs are the output pool's buffers themselves
-    (`set_numpy_outputs`)."""
+    releases the GIL and two threads at a time run their kernels, the others asleep in
+    line (tickets pass out of order), the GIL taken back in order without the
+    hand-over's wait (`kernel_slots(2)`, `gil_handoff_us(0)`); buffers: each output its
+    own buffer from the pool (by default a request's outputs are views of one); pool:
+    every request asks the C++ pool for 4 threads (one entry a thread is enough), so
+    requests find it busy or take it while others run; numpy: outputs are the output
+    pool's buffers themselves (`set_numpy_outputs`)."""
     if request.param == "alone":
         yield
         return
@@ -181,7 +181,7 @@ def pool(request):
         from embedmesh.serving import fast_path
 
         settings_ = (
-            (fast_path.kernel_slots, 1),
+            (fast_path.kernel_slots, 2),
             (fast_path.hold_gil_below, 0),
             (fast_path.gil_handoff_us, 0),
             (fast_path.fair_gil, True),
