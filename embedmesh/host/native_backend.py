@@ -26,29 +26,13 @@ import threading
 import numpy as np
 
 from embedmesh import _native, _runtime
-from embedmesh.host.kernel_params import (
-    C_PAIR_KEPT,
-    C_PAIR_TOTAL,
-    C_UNIQUE_KEPT,
-    C_UNIQUE_TOTAL,
-    COUNTERS,
-    KERNEL_LAYOUTS,
-    table_params,
-)
 
 __all__ = [
-    "COUNTERS",
-    "C_PAIR_KEPT",
-    "C_PAIR_TOTAL",
-    "C_UNIQUE_KEPT",
-    "C_UNIQUE_TOTAL",
-    "KERNEL_LAYOUTS",
     "NAME",
     "TABLE_WORDS",
     "describe",
     "library",
     "reason",
-    "table_params",
 ]
 
 NAME = "native"

@@ -49,7 +49,7 @@ from embedmesh.host.kernel_params import (  # noqa: F401 (the kernels' constants
     table_params,
 )
 
-__all__ = ["COUNTERS", "KERNEL_LAYOUTS", "fill_padding", "table_fill", "table_params", "table_sort"]
+__all__ = ["fill_padding", "table_fill", "table_sort"]
 
 
 @njit(cache=True, nogil=True)

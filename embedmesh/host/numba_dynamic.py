@@ -27,12 +27,6 @@ import numpy as np
 from numba import njit
 
 from embedmesh.host.numba_backend import (
-    C_PAIR_KEPT,
-    C_PAIR_TOTAL,
-    C_UNIQUE_KEPT,
-    C_UNIQUE_TOTAL,
-    COUNTERS,
-    KERNEL_LAYOUTS,
     P_LOW_BITS,
     P_ROW_BASE,
     P_ROW_SPAN,
@@ -41,21 +35,13 @@ from embedmesh.host.numba_backend import (
     _entries,
     fill_padding,
     table_fill,
-    table_params,
 )
 
 __all__ = [
-    "COUNTERS",
-    "C_PAIR_KEPT",
-    "C_PAIR_TOTAL",
-    "C_UNIQUE_KEPT",
-    "C_UNIQUE_TOTAL",
-    "KERNEL_LAYOUTS",
     "fill_padding",
     "raw_codes",
     "raw_pairs",
     "table_fill",
-    "table_params",
     "table_sort",
 ]
 

@@ -86,7 +86,7 @@ from embedmesh.batch import (
     capacity_bucket,
 )
 from embedmesh.host import dynamic_ids as _dynamic
-from embedmesh.host import numpy_backend
+from embedmesh.host import kernel_params, numpy_backend
 from embedmesh.host.numpy_backend import bits_needed
 from embedmesh.host.preprocess_tf import SEED_ARGS, seed_batch_arguments
 from embedmesh.inputs import Csr, check_id_range, flatten_inputs_like, to_csr
@@ -284,7 +284,7 @@ def _range_error(job: _StackJob, table):
 def _numba_fits(job: _StackJob, plan: StackingPlan, K) -> bool:
     """Whether the kernels apply: a row layout they implement, and every sort
     value (key bits + low bits) fits 62 bits."""
-    if plan.row_layout.name not in K.KERNEL_LAYOUTS:
+    if plan.row_layout.name not in kernel_params.KERNEL_LAYOUTS:
         return False
     for t in job.tables:
         nnz = sum(int(c.splits[-1]) for _, c, _ in job.members(t.name))
@@ -337,7 +337,7 @@ class _KernelRun:
         self.pair_rows = np.empty((D, N, P), np.int32)
         self.pair_unique = np.empty((D, N, P), np.int32)
         self.pair_gains = np.empty((D, N, P), np.float32)
-        self.counts = np.zeros((K.COUNTERS, D, N), np.int64)
+        self.counts = np.zeros((kernel_params.COUNTERS, D, N), np.int64)
         self.dropped = np.zeros(D, np.int64)
         self.outputs = (
             self.unique_ids,
@@ -357,7 +357,7 @@ class _KernelRun:
             row_base = min(seg.row_offset for _, _, seg in members)
             row_span = max(seg.row_offset + seg.num_rows for _, _, seg in members) - row_base
             span, rotation, first_shard, _ = plan.row_layout.kernel_params(t)
-            params = K.table_params(
+            params = kernel_params.table_params(
                 span,
                 rotation,
                 first_shard,
@@ -377,16 +377,21 @@ class _KernelRun:
         for t, bad, _ in self.calls:
             if (bad >= 0).any():
                 _range_error(self.job, t)
-        K, c = self.K, self.counts
+        c = self.counts
         arrays = (
             self.unique_ids,
-            c[K.C_UNIQUE_KEPT].astype(np.int32),
+            c[kernel_params.C_UNIQUE_KEPT].astype(np.int32),
             self.pair_rows,
             self.pair_unique,
             self.pair_gains,
-            c[K.C_PAIR_KEPT].astype(np.int32),
+            c[kernel_params.C_PAIR_KEPT].astype(np.int32),
         )
-        return arrays, c[K.C_UNIQUE_TOTAL], c[K.C_PAIR_TOTAL], int(self.dropped.sum())
+        return (
+            arrays,
+            c[kernel_params.C_UNIQUE_TOTAL],
+            c[kernel_params.C_PAIR_TOTAL],
+            int(self.dropped.sum()),
+        )
 
 
 class _NumbaRun(_KernelRun):
