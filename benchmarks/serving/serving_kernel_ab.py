@@ -74,6 +74,26 @@ def build(name: str, spec: str, out_dir: str) -> ctypes.CDLL:
     return lib
 
 
+def interleaved_rounds(contenders: dict, rounds: int, batches: int, clock) -> dict:
+    """Each contender's time a call (`contenders[name](batch)`) in each of `rounds`
+    rounds after a warm-up round; within a round the batches run in turn and the
+    contenders in a shuffled order for each batch (seeded)."""
+    per_call: dict[str, list[float]] = {n: [] for n in contenders}
+    for rnd in range(rounds + 1):
+        spent = dict.fromkeys(contenders, 0.0)
+        for b in range(batches):
+            order = list(contenders)
+            np.random.default_rng(rnd * 1000 + b).shuffle(order)
+            for n in order:
+                t0 = clock()
+                contenders[n](b)
+                spent[n] += clock() - t0
+        if rnd:  # round 0 warms up
+            for n in contenders:
+                per_call[n].append(spent[n] / batches)
+    return per_call
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dim", type=int, default=64)
@@ -153,23 +173,8 @@ def main() -> None:
         n: (lambda b, lib=lib: em_call(lib, b)) for n, lib in libs.items()
     }
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    ratios = {n: [] for n in libs}
-    per_call = {n: [] for n in contenders}
-    for rnd in range(args.rounds + 1):
-        t = dict.fromkeys(contenders, 0.0)
-        for b in range(args.batches):
-            order = list(contenders)
-            np.random.default_rng(rnd * 1000 + b).shuffle(order)
-            for n in order:
-                t0 = clock()
-                contenders[n](b)
-                t[n] += clock() - t0
-        if rnd == 0:
-            continue  # warm-up
-        for n in contenders:
-            per_call[n].append(t[n] / args.batches)
-        for n in libs:
-            ratios[n].append(t["torch"] / t[n])
+    per_call = interleaved_rounds(contenders, args.rounds, args.batches, clock)
+    ratios = {n: [t / s for t, s in zip(per_call["torch"], per_call[n])] for n in libs}
     nids = sum(f[0].size for f in batches[0])
     print(
         f"dim {args.dim} ragged/{args.combiner}, {args.tables} x {args.vocab}, "

@@ -35,6 +35,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from serving_kernel_ab import interleaved_rounds
+
 from embedmesh import _native
 from embedmesh.serving import native, pool
 from embedmesh.serving.quantized import FORMAT_CODES, quantize_table
@@ -266,24 +268,12 @@ def main() -> None:
         for i, want in enumerate(ref):
             if want is not None:
                 np.testing.assert_allclose(outs[i], want, rtol=1e-4, atol=1e-4)
-    clock = time.thread_time
-    ratios: dict[str, list[float]] = {n: [] for n in contenders if n != "torch"}
-    per_call: dict[str, list[float]] = {n: [] for n in contenders}
-    for rnd in range(args.rounds + 1):
-        spent = dict.fromkeys(contenders, 0.0)
-        for b in range(args.batches):
-            order = list(contenders)
-            np.random.default_rng(rnd * 1000 + b).shuffle(order)
-            for n in order:
-                t0 = clock()
-                contenders[n](b)
-                spent[n] += clock() - t0
-        if rnd == 0:
-            continue  # warm-up
-        for n in contenders:
-            per_call[n].append(spent[n] / args.batches)
-        for n in ratios:
-            ratios[n].append(spent["torch"] / spent[n])
+    per_call = interleaved_rounds(contenders, args.rounds, args.batches, time.thread_time)
+    ratios = {
+        n: [t / s for t, s in zip(per_call["torch"], per_call[n])]
+        for n in contenders
+        if n != "torch"
+    }
     nids = sum(f[0].size for f in batches[0])
     print(
         f"dim {args.dim} {args.dtype} ragged/{args.combiner}{' weighted' if args.weighted else ''}"
