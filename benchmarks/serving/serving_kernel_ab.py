@@ -40,18 +40,20 @@ SRC = os.path.join(os.path.dirname(os.path.abspath(native.__file__)), "cpu", "se
 
 
 def build(name: str, spec: str, out_dir: str) -> ctypes.CDLL:
-    """`[path.cc]:-DA -DB[@prefetch,row_lines]` or `-DA -DB` (the package's source) -> the
-    loaded library (its own copy: its prefetch settings are its own)."""
+    """`[path.cc]:-DA -DB[@prefetch,row_lines]` or `-DA -DB`: the serving library, with the
+    folder's file of path's name (e.g. serving.cc) replaced by path, built with the flags
+    -> the loaded library (its own copy: its prefetch settings are its own)."""
     spec, _, runtime = spec.partition("@")
-    src, defs = SRC, spec
+    src, defs = None, spec
     if spec.split(":")[0].endswith(".cc"):
         src, _, defs = spec.partition(":")
     flags = [*_native.FLAGS, *_native.variant_flags(_native.selected_variant()), *defs.split()]
     inc = os.path.dirname(SRC)
-    # one translation unit of the folder's sources, `src` in place of serving.cc (as the
-    # package builds them: serving_quantized.cc uses serving.cc's vector types)
+    # one translation unit of the folder's sources, as the package builds them
+    # (serving_quantized.cc uses serving.cc's vector types)
     sources = [os.path.join(inc, f) for f in sorted(os.listdir(inc)) if f.endswith(".cc")]
-    sources = [src if os.path.basename(f) == os.path.basename(SRC) else f for f in sources]
+    if src:
+        sources = [src if os.path.basename(f) == os.path.basename(src) else f for f in sources]
     text = "".join(open(f).read() for f in sources)
     key = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
     built = os.path.join(out_dir, f"{key}.so")

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,13 +33,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from serving_kernel_ab import interleaved_rounds
+from serving_kernel_ab import build, interleaved_rounds
 
 from embedmesh import _native
-from embedmesh.serving import native, pool
+from embedmesh.serving import pool
 from embedmesh.serving.quantized import FORMAT_CODES, quantize_table
-
-CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(native.__file__)), "cpu")
 
 TOUCH_SRC = r"""
 #include <cstdint>
@@ -64,32 +60,6 @@ extern "C" int64_t touch_rows_pf(const uint8_t* table, int64_t stride, const int
   return s;
 }
 """
-
-
-def build(name: str, spec: str, out_dir: str) -> ctypes.CDLL:
-    """`[path.cc]:-DA -DB` or `-DA -DB`: the serving library with the folder's file of
-    path's name replaced by path -> the loaded library (its own copy)."""
-    src, defs = None, spec
-    if spec.split(":")[0].endswith(".cc"):
-        src, _, defs = spec.partition(":")
-    flags = [*_native.FLAGS, *_native.variant_flags(_native.selected_variant()), *defs.split()]
-    sources = [os.path.join(CPU_DIR, f) for f in sorted(os.listdir(CPU_DIR)) if f.endswith(".cc")]
-    if src:
-        sources = [src if os.path.basename(f) == os.path.basename(src) else f for f in sources]
-    text = "".join(open(f).read() for f in sources)
-    key = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
-    built = os.path.join(out_dir, f"{key}.so")
-    if not os.path.exists(built):
-        os.makedirs(out_dir, exist_ok=True)
-        unity = os.path.join(out_dir, f"{key}.cc")
-        with open(unity, "w") as f:
-            f.write("".join(f'#include "{os.path.abspath(s)}"\n' for s in sources))
-        cmd = [_native.compiler() or "c++", *flags, f"-I{CPU_DIR}", unity, "-o", built + ".tmp"]
-        subprocess.run(cmd, check=True)
-        os.replace(built + ".tmp", built)
-    so = os.path.join(out_dir, f"{name}-{key}.so")
-    shutil.copyfile(built, so)
-    return native.declare(ctypes.CDLL(so))
 
 
 def build_touch(out_dir: str) -> ctypes.CDLL:
