@@ -96,9 +96,11 @@ def interleaved_rounds(contenders: dict, rounds: int, batches: int, clock) -> di
     return per_call
 
 
-def main() -> None:
+def workload_parser(dim: int) -> argparse.ArgumentParser:
+    """The options the kernel A/B scripts share: the tables, the batches, the rounds and
+    the variants (`--variant name=spec`, specs as `build` takes them)."""
     p = argparse.ArgumentParser()
-    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dim", type=int, default=dim)
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--batch", type=int, default=4096)
@@ -106,6 +108,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--combiner", default="sum")
     p.add_argument("--variant", action="append", default=[], help="name=spec")
+    return p
+
+
+def main() -> None:
+    p = workload_parser(dim=64)
     p.add_argument("--out", default="/tmp/serving_kernel_ab")
     p.add_argument(
         "--clock",

@@ -20,7 +20,6 @@ the caches (the kernel's own arithmetic without the memory).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import statistics
@@ -33,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from serving_kernel_ab import build, interleaved_rounds
+from serving_kernel_ab import build, interleaved_rounds, workload_parser
 
 from embedmesh import _native
 from embedmesh.serving import pool
@@ -81,14 +80,7 @@ def build_touch(out_dir: str) -> ctypes.CDLL:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=1_000_000)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--batches", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--combiner", default="sum")
+    p = workload_parser(dim=16)
     p.add_argument("--dtype", default="int8", choices=("int8", "fp16"))
     p.add_argument("--weighted", action="store_true", help="per-id weights (all 0.5)")
     p.add_argument("--touch", action="store_true")
@@ -99,7 +91,6 @@ def main() -> None:
         help="add api: serving_embedding_lookup on the same quantized tables (1 thread, "
         "the package's own build), as serving.py's embedmesh[native:int8]",
     )
-    p.add_argument("--variant", action="append", default=[], help="name=spec")
     p.add_argument("--out", default="/tmp/serving_quantized_ab")
     args = p.parse_args()
     import torch
