@@ -153,20 +153,28 @@ def _build(p):
     return fcs, tables, inputs, weights or None
 
 
-@SETTINGS
-@given(p=requests())
-def test_common_inputs_take_the_fast_path_and_equal_the_general_path(p, spy, monkeypatch):
-    fcs, tables, inputs, weights = _build(p)
+def _both_paths(p, fcs, tables, inputs, weights, spy, monkeypatch):
+    """The lookup on `p["threads"]` host threads, then again on the general path alone:
+    (fast result, general result, whether the first request took the fast path)."""
     previous = lookup.set_host_threads(p["threads"])
     try:
         spy.clear()
         got = em.serving_embedding_lookup(inputs, weights, tables, fcs)
-        assert len(spy) == 1 and spy[0] is not None, "a common request left the fast path"
+        assert len(spy) == 1
         with monkeypatch.context() as m:
             _general_only(m)
             want = em.serving_embedding_lookup(inputs, weights, tables, fcs)
     finally:
         lookup.set_host_threads(previous)
+    return got, want, spy[0] is not None
+
+
+@SETTINGS
+@given(p=requests())
+def test_common_inputs_take_the_fast_path_and_equal_the_general_path(p, spy, monkeypatch):
+    fcs, tables, inputs, weights = _build(p)
+    got, want, fast = _both_paths(p, fcs, tables, inputs, weights, spy, monkeypatch)
+    assert fast, "a common request left the fast path"
     for name, fc in fcs.items():
         g = np.asarray(got[name])
         assert isinstance(got[name], jax.Array)
@@ -207,16 +215,8 @@ def test_quantized_tables_take_the_fast_path_and_equal_the_general_path(
         not isinstance(inputs[name], np.ndarray) and tables[fc.table].kind != "bf16"
         for name, fc in fcs.items()
     )
-    previous = lookup.set_host_threads(p["threads"])
-    try:
-        spy.clear()
-        got = em.serving_embedding_lookup(inputs, weights, tables, fcs)
-        assert len(spy) == 1 and (spy[0] is not None) == common
-        with monkeypatch.context() as m:
-            _general_only(m)
-            want = em.serving_embedding_lookup(inputs, weights, tables, fcs)
-    finally:
-        lookup.set_host_threads(previous)
+    got, want, fast = _both_paths(p, fcs, tables, inputs, weights, spy, monkeypatch)
+    assert fast == common
     for name, fc in fcs.items():
         g = np.asarray(got[name])
         np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
