@@ -245,11 +245,16 @@ def run_stream(name, universe, calls, seed, distinct=False):
     return state
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-@settings(
-    max_examples=20, deadline=None, derandomize=True,
+# the stream tests' settings: the same examples every run, however slow a stream
+STREAMS = settings(
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)  # fmt: skip
+)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@settings(STREAMS, max_examples=20)
 @given(stream=streams(), seed=st.integers(0, 2**32 - 1))
 def test_map_ids_matches_the_reference(name, stream, seed):
     universe, calls = stream
@@ -279,10 +284,7 @@ def distinct_streams(draw):
 
 
 @pytest.mark.parametrize("name", ["lru", "lfu-admit3"])
-@settings(
-    max_examples=10, deadline=None, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)  # fmt: skip
+@settings(STREAMS, max_examples=10)
 @given(stream=distinct_streams(), seed=st.integers(0, 2**32 - 1))
 def test_map_ids_of_distinct_ids_skips_the_sorts_alike(name, stream, seed):
     """`distinct=True` (no deduplication, the admission order counted): the reference's
