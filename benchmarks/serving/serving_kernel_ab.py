@@ -76,6 +76,27 @@ def build(name: str, spec: str, out_dir: str) -> ctypes.CDLL:
     return lib
 
 
+def build_variants(variants: list[str], out_dir: str) -> dict:
+    """`name=spec` each (`build`'s specs; none: the package's source as "base") -> the
+    loaded libraries by name."""
+    libs = {}
+    for v in variants or ["base="]:
+        name, _, spec = v.partition("=")
+        libs[name] = build(name, spec, out_dir)
+    return libs
+
+
+def zipf_draw(rng, vocab: int):
+    """`draw(n)`: n ids of [0, vocab) from Zipf(1.05) by rank, from `rng`."""
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -1.05)
+    cdf /= cdf[-1]
+
+    def draw(n):
+        return np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), vocab - 1)
+
+    return draw
+
+
 def interleaved_rounds(contenders: dict, rounds: int, batches: int, clock) -> dict:
     """Each contender's time a call (`contenders[name](batch)`) in each of `rounds`
     rounds after a warm-up round; within a round the batches run in turn and the
@@ -127,17 +148,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
-    libs = {}
-    for v in args.variant or ["base="]:
-        name, _, spec = v.partition("=")
-        libs[name] = build(name, spec, args.out)
+    libs = build_variants(args.variant, args.out)
     rng = np.random.default_rng(0)
-    cdf = np.cumsum(np.arange(1, args.vocab + 1, dtype=np.float64) ** -1.05)
-    cdf /= cdf[-1]
-
-    def draw(n):
-        return np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), args.vocab - 1)
-
+    draw = zipf_draw(rng, args.vocab)
     tables = []
     for _ in range(args.tables):
         t = np.empty((args.vocab, args.dim), np.float32)

@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from serving_kernel_ab import build, interleaved_rounds, workload_parser
+from serving_kernel_ab import build_variants, interleaved_rounds, workload_parser, zipf_draw
 
 from embedmesh import _native
 from embedmesh.serving import pool
@@ -97,17 +97,9 @@ def main() -> None:
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    libs = {}
-    for v in args.variant or ["base="]:
-        name, _, spec = v.partition("=")
-        libs[name] = build(name, spec, args.out)
+    libs = build_variants(args.variant, args.out)
     rng = np.random.default_rng(0)
-    cdf = np.cumsum(np.arange(1, args.vocab + 1, dtype=np.float64) ** -1.05)
-    cdf /= cdf[-1]
-
-    def draw(n):
-        return np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), args.vocab - 1)
-
+    draw = zipf_draw(rng, args.vocab)
     tables, qtables = [], []
     for _ in range(args.tables):
         t = rng.standard_normal((args.vocab, args.dim), dtype=np.float32)
