@@ -128,17 +128,8 @@ def _dynamic_stacks(plan, num_shards: int, by_stack: dict) -> dict:
                 f"table {t.name}: vocabulary_size {v}, the capacity of a table of raw ids, "
                 f"must be a multiple of the {k} shards (each holds an equal share)"
             )
-        d = cfg.id_map
-        config = id_map.IdMapConfig(
-            capacity=v // k,
-            eviction=d.eviction,
-            admit_after=d.admit_after,
-            seed=d.seed,
-            evict_batch=d.evict_batch,
-            sketch_width=d.sketch_width,
-            sketch_depth=d.sketch_depth,
-            sketch_halve_every=d.sketch_halve_every,
-        )
+        # DynamicIds holds every field of IdMapConfig but the capacity, under its name
+        config = id_map.IdMapConfig(capacity=v // k, **dataclasses.asdict(cfg.id_map))
         out[spec.name] = (t, config)
     return out
 
@@ -596,9 +587,8 @@ class EmbeddingCore:
                 out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
             return out_t, out_s, out_m, out_rows, out_stats, kept
 
-        fn = jax.shard_map(
+        fn = self._shard_map(
             body,
-            mesh=self.mesh,
             in_specs=(
                 self._specs(tables),
                 self._specs(slots),
@@ -616,7 +606,6 @@ class EmbeddingCore:
                 self._specs(ids),
                 {s: (P(self.axes),) * 3 for s in stacks},
             ),
-            check_vma=False,
         )
         new_t, new_s, new_m, rows, counts, kept = fn(
             tables, slots, maps, keys, state.step, ids, raws
@@ -656,12 +645,10 @@ class EmbeddingCore:
                 )
             return out_t, out_s
 
-        fn = jax.shard_map(
+        fn = self._shard_map(
             body,
-            mesh=self.mesh,
             in_specs=(self._specs(tables), self._specs(slots), P(), self._specs(kept)),
             out_specs=(self._specs(tables), self._specs(slots)),
-            check_vma=False,
         )
         new_t, new_s = fn(tables, slots, keys, kept)
         return dataclasses.replace(
@@ -700,6 +687,14 @@ class EmbeddingCore:
 
     def _specs(self, tree):
         return jax.tree_util.tree_map(lambda _: P(self.axes), tree)
+
+    def _shard_map(self, body, in_specs, out_specs):
+        """`body` as a per-shard program on this core's mesh (every device program of
+        the core: unchecked varying-manual-axes, as its bodies mix replicated and
+        sharded values)."""
+        return jax.shard_map(
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
 
     def carries_view(self, stack: str, c=None) -> bool:
         """Whether `stack`'s update can take the owners' view of its batch from the lookup
@@ -763,12 +758,10 @@ class EmbeddingCore:
             return acts, view
 
         out_names = [feature.name for s in stacks for feature in csr[s].features]
-        fn = jax.shard_map(
+        fn = self._shard_map(
             body,
-            mesh=self.mesh,
             in_specs=(self._specs(tables), self._specs(csr)),
             out_specs=({n: P(axes) for n in out_names}, {s: P(axes) for s in viewed}),
-            check_vma=False,
         )
         acts, view = fn(tables, csr)
         return (acts, view) if carrying else acts
@@ -840,12 +833,10 @@ class EmbeddingCore:
 
         tabs = {s: tables[s] for s in stacks}
         deps = {s: acts[first_act[s]] for s in stacks}
-        fn = jax.shard_map(
+        fn = self._shard_map(
             body,
-            mesh=self.mesh,
             in_specs=(self._specs(tabs), self._specs(deps)),
             out_specs=self._specs(tabs),
-            check_vma=False,
         )
         return dict(tables, **fn(tabs, deps))
 
@@ -880,12 +871,10 @@ class EmbeddingCore:
                 [jnp.all(got[:, 0] != 0).astype(jnp.int32), got[:, 1].min(), got[:, 1].max()]
             )
 
-        fn = jax.shard_map(
+        fn = self._shard_map(
             body,
-            mesh=self.mesh,
             in_specs=(self._specs(grads), self._specs(batch_number)),
             out_specs=P(),
-            check_vma=False,
         )
         return fn(grads, batch_number)
 
@@ -970,9 +959,8 @@ class EmbeddingCore:
                     previous = new_tables[s]
                 return new_tables, new_slots
 
-            fn = jax.shard_map(
+            fn = self._shard_map(
                 body,
-                mesh=self.mesh,
                 in_specs=(
                     self._specs(tables),
                     self._specs(slots),
@@ -983,7 +971,6 @@ class EmbeddingCore:
                     self._specs(view),
                 ),
                 out_specs=(self._specs(tables), self._specs(slots)),
-                check_vma=False,
             )
             new_tables, new_slots = fn(tables, slots, state.step, grads, csr, ok, view)
             all_tables = dict(state.tables, **new_tables)
