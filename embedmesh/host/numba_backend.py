@@ -20,6 +20,7 @@ layout takes the numpy backend.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -50,6 +51,34 @@ from embedmesh.host.kernel_params import (  # noqa: F401 (the kernels' constants
 )
 
 __all__ = ["fill_padding", "table_fill", "table_sort"]
+
+# A table's parameters (the `P_*` entries of its `table_params` array), read once by a
+# kernel (`_table_params`); preprocess.cc's TableParams, field for field.
+TableParams = collections.namedtuple(
+    "TableParams",
+    "span rotation shard_shift rps local_off vocab key_bits low_bits row_base row_span "
+    "cap_u cap_p first_shard",
+)
+
+
+@njit(cache=True, nogil=True)
+def _table_params(params):  # pragma: no cover (compiled)
+    """A table's `table_params` array as a `TableParams`."""
+    return TableParams(
+        params[P_SPAN],
+        params[P_ROTATION],
+        params[P_SHARD_SHIFT],
+        params[P_ROWS_PER_SHARD],
+        params[P_LOCAL_ROW_OFFSET],
+        params[P_VOCAB],
+        params[P_KEY_BITS],
+        params[P_LOW_BITS],
+        params[P_ROW_BASE],
+        params[P_ROW_SPAN],
+        params[P_CAP_UNIQUE],
+        params[P_CAP_PAIRS],
+        params[P_FIRST_SHARD],
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -141,19 +170,10 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
     (`_entries`, `_combiner_scale`, `_radix_sort`) measured at par with the one-function
     kernel (benchmarks/train/preprocess.py's workload, 2026-12-04).
     """
-    span = params[P_SPAN]
-    first_shard = params[P_FIRST_SHARD]
-    rotation = params[P_ROTATION]
-    shard_shift = params[P_SHARD_SHIFT]
-    rps = params[P_ROWS_PER_SHARD]
-    vocab = params[P_VOCAB]
-    nbits = params[P_KEY_BITS]
-    low_bits = params[P_LOW_BITS]
-    row_base = params[P_ROW_BASE]
-    row_span = params[P_ROW_SPAN]
+    tp = _table_params(params)
     has_w = weights.shape[0] > 0
-    passes = (nbits + 10) // 11  # LSD radix sort: <= 11 bits a pass
-    bits = (nbits + passes - 1) // passes if passes else 1
+    passes = (tp.key_bits + 10) // 11  # LSD radix sort: <= 11 bits a pass
+    bits = (tp.key_bits + passes - 1) // passes if passes else 1
     mask = (1 << bits) - 1
     m = _entries(splits, fmeta, d)
     vals = np.empty(m, np.int64)
@@ -166,7 +186,7 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
     else:
         gain = np.empty(0, np.float64)
         orow = np.empty(0, np.int32)
-        row_scale = np.empty(row_span, np.float64)
+        row_scale = np.empty(tp.row_span, np.float64)
     i = 0
     for f in range(fmeta.shape[0]):
         sb = fmeta[f, 0]
@@ -179,33 +199,33 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
             scale = _combiner_scale(weights, s, e, comb, has_w)
             o = ooff + r
             if not has_w:
-                row_scale[o - row_base] = scale
+                row_scale[o - tp.row_base] = scale
             for k in range(s, e):
                 v = np.int64(ids[k])
-                if v < 0 or v >= vocab:
+                if v < 0 or v >= tp.vocab:
                     return k, vals, per_shard, gain, orow, row_scale
-                if shard_shift >= 0:
-                    q = v >> shard_shift
-                    rem = v & (span - 1)
+                if tp.shard_shift >= 0:
+                    q = v >> tp.shard_shift
+                    rem = v & (tp.span - 1)
                 else:
-                    q = v // span
-                    rem = v - q * span
-                j = rem + rotation
-                if j >= span:
-                    j -= span
-                j += first_shard
-                key = j * rps + q
+                    q = v // tp.span
+                    rem = v - q * tp.span
+                j = rem + tp.rotation
+                if j >= tp.span:
+                    j -= tp.span
+                j += tp.first_shard
+                key = j * tp.rps + q
                 for p in range(passes):
                     hist[p, (key >> (p * bits)) & mask] += 1
                 per_shard[j + 1] += 1
                 if has_w:
                     gain[i] = np.float64(weights[k]) * scale
                     orow[i] = o
-                    vals[i] = (key << low_bits) | i
+                    vals[i] = (key << tp.low_bits) | i
                 else:
-                    vals[i] = (key << low_bits) | o
+                    vals[i] = (key << tp.low_bits) | o
                 i += 1
-    srt = _radix_sort(vals, hist, passes, bits, low_bits)
+    srt = _radix_sort(vals, hist, passes, bits, tp.low_bits)
     for j in range(n_shards):
         per_shard[j + 1] += per_shard[j]
     return -1, srt, per_shard, gain, orow, row_scale
@@ -234,14 +254,9 @@ def table_fill(
     Returns the input entries dropped for capacity.
     """
     n_shards = unique_ids.shape[1]
-    rps = params[P_ROWS_PER_SHARD]
-    local_off = params[P_LOCAL_ROW_OFFSET]
-    low_bits = params[P_LOW_BITS]
-    row_base = params[P_ROW_BASE]
-    cap_u = params[P_CAP_UNIQUE]
-    cap_p = params[P_CAP_PAIRS]
+    tp = _table_params(params)
     has_w = row_scale.shape[0] == 0  # table_sort's row_scale: empty when weighted
-    low_mask = (np.int64(1) << low_bits) - 1
+    low_mask = (np.int64(1) << tp.low_bits) - 1
     n_drop = 0
     for j in range(n_shards):
         t0 = per_shard[j]
@@ -256,7 +271,7 @@ def table_fill(
         pc = counts[C_PAIR_TOTAL, d, j]
         uk = counts[C_UNIQUE_KEPT, d, j]
         pk = counts[C_PAIR_KEPT, d, j]
-        base = local_off - j * rps
+        base = tp.local_off - j * tp.rps
         prev_key = -1
         prev_o = -1
         cur_u = 0
@@ -266,21 +281,21 @@ def table_fill(
         acc_g = 0.0
         for t in range(t0, t1):
             x = srt[t]
-            key = x >> low_bits
+            key = x >> tp.low_bits
             lo = x & low_mask
             if has_w:
                 o = np.int64(orow[lo])
                 g = gain[lo]
             else:
                 o = lo
-                g = row_scale[o - row_base]
+                g = row_scale[o - tp.row_base]
             if key != prev_key:
                 if keep_p:
                     pg[cur_q] = acc_g
                 prev_key = key
                 cur_u = uc
                 uc += 1
-                keep_u = cur_u < cap_u and pc < cap_p
+                keep_u = cur_u < tp.cap_u and pc < tp.cap_p
                 if keep_u:
                     uo[cur_u] = base + key
                     uk = cur_u + 1
@@ -293,7 +308,7 @@ def table_fill(
                 prev_o = o
                 cur_q = pc
                 pc += 1
-                keep_p = keep_u and cur_q < cap_p
+                keep_p = keep_u and cur_q < tp.cap_p
                 if keep_p:
                     pr[cur_q] = o
                     pu[cur_q] = cur_u

@@ -27,12 +27,9 @@ import numpy as np
 from numba import njit
 
 from embedmesh.host.numba_backend import (
-    P_LOW_BITS,
-    P_ROW_BASE,
-    P_ROW_SPAN,
-    P_ROWS_PER_SHARD,
     _combiner_scale,
     _entries,
+    _table_params,
     fill_padding,
     table_fill,
 )
@@ -218,11 +215,8 @@ def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no
     """`numba_backend.table_sort` for a table of raw ids, on `raw_codes`'s keys (`owner *
     K + rank`, `K` = `params[P_ROWS_PER_SHARD]`): the same outputs, by one counting sort
     over the `n_shards * K` keys (stable: entries of one key stay in entry order)."""
-    rps = params[P_ROWS_PER_SHARD]
-    low_bits = params[P_LOW_BITS]
-    row_base = params[P_ROW_BASE]
-    row_span = params[P_ROW_SPAN]
-    nkeys = n_shards * rps
+    tp = _table_params(params)
+    nkeys = n_shards * tp.rps
     has_w = weights.shape[0] > 0
     m = _entries(splits, fmeta, d)
     vals = np.empty(m, np.int64)
@@ -231,7 +225,7 @@ def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no
     # weighted: each entry's gain and output row; unweighted: each output row's scale
     gain = np.empty(m if has_w else 0, np.float64)
     orow = np.empty(m if has_w else 0, np.int32)
-    row_scale = np.empty(0 if has_w else row_span, np.float64)
+    row_scale = np.empty(0 if has_w else tp.row_span, np.float64)
     i = 0
     for f in range(fmeta.shape[0]):
         sb, rpd, ooff, comb = fmeta[f, 0], fmeta[f, 1], fmeta[f, 2], fmeta[f, 3]
@@ -240,7 +234,7 @@ def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no
             lo, hi = splits[first_split + o], splits[first_split + o + 1]
             scale = _combiner_scale(weights, lo, hi, comb, has_w)
             if not has_w:
-                row_scale[o - row_base] = scale
+                row_scale[o - tp.row_base] = scale
             for k in range(lo, hi):
                 key = keys[k]
                 if key < 0 or key >= nkeys:
@@ -248,16 +242,16 @@ def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no
                 start[key + 1] += 1
                 if has_w:
                     gain[i], orow[i] = np.float64(weights[k]) * scale, o
-                vals[i] = (key << low_bits) | (i if has_w else o)
+                vals[i] = (key << tp.low_bits) | (i if has_w else o)
                 i += 1
     for c in range(nkeys):
         start[c + 1] += start[c]
     for j in range(n_shards + 1):
-        per_shard[j] = start[j * rps]
+        per_shard[j] = start[j * tp.rps]
     srt = np.empty(m, np.int64)
     for t in range(m):
         x = vals[t]
-        c = x >> low_bits
+        c = x >> tp.low_bits
         srt[start[c]] = x
         start[c] += 1
     return -1, srt, per_shard, gain, orow, row_scale

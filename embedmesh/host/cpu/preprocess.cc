@@ -59,6 +59,26 @@ const T* ptr(int64_t word) {
   return reinterpret_cast<const T*>(static_cast<intptr_t>(word));
 }
 
+// A table's params (the P_* words), read once: what numba_backend.TableParams holds.
+struct TableParams {
+  int64_t span, rotation, shard_shift, rps, local_off, vocab, key_bits, low_bits, row_base,
+      row_span, cap_u, cap_p, first_shard;
+  explicit TableParams(const int64_t* p)
+      : span(p[P_SPAN]),
+        rotation(p[P_ROTATION]),
+        shard_shift(p[P_SHARD_SHIFT]),
+        rps(p[P_ROWS_PER_SHARD]),
+        local_off(p[P_LOCAL_ROW_OFFSET]),
+        vocab(p[P_VOCAB]),
+        key_bits(p[P_KEY_BITS]),
+        low_bits(p[P_LOW_BITS]),
+        row_base(p[P_ROW_BASE]),
+        row_span(p[P_ROW_SPAN]),
+        cap_u(p[P_CAP_UNIQUE]),
+        cap_p(p[P_CAP_PAIRS]),
+        first_shard(p[P_FIRST_SHARD]) {}
+};
+
 template <typename T>
 std::unique_ptr<T[]> uninit(int64_t n) {
   return std::unique_ptr<T[]>(new T[n > 0 ? n : 1]);
@@ -99,20 +119,10 @@ void table_sort(const int64_t* t, int64_t d, int64_t n_shards, Sorted& out) {
   const int64_t* splits = ptr<int64_t>(t[T_SPLITS]);
   const int64_t* fmeta = ptr<int64_t>(t[T_FMETA]);
   const int64_t nf = t[T_NUM_FEATURES];
-  const int64_t* params = ptr<int64_t>(t[T_PARAMS]);
-  const int64_t span = params[P_SPAN];
-  const int64_t first_shard = params[P_FIRST_SHARD];
-  const int64_t rotation = params[P_ROTATION];
-  const int64_t shard_shift = params[P_SHARD_SHIFT];
-  const int64_t rps = params[P_ROWS_PER_SHARD];
-  const int64_t vocab = params[P_VOCAB];
-  const int64_t nbits = params[P_KEY_BITS];
-  const int64_t low_bits = params[P_LOW_BITS];
-  const int64_t row_base = params[P_ROW_BASE];
-  const int64_t row_span = params[P_ROW_SPAN];
+  const TableParams tp(ptr<int64_t>(t[T_PARAMS]));
   const bool has_w = weights != nullptr;
-  const int64_t passes = (nbits + 10) / 11;
-  const int64_t bits = passes ? (nbits + passes - 1) / passes : 1;
+  const int64_t passes = (tp.key_bits + 10) / 11;
+  const int64_t bits = passes ? (tp.key_bits + passes - 1) / passes : 1;
   const int64_t mask = (int64_t{1} << bits) - 1;
   const int64_t buckets = int64_t{1} << bits;
   int64_t m = 0;
@@ -137,7 +147,7 @@ void table_sort(const int64_t* t, int64_t d, int64_t n_shards, Sorted& out) {
     gain = out.gain.get();
     orow = out.orow.get();
   } else {
-    out.row_scale = uninit<double>(row_span);
+    out.row_scale = uninit<double>(tp.row_span);
     row_scale = out.row_scale.get();
   }
   out.vals = vals;
@@ -150,33 +160,33 @@ void table_sort(const int64_t* t, int64_t d, int64_t n_shards, Sorted& out) {
       const int64_t e = splits[sb + d * rpd + r + 1];
       const double scale = combiner_scale(weights, s, e, comb, has_w);
       const int64_t o = ooff + r;
-      if (!has_w) row_scale[o - row_base] = scale;
+      if (!has_w) row_scale[o - tp.row_base] = scale;
       for (int64_t k = s; k < e; ++k) {
         const int64_t v = static_cast<int64_t>(ids[k]);
-        if (v < 0 || v >= vocab) {
+        if (v < 0 || v >= tp.vocab) {
           out.bad = k;
           return;
         }
         int64_t q, rem;
-        if (shard_shift >= 0) {
-          q = v >> shard_shift;
-          rem = v & (span - 1);
+        if (tp.shard_shift >= 0) {
+          q = v >> tp.shard_shift;
+          rem = v & (tp.span - 1);
         } else {
-          q = v / span;
-          rem = v - q * span;
+          q = v / tp.span;
+          rem = v - q * tp.span;
         }
-        int64_t j = rem + rotation;
-        if (j >= span) j -= span;
-        j += first_shard;
-        const int64_t key = j * rps + q;
+        int64_t j = rem + tp.rotation;
+        if (j >= tp.span) j -= tp.span;
+        j += tp.first_shard;
+        const int64_t key = j * tp.rps + q;
         for (int64_t p = 0; p < passes; ++p) ++hist[p * buckets + ((key >> (p * bits)) & mask)];
         ++per_shard[j + 1];
         if (has_w) {
           gain[i] = static_cast<double>(weights[k]) * scale;
           orow[i] = static_cast<int32_t>(o);
-          vals[i] = (key << low_bits) | i;
+          vals[i] = (key << tp.low_bits) | i;
         } else {
-          vals[i] = (key << low_bits) | o;
+          vals[i] = (key << tp.low_bits) | o;
         }
         ++i;
       }
@@ -205,7 +215,7 @@ void table_sort(const int64_t* t, int64_t d, int64_t n_shards, Sorted& out) {
       c[b] = acc;
       acc += cnt;
     }
-    const int64_t shift = low_bits + p * bits;
+    const int64_t shift = tp.low_bits + p * bits;
     for (int64_t k = 0; k < m; ++k) {
       const int64_t x = srt[k];
       dst[c[(x >> shift) & mask]++] = x;
@@ -239,14 +249,9 @@ struct Outputs {
 // numba_backend.table_fill: the sorted entries appended to device d's partitions.
 int64_t table_fill(const Sorted& s, const int64_t* params, int64_t d, const Outputs& o) {
   const int64_t N = o.N;
-  const int64_t rps = params[P_ROWS_PER_SHARD];
-  const int64_t local_off = params[P_LOCAL_ROW_OFFSET];
-  const int64_t low_bits = params[P_LOW_BITS];
-  const int64_t row_base = params[P_ROW_BASE];
-  const int64_t cap_u = params[P_CAP_UNIQUE];
-  const int64_t cap_p = params[P_CAP_PAIRS];
+  const TableParams tp(params);
   const bool has_w = s.has_w;
-  const int64_t low_mask = (int64_t{1} << low_bits) - 1;
+  const int64_t low_mask = (int64_t{1} << tp.low_bits) - 1;
   const int64_t* srt = s.vals;
   const int64_t* per_shard = s.per_shard.get();
   const double* gain = s.gain.get();
@@ -264,13 +269,13 @@ int64_t table_fill(const Sorted& s, const int64_t* params, int64_t d, const Outp
     int64_t pc = *o.counter(C_PAIR_TOTAL, d, j);
     int64_t uk = *o.counter(C_UNIQUE_KEPT, d, j);
     int64_t pk = *o.counter(C_PAIR_KEPT, d, j);
-    const int64_t base = local_off - j * rps;
+    const int64_t base = tp.local_off - j * tp.rps;
     int64_t prev_key = -1, prev_o = -1, cur_u = 0, cur_q = 0;
     bool keep_u = false, keep_p = false;
     double acc_g = 0.0;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t x = srt[t];
-      const int64_t key = x >> low_bits;
+      const int64_t key = x >> tp.low_bits;
       const int64_t lo = x & low_mask;
       int64_t or_;
       double g;
@@ -279,7 +284,7 @@ int64_t table_fill(const Sorted& s, const int64_t* params, int64_t d, const Outp
         g = gain[lo];
       } else {
         or_ = lo;
-        g = row_scale[or_ - row_base];
+        g = row_scale[or_ - tp.row_base];
       }
       bool new_pair;
       if (key != prev_key) {
@@ -287,7 +292,7 @@ int64_t table_fill(const Sorted& s, const int64_t* params, int64_t d, const Outp
         prev_key = key;
         cur_u = uc;
         uc += 1;
-        keep_u = cur_u < cap_u && pc < cap_p;
+        keep_u = cur_u < tp.cap_u && pc < tp.cap_p;
         if (keep_u) {
           uo[cur_u] = static_cast<int32_t>(base + key);
           uk = cur_u + 1;
@@ -301,7 +306,7 @@ int64_t table_fill(const Sorted& s, const int64_t* params, int64_t d, const Outp
         prev_o = or_;
         cur_q = pc;
         pc += 1;
-        keep_p = keep_u && cur_q < cap_p;
+        keep_p = keep_u && cur_q < tp.cap_p;
         if (keep_p) {
           pr[cur_q] = static_cast<int32_t>(or_);
           pu[cur_q] = static_cast<int32_t>(cur_u);
