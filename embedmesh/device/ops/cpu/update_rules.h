@@ -172,10 +172,15 @@ struct Common {
 // (a conditional sqrt or division is never if-converted under IEEE trapping semantics), so
 // the Updater instantiates one vectorisable loop per variant and picks it per call.
 
+// What a rule whose slots hold one value an element (every rule but RowWiseAdagrad)
+// declares.
+struct ElementWise {
+  static constexpr bool kRowWise = false;
+};
+
 // What a rule with no options of its own (SGD, Adagrad) declares: no parameters, one
 // variant, one slot value an element.
-struct NoOptions {
-  static constexpr bool kRowWise = false;
+struct NoOptions : ElementWise {
   static constexpr int kVariants = 1;
   struct Params {};
   static Params Read(AttrReader&) { return {}; }
@@ -202,10 +207,9 @@ struct Adagrad : NoOptions {
   }
 };
 
-struct AdagradMomentum {
+struct AdagradMomentum : ElementWise {
   static constexpr const char* kName = "adagrad_momentum";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 2;  // accumulators, momenta
-  static constexpr bool kRowWise = false;
   struct Params {
     float momentum, beta2, one_minus_beta2, epsilon, neg_inv_exponent;
     bool nesterov, beta2_is_one, exponent_is_two;
@@ -250,10 +254,9 @@ struct AdagradMomentum {
   }
 };
 
-struct Adam {
+struct Adam : ElementWise {
   static constexpr const char* kName = "adam";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 2;  // momenta, velocities
-  static constexpr bool kRowWise = false;
   struct Params {
     float b1, one_minus_b1, b2, one_minus_b2, eps_inside, eps_outside;
     bool sum_inside_sqrt;
@@ -302,10 +305,9 @@ inline float PowNonNeg(float x, float q) {
 // divisions. (Within a few float32 ulps of `_rule`'s order: tests/device/test_ops.py compares them
 // at 2e-6.) The division is unconditional and its quotient selected after, so the loop
 // needs no masked division and stays vectorised in every context.
-struct Ftrl {
+struct Ftrl : ElementWise {
   static constexpr const char* kName = "ftrl";  // Optimizer._FUSED_KERNEL
   static constexpr int kSlots = 2;  // accumulators, linears
-  static constexpr bool kRowWise = false;
   struct Params {
     float q, l1, l2, two_l2, beta;
     int q_kind;
