@@ -52,8 +52,10 @@ def _jnp_path(state, raw, valid, step, *, distinct):
 
 
 @functools.cache
-def _fns(name: str, distinct: bool):
-    """(native map_ids, jnp path), jitted with the state donated, as the engine runs it."""
+def _fns(distinct: bool):
+    """(native map_ids, jnp path), jitted with the state donated, as the engine runs it
+    (one pair a process: each config compiles once; the jnp path's compilation is most
+    of these tests' time)."""
     native = jax.jit(functools.partial(im.map_ids, distinct=distinct), donate_argnums=0)
     plain = jax.jit(functools.partial(_jnp_path, distinct=distinct), donate_argnums=0)
     return native, plain
@@ -98,7 +100,7 @@ def _all_hit(stats):
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_native_hits_match_the_jnp_path(name, distinct, data):
-    native, plain = _fns(name, distinct)
+    native, plain = _fns(distinct)
     a = im.init(CONFIGS[name])
     b = jax.tree_util.tree_map(jnp.copy, a)
     calls = data.draw(st.lists(_call(distinct), min_size=3, max_size=6))
@@ -187,15 +189,11 @@ def test_the_kernel_answers_as_its_reference_and_declines_alike():
     config = CONFIGS["lru"]
     ids = POOL[:16]
     raw = jnp.asarray(im.split_ids(ids))
-    state, *_ = jax.jit(im._map_ids, static_argnums=(5, 6))(
-        im.init(config),
-        raw[:, 0],
-        raw[:, 1],
-        jnp.ones(16, bool),
-        jnp.int32(FIRST_STEP),
-        True,
-        (16,),
+    # (the native map: its state is the jnp path's, and compiles in a tenth of the time)
+    state, *_ = jax.jit(functools.partial(im.map_ids, distinct=True))(
+        im.init(config), raw, jnp.ones(16, bool), jnp.int32(FIRST_STEP)
     )
+    lookup = jax.jit(im.lookup)
     kernel = jax.jit(cpu.KERNELS["id_map_hits"][0], static_argnames=("keys", "distinct"))
     reference = jax.jit(ops.reference_of("id_map_hits"), static_argnames=("keys", "distinct"))
     repeats = np.r_[ids[:10], ids[:6], ids[3:11]]  # 24: ids given up to three times
@@ -215,10 +213,10 @@ def test_the_kernel_answers_as_its_reference_and_declines_alike():
         if hits is not None:
             np.testing.assert_array_equal(k_rows, r_rows)
             assert (k_rows[~got_valid] == -1).all()
-            want_rows = np.asarray(im.lookup(state, args[0], args[1]))
+            want_rows = np.asarray(lookup(state, args[0], args[1]))
             np.testing.assert_array_equal(k_rows, want_rows)
     # states only the jnp path judges: the kernel and the reference decline alike
-    live = int(np.asarray(im.lookup(state, raw[:1]))[0])
+    live = int(np.asarray(lookup(state, raw[:1]))[0])
     index = np.asarray(state.index).copy()
     index[:, 2][index[:, 2] == live] = config.capacity + 3
     broken = {
@@ -270,18 +268,21 @@ STEP_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("distinct", [False, True], ids=["repeats", "distinct"])
-@pytest.mark.parametrize("name", list(STEP_CONFIGS))
+@pytest.mark.parametrize(
+    "name,distinct",
+    # each compiles the jnp path anew (~2.5 s): the kernel's branches in 4 of the 6
+    # pairs, ids repeated and distinct under LRU and LFU, sweeps of one row (lru) and
+    # of several (lru-batch5), the sketch (lfu-admit2) with both
+    [("lru", False), ("lru-batch5", True), ("lfu-admit2", False), ("lfu-admit2", True)],
+    ids=["lru-repeats", "lru-batch5-distinct", "lfu-admit2-repeats", "lfu-admit2-distinct"],
+)
 def test_native_step_under_eviction_matches_the_jnp_path(name, distinct):
     """`ops.id_map_step`'s kernel against the jnp path on a stream that keeps the map
     full: a pool twice the capacity, new ids every call, sweeps of one row and of
     several, the sketch's halvings, two calls a step (rows used at this step are not
     evicted: refusals), the state poisoned nowhere but compared whole after each call."""
     config = STEP_CONFIGS[name]
-    native, plain = (
-        jax.jit(functools.partial(im.map_ids, distinct=distinct), donate_argnums=0),
-        jax.jit(functools.partial(_jnp_path, distinct=distinct), donate_argnums=0),
-    )
+    native, plain = _fns(distinct)
     a = im.init(config)
     b = jax.tree_util.tree_map(jnp.copy, a)
     rng = np.random.default_rng(len(name) + distinct)
