@@ -22,6 +22,9 @@ share the numpy tables' memory) and the same requests:
   whose kernels end ask CPython for the GIL each at once instead of in the order their
   kernels ended, `fast_path.fair_gil(False)`; slots: at most as many threads run
   kernels at once as there are cores, `fast_path.kernel_slots(os.cpu_count())`);
+- em-np-nodict / em-nodict: em-numpy / embedmesh without the one compiled call for a
+  dict request (`fast_path.dict_requests(False)`: Python resolves the config, flattens
+  the inputs and packs the outputs around the compiled checks), for A/B;
 - torch: `torch.nn.functional.embedding_bag(ids, table, offsets, mode=...)` a feature,
   under `torch.inference_mode()`, `torch.set_num_threads(1)`;
 - tf: TensorFlow's `tf.tpu.experimental.embedding.serving_embedding_lookup` in a
@@ -122,6 +125,7 @@ GIL_POLICIES = {
     "nowindow": (None, None, None, 0, None, None),
     "unfair": (None, None, None, None, False, None),
     "slots": (None, None, None, None, None, os.cpu_count() or 1),
+    "nodict": (None, None, None, None, None, None),  # and fast_path.dict_requests(False)
 }
 _NONE = lambda _: None  # a setting an older tree lacks (its A/B)
 _GIL_SETTERS = (
@@ -143,6 +147,7 @@ def _default(set_):
 
 
 _GIL_DEFAULTS = tuple(_default(set_) for set_ in _GIL_SETTERS)
+_DICT_REQUESTS = getattr(fast_path, "dict_requests", _NONE)
 
 
 def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "auto"):
@@ -151,6 +156,7 @@ def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "au
 
     def setup():  # before each cell
         set_numpy_outputs(numpy_outputs)
+        _DICT_REQUESTS(gil != "nodict")
         for set_, value, default in zip(_GIL_SETTERS, GIL_POLICIES[gil], _GIL_DEFAULTS):
             if default is not None:
                 set_(default if value is None else value)
@@ -274,6 +280,8 @@ def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
         "em-np-nowindow": lambda: embedmesh_call(features, tables, True, "nowindow"),
         "em-np-unfair": lambda: embedmesh_call(features, tables, True, "unfair"),
         "em-np-slots": lambda: embedmesh_call(features, tables, True, "slots"),
+        "em-np-nodict": lambda: embedmesh_call(features, tables, True, "nodict"),
+        "em-nodict": lambda: embedmesh_call(features, tables, False, "nodict"),
     }
     if torch is not None:
         makers["torch"] = lambda: torch_call(features, tables)
@@ -426,7 +434,7 @@ def main(argv=None):
         "--contenders",
         default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
         help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, "
-        "em-np-nowindow, em-np-unfair, em-np-slots, torch, tf",
+        "em-np-nowindow, em-np-unfair, em-np-slots, em-np-nodict, em-nodict, torch, tf",
     )
     p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
     args = p.parse_args(argv)

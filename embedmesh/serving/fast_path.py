@@ -53,8 +53,10 @@ try:  # the same checks compiled (setup.py builds it; a checkout used without an
     from embedmesh.serving import _request as _compiled
 except ImportError:  # pragma: no cover - the install builds it where a compiler is
     _compiled = None
+_dict_lookup = getattr(_compiled, "lookup_dict", None)  # older builds: none
 
 __all__ = [
+    "dict_requests",
     "fair_gil",
     "gil_between_us",
     "gil_handoff_us",
@@ -124,7 +126,7 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
         if not _bound:
             _bind()
         return _compiled.lookup(
-            _plans(features), flat_inputs, flat_weights, tables, _TYPES, _alloc, finish, threads
+            _plans(features), flat_inputs, flat_weights, tables, _TYPES, _alloc_f32, finish, threads
         )
     entries = _plausible(features, flat_inputs, flat_weights)
     if entries < 0:
@@ -140,6 +142,72 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
     if words and any(c != -1 for c in native_backend.run_tasks(array.array("q", words), threads)):
         return None  # an error: the general path names it
     return result if result is not None else finish(outs, False)
+
+
+def dict_plan(feature_config, resolve, has_raw_ids):
+    """What `lookup_dict` needs of a model whose feature config is one dict of
+    FeatureConfigs under str keys: (config, index {key: position in the resolved order},
+    the FeatureConfigs in that order, their `_plans`, the resolved config), kept per
+    config object; None where the compiled form (or its `lookup_dict`) is not here, the
+    C++ kernels are not the backend, the config is another structure or has tables of raw
+    ids. `resolve(config)` resolves it (raising the config's errors as the general path
+    does), `has_raw_ids(resolved)` says whether some table maps raw ids. The compiled
+    side checks at every request that the config still holds the same FeatureConfigs
+    under the same keys (a dict changed since: None, the general path)."""
+    if not (_use_dict and _use_compiled and _dict_lookup is not None and kernels.native_in_use()):
+        return None
+    hit = _dict_plans.get(id(feature_config))
+    if hit is not None and hit[0] is feature_config:
+        return hit[1]
+    plan = None
+    if type(feature_config) is dict and all(type(k) is str for k in feature_config):
+        resolved = resolve(feature_config)
+        keys = tuple(sorted(feature_config))
+        features = tuple(feature_config[k] for k in keys)
+        if (
+            len(resolved.features) == len(features)
+            and all(a is b for a, b in zip(resolved.features, features))
+            and not has_raw_ids(resolved)
+        ):
+            index = {k: i for i, k in enumerate(keys)}
+            plan = (feature_config, index, features, _plans(features), resolved)
+    if len(_dict_plans) > 64:
+        _dict_plans.clear()
+    _dict_plans[id(feature_config)] = (feature_config, plan)
+    return plan
+
+
+def lookup_dict(plan, inputs: dict, tables, threads: int, finish):
+    """A request given as a dict of some of the plan's keys (`dict_plan`), no weights, in
+    one compiled call (`_request.lookup_dict`): the result (`finish(outs, before_run)`'s,
+    as in `lookup`; finish None: the numpy outputs as a dict in `inputs`' key order),
+    None where `lookup` would give None (then the general path's, without this path),
+    NotImplemented where the request is not of this form (a key the config lacks, a
+    None input, a config changed since the plan: the caller's usual path, and the plan
+    is made anew at the next request)."""
+    if not _bound:
+        _bind()
+    config, index, features, plans, _ = plan
+    out = _dict_lookup(
+        config, index, features, plans, inputs, tables, _TYPES, _alloc_f32, finish, threads
+    )
+    if out is False:  # the config dict changed since the plan was made
+        _dict_plans.pop(id(config), None)
+        return NotImplemented  # the usual path (which resolves it again); planned anew next
+    return out
+
+
+_dict_plans: dict = {}  # id(config) -> (config, dict_plan's plan or None)
+_use_dict = True
+
+
+def dict_requests(on: bool) -> bool:
+    """Whether dict requests of a dict model take `lookup_dict` (default True; off: the
+    flat `lookup` after Python resolves, flattens and packs, as before it); returns the
+    previous setting (for A/B: benchmarks/serving/serving_online.py)."""
+    global _use_dict
+    previous, _use_dict = _use_dict, bool(on)
+    return previous
 
 
 _use_compiled = True
@@ -322,6 +390,10 @@ def _plans(features) -> tuple:
 
 def _alloc(shape):
     return pool.output_empty_at(shape, _F32)
+
+
+def _alloc_f32(shape):
+    return pool.output_float32_at(shape)
 
 
 def _handed_over(features, flat_inputs, flat_weights, tables, threads, finish, keep):

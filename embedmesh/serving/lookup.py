@@ -418,12 +418,44 @@ def serving_embedding_lookup(
     """
     _enter()  # while others are inside it too, small requests release the GIL
     try:
+        if weights is None and type(inputs) is dict and type(tables) is dict:
+            # the common request of a model configured as one dict of features
+            out = _dict_request(inputs, tables, feature_config)
+            if out is not NotImplemented:
+                return (
+                    out if out is not None else _lookup(inputs, None, tables, feature_config, False)
+                )
         return _lookup(inputs, weights, tables, feature_config)
     finally:
         _leave()
 
 
 _enter, _leave = fast_path.in_flight_hooks()
+
+
+def _dict_request(inputs: dict, tables: dict, feature_config):
+    """The request in one compiled call where the config is one dict of features under
+    str keys and `inputs` a dict of some of them (`fast_path.lookup_dict`): no Python
+    resolves the config, flattens the inputs or packs the outputs (with numpy outputs,
+    none makes them either). NotImplemented: not such a request (the usual path); None:
+    not a common one, or the kernels reported an error (the general path, which raises
+    it)."""
+    plan = fast_path.dict_plan(feature_config, resolve_feature_config, _has_raw_id_tables)
+    if plan is None:
+        return NotImplemented
+    if _JAX_COLLECT_GARBAGE is not None and not _numpy_outputs:
+        _JAX_COLLECT_GARBAGE()  # free the buffers of dropped results before reusing them
+    threads = _host_threads or _runtime.serving_threads()
+    if _numpy_outputs:
+        return fast_path.lookup_dict(plan, inputs, tables, threads, None)
+    resolved = plan[4]
+    return fast_path.lookup_dict(
+        plan,
+        inputs,
+        tables,
+        threads,
+        lambda outs, before_run: _finish_common(resolved, inputs, outs, before_run),
+    )
 
 
 # resolved configs (by id, kept alive here): whether some table is a table of raw ids
@@ -443,8 +475,11 @@ def _has_raw_id_tables(resolved) -> bool:
     return raw
 
 
-def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any) -> Any:
-    """`serving_embedding_lookup`'s work."""
+def _lookup(
+    inputs: Any, weights: Any | None, tables: dict, feature_config: Any, fast: bool = True
+) -> Any:
+    """`serving_embedding_lookup`'s work (`fast`: try the fast path first; False where
+    its compiled form has just said no to this request)."""
     resolved = resolve_feature_config(feature_config)
     flat_inputs = flatten_inputs_like(resolved, inputs, "features")
     if weights is None:
@@ -459,14 +494,16 @@ def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any)
     threads = _host_threads or _runtime.serving_threads()
     if _JAX_COLLECT_GARBAGE is not None:
         _JAX_COLLECT_GARBAGE()  # free the buffers of dropped results before reusing them
-    common = fast_path.lookup(
-        resolved.features,
-        flat_inputs,
-        flat_weights,
-        tables,
-        threads,
-        lambda outs, before_run: _finish_common(resolved, inputs, outs, before_run),
-    )
+    common = None
+    if fast:
+        common = fast_path.lookup(
+            resolved.features,
+            flat_inputs,
+            flat_weights,
+            tables,
+            threads,
+            lambda outs, before_run: _finish_common(resolved, inputs, outs, before_run),
+        )
     if common is not None:  # every feature a common case, and no error
         return common
     outputs = []

@@ -23,11 +23,14 @@ __all__ = [
     "address",
     "output_empty",
     "output_empty_at",
+    "output_float32_at",
     "set_output_pool_limit",
     "set_release_hook",
 ]
 
 _ALIGN = 64  # bytes; XLA's CPU client aliases host buffers aligned like this
+_F32 = np.dtype(np.float32)
+_F32_STR = _F32.str
 
 
 class _Lease:
@@ -111,6 +114,21 @@ class _BufferPool:
         lease.__array_interface__ = raw[4]
         return np.asarray(lease), raw[1]
 
+    def float32_at(self, shape: tuple) -> tuple[np.ndarray, int]:
+        """`empty_at(shape, float32)` for a tuple of Python ints, with less Python where a
+        free buffer of its size is kept (the request path's outputs: ~1 us of a request)."""
+        nbytes = 4 * math.prod(shape)
+        raw = self._take(nbytes) if nbytes else None
+        if raw is None:
+            return self.empty_at(shape, _F32)
+        lease = _Lease()
+        lease._raw, lease._pool = raw, self
+        if raw[3] != (shape, _F32_STR):
+            raw[3] = (shape, _F32_STR)
+            raw[4] = {"shape": shape, "typestr": _F32_STR, "data": (raw[1], False), "version": 3}
+        lease.__array_interface__ = raw[4]
+        return np.asarray(lease), raw[1]
+
     def _take(self, nbytes: int):
         with self._lock:
             free = self._free.get(nbytes)
@@ -175,6 +193,11 @@ def output_empty(shape, dtype) -> np.ndarray:
 def output_empty_at(shape, dtype) -> tuple[np.ndarray, int]:
     """`output_empty`, and the array's address."""
     return _pool.empty_at(shape, dtype)
+
+
+def output_float32_at(shape: tuple) -> tuple[np.ndarray, int]:
+    """`output_empty_at(shape, float32)` for a tuple of Python ints, faster."""
+    return _pool.float32_at(shape)
 
 
 def address(a: np.ndarray) -> int:

@@ -50,21 +50,31 @@ def request_form(request, native_poisoned, monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """What each fast-path call returned: a list of results, or None (the general path)."""
+    """What each fast-path call returned: a list of results, or None (the general path).
+    A request of a dict model takes `fast_path.lookup_dict` (NotImplemented: not of its
+    form, then `fast_path.lookup`), any other `fast_path.lookup`."""
     seen: list = []
-    real = fast_path.lookup
+    real, real_dict = fast_path.lookup, fast_path.lookup_dict
 
     def spied(*a, **k):
         out = real(*a, **k)
         seen.append(out)
         return out
 
+    def spied_dict(*a, **k):
+        out = real_dict(*a, **k)
+        if out is not NotImplemented:
+            seen.append(out)
+        return out
+
     monkeypatch.setattr(fast_path, "lookup", spied)
+    monkeypatch.setattr(fast_path, "lookup_dict", spied_dict)
     return seen
 
 
 def _general_only(monkeypatch):
     monkeypatch.setattr(fast_path, "lookup", lambda *a, **k: None)
+    monkeypatch.setattr(fast_path, "lookup_dict", lambda *a, **k: None)
 
 
 def _lengths(rng, batch, empty_rows):
@@ -568,3 +578,50 @@ def test_the_compiled_checks_run_no_python_form(request_form, monkeypatch):
         fc = fcs[name]
         want = reference_lookup(fc, inputs[name], None, tables[fc.table])
         np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("numpy_outputs", [False, True])
+def test_dict_requests_follow_the_config_as_it_is_now(numpy_outputs, spy, monkeypatch):
+    """A model configured as one dict of features, asked with a dict of inputs: one
+    compiled call (`fast_path.lookup_dict`, where built) whose outputs come as a dict in
+    the inputs' key order, equal to the general path's; after a FeatureConfig is replaced
+    under its key (the same dict object), the new one is looked up; a key the config lacks
+    raises the general path's error; an explicit None input gives its None."""
+    rng = np.random.default_rng(11)
+    ta, tb = em.TableConfig(VOCAB, 8, combiner="sum"), em.TableConfig(VOCAB, 17, combiner="mean")
+    tc = em.TableConfig(VOCAB, 5, combiner="sqrtn")
+    fcs = {"b": em.FeatureConfig(tb), "a": em.FeatureConfig(ta)}
+    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb, tc)}
+    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
+
+    def both(inputs):
+        spy.clear()
+        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        taken = list(spy)
+        with monkeypatch.context() as m:
+            _general_only(m)
+            want = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        assert list(got) == list(want) == list(inputs)
+        for k in want:
+            if want[k] is None:
+                assert got[k] is None
+                continue
+            assert (type(got[k]) is np.ndarray) == numpy_outputs
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+        return got, taken
+
+    inputs = {k: _feature_input(rng, "ragged", 9, np.int64, np.int64, False, False) for k in "ba"}
+    got, taken = both(inputs)
+    assert taken and taken[0] is not None  # the fast path answered
+    got, _ = both({"a": inputs["a"], "b": inputs["b"]})  # the other key order
+    assert got["a"].shape == (9, 8)
+    fcs["a"] = em.FeatureConfig(tc)  # replaced in place: the same dict, a new table
+    got, taken = both(inputs)
+    assert got["a"].shape == (9, 5) and taken and taken[0] is not None
+    both({"a": None, "b": inputs["b"]})
+    with pytest.raises(ValueError) as fast_error:
+        em.serving_embedding_lookup({**inputs, "zz": inputs["a"]}, None, tables, fcs)
+    with monkeypatch.context() as m, pytest.raises(ValueError) as general_error:
+        _general_only(m)
+        em.serving_embedding_lookup({**inputs, "zz": inputs["a"]}, None, tables, fcs)
+    assert str(fast_error.value) == str(general_error.value)

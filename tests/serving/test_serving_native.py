@@ -314,6 +314,7 @@ def test_lookup_sparse_checking_kernels_equal_offsets_path(case, dim, monkeypatc
     for path in ("fast", "checking kernels", "python offsets"):
         if path == "checking kernels":
             monkeypatch.setattr(fast_path, "lookup", lambda *a, **k: None)
+            monkeypatch.setattr(fast_path, "lookup_dict", lambda *a, **k: None)
         if path == "python offsets":
             monkeypatch.setattr(kernels, "prepare_sparse_bag_combine", lambda *a, **k: None)
         try:

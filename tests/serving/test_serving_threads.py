@@ -10,6 +10,7 @@ requests, or scratch state shared by two, shows as a wrong value. No timing.
 """
 
 import threading
+import time
 
 import hypothesis.strategies as st
 import jax
@@ -380,3 +381,82 @@ def test_load_serving_from_threads(loaded, shapes):
         )
     expected = [loaded(r) for r in requests]
     _concurrently(loaded, requests, expected)
+
+
+HAMMER_THREADS = 16
+HAMMER_REQUESTS = 64  # a thread's requests, back to back
+WATCHDOG_S = 120.0  # never reached by a run that works (< 1 s here): only a hang ends there
+
+
+@pytest.mark.parametrize("policy", ["fair", "slots", "nohandoff"])
+def test_many_threads_hammering_one_model_finish_and_agree(policy):
+    """The fair hand-over's tickets (`fast_path.fair_gil`, on by default) under load:
+    16 threads send small requests back to back to one model (float32 and int8 tables),
+    every request releasing the GIL for its kernels (`hold_gil_below(0)`), so each one
+    takes a ticket to get it back while 15 others are in line; slots: one kernel slot
+    too (`kernel_slots(1)`: a second ticket line); nohandoff: the first in line asks for
+    the GIL at once. Every thread must finish and every answer equal one thread's.
+    No timing: a watchdog fails the test instead of hanging. A thread still running
+    after WATCHDOG_S fails it; a thread hung holding the GIL (the main thread could not
+    even look) makes faulthandler print every stack and end the process."""
+    import faulthandler
+
+    from embedmesh.serving import fast_path
+
+    if not fast_path.compiled_available():
+        pytest.skip("the compiled request path was not built")
+    settings_ = [(fast_path.hold_gil_below, 0), (fast_path.fair_gil, True)]
+    settings_ += {
+        "fair": [],
+        "slots": [(fast_path.kernel_slots, 1)],
+        "nohandoff": [(fast_path.gil_handoff_us, 0), (fast_path.gil_between_us, 0)],
+    }[policy]
+    models = [TABLES, TABLES_INT8]
+    requests = [_request(seed, batch, 5) for seed, batch in enumerate((1, 1, 2, 8, 1, 3))]
+    # int8 tables: no dense feature (a gather of int8 rows is the general path's)
+    by_model = [requests, [{k: v for k, v in r.items() if k != "fc"} for r in requests]]
+    previous = [set_(value) for set_, value in settings_]
+    faulthandler.dump_traceback_later(WATCHDOG_S + 30, exit=True)
+    try:
+        expected = [
+            [em.serving_embedding_lookup(r, None, t, FEATURES) for r in rs]
+            for t, rs in zip(models, by_model)
+        ]
+        before = fast_path.gil_stats()
+        errors: list = []
+        done = [0] * HAMMER_THREADS
+
+        def worker(t):
+            try:
+                for k in range(HAMMER_REQUESTS):
+                    m, i = (t + k) % len(models), (t * 7 + k) % len(requests)
+                    got = em.serving_embedding_lookup(by_model[m][i], None, models[m], FEATURES)
+                    _same(got, expected[m][i])
+                    done[t] += 1
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=worker, args=(t,), daemon=True) for t in range(HAMMER_THREADS)
+        ]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + WATCHDOG_S
+        for th in threads:
+            th.join(max(deadline - time.monotonic(), 0.0))
+        stuck = [t for t, th in enumerate(threads) if th.is_alive()]
+        assert not stuck, f"threads {stuck} never finished (requests done: {done})"
+        if errors:
+            raise errors[0]
+        after = fast_path.gil_stats()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        for (set_, _), old in zip(settings_, previous):
+            if old is not None:
+                set_(old)
+    assert done == [HAMMER_REQUESTS] * HAMMER_THREADS
+    # every request took the compiled path and released the GIL: each took a ticket
+    hammered = HAMMER_THREADS * HAMMER_REQUESTS
+    assert after[0] - before[0] >= hammered
+    assert after[1] - before[1] >= hammered
+    assert fast_path.in_flight() == 0
