@@ -1,8 +1,10 @@
 """Config validation, naming and hashing."""
 
 import dataclasses
+import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -83,6 +85,42 @@ def test_default_initializer_is_truncated_normal_with_stddev_one_over_sqrt_dim()
     assert np.abs(x).max() <= 2.0 / 4.0 + 1e-6
     custom = TableConfig(3, 2, initializer=lambda key, shape, dtype: np.full(shape, 7.0, dtype))
     np.testing.assert_array_equal(custom.initialize(None), np.full((3, 2), 7.0))
+
+
+def _truncated_unit_normal_cdf(x):
+    """float64 CDF of a unit normal truncated to [-2, 2]."""
+    phi = np.vectorize(lambda v: 0.5 * (1.0 + math.erf(v / math.sqrt(2.0))))
+    return (phi(np.clip(x, -2.0, 2.0)) - phi(-2.0)) / (phi(2.0) - phi(-2.0))
+
+
+@pytest.mark.parametrize(
+    # one block of 4096 values, two of 4096, two of 65536 (twice)
+    "shape",
+    [(3, 5), (4097, 1), (300, 300), (70000, 1)],
+)
+def test_default_initializer_draws_a_truncated_normal_across_its_blocks(shape):
+    """Drawn in fixed-size blocks and cut to the shape: every value, each block's too, is
+    stddev x a unit normal truncated at +-2 (Kolmogorov-Smirnov against the float64 CDF),
+    no two blocks repeat, the same key gives the same table and the dtype is kept."""
+    dim = shape[1]
+    t = TableConfig(shape[0] + 7, dim)
+    x = np.asarray(t.initialize(jax.random.key(3), shape), np.float64)
+    assert x.shape == shape
+    u = np.sort(x.reshape(-1) * math.sqrt(dim))
+    assert np.abs(u).max() <= 2.0 + 1e-6
+    if u.size >= 1000:  # KS at 1e-4: a critical value of 1.95 / sqrt(n)
+        ecdf = np.arange(1, u.size + 1) / u.size
+        assert np.abs(ecdf - _truncated_unit_normal_cdf(u)).max() < 1.95 / math.sqrt(u.size)
+    flat = x.reshape(-1)
+    for block in (1 << 12, 1 << 16):  # the second block is not the first again
+        second = flat[block : 2 * block]
+        assert second.size == 0 or (second == flat[: second.size]).mean() < 0.01
+    again = np.asarray(t.initialize(jax.random.key(3), shape), np.float64)
+    np.testing.assert_array_equal(again, x)
+    other = np.asarray(t.initialize(jax.random.key(4), shape), np.float64)
+    assert (other == x).mean() < 0.01
+    low = t.initialize(jax.random.key(3), shape, jnp.bfloat16)
+    assert low.dtype == jnp.bfloat16 and low.shape == shape
 
 
 def test_resolve_names_tables_in_order_of_first_use():
