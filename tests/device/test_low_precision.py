@@ -397,8 +397,12 @@ def test_fused_update_rounds_as_the_generator_bit_for_bit(name, slot):
                 w.view(np.uint16 if w.itemsize == 2 else np.uint32),
                 err_msg=f"{oname}.{field}",
             )
-            if g.dtype == np.float32:  # float32 slots: not rounded (test_ops' tolerance)
-                np.testing.assert_allclose(g, x, rtol=2e-6, atol=1e-7, err_msg=oname)
+            if g.dtype == np.float32:  # float32 slots: not rounded
+                # test_ops' rtol; atol two float32 ulps of the operands (|x| < 2): where a
+                # slot's update cancels (momentum), the contraction of its multiply-adds
+                # into FMAs, which XLA chooses per CPU, shows in absolute terms (1.2e-7 at
+                # 0.0028 on an AVX-512 Xeon, 2026-12-06)
+                np.testing.assert_allclose(g, x, rtol=2e-6, atol=2.4e-7, err_msg=oname)
                 continue
             differ = g != x
             if oname == "SGD":
@@ -472,19 +476,20 @@ FUSED_STRATEGIES_2 = [
 
 
 @pytest.mark.parametrize("half", [0, 1])  # the bfloat16 kinds, the float16 kinds
-@pytest.mark.parametrize("n", [1, 2])
-def test_fused_training_rounds_as_the_generator_on_1_and_2_devices(n, half, monkeypatch):
+def test_fused_training_rounds_as_the_generator_on_2_devices(half, monkeypatch):
     """Training bf16 / fp16 tables (every fused optimizer, slots float32 or the table's
-    type) with the CPU's fused updates, on 1 device and on 2 under mod and the other
-    strategies (table-wise, pooled on the owners, replicas): every variable bit-identical
-    to the ops' references run with the kernel's float32 arithmetic and rounding.py's
-    rounding (`_kernel_arithmetic_rounded`; the gradient sums are exact)."""
+    type) with the CPU's fused updates on 2 devices under mod and the other strategies
+    (table-wise, pooled on the owners, replicas): every variable bit-identical to the ops'
+    references run with the kernel's float32 arithmetic and rounding.py's rounding
+    (`_kernel_arithmetic_rounded`; the gradient sums are exact). One device's fused update
+    is the same kernel on one shard (test_fused_update_rounds_as_the_generator_bit_for_bit
+    checks it alone; test_bf16_rounds_the_same_on_any_device_count_and_strategy trains the
+    fused kernels on 1 device against 2): run here too it cost CI ~40 s for no other path."""
     _cpu_kernels()
     kinds = FUSED_KINDS[2 * half : 2 * half + 2]
-    sharding = "mod" if n == 1 else FUSED_STRATEGIES_2[half]
+    n, sharding = 2, FUSED_STRATEGIES_2[half]
     emb, got = _train(kinds, None, n, sharding, steps=2)
-    if n == 2:
-        assert {"mod", "table_wise", "row_wise_pooled"} <= set(dict(emb.plan.strategies).values())
+    assert {"mod", "table_wise", "row_wise_pooled"} <= set(dict(emb.plan.strategies).values())
     for s in emb.plan.stacks:
         assert emb.core.strategies[s.name].optimizer.fused_kernel is not None
     jax.clear_caches()
