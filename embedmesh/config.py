@@ -38,9 +38,17 @@ def _require(cond: bool, cls: str, field: str, value, what: str) -> None:
         raise ValueError(f"{cls}.{field} must be {what}, got {value!r}")
 
 
-# The block sizes (elements) `TruncatedNormal` draws in: the smallest that holds a table
-# in at most 16 blocks, else the largest
+# The block sizes (elements) `TruncatedNormal` draws in: up to 4096 values one block of
+# the next power of two (at least 16: a row re-initialised inside a program, as a table of
+# raw ids does for each fresh id, draws at most twice its values), more the smallest size
+# that holds them in at most 16 blocks, else the largest
 _INIT_BLOCKS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+
+
+def _init_block(n: int) -> int:
+    if n <= _INIT_BLOCKS[0]:
+        return max(16, 1 << (n - 1).bit_length())
+    return next((b for b in _INIT_BLOCKS if n <= 16 * b), _INIT_BLOCKS[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +56,17 @@ class TruncatedNormal:
     """TensorFlow's default initializer: `stddev` times a unit normal truncated at +-2 (as
     `jax.nn.initializers.truncated_normal`).
 
-    Drawn in blocks of a few fixed sizes (`_INIT_BLOCKS`), block `b` from
+    Drawn in blocks of a few fixed sizes (`_init_block`), block `b` from
     `fold_in(key, b)`, then cut to the shape: jax compiles its sampler for each shape it
     draws, ~0.3 s each on CPU, so a mesh whose shards differ in rows compiled one a
-    shard (6.6 s for 16 shapes here, 1.2 s drawn in blocks); now one of four programs a
-    dtype serves every table, and a small one a shape cuts the blocks to it."""
+    shard (6.6 s for 16 shapes here, 1.2 s drawn in blocks); now one of at most twelve
+    programs a dtype serves every table, and a small one a shape cuts the blocks to it."""
 
     stddev: float
 
     def __call__(self, key, shape, dtype=jnp.float32):
         n, shape, dtype = math.prod(shape), tuple(shape), jnp.dtype(dtype)
-        block = next((b for b in _INIT_BLOCKS if n <= 16 * b), _INIT_BLOCKS[-1])
+        block = _init_block(n)
         draw = _truncated_normal_block(block, dtype)
         scale = jnp.asarray(self.stddev, dtype)
         parts = [draw(jax.random.fold_in(key, b), scale) for b in range(-(-n // block))]

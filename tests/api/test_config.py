@@ -94,9 +94,9 @@ def _truncated_unit_normal_cdf(x):
 
 
 @pytest.mark.parametrize(
-    # one block of 4096 values, two of 4096, two of 65536 (twice)
+    # one block of 16 values, of 4096, two of 4096, two of 65536 (twice)
     "shape",
-    [(3, 5), (4097, 1), (300, 300), (70000, 1)],
+    [(3, 5), (4000, 1), (4097, 1), (300, 300), (70000, 1)],
 )
 def test_default_initializer_draws_a_truncated_normal_across_its_blocks(shape):
     """Drawn in fixed-size blocks and cut to the shape: every value, each block's too, is
@@ -121,6 +121,10 @@ def test_default_initializer_draws_a_truncated_normal_across_its_blocks(shape):
     assert (other == x).mean() < 0.01
     low = t.initialize(jax.random.key(3), shape, jnp.bfloat16)
     assert low.dtype == jnp.bfloat16 and low.shape == shape
+    # drawn inside a program (a table of raw ids re-initialises its fresh rows there):
+    # the same values as drawn eagerly
+    traced = jax.jit(lambda k: t.initialize(k, shape))(jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(traced, np.float64), x)
 
 
 def test_resolve_names_tables_in_order_of_first_use():
