@@ -508,8 +508,14 @@ class EmbeddingCore:
         # run on the fresh entries only, a chunk a loop step (a step of hits runs none,
         # and materialises no [m, dim] array); the loop carries the table and slots,
         # updated in place
-        order = jnp.nonzero(fresh, size=chunks * few, fill_value=m)[0]
         count = fresh.sum(dtype=jnp.int32)
+        # (a step with nothing fresh, the steady state, skips the nonzero's cumsums)
+        order = jax.lax.cond(
+            count > 0,
+            lambda f: jnp.nonzero(f, size=chunks * few, fill_value=m)[0].astype(jnp.int32),
+            lambda f: jnp.full((chunks * few,), m, jnp.int32),
+            fresh,
+        )
         initial = opt.slot_initial_values.items() if opt is not None else ()
 
         def chunk(k, carried):
