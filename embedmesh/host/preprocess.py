@@ -698,6 +698,29 @@ def preprocess_batch(
       `({stack name: PartitionedCsrFormatTensor}, PreprocessStats)`; pure
       numpy, nothing touches a device.
     """
+    D, threads = _check_options(plan, num_devices_local, overflow, backend, num_threads)
+    csrs, batch = _local_batch(plan, features, weights, D)
+    jobs = _make_jobs(plan, csrs, batch, D)
+    name, K = _resolve_backend(backend)
+    id_maps = {job.name: _id_map(plan, job) for job in jobs}
+    # the raw ids' numba kernels (with the native or numba backend), only where a stack
+    # has raw ids: numba is not imported otherwise
+    todo = [job for job in jobs if id_maps[job.name] is not None]
+    KD = _numba_dynamic() if K is not None and todo else None
+    dynamic, coded = _code_raw_ids(plan, todo, id_maps, KD, threads)
+    make_run = _run_maker(plan, D, name, K, KD, id_maps, dynamic, coded)
+    caps = {job.name: _capacity_for(capacities, plan, job.name) for job in jobs}
+    results, grown = _run_stacks(jobs, caps, make_run, D, threads, overflow, process_index)
+    out, stats = _assemble(jobs, results, caps, grown, dynamic, KD, coded)
+    if name == "numba" or KD is not None:  # numba ran: its LLVM is not needed again
+        _runtime.page_out_llvm()  # until it compiles
+    return out, PreprocessStats(stats)
+
+
+def _check_options(
+    plan: StackingPlan, num_devices_local: int, overflow: str, backend: str, num_threads
+) -> tuple[int, int]:
+    """`preprocess_batch`'s options checked before any input is read: `(D, threads)`."""
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
     if not isinstance(plan, StackingPlan):
@@ -711,48 +734,62 @@ def preprocess_batch(
     threads = default_num_threads() if num_threads is None else int(num_threads)
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
-    N = plan.num_shards
+    return D, threads
+
+
+def _local_batch(plan: StackingPlan, features, weights, D: int) -> tuple[list, int]:
+    """The inputs as kernel `Csr`s and their batch size, checked to split over D devices."""
     # output_shape is global: this process's batch is 1/(N/D) of it (every process
     # drives D devices of the N-device mesh)
-    csrs, batch = _batch_csrs(plan, features, weights, max(N // D, 1))
+    csrs, batch = _batch_csrs(plan, features, weights, max(plan.num_shards // D, 1))
     if batch % D:
         raise ValueError(
             f"the batch size {batch} is not a multiple of the {D} local devices (each "
             f"takes an equal share): pad the batch to a multiple of {D} (masking the "
             f"padded samples out of the loss) or drop the remainder"
         )
-    jobs = _make_jobs(plan, csrs, batch, D)
-    name, K = _resolve_backend(backend)
+    return csrs, batch
+
+
+def _code_raw_ids(plan: StackingPlan, todo: list, id_maps: dict, KD, threads: int):
+    """Stacks of raw ids (one table, `TableConfig.id_map`) turned into codes by numba's
+    kernels (`numba_dynamic`, all stacks in parallel) where they load (KD) and fit:
+    `({stack: distinct raw ids}, {stack: (job on codes, stand-in plan)})`; the other
+    stacks of raw ids take the numpy path in `_run_maker`, which adds theirs."""
+    dynamic: dict = {}
+    coded: dict = {}
+    if KD is None or not todo:
+        return dynamic, coded
+    N = plan.num_shards
+
+    def prepare(job):
+        t = job.tables[0].name
+        return _dynamic.prepare_numba(
+            job.members(t), t, N, id_maps[job.name].seed, KD, plan.id_owners(t)
+        )
+
+    if threads > 1 and len(todo) > 1:
+        prepared = list(_runtime.thread_pool(threads).map(prepare, todo))
+    else:
+        prepared = [prepare(job) for job in todo]
+    code_plan = _dynamic.code_plan(N)
+    for job, (members, table, uniq) in zip(todo, prepared):
+        cjob = dataclasses.replace(job, feats=members, tables=[table])
+        if _numba_fits(cjob, code_plan, KD):  # type: ignore[arg-type]
+            dynamic[job.name] = uniq
+            coded[job.name] = (cjob, code_plan)
+    return dynamic, coded
+
+
+def _run_maker(
+    plan: StackingPlan, D: int, name: str, K, KD, id_maps: dict, dynamic: dict, coded: dict
+):
+    """`make_run(job, capacity)`: a stack's run on the backend that applies to it (the
+    compiled kernels, or numpy's where they do not fit or a stack of raw ids was not
+    coded); numpy's sorts are made once a call and reused by every capacity."""
+    N = plan.num_shards
     Run = _NativeRun if name == "native" else _NumbaRun
-    sorted_tables = {}  # numpy backend: per-table sorts, reused by every run of a stack
-
-    # stacks of raw ids (one table, `TableConfig.id_map`): {stack: distinct raw ids}; with
-    # numba their codes come from `numba_dynamic` (all stacks' in parallel), else numpy
-    id_maps = {job.name: _id_map(plan, job) for job in jobs}
-    dynamic = {}
-    coded = {}  # numba: {stack: (job on codes, stand-in plan)}
-    todo = [job for job in jobs if id_maps[job.name] is not None]
-    # the raw ids' numba kernels (with the native or numba backend), only where a stack
-    # has raw ids: numba is not imported otherwise
-    KD = _numba_dynamic() if K is not None and todo else None
-    if KD is not None and todo:
-
-        def prepare(job):
-            t = job.tables[0].name
-            return _dynamic.prepare_numba(
-                job.members(t), t, N, id_maps[job.name].seed, KD, plan.id_owners(t)
-            )
-
-        if threads > 1 and len(todo) > 1:
-            prepared = list(_runtime.thread_pool(threads).map(prepare, todo))
-        else:
-            prepared = [prepare(job) for job in todo]
-        code_plan = _dynamic.code_plan(N)
-        for job, (members, table, uniq) in zip(todo, prepared):
-            cjob = dataclasses.replace(job, feats=members, tables=[table])
-            if _numba_fits(cjob, code_plan, KD):  # type: ignore[arg-type]
-                dynamic[job.name] = uniq
-                coded[job.name] = (cjob, code_plan)
+    sorted_tables: dict = {}  # numpy backend: per-table sorts, reused by every run of a stack
 
     def make_run(job, cap):
         if job.name in coded:  # raw ids on codes: the static kernels
@@ -783,7 +820,15 @@ def preprocess_batch(
             ]
         return _NumpyRun(job, D, N, cap, sorted_tables[job.name])
 
-    caps = {job.name: _capacity_for(capacities, plan, job.name) for job in jobs}
+    return make_run
+
+
+def _run_stacks(
+    jobs: list, caps: dict, make_run, D: int, threads: int, overflow: str, process_index: int
+) -> tuple[dict, set]:
+    """Every stack run at its capacity (the overflow policy applied): `({stack: (arrays,
+    unique totals, pair totals, dropped)}, {grown stacks})`; fills in `caps` where a
+    stack had none (the bucketed need) or grew."""
     counting = [job for job in jobs if caps[job.name] is None]
     if counting:  # count first (capacity 0 writes nothing), then fill at the bucketed need
         done = _execute([make_run(job, Capacity(0, 0)) for job in counting], D, threads)
@@ -818,7 +863,14 @@ def preprocess_batch(
             grow, _execute([make_run(job, caps[job.name]) for job in grow], D, threads)
         ):
             results[job.name] = res
-    grown = {job.name for job in grow}
+    return results, {job.name for job in grow}
+
+
+def _assemble(
+    jobs: list, results: dict, caps: dict, grown: set, dynamic: dict, KD, coded: dict
+) -> tuple[dict, dict]:
+    """The runs' arrays as `PartitionedCsrFormatTensor`s (with a stack of raw ids' raw
+    ids) and their `StackStats`: `({stack: tensor}, {stack: stats})`."""
     out, stats = {}, {}
     for job in jobs:
         arrays, u_tot, p_tot, dropped = results[job.name]
@@ -843,9 +895,7 @@ def preprocess_batch(
             caps[job.name],
             job.name in grown,
         )
-    if name == "numba" or KD is not None:  # numba ran: its LLVM is not needed again
-        _runtime.page_out_llvm()  # until it compiles
-    return out, PreprocessStats(stats)
+    return out, stats
 
 
 @dataclasses.dataclass(frozen=True)
