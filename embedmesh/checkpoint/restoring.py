@@ -279,89 +279,14 @@ def core_restore(
     """
     _check_missing(missing)
     path = _item_dir(source, step, item)
-    plan = core.plan
     live = state  # what missing="keep" keeps
     with _Reader(path) as reader:
         meta = reader.meta
         reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
-        by_name = {m["name"]: m for m in meta["tables"]}
-        id_maps.check_kinds(core, by_name)
-        todo, problems = _leaves_to_read(core, by_name, pipelined)
-        if problems and missing == "error":
-            raise ValueError(
-                "cannot restore "
-                + str(path)
-                + ": "
-                + "; ".join(problems)
-                + " (pass missing='keep' to keep their current values)"
-            )
-        leaves = [_leaf_key(m, field) for _, m, field in todo]
-        for (t, m, field), leaf in zip(todo, leaves):  # before anything is read
-            _check_leaf(reader, leaf, m, _field_width(core, t, field))
-        # tables of raw ids: their maps read and verified, and where the mesh or the map
-        # changed, rebuilt on their new owners (a ValueError where the live ids do not
-        # fit), before any table is read; a rebuilt table's rows and slots are read last
-        dynamic = {
-            t.name: id_maps.plan_table(core, reader, t, by_name[t.name])
-            for t in plan.tables
-            if t.stack in core.dynamic and t.name in by_name
-        }
-        rebuilt = [i for i, (t, _, _) in enumerate(todo) if not dynamic.get(t.name, _DIRECT).direct]
-        for name in dynamic:  # (missing="keep": the problems did not raise)
-            mine = [q for q in problems if f" of table {name} " in q]
-            if mine:
-                raise ValueError(
-                    f"cannot restore {path}: table {name} is a table of raw ids, whose rows "
-                    f"and slots belong to the ids of its restored id map, so what the "
-                    f"checkpoint lacks cannot be kept from another state: " + "; ".join(mine)
-                )
-        rebuilt_todo = [(todo[i], leaves[i]) for i in rebuilt]
-        todo = [x for i, x in enumerate(todo) if i not in rebuilt]
-        leaves = [x for i, x in enumerate(leaves) if i not in rebuilt]
-        new = _NewState(live, plan)
-
-        def start(i):
-            t, m, field = todo[i]
-            shape = (core.num_shards * t.rows_per_shard,) + reader.shape(leaves[i])[1:]
-            return _start_leaf(
-                reader,
-                leaves[i],
-                m,
-                plan.row_layout,
-                t,
-                _local_shards(core, shape),
-                new.target(t, field).dtype,
-                field,
-            )
-
-        with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
-            for i, current in enumerate(pending):
-                t, _, field = todo[i]
-                out = _place_leaf(
-                    core,
-                    current,
-                    new.target(t, field),
-                    t,
-                    _stats,
-                    donate=new.array_of(t, field) in new.fresh,
-                    column=new.column(t, field),
-                )
-                del current
-                new.put(t, field, out)
-                del out
-        for (t, _, field), leaf in rebuilt_todo:
-            out = id_maps.write_rebuilt(
-                core,
-                reader,
-                dynamic[t.name],
-                field,
-                leaf,
-                new.target(t, field),
-                new.array_of(t, field) in new.fresh,
-                new.column(t, field),
-            )
-            new.put(t, field, out)
-            del out
+        todo, leaves, dynamic, rebuilt_todo = _plan_reads(core, reader, path, missing, pipelined)
+        new = _NewState(live, core.plan)
+        _read_direct(core, reader, new, todo, leaves, prefetch, _stats)
+        _write_rebuilt(core, reader, new, dynamic, rebuilt_todo)
         maps = dict(live.id_maps)
         for p in dynamic.values():
             live_key = (live.id_maps.get(p.table.stack) or {}).get("key")
@@ -379,6 +304,102 @@ def core_restore(
         id_maps=maps,
     )
     return RestoredState(restored, step_count, new.lookup)
+
+
+def _plan_reads(core, reader, path, missing: str, pipelined: bool):
+    """Everything checked before any array is read (what is missing, each leaf's shape,
+    tables of raw ids planned): `(todo, leaves, {table: id map plan}, rebuilt_todo)`,
+    the leaves read straight into place and, apart, those of rebuilt tables of raw ids."""
+    plan = core.plan
+    by_name = {m["name"]: m for m in reader.meta["tables"]}
+    id_maps.check_kinds(core, by_name)
+    todo, problems = _leaves_to_read(core, by_name, pipelined)
+    if problems and missing == "error":
+        raise ValueError(
+            "cannot restore "
+            + str(path)
+            + ": "
+            + "; ".join(problems)
+            + " (pass missing='keep' to keep their current values)"
+        )
+    leaves = [_leaf_key(m, field) for _, m, field in todo]
+    for (t, m, field), leaf in zip(todo, leaves):  # before anything is read
+        _check_leaf(reader, leaf, m, _field_width(core, t, field))
+    # tables of raw ids: their maps read and verified, and where the mesh or the map
+    # changed, rebuilt on their new owners (a ValueError where the live ids do not
+    # fit), before any table is read; a rebuilt table's rows and slots are read last
+    dynamic = {
+        t.name: id_maps.plan_table(core, reader, t, by_name[t.name])
+        for t in plan.tables
+        if t.stack in core.dynamic and t.name in by_name
+    }
+    rebuilt = [i for i, (t, _, _) in enumerate(todo) if not dynamic.get(t.name, _DIRECT).direct]
+    for name in dynamic:  # (missing="keep": the problems did not raise)
+        mine = [q for q in problems if f" of table {name} " in q]
+        if mine:
+            raise ValueError(
+                f"cannot restore {path}: table {name} is a table of raw ids, whose rows "
+                f"and slots belong to the ids of its restored id map, so what the "
+                f"checkpoint lacks cannot be kept from another state: " + "; ".join(mine)
+            )
+    rebuilt_todo = [(todo[i], leaves[i]) for i in rebuilt]
+    todo = [x for i, x in enumerate(todo) if i not in rebuilt]
+    leaves = [x for i, x in enumerate(leaves) if i not in rebuilt]
+    return todo, leaves, dynamic, rebuilt_todo
+
+
+def _read_direct(core, reader, new: _NewState, todo, leaves, prefetch: bool, _stats) -> None:
+    """The leaves read straight into this process's shards, one at a time (the next one
+    read ahead with `prefetch`), each written into `new`."""
+    plan = core.plan
+
+    def start(i):
+        t, m, field = todo[i]
+        shape = (core.num_shards * t.rows_per_shard,) + reader.shape(leaves[i])[1:]
+        return _start_leaf(
+            reader,
+            leaves[i],
+            m,
+            plan.row_layout,
+            t,
+            _local_shards(core, shape),
+            new.target(t, field).dtype,
+            field,
+        )
+
+    with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
+        for i, current in enumerate(pending):
+            t, _, field = todo[i]
+            out = _place_leaf(
+                core,
+                current,
+                new.target(t, field),
+                t,
+                _stats,
+                donate=new.array_of(t, field) in new.fresh,
+                column=new.column(t, field),
+            )
+            del current
+            new.put(t, field, out)
+            del out
+
+
+def _write_rebuilt(core, reader, new: _NewState, dynamic: dict, rebuilt_todo) -> None:
+    """The rows and slots of tables of raw ids whose maps were rebuilt on new owners,
+    read last (`id_maps.write_rebuilt`), each written into `new`."""
+    for (t, _, field), leaf in rebuilt_todo:
+        out = id_maps.write_rebuilt(
+            core,
+            reader,
+            dynamic[t.name],
+            field,
+            leaf,
+            new.target(t, field),
+            new.array_of(t, field) in new.fresh,
+            new.column(t, field),
+        )
+        new.put(t, field, out)
+        del out
 
 
 def restore(
