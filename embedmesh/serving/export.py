@@ -315,6 +315,13 @@ def export_serving(
       platforms: lowering platforms of the programs.
 
     Returns the manifest (also written to `directory/manifest.json`).
+
+    About 100 lines as one function on purpose (issue 39): its steps (the signature
+    encoded, the traced `program`, one export per bucket, the files and manifest) share
+    the closure `program` and what tracing records in it (`raw_uses`, the output
+    structure), which the manifest then reads; split, a dozen values would travel
+    between the phases. Its pieces are already helpers (`_encode`, `_table_arrays`,
+    `_export_bucket`, `_save_arrays`, `_raw_inputs`).
     """
     import jax
 
