@@ -119,6 +119,7 @@ row, the sketch `4 * sketch_depth * sketch_width` bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -691,6 +692,41 @@ def _unless(skip, heavy, *operands):
     return lax.cond(skip, zeros, heavy, *operands)
 
 
+def _admitted(config, keys, index, free, pos, cand, order, u_hi, u_lo, free_head, num_free):
+    """Steps 5-7 of `_map_ids`: which candidates take a row, their index slots and rows
+    (`(admit, slot, new_row)` a distinct id)."""
+    n = pos.shape[0]
+    c = config.capacity
+
+    # 5. the first `num_free` candidates (first-position order) may take a row
+    def rank_of(mask):  # rank of each u among the masked, in admission order
+        r = jnp.cumsum(mask[order], dtype=jnp.int32) - 1
+        return jnp.zeros((n,), jnp.int32).at[order].set(r)
+
+    fits = cand & (rank_of(cand) < num_free)
+
+    # 6. a slot in the emptier of the two buckets (first on a tie), the k-th empty
+    #    slot for the k-th id (in u order) choosing that bucket
+    b1, b2 = _buckets_keyed(config.num_buckets, keys, u_hi, u_lo)
+    empty1 = index[b1, _ROW] == EMPTY  # [n, W]
+    empty2 = index[b2, _ROW] == EMPTY
+    use2 = empty2.sum(axis=1) > empty1.sum(axis=1)
+    bucket = jnp.where(use2, b2, b1)
+    empty = jnp.where(use2[:, None], empty2, empty1)
+    key_b = jnp.where(fits, bucket, config.num_buckets)
+    s_b, s_u = _sort_by_bucket(key_b, config.num_buckets)  # by bucket, then u
+    starts = jnp.where(jnp.concatenate([jnp.ones((1,), bool), s_b[1:] != s_b[:-1]]), pos, 0)
+    in_bucket = jnp.zeros((n,), jnp.int32).at[s_u].set(pos - lax.cummax(starts))
+    k_th = (jnp.cumsum(empty, axis=1, dtype=jnp.int32) == (in_bucket + 1)[:, None]) & empty
+    slotted = k_th.any(axis=1)
+    slot = bucket * BUCKET_WIDTH + jnp.argmax(k_th, axis=1).astype(jnp.int32)
+    admit = fits & slotted
+
+    # 7. rows, lowest free first, in admission order
+    new_row = free[jnp.minimum(free_head + rank_of(admit), c - 1)]
+    return admit, slot, new_row
+
+
 def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape, native=None):
     """`map_ids`'s jnp path: any call, hits, misses, admissions and evictions.
 
@@ -744,36 +780,16 @@ def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape, nati
     )
     index, free, free_head, num_free = carried
 
-    def admitted(cand, order, u_hi, u_lo, free_head, num_free):
-        # 5. the first `num_free` candidates (first-position order) may take a row
-        def rank_of(mask):  # rank of each u among the masked, in admission order
-            r = jnp.cumsum(mask[order], dtype=jnp.int32) - 1
-            return jnp.zeros((n,), jnp.int32).at[order].set(r)
-
-        fits = cand & (rank_of(cand) < num_free)
-
-        # 6. a slot in the emptier of the two buckets (first on a tie), the k-th empty
-        #    slot for the k-th id (in u order) choosing that bucket
-        b1, b2 = _buckets_keyed(config.num_buckets, keys, u_hi, u_lo)
-        empty1 = index[b1, _ROW] == EMPTY  # [n, W]
-        empty2 = index[b2, _ROW] == EMPTY
-        use2 = empty2.sum(axis=1) > empty1.sum(axis=1)
-        bucket = jnp.where(use2, b2, b1)
-        empty = jnp.where(use2[:, None], empty2, empty1)
-        key_b = jnp.where(fits, bucket, config.num_buckets)
-        s_b, s_u = _sort_by_bucket(key_b, config.num_buckets)  # by bucket, then u
-        starts = jnp.where(jnp.concatenate([jnp.ones((1,), bool), s_b[1:] != s_b[:-1]]), pos, 0)
-        in_bucket = jnp.zeros((n,), jnp.int32).at[s_u].set(pos - lax.cummax(starts))
-        k_th = (jnp.cumsum(empty, axis=1, dtype=jnp.int32) == (in_bucket + 1)[:, None]) & empty
-        slotted = k_th.any(axis=1)
-        slot = bucket * BUCKET_WIDTH + jnp.argmax(k_th, axis=1).astype(jnp.int32)
-        admit = fits & slotted
-
-        # 7. rows, lowest free first, in admission order
-        new_row = free[jnp.minimum(free_head + rank_of(admit), c - 1)]
-        return admit, slot, new_row
-
-    admit, slot, new_row = _unless(skip, admitted, cand, order, u_hi, u_lo, free_head, num_free)
+    admit, slot, new_row = _unless(
+        skip,
+        functools.partial(_admitted, config, keys, index, free, pos),
+        cand,
+        order,
+        u_hi,
+        u_lo,
+        free_head,
+        num_free,
+    )
     taken = admit.sum(dtype=jnp.int32)
     at_row = jnp.where(admit, new_row, c)
     at_slot = jnp.where(admit, slot, config.num_slots)

@@ -251,10 +251,6 @@ def test_ab_env_goes_to_one_side(ab):
         ab.main([*argv, "--new-env", "no-equals-sign"])
 
 
-# issue 39: split pending (embedmesh/device/id_map.py is being reworked by issue 42)
-LONG_FUNCTIONS_ALLOWED = {("embedmesh/device/id_map.py", "_map_ids")}
-
-
 def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """A function's lines from `def` to its end (nested functions included), less its
     docstring's."""
@@ -273,8 +269,8 @@ def test_code_lines_leave_out_the_docstring():
 def test_no_function_over_120_lines_without_a_reason():
     """Issue 39: no function of embedmesh/ has more than 120 lines of code (from `def` to
     its end, its docstring left out) unless its docstring says why it is one piece: by
-    convention it contains the words "one function" (or "Over 120 lines", the form
-    tests/project/test_layering.py asks of serving), next to the reason."""
+    convention it contains the words "one function" or "Over 120 lines", next to the
+    reason."""
     long = []
     for path in sorted(glob.glob(os.path.join(ROOT, "embedmesh", "**", "*.py"), recursive=True)):
         rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
@@ -285,6 +281,5 @@ def test_no_function_over_120_lines_without_a_reason():
             doc = (ast.get_docstring(node) or "").lower()
             if size <= 120 or "one function" in doc or "over 120 lines" in doc:
                 continue
-            if (rel, node.name) not in LONG_FUNCTIONS_ALLOWED:
-                long.append(f"{rel}:{node.lineno} {node.name} ({size} lines)")
+            long.append(f"{rel}:{node.lineno} {node.name} ({size} lines)")
     assert not long, long
