@@ -356,6 +356,17 @@ def slow_commit(monkeypatch):
     release.set()
 
 
+def _wait_for_orbax_temporary(directory, limit_s: float = 60.0) -> None:
+    """Until orbax's temporary directory of a save in flight exists (its commit is held
+    by `slow_commit`, so it stays); fails after `limit_s`."""
+    import time
+
+    end = time.monotonic() + limit_s
+    while not any(".orbax-checkpoint-tmp" in p.name for p in directory.iterdir()):
+        assert time.monotonic() < end, f"no orbax temporary directory in {directory}"
+        time.sleep(0.01)
+
+
 def test_restore_right_after_an_async_save(tmp_path, slow_commit):
     import threading
 
@@ -366,9 +377,10 @@ def test_restore_right_after_an_async_save(tmp_path, slow_commit):
     )
     mngr.save(2, args=ocp.args.Composite(embedding=ckpt.save_args(emb)))
     try:
-        # in flight: only orbax's temporary directory exists
+        # in flight: only orbax's temporary directory exists (made by orbax's background
+        # thread, maybe a moment after `save` returns: CI saw none at once under load)
+        _wait_for_orbax_temporary(tmp_path)
         assert not (tmp_path / "2").exists()
-        assert any(".orbax-checkpoint-tmp" in p.name for p in tmp_path.iterdir())
         target = random_engine(2, seed=9, step=0)
         before = variables_by_name(target)
         # a path: the step is not committed yet, and the error says so

@@ -193,6 +193,12 @@ if compiled is not None:
             used.append(a[-1])
             return compiled.lookup(*a)
     fast_path._compiled = Compiled
+dict_lookup = fast_path._dict_lookup  # a dict request of a dict model: its one call
+if dict_lookup is not None:
+    def spied_dict(*a):
+        used.append(a[-1])
+        return dict_lookup(*a)
+    fast_path._dict_lookup = spied_dict
 t = em.TableConfig(40, 8, name="t")
 fc = {f"f{i}": em.FeatureConfig(t) for i in range(6)}
 rng = np.random.default_rng(0)
