@@ -70,7 +70,7 @@ class TruncatedNormal:
         draw = _truncated_normal_block(block, dtype)
         scale = jnp.asarray(self.stddev, dtype)
         parts = [draw(jax.random.fold_in(key, b), scale) for b in range(-(-n // block))]
-        return _cut(n, shape, len(parts))(*parts)
+        return _cut(shape, len(parts))(*parts)
 
 
 @functools.cache
@@ -81,9 +81,9 @@ def _truncated_normal_block(size: int, dtype):
 
 
 @functools.cache
-def _cut(n: int, shape: tuple, num_parts: int):
-    """The blocks joined, cut to `n` values and shaped: one small program a shape."""
-    return jax.jit(lambda *parts: jnp.concatenate(parts)[:n].reshape(shape))
+def _cut(shape: tuple, num_parts: int):
+    """The blocks joined, cut to the shape's values and shaped: one small program a shape."""
+    return jax.jit(lambda *parts: jnp.concatenate(parts)[: math.prod(shape)].reshape(shape))
 
 
 def default_initializer(dim: int) -> Initializer:

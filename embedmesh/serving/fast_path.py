@@ -388,10 +388,6 @@ def _plans(features) -> tuple:
     return plans
 
 
-def _alloc(shape):
-    return pool.output_empty_at(shape, _F32)
-
-
 def _alloc_f32(shape):
     return pool.output_float32_at(shape)
 

@@ -97,9 +97,9 @@ class _BufferPool:
             raw = self._take(nbytes)
         if raw is None:
             raw = _aligned_raw(nbytes)
-        lease = _Lease()
-        lease._raw, lease._pool = raw, self
         if dtype.isbuiltin != 1:  # ml_dtypes' bfloat16, structured: bytes, viewed as the dtype
+            lease = _Lease()
+            lease._raw, lease._pool = raw, self
             lease.__array_interface__ = {
                 "shape": (nbytes,),
                 "typestr": "|u1",
@@ -107,12 +107,7 @@ class _BufferPool:
                 "version": 3,
             }
             return np.asarray(lease).view(dtype).reshape(shape), raw[1]
-        key = (shape, dtype.str)  # numpy's own dtypes: the type string says it all
-        if raw[3] != key:  # a buffer mostly comes back for the same shape: its interface kept
-            raw[3] = key
-            raw[4] = {"shape": shape, "typestr": dtype.str, "data": (raw[1], False), "version": 3}
-        lease.__array_interface__ = raw[4]
-        return np.asarray(lease), raw[1]
+        return self._leased(raw, shape, dtype.str)  # numpy's own dtypes: the string says all
 
     def float32_at(self, shape: tuple) -> tuple[np.ndarray, int]:
         """`empty_at(shape, float32)` for a tuple of Python ints, with less Python where a
@@ -121,11 +116,17 @@ class _BufferPool:
         raw = self._take(nbytes) if nbytes else None
         if raw is None:
             return self.empty_at(shape, _F32)
+        return self._leased(raw, shape, _F32_STR)
+
+    def _leased(self, raw, shape: tuple, typestr: str) -> tuple[np.ndarray, int]:
+        """An array of `shape` and `typestr` on the pool's buffer `raw`, leased: back to
+        the pool when it dies. A buffer mostly comes back for the same shape: its array
+        interface is kept for it."""
         lease = _Lease()
         lease._raw, lease._pool = raw, self
-        if raw[3] != (shape, _F32_STR):
-            raw[3] = (shape, _F32_STR)
-            raw[4] = {"shape": shape, "typestr": _F32_STR, "data": (raw[1], False), "version": 3}
+        if raw[3] != (shape, typestr):
+            raw[3] = (shape, typestr)
+            raw[4] = {"shape": shape, "typestr": typestr, "data": (raw[1], False), "version": 3}
         lease.__array_interface__ = raw[4]
         return np.asarray(lease), raw[1]
 

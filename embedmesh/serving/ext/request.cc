@@ -602,22 +602,13 @@ bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, P
 // Returns the result, or None (not a common request, or a kernel reported an error).
 PyObject* lookup_checked(PyObject* args);
 
-PyObject* lookup_dict(PyObject*, PyObject* args);
+PyObject* lookup_dict(PyObject* args);
 
-PyObject* lookup_dict_safe(PyObject* self, PyObject* args) {
-  try {  // no C++ exception may cross into the interpreter
-    return lookup_dict(self, args);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-}
-
-PyObject* lookup(PyObject*, PyObject* args) {
-  try {  // no C++ exception may cross into the interpreter
-    return lookup_checked(args);
+// A method calling `body(args)`: no C++ exception may cross into the interpreter.
+template <PyObject* (*body)(PyObject*)>
+PyObject* guarded(PyObject*, PyObject* args) {
+  try {
+    return body(args);
   } catch (const std::bad_alloc&) {
     return PyErr_NoMemory();
   } catch (const std::exception& e) {
@@ -651,7 +642,7 @@ PyObject* lookup_checked(PyObject* args) {
 // order. NotImplemented (the caller's usual path): another structure, a key the config
 // lacks, an explicit None input; None (the general path): whatever `lookup` returns None
 // for.
-PyObject* lookup_dict(PyObject*, PyObject* args) {
+PyObject* lookup_dict(PyObject* args) {
   PyObject *config, *index, *features, *plans, *inputs, *tables, *types, *alloc, *finish;
   long long threads;
   if (!PyArg_ParseTuple(args, "OO!O!O!OOO!OOL", &config, &PyDict_Type, &index, &PyTuple_Type,
@@ -1019,8 +1010,9 @@ PyMethodDef kMethods[] = {
     {"enter", enter, METH_NOARGS, "A thread starts a host lookup."},
     {"leave", leave, METH_NOARGS, "A thread ends a host lookup."},
     {"in_flight", in_flight, METH_NOARGS, "Threads inside a host lookup now."},
-    {"lookup", lookup, METH_VARARGS, "A request's common features on the C++ kernels."},
-    {"lookup_dict", lookup_dict_safe, METH_VARARGS,
+    {"lookup", guarded<lookup_checked>, METH_VARARGS,
+     "A request's common features on the C++ kernels."},
+    {"lookup_dict", guarded<lookup_dict>, METH_VARARGS,
      "A flat dict request of a flat dict model on the C++ kernels."},
     {"bind", bind, METH_VARARGS, "Bind the serving library's runner functions."},
     {nullptr, nullptr, 0, nullptr},
