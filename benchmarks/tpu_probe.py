@@ -7,6 +7,7 @@ the chip in one process (results to $OUT/probe.json after every case).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -243,6 +244,269 @@ def main():
     case("sixteen_round", sixteen_round)
     case("sixteen_w128", sixteen)
     case("sixteen_w256", lambda: sixteen(256))
+
+    # 1c. half-byte rows (issue 41: bf16 rows that are self-contained): a bfloat16 row
+    # of 128 columns as 64 uint32 words (two columns of the same row a word), moved a
+    # DMA a row, against a float32 row of 128 lanes (512 bytes) by XLA and by a DMA.
+    # Layouts: "narrow" uint32 [S, 64] (a row its own array row), "halves" uint32
+    # [S / 2, 128] (row r in lanes 64 * (r & 1) of array row r >> 1: a half row is 256
+    # contiguous bytes of its 128-lane tile row, written without reading its neighbour).
+    def half_rows():
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import tpu as pltpu
+
+        rows_s = S - S % 2
+        ids_np = np.unique(uniq % rows_s).astype(np.int32)
+        ids = jnp.asarray(ids_np)
+        n = int(ids.shape[0])
+        tg = 512 if not args.interpret else 128
+        rec = {"rows": n, "table_rows": rows_s, "tg": tg}
+        rng_h = np.random.default_rng(5)
+        pattern = jnp.asarray(rng_h.integers(0, 2**32, size=(1024, 128), dtype=np.uint32))
+
+        def filled(shape):
+            reps = -(-shape[0] * shape[1] // (1024 * 128))
+            flat = jnp.tile(pattern.reshape(-1), reps)[: shape[0] * shape[1]]
+            return flat.reshape(shape)
+
+        def size_of(x):
+            try:
+                return int(x.on_device_size_in_bytes())
+            except Exception:  # noqa: BLE001
+                return -1
+
+        def half_gather(table, ids, halves):
+            """Rows `ids` (64 words each) DMA'd HBM to HBM (an output of the table's
+            tiling: a VMEM block of 64 lanes is tiled otherwise, which Mosaic's DMA
+            refuses)."""
+            nb = -(-n // tg)
+            idp = jnp.pad(ids, (0, nb * tg - n), constant_values=0)
+            rows = jax.ShapeDtypeStruct((n, 64 if halves else table.shape[1]), jnp.uint32)
+
+            def kernel(ids_ref, table_ref, out_ref, sem):
+                base = pl.program_id(0) * tg
+
+                def start(i, c):
+                    r = ids_ref[i]
+                    dst = out_ref.at[pl.ds(base + i, 1)]
+                    if not halves:
+                        pltpu.make_async_copy(table_ref.at[pl.ds(r, 1)], dst, sem).start()
+                        return c
+                    p = r >> 1
+                    for h in (0, 1):
+
+                        @pl.when((r & 1) == h)
+                        def _(h=h):
+                            pltpu.make_async_copy(
+                                table_ref.at[pl.ds(p, 1), pl.ds(64 * h, 64)], dst, sem
+                            ).start()
+
+                    return c
+
+                tpk._unrolled(tg, start)
+                block = out_ref.at[pl.ds(base, tg)]
+                pltpu.make_async_copy(block, block, sem).wait()
+
+            return pl.pallas_call(
+                kernel,
+                grid=(nb,),
+                in_specs=[
+                    pl.BlockSpec((tg,), lambda i: (i,), memory_space=pltpu.SMEM),
+                    pl.BlockSpec(memory_space=pl.ANY),
+                ],
+                out_specs=pl.BlockSpec(memory_space=pl.ANY),
+                scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+                out_shape=jax.ShapeDtypeStruct((nb * tg, rows.shape[1]), jnp.uint32),
+                compiler_params=pltpu.CompilerParams(has_side_effects=True),
+                interpret=tpk._interpret(),
+            )(idp, table)[:n]
+
+        def half_scatter(table, ids, rows, halves):
+            """Rows (64 words each) DMA'd from an HBM array into the table in place."""
+            nb = -(-n // tg)
+            idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
+            rp = jnp.pad(rows, ((0, nb * tg - n), (0, 0)))
+            meta = jnp.full((1,), n, jnp.int32)
+
+            def kernel(meta_ref, ids_ref, rows_ref, table_in, table_ref, sem):
+                del table_in
+                base = pl.program_id(0) * tg
+                count = jnp.clip(meta_ref[0] - base, 0, tg)
+
+                def start(i, c):
+                    r = ids_ref[i]
+                    src = rows_ref.at[pl.ds(base + i, 1)]
+                    if not halves:
+                        pltpu.make_async_copy(src, table_ref.at[pl.ds(r, 1)], sem).start()
+                        return c
+                    p = r >> 1
+                    for h in (0, 1):
+
+                        @pl.when((r & 1) == h)
+                        def _(h=h):
+                            pltpu.make_async_copy(
+                                src, table_ref.at[pl.ds(p, 1), pl.ds(64 * h, 64)], sem
+                            ).start()
+
+                    return c
+
+                tpk._unrolled(count, start)
+
+                def w(i, c):
+                    one = rows_ref.at[pl.ds(0, 1)]
+                    pltpu.make_async_copy(one, one, sem).wait()
+                    return c
+
+                jax.lax.fori_loop(0, count, w, 0)
+
+            call = tpk.in_place_rows_call(kernel, table, tg, rows.shape[1], nb, rows_in_hbm=True)
+            return call(meta, idp, rp, table)
+
+        def lane_half_scatter(table, ids, rows, in_hbm):
+            """Rows r into lanes 64 * (r & 1) of the halves table's row r >> 1, from
+            `rows` [n, 128] holding each row's words in that same half (source and
+            target both lane slices of 128-lane rows: the same tiling)."""
+            nb = -(-n // tg)
+            idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
+            rp = jnp.pad(rows, ((0, nb * tg - n), (0, 0)))
+            meta = jnp.full((1,), n, jnp.int32)
+
+            def kernel(meta_ref, ids_ref, rows_ref, table_in, table_ref, sem):
+                del table_in
+                base = pl.program_id(0) * tg
+                count = jnp.clip(meta_ref[0] - base, 0, tg)
+                at = base if in_hbm else 0
+
+                def start(i, c):
+                    r = ids_ref[i]
+                    p = r >> 1
+                    for h in (0, 1):
+
+                        @pl.when((r & 1) == h)
+                        def _(h=h):
+                            pltpu.make_async_copy(
+                                rows_ref.at[pl.ds(at + i, 1), pl.ds(64 * h, 64)],
+                                table_ref.at[pl.ds(p, 1), pl.ds(64 * h, 64)],
+                                sem,
+                            ).start()
+
+                    return c
+
+                tpk._unrolled(count, start)
+
+                def w(i, c):
+                    one = rows_ref.at[pl.ds(0, 1), pl.ds(0, 64)]
+                    pltpu.make_async_copy(one, one, sem).wait()
+                    return c
+
+                jax.lax.fori_loop(0, count, w, 0)
+
+            call = tpk.in_place_rows_call(kernel, table, tg, 128, nb, rows_in_hbm=in_hbm)
+            return call(meta, idp, rp, table)
+
+        def lane_halves():
+            table = filled((rows_s // 2, 128))
+            host = np.asarray(table)
+            words = rng_h.integers(0, 2**32, size=(n, 64), dtype=np.uint32)
+            rows = jnp.asarray(np.concatenate([words, words], axis=1))
+            expect = host.reshape(rows_s, 64).copy()
+            expect[ids_np] = words
+            for in_hbm in (True, False):
+                key = "lane_halves_" + ("hbm" if in_hbm else "vmem") + "_scatter"
+                try:
+                    sc = jax.jit(
+                        functools.partial(lane_half_scatter, in_hbm=in_hbm), donate_argnums=0
+                    )
+                    t, table = time_in_place(sc, table, ids, rows)
+                    rec[f"{key}_ms"] = t * 1e3
+                    rec[f"{key}_equal"] = bool(
+                        np.array_equal(np.asarray(table).reshape(rows_s, 64), expect)
+                    )
+                except Exception as e:  # noqa: BLE001
+                    rec[f"{key}_error"] = f"{type(e).__name__}: {e}"[:600]
+                    table = jnp.asarray(host)
+
+        xla_take = jax.jit(lambda t, i: jnp.take(t, i, axis=0))
+
+        # float32 rows of 128 lanes: the fp32 step's rows at dim 64 ([w | acc])
+        f32 = jax.lax.bitcast_convert_type(filled((rows_s, 128)), jnp.float32)
+        rec["f32_bytes"] = size_of(f32)
+        rec["f32_xla_gather_ms"] = timeit(xla_take, f32, ids)[0] * 1e3
+        rec["f32_dma_gather_ms"] = timeit(jax.jit(tpk.gather_rows_dma), f32, ids)[0] * 1e3
+        r32 = jnp.ones((n, 128), jnp.float32)
+        s32 = jax.jit(tpk.scatter_rows_dma, donate_argnums=0)
+        rec["f32_dma_scatter_ms"] = time_in_place(s32, f32, ids, r32)[0] * 1e3
+        del f32
+
+        # bfloat16 rows of 128 columns as XLA lays them (two rows a word): its gather
+        b16 = jnp.full((rows_s, 128), 1.5, jnp.bfloat16)
+        rec["bf16_bytes"] = size_of(b16)
+        rec["bf16_xla_gather_ms"] = timeit(xla_take, b16, ids)[0] * 1e3
+        del b16
+
+        def attempt(key, fn):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                rec[f"{key}_error"] = f"{type(e).__name__}: {e}"[:600]
+
+        for layout in ("narrow", "halves", "wide"):  # wide: 128-lane u32 rows, the same DMAs
+            halves = layout == "halves"
+            width = 128 if layout == "wide" else 64
+            shape = (rows_s // 2, 128) if halves else (rows_s, width)
+            table = filled(shape)
+            rec[f"{layout}_bytes"] = size_of(table)
+            host = np.asarray(table)
+            want = host.reshape(rows_s, width)[ids_np]
+            new_rows = jnp.asarray(rng_h.integers(0, 2**32, size=(n, width), dtype=np.uint32))
+
+            def gather(layout=layout, halves=halves, table=table, want=want):
+                g = jax.jit(functools.partial(half_gather, halves=halves))
+                t, got = timeit(g, table, ids)
+                rec[f"{layout}_dma_gather_ms"] = t * 1e3
+                rec[f"{layout}_dma_gather_equal"] = bool(np.array_equal(np.asarray(got), want))
+
+            attempt(f"{layout}_dma_gather", gather)
+            if not halves:
+                attempt(
+                    "narrow_xla_gather",
+                    lambda table=table: rec.__setitem__(
+                        "narrow_xla_gather_ms", timeit(xla_take, table, ids)[0] * 1e3
+                    ),
+                )
+            else:  # the pair's 128 lanes by XLA, then the half picked
+                pick = jax.jit(
+                    lambda t, i: jnp.where(
+                        (i & 1)[:, None] == 1,
+                        jnp.take(t, i >> 1, axis=0)[:, 64:],
+                        jnp.take(t, i >> 1, axis=0)[:, :64],
+                    )
+                )
+                attempt(
+                    "halves_xla_gather_pick",
+                    lambda table=table: rec.__setitem__(
+                        "halves_xla_gather_pick_ms", timeit(pick, table, ids)[0] * 1e3
+                    ),
+                )
+
+            def scatter(
+                layout=layout, halves=halves, table=table, host=host, width=width, new_rows=new_rows
+            ):
+                sc = jax.jit(functools.partial(half_scatter, halves=halves), donate_argnums=0)
+                t, out = time_in_place(sc, table, ids, new_rows)
+                rec[f"{layout}_dma_scatter_ms"] = t * 1e3
+                expect = host.reshape(rows_s, width).copy()
+                expect[ids_np] = np.asarray(new_rows)
+                rec[f"{layout}_dma_scatter_equal"] = bool(
+                    np.array_equal(np.asarray(out).reshape(rows_s, width), expect)
+                )
+
+            attempt(f"{layout}_dma_scatter", scatter)
+            del table, host, want
+        lane_halves()
+        return rec
+
+    case("half_rows", half_rows)
 
     # 2. the pair sums (rows gathered into VMEM, one-hot matmuls) against XLA's take +
     # segment_sum, by dim and block sizes (the scalar pair loops they replace, measured on
