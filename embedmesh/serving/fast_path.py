@@ -38,6 +38,7 @@ readable statement of the rules; `use_compiled(False)` selects it.
 from __future__ import annotations
 
 import array
+import importlib
 
 import jax
 import numpy as np
@@ -57,6 +58,7 @@ _dict_lookup = getattr(_compiled, "lookup_dict", None)  # older builds: none
 
 __all__ = [
     "dict_requests",
+    "direct_numpy",
     "fair_gil",
     "gil_between_us",
     "gil_handoff_us",
@@ -360,7 +362,34 @@ def compiled_available() -> bool:
 def _bind() -> None:
     global _bound
     _compiled.bind(*native_backend.runner_addresses())
+    bind_numpy = getattr(_compiled, "bind_numpy", None)
+    if bind_numpy is not None:  # older builds: the buffer protocol and Python's API
+        api = _numpy_c_api()
+        if api is not None:
+            dtypes = (np.int64, np.int32, np.float32, np.float16, np.uint8)
+            bind_numpy(api, np.ndarray, tuple(np.dtype(d) for d in dtypes))
     _bound = True
+
+
+def _numpy_c_api():
+    """numpy's C API capsule (`_ARRAY_API`: numpy 2's `numpy._core`, 1.x's `numpy.core`),
+    or None."""
+    for name in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):
+        try:
+            return importlib.import_module(name)._ARRAY_API
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def direct_numpy(on: bool) -> bool | None:
+    """Whether the compiled form reads numpy arrays' fields directly and makes output
+    views with numpy's C API (default True, where numpy's C API was found), or goes
+    through the buffer protocol and Python's API (a slice and a reshape a view); returns
+    the previous setting, None where the compiled form (or this in it) was not built.
+    The same arrays and checks either way: for A/B (benchmarks/serving/RESULTS.md)."""
+    fn = getattr(_compiled, "set_direct_numpy", None)
+    return None if fn is None else fn(bool(on))
 
 
 def _plans(features) -> tuple:

@@ -625,3 +625,79 @@ def test_dict_requests_follow_the_config_as_it_is_now(numpy_outputs, spy, monkey
         _general_only(m)
         em.serving_embedding_lookup({**inputs, "zz": inputs["a"]}, None, tables, fcs)
     assert str(fast_error.value) == str(general_error.value)
+
+
+def _direct_numpy_or_skip(request_form) -> None:
+    if request_form != "compiled" or fast_path.direct_numpy(True) is None:
+        pytest.skip("the compiled form's direct numpy reads were not built")
+
+
+@settings(SETTINGS, max_examples=15)
+@given(p=requests(), numpy_outputs=st.booleans())
+def test_direct_numpy_reads_equal_buffer_exports(p, numpy_outputs, request_form, spy, monkeypatch):
+    """The compiled form reads numpy arrays' fields and makes each output a view made by
+    numpy's C API (`fast_path.direct_numpy`, on by default): the same outputs, bit for
+    bit, as through the buffer protocol and Python's API (a slice and a reshape), within
+    float32 rounding of the float64 reference; numpy outputs are C-contiguous writable
+    float32 arrays over memory no other output shares."""
+    _direct_numpy_or_skip(request_form)
+    fcs, tables, inputs, weights = _build(p)
+    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
+    results = []
+    previous_threads = lookup.set_host_threads(p["threads"])
+    try:
+        for direct in (True, False):
+            previous = fast_path.direct_numpy(direct)
+            try:
+                spy.clear()
+                results.append(em.serving_embedding_lookup(inputs, weights, tables, fcs))
+                assert spy and spy[0] is not None, "a common request left the fast path"
+            finally:
+                fast_path.direct_numpy(previous)
+    finally:
+        lookup.set_host_threads(previous_threads)
+    got, want = results
+    spans = []
+    for name, fc in fcs.items():
+        g = np.asarray(got[name])
+        np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
+        w = (weights or {}).get(name)
+        table = np.asarray(tables[fc.table])
+        ref = reference_lookup(fc, inputs[name], w, table)
+        scale = reference_lookup(fc, inputs[name], w, table, scale=True)
+        assert g.shape == ref.shape
+        np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
+        if numpy_outputs:
+            out = got[name]
+            assert type(out) is np.ndarray and out.dtype == np.float32
+            assert out.flags.c_contiguous and out.flags.writeable
+            if out.nbytes:
+                start = out.__array_interface__["data"][0]
+                spans.append((start, start + out.nbytes))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "outputs overlap"
+
+
+def test_arrays_of_other_dtype_objects_are_read_through_the_buffer_protocol(request_form, spy):
+    """Direct reads take numpy's shared int64/int32/float32 dtype objects only: ids of an
+    int64 dtype with metadata (another dtype object) are read through the buffer protocol
+    and take the fast path all the same; big-endian ids (not native) take the general
+    path; both equal the float64 reference."""
+    _direct_numpy_or_skip(request_form)
+    rng = np.random.default_rng(12)
+    ta = em.TableConfig(VOCAB, 16, combiner="sum")
+    tb = em.TableConfig(VOCAB, 8, combiner="mean")
+    fcs = {"a": em.FeatureConfig(ta), "b": em.FeatureConfig(tb)}
+    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb)}
+    splits = np.array([0, 2, 2, 5], np.int64)
+    ids = rng.integers(0, VOCAB, 5)
+    for dtype, fast in ((np.dtype(np.int64, metadata={"m": 1}), True), (np.dtype(">i8"), False)):
+        assert dtype is not np.dtype(np.int64)
+        inputs = {k: em.RaggedTensor(ids.astype(dtype), splits) for k in fcs}
+        spy.clear()
+        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        assert spy and (spy[0] is not None) == fast, dtype
+        for name, fc in fcs.items():
+            plain = em.RaggedTensor(ids.astype(np.int64), splits)
+            want = reference_lookup(fc, plain, None, tables[fc.table])
+            np.testing.assert_allclose(np.asarray(got[name]), want, rtol=1e-5, atol=1e-6)

@@ -257,23 +257,88 @@ bool shared_now() {
 // between releasing and asking for it back.
 int64_t g_requests = 0, g_released = 0, g_released_ns = 0;
 
-// A buffer view released with its holder.
+// numpy, read directly where `bind_numpy` was given its C API (numpy's `_ARRAY_API`
+// capsule: a table of function pointers whose slots numpy keeps for good) and its
+// common dtypes. Reading an array's fields costs a few loads where a buffer export
+// cost ~45 ns (three a feature: the table, the ids, the row splits), and an output view
+// made by PyArray_NewFromDescr ~0.1 us where a slice and a reshape through the
+// Python API cost ~0.35 us (a batch-1 request of 26 features: ~9 of its ~25 us held
+// the GIL on those; benchmarks/serving/RESULTS.md, online).
+// The head of every ndarray (numpy's PyArrayObject_fields, the same in numpy 1.x and 2.x).
+struct NpArray {
+  PyObject_HEAD
+  char* data;
+  int nd;
+  Py_ssize_t* dimensions;
+  Py_ssize_t* strides;
+  PyObject* base;
+  PyObject* descr;
+  int flags;
+};
+constexpr int kNpCContiguous = 0x0001, kNpAligned = 0x0100, kNpWriteable = 0x0400;
+using NpNewFromDescr = PyObject* (*)(PyTypeObject*, PyObject*, int, const Py_ssize_t*,
+                                     const Py_ssize_t*, void*, int, PyObject*);
+using NpSetBase = int (*)(PyObject*, PyObject*);
+NpNewFromDescr g_np_new = nullptr;  // PyArray_NewFromDescr (slot 94)
+NpSetBase g_np_set_base = nullptr;  // PyArray_SetBaseObject (slot 282)
+PyTypeObject* g_ndarray = nullptr;
+// np.dtype of int64, int32, float32, float16, uint8 (their one shared object) and the
+// format code a buffer export gives each
+constexpr int kDescrs = 5;
+PyObject* g_descr[kDescrs] = {nullptr};
+const char* const kDescrCode[kDescrs] = {"q", "i", "f", "e", "B"};
+const Py_ssize_t kDescrSize[kDescrs] = {8, 4, 4, 2, 1};
+// Whether reads go direct (set_direct_numpy: off for A/B; on once bind_numpy succeeded).
+bool g_direct_numpy = true;
+
+// An array's memory as the checks read it: numpy's fields read directly (an ndarray,
+// or a subclass such as np.memmap, of one of g_descr's dtypes: a reference held), else
+// a buffer export (released with its holder).
 struct View {
   Py_buffer b{};
   bool held = false;
+  bool c_contig = false;
+  PyObject* ref = nullptr;
   View() = default;
   View(const View&) = delete;
   View& operator=(const View&) = delete;
   ~View() {
     if (held) PyBuffer_Release(&b);
+    Py_XDECREF(ref);
   }
   // false (and no Python error set) when `obj` has no buffer of this kind
   bool get(PyObject* obj) {
+    if (direct(obj)) return true;
     if (PyObject_GetBuffer(obj, &b, PyBUF_RECORDS_RO) != 0) {
       PyErr_Clear();
       return false;
     }
     held = true;
+    c_contig = PyBuffer_IsContiguous(&b, 'C') != 0;
+    return true;
+  }
+  bool direct(PyObject* obj) {
+    if (!g_direct_numpy || g_ndarray == nullptr ||
+        (Py_TYPE(obj) != g_ndarray && !PyType_IsSubtype(Py_TYPE(obj), g_ndarray)))
+      return false;
+    const NpArray* a = reinterpret_cast<const NpArray*>(obj);
+    int k = 0;
+    while (k < kDescrs && a->descr != g_descr[k]) ++k;
+    if (k == kDescrs || a->nd > 32) return false;  // another dtype: the buffer export's
+    Py_ssize_t len = kDescrSize[k];
+    for (int d = 0; d < a->nd; ++d) len *= a->dimensions[d];
+    b.buf = a->data;
+    b.len = len;
+    b.itemsize = kDescrSize[k];
+    b.readonly = (a->flags & kNpWriteable) == 0;
+    b.ndim = a->nd;
+    b.format = const_cast<char*>(kDescrCode[k]);
+    b.shape = a->dimensions;
+    b.strides = a->strides;
+    b.suboffsets = nullptr;
+    c_contig = (a->flags & kNpCContiguous) != 0;
+    Py_INCREF(obj);
+    ref = obj;
     return true;
   }
   int64_t addr() const { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.buf)); }
@@ -283,7 +348,7 @@ struct View {
     if (*f == '=' || *f == '<' || *f == '@') ++f;
     return f[0] != '\0' && f[1] == '\0' ? f[0] : '\0';
   }
-  bool contiguous() const { return PyBuffer_IsContiguous(&b, 'C') != 0; }
+  bool contiguous() const { return c_contig; }
 };
 
 // Signed integer ids (int32 or int64) in one C-contiguous buffer of an np.ndarray;
@@ -710,6 +775,20 @@ PyObject* lookup_dict(PyObject* args) {
   return r;
 }
 
+// A feature's task words given its output's address (and a sparse feature its offsets).
+void set_out(Feature* f, int64_t out_addr, std::vector<std::unique_ptr<int64_t[]>>& offsets) {
+  int64_t* w = f->words;
+  if (f->kind == kGather) {
+    w[8] = out_addr;
+  } else {
+    w[13] = out_addr;
+  }
+  if (f->kind == kSparseOffsetsBag) {
+    offsets.emplace_back(new int64_t[static_cast<size_t>(f->rows + 1)]);
+    w[7] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(offsets.back().get()));
+  }
+}
+
 PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyObject* tables,
                       PyObject* types, PyObject* alloc, PyObject* finish, long long threads) {
   if (g_open == nullptr) {
@@ -722,7 +801,12 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
     PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
     return nullptr;
   }
-  std::vector<std::unique_ptr<Feature>> features(static_cast<size_t>(n));
+  // the request's features in one allocation (kind 0: no input)
+  std::unique_ptr<Feature[]> all(new Feature[static_cast<size_t>(n > 0 ? n : 1)]);
+  auto feature = [&](Py_ssize_t i) -> Feature* {
+    Feature* f = &all[static_cast<size_t>(i)];
+    return f->kind == 0 ? nullptr : f;
+  };
   int64_t entries = 0, tasks = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {  // every test first: nothing taken yet
     PyObject* inp = PyList_GetItem(inputs, i);
@@ -730,14 +814,13 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
     PyObject* plan = PyTuple_GetItem(plans, i);
     PyObject* table = PyDict_GetItemWithError(tables, PyTuple_GetItem(plan, 5));
     if (table == nullptr && PyErr_Occurred()) return nullptr;
-    auto f = std::make_unique<Feature>();
-    if (!prepare(plan, inp, PyList_GetItem(weights, i), table, types, *f)) {
+    Feature& f = all[static_cast<size_t>(i)];
+    if (!prepare(plan, inp, PyList_GetItem(weights, i), table, types, f)) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_NONE;  // not a common case: the general path's
     }
-    entries += f->entries;
+    entries += f.entries;
     ++tasks;
-    features[static_cast<size_t>(i)] = std::move(f);
   }
   Owned outs(PyList_New(n));
   if (outs.p == nullptr) return nullptr;
@@ -750,7 +833,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
   if (g_one_buffer && tasks > 1) {
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
-      const Feature* f = features[static_cast<size_t>(i)].get();
+      const Feature* f = feature(i);
       if (f == nullptr) continue;
       starts[static_cast<size_t>(i)] = total;
       total += (out_size(*f) + 15) / 16 * 16;  // floats: 64-byte steps
@@ -766,10 +849,32 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
   }
   std::vector<std::unique_ptr<int64_t[]>> offsets;  // sparse features' bag offsets
   for (Py_ssize_t i = 0; i < n; ++i) {
-    Feature* f = features[static_cast<size_t>(i)].get();
+    Feature* f = feature(i);
     if (f == nullptr) {
       Py_INCREF(Py_None);
       PyList_SetItem(outs.p, i, Py_None);
+      continue;
+    }
+    PyObject* out = nullptr;
+    int64_t out_addr = 0;
+    if (block.p != nullptr && g_np_new != nullptr && g_direct_numpy) {
+      // a view of the request's one buffer, made by numpy's C API
+      const int64_t start = starts[static_cast<size_t>(i)];
+      out_addr = block_addr + 4 * start;
+      Py_ssize_t dims[8];
+      for (int d = 0; d < f->out_ndim; ++d) dims[d] = static_cast<Py_ssize_t>(f->out_shape[d]);
+      Py_INCREF(g_descr[2]);  // float32; stolen by the call
+      out = g_np_new(g_ndarray, g_descr[2], f->out_ndim, dims, nullptr,
+                     reinterpret_cast<void*>(static_cast<uintptr_t>(out_addr)),
+                     kNpCContiguous | kNpAligned | kNpWriteable, nullptr);
+      if (out == nullptr) return nullptr;
+      Py_INCREF(block.p);  // stolen: the view keeps the request's buffer
+      if (g_np_set_base(out, block.p) != 0) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      PyList_SetItem(outs.p, i, out);
+      set_out(f, out_addr, offsets);
       continue;
     }
     Owned shape(PyTuple_New(f->out_ndim));
@@ -779,8 +884,6 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
       if (v == nullptr) return nullptr;
       PyTuple_SetItem(shape.p, d, v);
     }
-    PyObject* out = nullptr;
-    int64_t out_addr = 0;
     if (block.p != nullptr) {  // a view of the request's one buffer
       const int64_t start = starts[static_cast<size_t>(i)];
       Owned lo(PyLong_FromLongLong(start)), hi(PyLong_FromLongLong(start + out_size(*f)));
@@ -801,16 +904,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
       Py_INCREF(out);
     }
     PyList_SetItem(outs.p, i, out);
-    int64_t* w = f->words;
-    if (f->kind == kGather) {
-      w[8] = out_addr;
-    } else {
-      w[13] = out_addr;
-    }
-    if (f->kind == kSparseOffsetsBag) {
-      offsets.emplace_back(new int64_t[static_cast<size_t>(f->rows + 1)]);
-      w[7] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(offsets.back().get()));
-    }
+    set_out(f, out_addr, offsets);
   }
   // the result while the kernels have not run (see lookup._finish_common); no finish:
   // the outputs themselves
@@ -828,7 +922,8 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
   bool unknown_kind = false;
   auto run = [&] {
     void* handle = g_open(tasks, run_threads);
-    for (const auto& f : features) {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const Feature* f = feature(i);
       if (f == nullptr) continue;
       if (g_add(handle, f->words) != -1) {
         unknown_kind = true;
@@ -896,6 +991,43 @@ PyObject* bind(PyObject*, PyObject* args) {
   g_threads_for = reinterpret_cast<ThreadsFn>(static_cast<uintptr_t>(t));
   Py_RETURN_NONE;
 }
+
+// bind_numpy(api, ndarray, dtypes): numpy's C API (its `_ARRAY_API` capsule), np.ndarray
+// and np.dtype of (int64, int32, float32, float16, uint8): arrays of those dtypes are
+// read directly and output views made by numpy's C API (see NpArray). Returns whether
+// they will be (False: a numpy whose C ABI is not 1.x or 2.x; the buffer protocol and
+// the Python API then, as before).
+PyObject* bind_numpy(PyObject*, PyObject* args) {
+  PyObject *api, *ndarray, *dtypes;
+  if (!PyArg_ParseTuple(args, "OOO!", &api, &ndarray, &PyTuple_Type, &dtypes)) return nullptr;
+  if (!PyCapsule_CheckExact(api) || !PyType_Check(ndarray) || PyTuple_Size(dtypes) != kDescrs) {
+    PyErr_SetString(PyExc_TypeError, "bind_numpy: (capsule, type, 5 dtypes)");
+    return nullptr;
+  }
+  void** table = static_cast<void**>(PyCapsule_GetPointer(api, nullptr));
+  if (table == nullptr) return nullptr;
+  // PyArray_GetNDArrayCVersion: numpy's C ABI version, 1.x's or 2.x's
+  const unsigned abi = reinterpret_cast<unsigned (*)()>(table[0])();
+  if (abi != 0x01000009u && abi != 0x02000000u) Py_RETURN_FALSE;
+  for (int k = 0; k < kDescrs; ++k) {
+    PyObject* d = PyTuple_GetItem(dtypes, k);
+    Py_INCREF(d);
+    Py_XDECREF(g_descr[k]);
+    g_descr[k] = d;
+  }
+  Py_INCREF(ndarray);
+  Py_XDECREF(reinterpret_cast<PyObject*>(g_ndarray));
+  g_ndarray = reinterpret_cast<PyTypeObject*>(ndarray);
+  g_np_new = reinterpret_cast<NpNewFromDescr>(table[94]);
+  g_np_set_base = reinterpret_cast<NpSetBase>(table[282]);
+  Py_RETURN_TRUE;
+}
+
+PyObject* set_flag(PyObject* args, bool& setting);
+
+// set_direct_numpy(on) -> the previous setting: whether arrays are read directly and
+// output views made by numpy's C API once bind_numpy succeeded (default true; for A/B).
+PyObject* set_direct_numpy(PyObject*, PyObject* args) { return set_flag(args, g_direct_numpy); }
 
 // The setters below: `setting` takes the call's one argument (a count, negatives 0; or a
 // flag), its previous value returned.
@@ -1015,6 +1147,9 @@ PyMethodDef kMethods[] = {
     {"lookup_dict", guarded<lookup_dict>, METH_VARARGS,
      "A flat dict request of a flat dict model on the C++ kernels."},
     {"bind", bind, METH_VARARGS, "Bind the serving library's runner functions."},
+    {"bind_numpy", bind_numpy, METH_VARARGS, "Bind numpy's C API: direct reads and views."},
+    {"set_direct_numpy", set_direct_numpy, METH_VARARGS,
+     "Whether arrays are read directly and output views made by numpy's C API."},
     {nullptr, nullptr, 0, nullptr},
 };
 
