@@ -149,7 +149,8 @@ def lookup(features, flat_inputs, flat_weights, tables, threads: int, finish):
 def dict_plan(feature_config, resolve, has_raw_ids):
     """What `lookup_dict` needs of a model whose feature config is one dict of
     FeatureConfigs under str keys: (config, index {key: position in the resolved order},
-    the FeatureConfigs in that order, their `_plans`, the resolved config), kept per
+    the FeatureConfigs in that order, their `_plans`, the resolved config, per entry of
+    the config in its own order (key, FeatureConfig, position)), kept per
     config object; None where the compiled form (or its `lookup_dict`) is not here, the
     C++ kernels are not the backend, the config is another structure or has tables of raw
     ids. `resolve(config)` resolves it (raising the config's errors as the general path
@@ -172,7 +173,8 @@ def dict_plan(feature_config, resolve, has_raw_ids):
             and not has_raw_ids(resolved)
         ):
             index = {k: i for i, k in enumerate(keys)}
-            plan = (feature_config, index, features, _plans(features), resolved)
+            order = tuple((k, v, index[k]) for k, v in feature_config.items())
+            plan = (feature_config, index, features, _plans(features), resolved, order)
     if len(_dict_plans) > 64:
         _dict_plans.clear()
     _dict_plans[id(feature_config)] = (feature_config, plan)
@@ -189,9 +191,9 @@ def lookup_dict(plan, inputs: dict, tables, threads: int, finish):
     is made anew at the next request)."""
     if not _bound:
         _bind()
-    config, index, features, plans, _ = plan
+    config, index, features, plans, _, order = plan
     out = _dict_lookup(
-        config, index, features, plans, inputs, tables, _TYPES, _alloc_f32, finish, threads
+        config, index, features, plans, order, inputs, tables, _TYPES, _alloc_f32, finish, threads
     )
     if out is False:  # the config dict changed since the plan was made
         _dict_plans.pop(id(config), None)

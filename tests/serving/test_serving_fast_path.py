@@ -701,3 +701,27 @@ def test_arrays_of_other_dtype_objects_are_read_through_the_buffer_protocol(requ
             plain = em.RaggedTensor(ids.astype(np.int64), splits)
             want = reference_lookup(fc, plain, None, tables[fc.table])
             np.testing.assert_allclose(np.asarray(got[name]), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("numpy_outputs", [False, True])
+def test_dict_requests_after_the_config_is_reordered(numpy_outputs, spy, monkeypatch):
+    """The compiled dict request walks the config alongside the order it had when planned
+    and maps inputs given in that order without lookups: a config whose same entries were
+    reinserted in another order, and inputs in any order, still take the fast path and
+    equal the float64 reference under each key."""
+    rng = np.random.default_rng(13)
+    tcs = [em.TableConfig(VOCAB, d, combiner=c) for d, c in ((8, "sum"), (17, "mean"), (5, "sum"))]
+    fcs = {k: em.FeatureConfig(t) for k, t in zip("cab", tcs)}
+    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in tcs}
+    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
+    inputs = {k: _feature_input(rng, "ragged", 4, np.int64, np.int64, False, False) for k in fcs}
+    for step in range(3):
+        if step == 1:
+            fcs["c"] = fcs.pop("c")  # the same entries, another order
+        for keys in ("cab", "bac", "ab"):
+            spy.clear()
+            got = em.serving_embedding_lookup({k: inputs[k] for k in keys}, None, tables, fcs)
+            assert spy and spy[0] is not None and list(got) == list(keys)
+            for k in keys:
+                want = reference_lookup(fcs[k], inputs[k], None, tables[fcs[k].table])
+                np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-6)

@@ -302,9 +302,13 @@ struct View {
   View() = default;
   View(const View&) = delete;
   View& operator=(const View&) = delete;
-  ~View() {
+  ~View() { reset(); }
+  void reset() {
     if (held) PyBuffer_Release(&b);
+    held = false;
     Py_XDECREF(ref);
+    ref = nullptr;
+    c_contig = false;
   }
   // false (and no Python error set) when `obj` has no buffer of this kind
   bool get(PyObject* obj) {
@@ -387,6 +391,10 @@ struct Owned {
   Owned(const Owned&) = delete;
   Owned& operator=(const Owned&) = delete;
   ~Owned() { Py_XDECREF(p); }
+  void reset() {
+    Py_XDECREF(p);
+    p = nullptr;
+  }
 };
 
 // One feature's prepared task: its arrays' views, its output's shape, its words.
@@ -398,7 +406,83 @@ struct Feature {
   int64_t out_shape[8] = {0};
   int out_ndim = 0;
   int64_t words[kTaskWords] = {0};
+  // as constructed, its references released (for the next request: FeatureSlab)
+  void reset() {
+    for (View* v : {&table, &ids, &splits, &indices, &weights, &qvalues}) v->reset();
+    for (Owned* o : {&values, &row_splits, &idx, &wvalues, &qdata, &qcodes}) o->reset();
+    kind = rows = entries = 0;
+    format[0] = format[1] = 0;
+    out_ndim = 0;
+    std::memset(words, 0, sizeof(words));
+  }
 };
+
+// A request's features: this thread's array, reused request after request (~900 bytes
+// a feature: allocating and clearing them anew cost a batch-1 request of 26 features
+// ~0.5 us), or a fresh one where a request runs inside another on the same thread (a
+// finish callback's). Their references are released as the request ends.
+struct ThreadFeatures {
+  std::unique_ptr<Feature[]> p;
+  Py_ssize_t cap = 0;
+  bool busy = false;
+};
+thread_local ThreadFeatures t_features;
+
+class FeatureSlab {
+ public:
+  explicit FeatureSlab(Py_ssize_t n) : n_(n > 0 ? n : 1) {
+    ThreadFeatures& t = t_features;
+    if (!t.busy) {
+      if (t.cap < n_) {
+        t.p.reset(new Feature[static_cast<size_t>(n_)]);
+        t.cap = n_;
+      }
+      t.busy = true;
+      local_ = true;
+      f_ = t.p.get();
+    } else {
+      heap_.reset(new Feature[static_cast<size_t>(n_)]);
+      f_ = heap_.get();
+    }
+  }
+  FeatureSlab(const FeatureSlab&) = delete;
+  FeatureSlab& operator=(const FeatureSlab&) = delete;
+  ~FeatureSlab() {
+    if (!local_) return;
+    for (Py_ssize_t i = 0; i < n_; ++i) f_[i].reset();  // may run Python (a dealloc)
+    t_features.busy = false;
+  }
+  Feature& operator[](Py_ssize_t i) { return f_[i]; }
+
+ private:
+  Py_ssize_t n_;
+  bool local_ = false;
+  Feature* f_ = nullptr;
+  std::unique_ptr<Feature[]> heap_;
+};
+
+// New references, released with their holder (the request's outputs).
+struct Refs {
+  std::vector<PyObject*> v;
+  explicit Refs(Py_ssize_t n) : v(static_cast<size_t>(n > 0 ? n : 0), nullptr) {}
+  Refs(const Refs&) = delete;
+  Refs& operator=(const Refs&) = delete;
+  ~Refs() {
+    for (PyObject* p : v) Py_XDECREF(p);
+  }
+};
+
+// A new list of the first n of `items`, each a new reference (nullptr: None).
+PyObject* list_of(PyObject* const* items, Py_ssize_t n) {
+  PyObject* list = PyList_New(n);
+  if (list == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* x = items[i] != nullptr ? items[i] : Py_None;
+    Py_INCREF(x);
+    PyList_SetItem(list, i, x);
+  }
+  return list;
+}
 
 PyObject* s_values = nullptr;  // interned attribute names
 PyObject* s_row_splits = nullptr;
@@ -682,8 +766,13 @@ PyObject* guarded(PyObject*, PyObject* args) {
   }
 }
 
-PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyObject* tables,
-                      PyObject* types, PyObject* alloc, PyObject* finish, long long threads);
+// The request: `n` features' inputs and weights (nullptr weights: none at all), their
+// outputs put in `outs` (new references, None where no input). Returns finish's result
+// (finish not None), Py_True (finish None: the outputs are in `outs`), None (the general
+// path's) or nullptr (a Python error).
+PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const* weights,
+                      Py_ssize_t n, PyObject* tables, PyObject* types, PyObject* alloc,
+                      PyObject* finish, long long threads, PyObject** outs);
 
 PyObject* lookup_checked(PyObject* args) {
   PyObject *plans, *inputs, *weights, *tables, *types, *alloc, *finish;
@@ -692,83 +781,123 @@ PyObject* lookup_checked(PyObject* args) {
                         &PyList_Type, &weights, &PyDict_Type, &tables, &PyTuple_Type, &types,
                         &alloc, &finish, &threads))
     return nullptr;
-  return lookup_core(plans, inputs, weights, tables, types, alloc, finish, threads);
+  const Py_ssize_t n = PyTuple_Size(plans);
+  if (PyList_Size(inputs) != n || PyList_Size(weights) != n) {
+    PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
+    return nullptr;
+  }
+  Refs in(n), w(n), outs(n);  // held while the request runs (a finish may change the lists)
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    in.v[static_cast<size_t>(i)] = PyList_GetItem(inputs, i);
+    w.v[static_cast<size_t>(i)] = PyList_GetItem(weights, i);
+    Py_INCREF(in.v[static_cast<size_t>(i)]);
+    Py_INCREF(w.v[static_cast<size_t>(i)]);
+  }
+  PyObject* got = lookup_core(plans, in.v.data(), w.v.data(), n, tables, types, alloc, finish,
+                              threads, outs.v.data());
+  if (got != Py_True || finish != Py_None) return got;
+  Py_DECREF(got);
+  return list_of(outs.v.data(), n);
 }
 
-// lookup_dict(config, index, features, plans, inputs, tables, types, alloc, finish, threads):
-// the common request of a model whose feature config is one dict of FeatureConfigs under
-// str keys (`config`), its inputs a dict of some of those keys, no weights: `lookup`
-// without the Python that flattens the inputs, resolves the config and packs the
-// outputs (at batch 1, 26 features: ~40% of a request, all of it holding the GIL).
-// index: {key: position in the config's flat (sorted) order}; features: the
-// FeatureConfigs in that order, as `config` held them when `plans` were made (checked:
-// the same objects under the same keys, else False: the caller plans again). finish: as
-// `lookup`'s, or None: the outputs themselves (numpy), returned as a dict in `inputs`' key
-// order. NotImplemented (the caller's usual path): another structure, a key the config
+// lookup_dict(config, index, features, plans, order, inputs, tables, types, alloc, finish,
+// threads): the common request of a model whose feature config is one dict of
+// FeatureConfigs under str keys (`config`), its inputs a dict of some of those keys, no
+// weights: `lookup` without the Python that flattens the inputs, resolves the config and
+// packs the outputs (at batch 1, 26 features: ~40% of a request, all of it holding the
+// GIL). index: {key: position in the config's flat (sorted) order}; features: the
+// FeatureConfigs in that order, as `config` held them when `plans` were made; order: per
+// entry of `config` in its own order then, (key, FeatureConfig, position). Checked: the
+// same objects under the same keys (`order` walked alongside `config`; where it differs,
+// `index` and `features` looked up), else False: the caller plans again. finish: as
+// `lookup`'s, or None: the outputs themselves (numpy), returned as a dict in `inputs`'
+// key order. NotImplemented (the caller's usual path): another structure, a key the config
 // lacks, an explicit None input; None (the general path): whatever `lookup` returns None
 // for.
 PyObject* lookup_dict(PyObject* args) {
-  PyObject *config, *index, *features, *plans, *inputs, *tables, *types, *alloc, *finish;
+  PyObject *config, *index, *features, *plans, *order, *inputs, *tables, *types, *alloc, *finish;
   long long threads;
-  if (!PyArg_ParseTuple(args, "OO!O!O!OOO!OOL", &config, &PyDict_Type, &index, &PyTuple_Type,
-                        &features, &PyTuple_Type, &plans, &inputs, &tables, &PyTuple_Type,
-                        &types, &alloc, &finish, &threads))
+  if (!PyArg_ParseTuple(args, "OO!O!O!O!OOO!OOL", &config, &PyDict_Type, &index, &PyTuple_Type,
+                        &features, &PyTuple_Type, &plans, &PyTuple_Type, &order, &inputs,
+                        &tables, &PyTuple_Type, &types, &alloc, &finish, &threads))
     return nullptr;
   const Py_ssize_t n = PyTuple_Size(features);
   if (!PyDict_CheckExact(config) || !PyDict_CheckExact(inputs) || !PyDict_CheckExact(tables) ||
-      PyTuple_Size(plans) != n || PyDict_Size(index) != n)
+      PyTuple_Size(plans) != n || PyDict_Size(index) != n || PyTuple_Size(order) != n)
     Py_RETURN_NOTIMPLEMENTED;
   if (PyDict_Size(config) != n) Py_RETURN_FALSE;  // changed since the plan: plan again
   PyObject *key, *value;
-  Py_ssize_t pos = 0;
-  while (PyDict_Next(index, &pos, &key, &value)) {  // the config as the plans saw it
-    PyObject* now = PyDict_GetItemWithError(config, key);
-    if (now == nullptr && PyErr_Occurred()) return nullptr;
-    const Py_ssize_t i = PyLong_AsSsize_t(value);
-    if (i < 0 || i >= n) {
-      if (PyErr_Occurred()) return nullptr;
-      Py_RETURN_NONE;
+  Py_ssize_t pos = 0, j = 0;
+  bool same_order = true;
+  while (PyDict_Next(config, &pos, &key, &value)) {  // as the plans saw it, in its order
+    PyObject* seen = PyTuple_GetItem(order, j++);
+    if (key != PyTuple_GetItem(seen, 0) || value != PyTuple_GetItem(seen, 1)) {
+      same_order = false;
+      break;
     }
-    if (now != PyTuple_GetItem(features, i)) Py_RETURN_FALSE;  // changed: plan again
   }
-  Owned flat(PyList_New(n)), none(PyList_New(n));
-  if (flat.p == nullptr || none.p == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    Py_INCREF(Py_None);
-    PyList_SetItem(flat.p, i, Py_None);
-    Py_INCREF(Py_None);
-    PyList_SetItem(none.p, i, Py_None);
+  if (!same_order) {  // another order, or changed: each key looked up
+    pos = 0;
+    while (PyDict_Next(index, &pos, &key, &value)) {
+      PyObject* now = PyDict_GetItemWithError(config, key);
+      if (now == nullptr && PyErr_Occurred()) return nullptr;
+      const Py_ssize_t i = PyLong_AsSsize_t(value);
+      if (i < 0 || i >= n) {
+        if (PyErr_Occurred()) return nullptr;
+        Py_RETURN_NONE;
+      }
+      if (now != PyTuple_GetItem(features, i)) Py_RETURN_FALSE;  // changed: plan again
+    }
   }
+  Refs flat(n), outs(n);  // the inputs in the flat order (None: not given), the outputs
   std::vector<Py_ssize_t> where;
   where.reserve(static_cast<size_t>(PyDict_Size(inputs)));
   pos = 0;
+  j = 0;
   while (PyDict_Next(inputs, &pos, &key, &value)) {
-    PyObject* at = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(index, key) : nullptr;
-    if (at == nullptr) {
-      if (PyErr_Occurred()) return nullptr;
-      Py_RETURN_NOTIMPLEMENTED;  // a key the config lacks: the general path names it
+    Py_ssize_t i = -1;
+    PyObject* seen = j < n ? PyTuple_GetItem(order, j) : nullptr;
+    if (seen != nullptr && key == PyTuple_GetItem(seen, 0)) {
+      i = PyLong_AsSsize_t(PyTuple_GetItem(seen, 2));  // given in the config's order
+    } else {
+      PyObject* at = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(index, key) : nullptr;
+      if (at == nullptr) {
+        if (PyErr_Occurred()) return nullptr;
+        Py_RETURN_NOTIMPLEMENTED;  // a key the config lacks: the general path names it
+      }
+      i = PyLong_AsSsize_t(at);
     }
-    const Py_ssize_t i = PyLong_AsSsize_t(at);
-    if (i < 0 || i >= n || PyList_GetItem(flat.p, i) != Py_None || value == Py_None) {
+    ++j;
+    if (i < 0 || i >= n || flat.v[static_cast<size_t>(i)] != nullptr || value == Py_None) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_NOTIMPLEMENTED;  // an explicit None: the usual path
     }
     Py_INCREF(value);
-    PyList_SetItem(flat.p, i, value);
+    flat.v[static_cast<size_t>(i)] = value;
     where.push_back(i);
   }
-  Owned got(lookup_core(plans, flat.p, none.p, tables, types, alloc, finish, threads));
+  for (PyObject*& x : flat.v) {
+    if (x == nullptr) {
+      Py_INCREF(Py_None);
+      x = Py_None;
+    }
+  }
+  Owned got(lookup_core(plans, flat.v.data(), nullptr, n, tables, types, alloc, finish, threads,
+                        outs.v.data()));
   if (got.p == nullptr || got.p == Py_None || finish != Py_None) {
     PyObject* r = got.p;
     got.p = nullptr;
     return r;
   }
-  Owned result(PyDict_New());
+  // the outputs under the inputs' keys, in their order: a copy of `inputs` (its keys as
+  // they are, no resizing) with each value replaced
+  Owned result(PyDict_Copy(inputs));
   if (result.p == nullptr) return nullptr;
   pos = 0;
   size_t k = 0;
   while (PyDict_Next(inputs, &pos, &key, &value)) {
-    if (PyDict_SetItem(result.p, key, PyList_GetItem(got.p, where[k++])) != 0) return nullptr;
+    if (k == where.size()) break;  // changed by another thread meanwhile: theirs
+    if (PyDict_SetItem(result.p, key, outs.v[static_cast<size_t>(where[k++])]) != 0) return nullptr;
   }
   PyObject* r = result.p;
   result.p = nullptr;
@@ -789,41 +918,37 @@ void set_out(Feature* f, int64_t out_addr, std::vector<std::unique_ptr<int64_t[]
   }
 }
 
-PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyObject* tables,
-                      PyObject* types, PyObject* alloc, PyObject* finish, long long threads) {
+PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const* weights,
+                      Py_ssize_t n, PyObject* tables, PyObject* types, PyObject* alloc,
+                      PyObject* finish, long long threads, PyObject** outs) {
   if (g_open == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "embedmesh.serving._request: bind() was not called");
     return nullptr;
   }
-  const Py_ssize_t n = PyTuple_Size(plans);
-  if (PyList_Size(inputs) != n || PyList_Size(weights) != n || PyTuple_Size(types) < 3 ||
-      PyTuple_Size(types) > 4) {
+  if (PyTuple_Size(plans) != n || PyTuple_Size(types) < 3 || PyTuple_Size(types) > 4) {
     PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
     return nullptr;
   }
-  // the request's features in one allocation (kind 0: no input)
-  std::unique_ptr<Feature[]> all(new Feature[static_cast<size_t>(n > 0 ? n : 1)]);
+  FeatureSlab all(n);  // kind 0: no input
   auto feature = [&](Py_ssize_t i) -> Feature* {
-    Feature* f = &all[static_cast<size_t>(i)];
+    Feature* f = &all[i];
     return f->kind == 0 ? nullptr : f;
   };
   int64_t entries = 0, tasks = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {  // every test first: nothing taken yet
-    PyObject* inp = PyList_GetItem(inputs, i);
+    PyObject* inp = inputs[i];
     if (inp == Py_None) continue;
     PyObject* plan = PyTuple_GetItem(plans, i);
     PyObject* table = PyDict_GetItemWithError(tables, PyTuple_GetItem(plan, 5));
     if (table == nullptr && PyErr_Occurred()) return nullptr;
-    Feature& f = all[static_cast<size_t>(i)];
-    if (!prepare(plan, inp, PyList_GetItem(weights, i), table, types, f)) {
+    Feature& f = all[i];
+    if (!prepare(plan, inp, weights == nullptr ? Py_None : weights[i], table, types, f)) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_NONE;  // not a common case: the general path's
     }
     entries += f.entries;
     ++tasks;
   }
-  Owned outs(PyList_New(n));
-  if (outs.p == nullptr) return nullptr;
   // One output buffer for the request (g_one_buffer): each feature's output a view of
   // it, 64-byte aligned (jax wraps it without a copy); taking one buffer from the pool
   // a feature cost ~4 us of Python each (a batch-1 request of 26 features: most of it).
@@ -852,7 +977,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
     Feature* f = feature(i);
     if (f == nullptr) {
       Py_INCREF(Py_None);
-      PyList_SetItem(outs.p, i, Py_None);
+      outs[i] = Py_None;
       continue;
     }
     PyObject* out = nullptr;
@@ -873,7 +998,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
         Py_DECREF(out);
         return nullptr;
       }
-      PyList_SetItem(outs.p, i, out);
+      outs[i] = out;
       set_out(f, out_addr, offsets);
       continue;
     }
@@ -903,13 +1028,18 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
       if (out == nullptr || PyErr_Occurred()) return nullptr;
       Py_INCREF(out);
     }
-    PyList_SetItem(outs.p, i, out);
+    outs[i] = out;
     set_out(f, out_addr, offsets);
   }
   // the result while the kernels have not run (see lookup._finish_common); no finish:
   // the outputs themselves
-  Owned result(finish == Py_None ? (Py_INCREF(outs.p), outs.p)
-                                 : PyObject_CallFunctionObjArgs(finish, outs.p, Py_True, nullptr));
+  Owned listed;  // the outputs as a list, for finish
+  if (finish != Py_None) {
+    listed.p = list_of(outs, n);
+    if (listed.p == nullptr) return nullptr;
+  }
+  Owned result(finish == Py_None ? (Py_INCREF(Py_True), Py_True)
+                                 : PyObject_CallFunctionObjArgs(finish, listed.p, Py_True, nullptr));
   if (result.p == nullptr) return nullptr;
   // The kernels: handed to the runner (the runner's checks of ragged row_splits as each
   // task is added, its thread pool, the sums), with the GIL or without it (the GIL
@@ -974,7 +1104,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* inputs, PyObject* weights, PyOb
     Py_INCREF(result.p);
     return result.p;
   }
-  return PyObject_CallFunctionObjArgs(finish, outs.p, Py_False, nullptr);
+  return PyObject_CallFunctionObjArgs(finish, listed.p, Py_False, nullptr);
 }
 
 // bind(open, add, close, threads_for): the serving library's runner functions' addresses.
