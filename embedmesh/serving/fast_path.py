@@ -369,7 +369,7 @@ def _bind() -> None:
         api = _numpy_c_api()
         if api is not None:
             dtypes = (np.int64, np.int32, np.float32, np.float16, np.uint8)
-            bind_numpy(api, np.ndarray, tuple(np.dtype(d) for d in dtypes))
+            bind_numpy(api, np.ndarray, tuple(np.dtype(d) for d in dtypes), pool.output_lease)
     _bound = True
 
 

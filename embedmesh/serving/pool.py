@@ -118,6 +118,20 @@ class _BufferPool:
             return self.empty_at(shape, _F32)
         return self._leased(raw, shape, _F32_STR)
 
+    def lease(self, nbytes: int) -> tuple[_Lease, int]:
+        """A free buffer of `nbytes` (or a fresh one) as its lease and its address, no
+        array over it: the compiled request path makes its outputs' views over it with
+        numpy's C API, the lease their base (back to the pool when the last is gone)."""
+        raw = self._take(nbytes)
+        if raw is None and self.release is not None:
+            self.release()
+            raw = self._take(nbytes)
+        if raw is None:
+            raw = _aligned_raw(nbytes)
+        lease = _Lease()
+        lease._raw, lease._pool = raw, self
+        return lease, raw[1]
+
     def _leased(self, raw, shape: tuple, typestr: str) -> tuple[np.ndarray, int]:
         """An array of `shape` and `typestr` on the pool's buffer `raw`, leased: back to
         the pool when it dies. A buffer mostly comes back for the same shape: its array
@@ -199,6 +213,12 @@ def output_empty_at(shape, dtype) -> tuple[np.ndarray, int]:
 def output_float32_at(shape: tuple) -> tuple[np.ndarray, int]:
     """`output_empty_at(shape, float32)` for a tuple of Python ints, faster."""
     return _pool.float32_at(shape)
+
+
+def output_lease(nbytes: int) -> tuple:
+    """An output buffer of `nbytes` as (lease, address), no array over it (`_BufferPool.lease`:
+    the compiled request path's)."""
+    return _pool.lease(nbytes)
 
 
 def address(a: np.ndarray) -> int:

@@ -286,6 +286,9 @@ PyTypeObject* g_ndarray = nullptr;
 // format code a buffer export gives each
 constexpr int kDescrs = 5;
 PyObject* g_descr[kDescrs] = {nullptr};
+// The output pool's lease(nbytes) -> (owner, address): a request's one buffer, the base
+// of its outputs (embedmesh/serving/pool.py), or nullptr.
+PyObject* g_lease = nullptr;
 const char* const kDescrCode[kDescrs] = {"q", "i", "f", "e", "B"};
 const Py_ssize_t kDescrSize[kDescrs] = {8, 4, 4, 2, 1};
 // Whether reads go direct (set_direct_numpy: off for A/B; on once bind_numpy succeeded).
@@ -953,6 +956,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
   // it, 64-byte aligned (jax wraps it without a copy); taking one buffer from the pool
   // a feature cost ~4 us of Python each (a batch-1 request of 26 features: most of it).
   std::vector<int64_t> starts(static_cast<size_t>(n), 0);
+  const bool direct = g_np_new != nullptr && g_direct_numpy;
   Owned block;
   int64_t block_addr = 0;
   if (g_one_buffer && tasks > 1) {
@@ -963,9 +967,12 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
       starts[static_cast<size_t>(i)] = total;
       total += (out_size(*f) + 15) / 16 * 16;  // floats: 64-byte steps
     }
-    Owned shape(Py_BuildValue("(L)", static_cast<long long>(total > 0 ? total : 16)));
-    if (shape.p == nullptr) return nullptr;
-    Owned got(PyObject_CallFunctionObjArgs(alloc, shape.p, nullptr));
+    const long long floats = total > 0 ? total : 16;
+    // direct: the pool's lease of the bytes (g_lease), each output a view over it made
+    // here; else the pool's float32 array, each output a slice of it
+    Owned got(direct && g_lease != nullptr
+                  ? PyObject_CallFunction(g_lease, "L", 4 * floats)
+                  : PyObject_CallFunction(alloc, "((L))", floats));
     if (got.p == nullptr) return nullptr;
     block.p = PyTuple_GetItem(got.p, 0);
     block_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
@@ -982,7 +989,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
     }
     PyObject* out = nullptr;
     int64_t out_addr = 0;
-    if (block.p != nullptr && g_np_new != nullptr && g_direct_numpy) {
+    if (block.p != nullptr && direct) {
       // a view of the request's one buffer, made by numpy's C API
       const int64_t start = starts[static_cast<size_t>(i)];
       out_addr = block_addr + 4 * start;
@@ -1122,14 +1129,17 @@ PyObject* bind(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// bind_numpy(api, ndarray, dtypes): numpy's C API (its `_ARRAY_API` capsule), np.ndarray
-// and np.dtype of (int64, int32, float32, float16, uint8): arrays of those dtypes are
-// read directly and output views made by numpy's C API (see NpArray). Returns whether
+// bind_numpy(api, ndarray, dtypes[, lease]): numpy's C API (its `_ARRAY_API` capsule),
+// np.ndarray and np.dtype of (int64, int32, float32, float16, uint8): arrays of those
+// dtypes are read directly and output views made by numpy's C API (see NpArray), over
+// the buffer `lease(nbytes) -> (owner, address)` gives (the output pool's: no numpy
+// array made for the whole buffer). Returns whether
 // they will be (False: a numpy whose C ABI is not 1.x or 2.x; the buffer protocol and
 // the Python API then, as before).
 PyObject* bind_numpy(PyObject*, PyObject* args) {
-  PyObject *api, *ndarray, *dtypes;
-  if (!PyArg_ParseTuple(args, "OOO!", &api, &ndarray, &PyTuple_Type, &dtypes)) return nullptr;
+  PyObject *api, *ndarray, *dtypes, *lease = nullptr;
+  if (!PyArg_ParseTuple(args, "OOO!|O", &api, &ndarray, &PyTuple_Type, &dtypes, &lease))
+    return nullptr;
   if (!PyCapsule_CheckExact(api) || !PyType_Check(ndarray) || PyTuple_Size(dtypes) != kDescrs) {
     PyErr_SetString(PyExc_TypeError, "bind_numpy: (capsule, type, 5 dtypes)");
     return nullptr;
@@ -1150,6 +1160,11 @@ PyObject* bind_numpy(PyObject*, PyObject* args) {
   g_ndarray = reinterpret_cast<PyTypeObject*>(ndarray);
   g_np_new = reinterpret_cast<NpNewFromDescr>(table[94]);
   g_np_set_base = reinterpret_cast<NpSetBase>(table[282]);
+  if (lease != nullptr && lease != Py_None) {
+    Py_INCREF(lease);
+    Py_XDECREF(g_lease);
+    g_lease = lease;
+  }
   Py_RETURN_TRUE;
 }
 
