@@ -25,6 +25,9 @@ share the numpy tables' memory) and the same requests:
 - em-np-nodict / em-nodict: em-numpy / embedmesh without the one compiled call for a
   dict request (`fast_path.dict_requests(False)`: Python resolves the config, flattens
   the inputs and packs the outputs around the compiled checks), for A/B;
+- em-np-nodirect: em-numpy with the compiled form reading arrays through the buffer
+  protocol and making output views with a slice and a reshape through Python's API
+  (`fast_path.direct_numpy(False)`) instead of numpy's fields and C API, for A/B;
 - torch: `torch.nn.functional.embedding_bag(ids, table, offsets, mode=...)` a feature,
   under `torch.inference_mode()`, `torch.set_num_threads(1)`;
 - tf: TensorFlow's `tf.tpu.experimental.embedding.serving_embedding_lookup` in a
@@ -126,6 +129,7 @@ GIL_POLICIES = {
     "unfair": (None, None, None, None, False, None),
     "slots": (None, None, None, None, None, os.cpu_count() or 1),
     "nodict": (None, None, None, None, None, None),  # and fast_path.dict_requests(False)
+    "nodirect": (None, None, None, None, None, None),  # and fast_path.direct_numpy(False)
 }
 _NONE = lambda _: None  # a setting an older tree lacks (its A/B)
 _GIL_SETTERS = (
@@ -148,6 +152,7 @@ def _default(set_):
 
 _GIL_DEFAULTS = tuple(_default(set_) for set_ in _GIL_SETTERS)
 _DICT_REQUESTS = getattr(fast_path, "dict_requests", _NONE)
+_DIRECT_NUMPY = getattr(fast_path, "direct_numpy", _NONE)
 
 
 def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "auto"):
@@ -157,6 +162,7 @@ def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "au
     def setup():  # before each cell
         set_numpy_outputs(numpy_outputs)
         _DICT_REQUESTS(gil != "nodict")
+        _DIRECT_NUMPY(gil != "nodirect")
         for set_, value, default in zip(_GIL_SETTERS, GIL_POLICIES[gil], _GIL_DEFAULTS):
             if default is not None:
                 set_(default if value is None else value)
@@ -282,6 +288,7 @@ def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
         "em-np-slots": lambda: embedmesh_call(features, tables, True, "slots"),
         "em-np-nodict": lambda: embedmesh_call(features, tables, True, "nodict"),
         "em-nodict": lambda: embedmesh_call(features, tables, False, "nodict"),
+        "em-np-nodirect": lambda: embedmesh_call(features, tables, True, "nodirect"),
     }
     if torch is not None:
         makers["torch"] = lambda: torch_call(features, tables)
@@ -434,7 +441,8 @@ def main(argv=None):
         "--contenders",
         default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
         help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, "
-        "em-np-nowindow, em-np-unfair, em-np-slots, em-np-nodict, em-nodict, torch, tf",
+        "em-np-nowindow, em-np-unfair, em-np-slots, em-np-nodict, em-nodict, em-np-nodirect, "
+        "torch, tf",
     )
     p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
     args = p.parse_args(argv)
