@@ -15,7 +15,11 @@ another file and/or `-D` macros:
 
 `--touch` adds `touch`: one byte of each entry's row summed (the same walk of ids, no
 decode, no prefetch): what reading the rows alone costs. `--vocab` small: the tables in
-the caches (the kernel's own arithmetic without the memory).
+the caches (the kernel's own arithmetic without the memory); `--same-perm`: serving.py's
+ids (the same hot rows every batch). `--threads 2`: each call's
+bags in two halves of about equal ids, one per thread (the caller and one pool thread;
+the kernel releases the GIL), torch on 2 threads, wall clock. `--stride B`: also each
+build over a copy of the int8 tables whose rows sit B bytes apart (`name@B`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from serving_kernel_ab import build_variants, interleaved_rounds, workload_parser, zipf_draw
 
-from embedmesh import _native
+from embedmesh import _native, _runtime
 from embedmesh.serving import pool
 from embedmesh.serving.quantized import FORMAT_CODES, quantize_table
 
@@ -59,6 +63,95 @@ extern "C" int64_t touch_rows_pf(const uint8_t* table, int64_t stride, const int
   return s;
 }
 """
+
+
+# The calls of a contender's call, in C (`run_one`); on two threads (`--threads 2`,
+# `run_pair`) as the package's runner does it: a
+# helper thread polls (with `pause`) for up to 300 us after each call, then sleeps; the
+# caller runs part 0 while the helper runs part 1. Each part is a list of EmServingBagQ
+# calls, 15 int64 words each.
+PAIR_SRC = r"""
+#include <atomic>
+#include <condition_variable>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+typedef int64_t (*BagQ)(const void*, int64_t, int64_t, int64_t, const void*, int32_t,
+                        const int64_t*, int64_t, const float*, int32_t, int32_t, int32_t,
+                        float*, int64_t, const int64_t*);
+namespace {
+struct Job { BagQ fn; const int64_t* w; int64_t n; };
+std::atomic<uint64_t> posted{0}, done{0};
+Job job;
+// never destroyed: the detached helper may wait on them while the process exits
+std::mutex& m = *new std::mutex;
+std::condition_variable& cv = *new std::condition_variable;
+std::once_flag started;
+int64_t run_part(BagQ fn, const int64_t* w, int64_t n) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i, w += 15) {
+    const int64_t r = fn((const void*)w[0], w[1], w[2], w[3], (const void*)w[4], (int32_t)w[5],
+                         (const int64_t*)w[6], w[7], (const float*)w[8], (int32_t)w[9],
+                         (int32_t)w[10], (int32_t)w[11], (float*)w[12], w[13],
+                         (const int64_t*)w[14]);
+    if (r != -1) bad = 1;
+  }
+  return bad;
+}
+void helper() {
+  uint64_t seen = 0;
+  for (;;) {
+    auto t0 = std::chrono::steady_clock::now();
+    while (posted.load(std::memory_order_acquire) == seen) {
+      __builtin_ia32_pause();
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(300)) {
+        std::unique_lock<std::mutex> lk(m);
+        cv.wait(lk, [&] { return posted.load(std::memory_order_acquire) != seen; });
+      }
+    }
+    seen = posted.load(std::memory_order_acquire);
+    run_part(job.fn, job.w, job.n);
+    done.store(seen, std::memory_order_release);
+  }
+}
+}  // namespace
+extern "C" int64_t run_one(void* fn, const int64_t* w, int64_t n) {
+  return run_part((BagQ)fn, w, n);
+}
+extern "C" int64_t run_pair(void* fn, const int64_t* w0, int64_t n0, const int64_t* w1,
+                            int64_t n1) {
+  std::call_once(started, [] { std::thread(helper).detach(); });
+  job = Job{(BagQ)fn, w1, n1};
+  uint64_t g;
+  {
+    std::lock_guard<std::mutex> lk(m);
+    g = posted.load() + 1;
+    posted.store(g, std::memory_order_release);
+  }
+  cv.notify_one();
+  const int64_t bad = run_part((BagQ)fn, w0, n0);
+  while (done.load(std::memory_order_acquire) != g) __builtin_ia32_pause();
+  return bad;
+}
+"""
+
+
+def build_pair(out_dir: str) -> ctypes.CDLL:
+    os.makedirs(out_dir, exist_ok=True)
+    src = os.path.join(out_dir, "pair.cc")
+    with open(src, "w") as f:
+        f.write(PAIR_SRC)
+    so = os.path.join(out_dir, "pair.so")
+    subprocess.run(
+        [_native.compiler() or "c++", "-O2", "-shared", "-fPIC", "-pthread", src, "-o", so],
+        check=True,
+    )
+    lib = ctypes.CDLL(so)
+    lib.run_pair.restype = lib.run_one.restype = ctypes.c_int64
+    lib.run_one.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.run_pair.argtypes = lib.run_one.argtypes + [ctypes.c_void_p, ctypes.c_int64]
+    return lib
 
 
 def build_touch(out_dir: str) -> ctypes.CDLL:
@@ -91,12 +184,22 @@ def main() -> None:
         help="add api: serving_embedding_lookup on the same quantized tables (1 thread, "
         "the package's own build), as serving.py's embedmesh[native:int8]",
     )
+    p.add_argument("--threads", type=int, default=1, choices=(1, 2))
+    p.add_argument("--fixed-len", type=int, default=0, help="every bag this long (not Poisson)")
+    p.add_argument(
+        "--same-perm",
+        action="store_true",
+        help="one rank-to-id permutation a table for every batch (serving.py's workload: "
+        "the same hot rows in each batch); else a new one a batch",
+    )
+    p.add_argument("--stride", type=int, default=0, help="int8 rows this many bytes apart too")
     p.add_argument("--out", default="/tmp/serving_quantized_ab")
     args = p.parse_args()
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    pair = build_pair(args.out)  # the calls' loop in C (and the two threads)
     libs = build_variants(args.variant, args.out)
     rng = np.random.default_rng(0)
     draw = zipf_draw(rng, args.vocab)
@@ -105,14 +208,18 @@ def main() -> None:
         t = rng.standard_normal((args.vocab, args.dim), dtype=np.float32)
         tables.append(t)
         qtables.append(quantize_table(t, args.dtype))
+    perms = [rng.permutation(args.vocab) for _ in range(args.tables)] if args.same_perm else None
     batches = []
     for _ in range(args.batches):
         feats = []
         for _t in range(args.tables):
             lengths = rng.poisson(10, args.batch)
+            if args.fixed_len:  # every bag as long: the bag loop's exit predictable
+                lengths = np.full(args.batch, args.fixed_len)
             splits = np.zeros(args.batch + 1, np.int64)
             np.cumsum(lengths, out=splits[1:])
-            ids = rng.permutation(args.vocab)[draw(int(splits[-1]))].astype(np.int64)
+            perm = perms[_t] if perms is not None else rng.permutation(args.vocab)
+            ids = perm[draw(int(splits[-1]))].astype(np.int64)
             feats.append((ids, splits))
         batches.append(feats)
     mode = {"sum": 0, "mean": 1}[args.combiner]
@@ -130,28 +237,67 @@ def main() -> None:
     ]
     twt = [[None if w is None else torch.from_numpy(w) for w in b] for b in weights]
 
-    def em_call(lib, b):
-        for t, (ids, splits) in enumerate(batches[b]):
-            q = qtables[t].data
+    strided = []
+    if args.stride:
+        for q in qtables:
+            rows = np.asarray(q.data)
+            assert args.stride >= rows.shape[1], "--stride below the row's bytes"
+            buf = _runtime.aligned_empty((rows.shape[0], args.stride), np.uint8, 64)
+            buf[:, : rows.shape[1]] = rows  # rows on 64-byte lines where 64 % stride == 0
+            buf[:, rows.shape[1] :] = 0
+            strided.append(buf[:, : rows.shape[1]])
+    # each call's bags in `args.threads` parts of about equal ids: (table, first bag, bags)
+    parts: list[list[list]] = []
+    for feats in batches:
+        per = [[] for _ in range(args.threads)]
+        for t, (_ids, splits) in enumerate(feats):
+            cut = int(np.searchsorted(splits, splits[-1] // 2)) if args.threads == 2 else args.batch
+            per[0].append((t, 0, cut))
+            if args.threads == 2:
+                per[1].append((t, cut, args.batch - cut))
+        parts.append(per)
+
+    def part_words(lib, b, part, data):
+        """The EmServingBagQ calls of one part, 15 int64 words each."""
+        words = []
+        for t, lo, count in part:
+            ids, splits = batches[b][t]
+            q = data[t]
             w = weights[b][t]
-            r = lib.EmServingBagQ(
+            words += [
                 q.ctypes.data,
                 args.vocab,
                 args.dim,
                 q.strides[0],
                 ids.ctypes.data,
                 1,
-                splits.ctypes.data,
-                args.batch,
-                None if w is None else w.ctypes.data,
+                splits.ctypes.data + 8 * lo,
+                count,
+                0 if w is None else w.ctypes.data,
                 mode,
                 0,
                 0,
-                outs[t].ctypes.data,
+                outs[t].ctypes.data + 4 * args.dim * lo,
                 args.dim,
                 fmt.ctypes.data,
-            )  # fmt: ignore
-            assert r == -1, r
+            ]
+        return np.array(words, np.int64)
+
+    calls: dict = {}  # (lib name, data name, batch) -> the parts' words
+
+    def em_call(lib, b, data=None):
+        key = (id(lib), data is None, b)
+        if key not in calls:
+            d = data or [q.data for q in qtables]
+            calls[key] = [part_words(lib, b, part, d) for part in parts[b]]
+        words = calls[key]
+        fn = ctypes.cast(lib.EmServingBagQ, ctypes.c_void_p).value
+        if len(words) == 1:
+            assert pair.run_one(fn, words[0].ctypes.data, words[0].size // 15) == 0
+            return
+        r = pair.run_pair(fn, words[0].ctypes.data, words[0].size // 15,
+                          words[1].ctypes.data, words[1].size // 15)  # fmt: skip
+        assert r == 0, r
 
     def torch_call(b):
         with torch.inference_mode():
@@ -206,6 +352,11 @@ def main() -> None:
 
         contenders["api"] = api_call
     contenders |= {n: (lambda b, lib=lib: em_call(lib, b)) for n, lib in libs.items()}
+    if strided:
+        contenders |= {
+            f"{n}@{args.stride}": (lambda b, lib=lib: em_call(lib, b, strided))
+            for n, lib in libs.items()
+        }
 
     # correctness, once: every build against the float64 sums of the decoded rows
     ref = [
@@ -217,11 +368,15 @@ def main() -> None:
         for (x, o), w, pw in zip(tin[0], qw, twt[0])
     ]
     for lib in libs.values():
-        em_call(lib, 0)
-        for i, want in enumerate(ref):
-            if want is not None:
-                np.testing.assert_allclose(outs[i], want, rtol=1e-4, atol=1e-4)
-    per_call = interleaved_rounds(contenders, args.rounds, args.batches, time.thread_time)
+        for data in [None] + ([strided] if strided else []):
+            for o in outs:
+                o[:] = np.nan
+            em_call(lib, 0, data)
+            for i, want in enumerate(ref):
+                if want is not None:
+                    np.testing.assert_allclose(outs[i], want, rtol=1e-4, atol=1e-4)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    per_call = interleaved_rounds(contenders, args.rounds, args.batches, clock)
     ratios = {
         n: [t / s for t, s in zip(per_call["torch"], per_call[n])]
         for n in contenders
@@ -230,10 +385,11 @@ def main() -> None:
     nids = sum(f[0].size for f in batches[0])
     print(
         f"dim {args.dim} {args.dtype} ragged/{args.combiner}{' weighted' if args.weighted else ''}"
-        f", {args.tables} x {args.vocab}, {nids} ids a call, {args.rounds} rounds, thread "
-        f"clock, load {os.getloadavg()[0]:.1f}"
+        f", {args.tables} x {args.vocab}, {nids} ids a call, {args.rounds} rounds, "
+        f"{args.threads} thread(s), {'thread' if args.threads == 1 else 'wall'} clock, "
+        f"load {os.getloadavg()[0]:.1f}"
     )
-    print(f"  torch[1t]  {statistics.median(per_call['torch']) * 1e3:7.3f} ms/call")
+    print(f"  torch[{args.threads}t]  {statistics.median(per_call['torch']) * 1e3:7.3f} ms/call")
     for n in ratios:
         r = ratios[n]
         print(
