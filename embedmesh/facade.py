@@ -87,12 +87,16 @@ def _return_free_heap() -> None:
 _MALLOC_TRIM: Any = None  # None: not looked up yet; False: unavailable (not glibc)
 
 
+_MAPPED_FIELDS = ("unique_ids", "pair_rows", "pair_unique", "pair_gains")
+
+
 def _mapped_rows(csr: dict, state, mapped: dict, *rest) -> tuple:
     """`EmbeddingCore.map_ids`'s `(state, csr, stats[, fresh])` with the batch reduced to
-    what the map changed, `{stack: rows}` (the stacks whose raw ids became rows), for a
-    program to return in place of the batch, whose unchanged arrays it would copy."""
+    what the map changed, `{stack: (rows, pair_rows, pair_unique, pair_gains)}` (the
+    stacks whose raw ids became rows: their rows, and their pairs in the rows' order),
+    for a program to return in place of the batch, whose unchanged arrays it would copy."""
     rows = {
-        s: c.unique_ids
+        s: tuple(getattr(c, f) for f in _MAPPED_FIELDS)
         for s, c in mapped.items()
         if c.unique_raw_ids is None and getattr(csr[s], "unique_raw_ids", None) is not None
     }
@@ -100,11 +104,15 @@ def _mapped_rows(csr: dict, state, mapped: dict, *rest) -> tuple:
 
 
 def _with_rows(csr: dict, rows: dict) -> dict:
-    """The batch `EmbeddingCore.map_ids` returns, from the batch it took and the rows
-    `_mapped_rows` kept: each mapped stack with its rows and no raw ids, the others as
-    they are (the same arrays)."""
+    """The batch `EmbeddingCore.map_ids` returns, from the batch it took and what
+    `_mapped_rows` kept: each mapped stack with its rows, its reordered pairs and no raw
+    ids, the others as they are (the same arrays)."""
     return {
-        s: dataclasses.replace(c, unique_ids=rows[s], unique_raw_ids=None) if s in rows else c
+        s: (
+            dataclasses.replace(c, unique_raw_ids=None, **dict(zip(_MAPPED_FIELDS, rows[s])))
+            if s in rows
+            else c
+        )
         for s, c in csr.items()
     }
 
@@ -327,7 +335,7 @@ class MeshEmbedding:
         self._step_check_fn = jax.jit(core.step_check)
 
         # tables of raw ids: their ids become rows before the lookup (`core.map_ids`).
-        # The map's programs return the new rows only (`_mapped_rows`) and the batch is
+        # The map's programs return the new rows and pairs only (`_mapped_rows`), the batch
         # made around them here (`_with_rows`): a program returning the whole batch
         # copies its unchanged arrays out (~0.8 ms a step on the dynamic_ids benchmark)
         def map_ids(st, c):  # (named: the program's name in traces, jit_map_ids)

@@ -31,9 +31,11 @@ before it was made: `EmbeddingCore.put` puts so itself since issue 42's batched 
 the dynamic step split into `map_ids`'s program (the facade's jitted map, blocked on)
 and the rest (lookup + update), and the host preprocessing's share that is the raw
 ids' routing (`host.dynamic_ids`), by a cProfile of `enqueue`. `--trace DIR`:
-a `jax.profiler` trace of `--steps` dynamic steps into DIR, and the time a step of each
-program (its thunks' span) and of its costliest HLO ops (the thunks' own times; an op
-inside a `conditional` or `while` counts in its parent too).
+a `jax.profiler` trace of `--steps` steps of each contender into DIR/<kind>, the wall
+time a step from the first thunk to the last, and the time a step of each program (its
+thunks' span; programs of one name, e.g. `jit__lambda`, summed) and of its costliest
+HLO ops (the thunks' own times; an op inside a `conditional` or `while` counts in its
+parent too).
 
     .venv/bin/python benchmarks/train/dynamic_ids.py                 # 5 rounds x 8 steps
     ... --rounds 3 --steps 5 --vocab 131072 --profile
@@ -254,8 +256,9 @@ def profile(dyn: Contender, steps: int) -> None:
 
 
 def trace(dyn: Contender, steps: int, out: str, top: int = 25) -> None:
-    """A `jax.profiler` trace of `steps` dynamic steps; per program (XLA module) the span
-    of its thunks a step, then the `top` HLO ops by their thunks' time a step."""
+    """A `jax.profiler` trace of `steps` steps of a contender (`dyn`: either); per program
+    (XLA module) the span of its thunks a step, then the `top` HLO ops by their thunks'
+    time a step."""
     import collections
     import glob
     import gzip
@@ -280,7 +283,12 @@ def trace(dyn: Contender, steps: int, out: str, top: int = 25) -> None:
     programs = collections.Counter()
     for (module, _), (t0, t1) in spans.items():
         programs[module] += t1 - t0
-    print(f"trace of {steps} dynamic steps ({path}), ms a step:")
+    first = min(t0 for t0, _ in spans.values())
+    last = max(t1 for _, t1 in spans.values())
+    print(
+        f"trace of {steps} {dyn.kind} steps ({path}): {(last - first) / steps / 1e3:.2f} ms a "
+        f"step from the first thunk to the last, of which in programs (ms a step):"
+    )
     for module, us in programs.most_common():
         print(f"  program {module}: {us / steps / 1e3:.2f}")
     for op, us in ops.most_common(top):
@@ -425,8 +433,9 @@ def main(argv=None):
         live = int(np.asarray(csr.unique_counts).sum())
         profile_map(ts.V, slots, live, args.steps)
     if args.trace:
-        print()
-        trace(dyn, args.steps, args.trace)
+        for c in (static, dyn):
+            print()
+            trace(c, args.steps, os.path.join(args.trace, c.kind))
 
 
 if __name__ == "__main__":

@@ -546,8 +546,11 @@ class EmbeddingCore:
         this call (the table's initializer keyed by the id, the optimizer slots' initial
         values) and sends the rows back: the batch returned has rows in `unique_ids`
         (`PAD_ID` for an id pending admission or refused: a zero row, no update) and no
-        raw ids. Other stacks pass through unchanged. `stats`: `{stack: {name: int32}}`,
-        `ID_STATS` summed over the owners. Pure: jit it, donate the state.
+        raw ids, each block's rows ascending and its pairs in slot order, as the host
+        orders a table of rows (`id_map.sort_mapped`: the CPU's fused update takes its
+        parallel path only so). Other stacks pass through unchanged. `stats`: `{stack:
+        {name: int32}}`, `ID_STATS` summed over the owners. Pure: jit it, donate the
+        state.
 
         With `keep_fresh`, returns `(state, csr, stats, fresh)` too: `fresh`, what each
         owner re-initialised (its received ids' rows, fresh flags and raw ids), for
@@ -573,9 +576,11 @@ class EmbeddingCore:
         keys = {s: state.id_maps[s]["key"] for s in stacks}
         ids = {s: csr[s].unique_ids for s in stacks}
         raws = {s: csr[s].unique_raw_ids for s in stacks}
+        pairs = {s: (csr[s].pair_rows, csr[s].pair_unique, csr[s].pair_gains) for s in stacks}
 
-        def body(tables, slots, maps, keys, step, ids, raws):
+        def body(tables, slots, maps, keys, step, ids, raws, pairs):
             out_t, out_s, out_m, out_rows, out_stats, kept = {}, {}, {}, {}, {}, {}
+            out_pairs = {}
             previous = None
             for s in stacks:
                 m = maps[s]  # this shard's block, [1, ...] (id_map.map_ids takes it so)
@@ -587,11 +592,16 @@ class EmbeddingCore:
                 table, sl, m, rows, stats = self.strategies[s].map_ids(
                     tables[s], slots[s], m, after(ids[s][0], previous), raws[s][0], step, reinit
                 )
-                previous = rows
+                previous = rows  # (the next map waits for this one, not for its sort)
+                # this source's blocks in the host's order for a table of rows
+                rows, *moved = id_map.sort_mapped(
+                    rows, *(x[0] for x in pairs[s]), num_rows=csr[s].rows_per_device
+                )
                 out_t[s], out_s[s], out_rows[s] = table, sl, rows[None]
+                out_pairs[s] = tuple(x[None] for x in moved)
                 out_m[s] = m
                 out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
-            return out_t, out_s, out_m, out_rows, out_stats, kept
+            return out_t, out_s, out_m, out_rows, out_stats, kept, out_pairs
 
         fn = self._shard_map(
             body,
@@ -603,6 +613,7 @@ class EmbeddingCore:
                 P(),
                 self._specs(ids),
                 self._specs(raws),
+                self._specs(pairs),
             ),
             out_specs=(
                 self._specs(tables),
@@ -611,10 +622,11 @@ class EmbeddingCore:
                 self._specs(ids),
                 self._specs(ids),
                 {s: (P(self.axes),) * 3 for s in stacks},
+                self._specs(pairs),
             ),
         )
-        new_t, new_s, new_m, rows, counts, kept = fn(
-            tables, slots, maps, keys, state.step, ids, raws
+        new_t, new_s, new_m, rows, counts, kept, moved = fn(
+            tables, slots, maps, keys, state.step, ids, raws, pairs
         )
         state = dataclasses.replace(
             state,
@@ -624,7 +636,15 @@ class EmbeddingCore:
         )
         csr = dict(csr)
         for s in stacks:
-            csr[s] = dataclasses.replace(csr[s], unique_ids=rows[s], unique_raw_ids=None)
+            pr, pu, pg = moved[s]
+            csr[s] = dataclasses.replace(
+                csr[s],
+                unique_ids=rows[s],
+                unique_raw_ids=None,
+                pair_rows=pr,
+                pair_unique=pu,
+                pair_gains=pg,
+            )
         stats = {s: {k: counts[s][:, i].sum() for i, k in enumerate(ID_STATS)} for s in stacks}
         return (state, csr, stats, kept) if keep_fresh else (state, csr, stats)
 

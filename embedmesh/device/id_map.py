@@ -142,6 +142,7 @@ __all__ = [
     "on_huge_pages",
     "owner_of",
     "sketch_columns",
+    "sort_mapped",
     "split_ids",
 ]
 
@@ -304,6 +305,64 @@ def on_huge_pages(array: jax.Array) -> jax.Array:
         return array
     datas = [ops.huge_page_copy(s.data) for s in shards]
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding, datas)
+
+
+def sort_mapped(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> tuple:
+    """A mapped batch's block(s) in the order the host gives a table of rows: `(rows,
+    pair_rows, pair_unique, pair_gains)` with each block's slots (`rows` [..., U], the
+    map's rows of the batch's distinct raw ids, in raw-id order) by row, ascending and
+    stable (`PAD_ID`, an id pending or refused, last), and its valid pairs (`pair_rows` in
+    [0, num_rows), `pair_unique` in [0, U); [..., P]) grouped by their slot's new
+    position, in pair order within a slot (so every row's gradient and every sample's
+    activation sums in the same order as for a static table given these rows), the other
+    pairs after them as they were. The CPU's fused backward + update runs its parallel
+    path only on such a batch (ascending rows, pairs in slot order); on one in raw-id
+    order it took its serial general path, 2x the static table's update on the
+    dynamic_ids benchmark. Where the CPU kernels are in use, cpu/id_map.cc's
+    `SortMapped` (a radix sort of the rows, a counting sort of the pairs); elsewhere its
+    reference, `_sort_mapped_reference`."""
+    args = (
+        jnp.asarray(rows, jnp.int32),
+        jnp.asarray(pair_rows, jnp.int32),
+        jnp.asarray(pair_unique, jnp.int32),
+        jnp.asarray(pair_gains, jnp.float32),
+    )
+    ref = functools.partial(_sort_mapped_reference, num_rows=num_rows)
+    if not ops.id_map_step_native():
+        return ref(*args)
+    kernel = functools.partial(_sort_mapped_kernel, num_rows=num_rows)
+    return tuple(lax.platform_dependent(*args, cpu=kernel, default=ref))
+
+
+def _sort_mapped_kernel(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> tuple:
+    outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (rows, pair_rows, pair_unique))
+    outs += (jax.ShapeDtypeStruct(pair_gains.shape, jnp.float32),)
+    return tuple(
+        jax.ffi.ffi_call("embedmesh_sort_mapped", outs)(
+            rows, pair_rows, pair_unique, pair_gains, r=np.int64(num_rows)
+        )
+    )
+
+
+def _sort_mapped_reference(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> tuple:
+    """`sort_mapped` by stable argsorts (any platform)."""
+    u = rows.shape[-1]
+    perm = jnp.argsort(rows, axis=-1, stable=True)
+    at = jnp.argsort(perm, axis=-1).astype(jnp.int32)  # a slot's new position
+    valid = (pair_rows >= 0) & (pair_rows < num_rows) & (pair_unique >= 0) & (pair_unique < u)
+    moved = jnp.take_along_axis(at, jnp.clip(pair_unique, 0, u - 1), axis=-1)
+    slot = jnp.where(valid, moved, pair_unique)
+    order = jnp.argsort(jnp.where(valid, slot, u), axis=-1, stable=True)
+
+    def take(x):
+        return jnp.take_along_axis(x, order, axis=-1)
+
+    return (
+        jnp.take_along_axis(rows, perm, axis=-1),
+        take(pair_rows),
+        take(slot),
+        take(pair_gains),
+    )
 
 
 # ---------------------------------------------------------------------------- raw ids

@@ -302,3 +302,56 @@ def test_native_step_under_eviction_matches_the_jnp_path(name, distinct):
     assert seen["evictions"] and seen["admissions"] and seen["hits"], seen
     if config.admit_after > 1:
         assert seen["pending"]
+
+
+def _sort_mapped_numpy(rows, prow, puniq, gain, r):
+    """`id_map.sort_mapped` in plain numpy, a block at a time: the slots by row (stable),
+    the valid pairs by their slot's new position (stable), the others after them."""
+    out = [np.empty_like(x) for x in (rows, prow, puniq, gain)]
+    u = rows.shape[-1]
+    for b in np.ndindex(rows.shape[:-1]):
+        perm = np.argsort(rows[b], kind="stable")
+        at = np.empty(u, np.int64)
+        at[perm] = np.arange(u)
+        ok = (prow[b] >= 0) & (prow[b] < r) & (puniq[b] >= 0) & (puniq[b] < u)
+        slot = np.where(ok, at[np.clip(puniq[b], 0, u - 1)], puniq[b])
+        order = np.argsort(np.where(ok, slot, u), kind="stable")
+        out[0][b], out[1][b] = rows[b][perm], prow[b][order]
+        out[2][b], out[3][b] = slot[order], gain[b][order]
+    return out
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    blocks=st.integers(1, 3),
+    u=st.integers(1, 40),
+    p=st.integers(1, 90),
+    r=st.integers(1, 9),
+    hosts_order=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sort_mapped_kernel_and_reference_match_numpy(blocks, u, p, r, hosts_order, seed):
+    """The mapped batch's reorder (`id_map.sort_mapped`): the kernel (cpu/id_map.cc, its
+    fast path on pairs in the host's order, its counting sort otherwise) and the jnp
+    reference against plain numpy, with PAD rows, repeated and negative rows, and pairs
+    out of range on either side."""
+    rng = np.random.default_rng(seed)
+    pad = np.iinfo(np.int32).max
+    rows = np.stack([rng.permutation(5000)[:u] for _ in range(blocks)]).astype(np.int32)
+    rows[rng.random(rows.shape) < 0.2] = pad
+    rows[rng.random(rows.shape) < 0.1] = -3  # repeated and negative: a stable order
+    prow = rng.integers(-2, r + 2, (blocks, p)).astype(np.int32)
+    puniq = rng.integers(-2, u + 2, (blocks, p)).astype(np.int32)
+    gain = rng.uniform(0.5, 1.5, (blocks, p)).astype(np.float32)
+    if hosts_order:  # the valid pairs first, by slot, as the host preprocessing makes them
+        for b in range(blocks):
+            ok = (prow[b] >= 0) & (prow[b] < r) & (puniq[b] >= 0) & (puniq[b] < u)
+            o = np.lexsort((np.arange(p), np.where(ok, puniq[b], u + 9)))
+            prow[b], puniq[b], gain[b] = prow[b][o], puniq[b][o], gain[b][o]
+    want = _sort_mapped_numpy(rows, prow, puniq, gain, r)
+    args = tuple(jnp.asarray(x) for x in (rows, prow, puniq, gain))
+    kernel = jax.jit(functools.partial(im.sort_mapped, num_rows=r))(*args)
+    reference = im._sort_mapped_reference(*args, num_rows=r)
+    for w, k, f in zip(want, kernel, reference):
+        np.testing.assert_array_equal(np.asarray(k), w)
+        np.testing.assert_array_equal(np.asarray(f), w)

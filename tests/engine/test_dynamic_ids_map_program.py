@@ -1,8 +1,9 @@
 """The facade's map program (`MeshEmbedding.dequeue` on a batch of raw ids, issue 42):
-it returns the state, the mapped stacks' rows and the counts, never the batch itself,
-whose unchanged arrays a program returning them would copy out every step; the batch
-`dequeue` hands back is the one it took with those rows in place of the raw ids, its
-other arrays the very same objects."""
+it returns the state, the mapped stacks' rows and pairs and the counts, never the batch
+itself, whose unchanged arrays a program returning them would copy out every step; the
+batch `dequeue` hands back is the one it took with those rows in place of the raw ids and
+its pairs in the rows' order (the host's order for a table of rows), its other arrays the
+very same objects."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import numpy as np
 from meshes import mesh_of
 
 import embedmesh as em
+from embedmesh.device import id_map as im
+
+_PAIRS = ("pair_rows", "pair_unique", "pair_gains")
 
 
 def _init(key, shape, dtype):  # never zero
@@ -29,19 +33,69 @@ def test_the_map_program_returns_rows_not_the_batch():
     csr = emb.enqueue({"raw": raw, "plain": plain})
     (dyn_stack,) = [s for s, c in csr.items() if c.unique_raw_ids is not None]
 
-    # what the program returns: the state, {stack of raw ids: rows}, the counts
+    # what the program returns: the state, {stack of raw ids: rows and pairs}, the counts
     state_shape, rows, stats = jax.eval_shape(emb._map_fn, emb.state, csr)
     assert set(rows) == {dyn_stack} == set(stats)
-    assert rows[dyn_stack].shape == csr[dyn_stack].unique_ids.shape
+    c = csr[dyn_stack]
+    want = (c.unique_ids, c.pair_rows, c.pair_unique, c.pair_gains)
+    assert [r.shape for r in rows[dyn_stack]] == [w.shape for w in want]
     assert len(jax.tree_util.tree_leaves(state_shape)) == len(jax.tree_util.tree_leaves(emb.state))
 
     _, out = emb.dequeue(csr)
     for s, c in csr.items():
         for f in dataclasses.fields(c):
-            if s == dyn_stack and f.name in ("unique_ids", "unique_raw_ids"):
+            if s == dyn_stack and f.name in ("unique_ids", "unique_raw_ids") + _PAIRS:
                 continue
             assert getattr(out[s], f.name) is getattr(c, f.name), (s, f.name)
     d = out[dyn_stack]
     assert d.unique_raw_ids is None
     ids = np.asarray(d.unique_ids)[0, 0, : int(np.asarray(d.unique_counts)[0, 0])]
     assert sorted(ids.tolist()) == [0, 1, 2]  # three distinct raw ids, three fresh rows
+
+
+def test_the_mapped_batch_is_in_the_hosts_order_for_rows():
+    """After evictions the rows of a batch's distinct raw ids (in raw-id order) are in no
+    order; the batch dequeue returns has them ascending (an id pending admission, a zero
+    row, last) and its valid pairs grouped by slot in that order, each pair still naming
+    its id's row, sample and gain: the order the host gives a table of rows, which the
+    CPU's fused update needs for its parallel path."""
+    dyn = em.TableConfig(
+        6, 4, initializer=_init, name="dyn", id_map=em.DynamicIds("lru", admit_after=1)
+    )
+    emb = em.MeshEmbedding(
+        {"raw": em.FeatureConfig(dyn, name="raw")}, em.Adagrad(0.1), mesh=mesh_of(1), seed=3
+    )
+    rng = np.random.default_rng(7)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=14, dtype=np.int64)
+    unordered = 0
+    for _ in range(4):
+        ids = rng.choice(pool, size=10)
+        csr = emb.enqueue({"raw": em.RaggedTensor(ids, np.array([0, 3, 3, 7, 10]))})
+        (s,) = csr
+        c = csr[s]
+        raw = np.asarray(c.unique_raw_ids)[0, 0]
+        acts, out = emb.dequeue(csr)
+        emb.apply_gradients(jax.tree_util.tree_map(lambda a: a * 0 + 0.25, acts), out)
+        o = out[s]
+        # each slot's row as the map gave it (the map read back; PAD where none)
+        m = jax.tree_util.tree_map(lambda x: x[0], emb.state.id_maps[s]["map"])
+        before = np.asarray(im.lookup(m, raw))
+        before = np.where(before < 0, np.iinfo(np.int32).max, before)
+        rows = np.asarray(o.unique_ids)[0, 0]
+        assert (np.sort(rows) == np.sort(before)).all()
+        live = rows[rows != np.iinfo(np.int32).max]
+        assert (np.diff(live) > 0).all() and (rows[: live.size] == live).all()
+        k = int(np.asarray(c.unique_counts)[0, 0])
+        unordered += bool((np.diff(before[:k]) < 0).any())
+        r, n = o.rows_per_device, int(np.asarray(c.pair_counts)[0, 0])
+        pu, pr, pg = (np.asarray(x)[0, 0] for x in (o.pair_unique, o.pair_rows, o.pair_gains))
+        assert (np.diff(pu[:n]) >= 0).all() and ((pr[n:] < 0) | (pr[n:] >= r)).all()
+        # each pair: the same (sample, row, gain) as the enqueued pair of the same id
+        old_pu, old_pr, old_pg = (np.asarray(x)[0, 0] for x in _pair_arrays(c))
+        want = sorted((int(old_pr[q]), int(before[old_pu[q]]), float(old_pg[q])) for q in range(n))
+        assert sorted((int(pr[q]), int(rows[pu[q]]), float(pg[q])) for q in range(n)) == want
+    assert unordered  # the stream did give rows out of raw-id order
+
+
+def _pair_arrays(c):
+    return c.pair_unique, c.pair_rows, c.pair_gains
