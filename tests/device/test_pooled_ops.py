@@ -260,3 +260,37 @@ def test_pooled_kernels_take_their_calls():
         "pooled_partials", "cpu", table.astype(jnp.int32), served
     ) is ops.reference_of("pooled_partials")
     assert ops.kernel_for("pack_pooled_pairs", "cpu") is cpu_kernels.pack_pooled_pairs
+
+
+@needs_kernels
+def test_pooled_kernels_decode_pairs_near_the_pack_limit():
+    """Position and row packed into one word near its limit ((U + 1) * (Rc + 1) just
+    below 2**31): the kernels' decode by multiplication reads every pair as the reference's
+    division does (partials and the fused backward + update)."""
+    u, width, n, p, d = 65535, 32766, 2, 64, 2
+    assert (u + 1) * (width + 1) < _runtime.PACK_LIMIT
+    assert _runtime.pooled_pair_fields(u, width) == 2
+    r = np.random.default_rng(7)
+    ids = np.tile(np.arange(u, dtype=np.int32), (n, 1))  # every position a valid row
+    pair_rows = r.integers(width - 40, width, (n, p)).astype(np.int32)
+    pair_rows[:, :4] = [0, 1, width - 1, width - 2]  # the corners of the packed word
+    pair_unique = np.sort(r.integers(u - 40, u, (n, p))).astype(np.int32)
+    pair_unique[:, :4] = [0, 1, u - 2, u - 1]
+    pair_unique = np.sort(pair_unique, axis=1)
+    gains = (0.5 + r.random((n, p))).astype(np.float32)
+    compact = np.zeros((n, 0), np.int32)
+    batch = tuple(map(jnp.asarray, (ids, pair_rows, pair_unique, gains, compact)))
+    served = cpu_kernels.pack_pooled_pairs(*batch, width=width)
+    table = jnp.asarray(r.standard_normal((u + 5, d)).astype(np.float32))
+    params = dict(unique_capacity=u, width=width)
+    want = ops.reference_of("pooled_partials")(table, served, **params)
+    got = cpu_kernels.pooled_partials(table, served, **params)
+    assert float(jnp.abs(want).sum()) > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    grads = jnp.asarray(r.standard_normal((n * width, d)).astype(np.float32))
+    params = dict(optimizer=SGD(learning_rate=0.5), step=jnp.int32(0), **params)
+    args = (table, {}, served, grads, jnp.asarray(True))
+    want = ops.reference_of("pooled_backward_update")(*args, **params)[0]
+    got = cpu_kernels.pooled_backward_update(*args, **params)[0]
+    assert not np.array_equal(np.asarray(got), np.asarray(table))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
