@@ -358,14 +358,21 @@ def main() -> None:
             for n, lib in libs.items()
         }
 
-    # correctness, once: every build against the float64 sums of the decoded rows
-    ref = [
-        torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-            w, x, o, False, mode, False, pw, None, False
+    # correctness, once: every build against torch-q8's sums of the decoded rows (its mean
+    # mode is not TF's: a mean is the sum over the bag's count, or its weights' sum)
+    def reference(x, o, w, pw, sp, wt):
+        got = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+            w, x, o, False, 0, False, pw, None, False
         ).numpy()
-        if args.dtype == "int8"
-        else None
-        for (x, o), w, pw in zip(tin[0], qw, twt[0])
+        if args.combiner == "mean":
+            each = np.ones(sp[-1], np.float64) if wt is None else wt.astype(np.float64)
+            total = np.add.reduceat(np.append(each, 0.0), sp[:-1]) * (np.diff(sp) > 0)
+            got = got / np.where(total == 0, 1.0, total)[:, None]
+        return got
+
+    ref = [
+        reference(x, o, w, pw, sp, wt) if args.dtype == "int8" else None
+        for (x, o), w, pw, (_, sp), wt in zip(tin[0], qw, twt[0], batches[0], weights[0])
     ]
     for lib in libs.values():
         for data in [None] + ([strided] if strided else []):
