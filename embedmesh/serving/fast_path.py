@@ -370,7 +370,19 @@ def _bind() -> None:
         if api is not None:
             dtypes = (np.int64, np.int32, np.float32, np.float16, np.uint8)
             bind_numpy(api, np.ndarray, tuple(np.dtype(d) for d in dtypes), pool.output_lease)
+        set_cache = getattr(_compiled, "set_block_cache", None)
+        if set_cache is not None:  # small request buffers: kept within the pool's limit
+            _block_cache_limit(pool.output_pool_limit())
+            if _block_cache_limit not in pool._limit_hooks:
+                pool._limit_hooks.append(_block_cache_limit)
     _bound = True
+
+
+def _block_cache_limit(limit: int) -> None:
+    """The compiled path's cache of small request buffers (a request's outputs at most
+    64 KiB: a C object over aligned memory, no Python lease) keeps at most the pool's
+    limit, and at most 1 MiB."""
+    _compiled.set_block_cache(min(int(limit), 1 << 20))
 
 
 def _numpy_c_api():

@@ -197,7 +197,19 @@ def set_output_pool_limit(nbytes: int) -> int:
     count); returns the previous limit."""
     previous, _pool.limit = _pool.limit, int(nbytes)
     _pool.clear()
+    for hook in _limit_hooks:
+        hook(_pool.limit)
     return previous
+
+
+# fn(limit) for each cache of output buffers kept outside the pool: called with the new
+# limit (the compiled request path's small buffers: `fast_path._bind`)
+_limit_hooks: list = []
+
+
+def output_pool_limit() -> int:
+    """Bytes of free output buffers kept for reuse."""
+    return _pool.limit
 
 
 def output_empty(shape, dtype) -> np.ndarray:

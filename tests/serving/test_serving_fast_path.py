@@ -725,3 +725,62 @@ def test_dict_requests_after_the_config_is_reordered(numpy_outputs, spy, monkeyp
             for k in keys:
                 want = reference_lookup(fcs[k], inputs[k], None, tables[fcs[k].table])
                 np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("numpy_outputs", [False, True])
+def test_small_request_buffers_are_reused_only_once_their_outputs_are_gone(
+    numpy_outputs, request_form, spy, monkeypatch
+):
+    """A small request's one output buffer comes from the compiled form's own cache
+    (`_request.set_block_cache`: within the output pool's limit, at most 1 MiB): outputs
+    still held are never written by later requests, buffers whose outputs are gone are
+    reused, every result equals the float64 reference, and a pool limit of 0 keeps none."""
+    _direct_numpy_or_skip(request_form)
+    import gc
+
+    compiled = fast_path._compiled
+    if not hasattr(compiled, "block_cache"):
+        pytest.skip("this build has no cache of small buffers")
+    rng = np.random.default_rng(14)
+    shapes = ((16, "sum"), (33, "mean"), (64, "sum"))
+    tcs = [em.TableConfig(VOCAB, d, combiner=c) for d, c in shapes]
+    fcs = {f"f{i}": em.FeatureConfig(t) for i, t in enumerate(tcs)}
+    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in tcs}
+    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
+
+    def request():
+        inputs = {
+            k: _feature_input(rng, "ragged", 3, np.int64, np.int64, False, False) for k in fcs
+        }
+        spy.clear()
+        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        assert spy and spy[0] is not None, "a common request left the fast path"
+        return inputs, got
+
+    def check(inputs, got):
+        for k, fc in fcs.items():
+            want = reference_lookup(fc, inputs[k], None, tables[fc.table])
+            np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-5, err_msg=k)
+
+    previous = pool.set_output_pool_limit(4 << 20)
+    try:
+        held = [request() for _ in range(3)]
+        for _ in range(4):  # buffers given back and reused, the held ones untouched
+            check(*request())
+        for inputs, got in held:
+            check(inputs, got)
+        del held
+        gc.collect()
+        if pool._pool.release is not None:
+            pool._pool.release()  # jaxlib lets go of the numpy arrays its arrays aliased
+        assert compiled.block_cache()[0] >= 1
+        check(*request())
+        pool.set_output_pool_limit(0)
+        assert compiled.block_cache() == (0, 0)
+        check(*request())
+        gc.collect()
+        if pool._pool.release is not None:
+            pool._pool.release()  # jaxlib lets go of the numpy arrays its arrays aliased
+        assert compiled.block_cache() == (0, 0)
+    finally:
+        pool.set_output_pool_limit(previous)
