@@ -592,15 +592,19 @@ class EmbeddingCore:
                 table, sl, m, rows, stats = self.strategies[s].map_ids(
                     tables[s], slots[s], m, after(ids[s][0], previous), raws[s][0], step, reinit
                 )
-                previous = rows  # (the next map waits for this one, not for its sort)
-                # this source's blocks in the host's order for a table of rows
-                rows, *moved = id_map.sort_mapped(
-                    rows, *(x[0] for x in pairs[s]), num_rows=csr[s].rows_per_device
-                )
-                out_t[s], out_s[s], out_rows[s] = table, sl, rows[None]
-                out_pairs[s] = tuple(x[None] for x in moved)
+                previous = rows
+                out_t[s], out_s[s], out_rows[s] = table, sl, rows
                 out_m[s] = m
                 out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
+            # this source's blocks in the host's order for a table of rows, every stack's
+            # in one call (its threads share them out)
+            ordered = id_map.sort_mapped_many(
+                [(out_rows[s], *(x[0] for x in pairs[s])) for s in stacks],
+                [csr[s].rows_per_device for s in stacks],
+            )
+            for s, (rows, *moved) in zip(stacks, ordered):
+                out_rows[s] = rows[None]
+                out_pairs[s] = tuple(x[None] for x in moved)
             return out_t, out_s, out_m, out_rows, out_stats, kept, out_pairs
 
         fn = self._shard_map(

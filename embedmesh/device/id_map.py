@@ -143,6 +143,7 @@ __all__ = [
     "owner_of",
     "sketch_columns",
     "sort_mapped",
+    "sort_mapped_many",
     "split_ids",
 ]
 
@@ -332,6 +333,41 @@ def sort_mapped(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> t
         return ref(*args)
     kernel = functools.partial(_sort_mapped_kernel, num_rows=num_rows)
     return tuple(lax.platform_dependent(*args, cpu=kernel, default=ref))
+
+
+def sort_mapped_many(blocks: list, num_rows: list) -> list:
+    """`sort_mapped` of several stacks' `(rows, pair_rows, pair_unique, pair_gains)`
+    (each with its `num_rows`), in one call where the CPU kernels are in use (the
+    stacks' blocks shared out over the threads), a list of the four each."""
+    blocks = [
+        (
+            jnp.asarray(r, jnp.int32),
+            jnp.asarray(q, jnp.int32),
+            jnp.asarray(u, jnp.int32),
+            jnp.asarray(g, jnp.float32),
+        )
+        for r, q, u, g in blocks
+    ]
+    if not blocks:
+        return []
+
+    def ref(*flat):
+        return [
+            x
+            for i, n in enumerate(num_rows)
+            for x in _sort_mapped_reference(*flat[4 * i : 4 * i + 4], num_rows=n)
+        ]
+
+    def kernel(*flat):
+        outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat)
+        rs = jnp.asarray(np.asarray(num_rows, np.int32))
+        return list(jax.ffi.ffi_call("embedmesh_sort_mapped_many", outs)(rs, *flat))
+
+    flat = [x for b in blocks for x in b]
+    out = ref(*flat) if not ops.id_map_step_native() else None
+    if out is None:
+        out = lax.platform_dependent(*flat, cpu=kernel, default=ref)
+    return [tuple(out[4 * i : 4 * i + 4]) for i in range(len(blocks))]
 
 
 def _sort_mapped_kernel(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> tuple:

@@ -331,10 +331,10 @@ def _sort_mapped_numpy(rows, prow, puniq, gain, r):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_sort_mapped_kernel_and_reference_match_numpy(blocks, u, p, r, hosts_order, seed):
-    """The mapped batch's reorder (`id_map.sort_mapped`): the kernel (cpu/id_map.cc, its
-    fast path on pairs in the host's order, its counting sort otherwise) and the jnp
-    reference against plain numpy, with PAD rows, repeated and negative rows, and pairs
-    out of range on either side."""
+    """The mapped batch's reorder (`id_map.sort_mapped`, `sort_mapped_many`): the kernels
+    (cpu/id_map.cc, their fast path on pairs in the host's order, their counting sort
+    otherwise) and the jnp reference against plain numpy, with PAD rows, repeated and
+    negative rows, and pairs out of range on either side."""
     rng = np.random.default_rng(seed)
     pad = np.iinfo(np.int32).max
     rows = np.stack([rng.permutation(5000)[:u] for _ in range(blocks)]).astype(np.int32)
@@ -352,6 +352,11 @@ def test_sort_mapped_kernel_and_reference_match_numpy(blocks, u, p, r, hosts_ord
     args = tuple(jnp.asarray(x) for x in (rows, prow, puniq, gain))
     kernel = jax.jit(functools.partial(im.sort_mapped, num_rows=r))(*args)
     reference = im._sort_mapped_reference(*args, num_rows=r)
-    for w, k, f in zip(want, kernel, reference):
+    # several stacks in one call (the engine's): this one and the same with r + 1
+    other = _sort_mapped_numpy(rows, prow, puniq, gain, r + 1)
+    many = jax.jit(lambda *a: im.sort_mapped_many([a, a], [r, r + 1]))(*args)
+    for w, k, f, m, o, m2 in zip(want, kernel, reference, many[0], other, many[1]):
         np.testing.assert_array_equal(np.asarray(k), w)
         np.testing.assert_array_equal(np.asarray(f), w)
+        np.testing.assert_array_equal(np.asarray(m), w)
+        np.testing.assert_array_equal(np.asarray(m2), o)

@@ -713,6 +713,60 @@ ffi::Error SortMapped(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> prow,
   return ffi::Error::Success();
 }
 
+// The same for several stacks in one call: an s32 [k] operand (each stack's r), then the
+// stacks' four operands each, in order; results likewise. The stacks' blocks shared out
+// over the threads (a call a stack ran on one thread: its helper thread started late).
+ffi::Error SortMappedMany(ffi::Buffer<ffi::S32> rs, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+  const int64_t k = static_cast<int64_t>(rs.element_count());
+  if (static_cast<int64_t>(args.size()) != 4 * k || static_cast<int64_t>(rets.size()) != 4 * k)
+    return ffi::Error::InvalidArgument("sort_mapped_many: four operands and results a stack");
+  struct Task {
+    const int32_t *rows, *prow, *puniq;
+    const float* gain;
+    int32_t *orows, *oprow, *opuniq;
+    float* ogain;
+    int64_t u, p, r;
+  };
+  std::vector<Task> tasks;
+  for (int64_t t = 0; t < k; ++t) {
+    const void* in[4];
+    void* out[4];
+    int64_t count[4] = {0, 0, 0, 0}, last[2] = {1, 1};
+    for (int64_t j = 0; j < 4; ++j) {
+      auto a = args.get<ffi::AnyBuffer>(4 * t + j);
+      auto o = rets.get<ffi::AnyBuffer>(4 * t + j);
+      if (a.has_error()) return a.error();
+      if (o.has_error()) return o.error();
+      in[j] = a->untyped_data();
+      out[j] = (*o)->untyped_data();
+      count[j] = static_cast<int64_t>(a->element_count());
+      auto d = a->dimensions();
+      if (j < 2 && d.size()) last[j] = d[d.size() - 1];
+    }
+    const int64_t u = last[0], p = last[1];
+    const int64_t n = u ? count[0] / u : 0;
+    if (n * p != count[1] || count[1] != count[2] || count[1] != count[3])
+      return ffi::Error::InvalidArgument("sort_mapped_many: the pairs' blocks do not match");
+    for (int64_t s = 0; s < n; ++s)
+      tasks.push_back(Task{static_cast<const int32_t*>(in[0]) + s * u,
+                           static_cast<const int32_t*>(in[1]) + s * p,
+                           static_cast<const int32_t*>(in[2]) + s * p,
+                           static_cast<const float*>(in[3]) + s * p,
+                           static_cast<int32_t*>(out[0]) + s * u,
+                           static_cast<int32_t*>(out[1]) + s * p,
+                           static_cast<int32_t*>(out[2]) + s * p,
+                           static_cast<float*>(out[3]) + s * p, u, p, rs.typed_data()[t]});
+  }
+  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    thread_local Scratch w;
+    const Task& t = tasks[i];
+    Block(t.rows, t.prow, t.puniq, t.gain, t.u, t.p, t.r, t.orows, t.oprow, t.opuniq, t.ogain,
+          w);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace sort_mapped
 }  // namespace embedmesh
 
@@ -727,3 +781,6 @@ EM_HANDLER("embedmesh_sort_mapped", EmSortMapped, embedmesh::sort_mapped::SortMa
                .Ret<ffi::Buffer<ffi::S32>>()
                .Ret<ffi::Buffer<ffi::S32>>()
                .Ret<ffi::Buffer<ffi::F32>>());
+EM_HANDLER("embedmesh_sort_mapped_many", EmSortMappedMany,
+           embedmesh::sort_mapped::SortMappedMany,
+           ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets());
