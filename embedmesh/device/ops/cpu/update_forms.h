@@ -179,56 +179,89 @@ void BackwardUpdateFromSources(const U& up, int64_t me,
   }
   // The distinct rows asked of this shard, ascending, each with its (source, slot) list
   // in source order: a merge when every list is ascending, else a sort.
-  int64_t max_u = 1;
-  for (const Part& q : parts) max_u = std::max(max_u, q.u);
-  // per source, its valid (row, source * max_u + slot) entries in slot order
-  std::vector<std::vector<std::pair<int32_t, int64_t>>> lists(n);
+  // per source, its valid entries (rows in range) in slot order, compacted
+  auto valid = [&](int32_t row) { return row != kPad && row >= 0 && row < rows; };
+  thread_local std::vector<std::vector<int32_t>> vrow, vslot;
+  vrow.resize(n);
+  vslot.resize(n);
   bool ascending = true;
   size_t total = 0;
   for (int64_t r = 0; r < n; ++r) {
+    vrow[r].resize(parts[r].u + 1);
+    vslot[r].resize(parts[r].u + 1);
+    int64_t m = 0, last = -1;
     for (int64_t k = 0; k < parts[r].u; ++k) {
       const int32_t row = parts[r].ids[k];
-      if (row == kPad || row < 0 || row >= rows) continue;
-      if (!lists[r].empty() && row <= lists[r].back().first) ascending = false;
-      lists[r].emplace_back(row, r * max_u + k);
+      if (!valid(row)) continue;
+      ascending &= row > last;
+      last = row;
+      vrow[r][m] = row;
+      vslot[r][m++] = static_cast<int32_t>(k);
     }
-    total += lists[r].size();
+    vrow[r][m] = INT32_MAX;  // a sentinel past every valid row
+    vrow[r].resize(m + 1);
+    total += m;
   }
-  std::vector<std::pair<int32_t, int64_t>> asked;  // (row, source * max_u + slot)
-  asked.reserve(total);
-  if (ascending) {  // the host's order: an N-way merge, ties in source order
-    std::vector<size_t> at(n, 0);
+  // the entries by row, ties in source order: (row, source << 32 | slot)
+  thread_local std::vector<int32_t> arow;
+  thread_local std::vector<uint64_t> akey;
+  thread_local std::vector<int64_t> starts;
+  arow.resize(total);
+  akey.resize(total);
+  starts.resize(total + 1);
+  int64_t distinct = 0;
+  if (ascending && n == 2) {  // the host's order, 2 sources: a branch-free merge
+    const int32_t* r0 = vrow[0].data();
+    const int32_t* r1 = vrow[1].data();
+    const int32_t* s0 = vslot[0].data();
+    const int32_t* s1 = vslot[1].data();
+    size_t i0 = 0, i1 = 0;
+    int32_t prev = -1;
     for (size_t i = 0; i < total; ++i) {
-      int64_t best = -1;
-      for (int64_t r = 0; r < n; ++r)
-        if (at[r] < lists[r].size() &&
-            (best < 0 || lists[r][at[r]].first < lists[best][at[best]].first))
-          best = r;
-      asked.push_back(lists[best][at[best]++]);
+      const int32_t a = r0[i0], b = r1[i1];
+      const bool one = b < a;
+      const int32_t row = one ? b : a;
+      akey[i] = one ? ((uint64_t{1} << 32) | static_cast<uint32_t>(s1[i1]))
+                    : static_cast<uint64_t>(static_cast<uint32_t>(s0[i0]));
+      arow[i] = row;
+      starts[distinct] = static_cast<int64_t>(i);
+      distinct += row != prev;
+      prev = row;
+      i0 += !one;
+      i1 += one;
     }
   } else {
-    for (const auto& l : lists) asked.insert(asked.end(), l.begin(), l.end());
-    std::stable_sort(asked.begin(), asked.end(),
+    std::vector<std::pair<int32_t, uint64_t>> all;
+    all.reserve(total);
+    for (int64_t r = 0; r < n; ++r)
+      for (size_t m = 0; m + 1 < vrow[r].size(); ++m)
+        all.emplace_back(vrow[r][m], (static_cast<uint64_t>(r) << 32) | static_cast<uint32_t>(vslot[r][m]));
+    std::stable_sort(all.begin(), all.end(),
                      [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t i = 0; i < total; ++i) {
+      if (i == 0 || all[i].first != all[i - 1].first) starts[distinct++] = static_cast<int64_t>(i);
+      arow[i] = all[i].first;
+      akey[i] = all[i].second;
+    }
   }
-  std::vector<int64_t> starts;
-  for (size_t i = 0; i < asked.size(); ++i)
-    if (i == 0 || asked[i].first != asked[i - 1].first) starts.push_back(static_cast<int64_t>(i));
-  const int64_t distinct = static_cast<int64_t>(starts.size());
-  starts.push_back(static_cast<int64_t>(asked.size()));
+  starts[distinct] = static_cast<int64_t>(total);
+  // this thread's buffers by address: the workers of ParallelFor have thread_locals of
+  // their own (empty), so the loop must not name them
+  const int32_t* const row_at = arow.data();
+  const uint64_t* const key_at = akey.data();
+  const int64_t* const start_at = starts.data();
   const int64_t grain = 1024;
   ParallelFor(NumChunks(distinct, grain), [&](int64_t c) {
     const int64_t lo = c * grain, hi = std::min(distinct, lo + grain);
     std::vector<float> g(d), gr(d);
     for (int64_t i = lo; i < hi; ++i) {
       if (i + kPrefetch < hi) {
-        const int64_t r = asked[starts[i + kPrefetch]].first;
-        up.Prefetch(r);
+        up.Prefetch(row_at[start_at[i + kPrefetch]]);
       }
       std::fill(g.begin(), g.end(), 0.0f);
-      for (int64_t e = starts[i]; e < starts[i + 1]; ++e) {
-        const Part& q = parts[asked[e].second / max_u];
-        const int64_t k = asked[e].second % max_u;
+      for (int64_t e = start_at[i]; e < start_at[i + 1]; ++e) {
+        const Part& q = parts[key_at[e] >> 32];
+        const int64_t k = static_cast<int64_t>(key_at[e] & 0xffffffffu);
         if (!q.sums.empty()) {
           for (int64_t j = 0; j < d; ++j) g[j] += q.sums[k * d + j];
           continue;
@@ -244,8 +277,7 @@ void BackwardUpdateFromSources(const U& up, int64_t me,
         }
         for (int64_t j = 0; j < d; ++j) g[j] += gr[j];
       }
-      const int64_t r = asked[starts[i]].first;
-      up.Row(r, g.data());
+      up.Row(row_at[start_at[i]], g.data());
     }
   });
 }
