@@ -319,20 +319,11 @@ def sort_mapped(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> t
     pairs after them as they were. The CPU's fused backward + update runs its parallel
     path only on such a batch (ascending rows, pairs in slot order); on one in raw-id
     order it took its serial general path, 2x the static table's update on the
-    dynamic_ids benchmark. Where the CPU kernels are in use, cpu/id_map.cc's
-    `SortMapped` (a radix sort of the rows, a counting sort of the pairs); elsewhere its
-    reference, `_sort_mapped_reference`."""
-    args = (
-        jnp.asarray(rows, jnp.int32),
-        jnp.asarray(pair_rows, jnp.int32),
-        jnp.asarray(pair_unique, jnp.int32),
-        jnp.asarray(pair_gains, jnp.float32),
-    )
-    ref = functools.partial(_sort_mapped_reference, num_rows=num_rows)
-    if not ops.id_map_step_native():
-        return ref(*args)
-    kernel = functools.partial(_sort_mapped_kernel, num_rows=num_rows)
-    return tuple(lax.platform_dependent(*args, cpu=kernel, default=ref))
+    dynamic_ids benchmark. `sort_mapped_many` of one stack: where the CPU kernels are in
+    use cpu/id_map.cc's `SortMappedMany` (a radix sort of the rows, a counting sort of the
+    pairs); elsewhere its reference, `_sort_mapped_reference`."""
+    (out,) = sort_mapped_many([(rows, pair_rows, pair_unique, pair_gains)], [num_rows])
+    return out
 
 
 def sort_mapped_many(blocks: list, num_rows: list) -> list:
@@ -368,16 +359,6 @@ def sort_mapped_many(blocks: list, num_rows: list) -> list:
     if out is None:
         out = lax.platform_dependent(*flat, cpu=kernel, default=ref)
     return [tuple(out[4 * i : 4 * i + 4]) for i in range(len(blocks))]
-
-
-def _sort_mapped_kernel(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> tuple:
-    outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (rows, pair_rows, pair_unique))
-    outs += (jax.ShapeDtypeStruct(pair_gains.shape, jnp.float32),)
-    return tuple(
-        jax.ffi.ffi_call("embedmesh_sort_mapped", outs)(
-            rows, pair_rows, pair_unique, pair_gains, r=np.int64(num_rows)
-        )
-    )
 
 
 def _sort_mapped_reference(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> tuple:

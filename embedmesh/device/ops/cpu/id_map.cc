@@ -688,34 +688,10 @@ void Block(const int32_t* rows, const int32_t* prow, const int32_t* puniq, const
   }
 }
 
-// rows s32 [..., U], pair_rows, pair_unique s32 [..., P], pair_gains f32 [..., P] (the same
-// leading dimensions: the blocks); attribute r. Results: the four, sorted.
-ffi::Error SortMapped(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> prow,
-                      ffi::Buffer<ffi::S32> puniq, ffi::Buffer<ffi::F32> gain, int64_t r,
-                      ffi::Result<ffi::Buffer<ffi::S32>> orows,
-                      ffi::Result<ffi::Buffer<ffi::S32>> oprow,
-                      ffi::Result<ffi::Buffer<ffi::S32>> opuniq,
-                      ffi::Result<ffi::Buffer<ffi::F32>> ogain) {
-  auto rd = rows.dimensions();
-  auto pd = prow.dimensions();
-  const int64_t u = rd.size() ? rd[rd.size() - 1] : 1, p = pd.size() ? pd[pd.size() - 1] : 1;
-  const int64_t n = u ? static_cast<int64_t>(rows.element_count()) / u : 0;
-  if (n * p != static_cast<int64_t>(prow.element_count()) ||
-      prow.element_count() != puniq.element_count() ||
-      prow.element_count() != gain.element_count())
-    return ffi::Error::InvalidArgument("sort_mapped: the pairs' blocks do not match the rows'");
-  thread_local Scratch w;
-  for (int64_t s = 0; s < n; ++s)
-    Block(rows.typed_data() + s * u, prow.typed_data() + s * p, puniq.typed_data() + s * p,
-          gain.typed_data() + s * p, u, p, r, orows->typed_data() + s * u,
-          oprow->typed_data() + s * p, opuniq->typed_data() + s * p, ogain->typed_data() + s * p,
-          w);
-  return ffi::Error::Success();
-}
-
-// The same for several stacks in one call: an s32 [k] operand (each stack's r), then the
-// stacks' four operands each, in order; results likewise. The stacks' blocks shared out
-// over the threads (a call a stack ran on one thread: its helper thread started late).
+// Several stacks in one call: an s32 [k] operand (each stack's r), then each stack's rows
+// s32 [..., U], pair_rows, pair_unique s32 [..., P], pair_gains f32 [..., P] (the same
+// leading dimensions: the blocks); results likewise, sorted. The stacks' blocks shared
+// out over the threads (a call a stack ran on one thread: its helper thread started late).
 ffi::Error SortMappedMany(ffi::Buffer<ffi::S32> rs, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
   const int64_t k = static_cast<int64_t>(rs.element_count());
@@ -770,17 +746,6 @@ ffi::Error SortMappedMany(ffi::Buffer<ffi::S32> rs, ffi::RemainingArgs args,
 }  // namespace sort_mapped
 }  // namespace embedmesh
 
-EM_HANDLER("embedmesh_sort_mapped", EmSortMapped, embedmesh::sort_mapped::SortMapped,
-           ffi::Ffi::Bind()
-               .Arg<ffi::Buffer<ffi::S32>>()
-               .Arg<ffi::Buffer<ffi::S32>>()
-               .Arg<ffi::Buffer<ffi::S32>>()
-               .Arg<ffi::Buffer<ffi::F32>>()
-               .Attr<int64_t>("r")
-               .Ret<ffi::Buffer<ffi::S32>>()
-               .Ret<ffi::Buffer<ffi::S32>>()
-               .Ret<ffi::Buffer<ffi::S32>>()
-               .Ret<ffi::Buffer<ffi::F32>>());
 EM_HANDLER("embedmesh_sort_mapped_many", EmSortMappedMany,
            embedmesh::sort_mapped::SortMappedMany,
            ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets());
