@@ -186,15 +186,21 @@ def test_common_inputs_take_the_fast_path_and_equal_the_general_path(p, spy, mon
     got, want, fast = _both_paths(p, fcs, tables, inputs, weights, spy, monkeypatch)
     assert fast, "a common request left the fast path"
     for name, fc in fcs.items():
-        g = np.asarray(got[name])
         assert isinstance(got[name], jax.Array)
-        np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
-        w = (weights or {}).get(name)
-        table = np.asarray(tables[fc.table])
-        ref = reference_lookup(fc, inputs[name], w, table)
-        scale = reference_lookup(fc, inputs[name], w, table, scale=True)
-        assert g.shape == ref.shape
-        np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
+        _equal_and_near_reference(name, fc, got, want, tables, inputs, weights)
+
+
+def _equal_and_near_reference(name, fc, got, want, tables, inputs, weights) -> None:
+    """Feature `name`'s output equals the other path's bit for bit and the float64
+    reference within float32 summation error."""
+    g = np.asarray(got[name])
+    np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
+    w = (weights or {}).get(name)
+    table = np.asarray(tables[fc.table])
+    ref = reference_lookup(fc, inputs[name], w, table)
+    scale = reference_lookup(fc, inputs[name], w, table, scale=True)
+    assert g.shape == ref.shape
+    np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
 
 
 def _quantized(rng, kind, dim):
@@ -659,14 +665,7 @@ def test_direct_numpy_reads_equal_buffer_exports(p, numpy_outputs, request_form,
     got, want = results
     spans = []
     for name, fc in fcs.items():
-        g = np.asarray(got[name])
-        np.testing.assert_array_equal(g, np.asarray(want[name]), err_msg=name)
-        w = (weights or {}).get(name)
-        table = np.asarray(tables[fc.table])
-        ref = reference_lookup(fc, inputs[name], w, table)
-        scale = reference_lookup(fc, inputs[name], w, table, scale=True)
-        assert g.shape == ref.shape
-        np.testing.assert_array_less(np.abs(g - ref), 1e-5 * (1 + scale) + 1e-30, err_msg=name)
+        _equal_and_near_reference(name, fc, got, want, tables, inputs, weights)
         if numpy_outputs:
             out = got[name]
             assert type(out) is np.ndarray and out.dtype == np.float32
