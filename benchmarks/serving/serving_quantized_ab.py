@@ -137,17 +137,20 @@ extern "C" int64_t run_pair(void* fn, const int64_t* w0, int64_t n0, const int64
 """
 
 
-def build_pair(out_dir: str) -> ctypes.CDLL:
+def _compiled(out_dir: str, name: str, source: str, *flags: str) -> ctypes.CDLL:
+    """`source` compiled into `out_dir`/`name`.so and loaded."""
     os.makedirs(out_dir, exist_ok=True)
-    src = os.path.join(out_dir, "pair.cc")
+    src = os.path.join(out_dir, f"{name}.cc")
     with open(src, "w") as f:
-        f.write(PAIR_SRC)
-    so = os.path.join(out_dir, "pair.so")
-    subprocess.run(
-        [_native.compiler() or "c++", "-O2", "-shared", "-fPIC", "-pthread", src, "-o", so],
-        check=True,
-    )
-    lib = ctypes.CDLL(so)
+        f.write(source)
+    so = os.path.join(out_dir, f"{name}.so")
+    cmd = [_native.compiler() or "c++", "-O2", "-shared", "-fPIC", *flags, src, "-o", so]
+    subprocess.run(cmd, check=True)
+    return ctypes.CDLL(so)
+
+
+def build_pair(out_dir: str) -> ctypes.CDLL:
+    lib = _compiled(out_dir, "pair", PAIR_SRC, "-pthread")
     lib.run_pair.restype = lib.run_one.restype = ctypes.c_int64
     lib.run_one.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.run_pair.argtypes = lib.run_one.argtypes + [ctypes.c_void_p, ctypes.c_int64]
@@ -155,15 +158,7 @@ def build_pair(out_dir: str) -> ctypes.CDLL:
 
 
 def build_touch(out_dir: str) -> ctypes.CDLL:
-    os.makedirs(out_dir, exist_ok=True)
-    src = os.path.join(out_dir, "touch.cc")
-    with open(src, "w") as f:
-        f.write(TOUCH_SRC)
-    so = os.path.join(out_dir, "touch.so")
-    subprocess.run(
-        [_native.compiler() or "c++", "-O2", "-shared", "-fPIC", src, "-o", so], check=True
-    )
-    lib = ctypes.CDLL(so)
+    lib = _compiled(out_dir, "touch", TOUCH_SRC)
     for fn, n in (("touch_rows", 4), ("touch_rows_pf", 5)):
         getattr(lib, fn).restype = ctypes.c_int64
         getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [
