@@ -321,12 +321,16 @@ def main():
                 interpret=tpk._interpret(),
             )(idp, table)[:n]
 
-        def half_scatter(table, ids, rows, halves):
-            """Rows (64 words each) DMA'd from an HBM array into the table in place."""
+        def padded(ids, rows):
+            """(blocks, ids padded with -1, rows padded with zeros, [n]) for tg-row blocks."""
             nb = -(-n // tg)
             idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
             rp = jnp.pad(rows, ((0, nb * tg - n), (0, 0)))
-            meta = jnp.full((1,), n, jnp.int32)
+            return nb, idp, rp, jnp.full((1,), n, jnp.int32)
+
+        def half_scatter(table, ids, rows, halves):
+            """Rows (64 words each) DMA'd from an HBM array into the table in place."""
+            nb, idp, rp, meta = padded(ids, rows)
 
             def kernel(meta_ref, ids_ref, rows_ref, table_in, table_ref, sem):
                 del table_in
@@ -366,10 +370,7 @@ def main():
             """Rows r into lanes 64 * (r & 1) of the halves table's row r >> 1, from
             `rows` [n, 128] holding each row's words in that same half (source and
             target both lane slices of 128-lane rows: the same tiling)."""
-            nb = -(-n // tg)
-            idp = jnp.pad(ids, (0, nb * tg - n), constant_values=-1)
-            rp = jnp.pad(rows, ((0, nb * tg - n), (0, 0)))
-            meta = jnp.full((1,), n, jnp.int32)
+            nb, idp, rp, meta = padded(ids, rows)
 
             def kernel(meta_ref, ids_ref, rows_ref, table_in, table_ref, sem):
                 del table_in
