@@ -372,9 +372,7 @@ def _bind() -> None:
             bind_numpy(api, np.ndarray, tuple(np.dtype(d) for d in dtypes), pool.output_lease)
         set_cache = getattr(_compiled, "set_block_cache", None)
         if set_cache is not None:  # small request buffers: kept within the pool's limit
-            _block_cache_limit(pool.output_pool_limit())
-            if _block_cache_limit not in pool._limit_hooks:
-                pool._limit_hooks.append(_block_cache_limit)
+            pool.on_output_pool_limit(_block_cache_limit)
     _bound = True
 
 

@@ -91,15 +91,9 @@ class _BufferPool:
         if nbytes == 0 or dtype.hasobject:
             out = aligned_empty(shape, dtype)
             return out, address(out)
-        raw = self._take(nbytes)
-        if raw is None and self.release is not None:
-            self.release()  # jax.Arrays deleted but not yet released give theirs back
-            raw = self._take(nbytes)
-        if raw is None:
-            raw = _aligned_raw(nbytes)
+        raw = self._raw_of(nbytes)
         if dtype.isbuiltin != 1:  # ml_dtypes' bfloat16, structured: bytes, viewed as the dtype
-            lease = _Lease()
-            lease._raw, lease._pool = raw, self
+            lease = self._lease_of(raw)
             lease.__array_interface__ = {
                 "shape": (nbytes,),
                 "typestr": "|u1",
@@ -122,22 +116,28 @@ class _BufferPool:
         """A free buffer of `nbytes` (or a fresh one) as its lease and its address, no
         array over it: the compiled request path makes its outputs' views over it with
         numpy's C API, the lease their base (back to the pool when the last is gone)."""
+        raw = self._raw_of(nbytes)
+        return self._lease_of(raw), raw[1]
+
+    def _raw_of(self, nbytes: int) -> list:
+        """A free buffer of `nbytes`, else a fresh one."""
         raw = self._take(nbytes)
         if raw is None and self.release is not None:
-            self.release()
+            self.release()  # jax.Arrays deleted but not yet released give theirs back
             raw = self._take(nbytes)
-        if raw is None:
-            raw = _aligned_raw(nbytes)
+        return _aligned_raw(nbytes) if raw is None else raw
+
+    def _lease_of(self, raw: list) -> _Lease:
+        """`raw`'s lease: the buffer back to this pool when the lease dies."""
         lease = _Lease()
         lease._raw, lease._pool = raw, self
-        return lease, raw[1]
+        return lease
 
     def _leased(self, raw, shape: tuple, typestr: str) -> tuple[np.ndarray, int]:
         """An array of `shape` and `typestr` on the pool's buffer `raw`, leased: back to
         the pool when it dies. A buffer mostly comes back for the same shape: its array
         interface is kept for it."""
-        lease = _Lease()
-        lease._raw, lease._pool = raw, self
+        lease = self._lease_of(raw)
         if raw[3] != (shape, typestr):
             raw[3] = (shape, typestr)
             raw[4] = {"shape": shape, "typestr": typestr, "data": (raw[1], False), "version": 3}
@@ -207,9 +207,12 @@ def set_output_pool_limit(nbytes: int) -> int:
 _limit_hooks: list = []
 
 
-def output_pool_limit() -> int:
-    """Bytes of free output buffers kept for reuse."""
-    return _pool.limit
+def on_output_pool_limit(hook) -> None:
+    """Call `hook(limit)` now and whenever `set_output_pool_limit` sets a new limit (once
+    per hook, however often registered)."""
+    if hook not in _limit_hooks:
+        _limit_hooks.append(hook)
+    hook(_pool.limit)
 
 
 def output_empty(shape, dtype) -> np.ndarray:
