@@ -199,6 +199,126 @@ def check_equal(a, b, rows=(0, 1, 12345 % ARGS.rows, ARGS.rows - 1)):
         np.testing.assert_array_equal(np.asarray(a[t])[list(rows)], np.asarray(b[key])[list(rows)])
 
 
+def save_sync(emb, root):
+    """`emb` saved to `root` as step 1 by a synchronous manager (zstd with --compression)."""
+    if ARGS.compression:
+        mngr = ocp.CheckpointManager(
+            root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+        )
+        mngr.save(1, args=ocp.args.Composite(embedding=ckpt.save_args(emb, compression=True)))
+        mngr.close()
+    else:
+        ckpt.save(root, emb, step=1)
+
+
+def measure_saves(emb, work, raw):
+    """The synchronous save (first in the process, then again) and the async one, with
+    their fsync; returns (checkpoint root, its size, save + fsync s, again + fsync s)."""
+    gb = 1e9
+    root = os.path.join(work, "ckpt")
+    shutil.rmtree(root, ignore_errors=True)
+    t_save, _ = timed(lambda: save_sync(emb, root))
+    t_sync, _ = timed(lambda: evict(root))
+    size = dir_bytes(os.path.join(root, "1"))
+    print(
+        f"save (sync manager): {t_save:.2f} s, then fsync {t_sync:.2f} s -> "
+        f"{raw / (t_save + t_sync) / gb:.3f} GB/s of raw arrays"
+    )
+    print(f"size on disk: {size / gb:.3f} GB = {size / raw:.3f} x raw")
+    mem("sync save")
+    root2 = os.path.join(work, "ckpt_again")
+    shutil.rmtree(root2, ignore_errors=True)
+    t_save2, _ = timed(lambda: (save_sync(emb, root2), evict(root2)))
+    shutil.rmtree(root2, ignore_errors=True)
+    print(f"save again (warm process) + fsync: {t_save2:.2f} s -> {raw / t_save2 / gb:.3f} GB/s")
+
+    mngr = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    )
+    t_block, _ = timed(
+        lambda: mngr.save(
+            2,
+            args=ocp.args.Composite(embedding=ckpt.save_args(emb, compression=ARGS.compression)),
+        )
+    )
+    t_rest, _ = timed(mngr.wait_until_finished)
+    mngr.close()
+    print(f"async save: training blocked {t_block:.2f} s, written after {t_block + t_rest:.2f} s")
+    shutil.rmtree(os.path.join(root, "2"), ignore_errors=True)
+    mem("async save")
+    return root, size, t_save + t_sync, t_save2
+
+
+def restore_into(feats, root, probe, n, prefetch=False):
+    """(first, median) restore times into a fresh n-device engine: the first restore
+    of a process is the resume case (cold allocator); later ones reuse its memory."""
+    dst = build(feats, n)
+    times = []
+    for _ in range(ARGS.repeats):
+        evict(root)
+        t, _ = timed(lambda: ckpt.restore(dst, root, step=1, prefetch=prefetch))  # noqa: F821 - bound before the del below
+        jax.block_until_ready(dst.state)
+        times.append(t)
+    first = dst.plan.resolved.tables[0]
+    got = {first: dst.core.read_table(dst.state.tables[dst.plan.table(first).stack], first)}
+    check_equal(probe, got)
+    del dst, got
+    gc.collect()
+    mem(f"restore into {n}, prefetch={prefetch}")
+    return times[0], sorted(times)[len(times) // 2]
+
+
+def measure_restores(feats, root, probe, size):
+    """Restores into engines of each layout and `load_tables`, each checked against
+    `probe`: rows of (label, first s, median s, bytes read)."""
+    results = []
+    for n, label, prefetch in (
+        (ARGS.devices, "same layout", False),
+        (ARGS.restore_devices, "resharded", False),
+        (ARGS.restore_devices, "resharded, prefetch=True", True),
+    ):
+        first_t, med = restore_into(feats, root, probe, n, prefetch)
+        results.append((f"restore into {n} devices ({label})", first_t, med, size))
+    times = []
+    for _ in range(ARGS.repeats):
+        evict(root)
+        t, loaded = timed(lambda: ckpt.load_tables(root, step=1))
+        times.append(t)
+        check_equal(probe, loaded)
+        del loaded
+    params_bytes = size / 2  # parameters are half of the checkpoint (one accumulator each)
+    results.append(
+        (
+            "load_tables (serving: parameters only, host)",
+            times[0],
+            sorted(times)[len(times) // 2],
+            params_bytes,
+        )
+    )
+    return results
+
+
+def print_table(results, saves, size, dd_w, dd_r):
+    """The markdown table: each restore against dd's read, each save against its write."""
+    gb = 1e9
+    print(
+        f"\n| operation | first (s) | median of {ARGS.repeats} (s) | bytes (GB) | GB/s "
+        f"(first / median) | vs dd (first / median) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for label, t0, t, nbytes in results:
+        print(
+            f"| {label} | {t0:.2f} | {t:.2f} | {nbytes / gb:.3f} read | "
+            f"{nbytes / t0 / gb:.3f} / {nbytes / t / gb:.3f} | "
+            f"{nbytes / t0 / dd_r:.0%} / {nbytes / t / dd_r:.0%} of dd read |"
+        )
+    for label, t in saves:
+        print(
+            f"| {label} | {t:.2f} | | {size / gb:.3f} written | {size / t / gb:.3f} | "
+            f"{size / t / dd_w:.0%} of dd write |"
+        )
+
+
 def main():
     work = ARGS.dir or tempfile.mkdtemp(prefix="embedmesh_ckpt_bench_", dir="/tmp")
     os.makedirs(work, exist_ok=True)
@@ -224,119 +344,18 @@ def main():
     jax.block_until_ready(emb.state)
     print(f"built and randomized the source state in {t_build:.1f} s")
     mem("build")
-
-    root = os.path.join(work, "ckpt")
-    shutil.rmtree(root, ignore_errors=True)
-    if ARGS.compression:
-
-        def save_sync(root=root):
-            mngr = ocp.CheckpointManager(
-                root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-            )
-            mngr.save(1, args=ocp.args.Composite(embedding=ckpt.save_args(emb, compression=True)))  # noqa: F821 - bound before the del below
-            mngr.close()
-    else:
-
-        def save_sync(root=root):
-            ckpt.save(root, emb, step=1)  # noqa: F821 - bound before the del below
-
-    t_save, _ = timed(save_sync)
-    t_sync, _ = timed(lambda: evict(root))
-    size = dir_bytes(os.path.join(root, "1"))
-    print(
-        f"save (sync manager): {t_save:.2f} s, then fsync {t_sync:.2f} s -> "
-        f"{raw / (t_save + t_sync) / gb:.3f} GB/s of raw arrays"
-    )
-    print(f"size on disk: {size / gb:.3f} GB = {size / raw:.3f} x raw")
-    mem("sync save")
-    root2 = os.path.join(work, "ckpt_again")
-    shutil.rmtree(root2, ignore_errors=True)
-    t_save2, _ = timed(lambda: (save_sync(root2), evict(root2)))
-    shutil.rmtree(root2, ignore_errors=True)
-    print(f"save again (warm process) + fsync: {t_save2:.2f} s -> {raw / t_save2 / gb:.3f} GB/s")
-
-    mngr = ocp.CheckpointManager(
-        root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
-    )
-    t_block, _ = timed(
-        lambda: mngr.save(
-            2,
-            args=ocp.args.Composite(embedding=ckpt.save_args(emb, compression=ARGS.compression)),  # noqa: F821 - bound before the del below
-        )
-    )
-    t_rest, _ = timed(mngr.wait_until_finished)
-    mngr.close()
-    print(f"async save: training blocked {t_block:.2f} s, written after {t_block + t_rest:.2f} s")
-    shutil.rmtree(os.path.join(root, "2"), ignore_errors=True)
-    mem("async save")
+    root, size, t_save, t_save2 = measure_saves(emb, work, raw)
 
     first = emb.plan.resolved.tables[0]  # kept to check the restores
     probe = {first: emb.core.read_table(emb.state.tables[emb.plan.table(first).stack], first)}
     del emb
     gc.collect()  # the engine holds reference cycles (its jitted closures)
-    results = []
-
-    def restore_into(n, prefetch=False):
-        """(first, median) restore times into a fresh n-device engine: the first restore
-        of a process is the resume case (cold allocator); later ones reuse its memory."""
-        dst = build(feats, n)
-        times = []
-        for _ in range(ARGS.repeats):
-            evict(root)
-            t, _ = timed(lambda: ckpt.restore(dst, root, step=1, prefetch=prefetch))  # noqa: F821 - bound before the del below
-            jax.block_until_ready(dst.state)
-            times.append(t)
-        first = dst.plan.resolved.tables[0]
-        got = {first: dst.core.read_table(dst.state.tables[dst.plan.table(first).stack], first)}
-        check_equal(probe, got)
-        del dst, got
-        gc.collect()
-        mem(f"restore into {n}, prefetch={prefetch}")
-        return times[0], sorted(times)[len(times) // 2]
-
-    for n, label, prefetch in (
-        (ARGS.devices, "same layout", False),
-        (ARGS.restore_devices, "resharded", False),
-        (ARGS.restore_devices, "resharded, prefetch=True", True),
-    ):
-        first_t, med = restore_into(n, prefetch)
-        results.append((f"restore into {n} devices ({label})", first_t, med, size))
-    times = []
-    for _ in range(ARGS.repeats):
-        evict(root)
-        t, loaded = timed(lambda: ckpt.load_tables(root, step=1))
-        times.append(t)
-        check_equal(probe, loaded)
-        del loaded
-    params_bytes = size / 2  # parameters are half of the checkpoint (one accumulator each)
-    results.append(
-        (
-            "load_tables (serving: parameters only, host)",
-            times[0],
-            sorted(times)[len(times) // 2],
-            params_bytes,
-        )
-    )
-
-    print(
-        f"\n| operation | first (s) | median of {ARGS.repeats} (s) | bytes (GB) | GB/s "
-        f"(first / median) | vs dd (first / median) |"
-    )
-    print("|---|---|---|---|---|---|")
-    for label, t0, t, nbytes in results:
-        print(
-            f"| {label} | {t0:.2f} | {t:.2f} | {nbytes / gb:.3f} read | "
-            f"{nbytes / t0 / gb:.3f} / {nbytes / t / gb:.3f} | "
-            f"{nbytes / t0 / dd_r:.0%} / {nbytes / t / dd_r:.0%} of dd read |"
-        )
-    for label, t in (
-        ("save (sync) + fsync, first in the process", t_save + t_sync),
+    results = measure_restores(feats, root, probe, size)
+    saves = (
+        ("save (sync) + fsync, first in the process", t_save),
         ("save (sync) + fsync, again", t_save2),
-    ):
-        print(
-            f"| {label} | {t:.2f} | | {size / gb:.3f} written | {size / t / gb:.3f} | "
-            f"{size / t / dd_w:.0%} of dd write |"
-        )
+    )
+    print_table(results, saves, size, dd_w, dd_r)
     if not ARGS.dir:
         shutil.rmtree(work, ignore_errors=True)
 
