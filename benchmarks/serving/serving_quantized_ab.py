@@ -167,7 +167,7 @@ def build_touch(out_dir: str) -> ctypes.CDLL:
     return lib
 
 
-def main() -> None:
+def parse_args():
     p = workload_parser(dim=16)
     p.add_argument("--dtype", default="int8", choices=("int8", "fp16"))
     p.add_argument("--weighted", action="store_true", help="per-id weights (all 0.5)")
@@ -189,76 +189,92 @@ def main() -> None:
     )
     p.add_argument("--stride", type=int, default=0, help="int8 rows this many bytes apart too")
     p.add_argument("--out", default="/tmp/serving_quantized_ab")
-    args = p.parse_args()
-    import torch
-    import torch.nn.functional as F
+    return p.parse_args()
 
-    torch.set_num_threads(args.threads)
-    pair = build_pair(args.out)  # the calls' loop in C (and the two threads)
-    libs = build_variants(args.variant, args.out)
-    rng = np.random.default_rng(0)
-    draw = zipf_draw(rng, args.vocab)
-    tables, qtables = [], []
-    for _ in range(args.tables):
-        t = rng.standard_normal((args.vocab, args.dim), dtype=np.float32)
-        tables.append(t)
-        qtables.append(quantize_table(t, args.dtype))
-    perms = [rng.permutation(args.vocab) for _ in range(args.tables)] if args.same_perm else None
-    batches = []
-    for _ in range(args.batches):
-        feats = []
-        for _t in range(args.tables):
-            lengths = rng.poisson(10, args.batch)
-            if args.fixed_len:  # every bag as long: the bag loop's exit predictable
-                lengths = np.full(args.batch, args.fixed_len)
-            splits = np.zeros(args.batch + 1, np.int64)
-            np.cumsum(lengths, out=splits[1:])
-            perm = perms[_t] if perms is not None else rng.permutation(args.vocab)
-            ids = perm[draw(int(splits[-1]))].astype(np.int64)
-            feats.append((ids, splits))
-        batches.append(feats)
-    mode = {"sum": 0, "mean": 1}[args.combiner]
-    weights = [
-        [np.full(ids.shape, 0.5, np.float32) if args.weighted else None for ids, _ in b]
-        for b in batches
-    ]
-    outs = [pool.output_empty((args.batch, args.dim), np.float32) for _ in range(args.tables)]
-    fmt = np.array([FORMAT_CODES[args.dtype], 0], np.int64)
-    tw = [torch.from_numpy(t) for t in tables]
-    qw = [torch.from_numpy(np.asarray(q.data)) for q in qtables]
-    tin = [
-        [(torch.from_numpy(ids), torch.from_numpy(sp[:-1].copy())) for ids, sp in b]
-        for b in batches
-    ]
-    twt = [[None if w is None else torch.from_numpy(w) for w in b] for b in weights]
 
-    strided = []
-    if args.stride:
-        for q in qtables:
-            rows = np.asarray(q.data)
-            assert args.stride >= rows.shape[1], "--stride below the row's bytes"
-            buf = _runtime.aligned_empty((rows.shape[0], args.stride), np.uint8, 64)
-            buf[:, : rows.shape[1]] = rows  # rows on 64-byte lines where 64 % stride == 0
-            buf[:, rows.shape[1] :] = 0
-            strided.append(buf[:, : rows.shape[1]])
-    # each call's bags in `args.threads` parts of about equal ids: (table, first bag, bags)
-    parts: list[list[list]] = []
-    for feats in batches:
-        per = [[] for _ in range(args.threads)]
-        for t, (_ids, splits) in enumerate(feats):
-            cut = int(np.searchsorted(splits, splits[-1] // 2)) if args.threads == 2 else args.batch
-            per[0].append((t, 0, cut))
-            if args.threads == 2:
-                per[1].append((t, cut, args.batch - cut))
-        parts.append(per)
+class Workload:
+    """The float32 tables and their quantized rows, the batches as (ids, splits) a table
+    with their weights (None unweighted), the outputs the builds write, and each batch's
+    bags split into `args.threads` parts of about equal ids (table, first bag, bags)."""
 
-    def part_words(lib, b, part, data):
+    def __init__(self, args):
+        self.args = args
+        rng = np.random.default_rng(0)
+        draw = zipf_draw(rng, args.vocab)
+        self.tables, self.qtables = [], []
+        for _ in range(args.tables):
+            t = rng.standard_normal((args.vocab, args.dim), dtype=np.float32)
+            self.tables.append(t)
+            self.qtables.append(quantize_table(t, args.dtype))
+        perms = (
+            [rng.permutation(args.vocab) for _ in range(args.tables)] if args.same_perm else None
+        )
+        self.batches = []
+        for _ in range(args.batches):
+            feats = []
+            for _t in range(args.tables):
+                lengths = rng.poisson(10, args.batch)
+                if args.fixed_len:  # every bag as long: the bag loop's exit predictable
+                    lengths = np.full(args.batch, args.fixed_len)
+                splits = np.zeros(args.batch + 1, np.int64)
+                np.cumsum(lengths, out=splits[1:])
+                perm = perms[_t] if perms is not None else rng.permutation(args.vocab)
+                ids = perm[draw(int(splits[-1]))].astype(np.int64)
+                feats.append((ids, splits))
+            self.batches.append(feats)
+        self.mode = {"sum": 0, "mean": 1}[args.combiner]
+        self.weights = [
+            [np.full(ids.shape, 0.5, np.float32) if args.weighted else None for ids, _ in b]
+            for b in self.batches
+        ]
+        self.outs = [
+            pool.output_empty((args.batch, args.dim), np.float32) for _ in range(args.tables)
+        ]
+        self.fmt = np.array([FORMAT_CODES[args.dtype], 0], np.int64)
+        self.parts: list[list[list]] = []
+        for feats in self.batches:
+            per: list[list] = [[] for _ in range(args.threads)]
+            for t, (_ids, splits) in enumerate(feats):
+                cut = (
+                    int(np.searchsorted(splits, splits[-1] // 2))
+                    if args.threads == 2
+                    else args.batch
+                )
+                per[0].append((t, 0, cut))
+                if args.threads == 2:
+                    per[1].append((t, cut, args.batch - cut))
+            self.parts.append(per)
+
+    def strided(self):
+        """With --stride: a copy of the int8 tables whose rows sit `stride` bytes apart."""
+        args, strided = self.args, []
+        if args.stride:
+            for q in self.qtables:
+                rows = np.asarray(q.data)
+                assert args.stride >= rows.shape[1], "--stride below the row's bytes"
+                buf = _runtime.aligned_empty((rows.shape[0], args.stride), np.uint8, 64)
+                buf[:, : rows.shape[1]] = rows  # rows on 64-byte lines where 64 % stride == 0
+                buf[:, rows.shape[1] :] = 0
+                strided.append(buf[:, : rows.shape[1]])
+        return strided
+
+
+class EmCalls:
+    """A build's EmServingBagQ over one batch, its calls' words made once and run by the
+    C loop (`pair`: one thread, or two with --threads 2)."""
+
+    def __init__(self, work: Workload, pair):
+        self.work, self.pair = work, pair
+        self.calls: dict = {}  # (lib name, data name, batch) -> the parts' words
+
+    def part_words(self, lib, b, part, data):
         """The EmServingBagQ calls of one part, 15 int64 words each."""
+        work, args = self.work, self.work.args
         words = []
         for t, lo, count in part:
-            ids, splits = batches[b][t]
+            ids, splits = work.batches[b][t]
             q = data[t]
-            w = weights[b][t]
+            w = work.weights[b][t]
             words += [
                 q.ctypes.data,
                 args.vocab,
@@ -269,122 +285,147 @@ def main() -> None:
                 splits.ctypes.data + 8 * lo,
                 count,
                 0 if w is None else w.ctypes.data,
-                mode,
+                work.mode,
                 0,
                 0,
-                outs[t].ctypes.data + 4 * args.dim * lo,
+                work.outs[t].ctypes.data + 4 * args.dim * lo,
                 args.dim,
-                fmt.ctypes.data,
+                work.fmt.ctypes.data,
             ]
         return np.array(words, np.int64)
 
-    calls: dict = {}  # (lib name, data name, batch) -> the parts' words
-
-    def em_call(lib, b, data=None):
+    def __call__(self, lib, b, data=None):
         key = (id(lib), data is None, b)
-        if key not in calls:
-            d = data or [q.data for q in qtables]
-            calls[key] = [part_words(lib, b, part, d) for part in parts[b]]
-        words = calls[key]
+        if key not in self.calls:
+            d = data or [q.data for q in self.work.qtables]
+            self.calls[key] = [self.part_words(lib, b, part, d) for part in self.work.parts[b]]
+        words = self.calls[key]
         fn = ctypes.cast(lib.EmServingBagQ, ctypes.c_void_p).value
         if len(words) == 1:
-            assert pair.run_one(fn, words[0].ctypes.data, words[0].size // 15) == 0
+            assert self.pair.run_one(fn, words[0].ctypes.data, words[0].size // 15) == 0
             return
-        r = pair.run_pair(fn, words[0].ctypes.data, words[0].size // 15,
-                          words[1].ctypes.data, words[1].size // 15)  # fmt: skip
+        r = self.pair.run_pair(fn, words[0].ctypes.data, words[0].size // 15,
+                               words[1].ctypes.data, words[1].size // 15)  # fmt: skip
         assert r == 0, r
 
-    def torch_call(b):
-        with torch.inference_mode():
+
+class TorchPeers:
+    """torch's float32 `embedding_bag` and its 8-bit op over the same batches, and the
+    8-bit op's sums of the decoded rows as the builds' reference."""
+
+    def __init__(self, work: Workload, torch):
+        import torch.nn.functional as F
+
+        self.work, self.torch, self.F = work, torch, F
+        self.tw = [torch.from_numpy(t) for t in work.tables]
+        self.qw = [torch.from_numpy(np.asarray(q.data)) for q in work.qtables]
+        self.tin = [
+            [(torch.from_numpy(ids), torch.from_numpy(sp[:-1].copy())) for ids, sp in b]
+            for b in work.batches
+        ]
+        self.twt = [[None if w is None else torch.from_numpy(w) for w in b] for b in work.weights]
+
+    def f32(self, b):
+        with self.torch.inference_mode():
             return [
-                F.embedding_bag(x, w, o, mode=args.combiner, per_sample_weights=pw)
-                for (x, o), w, pw in zip(tin[b], tw, twt[b])
+                self.F.embedding_bag(x, w, o, mode=self.work.args.combiner, per_sample_weights=pw)
+                for (x, o), w, pw in zip(self.tin[b], self.tw, self.twt[b])
             ]
 
-    def q8_call(b):
+    def q8(self, b):
+        torch = self.torch
         with torch.inference_mode():
             return [
                 torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-                    w, x, o, False, mode, False, pw, None, False
+                    w, x, o, False, self.work.mode, False, pw, None, False
                 )
-                for (x, o), w, pw in zip(tin[b], qw, twt[b])
+                for (x, o), w, pw in zip(self.tin[b], self.qw, self.twt[b])
             ]
 
-    contenders = {"torch": torch_call}
-    if args.dtype == "int8" and not args.no_q8:
-        contenders["torch-q8"] = q8_call
-    if args.touch:
-        tl = build_touch(args.out)
+    def reference(self):
+        """Batch 0's sums a table (int8 rows; None for fp16): torch-q8's sums of the decoded
+        rows (its mean mode is not TF's: a mean is the sum over the bag's count, or its
+        weights' sum)."""
+        work = self.work
 
-        def touch_call(b):
-            for t, (ids, _) in enumerate(batches[b]):
-                q = qtables[t].data
-                tl.touch_rows_pf(q.ctypes.data, q.strides[0], ids.ctypes.data, ids.size, 32)
+        def one(x, o, w, pw, sp, wt):
+            got = self.torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+                w, x, o, False, 0, False, pw, None, False
+            ).numpy()
+            if work.args.combiner == "mean":
+                each = np.ones(sp[-1], np.float64) if wt is None else wt.astype(np.float64)
+                total = np.add.reduceat(np.append(each, 0.0), sp[:-1]) * (np.diff(sp) > 0)
+                got = got / np.where(total == 0, 1.0, total)[:, None]
+            return got
 
-        contenders["touch"] = touch_call
-    if args.api:
-        import embedmesh as em
-        from embedmesh import serving as em_serving
-
-        em_serving.set_host_threads(1)
-        tcs = [em.TableConfig(args.vocab, args.dim, combiner=args.combiner) for _ in qtables]
-        fcs = {f"f{i}": em.FeatureConfig(tc, name=f"f{i}") for i, tc in enumerate(tcs)}
-        tabs = dict(zip(tcs, qtables))
-        api_in = [
-            {
-                f"f{i}": em.RaggedTensor(ids, sp)
-                if w is None
-                else em.RaggedTensor(ids, sp)  # weights: not through the api here
-                for i, ((ids, sp), w) in enumerate(zip(b, wb))
-            }
-            for b, wb in zip(batches, weights)
+        return [
+            one(x, o, w, pw, sp, wt) if work.args.dtype == "int8" else None
+            for (x, o), w, pw, (_, sp), wt in zip(
+                self.tin[0], self.qw, self.twt[0], work.batches[0], work.weights[0]
+            )
         ]
 
-        def api_call(b):
-            out = em.serving_embedding_lookup(api_in[b], None, tabs, fcs)
-            for v in out.values():
-                v.block_until_ready()
 
-        contenders["api"] = api_call
-    contenders |= {n: (lambda b, lib=lib: em_call(lib, b)) for n, lib in libs.items()}
-    if strided:
-        contenders |= {
-            f"{n}@{args.stride}": (lambda b, lib=lib: em_call(lib, b, strided))
-            for n, lib in libs.items()
+def touch_contender(work: Workload):
+    """`touch`: one byte of each entry's row summed, prefetched (no decode)."""
+    tl = build_touch(work.args.out)
+
+    def touch_call(b):
+        for t, (ids, _) in enumerate(work.batches[b]):
+            q = work.qtables[t].data
+            tl.touch_rows_pf(q.ctypes.data, q.strides[0], ids.ctypes.data, ids.size, 32)
+
+    return touch_call
+
+
+def api_contender(work: Workload):
+    """`api`: serving_embedding_lookup on the same quantized tables, one thread."""
+    import embedmesh as em
+    from embedmesh import serving as em_serving
+
+    args = work.args
+    em_serving.set_host_threads(1)
+    tcs = [em.TableConfig(args.vocab, args.dim, combiner=args.combiner) for _ in work.qtables]
+    fcs = {f"f{i}": em.FeatureConfig(tc, name=f"f{i}") for i, tc in enumerate(tcs)}
+    tabs = dict(zip(tcs, work.qtables))
+    api_in = [
+        {
+            f"f{i}": em.RaggedTensor(ids, sp)
+            if w is None
+            else em.RaggedTensor(ids, sp)  # weights: not through the api here
+            for i, ((ids, sp), w) in enumerate(zip(b, wb))
         }
-
-    # correctness, once: every build against torch-q8's sums of the decoded rows (its mean
-    # mode is not TF's: a mean is the sum over the bag's count, or its weights' sum)
-    def reference(x, o, w, pw, sp, wt):
-        got = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-            w, x, o, False, 0, False, pw, None, False
-        ).numpy()
-        if args.combiner == "mean":
-            each = np.ones(sp[-1], np.float64) if wt is None else wt.astype(np.float64)
-            total = np.add.reduceat(np.append(each, 0.0), sp[:-1]) * (np.diff(sp) > 0)
-            got = got / np.where(total == 0, 1.0, total)[:, None]
-        return got
-
-    ref = [
-        reference(x, o, w, pw, sp, wt) if args.dtype == "int8" else None
-        for (x, o), w, pw, (_, sp), wt in zip(tin[0], qw, twt[0], batches[0], weights[0])
+        for b, wb in zip(work.batches, work.weights)
     ]
+
+    def api_call(b):
+        out = em.serving_embedding_lookup(api_in[b], None, tabs, fcs)
+        for v in out.values():
+            v.block_until_ready()
+
+    return api_call
+
+
+def check_builds(work: Workload, libs, em_call, strided, ref):
+    """Every build (and its strided run) on batch 0 against `ref`, once."""
     for lib in libs.values():
         for data in [None] + ([strided] if strided else []):
-            for o in outs:
+            for o in work.outs:
                 o[:] = np.nan
             em_call(lib, 0, data)
             for i, want in enumerate(ref):
                 if want is not None:
-                    np.testing.assert_allclose(outs[i], want, rtol=1e-4, atol=1e-4)
-    clock = time.thread_time if args.threads == 1 else time.perf_counter
-    per_call = interleaved_rounds(contenders, args.rounds, args.batches, clock)
+                    np.testing.assert_allclose(work.outs[i], want, rtol=1e-4, atol=1e-4)
+
+
+def report(args, work: Workload, contenders, per_call):
+    """Each contender's time a call and its speed over torch f32's, per round."""
     ratios = {
         n: [t / s for t, s in zip(per_call["torch"], per_call[n])]
         for n in contenders
         if n != "torch"
     }
-    nids = sum(f[0].size for f in batches[0])
+    nids = sum(f[0].size for f in work.batches[0])
     print(
         f"dim {args.dim} {args.dtype} ragged/{args.combiner}{' weighted' if args.weighted else ''}"
         f", {args.tables} x {args.vocab}, {nids} ids a call, {args.rounds} rounds, "
@@ -398,6 +439,37 @@ def main() -> None:
             f"  {n:10s} {statistics.median(per_call[n]) * 1e3:7.3f} ms/call  "
             f"speed / torch f32 {statistics.median(r):.3f} ({min(r):.2f}-{max(r):.2f})"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    pair = build_pair(args.out)  # the calls' loop in C (and the two threads)
+    libs = build_variants(args.variant, args.out)
+    work = Workload(args)
+    peers = TorchPeers(work, torch)
+    strided = work.strided()
+    em_call = EmCalls(work, pair)
+
+    contenders = {"torch": peers.f32}
+    if args.dtype == "int8" and not args.no_q8:
+        contenders["torch-q8"] = peers.q8
+    if args.touch:
+        contenders["touch"] = touch_contender(work)
+    if args.api:
+        contenders["api"] = api_contender(work)
+    contenders |= {n: (lambda b, lib=lib: em_call(lib, b)) for n, lib in libs.items()}
+    if strided:
+        contenders |= {
+            f"{n}@{args.stride}": (lambda b, lib=lib: em_call(lib, b, strided))
+            for n, lib in libs.items()
+        }
+    check_builds(work, libs, em_call, strided, peers.reference())
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    per_call = interleaved_rounds(contenders, args.rounds, args.batches, clock)
+    report(args, work, contenders, per_call)
 
 
 if __name__ == "__main__":
