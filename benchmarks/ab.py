@@ -332,7 +332,7 @@ def summarize(rounds: list[tuple[Metrics, Metrics]], threshold: float) -> list[s
 # ---------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -369,52 +369,123 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", help="log path (default: benchmarks/runs/ab_<date>_<time>.txt)")
     ap.add_argument("--json", help="every round's figures (default: the log's name, .json)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
-    args = ap.parse_args(argv)
+    return ap
 
-    scripts = [s for s in args.only.split(",") if s]
-    if unknown := [s for s in scripts if s not in SCRIPTS]:
-        ap.error(f"unknown script(s) {unknown}; choose from {list(SCRIPTS)}")
-    extra: dict[str, list[str]] = {s: [] for s in SCRIPTS}
-    for item in args.args:
-        name, sep, rest = item.partition("=")
-        if not sep or name not in SCRIPTS:
-            ap.error(f"--args wants SCRIPT=ARGS with SCRIPT one of {list(SCRIPTS)}: {item!r}")
-        extra[name] += shlex.split(rest)
-    trees = {"baseline": os.path.abspath(args.baseline), "new": os.path.abspath(args.new)}
-    envs: dict[str, dict[str, str]] = {}
+
+class Plan:
+    """What the arguments ask for: the scripts, each one's arguments, the two trees, each
+    side's environment and each tree's copy of each script (errors through `ap.error`)."""
+
+    def __init__(self, ap: argparse.ArgumentParser, args: argparse.Namespace):
+        self.args = args
+        self.scripts = [s for s in args.only.split(",") if s]
+        if unknown := [s for s in self.scripts if s not in SCRIPTS]:
+            ap.error(f"unknown script(s) {unknown}; choose from {list(SCRIPTS)}")
+        extra: dict[str, list[str]] = {s: [] for s in SCRIPTS}
+        for item in args.args:
+            name, sep, rest = item.partition("=")
+            if not sep or name not in SCRIPTS:
+                ap.error(f"--args wants SCRIPT=ARGS with SCRIPT one of {list(SCRIPTS)}: {item!r}")
+            extra[name] += shlex.split(rest)
+        self.trees = {"baseline": os.path.abspath(args.baseline), "new": os.path.abspath(args.new)}
+        self.envs: dict[str, dict[str, str]] = {}
+        for side in self.trees:
+            self.envs[side] = {}
+            for item in getattr(args, f"{side}_env"):
+                var, sep, value = item.partition("=")
+                if not sep or not var:
+                    ap.error(f"--{side}-env wants VAR=VALUE: {item!r}")
+                self.envs[side][var] = value
+        self.paths: dict[tuple[str, str], str] = {}
+        for tree in self.trees.values():
+            for s in self.scripts:
+                path = script_path(tree, s)
+                if path is None:
+                    sys.exit(
+                        f"ab.py: {tree} has none of {['benchmarks/' + p for p in LOCATIONS[s]]}"
+                    )
+                self.paths[tree, s] = path
+        self.argvs = {
+            s: shlex.split(DEFAULT_ARGS[s])
+            + shlex.split(QUICK_ARGS[s] if args.quick else "")
+            + extra[s]
+            for s in self.scripts
+        }
+
+    def command(self, tree: str, s: str) -> list[str]:
+        return [self.args.python, self.paths[tree, s], *self.argvs[s]]
+
+    def env_words(self, side: str) -> str:
+        return "".join(f", {k}={v}" for k, v in self.envs[side].items())
+
+
+def _header(say: Callable[[str], None], plan: Plan, stamp: str, raw_path: str) -> None:
+    """The log's first lines: the trees, their environments, the machine, the command."""
+    args, trees = plan.args, plan.trees
+    quick = "; --quick: sizes for a harness check, figures mean nothing" if args.quick else ""
+    say(f"A/B {stamp}: ratio = baseline / new per round (> 1: new is faster or smaller)")
+    say(f"  new:      {describe(trees['new'])}")
+    say(f"  baseline: {describe(trees['baseline'])}")
     for side in trees:
-        envs[side] = {}
-        for item in getattr(args, f"{side}_env"):
-            var, sep, value = item.partition("=")
-            if not sep or not var:
-                ap.error(f"--{side}-env wants VAR=VALUE: {item!r}")
-            envs[side][var] = value
-    paths: dict[tuple[str, str], str] = {}
-    for tree in trees.values():
-        for s in scripts:
-            path = script_path(tree, s)
-            if path is None:
-                sys.exit(f"ab.py: {tree} has none of {['benchmarks/' + p for p in LOCATIONS[s]]}")
-            paths[tree, s] = path
-    argvs = {
-        s: shlex.split(DEFAULT_ARGS[s])
-        + shlex.split(QUICK_ARGS[s] if args.quick else "")
-        + extra[s]
-        for s in scripts
-    }
+        if plan.envs[side]:
+            say(f"  {side} runs with{plan.env_words(side)[1:]}")
+    say(
+        f"  python {args.python}; {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}; "
+        f"rounds {args.rounds} (+{args.warmup} warm-up), baseline first in even rounds" + quick
+    )
+    say(f"  command: {shlex.join([sys.executable, *sys.argv])}")
+    for side, tree in trees.items():
+        say(f"  {side} imports {check_tree(tree, args.python)}")
+    say(f"  raw output: {raw_path}")
 
-    def command(tree: str, s: str) -> list[str]:
-        return [args.python, paths[tree, s], *argvs[s]]
 
-    def env_words(side: str) -> str:
-        return "".join(f", {k}={v}" for k, v in envs[side].items())
+def _rounds(
+    say: Callable[[str], None], raw, plan: Plan, s: str
+) -> tuple[list[tuple[Metrics, Metrics]], bool]:
+    """Script `s`'s warm-up and timed rounds, both trees each, in ABBA order: the timed
+    rounds' (baseline, new) figures, and whether a run failed."""
+    args, trees = plan.args, plan.trees
+    failed = False
+    rounds: list[tuple[Metrics, Metrics]] = []
+    for r in range(-args.warmup, args.rounds):
+        label = f"warm-up {r + args.warmup}" if r < 0 else f"round {r}"
+        got: dict[str, Metrics] = {}
+        for side in ("baseline", "new") if r % 2 == 0 else ("new", "baseline"):
+            cmd = plan.command(trees[side], s)
+            rc, out, secs = run(cmd, trees[side], args.timeout, plan.envs[side])
+            raw.write(
+                f"\n######## {s} {label} {side} (rc {rc}, {secs:.0f} s): {shlex.join(cmd)}\n{out}"
+            )
+            raw.flush()
+            got[side] = PARSERS[s](out) if rc == 0 else {}
+            if rc != 0:
+                failed = True
+                tail = "\n".join("      " + x for x in out.strip().splitlines()[-8:])
+                say(f"  {label}: {side} FAILED (rc {rc}) after {secs:.0f} s:\n{tail}")
+            elif not got[side]:
+                say(f"  {label}: {side}: no figures parsed from its output (see raw)")
+            else:
+                say(
+                    f"  {label}: {side:8s} {secs:5.0f} s, {len(got[side])} figures, "
+                    f"load {os.getloadavg()[0]:.1f}"
+                )
+        if r >= 0:
+            rounds.append((got["baseline"], got["new"]))
+    return rounds, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    plan = Plan(ap, args)
+    scripts, trees, envs, argvs = plan.scripts, plan.trees, plan.envs, plan.argvs
 
     if args.dry_run:
         for s in scripts:
             for side, tree in trees.items():
                 print(
-                    f"{side:8s} (cwd {tree}, PYTHONPATH={tree}{env_words(side)}): "
-                    f"{shlex.join(command(tree, s))}"
+                    f"{side:8s} (cwd {tree}, PYTHONPATH={tree}{plan.env_words(side)}): "
+                    f"{shlex.join(plan.command(tree, s))}"
                 )
         return 0
 
@@ -431,52 +502,13 @@ def main(argv: list[str] | None = None) -> int:
             log.write(line + "\n")
             log.flush()
 
-        quick = "; --quick: sizes for a harness check, figures mean nothing" if args.quick else ""
-        say(f"A/B {stamp}: ratio = baseline / new per round (> 1: new is faster or smaller)")
-        say(f"  new:      {describe(trees['new'])}")
-        say(f"  baseline: {describe(trees['baseline'])}")
-        for side in trees:
-            if envs[side]:
-                say(f"  {side} runs with{env_words(side)[1:]}")
-        say(
-            f"  python {args.python}; {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}; "
-            f"rounds {args.rounds} (+{args.warmup} warm-up), baseline first in even rounds" + quick
-        )
-        say(f"  command: {shlex.join([sys.executable, *sys.argv])}")
-        for side, tree in trees.items():
-            say(f"  {side} imports {check_tree(tree, args.python)}")
-        say(f"  raw output: {raw_path}")
-
+        _header(say, plan, stamp, raw_path)
         failed = False
         record: dict[str, dict] = {}
         for s in scripts:
             say(f"\n== {s}: {shlex.join(argvs[s])}")
-            rounds: list[tuple[Metrics, Metrics]] = []
-            for r in range(-args.warmup, args.rounds):
-                label = f"warm-up {r + args.warmup}" if r < 0 else f"round {r}"
-                got: dict[str, Metrics] = {}
-                for side in ("baseline", "new") if r % 2 == 0 else ("new", "baseline"):
-                    cmd = command(trees[side], s)
-                    rc, out, secs = run(cmd, trees[side], args.timeout, envs[side])
-                    raw.write(
-                        f"\n######## {s} {label} {side} (rc {rc}, {secs:.0f} s): "
-                        f"{shlex.join(cmd)}\n{out}"
-                    )
-                    raw.flush()
-                    got[side] = PARSERS[s](out) if rc == 0 else {}
-                    if rc != 0:
-                        failed = True
-                        tail = "\n".join("      " + x for x in out.strip().splitlines()[-8:])
-                        say(f"  {label}: {side} FAILED (rc {rc}) after {secs:.0f} s:\n{tail}")
-                    elif not got[side]:
-                        say(f"  {label}: {side}: no figures parsed from its output (see raw)")
-                    else:
-                        say(
-                            f"  {label}: {side:8s} {secs:5.0f} s, {len(got[side])} figures, "
-                            f"load {os.getloadavg()[0]:.1f}"
-                        )
-                if r >= 0:
-                    rounds.append((got["baseline"], got["new"]))
+            rounds, failed_s = _rounds(say, raw, plan, s)
+            failed = failed or failed_s
             say(f"-- {s}: per metric, medians over rounds")
             for line in summarize(rounds, args.threshold):
                 say(line)
