@@ -352,14 +352,10 @@ def _case_batch(rng, feats):
     return inputs, weights
 
 
-def run_correctness(w: Worker, cfg):
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    import embedmesh as em
-    from embedmesh.host.preprocess import Capacity
-
+def _references():
+    """(tests/support/training_reference, tests/device/test_optimizers or None, what the
+    checks compare against): without test_optimizers the tables and slots are compared
+    with the same run of embedmesh on the CPU backend."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
     sys.path.insert(0, os.path.join(ROOT, "tests", "device"))  # test_optimizers
     import training_reference as ref
@@ -378,144 +374,239 @@ def run_correctness(w: Worker, cfg):
             f"same run of embedmesh on the CPU backend (test_optimizers not importable: "
             f"{type(e).__name__}: {e})"
         )
-    dev = jax.devices()[0]
-    mesh = Mesh(np.array([dev]), ("x",))
-    cpu_mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",)) if topt is None else None
-    w.data["reference"] = ref_kind
-    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
-    cases = w.data.setdefault("cases", [])
+    return ref, topt, ref_kind
 
-    def f64_of(emb):
-        v = emb.variables
-        return (
-            {t.name: np.asarray(d["parameters"], np.float64) for t, d in v.items()},
-            {
-                t.name: {k: np.asarray(a, np.float64) for k, a in d.items() if k != "parameters"}
-                for t, d in v.items()
-            },
-        )
 
-    def run_group(group, seed):
-        """One embedding holding a table per (optimizer case, combiner), each table with
-        its own optimizer: one program per variant, every optimizer's update in it."""
-        tables, feats, key_of, opt_of = {}, {}, {}, {}
+def _f64_of(emb):
+    """(tables, slots) of `emb` by table name, as float64 numpy."""
+    import numpy as np
+
+    v = emb.variables
+    return (
+        {t.name: np.asarray(d["parameters"], np.float64) for t, d in v.items()},
+        {
+            t.name: {k: np.asarray(a, np.float64) for k, a in d.items() if k != "parameters"}
+            for t, d in v.items()
+        },
+    )
+
+
+class _Checks:
+    """What every correctness group shares: the child, the references, the meshes (a CPU
+    one where the CPU run is the reference) and the cases published so far."""
+
+    def __init__(self, w: Worker, ref, topt, dev, mesh, cpu_mesh, cases: list):
+        self.w, self.ref, self.topt, self.cases = w, ref, topt, cases
+        self.dev, self.mesh, self.cpu_mesh = dev, mesh, cpu_mesh
+
+
+class _Group:
+    """One embedding holding a table per (optimizer case, combiner), each table with
+    its own optimizer: one program per variant, every optimizer's update in it. `check`
+    runs it: the lookups of each step, the tables and slots after them, then serving."""
+
+    KEYS = ("lookup", "table", "slots", "serving_host", "serving_device")
+
+    def __init__(self, checks: _Checks, group, seed):
+        import numpy as np
+
+        import embedmesh as em
+        from embedmesh.host.preprocess import Capacity
+
+        self.checks = checks
+        self.tables, self.feats, self.key_of, self.opt_of = {}, {}, {}, {}
         for i, label, cls_name, kwargs in group:
             opt = getattr(em, cls_name)(**kwargs)
             hp = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}
             hp["lr_spec"] = ("const", kwargs["learning_rate"])
             for c, (v, d) in CASE_TABLES.items():
                 name = f"t{i}_{c}"
-                tables[name] = em.TableConfig(v, d, combiner=c, name=name, optimizer=opt)
-                opt_of[name] = (cls_name, hp, opt)
-                key_of[name] = (label, c)
+                self.tables[name] = em.TableConfig(v, d, combiner=c, name=name, optimizer=opt)
+                self.opt_of[name] = (cls_name, hp, opt)
+                self.key_of[name] = (label, c)
                 for kind in ("w", "u"):  # weighted, unweighted
-                    feats[f"f{i}_{c}_{kind}"] = em.FeatureConfig(tables[name])
-        rng = np.random.default_rng(seed)
-        make = lambda m: em.MeshEmbedding(feats, mesh=m, capacities=Capacity(1024, 512), seed=seed)
-        emb = make(mesh)
-        emb.build()
-        cpu_emb = None
-        if cpu_mesh is not None:
-            cpu_emb = make(cpu_mesh)
-            cpu_emb.build()
-        ref_tabs, ref_slots = f64_of(emb)
-        keys = ("lookup", "table", "slots", "serving_host", "serving_device")
-        res = {k: dict.fromkeys(keys) for k in key_of.values()}
-        first = len(cases)
+                    self.feats[f"f{i}_{c}_{kind}"] = em.FeatureConfig(self.tables[name])
+        self.rng = np.random.default_rng(seed)
+        make = lambda m: em.MeshEmbedding(
+            self.feats, mesh=m, capacities=Capacity(1024, 512), seed=seed
+        )
+        self.emb = make(checks.mesh)
+        self.emb.build()
+        self.cpu_emb = None
+        if checks.cpu_mesh is not None:
+            self.cpu_emb = make(checks.cpu_mesh)
+            self.cpu_emb.build()
+        self.ref_tabs, self.ref_slots = _f64_of(self.emb)
+        self.res = {k: dict.fromkeys(self.KEYS) for k in self.key_of.values()}
+        self.first = len(checks.cases)
 
-        def publish(incomplete=None):
-            """The group's cases as measured so far, saved (a child killed at its cap
-            keeps them): `passed` is None while `incomplete` says what is missing."""
-            del cases[first:]
-            for tname, (label, c) in key_of.items():
-                r = res[(label, c)]
-                ok = all(passes(r[k]) for k in keys if k != "slots")
-                has_slots = bool(opt_of[tname][2].slot_initial_values)
-                ok = ok and (passes(r["slots"]) if has_slots else r["slots"] is None)
-                case = dict(optimizer=label, combiner=c, passed=bool(ok), rel_err=r)
-                if incomplete:
-                    case.update(passed=None, incomplete=incomplete)
-                cases.append(case)
-            w.save()
-
-        def worst(tname, what, err):
-            r = res[key_of[tname]]
-            old = r[what]
-            r[what] = err if (old is None or not (err <= old)) else old  # NaN stays
-
+    def check(self):
         try:
             for step in range(CASE_STEPS):
-                inputs, weights = _case_batch(rng, feats)
-                acts, preserved = emb(inputs, weights)
-                lays = []
-                for name, f in feats.items():
-                    lay = ref.layout(f, inputs[name], weights[name])
-                    lays.append((name, f.table.name, lay))
-                    want = ref.activation(ref_tabs[f.table.name], lay)
-                    worst(f.table.name, "lookup", rel_err(np.asarray(acts[name]), want))
-                dacts = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in acts.items()}
-                emb.apply_gradients(
-                    {n: jax.device_put(v, dev) for n, v in dacts.items()}, preserved
-                )
-                if topt is not None:
-                    grads = ref.row_gradients(lays, dacts)
-                    for tname, per_id in grads.items():
-                        cls_name, hp, opt = opt_of[tname]
-                        if not getattr(opt, "lazy_adam", True):  # every row moves
-                            zero = np.zeros(ref_tabs[tname].shape[1])
-                            V = ref_tabs[tname].shape[0]
-                            per_id = {i: per_id.get(i, zero) for i in range(V)}
-                        ids = sorted(per_id)
-                        g = np.stack([per_id[i] for i in ids])
-                        s = {k: v[ids] for k, v in ref_slots[tname].items()}
-                        new_w, _, new_s, _ = topt.ref_update(
-                            cls_name, hp, ref_tabs[tname][ids], s, g, step
-                        )
-                        ref_tabs[tname][ids] = new_w
-                        for k in new_s:
-                            ref_slots[tname][k][ids] = new_s[k]
-                else:
-                    _, cpu_pre = cpu_emb(inputs, weights)
-                    cpu_emb.apply_gradients(dacts, cpu_pre)
-                    ref_tabs, ref_slots = f64_of(cpu_emb)
-                publish(f"lookups of {step + 1} of {CASE_STEPS} steps checked")
-            got_tabs, got_slots = f64_of(emb)
-            for tname in tables:
-                worst(tname, "table", rel_err(got_tabs[tname], ref_tabs[tname]))
-                for k in ref_slots[tname]:
-                    worst(tname, "slots", rel_err(got_slots[tname][k], ref_slots[tname][k]))
-            publish("serving lookups not checked")
-            # serving on the read-back (exported) tables: host path, and jax.jit on the device
-            inputs, weights = _case_batch(rng, feats)
-            exported = emb.embedding_tables
-            # poison: the host path reuses freed output buffers; fill them with NaN first
-            nan = {t: np.full(v.shape, np.nan, v.dtype) for t, v in exported.items()}
-            poisoned = em.serving_embedding_lookup(inputs, weights, nan, feats)
-            del poisoned
-            gc.collect()
-            host = em.serving_embedding_lookup(inputs, weights, exported, feats)
-            serve = jax.jit(lambda i, wt, t: em.serving_embedding_lookup(i, wt, t, feats))
-            on_dev = serve(
-                jax.device_put(inputs, dev),
-                jax.device_put(weights, dev),
-                jax.device_put(exported, dev),
-            )
-            for name, f in feats.items():
-                lay = ref.layout(f, inputs[name], weights[name])
-                want = ref.activation(np.asarray(exported[f.table], np.float64), lay)
-                for what, out in (("serving_host", host), ("serving_device", on_dev)):
-                    worst(f.table.name, what, rel_err(np.asarray(out[name]), want))
+                self.step(step)
+                self.publish(f"lookups of {step + 1} of {CASE_STEPS} steps checked")
+            got_tabs, got_slots = _f64_of(self.emb)
+            for tname in self.tables:
+                self.worst(tname, "table", rel_err(got_tabs[tname], self.ref_tabs[tname]))
+                for k in self.ref_slots[tname]:
+                    want = self.ref_slots[tname][k]
+                    self.worst(tname, "slots", rel_err(got_slots[tname][k], want))
+            self.publish("serving lookups not checked")
+            self.serving()
         finally:
-            for e in (emb, cpu_emb):
+            for e in (self.emb, self.cpu_emb):
                 if e is not None:
                     _free_jax(e.state.tables, e.state.slots)
-        publish()
+        self.publish()
+
+    def publish(self, incomplete=None):
+        """The group's cases as measured so far, saved (a child killed at its cap
+        keeps them): `passed` is None while `incomplete` says what is missing."""
+        cases = self.checks.cases
+        del cases[self.first :]
+        for tname, (label, c) in self.key_of.items():
+            r = self.res[(label, c)]
+            ok = all(passes(r[k]) for k in self.KEYS if k != "slots")
+            has_slots = bool(self.opt_of[tname][2].slot_initial_values)
+            ok = ok and (passes(r["slots"]) if has_slots else r["slots"] is None)
+            case = dict(optimizer=label, combiner=c, passed=bool(ok), rel_err=r)
+            if incomplete:
+                case.update(passed=None, incomplete=incomplete)
+            cases.append(case)
+        self.checks.w.save()
+
+    def worst(self, tname, what, err):
+        r = self.res[self.key_of[tname]]
+        old = r[what]
+        r[what] = err if (old is None or not (err <= old)) else old  # NaN stays
+
+    def step(self, step):
+        """One training step: its lookups against the reference's, then the same update
+        on the reference (float64 numpy, or embedmesh on the CPU)."""
+        import jax
+        import numpy as np
+
+        ref, feats = self.checks.ref, self.feats
+        inputs, weights = _case_batch(self.rng, feats)
+        acts, preserved = self.emb(inputs, weights)
+        lays = []
+        for name, f in feats.items():
+            lay = ref.layout(f, inputs[name], weights[name])
+            lays.append((name, f.table.name, lay))
+            want = ref.activation(self.ref_tabs[f.table.name], lay)
+            self.worst(f.table.name, "lookup", rel_err(np.asarray(acts[name]), want))
+        dacts = {n: self.rng.normal(size=a.shape).astype(np.float32) for n, a in acts.items()}
+        self.emb.apply_gradients(
+            {n: jax.device_put(v, self.checks.dev) for n, v in dacts.items()}, preserved
+        )
+        if self.checks.topt is not None:
+            self.reference_update(lays, dacts, step)
+        else:
+            _, cpu_pre = self.cpu_emb(inputs, weights)
+            self.cpu_emb.apply_gradients(dacts, cpu_pre)
+            self.ref_tabs, self.ref_slots = _f64_of(self.cpu_emb)
+
+    def reference_update(self, lays, dacts, step):
+        """The step's update of the float64 tables and slots (test_optimizers.ref_update)."""
+        import numpy as np
+
+        grads = self.checks.ref.row_gradients(lays, dacts)
+        ref_tabs, ref_slots = self.ref_tabs, self.ref_slots
+        for tname, per_id in grads.items():
+            cls_name, hp, opt = self.opt_of[tname]
+            if not getattr(opt, "lazy_adam", True):  # every row moves
+                zero = np.zeros(ref_tabs[tname].shape[1])
+                V = ref_tabs[tname].shape[0]
+                per_id = {i: per_id.get(i, zero) for i in range(V)}
+            ids = sorted(per_id)
+            g = np.stack([per_id[i] for i in ids])
+            s = {k: v[ids] for k, v in ref_slots[tname].items()}
+            new_w, _, new_s, _ = self.checks.topt.ref_update(
+                cls_name, hp, ref_tabs[tname][ids], s, g, step
+            )
+            ref_tabs[tname][ids] = new_w
+            for k in new_s:
+                ref_slots[tname][k][ids] = new_s[k]
+
+    def serving(self):
+        """Serving on the read-back (exported) tables: host path, and jax.jit on the
+        device, against the float64 reference."""
+        import jax
+        import numpy as np
+
+        import embedmesh as em
+
+        feats, dev, ref = self.feats, self.checks.dev, self.checks.ref
+        inputs, weights = _case_batch(self.rng, feats)
+        exported = self.emb.embedding_tables
+        # poison: the host path reuses freed output buffers; fill them with NaN first
+        nan = {t: np.full(v.shape, np.nan, v.dtype) for t, v in exported.items()}
+        poisoned = em.serving_embedding_lookup(inputs, weights, nan, feats)
+        del poisoned
+        gc.collect()
+        host = em.serving_embedding_lookup(inputs, weights, exported, feats)
+        serve = jax.jit(lambda i, wt, t: em.serving_embedding_lookup(i, wt, t, feats))
+        on_dev = serve(
+            jax.device_put(inputs, dev),
+            jax.device_put(weights, dev),
+            jax.device_put(exported, dev),
+        )
+        for name, f in feats.items():
+            lay = ref.layout(f, inputs[name], weights[name])
+            want = ref.activation(np.asarray(exported[f.table], np.float64), lay)
+            for what, out in (("serving_host", host), ("serving_device", on_dev)):
+                self.worst(f.table.name, what, rel_err(np.asarray(out[name]), want))
+
+
+def _one_by_one(checks: _Checks, group):
+    """The groups of one optimizer each, after the joint one raised: each as the budget
+    allows, a crash a failed case."""
+    w, cases = checks.w, checks.cases
+    last = 5.0  # a case needs about as long as the one before
+    for i, label, cls_name, kwargs in group:
+        if w.left() < 1.3 * last:
+            w.data["skipped"].append(
+                f"correctness {label}: skipped, {w.left():.0f} s left of the child's budget"
+            )
+            continue
+        t_case, first = time.perf_counter(), len(cases)
+        try:
+            _Group(checks, [(i, label, cls_name, kwargs)], seed=100 + i).check()
+        except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported
+            del cases[first:]  # what it published before the crash
+            for c in COMBINERS:
+                cases.append(
+                    dict(
+                        optimizer=label,
+                        combiner=c,
+                        passed=False,
+                        error=f"{type(e).__name__}: {e}",
+                    )
+                )
+            w.data["tracebacks"][label] = traceback.format_exc()[-4000:]
+        last = time.perf_counter() - t_case
+        w.save()
+
+
+def run_correctness(w: Worker, cfg):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    ref, topt, ref_kind = _references()
+    dev = jax.devices()[0]
+    mesh = Mesh(np.array([dev]), ("x",))
+    cpu_mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",)) if topt is None else None
+    w.data["reference"] = ref_kind
+    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
+    cases = w.data.setdefault("cases", [])
+    checks = _Checks(w, ref, topt, dev, mesh, cpu_mesh, cases)
 
     t0 = time.perf_counter()
     group = [(i, *case) for i, case in enumerate(OPTIMIZER_CASES)]
     print(f"[correctness] reference: {ref_kind}", flush=True)
     try:
-        run_group(group, seed=100)
+        _Group(checks, group, seed=100).check()
         w.data["programs"] = "one embedding, a table per optimizer x combiner"
     except Exception:  # noqa: BLE001 - isolate it: one embedding per optimizer
         w.data.setdefault("tracebacks", {})["all optimizers at once"] = traceback.format_exc()[
@@ -524,30 +615,7 @@ def run_correctness(w: Worker, cfg):
         w.data["programs"] = "one embedding per optimizer (the joint one raised, see tracebacks)"
         del cases[:]
         w.save()
-        last = 5.0  # a case needs about as long as the one before
-        for i, label, cls_name, kwargs in group:
-            if w.left() < 1.3 * last:
-                w.data["skipped"].append(
-                    f"correctness {label}: skipped, {w.left():.0f} s left of the child's budget"
-                )
-                continue
-            t_case, first = time.perf_counter(), len(cases)
-            try:
-                run_group([(i, label, cls_name, kwargs)], seed=100 + i)
-            except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported
-                del cases[first:]  # what it published before the crash
-                for c in COMBINERS:
-                    cases.append(
-                        dict(
-                            optimizer=label,
-                            combiner=c,
-                            passed=False,
-                            error=f"{type(e).__name__}: {e}",
-                        )
-                    )
-                w.data["tracebacks"][label] = traceback.format_exc()[-4000:]
-            last = time.perf_counter() - t_case
-            w.save()
+        _one_by_one(checks, group)
     w.data["sections"]["correctness"] = dict(wall_s=round(time.perf_counter() - t0, 2))
     w.save()
 
@@ -577,78 +645,70 @@ def memory_stats(dev):
     return {k: stats[k] for k in keys if k in stats} or None
 
 
-def run_jax_scale(w: Worker, cfg):
+def _jax_copy_bandwidth(cfg):
+    """The device's copy bandwidth: bytes read + written by jit(x + 1) over copy_bytes."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh
+
+    n = cfg["copy_bytes"] // 4
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)  # one read, one write: a copy XLA cannot elide
+    med, _ = timed_median(lambda i: f(x).block_until_ready(), 2, cfg["copy_reps"])
+    _free_jax(x)
+    return dict(bytes=2 * n * 4, median_s=med, GBps=2 * n * 4 / med / 1e9, how="jit(x + 1)")
+
+
+def _jax_build(holder, fc, feats, mesh):
+    """The embedding built (timed) and every batch preprocessed (enqueue, timed); the
+    embedding and the batches' CSRs left in `holder`."""
+    import jax
 
     import embedmesh as em
     from embedmesh.layout.stacking import plan_stacking
 
-    T, V, D, B = cfg["tables"], cfg["vocab"], cfg["dim"], cfg["batch"]
-    warmup, reps, K = cfg["warmup"], cfg["reps"], cfg["num_batches"]
-    dev = jax.devices()[0]
-    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
-    w.data["jax"] = jax.__version__
-
-    def copy_bw():
-        n = cfg["copy_bytes"] // 4
-        x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-        f = jax.jit(lambda x: x + 1.0)  # one read, one write: a copy XLA cannot elide
-        med, _ = timed_median(lambda i: f(x).block_until_ready(), 2, cfg["copy_reps"])
-        _free_jax(x)
-        return dict(bytes=2 * n * 4, median_s=med, GBps=2 * n * 4 / med / 1e9, how="jit(x + 1)")
-
-    w.section("copy_bandwidth", 5, copy_bw)
-
-    batches = load_batches(cfg)
-    meta = cfg["batch_meta"]
-    fc = {
-        f"f{t}": em.FeatureConfig(em.TableConfig(V, D, combiner="sum", name=f"t{t}"))
-        for t in range(T)
-    }
-    feats = [{f"f{t}": em.RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
-    mesh = Mesh(np.array([dev]), ("x",))
-    holder = {}
-
-    def build():
-        caps = em.compute_sparse_core_stats(
-            feats, plan_stacking(fc, 1), num_devices_local=1
-        ).capacities()
-        opt = em.Adagrad(learning_rate=LR, initial_accumulator_value=INITIAL_ACC)
-        emb = em.MeshEmbedding(fc, opt, mesh=mesh, capacities=caps)
+    caps = em.compute_sparse_core_stats(
+        feats, plan_stacking(fc, 1), num_devices_local=1
+    ).capacities()
+    opt = em.Adagrad(learning_rate=LR, initial_accumulator_value=INITIAL_ACC)
+    emb = em.MeshEmbedding(fc, opt, mesh=mesh, capacities=caps)
+    t = time.perf_counter()
+    emb.build()  # jax.random initializer, on the device
+    jax.block_until_ready(emb.state)
+    build_s = time.perf_counter() - t
+    shapes = {s: list(a.shape) for s, a in emb.state.tables.items()}
+    for s, a in emb.state.tables.items():
+        assert a.size < 2**31, (s, a.shape)
+    emb.enqueue(feats[0])  # warms the preprocessing (numba compiles at first use)
+    enq = []
+    csrs = []
+    for f in feats:
         t = time.perf_counter()
-        emb.build()  # jax.random initializer, on the device
-        jax.block_until_ready(emb.state)
-        build_s = time.perf_counter() - t
-        shapes = {s: list(a.shape) for s, a in emb.state.tables.items()}
-        for s, a in emb.state.tables.items():
-            assert a.size < 2**31, (s, a.shape)
-        emb.enqueue(feats[0])  # warms the preprocessing (numba compiles at first use)
-        enq = []
-        csrs = []
-        for f in feats:
-            t = time.perf_counter()
-            csrs.append(jax.block_until_ready(emb.enqueue(f)))
-            enq.append(time.perf_counter() - t)
-        holder.update(emb=emb, csrs=csrs)
-        state_bytes = sum(
-            x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
-        )
-        return dict(
-            build_s=build_s,
-            stacks=shapes,
-            state_bytes=state_bytes,
-            capacities={s: str(c) for s, c in caps.items()},
-            host_preprocess_s=median(enq),
-            host_preprocess_samples_s=enq,
-            host_preprocess_note="enqueue = host preprocessing + transfer; a real per-batch "
-            "cost, kept out of the device step times below (K batches made before timing)",
-        )
+        csrs.append(jax.block_until_ready(emb.enqueue(f)))
+        enq.append(time.perf_counter() - t)
+    holder.update(emb=emb, csrs=csrs)
+    state_bytes = sum(
+        x.nbytes for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))
+    )
+    return dict(
+        build_s=build_s,
+        stacks=shapes,
+        state_bytes=state_bytes,
+        capacities={s: str(c) for s, c in caps.items()},
+        host_preprocess_s=median(enq),
+        host_preprocess_samples_s=enq,
+        host_preprocess_note="enqueue = host preprocessing + transfer; a real per-batch "
+        "cost, kept out of the device step times below (K batches made before timing)",
+    )
 
-    if w.section("build_and_preprocess", 20, build) is None:
-        return
+
+def _jax_passes(w: Worker, cfg, holder, rates, dev):
+    """The forward, backward+update and full step of `holder`'s embedding, timed, then
+    its tables checked finite; the embedding and its batches freed after."""
+    import jax
+    import jax.numpy as jnp
+
+    T, D, B = cfg["tables"], cfg["dim"], cfg["batch"]
+    warmup, reps, K = cfg["warmup"], cfg["reps"], cfg["num_batches"]
     emb, csrs = holder["emb"], holder["csrs"]
     core = emb.core
     key = jax.random.key(1)
@@ -671,12 +731,6 @@ def run_jax_scale(w: Worker, cfg):
 
     train = jax.jit(train, donate_argnums=0)
     state = {"st": emb.state}
-    ids = [m["ids"] for m in meta]
-    uniq = [m["unique_rows"] for m in meta]
-    mean_ids, mean_uniq = statistics.mean(ids), statistics.mean(uniq)
-    touched = bytes_touched(cfg, mean_ids, mean_uniq, num_slots=1)
-
-    rates = rates_of(mean_ids, touched)
 
     def fwd():
         med, ts = timed_median(
@@ -700,7 +754,6 @@ def run_jax_scale(w: Worker, cfg):
         med, ts = timed_median(one, warmup, reps)
         return dict(rates(med, "step"), samples_s=ts)
 
-    w.data["workload"] = dict(ids_per_batch=mean_ids, unique_rows_per_batch=mean_uniq)
     w.section("forward", 10, fwd)
     w.section("backward_update", 10, bwd)
     w.section("step", 15, step)
@@ -719,100 +772,146 @@ def run_jax_scale(w: Worker, cfg):
     emb = csrs = None
     gc.collect()
 
-    def serving():
-        tcs = [f.table for f in fc.values()]
-        tabs = {
-            tc: 0.01 * jax.random.normal(jax.random.fold_in(key, 100 + t), (V, D), jnp.float32)
-            for t, tc in enumerate(tcs)
-        }
-        ins = [
-            {
-                f"f{t}": em.RaggedTensor(
-                    jax.device_put(b[t][0], dev),
-                    jax.device_put(np.concatenate([[0], np.cumsum(b[t][1])]).astype(np.int32), dev),
-                )
-                for t in range(T)
-            }
-            for b in batches
-        ]
-        serve = jax.jit(lambda i, t: em.serving_embedding_lookup(i, None, t, fc))
-        med, ts = timed_median(
-            lambda i: jax.block_until_ready(serve(ins[i % K], tabs)), warmup, reps
-        )
-        mem = memory_stats(dev)
-        _free_jax(tabs, ins)
-        return dict(ms=med * 1e3, ids_per_s=mean_ids / med, samples_s=ts, memory=mem)
 
-    w.section("serving_jit", 20, serving)
+def _jax_serving(cfg, fc, batches, dev, mean_ids):
+    """`serving_embedding_lookup` under jax.jit on device tables, the scale batches."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import embedmesh as em
+
+    T, V, D = cfg["tables"], cfg["vocab"], cfg["dim"]
+    warmup, reps, K = cfg["warmup"], cfg["reps"], cfg["num_batches"]
+    key = jax.random.key(1)
+    tcs = [f.table for f in fc.values()]
+    tabs = {
+        tc: 0.01 * jax.random.normal(jax.random.fold_in(key, 100 + t), (V, D), jnp.float32)
+        for t, tc in enumerate(tcs)
+    }
+    ins = [
+        {
+            f"f{t}": em.RaggedTensor(
+                jax.device_put(b[t][0], dev),
+                jax.device_put(np.concatenate([[0], np.cumsum(b[t][1])]).astype(np.int32), dev),
+            )
+            for t in range(T)
+        }
+        for b in batches
+    ]
+    serve = jax.jit(lambda i, t: em.serving_embedding_lookup(i, None, t, fc))
+    med, ts = timed_median(lambda i: jax.block_until_ready(serve(ins[i % K], tabs)), warmup, reps)
+    mem = memory_stats(dev)
+    _free_jax(tabs, ins)
+    return dict(ms=med * 1e3, ids_per_s=mean_ids / med, samples_s=ts, memory=mem)
+
+
+def run_jax_scale(w: Worker, cfg):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+
+    T, V, D = cfg["tables"], cfg["vocab"], cfg["dim"]
+    dev = jax.devices()[0]
+    w.data["device"] = f"{dev.device_kind} ({dev.platform})"
+    w.data["jax"] = jax.__version__
+    w.section("copy_bandwidth", 5, _jax_copy_bandwidth, cfg)
+
+    batches = load_batches(cfg)
+    meta = cfg["batch_meta"]
+    fc = {
+        f"f{t}": em.FeatureConfig(em.TableConfig(V, D, combiner="sum", name=f"t{t}"))
+        for t in range(T)
+    }
+    feats = [{f"f{t}": em.RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
+    mesh = Mesh(np.array([dev]), ("x",))
+    holder: dict = {}
+    if w.section("build_and_preprocess", 20, _jax_build, holder, fc, feats, mesh) is None:
+        return
+    ids = [m["ids"] for m in meta]
+    uniq = [m["unique_rows"] for m in meta]
+    mean_ids, mean_uniq = statistics.mean(ids), statistics.mean(uniq)
+    touched = bytes_touched(cfg, mean_ids, mean_uniq, num_slots=1)
+    w.data["workload"] = dict(ids_per_batch=mean_ids, unique_rows_per_batch=mean_uniq)
+    _jax_passes(w, cfg, holder, rates_of(mean_ids, touched), dev)
+    w.section("serving_jit", 20, _jax_serving, cfg, fc, batches, dev, mean_ids)
 
 
 # ---------------------------------------------------------------------------
 # torch peer
 
 
-def run_torch(w: Worker, cfg):
-    try:
-        import torch
-    except ImportError as e:
-        w.data["skipped"].append(f"torch not installed ({e}): torch figures n/a")
-        w.data["torch"] = "not installed"
-        w.save()
-        return
-    import numpy as np
-    import torch.nn.functional as F
+class _TorchPeer:
+    """torch's side of the scale workload: T `nn.EmbeddingBag`s + Adagrad on the same ids
+    (see the module docstring), on the GPU where there is one."""
 
-    T, V, D, B = cfg["tables"], cfg["vocab"], cfg["dim"], cfg["batch"]
-    warmup, reps, K = cfg["warmup"], cfg["reps"], cfg["num_batches"]
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    w.data["torch"] = torch.__version__
-    w.data["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    meta = cfg["batch_meta"]
-    mean_ids = statistics.mean(m["ids"] for m in meta)
-    mean_uniq = statistics.mean(m["unique_rows"] for m in meta)
-    touched = bytes_touched(cfg, mean_ids, mean_uniq, num_slots=1)
+    def __init__(self, w: Worker, cfg, torch):
+        self.torch, self.cfg = torch, cfg
+        self.cuda = torch.cuda.is_available()
+        self.dev = torch.device("cuda" if self.cuda else "cpu")
+        w.data["torch"] = torch.__version__
+        w.data["device"] = torch.cuda.get_device_name(0) if self.cuda else "cpu"
+        self.sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+        meta = cfg["batch_meta"]
+        mean_ids = statistics.mean(m["ids"] for m in meta)
+        mean_uniq = statistics.mean(m["unique_rows"] for m in meta)
+        self.touched = bytes_touched(cfg, mean_ids, mean_uniq, num_slots=1)
+        self.rates = rates_of(mean_ids, self.touched)
+        self.fused_refused = ""
 
-    def free():
+    def free(self):
         gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
 
-    def copy_bw():
+    def copy_bw(self):
+        torch, cfg = self.torch, self.cfg
         n = cfg["copy_bytes"] // 4
-        buf = {"src": torch.randn(n, device=dev)}
+        buf = {"src": torch.randn(n, device=self.dev)}
         buf["dst"] = torch.empty_like(buf["src"])
 
         def one(i):
             buf["dst"].copy_(buf["src"])
-            sync()
+            self.sync()
 
         med, _ = timed_median(one, 2, cfg["copy_reps"])
         buf.clear()
-        free()
+        self.free()
         return dict(bytes=2 * n * 4, median_s=med, GBps=2 * n * 4 / med / 1e9, how="dst.copy_(src)")
 
-    w.section("copy_bandwidth", 5, copy_bw)
+    def load(self):
+        """The scale batches on the device as (ids, offsets), and the loss targets R."""
+        import numpy as np
 
-    batches = [
-        [
-            (
-                torch.from_numpy(v.astype(np.int64)).to(dev),
-                torch.from_numpy(np.concatenate([[0], np.cumsum(l)[:-1]]).astype(np.int64)).to(dev),
-            )
-            for v, l in b
+        torch, cfg, dev = self.torch, self.cfg, self.dev
+        self.batches = [
+            [
+                (
+                    torch.from_numpy(v.astype(np.int64)).to(dev),
+                    torch.from_numpy(np.concatenate([[0], np.cumsum(l)[:-1]]).astype(np.int64)).to(
+                        dev
+                    ),
+                )
+                for v, l in b
+            ]
+            for b in load_batches(cfg)
         ]
-        for b in load_batches(cfg)
-    ]
-    gen = torch.Generator(device=dev).manual_seed(1)
-    R = [torch.randn(B, D, device=dev, generator=gen) for _ in range(T)]
+        gen = torch.Generator(device=dev).manual_seed(1)
+        self.R = [
+            torch.randn(cfg["batch"], cfg["dim"], device=dev, generator=gen)
+            for _ in range(cfg["tables"])
+        ]
 
-    rates = rates_of(mean_ids, touched)
-
-    def setup(sparse, fused=True):
+    def setup(self, sparse, fused=True):
+        torch, cfg = self.torch, self.cfg
         torch.manual_seed(0)
         bags = [
-            torch.nn.EmbeddingBag(V, D, mode="sum", sparse=sparse, device=dev) for _ in range(T)
+            torch.nn.EmbeddingBag(
+                cfg["vocab"], cfg["dim"], mode="sum", sparse=sparse, device=self.dev
+            )
+            for _ in range(cfg["tables"])
         ]
         params = [p for b in bags for p in b.parameters()]
         how = "sparse grads, default (single-tensor) path"
@@ -821,7 +920,7 @@ def run_torch(w: Worker, cfg):
         else:
             try:
                 if not fused:
-                    raise RuntimeError(fused_refused[0])
+                    raise RuntimeError(self.fused_refused)
                 opt = torch.optim.Adagrad(
                     params, lr=LR, initial_accumulator_value=INITIAL_ACC, fused=True
                 )
@@ -833,12 +932,17 @@ def run_torch(w: Worker, cfg):
                 how = f"dense grads, foreach=True (fused refused: {str(e)[:200]})"
         return bags, opt, how
 
-    fused_refused = [""]
+    def train(self, sparse, fused=True):
+        """The step timed (and with sparse gradients, the no_grad forward); dense with
+        fused=True first, foreach where fused refuses at its first step."""
+        torch, cfg, sync, rates = self.torch, self.cfg, self.sync, self.rates
+        import torch.nn.functional as F
 
-    def train(sparse, fused=True):
-        if cuda:
+        T, warmup, reps, K = cfg["tables"], cfg["warmup"], cfg["reps"], cfg["num_batches"]
+        batches, R = self.batches, self.R
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        m = dict(zip(("bags", "opt", "how"), setup(sparse, fused)))  # cleared at the end
+        m = dict(zip(("bags", "opt", "how"), self.setup(sparse, fused)))  # cleared at the end
 
         def one(i):
             b, bags, opt = batches[i % K], m["bags"], m["opt"]
@@ -861,10 +965,10 @@ def run_torch(w: Worker, cfg):
             except RuntimeError as e:
                 if sparse or not fused or "fused=True" not in m["how"]:
                     raise
-                fused_refused[0] = f"{type(e).__name__} at step: {e}"  # e.g. unsupported here
+                self.fused_refused = f"{type(e).__name__} at step: {e}"  # e.g. unsupported here
                 m.clear()
-                free()
-                return train(sparse, fused=False)
+                self.free()
+                return self.train(sparse, fused=False)
             out = dict(rates(med, "step"), samples_s=ts, how=m["how"])
             if sparse:
                 fmed, fts = timed_median(fwd, warmup, reps)
@@ -872,20 +976,32 @@ def run_torch(w: Worker, cfg):
                 bu = med - fmed
                 out["backward_update"] = dict(
                     ms=bu * 1e3,
-                    touched_GBps=touched["backward_update"] / bu / 1e9 if bu > 0 else None,
+                    touched_GBps=self.touched["backward_update"] / bu / 1e9 if bu > 0 else None,
                     how="step - forward",
                 )
             out["tables_finite_after_timing"] = all(
                 bool(torch.isfinite(b.weight).all()) for b in m["bags"]
             )
-            out["peak_mem_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
+            out["peak_mem_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
             return out
         finally:
             m.clear()
-            free()
+            self.free()
 
-    w.section("sparse_adagrad", 20, train, True)
-    w.section("dense_fused_adagrad", 25, train, False)
+
+def run_torch(w: Worker, cfg):
+    try:
+        import torch
+    except ImportError as e:
+        w.data["skipped"].append(f"torch not installed ({e}): torch figures n/a")
+        w.data["torch"] = "not installed"
+        w.save()
+        return
+    peer = _TorchPeer(w, cfg, torch)
+    w.section("copy_bandwidth", 5, peer.copy_bw)
+    peer.load()
+    w.section("sparse_adagrad", 20, peer.train, True)
+    w.section("dense_fused_adagrad", 25, peer.train, False)
 
 
 # ---------------------------------------------------------------------------
@@ -1027,7 +1143,8 @@ def derive(report):
     return out
 
 
-def markdown(report) -> str:
+def _md_head(report) -> list[str]:
+    """The title, the run's host, budget and pre-flight, and whether it was cut short."""
     cfg = report["config"]
     L = [f"# embedmesh GPU check ({cfg['mode']} mode)", ""]
     L.append(
@@ -1047,8 +1164,34 @@ def markdown(report) -> str:
             f"**Incomplete** ({report['state']}): saved while the run went on; a run cut "
             "short leaves this last save.",
         ]
-    L.append("")
-    L.append("## (a) Correctness on the default device (rel. error ||out-ref||/||ref|| < 1e-5)")
+    return L
+
+
+def _md_case_cell(x) -> str:
+    """One correctness case's cell: not run, failed, partial, or ok with its worst error."""
+    if x is None:
+        return "not run"
+    if "error" in x:
+        return f"FAIL ({x['error'][:60]})"
+    if x["passed"] is None:
+        e = [v for v in x["rel_err"].values() if v is not None]
+        return f"partial, worst {fmt(max(e, default=None), '.1e')} ({x['incomplete']})"
+    e = x["rel_err"]
+    worst = max((v for v in e.values() if v is not None), default=math.nan)
+    if any(v is not None and math.isnan(v) for v in e.values()):
+        worst = math.nan
+    bad = [k for k, v in e.items() if not (k == "slots" and v is None)]
+    bad = [k for k in bad if not passes(e[k])]
+    return (
+        ("ok " if x["passed"] else "FAIL ")
+        + fmt(worst, ".1e")
+        + (f" ({', '.join(bad)})" if bad else "")
+    )
+
+
+def _md_correctness(report) -> list[str]:
+    """(a): a table of optimizer x combiner per variant."""
+    L = ["", "## (a) Correctness on the default device (rel. error ||out-ref||/||ref|| < 1e-5)"]
     for v, c in report["correctness"].items():
         cases = c.get("cases", [])
         n_ok = sum(x["passed"] is True for x in cases)
@@ -1063,55 +1206,25 @@ def markdown(report) -> str:
         ]
         by = {(x["optimizer"], x["combiner"]): x for x in cases}
         for label, _, _ in OPTIMIZER_CASES:
-            cells = []
-            for comb in COMBINERS:
-                x = by.get((label, comb))
-                if x is None:
-                    cells.append("not run")
-                elif "error" in x:
-                    cells.append(f"FAIL ({x['error'][:60]})")
-                elif x["passed"] is None:
-                    e = [v for v in x["rel_err"].values() if v is not None]
-                    cells.append(
-                        f"partial, worst {fmt(max(e, default=None), '.1e')} ({x['incomplete']})"
-                    )
-                else:
-                    e = x["rel_err"]
-                    worst = max((v for v in e.values() if v is not None), default=math.nan)
-                    if any(v is not None and math.isnan(v) for v in e.values()):
-                        worst = math.nan
-                    bad = [k for k, v in e.items() if not (k == "slots" and v is None)]
-                    bad = [k for k in bad if not passes(e[k])]
-                    cells.append(
-                        ("ok " if x["passed"] else "FAIL ")
-                        + fmt(worst, ".1e")
-                        + (f" ({', '.join(bad)})" if bad else "")
-                    )
+            cells = [_md_case_cell(by.get((label, comb))) for comb in COMBINERS]
             L.append(f"| {label} | " + " | ".join(cells) + " |")
     L += ["", "cells: worst of lookup (3 steps), tables, slots, serving host and jit lookups."]
+    return L
 
-    sc = report["scale"]
-    tsec = (report.get("torch") or {}).get("sections", {})
+
+def _torch_why(report) -> str:
+    """What a missing torch figure says: torch not installed, or not run."""
+    why = (report.get("torch") or {}).get("torch")
+    return "torch not installed" if why == "not installed" else "not run"
+
+
+def _md_step_rows(report) -> list[tuple]:
+    """(system, step, forward, backward_update, ratio to torch sparse, host prep s) of each
+    embedmesh variant and each torch setup."""
     der = report["derived"]
-    L += [
-        "",
-        f"## (b) Training step: {cfg['tables']} tables x {cfg['vocab']:,} x {cfg['dim']} f32, "
-        f"batch {cfg['batch']:,}, ids/sample {cfg['min_len']}..{cfg['max_len']} Zipf({ZIPF_A}), "
-        "sum, Adagrad",
-        "",
-    ]
-    wl = next((s.get("workload") for s in sc.values() if s.get("workload")), None)
-    if wl:
-        L.append(
-            f"ids per batch {wl['ids_per_batch']:,.0f}, "
-            f"distinct rows {wl['unique_rows_per_batch']:,.0f}; copy bandwidth "
-            f"{fmt(der.get('copy_GBps'), '.0f')} GB/s (read + write, measured here)"
-        )
-        L.append("")
-    smoke = cfg["mode"] == "smoke"
-    copy = None if smoke else der.get("copy_GBps")  # a CPU copy is no roofline
-    rows = []  # (system, step, forward, backward_update, ratio, host prep s)
-    for v, s in sc.items():
+    tsec = (report.get("torch") or {}).get("sections", {})
+    rows = []
+    for v, s in report["scale"].items():
         sec = s.get("sections", {})
         prep = sec.get("build_and_preprocess", {}).get("host_preprocess_s")
         rows.append(
@@ -1124,8 +1237,7 @@ def markdown(report) -> str:
                 prep,
             )
         )
-    why = (report.get("torch") or {}).get("torch")
-    why = "torch not installed" if why == "not installed" else "not run"
+    why = _torch_why(report)
     base = tsec.get("sparse_adagrad", {}).get("ids_per_s")
     for name, label in (
         ("sparse_adagrad", "torch EmbeddingBag sparse + Adagrad"),
@@ -1146,6 +1258,30 @@ def markdown(report) -> str:
                 None,
             )
         )
+    return rows
+
+
+def _md_step(report) -> list[str]:
+    """(b): the step's times and its bytes against the copy bandwidth."""
+    cfg, der = report["config"], report["derived"]
+    L = [
+        "",
+        f"## (b) Training step: {cfg['tables']} tables x {cfg['vocab']:,} x {cfg['dim']} f32, "
+        f"batch {cfg['batch']:,}, ids/sample {cfg['min_len']}..{cfg['max_len']} Zipf({ZIPF_A}), "
+        "sum, Adagrad",
+        "",
+    ]
+    wl = next((s.get("workload") for s in report["scale"].values() if s.get("workload")), None)
+    if wl:
+        L.append(
+            f"ids per batch {wl['ids_per_batch']:,.0f}, "
+            f"distinct rows {wl['unique_rows_per_batch']:,.0f}; copy bandwidth "
+            f"{fmt(der.get('copy_GBps'), '.0f')} GB/s (read + write, measured here)"
+        )
+        L.append("")
+    smoke = cfg["mode"] == "smoke"
+    copy = None if smoke else der.get("copy_GBps")  # a CPU copy is no roofline
+    rows = _md_step_rows(report)
     L += [
         "| system | step ms | ids/s | vs torch sparse | fwd ms | bwd+upd ms | host prep ms/batch |",
         "|---|---|---|---|---|---|---|",
@@ -1174,6 +1310,15 @@ def markdown(report) -> str:
         "step = both (N ids, U distinct rows). torch bwd+upd = step - no_grad forward. "
         "'vs torch': ids/s over torch sparse Adagrad's. Host preprocessing (enqueue: host "
         "work + transfer) is a real per-batch cost on top of the device step.",
+    ]
+    return L
+
+
+def _md_forward(report) -> list[str]:
+    """(c): forward-only and serving lookups against torch's embedding_bag."""
+    der = report["derived"]
+    tsec = (report.get("torch") or {}).get("sections", {})
+    L = [
         "",
         "## (c) Forward-only and serving lookup (same ids)",
         "",
@@ -1181,7 +1326,7 @@ def markdown(report) -> str:
         "|---|---|---|---|",
     ]
     t_fwd = tsec.get("sparse_adagrad", {}).get("forward", {})
-    for v, s in sc.items():
+    for v, s in report["scale"].items():
         sec, d = s.get("sections", {}), der.get(v, {})
         for name, label, r in (
             ("forward", "training lookup (jit core.lookup)", "forward_ratio_vs_torch"),
@@ -1194,7 +1339,7 @@ def markdown(report) -> str:
             )
     L.append(
         f"| torch F.embedding_bag sum, no_grad | {fmt(t_fwd.get('ms'))} "
-        f"| {fmt(t_fwd.get('ids_per_s'))} | {'1' if t_fwd else why} |"
+        f"| {fmt(t_fwd.get('ids_per_s'))} | {'1' if t_fwd else _torch_why(report)} |"
     )
     L += [
         "",
@@ -1202,6 +1347,12 @@ def markdown(report) -> str:
         "combiner and takes per-sample weights only with mode='sum', so the correctness "
         "cases (weighted mean/sqrtn) have no torch peer.",
     ]
+    return L
+
+
+def _md_notes(report) -> list[str]:
+    """What was skipped, what errored (the run's and each child's), the exit status."""
+    L = []
     notes = list(report["skipped"])
     for group in (report["correctness"], report["scale"], {"torch": report.get("torch") or {}}):
         for v, s in group.items():
@@ -1210,7 +1361,7 @@ def markdown(report) -> str:
     for group in (report["correctness"], report["scale"], {"torch": report.get("torch") or {}}):
         for v, s in group.items():
             errors += [f"{v}: {x[:300]}" for x in s.get("errors", [])]
-    if cfg["mode"] == "smoke":
+    if report["config"]["mode"] == "smoke":
         notes.append(
             "smoke mode: tiny sizes on this machine's default device; timings are "
             "only a liveness check, GPU figures n/a"
@@ -1220,6 +1371,15 @@ def markdown(report) -> str:
     if errors:
         L += ["", "## Errors", ""] + [f"- {e}" for e in errors]
     L += ["", f"exit status: {report['exit_status']}"]
+    return L
+
+
+def markdown(report) -> str:
+    L = _md_head(report)
+    L += _md_correctness(report)
+    L += _md_step(report)
+    L += _md_forward(report)
+    L += _md_notes(report)
     return "\n".join(L) + "\n"
 
 
@@ -1270,7 +1430,7 @@ def save_report(report, out) -> str:
     return md
 
 
-def main(argv=None):
+def _parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=False)
     p.add_argument("--smoke", action="store_true", help="tiny scale sizes (a first GPU call; CI)")
@@ -1288,32 +1448,50 @@ def main(argv=None):
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
 
-    if args.worker:
-        with open(args.cfg) as f:
-            cfg = json.load(f)
-        w = Worker(args.part, args.deadline, cfg["est_scale"])
-        w.data["env_EMBEDMESH_GPU_KERNELS"] = os.environ.get("EMBEDMESH_GPU_KERNELS")
-        w.save()
-        fn = {
-            "preflight": run_preflight,
-            "correctness": run_correctness,
-            "jax_scale": run_jax_scale,
-            "torch": run_torch,
-        }
-        try:
-            fn[args.worker](w, cfg)
-        except Exception as e:  # noqa: BLE001 - recorded in the part file for the report
-            w.data["errors"].append(f"{args.worker}: {type(e).__name__}: {e}")
-            w.data.setdefault("tracebacks", {})[args.worker] = traceback.format_exc()[-4000:]
-            w.save()
-            raise
-        w.save()
-        return 0
 
-    if not args.out:
-        p.error("--out DIR is required")
+def run_worker(args):
+    """A child (`--worker KIND`): its part, its results saved to its part file."""
+    with open(args.cfg) as f:
+        cfg = json.load(f)
+    w = Worker(args.part, args.deadline, cfg["est_scale"])
+    w.data["env_EMBEDMESH_GPU_KERNELS"] = os.environ.get("EMBEDMESH_GPU_KERNELS")
+    w.save()
+    fn = {
+        "preflight": run_preflight,
+        "correctness": run_correctness,
+        "jax_scale": run_jax_scale,
+        "torch": run_torch,
+    }
+    try:
+        fn[args.worker](w, cfg)
+    except Exception as e:  # noqa: BLE001 - recorded in the part file for the report
+        w.data["errors"].append(f"{args.worker}: {type(e).__name__}: {e}")
+        w.data.setdefault("tracebacks", {})[args.worker] = traceback.format_exc()[-4000:]
+        w.save()
+        raise
+    w.save()
+    return 0
+
+
+def scale_batches(cfg, report, tmp):
+    """The scale workload's batches, made once (their counts in cfg["batch_meta"], None
+    where making them failed: the error in the report)."""
+    t = time.time()
+    cfg["batches_path"] = os.path.join(tmp, "batches.npz")
+    try:
+        cfg["batch_meta"] = make_batches(cfg, cfg["batches_path"])
+    except Exception as e:  # noqa: BLE001
+        report["errors"].append(f"making the scale batches: {type(e).__name__}: {e}")
+        cfg["batch_meta"] = None
+    report["config"]["batch_meta"] = cfg["batch_meta"]
+    report["batches_s"] = round(time.time() - t, 1)
+
+
+def run_parent(args):
+    """The pre-flight, then the planned children as the budget allows, the report saved
+    after each; returns the exit status."""
     t0 = time.time()
     cfg = dict(SMOKE if args.smoke else FULL)
     if args.budget_s is not None:
@@ -1381,15 +1559,7 @@ def main(argv=None):
             if not fits(kind, label):
                 continue
             if kind != "correctness" and "batch_meta" not in cfg:
-                t = time.time()
-                cfg["batches_path"] = os.path.join(tmp, "batches.npz")
-                try:
-                    cfg["batch_meta"] = make_batches(cfg, cfg["batches_path"])
-                except Exception as e:  # noqa: BLE001
-                    report["errors"].append(f"making the scale batches: {type(e).__name__}: {e}")
-                    cfg["batch_meta"] = None
-                report["config"]["batch_meta"] = cfg["batch_meta"]
-                report["batches_s"] = round(time.time() - t, 1)
+                scale_batches(cfg, report, tmp)
             if kind != "correctness" and cfg["batch_meta"] is None:
                 report["skipped"].append(f"{label}: skipped, no scale batches (see Errors)")
                 continue
@@ -1411,6 +1581,16 @@ def main(argv=None):
     md = save_report(report, args.out)
     print(md, flush=True)
     return exit_status
+
+
+def main(argv=None):
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    if not args.out:
+        p.error("--out DIR is required")
+    return run_parent(args)
 
 
 if __name__ == "__main__":
