@@ -200,6 +200,105 @@ def rows_for(dim, slots=1):
     return min(1_000_000, BYTES_LIMIT // per_row // 1000 * 1000)
 
 
+def step_embedding(dim, v, batches, opt_name, pipelined, apart, table_dtype):
+    """(the step's MeshEmbedding built, `batches` as its features): T tables of v x dim
+    of `table_dtype`, constant initial rows, sum combiner, capacities measured on the
+    batches, slots apart where `apart`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.inputs import RaggedTensor
+    from embedmesh.layout import stacking
+
+    def const_init(key, shape, dtype):
+        return jnp.full(shape, 0.01, dtype)
+
+    opt = optimizers()[opt_name] if opt_name != "adagrad" else em.Adagrad(LR)
+    dtype, _, slots = table_dtype.partition("+")
+    slot_dtype = None if slots == "f32" or dtype == "float32" else dtype
+    fc = {
+        f"f{t}": em.FeatureConfig(
+            em.TableConfig(
+                v,
+                dim,
+                initializer=const_init,
+                combiner="sum",
+                name=f"t{t}",
+                dtype=dtype,
+                slot_dtype=slot_dtype,
+            )
+        )
+        for t in range(T)
+    }
+    feats = [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
+    from embedmesh.layout.stacking import dim_multiple_for, plan_stacking
+
+    device = jax.devices()[0]
+    plan = plan_stacking(
+        fc,
+        1,
+        dim_multiple=dim_multiple_for(device.platform),
+        default_optimizer=opt,
+        slots_in_rows=0 if apart else stacking.slots_in_rows_for(device.platform),
+    )
+    caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
+    emb = em.MeshEmbedding(
+        fc,
+        optimizer=opt,
+        pipeline_execution_with_tensor_core=pipelined,
+        mesh=Mesh(np.array([device]), ("d",)),
+        capacities=caps,
+    )
+    emb.build()
+    return emb, feats
+
+
+def time_step(emb, feats, batches, steps):
+    """(seconds of the first 3 steps (compiles), median enqueue s, median step s from
+    enqueued batches, mean step s end to end from the raw ids through `prefetch`)."""
+    import jax
+
+    from embedmesh.inputs import RaggedTensor
+
+    bsz = feats[0]["f0"].row_splits.shape[0] - 1
+    lossgrad = jax.jit(jax.grad(lambda acts: sum(0.5 * (a * a).sum() for a in acts.values()) / bsz))
+    csrs = [emb.enqueue(f) for f in feats]
+    t0 = time.perf_counter()
+
+    def step(c):
+        acts, pres = emb.dequeue(c)
+        emb.apply_gradients(lossgrad(acts), pres)
+
+    for i in range(3):
+        step(csrs[i % len(csrs)])
+    jax.block_until_ready(emb.state)
+    compile_s = time.perf_counter() - t0
+    it = iter(range(10**9))
+    enq = timed(lambda: jax.block_until_ready(emb.enqueue(feats[next(it) % 4])), 5)
+    it = iter(range(10**9))
+
+    def one():
+        step(csrs[next(it) % len(csrs)])
+        jax.block_until_ready(emb.state)
+
+    dev = timed(one, steps)
+
+    def e2e():  # from the raw ids, preprocessed in prefetch's thread while steps run
+        src = (
+            {f"f{t}": RaggedTensor.from_row_lengths(*batches[i % 4][t]) for t in range(T)}
+            for i in range(steps)
+        )
+        t0 = time.perf_counter()
+        for csr in emb.prefetch(src):
+            step(csr)
+        jax.block_until_ready(emb.state)
+        return (time.perf_counter() - t0) / steps
+
+    return compile_s, enq, dev, e2e()
+
+
 def embedmesh_step(
     dim,
     v,
@@ -215,12 +314,8 @@ def embedmesh_step(
     `table_dtype`: the tables' storage type, "float32", "bfloat16" / "float16" (slots in
     the same type: in the rows), or "bfloat16+f32" (float32 slots: apart)."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh
 
-    import embedmesh as em
     from embedmesh.device.ops import tpu as tpu_ops
-    from embedmesh.inputs import RaggedTensor
     from embedmesh.layout import stacking
 
     tpu_ops.ENABLED = kernels
@@ -229,84 +324,8 @@ def embedmesh_step(
     if apart:
         stacking.PLATFORM_SLOTS_IN_ROWS[platform] = 0
     try:
-
-        def const_init(key, shape, dtype):
-            return jnp.full(shape, 0.01, dtype)
-
-        opt = optimizers()[opt_name] if opt_name != "adagrad" else em.Adagrad(LR)
-        dtype, _, slots = table_dtype.partition("+")
-        slot_dtype = None if slots == "f32" or dtype == "float32" else dtype
-        fc = {
-            f"f{t}": em.FeatureConfig(
-                em.TableConfig(
-                    v,
-                    dim,
-                    initializer=const_init,
-                    combiner="sum",
-                    name=f"t{t}",
-                    dtype=dtype,
-                    slot_dtype=slot_dtype,
-                )
-            )
-            for t in range(T)
-        }
-        feats = [{f"f{t}": RaggedTensor.from_row_lengths(*b[t]) for t in range(T)} for b in batches]
-        from embedmesh.layout.stacking import dim_multiple_for, plan_stacking
-
-        device = jax.devices()[0]
-        plan = plan_stacking(
-            fc,
-            1,
-            dim_multiple=dim_multiple_for(device.platform),
-            default_optimizer=opt,
-            slots_in_rows=0 if apart else stacking.slots_in_rows_for(device.platform),
-        )
-        caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
-        emb = em.MeshEmbedding(
-            fc,
-            optimizer=opt,
-            pipeline_execution_with_tensor_core=pipelined,
-            mesh=Mesh(np.array([device]), ("d",)),
-            capacities=caps,
-        )
-        emb.build()
-        bsz = feats[0]["f0"].row_splits.shape[0] - 1
-        lossgrad = jax.jit(
-            jax.grad(lambda acts: sum(0.5 * (a * a).sum() for a in acts.values()) / bsz)
-        )
-        csrs = [emb.enqueue(f) for f in feats]
-        t0 = time.perf_counter()
-
-        def step(c):
-            acts, pres = emb.dequeue(c)
-            emb.apply_gradients(lossgrad(acts), pres)
-
-        for i in range(3):
-            step(csrs[i % len(csrs)])
-        jax.block_until_ready(emb.state)
-        compile_s = time.perf_counter() - t0
-        it = iter(range(10**9))
-        enq = timed(lambda: jax.block_until_ready(emb.enqueue(feats[next(it) % 4])), 5)
-        it = iter(range(10**9))
-
-        def one():
-            step(csrs[next(it) % len(csrs)])
-            jax.block_until_ready(emb.state)
-
-        dev = timed(one, steps)
-
-        def e2e():  # from the raw ids, preprocessed in prefetch's thread while steps run
-            src = (
-                {f"f{t}": RaggedTensor.from_row_lengths(*batches[i % 4][t]) for t in range(T)}
-                for i in range(steps)
-            )
-            t0 = time.perf_counter()
-            for csr in emb.prefetch(src):
-                step(csr)
-            jax.block_until_ready(emb.state)
-            return (time.perf_counter() - t0) / steps
-
-        end_to_end = e2e()
+        emb, feats = step_embedding(dim, v, batches, opt_name, pipelined, apart, table_dtype)
+        compile_s, enq, dev, end_to_end = time_step(emb, feats, batches, steps)
         # the rows the step moves between HBM and the core: the lookup gathers each
         # distinct row once, the update gathers and scatters each of its arrays' rows
         arrays = 1 + sum(len(v) for v in emb.state.slots.values())
