@@ -160,22 +160,9 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
-def run_movielens(args) -> dict:
-    t_start = time.perf_counter()
-    out_dir = (args.out or data.repo_root() / ".cache" / "movielens" / "out").resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ds = data.load_movielens(args.cache_dir, data_dir=args.data_dir)
-    tr, va, te = data.split_indices(ds.num_samples, args.split_seed)
-    mesh = _mesh(args)
-    B = args.batch_size
-    if B % mesh.size:
-        raise SystemExit(f"--batch-size {B} must be a multiple of the {mesh.size} devices")
-    cfg = mdl.ModelConfig(
-        dim=args.dim,
-        hidden=tuple(int(x) for x in args.hidden.split(",") if x),
-        dropout=args.dropout,
-        wide=True,
-    )
+def _announce(args, ds, splits, mesh, cfg) -> None:
+    """The data, the split, the mesh, the tables and the optimizers, printed."""
+    tr, va, te = splits
     print(
         f"MovieLens-100k: {ds.num_samples:,} ratings, {ds.labels.mean():.1%} positive "
         f"(rating >= 4); split {len(tr):,}/{len(va):,}/{len(te):,} (seed {args.split_seed})"
@@ -187,15 +174,22 @@ def run_movielens(args) -> dict:
         f"Adagrad({args.table_lr}) on the tables, Adam({args.dense_lr}) on the MLP "
         f"({'flax nnx' if args.dense == 'flax' else 'plain JAX'})"
     )
+
+
+def _trainer(args, ds, tr, mesh, cfg):
+    """The trainer (flax nnx or plain JAX) with capacities measured on the training split."""
     fc = mdl.feature_config(ds.vocab_sizes, data.FEATURES, cfg)
     caps = trn.Trainer.measure_capacities(
-        fc, mesh.size, data.train_batches(ds, tr, B, np.random.default_rng(args.split_seed)), cfg
+        fc,
+        mesh.size,
+        data.train_batches(ds, tr, args.batch_size, np.random.default_rng(args.split_seed)),
+        cfg,
     )
     if args.dense == "flax":
         from examples.movielens.train_flax import FlaxTrainer as trainer_class
     else:
         trainer_class = trn.Trainer
-    trainer = trainer_class(
+    return trainer_class(
         ds.vocab_sizes,
         data.FEATURES,
         mesh,
@@ -205,6 +199,12 @@ def run_movielens(args) -> dict:
         seed=args.seed,
         capacities=caps,
     )
+
+
+def _train(args, trainer, ds, tr, va) -> tuple[list, list, int]:
+    """The epochs, each validated; the trainer left at the best validation epoch.
+    Returns (history, step losses, best epoch)."""
+    B = args.batch_size
     rng = np.random.default_rng(args.seed)
     history, step_losses = [], []
     best = None
@@ -237,16 +237,15 @@ def run_movielens(args) -> dict:
     best_epoch = best[0]
     trainer.restore_snapshot(best[2])
     del best
-    test = trainer.evaluate(data.eval_batches(ds, te, B))
-    print(
-        f"test (best validation epoch {best_epoch}): AUC {test['auc']:.4f}  "
-        f"log-loss {test['logloss']:.4f}"
-    )
-    t_train = time.perf_counter() - t_start
+    return history, step_losses, best_epoch
 
-    # Checkpoint, then serve from the checkpoint alone on one CPU device.
+
+def _serve(args, trainer, ds, te, test, out_dir) -> dict:
+    """Checkpoint, then serve the test split from the checkpoint alone on one CPU device,
+    from float32 and from int8 tables, each against the trained model's predictions."""
     from examples.movielens import serve  # orbax loads only when needed
 
+    B = args.batch_size
     ckpt = out_dir / "checkpoint"
     if ckpt.exists():
         shutil.rmtree(ckpt)  # our own previous output
@@ -277,26 +276,40 @@ def run_movielens(args) -> dict:
         f"served from int8 tables: test AUC {int8_auc:.4f} ({int8_auc - served_auc:+.4f} "
         f"against float32), max |int8 - float32| = {np.max(np.abs(served8 - served)):.2e}"
     )
+    return {
+        "served_auc": served_auc,
+        "served_logloss": served_ll,
+        "served_int8_auc": int8_auc,
+        "served_int8_logloss": int8_ll,
+        "max_abs_diff": diff,
+        "checkpoint": ckpt,
+    }
 
-    plot_path = None
-    if not args.no_plot:
-        plot_path = plot_history(
-            out_dir / "movielens_history.png",
-            [h["train_loss"] for h in history],
-            [h["val_auc"] for h in history],
-            step_losses,
-            None if args.data_dir else REFERENCE["auc"],
-            val_loss=[h["val_logloss"] for h in history],
-            best_epoch=best_epoch,
-            title=(
-                f"{'MovieLens-100k' if not args.data_dir else args.data_dir}: embedmesh DLRM, "
-                f"kept epoch {best_epoch}, test AUC {test['auc']:.4f}, "
-                f"log-loss {test['logloss']:.4f}"
-            ),
-        )
-        print(f"plot: {plot_path}")
-    wall = time.perf_counter() - t_start
-    print()
+
+def _plot(args, out_dir, history, step_losses, best_epoch, test):
+    """The history figure (None with --no-plot)."""
+    if args.no_plot:
+        return None
+    plot_path = plot_history(
+        out_dir / "movielens_history.png",
+        [h["train_loss"] for h in history],
+        [h["val_auc"] for h in history],
+        step_losses,
+        None if args.data_dir else REFERENCE["auc"],
+        val_loss=[h["val_logloss"] for h in history],
+        best_epoch=best_epoch,
+        title=(
+            f"{'MovieLens-100k' if not args.data_dir else args.data_dir}: embedmesh DLRM, "
+            f"kept epoch {best_epoch}, test AUC {test['auc']:.4f}, "
+            f"log-loss {test['logloss']:.4f}"
+        ),
+    )
+    print(f"plot: {plot_path}")
+    return plot_path
+
+
+def _summary(args, test, best_epoch, served) -> str:
+    """The closing table: the reference (MovieLens-100k only), trained and served."""
     rows = (
         []
         if args.data_dir
@@ -310,12 +323,53 @@ def run_movielens(args) -> dict:
             f"{test['auc']:.4f}",
             f"{test['logloss']:.4f}",
         ),
-        ("served from checkpoint, 1 CPU", f"{served_auc:.4f}", f"{served_ll:.4f}"),
-        ("served from int8 tables", f"{int8_auc:.4f}", f"{int8_ll:.4f}"),
+        (
+            "served from checkpoint, 1 CPU",
+            f"{served['served_auc']:.4f}",
+            f"{served['served_logloss']:.4f}",
+        ),
+        (
+            "served from int8 tables",
+            f"{served['served_int8_auc']:.4f}",
+            f"{served['served_int8_logloss']:.4f}",
+        ),
     ]
-    print(_table(rows))
+    return _table(rows)
+
+
+def run_movielens(args) -> dict:
+    t_start = time.perf_counter()
+    out_dir = (args.out or data.repo_root() / ".cache" / "movielens" / "out").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ds = data.load_movielens(args.cache_dir, data_dir=args.data_dir)
+    tr, va, te = data.split_indices(ds.num_samples, args.split_seed)
+    mesh = _mesh(args)
+    B = args.batch_size
+    if B % mesh.size:
+        raise SystemExit(f"--batch-size {B} must be a multiple of the {mesh.size} devices")
+    cfg = mdl.ModelConfig(
+        dim=args.dim,
+        hidden=tuple(int(x) for x in args.hidden.split(",") if x),
+        dropout=args.dropout,
+        wide=True,
+    )
+    _announce(args, ds, (tr, va, te), mesh, cfg)
+    trainer = _trainer(args, ds, tr, mesh, cfg)
+    history, step_losses, best_epoch = _train(args, trainer, ds, tr, va)
+    test = trainer.evaluate(data.eval_batches(ds, te, B))
     print(
-        f"max |served - trained| {diff:.1e}; training throughput "
+        f"test (best validation epoch {best_epoch}): AUC {test['auc']:.4f}  "
+        f"log-loss {test['logloss']:.4f}"
+    )
+    t_train = time.perf_counter() - t_start
+
+    served = _serve(args, trainer, ds, te, test, out_dir)
+    plot_path = _plot(args, out_dir, history, step_losses, best_epoch, test)
+    wall = time.perf_counter() - t_start
+    print()
+    print(_summary(args, test, best_epoch, served))
+    print(
+        f"max |served - trained| {served['max_abs_diff']:.1e}; training throughput "
         f"{np.median([h['samples_per_s'] for h in history[1:] or history]):,.0f} samples/s "
         f"on {mesh.size} device(s); wall time {wall:.0f}s (training + evaluation "
         f"{t_train:.0f}s)"
@@ -324,11 +378,11 @@ def run_movielens(args) -> dict:
         "test_auc": test["auc"],
         "test_logloss": test["logloss"],
         "best_epoch": best_epoch,
-        "served_auc": served_auc,
-        "served_logloss": served_ll,
-        "served_int8_auc": int8_auc,
-        "served_int8_logloss": int8_ll,
-        "max_abs_diff": diff,
+        "served_auc": served["served_auc"],
+        "served_logloss": served["served_logloss"],
+        "served_int8_auc": served["served_int8_auc"],
+        "served_int8_logloss": served["served_int8_logloss"],
+        "max_abs_diff": served["max_abs_diff"],
         "wall_s": wall,
         "train_s": t_train,
         "history": history,
@@ -338,7 +392,7 @@ def run_movielens(args) -> dict:
         "recompiles": trainer.recompiles,
         "reference": REFERENCE,
         "plot": str(plot_path) if plot_path else None,
-        "checkpoint": str(ckpt),
+        "checkpoint": str(served["checkpoint"]),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     return results
