@@ -26,6 +26,7 @@ from embedmesh import _runtime
 from embedmesh.device import id_map as im
 from embedmesh.device import ops
 from embedmesh.device.ops import cpu
+from embedmesh.optimizers import Adagrad
 
 pytestmark = pytest.mark.skipif(not cpu.ready(), reason="the CPU kernels are not built here")
 
@@ -360,3 +361,71 @@ def test_sort_mapped_kernel_and_reference_match_numpy(blocks, u, p, r, hosts_ord
         np.testing.assert_array_equal(np.asarray(f), w)
         np.testing.assert_array_equal(np.asarray(m), w)
         np.testing.assert_array_equal(np.asarray(m2), o)
+
+
+def _adagrad_numpy(table, acc, ids, act, prow, puniq, gain, lr):
+    """A block's backward + Adagrad update in float64: each row's gradient the sum over
+    every slot holding it (PAD and rows out of range skipped) of its pairs' gain * act."""
+    t, a = table.astype(np.float64), acc.astype(np.float64)
+    g = np.zeros_like(t)
+    u, nr = ids.shape[0], act.shape[0]
+    for q in range(prow.shape[0]):
+        s, ar = puniq[q], prow[q]
+        if 0 <= s < u and 0 <= ar < nr and 0 <= ids[s] < t.shape[0]:
+            g[ids[s]] += np.float64(gain[q]) * act[ar].astype(np.float64)
+    hit = np.unique([r for r in ids if 0 <= r < t.shape[0]])
+    a[hit] += g[hit] ** 2
+    t[hit] -= lr * g[hit] / np.sqrt(a[hit])
+    return t, a
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(u=st.integers(2, 300), dup=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_backward_update_on_a_block_in_raw_id_order(u, dup, seed):
+    """A mapped block as `map_ids` leaves it on one shard under the CPU kernels (rows in
+    raw-id order, PAD among them, no reorder: `EmbeddingCore._mapped_order_kept`): the
+    fused backward + update (its parallel path, which GroupPairs allows on distinct rows
+    in any order) equals the float64 reference, and equals bit for bit the same batch
+    reordered by `sort_mapped` (ascending rows, the host's order). With a row repeated
+    (not a map's block: `dup`) the kernel must see it and sum both slots first."""
+    rng = np.random.default_rng(seed)
+    pad = np.iinfo(np.int32).max
+    rows_n, d, nr, lr = 5000, 8, 64, 0.1
+    ids = rng.permutation(rows_n)[:u].astype(np.int32)
+    ids[rng.random(u) < 0.2] = pad
+    if dup:
+        ids[0] = ids[-1] = 11  # one row twice, in the first and last slots
+    p = 3 * u
+    puniq = np.sort(rng.integers(0, u, p)).astype(np.int32)  # the host's slot order
+    prow = rng.integers(0, nr, p).astype(np.int32)
+    prow[rng.random(p) < 0.05] = nr  # padding pairs among them
+    gain = rng.uniform(0.5, 1.5, p).astype(np.float32)
+    act = rng.standard_normal((nr, d)).astype(np.float32)
+    table = rng.standard_normal((rows_n, d)).astype(np.float32)
+    acc = rng.uniform(0.1, 1.0, (rows_n, d)).astype(np.float32)
+    opt = Adagrad(lr)
+
+    @jax.jit
+    def update(i, pr, pu, pg):
+        t, s = ops.backward_update(
+            opt,
+            jnp.asarray(table),
+            {"accumulators": jnp.asarray(acc)},
+            i,
+            jnp.asarray(act),
+            pr,
+            pu,
+            pg,
+            jnp.int32(1),
+        )
+        return t, s["accumulators"]
+
+    got_t, got_a = update(*(jnp.asarray(x) for x in (ids, prow, puniq, gain)))
+    want_t, want_a = _adagrad_numpy(table, acc, ids, act, prow, puniq, gain, lr)
+    np.testing.assert_allclose(np.asarray(got_t), want_t, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_a), want_a, rtol=1e-5, atol=1e-5)
+    if not dup:  # the reordered block: the same sums in the same order, the same bits
+        s = im.sort_mapped(*(jnp.asarray(x) for x in (ids, prow, puniq, gain)), num_rows=nr)
+        ref_t, ref_a = update(*s)
+        np.testing.assert_array_equal(np.asarray(got_t), np.asarray(ref_t))
+        np.testing.assert_array_equal(np.asarray(got_a), np.asarray(ref_a))
