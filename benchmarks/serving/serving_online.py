@@ -25,6 +25,9 @@ share the numpy tables' memory) and the same requests:
 - em-np-nodict / em-nodict: em-numpy / embedmesh without the one compiled call for a
   dict request (`fast_path.dict_requests(False)`: Python resolves the config, flattens
   the inputs and packs the outputs around the compiled checks), for A/B;
+- em-np-noserve: em-numpy with the Python layers above the compiled dict request
+  (`fast_path.serve_calls(False)`) instead of one compiled call for the model served
+  last, enter and leave included, for A/B;
 - em-np-nodirect: em-numpy with the compiled form reading arrays through the buffer
   protocol and making output views with a slice and a reshape through Python's API
   (`fast_path.direct_numpy(False)`) instead of numpy's fields and C API, for A/B;
@@ -130,6 +133,7 @@ GIL_POLICIES = {
     "slots": (None, None, None, None, None, os.cpu_count() or 1),
     "nodict": (None, None, None, None, None, None),  # and fast_path.dict_requests(False)
     "nodirect": (None, None, None, None, None, None),  # and fast_path.direct_numpy(False)
+    "noserve": (None, None, None, None, None, None),  # and fast_path.serve_calls(False)
 }
 _NONE = lambda _: None  # a setting an older tree lacks (its A/B)
 _GIL_SETTERS = (
@@ -153,6 +157,7 @@ def _default(set_):
 _GIL_DEFAULTS = tuple(_default(set_) for set_ in _GIL_SETTERS)
 _DICT_REQUESTS = getattr(fast_path, "dict_requests", _NONE)
 _DIRECT_NUMPY = getattr(fast_path, "direct_numpy", _NONE)
+_SERVE_CALLS = getattr(fast_path, "serve_calls", _NONE)
 
 
 def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "auto"):
@@ -163,6 +168,7 @@ def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "au
         set_numpy_outputs(numpy_outputs)
         _DICT_REQUESTS(gil != "nodict")
         _DIRECT_NUMPY(gil != "nodirect")
+        _SERVE_CALLS(gil != "noserve")
         for set_, value, default in zip(_GIL_SETTERS, GIL_POLICIES[gil], _GIL_DEFAULTS):
             if default is not None:
                 set_(default if value is None else value)
@@ -289,6 +295,7 @@ def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
         "em-np-nodict": lambda: embedmesh_call(features, tables, True, "nodict"),
         "em-nodict": lambda: embedmesh_call(features, tables, False, "nodict"),
         "em-np-nodirect": lambda: embedmesh_call(features, tables, True, "nodirect"),
+        "em-np-noserve": lambda: embedmesh_call(features, tables, True, "noserve"),
     }
     if torch is not None:
         makers["torch"] = lambda: torch_call(features, tables)
@@ -442,6 +449,7 @@ def main(argv=None):
         default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
         help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, "
         "em-np-nowindow, em-np-unfair, em-np-slots, em-np-nodict, em-nodict, em-np-nodirect, "
+        "em-np-noserve, "
         "torch, tf",
     )
     p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")

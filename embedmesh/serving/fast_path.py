@@ -68,6 +68,7 @@ __all__ = [
     "kernel_slots",
     "one_buffer",
     "lookup",
+    "serve_calls",
     "release_when_shared",
     "shared_window_us",
     "use_compiled",
@@ -203,6 +204,48 @@ def lookup_dict(plan, inputs: dict, tables, threads: int, finish):
 
 _dict_plans: dict = {}  # id(config) -> (config, dict_plan's plan or None)
 _use_dict = True
+_serve = getattr(_compiled, "serve", None)  # older builds: none
+# (config, what `_request.serve` takes) of the model whose last dict request with numpy
+# outputs `lookup_dict` served, else None: serving_embedding_lookup's next request of that
+# config goes straight to `_request.serve` (`serve`); anything that changes how a request
+# is served forgets it (forget_served).
+served = None
+
+
+_use_serve = True
+
+
+def serve_calls(on: bool) -> bool:
+    """Whether a dict request with numpy outputs of the model served last takes one
+    compiled call, `enter` and `leave` included (`_request.serve`; default True), or the
+    Python layers above `lookup_dict` as before; returns the previous setting (for A/B:
+    benchmarks/serving/serving_online.py)."""
+    global _use_serve
+    previous, _use_serve = _use_serve, bool(on)
+    forget_served()
+    return previous
+
+
+def remember_served(plan, threads: int) -> None:
+    """After `lookup_dict` served a dict request of `plan` with numpy outputs on `threads`
+    threads: the next request of its config may take `serve`."""
+    global served
+    if _serve is not None and _use_serve and _use_dict and _use_compiled:
+        config, index, features, plans, _, order = plan
+        served = (config, (config, index, features, plans, order, _TYPES, _alloc_f32, threads))
+
+
+def forget_served() -> None:
+    """The next request takes the usual path (a setting it depends on changed)."""
+    global served
+    served = None
+
+
+# serve(served[1], inputs, tables) (`_request.serve`): `served`'s dict request in one
+# compiled call, `enter` and `leave` included: the numpy outputs as a dict in `inputs`'
+# key order, or anything else (None, NotImplemented, False) where `lookup_dict` would not
+# serve it: the caller then forgets `served` and takes its usual path.
+serve = _serve
 
 
 def dict_requests(on: bool) -> bool:
@@ -211,6 +254,7 @@ def dict_requests(on: bool) -> bool:
     previous setting (for A/B: benchmarks/serving/serving_online.py)."""
     global _use_dict
     previous, _use_dict = _use_dict, bool(on)
+    forget_served()
     return previous
 
 
@@ -229,6 +273,7 @@ def use_compiled(on: bool) -> bool:
     (tests and benchmarks compare the two forms)."""
     global _use_compiled
     previous, _use_compiled = _use_compiled, bool(on)
+    forget_served()
     return previous
 
 

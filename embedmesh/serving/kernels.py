@@ -95,6 +95,9 @@ def set_backend(name: str) -> str:
     if name == "native" and native_backend.load() is None:
         raise RuntimeError(f"the native backend is unavailable: {native_backend.reason()}")
     previous, _backend = get_backend(), name
+    from embedmesh.serving import fast_path  # here: it imports this module
+
+    fast_path.forget_served()  # a request remembered for the C++ kernels: theirs no more
     return previous
 
 

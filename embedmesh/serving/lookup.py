@@ -187,6 +187,7 @@ def set_numpy_outputs(on: bool) -> bool:
     numpy arguments anyway, need not pay it."""
     global _numpy_outputs
     previous, _numpy_outputs = _numpy_outputs, bool(on)
+    fast_path.forget_served()
     return previous
 
 
@@ -416,6 +417,12 @@ def serving_embedding_lookup(
 
     May be called from many threads at once (docs/serving.md#serving-from-many-threads).
     """
+    served = fast_path.served  # this model's last dict request, numpy outputs: one call
+    if served is not None and served[0] is feature_config and weights is None and _numpy_outputs:
+        out = _serve(served[1], inputs, tables)
+        if type(out) is dict:
+            return out
+        fast_path.forget_served()  # the usual path, which remembers it again
     _enter()  # while others are inside it too, small requests release the GIL
     try:
         if weights is None and type(inputs) is dict and type(tables) is dict:
@@ -431,6 +438,7 @@ def serving_embedding_lookup(
 
 
 _enter, _leave = fast_path.in_flight_hooks()
+_serve = fast_path.serve
 
 
 def _dict_request(inputs: dict, tables: dict, feature_config):
@@ -447,7 +455,10 @@ def _dict_request(inputs: dict, tables: dict, feature_config):
         _JAX_COLLECT_GARBAGE()  # free the buffers of dropped results before reusing them
     threads = _host_threads or _runtime.serving_threads()
     if _numpy_outputs:
-        return fast_path.lookup_dict(plan, inputs, tables, threads, None)
+        out = fast_path.lookup_dict(plan, inputs, tables, threads, None)
+        if type(out) is dict:
+            fast_path.remember_served(plan, threads)
+        return out
     resolved = plan[4]
     return fast_path.lookup_dict(
         plan,
@@ -608,6 +619,7 @@ def set_host_threads(n: int) -> int:
     if int(n) < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     previous, _host_threads = _host_threads or _default_threads(), int(n)
+    fast_path.forget_served()
     return previous
 
 

@@ -45,7 +45,16 @@ def request_form(request, native_poisoned, monkeypatch):
     if request.param == "compiled" and not fast_path.compiled_available():
         pytest.skip("embedmesh.serving._request was not built")
     monkeypatch.setattr(fast_path, "_use_compiled", request.param == "compiled")
+    _no_served(monkeypatch)
     return request.param
+
+
+def _no_served(monkeypatch):
+    """Every request through the layers these tests spy on or replace (`fast_path.lookup`,
+    `lookup_dict`), none straight to `_request.serve` (test_serving_threads.py's
+    test_served_requests_equal_the_usual_path covers that one)."""
+    monkeypatch.setattr(fast_path, "_use_serve", False)
+    monkeypatch.setattr(fast_path, "served", None)
 
 
 @pytest.fixture
@@ -67,12 +76,14 @@ def spy(monkeypatch):
             seen.append(out)
         return out
 
+    _no_served(monkeypatch)
     monkeypatch.setattr(fast_path, "lookup", spied)
     monkeypatch.setattr(fast_path, "lookup_dict", spied_dict)
     return seen
 
 
 def _general_only(monkeypatch):
+    _no_served(monkeypatch)
     monkeypatch.setattr(fast_path, "lookup", lambda *a, **k: None)
     monkeypatch.setattr(fast_path, "lookup_dict", lambda *a, **k: None)
 
@@ -783,3 +794,93 @@ def test_small_request_buffers_are_reused_only_once_their_outputs_are_gone(
         assert compiled.block_cache() == (0, 0)
     finally:
         pool.set_output_pool_limit(previous)
+
+
+def test_served_requests_equal_the_usual_path(request_form, monkeypatch):
+    """A dict request with numpy outputs of the model served last goes straight to one
+    compiled call (`_request.serve`, enter and leave included): its outputs equal the
+    usual path's bit for bit and the float64 reference; a config changed in place, weights,
+    jax outputs, another backend and a bad id each take the usual path (the same error),
+    and the threads inside a lookup return to 0."""
+    if request_form != "compiled" or fast_path.serve is None:
+        pytest.skip("the compiled form's serve was not built")
+    monkeypatch.setattr(fast_path, "_use_serve", True)
+    rng = np.random.default_rng(14)
+    ta, tb = em.TableConfig(VOCAB, 8, combiner="sum"), em.TableConfig(VOCAB, 17, combiner="mean")
+    tc = em.TableConfig(VOCAB, 5, combiner="sqrtn")
+    fcs = {"b": em.FeatureConfig(tb), "a": em.FeatureConfig(ta)}
+    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb, tc)}
+    monkeypatch.setattr(fast_path, "served", None)
+    monkeypatch.setattr(lookup, "_numpy_outputs", True)
+    calls = []
+    real = lookup._serve
+    monkeypatch.setattr(lookup, "_serve", lambda *a: calls.append(1) or real(*a))
+
+    def request():
+        return {k: _feature_input(rng, "ragged", 6, np.int64, np.int64, False, False) for k in "ab"}
+
+    def usual(inputs, weights=None):
+        previous = fast_path.serve_calls(False)
+        try:
+            return em.serving_embedding_lookup(inputs, weights, tables, fcs)
+        finally:
+            fast_path.serve_calls(previous)
+
+    first = request()
+    em.serving_embedding_lookup(first, None, tables, fcs)  # remembered for the next
+    assert fast_path.served is not None and not calls
+    for step in range(3):
+        if step == 2:
+            fcs["a"] = em.FeatureConfig(tc)  # replaced in place: planned again
+        for _ in range(2):  # after a change of the config: planned again, then remembered
+            em.serving_embedding_lookup(request(), None, tables, fcs)
+        assert fast_path.served is not None
+        calls.clear()
+        inputs = request()
+        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
+        assert calls and fast_path.served is not None
+        want = usual(inputs)
+        assert list(got) == list(inputs)
+        for k, fc in fcs.items():
+            assert type(got[k]) is np.ndarray
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+            ref = reference_lookup(fc, inputs[k], None, tables[fc.table])
+            np.testing.assert_allclose(got[k], ref, rtol=1e-5, atol=1e-6, err_msg=k)
+        assert fast_path.in_flight() == 0
+    calls.clear()
+    weights = {
+        k: em.RaggedTensor(np.ones_like(v.values, np.float32), v.row_splits)
+        for k, v in inputs.items()
+    }
+    got = em.serving_embedding_lookup(inputs, weights, tables, fcs)  # weights: the usual path
+    assert not calls
+    for k in fcs:
+        np.testing.assert_array_equal(got[k], usual(inputs, weights)[k])
+    bad = {"a": em.RaggedTensor(np.array([0, VOCAB], np.int64), np.array([0, 2], np.int64))}
+    em.serving_embedding_lookup(first, None, tables, fcs)  # remembered again
+    assert fast_path.served is not None
+    with pytest.raises(ValueError, match="outside the table") as served_error:
+        em.serving_embedding_lookup(bad, None, tables, fcs)
+    assert calls and fast_path.served is None and fast_path.in_flight() == 0
+    with pytest.raises(ValueError) as usual_error:
+        usual(bad)
+    assert str(served_error.value) == str(usual_error.value)
+    em.serving_embedding_lookup(first, None, tables, fcs)
+    assert fast_path.served is not None
+    lookup.set_numpy_outputs(True)  # a setting's change forgets it
+    assert fast_path.served is None
+    em.serving_embedding_lookup(first, None, tables, fcs)
+    monkeypatch.setattr(lookup, "_numpy_outputs", False)
+    calls.clear()
+    out = em.serving_embedding_lookup(first, None, tables, fcs)  # jax outputs: not served
+    assert not calls and not any(type(x) is np.ndarray for x in out.values())
+    monkeypatch.setattr(lookup, "_numpy_outputs", True)
+    em.serving_embedding_lookup(first, None, tables, fcs)
+    previous = kernels.set_backend("numpy")
+    try:
+        assert fast_path.served is None
+        out = em.serving_embedding_lookup(first, None, tables, fcs)
+    finally:
+        kernels.set_backend(previous)
+    for k in fcs:
+        np.testing.assert_allclose(out[k], usual(first)[k], rtol=1e-5, atol=1e-6)
