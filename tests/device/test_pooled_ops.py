@@ -294,3 +294,53 @@ def test_pooled_kernels_decode_pairs_near_the_pack_limit():
     got = cpu_kernels.pooled_backward_update(*args, **params)[0]
     assert not np.array_equal(np.asarray(got), np.asarray(table))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_pooled_backward_update_merges_two_sources_over_many_chunks():
+    """An owner's two sources whose ids overlap in part (rows in one source only, in both,
+    below and above the other's), thousands each: the fused backward + update walks both
+    lists in several chunks of rows (on every thread) and equals the float64 rule and the
+    reference; pairs to PAD slots and out-of-range rows are skipped."""
+    n, u, width, p, d, rows = 2, 3000, 64, 9000, 3, 8000
+    r = np.random.default_rng(11)
+    ids = np.full((n, u), PAD, np.int32)
+    ids[0, :2900] = np.sort(r.choice(np.arange(1000, 7000), 2900, replace=False))
+    ids[1] = np.sort(r.choice(rows, u, replace=False))
+    pair_unique = np.sort(r.integers(0, u, (n, p)), axis=1).astype(np.int32)  # host order
+    pair_rows = r.integers(0, width + 3, (n, p)).astype(np.int32)  # some out of range
+    gains = (0.5 + r.random((n, p))).astype(np.float32)
+    compact = np.zeros((n, 0), np.int32)
+    batch = tuple(map(jnp.asarray, (ids, pair_rows, pair_unique, gains, compact)))
+    served = cpu_kernels.pack_pooled_pairs(*batch, width=width)
+    table_np = r.standard_normal((rows, d)).astype(np.float32)
+    acc_np = (0.1 + r.random((rows, d))).astype(np.float32)
+    grads_np = r.standard_normal((n * width, d)).astype(np.float32)
+    opt = Adagrad(learning_rate=0.3)
+    params = dict(optimizer=opt, step=jnp.int32(0), unique_capacity=u, width=width)
+    args = (
+        jnp.asarray(table_np),
+        {"accumulators": jnp.asarray(acc_np)},
+        served,
+        jnp.asarray(grads_np),
+        jnp.asarray(True),
+    )
+    got = cpu_kernels.pooled_backward_update(*args, **params)
+    want = ops.reference_of("pooled_backward_update")(*args, **params)
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=2e-6)
+    pairs = [
+        (s, ids[s], int(pair_unique[s, q]), int(pair_rows[s, q]), float(gains[s, q]))
+        for s in range(n)
+        for q in range(p)
+        if pair_rows[s, q] < width
+    ]
+    asked = {int(i) for i in ids.ravel() if i < rows}
+    want_w, want_s = np_backward_update(
+        opt, table_np, {"accumulators": acc_np}, pairs, grads_np, width, True, asked
+    )
+    assert not np.array_equal(np.asarray(got[0]), table_np)
+    np.testing.assert_allclose(np.asarray(got[0]), want_w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got[1]["accumulators"]), want_s["accumulators"], rtol=1e-4, atol=1e-5
+    )

@@ -101,45 +101,61 @@ ffi::Error ExchangePooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> 
                   });
 }
 
-// The pairs of every source's message (served [n, words]) decoded for the partial sums:
-// per pair its row in its source's block (-1: none), the table row it reads (-1: none)
-// and its gain.
-struct ServedPairs {
-  PooledLayout l;
-  std::vector<int32_t> dst, src;
-  std::vector<float> gain;
+// A pair as the partial sums read it: its row among the Rc rows (-1: none), the table row
+// it reads (-1: none) and its gain.
+struct ServedPair {
+  int32_t dst, src;
+  float gain;
 };
 
-ServedPairs DecodeServed(const int32_t* msg, int64_t n, int64_t words, int64_t u, int64_t rc,
-                         int64_t k, int64_t rows) {
-  ServedPairs sp{MakePooledLayout(n, words, u, rc, k), {}, {}, {}};
-  const PooledLayout& l = sp.l;
-  sp.dst.resize(n * l.p);
-  sp.src.resize(n * l.p);
-  sp.gain.resize(n * l.p);
-  ParallelFor(n, [&](int64_t s) {
-    const int32_t* block = msg + s * words;
-    for (int64_t q = 0; q < l.p; ++q) {
-      int32_t pos, row;
-      const int64_t i = s * l.p + q;
-      DecodePair(block, l, q, &pos, &row, &sp.gain[i]);
-      const int32_t id = pos >= 0 ? block[pos] : -1;
-      const bool ok = row >= 0 && id >= 0 && id < rows;
-      sp.dst[i] = ok ? row : -1;
-      sp.src[i] = ok ? id : -1;
-    }
-  });
-  return sp;
+// Source block `block`'s pairs decoded into sp[0, l.p) (ids out of [0, rows): none).
+inline void DecodeServed(const int32_t* block, const PooledLayout& l, int64_t rows,
+                         ServedPair* sp) {
+  for (int64_t q = 0; q < l.p; ++q) {
+    int32_t pos, row;
+    float gain;
+    DecodePair(block, l, q, &pos, &row, &gain);
+    const int32_t id = pos >= 0 ? block[pos] : -1;
+    const bool ok = row >= 0 && id >= 0 && id < rows;
+    sp[q] = ServedPair{ok ? row : -1, ok ? id : -1, gain};
+  }
 }
 
-// Source s's partial activations [rc, d] into o: each row sums gain * table row over its
-// pairs, in pair order, in float32 (SegmentRowSums; the table of a storage type E).
+// A source's partial activations [rc, d] into o from its message `block`: each row sums
+// gain * table row over its pairs, in pair order, in float32 (as common.h's SegmentRowSums;
+// the table of a storage type E). The pairs are decoded first into one array of this
+// thread's, kept from call to call.
 template <typename E>
-void PartialsOf(const ServedPairs& sp, const E* t, int64_t d, int64_t s, float* o) {
-  const int64_t at = s * sp.l.p;
-  const int32_t* src = sp.src.data() + at;
-  SegmentRowSums(o, d, sp.l.rc, sp.l.p, sp.dst.data() + at, sp.gain.data() + at,
-                 [&](int64_t q) -> const E* { return src[q] >= 0 ? t + src[q] * d : nullptr; });
+void PartialsOf(const int32_t* block, const PooledLayout& l, const E* t, int64_t rows,
+                int64_t d, float* o) {
+  thread_local std::vector<ServedPair> decoded;
+  decoded.resize(l.p);
+  ServedPair* const sp = decoded.data();  // by address: ParallelFor's workers are other threads
+  DecodeServed(block, l, rows, sp);
+  const int64_t segs = l.rc, np = l.p;
+  PrepareOutput(o, sizeof(float) * segs * d);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(NumWorkers(), 16));
+  const int64_t span = (segs + parts - 1) / parts;
+  ParallelFor(parts, [&](int64_t part) {
+    const int64_t lo = part * span, hi = std::min(segs, lo + span);
+    if (lo >= hi) return;
+    std::memset(o + lo * d, 0, sizeof(float) * (hi - lo) * d);
+    for (int64_t q = 0; q < np; ++q) {
+      if (q + kPrefetch < np) {
+        const ServedPair& f = sp[q + kPrefetch];
+        if (f.dst >= lo && f.dst < hi) {
+          PrefetchRead(reinterpret_cast<const char*>(t + static_cast<int64_t>(f.src) * d), sizeof(E) * d);
+          PrefetchWrite(reinterpret_cast<char*>(o + static_cast<int64_t>(f.dst) * d), 4 * d);
+        }
+      }
+      const ServedPair& e = sp[q];
+      if (e.dst < lo || e.dst >= hi) continue;
+      const E* __restrict__ srow = t + static_cast<int64_t>(e.src) * d;
+      const float gq = e.gain;
+      float* __restrict__ orow = o + static_cast<int64_t>(e.dst) * d;
+      for (int64_t k = 0; k < d; ++k) orow[k] += gq * Load(srow[k]);
+    }
+  });
 }
 
 // ops.pooled_partials: out[s * rc + row] += gain * table[ids_s[position]] over each
@@ -155,13 +171,14 @@ ffi::Error PooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> served,
   const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
   const int64_t n = sd.size() ? sd[0] : 1;
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
-  const ServedPairs sp = DecodeServed(served.typed_data(), n, words, u, rc, k, rows);
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  const int32_t* msg = served.typed_data();
   float* o = out->typed_data();
   PrepareOutput(o, sizeof(float) * n * rc * d);
   return WithStorage(table.element_type(), "pooled_partials", [&](auto tag) {
     using E = typename decltype(tag)::type;
     const E* w = static_cast<const E*>(table.untyped_data());
-    for (int64_t s = 0; s < n; ++s) PartialsOf(sp, w, d, s, o + s * rc * d);
+    for (int64_t s = 0; s < n; ++s) PartialsOf(msg + s * words, l, w, rows, d, o + s * rc * d);
     return ffi::Error::Success();
   });
 }
@@ -181,7 +198,8 @@ ffi::Error ExchangePooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> se
   auto td = table.dimensions();
   const int64_t rows = td.size() ? td[0] : 1, d = RowWidth(td);
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
-  const ServedPairs sp = DecodeServed(served.typed_data(), n, words, u, rc, k, rows);
+  const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
+  const int32_t* msg = served.typed_data();
   const size_t block = sizeof(float) * rc * d;
   float* o = out->typed_data();
   PrepareOutput(o, n * block);
@@ -189,7 +207,7 @@ ffi::Error ExchangePooledPartials(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> se
     using E = typename decltype(tag)::type;
     const E* w = static_cast<const E*>(table.untyped_data());
     return AllToAll(t, block, reinterpret_cast<char*>(o), nullptr, [&](int64_t s, char* to) {
-      PartialsOf(sp, w, d, s, reinterpret_cast<float*>(to));
+      PartialsOf(msg + s * words, l, w, rows, d, reinterpret_cast<float*>(to));
     });
   });
 }

@@ -153,59 +153,86 @@ void BackwardUpdate(const U& up, const int32_t* id, int64_t nu, const float* act
   });
 }
 
-// What one source device lends its owners in the fused N-shard backward (peers.h).
-struct SourceBatch {
-  const int32_t* ids;    // [n, u] the rows it asked of each shard (ascending, PAD padded)
-  const float* act;      // [nr, d] its activation gradients
-  const int32_t* prow;   // [n, p] activation row of each pair
-  const int32_t* puniq;  // [n, p] position of each pair's id in ids[shard]
-  const float* gain;     // [n, p]
-  int64_t u, p, nr;
+// One source's pairs for this shard, as the owner's fused backward reads them: its ids
+// [u] and activation gradients [nr, d], and either its valid pairs (activation row in
+// [0, nr), slot in [0, u)) grouped by slot, in pair order (slot k's at [off[k], off[k+1])
+// of row / gain), or, when the pairs are not grouped (see GroupPairs), its per-slot sums
+// [u, d]. The vectors keep their capacity from call to call (GroupedSources).
+struct GroupedSource {
+  const int32_t* ids = nullptr;
+  const float* act = nullptr;
+  int64_t u = 0, nr = 0;
+  std::vector<int64_t> off;
+  std::vector<int32_t> row;
+  std::vector<float> gain;
+  std::vector<float> sums;
 };
 
-// N in-process shards, fused backward + update on the owner: for each distinct row this
-// shard was asked for by any source, the gradient sum over sources (in source order) of
-// each source's pair-order sum over its pairs of that row, then one update of the row.
-// Equal to backward (per-source segment sums) -> exchange -> dedup_sum -> sparse_update,
-// with no [N, U, D] gradient buffer, no exchange and no dedup output. A source whose pairs
-// are not grouped by slot (see GroupPairs) gets its per-slot sums materialised first.
-template <class U>
-void BackwardUpdateFromSources(const U& up, int64_t me,
-                               const std::vector<const SourceBatch*>& src) {
-  const int64_t rows = up.rows, d = up.d;
-  const int64_t n = static_cast<int64_t>(src.size());
-  struct Part {  // source r's partition for this shard
-    const int32_t* ids;
-    const int32_t* prow;
-    const int32_t* puniq;
-    const float* gain;
-    const float* act;
-    int64_t u, p, nr;
-    std::vector<int64_t> beg, cnt;
-    std::vector<float> sums;  // [u, d] when the pairs are not grouped
-  };
-  std::vector<Part> parts(n);
-  for (int64_t r = 0; r < n; ++r) {
-    const SourceBatch& b = *src[r];
-    Part& q = parts[r];
-    q.ids = b.ids + me * b.u;
-    q.prow = b.prow + me * b.p;
-    q.puniq = b.puniq + me * b.p;
-    q.gain = b.gain + me * b.p;
-    q.act = b.act;
-    q.u = b.u, q.p = b.p, q.nr = b.nr;
-    q.beg.assign(q.u + 1, 0);
-    q.cnt.assign(q.u, 0);
-    if (!GroupPairs(q.ids, q.u, q.prow, q.nr, q.puniq, q.p, q.beg.data(), q.cnt.data())) {
-      q.beg.clear();
-      q.sums.assign(q.u * d, 0.0f);
-      for (int64_t k = 0; k < q.p; ++k) {
-        const int64_t ar = q.prow[k], s = q.puniq[k];
-        if (ar < 0 || ar >= q.nr || s < 0 || s >= q.u) continue;
-        for (int64_t j = 0; j < d; ++j) q.sums[s * d + j] += q.gain[k] * q.act[ar * d + j];
-      }
+// Groups source g's np pairs (pair_of(q, &row, &slot, &gain): pair q's activation row and
+// slot, each checked here, and its gain) in one pass, with no decoded copy of them (the
+// owner's pooled messages are read packed); falls back to the per-slot sums where
+// GroupPairs would (ids not distinct up to PAD, or valid pairs not in non-decreasing slot
+// order). Either way each slot's gradient is its pairs' sum in pair order.
+template <class PairOf>
+void GroupSource(GroupedSource& g, const int32_t* ids, int64_t u, const float* act, int64_t nr,
+                 int64_t np, int64_t d, const PairOf& pair_of) {
+  g.ids = ids, g.act = act, g.u = u, g.nr = nr;
+  g.sums.clear();
+  bool grouped = true;  // the ids distinct up to PAD, as GroupPairs checks them
+  for (int64_t k = 1; k < u; ++k) {
+    if (ids[k] != kPad && ids[k] <= ids[k - 1]) {
+      grouped = DistinctUpToPad(ids, u);
+      break;
     }
   }
+  g.off.resize(u + 1);
+  g.row.resize(np);
+  g.gain.resize(np);
+  int64_t* __restrict__ off = g.off.data();
+  int32_t* __restrict__ row = g.row.data();
+  float* __restrict__ gain = g.gain.data();
+  int64_t m = 0, next = 0;  // pairs kept; the first slot whose offset is not yet set
+  for (int64_t q = 0; q < np && grouped; ++q) {
+    int32_t r, k;
+    float w;
+    pair_of(q, &r, &k, &w);
+    const bool ok = r >= 0 && r < nr && k >= 0 && k < u;
+    grouped = !ok || k + 1 >= next;
+    for (; ok && next <= k; ++next) off[next] = m;
+    row[m] = r;
+    gain[m] = w;
+    m += ok;
+  }
+  if (grouped) {
+    for (; next <= u; ++next) off[next] = m;
+    return;
+  }
+  g.off.clear();
+  g.sums.assign(u * d, 0.0f);
+  for (int64_t q = 0; q < np; ++q) {
+    int32_t r, k;
+    float w;
+    pair_of(q, &r, &k, &w);
+    if (r < 0 || r >= nr || k < 0 || k >= u) continue;
+    for (int64_t j = 0; j < d; ++j) g.sums[k * d + j] += w * act[r * d + j];
+  }
+}
+
+// This thread's GroupedSource of each of n sources (their vectors reused across calls).
+inline std::vector<GroupedSource>& GroupedSources(int64_t n) {
+  thread_local std::vector<GroupedSource> parts;
+  if (static_cast<int64_t>(parts.size()) < n) parts.resize(n);
+  return parts;
+}
+
+// N sources, fused backward + update on the owner: for each distinct row this shard was
+// asked for by any source, the gradient sum over sources (in source order) of each
+// source's pair-order sum over its pairs of that row, then one update of the row. Equal to
+// backward (per-source segment sums) -> exchange -> dedup_sum -> sparse_update, with no
+// [N, U, D] gradient buffer, no exchange and no dedup output. parts[0, n): GroupSource's.
+template <class U>
+void BackwardUpdateFromSources(const U& up, const GroupedSource* parts, int64_t n) {
+  const int64_t rows = up.rows, d = up.d;
   // The distinct rows asked of this shard, ascending, each with its (source, slot) list
   // in source order: a merge when every list is ascending, else a sort.
   // per source, its valid entries (rows in range) in slot order, compacted
@@ -231,7 +258,69 @@ void BackwardUpdateFromSources(const U& up, int64_t me,
     vrow[r].resize(m + 1);
     total += m;
   }
-  // the entries by row, ties in source order: (row, source << 32 | slot)
+  // One entry of a row (source q's slot k) into its gradient g: the row's first entry
+  // sums straight into g (0 + its sum is its sum: a sum from +0 is never -0), each later
+  // one into gr, then is added (per source, in pair order; sources in source order).
+  auto add = [d](const GroupedSource& q, int64_t k, float* __restrict__ g,
+                 float* __restrict__ gr, bool& first) {
+    if (!q.sums.empty()) {
+      for (int64_t j = 0; j < d; ++j) g[j] += q.sums[k * d + j];
+      first = false;
+      return;
+    }
+    float* __restrict__ acc = first ? g : gr;
+    if (!first) std::fill(gr, gr + d, 0.0f);
+    const int32_t* prow = q.row.data();
+    const float* pgain = q.gain.data();
+    for (int64_t t = q.off[k], end = q.off[k + 1]; t < end; ++t) {
+      const float gq = pgain[t];
+      const float* __restrict__ a = q.act + static_cast<int64_t>(prow[t]) * d;
+      for (int64_t j = 0; j < d; ++j) acc[j] += gq * a[j];
+    }
+    if (!first)
+      for (int64_t j = 0; j < d; ++j) g[j] += gr[j];
+    first = false;
+  };
+  const int64_t grain = 1024;
+  if (ascending && n == 2) {
+    // the host's order, 2 sources: the rows in one merge walk of the two lists (ties:
+    // source 0 first), chunked by source 0's entries, source 1's split where their rows
+    // fall; each list's rows prefetched kPrefetch entries ahead
+    const int32_t* const r0 = vrow[0].data();  // by address (see below)
+    const int32_t* const r1 = vrow[1].data();
+    const int32_t* const s0 = vslot[0].data();
+    const int32_t* const s1 = vslot[1].data();
+    const int64_t m0 = static_cast<int64_t>(vrow[0].size()) - 1;
+    const int64_t m1 = static_cast<int64_t>(vrow[1].size()) - 1;
+    const int64_t chunks = std::max<int64_t>(1, NumChunks(m0, grain));
+    ParallelFor(chunks, [&](int64_t c) {
+      const int64_t a0 = std::min(m0, c * grain);
+      const int64_t b0 = c + 1 == chunks ? m0 : std::min(m0, (c + 1) * grain);
+      const int64_t a1 = c == 0 ? 0 : std::lower_bound(r1, r1 + m1, r0[a0]) - r1;
+      const int64_t b1 = c + 1 == chunks ? m1 : std::lower_bound(r1, r1 + m1, r0[b0]) - r1;
+      std::vector<float> g(d), gr(d);
+      for (int64_t k = a0; k < std::min(b0, a0 + kPrefetch); ++k) up.Prefetch(r0[k]);
+      for (int64_t k = a1; k < std::min(b1, a1 + kPrefetch); ++k) up.Prefetch(r1[k]);
+      int64_t i0 = a0, i1 = a1;
+      while (i0 < b0 || i1 < b1) {
+        const int32_t x = i0 < b0 ? r0[i0] : INT32_MAX, y = i1 < b1 ? r1[i1] : INT32_MAX;
+        const int32_t row = std::min(x, y);
+        std::fill(g.begin(), g.end(), 0.0f);
+        bool first = true;
+        if (x == row) {
+          if (i0 + kPrefetch < b0) up.Prefetch(r0[i0 + kPrefetch]);
+          add(parts[0], s0[i0++], g.data(), gr.data(), first);
+        }
+        if (y == row) {
+          if (i1 + kPrefetch < b1) up.Prefetch(r1[i1 + kPrefetch]);
+          add(parts[1], s1[i1++], g.data(), gr.data(), first);
+        }
+        up.Row(row, g.data());
+      }
+    });
+    return;
+  }
+  // else the entries sorted by row, ties in source order: (row, source << 32 | slot)
   thread_local std::vector<int32_t> arow;
   thread_local std::vector<uint64_t> akey;
   thread_local std::vector<int64_t> starts;
@@ -239,27 +328,7 @@ void BackwardUpdateFromSources(const U& up, int64_t me,
   akey.resize(total);
   starts.resize(total + 1);
   int64_t distinct = 0;
-  if (ascending && n == 2) {  // the host's order, 2 sources: a branch-free merge
-    const int32_t* r0 = vrow[0].data();
-    const int32_t* r1 = vrow[1].data();
-    const int32_t* s0 = vslot[0].data();
-    const int32_t* s1 = vslot[1].data();
-    size_t i0 = 0, i1 = 0;
-    int32_t prev = -1;
-    for (size_t i = 0; i < total; ++i) {
-      const int32_t a = r0[i0], b = r1[i1];
-      const bool one = b < a;
-      const int32_t row = one ? b : a;
-      akey[i] = one ? ((uint64_t{1} << 32) | static_cast<uint32_t>(s1[i1]))
-                    : static_cast<uint64_t>(static_cast<uint32_t>(s0[i0]));
-      arow[i] = row;
-      starts[distinct] = static_cast<int64_t>(i);
-      distinct += row != prev;
-      prev = row;
-      i0 += !one;
-      i1 += one;
-    }
-  } else {
+  {
     std::vector<std::pair<int32_t, uint64_t>> all;
     all.reserve(total);
     for (int64_t r = 0; r < n; ++r)
@@ -279,7 +348,6 @@ void BackwardUpdateFromSources(const U& up, int64_t me,
   const int32_t* const row_at = arow.data();
   const uint64_t* const key_at = akey.data();
   const int64_t* const start_at = starts.data();
-  const int64_t grain = 1024;
   ParallelFor(NumChunks(distinct, grain), [&](int64_t c) {
     const int64_t lo = c * grain, hi = std::min(distinct, lo + grain);
     std::vector<float> g(d), gr(d);
@@ -288,57 +356,30 @@ void BackwardUpdateFromSources(const U& up, int64_t me,
         up.Prefetch(row_at[start_at[i + kPrefetch]]);
       }
       std::fill(g.begin(), g.end(), 0.0f);
-      for (int64_t e = start_at[i]; e < start_at[i + 1]; ++e) {
-        const Part& q = parts[key_at[e] >> 32];
-        const int64_t k = static_cast<int64_t>(key_at[e] & 0xffffffffu);
-        if (!q.sums.empty()) {
-          for (int64_t j = 0; j < d; ++j) g[j] += q.sums[k * d + j];
-          continue;
-        }
-        std::fill(gr.begin(), gr.end(), 0.0f);
-        for (int64_t t = q.beg[k], left = q.cnt[k]; left > 0; ++t) {
-          const int64_t ar = q.prow[t];
-          if (ar < 0 || ar >= q.nr || q.puniq[t] != k) continue;
-          --left;
-          const float gq = q.gain[t];
-          const float* __restrict__ a = q.act + ar * d;
-          for (int64_t j = 0; j < d; ++j) gr[j] += gq * a[j];
-        }
-        for (int64_t j = 0; j < d; ++j) g[j] += gr[j];
-      }
+      bool first = true;
+      for (int64_t e = start_at[i]; e < start_at[i + 1]; ++e)
+        add(parts[key_at[e] >> 32], static_cast<int64_t>(key_at[e] & 0xffffffffu), g.data(),
+            gr.data(), first);
       up.Row(row_at[start_at[i]], g.data());
     }
   });
 }
 
-// An owner's N sources' pooled messages (pooled.h) decoded once, each into a SourceBatch
-// (its block of ids, its Rc gradient rows at grads_of(s)).
-struct PooledSources {
-  std::vector<int32_t> prow, puniq;
-  std::vector<float> gain;
-  std::vector<SourceBatch> batches;
-  std::vector<const SourceBatch*> src;
-};
-
+// The pairs of an owner's N sources' pooled messages (pooled.h), each grouped
+// (GroupSource) straight from its packed words (no decoded copy), its Rc gradient rows at
+// grads_of(s); this thread's GroupedSources.
 template <typename GradsOf>
-void DecodeSources(PooledSources& ps, const int32_t* served, int64_t n, int64_t words,
-                   const PooledLayout& l, const GradsOf& grads_of) {
-  ps.prow.resize(n * l.p);
-  ps.puniq.resize(n * l.p);
-  ps.gain.resize(n * l.p);
-  ps.batches.resize(n);
-  ps.src.resize(n);
+const GroupedSource* GroupServed(const int32_t* served, int64_t n, int64_t words,
+                                 const PooledLayout& l, int64_t d, const GradsOf& grads_of) {
+  std::vector<GroupedSource>& parts = GroupedSources(n);
   for (int64_t s = 0; s < n; ++s) {
     const int32_t* block = served + s * words;
-    for (int64_t q = 0; q < l.p; ++q) {
-      const int64_t i = s * l.p + q;
-      DecodePair(block, l, q, &ps.puniq[i], &ps.prow[i], &ps.gain[i]);
-    }
-    ps.batches[s] = SourceBatch{block,   grads_of(s), ps.prow.data() + s * l.p,
-                                ps.puniq.data() + s * l.p, ps.gain.data() + s * l.p, l.u, l.p,
-                                l.rc};
-    ps.src[s] = &ps.batches[s];
+    GroupSource(parts[s], block, l.u, grads_of(s), l.rc, l.p, d,
+                [&](int64_t q, int32_t* row, int32_t* slot, float* gain) {
+                  DecodePair(block, l, q, slot, row, gain);
+                });
   }
+  return parts.data();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -459,20 +500,18 @@ ffi::Error Sharded(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> act,
                                   {gains.typed_data(), gains.size_bytes()}}};
   return ShareArrays(t, mine, [&](const auto& array) {
     if (!apply) return std::string();  // a rejected step: every process agrees, no row moves
-    std::vector<SourceBatch> batches(n);
-    std::vector<const SourceBatch*> src(n);
+    std::vector<GroupedSource>& parts = GroupedSources(n);
     for (int64_t s = 0; s < n; ++s) {
-      batches[s] = SourceBatch{reinterpret_cast<const int32_t*>(array(s, 0)),
-                               reinterpret_cast<const float*>(array(s, 1)),
-                               reinterpret_cast<const int32_t*>(array(s, 2)),
-                               reinterpret_cast<const int32_t*>(array(s, 3)),
-                               reinterpret_cast<const float*>(array(s, 4)),
-                               u,
-                               p,
-                               nr};
-      src[s] = &batches[s];
+      const int32_t* prow = reinterpret_cast<const int32_t*>(array(s, 2)) + part * p;
+      const int32_t* puniq = reinterpret_cast<const int32_t*>(array(s, 3)) + part * p;
+      const float* gain = reinterpret_cast<const float*>(array(s, 4)) + part * p;
+      GroupSource(parts[s], reinterpret_cast<const int32_t*>(array(s, 0)) + part * u, u,
+                  reinterpret_cast<const float*>(array(s, 1)), nr, p, up.d,
+                  [&](int64_t q, int32_t* row, int32_t* slot, float* w) {
+                    *row = prow[q], *slot = puniq[q], *w = gain[q];
+                  });
     }
-    BackwardUpdateFromSources(up, part, src);
+    BackwardUpdateFromSources(up, parts.data(), n);
     return std::string();
   });
   });
@@ -496,10 +535,10 @@ ffi::Error Pooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
   const int64_t n = sd.size() ? sd[0] : 1;
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
   const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
-  PooledSources ps;
-  DecodeSources(ps, served.typed_data(), n, words, l,
-                [&](int64_t s) { return grads.typed_data() + s * rc * d; });
-  BackwardUpdateFromSources(up, 0, ps.src);
+  const GroupedSource* parts = GroupServed(served.typed_data(), n, words, l, d, [&](int64_t s) {
+    return grads.typed_data() + s * rc * d;
+  });
+  BackwardUpdateFromSources(up, parts, n);
   return ffi::Error::Success();
   });
 }
@@ -528,11 +567,11 @@ ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> gr
   return ReadBlocks(t, block, reinterpret_cast<const char*>(grads.typed_data()),
                     [&](const auto& block_for_me) {
                       if (!apply) return std::string();  // a rejected step: no row moves
-                      PooledSources ps;
-                      DecodeSources(ps, served.typed_data(), n, words, l, [&](int64_t s) {
-                        return reinterpret_cast<const float*>(block_for_me(s));
-                      });
-                      BackwardUpdateFromSources(up, 0, ps.src);
+                      const GroupedSource* parts =
+                          GroupServed(served.typed_data(), n, words, l, d, [&](int64_t s) {
+                            return reinterpret_cast<const float*>(block_for_me(s));
+                          });
+                      BackwardUpdateFromSources(up, parts, n);
                       return std::string();
                     });
   });
