@@ -47,6 +47,11 @@ round runs every cell once, the contenders alternating, and the figures kept are
 medians over rounds of per-round ratios (embedmesh / torch p50; p99 / p50; requests/s
 at N clients / at 1 client), since a noisy machine moves whole rounds.
 
+`--own-requests`: each client thread sends its own copies of the requests (new objects,
+arrays copied; TensorFlow's converted inputs stay shared), as in a server whose threads
+each parse their own requests; by default every client sends the same 32 request objects
+a batch, so two clients write the same objects' reference counts.
+
 `--busy`: one client beside one pure-Python busy thread (a loop that never releases the
 GIL except at the interpreter's switch interval): requests/s against one client alone.
 
@@ -227,19 +232,34 @@ def torch_call(features, tables):
     return call
 
 
+def own_copies(requests):
+    """The requests as new objects (their arrays copied), for one client of its own."""
+
+    def copy(q):
+        em_in = {
+            k: em.RaggedTensor(np.array(r.values), np.array(r.row_splits)) for k, r in q[0].items()
+        }
+        torch_in = [(ids.clone(), offsets.clone()) for ids, offsets in q[1]]
+        return (em_in, torch_in, *q[2:])
+
+    return [copy(q) for q in requests]
+
+
 def closed_loop(call, requests, clients: int, seconds: float, busy: bool = False):
-    """(latencies in seconds, requests/s): `clients` threads calling for `seconds`."""
+    """(latencies in seconds, requests/s): `clients` threads calling for `seconds`;
+    `requests` a list every client cycles through, or per client its own list."""
     lat: list[list[float]] = [[] for _ in range(clients)]
     stop = threading.Event()
     start = threading.Barrier(clients + 1 + (1 if busy else 0))
 
     def client(c):
-        local, i, n = lat[c], c * 7, len(requests)
+        mine = requests[c] if type(requests[0]) is list else requests
+        local, i, n = lat[c], c * 7, len(mine)
         start.wait()
         clock = time.perf_counter
         while not stop.is_set():
             t0 = clock()
-            call(requests[i % n])
+            call(mine[i % n])
             local.append(clock() - t0)
             i += 1
 
@@ -329,6 +349,9 @@ def time_rounds(args, contenders, reqs, batches, client_counts) -> tuple[list, l
     {(contender, batch, clients or "busy"): (p50, p99, requests/s)}; the load averages."""
     rounds = []  # per round: {(contender, batch, clients or "busy"): (p50, p99, rps)}
     loads = [os.getloadavg()[0]]
+    own = None
+    if args.own_requests:  # each client its own objects of the same requests
+        own = {b: [own_copies(reqs[b]) for _ in range(max(client_counts))] for b in batches}
     for r in range(args.rounds):
         cells = {}
         names = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
@@ -338,7 +361,7 @@ def time_rounds(args, contenders, reqs, batches, client_counts) -> tuple[list, l
                     getattr(contenders[name], "setup", lambda: None)()
                     lat, rps = closed_loop(
                         contenders[name],
-                        reqs[b],
+                        own[b] if own else reqs[b],
                         1 if n == "busy" else n,
                         args.seconds,
                         busy=n == "busy",
@@ -444,6 +467,12 @@ def main(argv=None):
     p.add_argument("--clients", default=",".join(map(str, CLIENTS)))
     p.add_argument("--no-busy", action="store_true", help="skip the busy-thread cells")
     p.add_argument("--json", help="write every round's figures here")
+    p.add_argument(
+        "--own-requests",
+        action="store_true",
+        help="each client thread sends its own copies of the requests (by default all "
+        "clients send the same request objects)",
+    )
     p.add_argument(
         "--contenders",
         default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
