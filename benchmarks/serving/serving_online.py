@@ -31,6 +31,14 @@ share the numpy tables' memory) and the same requests:
 - em-np-nodirect: em-numpy with the compiled form reading arrays through the buffer
   protocol and making output views with a slice and a reshape through Python's API
   (`fast_path.direct_numpy(False)`) instead of numpy's fields and C API, for A/B;
+- em-np-noplan: em-numpy with the compiled form reading each feature's plan from its
+  Python tuple every request (`fast_path.plan_cache(False)`), for A/B;
+- em-np-spin: em-numpy with the next in line for the GIL spinning up to 20 us before it
+  sleeps and the first in line spinning with a pause, not sched_yield
+  (`fast_path.turn_spin_us(20)`, `fast_path.first_pause(True)`), for A/B;
+- em-np-own: em-numpy, each client thread sending its own copies of the requests (as
+  `--own-requests` does for every contender), against em-numpy's shared objects in the
+  same run;
 - torch: `torch.nn.functional.embedding_bag(ids, table, offsets, mode=...)` a feature,
   under `torch.inference_mode()`, `torch.set_num_threads(1)`;
 - tf: TensorFlow's `tf.tpu.experimental.embedding.serving_embedding_lookup` in a
@@ -139,6 +147,8 @@ GIL_POLICIES = {
     "nodict": (None, None, None, None, None, None),  # and fast_path.dict_requests(False)
     "nodirect": (None, None, None, None, None, None),  # and fast_path.direct_numpy(False)
     "noserve": (None, None, None, None, None, None),  # and fast_path.serve_calls(False)
+    "noplan": (None, None, None, None, None, None),  # and fast_path.plan_cache(False)
+    "spin": (None, None, None, None, None, None),  # and turn_spin_us(20), first_pause(True)
 }
 _NONE = lambda _: None  # a setting an older tree lacks (its A/B)
 _GIL_SETTERS = (
@@ -163,17 +173,29 @@ _GIL_DEFAULTS = tuple(_default(set_) for set_ in _GIL_SETTERS)
 _DICT_REQUESTS = getattr(fast_path, "dict_requests", _NONE)
 _DIRECT_NUMPY = getattr(fast_path, "direct_numpy", _NONE)
 _SERVE_CALLS = getattr(fast_path, "serve_calls", _NONE)
+_PLAN_CACHE = getattr(fast_path, "plan_cache", _NONE)
+_TURN_SPIN_US = getattr(fast_path, "turn_spin_us", _NONE)
+_FIRST_PAUSE = getattr(fast_path, "first_pause", _NONE)
 
 
-def embedmesh_call(features, tables, numpy_outputs: bool = False, gil: str = "auto"):
+def embedmesh_call(
+    features, tables, numpy_outputs: bool = False, gil: str = "auto", own: bool = False
+):
+    """own: each client thread sends its own copies of the requests (`own_copies`)."""
+
     def call(req):
         return em.serving_embedding_lookup(req[0], None, tables, features)
+
+    call.own = own
 
     def setup():  # before each cell
         set_numpy_outputs(numpy_outputs)
         _DICT_REQUESTS(gil != "nodict")
         _DIRECT_NUMPY(gil != "nodirect")
         _SERVE_CALLS(gil != "noserve")
+        _PLAN_CACHE(gil != "noplan")
+        _TURN_SPIN_US(20 if gil == "spin" else 0)
+        _FIRST_PAUSE(gil == "spin")
         for set_, value, default in zip(_GIL_SETTERS, GIL_POLICIES[gil], _GIL_DEFAULTS):
             if default is not None:
                 set_(default if value is None else value)
@@ -316,6 +338,9 @@ def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
         "em-nodict": lambda: embedmesh_call(features, tables, False, "nodict"),
         "em-np-nodirect": lambda: embedmesh_call(features, tables, True, "nodirect"),
         "em-np-noserve": lambda: embedmesh_call(features, tables, True, "noserve"),
+        "em-np-own": lambda: embedmesh_call(features, tables, True, own=True),
+        "em-np-noplan": lambda: embedmesh_call(features, tables, True, "noplan"),
+        "em-np-spin": lambda: embedmesh_call(features, tables, True, "spin"),
     }
     if torch is not None:
         makers["torch"] = lambda: torch_call(features, tables)
@@ -350,7 +375,8 @@ def time_rounds(args, contenders, reqs, batches, client_counts) -> tuple[list, l
     rounds = []  # per round: {(contender, batch, clients or "busy"): (p50, p99, rps)}
     loads = [os.getloadavg()[0]]
     own = None
-    if args.own_requests:  # each client its own objects of the same requests
+    if args.own_requests or any(getattr(c, "own", False) for c in contenders.values()):
+        # each client its own objects of the same requests
         own = {b: [own_copies(reqs[b]) for _ in range(max(client_counts))] for b in batches}
     for r in range(args.rounds):
         cells = {}
@@ -361,7 +387,9 @@ def time_rounds(args, contenders, reqs, batches, client_counts) -> tuple[list, l
                     getattr(contenders[name], "setup", lambda: None)()
                     lat, rps = closed_loop(
                         contenders[name],
-                        own[b] if own else reqs[b],
+                        own[b]
+                        if own and (args.own_requests or getattr(contenders[name], "own", False))
+                        else reqs[b],
                         1 if n == "busy" else n,
                         args.seconds,
                         busy=n == "busy",
@@ -478,7 +506,7 @@ def main(argv=None):
         default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
         help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, "
         "em-np-nowindow, em-np-unfair, em-np-slots, em-np-nodict, em-nodict, em-np-nodirect, "
-        "em-np-noserve, "
+        "em-np-noserve, em-np-own, em-np-noplan, em-np-spin, "
         "torch, tf",
     )
     p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import array
 import importlib
+from typing import Any
 
 import jax
 import numpy as np
@@ -54,7 +55,7 @@ try:  # the same checks compiled (setup.py builds it; a checkout used without an
     from embedmesh.serving import _request as _compiled
 except ImportError:  # pragma: no cover - the install builds it where a compiler is
     _compiled = None
-_dict_lookup = getattr(_compiled, "lookup_dict", None)  # older builds: none
+_dict_lookup: Any = getattr(_compiled, "lookup_dict", None)  # older builds: none
 
 __all__ = [
     "dict_requests",
@@ -209,7 +210,7 @@ _serve = getattr(_compiled, "serve", None)  # older builds: none
 # outputs `lookup_dict` served, else None: serving_embedding_lookup's next request of that
 # config goes straight to `_request.serve` (`serve`); anything that changes how a request
 # is served forgets it (forget_served).
-served = None
+served: tuple | None = None
 
 
 _use_serve = True
@@ -368,6 +369,51 @@ def gil_stats() -> tuple[int, int, int] | None:
     compiled form since the process started; None without it. What is not those ns of a
     request's time holds the GIL: its checks, output views and result."""
     fn = getattr(_compiled, "stats", None)
+    return None if fn is None else fn()
+
+
+def plan_cache(on: bool) -> bool | None:
+    """Whether the compiled form keeps the per-feature plans (vocabulary size, dim,
+    combiner, table key, flags) of the model it served last read into C (default True),
+    or reads them from their Python tuples every request (~14 calls a feature); returns
+    the previous setting, None without the compiled form. A batch-1 request of 26
+    features: ~1 us less of its ~7 us holding the GIL (benchmarks/serving/RESULTS.md)."""
+    fn = getattr(_compiled, "set_plan_cache", None)
+    return None if fn is None else fn(bool(on))
+
+
+def turn_spin_us(us: int) -> int | None:
+    """How long the next serving thread in line for the GIL (`fair_gil`) spins before it
+    sleeps on a futex (0: sleeps at once, the default); returns the previous value, None
+    without the compiled form. For A/B: on the shared 2-core machine it cost 2 clients
+    at batch 1 more than the wake-ups it saved (benchmarks/serving/RESULTS.md)."""
+    fn = getattr(_compiled, "set_turn_spin_us", None)
+    return None if fn is None else fn(int(us))
+
+
+def first_pause(on: bool) -> bool | None:
+    """Whether the first serving thread in line for the GIL spins with a pause
+    instruction (keeping its core) instead of `sched_yield` (default False); returns the
+    previous setting, None without the compiled form. For A/B, as `turn_spin_us`."""
+    fn = getattr(_compiled, "set_first_pause", None)
+    return None if fn is None else fn(bool(on))
+
+
+def handover_timing(on: bool) -> bool | None:
+    """Whether the compiled form times its one-call dict requests (`serve`) and the
+    hand-over of the GIL after shared requests' kernels (`handover_stats`; default
+    False: four clock reads a request); returns the previous setting, None without the
+    compiled form."""
+    fn = getattr(_compiled, "set_handover_timing", None)
+    return None if fn is None else fn(bool(on))
+
+
+def handover_stats() -> tuple[int, int, int, int, int] | None:
+    """While `handover_timing` is on, since the process started: (one-call dict requests,
+    ns they held the GIL, requests that released it while other threads served, ns from
+    their kernels' end to the GIL taken back, how many of those slept on a futex waiting
+    for their turn); None without the compiled form."""
+    fn = getattr(_compiled, "handover_stats", None)
     return None if fn is None else fn()
 
 

@@ -62,13 +62,13 @@ def _sparse(rng, batch, vocab, max_len):
     return SparseTensor(indices, np.array(vals, np.int64), (batch, max_len))
 
 
-def _request(seed, batch, max_len):
-    """fa ragged, fb 2-D sparse, fc dense ids [batch]."""
+def _request(seed, batch, max_len, tables=(A, B, C)):
+    """fa ragged, fb 2-D sparse, fc dense ids [batch] (of `tables`' vocabularies)."""
     rng = np.random.default_rng(seed)
     return {
-        "fa": _ragged(rng, batch, A.vocabulary_size, max_len),
-        "fb": _sparse(rng, batch, B.vocabulary_size, max_len),
-        "fc": rng.integers(0, C.vocabulary_size, size=batch).astype(np.int64),
+        "fa": _ragged(rng, batch, tables[0].vocabulary_size, max_len),
+        "fb": _sparse(rng, batch, tables[1].vocabulary_size, max_len),
+        "fc": rng.integers(0, tables[2].vocabulary_size, size=batch).astype(np.int64),
     }
 
 
@@ -130,6 +130,8 @@ SETTINGS = settings(
         "buffers",
         "pool",
         "numpy",
+        "noplan",
+        "spin",
     ]
 )
 def pool(request):
@@ -146,7 +148,10 @@ def pool(request):
     own buffer from the pool (by default a request's outputs are views of one); pool:
     every request asks the C++ pool for 4 threads (one entry a thread is enough), so
     requests find it busy or take it while others run; numpy: outputs are the output
-    pool's buffers themselves (`set_numpy_outputs`)."""
+    pool's buffers themselves (`set_numpy_outputs`); noplan: each request reads its
+    features' plans from their tuples (`plan_cache(False)`: by default those of the
+    plans served last are kept read); spin: every request releases the GIL and the
+    threads in line for it spin before sleeping (`turn_spin_us`, `first_pause`)."""
     if request.param == "alone":
         yield
         return
@@ -178,15 +183,23 @@ def pool(request):
         if previous is not None:
             setter(previous)
         return
-    if request.param == "slots":
+    if request.param in ("slots", "noplan", "spin"):
         from embedmesh.serving import fast_path
 
-        settings_ = (
-            (fast_path.kernel_slots, 2),
-            (fast_path.hold_gil_below, 0),
-            (fast_path.gil_handoff_us, 0),
-            (fast_path.fair_gil, True),
-        )
+        settings_ = {
+            "slots": [
+                (fast_path.kernel_slots, 2),
+                (fast_path.hold_gil_below, 0),
+                (fast_path.gil_handoff_us, 0),
+                (fast_path.fair_gil, True),
+            ],
+            "noplan": [(fast_path.plan_cache, False)],
+            "spin": [
+                (fast_path.hold_gil_below, 0),
+                (fast_path.turn_spin_us, 20),
+                (fast_path.first_pause, True),
+            ],
+        }[request.param]
         previous = [set_(value) for set_, value in settings_]
         yield
         for (set_, _), old in zip(settings_, previous):
@@ -388,7 +401,94 @@ HAMMER_REQUESTS = 64  # a thread's requests, back to back
 WATCHDOG_S = 120.0  # never reached by a run that works (< 1 s here): only a hang ends there
 
 
-@pytest.mark.parametrize("policy", ["fair", "slots", "nohandoff"])
+D = TableConfig(vocabulary_size=50, dim=4, combiner="sum", name="d")
+# another model: its own plans (dims, combiners, tables) for the kept plans to switch to
+OTHER_FEATURES = {"fa": FeatureConfig(D), "fb": FeatureConfig(A), "fc": FeatureConfig(B)}
+OTHER_TABLES = {**TABLES, D: np.random.default_rng(8).normal(size=(50, 4)).astype(np.float32)}
+
+
+def _other_request(seed, batch, max_len):
+    """OTHER_FEATURES' request: fa ragged in D, fb sparse in A, fc dense ids in B."""
+    return _request(seed, batch, max_len, (D, A, B))
+
+
+@pytest.mark.parametrize("numpy_outputs", [False, True], ids=["jax", "numpy"])
+@SETTINGS
+@given(shapes=shapes)
+def test_two_models_alternating_from_threads(numpy_outputs, shapes):
+    """Two models of different plans (dims, combiners, tables under the same keys) called
+    in turn from 4 threads, every request releasing the GIL: the compiled form keeps the
+    plans it read last (`plan_cache`), so requests switch them back and forth while other
+    threads' requests of the other model are in their kernels; every answer must equal
+    one thread's, and the float64 reference of the sum/mean."""
+    from embedmesh.serving import fast_path
+    from embedmesh.serving.lookup import set_numpy_outputs
+
+    models = [(FEATURES, TABLES, _request), (OTHER_FEATURES, OTHER_TABLES, _other_request)]
+    requests = [(m, make(*s)) for s in shapes for m, (_, _, make) in enumerate(models)]
+
+    def call(r):
+        features, tables, _ = models[r[0]]
+        return em.serving_embedding_lookup(r[1], None, tables, features)
+
+    previous = fast_path.hold_gil_below(0)
+    numpy_before = set_numpy_outputs(numpy_outputs)
+    try:
+        expected = [call(r) for r in requests]
+        for (m, req), out in zip(requests, expected):  # fa: a ragged sum, float64
+            table = models[m][1][models[m][0]["fa"].table].astype(np.float64)
+            splits, ids = req["fa"].row_splits, req["fa"].values
+            want = np.stack([table[ids[a:b]].sum(0) for a, b in zip(splits[:-1], splits[1:])])
+            np.testing.assert_allclose(np.asarray(out["fa"]), want, rtol=1e-5, atol=1e-5)
+        _concurrently(call, requests, expected)
+    finally:
+        set_numpy_outputs(numpy_before)
+        if previous is not None:
+            fast_path.hold_gil_below(previous)
+
+
+def test_plan_cache_and_spin_settings_return_previous_values():
+    from embedmesh.serving import fast_path
+
+    if not fast_path.compiled_available():
+        pytest.skip("the compiled request path was not built")
+    previous = fast_path.turn_spin_us(7)
+    assert fast_path.turn_spin_us(-1) == 7
+    assert fast_path.turn_spin_us(previous) == 0
+    for setter in (fast_path.plan_cache, fast_path.first_pause, fast_path.handover_timing):
+        previous = setter(False)
+        assert setter(True) is False
+        assert setter(previous) is True
+
+
+def test_handover_stats_count_shared_requests():
+    """With the hand-over timed, two threads' requests that release the GIL while both
+    serve are counted, with their wait for the GIL not negative; one-call dict requests
+    (numpy outputs) counted with the time they held the GIL."""
+    from embedmesh.serving import fast_path
+    from embedmesh.serving.lookup import set_numpy_outputs
+
+    if not fast_path.compiled_available():
+        pytest.skip("the compiled request path was not built")
+    requests = [_request(s, b, 6) for s, b in enumerate((1, 8, 2, 1))]
+    numpy_before = set_numpy_outputs(True)
+    timing_before = fast_path.handover_timing(True)
+    try:
+        expected = [em.serving_embedding_lookup(r, None, TABLES, FEATURES) for r in requests]
+        before = fast_path.handover_stats()
+        _concurrently(
+            lambda r: em.serving_embedding_lookup(r, None, TABLES, FEATURES), requests, expected
+        )
+        after = fast_path.handover_stats()
+    finally:
+        fast_path.handover_timing(timing_before)
+        set_numpy_outputs(numpy_before)
+    calls, held, shared, back, sleeps = (a - b for a, b in zip(after[:5], before[:5]))
+    assert calls > 0 and held > 0
+    assert shared > 0 and back >= 0 and 0 <= sleeps <= shared
+
+
+@pytest.mark.parametrize("policy", ["fair", "slots", "nohandoff", "spin"])
 def test_many_threads_hammering_one_model_finish_and_agree(policy):
     """The fair hand-over's tickets (`fast_path.fair_gil`, on by default) under load:
     16 threads send small requests back to back to one model (float32 and int8 tables),
@@ -410,6 +510,7 @@ def test_many_threads_hammering_one_model_finish_and_agree(policy):
         "fair": [],
         "slots": [(fast_path.kernel_slots, 1)],
         "nohandoff": [(fast_path.gil_handoff_us, 0), (fast_path.gil_between_us, 0)],
+        "spin": [(fast_path.turn_spin_us, 20), (fast_path.first_pause, True)],
     }[policy]
     models = [TABLES, TABLES_INT8]
     requests = [_request(seed, batch, 5) for seed, batch in enumerate((1, 1, 2, 8, 1, 3))]

@@ -137,16 +137,39 @@ void wait_for_gil(int64_t us) {
 // Both are tickets on a 32-bit counter: ticket t may pass once t - done < limit, a
 // passing thread adds 1 to done and wakes (FUTEX_WAKE_BITSET, bit t % 32) only the
 // thread whose turn came. A forked child starts them again (pthread_atfork).
+int64_t now_ns();
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 class Turns {
  public:
   uint32_t take() { return next_.fetch_add(1); }
 
-  // Until ticket t may pass (`limit` tickets at once).
-  void wait(uint32_t t, uint32_t limit) {
+  // Until ticket t may pass (`limit` tickets at once); whether it slept on the futex.
+  // The next ticket to pass first spins (at most spin_ns) before it sleeps.
+  bool wait(uint32_t t, uint32_t limit, int64_t spin_ns = 0) {
+    bool slept = false;
+    int64_t until = 0;
     for (;;) {
       // signed: done_ may have passed t already (later tickets passed first)
       const uint32_t d = done_.load();
-      if (static_cast<int32_t>(t - d) < static_cast<int32_t>(limit)) return;
+      const int32_t ahead = static_cast<int32_t>(t - d) - static_cast<int32_t>(limit);
+      if (ahead < 0) return slept;
+      if (ahead == 0 && spin_ns > 0) {  // next to pass: spin a while first
+        const int64_t now = now_ns();
+        if (until == 0) until = now + spin_ns;
+        if (now < until) {
+          for (int k = 0; k < 16; ++k) cpu_relax();
+          continue;
+        }
+      }
+      slept = true;
 #if defined(__linux__)
       // sleeps unless done_ has moved on from d meanwhile
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&done_), FUTEX_WAIT_BITSET_PRIVATE, d,
@@ -179,8 +202,6 @@ class Turns {
   static uint32_t bit(uint32_t t) { return 1u << (t % 32); }
 };
 
-int64_t now_ns();
-
 Turns g_gil_turns, g_kernel_turns;
 // g_gil_busy 2: the serving thread that holds the GIL has left its lookup (at
 // g_left_ns). A client thread whose next request follows at once (its own Python
@@ -204,6 +225,12 @@ bool holder_back_soon() {
 }
 bool g_fair_gil = true;
 int64_t g_kernel_slots = 0;
+// The hand-over's waits without yielding the core (set_turn_spin_us, set_first_pause):
+// the next in line for the GIL spins up to g_turn_spin_us before it sleeps on the turns'
+// futex; the first in line spins with a pause instead of sched_yield (which hands the
+// core to any other runnable process on a loaded machine).
+int64_t g_turn_spin_us = 0;
+bool g_first_pause = false;
 
 // First in line for the GIL: wait (yielding, at most `us`) while another serving thread
 // holds it inside a lookup, and claim it as that thread drops it.
@@ -214,7 +241,11 @@ void wait_first_in_line(int64_t us) {
     if (seen == 2 && holder_back_soon()) seen = -1;  // wait for its next lookup to drop it
     if ((seen == 0 || seen == 2) && g_gil_busy.compare_exchange_strong(seen, 1)) return;
     if (std::chrono::steady_clock::now() >= until) return;
-    std::this_thread::yield();
+    if (g_first_pause) {
+      for (int k = 0; k < 16; ++k) cpu_relax();
+    } else {
+      std::this_thread::yield();
+    }
   }
 }
 
@@ -257,6 +288,18 @@ bool shared_now() {
 // Counters of what ran without the GIL (stats()): requests, those that released it, ns
 // between releasing and asking for it back.
 int64_t g_requests = 0, g_released = 0, g_released_ns = 0;
+
+// The hand-over's cost, timed where set_handover_timing(True) (off by default: four
+// clock reads a request): per `serve` call the ns it held the GIL (its whole time less
+// what it ran without the GIL), and per request that released the GIL while shared the
+// ns from its kernels' end to the GIL taken back and whether it slept on the turns'
+// futex meanwhile (the thread before it in line had not yet got the GIL). Read and
+// written with the GIL held.
+bool g_handover_timing = false;
+int64_t g_serve_calls = 0, g_serve_held_ns = 0;
+int64_t g_shared_releases = 0, g_back_ns = 0, g_turn_sleeps = 0;
+int64_t g_turn_ns = 0, g_first_ns = 0;  // of g_back_ns: in the turn wait, first in line
+thread_local int64_t t_released_ns = 0;  // this thread's ns without the GIL, this call
 
 // numpy, read directly where `bind_numpy` was given its C API (numpy's `_ARRAY_API`
 // capsule: a table of function pointers whose slots numpy keeps for good) and its
@@ -680,24 +723,126 @@ bool quantized_ok(PyObject* ndarray, PyObject* table, int64_t vocab, int64_t dim
   return true;
 }
 
-// Check one feature (plan: (eligible, vocab, dim, combiner code, safe, table key,
-// prune weights)) and fill its words but the output's address; false: not a common case.
-bool prepare(PyObject* plan, PyObject* inp, PyObject* weight, PyObject* table, PyObject* types,
-             Feature& f) {
-  PyObject* ndarray = PyTuple_GetItem(types, 0);
-  PyObject* ragged = PyTuple_GetItem(types, 1);
-  PyObject* sparse = PyTuple_GetItem(types, 2);
-  if (!PyObject_IsTrue(PyTuple_GetItem(plan, 0))) return false;  // sequence, output_shape
-  const int64_t vocab = PyLong_AsLongLong(PyTuple_GetItem(plan, 1));
-  const int64_t dim = PyLong_AsLongLong(PyTuple_GetItem(plan, 2));
-  const int64_t combiner = PyLong_AsLongLong(PyTuple_GetItem(plan, 3));
-  const bool safe = PyObject_IsTrue(PyTuple_GetItem(plan, 4)) == 1;
-  const bool prune_weights = PyObject_IsTrue(PyTuple_GetItem(plan, 6)) == 1;
+// A feature's plan (eligible, vocab, dim, combiner code, safe, table key, prune
+// weights) read into C once for the plans tuple served last (Plans below).
+struct Plan {
+  bool eligible = false, safe = false, prune_weights = false;
+  int64_t vocab = 0, dim = 0, combiner = 0;
+  PyObject* key = nullptr;  // borrowed: the plans tuple is held while the plan is
+};
+
+// The plans read into C and the request types (np.ndarray, RaggedTensor, SparseTensor[,
+// QuantizedTable]), kept for the `plans` and `types` tuples read last (references held,
+// so their addresses name them): a loaded model's requests read each feature's plan
+// from its tuple once, not ~14 Python API calls a feature a request. Tuples cannot
+// change; a model planned anew brings new tuples. Only touched with the GIL held.
+// set_plan_cache(False) reads them every request (for A/B).
+struct Plans {
+  PyObject* plans = nullptr;
+  PyObject* types = nullptr;
+  PyObject *ndarray = nullptr, *ragged = nullptr, *sparse = nullptr, *quantized = nullptr;
+  std::vector<Plan> v;
+};
+Plans g_plans;
+bool g_plan_cache = true;
+// g_plans in use by a request on some thread (its checks may run Python, and so another
+// request): a request that finds it so reads its own.
+bool g_plans_busy = false;
+
+// `plans` and `types` read into `into` (their references taken); false with a Python
+// error set where an entry is not what _plans makes.
+bool read_plans(PyObject* plans, PyObject* types, Plans& into) {
+  const Py_ssize_t n = PyTuple_Size(plans);
+  std::vector<Plan> v(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* plan = PyTuple_GetItem(plans, i);
+    if (plan == nullptr || !PyTuple_Check(plan) || PyTuple_Size(plan) < 7) {
+      PyErr_SetString(PyExc_TypeError, "lookup: a plan is not a 7-tuple");
+      return false;
+    }
+    Plan& p = v[static_cast<size_t>(i)];
+    const int eligible = PyObject_IsTrue(PyTuple_GetItem(plan, 0));
+    p.vocab = PyLong_AsLongLong(PyTuple_GetItem(plan, 1));
+    p.dim = PyLong_AsLongLong(PyTuple_GetItem(plan, 2));
+    p.combiner = PyLong_AsLongLong(PyTuple_GetItem(plan, 3));
+    const int safe = PyObject_IsTrue(PyTuple_GetItem(plan, 4));
+    const int prune = PyObject_IsTrue(PyTuple_GetItem(plan, 6));
+    if (PyErr_Occurred()) return false;
+    p.eligible = eligible == 1;
+    p.safe = safe == 1;
+    p.prune_weights = prune == 1;
+    p.key = PyTuple_GetItem(plan, 5);
+  }
+  PyObject* old_plans = into.plans;  // released last: a dealloc may run Python
+  PyObject* old_types = into.types;
+  Py_INCREF(plans);
+  Py_INCREF(types);
+  into.plans = plans;
+  into.types = types;
+  into.ndarray = PyTuple_GetItem(types, 0);
+  into.ragged = PyTuple_GetItem(types, 1);
+  into.sparse = PyTuple_GetItem(types, 2);
+  into.quantized = PyTuple_Size(types) > 3 ? PyTuple_GetItem(types, 3) : nullptr;
+  into.v.swap(v);
+  Py_XDECREF(old_plans);
+  Py_XDECREF(old_types);
+  return true;
+}
+
+// A request's plans: g_plans (read anew where `plans` or `types` are not the ones kept),
+// marked in use until done(); its own where the cache is off or in use (a request that
+// runs inside another's checks, on this thread or on another while Python runs there).
+class RequestPlans {
+ public:
+  RequestPlans() = default;
+  RequestPlans(const RequestPlans&) = delete;
+  RequestPlans& operator=(const RequestPlans&) = delete;
+  ~RequestPlans() {
+    done();
+    Py_XDECREF(fresh_.plans);
+    Py_XDECREF(fresh_.types);
+  }
+  // false with a Python error set (a malformed plan)
+  bool read(PyObject* plans, PyObject* types) {
+    const bool cached = g_plan_cache && !g_plans_busy;
+    p_ = cached ? &g_plans : &fresh_;
+    if (!cached || g_plans.plans != plans || g_plans.types != types) {
+      if (!read_plans(plans, types, *p_)) return false;
+    }
+    busy_ = cached;
+    if (busy_) g_plans_busy = true;
+    return true;
+  }
+  const Plans& get() const { return *p_; }
+  void done() {
+    if (busy_) g_plans_busy = false;
+    busy_ = false;
+  }
+
+ private:
+  Plans fresh_;
+  Plans* p_ = nullptr;
+  bool busy_ = false;
+};
+
+// Check one feature (its plan, the request types) and fill its words but the output's
+// address; false: not a common case.
+bool prepare(const Plan& plan, PyObject* inp, PyObject* weight, PyObject* table,
+             const Plans& types, Feature& f) {
+  PyObject* ndarray = types.ndarray;
+  PyObject* ragged = types.ragged;
+  PyObject* sparse = types.sparse;
+  if (!plan.eligible) return false;  // sequence, output_shape
+  const int64_t vocab = plan.vocab;
+  const int64_t dim = plan.dim;
+  const int64_t combiner = plan.combiner;
+  const bool safe = plan.safe;
+  const bool prune_weights = plan.prune_weights;
   PyTypeObject* kind = Py_TYPE(inp);
   if (weight != Py_None && (Py_TYPE(weight) != kind || reinterpret_cast<PyObject*>(kind) == ndarray))
     return false;
   if (table == nullptr || dim <= 0) return false;
-  PyObject* quantized = PyTuple_Size(types) > 3 ? PyTuple_GetItem(types, 3) : nullptr;
+  PyObject* quantized = types.quantized;
   if (quantized != nullptr && Py_TYPE(table) == reinterpret_cast<PyTypeObject*>(quantized)) {
     // decoded by the bag kernels: ragged and sparse input (a dense lookup is a gather of
     // float rows: the general path's)
@@ -1018,6 +1163,8 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
     PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
     return nullptr;
   }
+  RequestPlans planned;  // until every feature is checked (not read after)
+  if (!planned.read(plans, types)) return nullptr;
   FeatureSlab all(n);  // kind 0: no input
   auto feature = [&](Py_ssize_t i) -> Feature* {
     Feature* f = &all[i];
@@ -1027,17 +1174,18 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
   for (Py_ssize_t i = 0; i < n; ++i) {  // every test first: nothing taken yet
     PyObject* inp = inputs[i];
     if (inp == Py_None) continue;
-    PyObject* plan = PyTuple_GetItem(plans, i);
-    PyObject* table = PyDict_GetItemWithError(tables, PyTuple_GetItem(plan, 5));
+    const Plan& plan = planned.get().v[static_cast<size_t>(i)];
+    PyObject* table = PyDict_GetItemWithError(tables, plan.key);
     if (table == nullptr && PyErr_Occurred()) return nullptr;
     Feature& f = all[i];
-    if (!prepare(plan, inp, weights == nullptr ? Py_None : weights[i], table, types, f)) {
+    if (!prepare(plan, inp, weights == nullptr ? Py_None : weights[i], table, planned.get(), f)) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_NONE;  // not a common case: the general path's
     }
     entries += f.entries;
     ++tasks;
   }
+  planned.done();
   // One output buffer for the request (g_one_buffer): each feature's output a view of
   // it, 64-byte aligned (jax wraps it without a copy); taking one buffer from the pool
   // a feature cost ~4 us of Python each (a batch-1 request of 26 features: most of it).
@@ -1175,16 +1323,21 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
     const uint32_t slots =
         shared && g_kernel_slots > 0 ? static_cast<uint32_t>(std::min<int64_t>(g_kernel_slots, 1 << 20)) : 0;
     g_in_kernels.fetch_add(1);
+    const int64_t t_save = g_handover_timing ? now_ns() : 0;
     PyThreadState* state = PyEval_SaveThread();  // other Python threads go on
     g_gil_busy.store(0);
     if (slots > 0) g_kernel_turns.wait(g_kernel_turns.take(), slots);
     const int64_t t0 = now_ns();
     run();
-    const int64_t ns = now_ns() - t0;
+    const int64_t t1 = now_ns(), ns = t1 - t0;
     if (slots > 0) g_kernel_turns.pass(slots);
+    bool slept = false;
+    int64_t t_turn = 0, t_first = 0;
     if (fair) {
-      g_gil_turns.wait(g_gil_turns.take(), 1);
+      slept = g_gil_turns.wait(g_gil_turns.take(), 1, g_turn_spin_us * 1000);
+      t_turn = g_handover_timing ? now_ns() : 0;
       if (spin_us > 0) wait_first_in_line(spin_us);
+      t_first = g_handover_timing ? now_ns() : 0;
     } else if (spin_us > 0) {
       wait_for_gil(spin_us);
     }
@@ -1194,6 +1347,19 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
     if (fair) g_gil_turns.pass(1);  // the next in line may wait for it now
     ++g_released;
     g_released_ns += ns;
+    if (g_handover_timing) {
+      const int64_t back = now_ns();
+      t_released_ns += back - t_save;
+      if (shared) {
+        ++g_shared_releases;
+        g_back_ns += back - t1;
+        g_turn_sleeps += slept;
+        if (fair) {
+          g_turn_ns += t_turn - t1;
+          g_first_ns += t_first - t_turn;
+        }
+      }
+    }
   }
   if (unknown_kind) {
     PyErr_SetString(PyExc_RuntimeError, "EmServingAdd: an unknown task kind");
@@ -1357,8 +1523,21 @@ PyObject* serve(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const long long threads = PyLong_AsLongLong(PyTuple_GetItem(served, 7));
   if (threads == -1 && PyErr_Occurred()) return nullptr;
   struct Inside {
-    Inside() { enter_now(); }
-    ~Inside() { leave_now(); }
+    int64_t t0 = 0;
+    Inside() {
+      if (g_handover_timing) {
+        t0 = now_ns();
+        t_released_ns = 0;
+      }
+      enter_now();
+    }
+    ~Inside() {
+      leave_now();
+      if (g_handover_timing && t0 != 0) {
+        ++g_serve_calls;
+        g_serve_held_ns += now_ns() - t0 - t_released_ns;
+      }
+    }
   } inside;
   try {
     return lookup_dict_of(PyTuple_GetItem(served, 0), index, features, plans, order, inputs,
@@ -1428,7 +1607,46 @@ PyObject* stats(PyObject*, PyObject*) {
                        static_cast<long long>(g_released), static_cast<long long>(g_released_ns));
 }
 
+// set_handover_timing(on) -> the previous setting: whether `serve` calls and shared
+// releases are timed (handover_stats; default off).
+PyObject* set_handover_timing(PyObject*, PyObject* args) {
+  return set_flag(args, g_handover_timing);
+}
+
+// handover_stats() -> (serve calls timed, ns they held the GIL, shared releases timed, ns
+// from their kernels' end to the GIL taken back, how many of those slept on the turns'
+// futex): counted while set_handover_timing is on, since the process started.
+PyObject* handover_stats(PyObject*, PyObject*) {
+  return Py_BuildValue("(LLLLLLL)", static_cast<long long>(g_serve_calls),
+                       static_cast<long long>(g_serve_held_ns),
+                       static_cast<long long>(g_shared_releases),
+                       static_cast<long long>(g_back_ns), static_cast<long long>(g_turn_sleeps),
+                       static_cast<long long>(g_turn_ns), static_cast<long long>(g_first_ns));
+}
+
+// set_turn_spin_us(us) -> the previous value: how long the next in line for the GIL
+// spins before it sleeps on the turns' futex (0: sleeps at once).
+PyObject* set_turn_spin_us(PyObject*, PyObject* args) { return set_count(args, g_turn_spin_us); }
+
+// set_first_pause(on) -> the previous setting: whether the first in line spins with a
+// pause instead of sched_yield.
+PyObject* set_first_pause(PyObject*, PyObject* args) { return set_flag(args, g_first_pause); }
+
+// set_plan_cache(on) -> the previous setting: whether the plans read last are kept
+// (default true; off: read every request, for A/B).
+PyObject* set_plan_cache(PyObject*, PyObject* args) { return set_flag(args, g_plan_cache); }
+
 PyMethodDef kMethods[] = {
+    {"set_plan_cache", set_plan_cache, METH_VARARGS,
+     "Whether the plans read last are kept for the next request."},
+    {"set_turn_spin_us", set_turn_spin_us, METH_VARARGS,
+     "How long the next in line for the GIL spins before it sleeps."},
+    {"set_first_pause", set_first_pause, METH_VARARGS,
+     "Whether the first in line for the GIL spins with a pause instead of sched_yield."},
+    {"set_handover_timing", set_handover_timing, METH_VARARGS,
+     "Whether serve calls and shared releases are timed (handover_stats)."},
+    {"handover_stats", handover_stats, METH_NOARGS,
+     "(serve calls, ns holding the GIL, shared releases, ns kernels' end to GIL, sleeps)."},
     {"set_shared_window_us", set_shared_window_us, METH_VARARGS,
      "How long after another thread entered a lookup a request counts as shared."},
     {"stats", stats, METH_NOARGS, "(requests, released the GIL, ns released)."},
