@@ -242,6 +242,9 @@ def forget_served() -> None:
     served = None
 
 
+kernels.on_backend_change(forget_served)  # the kernels' backend is such a setting
+
+
 # serve(served[1], inputs, tables) (`_request.serve`): `served`'s dict request in one
 # compiled call, `enter` and `leave` included: the numpy outputs as a dict in `inputs`'
 # key order, or anything else (None, NotImplemented, False) where `lookup_dict` would not

@@ -95,10 +95,18 @@ def set_backend(name: str) -> str:
     if name == "native" and native_backend.load() is None:
         raise RuntimeError(f"the native backend is unavailable: {native_backend.reason()}")
     previous, _backend = get_backend(), name
-    from embedmesh.serving import fast_path  # here: it imports this module
-
-    fast_path.forget_served()  # a request remembered for the C++ kernels: theirs no more
+    for hook in _backend_hooks:  # fast_path: a request remembered for the C++ kernels
+        hook()
     return previous
+
+
+_backend_hooks: list = []
+
+
+def on_backend_change(hook) -> None:
+    """Call `hook()` after every `set_backend` (the request path forgets what it kept for
+    the backend before; registered by it, which imports this module)."""
+    _backend_hooks.append(hook)
 
 
 def _impl():
