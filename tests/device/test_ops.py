@@ -667,6 +667,44 @@ print("threads", library.threads())
 
 
 @needs_kernels
+def test_thread_pool_runs_nested_and_concurrent_calls_each_chunk_once():
+    """ParallelFor's persistent pool: a ParallelFor inside a ParallelFor's chunk, and
+    ParallelFor from several threads at once, run each chunk exactly once and return (no
+    deadlock: a fresh process with a timeout), with more threads a call than cores, and
+    in a child of fork() after the parent's pool started."""
+    out = _run_python(
+        """
+import ctypes, os
+from embedmesh.device.ops.cpu import library
+assert library.ready()
+lib = library._loaded["lib"]
+lib.EmbedmeshParallelForCheck.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+lib.EmbedmeshParallelForCheck.restype = None
+
+def check(callers, outer, inner):
+    out = (ctypes.c_int64 * 3)(-7, -7, -7)
+    lib.EmbedmeshParallelForCheck(callers, outer, inner, out)
+    n = callers * outer * inner
+    want = [n, n * (n + 1) // 2, n * (n + 1) * (2 * n + 1) // 6]
+    assert list(out) == want, (callers, outer, inner, list(out))
+
+shapes = [(1, 1, 1), (1, 7, 1), (1, 1, 9), (1, 5, 13), (3, 4, 6), (6, 3, 3), (2, 64, 2)]
+for _ in range(20):
+    for shape in shapes + [(4, 1, 50)]:
+        check(*shape)
+pid = os.fork()
+if pid == 0:
+    check(3, 4, 6)
+    os._exit(0)
+assert os.waitpid(pid, 0)[1] == 0
+print("pool ok", library.threads())
+""",
+        EMBEDMESH_CPU_THREADS="5",
+    )
+    assert "pool ok 5" in out
+
+
+@needs_kernels
 def test_cpu_pad_id_is_the_runtime_pad_id():
     assert cpu.pad_id() == _runtime.PAD_ID == ops.PAD_ID
 

@@ -142,29 +142,30 @@ inline void PrefetchWrite(char* p, int64_t bytes) {
 // read by embedmesh._runtime), else the CPUs this process may use. In common.cc.
 int64_t NumWorkers();
 
-// Runs f(chunk) for chunk in [0, n) on the calling thread plus short-lived helper threads
-// of our own, joined before returning. (Not XLA's intra-op pool: with several devices per
-// process, its threads may sit in a collective, and work queued behind them could wait for
-// the very execution that queued it.)
+// Runs call(ctx, chunk) for chunk in [0, n) on the calling thread, joined by up to
+// `helpers` idle threads of the library's persistent pool, and returns when every chunk is
+// done. The caller works on its own job until no chunk is left, then waits only for the
+// chunks that pool threads took; it never runs another caller's chunks, and a pool thread
+// runs one chunk at a time, so a ParallelFor inside a chunk (its caller then a pool thread)
+// or ParallelFor from several threads at once cannot deadlock: every job can finish on its
+// caller alone. In common.cc.
+void RunChunks(int64_t n, int64_t helpers, void (*call)(const void*, int64_t), const void* ctx);
+
+// Runs f(chunk) for chunk in [0, n) on the calling thread plus idle threads of the
+// library's own pool (RunChunks), all done before returning. (Not XLA's intra-op pool:
+// with several devices per process, its threads may sit in a collective, and work queued
+// behind them could wait for the very execution that queued it. Not threads started per
+// call either: at ~60 us a thread in a VM, a step of 8 tables' ops paid ~3 ms for them.)
 template <typename F>
 void ParallelFor(int64_t n, const F& f) {
   if (n <= 0) return;
   const int64_t helpers = std::min<int64_t>(NumWorkers() - 1, n - 1);
-  std::atomic<int64_t> next{0};
-  auto work = [&]() {
-    int64_t c;
-    while ((c = next.fetch_add(1, std::memory_order_relaxed)) < n) f(c);
-  };
-  std::vector<std::thread> threads;
-  for (int64_t h = 0; h < helpers; ++h) {
-    try {
-      threads.emplace_back(work);
-    } catch (...) {  // no thread: the caller does the work
-      break;
-    }
+  if (helpers <= 0) {
+    for (int64_t c = 0; c < n; ++c) f(c);
+    return;
   }
-  work();
-  for (auto& t : threads) t.join();
+  RunChunks(
+      n, helpers, [](const void* fp, int64_t c) { (*static_cast<const F*>(fp))(c); }, &f);
 }
 
 // Chunks of about `grain` items, at least one per thread when there is work.
