@@ -82,15 +82,29 @@ def test_in_process_pooled_exchanges_match_their_references(n, compacted):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def grouped_by_slot(batch):
+    """`batch` (source_batch's) with each owner's pairs in ascending slot order (stable):
+    the order the owner groups without per-slot sums."""
+    ids, pair_rows, pair_unique, gains, compact = batch
+    order = np.argsort(pair_unique, axis=1, kind="stable")
+    take = lambda x: np.take_along_axis(x, order, axis=1)
+    return ids, take(pair_rows), take(pair_unique), take(gains), compact
+
+
 @needs_kernels
 @pytest.mark.parametrize("opt", ALL_FUSED[:3], ids=lambda o: type(o).__name__)
 @pytest.mark.parametrize("keep", [True, False])
-def test_in_process_pooled_backward_update_matches_its_reference(opt, keep):
+@pytest.mark.parametrize("grouped", [False, True], ids=["any-order", "some-grouped"])
+def test_in_process_pooled_backward_update_matches_its_reference(opt, keep, grouped):
+    # some-grouped: sources 0 and 2 send their pairs in slot order (grouped while the peers
+    # arrive), 1 and 3 in any order (summed per slot once the gradients are there)
     n = 4
     r = np.random.default_rng(7)
     mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
     transport = ops.Transport("x", n, in_process=True, channel="pooled")
     batches = [source_batch(r, n, False) for _ in range(n)]
+    if grouped:
+        batches = [grouped_by_slot(b) if i % 2 == 0 else b for i, b in enumerate(batches)]
     batch = [jnp.asarray(np.concatenate([b[i] for b in batches])) for i in range(5)]
     served = per_device(
         lambda *a: ops.reference_of("exchange_pooled_pairs")(*a, width=WIDTH, transport=transport),

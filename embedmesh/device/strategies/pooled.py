@@ -192,20 +192,23 @@ class PooledOnOwners(Strategy):
                 fill = rc - sum(count for _, count in runs)
                 blocks.append(jnp.concatenate(parts + [jnp.zeros((fill, d), g.dtype)], axis=0))
             g = jnp.stack(blocks)
-        # (the order of exchanges made on the message itself, so that it fuses into its copy)
+        # The order of exchanges, made on the one-element keep flag: on the [N, Rc, D]
+        # gradients it cost a pass over them of its own (XLA did not fuse the select into
+        # the blocks' concatenation), ~8 MB a step at issue 39's shapes
+        keep = jnp.asarray(True if keep is None else keep, bool).reshape(())
         served = view
         if served is None:
             served = serve_pairs(batch, pooled, at.at("pairs"))
-            g = after(g, served)  # the pairs' exchange first, on every device
+            keep = after(keep, served).astype(bool)  # the pairs' exchange first, everywhere
         else:  # after what `unique_ids` waits for (the caller's previous exchanges)
-            g = after(g, batch.unique_ids)
+            keep = after(keep, batch.unique_ids).astype(bool)
         return ops.exchange_pooled_backward_update(
             opt,
             table,
             slots,
             served,
             g,
-            True if keep is None else keep,
+            keep,
             step,
             unique_capacity=batch.unique_capacity,
             width=rc,

@@ -142,9 +142,11 @@ ffi::Error AllToAll(const T& t, size_t block, char* out, const char* lend, const
 
 // Every rank publishes `mine` [n, block] (block s for rank s); work(block_for_me) reads, in
 // place, block_for_me(s): what rank s published for this rank (its own from `mine`), and
-// returns "" or an error. An exchange with no copy into an output.
-template <class T, class Work>
-ffi::Error ReadBlocks(const T& t, size_t block, const char* mine, const Work& work) {
+// returns "" or an error. An exchange with no copy into an output. meanwhile(): this rank's
+// own work that needs no peer, run while they arrive.
+template <class T, class Meanwhile, class Work>
+ffi::Error ReadBlocks(const T& t, size_t block, const char* mine, const Meanwhile& meanwhile,
+                      const Work& work) {
   const int64_t n = t.n, rank = t.rank;
   return t.Round(
       n * block, mine,
@@ -153,7 +155,7 @@ ffi::Error ReadBlocks(const T& t, size_t block, const char* mine, const Work& wo
           if (s != rank) std::memcpy(seg + s * block, mine + s * block, block);
         }
       },
-      Nothing,
+      meanwhile,
       [&](const std::vector<const char*>& peers) {
         return work([&](int64_t s) {
           return s == rank ? mine + rank * block : peers[s] + rank * block;

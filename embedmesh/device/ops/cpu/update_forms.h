@@ -157,11 +157,14 @@ void BackwardUpdate(const U& up, const int32_t* id, int64_t nu, const float* act
 // [u] and activation gradients [nr, d], and either its valid pairs (activation row in
 // [0, nr), slot in [0, u)) grouped by slot, in pair order (slot k's at [off[k], off[k+1])
 // of row / gain), or, when the pairs are not grouped (see GroupPairs), its per-slot sums
-// [u, d]. The vectors keep their capacity from call to call (GroupedSources).
+// [u, d]. The vectors keep their capacity from call to call (GroupedSources). Grouped
+// before its gradients are known (act nullptr), a source whose pairs need the per-slot
+// sums is left `pending`: grouped again once they are (GroupServedGrads).
 struct GroupedSource {
   const int32_t* ids = nullptr;
   const float* act = nullptr;
   int64_t u = 0, nr = 0;
+  bool pending = false;
   std::vector<int64_t> off;
   std::vector<int32_t> row;
   std::vector<float> gain;
@@ -172,11 +175,13 @@ struct GroupedSource {
 // slot, each checked here, and its gain) in one pass, with no decoded copy of them (the
 // owner's pooled messages are read packed); falls back to the per-slot sums where
 // GroupPairs would (ids not distinct up to PAD, or valid pairs not in non-decreasing slot
-// order). Either way each slot's gradient is its pairs' sum in pair order.
+// order). Either way each slot's gradient is its pairs' sum in pair order. With act
+// nullptr (the gradients not known yet) the sums are not made: the source is `pending`.
 template <class PairOf>
 void GroupSource(GroupedSource& g, const int32_t* ids, int64_t u, const float* act, int64_t nr,
                  int64_t np, int64_t d, const PairOf& pair_of) {
   g.ids = ids, g.act = act, g.u = u, g.nr = nr;
+  g.pending = false;
   g.sums.clear();
   bool grouped = true;  // the ids distinct up to PAD, as GroupPairs checks them
   for (int64_t k = 1; k < u; ++k) {
@@ -208,6 +213,10 @@ void GroupSource(GroupedSource& g, const int32_t* ids, int64_t u, const float* a
     return;
   }
   g.off.clear();
+  if (act == nullptr) {
+    g.pending = true;
+    return;
+  }
   g.sums.assign(u * d, 0.0f);
   for (int64_t q = 0; q < np; ++q) {
     int32_t r, k;
@@ -365,21 +374,41 @@ void BackwardUpdateFromSources(const U& up, const GroupedSource* parts, int64_t 
   });
 }
 
+// Source s's pairs of an owner's pooled messages, grouped (GroupSource) straight from its
+// packed words, its gradients at act (nullptr: not known yet).
+inline void GroupServedSource(GroupedSource& g, const int32_t* served, int64_t s, int64_t words,
+                              const PooledLayout& l, int64_t d, const float* act) {
+  const int32_t* block = served + s * words;
+  GroupSource(g, block, l.u, act, l.rc, l.p, d,
+              [&](int64_t q, int32_t* row, int32_t* slot, float* gain) {
+                DecodePair(block, l, q, slot, row, gain);
+              });
+}
+
 // The pairs of an owner's N sources' pooled messages (pooled.h), each grouped
 // (GroupSource) straight from its packed words (no decoded copy), its Rc gradient rows at
-// grads_of(s); this thread's GroupedSources.
+// grads_of(s) (nullptr: not known yet; GroupServedGrads gives them); this thread's
+// GroupedSources.
 template <typename GradsOf>
-const GroupedSource* GroupServed(const int32_t* served, int64_t n, int64_t words,
-                                 const PooledLayout& l, int64_t d, const GradsOf& grads_of) {
+GroupedSource* GroupServed(const int32_t* served, int64_t n, int64_t words,
+                           const PooledLayout& l, int64_t d, const GradsOf& grads_of) {
   std::vector<GroupedSource>& parts = GroupedSources(n);
-  for (int64_t s = 0; s < n; ++s) {
-    const int32_t* block = served + s * words;
-    GroupSource(parts[s], block, l.u, grads_of(s), l.rc, l.p, d,
-                [&](int64_t q, int32_t* row, int32_t* slot, float* gain) {
-                  DecodePair(block, l, q, slot, row, gain);
-                });
-  }
+  for (int64_t s = 0; s < n; ++s) GroupServedSource(parts[s], served, s, words, l, d, grads_of(s));
   return parts.data();
+}
+
+// The gradients of sources grouped without them (GroupServed with no gradients):
+// source s's at grads_of(s); a pending source grouped again with them.
+template <typename GradsOf>
+void GroupServedGrads(GroupedSource* parts, const int32_t* served, int64_t n, int64_t words,
+                      const PooledLayout& l, int64_t d, const GradsOf& grads_of) {
+  for (int64_t s = 0; s < n; ++s) {
+    if (parts[s].pending) {
+      GroupServedSource(parts[s], served, s, words, l, d, grads_of(s));
+    } else {
+      parts[s].act = grads_of(s);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -564,13 +593,21 @@ ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> gr
   const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
   const size_t block = sizeof(float) * rc * d;
   const bool apply = keep.typed_data()[0] != 0;  // every process agrees (the finite check)
-  return ReadBlocks(t, block, reinterpret_cast<const char*>(grads.typed_data()),
+  // the sources' pairs grouped while the peers arrive (they need no gradient: a source
+  // that needs its per-slot sums is summed once the gradients are there)
+  GroupedSource* parts = nullptr;
+  auto group = [&] {
+    if (apply) parts = GroupServed(served.typed_data(), n, words, l, d, [](int64_t) {
+      return static_cast<const float*>(nullptr);
+    });
+  };
+  return ReadBlocks(t, block, reinterpret_cast<const char*>(grads.typed_data()), group,
                     [&](const auto& block_for_me) {
                       if (!apply) return std::string();  // a rejected step: no row moves
-                      const GroupedSource* parts =
-                          GroupServed(served.typed_data(), n, words, l, d, [&](int64_t s) {
-                            return reinterpret_cast<const float*>(block_for_me(s));
-                          });
+                      GroupServedGrads(parts, served.typed_data(), n, words, l, d,
+                                       [&](int64_t s) {
+                                         return reinterpret_cast<const float*>(block_for_me(s));
+                                       });
                       BackwardUpdateFromSources(up, parts, n);
                       return std::string();
                     });
