@@ -78,6 +78,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 T, B, VALENCY, ZIPF_A = 8, 4096, 10, 1.05
 D = int(os.environ.get("EMBEDMESH_BENCH_DIM", 64))  # each table's dim (--dim)
@@ -659,204 +660,285 @@ def child_torch(args, batches):
 
 
 def child_profile(args, batches):
-    import jax
-    import jax.numpy as jnp
+    """The profile child: each piece of embedmesh's step timed alone, args.rounds times."""
     import numpy as np
 
-    from embedmesh.device import ops as cpu_ops
-    from embedmesh.device.ops import cpu, reference
-    from embedmesh.host import preprocess as pre
+    from embedmesh.device.ops import cpu
 
-    emb, feats, caps = embedmesh_setup(batches)
-    csr = emb.enqueue(feats[0])
-    c = list(csr.values())[0]
-    stack = c.stack
-    tab, acc = emb.state.tables[stack], emb.state.slots[stack]["accumulators"]
-    u, pr, pu, pg = (
-        np.asarray(x)[0] for x in (c.unique_ids, c.pair_rows, c.pair_unique, c.pair_gains)
-    )
-    u, pr, pu, pg = (jnp.asarray(x) for x in (u, pr, pu, pg))
-    R, U, P = c.rows_per_device, u.shape[1], pr.shape[1]
-    n_unique = int(np.asarray(c.unique_counts).sum())
-    opt = emb.core.optimizer_of(stack)
-    rows = jnp.full((U, D), 0.01, jnp.float32)
-    g_u = jnp.full((U, D), 1e-3, jnp.float32)
-    act_g = jnp.full((R, D), 1e-3, jnp.float32)
-    flat_u = u.reshape(-1)
-    flat_pu = pu.reshape(-1)
-    flat_pr = pr.reshape(-1)
-    flat_pg = pg.reshape(-1)
-    J = cpu_ops
-    Ref = reference
-
-    def med(f, a):
-        jax.block_until_ready(f(*a))
-        return statistics.median(timed(lambda: jax.block_until_ready(f(*a)), args.steps))
-
-    def med_donated(f, state, rest):
-        """Median time of `state = f(*state, *rest)` (state donated, updated in place)."""
-        state = f(*state, *rest)
-        jax.block_until_ready(state)
-        ts = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            state = f(*state, *rest)
-            jax.block_until_ready(state)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts), state
-
-    def xla_update(t, a, i, g):
-        return J.reference_of("sparse_update")(
-            t, {"accumulators": a}, i, g, optimizer=opt, step=jnp.int32(1)
-        )
-
-    out = {}
-    huge = []
-
-    def add(name, kind, value):
-        out.setdefault(name, {"kernel": [], "xla": []})[kind].append(value)
-
+    s = profile_arrays(batches)
+    times = PieceTimes()
     for _ in range(args.rounds):
-        pieces = {  # name: (kernel version, XLA version, args)
-            "lookup, 1 shard: combine P pairs from the table": (
-                lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m),
-                lambda t, m, i, g, d: Ref.segment_gather_sum(
-                    Ref.gather_rows(t, m), i, g, d, num_segments=R
-                ),
-                (tab, flat_u, flat_pu, flat_pg, flat_pr),
-            ),
-            "lookup, N shards: gather U unique rows": (
-                J.gather_rows,
-                Ref.gather_rows,
-                (tab, flat_u),
-            ),
-            "lookup, N shards: combine P pairs -> R rows": (
-                lambda r, i, g, d: J.segment_gather_sum(r, i, g, d, R),
-                lambda r, i, g, d: Ref.segment_gather_sum(r, i, g, d, num_segments=R),
-                (rows, flat_pu, flat_pg, flat_pr),
-            ),
-            "backward: P pairs -> U grads": (
-                lambda a, i, g, d: J.segment_gather_sum(a, i, g, d, U),
-                lambda a, i, g, d: Ref.segment_gather_sum(a, i, g, d, num_segments=U),
-                (act_g, flat_pr, flat_pg, flat_pu),
-            ),
-            "owner dedup, 1 list (XLA: sorted check+cond)": (J.dedup_sum, Ref.dedup_sum, (u, g_u)),
-            "owner dedup, sort + segment sum (old path)": (None, Ref.dedup_sum_by_sort, (u, g_u)),
-            "owner: optimizer math alone (Adagrad, XLA)": (
-                None,
-                lambda r, a, g: opt.update_rows(r, {"accumulators": a}, g, jnp.int32(1)),
-                (rows, rows, g_u),
-            ),
-            "cond + isfinite over the activations' grads": (
-                None,
-                lambda g: jax.lax.cond(jnp.all(jnp.isfinite(g)), lambda x: x + 0, lambda x: x, g),
-                (act_g,),
-            ),
-        }
-        for name, (k, x, a) in pieces.items():
-            if k is not None:
-                add(name, "kernel", med(jax.jit(k), a))
-            if x is not None:
-                add(name, "xla", med(jax.jit(x), a))
-        # in place in the step (the backward's output is dead after it): donate here too
-        v, (g_u,) = med_donated(
-            jax.jit(lambda g, i: (J.dedup_sum(i, g)[1],), donate_argnums=0), (g_u,), (u,)
-        )
-        add("owner dedup, 1 list, in place", "kernel", v)
-        name = "owner update: gather, Adagrad, scatter (in place)"
-        fused = jax.jit(
-            lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(
-                J.sparse_update(opt, t, {"accumulators": a}, i, g, jnp.int32(1))
-            ),
-            donate_argnums=(0, 1),
-        )
-        xla = jax.jit(
-            lambda t, a, i, g: (lambda r: (r[0], r[1]["accumulators"]))(xla_update(t, a, i, g)),
-            donate_argnums=(0, 1),
-        )
-        # the XLA version must not see the kernels: run it with them switched off
-        v, (tab, acc) = med_donated(fused, (tab, acc), (flat_u, g_u))
-        add(name, "kernel", v)
-        with kernels_off():
-            v, (tab, acc) = med_donated(xla, (tab, acc), (flat_u, g_u))
-        add(name, "xla", v)
-        # the same on tables and slots moved to transparent huge pages
-        if not huge:
-            huge.extend(jax.block_until_ready((J.huge_page_copy(tab), J.huge_page_copy(acc))))
-        htab, hacc = huge
-        add(
-            "lookup, 1 shard: combine P pairs, huge pages",
-            "kernel",
-            med(
-                jax.jit(lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m)),
-                (htab, flat_u, flat_pu, flat_pg, flat_pr),
-            ),
-        )
-        add(
-            "lookup, 1 shard: combine P pairs, huge pages",
-            "xla",
-            med(
-                jax.jit(
-                    lambda t, m, i, g, d: Ref.segment_gather_sum(
-                        Ref.gather_rows(t, m), i, g, d, num_segments=R
-                    )
-                ),
-                (htab, flat_u, flat_pu, flat_pg, flat_pr),
-            ),
-        )
-        name = "owner update (in place), huge pages"
-        v, (htab, hacc) = med_donated(fused, (htab, hacc), (flat_u, g_u))
-        add(name, "kernel", v)
-        with kernels_off():
-            v, (htab, hacc) = med_donated(xla, (htab, hacc), (flat_u, g_u))
-        add(name, "xla", v)
-        # the whole owner side (1 shard): backward + dedup + update, unfused vs fused
-        name = "backward+dedup+update, huge pages"
-
-        def unfused(t, a, ag, pr_, pu_, pg_, i):
-            per = J.segment_gather_sum(ag, pr_, pg_, pu_, U)
-            uq, g = J.dedup_sum(i[None], per)
-            t, s_ = J.sparse_update(opt, t, {"accumulators": a}, uq, g, jnp.int32(1))
-            return t, s_["accumulators"]
-
-        def fused_bu(t, a, ag, pr_, pu_, pg_, i):
-            t, s_ = J.backward_update(
-                opt, t, {"accumulators": a}, i, ag, pr_, pu_, pg_, jnp.int32(1)
-            )
-            return t, s_["accumulators"]
-
-        bu_args = (act_g, flat_pr, flat_pu, flat_pg, flat_u)
-        v, (htab, hacc) = med_donated(
-            jax.jit(unfused, donate_argnums=(0, 1)), (htab, hacc), bu_args
-        )
-        add(name + " (unfused kernels)", "kernel", v)
-        v, (htab, hacc) = med_donated(
-            jax.jit(fused_bu, donate_argnums=(0, 1)), (htab, hacc), bu_args
-        )
-        add(name + " (fused kernel)", "kernel", v)
-        huge[:] = [htab, hacc]
-        host = timed(
-            lambda: pre.preprocess_features(feats[0], None, emb.plan, capacities=caps), args.steps
-        )
-        add("host: preprocess (numba)", "kernel", statistics.median(host))
-        arrays = pre.preprocess_features(feats[0], None, emb.plan, capacities=caps)[0]
-        put = timed(lambda: jax.block_until_ready(emb.core.put(arrays)), args.steps)
-        add("host -> device transfer of the CSR", "kernel", statistics.median(put))
-    emb.state = type(emb.state)({stack: tab}, {stack: {"accumulators": acc}}, emb.state.step)
+        profile_round(s, times, args.steps)
+    emb = s.emb
+    emb.state = type(emb.state)(
+        {s.stack: s.tab}, {s.stack: {"accumulators": s.acc}}, emb.state.step
+    )
     return dict(
-        pieces={
-            k: {kk: statistics.median(vv) if vv else None for kk, vv in v.items()}
-            for k, v in out.items()
-        },
-        U=U,
-        P=P,
-        R=R,
-        n_unique=n_unique,
-        n_pairs=int(np.asarray(c.pair_counts).sum()),
+        pieces=times.medians(),
+        U=s.U,
+        P=s.P,
+        R=s.R,
+        n_unique=s.n_unique,
+        n_pairs=int(np.asarray(s.csr.pair_counts).sum()),
         kernels=cpu.ready(),
         note="'kernel' = embedmesh.device.ops; "
         "'xla' = the pure-JAX path; pieces without a kernel are XLA either way",
     )
+
+
+class PieceTimes:
+    """The profile's samples: piece name -> {"kernel": [seconds], "xla": [seconds]}."""
+
+    def __init__(self):
+        self.samples = {}
+
+    def add(self, name, kind, value):
+        self.samples.setdefault(name, {"kernel": [], "xla": []})[kind].append(value)
+
+    def medians(self) -> dict:
+        return {
+            k: {kk: statistics.median(vv) if vv else None for kk, vv in v.items()}
+            for k, v in self.samples.items()
+        }
+
+
+def profile_arrays(batches):
+    """embedmesh's state and the first batch's CSR (its first stack, device 0) as the
+    profile's inputs; tab, acc, g_u, htab and hacc are donated and replaced as it runs."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    emb, feats, caps = embedmesh_setup(batches)
+    c = list(emb.enqueue(feats[0]).values())[0]
+    u, pr, pu, pg = (
+        np.asarray(x)[0] for x in (c.unique_ids, c.pair_rows, c.pair_unique, c.pair_gains)
+    )
+    u, pr, pu, pg = (jnp.asarray(x) for x in (u, pr, pu, pg))
+    R, U = c.rows_per_device, u.shape[1]
+    return types.SimpleNamespace(
+        emb=emb,
+        feats=feats,
+        caps=caps,
+        csr=c,
+        stack=c.stack,
+        tab=emb.state.tables[c.stack],
+        acc=emb.state.slots[c.stack]["accumulators"],
+        htab=None,  # tab and acc on transparent huge pages, copied in the first round
+        hacc=None,
+        u=u,
+        R=R,
+        U=U,
+        P=pr.shape[1],
+        n_unique=int(np.asarray(c.unique_counts).sum()),
+        opt=emb.core.optimizer_of(c.stack),
+        rows=jnp.full((U, D), 0.01, jnp.float32),
+        g_u=jnp.full((U, D), 1e-3, jnp.float32),
+        act_g=jnp.full((R, D), 1e-3, jnp.float32),
+        flat_u=u.reshape(-1),
+        flat_pu=pu.reshape(-1),
+        flat_pr=pr.reshape(-1),
+        flat_pg=pg.reshape(-1),
+    )
+
+
+def median_time(f, a, steps):
+    """Median time of `f(*a)` over `steps` calls, after one untimed call."""
+    import jax
+
+    jax.block_until_ready(f(*a))
+    return statistics.median(timed(lambda: jax.block_until_ready(f(*a)), steps))
+
+
+def median_time_donated(f, state, rest, steps):
+    """Median time of `state = f(*state, *rest)` (state donated, updated in place)."""
+    import jax
+
+    state = f(*state, *rest)
+    jax.block_until_ready(state)
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state = f(*state, *rest)
+        jax.block_until_ready(state)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), state
+
+
+def time_pieces(times, pieces, steps):
+    """Time each piece {name: (kernel version, XLA version, args)}; None: no such version."""
+    import jax
+
+    for name, (k, x, a) in pieces.items():
+        if k is not None:
+            times.add(name, "kernel", median_time(jax.jit(k), a, steps))
+        if x is not None:
+            times.add(name, "xla", median_time(jax.jit(x), a, steps))
+
+
+def lookup_one_shard(R):
+    """The 1-shard lookup (combine P pairs straight from the table): (kernel, XLA)."""
+    from embedmesh.device import ops as J
+    from embedmesh.device.ops import reference as Ref
+
+    return (
+        lambda t, m, i, g, d: J.segment_gather_sum(t, i, g, d, R, src_map=m),
+        lambda t, m, i, g, d: Ref.segment_gather_sum(
+            Ref.gather_rows(t, m), i, g, d, num_segments=R
+        ),
+    )
+
+
+def profile_pieces(s) -> dict:
+    """The pieces timed alone: {name: (kernel version, XLA version, args)}."""
+    import jax
+    import jax.numpy as jnp
+
+    from embedmesh.device import ops as J
+    from embedmesh.device.ops import reference as Ref
+
+    R, U, opt, rows, g_u, act_g = s.R, s.U, s.opt, s.rows, s.g_u, s.act_g
+    return {
+        "lookup, 1 shard: combine P pairs from the table": (
+            *lookup_one_shard(R),
+            (s.tab, s.flat_u, s.flat_pu, s.flat_pg, s.flat_pr),
+        ),
+        "lookup, N shards: gather U unique rows": (
+            J.gather_rows,
+            Ref.gather_rows,
+            (s.tab, s.flat_u),
+        ),
+        "lookup, N shards: combine P pairs -> R rows": (
+            lambda r, i, g, d: J.segment_gather_sum(r, i, g, d, R),
+            lambda r, i, g, d: Ref.segment_gather_sum(r, i, g, d, num_segments=R),
+            (rows, s.flat_pu, s.flat_pg, s.flat_pr),
+        ),
+        "backward: P pairs -> U grads": (
+            lambda a, i, g, d: J.segment_gather_sum(a, i, g, d, U),
+            lambda a, i, g, d: Ref.segment_gather_sum(a, i, g, d, num_segments=U),
+            (act_g, s.flat_pr, s.flat_pg, s.flat_pu),
+        ),
+        "owner dedup, 1 list (XLA: sorted check+cond)": (J.dedup_sum, Ref.dedup_sum, (s.u, g_u)),
+        "owner dedup, sort + segment sum (old path)": (None, Ref.dedup_sum_by_sort, (s.u, g_u)),
+        "owner: optimizer math alone (Adagrad, XLA)": (
+            None,
+            lambda r, a, g: opt.update_rows(r, {"accumulators": a}, g, jnp.int32(1)),
+            (rows, rows, g_u),
+        ),
+        "cond + isfinite over the activations' grads": (
+            None,
+            lambda g: jax.lax.cond(jnp.all(jnp.isfinite(g)), lambda x: x + 0, lambda x: x, g),
+            (act_g,),
+        ),
+    }
+
+
+def profile_round(s, times, steps):
+    """One round of the profile: every piece once, in the same order each round."""
+    import jax
+
+    from embedmesh.device import ops as J
+
+    time_pieces(times, profile_pieces(s), steps)
+    # in place in the step (the backward's output is dead after it): donate here too
+    v, (s.g_u,) = median_time_donated(
+        jax.jit(lambda g, i: (J.dedup_sum(i, g)[1],), donate_argnums=0), (s.g_u,), (s.u,), steps
+    )
+    times.add("owner dedup, 1 list, in place", "kernel", v)
+    updates = owner_updates(s.opt)
+    name = "owner update: gather, Adagrad, scatter (in place)"
+    s.tab, s.acc = time_owner_update(times, name, updates, (s.tab, s.acc), s, steps)
+    # the same on tables and slots moved to transparent huge pages
+    if s.htab is None:
+        s.htab, s.hacc = jax.block_until_ready((J.huge_page_copy(s.tab), J.huge_page_copy(s.acc)))
+    time_pieces(
+        times,
+        {
+            "lookup, 1 shard: combine P pairs, huge pages": (
+                *lookup_one_shard(s.R),
+                (s.htab, s.flat_u, s.flat_pu, s.flat_pg, s.flat_pr),
+            )
+        },
+        steps,
+    )
+    name = "owner update (in place), huge pages"
+    s.htab, s.hacc = time_owner_update(times, name, updates, (s.htab, s.hacc), s, steps)
+    profile_backward_update(s, times, steps)
+    profile_host(s, times, steps)
+
+
+def owner_updates(opt):
+    """The owner's in-place update (tables and accumulators donated): (kernel, XLA)."""
+    import jax
+    import jax.numpy as jnp
+
+    from embedmesh.device import ops as J
+
+    def kernel(t, a, i, g):
+        t, s_ = J.sparse_update(opt, t, {"accumulators": a}, i, g, jnp.int32(1))
+        return t, s_["accumulators"]
+
+    def xla(t, a, i, g):
+        t, s_ = J.reference_of("sparse_update")(
+            t, {"accumulators": a}, i, g, optimizer=opt, step=jnp.int32(1)
+        )
+        return t, s_["accumulators"]
+
+    return jax.jit(kernel, donate_argnums=(0, 1)), jax.jit(xla, donate_argnums=(0, 1))
+
+
+def time_owner_update(times, name, updates, state, s, steps):
+    """Time both owner updates on `state` (table, accumulators); returns the new state."""
+    kernel, xla = updates
+    v, state = median_time_donated(kernel, state, (s.flat_u, s.g_u), steps)
+    times.add(name, "kernel", v)
+    # the XLA version must not see the kernels: run it with them switched off
+    with kernels_off():
+        v, state = median_time_donated(xla, state, (s.flat_u, s.g_u), steps)
+    times.add(name, "xla", v)
+    return state
+
+
+def profile_backward_update(s, times, steps):
+    """The whole owner side (1 shard): backward + dedup + update, unfused vs fused."""
+    import jax
+    import jax.numpy as jnp
+
+    from embedmesh.device import ops as J
+
+    opt, U = s.opt, s.U
+
+    def unfused(t, a, ag, pr_, pu_, pg_, i):
+        per = J.segment_gather_sum(ag, pr_, pg_, pu_, U)
+        uq, g = J.dedup_sum(i[None], per)
+        t, s_ = J.sparse_update(opt, t, {"accumulators": a}, uq, g, jnp.int32(1))
+        return t, s_["accumulators"]
+
+    def fused(t, a, ag, pr_, pu_, pg_, i):
+        t, s_ = J.backward_update(opt, t, {"accumulators": a}, i, ag, pr_, pu_, pg_, jnp.int32(1))
+        return t, s_["accumulators"]
+
+    name = "backward+dedup+update, huge pages"
+    bu_args = (s.act_g, s.flat_pr, s.flat_pu, s.flat_pg, s.flat_u)
+    for label, f in ((" (unfused kernels)", unfused), (" (fused kernel)", fused)):
+        v, (s.htab, s.hacc) = median_time_donated(
+            jax.jit(f, donate_argnums=(0, 1)), (s.htab, s.hacc), bu_args, steps
+        )
+        times.add(name + label, "kernel", v)
+
+
+def profile_host(s, times, steps):
+    """The host side: preprocessing one batch, and its CSR's transfer to the device."""
+    import jax
+
+    from embedmesh.host import preprocess as pre
+
+    def preprocess():
+        return pre.preprocess_features(s.feats[0], None, s.emb.plan, capacities=s.caps)
+
+    times.add("host: preprocess (numba)", "kernel", statistics.median(timed(preprocess, steps)))
+    arrays = preprocess()[0]
+    put = timed(lambda: jax.block_until_ready(s.emb.core.put(arrays)), steps)
+    times.add("host -> device transfer of the CSR", "kernel", statistics.median(put))
 
 
 # ---------------------------------------------------------------------------
@@ -1062,7 +1144,8 @@ def print_profile(res):
         )
 
 
-def main():
+def build_parser():
+    """The script's options (the hidden ones are the children's)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--rounds", type=int, default=3)
@@ -1120,7 +1203,11 @@ def main():
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--proc-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = build_parser().parse_args()
     if not args.child:  # the children's (child_env); a child keeps the one it was given
         os.environ["EMBEDMESH_BENCH_SHARDING"] = args.sharding
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
@@ -1140,17 +1227,36 @@ def main():
         f"~{VALENCY} ids/sample Zipf({ZIPF_A}), sum, Adagrad"
     )
     if args.profile:
-        res, err = run_child("profile", args)
-        if res is None:
-            sys.exit(f"profile failed:\n{err}")
-        print_profile(res)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
-
-    peers = [p for p in args.peers.split(",") if p]
+        return main_profile(args)
     optimizers = [o for o in args.optimizer.split(",") if o]
+    peers = chosen_peers(args, optimizers)
+    results = run_rounds(args, peers)
+    rows = summary_rows(peers, results)
+    print_summary(args, peers, rows, results)
+    print_ratios(rows)
+    print_against_fbgemm(results)
+    print_scale_out(rows, results)
+    print_optimizer_ratios(results, optimizers)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "raw": results}, f, indent=1)
+
+
+def main_profile(args):
+    """--profile: the profile child's pieces, printed (and written to --json)."""
+    res, err = run_child("profile", args)
+    if res is None:
+        sys.exit(f"profile failed:\n{err}")
+    print_profile(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def chosen_peers(args, optimizers) -> list:
+    """The peers to run: --peers, once per optimizer, with --baseline's, less FBGEMM's
+    where it does not import."""
+    peers = [p for p in args.peers.split(",") if p]
     bad = [o for o in optimizers if o not in OPTIMIZERS]
     if bad:
         sys.exit(f"--optimizer: unknown {bad}; one or more of {', '.join(OPTIMIZERS)}")
@@ -1173,8 +1279,14 @@ def main():
         if not ok:
             print(f"FBGEMM not importable ({why}): its peers are skipped")
             peers = [p for p in peers if not p.startswith("fbgemm")]
+    return peers
+
+
+def run_rounds(args, peers) -> dict:
+    """Each peer's child once a round, in interleaved rounds (the peer order rotated each
+    round): {peer: [each round's result]}."""
     results = {p: [] for p in peers}
-    for rnd in range(args.rounds):  # interleaved rounds, peer order rotated each round
+    for rnd in range(args.rounds):
         order = peers[rnd % len(peers) :] + peers[: rnd % len(peers)]
         for p in order:
             t = time.perf_counter()
@@ -1191,6 +1303,11 @@ def main():
                 f"{os.getloadavg()[0]:.1f}{pre}",
                 flush=True,
             )
+    return results
+
+
+def summary_rows(peers, results) -> dict:
+    """Each peer's medians over the rounds (of its children's medians), rates and peaks."""
 
     def med(p, key, of=statistics.median):
         vals = [of(r[key]) for r in results[p] if key in r]
@@ -1200,7 +1317,8 @@ def main():
     for p in peers:
         if not results[p]:
             continue
-        ids = results[p][0]["ids"]
+        first = results[p][0]
+        ids = first["ids"]
         dev, enq, e2e = med(p, "device"), med(p, "enqueue"), med(p, "e2e")
         best = med(p, "device", min)
         rows[p] = dict(
@@ -1216,11 +1334,16 @@ def main():
             setup_hwm=max(r["setup_hwm"] for r in results[p]),
             step_hwm=max(r["step_hwm"] for r in results[p]),
             e2e_hwm=max((r["e2e_hwm"] for r in results[p] if "e2e_hwm" in r), default=None),
-            state_bytes=results[p][0]["state_bytes"],
-            exchange_bytes=results[p][0].get("exchange_bytes"),
-            mod_exchange_bytes=results[p][0].get("mod_exchange_bytes"),
-            strategies=results[p][0].get("strategies"),
+            state_bytes=first["state_bytes"],
+            exchange_bytes=first.get("exchange_bytes"),
+            mod_exchange_bytes=first.get("mod_exchange_bytes"),
+            strategies=first.get("strategies"),
         )
+    return rows
+
+
+def print_summary(args, peers, rows, results):
+    """The table of each peer's times, rates and memory."""
     ids = next(iter(rows.values()))["ids"] if rows else 0
     print(
         f"\n{ids / 1e3:.0f}k ids per step; medians over {len(results[peers[0]])} rounds of each "
@@ -1241,6 +1364,10 @@ def main():
             f"{gb(r['setup_hwm']):>7s} GB {gb(r['step_hwm']):>7s} GB "
             + (f"{gb(r['e2e_hwm']):>7s} GB" if r["e2e_hwm"] else f"{'-':>10s}")
         )
+
+
+def print_ratios(rows):
+    """Each embedmesh peer's device-step rate against the reference peers'."""
     print("\nratios of device-step ids/s (row peer / column peer):")
     refs = [
         p for p in ("plain-jax", "fbgemm-exact", "fbgemm-rowwise", "embedmesh-xla") if p in rows
@@ -1257,12 +1384,6 @@ def main():
                 if q != p
             )
         )
-    print_against_fbgemm(results)
-    print_scale_out(rows, results)
-    print_optimizer_ratios(results, optimizers)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "raw": results}, f, indent=1)
 
 
 def print_against_fbgemm(results):
