@@ -101,61 +101,40 @@ ffi::Error ExchangePooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> 
                   });
 }
 
-// A pair as the partial sums read it: its row among the Rc rows (-1: none), the table row
-// it reads (-1: none) and its gain.
-struct ServedPair {
-  int32_t dst, src;
-  float gain;
+// A source's pairs decoded for the partial sums, in this thread's arrays (kept from call
+// to call): per pair its row among the Rc rows, the table row it reads (both -1: none; so
+// are ids out of [0, rows)) and its gain.
+struct ServedPairs {
+  std::vector<int32_t> dst, src;
+  std::vector<float> gain;
 };
 
-// Source block `block`'s pairs decoded into sp[0, l.p) (ids out of [0, rows): none).
-inline void DecodeServed(const int32_t* block, const PooledLayout& l, int64_t rows,
-                         ServedPair* sp) {
+inline ServedPairs& DecodeServed(const int32_t* block, const PooledLayout& l, int64_t rows) {
+  thread_local ServedPairs sp;
+  sp.dst.resize(l.p);
+  sp.src.resize(l.p);
+  sp.gain.resize(l.p);
   for (int64_t q = 0; q < l.p; ++q) {
     int32_t pos, row;
-    float gain;
-    DecodePair(block, l, q, &pos, &row, &gain);
+    DecodePair(block, l, q, &pos, &row, &sp.gain[q]);
     const int32_t id = pos >= 0 ? block[pos] : -1;
     const bool ok = row >= 0 && id >= 0 && id < rows;
-    sp[q] = ServedPair{ok ? row : -1, ok ? id : -1, gain};
+    sp.dst[q] = ok ? row : -1;
+    sp.src[q] = ok ? id : -1;
   }
+  return sp;
 }
 
 // A source's partial activations [rc, d] into o from its message `block`: each row sums
-// gain * table row over its pairs, in pair order, in float32 (as common.h's SegmentRowSums;
-// the table of a storage type E). The pairs are decoded first into one array of this
-// thread's, kept from call to call.
+// gain * table row over its pairs, in pair order, in float32 (SegmentRowSums; the table of
+// a storage type E), its pairs decoded once first.
 template <typename E>
 void PartialsOf(const int32_t* block, const PooledLayout& l, const E* t, int64_t rows,
                 int64_t d, float* o) {
-  thread_local std::vector<ServedPair> decoded;
-  decoded.resize(l.p);
-  ServedPair* const sp = decoded.data();  // by address: ParallelFor's workers are other threads
-  DecodeServed(block, l, rows, sp);
-  const int64_t segs = l.rc, np = l.p;
-  PrepareOutput(o, sizeof(float) * segs * d);
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(NumWorkers(), 16));
-  const int64_t span = (segs + parts - 1) / parts;
-  ParallelFor(parts, [&](int64_t part) {
-    const int64_t lo = part * span, hi = std::min(segs, lo + span);
-    if (lo >= hi) return;
-    std::memset(o + lo * d, 0, sizeof(float) * (hi - lo) * d);
-    for (int64_t q = 0; q < np; ++q) {
-      if (q + kPrefetch < np) {
-        const ServedPair& f = sp[q + kPrefetch];
-        if (f.dst >= lo && f.dst < hi) {
-          PrefetchRead(reinterpret_cast<const char*>(t + static_cast<int64_t>(f.src) * d), sizeof(E) * d);
-          PrefetchWrite(reinterpret_cast<char*>(o + static_cast<int64_t>(f.dst) * d), 4 * d);
-        }
-      }
-      const ServedPair& e = sp[q];
-      if (e.dst < lo || e.dst >= hi) continue;
-      const E* __restrict__ srow = t + static_cast<int64_t>(e.src) * d;
-      const float gq = e.gain;
-      float* __restrict__ orow = o + static_cast<int64_t>(e.dst) * d;
-      for (int64_t k = 0; k < d; ++k) orow[k] += gq * Load(srow[k]);
-    }
-  });
+  const ServedPairs& sp = DecodeServed(block, l, rows);
+  const int32_t* const src = sp.src.data();  // by address: ParallelFor's workers are other threads
+  SegmentRowSums(o, d, l.rc, l.p, sp.dst.data(), sp.gain.data(),
+                 [=](int64_t q) -> const E* { return src[q] >= 0 ? t + src[q] * d : nullptr; });
 }
 
 // ops.pooled_partials: out[s * rc + row] += gain * table[ids_s[position]] over each
