@@ -721,9 +721,10 @@ class EmbeddingCore:
     def _shard_map(self, body, in_specs, out_specs):
         """`body` as a per-shard program on this core's mesh (every device program of
         the core: unchecked varying-manual-axes, as its bodies mix replicated and
-        sharded values)."""
-        return jax.shard_map(
-            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        sharded values), its cross-device calls in one order with the program's others
+        (`ops.shard_map_in_order`)."""
+        return ops.shard_map_in_order(
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, axes=self.axes
         )
 
     def carries_view(self, stack: str, c=None) -> bool:

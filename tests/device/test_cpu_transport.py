@@ -2,6 +2,8 @@
 with their exchange, written once over it, run between in-process devices too, and give
 exactly what the references (pack / partials / backward, then `ops.exchange`) give."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,47 @@ def test_in_process_pooled_backward_update_matches_its_reference(opt, keep, grou
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     if not keep:  # a rejected step moves no row
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(table))
+
+
+def _custom_calls(hlo: str):
+    """(name, target, operand names) of each custom call of a compiled program's text."""
+    calls = []
+    for line in hlo.splitlines():
+        m = re.search(r"%(\S+) = .*? custom-call\(([^)]*)\).*custom_call_target=\"(\w+)\"", line)
+        if m:
+            operands = [o.strip().lstrip("%") for o in m.group(2).split(",")]
+            calls.append((m.group(1), m.group(3), operands))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [2, 4])
+def test_independent_exchanges_of_one_program_run_in_trace_order(n):
+    """Two exchanges that share no data, in one program: the second one's rank comes
+    through `embedmesh_after`, which reads the first one's output, so every device runs
+    them in the order they were traced (XLA's CPU runtime runs ready work as it comes:
+    without the chain a device could block in one while its peer blocks in the other,
+    until the 60 s timeout). Both still exchange exactly what the reference does."""
+    r = np.random.default_rng(n)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    transport = ops.Transport("x", n, in_process=True, channel="order")
+    a = jnp.asarray(r.standard_normal((n * n * 3, 2)).astype(np.float32))
+    b = jnp.asarray(r.integers(-9, 9, (n * n * 5,)).astype(np.int32))
+
+    def two(exchange):
+        return per_device(
+            lambda x, y: (exchange(x, transport.at("a")), exchange(y, transport.at("b"))),
+            mesh,
+            2,
+        )
+
+    program = two(ops.exchange)
+    calls = _custom_calls(program.lower(a, b).compile().as_text())
+    assert [c[1] for c in calls] == ["embedmesh_exchange", "embedmesh_after", "embedmesh_exchange"]
+    (first, _, _), (order, _, order_reads), (_, _, second_reads) = calls
+    assert order_reads[1] == first  # waits for the first exchange's output
+    assert second_reads[-1] == order  # the rank argument
+    got = program(a, b)
+    want = two(lambda x, t: ops.reference_of("exchange")(x, transport=t))(a, b)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

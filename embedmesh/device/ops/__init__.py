@@ -130,11 +130,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from embedmesh._runtime import PAD_ID, pooled_pair_fields
 from embedmesh.device.ops import cpu, gpu, id_hash, reference, tpu
@@ -269,7 +272,9 @@ def kernel_for(op: str, platform: str, *args, **params) -> Callable:
 
 def _dispatch(op: str, *args, **params):
     """`op(*args, **params)`: each platform's kernel where it takes the call, else the
-    reference, chosen by the platform the computation is lowered for."""
+    reference, chosen by the platform the computation is lowered for. A kernel of an op
+    that crosses devices (a `transport`) also gets `after=`, the output of the last such
+    call staged into the same program, and waits for it (`_CrossingOrder`)."""
     ref = functools.partial(_REFERENCES[op], **params)
     branches = {}
     # device platforms first: a lowering platform's own kernel replaces theirs
@@ -281,7 +286,115 @@ def _dispatch(op: str, *args, **params):
                 branches[name] = fn
     if not branches:
         return ref(*args)
-    return jax.lax.platform_dependent(*args, default=ref, **branches)
+    if "transport" not in params:
+        return jax.lax.platform_dependent(*args, default=ref, **branches)
+    previous = _crossing_order.last()
+    if previous is not None:  # one more argument, the last: the kernels wait for it
+
+        def ordered(fn):
+            return lambda *a: fn(*a[:-1], after=a[-1])
+
+        branches = {name: ordered(fn) for name, fn in branches.items()}
+        out = jax.lax.platform_dependent(
+            *args, previous, default=lambda *a: ref(*a[:-1]), **branches
+        )
+    else:
+        out = jax.lax.platform_dependent(*args, default=ref, **branches)
+    _crossing_order.called(out)
+    return out
+
+
+class _CrossingOrder(threading.local):
+    """The order of the kernels that cross devices within one program (this thread's).
+
+    Each of them blocks until its peers (the other devices, or processes) reach the same
+    call. XLA's CPU runtime orders a program's work only by the buffers it reads and
+    writes, and runs what is ready as it comes: two such calls that share no data could
+    start in different orders on two devices, each then waiting for its peer at the other
+    call, until the 60 s timeout. So each one waits for the output of the one staged
+    before it into the same trace (its kernel's `after` argument), and every device runs
+    them in the order they were traced. XLA's own collectives (the references) are
+    ordered by XLA. Kept: {id(trace): (trace, its last call's first output)}, at most
+    16 traces (a trace's tracers must not outlive it by much)."""
+
+    def __init__(self):
+        self.outputs: dict[int, tuple[Any, Any]] = {}
+
+    @staticmethod
+    def _trace():
+        """The trace calls are staged into; None when they run eagerly (one after
+        another) or where this JAX's internals differ."""
+        try:
+            from jax._src import core as jax_core
+
+            trace = jax_core.trace_ctx.trace
+            return None if isinstance(trace, jax_core.EvalTrace) else trace
+        except (ImportError, AttributeError):
+            return None
+
+    def last(self):
+        trace = self._trace()
+        entry = None if trace is None else self.outputs.get(id(trace))
+        return entry[1] if entry is not None and entry[0] is trace else None
+
+    def forget(self):
+        """The last output of the current trace (`last`), no longer kept."""
+        last = self.last()
+        if last is not None:
+            del self.outputs[id(self._trace())]
+        return last
+
+    def called(self, outs) -> None:
+        trace = self._trace()
+        if trace is None:
+            return
+        first = jax.tree_util.tree_leaves(outs)[0]
+        kept = [
+            (k, v)
+            for k, v in self.outputs.items()
+            if k != id(trace) and getattr(v[0], "is_valid", lambda: True)()
+        ]
+        self.outputs = dict(kept[-15:] + [(id(trace), (trace, first))])
+
+
+_crossing_order = _CrossingOrder()
+
+
+def shard_map_in_order(body, *, mesh, in_specs: tuple, out_specs, axes):
+    """`jax.shard_map(body, ...)` (unchecked varying-manual-axes) whose calls that cross
+    devices run after those staged before it into the calling program, and before those
+    staged after it (`_CrossingOrder` orders them within one trace; this carries the
+    order across the body's boundary): the body takes the caller's last such output
+    where it splits over `axes`, and returns one element of its own last a device, which
+    the caller records as its last."""
+    spec = P(axes)
+    names = axes if isinstance(axes, tuple) else (axes,)
+    devices = int(np.prod([mesh.shape[a] for a in names]))
+
+    def marked(previous, *args):
+        if previous is not None:
+            _crossing_order.called(previous)
+        out = body(*args)
+        last = _crossing_order.forget()
+        return out, (None if last is None else last.reshape(-1)[:1])
+
+    def call(*args):
+        previous = _crossing_order.last()
+        if previous is not None and (previous.ndim == 0 or previous.shape[0] % devices):
+            previous = None
+        fn = jax.shard_map(
+            marked if previous is not None else lambda *a: marked(None, *a),
+            mesh=mesh,
+            in_specs=((spec,) if previous is not None else ()) + tuple(in_specs),
+            out_specs=(out_specs, spec),
+            check_vma=False,
+        )
+        out, mark = fn(*(() if previous is None else (previous,)), *args)
+        if mark is not None:
+            _crossing_order.called(mark)
+        return out
+
+    return call
 
 
 def _dispatch_on(device, op: str, *args, **params):

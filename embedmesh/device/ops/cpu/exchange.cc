@@ -72,9 +72,21 @@ ffi::Error LookupFromShards(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> uids,
   });
 }
 
+// `rank`, copied, once `previous` (the output of the program's last cross-device call; not
+// read) is written: what runs one program's cross-device calls in the same order on every
+// device (kernels.py, `_after_last_call`). XLA's CPU runtime orders a program's work by
+// the buffers it reads and writes alone, and each of these calls blocks until its peers
+// reach the same one.
+ffi::Error After(ffi::Buffer<ffi::S32> rank, ffi::AnyBuffer /*previous*/,
+                 ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  std::memcpy(out->typed_data(), rank.typed_data(), rank.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace embedmesh
 
+EM_HANDLER("embedmesh_after", EmAfter, embedmesh::After)
 EM_DEFINE_TRANSPORTED(Exchange,
                       ffi::Ffi::Bind()
                           .Arg<ffi::AnyBuffer>()

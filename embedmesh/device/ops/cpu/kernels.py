@@ -146,13 +146,18 @@ def backward_update(
 _exchange_tags = itertools.count(1)
 
 
-def _transport(transport, in_process: str, host: str):
+def _transport(transport, in_process: str, host: str, after=None):
     """(the target, this device's rank [1], the FFI attributes of its transport
     (transport.h)) of a cross-device kernel: `in_process` between the devices of this
     process (a tag of its own per traced call, the device count), else `host` between
     processes of one host (the job's key, the channel's tag, the device count, the
-    timeout, the channel)."""
+    timeout, the channel). `after`: the output of the program's previous cross-device call
+    (`ops._CROSSING`), which the rank is made to wait for (`embedmesh_after`, exchange.cc)."""
     rank = jax.lax.axis_index(transport.axis_name).astype(jnp.int32).reshape(1)
+    if after is not None:
+        rank = jax.ffi.ffi_call("embedmesh_after", jax.ShapeDtypeStruct((1,), jnp.int32))(
+            rank, after
+        )
     n = np.int64(transport.num_shards)
     if transport.in_process:
         return in_process, rank, dict(tag=np.int64(next(_exchange_tags)), n=n)
@@ -167,13 +172,15 @@ def _transport(transport, in_process: str, host: str):
     return host, rank, attrs
 
 
-def exchange(x, *, transport):
+def exchange(x, *, transport, after=None):
     """The all-to-all through shared memory: block j to device j (exchange.cc).
 
     In one process each traced call gets its own tag, which pairs up the calls of the
     devices; between the processes of one host (`host_job`) the call's tag is a stable
     hash of its channel, the same in every process."""
-    target, rank, attrs = _transport(transport, "embedmesh_exchange", "embedmesh_host_exchange")
+    target, rank, attrs = _transport(
+        transport, "embedmesh_exchange", "embedmesh_host_exchange", after
+    )
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     return jax.ffi.ffi_call(target, out)(x, rank, **attrs)
 
@@ -242,7 +249,7 @@ def _host_call(x, transport) -> bool:
     return True
 
 
-def lookup_from_shards(table, *pairs, num_rows, transport):
+def lookup_from_shards(table, *pairs, num_rows, transport, after=None):
     """This device's activations read straight from every shard's table (exchange.cc);
     between processes of one host, from the rows each owner gathered into its shared
     memory (two rounds, the ids then the rows: channels "<channel>/ids" and "/rows").
@@ -250,7 +257,7 @@ def lookup_from_shards(table, *pairs, num_rows, transport):
     out = jax.ShapeDtypeStruct((num_rows,) + table.shape[1:], jnp.float32)
     args = (table, *pairs)
     target, rank, attrs = _transport(
-        transport.at("ids"), "embedmesh_lookup_from_shards", "embedmesh_host_lookup"
+        transport.at("ids"), "embedmesh_lookup_from_shards", "embedmesh_host_lookup", after
     )
     if not transport.in_process:
         attrs["rows_tag"] = np.int64(channel_tag(transport.at("rows").channel))
@@ -261,7 +268,9 @@ def _lookup_in_process(table, *args, transport, **params) -> bool:
     return _storage_source(table) and _crosses_shared_memory(table, transport)
 
 
-def backward_update_sharded(table, slots, *batch, optimizer, step, transport, replicated=False):
+def backward_update_sharded(
+    table, slots, *batch, optimizer, step, transport, replicated=False, after=None
+):
     """Each owner reads its sources' pairs and activation gradients directly (update.cc);
     `replicated`: each device a replica, applying every source's one partition. `batch`:
     the op's (unique_ids, act_grads, pair_rows, pair_unique, pair_gains, keep), passed on."""
@@ -270,6 +279,7 @@ def backward_update_sharded(table, slots, *batch, optimizer, step, transport, re
         transport.at("sources"),
         "embedmesh_backward_{}_from_sources",
         "embedmesh_backward_{}_from_host_sources",
+        after,
     )
     args = (*pairs, _LR, keep.astype(jnp.int32).reshape(1), rank)
     attrs = dict(replica=np.int64(bool(replicated)), **attrs)
@@ -335,12 +345,12 @@ def _fused_pooled(table, slots, served, grads, keep, *, optimizer, step, **param
 
 
 def exchange_pooled_pairs(
-    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, transport
+    unique_ids, pair_rows, pair_unique, pair_gains, compact, *, width, transport, after=None
 ):
     n, u = unique_ids.shape
     k = _pooled_words(u, width)
     target, rank, attrs = _transport(
-        transport, "embedmesh_exchange_pooled_pairs", "embedmesh_host_pack_pooled_pairs"
+        transport, "embedmesh_exchange_pooled_pairs", "embedmesh_host_pack_pooled_pairs", after
     )
     out = jax.ShapeDtypeStruct((n, u + pair_rows.shape[1] * int(k)), jnp.int32)
     return jax.ffi.ffi_call(target, out)(
@@ -356,10 +366,10 @@ def exchange_pooled_pairs(
     )
 
 
-def exchange_pooled_partials(table, served, *, unique_capacity, width, transport):
+def exchange_pooled_partials(table, served, *, unique_capacity, width, transport, after=None):
     n = served.shape[0]
     target, rank, attrs = _transport(
-        transport, "embedmesh_exchange_pooled_partials", "embedmesh_host_pooled_partials"
+        transport, "embedmesh_exchange_pooled_partials", "embedmesh_host_pooled_partials", after
     )
     out = jax.ShapeDtypeStruct((n * width,) + table.shape[1:], jnp.float32)
     return jax.ffi.ffi_call(target, out)(
@@ -372,12 +382,24 @@ def exchange_pooled_partials(table, served, *, unique_capacity, width, transport
 
 
 def exchange_pooled_backward_update(
-    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
+    table,
+    slots,
+    served,
+    grads,
+    keep,
+    *,
+    optimizer,
+    step,
+    unique_capacity,
+    width,
+    transport,
+    after=None,
 ):
     target, rank, attrs = _transport(
         transport,
         "embedmesh_exchange_pooled_backward_{}",
         "embedmesh_host_pooled_backward_{}",
+        after,
     )
     args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1), rank)
     attrs = {**_pooled_attrs(unique_capacity, width), **attrs}
