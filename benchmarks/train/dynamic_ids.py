@@ -42,6 +42,7 @@ parent too).
     ... --rounds 3 --steps 5 --vocab 131072 --profile
     ... --rounds 1 --trace /tmp/dyn_trace
     ... --rounds 7 --enqueue-parts      # enqueue's preprocessing and transfer apart too
+    ... --rounds 5 --enqueue-parts --dim 16   # (or 128) other shapes
     ... --rounds 7 --enqueue-parts --put batched
 """
 
@@ -349,6 +350,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="timed steps a contender a round")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--vocab", type=int, help="rows a table (default train_step's V)")
+    ap.add_argument("--dim", type=int, help="each table's dim (default train_step's D, 64)")
     ap.add_argument("--eviction", default="lru", choices=("lru", "lfu"))
     ap.add_argument("--profile", action="store_true", help="then where the dynamic time goes")
     ap.add_argument("--trace", metavar="DIR", help="then a jax.profiler trace of dynamic steps")
@@ -366,6 +368,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.vocab:
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
+    if args.dim:
+        os.environ["EMBEDMESH_BENCH_DIM"] = str(args.dim)
     import platform
 
     import jax

@@ -126,3 +126,38 @@ def test_put_of_an_indivisible_batch_raises_as_device_put():
         jax.device_put(np.zeros(6), emb.core.row_sharding)
     with pytest.raises(ValueError, match="evenly divide"):
         emb.core.put({"x": np.zeros(6)})
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_put_again_of_the_same_shapes_gives_each_batchs_values(n):
+    """`put` keeps what it works out a leaf shape and dtype (the aval, the per-device
+    slices): later batches of the same shapes, other values, come out as theirs; an
+    int64 leaf follows `jax_enable_x64` as it is at each call; a hook gone since the
+    last call gives `jax.device_put`'s arrays."""
+    emb, csr = _engine(n, True)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        host = jax.tree_util.tree_map(
+            lambda x: (
+                (rng.random(x.shape) < 0.5)
+                if x.dtype == bool
+                else rng.integers(-50, 50, x.shape).astype(x.dtype)
+            ),
+            csr,
+        )
+        _same(emb.core.put(host), _reference(emb.core, host))
+    wide = {"i64": np.arange(n * 4, dtype=np.int64) - 2**40}
+    _same(emb.core.put(wide), _reference(emb.core, wide))
+    assert emb.core.put(wide)["i64"].dtype == np.int32
+    with jax.enable_x64(True):
+        got = emb.core.put(wide)
+        assert got["i64"].dtype == np.int64
+        np.testing.assert_array_equal(np.asarray(got["i64"]), wide["i64"])
+    assert emb.core.put(wide)["i64"].dtype == np.int32
+
+
+def test_put_after_the_hook_is_gone_is_device_put(monkeypatch):
+    emb, csr = _engine(2, True)
+    _same(emb.core.put(csr), _reference(emb.core, csr))
+    monkeypatch.setattr(_compat, "batched_device_put", lambda: None)
+    _same(emb.core.put(csr), _reference(emb.core, csr))
