@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from optimizer_reference import ALL_FUSED
+from optimizer_reference import ALL_FUSED, numpy_update_rows
 
 from embedmesh import _runtime
 from embedmesh.device import ops
@@ -193,3 +193,134 @@ def test_independent_exchanges_of_one_program_run_in_trace_order(n):
     want = two(lambda x, t: ops.reference_of("exchange")(x, transport=t))(a, b)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def numpy_pooled_backward(opt, table, slots, batches, grads, n, step):
+    """The owners' fused backward + update in float64 numpy: grads[s][o] [WIDTH, D] the
+    gradients source s sends owner o; each owner updates every distinct id of its shard
+    (ROWS rows) that a source asked for, with the sum of gain * gradient row over every
+    source's valid pairs of it (zero where none)."""
+    table = np.asarray(table, np.float64).copy()
+    slots = {k: np.asarray(v, np.float64).copy() for k, v in slots.items()}
+    for o in range(n):
+        sums: dict = {}
+        for s, (ids, pair_rows, pair_unique, gains, _) in enumerate(batches):
+            for i in ids[o]:
+                if i != PAD and 0 <= i < ROWS:
+                    sums.setdefault(int(i), np.zeros(D))
+            for q in range(P_PAIRS):
+                row, pos = pair_rows[o, q], pair_unique[o, q]
+                if not (0 <= row < WIDTH and 0 <= pos < U):
+                    continue
+                i = int(ids[o, pos])
+                if i == PAD or not 0 <= i < ROWS:
+                    continue
+                sums[i] = sums[i] + float(gains[o, q]) * np.asarray(grads[s][o][row], np.float64)
+        if not sums:
+            continue
+        rows = o * ROWS + np.array(sorted(sums))
+        g = np.stack([sums[i] for i in sorted(sums)])
+        state = {k: v[rows] for k, v in slots.items()}
+        new_rows, new_slots = numpy_update_rows(opt, table[rows], state, g, step)
+        table[rows] = new_rows
+        for k, v in new_slots.items():
+            slots[k][rows] = v
+    return table, slots
+
+
+@needs_kernels
+@pytest.mark.parametrize("opt", ALL_FUSED[:2], ids=lambda o: type(o).__name__)
+def test_in_process_pooled_backward_reads_gradient_parts_in_place(opt):
+    """`blocks`: each source's gradients as parts of rows (segments at offsets, several
+    in one block, one part in two owners' blocks, zero rows past a block's), read where
+    they are: the float64 rule, and bit for bit the concatenated blocks' kernel."""
+    n = 4
+    r = np.random.default_rng(11)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    transport = ops.Transport("x", n, in_process=True, channel="pooled")
+    batches = [grouped_by_slot(source_batch(r, n, False)) for _ in range(n)]
+    batch = [jnp.asarray(np.concatenate([b[i] for b in batches])) for i in range(5)]
+    served = per_device(
+        lambda *a: ops.reference_of("exchange_pooled_pairs")(*a, width=WIDTH, transport=transport),
+        mesh,
+        5,
+    )(*batch)
+    table = jnp.asarray(r.standard_normal((n * ROWS, D)).astype(np.float32))
+    slots = {
+        k: jnp.asarray((0.1 + r.random((n * ROWS, opt.slot_width(k, D)))).astype(np.float32))
+        for k in opt.slot_names
+    }
+    # parts [9, D] and [4, D] of each source; block o: the segments below (WIDTH = 7 rows)
+    blocks = (
+        ((0, 0, 3), (1, 1, 3)),  # 6 rows, 1 zero row
+        ((0, 3, 6), (1, 0, 1)),  # 7 rows
+        ((1, 0, 4),),  # 4 rows, 3 zero rows
+        (),  # none: all zeros
+    )
+    a = jnp.asarray(r.standard_normal((n * 9, D)).astype(np.float32))
+    b = jnp.asarray(r.standard_normal((n * 4, D)).astype(np.float32))
+    as_blocks = np.zeros((n, n, WIDTH, D), np.float32)  # [source, owner]
+    for s in range(n):
+        parts = (np.asarray(a)[s * 9 : (s + 1) * 9], np.asarray(b)[s * 4 : (s + 1) * 4])
+        for o, segs in enumerate(blocks):
+            rows = [parts[p][f : f + c] for p, f, c in segs]
+            if rows:
+                got = np.concatenate(rows)
+                as_blocks[s, o, : len(got)] = got
+    params = dict(optimizer=opt, step=jnp.int32(3), unique_capacity=U, width=WIDTH)
+    spec = P("x")
+
+    def update(body, n_grads):
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(spec, {k: spec for k in slots}, spec) + (spec,) * n_grads,
+                out_specs=(spec, {k: spec for k in slots}),
+                check_vma=False,
+            )
+        )
+
+    def with_parts(t, s, m, pa, pb):
+        return ops.exchange_pooled_backward_update(
+            opt, t, s, m, (pa, pb), True, 3, unique_capacity=U, width=WIDTH,
+            transport=transport, blocks=blocks,
+        )  # fmt: skip
+
+    fn = update(with_parts, 2)
+    assert (
+        f"embedmesh_exchange_pooled_backward_{opt.fused_kernel}"
+        in fn.lower(table, slots, served, a, b).as_text()
+    )
+    got = fn(table, slots, served, a, b)
+    concatenated = update(
+        lambda t, s, m, g: cpu_kernels.exchange_pooled_backward_update(
+            t, s, m, g, jnp.asarray(True), **params, transport=transport
+        ),
+        1,
+    )(table, slots, served, jnp.asarray(as_blocks.reshape(n * n, WIDTH, D)))
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(concatenated)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    want_t, want_s = numpy_pooled_backward(opt, table, slots, batches, as_blocks, n, 3)
+    np.testing.assert_allclose(np.asarray(got[0]), want_t, rtol=2e-5, atol=2e-6)
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(table))  # some rows moved
+    for k in slots:
+        np.testing.assert_allclose(np.asarray(got[1][k]), want_s[k], rtol=2e-5, atol=2e-6)
+
+
+def test_pooled_backward_blocks_out_of_the_parts_are_refused():
+    parts = (jnp.zeros((3, D)),)
+    with pytest.raises(ValueError, match=r"block 1's segment \(part 0, first 2, count 2\)"):
+        ops.exchange_pooled_backward_update(
+            ALL_FUSED[0], jnp.zeros((ROWS, D)), {}, jnp.zeros((1, 9), jnp.int32), parts,
+            True, 0, unique_capacity=U, width=WIDTH,
+            transport=ops.Transport("x", 1, in_process=True, channel="pooled"),
+            blocks=(((0, 0, 3),), ((0, 2, 2),)),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="block 0 has 9 rows, over width 7"):
+        ops.exchange_pooled_backward_update(
+            ALL_FUSED[0], jnp.zeros((ROWS, D)), {}, jnp.zeros((1, 9), jnp.int32), parts,
+            True, 0, unique_capacity=U, width=WIDTH,
+            transport=ops.Transport("x", 1, in_process=True, channel="pooled"),
+            blocks=(((0, 0, 3), (0, 0, 3), (0, 0, 3)),),
+        )  # fmt: skip

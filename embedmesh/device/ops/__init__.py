@@ -909,33 +909,69 @@ def exchange_pooled_backward_update(
     unique_capacity: int,
     width: int,
     transport: Transport,
+    blocks=None,
 ):
     """`pooled_backward_update` of this owner from the gradients every source sends it:
     `grads` [N, Rc, D] block o are this device's gradients of the rows owner o feeds
-    (`exchange`d, then applied over `served`). Returns (table, slots)."""
-    args = _owner_update_args(table, slots, served, grads, keep)
+    (`exchange`d, then applied over `served`). Returns (table, slots).
+
+    `blocks`: `grads` is instead a sequence of float32 arrays of rows (e.g. slices of the
+    activation gradients, one a feature), and `blocks[o]` the `(part, first row, count)`
+    segments that make block o, in order (zero rows past them up to `width`): the CPU
+    kernel reads the rows where they are, with no concatenation into [N, Rc, D] first."""
+    if blocks is not None:
+        parts = tuple(jnp.asarray(g, jnp.float32) for g in grads)
+        blocks = tuple(tuple((int(p), int(f), int(c)) for p, f, c in b) for b in blocks)
+        _check_blocks(parts, blocks, width)
+        args = _owner_update_args(table, slots, served, jnp.zeros((0,), jnp.float32), keep)
+        args = (*args[:3], parts, args[4])
+    else:
+        args = _owner_update_args(table, slots, served, grads, keep)
     pooled = dict(unique_capacity=unique_capacity, width=width, transport=transport)
+    if blocks is not None:
+        pooled["blocks"] = blocks
     return _dispatch(
         "exchange_pooled_backward_update", *args, optimizer=optimizer, step=step, **pooled
     )
 
 
+def _check_blocks(parts, blocks, width: int) -> None:
+    """ValueError naming the segment when `blocks` does not fit `parts` and `width`."""
+    for o, segments in enumerate(blocks):
+        total = 0
+        for p, first, count in segments:
+            rows = parts[p].shape[0] if 0 <= p < len(parts) else None
+            if rows is None or first < 0 or count < 0 or first + count > rows:
+                raise ValueError(
+                    f"exchange_pooled_backward_update: block {o}'s segment (part {p}, first "
+                    f"{first}, count {count}) is outside the parts' rows"
+                )
+            total += count
+        if total > width:
+            raise ValueError(
+                f"exchange_pooled_backward_update: block {o} has {total} rows, over width {width}"
+            )
+
+
+def _blocks_of_parts(parts, blocks, width: int):
+    """The [N, width, D] gradients `blocks` of `parts` make (zeros past each block's rows)."""
+    d = parts[0].shape[-1] if parts else 0
+    out = []
+    for segments in blocks:
+        rows = [parts[p][first : first + count] for p, first, count in segments]
+        fill = width - sum(count for _, _, count in segments)
+        out.append(jnp.concatenate(rows + [jnp.zeros((fill, d), jnp.float32)], axis=0))
+    return jnp.stack(out)
+
+
 def _exchange_pooled_backward_update_reference(
-    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
+    table, slots, served, grads, keep, *, optimizer, step, transport, blocks=None, **pooled
 ):
+    if blocks is not None:
+        grads = _blocks_of_parts(grads, blocks, pooled["width"])
     n, rc, d = grads.shape
     received = exchange(grads, transport).reshape(n * rc, d)
-    return pooled_backward_update(
-        optimizer,
-        table,
-        slots,
-        served,
-        received,
-        keep,
-        step,
-        unique_capacity=unique_capacity,
-        width=width,
-    )
+    return pooled_backward_update(optimizer, table, slots, served, received, keep, step, **pooled)
 
 
 def huge_page_copy(x):

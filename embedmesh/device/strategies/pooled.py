@@ -28,7 +28,7 @@ from embedmesh.device.shard_program import ShardBatch, after
 from embedmesh.device.strategies import rows
 from embedmesh.device.strategies.base import Strategy, register
 
-__all__ = ["PooledOnOwners", "PooledRows", "serve_pairs"]
+__all__ = ["PooledOnOwners", "PooledRows", "gradient_blocks", "serve_pairs"]
 
 
 class PooledRows:
@@ -90,6 +90,21 @@ def serve_pairs(batch: ShardBatch, pooled: PooledRows, transport):
         width=pooled.width,
         transport=transport,
     )
+
+
+def gradient_blocks(g, pooled: PooledRows, n: int) -> tuple:
+    """`(parts, blocks)` of `ops.exchange_pooled_backward_update`: the gradients [Rc, D]
+    each of the `n` owners is sent, as slices of this device's activation gradients `g`
+    [R, D] (one a run of rows, `pooled.runs`: a feature's; the kernel reads them where
+    they are, so XLA passes the features' gradients themselves, no concatenation) and the
+    segments of them that make each owner's block."""
+    if pooled.rows is None:  # every owner feeds every row
+        return (g,), tuple(((0, 0, pooled.num_rows),) for _ in range(n))
+    index: dict = {}  # (first row, count) -> its part
+    blocks = []
+    for runs in pooled.runs:
+        blocks.append(tuple((index.setdefault(run, len(index)), 0, run[1]) for run in runs))
+    return tuple(g[first : first + count] for first, count in index), tuple(blocks)
 
 
 @register
@@ -180,21 +195,11 @@ class PooledOnOwners(Strategy):
             return rows.update(table, slots, batch, act_grads, opt, step, keep, self.transport)
         pooled = self.pooled_rows(batch.features, batch.num_rows)
         n = self.transport.num_shards
-        rc, d = pooled.width, act_grads.shape[-1]
+        rc = pooled.width
         at = self.transport.at("update", "pooled")
-        g = act_grads.astype(jnp.float32)
-        if pooled.rows is None:
-            g = jnp.broadcast_to(g[None], (n,) + g.shape)
-        else:  # each owner's rows: slices of the gradients, zeros past them
-            blocks = []
-            for runs in pooled.runs:
-                parts = [g[first : first + count] for first, count in runs]
-                fill = rc - sum(count for _, count in runs)
-                blocks.append(jnp.concatenate(parts + [jnp.zeros((fill, d), g.dtype)], axis=0))
-            g = jnp.stack(blocks)
-        # The order of exchanges, made on the one-element keep flag: on the [N, Rc, D]
-        # gradients it cost a pass over them of its own (XLA did not fuse the select into
-        # the blocks' concatenation), ~8 MB a step at issue 39's shapes
+        parts, blocks = gradient_blocks(act_grads.astype(jnp.float32), pooled, n)
+        # The order of exchanges, made on the one-element keep flag: on the gradients it
+        # cost a pass over them of its own, ~8 MB a step at issue 39's shapes
         keep = jnp.asarray(True if keep is None else keep, bool).reshape(())
         served = view
         if served is None:
@@ -207,10 +212,11 @@ class PooledOnOwners(Strategy):
             table,
             slots,
             served,
-            g,
+            parts,
             keep,
             step,
             unique_capacity=batch.unique_capacity,
             width=rc,
             transport=at.at("grads"),
+            blocks=blocks,
         )

@@ -190,15 +190,26 @@ inline void PrepareOutput(void* p, size_t bytes) {
   if (bytes >= (size_t{4} << 20)) AdviseHuge(p, bytes);
 }
 
-// out[dst[q]] += gains[q] * row_of(q) over the pairs q in [0, np), `row_of(q)` a row of
-// width d of a storage type E (storage.h: float32, bfloat16, float16; read as float32) or
-// nullptr (the pair is skipped; so is a dst outside [0, segs)). Threads own disjoint
-// destination ranges, so each destination sums in pair order, in float32. The combine and
-// backward sums of segment_sum.cc, the lookups of exchange.cc and pooled.cc.
-template <typename RowOf>
-void SegmentRowSums(float* o, int64_t d, int64_t segs, int64_t np, const int32_t* dst,
-                    const float* gains, const RowOf& row_of) {
-  using E = std::remove_const_t<std::remove_pointer_t<decltype(row_of(int64_t{0}))>>;
+// One pair of SegmentPairSums: its destination row (outside [0, segs): none), its gain and
+// its source row of a storage type E (nullptr: none).
+template <typename E>
+struct SumPair {
+  int64_t dst;
+  float gain;
+  const E* src;
+};
+
+// out[p.dst] += p.gain * p.src over the pairs p = pair_of(q, lo, hi), q in [0, np) (a
+// SumPair<E>, E a storage type of storage.h, read as float32; pair_of may leave src null
+// for a dst outside [lo, hi), the destinations the calling thread sums). Threads own
+// disjoint destination ranges, so each destination sums in pair order, in float32. Each
+// pair is made once, kPrefetch pairs ahead of its sum (its rows prefetched then), and kept
+// in a ring until then: a pair_of that decodes a packed message (pooled.cc) decodes each
+// pair once, with no decoded copy of the message.
+template <typename PairOf>
+void SegmentPairSums(float* o, int64_t d, int64_t segs, int64_t np, const PairOf& pair_of) {
+  using Pair = decltype(pair_of(int64_t{0}, int64_t{0}, int64_t{0}));
+  using E = std::remove_const_t<std::remove_pointer_t<decltype(Pair::src)>>;
   PrepareOutput(o, sizeof(float) * segs * d);
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(NumWorkers(), 16));
   const int64_t span = (segs + parts - 1) / parts;
@@ -206,23 +217,39 @@ void SegmentRowSums(float* o, int64_t d, int64_t segs, int64_t np, const int32_t
     const int64_t lo = part * span, hi = std::min(segs, lo + span);
     if (lo >= hi) return;
     std::memset(o + lo * d, 0, sizeof(float) * (hi - lo) * d);
+    constexpr int64_t kRing = 2 * kPrefetch;  // a power of two
+    Pair ring[kRing];
+    for (int64_t q = 0; q < std::min(np, kPrefetch); ++q) ring[q] = pair_of(q, lo, hi);
     for (int64_t q = 0; q < np; ++q) {
       if (q + kPrefetch < np) {
-        const int64_t tq = dst[q + kPrefetch];
-        if (tq >= lo && tq < hi) {
-          const E* src = row_of(q + kPrefetch);
-          if (src != nullptr) PrefetchRead(reinterpret_cast<const char*>(src), sizeof(E) * d);
-          PrefetchWrite(reinterpret_cast<char*>(o + tq * d), 4 * d);  // 15% less CPU
+        const Pair f = pair_of(q + kPrefetch, lo, hi);
+        ring[(q + kPrefetch) & (kRing - 1)] = f;
+        if (f.dst >= lo && f.dst < hi) {
+          if (f.src != nullptr) PrefetchRead(reinterpret_cast<const char*>(f.src), sizeof(E) * d);
+          PrefetchWrite(reinterpret_cast<char*>(o + f.dst * d), 4 * d);  // 15% less CPU
         }
       }
-      const int64_t t = dst[q];
-      if (t < lo || t >= hi) continue;
-      const E* __restrict__ srow = row_of(q);
-      if (srow == nullptr) continue;
-      const float gq = gains[q];
-      float* __restrict__ orow = o + t * d;
+      const Pair e = ring[q & (kRing - 1)];
+      if (e.dst < lo || e.dst >= hi || e.src == nullptr) continue;
+      const E* __restrict__ srow = e.src;
+      const float gq = e.gain;
+      float* __restrict__ orow = o + e.dst * d;
       for (int64_t k = 0; k < d; ++k) orow[k] += gq * Load(srow[k]);
     }
+  });
+}
+
+// out[dst[q]] += gains[q] * row_of(q) over the pairs q in [0, np), `row_of(q)` a row of
+// width d of a storage type E (storage.h: float32, bfloat16, float16; read as float32) or
+// nullptr (the pair is skipped; so is a dst outside [0, segs)): SegmentPairSums. The
+// combine and backward sums of segment_sum.cc, the lookups of exchange.cc.
+template <typename RowOf>
+void SegmentRowSums(float* o, int64_t d, int64_t segs, int64_t np, const int32_t* dst,
+                    const float* gains, const RowOf& row_of) {
+  using E = std::remove_const_t<std::remove_pointer_t<decltype(row_of(int64_t{0}))>>;
+  SegmentPairSums(o, d, segs, np, [&](int64_t q, int64_t lo, int64_t hi) {
+    const int64_t t = dst[q];
+    return SumPair<E>{t, gains[q], t >= lo && t < hi ? row_of(q) : nullptr};
   });
 }
 

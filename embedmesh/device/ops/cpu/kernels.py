@@ -390,20 +390,32 @@ def exchange_pooled_backward_update(
     *,
     optimizer,
     step,
-    unique_capacity,
-    width,
     transport,
     after=None,
+    blocks=None,
+    **pooled,
 ):
+    """`pooled`: unique_capacity, width."""
     target, rank, attrs = _transport(
         transport,
         "embedmesh_exchange_pooled_backward_{}",
         "embedmesh_host_pooled_backward_{}",
         after,
     )
-    args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1), rank)
-    attrs = {**_pooled_attrs(unique_capacity, width), **attrs}
+    attrs = {**_pooled_attrs(**pooled), **attrs}
+    parts = ()
+    if blocks is not None:  # the parts' rows read where they are (update_forms.h's PartRows)
+        parts, grads = tuple(grads), jnp.zeros((0,), jnp.float32)
+        attrs.update(parts=np.int64(len(parts)), segments=_segments(blocks))
+    args = (served, grads, _LR, keep.astype(jnp.int32).reshape(1), rank, *parts)
     return _update(target, table, slots, args, optimizer=optimizer, step=step, **attrs)
+
+
+def _segments(blocks) -> np.ndarray:
+    """`blocks` (`ops.exchange_pooled_backward_update`'s) as the kernel's flat int64
+    (owner, part, first row, count) quads."""
+    quads = [(o, p, first, count) for o, segs in enumerate(blocks) for p, first, count in segs]
+    return np.asarray(quads, np.int64).reshape(-1)
 
 
 def _pooled_pairs_kernel(unique_ids, *args, width, transport) -> bool:
@@ -414,9 +426,7 @@ def _pooled_partials_kernel(table, served, *, unique_capacity, width, transport)
     return _storage_source(table) and _crosses_shared_memory(table, transport)
 
 
-def _pooled_backward_kernel(
-    table, slots, served, grads, keep, *, optimizer, step, unique_capacity, width, transport
-) -> bool:
+def _pooled_backward_kernel(table, slots, *args, optimizer, step, transport, **params) -> bool:
     return _fused(table, slots, optimizer=optimizer, step=step) and _crosses_shared_memory(
         table, transport
     )

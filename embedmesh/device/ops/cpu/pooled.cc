@@ -101,40 +101,20 @@ ffi::Error ExchangePooledPairs(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> 
                   });
 }
 
-// A source's pairs decoded for the partial sums, in this thread's arrays (kept from call
-// to call): per pair its row among the Rc rows, the table row it reads (both -1: none; so
-// are ids out of [0, rows)) and its gain.
-struct ServedPairs {
-  std::vector<int32_t> dst, src;
-  std::vector<float> gain;
-};
-
-inline ServedPairs& DecodeServed(const int32_t* block, const PooledLayout& l, int64_t rows) {
-  thread_local ServedPairs sp;
-  sp.dst.resize(l.p);
-  sp.src.resize(l.p);
-  sp.gain.resize(l.p);
-  for (int64_t q = 0; q < l.p; ++q) {
-    int32_t pos, row;
-    DecodePair(block, l, q, &pos, &row, &sp.gain[q]);
-    const int32_t id = pos >= 0 ? block[pos] : -1;
-    const bool ok = row >= 0 && id >= 0 && id < rows;
-    sp.dst[q] = ok ? row : -1;
-    sp.src[q] = ok ? id : -1;
-  }
-  return sp;
-}
-
 // A source's partial activations [rc, d] into o from its message `block`: each row sums
-// gain * table row over its pairs, in pair order, in float32 (SegmentRowSums; the table of
-// a storage type E), its pairs decoded once first.
+// gain * table row over its pairs, in pair order, in float32 (SegmentPairSums; the table
+// of a storage type E), each pair decoded as it is read (ids out of [0, rows): none).
 template <typename E>
 void PartialsOf(const int32_t* block, const PooledLayout& l, const E* t, int64_t rows,
                 int64_t d, float* o) {
-  const ServedPairs& sp = DecodeServed(block, l, rows);
-  const int32_t* const src = sp.src.data();  // by address: ParallelFor's workers are other threads
-  SegmentRowSums(o, d, l.rc, l.p, sp.dst.data(), sp.gain.data(),
-                 [=](int64_t q) -> const E* { return src[q] >= 0 ? t + src[q] * d : nullptr; });
+  SegmentPairSums(o, d, l.rc, l.p, [&](int64_t q, int64_t, int64_t) {
+    int32_t pos, row;
+    float gain;
+    DecodePair(block, l, q, &pos, &row, &gain);
+    const int32_t id = pos >= 0 ? block[pos] : -1;
+    const bool ok = row >= 0 && id >= 0 && id < rows;
+    return SumPair<E>{ok ? row : -1, gain, ok ? t + static_cast<int64_t>(id) * d : nullptr};
+  });
 }
 
 // ops.pooled_partials: out[s * rc + row] += gain * table[ids_s[position]] over each

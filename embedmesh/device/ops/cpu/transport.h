@@ -163,6 +163,54 @@ ffi::Error ReadBlocks(const T& t, size_t block, const char* mine, const Meanwhil
       });
 }
 
+// A block of float rows as a reader sees it: contiguous ([rows, d] at `at`) or row by row
+// (row r at rows[r]); nothing (both null) when not known yet.
+struct RowBlock {
+  const float* at = nullptr;
+  const float* const* rows = nullptr;
+  RowBlock(const float* contiguous = nullptr, const float* const* by_row = nullptr)  // NOLINT
+      : at(contiguous), rows(by_row) {}
+  bool known() const { return at != nullptr || rows != nullptr; }
+  const float* Row(int64_t r, int64_t d) const { return rows != nullptr ? rows[r] : at + r * d; }
+};
+
+// ReadBlocks of blocks of `rc` rows of `d` floats that this rank holds row by row, where
+// they are (rows[s * rc + j]: row j of its block for rank s; e.g. the activation gradients
+// of the features each owner feeds, no concatenation): work(block_for_me) reads
+// block_for_me(s), a RowBlock of rank s's block for this rank, in place, and returns "" or
+// an error. In process each rank lends its row table; between processes each rank copies
+// the others' rows into its segment (they read them there) and reads its own in place.
+template <class T, class Meanwhile, class Work>
+ffi::Error ReadRowBlocks(const T& t, const float* const* rows, int64_t rc, int64_t d,
+                         const Meanwhile& meanwhile, const Work& work) {
+  const int64_t n = t.n, rank = t.rank;
+  const size_t row_bytes = sizeof(float) * d;
+  if constexpr (T::kLends) {
+    return t.Round(0, rows, NoFill, meanwhile, [&](const std::vector<const char*>& peers) {
+      return work([&](int64_t s) {
+        return RowBlock(nullptr, reinterpret_cast<const float* const*>(peers[s]) + rank * rc);
+      });
+    });
+  } else {
+    return t.Round(
+        n * rc * row_bytes, nullptr,
+        [&](char* seg) {
+          for (int64_t s = 0; s < n; ++s) {
+            if (s == rank) continue;
+            for (int64_t j = 0; j < rc; ++j)
+              std::memcpy(seg + (s * rc + j) * row_bytes, rows[s * rc + j], row_bytes);
+          }
+        },
+        meanwhile,
+        [&](const std::vector<const char*>& peers) {
+          return work([&](int64_t s) {
+            if (s == rank) return RowBlock(nullptr, rows + rank * rc);
+            return RowBlock(reinterpret_cast<const float*>(peers[s]) + rank * rc * d);
+          });
+        });
+  }
+}
+
 // One array a rank shares: where it is and its size.
 struct Span {
   const void* data;

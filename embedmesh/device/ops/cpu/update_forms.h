@@ -154,15 +154,15 @@ void BackwardUpdate(const U& up, const int32_t* id, int64_t nu, const float* act
 }
 
 // One source's pairs for this shard, as the owner's fused backward reads them: its ids
-// [u] and activation gradients [nr, d], and either its valid pairs (activation row in
+// [u] and activation gradients [nr, d] (a RowBlock: contiguous, or row by row), and either its valid pairs (activation row in
 // [0, nr), slot in [0, u)) grouped by slot, in pair order (slot k's at [off[k], off[k+1])
 // of row / gain), or, when the pairs are not grouped (see GroupPairs), its per-slot sums
 // [u, d]. The vectors keep their capacity from call to call (GroupedSources). Grouped
-// before its gradients are known (act nullptr), a source whose pairs need the per-slot
+// before its gradients are known (act not known), a source whose pairs need the per-slot
 // sums is left `pending`: grouped again once they are (GroupServedGrads).
 struct GroupedSource {
   const int32_t* ids = nullptr;
-  const float* act = nullptr;
+  RowBlock act;
   int64_t u = 0, nr = 0;
   bool pending = false;
   std::vector<int64_t> off;
@@ -175,10 +175,10 @@ struct GroupedSource {
 // slot, each checked here, and its gain) in one pass, with no decoded copy of them (the
 // owner's pooled messages are read packed); falls back to the per-slot sums where
 // GroupPairs would (ids not distinct up to PAD, or valid pairs not in non-decreasing slot
-// order). Either way each slot's gradient is its pairs' sum in pair order. With act
-// nullptr (the gradients not known yet) the sums are not made: the source is `pending`.
+// order). Either way each slot's gradient is its pairs' sum in pair order. With act not
+// known (the gradients not there yet) the sums are not made: the source is `pending`.
 template <class PairOf>
-void GroupSource(GroupedSource& g, const int32_t* ids, int64_t u, const float* act, int64_t nr,
+void GroupSource(GroupedSource& g, const int32_t* ids, int64_t u, RowBlock act, int64_t nr,
                  int64_t np, int64_t d, const PairOf& pair_of) {
   g.ids = ids, g.act = act, g.u = u, g.nr = nr;
   g.pending = false;
@@ -213,7 +213,7 @@ void GroupSource(GroupedSource& g, const int32_t* ids, int64_t u, const float* a
     return;
   }
   g.off.clear();
-  if (act == nullptr) {
+  if (!act.known()) {
     g.pending = true;
     return;
   }
@@ -223,7 +223,8 @@ void GroupSource(GroupedSource& g, const int32_t* ids, int64_t u, const float* a
     float w;
     pair_of(q, &r, &k, &w);
     if (r < 0 || r >= nr || k < 0 || k >= u) continue;
-    for (int64_t j = 0; j < d; ++j) g.sums[k * d + j] += w * act[r * d + j];
+    const float* a = act.Row(r, d);
+    for (int64_t j = 0; j < d; ++j) g.sums[k * d + j] += w * a[j];
   }
 }
 
@@ -283,7 +284,7 @@ void BackwardUpdateFromSources(const U& up, const GroupedSource* parts, int64_t 
     const float* pgain = q.gain.data();
     for (int64_t t = q.off[k], end = q.off[k + 1]; t < end; ++t) {
       const float gq = pgain[t];
-      const float* __restrict__ a = q.act + static_cast<int64_t>(prow[t]) * d;
+      const float* __restrict__ a = q.act.Row(prow[t], d);
       for (int64_t j = 0; j < d; ++j) acc[j] += gq * a[j];
     }
     if (!first)
@@ -375,9 +376,9 @@ void BackwardUpdateFromSources(const U& up, const GroupedSource* parts, int64_t 
 }
 
 // Source s's pairs of an owner's pooled messages, grouped (GroupSource) straight from its
-// packed words, its gradients at act (nullptr: not known yet).
+// packed words, its gradients `act` (not known yet: none).
 inline void GroupServedSource(GroupedSource& g, const int32_t* served, int64_t s, int64_t words,
-                              const PooledLayout& l, int64_t d, const float* act) {
+                              const PooledLayout& l, int64_t d, RowBlock act) {
   const int32_t* block = served + s * words;
   GroupSource(g, block, l.u, act, l.rc, l.p, d,
               [&](int64_t q, int32_t* row, int32_t* slot, float* gain) {
@@ -387,7 +388,7 @@ inline void GroupServedSource(GroupedSource& g, const int32_t* served, int64_t s
 
 // The pairs of an owner's N sources' pooled messages (pooled.h), each grouped
 // (GroupSource) straight from its packed words (no decoded copy), its Rc gradient rows at
-// grads_of(s) (nullptr: not known yet; GroupServedGrads gives them); this thread's
+// grads_of(s) (none: not known yet; GroupServedGrads gives them); this thread's
 // GroupedSources.
 template <typename GradsOf>
 GroupedSource* GroupServed(const int32_t* served, int64_t n, int64_t words,
@@ -430,11 +431,12 @@ struct AnyUpdater {
 
 template <class Rule, typename T, typename S, class Body>
 ffi::Error WithRounding(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
-                        const ffi::Dictionary& attrs, const float* lr, const Body& body) {
+                        const ffi::Dictionary& attrs, const float* lr, const Body& body,
+                        size_t skip) {
   using U = Updater<Rule, T, S>;
   U up;
-  if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up, 1); e.failure()) return e;
-  auto words = state.get<ffi::AnyBuffer>(0);
+  if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up, skip + 1); e.failure()) return e;
+  auto words = state.get<ffi::AnyBuffer>(skip);
   if (words.has_error()) return words.error();
   const ffi::AnyBuffer& wb = *words;
   Rounding rounding;
@@ -451,24 +453,27 @@ ffi::Error WithRounding(const ffi::RemainingArgs& state, const ffi::RemainingRet
   return body(any);
 }
 
+// The remaining arguments: `skip` of the call's own first (ExchangePooled's gradient
+// parts), then the rounding words of a rounded update, then the table and its slots.
 template <class Rule, class Body>
 ffi::Error WithUpdater(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
-                       const ffi::Dictionary& attrs, const float* lr, const Body& body) {
-  if (state.size() != 2 + Rule::kSlots) {  // float32: no rounding words
+                       const ffi::Dictionary& attrs, const float* lr, const Body& body,
+                       size_t skip = 0) {
+  if (state.size() != skip + 2 + Rule::kSlots) {  // float32: no rounding words
     Updater<Rule, float> up;
-    if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up); e.failure()) return e;
+    if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up, skip); e.failure()) return e;
     return body(up);
   }
   using DT = ffi::DataType;
   auto type = [&](size_t i) {
-    auto b = state.get<ffi::AnyBuffer>(i);
+    auto b = state.get<ffi::AnyBuffer>(skip + i);
     return b.has_error() ? DT::INVALID : (*b).element_type();
   };
   const DT t = type(1), s = Rule::kSlots > 0 ? type(2) : t;
-  if (t == DT::BF16 && s == DT::F32) return WithRounding<Rule, Bf16, float>(state, outs, attrs, lr, body);
-  if (t == DT::BF16 && s == DT::BF16) return WithRounding<Rule, Bf16, Bf16>(state, outs, attrs, lr, body);
-  if (t == DT::F16 && s == DT::F32) return WithRounding<Rule, F16, float>(state, outs, attrs, lr, body);
-  if (t == DT::F16 && s == DT::F16) return WithRounding<Rule, F16, F16>(state, outs, attrs, lr, body);
+  if (t == DT::BF16 && s == DT::F32) return WithRounding<Rule, Bf16, float>(state, outs, attrs, lr, body, skip);
+  if (t == DT::BF16 && s == DT::BF16) return WithRounding<Rule, Bf16, Bf16>(state, outs, attrs, lr, body, skip);
+  if (t == DT::F16 && s == DT::F32) return WithRounding<Rule, F16, float>(state, outs, attrs, lr, body, skip);
+  if (t == DT::F16 && s == DT::F16) return WithRounding<Rule, F16, F16>(state, outs, attrs, lr, body, skip);
   return ffi::Error::InvalidArgument(
       "update: a rounded update takes a bfloat16 or float16 table, its slots float32 or its type");
 }
@@ -572,15 +577,55 @@ ffi::Error Pooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
   });
 }
 
+// The row table of an exchange's gradient parts: rows[o * rc + j] is row j of this rank's
+// block for owner o, from `seg` (quads: owner, part, first row, count; each owner's in
+// block order) over the parts, the first `np` of `args` (float32 [rows, d]); the rows past
+// an owner's segments read `zeros`. Returns "" or what is wrong.
+inline std::string PartRows(const ffi::RemainingArgs& args, int64_t np,
+                            ffi::Span<const int64_t> seg, int64_t n, int64_t rc, int64_t d,
+                            const float* zeros, std::vector<const float*>* rows) {
+  rows->assign(n * rc, zeros);
+  std::vector<int64_t> filled(n, 0);
+  if (seg.size() % 4 != 0) return "segments: not (owner, part, first, count) quads";
+  for (size_t i = 0; i < seg.size(); i += 4) {
+    const int64_t o = seg[i], p = seg[i + 1], first = seg[i + 2], count = seg[i + 3];
+    const std::string which = "segment " + std::to_string(i / 4) + " (owner " +
+                              std::to_string(o) + ", part " + std::to_string(p) + ")";
+    if (o < 0 || o >= n || p < 0 || p >= np) return which + ": owner or part out of range";
+    auto part = args.get<ffi::AnyBuffer>(p);
+    if (part.has_error()) return std::string(part.error().message());
+    const ffi::AnyBuffer& b = *part;
+    if (b.element_type() != ffi::DataType::F32 || RowWidth(b.dimensions()) != d)
+      return which + ": the part is not float32 rows of the table's width";
+    if (first < 0 || count < 0 || first + count > Rows(b) || filled[o] + count > rc)
+      return which + ": rows [" + std::to_string(first) + ", " + std::to_string(first + count) +
+             ") out of the part's " + std::to_string(Rows(b)) + " or past its owner's " +
+             std::to_string(rc);
+    const float* base = static_cast<const float*>(b.untyped_data()) + first * d;
+    for (int64_t j = 0; j < count; ++j) (*rows)[o * rc + filled[o]++] = base + j * d;
+  }
+  return std::string();
+}
+
+inline RowBlock AsRows(const char* block) { return RowBlock(reinterpret_cast<const float*>(block)); }
+inline RowBlock AsRows(RowBlock block) { return block; }
+
 // ops.exchange_pooled_backward_update: this rank shares the gradients [N, Rc, D] of the
 // rows each owner feeds (ReadBlocks: lent in process, in its segment between processes),
 // and applies every source's gradients for its own rows read in place:
-// pooled_backward_update(..., exchange(grads)), with no exchanged copy.
+// pooled_backward_update(..., exchange(grads)), with no exchanged copy. With the attribute
+// `parts` (P > 0) the gradients are not one [N, Rc, D] array (`grads` is empty) but P
+// float32 arrays of rows, the first P remaining arguments, and `segments` says which rows
+// make each owner's block (PartRows; ReadRowBlocks): no concatenation of them first.
 template <class Rule, class Tr>
 ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> grads,
                           ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> keep,
                           ffi::Buffer<ffi::S32> rank_buf, ffi::RemainingArgs state,
                           ffi::RemainingRets outs, ffi::Dictionary attrs) {
+  AttrReader given(attrs);
+  const int64_t np = given.Has("parts") ? given.I("parts") : 0;
+  if (!given.error().empty() || np < 0 || static_cast<size_t>(np) > state.size())
+    return ffi::Error::InvalidArgument("embedmesh pooled backward: bad attribute parts");
   return WithUpdater<Rule>(state, outs, attrs, lr.typed_data(),
                            [&](const auto& up) -> ffi::Error {
   Tr t;
@@ -591,27 +636,36 @@ ffi::Error ExchangePooled(ffi::Buffer<ffi::S32> served, ffi::Buffer<ffi::F32> gr
   const int64_t d = up.d, n = t.n;
   const int64_t words = n ? static_cast<int64_t>(served.element_count()) / n : 0;
   const PooledLayout l = MakePooledLayout(n, words, u, rc, k);
-  const size_t block = sizeof(float) * rc * d;
   const bool apply = keep.typed_data()[0] != 0;  // every process agrees (the finite check)
   // the sources' pairs grouped while the peers arrive (they need no gradient: a source
   // that needs its per-slot sums is summed once the gradients are there)
   GroupedSource* parts = nullptr;
   auto group = [&] {
     if (apply) parts = GroupServed(served.typed_data(), n, words, l, d, [](int64_t) {
-      return static_cast<const float*>(nullptr);
+      return RowBlock();
     });
   };
-  return ReadBlocks(t, block, reinterpret_cast<const char*>(grads.typed_data()), group,
-                    [&](const auto& block_for_me) {
-                      if (!apply) return std::string();  // a rejected step: no row moves
-                      GroupServedGrads(parts, served.typed_data(), n, words, l, d,
-                                       [&](int64_t s) {
-                                         return reinterpret_cast<const float*>(block_for_me(s));
-                                       });
-                      BackwardUpdateFromSources(up, parts, n);
-                      return std::string();
-                    });
-  });
+  auto work = [&](const auto& block_for_me) {
+    if (!apply) return std::string();  // a rejected step: no row moves
+    GroupServedGrads(parts, served.typed_data(), n, words, l, d,
+                     [&](int64_t s) { return AsRows(block_for_me(s)); });
+    BackwardUpdateFromSources(up, parts, n);
+    return std::string();
+  };
+  if (np == 0) {
+    const size_t block = sizeof(float) * rc * d;
+    return ReadBlocks(t, block, reinterpret_cast<const char*>(grads.typed_data()), group, work);
+  }
+  auto seg = attrs.get<ffi::Span<const int64_t>>("segments");
+  if (seg.has_error())
+    return ffi::Error::InvalidArgument("embedmesh pooled backward: attribute segments: " +
+                                       std::string(seg.error().message()));
+  std::vector<float> zeros(d, 0.0f);
+  std::vector<const float*> rows;
+  const std::string err = PartRows(state, np, *seg, n, rc, d, zeros.data(), &rows);
+  if (!err.empty()) return ffi::Error::InvalidArgument("embedmesh pooled backward: " + err);
+  return ReadRowBlocks(t, rows.data(), rc, d, group, work);
+  }, static_cast<size_t>(np));
 }
 
 }  // namespace
