@@ -3,6 +3,7 @@
 import os
 import sys
 
+import hypothesis
 import pytest
 
 # The helpers (support/) and every layer's test modules importable by bare name
@@ -24,6 +25,12 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=8 " + os.environ["EMBEDMESH_TEST_XLA_FLAGS"],
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# No test times anything, Hypothesis's per-example deadline (200 ms) included: under CI's
+# load an example of a string test took 316 ms once and failed the run (the Python 3.12
+# subset, 2026-12-06). A test's own settings may still set one.
+hypothesis.settings.register_profile("embedmesh", deadline=None)
+hypothesis.settings.load_profile("embedmesh")
 
 # JAX's persistent compilation cache, fresh for each run (never kept between runs): the
 # tests build the same small programs again and again (every MeshEmbedding, every
