@@ -286,22 +286,25 @@ def _dispatch(op: str, *args, **params):
                 branches[name] = fn
     if not branches:
         return ref(*args)
-    if "transport" not in params:
-        return jax.lax.platform_dependent(*args, default=ref, **branches)
-    previous = _crossing_order.last()
+    crossing = "transport" in params
+    previous = _crossing_order.last() if crossing else None
+    default = ref
     if previous is not None:  # one more argument, the last: the kernels wait for it
-
-        def ordered(fn):
-            return lambda *a: fn(*a[:-1], after=a[-1])
-
-        branches = {name: ordered(fn) for name, fn in branches.items()}
-        out = jax.lax.platform_dependent(
-            *args, previous, default=lambda *a: ref(*a[:-1]), **branches
-        )
-    else:
-        out = jax.lax.platform_dependent(*args, default=ref, **branches)
-    _crossing_order.called(out)
+        branches = {name: _waiting(fn) for name, fn in branches.items()}
+        default = _waiting(ref, pass_on=False)
+        args = (*args, previous)
+    out = jax.lax.platform_dependent(*args, default=default, **branches)
+    if crossing:
+        _crossing_order.called(out)
     return out
+
+
+def _waiting(fn, pass_on: bool = True):
+    """`fn` taking one more argument, the last: passed on as `after=` (a kernel), or
+    dropped (a reference, whose XLA collectives XLA orders itself)."""
+    if pass_on:
+        return lambda *a: fn(*a[:-1], after=a[-1])
+    return lambda *a: fn(*a[:-1])
 
 
 class _CrossingOrder(threading.local):
