@@ -103,7 +103,9 @@ OPTIMIZER_HP = {
 }
 
 
-def random_input(rng, kind, batch, vocab, seq_len, weighted):
+def random_input(rng, kind, batch, vocab, seq_len, weighted, width=None):
+    """One feature's random ids (and weights) of `kind`; a "dense" feature is [batch,
+    width] (`width` drawn from 1-3 when None)."""
     if kind == "dense1":
         return rng.integers(0, vocab, batch), None
     if kind == "sparse3":  # [B, 2, 5]: combined per (sample, group)
@@ -120,7 +122,7 @@ def random_input(rng, kind, batch, vocab, seq_len, weighted):
             SparseTensor(idx, w, (batch, 2, 5)) if weighted else None
         )
     if kind == "dense":
-        n = int(rng.integers(1, 4))
+        n = int(rng.integers(1, 4)) if width is None else width
         ids = rng.integers(0, vocab, (batch, n))
         return ids, None  # dense ids are plain lookups: no weights (TensorFlow's rule)
     lengths = rng.integers(0, 5, batch)
@@ -174,12 +176,23 @@ def make_case(rng, optimizer, stack_tables, batch=8):
     return feats, kinds
 
 
-def make_batch(rng, feats, kinds, batch):
+def draw_shapes(rng, feats):
+    """Each feature's (weighted, dense width): what decides a batch's program."""
+    return {
+        name: (f.max_sequence_length == 0 and bool(rng.integers(0, 2)), int(rng.integers(1, 4)))
+        for name, f in feats.items()
+    }
+
+
+def make_batch(rng, feats, kinds, batch, shapes=None):
+    """A random batch; with `shapes` (`draw_shapes`) every batch has the same program
+    inputs, without it each draws its own (weights present or not, dense widths)."""
+    shapes = draw_shapes(rng, feats) if shapes is None else shapes
     inputs, weights = {}, {}
     for name, f in feats.items():
-        weighted = f.max_sequence_length == 0 and bool(rng.integers(0, 2))
+        weighted, width = shapes[name]
         inputs[name], weights[name] = random_input(
-            rng, kinds[name], batch, f.table.vocabulary_size, f.max_sequence_length, weighted
+            rng, kinds[name], batch, f.table.vocabulary_size, f.max_sequence_length, weighted, width
         )
     return inputs, weights
 
@@ -243,7 +256,12 @@ def check_training(
     sharding="mod",
     poison=False,
     case=make_case,
+    vary_shapes=False,
 ):
+    """`steps` training steps of `opt_name` against the float64 reference. Each step's
+    batch has the shapes (weights present or not, dense widths) of the first unless
+    `vary_shapes`: each program then compiles once (a step of new shapes compiles the
+    lookup and update anew: test_training_property's steps draw theirs)."""
     rng = np.random.default_rng(seed)
     feats, kinds = case(rng, None, stack_tables, batch)
     opt = build_optimizer(opt_name, hp)
@@ -264,8 +282,9 @@ def check_training(
         t.name: {k: np.asarray(v, np.float64) for k, v in d.items() if k != "parameters"}
         for t, d in emb.variables.items()
     }
+    shapes = None if vary_shapes else draw_shapes(rng, feats)
     for step in range(steps):
-        inputs, weights = make_batch(rng, feats, kinds, batch)
+        inputs, weights = make_batch(rng, feats, kinds, batch, shapes)
         acts, preserved = emb(inputs, weights)
         want, gain_lists = reference_step(feats, inputs, weights, tables, batch)
         for name in feats:
@@ -293,7 +312,7 @@ def check_training(
                     d[k], v, rtol=1e-4, atol=1e-5, err_msg=f"slot {k} of {t.name} after step {step}"
                 )
     # the lookup after training matches the serving lookup on the trained tables
-    inputs, _ = make_batch(rng, feats, kinds, batch)
+    inputs, _ = make_batch(rng, feats, kinds, batch, shapes)
     acts, _ = emb(inputs)
     served = em.serving_embedding_lookup(inputs, None, emb.embedding_tables, feats)
     for name in feats:
@@ -362,7 +381,14 @@ def test_training_matches_reference(num_devices, opt_name):
 def test_training_property(num_devices, opt_name, variant, stack, seed, batch):
     variants = OPTIMIZER_HP[opt_name]
     check_training(
-        num_devices, opt_name, variants[variant % len(variants)], stack, seed, steps=2, batch=batch
+        num_devices,
+        opt_name,
+        variants[variant % len(variants)],
+        stack,
+        seed,
+        steps=2,
+        batch=batch,
+        vary_shapes=True,
     )
 
 
