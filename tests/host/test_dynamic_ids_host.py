@@ -139,3 +139,27 @@ def test_raw_codes_against_numpy(n):
         np.testing.assert_array_equal(uniq, want)
         owner = dynamic_ids.owner_of(want, n, seed)
         np.testing.assert_array_equal(keys, (owner * want.size + np.arange(want.size))[inverse])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ids=st.lists(ids_strategy, max_size=300),
+    spread=st.sampled_from([0, 1, 2**20, 2**40, 2**64 - 1]),
+    copies=st.integers(0, 200),
+    n=st.sampled_from([1, 2, 3]),
+)
+def test_raw_codes_sort_against_numpy(ids, spread, copies, n):
+    """The sort of the distinct ids (`numba_dynamic._sorted`: buckets over the range,
+    one insertion pass, the radix fallback past 64 a bucket), against `np.unique`:
+    drawn ids (extremes, negatives, equal low words) with `copies` runs of ids equal
+    modulo a power of two (`spread` apart, wrapping: a crowded bucket past 64 takes the
+    fallback, one at 64 or below the insertion pass)."""
+    base = np.array(ids, np.int64)
+    run = (np.arange(copies, dtype=np.uint64) * np.uint64(spread)).view(np.int64)
+    arr = np.concatenate([base, run, base[::-1]])
+    words = dynamic_ids._owner_words(7)
+    keys, uniq = _kernels().raw_codes(arr, n, *words)
+    want, inverse = np.unique(arr, return_inverse=True)
+    np.testing.assert_array_equal(uniq, want)
+    owner = dynamic_ids.owner_of(want, n, 7)
+    np.testing.assert_array_equal(keys, (owner * want.size + np.arange(want.size))[inverse])
