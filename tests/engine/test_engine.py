@@ -379,17 +379,8 @@ def test_training_matches_reference(num_devices, opt_name):
     batch=st.sampled_from([8, 16]),
 )
 def test_training_property(num_devices, opt_name, variant, stack, seed, batch):
-    variants = OPTIMIZER_HP[opt_name]
-    check_training(
-        num_devices,
-        opt_name,
-        variants[variant % len(variants)],
-        stack,
-        seed,
-        steps=2,
-        batch=batch,
-        vary_shapes=True,
-    )
+    hp = OPTIMIZER_HP[opt_name][variant % len(OPTIMIZER_HP[opt_name])]
+    check_training(num_devices, opt_name, hp, stack, seed, steps=2, batch=batch, vary_shapes=True)
 
 
 # ---------------------------------------------------------------------------
