@@ -158,3 +158,34 @@ def test_rejected_update_leaves_state_bit_identical(opt, num_devices, kernels, m
         lambda a, b: not np.array_equal(np.asarray(a), b), state.tables, before.tables
     )
     assert all(jax.tree_util.tree_leaves(moved))
+
+
+def test_an_eager_core_call_is_one_program_and_matches_the_jitted_one():
+    """The core's programs called outside any jit (as linen's `init` does) compile as one
+    program each, not one per op of their shard_map body (an eager `shard_map` compiles
+    each op anew on every call: 193 programs for one raw-id table's map_ids once), and
+    give what the same call inside a jit gives."""
+    feats, mesh = _setup(2)
+    facade = em.MeshEmbedding(feats, em.Adagrad(0.5), mesh=mesh, capacities=Capacity(64, 64))
+    facade.build()
+    core = facade.core
+    state = core.init(jax.random.key(3))
+    csr = facade.enqueue(next(_batches(1, seed=5))[0])
+    compiles = []
+
+    def count(event, *args, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        with jax.log_compiles(False):
+            eager = core.lookup(state, csr)
+        jax.block_until_ready(eager)
+        first = len(compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    jitted = jax.jit(core.lookup)(state, csr)
+    assert 1 <= first <= 2, first  # the program (and at most one transfer's)
+    for name in feats:
+        np.testing.assert_array_equal(np.asarray(eager[name]), np.asarray(jitted[name]))
