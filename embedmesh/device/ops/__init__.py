@@ -337,12 +337,19 @@ class _CrossingOrder(threading.local):
 
     @staticmethod
     def eager() -> bool:
-        """Whether calls run eagerly now (outside any trace); False where this JAX's
-        internals differ."""
+        """Whether calls run now, op by op, rather than being staged into a program: no
+        jit's trace below the current one (there may be a grad's or a vmap's over the
+        eager evaluation); False where this JAX's internals differ."""
         try:
             from jax._src import core as jax_core
+            from jax._src.interpreters import partial_eval as pe
 
-            return isinstance(jax_core.trace_ctx.trace, jax_core.EvalTrace)
+            trace = jax_core.trace_ctx.trace
+            while not isinstance(trace, jax_core.EvalTrace):
+                if trace is None or isinstance(trace, pe.DynamicJaxprTrace):
+                    return False
+                trace = getattr(trace, "parent_trace", None)
+            return True
         except (ImportError, AttributeError):
             return False
 
