@@ -50,25 +50,55 @@ def make_stack_array(
     shards are on transparent huge pages (random row access 1.2x faster
     here) in buffers XLA owns, so the first donated step updates in place.
     `width`: the columns of the array (default the stack's table array's, `spec.width`;
-    a slot's: its own); `dtype`: its type (default the stack's table dtype, `spec.dtype`;
     a slot's: `spec.slots_dtype`).
+
+    A shard under `ops.HUGE_PAGE_MIN_BYTES` is assembled on the host and sent once: on
+    the devices, its fill and each write were small programs compiled for every device
+    (an 8-device engine's build compiled them 8 times over).
     """
     spec = core.plan.stack(stack)
     dtype = spec.dtype if dtype is None else dtype
     S = spec.rows_per_shard
     width = spec.width if width is None else int(width)
     shape = core.stack_shape(stack)[:1] + (width,)
+    on_host = S * width * np.dtype(dtype).itemsize < ops.HUGE_PAGE_MIN_BYTES
     # a value a column (slots in the rows) is broadcast by XLA: the kernels fill scalars
     min_bytes = {} if np.ndim(default) == 0 else {"min_bytes": float("inf")}
     datas = []
     for device, index in core.row_sharding.addressable_devices_indices_map(shape).items():
+        j = (index[0].start or 0) // S
+        if on_host:
+            datas.append(
+                jax.device_put(_host_shard((S, width), default, dtype, pieces(j, device)), device)
+            )
+            continue
         buf = ops.full((S, width), default, dtype, device, **min_bytes)
-        for offset, rows, *column in pieces((index[0].start or 0) // S, device):
+        for offset, rows, *column in pieces(j, device):
             rows = jax.device_put(rows, device)
             col = jnp.int32(column[0] if column else 0)
             buf = _write_rows(buf, rows.astype(dtype), jnp.int32(offset), col)
         datas.append(buf)
     return jax.make_array_from_single_device_arrays(shape, core.row_sharding, datas)
+
+
+def _host_shard(shape, default, dtype, pieces) -> np.ndarray:
+    """One shard as `make_stack_array` builds it on a device, in numpy: `default`
+    broadcast, then each piece (converted to `dtype` as XLA converts: round to nearest
+    even) at its row offset and column; a piece past the shard's end is refused (XLA's
+    update would clamp it into place)."""
+    out = np.empty(shape, dtype)
+    out[...] = np.asarray(default, dtype)
+    for offset, rows, *column in pieces:
+        rows = np.asarray(rows).astype(dtype)
+        col = int(column[0]) if column else 0
+        end, stop = int(offset) + rows.shape[0], col + rows.shape[1]
+        if offset < 0 or col < 0 or end > shape[0] or stop > shape[1]:
+            raise ValueError(
+                f"a piece of rows [{offset}, {end}) x columns [{col}, {stop}) "
+                f"does not fit a shard of {shape}"
+            )
+        out[offset:end, col:stop] = rows
+    return out
 
 
 def read_table(

@@ -189,3 +189,52 @@ def test_an_eager_core_call_is_one_program_and_matches_the_jitted_one():
     assert 1 <= first <= 2, first  # the program (and at most one transfer's)
     for name in feats:
         np.testing.assert_array_equal(np.asarray(eager[name]), np.asarray(jitted[name]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_small_shards_built_on_the_host_equal_the_device_built_ones(dtype, monkeypatch):
+    """`make_stack_array` assembles a shard under `ops.HUGE_PAGE_MIN_BYTES` in numpy: the
+    same bits as the device path (fill, then each piece converted by XLA and written),
+    a default a column too; a piece that does not fit its shard is refused."""
+    from embedmesh.device import ops, stack_tables
+
+    feats, mesh = _setup(4)
+    facade = em.MeshEmbedding(feats, em.Adagrad(0.5), mesh=mesh)
+    facade.build()
+    core = facade.core
+    spec = core.plan.stacks[0]
+    rows, width = spec.rows_per_shard, spec.width
+    rng = np.random.default_rng(11)
+    # float32 values whose conversion rounds (ties and carries among them)
+    values = {
+        j: [
+            (int(o), rng.normal(size=(n, c)).astype(np.float32) * 3.0 ** rng.integers(-3, 4), k)
+            for o, n, k, c in [(0, 2, 0, width), (rows - 3, 3, 1, width - 1), (1, 1, 2, 2)]
+        ]
+        for j in range(4)
+    }
+    default = rng.uniform(0.1, 1.0, width).astype(np.float32)
+
+    def pieces(j, device):
+        return iter(values[j])
+
+    host = stack_tables.make_stack_array(core, spec.name, default, pieces, dtype=dtype)
+    monkeypatch.setattr(ops, "HUGE_PAGE_MIN_BYTES", 0)  # every shard on its device
+    device = stack_tables.make_stack_array(core, spec.name, default, pieces, dtype=dtype)
+    assert host.sharding == device.sharding and host.dtype == device.dtype == np.dtype(dtype)
+    for a, b in zip(host.addressable_shards, device.addressable_shards):
+        assert a.device == b.device
+        np.testing.assert_array_equal(
+            np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8)
+        )
+    # and what a plain numpy build of shard 2 with XLA's conversion holds
+    want = np.broadcast_to(np.asarray(jnp.asarray(default, dtype)), (rows, width)).copy()
+    for o, x, k in values[2]:
+        want[o : o + x.shape[0], k : k + x.shape[1]] = np.asarray(jnp.asarray(x, dtype))
+    got = np.asarray(host)[2 * rows : 3 * rows]
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"does not fit a shard"):
+        stack_tables.make_stack_array(
+            core, spec.name, 0.0, lambda j, d: iter([(rows - 1, np.ones((2, width)), 0)])
+        )
