@@ -29,7 +29,11 @@ from embedmesh.device import ops
 from embedmesh.device.ops.cpu import kernels, library
 
 WORKER = os.path.join(HERE, "host_exchange_worker.py")
-TIMEOUT = 120
+# A worker still running after this is killed (a hang fails the test, it does not stall
+# the suite); a deadlock at an exchange ends the worker at the exchange's own 60 s
+# timeout first, with its message. Not less: the 2-process run of all three modes took
+# 122 s once at load 10 (21-27 s at load 4-5).
+TIMEOUT = 300
 
 needs_kernels = pytest.mark.skipif(not library.ready(), reason="no CPU kernels")
 
