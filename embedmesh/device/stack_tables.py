@@ -45,16 +45,16 @@ def make_stack_array(
     offset, [rows, dim_t] array)` or `(row offset, rows, first column)`, written in place
     one at a time.
 
-    So building a shard holds the shard plus one table's piece of it, not
-    a host copy of the whole shard as well (2x less peak memory); big CPU
-    shards are on transparent huge pages (random row access 1.2x faster
-    here) in buffers XLA owns, so the first donated step updates in place.
+    A shard of `ops.HUGE_PAGE_MIN_BYTES` or more is built on its device: building it
+    holds the shard plus one table's piece of it, not a host copy of the whole shard as
+    well (2x less peak memory), and big CPU shards are on transparent huge pages (random
+    row access 1.2x faster here) in buffers XLA owns, so the first donated step updates
+    in place. A smaller shard is assembled on the host and sent once: on the devices, its
+    fill and each write were small programs compiled for every device (an 8-device
+    engine's build compiled them 8 times over).
     `width`: the columns of the array (default the stack's table array's, `spec.width`;
+    a slot's: its own); `dtype`: its type (default the stack's table dtype, `spec.dtype`;
     a slot's: `spec.slots_dtype`).
-
-    A shard under `ops.HUGE_PAGE_MIN_BYTES` is assembled on the host and sent once: on
-    the devices, its fill and each write were small programs compiled for every device
-    (an 8-device engine's build compiled them 8 times over).
     """
     spec = core.plan.stack(stack)
     dtype = spec.dtype if dtype is None else dtype
