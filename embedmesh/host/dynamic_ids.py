@@ -13,12 +13,11 @@ int64), routed to its owner by a stand-in row layout, so a partition lists its i
 ascending (by raw id) as every partition does, and `unique_ids` holds the codes
 (`PAD_ID` padding), `unique_raw_ids` the ids they stand for.
 
-With numba (`embedmesh.host.numba_dynamic`, when the static tables take their kernels
-too) the codes are `rank * N + owner` instead (`prepare_numba`), given to the kernels
-as their sort keys `owner * K + rank` (K distinct ids): the static tables' kernels on
-the mod layout over N shards (`code_plan`), K rows a shard, then put each entry on its
-owner at block row `rank`, the same arrays as the numpy path's, which stays the
-fallback (numba unavailable or disabled, `backend="numpy"`) and the tests' oracle.
+With numba (`embedmesh.host.numba_dynamic`, when the static tables take compiled
+kernels too) two kernels a stack give the same arrays without the stand-ins: `code_ids`
+(the codes, the distinct ids, their owners) and `device_fill` (the partitions and their
+raw words); the numpy path stays the fallback (numba unavailable or disabled,
+`backend="numpy"`) and the tests' oracle.
 """
 
 from __future__ import annotations
@@ -27,9 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from embedmesh.layout.rows import ModRowLayout
-
-__all__ = ["owner_of", "prepare_numba", "prepare_stack", "raw_pairs", "split_ids"]
+__all__ = ["owner_of", "owner_words", "prepare_stack", "raw_ids", "raw_pairs", "split_ids"]
 
 # the keyed hash of `embedmesh.device.id_map` (its salts and finaliser;
 # tests/engine/test_dynamic_ids.py checks the two agree)
@@ -60,7 +57,7 @@ def split_ids(ids) -> np.ndarray:
     return np.stack([(u >> np.uint64(32)).astype(np.uint32), u.astype(np.uint32)], axis=-1)
 
 
-def _owner_words(seed: int) -> tuple[int, int, int]:
+def owner_words(seed: int) -> tuple[int, int, int]:
     """The owner hash's three seed words (`id_hash.hash_words(seed, salt)`)."""
     s0 = _fmix32_int((int(seed) ^ _SALT_OWNER) & _M32)
     s1 = _fmix32_int((s0 + 0x9E3779B9) & _M32)
@@ -73,7 +70,7 @@ def owner_of(ids, num_shards: int, seed: int = 0) -> np.ndarray:
     halves modulo the shard count, as `embedmesh.device.id_map.owner_of`."""
     p = split_ids(ids)
     hi, lo = p[..., 0], p[..., 1]
-    s0, s1, s2 = _owner_words(seed)
+    s0, s1, s2 = owner_words(seed)
     with np.errstate(over="ignore"):
         a = _fmix32(lo ^ np.uint32(s0))
         b = _fmix32(hi ^ np.uint32(s1))
@@ -103,7 +100,7 @@ class _OwnerLayout:
         return codes
 
 
-def _raw(ids: np.ndarray) -> np.ndarray:
+def raw_ids(ids: np.ndarray) -> np.ndarray:
     """Input ids as int64 raw ids (uint64 read bit for bit)."""
     if ids.dtype == np.uint64:
         return ids.view(np.int64)
@@ -115,7 +112,7 @@ def prepare_stack(members: list, num_shards: int, seed: int, owners: tuple | Non
     dynamic table's features (`(name, Csr, FeatureSegment)`), for `sort_table`.
     `owners`: `(first, k)`, the shards owning the table's ids (`first + owner_of(id, k)`;
     `(owner, 1)` for a table-wise one); None: every shard."""
-    raws = [_raw(c.ids) for _, c, _ in members]
+    raws = [raw_ids(c.ids) for _, c, _ in members]
     flat = np.concatenate(raws) if raws else np.zeros(0, np.int64)
     # (np.unique's return_inverse sorts by argsort: a sort and a search are ~1.5x faster)
     ordered = np.sort(flat)
@@ -136,58 +133,8 @@ def prepare_stack(members: list, num_shards: int, seed: int, owners: tuple | Non
     return coded, _CodeTable(k, k), layout, uniq
 
 
-@dataclasses.dataclass(frozen=True)
-class _CodePlacement:
-    """Stands in for the table's placement in the numba kernels: codes `rank * N +
-    owner` over the mod layout of N shards (`K` distinct ids: `K` rows a shard)."""
-
-    name: str
-    vocabulary_size: int
-    rows_per_shard: int
-    local_row_offset: int = 0
-    rotation: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _CodePlan:
-    """Stands in for the plan in the numba kernels: the mod layout over N shards."""
-
-    num_shards: int
-    row_layout: ModRowLayout
-
-
-def code_plan(num_shards: int) -> _CodePlan:
-    """The plan stand-in `prepare_numba`'s codes are placed by."""
-    return _CodePlan(num_shards, ModRowLayout(num_shards))
-
-
-def prepare_numba(
-    members: list, table: str, num_shards: int, seed: int, kernels, owners: tuple | None = None
-) -> tuple:
-    """`(members on keys owner * K + rank, stand-in placement, distinct raw ids)` for
-    one dynamic table's features (`(FeaturePlacement, Csr, FeatureSegment)`), by the
-    kernels `embedmesh.host.numba_dynamic` (no GIL held), whose `table_sort` takes
-    the keys. `owners`: as `prepare_stack`'s."""
-    raws = [_raw(c.ids) for _, c, _ in members]  # int64: one compiled kernel
-    flat = raws[0] if len(raws) == 1 else np.concatenate(raws or [np.zeros(0, np.int64)])
-    first, k_own = (0, num_shards) if owners is None else owners
-    keys, uniq = kernels.raw_codes(flat, k_own, *_owner_words(seed))
-    if first:  # owner first + h % k: its key `owner * K + rank` shifted by `first * K`
-        keys += first * uniq.shape[0]
-    coded, start = [], 0
-    for (fp, c, seg), r in zip(members, raws):
-        coded.append((fp, dataclasses.replace(c, ids=keys[start : start + r.shape[0]]), seg))
-        start += r.shape[0]
-    k = max(int(uniq.shape[0]), 1)
-    return coded, _CodePlacement(table, num_shards * k, k), uniq
-
-
-def raw_pairs(unique_ids: np.ndarray, uniq: np.ndarray, pad_id: int, kernels=None) -> np.ndarray:
-    """uint32 `[..., 2]` raw ids of the codes in `unique_ids` (zeros at padding);
-    `kernels`: `embedmesh.host.numba_dynamic`, or None for numpy."""
-    if kernels is not None:
-        flat = np.ascontiguousarray(unique_ids).reshape(-1)
-        return kernels.raw_pairs(flat, uniq, pad_id).reshape(unique_ids.shape + (2,))
+def raw_pairs(unique_ids: np.ndarray, uniq: np.ndarray, pad_id: int) -> np.ndarray:
+    """uint32 `[..., 2]` raw ids of the codes in `unique_ids` (zeros at padding)."""
     valid = unique_ids != pad_id
     out = np.zeros(unique_ids.shape + (2,), np.uint32)
     if uniq.size:

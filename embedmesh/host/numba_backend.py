@@ -232,6 +232,45 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
 
 
 @njit(cache=True, nogil=True)
+def _fill_all(
+    srt, t0, t1, gain, orow, row_scale, tp, has_w, base, uo, pr, pu, pg, uc, pc
+):  # pragma: no cover (compiled)
+    """`table_fill`'s pass over one shard's sorted entries `[t0, t1)` where nothing is
+    dropped: each entry bumps the unique id and pair counters by whether it starts
+    one (no branch on that: a new id is about one entry in three, unpredictable) and
+    rewrites the current id, pair and running gain (float64, the last write is the
+    pair's sum). Returns the counters after."""
+    low_mask = (np.int64(1) << tp.low_bits) - 1
+    cur_u = uc - 1
+    cur_q = pc - 1
+    prev_key = np.int64(-1)
+    prev_o = np.int64(-1)
+    acc = 0.0
+    for t in range(t0, t1):
+        x = srt[t]
+        key = x >> tp.low_bits
+        lo = x & low_mask
+        if has_w:
+            o = np.int64(orow[lo])
+            g = gain[lo]
+        else:
+            o = lo
+            g = row_scale[o - tp.row_base]
+        new_u = key != prev_key
+        new_p = new_u | (o != prev_o)
+        cur_u += new_u
+        cur_q += new_p
+        acc = g if new_p else acc + g
+        uo[cur_u] = base + key
+        pr[cur_q] = o
+        pu[cur_q] = cur_u
+        pg[cur_q] = acc
+        prev_key = key
+        prev_o = o
+    return cur_u + 1, cur_q + 1
+
+
+@njit(cache=True, nogil=True)
 def table_fill(
     srt,
     per_shard,
@@ -272,6 +311,15 @@ def table_fill(
         uk = counts[C_UNIQUE_KEPT, d, j]
         pk = counts[C_PAIR_KEPT, d, j]
         base = tp.local_off - j * tp.rps
+        if t1 - t0 <= tp.cap_p - pc and min(t1 - t0, tp.rps) <= tp.cap_u - uc:
+            # nothing can be dropped (a pair an entry at most, a unique id a row of the
+            # shard's block at most): every entry written, without branches
+            uc, pc = _fill_all(
+                srt, t0, t1, gain, orow, row_scale, tp, has_w, base, uo, pr, pu, pg, uc, pc
+            )
+            counts[C_UNIQUE_TOTAL, d, j] = counts[C_UNIQUE_KEPT, d, j] = uc
+            counts[C_PAIR_TOTAL, d, j] = counts[C_PAIR_KEPT, d, j] = pc
+            continue
         prev_key = -1
         prev_o = -1
         cur_u = 0

@@ -10,16 +10,16 @@ functions:
   distinct ids ascending: a hash-table dedup, then a sort of the distinct ids only
   (a bucket sort over their range carrying values and indices, one insertion pass; an
   LSD radix sort where that is uneven);
-- `table_sort`: `numba_backend.table_sort` on those keys, by one counting sort (the
-  module stands in for `numba_backend` in `preprocess._NumbaRun`: `table_fill`,
-  `fill_padding` and the constants are `numba_backend`'s);
-- `raw_pairs`: the uint32 `(high, low)` words of the raw id behind each unique id of
-  the partitions (zeros at padding).
+- `table_sort`: `numba_backend.table_sort` on those keys, by one counting sort;
+- `device_fill`: a local device's partitions: `table_sort`, `numba_backend`'s
+  `table_fill` and `fill_padding`, then the uint32 `(high, low)` words of the raw id
+  behind each kept unique id (zeros at padding), in one call.
 
 Key `owner * K + rank` is what the static tables' kernels (`numba_backend`, the mod
 layout over N shards, K rows a shard) key code `rank * N + owner` by: each entry on
 its owner at block row `rank`, the numpy path's placement (`dynamic_ids.prepare_stack`),
-so both give the same arrays.
+so both give the same arrays. `preprocess._RawIdsRun` calls `raw_codes` once a stack
+and `device_fill` once a local device, in one task where the process has one device.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit
 
 from embedmesh.host.numba_backend import (
+    C_UNIQUE_KEPT,
     _combiner_scale,
     _entries,
     _table_params,
@@ -35,13 +36,7 @@ from embedmesh.host.numba_backend import (
     table_fill,
 )
 
-__all__ = [
-    "fill_padding",
-    "raw_codes",
-    "raw_pairs",
-    "table_fill",
-    "table_sort",
-]
+__all__ = ["device_fill", "raw_codes", "table_sort"]
 
 _M32 = np.uint64(0xFFFFFFFF)
 _SIGN = np.uint64(0x8000000000000000)
@@ -271,14 +266,55 @@ def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no
 
 
 @njit(cache=True, nogil=True)
-def raw_pairs(unique_ids, uniq, pad_id):  # pragma: no cover (compiled)
-    """uint32 `[n, 2]` (high, low) words of `uniq[unique_ids]` (1-D), zeros at `pad_id`."""
-    n = unique_ids.shape[0]
-    out = np.zeros((n, 2), np.uint32)
-    for i in range(n):
-        c = unique_ids[i]
-        if c != pad_id:
-            u = np.uint64(uniq[c])
-            out[i, 0] = np.uint32(u >> np.uint64(32))
-            out[i, 1] = np.uint32(u & _M32)
-    return out
+def device_fill(
+    keys,
+    uniq,
+    weights,
+    splits,
+    fmeta,
+    params,
+    d,
+    unique_ids,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    counts,
+    raw,
+    pad_id,
+    pad_row,
+):  # pragma: no cover (compiled)
+    """Local device `d`'s partitions of a stack of raw ids (its one table) from
+    `raw_codes`'s keys and distinct ids: `table_sort`, `numba_backend.table_fill` and
+    `fill_padding` on them (`params`: the table's on the mod layout over N shards, K
+    rows a shard), then each kept unique id's raw words in `raw` (`[D, N, U, 2]`
+    uint32, zeros at padding). One call a (stack, device): no Python between the
+    kernels. Returns the entries dropped for capacity, or -1 for a key out of range."""
+    n_shards = unique_ids.shape[1]
+    first_bad, srt, per_shard, gain, orow, row_scale = table_sort(
+        keys, weights, splits, fmeta, params, d, n_shards
+    )
+    if first_bad >= 0:
+        return -1
+    dropped = table_fill(
+        srt,
+        per_shard,
+        gain,
+        orow,
+        row_scale,
+        params,
+        d,
+        unique_ids,
+        pair_rows,
+        pair_unique,
+        pair_gains,
+        counts,
+    )
+    fill_padding(unique_ids, pair_rows, pair_unique, pair_gains, counts, pad_id, pad_row, d)
+    for j in range(n_shards):
+        uk = counts[C_UNIQUE_KEPT, d, j]
+        for u in range(uk):
+            x = np.uint64(uniq[unique_ids[d, j, u]])
+            raw[d, j, u, 0] = np.uint32(x >> np.uint64(32))
+            raw[d, j, u, 1] = np.uint32(x & _M32)
+        raw[d, j, uk:] = 0
+    return dropped

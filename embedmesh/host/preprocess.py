@@ -324,6 +324,24 @@ def _table_inputs(members: list):
     return ids, weights, np.concatenate(parts), np.array(rows, np.int64)
 
 
+def _partition_arrays(D: int, N: int, U: int, P: int, raw: bool = False) -> tuple:
+    """A stack's output arrays, unfilled, each on a 64-byte boundary (what jax's put on
+    CPU aliases rather than copies: `EmbeddingCore.put(copy=False)`, the facade's
+    enqueue; 1.5 MB in ~6 us against ~43 us copied): unique ids `[D, N, U]`, pair rows,
+    pair unique indices `[D, N, P]` int32, pair gains float32, and with `raw` the raw
+    words `[D, N, U, 2]` uint32. One allocation for all."""
+    shapes = [(D, N, U), (D, N, P), (D, N, P), (D, N, P)] + ([(D, N, U, 2)] if raw else [])
+    dtypes = [np.int32, np.int32, np.int32, np.float32, np.uint32]
+    sizes = [-(-math.prod(s) * 4 // 64) * 64 for s in shapes]  # 4-byte items
+    buf = np.empty(sum(sizes) + 64, np.uint8)
+    at = (-buf.ctypes.data) % 64
+    out = []
+    for shape, dtype, size in zip(shapes, dtypes, sizes):
+        out.append(buf[at : at + math.prod(shape) * 4].view(dtype).reshape(shape))
+        at += size
+    return tuple(out)
+
+
 class _KernelRun:
     """One stack's work on compiled kernels at one capacity (numba's or C++'s, the
     subclasses): output arrays and every table's kernel inputs, then one task per
@@ -333,10 +351,9 @@ class _KernelRun:
         N = plan.num_shards
         U, P = cap.max_unique_ids_per_partition, cap.max_ids_per_partition
         self.job, self.K, R = job, K, job.rows_per_device
-        self.unique_ids = np.empty((D, N, U), np.int32)
-        self.pair_rows = np.empty((D, N, P), np.int32)
-        self.pair_unique = np.empty((D, N, P), np.int32)
-        self.pair_gains = np.empty((D, N, P), np.float32)
+        self.unique_ids, self.pair_rows, self.pair_unique, self.pair_gains = _partition_arrays(
+            D, N, U, P
+        )
         self.counts = np.zeros((kernel_params.COUNTERS, D, N), np.int64)
         self.dropped = np.zeros(D, np.int64)
         self.outputs = (
@@ -475,6 +492,115 @@ class _NativeRun(_KernelRun):
                 self.lib.EmHostFree(int(h))
 
 
+class _RawIdsRun:
+    """A stack of raw ids (one table, `TableConfig.id_map`) on numba's kernels
+    (`embedmesh.host.numba_dynamic`, no GIL held): `prepare` codes its ids once a
+    preprocessing call (`raw_codes`, kept in `coded` for the stack's other runs: the
+    count at capacity 0, a grown capacity), `device` fills a local device's partitions
+    and the raw words of their unique ids (`device_fill`). `_execute` runs both in one
+    task where the process has one device: no pass over all stacks between them."""
+
+    calls = ()  # no tables' sorts ahead (`_execute`)
+
+    def __init__(self, job: _StackJob, plan: StackingPlan, D: int, cap: Capacity, KD, coded):
+        # (the arrays are made in `prepare`, on a pool thread: the calling thread makes
+        # every stack's run before any task starts)
+        self.job, self.K, self.coded, self.D, self.N = job, KD, coded, D, plan.num_shards
+        self.cap = (cap.max_unique_ids_per_partition, cap.max_ids_per_partition)
+        self.owners = plan.id_owners(job.tables[0].name)
+        self.seed = int(_id_map(plan, job).seed)
+
+    @staticmethod
+    def fits(job: _StackJob, N: int) -> bool:
+        """Whether every sort value fits 62 bits for any batch of these entries (the
+        key bits of N shards of at most as many rows as entries, and the low bits)."""
+        nnz = sum(int(c.splits[-1]) for _, c, _ in job.feats)
+        low = max(bits_needed(job.rows_per_device), bits_needed(nnz))
+        return bits_needed(N * max(nnz, 1) - 1) + low <= 62
+
+    def prepare(self) -> None:
+        """The stack's inputs and output arrays, its ids coded (once a preprocessing
+        call), then its kernel parameters (K rows a shard: the distinct ids). No GIL held
+        in the kernel."""
+        members = self.job.members(self.job.tables[0].name)
+        self.ids, *self.inputs = _table_inputs(
+            [
+                (fp, dataclasses.replace(c, ids=_dynamic.raw_ids(c.ids)), seg)
+                for fp, c, seg in members
+            ]
+        )
+        self.row_base = min(seg.row_offset for _, _, seg in members)
+        self.row_span = max(seg.row_offset + seg.num_rows for _, _, seg in members) - self.row_base
+        (D, N), (U, P) = (self.D, self.N), self.cap
+        self.unique_ids, self.pair_rows, self.pair_unique, self.pair_gains, self.raw = (
+            _partition_arrays(D, N, U, P, raw=True)
+        )
+        self.counts = np.zeros((kernel_params.COUNTERS, D, N), np.int64)
+        self.dropped = np.zeros(D, np.int64)
+        if self.job.name not in self.coded:
+            first, k = self.owners
+            keys, uniq = self.K.raw_codes(self.ids, k, *_dynamic.owner_words(self.seed))
+            if first:  # owner first + h % k: its key `owner * K + rank` shifted by `first * K`
+                keys += first * uniq.shape[0]
+            self.coded[self.job.name] = (keys, uniq)
+        K = max(int(self.coded[self.job.name][1].shape[0]), 1)
+        weights = self.inputs[0]
+        low = bits_needed(
+            self.ids.shape[0] - 1 if weights.shape[0] else self.job.rows_per_device - 1
+        )
+        self.params = kernel_params.table_params(
+            self.N,
+            0,
+            0,
+            K,
+            0,
+            self.N * K,
+            bits_needed(self.N * K - 1),
+            low,
+            self.row_base,
+            self.row_span,
+            *self.cap,
+        )
+
+    def device(self, d: int) -> None:
+        keys, uniq = self.coded[self.job.name]
+        dropped = self.K.device_fill(
+            keys,
+            uniq,
+            *self.inputs,
+            self.params,
+            d,
+            self.unique_ids,
+            self.pair_rows,
+            self.pair_unique,
+            self.pair_gains,
+            self.counts,
+            self.raw,
+            PAD_ID,
+            self.job.rows_per_device,
+        )
+        if dropped < 0:  # (raw_codes's keys are in range: a defect if reached)
+            raise RuntimeError(f"stack {self.job.name}: a raw id's code out of range")
+        self.dropped[d] = dropped
+
+    def finish(self):
+        c = self.counts
+        arrays = (
+            self.unique_ids,
+            c[kernel_params.C_UNIQUE_KEPT].astype(np.int32),
+            self.pair_rows,
+            self.pair_unique,
+            self.pair_gains,
+            c[kernel_params.C_PAIR_KEPT].astype(np.int32),
+        )
+        return (
+            arrays,
+            c[kernel_params.C_UNIQUE_TOTAL],
+            c[kernel_params.C_PAIR_TOTAL],
+            int(self.dropped.sum()),
+        )
+
+
 class _NumpyRun:
     """One stack's numpy work at one capacity (runs in `finish`)."""
 
@@ -497,11 +623,25 @@ def _execute(runs: list, D: int, threads: int) -> list:
     if threads > 1 and len(tasks) < threads and len(sorts) > len(tasks):
         pool = _runtime.thread_pool(threads)
         list(pool.map(lambda task: task[0].sort(task[1], task[2]), sorts))
+    prepares = [r for r in runs if hasattr(r, "prepare")]
+    if D > 1 and prepares:  # a stack's coding before any of its devices' tasks
+        if threads > 1 and len(prepares) > 1:
+            list(_runtime.thread_pool(threads).map(lambda r: r.prepare(), prepares))
+        else:
+            for r in prepares:
+                r.prepare()
+
+    def task(run_and_device):
+        r, d = run_and_device
+        if D == 1 and hasattr(r, "prepare"):  # one task a stack: coding with it
+            r.prepare()
+        r.device(d)
+
     if threads <= 1 or len(tasks) <= 1:
-        for r, d in tasks:
-            r.device(d)
+        for t in tasks:
+            task(t)
     else:
-        list(_runtime.thread_pool(threads).map(lambda task: task[0].device(task[1]), tasks))
+        list(_runtime.thread_pool(threads).map(task, tasks))
     return [r.finish() for r in runs]
 
 
@@ -707,11 +847,10 @@ def preprocess_batch(
     # has raw ids: numba is not imported otherwise
     todo = [job for job in jobs if id_maps[job.name] is not None]
     KD = _numba_dynamic() if K is not None and todo else None
-    dynamic, coded = _code_raw_ids(plan, todo, id_maps, KD, threads)
-    make_run = _run_maker(plan, D, name, K, KD, id_maps, dynamic, coded)
+    make_run, raws = _run_maker(plan, D, name, K, KD, id_maps)
     caps = {job.name: _capacity_for(capacities, plan, job.name) for job in jobs}
     results, grown = _run_stacks(jobs, caps, make_run, D, threads, overflow, process_index)
-    out, stats = _assemble(jobs, results, caps, grown, dynamic, KD, coded)
+    out, stats = _assemble(jobs, results, caps, grown, raws)
     if name == "numba" or KD is not None:  # numba ran: its LLVM is not needed again
         _runtime.page_out_llvm()  # until it compiles
     return out, PreprocessStats(stats)
@@ -751,58 +890,32 @@ def _local_batch(plan: StackingPlan, features, weights, D: int) -> tuple[list, i
     return csrs, batch
 
 
-def _code_raw_ids(plan: StackingPlan, todo: list, id_maps: dict, KD, threads: int):
-    """Stacks of raw ids (one table, `TableConfig.id_map`) turned into codes by numba's
-    kernels (`numba_dynamic`, all stacks in parallel) where they load (KD) and fit:
-    `({stack: distinct raw ids}, {stack: (job on codes, stand-in plan)})`; the other
-    stacks of raw ids take the numpy path in `_run_maker`, which adds theirs."""
-    dynamic: dict = {}
-    coded: dict = {}
-    if KD is None or not todo:
-        return dynamic, coded
-    N = plan.num_shards
-
-    def prepare(job):
-        t = job.tables[0].name
-        return _dynamic.prepare_numba(
-            job.members(t), t, N, id_maps[job.name].seed, KD, plan.id_owners(t)
-        )
-
-    if threads > 1 and len(todo) > 1:
-        prepared = list(_runtime.thread_pool(threads).map(prepare, todo))
-    else:
-        prepared = [prepare(job) for job in todo]
-    code_plan = _dynamic.code_plan(N)
-    for job, (members, table, uniq) in zip(todo, prepared):
-        cjob = dataclasses.replace(job, feats=members, tables=[table])
-        if _numba_fits(cjob, code_plan, KD):  # type: ignore[arg-type]
-            dynamic[job.name] = uniq
-            coded[job.name] = (cjob, code_plan)
-    return dynamic, coded
-
-
-def _run_maker(
-    plan: StackingPlan, D: int, name: str, K, KD, id_maps: dict, dynamic: dict, coded: dict
-):
-    """`make_run(job, capacity)`: a stack's run on the backend that applies to it (the
-    compiled kernels, or numpy's where they do not fit or a stack of raw ids was not
-    coded); numpy's sorts are made once a call and reused by every capacity."""
+def _run_maker(plan: StackingPlan, D: int, name: str, K, KD, id_maps: dict):
+    """`(make_run, raws)`: `make_run(job, capacity)`, a stack's run on the backend that
+    applies to it (the compiled kernels, numba's for a stack of raw ids where KD loaded,
+    or numpy's where they do not fit); numpy's sorts and the raw ids' codes are made
+    once a call and reused by every capacity. `raws(job, arrays)`: a stack of raw ids'
+    `unique_raw_ids` for its last run's arrays (None for other stacks)."""
     N = plan.num_shards
     Run = _NativeRun if name == "native" else _NumbaRun
     sorted_tables: dict = {}  # numpy backend: per-table sorts, reused by every run of a stack
+    coded: dict = {}  # raw ids on numba: each stack's codes, reused by every run of it
+    last_raw: dict = {}  # ... and its last run's raw words
+    uniq_of: dict = {}  # raw ids on numpy: each stack's distinct ids (`prepare_stack`)
 
     def make_run(job, cap):
-        if job.name in coded:  # raw ids on codes: the static kernels
-            cjob, cplan = coded[job.name]  # keys, not ids: numba_dynamic's table_sort
-            return _NumbaRun(cjob, cplan, D, cap, KD)
         id_map = id_maps[job.name]
+        if id_map is not None and KD is not None and _RawIdsRun.fits(job, N):  # numba's
+            run = _RawIdsRun(job, plan, D, cap, KD, coded)
+            last_raw[job.name] = run  # (its raw words: made by its task)
+            return run
         if id_map is not None:  # raw ids: the numpy path on codes (`host.dynamic_ids`)
             if job.name not in sorted_tables:
                 members = [(fp.name, c, seg) for fp, c, seg in job.members(job.tables[0].name)]
                 coded_, table, layout, uniq = _dynamic.prepare_stack(
                     members, N, id_map.seed, plan.id_owners(job.tables[0])
                 )
-                dynamic[job.name] = uniq
+                uniq_of[job.name] = uniq
                 sorted_tables[job.name] = [numpy_backend.sort_table(coded_, table, layout, D, N)]
             return _NumpyRun(job, D, N, cap, sorted_tables[job.name])
         if K is not None and _numba_fits(job, plan, K):
@@ -820,7 +933,14 @@ def _run_maker(
             ]
         return _NumpyRun(job, D, N, cap, sorted_tables[job.name])
 
-    return make_run
+    def raws(job, arrays):
+        if job.name in last_raw:
+            return last_raw[job.name].raw
+        if job.name in uniq_of:
+            return _dynamic.raw_pairs(arrays[0], uniq_of[job.name], PAD_ID)
+        return None
+
+    return make_run, raws
 
 
 def _run_stacks(
@@ -866,19 +986,13 @@ def _run_stacks(
     return results, {job.name for job in grow}
 
 
-def _assemble(
-    jobs: list, results: dict, caps: dict, grown: set, dynamic: dict, KD, coded: dict
-) -> tuple[dict, dict]:
+def _assemble(jobs: list, results: dict, caps: dict, grown: set, raws) -> tuple[dict, dict]:
     """The runs' arrays as `PartitionedCsrFormatTensor`s (with a stack of raw ids' raw
-    ids) and their `StackStats`: `({stack: tensor}, {stack: stats})`."""
+    ids, `raws(job, arrays)`) and their `StackStats`: `({stack: tensor}, {stack: stats})`."""
     out, stats = {}, {}
     for job in jobs:
         arrays, u_tot, p_tot, dropped = results[job.name]
-        raw = None
-        if job.name in dynamic:
-            raw = _dynamic.raw_pairs(
-                arrays[0], dynamic[job.name], PAD_ID, KD if job.name in coded else None
-            )
+        raw = raws(job, arrays)
         out[job.name] = PartitionedCsrFormatTensor(
             *arrays,
             stack=job.name,

@@ -133,7 +133,7 @@ def test_raw_codes_against_numpy(n):
         np.arange(0, 3000, dtype=np.int64) * 2**40,
     ]
     for seed, ids in enumerate(cases):
-        words = dynamic_ids._owner_words(seed)
+        words = dynamic_ids.owner_words(seed)
         keys, uniq = _kernels().raw_codes(ids, n, *words)
         want, inverse = np.unique(ids, return_inverse=True)
         np.testing.assert_array_equal(uniq, want)
@@ -157,7 +157,7 @@ def test_raw_codes_sort_against_numpy(ids, spread, copies, n):
     base = np.array(ids, np.int64)
     run = (np.arange(copies, dtype=np.uint64) * np.uint64(spread)).view(np.int64)
     arr = np.concatenate([base, run, base[::-1]])
-    words = dynamic_ids._owner_words(7)
+    words = dynamic_ids.owner_words(7)
     keys, uniq = _kernels().raw_codes(arr, n, *words)
     want, inverse = np.unique(arr, return_inverse=True)
     np.testing.assert_array_equal(uniq, want)
