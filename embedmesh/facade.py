@@ -697,7 +697,7 @@ class MeshEmbedding:
             return self._agreed_put(self._prepare(features, weights))
         csr, stats = self._preprocess(features, weights, self._capacities, self._overflow)
         self._record(stats)
-        return self.core.put(csr)
+        return self.core.put(csr, copy=False)  # its arrays, just made: aliased where aligned
 
     def _preprocess(self, features, weights, capacities, overflow):
         return _pre.preprocess_batch(

@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from embedmesh import _compat
+from embedmesh.batch import PartitionedCsrFormatTensor
 from embedmesh.device import (
     id_map,
     ops,
@@ -435,7 +436,7 @@ class EmbeddingCore:
 
     # -- inputs ---------------------------------------------------------------
 
-    def put(self, csr: dict) -> dict:
+    def put(self, csr: dict, *, copy: bool = True) -> dict:
         """Place this process's preprocessed arrays on its devices as global arrays.
 
         One process: a leaf by jaxlib's batched put (`_compat.batched_device_put`) of
@@ -445,12 +446,24 @@ class EmbeddingCore:
         zero-copies 64-byte-aligned numpy buffers on CPU and reads the others after it
         returns, so a host buffer written after this call could change the step's
         input. `jax.device_put` where the hook is gone, jax converts the dtype (int64
-        without x64) or the leaf is empty; `make_array_from_process_local_data` across processes."""
+        without x64) or the leaf is empty; `make_array_from_process_local_data` across processes.
+
+        `copy=False`: the caller's arrays are its own and never written again (the
+        facade's enqueue, on what preprocessing just made): a 64-byte-aligned one is
+        aliased, not copied (the 6 leaves of the train benchmark's stack: ~0.35 ms a
+        batch); jax keeps it alive.
+
+        A stack's `unique_counts` and `pair_counts` stay on the host (None in the placed
+        batch): no device program reads them (padding ends a partition), and a leaf costs
+        its put and an argument of every program (16 of the 56 leaves of 8 stacks of raw
+        ids in benchmarks/train/dynamic_ids.py)."""
         batched, aval = _compat.batched_device_put(), _compat.shaped_array()
         one_process = jax.process_count() == 1
         x64 = bool(jax.config.jax_enable_x64)  # which dtypes jax keeps
         out = {}
         for name, c in csr.items():
+            if isinstance(c, PartitionedCsrFormatTensor):
+                c = dataclasses.replace(c, unique_counts=None, pair_counts=None)
             leaves, treedef = jax.tree_util.tree_flatten(c)
             placed = []
             for leaf in leaves:
@@ -461,7 +474,7 @@ class EmbeddingCore:
                 if how is not None:
                     a, devices, slices = how
                     shards = [leaf[i] for i in slices]
-                    placed.append(batched(a, self.row_sharding, shards, devices, True, True))
+                    placed.append(batched(a, self.row_sharding, shards, devices, True, copy))
                 elif one_process:
                     placed.append(jax.device_put(leaf, self.row_sharding))
                 else:

@@ -2,6 +2,8 @@
 gives the arrays `jax.device_put` gives (values, dtype, sharding, committed), copies
 that never alias the host's numpy buffers; without the hook, `jax.device_put` itself."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -43,11 +45,20 @@ def _engine(n, raw_ids):
 
 
 def _reference(core, csr):
-    """The arrays `put` gave before the batched put (and gives without the hook)."""
+    """The arrays `put` gave before the batched put (and gives without the hook), less
+    a stack's counts, which stay on the host."""
     return {
-        name: jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x), core.row_sharding), c)
+        name: jax.tree_util.tree_map(
+            lambda x: jax.device_put(np.asarray(x), core.row_sharding), _without_counts(c)
+        )
         for name, c in csr.items()
     }
+
+
+def _without_counts(c):
+    if isinstance(c, em.PartitionedCsrFormatTensor):
+        return dataclasses.replace(c, unique_counts=None, pair_counts=None)
+    return c
 
 
 def _same(got, want):
@@ -80,6 +91,24 @@ def test_put_gives_device_puts_arrays(n, raw_ids):
 
 
 @pytest.mark.parametrize("raw_ids", [True, False])
+def test_put_leaves_the_counts_on_the_host(raw_ids):
+    """A stack's `unique_counts` and `pair_counts` are not sent (no device program reads
+    them: padding marks the end of a partition): None in the placed batch, every other
+    field placed, and the host batch untouched; a step on the placed batch runs."""
+    emb, csr = _engine(2, raw_ids)
+    host = {k: dataclasses.replace(c) for k, c in csr.items()}
+    got = emb.core.put(csr)
+    for name, c in got.items():
+        assert c.unique_counts is None and c.pair_counts is None, name
+        assert isinstance(c.unique_ids, jax.Array) and isinstance(c.pair_gains, jax.Array)
+        assert isinstance(csr[name].unique_counts, np.ndarray)
+        np.testing.assert_array_equal(csr[name].pair_counts, host[name].pair_counts)
+    acts, pres = emb.dequeue(got)
+    emb.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, pres)
+    assert all(np.isfinite(np.asarray(v)).all() for v in acts.values())
+
+
+@pytest.mark.parametrize("raw_ids", [True, False])
 @pytest.mark.parametrize("n", [1, 8])
 def test_put_copies_the_host_buffers(n, raw_ids):
     """Writing the host arrays right after `put` (not waited on) changes no device array:
@@ -93,6 +122,26 @@ def test_put_copies_the_host_buffers(n, raw_ids):
         for x in jax.tree_util.tree_leaves(host):
             x[...] = 7 if x.dtype != bool else ~x
         _same(got, _reference(emb.core, want))
+
+
+@pytest.mark.parametrize("raw_ids", [True, False])
+@pytest.mark.parametrize("n", [1, 2])
+def test_put_without_copy_aliases_preprocessings_arrays(n, raw_ids):
+    """Preprocessing's arrays start on 64-byte boundaries, and `put(copy=False)` (the
+    facade's enqueue) aliases them where a device's slice does: the same values as
+    `jax.device_put`'s, the device buffer at the host array's address."""
+    emb, csr = _engine(n, raw_ids)
+    host = [x for c in csr.values() for x in jax.tree_util.tree_leaves(_without_counts(c))]
+    assert host and all(x.ctypes.data % 64 == 0 for x in host)
+    got = emb.core.put(csr, copy=False)
+    _same(got, _reference(emb.core, csr))
+    aliased = 0
+    for x, y in zip(host, [y for c in got.values() for y in jax.tree_util.tree_leaves(c)]):
+        for d, shard in enumerate(y.addressable_shards):
+            if x[d].ctypes.data % 64 == 0:
+                assert shard.data.unsafe_buffer_pointer() == x[d].ctypes.data
+                aliased += 1
+    assert aliased >= len(host)
 
 
 @pytest.mark.parametrize("n", [1, 8])
