@@ -572,9 +572,10 @@ class EmbeddingCore:
         this call (the table's initializer keyed by the id, the optimizer slots' initial
         values) and sends the rows back: the batch returned has rows in `unique_ids`
         (`PAD_ID` for an id pending admission or refused: a zero row, no update) and no
-        raw ids, each block's rows ascending and its pairs in slot order, as the host
-        orders a table of rows (`id_map.sort_mapped`: the CPU's fused update takes its
-        parallel path only so). Other stacks pass through unchanged. `stats`: `{stack:
+        raw ids, its pairs grouped by slot in slot order; on CPU each block's rows in the
+        order of its raw ids (the fused update takes distinct rows in any order: 1.3 ms
+        a step of 8 tables' reorder saved), elsewhere ascending, as the host orders a
+        table of rows (`id_map.sort_mapped`). Other stacks pass through unchanged. `stats`: `{stack:
         {name: int32}}`, `ID_STATS` summed over the owners. Pure: jit it, donate the
         state.
 
@@ -623,10 +624,11 @@ class EmbeddingCore:
                 out_m[s] = m
                 out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
             # this source's blocks in the host's order for a table of rows, every stack's
-            # in one call (its threads share them out)
+            # in one call (its threads share them out); on CPU as the maps gave them
             ordered = id_map.sort_mapped_many(
                 [(out_rows[s], *(x[0] for x in pairs[s])) for s in stacks],
                 [csr[s].rows_per_device for s in stacks],
+                cpu_as_is=True,
             )
             for s, (rows, *moved) in zip(stacks, ordered):
                 out_rows[s] = rows[None]

@@ -316,20 +316,22 @@ def sort_mapped(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> t
     [0, num_rows), `pair_unique` in [0, U); [..., P]) grouped by their slot's new
     position, in pair order within a slot (so every row's gradient and every sample's
     activation sums in the same order as for a static table given these rows), the other
-    pairs after them as they were. The CPU's fused backward + update runs its parallel
-    path only on such a batch (ascending rows, pairs in slot order); on one in raw-id
-    order it took its serial general path, 2x the static table's update on the
-    dynamic_ids benchmark. `sort_mapped_many` of one stack: where the CPU kernels are in
-    use cpu/id_map.cc's `SortMappedMany` (a radix sort of the rows, a counting sort of the
-    pairs); elsewhere its reference, `_sort_mapped_reference`."""
+    pairs after them as they were. The engine's map program sorts so on the platforms
+    other than CPU; the CPU's fused backward + update takes distinct rows in any order
+    (`sort_mapped_many(cpu_as_is=True)`). `sort_mapped_many` of one stack: where the CPU
+    kernels are in use cpu/id_map.cc's `SortMappedMany` (a radix sort of the rows, a
+    counting sort of the pairs); elsewhere its reference, `_sort_mapped_reference`."""
     (out,) = sort_mapped_many([(rows, pair_rows, pair_unique, pair_gains)], [num_rows])
     return out
 
 
-def sort_mapped_many(blocks: list, num_rows: list) -> list:
+def sort_mapped_many(blocks: list, num_rows: list, *, cpu_as_is: bool = False) -> list:
     """`sort_mapped` of several stacks' `(rows, pair_rows, pair_unique, pair_gains)`
     (each with its `num_rows`), in one call where the CPU kernels are in use (the
-    stacks' blocks shared out over the threads), a list of the four each."""
+    stacks' blocks shared out over the threads), a list of the four each. `cpu_as_is`:
+    where the CPU kernels are in use, the blocks as they are (their fused update takes a
+    block's distinct rows in any order, `update_forms.h`'s `GroupPairs`); sorted on the
+    other platforms and without the kernels."""
     blocks = [
         (
             jnp.asarray(r, jnp.int32),
@@ -350,6 +352,8 @@ def sort_mapped_many(blocks: list, num_rows: list) -> list:
         ]
 
     def kernel(*flat):
+        if cpu_as_is:
+            return list(flat)
         outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat)
         rs = jnp.asarray(np.asarray(num_rows, np.int32))
         return list(jax.ffi.ffi_call("embedmesh_sort_mapped_many", outs)(rs, *flat))

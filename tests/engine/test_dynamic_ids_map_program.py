@@ -53,12 +53,12 @@ def test_the_map_program_returns_rows_not_the_batch():
     assert sorted(ids.tolist()) == [0, 1, 2]  # three distinct raw ids, three fresh rows
 
 
-def test_the_mapped_batch_is_in_the_hosts_order_for_rows():
+def test_the_mapped_batch_keeps_the_maps_order_on_cpu():
     """After evictions the rows of a batch's distinct raw ids (in raw-id order) are in no
-    order; the batch dequeue returns has them ascending (an id pending admission, a zero
-    row, last) and its valid pairs grouped by slot in that order, each pair still naming
-    its id's row, sample and gain: the order the host gives a table of rows, which the
-    CPU's fused update needs for its parallel path."""
+    order; on CPU the batch dequeue returns keeps them so (the fused update takes a
+    block's distinct rows in any order: a reorder cost ~1.3 ms a step of 8 tables), its
+    valid pairs still grouped by slot in slot order, each pair naming its id's row,
+    sample and gain. Training on such batches is the reference's (test_dynamic_ids)."""
     dyn = em.TableConfig(
         6, 4, initializer=_init, name="dyn", id_map=em.DynamicIds("lru", admit_after=1)
     )
@@ -82,9 +82,7 @@ def test_the_mapped_batch_is_in_the_hosts_order_for_rows():
         before = np.asarray(im.lookup(m, raw))
         before = np.where(before < 0, np.iinfo(np.int32).max, before)
         rows = np.asarray(o.unique_ids)[0, 0]
-        assert (np.sort(rows) == np.sort(before)).all()
-        live = rows[rows != np.iinfo(np.int32).max]
-        assert (np.diff(live) > 0).all() and (rows[: live.size] == live).all()
+        np.testing.assert_array_equal(rows, before)  # the map's order, PAD where none
         k = _kept(c.unique_ids)
         unordered += bool((np.diff(before[:k]) < 0).any())
         r = o.rows_per_device
