@@ -131,7 +131,9 @@ class PartitionedCsrFormatTensor:
                    ascending, distinct; padding `PAD_ID` (int32 max: out of
                    range on every shard, so `take(mode="fill")` reads zeros
                    and `.at[].add(mode="drop")` ignores it).
-      unique_counts [D, N] int32: valid entries of `unique_ids[d, j]`.
+      unique_counts [D, N] int32: valid entries of `unique_ids[d, j]` (host side
+                   only, as `pair_counts`: `EmbeddingCore.put` leaves both on the host,
+                   None in the placed batch; padding ends a partition on the device).
       pair_rows    [D, N, P] int32: output row (in device d's buffer, < R)
                    of each (row, id) pair; padding `R` (dropped by
                    `segment_sum(num_segments=R)`).
@@ -153,7 +155,8 @@ class PartitionedCsrFormatTensor:
                    entry of `unique_ids`, which then holds placeholders (`PAD_ID`
                    where padding) until the owners' id maps give them rows
                    (`EmbeddingCore.map_ids`, which returns the batch with rows in
-                   `unique_ids` and this field None). None for every other stack.
+                   `unique_ids`, in raw-id order on CPU, and this field None). None for
+                   every other stack.
 
     On device d: `buffer = segment_sum(gains[..., None] *
     rows_j[pair_unique], pair_rows, R)` over all (j, p), with `rows_j` the
