@@ -232,6 +232,15 @@ def table_sort(ids, weights, splits, fmeta, params, d, n_shards):  # pragma: no 
 
 
 @njit(cache=True, nogil=True)
+def _entry(x, gain, orow, row_scale, tp, has_w, low_mask):  # pragma: no cover (compiled)
+    """A sorted entry's `(key, output row, gain)` (`table_sort`'s value `x`)."""
+    lo = x & low_mask
+    if has_w:
+        return x >> tp.low_bits, np.int64(orow[lo]), gain[lo]
+    return x >> tp.low_bits, lo, row_scale[lo - tp.row_base]
+
+
+@njit(cache=True, nogil=True)
 def _fill_all(
     srt, t0, t1, gain, orow, row_scale, tp, has_w, base, uo, pr, pu, pg, uc, pc
 ):  # pragma: no cover (compiled)
@@ -247,15 +256,7 @@ def _fill_all(
     prev_o = np.int64(-1)
     acc = 0.0
     for t in range(t0, t1):
-        x = srt[t]
-        key = x >> tp.low_bits
-        lo = x & low_mask
-        if has_w:
-            o = np.int64(orow[lo])
-            g = gain[lo]
-        else:
-            o = lo
-            g = row_scale[o - tp.row_base]
+        key, o, g = _entry(srt[t], gain, orow, row_scale, tp, has_w, low_mask)
         new_u = key != prev_key
         new_p = new_u | (o != prev_o)
         cur_u += new_u
@@ -328,15 +329,7 @@ def table_fill(
         keep_p = False
         acc_g = 0.0
         for t in range(t0, t1):
-            x = srt[t]
-            key = x >> tp.low_bits
-            lo = x & low_mask
-            if has_w:
-                o = np.int64(orow[lo])
-                g = gain[lo]
-            else:
-                o = lo
-                g = row_scale[o - tp.row_base]
+            key, o, g = _entry(srt[t], gain, orow, row_scale, tp, has_w, low_mask)
             if key != prev_key:
                 if keep_p:
                     pg[cur_q] = acc_g

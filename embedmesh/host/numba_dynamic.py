@@ -267,47 +267,27 @@ def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no
 
 @njit(cache=True, nogil=True)
 def device_fill(
-    keys,
-    uniq,
-    weights,
-    splits,
-    fmeta,
-    params,
-    d,
-    unique_ids,
-    pair_rows,
-    pair_unique,
-    pair_gains,
-    counts,
-    raw,
-    pad_id,
-    pad_row,
+    keys, uniq, inputs, params, d, outputs, counts, raw, pad_id, pad_row
 ):  # pragma: no cover (compiled)
     """Local device `d`'s partitions of a stack of raw ids (its one table) from
-    `raw_codes`'s keys and distinct ids: `table_sort`, `numba_backend.table_fill` and
-    `fill_padding` on them (`params`: the table's on the mod layout over N shards, K
-    rows a shard), then each kept unique id's raw words in `raw` (`[D, N, U, 2]`
-    uint32, zeros at padding). One call a (stack, device): no Python between the
-    kernels. Returns the entries dropped for capacity, or -1 for a key out of range."""
+    `raw_codes`'s keys and distinct ids: `table_sort` (`inputs`: its weights, splits and
+    fmeta), `numba_backend.table_fill` and `fill_padding` on them (`params`: the table's
+    on the mod layout over N shards, K rows a shard; `outputs`: the unique ids, pair rows,
+    pair unique indices and pair gains), then each kept unique id's raw words in `raw`
+    (`[D, N, U, 2]` uint32, zeros at padding). One call a (stack, device): no Python
+    between the kernels. Returns the entries dropped for capacity, or -1 for a key out
+    of range."""
+    unique_ids, pair_rows, pair_unique, pair_gains = outputs
     n_shards = unique_ids.shape[1]
+    weights, splits, fmeta = inputs
     first_bad, srt, per_shard, gain, orow, row_scale = table_sort(
         keys, weights, splits, fmeta, params, d, n_shards
     )
     if first_bad >= 0:
         return -1
+    sorted_ = (srt, per_shard, gain, orow, row_scale)
     dropped = table_fill(
-        srt,
-        per_shard,
-        gain,
-        orow,
-        row_scale,
-        params,
-        d,
-        unique_ids,
-        pair_rows,
-        pair_unique,
-        pair_gains,
-        counts,
+        *sorted_, params, d, unique_ids, pair_rows, pair_unique, pair_gains, counts
     )
     fill_padding(unique_ids, pair_rows, pair_unique, pair_gains, counts, pad_id, pad_row, d)
     for j in range(n_shards):

@@ -342,6 +342,22 @@ def _partition_arrays(D: int, N: int, U: int, P: int, raw: bool = False) -> tupl
     return tuple(out)
 
 
+def _run_result(run) -> tuple:
+    """A compiled run's `(arrays, unique totals, pair totals, dropped)` from its outputs,
+    counters and drops (`_KernelRun`, `_RawIdsRun`)."""
+    c = run.counts
+    arrays = (
+        run.unique_ids,
+        c[kernel_params.C_UNIQUE_KEPT].astype(np.int32),
+        run.pair_rows,
+        run.pair_unique,
+        run.pair_gains,
+        c[kernel_params.C_PAIR_KEPT].astype(np.int32),
+    )
+    totals = (c[kernel_params.C_UNIQUE_TOTAL], c[kernel_params.C_PAIR_TOTAL])
+    return (arrays, *totals, int(run.dropped.sum()))
+
+
 class _KernelRun:
     """One stack's work on compiled kernels at one capacity (numba's or C++'s, the
     subclasses): output arrays and every table's kernel inputs, then one task per
@@ -394,21 +410,7 @@ class _KernelRun:
         for t, bad, _ in self.calls:
             if (bad >= 0).any():
                 _range_error(self.job, t)
-        c = self.counts
-        arrays = (
-            self.unique_ids,
-            c[kernel_params.C_UNIQUE_KEPT].astype(np.int32),
-            self.pair_rows,
-            self.pair_unique,
-            self.pair_gains,
-            c[kernel_params.C_PAIR_KEPT].astype(np.int32),
-        )
-        return (
-            arrays,
-            c[kernel_params.C_UNIQUE_TOTAL],
-            c[kernel_params.C_PAIR_TOTAL],
-            int(self.dropped.sum()),
-        )
+        return _run_result(self)
 
 
 class _NumbaRun(_KernelRun):
@@ -564,16 +566,14 @@ class _RawIdsRun:
 
     def device(self, d: int) -> None:
         keys, uniq = self.coded[self.job.name]
+        outputs = (self.unique_ids, self.pair_rows, self.pair_unique, self.pair_gains)
         dropped = self.K.device_fill(
             keys,
             uniq,
-            *self.inputs,
+            tuple(self.inputs),
             self.params,
             d,
-            self.unique_ids,
-            self.pair_rows,
-            self.pair_unique,
-            self.pair_gains,
+            outputs,
             self.counts,
             self.raw,
             PAD_ID,
@@ -584,21 +584,7 @@ class _RawIdsRun:
         self.dropped[d] = dropped
 
     def finish(self):
-        c = self.counts
-        arrays = (
-            self.unique_ids,
-            c[kernel_params.C_UNIQUE_KEPT].astype(np.int32),
-            self.pair_rows,
-            self.pair_unique,
-            self.pair_gains,
-            c[kernel_params.C_PAIR_KEPT].astype(np.int32),
-        )
-        return (
-            arrays,
-            c[kernel_params.C_UNIQUE_TOTAL],
-            c[kernel_params.C_PAIR_TOTAL],
-            int(self.dropped.sum()),
-        )
+        return _run_result(self)
 
 
 class _NumpyRun:
