@@ -279,10 +279,17 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
   //    flushed between calls): both buckets 8 ahead, the touch on the spot 1.00; the
   //    touch 8 behind 0.62-0.67; both buckets 4 ahead 0.54-0.56; the two stages 12/4
   //    0.47-0.52, 8/3 0.47-0.52, 16/4 0.71-0.75, 16/6 0.71, 24/8 0.78
+  //    Each position's row and fresh flag are written here too, as step 8 gives them
+  //    when every valid id is found: with distinct ids such a call (a step of hits, the
+  //    steady state) ends after this loop, without the serial steps 2-8.
   std::vector<int64_t> found(n);
+  std::atomic<bool> missed{false};
+  std::atomic<int64_t> valid_count{0};
   ParallelFor(NumChunks(n, kChunk), [&](int64_t chunk) {
     const int64_t begin = chunk * kChunk, end = std::min(n, begin + kChunk);
     uint32_t first[kChunk], second[kChunk];
+    bool chunk_missed = false;
+    int64_t chunk_valid = 0;
     for (int64_t i = begin; i < end; ++i) {
       first[i - begin] = k1(hi[i], lo[i]) & mask;
       second[i - begin] = k2(hi[i], lo[i]) & mask;
@@ -311,6 +318,10 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
           PrefetchLineForWrite(last_used + r);
           PrefetchLineForWrite(cnt + r);
         }
+        rows[i] = valid[i] && r >= 0 ? static_cast<int32_t>(static_cast<uint32_t>(r)) : -1;
+        fresh[i] = false;
+        chunk_valid += valid[i];
+        chunk_missed |= valid[i] && r < 0;
       }
       const int64_t t = i - kBehind;
       if (distinct && t >= begin) {
@@ -321,7 +332,15 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
         }
       }
     }
+    if (chunk_missed) missed.store(true, std::memory_order_relaxed);
+    valid_count.fetch_add(chunk_valid, std::memory_order_relaxed);
   });
+  if (distinct && !missed.load()) {  // every valid id found: steps 2-8 would change nothing
+    stats[0] = static_cast<int32_t>(valid_count.load());  // hits (distinct ids)
+    stats[1] = stats[2] = stats[3] = stats[4] = 0;       // admitted, evicted, pending, refused
+    stats[5] = static_cast<int32_t>(c - *num_free);
+    return ffi::Error::Success();
+  }
 
   // 2. the distinct valid ids ("u"), in the order of their first position (the
   //    admission order): first position, occurrences; each position's u
