@@ -14,10 +14,11 @@ ascending (by raw id) as every partition does, and `unique_ids` holds the codes
 (`PAD_ID` padding), `unique_raw_ids` the ids they stand for.
 
 With numba (`embedmesh.host.numba_dynamic`, when the static tables take compiled
-kernels too) two kernels a stack give the same arrays without the stand-ins: `code_ids`
-(the codes, the distinct ids, their owners) and `device_fill` (the partitions and their
-raw words); the numpy path stays the fallback (numba unavailable or disabled,
-`backend="numpy"`) and the tests' oracle.
+kernels too) two kernels a stack give the same arrays: `raw_codes` (each entry's key
+`owner * K + rank`, K distinct ids, and the distinct ids) and `device_fill` (the static
+tables' sort and fill on those keys, as rows of the mod layout over N shards, K rows a
+shard, and the partitions' raw words); the numpy path stays the fallback (numba
+unavailable or disabled, `backend="numpy"`) and the tests' oracle.
 """
 
 from __future__ import annotations

@@ -285,10 +285,7 @@ def device_fill(
     )
     if first_bad >= 0:
         return -1
-    sorted_ = (srt, per_shard, gain, orow, row_scale)
-    dropped = table_fill(
-        *sorted_, params, d, unique_ids, pair_rows, pair_unique, pair_gains, counts
-    )
+    dropped = table_fill(srt, per_shard, gain, orow, row_scale, params, d, *outputs, counts)
     fill_padding(unique_ids, pair_rows, pair_unique, pair_gains, counts, pad_id, pad_row, d)
     for j in range(n_shards):
         uk = counts[C_UNIQUE_KEPT, d, j]

@@ -288,10 +288,16 @@ def _numba_fits(job: _StackJob, plan: StackingPlan, K) -> bool:
         return False
     for t in job.tables:
         nnz = sum(int(c.splits[-1]) for _, c, _ in job.members(t.name))
-        low = max(bits_needed(job.rows_per_device), bits_needed(nnz))
-        if bits_needed(plan.num_shards * t.rows_per_shard - 1) + low > 62:
+        if not _values_fit(job, nnz, plan.num_shards * t.rows_per_shard):
             return False
     return True
+
+
+def _values_fit(job: _StackJob, nnz: int, keys: int) -> bool:
+    """Whether a table's sort values (a key of `keys`, then the output row or one of its
+    `nnz` entries) fit 62 bits."""
+    low = max(bits_needed(job.rows_per_device), bits_needed(nnz))
+    return bits_needed(keys - 1) + low <= 62
 
 
 def _table_inputs(members: list):
@@ -517,60 +523,48 @@ class _RawIdsRun:
         """Whether every sort value fits 62 bits for any batch of these entries (the
         key bits of N shards of at most as many rows as entries, and the low bits)."""
         nnz = sum(int(c.splits[-1]) for _, c, _ in job.feats)
-        low = max(bits_needed(job.rows_per_device), bits_needed(nnz))
-        return bits_needed(N * max(nnz, 1) - 1) + low <= 62
+        return _values_fit(job, nnz, N * max(nnz, 1))
 
     def prepare(self) -> None:
-        """The stack's inputs and output arrays, its ids coded (once a preprocessing
-        call), then its kernel parameters (K rows a shard: the distinct ids). No GIL held
-        in the kernel."""
-        members = self.job.members(self.job.tables[0].name)
-        self.ids, *self.inputs = _table_inputs(
-            [
-                (fp, dataclasses.replace(c, ids=_dynamic.raw_ids(c.ids)), seg)
-                for fp, c, seg in members
-            ]
-        )
-        self.row_base = min(seg.row_offset for _, _, seg in members)
-        self.row_span = max(seg.row_offset + seg.num_rows for _, _, seg in members) - self.row_base
+        """The stack's kernel inputs and its ids coded (once a preprocessing call), this
+        run's output arrays and kernel parameters (K rows a shard: the distinct ids). No
+        GIL held in the kernel."""
+        if self.job.name not in self.coded:
+            members = self.job.members(self.job.tables[0].name)
+            ids, *inputs = _table_inputs(
+                [
+                    (fp, dataclasses.replace(c, ids=_dynamic.raw_ids(c.ids)), seg)
+                    for fp, c, seg in members
+                ]
+            )
+            first, k = self.owners
+            keys, uniq = self.K.raw_codes(ids, k, *_dynamic.owner_words(self.seed))
+            if first:  # owner first + h % k: its key `owner * K + rank` shifted by `first * K`
+                keys += first * uniq.shape[0]
+            row_base = min(seg.row_offset for _, _, seg in members)
+            row_end = max(seg.row_offset + seg.num_rows for _, _, seg in members)
+            weighted = inputs[0].shape[0] > 0
+            low = bits_needed(ids.shape[0] - 1 if weighted else self.job.rows_per_device - 1)
+            self.coded[self.job.name] = (keys, uniq, tuple(inputs), low, row_base, row_end)
+        keys, uniq, _, low, row_base, row_end = self.coded[self.job.name]
         (D, N), (U, P) = (self.D, self.N), self.cap
         self.unique_ids, self.pair_rows, self.pair_unique, self.pair_gains, self.raw = (
             _partition_arrays(D, N, U, P, raw=True)
         )
         self.counts = np.zeros((kernel_params.COUNTERS, D, N), np.int64)
         self.dropped = np.zeros(D, np.int64)
-        if self.job.name not in self.coded:
-            first, k = self.owners
-            keys, uniq = self.K.raw_codes(self.ids, k, *_dynamic.owner_words(self.seed))
-            if first:  # owner first + h % k: its key `owner * K + rank` shifted by `first * K`
-                keys += first * uniq.shape[0]
-            self.coded[self.job.name] = (keys, uniq)
-        K = max(int(self.coded[self.job.name][1].shape[0]), 1)
-        weights = self.inputs[0]
-        low = bits_needed(
-            self.ids.shape[0] - 1 if weights.shape[0] else self.job.rows_per_device - 1
-        )
+        K = max(int(uniq.shape[0]), 1)
         self.params = kernel_params.table_params(
-            self.N,
-            0,
-            0,
-            K,
-            0,
-            self.N * K,
-            bits_needed(self.N * K - 1),
-            low,
-            self.row_base,
-            self.row_span,
-            *self.cap,
+            N, 0, 0, K, 0, N * K, bits_needed(N * K - 1), low, row_base, row_end - row_base, U, P
         )
 
     def device(self, d: int) -> None:
-        keys, uniq = self.coded[self.job.name]
+        keys, uniq, inputs, *_ = self.coded[self.job.name]
         outputs = (self.unique_ids, self.pair_rows, self.pair_unique, self.pair_gains)
         dropped = self.K.device_fill(
             keys,
             uniq,
-            tuple(self.inputs),
+            inputs,
             self.params,
             d,
             outputs,

@@ -279,9 +279,10 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
   //    flushed between calls): both buckets 8 ahead, the touch on the spot 1.00; the
   //    touch 8 behind 0.62-0.67; both buckets 4 ahead 0.54-0.56; the two stages 12/4
   //    0.47-0.52, 8/3 0.47-0.52, 16/4 0.71-0.75, 16/6 0.71, 24/8 0.78
-  //    Each position's row and fresh flag are written here too, as step 8 gives them
-  //    when every valid id is found: with distinct ids such a call (a step of hits, the
-  //    steady state) ends after this loop, without the serial steps 2-8.
+  //    Each position's row and fresh flag are written here too (-1 for a valid id not
+  //    found: step 8 gives those theirs): with distinct ids a call of every valid id
+  //    found (a step of hits, the steady state) ends after this loop, without the
+  //    serial steps 2-8.
   std::vector<int64_t> found(n);
   std::atomic<bool> missed{false};
   std::atomic<int64_t> valid_count{0};
@@ -528,18 +529,9 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
     *free_head += static_cast<int32_t>(taken);
   }
 
-  // 8. per position
+  // 8. per position: the valid ids not found (step 1 wrote the others)
   for (int64_t i = 0; i < n; ++i) {
-    fresh[i] = false;
-    if (!valid[i]) {
-      rows[i] = -1;
-      continue;
-    }
-    const int64_t r = found[i];
-    if (r >= 0) {
-      rows[i] = static_cast<int32_t>(static_cast<uint32_t>(r));
-      continue;
-    }
+    if (!valid[i] || found[i] >= 0) continue;
     const int32_t nr = new_row.empty() ? -1 : new_row[inverse[i]];
     rows[i] = nr;
     fresh[i] = nr >= 0;
