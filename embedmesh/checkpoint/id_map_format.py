@@ -6,9 +6,17 @@ rebuilds the maps on one.
 
 The stored arrays of a table (subtree `SUBTREE`, then the table's key) are its owners'
 `embedmesh.device.id_map.IdMapState` fields (`MAP_FIELDS`, one `[N, ...]` array each: shard
-j's at index j) and `KEY_FIELD`. An index slot is three uint32 words `[hi, lo, row]` (`KEY`,
-`LO`, `ROW`) of a bucket of `index.shape[-1]` slots; row r of shard j is live when its
-`row_slot` names a slot whose row word is r; its raw id is `row_id[j, r]` (high, low words).
+j's at index j) and `KEY_FIELD`. An index slot is two uint32 words `[tag, row]` (`TAG`,
+`ROW`) of a bucket of `index.shape[-1]` slots; row r of shard j is live when its
+`row_slot` names a slot whose row word is r; its raw id is `row_info[j, r, :2]` (high, low
+words, int32 bit for bit), its last-used step and use count `row_info[j, r, 2:]`.
+
+Checkpoint format version 2 (embedmesh before 2026-12-06 xiii) stored the fields
+`MAP_FIELDS_V2`: an index slot of three words `[hi, lo, row]` in buckets of 16, and the
+rows' ids, last-used steps and use counts apart. `read_maps` reads either and gives the
+version 2 maps' rows as a `row_info`, their index as stored (its row word is the last word
+of a slot in both layouts): `live_entries` reads both, and a restore rebuilds such maps
+(`id_maps`), never places their index as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +35,19 @@ KEY_FIELD = "fresh_key"  # the key data a table's fresh rows are initialised fro
 # `IdMapState`'s array fields, in its order (checked against it by `id_maps`' tests)
 MAP_FIELDS = (
     "index",
+    "row_info",
+    "row_slot",
+    "free",
+    "free_head",
+    "num_free",
+    "sketch",
+    "sightings",
+)
+FIELDS = MAP_FIELDS + (KEY_FIELD,)
+TAG, ROW = 0, 1  # the words of an index slot
+# checkpoint format version 2's fields (module docstring)
+MAP_FIELDS_V2 = (
+    "index",
     "row_id",
     "row_slot",
     "last_used",
@@ -37,8 +58,12 @@ MAP_FIELDS = (
     "sketch",
     "sightings",
 )
-FIELDS = MAP_FIELDS + (KEY_FIELD,)
-KEY, LO, ROW = 0, 1, 2  # the words of an index slot
+
+
+def current_layout(maps: dict) -> bool:
+    """Whether read maps are in this version's layout (else format version 2's: rebuilt,
+    never placed as they are)."""
+    return maps["index"].shape[-2] == 2
 
 
 def checksum_field(field: str) -> str:
@@ -83,11 +108,13 @@ def read_maps(reader, m: dict, shapes: dict | None = None) -> dict:
     """`{field: numpy [N_saved, ...]}` of a stored table's id maps (and its fresh rows'
     key), each checked against its recorded checksum (and against `shapes`, `{field:
     shape}`, where given); a ValueError naming the table and the array when one is
-    missing, of the wrong shape, unreadable or corrupted."""
+    missing, of the wrong shape, unreadable or corrupted. Format version 2's maps
+    (module docstring) come with `row_info` made of their rows' arrays."""
     verify = reader.meta.get("checksum") == CHECKSUM
     sums = m.get("checksums") or {}
+    v2 = int(reader.meta.get("format_version", 0)) < 3
     out = {}
-    for field in FIELDS:
+    for field in (MAP_FIELDS_V2 if v2 else MAP_FIELDS) + (KEY_FIELD,):
         leaf = (SUBTREE, m["key"], field)
         what = f"the id map's array {field!r} of table {m['name']} (array '{'.'.join(leaf)}')"
         if not reader.has(leaf):
@@ -115,32 +142,40 @@ def read_maps(reader, m: dict, shapes: dict | None = None) -> dict:
                 f"(a table of raw ids is never restored unverified)"
             )
         out[field] = arr
+    if v2:
+        ids = out.pop("row_id").astype(np.uint32).view(np.int32)
+        counts = (out.pop("last_used"), out.pop("use_count"))
+        out["row_info"] = np.concatenate(
+            [ids] + [x.astype(np.int32)[..., None] for x in counts], -1
+        )
     return out
 
 
 def live_entries(maps: dict) -> dict:
-    """The live ids of saved maps, in (shard, row) order: `{"ids": int64, "shard",
-    "row", "last_used", "use_count"}` arrays (a row is live when its slot's row word
-    names it)."""
+    """The live ids of saved maps (`read_maps`'), in (shard, row) order: `{"ids": int64,
+    "shard", "row", "last_used", "use_count"}` arrays (a row is live when its slot's row
+    word names it)."""
     n, c = maps["row_slot"].shape
     w = maps["index"].shape[-1]  # slots a bucket
     num_slots = maps["index"].shape[1] * w
+    row_word = maps["index"].shape[-2] - 1  # a slot's last word (both layouts)
     shards, rows = [], []
     for j in range(n):
         slot = maps["row_slot"][j]
         s = np.clip(slot, 0, num_slots - 1)
-        word = maps["index"][j][s // w, ROW, s % w]
+        word = maps["index"][j][s // w, row_word, s % w]
         live = (slot >= 0) & (word == np.arange(c, dtype=np.uint32))
         r = np.flatnonzero(live)
         shards.append(np.full(r.shape, j, np.int64))
         rows.append(r.astype(np.int64))
     shard, row = np.concatenate(shards), np.concatenate(rows)
+    info = maps["row_info"][shard, row]
     return {
-        "ids": join_ids(maps["row_id"][shard, row]),
+        "ids": join_ids(info[:, :2].view(np.uint32)),
         "shard": shard,
         "row": row,
-        "last_used": maps["last_used"][shard, row].astype(np.int32),
-        "use_count": maps["use_count"][shard, row].astype(np.int32),
+        "last_used": info[:, 2].astype(np.int32),
+        "use_count": info[:, 3].astype(np.int32),
     }
 
 

@@ -17,8 +17,9 @@ Restored:
   shard's map, rows and slots come back bit for bit, so training resumes bit-identically
   (same rows, same assignments, same future evictions, same admissions);
 - **rebuilt** otherwise (another device count, another `DynamicIds` configuration, another
-  capacity): every live id of every saved shard goes to its owner on this mesh
-  (`id_map.owner_of(id, N, seed)`, the live configuration's seed), with its row's values,
+  capacity, or a checkpoint of format version 2, whose index has another layout): every
+  live id of every saved shard goes to its owner on this mesh (`id_map.owner_of(id, N,
+  seed)`, the live configuration's seed), with its row's values,
   its optimizer slots, its last-used step and use count; each owner's ids take rows
   `0, 1, ...` (compacted; in the order of (saved shard, saved row)) and are inserted into
   its index as `map_ids` inserts (the emptier of its two buckets); the rest of its rows are
@@ -32,7 +33,7 @@ Restored:
   same device count and seed (only e.g. `evict_batch` or `eviction` changed) each shard
   keeps its own sketch; with another sketch configuration the sketch starts at zero.
 - A restore that cannot fit the live ids (more on some new owner than its rows, or, at
-  load <= 0.5 never seen, both buckets of an id full) is a ValueError naming the table,
+  load <= 0.25 never seen, both buckets of an id full) is a ValueError naming the table,
   the shard and the numbers, raised after reading the maps and before reading any table,
   and changes nothing.
 
@@ -72,7 +73,7 @@ from embedmesh.layout.rows import logical_layout, row_layout
 
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(id_map.IdMapConfig))
 _W = id_map.BUCKET_WIDTH
-_KEY, _LO, _ROW = id_map_format.KEY, id_map_format.LO, id_map_format.ROW
+_TAG, _ROW = id_map_format.TAG, id_map_format.ROW
 
 
 def config_meta(config: id_map.IdMapConfig) -> dict:
@@ -140,18 +141,23 @@ def read_maps(reader, m: dict) -> dict:
     cfg = id_map.IdMapConfig(**m["id_map"])
     c, b = cfg.capacity, cfg.num_buckets
     sketch = (cfg.sketch_depth, cfg.sketch_width) if cfg.admit_after > 1 else (1, 1)
+    v2_buckets = 1 << max(0, -(-2 * c // 16) - 1).bit_length()  # (format version 2's rule)
     shapes = {
-        "index": (n, b, 3, _W),
+        "index": (n, b, 2, _W),
+        "row_info": (n, c, 4),
+        "index_v2": (n, v2_buckets, 3, 16),
         "row_id": (n, c, 2),
-        "row_slot": (n, c),
         "last_used": (n, c),
         "use_count": (n, c),
+        "row_slot": (n, c),
         "free": (n, c),
         "free_head": (n,),
         "num_free": (n,),
         "sketch": (n,) + sketch,
         "sightings": (n,),
     }
+    if int(reader.meta.get("format_version", 0)) < 3:
+        shapes["index"] = shapes["index_v2"]
     return id_map_format.read_maps(reader, m, shapes)
 
 
@@ -160,25 +166,33 @@ def read_maps(reader, m: dict) -> dict:
 
 def _insert(config: id_map.IdMapConfig, pairs: np.ndarray, what: str) -> tuple:
     """(index, row_slot) with `pairs[k]` (uint32 [k, 2]) at row k, each in the emptier of
-    its two buckets (the first on a tie), at that bucket's first empty slot."""
-    index = np.zeros((config.num_buckets, 3, _W), np.uint32)
+    its two buckets (the first on a tie) that has no slot of its tag, at that bucket's
+    first empty slot (`map_ids`' rule, one id at a time)."""
+    index = np.zeros((config.num_buckets, 2, _W), np.uint32)
     index[:, _ROW, :] = id_map.EMPTY
     row_slot = np.full((config.capacity,), -1, np.int32)
     if not len(pairs):
         return index, row_slot
     b1, b2 = (np.asarray(b) for b in id_map.buckets(config, pairs[:, 0], pairs[:, 1]))
+    tags = np.asarray(id_map.tags(config, pairs[:, 0], pairs[:, 1]))
     fill = [0] * config.num_buckets
+
+    def room(b, tag):  # empty slots, -1 where a slot has the tag
+        return -1 if tag in index[b, _TAG, : fill[b]] else _W - fill[b]
+
     for k in range(len(pairs)):
         x, y = int(b1[k]), int(b2[k])
-        b = y if fill[y] < fill[x] else x
-        if fill[b] >= _W:
+        rx, ry = room(x, tags[k]), room(y, tags[k])
+        b, r = (y, ry) if ry > rx else (x, rx)
+        if r <= 0:
             raise ValueError(
                 f"{what}: both index buckets of raw id {int(id_map.join_ids(pairs[k]))} are "
-                f"full ({_W} slots each), so it cannot be placed (a map at load <= 0.5 with "
-                f"two choices: vanishingly rare); restore with a larger vocabulary_size"
+                f"full ({_W} slots each) or hold its tag, so it cannot be placed (a map at "
+                f"load <= 0.25 with two choices: vanishingly rare); restore with a larger "
+                f"vocabulary_size"
             )
         i = fill[b]
-        index[b, _KEY, i], index[b, _LO, i], index[b, _ROW, i] = pairs[k, 0], pairs[k, 1], k
+        index[b, _TAG, i], index[b, _ROW, i] = tags[k], k
         row_slot[k] = b * _W + i
         fill[b] = i + 1
     return index, row_slot
@@ -244,20 +258,17 @@ def rebuild(
         mine = np.flatnonzero(owner == j)  # (saved shard, saved row) order
         k = mine.size
         index, row_slot = _insert(config, pairs[mine], f"table {name}, shard {j} of {n_new}")
-        row_id = np.zeros((c, 2), np.uint32)
-        row_id[:k] = pairs[mine]
-        last_used = np.full((c,), -1, np.int32)
-        last_used[:k] = live["last_used"][mine]
-        use_count = np.zeros((c,), np.int32)
-        use_count[:k] = live["use_count"][mine]
+        row_info = np.zeros((c, 4), np.int32)
+        row_info[:, id_map.LAST_USED] = -1
+        row_info[:k, :2] = pairs[mine].view(np.int32)
+        row_info[:k, id_map.LAST_USED] = live["last_used"][mine]
+        row_info[:k, id_map.USE_COUNT] = live["use_count"][mine]
         free = np.zeros((c,), np.int32)
         free[: c - k] = np.arange(k, c, dtype=np.int32)
         for f, v in (
             ("index", index),
-            ("row_id", row_id),
+            ("row_info", row_info),
             ("row_slot", row_slot),
-            ("last_used", last_used),
-            ("use_count", use_count),
             ("free", free),
             ("free_head", np.int32(0)),
             ("num_free", np.int32(c - k)),
@@ -298,6 +309,7 @@ def plan_table(core, reader, t, m: dict) -> Plan:
     same_owners = (int(m.get("first_shard", 0)), int(m.get("span", n_old))) == owners
     direct = (
         n_old == n_new
+        and id_map_format.current_layout(maps)
         and m["id_map"] == config_meta(config)
         and same_owners
         and _same_layout(src_layout, src, core.plan.row_layout, t)

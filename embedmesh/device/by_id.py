@@ -50,7 +50,7 @@ def _live(core, state, t):
     )
     index, row_slot = np.asarray(index), np.asarray(row_slot)
     n = row_slot.shape[0]
-    words = index[:, :, 2, :].reshape(n, -1)  # each slot's row word
+    words = index[:, :, id_map.ROW_WORD, :].reshape(n, -1)  # each slot's row word
     s = np.clip(row_slot, 0, words.shape[1] - 1)
     word = np.take_along_axis(words, s, axis=1)
     live = (row_slot >= 0) & (word == np.arange(config.capacity, dtype=np.uint32)[None, :])

@@ -29,19 +29,27 @@ balance or, in the table, refusals, never a shared row).
 
 The algorithm
 -------------
-- Index: an open-addressing hash table of `num_buckets` buckets of `BUCKET_WIDTH` (16)
-  slots, at least `2 * capacity` slots in all (load factor <= 0.5). A slot holds the id's
-  two words and its row. An id lives in one of its two buckets (two independent keyed
+- Index: an open-addressing hash table of `num_buckets` buckets of `BUCKET_WIDTH` (8)
+  slots, at least `4 * capacity` slots in all (load factor <= 0.25). A slot holds a tag
+  (a third keyed hash of the id, 32 bits) and the id's row; a bucket's 8 tags and 8 row
+  words are one 64-byte line. An id lives in one of its two buckets (two independent keyed
   hashes; a new id goes to the emptier one, the first on a tie). A lookup reads both
-  buckets (`2 * 16` slots, one vectorized round, no probing loop); a deletion empties its
-  slot (no tombstones: a lookup reads the whole buckets anyway). A new id whose two buckets
-  are both full is refused (rows -1, counted in `stats["refused"]`); at load <= 0.5 with
-  two choices this is vanishingly rare, and never gives a shared row. Measured
-  (2026-12-04, CPU): 2^19 rows (2^16 buckets), 300 calls of 8192 new random ids (4.7
-  turnovers of the table, LRU): the fullest bucket held 12 of 16 (19 buckets at 12, 857 at
-  11, each load about 40x rarer than the one below), no refusal.
+  buckets (one vectorized round, no probing loop): in each, the live slot with the id's
+  tag, whose row is the id's when that row's raw id (`row_info`) is the id's; another id
+  may share the tag, never a bucket's live slot of it: a new id does not go into a bucket
+  holding a live slot of its tag (the other then, or none), nor two new ids of one tag
+  into one bucket in one call (the later gets none there). A deletion empties its slot (no
+  tombstones: a lookup reads the whole buckets anyway). A new id with no such bucket with
+  room is refused (rows -1, counted in `stats["refused"]`; sighted again, it is admitted
+  at a later call that has room); at load <= 0.25 with two choices a full bucket is
+  vanishingly rare, a tag clash about 2^-29 an admission, and neither ever gives a shared
+  row. The layout is the hit's cost: a hit reads one line of the index and one 16-byte
+  record of its row (2 cache lines; the layout before, a slot's id words and row apart in
+  buckets of 16 and the row's last-used step and use count in arrays of their own, read
+  5).
 - Rows: `capacity` rows. Free rows are taken lowest-numbered first. A row's raw id, its
-  last-used step and its use count (occurrences, saturating at 2^31 - 1) are kept per row.
+  last-used step and its use count (occurrences, saturating at 2^31 - 1) are kept per row,
+  in one record (`row_info`).
 - Admission (`admit_after` > 1): an unknown id is admitted at its `admit_after`-th
   sighting; a sighting is a call in which the id occurs (once per call however many times
   it occurs). Sightings of not-yet-admitted ids are counted in a count-min sketch
@@ -84,7 +92,8 @@ dedup, four operands, skipped where the caller says the ids are distinct,
 `map_ids(distinct=True)`; the new ids by bucket, one operand where `(num_buckets + 1) * n`
 fits 32 bits: XLA's CPU sort of several operands costs several times one's), the
 admission order by a count, two gathers of 2 buckets
-(`2 * 3 * 16` words) per distinct id (the lookup, and the new ids' buckets after a sweep),
+(`2 * 2 * 8` words) and of 2 rows' ids per distinct id (the lookup, and the new ids'
+buckets after a sweep),
 and scatters of O(n) words into the index, the row arrays and the sketch (`sketch_depth`
 counters an id). Nothing of size `c` is read or written, except:
 a sweep, a sort of `c` keys and a rebuild of the free list, O(c log c), only in a call
@@ -108,18 +117,16 @@ it is (`[1, ...]` arrays inside `shard_map`: a squeeze before an aliased operand
 XLA copy every state array before the op). In a training step the index is cold in the
 cache (the tables' rows stream through it between two calls): each probe misses the
 cache and, on 4 KiB pages, the TLB too; `on_huge_pages` puts the state's big arrays on
-transparent huge pages where the engine makes them (`EmbeddingCore.init`). The op
-`ops.id_map_hits` (the hit path alone, the jnp path for a call with a miss: the path
-before `id_map_step`) runs only where the CPU kernels lack `id_map_step`.
+transparent huge pages where the engine makes them (`EmbeddingCore.init`).
 
-Memory: the index 12 bytes a slot (at least 24 bytes a row), the row arrays 24 bytes a
-row, the sketch `4 * sketch_depth * sketch_width` bytes.
+Memory: the index 8 bytes a slot (at least 32 bytes a row), the row arrays 28 bytes a
+row (`row_info` 16, `row_slot` and `free` 4 each), the sketch `4 * sketch_depth *
+sketch_width` bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -147,14 +154,23 @@ __all__ = [
     "split_ids",
 ]
 
-BUCKET_WIDTH = id_hash.BUCKET_WIDTH  # 16 slots a bucket: one lookup reads 2 buckets
+BUCKET_WIDTH = id_hash.BUCKET_WIDTH  # 8 slots a bucket (one line): one lookup reads 2
 EMPTY = id_hash.EMPTY  # the row word of an empty slot
 _INT32_MAX = np.iinfo(np.int32).max
-_KEY, _LO, _ROW = id_hash.KEY, id_hash.LO, id_hash.ROW  # the words of a slot: [hi, lo, row]
+_TAG, _ROW = id_hash.TAG, id_hash.ROW  # the words of a slot: [tag, row]
+ROW_WORD = _ROW  # (public: readers of a state's live rows)
+# the words of a row's `row_info`: its id's two words, its last-used step, its use count
+ID_HI, ID_LO, LAST_USED, USE_COUNT = (
+    id_hash.ID_HI,
+    id_hash.ID_LO,
+    id_hash.LAST_USED,
+    id_hash.USE_COUNT,
+)
 
 # salts of the keyed hashes, one a purpose (fixed: part of the checkpointed layout)
 _SALT_OWNER = 0x6A09E667
 _SALT_BUCKET = (0xBB67AE85, 0x3C6EF372)
+_SALT_TAG = 0x510E527F
 _SALT_SKETCH = 0xA54FF53A
 
 
@@ -223,8 +239,8 @@ class IdMapConfig:
 
     @property
     def num_buckets(self) -> int:
-        """Buckets of the index: a power of two, `>= 2 * capacity / BUCKET_WIDTH`."""
-        return _pow2_at_least(-(-2 * self.capacity // BUCKET_WIDTH))
+        """Buckets of the index: a power of two, `>= 4 * capacity / BUCKET_WIDTH`."""
+        return _pow2_at_least(-(-4 * self.capacity // BUCKET_WIDTH))
 
     @property
     def num_slots(self) -> int:
@@ -235,14 +251,17 @@ class IdMapConfig:
 class IdMapState:
     """An id map's state: a pytree of fixed-size arrays (the config is its static part).
 
-    - `index` uint32 `[num_buckets, 3, BUCKET_WIDTH]`: each slot's id (high word, low
-      word) and row (`EMPTY` = 0xFFFFFFFF: an empty slot, whose id words mean nothing);
-    - `row_id` uint32 `[capacity, 2]`: each row's raw id (meaningful for live rows only);
-    - `row_slot` int32 `[capacity]`: the row's slot in the index (`bucket * 16 + i`), -1
+    - `index` uint32 `[num_buckets, 2, BUCKET_WIDTH]`: each slot's tag (a keyed hash of
+      its id) and row (`EMPTY` = 0xFFFFFFFF: an empty slot, whose tag means nothing); no
+      two live slots of a bucket have one tag;
+    - `row_info` int32 `[capacity, 4]`: each row's raw id (high word, low word, bit for
+      bit; meaningful for live rows only), last-used step and use count (occurrences):
+      the words a hit reads and writes, in one 16-byte record (properties `row_id`,
+      `last_used`, `use_count` read them apart);
+    - `row_slot` int32 `[capacity]`: the row's slot in the index (`bucket * 8 + i`), -1
       for a row never used; a row is live iff its slot's row word names it (an evicted
       row keeps its old slot number: a sweep writes no row array, so XLA updates the
       state in place, no copy of it);
-    - `last_used`, `use_count` int32 `[capacity]`: the row's last step and occurrences;
     - `free` int32 `[capacity]`: `free[free_head : free_head + num_free]` are the free
       rows, ascending;
     - `free_head`, `num_free`: int32 scalars;
@@ -252,15 +271,28 @@ class IdMapState:
 
     config: IdMapConfig
     index: jax.Array
-    row_id: jax.Array
+    row_info: jax.Array
     row_slot: jax.Array
-    last_used: jax.Array
-    use_count: jax.Array
     free: jax.Array
     free_head: jax.Array
     num_free: jax.Array
     sketch: jax.Array
     sightings: jax.Array
+
+    @property
+    def row_id(self) -> jax.Array:
+        """uint32 `[..., capacity, 2]`: each row's raw id (high word, low word)."""
+        return lax.bitcast_convert_type(self.row_info[..., :2], jnp.uint32)
+
+    @property
+    def last_used(self) -> jax.Array:
+        """int32 `[..., capacity]`: each row's last-used step."""
+        return self.row_info[..., LAST_USED]
+
+    @property
+    def use_count(self) -> jax.Array:
+        """int32 `[..., capacity]`: each row's use count."""
+        return self.row_info[..., USE_COUNT]
 
 
 jax.tree_util.register_dataclass(
@@ -273,16 +305,14 @@ jax.tree_util.register_dataclass(
 def init(config: IdMapConfig) -> IdMapState:
     """An empty map: every row free, every slot empty, the sketch at zero."""
     c = config.capacity
-    index = jnp.zeros((config.num_buckets, 3, BUCKET_WIDTH), jnp.uint32)
+    index = jnp.zeros((config.num_buckets, 2, BUCKET_WIDTH), jnp.uint32)
     index = index.at[:, _ROW, :].set(EMPTY)
     sketch_shape = (config.sketch_depth, config.sketch_width) if config.admit_after > 1 else (1, 1)
     return IdMapState(
         config=config,
         index=index,
-        row_id=jnp.zeros((c, 2), jnp.uint32),
+        row_info=jnp.zeros((c, 4), jnp.int32).at[:, LAST_USED].set(-1),
         row_slot=jnp.full((c,), -1, jnp.int32),
-        last_used=jnp.full((c,), -1, jnp.int32),
-        use_count=jnp.zeros((c,), jnp.int32),
         free=jnp.arange(c, dtype=jnp.int32),
         free_head=jnp.int32(0),
         num_free=jnp.int32(c),
@@ -299,7 +329,7 @@ def on_huge_pages(array: jax.Array) -> jax.Array:
     at least `HUGE_PAGE_MIN_BYTES` copied into a buffer on transparent huge pages
     (`ops.huge_page_copy`; CPU only, elsewhere as is). The map reads its index and row
     arrays at random: with 4 KiB pages nearly every probe also misses the TLB (measured
-    on a step of hits with a cold cache, capacity 1M: the op `id_map_hits` 16% faster).
+    on a step of hits with a cold cache, capacity 1M: the hit path 16% faster).
     A donated map program updates them in place, so they stay there."""
     shards = array.addressable_shards
     if not shards or shards[0].data.nbytes < HUGE_PAGE_MIN_BYTES:
@@ -449,9 +479,10 @@ def owner_of(raw_ids, num_shards: int, seed: int = 0) -> jax.Array:
 
 
 def bucket_keys(config: IdMapConfig) -> tuple[int, ...]:
-    """The seed words of the two bucket hashes (3 each): what the CPU kernel of the hit
-    path (`ops.id_map_hits`) hashes with."""
-    return tuple(w for salt in _SALT_BUCKET for w in _hash_words(config.seed, salt))
+    """The seed words of the two bucket hashes and of the tag (3 each): what the CPU
+    kernel (`ops.id_map_step`) hashes with."""
+    salts = _SALT_BUCKET + (_SALT_TAG,)
+    return tuple(w for salt in salts for w in _hash_words(config.seed, salt))
 
 
 _buckets_keyed = id_hash.buckets
@@ -461,6 +492,11 @@ def buckets(config: IdMapConfig, hi, lo):
     """The two buckets (int32) of each id given as its words `hi`, `lo` (what a rebuild of
     the map, `embedmesh.checkpoint.id_maps`, inserts by)."""
     return _buckets_keyed(config.num_buckets, bucket_keys(config), hi, lo)
+
+
+def tags(config: IdMapConfig, hi, lo):
+    """Each id's tag (uint32) in the index, given as its words `hi`, `lo`."""
+    return id_hash.tags(bucket_keys(config), hi, lo)
 
 
 def sketch_columns(config: IdMapConfig, raw_ids) -> jax.Array:
@@ -481,7 +517,7 @@ def sketch_columns(config: IdMapConfig, raw_ids) -> jax.Array:
 
 def _find(state: IdMapState, hi, lo):
     """(found, row, flat slot) for 1-D id words; one gather of both buckets."""
-    return _find_keyed(state.index, bucket_keys(state.config), hi, lo)
+    return _find_keyed(state.index, state.row_info, bucket_keys(state.config), hi, lo)
 
 
 _find_keyed = id_hash.find
@@ -638,10 +674,11 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
       True where the row was given to the id in this call (re-initialise it, reset its
       optimizer slots); `stats` int32 scalars over the distinct valid ids of the call:
       `hits`, `admissions`, `evictions` (rows freed by a sweep in this call), `pending`,
-      `refused` (no row: every live row used at this step, or both hash buckets full),
+      `refused` (no row: every live row used at this step, or both hash buckets full
+      or holding a live slot of the id's tag, or an earlier id of the call took its
+      bucket's tag),
       `occupancy` (live rows after the call).
     """
-    config = state.config
     if state.index.ndim == 4 and not native_step():  # one shard's block: squeezed
         one = jax.tree_util.tree_map(lambda x: x[0], state)
         one, rows, fresh, stats = map_ids(one, raw_ids, valid_mask, step, distinct=distinct)
@@ -653,24 +690,7 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
     step = jnp.asarray(step, jnp.int32)
     if native_step():
         return _map_ids_native(state, hi, lo, valid, step, distinct, shape)
-    if not native_hits():
-        return _map_ids(state, hi, lo, valid, step, distinct, shape)
-
-    # A call of hits only (the steady state) answered by one native op: each id's row;
-    # the jnp path's work on the ids is then skipped (`_map_ids`)
-    status, rows = ops.id_map_hits(
-        state.index,
-        state.use_count,
-        hi,
-        lo,
-        valid,
-        keys=bucket_keys(config),
-        distinct=distinct,
-    )
-    all_hit = status[0] == 1
-    if config.admit_after > 1:  # a call of hits sights nothing: no halving is due
-        all_hit = all_hit & (state.sightings < config.sketch_halve_every)
-    return _map_ids(state, hi, lo, valid, step, distinct, shape, native=(all_hit, status, rows))
+    return _map_ids(state, hi, lo, valid, step, distinct, shape)
 
 
 STAT_NAMES = ("hits", "admissions", "evictions", "pending", "refused", "occupancy")
@@ -703,9 +723,9 @@ def _map_ids_native(state: IdMapState, hi, lo, valid, step, distinct: bool, shap
     blocked = state.index.ndim == 4
 
     def jnp_path(*args):
-        arrays = [x[0] for x in args[:10]] if blocked else args[:10]
+        arrays = [x[0] for x in args[:8]] if blocked else args[:8]
         st = IdMapState(config, *arrays)
-        st, rows, fresh, stats = _map_ids(st, *args[10:], distinct, (n,))
+        st, rows, fresh, stats = _map_ids(st, *args[8:], distinct, (n,))
         stats = jnp.stack([stats[k] for k in STAT_NAMES])
         arrays = [getattr(st, f) for f in _STATE_FIELDS]
         return (*(x[None] if blocked else x for x in arrays), rows, fresh, stats)
@@ -724,26 +744,21 @@ def _map_ids_native(state: IdMapState, hi, lo, valid, step, distinct: bool, shap
         distinct=distinct,
         fallback=jnp_path,
     )
-    new_state = IdMapState(config, *out[:10])
-    rows, fresh, stats = out[10:]
+    new_state = IdMapState(config, *out[:8])
+    rows, fresh, stats = out[8:]
     stats = {k: stats[i] for i, k in enumerate(STAT_NAMES)}
     return new_state, rows.reshape(shape), fresh.reshape(shape), stats
 
 
-def native_hits() -> bool:
-    """Whether `map_ids` runs its hit path as the native op (`ops.id_map_hits`: the CPU
-    kernels are in use in this process), the jnp path only for calls with a miss."""
-    return ops.id_map_hits_native()
-
-
-def _touch(last_used, cnt, at, occ, step):
+def _touch(row_info, at, occ, step):
     """The rows `at` (capacity: none) used at `step`, their use counts `occ` more
     (saturating)."""
-    c = last_used.shape[0]
-    last_used = last_used.at[at].set(step, mode="drop")
-    room = _INT32_MAX - cnt[jnp.minimum(at, c - 1)]
-    cnt = cnt.at[at].add(jnp.minimum(occ, room), mode="drop")
-    return last_used, cnt
+    c = row_info.shape[0]
+    info = row_info[jnp.minimum(at, c - 1)]  # (one gather, then one scatter: in place)
+    cnt = info[:, USE_COUNT]
+    info = info.at[:, LAST_USED].set(step)
+    info = info.at[:, USE_COUNT].set(cnt + jnp.minimum(occ, _INT32_MAX - cnt))
+    return row_info.at[at].set(info, mode="drop")
 
 
 def _sort_by_bucket(key_b, num_buckets: int):
@@ -758,23 +773,9 @@ def _sort_by_bucket(key_b, num_buckets: int):
     return (packed // jnp.uint32(n)).astype(jnp.int32), (packed % jnp.uint32(n)).astype(jnp.int32)
 
 
-def _unless(skip, heavy, *operands):
-    """`heavy(*operands)`, or where `skip` (a traced bool) zeros of its results: a
-    `lax.cond` whose branches read the state and write none of it (a branch writing a
-    state array makes XLA copy the state around the conditional); `skip` None: no cond."""
-    if skip is None:
-        return heavy(*operands)
-
-    def zeros(*operands):
-        shapes = jax.eval_shape(heavy, *operands)
-        return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-
-    return lax.cond(skip, zeros, heavy, *operands)
-
-
 def _admitted(config, keys, index, free, pos, cand, order, u_hi, u_lo, free_head, num_free):
-    """Steps 5-7 of `_map_ids`: which candidates take a row, their index slots and rows
-    (`(admit, slot, new_row)` a distinct id)."""
+    """Steps 5-7 of `_map_ids`: which candidates take a row, their index slots, rows and
+    tags (`(admit, slot, new_row, tag)` a distinct id)."""
     n = pos.shape[0]
     c = config.capacity
 
@@ -785,58 +786,56 @@ def _admitted(config, keys, index, free, pos, cand, order, u_hi, u_lo, free_head
 
     fits = cand & (rank_of(cand) < num_free)
 
-    # 6. a slot in the emptier of the two buckets (first on a tie), the k-th empty
-    #    slot for the k-th id (in u order) choosing that bucket
+    # 6. a slot in the emptier of the two buckets (first on a tie) that has no live slot
+    #    of the id's tag (neither: none), the k-th empty slot for the k-th id (in u
+    #    order) choosing that bucket; an id whose tag an earlier one of them has gets
+    #    none (its k-th slot stays empty): a bucket's live tags stay distinct
     b1, b2 = _buckets_keyed(config.num_buckets, keys, u_hi, u_lo)
-    empty1 = index[b1, _ROW] == EMPTY  # [n, W]
-    empty2 = index[b2, _ROW] == EMPTY
-    use2 = empty2.sum(axis=1) > empty1.sum(axis=1)
+    tag = id_hash.tags(keys, u_hi, u_lo)
+    t1, t2 = index[b1], index[b2]  # [n, 2, W]
+    empty1, empty2 = t1[:, _ROW] == EMPTY, t2[:, _ROW] == EMPTY
+    clash1 = (~empty1 & (t1[:, _TAG] == tag[:, None])).any(axis=1)
+    clash2 = (~empty2 & (t2[:, _TAG] == tag[:, None])).any(axis=1)
+    room1 = jnp.where(clash1, -1, empty1.sum(axis=1, dtype=jnp.int32))
+    room2 = jnp.where(clash2, -1, empty2.sum(axis=1, dtype=jnp.int32))
+    use2 = room2 > room1
     bucket = jnp.where(use2, b2, b1)
     empty = jnp.where(use2[:, None], empty2, empty1)
+    clash = jnp.where(use2, clash2, clash1)
     key_b = jnp.where(fits, bucket, config.num_buckets)
     s_b, s_u = _sort_by_bucket(key_b, config.num_buckets)  # by bucket, then u
     starts = jnp.where(jnp.concatenate([jnp.ones((1,), bool), s_b[1:] != s_b[:-1]]), pos, 0)
     in_bucket = jnp.zeros((n,), jnp.int32).at[s_u].set(pos - lax.cummax(starts))
+    s_tag = tag[s_u]
+    twin = jnp.zeros((n,), bool)  # an earlier id of its bucket has its tag
+    for d in range(1, min(BUCKET_WIDTH, n)):  # (only the first W of a bucket get a slot)
+        same = (s_b[d:] == s_b[:-d]) & (s_tag[d:] == s_tag[:-d])
+        twin = twin.at[d:].set(twin[d:] | same)
+    twin = jnp.zeros((n,), bool).at[s_u].set(twin)
     k_th = (jnp.cumsum(empty, axis=1, dtype=jnp.int32) == (in_bucket + 1)[:, None]) & empty
-    slotted = k_th.any(axis=1)
+    slotted = k_th.any(axis=1) & ~clash & ~twin
     slot = bucket * BUCKET_WIDTH + jnp.argmax(k_th, axis=1).astype(jnp.int32)
     admit = fits & slotted
 
     # 7. rows, lowest free first, in admission order
     new_row = free[jnp.minimum(free_head + rank_of(admit), c - 1)]
-    return admit, slot, new_row
+    return admit, slot, new_row, tag
 
 
-def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape, native=None):
-    """`map_ids`'s jnp path: any call, hits, misses, admissions and evictions.
-
-    `native`: `(all_hit, status, rows)` of `ops.id_map_hits` on this call. Where every
-    valid id hit, the jnp path's work on the ids (sorts, bucket reads: `_unless`, whose
-    zeros make every later mask False) is skipped, the op's rows are touched, and its
-    rows and hits are the answer: the same state, rows and stats as without it (no
-    count saturates in such a call: the op says so). Elsewhere, the jnp path as is."""
+def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape):
+    """`map_ids`'s jnp path: any call, hits, misses, admissions and evictions."""
     config = state.config
     c = config.capacity
     n = hi.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
-    skip = None if native is None else native[0]
     keys = bucket_keys(config)
 
     # 1, 2: the distinct valid ids, lookup, hits
-    def distinct_and_found(hi, lo, valid):
-        distinct_ids = _distinct_as_given if distinct else _distinct_by_sort
-        u_hi, u_lo, _, u_valid, u_occ, inverse, order = distinct_ids(hi, lo, valid, pos)
-        found, row, _ = _find_keyed(state.index, keys, u_hi, u_lo)
-        return u_hi, u_lo, u_valid, u_occ, inverse, order, found, row
-
-    found_all = _unless(skip, distinct_and_found, hi, lo, valid)
-    u_hi, u_lo, u_valid, u_occ, inverse, order, found, row = found_all
+    distinct_ids = _distinct_as_given if distinct else _distinct_by_sort
+    u_hi, u_lo, _, u_valid, u_occ, inverse, order = distinct_ids(hi, lo, valid, pos)
+    found, row, _ = _find_keyed(state.index, state.row_info, keys, u_hi, u_lo)
     hit = u_valid & found
-    at, occ = jnp.where(hit, row, c), u_occ
-    if native is not None:  # all hits: the op's rows, an occurrence a position (no u)
-        at = jnp.where(skip, jnp.where(valid, native[2], c), at)
-        occ = jnp.where(skip, 1, occ)
-    last_used, cnt = _touch(state.last_used, state.use_count, at, occ, step)
+    row_info = _touch(state.row_info, jnp.where(hit, row, c), u_occ, step)
 
     # 3. sightings, candidates
     miss = u_valid & ~found
@@ -852,6 +851,7 @@ def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape, nati
     # 4. a sweep when the candidates outnumber the free rows
     carried = (state.index, state.free, state.free_head, state.num_free)
     row_slot = state.row_slot
+    last_used, cnt = row_info[:, LAST_USED], row_info[:, USE_COUNT]
     carried, evictions = lax.cond(
         needed > state.num_free,
         lambda carried: _sweep(config, step, needed, row_slot, last_used, cnt, carried),
@@ -860,41 +860,29 @@ def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape, nati
     )
     index, free, free_head, num_free = carried
 
-    admit, slot, new_row = _unless(
-        skip,
-        functools.partial(_admitted, config, keys, index, free, pos),
-        cand,
-        order,
-        u_hi,
-        u_lo,
-        free_head,
-        num_free,
+    admit, slot, new_row, tag = _admitted(
+        config, keys, index, free, pos, cand, order, u_hi, u_lo, free_head, num_free
     )
     taken = admit.sum(dtype=jnp.int32)
     at_row = jnp.where(admit, new_row, c)
     at_slot = jnp.where(admit, slot, config.num_slots)
     sb, si = at_slot // BUCKET_WIDTH, at_slot % BUCKET_WIDTH
-    index = index.at[sb, _KEY, si].set(u_hi, mode="drop")
-    index = index.at[sb, _LO, si].set(u_lo, mode="drop")
+    index = index.at[sb, _TAG, si].set(tag, mode="drop")
     index = index.at[sb, _ROW, si].set(new_row.astype(jnp.uint32), mode="drop")
-    row_id = state.row_id.at[at_row].set(jnp.stack([u_hi, u_lo], axis=-1), mode="drop")
+    words = lax.bitcast_convert_type(jnp.stack([u_hi, u_lo], axis=-1), jnp.int32)
+    info = jnp.concatenate(
+        [words, jnp.broadcast_to(step, (n, 1)).astype(jnp.int32), u_occ[:, None]], axis=-1
+    )
+    row_info = row_info.at[at_row].set(info, mode="drop")
     row_slot = row_slot.at[at_row].set(slot, mode="drop")
-    last_used = last_used.at[at_row].set(step, mode="drop")
-    cnt = cnt.at[at_row].set(u_occ, mode="drop")
     num_free = num_free - taken
 
     # 8. per position
     u_row = jnp.where(hit, row, jnp.where(admit, new_row, -1))
-    rows = jnp.where(valid, u_row[inverse], -1)
-    fresh = valid & admit[inverse]
-    hits = hit.sum(dtype=jnp.int32)
-    if native is not None:
-        rows = jnp.where(skip, native[2], rows)
-        fresh = fresh & ~skip
-        hits = jnp.where(skip, native[1][1], hits)
-    rows, fresh = rows.reshape(shape), fresh.reshape(shape)
+    rows = jnp.where(valid, u_row[inverse], -1).reshape(shape)
+    fresh = (valid & admit[inverse]).reshape(shape)
     stats = {
-        "hits": hits,
+        "hits": hit.sum(dtype=jnp.int32),
         "admissions": taken,
         "evictions": evictions,
         "pending": pending.sum(dtype=jnp.int32),
@@ -904,10 +892,8 @@ def _map_ids(state: IdMapState, hi, lo, valid, step, distinct: bool, shape, nati
     new_state = IdMapState(
         config=config,
         index=index,
-        row_id=row_id,
+        row_info=row_info,
         row_slot=row_slot,
-        last_used=last_used,
-        use_count=cnt,
         free=free,
         free_head=free_head + taken,
         num_free=num_free,

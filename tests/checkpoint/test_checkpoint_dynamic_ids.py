@@ -13,6 +13,8 @@ count)}` at the save, and its activations and tables when training goes on.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -361,8 +363,9 @@ def test_raw_ids_and_plain_tables_do_not_mix(tmp_path):
     with pytest.raises(ValueError, match="table dyn is a table of raw ids in the checkpoint"):
         ckpt.restore(plain, tmp_path / "dyn")
     ckpt.save(tmp_path / "plain", plain)
-    # version 2 where a table of raw ids is (an embedmesh without id maps refuses it)
-    assert ckpt.read_metadata(tmp_path / "dyn")["format_version"] == 2
+    # version 3 where a table of raw ids is (an embedmesh without id maps, or with the
+    # layout of version 2's, refuses it)
+    assert ckpt.read_metadata(tmp_path / "dyn")["format_version"] == 3
     assert ckpt.read_metadata(tmp_path / "plain")["format_version"] == 1
     with pytest.raises(ValueError, match="table dyn is a table of raw ids .* here"):
         ckpt.restore(emb, tmp_path / "plain")
@@ -413,7 +416,43 @@ def test_the_stored_form_names_the_maps_fields_and_words():
 
     fields = tuple(f.name for f in dataclasses.fields(id_map.IdMapState) if f.name != "config")
     assert fields == fmt.MAP_FIELDS
-    assert (fmt.KEY, fmt.LO, fmt.ROW) == (id_hash.KEY, id_hash.LO, id_hash.ROW)
+    assert (fmt.TAG, fmt.ROW) == (id_hash.TAG, id_hash.ROW) == (0, id_map.ROW_WORD)
     ids = np.array(POOL + [INT64_MIN + 1, -(2**31), 2**31], np.int64)
     pairs = np.asarray(id_map.split_ids(ids))
     assert fmt.join_ids(pairs).tolist() == ids.tolist() == id_map.join_ids(pairs).tolist()
+
+
+V2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "raw_ids_v2")
+
+
+@pytest.mark.parametrize("n", [2, 1])
+def test_a_checkpoint_of_format_version_2_is_rebuilt_into_this_layout(n, tmp_path):
+    """A checkpoint of the maps' layout before this one (format version 2, written by
+    bdf052f: `support/make_checkpoint_v2.py`, 2 devices, LFU): restored on 2 devices (as
+    saved) and on 1, every live id comes back with the values, accumulators, last-used
+    step and use count its writer recorded (`expected.npz`), found by this layout's
+    index; training goes on; serving's `load_tables` reads it alike."""
+    want = np.load(os.path.join(V2, "expected.npz"))
+    path = os.path.join(V2, "checkpoint")
+    assert ckpt.read_metadata(path)["format_version"] == 2
+    emb = _engine(n, "lfu")
+    assert ckpt.restore(emb, path) == 5
+    got = _by_id(emb)
+    assert sorted(got) == want["ids"].tolist()
+    for k, i in enumerate(want["ids"].tolist()):
+        assert got[i][0].tobytes() == want["values"][k].tobytes(), i
+        assert got[i][1].tobytes() == want["accumulators"][k].tobytes(), i
+        assert got[i][2:] == (want["last_used"][k], want["use_count"][k]), i
+    acts, stats = _step(emb, np.resize(want["ids"], (SAMPLES, 2)), 0)  # hits only
+    assert stats["hits"] > 0 and stats["admissions"] == 0
+    rows = {int(i): got[int(i)][0] for i in want["ids"]}
+    first = np.resize(want["ids"], (SAMPLES, 2))
+    assert np.allclose(acts, [(rows[a] + rows[b]) / 2 for a, b in first])  # the mean combiner
+    # saved again: this layout's format, restored as it is
+    assert ckpt.save(tmp_path, emb)
+    assert ckpt.read_metadata(tmp_path)["format_version"] == 3
+    ((cfg, table),) = ckpt.load_tables(path).items()
+    assert isinstance(table, em.RawIdTable) and cfg.id_map is not None and table.step == 5
+    assert table.ids.tolist() == want["ids"].tolist()  # (sorted)
+    for k, row in enumerate(table.rows):
+        assert row.tobytes() == want["values"][k].tobytes()

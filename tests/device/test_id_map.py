@@ -3,9 +3,10 @@ reference: a dict from raw id to row plus LRU/LFU bookkeeping, written for clari
 
 Every call of the jitted `map_ids` is compared with the reference: the rows, `fresh`, the
 stats, the live mapping (row by row), each row's last-used step and use count. Between
-calls every field of the state that must not matter (the id words of empty slots, the
-raw id, step and count of free rows, the free list outside its live part) is overwritten
-with random junk, so a map that reads one gives a wrong answer. Ids are drawn from
+calls every field of the state that must not matter (the tags of empty slots, the raw
+id, step and count of free rows, the free list outside its live part) is overwritten
+with random junk or with the tags and ids of the stream's ids, so a map that reads one
+gives a wrong answer. Ids are drawn from
 adversarial sets (int64 extremes, negatives, all equal modulo the capacity and modulo
 2**32, strided) plus random ones, never only zeros.
 
@@ -106,8 +107,8 @@ class Reference:
 
 def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
     """The state with every field that must not matter overwritten by junk: random words,
-    or the words of ids the stream uses (`plant`, uint32 [k, 2]), so that a map reading an
-    empty slot's id or a free row's data finds a plausible id there."""
+    or the words (tags) of ids the stream uses (`plant`, uint32 [k, 2]), so that a map
+    reading an empty slot's tag or a free row's data finds a plausible id there."""
 
     def junk(k):
         words = rng.integers(0, 2**32, size=(k, 2), dtype=np.uint64).astype(np.uint32)
@@ -115,19 +116,18 @@ def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
         return np.where(rng.random((k, 1)) < 0.5, planted, words)
 
     index = np.array(state.index)
-    empty = index[:, 2, :] == im.EMPTY
+    empty = index[:, im.ROW_WORD, :] == im.EMPTY
     words = junk(int(empty.sum()))
-    index[:, 0, :][empty], index[:, 1, :][empty] = words[:, 0], words[:, 1]
+    index[:, 0, :][empty] = np.asarray(im.tags(state.config, words[:, 0], words[:, 1]))
     c = state.config.capacity
     free = np.ones(c, bool)
     free[list(im.live_ids(state).values())] = False
     # a free row's slot number: never used (-1), or any slot (a live row's, an empty one)
     row_slot = np.array(state.row_slot)
     row_slot[free] = rng.integers(-1, state.config.num_slots, int(free.sum()))
-    row_id = np.array(state.row_id)
-    row_id[free] = junk(int(free.sum()))
-    last = np.where(free, rng.integers(-(2**31), 2**31, c), np.asarray(state.last_used))
-    count = np.where(free, rng.integers(-(2**31), 2**31, c), np.asarray(state.use_count))
+    info = np.array(state.row_info)
+    info[free, :2] = junk(int(free.sum())).view(np.int32)
+    info[free, 2:] = rng.integers(-(2**31), 2**31, (int(free.sum()), 2))
     head, nf = int(state.free_head), int(state.num_free)
     fl = np.array(state.free)
     outside = (np.arange(c) < head) | (np.arange(c) >= head + nf)
@@ -135,10 +135,8 @@ def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
     return dataclasses.replace(
         state,
         index=jnp.asarray(index),
-        row_id=jnp.asarray(row_id),
+        row_info=jnp.asarray(info.astype(np.int32)),
         row_slot=jnp.asarray(row_slot.astype(np.int32)),
-        last_used=jnp.asarray(last.astype(np.int32)),
-        use_count=jnp.asarray(count.astype(np.int32)),
         free=jnp.asarray(fl.astype(np.int32)),
     )
 
@@ -155,8 +153,18 @@ def check_state(state: im.IdMapState, ref: Reference):
         set(range(state.config.capacity)) - set(live.values())
     )
     index = np.asarray(state.index)
-    rows_in_index = index[:, 2, :][index[:, 2, :] != im.EMPTY]
+    words = index[:, im.ROW_WORD, :]
+    rows_in_index = words[words != im.EMPTY]
     assert sorted(rows_in_index.tolist()) == sorted(live.values())
+    # each live id's slot holds its tag, and no bucket holds a tag twice
+    ids = np.array(list(live), np.int64)
+    if ids.size:
+        pairs = im.split_ids(ids)
+        tags = np.asarray(im.tags(state.config, pairs[:, 0], pairs[:, 1]))
+        slots = np.asarray(state.row_slot)[list(live.values())]
+        w = im.BUCKET_WIDTH
+        assert (index[slots // w, 0, slots % w] == tags).all()
+        assert len(set(zip((slots // w).tolist(), tags.tolist()))) == len(live)
     last, count = np.asarray(state.last_used), np.asarray(state.use_count)
     for r in live.values():
         assert (last[r], count[r]) == (ref.last[r], ref.count[r]), r
@@ -331,7 +339,7 @@ def test_empty_map_finds_nothing_even_id_zero():
     assert (int(stats["hits"]), int(stats["admissions"])) == (0, 5)
 
 
-# 500 rows (64 buckets of 16 slots), batches of 256, admission after 2 sightings
+# 500 rows (256 buckets of 8 slots), batches of 256, admission after 2 sightings
 SCALE = im.IdMapConfig(capacity=500, eviction="lfu", admit_after=2, evict_batch=24, seed=11)
 SCALE_BATCH = 256
 SCALE_FN = jax.jit(im.map_ids, donate_argnums=0)
@@ -367,7 +375,7 @@ def test_adversarial_ids_at_scale_match_the_reference_and_never_overflow_buckets
         total.update(want_stats)
     check_state(state, ref)
     assert min(total["evictions"], total["hits"]) > 50 and total["pending"] > 300
-    load = (np.asarray(state.index)[:, 2, :] != im.EMPTY).sum(axis=1)
+    load = (np.asarray(state.index)[:, im.ROW_WORD, :] != im.EMPTY).sum(axis=1)
     assert load.max() < im.BUCKET_WIDTH
 
 
@@ -385,7 +393,7 @@ def test_no_capacity_sized_copy_in_the_compiled_program():
     )
     programs = {"jnp path": jnp_path.lower(im.init(SCALE), pairs, args[2], jnp.int32(0))}
     programs["map_ids"] = SCALE_FN.lower(*args, jnp.int32(0))
-    big = {"500", "500,2", "64,3,16", "2,512"}  # row arrays, the index, the sketch
+    big = {"500", "500,4", "256,2,8", "2,512"}  # row arrays, the index, the sketch
     for what, lowered in programs.items():
         hlo = lowered.compile().as_text()
         copies = re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", hlo)
@@ -475,9 +483,9 @@ def test_config_is_validated(kw, field):
 def test_config_defaults_and_sizes():
     cfg = im.IdMapConfig(capacity=1000)
     assert cfg.evict_batch == 15 and cfg.sketch_width == 1024
-    assert cfg.num_slots >= 2 * cfg.capacity and cfg.num_buckets & (cfg.num_buckets - 1) == 0
+    assert cfg.num_slots >= 4 * cfg.capacity and cfg.num_buckets & (cfg.num_buckets - 1) == 0
     assert hash(cfg) == hash(im.IdMapConfig(capacity=1000))
     state = im.init(cfg)
     assert state.sketch.shape == (1, 1)  # no sketch without admission
     leaves = jax.tree_util.tree_leaves(state)
-    assert all(isinstance(x, jax.Array) for x in leaves) and len(leaves) == 10
+    assert all(isinstance(x, jax.Array) for x in leaves) and len(leaves) == 8

@@ -3,14 +3,13 @@ each call as one op (`ops.id_map_step`, cpu/id_map.cc: hits, the sketch, sweeps,
 admissions, the state updated in place) and gives bit for bit the state, rows, fresh
 flags and stats of `map_ids` without them (the jnp path, the op's reference), over random
 mixes of calls of hits only and calls with misses, admissions and evictions, on one
-device and on several (one map a device inside `shard_map`, as the engine runs it); and
-the hit op `ops.id_map_hits`'s kernel gives its reference's answer, declining the calls
-the jnp path must decide."""
+device and on several (one map a device inside `shard_map`, as the engine runs it), and
+on "tag twins": ids whose index tags are equal (a 32-bit hash: found by search), whose
+probes find each other's slot, which the map must tell apart by the rows' ids."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 
 import jax
@@ -165,76 +164,93 @@ def test_native_hits_on_several_devices():
     assert hits_only >= 2
 
 
-def _op(fn, state, raw, valid, distinct):
-    return fn(
-        state.index,
-        state.use_count,
-        raw[:, 0],
-        raw[:, 1],
-        valid,
-        keys=im.bucket_keys(state.config),
-        distinct=distinct,
-    )
+def tag_twins(config: im.IdMapConfig, count: int, same_first: bool) -> list:
+    """`count` pairs of ids with one tag under `config` that share a bucket (`same_first`:
+    their first buckets, so that, admitted together into an empty map, both choose it,
+    and the second's second bucket is neither's first nor the first's second),
+    searched among random ids (a 32-bit tag: ~2^20 ids give ~2^7 pairs)."""
+    rng = np.random.default_rng((config.seed, same_first))
+    out = []
+    while len(out) < count:
+        ids = rng.integers(-(2**63), 2**63 - 1, 1 << 20, dtype=np.int64)
+        p = im.split_ids(ids)
+        tag = np.asarray(im.tags(config, p[:, 0], p[:, 1]))
+        b1, b2 = (np.asarray(b) for b in im.buckets(config, p[:, 0], p[:, 1]))
+        order = np.argsort(tag, kind="stable")
+        for k in np.flatnonzero(tag[order][1:] == tag[order][:-1]):
+            x, y = order[k], order[k + 1]
+            if same_first:  # (and the later has another bucket to go to)
+                shared = b1[x] == b1[y] and b2[y] not in (b1[y], b1[x], b2[x])
+            else:
+                shared = {b1[x], b2[x]} & {b1[y], b2[y]}
+            if shared and len(out) < count:
+                out.append((int(ids[x]), int(ids[y])))
+    return out
 
 
-def _padded(ids, valid):
-    """To BATCH positions (one compiled shape), the padding invalid and an unknown id."""
-    k = BATCH - len(ids)
-    return np.r_[ids, np.full(k, 777, np.int64)], np.r_[valid, np.zeros(k, bool)]
+def _invariants(state):
+    """No two live ids share a row; each is found at its row; a bucket's live tags are
+    distinct."""
+    live = im.live_ids(state)
+    assert len(set(live.values())) == len(live)
+    if not live:
+        return
+    ids = np.array(list(live), np.int64)
+    rows = np.asarray(jax.jit(im.lookup)(state, jnp.asarray(im.split_ids(ids))))
+    assert rows.tolist() == list(live.values())
+    index = np.asarray(state.index)
+    live_slot = index[:, im.ROW_WORD] != im.EMPTY
+    for b in np.flatnonzero(live_slot.any(axis=1)):
+        tags = index[b, 0][live_slot[b]]
+        assert len(set(tags.tolist())) == tags.size, b
 
 
-def test_the_kernel_answers_as_its_reference_and_declines_alike():
-    """`ops.id_map_hits`'s CPU kernel and its reference: the same status and rows on a
-    call of hits; status 0 on a call with a miss, and on a state the jnp path must judge
-    (a row word past the capacity, a use count negative or about to saturate)."""
-    config = CONFIGS["lru"]
-    ids = POOL[:16]
-    raw = jnp.asarray(im.split_ids(ids))
-    # (the native map: its state is the jnp path's, and compiles in a tenth of the time)
-    state, *_ = jax.jit(functools.partial(im.map_ids, distinct=True))(
-        im.init(config), raw, jnp.ones(16, bool), jnp.int32(FIRST_STEP)
-    )
-    lookup = jax.jit(im.lookup)
-    kernel = jax.jit(cpu.KERNELS["id_map_hits"][0], static_argnames=("keys", "distinct"))
-    reference = jax.jit(ops.reference_of("id_map_hits"), static_argnames=("keys", "distinct"))
-    repeats = np.r_[ids[:10], ids[:6], ids[3:11]]  # 24: ids given up to three times
-    cases = {
-        "hits, distinct": (ids[:12], np.arange(12) != 3, True, 11),
-        "hits, repeats": (repeats, np.arange(24) % 5 != 4, False, 11),
-        "a miss": (np.r_[ids[:8], [424242]], np.ones(9, bool), False, None),
-        "a miss at an invalid position": (np.r_[ids[:8], [424242]], np.arange(9) != 8, True, 8),
-    }
-    for what, (got_ids, got_valid, distinct, hits) in cases.items():
-        got_ids, got_valid = _padded(got_ids, got_valid)
-        args = (jnp.asarray(im.split_ids(got_ids)), jnp.asarray(got_valid))
-        k_status, k_rows = (np.asarray(x) for x in _op(kernel, state, *args, distinct))
-        r_status, r_rows = (np.asarray(x) for x in _op(reference, state, *args, distinct))
-        want = [0, 0] if hits is None else [1, hits]
-        assert k_status.tolist() == r_status.tolist() == want, what
-        if hits is not None:
-            np.testing.assert_array_equal(k_rows, r_rows)
-            assert (k_rows[~got_valid] == -1).all()
-            want_rows = np.asarray(lookup(state, args[0], args[1]))
-            np.testing.assert_array_equal(k_rows, want_rows)
-    # states only the jnp path judges: the kernel and the reference decline alike
-    live = int(np.asarray(lookup(state, raw[:1]))[0])
-    index = np.asarray(state.index).copy()
-    index[:, 2][index[:, 2] == live] = config.capacity + 3
-    broken = {
-        "a negative use count": dataclasses.replace(
-            state, use_count=state.use_count.at[live].set(-5)
-        ),
-        "a use count about to saturate": dataclasses.replace(
-            state, use_count=state.use_count.at[live].set(2**31 - 4)
-        ),
-        "a row word past the capacity": dataclasses.replace(state, index=jnp.asarray(index)),
-    }
-    for what, s in broken.items():
-        got_ids, got_valid = _padded(ids[:4], np.ones(4, bool))
-        args = (jnp.asarray(im.split_ids(got_ids)), jnp.asarray(got_valid))
-        for fn in (kernel, reference):
-            status, _ = _op(fn, s, *args, True)
-            assert np.asarray(status).tolist() == [0, 0], what
+@pytest.mark.parametrize("distinct", [False, True], ids=["repeats", "distinct"])
+def test_tag_twins_get_rows_of_their_own_natively_as_in_the_jnp_path(distinct):
+    """Twins (one tag, a shared bucket): given in one call into an empty map, both choose
+    their common first bucket, and the later one (by first position; with repeats, by
+    the ids' words) is refused there
+    (its slot's tag would repeat in the bucket), counted in `refused`; at the next call
+    it takes its other bucket. A twin looked up while the other lives finds the other's
+    slot by tag and is told apart by the row's id: a miss, admitted, never the other's
+    row. The kernel and the jnp path alike, state, rows and stats, bit for bit."""
+    config = STEP_CONFIGS["lru"]
+    native, plain = _fns(distinct)
+    first = tag_twins(config, 2, same_first=True)
+    twins = first + tag_twins(config, 2, same_first=False)
+    a = im.init(config)
+    b = jax.tree_util.tree_map(jnp.copy, a)
+
+    def call(ids, k, check=None):
+        nonlocal a, b
+        ids = np.asarray(ids, np.int64)
+        raw = np.full((BATCH, 2), 7, np.uint32)
+        raw[: ids.size] = im.split_ids(ids)
+        valid = np.arange(BATCH) < ids.size
+        step = jnp.int32(FIRST_STEP + k)
+        a, rows_a, fresh_a, stats_a = native(a, jnp.asarray(raw), jnp.asarray(valid), step)
+        b, rows_b, fresh_b, stats_b = plain(b, jnp.asarray(raw), jnp.asarray(valid), step)
+        _same((a, rows_a, fresh_a, stats_a), (b, rows_b, fresh_b, stats_b))
+        _invariants(a)
+        return np.asarray(rows_a)[: ids.size], {s: int(v) for s, v in stats_a.items()}
+
+    (x, y), (v, w) = first
+    if not distinct and im.split_ids(np.int64(y)).tolist() < im.split_ids(np.int64(x)).tolist():
+        x, y = y, x  # (repeats: the admission's order within a bucket is the ids' words')
+    rows, stats = call([x, y, v], 0)  # y: x's twin, both in x's first bucket
+    assert rows[0] >= 0 and rows[1] == -1 and rows[2] >= 0 and stats["refused"] == 1
+    rows, stats = call([y, x], 1)  # y now finds x's slot by tag: not its row; admitted
+    assert rows[0] >= 0 and rows[0] != rows[1] and stats["admissions"] == 1
+    rows, _ = call([w], 2)  # v lives: w is told apart from it
+    assert rows[0] >= 0 and rows[0] != im.live_ids(a)[v]
+    # every twin, again and again, among other ids, under eviction (16 rows)
+    pool = np.unique(np.r_[np.array(twins, np.int64).ravel(), POOL[:12]])
+    rng = np.random.default_rng(1)
+    for k in range(3, 12):
+        ids = rng.permutation(pool)[:BATCH] if distinct else rng.choice(pool, BATCH)
+        call(ids, k // 2)
+    live = im.live_ids(a)
+    assert sum(t in live for t in np.array(twins).ravel()) >= 4
 
 
 def test_without_the_kernels_map_ids_is_the_jnp_path(monkeypatch):
@@ -242,15 +258,15 @@ def test_without_the_kernels_map_ids_is_the_jnp_path(monkeypatch):
     the program, the jnp path alone."""
     config = CONFIGS["lru"]
     args = (im.init(config), jnp.zeros((BATCH, 2), jnp.uint32), jnp.ones(BATCH, bool), 0)
-    assert im.native_step() and im.native_hits()
+    assert im.native_step()
     assert "embedmesh_id_map_step" in str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
     monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: False)
-    assert not im.native_step() and not im.native_hits()
+    assert not im.native_step()
     jaxpr = str(jax.make_jaxpr(lambda *a: im.map_ids(*a))(*args))
     assert "embedmesh_id_map" not in jaxpr
     monkeypatch.setattr(_runtime, "cpu_kernels_setting", lambda: None)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert not im.native_step() and not im.native_hits()
+    assert not im.native_step()
 
 
 STEP_CONFIGS = {

@@ -202,7 +202,7 @@ def test_optional_extras_are_imported_only_where_they_belong():
 # and its helpers. (module prefix, what it may import from embedmesh.device besides itself)
 DEVICE_LAYERS = [
     ("embedmesh.device.ops", set()),
-    # plain jax, and the ops' id hash and hit path (`ops.id_map_hits`, `ops.id_hash`)
+    # plain jax, and the ops' id hash and probe (`ops.id_hash`) and map step (`ops.id_map_step`)
     ("embedmesh.device.id_map", {"embedmesh.device.ops"}),
     ("embedmesh.device.shard_program", {"embedmesh.device.ops"}),
     (

@@ -106,11 +106,6 @@ end are padding.
 - On TPU (see `embedmesh.device.ops.tpu`): the in-place scatter a DMA a row, and
   Pallas pair loops for the lookup's combine and the backward's per-unique sums where
   rows are 256 lanes or more; stacks there are padded to whole 128-lane rows.
-- `id_map_hits(index, use_count, hi, lo, valid, keys, distinct)`: the id map's hit path
-  (`embedmesh.device.id_map.map_ids`): every valid raw id's row from its two hash buckets
-  and whether all hit (then `map_ids` skips its sorts and bucket reads). Reference:
-  `id_hash.hits_reference` (the map's own hash and probe, `ops/id_hash.py`); the CPU
-  kernel probes with prefetch on every CPU and stops at the first miss.
 - `id_map_step(state, hi, lo, valid, step, ...)`: a whole call of the id map (hits, the
   admission sketch, a sweep, admissions), the state updated in place. Reference: the
   caller's jnp path (`fallback`, `id_map._map_ids`); the CPU kernel is that path bit for
@@ -140,7 +135,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from embedmesh._runtime import PAD_ID, pooled_pair_fields
-from embedmesh.device.ops import cpu, gpu, id_hash, reference, tpu
+from embedmesh.device.ops import cpu, gpu, reference, tpu
 from embedmesh.device.ops.transport import Transport
 
 __all__ = [
@@ -158,8 +153,6 @@ __all__ = [
     "full",
     "gather_rows",
     "huge_page_copy",
-    "id_map_hits",
-    "id_map_hits_native",
     "id_map_step",
     "id_map_step_native",
     "kernel_for",
@@ -1022,37 +1015,6 @@ def full(shape, value, dtype, device, min_bytes: int = HUGE_PAGE_MIN_BYTES):
     return _dispatch_on(device, "full", shape, value, dtype, device)
 
 
-def id_map_hits_native() -> bool:
-    """Whether `id_map_hits` runs a kernel in this process (the CPU kernels in use: not
-    under `EMBEDMESH_CPU_KERNELS=0`, nor with another default backend). `map_ids` calls
-    the op only then: elsewhere its reference would redo the jnp path's lookup."""
-    return kernel_for("id_map_hits", "cpu") is not _REFERENCES["id_map_hits"]
-
-
-def id_map_hits(index, use_count, hi, lo, valid, *, keys, distinct: bool):
-    """The id map's hit path (`embedmesh.device.id_map.map_ids`): `(status [2], rows [n])`.
-    `index`, `use_count`: an `IdMapState`'s (read only); `hi`, `lo` uint32 [n]: the raw
-    ids' words, `valid` bool [n]; `keys`: the two bucket hashes' seed words
-    (`id_map.bucket_keys`); `distinct`: no valid id occurs twice.
-
-    `status` is `(1, distinct hits)` when every valid id is in the index and the state
-    lets the call be answered without the jnp path's arithmetic (rows in range, use counts
-    neither negative nor within n of saturating), and `rows` then each valid id's row
-    (-1 where invalid); otherwise `(0, 0)` (rows meaningless). Reference: the jnp path's
-    deduplication and lookup; the CPU kernel (cpu/id_map.cc) probes both buckets with
-    prefetch, on every CPU, and stops at the first miss."""
-    return _dispatch(
-        "id_map_hits",
-        index,
-        use_count,
-        hi.reshape(-1).astype(jnp.uint32),
-        lo.reshape(-1).astype(jnp.uint32),
-        valid.reshape(-1).astype(bool),
-        keys=tuple(int(k) for k in keys),
-        distinct=bool(distinct),
-    )
-
-
 def id_map_step_native() -> bool:
     """Whether `id_map_step` runs a kernel in this process (the CPU kernels in use; not
     under `EMBEDMESH_CPU_KERNELS=0`, nor with another default backend). `map_ids` calls
@@ -1075,11 +1037,11 @@ def id_map_step(
     distinct: bool,
     fallback,
 ):
-    """A whole call of the id map (`embedmesh.device.id_map.map_ids`): `state` its ten
+    """A whole call of the id map (`embedmesh.device.id_map.map_ids`): `state` its eight
     arrays (`IdMapState`'s fields in order), `hi`, `lo` uint32 [n] the raw ids' words,
-    `valid` bool [n], `step` int32; `keys` the two bucket hashes' seed words then each
-    sketch row's (3 each); the config's `lfu`, `admit_after`, `evict_batch`,
-    `halve_every`; `distinct`: no valid id occurs twice. Returns the new state's ten
+    `valid` bool [n], `step` int32; `keys` the two bucket hashes' and the tag's seed
+    words then each sketch row's (3 each); the config's `lfu`, `admit_after`, `evict_batch`,
+    `halve_every`; `distinct`: no valid id occurs twice. Returns the new state's eight
     arrays, `rows` int32 [n], `fresh` bool [n] and `stats` int32 [6] (`id_map.ID_STATS`'
     order: hits, admissions, evictions, pending, refused, occupancy).
 
@@ -1126,7 +1088,6 @@ _define("exchange_pooled_partials", _exchange_pooled_partials_reference)
 _define("exchange_pooled_backward_update", _exchange_pooled_backward_update_reference)
 _define("huge_page_copy", reference.huge_page_copy)
 _define("full", reference.full)
-_define("id_map_hits", id_hash.hits_reference)
 _define("id_map_step", _id_map_step_reference)
 
 for _op, (_fn, _supports) in cpu.KERNELS.items():

@@ -1,11 +1,13 @@
 """The id map's keyed hash and two-bucket probe (`embedmesh.device.id_map`, issue 42), in
-plain `jax.numpy`, and the reference of the op `id_map_hits` built on them.
+plain `jax.numpy`.
 
-They live with the ops because the op's reference needs them and the ops import nothing
-of the device layer above them; `id_map` hashes and probes with these same functions, so
-the CPU kernel (cpu/id_map.cc), this reference and the map agree by construction. The
-index layout is `id_map`'s: `[num_buckets, 3, BUCKET_WIDTH]` uint32, the words of a slot
-`[high word, low word, row]`, `EMPTY` the row word of an empty slot.
+They live with the ops because the op `id_map_step`'s reference path hashes and probes with
+them and the ops import nothing of the device layer above them; `id_map` hashes and probes
+with these same functions, so the CPU kernel (cpu/id_map.cc) and the map agree by
+construction. The layouts are `id_map`'s: the index `[num_buckets, 2, BUCKET_WIDTH]`
+uint32, a slot's words `[tag, row]` (`EMPTY` the row word of an empty slot; the tag a keyed
+32-bit hash of the id, no two live slots of a bucket with one tag), and the rows' words
+`row_info` int32 `[capacity, 4]`: `[id high word, id low word, last used, use count]`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-BUCKET_WIDTH = 16  # slots a bucket: one lookup reads 2 buckets
+BUCKET_WIDTH = 8  # slots a bucket (its tags and row words: one 64-byte line)
 EMPTY = np.uint32(0xFFFFFFFF)  # the row word of an empty slot
-KEY, LO, ROW = 0, 1, 2  # the words of a slot: [hi, lo, row]
+TAG, ROW = 0, 1  # the words of a slot: [tag, row]
+ID_HI, ID_LO, LAST_USED, USE_COUNT = 0, 1, 2, 3  # the words of a row's `row_info`
 INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -57,44 +60,47 @@ def hash_keyed(hi, lo, words):
 
 
 def buckets(num_buckets: int, keys, hi, lo):
-    """The two buckets (int32) of each id: `keys` the two hashes' seed words, 3 each."""
+    """The two buckets (int32) of each id: `keys` the two bucket hashes' seed words (3
+    each; the tag's may follow)."""
     mask = jnp.uint32(num_buckets - 1)
     return tuple(
         (hash_keyed(hi, lo, keys[3 * i : 3 * i + 3]) & mask).astype(jnp.int32) for i in (0, 1)
     )
 
 
-def find(index, keys, hi, lo):
-    """(found, row, flat slot) of 1-D id words in `index`; one gather of both buckets,
-    the first matching slot (the first bucket's, then the second's)."""
+def tags(keys, hi, lo):
+    """The tag (uint32) of each id: the third keyed hash of `keys` (words 6-8)."""
+    return hash_keyed(hi, lo, keys[6:9])
+
+
+def owns(row_info, row, hi, lo):
+    """Whether row `row` (any int32; out of `[0, capacity)`: False) holds the id (hi, lo)."""
+    c = row_info.shape[0]
+    info = row_info[jnp.clip(row, 0, c - 1)]
+    words = lax.bitcast_convert_type(info[..., :2], jnp.uint32)
+    return (row >= 0) & (row < c) & (words[..., ID_HI] == hi) & (words[..., ID_LO] == lo)
+
+
+def find(index, row_info, keys, hi, lo):
+    """(found, row, flat slot) of 1-D id words; one gather of both buckets, then the
+    row of the slot with the id's tag in each (at most one a bucket) checked against
+    `row_info` (a tag is 32 bits of a hash: another id may share it), the first
+    bucket's first."""
+    w = BUCKET_WIDTH
     b1, b2 = buckets(index.shape[0], keys, hi, lo)
-    t = jnp.concatenate([index[b1], index[b2]], axis=-1)  # [n, 3, 2W]
-    match = (t[:, ROW] != EMPTY) & (t[:, KEY] == hi[:, None]) & (t[:, LO] == lo[:, None])
-    found = match.any(axis=1)
-    j = jnp.argmax(match, axis=1)
-    row = jnp.take_along_axis(t[:, ROW], j[:, None], axis=1)[:, 0]
-    row = jnp.where(found, lax.bitcast_convert_type(row, jnp.int32), -1)
-    slot = jnp.where(j < BUCKET_WIDTH, b1 * BUCKET_WIDTH + j, b2 * BUCKET_WIDTH + j - BUCKET_WIDTH)
-    return found, row, jnp.where(found, slot, -1)
-
-
-def hits_reference(index, use_count, hi, lo, valid, *, keys, distinct):
-    """The reference of the op `id_map_hits` (`embedmesh.device.ops.id_map_hits`): every
-    valid id's row, and whether all hit in a state that needs none of the jnp path's
-    arithmetic; the distinct hits are the valid positions (`distinct`) or their distinct
-    rows (no two live ids share a row)."""
-    c = use_count.shape[0]
-    n = hi.shape[0]
-    found, row, _ = find(index, keys, hi, lo)
-    count = use_count[jnp.clip(row, 0, c - 1)]
-    sane = found & (row >= 0) & (row < c) & (count >= 0) & (count <= INT32_MAX - n)
-    ok = ~jnp.any(valid & ~sane)
-    rows = jnp.where(valid & ok, row, -1)
-    if distinct:
-        hits = valid.sum(dtype=jnp.int32)
-    else:
-        s = jnp.sort(jnp.where(valid, row, c))
-        lead = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]]) & (s < c)
-        hits = lead.sum(dtype=jnp.int32)
-    status = jnp.stack([ok.astype(jnp.int32), jnp.where(ok, hits, 0)])
-    return status, rows
+    tag = tags(keys, hi, lo)
+    out = []
+    for b in (b1, b2):
+        t = index[b]  # [n, 2, W]
+        match = (t[:, ROW] != EMPTY) & (t[:, TAG] == tag[:, None])
+        j = jnp.argmax(match, axis=1).astype(jnp.int32)
+        row = lax.bitcast_convert_type(
+            jnp.take_along_axis(t[:, ROW], j[:, None], axis=1)[:, 0], jnp.int32
+        )
+        ok = match.any(axis=1) & owns(row_info, row, hi, lo)
+        out.append((ok, row, b * w + j))
+    (ok1, row1, slot1), (ok2, row2, slot2) = out
+    found = ok1 | ok2
+    row = jnp.where(ok1, row1, jnp.where(ok2, row2, -1))
+    slot = jnp.where(ok1, slot1, jnp.where(ok2, slot2, -1))
+    return found, row, slot

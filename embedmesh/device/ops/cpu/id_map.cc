@@ -1,6 +1,7 @@
-// The id map's hit path (embedmesh/device/id_map.py, issue 42): every valid raw id's
-// row from its two hash buckets, and whether every valid id is a hit. A call with a miss
-// says so: `map_ids` then runs its jnp path, which admits and evicts.
+// The whole of a `map_ids` call (embedmesh/device/id_map.py's `_map_ids`, the jnp path,
+// bit for bit on a consistent state): hits, the admission sketch, a sweep, admissions.
+// The state arrays are aliased to the results and updated in place; nothing of the
+// capacity's size is read or written except by a sweep (as in the jnp path).
 // Part of embedmesh's CPU kernels (XLA FFI); built by build.py, registered by kernels.py.
 #include "common.h"
 
@@ -8,13 +9,14 @@
 #include <vector>
 
 namespace embedmesh {
-namespace id_map_hits {
+namespace id_map_step {
 
 constexpr uint32_t kEmpty = 0xFFFFFFFFu;  // id_map.EMPTY: the row word of an empty slot
-constexpr int64_t kWidth = 16;            // id_map.BUCKET_WIDTH
+constexpr int64_t kWidth = 8;             // id_map.BUCKET_WIDTH
+constexpr int64_t kBucket = 2 * kWidth;   // words a bucket: its tags, then its row words
 constexpr int32_t kMax = 2147483647;      // use counts saturate here
-constexpr int64_t kAhead = 8;             // ids ahead whose buckets are prefetched
-constexpr int64_t kChunk = 2048;          // ids a task
+// a row's words in row_info (id_map.ID_HI, ID_LO, LAST_USED, USE_COUNT)
+constexpr int64_t kHi = 0, kLo = 1, kLast = 2, kCount = 3, kInfo = 4;
 
 inline uint32_t Fmix(uint32_t h) {  // ops/id_hash.fmix32
   h ^= h >> 16;
@@ -33,148 +35,21 @@ struct Keys {
   }
 };
 
-// The row of (hi, lo) in bucket b ([3, W]: key words, low words, row words), or -1.
-inline int64_t Probe(const uint32_t* bucket, uint32_t hi, uint32_t lo) {
-  const uint32_t* key = bucket;
-  const uint32_t* low = bucket + kWidth;
-  const uint32_t* row = bucket + 2 * kWidth;
+// The row word of the live slot with `tag` in bucket b ([2, W]: tags, row words; at most
+// one such slot), or -1.
+inline int64_t Probe(const uint32_t* bucket, uint32_t tag) {
   uint32_t hit = 0;  // a bit a matching slot
   for (int64_t j = 0; j < kWidth; ++j)
-    hit |= static_cast<uint32_t>((key[j] == hi) & (low[j] == lo) & (row[j] != kEmpty)) << j;
-  return hit ? static_cast<int64_t>(row[__builtin_ctz(hit)]) : -1;
+    hit |= static_cast<uint32_t>((bucket[j] == tag) & (bucket[kWidth + j] != kEmpty)) << j;
+  return hit ? static_cast<int64_t>(bucket[kWidth + __builtin_ctz(hit)]) : -1;
 }
 
-inline void PrefetchBucket(const uint32_t* bucket) {
-  PrefetchLine(bucket);               // the key words (one 64-byte line)
-  PrefetchLine(bucket + kWidth);      // the low words
-  PrefetchLine(bucket + 2 * kWidth);  // the row words
+// Whether row r (a probe's row word) is a row of the capacity holding the id (hi, lo).
+inline bool Holds(const int32_t* info, int64_t r, int64_t c, uint32_t hi, uint32_t lo) {
+  return r >= 0 && r < c && static_cast<uint32_t>(info[r * kInfo + kHi]) == hi &&
+         static_cast<uint32_t>(info[r * kInfo + kLo]) == lo;
 }
 
-// index u32 [B, 3, W], use_count s32 [c], hi / lo u32 [n], valid pred [n]; attributes:
-// the two bucket hashes' seed words (a0..a2, b0..b2), distinct (the caller's promise that
-// no valid id occurs twice). Results: status s32 [2] (1 when every valid id hit, and then
-// the distinct hits), rows s32 [n] (each valid id's row, -1 where invalid; meaningless
-// when status[0] is 0). Reads the state, writes none of it.
-//
-// Status 1 means the jnp path's answer to the call is: these rows, nothing admitted, and
-// the rows' use counts added without saturating (the caller scatters last_used and the
-// counts). A call it cannot answer so (a miss, a row word outside [0, c), a use count
-// that is negative or within n of 2^31 - 1) gets status 0: the jnp path decides.
-ffi::Error Hits(ffi::Buffer<ffi::U32> index, ffi::Buffer<ffi::S32> use_count_in,
-                ffi::Buffer<ffi::U32> hi_in, ffi::Buffer<ffi::U32> lo_in,
-                ffi::Buffer<ffi::PRED> valid_in, int64_t a0, int64_t a1, int64_t a2, int64_t b0,
-                int64_t b1, int64_t b2, int64_t distinct,
-                ffi::Result<ffi::Buffer<ffi::S32>> status_out,
-                ffi::Result<ffi::Buffer<ffi::S32>> rows_out) {
-  auto idims = index.dimensions();
-  if (idims.size() != 3 || idims[1] != 3 || idims[2] != kWidth)
-    return ffi::Error::InvalidArgument("id_map_hits: index must be [buckets, 3, 16]");
-  const int64_t buckets = idims[0];
-  if (buckets <= 0 || (buckets & (buckets - 1)))
-    return ffi::Error::InvalidArgument("id_map_hits: the bucket count must be a power of two");
-  const uint32_t mask = static_cast<uint32_t>(buckets - 1);
-  const int64_t c = use_count_in.element_count();
-  const int64_t n = hi_in.element_count();
-  const uint32_t* ix = index.typed_data();
-  const int32_t* use_count = use_count_in.typed_data();
-  const uint32_t* hi = hi_in.typed_data();
-  const uint32_t* lo = lo_in.typed_data();
-  const bool* valid = valid_in.typed_data();
-  int32_t* status = status_out->typed_data();
-  int32_t* rows = rows_out->typed_data();
-  status[0] = 0;
-  status[1] = 0;
-  // the most a call adds to a count: no saturation below this
-  const int64_t room = static_cast<int64_t>(kMax) - n;
-
-  const Keys k1{static_cast<uint32_t>(a0), static_cast<uint32_t>(a1), static_cast<uint32_t>(a2)};
-  const Keys k2{static_cast<uint32_t>(b0), static_cast<uint32_t>(b1), static_cast<uint32_t>(b2)};
-  std::atomic<bool> missed{false};
-  std::atomic<int64_t> valid_count{0};
-  // each valid id's row (tasks own disjoint ranges of `rows`)
-  ParallelFor(NumChunks(n, kChunk), [&](int64_t chunk) {
-    const int64_t begin = chunk * kChunk, end = std::min(n, begin + kChunk);
-    uint32_t first[kChunk], second[kChunk];
-    for (int64_t i = begin; i < end; ++i) {
-      first[i - begin] = k1(hi[i], lo[i]) & mask;
-      second[i - begin] = k2(hi[i], lo[i]) & mask;
-    }
-    int64_t count = 0;
-    for (int64_t i = begin; i < end; ++i) {
-      if (missed.load(std::memory_order_relaxed)) return;
-      if (i + kAhead < end && valid[i + kAhead]) {
-        PrefetchBucket(ix + int64_t{first[i + kAhead - begin]} * 3 * kWidth);
-        PrefetchBucket(ix + int64_t{second[i + kAhead - begin]} * 3 * kWidth);
-      }
-      if (!valid[i]) {
-        rows[i] = -1;
-        continue;
-      }
-      int64_t r = Probe(ix + int64_t{first[i - begin]} * 3 * kWidth, hi[i], lo[i]);
-      if (r < 0) r = Probe(ix + int64_t{second[i - begin]} * 3 * kWidth, hi[i], lo[i]);
-      if (r < 0 || r >= c) {  // a miss (or a row word no live row has: the jnp path's call)
-        missed.store(true, std::memory_order_relaxed);
-        return;
-      }
-      rows[i] = static_cast<int32_t>(r);
-      ++count;
-    }
-    valid_count.fetch_add(count, std::memory_order_relaxed);
-  });
-  if (missed.load()) return ffi::Error::Success();
-  for (int64_t i = 0; i < n; ++i) {  // counts the jnp path's arithmetic must decide
-    if (i + kPrefetch < n && valid[i + kPrefetch]) PrefetchLine(use_count + rows[i + kPrefetch]);
-    if (valid[i] && (use_count[rows[i]] < 0 || use_count[rows[i]] > room))
-      return ffi::Error::Success();
-  }
-  int64_t hits = valid_count.load();
-  if (!distinct) {  // the distinct rows (= the distinct ids: no two live ids share a row)
-    std::vector<int32_t> sorted;
-    sorted.reserve(hits);
-    for (int64_t i = 0; i < n; ++i)
-      if (valid[i]) sorted.push_back(rows[i]);
-    std::sort(sorted.begin(), sorted.end());
-    hits = std::unique(sorted.begin(), sorted.end()) - sorted.begin();
-  }
-  status[0] = 1;
-  status[1] = static_cast<int32_t>(hits);
-  return ffi::Error::Success();
-}
-
-}  // namespace id_map_hits
-}  // namespace embedmesh
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EmIdMapHits, embedmesh::id_map_hits::Hits,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Attr<int64_t>("a0")
-                                  .Attr<int64_t>("a1")
-                                  .Attr<int64_t>("a2")
-                                  .Attr<int64_t>("b0")
-                                  .Attr<int64_t>("b1")
-                                  .Attr<int64_t>("b2")
-                                  .Attr<int64_t>("distinct")
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-EM_LIST_HANDLER("embedmesh_id_map_hits", EmIdMapHits)
-
-// ---------------------------------------------------------------------------------------
-// The whole of a `map_ids` call (embedmesh/device/id_map.py's `_map_ids`, the jnp path,
-// bit for bit on a consistent state): hits, the admission sketch, a sweep, admissions.
-// The state arrays are aliased to the results and updated in place; nothing of the
-// capacity's size is read or written except by a sweep (as in the jnp path).
-namespace embedmesh {
-namespace id_map_step {
-
-using id_map_hits::Keys;
-using id_map_hits::kEmpty;
-using id_map_hits::kMax;
-using id_map_hits::kWidth;
-using id_map_hits::PrefetchBucket;
 constexpr int64_t kChunk = 2048;  // positions a task
 constexpr int64_t kAhead = 12;    // positions ahead whose first bucket is prefetched
 constexpr int64_t kProbeAhead = 4;  // ... and probed (the second prefetched on a miss)
@@ -189,11 +64,22 @@ inline int32_t SatAdd(int32_t cnt, int32_t occ) {
 }
 inline uint32_t Biased(int32_t x) { return static_cast<uint32_t>(x) ^ 0x80000000u; }
 
-inline int EmptiesIn(const uint32_t* ix, int64_t b) {
-  const uint32_t* row = ix + b * 3 * kWidth + 2 * kWidth;
+inline void PrefetchLineForWriteIf(void* p, bool yes) {
+  if (yes) PrefetchLineForWrite(p);
+}
+
+// `_admitted`'s room of bucket b for an id of `tag`: its empty slots, or -1 when a live
+// slot has the tag (a bucket's live tags are distinct)
+inline int RoomIn(const uint32_t* ix, int64_t b, uint32_t tag) {
+  const uint32_t* bucket = ix + b * kBucket;
   int e = 0;
-  for (int64_t j = 0; j < kWidth; ++j) e += row[j] == kEmpty;
-  return e;
+  bool clash = false;
+  for (int64_t j = 0; j < kWidth; ++j) {
+    const bool empty = bucket[kWidth + j] == kEmpty;
+    e += empty;
+    clash |= !empty && bucket[j] == tag;
+  }
+  return clash ? -1 : e;
 }
 
 template <typename T>
@@ -203,25 +89,22 @@ T* InPlace(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   return dst;
 }
 
-// Operands: the state (index u32 [B, 3, W], row_id u32 [c, 2], row_slot, last_used,
-// use_count, free s32 [c], free_head, num_free s32 [], sketch s32 [depth, width],
-// sightings s32 []), the call (hi, lo u32 [n], valid pred [n], step s32 []) and `keys`
-// u32 [2 + depth, 3] (the bucket hashes' seed words, then each sketch row's). Attributes:
-// lfu, admit_after, evict_batch, halve_every, distinct. Results: the state (aliased),
-// rows s32 [n], fresh pred [n], stats s32 [6] (hits, admissions, evictions, pending,
-// refused, occupancy).
-ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffer row_slot_in,
-                ffi::AnyBuffer last_used_in, ffi::AnyBuffer use_count_in, ffi::AnyBuffer free_in,
-                ffi::AnyBuffer free_head_in, ffi::AnyBuffer num_free_in,
+// Operands: the state (index u32 [B, 2, W], row_info s32 [c, 4], row_slot s32 [c], free
+// s32 [c], free_head, num_free s32 [], sketch s32 [depth, width], sightings s32 []), the
+// call (hi, lo u32 [n], valid pred [n], step s32 []) and `keys` u32 [3 + depth, 3] (the
+// two bucket hashes' and the tag's seed words, then each sketch row's). Attributes: lfu,
+// admit_after, evict_batch, halve_every, distinct. Results: the state (aliased), rows s32
+// [n], fresh pred [n], stats s32 [6] (hits, admissions, evictions, pending, refused,
+// occupancy).
+ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuffer row_slot_in,
+                ffi::AnyBuffer free_in, ffi::AnyBuffer free_head_in, ffi::AnyBuffer num_free_in,
                 ffi::AnyBuffer sketch_in, ffi::AnyBuffer sightings_in,
                 ffi::Buffer<ffi::U32> hi_in, ffi::Buffer<ffi::U32> lo_in,
                 ffi::Buffer<ffi::PRED> valid_in, ffi::Buffer<ffi::S32> step_in,
                 ffi::Buffer<ffi::U32> keys_in, int64_t lfu, int64_t admit_after,
                 int64_t evict_batch, int64_t halve_every, int64_t distinct,
-                ffi::Result<ffi::AnyBuffer> index_out, ffi::Result<ffi::AnyBuffer> row_id_out,
-                ffi::Result<ffi::AnyBuffer> row_slot_out,
-                ffi::Result<ffi::AnyBuffer> last_used_out,
-                ffi::Result<ffi::AnyBuffer> use_count_out, ffi::Result<ffi::AnyBuffer> free_out,
+                ffi::Result<ffi::AnyBuffer> index_out, ffi::Result<ffi::AnyBuffer> row_info_out,
+                ffi::Result<ffi::AnyBuffer> row_slot_out, ffi::Result<ffi::AnyBuffer> free_out,
                 ffi::Result<ffi::AnyBuffer> free_head_out,
                 ffi::Result<ffi::AnyBuffer> num_free_out, ffi::Result<ffi::AnyBuffer> sketch_out,
                 ffi::Result<ffi::AnyBuffer> sightings_out,
@@ -232,27 +115,27 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
   // of an engine's map: a squeeze before an aliased operand costs XLA a copy)
   auto idims = index_in.dimensions();
   const size_t r = idims.size();
-  if (r < 3 || idims[r - 2] != 3 || idims[r - 1] != kWidth)
-    return ffi::Error::InvalidArgument("id_map_step: index must be [..., buckets, 3, 16]");
+  if (r < 3 || idims[r - 2] != 2 || idims[r - 1] != kWidth)
+    return ffi::Error::InvalidArgument("id_map_step: index must be [..., buckets, 2, 8]");
   const int64_t buckets = idims[r - 3];
   if (buckets <= 0 || (buckets & (buckets - 1)))
     return ffi::Error::InvalidArgument("id_map_step: the bucket count must be a power of two");
   const int64_t num_slots = buckets * kWidth;
   const uint32_t mask = static_cast<uint32_t>(buckets - 1);
-  const int64_t c = use_count_in.element_count();
+  const int64_t c = row_slot_in.element_count();
+  if (static_cast<int64_t>(row_info_in.element_count()) != kInfo * c)
+    return ffi::Error::InvalidArgument("id_map_step: row_info must be [..., capacity, 4]");
   const int64_t n = hi_in.element_count();
   auto sdims = sketch_in.dimensions();
   if (sdims.size() < 2) return ffi::Error::InvalidArgument("id_map_step: sketch must be 2-d");
   const int64_t depth = sdims[sdims.size() - 2];
   const int64_t width = sdims[sdims.size() - 1];
-  if (static_cast<int64_t>(keys_in.element_count()) < 3 * (2 + (admit_after > 1 ? depth : 0)))
-    return ffi::Error::InvalidArgument("id_map_step: keys must be [2 + depth, 3]");
+  if (static_cast<int64_t>(keys_in.element_count()) < 3 * (3 + (admit_after > 1 ? depth : 0)))
+    return ffi::Error::InvalidArgument("id_map_step: keys must be [3 + depth, 3]");
 
   uint32_t* ix = InPlace<uint32_t>(index_in, index_out);
-  uint32_t* row_id = InPlace<uint32_t>(row_id_in, row_id_out);
+  int32_t* info = InPlace<int32_t>(row_info_in, row_info_out);
   int32_t* row_slot = InPlace<int32_t>(row_slot_in, row_slot_out);
-  int32_t* last_used = InPlace<int32_t>(last_used_in, last_used_out);
-  int32_t* cnt = InPlace<int32_t>(use_count_in, use_count_out);
   int32_t* free_rows = InPlace<int32_t>(free_in, free_out);
   int32_t* free_head = InPlace<int32_t>(free_head_in, free_head_out);
   int32_t* num_free = InPlace<int32_t>(num_free_in, num_free_out);
@@ -266,19 +149,20 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
   int32_t* rows = rows_out->typed_data();
   bool* fresh = fresh_out->typed_data();
   int32_t* stats = stats_out->typed_data();
-  const Keys k1{kw[0], kw[1], kw[2]}, k2{kw[3], kw[4], kw[5]};
+  const Keys k1{kw[0], kw[1], kw[2]}, k2{kw[3], kw[4], kw[5]}, kt{kw[6], kw[7], kw[8]};
 
-  // 1. every valid position's row word (-1: not in the index), its buckets read in two
-  //    stages: the first bucket prefetched kAhead positions ahead and probed kProbeAhead
-  //    ahead, the second prefetched then only where the id is not in the first, probed
-  //    at the position (3 lines an id in its first bucket, not 6). With distinct ids
-  //    each position is its own u, and a hit's row is touched here (distinct rows: no
-  //    race), kBehind positions after its probe, its two words prefetched at the probe:
-  //    the row arrays are cold too. Standalone (the loop alone, one thread; 14,700 hits
-  //    ascending by raw id in a 2^17-bucket index, 360,000 live rows of 10^6, caches
-  //    flushed between calls): both buckets 8 ahead, the touch on the spot 1.00; the
-  //    touch 8 behind 0.62-0.67; both buckets 4 ahead 0.54-0.56; the two stages 12/4
-  //    0.47-0.52, 8/3 0.47-0.52, 16/4 0.71-0.75, 16/6 0.71, 24/8 0.78
+  // 1. every valid position's row (-1: not in the index), its buckets read in stages:
+  //    the first bucket (one line: its tags and row words) prefetched kAhead positions
+  //    ahead and probed kProbeAhead ahead, the second prefetched then only where the
+  //    first has no live slot of the id's tag, probed at the position; the row's
+  //    row_info (one 16-byte record: the id's words, last used, use count) prefetched at
+  //    its probe and read kBehind positions later, where the id's words confirm the row
+  //    (another id may share the tag: then the second bucket is probed there) and, with
+  //    distinct ids, a hit is touched (distinct rows: no race). 2 lines a hit, where
+  //    the layout before (a bucket's id and row words apart, last used and use count
+  //    apart) read 5. Standalone (one thread, 14,700 hits ascending by raw id, 360,000
+  //    live rows of 10^6, caches flushed between calls): 0.49-0.58x that layout's time
+  //    with the same pipeline (12/4/8).
   //    Each position's row and fresh flag are written here too (-1 for a valid id not
   //    found: step 8 gives those theirs): with distinct ids a call of every valid id
   //    found (a step of hits, the steady state) ends after this loop, without the
@@ -288,50 +172,59 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
   std::atomic<int64_t> valid_count{0};
   ParallelFor(NumChunks(n, kChunk), [&](int64_t chunk) {
     const int64_t begin = chunk * kChunk, end = std::min(n, begin + kChunk);
-    uint32_t first[kChunk], second[kChunk];
+    uint32_t first[kChunk], second[kChunk], tag[kChunk];
+    bool probed_second[kChunk];
     bool chunk_missed = false;
     int64_t chunk_valid = 0;
     for (int64_t i = begin; i < end; ++i) {
       first[i - begin] = k1(hi[i], lo[i]) & mask;
       second[i - begin] = k2(hi[i], lo[i]) & mask;
+      tag[i - begin] = kt(hi[i], lo[i]);
+      probed_second[i - begin] = false;
     }
     auto bucket = [&](const uint32_t* b, int64_t i) {
-      return ix + int64_t{b[i - begin]} * 3 * kWidth;
+      return ix + int64_t{b[i - begin]} * kBucket;
     };
-    auto probe_first = [&](int64_t i) {  // found[i]: its row in the first bucket, or -1
+    auto record = [&](int64_t r) { PrefetchLineForWriteIf(info + r * kInfo, r >= 0 && r < c); };
+    auto probe_first = [&](int64_t i) {  // found[i]: the first bucket's row of the tag, or -1
       int64_t r = -1;
       if (valid[i]) {
-        r = id_map_hits::Probe(bucket(first, i), hi[i], lo[i]);
-        if (r < 0) PrefetchBucket(bucket(second, i));
+        r = Probe(bucket(first, i), tag[i - begin]);
+        if (r < 0) PrefetchLine(bucket(second, i));
+        record(r);
       }
       found[i] = r;
     };
+    auto probe_second = [&](int64_t i) {
+      probed_second[i - begin] = true;
+      return Probe(bucket(second, i), tag[i - begin]);
+    };
     for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i)
-      if (valid[i]) PrefetchBucket(bucket(first, i));
+      if (valid[i]) PrefetchLine(bucket(first, i));
     for (int64_t i = begin; i < std::min(end, begin + kProbeAhead); ++i) probe_first(i);
     for (int64_t i = begin; i < end + kBehind; ++i) {
-      if (i + kAhead < end && valid[i + kAhead]) PrefetchBucket(bucket(first, i + kAhead));
+      if (i + kAhead < end && valid[i + kAhead]) PrefetchLine(bucket(first, i + kAhead));
       if (i + kProbeAhead < end) probe_first(i + kProbeAhead);
-      if (i < end) {
-        int64_t r = found[i];
-        if (valid[i] && r < 0) found[i] = r = id_map_hits::Probe(bucket(second, i), hi[i], lo[i]);
-        if (distinct && r >= 0 && r < c) {
-          PrefetchLineForWrite(last_used + r);
-          PrefetchLineForWrite(cnt + r);
-        }
-        rows[i] = valid[i] && r >= 0 ? static_cast<int32_t>(static_cast<uint32_t>(r)) : -1;
-        fresh[i] = false;
-        chunk_valid += valid[i];
-        chunk_missed |= valid[i] && r < 0;
+      if (i < end && valid[i] && found[i] < 0) {
+        found[i] = probe_second(i);
+        record(found[i]);
       }
       const int64_t t = i - kBehind;
-      if (distinct && t >= begin) {
-        const int64_t r = found[t];
-        if (r >= 0 && r < c) {
-          last_used[r] = step;
-          cnt[r] = SatAdd(cnt[r], 1);
-        }
+      if (t < begin) continue;
+      int64_t r = found[t];
+      if (valid[t] && !Holds(info, r, c, hi[t], lo[t])) {  // (rare: a tag another id has)
+        r = probed_second[t - begin] ? -1 : probe_second(t);
+        if (!Holds(info, r, c, hi[t], lo[t])) r = -1;
+        found[t] = r;
       }
+      if (distinct && r >= 0) {
+        info[r * kInfo + kLast] = step;
+        info[r * kInfo + kCount] = SatAdd(info[r * kInfo + kCount], 1);
+      }
+      rows[t] = valid[t] && r >= 0 ? static_cast<int32_t>(r) : -1;
+      fresh[t] = false;
+      chunk_valid += valid[t];
+      chunk_missed |= valid[t] && r < 0;
     }
     if (chunk_missed) missed.store(true, std::memory_order_relaxed);
     valid_count.fetch_add(chunk_valid, std::memory_order_relaxed);
@@ -394,8 +287,8 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
     }
     ++hits;
     if (!distinct && r < c) {
-      last_used[r] = step;
-      cnt[r] = SatAdd(cnt[r], u_occ[u]);
+      info[r * kInfo + kLast] = step;
+      info[r * kInfo + kCount] = SatAdd(info[r * kInfo + kCount], u_occ[u]);
     }
   }
   int64_t evictions = 0, taken = 0, needed = 0, pending = 0;
@@ -411,7 +304,7 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
         const int32_t f = u_first[misses[m]];
         int32_t least = kMax;
         for (int64_t d = 0; d < depth; ++d) {
-          const Keys kd{kw[3 * (2 + d)], kw[3 * (2 + d) + 1], kw[3 * (2 + d) + 2]};
+          const Keys kd{kw[3 * (3 + d)], kw[3 * (3 + d) + 1], kw[3 * (3 + d) + 2]};
           const uint32_t col = kd(hi[f], lo[f]) & wmask;
           cols[m * depth + d] = col;
           least = std::min(least, sketch[d * width + col]);
@@ -446,15 +339,15 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
       std::vector<Key> evictable;
       for (int64_t r = 0; r < c; ++r) {
         const int64_t s = std::min<int64_t>(std::max<int64_t>(row_slot[r], 0), num_slots - 1);
-        const uint32_t word = ix[(s / kWidth) * 3 * kWidth + 2 * kWidth + s % kWidth];
+        const uint32_t word = ix[(s / kWidth) * kBucket + kWidth + s % kWidth];
         live[r] = row_slot[r] >= 0 && word == static_cast<uint32_t>(r);
-        if (live[r] && last_used[r] != step) {
+        const int32_t last = info[r * kInfo + kLast], count = info[r * kInfo + kCount];
+        if (live[r] && last != step) {
           if (lfu)
-            evictable.push_back({uint64_t{Biased(cnt[r])} << 32 | Biased(last_used[r]),
-                                 static_cast<uint32_t>(r)});
+            evictable.push_back(
+                {uint64_t{Biased(count)} << 32 | Biased(last), static_cast<uint32_t>(r)});
           else
-            evictable.push_back({uint64_t{Biased(last_used[r])} << 32 | static_cast<uint32_t>(r),
-                                 0});
+            evictable.push_back({uint64_t{Biased(last)} << 32 | static_cast<uint32_t>(r), 0});
         }
       }
       const int64_t want = std::max<int64_t>(evict_batch, needed - *num_free);
@@ -465,7 +358,7 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
       for (int64_t k = 0; k < evictions; ++k) {
         const int64_t r = lfu ? evictable[k].b : static_cast<int64_t>(evictable[k].a & 0xFFFFFFFFu);
         const int64_t s = row_slot[r];
-        ix[(s / kWidth) * 3 * kWidth + 2 * kWidth + s % kWidth] = kEmpty;
+        ix[(s / kWidth) * kBucket + kWidth + s % kWidth] = kEmpty;
         live[r] = 2;  // a victim: free
       }
       int64_t k = 0;
@@ -477,33 +370,43 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
     }
 
     // 6. the first num_free candidates, each in the emptier of its two buckets (the
-    //    first on a tie), the k-th empty slot of a bucket for its k-th id in u order
-    //    (u order: the position with distinct ids, else the id's (hi, lo))
+    //    first on a tie) that has no live slot of its tag (neither: none), the k-th
+    //    empty slot of a bucket for its k-th id in u order (u order: the position with
+    //    distinct ids, else the id's (hi, lo)); an id whose tag an earlier one of them
+    //    has gets none (its k-th slot stays empty)
     const int64_t fits = std::min<int64_t>(needed, std::max<int32_t>(*num_free, 0));
     struct Want {
       int64_t bucket;
       uint64_t tie;
       int32_t m;  // index into cand
+      uint32_t tag;
+      bool clash;  // the bucket has a live slot of the tag
     };
     std::vector<Want> wants(fits);
     for (int64_t m = 0; m < fits; ++m) {
       const int32_t f = u_first[cand[m]];
       const int64_t b1 = k1(hi[f], lo[f]) & mask, b2 = k2(hi[f], lo[f]) & mask;
-      const int64_t b = EmptiesIn(ix, b2) > EmptiesIn(ix, b1) ? b2 : b1;
+      const uint32_t t = kt(hi[f], lo[f]);
+      const int room1 = RoomIn(ix, b1, t), room2 = RoomIn(ix, b2, t);
+      const bool use2 = room2 > room1;
       const uint64_t tie = distinct ? static_cast<uint64_t>(f) : (uint64_t{hi[f]} << 32 | lo[f]);
-      wants[m] = {b, tie, static_cast<int32_t>(m)};
+      wants[m] = {use2 ? b2 : b1, tie, static_cast<int32_t>(m), t, (use2 ? room2 : room1) < 0};
     }
     std::sort(wants.begin(), wants.end(), [](const Want& x, const Want& y) {
       return x.bucket != y.bucket ? x.bucket < y.bucket : x.tie < y.tie;
     });
     std::vector<int64_t> slot(fits, -1);
     for (int64_t g = 0; g < fits;) {
-      const int64_t b = wants[g].bucket;
-      const uint32_t* word = ix + b * 3 * kWidth + 2 * kWidth;
+      const int64_t b = wants[g].bucket, g0 = g;
+      const uint32_t* word = ix + b * kBucket + kWidth;
       int64_t j = 0;
       for (; g < fits && wants[g].bucket == b; ++g) {
         while (j < kWidth && word[j] != kEmpty) ++j;
-        if (j < kWidth) slot[wants[g].m] = b * kWidth + j++;
+        if (j >= kWidth) continue;
+        bool twin = false;  // an earlier id of the bucket's has the tag
+        for (int64_t e = g0; e < g; ++e) twin |= wants[e].tag == wants[g].tag;
+        if (!wants[g].clash && !twin) slot[wants[g].m] = b * kWidth + j;
+        ++j;
       }
     }
     // 7. rows, lowest free first, in admission order
@@ -514,16 +417,16 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_id_in, ffi::AnyBuffe
       const int32_t r = free_rows[std::min<int64_t>(*free_head + taken, c - 1)];
       ++taken;
       new_row[u] = r;
-      uint32_t* bucket = ix + (slot[m] / kWidth) * 3 * kWidth;
+      uint32_t* bucket = ix + (slot[m] / kWidth) * kBucket;
       const int64_t j = slot[m] % kWidth;
-      bucket[j] = hi[f];
-      bucket[kWidth + j] = lo[f];
-      bucket[2 * kWidth + j] = static_cast<uint32_t>(r);
-      row_id[2 * int64_t{r}] = hi[f];
-      row_id[2 * int64_t{r} + 1] = lo[f];
+      bucket[j] = kt(hi[f], lo[f]);
+      bucket[kWidth + j] = static_cast<uint32_t>(r);
+      int32_t* rec = info + int64_t{r} * kInfo;
+      rec[kHi] = static_cast<int32_t>(hi[f]);
+      rec[kLo] = static_cast<int32_t>(lo[f]);
+      rec[kLast] = step;
+      rec[kCount] = u_occ[u];
       row_slot[r] = static_cast<int32_t>(slot[m]);
-      last_used[r] = step;
-      cnt[r] = u_occ[u];
     }
     *num_free -= static_cast<int32_t>(taken);
     *free_head += static_cast<int32_t>(taken);
@@ -558,8 +461,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmIdMapStep, embedmesh::id_map_step::Step,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
@@ -570,8 +471,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmIdMapStep, embedmesh::id_map_step::Step,
                                   .Attr<int64_t>("evict_batch")
                                   .Attr<int64_t>("halve_every")
                                   .Attr<int64_t>("distinct")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()

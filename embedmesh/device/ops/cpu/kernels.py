@@ -432,30 +432,10 @@ def _pooled_backward_kernel(table, slots, *args, optimizer, step, transport, **p
     )
 
 
-def id_map_hits(index, use_count, hi, lo, valid, *, keys, distinct):
-    """id_map.cc: the id map's hit path (reads the state, writes none of it)."""
-    outs = (jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(hi.shape, jnp.int32))
-    names = ("a0", "a1", "a2", "b0", "b1", "b2")
-    status, rows = jax.ffi.ffi_call("embedmesh_id_map_hits", outs)(
-        index,
-        use_count,
-        hi,
-        lo,
-        valid,
-        **{k: np.int64(v) for k, v in zip(names, keys)},
-        distinct=np.int64(bool(distinct)),
-    )
-    return status, rows
-
-
-def _id_map_state(index, use_count, *args, **params) -> bool:
-    return index.dtype == jnp.uint32 and index.ndim == 3 and use_count.dtype == jnp.int32
-
-
 def id_map_step(*args, keys, lfu, admit_after, evict_batch, halve_every, distinct, fallback):
-    """id_map.cc: a whole `map_ids` call, the state's ten arrays updated in place
+    """id_map.cc: a whole `map_ids` call, the state's eight arrays updated in place
     (aliased); `fallback` (the jnp path: the op's reference) is not run here."""
-    state, (hi, lo, valid, step) = args[:10], args[10:]
+    state, (hi, lo, valid, step) = args[:8], args[8:]
     outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state) + (
         jax.ShapeDtypeStruct(hi.shape, jnp.int32),
         jax.ShapeDtypeStruct(hi.shape, jnp.bool_),
@@ -463,7 +443,7 @@ def id_map_step(*args, keys, lfu, admit_after, evict_batch, halve_every, distinc
     )
     words = jnp.asarray(np.asarray(keys, np.uint32).reshape(-1, 3))
     return jax.ffi.ffi_call(
-        "embedmesh_id_map_step", outs, input_output_aliases={i: i for i in range(10)}
+        "embedmesh_id_map_step", outs, input_output_aliases={i: i for i in range(8)}
     )(
         *state,
         hi,
@@ -479,13 +459,12 @@ def id_map_step(*args, keys, lfu, admit_after, evict_batch, halve_every, distinc
     )
 
 
-def _id_map_step_state(index, row_id, row_slot, last_used, use_count, *args, **params) -> bool:
-    ints = (row_slot, last_used, use_count)
+def _id_map_step_state(index, row_info, row_slot, *args, **params) -> bool:
     return (
         index.dtype == jnp.uint32
         and index.ndim in (3, 4)
-        and row_id.dtype == jnp.uint32
-        and all(x.dtype == jnp.int32 for x in ints)
+        and row_info.dtype == jnp.int32
+        and row_slot.dtype == jnp.int32
     )
 
 
@@ -509,6 +488,5 @@ KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {
     "exchange_pooled_backward_update": (exchange_pooled_backward_update, _pooled_backward_kernel),
     "huge_page_copy": (memory.huge_page_copy, None),
     "full": (memory.full, None),
-    "id_map_hits": (id_map_hits, _id_map_state),
     "id_map_step": (id_map_step, _id_map_step_state),
 }
