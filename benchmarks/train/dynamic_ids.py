@@ -436,7 +436,9 @@ def main(argv=None):
     if args.profile:
         print()
         profile(dyn, args.steps)
-        csr = dyn.csrs[0][next(iter(dyn.caps))]
+        e = dyn.emb  # (the host batch: a placed one leaves its counts on the host)
+        host, _ = e._preprocess(dyn.feats[0], None, e._capacities, e._overflow)
+        csr = host[next(iter(dyn.caps))]
         slots = next(iter(dyn.caps.values())).max_unique_ids_per_partition
         live = int(np.asarray(csr.unique_counts).sum())
         profile_map(ts.V, slots, live, args.steps)

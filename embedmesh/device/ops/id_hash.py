@@ -82,25 +82,24 @@ def owns(row_info, row, hi, lo):
 
 
 def find(index, row_info, keys, hi, lo):
-    """(found, row, flat slot) of 1-D id words; one gather of both buckets, then the
-    row of the slot with the id's tag in each (at most one a bucket) checked against
-    `row_info` (a tag is 32 bits of a hash: another id may share it), the first
-    bucket's first."""
+    """(found, row, flat slot) of 1-D id words: one gather of both buckets, the row of
+    the live slot with the id's tag in each (at most one a bucket), and one gather of
+    both rows' ids from `row_info` (a tag is 32 bits of a hash: another id may share
+    it), the first bucket's first."""
     w = BUCKET_WIDTH
+    n = hi.shape[0]
     b1, b2 = buckets(index.shape[0], keys, hi, lo)
     tag = tags(keys, hi, lo)
-    out = []
-    for b in (b1, b2):
-        t = index[b]  # [n, 2, W]
-        match = (t[:, ROW] != EMPTY) & (t[:, TAG] == tag[:, None])
-        j = jnp.argmax(match, axis=1).astype(jnp.int32)
-        row = lax.bitcast_convert_type(
-            jnp.take_along_axis(t[:, ROW], j[:, None], axis=1)[:, 0], jnp.int32
-        )
-        ok = match.any(axis=1) & owns(row_info, row, hi, lo)
-        out.append((ok, row, b * w + j))
-    (ok1, row1, slot1), (ok2, row2, slot2) = out
+    b = jnp.concatenate([b1, b2])
+    t = index[b]  # [2n, 2, W]
+    match = (t[:, ROW] != EMPTY) & (t[:, TAG] == jnp.tile(tag, 2)[:, None])
+    j = jnp.argmax(match, axis=1).astype(jnp.int32)
+    word = jnp.take_along_axis(t[:, ROW], j[:, None], axis=1)[:, 0]
+    row = lax.bitcast_convert_type(word, jnp.int32)
+    ok = match.any(axis=1) & owns(row_info, row, jnp.tile(hi, 2), jnp.tile(lo, 2))
+    slot = b * w + j
+    ok1, ok2 = ok[:n], ok[n:]
     found = ok1 | ok2
-    row = jnp.where(ok1, row1, jnp.where(ok2, row2, -1))
-    slot = jnp.where(ok1, slot1, jnp.where(ok2, slot2, -1))
+    row = jnp.where(ok1, row[:n], jnp.where(ok2, row[n:], -1))
+    slot = jnp.where(ok1, slot[:n], jnp.where(ok2, slot[n:], -1))
     return found, row, slot
