@@ -161,7 +161,7 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   //    distinct ids, a hit is touched (distinct rows: no race). 2 lines a hit, where
   //    the layout before (a bucket's id and row words apart, last used and use count
   //    apart) read 5. Standalone (one thread, 14,700 hits ascending by raw id, 360,000
-  //    live rows of 10^6, caches flushed between calls): 0.49-0.58x that layout's time
+  //    live rows of 10^6, caches flushed between calls): 0.51-0.58x that layout's time
   //    with the same pipeline (12/4/8).
   //    Each position's row and fresh flag are written here too (-1 for a valid id not
   //    found: step 8 gives those theirs): with distinct ids a call of every valid id
