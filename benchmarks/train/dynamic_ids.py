@@ -42,7 +42,8 @@ parent too).
     ... --rounds 3 --steps 5 --vocab 131072 --profile
     ... --rounds 1 --trace /tmp/dyn_trace
     ... --rounds 7 --enqueue-parts      # enqueue's preprocessing and transfer apart too
-    ... --rounds 5 --enqueue-parts --dim 16   # (or 128) other shapes
+    ... --rounds 5 --enqueue-parts --dim 16   # (or 8, 128, 256 with --vocab 262144)
+    ... --optimizer adam --zipf 0             # another optimizer, uniform ids
     ... --rounds 7 --enqueue-parts --put batched
 """
 
@@ -134,7 +135,7 @@ def build(kind: str, batches, eviction: str):
     plan = plan_stacking(fc, 1)
     caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
     emb = em.MeshEmbedding(
-        fc, ts.make_optimizer("adagrad"), mesh=mesh, capacities=caps, sharding="mod"
+        fc, ts.make_optimizer(ts.bench_optimizer_name()), mesh=mesh, capacities=caps, sharding="mod"
     )
     emb.build()
     return emb, feats, caps
@@ -352,6 +353,17 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, help="rows a table (default train_step's V)")
     ap.add_argument("--dim", type=int, help="each table's dim (default train_step's D, 64)")
     ap.add_argument("--eviction", default="lru", choices=("lru", "lfu"))
+    ap.add_argument(
+        "--optimizer",
+        default="adagrad",
+        choices=("sgd", "adagrad", "adam", "ftrl", "adagrad_momentum", "rowwise_adagrad"),
+        help="both contenders' optimizer (train_step.py's make_optimizer)",
+    )
+    ap.add_argument(
+        "--zipf",
+        type=float,
+        help="the ids' Zipf exponent (default train_step's 1.05; 0: uniform over the rows)",
+    )
     ap.add_argument("--profile", action="store_true", help="then where the dynamic time goes")
     ap.add_argument("--trace", metavar="DIR", help="then a jax.profiler trace of dynamic steps")
     ap.add_argument(
@@ -370,17 +382,21 @@ def main(argv=None):
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
     if args.dim:
         os.environ["EMBEDMESH_BENCH_DIM"] = str(args.dim)
+    os.environ["EMBEDMESH_BENCH_OPTIMIZER"] = args.optimizer
     import platform
 
     import jax
     import numpy as np
     import train_step as ts
 
+    if args.zipf is not None:
+        ts.ZIPF_A = args.zipf  # (make_batches reads it)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {platform.node()}, "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; jax {jax.__version__}; "
         f"{ts.T} tables x {ts.V} rows x dim {ts.D}, batch {ts.B}, Poisson({ts.VALENCY}) "
-        f"Zipf({ts.ZIPF_A}) ids, Adagrad; dynamic: DynamicIds(eviction={args.eviction!r}); "
+        f"{f'Zipf({ts.ZIPF_A})' if ts.ZIPF_A else 'uniform'} ids, {args.optimizer}; "
+        f"dynamic: DynamicIds(eviction={args.eviction!r}); "
         f"transfer: {'EmbeddingCore.put' if args.put == 'core' else 'batched_put'}"
     )
     batches = ts.make_batches(0)

@@ -126,7 +126,7 @@ cache (the tables' rows stream through it between two calls): each probe misses 
 cache and, on 4 KiB pages, the TLB too; `on_huge_pages` puts the state's big arrays on
 transparent huge pages where the engine makes them (`EmbeddingCore.init`).
 
-Memory: the index 8 bytes a slot (at least 32 bytes a row), the row arrays 28 bytes a
+Memory: the index 8 bytes a slot (at least 32 bytes a row), the row arrays 24 bytes a
 row (`row_info` 16, `row_slot` and `free` 4 each), the sketch `4 * sketch_depth *
 sketch_width` bytes.
 """

@@ -37,10 +37,38 @@ CONFIGS = {
         capacity=20, eviction="lfu", admit_after=2, evict_batch=2, seed=9, sketch_width=64
     ),
 }
+
+
+def tag_twins(config: im.IdMapConfig, count: int, same_first: bool) -> list:
+    """`count` pairs of ids with one tag under `config` that share a bucket (`same_first`:
+    their first buckets, so that, admitted together into an empty map, both choose it,
+    and the second's second bucket is neither's first nor the first's second),
+    searched among random ids (a 32-bit tag: ~2^20 ids give ~2^7 pairs)."""
+    rng = np.random.default_rng((config.seed, same_first))
+    out = []
+    while len(out) < count:
+        ids = rng.integers(-(2**63), 2**63 - 1, 1 << 20, dtype=np.int64)
+        p = im.split_ids(ids)
+        tag = np.asarray(im.tags(config, p[:, 0], p[:, 1]))
+        b1, b2 = (np.asarray(b) for b in im.buckets(config, p[:, 0], p[:, 1]))
+        order = np.argsort(tag, kind="stable")
+        for k in np.flatnonzero(tag[order][1:] == tag[order][:-1]):
+            x, y = order[k], order[k + 1]
+            if same_first:  # (and the later has another bucket to go to)
+                shared = b1[x] == b1[y] and b2[y] not in (b1[y], b1[x], b2[x])
+            else:
+                shared = {b1[x], b2[x]} & {b1[y], b2[y]}
+            if shared and len(out) < count:
+                out.append((int(ids[x]), int(ids[y])))
+    return out
+
+
 # a pool of ids, adversarial members among them (int64 extremes, equal low or high words)
+# and tag twins of the two configs (one tag, a shared bucket: `tag_twins`)
 POOL = np.concatenate(
     [
         np.array([-(2**63), 2**63 - 1, -1, 0, 1 << 32, (1 << 32) + 1, 7, -7], np.int64),
+        np.array([i for c in CONFIGS.values() for p in tag_twins(c, 2, False) for i in p]),
         np.random.default_rng(3).integers(-(2**63), 2**63 - 1, 24, dtype=np.int64),
     ]
 )
@@ -162,30 +190,6 @@ def test_native_hits_on_several_devices():
         per_device = [{s: int(v[d]) for s, v in stats_a.items()} for d in range(n)]
         hits_only += sum(_all_hit(s) for s in per_device)
     assert hits_only >= 2
-
-
-def tag_twins(config: im.IdMapConfig, count: int, same_first: bool) -> list:
-    """`count` pairs of ids with one tag under `config` that share a bucket (`same_first`:
-    their first buckets, so that, admitted together into an empty map, both choose it,
-    and the second's second bucket is neither's first nor the first's second),
-    searched among random ids (a 32-bit tag: ~2^20 ids give ~2^7 pairs)."""
-    rng = np.random.default_rng((config.seed, same_first))
-    out = []
-    while len(out) < count:
-        ids = rng.integers(-(2**63), 2**63 - 1, 1 << 20, dtype=np.int64)
-        p = im.split_ids(ids)
-        tag = np.asarray(im.tags(config, p[:, 0], p[:, 1]))
-        b1, b2 = (np.asarray(b) for b in im.buckets(config, p[:, 0], p[:, 1]))
-        order = np.argsort(tag, kind="stable")
-        for k in np.flatnonzero(tag[order][1:] == tag[order][:-1]):
-            x, y = order[k], order[k + 1]
-            if same_first:  # (and the later has another bucket to go to)
-                shared = b1[x] == b1[y] and b2[y] not in (b1[y], b1[x], b2[x])
-            else:
-                shared = {b1[x], b2[x]} & {b1[y], b2[y]}
-            if shared and len(out) < count:
-                out.append((int(ids[x]), int(ids[y])))
-    return out
 
 
 def _invariants(state):
