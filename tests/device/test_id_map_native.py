@@ -132,7 +132,10 @@ def test_native_hits_match_the_jnp_path(name, distinct, data):
     a = im.init(CONFIGS[name])
     b = jax.tree_util.tree_map(jnp.copy, a)
     calls = data.draw(st.lists(_call(distinct), min_size=3, max_size=6))
-    calls = calls + calls[-1:] * 2  # a call repeated: the second and third are all hits
+    # the last call repeated until it must be all hits: its ids seen (admit_after=2), then
+    # admitted (or refused: a tag twin admitted with it, or no row free of this step's
+    # use), then admitted at a step of its own, then hits
+    calls = calls + calls[-1:] * 4
     hits_only = 0
     for k, call in enumerate(calls):
         raw, valid = _batch(call)
