@@ -152,10 +152,12 @@ class PartitionedCsrFormatTensor:
                    batch of the others. None: not checked.
       unique_raw_ids [D, N, U, 2] uint32 or None: for a stack of raw 64-bit ids
                    (`TableConfig.id_map`), the raw id (high word, low word) of each
-                   entry of `unique_ids`, which then holds placeholders (`PAD_ID`
+                   entry of `unique_ids` (a partition lists device d's ids in order
+                   of first sighting on d), which then holds codes (`PAD_ID`
                    where padding) until the owners' id maps give them rows
                    (`EmbeddingCore.map_ids`, which returns the batch with rows in
-                   `unique_ids`, in raw-id order on CPU, and this field None). None for
+                   `unique_ids`, in the host's order on CPU (each source device's ids
+                   in order of first sighting), and this field None). None for
                    every other stack.
 
     On device d: `buffer = segment_sum(gains[..., None] *

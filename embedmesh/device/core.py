@@ -573,11 +573,11 @@ class EmbeddingCore:
         values) and sends the rows back: the batch returned has rows in `unique_ids`
         (`PAD_ID` for an id pending admission or refused: a zero row, no update) and no
         raw ids, its pairs grouped by slot in slot order; on CPU each block's rows in the
-        order of its raw ids (the fused update takes distinct rows in any order: 1.3 ms
-        a step of 8 tables' reorder saved), elsewhere ascending, as the host orders a
-        table of rows (`id_map.sort_mapped`). Other stacks pass through unchanged. `stats`: `{stack:
-        {name: int32}}`, `ID_STATS` summed over the owners. Pure: jit it, donate the
-        state.
+        host's order of its raw ids (first sighting on the source; the fused update takes
+        distinct rows in any order: 1.3 ms a step of 8 tables' reorder saved), elsewhere
+        ascending, as the host orders a table of rows (`id_map.sort_mapped`). Other stacks
+        pass through unchanged. `stats`: `{stack: {name: int32}}`, `ID_STATS` summed over
+        the owners. Pure: jit it, donate the state.
 
         With `keep_fresh`, returns `(state, csr, stats, fresh)` too: `fresh`, what each
         owner re-initialised (its received ids' rows, fresh flags and raw ids), for

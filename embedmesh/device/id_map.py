@@ -348,7 +348,7 @@ def on_huge_pages(array: jax.Array) -> jax.Array:
 def sort_mapped(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> tuple:
     """A mapped batch's block(s) in the order the host gives a table of rows: `(rows,
     pair_rows, pair_unique, pair_gains)` with each block's slots (`rows` [..., U], the
-    map's rows of the batch's distinct raw ids, in raw-id order) by row, ascending and
+    map's rows of the batch's distinct raw ids, in the batch's order) by row, ascending and
     stable (`PAD_ID`, an id pending or refused, last), and its valid pairs (`pair_rows` in
     [0, num_rows), `pair_unique` in [0, U); [..., P]) grouped by their slot's new
     position, in pair order within a slot (so every row's gradient and every sample's

@@ -7,15 +7,18 @@ themselves, as uint32 pairs (`PartitionedCsrFormatTensor.unique_raw_ids`); the o
 id map gives them rows inside the device program (`EmbeddingCore.map_ids`).
 
 The rest of preprocessing (bags, combiners, gains, sequence features, capacities and
-their overflow policies) is the static tables' numpy path, run on codes: each distinct
-raw id of the batch gets a code (its rank among the batch's distinct ids, ascending as
-int64), routed to its owner by a stand-in row layout, so a partition lists its ids
-ascending (by raw id) as every partition does, and `unique_ids` holds the codes
-(`PAD_ID` padding), `unique_raw_ids` the ids they stand for.
+their overflow policies) is the static tables' numpy path, run on codes: each local
+device's distinct raw ids get codes in order of first sighting on the device (its
+entries in order: the table's features in order, each over the device's rows; device
+d's codes after device d - 1's), routed to their owners by a stand-in row layout, so a
+partition lists its device's ids in order of first sighting, and `unique_ids` holds
+the codes (`PAD_ID` padding), `unique_raw_ids` the ids they stand for. (First
+sighting, not ascending raw ids: the map gives rows in any order, and no sort is
+needed; the order is the device's alone, whatever else the process drives.)
 
 With numba (`embedmesh.host.numba_dynamic`, when the static tables take compiled
 kernels too) two kernels a stack give the same arrays: `raw_codes` (each entry's key
-`owner * K + rank`, K distinct ids, and the distinct ids) and `device_fill` (the static
+`owner * K + code`, K codes, and the distinct ids by code) and `device_fill` (the static
 tables' sort and fill on those keys, as rows of the mod layout over N shards, K rows a
 shard, and the partitions' raw words); the numpy path stays the fallback (numba
 unavailable or disabled, `backend="numpy"`) and the tests' oracle.
@@ -27,7 +30,15 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["owner_of", "owner_words", "prepare_stack", "raw_ids", "raw_pairs", "split_ids"]
+__all__ = [
+    "first_sighting_codes",
+    "owner_of",
+    "owner_words",
+    "prepare_stack",
+    "raw_ids",
+    "raw_pairs",
+    "split_ids",
+]
 
 # the keyed hash of `embedmesh.device.id_map` (its salts and finaliser;
 # tests/engine/test_dynamic_ids.py checks the two agree)
@@ -108,24 +119,51 @@ def raw_ids(ids: np.ndarray) -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
-def prepare_stack(members: list, num_shards: int, seed: int, owners: tuple | None = None) -> tuple:
-    """`(members on codes, stand-in table, stand-in layout, distinct raw ids)` for one
-    dynamic table's features (`(name, Csr, FeatureSegment)`), for `sort_table`.
+def first_sighting_codes(ids: list, devices: int, rows_per_device: list, splits: list) -> tuple:
+    """`(codes, distinct ids)`: each id's code per entry (int64 arrays shaped as `ids`, one
+    a feature) and the distinct ids by code. Codes go device by device (device d's after
+    device d - 1's), each device's entries in order (the features in order, each over
+    the device's rows: `rows_per_device[f]` rows from `d * rows_per_device[f]`, entries
+    `splits[f]`): a code to each id at its first sighting on the device."""
+    codes = [np.empty(r.shape[0], np.int64) for r in ids]
+    uniqs, k = [], 0
+    for d in range(devices):
+        spans = [
+            (f, int(s[d * rpd]), int(s[(d + 1) * rpd]))
+            for f, (s, rpd) in enumerate(zip(splits, rows_per_device))
+        ]
+        mine = np.concatenate([ids[f][lo:hi] for f, lo, hi in spans] or [np.zeros(0, np.int64)])
+        distinct, first, inverse = np.unique(mine, return_index=True, return_inverse=True)
+        order = np.argsort(first)  # by first sighting
+        code_of = np.empty(order.shape[0], np.int64)
+        code_of[order] = k + np.arange(order.shape[0])
+        at = 0
+        for f, lo, hi in spans:
+            codes[f][lo:hi] = code_of[inverse[at : at + hi - lo]]
+            at += hi - lo
+        uniqs.append(distinct[order])
+        k += order.shape[0]
+    return codes, np.concatenate(uniqs or [np.zeros(0, np.int64)])
+
+
+def prepare_stack(
+    members: list, devices: int, num_shards: int, seed: int, owners: tuple | None = None
+) -> tuple:
+    """`(members on codes, stand-in table, stand-in layout, distinct ids by code)` for one
+    dynamic table's features (`(name, Csr, FeatureSegment)`) on `devices` local devices,
+    for `sort_table`: codes by first sighting on each device (`first_sighting_codes`).
     `owners`: `(first, k)`, the shards owning the table's ids (`first + owner_of(id, k)`;
     `(owner, 1)` for a table-wise one); None: every shard."""
-    raws = [raw_ids(c.ids) for _, c, _ in members]
-    flat = np.concatenate(raws) if raws else np.zeros(0, np.int64)
-    # (np.unique's return_inverse sorts by argsort: a sort and a search are ~1.5x faster)
-    ordered = np.sort(flat)
-    first = np.ones(ordered.shape, bool)
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    uniq = ordered[first]
-    inverse = np.searchsorted(uniq, flat)
-    coded, start = [], 0
-    for (name, c, seg), r in zip(members, raws):
-        codes = inverse[start : start + r.shape[0]].astype(np.int64)
-        start += r.shape[0]
-        coded.append((name, dataclasses.replace(c, ids=codes), seg))
+    codes, uniq = first_sighting_codes(
+        [raw_ids(c.ids) for _, c, _ in members],
+        devices,
+        [seg.num_rows for _, _, seg in members],
+        [c.splits for _, c, _ in members],
+    )
+    coded = [
+        (name, dataclasses.replace(c, ids=code), seg)
+        for (name, c, seg), code in zip(members, codes)
+    ]
     k = max(int(uniq.shape[0]), 1)
     first, k_own = (0, num_shards) if owners is None else owners
     layout = _OwnerLayout(

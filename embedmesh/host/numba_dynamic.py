@@ -4,20 +4,18 @@ Importing this module imports numba (`embedmesh.host.preprocess` does that at fi
 use, as it does `numba_backend`). Module-level `@njit(cache=True, nogil=True)`
 functions:
 
-- `raw_codes`: one table's raw ids -> each entry's sort key `owner * K + rank` (its
-  id's rank among the batch's K distinct ids, ascending as int64, and the shard
-  owning it by the id map's keyed hash, `embedmesh.device.ops.id_hash`) and the
-  distinct ids ascending: a hash-table dedup, then a sort of the distinct ids only
-  (a bucket sort over their range carrying values and indices, one insertion pass; an
-  LSD radix sort where that is uneven);
+- `raw_codes`: one table's raw ids -> each entry's sort key `owner * K + code` (a
+  code to each id at its first sighting on its device, device by device: K codes, and
+  the shard owning the id by the id map's keyed hash, `embedmesh.device.ops.id_hash`)
+  and the distinct ids by code: one hash-table pass, no sort;
 - `table_sort`: `numba_backend.table_sort` on those keys, by one counting sort;
 - `device_fill`: a local device's partitions: `table_sort`, `numba_backend`'s
   `table_fill` and `fill_padding`, then the uint32 `(high, low)` words of the raw id
   behind each kept unique id (zeros at padding), in one call.
 
-Key `owner * K + rank` is what the static tables' kernels (`numba_backend`, the mod
-layout over N shards, K rows a shard) key code `rank * N + owner` by: each entry on
-its owner at block row `rank`, the numpy path's placement (`dynamic_ids.prepare_stack`),
+Key `owner * K + code` is what the static tables' kernels (`numba_backend`, the mod
+layout over N shards, K rows a shard) key row `code * N + owner` by: each entry on
+its owner at block row `code`, the numpy path's placement (`dynamic_ids.prepare_stack`),
 so both give the same arrays. `preprocess._RawIdsRun` calls `raw_codes` once a stack
 and `device_fill` once a local device, in one task where the process has one device.
 """
@@ -39,7 +37,6 @@ from embedmesh.host.numba_backend import (
 __all__ = ["device_fill", "raw_codes", "table_sort"]
 
 _M32 = np.uint64(0xFFFFFFFF)
-_SIGN = np.uint64(0x8000000000000000)
 
 
 @njit(cache=True, nogil=True)
@@ -62,166 +59,80 @@ def _slot_hash(u, shift):  # pragma: no cover (compiled)
 
 
 @njit(cache=True, nogil=True)
-def _lsd_order(u, order):  # pragma: no cover (compiled)
-    """`order` (indices into `u`, uint64) sorted by `u`: a stable LSD radix sort, 11 bits
-    a pass, passes where every value has one digit skipped. Returns the sorted array."""
-    k = order.shape[0]
-    passes = 6
-    hist = np.zeros((passes, 2048), np.int64)
-    for i in range(k):
-        x = u[order[i]]
-        for p in range(passes):
-            hist[p, np.int64((x >> np.uint64(11 * p)) & np.uint64(2047))] += 1
-    tmp = np.empty(k, np.int64)
-    for p in range(passes):
-        c = hist[p]
-        trivial = False
-        for b in range(2048):
-            if c[b] == k:
-                trivial = True
-                break
-        if trivial:
-            continue
-        acc = 0
-        for b in range(2048):
-            cnt = c[b]
-            c[b] = acc
-            acc += cnt
-        sh = np.uint64(11 * p)
-        for i in range(k):
-            j = order[i]
-            b = np.int64((u[j] >> sh) & np.uint64(2047))
-            tmp[c[b]] = j
-            c[b] += 1
-        order, tmp = tmp, order
-    return order
+def raw_codes(ids, splits, fmeta, n_devices, n_shards, s0, s1, s2):  # pragma: no cover (compiled)
+    """`(keys int64 [m], distinct ids int64 [K])` of one table's ids.
 
-
-@njit(cache=True, nogil=True)
-def _sorted(u):  # pragma: no cover (compiled)
-    """`(order, values)`: the indices of the distinct uint64 `u` in ascending order of
-    value, and those values. A bucket sort over their range, 2 buckets a value or more
-    (a counting pass, then the values and their indices scattered to their buckets'
-    places), then one insertion pass over the whole array (a value is out of place only
-    after one of its bucket: about one in four for spread ids); the LSD radix sort where
-    some bucket holds over 64. Measured (the workload of benchmarks/train/dynamic_ids.py,
-    8 tables x ~14,700 distinct ids): `raw_codes` 0.84-0.86x of the sort before (a
-    bucket a value, an index array sorted by insertion bucket by bucket)."""
-    k = u.shape[0]
-    lo = u[0]
-    hi = u[0]
-    for i in range(k):
-        lo = min(lo, u[i])
-        hi = max(hi, u[i])
-    nb = 1
-    while nb < 2 * k:
-        nb *= 2
-    span = hi - lo
-    shift = np.uint64(0)
-    while (span >> shift) >= np.uint64(nb):
-        shift += np.uint64(1)
-    start = np.zeros(nb + 1, np.int32)  # bucket counts, then each bucket's next place
-    for i in range(k):
-        start[np.int64((u[i] - lo) >> shift) + 1] += 1
-    fullest = 0
-    for b in range(nb):
-        fullest = max(fullest, start[b + 1])
-        start[b + 1] += start[b]
-    vals = np.empty(k, np.uint64)
-    if fullest > 64:
-        order = _lsd_order(u, np.arange(k))
-        for i in range(k):
-            vals[i] = u[order[i]]
-        return order, vals
-    order = np.empty(k, np.int64)
-    for i in range(k):
-        b = np.int64((u[i] - lo) >> shift)
-        p = start[b]
-        vals[p] = u[i]
-        order[p] = i
-        start[b] = p + 1
-    for i in range(1, k):
-        x = vals[i]
-        if x < vals[i - 1]:  # a value of the same bucket, before it: insertion
-            j = order[i]
-            t = i - 1
-            while t >= 0 and vals[t] > x:
-                vals[t + 1] = vals[t]
-                order[t + 1] = order[t]
-                t -= 1
-            vals[t + 1] = x
-            order[t + 1] = j
-    return order, vals
-
-
-@njit(cache=True, nogil=True)
-def raw_codes(ids, n_shards, s0, s1, s2):  # pragma: no cover (compiled)
-    """`(keys int64 [m], distinct ids int64 [K] ascending)` of one table's ids.
-
-    `ids`: int64 (or int32) raw ids; `s0, s1, s2`: the owner hash's seed words
-    (`id_hash.hash_words`). Entry e's key is `owner * K + rank` of its id: the sort
-    key of the static tables' kernels for code `rank * n_shards + owner` on the mod
-    layout over `n_shards` shards, `K` rows a shard (`table_sort` takes the keys).
-    With one shard every key is the rank (the owner hash is skipped: 0.43-0.45 against
-    0.53 ms a table of 41,000 entries in benchmarks/train/dynamic_ids.py's workload).
+    `ids`: int64 (or int32) raw ids; `splits`, `fmeta`: `table_sort`'s (a device's rows
+    of each feature); `s0, s1, s2`: the owner hash's seed words (`id_hash.hash_words`).
+    Codes are given device by device, each device's entries in order (features in
+    `fmeta` order, each over the device's rows): a code to each id at its first sighting
+    on the device (device d's codes follow device d - 1's), found by a hash table whose
+    slots of earlier devices count as empty. Entry e's key is `owner * K + code` of its
+    id: the sort key of the static tables' kernels for `code * n_shards + owner` on the
+    mod layout over `n_shards` shards, `K` rows a shard (`table_sort` takes the keys), so
+    a partition lists its device's ids in order of first sighting. With one shard every
+    key is the code (no owner hash: 0.43-0.45 against 0.53 ms a table of 41,000 entries
+    in benchmarks/train/dynamic_ids.py's workload). Entries of no device's rows keep
+    whatever `keys` held (no kernel reads them).
     """
     m = ids.shape[0]
+    most = 0
+    for d in range(n_devices):
+        most = max(most, _entries(splits, fmeta, d))
     bits = 4
-    while (1 << bits) < m + m // 2:  # load factor at most 2/3
+    while (1 << bits) < most + most // 2:  # load factor at most 2/3
         bits += 1
     size = 1 << bits
     mask = size - 1
     shift = np.uint64(64 - bits)
-    slot_idx = np.full(size, -1, np.int32)
+    slot_code = np.full(size, -1, np.int32)  # a slot below the device's first code: empty
     slot_key = np.empty(size, np.int64)
-    first = np.empty(m, np.uint64)  # distinct ids (sign bit flipped), first sighting first
-    dist = np.empty(m, np.int32)  # each entry's distinct index
+    uniq = np.empty(m, np.int64)  # distinct ids by code
+    keys = np.empty(m, np.int64)  # each entry's code (its key, with one shard)
     k = 0
-    for e in range(m):
-        x = np.int64(ids[e])
-        s = _slot_hash(np.uint64(x), shift)
-        while True:
-            j = slot_idx[s]
-            if j < 0:
-                slot_idx[s] = k
-                slot_key[s] = x
-                first[k] = np.uint64(x) ^ _SIGN
-                dist[e] = k
-                k += 1
-                break
-            if slot_key[s] == x:
-                dist[e] = j
-                break
-            s = (s + 1) & mask
-    uniq = np.empty(k, np.int64)
-    if k == 0:
-        return np.empty(m, np.int64), uniq
-    order, vals = _sorted(first[:k])
+    for d in range(n_devices):
+        base = k
+        for f in range(fmeta.shape[0]):
+            sb, rpd = fmeta[f, 0], fmeta[f, 1]
+            for e in range(splits[sb + d * rpd], splits[sb + (d + 1) * rpd]):
+                x = np.int64(ids[e])
+                s = _slot_hash(np.uint64(x), shift)
+                while True:
+                    j = slot_code[s]
+                    if j < base:
+                        slot_code[s] = k
+                        slot_key[s] = x
+                        uniq[k] = x
+                        keys[e] = k
+                        k += 1
+                        break
+                    if slot_key[s] == x:
+                        keys[e] = j
+                        break
+                    s = (s + 1) & mask
+    if n_shards == 1 or k == 0:  # one owner (one device, or a table-wise table)
+        return keys, uniq[:k]
     key_of = np.empty(k, np.int64)
     n = np.uint64(n_shards)
     w0, w1, w2 = np.uint64(s0), np.uint64(s1), np.uint64(s2)
-    one = n_shards == 1  # one owner (one device, or a table-wise table): no hash needed
-    for r in range(k):
-        j = order[r]
-        u = vals[r] ^ _SIGN
-        uniq[r] = np.int64(u)
-        if one:
-            key_of[j] = r
-            continue
+    for c in range(k):
+        u = np.uint64(uniq[c])
         a = _fmix32((u & _M32) ^ w0)
         b = _fmix32((u >> np.uint64(32)) ^ w1)
         h = _fmix32(((a + b * np.uint64(0x9E3779B1)) & _M32) ^ w2)
-        key_of[j] = np.int64(h % n) * k + r
-    keys = np.empty(m, np.int64)
-    for e in range(m):
-        keys[e] = key_of[dist[e]]
-    return keys, uniq
+        key_of[c] = np.int64(h % n) * k + c
+    for d in range(n_devices):
+        for f in range(fmeta.shape[0]):
+            sb, rpd = fmeta[f, 0], fmeta[f, 1]
+            for e in range(splits[sb + d * rpd], splits[sb + (d + 1) * rpd]):
+                keys[e] = key_of[keys[e]]
+    return keys, uniq[:k]
 
 
 @njit(cache=True, nogil=True)
 def table_sort(keys, weights, splits, fmeta, params, d, n_shards):  # pragma: no cover (compiled)
     """`numba_backend.table_sort` for a table of raw ids, on `raw_codes`'s keys (`owner *
-    K + rank`, `K` = `params[P_ROWS_PER_SHARD]`): the same outputs, by one counting sort
+    K + code`, `K` = `params[P_ROWS_PER_SHARD]`): the same outputs, by one counting sort
     over the `n_shards * K` keys (stable: entries of one key stay in entry order)."""
     tp = _table_params(params)
     nkeys = n_shards * tp.rps
@@ -270,7 +181,7 @@ def device_fill(
     keys, uniq, inputs, params, d, outputs, counts, raw, pad_id, pad_row
 ):  # pragma: no cover (compiled)
     """Local device `d`'s partitions of a stack of raw ids (its one table) from
-    `raw_codes`'s keys and distinct ids: `table_sort` (`inputs`: its weights, splits and
+    `raw_codes`'s keys and distinct ids (by code): `table_sort` (`inputs`: its weights, splits and
     fmeta), `numba_backend.table_fill` and `fill_padding` on them (`params`: the table's
     on the mod layout over N shards, K rows a shard; `outputs`: the unique ids, pair rows,
     pair unique indices and pair gains), then each kept unique id's raw words in `raw`

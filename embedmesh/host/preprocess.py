@@ -538,8 +538,10 @@ class _RawIdsRun:
                 ]
             )
             first, k = self.owners
-            keys, uniq = self.K.raw_codes(ids, k, *_dynamic.owner_words(self.seed))
-            if first:  # owner first + h % k: its key `owner * K + rank` shifted by `first * K`
+            _, splits, fmeta = inputs
+            words = _dynamic.owner_words(self.seed)
+            keys, uniq = self.K.raw_codes(ids, splits, fmeta, self.D, k, *words)
+            if first:  # owner first + h % k: its key `owner * K + code` shifted by `first * K`
                 keys += first * uniq.shape[0]
             row_base = min(seg.row_offset for _, _, seg in members)
             row_end = max(seg.row_offset + seg.num_rows for _, _, seg in members)
@@ -893,7 +895,7 @@ def _run_maker(plan: StackingPlan, D: int, name: str, K, KD, id_maps: dict):
             if job.name not in sorted_tables:
                 members = [(fp.name, c, seg) for fp, c, seg in job.members(job.tables[0].name)]
                 coded_, table, layout, uniq = _dynamic.prepare_stack(
-                    members, N, id_map.seed, plan.id_owners(job.tables[0])
+                    members, D, N, id_map.seed, plan.id_owners(job.tables[0])
                 )
                 uniq_of[job.name] = uniq
                 sorted_tables[job.name] = [numpy_backend.sort_table(coded_, table, layout, D, N)]

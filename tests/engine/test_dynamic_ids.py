@@ -5,7 +5,8 @@ float64 numpy rows and optimizer slots per id.
 
 What the reference pins (`embedmesh.config.DynamicIds`, `embedmesh.device.id_map`):
 - routing: an id's owner is `owner_of(id, N, seed)`; each source device sends each owner
-  its distinct ids of the owner, ascending as int64; the owner sees them in source order;
+  its distinct ids of the owner in order of first sighting in the source's samples (sample
+  by sample); the owner sees them in source order;
 - the map: hits refresh (last step, use count += the sources that sent the id); misses
   are sighted, the due ones ("candidates", first-position order) take the lowest free rows,
   after a sweep (when they outnumber the free rows) that frees max(evict_batch, needed -
@@ -161,10 +162,10 @@ class Reference:
         stats = dict.fromkeys(core_module.ID_STATS, 0)
         has_row = {}
         for j, shard in enumerate(self.shards):
-            received = []  # source order; per source its distinct ids of j, ascending
+            received = []  # source order; per source its distinct ids of j, first seen first
             for d in range(self.n):
                 mine = ids[d * b : (d + 1) * b][owner[d * b : (d + 1) * b] == j]
-                received += [int(i) for i in np.unique(mine)]
+                received += list(dict.fromkeys(int(i) for i in mine))
             rows, fresh, s = shard.map(received, step)
             for i in fresh:
                 self.values[i] = self.fresh_values(i)
@@ -513,8 +514,9 @@ def test_the_core_refuses_a_batch_with_raw_ids():
 
 def test_host_batch_of_raw_ids():
     """The host's arrays of a stack of raw ids: each partition (device d, owner j) lists
-    the distinct ids of d's samples that j owns, ascending as int64, as uint32 pairs, and
-    the pairs point at them; overflow policies work as for any stack."""
+    the distinct ids of d's samples that j owns, in order of first sighting (sample by
+    sample), as uint32 pairs, and the pairs point at them; overflow policies work as for
+    any stack."""
     from embedmesh._runtime import PAD_ID
     from embedmesh.host.preprocess import preprocess_batch
     from embedmesh.layout.stacking import plan_stacking
@@ -523,10 +525,11 @@ def test_host_batch_of_raw_ids():
     dyn = em.TableConfig(8, DIM, name="dyn", combiner="sum", id_map=em.DynamicIds(seed=HASH_SEED))
     plan = plan_stacking({"a": em.FeatureConfig(dyn, name="a")}, n)
     ids = np.array(
-        [[INT64_MIN, -1], [INT64_MAX, INT64_MIN], [2**40, 2**40], [-(2**33), 0]], np.int64
+        [[INT64_MAX, -1], [INT64_MIN, INT64_MAX], [2**40, 2**40], [0, -(2**33)]], np.int64
     )
     feats = {"a": em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, 2))}
     csr, stats = preprocess_batch(feats, None, plan, num_devices_local=d_local, backend="numpy")
+    descending = 0  # partitions whose first-sighting order is not ascending
     c = csr["dyn"]
     assert c.unique_raw_ids.shape == c.unique_ids.shape + (2,)
     owner = dynamic_ids.owner_of(ids, n, HASH_SEED)
@@ -535,13 +538,15 @@ def test_host_batch_of_raw_ids():
         for j in range(n):
             k = int(c.unique_counts[d, j])
             got = id_map.join_ids(c.unique_raw_ids[d, j, :k])
-            np.testing.assert_array_equal(got, np.unique(mine[own == j]))
+            assert got.tolist() == list(dict.fromkeys(mine[own == j].tolist()))
+            descending += got.tolist() != sorted(got.tolist())
             assert (c.unique_ids[d, j, k:] == PAD_ID).all()
             p = int(c.pair_counts[d, j])
             ids_of_pairs = got[c.pair_unique[d, j, :p]]
             rows = c.pair_rows[d, j, :p]
             for r, i, g in zip(rows, ids_of_pairs, c.pair_gains[d, j, :p]):
                 assert g == np.count_nonzero(mine[r] == i)  # duplicates merged, gains added
+    assert descending  # (the ids tell first sighting from ascending order)
     with pytest.raises(ValueError, match="stack dyn: device"):
         preprocess_batch(feats, None, plan, num_devices_local=d_local, capacities=em.Capacity(1, 1))
     _, grown = preprocess_batch(
@@ -565,7 +570,7 @@ def test_sparse_inputs_keep_negative_and_huge_ids():
     csr, _ = preprocess_batch({"a": sp}, {"a": w}, plan)  # (no numba: never needed here)
     c = csr["dyn"]
     got = id_map.join_ids(c.unique_raw_ids[0, 0, : int(c.unique_counts[0, 0])])
-    np.testing.assert_array_equal(got, [-7, 2**62, INT64_MAX])  # -5: weight 0, dropped
+    assert got.tolist() == [2**62, INT64_MAX, -7]  # first seen first; -5: weight 0, dropped
 
 
 def test_sequence_and_dense_features_read_their_ids_rows():

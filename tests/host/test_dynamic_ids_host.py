@@ -118,48 +118,65 @@ def test_numba_path_runs_the_kernels(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_raw_codes_against_numpy(n):
-    """Each entry's key `owner * K + rank` and the distinct ids, against `np.unique` and
-    the numpy routing (`owner_of`, the device's hash: tests/engine/test_dynamic_ids.py);
-    ids clustered in one bucket of the range sort by the radix fallback."""
-    rng = np.random.default_rng(n)
-    cases = [
-        np.zeros(0, np.int64),
-        np.array(POOL * 3, np.int64),
-        rng.integers(I64.min, I64.max, 5000, dtype=np.int64, endpoint=True),
-        rng.integers(0, 300, 5000).astype(np.int64),
-        np.concatenate([rng.integers(0, 1000, 2000), [I64.max, I64.min]]).astype(np.int64),
-        np.arange(0, 3000, dtype=np.int64) * 2**40,
-    ]
-    for seed, ids in enumerate(cases):
-        words = dynamic_ids.owner_words(seed)
-        keys, uniq = _kernels().raw_codes(ids, n, *words)
-        want, inverse = np.unique(ids, return_inverse=True)
-        np.testing.assert_array_equal(uniq, want)
-        owner = dynamic_ids.owner_of(want, n, seed)
-        np.testing.assert_array_equal(keys, (owner * want.size + np.arange(want.size))[inverse])
+def _reference_codes(ids: list, splits: list, rows_per_device: list, devices: int):
+    """Plain Python: each entry's code (a list a feature) and the distinct ids by code,
+    codes given device by device, each device's entries in order (features in order,
+    each over the device's rows) at an id's first sighting on the device."""
+    codes = [[None] * len(f) for f in ids]
+    by_code = []
+    for d in range(devices):
+        seen = {}
+        for f, (s, rpd) in enumerate(zip(splits, rows_per_device)):
+            for e in range(s[d * rpd], s[(d + 1) * rpd]):
+                i = int(ids[f][e])
+                if i not in seen:
+                    seen[i] = len(by_code)
+                    by_code.append(i)
+                codes[f][e] = seen[i]
+    return codes, by_code
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    ids=st.lists(ids_strategy, max_size=300),
-    spread=st.sampled_from([0, 1, 2**20, 2**40, 2**64 - 1]),
-    copies=st.integers(0, 200),
-    n=st.sampled_from([1, 2, 3]),
-)
-def test_raw_codes_sort_against_numpy(ids, spread, copies, n):
-    """The sort of the distinct ids (`numba_dynamic._sorted`: buckets over the range,
-    one insertion pass, the radix fallback past 64 a bucket), against `np.unique`:
-    drawn ids (extremes, negatives, equal low words) with `copies` runs of ids equal
-    modulo a power of two (`spread` apart, wrapping: a crowded bucket past 64 takes the
-    fallback, one at 64 or below the insertion pass)."""
-    base = np.array(ids, np.int64)
-    run = (np.arange(copies, dtype=np.uint64) * np.uint64(spread)).view(np.int64)
-    arr = np.concatenate([base, run, base[::-1]])
-    words = dynamic_ids.owner_words(7)
-    keys, uniq = _kernels().raw_codes(arr, n, *words)
-    want, inverse = np.unique(arr, return_inverse=True)
-    np.testing.assert_array_equal(uniq, want)
-    owner = dynamic_ids.owner_of(want, n, 7)
-    np.testing.assert_array_equal(keys, (owner * want.size + np.arange(want.size))[inverse])
+@given(data=st.data())
+def test_raw_codes_against_a_reference(data):
+    """`raw_codes`' keys (`owner * K + code`) and distinct ids, and the numpy path's codes
+    (`dynamic_ids.first_sighting_codes`), against the plain reference: drawn ids
+    (extremes, negatives, equal low words, runs equal modulo a power of two) on 1-3
+    devices, 1-3 features of several rows a device, 1, 3 or 4 shards."""
+    devices = data.draw(st.integers(1, 3), "devices")
+    n = data.draw(st.sampled_from([1, 3, 4]), "shards")
+    spread = data.draw(st.sampled_from([1, 2**20, 2**40, 2**64 - 1]), "spread")
+    ids, splits, rpds = [], [], []
+    for _ in range(data.draw(st.integers(1, 3), "features")):
+        rpd = data.draw(st.integers(1, 3), "rows a device")
+        lengths = data.draw(
+            st.lists(st.integers(0, 6), min_size=rpd * devices, max_size=rpd * devices)
+        )
+        drawn = data.draw(st.lists(ids_strategy, min_size=sum(lengths), max_size=sum(lengths)))
+        run = (np.arange(len(drawn), dtype=np.uint64) * np.uint64(spread)).view(np.int64)
+        pick = np.array(
+            data.draw(st.lists(st.booleans(), min_size=len(drawn), max_size=len(drawn))), bool
+        )
+        ids.append(np.where(pick, run, np.array(drawn, np.int64)).astype(np.int64))
+        splits.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        rpds.append(rpd)
+    want_codes, want_uniq = _reference_codes(ids, splits, rpds, devices)
+    seed = data.draw(st.integers(0, 2**32 - 1), "hash seed")
+    owner = {i: int(dynamic_ids.owner_of(np.array([i], np.int64), n, seed)[0]) for i in want_uniq}
+    k = len(want_uniq)
+
+    flat = np.concatenate(ids)
+    bases = np.cumsum([0] + [len(s) for s in splits])[:-1]  # each feature's first split
+    starts = np.cumsum([0] + [len(f) for f in ids])[:-1]  # ... and first entry
+    fmeta = np.array([[b, r, 0, 0] for b, r in zip(bases, rpds)], np.int64)
+    flat_splits = np.concatenate([s + st_ for s, st_ in zip(splits, starts)])
+    keys, uniq = _kernels().raw_codes(
+        flat, flat_splits, fmeta, devices, n, *dynamic_ids.owner_words(seed)
+    )
+    assert uniq.tolist() == want_uniq
+    want_keys = [owner[want_uniq[c]] * k + c for f in want_codes for c in f]
+    assert keys.tolist() == want_keys
+
+    codes, uniq = dynamic_ids.first_sighting_codes(ids, devices, rpds, splits)
+    assert uniq.tolist() == want_uniq
+    assert [c.tolist() for c in codes] == want_codes
