@@ -93,10 +93,14 @@ _MAPPED_FIELDS = ("unique_ids", "pair_rows", "pair_unique", "pair_gains")
 def _mapped_rows(csr: dict, state, mapped: dict, *rest) -> tuple:
     """`EmbeddingCore.map_ids`'s `(state, csr, stats[, fresh])` with the batch reduced to
     what the map changed, `{stack: (rows, pair_rows, pair_unique, pair_gains)}` (the
-    stacks whose raw ids became rows: their rows, and their pairs in the rows' order),
-    for a program to return in place of the batch, whose unchanged arrays it would copy."""
+    stacks whose raw ids became rows: their rows, and their pairs in the rows' order;
+    None for an array the map left as it was, the pairs where the CPU kernels run it),
+    for a program to return in place of the batch, whose unchanged arrays it would copy
+    (24 copies of ~30 us a step of 8 tables of benchmarks/train/dynamic_ids.py)."""
     rows = {
-        s: tuple(getattr(c, f) for f in _MAPPED_FIELDS)
+        s: tuple(
+            None if getattr(c, f) is getattr(csr[s], f) else getattr(c, f) for f in _MAPPED_FIELDS
+        )
         for s, c in mapped.items()
         if c.unique_raw_ids is None and getattr(csr[s], "unique_raw_ids", None) is not None
     }
@@ -105,11 +109,15 @@ def _mapped_rows(csr: dict, state, mapped: dict, *rest) -> tuple:
 
 def _with_rows(csr: dict, rows: dict) -> dict:
     """The batch `EmbeddingCore.map_ids` returns, from the batch it took and what
-    `_mapped_rows` kept: each mapped stack with its rows, its reordered pairs and no raw
-    ids, the others as they are (the same arrays)."""
+    `_mapped_rows` kept: each mapped stack with its rows, its reordered pairs (or the
+    pairs it had) and no raw ids, the others as they are (the same arrays)."""
     return {
         s: (
-            dataclasses.replace(c, unique_raw_ids=None, **dict(zip(_MAPPED_FIELDS, rows[s])))
+            dataclasses.replace(
+                c,
+                unique_raw_ids=None,
+                **{f: x for f, x in zip(_MAPPED_FIELDS, rows[s]) if x is not None},
+            )
             if s in rows
             else c
         )

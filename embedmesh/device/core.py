@@ -623,18 +623,26 @@ class EmbeddingCore:
                 out_t[s], out_s[s], out_rows[s] = table, sl, rows
                 out_m[s] = m
                 out_stats[s] = jnp.stack([stats[k] for k in ID_STATS])[None]
+            if as_is:  # the CPU kernels: the blocks as the maps gave them, pairs unmoved
+                rows = {s: r[None] for s, r in out_rows.items()}
+                return out_t, out_s, out_m, rows, (out_stats, kept, None)
             # this source's blocks in the host's order for a table of rows, every stack's
-            # in one call (its threads share them out); on CPU as the maps gave them
+            # in one call (its threads share them out)
             ordered = id_map.sort_mapped_many(
                 [(out_rows[s], *(x[0] for x in pairs[s])) for s in stacks],
                 [csr[s].rows_per_device for s in stacks],
-                cpu_as_is=True,
             )
             for s, (rows, *moved) in zip(stacks, ordered):
                 out_rows[s] = rows[None]
                 out_pairs[s] = tuple(x[None] for x in moved)
-            return out_t, out_s, out_m, out_rows, out_stats, kept, out_pairs
+            return out_t, out_s, out_m, out_rows, (out_stats, kept, out_pairs)
 
+        # Where the CPU kernels run the maps, their fused update takes a block's distinct
+        # rows in any order (`update_forms.h`'s GroupPairs): the blocks stay as the maps
+        # gave them and the pairs are not outputs of the program (passed through a
+        # platform branch, they cost a copy each: 24 of ~30 us a step of 8 tables, beside
+        # the first map's call); elsewhere they are sorted as the host orders a table of rows.
+        as_is = id_map.native_step()
         fn = self._shard_map(
             body,
             in_specs=(
@@ -652,12 +660,14 @@ class EmbeddingCore:
                 self._specs(slots),
                 self._specs(maps),
                 self._specs(ids),
-                self._specs(ids),
-                {s: (P(self.axes),) * 3 for s in stacks},
-                self._specs(pairs),
+                (
+                    self._specs(ids),
+                    {s: (P(self.axes),) * 3 for s in stacks},
+                    None if as_is else self._specs(pairs),
+                ),
             ),
         )
-        new_t, new_s, new_m, rows, counts, kept, moved = fn(
+        new_t, new_s, new_m, rows, (counts, kept, moved) = fn(
             tables, slots, maps, keys, state.step, ids, raws, pairs
         )
         state = dataclasses.replace(
@@ -668,7 +678,9 @@ class EmbeddingCore:
         )
         csr = dict(csr)
         for s in stacks:
-            pr, pu, pg = moved[s]
+            pr, pu, pg = (
+                (csr[s].pair_rows, csr[s].pair_unique, csr[s].pair_gains) if as_is else moved[s]
+            )
             csr[s] = dataclasses.replace(
                 csr[s],
                 unique_ids=rows[s],

@@ -355,20 +355,18 @@ def sort_mapped(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> t
     activation sums in the same order as for a static table given these rows), the other
     pairs after them as they were. The engine's map program sorts so on the platforms
     other than CPU; the CPU's fused backward + update takes distinct rows in any order
-    (`sort_mapped_many(cpu_as_is=True)`). `sort_mapped_many` of one stack: where the CPU
-    kernels are in use cpu/id_map.cc's `SortMappedMany` (a radix sort of the rows, a
-    counting sort of the pairs); elsewhere its reference, `_sort_mapped_reference`."""
+    (the map program leaves the blocks as they are there). `sort_mapped_many` of one
+    stack: where the CPU kernels are in use cpu/id_map.cc's `SortMappedMany` (a radix
+    sort of the rows, a counting sort of the pairs); elsewhere its reference,
+    `_sort_mapped_reference`."""
     (out,) = sort_mapped_many([(rows, pair_rows, pair_unique, pair_gains)], [num_rows])
     return out
 
 
-def sort_mapped_many(blocks: list, num_rows: list, *, cpu_as_is: bool = False) -> list:
+def sort_mapped_many(blocks: list, num_rows: list) -> list:
     """`sort_mapped` of several stacks' `(rows, pair_rows, pair_unique, pair_gains)`
     (each with its `num_rows`), in one call where the CPU kernels are in use (the
-    stacks' blocks shared out over the threads), a list of the four each. `cpu_as_is`:
-    where the CPU kernels are in use, the blocks as they are (their fused update takes a
-    block's distinct rows in any order, `update_forms.h`'s `GroupPairs`); sorted on the
-    other platforms and without the kernels."""
+    stacks' blocks shared out over the threads), a list of the four each."""
     blocks = [
         (
             jnp.asarray(r, jnp.int32),
@@ -389,8 +387,6 @@ def sort_mapped_many(blocks: list, num_rows: list, *, cpu_as_is: bool = False) -
         ]
 
     def kernel(*flat):
-        if cpu_as_is:
-            return list(flat)
         outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat)
         rs = jnp.asarray(np.asarray(num_rows, np.int32))
         return list(jax.ffi.ffi_call("embedmesh_sort_mapped_many", outs)(rs, *flat))
