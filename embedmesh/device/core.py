@@ -637,12 +637,11 @@ class EmbeddingCore:
                 out_pairs[s] = tuple(x[None] for x in moved)
             return out_t, out_s, out_m, out_rows, (out_stats, kept, out_pairs)
 
-        # Where the CPU kernels run the maps, their fused update takes a block's distinct
-        # rows in any order (`update_forms.h`'s GroupPairs): the blocks stay as the maps
-        # gave them and the pairs are not outputs of the program (passed through a
-        # platform branch, they cost a copy each: 24 of ~30 us a step of 8 tables, beside
-        # the first map's call); elsewhere they are sorted as the host orders a table of rows.
-        as_is = id_map.native_step()
+        # Blocks left as the maps gave them (`id_map.blocks_as_mapped`): the pairs are not
+        # outputs of the program (returned unchanged, they cost a copy each: 24 of ~30 us
+        # a step of 8 tables, beside the first map's call); else sorted as the host orders
+        # a table of rows.
+        as_is = id_map.blocks_as_mapped()
         fn = self._shard_map(
             body,
             in_specs=(

@@ -700,6 +700,15 @@ STAT_NAMES = ("hits", "admissions", "evictions", "pending", "refused", "occupanc
 _STATE_FIELDS = tuple(f.name for f in dataclasses.fields(IdMapState) if f.name != "config")
 
 
+def blocks_as_mapped() -> bool:
+    """Whether the engine's map program leaves each mapped block as the maps gave it
+    (rows in the batch's order, the pairs as they came): where the CPU kernels run the
+    maps (`native_step`), whose fused update takes a block's distinct rows in any order
+    (`update_forms.h`'s `GroupPairs`); elsewhere `sort_mapped_many` orders them as the
+    host orders a table of rows."""
+    return native_step()
+
+
 def native_step() -> bool:
     """Whether `map_ids` runs each call as one native op (`ops.id_map_step`: the CPU
     kernels are in use in this process), the jnp path being its reference."""

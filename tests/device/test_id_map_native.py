@@ -147,6 +147,36 @@ def test_native_hits_match_the_jnp_path(name, distinct, data):
     assert hits_only >= 1
 
 
+def test_native_call_past_the_kept_buffer():
+    """A call of more than 2**20 positions (`id_map_step` then takes a buffer of its own,
+    not the one its thread keeps) maps and admits as the jnp path does, before and after
+    a small call (which takes the kept buffer again)."""
+    native, plain = _fns(False)
+    a = im.init(CONFIGS["lru"])
+    b = jax.tree_util.tree_map(jnp.copy, a)
+    big = (1 << 20) + 5
+    for k, n in enumerate([BATCH, big, BATCH, big]):
+        ids = np.full(n, 12345, np.int64)
+        at = np.random.default_rng(k).choice(n, 8, replace=False)  # 8 valid, spread out
+        ids[at] = POOL[k : k + 8]
+        mask = np.zeros(n, bool)
+        mask[at] = True
+        raw, valid = jnp.asarray(im.split_ids(ids)), jnp.asarray(mask)
+        if n == big:  # (the jnp path's sorts over 2**20 positions: on the valid ones only)
+            small = jnp.asarray(im.split_ids(ids[np.sort(at)])), jnp.ones(8, bool)
+            a, rows_a, fresh_a, stats_a = native(a, raw, valid, jnp.int32(FIRST_STEP + k))
+            b, rows_b, fresh_b, stats_b = plain(b, *small, jnp.int32(FIRST_STEP + k))
+            order = np.sort(at)
+            _same((a, stats_a), (b, stats_b))
+            np.testing.assert_array_equal(np.asarray(rows_a)[order], np.asarray(rows_b))
+            np.testing.assert_array_equal(np.asarray(fresh_a)[order], np.asarray(fresh_b))
+            assert (np.asarray(rows_a)[~mask] == -1).all() and not np.asarray(fresh_a)[~mask].any()
+        else:
+            a, *out_a = native(a, raw, valid, jnp.int32(FIRST_STEP + k))
+            b, *out_b = plain(b, raw, valid, jnp.int32(FIRST_STEP + k))
+            _same((a, out_a), (b, out_b))
+
+
 def test_native_hits_on_several_devices():
     """One map a device inside `shard_map` (each device's kernel call at once, repeats in
     its ids, as an owner receives them from several sources), against the jnp path."""

@@ -37,7 +37,7 @@ def test_the_map_program_returns_rows_not_the_batch():
 
     # what the program returns: the state, {stack of raw ids: rows and pairs}, the counts;
     # with the CPU kernels the pairs stay as they were: None (an output would be a copy)
-    as_is = im.native_step()
+    as_is = im.blocks_as_mapped()
     state_shape, rows, stats = jax.eval_shape(emb._map_fn, emb.state, csr)
     assert set(rows) == {dyn_stack} == set(stats)
     c = csr[dyn_stack]
@@ -64,7 +64,7 @@ def test_the_map_program_returns_rows_not_the_batch():
 
 
 @pytest.mark.skipif(
-    not im.native_step(), reason="the CPU kernels' order (without them the blocks are sorted)"
+    not im.blocks_as_mapped(), reason="the CPU kernels' order (without them the blocks are sorted)"
 )
 def test_the_mapped_batch_keeps_the_maps_order_on_cpu():
     """After evictions the rows of a batch's distinct raw ids (in the host's order) are in no

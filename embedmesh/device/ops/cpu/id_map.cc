@@ -182,9 +182,13 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   //    found: step 8 gives those theirs): with distinct ids a call of every valid id
   //    found (a step of hits, the steady state) ends after this loop, without the
   //    serial steps 2-8.
-  // (a buffer of the calling thread, kept: a fresh vector of n zeroed int64 each call
-  // costs its allocation, zeroing and, past malloc's mmap threshold, page faults)
-  static thread_local std::vector<int64_t> found_buffer;
+  // (a buffer of the calling thread, kept up to kKeptFound positions: a fresh vector of
+  // n zeroed int64 each call costs its allocation, zeroing and, past malloc's mmap
+  // threshold, page faults; a larger call takes one of its own, freed at its end)
+  constexpr int64_t kKeptFound = int64_t{1} << 20;  // 8 MiB a thread at most
+  static thread_local std::vector<int64_t> found_kept;
+  std::vector<int64_t> found_own;
+  std::vector<int64_t>& found_buffer = n <= kKeptFound ? found_kept : found_own;
   if (static_cast<int64_t>(found_buffer.size()) < n) found_buffer.resize(n);
   int64_t* const found = found_buffer.data();
   std::atomic<bool> missed{false};
