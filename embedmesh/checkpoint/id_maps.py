@@ -141,11 +141,13 @@ def read_maps(reader, m: dict) -> dict:
     cfg = id_map.IdMapConfig(**m["id_map"])
     c, b = cfg.capacity, cfg.num_buckets
     sketch = (cfg.sketch_depth, cfg.sketch_width) if cfg.admit_after > 1 else (1, 1)
-    v2_buckets = 1 << max(0, -(-2 * c // 16) - 1).bit_length()  # (format version 2's rule)
+    if int(reader.meta.get("format_version", 0)) < 3:  # (format version 2's index)
+        index = (n, 1 << max(0, -(-2 * c // 16) - 1).bit_length(), 3, 16)
+    else:
+        index = (n, b, 2, _W)
     shapes = {
-        "index": (n, b, 2, _W),
+        "index": index,
         "row_info": (n, c, 4),
-        "index_v2": (n, v2_buckets, 3, 16),
         "row_id": (n, c, 2),
         "last_used": (n, c),
         "use_count": (n, c),
@@ -156,8 +158,6 @@ def read_maps(reader, m: dict) -> dict:
         "sketch": (n,) + sketch,
         "sightings": (n,),
     }
-    if int(reader.meta.get("format_version", 0)) < 3:
-        shapes["index"] = shapes["index_v2"]
     return id_map_format.read_maps(reader, m, shapes)
 
 
