@@ -351,6 +351,21 @@ class MeshEmbedding:
 
         self._map_fn = jax.jit(map_ids, donate_argnums=0)
 
+        # unpipelined, the same three steps as one program each step: the pending update,
+        # the map (after it: the map may give that update's rows to other ids), the
+        # lookup. One dispatch instead of three of the whole state (each 0.4-1.1 ms of
+        # the host's CPU a step on the dynamic_ids benchmark, which the CPU device shares)
+        def apply_map_lookup(st, g, c_prev, view, c_next):
+            st, _ = core.apply_gradients(st, g, c_prev, check_finite=False, view=view)
+            return map_lookup(st, c_next, c_prev)
+
+        def map_lookup(st, c, c_prev=None):
+            st, rows, stats = _mapped_rows(c, *core.map_ids(st, c, after_update=c_prev))
+            return core.lookup(st, _with_rows(c, rows), carrying=True), st, rows, stats
+
+        self._apply_map_lookup_fn = jax.jit(apply_map_lookup, donate_argnums=0)
+        self._map_lookup_fn = jax.jit(map_lookup, donate_argnums=0)
+
         # pipelined, an update pending: the next batch's ids are mapped first, at the
         # step that update brings (the map's decisions are the unpipelined run's), and
         # the rows it gave to an id are re-initialised again after that update (whose
@@ -364,7 +379,7 @@ class MeshEmbedding:
 
         def lookup_apply_refresh(st, g, c_prev, view, c_next, fresh):
             out, st = lookup_then_apply(st, g, c_prev, view, c_next)
-            return out, core.reinit_fresh_rows(st, fresh)
+            return out, core.reinit_fresh_rows(st, fresh, after_update=c_prev)
 
         self._fused_refresh_fn = jax.jit(lookup_apply_refresh, donate_argnums=0)
         # (restored mid-pipeline: `_map_restored`; once, so nothing donated)
@@ -842,11 +857,9 @@ class MeshEmbedding:
             elif self._pipelined and self._after_lookup is not None:
                 partitioned_tensors = self._map_restored(partitioned_tensors)
             else:
-                # raw ids to rows (`EmbeddingCore.map_ids`), after the pending update: the
-                # map may give its rows to other ids
-                self.flush()
-                self._state, rows, self._id_stats = self._map_fn(self._state, partitioned_tensors)
-                partitioned_tensors = _with_rows(partitioned_tensors, rows)
+                # raw ids to rows (`EmbeddingCore.map_ids`), after the pending update (the
+                # map may give its rows to other ids), then the lookup: one program
+                return self._map_and_lookup(partitioned_tensors)
         if self._pending is not None:
             grads, prev, view = self._pending
             self._pending = None
@@ -867,6 +880,26 @@ class MeshEmbedding:
                 self._state, self._after_lookup = self._after_lookup, None
         self._view = (partitioned_tensors, view)
         return self._pack_activations(acts, partitioned_tensors), partitioned_tensors
+
+    def _map_and_lookup(self, csr: dict):
+        """Unpipelined `dequeue` of a batch with raw ids: the pending update if any, the
+        map, the lookup, in one program."""
+        if self._after_lookup is not None:
+            self._state, self._after_lookup = self._after_lookup, None
+        if self._pending is not None:
+            grads, prev, view = self._pending
+            self._pending = None
+            self._observed = None
+            out = self._apply_map_lookup_fn(self._state, grads, prev, view, csr)
+            if not self._trimmed:  # (as `dequeue`)
+                self._trimmed = True
+                _return_free_heap()
+        else:
+            out = self._map_lookup_fn(self._state, csr)
+        (acts, view), self._state, rows, self._id_stats = out
+        csr = _with_rows(csr, rows)
+        self._view = (csr, view)
+        return self._pack_activations(acts, csr), csr
 
     def _map_ahead(self, csr: dict) -> tuple:
         """Pipelined, an update pending: map the raw ids of the next batch `csr` before

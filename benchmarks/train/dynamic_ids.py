@@ -28,9 +28,10 @@ on), with their ratios. `--put batched`: both contenders' transfer by `batched_p
 (jaxlib's batched put a leaf) instead of `EmbeddingCore.put`, a proposal measured here
 before it was made: `EmbeddingCore.put` puts so itself since issue 42's batched put
 (`device/core.py`), so the option now compares only with older checkouts. `--profile`:
-the dynamic step split into `map_ids`'s program (the facade's jitted map, blocked on,
-timed once the previous update it waits for is done) and the rest (that update, the
-lookup, the loss gradient), and the host preprocessing's share that is the raw
+the dynamic step split into `map_ids`'s program (the facade's jitted map alone, blocked
+on, timed once the previous update it follows is done; the facade's step runs it inside
+one program with that update and the lookup) and the rest (that update, the lookup, the
+loss gradient), and the host preprocessing's share that is the raw
 ids' routing (`host.dynamic_ids`), by a cProfile of `enqueue`. `--trace DIR`:
 a `jax.profiler` trace of `--steps` steps of each contender into DIR/<kind>, the wall
 time a step from the first thunk to the last, and the time a step of each program (its
@@ -217,32 +218,34 @@ def profile(dyn: Contender, steps: int) -> None:
 
     import jax
 
+    from embedmesh.facade import _with_rows
+
     emb = dyn.emb
-    inner = emb._map_fn
-    spent = []
-
-    def timed_map(state, csr):
-        # the previous update (dequeue flushes it just before the map) finished first:
-        # the map waits for its state, and was charged that wait before
-        jax.block_until_ready(state)
+    whole = []
+    for _ in range(steps):
         t = time.perf_counter()
-        out = jax.block_until_ready(inner(state, csr))
+        dyn.device_step()
+        whole.append(time.perf_counter() - t)
+    # the map's program alone: the facade runs the pending update, the map and the lookup
+    # as one program (`_apply_map_lookup_fn`); here the same steps as three programs,
+    # the map's timed once the update it follows is done
+    spent = []
+    for _ in range(steps):
+        csr = dyn.csrs[dyn.i % len(dyn.csrs)]
+        dyn.i += 1
+        emb.flush()
+        jax.block_until_ready(emb._state)
+        t = time.perf_counter()
+        emb._state, rows, emb._id_stats = jax.block_until_ready(emb._map_fn(emb._state, csr))
         spent.append(time.perf_counter() - t)
-        return out
-
-    emb._map_fn = timed_map
-    try:
-        whole = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            dyn.device_step()
-            whole.append(time.perf_counter() - t)
-    finally:
-        emb._map_fn = inner
+        mapped = _with_rows(csr, rows)
+        acts, view = emb._lookup_fn(emb._state, mapped)
+        emb._view = (mapped, view)
+        emb.apply_gradients(dyn.lossgrad(emb._pack_activations(acts, mapped)), mapped)
     m, w = statistics.median(spent), statistics.median(whole)
     print(
-        f"dynamic device step {w * 1e3:.1f} ms: map_ids's program {m * 1e3:.1f} ms "
-        f"({m / w:.0%}), the rest (update + lookup + loss gradient) {(w - m) * 1e3:.1f} ms"
+        f"dynamic device step {w * 1e3:.1f} ms; map_ids's program alone {m * 1e3:.1f} ms "
+        f"({m / w:.0%} of it), the rest (update + lookup + loss gradient) {(w - m) * 1e3:.1f} ms"
     )
     prof = cProfile.Profile()
     prof.enable()

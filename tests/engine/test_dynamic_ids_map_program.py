@@ -117,3 +117,69 @@ def _kept(unique_ids) -> int:
 
 def _pair_arrays(c):
     return c.pair_unique, c.pair_rows, c.pair_gains
+
+
+_STEP_PROGRAMS = (
+    "_apply_map_lookup_fn",
+    "_map_lookup_fn",
+    "_map_ahead_fn",
+    "_fused_refresh_fn",
+    "_apply_fn",
+    "_lookup_fn",
+)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_step_programs_copy_no_table(pipelined):
+    """No program of a training step copies a table or a slot array: each stack's update
+    reads the table the previous stack's update wrote (an order of their exchanges),
+    and a map or a re-initialisation that writes those tables in place in the same
+    program must come after those reads in data, or XLA copies every table but the last
+    each step (14 copies of 32 MB a step of 8 tables on benchmarks/train/dynamic_ids.py,
+    100 ms). Read off the compiled programs (their `copy` instructions' shapes)."""
+    import re
+
+    tables = [
+        em.TableConfig(
+            v, 8, initializer=_init, name=f"dyn{v}", id_map=em.DynamicIds("lru", admit_after=1)
+        )
+        for v in (56, 72, 88)
+    ]
+    features = {t.name: em.FeatureConfig(t) for t in tables}
+    features["plain"] = em.FeatureConfig(em.TableConfig(104, 8, initializer=_init, name="st"))
+    emb = em.MeshEmbedding(
+        features,
+        em.Adagrad(0.1),
+        mesh=mesh_of(1),
+        seed=3,
+        pipeline_execution_with_tensor_core=pipelined,
+    )
+    emb.build()
+    big = {tuple(x.shape) for x in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots))}
+    assert len(big) >= 4
+    compiled = {}
+    for name in _STEP_PROGRAMS:
+        fn = getattr(emb, name)
+
+        def spy(*args, fn=fn, name=name):  # compiled before the call donates the state
+            compiled[name] = fn.lower(*args).compile().as_text()
+            return fn(*args)
+
+        setattr(emb, name, spy)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        batch = {
+            f: em.RaggedTensor(rng.integers(-(2**40), 2**40, 12), np.array([0, 3, 7, 9, 12]))
+            for f in features
+            if f != "plain"
+        }
+        batch["plain"] = em.RaggedTensor(rng.integers(0, 104, 5), np.array([0, 1, 2, 4, 5]))
+        acts, out = emb.dequeue(emb.enqueue(batch))
+        emb.apply_gradients(jax.tree_util.tree_map(lambda a: a * 0 + 0.25, acts), out)
+    emb.flush()
+    want = {"_map_ahead_fn", "_fused_refresh_fn"} if pipelined else {"_apply_map_lookup_fn"}
+    assert want <= set(compiled)
+    for name, hlo in compiled.items():
+        copies = re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", hlo)
+        copied = [s for s in copies if tuple(int(x) for x in s.split(",")) in big]
+        assert not copied, (name, copied)
