@@ -193,8 +193,11 @@ def test_pair_ops_match_reference(op, seed, dim, num_keys, num_dst, n_valid, n_b
     src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
     # sorted: the kernels' path; invalid pairs among valid ones: XLA's
     kernel_path = layout == "sorted" or not (n_valid and n_bad)
-    assert bool(pallas.is_sorted(key, dst, num_keys, num_dst)) == kernel_path
-    got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
+    # is_sorted and the op each one program (each example's shapes are new: their jnp
+    # ops compiled one by one cost more than the programs)
+    sorted_fn = jax.jit(lambda k, d: pallas.is_sorted(k, d, num_keys, num_dst))
+    assert bool(sorted_fn(key, dst)) == kernel_path
+    got = jax.jit(lambda *a: getattr(pallas, op)(*a, num_out))(jnp.asarray(src), key, dst, gains)
     want, mag = reference(src, key, dst, gains, num_out)
     assert_sums_close(got, want, mag)
     if op == "reduce":  # keys without a pair: zero rows
@@ -605,7 +608,10 @@ def test_scatter_rows_paired(partners, dtype, seed, n, ascending):
             want[row] = new_bits[i]
     old, tpu.PARTNERS = tpu.PARTNERS, partners
     try:
-        got = tpu.scatter_rows_paired(jnp.array(table), jnp.asarray(ids), new)
+        # one program (traced here, PARTNERS read then: a fresh function, no cached trace),
+        # not its jnp ops compiled one by one
+        paired = jax.jit(lambda t, i, n: tpu.scatter_rows_paired(t, i, n))
+        got = paired(jnp.array(table), jnp.asarray(ids), new)
     finally:
         tpu.PARTNERS = old
     np.testing.assert_array_equal(bits_of(got), want)
@@ -734,11 +740,17 @@ def test_registered_tpu_ops_match_their_references():
     from embedmesh.device.ops import tpu
 
     r = rng(3)
+
+    # each call one program (not its jnp ops compiled one by one); `jitted(f, **static)`
+    # a fresh function each time (no trace cached across calls)
+    def jitted(f, **static):
+        return jax.jit(lambda *a: f(*a, **static))
+
     for width in (64, 128):  # XLA's scatter / a DMA a row
         table = signed(r, (300, width)).astype(np.float32)
         ids = np.array([5, 299, 0, 77, 2**31 - 1], np.int32)
         rows = signed(r, (5, width)).astype(np.float32)
-        got = tpu.scatter_rows(jnp.asarray(table), jnp.asarray(ids), jnp.asarray(rows))
+        got = jitted(tpu.scatter_rows)(jnp.asarray(table), jnp.asarray(ids), jnp.asarray(rows))
         want = np.asarray(
             ops.reference_of("scatter_rows")(jnp.asarray(table), jnp.asarray(ids), rows)
         )
@@ -747,7 +759,7 @@ def test_registered_tpu_ops_match_their_references():
         table = jnp.asarray(signed(r, (300, 128))).astype(dtype)
         ids = np.array([5, 299, 4, 77, 298, 2**31 - 1], np.int32)
         rows = jnp.asarray(signed(r, (6, 128))).astype(dtype)
-        got = tpu.scatter_rows(jnp.array(table), jnp.asarray(ids), rows)
+        got = jitted(tpu.scatter_rows)(jnp.array(table), jnp.asarray(ids), rows)
         want = ops.reference_of("scatter_rows")(table, jnp.asarray(ids), rows)
         np.testing.assert_array_equal(bits_of(got), bits_of(want))
     table = signed(r, (60, 256)).astype(np.float32)
@@ -757,13 +769,14 @@ def test_registered_tpu_ops_match_their_references():
     gains = signed(r, (9,)).astype(np.float32)
     gains[-1] = 0.0
     dst[-1] = 7  # == num rows: padding
-    got = tpu.segment_gather_sum_mapped(table, uniq, key, gains, dst, num_segments=7)
+    sgsm = jitted(tpu.segment_gather_sum_mapped, num_segments=7)
+    got = sgsm(table, uniq, key, gains, dst)
     want = ops.reference_of("segment_gather_sum_mapped")(
         table, uniq, key, gains, dst, num_segments=7
     )
     assert_sums_close(got, np.asarray(want, np.float64), np.abs(np.asarray(want)) + 1)
     acts = signed(r, (7, 256)).astype(np.float32)
-    got = tpu.segment_gather_sum(acts, dst, gains, key, num_segments=6)
+    got = jitted(tpu.segment_gather_sum, num_segments=6)(acts, dst, gains, key)
     want = ops.reference_of("segment_gather_sum")(acts, dst, gains, key, num_segments=6)
     assert_sums_close(got, np.asarray(want, np.float64), np.abs(np.asarray(want)) + 1)
     # a stack keeping its slots in its rows: only the parameters' columns read and summed
@@ -773,9 +786,8 @@ def test_registered_tpu_ops_match_their_references():
     for columns in (40, 200):
         src = np.where(np.arange(256) < columns, np.nan_to_num(fused, nan=1.5), np.nan)
         src = src.astype(np.float32)
-        got = tpu.segment_gather_sum_mapped(
-            src, uniq, key, gains, dst, num_segments=7, columns=columns
-        )
+        sgsm = jitted(tpu.segment_gather_sum_mapped, num_segments=7, columns=columns)
+        got = sgsm(src, uniq, key, gains, dst)
         want = ops.reference_of("segment_gather_sum_mapped")(
             src, uniq, key, gains, dst, num_segments=7, columns=columns
         )
