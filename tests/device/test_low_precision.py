@@ -422,7 +422,6 @@ FUSED_KINDS = [
 ]
 
 
-# each half's tables (renumbered from 0) on 2 devices: mod and three other strategies
 @pytest.mark.parametrize("name", sorted(DTYPES))
 def test_fused_update_rounds_edge_values_as_the_generator(name):
     """The fused update (SGD, lr 1: new = w - g) of rows 32 wide (the vectorised rounding's
@@ -469,14 +468,19 @@ def test_fused_update_rounds_edge_values_as_the_generator(name):
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-FUSED_STRATEGIES_2 = [
-    {"a_0": "table_wise", "b_0": "row_wise_pooled", "a_1": "data_parallel"},
-    {"a_0": "row_wise_pooled", "b_1": "table_wise", "b_0": "data_parallel"},
-]
+# the 4 kinds' tables on 2 devices: mod and three other strategies, each on bf16 and on
+# fp16 tables (kinds 0-1: bfloat16, 2-3: float16; b_1 and a_3 stay mod)
+FUSED_STRATEGIES_2 = {
+    "a_0": "table_wise",
+    "b_0": "row_wise_pooled",
+    "a_1": "data_parallel",
+    "a_2": "row_wise_pooled",
+    "b_3": "table_wise",
+    "b_2": "data_parallel",
+}
 
 
-@pytest.mark.parametrize("half", [0, 1])  # the bfloat16 kinds, the float16 kinds
-def test_fused_training_rounds_as_the_generator_on_2_devices(half, monkeypatch):
+def test_fused_training_rounds_as_the_generator_on_2_devices(monkeypatch):
     """Training bf16 / fp16 tables (every fused optimizer, slots float32 or the table's
     type) with the CPU's fused updates on 2 devices under mod and the other strategies
     (table-wise, pooled on the owners, replicas): every variable bit-identical to the ops'
@@ -484,14 +488,16 @@ def test_fused_training_rounds_as_the_generator_on_2_devices(half, monkeypatch):
     (`_kernel_arithmetic_rounded`; the gradient sums are exact). One device's fused update
     is the same kernel on one shard (test_fused_update_rounds_as_the_generator_bit_for_bit
     checks it alone; test_bf16_rounds_the_same_on_any_device_count_and_strategy trains the
-    fused kernels on 1 device against 2): run here too it cost CI ~40 s for no other path."""
+    fused kernels on 1 device against 2): run here too it cost CI ~40 s for no other path.
+    The bf16 and the fp16 kinds train in one embedding (their stacks apart, as in two:
+    stacks never mix dtypes), each run one build and one set of programs, not two."""
     _cpu_kernels()
-    kinds = FUSED_KINDS[2 * half : 2 * half + 2]
-    n, sharding = 2, FUSED_STRATEGIES_2[half]
-    emb, got = _train(kinds, None, n, sharding, steps=2)
-    assert {"mod", "table_wise", "row_wise_pooled"} <= set(dict(emb.plan.strategies).values())
+    n, sharding = 2, FUSED_STRATEGIES_2
+    emb, got = _train(FUSED_KINDS, None, n, sharding, steps=2)
+    assert dict(emb.plan.strategies) == dict(sharding, b_1="mod", a_3="mod")
     for s in emb.plan.stacks:
         assert emb.core.strategies[s.name].optimizer.fused_kernel is not None
+    assert {np.dtype(s.dtype) for s in emb.plan.stacks} == {np.dtype(d) for d in DTYPES.values()}
     jax.clear_caches()
     monkeypatch.setattr(Rounded, "fused_kernel", property(lambda self: None))
 
@@ -499,7 +505,7 @@ def test_fused_training_rounds_as_the_generator_on_2_devices(half, monkeypatch):
         return _kernel_arithmetic_rounded(self, rows, slots, grads, step, ids)
 
     monkeypatch.setattr(Rounded, "update_rows", update_rows)
-    _, want = _train(kinds, None, n, sharding, steps=2)
+    _, want = _train(FUSED_KINDS, None, n, sharding, steps=2)
     jax.clear_caches()
     for kind, (g, w) in enumerate(zip(got, want)):
         for t in w:
