@@ -51,23 +51,35 @@ def _commands(n, mode, *rest):
     return [[sys.executable, WORKER, str(i), str(n), port, mode, *rest] for i in range(n)]
 
 
-@needs_kernels
-@pytest.mark.parametrize("processes, modes", [(2, "exchange,ops,pooled"), (4, "ops,pooled")])
-def test_processes_exchange_like_all_to_all(processes, modes):
-    """ops.exchange, and the host kernels of the N-shard lookup and update and of the
-    pooled ops, against XLA's exchange."""
-    outs = run_together(_commands(processes, modes), _env(), timeout=TIMEOUT)
+def _check_modes(outs, modes):
     for out in outs:
         for mode in modes.split(","):
             assert f"OK {mode}" in out, out[-3000:]
 
 
 @needs_kernels
-def test_sizes_that_differ_per_process_fail_on_every_process():
-    codes, outs = run_collect(
-        _commands(2, "mismatch"), _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="20"), timeout=TIMEOUT
-    )
-    assert codes == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
+def test_two_processes_exchange_train_and_refuse_sizes_that_differ(tmp_path):
+    """One 2-process job (one start-up, not three): ops.exchange, and the host kernels of
+    the N-shard lookup and update and of the pooled ops, against XLA's exchange; then
+    training against the gloo exchange (`_check_training`); then sizes that differ per
+    process on one channel, a clear error on every process (`_check_mismatch`)."""
+    out_file = str(tmp_path / "tables")
+    modes = "exchange,ops,pooled,train,mismatch"
+    outs = run_together(_commands(2, modes, out_file), _env(), timeout=TIMEOUT)
+    _check_modes(outs, "exchange,ops,pooled")
+    _check_training(outs, out_file)
+    _check_mismatch(outs)
+
+
+@needs_kernels
+def test_four_processes_exchange_like_all_to_all():
+    """The host kernels of the N-shard lookup and update and of the pooled ops, where each
+    rank has several peers, against XLA's exchange."""
+    modes = "ops,pooled"
+    _check_modes(run_together(_commands(4, modes), _env(), timeout=TIMEOUT), modes)
+
+
+def _check_mismatch(outs):
     for pid, out in enumerate(outs):
         (line,) = [x for x in out.splitlines() if x.startswith(("CAUGHT", "NO ERROR"))]
         mine, theirs = (64, 128) if pid == 0 else (128, 64)
@@ -147,8 +159,7 @@ def test_a_job_killed_inside_its_first_exchange_leaves_no_segment():
     assert _segments(job) == []
 
 
-@needs_kernels
-def test_training_matches_the_gloo_exchange(tmp_path):
+def _check_training(outs, out_file):
     """Adagrad on one stack; SGD on two stacks with each update fused with the next lookup
     (independent host calls in one program): the same tables as XLA's exchange (gloo)."""
     channels = {
@@ -156,9 +167,7 @@ def test_training_matches_the_gloo_exchange(tmp_path):
         "sgd": [f"{t}/{k}" for t in ("t1", "t2") for k in ("lookup/ids", "lookup/rows")],
     }
     channels["sgd"] = sorted(channels["sgd"] + ["finite", "t1/update/sources", "t2/update/sources"])
-    # one job trains with EMBEDMESH_HOST_EXCHANGE=1, then =0 (gloo): one start-up, not two
-    out_file = str(tmp_path / "tables")
-    outs = run_together(_commands(2, "train", out_file), _env(), timeout=TIMEOUT)
+    # the job trains with EMBEDMESH_HOST_EXCHANGE=1, then =0 (gloo): one start-up, not two
     for out in outs:
         for setting in ("1", "0"):
             for name, expected in channels.items():

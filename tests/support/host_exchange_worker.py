@@ -26,11 +26,12 @@ shared-memory kernel (host_exchange.cc). Modes:
     "OK ops".
   "pooled": the host kernels of the pooled ops fused with their exchange equal their
     references (the unfused op, then the exchange over gloo). Prints "OK pooled".
-  "train": a MeshEmbedding trained for 4 steps, then one step with a NaN gradient in
-    the last process only (every process prints "REJECTED <name> unchanged=True"), for
-    each optimizer, first with EMBEDMESH_HOST_EXCHANGE=1, then with 0: process 0 saves
-    each setting's tables to OUT_FILE_<setting>.npz and every process prints "HOST_JOB
-    <setting> <name> <nonzero?>" and "CHANNELS <setting> <name> <channels>".
+  "train" (alone, or after other modes in one job): a MeshEmbedding trained for 4
+    steps, then one step with a NaN gradient in the last process only (every process
+    prints "REJECTED <name> unchanged=True"), for each optimizer, first with
+    EMBEDMESH_HOST_EXCHANGE=1, then with 0 (the variable restored after): process 0
+    saves each setting's tables to OUT_FILE_<setting>.npz and every process prints
+    "HOST_JOB <setting> <name> <nonzero?>" and "CHANNELS <setting> <name> <channels>".
 """
 
 import os
@@ -588,11 +589,11 @@ def run_train():
 
 
 def main():
-    if mode == "train":
+    modes = mode.split(",")
+    if modes == ["train"]:
         run_train()
     else:
         mesh = Mesh(np.array(jax.devices()), ("x",))
-        modes = mode.split(",")
         if "named" in modes and process_id == N - 1:
             # as if this process could not open the others' descriptors (/proc/<pid>/fd:
             # another pid namespace or user): the job falls back to named segments
@@ -604,6 +605,13 @@ def main():
         print(f"NAMELESS {int(library.host_job_nameless(job))}", flush=True)
         for m in modes:
             if m == "named":
+                continue
+            if m == "train":  # its own embeddings (and same-host keys), the setting restored
+                before = os.environ.get("EMBEDMESH_HOST_EXCHANGE")
+                run_train()
+                os.environ.pop("EMBEDMESH_HOST_EXCHANGE")
+                if before is not None:
+                    os.environ["EMBEDMESH_HOST_EXCHANGE"] = before
                 continue
             {
                 "exchange": run_exchange,
