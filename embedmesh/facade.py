@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from embedmesh import _compat, _runtime
 from embedmesh.config import resolve_feature_config
 from embedmesh.device import peers as _peers
-from embedmesh.device.core import EmbeddingCore, EmbeddingState
+from embedmesh.device.core import ID_STATS, EmbeddingCore, EmbeddingState
 from embedmesh.host import agree as _agree
 from embedmesh.host import fingerprint as _fingerprint
 from embedmesh.host import preprocess as _pre
@@ -90,13 +90,16 @@ _MALLOC_TRIM: Any = None  # None: not looked up yet; False: unavailable (not gli
 _MAPPED_FIELDS = ("unique_ids", "pair_rows", "pair_unique", "pair_gains")
 
 
-def _mapped_rows(csr: dict, state, mapped: dict, *rest) -> tuple:
+def _mapped_rows(csr: dict, state, mapped: dict, stats: dict, *rest) -> tuple:
     """`EmbeddingCore.map_ids`'s `(state, csr, stats[, fresh])` with the batch reduced to
     what the map changed, `{stack: (rows, pair_rows, pair_unique, pair_gains)}` (the
     stacks whose raw ids became rows: their rows, and their pairs in the rows' order;
     None for an array the map left as it was, the pairs where the CPU kernels run it),
     for a program to return in place of the batch, whose unchanged arrays it would copy
-    (24 copies of ~30 us a step of 8 tables of benchmarks/train/dynamic_ids.py)."""
+    (24 copies of ~30 us a step of 8 tables of benchmarks/train/dynamic_ids.py); and the
+    counts as one int32 array `[stacks, len(ID_STATS)]`, the stacks sorted (`_id_counts`
+    reads it): a program's every output costs its dispatch 3-4 us on CPU, and the counts
+    were 6 a stack."""
     rows = {
         s: tuple(
             None if getattr(c, f) is getattr(csr[s], f) else getattr(c, f) for f in _MAPPED_FIELDS
@@ -104,7 +107,17 @@ def _mapped_rows(csr: dict, state, mapped: dict, *rest) -> tuple:
         for s, c in mapped.items()
         if c.unique_raw_ids is None and getattr(csr[s], "unique_raw_ids", None) is not None
     }
-    return (state, rows, *rest)
+    counts = (
+        jnp.stack([jnp.stack([stats[s][k] for k in ID_STATS]) for s in sorted(stats)])
+        if stats
+        else None
+    )
+    return (state, rows, counts, *rest)
+
+
+def _id_counts(rows: dict, counts) -> tuple:
+    """What `dequeue` keeps of a map's counts for `last_stats`: `(stacks, counts)`."""
+    return (tuple(sorted(rows)), counts) if counts is not None else ()
 
 
 def _with_rows(csr: dict, rows: dict) -> dict:
@@ -270,7 +283,8 @@ class MeshEmbedding:
         self._core: EmbeddingCore | None = None
         self._job: EmbeddingJob | None = None  # `job`, made again when plan or core change
         self._last_stats: _pre.PreprocessStats | None = None
-        self._id_stats: dict = {}  # the latest map_ids counts, read by last_stats
+        # the latest map's counts (`_id_counts`: stacks, [stacks, 6] array), by last_stats
+        self._id_stats: tuple = ()
         self._agreed_shapes: np.ndarray | None = None  # several processes: see enqueue
         self._attempts = 0  # several processes: enqueue attempts, failed ones included
 
@@ -676,11 +690,10 @@ class MeshEmbedding:
         refused, occupancy; reading them waits for that lookup)."""
         stats: _pre.PreprocessStats | None = self._last_stats
         if stats is not None and self._id_stats:
-            counts = {
-                s: {k: int(v) for k, v in c.items()}
-                for s, c in jax.device_get(self._id_stats).items()
-            }
-            self._id_stats = {}
+            names, values = self._id_stats
+            host = np.asarray(jax.device_get(values))
+            counts = {s: dict(zip(ID_STATS, map(int, host[i]))) for i, s in enumerate(names)}
+            self._id_stats = ()
             stats = _pre.PreprocessStats(
                 {
                     name: dataclasses.replace(st, id_map=counts.get(name, st.id_map))
@@ -896,7 +909,8 @@ class MeshEmbedding:
                 _return_free_heap()
         else:
             out = self._map_lookup_fn(self._state, csr)
-        (acts, view), self._state, rows, self._id_stats = out
+        (acts, view), self._state, rows, counts = out
+        self._id_stats = _id_counts(rows, counts)
         csr = _with_rows(csr, rows)
         self._view = (csr, view)
         return self._pack_activations(acts, csr), csr
@@ -913,7 +927,8 @@ class MeshEmbedding:
         again (`EmbeddingCore.reinit_fresh_rows`), so no update of an old id stays on
         a new id's row, as if the map had run after the update (the old id's values
         are discarded by its eviction either way)."""
-        self._state, rows, self._id_stats, fresh = self._map_ahead_fn(self._state, csr)
+        self._state, rows, counts, fresh = self._map_ahead_fn(self._state, csr)
+        self._id_stats = _id_counts(rows, counts)
         return _with_rows(csr, rows), fresh
 
     def _map_restored(self, csr: dict) -> dict:
@@ -926,7 +941,8 @@ class MeshEmbedding:
         assert full is not None
         stale = {s: a for s, a in self._state.tables.items() if a is not full.tables[s]}
         step = self._state.step
-        full, rows, self._id_stats, fresh = self._map_keep_fn(full, csr)
+        full, rows, counts, fresh = self._map_keep_fn(full, csr)
+        self._id_stats = _id_counts(rows, counts)
         csr = _with_rows(csr, rows)
         lookup = dataclasses.replace(full, tables=dict(full.tables, **stale), step=step)
         self._state = self._reinit_fn(lookup, fresh)

@@ -218,7 +218,7 @@ def profile(dyn: Contender, steps: int) -> None:
 
     import jax
 
-    from embedmesh.facade import _with_rows
+    from embedmesh.facade import _id_counts, _with_rows
 
     emb = dyn.emb
     whole = []
@@ -236,8 +236,9 @@ def profile(dyn: Contender, steps: int) -> None:
         emb.flush()
         jax.block_until_ready(emb._state)
         t = time.perf_counter()
-        emb._state, rows, emb._id_stats = jax.block_until_ready(emb._map_fn(emb._state, csr))
+        emb._state, rows, counts = jax.block_until_ready(emb._map_fn(emb._state, csr))
         spent.append(time.perf_counter() - t)
+        emb._id_stats = _id_counts(rows, counts)
         mapped = _with_rows(csr, rows)
         acts, view = emb._lookup_fn(emb._state, mapped)
         emb._view = (mapped, view)

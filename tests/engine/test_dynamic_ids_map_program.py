@@ -17,6 +17,7 @@ from meshes import mesh_of
 
 import embedmesh as em
 from embedmesh.device import id_map as im
+from embedmesh.device.core import ID_STATS
 
 _PAIRS = ("pair_rows", "pair_unique", "pair_gains")
 
@@ -38,8 +39,9 @@ def test_the_map_program_returns_rows_not_the_batch():
     # what the program returns: the state, {stack of raw ids: rows and pairs}, the counts;
     # with the CPU kernels the pairs stay as they were: None (an output would be a copy)
     as_is = im.blocks_as_mapped()
-    state_shape, rows, stats = jax.eval_shape(emb._map_fn, emb.state, csr)
-    assert set(rows) == {dyn_stack} == set(stats)
+    state_shape, rows, counts = jax.eval_shape(emb._map_fn, emb.state, csr)
+    assert set(rows) == {dyn_stack}
+    assert counts.shape == (1, len(ID_STATS))  # the stacks' counts in one array
     c = csr[dyn_stack]
     want = (c.unique_ids, c.pair_rows, c.pair_unique, c.pair_gains)
     got = rows[dyn_stack]
@@ -183,3 +185,32 @@ def test_the_step_programs_copy_no_table(pipelined):
         copies = re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", hlo)
         copied = [s for s in copies if tuple(int(x) for x in s.split(",")) in big]
         assert not copied, (name, copied)
+
+
+def test_each_stacks_counts_reach_its_last_stats():
+    """The map's counts leave the program as one array (a row a stack, stacks sorted):
+    each stack's row reaches that stack's `last_stats`, whatever the features' order."""
+    cfg = {
+        name: em.TableConfig(
+            32, 4, initializer=_init, name=name, id_map=em.DynamicIds(), combiner="sum"
+        )
+        for name in ("zeta", "alpha", "mid")
+    }
+    emb = em.MeshEmbedding(
+        {n: em.FeatureConfig(t) for n, t in cfg.items()}, em.Adagrad(0.1), mesh=mesh_of(1)
+    )
+    fresh = {"zeta": 3, "alpha": 5, "mid": 2}  # distinct ids a table, then one repeated
+    batch = {
+        n: em.RaggedTensor(
+            np.array([*range(100 * k, 100 * k + c), 100 * k], np.int64), np.array([0, c + 1])
+        )
+        for k, (n, c) in enumerate(fresh.items())
+    }
+    emb(batch)
+    for n, c in fresh.items():
+        assert emb.last_stats[n].id_map["admissions"] == c, n
+        assert emb.last_stats[n].id_map["occupancy"] == c, n
+    emb(batch)  # the same ids again: hits
+    for n, c in fresh.items():
+        got = emb.last_stats[n].id_map
+        assert (got["hits"], got["admissions"], got["occupancy"]) == (c, 0, c), n
