@@ -45,6 +45,7 @@ parent too).
     ... --rounds 7 --enqueue-parts      # enqueue's preprocessing and transfer apart too
     ... --rounds 5 --enqueue-parts --dim 16   # (or 8, 128, 256 with --vocab 262144)
     ... --optimizer adam --zipf 0             # another optimizer, uniform ids
+    ... --pipelined                           # both with pipeline_execution_with_tensor_core
     ... --rounds 7 --enqueue-parts --put batched
 """
 
@@ -103,7 +104,7 @@ def batched_put(core, csr: dict) -> dict:
     return out
 
 
-def build(kind: str, batches, eviction: str):
+def build(kind: str, batches, eviction: str, pipelined: bool = False):
     """(MeshEmbedding, features per batch) of one contender."""
     import jax
     import jax.numpy as jnp
@@ -136,14 +137,19 @@ def build(kind: str, batches, eviction: str):
     plan = plan_stacking(fc, 1)
     caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
     emb = em.MeshEmbedding(
-        fc, ts.make_optimizer(ts.bench_optimizer_name()), mesh=mesh, capacities=caps, sharding="mod"
+        fc,
+        ts.make_optimizer(ts.bench_optimizer_name()),
+        mesh=mesh,
+        capacities=caps,
+        sharding="mod",
+        pipeline_execution_with_tensor_core=pipelined,
     )
     emb.build()
     return emb, feats, caps
 
 
 class Contender:
-    def __init__(self, kind, batches, eviction, warmup, put="core"):
+    def __init__(self, kind, batches, eviction, warmup, put="core", pipelined=False):
         import functools
 
         import jax
@@ -151,7 +157,7 @@ class Contender:
         import train_step as ts
 
         self.kind = kind
-        self.emb, self.feats, self.caps = build(kind, batches, eviction)
+        self.emb, self.feats, self.caps = build(kind, batches, eviction, pipelined)
         if put == "batched":  # both contenders: `batched_put` in place of core.put
             e = self.emb
             csr, _ = e._preprocess(self.feats[0], None, e._capacities, e._overflow)
@@ -369,6 +375,11 @@ def main(argv=None):
         help="the ids' Zipf exponent (default train_step's 1.05; 0: uniform over the rows)",
     )
     ap.add_argument("--profile", action="store_true", help="then where the dynamic time goes")
+    ap.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="both contenders with pipeline_execution_with_tensor_core=True",
+    )
     ap.add_argument("--trace", metavar="DIR", help="then a jax.profiler trace of dynamic steps")
     ap.add_argument(
         "--put",
@@ -382,6 +393,8 @@ def main(argv=None):
         help="time enqueue's host preprocessing and transfer apart too, each round",
     )
     args = ap.parse_args(argv)
+    if args.pipelined and args.profile:
+        ap.error("--profile times the unpipelined step's programs: not with --pipelined")
     if args.vocab:
         os.environ["EMBEDMESH_BENCH_VOCAB"] = str(args.vocab)
     if args.dim:
@@ -402,11 +415,12 @@ def main(argv=None):
         f"{f'Zipf({ts.ZIPF_A})' if ts.ZIPF_A else 'uniform'} ids, {args.optimizer}; "
         f"dynamic: DynamicIds(eviction={args.eviction!r}); "
         f"transfer: {'EmbeddingCore.put' if args.put == 'core' else 'batched_put'}"
+        f"{'; pipelined' if args.pipelined else ''}"
     )
     batches = ts.make_batches(0)
     t = time.perf_counter()
-    static = Contender("static", batches, args.eviction, args.warmup, args.put)
-    dyn = Contender("dynamic", batches, args.eviction, args.warmup, args.put)
+    static = Contender("static", batches, args.eviction, args.warmup, args.put, args.pipelined)
+    dyn = Contender("dynamic", batches, args.eviction, args.warmup, args.put, args.pipelined)
     print(f"set-up and warm-up {time.perf_counter() - t:.0f} s")
     for c in (static, dyn):
         cap = next(iter(c.caps.values()))
