@@ -37,6 +37,12 @@ class Transport:
     host_job: int = 0
     channel: str = ""
 
+    @property
+    def crosses(self) -> bool:
+        """Whether anything crosses between devices (more than one): only then do a
+        program's exchanges need an order among them (`shard_program.after`)."""
+        return self.num_shards > 1
+
     def on(self, channel: str) -> Transport:
         """The same devices, calls named `channel`."""
         return dataclasses.replace(self, channel=str(channel))
