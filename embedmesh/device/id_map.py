@@ -446,6 +446,12 @@ def join_ids(pairs) -> np.ndarray:
 
 def _pairs(raw_ids) -> tuple[jax.Array, jax.Array]:
     """(hi, lo) uint32 arrays of the ids' shape, from pairs or (x64) 64-bit ids."""
+    p = _words(raw_ids)
+    return p[..., 0], p[..., 1]
+
+
+def _words(raw_ids) -> jax.Array:
+    """uint32 `[..., 2]` (hi, lo) pairs of the ids, from pairs or (x64) 64-bit ids."""
     raw_ids = jnp.asarray(raw_ids)
     if raw_ids.dtype.itemsize == 8:
         p = split_ids(raw_ids)
@@ -455,7 +461,7 @@ def _pairs(raw_ids) -> tuple[jax.Array, jax.Array]:
         p = lax.bitcast_convert_type(raw_ids, jnp.uint32)
     else:
         raise ValueError(f"raw ids are uint32/int32 pairs or 64-bit ids, got {raw_ids.dtype}")
-    return p[..., 0], p[..., 1]
+    return p
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -686,14 +692,14 @@ def map_ids(state: IdMapState, raw_ids, valid_mask, step, *, distinct: bool = Fa
         one = jax.tree_util.tree_map(lambda x: x[0], state)
         one, rows, fresh, stats = map_ids(one, raw_ids, valid_mask, step, distinct=distinct)
         return jax.tree_util.tree_map(lambda x: x[None], one), rows, fresh, stats
-    hi, lo = _pairs(raw_ids)
-    shape = hi.shape
-    hi, lo = hi.reshape(-1), lo.reshape(-1)
+    words = _words(raw_ids)
+    shape = words.shape[:-1]
+    words = words.reshape(-1, 2)
     valid = jnp.broadcast_to(jnp.asarray(valid_mask, bool), shape).reshape(-1)
     step = jnp.asarray(step, jnp.int32)
-    if native_step():
-        return _map_ids_native(state, hi, lo, valid, step, distinct, shape)
-    return _map_ids(state, hi, lo, valid, step, distinct, shape)
+    if native_step():  # (the op takes the pairs: split by XLA they cost a thunk a word)
+        return _map_ids_native(state, words, valid, step, distinct, shape)
+    return _map_ids(state, words[:, 0], words[:, 1], valid, step, distinct, shape)
 
 
 STAT_NAMES = ("hits", "admissions", "evictions", "pending", "refused", "occupancy")
@@ -726,26 +732,27 @@ def sketch_keys(config: IdMapConfig) -> tuple[int, ...]:
     )
 
 
-def _map_ids_native(state: IdMapState, hi, lo, valid, step, distinct: bool, shape):
+def _map_ids_native(state: IdMapState, words, valid, step, distinct: bool, shape):
     """`map_ids` as the op `ops.id_map_step` (its CPU kernel: the whole call, the state
-    updated in place), whose reference is `_map_ids` on the same arguments."""
+    updated in place), whose reference is `_map_ids` on the same arguments (`words`
+    [n, 2] split into hi, lo)."""
     config = state.config
-    n = hi.shape[0]
+    n = words.shape[0]
 
     blocked = state.index.ndim == 4
 
     def jnp_path(*args):
         arrays = [x[0] for x in args[:8]] if blocked else args[:8]
         st = IdMapState(config, *arrays)
-        st, rows, fresh, stats = _map_ids(st, *args[8:], distinct, (n,))
+        w, v, at = args[8:]
+        st, rows, fresh, stats = _map_ids(st, w[:, 0], w[:, 1], v, at, distinct, (n,))
         stats = jnp.stack([stats[k] for k in STAT_NAMES])
         arrays = [getattr(st, f) for f in _STATE_FIELDS]
         return (*(x[None] if blocked else x for x in arrays), rows, fresh, stats)
 
     out = ops.id_map_step(
         tuple(getattr(state, f) for f in _STATE_FIELDS),
-        hi,
-        lo,
+        words,
         valid,
         step,
         keys=bucket_keys(config) + sketch_keys(config),

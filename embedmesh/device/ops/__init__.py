@@ -106,7 +106,7 @@ end are padding.
 - On TPU (see `embedmesh.device.ops.tpu`): the in-place scatter a DMA a row, and
   Pallas pair loops for the lookup's combine and the backward's per-unique sums where
   rows are 256 lanes or more; stacks there are padded to whole 128-lane rows.
-- `id_map_step(state, hi, lo, valid, step, ...)`: a whole call of the id map (hits, the
+- `id_map_step(state, words, valid, step, ...)`: a whole call of the id map (hits, the
   admission sketch, a sweep, admissions), the state updated in place. Reference: the
   caller's jnp path (`fallback`, `id_map._map_ids`); the CPU kernel is that path bit for
   bit, and `map_ids` runs it wherever the CPU kernels are in use.
@@ -1024,8 +1024,7 @@ def id_map_step_native() -> bool:
 
 def id_map_step(
     state: tuple,
-    hi,
-    lo,
+    words,
     valid,
     step,
     *,
@@ -1038,8 +1037,8 @@ def id_map_step(
     fallback,
 ):
     """A whole call of the id map (`embedmesh.device.id_map.map_ids`): `state` its eight
-    arrays (`IdMapState`'s fields in order), `hi`, `lo` uint32 [n] the raw ids' words,
-    `valid` bool [n], `step` int32; `keys` the two bucket hashes' and the tag's seed
+    arrays (`IdMapState`'s fields in order), `words` uint32 [n, 2] the raw ids' (high,
+    low) words, `valid` bool [n], `step` int32; `keys` the two bucket hashes' and the tag's seed
     words then each sketch row's (3 each); the config's `lfu`, `admit_after`, `evict_batch`,
     `halve_every`; `distinct`: no valid id occurs twice. Returns the new state's eight
     arrays, `rows` int32 [n], `fresh` bool [n] and `stats` int32 [6] (`id_map.ID_STATS`'
@@ -1052,8 +1051,7 @@ def id_map_step(
     return _dispatch(
         "id_map_step",
         *state,
-        hi.reshape(-1).astype(jnp.uint32),
-        lo.reshape(-1).astype(jnp.uint32),
+        words.reshape(-1, 2).astype(jnp.uint32),
         valid.reshape(-1).astype(bool),
         jnp.asarray(step, jnp.int32),
         keys=tuple(int(k) for k in keys),

@@ -106,7 +106,7 @@ T* InPlace(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 
 // Operands: the state (index u32 [B, 2, W], row_info s32 [c, 4], row_slot s32 [c], free
 // s32 [c], free_head, num_free s32 [], sketch s32 [depth, width], sightings s32 []), the
-// call (hi, lo u32 [n], valid pred [n], step s32 []) and `keys` u32 [3 + depth, 3] (the
+// call (the ids' words u32 [n, 2]: high, low; valid pred [n], step s32 []) and `keys` u32 [3 + depth, 3] (the
 // two bucket hashes' and the tag's seed words, then each sketch row's). Attributes: lfu,
 // admit_after, evict_batch, halve_every, distinct. Results: the state (aliased), rows s32
 // [n], fresh pred [n], stats s32 [6] (hits, admissions, evictions, pending, refused,
@@ -114,7 +114,7 @@ T* InPlace(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuffer row_slot_in,
                 ffi::AnyBuffer free_in, ffi::AnyBuffer free_head_in, ffi::AnyBuffer num_free_in,
                 ffi::AnyBuffer sketch_in, ffi::AnyBuffer sightings_in,
-                ffi::Buffer<ffi::U32> hi_in, ffi::Buffer<ffi::U32> lo_in,
+                ffi::Buffer<ffi::U32> words_in,
                 ffi::Buffer<ffi::PRED> valid_in, ffi::Buffer<ffi::S32> step_in,
                 ffi::Buffer<ffi::U32> keys_in, int64_t lfu, int64_t admit_after,
                 int64_t evict_batch, int64_t halve_every, int64_t distinct,
@@ -140,7 +140,9 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   const int64_t c = row_slot_in.element_count();
   if (static_cast<int64_t>(row_info_in.element_count()) != kInfo * c)
     return ffi::Error::InvalidArgument("id_map_step: row_info must be [..., capacity, 4]");
-  const int64_t n = hi_in.element_count();
+  const int64_t n = words_in.element_count() / 2;
+  if (words_in.element_count() != 2 * n)
+    return ffi::Error::InvalidArgument("id_map_step: the raw ids' words must be [n, 2]");
   auto sdims = sketch_in.dimensions();
   if (sdims.size() < 2) return ffi::Error::InvalidArgument("id_map_step: sketch must be 2-d");
   const int64_t depth = sdims[sdims.size() - 2];
@@ -156,8 +158,26 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   int32_t* num_free = InPlace<int32_t>(num_free_in, num_free_out);
   int32_t* sketch = InPlace<int32_t>(sketch_in, sketch_out);
   int32_t* sightings = InPlace<int32_t>(sightings_in, sightings_out);
-  const uint32_t* hi = hi_in.typed_data();
-  const uint32_t* lo = lo_in.typed_data();
+  // the ids' words apart, in buffers of the calling thread (their [n, 2] pairs split by
+  // XLA cost a thunk each, two a call: ~26 us a call of 16,384 ids on CPU; here ~5)
+  static thread_local std::vector<uint32_t> hi_kept, lo_kept;
+  std::vector<uint32_t> hi_own, lo_own;
+  constexpr int64_t kKeptWords = int64_t{1} << 20;  // 4 MiB a thread and word at most
+  std::vector<uint32_t>& hi_buffer = n <= kKeptWords ? hi_kept : hi_own;
+  std::vector<uint32_t>& lo_buffer = n <= kKeptWords ? lo_kept : lo_own;
+  if (static_cast<int64_t>(hi_buffer.size()) < n) hi_buffer.resize(n);
+  if (static_cast<int64_t>(lo_buffer.size()) < n) lo_buffer.resize(n);
+  {
+    const uint32_t* __restrict__ w = words_in.typed_data();
+    uint32_t* __restrict__ h = hi_buffer.data();
+    uint32_t* __restrict__ l = lo_buffer.data();
+    for (int64_t i = 0; i < n; ++i) {
+      h[i] = w[2 * i];
+      l[i] = w[2 * i + 1];
+    }
+  }
+  const uint32_t* hi = hi_buffer.data();
+  const uint32_t* lo = lo_buffer.data();
   const bool* valid = valid_in.typed_data();
   const int32_t step = step_in.typed_data()[0];
   const uint32_t* kw = keys_in.typed_data();
@@ -482,7 +502,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmIdMapStep, embedmesh::id_map_step::Step,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

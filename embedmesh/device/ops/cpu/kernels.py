@@ -435,10 +435,10 @@ def _pooled_backward_kernel(table, slots, *args, optimizer, step, transport, **p
 def id_map_step(*args, keys, lfu, admit_after, evict_batch, halve_every, distinct, fallback):
     """id_map.cc: a whole `map_ids` call, the state's eight arrays updated in place
     (aliased); `fallback` (the jnp path: the op's reference) is not run here."""
-    state, (hi, lo, valid, step) = args[:8], args[8:]
+    state, (ids, valid, step) = args[:8], args[8:]
     outs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state) + (
-        jax.ShapeDtypeStruct(hi.shape, jnp.int32),
-        jax.ShapeDtypeStruct(hi.shape, jnp.bool_),
+        jax.ShapeDtypeStruct(valid.shape, jnp.int32),
+        jax.ShapeDtypeStruct(valid.shape, jnp.bool_),
         jax.ShapeDtypeStruct((6,), jnp.int32),
     )
     words = jnp.asarray(np.asarray(keys, np.uint32).reshape(-1, 3))
@@ -446,8 +446,7 @@ def id_map_step(*args, keys, lfu, admit_after, evict_batch, halve_every, distinc
         "embedmesh_id_map_step", outs, input_output_aliases={i: i for i in range(8)}
     )(
         *state,
-        hi,
-        lo,
+        ids,
         valid,
         jnp.asarray(step, jnp.int32).reshape(1),
         words,
