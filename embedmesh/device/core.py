@@ -571,7 +571,7 @@ class EmbeddingCore:
 
     def _leading(self, state: EmbeddingState, stack: str | None) -> dict:
         """`{stack: its table}` for a program's writes to follow (`_after`); none where
-        nothing is ordered (`Transport.after`)."""
+        nothing is ordered (`Transport.crosses`)."""
         if stack is None or not self.transport.crosses:
             return {}
         return {stack: state.tables[stack]}
