@@ -576,6 +576,23 @@ class EmbeddingCore:
             return {}
         return {stack: state.tables[stack]}
 
+    def _mappable(self, state: EmbeddingState, csr: dict) -> list:
+        """`csr`'s stacks of raw ids, in plan order; ValueError naming a stack whose batch
+        has no raw ids (mapped already) or whose id map the state lacks."""
+        stacks = [s.name for s in self.plan.stacks if s.name in csr and s.name in self.dynamic]
+        for s in stacks:
+            if csr[s].unique_raw_ids is None:
+                raise ValueError(
+                    f"stack {s}: the batch has no raw ids (map_ids was run on it already, or it "
+                    f"was not preprocessed for this plan)"
+                )
+            if s not in state.id_maps:
+                raise ValueError(
+                    f"stack {s}: the state has no id map (a state from EmbeddingCore.init holds "
+                    f"one for every table of raw ids)"
+                )
+        return stacks
+
     def map_ids(
         self,
         state: EmbeddingState,
@@ -611,20 +628,9 @@ class EmbeddingCore:
         owner re-initialised (its received ids' rows, fresh flags and raw ids), for
         `reinit_fresh_rows` to do again after an update that ran late (pipelining: the
         previous batch's update, which may write a row this call gave to another id)."""
-        stacks = [s.name for s in self.plan.stacks if s.name in csr and s.name in self.dynamic]
+        stacks = self._mappable(state, csr)
         if not stacks:
             return (state, csr, {}, {}) if keep_fresh else (state, csr, {})
-        for s in stacks:
-            if csr[s].unique_raw_ids is None:
-                raise ValueError(
-                    f"stack {s}: the batch has no raw ids (map_ids was run on it already, or it "
-                    f"was not preprocessed for this plan)"
-                )
-            if s not in state.id_maps:
-                raise ValueError(
-                    f"stack {s}: the state has no id map (a state from EmbeddingCore.init holds "
-                    f"one for every table of raw ids)"
-                )
         tables = {s: state.tables[s] for s in stacks}
         slots = {s: state.slots[s] for s in stacks}
         maps = {s: state.id_maps[s]["map"] for s in stacks}
