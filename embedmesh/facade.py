@@ -360,8 +360,8 @@ class MeshEmbedding:
         # The map's programs return the new rows and pairs only (`_mapped_rows`), the batch
         # made around them here (`_with_rows`): a program returning the whole batch
         # copies its unchanged arrays out (~0.8 ms a step on the dynamic_ids benchmark)
-        def map_ids(st, c):  # (named: the program's name in traces, jit_map_ids)
-            return _mapped_rows(c, *core.map_ids(st, c))
+        def map_ids(st, c, c_prev=None):  # (named: the program's name in traces)
+            return _mapped_rows(c, *core.map_ids(st, c, after_update=c_prev))
 
         self._map_fn = jax.jit(map_ids, donate_argnums=0)
 
@@ -374,7 +374,7 @@ class MeshEmbedding:
             return map_lookup(st, c_next, c_prev)
 
         def map_lookup(st, c, c_prev=None):
-            st, rows, stats = _mapped_rows(c, *core.map_ids(st, c, after_update=c_prev))
+            st, rows, stats = map_ids(st, c, c_prev)
             return core.lookup(st, _with_rows(c, rows), carrying=True), st, rows, stats
 
         self._apply_map_lookup_fn = jax.jit(apply_map_lookup, donate_argnums=0)
@@ -874,9 +874,7 @@ class MeshEmbedding:
                 # map may give its rows to other ids), then the lookup: one program
                 return self._map_and_lookup(partitioned_tensors)
         if self._pending is not None:
-            grads, prev, view = self._pending
-            self._pending = None
-            self._observed = None  # the read copy, if any, is not needed any more
+            grads, prev, view = self._take_pending()
             if fresh is not None:  # pipelined, raw ids: see `_map_ahead`
                 (acts, view), self._state = self._fused_refresh_fn(
                     self._state, grads, prev, view, partitioned_tensors, fresh
@@ -884,9 +882,7 @@ class MeshEmbedding:
             else:
                 run = self._fused_fn if self._pipelined else self._apply_lookup_fn
                 (acts, view), self._state = run(self._state, grads, prev, view, partitioned_tensors)
-            if not self._trimmed:  # its compilation's temporaries (the step's own are small)
-                self._trimmed = True
-                _return_free_heap()
+            self._trim_once()
         else:
             acts, view = self._lookup_fn(self._state, partitioned_tensors)
             if self._after_lookup is not None:  # restored mid-pipeline: now up to date
@@ -897,16 +893,10 @@ class MeshEmbedding:
     def _map_and_lookup(self, csr: dict):
         """Unpipelined `dequeue` of a batch with raw ids: the pending update if any, the
         map, the lookup, in one program."""
-        if self._after_lookup is not None:
-            self._state, self._after_lookup = self._after_lookup, None
         if self._pending is not None:
-            grads, prev, view = self._pending
-            self._pending = None
-            self._observed = None
+            grads, prev, view = self._take_pending()
             out = self._apply_map_lookup_fn(self._state, grads, prev, view, csr)
-            if not self._trimmed:  # (as `dequeue`)
-                self._trimmed = True
-                _return_free_heap()
+            self._trim_once()
         else:
             out = self._map_lookup_fn(self._state, csr)
         (acts, view), self._state, rows, counts = out
@@ -914,6 +904,20 @@ class MeshEmbedding:
         csr = _with_rows(csr, rows)
         self._view = (csr, view)
         return self._pack_activations(acts, csr), csr
+
+    def _take_pending(self) -> tuple:
+        """The pending update `(grads, csr, view)`, no longer pending (nor its read copy,
+        `_observed`)."""
+        pending, self._pending, self._observed = self._pending, None, None
+        assert pending is not None
+        return pending
+
+    def _trim_once(self) -> None:
+        """After the first update ran: its compilation's temporaries back to the system
+        (the step's own are small)."""
+        if not self._trimmed:
+            self._trimmed = True
+            _return_free_heap()
 
     def _map_ahead(self, csr: dict) -> tuple:
         """Pipelined, an update pending: map the raw ids of the next batch `csr` before
@@ -1021,9 +1025,7 @@ class MeshEmbedding:
             self._state, self._after_lookup = self._after_lookup, None
         if self._pending is None:
             return
-        grads, csr, view = self._pending
-        self._pending = None
-        self._observed = None
+        grads, csr, view = self._take_pending()
         self._state = self._apply_fn(self._state, grads, csr, view)
 
     def _check_step(self, grads: dict, csr: dict) -> None:
