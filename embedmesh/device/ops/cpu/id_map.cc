@@ -97,6 +97,18 @@ inline int RoomIn(const uint32_t* ix, int64_t b, uint32_t tag) {
   return clash ? -1 : e;
 }
 
+// A call's scratch array of n elements: the calling thread's own, kept between calls up
+// to `kept_max` elements (a fresh vector each call costs its allocation, its zeroing and,
+// past malloc's mmap threshold, page faults), or for a larger call `own`, freed with the
+// call. Slot distinguishes a call's several arrays.
+template <typename T, int Slot>
+T* CallBuffer(int64_t n, int64_t kept_max, std::vector<T>& own) {
+  static thread_local std::vector<T> kept;
+  std::vector<T>& buffer = n <= kept_max ? kept : own;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 template <typename T>
 T* InPlace(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   T* dst = static_cast<T*>(out->untyped_data());
@@ -106,8 +118,9 @@ T* InPlace(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 
 // Operands: the state (index u32 [B, 2, W], row_info s32 [c, 4], row_slot s32 [c], free
 // s32 [c], free_head, num_free s32 [], sketch s32 [depth, width], sightings s32 []), the
-// call (the ids' words u32 [n, 2]: high, low; valid pred [n], step s32 []) and `keys` u32 [3 + depth, 3] (the
-// two bucket hashes' and the tag's seed words, then each sketch row's). Attributes: lfu,
+// call (the ids' words u32 [n, 2]: high, low; valid pred [n]; step s32 []) and `keys`
+// u32 [3 + depth, 3] (the two bucket hashes' and the tag's seed words, then each sketch
+// row's). Attributes: lfu,
 // admit_after, evict_batch, halve_every, distinct. Results: the state (aliased), rows s32
 // [n], fresh pred [n], stats s32 [6] (hits, admissions, evictions, pending, refused,
 // occupancy).
@@ -158,26 +171,19 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   int32_t* num_free = InPlace<int32_t>(num_free_in, num_free_out);
   int32_t* sketch = InPlace<int32_t>(sketch_in, sketch_out);
   int32_t* sightings = InPlace<int32_t>(sightings_in, sightings_out);
-  // the ids' words apart, in buffers of the calling thread (their [n, 2] pairs split by
-  // XLA cost a thunk each, two a call: ~26 us a call of 16,384 ids on CPU; here ~5)
-  static thread_local std::vector<uint32_t> hi_kept, lo_kept;
+  // the ids' words apart (their [n, 2] pairs split by XLA cost a thunk each, two a call:
+  // ~26 us a call of 16,384 ids on CPU; here ~5)
+  constexpr int64_t kKept = int64_t{1} << 20;  // a thread keeps 4 MiB a word, 8 of `found`
   std::vector<uint32_t> hi_own, lo_own;
-  constexpr int64_t kKeptWords = int64_t{1} << 20;  // 4 MiB a thread and word at most
-  std::vector<uint32_t>& hi_buffer = n <= kKeptWords ? hi_kept : hi_own;
-  std::vector<uint32_t>& lo_buffer = n <= kKeptWords ? lo_kept : lo_own;
-  if (static_cast<int64_t>(hi_buffer.size()) < n) hi_buffer.resize(n);
-  if (static_cast<int64_t>(lo_buffer.size()) < n) lo_buffer.resize(n);
-  {
-    const uint32_t* __restrict__ w = words_in.typed_data();
-    uint32_t* __restrict__ h = hi_buffer.data();
-    uint32_t* __restrict__ l = lo_buffer.data();
-    for (int64_t i = 0; i < n; ++i) {
-      h[i] = w[2 * i];
-      l[i] = w[2 * i + 1];
-    }
+  uint32_t* __restrict__ hi_words = CallBuffer<uint32_t, 0>(n, kKept, hi_own);
+  uint32_t* __restrict__ lo_words = CallBuffer<uint32_t, 1>(n, kKept, lo_own);
+  const uint32_t* __restrict__ w = words_in.typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    hi_words[i] = w[2 * i];
+    lo_words[i] = w[2 * i + 1];
   }
-  const uint32_t* hi = hi_buffer.data();
-  const uint32_t* lo = lo_buffer.data();
+  const uint32_t* hi = hi_words;
+  const uint32_t* lo = lo_words;
   const bool* valid = valid_in.typed_data();
   const int32_t step = step_in.typed_data()[0];
   const uint32_t* kw = keys_in.typed_data();
@@ -202,15 +208,8 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   //    found: step 8 gives those theirs): with distinct ids a call of every valid id
   //    found (a step of hits, the steady state) ends after this loop, without the
   //    serial steps 2-8.
-  // (a buffer of the calling thread, kept up to kKeptFound positions: a fresh vector of
-  // n zeroed int64 each call costs its allocation, zeroing and, past malloc's mmap
-  // threshold, page faults; a larger call takes one of its own, freed at its end)
-  constexpr int64_t kKeptFound = int64_t{1} << 20;  // 8 MiB a thread at most
-  static thread_local std::vector<int64_t> found_kept;
   std::vector<int64_t> found_own;
-  std::vector<int64_t>& found_buffer = n <= kKeptFound ? found_kept : found_own;
-  if (static_cast<int64_t>(found_buffer.size()) < n) found_buffer.resize(n);
-  int64_t* const found = found_buffer.data();
+  int64_t* const found = CallBuffer<int64_t, 0>(n, kKept, found_own);
   std::atomic<bool> missed{false};
   std::atomic<int64_t> valid_count{0};
   ParallelFor(NumChunks(n, kChunk), [&](int64_t chunk) {
