@@ -67,8 +67,7 @@ def test_readme_is_an_overview_with_the_two_setup_commands():
     assert commands == [
         "python3 -m venv .venv && .venv/bin/pip install -q -e '.[examples]' "
         "&& .venv/bin/python -m examples.movielens",
-        "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' "
-        "&& .venv/bin/python -m pytest",
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest",
     ]
     # every relative link of README and the guides names a file that exists
     for page in [ROOT / "README.md", *DOCS.rglob("*.md")]:

@@ -93,7 +93,7 @@ def test_ci_runs_the_linters_between_install_and_tests():
         assert hits, f".ci/run has no line with {fragment!r}"
         return hits[0]
 
-    install = at("pip install -q -e '.[test]'")
+    install = at("pip install -e '.[test]'")
     assert "python3 -m venv .venv" in lines[install]
     checks = [at(".venv/bin/ruff check"), at(".venv/bin/ruff format --check"), at(".venv/bin/mypy")]
     # the suite: README's command itself (a warm-up before it runs a few tests too)
