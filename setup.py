@@ -4,8 +4,11 @@
 ISA variant for a wheel, the variant this CPU loads for an editable install
 (`EMBEDMESH_BUILD_VARIANTS=all` builds them all). Everything else is in pyproject.toml."""
 
+import concurrent.futures
 import importlib.util
 import os
+import re
+import stat
 import sys
 
 from setuptools import Extension, setup
@@ -26,9 +29,59 @@ def _native():
     return module
 
 
+def _pip_stdout() -> str | None:
+    """Where pip's own output goes, when pip runs this build and was not asked to be quiet:
+    `/proc/<pip>/fd/1` (Linux), else None. pip captures a build's output and shows it only
+    with `pip -v`, so `pip install -e .` would compile the kernels for minutes with nothing
+    on the screen but a spinner; the build's progress lines go beside pip's own instead,
+    where that is a terminal or a pipe. Quiet (`-q`, `--quiet`, `PIP_QUIET`) stays quiet:
+    README's demo command."""
+    if os.environ.get("PIP_QUIET", "").strip() not in ("", "0", "false", "no", "off"):
+        return None
+    pid = os.getppid()
+    for _ in range(6):  # pip -> its build backend's process -> setuptools -> this file
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        words = [os.path.basename(a) for a in argv[:3]]
+        if any(re.fullmatch(r"pip[\d.]*", w) for w in words) and any(
+            a in ("install", "wheel") for a in argv
+        ):
+            quiet = any(a == "--quiet" or re.fullmatch(r"-[a-zA-Z]*q[a-zA-Z]*", a) for a in argv)
+            target = f"/proc/{pid}/fd/1"
+            try:
+                # a terminal or a pipe; not a file, whose offset is pip's own: pip's next
+                # line would overwrite ours
+                return None if quiet or stat.S_ISREG(os.stat(target).st_mode) else target
+            except OSError:
+                return None
+        if parent <= 1:
+            return None
+        pid = parent
+    return None
+
+
+def _progress(message: str) -> None:
+    """One line of the build's progress: on stdout (pip shows it with -v; a plain
+    `python setup.py ...` shows it), and where pip's own output goes (`_pip_stdout`)."""
+    print(message, flush=True)
+    target = _pip_stdout()
+    if target is None:
+        return
+    try:
+        with open(target, "a") as f:
+            f.write(f"\n{message}" if os.isatty(f.fileno()) else f"{message}\n")
+    except OSError:
+        pass  # not ours to write to (another user's pip, a closed pipe): stdout only
+
+
 class BuildNative(build_ext):
     """Compiles the C++ libraries (plain shared libraries loaded with ctypes; a failed
-    build is recorded and said at first use), then the one Python extension,
+    build is recorded and said at first use) and, beside them, the one Python extension,
     `embedmesh.serving._request` (optional: without it the serving lookup runs the same
     checks in Python)."""
 
@@ -46,10 +99,18 @@ class BuildNative(build_ext):
         jobs = int(os.environ.get("EMBEDMESH_BUILD_JOBS", "0")) or os.cpu_count() or 1
         # a wheel: every ISA variant; a checkout: the one this CPU loads
         variants = native.editable_variants() if self._editable() else native.install_variants()
-        native.build_all(
-            self._out_dir(), variants=variants, jobs=jobs, log=lambda m: print(m, flush=True)
+        kinds = [k for k, lib in native.LIBRARIES.items() if lib.source_files()]
+        _progress(
+            f"embedmesh: building the C++ kernels ({', '.join(kinds)}; {', '.join(variants)})"
+            f" and the serving request extension, {jobs} at a time: a minute or a few"
         )
-        super().run()
+        # The request extension (setuptools' compile of one file) builds beside the
+        # libraries: after them it ran alone on one core while the others idled.
+        with concurrent.futures.ThreadPoolExecutor(1) as extension:
+            request = extension.submit(super().run)
+            native.build_all(self._out_dir(), variants=variants, jobs=jobs, log=_progress)
+            request.result()
+        _progress("embedmesh: built the serving request extension; the C++ build is done")
 
     def get_outputs(self):
         ext = super().get_outputs()
