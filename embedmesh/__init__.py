@@ -2,7 +2,7 @@
 
 import importlib as _importlib
 
-from embedmesh import _gpu_guard, _lazy
+from embedmesh import _gpu_guard, _lazy, _runtime
 from embedmesh.config import (
     DynamicIds,
     FeatureConfig,
@@ -43,6 +43,8 @@ __version__ = "0.1.0"
 
 # Importing the package starts no jax backend, so XLA has not read XLA_FLAGS yet.
 _gpu_guard.apply()
+# JAX's persistent compilation cache, where the user has set none (docs/environment.md)
+_runtime.use_compilation_cache()
 
 
 # `embedmesh.checkpoint` loads orbax only when used.

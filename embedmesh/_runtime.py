@@ -27,6 +27,11 @@ lists them:
   EMBEDMESH_GPU_SCATTER_WORKAROUND=0  no XLA flag against jaxlib 0.10.2-0.11.0's
                               slow GPU scatter-add (see `embedmesh._gpu_guard`)
   EMBEDMESH_CACHE_DIR=path    where kernels built at first use are cached
+  EMBEDMESH_COMPILATION_CACHE=0|path   JAX's persistent compilation cache: 0 (or
+                              off/false/no) leaves it off; a path puts it there
+                              (default: $EMBEDMESH_CACHE_DIR/jax, used only where
+                              neither jax_compilation_cache_dir nor
+                              JAX_COMPILATION_CACHE_DIR is set)
   EMBEDMESH_HOST_EXCHANGE=0   processes on one host exchange through XLA's
                               collectives (gloo), not shared memory
   EMBEDMESH_EXCHANGE_TIMEOUT_S=s   how long a shared-memory exchange between
@@ -54,10 +59,12 @@ __all__ = [
     "aligned_empty",
     "cache_dir",
     "combiner_code",
+    "compilation_cache_dir",
     "cpu_kernels_setting",
     "cpu_threads",
     "exchange_timeout_s",
     "gpu_kernels_variant",
+    "use_compilation_cache",
     "llvm_page_outs",
     "numba_enabled",
     "output_pool_bytes",
@@ -235,6 +242,34 @@ def cache_dir() -> str:
     return os.path.join(base, "embedmesh")
 
 
+@functools.cache
+def compilation_cache_dir() -> str | None:
+    """EMBEDMESH_COMPILATION_CACHE: None where it is 0/false/off/no, else its path, else
+    `cache_dir()`/jax (the directory of JAX's persistent compilation cache)."""
+    value = _env("EMBEDMESH_COMPILATION_CACHE")
+    if value.lower() in ("0", "false", "off", "no"):
+        return None
+    return value or os.path.join(cache_dir(), "jax")
+
+
+def use_compilation_cache() -> str | None:
+    """Point JAX's persistent compilation cache at `compilation_cache_dir()` unless the
+    user chose for it (`jax_compilation_cache_dir` set, or JAX_COMPILATION_CACHE_DIR in
+    the environment) or turned it off (EMBEDMESH_COMPILATION_CACHE=0). The first step of
+    a model compiles its programs for tens of seconds on an accelerator; a second process
+    with the same programs reads them from the cache. Called once at import, before
+    anything compiles (JAX reads the setting at its first compile). Returns the
+    directory set, or None."""
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return None
+    path = compilation_cache_dir()
+    if path is not None:
+        jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def host_exchange_enabled() -> bool:
     """EMBEDMESH_HOST_EXCHANGE (default on; 0/false/off/no: off): processes of one host
     exchange through shared memory (`embedmesh.device.peers`)."""
@@ -378,6 +413,7 @@ def reset() -> None:
         serving_spin_us,
         output_pool_bytes,
         cache_dir,
+        compilation_cache_dir,
         exchange_timeout_s,
     ):
         fn.cache_clear()

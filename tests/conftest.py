@@ -55,6 +55,10 @@ if "EMBEDMESH_TEST_JAX_CACHE" in os.environ or "JAX_COMPILATION_CACHE_DIR" not i
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache_root, _worker)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# embedmesh's own default cache (under ~/.cache/embedmesh) is never used by the tests: the
+# directory above is set whenever it applies, and this keeps a child process given an
+# environment of its own (without JAX_COMPILATION_CACHE_DIR) out of the user's home too.
+os.environ.setdefault("EMBEDMESH_COMPILATION_CACHE", "0")
 
 
 @pytest.fixture

@@ -446,6 +446,52 @@ class Machine:
             **changes,
         )
 
+    @staticmethod
+    def tpu_v5e(shape: tuple = (1, 1), **changes) -> Machine:
+        """TPU v5e chips of a slice of `shape` (chips along each ICI axis, e.g. (4, 4)).
+
+        Row costs from one v5e chip (benchmarks/RESULTS_tpu.md, rows moved a DMA each:
+        gather 42.6 M rows/s, in-place scatter 48.8 M rows/s; a pair's row read from VMEM
+        and summed ~8 ns): read_row_s 23.5 ns, pair_row_s 8 ns, update_row_s 22 ns a
+        table-or-slot row (a gather and a scatter of a row with its slot in it, 44 ns,
+        over its 2 arrays); `benchmarks/tpu_scale.py` measures them again in its own run
+        and passes them here. HBM: 16 GB at 819 GB/s, 15.7 GiB usable (Google Cloud's
+        v5e page; the chip reports 15.7 GiB). ICI: 400 GB/s bidirectional per chip over 4
+        ports (the same page), so 50 GB/s per port per direction. Every chip of a slice
+        is on the ICI (one link, whatever the host). An all-to-all over an a x b slice
+        (b the longer side) is bound by its bisection when the slice is a mesh: a links
+        cross the middle, the half of every chip's bytes bound for the other side
+        crosses them, so a chip's bytes go at 4 * 50 / b GB/s (no wraparound assumed:
+        conservative; a torus doubles it). Latency 10 us a collective (an assumption)."""
+        dims = sorted(int(x) for x in shape if int(x) > 1) or [1]
+        port = 50e9
+        bandwidth = 4 * port / dims[-1] if dims[-1] > 1 else 4 * port
+        ici = Link(
+            f"ICI {'x'.join(map(str, shape))}",
+            bandwidth,
+            10e-6,
+            source="cloud.google.com/tpu/docs/v5e: 400 GB/s bidirectional ICI per chip, "
+            "4 ports; all-to-all at the bisection of a mesh (no wraparound)",
+        )
+        base = Machine(
+            name=f"TPU v5e {'x'.join(map(str, shape))}",
+            read_row_s=23.5e-9,
+            pair_row_s=8e-9,
+            update_row_s=22e-9,
+            mem_bw=819e9,
+            memory_per_device=15.7 * 2**30,
+            devices_per_host=1 << 30,  # the ICI spans the slice
+            intra=ici,
+            inter=ici,
+            step_overhead_s=0.0,
+            notes=(
+                "row costs: benchmarks/RESULTS_tpu.md (one v5e chip)",
+                "HBM and ICI: cloud.google.com/tpu/docs/v5e",
+                f"link: {ici.source}",
+            ),
+        )
+        return dataclasses.replace(base, **changes)
+
     # -- model pieces -------------------------------------------------------
 
     def t_read(self, row_bytes: float) -> float:

@@ -5,9 +5,10 @@ here when it builds: `table_stats` measures each table's ids per sample and how
 its distinct ids grow with the batch on a sample batch (the first one given to
 `enqueue`; from the config alone, one id per sample and every id distinct, when
 `build()` comes before any batch), `machine_for` picks the cost model's constants
-for the mesh (this CPU's kernels and links, or a GPU cluster's datasheet
-projection), and `plan` runs `cost_model.plan_tables` over the strategies
-embedmesh implements, keeping the user's choices as overrides.
+for the mesh (this CPU's kernels and links, a TPU v5e slice's measured row costs and
+its ICI, or a GPU cluster's datasheet projection), and `plan` runs
+`cost_model.plan_tables` over the strategies embedmesh implements, keeping the user's
+choices as overrides.
 
 Memory is one rule for every strategy, explicit or planned: the bytes each device
 holds are the built layout's (`stacking_for(...).bytes_per_device`: every stack's
@@ -48,6 +49,7 @@ __all__ = [
     "resolve_strategies",
     "stacking_for",
     "table_stats",
+    "tpu_slice_shape",
 ]
 
 # strategy -> (placement, exchange form)
@@ -177,16 +179,28 @@ def table_stats(resolved, optimizers: Mapping[str, object], csrs: Sequence | Non
 def machine_for(mesh, on_cpu: bool) -> Machine:
     """The cost model's constants for `mesh` (`on_cpu`: its devices are CPUs, as the
     ops layer tells): this CPU's (in-process devices read each other's memory;
-    processes of one host copy through shared memory), or the GPU cluster projection
-    (H200 or H100)."""
+    processes of one host copy through shared memory), a TPU slice's (`Machine.tpu_v5e`
+    of its chips' extent, `tpu_slice_shape`), or the GPU cluster projection (H200 or
+    H100)."""
     devices = list(mesh.devices.flat)
     processes = {d.process_index for d in devices}
     if not on_cpu:
         kind = str(getattr(devices[0], "device_kind", ""))
+        if kind.upper().startswith("TPU"):  # "TPU v5 lite", "TPU v5e"
+            return Machine.tpu_v5e(tpu_slice_shape(devices))
         return Machine.h200() if "H200" in kind else Machine.h100_cluster()
     if len(processes) == 1:
         return Machine.this_cpu("shm")
     return Machine.this_cpu("host_shm")
+
+
+def tpu_slice_shape(devices) -> tuple:
+    """The chips along each ICI axis of TPU `devices` (their `coords`' extents; one axis
+    of len(devices) where the devices do not tell)."""
+    coords = [tuple(getattr(d, "coords", ()) or ()) for d in devices]
+    if not coords or not all(coords) or len({len(c) for c in coords}) != 1:
+        return (len(devices),)
+    return tuple(len({c[k] for c in coords}) for k in range(len(coords[0])))
 
 
 def plan(

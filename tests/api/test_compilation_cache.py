@@ -1,0 +1,55 @@
+"""JAX's persistent compilation cache: embedmesh turns it on at import where the user has
+set none, and leaves it alone where they have, or where EMBEDMESH_COMPILATION_CACHE=0."""
+
+import os
+
+import jax
+import pytest
+
+from embedmesh import _runtime
+
+
+@pytest.fixture
+def cache_config(monkeypatch):
+    """The cache's setting cleared for the test (restored after it), the switches re-read."""
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("EMBEDMESH_COMPILATION_CACHE", raising=False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    _runtime.reset()
+    yield monkeypatch
+    jax.config.update("jax_compilation_cache_dir", before)
+    _runtime.reset()
+
+
+def test_default_is_under_embedmesh_cache_dir(cache_config, tmp_path):
+    cache_config.setenv("EMBEDMESH_CACHE_DIR", str(tmp_path))
+    _runtime.reset()
+    assert _runtime.use_compilation_cache() == os.path.join(str(tmp_path), "jax")
+    assert jax.config.jax_compilation_cache_dir == os.path.join(str(tmp_path), "jax")
+
+
+def test_a_path_is_used(cache_config, tmp_path):
+    cache_config.setenv("EMBEDMESH_COMPILATION_CACHE", str(tmp_path / "c"))
+    assert _runtime.use_compilation_cache() == str(tmp_path / "c")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+
+
+@pytest.mark.parametrize("off", ["0", "off", "False", "no"])
+def test_switched_off(cache_config, off):
+    cache_config.setenv("EMBEDMESH_COMPILATION_CACHE", off)
+    assert _runtime.use_compilation_cache() is None
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_the_users_setting_is_kept(cache_config, tmp_path):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    cache_config.setenv("EMBEDMESH_COMPILATION_CACHE", str(tmp_path / "ours"))
+    assert _runtime.use_compilation_cache() is None
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+
+
+def test_the_users_environment_is_kept(cache_config, tmp_path):
+    cache_config.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    assert _runtime.use_compilation_cache() is None
+    assert jax.config.jax_compilation_cache_dir is None  # jax reads it itself
