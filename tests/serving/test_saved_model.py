@@ -9,7 +9,7 @@ import pytest
 from process_helpers import check_saved_model
 
 import embedmesh as em
-from embedmesh.serving import Dense, Ragged, Sparse
+from embedmesh.serving import Dense, Ragged, Sparse, export_serving, load_serving
 
 pytest.importorskip("tensorflow")
 from embedmesh.serving.saved_model import export_saved_model
@@ -188,7 +188,7 @@ def test_saved_model_takes_the_models_other_inputs(tmp_path):
     """A whole model (a DLRM's dense float features beside its embeddings): the inputs
     that are not features are passed to the model in their place in the signature, and
     TensorFlow alone serves what the model gives on serving_embedding_lookup's
-    activations in process."""
+    activations in process, as export_serving does from the same signature."""
     feats = dlrm_features()
     rng = np.random.default_rng(5)
     tables = {
@@ -212,11 +212,28 @@ def test_saved_model_takes_the_models_other_inputs(tmp_path):
     assert names["cats/2"] == {"array": "cats_2"}
     assert names["side/age"] == {"array": "side_age"}
     assert names["cats/0"] == {"ids": "cats_0"}
+
+    def serve(inputs, tabs, p):  # export_serving's form: the same signature, the same model
+        acts = em.serving_embedding_lookup(
+            {"c": inputs["c"], "cats": inputs["cats"][:2]}, None, tabs, feats
+        )
+        return dlrm(p, {**inputs, "c": acts["c"], "cats": [*acts["cats"], inputs["cats"][2]]})
+
+    export_serving(
+        serve,
+        tmp_path / "export",
+        tables=tables,
+        params=params,
+        input_signature=DLRM_SIGNATURE,
+        batch_sizes=(8,),
+    )
+    server = load_serving(tmp_path / "export")
     cases = {}
     for i, b in enumerate((1, 6)):
         lengths = rng.integers(0, 4, b)
         lengths[-1] = 0
-        ragged = em.RaggedTensor.from_row_lengths(rng.integers(0, 30, int(lengths.sum())), lengths)
+        values = rng.integers(0, 30, int(lengths.sum())).astype(np.int32)
+        ragged = em.RaggedTensor.from_row_lengths(values, lengths)
         ids0 = rng.integers(0, 20, b).astype(np.int32)
         ids1 = rng.integers(0, 30, (b, 2)).astype(np.int32)
         pair = rng.normal(size=(b, 2)).astype(np.float32)
@@ -232,6 +249,10 @@ def test_saved_model_takes_the_models_other_inputs(tmp_path):
                 "side": {"age": age},
             },
         )
+        got = server(
+            {"c": ragged, "cats": [ids0, ids1, pair], "dense": dense, "side": {"age": age}}
+        )
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
         key = "c_values/c_row_splits"
         cases[f"case{i}/ragged/{key}"] = np.asarray(ragged.values, np.int32)
         cases[f"case{i}/lengths/{key}"] = lengths.astype(np.int64)
