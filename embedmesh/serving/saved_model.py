@@ -173,7 +173,8 @@ def _split_signature(resolved, input_signature) -> _Split:
             )
     index = {tuple(p): i for i, p in enumerate(feature_paths)}
     specs = [by_path[tuple(p)][1] for p in feature_paths]
-    extras, kinds = [], []
+    extras: list = []
+    kinds: list = []
     for path, spec in leaves:
         if tuple(path) in index:
             kinds.append(("feature", index[tuple(path)]))
