@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from embedmesh.config import resolve_feature_config
+from embedmesh.config import _path_str, resolve_feature_config
 from embedmesh.layout.by_id import RawIdTable
 from embedmesh.serving.export import Dense, Ragged, Sparse
 from embedmesh.serving.quantized import QuantizedTable
@@ -163,7 +163,7 @@ def _split_signature(resolved, input_signature) -> _Split:
         if tuple(path) not in by_path:
             raise ValueError(
                 f"input_signature has no spec for feature {name} (at "
-                f"{_path_name(path) or '<root>'}): it must hold the feature config's "
+                f"{_path_str(path) or '<root>'}): it must hold the feature config's "
                 f"structure, the model's other inputs beside it"
             )
         spec = by_path[tuple(path)][1]
@@ -179,7 +179,7 @@ def _split_signature(resolved, input_signature) -> _Split:
         if tuple(path) in index:
             kinds.append(("feature", index[tuple(path)]))
             continue
-        name = _path_name(path)
+        name = _path_str(path)
         if not isinstance(spec, Dense):
             raise ValueError(
                 f"input_signature entry {name} is not a feature of the config, so it is "
@@ -194,19 +194,6 @@ def _split_signature(resolved, input_signature) -> _Split:
 def _feature_tree(resolved):
     """The feature config's structure with its features as leaves (paths as the user's)."""
     return resolved.treedef.unflatten(list(resolved.features))
-
-
-def _path_name(path) -> str:
-    """A structure path as TensorFlow names features: `"a/0"`."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 def _tf_feature_config(resolved, tf):
