@@ -190,7 +190,7 @@ def main(argv=None):
             d = {}
             for f in feats:
                 d[names[f]["values"]] = tf.constant(np.asarray(b[f].values, np.int32))
-                d[names[f]["row_splits"]] = tf.constant(np.asarray(b[f].row_splits, np.int32))
+                d[names[f]["row_splits"]] = tf.constant(np.asarray(b[f].row_splits, np.int64))
             tf_inputs.append(d)
 
         def call_tf(i):

@@ -1,12 +1,14 @@
 """Export trained tables and a JAX model as a TensorFlow SavedModel, for TF Serving.
 
     export_saved_model(model, "saved/", tables=tables, params=params,
-                       feature_config=features,
-                       input_signature={"watched": Ragged(), "user": Dense()})
+                       feature_config=features,  # {"watched": ..., "user": ...}
+                       input_signature={"watched": Ragged(8), "user": Dense(),
+                                        "dense": Dense((13,), np.float32)})
 
     # anywhere TensorFlow runs (TF Serving, or Python without embedmesh):
     served = tf.saved_model.load("saved/").signatures["serving_default"]
-    served(watched_values=..., watched_row_splits=..., user=...)["score"]
+    served(watched_values=rt.values, watched_row_splits=rt.row_splits, user=...,
+           dense=...)["score"]
 
 The SavedModel holds each table as a `tf.Variable` (`[vocabulary_size, dim]`, logical
 row order) and each dense parameter as one too. Its `serving_default` signature runs
@@ -18,18 +20,23 @@ model's StableHLO in an `XlaCallModule` op, the parameters passed in as the vari
 Inputs (one flat signature, since TF Serving's signatures take tensors, not composite
 tensors; `<f>` is the feature's name with characters outside `[A-Za-z0-9_]` made `_`):
 - `Dense(shape, dtype)`: `<f>`, `[batch, *shape]` ids;
-- `Ragged(...)`: `<f>_values` `[nnz]` and `<f>_row_splits` `[batch + 1]`, the
-  components of a `tf.RaggedTensor` (`rt.values`, `rt.row_splits`);
+- `Ragged(...)`: `<f>_values` `[nnz]` and `<f>_row_splits` `[batch + 1]` int64, the
+  components of a `tf.RaggedTensor` (`rt.values`, `rt.row_splits`; int64 is its
+  row splits' default dtype, `tf.cast` others);
 - `Sparse(shape, ...)`: `<f>_indices` `[nnz, 1 + len(shape)]` int64,
   `<f>_values` `[nnz]` and `<f>_dense_shape` `[1 + len(shape)]` int64, a
   `tf.SparseTensor`'s components.
 With `weighted=` (feature names), a Ragged or Sparse feature also takes `<f>_weights`
 `[nnz]` float32, its ids' weights (TF's `weights` argument; the others weigh 1).
-The batch is any size: the signature's batch axis is
-`None` and the model is exported with a symbolic batch, so there are no buckets and no
-padding (`nnz_per_example` of the specs is not used). The model must work for any
-batch size (usual ranking models do); features with a fixed `output_shape` fix the
-batch to that shape's.
+An entry of `input_signature` at a path where the feature config has no feature is
+another input of the model (a DLRM's dense features), a `Dense(shape, dtype)` spec:
+the signature input `<path>` (`"dense"`, `"a/0"` -> `a_0`), `[batch, *shape]`, handed to
+the model as it is, in its place in the signature's structure, as `export_serving`
+hands its function every input of its signature.
+The batch is any size: the signature's batch axis is `None` and the model is exported
+with a symbolic batch, so there are no buckets and no padding (`nnz_per_example` and
+`splits_dtype` of the specs are not used). The model must work for any batch size (usual
+ranking models do); features with a fixed `output_shape` fix the batch to that shape's.
 
 A table of raw ids (`TableConfig.id_map`) is given as its `RawIdTable` (`raw_id_tables`,
 `export_increment`'s tables): the SavedModel holds its rows and a zero row
@@ -46,6 +53,7 @@ TensorFlow is needed to export (the `embedmesh[tf]` extra) and is imported only 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable
@@ -53,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from embedmesh.config import resolve_feature_config
+from embedmesh.config import _path_str, resolve_feature_config
 from embedmesh.layout.by_id import RawIdTable
 from embedmesh.serving.export import Dense, Ragged, Sparse
 from embedmesh.serving.quantized import QuantizedTable
@@ -68,12 +76,14 @@ def _safe(name: str) -> str:
 def signature_names(feature_config, input_signature, weighted=()) -> dict:
     """`{feature name: {component: signature input name}}` (components: "ids" for
     Dense; "values", "row_splits" for Ragged; "indices", "values", "dense_shape" for
-    Sparse; and "weights" for the features in `weighted`)."""
+    Sparse; and "weights" for the features in `weighted`), then `{name: {"array":
+    signature input name}}` for each input that is not a feature (named by its path in
+    the signature, like `"dense"` or `"a/0"`)."""
     resolved = resolve_feature_config(feature_config)
-    specs = _flat_specs(resolved, input_signature)
-    weighted = _weighted(resolved, specs, weighted)
-    out = {}
-    for name, spec in zip(resolved.feature_names, specs):
+    split = _split_signature(resolved, input_signature)
+    weighted = _weighted(resolved, split.specs, weighted)
+    out: dict = {}
+    for name, spec in zip(resolved.feature_names, split.specs):
         f = _safe(name)
         if isinstance(spec, Dense):
             out[name] = {"ids": f}
@@ -87,6 +97,22 @@ def signature_names(feature_config, input_signature, weighted=()) -> dict:
             }
         if name in weighted:
             out[name]["weights"] = f"{f}_weights"
+    for name, _ in split.extras:
+        if name in out:
+            raise ValueError(
+                f"input_signature entry {name} (not a feature) has the name of a feature: "
+                f"rename the feature (FeatureConfig.name) or move the entry"
+            )
+        out[name] = {"array": _safe(name)}
+    owner: dict = {}
+    for name, comps in out.items():
+        for input_name in comps.values():
+            if input_name in owner:
+                raise ValueError(
+                    f"the signature input {input_name} would serve both {owner[input_name]} "
+                    f"and {name} (names outside [A-Za-z0-9_] become _): rename one"
+                )
+            owner[input_name] = name
     return out
 
 
@@ -109,17 +135,65 @@ def _weighted(resolved, specs, weighted) -> set:
     return set(weighted)
 
 
-def _flat_specs(resolved, input_signature) -> list:
-    try:
-        leaves = resolved.treedef.flatten_up_to(input_signature)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"input_signature must have the feature config's structure: {e}") from None
-    for name, spec in zip(resolved.feature_names, leaves):
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """The input signature split into features and the model's other inputs.
+
+    `specs`: each feature's spec, in the feature config's order; `extras`: `[(name,
+    Dense)]`, the inputs that are not features, in the signature's order; `leaves`:
+    for each leaf of the signature, ("feature", i) or ("extra", i); `treedef`: the
+    signature's structure, which the model's input has."""
+
+    specs: list
+    extras: list
+    leaves: list
+    treedef: Any
+
+
+def _split_signature(resolved, input_signature) -> _Split:
+    """The signature's leaves matched to the feature config's features by their path in
+    the structure; a leaf at a path that is no feature's is an extra input, passed to
+    the model as it is (a DLRM's dense features), and must be `Dense`."""
+    import jax
+
+    feature_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(_feature_tree(resolved))[0]]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(input_signature)
+    by_path = {tuple(p): (p, spec) for p, spec in leaves}
+    for name, path in zip(resolved.feature_names, feature_paths):
+        if tuple(path) not in by_path:
+            raise ValueError(
+                f"input_signature has no spec for feature {name} (at "
+                f"{_path_str(path) or '<root>'}): it must hold the feature config's "
+                f"structure, the model's other inputs beside it"
+            )
+        spec = by_path[tuple(path)][1]
         if not isinstance(spec, (Dense, Ragged, Sparse)):
             raise ValueError(
                 f"input_signature for feature {name} must be Dense, Ragged or Sparse, got {spec!r}"
             )
-    return list(leaves)
+    index = {tuple(p): i for i, p in enumerate(feature_paths)}
+    specs = [by_path[tuple(p)][1] for p in feature_paths]
+    extras: list = []
+    kinds: list = []
+    for path, spec in leaves:
+        if tuple(path) in index:
+            kinds.append(("feature", index[tuple(path)]))
+            continue
+        name = _path_str(path)
+        if not isinstance(spec, Dense):
+            raise ValueError(
+                f"input_signature entry {name} is not a feature of the config, so it is "
+                f"passed to the model as it is and must be a Dense spec (an array "
+                f"[batch, *shape]), got {spec!r}"
+            )
+        kinds.append(("extra", len(extras)))
+        extras.append((name, spec))
+    return _Split(specs, extras, kinds, treedef)
+
+
+def _feature_tree(resolved):
+    """The feature config's structure with its features as leaves (paths as the user's)."""
+    return resolved.treedef.unflatten(list(resolved.features))
 
 
 def _tf_feature_config(resolved, tf):
@@ -161,17 +235,20 @@ def export_saved_model(
     """Write a TensorFlow SavedModel serving `model` on the lookups of `tables`.
 
     Args:
-      model: `model(params, activations)` (or `model(activations)` without `params`),
-        a JAX function; `activations` has the feature config's structure, as
-        `serving_embedding_lookup` returns them. Returns an array (signature output
-        "output_0"), or a dict of arrays (its keys), or a list / tuple
-        ("output_<i>").
+      model: `model(params, inputs)` (or `model(inputs)` without `params`), a JAX
+        function; `inputs` has the structure of `input_signature`, each feature's spec
+        replaced by its activation (as `serving_embedding_lookup` returns them) and each
+        other entry by its input array. Returns an array (signature output "output_0"),
+        or a dict of arrays (its keys), or a list / tuple ("output_0", "output_1", ...).
       directory: the SavedModel directory (created; replaced if it exists).
       tables: `{TableConfig: [vocabulary_size, dim] array}` (`embedding_tables`,
         `checkpoint.load_tables(...)`); for a table of raw ids its `RawIdTable`.
       feature_config: the feature structure of the tables.
       input_signature: the feature structure with a `Dense`, `Ragged` or `Sparse`
-        spec per feature (see the module doc for the signature's inputs).
+        spec per feature, and beside the features any other inputs of the model as
+        `Dense(shape, dtype)` specs (a DLRM's dense features: `{"item": Ragged(8),
+        "dense": Dense((13,), np.float32)}`), as `export_serving` takes them (see the
+        module doc for the signature's inputs).
       params: the model's parameters, any JAX pytree of arrays (stored as variables).
       weighted: names of Ragged / Sparse features that take weights (`<f>_weights`).
 
@@ -185,22 +262,29 @@ def export_saved_model(
     from jax.experimental import jax2tf
 
     resolved = resolve_feature_config(feature_config)
-    specs = _flat_specs(resolved, input_signature)
+    split = _split_signature(resolved, input_signature)
     names = signature_names(feature_config, input_signature, weighted)
     by_name, raw_ids = _tables_by_name(resolved, tables)
     tf_tables, tf_feats = _tf_feature_config(resolved, tf)
 
     param_leaves, param_tree = jax.tree_util.tree_flatten(params)
 
-    def dense(param_leaves, act_leaves):
-        acts = jax.tree_util.tree_unflatten(resolved.treedef, act_leaves)
+    def dense(param_leaves, act_leaves, extra_leaves):
+        if split.extras:  # the signature's structure: activations and the other inputs
+            given = {"feature": act_leaves, "extra": extra_leaves}
+            x = split.treedef.unflatten([given[kind][i] for kind, i in split.leaves])
+        else:  # the feature config's own structure, as serving_embedding_lookup's
+            x = jax.tree_util.tree_unflatten(resolved.treedef, act_leaves)
         p = jax.tree_util.tree_unflatten(param_tree, param_leaves)
-        out = model(p, acts) if params is not None else model(acts)
-        return out
+        return model(p, x) if params is not None else model(x)
 
     converted = jax2tf.convert(
         dense,
-        polymorphic_shapes=[None, ["(b, ...)"] * len(resolved.features)],
+        polymorphic_shapes=[
+            None,
+            ["(b, ...)"] * len(resolved.features),
+            ["(b, ...)"] * len(split.extras),
+        ],
         with_gradient=False,
         native_serialization_platforms=("cpu",),
     )
@@ -215,41 +299,22 @@ def export_saved_model(
         for i, x in enumerate(param_leaves)
     ]
 
-    tensor_specs, keys = _signature_specs(resolved, specs, names, tf)
+    tensor_specs, keys = _signature_specs(resolved, split, names, tf)
+
+    def ids(x, table):  # a table of raw ids: raw ids -> rows of its variable
+        if table not in module.raw_ids:
+            return x
+        capacity = by_name[table].shape[0] - 1
+        return _raw_ids_to_rows(tf, x, module.raw_ids[table], capacity)
 
     def serve(**kw):
-        inputs, weights = [], []
-        for name, spec, f in zip(resolved.feature_names, specs, resolved.features):
-            n = names[name]
-            w = kw.get(n.get("weights", ""))
-            table = resolved.table_name(f.table)
-
-            def ids(x, table=table):  # a table of raw ids: raw ids -> rows of its variable
-                if table not in module.raw_ids:
-                    return x
-                capacity = by_name[table].shape[0] - 1
-                return _raw_ids_to_rows(tf, x, module.raw_ids[table], capacity)
-
-            if isinstance(spec, Dense):
-                inputs.append(ids(kw[n["ids"]]))
-            elif isinstance(spec, Ragged):
-                inputs.append(
-                    tf.RaggedTensor.from_row_splits(ids(kw[n["values"]]), kw[n["row_splits"]])
-                )
-                if w is not None:
-                    w = tf.RaggedTensor.from_row_splits(w, kw[n["row_splits"]])
-            else:
-                inputs.append(
-                    tf.SparseTensor(kw[n["indices"]], ids(kw[n["values"]]), kw[n["dense_shape"]])
-                )
-                if w is not None:
-                    w = tf.SparseTensor(kw[n["indices"]], w, kw[n["dense_shape"]])
-            weights.append(w)
+        inputs, weights = _tf_inputs(resolved, split.specs, names, kw, ids, tf)
         table_vars = {tf_tables[t]: module.tables[t] for t in by_name}
         acts = tf.tpu.experimental.embedding.serving_embedding_lookup(
             inputs, weights if any(w is not None for w in weights) else None, table_vars, tf_feats
         )
-        out = converted([v.read_value() for v in module.params], list(acts))
+        extras = [kw[names[name]["array"]] for name, _ in split.extras]
+        out = converted([v.read_value() for v in module.params], list(acts), extras)
         if isinstance(out, dict):
             return {str(k): v for k, v in out.items()}
         if isinstance(out, (list, tuple)):
@@ -264,6 +329,31 @@ def export_saved_model(
     directory = os.fspath(directory)
     tf.saved_model.save(module, directory, signatures={"serving_default": fn})
     return names
+
+
+def _tf_inputs(resolved, specs, names: dict, kw: dict, ids, tf) -> tuple[list, list]:
+    """The features' TensorFlow inputs and weights (None where a feature has none) from
+    the signature's tensors `kw`; `ids(x, table)` maps a table of raw ids' ids to rows."""
+    inputs, weights = [], []
+    for name, spec, f in zip(resolved.feature_names, specs, resolved.features):
+        n = names[name]
+        w = kw.get(n.get("weights", ""))
+        table = resolved.table_name(f.table)
+        if isinstance(spec, Dense):
+            inputs.append(ids(kw[n["ids"]], table))
+        elif isinstance(spec, Ragged):
+            splits = kw[n["row_splits"]]
+            inputs.append(tf.RaggedTensor.from_row_splits(ids(kw[n["values"]], table), splits))
+            if w is not None:
+                w = tf.RaggedTensor.from_row_splits(w, splits)
+        else:
+            inputs.append(
+                tf.SparseTensor(kw[n["indices"]], ids(kw[n["values"]], table), kw[n["dense_shape"]])
+            )
+            if w is not None:
+                w = tf.SparseTensor(kw[n["indices"]], w, kw[n["dense_shape"]])
+        weights.append(w)
+    return inputs, weights
 
 
 def _raw_ids_to_rows(tf, x, sorted_ids, capacity: int):
@@ -328,11 +418,13 @@ def _tables_by_name(resolved, tables: dict) -> tuple[dict, dict]:
     return by_name, raw_ids
 
 
-def _signature_specs(resolved, specs, names: dict, tf) -> tuple[list, list]:
-    """The signature's `tf.TensorSpec`s, feature by feature, and their input names."""
+def _signature_specs(resolved, split: _Split, names: dict, tf) -> tuple[list, list]:
+    """The signature's `tf.TensorSpec`s, feature by feature, then the other inputs, and
+    their input names. A Ragged feature's row splits are int64, a `tf.RaggedTensor`'s
+    (`Ragged.splits_dtype` is `export_serving`'s host dtype)."""
     tensor_specs = []
     keys = []
-    for name, spec in zip(resolved.feature_names, specs):
+    for name, spec in zip(resolved.feature_names, split.specs):
         n = names[name]
         if isinstance(spec, Dense):
             tensor_specs.append(
@@ -342,7 +434,7 @@ def _signature_specs(resolved, specs, names: dict, tf) -> tuple[list, list]:
         elif isinstance(spec, Ragged):
             tensor_specs += [
                 tf.TensorSpec((None,), tf.as_dtype(spec.dtype), n["values"]),
-                tf.TensorSpec((None,), tf.as_dtype(spec.splits_dtype), n["row_splits"]),
+                tf.TensorSpec((None,), tf.int64, n["row_splits"]),
             ]
             keys += [n["values"], n["row_splits"]]
         else:
@@ -356,4 +448,8 @@ def _signature_specs(resolved, specs, names: dict, tf) -> tuple[list, list]:
         if "weights" in n:
             tensor_specs.append(tf.TensorSpec((None,), tf.float32, n["weights"]))
             keys.append(n["weights"])
+    for name, spec in split.extras:
+        key = names[name]["array"]
+        tensor_specs.append(tf.TensorSpec((None, *spec.shape), tf.as_dtype(spec.dtype), key))
+        keys.append(key)
     return tensor_specs, keys

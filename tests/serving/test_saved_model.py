@@ -9,7 +9,7 @@ import pytest
 from process_helpers import check_saved_model
 
 import embedmesh as em
-from embedmesh.serving import Dense, Ragged, Sparse
+from embedmesh.serving import Dense, Ragged, Sparse, export_serving, load_serving
 
 pytest.importorskip("tensorflow")
 from embedmesh.serving.saved_model import export_saved_model
@@ -87,20 +87,23 @@ def weights_of(rng, inputs):
 
 
 def components(inputs, names, weights):
+    """The request's cases for saved_model_check.py ("in/..." fed as they are, a ragged
+    feature's "ragged/..." and "lengths/..." as a tf.RaggedTensor's components)."""
     out = {}
     for f, comp in names.items():
         if f in weights:
-            out[comp["weights"]] = np.asarray(weights[f].values, np.float32)
+            out["in/" + comp["weights"]] = np.asarray(weights[f].values, np.float32)
         x = inputs[f]
-        if isinstance(x, em.RaggedTensor):
-            out[comp["values"]] = np.asarray(x.values, np.int32)
-            out[comp["row_splits"]] = np.asarray(x.row_splits, np.int32)
+        if isinstance(x, em.RaggedTensor):  # fed as a tf.RaggedTensor's components
+            key = f"{comp['values']}/{comp['row_splits']}"
+            out[f"ragged/{key}"] = np.asarray(x.values, np.int32)
+            out[f"lengths/{key}"] = np.diff(np.asarray(x.row_splits)).astype(np.int64)
         elif isinstance(x, em.SparseTensor):
-            out[comp["indices"]] = np.asarray(x.indices, np.int64)
-            out[comp["values"]] = np.asarray(x.values)
-            out[comp["dense_shape"]] = np.asarray(x.dense_shape, np.int64)
+            out["in/" + comp["indices"]] = np.asarray(x.indices, np.int64)
+            out["in/" + comp["values"]] = np.asarray(x.values)
+            out["in/" + comp["dense_shape"]] = np.asarray(x.dense_shape, np.int64)
         else:
-            out[comp["ids"]] = np.asarray(x)
+            out["in/" + comp["ids"]] = np.asarray(x)
     return out
 
 
@@ -134,7 +137,7 @@ def test_saved_model_serves_like_serving_embedding_lookup(tmp_path):
         acts = em.serving_embedding_lookup(inputs, full, tables, feats)
         want = model(params, acts)
         for k, v in components(inputs, names, weights).items():
-            cases[f"case{i}/in/{k}"] = v
+            cases[f"case{i}/{k}"] = v
         for k, v in want.items():
             cases[f"case{i}/out/{k}"] = np.asarray(v)
     check_saved_model(tmp_path / "saved", cases, len(sizes), tmp_path)
@@ -157,3 +160,121 @@ def test_input_signature_errors_name_the_feature(tmp_path):
                 input_signature=SIGNATURE,
                 weighted=weighted,
             )
+
+
+def dlrm_features():
+    t1 = em.TableConfig(30, 4, combiner="mean", name="t1")
+    t2 = em.TableConfig(20, 4, combiner="sum", name="t2")
+    return {"c": em.FeatureConfig(t1), "cats": [em.FeatureConfig(t2), em.FeatureConfig(t1)]}
+
+
+# the model's other inputs beside the features: at the top, beside a list's features
+# ("cats/2") and in a nested dict ("side/age")
+DLRM_SIGNATURE = {
+    "c": Ragged(4),
+    "cats": [Dense(), Dense((2,)), Dense((2,), np.float32)],
+    "dense": Dense((3,), np.float32),
+    "side": {"age": Dense((), np.float32)},
+}
+
+
+def dlrm(p, x):
+    emb = x["c"] + x["cats"][0] + x["cats"][1].sum(1)
+    bottom = jnp.tanh(x["dense"] @ p["bottom"] + x["cats"][2] @ p["pair"])
+    return (emb * bottom).sum(1) + x["side"]["age"] * p["a"]
+
+
+def test_saved_model_takes_the_models_other_inputs(tmp_path):
+    """A whole model (a DLRM's dense float features beside its embeddings): the inputs
+    that are not features are passed to the model in their place in the signature, and
+    TensorFlow alone serves what the model gives on serving_embedding_lookup's
+    activations in process, as export_serving does from the same signature."""
+    feats = dlrm_features()
+    rng = np.random.default_rng(5)
+    tables = {
+        t: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
+        for t in (feats["c"].table, feats["cats"][0].table)
+    }
+    params = {
+        "bottom": rng.normal(size=(3, 4)).astype(np.float32),
+        "pair": rng.normal(size=(2, 4)).astype(np.float32),
+        "a": np.float32(-0.7),
+    }
+    names = export_saved_model(
+        dlrm,
+        tmp_path / "saved",
+        tables=tables,
+        params=params,
+        feature_config=feats,
+        input_signature=DLRM_SIGNATURE,
+    )
+    assert names["dense"] == {"array": "dense"}
+    assert names["cats/2"] == {"array": "cats_2"}
+    assert names["side/age"] == {"array": "side_age"}
+    assert names["cats/0"] == {"ids": "cats_0"}
+
+    def serve(inputs, tabs, p):  # export_serving's form: the same signature, the same model
+        acts = em.serving_embedding_lookup(
+            {"c": inputs["c"], "cats": inputs["cats"][:2]}, None, tabs, feats
+        )
+        return dlrm(p, {**inputs, "c": acts["c"], "cats": [*acts["cats"], inputs["cats"][2]]})
+
+    export_serving(
+        serve,
+        tmp_path / "export",
+        tables=tables,
+        params=params,
+        input_signature=DLRM_SIGNATURE,
+        batch_sizes=(8,),
+    )
+    server = load_serving(tmp_path / "export")
+    cases = {}
+    for i, b in enumerate((1, 6)):
+        lengths = rng.integers(0, 4, b)
+        lengths[-1] = 0
+        values = rng.integers(0, 30, int(lengths.sum())).astype(np.int32)
+        ragged = em.RaggedTensor.from_row_lengths(values, lengths)
+        ids0 = rng.integers(0, 20, b).astype(np.int32)
+        ids1 = rng.integers(0, 30, (b, 2)).astype(np.int32)
+        pair = rng.normal(size=(b, 2)).astype(np.float32)
+        dense = rng.normal(size=(b, 3)).astype(np.float32)
+        age = rng.uniform(10, 80, b).astype(np.float32)
+        acts = em.serving_embedding_lookup({"c": ragged, "cats": [ids0, ids1]}, None, tables, feats)
+        want = dlrm(
+            params,
+            {
+                "c": acts["c"],
+                "cats": [acts["cats"][0], acts["cats"][1], pair],
+                "dense": dense,
+                "side": {"age": age},
+            },
+        )
+        got = server(
+            {"c": ragged, "cats": [ids0, ids1, pair], "dense": dense, "side": {"age": age}}
+        )
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+        key = "c_values/c_row_splits"
+        cases[f"case{i}/ragged/{key}"] = np.asarray(ragged.values, np.int32)
+        cases[f"case{i}/lengths/{key}"] = lengths.astype(np.int64)
+        for name, v in [("cats_0", ids0), ("cats_1", ids1), ("cats_2", pair)]:
+            cases[f"case{i}/in/{name}"] = v
+        cases[f"case{i}/in/dense"] = dense
+        cases[f"case{i}/in/side_age"] = age
+        cases[f"case{i}/out/output_0"] = np.asarray(want)
+    check_saved_model(tmp_path / "saved", cases, 2, tmp_path)
+
+
+def test_other_inputs_errors_name_the_entry(tmp_path):
+    feats = dlrm_features()
+
+    def export(signature):
+        export_saved_model(
+            dlrm, tmp_path / "x", tables={}, feature_config=feats, input_signature=signature
+        )
+
+    with pytest.raises(ValueError, match=r"entry side/age is not a feature .* must be a Dense"):
+        export(dict(DLRM_SIGNATURE, side={"age": Ragged(2)}))
+    with pytest.raises(ValueError, match="no spec for feature cats/1"):
+        export(dict(DLRM_SIGNATURE, cats=[Dense()]))
+    with pytest.raises(ValueError, match="signature input c_values would serve both c and"):
+        export(dict(DLRM_SIGNATURE, c_values=Dense()))

@@ -77,7 +77,7 @@ def test_saved_model_serves_raw_ids_like_the_reference(tmp_path):
         user = rng.integers(0, 10, b).astype(np.int32)
         inputs = {
             names["item"]["values"]: values,
-            names["item"]["row_splits"]: splits.astype(np.int32),
+            names["item"]["row_splits"]: splits,  # int64, a tf.RaggedTensor's
             names["item"]["weights"]: weights,
             names["item_pair"]["ids"]: pair.view(np.uint64),
             names["item_sparse"]["indices"]: idx,

@@ -2,6 +2,11 @@
 imported here) and checks its outputs against the expected ones saved by the
 parent (embedmesh's serving_embedding_lookup + the JAX model).
 
+Cases: "case{i}/in/{input}" a tensor fed as it is; "case{i}/ragged/{values}/{splits}" and
+"case{i}/lengths/{values}/{splits}" a feature's ids and row lengths, fed the way the docs
+say, as a `tf.RaggedTensor`'s components (`rt.values`, `rt.row_splits`: TensorFlow's own
+row splits dtype); "case{i}/out/{name}" an output it must give.
+
 Usage: saved_model_check.py SAVED_MODEL_DIR CASES.npz
 """
 
@@ -22,6 +27,13 @@ for i in range(count):
         for k in cases.files
         if k.startswith(prefix + "in/")
     }
+    for k in cases.files:
+        if k.startswith(prefix + "ragged/"):
+            values_name, splits_name = k[len(prefix) + 7 :].split("/")
+            lengths = cases[f"{prefix}lengths/{values_name}/{splits_name}"]
+            rt = tf.RaggedTensor.from_row_lengths(cases[k], lengths)
+            assert rt.row_splits.dtype == tf.int64, rt.row_splits.dtype
+            inputs[values_name], inputs[splits_name] = rt.values, rt.row_splits
     out = served(**inputs)
     for k in cases.files:
         if k.startswith(prefix + "out/"):
