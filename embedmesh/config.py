@@ -29,6 +29,18 @@ TABLE_DTYPES = ("float32", "bfloat16", "float16")
 Initializer = Callable[[Any, Sequence[int], Any], Any]
 
 
+def is_float_table_dtype(dtype) -> bool:
+    """Whether a table of `dtype` holds float values: a training storage dtype
+    (`TABLE_DTYPES`) or float64 (a numpy user's table). Not `dtype.kind == "f"`:
+    ml_dtypes' bfloat16, the type of a bfloat16-trained table read back, is kind "V" to
+    numpy, so that check refuses exactly the tables it should take."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        return False
+    return name in TABLE_DTYPES or name == "float64"
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
