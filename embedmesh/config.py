@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import numbers
@@ -55,6 +56,32 @@ def _require(cond: bool, cls: str, field: str, value, what: str) -> None:
 # raw ids does for each fresh id, draws at most twice its values), more the smallest size
 # that holds them in at most 16 blocks, else the largest
 _INIT_BLOCKS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+
+
+def _refuse_shape_first_initializer(init, table: str | None) -> None:
+    """A ValueError for a TensorFlow / Keras initializer, `f(shape, dtype=None)`: its
+    signature takes no key first (it cannot take three positional arguments, or its
+    first is named `shape`). Refused, not wrapped: it draws from its own seed, so every
+    shard and every fresh row of a table of raw ids would get the same values (or
+    values no seed reproduces). A callable without an inspectable signature passes."""
+    if init is None:
+        return
+    try:
+        params = list(inspect.signature(init).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_three = len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    if takes_three and (not positional or positional[0].name != "shape"):
+        return
+    raise ValueError(
+        f"TableConfig {table or '<unnamed>'}: initializer {init!r} is called as "
+        f"f(shape, dtype), TensorFlow's and Keras's form; embedmesh calls f(key, shape, "
+        f"dtype), jax.nn.initializers' form (`key` a jax.random key: each shard and each "
+        f"fresh row draws its own values from the engine's seed). Use e.g. "
+        f"jax.nn.initializers.truncated_normal(stddev), or None for the default "
+        f"(truncated normal, stddev 1/sqrt(dim))"
+    )
 
 
 def _init_block(n: int) -> int:
@@ -287,6 +314,7 @@ class TableConfig:
             self.initializer,
             "callable or None",
         )
+        _refuse_shape_first_initializer(self.initializer, self.name)
         _require(
             self.combiner in COMBINERS,
             "TableConfig",
