@@ -113,3 +113,46 @@ def test_a_save_onto_an_existing_step_warns_naming_step_and_directory(tmp_path, 
     skipped = [r for r in caplog.records if r.name == "embedmesh.checkpoint.saving"]
     assert [r.levelno for r in skipped] == [logging.WARNING] * 2
     assert "step 5 already exists" in skipped[0].getMessage()
+
+
+# ---------------------------------------------------------------------------
+# logging.getLogger("embedmesh"): silent by default, INFO on plan, growth and restore
+
+
+def test_the_embedmesh_logger_is_silent_by_default():
+    """A NullHandler on "embedmesh": a library's records reach no stderr of its own (the
+    application's logging configuration decides)."""
+    root = logging.getLogger("embedmesh")
+    assert any(isinstance(h, logging.NullHandler) for h in root.handlers)
+    assert root.level == logging.NOTSET and root.propagate  # the application's to set
+
+
+def test_plan_growth_and_restore_are_logged(tmp_path, caplog, capfd):
+    from embedmesh import checkpoint as ckpt
+
+    devices = np.array(jax.devices()[:2] if len(jax.devices()) > 1 else jax.devices()[:1])
+    mesh = Mesh(devices, ("x",))
+    ta, tb = em.TableConfig(64, 4, name="a"), em.TableConfig(32, 4, name="b")
+    feats = {"fa": em.FeatureConfig(ta), "fb": em.FeatureConfig(tb)}
+    r = np.random.default_rng(2)
+    with caplog.at_level(logging.INFO, logger="embedmesh"):
+        emb = em.MeshEmbedding(feats, em.SGD(0.1), mesh=mesh, sharding="auto")
+        small = {"fa": r.integers(0, 4, (8, 1)), "fb": r.integers(0, 4, (8, 1))}
+        acts, keep = emb(small)  # the first batch sizes the capacities (and the plan)
+        emb.apply_gradients({k: np.ones(v.shape, np.float32) for k, v in acts.items()}, keep)
+        big = {"fa": r.permutation(64)[:48].reshape(8, 6), "fb": r.integers(0, 32, (8, 6))}
+        acts, keep = emb(big)  # more distinct ids a partition: the capacity grows
+        emb.apply_gradients({k: np.ones(v.shape, np.float32) for k, v in acts.items()}, keep)
+        ckpt.save(tmp_path, emb)
+        ckpt.restore(emb, tmp_path)
+    text = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    plans = [m for n, lv, m in text if n == "embedmesh.layout.planner"]
+    assert sorted(m.split(" -> ")[0] for m in plans) == ["plan: table a", "plan: table b"]
+    grown = [m for n, _, m in text if n == "embedmesh.host.preprocess" and "grown" in m]
+    assert grown and all("compiles again" in m for m in grown)
+    restores = [m for n, _, m in text if n == "embedmesh.checkpoint.restoring"]
+    assert restores[0].startswith("restoring ") and "update count 2" in restores[-1]
+    assert any("read parameters of table a" in m for m in restores)
+    assert all(lv == logging.INFO for _, lv, _ in text if _ != "embedmesh.checkpoint.saving")
+    out, err = capfd.readouterr()
+    assert "plan: table" not in out + err and "capacity grown" not in out + err
