@@ -97,12 +97,12 @@ _HOW = {
 }
 
 
-def _refuse_foreign_names(cls, kwargs: dict) -> None:
+def _refuse_foreign_names(cls: type, kwargs: dict) -> None:
     """A TypeError for a keyword `cls` does not take: the embedmesh argument it means
     (`_FOREIGN_NAMES`), or where none, the ones it takes. Nothing is built."""
     if not dataclasses.is_dataclass(cls):
         return
-    fields = [f.name for f in dataclasses.fields(cls)]
+    fields = list(_field_names(cls))
     for name in kwargs:
         if name in fields:
             continue
