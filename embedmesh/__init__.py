@@ -1,6 +1,7 @@
 """embedmesh: TPUEmbeddingV2's mid-level API on JAX, for every accelerator XLA runs on."""
 
 import importlib as _importlib
+import logging as _logging
 
 from embedmesh import _gpu_guard, _lazy, _runtime
 from embedmesh.config import (
@@ -40,6 +41,10 @@ from embedmesh.serving.export import export_serving, load_serving
 from embedmesh.serving.lookup import serving_embedding_lookup
 
 __version__ = "0.1.0"
+
+# `logging.getLogger("embedmesh")` (each module logs to its child, `__name__`): silent
+# until the application configures logging, as a library's logger should be
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 # Importing the package starts no jax backend, so XLA has not read XLA_FLAGS yet.
 _gpu_guard.apply()

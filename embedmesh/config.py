@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import numbers
@@ -29,6 +30,18 @@ TABLE_DTYPES = ("float32", "bfloat16", "float16")
 Initializer = Callable[[Any, Sequence[int], Any], Any]
 
 
+def is_float_table_dtype(dtype) -> bool:
+    """Whether a table of `dtype` holds float values: a training storage dtype
+    (`TABLE_DTYPES`) or float64 (a numpy user's table). Not `dtype.kind == "f"`:
+    ml_dtypes' bfloat16, the type of a bfloat16-trained table read back, is kind "V" to
+    numpy, so that check refuses exactly the tables it should take."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        return False
+    return name in TABLE_DTYPES or name == "float64"
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -43,6 +56,32 @@ def _require(cond: bool, cls: str, field: str, value, what: str) -> None:
 # raw ids does for each fresh id, draws at most twice its values), more the smallest size
 # that holds them in at most 16 blocks, else the largest
 _INIT_BLOCKS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+
+
+def _refuse_shape_first_initializer(init, table: str | None) -> None:
+    """A ValueError for a TensorFlow / Keras initializer, `f(shape, dtype=None)`: its
+    signature takes no key first (it cannot take three positional arguments, or its
+    first is named `shape`). Refused, not wrapped: it draws from its own seed, so every
+    shard and every fresh row of a table of raw ids would get the same values (or
+    values no seed reproduces). A callable without an inspectable signature passes."""
+    if init is None:
+        return
+    try:
+        params = list(inspect.signature(init).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_three = len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    if takes_three and (not positional or positional[0].name != "shape"):
+        return
+    raise ValueError(
+        f"TableConfig {table or '<unnamed>'}: initializer {init!r} is called as "
+        f"f(shape, dtype), TensorFlow's and Keras's form; embedmesh calls f(key, shape, "
+        f"dtype), jax.nn.initializers' form (`key` a jax.random key: each shard and each "
+        f"fresh row draws its own values from the engine's seed). Use e.g. "
+        f"jax.nn.initializers.truncated_normal(stddev), or None for the default "
+        f"(truncated normal, stddev 1/sqrt(dim))"
+    )
 
 
 def _init_block(n: int) -> int:
@@ -275,6 +314,7 @@ class TableConfig:
             self.initializer,
             "callable or None",
         )
+        _refuse_shape_first_initializer(self.initializer, self.name)
         _require(
             self.combiner in COMBINERS,
             "TableConfig",

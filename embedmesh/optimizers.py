@@ -76,6 +76,56 @@ ClipValue = Union[None, float, tuple]
 # ---------------------------------------------------------------------------
 # Validation helpers
 
+# Argument names of TensorFlow's and Keras's optimizers and of TPUEmbedding v1's
+# `*Parameters` (and torch's `eps`) -> embedmesh's (as tf.tpu.experimental.embedding's)
+_FOREIGN_NAMES = {
+    "lr": "learning_rate",
+    "beta1": "beta_1",
+    "beta2": "beta_2",
+    "eps": "epsilon",
+    "epsilon_hat": "epsilon",
+    "clip_gradient_min": "clipvalue",
+    "clip_gradient_max": "clipvalue",
+    "initial_accumulator": "initial_accumulator_value",
+    "nesterov": "use_nesterov",
+    "weight_decay": "weight_decay_factor",
+}
+_HOW = {
+    "clipvalue": "clipvalue=(min, max) (one number c: (-c, c)), a clamp of each gradient element",
+    "weight_decay_factor": "weight_decay_factor= (decoupled: w -= wd * w, times the learning "
+    "rate with multiply_weight_decay_factor_by_learning_rate=True)",
+}
+
+
+def _refuse_foreign_names(cls: type, kwargs: dict) -> None:
+    """A TypeError for a keyword `cls` does not take: the embedmesh argument it means
+    (`_FOREIGN_NAMES`), or where none, the ones it takes. Nothing is built."""
+    if not dataclasses.is_dataclass(cls):
+        return
+    fields = list(_field_names(cls))
+    for name in kwargs:
+        if name in fields:
+            continue
+        ours = _FOREIGN_NAMES.get(name, name)
+        owners = [c.__name__ for c in _optimizer_classes() if ours in _field_names(c)]
+        if ours in fields:
+            hint = "embedmesh (like tf.tpu.experimental.embedding) spells it " + _HOW.get(
+                ours, f"{ours}="
+            )
+        elif owners:
+            hint = f"{cls.__name__} has no {ours}= (taken by {', '.join(owners)})"
+        else:
+            hint = f"{cls.__name__} has no such argument"
+        raise TypeError(f"{cls.__name__} got {name}=; {hint}. Its arguments: {', '.join(fields)}")
+
+
+def _field_names(cls) -> tuple:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _optimizer_classes() -> tuple:
+    return (SGD, Adagrad, AdagradMomentum, Adam, FTRL, RowWiseAdagrad)
+
 
 def _fail(obj, field: str, value, what: str):
     raise ValueError(f"{type(obj).__name__}.{field} must be {what}, got {value!r}")
@@ -203,6 +253,13 @@ class Optimizer(abc.ABC):
     """
 
     _SLOTS: ClassVar[tuple[str, ...]] = ()
+
+    def __new__(cls, *args, **kwargs):
+        # before the dataclass's __init__ sees them: an argument spelled as TensorFlow,
+        # Keras or TPUEmbedding v1 spells it gets a TypeError naming embedmesh's spelling
+        # (the dataclass's own is "unexpected keyword argument" and no more)
+        _refuse_foreign_names(cls, kwargs)
+        return super().__new__(cls)
 
     # Declared for type checkers; the dataclass subclasses define them.
     learning_rate: LearningRate

@@ -58,6 +58,26 @@ def dense_step(params, opt_state, acts, labels):
     return optax.apply_updates(params, updates), opt_state, g_acts, loss
 
 
+def resume(emb, mngr, params, opt_state):
+    """The latest checkpoint of `mngr` restored: `(its step, the embedding's update count,
+    params, opt_state)`. Two numbers, kept apart: the checkpoint's step is the one it was
+    saved under (`mngr.save(step, ...)`: this loop's own counter), and both the
+    embedding and the dense model are restored from that step; `restore` returns the
+    embedding's update count (how many `apply_gradients` it has taken), which equals the
+    step only when every step saved is numbered by its updates."""
+    step = mngr.latest_step()
+    updates = em_ckpt.restore(emb, mngr, step)
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    dense = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(host(params)),
+            opt_state=ocp.args.StandardRestore(host(opt_state)),
+        ),
+    )
+    return step, updates, dense["params"], dense["opt_state"]
+
+
 def train(ckpt_dir, steps=40, every=20):
     emb = MeshEmbedding(feature_config, em.Adagrad(0.1))  # all devices, one mesh axis
     keys = jax.random.split(jax.random.key(0), 2)
@@ -69,17 +89,8 @@ def train(ckpt_dir, steps=40, every=20):
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
     start = 0
     if mngr.latest_step() is not None:  # resume: the embedding on this mesh, whatever it was
-        start = em_ckpt.restore(emb, mngr)
-        host = lambda tree: jax.tree.map(np.asarray, tree)
-        dense = mngr.restore(
-            start,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(host(params)),
-                opt_state=ocp.args.StandardRestore(host(opt_state)),
-            ),
-        )
-        params, opt_state = dense["params"], dense["opt_state"]
-        print(f"resumed from step {start}")
+        start, updates, params, opt_state = resume(emb, mngr, params, opt_state)
+        print(f"resumed from checkpoint step {start} ({updates} embedding updates)")
     for step in range(start, start + steps):
         features, labels = batch(step)
         acts, preserved = emb(features)

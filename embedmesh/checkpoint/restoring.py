@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -26,6 +27,8 @@ from embedmesh.checkpoint.leaves import (
 from embedmesh.checkpoint.reading import _item_dir, _Reader
 from embedmesh.checkpoint.saving import _optimizer_name
 from embedmesh.device.stack_tables import write_table
+
+_log = logging.getLogger(__name__)
 
 MISSING_POLICIES = ("error", "keep")
 _DIRECT = id_maps.Plan(None, {}, True, {}, None)  # a table restored by its leaves alone
@@ -284,6 +287,15 @@ def core_restore(
         meta = reader.meta
         reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
         todo, leaves, dynamic, rebuilt_todo = _plan_reads(core, reader, path, missing, pipelined)
+        _log.info(
+            "restoring %s (update count %s) onto %d devices: %d arrays to read (%d of "
+            "them rebuilt for tables of raw ids)",
+            path,
+            meta["step"],
+            core.num_shards,
+            len(todo) + len(rebuilt_todo),
+            len(rebuilt_todo),
+        )
         new = _NewState(live, core.plan)
         _read_direct(core, reader, new, todo, leaves, prefetch, _stats)
         _write_rebuilt(core, reader, new, dynamic, rebuilt_todo)
@@ -292,6 +304,7 @@ def core_restore(
             live_key = (live.id_maps.get(p.table.stack) or {}).get("key")
             maps[p.table.stack] = id_maps.place_maps(core, p, live_key)
         step_count = int(meta["step"])
+        _log.info("restored %s (update count %d)", path, step_count)
     restored = dataclasses.replace(
         live,
         tables=new.tables,
@@ -382,6 +395,7 @@ def _read_direct(core, reader, new: _NewState, todo, leaves, prefetch: bool, _st
             del current
             new.put(t, field, out)
             del out
+            _log.info("restore: read %s of table %s (%d of %d)", field, t.name, i + 1, len(todo))
 
 
 def _write_rebuilt(core, reader, new: _NewState, dynamic: dict, rebuilt_todo) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import re
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,8 @@ from embedmesh.checkpoint.checksums import CHECKSUM, _checksum_hex, _device_chec
 from embedmesh.checkpoint.format import DEFAULT_ITEM, FORMAT, FORMAT_VERSION, LOOKUP_FIELD
 from embedmesh.checkpoint.reading import absolute_path
 from embedmesh.device.stack_tables import table_block_array
+
+_log = logging.getLogger(__name__)
 
 
 def _version() -> str:
@@ -289,13 +293,36 @@ def _save_items(target, args, step: int, item: str, others: dict | None, wait: b
         else target
     )
     try:
+        steps = set(manager.all_steps())
         saved = manager.save(int(step), args=ocp.args.Composite(**items))
         if wait or (wait is None and own):
             manager.wait_until_finished()
     finally:
         if own:
             manager.close()
+    if not saved:
+        _report_skipped(int(step), steps, manager.directory)
     return bool(saved)
+
+
+def _report_skipped(step: int, steps: set, directory) -> None:
+    """Say why orbax did not save `step`: a step it already holds, or one before its
+    latest, is a warning (the state was not saved, and a restore of that step reads the
+    older save); a skip by the manager's own save policy (its options) is logged."""
+    latest = max(steps, default=None)
+    if step in steps:
+        why = f"step {step} already exists in {directory}"
+    elif latest is not None and step < latest:
+        why = f"step {step} is before the latest step ({latest}) in {directory}"
+    else:
+        _log.info("checkpoint step %d not saved in %s: the manager's save policy", step, directory)
+        return
+    msg = (
+        f"checkpoint not saved: {why}, and orbax saves only steps after the latest "
+        f"(number saves by your own step counter, or delete the step first)"
+    )
+    _log.warning(msg)
+    warnings.warn(msg, stacklevel=4)
 
 
 def core_save(

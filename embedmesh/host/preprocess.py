@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -91,6 +92,8 @@ from embedmesh.host.numpy_backend import bits_needed
 from embedmesh.host.preprocess_tf import SEED_ARGS, seed_batch_arguments
 from embedmesh.inputs import Csr, check_id_range, flatten_inputs_like, to_csr
 from embedmesh.layout.stacking import StackingPlan, plan_stacking
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "Capacity",
@@ -960,6 +963,18 @@ def _run_stacks(
                     max(cap.max_unique_ids_per_partition, capacity_bucket(u_tot.max())),
                 )
                 grow.append(job)
+                _log.info(
+                    "stack %s: capacity grown from %d ids (%d unique) a partition to %d "
+                    "(%d) for a batch that needed %d (%d); the step compiles again for the "
+                    "new shapes",
+                    job.name,
+                    cap.max_ids_per_partition,
+                    cap.max_unique_ids_per_partition,
+                    caps[job.name].max_ids_per_partition,
+                    caps[job.name].max_unique_ids_per_partition,
+                    int(p_tot.max()),
+                    int(u_tot.max()),
+                )
     if grow:
         for job, res in zip(
             grow, _execute([make_run(job, caps[job.name]) for job in grow], D, threads)

@@ -30,6 +30,7 @@ an exchange form (`EmbeddingCore`'s `exchange`: what crosses between devices):
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -38,6 +39,8 @@ import numpy as np
 from embedmesh.layout import cost_model
 from embedmesh.layout.cost_model import Machine, Plan, TableStats
 from embedmesh.layout.stacking import StackingPlan, plan_stacking, table_shardings
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "PLANNED",
@@ -238,4 +241,11 @@ def plan(
         name: requested[name] if requested[name] != "auto" else result.strategy_of(name)
         for name in requested
     }
+    for name in requested:
+        _log.info(
+            "plan: table %s -> %s (%s)",
+            name,
+            chosen[name],
+            "planned" if requested[name] == "auto" else "requested",
+        )
     return chosen, result

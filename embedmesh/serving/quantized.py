@@ -15,11 +15,15 @@ decode the same way); outputs are float32. The kinds (`dtype=` of `quantize_tabl
   bias`, computed in float32 (a product, then a sum: no FMA on the host; the traced
   path leaves that to XLA). Error bound, per element: `|x - x_hat| <= scale / 2` for
   the exactly computed `q * scale + bias`, plus the float32 rounding of that
-  expression (at most `2**-23 * (|bias| + 255 * scale)`). dim + 8 bytes a row.
+  expression (at most `2**-23 * (|bias| + 255 * scale)`). The decode runs in float32,
+  so a row whose range (`max - min`) or decoded values overflow float32 cannot meet the
+  bound: it is a ValueError naming its row, column and value. dim + 8 bytes a row.
 - ``"fp16"`` / ``"bf16"``: the rows rounded to nearest-even float16 / bfloat16 (`[V,
   dim]` of that dtype): `|x - x_hat| <= 2**-11 |x|` (float16, normal range; below
   2**-14 the absolute error is at most 2**-25; a value beyond float16's range is a
-  ValueError) and `<= 2**-8 |x|` (bfloat16). 2 * dim bytes a row.
+  ValueError) and `<= 2**-8 |x|` (bfloat16; a value beyond its largest finite, about
+  3.39e38, is a ValueError too). 2 * dim bytes a row. A bfloat16 or float16 table (one
+  trained in that dtype) quantizes as its float32 values, which it holds exactly.
 - ``"codes"``: for a table whose `TableConfig.quantization_config` has at most 256
   buckets: one byte a value, the index of its level, and a table of the `num_buckets`
   level values (float32, ascending); a value decodes to `values[code]`. Both come from
@@ -51,6 +55,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from embedmesh.config import is_float_table_dtype
 from embedmesh.layout.by_id import RawIdTable
 
 __all__ = [
@@ -79,7 +84,12 @@ _ALIASES = {
 # the C++ kernels' row format codes (EmServingBagQ in serving.h)
 FORMAT_CODES = {"fp16": 1, "bf16": 2, "int8": 3, "codes": 4}
 _STORAGE = {"int8": np.uint8, "fp16": np.float16, "bf16": ml_dtypes.bfloat16, "codes": np.uint8}
-_FP16_MAX = float(np.finfo(np.float16).max)
+# a half kind's storage type and largest finite value: a value beyond it is refused
+_HALF = {
+    "fp16": (np.float16, float(np.finfo(np.float16).max)),
+    "bf16": (ml_dtypes.bfloat16, float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)),
+}
+_HALF_HINT = {"fp16": "use 'bf16' or 'int8'", "bf16": "keep the table float32"}
 MAX_CODE_BUCKETS = 256
 
 
@@ -227,30 +237,22 @@ def quantize_table(table, dtype, *, config=None, name: str = "table") -> Quantiz
     x = np.asarray(table)
     if x.ndim != 2:
         raise ValueError(f"table {name}: expected a [vocabulary_size, dim] array, got {x.shape}")
-    if x.dtype.kind != "f":
-        raise ValueError(f"table {name}: expected a float table, got {x.dtype}")
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if kind is None:
-        return x
-    if not np.isfinite(x).all():
-        bad = np.argwhere(~np.isfinite(x))[0]
+    if not is_float_table_dtype(x.dtype):
         raise ValueError(
-            f"table {name}: cannot quantize a non-finite value ({x[tuple(bad)]} at row "
-            f"{bad[0]}, column {bad[1]})"
+            f"table {name}: expected a float table (float32, bfloat16, float16 or float64), "
+            f"got {x.dtype}"
         )
-    if kind == "fp16":
-        big = np.abs(x) > _FP16_MAX
-        if big.any():
-            bad = np.argwhere(big)[0]
-            raise ValueError(
-                f"table {name}: value {x[tuple(bad)]} at row {bad[0]} is outside float16's "
-                f"range (+-{_FP16_MAX}); use 'bf16' or 'int8'"
-            )
-        return QuantizedTable("fp16", x.astype(np.float16), x.shape[1])
-    if kind == "bf16":
-        return QuantizedTable("bf16", x.astype(ml_dtypes.bfloat16), x.shape[1])
+    if kind is None:  # kept as it is, in float32
+        return np.ascontiguousarray(x, dtype=np.float32)
+    x = _as_float32(x, name)
+    if kind in ("fp16", "bf16"):
+        storage, top = _HALF[kind]
+        _refuse_beyond(
+            x, top, name, f"{np.dtype(storage).name}'s range (+-{top})", _HALF_HINT[kind]
+        )
+        return QuantizedTable(kind, x.astype(storage), x.shape[1])
     if kind == "int8":
-        return QuantizedTable("int8", _rowwise_int8(x), x.shape[1])
+        return QuantizedTable("int8", _rowwise_int8(x, name), x.shape[1])
     return _codes(x, config, name)
 
 
@@ -325,8 +327,36 @@ def _quantized_raw_ids(table: RawIdTable, kind: str | None, name: str) -> RawIdT
     return QuantizedRawIdTable._make(table.ids, q.data, table.capacity, table.step, kind, q.dim)
 
 
-def _rowwise_int8(x: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
-    """FBGEMM's fused 8-bit row-wise rows of float32 `x` (see the module's docstring)."""
+def _as_float32(x: np.ndarray, name: str) -> np.ndarray:
+    """`x` as C-contiguous float32 to quantize (exact from bfloat16 / float16); a
+    non-finite value, or a float64 one beyond float32's range, is a ValueError naming its
+    row and column."""
+    finite = np.isfinite(x.astype(np.float32, copy=False) if x.dtype.kind == "V" else x)
+    if not finite.all():
+        r, c = np.argwhere(~finite)[0]
+        raise ValueError(
+            f"table {name}: cannot quantize a non-finite value ({x[r, c]!s} at row {r}, column {c})"
+        )
+    out = np.ascontiguousarray(x, dtype=np.float32)
+    if x.dtype == np.float64:
+        _refuse_beyond(x, float(np.finfo(np.float32).max), name, "float32's range", "")
+    return out
+
+
+def _refuse_beyond(x: np.ndarray, top: float, name: str, what: str, hint: str) -> None:
+    """A ValueError naming the first value of `x` whose magnitude is above `top`."""
+    big = np.abs(x) > top
+    if big.any():
+        r, c = np.argwhere(big)[0]
+        raise ValueError(
+            f"table {name}: value {x[r, c]!s} at row {r}, column {c} is outside {what}"
+            + (f"; {hint}" if hint else "")
+        )
+
+
+def _rowwise_int8(x: np.ndarray, name: str, chunk: int = 1 << 16) -> np.ndarray:
+    """FBGEMM's fused 8-bit row-wise rows of float32 `x` (see the module's docstring); a
+    row its float32 decode cannot serve within the bound is refused (`_refuse_int8`)."""
     vocab, dim = x.shape
     out = np.empty((vocab, dim + 8), np.uint8)
     for lo in range(0, vocab, chunk):
@@ -336,7 +366,8 @@ def _rowwise_int8(x: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
             mx = mn
         else:
             mn, mx = rows.min(axis=1), rows.max(axis=1)
-        scale = ((mx - mn) / np.float32(255)).astype(np.float32)
+        with np.errstate(over="ignore"):  # an overflowing range is refused below
+            scale = ((mx - mn) / np.float32(255)).astype(np.float32)
         safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
         q = np.rint((rows.astype(np.float64) - mn.astype(np.float64)[:, None]) / safe[:, None])
         q = np.clip(q, 0, 255)
@@ -344,7 +375,37 @@ def _rowwise_int8(x: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
         part = out[lo : lo + chunk]
         part[:, :dim] = q.astype(np.uint8)
         part[:, dim:] = np.stack([scale, mn.astype(np.float32)], axis=1).view(np.uint8)
+        _refuse_int8(rows, part, lo, scale, mn, name)
     return out
+
+
+def _refuse_int8(rows: np.ndarray, part: np.ndarray, lo: int, scale, mn, name: str) -> None:
+    """A ValueError for the first of `rows` (table rows `lo`...) whose encoded row `part`
+    does not decode within the stated bound. The decode `q * scale + bias` runs in
+    float32, so a row whose range (max - min) overflows float32 (scale inf: every value
+    would serve NaN), or whose decoded values do, cannot be served. Only rows near
+    float32's limit are decoded here (`|bias| + 255 * scale >= 2**127`); below it the
+    bound holds by construction."""
+    reach = np.abs(mn.astype(np.float64)) + 255.0 * scale.astype(np.float64)
+    for i in np.flatnonzero(~(reach < 2.0**127)):
+        row, dim = rows[i].astype(np.float64), rows.shape[1]
+        if not np.isfinite(scale[i]):
+            c = int(np.argmax(row))
+            why = f"the row's range ({rows[i].min()!s} to {rows[i].max()!s}) overflows float32"
+        else:
+            with np.errstate(over="ignore", invalid="ignore"):
+                got = _decode_numpy("int8", part[i : i + 1], dim, None)[0].astype(np.float64)
+                s64, b64 = np.float64(scale[i]), np.float64(mn[i])
+                bound = s64 / 2 + 2.0**-23 * (abs(b64) + 255 * s64)
+                bad = ~(np.abs(got - row) <= bound)
+            if not bad.any():
+                continue
+            c = int(np.flatnonzero(bad)[0])
+            why = f"its float32 decode gives {np.float32(got[c])!s}"
+        raise ValueError(
+            f"table {name}: value {rows[i, c]!s} at row {lo + i}, column {c} cannot be "
+            f"encoded as int8 within its bound: {why}; keep the table float32 or use 'bf16'"
+        )
 
 
 def _codes(x: np.ndarray, config, name: str) -> QuantizedTable:
@@ -425,8 +486,9 @@ def quantize_tables(tables: dict, dtype, *, feature_config: Any = None) -> dict:
     buckets. `feature_config` (optional) names the tables as it resolves them (else
     `TableConfig.name`, else `table_<i>`), for the errors: an unknown dtype, too many
     buckets, a table without a quantization config, non-finite values, a value beyond
-    float16's range are ValueErrors naming the table.
-    """
+    float16's or bfloat16's range, an int8 row whose range overflows float32 are
+    ValueErrors naming the table (and the row, column and value). Tables may be float32,
+    bfloat16, float16 (as trained in those dtypes) or float64."""
     configs = list(tables)
     names = _names(configs, feature_config)
     _check_dtype_keys(dtype, configs, names)

@@ -15,7 +15,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
@@ -540,3 +540,124 @@ def test_bad_requests_raise_value_errors_naming_the_table():
     # float32 / None keep the table as it is
     kept = quantize_tables({plain: x, many: x}, {"plain": "int8", "many": None})
     assert isinstance(kept[plain], QuantizedTable) and isinstance(kept[many], np.ndarray)
+
+
+# ---------------------------------------------------------------------------
+# Tables trained in bfloat16 / float16
+
+
+def _trained_low_precision(tmp_path, dtype):
+    """A bfloat16 / float16 table trained two SGD steps (its values no float32 table's),
+    saved to a checkpoint at `tmp_path`: the feature config and the trained table."""
+    from embedmesh import checkpoint as ckpt
+
+    t = em.TableConfig(24, 6, name="v", dtype=dtype)
+    feats = {"f": em.FeatureConfig(t)}
+    emb = em.MeshEmbedding(feats, em.SGD(0.5), mesh=Mesh(np.array(jax.devices()[:1]), ("x",)))
+    r = np.random.default_rng(11)
+    for _ in range(2):
+        ids = r.integers(0, 24, size=(8, 3))
+        acts, keep = emb({"f": ids})
+        emb.apply_gradients({"f": np.asarray(r.normal(size=acts["f"].shape), np.float32)}, keep)
+    trained = np.asarray(emb.embedding_tables[t])
+    assert trained.dtype == np.dtype(dtype)
+    ckpt.save(tmp_path, emb)
+    return feats, t, trained
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("kind", ["int8", "fp16", "bf16", "float32"])
+def test_low_precision_tables_quantize_from_memory_and_checkpoints(tmp_path, dtype, kind):
+    """A table trained in bfloat16 (numpy dtype kind 'V', not 'f') or float16 serves in
+    every kind, quantized from memory and from its checkpoint, within the stated bound of
+    its float64 values."""
+    from embedmesh.serving import load_tables
+
+    feats, t, trained = _trained_low_precision(tmp_path, dtype)
+    x64 = trained.astype(np.float64)
+    from_memory = quantize_tables({t: trained}, kind)[t]
+    from_checkpoint = load_tables(tmp_path, feature_config=feats, dtype=kind)[t]
+    together = load_tables(tmp_path, dtype=kind)  # no feature config: read, then quantized
+    assert [c.name for c in together] == ["v"]
+    for got in (from_memory, from_checkpoint, next(iter(together.values()))):
+        if kind == "float32":  # every bfloat16 / float16 value is a float32 value
+            assert isinstance(got, np.ndarray) and got.dtype == np.float32
+            np.testing.assert_array_equal(got.astype(np.float64), x64)
+            continue
+        assert got.kind == kind and got.shape == trained.shape
+        err = np.abs(decoded64(got) - x64)
+        assert (err <= element_bound(got, x64)).all()
+        assert (np.abs(got.dequantize().astype(np.float64) - x64) <= element_bound(got, x64)).all()
+        np.testing.assert_array_equal(np.asarray(got.data), np.asarray(from_memory.data))
+
+
+# ---------------------------------------------------------------------------
+# Rows that no kind can encode within its bound
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+
+
+def test_rows_beyond_a_kinds_range_are_refused_naming_row_and_column():
+    """An int8 row whose range overflows float32 (its scale would be inf and every value
+    serve NaN) and a value beyond bfloat16's largest finite (stored as inf) are refused
+    as float16's are: a ValueError naming the table, row, column and value, no warning."""
+    import warnings
+
+    t = em.TableConfig(3, 4, name="wide")
+    x = np.array([[1, 2, 3, 4], [-3e38, 0, 1, 3e38], [5, 6, 7, 8]], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow warning is no longer the signal
+        with pytest.raises(ValueError, match=r"table wide: value 3e\+38 at row 1, column 3"):
+            quantize_tables({t: x}, "int8")
+        y = np.full((3, 4), 0.5, np.float32)
+        y[2, 1] = -3.39e38  # beyond bfloat16's largest finite (3.3895e38)
+        with pytest.raises(ValueError, match=r"table wide: value -3.39e\+38 at row 2, column 1"):
+            quantize_tables({t: y}, "bf16")
+        with pytest.raises(ValueError, match=r"table wide: value .* at row 2, column 1.*float16"):
+            quantize_tables({t: y}, "fp16")
+        y[2, 1] = -BF16_MAX  # the largest finite itself is exact
+        assert quantize_tables({t: y}, "bf16")[t].dequantize()[2, 1] == -BF16_MAX
+        wide = quantize_tables({t: x}, "bf16")[t]  # the int8 row bfloat16 does serve
+        x64 = x.astype(np.float64)
+        assert (
+            np.abs(wide.dequantize().astype(np.float64) - x64) <= element_bound(wide, x64)
+        ).all()
+
+
+EXTREMES = [F32_MAX, -F32_MAX, F32_MAX / 2, -F32_MAX / 2, 3e38, -3e38, 1.7e38, -1.7e38, 0.0, 1.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(-F32_MAX, F32_MAX, width=32, allow_subnormal=False),
+            st.sampled_from(EXTREMES),
+        ),
+        min_size=2,
+        max_size=6,
+    ),
+    st.sampled_from([1.0, 0.5, 0.25]),
+)
+@example([-3e38, 0.0, 1.0, 3e38], 1.0)
+@example([0.0, F32_MAX], 1.0)
+@example([-F32_MAX, F32_MAX / 2], 1.0)
+def test_int8_rows_near_float32s_limit_encode_within_the_bound_or_are_refused(row, spread):
+    """Rows with values up to float32's largest finite: either every decoded value (the
+    float32 decode the kernels run, and q * scale + bias in float64) is within the stated
+    bound of its float64 value, or the row is refused naming row 1 and a column."""
+    x = np.array([[0.25] * len(row), row], np.float32) * np.float32(spread)
+    try:
+        q = quantize_table(x, "int8", name="near")
+    except ValueError as e:
+        assert "table near: value" in str(e) and "at row 1, column" in str(e)
+        span = float(x[1].max()) - float(x[1].min())  # float64: exact
+        assert span > F32_MAX or "float32 decode gives" in str(e)  # refused for a cause
+        return
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = q.dequantize().astype(np.float64)
+    assert (np.abs(got - x64) <= element_bound(q, x64)).all()
+    assert (np.abs(decoded64(q) - x64) <= element_bound(q, x64)).all()
