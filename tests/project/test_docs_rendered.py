@@ -23,13 +23,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 # the HTML tags a Sphinx page of this site uses; any other start tag is text that HTML
-# took for markup (`output_<i>` written outside a code span)
+# took for markup (`output_<i>` written outside a code span: Sphinx writes <em> and
+# <strong>, never <i> or <b>)
 HTML_TAGS = frozenset(
     re.findall(
         r"\w+",
-        """a abbr article aside b blockquote body br button caption cite code col colgroup dd
+        """a abbr article aside blockquote body br button caption cite code col colgroup dd
         details dfn div dl dt em figcaption figure footer form h1 h2 h3 h4 h5 h6 head header
-        hr html i img input kbd label li link main meta nav noscript ol p path pre samp script
+        hr html img input kbd label li link main meta nav noscript ol p path pre samp script
         search section small span strong style sub summary sup svg table tbody td tfoot th
         thead title tr ul var""",
     )
