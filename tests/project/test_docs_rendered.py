@@ -75,7 +75,7 @@ def test_no_text_taken_for_a_tag(site):
     for page in [*sorted(site.glob("*.html")), *sorted((site / "api").glob("*.html"))]:
         parser = _Tags()
         parser.feed(page.read_text())
-        assert not parser.unknown, f"{page.name}: {parser.unknown}"
+        assert not parser.unknown, f"{page.relative_to(site)}: {parser.unknown}"
 
 
 def test_no_constant_shows_its_builtin_type_docstring(site):
