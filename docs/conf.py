@@ -13,6 +13,8 @@ import sys
 from docutils.utils import new_document
 from myst_parser.mdit_to_docutils.sphinx_ import SphinxRenderer
 from myst_parser.parsers.mdit import create_md_parser
+from sphinx.errors import PycodeError
+from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
 
 # Build from this checkout (CI installs it editable; a plain checkout works too).
@@ -43,6 +45,11 @@ myst_enable_extensions = ["colon_fence"]
 autodoc_default_options = {"members": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+# `Callable[[Any, Sequence[int], Any], Any]`, not `~collections.abc.Callable[...]`; defaults
+# as written in the source (`jnp.float32`), not their repr (`<class ...>`, which HTML eats)
+autodoc_typehints_format = "short"
+python_use_unqualified_type_names = True
+autodoc_preserve_defaults = True
 autodoc_class_signature = "mixed"
 
 html_theme = "alabaster"
@@ -91,7 +98,28 @@ def google_sections_to_markdown(lines: list[str]) -> list[str]:
     return out
 
 
+def documented_constant(name: str, obj) -> list[str] | None:
+    """The `#:` comment of the module-level constant `name` (a re-exported `str` or `int`
+    would otherwise show its builtin type's docstring): looked up in the module that
+    assigns it, among embedmesh's modules."""
+    attr = name.rpartition(".")[2]
+    for modname, module in sorted(sys.modules.items()):
+        if not modname.startswith("embedmesh") or getattr(module, attr, None) is not obj:
+            continue
+        try:
+            docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
+        except PycodeError:
+            continue
+        if ("", attr) in docs:
+            return list(docs[("", attr)])
+    return None
+
+
 def markdown_docstring(app, what, name, obj, options, lines):
+    if what == "data" and lines and type(obj).__doc__ and type(obj).__module__ == "builtins":
+        builtin = [line.strip() for line in type(obj).__doc__.strip().splitlines()]
+        if [line.strip() for line in lines if line.strip()][:2] == [b for b in builtin if b][:2]:
+            lines[:] = documented_constant(name, obj) or []
     if lines:
         body = google_sections_to_markdown(lines)
         lines[:] = [".. embedmesh-markdown::", ""] + ["   " + b if b else "" for b in body]

@@ -136,8 +136,9 @@ class QuantizationConfig:
 
     In training, every row a lookup reads is clipped to `[lower, upper]` and rounded
     onto `num_buckets` levels before the combiner (weights, mean, sqrtn) applies:
-    `quantum = (upper - lower) / (num_buckets - 1)`, `x = floor((x - lower) / quantum
-    + 0.5) * quantum + lower`, in float32. The table and its updates stay float32, and
+    `quantum = (upper - lower) / (num_buckets - 1)`,
+    `x = floor((x - lower) / quantum + 0.5) * quantum + lower`, in float32. The table and
+    its updates stay float32, and
     the gradient is straight-through: the update takes the activation gradients as if
     the rows had not been quantized (clipping included). Serving does not quantize
     (`serving_embedding_lookup` is TensorFlow's plain CPU lookup, which ignores the
@@ -175,7 +176,7 @@ class QuantizationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DynamicIds:
-    """A table of raw 64-bit ids (a dynamic vocabulary, issue 42): `TableConfig(
+    """A table of raw 64-bit ids (a dynamic vocabulary): `TableConfig(
     vocabulary_size=capacity, ..., id_map=DynamicIds(...))`.
 
     Inputs of such a table carry any int64 (or uint64) ids, negative ones and the

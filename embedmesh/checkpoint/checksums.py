@@ -25,6 +25,9 @@ from embedmesh.layout.rows import RowLayout
 # changes the lane sums (fmix32 is a bijection); several changes cancel out with
 # probability ~2**-64.
 
+#: The name of the checksum a checkpoint stores for each table and slot: a sum over
+#: logical rows that does not depend on the device count, verified at every restore and
+#: by `load_tables`.
 CHECKSUM = "embedmesh-rowsum-fmix32x2-v1"
 
 

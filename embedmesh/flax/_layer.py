@@ -17,7 +17,9 @@ from embedmesh import checkpoint as _ckpt
 from embedmesh.device.core import EmbeddingState
 from embedmesh.facade import MeshEmbedding
 
-COLLECTION = "embedding"  # the flax variable collection of tables, slots and the step
+#: The flax variable collection that holds the embedding's tables, optimizer slots and
+#: update count (apart from the dense model's `params`).
+COLLECTION = "embedding"
 
 
 def built_layer(layer: MeshEmbedding) -> tuple[MeshEmbedding, EmbeddingState]:

@@ -8,7 +8,14 @@ its host kernels, an exported, jax-free-at-load serving function, and
 it loads orbax)."""
 
 from embedmesh import _lazy
-from embedmesh.serving.export import Dense, Ragged, Sparse, export_serving, load_serving
+from embedmesh.serving.export import (
+    Dense,
+    Ragged,
+    ServingFunction,
+    Sparse,
+    export_serving,
+    load_serving,
+)
 from embedmesh.serving.lookup import serving_embedding_lookup, set_host_threads
 from embedmesh.serving.quantized import (
     QuantizedTable,
@@ -28,6 +35,7 @@ __all__ = [
     "Ragged",
     "RawIdTable",
     "RawIdUpdate",
+    "ServingFunction",
     "Sparse",
     "apply_increment",
     "export_saved_model",

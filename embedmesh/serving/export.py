@@ -315,14 +315,13 @@ def export_serving(
       platforms: lowering platforms of the programs.
 
     Returns the manifest (also written to `directory/manifest.json`).
-
-    About 100 lines as one function on purpose (issue 39): its steps (the signature
-    encoded, the traced `program`, one export per bucket, the files and manifest) share
-    the closure `program` and what tracing records in it (`raw_uses`, the output
-    structure), which the manifest then reads; split, a dozen values would travel
-    between the phases. Its pieces are already helpers (`_encode`, `_table_arrays`,
-    `_export_bucket`, `_save_arrays`, `_raw_inputs`).
     """
+    # About 100 lines as one function on purpose: its steps (the signature encoded, the
+    # traced `program`, one export per bucket, the files and manifest) share the closure
+    # `program` and what tracing records in it (`raw_uses`, the output structure), which
+    # the manifest then reads; split, a dozen values would travel between the phases. Its
+    # pieces are already helpers (`_encode`, `_table_arrays`, `_export_bucket`,
+    # `_save_arrays`, `_raw_inputs`).
     import jax
 
     buckets = sorted({int(b) for b in batch_sizes})
@@ -778,6 +777,16 @@ class ServingFunction:
         _LIVE.add(self)
         if precompile:  # no cold start: the first request runs a compiled, warm program
             self._warm_up()
+
+    def __repr__(self) -> str:
+        tables = ", ".join(
+            f"{name}: " + (" x ".join(map(str, t.shape)) if hasattr(t, "shape") else "raw ids")
+            for name, t in self.tables.items()
+        )
+        return (
+            f"ServingFunction({self.directory!r}, batch_sizes={self.batch_sizes}, "
+            f"tables {{{tables}}})"
+        )
 
     def _load_arrays(self):
         """Tables and parameters onto the device; programs compiled afresh on first use."""

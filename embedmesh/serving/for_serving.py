@@ -56,6 +56,17 @@ class EmbeddingForServing:
         self.step = int(read_metadata(path)["step"])
         return self.step
 
+    def __repr__(self) -> str:
+        tables = ", ".join(
+            f"{t.name}: {t.vocabulary_size} x {t.dim}" for t in self._resolved.tables
+        )
+        source = (
+            f"restored step {self.step}"
+            if self.step is not None
+            else ("initialized" if self._tables is not None else "not built")
+        )
+        return f"EmbeddingForServing({tables}; {source})"
+
     @property
     def embedding_tables(self) -> dict:
         """`{TableConfig: [vocabulary_size, dim] numpy array}`."""

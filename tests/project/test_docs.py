@@ -12,9 +12,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
-# module -> its API page; its public names are its __all__ (plus the lazily loaded ones)
+# module -> its API page (or pages); its public names are its __all__ (plus the lazily
+# loaded ones)
 API_PAGES = {
-    "embedmesh": "api/embedmesh.md",
+    "embedmesh": ("api/embedmesh.md", "api/core.md"),
     "embedmesh.tpu": "api/tpu.md",
     "embedmesh.serving": "api/serving.md",
     "embedmesh.checkpoint": "api/checkpoint.md",
@@ -30,7 +31,8 @@ def test_api_reference_names_every_public_name(module):
     if module.startswith("embedmesh.flax"):
         pytest.importorskip("flax")
     names = list(importlib.import_module(module).__all__) + LAZY.get(module, [])
-    page = (DOCS / API_PAGES[module]).read_text()
+    pages = API_PAGES[module]
+    page = "\n".join((DOCS / p).read_text() for p in ([pages] if isinstance(pages, str) else pages))
     if module in ("embedmesh.flax.nnx", "embedmesh.flax.linen"):  # one section of flax.md
         page = page.split(f"## `{module}`", 1)[1].split("\n## ", 1)[0]
     documented = set(
