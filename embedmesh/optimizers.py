@@ -327,9 +327,9 @@ class Optimizer(abc.ABC):
         )
 
     def fused_rule_attrs(self) -> dict:
-        """The rule's own scalars a fused kernel applies (update_rules.h's rule of
-        `fused_kernel` reads them by name), computed as `_rule` computes them (constants
-        such as `1 - beta` in Python floats, then float32). Empty for SGD and Adagrad."""
+        """The rule's own scalars a fused kernel applies, by name, computed as the
+        optimizer's update computes them (constants such as `1 - beta` in Python floats,
+        then float32). Empty for SGD and Adagrad."""
         return {}
 
     # Slots holding one value a row ([rows, 1], not [rows, dim]).

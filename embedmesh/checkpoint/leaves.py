@@ -6,6 +6,7 @@ leaves at a time, waited for, and verified against the recorded checksum. Host o
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from embedmesh.checkpoint.checksums import CHECKSUM, _expected_checksum
 from embedmesh.checkpoint.format import LOOKUP_FIELD
@@ -18,6 +19,8 @@ from embedmesh.checkpoint.recut import (
     _stored_table,
 )
 from embedmesh.layout.rows import RowLayout, row_layout
+
+_log = logging.getLogger(__name__)
 
 
 def _check_compatible(
@@ -152,15 +155,16 @@ def _streamed(count: int, start, prefetch: bool):
         _drain(following)
 
 
-def _wait_leaf(pending: _Pending, stats: dict | None = None) -> None:
+def _wait_leaf(pending: _Pending) -> None:
     """Wait for a leaf's reads; a failed read is a ValueError naming the leaf."""
     try:
         _wait(pending.futures)
     except Exception as e:
         _drain(pending)
         raise _read_error(pending.source, pending.what, e) from e
-    if stats is not None:
-        stats[pending.kind] = stats.get(pending.kind, 0) + 1
+    # how the leaf was read: its stored blocks whole ("direct") or gathered into another
+    # layout ("resharded")
+    _log.debug("restore: %s read %s", pending.kind, pending.what)
 
 
 def _verify(pending: _Pending, checksum) -> None:

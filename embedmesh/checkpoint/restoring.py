@@ -75,7 +75,6 @@ def _place_leaf(
     pending: _Pending,
     stack_array: jax.Array,
     t,
-    stats: dict | None = None,
     *,
     donate: bool = True,
     column: int = 0,
@@ -84,7 +83,7 @@ def _place_leaf(
     written in from column `column` (a slot kept in the rows: its first): in place
     (`donate=True`: `stack_array` is consumed), or into a new array (`donate=False`:
     `stack_array` stays intact)."""
-    _wait_leaf(pending, stats)
+    _wait_leaf(pending)
     rest = pending.pieces[0][2].shape[1:] if pending.pieces else stack_array.shape[1:]
     shape = (core.num_shards * t.rows_per_shard,) + tuple(rest)
     # On CPU, device_put aliases the (aligned) buffers: no copy until the write below
@@ -239,7 +238,6 @@ def core_restore(
     missing: str = "error",
     pipelined: bool = False,
     prefetch: bool = False,
-    _stats: dict | None = None,
 ) -> RestoredState:
     """Restore a checkpoint onto `core` (an `EmbeddingCore`): a new state, `state` unchanged.
 
@@ -297,7 +295,7 @@ def core_restore(
             len(rebuilt_todo),
         )
         new = _NewState(live, core.plan)
-        _read_direct(core, reader, new, todo, leaves, prefetch, _stats)
+        _read_direct(core, reader, new, todo, leaves, prefetch)
         _write_rebuilt(core, reader, new, dynamic, rebuilt_todo)
         maps = dict(live.id_maps)
         for p in dynamic.values():
@@ -361,7 +359,7 @@ def _plan_reads(core, reader, path, missing: str, pipelined: bool):
     return todo, leaves, dynamic, rebuilt_todo
 
 
-def _read_direct(core, reader, new: _NewState, todo, leaves, prefetch: bool, _stats) -> None:
+def _read_direct(core, reader, new: _NewState, todo, leaves, prefetch: bool) -> None:
     """The leaves read straight into this process's shards, one at a time (the next one
     read ahead with `prefetch`), each written into `new`."""
     plan = core.plan
@@ -388,7 +386,6 @@ def _read_direct(core, reader, new: _NewState, todo, leaves, prefetch: bool, _st
                 current,
                 new.target(t, field),
                 t,
-                _stats,
                 donate=new.array_of(t, field) in new.fresh,
                 column=new.column(t, field),
             )
@@ -424,7 +421,6 @@ def restore(
     item: str = DEFAULT_ITEM,
     missing: str = "error",
     prefetch: bool = False,
-    _stats: dict | None = None,
 ) -> int:
     """Restore a checkpoint into `emb` (built if needed) on its own mesh and stacking.
 
@@ -476,7 +472,6 @@ def restore(
         missing=missing,
         pipelined=emb.pipelined,
         prefetch=prefetch,
-        _stats=_stats,
     )
     emb.install_restored(restored)
     return restored.step

@@ -338,7 +338,7 @@ class Machine:
         the 40 ns measured in `benchmarks/runs/serving-history.md`);
         the fused backward + dedup + Adagrad update 16.8 ms = 308,894 pairs x 17.5 ns +
         117,295 rows x 97 ns, i.e. 48.5 ns per table-or-slot row (update_row_s 29.5 ns
-        + 2 x 256 B at 27 GB/s). mem_bw 27 GB/s: the write floor measured in
+        plus 2 x 256 B at 27 GB/s). mem_bw 27 GB/s: the write floor measured in
         `benchmarks/runs/serving-history.md`. Two constants are fitted (non-negative least
         squares, `benchmarks/scale/simulate.py --calibrate`) to the 1/2/4-device medians of
         `benchmarks/runs/train_run_2026-12-01_ndev.txt` (26.3 / 27.0 / 30.8 ms): step_overhead_s

@@ -16,6 +16,7 @@ import pytest
 from checkpoint_common import (
     HashInit,
     apply_copies,
+    leaf_reads,
     make_batch,
     make_features,
     make_tables,
@@ -117,13 +118,11 @@ def test_restore_on_other_device_counts_and_stackings(sources, case):
     src = sources[n_from]
     emb, feats = engine(n_to, **kw)
     other_tables = "tables" in kw
-    stats = {}
     if other_tables:
         with pytest.raises(ValueError, match="table e is not in the checkpoint"):
             ckpt.restore(emb, src["path"])
-        step = ckpt.restore(emb, src["path"], missing="keep", _stats=stats)
-    else:
-        step = ckpt.restore(emb, src["path"], _stats=stats)
+    with leaf_reads() as stats:
+        step = ckpt.restore(emb, src["path"], **(dict(missing="keep") if other_tables else {}))
     assert step == 2 and int(emb.state.step) == 2
     # same device count: the stored blocks are this mesh's shards, read whole ("direct");
     # otherwise each new shard gathers its rows from the stored blocks ("resharded")

@@ -1,5 +1,9 @@
 """Shared helpers of the checkpoint tests and their subprocess workers (not a test module)."""
 
+import collections
+import contextlib
+import logging
+
 import numpy as np
 
 import embedmesh as em
@@ -132,3 +136,26 @@ def save_edited(root, emb, step: int, edit) -> None:
     mngr.save(step, args=ocp.args.Composite(embedding=ckpt.EmbeddingSave(tree)))
     mngr.wait_until_finished()
     mngr.close()
+
+
+@contextlib.contextmanager
+def leaf_reads():
+    """`{"direct" or "resharded": count}` of the stored arrays a restore read inside the
+    block: each leaf's read is logged (DEBUG) as its stored blocks read whole or gathered
+    into another layout."""
+    kinds: collections.Counter = collections.Counter()
+
+    class Kinds(logging.Handler):
+        def emit(self, record):
+            if record.msg == "restore: %s read %s":
+                kinds[record.args[0]] += 1
+
+    logger = logging.getLogger("embedmesh.checkpoint.leaves")
+    handler, level = Kinds(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield kinds
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
