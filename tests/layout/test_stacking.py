@@ -255,3 +255,90 @@ def test_stack_shard_accepts_table_configs_and_checks_shapes():
         stack_shard({t0: a}, plan, "t0+t1", 0)
     with pytest.raises(ValueError, match="shard 2"):
         table_shard(a, plan, "t0", 2)
+
+
+# ---------------------------------------------------------------------------
+# Table-wise stacks: the grouping that costs the fewest bytes a device
+
+
+def lpt_rows(rows, n):
+    """The documented owner packing, plainly: largest first (then config order), each
+    table onto the shard with the fewest rows so far; the fullest shard's rows."""
+    used = [0] * n
+    for v in sorted(rows, key=lambda v: -v):
+        used[used.index(min(used))] += v
+    return max(used)
+
+
+def groupings(items):
+    """Every partition of `items` into groups."""
+    if not items:
+        yield []
+        return
+    for rest in groupings(items[1:]):
+        yield [[items[0]]] + rest
+        for k in range(len(rest)):
+            yield rest[:k] + [[items[0]] + rest[k]] + rest[k + 1 :]
+
+
+def fewest_columns_a_device(vocabs, dims, n):
+    """The least `sum over stacks of width * its fullest owner's rows` over every grouping
+    of the tables into stacks (a stack as wide as its widest table, dims padded to 8)."""
+    padded = [-(-d // 8) * 8 for d in dims]
+    return min(
+        sum(max(padded[i] for i in g) * lpt_rows([vocabs[i] for i in g], n) for g in grouping)
+        for grouping in groupings(list(range(len(vocabs))))
+    )
+
+
+def held_columns(plan):
+    """Columns x rows every device holds: each stack's block (`rows_per_shard` rows of its
+    dim), the same on every device."""
+    return sum(s.rows_per_shard * s.dim for s in plan.stacks)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 400), st.sampled_from([8, 16, 24, 32, 48, 64])),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(2, 8),
+)
+def test_table_wise_stacks_cost_the_fewest_bytes_of_any_grouping(shapes, n):
+    vocabs, dims = [v for v, _ in shapes], [d for _, d in shapes]
+    plan = plan_stacking(_config(vocabs, dims), n, sharding="table_wise")
+    assert held_columns(plan) == fewest_columns_a_device(vocabs, dims, n)
+    assert plan.bytes_per_device == (held_columns(plan) * 4,) * n  # SGD: no slots
+    for s in plan.stacks:  # every table in a stack at least as wide as its own dim
+        assert all(plan.table(t).dim <= s.dim for t in s.tables)
+
+
+def test_single_tables_move_to_the_stack_where_they_cost_least():
+    """Dims 32/16/48/8 on 4 devices: the whole stacks' merge alone gave one stack of 48 for
+    all four, 1.73x the largest owner's bytes; two stacks of the pairs (t0 with t2, t1
+    with t3) hold 1.67x."""
+    vocabs, dims = [36875, 50842, 35979, 69083], [32, 16, 48, 8]
+    plan = plan_stacking(_config(vocabs, dims, [Adagrad(0.1)] * 4), 4, sharding="table_wise")
+    assert sorted(s.tables for s in plan.stacks) == [("t0", "t2"), ("t1", "t3")]
+    largest_owner = max(v * d * 8 for v, d in zip(vocabs, dims))  # one table an owner
+    assert plan.bytes_per_device[0] == (48 * 36875 + 16 * 69083) * 8
+    assert plan.bytes_per_device[0] / largest_owner < 1.67
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="no grouping into stacks reaches 1.25x here (the fewest bytes is 1.36x): the "
+    "48-wide table needs a stack of its own, which costs its rows on every device",
+)
+def test_table_wise_holds_at_most_125_percent_of_its_largest_owner():
+    """Dims 32/16/48/8 on 4 devices, one table an owner: every device should hold at most
+    1.25x the largest owner's own bytes (parameters and slots)."""
+    vocabs, dims = [100000, 100000, 24000, 52000], [32, 16, 48, 8]
+    plan = plan_stacking(_config(vocabs, dims, [Adagrad(0.1)] * 4), 4, sharding="table_wise")
+    assert fewest_columns_a_device(vocabs, dims, 4) == 32 * 100000 + 48 * 24000
+    owners = [0] * 4
+    for t in plan.tables:
+        owners[t.first_shard] += t.vocabulary_size * t.dim * 8
+    assert max(plan.bytes_per_device) <= 1.25 * max(owners)
