@@ -36,7 +36,9 @@ def test_api_reference_names_every_public_name(module):
     if module in ("embedmesh.flax.nnx", "embedmesh.flax.linen"):  # one section of flax.md
         page = page.split(f"## `{module}`", 1)[1].split("\n## ", 1)[0]
     documented = set(
-        re.findall(r"^\.\. auto(?:class|function|data):: (?:[\w.]+\.)?(\w+)$", page, re.M)
+        re.findall(
+            r"^\.\. auto(?:class|function|data):: (?:[\w.]+\.)?(\w+)(?:\(.*\))?$", page, re.M
+        )
     )
     aliased = set(re.findall(rf"^\| `{re.escape(module)}\.(\w+)` \|", page, re.M))
     missing = [n for n in names if n not in documented | aliased]
