@@ -23,11 +23,10 @@ __all__ = ["export_increment", "raw_id_tables"]
 
 
 def _engine(engine, state):
-    """(core, state) from a `MeshEmbedding` (its observed state) or an `EmbeddingCore`
+    """(core, state) from an engine that holds both (its public `core` and
+    `observed_state()`, the state every accepted update applied) or an `EmbeddingCore`
     (with `state`)."""
-    core = getattr(engine, "core", None)
-    if core is not None and hasattr(engine, "observed_state"):
-        engine._maybe_build()
+    if hasattr(engine, "observed_state"):
         return engine.core, engine.observed_state() if state is None else state
     if state is None:
         raise ValueError("an EmbeddingCore needs its state: pass state=")

@@ -41,6 +41,12 @@ The collection `"embedding"` holds `{"tables": {stack: array}, "slots": {stack:
 each array a global array sharded over the mesh
 exactly as the core shards it. `init` must run eagerly (not under `jax.jit`): the
 tables are built shard by shard on their devices.
+
+Pipelined (`MeshEmbedding(..., pipeline_execution_with_tensor_core=True)`), the same
+step defers each update: `apply_gradients` keeps it in the collection (`"pending"`)
+and the next `__call__` applies it fused with its lookup, which reads the tables one
+update stale, as the facade does; `__call__` then changes the collection, so call it
+with `mutable=["embedding"]` (`embedding_tables` reads the tables with it applied).
 """
 
 from __future__ import annotations
@@ -52,9 +58,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from embedmesh.device.core import EmbeddingState
-from embedmesh.facade import MeshEmbedding
 from embedmesh.flax import _layer
+from embedmesh.job import EmbeddingJob, EmbeddingState
 
 __all__ = ["Embed", "state_of", "variables_of"]
 
@@ -93,7 +98,7 @@ class _Layer:
     """A built `MeshEmbedding` shared by every clone of one module (linen re-creates
     modules on each `apply`; building is done once, at construction)."""
 
-    def __init__(self, layer: MeshEmbedding):
+    def __init__(self, layer: Any):
         self.initial: EmbeddingState | None
         self.layer, self.initial = _layer.built_layer(layer)
 
@@ -105,7 +110,7 @@ class _Layer:
         return state
 
 
-def _holder(layer: MeshEmbedding) -> _Layer:
+def _holder(layer: Any) -> _Layer:
     if layer not in _HOLDERS:
         _HOLDERS[layer] = _Layer(layer)
     return _HOLDERS[layer]
@@ -123,7 +128,7 @@ class Embed(nn.Module):
     embedding: Any  # a MeshEmbedding (built on construction)
 
     def __post_init__(self):
-        if isinstance(self.embedding, MeshEmbedding):
+        if hasattr(self.embedding, "release_state") and hasattr(self.embedding, "job"):
             object.__setattr__(self, "holder", _holder(self.embedding))
         else:
             raise TypeError(
@@ -132,12 +137,29 @@ class Embed(nn.Module):
         super().__post_init__()
 
     @property
-    def layer(self) -> MeshEmbedding:
+    def layer(self) -> Any:
         return self.holder.layer
 
     @property
+    def job(self) -> EmbeddingJob:
+        """The layer's job (`EmbeddingJob`), whose traced steps the module runs."""
+        return self.holder.layer.job
+
+    @property
     def core(self):
-        return self.holder.layer.core
+        return self.job.core
+
+    def _pending(self) -> tuple | None:
+        if not self.has_variable(COLLECTION, "pending"):
+            return None
+        pending: Any = self.get_variable(COLLECTION, "pending")
+        return pending
+
+    def _put(self, state: EmbeddingState, pending: tuple | None) -> None:
+        for name, value in variables_of(state)[COLLECTION].items():
+            self.put_variable(COLLECTION, name, value)
+        if pending is not None or self.has_variable(COLLECTION, "pending"):
+            self.put_variable(COLLECTION, "pending", pending)
 
     def _embedding_state(self) -> EmbeddingState:
         if not self.has_variable(COLLECTION, "tables"):
@@ -163,21 +185,28 @@ class Embed(nn.Module):
         id maps (call with `mutable=["embedding"]`: admissions and evictions change the
         maps, fresh rows the tables): the batch `__call__` and `apply_gradients` take.
         A batch without raw ids comes back as it is."""
-        state, csr = _layer.map_ids(self.layer, self._embedding_state(), csr)
+        pending = self._pending()
+        state, csr, fresh = self.job.map_ids(self._embedding_state(), csr, pending)
         if state.id_maps:
-            for name, value in variables_of(state)[COLLECTION].items():
-                self.put_variable(COLLECTION, name, value)
+            # (rows given ahead of a pending update: re-initialised after it)
+            if fresh is not None and pending is not None:
+                pending = pending[:2] + (fresh,)
+            self._put(state, pending)
         return csr
 
     def __call__(self, csr: dict) -> Any:
         """Activations of an enqueued batch (`enqueue`; with tables of raw ids, the
         batch `map_ids` returns), in the feature config's structure. `init` takes a batch
         of raw ids too: its activations from a map thrown away (the variables keep the
-        empty maps, so the first step maps that batch as any other)."""
+        empty maps, so the first step maps that batch as any other). Pipelined with an
+        update pending, it is applied after the lookup (call with `mutable=["embedding"]`)."""
         state = self._embedding_state()
         if self.is_initializing():
-            _, csr = _layer.map_ids(self.layer, state, csr)
-        acts = _layer.lookup(self.layer, state, csr)
+            _, csr, _ = self.job.map_ids(state, csr)
+        pending = self._pending()
+        acts, state, _ = self.job.lookup(state, csr, pending)
+        if pending is not None:
+            self._put(state, None)
         return self._perturbed(acts)
 
     def _perturbed(self, acts: Any) -> Any:
@@ -205,10 +234,15 @@ class Embed(nn.Module):
 
     def apply_gradients(self, gradients: Any, csr: dict, check_finite: bool = True):
         """One fused sparse update from d loss / d activations (call with
-        `mutable=["embedding"]`); returns whether it was applied."""
-        state, ok = _layer.apply_gradients(
-            self.layer, self._embedding_state(), gradients, csr, check_finite
-        )
+        `mutable=["embedding"]`); returns whether it was applied. Pipelined, the update
+        is kept for the next `__call__` (a non-finite one then skipped)."""
+        state = self._embedding_state()
+        if self.job.pipelined:  # (an update still pending first: no lookup between them)
+            state = self.job.applied(state, self._pending())
+            pending, ok = self.job.defer(gradients, csr, check_finite)
+            self._put(state, pending)
+            return ok
+        state, ok = self.job.update(state, gradients, csr, check_finite)
         self.put_variable(COLLECTION, "tables", dict(state.tables))
         self.put_variable(COLLECTION, "slots", {s: dict(d) for s, d in state.slots.items()})
         self.put_variable(COLLECTION, "step", state.step)
@@ -226,14 +260,15 @@ class Embed(nn.Module):
     def embedding_tables(self, variables: dict) -> dict:
         """`{TableConfig: numpy [vocabulary_size, dim]}` of `variables`, logical order (a
         table of raw ids: its `RawIdTable`)."""
-        return _layer.read_tables(self.layer, state_of(variables))
+        pending = variables.get(COLLECTION, variables).get("pending")
+        return self.job.read_tables(self.job.applied(state_of(variables), pending))
 
     def save_args(self, variables: dict):
         """orbax args of the embedding item (`checkpoint.core_save_args`)."""
-        return _layer.save_args(self.layer, state_of(variables))
+        return _layer.save_args(self.job, state_of(variables))
 
     def restore(self, variables: dict, source, step: int | None = None, **kwargs) -> dict:
         """New `{"embedding": ...}` variables restored from a checkpoint (saved on any
         device count, by a module, a `MeshEmbedding` or the core); `variables` give the
         template (and are left as they are)."""
-        return variables_of(_layer.restore(self.layer, state_of(variables), source, step, **kwargs))
+        return variables_of(_layer.restore(self.job, state_of(variables), source, step, **kwargs))

@@ -31,6 +31,12 @@ passes the batch `map_ids` returns to the forward pass and `apply_gradients`:
         acts = model.embed(csr)
 
 Their id maps are `Embed.id_maps` (`{stack: EmbeddingVariable}`, docs/dynamic-ids.md).
+
+Pipelined (`MeshEmbedding(..., pipeline_execution_with_tensor_core=True)`), the same
+step defers each update: `apply_gradients` keeps it in `Embed.pending` and the next
+forward pass applies it fused with its lookup, which reads the tables one update
+stale, as the facade does (`flush()` applies it now; `embedding_tables`, `variables`
+and `save_args` read the tables with it applied).
 """
 
 from __future__ import annotations
@@ -39,9 +45,8 @@ from typing import Any
 
 from flax import nnx
 
-from embedmesh.device.core import EmbeddingState
-from embedmesh.facade import MeshEmbedding
 from embedmesh.flax import _layer
+from embedmesh.job import EmbeddingJob, EmbeddingState
 
 __all__ = ["Embed", "EmbeddingVariable"]
 
@@ -69,11 +74,24 @@ class Embed(nnx.Module):
     slots: dict[str, dict[str, EmbeddingVariable]]
     step: EmbeddingVariable
     id_maps: dict[str, EmbeddingVariable]  # the tables of raw ids' (empty: none)
+    pending: EmbeddingVariable | None  # pipelined: the update the next lookup applies
 
-    def __init__(self, layer: MeshEmbedding):
+    def __init__(self, layer: Any):
         layer, state = _layer.built_layer(layer)
         self.layer = layer  # static: compared by identity in nnx's graph
+        self.pending = nnx.data(None)
         self._set(state)
+
+    @property
+    def job(self) -> EmbeddingJob:
+        """The layer's job (`EmbeddingJob`), whose traced steps the module runs."""
+        return self.layer.job
+
+    def _pending(self) -> tuple | None:
+        return None if self.pending is None else self.pending.get_value()
+
+    def _set_pending(self, pending: tuple | None) -> None:
+        self.pending = nnx.data(None if pending is None else EmbeddingVariable(pending))
 
     # -- state ----------------------------------------------------------------------
 
@@ -122,7 +140,16 @@ class Embed(nnx.Module):
     @property
     def core(self):
         """The functional core (`EmbeddingCore`)."""
-        return self.layer.core
+        return self.job.core
+
+    def observed_state(self) -> EmbeddingState:
+        """The state with a pending update (pipelined) applied; the module unchanged."""
+        return self.job.applied(self.state, self._pending())
+
+    def flush(self) -> None:
+        """Apply a pending update now (pipelined: the next lookup then sees it)."""
+        self._set(self.observed_state())
+        self._set_pending(None)
 
     # -- host side --------------------------------------------------------------------
 
@@ -142,22 +169,38 @@ class Embed(nnx.Module):
         id maps, in place (admissions and evictions change the maps, fresh rows the
         tables): the batch the forward pass and `apply_gradients` take. A batch without
         raw ids comes back as it is."""
-        state, csr = _layer.map_ids(self.layer, self.state, csr)
+        pending = self._pending()
+        state, csr, fresh = self.job.map_ids(self.state, csr, pending)
         if state.id_maps:
             self._set(state)
+        if fresh is not None and pending is not None:  # rows given ahead of the update
+            self._set_pending(pending[:2] + (fresh,))
         return csr
 
     def __call__(self, csr: dict) -> Any:
         """Activations of an enqueued batch (with tables of raw ids, the batch `map_ids`
-        returns), in the feature config's structure."""
-        return _layer.lookup(self.layer, self.state, csr)
+        returns), in the feature config's structure (pipelined: the pending update
+        applied after the lookup, in one program)."""
+        pending = self._pending()
+        acts, state, _ = self.job.lookup(self.state, csr, pending)
+        if pending is not None:
+            self._set(state)
+            self._set_pending(None)
+        return acts
 
     def apply_gradients(self, gradients: Any, csr: dict, *, check_finite: bool = True):
         """One fused sparse update of the tables and slots from d loss / d activations
         (the feature config's structure; None counts as zero), in place. With
         `check_finite`, a non-finite gradient leaves the state unchanged; returns
-        whether the update was applied (a traced bool inside `nnx.jit`)."""
-        state, ok = _layer.apply_gradients(self.layer, self.state, gradients, csr, check_finite)
+        whether the update was applied (a traced bool inside `nnx.jit`). Pipelined, the
+        update is kept for the next forward pass (a non-finite one then skipped)."""
+        if self.job.pipelined:
+            if self.pending is not None:  # two updates without a lookup between them
+                self.flush()
+            pending, ok = self.job.defer(gradients, csr, check_finite)
+            self._set_pending(pending)
+            return ok
+        state, ok = self.job.update(self.state, gradients, csr, check_finite)
         self._set(state)
         return ok
 
@@ -167,32 +210,21 @@ class Embed(nnx.Module):
     def embedding_tables(self) -> dict:
         """`{TableConfig: numpy [vocabulary_size, dim]}` in logical row order (a table of
         raw ids: its `RawIdTable`)."""
-        return _layer.read_tables(self.layer, self.state)
+        return self.job.read_tables(self.observed_state())
 
     @property
     def variables(self) -> dict:
         """`{TableConfig: {"parameters": ..., slot name: ...}}` (numpy, logical order)."""
-        return _read(self.layer, self.state, None)
+        return self.job.read_variables(self.observed_state())
 
     def save_args(self):
         """orbax args of the embedding item (`checkpoint.core_save_args`): put it in an
         `ocp.args.Composite` beside the dense model's `nnx.state(model, nnx.Param)`."""
-        return _layer.save_args(self.layer, self.state)
+        return _layer.save_args(self.job, self.observed_state())
 
     def restore(self, source, step: int | None = None, **kwargs) -> None:
         """Restore the embedding item of a checkpoint (a directory or an
         `ocp.CheckpointManager`; saved on any device count, by a module, a
         `MeshEmbedding` or the core) into this module (`checkpoint.core_restore`)."""
-        self._set(_layer.restore(self.layer, self.state, source, step, **kwargs))
-
-
-def _read(layer: MeshEmbedding, state: EmbeddingState, field: str | None) -> dict:
-    """Logical numpy tables (`field="parameters"`) or every variable (`field=None`)."""
-    out = {}
-    job = layer.job
-    for cfg in job.tables:
-        stack = job.plan.stack_of(cfg).name
-        fields = ["parameters"] if field else ["parameters", *job.core.slot_names(stack)]
-        read = {f: job.read_table(state, cfg, f) for f in fields}
-        out[cfg] = read["parameters"] if field else read
-    return out
+        self._set(_layer.restore(self.job, self.observed_state(), source, step, **kwargs))
+        self._set_pending(None)

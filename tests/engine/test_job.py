@@ -104,3 +104,35 @@ def test_job_errors_name_the_feature():
         job.flat_gradients({"a": np.zeros((3, 4), np.float32), "b": None}, csr)
     with pytest.raises(ValueError, match="preserved_outputs must be the dict"):
         job.check_preserved([1])
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_job_built_on_its_own_steps_like_the_facade(pipelined):
+    """`EmbeddingJob.build(JobSpec.of(...))` without a facade: batches through its `Feed`,
+    steps through its `Schedule` (state in, state out), the same activations and tables
+    as `MeshEmbedding` with the same arguments, pipelined or not."""
+    from embedmesh.job import EmbeddingJob, Feed, JobSpec
+
+    r = np.random.default_rng(4)
+    data = [{"a": r.integers(0, 20, (8, 2)), "b": r.integers(0, 10, (8,))} for _ in range(3)]
+    t = em.TableConfig(20, 4, name="t", combiner="mean")
+    u = em.TableConfig(10, 8, name="u", combiner="sum")
+    feats = {"a": em.FeatureConfig(t), "b": em.FeatureConfig(u, output_shape=(4, 2))}
+    emb = em.MeshEmbedding(feats, em.Adagrad(0.3), pipelined)
+    spec = JobSpec.of(feats, em.Adagrad(0.3), pipelined)
+    job, state = EmbeddingJob.build(spec)
+    schedule, feed = job.schedule(state), Feed()
+    for batch in data:
+        want, pre = emb(batch)
+        grads = {k: np.sin(np.asarray(a)).astype(np.float32) + 0.1 for k, a in want.items()}
+        emb.apply_gradients(grads, pre)
+        csr, _, feed = job.enqueue(feed, batch)
+        acts, csr, schedule = job.dequeue(schedule, csr)
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(acts[k]), np.asarray(want[k]))
+        schedule = job.apply_gradients(schedule, grads, csr)
+    observed, schedule = job.observe(schedule)
+    got = job.read_tables(observed)
+    want_tables = {t.name: v for t, v in emb.embedding_tables.items()}
+    for t, v in got.items():
+        np.testing.assert_array_equal(v, want_tables[t.name])

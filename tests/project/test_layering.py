@@ -53,23 +53,15 @@ LAYERS = {
     "layout": (["layout"], set()),
     "host": (["host"], {"embedmesh.layout"}),
     "device": (["device"], {"embedmesh.layout"}),
-    # the facade and the stateless job under it (`job.py`, what the flax modules use)
-    "facade": (["facade", "job"], {"embedmesh.layout", "embedmesh.host", "embedmesh.device"}),
+    # the job, the functional middle layer: planning, batches, the step programs
+    "job": (["job"], {"embedmesh.layout", "embedmesh.host", "embedmesh.device"}),
+    # the stateful facade: TensorFlow's names over the job, and nothing below it
+    "facade": (["facade"], {"embedmesh.job"}),
     "checkpoint": (["checkpoint"], {"embedmesh.layout", "embedmesh.device"}),
     "serving": (["serving"], {"embedmesh.layout", "embedmesh.host"} | CHECKPOINT_READERS),
-    # the flax modules: over the facade (the job's plan and host preprocessing), the core
-    # and checkpoints; nothing imports them
-    "flax": (
-        ["flax"],
-        {
-            "embedmesh.layout",
-            "embedmesh.host",
-            "embedmesh.device",
-            "embedmesh.facade",
-            "embedmesh.job",
-            "embedmesh.checkpoint",
-        },
-    ),
+    # the flax modules: over the job (its steps, host preprocessing) and checkpoints;
+    # nothing imports them
+    "flax": (["flax"], {"embedmesh.job", "embedmesh.checkpoint"}),
 }
 # single edges allowed beside the layers: (module, imported name)
 EXCEPTIONS = {
@@ -132,6 +124,61 @@ def test_no_layer_imports_a_later_one(layer):
             if not _allowed(name, own, extra) and (rel, name) not in EXCEPTIONS:
                 bad.append(f"{rel} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_facade_and_flax_reach_the_layers_below_through_the_job_only():
+    """The rule itself, beside the table above: the facade imports the job and no
+    device, host or layout module; the flax modules import only the job and
+    checkpoints (a change of these lines is a change of the architecture)."""
+    for layer, below in (
+        ("facade", ("device", "host", "layout", "checkpoint")),
+        ("flax", ("device", "host", "layout", "facade")),
+    ):
+        for path in _modules(LAYERS[layer][0]):
+            names = [n for n in _imports(path) if n.startswith("embedmesh.")]
+            bad = [n for n in names if n.split(".")[1] in below]
+            assert not bad, f"{path.name} imports {bad}"
+    assert any(n.startswith("embedmesh.job") for n in _imports(PKG / "facade.py"))
+
+
+def _names_of_upper_layers(path: pathlib.Path) -> list[str]:
+    """Where a module names a layer above the device: an import of the job, the facade,
+    flax or checkpoints, the name `MeshEmbedding` in code, or a private attribute of an
+    object that is not `self`/`cls` (an engine passed down and reached into)."""
+    bad = []
+    upper = ("embedmesh.job", "embedmesh.facade", "embedmesh.flax", "embedmesh.checkpoint")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(upper):
+            bad.append(f"{path.name}:{node.lineno} imports {node.module}")
+        if isinstance(node, ast.Import):
+            bad += [f"{path.name} imports {a.name}" for a in node.names if a.name.startswith(upper)]
+        if isinstance(node, ast.Name) and node.id == "MeshEmbedding":
+            bad.append(f"{path.name}:{node.lineno} MeshEmbedding")
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in {"engine", "layer", "emb", "facade", "embedding"}
+        ):
+            bad.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_device_module_names_the_facade():
+    """The device layer is handed a core and its state, never the facade: it imports no
+    layer above it and reaches into no engine's private names."""
+    bad = [b for p in sorted((PKG / "device").rglob("*.py")) for b in _names_of_upper_layers(p)]
+    assert not bad, bad
+
+
+def test_the_scan_finds_a_device_module_naming_the_facade(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from embedmesh.facade import MeshEmbedding\n"
+        "def f(engine):\n    engine._maybe_build()\n    return MeshEmbedding\n"
+    )
+    assert len(_names_of_upper_layers(f)) == 3
 
 
 def _module_of(name: str) -> str | None:

@@ -1,0 +1,150 @@
+"""`JobSpec`: what a user declares for an embedding job, checked once, immutable.
+
+The facade's constructor arguments (TensorFlow's `TPUEmbeddingV2` ones and embedmesh's
+own) as one frozen value, so a job can be planned and built from it without the
+stateful facade (`EmbeddingJob.build`). Bad values raise a ValueError naming the
+argument and the value, before anything is planned or allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from embedmesh import _compat
+from embedmesh.config import ResolvedFeatures, resolve_feature_config
+from embedmesh.host.preprocess import OVERFLOW_POLICIES
+from embedmesh.layout import planner as _planner
+from embedmesh.optimizers import Optimizer, optimizer_class_names
+
+__all__ = ["JobSpec", "check_not_traced", "default_mesh", "read_only"]
+
+
+def check_not_traced(what: str, *args) -> None:
+    """RuntimeError when a facade method runs under a jax trace (inside `jax.jit`).
+
+    The facade is stateful (it owns the state, preprocesses on the host and
+    dispatches its own programs), so it cannot be traced; jax's own errors
+    there are obscure. Cost: one trace-state query (or, without it, a scan of
+    the arguments' leaves for tracers).
+    """
+    clean = _compat.trace_state_clean()  # 0.2 us; None: the private hook moved
+    if clean is not None:
+        if clean:
+            return
+    elif not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+        return
+    raise RuntimeError(
+        f"MeshEmbedding.{what} was called inside jax.jit (or another jax transformation). "
+        f"The MeshEmbedding facade is stateful and runs outside jit: call emb.enqueue(...) "
+        f"outside the jitted function and pass its result in, and inside jit use the "
+        f"functional core, emb.core.lookup(state, csr) and emb.core.apply_gradients(state, "
+        f"gradients, csr), with emb.state as an argument (see embedmesh.device.core)."
+    )
+
+
+def read_only(arr: np.ndarray) -> np.ndarray:
+    """`arr` made read-only: a copy of device data, whose writes would be lost."""
+    arr.flags.writeable = False
+    return arr
+
+
+def default_mesh() -> Mesh:
+    """The mesh set by `jax.set_mesh` if any, else all devices on one axis."""
+    current = jax.sharding.get_mesh()
+    if current is not None and not current.empty:
+        return current
+    return Mesh(np.array(jax.devices()), ("devices",))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class JobSpec:
+    """An embedding job as declared (see `MeshEmbedding` for each argument):
+    `resolved` (the feature config resolved as TensorFlow does), the default
+    `optimizer`, `pipelined` (`pipeline_execution_with_tensor_core`), `strategies`
+    (`{table: strategy or "auto"}`), the stacking options, `batch_size`,
+    `memory_limit_bytes`, `capacities`, `overflow`, `check_finite` and `seed`."""
+
+    resolved: ResolvedFeatures
+    optimizer: Optimizer | None = None
+    pipelined: bool = False
+    strategies: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    stack_tables: bool = True
+    max_stack_rows: int | None = None
+    batch_size: int | None = None
+    memory_limit_bytes: float | None = None
+    capacities: Any = None
+    overflow: str = "grow"
+    check_finite: bool = True
+    seed: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        feature_config: Any,
+        optimizer: Optimizer | None = None,
+        pipeline_execution_with_tensor_core: bool = False,
+        *,
+        stack_tables: bool = True,
+        max_stack_rows: int | None = None,
+        sharding: str | Mapping[Any, str] = "mod",
+        capacities: Any = None,
+        overflow: str | None = None,
+        check_finite: bool = True,
+        seed: int = 0,
+        batch_size: int | None = None,
+        memory_limit_bytes: float | None = None,
+    ) -> JobSpec:
+        """The spec of `MeshEmbedding`'s arguments, each checked (a ValueError naming a
+        bad one: an optimizer that is not embedmesh's, an unknown table or strategy, a
+        batch size, memory limit or overflow policy out of range)."""
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise ValueError(
+                f"optimizer must be None or an instance of one of embedmesh's optimizers "
+                f"({optimizer_class_names()}), e.g. em.Adagrad(learning_rate=0.1); got "
+                f"{optimizer!r}"
+            )
+        resolved = resolve_feature_config(feature_config)
+        strategies = _planner.resolve_strategies(resolved, sharding)
+        if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
+            raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
+        if memory_limit_bytes is not None and not (
+            isinstance(memory_limit_bytes, (int, float, np.integer, np.floating))
+            and not isinstance(memory_limit_bytes, bool)
+            and memory_limit_bytes > 0
+        ):
+            raise ValueError(
+                f"memory_limit_bytes must be None or a number > 0, got {memory_limit_bytes!r}"
+            )
+        if overflow is None:
+            overflow = "grow" if capacities is None else "error"
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        return cls(
+            resolved,
+            optimizer,
+            bool(pipeline_execution_with_tensor_core),
+            strategies,
+            stack_tables,
+            max_stack_rows,
+            batch_size,
+            memory_limit_bytes,
+            capacities,
+            overflow,
+            check_finite,
+            seed,
+        )
+
+    @property
+    def plans_from_a_batch(self) -> bool:
+        """Whether a table is planned by "auto", from the first batch's statistics."""
+        return "auto" in self.strategies.values()
