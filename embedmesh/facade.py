@@ -118,7 +118,8 @@ class MeshEmbedding:
         self._feed = Feed(capacities)  # the capacities batches are compiled for...
         self._last_stats: PreprocessStats | None = None
 
-    # -- build ------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return self._spec.describe(self._mesh, self._job is not None)
 
     def build(self):
         """Create tables and slots on the mesh, shard by shard.
@@ -443,7 +444,6 @@ def _program(name: str) -> property:
     )
 
 
-for _name in ("lookup", "fused", "apply", "apply_lookup", "apply_copy", "step_check", "map"):
-    setattr(MeshEmbedding, f"_{_name}_fn", _program(_name))
-for _name in ("map_lookup", "apply_map_lookup", "map_ahead", "fused_refresh", "map_keep"):
+_PROGRAMS = "lookup fused apply apply_lookup apply_copy step_check map map_lookup apply_map_lookup"
+for _name in (*_PROGRAMS.split(), "map_ahead", "fused_refresh", "map_keep"):
     setattr(MeshEmbedding, f"_{_name}_fn", _program(_name))

@@ -224,7 +224,7 @@ def profile(dyn: Contender, steps: int) -> None:
 
     import jax
 
-    from embedmesh.facade import _id_counts, _with_rows
+    from embedmesh.job.steps import _id_counts, _with_rows
 
     emb = dyn.emb
     whole = []
@@ -232,23 +232,25 @@ def profile(dyn: Contender, steps: int) -> None:
         t = time.perf_counter()
         dyn.device_step()
         whole.append(time.perf_counter() - t)
-    # the map's program alone: the facade runs the pending update, the map and the lookup
-    # as one program (`_apply_map_lookup_fn`); here the same steps as three programs,
-    # the map's timed once the update it follows is done
+    # the map's program alone: the job runs the pending update, the map and the lookup
+    # as one program (`apply_map_lookup`); here the same steps as three programs, the
+    # map's timed once the update it follows is done
+    programs = emb.job.programs
     spent = []
     for _ in range(steps):
         csr = dyn.csrs[dyn.i % len(dyn.csrs)]
         dyn.i += 1
         emb.flush()
-        jax.block_until_ready(emb._state)
+        state = jax.block_until_ready(emb._schedule.state)
         t = time.perf_counter()
-        emb._state, rows, counts = jax.block_until_ready(emb._map_fn(emb._state, csr))
+        state, rows, counts = jax.block_until_ready(programs.map(state, csr))
         spent.append(time.perf_counter() - t)
-        emb._id_stats = _id_counts(rows, counts)
         mapped = _with_rows(csr, rows)
-        acts, view = emb._lookup_fn(emb._state, mapped)
-        emb._view = (mapped, view)
-        emb.apply_gradients(dyn.lossgrad(emb._pack_activations(acts, mapped)), mapped)
+        acts, view = programs.lookup(state, mapped)
+        emb._schedule = emb._schedule.but(
+            state=state, view=(mapped, view), id_stats=_id_counts(rows, counts)
+        )
+        emb.apply_gradients(dyn.lossgrad(emb.job.pack_activations(acts, mapped)), mapped)
     m, w = statistics.median(spent), statistics.median(whole)
     print(
         f"dynamic device step {w * 1e3:.1f} ms; map_ids's program alone {m * 1e3:.1f} ms "

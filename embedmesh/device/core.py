@@ -439,14 +439,14 @@ class EmbeddingCore:
     def put(self, csr: dict, *, copy: bool = True) -> dict:
         """Place this process's preprocessed arrays on its devices as global arrays.
 
-        One process: a leaf by jaxlib's batched put (`_compat.batched_device_put`) of
-        its per-device slices, the arrays `jax.device_put` gives (dtype, sharding,
-        committed) for ~3x less time (56 leaves of the train benchmark: 56 calls of
-        40-140 us of Python each), and copies (`force_copy`): `jax.device_put`
-        zero-copies 64-byte-aligned numpy buffers on CPU and reads the others after it
-        returns, so a host buffer written after this call could change the step's
-        input. `jax.device_put` where the hook is gone, jax converts the dtype (int64
-        without x64) or the leaf is empty; `make_array_from_process_local_data` across processes.
+        One process: a leaf by jaxlib's batched put of its per-device slices, the
+        arrays `jax.device_put` gives (dtype, sharding, committed) for ~3x less time
+        (56 leaves of the train benchmark: 56 calls of 40-140 us of Python each), and
+        copies (`force_copy`): `jax.device_put` zero-copies 64-byte-aligned numpy
+        buffers on CPU and reads the others after it returns, so a host buffer written
+        after this call could change the step's input. `jax.device_put` where the hook
+        is gone, jax converts the dtype (int64 without x64) or the leaf is empty;
+        `make_array_from_process_local_data` across processes.
 
         `copy=False`: the caller's arrays are its own and never written again (the
         facade's enqueue, on what preprocessing just made): a 64-byte-aligned one is
@@ -915,7 +915,7 @@ class EmbeddingCore:
         view of `csr_next` after them (see `lookup`); `view`: that of `csr_prev`. The
         lookup sees the tables exactly one update stale, and both run in one program
         so XLA can overlap them with the dense model. The update still runs in
-        place: see `_ordered_after`.
+        place (its tables ordered after the lookup's reads).
         """
         acts, next_view = self.lookup(state, csr_next, carrying=True)
         tables = self._ordered_after(state.tables, acts, csr_next)

@@ -87,6 +87,19 @@ class Embed(nnx.Module):
         """The layer's job (`EmbeddingJob`), whose traced steps the module runs."""
         return self.layer.job
 
+    @property
+    def plan(self):
+        """The stacking plan (`StackingPlan`): `print(embed.plan)` shows each stack's
+        tables, strategy and the bytes each device holds."""
+        return self.job.plan
+
+    @property
+    def last_stats(self):
+        """The `PreprocessStats` of the latest `enqueue` (per stack: ids per partition,
+        capacity, ids dropped by overflow="drop", whether the capacity grew); None before
+        the first batch."""
+        return self.layer.last_stats
+
     def _pending(self) -> tuple | None:
         return None if self.pending is None else self.pending.get_value()
 

@@ -87,6 +87,17 @@ class JobSpec:
     check_finite: bool = True
     seed: int = 0
 
+    def describe(self, mesh: Mesh | None, built: bool) -> str:
+        """What a `MeshEmbedding` of this spec holds, for its `repr`: its tables (name,
+        rows x dim), optimizer, pipelining and mesh."""
+        tables = ", ".join(f"{t.name}: {t.vocabulary_size} x {t.dim}" for t in self.resolved.tables)
+        where = f"{mesh.devices.size} devices" if mesh is not None else "the default mesh"
+        return (
+            f"MeshEmbedding({tables}; {type(self.optimizer).__name__ if self.optimizer else None}"
+            f"{', pipelined' if self.pipelined else ''}; {'built on' if built else 'for'} "
+            f"{where})"
+        )
+
     @classmethod
     def of(
         cls,

@@ -177,6 +177,12 @@ def test_nnx_sgd_matches_float64_reference():
                 tables[t][i] -= lr * g
     for t, v in embed.embedding_tables.items():
         np.testing.assert_allclose(v, tables[t.name], rtol=1e-5, atol=1e-5, err_msg=t.name)
+    # what the facade shows, the module shows: its plan and the latest batch's statistics
+    assert embed.plan is embed.layer.plan
+    assert all(f.table.name in str(embed.plan) for f in feats.values())
+    stats = embed.last_stats
+    assert stats is embed.layer.last_stats
+    assert set(stats.stacks) == {s.name for s in embed.plan.stacks}
 
 
 def test_flax_checkpoint_restores_on_another_device_count(tmp_path):

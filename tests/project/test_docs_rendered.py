@@ -164,5 +164,9 @@ def test_user_objects_say_what_they_hold(tmp_path):
     )
     fn = load_serving(tmp_path / "exp", precompile=False)
     assert "batch_sizes=[2]" in repr(fn) and "genre: 10 x 3" in repr(fn)
-    for obj in (served, fn):
+    emb = em.MeshEmbedding(features, optimizer=em.Adagrad(0.1))
+    assert "genre: 10 x 3" in repr(emb) and "Adagrad" in repr(emb) and "built" not in repr(emb)
+    emb.build()
+    assert f"built on {emb.mesh.devices.size} devices" in repr(emb)
+    for obj in (served, fn, emb):
         assert " at 0x" not in repr(obj)
