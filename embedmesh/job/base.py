@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -141,9 +142,37 @@ class EmbeddingJob:
                 f"raw ids: pass the preserved_outputs that dequeue/embedding_lookup returned "
                 f"(their ids mapped to rows), not enqueue's batch"
             )
+        self._check_updatable(schedule, preserved)
         grads = self.flat_gradients(gradients, preserved)
         _steps.check_step(self, grads, preserved)
         return _steps.accept(self, schedule, grads, preserved)
+
+    def _check_updatable(self, schedule: _steps.Schedule, preserved: dict) -> None:
+        """ValueError, before anything changes, for an update that cannot be applied (a
+        stack without an optimizer: a layer built for lookups); a warning for the batch
+        of the last accepted update given again."""
+        bare = [s for s in preserved if self.core.optimizer_of(s) is None]
+        if bare:
+            tables = sorted(t for s in bare for t in self.plan.stack(s).tables)
+            raise ValueError(
+                f"apply_gradients: table(s) {tables} have no optimizer (this layer was built "
+                f"for lookups): give MeshEmbedding an optimizer or set TableConfig.optimizer; "
+                f"nothing was changed"
+            )
+        last = schedule.applied
+        if (
+            last is not None
+            and last.keys() == preserved.keys()
+            and all(preserved[s] is last[s] for s in preserved)
+        ):
+            # allowed (two updates of one batch, as TensorFlow does), but most often a
+            # loop that kept an old batch's outputs
+            warnings.warn(
+                "apply_gradients: these preserved_outputs were applied by the previous "
+                "update too: this update is a second one for the same batch (pass the "
+                "preserved_outputs of the lookup these gradients come from)",
+                stacklevel=4,
+            )
 
     def flush(self, schedule: _steps.Schedule) -> _steps.Schedule:
         """The schedule with its pending update applied."""

@@ -210,7 +210,8 @@ class Schedule:
     `view` (`(batch, the owners' view)` of the last lookup, which that batch's update
     takes), `after_lookup` (pipelined, restored from a checkpoint saved with an update
     pending: the state to install after the next lookup), `observed` (`(pending, state
-    with it applied)`, a cached read) and `id_stats` (the id maps' latest counts)."""
+    with it applied)`, a cached read), `id_stats` (the id maps' latest counts) and
+    `applied` (the batch of the last accepted update, which is refused a second time)."""
 
     state: EmbeddingState | None
     pending: tuple | None = None
@@ -218,6 +219,7 @@ class Schedule:
     after_lookup: EmbeddingState | None = None
     observed: tuple | None = None
     id_stats: tuple = ()
+    applied: dict | None = None
 
     def but(self, **changes) -> Schedule:
         return dataclasses.replace(self, **changes)
@@ -310,7 +312,7 @@ def accept(job, s: Schedule, grads: dict, csr: dict) -> Schedule:
     pending until the next lookup, which applies it (an update still pending first
     applied: two updates without a lookup between them). An empty batch (0 samples) is
     a no-op update that still counts a step, as it would on TensorFlow."""
-    s = flush(job, s)
+    s = flush(job, s).but(applied=csr)
     if all(c.rows_per_device == 0 for c in csr.values()):
         # nothing to move (the update program cannot take empty partitions)
         return s.but(state=dataclasses.replace(s.state, step=s.state.step + 1))

@@ -4,6 +4,7 @@ set_tables shapes (20), empty batches (18); issue #24: plan / core / last_stats 
 build (12), arrays of strings as ids (13)."""
 
 import pydoc
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -367,3 +368,41 @@ def test_missing_gradient_in_a_nested_structure_names_its_path():
     emb.apply_gradients({"a": None, "b": [g, None]}, pre)
     emb.apply_gradients({"a": {"x": None, "y": g}, "b": [None, None]}, pre)
     assert int(emb.state.step) == 2
+
+
+# -- misuse caught where it happens ---------------------------------------------------
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_apply_gradients_without_an_optimizer_fails_at_once(pipelined):
+    """A layer built without an optimizer (lookups only) refuses an update when it is
+    asked for, not at the next lookup with the update lost."""
+    t = TableConfig(10, 4, name="t")
+    emb = MeshEmbedding({"x": FeatureConfig(t)}, None, pipelined, mesh=mesh_of(2))
+    emb.build()
+    _, pre = emb({"x": BATCH["x"]})
+    snap = snapshot(emb)
+    with pytest.raises(ValueError, match=r"table\(s\) \['t'\].*no optimizer"):
+        emb.apply_gradients({"x": jnp.ones((4, 4))}, pre)
+    emb({"x": BATCH["x"]})  # nothing was left pending: the next lookup works
+    assert_same(emb, snap)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_same_preserved_outputs_applied_again_warn(pipelined):
+    """A second update of one batch is allowed (two updates without a lookup between
+    them), but says so: most often it is a loop that kept an old batch's outputs."""
+    t, feats, emb = small(pipeline_execution_with_tensor_core=pipelined)
+    _, pre = emb(BATCH)
+    g = {"x": jnp.ones((4, 4)), "y": jnp.ones((4, 4))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emb.apply_gradients(g, pre)  # the first: no warning
+    with pytest.warns(UserWarning, match="applied by the previous update too"):
+        emb.apply_gradients(g, pre)
+    _, pre2 = emb(BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emb.apply_gradients(g, pre2)  # the next batch's outputs: no warning
+    emb.flush()  # pipelined: the state the next lookup reads is one update stale
+    assert int(emb.state.step) == 3
