@@ -6,6 +6,7 @@ API reference from the docstrings). Built by .ci/run with warnings as errors:
 No network is used: no intersphinx inventories, no remote images.
 """
 
+import inspect
 import os
 import re
 import sys
@@ -16,6 +17,7 @@ from myst_parser.parsers.mdit import create_md_parser
 from sphinx.errors import PycodeError
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
+from sphinx.util.inspect import stringify_signature
 
 # Build from this checkout (CI installs it editable; a plain checkout works too).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,7 +149,26 @@ def repository_links_as_downloads(app, docname, source):
     source[0] = REPO_FILE_LINK.sub(r"{download}`\1 <\2>`", source[0])
 
 
+def own_init_signature(app, what, name, obj, options, signature, return_annotation):
+    """A class whose `__new__(cls, *args, **kwargs)` checks its arguments (the optimizers
+    refuse TensorFlow's argument names there) shows its `__init__`'s signature, which
+    autodoc would otherwise pass over for `__new__`'s `(*args, **kwargs)`."""
+    if (
+        what != "class"
+        or signature is None
+        or not re.fullmatch(r"\(\*args(: Any)?, \*\*kwargs(: Any)?\)", signature)
+    ):
+        return None
+    init = obj.__dict__.get("__init__") or getattr(obj, "__init__", None)
+    if init is None or init is object.__init__:
+        return None
+    sig = inspect.signature(init)
+    sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
+    return stringify_signature(sig, show_return_annotation=False, unqualified_typehints=True), None
+
+
 def setup(app):
+    app.connect("autodoc-process-signature", own_init_signature)
     app.add_directive("embedmesh-markdown", MarkdownDocstring)
     app.connect("source-read", repository_links_as_downloads)
     app.connect("autodoc-process-docstring", markdown_docstring)
