@@ -468,14 +468,7 @@ def test_tables_of_raw_ids_train_like_mesh_embedding():
     with pytest.raises(ValueError, match=r"stacks \['dyn'\] of this batch still carry raw ids"):
         nnx_embed(nnx_embed.enqueue(data[0]))
 
-    @nnx.jit
-    def nnx_step(embed, csr):
-        csr = embed.map_ids(csr)
-        acts = embed(csr)
-        embed.apply_gradients(grad_of(acts), csr)
-        return acts
-
-    got_nnx = [nnx_step(nnx_embed, nnx_embed.enqueue(b)) for b in data]
+    got_nnx = [raw_id_step(nnx_embed, nnx_embed.enqueue(b)) for b in data]
 
     lin = em_linen.Embed(raw_layer())
     variables, got_linen = linen_steps(lin, data)  # (init leaves the maps empty)
@@ -516,6 +509,16 @@ def _pipelined_data(raw: bool, steps: int = 5) -> list:
     return data
 
 
+@nnx.jit
+def raw_id_step(embed, csr):
+    """One nnx training step of a module that may hold tables of raw ids: map, look up,
+    update."""
+    csr = embed.map_ids(csr)
+    acts = embed(csr)
+    embed.apply_gradients(grad_of(acts), csr)
+    return acts
+
+
 def _assert_tables(got: dict, want: dict) -> None:
     by_name = {t.name: v for t, v in got.items()}
     assert sorted(by_name) == sorted(t.name for t in want)
@@ -544,14 +547,7 @@ def test_pipelined_modules_train_like_the_pipelined_facade(raw):
 
     embed = em_nnx.Embed(_pipelined_layer(raw))
 
-    @nnx.jit
-    def nnx_step(embed, csr):
-        csr = embed.map_ids(csr)
-        acts = embed(csr)
-        embed.apply_gradients(grad_of(acts), csr)
-        return acts
-
-    got = [jax.tree_util.tree_map(np.asarray, nnx_step(embed, embed.enqueue(b))) for b in data]
+    got = [jax.tree_util.tree_map(np.asarray, raw_id_step(embed, embed.enqueue(b))) for b in data]
     assert embed.pending is not None  # the last update still deferred
     _assert_tables(embed.embedding_tables, want)
     for x, y in zip(got, want_acts):
