@@ -451,10 +451,12 @@ def feature_layout(name: str, feature, inp, weight=None, *, batch_scale: int = 1
                 "sequence", b, (p // gb,), None, use_weights=False, output_shape=out
             )
         hint = ""
-        if batch_scale > 1 and (p * batch_scale == gb or (p * batch_scale) % gb == 0):
+        if 0 < p < gb and gb % p == 0:  # TensorFlow's per-replica shape, by its look
+            scaled = [out[0] * (gb // p), *out[1:]]
             hint = (
                 f"; embedmesh's output_shape is global (the whole batch of {gb} samples "
-                f"over all processes), not per replica as in TensorFlow"
+                f"over all devices and processes), not per replica as in TensorFlow: "
+                f"{scaled} here"
             )
         raise ValueError(
             f"Output shape set in the FeatureConfig should be the factor of the "

@@ -156,3 +156,15 @@ def test_plan_growth_and_restore_are_logged(tmp_path, caplog, capfd):
     assert all(lv == logging.INFO for _, lv, _ in text if _ != "embedmesh.checkpoint.saving")
     out, err = capfd.readouterr()
     assert "plan: table" not in out + err and "capacity grown" not in out + err
+
+
+def test_a_per_replica_output_shape_on_one_process_names_the_global_shape():
+    """TensorFlow's `output_shape` is per replica; embedmesh's is the global batch. One
+    process with 8 devices and a batch of 64 given TF's per-replica (8,): the error says
+    the shape is global and which one to pass."""
+    table = em.TableConfig(16, 4, name="t")
+    fc = {"f": em.FeatureConfig(table, output_shape=(8,))}
+    emb = em.MeshEmbedding(fc, em.SGD(0.1))
+    ids = em.RaggedTensor.from_row_lengths(np.arange(64) % 16, [1] * 64)
+    with pytest.raises(ValueError, match=r"feature f.*global.*not per replica.*\[64\]"):
+        emb({"f": ids})
