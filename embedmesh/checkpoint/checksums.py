@@ -53,7 +53,7 @@ def _words(x):
     return w.reshape(x.shape[0], -1)
 
 
-def _rows_hash(x, logical_rows, valid):
+def rows_hash(x, logical_rows, valid):
     """uint32[2]: the two lane sums over the rows `valid` of a block `x` whose row r is
     logical row `logical_rows[r]`."""
     w = _words(x)
@@ -85,7 +85,7 @@ def _hasher(mesh, axes, layout: RowLayout):
         j = jax.lax.axis_index(axes)
         q = jnp.arange(x.shape[0], dtype=jnp.int32)
         i = layout.logical_rows_from_params(params, j, q)
-        return jax.lax.psum(_rows_hash(x, i, i < vocab), axes)
+        return jax.lax.psum(rows_hash(x, i, i < vocab), axes)
 
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()), out_specs=P(), check_vma=False)
@@ -100,12 +100,12 @@ def _checksum(mesh, axes, layout: RowLayout, arr, t):
     )
 
 
-def _device_checksum(core, arr: jax.Array, t):
+def device_checksum(core, arr: jax.Array, t):
     """The (unfetched) checksum of table `t`'s array on `core`'s mesh and layout."""
     return _checksum(core.mesh, core.axes, core.plan.row_layout, arr, t)
 
 
-def _checksum_hex(value) -> str:
+def checksum_hex(value) -> str:
     a, b = (int(v) for v in np.asarray(jax.device_get(value)).reshape(-1))
     return f"{a:08x}{b:08x}"
 
@@ -120,21 +120,21 @@ def _logical_hasher():
 
     def fn(x):
         i = jnp.arange(x.shape[0], dtype=jnp.int32)
-        return _rows_hash(x, i, jnp.ones(x.shape[:1], bool))
+        return rows_hash(x, i, jnp.ones(x.shape[:1], bool))
 
     return jax.jit(fn)
 
 
-def _logical_checksum(arr: np.ndarray, t) -> str:
+def logical_checksum(arr: np.ndarray, t) -> str:
     """The checksum of a logical table `t` (`[vocabulary_size, ...]`) on the host CPU:
     what `load_tables` verifies."""
     if arr.shape[0] != t.vocabulary_size:
         raise ValueError(f"table {t.name}: {arr.shape[0]} rows, expected {t.vocabulary_size}")
     host = jax.local_devices(backend="cpu")[0]  # this process's: any process may verify
-    return _checksum_hex(_logical_hasher()(jax.device_put(arr, host)))
+    return checksum_hex(_logical_hasher()(jax.device_put(arr, host)))
 
 
-def _expected_checksum(reader, meta_table: dict, field: str, leaf: tuple, dtype) -> str | None:
+def expected_checksum(reader, meta_table: dict, field: str, leaf: tuple, dtype) -> str | None:
     """The recorded checksum of a leaf, or None when it cannot be verified: an older
     checkpoint (none recorded), another algorithm, or a read that casts the stored dtype."""
     if reader.meta.get("checksum") != CHECKSUM:

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embedmesh.checkpoint.checksums import CHECKSUM, _checksum_hex, _rows_hash
-from embedmesh.checkpoint.reading import _host_buffer, _wait
+from embedmesh.checkpoint.checksums import CHECKSUM, checksum_hex, rows_hash
+from embedmesh.checkpoint.reading import host_buffer, wait_all
 
 SUBTREE = "id_maps"  # the embedding item's subtree of the maps
 KEY_FIELD = "fresh_key"  # the key data a table's fresh rows are initialised from
@@ -72,7 +72,7 @@ def checksum_field(field: str) -> str:
 
 
 @functools.cache
-def _flat_hasher(out_sharding=None):
+def flat_hasher(out_sharding=None):
     """jit: the checksum (uint32[2]) of an array seen as rows of its first axis (a map
     field `[N, ...]`: a row a shard): `CHECKSUM`'s row hash with row i = index i. The same
     function hashes the sharded arrays at save (the result replicated on the mesh:
@@ -81,22 +81,22 @@ def _flat_hasher(out_sharding=None):
     def fn(x):
         rows = x.reshape(x.shape[0], -1) if x.ndim else x.reshape(1, 1)
         i = jnp.arange(rows.shape[0], dtype=jnp.int32)
-        return _rows_hash(rows, i, jnp.ones(rows.shape[:1], bool))
+        return rows_hash(rows, i, jnp.ones(rows.shape[:1], bool))
 
     return jax.jit(fn, out_shardings=out_sharding)
 
 
 def host_checksum(arr: np.ndarray) -> str:
     host = jax.local_devices(backend="cpu")[0]  # this process's: each process verifies
-    return _checksum_hex(_flat_hasher()(jax.device_put(arr, host)))
+    return checksum_hex(flat_hasher()(jax.device_put(arr, host)))
 
 
 def _read_whole(reader, leaf: tuple, what: str) -> np.ndarray:
     shape, dtype = reader.shape(leaf), reader.dtype(leaf)
-    buf = _host_buffer(shape, dtype)
+    buf = host_buffer(shape, dtype)
     try:
         if len(shape):
-            _wait(reader.start_fill(leaf, [(buf, 0, 1, 0, 1, shape[0])]))
+            wait_all(reader.start_fill(leaf, [(buf, 0, 1, 0, 1, shape[0])]))
         else:  # pragma: no cover - every map array has a shard axis
             buf[...] = reader.read(leaf)
     except Exception as e:

@@ -50,22 +50,22 @@ import jax
 import numpy as np
 
 from embedmesh.checkpoint import id_map_format
-from embedmesh.checkpoint.checksums import _logical_checksum
+from embedmesh.checkpoint.checksums import logical_checksum
 from embedmesh.checkpoint.id_map_format import (
     KEY_FIELD,
     MAP_FIELDS,
-    _flat_hasher,
     checksum_field,
+    flat_hasher,
     live_entries,
 )
-from embedmesh.checkpoint.leaves import _start_leaf, _verify, _wait_leaf
-from embedmesh.checkpoint.reading import _host_buffer
+from embedmesh.checkpoint.leaves import start_leaf, verify_checksum, wait_leaf
+from embedmesh.checkpoint.reading import host_buffer
 from embedmesh.checkpoint.recut import (
-    _logical_table,
-    _same_layout,
-    _stored_shards,
-    _stored_table,
+    logical_table,
+    same_layout,
     saved_logical_rows,
+    stored_shards,
+    stored_table,
 )
 from embedmesh.device import id_map
 from embedmesh.device.stack_tables import write_table
@@ -98,7 +98,7 @@ def saved_arrays(core, state, t) -> tuple:
         )
     arrays = {f: getattr(maps["map"], f) for f in MAP_FIELDS}
     arrays[KEY_FIELD] = maps["key"]
-    hasher = _flat_hasher(core.replicated)
+    hasher = flat_hasher(core.replicated)
     return arrays, {checksum_field(f): hasher(a) for f, a in arrays.items()}
 
 
@@ -302,9 +302,9 @@ def plan_table(core, reader, t, m: dict) -> Plan:
     maps = read_maps(reader, m)
     _, config = core.dynamic[t.stack]
     n_old, n_new = int(reader.meta["num_shards"]), core.num_shards
-    k_old = _stored_shards(reader.meta, m)  # the stored blocks: the span's (leaves.py)
+    k_old = stored_shards(reader.meta, m)  # the stored blocks: the span's (leaves.py)
     src_layout = row_layout(reader.layout.name, k_old)
-    src = _stored_table(m, k_old)
+    src = stored_table(m, k_old)
     owners = core.plan.id_owners(t.name)
     same_owners = (int(m.get("first_shard", 0)), int(m.get("span", n_old))) == owners
     direct = (
@@ -312,7 +312,7 @@ def plan_table(core, reader, t, m: dict) -> Plan:
         and id_map_format.current_layout(maps)
         and m["id_map"] == config_meta(config)
         and same_owners
-        and _same_layout(src_layout, src, core.plan.row_layout, t)
+        and same_layout(src_layout, src, core.plan.row_layout, t)
     )
     key = maps.pop(KEY_FIELD)
     if direct:
@@ -359,21 +359,21 @@ def write_rebuilt(core, reader, plan: Plan, field: str, leaf: tuple, target, don
     places (the other rows zero) into `target` (the stack array; see `write_table`)."""
     t, m = plan.table, plan.meta
     n_old = int(reader.meta["num_shards"])
-    logical_t = _logical_table(m)
+    logical_t = logical_table(m)
     dtype = target.dtype
-    pending = _start_leaf(
+    pending = start_leaf(
         reader, leaf, m, logical_layout(), logical_t, [(0, None)], np.dtype(dtype), field
     )
-    _wait_leaf(pending)
+    wait_leaf(pending)
     table = pending.pieces[0][2]
-    _verify(pending, lambda: _logical_checksum(table, logical_t))
+    verify_checksum(pending, lambda: logical_checksum(table, logical_t))
     width = table.shape[1] if table.ndim > 1 else 1
     arr = table.reshape(table.shape[0], width)
     pieces = []
     for j, device in _local_shards(core, t.rows_per_shard, width):
         shard, row = plan.sources[j]
         logical = saved_logical_rows(reader.layout.name, n_old, m, shard, row)
-        piece = _host_buffer((t.rows_per_shard, width), np.dtype(dtype))
+        piece = host_buffer((t.rows_per_shard, width), np.dtype(dtype))
         piece[:] = 0
         piece[: logical.size] = arr[logical]
         pieces.append(jax.device_put(piece, device))

@@ -8,22 +8,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from embedmesh.checkpoint.checksums import CHECKSUM, _expected_checksum
+from embedmesh.checkpoint.checksums import CHECKSUM, expected_checksum
 from embedmesh.checkpoint.format import LOOKUP_FIELD
-from embedmesh.checkpoint.reading import _host_buffer, _wait
+from embedmesh.checkpoint.reading import host_buffer, wait_all
 from embedmesh.checkpoint.recut import (
-    _recut_copies,
-    _same_layout,
-    _stored_shape_check,
-    _stored_shards,
-    _stored_table,
+    recut_copies,
+    same_layout,
+    stored_shape_check,
+    stored_shards,
+    stored_table,
 )
 from embedmesh.layout.rows import RowLayout, row_layout
 
 _log = logging.getLogger(__name__)
 
 
-def _check_compatible(
+def check_compatible(
     name: str, table, meta_table: dict | None, what: str = "the embedding"
 ) -> None:
     """ValueError unless the stored table (if any) has `table`'s vocabulary size and dim."""
@@ -46,7 +46,7 @@ def _describe(t_name: str, field: str, leaf: tuple) -> str:
     return f"{what} of table {t_name} (array '{_leaf_name(leaf)}')"
 
 
-def _check_leaf(reader, leaf: tuple, meta_table: dict, dim: int) -> None:
+def check_leaf(reader, leaf: tuple, meta_table: dict, dim: int) -> None:
     """ValueError, before anything is read, when an array the metadata lists is missing or
     has another shape."""
     if reader.has(leaf) is False:
@@ -55,12 +55,12 @@ def _check_leaf(reader, leaf: tuple, meta_table: dict, dim: int) -> None:
             f"'{_leaf_name(leaf)}' of table {meta_table['name']} that its "
             f"metadata lists"
         )
-    n, num_shards = _stored_shards(reader.meta, meta_table), int(reader.meta["num_shards"])
-    _stored_shape_check(reader.shape(leaf), meta_table, n, num_shards, dim)
+    n, num_shards = stored_shards(reader.meta, meta_table), int(reader.meta["num_shards"])
+    stored_shape_check(reader.shape(leaf), meta_table, n, num_shards, dim)
 
 
 @dataclasses.dataclass
-class _Pending:
+class PendingLeaf:
     """One leaf being read: the table's new blocks on the host, and the reads."""
 
     kind: str  # "direct" (stored blocks are these blocks) or "resharded"
@@ -71,7 +71,7 @@ class _Pending:
     checksum: str | None = None  # expected (None: not verified)
 
 
-def _start_leaf(
+def start_leaf(
     reader,
     leaf: tuple,
     meta_table: dict,
@@ -80,19 +80,19 @@ def _start_leaf(
     shards: list,
     dtype,
     field: str = "parameters",
-) -> _Pending:
+) -> PendingLeaf:
     """Allocate table `t`'s blocks on `shards` (`[(j, device)]`) of `layout` on the host and
     start reading the stored array `leaf` into them: only the stored rows these blocks
     need, each copied once, straight into place (padding rows are zero).
 
     `restore` reads into this process's shards of a mesh (`plan.row_layout`),
     `load_tables` into the logical table (`logical_layout()`, one shard)."""
-    n_old = _stored_shards(reader.meta, meta_table)
+    n_old = stored_shards(reader.meta, meta_table)
     src_layout = row_layout(reader.layout.name, n_old)
-    src = _stored_table(meta_table, n_old)
+    src = stored_table(meta_table, n_old)
     stored_shape = reader.shape(leaf)
     width = t.dim if field in ("parameters", LOOKUP_FIELD) else None  # slots: checked before
-    _stored_shape_check(stored_shape, meta_table, n_old, int(reader.meta["num_shards"]), width)
+    stored_shape_check(stored_shape, meta_table, n_old, int(reader.meta["num_shards"]), width)
     rest = tuple(stored_shape[1:])
     pieces, copies = [], []
     empty = None  # shards outside the table's span: one zero block, never written
@@ -100,29 +100,29 @@ def _start_leaf(
         source = layout.copy_of(t, j)  # a replica reads its canonical block's rows
         if source is None:
             if empty is None:
-                empty = _host_buffer((t.rows_per_shard,) + rest, dtype)
+                empty = host_buffer((t.rows_per_shard,) + rest, dtype)
                 empty[:] = 0
             pieces.append((j, device, empty))
             continue
-        piece = _host_buffer((t.rows_per_shard,) + rest, dtype)
+        piece = host_buffer((t.rows_per_shard,) + rest, dtype)
         piece[layout.count_on_shard(t, source) :] = 0
         pieces.append((j, device, piece))
-        copies += [(piece,) + c for c in _recut_copies(src_layout, src, layout, t, source)]
-    kind = "direct" if _same_layout(src_layout, src, layout, t) else "resharded"
-    checksum = _expected_checksum(reader, meta_table, field, leaf, dtype)
+        copies += [(piece,) + c for c in recut_copies(src_layout, src, layout, t, source)]
+    kind = "direct" if same_layout(src_layout, src, layout, t) else "resharded"
+    checksum = expected_checksum(reader, meta_table, field, leaf, dtype)
     what = _describe(t.name, field, leaf)
     try:
         futures = reader.start_fill(leaf, copies)
     except Exception as e:
         raise _read_error(reader.path, what, e) from e
-    return _Pending(kind, pieces, futures, what, str(reader.path), checksum)
+    return PendingLeaf(kind, pieces, futures, what, str(reader.path), checksum)
 
 
 def _read_error(path, what: str, error: Exception) -> ValueError:
     return ValueError(f"cannot read {what} from checkpoint item {path}: {error}")
 
 
-def _drain(pending: _Pending | None) -> None:
+def _drain(pending: PendingLeaf | None) -> None:
     """Wait for a leaf's reads, ignoring their errors (an abandoned restore must not leave
     tensorstore writing into buffers that are about to be freed)."""
     if pending is None:
@@ -134,8 +134,8 @@ def _drain(pending: _Pending | None) -> None:
             pass
 
 
-def _streamed(count: int, start, prefetch: bool):
-    """Yield `start(i)` (a `_Pending`) for i in range(count), in order. With `prefetch` the
+def streamed_leaves(count: int, start, prefetch: bool):
+    """Yield `start(i)` (a `PendingLeaf`) for i in range(count), in order. With `prefetch` the
     reads of leaf i+1 are started before leaf i is handed over (two leaves on the host),
     else after the caller is done with leaf i (one). Use under `contextlib.closing`: if the
     caller fails, every read still in flight is waited for."""
@@ -155,10 +155,10 @@ def _streamed(count: int, start, prefetch: bool):
         _drain(following)
 
 
-def _wait_leaf(pending: _Pending) -> None:
+def wait_leaf(pending: PendingLeaf) -> None:
     """Wait for a leaf's reads; a failed read is a ValueError naming the leaf."""
     try:
-        _wait(pending.futures)
+        wait_all(pending.futures)
     except Exception as e:
         _drain(pending)
         raise _read_error(pending.source, pending.what, e) from e
@@ -167,7 +167,7 @@ def _wait_leaf(pending: _Pending) -> None:
     _log.debug("restore: %s read %s", pending.kind, pending.what)
 
 
-def _verify(pending: _Pending, checksum) -> None:
+def verify_checksum(pending: PendingLeaf, checksum) -> None:
     """Compare the leaf's recorded checksum (if any) with `checksum()` (computed only then)."""
     if pending.checksum is None:
         return

@@ -9,18 +9,18 @@ from typing import Any
 import numpy as np
 
 from embedmesh.checkpoint import id_map_format
-from embedmesh.checkpoint.checksums import _logical_checksum
+from embedmesh.checkpoint.checksums import logical_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM
 from embedmesh.checkpoint.leaves import (
-    _check_compatible,
-    _check_leaf,
-    _start_leaf,
-    _streamed,
-    _verify,
-    _wait_leaf,
+    check_compatible,
+    check_leaf,
+    start_leaf,
+    streamed_leaves,
+    verify_checksum,
+    wait_leaf,
 )
-from embedmesh.checkpoint.reading import _item_dir, _Reader
-from embedmesh.checkpoint.recut import _logical_table, saved_logical_rows
+from embedmesh.checkpoint.reading import TreeReader, item_directory
+from embedmesh.checkpoint.recut import logical_table, saved_logical_rows
 from embedmesh.config import DynamicIds, TableConfig, resolve_feature_config
 from embedmesh.layout.by_id import RawIdTable
 from embedmesh.layout.rows import logical_layout
@@ -45,7 +45,7 @@ def load_tables(
     an unreadable or corrupted table raises ValueError naming it (a table of raw ids: its
     id maps too).
     """
-    with _Reader(_item_dir(source, step, item)) as reader:
+    with TreeReader(item_directory(source, step, item)) as reader:
         meta = reader.meta
         reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
         by_name = {m["name"]: m for m in meta["tables"]}
@@ -73,7 +73,7 @@ def load_tables(
                     raise ValueError(
                         f"table {name} is not in the checkpoint (it has {sorted(by_name)})"
                     )
-                _check_compatible(name, cfg, m, "the feature config")
+                check_compatible(name, cfg, m, "the feature config")
                 wanted.append((cfg, m))
         for cfg, m in wanted:  # before anything is read
             if (cfg.id_map is None) != (m.get("id_map") is None):
@@ -83,18 +83,18 @@ def load_tables(
                     + " (TableConfig.id_map), the feature config's "
                     + ("is" if cfg.id_map is not None else "is not")
                 )
-            _check_leaf(reader, ("tables", m["key"]), m, m["dim"])
+            check_leaf(reader, ("tables", m["key"]), m, m["dim"])
         # the id maps of tables of raw ids, read and verified before any table is
         maps = {
             i: id_map_format.read_maps(reader, m)
             for i, (_, m) in enumerate(wanted)
             if m.get("id_map")
         }
-        layout, logical = logical_layout(), [_logical_table(m) for _, m in wanted]
+        layout, logical = logical_layout(), [logical_table(m) for _, m in wanted]
 
         def start(i):  # the logical table: one block of the logical layout, on the host
             m = wanted[i][1]
-            return _start_leaf(
+            return start_leaf(
                 reader,
                 ("tables", m["key"]),
                 m,
@@ -106,11 +106,11 @@ def load_tables(
 
         out = {}
         # at most two tables' reads in flight
-        with contextlib.closing(_streamed(len(wanted), start, prefetch=True)) as pending:
+        with contextlib.closing(streamed_leaves(len(wanted), start, prefetch=True)) as pending:
             for i, current in enumerate(pending):
-                _wait_leaf(current)
+                wait_leaf(current)
                 arr = current.pieces[0][2]
-                _verify(current, lambda: _logical_checksum(arr, logical[i]))
+                verify_checksum(current, lambda: logical_checksum(arr, logical[i]))
                 if i in maps:
                     arr = _by_id(reader, wanted[i][1], maps.pop(i), arr)
                 out[wanted[i][0]] = arr

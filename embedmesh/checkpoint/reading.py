@@ -19,7 +19,7 @@ from etils import epath
 
 from embedmesh import _compat, _runtime
 from embedmesh.checkpoint.format import DEFAULT_ITEM, FORMAT, FORMAT_VERSION
-from embedmesh.checkpoint.recut import _stored_layout
+from embedmesh.checkpoint.recut import stored_layout
 from embedmesh.layout.rows import RowLayout
 
 _ALIGN = 4096  # host buffers: page aligned, so CPU device_put aliases them
@@ -67,7 +67,7 @@ def _still_written(what: str, where) -> FileNotFoundError:
     )
 
 
-def _item_dir(source, step: int | None, item: str) -> epath.Path:
+def item_directory(source, step: int | None, item: str) -> epath.Path:
     """The embedding item's directory from a manager, a root, a step or an item directory.
 
     A manager's save in flight is waited for first; a step (or item) that is only
@@ -212,7 +212,7 @@ def _stored_tree(stored: dict) -> dict:
     return tree
 
 
-class _Reader:
+class TreeReader:
     """Reads leaves of one saved pytree: its structure from orbax's `_METADATA` file, small
     leaves through orbax, table arrays straight from tensorstore into caller-provided numpy
     buffers (nothing else is read)."""
@@ -254,7 +254,7 @@ class _Reader:
     @functools.cached_property
     def layout(self) -> RowLayout:
         """The saving mesh's row layout (a ValueError for one this embedmesh does not know)."""
-        return _stored_layout(self.meta, f"checkpoint item {self.path}")
+        return stored_layout(self.meta, f"checkpoint item {self.path}")
 
     def _leaf(self, path: tuple):
         leaf = self.tree
@@ -318,7 +318,7 @@ class _Reader:
         The reads go out as one tensorstore batch, so each stored chunk is
         read from disk once even when several destinations need rows of it,
         and each row is copied straight into its destination (no whole-table
-        temporary). Returns the futures; `_wait` them.
+        temporary). Returns the futures; `wait_all` them.
         """
         store = self.store(path)
         batch = ts.Batch()
@@ -393,12 +393,12 @@ def _ts_context():
     return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 0}})  # pragma: no cover
 
 
-def _wait(futures: list) -> None:
+def wait_all(futures: list) -> None:
     for f in futures:
         f.result()
 
 
-def _host_buffer(shape: tuple, dtype) -> np.ndarray:
+def host_buffer(shape: tuple, dtype) -> np.ndarray:
     """An uninitialised numpy array aligned to 4 KiB: `jax.device_put` on CPU then aliases
     it (no copy); elsewhere it is an ordinary host buffer."""
     return _runtime.aligned_empty(shape, dtype, _ALIGN)
@@ -406,5 +406,5 @@ def _host_buffer(shape: tuple, dtype) -> np.ndarray:
 
 def read_metadata(source, step: int | None = None, *, item: str = DEFAULT_ITEM) -> dict:
     """The JSON metadata of a checkpoint's embedding item (format, N, step, tables)."""
-    with _Reader(_item_dir(source, step, item)) as r:
+    with TreeReader(item_directory(source, step, item)) as r:
         return r.meta

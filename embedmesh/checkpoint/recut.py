@@ -17,16 +17,16 @@ def _stored_rows(span: int, rows_per_shard: int, num_shards: int) -> int:
     return -(-span * rows_per_shard // num_shards) * num_shards
 
 
-def _stored_shards(meta: dict, meta_table: dict) -> int:
+def stored_shards(meta: dict, meta_table: dict) -> int:
     """The blocks of a table's stored array: the shards of its span ("span"; every shard
     of the saving mesh in checkpoints without it)."""
     return int(meta_table.get("span", meta["num_shards"]))
 
 
-def _stored_shape_check(
+def stored_shape_check(
     shape: tuple, meta_table: dict, n: int, num_shards: int, dim: int | None = None
 ):
-    """`n`: the table's stored blocks (`_stored_shards`); `num_shards`: the saving mesh's."""
+    """`n`: the table's stored blocks (`stored_shards`); `num_shards`: the saving mesh's."""
     rps = meta_table["rows_per_shard"]
     rows = _stored_rows(n, rps, num_shards)
     if shape[0] != rows:
@@ -39,7 +39,7 @@ def _stored_shape_check(
         raise ValueError(f"table {meta_table['name']}: stored dim {shape[1]} != {dim}")
 
 
-def _stored_layout(meta: dict, where) -> RowLayout:
+def stored_layout(meta: dict, where) -> RowLayout:
     """The row layout of the saving mesh ("row_layout", "mod" when absent)."""
     name = meta.get("row_layout", "mod")
     if not isinstance(name, str) or name not in ROW_LAYOUTS:
@@ -51,8 +51,8 @@ def _stored_layout(meta: dict, where) -> RowLayout:
     return row_layout(name, int(meta["num_shards"]))
 
 
-def _stored_table(meta_table: dict, n: int) -> TablePlacement:
-    """A table's stored array as a placement on `n` shards (`_stored_shards`: its span on
+def stored_table(meta_table: dict, n: int) -> TablePlacement:
+    """A table's stored array as a placement on `n` shards (`stored_shards`: its span on
     the saving mesh, renumbered from 0): a stack of its own, block b at rows
     `[b * rows_per_shard, (b+1) * rows_per_shard)`."""
     v, rps = meta_table["vocabulary_size"], meta_table["rows_per_shard"]
@@ -77,14 +77,14 @@ def saved_logical_rows(layout_name: str, n_old: int, m: dict, shard, row) -> np.
     table-wise table's owner)."""
     first, k = int(m.get("first_shard", 0)), int(m.get("span", n_old))
     layout = row_layout(layout_name, k)
-    params = np.asarray(layout.kernel_params(_stored_table(m, k)), np.int64)
+    params = np.asarray(layout.kernel_params(stored_table(m, k)), np.int64)
     local = np.asarray(shard, np.int64) - first
     return layout.logical_rows_from_params(params, local, np.asarray(row, np.int64))
 
 
-def _logical_table(meta_table: dict) -> TablePlacement:
+def logical_table(meta_table: dict) -> TablePlacement:
     """The logical `[vocabulary_size, ...]` table as a placement of `logical_layout()`."""
-    return _stored_table(
+    return stored_table(
         dict(meta_table, rows_per_shard=meta_table["vocabulary_size"], rotation=0), 1
     )
 
@@ -95,7 +95,7 @@ def _stored_row(layout: RowLayout, t, row: int) -> int:
     return int(layout.shard_of(t, row)) * t.rows_per_shard + int(layout.block_row(t, row))
 
 
-def _recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard: int) -> list:
+def recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard: int) -> list:
     """[(dst_start, dst_step, src_start, src_step, rows)] filling block rows
     `[0, count_on_shard)` of table `dst`'s block on shard `shard` of `dst_layout` from the
     stored array of table `src` laid out by `src_layout` (block j at rows
@@ -131,7 +131,7 @@ def _recut_copies(src_layout: RowLayout, src, dst_layout: RowLayout, dst, shard:
     ]
 
 
-def _same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool:
+def same_layout(src_layout: RowLayout, src, dst_layout: RowLayout, dst) -> bool:
     """Whether the stored blocks are exactly the new blocks of the table. A table on part
     of the mesh (table-wise) is compared in its stored form: its span renumbered from
     shard 0."""

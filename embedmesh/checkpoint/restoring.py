@@ -13,19 +13,19 @@ import jax
 import numpy as np
 
 from embedmesh.checkpoint import id_maps
-from embedmesh.checkpoint.checksums import _checksum_hex, _device_checksum
+from embedmesh.checkpoint.checksums import checksum_hex, device_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM, LOOKUP_FIELD
 from embedmesh.checkpoint.leaves import (
-    _check_compatible,
-    _check_leaf,
-    _Pending,
-    _start_leaf,
-    _streamed,
-    _verify,
-    _wait_leaf,
+    PendingLeaf,
+    check_compatible,
+    check_leaf,
+    start_leaf,
+    streamed_leaves,
+    verify_checksum,
+    wait_leaf,
 )
-from embedmesh.checkpoint.reading import _item_dir, _Reader
-from embedmesh.checkpoint.saving import _optimizer_name
+from embedmesh.checkpoint.reading import TreeReader, item_directory
+from embedmesh.checkpoint.saving import optimizer_name
 from embedmesh.device.stack_tables import write_table
 
 _log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def _check_slot_kinds(name: str, opt, meta_table: dict) -> None:
     per element, or the reverse (an Adagrad checkpoint into RowWiseAdagrad: both name
     their slot "accumulators", of different shapes); no conversion is made."""
     stored = meta_table.get("optimizer")
-    live = _optimizer_name(opt)
+    live = optimizer_name(opt)
     if stored is None or live is None or stored == live:
         return
     if (stored in _ROW_SLOT_OPTIMIZERS) != (live in _ROW_SLOT_OPTIMIZERS):
@@ -72,7 +72,7 @@ def _local_shards(core, shape: tuple) -> list:
 
 def _place_leaf(
     core,
-    pending: _Pending,
+    pending: PendingLeaf,
     stack_array: jax.Array,
     t,
     *,
@@ -83,7 +83,7 @@ def _place_leaf(
     written in from column `column` (a slot kept in the rows: its first): in place
     (`donate=True`: `stack_array` is consumed), or into a new array (`donate=False`:
     `stack_array` stays intact)."""
-    _wait_leaf(pending)
+    wait_leaf(pending)
     rest = pending.pieces[0][2].shape[1:] if pending.pieces else stack_array.shape[1:]
     shape = (core.num_shards * t.rows_per_shard,) + tuple(rest)
     # On CPU, device_put aliases the (aligned) buffers: no copy until the write below
@@ -92,7 +92,7 @@ def _place_leaf(
     piece = jax.make_array_from_single_device_arrays(shape, core.row_sharding, placed)
     del placed
     try:
-        _verify(pending, lambda: _checksum_hex(_device_checksum(core, piece, t)))
+        verify_checksum(pending, lambda: checksum_hex(device_checksum(core, piece, t)))
     except ValueError:
         piece.delete()
         raise
@@ -149,7 +149,7 @@ def _leaves_to_read(core, by_name: dict, pipelined: bool) -> tuple:
     for t in core.plan.tables:
         m = by_name.get(t.name)
         if t.stack not in core.dynamic:  # a table of raw ids may change its capacity
-            _check_compatible(t.name, t, m)
+            check_compatible(t.name, t, m)
         if m is None:
             problems.append(f"table {t.name} is not in the checkpoint")
             continue
@@ -279,9 +279,9 @@ def core_restore(
     cannot be read or does not match its checksum.
     """
     _check_missing(missing)
-    path = _item_dir(source, step, item)
+    path = item_directory(source, step, item)
     live = state  # what missing="keep" keeps
-    with _Reader(path) as reader:
+    with TreeReader(path) as reader:
         meta = reader.meta
         reader.layout  # noqa: B018 - an unknown row layout raises before anything is read
         todo, leaves, dynamic, rebuilt_todo = _plan_reads(core, reader, path, missing, pipelined)
@@ -335,7 +335,7 @@ def _plan_reads(core, reader, path, missing: str, pipelined: bool):
         )
     leaves = [_leaf_key(m, field) for _, m, field in todo]
     for (t, m, field), leaf in zip(todo, leaves):  # before anything is read
-        _check_leaf(reader, leaf, m, _field_width(core, t, field))
+        check_leaf(reader, leaf, m, _field_width(core, t, field))
     # tables of raw ids: their maps read and verified, and where the mesh or the map
     # changed, rebuilt on their new owners (a ValueError where the live ids do not
     # fit), before any table is read; a rebuilt table's rows and slots are read last
@@ -367,7 +367,7 @@ def _read_direct(core, reader, new: _NewState, todo, leaves, prefetch: bool) -> 
     def start(i):
         t, m, field = todo[i]
         shape = (core.num_shards * t.rows_per_shard,) + reader.shape(leaves[i])[1:]
-        return _start_leaf(
+        return start_leaf(
             reader,
             leaves[i],
             m,
@@ -378,7 +378,7 @@ def _read_direct(core, reader, new: _NewState, todo, leaves, prefetch: bool) -> 
             field,
         )
 
-    with contextlib.closing(_streamed(len(todo), start, prefetch)) as pending:
+    with contextlib.closing(streamed_leaves(len(todo), start, prefetch)) as pending:
         for i, current in enumerate(pending):
             t, _, field = todo[i]
             out = _place_leaf(
@@ -461,7 +461,7 @@ def restore(
     does not match its checksum.
     """
     _check_missing(missing)
-    path = _item_dir(source, step, item)
+    path = item_directory(source, step, item)
     emb.build()
     # the observed state is what missing="keep" keeps; a pipelined emb is not flushed
     restored = core_restore(

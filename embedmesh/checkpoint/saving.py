@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
 from embedmesh.checkpoint import id_map_format, id_maps
-from embedmesh.checkpoint.checksums import CHECKSUM, _checksum_hex, _device_checksum
+from embedmesh.checkpoint.checksums import CHECKSUM, checksum_hex, device_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM, FORMAT, FORMAT_VERSION, LOOKUP_FIELD
 from embedmesh.checkpoint.reading import absolute_path
 from embedmesh.device.stack_tables import table_block_array
@@ -101,7 +101,7 @@ def _keys(names) -> dict:
     return out
 
 
-def _optimizer_name(opt) -> str | None:
+def optimizer_name(opt) -> str | None:
     return None if opt is None else type(opt).__name__
 
 
@@ -128,7 +128,7 @@ def _metadata(core, state, step: int) -> dict:
                 "dtype": np.dtype(plan.stack(t.stack).dtype).name,
                 "combiner": cfg.combiner,
                 "stack": t.stack,
-                "optimizer": _optimizer_name(opt),
+                "optimizer": optimizer_name(opt),
                 "optimizer_repr": repr(opt) if opt is not None else None,
                 "slots": sorted(core.slot_names(t.stack)),
             }
@@ -178,13 +178,13 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
         # each array's checksum on the whole mesh (shards outside the table's span count
         # nothing), then only the span's blocks are stored
         block = table_block_array(core, state.tables[t.stack], t)
-        hashes[t.name] = {"parameters": _device_checksum(core, block, t)}
+        hashes[t.name] = {"parameters": device_checksum(core, block, t)}
         tables[key] = _span_array(core, block, t)
         slots[key] = {}
         for name in core.slot_names(t.stack):
             arr, column = core.field_array(state, t.stack, name)
             block = table_block_array(core, arr, t, column, core.field_width(t, name))
-            hashes[t.name][name] = _device_checksum(core, block, t)
+            hashes[t.name][name] = device_checksum(core, block, t)
             slots[key][name] = _span_array(core, block, t)
         if t.stack in core.dynamic:  # a table of raw ids: its owners' id maps
             arrays, sums = id_maps.saved_arrays(core, state, t)
@@ -192,13 +192,13 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
             hashes[t.name].update(sums)
         if t.stack in lookup:
             block = table_block_array(core, lookup[t.stack], t)
-            hashes[t.name][LOOKUP_FIELD] = _device_checksum(core, block, t)
+            hashes[t.name][LOOKUP_FIELD] = device_checksum(core, block, t)
             stored_lookup[key] = _span_array(core, block, t)
         del block
     hashes = jax.device_get(hashes)
     meta["checksum"] = CHECKSUM
     for m in meta["tables"]:
-        m["checksums"] = {field: _checksum_hex(h) for field, h in hashes[m["name"]].items()}
+        m["checksums"] = {field: checksum_hex(h) for field, h in hashes[m["name"]].items()}
         m["lookup"] = m["key"] in stored_lookup
     blob = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8).copy()
     tree = {"tables": tables, "slots": slots, "step": np.asarray(step, np.int64), "meta": blob}

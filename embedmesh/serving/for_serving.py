@@ -12,7 +12,7 @@ import numpy as np
 
 from embedmesh.checkpoint.format import DEFAULT_ITEM
 from embedmesh.checkpoint.loading import load_tables
-from embedmesh.checkpoint.reading import _item_dir, read_metadata
+from embedmesh.checkpoint.reading import item_directory, read_metadata
 from embedmesh.config import resolve_feature_config
 from embedmesh.serving.lookup import serving_embedding_lookup
 
@@ -51,7 +51,7 @@ class EmbeddingForServing:
 
     def restore(self, source, step: int | None = None, *, item: str = DEFAULT_ITEM) -> int:
         """Load the parameters of a checkpoint (see `load_tables`); returns its step."""
-        path = _item_dir(source, step, item)
+        path = item_directory(source, step, item)
         self._tables = load_tables(path, feature_config=self.feature_config)
         self.step = int(read_metadata(path)["step"])
         return self.step

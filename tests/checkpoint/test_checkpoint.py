@@ -204,14 +204,14 @@ def test_restore_streams_one_table_at_a_time(tmp_path, monkeypatch):
     ckpt.restore(dst, tmp_path)  # compiles the writers: measure the next restore only
     dst.set_tables({t: np.zeros((20000, 16), np.float32) for t in tables.values()})
     reads = []
-    original = reading._Reader.start_fill
+    original = reading.TreeReader.start_fill
 
     def counting_fill(self, path, copies):
         # bytes of the distinct buffers this read fills: the table's new shards
         reads.append((path, sum({id(c[0]): c[0].nbytes for c in copies}.values())))
         return original(self, path, copies)
 
-    monkeypatch.setattr(reading._Reader, "start_fill", counting_fill)
+    monkeypatch.setattr(reading.TreeReader, "start_fill", counting_fill)
     tracemalloc.start()
     tracemalloc.reset_peak()
     ckpt.restore(dst, tmp_path)
@@ -526,16 +526,16 @@ def test_two_processes_save_their_own_shards(tmp_path):
 
 def placed_on(meta: dict, n: int, rotation: int):
     """A table of `meta`'s size laid out on n shards with `rotation` (mod layout)."""
-    return ckpt_recut._stored_table(
+    return ckpt_recut.stored_table(
         dict(meta, rows_per_shard=-(-meta["vocabulary_size"] // n), rotation=rotation), n
     )
 
 
 def recut(meta: dict, n_from: int, n_to: int, rotation: int, shard: int) -> list:
     """The copy list of stored blocks of n_from shards -> new shard `shard` of n_to."""
-    return ckpt_recut._recut_copies(
+    return ckpt_recut.recut_copies(
         row_layout("mod", n_from),
-        ckpt_recut._stored_table(meta, n_from),
+        ckpt_recut.stored_table(meta, n_from),
         row_layout("mod", n_to),
         placed_on(meta, n_to, rotation),
         shard,
@@ -544,11 +544,11 @@ def recut(meta: dict, n_from: int, n_to: int, rotation: int, shard: int) -> list
 
 def to_logical(meta: dict, n: int) -> list:
     """The copy list of stored blocks of n shards -> the logical table."""
-    return ckpt_recut._recut_copies(
+    return ckpt_recut.recut_copies(
         row_layout("mod", n),
-        ckpt_recut._stored_table(meta, n),
+        ckpt_recut.stored_table(meta, n),
         logical_layout(),
-        ckpt_recut._logical_table(meta),
+        ckpt_recut.logical_table(meta),
         0,
     )
 
@@ -585,8 +585,8 @@ def test_reshard_rows_matches_the_layout_for_any_shard_counts():
 def test_reader_fills_strided_rows_with_a_cast(sources):
     """The tensorstore copy lists (what restore and load_tables use) against numpy, into a
     buffer of another dtype (the stored float32 is cast on the fly)."""
-    path = reading._item_dir(sources[4]["path"], None, ckpt.DEFAULT_ITEM)
-    with reading._Reader(path) as reader:
+    path = reading.item_directory(sources[4]["path"], None, ckpt.DEFAULT_ITEM)
+    with reading.TreeReader(path) as reader:
         m = next(t for t in reader.meta["tables"] if t["name"] == "d")
         leaf = ("tables", m["key"])
         stored = np.asarray(reader.read(leaf))
@@ -596,10 +596,10 @@ def test_reader_fills_strided_rows_with_a_cast(sources):
                 copies = recut(m, 4, n_to, rot, j)
                 want = apply_copies(stored, copies, np.zeros((rps, m["dim"]), np.float32))
                 got = np.zeros((rps, m["dim"]), np.float64)
-                reading._wait(reader.start_fill(leaf, [(got,) + c for c in copies]))
+                reading.wait_all(reader.start_fill(leaf, [(got,) + c for c in copies]))
                 np.testing.assert_array_equal(got, want.astype(np.float64))
         logical = np.zeros((m["vocabulary_size"], m["dim"]), np.float64)
-        reading._wait(reader.start_fill(leaf, [(logical,) + c for c in to_logical(m, 4)]))
+        reading.wait_all(reader.start_fill(leaf, [(logical,) + c for c in to_logical(m, 4)]))
         np.testing.assert_array_equal(logical, sources[4]["saved"]["d"]["parameters"])
 
 

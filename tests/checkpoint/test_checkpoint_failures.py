@@ -246,7 +246,7 @@ def save_compressed(root, emb, step):
 
 def stored_leaf(item_dir, leaf):
     """The stored array as orbax itself reads it (no embedmesh verification)."""
-    with reading._Reader(item_dir) as reader:
+    with reading.TreeReader(item_dir) as reader:
         return np.asarray(reader.read(leaf))
 
 

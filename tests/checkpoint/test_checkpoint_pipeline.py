@@ -198,18 +198,18 @@ def test_corrupted_lookup_tables_fail_the_restore_and_change_nothing(tmp_path):
     before = _variables(other)
     before_lookup = {s: np.asarray(a) for s, a in other.state.tables.items()}
     # damage the lookup array's recorded checksum: the restore must refuse it
-    real = leaves._expected_checksum
+    real = leaves.expected_checksum
 
     def wrong(reader, meta_table, field, leaf, dtype):
         got = real(reader, meta_table, field, leaf, dtype)
         return "0" * 16 if field == ckpt.LOOKUP_FIELD and got is not None else got
 
-    leaves._expected_checksum = wrong
+    leaves.expected_checksum = wrong
     try:
         with pytest.raises(ValueError, match="corrupted"):
             ckpt.restore(other, str(path))
     finally:
-        leaves._expected_checksum = real
+        leaves.expected_checksum = real
     after = _variables(other)
     for t in before:
         for k in before[t]:

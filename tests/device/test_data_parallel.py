@@ -230,7 +230,7 @@ def test_stored_arrays_hold_one_copy(sources):
     """A replicated table is stored once (its canonical block), not N times."""
     src = sources["dp4"]
     plan = src["emb"].plan
-    with reading._Reader(src["path"] / "2" / "embedding") as reader:
+    with reading.TreeReader(src["path"] / "2" / "embedding") as reader:
         for t, m in test_table_wise.stored_tables(src):
             assert (m["sharding"], m["first_shard"], m["span"]) == ("data_parallel", 0, 1)
             n = plan.num_shards

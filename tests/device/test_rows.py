@@ -222,6 +222,6 @@ def test_checkpoint_recut_goes_through_any_layout(case, n_other, seed):
         stored = stored_array(table, src, ts)
         for j in range(dst.num_shards):
             out = np.full((td.rows_per_shard, 3), np.nan)
-            apply_copies(stored, recut._recut_copies(src, ts, dst, td, j), out)
+            apply_copies(stored, recut.recut_copies(src, ts, dst, td, j), out)
             rows = dst.rows_on_shard(td, j)
             np.testing.assert_array_equal(out[: len(rows)], table[rows])

@@ -627,7 +627,7 @@ def test_stored_arrays_hold_only_the_span_and_metadata_records_it(sources):
     for name in ("tw4", "mixed8"):
         src = sources[name]
         plan = src["emb"].plan
-        with reading._Reader(src["path"] / "2" / "embedding") as reader:
+        with reading.TreeReader(src["path"] / "2" / "embedding") as reader:
             for t, m in stored_tables(src):
                 assert (m["sharding"], m["first_shard"], m["span"]) == (
                     t.sharding,
