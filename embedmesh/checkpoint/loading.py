@@ -8,17 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from embedmesh.checkpoint import id_map_format
+from embedmesh.checkpoint import id_map_format, leaves
 from embedmesh.checkpoint.checksums import logical_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM
-from embedmesh.checkpoint.leaves import (
-    check_compatible,
-    check_leaf,
-    start_leaf,
-    streamed_leaves,
-    verify_checksum,
-    wait_leaf,
-)
 from embedmesh.checkpoint.reading import TreeReader, item_directory
 from embedmesh.checkpoint.recut import logical_table, saved_logical_rows
 from embedmesh.config import DynamicIds, TableConfig, resolve_feature_config
@@ -73,7 +65,7 @@ def load_tables(
                     raise ValueError(
                         f"table {name} is not in the checkpoint (it has {sorted(by_name)})"
                     )
-                check_compatible(name, cfg, m, "the feature config")
+                leaves.check_compatible(name, cfg, m, "the feature config")
                 wanted.append((cfg, m))
         for cfg, m in wanted:  # before anything is read
             if (cfg.id_map is None) != (m.get("id_map") is None):
@@ -83,7 +75,7 @@ def load_tables(
                     + " (TableConfig.id_map), the feature config's "
                     + ("is" if cfg.id_map is not None else "is not")
                 )
-            check_leaf(reader, ("tables", m["key"]), m, m["dim"])
+            leaves.check_leaf(reader, ("tables", m["key"]), m, m["dim"])
         # the id maps of tables of raw ids, read and verified before any table is
         maps = {
             i: id_map_format.read_maps(reader, m)
@@ -94,7 +86,7 @@ def load_tables(
 
         def start(i):  # the logical table: one block of the logical layout, on the host
             m = wanted[i][1]
-            return start_leaf(
+            return leaves.start_leaf(
                 reader,
                 ("tables", m["key"]),
                 m,
@@ -106,11 +98,13 @@ def load_tables(
 
         out = {}
         # at most two tables' reads in flight
-        with contextlib.closing(streamed_leaves(len(wanted), start, prefetch=True)) as pending:
+        with contextlib.closing(
+            leaves.streamed_leaves(len(wanted), start, prefetch=True)
+        ) as pending:
             for i, current in enumerate(pending):
-                wait_leaf(current)
+                leaves.wait_leaf(current)
                 arr = current.pieces[0][2]
-                verify_checksum(current, lambda: logical_checksum(arr, logical[i]))
+                leaves.verify_checksum(current, lambda: logical_checksum(arr, logical[i]))
                 if i in maps:
                     arr = _by_id(reader, wanted[i][1], maps.pop(i), arr)
                 out[wanted[i][0]] = arr
