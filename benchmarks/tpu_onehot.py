@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 import time
@@ -50,6 +51,17 @@ def make_ids(rows: list[int], batch: int, n: int = 3) -> list[list[np.ndarray]]:
     """`n` batches: one id a sample a feature, Zipf(1.05) over each table's rows."""
     r = np.random.default_rng(0)
     return [[((r.zipf(1.05, batch) - 1) % v).astype(np.int32) for v in rows] for _ in range(n)]
+
+
+def warm_then_time(one, inputs, steps):
+    """`one` over `inputs` in turn: (seconds of its first 3 calls, compiles included; the
+    median seconds of `steps` calls after them)."""
+    t0 = time.perf_counter()
+    for i in range(3):
+        one(inputs[i % len(inputs)])
+    first = time.perf_counter() - t0
+    calls = itertools.cycle(inputs)
+    return first, tpu.timed(lambda: one(next(calls)), steps)
 
 
 def embedmesh_case(rows, dim, batches, kernels=True, steps=10):
@@ -81,25 +93,12 @@ def embedmesh_case(rows, dim, batches, kernels=True, steps=10):
         def step(c):
             acts, pres = emb.dequeue(c)
             emb.apply_gradients(lossgrad(acts), pres)
-
-        t0 = time.perf_counter()
-        for i in range(3):
-            step(csrs[i % len(csrs)])
-        jax.block_until_ready(emb.state)
-        first = time.perf_counter() - t0
-        it = iter(range(10**9))
-
-        def one():
-            step(csrs[next(it) % len(csrs)])
             jax.block_until_ready(emb.state)
 
-        step_s = tpu.timed(one, steps)
-
-        def lookup():
-            acts, _ = emb.dequeue(csrs[next(it) % len(csrs)])
-            jax.block_until_ready(acts)
-
-        lookup_s = tpu.timed(lookup, steps)
+        first, step_s = warm_then_time(step, csrs, steps)
+        _, lookup_s = warm_then_time(
+            lambda c: jax.block_until_ready(emb.dequeue(c)[0]), csrs, steps
+        )
         ids = bsz * len(rows)
         unique = sum(int(np.unique(x).size) for x in batches[0])
         return {
@@ -170,12 +169,7 @@ def plain_case(rows, dim, batches, sparse, steps=10):
         state[0], state[1] = step(state[0], state[1], x)
         jax.block_until_ready(state[0])
 
-    t0 = time.perf_counter()
-    for i in range(3):
-        one(inputs[i % len(inputs)])
-    first = time.perf_counter() - t0
-    it = iter(range(10**9))
-    step_s = tpu.timed(lambda: one(inputs[next(it) % len(inputs)]), steps)
+    first, step_s = warm_then_time(one, inputs, steps)
     state.clear()
     return {
         "step_ms": step_s * 1e3,
