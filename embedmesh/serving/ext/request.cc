@@ -1103,7 +1103,7 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
   if (!take_outputs(all, n, tasks, alloc, outs.v.data(), offsets)) return nullptr;
   Owned packed(pack(outs.v.data()));
   if (packed.p == nullptr) return nullptr;
-  // the result while the kernels have not run (see lookup._finish); no finish: the
+  // the result while the kernels have not run (see lookup._finish_common); no finish: the
   // packed outputs themselves
   Owned result;
   if (finish != Py_None) {
