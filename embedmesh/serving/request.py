@@ -8,7 +8,7 @@ statement of which features are such common cases and how each becomes a C++ ker
 runner, the GIL released by the policy described in docs/serving.md); anything else, and
 any error the kernels report, gives None, and the caller runs the general path
 (`lookup.py`), which raises TensorFlow's errors. Results are bit for bit the general
-path's: the same kernels on the same arrays (tests/serving/test_serving_fast_path.py
+path's: the same kernels on the same arrays (tests/serving/test_serving_request.py
 compares the two, and both with a Python restatement of the rules,
 tests/support/request_rules.py, on every input kind).
 
