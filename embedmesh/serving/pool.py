@@ -4,8 +4,9 @@ references them.
 Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
 references them (`embedmesh.serving.settings.set_output_pool_limit`,
-`EMBEDMESH_OUTPUT_POOL_MB`: the free bytes kept). Every backend (`embedmesh.serving.backends`) takes its outputs
-here, and so does the request path (`lookup.py`, the compiled `request.py`).
+`EMBEDMESH_OUTPUT_POOL_MB`: the free bytes kept). Every backend
+(`embedmesh.serving.backends`) takes its outputs here, and so does the request path
+(`lookup.py`, the compiled `request.py`).
 """
 
 from __future__ import annotations
