@@ -8,11 +8,12 @@ from `inputs.feature_layout`, the rules training follows too:
     out[row] /= sum_k w_k  (mean)  or  sqrt(sum_k w_k^2)  (sqrtn);  0/0 = 0
 
 A request on concrete inputs whose features are all common cases (ragged, 2-D sparse or
-dense int32/int64 numpy ids, finite float32 weights or none, float32 or quantized numpy
-tables, no sequence features or output_shape) runs in one call of the compiled request
-rules (`embedmesh.serving.request`: `_request.serve` for a model configured as one dict
-of features under str keys asked with a dict and no weights, `_request.lookup` for any
-other structure): its features checked and handed to the C++ runner, its outputs taken,
+dense int32/int64 numpy ids, finite float32 weights or none, float32 numpy tables, or
+int8, fp16 or codes tables for ragged and sparse ids, no sequence features or
+output_shape) runs in one call of the compiled request rules
+(`embedmesh.serving.request`: `_request.serve` for a model configured as one dict of
+features under str keys asked with a dict and no weights, `_request.lookup` for any other
+structure): its features checked and handed to the C++ runner, its outputs taken,
 wrapped as jax arrays (aliasing their buffers) before the kernels fill them, and packed.
 Anything else, and any error there, takes the general host path below, which raises
 TensorFlow's errors.
