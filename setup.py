@@ -82,8 +82,8 @@ def _progress(message: str) -> None:
 class BuildNative(build_ext):
     """Compiles the C++ libraries (plain shared libraries loaded with ctypes; a failed
     build is recorded and said at first use) and, beside them, the one Python extension,
-    `embedmesh.serving._request` (optional: without it the serving lookup runs the same
-    checks in Python)."""
+    `embedmesh.serving._request` (optional: without it every serving request takes the
+    general path)."""
 
     def _editable(self) -> bool:
         return bool(self.inplace or getattr(self, "editable_mode", False))
@@ -128,7 +128,7 @@ class BinaryDistribution(Distribution):
         return True
 
 
-# The serving request path (embedmesh/serving/fast_path.py): CPython's stable ABI, so one
+# The serving request rules (bound by embedmesh/serving/request.py): CPython's stable ABI, so one
 # build serves Python 3.11 and newer.
 REQUEST = Extension(
     "embedmesh.serving._request",

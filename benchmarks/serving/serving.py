@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import embedmesh as em
 from embedmesh import _runtime
-from embedmesh.serving import fast_path, kernels
+from embedmesh.serving import kernels
 from embedmesh.serving import lookup as em_serving
 
 try:
@@ -187,9 +187,8 @@ def ids_in(kind: str, feats) -> int:
 # Contenders: each is (name, prepare(kind, combiner) -> list of per-batch thunks)
 
 
-def embedmesh_contender(tables, batches, max_len, args, backend, threads=1, compiled=True):
-    """compiled=False: the request's checks in Python (fast_path.py's form) rather than
-    the compiled one (embedmesh.serving._request). `tables` may be `QuantizedTable`s."""
+def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
+    """`tables` may be `QuantizedTable`s."""
     names = [f"f{i}" for i in range(args.tables)]
 
     def prepare(kind, combiner):
@@ -214,12 +213,10 @@ def embedmesh_contender(tables, batches, max_len, args, backend, threads=1, comp
 
             def call(inputs=inputs):
                 prev = kernels.set_backend(backend)
-                prev_compiled = fast_path.use_compiled(compiled)
                 try:
                     out = em.serving_embedding_lookup(inputs, None, tabs, fcs)
                 finally:
                     kernels.set_backend(prev)
-                    fast_path.use_compiled(prev_compiled)
                 return ready(out, names)
 
             calls.append(call)
@@ -477,8 +474,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="embedmesh[native],embedmesh[native-Nt],tf.function,torch,torch[1t]",
         help="comma-separated; embedmesh[B] (B: native, numba, numpy) runs the host path on "
         "kernel backend B, embedmesh[B-Nt] spreads features over one thread per core; "
-        "embedmesh[native-py] / [native-py-Nt]: native with the request's checks in Python "
-        "(fast_path.py) instead of compiled (embedmesh.serving._request); "
         "tf.function, tf.eager, torch (default threads), torch[1t], torch-coo, torch-coo[1t] "
         "(sparse input: torch derives its offsets from the COO indices), jax.jit (the traced "
         "path)",
@@ -616,14 +611,6 @@ def make_contenders(tables, batches, max_len, args) -> dict:
             contenders[f"embedmesh[{backend}-{cores}t]"] = embedmesh_contender(
                 tables, batches, max_len, args, backend, threads=cores
             )
-    if "embedmesh[native-py]" in wanted and kernels.HAVE_NATIVE:
-        contenders["embedmesh[native-py]"] = embedmesh_contender(
-            tables, batches, max_len, args, "native", compiled=False
-        )
-    if "embedmesh[native-py-Nt]" in wanted and kernels.HAVE_NATIVE and cores > 1:
-        contenders[f"embedmesh[native-py-{cores}t]"] = embedmesh_contender(
-            tables, batches, max_len, args, "native", threads=cores, compiled=False
-        )
     if tf is not None and "tf.function" in wanted:
         contenders["tf.function"] = tf_contender(tables, batches, max_len, args, True)
     if tf is not None and "tf.eager" in wanted:

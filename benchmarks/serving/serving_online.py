@@ -10,32 +10,11 @@ share the numpy tables' memory) and the same requests:
   `RaggedTensor`s, with `set_host_threads(1)` (each client thread is one core's work);
 - em-numpy: the same under `embedmesh.serving.lookup.set_numpy_outputs(True)` (numpy
   outputs, no jax arrays);
-- em-np-release / em-np-hold / em-np-nohandoff / em-np-nowindow / em-np-unfair /
-  em-np-slots: em-numpy under the other GIL policies, for A/B (the default: a request
-  of fewer than 32k ids keeps the GIL through its kernels while no other thread is
-  inside a lookup or entered one in the last 20 ms; release: every request releases
-  it, `fast_path.hold_gil_below(0)`; hold: a request under 32k ids keeps it whatever
-  other threads do, `fast_path.release_when_shared(False)`; nohandoff: the default
-  without the hand-over (after its kernels a thread waits, without the GIL, while
-  another serving thread holds it), `fast_path.gil_handoff_us(0)`; nowindow: only
-  threads inside a lookup now count, `fast_path.shared_window_us(0)`; unfair: threads
-  whose kernels end ask CPython for the GIL each at once instead of in the order their
-  kernels ended, `fast_path.fair_gil(False)`; slots: at most as many threads run
-  kernels at once as there are cores, `fast_path.kernel_slots(os.cpu_count())`);
-- em-np-nodict / em-nodict: em-numpy / embedmesh without the one compiled call for a
-  dict request (`fast_path.dict_requests(False)`: Python resolves the config, flattens
-  the inputs and packs the outputs around the compiled checks), for A/B;
-- em-np-noserve: em-numpy with the Python layers above the compiled dict request
-  (`fast_path.serve_calls(False)`) instead of one compiled call for the model served
-  last, enter and leave included, for A/B;
-- em-np-nodirect: em-numpy with the compiled form reading arrays through the buffer
-  protocol and making output views with a slice and a reshape through Python's API
-  (`fast_path.direct_numpy(False)`) instead of numpy's fields and C API, for A/B;
-- em-np-noplan: em-numpy with the compiled form reading each feature's plan from its
-  Python tuple every request (`fast_path.plan_cache(False)`), for A/B;
-- em-np-spin: em-numpy with the next in line for the GIL spinning up to 20 us before it
-  sleeps and the first in line spinning with a pause, not sched_yield
-  (`fast_path.turn_spin_us(20)`, `fast_path.first_pause(True)`), for A/B;
+- em-np-release / em-np-hold: em-numpy under the other GIL settings, for A/B (the
+  default: a request of fewer than 32k ids keeps the GIL through its kernels while no
+  other thread is inside a lookup or entered one in the last 20 ms; release: every
+  request releases it, `settings.set_hold_gil_below(0)`; hold: every request keeps it
+  while alone, whatever its size, `settings.set_hold_gil_below(2**62)`);
 - em-np-own: em-numpy, each client thread sending its own copies of the requests (as
   `--own-requests` does for every contender), against em-numpy's shared objects in the
   same run;
@@ -82,8 +61,8 @@ import time
 import numpy as np
 
 import embedmesh as em
-from embedmesh.serving import fast_path, set_host_threads
-from embedmesh.serving.lookup import set_numpy_outputs
+from embedmesh.serving import set_host_threads
+from embedmesh.serving.settings import set_hold_gil_below, set_numpy_outputs
 
 try:
     import torch
@@ -134,48 +113,11 @@ def make_requests(features, max_ids, batch: int, n: int, vocab: int, seed: int):
     return out
 
 
-# (hold_gil_below, release_when_shared, gil_handoff_us, shared_window_us, fair_gil,
-# kernel_slots); None: the library's default
-GIL_POLICIES = {
-    "auto": (None, None, None, None, None, None),
-    "release": (0, None, None, None, None, None),
-    "hold": (None, False, None, None, None, None),
-    "nohandoff": (None, None, 0, None, None, None),
-    "nowindow": (None, None, None, 0, None, None),
-    "unfair": (None, None, None, None, False, None),
-    "slots": (None, None, None, None, None, os.cpu_count() or 1),
-    "nodict": (None, None, None, None, None, None),  # and fast_path.dict_requests(False)
-    "nodirect": (None, None, None, None, None, None),  # and fast_path.direct_numpy(False)
-    "noserve": (None, None, None, None, None, None),  # and fast_path.serve_calls(False)
-    "noplan": (None, None, None, None, None, None),  # and fast_path.plan_cache(False)
-    "spin": (None, None, None, None, None, None),  # and turn_spin_us(20), first_pause(True)
-}
-_NONE = lambda _: None  # a setting an older tree lacks (its A/B)
-_GIL_SETTERS = (
-    fast_path.hold_gil_below,
-    fast_path.release_when_shared,
-    fast_path.gil_handoff_us,
-    getattr(fast_path, "shared_window_us", _NONE),
-    getattr(fast_path, "fair_gil", _NONE),
-    getattr(fast_path, "kernel_slots", _NONE),
-)
-
-
-def _default(set_):
-    """A GIL setting's default (None where this tree lacks it): set, read back, restored."""
-    old = set_(0)
-    if old is not None:
-        set_(old)
-    return old
-
-
-_GIL_DEFAULTS = tuple(_default(set_) for set_ in _GIL_SETTERS)
-_DICT_REQUESTS = getattr(fast_path, "dict_requests", _NONE)
-_DIRECT_NUMPY = getattr(fast_path, "direct_numpy", _NONE)
-_SERVE_CALLS = getattr(fast_path, "serve_calls", _NONE)
-_PLAN_CACHE = getattr(fast_path, "plan_cache", _NONE)
-_TURN_SPIN_US = getattr(fast_path, "turn_spin_us", _NONE)
-_FIRST_PAUSE = getattr(fast_path, "first_pause", _NONE)
+# the GIL setting of each policy (set_hold_gil_below); None: the library's default
+GIL_POLICIES = {"auto": None, "release": 0, "hold": 2**62}
+_GIL_DEFAULT = set_hold_gil_below(0)  # read back, restored
+if _GIL_DEFAULT is not None:
+    set_hold_gil_below(_GIL_DEFAULT)
 
 
 def embedmesh_call(
@@ -190,15 +132,9 @@ def embedmesh_call(
 
     def setup():  # before each cell
         set_numpy_outputs(numpy_outputs)
-        _DICT_REQUESTS(gil != "nodict")
-        _DIRECT_NUMPY(gil != "nodirect")
-        _SERVE_CALLS(gil != "noserve")
-        _PLAN_CACHE(gil != "noplan")
-        _TURN_SPIN_US(20 if gil == "spin" else 0)
-        _FIRST_PAUSE(gil == "spin")
-        for set_, value, default in zip(_GIL_SETTERS, GIL_POLICIES[gil], _GIL_DEFAULTS):
-            if default is not None:
-                set_(default if value is None else value)
+        if _GIL_DEFAULT is not None:
+            value = GIL_POLICIES[gil]
+            set_hold_gil_below(_GIL_DEFAULT if value is None else value)
 
     call.setup = setup
     return call
@@ -330,17 +266,7 @@ def make_contenders(args, wanted, batches, features, tables, reqs) -> dict:
         "em-numpy": lambda: embedmesh_call(features, tables, numpy_outputs=True),
         "em-np-release": lambda: embedmesh_call(features, tables, True, "release"),
         "em-np-hold": lambda: embedmesh_call(features, tables, True, "hold"),
-        "em-np-nohandoff": lambda: embedmesh_call(features, tables, True, "nohandoff"),
-        "em-np-nowindow": lambda: embedmesh_call(features, tables, True, "nowindow"),
-        "em-np-unfair": lambda: embedmesh_call(features, tables, True, "unfair"),
-        "em-np-slots": lambda: embedmesh_call(features, tables, True, "slots"),
-        "em-np-nodict": lambda: embedmesh_call(features, tables, True, "nodict"),
-        "em-nodict": lambda: embedmesh_call(features, tables, False, "nodict"),
-        "em-np-nodirect": lambda: embedmesh_call(features, tables, True, "nodirect"),
-        "em-np-noserve": lambda: embedmesh_call(features, tables, True, "noserve"),
         "em-np-own": lambda: embedmesh_call(features, tables, True, own=True),
-        "em-np-noplan": lambda: embedmesh_call(features, tables, True, "noplan"),
-        "em-np-spin": lambda: embedmesh_call(features, tables, True, "spin"),
     }
     if torch is not None:
         makers["torch"] = lambda: torch_call(features, tables)
@@ -503,11 +429,8 @@ def main(argv=None):
     )
     p.add_argument(
         "--contenders",
-        default="embedmesh,em-numpy,em-np-release,em-np-hold,em-np-nohandoff,torch,tf",
-        help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-nohandoff, "
-        "em-np-nowindow, em-np-unfair, em-np-slots, em-np-nodict, em-nodict, em-np-nodirect, "
-        "em-np-noserve, em-np-own, em-np-noplan, em-np-spin, "
-        "torch, tf",
+        default="embedmesh,em-numpy,em-np-release,em-np-hold,torch,tf",
+        help="any of embedmesh, em-numpy, em-np-release, em-np-hold, em-np-own, torch, tf",
     )
     p.add_argument("--tf-threads", type=int, default=1, help="TF's intra/inter-op threads")
     args = p.parse_args(argv)

@@ -3,14 +3,14 @@
 Runs benchmarks/serving/serving.py's workload (8 tables x 1M x dim, batch 4096, Poisson(10)
 Zipf(1.05) ids) on the host path and splits each call into: prepare (checks, layouts,
 the bag offsets, output buffers: `lookup._prepare_host`), kernels (the host kernels:
-`native_backend.run_native`'s one call with the C++ kernels, else per feature on the caller's
-thread with 1 thread, the whole thread runner with more),
+the C++ runner's wait for a request's handed-over tasks, `NativeRequest.close`, else per
+feature on the caller's thread with 1 thread, the whole thread runner with more),
 wrap (the outputs as jax.Arrays: `lookup._host_to_jax`) and the rest (config and
 structure glue). Medians over the calls. No peers: this times one system's phases.
 Common inputs (float32 tables, int ids: this workload) on the C++ backend take the
-compiled fast path (`embedmesh.serving.fast_path`) instead: one call into the compiled
-request checks and the runner that this script cannot split, all of it counted as the
-rest; the phases above are the general path's (another backend, e.g. `numpy`).
+compiled request rules (`embedmesh.serving.request`) instead: one call into the compiled
+checks and the runner that this script cannot split, all of it counted as the rest; the
+phases above are the general path's (another backend, e.g. `numpy`).
 
     PYTHONPATH=. python benchmarks/serving/serving_phases.py ragged sum 1 [dim] [backend]
 """
@@ -59,8 +59,8 @@ def main() -> None:
 
     lookup._prepare_host = timed("prepare", lookup._prepare_host)
     lookup._host_to_jax = timed("wrap", lookup._host_to_jax)
-    # the C++ kernels run in one call (native_backend.run_native); other backends per feature
-    native_backend.run_native = timed("kernels", native_backend.run_native)
+    # the C++ kernels: handed over as prepared, waited for at close; other backends per feature
+    native_backend.NativeRequest.close = timed("kernels", native_backend.NativeRequest.close)
     if threads == 1:
         lookup._named.__call__ = timed("kernels", lookup._named.__call__)
     else:

@@ -3,7 +3,8 @@ quantized tables for it (`quantize_tables`: int8 rows, fp16, bf16, bucket codes)
 tables of raw 64-bit ids served by id (`RawIdTable`) and kept fresh by increments
 (`RawIdUpdate`, `apply_increment`; read from training by `embedmesh.raw_id_tables` and
 `embedmesh.export_increment`),
-its host kernels, an exported, jax-free-at-load serving function, and
+its host kernels and what a user may tune of them (`embedmesh.serving.settings`), an
+exported, jax-free-at-load serving function, and
 `EmbeddingForServing` (a training checkpoint's tables, loaded on first use of the name:
 it loads orbax)."""
 

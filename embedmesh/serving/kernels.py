@@ -16,8 +16,9 @@ Each op is implemented once per backend, one module each
 - "native" (`backends/native.py`, the default where its library loads): C++
   kernels (`embedmesh/serving/cpu/serving.cc`, loaded by
   `embedmesh.serving.native.library()`); a request's kernels also run in one C++
-  call on a pool of threads (`run_native`, `NativeRequest` there: the request path,
-  `lookup.py` and `fast_path.py`, calls them directly);
+  call on a pool of threads (`run_native`, `NativeRequest` there: the general request
+  path, `lookup.py`, hands them over; the compiled request rules, `request.py`, call the
+  runner themselves);
 - "numba" (`backends/numba.py`, when the C++ kernels are unavailable and numba is
   importable; compiled at a process's first call, never imported by `import
   embedmesh`);
@@ -95,7 +96,7 @@ def set_backend(name: str) -> str:
     if name == "native" and native_backend.load() is None:
         raise RuntimeError(f"the native backend is unavailable: {native_backend.reason()}")
     previous, _backend = get_backend(), name
-    for hook in _backend_hooks:  # fast_path: a request remembered for the C++ kernels
+    for hook in _backend_hooks:  # request: a model remembered for the C++ kernels
         hook()
     return previous
 

@@ -7,14 +7,18 @@ from `inputs.feature_layout`, the rules training follows too:
     out[row] = sum_k weight_k * table[id_k]          (kept entries only)
     out[row] /= sum_k w_k  (mean)  or  sqrt(sum_k w_k^2)  (sqrtn);  0/0 = 0
 
-Concrete inputs that are all common cases (ragged, 2-D sparse or dense int32/int64
-numpy ids, finite float32 weights or none, float32 tables, no sequence features or
-output_shape) take `fast_path.lookup`: one C++ task a feature after a few Python tests,
-the outputs wrapped as jax arrays (aliasing their buffers) before the kernels fill them.
-Anything else, and any error there, takes the general host path, which raises
-TensorFlow's errors as described below.
+A request on concrete inputs whose features are all common cases (ragged, 2-D sparse or
+dense int32/int64 numpy ids, finite float32 weights or none, float32 numpy tables, or
+int8, fp16 or codes tables for ragged and sparse ids, no sequence features or
+output_shape) runs in one call of the compiled request rules
+(`embedmesh.serving.request`: `_request.serve` for a model configured as one dict of
+features under str keys asked with a dict and no weights, `_request.lookup` for any other
+structure): its features checked and handed to the C++ runner, its outputs taken,
+wrapped as jax arrays (aliasing their buffers) before the kernels fill them, and packed.
+Anything else, and any error there, takes the general host path below, which raises
+TensorFlow's errors.
 
-Concrete (numpy) inputs take the host path, for every output kind (plain
+The general host path serves every concrete request, for every output kind (plain
 lookups, combined bags, sequences): the feature becomes an `inputs.Csr`
 (`to_csr`, the form host preprocessing takes too; TensorFlow's pruning left to
 the kernel's one pass) and a host kernel (`embedmesh.serving.kernels`) runs
@@ -23,8 +27,7 @@ feature). A call checks every feature and takes its output buffer first, then
 runs the kernels back to back (2-D sparse indices are checked when the kernels run:
 `kernels.prepare_sparse_bag_combine`). The C++ kernels split
 every feature into chunks of whole bags over threads (`set_host_threads`,
-`EMBEDMESH_SERVING_THREADS`): with one thread in one call at the end
-(`native_backend.run_native`), with more each feature handed to the pool as soon as it is
+`EMBEDMESH_SERVING_THREADS`), each feature handed to the runner as soon as it is
 prepared (`native_backend.NativeRequest`); other backends spread whole features over Python
 threads. Inside `jax.jit`/`jax.export` (traced inputs)
 `_traced_lookup` builds per-entry rows from the same layout with masks at
@@ -32,15 +35,15 @@ static shapes and computes with jax.numpy; ids out of range cannot raise there
 and read as zero rows.
 
 Quantized tables (`embedmesh.serving.quantized.QuantizedTable`: int8 rows, fp16, bf16,
-bucket codes) take the general host path (the fast path is float32 only): their rows
-are decoded inside the bag kernels (a plain lookup is one bag a row) and summed in
-float32; traced, `QuantizedTable.take` decodes the gathered rows. Outputs are float32.
+bucket codes): their rows are decoded inside the bag kernels (a plain lookup is one
+bag a row) and summed in float32; traced, `QuantizedTable.take` decodes the gathered
+rows. Outputs are float32.
 
 Tables of raw ids (`TableConfig.id_map`) are given as their `RawIdTable`: before anything
 else, `raw_ids.served_request` turns their features' raw ids into positions in the
 table's `padded` rows (a binary search in its sorted ids; unknown ids: the zero row at
 `capacity`) under a served config of `vocabulary_size + 1` rows, and the request runs as
-any other (fast path included). Requests without such a table pay one dict lookup.
+any other (compiled rules included). Requests without such a table pay one dict lookup.
 """
 
 from __future__ import annotations
@@ -68,16 +71,18 @@ from embedmesh.inputs import (
     validate_structure,
 )
 from embedmesh.serving import (
-    fast_path,
     kernels,
     native,  # noqa: F401 - its loader, imported now
     pool,
     raw_ids,
+    settings,
 )
+from embedmesh.serving import request as _request
 from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.quantized import QuantizedTable
+from embedmesh.serving.settings import set_host_threads, set_numpy_outputs
 
-__all__ = ["serving_embedding_lookup", "set_host_threads"]
+__all__ = ["serving_embedding_lookup", "set_host_threads", "set_numpy_outputs"]
 
 
 # ---------------------------------------------------------------------------
@@ -172,29 +177,10 @@ class _named:
             raise sparse_index_error(self.name, self.inp, e.entry) from None
 
 
-_numpy_outputs = False  # set_numpy_outputs
-
-
-def set_numpy_outputs(on: bool) -> bool:
-    """Whether a lookup run on the host (concrete inputs and tables) returns numpy arrays
-    (float32, 64-byte aligned buffers of the output pool) instead of jax.Arrays over
-    them; returns the previous setting (default False: jax.Arrays). Process-wide. A
-    traced lookup (inside `jax.jit` / `jax.export`) returns jax values either way.
-
-    Wrapping a request's outputs as jax arrays costs ~7 us an array: ~190 us of a
-    930 us batch-64 request of 26 features (benchmarks/runs/serving-history.md, 2026-12-04).
-    A server that hands the activations to numpy code, or to a jitted model that takes
-    numpy arguments anyway, need not pay it."""
-    global _numpy_outputs
-    previous, _numpy_outputs = _numpy_outputs, bool(on)
-    fast_path.forget_served()
-    return previous
-
-
 def _host_to_jax(outs: list) -> list:
     """The host kernel's outputs as jax.Arrays (see `_host_to_jax_via`), or as they are
     under `set_numpy_outputs(True)`."""
-    if _numpy_outputs:
+    if settings.numpy_outputs:
         return list(outs)
     return _host_to_jax_via(outs)[0]
 
@@ -263,21 +249,14 @@ def _plain_cpu_target() -> tuple | None:
     return _compat.plain_cpu_put_target()
 
 
-def _release_dead_jax_references() -> None:
-    """Let jaxlib drop the numpy arrays of deleted jax.Arrays now.
-
-    jaxlib defers those decrefs to its gc callback (`collect_garbage`), so an
-    output buffer stays referenced after its jax.Array is gone until Python's
-    garbage collector next runs; `kernels`' output pool calls this before it
-    allocates a fresh buffer. A private jaxlib function: without it the pool
-    simply reuses less.
-    """
-    _JAX_COLLECT_GARBAGE()
-
-
+# jaxlib defers dropping the numpy arrays of deleted jax.Arrays to its gc callback, so an
+# output buffer stays referenced after its jax.Array is gone until Python's garbage
+# collector next runs: the output pool calls jaxlib's flush (a private function: without
+# it the pool simply reuses less) before it allocates a fresh buffer, and a request with
+# jax outputs calls it first.
 _JAX_COLLECT_GARBAGE = _compat.collect_garbage()
 if _JAX_COLLECT_GARBAGE is not None:
-    pool.set_release_hook(_release_dead_jax_references)
+    pool.set_release_hook(_JAX_COLLECT_GARBAGE)
 
 # ---------------------------------------------------------------------------
 # The traced path (inside jax.jit / jax.export)
@@ -376,7 +355,7 @@ def _warn_if_narrowed(table_name: str, table) -> None:
         f"(outputs float32; TensorFlow would return float64). Cast it once with "
         f"np.asarray(table, np.float32) to serve it without the conversion each call.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=6,  # _general, _lookup, _entered, serving_embedding_lookup
     )
 
 
@@ -417,56 +396,44 @@ def serving_embedding_lookup(
 
     May be called from many threads at once (docs/serving.md#serving-from-many-threads).
     """
-    served = fast_path.served  # this model's last dict request, numpy outputs: one call
-    if served is not None and served[0] is feature_config and weights is None and _numpy_outputs:
-        out = _serve(served[1], inputs, tables)
-        if type(out) is dict:
-            return out
-        fast_path.forget_served()  # the usual path, which remembers it again
-    _enter()  # while others are inside it too, small requests release the GIL
+    if weights is None and type(inputs) is dict and type(tables) is dict:
+        served = _request.served  # the dict model served last: one compiled call
+        if served is None or served[0] is not feature_config:
+            known_no = _request.unserved.get(id(feature_config)) is feature_config
+            served = None if known_no else _dict_served(feature_config)
+        if served is not None:
+            out = _serve(served[1], inputs, tables)  # enter and leave inside
+            if type(out) is dict:
+                return out
+            if out is not NotImplemented:  # NotImplemented: not a request of its form
+                _request.forget_served()  # False: the config changed; None: see below
+                if out is None:  # not common, or an error: the general path raises it
+                    return _entered(inputs, None, tables, feature_config, False)
+    return _entered(inputs, weights, tables, feature_config, True)
+
+
+_serve = _request.compiled.serve if _request.compiled is not None else None
+_enter, _leave = _request.enter_and_leave()
+
+
+def _dict_served(feature_config):
+    """`request.dict_served` for this request's settings: the numpy outputs as they are,
+    or wrapped as jax arrays (`_finish_dict`) after jaxlib's flush of deleted arrays."""
+    if _serve is None:
+        return None
+    threads = settings.host_threads or _runtime.serving_threads()
+    if settings.numpy_outputs:
+        return _request.dict_served(feature_config, threads, None, None)
+    return _request.dict_served(feature_config, threads, _finish_dict, _JAX_COLLECT_GARBAGE)
+
+
+def _entered(inputs, weights, tables, feature_config, compiled: bool):
+    """`_lookup` counted as a thread inside a lookup (the compiled GIL policy's count)."""
+    _enter()
     try:
-        if weights is None and type(inputs) is dict and type(tables) is dict:
-            # the common request of a model configured as one dict of features
-            out = _dict_request(inputs, tables, feature_config)
-            if out is not NotImplemented:
-                return (
-                    out if out is not None else _lookup(inputs, None, tables, feature_config, False)
-                )
-        return _lookup(inputs, weights, tables, feature_config)
+        return _lookup(inputs, weights, tables, feature_config, compiled)
     finally:
         _leave()
-
-
-_enter, _leave = fast_path.in_flight_hooks()
-_serve = fast_path.serve
-
-
-def _dict_request(inputs: dict, tables: dict, feature_config):
-    """The request in one compiled call where the config is one dict of features under
-    str keys and `inputs` a dict of some of them (`fast_path.lookup_dict`): no Python
-    resolves the config, flattens the inputs or packs the outputs (with numpy outputs,
-    none makes them either). NotImplemented: not such a request (the usual path); None:
-    not a common one, or the kernels reported an error (the general path, which raises
-    it)."""
-    plan = fast_path.dict_plan(feature_config, resolve_feature_config, _has_raw_id_tables)
-    if plan is None:
-        return NotImplemented
-    if _JAX_COLLECT_GARBAGE is not None and not _numpy_outputs:
-        _JAX_COLLECT_GARBAGE()  # free the buffers of dropped results before reusing them
-    threads = _host_threads or _runtime.serving_threads()
-    if _numpy_outputs:
-        out = fast_path.lookup_dict(plan, inputs, tables, threads, None)
-        if type(out) is dict:
-            fast_path.remember_served(plan, threads)
-        return out
-    resolved = plan[4]
-    return fast_path.lookup_dict(
-        plan,
-        inputs,
-        tables,
-        threads,
-        lambda outs, before_run: _finish_common(resolved, inputs, outs, before_run),
-    )
 
 
 # resolved configs (by id, kept alive here): whether some table is a table of raw ids
@@ -486,11 +453,9 @@ def _has_raw_id_tables(resolved) -> bool:
     return raw
 
 
-def _lookup(
-    inputs: Any, weights: Any | None, tables: dict, feature_config: Any, fast: bool = True
-) -> Any:
-    """`serving_embedding_lookup`'s work (`fast`: try the fast path first; False where
-    its compiled form has just said no to this request)."""
+def _lookup(inputs: Any, weights: Any | None, tables: dict, feature_config: Any, compiled: bool):
+    """`serving_embedding_lookup`'s work: the compiled request rules (`compiled`: False
+    where they have just said no to this request), else the general path."""
     resolved = resolve_feature_config(feature_config)
     flat_inputs = flatten_inputs_like(resolved, inputs, "features")
     if weights is None:
@@ -502,21 +467,29 @@ def _lookup(
                 raise ValueError(f"weights given for {name}, which has no input")
     if _has_raw_id_tables(resolved):  # raw ids -> positions in their RawIdTable's rows
         resolved, flat_inputs, tables = raw_ids.served_request(resolved, flat_inputs, tables)
-    threads = _host_threads or _runtime.serving_threads()
+    threads = settings.host_threads or _runtime.serving_threads()
     if _JAX_COLLECT_GARBAGE is not None:
         _JAX_COLLECT_GARBAGE()  # free the buffers of dropped results before reusing them
-    common = None
-    if fast:
-        common = fast_path.lookup(
-            resolved.features,
+    plans = _request.plans_of(resolved.features) if compiled and type(tables) is dict else None
+    if plans is not None:
+        out = _request.compiled.lookup(
+            plans,
             flat_inputs,
             flat_weights,
             tables,
-            threads,
+            _request.TYPES,
+            pool.output_float32_at,
             lambda outs, before_run: _finish_common(resolved, inputs, outs, before_run),
+            threads,
         )
-    if common is not None:  # every feature a common case, and no error
-        return common
+        if out is not None:  # every feature a common case, and no error
+            return out
+    return _general(resolved, inputs, flat_inputs, flat_weights, tables, threads)
+
+
+def _general(resolved, inputs, flat_inputs: list, flat_weights: list, tables, threads: int):
+    """The general path: every feature checked (TensorFlow's errors) and its output
+    buffer taken, traced features computed in jax.numpy, then the host kernels."""
     outputs = []
     host = []  # (position, name, feature, input, weight, table) of host lookups
     for name, feature, inp, w in zip(
@@ -542,15 +515,11 @@ def _lookup(
     # every input checked and every output buffer taken first, then the kernels
     # back to back: 6-9% faster than one feature after the other (see
     # backends.numba._KernelCall)
-    if threads > 1 and host and kernels.native_in_use():
+    if host and kernels.native_in_use():
         results = _run_handed_over(host, threads)
     else:
         runs = [_prepare_host(*task[1:]) for task in host]
-        if runs and all(native_backend.is_native_call(r.run) for r in runs):
-            # one C++ call (chunks of bags: see native_backend.run_native)
-            codes = native_backend.run_native([r.run for r in runs], threads)
-            results = _finish_all(runs, codes)
-        elif threads > 1 and len(runs) > 1:
+        if threads > 1 and len(runs) > 1:
             results = _run_on_threads(runs, min(threads, len(runs)))
         else:
             results = [run() for run in runs]
@@ -561,9 +530,10 @@ def _lookup(
 
 def _run_handed_over(host: list, threads: int) -> list:
     """The host lookups with the C++ kernels on `threads` threads, each feature's kernel
-    handed to the pool as soon as it is prepared (`native_backend.NativeRequest`): the pool
-    sums the first features while this thread checks and prepares the next. Features
-    after one that is not a C++ kernel run here afterwards, in order."""
+    handed to the runner as soon as it is prepared (`native_backend.NativeRequest`): on
+    several threads the pool sums the first features while this thread checks and
+    prepares the next. Features after one that is not a C++ kernel run here afterwards,
+    in order."""
     request = native_backend.NativeRequest(len(host), threads)
     runs = []
     try:
@@ -577,7 +547,7 @@ def _run_handed_over(host: list, threads: int) -> list:
     handed = len(codes)
     done = _finish_all(runs[:handed], codes)
     rest = runs[handed:]
-    if len(rest) > 1:
+    if len(rest) > 1 and threads > 1:
         return done + _run_on_threads(rest, min(threads, len(rest)))
     return done + [run() for run in rest]
 
@@ -596,31 +566,7 @@ def _raise_table_shape(name: str, shape, table) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Threads
-
-
-_host_threads: int | None = None  # set_host_threads; None: _runtime.serving_threads()
-
-
-def _default_threads() -> int:
-    """Threads when `set_host_threads` has not set them: EMBEDMESH_SERVING_THREADS
-    (read once), else one per usable core up to 8 (`_runtime.serving_threads`)."""
-    return _runtime.serving_threads()
-
-
-def set_host_threads(n: int) -> int:
-    """Threads a host lookup runs on, the caller's included (1: the caller's thread
-    only; the default is one per core, up to 8); returns the previous value. The C++
-    kernels split each feature into chunks of whole bags over them (other backends:
-    whole features). A server running many lookups at once may prefer 1 (or
-    EMBEDMESH_SERVING_THREADS=1); lookups that find the C++ pool busy run on their
-    caller's thread alone."""
-    global _host_threads
-    if int(n) < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
-    previous, _host_threads = _host_threads or _default_threads(), int(n)
-    fast_path.forget_served()
-    return previous
+# Threads and results
 
 
 def _run_on_threads(runs: list, threads: int) -> list:
@@ -658,10 +604,10 @@ def _run_on_threads(runs: list, threads: int) -> list:
 
 
 def _finish_common(resolved, inputs, outs: list, before_run: bool):
-    """The fast path's result from its output buffers (None where a feature has no
-    input): jax arrays in the structure of `inputs`. `before_run`: made before the
+    """The compiled request's result from its output buffers (None where a feature has
+    no input): jax arrays in the structure of `inputs`. `before_run`: made before the
     kernels fill the buffers, so only where every array aliases its buffer (else None:
-    the fast path calls again once they ran).
+    the compiled side calls again once they ran).
 
     Why before: after the kernels have streamed megabytes of rows through the caches,
     wrapping and packing take ~100 us of cold-cache Python (11 us an array, against
@@ -670,7 +616,7 @@ def _finish_common(resolved, inputs, outs: list, before_run: bool):
     batch 4096 on one thread, 2.0-5.1% on two, 7-14% at batch 64.
     """
     done = [x for x in outs if x is not None]
-    if _numpy_outputs:  # the buffers themselves (set_numpy_outputs)
+    if settings.numpy_outputs:  # the buffers themselves (set_numpy_outputs)
         arrays = done
     else:
         arrays, batched = _host_to_jax_via(done)
@@ -678,6 +624,16 @@ def _finish_common(resolved, inputs, outs: list, before_run: bool):
             return None
     it = iter(arrays)
     return _pack_like_inputs(resolved, inputs, [None if x is None else next(it) for x in outs])
+
+
+def _finish_dict(outs: dict, before_run: bool) -> dict | None:
+    """`_finish_common` for a dict request (`_request.serve`): its numpy outputs, a dict
+    in the inputs' key order, as jax arrays under the same keys."""
+    buffers = list(outs.values())
+    arrays, batched = _host_to_jax_via(buffers)
+    if before_run and not _aliases(arrays, buffers, batched):
+        return None
+    return dict(zip(outs, arrays))
 
 
 def _aliases(arrays: list, buffers: list, batched: bool) -> bool:
@@ -693,7 +649,7 @@ def _aliases(arrays: list, buffers: list, batched: bool) -> bool:
     for a, b in zip(arrays, buffers):
         if b.size:
             try:
-                ok = a.unsafe_buffer_pointer() == pool.address(b)
+                ok = a.unsafe_buffer_pointer() == b.__array_interface__["data"][0]
             except Exception:  # pragma: no cover - an array type without a buffer pointer
                 return False
             if batched and ok:

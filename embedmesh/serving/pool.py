@@ -3,9 +3,10 @@ references them.
 
 Outputs are 64-byte aligned so `jax.device_put(out, may_alias=True)` can wrap
 them without a copy, and come from a pool of buffers reused once nothing
-references them (`set_output_pool_limit`, `EMBEDMESH_OUTPUT_POOL_MB`: the free
-bytes kept). Every backend (`embedmesh.serving.backends`) takes its outputs
-here, and so does the request path (`lookup.py`, `fast_path.py`).
+references them (`embedmesh.serving.settings.set_output_pool_limit`,
+`EMBEDMESH_OUTPUT_POOL_MB`: the free bytes kept). Every backend
+(`embedmesh.serving.backends`) takes its outputs here, and so does the request path
+(`lookup.py`, the compiled `request.py`).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def set_output_pool_limit(nbytes: int) -> int:
 
 
 # fn(limit) for each cache of output buffers kept outside the pool: called with the new
-# limit (the compiled request path's small buffers: `fast_path._bind`)
+# limit (the compiled request path's small buffers: `request._bind`)
 _limit_hooks: list = []
 
 

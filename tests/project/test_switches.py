@@ -183,22 +183,14 @@ class Request(native_backend.NativeRequest):
         used.append(threads)
         super().__init__(n, threads)
 native_backend.NativeRequest = Request
-from embedmesh.serving import fast_path
-compiled = fast_path._compiled  # the compiled request path gets the threads as its last argument
+from embedmesh.serving import lookup as serving_lookup
+from embedmesh.serving import request
+compiled = request.compiled  # the compiled request rules get the threads as their last argument
 if compiled is not None:
-    class Compiled:
-        bind = staticmethod(compiled.bind)
-        @staticmethod
-        def lookup(*a):
-            used.append(a[-1])
-            return compiled.lookup(*a)
-    fast_path._compiled = Compiled
-dict_lookup = fast_path._dict_lookup  # a dict request of a dict model: its one call
-if dict_lookup is not None:
-    def spied_dict(*a):
-        used.append(a[-1])
-        return dict_lookup(*a)
-    fast_path._dict_lookup = spied_dict
+    real_lookup = compiled.lookup
+    compiled.lookup = lambda *a: used.append(a[-1]) or real_lookup(*a)
+    real_serve = serving_lookup._serve  # a dict request of a dict model: its one call
+    serving_lookup._serve = lambda served, *a: used.append(served[7]) or real_serve(served, *a)
 t = em.TableConfig(40, 8, name="t")
 fc = {f"f{i}": em.FeatureConfig(t) for i in range(6)}
 rng = np.random.default_rng(0)
@@ -295,7 +287,7 @@ print(json.dumps({"limit": pool._pool.limit, "in_use": in_use,
 @pytest.mark.parametrize("mb", [0, 1, 4])
 def test_output_pool_mb(mb):
     """The serving output pool keeps at most the given MB of free buffers for reuse. A
-    request's outputs are views of one buffer (`fast_path.one_buffer`): its two 600 KiB
+    request's outputs are views of one buffer (the compiled request rules'): its two 600 KiB
     outputs one 1.2 MB buffer, which a 1 MB pool does not keep and a 4 MB pool does."""
     seen = run_json(OUTPUT_POOL, {"EMBEDMESH_OUTPUT_POOL_MB": str(mb)})
     one = 1200 * 2 * 64 * 4  # an output's bytes

@@ -613,18 +613,19 @@ def test_thread_runner_runs_everything_and_raises_the_first_error_in_order():
 
 def test_default_thread_count(monkeypatch):
     from embedmesh import _runtime
-    from embedmesh.serving import lookup as serving
+    from embedmesh.serving import settings as serving
 
+    monkeypatch.setattr(serving, "host_threads", None)  # set_host_threads not called
     try:  # switches are read once: reset() makes them read the environment again
         monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "3")
         _runtime.reset()
-        assert serving._default_threads() == 3
+        assert serving.threads() == 3
         monkeypatch.setenv("EMBEDMESH_SERVING_THREADS", "0")
         _runtime.reset()
-        assert serving._default_threads() == 1
+        assert serving.threads() == 1
         monkeypatch.delenv("EMBEDMESH_SERVING_THREADS")
         _runtime.reset()
-        assert 1 <= serving._default_threads() <= min(8, os.cpu_count() or 1)
+        assert 1 <= serving.threads() <= min(8, os.cpu_count() or 1)
     finally:
         monkeypatch.undo()
         _runtime.reset()

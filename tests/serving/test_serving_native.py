@@ -15,7 +15,7 @@ from bag_reference import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh.serving import fast_path, kernels, native, pool
+from embedmesh.serving import kernels, lookup, native, pool, request
 from embedmesh.serving.backends import native as native_backend
 
 pytestmark = pytest.mark.skipif(
@@ -309,12 +309,13 @@ def test_lookup_sparse_checking_kernels_equal_offsets_path(case, dim, monkeypatc
         kernels, "prepare_sparse_bag_combine", lambda *a, **k: used.append(1) or real(*a, **k)
     )
     results = []
-    # the fast path (inputs without weights), the general path with the checking kernels,
+    # the compiled rules, the general path with the checking kernels,
     # the general path with Python's offsets
     for path in ("fast", "checking kernels", "python offsets"):
         if path == "checking kernels":
-            monkeypatch.setattr(fast_path, "lookup", lambda *a, **k: None)
-            monkeypatch.setattr(fast_path, "lookup_dict", lambda *a, **k: None)
+            monkeypatch.setattr(lookup, "_serve", None)  # no compiled rules: the general path
+            monkeypatch.setattr(request, "served", None)
+            monkeypatch.setattr(request, "compiled", None)
         if path == "python offsets":
             monkeypatch.setattr(kernels, "prepare_sparse_bag_combine", lambda *a, **k: None)
         try:

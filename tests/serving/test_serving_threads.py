@@ -118,111 +118,29 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(
-    params=[
-        "alone",
-        "release",
-        "hold",
-        "nohandoff",
-        "nowindow",
-        "unfair",
-        "slots",
-        "buffers",
-        "pool",
-        "numpy",
-        "noplan",
-        "spin",
-    ]
-)
+@pytest.fixture(params=["alone", "release", "hold", "pool", "numpy"])
 def pool(request):
     """release: every request releases the GIL while its kernels run (by default small
-    ones keep it while no other thread is in a lookup or entered one lately); hold: every
-    request keeps it, other threads in a lookup or not; nohandoff: a thread asks for the
-    GIL back as soon as its kernels end (by default it waits while another serving thread
-    holds it); nowindow: only threads inside a lookup now make a request shared;
-    unfair: threads whose kernels end ask CPython for the GIL at once (by default they
-    take it back in the order their kernels ended, `fair_gil`); slots: every request
-    releases the GIL and two threads at a time run their kernels, the others asleep in
-    line (tickets pass out of order), the GIL taken back in order without the
-    hand-over's wait (`kernel_slots(2)`, `gil_handoff_us(0)`); buffers: each output its
-    own buffer from the pool (by default a request's outputs are views of one); pool:
-    every request asks the C++ pool for 4 threads (one entry a thread is enough), so
-    requests find it busy or take it while others run; numpy: outputs are the output
-    pool's buffers themselves (`set_numpy_outputs`); noplan: each request reads its
-    features' plans from their tuples (`plan_cache(False)`: by default those of the
-    plans served last are kept read); spin: every request releases the GIL and the
-    threads in line for it spin before sleeping (`turn_spin_us`, `first_pause`)."""
+    ones keep it while no other thread is in a lookup or entered one lately); hold: a
+    request keeps it unless others are serving, whatever its size; pool: every request
+    asks the C++ pool for 4 threads (one entry a thread is enough), so requests find it
+    busy or take it while others run; numpy: outputs are the output pool's buffers
+    themselves (`set_numpy_outputs`)."""
+    from embedmesh.serving import settings as serving_settings
+
     if request.param == "alone":
         yield
         return
     if request.param == "numpy":
-        from embedmesh.serving.lookup import set_numpy_outputs
-
-        previous = set_numpy_outputs(True)
+        previous = serving_settings.set_numpy_outputs(True)
         yield
-        set_numpy_outputs(previous)
+        serving_settings.set_numpy_outputs(previous)
         return
-    if request.param == "release":
-        from embedmesh.serving import fast_path
-
-        previous = fast_path.hold_gil_below(0)
+    if request.param in ("release", "hold"):
+        previous = serving_settings.set_hold_gil_below(0 if request.param == "release" else 2**62)
         yield
         if previous is not None:
-            fast_path.hold_gil_below(previous)
-        return
-    if request.param in ("nohandoff", "nowindow", "unfair"):
-        from embedmesh.serving import fast_path
-
-        setter = {
-            "nohandoff": fast_path.gil_handoff_us,
-            "nowindow": fast_path.shared_window_us,
-            "unfair": fast_path.fair_gil,
-        }[request.param]
-        previous = setter(0)
-        yield
-        if previous is not None:
-            setter(previous)
-        return
-    if request.param in ("slots", "noplan", "spin"):
-        from embedmesh.serving import fast_path
-
-        settings_ = {
-            "slots": [
-                (fast_path.kernel_slots, 2),
-                (fast_path.hold_gil_below, 0),
-                (fast_path.gil_handoff_us, 0),
-                (fast_path.fair_gil, True),
-            ],
-            "noplan": [(fast_path.plan_cache, False)],
-            "spin": [
-                (fast_path.hold_gil_below, 0),
-                (fast_path.turn_spin_us, 20),
-                (fast_path.first_pause, True),
-            ],
-        }[request.param]
-        previous = [set_(value) for set_, value in settings_]
-        yield
-        for (set_, _), old in zip(settings_, previous):
-            if old is not None:
-                set_(old)
-        return
-    if request.param == "buffers":
-        from embedmesh.serving import fast_path
-
-        previous = fast_path.one_buffer(False)
-        yield
-        if previous is not None:
-            fast_path.one_buffer(previous)
-        return
-    if request.param == "hold":
-        from embedmesh.serving import fast_path
-
-        previous = fast_path.hold_gil_below(2**62)
-        shared = fast_path.release_when_shared(False)
-        yield
-        if previous is not None:
-            fast_path.hold_gil_below(previous)
-            fast_path.release_when_shared(shared)
+            serving_settings.set_hold_gil_below(previous)
         return
     from embedmesh.serving import native, set_host_threads
 
@@ -252,64 +170,57 @@ def test_lookup_from_threads(pool, tables, shapes):
 def test_in_flight_count_returns_to_zero():
     """The GIL policy's count of threads inside a lookup: back to 0 after threads, after
     a request that raised, and after a traced one."""
-    from embedmesh.serving import fast_path
+    from embedmesh.serving import request as serving_request
 
     requests = [_request(s, b, 6) for s, b in enumerate((1, 8, 64))]
     expected = [em.serving_embedding_lookup(r, None, TABLES, FEATURES) for r in requests]
     _concurrently(
         lambda r: em.serving_embedding_lookup(r, None, TABLES, FEATURES), requests, expected
     )
-    assert fast_path.in_flight() == 0
+    assert serving_request.in_flight() == 0
     bad = {"fa": em.RaggedTensor(np.array([A.vocabulary_size]), np.array([0, 1]))}
     with pytest.raises(ValueError):
         em.serving_embedding_lookup(bad, None, TABLES, FEATURES)
-    assert fast_path.in_flight() == 0
+    assert serving_request.in_flight() == 0
     traced = jax.jit(lambda ids: em.serving_embedding_lookup({"fa": ids}, None, TABLES, FEATURES))
     traced(np.zeros((2, 3), np.int32))
-    assert fast_path.in_flight() == 0
+    assert serving_request.in_flight() == 0
 
 
 def test_gil_stats_count_requests():
     """The compiled path's counters: every fast request counted, and with every request
     releasing the GIL (hold_gil_below(0)) each one counted as released, its kernels'
     time without the GIL not negative; the thread then holds the GIL again."""
-    from embedmesh.serving import fast_path
+    from embedmesh.serving import request as serving_request
+    from embedmesh.serving import settings as serving_settings
 
-    if not fast_path.compiled_available():
+    if serving_request.compiled is None:
         pytest.skip("the compiled request path was not built")
     requests = [_request(s, b, 6) for s, b in enumerate((1, 8, 64))]
-    previous = fast_path.hold_gil_below(0)
+    previous = serving_settings.set_hold_gil_below(0)
     try:
-        before = fast_path.gil_stats()
+        before = serving_settings.gil_stats()
         for r in requests:
             em.serving_embedding_lookup(r, None, TABLES, FEATURES)
-        after = fast_path.gil_stats()
+        after = serving_settings.gil_stats()
     finally:
-        fast_path.hold_gil_below(previous)
+        serving_settings.set_hold_gil_below(previous)
     assert after[0] - before[0] == len(requests)
     assert after[1] - before[1] == len(requests)
     assert after[2] >= before[2]
-    assert fast_path.in_flight() == 0
+    assert serving_request.in_flight() == 0
 
 
-def test_gil_settings_return_previous_values():
-    from embedmesh.serving import fast_path
+def test_gil_setting_returns_previous_values():
+    from embedmesh.serving import request as serving_request
+    from embedmesh.serving import settings as serving_settings
 
-    if not fast_path.compiled_available():
-        pytest.skip("the compiled request path was not built")
-    for setter, value in (
-        (fast_path.gil_handoff_us, 7),
-        (fast_path.shared_window_us, 9),
-        (fast_path.hold_gil_below, 11),
-        (fast_path.kernel_slots, 3),
-        (fast_path.gil_between_us, 5),
-    ):
-        previous = setter(value)
-        assert setter(-1) == value  # negatives are 0
-        assert setter(previous) == 0
-    previous = fast_path.fair_gil(False)
-    assert fast_path.fair_gil(True) is False
-    assert fast_path.fair_gil(previous) is True
+    if serving_request.compiled is None:
+        assert serving_settings.set_hold_gil_below(5) is None
+        return
+    previous = serving_settings.set_hold_gil_below(11)
+    assert serving_settings.set_hold_gil_below(-1) == 11  # negatives are 0
+    assert serving_settings.set_hold_gil_below(previous) == 0
 
 
 @pytest.mark.parametrize("tables", [TABLES, TABLES_INT8], ids=["float32", "int8"])
@@ -421,7 +332,7 @@ def test_two_models_alternating_from_threads(numpy_outputs, shapes):
     plans it read last (`plan_cache`), so requests switch them back and forth while other
     threads' requests of the other model are in their kernels; every answer must equal
     one thread's, and the float64 reference of the sum/mean."""
-    from embedmesh.serving import fast_path
+    from embedmesh.serving import settings as serving_settings
     from embedmesh.serving.lookup import set_numpy_outputs
 
     models = [(FEATURES, TABLES, _request), (OTHER_FEATURES, OTHER_TABLES, _other_request)]
@@ -431,7 +342,7 @@ def test_two_models_alternating_from_threads(numpy_outputs, shapes):
         features, tables, _ = models[r[0]]
         return em.serving_embedding_lookup(r[1], None, tables, features)
 
-    previous = fast_path.hold_gil_below(0)
+    previous = serving_settings.set_hold_gil_below(0)
     numpy_before = set_numpy_outputs(numpy_outputs)
     try:
         expected = [call(r) for r in requests]
@@ -444,74 +355,25 @@ def test_two_models_alternating_from_threads(numpy_outputs, shapes):
     finally:
         set_numpy_outputs(numpy_before)
         if previous is not None:
-            fast_path.hold_gil_below(previous)
+            serving_settings.set_hold_gil_below(previous)
 
 
-def test_plan_cache_and_spin_settings_return_previous_values():
-    from embedmesh.serving import fast_path
-
-    if not fast_path.compiled_available():
-        pytest.skip("the compiled request path was not built")
-    previous = fast_path.turn_spin_us(7)
-    assert fast_path.turn_spin_us(-1) == 7
-    assert fast_path.turn_spin_us(previous) == 0
-    for setter in (fast_path.plan_cache, fast_path.first_pause, fast_path.handover_timing):
-        previous = setter(False)
-        assert setter(True) is False
-        assert setter(previous) is True
-
-
-def test_handover_stats_count_shared_requests():
-    """With the hand-over timed, two threads' requests that release the GIL while both
-    serve are counted, with their wait for the GIL not negative; one-call dict requests
-    (numpy outputs) counted with the time they held the GIL."""
-    from embedmesh.serving import fast_path
-    from embedmesh.serving.lookup import set_numpy_outputs
-
-    if not fast_path.compiled_available():
-        pytest.skip("the compiled request path was not built")
-    requests = [_request(s, b, 6) for s, b in enumerate((1, 8, 2, 1))]
-    numpy_before = set_numpy_outputs(True)
-    timing_before = fast_path.handover_timing(True)
-    try:
-        expected = [em.serving_embedding_lookup(r, None, TABLES, FEATURES) for r in requests]
-        before = fast_path.handover_stats()
-        _concurrently(
-            lambda r: em.serving_embedding_lookup(r, None, TABLES, FEATURES), requests, expected
-        )
-        after = fast_path.handover_stats()
-    finally:
-        fast_path.handover_timing(timing_before)
-        set_numpy_outputs(numpy_before)
-    calls, held, shared, back, sleeps = (a - b for a, b in zip(after[:5], before[:5]))
-    assert calls > 0 and held > 0
-    assert shared > 0 and back >= 0 and 0 <= sleeps <= shared
-
-
-@pytest.mark.parametrize("policy", ["fair", "slots", "nohandoff", "spin"])
-def test_many_threads_hammering_one_model_finish_and_agree(policy):
-    """The fair hand-over's tickets (`fast_path.fair_gil`, on by default) under load:
-    16 threads send small requests back to back to one model (float32 and int8 tables),
-    every request releasing the GIL for its kernels (`hold_gil_below(0)`), so each one
-    takes a ticket to get it back while 15 others are in line; slots: one kernel slot
-    too (`kernel_slots(1)`: a second ticket line); nohandoff: the first in line asks for
-    the GIL at once. Every thread must finish and every answer equal one thread's.
+def test_many_threads_hammering_one_model_finish_and_agree():
+    """The GIL policy's tickets under load: 16 threads send small requests back to back
+    to one model (float32 and int8 tables), every request releasing the GIL for its
+    kernels (`set_hold_gil_below(0)`), so each one takes a ticket to get it back while 15
+    others are in line. Every thread must finish and every answer equal one thread's.
     No timing: a watchdog fails the test instead of hanging. A thread still running
     after WATCHDOG_S fails it; a thread hung holding the GIL (the main thread could not
     even look) makes faulthandler print every stack and end the process."""
     import faulthandler
 
-    from embedmesh.serving import fast_path
+    from embedmesh.serving import request as serving_request
+    from embedmesh.serving import settings as serving_settings
 
-    if not fast_path.compiled_available():
+    if serving_request.compiled is None:
         pytest.skip("the compiled request path was not built")
-    settings_ = [(fast_path.hold_gil_below, 0), (fast_path.fair_gil, True)]
-    settings_ += {
-        "fair": [],
-        "slots": [(fast_path.kernel_slots, 1)],
-        "nohandoff": [(fast_path.gil_handoff_us, 0), (fast_path.gil_between_us, 0)],
-        "spin": [(fast_path.turn_spin_us, 20), (fast_path.first_pause, True)],
-    }[policy]
+    settings_ = [(serving_settings.set_hold_gil_below, 0)]
     models = [TABLES, TABLES_INT8]
     requests = [_request(seed, batch, 5) for seed, batch in enumerate((1, 1, 2, 8, 1, 3))]
     # int8 tables: no dense feature (a gather of int8 rows is the general path's)
@@ -523,7 +385,7 @@ def test_many_threads_hammering_one_model_finish_and_agree(policy):
             [em.serving_embedding_lookup(r, None, t, FEATURES) for r in rs]
             for t, rs in zip(models, by_model)
         ]
-        before = fast_path.gil_stats()
+        before = serving_settings.gil_stats()
         errors: list = []
         done = [0] * HAMMER_THREADS
 
@@ -549,7 +411,7 @@ def test_many_threads_hammering_one_model_finish_and_agree(policy):
         assert not stuck, f"threads {stuck} never finished (requests done: {done})"
         if errors:
             raise errors[0]
-        after = fast_path.gil_stats()
+        after = serving_settings.gil_stats()
     finally:
         faulthandler.cancel_dump_traceback_later()
         for (set_, _), old in zip(settings_, previous):
@@ -560,4 +422,4 @@ def test_many_threads_hammering_one_model_finish_and_agree(policy):
     hammered = HAMMER_THREADS * HAMMER_REQUESTS
     assert after[0] - before[0] >= hammered
     assert after[1] - before[1] >= hammered
-    assert fast_path.in_flight() == 0
+    assert serving_request.in_flight() == 0

@@ -1,15 +1,19 @@
-// embedmesh.serving._request: a serving request's common features checked and turned
-// into C++ kernel tasks in one call (the Python form: embedmesh/serving/fast_path.py).
+// embedmesh.serving._request: the serving request's rules, compiled. A request's common
+// features (ragged, 2-D sparse or dense int32/int64 numpy ids, finite float32 weights or
+// none, float32 or quantized numpy tables, no sequence or output_shape) are checked and
+// turned into C++ kernel tasks in one call; this file is the one statement of which
+// features are common and how each becomes a task (tests/support/request_rules.py
+// restates them in Python as the tests' oracle, never run by the package).
 //
-// Why compiled: that Python spends ~5 us a feature warm and 15-20 cold (the kernels of
-// the request before have just streamed megabytes through the caches), on type, dtype
-// and layout tests and on ~4 array addresses; on 2 threads only one thread sums while
-// the caller does it. Here each feature takes ~1 us: its arrays are read through the
-// buffer protocol (stable ABI, Python 3.11+), and its task goes to the serving
-// library's runner (EmServingOpen / Add / Close, bound once through `bind`) as soon as
-// its output buffer is taken. Whatever is not a common case (fast_path.py's rules, the
-// same tests) returns None before any buffer is taken, and so does any error the
-// kernels report: the caller then runs the general path, which raises it.
+// Why compiled: in Python those tests spent ~5 us a feature warm and 15-20 cold (the
+// kernels of the request before have just streamed megabytes through the caches), on
+// type, dtype and layout tests and on ~4 array addresses; on 2 threads only one thread
+// sums while the caller does it. Here each feature takes ~1 us: its arrays are read
+// through numpy's fields (or the buffer protocol; stable ABI, Python 3.11+), and its
+// task goes to the serving library's runner (EmServingOpen / Add / Close, bound once
+// through `bind`). Whatever is not a common case returns None before any buffer is
+// taken, and so does any error the kernels report: the caller then runs the general path
+// (embedmesh/serving/lookup.py), which raises it.
 
 #define PY_SSIZE_T_CLEAN
 #ifndef Py_LIMITED_API
@@ -34,6 +38,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <new>
 #include <thread>
@@ -52,124 +57,65 @@ OpenFn g_open = nullptr;
 AddFn g_add = nullptr;
 CloseFn g_close = nullptr;
 ThreadsFn g_threads_for = nullptr;
-// The GIL policy. A request whose kernels sum or copy fewer entries (ids) than
-// g_hold_gil_below keeps the GIL while they run, unless another thread is inside a host
-// lookup too (g_in_flight > 1): then it releases it, as every larger request does.
+// The GIL policy (docs/serving.md, "Serving from many threads"; measured with
+// benchmarks/serving/serving_online.py, benchmarks/serving/RESULTS.md). Its one setting
+// is g_hold_gil_below (set_hold_gil_below): a request whose kernels sum or copy fewer
+// entries (ids) keeps the GIL while they run, unless requests are shared (shared_now:
+// another thread is inside a host lookup, or entered one lately); then it releases it,
+// as every larger request does.
 // - Alone, releasing costs a small request nothing, but beside a busy Python thread
 //   (one that is not serving) taking the GIL back waits up to Python's switch interval
-//   (5 ms), far longer than the kernels (32k entries: ~1 ms on one core, within what
-//   Python lets one thread hold it before it asks for it back).
+//   (5 ms), far longer than the kernels (32k entries: ~1 ms on one core).
 // - With other threads serving, the one that holds the GIL through its kernels makes
 //   them wait for it until the switch interval forces it out: the requests run one
 //   after the other, and the waits show as a p99 of ~5 ms. Released, the next thread
 //   takes it as soon as the kernels start, and its Python runs beside them.
-// Measured with benchmarks/serving/serving_online.py (benchmarks/serving/RESULTS.md).
 int64_t g_hold_gil_below = 32768;
 // Threads inside a host lookup (enter / leave around serving_embedding_lookup); changed
 // and read only with the GIL held, so a plain integer.
 int64_t g_in_flight = 0;
 // The hand-over. A thread whose kernels end while another serving thread holds the GIL
 // inside a lookup would block in CPython's take_gil on a condition variable, and be woken
-// (a futex wake: 10-50 us on this VM, the GIL idle meanwhile) only when that thread gives
-// it up: with 2 clients at batch 1 that wake cost more than the kernels it let overlap
-// (2 clients served 0.55x one client's requests). CPython's GIL is not fair either: a
-// thread that gives it up for a few us of kernels takes it back before a sleeping waiter
-// has woken. So after its kernels a thread waits here, without the GIL, yielding its core
-// (at most g_handoff_us), while g_gil_busy says another serving thread holds the GIL in
-// a lookup, then claims it (g_gil_busy 0 -> 1) and takes the GIL, which that thread has
-// just dropped: no sleep, and the threads take turns. g_gil_busy is set by a thread that
-// holds the GIL inside a lookup (enter, the GIL taken back after its kernels) and cleared
-// once it has dropped the GIL for its kernels; 2 once it leaves the lookup (its own
-// Python may then block and release the GIL in ways not seen here: a waiter here takes
-// 2 as 0, the fair hand-over's first in line as g_between_us says).
+// (a futex wake: 10-50 us on a VM, the GIL idle meanwhile) only when that thread gives it
+// up: with 2 clients at batch 1 that wake cost more than the kernels it let overlap.
+// CPython's GIL is not fair either: a thread that gives it up for a few us of kernels
+// takes it back before a sleeping waiter has woken. So after its kernels a shared
+// request waits its turn (Turns below), then, first in line, waits without the GIL,
+// yielding its core (at most kHandoffUs), while g_gil_busy says another serving thread
+// holds the GIL in a lookup, claims it (g_gil_busy -> 1) and takes the GIL, which that
+// thread has just dropped: no sleep, and the threads take turns. g_gil_busy is set by a
+// thread that holds the GIL inside a lookup (enter, the GIL taken back after its
+// kernels) and cleared once it has dropped the GIL for its kernels; 2 once it leaves the
+// lookup (its own Python may then block and release the GIL in ways not seen here).
 std::atomic<int> g_gil_busy{0};
-std::atomic<int64_t> g_in_kernels{0};  // threads between dropping the GIL and taking it back
-int64_t g_handoff_us = 1000;
+constexpr int64_t kHandoffUs = 1000;
 
-// Threads waiting here at once: at most one fewer than the cores, so that waiting never
-// takes a core from the thread that holds the GIL (4 clients on 2 cores, all waiting
-// here: the holder lost its core for whole time slices, p99 up to 75x the p50); the
-// others ask for the GIL at once, as without the hand-over.
-std::atomic<int64_t> g_waiters{0};
-const int64_t g_max_waiters = [] {
-  const int64_t cores = static_cast<int64_t>(std::thread::hardware_concurrency());
-  return cores > 1 ? cores - 1 : 1;
-}();
-
-void wait_for_gil(int64_t us) {
-  if (g_waiters.fetch_add(1) >= g_max_waiters) {
-    g_waiters.fetch_sub(1);
-    return;
-  }
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
-  for (;;) {
-    int free = g_gil_busy.load(std::memory_order_relaxed);
-    if (free != 1 && g_gil_busy.compare_exchange_strong(free, 1))
-      break;  // claimed: the GIL was dropped by its last serving holder
-    if (std::chrono::steady_clock::now() >= until) break;
-    std::this_thread::yield();
-  }
-  g_waiters.fetch_sub(1);
-}
-
-// The fair hand-over (set_fair_gil; default on). With 3+ serving threads CPython's GIL
-// is taken by whichever thread asks at the right moment: a thread asleep in CPython's
-// take_gil is woken when the GIL is dropped, finds it taken again by a thread that
-// asked meanwhile, and sleeps another switch interval, each time anew as long as other
-// threads keep switching (4 clients at batch 1, perf sched, 2026-12-05: the slowest 1%
-// of requests took 21 ms against a 65 us median, waiting while two other serving threads
-// handed the GIL to each other and held the cores 40% of that time, other processes 60%;
-// p99/p50 with 4 clients 37.7 / 7.2 / 12.0 / 2.05 at batch 1 / 8 / 64 / 256 without the
-// turns, 1.97 / 1.56 / 1.92 / 1.93 with them, benchmarks/serving/RESULTS.md).
+// The turns. With 3+ serving threads CPython's GIL is taken by whichever thread asks at
+// the right moment: a thread asleep in CPython's take_gil is woken when the GIL is
+// dropped, finds it taken again by a thread that asked meanwhile, and sleeps another
+// switch interval, each time anew as long as other threads keep switching (4 clients at
+// batch 1, perf sched, 2026-12-05: the slowest 1% of requests took 21 ms against a 65 us
+// median; p99/p50 with 4 clients 37.7 / 7.2 / 12.0 / 2.05 at batch 1 / 8 / 64 / 256
+// without the turns, 1.97 / 1.56 / 1.92 / 1.93 with them, benchmarks/serving/RESULTS.md).
 // Here threads whose kernels have ended take the GIL back in the order their kernels
-// ended: each takes a ticket (g_gil_turn) and sleeps on a futex without the GIL until
-// the thread before it has the GIL; then, first in line, it waits (yielding, at most
-// g_handoff_us) while another serving thread holds the GIL in a lookup, claims it as
-// that one drops it, and takes it, the only serving thread asking for it. Threads that
-// are not serving take the GIL as usual.
+// ended: each takes a ticket and sleeps on a futex without the GIL until the thread
+// before it has the GIL. Threads that are not serving take the GIL as usual.
 //
-// The kernel slots (set_kernel_slots; default 0: no limit): at most that many serving
-// threads run their kernels at once, in the order they dropped the GIL, the others
-// asleep on a futex without it, so that kernels never crowd the cores (and a thread
-// holding the GIL, or first in line for it, off them). Measured at 2 slots on 2 cores:
-// no better than none (kept for A/B).
-//
-// Both are tickets on a 32-bit counter: ticket t may pass once t - done < limit, a
-// passing thread adds 1 to done and wakes (FUTEX_WAKE_BITSET, bit t % 32) only the
-// thread whose turn came. A forked child starts them again (pthread_atfork).
+// Tickets on a 32-bit counter: ticket t may pass once t - done < 1, a passing thread adds
+// 1 to done and wakes (FUTEX_WAKE_BITSET, bit t % 32) only the thread whose turn came.
+// A forked child starts them again (pthread_atfork).
 int64_t now_ns();
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 class Turns {
  public:
   uint32_t take() { return next_.fetch_add(1); }
 
-  // Until ticket t may pass (`limit` tickets at once); whether it slept on the futex.
-  // The next ticket to pass first spins (at most spin_ns) before it sleeps.
-  bool wait(uint32_t t, uint32_t limit, int64_t spin_ns = 0) {
-    bool slept = false;
-    int64_t until = 0;
+  // Until ticket t may pass.
+  void wait(uint32_t t) {
     for (;;) {
       // signed: done_ may have passed t already (later tickets passed first)
       const uint32_t d = done_.load();
-      const int32_t ahead = static_cast<int32_t>(t - d) - static_cast<int32_t>(limit);
-      if (ahead < 0) return slept;
-      if (ahead == 0 && spin_ns > 0) {  // next to pass: spin a while first
-        const int64_t now = now_ns();
-        if (until == 0) until = now + spin_ns;
-        if (now < until) {
-          for (int k = 0; k < 16; ++k) cpu_relax();
-          continue;
-        }
-      }
-      slept = true;
+      if (static_cast<int32_t>(t - d) < 1) return;
 #if defined(__linux__)
       // sleeps unless done_ has moved on from d meanwhile
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&done_), FUTEX_WAIT_BITSET_PRIVATE, d,
@@ -180,13 +126,13 @@ class Turns {
     }
   }
 
-  // The thread holding ticket t lets the next one in (`limit` as in wait).
-  void pass(uint32_t limit) {
+  // The thread holding the ticket that passed lets the next one in.
+  void pass() {
     const uint32_t d = done_.fetch_add(1) + 1;  // seq_cst both: against take() then wait()
-    if (next_.load() - d < limit) return;  // every ticket taken may pass: nobody waits
+    if (next_.load() - d < 1) return;  // every ticket taken has passed: nobody waits
 #if defined(__linux__)
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&done_), FUTEX_WAKE_BITSET_PRIVATE, INT_MAX,
-            nullptr, nullptr, bit(d + limit - 1));
+            nullptr, nullptr, bit(d));
 #endif
   }
 
@@ -202,35 +148,26 @@ class Turns {
   static uint32_t bit(uint32_t t) { return 1u << (t % 32); }
 };
 
-Turns g_gil_turns, g_kernel_turns;
+Turns g_gil_turns;
 // g_gil_busy 2: the serving thread that holds the GIL has left its lookup (at
 // g_left_ns). A client thread whose next request follows at once (its own Python
 // between two requests: a few us) drops the GIL again in that request's kernels: the
-// first in line keeps waiting for that, g_between_us at most after the leave, as long
-// as serving threads come back within g_between_us (g_gap_ns: a running mean of the
-// time from a thread's leave to its next enter). Asking CPython instead, it sleeps in
-// take_gil until the holder drops the GIL, and waking it then costs 50-250 us on this
-// VM (perf sched, 2 clients at batch 1: the slowest 1% slept 256 us and waited another
-// 104 us to run). A server whose threads block between requests (a socket, a queue)
-// has a long gap: the first in line asks at once, as before.
+// first in line keeps waiting for that, kBetweenUs at most after the leave, as long as
+// serving threads come back within kBetweenUs (g_gap_ns: a running mean of the time from
+// a thread's leave to its next enter). Asking CPython instead, it sleeps in take_gil
+// until the holder drops the GIL, and waking it then costs 50-250 us on a VM. A server
+// whose threads block between requests (a socket, a queue) has a long gap: the first in
+// line asks at once.
 std::atomic<int64_t> g_left_ns{0};
 std::atomic<int64_t> g_gap_ns{INT64_MAX / 2};  // nothing measured yet: no wait
-int64_t g_between_us = 100;
+constexpr int64_t kBetweenUs = 100;
 thread_local int64_t t_left_ns = 0;  // this thread's last leave (0: none yet)
 
 bool holder_back_soon() {
-  const int64_t between = g_between_us * 1000;
+  const int64_t between = kBetweenUs * 1000;
   return g_gap_ns.load(std::memory_order_relaxed) < between &&
          now_ns() - g_left_ns.load(std::memory_order_relaxed) < between;
 }
-bool g_fair_gil = true;
-int64_t g_kernel_slots = 0;
-// The hand-over's waits without yielding the core (set_turn_spin_us, set_first_pause):
-// the next in line for the GIL spins up to g_turn_spin_us before it sleeps on the turns'
-// futex; the first in line spins with a pause instead of sched_yield (which hands the
-// core to any other runnable process on a loaded machine).
-int64_t g_turn_spin_us = 0;
-bool g_first_pause = false;
 
 // First in line for the GIL: wait (yielding, at most `us`) while another serving thread
 // holds it inside a lookup, and claim it as that thread drops it.
@@ -241,35 +178,24 @@ void wait_first_in_line(int64_t us) {
     if (seen == 2 && holder_back_soon()) seen = -1;  // wait for its next lookup to drop it
     if ((seen == 0 || seen == 2) && g_gil_busy.compare_exchange_strong(seen, 1)) return;
     if (std::chrono::steady_clock::now() >= until) return;
-    if (g_first_pause) {
-      for (int k = 0; k < 16; ++k) cpu_relax();
-    } else {
-      std::this_thread::yield();
-    }
+    std::this_thread::yield();
   }
 }
 
 void reset_after_fork() {
   g_gil_turns.reset();
-  g_kernel_turns.reset();
-  g_waiters.store(0);
-  g_in_kernels.store(0);
   g_gil_busy.store(0);
 }
-
-// Whether a small request releases the GIL when others are in flight (false: the size
-// alone decides; kept for A/B, set_release_when_shared).
-bool g_release_when_shared = true;
 
 // Serving threads that wait for the GIL outside a lookup (between two requests: a
 // client's own Python) are not in g_in_flight, yet a request that keeps the GIL through
 // its kernels makes them wait for it until Python's switch interval forces it out (5 ms):
 // with 2 clients, each one's next request started late, and they ran one after the
 // other. So "shared" also counts a lookup entered by another thread within the last
-// g_shared_window_us: a server whose threads take turns stays shared; one thread beside
-// a busy Python thread that is not serving is never shared. Read and written with the
-// GIL held.
-int64_t g_shared_window_us = 20000;
+// kSharedWindowUs: a server whose threads take turns stays shared; one thread beside a
+// busy Python thread that is not serving is never shared. Read and written with the GIL
+// held.
+constexpr int64_t kSharedWindowUs = 20000;
 int64_t g_shared_until_ns = 0;   // steady clock, ns
 const void* g_last_thread = nullptr;  // the last thread that entered a lookup
 thread_local char t_token;            // its address names this thread
@@ -281,25 +207,11 @@ int64_t now_ns() {
 }
 
 // Another thread is inside a lookup, or entered one lately.
-bool shared_now() {
-  return g_in_flight > 1 || (g_shared_window_us > 0 && now_ns() < g_shared_until_ns);
-}
+bool shared_now() { return g_in_flight > 1 || now_ns() < g_shared_until_ns; }
 
 // Counters of what ran without the GIL (stats()): requests, those that released it, ns
 // between releasing and asking for it back.
 int64_t g_requests = 0, g_released = 0, g_released_ns = 0;
-
-// The hand-over's cost, timed where set_handover_timing(True) (off by default: four
-// clock reads a request): per `serve` call the ns it held the GIL (its whole time less
-// what it ran without the GIL), and per request that released the GIL while shared the
-// ns from its kernels' end to the GIL taken back and whether it slept on the turns'
-// futex meanwhile (the thread before it in line had not yet got the GIL). Read and
-// written with the GIL held.
-bool g_handover_timing = false;
-int64_t g_serve_calls = 0, g_serve_held_ns = 0;
-int64_t g_shared_releases = 0, g_back_ns = 0, g_turn_sleeps = 0;
-int64_t g_turn_ns = 0, g_first_ns = 0;  // of g_back_ns: in the turn wait, first in line
-thread_local int64_t t_released_ns = 0;  // this thread's ns without the GIL, this call
 
 // numpy, read directly where `bind_numpy` was given its C API (numpy's `_ARRAY_API`
 // capsule: a table of function pointers whose slots numpy keeps for good) and its
@@ -409,9 +321,6 @@ PyType_Spec kBlockSpec = {"embedmesh.serving._request.Block", sizeof(Block), 0,
                           Py_TPFLAGS_DEFAULT, kBlockSlots};
 const char* const kDescrCode[kDescrs] = {"q", "i", "f", "e", "B"};
 const Py_ssize_t kDescrSize[kDescrs] = {8, 4, 4, 2, 1};
-// Whether reads go direct (set_direct_numpy: off for A/B; on once bind_numpy succeeded).
-bool g_direct_numpy = true;
-
 // An array's memory as the checks read it: numpy's fields read directly (an ndarray,
 // or a subclass such as np.memmap, of one of g_descr's dtypes: a reference held), else
 // a buffer export (released with its holder).
@@ -443,7 +352,7 @@ struct View {
     return true;
   }
   bool direct(PyObject* obj) {
-    if (!g_direct_numpy || g_ndarray == nullptr ||
+    if (g_ndarray == nullptr ||
         (Py_TYPE(obj) != g_ndarray && !PyType_IsSubtype(Py_TYPE(obj), g_ndarray)))
       return false;
     const NpArray* a = reinterpret_cast<const NpArray*>(obj);
@@ -618,9 +527,6 @@ int64_t out_size(const Feature& f) {
   return size;
 }
 
-// Whether a request's outputs are views of one buffer (set_one_buffer; default true).
-bool g_one_buffer = true;
-
 // Weights: finite float32 of the ids' shape in one C-contiguous buffer of an np.ndarray.
 bool weights_ok(PyObject* ndarray, Feature& f, PyObject* weight) {
   f.wvalues.p = attr(weight, s_values);
@@ -736,7 +642,6 @@ struct Plan {
 // so their addresses name them): a loaded model's requests read each feature's plan
 // from its tuple once, not ~14 Python API calls a feature a request. Tuples cannot
 // change; a model planned anew brings new tuples. Only touched with the GIL held.
-// set_plan_cache(False) reads them every request (for A/B).
 struct Plans {
   PyObject* plans = nullptr;
   PyObject* types = nullptr;
@@ -744,7 +649,6 @@ struct Plans {
   std::vector<Plan> v;
 };
 Plans g_plans;
-bool g_plan_cache = true;
 // g_plans in use by a request on some thread (its checks may run Python, and so another
 // request): a request that finds it so reads its own.
 bool g_plans_busy = false;
@@ -790,7 +694,7 @@ bool read_plans(PyObject* plans, PyObject* types, Plans& into) {
 }
 
 // A request's plans: g_plans (read anew where `plans` or `types` are not the ones kept),
-// marked in use until done(); its own where the cache is off or in use (a request that
+// marked in use until done(); its own where that is in use (a request that
 // runs inside another's checks, on this thread or on another while Python runs there).
 class RequestPlans {
  public:
@@ -804,7 +708,7 @@ class RequestPlans {
   }
   // false with a Python error set (a malformed plan)
   bool read(PyObject* plans, PyObject* types) {
-    const bool cached = g_plan_cache && !g_plans_busy;
+    const bool cached = !g_plans_busy;
     p_ = cached ? &g_plans : &fresh_;
     if (!cached || g_plans.plans != plans || g_plans.types != types) {
       if (!read_plans(plans, types, *p_)) return false;
@@ -825,28 +729,148 @@ class RequestPlans {
   bool busy_ = false;
 };
 
+// A ragged feature's task (the runner checks row_splits as it is added); false: not a
+// common case.
+bool prepare_ragged(const Plan& plan, PyObject* ndarray, PyObject* inp, PyObject* weight,
+                    Feature& f) {
+  int is64 = 0;
+  f.values.p = attr(inp, s_values);
+  f.row_splits.p = attr(inp, s_row_splits);
+  if (f.values.p == nullptr || f.row_splits.p == nullptr ||
+      Py_TYPE(f.values.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+      Py_TYPE(f.row_splits.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+      !f.ids.get(f.values.p) || !ids_ok(f.ids, &is64) || f.ids.b.ndim != 1 ||
+      !f.splits.get(f.row_splits.p) || !is_int64(f.splits) || f.splits.b.ndim != 1 ||
+      f.splits.b.shape[0] < 2)
+    return false;
+  if (weight != Py_None) {
+    Owned wsplits(attr(weight, s_row_splits));
+    if (wsplits.p == nullptr) return false;
+    if (wsplits.p != f.row_splits.p) {  // equal values, else the general path names it
+      View ws;
+      if (!ws.get(wsplits.p) || !is_int64(ws) || ws.b.ndim != 1 || ws.b.len != f.splits.b.len ||
+          std::memcmp(ws.b.buf, f.splits.b.buf, ws.b.len) != 0)
+        return false;
+    }
+    if (!weights_ok(ndarray, f, weight)) return false;
+  }
+  const int64_t dim = plan.dim;
+  int64_t* w = f.words;
+  f.kind = kCheckedBag;
+  f.rows = f.splits.b.shape[0] - 1;
+  f.entries = f.ids.b.shape[0];
+  f.out_ndim = 2;
+  f.out_shape[0] = f.rows;
+  f.out_shape[1] = dim;
+  w[0] = kCheckedBag;
+  table_words(f, w, dim);
+  w[5] = f.ids.addr();
+  w[6] = is64;
+  w[7] = f.splits.addr();
+  w[8] = f.rows;
+  w[9] = weight != Py_None ? f.weights.addr() : 0;
+  w[10] = plan.combiner;
+  w[14] = dim;
+  w[15] = f.entries;  // checked against row_splits[-1] by the runner
+  return true;
+}
+
+// A 2-D sparse feature's task (its bag offsets derived and its indices checked in the
+// runner's first phase); false: not a common case.
+bool prepare_sparse(const Plan& plan, PyObject* ndarray, PyObject* inp, PyObject* weight,
+                    Feature& f) {
+  int is64 = 0;
+  int64_t rows = 0, cols = 0;
+  Owned shape(attr(inp, s_dense_shape));
+  if (!shape2(shape.p, &rows, &cols)) return false;
+  f.values.p = attr(inp, s_values);
+  f.idx.p = attr(inp, s_indices);
+  if (f.values.p == nullptr || f.idx.p == nullptr ||
+      Py_TYPE(f.values.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
+      Py_TYPE(f.idx.p) != reinterpret_cast<PyTypeObject*>(ndarray) || !f.ids.get(f.values.p) ||
+      !ids_ok(f.ids, &is64) || f.ids.b.ndim != 1 || !f.indices.get(f.idx.p))
+    return false;
+  int idx64 = 0;
+  if (!ids_ok(f.indices, &idx64) || f.indices.b.ndim != 2 ||
+      f.indices.b.shape[0] != f.ids.b.shape[0] || f.indices.b.shape[1] != 2)
+    return false;
+  if (rows <= 0 || cols <= 0) return false;
+  if (weight != Py_None) {
+    Owned wshape(attr(weight, s_dense_shape));
+    int64_t wr = 0, wc = 0;
+    if (!shape2(wshape.p, &wr, &wc) || wr != rows || wc != cols) return false;
+    if (!weights_ok(ndarray, f, weight)) return false;
+  }
+  // TensorFlow's safe lookup (validate_weights_and_indices): ids < 0 dropped, and with
+  // a combiner other than sum weights not > 0 (plan[6])
+  const int64_t prune_w = plan.prune_weights && weight != Py_None;
+  const int64_t dim = plan.dim;
+  int64_t* w = f.words;
+  f.kind = kSparseOffsetsBag;
+  f.rows = rows;
+  f.entries = f.ids.b.shape[0];
+  f.out_ndim = 2;
+  f.out_shape[0] = rows;
+  f.out_shape[1] = dim;
+  w[0] = kSparseOffsetsBag;
+  table_words(f, w, dim);
+  w[5] = f.ids.addr();
+  w[6] = is64;
+  // w[7]: the offsets, written by the request's first phase (set when added)
+  w[8] = rows;
+  w[9] = weight != Py_None ? f.weights.addr() : 0;
+  w[10] = plan.combiner;
+  w[11] = plan.safe;
+  w[12] = prune_w;
+  w[14] = dim;
+  w[15] = f.indices.addr();
+  w[16] = idx64;
+  w[17] = f.entries;
+  w[18] = cols;
+  return true;
+}
+
+// A dense feature's gather task (1-7 dims of ids, a float32 table); false: not a common
+// case.
+bool prepare_dense(const Plan& plan, PyObject* inp, Feature& f) {
+  int is64 = 0;
+  if (!f.ids.get(inp) || !ids_ok(f.ids, &is64) || f.ids.b.ndim < 1 || f.ids.b.ndim > 7)
+    return false;
+  const int64_t dim = plan.dim;
+  int64_t* w = f.words;
+  f.kind = kGather;
+  f.entries = f.ids.b.len / f.ids.b.itemsize;
+  f.out_ndim = f.ids.b.ndim + 1;
+  for (int d = 0; d < f.ids.b.ndim; ++d) f.out_shape[d] = f.ids.b.shape[d];
+  f.out_shape[f.ids.b.ndim] = dim;
+  w[0] = kGather;
+  w[1] = f.table.addr();
+  w[2] = f.table.b.shape[0];
+  w[3] = dim * 4;
+  w[4] = f.table.b.strides[0];
+  w[5] = f.ids.addr();
+  w[6] = is64;
+  w[7] = f.entries;
+  return true;
+}
+
 // Check one feature (its plan, the request types) and fill its words but the output's
 // address; false: not a common case.
 bool prepare(const Plan& plan, PyObject* inp, PyObject* weight, PyObject* table,
              const Plans& types, Feature& f) {
   PyObject* ndarray = types.ndarray;
-  PyObject* ragged = types.ragged;
-  PyObject* sparse = types.sparse;
   if (!plan.eligible) return false;  // sequence, output_shape
   const int64_t vocab = plan.vocab;
   const int64_t dim = plan.dim;
-  const int64_t combiner = plan.combiner;
-  const bool safe = plan.safe;
-  const bool prune_weights = plan.prune_weights;
-  PyTypeObject* kind = Py_TYPE(inp);
-  if (weight != Py_None && (Py_TYPE(weight) != kind || reinterpret_cast<PyObject*>(kind) == ndarray))
+  PyObject* kind = reinterpret_cast<PyObject*>(Py_TYPE(inp));
+  if (weight != Py_None && (reinterpret_cast<PyObject*>(Py_TYPE(weight)) != kind || kind == ndarray))
     return false;
   if (table == nullptr || dim <= 0) return false;
   PyObject* quantized = types.quantized;
   if (quantized != nullptr && Py_TYPE(table) == reinterpret_cast<PyTypeObject*>(quantized)) {
     // decoded by the bag kernels: ragged and sparse input (a dense lookup is a gather of
     // float rows: the general path's)
-    if (reinterpret_cast<PyObject*>(kind) == ndarray) return false;
+    if (kind == ndarray) return false;
     if (!quantized_ok(ndarray, table, vocab, dim, f)) return false;
   } else if (!f.table.get(table) || !is_float32(f.table) || f.table.b.ndim != 2 ||
              f.table.b.shape[0] != vocab || f.table.b.shape[1] != dim ||
@@ -854,288 +878,10 @@ bool prepare(const Plan& plan, PyObject* inp, PyObject* weight, PyObject* table,
              f.table.b.strides[0] % 4) {
     return false;
   }
-  int is64 = 0;
-  int64_t* w = f.words;
-  if (reinterpret_cast<PyObject*>(kind) == ragged) {
-    f.values.p = attr(inp, s_values);
-    f.row_splits.p = attr(inp, s_row_splits);
-    if (f.values.p == nullptr || f.row_splits.p == nullptr ||
-        Py_TYPE(f.values.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
-        Py_TYPE(f.row_splits.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
-        !f.ids.get(f.values.p) || !ids_ok(f.ids, &is64) || f.ids.b.ndim != 1 ||
-        !f.splits.get(f.row_splits.p) || !is_int64(f.splits) || f.splits.b.ndim != 1 ||
-        f.splits.b.shape[0] < 2)
-      return false;
-    if (weight != Py_None) {
-      Owned wsplits(attr(weight, s_row_splits));
-      if (wsplits.p == nullptr) return false;
-      if (wsplits.p != f.row_splits.p) {  // equal values, else the general path names it
-        View ws;
-        if (!ws.get(wsplits.p) || !is_int64(ws) || ws.b.ndim != 1 ||
-            ws.b.len != f.splits.b.len || std::memcmp(ws.b.buf, f.splits.b.buf, ws.b.len) != 0)
-          return false;
-      }
-      if (!weights_ok(ndarray, f, weight)) return false;
-    }
-    f.kind = kCheckedBag;
-    f.rows = f.splits.b.shape[0] - 1;
-    f.entries = f.ids.b.shape[0];
-    f.out_ndim = 2;
-    f.out_shape[0] = f.rows;
-    f.out_shape[1] = dim;
-    w[0] = kCheckedBag;
-    table_words(f, w, dim);
-    w[5] = f.ids.addr();
-    w[6] = is64;
-    w[7] = f.splits.addr();
-    w[8] = f.rows;
-    w[9] = weight != Py_None ? f.weights.addr() : 0;
-    w[10] = combiner;
-    w[14] = dim;
-    w[15] = f.entries;  // checked against row_splits[-1] by the runner
-    return true;
-  }
-  if (reinterpret_cast<PyObject*>(kind) == sparse) {
-    int64_t rows = 0, cols = 0;
-    Owned shape(attr(inp, s_dense_shape));
-    if (!shape2(shape.p, &rows, &cols)) return false;
-    f.values.p = attr(inp, s_values);
-    f.idx.p = attr(inp, s_indices);
-    if (f.values.p == nullptr || f.idx.p == nullptr ||
-        Py_TYPE(f.values.p) != reinterpret_cast<PyTypeObject*>(ndarray) ||
-        Py_TYPE(f.idx.p) != reinterpret_cast<PyTypeObject*>(ndarray) || !f.ids.get(f.values.p) ||
-        !ids_ok(f.ids, &is64) || f.ids.b.ndim != 1 || !f.indices.get(f.idx.p))
-      return false;
-    int idx64 = 0;
-    if (!ids_ok(f.indices, &idx64) || f.indices.b.ndim != 2 ||
-        f.indices.b.shape[0] != f.ids.b.shape[0] || f.indices.b.shape[1] != 2)
-      return false;
-    if (rows <= 0 || cols <= 0) return false;
-    if (weight != Py_None) {
-      Owned wshape(attr(weight, s_dense_shape));
-      int64_t wr = 0, wc = 0;
-      if (!shape2(wshape.p, &wr, &wc) || wr != rows || wc != cols) return false;
-      if (!weights_ok(ndarray, f, weight)) return false;
-    }
-    // TensorFlow's safe lookup (validate_weights_and_indices): ids < 0 dropped, and with
-    // a combiner other than sum weights not > 0 (plan[6])
-    const int64_t prune_w = prune_weights && weight != Py_None;
-    f.kind = kSparseOffsetsBag;
-    f.rows = rows;
-    f.entries = f.ids.b.shape[0];
-    f.out_ndim = 2;
-    f.out_shape[0] = rows;
-    f.out_shape[1] = dim;
-    w[0] = kSparseOffsetsBag;
-    table_words(f, w, dim);
-    w[5] = f.ids.addr();
-    w[6] = is64;
-    // w[7]: the offsets, written by the request's first phase (set when added)
-    w[8] = rows;
-    w[9] = weight != Py_None ? f.weights.addr() : 0;
-    w[10] = combiner;
-    w[11] = safe;
-    w[12] = prune_w;
-    w[14] = dim;
-    w[15] = f.indices.addr();
-    w[16] = idx64;
-    w[17] = f.entries;
-    w[18] = cols;
-    return true;
-  }
-  if (reinterpret_cast<PyObject*>(kind) == ndarray) {
-    if (!f.ids.get(inp) || !ids_ok(f.ids, &is64) || f.ids.b.ndim < 1 || f.ids.b.ndim > 7)
-      return false;
-    f.kind = kGather;
-    f.entries = f.ids.b.len / f.ids.b.itemsize;
-    f.out_ndim = f.ids.b.ndim + 1;
-    for (int d = 0; d < f.ids.b.ndim; ++d) f.out_shape[d] = f.ids.b.shape[d];
-    f.out_shape[f.ids.b.ndim] = dim;
-    w[0] = kGather;
-    w[1] = f.table.addr();
-    w[2] = f.table.b.shape[0];
-    w[3] = dim * 4;
-    w[4] = f.table.b.strides[0];
-    w[5] = f.ids.addr();
-    w[6] = is64;
-    w[7] = f.entries;
-    return true;
-  }
+  if (kind == types.ragged) return prepare_ragged(plan, ndarray, inp, weight, f);
+  if (kind == types.sparse) return prepare_sparse(plan, ndarray, inp, weight, f);
+  if (kind == ndarray) return prepare_dense(plan, inp, f);
   return false;
-}
-
-// lookup(plans, inputs, weights, tables, types, alloc, finish, threads)
-//   plans: per feature (eligible, vocab, dim, combiner code, safe, table key, prune
-//   weights: safe and a combiner other than sum);
-//   inputs / weights: per feature (None: no input / no weights); tables: the user's
-//   dict; types: (np.ndarray, RaggedTensor, SparseTensor[, QuantizedTable]: ragged and
-//   sparse features on its tables are decoded by EmServingBagQ); alloc(shape) -> (array,
-//   address) of a float32 output; finish(outs, before_run) -> result or None.
-// Returns the result, or None (not a common request, or a kernel reported an error).
-PyObject* lookup_checked(PyObject* args);
-
-PyObject* lookup_dict(PyObject* args);
-
-// A method calling `body(args)`: no C++ exception may cross into the interpreter.
-template <PyObject* (*body)(PyObject*)>
-PyObject* guarded(PyObject*, PyObject* args) {
-  try {
-    return body(args);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-}
-
-// The request: `n` features' inputs and weights (nullptr weights: none at all), their
-// outputs put in `outs` (new references, None where no input). Returns finish's result
-// (finish not None), Py_True (finish None: the outputs are in `outs`), None (the general
-// path's) or nullptr (a Python error).
-PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const* weights,
-                      Py_ssize_t n, PyObject* tables, PyObject* types, PyObject* alloc,
-                      PyObject* finish, long long threads, PyObject** outs);
-
-PyObject* lookup_checked(PyObject* args) {
-  PyObject *plans, *inputs, *weights, *tables, *types, *alloc, *finish;
-  long long threads;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OOL", &PyTuple_Type, &plans, &PyList_Type, &inputs,
-                        &PyList_Type, &weights, &PyDict_Type, &tables, &PyTuple_Type, &types,
-                        &alloc, &finish, &threads))
-    return nullptr;
-  const Py_ssize_t n = PyTuple_Size(plans);
-  if (PyList_Size(inputs) != n || PyList_Size(weights) != n) {
-    PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
-    return nullptr;
-  }
-  Refs in(n), w(n), outs(n);  // held while the request runs (a finish may change the lists)
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    in.v[static_cast<size_t>(i)] = PyList_GetItem(inputs, i);
-    w.v[static_cast<size_t>(i)] = PyList_GetItem(weights, i);
-    Py_INCREF(in.v[static_cast<size_t>(i)]);
-    Py_INCREF(w.v[static_cast<size_t>(i)]);
-  }
-  PyObject* got = lookup_core(plans, in.v.data(), w.v.data(), n, tables, types, alloc, finish,
-                              threads, outs.v.data());
-  if (got != Py_True || finish != Py_None) return got;
-  Py_DECREF(got);
-  return list_of(outs.v.data(), n);
-}
-
-// lookup_dict(config, index, features, plans, order, inputs, tables, types, alloc, finish,
-// threads): the common request of a model whose feature config is one dict of
-// FeatureConfigs under str keys (`config`), its inputs a dict of some of those keys, no
-// weights: `lookup` without the Python that flattens the inputs, resolves the config and
-// packs the outputs (at batch 1, 26 features: ~40% of a request, all of it holding the
-// GIL). index: {key: position in the config's flat (sorted) order}; features: the
-// FeatureConfigs in that order, as `config` held them when `plans` were made; order: per
-// entry of `config` in its own order then, (key, FeatureConfig, position). Checked: the
-// same objects under the same keys (`order` walked alongside `config`; where it differs,
-// `index` and `features` looked up), else False: the caller plans again. finish: as
-// `lookup`'s, or None: the outputs themselves (numpy), returned as a dict in `inputs`'
-// key order. NotImplemented (the caller's usual path): another structure, a key the config
-// lacks, an explicit None input; None (the general path): whatever `lookup` returns None
-// for.
-PyObject* lookup_dict_of(PyObject* config, PyObject* index, PyObject* features, PyObject* plans,
-                         PyObject* order, PyObject* inputs, PyObject* tables, PyObject* types,
-                         PyObject* alloc, PyObject* finish, long long threads);
-
-PyObject* lookup_dict(PyObject* args) {
-  PyObject *config, *index, *features, *plans, *order, *inputs, *tables, *types, *alloc, *finish;
-  long long threads;
-  if (!PyArg_ParseTuple(args, "OO!O!O!O!OOO!OOL", &config, &PyDict_Type, &index, &PyTuple_Type,
-                        &features, &PyTuple_Type, &plans, &PyTuple_Type, &order, &inputs,
-                        &tables, &PyTuple_Type, &types, &alloc, &finish, &threads))
-    return nullptr;
-  return lookup_dict_of(config, index, features, plans, order, inputs, tables, types, alloc, finish,
-                        threads);
-}
-
-PyObject* lookup_dict_of(PyObject* config, PyObject* index, PyObject* features, PyObject* plans,
-                         PyObject* order, PyObject* inputs, PyObject* tables, PyObject* types,
-                         PyObject* alloc, PyObject* finish, long long threads) {
-  const Py_ssize_t n = PyTuple_Size(features);
-  if (!PyDict_CheckExact(config) || !PyDict_CheckExact(inputs) || !PyDict_CheckExact(tables) ||
-      PyTuple_Size(plans) != n || PyDict_Size(index) != n || PyTuple_Size(order) != n)
-    Py_RETURN_NOTIMPLEMENTED;
-  if (PyDict_Size(config) != n) Py_RETURN_FALSE;  // changed since the plan: plan again
-  PyObject *key, *value;
-  Py_ssize_t pos = 0, j = 0;
-  bool same_order = true;
-  while (PyDict_Next(config, &pos, &key, &value)) {  // as the plans saw it, in its order
-    PyObject* seen = PyTuple_GetItem(order, j++);
-    if (key != PyTuple_GetItem(seen, 0) || value != PyTuple_GetItem(seen, 1)) {
-      same_order = false;
-      break;
-    }
-  }
-  if (!same_order) {  // another order, or changed: each key looked up
-    pos = 0;
-    while (PyDict_Next(index, &pos, &key, &value)) {
-      PyObject* now = PyDict_GetItemWithError(config, key);
-      if (now == nullptr && PyErr_Occurred()) return nullptr;
-      const Py_ssize_t i = PyLong_AsSsize_t(value);
-      if (i < 0 || i >= n) {
-        if (PyErr_Occurred()) return nullptr;
-        Py_RETURN_NONE;
-      }
-      if (now != PyTuple_GetItem(features, i)) Py_RETURN_FALSE;  // changed: plan again
-    }
-  }
-  Refs flat(n), outs(n);  // the inputs in the flat order (None: not given), the outputs
-  std::vector<Py_ssize_t> where;
-  where.reserve(static_cast<size_t>(PyDict_Size(inputs)));
-  pos = 0;
-  j = 0;
-  while (PyDict_Next(inputs, &pos, &key, &value)) {
-    Py_ssize_t i = -1;
-    PyObject* seen = j < n ? PyTuple_GetItem(order, j) : nullptr;
-    if (seen != nullptr && key == PyTuple_GetItem(seen, 0)) {
-      i = PyLong_AsSsize_t(PyTuple_GetItem(seen, 2));  // given in the config's order
-    } else {
-      PyObject* at = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(index, key) : nullptr;
-      if (at == nullptr) {
-        if (PyErr_Occurred()) return nullptr;
-        Py_RETURN_NOTIMPLEMENTED;  // a key the config lacks: the general path names it
-      }
-      i = PyLong_AsSsize_t(at);
-    }
-    ++j;
-    if (i < 0 || i >= n || flat.v[static_cast<size_t>(i)] != nullptr || value == Py_None) {
-      if (PyErr_Occurred()) return nullptr;
-      Py_RETURN_NOTIMPLEMENTED;  // an explicit None: the usual path
-    }
-    Py_INCREF(value);
-    flat.v[static_cast<size_t>(i)] = value;
-    where.push_back(i);
-  }
-  for (PyObject*& x : flat.v) {
-    if (x == nullptr) {
-      Py_INCREF(Py_None);
-      x = Py_None;
-    }
-  }
-  Owned got(lookup_core(plans, flat.v.data(), nullptr, n, tables, types, alloc, finish, threads,
-                        outs.v.data()));
-  if (got.p == nullptr || got.p == Py_None || finish != Py_None) {
-    PyObject* r = got.p;
-    got.p = nullptr;
-    return r;
-  }
-  // the outputs under the inputs' keys, in their order: a copy of `inputs` (its keys as
-  // they are, no resizing) with each value replaced
-  Owned result(PyDict_Copy(inputs));
-  if (result.p == nullptr) return nullptr;
-  pos = 0;
-  size_t k = 0;
-  while (PyDict_Next(inputs, &pos, &key, &value)) {
-    if (k == where.size()) break;  // changed by another thread meanwhile: theirs
-    if (PyDict_SetItem(result.p, key, outs.v[static_cast<size_t>(where[k++])]) != 0) return nullptr;
-  }
-  PyObject* r = result.p;
-  result.p = nullptr;
-  return r;
 }
 
 // A feature's task words given its output's address (and a sparse feature its offsets).
@@ -1152,9 +898,187 @@ void set_out(Feature* f, int64_t out_addr, std::vector<std::unique_ptr<int64_t[]
   }
 }
 
+
+// Every feature checked (its plan, the request types) and its task's words filled but
+// the output's address, before anything is taken: 1, or 0 (a feature that is not a
+// common case: the general path's), or -1 (a Python error set). Sums the request's
+// entries and tasks.
+int check_features(const Plans& planned, PyObject* const* inputs, PyObject* const* weights,
+                   Py_ssize_t n, PyObject* tables, FeatureSlab& all, int64_t* entries,
+                   int64_t* tasks) {
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* inp = inputs[i];
+    if (inp == Py_None) continue;
+    const Plan& plan = planned.v[static_cast<size_t>(i)];
+    PyObject* table = PyDict_GetItemWithError(tables, plan.key);
+    if (table == nullptr && PyErr_Occurred()) return -1;
+    Feature& f = all[i];
+    if (!prepare(plan, inp, weights == nullptr ? Py_None : weights[i], table, planned, f))
+      return PyErr_Occurred() ? -1 : 0;
+    *entries += f.entries;
+    ++*tasks;
+  }
+  return 1;
+}
+
+// The request's one output buffer (more than one task): each feature's output a view of
+// it, 64-byte aligned (jax wraps it without a copy); taking one buffer from the pool a
+// feature cost ~4 us of Python each (a batch-1 request of 26 features: most of it). With
+// numpy's C API bound (`direct`), the pool's lease of the bytes (a small one: a Block of
+// this module's cache), each output a view made here; else the pool's float32 array,
+// each output a slice of it. Sets `block` (a new reference) and its address, and each
+// feature's start in floats; false with a Python error set.
+bool take_block_for(FeatureSlab& all, Py_ssize_t n, bool direct, PyObject* alloc,
+                    std::vector<int64_t>& starts, Owned& block, int64_t* block_addr) {
+  int64_t total = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const Feature& f = all[i];
+    if (f.kind == 0) continue;
+    starts[static_cast<size_t>(i)] = total;
+    total += (out_size(f) + 15) / 16 * 16;  // floats: 64-byte steps
+  }
+  const long long floats = total > 0 ? total : 16;
+  if (direct && g_lease != nullptr && g_block_type != nullptr && 4 * floats <= kBlockMax) {
+    block.p = take_block(4 * floats, block_addr);
+    return block.p != nullptr;
+  }
+  Owned got(direct && g_lease != nullptr ? PyObject_CallFunction(g_lease, "L", 4 * floats)
+                                         : PyObject_CallFunction(alloc, "((L))", floats));
+  if (got.p == nullptr) return false;
+  PyObject* b = PyTuple_GetItem(got.p, 0);
+  *block_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
+  if (b == nullptr || PyErr_Occurred()) return false;
+  Py_INCREF(b);
+  block.p = b;
+  return true;
+}
+
+// Feature f's output (a new reference) and its address: a view of the request's buffer
+// `block` from float `start` on (made by numpy's C API where `direct`, else a slice and
+// a reshape), or, without a block, its own buffer from `alloc`. nullptr: a Python error.
+PyObject* output_of(const Feature& f, PyObject* block, int64_t block_addr, int64_t start,
+                    bool direct, PyObject* alloc, int64_t* out_addr) {
+  if (block != nullptr && direct) {
+    *out_addr = block_addr + 4 * start;
+    Py_ssize_t dims[8];
+    for (int d = 0; d < f.out_ndim; ++d) dims[d] = static_cast<Py_ssize_t>(f.out_shape[d]);
+    Py_INCREF(g_descr[2]);  // float32; stolen by the call
+    PyObject* out = g_np_new(g_ndarray, g_descr[2], f.out_ndim, dims, nullptr,
+                             reinterpret_cast<void*>(static_cast<uintptr_t>(*out_addr)),
+                             kNpCContiguous | kNpAligned | kNpWriteable, nullptr);
+    if (out == nullptr) return nullptr;
+    Py_INCREF(block);  // stolen: the view keeps the request's buffer
+    if (g_np_set_base(out, block) != 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    return out;
+  }
+  Owned shape(PyTuple_New(f.out_ndim));
+  if (shape.p == nullptr) return nullptr;
+  for (int d = 0; d < f.out_ndim; ++d) {
+    PyObject* v = PyLong_FromLongLong(f.out_shape[d]);
+    if (v == nullptr) return nullptr;
+    PyTuple_SetItem(shape.p, d, v);
+  }
+  if (block != nullptr) {  // a view of the request's one buffer
+    Owned lo(PyLong_FromLongLong(start)), hi(PyLong_FromLongLong(start + out_size(f)));
+    if (lo.p == nullptr || hi.p == nullptr) return nullptr;
+    Owned range(PySlice_New(lo.p, hi.p, nullptr));
+    if (range.p == nullptr) return nullptr;
+    Owned flat(PyObject_GetItem(block, range.p));
+    if (flat.p == nullptr) return nullptr;
+    *out_addr = block_addr + 4 * start;
+    return PyObject_CallMethodObjArgs(flat.p, s_reshape, shape.p, nullptr);
+  }
+  Owned got(PyObject_CallFunctionObjArgs(alloc, shape.p, nullptr));
+  if (got.p == nullptr) return nullptr;
+  PyObject* out = PyTuple_GetItem(got.p, 0);
+  *out_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
+  if (out == nullptr || PyErr_Occurred()) return nullptr;
+  Py_INCREF(out);
+  return out;
+}
+
+// Every feature's output into `outs` (new references, None where no input) and its
+// address into its task's words (a sparse feature's bag offsets into `offsets`); false
+// with a Python error set.
+bool take_outputs(FeatureSlab& all, Py_ssize_t n, int64_t tasks, PyObject* alloc,
+                  PyObject** outs, std::vector<std::unique_ptr<int64_t[]>>& offsets) {
+  std::vector<int64_t> starts(static_cast<size_t>(n), 0);
+  const bool direct = g_np_new != nullptr;
+  Owned block;
+  int64_t block_addr = 0;
+  if (tasks > 1 && !take_block_for(all, n, direct, alloc, starts, block, &block_addr))
+    return false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Feature& f = all[i];
+    if (f.kind == 0) {
+      Py_INCREF(Py_None);
+      outs[i] = Py_None;
+      continue;
+    }
+    int64_t out_addr = 0;
+    outs[i] = output_of(f, block.p, block_addr, starts[static_cast<size_t>(i)], direct, alloc,
+                        &out_addr);
+    if (outs[i] == nullptr) return false;
+    set_out(&f, out_addr, offsets);
+  }
+  return true;
+}
+
+// The runner runs the checked features' tasks (its checks of ragged row_splits as each
+// task is added, its thread pool, the sums) on `threads` threads; each task's code into
+// `results`, how many were added into *added; false: an unknown task kind. No Python
+// object is touched: the caller may have released the GIL.
+bool run_features(FeatureSlab& all, Py_ssize_t n, int64_t tasks, int64_t threads,
+                  std::vector<int64_t>& results, int64_t* added) {
+  bool known = true;
+  void* handle = g_open(tasks, threads);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const Feature& f = all[i];
+    if (f.kind == 0) continue;
+    if (g_add(handle, f.words) != -1) {
+      known = false;
+      break;
+    }
+    ++*added;
+  }
+  g_close(handle, results.data());  // runs the tasks added, whatever happened
+  return known;
+}
+
+// run_features with the GIL kept or released by the GIL policy (above): a small request
+// alone keeps it; any other releases it, and a shared one takes it back in its turn.
+bool run_with_gil_policy(FeatureSlab& all, Py_ssize_t n, int64_t tasks, int64_t entries,
+                         int64_t threads, std::vector<int64_t>& results, int64_t* added) {
+  const bool shared = shared_now();
+  ++g_requests;
+  if (entries < g_hold_gil_below && !shared) return run_features(all, n, tasks, threads, results, added);
+  PyThreadState* state = PyEval_SaveThread();  // other Python threads go on
+  g_gil_busy.store(0);
+  const int64_t t0 = now_ns();
+  const bool known = run_features(all, n, tasks, threads, results, added);
+  const int64_t ns = now_ns() - t0;
+  if (shared) {  // in the order the kernels ended, then first in line
+    g_gil_turns.wait(g_gil_turns.take());
+    wait_first_in_line(kHandoffUs);
+  }
+  PyEval_RestoreThread(state);
+  g_gil_busy.store(1);  // held inside the lookup until it drops or leaves
+  if (shared) g_gil_turns.pass();  // the next in line may wait for it now
+  ++g_released;
+  g_released_ns += ns;
+  return known;
+}
+
+// Packs a request's outputs (`outs`, n of them) as the caller returns them: a list, or a
+// dict under the inputs' keys (lookup_dict_of). nullptr: a Python error.
+using Pack = std::function<PyObject*(PyObject** outs)>;
+
 PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const* weights,
                       Py_ssize_t n, PyObject* tables, PyObject* types, PyObject* alloc,
-                      PyObject* finish, long long threads, PyObject** outs) {
+                      PyObject* finish, long long threads, const Pack& pack) {
   if (g_open == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "embedmesh.serving._request: bind() was not called");
     return nullptr;
@@ -1163,216 +1087,205 @@ PyObject* lookup_core(PyObject* plans, PyObject* const* inputs, PyObject* const*
     PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
     return nullptr;
   }
-  RequestPlans planned;  // until every feature is checked (not read after)
-  if (!planned.read(plans, types)) return nullptr;
   FeatureSlab all(n);  // kind 0: no input
-  auto feature = [&](Py_ssize_t i) -> Feature* {
-    Feature* f = &all[i];
-    return f->kind == 0 ? nullptr : f;
-  };
   int64_t entries = 0, tasks = 0;
-  for (Py_ssize_t i = 0; i < n; ++i) {  // every test first: nothing taken yet
-    PyObject* inp = inputs[i];
-    if (inp == Py_None) continue;
-    const Plan& plan = planned.get().v[static_cast<size_t>(i)];
-    PyObject* table = PyDict_GetItemWithError(tables, plan.key);
-    if (table == nullptr && PyErr_Occurred()) return nullptr;
-    Feature& f = all[i];
-    if (!prepare(plan, inp, weights == nullptr ? Py_None : weights[i], table, planned.get(), f)) {
-      if (PyErr_Occurred()) return nullptr;
+  {
+    RequestPlans planned;  // until every feature is checked (not read after)
+    if (!planned.read(plans, types)) return nullptr;
+    const int ok = check_features(planned.get(), inputs, weights, n, tables, all, &entries, &tasks);
+    if (ok <= 0) {
+      if (ok < 0) return nullptr;
       Py_RETURN_NONE;  // not a common case: the general path's
     }
-    entries += f.entries;
-    ++tasks;
   }
-  planned.done();
-  // One output buffer for the request (g_one_buffer): each feature's output a view of
-  // it, 64-byte aligned (jax wraps it without a copy); taking one buffer from the pool
-  // a feature cost ~4 us of Python each (a batch-1 request of 26 features: most of it).
-  std::vector<int64_t> starts(static_cast<size_t>(n), 0);
-  const bool direct = g_np_new != nullptr && g_direct_numpy;
-  Owned block;
-  int64_t block_addr = 0;
-  if (g_one_buffer && tasks > 1) {
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      const Feature* f = feature(i);
-      if (f == nullptr) continue;
-      starts[static_cast<size_t>(i)] = total;
-      total += (out_size(*f) + 15) / 16 * 16;  // floats: 64-byte steps
-    }
-    const long long floats = total > 0 ? total : 16;
-    // direct: the pool's lease of the bytes (g_lease), each output a view over it made
-    // here; else the pool's float32 array, each output a slice of it
-    // (a small one: a Block of this module's cache)
-    if (direct && g_lease != nullptr && g_block_type != nullptr && 4 * floats <= kBlockMax) {
-      block.p = take_block(4 * floats, &block_addr);
-      if (block.p == nullptr) return nullptr;
-    } else {
-      Owned got(direct && g_lease != nullptr
-                    ? PyObject_CallFunction(g_lease, "L", 4 * floats)
-                    : PyObject_CallFunction(alloc, "((L))", floats));
-      if (got.p == nullptr) return nullptr;
-      block.p = PyTuple_GetItem(got.p, 0);
-      block_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
-      if (block.p == nullptr || PyErr_Occurred()) {
-        block.p = nullptr;
-        return nullptr;
-      }
-      Py_INCREF(block.p);
-    }
-  }
+  Refs outs(n);  // the outputs, held while the request runs
   std::vector<std::unique_ptr<int64_t[]>> offsets;  // sparse features' bag offsets
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    Feature* f = feature(i);
-    if (f == nullptr) {
-      Py_INCREF(Py_None);
-      outs[i] = Py_None;
-      continue;
-    }
-    PyObject* out = nullptr;
-    int64_t out_addr = 0;
-    if (block.p != nullptr && direct) {
-      // a view of the request's one buffer, made by numpy's C API
-      const int64_t start = starts[static_cast<size_t>(i)];
-      out_addr = block_addr + 4 * start;
-      Py_ssize_t dims[8];
-      for (int d = 0; d < f->out_ndim; ++d) dims[d] = static_cast<Py_ssize_t>(f->out_shape[d]);
-      Py_INCREF(g_descr[2]);  // float32; stolen by the call
-      out = g_np_new(g_ndarray, g_descr[2], f->out_ndim, dims, nullptr,
-                     reinterpret_cast<void*>(static_cast<uintptr_t>(out_addr)),
-                     kNpCContiguous | kNpAligned | kNpWriteable, nullptr);
-      if (out == nullptr) return nullptr;
-      Py_INCREF(block.p);  // stolen: the view keeps the request's buffer
-      if (g_np_set_base(out, block.p) != 0) {
-        Py_DECREF(out);
-        return nullptr;
-      }
-      outs[i] = out;
-      set_out(f, out_addr, offsets);
-      continue;
-    }
-    Owned shape(PyTuple_New(f->out_ndim));
-    if (shape.p == nullptr) return nullptr;
-    for (int d = 0; d < f->out_ndim; ++d) {
-      PyObject* v = PyLong_FromLongLong(f->out_shape[d]);
-      if (v == nullptr) return nullptr;
-      PyTuple_SetItem(shape.p, d, v);
-    }
-    if (block.p != nullptr) {  // a view of the request's one buffer
-      const int64_t start = starts[static_cast<size_t>(i)];
-      Owned lo(PyLong_FromLongLong(start)), hi(PyLong_FromLongLong(start + out_size(*f)));
-      if (lo.p == nullptr || hi.p == nullptr) return nullptr;
-      Owned range(PySlice_New(lo.p, hi.p, nullptr));
-      if (range.p == nullptr) return nullptr;
-      Owned flat(PyObject_GetItem(block.p, range.p));
-      if (flat.p == nullptr) return nullptr;
-      out = PyObject_CallMethodObjArgs(flat.p, s_reshape, shape.p, nullptr);
-      if (out == nullptr) return nullptr;
-      out_addr = block_addr + 4 * start;
-    } else {
-      Owned got(PyObject_CallFunctionObjArgs(alloc, shape.p, nullptr));
-      if (got.p == nullptr) return nullptr;
-      out = PyTuple_GetItem(got.p, 0);
-      out_addr = PyLong_AsLongLong(PyTuple_GetItem(got.p, 1));
-      if (out == nullptr || PyErr_Occurred()) return nullptr;
-      Py_INCREF(out);
-    }
-    outs[i] = out;
-    set_out(f, out_addr, offsets);
-  }
-  // the result while the kernels have not run (see lookup._finish_common); no finish:
-  // the outputs themselves
-  Owned listed;  // the outputs as a list, for finish
+  if (!take_outputs(all, n, tasks, alloc, outs.v.data(), offsets)) return nullptr;
+  Owned packed(pack(outs.v.data()));
+  if (packed.p == nullptr) return nullptr;
+  // the result while the kernels have not run (see lookup._finish_common); no finish: the
+  // packed outputs themselves
+  Owned result;
   if (finish != Py_None) {
-    listed.p = list_of(outs, n);
-    if (listed.p == nullptr) return nullptr;
+    result.p = PyObject_CallFunctionObjArgs(finish, packed.p, Py_True, nullptr);
+    if (result.p == nullptr) return nullptr;
   }
-  Owned result(finish == Py_None ? (Py_INCREF(Py_True), Py_True)
-                                 : PyObject_CallFunctionObjArgs(finish, listed.p, Py_True, nullptr));
-  if (result.p == nullptr) return nullptr;
-  // The kernels: handed to the runner (the runner's checks of ragged row_splits as each
-  // task is added, its thread pool, the sums), with the GIL or without it (the GIL
-  // policy above). Nothing below touches a Python object until the GIL is taken back:
-  // the views of the inputs and tables stay held by `features` meanwhile.
   const int64_t t = threads < 1 ? 1 : threads;
   const int64_t run_threads = t > 1 ? g_threads_for(entries, t) : 1;
   std::vector<int64_t> results(static_cast<size_t>(tasks > 0 ? tasks : 1), -1);
   int64_t added = 0;
-  bool unknown_kind = false;
-  auto run = [&] {
-    void* handle = g_open(tasks, run_threads);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      const Feature* f = feature(i);
-      if (f == nullptr) continue;
-      if (g_add(handle, f->words) != -1) {
-        unknown_kind = true;
-        break;
-      }
-      ++added;
-    }
-    g_close(handle, results.data());  // runs the tasks added, whatever happened
-  };
-  const bool shared = shared_now();
-  ++g_requests;
-  if (entries < g_hold_gil_below && (!shared || !g_release_when_shared)) {
-    run();  // kept (see g_hold_gil_below)
-  } else {
-    const int64_t spin_us = shared ? g_handoff_us : 0;
-    const bool fair = shared && g_fair_gil;
-    const uint32_t slots =
-        shared && g_kernel_slots > 0 ? static_cast<uint32_t>(std::min<int64_t>(g_kernel_slots, 1 << 20)) : 0;
-    g_in_kernels.fetch_add(1);
-    const int64_t t_save = g_handover_timing ? now_ns() : 0;
-    PyThreadState* state = PyEval_SaveThread();  // other Python threads go on
-    g_gil_busy.store(0);
-    if (slots > 0) g_kernel_turns.wait(g_kernel_turns.take(), slots);
-    const int64_t t0 = now_ns();
-    run();
-    const int64_t t1 = now_ns(), ns = t1 - t0;
-    if (slots > 0) g_kernel_turns.pass(slots);
-    bool slept = false;
-    int64_t t_turn = 0, t_first = 0;
-    if (fair) {
-      slept = g_gil_turns.wait(g_gil_turns.take(), 1, g_turn_spin_us * 1000);
-      t_turn = g_handover_timing ? now_ns() : 0;
-      if (spin_us > 0) wait_first_in_line(spin_us);
-      t_first = g_handover_timing ? now_ns() : 0;
-    } else if (spin_us > 0) {
-      wait_for_gil(spin_us);
-    }
-    g_in_kernels.fetch_sub(1);
-    PyEval_RestoreThread(state);
-    g_gil_busy.store(1);  // held inside the lookup until it drops or leaves
-    if (fair) g_gil_turns.pass(1);  // the next in line may wait for it now
-    ++g_released;
-    g_released_ns += ns;
-    if (g_handover_timing) {
-      const int64_t back = now_ns();
-      t_released_ns += back - t_save;
-      if (shared) {
-        ++g_shared_releases;
-        g_back_ns += back - t1;
-        g_turn_sleeps += slept;
-        if (fair) {
-          g_turn_ns += t_turn - t1;
-          g_first_ns += t_first - t_turn;
-        }
-      }
-    }
-  }
-  if (unknown_kind) {
+  if (!run_with_gil_policy(all, n, tasks, entries, run_threads, results, &added)) {
     PyErr_SetString(PyExc_RuntimeError, "EmServingAdd: an unknown task kind");
     return nullptr;
   }
   for (int64_t k = 0; k < added; ++k) {
     if (results[static_cast<size_t>(k)] != -1) Py_RETURN_NONE;  // the general path names it
   }
-  if (result.p != Py_None) {
-    Py_INCREF(result.p);
-    return result.p;
+  if (finish == Py_None) {
+    PyObject* r = packed.p;
+    packed.p = nullptr;
+    return r;
   }
-  return PyObject_CallFunctionObjArgs(finish, listed.p, Py_False, nullptr);
+  if (result.p != Py_None) {
+    PyObject* r = result.p;
+    result.p = nullptr;
+    return r;
+  }
+  return PyObject_CallFunctionObjArgs(finish, packed.p, Py_False, nullptr);
+}
+
+// A method calling `body(args)`: no C++ exception may cross into the interpreter.
+template <PyObject* (*body)(PyObject*)>
+PyObject* guarded(PyObject*, PyObject* args) {
+  try {
+    return body(args);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+
+// lookup(plans, inputs, weights, tables, types, alloc, finish, threads)
+//   plans: per feature (eligible, vocab, dim, combiner code, safe, table key, prune
+//   weights: safe and a combiner other than sum);
+//   inputs / weights: per feature (None: no input / no weights); tables: the user's
+//   dict; types: (np.ndarray, RaggedTensor, SparseTensor[, QuantizedTable]: ragged and
+//   sparse features on its tables are decoded by EmServingBagQ); alloc(shape) -> (array,
+//   address) of a float32 output; finish(outs, before_run) -> result or None.
+// Returns the result, or None (not a common request, or a kernel reported an error).
+PyObject* lookup_checked(PyObject* args) {
+  PyObject *plans, *inputs, *weights, *tables, *types, *alloc, *finish;
+  long long threads;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OOL", &PyTuple_Type, &plans, &PyList_Type, &inputs,
+                        &PyList_Type, &weights, &PyDict_Type, &tables, &PyTuple_Type, &types,
+                        &alloc, &finish, &threads))
+    return nullptr;
+  const Py_ssize_t n = PyTuple_Size(plans);
+  if (PyList_Size(inputs) != n || PyList_Size(weights) != n) {
+    PyErr_SetString(PyExc_ValueError, "lookup: plans, inputs and weights differ in length");
+    return nullptr;
+  }
+  Refs in(n), w(n);  // held while the request runs (a finish may change the lists)
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    in.v[static_cast<size_t>(i)] = PyList_GetItem(inputs, i);
+    w.v[static_cast<size_t>(i)] = PyList_GetItem(weights, i);
+    Py_INCREF(in.v[static_cast<size_t>(i)]);
+    Py_INCREF(w.v[static_cast<size_t>(i)]);
+  }
+  return lookup_core(plans, in.v.data(), w.v.data(), n, tables, types, alloc, finish, threads,
+                     [n](PyObject** outs) { return list_of(outs, n); });
+}
+
+// Whether `config` still holds the FeatureConfigs the plans were made of under the same
+// keys (`order` walked alongside `config`; where it differs, `index` and `features`
+// looked up): 1, 0 (changed: plan again), or -1 (a Python error set).
+int same_config(PyObject* config, PyObject* index, PyObject* features, PyObject* order,
+                Py_ssize_t n) {
+  if (PyDict_Size(config) != n) return 0;
+  PyObject *key, *value;
+  Py_ssize_t pos = 0, j = 0;
+  bool same_order = true;
+  while (PyDict_Next(config, &pos, &key, &value)) {  // as the plans saw it, in its order
+    PyObject* seen = PyTuple_GetItem(order, j++);
+    if (key != PyTuple_GetItem(seen, 0) || value != PyTuple_GetItem(seen, 1)) {
+      same_order = false;
+      break;
+    }
+  }
+  if (same_order) return 1;
+  pos = 0;  // another order, or changed: each key looked up
+  while (PyDict_Next(index, &pos, &key, &value)) {
+    PyObject* now = PyDict_GetItemWithError(config, key);
+    if (now == nullptr && PyErr_Occurred()) return -1;
+    const Py_ssize_t i = PyLong_AsSsize_t(value);
+    if (i < 0 || i >= n) return PyErr_Occurred() ? -1 : 0;
+    if (now != PyTuple_GetItem(features, i)) return 0;
+  }
+  return 1;
+}
+
+// `inputs` (a dict of some of the config's keys) in the config's flat order into `flat`
+// (None: not given), each given one's position into `where`, in `inputs`' order: 1, 0
+// (not of this form: a key the config lacks, an explicit None input), -1 (a Python error).
+int flatten_dict(PyObject* inputs, PyObject* index, PyObject* order, Py_ssize_t n, Refs& flat,
+                 std::vector<Py_ssize_t>& where) {
+  PyObject *key, *value;
+  Py_ssize_t pos = 0, j = 0;
+  where.reserve(static_cast<size_t>(PyDict_Size(inputs)));
+  while (PyDict_Next(inputs, &pos, &key, &value)) {
+    Py_ssize_t i = -1;
+    PyObject* seen = j < n ? PyTuple_GetItem(order, j) : nullptr;
+    if (seen != nullptr && key == PyTuple_GetItem(seen, 0)) {
+      i = PyLong_AsSsize_t(PyTuple_GetItem(seen, 2));  // given in the config's order
+    } else {
+      PyObject* at = PyUnicode_CheckExact(key) ? PyDict_GetItemWithError(index, key) : nullptr;
+      if (at == nullptr) return PyErr_Occurred() ? -1 : 0;  // the general path names it
+      i = PyLong_AsSsize_t(at);
+    }
+    ++j;
+    if (i < 0 || i >= n || flat.v[static_cast<size_t>(i)] != nullptr || value == Py_None)
+      return PyErr_Occurred() ? -1 : 0;  // an explicit None: the usual path
+    Py_INCREF(value);
+    flat.v[static_cast<size_t>(i)] = value;
+    where.push_back(i);
+  }
+  for (PyObject*& x : flat.v) {
+    if (x == nullptr) {
+      Py_INCREF(Py_None);
+      x = Py_None;
+    }
+  }
+  return 1;
+}
+
+// lookup_dict_of(config, index, features, plans, order, inputs, tables, types, alloc,
+// finish, threads): the common request of a model whose feature config is one dict of
+// FeatureConfigs under str keys (`config`), its inputs a dict of some of those keys, no
+// weights: the request without the Python that flattens the inputs, resolves the config
+// and packs the outputs (at batch 1, 26 features: ~40% of a request, all of it holding
+// the GIL). index: {key: position in the config's flat (sorted) order}; features: the
+// FeatureConfigs in that order, as `config` held them when `plans` were made; order: per
+// entry of `config` in its own order then, (key, FeatureConfig, position). The outputs
+// come as a dict in `inputs`' key order, given to finish(dict, before_run) as `lookup`'s
+// list is (finish None: the dict itself). False where the config changed since the plans
+// (the caller plans again); NotImplemented (the caller's usual path): another structure,
+// a key the config lacks, an explicit None input; None (the general path): whatever
+// `lookup` returns None for.
+PyObject* lookup_dict_of(PyObject* config, PyObject* index, PyObject* features, PyObject* plans,
+                         PyObject* order, PyObject* inputs, PyObject* tables, PyObject* types,
+                         PyObject* alloc, PyObject* finish, long long threads) {
+  const Py_ssize_t n = PyTuple_Size(features);
+  if (!PyDict_CheckExact(config) || !PyDict_CheckExact(inputs) || !PyDict_CheckExact(tables) ||
+      PyTuple_Size(plans) != n || PyDict_Size(index) != n || PyTuple_Size(order) != n)
+    Py_RETURN_NOTIMPLEMENTED;
+  const int same = same_config(config, index, features, order, n);
+  if (same < 0) return nullptr;
+  if (same == 0) Py_RETURN_FALSE;  // changed since the plan: plan again
+  Refs flat(n);  // the inputs in the flat order (None: not given)
+  std::vector<Py_ssize_t> where;
+  const int flattened = flatten_dict(inputs, index, order, n, flat, where);
+  if (flattened < 0) return nullptr;
+  if (flattened == 0) Py_RETURN_NOTIMPLEMENTED;
+  // the outputs under the inputs' keys, in their order: a copy of `inputs` (its keys as
+  // they are, no resizing) with each value replaced
+  auto pack = [inputs, &where](PyObject** outs) -> PyObject* {
+    Owned result(PyDict_Copy(inputs));
+    if (result.p == nullptr) return nullptr;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    size_t k = 0;
+    while (PyDict_Next(inputs, &pos, &key, &value)) {
+      if (k == where.size()) break;  // changed by another thread meanwhile: theirs
+      if (PyDict_SetItem(result.p, key, outs[where[k++]]) != 0) return nullptr;
+    }
+    PyObject* r = result.p;
+    result.p = nullptr;
+    return r;
+  };
+  return lookup_core(plans, flat.v.data(), nullptr, n, tables, types, alloc, finish, threads, pack);
 }
 
 // bind(open, add, close, threads_for): the serving library's runner functions' addresses.
@@ -1429,14 +1342,8 @@ PyObject* bind_numpy(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
-PyObject* set_flag(PyObject* args, bool& setting);
-
-// set_direct_numpy(on) -> the previous setting: whether arrays are read directly and
-// output views made by numpy's C API once bind_numpy succeeded (default true; for A/B).
-PyObject* set_direct_numpy(PyObject*, PyObject* args) { return set_flag(args, g_direct_numpy); }
-
-// The setters below: `setting` takes the call's one argument (a count, negatives 0; or a
-// flag), its previous value returned.
+// set_count(args, setting): `setting` takes the call's one argument (a count, negatives
+// 0), its previous value returned.
 PyObject* set_count(PyObject* args, int64_t& setting) {
   long long n;
   if (!PyArg_ParseTuple(args, "L", &n)) return nullptr;
@@ -1445,17 +1352,9 @@ PyObject* set_count(PyObject* args, int64_t& setting) {
   return PyLong_FromLongLong(previous);
 }
 
-PyObject* set_flag(PyObject* args, bool& setting) {
-  int on;
-  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
-  const bool previous = setting;
-  setting = on != 0;
-  return PyBool_FromLong(previous);
-}
-
 // set_hold_gil_below(n) -> the previous value: requests of fewer than n entries keep the
-// GIL while their kernels run when no other thread is inside a host lookup (0: every
-// request releases it; default 32768).
+// GIL while their kernels run when requests are not shared (0: every request releases
+// it; default 32768). The policy's one setting (embedmesh.serving.settings).
 PyObject* set_hold_gil_below(PyObject*, PyObject* args) {
   return set_count(args, g_hold_gil_below);
 }
@@ -1471,7 +1370,7 @@ void enter_now() {
                    std::memory_order_relaxed);
   }
   if (g_last_thread != &t_token) {  // another thread than the last one: shared a while
-    if (g_last_thread != nullptr) g_shared_until_ns = now_ns() + g_shared_window_us * 1000;
+    if (g_last_thread != nullptr) g_shared_until_ns = now_ns() + kSharedWindowUs * 1000;
     g_last_thread = &t_token;
   }
 }
@@ -1493,17 +1392,17 @@ PyObject* leave(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// serve(served, inputs, tables): serving_embedding_lookup's dict request with numpy
-// outputs in one call, enter and leave included: `served` is (config, index, features,
-// plans, order, types, alloc, threads) as `lookup_dict` takes them (fast_path keeps it for
-// the model its last such request served). The result dict, or what `lookup_dict` gives
-// otherwise (None, NotImplemented, False: the caller's usual path then); NotImplemented
-// at once, without entering, where inputs or tables are not dicts. Saves a request the
-// Python layers above `lookup_dict` (~0.9 us of GIL-held time alone, ~2 us with two
-// serving threads: benchmarks/serving/RESULTS.md, online).
+// serve(served, inputs, tables): serving_embedding_lookup's dict request in one call,
+// enter and leave included: `served` is (config, index, features, plans, order, types,
+// alloc, threads, finish, collect), the first eight as `lookup_dict_of` takes them, then
+// its finish (None: numpy outputs) and collect (None, or called first: jaxlib's flush of
+// deleted arrays, so that their buffers are free for this request). The result dict, or
+// what `lookup_dict_of` gives otherwise (None, NotImplemented, False: the caller's usual
+// path then); NotImplemented at once, without entering, where inputs or tables are not
+// dicts.
 PyObject* serve(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_Size(args[0]) != 8) {
-    PyErr_SetString(PyExc_TypeError, "serve(served: 8-tuple, inputs, tables)");
+  if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_Size(args[0]) != 10) {
+    PyErr_SetString(PyExc_TypeError, "serve(served: 10-tuple, inputs, tables)");
     return nullptr;
   }
   PyObject* inputs = args[1];
@@ -1522,26 +1421,19 @@ PyObject* serve(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const long long threads = PyLong_AsLongLong(PyTuple_GetItem(served, 7));
   if (threads == -1 && PyErr_Occurred()) return nullptr;
+  PyObject* collect = PyTuple_GetItem(served, 9);
+  if (collect != Py_None) {
+    Owned done(PyObject_CallNoArgs(collect));
+    if (done.p == nullptr) return nullptr;
+  }
   struct Inside {
-    int64_t t0 = 0;
-    Inside() {
-      if (g_handover_timing) {
-        t0 = now_ns();
-        t_released_ns = 0;
-      }
-      enter_now();
-    }
-    ~Inside() {
-      leave_now();
-      if (g_handover_timing && t0 != 0) {
-        ++g_serve_calls;
-        g_serve_held_ns += now_ns() - t0 - t_released_ns;
-      }
-    }
+    Inside() { enter_now(); }
+    ~Inside() { leave_now(); }
   } inside;
   try {
     return lookup_dict_of(PyTuple_GetItem(served, 0), index, features, plans, order, inputs,
-                          tables, types, PyTuple_GetItem(served, 6), Py_None, threads);
+                          tables, types, PyTuple_GetItem(served, 6), PyTuple_GetItem(served, 8),
+                          threads);
   } catch (const std::bad_alloc&) {
     return PyErr_NoMemory();
   } catch (const std::exception& e) {
@@ -1550,32 +1442,11 @@ PyObject* serve(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
-// set_handoff_us(us) -> the previous value: how long a thread waits, after its kernels,
-// for a thread it left waiting for the GIL to run (0: no wait; default 200).
-PyObject* set_handoff_us(PyObject*, PyObject* args) { return set_count(args, g_handoff_us); }
-
-// set_fair_gil(on) -> the previous setting: whether serving threads whose kernels end
-// take the GIL back in the order their kernels ended (default true).
-PyObject* set_fair_gil(PyObject*, PyObject* args) { return set_flag(args, g_fair_gil); }
-
-// set_kernel_slots(n) -> the previous value: at most n serving threads run their kernels
-// at once while requests are shared (0: no limit; default 0).
-PyObject* set_kernel_slots(PyObject*, PyObject* args) { return set_count(args, g_kernel_slots); }
-
-// set_between_us(us) -> the previous value: how long after a serving thread that holds
-// the GIL left its lookup the first in line still waits for it (0: not at all; default
-// 100), while serving threads come back within it.
-PyObject* set_between_us(PyObject*, PyObject* args) { return set_count(args, g_between_us); }
-
-// set_one_buffer(on) -> the previous setting: whether a request's outputs are views of
-// one buffer taken for it (default true) or each its own buffer from the pool.
-PyObject* set_one_buffer(PyObject*, PyObject* args) { return set_flag(args, g_one_buffer); }
-
 PyObject* in_flight(PyObject*, PyObject*) { return PyLong_FromLongLong(g_in_flight); }
 
 // set_block_cache(nbytes) -> the previous value: the bytes of small request buffers kept
-// for reuse once their outputs are gone (fast_path binds it to the output pool's limit, up
-// to 1 MiB); the cache is trimmed to it at once.
+// for reuse once their outputs are gone (bound to the output pool's limit, up to 1 MiB);
+// the cache is trimmed to it at once.
 PyObject* set_block_cache(PyObject*, PyObject* args) {
   PyObject* previous = set_count(args, g_block_cache_bytes);
   if (previous != nullptr) trim_blocks(g_block_cache_bytes);
@@ -1588,18 +1459,6 @@ PyObject* block_cache(PyObject*, PyObject*) {
                        static_cast<long long>(g_free_block_bytes));
 }
 
-// set_release_when_shared(on) -> the previous setting: whether a small request releases
-// the GIL while other threads are inside a host lookup (default true).
-PyObject* set_release_when_shared(PyObject*, PyObject* args) {
-  return set_flag(args, g_release_when_shared);
-}
-
-// set_shared_window_us(us) -> the previous value: how long after another thread entered
-// a lookup a request counts as shared (0: only while another is inside one).
-PyObject* set_shared_window_us(PyObject*, PyObject* args) {
-  return set_count(args, g_shared_window_us);
-}
-
 // stats() -> (requests, requests that released the GIL, ns between releasing it and
 // asking for it back, their kernels): counted since the process started.
 PyObject* stats(PyObject*, PyObject*) {
@@ -1607,63 +1466,10 @@ PyObject* stats(PyObject*, PyObject*) {
                        static_cast<long long>(g_released), static_cast<long long>(g_released_ns));
 }
 
-// set_handover_timing(on) -> the previous setting: whether `serve` calls and shared
-// releases are timed (handover_stats; default off).
-PyObject* set_handover_timing(PyObject*, PyObject* args) {
-  return set_flag(args, g_handover_timing);
-}
-
-// handover_stats() -> (serve calls timed, ns they held the GIL, shared releases timed, ns
-// from their kernels' end to the GIL taken back, how many of those slept on the turns'
-// futex): counted while set_handover_timing is on, since the process started.
-PyObject* handover_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("(LLLLLLL)", static_cast<long long>(g_serve_calls),
-                       static_cast<long long>(g_serve_held_ns),
-                       static_cast<long long>(g_shared_releases),
-                       static_cast<long long>(g_back_ns), static_cast<long long>(g_turn_sleeps),
-                       static_cast<long long>(g_turn_ns), static_cast<long long>(g_first_ns));
-}
-
-// set_turn_spin_us(us) -> the previous value: how long the next in line for the GIL
-// spins before it sleeps on the turns' futex (0: sleeps at once).
-PyObject* set_turn_spin_us(PyObject*, PyObject* args) { return set_count(args, g_turn_spin_us); }
-
-// set_first_pause(on) -> the previous setting: whether the first in line spins with a
-// pause instead of sched_yield.
-PyObject* set_first_pause(PyObject*, PyObject* args) { return set_flag(args, g_first_pause); }
-
-// set_plan_cache(on) -> the previous setting: whether the plans read last are kept
-// (default true; off: read every request, for A/B).
-PyObject* set_plan_cache(PyObject*, PyObject* args) { return set_flag(args, g_plan_cache); }
-
 PyMethodDef kMethods[] = {
-    {"set_plan_cache", set_plan_cache, METH_VARARGS,
-     "Whether the plans read last are kept for the next request."},
-    {"set_turn_spin_us", set_turn_spin_us, METH_VARARGS,
-     "How long the next in line for the GIL spins before it sleeps."},
-    {"set_first_pause", set_first_pause, METH_VARARGS,
-     "Whether the first in line for the GIL spins with a pause instead of sched_yield."},
-    {"set_handover_timing", set_handover_timing, METH_VARARGS,
-     "Whether serve calls and shared releases are timed (handover_stats)."},
-    {"handover_stats", handover_stats, METH_NOARGS,
-     "(serve calls, ns holding the GIL, shared releases, ns kernels' end to GIL, sleeps)."},
-    {"set_shared_window_us", set_shared_window_us, METH_VARARGS,
-     "How long after another thread entered a lookup a request counts as shared."},
     {"stats", stats, METH_NOARGS, "(requests, released the GIL, ns released)."},
     {"set_hold_gil_below", set_hold_gil_below, METH_VARARGS,
      "Requests of fewer entries keep the GIL while their kernels run, when alone."},
-    {"set_release_when_shared", set_release_when_shared, METH_VARARGS,
-     "Whether a small request releases the GIL while others are in a lookup."},
-    {"set_handoff_us", set_handoff_us, METH_VARARGS,
-     "How long a thread waits for one it left waiting for the GIL to run."},
-    {"set_fair_gil", set_fair_gil, METH_VARARGS,
-     "Whether serving threads take the GIL back in the order their kernels ended."},
-    {"set_kernel_slots", set_kernel_slots, METH_VARARGS,
-     "At most this many serving threads run their kernels at once (0: no limit)."},
-    {"set_between_us", set_between_us, METH_VARARGS,
-     "How long the first in line waits for a thread that left a lookup holding the GIL."},
-    {"set_one_buffer", set_one_buffer, METH_VARARGS,
-     "Whether a request's outputs are views of one buffer."},
     {"enter", enter, METH_NOARGS, "A thread starts a host lookup."},
     {"leave", leave, METH_NOARGS, "A thread ends a host lookup."},
     {"in_flight", in_flight, METH_NOARGS, "Threads inside a host lookup now."},
@@ -1673,13 +1479,9 @@ PyMethodDef kMethods[] = {
     {"lookup", guarded<lookup_checked>, METH_VARARGS,
      "A request's common features on the C++ kernels."},
     {"serve", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(serve)), METH_FASTCALL,
-     "A dict request with numpy outputs in one call, enter and leave included."},
-    {"lookup_dict", guarded<lookup_dict>, METH_VARARGS,
-     "A flat dict request of a flat dict model on the C++ kernels."},
+     "A dict request in one call, enter and leave included."},
     {"bind", bind, METH_VARARGS, "Bind the serving library's runner functions."},
     {"bind_numpy", bind_numpy, METH_VARARGS, "Bind numpy's C API: direct reads and views."},
-    {"set_direct_numpy", set_direct_numpy, METH_VARARGS,
-     "Whether arrays are read directly and output views made by numpy's C API."},
     {nullptr, nullptr, 0, nullptr},
 };
 

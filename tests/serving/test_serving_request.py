@@ -1,11 +1,13 @@
-"""The serving lookup's fast path (`embedmesh/serving/fast_path.py`) against the general
-host path and float64 numpy.
+"""The serving request's compiled rules (`embedmesh/serving/ext/request.cc`, bound by
+`embedmesh/serving/request.py`) against their Python restatement (the oracle,
+tests/support/request_rules.py), the general host path and float64 numpy.
 
-The fast path must take every common input (ragged, 2-D sparse and dense ids without
-weights on float32 tables), give the general path's outputs bit for bit (and the float64
-reference's within float32 rounding), hand every other input to the general path, and on
-any error let the general path raise exactly the error it always raised. Outputs are
-poisoned (0xFF bytes) before the kernels write them.
+The compiled rules must take every common input (ragged, 2-D sparse and dense ids, with
+or without weights, on float32 and quantized tables) exactly where the oracle does, give
+the oracle's and the general path's outputs bit for bit (and the float64 reference's
+within float32 rounding), hand every other input to the general path, and on any error
+let the general path raise exactly the error it always raised. Outputs are poisoned
+(0xFF bytes) before the kernels write them.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import request_rules
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serving import reference_lookup
 
 import embedmesh as em
-from embedmesh.serving import fast_path, kernels, lookup, native, pool
+from embedmesh.config import resolve_feature_config
+from embedmesh.inputs import flatten_inputs_like
+from embedmesh.serving import kernels, lookup, native, pool, request
+from embedmesh.serving import settings as serving_settings
 from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.quantized import QuantizedTable, quantize_table
 
@@ -37,55 +43,68 @@ SETTINGS = settings(
 VOCAB = 300
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def request_form(request, native_poisoned, monkeypatch):
-    """The native backend, outputs poisoned, tiny requests shared (conftest); every test
-    runs on both forms of the fast path's checks: the compiled one
-    (`embedmesh.serving._request`, where the install built it) and fast_path.py's."""
-    if request.param == "compiled" and not fast_path.compiled_available():
+@pytest.fixture(autouse=True)
+def compiled_rules(native_poisoned):
+    """The native backend, outputs poisoned, tiny requests shared (conftest), and the
+    compiled request rules (built at install); no model remembered from another test."""
+    if request.compiled is None:
         pytest.skip("embedmesh.serving._request was not built")
-    monkeypatch.setattr(fast_path, "_use_compiled", request.param == "compiled")
-    _no_served(monkeypatch)
-    return request.param
+    request.forget_served()
+    yield
+    request.forget_served()
 
 
-def _no_served(monkeypatch):
-    """Every request through the layers these tests spy on or replace (`fast_path.lookup`,
-    `lookup_dict`), none straight to `_request.serve` (test_serving_threads.py's
-    test_served_requests_equal_the_usual_path covers that one)."""
-    monkeypatch.setattr(fast_path, "_use_serve", False)
-    monkeypatch.setattr(fast_path, "served", None)
+def _set(monkeypatch, name: str, value) -> None:
+    """A serving setting for this test (the model served last forgotten, as the
+    settings' setters do)."""
+    monkeypatch.setattr(serving_settings, name, value)
+    request.forget_served()
 
 
 @pytest.fixture
 def spy(monkeypatch):
-    """What each fast-path call returned: a list of results, or None (the general path).
-    A request of a dict model takes `fast_path.lookup_dict` (NotImplemented: not of its
-    form, then `fast_path.lookup`), any other `fast_path.lookup`."""
+    """What each compiled call answered, one entry a request that reached it: the result,
+    or None (the general path's). A dict request of a dict model takes `_request.serve`
+    (NotImplemented or False: not of its form, or the config changed: then
+    `_request.lookup`), any other `_request.lookup`."""
     seen: list = []
-    real, real_dict = fast_path.lookup, fast_path.lookup_dict
+    real_serve, real_lookup = lookup._serve, request.compiled.lookup
 
-    def spied(*a, **k):
-        out = real(*a, **k)
+    def spied_serve(*a):
+        out = real_serve(*a)
+        if out is not NotImplemented and out is not False:
+            seen.append(out if type(out) is dict else None)
+        return out
+
+    def spied_lookup(*a):
+        out = real_lookup(*a)
         seen.append(out)
         return out
 
-    def spied_dict(*a, **k):
-        out = real_dict(*a, **k)
-        if out is not NotImplemented:
-            seen.append(out)
-        return out
-
-    _no_served(monkeypatch)
-    monkeypatch.setattr(fast_path, "lookup", spied)
-    monkeypatch.setattr(fast_path, "lookup_dict", spied_dict)
+    monkeypatch.setattr(lookup, "_serve", spied_serve)
+    monkeypatch.setattr(request.compiled, "lookup", spied_lookup)
     return seen
 
 
 def _general_only(monkeypatch):
-    _no_served(monkeypatch)
-    monkeypatch.setattr(fast_path, "lookup", lambda *a, **k: None)
-    monkeypatch.setattr(fast_path, "lookup_dict", lambda *a, **k: None)
+    """Every request on the general path (as without the compiled module)."""
+    monkeypatch.setattr(lookup, "_serve", None)
+    monkeypatch.setattr(request, "served", None)
+    monkeypatch.setattr(request, "compiled", None)
+
+
+def _oracle(fcs, inputs, weights, tables, threads):
+    """The oracle's outputs of the request (a list in the config's flat order), or None
+    where its rules leave it to the general path."""
+    resolved = resolve_feature_config(fcs)
+    flat = flatten_inputs_like(resolved, inputs, "features")
+    flat_w = (
+        [None] * len(flat) if weights is None else flatten_inputs_like(resolved, weights, "weights")
+    )
+    if type(tables) is not dict:
+        return None
+    out = request_rules.lookup(resolved.features, flat, flat_w, tables, threads)
+    return None if out is None else dict(zip(resolved.feature_names, out))
 
 
 def _lengths(rng, batch, empty_rows):
@@ -176,26 +195,34 @@ def _build(p):
 
 def _both_paths(p, fcs, tables, inputs, weights, spy, monkeypatch):
     """The lookup on `p["threads"]` host threads, then again on the general path alone:
-    (fast result, general result, whether the first request took the fast path)."""
+    (compiled result, general result, whether the first request took the compiled
+    rules). The oracle takes the request exactly where the compiled rules do, with the
+    same outputs bit for bit."""
     previous = lookup.set_host_threads(p["threads"])
     try:
         spy.clear()
         got = em.serving_embedding_lookup(inputs, weights, tables, fcs)
         assert len(spy) == 1
+        oracle = _oracle(fcs, inputs, weights, tables, p["threads"])
         with monkeypatch.context() as m:
             _general_only(m)
             want = em.serving_embedding_lookup(inputs, weights, tables, fcs)
     finally:
         lookup.set_host_threads(previous)
-    return got, want, spy[0] is not None
+    taken = spy[0] is not None
+    assert (oracle is not None) == taken, "the compiled rules and the oracle disagree"
+    for name, x in (oracle or {}).items():
+        if x is not None:
+            np.testing.assert_array_equal(np.asarray(got[name]), x, err_msg=name)
+    return got, want, taken
 
 
 @SETTINGS
 @given(p=requests())
-def test_common_inputs_take_the_fast_path_and_equal_the_general_path(p, spy, monkeypatch):
+def test_common_inputs_take_the_compiled_rules_and_equal_the_general_path(p, spy, monkeypatch):
     fcs, tables, inputs, weights = _build(p)
     got, want, fast = _both_paths(p, fcs, tables, inputs, weights, spy, monkeypatch)
-    assert fast, "a common request left the fast path"
+    assert fast, "a common request left the compiled rules"
     for name, fc in fcs.items():
         assert isinstance(got[name], jax.Array)
         _equal_and_near_reference(name, fc, got, want, tables, inputs, weights)
@@ -228,11 +255,11 @@ def _quantized(rng, kind, dim):
     p=requests(),
     qkinds=st.lists(st.sampled_from(["int8", "fp16", "bf16", "codes"]), min_size=4, max_size=4),
 )
-def test_quantized_tables_take_the_fast_path_and_equal_the_general_path(
+def test_quantized_tables_take_the_compiled_rules_and_equal_the_general_path(
     p, qkinds, spy, monkeypatch
 ):
     """Ragged and sparse features on int8, fp16 and codes tables (numpy rows) are common:
-    the fast path sums them with EmServingBagQ, bit for bit the general path's, within
+    the compiled rules sum them with EmServingBagQ, bit for bit the general path's, within
     float32 summation of the float64 sums of the decoded rows. A dense lookup (a gather of
     float rows) or a bf16 table leaves the request to the general path."""
     fcs, tables, inputs, weights = _build(p)
@@ -266,7 +293,7 @@ def _common(rng, n=3, dim=16, batch=20):
 
 
 def _uncommon_cases(rng, fcs, tables, inputs):
-    """(what, features, tables, inputs, weights) the fast path must leave to the general path
+    """(what, features, tables, inputs, weights) the compiled rules must leave to the general path
     (the feature in the middle uncommon, f0 prepared before it)."""
     f1 = inputs["f1"]
     tc1 = fcs["f1"].table
@@ -294,27 +321,32 @@ def _uncommon_cases(rng, fcs, tables, inputs):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_uncommon_inputs_take_the_general_path(threads, spy, monkeypatch):
-    """Each uncommon input: the fast path says None, and the lookup equals the general
-    path's (which the other serving tests check against float64), on 1 and 2 threads. A
-    sequence feature or output_shape is seen before anything is prepared."""
+    """Each uncommon input: the compiled rules say None (as the oracle does), and the
+    lookup equals the general path's (which the other serving tests check against
+    float64), on 1 and 2 threads."""
     rng = np.random.default_rng(3)
     fcs, tables, inputs = _common(rng)
-    prepared = []
-    real_prepare = fast_path._prepare
-    monkeypatch.setattr(fast_path, "_prepare", lambda *a: prepared.append(1) or real_prepare(*a))
-    monkeypatch.setattr(lookup, "_host_threads", threads)
+    _set(monkeypatch, "host_threads", threads)
     for what, f, t, x, w in _uncommon_cases(rng, fcs, tables, inputs):
         spy.clear()
-        prepared.clear()
         got = em.serving_embedding_lookup(x, w, t, f)
         assert spy == [None], what
-        if what in ("sequence feature", "output_shape", "a list of ids"):
-            assert not prepared, what
+        assert _oracle(f, x, w, t, threads) is None, what
         with monkeypatch.context() as m:
             _general_only(m)
             want = em.serving_embedding_lookup(x, w, t, f)
         for k in want:
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=what)
+
+
+def _finishes(monkeypatch) -> list:
+    """`before_run` of each call that makes a compiled request's result (`_finish_dict`
+    for a dict request, `_finish_common` for any other)."""
+    made: list = []
+    for name in ("_finish_dict", "_finish_common"):
+        real = getattr(lookup, name)
+        monkeypatch.setattr(lookup, name, lambda *a, real=real: made.append(a[-1]) or real(*a))
+    return made
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -325,10 +357,8 @@ def test_outputs_are_wrapped_before_the_kernels_and_alias_their_buffers(threads,
     fcs, tables, inputs = _common(rng, n=4)
     inputs["f2"] = rng.integers(0, VOCAB, (20, 3))  # a dense feature among the bags
     del inputs["f3"]  # and a feature without input
-    made = []
-    real = lookup._finish_common
-    monkeypatch.setattr(lookup, "_finish_common", lambda *a: made.append(a[-1]) or real(*a))
-    monkeypatch.setattr(lookup, "_host_threads", threads)
+    made = _finishes(monkeypatch)
+    _set(monkeypatch, "host_threads", threads)
     got = em.serving_embedding_lookup(inputs, None, tables, fcs)
     assert made == [True]
     assert sorted(got) == ["f0", "f1", "f2"]
@@ -349,14 +379,12 @@ def test_outputs_copied_when_wrapped_are_wrapped_again_after_the_kernels(
     values."""
     rng = np.random.default_rng(7)
     fcs, tables, inputs = _common(rng, n=3)
-    made = []
-    real = lookup._finish_common
-    monkeypatch.setattr(lookup, "_finish_common", lambda *a: made.append(a[-1]) or real(*a))
+    made = _finishes(monkeypatch)
     monkeypatch.setattr(
         lookup, "_host_to_jax_via", lambda outs: ([jnp.array(x) for x in outs], batched)
     )
     monkeypatch.setattr(lookup, "_batched_put_aliases", False)
-    monkeypatch.setattr(lookup, "_host_threads", threads)
+    _set(monkeypatch, "host_threads", threads)
     got = em.serving_embedding_lookup(inputs, None, tables, fcs)
     assert made == [True, False]
     for name, x in got.items():
@@ -365,16 +393,11 @@ def test_outputs_copied_when_wrapped_are_wrapped_again_after_the_kernels(
         np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize(
-    "threads, min_entries, handed_over", [(1, 1, False), (2, 1, True), (2, 10**9, False)]
-)
-def test_requests_for_several_threads_are_handed_over_task_by_task(
-    threads, min_entries, handed_over, request_form, monkeypatch
-):
-    """A request that several threads share goes to the pool task by task as each is
-    made; one that runs on one thread (one given, or too few ids for two) is one C++
-    call. Both give the kernels' values. (The Python form's routes: the compiled form
-    always hands its tasks over, and none of these run.)"""
+@pytest.mark.parametrize("threads, min_entries", [(1, 1), (2, 1), (2, 10**9)])
+def test_requests_run_in_the_compiled_call_alone(threads, min_entries, monkeypatch):
+    """A common request runs its tasks from the compiled call (on one thread, or shared by
+    several): none goes through the Python runner's calls (`NativeRequest`, `run_tasks`,
+    the general path's and the oracle's), and the outputs are the kernels' values."""
     rng = np.random.default_rng(8)
     fcs, tables, inputs = _common(rng, n=3)
     calls = {"add_words": 0, "run_tasks": 0}
@@ -390,18 +413,13 @@ def test_requests_for_several_threads_are_handed_over_task_by_task(
 
     monkeypatch.setattr(native_backend.NativeRequest, "add_words", add_words)
     monkeypatch.setattr(native_backend, "run_tasks", run_tasks)
-    monkeypatch.setattr(lookup, "_host_threads", threads)
+    _set(monkeypatch, "host_threads", threads)
     previous = native.library().EmServingSetMinEntriesPerThread(min_entries)
     try:
         got = em.serving_embedding_lookup(inputs, None, tables, fcs)
     finally:
         native.library().EmServingSetMinEntriesPerThread(previous)
-    if request_form == "compiled":
-        assert calls == {"add_words": 0, "run_tasks": 0}
-    else:
-        assert calls == (
-            {"add_words": 3, "run_tasks": 0} if handed_over else {"add_words": 0, "run_tasks": 1}
-        )
+    assert calls == {"add_words": 0, "run_tasks": 0}
     for name, x in got.items():
         fc = fcs[name]
         want = reference_lookup(fc, inputs[name], None, tables[fc.table])
@@ -418,7 +436,7 @@ def test_pool_polling_leaves_results_alone(spin_us, monkeypatch):
     fcs, tables, inputs = _common(rng, n=4, batch=40)
     lib = native.library()
     previous = lib.EmServingSetPoolSpin(spin_us)
-    monkeypatch.setattr(lookup, "_host_threads", 2)
+    _set(monkeypatch, "host_threads", 2)
     try:
         for i in range(6):
             if i == 3:
@@ -497,10 +515,10 @@ def _bad_requests(rng):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_errors_are_the_general_paths(threads, spy, monkeypatch):
-    """A bad request: the fast path hands it on (None), the lookup raises the general
-    path's error word for word, naming the feature, and a good request after it runs on
-    the fast path again; one C++ call (1 thread) or tasks handed over (2)."""
-    monkeypatch.setattr(lookup, "_host_threads", threads)
+    """A bad request: the compiled rules hand it on (None), the lookup raises the general
+    path's error word for word, naming the feature, and a good request after it takes the
+    compiled rules again; on 1 thread or 2."""
+    _set(monkeypatch, "host_threads", threads)
     rng = np.random.default_rng(5)
     fcs, tables, bad = _bad_requests(rng)
     good = _common(np.random.default_rng(5), n=3)[2]
@@ -578,309 +596,4 @@ def test_concurrent_requests_from_python_threads(spy):
 def test_the_install_built_the_compiled_checks():
     """README's install builds `embedmesh.serving._request` wherever it builds the C++
     kernels (a failed build is optional for the install, so this says it)."""
-    assert fast_path.compiled_available(), "embedmesh.serving._request was not built"
-
-
-def test_the_compiled_checks_run_no_python_form(request_form, monkeypatch):
-    """On the compiled form a common request passes none of this module's Python checks
-    (they would double its cost); on the Python form it passes all of them."""
-    rng = np.random.default_rng(10)
-    fcs, tables, inputs = _common(rng, n=3)
-    ran = []
-    real = fast_path._prepare
-    monkeypatch.setattr(fast_path, "_prepare", lambda *a: ran.append(1) or real(*a))
-    got = em.serving_embedding_lookup(inputs, None, tables, fcs)
-    assert ran == ([] if request_form == "compiled" else [1])
-    for name, x in got.items():
-        fc = fcs[name]
-        want = reference_lookup(fc, inputs[name], None, tables[fc.table])
-        np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-6, err_msg=name)
-
-
-@pytest.mark.parametrize("numpy_outputs", [False, True])
-def test_dict_requests_follow_the_config_as_it_is_now(numpy_outputs, spy, monkeypatch):
-    """A model configured as one dict of features, asked with a dict of inputs: one
-    compiled call (`fast_path.lookup_dict`, where built) whose outputs come as a dict in
-    the inputs' key order, equal to the general path's; after a FeatureConfig is replaced
-    under its key (the same dict object), the new one is looked up; a key the config lacks
-    raises the general path's error; an explicit None input gives its None."""
-    rng = np.random.default_rng(11)
-    ta, tb = em.TableConfig(VOCAB, 8, combiner="sum"), em.TableConfig(VOCAB, 17, combiner="mean")
-    tc = em.TableConfig(VOCAB, 5, combiner="sqrtn")
-    fcs = {"b": em.FeatureConfig(tb), "a": em.FeatureConfig(ta)}
-    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb, tc)}
-    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
-
-    def both(inputs):
-        spy.clear()
-        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
-        taken = list(spy)
-        with monkeypatch.context() as m:
-            _general_only(m)
-            want = em.serving_embedding_lookup(inputs, None, tables, fcs)
-        assert list(got) == list(want) == list(inputs)
-        for k in want:
-            if want[k] is None:
-                assert got[k] is None
-                continue
-            assert (type(got[k]) is np.ndarray) == numpy_outputs
-            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
-        return got, taken
-
-    inputs = {k: _feature_input(rng, "ragged", 9, np.int64, np.int64, False, False) for k in "ba"}
-    got, taken = both(inputs)
-    assert taken and taken[0] is not None  # the fast path answered
-    got, _ = both({"a": inputs["a"], "b": inputs["b"]})  # the other key order
-    assert got["a"].shape == (9, 8)
-    fcs["a"] = em.FeatureConfig(tc)  # replaced in place: the same dict, a new table
-    got, taken = both(inputs)
-    assert got["a"].shape == (9, 5) and taken and taken[0] is not None
-    both({"a": None, "b": inputs["b"]})
-    with pytest.raises(ValueError) as fast_error:
-        em.serving_embedding_lookup({**inputs, "zz": inputs["a"]}, None, tables, fcs)
-    with monkeypatch.context() as m, pytest.raises(ValueError) as general_error:
-        _general_only(m)
-        em.serving_embedding_lookup({**inputs, "zz": inputs["a"]}, None, tables, fcs)
-    assert str(fast_error.value) == str(general_error.value)
-
-
-def _direct_numpy_or_skip(request_form) -> None:
-    if request_form != "compiled" or fast_path.direct_numpy(True) is None:
-        pytest.skip("the compiled form's direct numpy reads were not built")
-
-
-@settings(SETTINGS, max_examples=15)
-@given(p=requests(), numpy_outputs=st.booleans())
-def test_direct_numpy_reads_equal_buffer_exports(p, numpy_outputs, request_form, spy, monkeypatch):
-    """The compiled form reads numpy arrays' fields and makes each output a view made by
-    numpy's C API (`fast_path.direct_numpy`, on by default): the same outputs, bit for
-    bit, as through the buffer protocol and Python's API (a slice and a reshape), within
-    float32 rounding of the float64 reference; numpy outputs are C-contiguous writable
-    float32 arrays over memory no other output shares."""
-    _direct_numpy_or_skip(request_form)
-    fcs, tables, inputs, weights = _build(p)
-    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
-    results = []
-    previous_threads = lookup.set_host_threads(p["threads"])
-    try:
-        for direct in (True, False):
-            previous = fast_path.direct_numpy(direct)
-            try:
-                spy.clear()
-                results.append(em.serving_embedding_lookup(inputs, weights, tables, fcs))
-                assert spy and spy[0] is not None, "a common request left the fast path"
-            finally:
-                fast_path.direct_numpy(previous)
-    finally:
-        lookup.set_host_threads(previous_threads)
-    got, want = results
-    spans = []
-    for name, fc in fcs.items():
-        _equal_and_near_reference(name, fc, got, want, tables, inputs, weights)
-        if numpy_outputs:
-            out = got[name]
-            assert type(out) is np.ndarray and out.dtype == np.float32
-            assert out.flags.c_contiguous and out.flags.writeable
-            if out.nbytes:
-                start = out.__array_interface__["data"][0]
-                spans.append((start, start + out.nbytes))
-    spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "outputs overlap"
-
-
-def test_arrays_of_other_dtype_objects_are_read_through_the_buffer_protocol(request_form, spy):
-    """Direct reads take numpy's shared int64/int32/float32 dtype objects only: ids of an
-    int64 dtype with metadata (another dtype object) are read through the buffer protocol
-    and take the fast path all the same; big-endian ids (not native) take the general
-    path; both equal the float64 reference."""
-    _direct_numpy_or_skip(request_form)
-    rng = np.random.default_rng(12)
-    ta = em.TableConfig(VOCAB, 16, combiner="sum")
-    tb = em.TableConfig(VOCAB, 8, combiner="mean")
-    fcs = {"a": em.FeatureConfig(ta), "b": em.FeatureConfig(tb)}
-    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb)}
-    splits = np.array([0, 2, 2, 5], np.int64)
-    ids = rng.integers(0, VOCAB, 5)
-    for dtype, fast in ((np.dtype(np.int64, metadata={"m": 1}), True), (np.dtype(">i8"), False)):
-        assert dtype is not np.dtype(np.int64)
-        inputs = {k: em.RaggedTensor(ids.astype(dtype), splits) for k in fcs}
-        spy.clear()
-        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
-        assert spy and (spy[0] is not None) == fast, dtype
-        for name, fc in fcs.items():
-            plain = em.RaggedTensor(ids.astype(np.int64), splits)
-            want = reference_lookup(fc, plain, None, tables[fc.table])
-            np.testing.assert_allclose(np.asarray(got[name]), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("numpy_outputs", [False, True])
-def test_dict_requests_after_the_config_is_reordered(numpy_outputs, spy, monkeypatch):
-    """The compiled dict request walks the config alongside the order it had when planned
-    and maps inputs given in that order without lookups: a config whose same entries were
-    reinserted in another order, and inputs in any order, still take the fast path and
-    equal the float64 reference under each key."""
-    rng = np.random.default_rng(13)
-    tcs = [em.TableConfig(VOCAB, d, combiner=c) for d, c in ((8, "sum"), (17, "mean"), (5, "sum"))]
-    fcs = {k: em.FeatureConfig(t) for k, t in zip("cab", tcs)}
-    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in tcs}
-    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
-    inputs = {k: _feature_input(rng, "ragged", 4, np.int64, np.int64, False, False) for k in fcs}
-    for step in range(3):
-        if step == 1:
-            fcs["c"] = fcs.pop("c")  # the same entries, another order
-        for keys in ("cab", "bac", "ab"):
-            spy.clear()
-            got = em.serving_embedding_lookup({k: inputs[k] for k in keys}, None, tables, fcs)
-            assert spy and spy[0] is not None and list(got) == list(keys)
-            for k in keys:
-                want = reference_lookup(fcs[k], inputs[k], None, tables[fcs[k].table])
-                np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("numpy_outputs", [False, True])
-def test_small_request_buffers_are_reused_only_once_their_outputs_are_gone(
-    numpy_outputs, request_form, spy, monkeypatch
-):
-    """A small request's one output buffer comes from the compiled form's own cache
-    (`_request.set_block_cache`: within the output pool's limit, at most 1 MiB): outputs
-    still held are never written by later requests, buffers whose outputs are gone are
-    reused, every result equals the float64 reference, and a pool limit of 0 keeps none."""
-    _direct_numpy_or_skip(request_form)
-    import gc
-
-    compiled = fast_path._compiled
-    if not hasattr(compiled, "block_cache"):
-        pytest.skip("this build has no cache of small buffers")
-    rng = np.random.default_rng(14)
-    shapes = ((16, "sum"), (33, "mean"), (64, "sum"))
-    tcs = [em.TableConfig(VOCAB, d, combiner=c) for d, c in shapes]
-    fcs = {f"f{i}": em.FeatureConfig(t) for i, t in enumerate(tcs)}
-    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in tcs}
-    monkeypatch.setattr(lookup, "_numpy_outputs", numpy_outputs)
-
-    def request():
-        inputs = {
-            k: _feature_input(rng, "ragged", 3, np.int64, np.int64, False, False) for k in fcs
-        }
-        spy.clear()
-        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
-        assert spy and spy[0] is not None, "a common request left the fast path"
-        return inputs, got
-
-    def check(inputs, got):
-        for k, fc in fcs.items():
-            want = reference_lookup(fc, inputs[k], None, tables[fc.table])
-            np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-5, err_msg=k)
-
-    previous = pool.set_output_pool_limit(4 << 20)
-    try:
-        held = [request() for _ in range(3)]
-        for _ in range(4):  # buffers given back and reused, the held ones untouched
-            check(*request())
-        for inputs, got in held:
-            check(inputs, got)
-        del held
-        gc.collect()
-        if pool._pool.release is not None:
-            pool._pool.release()  # jaxlib lets go of the numpy arrays its arrays aliased
-        assert compiled.block_cache()[0] >= 1
-        check(*request())
-        pool.set_output_pool_limit(0)
-        assert compiled.block_cache() == (0, 0)
-        check(*request())
-        gc.collect()
-        if pool._pool.release is not None:
-            pool._pool.release()  # jaxlib lets go of the numpy arrays its arrays aliased
-        assert compiled.block_cache() == (0, 0)
-    finally:
-        pool.set_output_pool_limit(previous)
-
-
-def test_served_requests_equal_the_usual_path(request_form, monkeypatch):
-    """A dict request with numpy outputs of the model served last goes straight to one
-    compiled call (`_request.serve`, enter and leave included): its outputs equal the
-    usual path's bit for bit and the float64 reference; a config changed in place, weights,
-    jax outputs, another backend and a bad id each take the usual path (the same error),
-    and the threads inside a lookup return to 0."""
-    if request_form != "compiled" or fast_path.serve is None:
-        pytest.skip("the compiled form's serve was not built")
-    monkeypatch.setattr(fast_path, "_use_serve", True)
-    rng = np.random.default_rng(14)
-    ta, tb = em.TableConfig(VOCAB, 8, combiner="sum"), em.TableConfig(VOCAB, 17, combiner="mean")
-    tc = em.TableConfig(VOCAB, 5, combiner="sqrtn")
-    fcs = {"b": em.FeatureConfig(tb), "a": em.FeatureConfig(ta)}
-    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb, tc)}
-    monkeypatch.setattr(fast_path, "served", None)
-    monkeypatch.setattr(lookup, "_numpy_outputs", True)
-    calls = []
-    real = lookup._serve
-    monkeypatch.setattr(lookup, "_serve", lambda *a: calls.append(1) or real(*a))
-
-    def request():
-        return {k: _feature_input(rng, "ragged", 6, np.int64, np.int64, False, False) for k in "ab"}
-
-    def usual(inputs, weights=None):
-        previous = fast_path.serve_calls(False)
-        try:
-            return em.serving_embedding_lookup(inputs, weights, tables, fcs)
-        finally:
-            fast_path.serve_calls(previous)
-
-    first = request()
-    em.serving_embedding_lookup(first, None, tables, fcs)  # remembered for the next
-    assert fast_path.served is not None and not calls
-    for step in range(3):
-        if step == 2:
-            fcs["a"] = em.FeatureConfig(tc)  # replaced in place: planned again
-        for _ in range(2):  # after a change of the config: planned again, then remembered
-            em.serving_embedding_lookup(request(), None, tables, fcs)
-        assert fast_path.served is not None
-        calls.clear()
-        inputs = request()
-        got = em.serving_embedding_lookup(inputs, None, tables, fcs)
-        assert calls and fast_path.served is not None
-        want = usual(inputs)
-        assert list(got) == list(inputs)
-        for k, fc in fcs.items():
-            assert type(got[k]) is np.ndarray
-            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-            ref = reference_lookup(fc, inputs[k], None, tables[fc.table])
-            np.testing.assert_allclose(got[k], ref, rtol=1e-5, atol=1e-6, err_msg=k)
-        assert fast_path.in_flight() == 0
-    calls.clear()
-    weights = {
-        k: em.RaggedTensor(np.ones_like(v.values, np.float32), v.row_splits)
-        for k, v in inputs.items()
-    }
-    got = em.serving_embedding_lookup(inputs, weights, tables, fcs)  # weights: the usual path
-    assert not calls
-    for k in fcs:
-        np.testing.assert_array_equal(got[k], usual(inputs, weights)[k])
-    bad = {"a": em.RaggedTensor(np.array([0, VOCAB], np.int64), np.array([0, 2], np.int64))}
-    em.serving_embedding_lookup(first, None, tables, fcs)  # remembered again
-    assert fast_path.served is not None
-    with pytest.raises(ValueError, match="outside the table") as served_error:
-        em.serving_embedding_lookup(bad, None, tables, fcs)
-    assert calls and fast_path.served is None and fast_path.in_flight() == 0
-    with pytest.raises(ValueError) as usual_error:
-        usual(bad)
-    assert str(served_error.value) == str(usual_error.value)
-    em.serving_embedding_lookup(first, None, tables, fcs)
-    assert fast_path.served is not None
-    lookup.set_numpy_outputs(True)  # a setting's change forgets it
-    assert fast_path.served is None
-    em.serving_embedding_lookup(first, None, tables, fcs)
-    monkeypatch.setattr(lookup, "_numpy_outputs", False)
-    calls.clear()
-    out = em.serving_embedding_lookup(first, None, tables, fcs)  # jax outputs: not served
-    assert not calls and not any(type(x) is np.ndarray for x in out.values())
-    monkeypatch.setattr(lookup, "_numpy_outputs", True)
-    em.serving_embedding_lookup(first, None, tables, fcs)
-    previous = kernels.set_backend("numpy")
-    try:
-        assert fast_path.served is None
-        out = em.serving_embedding_lookup(first, None, tables, fcs)
-    finally:
-        kernels.set_backend(previous)
-    for k in fcs:
-        np.testing.assert_allclose(out[k], usual(first)[k], rtol=1e-5, atol=1e-6)
+    assert request.compiled is not None, "embedmesh.serving._request was not built"
