@@ -100,10 +100,12 @@ def _batch(r):
     }
 
 
-def _train(packing, on, opt, n, sharding="mod", steps=3, optimizers=(None, None, None)):
+def _train(
+    packing, on, opt, n, sharding="mod", steps=3, optimizers=(None, None, None), pipelined=False
+):
     packing(on)
     tables, feats = _features(optimizers)
-    emb = MeshEmbedding(feats, opt, mesh=mesh_of(n), capacities=CAPS, sharding=sharding)
+    emb = MeshEmbedding(feats, opt, pipelined, mesh=mesh_of(n), capacities=CAPS, sharding=sharding)
     emb.build()
     r = np.random.default_rng(5)
     emb.set_tables({t: signed(r, (t.vocabulary_size, t.dim)) for t in tables})
@@ -118,22 +120,30 @@ def _train(packing, on, opt, n, sharding="mod", steps=3, optimizers=(None, None,
 
 
 O = OPTIMIZERS
-CASES = {  # (default optimizer, each table's own, devices, strategy)
-    "optimizers_1dev": (O["Adagrad"], (O["FTRL"], O["RowWiseAdagrad"], O["SGD"]), 1, "mod"),
-    "rows_4dev": (O["Adam"], (O["AdagradMomentum"], None, O["Adagrad"]), 4, "mod"),
-    "pooled_2dev": (O["Adagrad"], (None, O["SGD"], None), 2, "row_wise_pooled"),
+CASES = {  # (default optimizer, each table's own, devices, strategy, pipelined)
+    "optimizers_1dev": (
+        O["Adagrad"],
+        (O["FTRL"], O["RowWiseAdagrad"], O["SGD"]),
+        1,
+        "mod",
+        False,
+    ),
+    "rows_4dev": (O["Adam"], (O["AdagradMomentum"], None, O["Adagrad"]), 4, "mod", False),
+    "pooled_pipelined_2dev": (O["Adagrad"], (None, O["SGD"], None), 2, "row_wise_pooled", True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_as_the_padded_layout(packing, case):
     """Every optimizer (dense Adam keeps whole rows, above) on one device, the row exchange
-    on 4 devices and pooling on the owners on 2: activations and every variable after 3
-    steps as the run with each slot an array; the table arrays are stored packed and the
-    bytes the plan counts are theirs; `embedding_table_shards` reads each table's rows."""
-    opt, optimizers, n, sharding = CASES[case]
-    got_emb, got_acts, tables = _train(packing, True, opt, n, sharding, optimizers=optimizers)
-    want_emb, want_acts, _ = _train(packing, False, opt, n, sharding, optimizers=optimizers)
+    on 4 devices and pooling on the owners on 2, pipelined: activations and every variable
+    after 3 steps as the run with each slot an array; the table arrays are stored packed
+    and the bytes the plan counts are theirs; `embedding_table_shards` reads each table's
+    rows."""
+    opt, optimizers, n, sharding, pipelined = CASES[case]
+    run = dict(optimizers=optimizers, pipelined=pipelined)
+    got_emb, got_acts, tables = _train(packing, True, opt, n, sharding, **run)
+    want_emb, want_acts, _ = _train(packing, False, opt, n, sharding, **run)
     for g, w in zip(got_acts, want_acts):
         _assert_same({"acts": g}, {"acts": w})
     _assert_same(_variables(got_emb), _variables(want_emb))
