@@ -17,7 +17,9 @@ later cases skipped when it runs out):
    segment_sum, the gradient of the gathered rows, Adagrad on them, a scatter with
    `unique_indices`: what a careful JAX user writes); at dim 64 also embedmesh with its
    TPU kernels off (XLA's ops: the path before them), and at `--apart-dims` with each
-   optimizer slot an array of its own (the layout before slots in rows: the A/B).
+   optimizer slot an array of its own (the layout before slots in rows: the A/B), and at
+   `--packed-dims` with narrow rows packed several to a 128-lane row (the layout a model
+   takes when its padded rows do not fit the chip: the A/B of packing).
 3. the row-move bound: a DMA a row (`ops.tpu.pallas`), gather and in-place scatter of
    the workload's distinct rows, at each width the steps move; then each step's rows
    moved (a gather for the lookup, a gather and a scatter of each array the update
@@ -164,9 +166,12 @@ def correctness(opt_name, smoke):
             feats[f"f{n}"] = RaggedTensor.from_row_lengths(ids.astype(np.int32), lengths)
         batches.append(feats)
 
+    packs = {}
+
     def run(devices):
         emb = em.MeshEmbedding(fc, optimizer=opt, mesh=Mesh(np.array(devices), ("d",)))
         emb.build()
+        packs[devices[0].platform] = {s.name: s.pack for s in emb.plan.stacks}
         emb.state = emb.core.state_from_tables(values)
         for feats in batches:
             acts, pres = emb(feats)
@@ -187,7 +192,12 @@ def correctness(opt_name, smoke):
     diff = max(float(np.abs(t_chip[k] - t_cpu[k]).max()) for k in t_cpu)
     sdiff = max([float(np.abs(s_chip[k] - s_cpu[k]).max()) for k in s_cpu] or [0.0])
     scale = max(float(np.abs(a).max()) for a in t_cpu.values())
-    return {"table_max_abs_diff": diff, "slot_max_abs_diff": sdiff, "table_max_abs": scale}
+    return {
+        "table_max_abs_diff": diff,
+        "slot_max_abs_diff": sdiff,
+        "table_max_abs": scale,
+        "packs": packs,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -242,6 +252,7 @@ def step_embedding(dim, v, batches, opt_name, pipelined, apart, table_dtype):
         dim_multiple=dim_multiple_for(device.platform),
         default_optimizer=opt,
         slots_in_rows=0 if apart else stacking.slots_in_rows_for(device.platform),
+        pack_lanes=stacking.pack_lanes_for(device.platform, padded_over_limit=False),
     )
     caps = em.compute_sparse_core_stats(feats, plan, num_devices_local=1).capacities()
     emb = em.MeshEmbedding(
@@ -309,8 +320,11 @@ def embedmesh_step(
     pipelined=False,
     apart=False,
     table_dtype="float32",
+    packed=False,
 ):
     """`apart`: each optimizer slot an array of its own (the layout before slots in rows).
+    `packed`: narrow rows packed several to a 128-lane row (the default pads them while
+    they fit the chip).
     `table_dtype`: the tables' storage type, "float32", "bfloat16" / "float16" (slots in
     the same type: in the rows), or "bfloat16+f32" (float32 slots: apart)."""
     import jax
@@ -321,8 +335,10 @@ def embedmesh_step(
     tpu_ops.ENABLED = kernels
     platform = jax.devices()[0].platform
     in_rows = stacking.PLATFORM_SLOTS_IN_ROWS.get(platform)
+    when = stacking.PACK_NARROW_ROWS
     if apart:
         stacking.PLATFORM_SLOTS_IN_ROWS[platform] = 0
+    stacking.PACK_NARROW_ROWS = "always" if packed and not apart else when
     try:
         emb, feats = step_embedding(dim, v, batches, opt_name, pipelined, apart, table_dtype)
         compile_s, enq, dev, end_to_end = time_step(emb, feats, batches, steps)
@@ -340,7 +356,10 @@ def embedmesh_step(
             "pipelined": pipelined,
             "slots": "apart" if apart else "in rows" if emb.plan.stacks[0].slot_columns else "-",
             "row_width": emb.plan.stacks[0].width,
+            "pack": emb.plan.stacks[0].pack,
             "state_bytes": sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(emb.state)),
+            "plan_bytes": emb.plan.bytes_per_device[0],
+            "own_bytes": own_bytes(emb, dim, v),
             "step_ms": dev * 1e3,
             "ids_per_s_M": ids / dev / 1e6,
             "enqueue_ms": enq * 1e3,
@@ -354,10 +373,19 @@ def embedmesh_step(
         }
     finally:
         tpu_ops.ENABLED = True
+        stacking.PACK_NARROW_ROWS = when
         if in_rows is None:
             stacking.PLATFORM_SLOTS_IN_ROWS.pop(platform, None)
         else:
             stacking.PLATFORM_SLOTS_IN_ROWS[platform] = in_rows
+
+
+def own_bytes(emb, dim, v):
+    """The float32 bytes of the step's tables and their optimizer slots at their own
+    widths (what a table holds at 1x)."""
+    opt = emb.core.optimizer_of(emb.plan.stacks[0].name)
+    slots = sum(opt.slot_width(k, dim) for k in opt.slot_names)
+    return T * v * (dim + slots) * 4
 
 
 def big_model(dim=64, tables=26, rows=1_000_000, steps=3):
@@ -582,6 +610,11 @@ def main():
         help="the step's table types, e.g. float32,bfloat16,bfloat16+f32 (float32 slots)",
     )
     ap.add_argument(
+        "--packed-dims",
+        default="16,32",
+        help="dims at which the step also runs with narrow rows packed ('' none)",
+    )
+    ap.add_argument(
         "--apart-dims",
         default="64",
         help="dims at which the step also runs with each slot an array ('' none)",
@@ -615,6 +648,11 @@ def main():
                 rep.case(
                     f"step/{name}/d{dim}",
                     lambda dt=dt: embedmesh_step(dim, v, batches, steps=steps, table_dtype=dt),
+                )
+            if str(dim) in args.packed_dims.split(","):
+                rep.case(
+                    f"step/embedmesh-packed/d{dim}",
+                    lambda: embedmesh_step(dim, v, batches, steps=steps, packed=True),
                 )
             if str(dim) in args.apart_dims.split(","):
                 rep.case(

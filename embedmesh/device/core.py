@@ -258,8 +258,8 @@ class EmbeddingCore:
         return state.slots[stack][field], 0
 
     def stack_shape(self, stack: str) -> tuple:
-        s = self.plan.stack(stack)
-        return (s.num_rows, s.width)
+        s = self.plan.stack(stack)  # packed narrow rows: `pack` a stored row
+        return (s.num_rows // s.pack, s.width * s.pack)
 
     def _make_stack_array(
         self, stack: str, default: float, pieces, width: int | None = None, dtype=None
@@ -875,7 +875,9 @@ class EmbeddingCore:
             for s in stacks:
                 c = csr[s]
                 act, carried = self.strategies[s].lookup(
-                    tables[s], self._shard_batch(c, previous), carry=s in viewed
+                    ops.packed.view(tables[s], self.plan.stack(s).pack),
+                    self._shard_batch(c, previous),
+                    carry=s in viewed,
                 )
                 if s in viewed:
                     view[s] = carried
@@ -1079,7 +1081,7 @@ class EmbeddingCore:
                     )
                     # ok False (rejected): every id becomes padding, no row moves
                     new_tables[s], new_slots[s] = self.strategies[s].update(
-                        tables[s],
+                        ops.packed.view(tables[s], spec.pack),
                         slots[s],
                         self._shard_batch(c, previous),
                         buf,
@@ -1087,6 +1089,7 @@ class EmbeddingCore:
                         keep=ok,
                         view=view.get(s),
                     )
+                    new_tables[s] = ops.packed.stored(new_tables[s])
                     previous = new_tables[s]
                 return new_tables, new_slots
 

@@ -28,7 +28,13 @@ from jax.sharding import PartitionSpec as P
 from embedmesh.device import ops
 from embedmesh.layout import sharding as mod_sharding
 
-__all__ = ["make_stack_array", "read_table", "table_block_array", "write_table"]
+__all__ = [
+    "logical_rows",
+    "make_stack_array",
+    "read_table",
+    "table_block_array",
+    "write_table",
+]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -59,18 +65,19 @@ def make_stack_array(
     spec = core.plan.stack(stack)
     dtype = spec.dtype if dtype is None else dtype
     S = spec.rows_per_shard
+    pack = spec.pack if width is None else 1  # packed narrow rows: the table array's
     width = spec.width if width is None else int(width)
-    shape = core.stack_shape(stack)[:1] + (width,)
-    on_host = S * width * np.dtype(dtype).itemsize < ops.HUGE_PAGE_MIN_BYTES
+    shape = (spec.num_rows // pack, width * pack)
+    # packed: the logical shard built on the host, then stored as its reshape (no copy)
+    on_host = pack > 1 or S * width * np.dtype(dtype).itemsize < ops.HUGE_PAGE_MIN_BYTES
     # a value a column (slots in the rows) is broadcast by XLA: the kernels fill scalars
     min_bytes = {} if np.ndim(default) == 0 else {"min_bytes": float("inf")}
     datas = []
     for device, index in core.row_sharding.addressable_devices_indices_map(shape).items():
-        j = (index[0].start or 0) // S
+        j = (index[0].start or 0) // (S // pack)  # stored rows a shard
         if on_host:
-            datas.append(
-                jax.device_put(_host_shard((S, width), default, dtype, pieces(j, device)), device)
-            )
+            host = _host_shard((S, width), default, dtype, pieces(j, device))
+            datas.append(jax.device_put(host.reshape(S // pack, width * pack), device))
             continue
         buf = ops.full((S, width), default, dtype, device, **min_bytes)
         for offset, rows, *column in pieces(j, device):
@@ -114,14 +121,15 @@ def read_table(
     if not arr.is_fully_addressable:
         arr = jax.jit(lambda a: a, out_shardings=core.replicated)(arr)
     spec = plan.stack(t.stack)
-    S = spec.rows_per_shard
+    S = spec.rows_per_shard // spec.pack  # stored rows a shard
     shards = [None] * core.num_shards
     seen = set()
     for shard in arr.addressable_shards:
         start = shard.index[0].start or 0
         j = start // S if shard.data.shape[0] == S else None
         if j is None:  # replicated: the whole stack on one device
-            full = np.asarray(shard.data)
+            full = logical_rows(spec, np.asarray(shard.data))
+            S = spec.rows_per_shard
             for jj in range(core.num_shards):
                 shards[jj] = full[
                     jj * S + t.local_row_offset : jj * S + t.local_row_offset + t.rows_per_shard,
@@ -131,14 +139,22 @@ def read_table(
         if j in seen:
             continue
         seen.add(j)
-        shards[j] = np.asarray(shard.data)[
+        shards[j] = logical_rows(spec, np.asarray(shard.data))[
             t.local_row_offset : t.local_row_offset + t.rows_per_shard, cols
         ]
     return mod_sharding.shards_to_table(shards, plan, t)
 
 
+def logical_rows(spec, x):
+    """A stack's (shard of its) table array `x` as its logical rows `[rows, spec.width]`:
+    packed narrow rows unpacked (a reshape: free in numpy, a copy in XLA), else `x`."""
+    if spec.pack == 1 or x.ndim != 2:
+        return x
+    return x.reshape(x.shape[0] * spec.pack, x.shape[1] // spec.pack)
+
+
 @functools.cache
-def _slicer(mesh, axes, rows: int, dim: int | None):
+def _slicer(mesh, axes, rows: int, dim: int | None, pack: int = 1):
     """jit: (stack [N*S, D], lo) -> table [N*rows, dim], each device slicing its own shard.
 
     `lo` (the table's first local row) is an argument, not a constant, so one
@@ -147,6 +163,7 @@ def _slicer(mesh, axes, rows: int, dim: int | None):
 
     def body(x, lo, col):
         if x.ndim == 2:
+            x = x.reshape(x.shape[0] * pack, x.shape[1] // pack)  # packed: its logical rows
             return jax.lax.dynamic_slice(x, (lo, col), (rows, dim))
         return jax.lax.dynamic_slice(x, (lo,), (rows,))
 
@@ -158,7 +175,7 @@ def _slicer(mesh, axes, rows: int, dim: int | None):
 
 
 @functools.cache
-def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
+def _writer(mesh, axes, donate: bool = True, spanned: bool = False, pack: int = 1):
     """jit: write a table's [N*rows, dim] blocks into a stack at local row `lo` of every
     shard (`lo` an argument: one compile per shape, not per table). `donate=True` writes
     in place (the stack is consumed); `donate=False` leaves the stack intact and returns a
@@ -168,6 +185,13 @@ def _writer(mesh, axes, donate: bool = True, spanned: bool = False):
     other shards keep their rows there (other tables' rows)."""
 
     def body(stack, piece, lo, col, first=None, span=None):
+        if pack > 1:  # packed narrow rows: written as logical rows, stored packed again
+            rows, lanes = stack.shape
+            logical = stack.reshape(rows * pack, lanes // pack)
+            return write(logical, piece, lo, col, first, span).reshape(rows, lanes)
+        return write(stack, piece, lo, col, first, span)
+
+    def write(stack, piece, lo, col, first, span):
         piece = piece.astype(stack.dtype)
         start = (lo, col) if stack.ndim == 2 else (lo,)
         if spanned:
@@ -193,9 +217,10 @@ def write_table(core, stack_array, piece, t, donate: bool, column: int = 0) -> j
     its local rows from column `column` (a slot kept in the rows: its first), on the
     shards of its span only (every shard for a replica)."""
     lo, col = np.int32(t.local_row_offset), np.int32(column)
+    pack = _pack_of(core, stack_array, t)
     if t.span == core.num_shards or t.replicated:
-        return _writer(core.mesh, core.axes, donate)(stack_array, piece, lo, col)
-    return _writer(core.mesh, core.axes, donate, True)(
+        return _writer(core.mesh, core.axes, donate, False, pack)(stack_array, piece, lo, col)
+    return _writer(core.mesh, core.axes, donate, True, pack)(
         stack_array, piece, lo, col, np.int32(t.first_shard), np.int32(t.span)
     )
 
@@ -206,18 +231,28 @@ def table_block_array(
     """The table's `[N * rows_per_shard, width]` array (default width: its dim, or what
     the array has) sliced out of its stack on device, from column `column`."""
     spec = core.plan.stack(t.stack)
+    pack = _pack_of(core, stack_array, t)
     if stack_array.ndim == 2:
-        dim = min(t.dim if width is None else width, stack_array.shape[1] - column)
+        dim = min(t.dim if width is None else width, stack_array.shape[1] // pack - column)
     else:
         dim = None
     if (
-        len(spec.tables) == 1
+        pack == 1
+        and len(spec.tables) == 1
         and t.local_row_offset == 0
         and t.rows_per_shard == spec.rows_per_shard
         and column == 0
         and (dim is None or dim == stack_array.shape[1])
     ):
         return stack_array  # the stack is exactly this table: no copy
-    return _slicer(core.mesh, core.axes, t.rows_per_shard, dim)(
+    return _slicer(core.mesh, core.axes, t.rows_per_shard, dim, pack)(
         stack_array, np.int32(t.local_row_offset), np.int32(column)
     )
+
+
+def _pack_of(core, stack_array, t) -> int:
+    """The logical rows a stored row of `stack_array` holds: the stack's `pack` for its
+    table array (packed narrow rows), 1 for a slot's array."""
+    spec = core.plan.stack(t.stack)
+    packed = stack_array.ndim == 2 and stack_array.shape[0] * spec.pack == spec.num_rows
+    return spec.pack if packed else 1

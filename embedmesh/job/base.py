@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from embedmesh.config import ResolvedFeatures
+from embedmesh.device import stack_tables
 from embedmesh.device.core import ID_STATS, EmbeddingCore, EmbeddingState
 from embedmesh.host import preprocess as _pre
 from embedmesh.inputs import flatten_inputs_like
@@ -445,7 +446,7 @@ class EmbeddingJob:
             shards = []
             rps = self.plan.stack(p.stack).rows_per_shard
             for shard in sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0):
-                block = shard.data[
+                block = stack_tables.logical_rows(self.plan.stack(p.stack), shard.data)[
                     p.local_row_offset : p.local_row_offset + p.rows_per_shard, : p.dim
                 ]
                 j = (shard.index[0].start or 0) // rps

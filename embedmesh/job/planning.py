@@ -21,7 +21,7 @@ from embedmesh.host import fingerprint as _fingerprint
 from embedmesh.inputs import flatten_inputs_like, to_csr
 from embedmesh.job.spec import JobSpec
 from embedmesh.layout import planner as _planner
-from embedmesh.layout.stacking import dim_multiple_for, slots_in_rows_for
+from embedmesh.layout.stacking import dim_multiple_for, pack_lanes_for, slots_in_rows_for
 
 __all__ = ["build", "planner_sample"]
 
@@ -103,13 +103,20 @@ def stacking(spec: JobSpec, mesh) -> dict:
     multiple and where slots are kept are the mesh's platform's (on a TPU: whole
     128-lane rows, the slots in them)."""
     platform = mesh.devices.flat[0].platform if mesh is not None else "cpu"
-    return dict(
+    options = dict(
         stack_tables=spec.stack_tables,
         max_stack_rows=spec.max_stack_rows,
         default_optimizer=spec.optimizer,
         dim_multiple=dim_multiple_for(platform),
         slots_in_rows=slots_in_rows_for(platform),
+        pack_lanes=0,
     )
+    if pack_lanes_for(platform):  # narrow rows packed where the padded ones do not fit
+        limit = memory_limit_of(spec, mesh, _peers.mesh_on_cpu(mesh))
+        memory = _planner.layout_memory(spec.resolved, mesh.size, **options)
+        held = memory(dict.fromkeys(spec.resolved.table_names, "mod"))
+        options["pack_lanes"] = pack_lanes_for(platform, limit is not None and max(held) > limit)
+    return options
 
 
 def memory_limit_of(spec: JobSpec, mesh, on_cpu: bool) -> float | None:

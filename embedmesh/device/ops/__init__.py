@@ -135,7 +135,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from embedmesh._runtime import PAD_ID, pooled_pair_fields
-from embedmesh.device.ops import cpu, gpu, reference, tpu
+from embedmesh.device.ops import cpu, gpu, packed, reference, tpu
 from embedmesh.device.ops.transport import Transport
 
 __all__ = [
@@ -277,8 +277,8 @@ def _dispatch(op: str, *args, **params):
             fn = functools.partial(kernel.fn, **params)
             for name in _LOWERING_PLATFORMS.get(platform, (platform,)):
                 branches[name] = fn
-    if not branches:
-        return ref(*args)
+    if not branches or any(isinstance(a, packed.PackedRows) for a in args):
+        return ref(*args)  # packed rows: the references, composed of the ops that read them
     crossing = "transport" in params
     previous = _crossing_order.last() if crossing else None
     default = ref
@@ -431,12 +431,17 @@ def _dispatch_on(device, op: str, *args, **params):
 
 
 def gather_rows(table, ids):
-    """`table[ids]` for int32 `ids` of shape [n]; zero rows for ids outside the table."""
+    """`table[ids]` for int32 `ids` of shape [n]; zero rows for ids outside the table
+    (a `packed.PackedRows`: its logical rows)."""
+    if isinstance(table, packed.PackedRows):
+        return packed.gather(table, ids)
     return _dispatch("gather_rows", table, ids.astype(jnp.int32))
 
 
 def scatter_rows(table, ids, rows):
     """`table.at[ids].set(rows, mode="drop")` in place; `ids` [n] distinct (PAD_ID allowed)."""
+    if isinstance(table, packed.PackedRows):
+        return packed.scatter(table, ids, rows)
     return _dispatch("scatter_rows", table, ids.astype(jnp.int32), rows.astype(table.dtype))
 
 
@@ -477,6 +482,18 @@ def segment_gather_sum(
     src_idx = src_idx.astype(jnp.int32)
     gains = gains.astype(jnp.float32)
     dst_idx = dst_idx.astype(jnp.int32)
+    if isinstance(src, packed.PackedRows):  # the mapped rows read, then summed as rows
+        if src_map is None:  # each pair's row read: then the pairs index their own rows
+            src_map, src_idx = src_idx, jnp.arange(src_idx.shape[0], dtype=jnp.int32)
+        return segment_gather_sum(
+            gather_rows(src, src_map),
+            src_idx,
+            gains,
+            dst_idx,
+            num_segments,
+            quantization=quantization,
+            columns=columns,
+        )
     if src_map is None:
         src = (src if columns is None else src[:, :columns]).astype(jnp.float32)
         if quantization is not None:
@@ -533,7 +550,10 @@ def sparse_update(optimizer, table, slots: dict, ids, grads, step):
 
 
 def _sparse_update_reference(table, slots, ids, grads, *, optimizer, step):
-    """Gather the rows and slots, `optimizer.update_rows`, scatter them back (any optimizer)."""
+    """Gather the rows and slots, `optimizer.update_rows`, scatter them back (any optimizer;
+    packed rows: their stored rows moved once, `packed.sparse_update`)."""
+    if isinstance(table, packed.PackedRows):
+        return packed.sparse_update(optimizer, table, slots, ids, grads, step=step)
     rows = gather_rows(table, ids)
     old = {k: gather_rows(v, ids) for k, v in slots.items()}
     if getattr(optimizer, "takes_ids", False):  # stochastic rounding (`device.rounding`)

@@ -9,7 +9,10 @@ its scatter writes them at 5.6 M and 12.7 M rows/s). Hence, on a TPU mesh:
 - every stack's rows are whole 128-lane vregs: `layout.stacking.dim_multiple_for`
   pads dims to a multiple of 128 there, a row-wise optimizer's stack too (its mean
   over its table's own columns, `RowWiseAdagrad.mean_dim`: before, its 64-wide rows
-  made its step 2.1x Adagrad's);
+  made its step 2.1x Adagrad's); a model whose padded rows would not fit stores its narrow
+  rows several to a 128-lane row instead (`embedmesh.device.ops.packed`: the same kernels
+  move whole 128-lane rows, XLA selects each id's lanes; its step 1.25-1.28x the padded
+  one at dims 16 and 32);
 - a stack's optimizer slots live in its rows (`layout.stacking.slots_in_rows_for`:
   `[w | acc]` in one 128-lane row at dims up to 64, 256 lanes at 128): the update
   gathers and scatters each touched row once, not once per array, and a dim-64 Adagrad
