@@ -278,6 +278,12 @@ def core_restore(
     checkpoint's row layout is unknown; and ValueError when a stored array
     cannot be read or does not match its checksum.
     """
+    if getattr(core, "tier", None):  # (its host rows: read through, not written yet)
+        raise NotImplementedError(
+            "restoring into a layer whose rows live in host memory (a host tier) is not "
+            "supported yet: restore into a layer that holds the model on its devices, or "
+            "read the tables with embedmesh.checkpoint.load_tables"
+        )
     _check_missing(missing)
     path = _item_dir(source, step, item)
     live = state  # what missing="keep" keeps

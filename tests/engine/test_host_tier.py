@@ -209,3 +209,34 @@ def test_stack_tier_directory_clock():
     ids3[0, 0, 1] = pad
     swap = tier.commit(ids3, tier.check(ids3, pin=True), pin=True)
     assert set(tier.row_of[0]) == {1, 2, 3, 4, 5}  # the other of 7, 9 evicted, the held kept
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_checkpoint_reads_through_and_restores_elsewhere(tmp_path, pipelined):
+    """A tiered layer's checkpoint holds its host rows with the cached ones over them
+    (checksums verified on reading); it restores onto a layer holding the model on its
+    devices (another device count too), to the tables of the all-in-device run."""
+    from embedmesh import checkpoint as ckpt
+
+    batches = _batches(5, seed=4)
+    mesh = mesh_of(8)
+    want = _train(_config(), em.Adagrad(0.1), batches, mesh, pipelined)
+    tiered = _train(
+        _config(),
+        em.Adagrad(0.1),
+        batches,
+        mesh,
+        pipelined,
+        host_tier="on",
+        host_tier_cache_rows=40,
+    )
+    ckpt.save(tmp_path / "t", tiered)
+    loaded = {t.name: v for t, v in ckpt.load_tables(tmp_path / "t").items()}
+    for t, v in want.embedding_tables.items():
+        np.testing.assert_array_equal(loaded[t.name], v)
+    for devices in (8, 2):
+        plain = em.MeshEmbedding(_config(), em.Adagrad(0.1), pipelined, mesh=mesh_of(devices))
+        ckpt.restore(plain, tmp_path / "t")
+        _same_variables(want, plain)
+    with pytest.raises(NotImplementedError, match="host tier"):
+        ckpt.restore(tiered, tmp_path / "t")
