@@ -72,6 +72,7 @@ class StackTier:
         self.slot_of = np.full((n, s), -1, np.int32)
         self.row_of = np.full((n, c), -1, np.int32)
         self.ref = np.zeros((n, c), bool)
+        self._mask = np.zeros(c, bool)  # `commit`'s held rows, all False between batches
         self.hand = np.zeros(n, np.int64)
         self.in_flight: tuple | None = None  # `used` of the last batch swapped in
         self._pending: tuple | None = None  # (victims, device array of their rows)
@@ -105,11 +106,8 @@ class StackTier:
             slots = self.slot_of[j, need]
             hits = slots[slots >= 0]
             misses = need.size - hits.size
-            held = np.zeros(self.cache_rows, bool)
-            held[hits] = True
-            if pin and self.in_flight is not None:
-                held[self.in_flight[j]] = True
-            free = self.cache_rows - int(held.sum())
+            held = self._held(j, hits, pin)
+            free = self.cache_rows - held.size
             least = need.size + (self.cache_rows - free - hits.size)
             if misses > free:
                 raise ValueError(
@@ -122,6 +120,13 @@ class StackTier:
                     f" (host_tier_cache_rows) or use smaller batches. Nothing was changed"
                 )
         return needed
+
+    def _held(self, j: int, hits: np.ndarray, pin: bool) -> np.ndarray:
+        """Shard j's cache rows a swap may not take: the batch's hits and, with `pin`,
+        the rows of the batch in flight (sorted, distinct)."""
+        if pin and self.in_flight is not None:
+            return np.union1d(hits, self.in_flight[j])
+        return np.unique(hits)
 
     def _victims(self, j: int, count: int, held: np.ndarray) -> np.ndarray:
         """`count` cache rows of shard j not `held`, by CLOCK: free or unused since the
@@ -152,13 +157,15 @@ class StackTier:
         for j, need in enumerate(needed):
             slots = self.slot_of[j, need]
             hit = slots >= 0
-            held = np.zeros(c, bool)
-            held[slots[hit]] = True
-            if pin and self.in_flight is not None:
-                held[self.in_flight[j]] = True
+            kept = self._held(j, slots[hit], pin)
+            self._mask[kept] = True  # (a mask kept between batches: no [C] array a batch)
             self.ref[j, slots[hit]] = True
             miss = need[~hit].astype(np.int32)
-            chosen = self._victims(j, miss.size, held).astype(np.int32)
+            try:
+                chosen = self._victims(j, miss.size, self._mask).astype(np.int32)
+            finally:
+                self._mask[kept] = False
+            self._mask[chosen] = False
             old = self.row_of[j, chosen]
             had = np.flatnonzero(old >= 0)
             self.slot_of[j, old[had]] = -1
