@@ -148,7 +148,7 @@ def throughput(rows, raws, steps, **kw):
     emb.build()
     build_s = time.perf_counter() - t0
     core = emb.core
-    host = []
+    host, misses = [], []
     tier = getattr(core, "tier", None)
     if tier:  # the host's share: the tier's swap (directory, gather, write-back, puts)
         swap_in = core.swap_in
@@ -157,6 +157,7 @@ def throughput(rows, raws, steps, **kw):
             t = time.perf_counter()
             r = swap_in(*a, **k)
             host.append(time.perf_counter() - t)
+            misses.append(sum(x.misses for x in tier.values()))
             return r
 
         core.swap_in = timed_swap
@@ -179,6 +180,7 @@ def throughput(rows, raws, steps, **kw):
         out["cache_rows"] = st.cache_rows
         out["host_swap_ms_median"] = round(float(np.median(host[-steps:])) * 1e3, 2)
         out["host_bytes"] = int(sum(a.nbytes for a in st.arrays))
+        out["misses_per_step_mean"] = round(float(np.mean(misses[-steps:])))
     print(out, flush=True)
     del emb, core
     gc.collect()

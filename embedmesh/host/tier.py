@@ -25,7 +25,6 @@ import dataclasses
 import numpy as np
 
 from embedmesh._runtime import PAD_ID
-from embedmesh.batch import capacity_bucket
 
 __all__ = ["StackTier", "Swap"]
 
@@ -75,6 +74,7 @@ class StackTier:
         self._mask = np.zeros(c, bool)  # `commit`'s held rows, all False between batches
         self.hand = np.zeros(n, np.int64)
         self.in_flight: tuple | None = None  # `used` of the last batch swapped in
+        self.misses = 0  # rows the last batch swapped in
         self._pending: tuple | None = None  # (victims, device array of their rows)
 
     def reset(self) -> None:
@@ -91,16 +91,24 @@ class StackTier:
     def _needed(self, unique_ids: np.ndarray) -> list:
         """Per shard, the distinct stack rows any device of this process reads of it."""
         ids = np.asarray(unique_ids)
-        return [np.unique(ids[:, j][ids[:, j] != PAD_ID]) for j in range(self.num_shards)]
+        out = []
+        for j in range(self.num_shards):
+            sub = ids[:, j]
+            valid = sub[sub != PAD_ID]
+            if ids.shape[0] > 1:  # several devices' lists: one sorted, distinct list
+                valid = np.sort(valid)
+                valid = valid[np.r_[True, valid[1:] != valid[:-1]]] if valid.size else valid
+            out.append(valid)  # (one device's list is distinct already)
+        return out
 
     def check(self, unique_ids: np.ndarray, pin: bool) -> list:
         """The batch's rows per shard; ValueError (nothing changed) when its misses do not
         fit the cache rows neither it nor, with `pin`, the batch in flight holds."""
         needed = self._needed(unique_ids)
         for j, need in enumerate(needed):
-            if need.size and (need[-1] >= self.rows or need[0] < 0):
+            if need.size and (need.max() >= self.rows or need.min() < 0):
                 raise ValueError(
-                    f"host tier of stack {self.name}: row {int(need[-1])} of shard {j} is "
+                    f"host tier of stack {self.name}: row {int(need.max())} of shard {j} is "
                     f"outside its {self.rows} rows"
                 )
             slots = self.slot_of[j, need]
@@ -123,10 +131,14 @@ class StackTier:
 
     def _held(self, j: int, hits: np.ndarray, pin: bool) -> np.ndarray:
         """Shard j's cache rows a swap may not take: the batch's hits and, with `pin`,
-        the rows of the batch in flight (sorted, distinct)."""
-        if pin and self.in_flight is not None:
-            return np.union1d(hits, self.in_flight[j])
-        return np.unique(hits)
+        the rows of the batch in flight (distinct)."""
+        if not (pin and self.in_flight is not None):
+            return hits  # (distinct: distinct rows have distinct cache rows)
+        mask, flight = self._mask, self.in_flight[j]
+        mask[hits] = True
+        extra = flight[~mask[flight]]
+        mask[hits] = False
+        return np.concatenate([hits, extra])
 
     def _victims(self, j: int, count: int, held: np.ndarray) -> np.ndarray:
         """`count` cache rows of shard j not `held`, by CLOCK: free or unused since the
@@ -175,7 +187,8 @@ class StackTier:
             loads.append((chosen, miss))
             victims.append((had, old[had]))
             used.append(self.slot_of[j, need])
-        m = capacity_bucket(max((x[0].size for x in loads), default=0), minimum=8)
+        # rows a swap moves, a power of two (>= 1024): few shapes to compile
+        m = 1 << max(10, int(max((x[0].size for x in loads), default=0) - 1).bit_length())
         slots = np.full((n, m), c, np.int32)
         for j, (chosen, _) in enumerate(loads):
             slots[j, : chosen.size] = chosen
@@ -185,6 +198,7 @@ class StackTier:
             valid = sub != PAD_ID
             sub[valid] = self.slot_of[j, sub[valid]]
         self.in_flight = tuple(used)
+        self.misses = sum(rows.size for _, rows in loads)  # (statistics: this batch's)
         return Swap(slots, tuple(x[1] for x in loads), tuple(victims), tuple(used), ids)
 
     def gather(self, swap: Swap, field: int) -> np.ndarray:
