@@ -302,6 +302,36 @@ class TieredCore(EmbeddingCore):
             return 0, spec.columns_of(field)[0]
         return self._fields(stack).index(field), 0
 
+    def tier_field(self, stack: str, field: str) -> tuple:
+        """`(index in the stack tier's arrays, first column)` of `field`."""
+        return self._where(stack, field)
+
+    def settle(self, state: EmbeddingState) -> None:
+        """The rows cached in `state` written into the host rows, the caches emptied
+        (a restore writes the host rows next)."""
+        for stack, tier in self.tier.items():
+            tier.write_back()
+            arrays = [np.asarray(jax.device_get(a)) for a in self._arrays(state, stack)]
+            for j in range(tier.num_shards):
+                slots, rows = tier.cached(j)
+                for host, cache in zip(tier.arrays, arrays):
+                    c = cache.reshape((tier.num_shards, tier.cache_rows) + cache.shape[1:])
+                    host[j, rows] = c[j, slots]
+            tier.reset()
+
+    def write_blocks(self, table, field: str, blocks: list) -> None:
+        """Table `table`'s `field` from its per-shard blocks (`host_blocks`' form) into
+        the host rows (the table's rows must not be cached: after `settle`)."""
+        t = self.full_plan.table(table)
+        tier = self.tier[t.stack]
+        i, col = self._where(t.stack, field)
+        for j, block in enumerate(blocks):
+            if not self.full_plan.row_layout.holds(t, j):
+                continue
+            block = np.asarray(block).reshape(block.shape[0], -1)
+            off = t.local_row_offset
+            tier.arrays[i][j, off : off + block.shape[0], col : col + block.shape[1]] = block
+
     def host_blocks(self, state: EmbeddingState, table, field: str = "parameters") -> list:
         """Table `table`'s `field` per shard, `[rows_per_shard, width]` blocks in the
         stack's local row order (`[0, width]` off its span): the host's rows with the

@@ -215,7 +215,7 @@ def test_stack_tier_directory_clock():
 def test_checkpoint_reads_through_and_restores_elsewhere(tmp_path, pipelined):
     """A tiered layer's checkpoint holds its host rows with the cached ones over them
     (checksums verified on reading); it restores onto a layer holding the model on its
-    devices (another device count too), to the tables of the all-in-device run."""
+    devices (another device count too), and checkpoints restore into tiered layers."""
     from embedmesh import checkpoint as ckpt
 
     batches = _batches(5, seed=4)
@@ -238,5 +238,23 @@ def test_checkpoint_reads_through_and_restores_elsewhere(tmp_path, pipelined):
         plain = em.MeshEmbedding(_config(), em.Adagrad(0.1), pipelined, mesh=mesh_of(devices))
         ckpt.restore(plain, tmp_path / "t")
         _same_variables(want, plain)
-    with pytest.raises(NotImplementedError, match="host tier"):
-        ckpt.restore(tiered, tmp_path / "t")
+    # and back into tiered layers: this one (trained on), one on 2 devices (a plain
+    # layer's checkpoint), which then trains as a plain layer restored from it does
+    ckpt.save(tmp_path / "p", want)
+    other, plain = (
+        em.MeshEmbedding(_config(), em.Adagrad(0.1), pipelined, mesh=mesh_of(2), **kw)
+        for kw in ({"host_tier": "on", "host_tier_cache_rows": 150}, {})
+    )
+    if pipelined:  # saved with an update pending: not into a tier yet
+        for emb, source in ((tiered, "t"), (other, "p")):
+            with pytest.raises(NotImplementedError, match="host tier"):
+                ckpt.restore(emb, tmp_path / source)
+        return
+    for emb, source in ((tiered, "t"), (other, "p"), (plain, "p")):
+        ckpt.restore(emb, tmp_path / source)
+        _same_variables(want, emb)
+    for emb in (other, plain):
+        for feats in _batches(2, seed=8):
+            acts, pre = emb(feats)
+            emb.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
+    _same_variables(plain, other)
