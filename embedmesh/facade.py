@@ -87,8 +87,8 @@ class MeshEmbedding:
         always; "off" refuses such a model. One process; float32 tables; not with
         tables of raw ids nor with Adam(lazy_adam=False). See docs/tpu.md.
       host_tier_cache_rows: rows a device caches of each tiered stack; default: what
-        fits in 75% of the memory limit. A batch needs its distinct rows (and, with an
-        update pending, that batch's too) cached at once.
+        fits in 75% of the memory limit. A batch needs its distinct rows (pipelined, with
+        an update pending, that batch's too) cached at once.
       seed: the initialisation seed, and that of the stochastic rounding of bfloat16 and
         float16 tables' updates (`TableConfig.dtype`).
 

@@ -10,9 +10,10 @@ is built on a device); it holds the full plan and the host side, and
 - `swap_in(state, csr, pending)`: before a batch's lookup, its misses gathered on the
   host and written into the cache by one small program (`_swap_program`), which hands
   back the rows it replaces (written to the host one batch later), and the batch's rows
-  mapped to cache rows, placed on the mesh. The rows of an update still pending (the
-  batch in flight) are never replaced, so the swap commutes with that update and the
-  fused step programs run as they are;
+  mapped to cache rows, placed on the mesh. Unpipelined, the job applies a pending
+  update first (on the devices while the host swaps); pipelined, the rows of the update
+  still pending (the batch in flight) are never replaced, so the swap commutes with it
+  and the fused step program runs as it is;
 - `init`, `state_from_tables`, `read_field` (tables, variables, checkpoints) and
   `host_blocks` read and write the host rows, overlaid with the cached rows of a state.
 

@@ -269,6 +269,10 @@ def _swapped_in(job, s: Schedule, csr: dict) -> tuple:
     it: `embedmesh.device.host_tier`)."""
     if s.after_lookup is not None:
         raise NotImplementedError("a host tier restored mid-pipeline")
+    if s.pending is not None and not job.pipelined:
+        # the update first: it runs on the devices while the host swaps, and holds no
+        # cache rows (pipelined, the lookup reads the tables before it: rows held)
+        s = flush(job, s)
     pending = s.pending[1] if s.pending is not None else None
     state, csr = job.core.swap_in(s.state, csr, pending, s.view[0] if s.view else None)
     return csr, s.but(state=state, observed=None)

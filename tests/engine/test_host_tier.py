@@ -258,3 +258,17 @@ def test_checkpoint_reads_through_and_restores_elsewhere(tmp_path, pipelined):
             acts, pre = emb(feats)
             emb.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
     _same_variables(plain, other)
+
+
+def test_prefetch_feeds_a_tiered_layer():
+    """Batches enqueued ahead in prefetch's thread are swapped in at dequeue, in order."""
+    mesh = mesh_of(8)
+    batches = _batches(5, seed=6)
+    want = _train(_config(), em.SGD(0.2), batches, mesh)
+    got = em.MeshEmbedding(
+        _config(), em.SGD(0.2), mesh=mesh, seed=3, host_tier="on", host_tier_cache_rows=40
+    )
+    for csr in got.prefetch(iter(batches), buffer_size=3):
+        acts, pre = got.dequeue(csr)
+        got.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
+    _same_variables(want, got)
