@@ -272,3 +272,29 @@ def test_prefetch_feeds_a_tiered_layer():
         acts, pre = got.dequeue(csr)
         got.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
     _same_variables(want, got)
+
+
+@pytest.mark.parametrize(
+    "sharding",
+    ["table_wise", "row_wise_pooled", {"a": "mod", "b": "data_parallel"}],
+    ids=["table_wise", "pooled", "b_data_parallel"],
+)
+def test_every_placement(sharding):
+    """Table-wise and pooled stacks are tiered like mod ones; a replicated stack stays on
+    the devices whole."""
+    mesh = mesh_of(8)
+    batches = _batches(4, seed=7)
+    opt = em.Adagrad(0.1)
+    want = _train(_config(dim_b=16), opt, batches, mesh, sharding=sharding)
+    got = _train(
+        _config(dim_b=16),
+        opt,
+        batches,
+        mesh,
+        sharding=sharding,
+        host_tier="on",
+        host_tier_cache_rows=120,
+    )
+    _same_variables(want, got)
+    replicated = {s.name for s in got.plan.stacks if s.replicated}
+    assert set(got.core.tier).isdisjoint(replicated) and got.core.tier
