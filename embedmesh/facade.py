@@ -83,9 +83,10 @@ class MeshEmbedding:
       host_tier: "auto" (default), "on" or "off": whether the tables' rows and slots
         live in host memory behind a row cache on each device (a host tier), so a
         model bigger than the devices trains, to the same tables. "auto" uses one
-        when the model does not fit `memory_limit_bytes` (logged at INFO); "on"
-        always; "off" refuses such a model. One process; float32 tables; not with
-        tables of raw ids nor with Adam(lazy_adam=False). See docs/tpu.md.
+        when the model does not fit an accelerator's limit or `memory_limit_bytes`
+        (on CPU: only that one) and logs it (INFO); "on" always; "off" refuses
+        such a model. One process; float32 tables; not with tables of raw ids nor
+        with Adam(lazy_adam=False). See docs/tpu.md.
       host_tier_cache_rows: rows a device caches of each tiered stack; default: what
         fits in 75% of the memory limit. A batch needs its distinct rows (pipelined, with
         an update pending, that batch's too) cached at once.

@@ -80,7 +80,8 @@ class JobSpec:
     `resolved` (the feature config resolved as TensorFlow does), the default
     `optimizer`, `pipelined` (`pipeline_execution_with_tensor_core`), `strategies`
     (`{table: strategy or "auto"}`), the stacking options, `batch_size`,
-    `memory_limit_bytes`, `capacities`, `overflow`, `check_finite` and `seed`."""
+    `memory_limit_bytes`, `capacities`, `overflow`, `check_finite`, `seed` and the host
+    tier's `host_tier` and `host_tier_cache_rows`."""
 
     resolved: ResolvedFeatures
     optimizer: Optimizer | None = None
