@@ -65,9 +65,10 @@ class MeshEmbedding:
         over the process's devices), or 256 a device when `build()` comes
         before any batch. `emb.plan` says which it used.
       memory_limit_bytes: the bytes of tables and optimizer slots a device may
-        hold (every plan, explicit or "auto": a plan over it is a ValueError
-        naming the tables, the bytes and the limit, raised by `build()` before
-        anything is allocated; "auto" picks among the plans that fit). Default:
+        hold (every plan, explicit or "auto": with `host_tier="off"` a plan over
+        it is a ValueError naming the tables, the bytes and the limit, raised by
+        `build()` before anything is allocated, by default a host tier then holds
+        the rows; "auto" picks among the plans that fit). Default:
         an accelerator's own limit (a GPU's or a TPU's `device.memory_stats()["bytes_limit"]`,
         counting a TPU's rows padded to 128 lanes); on CPU 80%
         of the host's physical memory over this process's devices.
@@ -79,6 +80,16 @@ class MeshEmbedding:
         processes, automatic and grown capacities are agreed among them (see
         `enqueue`).
       check_finite: a non-finite gradient raises and leaves tables untouched.
+      host_tier: "auto" (default), "on" or "off": whether the tables' rows and slots
+        live in host memory behind a row cache on each device (a host tier), so a
+        model bigger than the devices trains, to the same tables. "auto" uses one
+        when the model does not fit an accelerator's limit or `memory_limit_bytes`
+        (on CPU: only that one) and logs it (INFO); "on" always; "off" refuses
+        such a model. One process; float32 tables; not with tables of raw ids nor
+        with Adam(lazy_adam=False). See docs/tpu.md.
+      host_tier_cache_rows: rows a device caches of each tiered stack; default: what
+        fits in 75% of the memory limit. A batch needs its distinct rows (pipelined, with
+        an update pending, that batch's too) cached at once.
       seed: the initialisation seed, and that of the stochastic rounding of bfloat16 and
         float16 tables' updates (`TableConfig.dtype`).
 
@@ -106,6 +117,8 @@ class MeshEmbedding:
         seed: int = 0,
         batch_size: int | None = None,
         memory_limit_bytes: float | None = None,
+        host_tier: str = "auto",
+        host_tier_cache_rows: int | None = None,
     ):
         # every argument checked here (a ValueError naming a bad one), before build
         args = dict(locals())

@@ -11,7 +11,7 @@ from embedmesh.layout.rows import ROW_LAYOUTS, RowLayout, row_layout
 from embedmesh.layout.stacking import TablePlacement
 
 
-def _stored_rows(span: int, rows_per_shard: int, num_shards: int) -> int:
+def stored_row_count(span: int, rows_per_shard: int, num_shards: int) -> int:
     """Rows of a table's stored array: its span's blocks, rounded up to a multiple of the
     saving mesh's shards (`N * rows_per_shard` for a table on every shard)."""
     return -(-span * rows_per_shard // num_shards) * num_shards
@@ -28,7 +28,7 @@ def stored_shape_check(
 ):
     """`n`: the table's stored blocks (`stored_shards`); `num_shards`: the saving mesh's."""
     rps = meta_table["rows_per_shard"]
-    rows = _stored_rows(n, rps, num_shards)
+    rows = stored_row_count(n, rps, num_shards)
     if shape[0] != rows:
         padded = f", padded to a multiple of {num_shards}" if rows != n * rps else ""
         raise ValueError(

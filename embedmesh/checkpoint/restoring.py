@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from embedmesh.checkpoint import id_maps
+from embedmesh.checkpoint import tiered as _tiered
 from embedmesh.checkpoint.checksums import checksum_hex, device_checksum
 from embedmesh.checkpoint.format import DEFAULT_ITEM, LOOKUP_FIELD
 from embedmesh.checkpoint.leaves import (
@@ -295,6 +296,16 @@ def core_restore(
             len(rebuilt_todo),
         )
         new = _NewState(live, core.plan)
+        tiered = getattr(core, "tier", {})  # a host tier's tables: read on the host
+        staged = _tiered.restore_tiered(
+            core,
+            reader,
+            [x for x in todo if x[0].stack in tiered],
+            [leaf for x, leaf in zip(todo, leaves) if x[0].stack in tiered],
+            prefetch,
+        )
+        leaves = [leaf for x, leaf in zip(todo, leaves) if x[0].stack not in tiered]
+        todo = [x for x in todo if x[0].stack not in tiered]
         _read_direct(core, reader, new, todo, leaves, prefetch)
         _write_rebuilt(core, reader, new, dynamic, rebuilt_todo)
         maps = dict(live.id_maps)
@@ -303,6 +314,9 @@ def core_restore(
             maps[p.table.stack] = id_maps.place_maps(core, p, live_key)
         step_count = int(meta["step"])
         _log.info("restored %s (update count %d)", path, step_count)
+    if tiered:  # every leaf read and verified: now the host rows
+        state = _tiered.install(core, live, new.tables, new.slots, staged, step_count)
+        return RestoredState(state, step_count, new.lookup)
     restored = dataclasses.replace(
         live,
         tables=new.tables,

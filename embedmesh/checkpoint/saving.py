@@ -18,10 +18,17 @@ import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
 from embedmesh.checkpoint import id_map_format, id_maps
-from embedmesh.checkpoint.checksums import CHECKSUM, checksum_hex, device_checksum
+from embedmesh.checkpoint.checksums import (
+    CHECKSUM,
+    checksum_hex,
+    device_checksum,
+    logical_hasher,
+)
 from embedmesh.checkpoint.format import DEFAULT_ITEM, FORMAT, FORMAT_VERSION, LOOKUP_FIELD
 from embedmesh.checkpoint.reading import absolute_path
+from embedmesh.checkpoint.recut import stored_row_count
 from embedmesh.device.stack_tables import table_block_array
+from embedmesh.layout import sharding as mod_sharding
 
 _log = logging.getLogger(__name__)
 
@@ -38,7 +45,7 @@ def _version() -> str:
 @functools.cache
 def _spreader(mesh, axes, rows: int, span: int, n: int):
     """jit: (table [N*rows, ...] blocks, one per shard; first shard of its span) -> the
-    span's blocks one after another, `[_stored_rows(span, rows, N), ...]`, spread evenly
+    span's blocks one after another, `[stored_row_count(span, rows, N), ...]`, spread evenly
     over all N devices (zero rows at the end). One all_to_all: shard j sends device p the
     stored rows `[p*c, (p+1)*c)` it holds (`c` rows a device) and p keeps the pieces from
     the span's shards, so no device holds more than ~3 blocks' worth, and every process
@@ -75,7 +82,7 @@ def _spreader(mesh, axes, rows: int, span: int, n: int):
 
 def _span_array(core, arr: jax.Array, t) -> jax.Array:
     """What is stored of table `t`'s `[N * rows_per_shard, ...]` array: its blocks on the
-    shards of its span only, one after another (`[_stored_rows(...), ...]`, spread over
+    shards of its span only, one after another (`[stored_row_count(...), ...]`, spread over
     all devices); the array itself for a table on every shard."""
     n = core.num_shards
     if t.span == n:
@@ -105,10 +112,40 @@ def optimizer_name(opt) -> str | None:
     return None if opt is None else type(opt).__name__
 
 
+def _tiered_table(core, state, t, lookup: dict, hashes: dict, out: tuple) -> None:
+    """Table `t` of a host tier's stack into `out` (`(tables, slots, lookup tables, its
+    key)`) as numpy arrays stored as a mesh's are (its span's blocks one after another,
+    zero rows to a multiple of the shards), its checksums (`hashes`) the logical
+    table's: the host rows with the rows cached on the devices over them."""
+    tables, slots, stored_lookup, key = out
+    plan = core.full_plan
+    first, span = t.first_shard, t.span
+    rows = stored_row_count(span, t.rows_per_shard, core.num_shards)
+
+    def stored(st, field):
+        blocks = core.host_blocks(st, t, field)
+        logical = mod_sharding.shards_to_table(blocks, plan, t)
+        arr = np.zeros((rows,) + blocks[first].shape[1:], blocks[first].dtype)
+        arr[: span * t.rows_per_shard] = np.concatenate(blocks[first : first + span])
+        return arr, logical_hasher()(jax.device_put(logical, _host_cpu()))
+
+    tables[key], hashes.setdefault(t.name, {})["parameters"] = stored(state, "parameters")
+    slots[key] = {}
+    for name in core.slot_names(t.stack):
+        slots[key][name], hashes[t.name][name] = stored(state, name)
+    if t.stack in lookup:
+        stale = dataclasses.replace(state, tables=dict(state.tables, **{t.stack: lookup[t.stack]}))
+        stored_lookup[key], hashes[t.name][LOOKUP_FIELD] = stored(stale, "parameters")
+
+
+def _host_cpu():
+    return jax.local_devices(backend="cpu")[0]
+
+
 def _metadata(core, state, step: int) -> dict:
     """The "meta" document: everything from the core's plan and optimizers, slot names
     from the state."""
-    plan = core.plan
+    plan = getattr(core, "full_plan", core.plan)
     keys = _keys([t.name for t in plan.tables])
     tables = []
     for t in plan.tables:
@@ -160,7 +197,8 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
     update stale, stored as "lookup_tables" so that a pipelined restore resumes
     the same trajectory. Nothing is changed or donated.
     """
-    plan = core.plan
+    plan = getattr(core, "full_plan", core.plan)  # (a host tier's: its tables' plan)
+    tier = getattr(core, "tier", {})
     lookup = dict(lookup_tables or {})
     unknown = sorted(set(lookup) - {s.name for s in plan.stacks})
     if unknown:
@@ -175,6 +213,9 @@ def core_state_tree(core, state, *, lookup_tables: dict | None = None) -> dict:
     hashes = {}  # computed on the devices holding the arrays, fetched once
     for t in plan.tables:
         key = keys[t.name]
+        if t.stack in tier:  # rows in host memory: read through the tier
+            _tiered_table(core, state, t, lookup, hashes, (tables, slots, stored_lookup, key))
+            continue
         # each array's checksum on the whole mesh (shards outside the table's span count
         # nothing), then only the span's blocks are stored
         block = table_block_array(core, state.tables[t.stack], t)

@@ -316,6 +316,13 @@ class EmbeddingJob:
                 for v in value.values()
             )
         ):
+            if getattr(self.core, "tier", None):  # a host tier: placed by dequeue
+                if what != "dequeue":
+                    raise ValueError(
+                        f"{what}: this layer keeps rows in host memory (a host tier): its "
+                        f"batches are placed by dequeue (or embedding_lookup)"
+                    )
+                return value
             value = self.core.put(value)  # host arrays from preprocess_features
         return value
 
@@ -442,6 +449,10 @@ class EmbeddingJob:
         out = {}
         for t in self.tables:
             p = self.plan.table(t)
+            if p.stack in getattr(self.core, "tier", {}):  # rows in host memory
+                blocks = self.core.host_blocks(state, t)
+                out[t] = [(d, b) for d, b in zip(self.core.mesh.devices.flat, blocks)]
+                continue
             arr = state.tables[p.stack]
             shards = []
             rps = self.plan.stack(p.stack).rows_per_shard

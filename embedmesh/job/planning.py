@@ -15,9 +15,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from embedmesh import _runtime
+from embedmesh.device import host_tier as _host_tier
 from embedmesh.device import peers as _peers
-from embedmesh.device.core import EmbeddingCore, EmbeddingState
+from embedmesh.device.core import EmbeddingState
 from embedmesh.host import fingerprint as _fingerprint
+from embedmesh.host.tier import StackTier
 from embedmesh.inputs import flatten_inputs_like, to_csr
 from embedmesh.job.spec import JobSpec
 from embedmesh.layout import planner as _planner
@@ -44,7 +46,17 @@ def build(spec: JobSpec, mesh, sample: list | None = None) -> tuple:
         predicted=predicted,
         planned_batch=planned_batch,
     )
-    core = EmbeddingCore(plan, mesh, spec.optimizer, exchanges, rounding_seed=spec.seed)
+    core = _host_tier.core_for(
+        plan,
+        mesh,
+        spec.optimizer,
+        exchanges,
+        rounding_seed=spec.seed,
+        mode=spec.host_tier if may_tier(spec, _peers.mesh_on_cpu(mesh)) else "off",
+        cache_rows=spec.host_tier_cache_rows,
+        memory_limit=memory_limit_of(spec, mesh, _peers.mesh_on_cpu(mesh)),
+        make_tier=StackTier,
+    )
     devices = list(mesh.devices.flat)
     local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
     if local != list(range(local[0], local[0] + len(local))):
@@ -133,6 +145,14 @@ def memory_limit_of(spec: JobSpec, mesh, on_cpu: bool) -> float | None:
     return min(known) if known and len(known) == len(limits) else None
 
 
+def may_tier(spec: JobSpec, on_cpu: bool) -> bool:
+    """Whether a model over the memory limit may keep its rows in host memory: "on", or
+    "auto" with a limit that is not the host's own (an accelerator's, or one given)."""
+    if spec.host_tier == "on":
+        return True
+    return spec.host_tier == "auto" and (spec.memory_limit_bytes is not None or not on_cpu)
+
+
 def _planned_batch(spec: JobSpec, mesh, sample: list | None) -> tuple:
     """`(samples a device, the batch planned for in words)`: `batch_size`'s, else the
     first batch's, else the default."""
@@ -165,13 +185,8 @@ def plan_strategies(spec: JobSpec, mesh, sample: list | None) -> tuple:
     stats = _planner.table_stats(resolved, optimizers, sample)
     batch, planned_batch = _planned_batch(spec, mesh, sample)
     on_cpu = _peers.mesh_on_cpu(mesh)
-    chosen, predicted = _planner.plan(
-        stats,
-        dict(spec.strategies),
-        mesh.size,
-        batch,
-        _planner.machine_for(mesh, on_cpu),
-        memory_limit=memory_limit_of(spec, mesh, on_cpu),
+    limit = memory_limit_of(spec, mesh, on_cpu)
+    options = dict(
         memory_of=_planner.layout_memory(resolved, mesh.size, **stacking(spec, mesh)),
         # a table of raw ids cannot be replicated (its id map: `core._dynamic_stacks`)
         excluded={
@@ -180,6 +195,26 @@ def plan_strategies(spec: JobSpec, mesh, sample: list | None) -> tuple:
             if getattr(c, "id_map", None) is not None
         },
     )
+    machine = _planner.machine_for(mesh, on_cpu)
+    try:
+        chosen, predicted = _planner.plan(
+            stats, dict(spec.strategies), mesh.size, batch, machine, memory_limit=limit, **options
+        )
+    except ValueError:
+        if not may_tier(spec, on_cpu) or "data_parallel" in spec.strategies.values():
+            raise
+        # over the memory limit: a host tier holds the rows (`core_for` says so), the
+        # plan then unbounded, no table replicated (a replica is never tiered)
+        options["excluded"] = {t: ("data_parallel",) for t in names}
+        chosen, predicted = _planner.plan(
+            stats,
+            dict(spec.strategies),
+            mesh.size,
+            batch,
+            machine,
+            memory_limit=float("inf"),
+            **options,
+        )
     if spec.plans_from_a_batch and jax.process_count() > 1:
         codes = np.array(
             [

@@ -66,13 +66,22 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _check_host_tier(mode, cache_rows) -> None:
+    """ValueError for a host tier setting out of range (`MeshEmbedding`'s `host_tier`)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"host_tier must be 'auto', 'on' or 'off', got {mode!r}")
+    if cache_rows is not None and not (_is_int(cache_rows) and cache_rows >= 1):
+        raise ValueError(f"host_tier_cache_rows must be None or an int >= 1, got {cache_rows!r}")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class JobSpec:
     """An embedding job as declared (see `MeshEmbedding` for each argument):
     `resolved` (the feature config resolved as TensorFlow does), the default
     `optimizer`, `pipelined` (`pipeline_execution_with_tensor_core`), `strategies`
     (`{table: strategy or "auto"}`), the stacking options, `batch_size`,
-    `memory_limit_bytes`, `capacities`, `overflow`, `check_finite` and `seed`."""
+    `memory_limit_bytes`, `capacities`, `overflow`, `check_finite`, `seed` and the host
+    tier's `host_tier` and `host_tier_cache_rows`."""
 
     resolved: ResolvedFeatures
     optimizer: Optimizer | None = None
@@ -86,6 +95,8 @@ class JobSpec:
     overflow: str = "grow"
     check_finite: bool = True
     seed: int = 0
+    host_tier: str = "auto"
+    host_tier_cache_rows: int | None = None
 
     def describe(self, mesh: Mesh | None, built: bool) -> str:
         """What a `MeshEmbedding` of this spec holds, for its `repr`: its tables (name,
@@ -114,6 +125,8 @@ class JobSpec:
         seed: int = 0,
         batch_size: int | None = None,
         memory_limit_bytes: float | None = None,
+        host_tier: str = "auto",
+        host_tier_cache_rows: int | None = None,
     ) -> JobSpec:
         """The spec of `MeshEmbedding`'s arguments, each checked (a ValueError naming a
         bad one: an optimizer that is not embedmesh's, an unknown table or strategy, a
@@ -140,6 +153,7 @@ class JobSpec:
             overflow = "grow" if capacities is None else "error"
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        _check_host_tier(host_tier, host_tier_cache_rows)
         return cls(
             resolved,
             optimizer,
@@ -153,6 +167,8 @@ class JobSpec:
             overflow,
             check_finite,
             seed,
+            host_tier,
+            None if host_tier_cache_rows is None else int(host_tier_cache_rows),
         )
 
     @property

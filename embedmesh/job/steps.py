@@ -238,6 +238,8 @@ def dequeue(job, s: Schedule, csr: dict) -> tuple:
     rows (after the pending update unpipelined, at that update's step pipelined)."""
     p = job.programs
     fresh = None
+    if getattr(job.core, "tier", None):  # a host tier: the batch's misses into the caches
+        csr, s = _swapped_in(job, s, csr)
     if any(getattr(c, "unique_raw_ids", None) is not None for c in csr.values()):
         if job.pipelined and s.pending is not None:
             csr, fresh, s = _map_ahead(p, s, csr)
@@ -259,6 +261,21 @@ def dequeue(job, s: Schedule, csr: dict) -> tuple:
         if s.after_lookup is not None:  # restored mid-pipeline: now up to date
             s = s.but(state=s.after_lookup, after_lookup=None)
     return acts, csr, s.but(view=(csr, view))
+
+
+def _swapped_in(job, s: Schedule, csr: dict) -> tuple:
+    """`(the batch placed, its rows the cache rows of a host tier, next schedule)`: the
+    misses swapped in, never the rows of the pending update (so the swap commutes with
+    it: `embedmesh.device.host_tier`)."""
+    if s.after_lookup is not None:
+        raise NotImplementedError("a host tier restored mid-pipeline")
+    if s.pending is not None and not job.pipelined:
+        # the update first: it runs on the devices while the host swaps, and holds no
+        # cache rows (pipelined, the lookup reads the tables before it: rows held)
+        s = flush(job, s)
+    pending = s.pending[1] if s.pending is not None else None
+    state, csr = job.core.swap_in(s.state, csr, pending, s.view[0] if s.view else None)
+    return csr, s.but(state=state, observed=None)
 
 
 def _map_and_lookup(p: Programs, s: Schedule, csr: dict) -> tuple:

@@ -531,7 +531,12 @@ def test_no_plan_exceeds_the_memory_limit():
     assert "limit 5.0" in str(emb.plan)
     for sharding in ("table_wise", {"t0": "data_parallel"}):
         emb = MeshEmbedding(
-            feats, em.Adagrad(0.1), mesh=mesh_of(4), sharding=sharding, memory_limit_bytes=limit
+            feats,
+            em.Adagrad(0.1),
+            mesh=mesh_of(4),
+            sharding=sharding,
+            memory_limit_bytes=limit,
+            host_tier="off",  # (else a host tier holds the rows)
         )
         with pytest.raises(
             ValueError,
