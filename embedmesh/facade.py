@@ -301,6 +301,12 @@ class MeshEmbedding:
         among them, and each attempt, failed or not, is numbered: `apply_gradients`
         refuses a step whose processes are at different numbers (every process
         enqueues the same batches, evaluation ones included)."""
+        if isinstance(device, bool):  # TPUEmbedding v1's order: features, weights, training
+            raise TypeError(
+                f"enqueue: device={device!r} is a bool: TPUEmbedding (v1) takes `training` "
+                f"third, this layer takes `device` there (as TPUEmbeddingV2): pass "
+                f"training={device} by name"
+            )
         check_not_traced("enqueue", features, weights)
         self._maybe_build(features, weights)
         job = self.job

@@ -368,6 +368,8 @@ def test_enqueue_training_false_then_dequeue_follows_it():
         emb.apply_gradients(grad_of(acts), pre)
     with pytest.raises(TypeError, match="pass what enqueue returned"):
         emb.dequeue()
+    with pytest.raises(TypeError, match="pass training=False by name"):
+        emb.enqueue(inputs, weights, False)  # TPUEmbedding v1's positional order
     assert_same_snapshot(snapshot(emb), before)
 
 
