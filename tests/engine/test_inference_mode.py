@@ -393,8 +393,16 @@ def test_full_map_eval_admits_and_evicts_nothing():
     after = emb.embedding_tables[dyn]
     np.testing.assert_array_equal(after.ids, table.ids)
     np.testing.assert_array_equal(after.rows, table.rows)
-    acts, _ = emb({"v": trained[::-1].copy()}, training=False)
-    np.testing.assert_array_equal(np.asarray(acts["v"]), table.get(trained[::-1]))
+    mixed = np.concatenate([trained[::2], NEW_IDS[::2]])
+    acts, _ = emb({"v": mixed}, training=False)
+    np.testing.assert_array_equal(np.asarray(acts["v"]), table.get(mixed))
+    # the core's form, in a jitted step of one's own: find_rows, then lookup
+    core = emb.core
+    own = jax.jit(lambda state, csr: core.lookup(state, core.find_rows(state, csr)))
+    got = own(emb.state, emb.enqueue({"v": mixed}, training=False))
+    np.testing.assert_array_equal(np.asarray(got["v"]), np.asarray(acts["v"]))
+    assert emb.last_stats["v"].id_map == stats
+    np.testing.assert_array_equal(emb.embedding_tables[dyn].ids, table.ids)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
