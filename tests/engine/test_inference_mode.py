@@ -2,7 +2,7 @@
 
 For every table kind (float32, bfloat16 and float16 storage, a table of raw ids whose
 map is full, stacked and unstacked, sum / mean / sqrtn, ragged / sparse / dense inputs,
-weights), on 1 and 8 devices, pipelined and not:
+weights, a sequence feature), on 1 and 8 devices, pipelined and not:
 - an eval lookup equals `serving_embedding_lookup` on the tables the next training
   lookup reads (the tables of raw ids as their `RawIdTable`: unknown ids read zero rows),
   and a float64 numpy reference written here;
@@ -55,6 +55,7 @@ def features():
         "h": em.FeatureConfig(h),
         "f": em.FeatureConfig(f),
         "raw": em.FeatureConfig(raw),
+        "seq_h": em.FeatureConfig(h, max_sequence_length=2),  # [B, 2, dim], not combined
     }
 
 
@@ -87,6 +88,7 @@ def batch_of(rng, raw_pool=POOL):
         "h": _ragged(rng, 16, rng.integers(0, 3, BATCH)),
         "f": fs,
         "raw": raw,
+        "seq_h": _ragged(rng, 16, rng.integers(0, 4, BATCH)),
     }
 
     def w(n):
@@ -99,6 +101,7 @@ def batch_of(rng, raw_pool=POOL):
         "h": None,
         "f": em.SparseTensor(fs.indices, w(len(fs.values)), fs.dense_shape),
         "raw": em.RaggedTensor(w(len(raw.values)), raw.row_splits),
+        "seq_h": None,
     }
     return inputs, weights
 
@@ -127,8 +130,9 @@ def _bags(inp, weight):
 
 
 def reference(inputs, weights, tables, fc) -> dict:
-    """float64 loops: each sample's rows, weighted and combined (an empty bag: zeros);
-    a table of raw ids reads its `RawIdTable` by id (unknown ids: zero rows)."""
+    """float64 loops: each sample's rows, weighted and combined (an empty bag: zeros; a
+    sequence feature: each position's row, no combining); a table of raw ids reads its
+    `RawIdTable` by id (unknown ids: zero rows)."""
     out = {}
     for name, feature in fc.items():
         table = tables[feature.table]
@@ -139,6 +143,15 @@ def reference(inputs, weights, tables, fc) -> dict:
             else (lambda ids, t=table: np.asarray(t, np.float64)[ids])
         )
         res = []
+        if feature.max_sequence_length:  # each position's row, zeros past the bag's end
+            for ids, w in _bags(inputs[name], weights[name]):
+                seq = np.zeros((feature.max_sequence_length, feature.table.dim))
+                ids, w = ids[: len(seq)], w[: len(seq)]
+                if len(ids):
+                    seq[: len(ids)] = w[:, None] * rows_of(ids)
+                res.append(seq)
+            out[name] = np.stack(res)
+            continue
         for ids, w in _bags(inputs[name], weights[name]):
             if len(ids) == 0:
                 res.append(np.zeros(feature.table.dim))
