@@ -159,6 +159,9 @@ class PartitionedCsrFormatTensor:
                    `unique_ids`, in the host's order on CPU (each source device's ids
                    in order of first sighting), and this field None). None for
                    every other stack.
+      evaluation   bool (static): the batch of an evaluation lookup
+                   (`training=False`): its rows were read without changing any
+                   state, so it is refused as the batch of an update.
 
     On device d: `buffer = segment_sum(gains[..., None] *
     rows_j[pair_unique], pair_rows, R)` over all (j, p), with `rows_j` the
@@ -177,6 +180,7 @@ class PartitionedCsrFormatTensor:
     features: tuple
     batch_number: Any = None
     unique_raw_ids: Any = None
+    evaluation: bool = False
 
     _ARRAYS = (
         "unique_ids",
@@ -191,13 +195,20 @@ class PartitionedCsrFormatTensor:
         return (
             tuple(getattr(self, a) for a in self._ARRAYS)
             + (self.batch_number, self.unique_raw_ids),
-            (self.stack, self.rows_per_device, self.features),
+            (self.stack, self.rows_per_device, self.features, self.evaluation),
         )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         *arrays, batch_number, unique_raw_ids = children
-        return cls(*arrays, *aux, batch_number=batch_number, unique_raw_ids=unique_raw_ids)
+        *aux, evaluation = aux
+        return cls(
+            *arrays,
+            *aux,
+            batch_number=batch_number,
+            unique_raw_ids=unique_raw_ids,
+            evaluation=evaluation,
+        )
 
     @property
     def num_devices(self) -> int:

@@ -31,6 +31,8 @@ from embedmesh.optimizers import Optimizer
 
 __all__ = ["MeshEmbedding", "default_mesh"]
 
+_NOT_GIVEN: Any = object()  # `dequeue()` without its batch: a TypeError naming the fix
+
 
 class MeshEmbedding:
     """TPUEmbeddingV2's mid-level API on a JAX mesh (`embedmesh.tpu.TPUEmbeddingV2`).
@@ -293,26 +295,51 @@ class MeshEmbedding:
     # weights, plan, **options)` -> `(csr, stats)` (`embedmesh.host.preprocess`).
     preprocess_features = staticmethod(preprocess_features)
 
-    def enqueue(self, features: Any, weights: Any | None = None, device: str | None = None) -> dict:
+    def enqueue(
+        self,
+        features: Any,
+        weights: Any | None = None,
+        device: str | None = None,
+        training: bool = True,
+    ) -> dict:
         """Preprocess this process's batch on the host and place it on the mesh.
 
         Returns `{stack: PartitionedCsrFormatTensor}` of global arrays for
         `dequeue`. `device` is accepted for API compatibility: preprocessing
         always runs on this process's host and feeds all its local devices.
+        `training=False` (TPUEmbedding's argument) enqueues the batch for evaluation:
+        its `dequeue` is an evaluation lookup, which changes no state (see
+        `embedding_lookup`), and `last_stats` keeps the latest training batch's.
         In a job of several processes, capacities and batch shapes are agreed
         among them, and each attempt, failed or not, is numbered: `apply_gradients`
-        refuses a step whose processes are at different numbers."""
+        refuses a step whose processes are at different numbers (every process
+        enqueues the same batches, evaluation ones included)."""
+        if isinstance(device, bool):  # TPUEmbedding v1's order: features, weights, training
+            raise TypeError(
+                f"enqueue: device={device!r} is a bool: TPUEmbedding (v1) takes `training` "
+                f"third, this layer takes `device` there (as TPUEmbeddingV2): pass "
+                f"training={device} by name"
+            )
         check_not_traced("enqueue", features, weights)
         self._maybe_build(features, weights)
         job = self.job
         if job.multiprocess:
-            return self._agreed_put(job.prepare(self._feed.capacities, features, weights))
-        csr, self._last_stats, self._feed = job.enqueue(self._feed, features, weights)
-        return csr
+            prepared = job.prepare(self._feed.capacities, features, weights)
+            return self._agreed_put(prepared, training)
+        csr, stats, self._feed = job.enqueue(self._feed, features, weights)
+        return self._enqueued(csr, stats, training)
 
-    def _agreed_put(self, prepared: tuple) -> dict:
+    def _agreed_put(self, prepared: tuple, training: bool = True) -> dict:
         self._feed = self._feed.attempted()  # a failed attempt counts too
-        csr, self._last_stats, self._feed = self.job.agreed_put(self._feed, prepared)
+        csr, stats, self._feed = self.job.agreed_put(self._feed, prepared)
+        return self._enqueued(csr, stats, training)
+
+    def _enqueued(self, csr: dict, stats: PreprocessStats, training: bool) -> dict:
+        """An enqueued batch: a training batch's statistics kept, an evaluation batch
+        marked (its lookup changes nothing, its statistics included)."""
+        if not training:
+            return self.job.for_evaluation(csr)
+        self._last_stats = stats
         return csr
 
     def prefetch(self, batches: Iterable, buffer_size: int = 2) -> Iterator[dict]:
@@ -342,24 +369,40 @@ class MeshEmbedding:
 
     # -- lookup and update ----------------------------------------------------------
 
-    def dequeue(self, partitioned_tensors):
+    def dequeue(self, partitioned_tensors=_NOT_GIVEN):
         """Activations for enqueued inputs: `(activations, preserved_outputs)`.
 
         `partitioned_tensors` is `enqueue`'s `{stack: PartitionedCsrFormatTensor}`
         or, as TensorFlow's signature has it, a tuple `(that dict, int, int)`
         (the seed-form `preprocess_features` returns one; the ints are
         checked to be ints and otherwise unused). `preserved_outputs` is the
-        dict."""
+        dict. A batch enqueued with `training=False` gets an evaluation lookup
+        (see `embedding_lookup`)."""
+        if partitioned_tensors is _NOT_GIVEN:
+            raise TypeError(
+                "MeshEmbedding.dequeue() takes the batch to look up: pass what enqueue "
+                "returned, `acts, preserved = emb.dequeue(emb.enqueue(features))` "
+                "(TPUEmbedding's dequeue() reads an implicit queue; this layer has none)"
+            )
         check_not_traced("dequeue", partitioned_tensors)
         job = self._require_built("dequeue")
         csr = job.placed(partitioned_tensors, "dequeue")
         acts, csr, self._schedule = job.dequeue(self._schedule, csr)
         return acts, csr
 
-    def embedding_lookup(self, features: Any, weights: Any | None = None):
-        """`(activations, preserved_outputs)` for a batch: enqueue then dequeue."""
+    def embedding_lookup(self, features: Any, weights: Any | None = None, training: bool = True):
+        """`(activations, preserved_outputs)` for a batch: enqueue then dequeue.
+
+        `training=False` (an evaluation, as TPUEmbedding and Keras spell it): a lookup
+        that changes no state. Tables of raw ids admit, evict and count nothing: an id
+        their maps do not hold reads a zero row, as `serving_embedding_lookup` reads it
+        from `embedding_tables`. No update, step or optimizer slot changes; `last_stats`
+        keeps the latest training batch's. It reads what the next training lookup
+        would read: every accepted update unpipelined; pipelined, the tables one update
+        stale, the pending update left pending (the trajectory is unchanged). Its
+        `preserved_outputs` are refused by `apply_gradients` (a ValueError)."""
         check_not_traced("embedding_lookup (__call__)", features, weights)
-        return self.dequeue(self.enqueue(features, weights))
+        return self.dequeue(self.enqueue(features, weights, training=training))
 
     __call__ = embedding_lookup
 

@@ -734,6 +734,66 @@ class EmbeddingCore:
         stats = {s: {k: counts[s][:, i].sum() for i, k in enumerate(ID_STATS)} for s in stacks}
         return (state, csr, stats, kept) if keep_fresh else (state, csr, stats)
 
+    def find_rows(self, state: EmbeddingState, csr: dict) -> dict:
+        """`map_ids` read-only, for an evaluation lookup: the batch with the rows the id
+        maps hold for its raw ids (`PAD_ID`, a zero row, for an id they do not hold, as
+        serving reads it) and no raw ids; the state is only read (no admission, eviction,
+        count, last-used step or fresh row). Other stacks pass through unchanged. The
+        rows and pairs come in the order `map_ids` gives them, so `lookup` reads what
+        it would read after a `map_ids` that admitted nothing. Pure: jit it (nothing to
+        donate). A stack mapped already (no raw ids) passes through too."""
+        raw = {s: c for s, c in csr.items() if getattr(c, "unique_raw_ids", None) is not None}
+        stacks = self._mappable(state, raw)
+        if not stacks:
+            return csr
+        maps = {s: state.id_maps[s]["map"] for s in stacks}
+        ids = {s: csr[s].unique_ids for s in stacks}
+        raws = {s: csr[s].unique_raw_ids for s in stacks}
+        pairs = {s: (csr[s].pair_rows, csr[s].pair_unique, csr[s].pair_gains) for s in stacks}
+        as_is = id_map.blocks_as_mapped()
+
+        def body(maps, ids, raws, pairs):
+            found, previous = {}, None
+            for s in stacks:
+                found[s] = self.strategies[s].find_ids(
+                    maps[s], self._after(ids[s][0], previous), raws[s][0]
+                )
+                previous = found[s]
+            if as_is:  # (see `map_ids`)
+                return {s: r[None] for s, r in found.items()}, None
+            ordered = id_map.sort_mapped_many(
+                [(found[s], *(x[0] for x in pairs[s])) for s in stacks],
+                [csr[s].rows_per_device for s in stacks],
+            )
+            rows = {s: r[None] for s, (r, *_) in zip(stacks, ordered)}
+            return rows, {
+                s: tuple(x[None] for x in moved) for s, (_, *moved) in zip(stacks, ordered)
+            }
+
+        fn = self._shard_map(
+            body,
+            in_specs=(
+                self._specs(maps),
+                self._specs(ids),
+                self._specs(raws),
+                self._specs(pairs),
+            ),
+            out_specs=(self._specs(ids), None if as_is else self._specs(pairs)),
+        )
+        rows, moved = fn(maps, ids, raws, pairs)
+        out = dict(csr)
+        for s in stacks:
+            pr, pu, pg = pairs[s] if as_is else moved[s]
+            out[s] = dataclasses.replace(
+                csr[s],
+                unique_ids=rows[s],
+                unique_raw_ids=None,
+                pair_rows=pr,
+                pair_unique=pu,
+                pair_gains=pg,
+            )
+        return out
+
     def reinit_fresh_rows(
         self, state: EmbeddingState, fresh: dict, *, after_update: dict | None = None
     ) -> EmbeddingState:

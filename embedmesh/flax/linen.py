@@ -42,6 +42,13 @@ each array a global array sharded over the mesh
 exactly as the core shards it. `init` must run eagerly (not under `jax.jit`): the
 tables are built shard by shard on their devices.
 
+Evaluation (flax's `deterministic`, as `nn.Dropout` takes it: a module attribute or a
+call argument): `embed.apply(variables, csr, deterministic=True)` is a lookup that changes
+no state and needs no mutable collection, pipelined or not; a batch of raw ids is read
+through the id maps as it is (no admission, eviction or count: an id they do not hold
+reads a zero row, as serving reads it); `apply_gradients` refuses a batch made for
+evaluation (`map_ids(..., deterministic=True)`, `enqueue(..., training=False)`).
+
 Pipelined (`MeshEmbedding(..., pipeline_execution_with_tensor_core=True)`), the same
 step defers each update: `apply_gradients` keeps it in the collection (`"pending"`)
 and the next `__call__` applies it fused with its lookup, which reads the tables one
@@ -122,10 +129,12 @@ class Embed(nn.Module):
 
     `embedding`: a `MeshEmbedding` describing the job (features, optimizer, mesh,
     sharding, capacities, seed...), built at construction; its own state is dropped
-    (see `embedmesh.flax.nnx.Embed`).
+    (see `embedmesh.flax.nnx.Embed`). `deterministic`: evaluation mode (None or False:
+    training), which `__call__` and `map_ids` also take per call (the call's wins).
     """
 
     embedding: Any  # a MeshEmbedding (built on construction)
+    deterministic: bool | None = None  # evaluation: lookups that change no state
 
     def __post_init__(self):
         if hasattr(self.embedding, "release_state") and hasattr(self.embedding, "job"):
@@ -180,11 +189,23 @@ class Embed(nn.Module):
             id_maps=dict(maps or {}),
         )
 
-    def map_ids(self, csr: dict) -> dict:
+    def _evaluating(self, csr, deterministic: bool | None) -> bool:
+        """Evaluation: `deterministic` (the module's where None), or a batch enqueued or
+        mapped for evaluation; never while initialising."""
+        mode = self.deterministic if deterministic is None else deterministic
+        evaluating = bool(mode) or self.job.is_evaluation(csr)
+        return evaluating and not self.is_initializing()
+
+    def map_ids(self, csr: dict, deterministic: bool | None = None) -> dict:
         """A batch with tables of raw ids (`TableConfig.id_map`) mapped to rows by the
         id maps (call with `mutable=["embedding"]`: admissions and evictions change the
         maps, fresh rows the tables): the batch `__call__` and `apply_gradients` take.
-        A batch without raw ids comes back as it is."""
+        A batch without raw ids comes back as it is. With `deterministic` (evaluation)
+        the maps are only read (an id they do not hold gets a zero row), nothing
+        changes (no mutable collection needed), and the batch is marked for
+        evaluation."""
+        if self._evaluating(csr, deterministic):
+            return self.job.find_rows(self._embedding_state(), csr)
         pending = self._pending()
         state, csr, fresh = self.job.map_ids(self._embedding_state(), csr, pending)
         if state.id_maps:
@@ -194,12 +215,21 @@ class Embed(nn.Module):
             self._put(state, pending)
         return csr
 
-    def __call__(self, csr: dict) -> Any:
+    def __call__(self, csr: dict, deterministic: bool | None = None) -> Any:
         """Activations of an enqueued batch (`enqueue`; with tables of raw ids, the
         batch `map_ids` returns), in the feature config's structure. `init` takes a batch
         of raw ids too: its activations from a map thrown away (the variables keep the
         empty maps, so the first step maps that batch as any other). Pipelined with an
-        update pending, it is applied after the lookup (call with `mutable=["embedding"]`)."""
+        update pending, it is applied after the lookup (call with `mutable=["embedding"]`).
+
+        With `deterministic` (evaluation; default the module's attribute; or a batch
+        enqueued with `training=False`) the lookup changes no state: a batch of raw ids
+        is read through the id maps as it is (an unknown id reads a zero row), and,
+        pipelined, it reads the tables the next training lookup reads, the pending
+        update left pending."""
+        if self._evaluating(csr, deterministic):
+            acts, _ = self.job.infer(self._embedding_state(), csr)
+            return self._perturbed(acts)
         state = self._embedding_state()
         if self.is_initializing():
             _, csr, _ = self.job.map_ids(state, csr)
@@ -250,9 +280,14 @@ class Embed(nn.Module):
 
     # host side and checkpoints: plain methods of the (unbound) module
 
-    def enqueue(self, features: Any, weights: Any | None = None) -> dict:
-        """This process's batch preprocessed and placed on the mesh (`MeshEmbedding.enqueue`)."""
-        return self.layer.enqueue(features, weights)
+    def enqueue(
+        self, features: Any, weights: Any | None = None, training: bool | None = None
+    ) -> dict:
+        """This process's batch preprocessed and placed on the mesh (`MeshEmbedding.enqueue`);
+        `training=False` (default: `not deterministic`) marks it for evaluation."""
+        if training is None:
+            training = not self.deterministic
+        return self.layer.enqueue(features, weights, training=training)
 
     def prefetch(self, batches, buffer_size: int = 2):
         return self.layer.prefetch(batches, buffer_size)

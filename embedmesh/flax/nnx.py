@@ -32,6 +32,13 @@ passes the batch `map_ids` returns to the forward pass and `apply_gradients`:
 
 Their id maps are `Embed.id_maps` (`{stack: EmbeddingVariable}`, docs/dynamic-ids.md).
 
+Evaluation: `model.eval()` (nnx's switch, which sets `deterministic=True` on every
+module that has it; `model.train()` sets it back), `nnx.view(model, deterministic=True)`
+or `embed(csr, deterministic=True)` makes the lookup change no state: tables of raw ids
+are read through their id maps without admitting, evicting or counting (an id they do
+not hold reads a zero row, as serving reads it), a pending update stays pending, and a
+batch `map_ids` or `enqueue` give in that mode is refused by `apply_gradients`.
+
 Pipelined (`MeshEmbedding(..., pipeline_execution_with_tensor_core=True)`), the same
 step defers each update: `apply_gradients` keeps it in `Embed.pending` and the next
 forward pass applies it fused with its lookup, which reads the tables one update
@@ -65,6 +72,10 @@ class Embed(nnx.Module):
         from then on uses only its plan, its core and its host preprocessing (`enqueue`,
         `prefetch`). Its own state is dropped, so its state-reading methods must not be
         used: read `Embed.embedding_tables` instead.
+      deterministic: evaluation mode (False: training). `model.eval()` /
+        `model.train()` and `nnx.view(model, deterministic=...)` set it; the forward
+        pass and `map_ids` take it per call too. In evaluation the lookups change no
+        state: see `__call__`.
     """
 
     # plain dicts keyed by stack name (the table's name for a stack of one table), not
@@ -75,12 +86,30 @@ class Embed(nnx.Module):
     step: EmbeddingVariable
     id_maps: dict[str, EmbeddingVariable]  # the tables of raw ids' (empty: none)
     pending: EmbeddingVariable | None  # pipelined: the update the next lookup applies
+    deterministic: bool  # evaluation mode (nnx's `eval()` / `train()` set it)
 
-    def __init__(self, layer: Any):
+    def __init__(self, layer: Any, *, deterministic: bool = False):
         layer, state = _layer.built_layer(layer)
         self.layer = layer  # static: compared by identity in nnx's graph
         self.pending = nnx.data(None)
+        self.deterministic = bool(deterministic)
         self._set(state)
+
+    def set_view(self, deterministic: bool | None = None):
+        """`nnx.view(model, deterministic=...)`'s hook.
+
+        Args:
+          deterministic: True for evaluation (lookups that change no state), False
+            for training.
+        """
+        if deterministic is not None:
+            self.deterministic = bool(deterministic)
+
+    def _evaluating(self, csr, deterministic: bool | None) -> bool:
+        """Evaluation: `deterministic` (the module's mode where None), or a batch
+        enqueued or mapped for evaluation."""
+        mode = self.deterministic if deterministic is None else deterministic
+        return bool(mode) or self.job.is_evaluation(csr)
 
     @property
     def job(self) -> EmbeddingJob:
@@ -166,10 +195,16 @@ class Embed(nnx.Module):
 
     # -- host side --------------------------------------------------------------------
 
-    def enqueue(self, features: Any, weights: Any | None = None) -> dict:
+    def enqueue(
+        self, features: Any, weights: Any | None = None, *, training: bool | None = None
+    ) -> dict:
         """This process's batch preprocessed on the host and placed on the mesh: the
-        `csr` the forward pass and `apply_gradients` take (`MeshEmbedding.enqueue`)."""
-        return self.layer.enqueue(features, weights)
+        `csr` the forward pass and `apply_gradients` take (`MeshEmbedding.enqueue`).
+        `training=False` (default: the module's mode, `not deterministic`) marks it for
+        evaluation: its forward pass changes no state, `apply_gradients` refuses it."""
+        if training is None:
+            training = not self.deterministic
+        return self.layer.enqueue(features, weights, training=training)
 
     def prefetch(self, batches, buffer_size: int = 2):
         """`enqueue` run ahead in a background thread (`MeshEmbedding.prefetch`)."""
@@ -177,11 +212,15 @@ class Embed(nnx.Module):
 
     # -- forward and update -----------------------------------------------------------
 
-    def map_ids(self, csr: dict) -> dict:
+    def map_ids(self, csr: dict, *, deterministic: bool | None = None) -> dict:
         """A batch with tables of raw ids (`TableConfig.id_map`) mapped to rows by the
         id maps, in place (admissions and evictions change the maps, fresh rows the
         tables): the batch the forward pass and `apply_gradients` take. A batch without
-        raw ids comes back as it is."""
+        raw ids comes back as it is. In evaluation (`deterministic`, default the
+        module's mode) the maps are only read: an id they do not hold gets no row (a
+        zero row), nothing changes, and the batch is marked for evaluation."""
+        if self._evaluating(csr, deterministic):
+            return self.job.find_rows(self.state, csr)
         pending = self._pending()
         state, csr, fresh = self.job.map_ids(self.state, csr, pending)
         if state.id_maps:
@@ -190,10 +229,19 @@ class Embed(nnx.Module):
             self._set_pending(pending[:2] + (fresh,))
         return csr
 
-    def __call__(self, csr: dict) -> Any:
+    def __call__(self, csr: dict, *, deterministic: bool | None = None) -> Any:
         """Activations of an enqueued batch (with tables of raw ids, the batch `map_ids`
         returns), in the feature config's structure (pipelined: the pending update
-        applied after the lookup, in one program)."""
+        applied after the lookup, in one program).
+
+        In evaluation (`deterministic`, default the module's mode: `model.eval()`; or a
+        batch enqueued with `training=False`) the lookup changes no state: a batch of raw
+        ids is read through the id maps as it is (no `map_ids` needed; no admission,
+        eviction or count: an unknown id reads a zero row, as serving reads it), and,
+        pipelined, it reads the tables the next training lookup reads (one update
+        stale), the pending update left pending."""
+        if self._evaluating(csr, deterministic):
+            return self.job.infer(self.state, csr)[0]
         pending = self._pending()
         acts, state, _ = self.job.lookup(self.state, csr, pending)
         if pending is not None:
@@ -208,9 +256,9 @@ class Embed(nnx.Module):
         whether the update was applied (a traced bool inside `nnx.jit`). Pipelined, the
         update is kept for the next forward pass (a non-finite one then skipped)."""
         if self.job.pipelined:
+            pending, ok = self.job.defer(gradients, csr, check_finite)  # (checks first)
             if self.pending is not None:  # two updates without a lookup between them
                 self.flush()
-            pending, ok = self.job.defer(gradients, csr, check_finite)
             self._set_pending(pending)
             return ok
         state, ok = self.job.update(self.state, gradients, csr, check_finite)

@@ -126,9 +126,37 @@ class EmbeddingJob:
     def dequeue(self, schedule: _steps.Schedule, csr: dict) -> tuple:
         """`(activations in the feature config's structure, the batch with rows, next
         schedule)`: the lookup with the pending update and the map of raw ids to rows
-        where the schedule and the batch call for them (`embedmesh.job.steps.dequeue`)."""
+        where the schedule and the batch call for them (`embedmesh.job.steps.dequeue`);
+        a batch enqueued for evaluation (`for_evaluation`) gets `evaluate`'s lookup."""
+        if self.is_evaluation(csr):
+            return self.evaluate(schedule, csr)
         acts, csr, schedule = _steps.dequeue(self, schedule, csr)
         return self.pack_activations(acts, csr), csr, schedule
+
+    def evaluate(self, schedule: _steps.Schedule, csr: dict) -> tuple:
+        """`(activations in the feature config's structure, the batch with rows, marked
+        as an evaluation's, next schedule)`: the evaluation lookup (`training=False`),
+        which changes no state: no admission, eviction or count in an id map (an id it
+        does not hold reads a zero row, as serving reads it), no update, no step; the
+        schedule's pending update and view as they were. It reads what the next training
+        lookup would read (pipelined: the tables one update stale;
+        `embedmesh.job.steps.evaluate`)."""
+        acts, csr, schedule = _steps.evaluate(self, schedule, csr)
+        return self.pack_activations(acts, csr), csr, schedule
+
+    @staticmethod
+    def for_evaluation(csr: dict) -> dict:
+        """The batch `csr` (`{stack: PartitionedCsrFormatTensor}`) marked for an
+        evaluation lookup: `dequeue` then runs `evaluate`, and an update refuses it."""
+        return _steps.for_evaluation(csr)
+
+    @staticmethod
+    def is_evaluation(csr) -> bool:
+        """Whether `csr` (a batch, or the seed's `(batch, int, int)`) is marked for an
+        evaluation lookup (`for_evaluation`)."""
+        if isinstance(csr, tuple) and csr and isinstance(csr[0], dict):
+            csr = csr[0]
+        return isinstance(csr, dict) and any(getattr(c, "evaluation", False) for c in csr.values())
 
     def apply_gradients(self, schedule: _steps.Schedule, gradients, preserved) -> Any:
         """The next schedule with the update of `gradients` (the feature config's
@@ -208,6 +236,25 @@ class EmbeddingJob:
             return state, csr, fresh
         state, csr, _ = self.core.map_ids(state, csr)
         return state, csr, None
+
+    def find_rows(self, state: EmbeddingState, csr) -> dict:
+        """`map_ids` read-only (an evaluation): the batch with the rows the state's id
+        maps hold for its raw ids (an id they do not hold: a zero row, as serving reads
+        it), marked as an evaluation's (`for_evaluation`: an update refuses it); the
+        state is not changed. A batch without raw ids comes back marked."""
+        csr = _steps.for_evaluation(self.placed(csr, "the embedding module"), False)
+        return _steps.for_evaluation(self.core.find_rows(state, csr))
+
+    def infer(self, state: EmbeddingState, csr) -> tuple:
+        """`(activations in the feature config's structure, the batch with rows, marked)`:
+        the evaluation lookup of `csr` (with raw ids or mapped), which reads `state` and
+        changes nothing (`find_rows`, then the lookup): the traced form of `evaluate`
+        for code that keeps the state itself (the flax modules). Pipelined, pass the
+        state the next training lookup reads (a pending update left pending)."""
+        csr = _steps.for_evaluation(self.placed(csr, "the embedding module"), False)
+        frozen = jax.tree_util.tree_map(jax.lax.stop_gradient, state)
+        acts, csr = _steps.infer_step(self.core, frozen, csr)
+        return self.pack_activations(acts, csr), _steps.for_evaluation(csr)
 
     def lookup(self, state, csr, pending: tuple | None = None, check_finite: bool = True):
         """`(activations in the feature config's structure, state, ok)`: the lookup of
@@ -333,6 +380,13 @@ class EmbeddingJob:
                 f"preserved_outputs must be the dict of PartitionedCsrFormatTensor "
                 f"returned by this layer's dequeue/embedding_lookup, got "
                 f"{type(preserved).__name__}"
+            )
+        if self.is_evaluation(preserved):
+            raise ValueError(
+                "preserved_outputs come from an evaluation lookup (training=False), which "
+                "changed no state (ids its id maps do not hold read zero rows and have "
+                "none): they cannot be updated. Pass the preserved_outputs of a training "
+                "lookup (training=True, the default); nothing was changed"
             )
         want = {s.name: s for s in self.plan.stacks}
         extra = sorted(map(str, set(preserved) - set(want)))

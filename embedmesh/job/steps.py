@@ -22,7 +22,7 @@ import numpy as np
 
 from embedmesh.device.core import ID_STATS, EmbeddingState
 
-__all__ = ["Programs", "Schedule", "return_free_heap"]
+__all__ = ["Programs", "Schedule", "evaluate", "for_evaluation", "infer_step", "return_free_heap"]
 
 
 def return_free_heap() -> None:
@@ -107,6 +107,26 @@ def fused_step(core, st, g, c_prev, view, c_next, check_finite: bool = False) ->
     return (acts, next_view), st, ok
 
 
+def infer_step(core, st, c) -> tuple:
+    """`(activations, the batch with rows)`: the evaluation lookup of `c`, which reads
+    `st` and changes nothing: the raw ids of its tables of raw ids found by the id maps
+    without admitting any (`core.find_rows`: an id they do not hold reads a zero row),
+    then the lookup."""
+    c = core.find_rows(st, c)
+    return core.lookup(st, c), c
+
+
+def for_evaluation(csr: dict, evaluation: bool = True) -> dict:
+    """The batch `csr` marked (or, `evaluation=False`, unmarked) as an evaluation
+    lookup's (`PartitionedCsrFormatTensor.evaluation`): its programs take it unmarked,
+    the same programs as a training batch's; its outputs are marked, so an update
+    refuses them."""
+    return {
+        s: c if c.evaluation == evaluation else dataclasses.replace(c, evaluation=evaluation)
+        for s, c in csr.items()
+    }
+
+
 def map_ahead(core, st, c) -> tuple:
     """`core.map_ids(st, c, keep_fresh=True)` at the step the pending update brings (the
     pipelined map: its decisions are the unpipelined run's), the state's step kept:
@@ -150,6 +170,8 @@ class Programs:
         # (what the next lookup reads) left as it is
         self.apply_copy = jax.jit(apply)
         self.step_check = jax.jit(core.step_check)
+        # evaluation (`evaluate`): reads the state, donates nothing
+        self.infer = jax.jit(lambda st, c: infer_step(core, st, c))
         self._map_programs(core, lookup_then_apply, apply)
 
     def _map_programs(self, core, lookup_then_apply, apply) -> None:
@@ -276,6 +298,33 @@ def _swapped_in(job, s: Schedule, csr: dict) -> tuple:
     pending = s.pending[1] if s.pending is not None else None
     state, csr = job.core.swap_in(s.state, csr, pending, s.view[0] if s.view else None)
     return csr, s.but(state=state, observed=None)
+
+
+def evaluate(job, s: Schedule, csr: dict) -> tuple:
+    """`(the core's activations, the batch with rows, marked, next schedule)`: the
+    evaluation lookup of `csr` (`training=False`), which changes no state. It reads what
+    the next training lookup would read: unpipelined, every accepted update (a pending
+    one applied first, as any read of the state applies it); pipelined, the tables one
+    update stale, the pending update left pending. Tables of raw ids are read through
+    their id maps without admitting, evicting or counting (`infer_step`). The schedule's
+    view, pending update, id-map counts and last update are left as they are."""
+    if not job.pipelined:
+        s = flush(job, s)
+    if getattr(job.core, "tier", None):  # a host tier: the rows it reads into the caches
+        if s.pending is not None:  # pipelined: its swaps would meet the update held back
+            raise NotImplementedError(
+                "an evaluation lookup (training=False) of a pipelined layer with a host "
+                "tier while an update is pending: call flush() first (the tables then "
+                "have every update applied)"
+            )
+        csr, s = _swapped_in(job, s, csr)
+    csr = for_evaluation(csr, False)
+    p = job.programs
+    if any(getattr(c, "unique_raw_ids", None) is not None for c in csr.values()):
+        acts, csr = p.infer(s.state, csr)
+    else:  # the training lookup's program (its view unused)
+        acts, _ = p.lookup(s.state, csr)
+    return acts, for_evaluation(csr), s
 
 
 def _map_and_lookup(p: Programs, s: Schedule, csr: dict) -> tuple:

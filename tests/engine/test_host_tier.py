@@ -298,3 +298,39 @@ def test_every_placement(sharding):
     _same_variables(want, got)
     replicated = {s.name for s in got.plan.stacks if s.replicated}
     assert set(got.core.tier).isdisjoint(replicated) and got.core.tier
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_evaluation_reads_through_the_tier_and_changes_no_table(pipelined):
+    """`training=False` on a tiered layer: the rows it reads are swapped into the cache
+    like a training batch's (ids it misses included), its activations equal the
+    all-in-device layer's evaluation, and the logical tables and slots stay as they were;
+    training then goes on exactly as the all-in-device run's. Pipelined with an update
+    held back it is refused (after `flush()` it runs)."""
+    opt, mesh = em.Adagrad(0.1), mesh_of(2)
+    train, held_out = _batches(4, seed=5), _batches(2, seed=6)
+    want = _train(_config(), opt, train[:2], mesh, pipelined=pipelined)
+    got = _train(
+        _config(), opt, train[:2], mesh, pipelined, host_tier="on", host_tier_cache_rows=100
+    )
+    before = {t.name: {f: np.array(a) for f, a in v.items()} for t, v in got.variables.items()}
+    if pipelined:  # not with an update held back: refused, nothing changed, then flushed
+        with pytest.raises(NotImplementedError, match="pipelined layer with a host tier"):
+            got(held_out[0], training=False)
+        for emb in (want, got):
+            emb.flush()
+    for feats in held_out:
+        acts_want, _ = want(feats, training=False)
+        acts_got, _ = got(feats, training=False)
+        for name in acts_want:
+            assert np.any(np.asarray(acts_want[name]) != 0)
+            np.testing.assert_array_equal(np.asarray(acts_got[name]), np.asarray(acts_want[name]))
+    after = {t.name: v for t, v in got.variables.items()}
+    for t in before:
+        for field in before[t]:
+            np.testing.assert_array_equal(after[t][field], before[t][field], err_msg=t)
+    for feats in train[2:]:  # training goes on as if no evaluation had run
+        for emb in (want, got):
+            acts, pre = emb(feats)
+            emb.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
+    _same_variables(want, got)

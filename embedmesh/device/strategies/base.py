@@ -39,6 +39,7 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -146,6 +147,36 @@ class Strategy(abc.ABC):
         if n > 1:
             local = ops.exchange(after(local, table), at.at("rows"))
         return table, slots, id_state, local, stats
+
+    def find_ids(self, id_state, unique_ids, raw):
+        """`map_ids` read-only (an evaluation lookup): the same exchanges, each owner
+        finds the ids it received in its `id_state` (`id_map.lookup`: no admission, no
+        eviction, no count or step recorded) and sends back their stack rows, `PAD_ID`
+        for an id it does not hold (a zero row, as serving reads it). Returns the rows
+        `[N, U]`; nothing is written."""
+        n = self.transport.num_shards
+        if n > 1:
+            at = self.transport.at("find")
+            msg = jnp.concatenate(
+                [lax.bitcast_convert_type(raw, jnp.int32), unique_ids[..., None]], axis=-1
+            )
+            got = ops.exchange(msg, at.at("ids"))
+            raw_o = lax.bitcast_convert_type(got[..., :2], jnp.uint32)
+            valid = got[..., 2] != PAD_ID
+        else:
+            raw_o, valid = raw, unique_ids != PAD_ID
+        one = id_state if id_state.index.ndim == 3 else _block(id_state)
+        rows = id_map.lookup(one, raw_o, valid)
+        offset = self.plan.table(self.spec.tables[0]).local_row_offset
+        local = jnp.where(rows >= 0, rows + offset, PAD_ID).astype(jnp.int32)
+        if n > 1:
+            local = ops.exchange(local, at.at("rows"))
+        return local
+
+
+def _block(id_state):
+    """One shard's block of a map (`[1, ...]` arrays inside `shard_map`) as a map."""
+    return jax.tree_util.tree_map(lambda x: x[0], id_state)
 
 
 # name -> Strategy subclass: filled by `register` as the strategy modules load
