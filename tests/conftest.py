@@ -39,7 +39,9 @@ hypothesis.settings.load_profile("embedmesh")
 # hit is the executable XLA would compile again: nothing is tested differently.
 # test_engine.py on 2 workers: 164 -> 88 CPU-seconds. Each xdist worker has its own
 # directory (a cache file is written in place: a worker must not read one another is
-# writing); its children (multi-process workers, fresh-process checks) share it.
+# writing); its children (multi-process workers, fresh-process checks) share it. One
+# directory for all the workers was tried (2026-12-07: tests/checkpoint, tests/api and
+# test_coordinator_death.py on 2 workers, 258 -> 264 CPU-s): the files share few programs.
 # One set by whoever runs the tests (not by this file) is kept.
 if "EMBEDMESH_TEST_JAX_CACHE" in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
@@ -90,3 +92,28 @@ def native_poisoned(poisoned_outputs):
     yield
     native.library().EmServingSetMinEntriesPerThread(min_entries)
     kernels.set_backend(previous)
+
+
+# Files whose tests take 20-55 s each (real processes, the scripts' smoke runs, the
+# README's blocks, TensorFlow): collected first, so that xdist's worksteal, which hands
+# each worker a contiguous share and lets an idle one steal the end of another's, ends
+# the run on short tests, not on one of these with the other worker idle. Each file's
+# own order is kept.
+LONG_FIRST = (
+    "processes/",
+    "project/test_tpu_script.py",
+    "project/test_gpu_script.py",
+    "project/test_readme.py",
+    "project/test_movielens.py",
+    "serving/test_saved_model",
+    "device/test_table_wise.py",
+    "device/test_pooled.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def long(item) -> bool:
+        path = item.nodeid.replace(os.sep, "/")
+        return any(path.startswith("tests/" + prefix) for prefix in LONG_FIRST)
+
+    items.sort(key=lambda item: not long(item))  # stable: the long files first

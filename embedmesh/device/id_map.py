@@ -356,7 +356,7 @@ def sort_mapped(rows, pair_rows, pair_unique, pair_gains, *, num_rows: int) -> t
     pairs after them as they were. The engine's map program sorts so on the platforms
     other than CPU; the CPU's fused backward + update takes distinct rows in any order
     (the map program leaves the blocks as they are there). `sort_mapped_many` of one
-    stack: where the CPU kernels are in use cpu/id_map.cc's `SortMappedMany` (a radix
+    stack: where the CPU kernels are in use cpu/sort_mapped.cc's `SortMappedMany` (a radix
     sort of the rows, a counting sort of the pairs); elsewhere its reference,
     `_sort_mapped_reference`."""
     (out,) = sort_mapped_many([(rows, pair_rows, pair_unique, pair_gains)], [num_rows])

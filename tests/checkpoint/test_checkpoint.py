@@ -4,6 +4,7 @@ async saves, crash safety (a saving process killed with SIGKILL) and bit-identic
 import gc
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from checkpoint_common import (
 from meshes import mesh_of
 from paths import SUPPORT as HERE  # the workers' folder
 from paths import child_pythonpath
-from process_helpers import free_port, run_together
+from process_helpers import two_processes_save_and_restore
 
 import embedmesh as em
 from embedmesh import checkpoint as ckpt
@@ -505,13 +506,8 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, kill_at):
 
 
 def test_two_processes_save_their_own_shards(tmp_path):
-    port = free_port()
-    root = tmp_path / "ckpt"
-    worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
-    outs = run_together(
-        [[sys.executable, worker, str(i), str(port), str(root)] for i in range(2)],
-        env=_env(devices=2),
-    )
+    root, outs = two_processes_save_and_restore(tmp_path, "mod")
+    root = pathlib.Path(root)
     item = root / "3" / "embedding"
     assert (item / "ocdbt.process_0").exists() and (item / "ocdbt.process_1").exists()
     want = np.load(root.parent / "expected.npz")
@@ -521,7 +517,7 @@ def test_two_processes_save_their_own_shards(tmp_path):
         for t, d in variables_by_name(emb).items():
             for k, v in d.items():
                 np.testing.assert_array_equal(v, want[f"{t}.{k}"], err_msg=f"{n} {t}.{k}")
-    assert all("restored ok" in out for out in outs), outs
+    assert all("restored ok (mod)" in out for out in outs), outs
 
 
 def placed_on(meta: dict, n: int, rotation: int):

@@ -386,7 +386,7 @@ def _sort_mapped_numpy(rows, prow, puniq, gain, r):
 )
 def test_sort_mapped_kernel_and_reference_match_numpy(blocks, u, p, r, hosts_order, seed):
     """The mapped batch's reorder (`id_map.sort_mapped`, `sort_mapped_many`): the kernels
-    (cpu/id_map.cc, their fast path on pairs in the host's order, their counting sort
+    (cpu/sort_mapped.cc, their fast path on pairs in the host's order, their counting sort
     otherwise) and the jnp reference against plain numpy, with PAD rows, repeated and
     negative rows, and pairs out of range on either side."""
     rng = np.random.default_rng(seed)

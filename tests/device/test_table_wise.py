@@ -7,8 +7,7 @@ reference, is in tests/host/test_preprocess.py: its random plans draw placements
 
 import functools
 import json
-import os
-import sys
+import pathlib
 
 import jax
 import numpy as np
@@ -26,9 +25,10 @@ from checkpoint_common import (
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from meshes import mesh_of
-from paths import SUPPORT as HERE  # the worker's folder
-from paths import child_pythonpath
-from process_helpers import check_two_processes_match_one, free_port, run_together
+from process_helpers import (
+    check_two_processes_match_one,
+    two_processes_save_and_restore,
+)
 from test_engine import OPTIMIZER_HP
 from test_stacking import table_shapes
 
@@ -723,19 +723,9 @@ def test_two_processes_save_table_wise_tables_on_their_owners(tmp_path):
     """Two processes save table-wise tables (owned by devices of either process) and
     restore them table-wise, unstacked; then one process restores them mod and
     table-wise."""
-    port, root = free_port(), tmp_path / "ckpt"
-    worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 " + os.environ.get(
-        "EMBEDMESH_TEST_XLA_FLAGS", ""
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH", ""))
-    outs = run_together(
-        [[sys.executable, worker, str(i), str(port), str(root), "table_wise"] for i in range(2)],
-        env=env,
-    )
-    assert all("restored ok" in out for out in outs), outs
+    root, outs = two_processes_save_and_restore(tmp_path, "table_wise")
+    root = pathlib.Path(root)
+    assert all("restored ok (table_wise)" in out for out in outs), outs
     meta = ckpt.read_metadata(root)
     owners = {m["name"]: m["first_shard"] for m in meta["tables"]}
     assert {m["span"] for m in meta["tables"]} == {1} and sorted(owners.values()) == [0, 1, 2, 3]

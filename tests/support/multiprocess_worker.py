@@ -1,8 +1,10 @@
-"""One process of the two-process training test (run by test_multiprocess.py).
+"""One process of the two-process training tests (process_helpers.py's
+`train_one_and_two_processes`: test_multiprocess.py and the layouts' tests).
 
-Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE [SHARDING]
-(NUM_PROCESSES 1 runs the single-process reference on 4 devices; SHARDING, default
-"mod", is MeshEmbedding's `sharding`.)
+Usage: multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_FILE [SHARDINGS]
+(NUM_PROCESSES 1 runs the single-process reference on 4 devices; SHARDINGS, default
+"mod", is MeshEmbedding's `sharding`, or several comma-separated: each trained in turn
+by the same processes (one start, one job), OUT_FILE's "{sharding}" replaced by each.)
 """
 
 import sys
@@ -18,7 +20,7 @@ from process_helpers import (
 
 process_id, num_processes, port = job_args()
 out_file = sys.argv[4]
-sharding = sys.argv[5] if len(sys.argv) > 5 else "mod"
+shardings = (sys.argv[5] if len(sys.argv) > 5 else "mod").split(",")
 start_cpu_process(process_id, num_processes, port)
 
 import jax  # noqa: E402
@@ -34,7 +36,8 @@ from embedmesh.facade import MeshEmbedding  # noqa: E402
 from embedmesh.host.preprocess import Capacity  # noqa: E402
 
 
-def main():
+def train(sharding: str) -> dict:
+    """The tables after 3 steps under `sharding`: {TableConfig: {field: float32 array}}."""
     q = em.QuantizationConfig(9, -0.3, 0.3)  # its lookups quantized (in both processes)
     t1 = em.TableConfig(
         50, 8, combiner="mean", name="t1", initializer=HashInit(1.0), quantization_config=q
@@ -60,11 +63,13 @@ def main():
         acts, pre = emb(local_slice(batch, process_id, num_processes))
         emb.apply_gradients(grad_fn(acts), pre)
     assert emb.variables[t3]["parameters"].dtype == jnp.bfloat16
-    tables = {
+    return {
         t: {k: np.asarray(v, np.float32) for k, v in d.items()} for t, d in emb.variables.items()
     }
-    save_and_leave(out_file, tables, process_id, num_processes)
 
 
 if __name__ == "__main__":
-    main()
+    for i, sharding in enumerate(shardings):
+        last = i == len(shardings) - 1
+        out = out_file.replace("{sharding}", sharding)
+        save_and_leave(out, train(sharding), process_id, num_processes, leave=last)

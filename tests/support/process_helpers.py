@@ -57,49 +57,107 @@ def run_together(commands, env, timeout=300):
     return outputs
 
 
+# Every sharding the suite's "two processes train like one" tests use (test_multiprocess,
+# test_data_parallel, test_table_wise, test_pooled), and the one-process references they
+# compare with: trained all at once by one pair of processes (and one reference process
+# beside it), once per test run, where each pair and reference of its own cost a process
+# start, jax's import and a job's set-up (about half of a worker's CPU time).
+TWO_PROCESS_SHARDINGS = ("mod", "data_parallel", "table_wise", "row_wise_pooled", "auto")
+ONE_PROCESS_SHARDINGS = ("mod", "table_wise")
+
+
+def once_per_run(name: str, commands, tmp_path, timeout: int = 900) -> tuple[str, list[str]]:
+    """Start the processes `commands(folder)` returns (all at once) once per test run, in
+    the run's folder `name` under its cache folder (conftest's EMBEDMESH_TEST_JAX_CACHE,
+    shared by the xdist workers and removed at the end; without it, under `tmp_path`):
+    the first test to ask runs them, under a lock, the others read what they left.
+    Returns the folder and their outputs; a process that failed fails every test that
+    asks, with its output."""
+    import fcntl
+    import json
+
+    root = os.environ.get("EMBEDMESH_TEST_JAX_CACHE") or str(tmp_path)
+    folder = os.path.join(root, name)
+    done, failed = os.path.join(folder, "outputs.json"), os.path.join(folder, "failed.txt")
+    with open(os.path.join(root, f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not os.path.exists(done) and not os.path.exists(failed):
+            os.makedirs(folder, exist_ok=True)
+            cmds = commands(folder)
+            codes, outputs = run_collect(cmds, worker_env(), timeout=timeout)
+            bad = [
+                f"{' '.join(map(str, c[1:]))}: exit {code}\n{out[-3000:]}"
+                for c, code, out in zip(cmds, codes, outputs)
+                if code != 0
+            ]
+            if bad:
+                with open(failed, "w") as f:
+                    f.write("\n".join(bad))
+            else:
+                with open(done, "w") as f:
+                    json.dump(outputs, f)
+    if os.path.exists(failed):
+        with open(failed) as f:
+            raise AssertionError(f.read())
+    with open(done) as f:
+        return folder, json.load(f)
+
+
+# Every sharding the suite's "two processes train like one" tests use (test_multiprocess,
+# test_data_parallel, test_table_wise, test_pooled), and the one-process references they
+# compare with: trained all at once by one pair of processes (and one reference process
+# beside it), once per test run, where each pair and reference of its own cost a process
+# start, jax's import and a job's set-up (about half of a worker's CPU time).
+TWO_PROCESS_SHARDINGS = ("mod", "data_parallel", "table_wise", "row_wise_pooled", "auto")
+ONE_PROCESS_SHARDINGS = ("mod", "table_wise")
+
+
 def train_one_and_two_processes(tmp_path, single_sharding: str, multi_sharding: str):
-    """`multiprocess_worker.py` once as one process with 4 devices under
-    `single_sharding`, and as two processes of 2 devices under `multi_sharding`; the
-    two saved results (`np.load`), the single one first."""
-    import sys
-
-    import numpy as np
-
+    """`multiprocess_worker.py`'s results as one process with 4 devices under
+    `single_sharding` and as two processes of 2 devices under `multi_sharding` (`np.load`),
+    the single one first: from one run of every sharding of ONE_PROCESS_SHARDINGS and
+    TWO_PROCESS_SHARDINGS (`once_per_run`)."""
+    assert single_sharding in ONE_PROCESS_SHARDINGS, single_sharding
+    assert multi_sharding in TWO_PROCESS_SHARDINGS, multi_sharding
     worker = os.path.join(HERE, "multiprocess_worker.py")
-    env = worker_env()
-    single, multi = (
-        _single_reference(worker, env, single_sharding, tmp_path),
-        tmp_path / "multi.npz",
-    )
-    port = free_port()
-    run_together(
-        [
-            [sys.executable, worker, str(i), "2", str(port), str(multi), multi_sharding]
+
+    def commands(folder):
+        port, single, multi = (
+            free_port(),
+            ",".join(ONE_PROCESS_SHARDINGS),
+            ",".join(TWO_PROCESS_SHARDINGS),
+        )
+        one = [sys.executable, worker, "0", "1", "0", f"{folder}/single-{{sharding}}.npz", single]
+        return [one] + [
+            [sys.executable, worker, str(i), "2", str(port), f"{folder}/multi-{{sharding}}.npz"]
+            + [multi]
             for i in range(2)
-        ],
-        env=env,
+        ]
+
+    folder, _ = once_per_run("two-processes", commands, tmp_path)
+    return (
+        np.load(os.path.join(folder, f"single-{single_sharding}.npz")),
+        np.load(os.path.join(folder, f"multi-{multi_sharding}.npz")),
     )
-    return np.load(single), np.load(multi)
 
 
-def _single_reference(worker, env, sharding: str, tmp_path):
-    """The one-process, 4-device result of `worker` under `sharding` (deterministic): run
-    once per test run and kept in the run's cache folder (conftest's
-    EMBEDMESH_TEST_JAX_CACHE, shared by the xdist workers and removed at the end), so the
-    four tests comparing two processes against "mod" run it once, not four times."""
-    import sys
+def two_processes_save_and_restore(tmp_path, sharding: str):
+    """checkpoint_multiprocess_worker.py's pair (2 CPU devices each): a checkpoint of a
+    4-device MeshEmbedding under `sharding`, each process writing its own shards, restored
+    by them. Both shardings the tests use ("mod": test_checkpoint, "table_wise":
+    test_table_wise) are saved by one pair, once per test run (`once_per_run`). Returns
+    the checkpoint's folder (its `expected.npz` beside it) and the pair's outputs."""
+    assert sharding in ("mod", "table_wise"), sharding
+    worker = os.path.join(HERE, "checkpoint_multiprocess_worker.py")
 
-    root = os.environ.get("EMBEDMESH_TEST_JAX_CACHE")
-    path = os.path.join(root, f"single-{sharding}.npz") if root else str(tmp_path / "single.npz")
-    if os.path.exists(path):
-        return path
-    scratch = str(tmp_path / "single.npz")
-    subprocess.run(
-        [sys.executable, worker, "0", "1", "0", scratch, sharding], env=env, check=True, timeout=300
-    )
-    if scratch != path and not os.path.exists(path):
-        os.replace(scratch, path)  # atomic: a worker that raced us wrote the same result
-    return path if os.path.exists(path) else scratch
+    def commands(folder):
+        port, root = free_port(), f"{folder}/{{sharding}}/ckpt"
+        return [
+            [sys.executable, worker, str(i), str(port), root, "mod,table_wise"] for i in range(2)
+        ]
+
+    folder, outputs = once_per_run("two-processes-checkpoint", commands, tmp_path)
+    return os.path.join(folder, sharding, "ckpt"), outputs
 
 
 def check_two_processes_match_one(tmp_path, single_sharding, multi_sharding, rtol, atol):
@@ -192,15 +250,18 @@ def start_cpu_process(process_id: int, num_processes: int, port: int, devices: i
     return jax
 
 
-def save_and_leave(out_file, tables, process_id: int, num_processes: int) -> None:
+def save_and_leave(
+    out_file, tables, process_id: int, num_processes: int, leave: bool = True
+) -> None:
     """A worker's end: process 0 saves `tables` ({TableConfig: {field: array}}) as the
-    .npz `out_file`, keys "table.field"; with more than one process, each leaves the job."""
+    .npz `out_file`, keys "table.field"; with more than one process, each leaves the job
+    (unless `leave` is false: the job goes on)."""
     import jax
     import numpy as np
 
     if process_id == 0:
         np.savez(out_file, **{f"{t.name}.{k}": v for t, d in tables.items() for k, v in d.items()})
-    if num_processes > 1:
+    if num_processes > 1 and leave:
         jax.distributed.shutdown()
 
 

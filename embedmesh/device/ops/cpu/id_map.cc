@@ -116,31 +116,39 @@ T* InPlace(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   return dst;
 }
 
-// Operands: the state (index u32 [B, 2, W], row_info s32 [c, 4], row_slot s32 [c], free
-// s32 [c], free_head, num_free s32 [], sketch s32 [depth, width], sightings s32 []), the
-// call (the ids' words u32 [n, 2]: high, low; valid pred [n]; step s32 []) and `keys`
-// u32 [3 + depth, 3] (the two bucket hashes' and the tag's seed words, then each sketch
-// row's). Attributes: lfu,
-// admit_after, evict_batch, halve_every, distinct. Results: the state (aliased), rows s32
-// [n], fresh pred [n], stats s32 [6] (hits, admissions, evictions, pending, refused,
-// occupancy).
-ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuffer row_slot_in,
-                ffi::AnyBuffer free_in, ffi::AnyBuffer free_head_in, ffi::AnyBuffer num_free_in,
-                ffi::AnyBuffer sketch_in, ffi::AnyBuffer sightings_in,
-                ffi::Buffer<ffi::U32> words_in,
-                ffi::Buffer<ffi::PRED> valid_in, ffi::Buffer<ffi::S32> step_in,
-                ffi::Buffer<ffi::U32> keys_in, int64_t lfu, int64_t admit_after,
-                int64_t evict_batch, int64_t halve_every, int64_t distinct,
-                ffi::Result<ffi::AnyBuffer> index_out, ffi::Result<ffi::AnyBuffer> row_info_out,
-                ffi::Result<ffi::AnyBuffer> row_slot_out, ffi::Result<ffi::AnyBuffer> free_out,
-                ffi::Result<ffi::AnyBuffer> free_head_out,
-                ffi::Result<ffi::AnyBuffer> num_free_out, ffi::Result<ffi::AnyBuffer> sketch_out,
-                ffi::Result<ffi::AnyBuffer> sightings_out,
-                ffi::Result<ffi::Buffer<ffi::S32>> rows_out,
-                ffi::Result<ffi::Buffer<ffi::PRED>> fresh_out,
-                ffi::Result<ffi::Buffer<ffi::S32>> stats_out) {
-  // the state's arrays as they are, or with leading unit dimensions (one shard's block
-  // of an engine's map: a squeeze before an aliased operand costs XLA a copy)
+// The state's arrays (updated in place: aliased to the results) and their sizes.
+struct State {
+  uint32_t* ix;         // index [buckets, 2, W]: each bucket's tags, then its row words
+  int32_t* info;        // row_info [c, 4]
+  int32_t* row_slot;    // [c]
+  int32_t* free_rows;   // free [c]
+  int32_t* free_head;   // []
+  int32_t* num_free;    // []
+  int32_t* sketch;      // [depth, width]
+  int32_t* sightings;   // []
+  int64_t num_slots = 0, c = 0, depth = 0, width = 0;
+  uint32_t mask = 0;    // the bucket count less one
+};
+
+// A call's ids and settings.
+struct Call {
+  int64_t n = 0;
+  const uint32_t* hi;
+  const uint32_t* lo;
+  const bool* valid;
+  int32_t step = 0;
+  const uint32_t* kw;  // keys [3 + depth, 3]: the bucket hashes' and the tag's, each sketch row's
+  Keys k1, k2, kt;
+  int64_t lfu, admit_after, evict_batch, halve_every, distinct;
+};
+
+// The state's sizes from its operands' shapes, as they are or with leading unit dimensions
+// (one shard's block of an engine's map: a squeeze before an aliased operand costs XLA a
+// copy); an error names the operand whose shape is wrong.
+ffi::Error ReadSizes(const ffi::AnyBuffer& index_in, const ffi::AnyBuffer& row_info_in,
+                     const ffi::AnyBuffer& row_slot_in, const ffi::AnyBuffer& sketch_in,
+                     const ffi::Buffer<ffi::U32>& words_in, const ffi::Buffer<ffi::U32>& keys_in,
+                     int64_t admit_after, State& st, int64_t& n) {
   auto idims = index_in.dimensions();
   const size_t r = idims.size();
   if (r < 3 || idims[r - 2] != 2 || idims[r - 1] != kWidth)
@@ -148,68 +156,56 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   const int64_t buckets = idims[r - 3];
   if (buckets <= 0 || (buckets & (buckets - 1)))
     return ffi::Error::InvalidArgument("id_map_step: the bucket count must be a power of two");
-  const int64_t num_slots = buckets * kWidth;
-  const uint32_t mask = static_cast<uint32_t>(buckets - 1);
-  const int64_t c = row_slot_in.element_count();
-  if (static_cast<int64_t>(row_info_in.element_count()) != kInfo * c)
+  st.num_slots = buckets * kWidth;
+  st.mask = static_cast<uint32_t>(buckets - 1);
+  st.c = row_slot_in.element_count();
+  if (static_cast<int64_t>(row_info_in.element_count()) != kInfo * st.c)
     return ffi::Error::InvalidArgument("id_map_step: row_info must be [..., capacity, 4]");
-  const int64_t n = words_in.element_count() / 2;
+  n = words_in.element_count() / 2;
   if (words_in.element_count() != 2 * n)
     return ffi::Error::InvalidArgument("id_map_step: the raw ids' words must be [n, 2]");
   auto sdims = sketch_in.dimensions();
   if (sdims.size() < 2) return ffi::Error::InvalidArgument("id_map_step: sketch must be 2-d");
-  const int64_t depth = sdims[sdims.size() - 2];
-  const int64_t width = sdims[sdims.size() - 1];
-  if (static_cast<int64_t>(keys_in.element_count()) < 3 * (3 + (admit_after > 1 ? depth : 0)))
+  st.depth = sdims[sdims.size() - 2];
+  st.width = sdims[sdims.size() - 1];
+  if (static_cast<int64_t>(keys_in.element_count()) < 3 * (3 + (admit_after > 1 ? st.depth : 0)))
     return ffi::Error::InvalidArgument("id_map_step: keys must be [3 + depth, 3]");
+  return ffi::Error::Success();
+}
 
-  uint32_t* ix = InPlace<uint32_t>(index_in, index_out);
-  int32_t* info = InPlace<int32_t>(row_info_in, row_info_out);
-  int32_t* row_slot = InPlace<int32_t>(row_slot_in, row_slot_out);
-  int32_t* free_rows = InPlace<int32_t>(free_in, free_out);
-  int32_t* free_head = InPlace<int32_t>(free_head_in, free_head_out);
-  int32_t* num_free = InPlace<int32_t>(num_free_in, num_free_out);
-  int32_t* sketch = InPlace<int32_t>(sketch_in, sketch_out);
-  int32_t* sightings = InPlace<int32_t>(sightings_in, sightings_out);
-  // the ids' words apart (their [n, 2] pairs split by XLA cost a thunk each, two a call:
-  // ~26 us a call of 16,384 ids on CPU; here ~5)
-  constexpr int64_t kKept = int64_t{1} << 20;  // a thread keeps 4 MiB a word, 8 of `found`
-  std::vector<uint32_t> hi_own, lo_own;
-  uint32_t* __restrict__ hi_words = CallBuffer<uint32_t, 0>(n, kKept, hi_own);
-  uint32_t* __restrict__ lo_words = CallBuffer<uint32_t, 1>(n, kKept, lo_own);
-  const uint32_t* __restrict__ w = words_in.typed_data();
-  for (int64_t i = 0; i < n; ++i) {
-    hi_words[i] = w[2 * i];
-    lo_words[i] = w[2 * i + 1];
-  }
-  const uint32_t* hi = hi_words;
-  const uint32_t* lo = lo_words;
-  const bool* valid = valid_in.typed_data();
-  const int32_t step = step_in.typed_data()[0];
-  const uint32_t* kw = keys_in.typed_data();
-  int32_t* rows = rows_out->typed_data();
-  bool* fresh = fresh_out->typed_data();
-  int32_t* stats = stats_out->typed_data();
-  const Keys k1{kw[0], kw[1], kw[2]}, k2{kw[3], kw[4], kw[5]}, kt{kw[6], kw[7], kw[8]};
+constexpr int64_t kKept = int64_t{1} << 20;  // a thread keeps 4 MiB a word, 8 of `found`
 
-  // 1. every valid position's row (-1: not in the index), its buckets read in stages:
-  //    the first bucket (one line: its tags and row words) prefetched kAhead positions
-  //    ahead and probed kProbeAhead ahead, the second prefetched then only where the
-  //    first has no live slot of the id's tag, probed at the position; the row's
-  //    row_info (one 16-byte record: the id's words, last used, use count) prefetched at
-  //    its probe and read kBehind positions later, where the id's words confirm the row
-  //    (another id may share the tag: then the second bucket is probed there) and, with
-  //    distinct ids, a hit is touched (distinct rows: no race). 2 lines a hit, where
-  //    the layout before (a bucket's id and row words apart, last used and use count
-  //    apart) read 5. Standalone (one thread, 14,700 hits ascending by raw id, 360,000
-  //    live rows of 10^6, caches flushed between calls): 0.51-0.58x that layout's time
-  //    with the same pipeline (12/4/8).
-  //    Each position's row and fresh flag are written here too (-1 for a valid id not
-  //    found: step 8 gives those theirs): with distinct ids a call of every valid id
-  //    found (a step of hits, the steady state) ends after this loop, without the
-  //    serial steps 2-8.
-  std::vector<int64_t> found_own;
-  int64_t* const found = CallBuffer<int64_t, 0>(n, kKept, found_own);
+// 1. every valid position's row (-1: not in the index), its buckets read in stages:
+//    the first bucket (one line: its tags and row words) prefetched kAhead positions
+//    ahead and probed kProbeAhead ahead, the second prefetched then only where the
+//    first has no live slot of the id's tag, probed at the position; the row's
+//    row_info (one 16-byte record: the id's words, last used, use count) prefetched at
+//    its probe and read kBehind positions later, where the id's words confirm the row
+//    (another id may share the tag: then the second bucket is probed there) and, with
+//    distinct ids, a hit is touched (distinct rows: no race). 2 lines a hit, where
+//    the layout before (a bucket's id and row words apart, last used and use count
+//    apart) read 5. Standalone (one thread, 14,700 hits ascending by raw id, 360,000
+//    live rows of 10^6, caches flushed between calls): 0.51-0.58x that layout's time
+//    with the same pipeline (12/4/8).
+//    Each position's row and fresh flag are written here too (-1 for a valid id not
+//    found: step 8 gives those theirs): with distinct ids a call of every valid id
+//    found (a step of hits, the steady state) ends after this loop, without the
+//    serial steps 2-8. Returns whether a valid id was not found; `valid_count`: the
+//    valid positions.
+bool FindRows(const State& st, const Call& call, int64_t* const found, int32_t* rows,
+              bool* fresh, int64_t& valid_count_out) {
+  // the captured values as locals (a store through a captured pointer may alias a
+  // structure's fields, which the compiler would then reload at every position)
+  uint32_t* const ix = st.ix;
+  int32_t* const info = st.info;
+  const int64_t c = st.c, n = call.n;
+  const uint32_t mask = st.mask;
+  const uint32_t* const hi = call.hi;
+  const uint32_t* const lo = call.lo;
+  const bool* const valid = call.valid;
+  const int32_t step = call.step;
+  const int64_t distinct = call.distinct;
+  const Keys k1 = call.k1, k2 = call.k2, kt = call.kt;
   std::atomic<bool> missed{false};
   std::atomic<int64_t> valid_count{0};
   ParallelFor(NumChunks(n, kChunk), [&](int64_t chunk) {
@@ -269,18 +265,20 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
     if (chunk_missed) missed.store(true, std::memory_order_relaxed);
     valid_count.fetch_add(chunk_valid, std::memory_order_relaxed);
   });
-  if (distinct && !missed.load()) {  // every valid id found: steps 2-8 would change nothing
-    stats[0] = static_cast<int32_t>(valid_count.load());  // hits (distinct ids)
-    stats[1] = stats[2] = stats[3] = stats[4] = 0;       // admitted, evicted, pending, refused
-    stats[5] = static_cast<int32_t>(c - *num_free);
-    return ffi::Error::Success();
-  }
+  valid_count_out = valid_count.load();
+  return missed.load();
+}
 
-  // 2. the distinct valid ids ("u"), in the order of their first position (the
-  //    admission order): first position, occurrences; each position's u
-  std::vector<int32_t> u_first, u_occ, inverse;
+// 2. the distinct valid ids ("u"), in the order of their first position (the
+//    admission order): first position, occurrences; each position's u
+void DistinctIds(const Call& call, std::vector<int32_t>& u_first, std::vector<int32_t>& u_occ,
+                 std::vector<int32_t>& inverse) {
+  const int64_t n = call.n;
+  const uint32_t* hi = call.hi;
+  const uint32_t* lo = call.lo;
+  const bool* valid = call.valid;
   inverse.assign(n, -1);
-  if (distinct) {
+  if (call.distinct) {
     u_first.reserve(n);
     for (int64_t i = 0; i < n; ++i)
       if (valid[i]) {
@@ -288,37 +286,40 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
         u_first.push_back(static_cast<int32_t>(i));
       }
     u_occ.assign(u_first.size(), 1);
-  } else {
-    int64_t size = 16;
-    while (size < 2 * n) size <<= 1;
-    std::vector<int32_t> table(size, -1);
-    for (int64_t i = 0; i < n; ++i) {
-      if (!valid[i]) continue;
-      uint64_t h = (uint64_t{hi[i]} << 32 | lo[i]) * 0x9E3779B97F4A7C15ull;
-      int64_t s = static_cast<int64_t>(h >> 32) & (size - 1);
-      for (;; s = (s + 1) & (size - 1)) {
-        const int32_t u = table[s];
-        if (u < 0) {
-          table[s] = static_cast<int32_t>(u_first.size());
-          inverse[i] = table[s];
-          u_first.push_back(static_cast<int32_t>(i));
-          u_occ.push_back(1);
-          break;
-        }
-        const int32_t f = u_first[u];
-        if (hi[f] == hi[i] && lo[f] == lo[i]) {
-          inverse[i] = u;
-          ++u_occ[u];
-          break;
-        }
+    return;
+  }
+  int64_t size = 16;
+  while (size < 2 * n) size <<= 1;
+  std::vector<int32_t> table(size, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!valid[i]) continue;
+    uint64_t h = (uint64_t{hi[i]} << 32 | lo[i]) * 0x9E3779B97F4A7C15ull;
+    int64_t s = static_cast<int64_t>(h >> 32) & (size - 1);
+    for (;; s = (s + 1) & (size - 1)) {
+      const int32_t u = table[s];
+      if (u < 0) {
+        table[s] = static_cast<int32_t>(u_first.size());
+        inverse[i] = table[s];
+        u_first.push_back(static_cast<int32_t>(i));
+        u_occ.push_back(1);
+        break;
+      }
+      const int32_t f = u_first[u];
+      if (hi[f] == hi[i] && lo[f] == lo[i]) {
+        inverse[i] = u;
+        ++u_occ[u];
+        break;
       }
     }
   }
-  const int64_t nu = static_cast<int64_t>(u_first.size());
+}
 
-  // 3. hits (touched: the repeats' occurrences at once), misses
+// 3. hits (touched: the repeats' occurrences at once), misses (u). Returns the hits.
+int32_t TouchHits(const State& st, const Call& call, const int64_t* found,
+                  const std::vector<int32_t>& u_first, const std::vector<int32_t>& u_occ,
+                  std::vector<int32_t>& misses) {
   int32_t hits = 0;
-  std::vector<int32_t> misses;  // u
+  const int64_t nu = static_cast<int64_t>(u_first.size());
   for (int64_t u = 0; u < nu; ++u) {
     const int64_t r = found[u_first[u]];
     if (r < 0) {
@@ -326,155 +327,262 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
       continue;
     }
     ++hits;
-    if (!distinct && r < c) {
-      info[r * kInfo + kLast] = step;
-      info[r * kInfo + kCount] = SatAdd(info[r * kInfo + kCount], u_occ[u]);
+    if (!call.distinct && r < st.c) {
+      st.info[r * kInfo + kLast] = call.step;
+      st.info[r * kInfo + kCount] = SatAdd(st.info[r * kInfo + kCount], u_occ[u]);
     }
   }
+  return hits;
+}
+
+// 4. sightings (conservative update from the estimates before the call); returns the
+//    candidates (u): the misses seen admit_after times, all of them without a sketch
+std::vector<int32_t> Candidates(const State& st, const Call& call,
+                                const std::vector<int32_t>& u_first,
+                                const std::vector<int32_t>& misses) {
+  if (call.admit_after <= 1) return misses;
+  const int64_t depth = st.depth, width = st.width;
+  int32_t* sketch = st.sketch;
+  const uint32_t* kw = call.kw;
+  std::vector<int32_t> cand;
+  const uint32_t wmask = static_cast<uint32_t>(width - 1);
+  std::vector<int32_t> est(misses.size());
+  std::vector<uint32_t> cols(misses.size() * depth);
+  for (size_t m = 0; m < misses.size(); ++m) {
+    const int32_t f = u_first[misses[m]];
+    int32_t least = kMax;
+    for (int64_t d = 0; d < depth; ++d) {
+      const Keys kd{kw[3 * (3 + d)], kw[3 * (3 + d) + 1], kw[3 * (3 + d) + 2]};
+      const uint32_t col = kd(call.hi[f], call.lo[f]) & wmask;
+      cols[m * depth + d] = col;
+      least = std::min(least, sketch[d * width + col]);
+    }
+    est[m] = std::min(Wrap(int64_t{least} + 1), kMax);
+  }
+  for (size_t m = 0; m < misses.size(); ++m)
+    for (int64_t d = 0; d < depth; ++d) {
+      int32_t& counter = sketch[d * width + cols[m * depth + d]];
+      counter = std::max(counter, est[m]);
+    }
+  *st.sightings = Wrap(int64_t{*st.sightings} + static_cast<int64_t>(misses.size()));
+  if (*st.sightings >= call.halve_every) {
+    for (int64_t k = 0; k < depth * width; ++k) sketch[k] >>= 1;
+    *st.sightings = 0;
+  }
+  for (size_t m = 0; m < misses.size(); ++m)
+    if (est[m] >= call.admit_after) cand.push_back(misses[m]);
+  return cand;
+}
+
+// 5. a sweep (when the candidates outnumber the free rows): the least recently (lfu:
+//    least often) used live rows not used this step evicted, at least evict_batch of
+//    them, and the free list rebuilt. Returns the evictions.
+int64_t Sweep(const State& st, const Call& call, int64_t needed) {
+  const int64_t c = st.c;
+  uint32_t* ix = st.ix;
+  int32_t* info = st.info;
+  int32_t* row_slot = st.row_slot;
+  std::vector<uint8_t> live(c);
+  struct Key {
+    uint64_t a;
+    uint32_t b;
+  };
+  std::vector<Key> evictable;
+  for (int64_t r = 0; r < c; ++r) {
+    const int64_t s = std::min<int64_t>(std::max<int64_t>(row_slot[r], 0), st.num_slots - 1);
+    const uint32_t word = ix[(s / kWidth) * kBucket + kWidth + s % kWidth];
+    live[r] = row_slot[r] >= 0 && word == static_cast<uint32_t>(r);
+    const int32_t last = info[r * kInfo + kLast], count = info[r * kInfo + kCount];
+    if (live[r] && last != call.step) {
+      if (call.lfu)
+        evictable.push_back(
+            {uint64_t{Biased(count)} << 32 | Biased(last), static_cast<uint32_t>(r)});
+      else
+        evictable.push_back({uint64_t{Biased(last)} << 32 | static_cast<uint32_t>(r), 0});
+    }
+  }
+  const int64_t want = std::max<int64_t>(call.evict_batch, needed - *st.num_free);
+  const int64_t evictions = std::min<int64_t>(want, static_cast<int64_t>(evictable.size()));
+  auto less = [](const Key& x, const Key& y) { return x.a != y.a ? x.a < y.a : x.b < y.b; };
+  if (evictions < static_cast<int64_t>(evictable.size()))
+    std::nth_element(evictable.begin(), evictable.begin() + evictions, evictable.end(), less);
+  for (int64_t k = 0; k < evictions; ++k) {
+    const int64_t r =
+        call.lfu ? evictable[k].b : static_cast<int64_t>(evictable[k].a & 0xFFFFFFFFu);
+    const int64_t s = row_slot[r];
+    ix[(s / kWidth) * kBucket + kWidth + s % kWidth] = kEmpty;
+    live[r] = 2;  // a victim: free
+  }
+  int64_t k = 0;
+  for (int64_t r = 0; r < c; ++r)
+    if (live[r] != 1) st.free_rows[k++] = static_cast<int32_t>(r);
+  std::fill(st.free_rows + k, st.free_rows + c, 0);
+  *st.free_head = 0;
+  *st.num_free = static_cast<int32_t>(k);
+  return evictions;
+}
+
+// 6. the first `fits` candidates' slots, each in the emptier of its two buckets (the
+//    first on a tie) that has no live slot of its tag (neither: none), the k-th
+//    empty slot of a bucket for its k-th id in u order (u order: the position with
+//    distinct ids, else the id's (hi, lo)); an id whose tag an earlier one of them
+//    has gets none (its k-th slot stays empty). Returns each candidate's slot, or -1.
+std::vector<int64_t> PlaceCandidates(const State& st, const Call& call,
+                                     const std::vector<int32_t>& u_first,
+                                     const std::vector<int32_t>& cand, int64_t fits) {
+  const uint32_t* hi = call.hi;
+  const uint32_t* lo = call.lo;
+  struct Want {
+    int64_t bucket;
+    uint64_t tie;
+    int32_t m;  // index into cand
+    uint32_t tag;
+    bool clash;  // the bucket has a live slot of the tag
+  };
+  std::vector<Want> wants(fits);
+  for (int64_t m = 0; m < fits; ++m) {
+    const int32_t f = u_first[cand[m]];
+    const int64_t b1 = call.k1(hi[f], lo[f]) & st.mask, b2 = call.k2(hi[f], lo[f]) & st.mask;
+    const uint32_t t = call.kt(hi[f], lo[f]);
+    const int room1 = RoomIn(st.ix, b1, t), room2 = RoomIn(st.ix, b2, t);
+    const bool use2 = room2 > room1;
+    const uint64_t tie =
+        call.distinct ? static_cast<uint64_t>(f) : (uint64_t{hi[f]} << 32 | lo[f]);
+    wants[m] = {use2 ? b2 : b1, tie, static_cast<int32_t>(m), t, (use2 ? room2 : room1) < 0};
+  }
+  std::sort(wants.begin(), wants.end(), [](const Want& x, const Want& y) {
+    return x.bucket != y.bucket ? x.bucket < y.bucket : x.tie < y.tie;
+  });
+  std::vector<int64_t> slot(fits, -1);
+  for (int64_t g = 0; g < fits;) {
+    const int64_t b = wants[g].bucket, g0 = g;
+    const uint32_t* word = st.ix + b * kBucket + kWidth;
+    int64_t j = 0;
+    for (; g < fits && wants[g].bucket == b; ++g) {
+      while (j < kWidth && word[j] != kEmpty) ++j;
+      if (j >= kWidth) continue;
+      bool twin = false;  // an earlier id of the bucket's has the tag
+      for (int64_t e = g0; e < g; ++e) twin |= wants[e].tag == wants[g].tag;
+      if (!wants[g].clash && !twin) slot[wants[g].m] = b * kWidth + j;
+      ++j;
+    }
+  }
+  return slot;
+}
+
+// 7. rows, lowest free first, in admission order: each placed candidate's slot and
+//    row_info written, new_row[u] its row (-1 for none). Returns the rows taken.
+int64_t Admit(const State& st, const Call& call, const std::vector<int32_t>& u_first,
+              const std::vector<int32_t>& u_occ, const std::vector<int32_t>& cand,
+              const std::vector<int64_t>& slot, std::vector<int32_t>& new_row) {
+  const int64_t c = st.c;
+  int64_t taken = 0;
+  new_row.assign(u_first.size(), -1);
+  for (size_t m = 0; m < slot.size(); ++m) {
+    if (slot[m] < 0) continue;
+    const int32_t u = cand[m], f = u_first[u];
+    const int32_t r = st.free_rows[std::min<int64_t>(*st.free_head + taken, c - 1)];
+    ++taken;
+    new_row[u] = r;
+    uint32_t* bucket = st.ix + (slot[m] / kWidth) * kBucket;
+    const int64_t j = slot[m] % kWidth;
+    bucket[j] = call.kt(call.hi[f], call.lo[f]);
+    bucket[kWidth + j] = static_cast<uint32_t>(r);
+    int32_t* rec = st.info + int64_t{r} * kInfo;
+    rec[kHi] = static_cast<int32_t>(call.hi[f]);
+    rec[kLo] = static_cast<int32_t>(call.lo[f]);
+    rec[kLast] = call.step;
+    rec[kCount] = u_occ[u];
+    st.row_slot[r] = static_cast<int32_t>(slot[m]);
+  }
+  *st.num_free -= static_cast<int32_t>(taken);
+  *st.free_head += static_cast<int32_t>(taken);
+  return taken;
+}
+
+// Operands: the state (index u32 [B, 2, W], row_info s32 [c, 4], row_slot s32 [c], free
+// s32 [c], free_head, num_free s32 [], sketch s32 [depth, width], sightings s32 []), the
+// call (the ids' words u32 [n, 2]: high, low; valid pred [n]; step s32 []) and `keys`
+// u32 [3 + depth, 3] (the two bucket hashes' and the tag's seed words, then each sketch
+// row's). Attributes: lfu,
+// admit_after, evict_batch, halve_every, distinct. Results: the state (aliased), rows s32
+// [n], fresh pred [n], stats s32 [6] (hits, admissions, evictions, pending, refused,
+// occupancy). Steps 1-8 below, each its own function but the last.
+ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuffer row_slot_in,
+                ffi::AnyBuffer free_in, ffi::AnyBuffer free_head_in, ffi::AnyBuffer num_free_in,
+                ffi::AnyBuffer sketch_in, ffi::AnyBuffer sightings_in,
+                ffi::Buffer<ffi::U32> words_in,
+                ffi::Buffer<ffi::PRED> valid_in, ffi::Buffer<ffi::S32> step_in,
+                ffi::Buffer<ffi::U32> keys_in, int64_t lfu, int64_t admit_after,
+                int64_t evict_batch, int64_t halve_every, int64_t distinct,
+                ffi::Result<ffi::AnyBuffer> index_out, ffi::Result<ffi::AnyBuffer> row_info_out,
+                ffi::Result<ffi::AnyBuffer> row_slot_out, ffi::Result<ffi::AnyBuffer> free_out,
+                ffi::Result<ffi::AnyBuffer> free_head_out,
+                ffi::Result<ffi::AnyBuffer> num_free_out, ffi::Result<ffi::AnyBuffer> sketch_out,
+                ffi::Result<ffi::AnyBuffer> sightings_out,
+                ffi::Result<ffi::Buffer<ffi::S32>> rows_out,
+                ffi::Result<ffi::Buffer<ffi::PRED>> fresh_out,
+                ffi::Result<ffi::Buffer<ffi::S32>> stats_out) {
+  State st;
+  int64_t n = 0;
+  ffi::Error sizes = ReadSizes(index_in, row_info_in, row_slot_in, sketch_in, words_in, keys_in,
+                               admit_after, st, n);
+  if (sizes.failure()) return sizes;
+  st.ix = InPlace<uint32_t>(index_in, index_out);
+  st.info = InPlace<int32_t>(row_info_in, row_info_out);
+  st.row_slot = InPlace<int32_t>(row_slot_in, row_slot_out);
+  st.free_rows = InPlace<int32_t>(free_in, free_out);
+  st.free_head = InPlace<int32_t>(free_head_in, free_head_out);
+  st.num_free = InPlace<int32_t>(num_free_in, num_free_out);
+  st.sketch = InPlace<int32_t>(sketch_in, sketch_out);
+  st.sightings = InPlace<int32_t>(sightings_in, sightings_out);
+  // the ids' words apart (their [n, 2] pairs split by XLA cost a thunk each, two a call:
+  // ~26 us a call of 16,384 ids on CPU; here ~5)
+  std::vector<uint32_t> hi_own, lo_own;
+  uint32_t* __restrict__ hi_words = CallBuffer<uint32_t, 0>(n, kKept, hi_own);
+  uint32_t* __restrict__ lo_words = CallBuffer<uint32_t, 1>(n, kKept, lo_own);
+  const uint32_t* __restrict__ w = words_in.typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    hi_words[i] = w[2 * i];
+    lo_words[i] = w[2 * i + 1];
+  }
+  const uint32_t* kw = keys_in.typed_data();
+  const Call call{n, hi_words, lo_words, valid_in.typed_data(), step_in.typed_data()[0], kw,
+                  Keys{kw[0], kw[1], kw[2]}, Keys{kw[3], kw[4], kw[5]}, Keys{kw[6], kw[7], kw[8]},
+                  lfu, admit_after, evict_batch, halve_every, distinct};
+  int32_t* rows = rows_out->typed_data();
+  bool* fresh = fresh_out->typed_data();
+  int32_t* stats = stats_out->typed_data();
+
+  std::vector<int64_t> found_own;
+  int64_t* const found = CallBuffer<int64_t, 0>(n, kKept, found_own);
+  int64_t valid_count = 0;
+  const bool missed = FindRows(st, call, found, rows, fresh, valid_count);  // 1.
+  if (distinct && !missed) {  // every valid id found: steps 2-8 would change nothing
+    stats[0] = static_cast<int32_t>(valid_count);  // hits (distinct ids)
+    stats[1] = stats[2] = stats[3] = stats[4] = 0;  // admitted, evicted, pending, refused
+    stats[5] = static_cast<int32_t>(st.c - *st.num_free);
+    return ffi::Error::Success();
+  }
+  std::vector<int32_t> u_first, u_occ, inverse;
+  DistinctIds(call, u_first, u_occ, inverse);  // 2.
+  std::vector<int32_t> misses;  // u
+  const int32_t hits = TouchHits(st, call, found, u_first, u_occ, misses);  // 3.
   int64_t evictions = 0, taken = 0, needed = 0, pending = 0;
   std::vector<int32_t> new_row;  // a miss's row, -1 for none
   if (!misses.empty()) {
-    // 4. sightings (conservative update from the estimates before the call), candidates
-    std::vector<int32_t> cand;
-    if (admit_after > 1) {
-      const uint32_t wmask = static_cast<uint32_t>(width - 1);
-      std::vector<int32_t> est(misses.size());
-      std::vector<uint32_t> cols(misses.size() * depth);
-      for (size_t m = 0; m < misses.size(); ++m) {
-        const int32_t f = u_first[misses[m]];
-        int32_t least = kMax;
-        for (int64_t d = 0; d < depth; ++d) {
-          const Keys kd{kw[3 * (3 + d)], kw[3 * (3 + d) + 1], kw[3 * (3 + d) + 2]};
-          const uint32_t col = kd(hi[f], lo[f]) & wmask;
-          cols[m * depth + d] = col;
-          least = std::min(least, sketch[d * width + col]);
-        }
-        est[m] = std::min(Wrap(int64_t{least} + 1), kMax);
-      }
-      for (size_t m = 0; m < misses.size(); ++m)
-        for (int64_t d = 0; d < depth; ++d) {
-          int32_t& counter = sketch[d * width + cols[m * depth + d]];
-          counter = std::max(counter, est[m]);
-        }
-      *sightings = Wrap(int64_t{*sightings} + static_cast<int64_t>(misses.size()));
-      if (*sightings >= halve_every) {
-        for (int64_t k = 0; k < depth * width; ++k) sketch[k] >>= 1;
-        *sightings = 0;
-      }
-      for (size_t m = 0; m < misses.size(); ++m)
-        if (est[m] >= admit_after) cand.push_back(misses[m]);
-    } else {
-      cand = misses;
-    }
+    const std::vector<int32_t> cand = Candidates(st, call, u_first, misses);  // 4.
     needed = static_cast<int64_t>(cand.size());
     pending = static_cast<int64_t>(misses.size()) - needed;
-
-    // 5. a sweep when the candidates outnumber the free rows
-    if (needed > *num_free) {
-      std::vector<uint8_t> live(c);
-      struct Key {
-        uint64_t a;
-        uint32_t b;
-      };
-      std::vector<Key> evictable;
-      for (int64_t r = 0; r < c; ++r) {
-        const int64_t s = std::min<int64_t>(std::max<int64_t>(row_slot[r], 0), num_slots - 1);
-        const uint32_t word = ix[(s / kWidth) * kBucket + kWidth + s % kWidth];
-        live[r] = row_slot[r] >= 0 && word == static_cast<uint32_t>(r);
-        const int32_t last = info[r * kInfo + kLast], count = info[r * kInfo + kCount];
-        if (live[r] && last != step) {
-          if (lfu)
-            evictable.push_back(
-                {uint64_t{Biased(count)} << 32 | Biased(last), static_cast<uint32_t>(r)});
-          else
-            evictable.push_back({uint64_t{Biased(last)} << 32 | static_cast<uint32_t>(r), 0});
-        }
-      }
-      const int64_t want = std::max<int64_t>(evict_batch, needed - *num_free);
-      evictions = std::min<int64_t>(want, static_cast<int64_t>(evictable.size()));
-      auto less = [](const Key& x, const Key& y) { return x.a != y.a ? x.a < y.a : x.b < y.b; };
-      if (evictions < static_cast<int64_t>(evictable.size()))
-        std::nth_element(evictable.begin(), evictable.begin() + evictions, evictable.end(), less);
-      for (int64_t k = 0; k < evictions; ++k) {
-        const int64_t r = lfu ? evictable[k].b : static_cast<int64_t>(evictable[k].a & 0xFFFFFFFFu);
-        const int64_t s = row_slot[r];
-        ix[(s / kWidth) * kBucket + kWidth + s % kWidth] = kEmpty;
-        live[r] = 2;  // a victim: free
-      }
-      int64_t k = 0;
-      for (int64_t r = 0; r < c; ++r)
-        if (live[r] != 1) free_rows[k++] = static_cast<int32_t>(r);
-      std::fill(free_rows + k, free_rows + c, 0);
-      *free_head = 0;
-      *num_free = static_cast<int32_t>(k);
-    }
-
-    // 6. the first num_free candidates, each in the emptier of its two buckets (the
-    //    first on a tie) that has no live slot of its tag (neither: none), the k-th
-    //    empty slot of a bucket for its k-th id in u order (u order: the position with
-    //    distinct ids, else the id's (hi, lo)); an id whose tag an earlier one of them
-    //    has gets none (its k-th slot stays empty)
-    const int64_t fits = std::min<int64_t>(needed, std::max<int32_t>(*num_free, 0));
-    struct Want {
-      int64_t bucket;
-      uint64_t tie;
-      int32_t m;  // index into cand
-      uint32_t tag;
-      bool clash;  // the bucket has a live slot of the tag
-    };
-    std::vector<Want> wants(fits);
-    for (int64_t m = 0; m < fits; ++m) {
-      const int32_t f = u_first[cand[m]];
-      const int64_t b1 = k1(hi[f], lo[f]) & mask, b2 = k2(hi[f], lo[f]) & mask;
-      const uint32_t t = kt(hi[f], lo[f]);
-      const int room1 = RoomIn(ix, b1, t), room2 = RoomIn(ix, b2, t);
-      const bool use2 = room2 > room1;
-      const uint64_t tie = distinct ? static_cast<uint64_t>(f) : (uint64_t{hi[f]} << 32 | lo[f]);
-      wants[m] = {use2 ? b2 : b1, tie, static_cast<int32_t>(m), t, (use2 ? room2 : room1) < 0};
-    }
-    std::sort(wants.begin(), wants.end(), [](const Want& x, const Want& y) {
-      return x.bucket != y.bucket ? x.bucket < y.bucket : x.tie < y.tie;
-    });
-    std::vector<int64_t> slot(fits, -1);
-    for (int64_t g = 0; g < fits;) {
-      const int64_t b = wants[g].bucket, g0 = g;
-      const uint32_t* word = ix + b * kBucket + kWidth;
-      int64_t j = 0;
-      for (; g < fits && wants[g].bucket == b; ++g) {
-        while (j < kWidth && word[j] != kEmpty) ++j;
-        if (j >= kWidth) continue;
-        bool twin = false;  // an earlier id of the bucket's has the tag
-        for (int64_t e = g0; e < g; ++e) twin |= wants[e].tag == wants[g].tag;
-        if (!wants[g].clash && !twin) slot[wants[g].m] = b * kWidth + j;
-        ++j;
-      }
-    }
-    // 7. rows, lowest free first, in admission order
-    new_row.assign(nu, -1);
-    for (int64_t m = 0; m < fits; ++m) {
-      if (slot[m] < 0) continue;
-      const int32_t u = cand[m], f = u_first[u];
-      const int32_t r = free_rows[std::min<int64_t>(*free_head + taken, c - 1)];
-      ++taken;
-      new_row[u] = r;
-      uint32_t* bucket = ix + (slot[m] / kWidth) * kBucket;
-      const int64_t j = slot[m] % kWidth;
-      bucket[j] = kt(hi[f], lo[f]);
-      bucket[kWidth + j] = static_cast<uint32_t>(r);
-      int32_t* rec = info + int64_t{r} * kInfo;
-      rec[kHi] = static_cast<int32_t>(hi[f]);
-      rec[kLo] = static_cast<int32_t>(lo[f]);
-      rec[kLast] = step;
-      rec[kCount] = u_occ[u];
-      row_slot[r] = static_cast<int32_t>(slot[m]);
-    }
-    *num_free -= static_cast<int32_t>(taken);
-    *free_head += static_cast<int32_t>(taken);
+    if (needed > *st.num_free) evictions = Sweep(st, call, needed);  // 5.
+    const int64_t fits = std::min<int64_t>(needed, std::max<int32_t>(*st.num_free, 0));
+    const std::vector<int64_t> slot = PlaceCandidates(st, call, u_first, cand, fits);  // 6.
+    taken = Admit(st, call, u_first, u_occ, cand, slot, new_row);  // 7.
   }
 
   // 8. per position: the valid ids not found (step 1 wrote the others)
   for (int64_t i = 0; i < n; ++i) {
-    if (!valid[i] || found[i] >= 0) continue;
+    if (!call.valid[i] || found[i] >= 0) continue;
     const int32_t nr = new_row.empty() ? -1 : new_row[inverse[i]];
     rows[i] = nr;
     fresh[i] = nr >= 0;
@@ -484,7 +592,7 @@ ffi::Error Step(ffi::AnyBuffer index_in, ffi::AnyBuffer row_info_in, ffi::AnyBuf
   stats[2] = static_cast<int32_t>(evictions);
   stats[3] = static_cast<int32_t>(pending);
   stats[4] = static_cast<int32_t>(needed - taken);
-  stats[5] = static_cast<int32_t>(c - *num_free);
+  stats[5] = static_cast<int32_t>(st.c - *st.num_free);
   return ffi::Error::Success();
 }
 
@@ -523,206 +631,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmIdMapStep, embedmesh::id_map_step::Step,
                                   .Ret<ffi::Buffer<ffi::S32>>());
 EM_LIST_HANDLER("embedmesh_id_map_step", EmIdMapStep)
 
-// ---------------------------------------------------------------------------------------
-// A mapped batch in the host preprocessing's order (id_map.sort_mapped, its jnp reference
-// there): each block's slots by row, ascending (stable: `PAD_ID` rows last), and its valid
-// pairs grouped by their slot's new position, in pair order within a slot, the others
-// after them as they were. The order a table of rows gets from the host, which the fused
-// backward + update's parallel path requires (update_forms.h's GroupPairs): on a batch in
-// raw-id order it takes its serial general path.
-namespace embedmesh {
-namespace sort_mapped {
-
-constexpr int kDigit = 11;  // bits a radix pass: three passes sort a 32-bit key
-constexpr int64_t kBuckets = int64_t{1} << kDigit;
-
-// Scratch kept between calls (a fresh buffer of this size would be fresh pages each call).
-struct Scratch {
-  std::vector<uint32_t> key, key2;
-  std::vector<int32_t> idx, idx2, pos, beg, cnt;
-};
-
-// idx[0, m): the slots of the rows that are not PAD_ID, by row (int32 order), stable: a
-// least-significant-digit radix sort of the biased rows, the digits all rows share
-// skipped. Then the PAD_ID slots in slot order: the order of a stable sort of all rows.
-int64_t SortSlots(const int32_t* rows, int64_t u, Scratch& w) {
-  w.key.resize(u);
-  w.key2.resize(u);
-  w.idx.resize(u);
-  w.idx2.resize(u);
-  int64_t m = 0;
-  for (int64_t i = 0; i < u; ++i) {
-    if (rows[i] == kPad) continue;
-    w.key[m] = static_cast<uint32_t>(rows[i]) ^ 0x80000000u;
-    w.idx[m++] = static_cast<int32_t>(i);
-  }
-  constexpr int kPasses = (32 + kDigit - 1) / kDigit;
-  int64_t count[kPasses][kBuckets] = {};
-  for (int64_t i = 0; i < m; ++i)
-    for (int d = 0; d < kPasses; ++d) ++count[d][(w.key[i] >> (d * kDigit)) & (kBuckets - 1)];
-  for (int d = 0; d < kPasses && m > 0; ++d) {
-    int64_t* c = count[d];
-    const int shift = d * kDigit;
-    if (c[(w.key[0] >> shift) & (kBuckets - 1)] == m) continue;  // one digit: in order
-    int64_t sum = 0;
-    for (int64_t b = 0; b < kBuckets; ++b) sum += std::exchange(c[b], sum);
-    for (int64_t i = 0; i < m; ++i) {
-      const int64_t at = c[(w.key[i] >> shift) & (kBuckets - 1)]++;
-      w.key2[at] = w.key[i];
-      w.idx2[at] = w.idx[i];
-    }
-    w.key.swap(w.key2);
-    w.idx.swap(w.idx2);
-  }
-  int64_t n = m;
-  for (int64_t i = 0; i < u; ++i)
-    if (rows[i] == kPad) w.idx[n++] = static_cast<int32_t>(i);
-  return m;
-}
-
-// One block: rows [u], pairs [p]; a pair is valid when its row is in [0, r) and its slot
-// in [0, u).
-void Block(const int32_t* rows, const int32_t* prow, const int32_t* puniq, const float* gain,
-           int64_t u, int64_t p, int64_t r, int32_t* orows, int32_t* oprow, int32_t* opuniq,
-           float* ogain, Scratch& w) {
-  SortSlots(rows, u, w);
-  const int32_t* idx = w.idx.data();
-  for (int64_t i = 0; i < u; ++i) orows[i] = rows[idx[i]];
-  auto valid = [&](int64_t q) {
-    return prow[q] >= 0 && prow[q] < r && puniq[q] >= 0 && puniq[q] < u;
-  };
-  // The host's order: the valid pairs first, in runs of one slot each, slots ascending.
-  // Then pair q goes to q + shift[its slot] (the run moved whole), without a branch.
-  w.beg.assign(u + 1, 0);  // end[s]: one past slot s's last pair; then shift[s]
-  w.cnt.resize(u);         // the new position of slot s
-  int32_t* end = w.beg.data();
-  int32_t* pos = w.cnt.data();
-  int64_t nv = 0;
-  int32_t prev = 0;
-  bool runs = true;
-  for (; nv < p && valid(nv); ++nv) {
-    const int32_t s = puniq[nv];
-    runs &= s >= prev;
-    prev = s;
-    end[s] = static_cast<int32_t>(nv + 1);
-  }
-  for (int64_t q = nv; q < p && runs; ++q) runs = !valid(q);
-  if (runs) {
-    int32_t begin = 0;  // slots ascending: a slot's run starts where the last one ended
-    for (int64_t s = 0; s < u; ++s) {
-      const int32_t e = end[s];
-      const int32_t b = begin;
-      begin = e ? e : begin;
-      end[s] = e ? e - b : 0;  // its count, for now
-      w.idx2[s] = b;           // (scratch: its first pair)
-    }
-    int32_t at = 0;
-    for (int64_t i = 0; i < u; ++i) {
-      const int32_t old = idx[i];
-      pos[old] = static_cast<int32_t>(i);
-      const int32_t c = end[old];
-      end[old] = at - w.idx2[old];  // the shift of its pairs
-      at += c;
-    }
-    for (int64_t q = 0; q < nv; ++q) {
-      const int32_t s = puniq[q];
-      const int64_t to = q + end[s];
-      oprow[to] = prow[q];
-      opuniq[to] = pos[s];
-      ogain[to] = gain[q];
-    }
-    // the others (none valid among them) as they were
-    std::memcpy(oprow + nv, prow + nv, sizeof(int32_t) * (p - nv));
-    std::memcpy(opuniq + nv, puniq + nv, sizeof(int32_t) * (p - nv));
-    std::memcpy(ogain + nv, gain + nv, sizeof(float) * (p - nv));
-    return;
-  }
-  // any order: a stable counting sort of the valid pairs by their slot's new position
-  w.pos.resize(u);
-  pos = w.pos.data();
-  for (int64_t i = 0; i < u; ++i) pos[idx[i]] = static_cast<int32_t>(i);
-  std::vector<int64_t> start(u + 1, 0);
-  nv = 0;  // (recounted: the loop above stopped at the first pair out of order)
-  for (int64_t q = 0; q < p; ++q) {
-    if (!valid(q)) continue;
-    ++start[pos[puniq[q]] + 1];
-    ++nv;
-  }
-  for (int64_t i = 0; i < u; ++i) start[i + 1] += start[i];
-  int64_t rest = nv;
-  for (int64_t q = 0; q < p; ++q) {
-    int64_t at;
-    int32_t slot = puniq[q];
-    if (valid(q)) {
-      slot = pos[slot];
-      at = start[slot]++;
-    } else {
-      at = rest++;
-    }
-    oprow[at] = prow[q];
-    opuniq[at] = slot;
-    ogain[at] = gain[q];
-  }
-}
-
-// Several stacks in one call: an s32 [k] operand (each stack's r), then each stack's rows
-// s32 [..., U], pair_rows, pair_unique s32 [..., P], pair_gains f32 [..., P] (the same
-// leading dimensions: the blocks); results likewise, sorted. The stacks' blocks shared
-// out over the threads (a call a stack ran on one thread: its helper thread started late).
-ffi::Error SortMappedMany(ffi::Buffer<ffi::S32> rs, ffi::RemainingArgs args,
-                          ffi::RemainingRets rets) {
-  const int64_t k = static_cast<int64_t>(rs.element_count());
-  if (static_cast<int64_t>(args.size()) != 4 * k || static_cast<int64_t>(rets.size()) != 4 * k)
-    return ffi::Error::InvalidArgument("sort_mapped_many: four operands and results a stack");
-  struct Task {
-    const int32_t *rows, *prow, *puniq;
-    const float* gain;
-    int32_t *orows, *oprow, *opuniq;
-    float* ogain;
-    int64_t u, p, r;
-  };
-  std::vector<Task> tasks;
-  for (int64_t t = 0; t < k; ++t) {
-    const void* in[4];
-    void* out[4];
-    int64_t count[4] = {0, 0, 0, 0}, last[2] = {1, 1};
-    for (int64_t j = 0; j < 4; ++j) {
-      auto a = args.get<ffi::AnyBuffer>(4 * t + j);
-      auto o = rets.get<ffi::AnyBuffer>(4 * t + j);
-      if (a.has_error()) return a.error();
-      if (o.has_error()) return o.error();
-      in[j] = a->untyped_data();
-      out[j] = (*o)->untyped_data();
-      count[j] = static_cast<int64_t>(a->element_count());
-      auto d = a->dimensions();
-      if (j < 2 && d.size()) last[j] = d[d.size() - 1];
-    }
-    const int64_t u = last[0], p = last[1];
-    const int64_t n = u ? count[0] / u : 0;
-    if (n * p != count[1] || count[1] != count[2] || count[1] != count[3])
-      return ffi::Error::InvalidArgument("sort_mapped_many: the pairs' blocks do not match");
-    for (int64_t s = 0; s < n; ++s)
-      tasks.push_back(Task{static_cast<const int32_t*>(in[0]) + s * u,
-                           static_cast<const int32_t*>(in[1]) + s * p,
-                           static_cast<const int32_t*>(in[2]) + s * p,
-                           static_cast<const float*>(in[3]) + s * p,
-                           static_cast<int32_t*>(out[0]) + s * u,
-                           static_cast<int32_t*>(out[1]) + s * p,
-                           static_cast<int32_t*>(out[2]) + s * p,
-                           static_cast<float*>(out[3]) + s * p, u, p, rs.typed_data()[t]});
-  }
-  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
-    thread_local Scratch w;
-    const Task& t = tasks[i];
-    Block(t.rows, t.prow, t.puniq, t.gain, t.u, t.p, t.r, t.orows, t.oprow, t.opuniq, t.ogain,
-          w);
-  });
-  return ffi::Error::Success();
-}
-
-}  // namespace sort_mapped
-}  // namespace embedmesh
-
-EM_HANDLER("embedmesh_sort_mapped_many", EmSortMappedMany,
-           embedmesh::sort_mapped::SortMappedMany,
-           ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets());
