@@ -7,8 +7,8 @@ The model of the Criteo benchmarks, in embedmesh's terms, from the docs alone:
   top MLP), the tables sharded over every device;
 - feature 0 has unbounded raw 64-bit ids (a table with an `id_map`: a dynamic vocabulary),
   feature 2's table is stored in bfloat16;
-- training epochs with an evaluation pass between them: lookups with `training=False`,
-  which change nothing (no id admitted or evicted, no optimizer state touched; an unseen
+- training epochs with an evaluation pass between them (nnx's `model.eval()`): lookups
+  that change nothing (no id admitted or evicted, no optimizer state touched; an unseen
   raw id reads a zero row, as serving reads it);
 - a checkpoint per epoch (the embedding beside the dense parameters and their optax
   state, one orbax checkpoint), resumed where it stopped when run again;
@@ -33,6 +33,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import embedmesh as em
 from embedmesh import checkpoint as em_ckpt
@@ -130,20 +131,32 @@ def train_step(model: DLRM, optimizer: nnx.Optimizer, csr, dense, labels):
 
 @nnx.jit
 def eval_scores(model: DLRM, csr, dense):
-    """Scores with the embedding in inference mode: nothing of the model changes."""
-    acts = model.embed(csr, training=False)
+    """Scores with the model in evaluation mode: raw ids read as they are (no `map_ids`:
+    nothing admitted or evicted, an unseen id a zero row), nothing of the model changes."""
+    acts = model.embed(csr)
     return jax.nn.sigmoid(model.towers({**acts, "dense": dense}))
 
 
 def evaluate(model: DLRM, batches) -> tuple[float, np.ndarray]:
     """Log loss over `batches`, and the scores of the first batch."""
     losses, first = [], None
+    model.eval()  # nnx's switch: the embedding's lookups in evaluation mode
     for cats, dense, labels in batches:
-        csr = model.embed.enqueue(cats, training=False)
+        csr = model.embed.enqueue(cats)  # marked for evaluation: the module's mode
         p = np.clip(np.asarray(eval_scores(model, csr, jnp.asarray(dense))), 1e-7, 1 - 1e-7)
         losses.append(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
         first = p if first is None else first
+    model.train()
     return float(np.mean(losses)), first
+
+
+def place_dense(model: DLRM, optimizer: nnx.Optimizer) -> None:
+    """The towers and their optax state replicated over the embedding's mesh, up front
+    and after a restore: the first step's program is then every later step's (no second
+    compile when the outputs come back placed there), and restored arrays join the mesh."""
+    replicated = NamedSharding(model.embed.core.mesh, PartitionSpec())
+    for part in (model.towers, optimizer):
+        nnx.update(part, jax.device_put(nnx.state(part), replicated))
 
 
 def live_raw_ids(model: DLRM) -> set:
@@ -166,6 +179,7 @@ def run(workdir: str, quick: bool) -> dict:
     features = feature_config(max_rows, dim)
     model = DLRM(features, dim, nnx.Rngs(0))
     optimizer = nnx.Optimizer(model.towers, optax.adam(1e-3), wrt=nnx.Param)
+    place_dense(model, optimizer)
     held_out = [synthetic_batch(10_000 + i, batch, features) for i in range(eval_batches)]
 
     mngr = ocp.CheckpointManager(os.path.join(workdir, "ckpt"))
@@ -179,6 +193,7 @@ def run(workdir: str, quick: bool) -> dict:
         )
         nnx.update(model.towers, dense["towers"])
         nnx.update(optimizer, dense["optimizer"])
+        place_dense(model, optimizer)
         print(f"resumed after epoch {start} ({updates} embedding updates)")
     for epoch in range(start, start + epochs):
         for step in range(steps):
@@ -231,7 +246,9 @@ def serve_through_tensorflow(workdir: str, features: dict, model: DLRM, batch) -
         return towers(x)
 
     export_dir = os.path.join(workdir, "saved_model")
-    signature = {name: Dense() for name in NAMES} | {"dense": Dense((DENSE,), np.float32)}
+    signature = {name: Dense() for name in NAMES}  # int32 ids
+    signature[NAMES[RAW_ID_FEATURE]] = Dense(dtype=np.int64)  # raw ids: 64 bits
+    signature["dense"] = Dense((DENSE,), np.float32)  # the dense features beside them
     export_saved_model(
         whole_model,
         export_dir,

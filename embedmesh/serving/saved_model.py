@@ -265,6 +265,7 @@ def export_saved_model(
     split = _split_signature(resolved, input_signature)
     names = signature_names(feature_config, input_signature, weighted)
     by_name, raw_ids = _tables_by_name(resolved, tables)
+    _check_raw_id_dtypes(resolved, split.specs, raw_ids)
     tf_tables, tf_feats = _tf_feature_config(resolved, tf)
 
     param_leaves, param_tree = jax.tree_util.tree_flatten(params)
@@ -369,6 +370,21 @@ def _raw_ids_to_rows(tf, x, sorted_ids, capacity: int):
         at = tf.minimum(pos, known.shape[0] - 1)
         rows = tf.where(tf.gather(known, at) == flat, pos, tf.constant(capacity, tf.int64))
     return tf.reshape(rows, tf.shape(x))
+
+
+def _check_raw_id_dtypes(resolved, specs: list, raw_ids: dict) -> None:
+    """A feature of a table of raw ids takes 64-bit ids in the signature: with `Dense()`'s
+    default int32 a client's int64 ids would be refused, or cut to 32 bits where a client
+    casts to the signature's type, and no raw id over 32 bits could be served."""
+    table_name = {id(t): n for t, n in zip(resolved.tables, resolved.table_names)}
+    for name, feature, spec in zip(resolved.feature_names, resolved.features, specs):
+        table, dtype = table_name[id(feature.table)], np.dtype(spec.dtype)
+        if table in raw_ids and not (dtype.kind in "iu" and dtype.itemsize == 8):
+            raise ValueError(
+                f"input_signature for feature {name}: its table {table} holds raw 64-bit "
+                f"ids, so its spec takes int64 or uint64 ids (e.g. Dense(dtype=np.int64), "
+                f"Ragged(n, np.int64)), got {dtype}"
+            )
 
 
 def _tables_by_name(resolved, tables: dict) -> tuple[dict, dict]:

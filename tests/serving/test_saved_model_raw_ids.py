@@ -135,3 +135,24 @@ def test_a_wrong_kind_of_table_names_it(tmp_path):
                 feature_config=FEATURES,
                 input_signature=SIGNATURE,
             )
+
+
+@pytest.mark.parametrize("spec", [Dense(), Ragged(4), Sparse((3,), np.int32)])
+def test_a_raw_id_feature_with_32_bit_ids_in_the_signature_is_refused(tmp_path, spec):
+    """`Dense()`'s default int32 for a feature of raw 64-bit ids: refused at export,
+    naming the feature and the spec to give (a client casting its ids to the signature's
+    type would otherwise send them cut to 32 bits)."""
+    rng = np.random.default_rng(3)
+    tables = {ITEMS: _raw_table(rng), USERS: (0.5 + rng.random((10, DIM))).astype(np.float32)}
+    signature = {**SIGNATURE, "item_pair": spec}
+    with pytest.raises(
+        ValueError, match=r"feature item_pair: its table items holds raw 64-bit.*int64"
+    ):
+        export_saved_model(
+            lambda a: dict(a),
+            tmp_path / "m",
+            tables=tables,
+            feature_config=FEATURES,
+            input_signature=signature,
+        )
+    assert not (tmp_path / "m").exists()
