@@ -23,6 +23,7 @@ serves in one call until a setting changes (`forget_served`).
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import numpy as np
 
@@ -33,9 +34,23 @@ from embedmesh.serving import kernels, pool, raw_ids
 from embedmesh.serving.backends import native as native_backend
 from embedmesh.serving.quantized import QuantizedTable
 
+# The calling convention this module speaks to the compiled rules in (their `INTERFACE`).
+INTERFACE = 2
+
 try:  # built at install (setup.py); a checkout used without an install may have none
     from embedmesh.serving import _request as compiled
 except ImportError:  # pragma: no cover - the install builds it where a compiler is
+    compiled = None
+if compiled is not None and getattr(compiled, "INTERFACE", 1) != INTERFACE:
+    # built from an older (or newer) source: an editable install whose sources moved on
+    warnings.warn(
+        f"embedmesh.serving._request ({compiled.__file__}) was built from another version "
+        f"of embedmesh's sources (interface {getattr(compiled, 'INTERFACE', 1)}, this one "
+        f"speaks {INTERFACE}): serving requests take the general path until it is rebuilt "
+        f"(pip install -e . again)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     compiled = None
 
 __all__ = ["compiled", "dict_served", "forget_served", "in_flight", "plans_of"]

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from optimizer_reference import numpy_update_rows
+from test_tpu_ops import interpret_off_tpu  # noqa: F401 (autouse: the kernels interpreted off a TPU)
 
 import embedmesh as em
 from embedmesh import FeatureConfig, TableConfig
 from embedmesh.device import ops
 from embedmesh.device.ops import packed, tpu
-from embedmesh.device.ops.tpu import pallas
 from embedmesh.device.slots_in_rows import device_optimizer
 from embedmesh.layout.stacking import plan_stacking
 
@@ -38,16 +38,6 @@ CASES = [
     ("RowWiseAdagrad", 32, 2),
     ("Adagrad", 64, 1),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpret_off_tpu():
-    old = pallas.INTERPRET
-    if jax.default_backend() != "tpu":
-        pallas.INTERPRET = True
-    yield
-    pallas.INTERPRET = old
-    pallas.scatter_rows_dma.__dict__.get("clear_cache", lambda: None)()
 
 
 def signed(r, shape):

@@ -7,10 +7,7 @@ refused by `apply_gradients`."""
 import jax
 import numpy as np
 import pytest
-from meshes import mesh_of
-from test_inference_mode import NEW_IDS, POOL, batch_of, features, grad_of, reference
-
-import embedmesh as em
+from test_inference_mode import NEW_IDS, POOL, batch_of, grad_of, new_layer, reference
 
 pytest.importorskip("flax")
 from flax import nnx
@@ -20,16 +17,7 @@ from embedmesh.flax import nnx as em_nnx
 
 
 def make(n: int, pipelined: bool):
-    fc = features()
-    emb = em.MeshEmbedding(
-        fc,
-        em.Adagrad(0.3, initial_accumulator_value=0.2),
-        pipelined,
-        mesh=mesh_of(n),
-        capacities=em.Capacity(64, 64),
-        seed=5,
-    )
-    return emb, fc
+    return new_layer(n, pipelined)
 
 
 @nnx.jit

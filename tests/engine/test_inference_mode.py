@@ -239,6 +239,21 @@ def assert_served(acts: dict, served: dict) -> None:
         )
 
 
+def new_layer(n: int, pipelined: bool, stack: bool = True) -> tuple:
+    """`(a MeshEmbedding of the kinds' features on n devices, its feature config)`."""
+    fc = features()
+    emb = em.MeshEmbedding(
+        fc,
+        em.Adagrad(0.3, initial_accumulator_value=0.2),
+        pipelined,
+        mesh=mesh_of(n),
+        stack_tables=stack,
+        capacities=em.Capacity(64, 64),
+        seed=5,
+    )
+    return emb, fc
+
+
 _LAYERS: dict = {}
 _FEATURES: dict = {}  # id(layer) -> its feature config
 
@@ -248,16 +263,7 @@ def layer(n: int, stack: bool, pipelined: bool, kernels: bool = True):
     the CPU kernels were in use when it was made)."""
     key = (n, stack, pipelined, kernels)
     if key not in _LAYERS:
-        fc = features()
-        emb = em.MeshEmbedding(
-            fc,
-            em.Adagrad(0.3, initial_accumulator_value=0.2),
-            pipelined,
-            mesh=mesh_of(n),
-            stack_tables=stack,
-            capacities=em.Capacity(64, 64),
-            seed=5,
-        )
+        emb, fc = new_layer(n, pipelined, stack)
         emb.build()
         _LAYERS[key] = emb
         _FEATURES[id(emb)] = fc

@@ -158,3 +158,27 @@ def test_the_general_path_is_traced_as_such():
     em.serving_embedding_lookup(x, None, tables, fc)
     visits, _ = _visits(lambda: em.serving_embedding_lookup(x, None, tables, fc))
     assert [v for v in visits if v.startswith(GENERAL)], visits
+
+
+def test_a_compiled_module_of_another_source_is_not_used(tmp_path):
+    """An editable install whose sources moved on keeps its old `_request` module: one
+    that does not speak this source's calling convention is set aside with a warning
+    that says how to rebuild it, and requests take the general path (same results)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types, warnings\n"
+        "stale = types.ModuleType('embedmesh.serving._request')\n"
+        "stale.__file__ = 'stale.so'\n"
+        "sys.modules['embedmesh.serving._request'] = stale\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from embedmesh.serving import request\n"
+        "assert request.compiled is None, request.compiled\n"
+        "print([str(x.message) for x in w if 'another version' in str(x.message)][0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    ).stdout
+    assert "interface 1, this one speaks 2" in out and "pip install -e ." in out

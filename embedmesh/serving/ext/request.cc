@@ -1512,5 +1512,11 @@ PyMODINIT_FUNC PyInit__request(void) {
     Py_DECREF(m);
     return nullptr;
   }
+  // the calling convention of `lookup` and `serve` (request.py's INTERFACE): a module
+  // built from another source (an editable install not rebuilt) is not used
+  if (m != nullptr && PyModule_AddIntConstant(m, "INTERFACE", 2) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
   return m;
 }
