@@ -137,7 +137,7 @@ def parse_train_step(text: str) -> Metrics:
 def parse_serving(text: str) -> Metrics:
     """Per input form and embedmesh contender: ms per call (median over the script's
     rounds), from ids per call / ids/s (4 digits; the printed ms/call has 2 decimals)."""
-    head = re.compile(r"^== (\S+): ([0-9]+) ids per call")
+    head = re.compile(r"^== (.+?): ([0-9]+) ids per call")
     row = re.compile(rf"^\s+(embedmesh\[[^\]]+\])\s+{_NUM} M ids/s\s+\(\s*{_NUM} ms/call\)")
     out: Metrics = {}
     label, ids = None, 0
