@@ -122,9 +122,17 @@ def test_a_save_onto_an_existing_step_warns_naming_step_and_directory(tmp_path, 
 def test_the_embedmesh_logger_is_silent_by_default():
     """A NullHandler on "embedmesh": a library's records reach no stderr of its own (the
     application's logging configuration decides)."""
-    root = logging.getLogger("embedmesh")
-    assert any(isinstance(h, logging.NullHandler) for h in root.handlers)
-    assert root.level == logging.NOTSET and root.propagate  # the application's to set
+    import subprocess
+    import sys
+
+    code = (  # a fresh process: what an application sees at import, whatever ran before
+        "import logging, embedmesh\n"
+        "root = logging.getLogger('embedmesh')\n"
+        "print(any(isinstance(h, logging.NullHandler) for h in root.handlers),"
+        " root.level == logging.NOTSET, root.propagate)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True"], out  # the application's to set
 
 
 def test_plan_growth_and_restore_are_logged(tmp_path, caplog, capfd):

@@ -16,7 +16,7 @@ FILE_CAP = 800
 # count then). A file brought under the cap leaves this list (the test says so).
 FILE_ALLOWANCE = {
     # the compiled request rules (the only production form of them)
-    "embedmesh/serving/ext/request.cc": 1516,
+    "embedmesh/serving/ext/request.cc": 1522,
     # the step-time model of every strategy and the planner that ranks them
     "embedmesh/layout/cost_model.py": 1266,
     # the stacking plan: which tables share an array, row layouts, the per-shard offsets
