@@ -8,6 +8,7 @@ Each block runs once: a chain of continuations runs its blocks in order in one n
 
 import collections
 import importlib.util
+import logging
 import os
 import pathlib
 import re
@@ -68,11 +69,18 @@ def test_doc_blocks_run_as_documented(tmp_path, monkeypatch):
                 run(continues)
             namespace = fresh.pop(continues)
         environ = dict(os.environ)  # a block may set XLA_FLAGS for a fresh process
+        # and logging as an application does (environment.md: "embedmesh" at INFO, a root
+        # handler): put back, or the rest of the suite's process logs and captures records
+        ours, root = logging.getLogger("embedmesh"), logging.getLogger()
+        levels, handlers = (ours.level, root.level), list(root.handlers)
         try:
             exec(compile(code, f"{page}, block of {section!r}", "exec"), namespace)
         finally:
             os.environ.clear()
             os.environ.update(environ)
+            ours.setLevel(levels[0])
+            root.setLevel(levels[1])
+            root.handlers[:] = handlers
         runs[section] += 1
         results[section] = fresh[section] = namespace
 
