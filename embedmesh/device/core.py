@@ -720,17 +720,8 @@ class EmbeddingCore:
         )
         csr = dict(csr)
         for s in stacks:
-            pr, pu, pg = (
-                (csr[s].pair_rows, csr[s].pair_unique, csr[s].pair_gains) if as_is else moved[s]
-            )
-            csr[s] = dataclasses.replace(
-                csr[s],
-                unique_ids=rows[s],
-                unique_raw_ids=None,
-                pair_rows=pr,
-                pair_unique=pu,
-                pair_gains=pg,
-            )
+            pairs = (csr[s].pair_rows, csr[s].pair_unique, csr[s].pair_gains)
+            csr[s] = _with_rows(csr[s], rows[s], pairs if as_is else moved[s])
         stats = {s: {k: counts[s][:, i].sum() for i, k in enumerate(ID_STATS)} for s in stacks}
         return (state, csr, stats, kept) if keep_fresh else (state, csr, stats)
 
@@ -783,15 +774,7 @@ class EmbeddingCore:
         rows, moved = fn(maps, ids, raws, pairs)
         out = dict(csr)
         for s in stacks:
-            pr, pu, pg = pairs[s] if as_is else moved[s]
-            out[s] = dataclasses.replace(
-                csr[s],
-                unique_ids=rows[s],
-                unique_raw_ids=None,
-                pair_rows=pr,
-                pair_unique=pu,
-                pair_gains=pg,
-            )
+            out[s] = _with_rows(csr[s], rows[s], pairs[s] if as_is else moved[s])
         return out
 
     def reinit_fresh_rows(
@@ -1180,3 +1163,12 @@ class EmbeddingCore:
         # Sparse rules move only the rows they are given: a rejected update
         # hands them none (no `cond`, which costs 2-10 ms a step on CPU).
         return update(state, ok), ok
+
+
+def _with_rows(c, rows, pairs):
+    """The batch `c` of one stack with its raw ids replaced by the rows they map to, and
+    its pairs `(rows, unique, gains)` (moved to the owners' order where they were moved)."""
+    pr, pu, pg = pairs
+    return dataclasses.replace(
+        c, unique_ids=rows, unique_raw_ids=None, pair_rows=pr, pair_unique=pu, pair_gains=pg
+    )
