@@ -15,11 +15,19 @@ for _folder in reversed(import_path()):
     if _folder not in sys.path:
         sys.path.insert(0, _folder)
 
-# XLA's backend at optimisation level 0: the suite's programs are small and compiled
-# once each, so compiling dominates (-20% CPU measured on test_data_parallel).
-# Children (multi-process workers, fresh-process checks) get these flags too, with their
-# own device count: float results can differ by an ulp between optimisation levels.
-os.environ.setdefault("EMBEDMESH_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+# XLA's CPU compiler at its cheapest: the suite's programs are small and compiled once
+# each, so compiling dominates. Optimisation level 0 (-20% CPU measured on
+# test_data_parallel); the loop emitters instead of the fusion emitters and LLVM without
+# its expensive passes (test_engine's training tests 38.6 -> 25.7 CPU-s, test_packed_rows
+# with test_table_wise 92 -> 78: 2026-12-07). Each flag exists in jaxlib 0.10.2 to 0.12.1
+# (an unknown flag aborts XLA). Children (multi-process workers, fresh-process checks)
+# get these flags too, with their own device count: float results can differ by an ulp
+# between compiler settings.
+os.environ.setdefault(
+    "EMBEDMESH_TEST_XLA_FLAGS",
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_llvm_disable_expensive_passes=true",
+)
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 " + os.environ["EMBEDMESH_TEST_XLA_FLAGS"],
