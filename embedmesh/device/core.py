@@ -39,11 +39,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from embedmesh import _compat
-from embedmesh.batch import PartitionedCsrFormatTensor
 from embedmesh.device import (
     ops,
     peers,
+    placing,
     raw_ids,
     rounding,
     shard_program,
@@ -96,13 +95,6 @@ def _row_initializer(init):
     return getattr(init, "rows", None)
 
 
-def _fits(shape: tuple, dtype) -> bool:
-    """Whether `EmbeddingCore.put`'s batched put takes a leaf of `shape` and `dtype`: jax
-    keeps its dtype as it is (int64 without x64: no), and it is not empty (jaxlib's put
-    of empty shards on several devices raises `bad_function_call`)."""
-    return 0 not in shape and jax.dtypes.canonicalize_dtype(dtype) == dtype
-
-
 class EmbeddingCore:
     """Static description of one embedding layer on one mesh; builds pure functions.
 
@@ -140,6 +132,7 @@ class EmbeddingCore:
         self.default_optimizer = optimizer
         self.row_sharding = NamedSharding(mesh, P(self.axes))
         self.replicated = NamedSharding(mesh, P())
+        self.placer = placing.BatchPlacer(self.row_sharding)  # `put`
         self._stack_optimizer = {
             s.name: (s.optimizer if s.optimizer is not None else optimizer) for s in plan.stacks
         }
@@ -366,75 +359,9 @@ class EmbeddingCore:
     # -- inputs ---------------------------------------------------------------
 
     def put(self, csr: dict, *, copy: bool = True) -> dict:
-        """Place this process's preprocessed arrays on its devices as global arrays.
-
-        One process: a leaf by jaxlib's batched put of its per-device slices, the
-        arrays `jax.device_put` gives (dtype, sharding, committed) for ~3x less time
-        (56 leaves of the train benchmark: 56 calls of 40-140 us of Python each), and
-        copies (`force_copy`): `jax.device_put` zero-copies 64-byte-aligned numpy
-        buffers on CPU and reads the others after it returns, so a host buffer written
-        after this call could change the step's input. `jax.device_put` where the hook
-        is gone, jax converts the dtype (int64 without x64) or the leaf is empty;
-        `make_array_from_process_local_data` across processes.
-
-        `copy=False`: the caller's arrays are its own and never written again (the
-        facade's enqueue, on what preprocessing just made): a 64-byte-aligned one is
-        aliased, not copied (the train benchmark's static stack: 0.12-0.18 ms a batch
-        against 0.43-0.51); jax keeps it alive.
-
-        A stack's `unique_counts` and `pair_counts` stay on the host (None in the placed
-        batch): no device program reads them (padding ends a partition), and a leaf costs
-        its put and an argument of every program (16 of the 56 leaves of 8 stacks of raw
-        ids in benchmarks/train/dynamic_ids.py)."""
-        batched, aval = _compat.batched_device_put(), _compat.shaped_array()
-        one_process = jax.process_count() == 1
-        x64 = bool(jax.config.jax_enable_x64)  # which dtypes jax keeps
-        out = {}
-        for name, c in csr.items():
-            if isinstance(c, PartitionedCsrFormatTensor):
-                c = dataclasses.replace(c, unique_counts=None, pair_counts=None)
-            leaves, treedef = jax.tree_util.tree_flatten(c)
-            placed = []
-            for leaf in leaves:
-                leaf = np.asarray(leaf)
-                how = None
-                if one_process and batched is not None and aval is not None:
-                    how = self._put_plan(leaf.shape, leaf.dtype, x64, aval)
-                if how is not None:
-                    a, devices, slices = how
-                    shards = [leaf[i] for i in slices]
-                    placed.append(batched(a, self.row_sharding, shards, devices, True, copy))
-                elif one_process:
-                    placed.append(jax.device_put(leaf, self.row_sharding))
-                else:
-                    global_shape = (leaf.shape[0] * jax.process_count(),) + leaf.shape[1:]
-                    placed.append(
-                        jax.make_array_from_process_local_data(
-                            self.row_sharding, leaf, global_shape
-                        )
-                    )
-            out[name] = jax.tree_util.tree_unflatten(treedef, placed)
-        return out
-
-    def _put_plan(self, shape: tuple, dtype, x64: bool, aval) -> tuple | None:
-        """`(aval, devices, index a device)` of a leaf of `shape` and `dtype` under
-        `row_sharding` (jax's map, which raises on a batch the devices do not divide),
-        or None where the batched put does not take it (`_fits`); kept a shape, dtype
-        and `x64` (`jax_enable_x64`, which decides the dtypes jax keeps): a batch's leaves
-        repeat them, and the aval and the map cost ~2 us a leaf each (the transfer of
-        the 56 leaves of 8 stacks of raw ids: 0.84x, benchmarks/train/dynamic_ids.py)."""
-        cache = self.__dict__.setdefault("_put_plans", {})
-        key = (shape, dtype, x64, aval)
-        if key in cache:
-            return cache[key]
-        if len(cache) > 256:  # shapes that keep changing (capacities from each batch)
-            cache.clear()
-        got = None
-        if _fits(shape, dtype):
-            index = self.row_sharding.addressable_devices_indices_map(shape)
-            got = (aval(shape, dtype), list(index), list(index.values()))
-        cache[key] = got
-        return got
+        """Place this process's preprocessed arrays on its devices as global arrays,
+        row-sharded (`placing.BatchPlacer.put`: how, and what `copy=False` may alias)."""
+        return self.placer.put(csr, copy=copy)
 
     # -- tables of raw ids (`raw_ids.RawIdTables`, composed: `self.raw_ids`) ----------
 
@@ -589,58 +516,12 @@ class EmbeddingCore:
         place (its tables ordered after the lookup's reads).
         """
         acts, next_view = self.lookup(state, csr_next, carrying=True)
-        tables = self._ordered_after(state.tables, acts, csr_next)
+        tables = _ordered_after(self, state.tables, acts, csr_next)
         state = dataclasses.replace(state, tables=tables)
         new_state, ok = self.apply_gradients(
             state, gradients, csr_prev, check_finite=check_finite, view=view
         )
         return (acts, new_state, ok, next_view) if carrying else (acts, new_state, ok)
-
-    def _ordered_after(self, tables: dict, acts: dict, csr: dict) -> dict:
-        """The tables, made data-dependent on the lookup that read them.
-
-        XLA orders instructions only by data dependence when it decides
-        whether an in-place update may overwrite a buffer another op reads;
-        the lookup and the update of one stack are otherwise unordered, so
-        XLA would copy the whole table every step to keep the lookup's
-        input alive. Threading each table through a `cond` whose predicate
-        reads the lookup's output orders them at O(1) cost. The predicate is
-        true unless an activation's first element has one particular NaN
-        bit pattern; the other branch is then taken and returns the same
-        values (`+ 0` only turns -0.0 into +0.0); it exists because XLA
-        removes a `cond` whose branches are identical, and the barrier
-        `lax.optimization_barrier` is dropped before copy insertion on CPU.
-        """
-        first_act = {}
-        for s, c in csr.items():
-            for feature in c.features:
-                first_act.setdefault(s, feature.name)
-        stacks = [s for s in first_act if s in tables]
-        if not stacks:
-            return tables
-
-        def body(tabs, deps):
-            out = {}
-            for s in stacks:
-                d = deps[s].reshape(-1)
-                if d.size == 0:
-                    out[s] = tabs[s]
-                    continue
-                bits = jax.lax.bitcast_convert_type(d[0].astype(jnp.float32), jnp.int32)
-                keep = bits != jnp.int32(-1)  # 0xFFFFFFFF: a NaN no arithmetic produces
-                out[s] = jax.lax.cond(
-                    keep, lambda t: t, lambda t: t + jnp.zeros((), t.dtype), tabs[s]
-                )
-            return out
-
-        tabs = {s: tables[s] for s in stacks}
-        deps = {s: acts[first_act[s]] for s in stacks}
-        fn = self.shard_program(
-            body,
-            in_specs=self.specs(tabs, deps),
-            out_specs=self.specs(tabs),
-        )
-        return dict(tables, **fn(tabs, deps))
 
     def step_check(self, gradients: dict, batch_number=None):
         """`[all gradients finite (0/1), lowest batch number, highest]` int32, the same
@@ -781,3 +662,48 @@ class EmbeddingCore:
         # Sparse rules move only the rows they are given: a rejected update
         # hands them none (no `cond`, which costs 2-10 ms a step on CPU).
         return update(state, ok), ok
+
+
+def _ordered_after(core: EmbeddingCore, tables: dict, acts: dict, csr: dict) -> dict:
+    """The tables, made data-dependent on the lookup that read them.
+
+    XLA orders instructions only by data dependence when it decides
+    whether an in-place update may overwrite a buffer another op reads;
+    the lookup and the update of one stack are otherwise unordered, so
+    XLA would copy the whole table every step to keep the lookup's
+    input alive. Threading each table through a `cond` whose predicate
+    reads the lookup's output orders them at O(1) cost. The predicate is
+    true unless an activation's first element has one particular NaN
+    bit pattern; the other branch is then taken and returns the same
+    values (`+ 0` only turns -0.0 into +0.0); it exists because XLA
+    removes a `cond` whose branches are identical, and the barrier
+    `lax.optimization_barrier` is dropped before copy insertion on CPU.
+    """
+    first_act = {}
+    for s, c in csr.items():
+        for feature in c.features:
+            first_act.setdefault(s, feature.name)
+    stacks = [s for s in first_act if s in tables]
+    if not stacks:
+        return tables
+
+    def body(tabs, deps):
+        out = {}
+        for s in stacks:
+            d = deps[s].reshape(-1)
+            if d.size == 0:
+                out[s] = tabs[s]
+                continue
+            bits = jax.lax.bitcast_convert_type(d[0].astype(jnp.float32), jnp.int32)
+            keep = bits != jnp.int32(-1)  # 0xFFFFFFFF: a NaN no arithmetic produces
+            out[s] = jax.lax.cond(keep, lambda t: t, lambda t: t + jnp.zeros((), t.dtype), tabs[s])
+        return out
+
+    tabs = {s: tables[s] for s in stacks}
+    deps = {s: acts[first_act[s]] for s in stacks}
+    fn = core.shard_program(
+        body,
+        in_specs=core.specs(tabs, deps),
+        out_specs=core.specs(tabs),
+    )
+    return dict(tables, **fn(tabs, deps))
