@@ -97,6 +97,28 @@ def pooled_pair_fields(unique_capacity: int, width: int) -> int:
 # Combiner codes the host and device kernels take.
 COMBINER_CODE = {None: 0, "sum": 0, "mean": 1, "sqrtn": 2}
 
+
+def fmix32(h):
+    """MurmurHash3's 32-bit finaliser (a bijection) on uint32 arrays, numpy's or jax's (the
+    constants numpy uint32 scalars: the result keeps the array's kind): the one mixing of
+    the ids' keyed hash (host routing, the devices' id maps) and the checkpoints' checksums."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def fmix32_int(h: int) -> int:
+    """`fmix32` of a Python int in [0, 2**32)."""
+    m = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & m
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & m
+    return h ^ (h >> 16)
+
+
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 

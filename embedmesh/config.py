@@ -201,8 +201,9 @@ class DynamicIds:
       seed: the hash seed, in `[0, 2**32)` (routing, buckets, sketch).
       evict_batch: rows one eviction sweep frees at least (None: 1/64 of a shard's
         rows; 1: exact LRU/LFU).
-      sketch_width, sketch_depth, sketch_halve_every: the admission sketch
-        (`embedmesh.device.id_map.IdMapConfig`; None: its defaults).
+      sketch_width, sketch_depth, sketch_halve_every: the admission sketch (None: the
+        defaults of `embedmesh.device.id_map.IdMapConfig`, one shard's map made from this
+        configuration and the shard's rows).
     """
 
     eviction: str = "lru"
@@ -214,37 +215,28 @@ class DynamicIds:
     sketch_halve_every: int | None = None
 
     def __post_init__(self):
-        _require(
-            self.eviction in ("lru", "lfu"),
-            "DynamicIds",
-            "eviction",
-            self.eviction,
-            "'lru' or 'lfu'",
-        )
+        # (the name a bad field's error gives: this class's, or the id map's that derives
+        # one shard's configuration from it, `embedmesh.device.id_map.IdMapConfig`)
+        name = type(self).__name__
+        _require(self.eviction in ("lru", "lfu"), name, "eviction", self.eviction, "'lru' or 'lfu'")
         for field, low, high in (
             ("admit_after", 1, 2**31 - 1),
             ("seed", 0, 2**32 - 1),
             ("sketch_depth", 1, 16),
         ):
             v = getattr(self, field)
-            _require(
-                _is_int(v) and low <= v <= high,
-                "DynamicIds",
-                field,
-                v,
-                f"an int in [{low}, {high}]",
-            )
+            _require(_is_int(v) and low <= v <= high, name, field, v, f"an int in [{low}, {high}]")
         for field in ("evict_batch", "sketch_width", "sketch_halve_every"):
             v = getattr(self, field)
             _require(
                 v is None or (_is_int(v) and 1 <= v <= 2**31 - 1),
-                "DynamicIds",
+                name,
                 field,
                 v,
                 "None or an int >= 1",
             )
         w = self.sketch_width
-        _require(w is None or not (w & (w - 1)), "DynamicIds", "sketch_width", w, "a power of two")
+        _require(w is None or not (w & (w - 1)), name, "sketch_width", w, "a power of two")
 
 
 _TABLE_COUNTER = itertools.count()  # creation order of TableConfigs, for their total order
@@ -294,7 +286,9 @@ class TableConfig:
 
     def __post_init__(self):
         _require(
-            self.id_map is None or isinstance(self.id_map, DynamicIds),
+            # (not one shard's map made from one: `id_map.IdMapConfig`, which has a capacity)
+            self.id_map is None
+            or (isinstance(self.id_map, DynamicIds) and not hasattr(self.id_map, "capacity")),
             "TableConfig",
             "id_map",
             self.id_map,

@@ -6,12 +6,12 @@ TensorFlow's method names."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 from jax.sharding import Mesh
 
+from embedmesh import job as jobs
 from embedmesh.job import (
     EmbeddingCore,
     EmbeddingJob,
@@ -21,11 +21,7 @@ from embedmesh.job import (
     PreprocessStats,
     Schedule,
     StackingPlan,
-    check_not_traced,
     default_mesh,
-    prefetched,
-    preprocess_features,
-    read_only,
 )
 from embedmesh.optimizers import Optimizer
 
@@ -142,36 +138,25 @@ class MeshEmbedding:
         With a mesh over several processes, every process must build the same job:
         a ValueError on every process names the first field that differs, before any
         other collective."""
-        check_not_traced("build")
+        jobs.check_not_traced("build")
         if self._job is not None:
             return
-        mesh = self._mesh if self._mesh is not None else default_mesh()
-        self._mesh = mesh
+        self._mesh = self._mesh if self._mesh is not None else default_mesh()
         sample, self._sample = self._sample, None
-        job, state = EmbeddingJob.build(self._spec, mesh, sample)
-        self._schedule = job.schedule(state)
-        self._job = job
+        job, state = EmbeddingJob.build(self._spec, self._mesh, sample)
+        self._job, self._schedule = job, job.schedule(state)
 
     def _maybe_build(self, features=None, weights=None):
         if self._job is None:
-            if features is not None and self._spec.plans_from_a_batch:
-                self._sample = EmbeddingJob.sample_of(self._spec, features, weights)
+            self._sample = EmbeddingJob.sample_of(self._spec, features, weights)
             self.build()
 
     def _build_for(self, what: str) -> EmbeddingJob:
-        """Build on first access to `what`, except under sharding="auto" before any batch:
-        building then would plan without the batch statistics "auto" plans from."""
-        if self._job is not None:
-            return self._job
-        if self._spec.plans_from_a_batch:
-            raise RuntimeError(
-                f"MeshEmbedding.{what} is not planned yet: sharding='auto' plans from the "
-                f"first batch, so enqueue a batch first (emb.enqueue, emb(...), "
-                f"emb.prefetch), or call emb.build() to plan from the config alone"
-            )
-        self.build()
-        assert self._job is not None  # built
-        return self._job
+        """Build on first access to `what`, except "auto" before any batch (refused)."""
+        if self._job is None:
+            self._spec.refuse_unplanned(what)
+            self.build()
+        return cast(EmbeddingJob, self._job)  # (built)
 
     def _require_built(self, what: str) -> EmbeddingJob:
         if self._job is None:
@@ -182,8 +167,7 @@ class MeshEmbedding:
     def mesh(self) -> Mesh:
         """The device mesh the tables live on (builds on first access)."""
         self._maybe_build()
-        assert self._mesh is not None  # built
-        return self._mesh
+        return cast(Mesh, self._mesh)  # (built)
 
     @property
     def plan(self) -> StackingPlan:
@@ -232,17 +216,13 @@ class MeshEmbedding:
         accepted update applied, except, in pipelined mode, the one the next
         lookup applies after it reads (see `observed_state`). Built on first access as
         `plan` is (a RuntimeError with sharding="auto" before the first batch)."""
-        job = self._build_for("state")
-        if not self.pipelined:
-            self._schedule = job.flush(self._schedule)
+        self._schedule = self._build_for("state").current(self._schedule)
         return cast(EmbeddingState, self._schedule.state)  # (None once released)
 
     @state.setter
     def state(self, value: EmbeddingState):
-        schedule = self._schedule
-        if not self.pipelined and self._job is not None:
-            schedule = self._job.flush(schedule)
-        self._schedule = schedule.but(state=value, after_lookup=None)
+        s = self._schedule if self._job is None else self._job.current(self._schedule)
+        self._schedule = s.but(state=value, after_lookup=None)
 
     def checkpoint_state(self) -> tuple:
         """`(observed state, {stack: parameters the next lookup reads})`: what a checkpoint
@@ -268,12 +248,8 @@ class MeshEmbedding:
         A ValueError in pipelined mode once an update is pending (the state is then
         one update stale)."""
         self.build()
-        job, schedule = self.job, self._schedule
-        if self.pipelined and (schedule.pending is not None or schedule.after_lookup is not None):
-            raise ValueError("release_state: a pipelined layer's state is one update stale")
-        state = job.flush(schedule).state
-        self._schedule = Schedule(None)
-        return state if state is not None else job.init_state()
+        state, self._schedule = self.job.release(self._schedule), Schedule(None)
+        return state
 
     @property
     def last_stats(self) -> PreprocessStats | None:
@@ -282,18 +258,16 @@ class MeshEmbedding:
         the first batch. A stack of raw ids (`TableConfig.id_map`) has its id maps'
         counts of the latest lookup in `id_map` (hits, admissions, evictions, pending,
         refused, occupancy; reading them waits for that lookup)."""
-        if self._schedule.id_stats and self._job is not None:
-            stats = self._job.with_id_counts(self._last_stats, self._schedule.id_stats)
-            self._last_stats, self._schedule = stats, self._schedule.but(id_stats=())
+        if self._job is not None:
+            self._last_stats, self._schedule = self._job.counted(self._last_stats, self._schedule)
         return self._last_stats
 
     # -- host preprocessing -------------------------------------------------------
 
-    # Pure numpy preprocessing, in TensorFlow's form (`num_replicas_in_sync, ...,
-    # flat_features, flat_inputs, flat_weights`) -> `(csr, int, int)`, which `dequeue`
-    # takes, the signature `inspect.signature` shows, or embedmesh's `(features,
-    # weights, plan, **options)` -> `(csr, stats)` (`embedmesh.host.preprocess`).
-    preprocess_features = staticmethod(preprocess_features)
+    # Pure numpy preprocessing: TensorFlow's form (`num_replicas_in_sync, ...` -> `(csr, int,
+    # int)`, which `dequeue` takes; the signature `inspect.signature` shows) or embedmesh's
+    # `(features, weights, plan, **options)` -> `(csr, stats)` (`embedmesh.host.preprocess`).
+    preprocess_features = staticmethod(jobs.preprocess_features)
 
     def enqueue(
         self,
@@ -314,13 +288,8 @@ class MeshEmbedding:
         among them, and each attempt, failed or not, is numbered: `apply_gradients`
         refuses a step whose processes are at different numbers (every process
         enqueues the same batches, evaluation ones included)."""
-        if isinstance(device, bool):  # TPUEmbedding v1's order: features, weights, training
-            raise TypeError(
-                f"enqueue: device={device!r} is a bool: TPUEmbedding (v1) takes `training` "
-                f"third, this layer takes `device` there (as TPUEmbeddingV2): pass "
-                f"training={device} by name"
-            )
-        check_not_traced("enqueue", features, weights)
+        jobs.check_enqueue_device(device)  # (TPUEmbedding v1's order: features, weights, training)
+        jobs.check_not_traced("enqueue", features, weights)
         self._maybe_build(features, weights)
         job = self.job
         if job.multiprocess:
@@ -335,12 +304,10 @@ class MeshEmbedding:
         return self._enqueued(csr, stats, training)
 
     def _enqueued(self, csr: dict, stats: PreprocessStats, training: bool) -> dict:
-        """An enqueued batch: a training batch's statistics kept, an evaluation batch
-        marked (its lookup changes nothing, its statistics included)."""
-        if not training:
-            return self.job.for_evaluation(csr)
-        self._last_stats = stats
-        return csr
+        """A training batch's statistics kept; an evaluation batch marked (see `enqueue`)."""
+        if training:
+            self._last_stats = stats
+        return csr if training else self.job.for_evaluation(csr)
 
     def prefetch(self, batches: Iterable, buffer_size: int = 2) -> Iterator[dict]:
         """Enqueue batches in a background thread, `buffer_size` ahead of the consumer.
@@ -350,22 +317,16 @@ class MeshEmbedding:
         processes only the local preprocessing runs ahead; the agreement among
         processes runs in the consumer's thread (a collective from the prefetch
         thread could meet another process's step)."""
-
-        def split(item):
-            return item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-
+        split = jobs.split_item
         if self._job is None and self._spec.plans_from_a_batch:
-            batches = iter(batches)  # the planner sees the first batch
-            first = next(batches, None)
-            if first is not None:
-                self._maybe_build(*split(first))
-                batches = itertools.chain([first], batches)
+            first, batches = jobs.peek(batches)  # the planner sees the first batch
+            self._maybe_build(*split(first))  # (no batch: planned from the config alone)
         self._maybe_build()
         job = self.job
         if not job.multiprocess:
-            return prefetched(batches, buffer_size, lambda item: self.enqueue(*split(item)))
+            return jobs.prefetched(batches, buffer_size, lambda item: self.enqueue(*split(item)))
         prepare = lambda item: job.prepare(self._feed.capacities, *split(item))
-        return prefetched(batches, buffer_size, prepare, self._agreed_put)
+        return jobs.prefetched(batches, buffer_size, prepare, self._agreed_put)
 
     # -- lookup and update ----------------------------------------------------------
 
@@ -379,12 +340,8 @@ class MeshEmbedding:
         dict. A batch enqueued with `training=False` gets an evaluation lookup
         (see `embedding_lookup`)."""
         if partitioned_tensors is _NOT_GIVEN:
-            raise TypeError(
-                "MeshEmbedding.dequeue() takes the batch to look up: pass what enqueue "
-                "returned, `acts, preserved = emb.dequeue(emb.enqueue(features))` "
-                "(TPUEmbedding's dequeue() reads an implicit queue; this layer has none)"
-            )
-        check_not_traced("dequeue", partitioned_tensors)
+            jobs.refuse_missing_batch()
+        jobs.check_not_traced("dequeue", partitioned_tensors)
         job = self._require_built("dequeue")
         csr = job.placed(partitioned_tensors, "dequeue")
         acts, csr, self._schedule = job.dequeue(self._schedule, csr)
@@ -401,7 +358,7 @@ class MeshEmbedding:
         would read: every accepted update unpipelined; pipelined, the tables one update
         stale, the pending update left pending (the trajectory is unchanged). Its
         `preserved_outputs` are refused by `apply_gradients` (a ValueError)."""
-        check_not_traced("embedding_lookup (__call__)", features, weights)
+        jobs.check_not_traced("embedding_lookup (__call__)", features, weights)
         return self.dequeue(self.enqueue(features, weights, training=training))
 
     __call__ = embedding_lookup
@@ -421,7 +378,7 @@ class MeshEmbedding:
 
         An empty batch (0 samples) is a no-op update that still counts a step
         (`state.step` advances, as it would on TensorFlow)."""
-        check_not_traced("apply_gradients", gradients)
+        jobs.check_not_traced("apply_gradients", gradients)
         job = self._require_built("apply_gradients")
         self._schedule = job.apply_gradients(self._schedule, gradients, preserved_outputs)
 
@@ -444,20 +401,18 @@ class MeshEmbedding:
         ids (`TableConfig.id_map`) gives its `embedmesh.RawIdTable` instead: its
         live ids, sorted, and their rows (what `serving_embedding_lookup` and
         `export_serving` take for it; docs/dynamic-ids.md)."""
-        check_not_traced("embedding_tables")
+        jobs.check_not_traced("embedding_tables")
         self._maybe_build()
-        tables = self.job.read_tables(self.observed_state())
-        return {t: v if hasattr(v, "ids") else read_only(v) for t, v in tables.items()}
+        return jobs.read_only(self.job.read_tables(self.observed_state()))
 
     @property
     def variables(self) -> dict:
         """`{TableConfig: {"parameters": ..., slot name: ...}}`, logical row order.
 
         Read-only copies (writing raises): load values with `set_tables`."""
-        check_not_traced("variables")
+        jobs.check_not_traced("variables")
         self._maybe_build()
-        out = self.job.read_variables(self.observed_state())
-        return {t: {k: read_only(v) for k, v in d.items()} for t, d in out.items()}
+        return jobs.read_only(self.job.read_variables(self.observed_state()))
 
     @property
     def embedding_table_shards(self) -> dict:
@@ -487,19 +442,8 @@ class MeshEmbedding:
     _pending = property(lambda self: self._schedule.pending)
     _capacities = property(lambda self: self._feed.capacities)
     _overflow = property(lambda self: self._spec.overflow)
-
-    def _preprocess(self, features, weights, capacities, overflow):
-        return self.job.preprocess(features, weights, capacities, overflow)
+    _preprocess = property(lambda self: self.job.preprocess)
 
 
-def _program(name: str) -> property:
-    """The job's program `name` as `emb._<name>_fn`, settable (a test's spy)."""
-    return property(
-        lambda self: getattr(self.job.programs, name),
-        lambda self, fn: setattr(self.job.programs, name, fn),
-    )
-
-
-_PROGRAMS = "lookup fused apply apply_lookup apply_copy step_check map map_lookup apply_map_lookup"
-for _name in (*_PROGRAMS.split(), "map_ahead", "fused_refresh", "map_keep"):
-    setattr(MeshEmbedding, f"_{_name}_fn", _program(_name))
+for _attr, _program in jobs.program_attributes().items():  # `emb._<name>_fn`: a test's spy
+    setattr(MeshEmbedding, _attr, _program)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from embedmesh._runtime import fmix32
 from embedmesh.layout.rows import RowLayout
 
 # Checksums: one per stored array, computed on the devices that hold it
@@ -29,14 +30,6 @@ from embedmesh.layout.rows import RowLayout
 #: logical rows that does not depend on the device count, verified at every restore and
 #: by `load_tables`.
 CHECKSUM = "embedmesh-rowsum-fmix32x2-v1"
-
-
-def _fmix32(h):
-    h = h ^ (h >> 16)
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
 
 
 def _words(x):
@@ -59,8 +52,8 @@ def rows_hash(x, logical_rows, valid):
     w = _words(x)
     i = logical_rows.astype(jnp.uint32)[:, None]
     k = jnp.arange(w.shape[1], dtype=jnp.uint32)[None, :]
-    a = _fmix32(w ^ (i * np.uint32(0x9E3779B1) + k * np.uint32(0x85EBCA77) + np.uint32(0x165667B1)))
-    b = _fmix32(
+    a = fmix32(w ^ (i * np.uint32(0x9E3779B1) + k * np.uint32(0x85EBCA77) + np.uint32(0x165667B1)))
+    b = fmix32(
         (w * np.uint32(0x27D4EB2F))
         ^ (i * np.uint32(0xC2B2AE3D) + k * np.uint32(0x61C88647) + np.uint32(0x2545F491))
     )

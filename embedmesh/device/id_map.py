@@ -141,6 +141,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from embedmesh.config import DynamicIds
 from embedmesh.device import ops
 from embedmesh.device.ops import id_hash
 
@@ -186,63 +187,50 @@ def _pow2_at_least(x: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class IdMapConfig:
-    """An id map's configuration (immutable, hashable, validated; a `ValueError` names the
-    bad field).
+class IdMapConfig(DynamicIds):
+    """One shard's id map: a table's `DynamicIds` (the one declared configuration, its
+    fields and checks) with the shard's rows, `capacity`, and the defaults resolved
+    (immutable, hashable, validated; a `ValueError` names the bad field).
 
-    Args:
+    Args (beside `DynamicIds`' own, by name):
       capacity: rows of the table (ids live at once).
       eviction: `"lru"` or `"lfu"` (module docstring: the order, ties included).
-      admit_after: sightings (calls in which the id occurs) before an unknown id is
-        admitted; 1 admits at the first.
-      seed: the hash seed, in [0, 2**32); the same for every shard of a table.
       evict_batch: rows one sweep evicts at least (None: `max(1, capacity // 64)`).
       sketch_width: counters in each row of the admission sketch, a power of two (None:
         the power of two at or above `capacity`, at least 64). Unused when
         `admit_after == 1`.
-      sketch_depth: rows of the sketch (independent hashes).
       sketch_halve_every: sightings after which every counter is halved (None:
         `8 * sketch_width`).
     """
 
-    capacity: int
-    eviction: str = "lru"
-    admit_after: int = 1
-    seed: int = 0
-    evict_batch: int | None = None
-    sketch_width: int | None = None
-    sketch_depth: int = 2
-    sketch_halve_every: int | None = None
+    capacity: int = dataclasses.field(kw_only=True)
 
     def __post_init__(self):
-        def integer(name, low, high=None):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"IdMapConfig.{name} must be an int, got {v!r}")
-            if v < low or (high is not None and v > high):
-                bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-                raise ValueError(f"IdMapConfig.{name} must be {bound}, got {v}")
-            object.__setattr__(self, name, int(v))
+        c = self.capacity
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+            raise ValueError(f"IdMapConfig.capacity must be an int, got {c!r}")
+        if not 1 <= c <= _INT32_MAX // 2:
+            raise ValueError(f"IdMapConfig.capacity must be in [1, {_INT32_MAX // 2}], got {c}")
+        super().__post_init__()
 
-        integer("capacity", 1, _INT32_MAX // 2)
-        if self.eviction not in ("lru", "lfu"):
-            raise ValueError(f"IdMapConfig.eviction must be 'lru' or 'lfu', got {self.eviction!r}")
-        integer("admit_after", 1, _INT32_MAX)
-        integer("seed", 0, 2**32 - 1)
-        if self.evict_batch is None:
-            object.__setattr__(self, "evict_batch", max(1, self.capacity // 64))
-        integer("evict_batch", 1)
-        if self.sketch_width is None:
-            object.__setattr__(self, "sketch_width", max(64, _pow2_at_least(self.capacity)))
-        integer("sketch_width", 1, 2**30)
-        if self.sketch_width & (self.sketch_width - 1):
-            raise ValueError(
-                f"IdMapConfig.sketch_width must be a power of two, got {self.sketch_width}"
-            )
-        integer("sketch_depth", 1, 16)
-        if self.sketch_halve_every is None:
-            object.__setattr__(self, "sketch_halve_every", 8 * self.sketch_width)
-        integer("sketch_halve_every", 1, _INT32_MAX)
+        def given(name, default):
+            v = getattr(self, name)
+            return default if v is None else v
+
+        width = given("sketch_width", max(64, _pow2_at_least(c)))
+        resolved = {
+            "evict_batch": given("evict_batch", max(1, c // 64)),
+            "sketch_width": width,
+            "sketch_halve_every": given("sketch_halve_every", 8 * width),
+        }
+        for f in dataclasses.fields(self):  # plain ints (numpy's hash and print apart)
+            v = resolved.get(f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, v if isinstance(v, str) else int(v))
+
+    @classmethod
+    def of(cls, ids: DynamicIds, capacity: int) -> IdMapConfig:
+        """The map of a shard of `capacity` rows of a table declared with `ids`."""
+        return cls(capacity=capacity, **dataclasses.asdict(ids))
 
     @property
     def num_buckets(self) -> int:

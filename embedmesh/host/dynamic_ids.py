@@ -30,6 +30,8 @@ import dataclasses
 
 import numpy as np
 
+from embedmesh._runtime import fmix32, fmix32_int
+
 __all__ = [
     "first_sighting_codes",
     "owner_of",
@@ -46,22 +48,6 @@ _SALT_OWNER = 0x6A09E667
 _M32 = 0xFFFFFFFF
 
 
-def _fmix32_int(h: int) -> int:
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & _M32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
-
-
-def _fmix32(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
-
-
 def split_ids(ids) -> np.ndarray:
     """int64 (or uint64) ids -> uint32 `[..., 2]` (high word, low word)."""
     a = np.asarray(ids)
@@ -71,9 +57,9 @@ def split_ids(ids) -> np.ndarray:
 
 def owner_words(seed: int) -> tuple[int, int, int]:
     """The owner hash's three seed words (`id_hash.hash_words(seed, salt)`)."""
-    s0 = _fmix32_int((int(seed) ^ _SALT_OWNER) & _M32)
-    s1 = _fmix32_int((s0 + 0x9E3779B9) & _M32)
-    s2 = _fmix32_int((s1 + 0x9E3779B9) & _M32)
+    s0 = fmix32_int((int(seed) ^ _SALT_OWNER) & _M32)
+    s1 = fmix32_int((s0 + 0x9E3779B9) & _M32)
+    s2 = fmix32_int((s1 + 0x9E3779B9) & _M32)
     return s0, s1, s2
 
 
@@ -84,9 +70,9 @@ def owner_of(ids, num_shards: int, seed: int = 0) -> np.ndarray:
     hi, lo = p[..., 0], p[..., 1]
     s0, s1, s2 = owner_words(seed)
     with np.errstate(over="ignore"):
-        a = _fmix32(lo ^ np.uint32(s0))
-        b = _fmix32(hi ^ np.uint32(s1))
-        h = _fmix32((a + b * np.uint32(0x9E3779B1)) ^ np.uint32(s2))
+        a = fmix32(lo ^ np.uint32(s0))
+        b = fmix32(hi ^ np.uint32(s1))
+        h = fmix32((a + b * np.uint32(0x9E3779B1)) ^ np.uint32(s2))
     return (h % np.uint32(num_shards)).astype(np.int64)
 
 

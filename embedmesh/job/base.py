@@ -69,8 +69,11 @@ class EmbeddingJob:
         return job, state
 
     @staticmethod
-    def sample_of(spec: JobSpec, features, weights=None) -> list:
-        """A batch's `Csr`s for `build`'s planner statistics ("auto" tables)."""
+    def sample_of(spec: JobSpec, features, weights=None) -> list | None:
+        """A batch's `Csr`s for `build`'s planner statistics ("auto" tables); None where
+        `spec` plans no table from a batch, or no batch is given."""
+        if features is None or not spec.plans_from_a_batch:
+            return None
         return _planning.planner_sample(spec, features, weights)
 
     @property
@@ -207,6 +210,20 @@ class EmbeddingJob:
         """The schedule with its pending update applied."""
         return _steps.flush(self, schedule)
 
+    def current(self, schedule: _steps.Schedule) -> _steps.Schedule:
+        """The schedule whose `state` is what the next lookup reads: unpipelined, its
+        pending update applied; pipelined, as it is (the update applies after it)."""
+        return schedule if self.pipelined else _steps.flush(self, schedule)
+
+    def release(self, schedule: _steps.Schedule) -> EmbeddingState:
+        """The state of `schedule` for a new owner, every accepted update applied (a
+        fresh initial state where it holds none); a ValueError, pipelined, once an
+        update is pending (the state is then one update stale)."""
+        if self.pipelined and (schedule.pending is not None or schedule.after_lookup is not None):
+            raise ValueError("release_state: a pipelined layer's state is one update stale")
+        state = _steps.flush(self, schedule).state
+        return state if state is not None else self.init_state()
+
     def observe(self, schedule: _steps.Schedule) -> tuple:
         """`(the state with every accepted update applied, next schedule)`; what the
         next lookup reads is unchanged (`embedmesh.job.steps.observe`)."""
@@ -315,6 +332,12 @@ class EmbeddingJob:
                 f"(it updates the id maps) and pass the batch it returns to the forward pass "
                 f"and to apply_gradients"
             )
+
+    def counted(self, stats, schedule: _steps.Schedule) -> tuple:
+        """`(stats with the schedule's id-map counts, the schedule without them)`."""
+        if not schedule.id_stats:
+            return stats, schedule
+        return self.with_id_counts(stats, schedule.id_stats), schedule.but(id_stats=())
 
     def with_id_counts(self, stats, id_stats: tuple):
         """`stats` (`PreprocessStats`) with a schedule's id-map counts in its stacks'

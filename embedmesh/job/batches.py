@@ -10,6 +10,7 @@ prepare batches the same way.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -131,6 +132,19 @@ def agreed_put(job, feed: Feed, prepared: tuple) -> tuple:
     mark = np.full(job.num_local_devices, number, np.int32)
     csr = job.core.put({k: dataclasses.replace(c, batch_number=mark) for k, c in csr.items()})
     return csr, stats, recorded(job, feed, stats)
+
+
+def split_item(item) -> tuple:
+    """`(features, weights)` of an item of a prefetched iterable: `features`, or a pair
+    `(features, weights)`."""
+    return item if isinstance(item, tuple) and len(item) == 2 else (item, None)
+
+
+def peek(items) -> tuple:
+    """`(the first item or None when there is none, an iterator of all the items)`."""
+    items = iter(items)
+    first = next(items, None)
+    return first, items if first is None else itertools.chain([first], items)
 
 
 def prefetched(items, buffer_size: int, local, agreed=None):

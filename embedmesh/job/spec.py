@@ -22,7 +22,14 @@ from embedmesh.host.preprocess import OVERFLOW_POLICIES
 from embedmesh.layout import planner as _planner
 from embedmesh.optimizers import Optimizer, optimizer_class_names
 
-__all__ = ["JobSpec", "check_not_traced", "default_mesh", "read_only"]
+__all__ = [
+    "JobSpec",
+    "check_enqueue_device",
+    "check_not_traced",
+    "default_mesh",
+    "read_only",
+    "refuse_missing_batch",
+]
 
 
 def check_not_traced(what: str, *args) -> None:
@@ -48,10 +55,34 @@ def check_not_traced(what: str, *args) -> None:
     )
 
 
-def read_only(arr: np.ndarray) -> np.ndarray:
-    """`arr` made read-only: a copy of device data, whose writes would be lost."""
-    arr.flags.writeable = False
-    return arr
+def check_enqueue_device(device) -> None:
+    """TypeError for TPUEmbedding (v1)'s argument order, `training` third: a bool where
+    this layer takes `device` (as TPUEmbeddingV2)."""
+    if isinstance(device, bool):
+        raise TypeError(
+            f"enqueue: device={device!r} is a bool: TPUEmbedding (v1) takes `training` "
+            f"third, this layer takes `device` there (as TPUEmbeddingV2): pass "
+            f"training={device} by name"
+        )
+
+
+def refuse_missing_batch() -> None:
+    """TypeError for `dequeue()` called without its batch, as TPUEmbedding's is."""
+    raise TypeError(
+        "MeshEmbedding.dequeue() takes the batch to look up: pass what enqueue "
+        "returned, `acts, preserved = emb.dequeue(emb.enqueue(features))` "
+        "(TPUEmbedding's dequeue() reads an implicit queue; this layer has none)"
+    )
+
+
+def read_only(tree: Any) -> Any:
+    """`tree` (an array or nested dicts of them) with its numpy arrays made read-only:
+    copies of device data, whose writes would be lost; other values as they are."""
+    if isinstance(tree, dict):
+        return {k: read_only(v) for k, v in tree.items()}
+    if isinstance(tree, np.ndarray):
+        tree.flags.writeable = False
+    return tree
 
 
 def default_mesh() -> Mesh:
@@ -115,22 +146,20 @@ class JobSpec:
         feature_config: Any,
         optimizer: Optimizer | None = None,
         pipeline_execution_with_tensor_core: bool = False,
-        *,
-        stack_tables: bool = True,
-        max_stack_rows: int | None = None,
-        sharding: str | Mapping[Any, str] = "mod",
-        capacities: Any = None,
-        overflow: str | None = None,
-        check_finite: bool = True,
-        seed: int = 0,
-        batch_size: int | None = None,
-        memory_limit_bytes: float | None = None,
-        host_tier: str = "auto",
-        host_tier_cache_rows: int | None = None,
+        **options: Any,
     ) -> JobSpec:
-        """The spec of `MeshEmbedding`'s arguments, each checked (a ValueError naming a
-        bad one: an optimizer that is not embedmesh's, an unknown table or strategy, a
-        batch size, memory limit or overflow policy out of range)."""
+        """The spec of `MeshEmbedding`'s arguments (`options`: its keyword ones but `mesh`,
+        with its defaults), each checked (a ValueError naming a bad one: an optimizer that
+        is not embedmesh's, an unknown table or strategy, a batch size, memory limit or
+        overflow policy out of range; an unknown option is a TypeError)."""
+        # the declared fields' defaults, `sharding` for `strategies` (resolved below), and
+        # `overflow` chosen by `capacities` where not given
+        named = ("resolved", "optimizer", "pipelined", "strategies")
+        o = {f.name: f.default for f in dataclasses.fields(cls) if f.name not in named}
+        o.update(sharding="mod", overflow=None)
+        if unknown := sorted(set(options) - set(o)):
+            raise TypeError(f"unknown MeshEmbedding arguments {unknown}")
+        o.update(options)
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise ValueError(
                 f"optimizer must be None or an instance of one of embedmesh's optimizers "
@@ -138,7 +167,8 @@ class JobSpec:
                 f"{optimizer!r}"
             )
         resolved = resolve_feature_config(feature_config)
-        strategies = _planner.resolve_strategies(resolved, sharding)
+        strategies = _planner.resolve_strategies(resolved, o.pop("sharding"))
+        batch_size, memory_limit_bytes = o["batch_size"], o["memory_limit_bytes"]
         if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
             raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
         if memory_limit_bytes is not None and not (
@@ -149,29 +179,27 @@ class JobSpec:
             raise ValueError(
                 f"memory_limit_bytes must be None or a number > 0, got {memory_limit_bytes!r}"
             )
-        if overflow is None:
-            overflow = "grow" if capacities is None else "error"
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-        _check_host_tier(host_tier, host_tier_cache_rows)
-        return cls(
-            resolved,
-            optimizer,
-            bool(pipeline_execution_with_tensor_core),
-            strategies,
-            stack_tables,
-            max_stack_rows,
-            batch_size,
-            memory_limit_bytes,
-            capacities,
-            overflow,
-            check_finite,
-            seed,
-            host_tier,
-            None if host_tier_cache_rows is None else int(host_tier_cache_rows),
-        )
+        if o["overflow"] is None:
+            o["overflow"] = "grow" if o["capacities"] is None else "error"
+        if o["overflow"] not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {o['overflow']!r}")
+        _check_host_tier(o["host_tier"], o["host_tier_cache_rows"])
+        if o["host_tier_cache_rows"] is not None:
+            o["host_tier_cache_rows"] = int(o["host_tier_cache_rows"])
+        return cls(resolved, optimizer, bool(pipeline_execution_with_tensor_core), strategies, **o)
 
     @property
     def plans_from_a_batch(self) -> bool:
         """Whether a table is planned by "auto", from the first batch's statistics."""
         return "auto" in self.strategies.values()
+
+    def refuse_unplanned(self, what: str) -> None:
+        """RuntimeError for a read of `what` (a `MeshEmbedding` property) that would build
+        a job planned by "auto" before its first batch: building then would plan without
+        the batch statistics "auto" plans from."""
+        if self.plans_from_a_batch:
+            raise RuntimeError(
+                f"MeshEmbedding.{what} is not planned yet: sharding='auto' plans from the "
+                f"first batch, so enqueue a batch first (emb.enqueue, emb(...), "
+                f"emb.prefetch), or call emb.build() to plan from the config alone"
+            )

@@ -149,6 +149,12 @@ class Programs:
     pairs cross once a step). Gradients are checked on the host side (`step_check`)
     before a deferred update runs: an in-program `cond` costs 2-10 ms a step on CPU."""
 
+    # the programs a holder of the job may replace (`program_attributes`)
+    NAMES = (
+        *("lookup", "fused", "apply", "apply_lookup", "apply_copy", "step_check", "map"),
+        *("map_lookup", "apply_map_lookup", "map_ahead", "fused_refresh", "map_keep"),
+    )
+
     def __init__(self, core):
         self.trimmed = False  # the free heap returned after the first update compiled
         self.lookup = jax.jit(lambda st, c: core.lookup(st, c, carrying=True))
@@ -223,6 +229,19 @@ class Programs:
         if not self.trimmed:
             self.trimmed = True
             return_free_heap()
+
+
+def program_attributes() -> dict:
+    """`{"_<name>_fn": property}` for each of `Programs.NAMES`: a holder's (the facade's)
+    settable attribute for `holder.job.programs.<name>`, where a test puts a spy."""
+
+    def one(name: str) -> property:
+        return property(
+            lambda holder: getattr(holder.job.programs, name),
+            lambda holder, fn: setattr(holder.job.programs, name, fn),
+        )
+
+    return {f"_{n}_fn": one(n) for n in Programs.NAMES}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -52,6 +52,11 @@ def signed(r, shape, lo=0.1, hi=2.0):
     return (r.uniform(lo, hi, shape) * r.choice([-1.0, 1.0], shape)).astype(np.float32)
 
 
+def _but_rate(hp: dict) -> dict:
+    """An optimizer's arguments from `test_engine.OPTIMIZER_HP` but its rate (`lr_spec`)."""
+    return {k: v for k, v in hp.items() if k != "lr_spec"}
+
+
 # Each optimizer, with the common options and a learning-rate schedule among them.
 OPTIMIZERS = [
     SGD(0.3),
@@ -75,15 +80,8 @@ OPTIMIZERS = [
     Adam(0.05, beta_1=0.8, beta_2=0.9, epsilon=1e-3),
     Adam(0.05, sum_inside_sqrt=False, epsilon=1e-2, clipvalue=0.3, clip_weight_min=-0.7),
     FTRL(0.5, l1_regularization_strength=0.01, l2_regularization_strength=0.1, beta=0.1),
-    FTRL(
-        lambda step: 0.5 / (1.0 + step),
-        multiply_linear_by_learning_rate=True,
-        learning_rate_power=-0.7,
-        l1_regularization_strength=0.02,
-        clipvalue=1.0,
-        weight_decay_factor=0.01,
-        clip_weight_min=-0.9,
-    ),
+    # test_engine's second FTRL, its rate a schedule
+    FTRL(lambda step: 0.5 / (1.0 + step), **_but_rate(OPTIMIZER_HP["FTRL"][1])),
     RowWiseAdagrad(0.2, epsilon=1e-3, l2_regularization_strength=0.05, clip_weight_max=0.9),
 ]
 HOST_LR = Adagrad(lambda: 0.25)  # TensorFlow's zero-argument form: a host callback

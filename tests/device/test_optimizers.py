@@ -22,15 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedmesh.optimizers import (
-    FTRL,
-    SGD,
-    Adagrad,
-    AdagradMomentum,
-    Adam,
-    Optimizer,
-    RowWiseAdagrad,
-)
+from embedmesh import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer, RowWiseAdagrad
 
 ALL = [SGD, Adagrad, AdagradMomentum, Adam, FTRL]
 

@@ -60,6 +60,23 @@ def grad_of(acts):
     return jax.tree_util.tree_map(lambda x: jnp.sin(3.0 * x) + 0.1, acts)
 
 
+def linen_train_step(lin):
+    """A jitted training step of the linen module `lin`, `(variables, csr) -> (variables,
+    activations)`: the batch's raw ids mapped, the lookup, the update from `grad_of` the
+    activations (pipelined: deferred to the next step's lookup)."""
+
+    @jax.jit
+    def step(variables, csr):
+        csr, variables = lin.apply(variables, csr, method="map_ids", mutable=["embedding"])
+        acts, variables = lin.apply(variables, csr, mutable=["embedding"])
+        _, variables = lin.apply(
+            variables, grad_of(acts), csr, method="apply_gradients", mutable=["embedding"]
+        )
+        return variables, acts
+
+    return step
+
+
 def layer(n, opt, sharding="mod", seed=0):
     return em.MeshEmbedding(features(), opt, mesh=mesh_of(n), sharding=sharding, seed=seed)
 
@@ -560,15 +577,7 @@ def test_pipelined_modules_train_like_the_pipelined_facade(raw):
     lin = em_linen.Embed(_pipelined_layer(raw))
     variables = lin.init(jax.random.key(0), lin.enqueue(data[0]))
 
-    @jax.jit
-    def linen_step(variables, csr):
-        csr, variables = lin.apply(variables, csr, method="map_ids", mutable=["embedding"])
-        acts, variables = lin.apply(variables, csr, mutable=["embedding"])
-        _, variables = lin.apply(
-            variables, grad_of(acts), csr, method="apply_gradients", mutable=["embedding"]
-        )
-        return variables, acts
-
+    linen_step = linen_train_step(lin)
     for b, y in zip(data, want_acts):
         variables, acts = linen_step(variables, lin.enqueue(b))
         for k in y:

@@ -11,6 +11,7 @@ from test_inference_mode import NEW_IDS, POOL, batch_of, grad_of, new_layer, ref
 
 pytest.importorskip("flax")
 from flax import nnx
+from test_flax import linen_train_step
 
 from embedmesh.flax import linen as em_linen
 from embedmesh.flax import nnx as em_nnx
@@ -97,17 +98,9 @@ def test_modules_evaluate_as_the_facade(n, pipelined):
     lin = em_linen.Embed(make(n, pipelined)[0])
     variables = lin.init(jax.random.key(0), lin.enqueue(*data[0]))
 
-    @jax.jit
-    def linen_step(variables, csr):
-        csr, variables = lin.apply(variables, csr, method="map_ids", mutable=["embedding"])
-        acts, variables = lin.apply(variables, csr, mutable=["embedding"])
-        _, variables = lin.apply(
-            variables, grad_of(acts), csr, method="apply_gradients", mutable=["embedding"]
-        )
-        return variables
-
+    linen_step = linen_train_step(lin)
     for x, w in data:
-        variables = linen_step(variables, lin.enqueue(x, w))
+        variables, _ = linen_step(variables, lin.enqueue(x, w))
     before = leaves(variables)
     lin_eval = em_linen.Embed(lin.embedding, deterministic=True)
     evaluate = jax.jit(lambda v, c: lin.apply(v, c, deterministic=True))

@@ -7,6 +7,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from test_layering import private_attribute
 
 import embedmesh as em
 
@@ -18,18 +19,10 @@ def _private_uses(path: pathlib.Path) -> list[str]:
     module alias (the names a module calls its facade: layer, emb, embedding, ...)."""
     bad = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr.startswith("_")
-            and not node.attr.startswith("__")
-            and isinstance(node.value, ast.Name)
-            and node.value.id in {"layer", "emb", "embedding", "facade", "mesh_embedding"}
-        ):
+        if private_attribute(node, {"layer", "emb", "embedding", "facade", "mesh_embedding"}):
             bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.value.id}.{node.attr}")
         if (  # self.layer._x (the modules keep their layer as an attribute)
-            isinstance(node, ast.Attribute)
-            and node.attr.startswith("_")
-            and not node.attr.startswith("__")
+            private_attribute(node)
             and isinstance(node.value, ast.Attribute)
             and node.value.attr == "layer"
         ):

@@ -11,11 +11,11 @@ its reference.
 import numpy as np
 import pytest
 from meshes import mesh_of
-from test_slots_in_rows import OPTIMIZERS, _assert_same, _variables, signed
+from test_slots_in_rows import OPTIMIZERS, _assert_same, _check_layout_move, _steps, _variables
+from test_slots_in_rows import _features as three_tables
 
 import embedmesh as em
 from embedmesh import FeatureConfig, RaggedTensor, TableConfig
-from embedmesh import checkpoint as ckpt
 from embedmesh.facade import MeshEmbedding
 from embedmesh.host.preprocess import Capacity
 from embedmesh.layout import stacking
@@ -78,15 +78,7 @@ def test_narrow_rows_hold_their_own_bytes():
 
 def _features(opts):
     """Narrow tables a (dim 8), b (dim 16, also read as a sequence), c (dim 32)."""
-    a = TableConfig(50, 8, name="a", combiner="mean", optimizer=opts[0])
-    b = TableConfig(41, 16, name="b", combiner="sum", optimizer=opts[1])
-    c = TableConfig(30, 32, name="c", combiner="sqrtn", optimizer=opts[2])
-    return (a, b, c), {
-        "fa": FeatureConfig(a),
-        "fb": FeatureConfig(b),
-        "fc": FeatureConfig(c),
-        "seq": FeatureConfig(b, max_sequence_length=3),
-    }
+    return three_tables(opts, dims=(8, 16, 32), rows=(50, 41, 30))
 
 
 def _batch(r):
@@ -106,17 +98,7 @@ def _train(
     packing(on)
     tables, feats = _features(optimizers)
     emb = MeshEmbedding(feats, opt, pipelined, mesh=mesh_of(n), capacities=CAPS, sharding=sharding)
-    emb.build()
-    r = np.random.default_rng(5)
-    emb.set_tables({t: signed(r, (t.vocabulary_size, t.dim)) for t in tables})
-    acts_seen = []
-    for _ in range(steps):
-        batch = _batch(r)
-        acts, pre = emb(batch)
-        acts_seen.append({k: np.asarray(v) for k, v in acts.items()})
-        grads = {k: np.tanh(np.asarray(v)) + signed(r, v.shape) for k, v in acts.items()}
-        emb.apply_gradients(grads, pre)
-    return emb, acts_seen, tables
+    return emb, _steps(emb, tables, steps, _batch), tables
 
 
 O = OPTIMIZERS
@@ -165,16 +147,7 @@ def test_checkpoints_move_between_the_layouts(packing, tmp_path, direction):
     """A checkpoint saved from packed rows restores onto the padded layout on another
     device count, and back: every variable bit-identical."""
     opt = OPTIMIZERS["Adagrad"]
-    src = direction == "packed_to_padded"
-    saved, _, _ = _train(packing, src, opt, 4 if src else 1)
-    ckpt.save(str(tmp_path / "c"), saved)
-    want = _variables(saved)
-    target, _, _ = _train(packing, not src, opt, 1 if src else 4, steps=0)
-    assert ckpt.restore(target, str(tmp_path / "c")) == 3
-    got = _variables(target)
-    for t in want:
-        for k in want[t]:
-            np.testing.assert_array_equal(got[t][k], want[t][k], err_msg=f"{t}.{k}")
+    _check_layout_move(_train, packing, opt, direction == "packed_to_padded", tmp_path)
 
 
 def test_by_default_packs_only_a_model_whose_padded_rows_do_not_fit(packing):

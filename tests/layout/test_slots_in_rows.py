@@ -209,12 +209,14 @@ def test_lookups_never_hand_a_kernel_a_row_read_it_does_not_apply():
 # Training, reading, writing
 
 
-def _features(optimizers=None):
-    """Tables a, b, c (b also read as a sequence); `optimizers`: each table's own."""
+def _features(optimizers=None, dims=(24, 40, 8), rows=(50, 40, 30)):
+    """Tables a, b, c of `rows` x `dims` (b also read as a sequence); `optimizers`: each
+    table's own."""
     opts = optimizers or (None, None, None)
-    a = TableConfig(50, 24, name="a", combiner="mean", optimizer=opts[0])
-    b = TableConfig(40, 40, name="b", combiner="sum", optimizer=opts[1])
-    c = TableConfig(30, 8, name="c", combiner="sqrtn", optimizer=opts[2])
+    a, b, c = (
+        TableConfig(v, d, name=name, combiner=combiner, optimizer=o)
+        for v, d, name, combiner, o in zip(rows, dims, "abc", ("mean", "sum", "sqrtn"), opts)
+    )
     return (a, b, c), {
         "fa": FeatureConfig(a),
         "fb": FeatureConfig(b),
@@ -258,19 +260,26 @@ def _train(in_rows, on, opt, n, sharding="mod", steps=3, optimizers=None):
     if isinstance(sharding, tuple):
         sharding = dict(zip(tables, sharding))
     emb = MeshEmbedding(feats, opt, mesh=mesh_of(n), capacities=CAPS, sharding=sharding)
+    return emb, _steps(emb, tables, steps, _batch, _weights), tables
+
+
+def _steps(emb, tables, steps, batch_of, weights_of=None) -> list:
+    """`emb` built with signed random `tables`, then trained `steps` steps on `batch_of(r)`
+    (weighted by `weights_of(batch, r)`) with gradients of the activations; the
+    activations of each step."""
     emb.build()
     r = np.random.default_rng(5)
     emb.set_tables({t: signed(r, (t.vocabulary_size, t.dim)) for t in tables})
     acts_seen = []
     for _ in range(steps):
-        batch = _batch(r)
-        acts, pre = emb(batch, weights=_weights(batch, r))
+        batch = batch_of(r)
+        acts, pre = emb(batch, weights=weights_of(batch, r) if weights_of else None)
         acts_seen.append({k: np.asarray(v) for k, v in acts.items()})
         grads = {
             k: jnp.asarray(np.tanh(np.asarray(v)) + signed(r, v.shape)) for k, v in acts.items()
         }
         emb.apply_gradients(grads, pre)
-    return emb, acts_seen, tables
+    return acts_seen
 
 
 def _assert_same(got, want, rtol=1e-5, atol=2e-6):
@@ -351,11 +360,17 @@ def test_checkpoints_move_between_the_layouts(in_rows, tmp_path, direction):
     device count, and back: every variable bit-identical (the checkpoint stores each slot
     per table, whatever the layout)."""
     opt = OPTIMIZERS["AdagradMomentum"]
-    src_rows = direction == "rows_to_apart"
-    saved, _, _ = _train(in_rows, src_rows, opt, 4 if src_rows else 1)
+    _check_layout_move(_train, in_rows, opt, direction == "rows_to_apart", tmp_path)
+
+
+def _check_layout_move(train, layout, opt, on: bool, tmp_path):
+    """Trained by `train` on 4 devices with `layout(on)` (1 device when not `on`), saved,
+    restored onto the other layout (`layout(not on)`) and device count: every variable
+    bit-identical."""
+    saved, _, _ = train(layout, on, opt, 4 if on else 1)
     ckpt.save(str(tmp_path / "c"), saved)
     want = _variables(saved)
-    target, _, _ = _train(in_rows, not src_rows, opt, 1 if src_rows else 4, steps=0)
+    target, _, _ = train(layout, not on, opt, 1 if on else 4, steps=0)
     assert ckpt.restore(target, str(tmp_path / "c")) == 3
     got = _variables(target)
     for t in want:

@@ -154,15 +154,20 @@ def _names_of_upper_layers(path: pathlib.Path) -> list[str]:
             bad += [f"{path.name} imports {a.name}" for a in node.names if a.name.startswith(upper)]
         if isinstance(node, ast.Name) and node.id == "MeshEmbedding":
             bad.append(f"{path.name}:{node.lineno} MeshEmbedding")
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr.startswith("_")
-            and not node.attr.startswith("__")
-            and isinstance(node.value, ast.Name)
-            and node.value.id in {"engine", "layer", "emb", "facade", "embedding"}
-        ):
+        if private_attribute(node, {"engine", "layer", "emb", "facade", "embedding"}):
             bad.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
     return bad
+
+
+def private_attribute(node, of: set | None = None) -> bool:
+    """Whether `node` reads a private attribute (`x._name`, not a dunder) of a name in
+    `of` (None: of anything)."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and (of is None or (isinstance(node.value, ast.Name) and node.value.id in of))
+    )
 
 
 def test_no_device_module_names_the_facade():

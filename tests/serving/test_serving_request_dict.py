@@ -37,6 +37,16 @@ compiled_rules = base.compiled_rules  # autouse: the compiled rules, nothing rem
 spy = base.spy  # what each compiled call answered
 
 
+def _dict_model(rng) -> tuple:
+    """`(a spare table, a dict model {"b": dim 17 mean, "a": dim 8 sum}, the tables of all
+    three)`: the model the dict tests serve, the spare table to replace a feature's."""
+    ta, tb = em.TableConfig(VOCAB, 8, combiner="sum"), em.TableConfig(VOCAB, 17, combiner="mean")
+    tc = em.TableConfig(VOCAB, 5, combiner="sqrtn")
+    fcs = {"b": em.FeatureConfig(tb), "a": em.FeatureConfig(ta)}
+    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb, tc)}
+    return tc, fcs, tables
+
+
 @pytest.mark.parametrize("numpy_outputs", [False, True])
 def test_dict_requests_follow_the_config_as_it_is_now(numpy_outputs, spy, monkeypatch):
     """A model configured as one dict of features, asked with a dict of inputs: one
@@ -45,10 +55,7 @@ def test_dict_requests_follow_the_config_as_it_is_now(numpy_outputs, spy, monkey
     under its key (the same dict object), the new one is looked up; a key the config lacks
     raises the general path's error; an explicit None input gives its None."""
     rng = np.random.default_rng(11)
-    ta, tb = em.TableConfig(VOCAB, 8, combiner="sum"), em.TableConfig(VOCAB, 17, combiner="mean")
-    tc = em.TableConfig(VOCAB, 5, combiner="sqrtn")
-    fcs = {"b": em.FeatureConfig(tb), "a": em.FeatureConfig(ta)}
-    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb, tc)}
+    tc, fcs, tables = _dict_model(rng)
     _set(monkeypatch, "numpy_outputs", numpy_outputs)
 
     def both(inputs):
@@ -227,10 +234,7 @@ def test_served_requests_equal_the_general_path(numpy_outputs, monkeypatch):
     setting's change or another backend forgets it too; the threads inside a lookup
     return to 0."""
     rng = np.random.default_rng(14)
-    ta, tb = em.TableConfig(VOCAB, 8, combiner="sum"), em.TableConfig(VOCAB, 17, combiner="mean")
-    tc = em.TableConfig(VOCAB, 5, combiner="sqrtn")
-    fcs = {"b": em.FeatureConfig(tb), "a": em.FeatureConfig(ta)}
-    tables = {t: rng.standard_normal((VOCAB, t.dim)).astype(np.float32) for t in (ta, tb, tc)}
+    tc, fcs, tables = _dict_model(rng)
     _set(monkeypatch, "numpy_outputs", numpy_outputs)
     calls = []
     real = lookup._serve

@@ -16,30 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from embedmesh._runtime import fmix32, fmix32_int  # (and this module's names)
+
 BUCKET_WIDTH = 8  # slots a bucket (its tags and row words: one 64-byte line)
 EMPTY = np.uint32(0xFFFFFFFF)  # the row word of an empty slot
 TAG, ROW = 0, 1  # the words of a slot: [tag, row]
 ID_HI, ID_LO, LAST_USED, USE_COUNT = 0, 1, 2, 3  # the words of a row's `row_info`
 INT32_MAX = np.iinfo(np.int32).max
-
-
-def fmix32(h):
-    """MurmurHash3's 32-bit finaliser (a bijection), on uint32 arrays."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def fmix32_int(h: int) -> int:
-    """`fmix32` of a Python int."""
-    m = 0xFFFFFFFF
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & m
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & m
-    return h ^ (h >> 16)
 
 
 def hash_words(seed: int, salt: int) -> tuple[int, int, int]:

@@ -127,26 +127,15 @@ class Strategy(abc.ABC):
         Returns `(table, slots, id_state, rows [N, U], stats)`. The strategies that
         shard rows over every device (and one device) share this; the others refuse
         such tables (`embedmesh.device.core`)."""
-        n = self.transport.num_shards
-        if n > 1:
-            at = self.transport.at("map")
-            msg = jnp.concatenate(
-                [lax.bitcast_convert_type(raw, jnp.int32), unique_ids[..., None]], axis=-1
-            )
-            got = ops.exchange(msg, at.at("ids"))
-            raw_o = lax.bitcast_convert_type(got[..., :2], jnp.uint32)
-            valid = got[..., 2] != PAD_ID
-        else:  # one source: the host's distinct ids, so the map skips its dedup sorts
-            raw_o, valid = raw, unique_ids != PAD_ID
-        id_state, rows, fresh, stats = id_map.map_ids(id_state, raw_o, valid, step, distinct=n == 1)
+        raw_o, valid, at = self._ids_to_owners(unique_ids, raw, "map")
+        # (one source: the host's distinct ids, so the map skips its dedup sorts)
+        id_state, rows, fresh, stats = id_map.map_ids(
+            id_state, raw_o, valid, step, distinct=at is None
+        )
         table, slots = reinit(
             table, slots, rows.reshape(-1), fresh.reshape(-1), raw_o.reshape(-1, 2)
         )
-        offset = self.plan.table(self.spec.tables[0]).local_row_offset
-        local = jnp.where(rows >= 0, rows + offset, PAD_ID).astype(jnp.int32)
-        if n > 1:
-            local = ops.exchange(after(local, table), at.at("rows"))
-        return table, slots, id_state, local, stats
+        return table, slots, id_state, self._rows_to_sources(rows, at, table), stats
 
     def find_ids(self, id_state, unique_ids, raw):
         """`map_ids` read-only (an evaluation lookup): the same exchanges, each owner
@@ -154,24 +143,31 @@ class Strategy(abc.ABC):
         eviction, no count or step recorded) and sends back their stack rows, `PAD_ID`
         for an id it does not hold (a zero row, as serving reads it). Returns the rows
         `[N, U]`; nothing is written."""
-        n = self.transport.num_shards
-        if n > 1:
-            at = self.transport.at("find")
-            msg = jnp.concatenate(
-                [lax.bitcast_convert_type(raw, jnp.int32), unique_ids[..., None]], axis=-1
-            )
-            got = ops.exchange(msg, at.at("ids"))
-            raw_o = lax.bitcast_convert_type(got[..., :2], jnp.uint32)
-            valid = got[..., 2] != PAD_ID
-        else:
-            raw_o, valid = raw, unique_ids != PAD_ID
+        raw_o, valid, at = self._ids_to_owners(unique_ids, raw, "find")
         one = id_state if id_state.index.ndim == 3 else _block(id_state)
-        rows = id_map.lookup(one, raw_o, valid)
+        return self._rows_to_sources(id_map.lookup(one, raw_o, valid), at)
+
+    def _ids_to_owners(self, unique_ids, raw, what: str) -> tuple:
+        """`(raw ids [N, U, 2] this owner received, valid [N, U], the exchanges' channel)`:
+        this device's distinct raw ids sent to their owners, one exchange on channel
+        `what` (one device: its own, channel None)."""
+        if self.transport.num_shards == 1:
+            return raw, unique_ids != PAD_ID, None
+        at = self.transport.at(what)
+        msg = jnp.concatenate(
+            [lax.bitcast_convert_type(raw, jnp.int32), unique_ids[..., None]], axis=-1
+        )
+        got = ops.exchange(msg, at.at("ids"))
+        return lax.bitcast_convert_type(got[..., :2], jnp.uint32), got[..., 2] != PAD_ID, at
+
+    def _rows_to_sources(self, rows, at, previous=None):
+        """The owner's map `rows` (-1: none) as stack rows (`PAD_ID`: none) sent back to
+        the sources that asked (`_ids_to_owners`' channel `at`), after `previous`."""
         offset = self.plan.table(self.spec.tables[0]).local_row_offset
         local = jnp.where(rows >= 0, rows + offset, PAD_ID).astype(jnp.int32)
-        if n > 1:
-            local = ops.exchange(local, at.at("rows"))
-        return local
+        if at is None:
+            return local
+        return ops.exchange(local if previous is None else after(local, previous), at.at("rows"))
 
 
 def _block(id_state):
