@@ -154,6 +154,13 @@ def refreshed(core, st, fresh, c_prev):
     return core.reinit_fresh_rows(st, fresh, after_update=c_prev)
 
 
+def _abstract(x):
+    """`x`'s shape, dtype and sharding, a program's signature for it (`warm_updates`)."""
+    if not isinstance(x, jax.Array):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+
+
 class Programs:
     """The jitted programs of one `EmbeddingCore` (every lookup also returns the owners'
     view of its batch, `core.lookup`'s `carrying`, which that batch's update takes: the
@@ -188,14 +195,15 @@ class Programs:
         self._warming: dict | None = None
 
     def warm_updates(self, core, pipelined: bool, state, csr: dict) -> None:
-        """Once, at a job's first lookup: compile the programs its first update runs
-        (`apply`, and the one fused with the next lookup) in threads of their own, from
-        the shapes the lookup will return, while this thread compiles the lookup: the
-        first step then waits for the longest compile, not their sum. Only where
+        """Once, at a job's first lookup: compile the programs its first update runs (the
+        one fused with the next lookup, and unpipelined `apply`) in threads of their own,
+        from the shapes the lookup will return, while this thread compiles the lookup:
+        the first step then waits for the longest compile, not their sum. Only where
         `BACKGROUND_COMPILE` says so, and not for tables of raw ids or a host tier (their
         programs differ). A program whose call does not match these shapes (a gradient
         of another dtype or sharding) compiles again when called; a failed compile here
-        is left for the call to raise."""
+        is left for the call to raise. The threads are not daemons: a process ending
+        before its first update waits for them (XLA's client must outlive a compile)."""
         if self._warming is not None:
             return
         self._warming = {}
@@ -214,13 +222,16 @@ class Programs:
             )
 
         acts, view = jax.tree.map(placed, (acts, view))
-        fused = "fused" if pipelined else "apply_lookup"
-        for name, args in (
-            ("apply", (state, acts, csr, view)),
-            (fused, (state, acts, csr, view, csr)),
-        ):
+        # the state and batch as shapes too: the lookup's program may donate the state
+        # arrays before a thread has lowered its program from them
+        state, csr = jax.tree.map(_abstract, (state, csr))
+        # unpipelined: `apply` where the state is read after the first update (`flush`),
+        # else the next dequeue's `apply_lookup`; pipelined: the next dequeue's `fused`
+        fused = {"fused" if pipelined else "apply_lookup": (state, acts, csr, view, csr)}
+        alone = {} if pipelined else {"apply": (state, acts, csr, view)}
+        for name, args in {**alone, **fused}.items():
             thread = threading.Thread(
-                target=self._compile, args=(name, args), name=f"embedmesh-{name}", daemon=True
+                target=self._compile, args=(name, args), name=f"embedmesh-{name}"
             )
             self._warming[name] = thread
             thread.start()
