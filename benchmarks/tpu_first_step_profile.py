@@ -2,10 +2,13 @@
 process per case, reporting the seconds from its start to each phase (import, the chip's
 opening, the batches, `build()`, the first lookup, the loss gradient, the first update)
 and every program compiled (its name and seconds, from JAX's monitoring events), then
-the steady step (median of 10). Cases share one persistent compilation cache folder:
-run "fresh" first, then "cached".
+the steady step (median of 12). "fresh" and "cached" share one persistent compilation
+cache folder (run "fresh" first); every other case starts with an empty one: "serial"
+(the update programs compiled when first called, not in threads at the first lookup),
+"threads" (the lookup and update programs compiled at once in threads, then stop),
+"effortM1" (XLA's `exec_time_optimization_effort` -1, up to the first update).
 
-    python benchmarks/tpu_first_step_profile.py --out DIR --cases fresh,cached   # on the chip
+    python benchmarks/tpu_first_step_profile.py --out DIR --cases fresh,cached,serial  # chip
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ def child(case):
         phases[name] = round(time.perf_counter() - T0, 2)
 
     import embedmesh  # noqa: F401
+    from embedmesh.job import steps
 
+    if case["name"] == "serial":  # the update programs compiled when first called
+        steps.BACKGROUND_COMPILE = False
     mark("import")
     sys.path.insert(0, HERE)
     import tpu
@@ -149,7 +155,7 @@ def compile_in_threads(emb, csr):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--cases", default="fresh,cached")
+    ap.add_argument("--cases", default="fresh,cached,serial")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
