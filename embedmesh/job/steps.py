@@ -222,8 +222,8 @@ class Programs:
             )
 
         acts, view = jax.tree.map(placed, (acts, view))
-        # the state and batch as shapes too: the lookup's program may donate the state
-        # arrays before a thread has lowered its program from them
+        # the state and batch as shapes too: the first update (`apply` donates the state)
+        # may run before a thread has lowered its program from them
         state, csr = jax.tree.map(_abstract, (state, csr))
         # unpipelined: `apply` where the state is read after the first update (`flush`),
         # else the next dequeue's `apply_lookup`; pipelined: the next dequeue's `fused`
