@@ -31,7 +31,9 @@ lists them:
                               off/false/no) leaves it off; a path puts it there
                               (default: $EMBEDMESH_CACHE_DIR/jax, used only where
                               neither jax_compilation_cache_dir nor
-                              JAX_COMPILATION_CACHE_DIR is set)
+                              JAX_COMPILATION_CACHE_DIR is set; it then keeps
+                              every program, unless the user set JAX's minimum
+                              compile time)
   EMBEDMESH_HOST_EXCHANGE=0   processes on one host exchange through XLA's
                               collectives (gloo), not shared memory
   EMBEDMESH_EXCHANGE_TIMEOUT_S=s   how long a shared-memory exchange between
@@ -281,7 +283,12 @@ def use_compilation_cache() -> str | None:
     a model compiles its programs for tens of seconds on an accelerator; a second process
     with the same programs reads them from the cache. Called once at import, before
     anything compiles (JAX reads the setting at its first compile). Returns the
-    directory set, or None."""
+    directory set, or None.
+
+    Where it sets the directory, it also keeps every program there, not only those that
+    compiled for a second or more (JAX's default threshold, unless the user set one):
+    building a layer and its first step compile a dozen small programs, each again in
+    every process (the test suite keeps them all too: its CPU time fell 1.9x)."""
     import jax
 
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
@@ -289,7 +296,16 @@ def use_compilation_cache() -> str | None:
     path = compilation_cache_dir()
     if path is not None:
         jax.config.update("jax_compilation_cache_dir", path)
+        if (
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
+            and jax.config.jax_persistent_cache_min_compile_time_secs == _JAX_MIN_COMPILE_S
+        ):
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
+
+
+# JAX's default `jax_persistent_cache_min_compile_time_secs` (a value the user left as it is)
+_JAX_MIN_COMPILE_S = 1.0
 
 
 def host_exchange_enabled() -> bool:

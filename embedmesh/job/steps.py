@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from embedmesh.device import ops
 from embedmesh.device.core import ID_STATS, EmbeddingState
 
 __all__ = ["Programs", "Schedule", "evaluate", "for_evaluation", "infer_step", "return_free_heap"]
@@ -45,6 +48,14 @@ def return_free_heap() -> None:
 
 
 _MALLOC_TRIM: Any = None  # None: not looked up yet; False: unavailable (not glibc)
+
+# The update programs compiled in threads of their own while the first lookup compiles
+# (`Programs.warm_updates`): True, False, or None (the default) where the mesh's devices
+# are not CPUs. An accelerator's compiler runs on the host, whose cores are otherwise
+# idle then; on CPU they are the devices, and a job that never updates would pay for it.
+BACKGROUND_COMPILE: bool | None = None
+
+_log = logging.getLogger(__name__)
 
 _MAPPED_FIELDS = ("unique_ids", "pair_rows", "pair_unique", "pair_gains")
 
@@ -143,6 +154,13 @@ def refreshed(core, st, fresh, c_prev):
     return core.reinit_fresh_rows(st, fresh, after_update=c_prev)
 
 
+def _abstract(x):
+    """`x`'s shape, dtype and sharding, a program's signature for it (`warm_updates`)."""
+    if not isinstance(x, jax.Array):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+
+
 class Programs:
     """The jitted programs of one `EmbeddingCore` (every lookup also returns the owners'
     view of its batch, `core.lookup`'s `carrying`, which that batch's update takes: the
@@ -179,6 +197,63 @@ class Programs:
         # evaluation (`evaluate`): reads the state, donates nothing
         self.infer = jax.jit(lambda st, c: infer_step(core, st, c))
         self._map_programs(core, lookup_then_apply, apply)
+        # {program name: the thread compiling it} (`warm_updates`); None: not started yet
+        self._warming: dict | None = None
+
+    def warm_updates(self, core, pipelined: bool, state, csr: dict) -> None:
+        """Once, at a job's first lookup: compile the programs its first update runs (the
+        one fused with the next lookup, and unpipelined `apply`) in threads of their own,
+        from the shapes the lookup will return, while this thread compiles the lookup:
+        the first step then waits for the longest compile, not their sum. Only where
+        `BACKGROUND_COMPILE` says so, and not for tables of raw ids or a host tier (their
+        programs differ). A program whose call does not match these shapes (a gradient
+        of another dtype or sharding) compiles again when called; a failed compile here
+        is left for the call to raise. The threads are not daemons: a process ending
+        before its first update waits for them (XLA's client must outlive a compile)."""
+        if self._warming is not None:
+            return
+        self._warming = {}
+        on = BACKGROUND_COMPILE
+        if on is None:
+            on = ops.on_accelerators(core.mesh)
+        if not on or core.dynamic or getattr(core, "tier", None):
+            return
+        acts, view = jax.eval_shape(self.lookup, state, csr)
+        n = core.mesh.size
+
+        def placed(x):  # the lookup's outputs are row-sharded, its scalars replicated
+            rows = x.ndim and x.shape[0] % n == 0
+            return jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=core.row_sharding if rows else core.replicated
+            )
+
+        acts, view = jax.tree.map(placed, (acts, view))
+        # the state and batch as shapes too: the first update (`apply` donates the state)
+        # may run before a thread has lowered its program from them
+        state, csr = jax.tree.map(_abstract, (state, csr))
+        # unpipelined: `apply` where the state is read after the first update (`flush`),
+        # else the next dequeue's `apply_lookup`; pipelined: the next dequeue's `fused`
+        fused = {"fused" if pipelined else "apply_lookup": (state, acts, csr, view, csr)}
+        alone = {} if pipelined else {"apply": (state, acts, csr, view)}
+        for name, args in {**alone, **fused}.items():
+            thread = threading.Thread(
+                target=self._compile, args=(name, args), name=f"embedmesh-{name}"
+            )
+            self._warming[name] = thread
+            thread.start()
+
+    def _compile(self, name: str, args: tuple) -> None:
+        try:
+            getattr(self, name).lower(*args).compile()  # kept in the jitted function's cache
+        except Exception as e:  # noqa: BLE001 - the call compiles again and raises its own
+            _log.debug("background compile of %s failed: %s", name, e)
+
+    def ready(self, name: str) -> None:
+        """Wait for program `name`'s compile in a thread, if one runs (`warm_updates`):
+        a call before it ends would compile the program a second time."""
+        thread = (self._warming or {}).pop(name, None)
+        if thread is not None:
+            thread.join()
 
     def _map_programs(self, core, lookup_then_apply, apply) -> None:
         """Tables of raw ids: their ids become rows before the lookup (`core.map_ids`).
@@ -293,11 +368,13 @@ def dequeue(job, s: Schedule, csr: dict) -> tuple:
         if fresh is not None:  # pipelined, raw ids: see `_map_ahead`
             (acts, view), state = p.fused_refresh(s.state, grads, prev, view, csr, fresh)
         else:
-            run = p.fused if job.pipelined else p.apply_lookup
-            (acts, view), state = run(s.state, grads, prev, view, csr)
+            name = "fused" if job.pipelined else "apply_lookup"
+            p.ready(name)
+            (acts, view), state = getattr(p, name)(s.state, grads, prev, view, csr)
         p.trim_once()
         s = s.but(state=state)
     else:
+        p.warm_updates(job.core, job.pipelined, s.state, csr)
         acts, view = p.lookup(s.state, csr)
         if s.after_lookup is not None:  # restored mid-pipeline: now up to date
             s = s.but(state=s.after_lookup, after_lookup=None)
@@ -415,6 +492,7 @@ def flush(job, s: Schedule) -> Schedule:
     if s.pending is None:
         return s
     (grads, csr, view), s = _take_pending(s)
+    job.programs.ready("apply")
     return s.but(state=job.programs.apply(s.state, grads, csr, view))
 
 

@@ -13,12 +13,19 @@ from embedmesh import _runtime
 def cache_config(monkeypatch):
     """The cache's setting cleared for the test (restored after it), the switches re-read."""
     before = jax.config.jax_compilation_cache_dir
-    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    monkeypatch.delenv("EMBEDMESH_COMPILATION_CACHE", raising=False)
+    min_s = jax.config.jax_persistent_cache_min_compile_time_secs
+    for var in (
+        "JAX_COMPILATION_CACHE_DIR",
+        "EMBEDMESH_COMPILATION_CACHE",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    ):
+        monkeypatch.delenv(var, raising=False)
     jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # JAX's default
     _runtime.reset()
     yield monkeypatch
     jax.config.update("jax_compilation_cache_dir", before)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_s)
     _runtime.reset()
 
 
@@ -33,6 +40,20 @@ def test_a_path_is_used(cache_config, tmp_path):
     cache_config.setenv("EMBEDMESH_COMPILATION_CACHE", str(tmp_path / "c"))
     assert _runtime.use_compilation_cache() == str(tmp_path / "c")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+    # every program kept, not only those over JAX's 1 s default
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+
+
+def test_the_users_threshold_is_kept(cache_config, tmp_path):
+    cache_config.setenv("EMBEDMESH_COMPILATION_CACHE", str(tmp_path / "c"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.5)
+    assert _runtime.use_compilation_cache() == str(tmp_path / "c")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 2.5
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    cache_config.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert _runtime.use_compilation_cache() == str(tmp_path / "c")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
 
 
 @pytest.mark.parametrize("off", ["0", "off", "False", "no"])
@@ -40,6 +61,7 @@ def test_switched_off(cache_config, off):
     cache_config.setenv("EMBEDMESH_COMPILATION_CACHE", off)
     assert _runtime.use_compilation_cache() is None
     assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
 
 
 def test_the_users_setting_is_kept(cache_config, tmp_path):

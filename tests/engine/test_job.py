@@ -129,3 +129,49 @@ def test_a_job_built_on_its_own_steps_like_the_facade(pipelined):
     want_tables = {t.name: v for t, v in emb.embedding_tables.items()}
     for t, v in got.items():
         np.testing.assert_array_equal(v, want_tables[t.name])
+
+
+def test_update_programs_compiled_in_threads_are_the_ones_the_steps_run(monkeypatch):
+    """With `BACKGROUND_COMPILE` on, the first lookup starts the update programs'
+    compiles in threads of their own (from the shapes the lookup returns, sharded over
+    the mesh as its outputs are): the steps then run those programs, each compiled once,
+    and train the tables a float64 SGD of the same batches gives."""
+    import threading
+
+    import jax
+
+    from embedmesh.job import steps
+
+    monkeypatch.setattr(steps, "BACKGROUND_COMPILE", True)
+    compiled = []
+
+    def record(event, start, end, fun_name=""):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append((fun_name, threading.current_thread().name))
+
+    t = em.TableConfig(16, 4, name="t", combiner="sum", initializer=em.row_id_initializer(1.0))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    emb = em.MeshEmbedding({"a": em.FeatureConfig(t)}, em.SGD(0.5), mesh=mesh)
+    r = np.random.default_rng(5)
+    batches = [r.integers(0, 16, (8, 2)) for _ in range(2)]
+    want = np.broadcast_to(1.0 + np.arange(16.0)[:, None], (16, 4)).copy()
+    jax.monitoring.register_event_time_span_listener(record)
+    try:
+        for ids in batches:
+            ragged = em.RaggedTensor.from_row_lengths(ids.ravel(), np.full(8, 2))
+            acts, pre = emb.dequeue(emb.enqueue({"a": ragged}))
+            np.testing.assert_allclose(np.asarray(acts["a"]), want[ids].sum(1), rtol=1e-6)
+            grads = np.cos(np.arange(32.0)).reshape(8, 4) + ids[:, :1]
+            emb.apply_gradients({"a": grads.astype(np.float32)}, pre)
+            for s in range(8):
+                for i in ids[s]:
+                    want[i] -= 0.5 * grads.astype(np.float32)[s]
+        got = emb.embedding_tables[t]
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(record)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    updates = [c for c in compiled if c[0] in ("jit(apply)", "jit(apply_then_lookup)")]
+    assert sorted(updates) == [
+        ("jit(apply)", "embedmesh-apply"),
+        ("jit(apply_then_lookup)", "embedmesh-apply_lookup"),
+    ], compiled

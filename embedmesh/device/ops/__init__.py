@@ -157,6 +157,7 @@ __all__ = [
     "id_map_step_native",
     "kernel_for",
     "lookup_from_shards",
+    "on_accelerators",
     "op_names",
     "pack_pooled_pairs",
     "pooled_backward_update",
@@ -223,6 +224,12 @@ def register_kernel(
     if op not in _REFERENCES:
         raise KeyError(f"unknown op {op!r}; ops: {sorted(_REFERENCES)}")
     _PLATFORM_KERNELS[op][platform] = Kernel(fn, ready, supports, frozenset(params))
+
+
+def on_accelerators(mesh) -> bool:
+    """Whether `mesh`'s devices are accelerators, not the host's CPUs: XLA then compiles
+    on host cores the step leaves idle (`embedmesh.job.steps.BACKGROUND_COMPILE`)."""
+    return mesh.devices.flat[0].platform != "cpu"
 
 
 def reference_of(op: str) -> Callable:
