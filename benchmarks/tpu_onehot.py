@@ -8,6 +8,8 @@ uniform-in-rank Zipf(1.05) ids. At each `--batches` and `--dims`:
 - `embedmesh`: the facade's step from enqueued batches (`dequeue` + the loss gradient +
   `apply_gradients`), ids/s;
 - `lookup`: `dequeue` alone (the lookup program), and `update` = step - lookup;
+- `embedmesh-walk`: the same step with every row range's pass of the pair sums walking
+  every pair block (`pallas.SKIP_RANGES = False`, as before the skip);
 - `embedmesh-xla`: the same step with the TPU kernels off (XLA's gather, segment sums and
   scatter), which tells whether the Pallas kernels help or hurt on one-hot inputs;
 - `jax-dense`: `take` + `jax.grad` to the whole tables + optax.adagrad;
@@ -64,7 +66,15 @@ def warm_then_time(one, inputs, steps):
     return first, tpu.timed(lambda: one(next(calls)), steps)
 
 
-def embedmesh_case(rows, dim, batches, kernels=True, steps=10):
+def _skip_ranges(on: bool):
+    """`pallas.SKIP_RANGES` set, the pair sums' traces dropped (they read it when traced)."""
+    from embedmesh.device.ops.tpu import pallas
+
+    pallas.SKIP_RANGES = on
+    pallas.reduce_sorted.clear_cache()
+
+
+def embedmesh_case(rows, dim, batches, kernels=True, steps=10, skip=True):
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -73,6 +83,7 @@ def embedmesh_case(rows, dim, batches, kernels=True, steps=10):
     from embedmesh.device.ops import tpu as tpu_ops
 
     tpu_ops.ENABLED = kernels
+    _skip_ranges(skip)
     try:
         const = lambda key, shape, dtype: jnp.full(shape, 0.01, dtype)
         fc = {
@@ -114,6 +125,7 @@ def embedmesh_case(rows, dim, batches, kernels=True, steps=10):
         }
     finally:
         tpu_ops.ENABLED = True
+        _skip_ranges(True)
 
 
 def sparse_adagrad(table, acc, ids, rows, g):
@@ -206,6 +218,7 @@ def main():
     rep.data["rows"] = rows
     cases = {
         "embedmesh": lambda d, b: embedmesh_case(rows, d, b, steps=steps),
+        "embedmesh-walk": lambda d, b: embedmesh_case(rows, d, b, steps=steps, skip=False),
         "embedmesh-xla": lambda d, b: embedmesh_case(rows, d, b, kernels=False, steps=steps),
         "jax-dense": lambda d, b: plain_case(rows, d, b, sparse=False, steps=steps),
         "jax-sparse": lambda d, b: plain_case(rows, d, b, sparse=True, steps=steps),

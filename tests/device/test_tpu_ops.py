@@ -410,12 +410,70 @@ def test_resident_side_split_into_ranges(small_resident, op, dim, src_rows, rang
     assert_sums_close(got, *reference(src, key, dst, gains, num_out))
 
 
+# one compiled program a shape, not one a jnp op (the eager ops compile one by one)
+_schedule = jax.jit(pallas.schedule, static_argnums=(3, 4, 5, 6))
+_in_range = jax.jit(pallas._in_range, static_argnums=(3, 4))
+
+
+def one_hot_pairs(r, tables, keys_each, outs_each):
+    """Pairs of one-hot features stacked in one table, in the host's order (by key,
+    then output row): table t's keys in its own `keys_each` rows, its samples' output
+    rows in its own `outs_each` (each output row one pair), some padding last."""
+    key = np.concatenate(
+        [t * keys_each + (r.zipf(1.5, outs_each) - 1) % keys_each for t in range(tables)]
+    )
+    dst = np.arange(tables * outs_each)
+    order = np.lexsort((dst, key))
+    key = np.concatenate([key[order], np.zeros(5, np.int64)])
+    dst = np.concatenate([dst[order], np.full(5, tables * outs_each)])
+    gains = np.concatenate([signed(r, tables * outs_each), np.zeros(5, np.float32)])
+    return key.astype(np.int32), dst.astype(np.int32), gains
+
+
+def _visits(key, dst, gains, num_keys, num_src):
+    """(items with pairs, summed over the passes of `_chunks(num_src, 128)`, with each
+    pass visiting only its pair blocks; items with pairs in one pass over every row)."""
+    sched, _ = _schedule(key, dst, gains, num_keys, num_src, TW, TP)
+    ranges = pallas._chunks(num_src, 128)
+    visited = [
+        int(np.sum(np.asarray(scalars[3]) > np.asarray(scalars[2])))
+        for scalars in (_in_range(sched, r0, n, TW, TP) for r0, n, _, _ in ranges)
+    ]
+    return sum(visited), int(np.sum(np.asarray(sched.hi) > np.asarray(sched.lo)))
+
+
+def test_ranges_visit_only_the_pair_blocks_that_read_them(small_resident):
+    """One-hot features over the resident side's row ranges (40 rows each): a range's
+    pass visits only the pair blocks that read its rows and adds into the sums of the
+    passes before; the sums are the reference's. Both sides' passes counted: the
+    backward's (resident: the output rows) and the lookup's (the distinct rows; its
+    kernel is the same `reduce_sorted` after a sort by output row)."""
+    r = rng(63)
+    tables, keys_each, outs_each = 3, 30, TP  # 90 distinct rows, 3 TP output rows
+    key, dst, gains = one_hot_pairs(r, tables, keys_each, outs_each)
+    num_keys, num_dst = tables * keys_each, tables * outs_each
+    src, reference, _ = sides("reduce", r, num_keys, num_dst, 128)
+    got, ok = pallas.reduce_sorted(
+        jnp.asarray(src), key, dst, gains, num_out=num_keys, tw=TW, tp=TP
+    )
+    assert bool(ok)
+    assert len(small_resident) == len(pallas._chunks(num_dst, 128)) >= 3
+    assert_sums_close(np.asarray(got)[:, :128], *reference(src, key, dst, gains, num_keys))
+    by_dst = pallas._sort_by(dst, key, gains, num_dst, num_keys)
+    for pairs, num_out, num_src in (
+        (by_dst, num_dst, num_keys),
+        ((key, dst, gains), num_keys, num_dst),
+    ):
+        visited, walked = _visits(*pairs, num_out, num_src)
+        ranges = len(pallas._chunks(num_src, 128))
+        assert ranges >= 3
+        assert walked <= visited <= 2 * walked < ranges * walked  # a block: 1 or 2 ranges
+
+
 # ---------------------------------------------------------------------------
 # is_sorted and schedule
 
 K, D = 8, 6  # keys, dsts of the is_sorted cases
-# one compiled program a shape, not one a jnp op (the eager ops compile one by one)
-_schedule = jax.jit(pallas.schedule, static_argnums=(3, 4, 5, 6))
 SORTED_CASES = [
     ("sorted", [0, 0, 1, 3, 3, 3, 7], [1, 4, 0, 2, 2, 5, 3], True),
     ("equal_keys_any_dst", [2, 2, 2, 4], [5, 1, 3, 0], True),

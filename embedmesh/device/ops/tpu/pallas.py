@@ -17,7 +17,13 @@ matrix is exact in bfloat16, the rows go as three bfloat16 parts (`_split3`) who
 products sum in float32, so the sums are float32 sums. `src` (the resident side) is
 copied into VMEM once, a block of at most `RESIDENT_BYTES` a call (more: one call a
 column block, and where 128 lanes of every row are still more, a row range, each
-skipping the pairs of the others). Pairs outside `[0, num_keys)` x `[0,
+skipping the pairs of the others). A row range's pass visits only the pair blocks that
+read one of its rows, adding into the sums of the passes before (`_in_range`): pairs
+in the host's order read nearby rows where a table's output rows lie together, as
+one-hot features' do, and then every pair is read about once in all the passes, where a
+pass over every pair block read each once a range (26 one-hot features at batch 32768,
+dim 128: 6.8 M pair reads a step, 1.7 M with the skip; counted by
+`benchmarks/tpu_onehot_profile.py --count`). Pairs outside `[0, num_keys)` x `[0,
 num_src)` are skipped (the host's padding).
 
 Measured on a v5e chip (2026-12-04, `benchmarks/tpu_probe.py`, 117,295 distinct rows of
@@ -83,6 +89,10 @@ TW = 256  # keys a block
 TP = 512  # pairs a block
 UNROLL = 8  # pair rows gathered into VMEM a loop turn (a divisor of TP)
 RESIDENT_BYTES = 80 << 20  # the resident side's one VMEM buffer at most (a core: 128 MiB)
+# Where the resident side goes in row ranges: each range's pass visits only the pair blocks
+# that read a row of it, and adds into the sums of the passes before (`_in_range`);
+# False: every pass walks every pair block (the A/B switch of the benchmarks)
+SKIP_RANGES = True
 _VMEM_LIMIT = 120 << 20
 
 
@@ -177,24 +187,24 @@ def _reduce_kernel(
     key_ref,
     gain_ref,
     src_hbm,
-    out_ref,
-    src_ref,
-    x_ref,
-    sem,
-    *,
+    *refs,
     tw,
     r0,
     rows,
     every_row,
     unroll,
+    accumulate,
 ):
     """One work item: gather `src[dst[p]]` of the item's pairs into `x` (zero rows for a
     dst outside the resident range), scale them by their gains (zero outside the item's
-    [lo, hi)), and add `onehot(key) @ x` to the key block (zeroed at its first item).
-    The resident rows are copied into VMEM once, at the first item."""
+    [lo, hi)), and add `onehot(key) @ x` to the key block (at its first item zeroed, or
+    with `accumulate` the block of the sums so far, `refs[0]`). An item without pairs
+    only does that first step. The resident rows are copied into VMEM once, at the first
+    item."""
+    acc_ref = refs[0] if accumulate else None
+    out_ref, src_ref, x_ref, sem = refs[1:] if accumulate else refs
     j = pl.program_id(0)
     lo, hi = lo_ref[j], hi_ref[j]
-    tp = x_ref.shape[0]
 
     @pl.when(j == 0)
     def _():
@@ -204,7 +214,51 @@ def _reduce_kernel(
 
     @pl.when(first_ref[j] == 1)
     def _():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+        out_ref[...] = acc_ref[...] if accumulate else jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    def add():
+        _add_pairs(
+            lo,
+            hi,
+            b_ref[j],
+            pd_ref,
+            key_ref,
+            gain_ref,
+            out_ref,
+            src_ref,
+            x_ref,
+            tw=tw,
+            r0=r0,
+            rows=rows,
+            every_row=every_row,
+            unroll=unroll,
+        )
+
+    if accumulate:  # a range's pass: most items have no pairs there
+        pl.when(hi > lo)(add)
+    else:  # one pass over every row: only an empty key block has an item without pairs
+        add()
+
+
+def _add_pairs(
+    lo,
+    hi,
+    block,
+    pd_ref,
+    key_ref,
+    gain_ref,
+    out_ref,
+    src_ref,
+    x_ref,
+    *,
+    tw,
+    r0,
+    rows,
+    every_row,
+    unroll,
+):
+    """The item's pairs `[lo, hi)` of its pair block added into its key block `block`."""
+    tp = x_ref.shape[0]
 
     def group(gi, c):
         base = pl.multiple_of(gi * unroll, unroll)
@@ -220,7 +274,7 @@ def _reduce_kernel(
     jax.lax.fori_loop(lo // unroll, (hi + unroll - 1) // unroll, group, 0)
     at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
     x = jnp.where((at >= lo) & (at < hi), x_ref[...] * gain_ref[...], 0.0)
-    keys = key_ref[...] - b_ref[j] * tw  # [1, tp]
+    keys = key_ref[...] - block * tw  # [1, tp]
     onehot = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (tw, tp), 0) == keys, 1.0, 0.0)
     onehot = onehot.astype(jnp.bfloat16)
     acc = out_ref[...]
@@ -246,12 +300,50 @@ def _chunks(num_rows: int, width: int):
     ]
 
 
-def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows, every_row, unroll):
-    """One `pallas_call` of `_reduce_kernel` over the resident rows `part` [rows8, dc]."""
+def _in_range(sched, r0: int, rows: int, tw: int, tp: int):
+    """The scalars of `sched` for the pass over the resident rows `[r0, r0 + rows)`: an
+    item whose pair block reads none of them is given its last visited predecessor's
+    blocks and no pairs, so Pallas moves no block for it and the kernel does nothing;
+    the key blocks no item visits keep the sums of the passes before (the call
+    accumulates). Pair blocks sorted by key read a few nearby rows where the batch's
+    output rows of a table lie together (one-hot features: a pass then visits the pair
+    blocks of its features' tables), but every row range where the pairs read rows at
+    random (the walk each pass did before)."""
+    npb = sched.dst.shape[0] // tp
+    valid = (sched.key < sched.num_blocks * tw).reshape(npb, tp)
+    dst = sched.dst.reshape(npb, tp)
+    top = jnp.max(jnp.where(valid, dst, -1), axis=1)
+    bottom = jnp.min(jnp.where(valid, dst, jnp.iinfo(jnp.int32).max), axis=1)
+    hit = (top >= r0) & (bottom < r0 + rows)  # [npb]: the block may read the range
+    j = jnp.arange(sched.block.shape[0], dtype=jnp.int32)
+    live = hit[sched.pair_block] & (sched.hi > sched.lo)
+    kept = live | (j == 0)  # the first item loads its key block however
+    at = jax.lax.cummax(jnp.where(kept, j, 0))  # each item's last kept item
+    block, pair_block = sched.block[at], sched.pair_block[at]
+    lo = jnp.where(live, sched.lo, 0)
+    hi = jnp.where(live, sched.hi, 0)
+    before = jnp.concatenate([jnp.full((1,), -1, jnp.int32), block[at[:-1]]])
+    first = (kept & ((j == 0) | (block != before))).astype(jnp.int32)
+    return (block, pair_block, lo, hi, first)
+
+
+def _reduce_call(sched, key_row, gains_col, part, acc, *, tw, tp, dc, r0, rows, every_row, unroll):
+    """One `pallas_call` of `_reduce_kernel` over the resident rows `part` [rows8, dc];
+    with `acc` (the sums of the passes before, [num_blocks * tw, dc]) the pass over rows
+    `[r0, r0 + rows)` of several, added into `acc` in place."""
     at_pair_block = lambda j, b, pb, *_: pb[j]
+    at_block = lambda j, b, *_: (b[j], 0)
+    accumulate = acc is not None
+    scalars = _in_range(sched, r0, rows, tw, tp) if accumulate else sched.scalars
     return pl.pallas_call(
         functools.partial(
-            _reduce_kernel, tw=tw, r0=r0, rows=rows, every_row=every_row, unroll=unroll
+            _reduce_kernel,
+            tw=tw,
+            r0=r0,
+            rows=rows,
+            every_row=every_row,
+            unroll=unroll,
+            accumulate=accumulate,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
@@ -261,8 +353,9 @@ def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows, every
                 pl.BlockSpec((1, tp), lambda *a: (0, at_pair_block(*a))),
                 pl.BlockSpec((tp, 1), lambda *a: (at_pair_block(*a), 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
-            ],
-            out_specs=pl.BlockSpec((tw, dc), lambda j, b, *_: (b[j], 0)),
+            ]
+            + ([pl.BlockSpec((tw, dc), at_block)] if accumulate else []),
+            out_specs=pl.BlockSpec((tw, dc), at_block),
             scratch_shapes=[
                 pltpu.VMEM(part.shape, jnp.float32),
                 pltpu.VMEM((tp, dc), jnp.float32),
@@ -270,11 +363,12 @@ def _reduce_call(sched, key_row, gains_col, part, *, tw, tp, dc, r0, rows, every
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((sched.num_blocks * tw, dc), jnp.float32),
+        input_output_aliases={9: 0} if accumulate else {},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT
         ),
         interpret=_interpret(),
-    )(*sched.scalars, sched.dst, key_row, gains_col, part)
+    )(*scalars, sched.dst, key_row, gains_col, part, *([acc] if accumulate else []))
 
 
 @functools.partial(jax.jit, static_argnames=("num_out", "tw", "tp", "unroll"))
@@ -288,8 +382,10 @@ def reduce_sorted(
     sched, ok = schedule(key, dst, gains, num_out, num_src, tw, tp)
     ppad = sched.key.shape[0]
     key_row, gains_col = sched.key.reshape(1, ppad), sched.gains.reshape(ppad, 1)
+    chunks = _chunks(num_src, dc)
+    ranged = SKIP_RANGES and len(chunks) > len({c0 for _, _, c0, _ in chunks})
     columns: dict[int, list] = {}  # column block -> the sums of its row ranges
-    for r0, rows, c0, cols in _chunks(num_src, dc):
+    for r0, rows, c0, cols in chunks:
         rows8 = -(-rows // 8) * 8
         real = max(0, min(cols, width - c0))  # the block's columns of src (the rest: zero)
         if (rows8, cols) == src.shape == (rows, real) and src.dtype == jnp.float32:
@@ -300,12 +396,17 @@ def reduce_sorted(
                 .at[:rows, :real]
                 .set(src[r0 : r0 + rows, c0 : c0 + real].astype(jnp.float32))
             )
-        columns.setdefault(c0, []).append(
+        sums = columns.setdefault(c0, [])
+        acc = None
+        if ranged:  # one buffer of sums a column block, each range's pass adding into it
+            acc = sums.pop() if sums else jnp.zeros((sched.num_blocks * tw, cols), jnp.float32)
+        sums.append(
             _reduce_call(
                 sched,
                 key_row,
                 gains_col,
                 part,
+                acc,
                 tw=tw,
                 tp=tp,
                 dc=cols,
