@@ -18,7 +18,12 @@ not named being "mod"):
   (rows, then config order), each go to the shard with the fewest rows of the
   stack so far (ties: the fewest table-wise rows * dim over the stacks placed
   before, the stacks with the most table-wise rows * dim first; then the lowest
-  index), which keeps the stack's block, its fullest owner's rows, small;
+  index), which keeps the stack's block, its fullest owner's rows, small. Where
+  whole tables would leave a device holding more than `TABLE_WISE_MAX_OVERHEAD`
+  times its fullest owner's own bytes (memory, below), some are spread over a
+  few consecutive shards (`first_shard = owner`, `1 < span`, rows mod the span:
+  the mod rule over part of the mesh; `_spread_table_wise`), placed in their
+  stack before its whole tables;
 - "data_parallel": the whole table on every shard, a replica each (block row
   `i` is row `i`, as for "table_wise"). Its lookups read the device's own
   replica, and every replica applies the same update, made of every device's
@@ -78,9 +83,18 @@ feature config, the placements and `N`):
   owner's rows), and a class of at most 6 table-wise tables that may share
   stacks takes the grouping of all that costs the fewest bytes
   (`_merge_table_wise`). A device holds `sum over stacks of width * fullest
-  owner's rows`; with whole rows in stacks that can stay well above an owner's
-  own bytes (a table wider than the others needs a stack of its own, whose
-  rows every device holds).
+  owner's rows`; with whole tables that can stay well above an owner's own
+  bytes (a table wider than the others needs a stack of its own, whose rows
+  every device holds; a stack's tables may leave its owners uneven). So where a
+  device would hold more than `TABLE_WISE_MAX_OVERHEAD` (1.25) times the most
+  any shard's own rows take (each table at its own width, with its slots),
+  table-wise tables are spread over a few shards, one spread a round: of those
+  that bring it within the bound, the one moving the fewest rows off their
+  owners, else the one saving the most bytes a device per shard added; for the
+  merged grouping and the grouping by key alone, the one within the bound that
+  moves the fewest rows kept (else the one holding the fewest bytes). A shard a
+  spread table spans also pools its features' lookups (the same exchange,
+  several owners a table).
 
 `plan_stacking(feature_config, num_shards)` returns an immutable, hashable
 `StackingPlan` with vectorised mappings between (table, row) and (stack,
@@ -93,6 +107,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -629,13 +644,14 @@ def table_shardings(
     return tuple(out[n] for n in names)
 
 
-def _pack(rows: list, n: int, load: list | None = None) -> tuple:
+def _pack(rows: list, n: int, load: list | None = None, used: list | None = None) -> tuple:
     """Greedy bin packing of table-wise blocks onto n shards (LPT): the items (their rows)
     largest first (then in the given order), each onto the shard with the fewest rows so
-    far (ties: the least `load`, the bytes of table-wise rows a shard holds over all
-    stacks, updated by the caller; then the lowest index). Returns (shard of each item,
-    rows per shard): the stack's table-wise block is the most rows a shard gets."""
-    used = [0] * n
+    far (`used`: the rows a shard holds already, default none; ties: the least `load`, the
+    bytes of table-wise rows a shard holds over all stacks, updated by the caller; then
+    the lowest index). Returns (shard of each item, rows per shard): the stack's
+    table-wise block is the most rows a shard gets."""
+    used = [0] * n if used is None else list(used)
     where = [0] * len(rows)
     for k in sorted(range(len(rows)), key=lambda k: (-rows[k], k)):
         j = min(range(n), key=lambda j: (used[j], load[j] if load is not None else 0, j))
@@ -1002,10 +1018,41 @@ def _rotations(layout: RowLayout, vocabs: list, strategies: tuple) -> dict:
     return rotation
 
 
-def _table_wise_owners(stacks_idx: list, vocabs: list, strategies: tuple, n: int) -> dict:
-    """`{table index: owner shard}` of the table-wise tables: bin-packed by rows in each
-    stack (`_pack`), the stacks with the most table-wise bytes first, ties onto the shard
-    with the fewest table-wise bytes over all stacks so far."""
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _spread_order(members: list, vocabs: list, spans: list) -> list:
+    """The table-wise tables of `members` spread over several shards (`spans[i] > 1`), in
+    the order they are placed: widest span first, then most rows a shard, then config
+    order."""
+    spread = [i for i in members if spans[i] > 1]
+    return sorted(spread, key=lambda i: (-spans[i], -_ceil_div(vocabs[i], spans[i]), i))
+
+
+def _consecutive(used: list, load: list, k: int) -> tuple:
+    """`(first, top)`: the k consecutive shards whose fullest has the fewest `used` rows
+    (ties: the least `load` over them, then the lowest first shard) and those rows."""
+    if k == len(used):
+        return 0, max(used)
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(used, np.int64), k)
+    tops = windows.max(axis=1)
+    sums = np.convolve(np.asarray(load, np.float64), np.ones(k), mode="valid")
+    first = int(np.lexsort((np.arange(tops.size), sums, tops))[0])
+    return first, int(tops[first])
+
+
+def _table_wise_owners(
+    stacks_idx: list, vocabs: list, strategies: tuple, n: int, spans: list | None = None
+) -> dict:
+    """`{table index: owner shard}` of the table-wise tables (a spread one's: the first of
+    its span): in each stack, the stacks with the most table-wise bytes first, its spread
+    tables first (`_spread_order`), each onto the `spans[i]` consecutive shards whose
+    fullest has the fewest rows (ties: the least table-wise bytes over the stacks placed
+    before, then the lowest first shard); then its whole tables bin-packed by rows
+    (`_pack`) onto what the spread ones left, ties onto the shard with the fewest
+    table-wise bytes over the stacks placed before."""
+    spans = spans if spans is not None else [1] * len(vocabs)
     owners: dict[int, int] = {}
     load = [0] * n
     table_wise = [
@@ -1013,12 +1060,155 @@ def _table_wise_owners(stacks_idx: list, vocabs: list, strategies: tuple, n: int
         for key, members in stacks_idx
     ]
     for dim, tw in sorted(table_wise, key=lambda s: -s[0] * sum(vocabs[i] for i in s[1])):
-        rows = [vocabs[i] for i in tw]
-        where, _ = _pack(rows, n, load)
-        for i, v, j in zip(tw, rows, where):
-            owners[i] = j
-            load[j] += v * dim
+        used = [0] * n
+        for i in _spread_order(tw, vocabs, spans):
+            k, rows = spans[i], -(-vocabs[i] // spans[i])
+            first, top = _consecutive(used, load, k)
+            used[first : first + k] = [top + rows] * k
+            owners[i] = first
+        whole = [i for i in tw if spans[i] == 1]
+        where, _ = _pack([vocabs[i] for i in whole], n, load, used)
+        owners.update(zip(whole, where))
+        for i in tw:  # the stack's table-wise bytes on each shard, for the next stacks' ties
+            for j in range(owners[i], owners[i] + spans[i]):
+                load[j] += -(-vocabs[i] // spans[i]) * dim
     return owners
+
+
+def _row_order(members: list, strategies: tuple, vocabs: list, spans: list) -> list:
+    """A stack's tables in row order: the mod tables (config order), the spread table-wise
+    ones (`_spread_order`), then the others (config order), each after the rows its
+    shards already use."""
+    spread = _spread_order([i for i in members if strategies[i] == "table_wise"], vocabs, spans)
+    rest = [i for i in members if strategies[i] != "mod" and i not in spread]
+    return [i for i in members if strategies[i] == "mod"] + spread + rest
+
+
+# `_spread_table_wise` tries each table-wise table at a few spans a round: past this many
+# table-wise tables it keeps every one whole
+_SPREAD_MAX_TABLES = 32
+# and it takes at most this many spreads a table-wise table (each widens a span), trying
+# at most `_SPREAD_BUDGET` in all (the plan stops spreading there, every spread it took
+# having saved bytes)
+_SPREAD_ROUNDS = 4
+_SPREAD_BUDGET = 300
+# A table-wise plan spreads tables while a device holds more than this times the bytes its
+# fullest owner's tables take at their own widths
+TABLE_WISE_MAX_OVERHEAD = 1.25
+
+
+def _owner_bytes(strategies: tuple, vocabs: list, n: int, spans: list, owners: dict, own: list):
+    """The most bytes any shard's own rows take (`own[i]`: a row of table i at its own
+    width, parameters and slots): a mod table's share on every shard, a replica whole on
+    every shard, a table-wise table's rows on each shard of its span."""
+    held = [0] * n
+    for i, st in enumerate(strategies):
+        k = spans[i]
+        first = 0 if st != "table_wise" else owners[i]
+        rows = vocabs[i] if st == "data_parallel" else -(-vocabs[i] // k)
+        for j in range(n) if st == "data_parallel" else range(first, first + k):
+            held[j] += rows * own[i]
+    return max(held)
+
+
+def _spread_table_wise(
+    stacks_idx: list, strategies: tuple, vocabs: list, n: int, row_bytes: list, own: list, keys
+) -> tuple:
+    """`(spans, bytes a device, the fullest owner's own bytes)`; `spans`: each table's span:
+    N for the mod tables, 1 for the others, except the table-wise
+    tables spread over several consecutive shards (rows mod the span, as a mod table over
+    part of the mesh) while a device holds more than `TABLE_WISE_MAX_OVERHEAD` times its
+    fullest owner's own bytes (`_owner_bytes`) and a spread saves bytes a device. A stack
+    holds its fullest shard's rows at its width on every device, so a table that is short
+    and wide, or on an owner fuller than the others, costs every device its rows; spread,
+    it shares them with the shards beside it. Each round takes, of the spreads that
+    bring a device within the bound, the one that moves the fewest rows off their owner;
+    where none does, the one that saves the most bytes a device per shard added to a span
+    (ties: the first candidate, `candidates`); tables of raw ids keep their owner. Every
+    shard added to a table's span also pools that table's features (the same exchange,
+    several owners a table)."""
+    spans = [n if st == "mod" else 1 for st in strategies]
+    movable = [i for i, st in enumerate(strategies) if st == "table_wise" and keys[i].alone is None]
+    if n == 1 or not movable or len(movable) > _SPREAD_MAX_TABLES:
+        return spans, None, None
+
+    def cost(spans: list) -> tuple:
+        owners = _table_wise_owners(stacks_idx, vocabs, strategies, n, spans)
+        padded = [-(-v // k) * k for v, k in zip(vocabs, spans)]
+        where = _Where(n, spans, padded, owners, {})
+        held, tops = 0, []
+        for s, (key, members) in enumerate(stacks_idx):
+            order = _row_order(members, strategies, vocabs, spans)
+            offsets, rows = _block_offsets(order, where, key.replicated)
+            held += row_bytes[s] * rows
+            # the stack's tables whose blocks reach its fullest shards' last row
+            tops.append([i for i in order if offsets[i] + padded[i] // spans[i] == rows])
+        return held, _owner_bytes(strategies, vocabs, n, spans, owners, own), tops
+
+    def candidates(spans: list, tops: list):
+        """The tables at the top of their stack (only they set its rows): each spread one
+        shard further, twice as far or over every shard, and those of a stack all spread
+        over at least 2, 4, ... or N shards (where several owners are as full, spreading
+        one alone saves nothing)."""
+        widths = sorted({min(2**b, n) for b in range(1, n.bit_length() + 1)})
+        for top in tops:
+            mine = [i for i in top if i in movable]
+            for i in mine:
+                for k in sorted({spans[i] + 1, 2 * spans[i], n}):
+                    if spans[i] < k <= n:
+                        yield spans[:i] + [k] + spans[i + 1 :]
+            for k in widths if len(mine) > 1 else ():
+                trial = [max(k, s) if i in mine else s for i, s in enumerate(spans)]
+                if trial != spans:
+                    yield trial
+
+    now, owner, tops = cost(spans)
+    budget = _SPREAD_BUDGET  # spreads tried: a bound on the time a plan takes
+    for _ in range(_SPREAD_ROUNDS * len(movable)):
+        if now <= TABLE_WISE_MAX_OVERHEAD * owner or budget <= 0:
+            break
+        best = None
+        for trial in itertools.islice(candidates(spans, tops), budget):
+            budget -= 1
+            c = cost(trial)
+            if c[0] >= now:
+                continue
+            if c[0] <= TABLE_WISE_MAX_OVERHEAD * c[1]:  # enough: the fewest rows moved
+                rank: tuple = (0, sum(vocabs[i] - vocabs[i] // trial[i] for i in movable))
+            else:  # the most bytes saved a shard added
+                rank = (1, -(now - c[0]) / (sum(trial) - sum(spans)))
+            if best is None or rank < best[0]:
+                best = (rank, trial, c)
+        if best is None:
+            break
+        _, spans, (now, owner, tops) = best
+    return spans, now, owner
+
+
+def _spread_grouping(groupings, resolved, keys, strategies, n: int, slots_in_rows: int) -> tuple:
+    """`(stacks, spans)`: of the groupings of the tables into stacks (the merged one, that
+    costs the fewest bytes a device with every table whole, then the one by key alone),
+    with their table-wise tables spread (`_spread_table_wise`), the one that holds a device
+    within `TABLE_WISE_MAX_OVERHEAD` of its fullest owner's own bytes moving the fewest
+    rows off their owners; where none does, the one that costs the fewest bytes a device
+    (ties: the first). Its stacks in order of their first table."""
+    vocabs = [t.vocabulary_size for t in resolved.tables]
+    own = [_key_row_bytes(k, [t], slots_in_rows) for k, t in zip(keys, resolved.tables)]
+    best = None
+    for groups in groupings:
+        groups = sorted(groups, key=lambda s: s[1][0])
+        row_bytes = [
+            _key_row_bytes(key, [resolved.tables[i] for i in members], slots_in_rows)
+            for key, members in groups
+        ]
+        spans, held, owner = _spread_table_wise(groups, strategies, vocabs, n, row_bytes, own, keys)
+        if held is None:  # nothing to spread: the first grouping as it is
+            return groups, spans
+        moved = sum(v - v // k for v, k, st in zip(vocabs, spans, strategies) if st != "mod")
+        rank = (0, moved) if held <= TABLE_WISE_MAX_OVERHEAD * owner else (1, held)
+        if best is None or rank < best[0]:
+            best = (rank, groups, spans)
+    return best[1], best[2]
 
 
 def _stack_name(members: list, table_names: tuple, used: set) -> str:
@@ -1064,6 +1254,19 @@ def _stack_columns(key: _StackKey, tables: list, slots_in_rows: int) -> tuple:
         dim = _round_up(max(t.dim for t in tables), DEFAULT_DIM_MULTIPLE)
         return dim, _slot_columns(key.optimizer, dim), key.dim
     return key.dim, (), 0
+
+
+def _key_row_bytes(key: _StackKey, tables: list, slots_in_rows: int) -> int:
+    """Bytes of one local row of a stack of `tables` under `key` (its parameters and each
+    optimizer slot): `StackingPlan.row_bytes` before the stack is placed."""
+    dim, slot_columns, row_width = _stack_columns(key, tables, slots_in_rows)
+    itemsize = np.dtype(key.dtype).itemsize
+    if slot_columns:
+        return row_width * itemsize
+    opt = key.optimizer
+    slots = getattr(opt, "slot_names", ()) or ()
+    slot_width = sum(opt.slot_width(k, dim) for k in slots)
+    return dim * itemsize + slot_width * np.dtype(key.slot_dtype).itemsize
 
 
 def _place_stack(
@@ -1231,24 +1434,26 @@ def plan_stacking(
     ]
     # the rows of each table's blocks
     padded = [layout.block_rows(t.vocabulary_size, s) * s for t, s in zip(resolved.tables, spans)]
-    stacks_idx = _split_by_rows(_group(keys, stack_tables), padded, max_stack_rows)
+    grouped = _split_by_rows(_group(keys, stack_tables), padded, max_stack_rows)
+    groupings = [grouped]
     if stack_tables and n > 1:
-        stacks_idx = _merge_table_wise(stacks_idx, strategies, padded, n, max_stack_rows, keys)
-    stacks_idx.sort(key=lambda s: s[1][0])
-
+        merged = _merge_table_wise(grouped, strategies, padded, n, max_stack_rows, keys)
+        groupings = [merged] + ([grouped] if merged != grouped else [])
     vocabs = [t.vocabulary_size for t in resolved.tables]
-    owners = _table_wise_owners(stacks_idx, vocabs, strategies, n)
+    stacks_idx, spans = _spread_grouping(groupings, resolved, keys, strategies, n, slots_in_rows)
+    padded = [layout.block_rows(t.vocabulary_size, s) * s for t, s in zip(resolved.tables, spans)]
+    owners = _table_wise_owners(stacks_idx, vocabs, strategies, n, spans)
     where = _Where(n, spans, padded, owners, _rotations(layout, vocabs, strategies))
     table_placements: dict[int, TablePlacement] = {}
     stack_specs = []
     used_names = set(resolved.table_names)
     for key, members in stacks_idx:
-        # row order: the mod tables one after another, then each table-wise table
-        # after the earlier ones of its owner
-        members = [i for i in members if strategies[i] == "mod"] + [
-            i for i in members if strategies[i] != "mod"
-        ]
-        name = _stack_name(members, resolved.table_names, used_names)
+        # row order: the mod tables one after another, then the spread table-wise tables,
+        # then each other table after the earlier ones of its owner
+        named = [i for i in members if strategies[i] == "mod"]
+        named += [i for i in members if strategies[i] != "mod"]
+        name = _stack_name(named, resolved.table_names, used_names)
+        members = _row_order(members, strategies, vocabs, spans)
         used_names.add(name)
         spec, placed = _place_stack(key, members, name, resolved, where, slots_in_rows)
         stack_specs.append(spec)

@@ -78,22 +78,37 @@ def placed(draw):
 
 
 def plain_owners(plan, wanted):
-    """The documented bin packing, plainly: the stacks with the most table-wise bytes
-    (dim * rows) first; in each, its table-wise tables largest first (rows, then config
-    order), each onto the shard with the fewest rows of the stack (ties: the fewest
-    table-wise bytes over the stacks so far, then the lowest index)."""
-    load = [0] * plan.num_shards
+    """The documented bin packing, plainly, given each table's span (the planner's choice):
+    the stacks with the most table-wise bytes (dim * rows) first; in each, its spread
+    table-wise tables (span > 1) widest span first (then most rows a shard, config order),
+    each onto the consecutive shards whose fullest has the fewest rows of the stack (ties:
+    the fewest table-wise bytes over the stacks so far, then the lowest first shard); then
+    its whole ones largest first (rows, then config order), each onto the shard with the
+    fewest rows of the stack (the same ties)."""
+    n = plan.num_shards
+    load = [0] * n
     owners = {}
     tw = {t.name for t, w in zip(plan.tables, wanted) if w == "table_wise"}
     stacks = [(s, [plan.table(n) for n in s.tables if n in tw]) for s in plan.stacks]
     stacks.sort(key=lambda x: -x[0].dim * sum(t.vocabulary_size for t in x[1]))
     for s, tables in stacks:
-        rows = [0] * plan.num_shards
-        for t in sorted(tables, key=lambda t: (-t.vocabulary_size, t.index)):
-            j = min(range(plan.num_shards), key=lambda j: (rows[j], load[j], j))
+        rows = [0] * n
+        spread = [t for t in tables if t.span > 1]
+        for t in sorted(spread, key=lambda t: (-t.span, -t.rows_per_shard, t.index)):
+            k = t.span
+            first = min(
+                range(n - k + 1), key=lambda f: (max(rows[f : f + k]), sum(load[f : f + k]), f)
+            )
+            owners[t.name] = first
+            rows[first : first + k] = [max(rows[first : first + k]) + t.rows_per_shard] * k
+        whole = [t for t in tables if t.span == 1]
+        for t in sorted(whole, key=lambda t: (-t.vocabulary_size, t.index)):
+            j = min(range(n), key=lambda j: (rows[j], load[j], j))
             owners[t.name] = j
             rows[j] += t.vocabulary_size
-            load[j] += t.vocabulary_size * s.dim
+        for t in tables:  # ties: the bytes of the stacks placed before
+            for j in range(owners[t.name], owners[t.name] + t.span):
+                load[j] += t.rows_per_shard * s.dim
     return owners
 
 
@@ -112,14 +127,16 @@ def test_every_row_lands_once_by_the_plain_rule(case):
     assert hash(plan) == hash(plan) and layout == ModRowLayout(n)
     for t, w in zip(plan.tables, wanted):
         expect = "mod" if n == 1 else w  # one shard: the same layout
-        assert t.sharding == expect
+        assert t.sharding == expect or expect == "table_wise"  # (spread: below)
         assert t.replicated == (expect == "data_parallel")
         if expect == "mod":
             assert (t.first_shard, t.span) == (0, n) and 0 <= t.rotation < n
         elif expect == "data_parallel":  # canonically table-wise on shard 0
             assert (t.first_shard, t.span, t.rotation) == (0, 1, 0)
-        else:
-            assert (t.first_shard, t.span, t.rotation) == (owners[t.name], 1, 0)
+        else:  # whole on its owner, or spread over consecutive shards from it
+            assert (t.first_shard, t.rotation) == (owners[t.name], 0)
+            assert t.first_shard + t.span <= n
+            assert t.sharding == {1: "table_wise", n: "mod"}.get(t.span, "table_row_wise")
         assert t.padded_vocabulary_size == t.span * t.rows_per_shard
         assert 0 <= t.padded_vocabulary_size - t.vocabulary_size < t.span
         assert t.row_offset == n * t.local_row_offset
@@ -139,7 +156,10 @@ def test_every_row_lands_once_by_the_plain_rule(case):
             )
             for j in range(n)
         ]
-        assert s.rows_per_shard == mod_rows + max(tw_rows) and s.num_rows == n * s.rows_per_shard
+        # (spread tables start at the same local row on every shard of their span)
+        assert s.rows_per_shard >= mod_rows + max(tw_rows) and s.num_rows == n * s.rows_per_shard
+        if all(t.span in (1, n) for t in placements):
+            assert s.rows_per_shard == mod_rows + max(tw_rows)
         owner = np.full((n, s.rows_per_shard), -1)  # table index at each (shard, local row)
         logical = np.full((n, s.rows_per_shard), -1)
         for t in placements:
@@ -393,10 +413,20 @@ def test_table_wise_tables_cost_their_largest_owner_once():
     assert plan.bytes_per_device == (1000 * 8 * 4 + 1000 * 64 * 4,) * 2
 
 
+def spread_features():
+    """The issue's mix of dims (32/16/48/8), rows / 1000: on 3 to 8 devices the 48-wide
+    table spreads over two shards."""
+    return {
+        f"f{i}": FeatureConfig(TableConfig(v, d, name=f"t{i}"))
+        for i, (v, d) in enumerate(((100, 32), (100, 16), (24, 48), (52, 8)))
+    }
+
+
 def test_a_stack_padded_across_dims_trains_and_restores_as_the_reference(tmp_path):
     """t0 (60 x 32) and t2 (50 x 8) in one table-wise stack of width 32 (t1's 500 rows of
-    16 apart: padded they would cost more) train as the float64 reference; their
-    checkpoint restores on other placements and device counts."""
+    16 apart: padded they would cost more) train as the float64 reference. A checkpoint of
+    a padded stack beside a table spread over two shards restores on other placements and
+    device counts (every table whole on 2, spread again on 3 and 4)."""
     test_engine.check_training(
         4,
         "Adagrad",
@@ -407,12 +437,12 @@ def test_a_stack_padded_across_dims_trains_and_restores_as_the_reference(tmp_pat
         poison=True,
         case=issue_case,
     )
-    feats = issue_features(60)
+    feats = spread_features()  # t1 and t3 padded to 32 under t0's rows, t2 spread
     emb = MeshEmbedding(feats, em.Adagrad(0.1), mesh=mesh_of(4), sharding="table_wise")
     for step in range(2):
         train_step(emb, feats, seed=step)
-    assert [s.tables for s in emb.plan.stacks] == [("t0", "t2"), ("t1",)]
-    assert emb.plan.stack_of("t2").dim == 32
+    assert [s.tables for s in emb.plan.stacks] == [("t0", "t1", "t3"), ("t2",)]
+    assert emb.plan.stack_of("t3").dim == 32 and emb.plan.table("t2").span == 2
     assert ckpt.save(tmp_path, emb)
     saved = variables_by_name(emb)
     for n, sharding in ((2, "mod"), (3, "table_wise"), (4, "table_wise")):
@@ -434,7 +464,7 @@ def table_wise_mixes(draw):
 @settings(max_examples=3, deadline=None)
 @given(table_wise_mixes(), st.sampled_from(["Adagrad", "Adam", "FTRL"]), st.integers(0, 2**16))
 # regrouped: (t0, t2) at width 48 and (t1, t3) at 16, where the whole stacks' merge alone
-# gave (t0, t1, t2) and (t3)
+# gave (t0, t1, t2) and (t3); t3 (the most rows) spread over two shards under t1's rows
 @example(((37, 32), (51, 16), (36, 48), (69, 8)), "Adam", 7)
 def test_regrouped_table_wise_stacks_train_as_the_reference(shapes, opt_name, seed):
     """Whatever stacks the tables end up in (a narrower table padded into a wider stack
@@ -459,6 +489,23 @@ def test_regrouped_table_wise_stacks_train_as_the_reference(shapes, opt_name, se
         poison=True,
         case=case,
     )
+
+
+def test_a_spread_table_holds_its_owners_bytes():
+    """Dims 32/16/48/8 on 4 devices: whole, the 48-wide table needs a stack of its own
+    that every device holds (1.36x the largest owner's bytes); spread over two shards it
+    holds 1.18x, as the arrays' shards measure (training a spread table as the float64
+    reference: `test_regrouped_table_wise_stacks_train_as_the_reference`'s example; its
+    checkpoint: `test_a_stack_padded_across_dims_trains_and_restores_as_the_reference`)."""
+    emb = MeshEmbedding(spread_features(), em.Adagrad(0.1), mesh=mesh_of(4), sharding="table_wise")
+    emb.build()
+    assert [(t.first_shard, t.span) for t in emb.plan.tables] == [(0, 1), (1, 1), (2, 2), (2, 1)]
+    own = [0] * 4  # each device's rows of each table at the table's dim, with the slot
+    for t in emb.plan.tables:
+        for j in range(4):
+            own[j] += emb.plan.row_layout.count_on_shard(t, j) * t.dim * 8
+    assert held_bytes(emb) == [(100 * 32 + 12 * 48) * 8] * 4
+    assert max(held_bytes(emb)) <= 1.25 * max(own)
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 4])

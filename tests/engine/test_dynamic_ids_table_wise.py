@@ -41,7 +41,9 @@ def test_table_wise_matches_the_reference(n, eviction, combiner):
     dyn, static = emb.plan.table("dyn"), emb.plan.table("static")
     first, k = emb.plan.id_owners("dyn")
     assert k == 1 and (dyn.first_shard, dyn.span) == (first, 1)  # whole, on one owner
-    assert (static.span, static.first_shard != first) == (1, True)  # another owner
+    # the other table on another owner, or spread over the shards (the raw ids' stack, on
+    # every device, would otherwise double what a device holds)
+    assert static.first_shard != first or static.span > 1
     _, config = emb.core.dynamic[dyn.stack]
     assert config.capacity == CAPACITY  # the table's one map: not divided by the shards
     _run(n, policy, _batches(n, n, 3))

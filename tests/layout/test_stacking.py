@@ -297,6 +297,16 @@ def held_columns(plan):
     return sum(s.rows_per_shard * s.dim for s in plan.stacks)
 
 
+def own_columns(plan):
+    """Columns x rows each device's own rows take: the rows it holds of each table (a
+    spread table's share of them), each at its own dim padded to 8."""
+    out = [0] * plan.num_shards
+    for t in plan.tables:
+        for j in range(plan.num_shards):
+            out[j] += plan.row_layout.count_on_shard(t, j) * (-(-t.dim // 8) * 8)
+    return out
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
@@ -307,10 +317,20 @@ def held_columns(plan):
     st.integers(2, 8),
 )
 def test_table_wise_stacks_cost_the_fewest_bytes_of_any_grouping(shapes, n):
+    """With every table whole, no grouping into stacks costs fewer bytes a device; a table
+    is spread over several shards only where the plan holds more than 1.25x its largest
+    owner's own bytes, and then the plan holds at most what the best grouping of whole
+    tables would, or is within that bound."""
     vocabs, dims = [v for v, _ in shapes], [d for _, d in shapes]
     plan = plan_stacking(_config(vocabs, dims), n, sharding="table_wise")
-    assert held_columns(plan) == fewest_columns_a_device(vocabs, dims, n)
-    assert plan.bytes_per_device == (held_columns(plan) * 4,) * n  # SGD: no slots
+    held, fewest = held_columns(plan), fewest_columns_a_device(vocabs, dims, n)
+    within = held <= 1.25 * max(own_columns(plan))
+    if all(t.span == 1 for t in plan.tables):
+        assert held == fewest or within
+    else:
+        assert fewest > 1.25 * max(vocabs[i] * (-(-dims[i] // 8) * 8) for i in range(len(dims)))
+        assert held <= fewest or within
+    assert plan.bytes_per_device == (held * 4,) * n  # SGD: no slots
     for s in plan.stacks:  # every table in a stack at least as wide as its own dim
         assert all(plan.table(t).dim <= s.dim for t in s.tables)
 
@@ -318,27 +338,36 @@ def test_table_wise_stacks_cost_the_fewest_bytes_of_any_grouping(shapes, n):
 def test_single_tables_move_to_the_stack_where_they_cost_least():
     """Dims 32/16/48/8 on 4 devices: the whole stacks' merge alone gave one stack of 48 for
     all four, 1.73x the largest owner's bytes; two stacks of the pairs (t0 with t2, t1
-    with t3) hold 1.67x."""
+    with t3) hold 1.67x, and t3 (the most rows) spread over two shards under t1's rows
+    1.02x."""
     vocabs, dims = [36875, 50842, 35979, 69083], [32, 16, 48, 8]
     plan = plan_stacking(_config(vocabs, dims, [Adagrad(0.1)] * 4), 4, sharding="table_wise")
-    assert sorted(s.tables for s in plan.stacks) == [("t0", "t2"), ("t1", "t3")]
-    largest_owner = max(v * d * 8 for v, d in zip(vocabs, dims))  # one table an owner
-    assert plan.bytes_per_device[0] == (48 * 36875 + 16 * 69083) * 8
-    assert plan.bytes_per_device[0] / largest_owner < 1.67
+    assert sorted(sorted(s.tables) for s in plan.stacks) == [["t0", "t2"], ["t1", "t3"]]
+    assert [t.span for t in plan.tables] == [1, 1, 1, 2]
+    assert plan.bytes_per_device[0] == (48 * 36875 + 16 * 50842) * 8
+    assert plan.bytes_per_device[0] / (8 * max(own_columns(plan))) < 1.03
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no grouping into stacks reaches 1.25x here (the fewest bytes is 1.36x): the "
-    "48-wide table needs a stack of its own, which costs its rows on every device",
+@pytest.mark.parametrize(
+    "vocabs, dims, n, held_columns_a_device",
+    [
+        # the 48-wide table needs a stack of its own, which cost its rows on every device
+        # (1.36x); spread over two shards, half of them
+        ([100000, 100000, 24000, 52000], [32, 16, 48, 8], 4, 32 * 100000 + 48 * 12000),
+        # fewer tables than devices, one short and wide: 1.27x whole; spread, 1.0x
+        ([300000, 10000], [16, 128], 2, 16 * 300000 + 128 * 5000),
+    ],
 )
-def test_table_wise_holds_at_most_125_percent_of_its_largest_owner():
-    """Dims 32/16/48/8 on 4 devices, one table an owner: every device should hold at most
-    1.25x the largest owner's own bytes (parameters and slots)."""
-    vocabs, dims = [100000, 100000, 24000, 52000], [32, 16, 48, 8]
-    plan = plan_stacking(_config(vocabs, dims, [Adagrad(0.1)] * 4), 4, sharding="table_wise")
-    assert fewest_columns_a_device(vocabs, dims, 4) == 32 * 100000 + 48 * 24000
-    owners = [0] * 4
-    for t in plan.tables:
-        owners[t.first_shard] += t.vocabulary_size * t.dim * 8
-    assert max(plan.bytes_per_device) <= 1.25 * max(owners)
+def test_table_wise_holds_at_most_125_percent_of_its_largest_owner(
+    vocabs, dims, n, held_columns_a_device
+):
+    """Every device holds at most 1.25x the largest owner's own bytes (its rows of each
+    table at the table's dim, parameters and slots), where whole tables could not: the
+    least any grouping of whole tables holds is over the bound."""
+    plan = plan_stacking(
+        _config(vocabs, dims, [Adagrad(0.1)] * len(dims)), n, sharding="table_wise"
+    )
+    largest_table = max(v * d for v, d in zip(vocabs, dims))
+    assert fewest_columns_a_device(vocabs, dims, n) > 1.25 * largest_table
+    assert set(plan.bytes_per_device) == {held_columns_a_device * 8}  # Adagrad: 2 columns
+    assert max(plan.bytes_per_device) <= 1.25 * 8 * max(own_columns(plan))

@@ -1,0 +1,171 @@
+"""Bytes a device holds under table-wise placement, against its largest owner's own bytes.
+
+A stacked array is evenly sharded, so every device holds every stack's block: its
+fullest shard's rows at the stack's width. Under table-wise placement each table has an
+owner, and the bytes a device holds would ideally be its owner's own: its tables' rows at
+their own dims, parameters and optimizer slots. This prints, for several mixes of tables
+and device counts, the plan's bytes a device (`StackingPlan.bytes_per_device`, what the
+built arrays' shards measure) and the largest owner's own bytes (the rows each shard holds
+of each table, at the table's own dim), and their ratio. Pure planning: no device, no
+timing.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/train/table_wise_bytes.py
+    ... --check 1.25     # exit 1 where a mix holds more than 1.25x its largest owner's
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from embedmesh.config import FeatureConfig, TableConfig
+from embedmesh.layout.stacking import plan_stacking
+from embedmesh.optimizers import SGD, Adagrad, Adam
+
+# (name, [(vocabulary size, dim), ...], devices, optimizer)
+MIXES = [
+    ("issue: dims 32/16/48/8", [(100000, 32), (100000, 16), (24000, 48), (52000, 8)], 4, "adagrad"),
+    (
+        "dims 32/16/48/8, equal rows",
+        [(50000, 32), (50000, 16), (50000, 48), (50000, 8)],
+        4,
+        "adagrad",
+    ),
+    (
+        "rows 1M..1k, dims 64/64/128/32",
+        [(1000000, 64), (100000, 64), (1000, 128), (30000, 32)],
+        4,
+        "adagrad",
+    ),
+    ("2 devices, 3 tables", [(200000, 32), (150000, 32), (20000, 64)], 2, "adagrad"),
+    ("2 devices, wide small table", [(300000, 16), (10000, 128)], 2, "sgd"),
+    (
+        "8 devices, 10 tables",
+        [
+            (500000, 64),
+            (400000, 32),
+            (300000, 16),
+            (250000, 64),
+            (100000, 128),
+            (80000, 8),
+            (60000, 48),
+            (20000, 256),
+            (5000, 64),
+            (1000, 32),
+        ],
+        8,
+        "adagrad",
+    ),
+    (
+        "8 devices, 4 tables (fewer than devices)",
+        [(100000, 64), (50000, 128), (10000, 256), (2000, 16)],
+        8,
+        "adam",
+    ),
+    ("8 devices, 12 equal tables", [(100000, 32)] * 12, 8, "adagrad"),
+]
+
+OPTIMIZERS = {"sgd": lambda: SGD(0.1), "adagrad": lambda: Adagrad(0.1), "adam": lambda: Adam(0.01)}
+
+
+def config(shapes, optimizer: str) -> dict:
+    opt = OPTIMIZERS[optimizer]()
+    return {
+        f"f{i}": FeatureConfig(TableConfig(v, d, optimizer=opt, name=f"t{i}"))
+        for i, (v, d) in enumerate(shapes)
+    }
+
+
+def own_row_bytes(t, optimizer) -> int:
+    """Bytes of one of table `t`'s rows at its own dim: parameters and slots (float32)."""
+    slots = getattr(optimizer, "slot_names", ()) or ()
+    return 4 * (t.dim + sum(optimizer.slot_width(k, t.dim) for k in slots))
+
+
+def owner_bytes(plan) -> list:
+    """Each shard's own bytes: the rows it holds of each table at the table's own dim."""
+    out = [0] * plan.num_shards
+    for t in plan.tables:
+        opt = plan.table_config(t.name).optimizer
+        for j in range(plan.num_shards):
+            out[j] += plan.row_layout.count_on_shard(t, j) * own_row_bytes(t, opt)
+    return out
+
+
+def measure(shapes, n: int, optimizer: str) -> dict:
+    plan = plan_stacking(config(shapes, optimizer), n, sharding="table_wise")
+    owners = owner_bytes(plan)
+    held = max(plan.bytes_per_device)
+    spans = {t.name: t.span for t in plan.tables if t.span > 1}
+    return {
+        "held": held,
+        "largest_owner": max(owners),
+        "ratio": held / max(owners),
+        "stacks": [s.tables for s in plan.stacks],
+        "spread": spans,
+        "ideal": max(max(owners), int(np.ceil(sum(owners) / n))),
+    }
+
+
+def random_mixes(n: int, count: int = 20, tables: int = 8, seed: int = 0) -> dict:
+    """`count` mixes of `tables` tables (dims 8-128 in steps of 8, 1k-1M rows log-uniform,
+    Adagrad) on n devices: the median of held / largest owner, how many are within 1.25x,
+    and the median of held / the least possible (the largest table's own bytes, or all
+    the tables' over n devices, whichever is more)."""
+    rng = np.random.default_rng(seed)
+    ratios, least = [], []
+    for _ in range(count):
+        shapes = [
+            (int(10 ** rng.uniform(3, 6)), int(rng.integers(1, 17)) * 8) for _ in range(tables)
+        ]
+        m = measure(shapes, n, "adagrad")
+        ratios.append(m["ratio"])
+        own = [v * d * 8 for v, d in shapes]
+        least.append(m["held"] / max(max(own), sum(own) / n))
+    return {
+        "median": float(np.median(ratios)),
+        "within": sum(r <= 1.25 for r in ratios),
+        "least": float(np.median(least)),
+        "count": count,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", type=float, default=None, help="fail above this ratio")
+    args = ap.parse_args(argv)
+    print(
+        "| mix | devices | optimizer | held a device (MB) | largest owner (MB) | ratio | stacks "
+        "| spread tables (span) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for name, shapes, n, opt in MIXES:
+        m = measure(shapes, n, opt)
+        worst = max(worst, m["ratio"])
+        stacks = "; ".join("+".join(s) for s in m["stacks"])
+        spread = ", ".join(f"{k} ({v})" for k, v in m["spread"].items()) or "none"
+        print(
+            f"| {name} | {n} | {opt} | {m['held'] / 1e6:.2f} | {m['largest_owner'] / 1e6:.2f} "
+            f"| **{m['ratio']:.2f}** | {stacks} | {spread} |"
+        )
+    print(f"\nworst ratio {worst:.2f}\n")
+    print(
+        "| 8 tables, dims 8-128, 1k-1M rows, 20 random mixes | devices | held / largest owner "
+        "(median) | within 1.25x | held / least possible (median) |"
+    )
+    print("|---|---|---|---|---|")
+    for n in (2, 4, 8):
+        r = random_mixes(n)
+        within = f"{r['within']} of {r['count']}"
+        print(f"| Adagrad | {n} | {r['median']:.2f} | {within} | {r['least']:.2f} |")
+    if args.check is not None and worst > args.check:
+        print(f"FAIL: above {args.check}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
