@@ -72,7 +72,7 @@ def shard_cases(devices, rows=40, u=10, num_rows=8) -> dict:
 
 
 @needs_kernels
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     n=st.sampled_from([2, 4, 8]),
     b=st.integers(1, 40),
@@ -163,7 +163,7 @@ def lookup_oracle(tables, unique_ids, pair_unique, gains, pair_rows, num_rows):
 
 
 @needs_kernels
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(**shard_cases([2, 4, 8], rows=50, u=12, num_rows=9), seed=SEEDS)
 def test_lookup_from_shards_matches_the_exchange_path(n, rows, u, p, num_rows, d, seed):
     """The fused in-process lookup against its reference (ids out, gathers, rows back,
@@ -261,7 +261,7 @@ def _random_slots(r, opt, n, rows, d):
 
 @needs_kernels
 @pytest.mark.parametrize("opt", ALL_FUSED, ids=lambda o: type(o).__name__)
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(
     **shard_cases([2, 4, 8]),
     grouped=st.booleans(),

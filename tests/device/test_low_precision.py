@@ -351,7 +351,9 @@ def test_fused_update_rounds_as_the_generator_bit_for_bit(name, slot):
     type, random rows, slots and gradients: bit-identical to the kernel's float32 update
     rounded by rounding.py. Against the XLA reference (`Rounded.update_rows`, whose float32
     arithmetic is XLA's): SGD's equal; the others' rare 16-bit differences one code apart
-    (under 1%), float32 slots within 2e-6."""
+    (under 1%), float32 slots within 2e-6. Each optimizer runs in two of the four cases
+    (bf16 and fp16, float32 slots and the table's type: every pair of them), each case
+    three optimizers: half the programs of every optimizer in every case."""
     kernels = _cpu_kernels()
     from embedmesh.layout.rows import ModRowLayout
 
@@ -360,7 +362,8 @@ def test_fused_update_rounds_as_the_generator_bit_for_bit(name, slot):
     v, d, n = 300, 24, 200
     # tables 2 (rows 0-149) and 5 (140 rows at 150-289; 290-299 pad), one shard
     tables = ((2, 0, 150, (1, 0, 0, 150), False), (5, 150, 150, (1, 0, 0, 140), False))
-    for oname, opt in FUSED.items():
+    parity = (name == "float16") != (slot == "table")
+    for oname, opt in list(FUSED.items())[parity::2]:
         rounded = Rounded(opt, (3 << 32) + 17, tables, ModRowLayout(1))
         sdt = jnp.float32 if slot == "float32" else dtype
         table = jnp.asarray(r.normal(size=(v, d)), dtype)

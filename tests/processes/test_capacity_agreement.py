@@ -11,7 +11,6 @@ batches (a process skipped one) fails on every process before its update.
 
 import os
 import re
-import subprocess
 import sys
 
 import jax
@@ -36,28 +35,35 @@ TIMEOUT = 300  # a hang in a collective fails the test instead of stalling it (a
 # process's build and compiles take over 60 s on a loaded 2-core machine)
 
 
-def _pair(prefix, modes, timeout=TIMEOUT):
-    port = free_port()
-    return run_collect(
-        [[sys.executable, WORKER, str(i), "2", str(port), str(prefix), modes] for i in range(2)],
-        env=worker_env(),
-        timeout=timeout,
-    )
+ERROR_SKIPS = ("skip", "skip_prefetch", "skip_prefetch_shm", "skip_prefetch_shm_p0")
+ERROR_MODES = ["mismatch", "first_error", "job", *ERROR_SKIPS, "skip_first", "late_error"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """`{mode: (single-process reference, process 0's, process 1's results)}`."""
+def job(tmp_path_factory):
+    """One launch for the module: the single-process reference ("auto,grow") beside one
+    pair that trains "auto" and "grow", then runs every mode that must fail (ending at
+    "late_error", exit code 3): `(folder, pair's codes, pair's outputs)`. (Each pair of
+    its own costs two process starts, jax's import and a job's set-up.)"""
     d = tmp_path_factory.mktemp("capacity")
-    subprocess.run(
-        [sys.executable, WORKER, "0", "1", "0", str(d / "single"), "auto,grow"],
-        env=worker_env(),
-        check=True,
-        timeout=TIMEOUT,
-    )
-    codes, outs = _pair(d / "multi", "auto,grow")
-    for code, out in zip(codes, outs):
-        assert code == 0, out[-3000:]
+    port = free_port()
+    single = [sys.executable, WORKER, "0", "1", "0", str(d / "single"), "auto,grow"]
+    modes = ",".join(["auto", "grow", *ERROR_MODES])
+    pair = [
+        [sys.executable, WORKER, str(i), "2", str(port), str(d / "multi"), modes] for i in (0, 1)
+    ]
+    # (twelve builds and compiles in each process: minutes on a loaded machine)
+    codes, outs = run_collect([single, *pair], env=worker_env(), timeout=2 * TIMEOUT)
+    assert codes[0] == 0, outs[0][-3000:]
+    return d, codes[1:], outs[1:]
+
+
+@pytest.fixture(scope="module")
+def trained(job):
+    """`{mode: (single-process reference, process 0's, process 1's results)}`."""
+    d, _, outs = job
+    for out in outs:  # both trained before the modes that fail
+        assert "mode auto: " in out and "mode grow: " in out, out[-3000:]
     return {
         m: tuple(
             np.load(d / f"{p}.{m}.{i}.npz") for p, i in (("single", 0), ("multi", 0), ("multi", 1))
@@ -88,11 +94,9 @@ def _caught(out, mode):
     return next(x for x in out.splitlines() if x.startswith(f"CAUGHT {mode} "))
 
 
-def test_errors_reach_every_process_before_any_mismatched_collective(tmp_path):
-    skips = ("skip", "skip_prefetch", "skip_prefetch_shm", "skip_prefetch_shm_p0")
-    modes = ",".join(["mismatch", "first_error", "job", *skips, "skip_first", "late_error"])
-    # (ten builds and compiles in each process: minutes on a loaded machine)
-    codes, outs = _pair(tmp_path / "errors", modes, timeout=2 * TIMEOUT)
+def test_errors_reach_every_process_before_any_mismatched_collective(job):
+    _, codes, outs = job
+    skips = ERROR_SKIPS
     assert codes == [3, 3], "\n=====\n".join(o[-3000:] for o in outs)
     job = {  # issue #24 items 1-4 and 6: the job's field and each process's value
         "mismatch": ("capacities", "max_ids_per_partition=64", "max_ids_per_partition=32"),
