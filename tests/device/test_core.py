@@ -115,19 +115,23 @@ def test_seed_style_code_ports_by_changing_the_import():
     assert set(mid_level.variables[table]) == {"parameters"}
 
 
-@pytest.mark.parametrize("kernels", [True, False])
-@pytest.mark.parametrize("num_devices", [1, 2])
-@pytest.mark.parametrize(
-    "opt",
-    [
-        em.SGD(0.3, weight_decay_factor=0.1),
-        em.Adagrad(0.3),
-        em.Adam(0.1),
-        em.Adam(0.1, lazy_adam=False),
-        em.FTRL(0.2),
-    ],
-    ids=["sgd_wd", "adagrad", "adam", "adam_dense", "ftrl"],
-)
+REJECT_OPTIMIZERS = {
+    "sgd_wd": em.SGD(0.3, weight_decay_factor=0.1),
+    "adagrad": em.Adagrad(0.3),
+    "adam": em.Adam(0.1),
+    "adam_dense": em.Adam(0.1, lazy_adam=False),
+    "ftrl": em.FTRL(0.2),
+}
+# A pairwise covering set of optimizer x devices x kernels: each optimizer on 1 and on 2
+# devices, once with the CPU kernels and once without; each (devices, kernels) pair met.
+REJECT_CASES = [
+    pytest.param(opt, devices, kernels, id=f"{name}-{devices}-{kernels}")
+    for i, (name, opt) in enumerate(REJECT_OPTIMIZERS.items())
+    for devices, kernels in (((1, i % 2 == 0), (2, i % 2 == 1)))
+]
+
+
+@pytest.mark.parametrize("opt, num_devices, kernels", REJECT_CASES)
 def test_rejected_update_leaves_state_bit_identical(opt, num_devices, kernels, monkeypatch):
     """A non-finite gradient inside a user's jit: `ok` is False and tables, slots and the
     step count are unchanged (sparse rules get no rows; non-lazy Adam goes through a cond),

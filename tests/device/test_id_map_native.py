@@ -40,6 +40,13 @@ CONFIGS = {
 
 
 def tag_twins(config: im.IdMapConfig, count: int, same_first: bool) -> list:
+    """A fresh list of `_tag_twins` (searched once a process: the search is most of the
+    tests' cost that use it)."""
+    return list(_tag_twins(config, count, same_first))
+
+
+@functools.cache
+def _tag_twins(config: im.IdMapConfig, count: int, same_first: bool) -> tuple:
     """`count` pairs of ids with one tag under `config` that share a bucket (`same_first`:
     their first buckets, so that, admitted together into an empty map, both choose it,
     and the second's second bucket is neither's first nor the first's second),
@@ -60,7 +67,7 @@ def tag_twins(config: im.IdMapConfig, count: int, same_first: bool) -> list:
                 shared = {b1[x], b2[x]} & {b1[y], b2[y]}
             if shared and len(out) < count:
                 out.append((int(ids[x]), int(ids[y])))
-    return out
+    return tuple(out)
 
 
 # a pool of ids, adversarial members among them (int64 extremes, equal low or high words)

@@ -5,6 +5,7 @@ exercised by every other test in that case, and here too with
 `EMBEDMESH_CPU_KERNELS=0`.
 """
 
+import functools
 import os
 import re
 import tomllib
@@ -370,12 +371,19 @@ _random_inputs = settings(max_examples=15, deadline=None)
 SEEDS = st.integers(0, 2**31 - 1)  # the random tests' seeds
 
 
+@functools.cache
+def _jitted(module, op: str, static: tuple):
+    """`module.op` jitted with its static keyword arguments, one function a (module, op,
+    static): examples of shapes drawn before reuse its compiled programs."""
+    return jax.jit(lambda *a: getattr(module, op)(*a, **dict(static)))
+
+
 def kernel_and_reference(op: str, *args, **static):
     """Op `op` of the C++ kernels and of the reference on `args`, each jitted (`static`:
     its static keyword arguments), as numpy (each output of a tuple)."""
 
     def run(module):
-        out = jax.jit(lambda *a: getattr(module, op)(*a, **static))(*args)
+        out = _jitted(module, op, tuple(sorted(static.items())))(*args)
         return jax.tree.map(np.asarray, out)
 
     return run(cpu_kernels), run(reference)

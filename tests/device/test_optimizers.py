@@ -308,7 +308,7 @@ TOL = {"SGD": 1e-5, "Adagrad": 1e-5, "AdagradMomentum": 2e-5, "Adam": 1e-5, "FTR
 
 @pytest.mark.parametrize("name", list(SPECIFIC))
 @settings(
-    max_examples=25,
+    max_examples=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
