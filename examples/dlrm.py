@@ -17,11 +17,13 @@ The model of the Criteo benchmarks, in embedmesh's terms, from the docs alone:
   scores equal the evaluation's.
 
 Run:  python examples/dlrm.py [--quick] [WORKDIR]    (again on the same WORKDIR: it resumes)
+      [--no-serve] skips the SavedModel; [--summary FILE] writes the run's figures as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -173,7 +175,7 @@ def dense_args(model: DLRM, optimizer: nnx.Optimizer, restore: bool):
     }
 
 
-def run(workdir: str, quick: bool) -> dict:
+def run(workdir: str, quick: bool, serve: bool = True) -> dict:
     max_rows, dim, batch = (512, 8, 64) if quick else (100_000, 32, 2048)
     epochs, steps, eval_batches = (2, 3, 2) if quick else (3, 50, 8)
     features = feature_config(max_rows, dim)
@@ -215,6 +217,8 @@ def run(workdir: str, quick: bool) -> dict:
         )
     mngr.wait_until_finished()
     mngr.close()
+    if not serve:
+        return {"eval_loss": eval_loss, "scores": scores, "served": None}
     served = serve_through_tensorflow(workdir, features, model, held_out[0])
     np.testing.assert_allclose(served, scores, rtol=2e-5, atol=2e-6)
     print(f"TF Serving's SavedModel, in a TensorFlow-only process: {len(served)} scores equal")
@@ -269,9 +273,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", nargs="?", default=None)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a minute on a CPU)")
+    parser.add_argument(
+        "--no-serve", action="store_true", help="train and checkpoint only: no SavedModel"
+    )
+    parser.add_argument(
+        "--summary",
+        help="write the last evaluation's log loss and scores (and the served "
+        "scores) to this JSON file",
+    )
     args = parser.parse_args(argv)
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="embedmesh_dlrm_"))
-    run(workdir, args.quick)
+    result = run(workdir, args.quick, serve=not args.no_serve)
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(
+                {k: None if v is None else np.asarray(v).tolist() for k, v in result.items()}, f
+            )
 
 
 if __name__ == "__main__":

@@ -19,18 +19,36 @@ HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 NUMBA_MODULES = 'any(m.split(".")[0] in ("numba", "llvmlite") for m in sys.modules)'
 
 
-def test_import_embedmesh_loads_no_numba_and_builds_no_kernels():
-    seen = run_json(
-        f"""
+IMPORT = f"""
 import json, sys
 import embedmesh
 print(json.dumps({{"numba": {NUMBA_MODULES},
                   "compiled": [m for m in sys.modules if m.startswith("embedmesh.")
                                and m.endswith(("numba_backend", "numba_kernels"))]}}))
-""",
-        {},
-    )
-    assert seen == {"numba": False, "compiled": []}
+"""
+
+# Several switches' checks in one fresh process (a process costs seconds of imports): each
+# part runs in turn, in a namespace of its own, and reports its last stdout line; the
+# process prints {part: what it saw}. Parts that patch a module only add recording.
+PARTS = """
+import contextlib, io, json
+seen = {}
+for name, code in PARTS:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code, name, "exec"), {"__name__": name})
+    seen[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
+print(json.dumps(seen))
+"""
+
+
+def run_parts(parts: dict, env: dict, *args) -> dict:
+    """`parts` ({name: code}) run in this order in one process with `env`."""
+    return run_json(f"PARTS = {list(parts.items())!r}\n" + PARTS, env, *args)
+
+
+def test_import_embedmesh_loads_no_numba_and_builds_no_kernels(default_run):
+    assert default_run["import"] == {"numba": False, "compiled": []}
 
 
 # Random features of every kind through one preprocessing and one serving call;
@@ -144,7 +162,21 @@ def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
 
-def test_preprocessing_and_serving_import_no_numba_by_default(tmp_path):
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """One process with no switch set: `import embedmesh` alone (first), WORKLOAD, a
+    device op's lowering and the serving pool's spin."""
+    out = tmp_path_factory.mktemp("switches") / "default.npz"
+    parts = {
+        "import": IMPORT,
+        "workload": WORKLOAD.replace("preprocess.numba_available()", "None"),
+        "cpu_kernels": CPU_KERNELS,
+        "spin": SERVING_SPIN,
+    }
+    return run_parts(parts, {}, out)
+
+
+def test_preprocessing_and_serving_import_no_numba_by_default(default_run):
     """No switch set: preprocessing and serving run their C++ kernels, and numba is
     never imported, though it is installed (EMBEDMESH_PREPROCESS_NATIVE=0 is the
     numba run above)."""
@@ -153,10 +185,7 @@ def test_preprocessing_and_serving_import_no_numba_by_default(tmp_path):
 
     if not preprocess.native_available() or not kernels.HAVE_NATIVE:
         pytest.skip(f"no C++ kernels here: {native.reason()}")
-    seen = run_json(
-        WORKLOAD.replace("preprocess.numba_available()", "None"), {}, tmp_path / "d.npz"
-    )
-    assert seen == {
+    assert default_run["workload"] == {
         "numba": False,
         "preprocess": "native",
         "preprocess_numba": None,
@@ -201,11 +230,11 @@ print(json.dumps({"used": used, "previous": em.serving.set_host_threads(2)}))
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_serving_threads(threads):
+def test_serving_threads(rows, threads):
     """The lookup runs on that many threads (the C++ kernels' one call or request, or
     Python's thread runner, is given it; 1: the caller's thread); `set_host_threads`
     reports the setting as the value it replaces."""
-    seen = run_json(SERVING_THREADS, {"EMBEDMESH_SERVING_THREADS": str(threads)})
+    seen = rows(f"threads{threads}")["serving_threads"]
     assert seen["previous"] == threads
     # one call or request (the C++ kernels, even on one thread), or Python's runner
     assert seen["used"] == [threads] or (threads == 1 and seen["used"] == [])
@@ -231,10 +260,10 @@ print(json.dumps({"default": preprocess.default_num_threads(), "asked": sorted(s
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="threads are the numba backend's")
 @pytest.mark.parametrize("threads", [1, 3])
-def test_preprocess_threads(threads):
+def test_preprocess_threads(rows, threads):
     """The default `num_threads`: 1 runs the (stack, device) tasks on the caller's
     thread, 3 on a pool of three."""
-    seen = run_json(PREPROCESS_THREADS, {"EMBEDMESH_PREPROCESS_THREADS": str(threads)})
+    seen = rows(f"threads{threads}")["preprocess_threads"]
     assert seen == {"default": threads, "asked": [] if threads == 1 else [threads]}
 
 
@@ -250,11 +279,14 @@ except ValueError as e:
 """
 
 
-@pytest.mark.parametrize("value, want", [(None, 300), ("0", 0), ("2500", 2500), ("-1", None)])
-def test_serving_spin_us(value, want):
+@pytest.mark.parametrize(
+    "row, want", [("default", 300), ("threads1", 0), ("threads3", 2500), ("bad_spin", None)]
+)
+def test_serving_spin_us(rows, default_run, row, want):
     """How long the serving pool's threads poll before they sleep: the C++ default when
-    unset, the value given, and a clear error naming the variable for a bad one."""
-    seen = run_json(SERVING_SPIN, {} if value is None else {"EMBEDMESH_SERVING_SPIN_US": value})
+    unset, the value given (0, 2500), and a clear error naming the variable for a bad one
+    (-1)."""
+    seen = (default_run if row == "default" else rows(row))["spin"]
     if want is None:
         assert "EMBEDMESH_SERVING_SPIN_US='-1'" in seen["error"]
     else:
@@ -285,11 +317,11 @@ print(json.dumps({"limit": pool._pool.limit, "in_use": in_use,
 
 
 @pytest.mark.parametrize("mb", [0, 1, 4])
-def test_output_pool_mb(mb):
+def test_output_pool_mb(rows, mb):
     """The serving output pool keeps at most the given MB of free buffers for reuse. A
     request's outputs are views of one buffer (the compiled request rules'): its two 600 KiB
     outputs one 1.2 MB buffer, which a 1 MB pool does not keep and a 4 MB pool does."""
-    seen = run_json(OUTPUT_POOL, {"EMBEDMESH_OUTPUT_POOL_MB": str(mb)})
+    seen = rows(f"pool{mb}")["output_pool"]
     one = 1200 * 2 * 64 * 4  # an output's bytes
     assert seen == {"limit": mb << 20, "in_use": 0, "kept": {0: 0, 1: 0, 4: 2 * one}[mb]}
 
@@ -306,10 +338,57 @@ print(json.dumps({"custom_call": "custom_call" in text}))
 """
 
 
-def test_cpu_kernels_off_lowers_device_ops_to_pure_jax():
+def test_cpu_kernels_off_lowers_device_ops_to_pure_jax(rows, default_run):
     """EMBEDMESH_CPU_KERNELS=0: a device op lowers to plain XLA, no FFI custom call
     (seen in the lowered program, whatever the ops layer looks like inside)."""
-    default = run_json(CPU_KERNELS, {})
-    if not default["custom_call"]:
+    if not default_run["cpu_kernels"]["custom_call"]:
         pytest.skip("the C++ CPU kernels are not available here: nothing to switch off")
-    assert run_json(CPU_KERNELS, {"EMBEDMESH_CPU_KERNELS": "0"}) == {"custom_call": False}
+    assert rows("threads1")["cpu_kernels"] == {"custom_call": False}
+
+
+def _switches(threads: int, spin: str) -> dict:
+    return {
+        "EMBEDMESH_SERVING_THREADS": str(threads),
+        "EMBEDMESH_PREPROCESS_THREADS": str(threads),
+        "EMBEDMESH_SERVING_SPIN_US": spin,
+    }
+
+
+# the processes of the switches' settings: (env, parts in order); the thread counts' patches
+# record only, the spin's part reads (and resets) the spin last; the output pool's runs
+# with the default thread count (the threads decide how a request's outputs are laid out)
+ROWS = {
+    "threads1": (
+        {**_switches(1, "0"), "EMBEDMESH_CPU_KERNELS": "0"},
+        ("preprocess_threads", "serving_threads", "cpu_kernels", "spin"),
+    ),
+    "threads3": (_switches(3, "2500"), ("preprocess_threads", "serving_threads", "spin")),
+    "pool0": ({"EMBEDMESH_OUTPUT_POOL_MB": "0"}, ("output_pool",)),
+    "pool1": ({"EMBEDMESH_OUTPUT_POOL_MB": "1"}, ("output_pool",)),
+    "pool4": ({"EMBEDMESH_OUTPUT_POOL_MB": "4"}, ("output_pool",)),
+    "bad_spin": ({"EMBEDMESH_SERVING_SPIN_US": "-1"}, ("spin",)),
+}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """`rows(name)`: what ROWS[name]'s process saw, {part: its JSON}; each process runs
+    once, when a test first asks for it."""
+    code = {
+        "preprocess_threads": PREPROCESS_THREADS,
+        "output_pool": OUTPUT_POOL,
+        "serving_threads": SERVING_THREADS,
+        "cpu_kernels": CPU_KERNELS,
+        "spin": SERVING_SPIN,
+    }
+    done = {}
+
+    def get(name):
+        if name not in done:
+            env, parts = ROWS[name]
+            if not HAVE_NUMBA:  # the preprocess threads are the numba backend's
+                parts = tuple(p for p in parts if p != "preprocess_threads")
+            done[name] = run_parts({p: code[p] for p in parts}, env)
+        return done[name]
+
+    return get

@@ -122,9 +122,17 @@ def _case(kind: str, batch: int, rng):
     return fc, x, None, {items: raw, tab: table}, want
 
 
-@pytest.mark.parametrize("batch", [3, 700])
-@pytest.mark.parametrize("numpy_outputs", [True, False])
-@pytest.mark.parametrize("kind", ["ragged", "sparse", "dense", "quantized", "raw ids"])
+KINDS = ["ragged", "sparse", "dense", "quantized", "raw ids"]
+# a covering set, pairwise: each kind small and large, with numpy and with jax outputs, and
+# every (size, outputs) pair (the kinds alternate which size gets which outputs)
+CASES = [
+    (kind, numpy_outputs, batch)
+    for i, kind in enumerate(KINDS)
+    for numpy_outputs, batch in (((True, 3), (False, 700)), ((False, 3), (True, 700)))[i % 2]
+]
+
+
+@pytest.mark.parametrize("kind, numpy_outputs, batch", CASES)
 def test_a_request_visits_each_serving_module_once(kind, numpy_outputs, batch):
     rng = np.random.default_rng(len(kind) * 1000 + batch)
     fc, x, w, tables, want = _case(kind, batch, rng)
