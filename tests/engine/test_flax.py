@@ -152,7 +152,8 @@ def assert_same(a_vars, a_acts, b_vars, b_acts):
 
 @pytest.mark.parametrize(
     "n, sharding",
-    [(1, "mod"), (4, "mod"), (4, "row_wise_pooled"), (4, "table_wise"), (4, "data_parallel")],
+    # (mod on 4 devices: the SGD reference, the linen batch-size and the checkpoint tests)
+    [(1, "mod"), (4, "row_wise_pooled"), (4, "table_wise"), (4, "data_parallel")],
 )
 def test_nnx_and_linen_train_like_mesh_embedding(n, sharding):
     data = batches(n)
@@ -410,7 +411,7 @@ AWKWARD_NAMES = [
 ]  # fmt: skip
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=1, deadline=None)
 @given(
     st.lists(
         st.sampled_from(AWKWARD_NAMES) | st.text(min_size=1, max_size=6),

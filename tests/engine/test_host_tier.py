@@ -58,8 +58,14 @@ def _same_variables(a, b) -> None:
             np.testing.assert_array_equal(va[t][field], vb[t][field], err_msg=f"{t} {field}")
 
 
-@pytest.mark.parametrize("opt", ALL_FUSED, ids=lambda o: type(o).__name__)
-@pytest.mark.parametrize("devices", [1, 8])
+# every optimizer once, on 1 and 8 devices alternately: each optimizer with two option
+# sets (all but SGD and Adagrad) meets both device counts
+OPTIMIZER_CASES = [(1 if i % 2 == 0 else 8, opt) for i, opt in enumerate(ALL_FUSED)]
+
+
+@pytest.mark.parametrize(
+    "devices, opt", OPTIMIZER_CASES, ids=[f"{d}-{type(o).__name__}" for d, o in OPTIMIZER_CASES]
+)
 def test_every_optimizer_matches_the_all_in_device_run(opt, devices):
     mesh = mesh_of(devices)
     batches = _batches(6)
@@ -74,7 +80,7 @@ def test_every_optimizer_matches_the_all_in_device_run(opt, devices):
 @pytest.mark.parametrize("devices", [1, 8])
 def test_pipelined_matches(devices):
     opt = em.Adam(0.05)
-    batches = _batches(6, seed=1)
+    batches = _batches(4, seed=1)
     mesh = mesh_of(devices)
     want = _train(_config(), opt, batches, mesh, pipelined=True)
     cache = 200 if devices == 1 else 40
@@ -218,7 +224,7 @@ def test_checkpoint_reads_through_and_restores_elsewhere(tmp_path, pipelined):
     devices (another device count too), and checkpoints restore into tiered layers."""
     from embedmesh import checkpoint as ckpt
 
-    batches = _batches(5, seed=4)
+    batches = _batches(3, seed=4)
     mesh = mesh_of(8)
     want = _train(_config(), em.Adagrad(0.1), batches, mesh, pipelined)
     tiered = _train(
