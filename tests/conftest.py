@@ -17,16 +17,16 @@ for _folder in reversed(import_path()):
 
 # XLA's CPU compiler at its cheapest: the suite's programs are small and compiled once
 # each, so compiling dominates. Optimisation level 0 (-20% CPU measured on
-# test_data_parallel); the loop emitters instead of the fusion emitters and LLVM without
-# its expensive passes (test_engine's training tests 38.6 -> 25.7 CPU-s, test_packed_rows
-# with test_table_wise 92 -> 78: 2026-12-07). Each flag exists in jaxlib 0.10.2 to 0.12.1
-# (an unknown flag aborts XLA). Children (multi-process workers, fresh-process checks)
-# get these flags too, with their own device count: float results can differ by an ulp
-# between compiler settings.
+# test_data_parallel) and the loop emitters instead of the fusion emitters (test_engine
+# with test_packed_rows: 92-101 -> 73 CPU-s, 2026-12-07; LLVM without its expensive
+# passes gained nothing there). The flag exists in jaxlib 0.10.2 to 0.12.1 (an unknown
+# flag aborts XLA). The loop emitters contract a multiply and an add into one rounding:
+# the one test that compares XLA's float32 with the serving kernels' bit for bit runs in a
+# process without that flag (test_serving_quantized). Children (multi-process workers,
+# fresh-process checks) get these flags too, with their own device count.
 os.environ.setdefault(
     "EMBEDMESH_TEST_XLA_FLAGS",
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    " --xla_llvm_disable_expensive_passes=true",
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
 )
 os.environ.setdefault(
     "XLA_FLAGS",
