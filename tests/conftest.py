@@ -1,5 +1,6 @@
 """Test-wide setup: 8 virtual CPU devices for multi-device tests (set before jax loads)."""
 
+import importlib.metadata
 import os
 import sys
 
@@ -19,14 +20,19 @@ for _folder in reversed(import_path()):
 # each, so compiling dominates. Optimisation level 0 (-20% CPU measured on
 # test_data_parallel) and the loop emitters instead of the fusion emitters (test_engine
 # with test_packed_rows: 92-101 -> 73 CPU-s, 2026-12-07; LLVM without its expensive
-# passes gained nothing there). The flag exists in jaxlib 0.10.2 to 0.12.1 (an unknown
-# flag aborts XLA). The loop emitters contract a multiply and an add into one rounding:
+# passes gained nothing there). Only on jaxlib 0.10, which has the flag: 0.12.1 does not
+# (an unknown flag aborts XLA: CI's Python 3.12 run, 2026-12-07). The loop emitters
+# contract a multiply and an add into one rounding:
 # the one test that compares XLA's float32 with the serving kernels' bit for bit runs in a
 # process without that flag (test_serving_quantized). Children (multi-process workers,
 # fresh-process checks) get these flags too, with their own device count.
+_LOOP_EMITTERS = (
+    " --xla_cpu_use_fusion_emitters=false"
+    if importlib.metadata.version("jaxlib").startswith("0.10.")
+    else ""
+)
 os.environ.setdefault(
-    "EMBEDMESH_TEST_XLA_FLAGS",
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
+    "EMBEDMESH_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0" + _LOOP_EMITTERS
 )
 os.environ.setdefault(
     "XLA_FLAGS",
