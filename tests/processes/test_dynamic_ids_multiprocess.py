@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import dynamic_ids_model
 import numpy as np
 from meshes import mesh_of
 from paths import SUPPORT
@@ -25,43 +26,11 @@ def _result(output: str, what: str = "RESULT") -> dict:
 
 
 def _one_process() -> dict:
-    """The worker's training (dynamic_ids_worker.py, one process) run here on 2 of this
-    process's devices, not in a process of its own (a start, jax's import, its compiles):
+    """The workers' training (dynamic_ids_model.py) run here on 2 of this process's
+    devices, not in a process of its own (a start, jax's import, its compiles):
     `{raw id: [shard, row, parameters]}` of the live ids."""
-    import jax
-
-    from embedmesh.device import id_map
-
-    dyn = em.TableConfig(8, 4, name="dyn", combiner="sum", id_map=em.DynamicIds(evict_batch=1))
     mesh = mesh_of(2)
-    emb = em.MeshEmbedding(
-        {"a": em.FeatureConfig(dyn, name="a")},
-        em.Adagrad(0.3),
-        mesh=mesh,
-        seed=3,
-        capacities=em.Capacity(16, 16),
-    )
-    rng = np.random.default_rng(0)
-    pool = np.array([0, 8, -1, 2**63 - 1, -(2**63), 17, 2**40, 5, 6, 7], np.int64)
-    for _ in range(4):
-        ids = rng.choice(pool, size=(4, 2))  # the global batch: 4 samples
-        ragged = em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, 2))
-        acts, preserved = emb({"a": ragged})
-        emb.apply_gradients(jax.tree.map(lambda a: a * 0 + 1.0, acts), preserved)
-    devices = list(mesh.devices.flat)
-    out = {}
-    for shard in emb.state.tables["dyn"].addressable_shards:
-        maps = emb.state.id_maps["dyn"]["map"]
-        m = jax.tree_util.tree_map(
-            lambda x, d=shard.device: np.asarray(
-                next(s.data for s in x.addressable_shards if s.device == d)
-            )[0],
-            maps,
-        )
-        values = np.asarray(shard.data)
-        for raw, row in id_map.live_ids(m).items():
-            out[str(raw)] = [devices.index(shard.device), row, values[row, :4].tolist()]
-    return json.loads(json.dumps(out))  # as the workers' lines read
+    return json.loads(json.dumps(dynamic_ids_model.live_rows(dynamic_ids_model.train(mesh), mesh)))
 
 
 def test_two_processes_match_one_process_with_two_devices(tmp_path):

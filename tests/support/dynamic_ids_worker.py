@@ -16,42 +16,17 @@ pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 save_to = sys.argv[4] if len(sys.argv) > 4 else None
 jax = start_cpu_process(pid, nproc, port, devices=2)
 
+import dynamic_ids_model  # noqa: E402
 import numpy as np  # noqa: E402
+from dynamic_ids_model import local  # noqa: E402
 
 import embedmesh as em  # noqa: E402
 from embedmesh.device import id_map  # noqa: E402
 
-dyn = em.TableConfig(8, 4, name="dyn", combiner="sum", id_map=em.DynamicIds(evict_batch=1))
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-emb = em.MeshEmbedding(
-    {"a": em.FeatureConfig(dyn, name="a")},
-    em.Adagrad(0.3),
-    mesh=mesh,
-    seed=3,
-    capacities=em.Capacity(16, 16),
-)
-rng = np.random.default_rng(0)
-pool = np.array([0, 8, -1, 2**63 - 1, -(2**63), 17, 2**40, 5, 6, 7], np.int64)
-for _ in range(4):
-    ids = rng.choice(pool, size=(4, 2))  # the global batch: 4 samples
-    if nproc > 1:
-        ids = ids[pid * 2 : pid * 2 + 2]  # this process's half
-    acts, preserved = emb({"a": em.RaggedTensor(ids.reshape(-1), np.arange(0, ids.size + 1, 2))})
-    emb.apply_gradients(jax.tree.map(lambda a: a * 0 + 1.0, acts), preserved)
+emb = dynamic_ids_model.train(mesh, pid, nproc)
 state = emb.state
-devices = list(mesh.devices.flat)
-
-
-def local(x, device):
-    return np.asarray(next(s.data for s in x.addressable_shards if s.device == device))
-
-
-out = {}
-for shard in state.tables["dyn"].addressable_shards:
-    m = jax.tree_util.tree_map(lambda x: local(x, shard.device)[0], state.id_maps["dyn"]["map"])
-    values = np.asarray(shard.data)
-    for raw, row in id_map.live_ids(m).items():
-        out[str(raw)] = [devices.index(shard.device), row, values[row, :4].tolist()]
+out = dynamic_ids_model.live_rows(emb, mesh)
 print("RESULT", json.dumps(out))
 if save_to is not None:
     em.checkpoint.save(save_to, emb)
