@@ -446,14 +446,18 @@ def _visits(key, dst, gains, num_keys, num_src):
     return sum(visited), int(np.sum(np.asarray(sched.hi) > np.asarray(sched.lo)))
 
 
-def test_ranges_visit_only_the_pair_blocks_that_read_them(small_resident):
+def test_ranges_visit_only_the_pair_blocks_that_read_them(small_resident, monkeypatch):
     """One-hot features over the resident side's row ranges (40 rows each): a range's
     pass visits only the pair blocks that read its rows and adds into the sums of the
     passes before; the sums are the reference's. Both sides' passes counted: the
     backward's (resident: the output rows) and the lookup's (the distinct rows; its
     kernel is the same `reduce_sorted` after a sort by output row)."""
     r = rng(63)
-    tables, keys_each, outs_each = 3, 30, TP  # 90 distinct rows, 3 TP output rows
+    # sizes in proportion to a pair block (TP pairs): a block of one-hot pairs then reads
+    # rows of one or two ranges, on the chip (TP 128) as in interpret mode (TP 32)
+    scale = TP // 32
+    monkeypatch.setattr(pallas, "RESIDENT_BYTES", pallas.RESIDENT_BYTES * scale)
+    tables, keys_each, outs_each = 3, 30 * scale, TP  # 90 distinct rows, 3 TP output rows
     key, dst, gains = one_hot_pairs(r, tables, keys_each, outs_each)
     num_keys, num_dst = tables * keys_each, tables * outs_each
     src, reference, _ = sides("reduce", r, num_keys, num_dst, 128)
