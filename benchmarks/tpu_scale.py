@@ -147,8 +147,10 @@ def dlrm_workload(with_inputs: bool = True):
     fc, inputs, stats = {}, {}, []
     for t, (v, m) in enumerate(zip(DLRM_CARDINALITIES, DLRM_MULTI_HOT)):
         fc[f"f{t}"] = em.FeatureConfig(em.TableConfig(v, DLRM_DIM, combiner="sum", name=f"t{t}"))
-        if with_inputs:
-            inputs[f"f{t}"] = dlrm_ids(rng, v, m, DLRM_BATCH)
+        if with_inputs:  # multi-hot, pooled (sum): ragged rows of m ids, as MLPerf's model
+            ids = dlrm_ids(rng, v, m, DLRM_BATCH)
+            lengths = np.full(DLRM_BATCH, m, np.int64)
+            inputs[f"f{t}"] = em.RaggedTensor.from_row_lengths(ids.reshape(-1), lengths)
         stats.append(TableStats(f"t{t}", v, DLRM_DIM, 4, 1, float(m), 1.05, hot_group=m))
     return fc, inputs, stats, DLRM_BATCH
 
@@ -228,10 +230,11 @@ def main():
     ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
     ap.add_argument(
         "--dlrm-compile",
-        default="4x4",
-        help="topologies to compile DLRM for (8x8 aborted the process in libtpu's "
-        "all-to-all emitter on 2026-12-07: the smallest slice it fits on is planned first)",
+        default="4x4,4x8,8x8",
+        help="topologies to compile DLRM for (the smallest slice it fits on is planned "
+        "first, before any compile)",
     )
+    ap.add_argument("--workloads", default="train_step,dlrm_dcnv2")
     ap.add_argument("--budget", type=float, default=500.0)
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget
@@ -271,6 +274,8 @@ def main():
     topologies = args.topologies.split(",")
     workloads = (("train_step", train_step_workload), ("dlrm_dcnv2", dlrm_workload))
     for name, make in workloads:
+        if name not in args.workloads.split(","):
+            continue
         fc, inputs, stats, batch = make()
         for topo in topologies:
             compile_it = name == "train_step" or topo in args.dlrm_compile.split(",")
