@@ -71,11 +71,12 @@ from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SCRIPTS = ("train_step", "serving", "preprocess", "checkpoint")
+SCRIPTS = ("train_step", "serving", "serving_online", "preprocess", "checkpoint")
 # Where each script lies under a tree's benchmarks/: by area, else (older trees) flat.
 LOCATIONS: dict[str, tuple[str, ...]] = {
     "train_step": ("train/train_step.py", "train_step.py"),
     "serving": ("serving/serving.py", "serving.py"),
+    "serving_online": ("serving/serving_online.py", "serving_online.py"),
     "preprocess": ("train/preprocess.py", "preprocess.py"),
     "checkpoint": ("checkpoint/checkpoint.py", "checkpoint.py"),
 }
@@ -84,6 +85,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
 DEFAULT_ARGS: dict[str, str] = {
     "train_step": "--peers embedmesh,embedmesh-pipelined,embedmesh-core,embedmesh-2dev",
     "serving": "--contenders embedmesh[native],embedmesh[native-Nt],embedmesh[numpy]",
+    "serving_online": "--contenders embedmesh,em-numpy --no-busy",
     "preprocess": "",
     "checkpoint": "",
 }
@@ -93,6 +95,7 @@ QUICK_ARGS: dict[str, str] = {
     "train_step": "--peers embedmesh --rounds 1 --steps 2 --warmup 1",
     "serving": "--tables 2 --vocab 10000 --dim 16 --batch 256 --batches 1 --rounds 1 "
     "--reps 1 --kinds ragged --combiners sum",
+    "serving_online": "--rounds 1 --seconds 0.1 --batches 1,64 --clients 1,2",
     "preprocess": "--rounds 1 --variants ragged",
     "checkpoint": "--tables 2 --rows 10000 --dim 16 --devices 2 --restore-devices 1 "
     "--dd-gb 0.02 --repeats 1",
@@ -147,6 +150,25 @@ def parse_serving(text: str) -> Metrics:
         elif label and (m := row.match(line)):
             rate = float(m[2]) * 1e6
             out[f"{label} {m[1]}"] = (ids / rate * 1e3 if rate > 0 else float(m[3]), "ms")
+    return out
+
+
+def parse_serving_online(text: str) -> Metrics:
+    """Per embedmesh contender, batch and client count (1, 2, 4 or "busy"): p50 and p99
+    latency (us) and the time a request takes at its requests/s over all clients
+    (1e6 / req/s, us: lower is better, as every metric here). Torch's and TensorFlow's
+    rows are the peers', not compared."""
+    row = re.compile(rf"^(\S+)\s+([0-9]+)\s+(\S+)\s+{_NUM}\s+{_NUM}\s+{_NUM}\s+{_NUM}\s+{_NUM}$")
+    out: Metrics = {}
+    for line in text.splitlines():
+        m = row.match(line.strip())
+        if not m or m[1] in ("torch", "tf"):
+            continue
+        cell = f"{m[1]} batch {m[2]}, {m[3]} client{'s' if m[3] != '1' else ''}"
+        out[f"{cell} p50"] = (float(m[4]), "us")
+        out[f"{cell} p99"] = (float(m[5]), "us")
+        if float(m[7]) > 0:
+            out[f"{cell} us a request (all clients)"] = (1e6 / float(m[7]), "us")
     return out
 
 
@@ -210,6 +232,7 @@ def parse_checkpoint(text: str) -> Metrics:
 PARSERS: dict[str, Callable[[str], Metrics]] = {
     "train_step": parse_train_step,
     "serving": parse_serving,
+    "serving_online": parse_serving_online,
     "preprocess": parse_preprocess,
     "checkpoint": parse_checkpoint,
 }

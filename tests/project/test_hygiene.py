@@ -163,6 +163,16 @@ def test_ab_parses_serving_log(ab):
     assert all(" embedmesh[" in k for k in got)  # no tf / torch figures
 
 
+def test_ab_parses_serving_online_log(ab):
+    got = ab.parse_serving_online(read("benchmarks", "runs", "serving_online_2026-12-06_h43.txt"))
+    assert got["em-numpy batch 1, 1 client p50"] == (11.0, "us")
+    assert got["em-numpy batch 1, 2 clients p99"] == (23.0, "us")
+    value, unit = got["em-np-own batch 1, 4 clients us a request (all clients)"]
+    assert unit == "us" and value == pytest.approx(1e6 / 46632)
+    assert "em-np-noplan batch 1, 1 client p50" in got  # names longer than the column
+    assert not any(k.startswith(("torch", "tf ")) for k in got)
+
+
 def test_ab_parses_checkpoint_log(ab):
     got = ab.parse_checkpoint(read("benchmarks", "runs", "checkpoint_run_2026-11-29_unstacked.txt"))
     assert got["restore into 8 devices (same layout), median"] == (5.01, "s")
