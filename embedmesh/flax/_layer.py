@@ -37,5 +37,6 @@ def save_args(job: EmbeddingJob, state: EmbeddingState):
 
 
 def restore(job: EmbeddingJob, state: EmbeddingState, source, step=None, **kwargs):
-    """The state restored from a checkpoint (any device count, any stacking)."""
-    return _ckpt.core_restore(job.core, state, source, step, **kwargs).state
+    """The `RestoredState` of a checkpoint (any device count, any stacking): its `.state`
+    and its `.step`, the update count the modules' restores give back as the facade's."""
+    return _ckpt.core_restore(job.core, state, source, step, **kwargs)

@@ -305,5 +305,8 @@ class Embed(nn.Module):
     def restore(self, variables: dict, source, step: int | None = None, **kwargs) -> dict:
         """New `{"embedding": ...}` variables restored from a checkpoint (saved on any
         device count, by a module, a `MeshEmbedding` or the core); `variables` give the
-        template (and are left as they are)."""
-        return variables_of(_layer.restore(self.job, state_of(variables), source, step, **kwargs))
+        template (and are left as they are). `step` is the checkpoint's own step (default:
+        the latest); the restored update count is the result's `["embedding"]["step"]` (what
+        `checkpoint.restore` returns), not necessarily that step."""
+        restored = _layer.restore(self.job, state_of(variables), source, step, **kwargs)
+        return variables_of(restored.state)

@@ -283,9 +283,16 @@ class Embed(nnx.Module):
         `ocp.args.Composite` beside the dense model's `nnx.state(model, nnx.Param)`."""
         return _layer.save_args(self.job, self.observed_state())
 
-    def restore(self, source, step: int | None = None, **kwargs) -> None:
+    def restore(self, source, step: int | None = None, **kwargs) -> int:
         """Restore the embedding item of a checkpoint (a directory or an
         `ocp.CheckpointManager`; saved on any device count, by a module, a
-        `MeshEmbedding` or the core) into this module (`checkpoint.core_restore`)."""
-        self._set(_layer.restore(self.job, self.observed_state(), source, step, **kwargs))
+        `MeshEmbedding` or the core) into this module (`checkpoint.core_restore`).
+
+        `step` is the checkpoint's own step (default: the latest). Returns the restored
+        update count (`checkpoint.restore` returns the same): how many updates the
+        tables have had, which is the checkpoint's step only where the steps were
+        numbered so; restore the dense state at the checkpoint's step, not at this."""
+        restored = _layer.restore(self.job, self.observed_state(), source, step, **kwargs)
+        self._set(restored.state)
         self._set_pending(None)
+        return restored.step

@@ -211,18 +211,19 @@ def test_flax_checkpoint_restores_on_another_device_count(tmp_path):
 
     path = tmp_path / "ckpt"
     with ocp.CheckpointManager(path) as mngr:
-        mngr.save(2, args=ocp.args.Composite(embedding=embed4.save_args()))
+        # saved as orbax step 7 after 2 updates: a restore returns the update count
+        mngr.save(7, args=ocp.args.Composite(embedding=embed4.save_args()))
         mngr.wait_until_finished()
     # a MeshEmbedding, an nnx module on 1 device and a linen module on 2 read it back
     want = {t.name: d for t, d in embed4.variables.items()}
     embed1 = em_nnx.Embed(layer(1, opt, seed=3))
-    embed1.restore(str(path))
+    assert embed1.restore(str(path)) == 2  # as checkpoint.restore returns it
     assert int(embed1.step.get_value()) == 2
     lin = em_linen.Embed(layer(2, opt, "table_wise", seed=4))
     v = lin.init(jax.random.key(0), lin.enqueue(data[0]))
     v = lin.restore(v, str(path))
     emb = layer(2, opt)
-    em_ckpt.restore(emb, str(path))
+    assert em_ckpt.restore(emb, str(path)) == 2
     for got in (
         embed1.variables,
         {t: {"parameters": a} for t, a in lin.embedding_tables(v).items()},

@@ -1,6 +1,10 @@
 """docs/flax.md's nnx model places its dense state on the embedding's mesh up front, so its
 train step compiles once: the second step (and every later one) reuses the first step's
-program. Runs the page's own block up to its loop, then steps it, counting XLA compiles."""
+program. Runs the page's own block up to its loop, then steps it, counting XLA compiles.
+
+The same block shows a whole model's checkpoint and resume; test_readme runs it (its
+asserts: both halves restored, the next step's loss the trained model's), and a test here
+checks that it shows each part a porting user needs."""
 
 from __future__ import annotations
 
@@ -57,3 +61,27 @@ def test_the_second_step_compiles_nothing(place_up_front, tmp_path, monkeypatch)
         assert per_step[1:] == [0, 0], per_step
     else:
         assert per_step[1] > 0, per_step
+
+
+def test_the_page_saves_restores_and_resumes_a_whole_model():
+    """Read, not run (test_readme runs the block): what the page's model shows."""
+    code = dict((s, c) for s, c, _ in page_blocks(DOC))["An nnx model"]
+    train_step = code[code.index("def train_step") : code.index("return loss")]
+    assert "csr = model.embed.map_ids(csr)" in train_step  # the raw-id step, in the step
+    save, resume = code.split("# resume", 1)
+    for half in ("model.embed.save_args()", "ocp.args.StandardSave", "nnx.OptState"):
+        assert half in save, half
+    # the embedding and the dense state from the checkpoint's own step; the update count
+    # the restore returns kept apart from it; the dense state put on the new mesh; and
+    # training goes on
+    for part in (
+        "step = mngr.latest_step()",
+        "updates = resumed.embed.restore(mngr, step)",
+        "mngr.restore(step,",
+        "ocp.args.StandardRestore",
+        "nnx.update(resumed.dense,",
+        "nnx.update(resumed_opt,",
+        "for part in (resumed.dense, resumed_opt):",
+        "train_step(resumed, resumed_opt,",
+    ):
+        assert part in resume, part
