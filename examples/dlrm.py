@@ -188,8 +188,7 @@ def run(workdir: str, quick: bool, serve: bool = True) -> dict:
     start = 0
     if mngr.latest_step() is not None:  # resume: the checkpoint's own step is the epoch
         start = mngr.latest_step()
-        model.embed.restore(mngr, start)
-        updates = int(model.embed.state.step)  # the embedding's update count
+        updates = model.embed.restore(mngr, start)  # the embedding's update count
         dense = mngr.restore(
             start, args=ocp.args.Composite(**dense_args(model, optimizer, restore=True))
         )
