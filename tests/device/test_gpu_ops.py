@@ -156,6 +156,7 @@ SEGMENT_SUMS = {
     "xla": (xla.segment_gather_sum, xla.segment_gather_sum_mapped),
     "pallas": (pallas.segment_gather_sum, pallas.segment_gather_sum_mapped),
 }
+REFERENCE_SUMS = (reference.segment_gather_sum, reference.segment_gather_sum_mapped)
 
 
 @settings(_random_inputs, max_examples=6)
@@ -178,24 +179,32 @@ def test_segment_gather_sums_match_references(seed, m, p, segs, dim, all_padding
         sidx[:] = m
     gains = jnp.asarray(signed(r, p))
     args = (src, jnp.asarray(sidx), gains, jnp.asarray(didx))
-    # the references jitted too: one program, not their jnp ops compiled one by one
-    want = jax.jit(lambda *a: reference.segment_gather_sum(*a, num_segments=segs))(*args)
     table = jnp.asarray(signed(r, (3 * m, dim)))
     smap = r.integers(0, 3 * m, m).astype(np.int32)
     smap[r.random(m) < 0.2] = PAD
     smap[r.random(m) < 0.1] = 3 * m  # past the end of the table
     mapped_args = (table, jnp.asarray(smap)) + args[1:]
-    want_mapped = jax.jit(lambda *a: reference.segment_gather_sum_mapped(*a, num_segments=segs))(
-        *mapped_args
-    )
-    for variant, (plain, mapped) in sorted(SEGMENT_SUMS.items()):
-        got = jax.jit(lambda *a, f=plain: f(*a, num_segments=segs))(*args)
+    variants = sorted(SEGMENT_SUMS.items())
+
+    # the references and both variants one program (each example's shapes are new: their
+    # jnp ops compiled one by one, or a program each, cost more)
+    @jax.jit
+    def sums(args, mapped_args):
+        return [
+            (
+                plain(*args, num_segments=segs),
+                mapped(*mapped_args, num_segments=segs),
+            )
+            for _, (plain, mapped) in [("reference", REFERENCE_SUMS)] + variants
+        ]
+
+    (want, want_mapped), *got = sums(args, mapped_args)
+    for (variant, _), (got_plain, got_mapped) in zip(variants, got):
         np.testing.assert_allclose(
-            np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=variant
+            np.asarray(got_plain), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=variant
         )
-        got = jax.jit(lambda *a, f=mapped: f(*a, num_segments=segs))(*mapped_args)
         np.testing.assert_allclose(
-            np.asarray(got), np.asarray(want_mapped), rtol=1e-5, atol=1e-5, err_msg=variant
+            np.asarray(got_mapped), np.asarray(want_mapped), rtol=1e-5, atol=1e-5, err_msg=variant
         )
 
 
@@ -263,7 +272,9 @@ def test_xla_dedup_sum_matches_reference(seed, blocks, u, order):
 # The fused updates (Pallas), for every optimizer
 
 
-@_random_inputs
+# 5 examples: each compiles its own programs; every optimizer also trains through the
+# Pallas kernels (test_training_through_the_gpu_kernels) and lowers for CUDA
+@settings(_random_inputs, max_examples=5)
 @given(
     seed=SEEDS,
     opt=st.sampled_from(OPTIMIZERS + [HOST_LR]),
@@ -289,7 +300,7 @@ def test_pallas_sparse_update_matches_reference(seed, opt, u, dim):
     assert_update_matches(got, want, (table, slots), ids)
 
 
-@_random_inputs
+@settings(_random_inputs, max_examples=5)  # as the sparse update's
 @given(
     seed=SEEDS,
     opt=st.sampled_from(OPTIMIZERS),

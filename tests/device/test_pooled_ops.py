@@ -3,6 +3,8 @@
 their CPU kernels against their references, on random inputs (poisoned tables,
 padding, out-of-range positions and rows, both pair forms)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,10 +79,15 @@ def test_pack_then_unpack_reads_every_pair_as_sent(seed, n, u, p, width, compact
     r = np.random.default_rng(seed)
     num_rows = 9 if compacted else width
     batch = random_batch(r, n, u, p, num_rows, width, compacted)
-    served = ops.reference_of("pack_pooled_pairs")(*map(jnp.asarray, batch), width=width)
+
+    @jax.jit  # one program (each example's shapes are new), not its jnp ops one by one
+    def pack_then_unpack(*batch):
+        served = ops.reference_of("pack_pooled_pairs")(*batch, width=width)
+        return served, ops.unpack_pooled_pairs(served, unique_capacity=u, width=width)
+
+    served, (ids, slot, row, gains) = pack_then_unpack(*map(jnp.asarray, batch))
     k = _runtime.pooled_pair_fields(u, width)
     assert served.shape == (n, u + p * k)
-    ids, slot, row, gains = ops.unpack_pooled_pairs(served, unique_capacity=u, width=width)
     np.testing.assert_array_equal(np.asarray(ids), batch[0])
     want = np_pairs(*batch, width)
     for q, (o, pos, rr, g) in enumerate(want):
@@ -107,6 +114,13 @@ def test_unpacked_form_past_the_pack_limit(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@functools.cache
+def _packer(width):
+    """The reference's packing jitted: one program a shape, kept across examples (not its
+    jnp ops compiled one by one)."""
+    return jax.jit(functools.partial(ops.reference_of("pack_pooled_pairs"), width=width))
+
+
 def _served_and_oracle_pairs(seed, n, u, p, width, compacted):
     """Owner 0's served messages from n sources, and the pairs as plain tuples
     (source, its ids, position or None, row or None, gain)."""
@@ -115,9 +129,7 @@ def _served_and_oracle_pairs(seed, n, u, p, width, compacted):
     blocks, pairs = [], []
     for s in range(n):
         batch = random_batch(r, n, u, p, num_rows, width, compacted)
-        msg = np.asarray(
-            ops.reference_of("pack_pooled_pairs")(*map(jnp.asarray, batch), width=width)
-        )
+        msg = np.asarray(_packer(width)(*map(jnp.asarray, batch)))
         blocks.append(msg[0])
         mine = [x[:1] for x in batch]
         for _, pos, row, g in np_pairs(*mine, width):
@@ -135,9 +147,9 @@ def test_pooled_partials_reference_matches_numpy(seed, n, u, p, width, compacted
         if pos is None or ids[pos] >= 40:
             continue
         want[s * width + row] += g * table[ids[pos]].astype(np.float64)
-    got = ops.reference_of("pooled_partials")(
-        jnp.asarray(table), served, unique_capacity=u, width=width
-    )
+    got = jax.jit(  # one program, not its jnp ops one by one
+        lambda t, m: ops.reference_of("pooled_partials")(t, m, unique_capacity=u, width=width)
+    )(jnp.asarray(table), served)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -177,17 +189,12 @@ def test_pooled_backward_update_reference_matches_numpy(
     acc = (0.1 + r.random((45, 3))).astype(np.float32)
     grads = r.standard_normal((n * width, 3)).astype(np.float32)
     slots = {"accumulators": jnp.asarray(acc)} if adagrad else {}
-    t, s = ops.reference_of("pooled_backward_update")(
-        jnp.asarray(table),
-        slots,
-        served,
-        jnp.asarray(grads),
-        jnp.asarray(keep),
-        optimizer=opt,
-        step=jnp.int32(0),
-        unique_capacity=u,
-        width=width,
+    update = jax.jit(  # one program, not its jnp ops one by one
+        lambda *a: ops.reference_of("pooled_backward_update")(
+            *a, optimizer=opt, step=jnp.int32(0), unique_capacity=u, width=width
+        )
     )
+    t, s = update(jnp.asarray(table), slots, served, jnp.asarray(grads), jnp.asarray(keep))
     want_w, want_s = np_backward_update(opt, table, slots, pairs, grads, width, keep)
     np.testing.assert_allclose(np.asarray(t), want_w, rtol=1e-5, atol=1e-5)
     if adagrad:

@@ -46,6 +46,8 @@ def _clear_kernel_caches():
         pallas.reduce_sorted,
         pallas.gather_rows_dma,
         pallas.scatter_rows_dma,
+        _gather_rows,
+        _scatter_rows,
     ):
         if hasattr(f, "clear_cache"):  # the jitted ones
             f.clear_cache()
@@ -179,7 +181,7 @@ def sides(op, r, num_keys, num_dst, dim):
     dim=st.sampled_from(DIMS),
     num_keys=st.sampled_from([1, 7, 50]),
     num_dst=st.sampled_from([1, 9, 40]),
-    n_valid=st.sampled_from([0, 1, 37, 200]),
+    n_valid=st.sampled_from([0, 1, 37, 64]),
     n_bad=st.sampled_from([0, 7]),  # 7: every kind of invalid pair
     n_pad=st.sampled_from([0, 13]),
     layout=st.sampled_from(["sorted", "invalid_inside"]),
@@ -192,15 +194,21 @@ def test_pair_ops_match_reference(seed, dim, num_keys, num_dst, n_valid, n_bad, 
     )
     # sorted: the kernels' path; invalid pairs among valid ones: XLA's
     kernel_path = layout == "sorted" or not (n_valid and n_bad)
-    # is_sorted and the op each one program (each example's shapes are new: their jnp
-    # ops compiled one by one cost more than the programs)
-    sorted_fn = jax.jit(lambda k, d: pallas.is_sorted(k, d, num_keys, num_dst))
-    assert bool(sorted_fn(key, dst)) == kernel_path
-    for op in ("combine", "reduce"):
-        src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
-        got = jax.jit(lambda *a, op=op, n=num_out: getattr(pallas, op)(*a, n))(
-            jnp.asarray(src), key, dst, gains
+    # is_sorted and both ops one program (each example's shapes are new: their jnp ops
+    # compiled one by one, or a program each, cost more than the one program)
+    srcs = {op: sides(op, r, num_keys, num_dst, dim) for op in ("combine", "reduce")}
+
+    def all_three(src_c, src_r, k, d, g):
+        return (
+            pallas.is_sorted(k, d, num_keys, num_dst),
+            pallas.combine(src_c, k, d, g, num_dst),
+            pallas.reduce(src_r, k, d, g, num_keys),
         )
+
+    ok, *sums = jax.jit(all_three)(srcs["combine"][0], srcs["reduce"][0], key, dst, gains)
+    assert bool(ok) == kernel_path
+    for op, got in zip(("combine", "reduce"), sums):
+        src, reference, num_out = srcs[op]
         want, mag = reference(src, key, dst, gains, num_out)
         assert_sums_close(got, want, mag)
         if op == "reduce":  # keys without a pair: zero rows
@@ -215,7 +223,7 @@ def test_pair_ops_take_any_order(op, dim):
     device comes before and does not see the rows)."""
     r = rng(10 + dim)
     num_keys, num_dst = 30, 20
-    key, dst, gains = make_pairs(r, num_keys, num_dst, 150, n_bad=7, n_pad=6, layout="unsorted")
+    key, dst, gains = make_pairs(r, num_keys, num_dst, 60, n_bad=7, n_pad=6, layout="unsorted")
     assert not bool(pallas.is_sorted(key, dst, num_keys, num_dst))
     src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
     got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
@@ -297,7 +305,7 @@ def test_pair_ops_read_whole_vreg_rows_in_place(op):
     kernel reads them as they are, no padded copy; the sums as the reference's."""
     r = rng(21)
     num_keys, num_dst = (16, 11) if op == "combine" else (11, 16)
-    key, dst, gains = make_pairs(r, num_keys, num_dst, 90, n_bad=7, n_pad=3)
+    key, dst, gains = make_pairs(r, num_keys, num_dst, 40, n_bad=7, n_pad=3)
     src, reference, num_out = sides(op, r, num_keys, num_dst, 128)
     assert src.shape == (16, 128)
     got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
@@ -333,8 +341,8 @@ def small_block_case(name, r):
     if name == "empty_blocks":  # keys in [0, 10) and [50, 60) only: blocks 1, 2, 4 empty
         keys = np.concatenate([r.integers(0, 10, 50), r.integers(50, 60, 30)])
         return (80, 25, *make_pairs(r, 80, 25, 0, n_pad=5, keys=keys))
-    if name == "zipf":
-        return (70, 33, *make_pairs(r, 70, 33, 250, n_bad=6, n_pad=9))
+    if name == "zipf":  # 5 key blocks, 4+ pair blocks
+        return (70, 33, *make_pairs(r, 70, 33, 4 * TP + 10, n_bad=6, n_pad=9))
     if name == "padding_only":
         return (20, 10, *make_pairs(r, 20, 10, 0, n_pad=40))
     raise ValueError(name)
@@ -343,11 +351,10 @@ def small_block_case(name, r):
 @pytest.mark.parametrize(
     "op, case, dim",
     [
+        # combine sorts the pairs by dst, its kernel's keys: the cases' key structure
+        # (hot, spread, empty blocks) is reduce's; combine's two cases its own path
         ("combine", "hot_key", 1),
-        ("combine", "spread", 129),
-        ("combine", "empty_blocks", 256),
         ("combine", "zipf", 100),
-        ("combine", "padding_only", 3),
         ("reduce", "hot_key", 129),
         ("reduce", "spread", 3),
         ("reduce", "empty_blocks", 64),
@@ -395,18 +402,23 @@ def small_resident(monkeypatch):
 @pytest.mark.parametrize(
     "op, dim, src_rows, ranges",
     [
-        ("combine", 64, 100, 3),  # 40 + 40 + 20 source rows (the keys')
+        ("combine", 64, 60, 2),  # 40 + 20 source rows (the keys')
         ("reduce", 129, 50, 4),  # 2 column blocks of 128 lanes x rows 40 + 10 (the dsts')
         ("reduce", 200, 30, 2),  # 2 column blocks of 128 lanes, every row in each
-        ("combine", 250, 10, 1),  # 256 lanes of 10 rows: one block
     ],
 )
 def test_resident_side_split_into_ranges(small_resident, op, dim, src_rows, ranges):
     r = rng(dim)
     other = 45
     num_keys, num_dst = (src_rows, other) if op == "combine" else (other, src_rows)
-    key, dst, gains = make_pairs(r, num_keys, num_dst, 260, n_bad=4, n_pad=5)
-    assert len(pallas._chunks(src_rows, pallas.lane_width(dim))) == ranges
+    # few pairs (the interpreter's cost goes with them), but every range read by some
+    key, dst, gains = make_pairs(r, num_keys, num_dst, 48, n_bad=4, n_pad=5)
+    chunks = pallas._chunks(src_rows, pallas.lane_width(dim))
+    assert len(chunks) == ranges
+    valid = (key >= 0) & (key < num_keys) & (dst >= 0) & (dst < num_dst)
+    read = (key if op == "combine" else dst)[valid]
+    for r0, rows, _, _ in chunks:
+        assert ((read >= r0) & (read < r0 + rows)).any(), (r0, rows)
     src, reference, num_out = sides(op, r, num_keys, num_dst, dim)
     assert src.shape[0] == src_rows
     got = getattr(pallas, op)(jnp.asarray(src), key, dst, gains, num_out)
@@ -414,9 +426,24 @@ def test_resident_side_split_into_ranges(small_resident, op, dim, src_rows, rang
     assert_sums_close(got, *reference(src, key, dst, gains, num_out))
 
 
+def test_resident_side_blocks(small_resident):
+    """`_chunks` under the 40-row limit: whole rows in column blocks where they fit (256
+    lanes of 10 rows: one block, one kernel call), else row ranges, the last one ragged;
+    a kernel call a block (test_resident_side_split_into_ranges)."""
+    assert pallas._chunks(10, 256) == [(0, 10, 0, 256)]
+    assert pallas._chunks(30, 256) == [(0, 30, 0, 128), (0, 30, 128, 128)]
+    assert pallas._chunks(60, 128) == [(0, 40, 0, 128), (40, 20, 0, 128)]
+    assert pallas._chunks(100, 128) == [(0, 40, 0, 128), (40, 40, 0, 128), (80, 20, 0, 128)]
+    assert pallas._chunks(50, 256) == [
+        (0, 40, 0, 128),
+        (40, 10, 0, 128),
+        (0, 40, 128, 128),
+        (40, 10, 128, 128),
+    ]
+
+
 # one compiled program a shape, not one a jnp op (the eager ops compile one by one)
 _schedule = jax.jit(pallas.schedule, static_argnums=(3, 4, 5, 6))
-_in_range = jax.jit(pallas._in_range, static_argnums=(3, 4))
 
 
 def one_hot_pairs(r, tables, keys_each, outs_each):
@@ -437,13 +464,15 @@ def one_hot_pairs(r, tables, keys_each, outs_each):
 def _visits(key, dst, gains, num_keys, num_src):
     """(items with pairs, summed over the passes of `_chunks(num_src, 128)`, with each
     pass visiting only its pair blocks; items with pairs in one pass over every row)."""
-    sched, _ = _schedule(key, dst, gains, num_keys, num_src, TW, TP)
     ranges = pallas._chunks(num_src, 128)
-    visited = [
-        int(np.sum(np.asarray(scalars[3]) > np.asarray(scalars[2])))
-        for scalars in (_in_range(sched, r0, n, TW, TP) for r0, n, _, _ in ranges)
-    ]
-    return sum(visited), int(np.sum(np.asarray(sched.hi) > np.asarray(sched.lo)))
+
+    @jax.jit  # one program, not one a range
+    def items(key, dst, gains):
+        sched, _ = pallas.schedule(key, dst, gains, num_keys, num_src, TW, TP)
+        passes = [pallas._in_range(sched, r0, n, TW, TP) for r0, n, _, _ in ranges]
+        return sum(jnp.sum(s[3] > s[2]) for s in passes), jnp.sum(sched.hi > sched.lo)
+
+    return tuple(int(x) for x in items(key, dst, gains))
 
 
 def test_ranges_visit_only_the_pair_blocks_that_read_them(small_resident, monkeypatch):
@@ -501,10 +530,15 @@ SORTED_CASES = [
 def test_is_sorted(name, key, dst, want):
     key, dst = np.asarray(key, np.int32), np.asarray(dst, np.int32)
     assert sorted_reference(key, dst, K, D) == want  # the case is what it says
-    assert bool(pallas.is_sorted(key, dst, K, D)) == want
     gains = np.ones(key.size, np.float32)
-    for tw, tp in [(8, 8), (16, 4)]:
-        assert bool(_schedule(key, dst, gains, K, D, tw, tp)[1]) == want
+
+    @jax.jit  # one program a case, not one a jnp op
+    def verdicts(key, dst, gains):
+        return [pallas.is_sorted(key, dst, K, D)] + [
+            pallas.schedule(key, dst, gains, K, D, tw, tp)[1] for tw, tp in [(8, 8), (16, 4)]
+        ]
+
+    assert [bool(v) for v in verdicts(key, dst, gains)] == [want] * 3
 
 
 @settings(max_examples=6, deadline=None, phases=_random_inputs.phases)
@@ -566,6 +600,10 @@ def random_row_ids(r, rows, n, *, distinct):
 
 # ids a call: one partial block; 2.5 blocks of TG (full ones and a ragged last one)
 MANY = 5 * TG // 2
+# one program a shape (the random and the ascending ids' cases share it), not a
+# pallas_call traced again each call
+_gather_rows = jax.jit(pallas.gather_rows_dma, static_argnames="tg")
+_scatter_rows = jax.jit(pallas.scatter_rows_dma, static_argnames="tg")
 
 
 @pytest.mark.parametrize("order", ["random", "ascending"])
@@ -583,7 +621,7 @@ def test_gather_rows_dma(width, n, order):
     for i, row in enumerate(ids.tolist()):
         if 0 <= row < rows:
             want[i] = table[row]
-    got = pallas.gather_rows_dma(jnp.asarray(table), jnp.asarray(ids), tg=TG)
+    got = _gather_rows(jnp.asarray(table), jnp.asarray(ids), tg=TG)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -605,7 +643,7 @@ def test_scatter_rows_dma(width, n, order):
         if 0 <= row < rows:
             want[row] = new[i]
     # a fresh device copy each call: the kernel writes the table in place (aliased)
-    got = pallas.scatter_rows_dma(jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=TG)
+    got = _scatter_rows(jnp.array(table), jnp.asarray(ids), jnp.asarray(new), tg=TG)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
