@@ -116,15 +116,15 @@ def test_shard_views_show_every_replica():
 
 MIXED = {"a": "data_parallel", "c": "data_parallel"}  # b stays mod
 WITH_TABLE_WISE = {"a": "table_wise", "c": "data_parallel"}
+# (one device: the mod plan and core, test_table_wise's test_one_shard_is_the_same_layout;
+# every table replicated on 2 devices: Adam's dense variant below)
 TRAINING = [
-    (2, "SGD", 0, "data_parallel"),
+    (8, "SGD", 1, "data_parallel"),
     (2, "Adagrad", 1, MIXED),
     (4, "AdagradMomentum", 0, "data_parallel"),
     (8, "Adam", 0, MIXED),
     (2, "Adam", 2, "data_parallel"),  # lazy_adam=False: every row of every replica moves
     (4, "FTRL", 1, WITH_TABLE_WISE),
-    (8, "SGD", 1, "data_parallel"),
-    (1, "Adagrad", 0, "data_parallel"),  # one device: the mod layout
 ]
 
 

@@ -105,6 +105,44 @@ class Reference:
         return rows, fresh, stats
 
 
+# The stream tests' host-side reads, each one compiled program: run eagerly, every op of
+# `im.tags`, `im.sketch_columns`, `im.live_ids`' mask and `im.init` was dispatched alone
+# (and compiled anew for each new length), most of those tests' time
+_TAGS = jax.jit(im.tags, static_argnums=0)
+_LIVE = jax.jit(im._live, static_argnums=0)
+_ROW_IDS = jax.jit(lambda state: state.row_id)
+_SKETCH_COLUMNS = jax.jit(im.sketch_columns, static_argnums=0)
+INIT = jax.jit(im.init, static_argnums=0)
+
+
+def padded(words) -> np.ndarray:
+    """uint32 words `[k, 2]` padded with zeros to a power of two (at least 16) rows: the
+    element-wise hashes below compile for a few lengths, not for every k."""
+    k = len(words)
+    out = np.zeros((max(16, 1 << max(k - 1, 0).bit_length()), 2), np.uint32)
+    out[:k] = words
+    return out
+
+
+def tags_of(config: im.IdMapConfig, words) -> np.ndarray:
+    """`im.tags` of uint32 words `[k, 2]`, computed on them `padded`."""
+    p = padded(words)
+    return np.asarray(_TAGS(config, p[:, 0], p[:, 1]))[: len(words)]
+
+
+def sketch_columns_of(config: im.IdMapConfig, words) -> np.ndarray:
+    """`im.sketch_columns` of uint32 words `[k, 2]` (`[sketch_depth, k]`), on them padded."""
+    return np.asarray(_SKETCH_COLUMNS(config, padded(words)))[:, : len(words)]
+
+
+def live_ids(state: im.IdMapState) -> dict:
+    """`im.live_ids(state)`, its mask and row ids computed by compiled programs (each
+    stream checks it against `im.live_ids` itself at its end)."""
+    rows = np.flatnonzero(np.asarray(_LIVE(state.config, state.index, state.row_slot)))
+    ids = im.join_ids(np.asarray(_ROW_IDS(state))[rows])
+    return {int(i): int(r) for i, r in zip(ids, rows)}
+
+
 def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
     """The state with every field that must not matter overwritten by junk: random words,
     or the words (tags) of ids the stream uses (`plant`, uint32 [k, 2]), so that a map
@@ -118,10 +156,10 @@ def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
     index = np.array(state.index)
     empty = index[:, im.ROW_WORD, :] == im.EMPTY
     words = junk(int(empty.sum()))
-    index[:, 0, :][empty] = np.asarray(im.tags(state.config, words[:, 0], words[:, 1]))
+    index[:, 0, :][empty] = tags_of(state.config, words)
     c = state.config.capacity
     free = np.ones(c, bool)
-    free[list(im.live_ids(state).values())] = False
+    free[list(live_ids(state).values())] = False
     # a free row's slot number: never used (-1), or any slot (a live row's, an empty one)
     row_slot = np.array(state.row_slot)
     row_slot[free] = rng.integers(-1, state.config.num_slots, int(free.sum()))
@@ -144,7 +182,7 @@ def poison(state: im.IdMapState, rng, plant) -> im.IdMapState:
 def check_state(state: im.IdMapState, ref: Reference):
     """The live mapping is the reference's (so injective: one row an id, one id a row),
     the index finds exactly it, and each live row's step and count are the reference's."""
-    live = im.live_ids(state)
+    live = live_ids(state)
     assert live == ref.row_of
     assert len(set(live.values())) == len(live)
     assert int(state.num_free) == state.config.capacity - len(live)
@@ -159,8 +197,7 @@ def check_state(state: im.IdMapState, ref: Reference):
     # each live id's slot holds its tag, and no bucket holds a tag twice
     ids = np.array(list(live), np.int64)
     if ids.size:
-        pairs = im.split_ids(ids)
-        tags = np.asarray(im.tags(state.config, pairs[:, 0], pairs[:, 1]))
+        tags = tags_of(state.config, im.split_ids(ids))
         slots = np.asarray(state.row_slot)[list(live.values())]
         w = im.BUCKET_WIDTH
         assert (index[slots // w, 0, slots % w] == tags).all()
@@ -233,10 +270,10 @@ def run_stream(name, universe, calls, seed, distinct=False):
     fn = jitted(name, distinct)
     cols = None
     if cfg.admit_after > 1:
-        c = np.asarray(im.sketch_columns(cfg, im.split_ids(np.array(universe, np.int64))))
+        c = sketch_columns_of(cfg, im.split_ids(np.array(universe, np.int64)))
         cols = {i: list(c[:, k]) for k, i in enumerate(universe)}
     ref = Reference(cfg, cols)
-    state = im.init(cfg)
+    state = INIT(cfg)
     rng = np.random.default_rng(seed)
     plant = im.split_ids(np.array(universe, np.int64))
     for ids, valid, step in calls:
@@ -250,6 +287,7 @@ def run_stream(name, universe, calls, seed, distinct=False):
         check_state(state, ref)
         # the read-only lookup agrees, and finds nothing else
         assert np.asarray(LOOKUP(state, pairs)).tolist() == [ref.row_of.get(i, -1) for i in ids]
+    assert im.live_ids(state) == ref.row_of  # the library's own host-side read
     return state
 
 

@@ -15,34 +15,55 @@ from embedmesh.device.core import EmbeddingCore
 from embedmesh.device.strategies import pooled
 
 POOLED = ("row_wise_pooled", "table_wise")
+# both pooled strategies in every case's embedding: a and c (the table smaller than the
+# mesh) table-wise, on their owners, b pooled over all shards (stacks split by strategy)
+BOTH_POOLED = {"a": "table_wise", "b": "row_wise_pooled", "c": "table_wise"}
+
+# (devices, optimizer, variant): every optimizer once with both strategies, on 2 and on
+# 4 devices stacked (even index) and not; the variants with a learning-rate
+# schedule (the step carried into the owners' update: SGD, Adagrad, RowWiseAdagrad's 1)
+# and Adam's dense one (lazy_adam=False: the row exchange's update) on 8. (Every variant
+# of every optimizer: tests/engine/test_engine.py, mod; the pooled kernels' options and
+# schedules: tests/device/test_pooled_ops.py. test_pooled_training_property draws the
+# other combinations.)
+POOLED_CASES = [
+    (2, "SGD", 1),
+    (4, "Adagrad", 1),
+    (4, "AdagradMomentum", 0),
+    (2, "FTRL", 1),
+    (2, "RowWiseAdagrad", 1),
+    (4, "Adam", 1),
+    (8, "Adam", 2),
+]
 
 
-POOLED_DEVICE_COUNTS = (2, 4, 8)
-# every optimizer on 2 and 4 devices, one strategy each; Adam (three variants) on 8 too
-POOLED_CASES = [(n, opt) for opt in test_engine.OPTIMIZER_HP for n in (2, 4)] + [(8, "Adam")]
+def test_pooled_cases_cover_every_optimizer_device_count_and_stacking():
+    assert {o for _, o, _ in POOLED_CASES} == set(test_engine.OPTIMIZER_HP)
+    # stacked (even index) and not, each on 2 and on 4 devices
+    stacked = {(n, i % 2 == 0) for i, (n, _, _) in enumerate(POOLED_CASES)}
+    assert {(2, True), (2, False), (4, True), (4, False)} <= stacked
+    assert {n for n, _, _ in POOLED_CASES} == {2, 4, 8}
+    assert set(BOTH_POOLED.values()) == set(POOLED)
+    for _, opt, variant in POOLED_CASES:
+        hp = test_engine.OPTIMIZER_HP[opt][variant]
+        if opt in ("SGD", "Adagrad", "RowWiseAdagrad"):
+            assert hp["lr_spec"][0] != "const", opt
+    assert (8, "Adam", 2) in POOLED_CASES
+    assert test_engine.OPTIMIZER_HP["Adam"][2]["lazy_adam"] is False
 
 
-def test_pooled_cases_run_every_variant_and_both_strategies():
-    for opt, variants in test_engine.OPTIMIZER_HP.items():
-        runs = [POOLED_DEVICE_COUNTS.index(n) for n, o in POOLED_CASES if o == opt]
-        assert {i % len(variants) for i in runs} == set(range(len(variants))), opt
-        assert {POOLED[i % 2] for i in runs} == set(POOLED), opt
-
-
-@pytest.mark.parametrize("num_devices, opt_name", POOLED_CASES)
-def test_pooled_training_matches_reference(num_devices, opt_name):
-    """Every optimizer on both pooled strategies (row_wise_pooled on 2 devices,
-    table_wise on 4); its option variants rotate over the device counts (each runs at
-    least once). test_pooled_training_property draws the other combinations."""
-    i = POOLED_DEVICE_COUNTS.index(num_devices)
-    variants = test_engine.OPTIMIZER_HP[opt_name]
+@pytest.mark.parametrize("index", range(len(POOLED_CASES)))
+def test_pooled_training_matches_reference(index):
+    """Every optimizer, both pooled strategies side by side in one embedding
+    (`POOLED_CASES`), against the float64 reference from a poisoned state."""
+    num_devices, opt_name, variant = POOLED_CASES[index]
     test_engine.check_training(
         num_devices,
         opt_name,
-        variants[i % len(variants)],
-        stack_tables=i % 2 == 1,
-        seed=77 * num_devices + i,
-        sharding=POOLED[i % 2],
+        test_engine.OPTIMIZER_HP[opt_name][variant],
+        stack_tables=index % 2 == 0,
+        seed=77 * num_devices + index,
+        sharding=BOTH_POOLED,
         poison=True,
     )
 
@@ -53,9 +74,9 @@ def test_mixed_strategies_match_reference():
     feats, _ = test_engine.make_case(rng, None, True, 8)
     names = sorted({f.table.name for f in feats.values()})
     mix = {name: ("mod", "row_wise_pooled", "table_wise")[i % 3] for i, name in enumerate(names)}
-    for n in (2, 4):
-        hp = test_engine.OPTIMIZER_HP["Adagrad"][0]
-        test_engine.check_training(n, "Adagrad", hp, True, 12 + n, sharding=mix, poison=True)
+    # (4 devices: both pooled strategies, without mod, on 2 and 4: POOLED_CASES)
+    hp = test_engine.OPTIMIZER_HP["Adagrad"][0]
+    test_engine.check_training(4, "Adagrad", hp, True, 16, sharding=mix, poison=True)
 
 
 # each example builds and compiles a new embedding: few examples
@@ -82,13 +103,13 @@ def test_pooled_training_property(num_devices, opt_name, variant, stack, seed):
 
 
 def test_pooled_training_with_unpacked_pairs(monkeypatch):
-    """Pairs whose position and row do not fit one int32 travel as three words."""
+    """Pairs whose position and row do not fit one int32 travel as three words (both
+    pooled strategies in one embedding)."""
     monkeypatch.setattr(_runtime, "PACK_LIMIT", 0)
-    for opt_name, sharding in (("SGD", "row_wise_pooled"), ("Adagrad", "table_wise")):
-        hp = test_engine.OPTIMIZER_HP[opt_name][0]
-        test_engine.check_training(
-            4, opt_name, hp, stack_tables=True, seed=5, steps=2, sharding=sharding
-        )
+    hp = test_engine.OPTIMIZER_HP["Adagrad"][0]
+    test_engine.check_training(
+        4, "Adagrad", hp, stack_tables=True, seed=5, steps=2, sharding=BOTH_POOLED
+    )
 
 
 def test_pooled_rows_feed_only_the_owners_rows():
