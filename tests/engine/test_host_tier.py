@@ -288,12 +288,12 @@ def test_prefetch_feeds_a_tiered_layer():
 
 @pytest.mark.parametrize(
     "sharding",
-    ["table_wise", "row_wise_pooled", {"a": "mod", "b": "data_parallel"}],
-    ids=["table_wise", "pooled", "b_data_parallel"],
+    [{"a": "table_wise", "b": "row_wise_pooled"}, {"a": "mod", "b": "data_parallel"}],
+    ids=["table_wise_and_pooled", "b_data_parallel"],
 )
 def test_every_placement(sharding):
-    """Table-wise and pooled stacks are tiered like mod ones; a replicated stack stays on
-    the devices whole."""
+    """Table-wise and pooled stacks (side by side in one layer) are tiered like mod
+    ones; a replicated stack stays on the devices whole."""
     mesh = mesh_of(8)
     batches = _batches(4, seed=7)
     opt = em.Adagrad(0.1)
