@@ -152,8 +152,10 @@ def assert_same(a_vars, a_acts, b_vars, b_acts):
 
 @pytest.mark.parametrize(
     "n, sharding",
-    # (mod on 4 devices: the SGD reference, the linen batch-size and the checkpoint tests)
-    [(1, "mod"), (4, "row_wise_pooled"), (4, "table_wise"), (4, "data_parallel")],
+    # (mod on 4 devices: the SGD reference, the linen batch-size and the checkpoint tests;
+    # pooled and replicated side by side: one layer, a program set, for both)
+    [(1, "mod"), (4, {"t1": "row_wise_pooled", "t2": "data_parallel"}), (4, "table_wise")],
+    ids=["1-mod", "4-pooled_and_data_parallel", "4-table_wise"],
 )
 def test_nnx_and_linen_train_like_mesh_embedding(n, sharding):
     data = batches(n)
