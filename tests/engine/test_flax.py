@@ -152,8 +152,10 @@ def assert_same(a_vars, a_acts, b_vars, b_acts):
 
 @pytest.mark.parametrize(
     "n, sharding",
-    # (mod on 4 devices: the SGD reference, the linen batch-size and the checkpoint tests)
-    [(1, "mod"), (4, "row_wise_pooled"), (4, "table_wise"), (4, "data_parallel")],
+    # (mod on 4 devices: the SGD reference, the linen batch-size and the checkpoint tests;
+    # pooled and replicated side by side: one layer, a program set, for both)
+    [(1, "mod"), (4, {"t1": "row_wise_pooled", "t2": "data_parallel"}), (4, "table_wise")],
+    ids=["1-mod", "4-pooled_and_data_parallel", "4-table_wise"],
 )
 def test_nnx_and_linen_train_like_mesh_embedding(n, sharding):
     data = batches(n)
@@ -259,24 +261,24 @@ def test_nnx_param_filters_do_not_see_the_tables():
 
 def test_nnx_two_processes_train_like_one(tmp_path):
     """Two jax.distributed processes of 2 CPU devices each train the nnx module to the
-    tables MeshEmbedding reaches in one process of 4 devices."""
+    tables MeshEmbedding reaches in one process of 4 devices (this one's)."""
     import os
     import sys
 
+    from flax_multiprocess_model import train_facade
     from process_helpers import HERE, free_port, run_together, worker_env
 
     worker = os.path.join(HERE, "flax_multiprocess_worker.py")
-    env = worker_env()
-    single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
+    multi = tmp_path / "multi.npz"
     port = free_port()
     run_together(
-        [[sys.executable, worker, "0", "1", "0", str(single), "facade"]]
-        + [[sys.executable, worker, str(i), "2", str(port), str(multi), "nnx"] for i in range(2)],
-        env=env,
+        [[sys.executable, worker, str(i), "2", str(port), str(multi)] for i in range(2)],
+        env=worker_env(),
     )
-    want, got = np.load(single), np.load(multi)
-    assert sorted(want.files) == sorted(got.files) and want.files
-    for k in want.files:
+    want = {f"{t.name}.{k}": v for t, d in train_facade(mesh_of(4)).items() for k, v in d.items()}
+    got = np.load(multi)
+    assert sorted(want) == sorted(got.files) and want
+    for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 

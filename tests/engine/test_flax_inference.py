@@ -77,15 +77,17 @@ def test_modules_evaluate_as_the_facade(n, pipelined):
     view = nnx.view(embed, deterministic=True)
     assert view.deterministic and not embed.deterministic
     jitted = nnx.jit(lambda e, c: e(c))
+    # the jitted forms on both evaluation batches; the eager ones (each eager call traces
+    # and compiles its programs anew) on one each, every form meeting an evaluation
+    (x0, w0), (x1, w1) = evals
+    assert_close(embed(embed.enqueue(x0, w0), deterministic=True), want[0], "nnx, per call")
     for (x, w), y in zip(evals, want):
-        assert_close(embed(embed.enqueue(x, w), deterministic=True), y, "nnx, per call")
         assert_close(jitted(view, view.enqueue(x, w)), y, "nnx.view, jitted")
     embed.eval()
     assert embed.deterministic
-    for (x, w), y in zip(evals, want):
-        csr = embed.enqueue(x, w)  # (the module's mode: for evaluation)
-        assert_close(embed(csr), y, "nnx eval()")
-        assert_close(embed(embed.map_ids(csr)), y, "nnx eval(), map_ids first")
+    # (enqueue: the module's mode, for evaluation)
+    assert_close(embed(embed.enqueue(x1, w1)), want[1], "nnx eval()")
+    assert_close(embed(embed.map_ids(embed.enqueue(x0, w0))), want[0], "nnx eval(), map_ids first")
     assert_leaves_identical(leaves(nnx.state(embed, em_nnx.EmbeddingVariable)), before)
     assert embed.pending is pending
     with pytest.raises(ValueError, match="training=False"):
@@ -105,12 +107,12 @@ def test_modules_evaluate_as_the_facade(n, pipelined):
     lin_eval = em_linen.Embed(lin.embedding, deterministic=True)
     evaluate = jax.jit(lambda v, c: lin.apply(v, c, deterministic=True))
     for (x, w), y in zip(evals, want):
-        assert_close(lin.apply(variables, lin.enqueue(x, w), deterministic=True), y, "linen")
         assert_close(evaluate(variables, lin.enqueue(x, w)), y, "linen, jitted")
-        assert_close(lin.apply(variables, lin.enqueue(x, w, training=False)), y, "linen, batch")
-        got, changed = lin_eval.apply(variables, lin_eval.enqueue(x, w), mutable=["embedding"])
-        assert_close(got, y, "linen, attribute")
-        assert_leaves_identical(leaves(changed), before)
+    assert_close(lin.apply(variables, lin.enqueue(x0, w0), deterministic=True), want[0], "linen")
+    assert_close(lin.apply(variables, lin.enqueue(x1, w1, training=False)), want[1], "linen, batch")
+    got, changed = lin_eval.apply(variables, lin_eval.enqueue(x1, w1), mutable=["embedding"])
+    assert_close(got, want[1], "linen, attribute")
+    assert_leaves_identical(leaves(changed), before)
     assert_leaves_identical(leaves(variables), before)
     csr = lin.apply(variables, lin.enqueue(*evals[0]), method="map_ids", deterministic=True)
     with pytest.raises(ValueError, match="training=False"):
