@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from paths import SUPPORT as HERE  # the worker's folder
 from paths import child_pythonpath
-from process_helpers import free_port, run_collect, run_together
+from process_helpers import free_port, run_collect
 
 from embedmesh import _runtime
 from embedmesh.device import ops
@@ -59,24 +59,42 @@ def _check_modes(outs, modes):
 
 @needs_kernels
 def test_two_processes_exchange_train_and_refuse_sizes_that_differ(tmp_path):
-    """One 2-process job (one start-up, not three): ops.exchange, and the host kernels of
+    """One 2-process job (one start-up, not four): ops.exchange, and the host kernels of
     the N-shard lookup and update and of the pooled ops, against XLA's exchange; then
     training against the gloo exchange (`_check_training`); then sizes that differ per
-    process on one channel, a clear error on every process (`_check_mismatch`)."""
+    process on one channel, a clear error on every process (`_check_mismatch`); then one
+    round on a new channel and the job SIGKILLed whole: its nameless segments (memfds)
+    never had a name, nothing is left in /dev/shm (`_check_killed`)."""
     out_file = str(tmp_path / "tables")
-    modes = "exchange,ops,pooled,train,mismatch"
-    outs = run_together(_commands(2, modes, out_file), _env(), timeout=TIMEOUT)
+    modes = "exchange,ops,pooled,train,mismatch,killed"
+    codes, outs = run_collect(_commands(2, modes, out_file), _env(), timeout=TIMEOUT)
+    _check_killed(codes, outs, nameless=True)
     _check_modes(outs, "exchange,ops,pooled")
     _check_training(outs, out_file)
     _check_mismatch(outs)
 
 
 @needs_kernels
-def test_four_processes_exchange_like_all_to_all():
+def test_three_processes_exchange_like_all_to_all_and_named_segments_go():
     """The host kernels of the N-shard lookup and update and of the pooled ops, where each
-    rank has several peers, against XLA's exchange."""
-    modes = "ops,pooled"
-    _check_modes(run_together(_commands(4, modes), _env(), timeout=TIMEOUT), modes)
+    rank has several peers (2: three processes cost a start-up less than four), against
+    XLA's exchange; on named segments (the fallback, when
+    a process cannot open the others' descriptors: here the last one pretends so), which
+    lose their names once every peer has arrived in their first round (each has mapped
+    them): the job SIGKILLed whole after one more round leaves none in /dev/shm."""
+    modes = "named,ops,pooled,killed"
+    codes, outs = run_collect(_commands(3, modes), _env(), timeout=TIMEOUT)
+    _check_killed(codes, outs, nameless=False)
+    _check_modes(outs, "ops,pooled")
+
+
+def _check_killed(codes, outs, nameless: bool):
+    """A job that SIGKILLed itself (every process) after a round: every process was
+    killed, each saw its segments nameless or not, and none of the job's is left."""
+    assert codes == [-signal.SIGKILL] * len(outs), "\n=====\n".join(o[-3000:] for o in outs)
+    assert _nameless(outs) == {"1" if nameless else "0"}
+    (killed,) = _jobs(outs)
+    assert _segments(killed) == []
 
 
 def _check_mismatch(outs):
@@ -120,21 +138,13 @@ def _nameless(outs) -> set[str]:
 
 @needs_kernels
 @pytest.mark.parametrize("segments", ["nameless", "named"])
-def test_killed_processes_leave_no_segments_and_are_noticed_within_seconds(segments):
-    """A job SIGKILLed whole right after its first round leaves no segment: nameless ones
-    (memfds) never had a name; named ones (the fallback, when a process cannot open the
-    others' descriptors: here one pretends so) lose theirs once every peer has arrived in
-    the first round (each has mapped them). A peer killed before it created its segment
-    fails the others within seconds (its pid, gathered at build, is gone), even with no
-    timeout (inf); the named segments left then are unlinked by the process that noticed."""
+def test_a_peer_killed_before_its_segment_is_noticed_within_seconds(segments):
+    """A peer killed before it created its segment fails the others within seconds (its
+    pid, gathered at build, is gone), even with no timeout (inf); the named segments left
+    then are unlinked by the process that noticed. (A job SIGKILLed whole after a round:
+    the 2- and 3-process tests above, nameless and named.)"""
     env = _env(EMBEDMESH_EXCHANGE_TIMEOUT_S="inf")
     extra = ",named" if segments == "named" else ""
-    codes, outs = run_collect(_commands(2, "killed" + extra), env, timeout=TIMEOUT)
-    assert codes == [-signal.SIGKILL] * 2, "\n=====\n".join(o[-3000:] for o in outs)
-    assert _nameless(outs) == {"1" if segments == "nameless" else "0"}
-    (killed,) = _jobs(outs)
-    assert _segments(killed) == []
-
     codes, outs = run_collect(_commands(2, "early" + extra), env, timeout=TIMEOUT)
     assert codes == [0, -signal.SIGKILL], "\n=====\n".join(o[-3000:] for o in outs)
     assert _nameless(outs) == {"1" if segments == "nameless" else "0"}
@@ -142,7 +152,7 @@ def test_killed_processes_leave_no_segments_and_are_noticed_within_seconds(segme
     assert "channel 'test/early'" in line and "process 1 (pid " in line, line
     assert "exited" in line and float(line.split()[1]) < 20, line
     (early,) = _jobs(outs)
-    assert _segments(killed) == [] and _segments(early) == []
+    assert _segments(early) == []
 
 
 @needs_kernels

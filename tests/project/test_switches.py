@@ -137,7 +137,16 @@ def test_numba_off_makes_preprocessing_and_serving_use_numpy(numpy_run, tmp_path
             np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
 
-def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
+@pytest.fixture(scope="module")
+def native_run(tmp_path_factory):
+    """WORKLOAD with numba off (the C++ kernels on), then the 0 MB output pool's check
+    (test_output_pool_mb) in the same process: ({part: what it saw}, the arrays' file)."""
+    out = tmp_path_factory.mktemp("switches") / "native.npz"
+    env = {"EMBEDMESH_NUMBA": "0", "EMBEDMESH_OUTPUT_POOL_MB": "0"}
+    return run_parts({"workload": WORKLOAD, "output_pool": OUTPUT_POOL}, env, out), out
+
+
+def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, native_run):
     from embedmesh.serving import kernels, native
 
     if not kernels.HAVE_NATIVE:
@@ -145,8 +154,8 @@ def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
     from embedmesh.host import preprocess
 
     pre = "native" if preprocess.native_available() else "numpy"
-    seen = run_json(WORKLOAD, {"EMBEDMESH_NUMBA": "0"}, tmp_path / "native.npz")
-    assert seen == {
+    seen, native_file = native_run
+    assert seen["workload"] == {
         "numba": False,
         "preprocess": pre,
         "preprocess_numba": False,
@@ -154,7 +163,7 @@ def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
     }
     ref, ref_file = numpy_run  # the same workload, the C++ kernels off
     assert ref["serving"] == "numpy"
-    a, b = np.load(tmp_path / "native.npz"), np.load(ref_file)
+    a, b = np.load(native_file), np.load(ref_file)
     for k in a.files:
         if k.startswith("pre/"):  # preprocessing's backends are bit-identical
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -164,16 +173,18 @@ def test_serving_native_is_the_default_and_needs_no_numba(numpy_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """One process with no switch set: `import embedmesh` alone (first), WORKLOAD, a
+    """One process with no switch set but the output pool's size (4 MB: test_output_pool_mb;
+    its first request, before any other): `import embedmesh` alone (first), WORKLOAD, a
     device op's lowering and the serving pool's spin."""
     out = tmp_path_factory.mktemp("switches") / "default.npz"
     parts = {
         "import": IMPORT,
+        "output_pool": OUTPUT_POOL,
         "workload": WORKLOAD.replace("preprocess.numba_available()", "None"),
         "cpu_kernels": CPU_KERNELS,
         "spin": SERVING_SPIN,
     }
-    return run_parts(parts, {}, out)
+    return run_parts(parts, {"EMBEDMESH_OUTPUT_POOL_MB": "4"}, out)
 
 
 def test_preprocessing_and_serving_import_no_numba_by_default(default_run):
@@ -317,11 +328,13 @@ print(json.dumps({"limit": pool._pool.limit, "in_use": in_use,
 
 
 @pytest.mark.parametrize("mb", [0, 1, 4])
-def test_output_pool_mb(rows, mb):
+def test_output_pool_mb(rows, native_run, default_run, mb):
     """The serving output pool keeps at most the given MB of free buffers for reuse. A
     request's outputs are views of one buffer (the compiled request rules'): its two 600 KiB
-    outputs one 1.2 MB buffer, which a 1 MB pool does not keep and a 4 MB pool does."""
-    seen = rows(f"pool{mb}")["output_pool"]
+    outputs one 1.2 MB buffer, which a 1 MB pool does not keep and a 4 MB pool does. (Each
+    setting in a process that checks other switches too: `native_run`, ROWS,
+    `default_run`.)"""
+    seen = {0: native_run[0], 1: rows("threads3"), 4: default_run}[mb]["output_pool"]
     one = 1200 * 2 * 64 * 4  # an output's bytes
     assert seen == {"limit": mb << 20, "in_use": 0, "kept": {0: 0, 1: 0, 4: 2 * one}[mb]}
 
@@ -355,17 +368,18 @@ def _switches(threads: int, spin: str) -> dict:
 
 
 # the processes of the switches' settings: (env, parts in order); the thread counts' patches
-# record only, the spin's part reads (and resets) the spin last; the output pool's runs
-# with the default thread count (the threads decide how a request's outputs are laid out)
+# record only, the spin's part reads (and resets) the spin last; the output pool's runs as
+# the process's first request (nothing kept before it), or with nothing kept (its 0 MB
+# setting: in `native_run`, after WORKLOAD; 4 MB: `default_run`)
 ROWS = {
     "threads1": (
         {**_switches(1, "0"), "EMBEDMESH_CPU_KERNELS": "0"},
         ("preprocess_threads", "serving_threads", "cpu_kernels", "spin"),
     ),
-    "threads3": (_switches(3, "2500"), ("preprocess_threads", "serving_threads", "spin")),
-    "pool0": ({"EMBEDMESH_OUTPUT_POOL_MB": "0"}, ("output_pool",)),
-    "pool1": ({"EMBEDMESH_OUTPUT_POOL_MB": "1"}, ("output_pool",)),
-    "pool4": ({"EMBEDMESH_OUTPUT_POOL_MB": "4"}, ("output_pool",)),
+    "threads3": (
+        {**_switches(3, "2500"), "EMBEDMESH_OUTPUT_POOL_MB": "1"},
+        ("output_pool", "preprocess_threads", "serving_threads", "spin"),
+    ),
     "bad_spin": ({"EMBEDMESH_SERVING_SPIN_US": "-1"}, ("spin",)),
 }
 

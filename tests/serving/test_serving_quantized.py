@@ -588,29 +588,32 @@ def _trained_low_precision(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
-@pytest.mark.parametrize("kind", ["int8", "fp16", "bf16", "float32"])
-def test_low_precision_tables_quantize_from_memory_and_checkpoints(tmp_path, dtype, kind):
+def test_low_precision_tables_quantize_from_memory_and_checkpoints(tmp_path, dtype):
     """A table trained in bfloat16 (numpy dtype kind 'V', not 'f') or float16 serves in
     every kind, quantized from memory and from its checkpoint, within the stated bound of
-    its float64 values."""
+    its float64 values. (One table trained and saved, every kind read from it.)"""
     from embedmesh.serving import load_tables
 
     feats, t, trained = _trained_low_precision(tmp_path, dtype)
     x64 = trained.astype(np.float64)
-    from_memory = quantize_tables({t: trained}, kind)[t]
-    from_checkpoint = load_tables(tmp_path, feature_config=feats, dtype=kind)[t]
-    together = load_tables(tmp_path, dtype=kind)  # no feature config: read, then quantized
-    assert [c.name for c in together] == ["v"]
-    for got in (from_memory, from_checkpoint, next(iter(together.values()))):
-        if kind == "float32":  # every bfloat16 / float16 value is a float32 value
-            assert isinstance(got, np.ndarray) and got.dtype == np.float32
-            np.testing.assert_array_equal(got.astype(np.float64), x64)
-            continue
-        assert got.kind == kind and got.shape == trained.shape
-        err = np.abs(decoded64(got) - x64)
-        assert (err <= element_bound(got, x64)).all()
-        assert (np.abs(got.dequantize().astype(np.float64) - x64) <= element_bound(got, x64)).all()
-        np.testing.assert_array_equal(np.asarray(got.data), np.asarray(from_memory.data))
+    for kind in ["int8", "fp16", "bf16", "float32"]:
+        from_memory = quantize_tables({t: trained}, kind)[t]
+        from_checkpoint = load_tables(tmp_path, feature_config=feats, dtype=kind)[t]
+        together = load_tables(tmp_path, dtype=kind)  # no feature config: read, then quantized
+        assert [c.name for c in together] == ["v"]
+        for got in (from_memory, from_checkpoint, next(iter(together.values()))):
+            if kind == "float32":  # every bfloat16 / float16 value is a float32 value
+                assert isinstance(got, np.ndarray) and got.dtype == np.float32
+                np.testing.assert_array_equal(got.astype(np.float64), x64)
+                continue
+            assert got.kind == kind and got.shape == trained.shape, kind
+            err = np.abs(decoded64(got) - x64)
+            assert (err <= element_bound(got, x64)).all(), kind
+            dequantized = got.dequantize().astype(np.float64)
+            assert (np.abs(dequantized - x64) <= element_bound(got, x64)).all(), kind
+            np.testing.assert_array_equal(
+                np.asarray(got.data), np.asarray(from_memory.data), err_msg=kind
+            )
 
 
 # ---------------------------------------------------------------------------

@@ -349,25 +349,6 @@ def test_increments_in_sequence_equal_the_full_export(n, seed, every):
     _assert_same(start.apply(again), base[cfg])
 
 
-def test_an_update_applies_only_at_its_step():
-    emb, cfg, _ = _engine_of(1, 8)
-    rng = np.random.default_rng(0)
-    pool = rng.integers(INT64_MIN, INT64_MAX, 10, np.int64)
-    _step(emb, rng, pool, 3)
-    first = emb.embedding_tables[cfg]
-    _step(emb, rng, pool, 3)
-    update = em.export_increment(emb, {cfg: first})[cfg]
-    later = first.apply(update)
-    with pytest.raises(ValueError, match="since step 1, but the table is at step 2"):
-        later.apply(update)
-    with pytest.raises(ValueError, match="has no step"):
-        em.export_increment(emb, {cfg: em.RawIdTable([1], np.ones((1, DIM)), 8)})
-    with pytest.raises(ValueError, match="not a table of raw ids"):
-        em.export_increment(emb, {"other": first})
-    with pytest.raises(TypeError, match="not a RawIdTable"):
-        em.apply_increment({cfg: np.ones((8, DIM))}, {cfg: update})
-
-
 # ---------------------------------------------------------------------------
 # export_serving / load_serving
 
@@ -451,6 +432,25 @@ def test_export_round_trip_and_increments(tmp_path, poisoned_outputs):
         server.apply_increment({"other": update[cfg]})
     # a fresh load starts from the export again
     assert load_serving(tmp_path, precompile=False).tables["items"].step == 1
+    _an_update_applies_only_at_its_step(emb, cfg, served[cfg])
+
+
+def _an_update_applies_only_at_its_step(emb, cfg, first):
+    """An update applies to the table at its `since` step only (`first`: the engine's
+    table at step 1, the engine now at step 4); a table without a step, a plain table's
+    name or a plain array is refused (on the engine of the test above: no engine of its
+    own to build and train)."""
+    update = em.export_increment(emb, {cfg: first})[cfg]
+    later = first.apply(update)
+    assert later.step == 4
+    with pytest.raises(ValueError, match="since step 1, but the table is at step 4"):
+        later.apply(update)
+    with pytest.raises(ValueError, match="has no step"):
+        em.export_increment(emb, {cfg: em.RawIdTable([1], np.ones((1, DIM)), 8)})
+    with pytest.raises(ValueError, match="not a table of raw ids"):
+        em.export_increment(emb, {"other": first})
+    with pytest.raises(TypeError, match="not a RawIdTable"):
+        em.apply_increment({cfg: np.ones((8, DIM))}, {cfg: update})
 
 
 def test_export_refuses_an_input_given_to_two_kinds_of_table(tmp_path):

@@ -307,10 +307,10 @@ def run_ops(mesh, job):
     ungrouped pairs, and keep=False; each case another fused optimizer."""
     put, put_slots = per_device(mesh)
 
-    # the 4-process run (where each rank has several peers) takes case 3 (shuffled ids,
+    # the 3-process run (where each rank has several peers) takes case 3 (shuffled ids,
     # ungrouped pairs); the 2-process run the others, so every case (and every optimizer)
     # runs once a test (each case costs every process its traces and compiles: the
-    # 4-process run, on a 2-core machine, twice as much as the 2-process one)
+    # 3-process run, on a 2-core machine, half as much again as the 2-process one)
     for case in (0, 1, 2, 4, 5) if N <= 2 else (3,):
         r = np.random.default_rng(1000 + case)
         rows, u, p, num_rows, d = 30, int(r.integers(1, 9)), int(r.integers(0, 25)), 7, 8
@@ -408,7 +408,7 @@ def run_pooled(mesh, job):
     def transport_of(host_job, channel):
         return ops.Transport("x", N, host_job=host_job, channel=channel)
 
-    # the 4-process run takes case 1 (a compacted row map), the 2-process run the others
+    # the 3-process run takes case 1 (a compacted row map), the 2-process run the others
     # (case 3: keep=False)
     for case in (0, 2, 3, 4, 5) if N <= 2 else (1,):
         r = np.random.default_rng(2000 + case)
