@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -331,6 +331,9 @@ def test_backward_update_sharded_matches_the_exchange_path(
     keep=st.just(True),  # keep=False: the multi-process cases (host_exchange_worker)
     seed=SEEDS,
 )
+# one drawn example is Hypothesis's simplest (no pairs: nothing to update); this one
+# updates rows from every device's partition
+@example(n=4, rows=37, u=9, p=30, num_rows=6, d=8, grouped=True, keep=True, seed=11)
 def test_replicated_backward_update_matches_the_gather_path(
     opt, n, rows, u, p, num_rows, d, grouped, keep, seed
 ):
