@@ -155,3 +155,26 @@ def test_scatter_keeps_the_neighbours_lanes():
     want[ids[:-1]] = rows[:-1]
     np.testing.assert_array_equal(np.asarray(got.data).reshape(logical.shape), want)
     assert packed.stored(got) is got.data and packed.view(got.data, 1) is got.data
+
+
+@pytest.mark.parametrize("pack", [2, 4, 8])
+def test_every_id_carries_its_whole_stored_row(pack):
+    """The scatter writes each id's merged stored row, and ids that share a stored row
+    write the same row several times (which write lands is the backend's choice: a TPU's
+    DMAs in any order, the CPU's in order): so each id's merged row must hold the new
+    rows of every id of its stored row, before it and after it, and the stored lanes of
+    the ids not updated. Checked on the merge itself against numpy, whatever the
+    scatter does."""
+    r = np.random.default_rng(pack)
+    w, rows_stored = 128 // pack, 9
+    ids = np.sort(r.choice(rows_stored * pack, size=6 * pack, replace=False)).astype(np.int32)
+    row, slot = ids // pack, ids % pack
+    words = r.standard_normal((ids.size, pack * w)).astype(np.float32)
+    words = words[np.searchsorted(np.unique(row), row)]  # one stored row's ids read the same
+    new = r.standard_normal((ids.size, w)).astype(np.float32)
+    got = np.asarray(jax.jit(packed._merged, static_argnums=4)(words, row, slot, new, pack))
+    want = words.copy()
+    for i in range(ids.size):
+        for j in np.flatnonzero(row == row[i]):
+            want[i, slot[j] * w : (slot[j] + 1) * w] = new[j]
+    np.testing.assert_array_equal(got, want)
