@@ -6,7 +6,9 @@ the steady step (median of 12). "fresh" and "cached" share one persistent compil
 cache folder (run "fresh" first); every other case starts with an empty one: "serial"
 (the update programs compiled when first called, not in threads at the first lookup),
 "threads" (the lookup and update programs compiled at once in threads, then stop),
-"effortM1" (XLA's `exec_time_optimization_effort` -1, up to the first update).
+"effortM1" (XLA's `exec_time_optimization_effort` -1, up to the first update); a case
+named `CASE-nofinite` runs CASE with the MXU pair sums' XLA fallback branch (for
+non-finite rows) left out of the programs: what that branch costs the compile.
 
     python benchmarks/tpu_first_step_profile.py --out DIR --cases fresh,cached,serial  # chip
 """
@@ -57,6 +59,10 @@ def child(case):
 
     if case["name"] == "serial":  # the update programs compiled when first called
         steps.BACKGROUND_COMPILE = False
+    if case.get("patch") == "nofinite":  # experiment: the MXU sums without their XLA fallback
+        from embedmesh.device.ops import tpu as tpu_ops
+
+        tpu_ops._finite_or_reference = lambda kernel, *args, **kw: kernel()
     mark("import")
     sys.path.insert(0, HERE)
     import tpu
@@ -163,13 +169,14 @@ def main():
     cache = tempfile.mkdtemp(prefix="embedmesh-first-step-")
     results = []
     for name in args.cases.split(","):
-        case = {"name": name}
+        name, _, patch = name.partition("-")  # threads-nofinite: a case with an experiment
+        case = {"name": name, "patch": patch or None}
         if name.startswith("effort"):  # effortM1: exec_time_optimization_effort -1
             case["effort"] = -float(name[len("effortM") :])
             case["short"] = True
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         env["EMBEDMESH_COMPILATION_CACHE"] = (
-            cache if name == "fresh" or name == "cached" else tempfile.mkdtemp()
+            cache if name in ("fresh", "cached") and not patch else tempfile.mkdtemp()
         )
         t0 = time.perf_counter()
         run = subprocess.run(
