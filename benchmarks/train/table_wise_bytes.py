@@ -11,16 +11,24 @@ timing.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/train/table_wise_bytes.py
     ... --check 1.25     # exit 1 where a mix holds more than 1.25x its largest owner's
+    ... --built          # also build the first mixes on virtual CPU devices: per device,
+                         # the arrays' shards' bytes against its own and the largest
+                         # owner's, every table whole (before spreading) and as planned
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# --built places tables on virtual CPU devices: more of them than any mix uses
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np
 
 from embedmesh.config import FeatureConfig, TableConfig
+from embedmesh.layout import stacking
 from embedmesh.layout.stacking import plan_stacking
 from embedmesh.optimizers import SGD, Adagrad, Adam
 
@@ -65,6 +73,41 @@ MIXES = [
         "adam",
     ),
     ("8 devices, 12 equal tables", [(100000, 32)] * 12, 8, "adagrad"),
+    (
+        "8 devices, 10 tables of 8 widths",
+        [
+            (113089, 40),
+            (116518, 184),
+            (12086, 56),
+            (19601, 240),
+            (602950, 16),
+            (339, 152),
+            (64973, 40),
+            (10063, 32),
+            (37787, 208),
+            (239, 152),
+        ],
+        8,
+        "adagrad",
+    ),
+    (
+        "6 devices, 11 tables of 10 widths",
+        [
+            (509856, 136),
+            (121058, 248),
+            (216, 144),
+            (7495, 248),
+            (664698, 16),
+            (152, 160),
+            (538, 56),
+            (278625, 184),
+            (80204, 240),
+            (259264, 8),
+            (381520, 72),
+        ],
+        6,
+        "sgd",
+    ),
 ]
 
 OPTIMIZERS = {"sgd": lambda: SGD(0.1), "adagrad": lambda: Adagrad(0.1), "adam": lambda: Adam(0.01)}
@@ -132,9 +175,78 @@ def random_mixes(n: int, count: int = 20, tables: int = 8, seed: int = 0) -> dic
     }
 
 
+def held_bytes(emb) -> list:
+    """Bytes of tables and optimizer slots each device of the mesh holds, read from the
+    built arrays' shards."""
+    import jax
+
+    held: dict = {}
+    for arr in jax.tree_util.tree_leaves((emb.state.tables, emb.state.slots)):
+        for shard in arr.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return [held.get(d, 0) for d in emb.mesh.devices.flat]
+
+
+def built(shapes, n: int, optimizer: str, whole: bool) -> dict:
+    """The mix built by a `MeshEmbedding` on n virtual CPU devices, every table whole
+    (`whole`: no table spread, the placement before spreading) or as planned: per device
+    the arrays' bytes, the plan's estimate and the device's own bytes."""
+    import jax
+    from jax.sharding import Mesh
+
+    from embedmesh import MeshEmbedding
+
+    bound = stacking.TABLE_WISE_MAX_OVERHEAD
+    if whole:
+        stacking.TABLE_WISE_MAX_OVERHEAD = float("inf")  # nothing ever spreads
+    try:
+        mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+        emb = MeshEmbedding(config(shapes, optimizer), mesh=mesh, sharding="table_wise")
+        emb.build()
+    finally:
+        stacking.TABLE_WISE_MAX_OVERHEAD = bound
+    return {
+        "held": held_bytes(emb),
+        "plan": list(emb.plan.bytes_per_device),
+        "own": owner_bytes(emb.plan),
+        "spread": {t.name: t.span for t in emb.plan.tables if t.span > 1},
+    }
+
+
+def print_built(mixes) -> None:
+    """Per device of each mix: bytes held (the built arrays' shards), the plan's
+    estimate, its own bytes and held / the largest owner's, before and after."""
+    print(
+        "\n| mix | placement | device | held (MB) | plan's estimate (MB) | own (MB) "
+        "| held / largest owner |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, shapes, n, opt in mixes:
+        for whole in (True, False):
+            m = built(shapes, n, opt, whole)
+            spread = ", ".join(f"{k} ({v})" for k, v in m["spread"].items())
+            label = "every table whole" if whole else f"as planned (spread: {spread or 'none'})"
+            top = max(m["own"])
+            for j in range(n):
+                print(
+                    f"| {name} | {label} | {j} | {m['held'][j] / 1e6:.2f} "
+                    f"| {m['plan'][j] / 1e6:.2f} | {m['own'][j] / 1e6:.2f} "
+                    f"| {m['held'][j] / top:.2f} |"
+                )
+            assert m["held"] == m["plan"], (name, m["held"], m["plan"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", type=float, default=None, help="fail above this ratio")
+    ap.add_argument(
+        "--built",
+        type=int,
+        nargs="?",
+        const=2,
+        default=0,
+        help="also build the first BUILT mixes (default 2) on virtual CPU devices",
+    )
     args = ap.parse_args(argv)
     print(
         "| mix | devices | optimizer | held a device (MB) | largest owner (MB) | ratio | stacks "
@@ -161,6 +273,8 @@ def main(argv=None) -> int:
         r = random_mixes(n)
         within = f"{r['within']} of {r['count']}"
         print(f"| Adagrad | {n} | {r['median']:.2f} | {within} | {r['least']:.2f} |")
+    if args.built:
+        print_built(MIXES[: args.built])
     if args.check is not None and worst > args.check:
         print(f"FAIL: above {args.check}")
         return 1

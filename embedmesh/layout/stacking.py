@@ -815,14 +815,14 @@ def _spread_order(members: list, vocabs: list, spans: list) -> list:
 
 def _consecutive(used: list, load: list, k: int) -> tuple:
     """`(first, top)`: the k consecutive shards whose fullest has the fewest `used` rows
-    (ties: the least `load` over them, then the lowest first shard) and those rows."""
+    (ties: the least `load` over them, then the lowest first shard) and those rows. Plain
+    Python over a few shards: the spread search calls it for every table of every trial."""
     if k == len(used):
         return 0, max(used)
-    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(used, np.int64), k)
-    tops = windows.max(axis=1)
-    sums = np.convolve(np.asarray(load, np.float64), np.ones(k), mode="valid")
-    first = int(np.lexsort((np.arange(tops.size), sums, tops))[0])
-    return first, int(tops[first])
+    first = min(
+        range(len(used) - k + 1), key=lambda f: (max(used[f : f + k]), sum(load[f : f + k]))
+    )
+    return first, max(used[first : first + k])
 
 
 def _table_wise_owners(
@@ -874,7 +874,7 @@ _SPREAD_MAX_TABLES = 32
 # at most `_SPREAD_BUDGET` in all (the plan stops spreading there, every spread it took
 # having saved bytes)
 _SPREAD_ROUNDS = 4
-_SPREAD_BUDGET = 300
+_SPREAD_BUDGET = 600
 # A table-wise plan spreads tables while a device holds more than this times the bytes its
 # fullest owner's tables take at their own widths
 TABLE_WISE_MAX_OVERHEAD = 1.25
