@@ -53,6 +53,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from embedmesh._runtime import pooled_pair_fields
+from embedmesh.batch import capacity_bucket
+from embedmesh.layout.cost_model import expected_unique
 
 __all__ = [
     "StackShape",
@@ -67,11 +69,8 @@ _WORD = 4  # bytes of an id, a gain, a float32 row element
 
 
 def _bucket(n: float) -> int:
-    """Preprocessing's capacity bucket (`embedmesh.batch.capacity_bucket`'s rule: the
-    smallest of 8, 12, 16, 24, 32, 48, ... at least `n`)."""
-    n = max(int(np.ceil(n)), 8)
-    p = 1 << (n - 1).bit_length()
-    return p * 3 // 4 if p * 3 // 4 >= n else p
+    """Preprocessing's capacity for `n` ids (`capacity_bucket`: 8, 12, 16, 24, ...)."""
+    return capacity_bucket(int(np.ceil(n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +84,6 @@ class StackShape:
     features: tuple
     fed: int
     raw_ids: bool = False
-
-    @property
-    def rows(self) -> int:
-        return sum(r for r, _ in self.features)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,8 +229,6 @@ def shapes_from_csr(plan, csr: Mapping) -> dict:
 def table_loads(stats: Sequence, batch_per_device: int) -> dict:
     """`{table: (ids a device, their expected distinct ids)}` for `batch_per_device`
     samples a device, from the planner's `TableStats` (`cost_model.expected_unique`)."""
-    from embedmesh.layout.cost_model import expected_unique
-
     b = max(1, int(batch_per_device))
     return {t.name: (b * t.ids_per_sample, expected_unique(t, b * t.ids_per_sample)) for t in stats}
 

@@ -106,22 +106,47 @@ def _shape(u, p, rows, dim, fed=None):
 
 
 def test_terms_from_shapes():
-    """Each term from the shapes by hand (float64 arithmetic of the module's formulas):
-    a row-wise stack of dim 32 with Adagrad's slot apart on 4 devices."""
+    """Each term from the shapes by hand (the module's formulas written out): a stack of
+    dim 32 with Adagrad's slot apart (a row of 64 columns) on 4 devices, for each
+    exchange form, a replica, one device, and rows laid out in 128 lanes."""
     fc = {"a": em.FeatureConfig(em.TableConfig(1000, 32, combiner="sum", name="a"))}
-    plan = planner.stacking_for(
-        em.config.resolve_feature_config(fc), 4, {"a": "mod"}, default_optimizer=em.Adagrad(0.1)
-    )
-    (stack,) = plan.stacks
-    u, p, r, d, w, n = 24, 48, 16, 32, 64, 4
-    got = step_memory(plan, {"a": "rows"}, {stack.name: _shape(u, p, r, d)})
-    assert got.state == 250 * (32 + 32) * 4
-    assert got.batch == 4 * n * (u + 3 * p)
-    assert got.activations == got.gradients == 4 * r * d
+    resolved = em.config.resolve_feature_config(fc)
+    u, p, r, d, w, n, fed = 24, 48, 16, 32, 64, 4, 16
+
+    def got(strategy, devices=n, **kw):
+        plan = planner.stacking_for(
+            resolved, devices, {"a": strategy}, default_optimizer=em.Adagrad(0.1)
+        )
+        (stack,) = plan.stacks
+        form = planner.STRATEGY_FORMS[strategy][1]
+        return step_memory(plan, {"a": form}, {stack.name: _shape(u, p, r, d, fed)}, **kw)
+
+    rows = got("mod")
+    assert rows.state == 250 * (32 + 32) * 4
+    assert rows.batch == 4 * n * (u + 3 * p)
+    assert rows.activations == rows.gradients == 4 * r * d
     lookup = 2 * 4 * n * u + 2 * 4 * n * u * d
     update = 2 * 4 * n * u * d + 4 * n * u * w
-    assert got.temporaries == max(lookup, update) and "update" in got.phase
-    assert got.total == got.state + got.batch + 2 * 4 * r * d + got.temporaries
+    assert rows.temporaries == max(lookup, update) and "update" in rows.phase
+    assert rows.total == rows.state + rows.batch + 2 * 4 * r * d + rows.temporaries
+    assert got("mod", batches=2).batch == 2 * rows.batch  # pipelined: two batches
+    wide = got("mod", lanes=128)  # [U, 32] and [U, 64] blocks take [U, 128]
+    assert wide.temporaries == max(2 * 4 * n * u + 2 * 4 * n * u * 128, 3 * 4 * n * u * 128)
+
+    partials = 4 * n * fed * d  # a pair: 2 words (its slot and row in one, its gain)
+    pooled = got("row_wise_pooled")
+    lookup = 2 * 4 * n * (u + 2 * p) + 2 * partials
+    update = 2 * partials + 2 * 4 * n * u * d + 4 * n * u * w
+    assert pooled.temporaries == max(lookup, update)
+
+    replica = got("data_parallel")
+    update = 4 * u * (1 + d) + 4 * n * u * (1 + d) + 4 * n * u * d + 4 * n * u * w
+    assert replica.temporaries == max(4 * u * d, update)
+    assert replica.state == 1000 * (32 + 32) * 4
+
+    one = got("mod", devices=1)
+    assert one.batch == 4 * (u + 3 * p)
+    assert one.temporaries == 2 * 4 * u * d + 4 * u * w
 
 
 def test_planner_counts_the_step():
