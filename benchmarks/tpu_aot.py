@@ -35,6 +35,7 @@ from embedmesh.device.core import EmbeddingCore, EmbeddingState
 from embedmesh.host import preprocess as pre
 from embedmesh.layout import planner
 from embedmesh.layout.stacking import dim_multiple_for, slots_in_rows_for
+from embedmesh.layout.step_memory import shapes_from_csr, step_memory
 
 COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 _DTYPE_BYTES = {
@@ -218,9 +219,20 @@ def collectives(hlo: str) -> dict:
     return out
 
 
+def estimated_memory(step: AbstractStep):
+    """The layout's estimate of the bytes a device needs for `step` (a `StepMemory`: the
+    state, and the step's own at its batch's capacities, by term)."""
+    exchanges = {t: planner.STRATEGY_FORMS[s][1] for t, s in step.strategies.items()}
+    shapes = shapes_from_csr(step.plan, step.csr)
+    lanes = dim_multiple_for(step.core.mesh.devices.flat[0].platform)
+    batches = 2 if step.pipelined else 1
+    return step_memory(step.plan, exchanges, shapes, batches=batches, lanes=lanes)
+
+
 def compile_step(step: AbstractStep) -> dict:
     """Lower and compile `step`; its per-device bytes (`memory_analysis`), the planner's
-    estimate of the state's, the collectives in the HLO and the cost model's bytes."""
+    estimate of the state's and of the whole step's (`estimated_memory`, by term), the
+    collectives in the HLO and the cost model's bytes."""
     fn, args = step_function(step)
     compiled = fn.lower(*args).compile()
     mem = compiled.memory_analysis()
@@ -236,11 +248,14 @@ def compile_step(step: AbstractStep) -> dict:
         int(np.prod(x.shape)) * x.dtype.itemsize // n
         for x in jax.tree_util.tree_leaves((step.state.tables, step.state.slots))
     )
+    estimate = estimated_memory(step)
     return {
         "memory": memory,
         "per_chip_bytes": memory["argument"] + memory["output"] - memory["alias"] + memory["temp"],
         "state_bytes": state_bytes,
         "planned_bytes": max(step.plan.bytes_per_device),
+        "estimated_bytes": estimate.total,
+        "estimate": dataclasses.asdict(estimate),
         "held_bytes": step.core.memory_held(),
         "collectives": collectives(hlo),
         "exchange_bytes": sum(step.core.exchange_bytes(step.csr).values()),

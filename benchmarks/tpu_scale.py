@@ -11,10 +11,12 @@ Sections, in order, all in one process on the one v5e chip the project is lent:
    cardinalities capped at 40M, dim 128, its multi-hot sizes, global batch 65536, Adagrad:
    `DLRM_CARDINALITIES`, `DLRM_MULTI_HOT`), on each topology (`--topologies`):
    - the plan `sharding="auto"` makes there (`planner.plan` over `Machine.tpu_v5e` of the
-     slice with the calibrated row costs), the bytes a chip holds under it (the built
-     layout's) and the step it predicts; or that it does not fit in 15.7 GiB a chip;
+     slice with the calibrated row costs), the bytes a chip needs under it (the state the
+     built layout holds and the step's own, `embedmesh.layout.step_memory`, by term) and
+     the step it predicts; or that it does not fit in 15.7 GiB a chip;
    - the step compiled for the slice (`tpu_aot`: abstract devices, no arrays): per-chip
-     bytes from `memory_analysis()`, the collectives in the HLO and the bytes a chip
+     bytes from `memory_analysis()` beside the estimate's terms at the compiled batch's
+     capacities, the collectives in the HLO and the bytes a chip
      sends over ICI in them, against the cost model's.
 3. the number of v5e chips DLRM-DCNv2's embedding fits on by the planner's memory rule
    (the smallest slice with a plan), and its predicted step there (run right after 1,
@@ -26,6 +28,7 @@ Sections, in order, all in one process on the one v5e chip the project is lent:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -156,7 +159,9 @@ def dlrm_workload(with_inputs: bool = True):
 
 
 def plan_on(fc, stats, n, batch, machine, requested="auto"):
-    """(strategies, Plan, bytes a chip holds) of `requested` on n chips, or the error."""
+    """(strategies, Plan, the bytes a chip needs by term: a `StepMemory`) of `requested`
+    on n chips, or the error. The memory rule is the planner's: the state and the step's
+    own bytes (`embedmesh.layout.step_memory`, the batch estimated from `stats`)."""
     import embedmesh as em
     from embedmesh.config import resolve_feature_config
     from embedmesh.layout import planner
@@ -168,17 +173,21 @@ def plan_on(fc, stats, n, batch, machine, requested="auto"):
         dim_multiple=dim_multiple_for("tpu"),
         slots_in_rows=slots_in_rows_for("tpu"),
     )
-    memory_of = planner.layout_memory(resolved, n, **stacking)
+    b = -(-batch // n)
+    memory_of = planner.layout_memory(resolved, n, stats=stats, batch_per_device=b, **stacking)
     chosen, plan = planner.plan(
         stats,
         {t: requested for t in resolved.table_names},
         n,
-        -(-batch // n),
+        b,
         machine,
         memory_limit=machine.memory_per_device,
         memory_of=memory_of,
     )
-    return chosen, plan, max(memory_of(chosen))
+    layout = planner.stacking_for(resolved, n, chosen, **stacking)
+    needs = planner.step_memory_for(layout, chosen, stats, b, lanes=stacking["dim_multiple"])
+    assert needs.total == max(memory_of(chosen))
+    return chosen, plan, needs
 
 
 def case(fc, inputs, stats, batch, topo, costs, compile_it, sharding="auto"):
@@ -194,7 +203,7 @@ def case(fc, inputs, stats, batch, topo, costs, compile_it, sharding="auto"):
     machine = Machine.tpu_v5e(shape, **costs)
     rec = {"topology": topo, "chips": n, "slice": shape, "ici_GBps": machine.intra.bandwidth / 1e9}
     try:
-        chosen, plan, held = plan_on(fc, stats, n, batch, machine, sharding)
+        chosen, plan, needs = plan_on(fc, stats, n, batch, machine, sharding)
     except ValueError as e:
         rec["fits"] = False
         rec["plan_error"] = str(e)[:600]
@@ -202,7 +211,9 @@ def case(fc, inputs, stats, batch, topo, costs, compile_it, sharding="auto"):
     rec.update(
         fits=True,
         strategies=sorted(set(chosen.values())),
-        planned_bytes_per_chip=held,
+        planned_bytes_per_chip=needs.state,  # the state a chip holds
+        planned_step_bytes_per_chip=needs.step,  # the step's own, from the statistics
+        planned_terms=dataclasses.asdict(needs),
         predicted_step_ms=plan.step_time_s * 1e3,
         model_bytes_per_chip_moved=plan.max_bytes_per_device,
     )
@@ -216,12 +227,30 @@ def case(fc, inputs, stats, batch, topo, costs, compile_it, sharding="auto"):
             memory=got["memory"],
             per_chip_bytes=got["per_chip_bytes"],
             state_bytes=got["state_bytes"],
+            # the estimate at the compiled batch's capacities, by term, and the ratio
+            estimated_bytes=got["estimated_bytes"],
+            estimate=got["estimate"],
+            compiled_over_estimated=got["per_chip_bytes"] / got["estimated_bytes"],
+            compiled_over_state=got["per_chip_bytes"] / got["state_bytes"],
             collectives=got["collectives"],
             hlo_bytes_sent_per_chip=sent,
             core_exchange_bytes=got["exchange_bytes"],
             ici_ms_at_hlo_bytes=sent / machine.intra.bandwidth * 1e3,
         )
     return rec
+
+
+def memory_line(rec: dict) -> str:
+    """A compiled case's bytes a chip beside the estimate's terms (GB)."""
+    e, gb = rec["estimate"], 1e9
+    return (
+        f"{rec['workload']} {rec['topology']}: compiled {rec['per_chip_bytes'] / gb:.3f} GB "
+        f"(temp {rec['memory']['temp'] / gb:.3f}); estimated {rec['estimated_bytes'] / gb:.3f}"
+        f" = state {e['state'] / gb:.3f} + batch {e['batch'] / gb:.4f} + activations "
+        f"{e['activations'] / gb:.4f} + gradients {e['gradients'] / gb:.4f} + temporaries "
+        f"{e['temporaries'] / gb:.3f} ({e['phase']}); compiled / estimated "
+        f"{rec['compiled_over_estimated']:.3f} (/ state {rec['compiled_over_state']:.3f})"
+    )
 
 
 def main():
@@ -235,6 +264,11 @@ def main():
         "first, before any compile)",
     )
     ap.add_argument("--workloads", default="train_step,dlrm_dcnv2")
+    ap.add_argument(
+        "--train-step-topologies",
+        default=None,
+        help="topologies for train_step's workload (default: --topologies)",
+    )
     ap.add_argument("--budget", type=float, default=500.0)
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget
@@ -258,13 +292,14 @@ def main():
     for shape in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16)):
         n = shape[0] * shape[1]
         try:
-            chosen, plan, held = plan_on(fc, stats, n, batch, Machine.tpu_v5e(shape, **costs))
+            chosen, plan, needs = plan_on(fc, stats, n, batch, Machine.tpu_v5e(shape, **costs))
         except ValueError:
             continue
         data["dlrm_fits"] = {
             "slice": shape,
             "chips": n,
-            "bytes_per_chip": held,
+            "bytes_per_chip": needs.total,
+            "terms": dataclasses.asdict(needs),
             "predicted_step_ms": plan.step_time_s * 1e3,
             "strategies": {t: s for t, s in chosen.items()},
         }
@@ -277,7 +312,10 @@ def main():
         if name not in args.workloads.split(","):
             continue
         fc, inputs, stats, batch = make()
-        for topo in topologies:
+        chosen_topologies = topologies
+        if name == "train_step" and args.train_step_topologies:
+            chosen_topologies = args.train_step_topologies.split(",")
+        for topo in chosen_topologies:
             compile_it = name == "train_step" or topo in args.dlrm_compile.split(",")
             if time.monotonic() > deadline:
                 compile_it = False
@@ -290,6 +328,8 @@ def main():
             data["cases"].append(rec)
             save()
             print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+            if "estimated_bytes" in rec:
+                print(memory_line(rec), flush=True)
 
 
 if __name__ == "__main__":

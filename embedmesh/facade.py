@@ -62,9 +62,11 @@ class MeshEmbedding:
         device). Default: the first batch's size (its samples on this process
         over the process's devices), or 256 a device when `build()` comes
         before any batch. `emb.plan` says which it used.
-      memory_limit_bytes: the bytes of tables and optimizer slots a device may
-        hold (every plan, explicit or "auto": with `host_tier="off"` a plan over
-        it is a ValueError naming the tables, the bytes and the limit, raised by
+      memory_limit_bytes: the bytes a device may use for its tables and optimizer
+        slots and a training step of the planned batch (its batch, activations,
+        gradients and largest temporaries: `emb.plan` shows both) (every plan,
+        explicit or "auto": with `host_tier="off"` a plan over it is a ValueError
+        naming the tables, the bytes and the limit, raised by
         `build()` before anything is allocated, by default a host tier then holds
         the rows; "auto" picks among the plans that fit). Default:
         an accelerator's own limit (a GPU's or a TPU's `device.memory_stats()["bytes_limit"]`,

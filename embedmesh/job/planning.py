@@ -37,7 +37,7 @@ def build(spec: JobSpec, mesh, sample: list | None = None) -> tuple:
     before any other collective."""
     if len({d.process_index for d in mesh.devices.flat}) > 1:
         agree_on_job(spec, mesh)  # first: before any other collective
-    strategies, predicted, planned_batch = plan_strategies(spec, mesh, sample)
+    strategies, predicted, planned_batch, step_memory = plan_strategies(spec, mesh, sample)
     exchanges = {t: _planner.STRATEGY_FORMS[s][1] for t, s in strategies.items()}
     plan = _planner.stacking_for(spec.resolved, mesh.size, strategies, **stacking(spec, mesh))
     plan = dataclasses.replace(
@@ -46,6 +46,7 @@ def build(spec: JobSpec, mesh, sample: list | None = None) -> tuple:
         predicted=predicted,
         planned_batch=planned_batch,
     )
+    plan = dataclasses.replace(plan, step_memory=step_memory(plan))
     core = _host_tier.core_for(
         plan,
         mesh,
@@ -171,11 +172,12 @@ def _planned_batch(spec: JobSpec, mesh, sample: list | None) -> tuple:
 
 
 def plan_strategies(spec: JobSpec, mesh, sample: list | None) -> tuple:
-    """`({table: strategy}, the cost model's Plan, the batch planned for in words)`:
-    the "auto" tables planned (from `sample`, the first batch, when one was given
-    before building) for `batch_size` (else the first batch's, else the default),
-    every plan within the memory limit. With several processes every process takes
-    process 0's plan (each saw its own batch; they must compile the same programs)."""
+    """`({table: strategy}, the cost model's Plan, the batch planned for in words, the
+    step's memory of a stacking plan)`: the "auto" tables planned (from `sample`, the
+    first batch, when one was given before building) for `batch_size` (else the first
+    batch's, else the default), every plan's state and step bytes within the memory
+    limit. With several processes every process takes process 0's plan (each saw its
+    own batch; they must compile the same programs)."""
     resolved = spec.resolved
     names = resolved.table_names
     optimizers = {
@@ -187,7 +189,15 @@ def plan_strategies(spec: JobSpec, mesh, sample: list | None) -> tuple:
     on_cpu = _peers.mesh_on_cpu(mesh)
     limit = memory_limit_of(spec, mesh, on_cpu)
     options = dict(
-        memory_of=_planner.layout_memory(resolved, mesh.size, **stacking(spec, mesh)),
+        # the state and the step's own bytes (the batch planned for) on each device
+        memory_of=_planner.layout_memory(
+            resolved,
+            mesh.size,
+            stats=stats,
+            batch_per_device=batch,
+            pipelined=spec.pipelined,
+            **stacking(spec, mesh),
+        ),
         # a table of raw ids cannot be replicated (its id map: `core._dynamic_stacks`)
         excluded={
             t: ("data_parallel",)
@@ -226,4 +236,11 @@ def plan_strategies(spec: JobSpec, mesh, sample: list | None) -> tuple:
         codes = np.asarray(multihost_utils.broadcast_one_to_all(codes))
         agreed = {t: _planner.PLANNED[int(c)] for t, c in zip(names, codes)}
         chosen = {t: (chosen[t] if spec.strategies[t] != "auto" else agreed[t]) for t in names}
-    return chosen, predicted, planned_batch
+
+    def step_memory(plan):
+        lanes = stacking(spec, mesh)["dim_multiple"]
+        return _planner.step_memory_for(
+            plan, chosen, stats, batch, pipelined=spec.pipelined, lanes=lanes
+        )
+
+    return chosen, predicted, planned_batch, step_memory

@@ -11,10 +11,12 @@ its ICI, or a GPU cluster's datasheet projection), and `plan` runs
 choices as overrides.
 
 Memory is one rule for every strategy, explicit or planned: the bytes each device
-holds are the built layout's (`stacking_for(...).bytes_per_device`: every stack's
-block on every device, padding included), and no plan over the per-device limit
-(`memory_limit`) is chosen; when none fits, a ValueError names the tables, the
-bytes and the limit before anything is allocated.
+needs are the state the built layout holds (`stacking_for(...).bytes_per_device`:
+every stack's block on every device, padding included) plus the step's own bytes
+(`step_memory_for`: the batch on the device, the activations and their gradients, the
+exchanges' and the update's largest temporaries, from the batch the plan is made for),
+and no plan over the per-device limit (`memory_limit`) is chosen; when none fits, a
+ValueError names the tables, the bytes and the limit before anything is allocated.
 
 A strategy is a placement (`embedmesh.layout.rows`: which shard holds a row) and
 an exchange form (`EmbeddingCore`'s `exchange`: what crosses between devices):
@@ -39,6 +41,7 @@ import numpy as np
 from embedmesh.layout import cost_model
 from embedmesh.layout.cost_model import Machine, Plan, TableStats
 from embedmesh.layout.stacking import StackingPlan, plan_stacking, table_shardings
+from embedmesh.layout.step_memory import StepMemory, estimated_shapes, step_memory, table_loads
 
 _log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ __all__ = [
     "plan",
     "resolve_strategies",
     "stacking_for",
+    "step_memory_for",
     "table_stats",
     "tpu_slice_shape",
 ]
@@ -99,16 +103,62 @@ def stacking_for(
     )
 
 
-def layout_memory(resolved, num_devices: int, **stacking) -> Callable[[Mapping[str, str]], tuple]:
-    """`{table: strategy}` -> the bytes each device holds under it (`stacking_for`), for
-    `cost_model.plan_tables`' `memory_of`; cached (the search revisits assignments)."""
+def layout_memory(
+    resolved,
+    num_devices: int,
+    *,
+    stats: Sequence[TableStats] | None = None,
+    batch_per_device: int | None = None,
+    pipelined: bool = False,
+    **stacking,
+) -> Callable[[Mapping[str, str]], tuple]:
+    """`{table: strategy}` -> the bytes each device needs under it, for
+    `cost_model.plan_tables`' `memory_of`; cached (the search revisits assignments).
+
+    The state each device holds (`stacking_for`'s `bytes_per_device`), plus, given the
+    tables' `stats` and `batch_per_device`, the step's own bytes on the device that
+    needs the most (`step_memory_for`: the batch, two where `pipelined`, the
+    activations and their gradients, the largest phase's temporaries), so that a plan
+    that fits fits once compiled."""
+
+    loads = (
+        None if stats is None or batch_per_device is None else table_loads(stats, batch_per_device)
+    )
 
     @functools.lru_cache(maxsize=4096)
     def of(chosen: tuple) -> tuple:
         strategies = dict(zip(resolved.table_names, chosen))
-        return stacking_for(resolved, num_devices, strategies, **stacking).bytes_per_device
+        plan = stacking_for(resolved, num_devices, strategies, **stacking)
+        if loads is None:
+            return plan.bytes_per_device
+        lanes = stacking.get("dim_multiple", 1)
+        step = step_memory_for(
+            plan, strategies, loads, batch_per_device, pipelined=pipelined, lanes=lanes
+        ).step
+        return tuple(x + step for x in plan.bytes_per_device)
 
     return lambda assign: of(tuple(assign[t] for t in resolved.table_names))
+
+
+def step_memory_for(
+    plan: StackingPlan,
+    strategies: Mapping[str, str],
+    stats: Sequence[TableStats] | Mapping[str, tuple],
+    batch_per_device: int,
+    *,
+    pipelined: bool = False,
+    lanes: int = 1,
+) -> StepMemory:
+    """The bytes a device needs for one step of `plan` under `{table: strategy}`, its
+    batch estimated from the tables' `stats` (or their `step_memory.table_loads`) for
+    `batch_per_device` samples a device (`embedmesh.layout.step_memory`); `pipelined`:
+    two batches on the device at once; `lanes`: the columns a row block is rounded to
+    there (the stacking's dim multiple)."""
+    exchanges = {t: STRATEGY_FORMS[s][1] for t, s in strategies.items()}
+    loads = stats if isinstance(stats, Mapping) else table_loads(stats, batch_per_device)
+    shapes = estimated_shapes(plan, loads, batch_per_device)
+    batches = 2 if pipelined else 1
+    return step_memory(plan, exchanges, shapes, batches=batches, lanes=max(1, int(lanes)))
 
 
 def resolve_strategies(resolved, sharding) -> dict:

@@ -357,6 +357,9 @@ class StackingPlan:
     # bytes of tables + slots each device holds, measured from the built arrays' shards
     # (None: a device of another process); () before a `MeshEmbedding` builds
     measured_bytes_per_device: tuple = dataclasses.field(default=(), compare=False)
+    # the bytes a device needs for a step of the planned batch, by term
+    # (`embedmesh.layout.step_memory.StepMemory`); None where not planned for a batch
+    step_memory: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.row_layout is None:
@@ -389,7 +392,8 @@ class StackingPlan:
         the memory of every device (predicted, and measured from the arrays' shards once
         built); and, when the strategies were planned, the batch they were planned for
         and the cost model's bytes a device moves per step for each table and the
-        predicted step."""
+        predicted step; the bytes a step of that batch needs besides the state (the
+        limit applies to their sum)."""
         strategies = dict(self.strategies)
         costs = dict(self.predicted.choices) if self.predicted is not None else {}
         n = self.num_shards
@@ -449,6 +453,11 @@ class StackingPlan:
         )
         if self.predicted is not None and self.predicted.memory_limit < float("inf"):
             lines[-1] += f"; limit {mb(self.predicted.memory_limit)}"
+        if self.step_memory is not None:
+            lines.append(
+                "a step of the planned batch needs, on the device that needs the most: "
+                + self.step_memory.describe()
+            )
         if self.measured_bytes_per_device:
             lines.append(
                 "measured from the arrays' shards (MB): "
