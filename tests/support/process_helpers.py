@@ -365,4 +365,5 @@ def check_saved_model(saved_dir, cases: dict, count: int, tmp_path, timeout=300)
             tail = stderr.read().decode(errors="replace")[-3000:]
             raise AssertionError(f"saved_model_check.py ended: {''.join(answer)}{tail}")
         answer.append(line)
-    assert answer[0] == f"OK {count} cases\n", "".join(answer)[-6000:]
+    ok = f"OK {count} cases\n" in answer and not any(x.startswith("FAILED") for x in answer)
+    assert ok, "".join(answer)[-6000:]
