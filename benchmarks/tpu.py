@@ -35,6 +35,7 @@ later cases skipped when it runs out):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -519,7 +520,7 @@ def plain_step(dim, v, batches, sparse, steps=10):
 # 3. the row-move bound
 
 
-def row_bound(width, v, batches, limit=None, n=10):
+def row_bound(width, v, batches, limit=None, n=10, block=None):
     import jax
     import jax.numpy as jnp
 
@@ -529,8 +530,9 @@ def row_bound(width, v, batches, limit=None, n=10):
     ids = np.unique(np.concatenate([bb[0] + t * v for t, bb in enumerate(batches[0])]))
     ids = jnp.asarray(ids[:limit].astype(np.int32))
     table = jnp.full((T * v, width), 0.5, jnp.float32)
-    gather = jax.jit(tpk.gather_rows_dma)
-    scatter = jax.jit(tpk.scatter_rows_dma, donate_argnums=0)
+    tg = {"tg": block} if block else {}  # rows a block (None: the kernels' own)
+    gather = jax.jit(functools.partial(tpk.gather_rows_dma, **tg))
+    scatter = jax.jit(functools.partial(tpk.scatter_rows_dma, **tg), donate_argnums=0)
     xla_gather = jax.jit(lambda t, i: jnp.take(t, i, axis=0))
     rows = gather(table, ids)
     jax.block_until_ready(rows)
@@ -595,6 +597,13 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (the plumbing)")
     ap.add_argument("--allow-cpu", action="store_true", help="run without a TPU (CI)")
+    ap.add_argument(
+        "--bound-rows",
+        type=int,
+        default=None,
+        help="with --smoke: the row-move bound moves this many rows in one block of as many "
+        "(default: 24 rows, in the kernels' own blocks of 512)",
+    )
     ap.add_argument(
         "--sections",
         default="correctness,step,xla,pipelined,bound,optimizers",
@@ -681,8 +690,9 @@ def main():
         batches = make_batches(v, B, n=1)
         for width in (128,) if args.smoke else (128, 256, 512):
             vw = min(v, (3 << 30) // (width * 4 * T))
-            limit = 24 if args.smoke else None  # interpret mode: a few rows
-            rep.case(f"bound/w{width}", lambda: row_bound(width, vw, batches, limit, steps))
+            limit = (args.bound_rows or 24) if args.smoke else None  # interpret mode: a few rows
+            block = args.bound_rows if args.smoke else None  # the interpreter unrolls a block
+            rep.case(f"bound/w{width}", lambda: row_bound(width, vw, batches, limit, steps, block))
     if "optimizers" in sections:
         v = 2000 if args.smoke else rows_for(64, slots=2)
         batches = make_batches(v, B)

@@ -118,10 +118,11 @@ def test_auc_and_log_loss_match_definitions():
 
 
 def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
-    """A few hundred steps on a tiny synthetic set, end to end, on a 4-device mesh."""
+    """150 steps on a tiny synthetic set, end to end, on a 4-device mesh (enough to learn
+    its signal: more steps add no path)."""
     from examples.movielens import run
 
-    folder = data.write_synthetic(tmp_path / "syn", num_interactions=4000)
+    folder = data.write_synthetic(tmp_path / "syn", num_interactions=2000)
     res = run.main(
         [
             "--data-dir",
@@ -142,7 +143,7 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
         ]
     )
     assert res["devices"] == 4
-    assert len(res["history"]) == 3  # 3 epochs x 100 steps of 32
+    assert len(res["history"]) == 3  # 3 epochs x 50 steps of 32
     assert res["recompiles"] == 0
     assert res["max_abs_diff"] < 1e-5  # served from the checkpoint == trained model
     assert res["served_auc"] == pytest.approx(res["test_auc"], abs=1e-4)
@@ -167,7 +168,7 @@ def test_smoke_run_trains_checkpoints_and_serves(tmp_path, capsys):
             for seg in line.split("\r")
             if seg.strip()
         ][-1]
-        assert "100%" in final and "100/100" in final, final
+        assert "100%" in final and "50/50" in final, final
         assert "loss 0." in final and "samples/s" in final and "ids/s" in final, final
 
 

@@ -30,6 +30,8 @@ def test_smoke_on_cpu(tmp_path):
         "",  # slots apart: the same program on CPU (no slots in rows there)
         "--sections",  # the kernels-off, pipelined and optimizer cases: the same function
         "correctness,step,bound",
+        "--bound-rows",  # one block of 8 rows: the Pallas interpreter unrolls a block
+        "8",
         "--out",
         str(tmp_path),
     ]

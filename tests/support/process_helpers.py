@@ -303,21 +303,67 @@ def local_slice(batch, pid, nproc):
     return out
 
 
-def check_saved_model(saved_dir, cases: dict, count: int, tmp_path) -> None:
-    """Serve `count` cases (`cases`: "case{i}/in/{input}" the request, "case{i}/out/{name}"
-    the outputs it must give) through the SavedModel at `saved_dir` in a fresh process with
-    TensorFlow alone (saved_model_check.py: no PYTHONPATH, so no embedmesh either)."""
-    np.savez(tmp_path / "cases.npz", count=np.array(count), **cases)
+_saved_model_checker: list = []  # [(the process, its lines' queue, its stderr file)]
+
+
+def _checker():
+    """This test process's TensorFlow-only process (saved_model_check.py), started at its
+    first use: no PYTHONPATH, so no embedmesh either; it dies with this process."""
+    import atexit
+    import queue
+    import tempfile
+    import threading
+
+    if _saved_model_checker and _saved_model_checker[0][0].poll() is None:
+        return _saved_model_checker[0]
+    _saved_model_checker.clear()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    check = os.path.join(HERE, "saved_model_check.py")
-    proc = subprocess.run(
-        [sys.executable, check, str(saved_dir), str(tmp_path / "cases.npz")],
-        capture_output=True,
+    stderr = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "saved_model_check.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         env=env,
-        cwd=str(tmp_path),
-        timeout=300,
+        cwd=tempfile.gettempdir(),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"OK {count} cases" in proc.stdout
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # the process ended
+
+    threading.Thread(target=read, daemon=True).start()
+    atexit.register(proc.kill)
+    _saved_model_checker.append((proc, lines, stderr))
+    return _saved_model_checker[0]
+
+
+def check_saved_model(saved_dir, cases: dict, count: int, tmp_path, timeout=300) -> None:
+    """Serve `count` cases (`cases`: "case{i}/in/{input}" the request, "case{i}/out/{name}"
+    the outputs it must give) through the SavedModel at `saved_dir` in a process with
+    TensorFlow alone (saved_model_check.py), one for all of this test process's checks."""
+    import queue
+    import time
+
+    np.savez(tmp_path / "cases.npz", count=np.array(count), **cases)
+    proc, lines, stderr = _checker()
+    proc.stdin.write(f"{os.path.abspath(saved_dir)}\t{tmp_path / 'cases.npz'}\n")
+    proc.stdin.flush()
+    deadline, answer = time.time() + timeout, []
+    while not answer or answer[-1] != "DONE\n":
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.time()))
+        except queue.Empty:
+            proc.kill()
+            line = None
+        if line is None:  # ended, or killed at the timeout
+            stderr.seek(0)
+            tail = stderr.read().decode(errors="replace")[-3000:]
+            raise AssertionError(f"saved_model_check.py ended: {''.join(answer)}{tail}")
+        answer.append(line)
+    ok = f"OK {count} cases\n" in answer and not any(x.startswith("FAILED") for x in answer)
+    assert ok, "".join(answer)[-6000:]
