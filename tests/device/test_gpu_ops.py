@@ -676,6 +676,9 @@ def test_training_through_the_gpu_kernels(gpu_kernels_on_cpu, variant, opt_name,
         xla_ops = {"segment_gather_sum", "dedup_sum", "scatter_rows"}
     if variant == "pallas":
         assert pallas_ops <= set(ran["pallas"]), ran
-        assert pallas_ops | {"dedup_sum"} <= set(ran["gpu"]), ran
+        # one shard: the fused backward + update alone (its reference, with its dedup, is
+        # not traced: a core's program traces only its own platform's branch)
+        dedup = {"dedup_sum"} if num_devices > 1 else set()
+        assert pallas_ops | dedup <= set(ran["gpu"]), ran
     else:
         assert not ran["pallas"] and xla_ops <= set(ran["gpu"]), ran
