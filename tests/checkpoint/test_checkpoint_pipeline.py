@@ -108,8 +108,22 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("restore_on", [(4, True), (2, False)], ids=["4dev", "2dev-unstacked"])
+# A covering set: each optimizer's checkpoint (its slots, its pending update) restored
+# onto one target; each target (the saving mesh and stacking; another device count,
+# unstacked) with two optimizers, one of them with two slots (Adam's, FTRL's)
+RESUMES = [
+    ("SGD", (4, True)),
+    ("Adagrad", (2, False)),
+    ("Adam", (2, False)),
+    ("FTRL", (4, True)),
+]
+
+
+@pytest.mark.parametrize(
+    "opt, restore_on",
+    RESUMES,
+    ids=[f"{'4dev' if on == (4, True) else '2dev-unstacked'}-{o}" for o, on in RESUMES],
+)
 def test_pipelined_checkpoint_resumes_bit_identically(saved, opt, restore_on):
     feats = _features()
     total, save_after = TOTAL, SAVE_AFTER

@@ -347,7 +347,7 @@ def test_capacity_pressure_refuses_and_counts():
     name = "lru"
     cfg = CONFIGS[name]
     ids = [11, -3, 11, 2**40, 7, -(2**63), 99, 2**63 - 1]
-    state = im.init(cfg)
+    state = INIT(cfg)
     pairs = im.split_ids(np.array(ids, np.int64))
     state, rows, fresh, stats = jitted(name)(state, pairs, np.ones(BATCH, bool), jnp.int32(4))
     assert np.asarray(rows).tolist() == [0, 1, 0, 2, 3, 4, -1, -1]
@@ -369,7 +369,7 @@ def test_empty_map_finds_nothing_even_id_zero():
     unknown, and is admitted as a new id."""
     ids = [0, -1, 0, 2**63 - 1, 0, 1, 2, 3]
     pairs = im.split_ids(np.array(ids, np.int64))
-    state = im.init(CONFIGS["lru"])
+    state = INIT(CONFIGS["lru"])
     assert np.asarray(LOOKUP(state, pairs)).tolist() == [-1] * BATCH
     state, rows, fresh, stats = jitted("lru")(state, pairs, np.ones(BATCH, bool), jnp.int32(0))
     assert np.asarray(rows).tolist() == [0, 1, 0, 2, 0, 3, 4, -1]
@@ -396,9 +396,9 @@ def test_adversarial_ids_at_scale_match_the_reference_and_never_overflow_buckets
             rng.integers(-(2**63), 2**63 - 1, 1200, dtype=np.int64),
         ]
     )
-    cols = np.asarray(im.sketch_columns(SCALE, im.split_ids(pool)))
+    cols = np.asarray(_SKETCH_COLUMNS(SCALE, im.split_ids(pool)))
     ref = Reference(SCALE, {int(i): list(cols[:, k]) for k, i in enumerate(pool)})
-    state = im.init(SCALE)
+    state = INIT(SCALE)
     total = collections.Counter()
     for step in range(20):
         # a drifting window of the pool, Zipf-ish repeats inside a batch
@@ -421,7 +421,7 @@ def test_no_capacity_sized_copy_in_the_compiled_program():
     """The project's rule, no O(table) work a step: with the state donated, XLA updates
     it in place; the program copies no array of the capacity's size (a branch that both
     read and wrote a row array made XLA copy the state around the sweep's `lax.cond`)."""
-    args = (im.init(SCALE), jnp.zeros((SCALE_BATCH, 2), jnp.uint32), jnp.ones(SCALE_BATCH, bool))
+    args = (INIT(SCALE), jnp.zeros((SCALE_BATCH, 2), jnp.uint32), jnp.ones(SCALE_BATCH, bool))
     pairs = args[1]
     jnp_path = jax.jit(
         lambda st, ids, valid, step: im._map_ids(
@@ -429,7 +429,7 @@ def test_no_capacity_sized_copy_in_the_compiled_program():
         ),
         donate_argnums=0,
     )
-    programs = {"jnp path": jnp_path.lower(im.init(SCALE), pairs, args[2], jnp.int32(0))}
+    programs = {"jnp path": jnp_path.lower(INIT(SCALE), pairs, args[2], jnp.int32(0))}
     programs["map_ids"] = SCALE_FN.lower(*args, jnp.int32(0))
     big = {"500", "500,4", "256,2,8", "2,512"}  # row arrays, the index, the sketch
     for what, lowered in programs.items():
@@ -487,15 +487,16 @@ def test_ids_and_their_forms():
     assert pairs[2].tolist() == [2**32 - 1, 2**32 - 1] and pairs[5].tolist() == [1, 0]
     assert (im.join_ids(pairs) == ids).all()
     assert (im.join_ids(pairs.view(np.int32)) == ids).all()
-    state = im.init(CONFIGS["lru"])
+    state = INIT(CONFIGS["lru"])
     state, rows, _, _ = jitted("lru")(state, pairs, np.ones(BATCH, bool), jnp.int32(0))
     assert np.asarray(rows).tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
     # int32 pairs are read bit for bit; x64 on: int64 ids directly, same rows and owners
     assert np.asarray(LOOKUP(state, pairs.view(np.int32))).tolist() == np.asarray(rows).tolist()
-    with jax.enable_x64(True):
-        assert np.asarray(im.lookup(state, jnp.asarray(ids))).tolist() == [0, 1, 2, 3, 4] + [-1] * 3
-        assert (np.asarray(im.split_ids(jnp.asarray(ids))) == pairs).all()
-        owners64 = np.asarray(im.owner_of(jnp.asarray(ids), 5, 1))
+    with jax.enable_x64(True):  # (jitted: op by op, each op compiled for itself)
+        ids64 = jnp.asarray(ids)
+        assert np.asarray(LOOKUP(state, ids64)).tolist() == [0, 1, 2, 3, 4] + [-1] * 3
+        assert (np.asarray(jax.jit(im.split_ids)(ids64)) == pairs).all()
+        owners64 = np.asarray(jax.jit(im.owner_of, static_argnums=(1, 2))(ids64, 5, 1))
     assert (owners64 == np.asarray(im.owner_of(pairs, 5, 1))).all()
     with pytest.raises(ValueError, match="pairs"):
         im.lookup(state, np.zeros((3, 3), np.uint32))

@@ -58,23 +58,61 @@ def _same_variables(a, b) -> None:
             np.testing.assert_array_equal(va[t][field], vb[t][field], err_msg=f"{t} {field}")
 
 
-# every optimizer once, on 1 and 8 devices alternately: each optimizer with two option
-# sets (all but SGD and Adagrad) meets both device counts
-OPTIMIZER_CASES = [(1 if i % 2 == 0 else 8, opt) for i, opt in enumerate(ALL_FUSED)]
+def _config_of(optimizers) -> dict:
+    """`_config()` once an optimizer: tables a{k}, b{k} (stacked as a{k}+b{k}) under
+    optimizers[k], features x{k}, y{k}, every table sharded "mod"."""
+    fc = {}
+    for k, opt in enumerate(optimizers):
+        for feat, table in zip("xy", _config().values()):
+            t = table.table
+            fc[f"{feat}{k}"] = em.FeatureConfig(
+                em.TableConfig(
+                    t.vocabulary_size,
+                    t.dim,
+                    name=f"{t.name}{k}",
+                    combiner=t.combiner,
+                    optimizer=opt,
+                )
+            )
+    return fc
 
 
-@pytest.mark.parametrize(
-    "devices, opt", OPTIMIZER_CASES, ids=[f"{d}-{type(o).__name__}" for d, o in OPTIMIZER_CASES]
-)
-def test_every_optimizer_matches_the_all_in_device_run(opt, devices):
+def _batches_of(fc, steps: int) -> list:
+    """`_batches` for `_config_of`'s features (other ids for each optimizer's pair)."""
+    k_max = len(fc) // 2
+    per_k = [_batches(steps, seed=k) for k in range(k_max)]
+    return [
+        {f"{f}{k}": per_k[k][step][f] for k in range(k_max) for f in "xy"} for step in range(steps)
+    ]
+
+
+# every optimizer once, on 1 and 8 devices alternately (each optimizer with two option
+# sets, all but SGD and Adagrad, meets both device counts), side by side in one layer
+# (a stack each): one layer of five stacks a device count. On 8 devices the tiered layer
+# is fed by `prefetch` (batches enqueued ahead in its thread are swapped in at dequeue,
+# in order); on 1 by plain calls.
+@pytest.mark.parametrize("devices", [1, 8])
+def test_every_optimizer_matches_the_all_in_device_run(devices):
+    optimizers = ALL_FUSED[0::2] if devices == 1 else ALL_FUSED[1::2]
+    assert len(optimizers) == 5
     mesh = mesh_of(devices)
-    batches = _batches(6)
-    want = _train(_config(), opt, batches, mesh)
+    fc = _config_of(optimizers)
+    sharding = {f.table.name: "mod" for f in fc.values()}
+    batches = _batches_of(fc, 6)
+    want = _train(fc, None, batches, mesh, sharding=sharding)
     cache = 200 if devices == 1 else 40  # of 1300 rows (163 a device on 8)
-    got = _train(_config(), opt, batches, mesh, host_tier="on", host_tier_cache_rows=cache)
+    kw = dict(sharding=sharding, host_tier="on", host_tier_cache_rows=cache)
+    if devices == 1:
+        got = _train(_config_of(optimizers), None, batches, mesh, **kw)
+    else:
+        got = em.MeshEmbedding(_config_of(optimizers), None, mesh=mesh, seed=3, **kw)
+        for csr in got.prefetch(iter(batches), buffer_size=3):
+            acts, pre = got.dequeue(csr)
+            got.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
     _same_variables(want, got)
-    tier = got.core.tier["a+b"]
-    assert tier.cache_rows == cache and (tier.row_of >= 0).sum() == devices * cache
+    assert sorted(got.core.tier) == [f"a{k}+b{k}" for k in range(5)]
+    for tier in got.core.tier.values():
+        assert tier.cache_rows == cache and (tier.row_of >= 0).sum() == devices * cache
 
 
 def test_pipelined_matches():
@@ -242,10 +280,13 @@ def test_checkpoint_reads_through_and_restores_elsewhere(tmp_path, pipelined):
     loaded = {t.name: v for t, v in ckpt.load_tables(tmp_path / "t").items()}
     for t, v in want.embedding_tables.items():
         np.testing.assert_array_equal(loaded[t.name], v)
-    for devices in (8, 2):  # (the layer on 2 devices is used again below)
-        plain = em.MeshEmbedding(_config(), em.Adagrad(0.1), pipelined, mesh=mesh_of(devices))
-        ckpt.restore(plain, tmp_path / "t")
-        _same_variables(want, plain)
+    # onto the same device count (pipelined) or another (not: the layer on 2 devices is
+    # used again below)
+    plain = em.MeshEmbedding(
+        _config(), em.Adagrad(0.1), pipelined, mesh=mesh_of(8 if pipelined else 2)
+    )
+    ckpt.restore(plain, tmp_path / "t")
+    _same_variables(want, plain)
     # and back into tiered layers: this one (trained on), one on 2 devices (a plain
     # layer's checkpoint), which then trains as a plain layer restored from it does
     ckpt.save(tmp_path / "p", want)
@@ -270,20 +311,6 @@ def test_checkpoint_reads_through_and_restores_elsewhere(tmp_path, pipelined):
             acts, pre = emb(feats)
             emb.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
     _same_variables(plain, other)
-
-
-def test_prefetch_feeds_a_tiered_layer():
-    """Batches enqueued ahead in prefetch's thread are swapped in at dequeue, in order."""
-    mesh = mesh_of(8)
-    batches = _batches(5, seed=6)
-    want = _train(_config(), em.SGD(0.2), batches, mesh)
-    got = em.MeshEmbedding(
-        _config(), em.SGD(0.2), mesh=mesh, seed=3, host_tier="on", host_tier_cache_rows=40
-    )
-    for csr in got.prefetch(iter(batches), buffer_size=3):
-        acts, pre = got.dequeue(csr)
-        got.apply_gradients(jax.tree_util.tree_map(lambda a: 0.5 * a + 1.0, acts), pre)
-    _same_variables(want, got)
 
 
 @pytest.mark.parametrize(
