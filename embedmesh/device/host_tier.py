@@ -392,6 +392,8 @@ class TieredCore(EmbeddingCore):
             )
             slots = jax.device_put(swap.slots, self.row_sharding)
             arrays, old = _swap_program(self.mesh, self.axes, len(arrays))(arrays, slots, rows)
+            for a in old:  # the victims' rows on their way to the host as soon as they are read
+                a.copy_to_host_async()
             tier.pending(swap, old)
             state = self._with_arrays(state, s, arrays)
             mapped[s] = dataclasses.replace(csr[s], unique_ids=swap.ids)
