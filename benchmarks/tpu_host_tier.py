@@ -125,8 +125,9 @@ def timed_steps(emb, raws, fresh, steps, phase, warm=4):
     batches: from the 9th step on, a host tier has every row they need cached);
     "loop", the mean of `steps` more steps over them run as a training loop runs them,
     waited for once at the end; "fresh", the median of `steps` steps each waited for,
-    each a batch of `fresh`, not seen before (a stream's misses). `phase["now"]` names
-    the phase running."""
+    each a batch of `fresh`, not seen before (a stream's misses); "probe", as "fresh" on
+    the rest of `fresh`, a host tier's swaps waited for. `phase["now"]` names the phase
+    running."""
     import jax
 
     lossgrad = jax.jit(jax.grad(lambda a: sum(0.5 * (x * x).sum() for x in a.values()) / B))
@@ -163,6 +164,8 @@ def timed_steps(emb, raws, fresh, steps, phase, warm=4):
     out["loop"] = (time.perf_counter() - t) / steps
     phase["now"] = "fresh"
     out["fresh"] = waited(new[:steps])
+    phase["now"] = "probe"  # (a host tier's swaps waited for: the device's part of them)
+    out["probe"] = waited(new[steps:])
     return out
 
 
@@ -201,9 +204,17 @@ def throughput(rows, raws, fresh, steps, **kw):
             now.clear()
             t = time.perf_counter()
             r = swap_in(*a, **k)
+            if phase["now"] == "probe":
+                now["host"] = time.perf_counter() - t
+                jax.block_until_ready(r)
+                now["device_after_host"] = time.perf_counter() - t - now["host"]
             dt = time.perf_counter() - t
             misses = sum(x.misses for x in tier.values())
-            swaps.append((phase["now"], dt, dict(now, rest=dt - sum(now.values())), misses))
+            parts = dict(now)
+            parts["rest"] = parts.pop("host", dt) - sum(
+                v for k, v in now.items() if k not in ("host", "device_after_host")
+            )
+            swaps.append((phase["now"], dt, parts, misses))
             return r
 
         core.swap_in = timed_swap
@@ -221,6 +232,7 @@ def throughput(rows, raws, fresh, steps, **kw):
         "loop_ids_per_s": round(ids / times["loop"]),
         "fresh_step_ms": round(times["fresh"] * 1e3, 2),
         "fresh_ids_per_s": round(ids_fresh / times["fresh"]),
+        "probe_step_ms": round(times["probe"] * 1e3, 2),
         "state_bytes_planned": int(max(emb.plan.bytes_per_device)),
         "device_bytes_held": int(max(core.bytes_per_device(emb.state))),
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
@@ -231,7 +243,7 @@ def throughput(rows, raws, fresh, steps, **kw):
         out["cache_rows"] = st.cache_rows
         out["host_bytes"] = int(sum(a.nbytes for a in st.arrays))
         out["copy_threads"] = copy_threads()
-        for name in ("cycled", "loop", "fresh"):
+        for name in ("cycled", "loop", "fresh", "probe"):
             got = [x for x in swaps if x[0] == name]
             # (the loop's swaps also wait for the device's work of the step before)
             out[f"{name}_host_swap_ms_median"] = round(
@@ -239,7 +251,7 @@ def throughput(rows, raws, fresh, steps, **kw):
             )
             out[f"{name}_host_swap_parts_ms_median"] = {
                 k: round(float(np.median([x[2].get(k, 0.0) for x in got])) * 1e3, 2)
-                for k in ("check", "commit", "write_back", "gather", "rest")
+                for k in ("check", "commit", "write_back", "gather", "rest", "device_after_host")
             }
             out[f"{name}_misses_per_step"] = [int(x[3]) for x in got]
     print(out, flush=True)
@@ -273,7 +285,7 @@ def main():
     steps = 3 if args.smoke else 12
     raws = fresh = None
     if "cut" in sections or "big" in sections:
-        drawn = batches(big, 8 + steps)  # (the first 8 as drawn before fresh ones were)
+        drawn = batches(big, 8 + steps + 4)  # (the first 8 as drawn before fresh ones were)
         raws, fresh = drawn[:8], drawn[8:]
     if "cut" in sections and time.perf_counter() - T0 < args.budget * 0.4:
         cut = [[[(ids % small, lengths) for ids, lengths in r] for r in x] for x in (raws, fresh)]

@@ -205,14 +205,20 @@ class StackTier:
         ref, hand = self.ref[j], int(self.hand[j])
         while count > 0:
             w = min(c, max(4 * count, _MIN_SCAN))
-            idx = (hand + np.arange(w)) % c
-            ok = np.flatnonzero(~held[idx] & ~ref[idx])
-            if ok.size >= count:
-                cut, chosen = int(ok[count - 1]) + 1, idx[ok[:count]]
+            if hand + w <= c:  # (the window does not wrap: slices, no index arrays)
+                w_held, w_ref, first = held[hand : hand + w], ref[hand : hand + w], hand
             else:
-                cut, chosen = w, idx[ok]
-            passed = idx[:cut]
-            ref[passed] = False
+                idx = (hand + np.arange(w)) % c
+                w_held, w_ref, first = held[idx], ref[idx], None
+            ok = np.flatnonzero(~w_held & ~w_ref)
+            cut = int(ok[count - 1]) + 1 if ok.size >= count else w
+            ok = ok[:count]
+            if first is not None:
+                chosen = first + ok
+                ref[first : first + cut] = False
+            else:
+                chosen = idx[ok]
+                ref[idx[:cut]] = False
             held[chosen] = True
             out.append(chosen)
             count -= chosen.size
@@ -246,7 +252,10 @@ class StackTier:
             had = np.flatnonzero(old >= 0)
             self.slot_of[j, old[had]] = -1
             self.row_of[j, chosen] = miss
-            self.slot_of[j, miss] = chosen
+            where = self.slot_of[j]
+            _in_blocks(
+                lambda a, b, w=where, m=miss, v=chosen: w.__setitem__(m[a:b], v[a:b]), miss.size
+            )
             self.ref[j, chosen] = True
             loads.append((chosen, miss))
             victims.append((had, old[had]))
@@ -302,9 +311,11 @@ class StackTier:
             host = np.asarray(old)
             for j, (pos, rows) in enumerate(victims):
                 src, dst = host[j], arr[j]
+                # every slot filled held a row (a full cache): the victims lead the swap
+                lead = pos.size > 0 and int(pos[-1]) == pos.size - 1
 
-                def put(a, b, src=src, dst=dst, pos=pos, rows=rows):
-                    dst[rows[a:b]] = src[pos[a:b]]
+                def put(a, b, src=src, dst=dst, pos=pos, rows=rows, lead=lead):
+                    dst[rows[a:b]] = src[a:b] if lead else src[pos[a:b]]
 
                 _in_blocks(put, rows.size)
 
