@@ -35,6 +35,7 @@ __all__ = ["StackTier", "Swap"]
 
 _MIN_SCAN = 4096  # cache rows the CLOCK hand looks at in one vectorised pass, at least
 _MIN_BLOCK = 8192  # rows a copying thread takes at least (fewer: not worth a thread)
+_MIN_LOOKUPS = 8  # the directory's reads and writes: 8x as many a thread (4-byte entries)
 _pool: tuple | None = None  # (threads, ThreadPoolExecutor)
 _pool_lock = threading.Lock()
 
@@ -49,11 +50,10 @@ def copy_threads() -> int:
     return max(1, min(8, cores))
 
 
-def _in_blocks(fn, n: int, threads: int | None = None) -> None:
+def _in_blocks(fn, n: int, scale: int = 1) -> None:
     """`fn(a, b)` over blocks `[a, b)` covering `range(n)`, on a pool of threads when
-    there are rows enough for more than one block (the blocks are disjoint)."""
-    threads = copy_threads() if threads is None else threads
-    k = max(1, min(threads, n // _MIN_BLOCK))
+    there are enough for more than one block of `scale * _MIN_BLOCK` (disjoint blocks)."""
+    k = max(1, min(copy_threads(), n // (scale * _MIN_BLOCK)))
     if k == 1:
         fn(0, n)
         return
@@ -81,7 +81,11 @@ def _take(src: np.ndarray, index: np.ndarray) -> np.ndarray:
     """`src[index]` (`index` in range along the first axis), gathered in blocks on threads
     (random reads of a big array: several threads keep more of them in flight)."""
     out = np.empty(index.shape + src.shape[1:], src.dtype)
-    _in_blocks(lambda a, b: np.take(src, index[a:b], axis=0, out=out[a:b], mode="clip"), index.size)
+    _in_blocks(
+        lambda a, b: np.take(src, index[a:b], axis=0, out=out[a:b], mode="clip"),
+        index.size,
+        _MIN_LOOKUPS,
+    )
     return out
 
 
@@ -237,7 +241,7 @@ class StackTier:
             hit = slots >= 0
             hits = slots[hit]
             ref = self.ref[j]
-            _in_blocks(lambda a, b, ref=ref, hits=hits: ref.__setitem__(hits[a:b], True), hits.size)
+            ref[hits] = True
             miss = need[~hit].astype(np.int32)
             chosen = np.zeros(0, np.int32)
             if miss.size:  # (the hand clears use bits: after the batch's hits are marked)
@@ -254,7 +258,9 @@ class StackTier:
             self.row_of[j, chosen] = miss
             where = self.slot_of[j]
             _in_blocks(
-                lambda a, b, w=where, m=miss, v=chosen: w.__setitem__(m[a:b], v[a:b]), miss.size
+                lambda a, b, w=where, m=miss, v=chosen: w.__setitem__(m[a:b], v[a:b]),
+                miss.size,
+                _MIN_LOOKUPS,
             )
             self.ref[j, chosen] = True
             loads.append((chosen, miss))

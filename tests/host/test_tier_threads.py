@@ -10,11 +10,11 @@ PAD = np.iinfo(np.int32).max
 
 def test_threaded_swaps_keep_every_rows_updates(monkeypatch):
     """Batches over two shards through a small cache (victims every step), the rows moved
-    in blocks of 5 on 3 threads, the device's cache played by numpy (each batch's rows
-    updated by a step-dependent amount while cached): the host rows, with the cached
-    rows over them, equal a float64 table updated the same way; each batch's ids map to
-    cache rows holding its rows."""
-    monkeypatch.setattr(mod_tier, "_MIN_BLOCK", 5)
+    and the directory read and written in blocks on 3 threads, the device's cache played
+    by numpy (each batch's rows updated by a step-dependent amount while cached): the
+    host rows, with the cached rows over them, equal a float64 table updated the same
+    way; each batch's ids map to cache rows holding its rows."""
+    monkeypatch.setattr(mod_tier, "_MIN_BLOCK", 1)
     monkeypatch.setattr(mod_tier, "copy_threads", lambda: 3)
     shards, rows, cache, width = 2, 400, 90, 3
     rng = np.random.default_rng(7)
