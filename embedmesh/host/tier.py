@@ -36,7 +36,7 @@ __all__ = ["StackTier", "Swap"]
 _MIN_SCAN = 4096  # cache rows the CLOCK hand looks at in one vectorised pass, at least
 _MIN_BLOCK = 8192  # rows a copying thread takes at least (fewer: not worth a thread)
 _MIN_LOOKUPS = 8  # the directory's reads and writes: 8x as many a thread (4-byte entries)
-_pool: tuple | None = None  # (threads, ThreadPoolExecutor)
+_pool: tuple | None = None  # (threads, process id, ThreadPoolExecutor)
 _pool_lock = threading.Lock()
 
 
@@ -59,12 +59,13 @@ def _in_blocks(fn, n: int, scale: int = 1) -> None:
         return
     global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] < k:
-            _pool = (
-                k,
-                concurrent.futures.ThreadPoolExecutor(k, thread_name_prefix="embedmesh-tier"),
-            )
-        pool = _pool[1]
+        # (a forked child has the pool but not its threads: it makes its own)
+        if _pool is None or _pool[0] < k or _pool[1] != os.getpid():
+            if _pool is not None and _pool[1] == os.getpid():
+                _pool[2].shutdown(wait=False)  # (a smaller one: its threads end)
+            pool = concurrent.futures.ThreadPoolExecutor(k, thread_name_prefix="embedmesh-tier")
+            _pool = (k, os.getpid(), pool)
+        pool = _pool[2]
     bounds = [n * i // k for i in range(k + 1)]
     for f in [pool.submit(fn, a, b) for a, b in zip(bounds[:-1], bounds[1:])]:
         f.result()  # (raises a block's error)
