@@ -8,7 +8,13 @@
    state): ids/s of the step from enqueued batches.
 3. The big model (26 x 2M x 64, Adagrad: 26.6 GB of table and slot state; the planner
    chooses the tier, the cache sized by the chip's limit): ids/s, the host's share of a
-   step (the tier's swap on the host), the miss rate.
+   step (the tier's swap on the host, and its parts), the miss rate.
+
+Steps are timed (`timed_steps`) on 8 batches in turn, each step waited for (`step_ms`,
+the median: from the 9th step on, the tier's cache holds every row they need), the
+same run as a training loop runs them, waited for once at the end (`loop_step_ms`: the
+host's work of a step then overlaps the device's work of the step before), and on
+batches not seen before, each step waited for (`fresh_step_ms`: a stream's misses).
 
 The workload: batch 2048, each of the 26 features Poisson(5) ids a sample, Zipf(1.05)
 over the table's rows (`(zipf - 1) % rows`), sum combiner, constant initial rows.
@@ -113,63 +119,120 @@ def exactness(smoke):
     return out
 
 
-def timed_steps(emb, raws, steps, warm=4):
-    """(median step s from enqueued batches, compile s of the first `warm` steps)."""
+def timed_steps(emb, raws, fresh, steps, phase, warm=4):
+    """`{phase: step s}` from enqueued batches after `warm` steps (and "compile": their s):
+    "cycled", the median of `steps` steps each waited for, over `raws` in turn (8
+    batches: from the 9th step on, a host tier has every row they need cached);
+    "loop", the mean of `steps` more steps over them run as a training loop runs them,
+    waited for once at the end; "fresh", the median of `steps` steps each waited for,
+    each a batch of `fresh`, not seen before (a stream's misses); "probe", as "fresh" on
+    the rest of `fresh`, a host tier's swaps waited for. `phase["now"]` names the phase
+    running."""
     import jax
 
     lossgrad = jax.jit(jax.grad(lambda a: sum(0.5 * (x * x).sum() for x in a.values()) / B))
     csrs = [emb.enqueue(features(r)) for r in raws]
-    t0 = time.perf_counter()
+    new = [emb.enqueue(features(r)) for r in fresh]
 
     def step(c):
         acts, pre = emb.dequeue(c)
         emb.apply_gradients(lossgrad(acts), pre)
 
+    def waited(batches):
+        times = []
+        for c in batches:
+            t = time.perf_counter()
+            step(c)
+            jax.block_until_ready(emb.state)
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
+
+    out = {}
+    phase["now"] = "warm"
+    t0 = time.perf_counter()
     for i in range(warm):
         step(csrs[i % len(csrs)])
     jax.block_until_ready(emb.state)
-    compile_s = time.perf_counter() - t0
-    times = []
+    out["compile"] = time.perf_counter() - t0
+    phase["now"] = "cycled"
+    out["cycled"] = waited([csrs[(warm + i) % len(csrs)] for i in range(steps)])
+    phase["now"] = "loop"
+    t = time.perf_counter()
     for i in range(steps):
-        t = time.perf_counter()
-        step(csrs[(warm + i) % len(csrs)])
-        jax.block_until_ready(emb.state)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)), compile_s
+        step(csrs[(warm + steps + i) % len(csrs)])
+    jax.block_until_ready(emb.state)
+    out["loop"] = (time.perf_counter() - t) / steps
+    phase["now"] = "fresh"
+    out["fresh"] = waited(new[:steps])
+    phase["now"] = "probe"  # (a host tier's swaps waited for: the device's part of them)
+    out["probe"] = waited(new[steps:])
+    return out
 
 
-def throughput(rows, raws, steps, **kw):
+def throughput(rows, raws, fresh, steps, **kw):
     import jax
 
     import embedmesh as em
+    from embedmesh.host.tier import copy_threads
 
     t0 = time.perf_counter()
     emb = embedding(rows, em.Adagrad(LR), **kw)
     emb.build()
     build_s = time.perf_counter() - t0
     core = emb.core
-    host, misses = [], []
+    swaps: list = []  # (phase, host s, {part: s}, misses)
+    phase: dict = {}
     tier = getattr(core, "tier", None)
     if tier:  # the host's share: the tier's swap (directory, gather, write-back, puts)
         swap_in = core.swap_in
+        now: dict = {}
+
+        def timed_part(name, fn):
+            def run(*a, **k):
+                t = time.perf_counter()
+                r = fn(*a, **k)
+                now[name] = now.get(name, 0.0) + time.perf_counter() - t
+                return r
+
+            return run
+
+        for st in tier.values():
+            for name in ("check", "commit", "write_back", "gather"):
+                setattr(st, name, timed_part(name, getattr(st, name)))
 
         def timed_swap(*a, **k):
+            now.clear()
             t = time.perf_counter()
             r = swap_in(*a, **k)
-            host.append(time.perf_counter() - t)
-            misses.append(sum(x.misses for x in tier.values()))
+            if phase["now"] == "probe":
+                now["host"] = time.perf_counter() - t
+                jax.block_until_ready(r)
+                now["device_after_host"] = time.perf_counter() - t - now["host"]
+            dt = time.perf_counter() - t
+            misses = sum(x.misses for x in tier.values())
+            parts = dict(now)
+            parts["rest"] = parts.pop("host", dt) - sum(
+                v for k, v in now.items() if k not in ("host", "device_after_host")
+            )
+            swaps.append((phase["now"], dt, parts, misses))
             return r
 
         core.swap_in = timed_swap
-    step_s, compile_s = timed_steps(emb, raws, steps)
+    times = timed_steps(emb, raws, fresh, steps, phase)
     ids = float(np.mean([sum(len(f[0]) for f in r) for r in raws]))
+    ids_fresh = float(np.mean([sum(len(f[0]) for f in r) for r in fresh[:steps]]))
     stats = jax.devices()[0].memory_stats() or {}
     out = {
         "rows": rows,
         "build_s": round(build_s, 1),
-        "compile_s": round(compile_s, 1),
-        "step_ms": round(step_s * 1e3, 2),
-        "ids_per_s": round(ids / step_s),
+        "compile_s": round(times["compile"], 1),
+        "step_ms": round(times["cycled"] * 1e3, 2),
+        "ids_per_s": round(ids / times["cycled"]),
+        "loop_step_ms": round(times["loop"] * 1e3, 2),
+        "loop_ids_per_s": round(ids / times["loop"]),
+        "fresh_step_ms": round(times["fresh"] * 1e3, 2),
+        "fresh_ids_per_s": round(ids_fresh / times["fresh"]),
+        "probe_step_ms": round(times["probe"] * 1e3, 2),
         "state_bytes_planned": int(max(emb.plan.bytes_per_device)),
         "device_bytes_held": int(max(core.bytes_per_device(emb.state))),
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
@@ -178,9 +241,19 @@ def throughput(rows, raws, steps, **kw):
     if tier:
         (st,) = tier.values()
         out["cache_rows"] = st.cache_rows
-        out["host_swap_ms_median"] = round(float(np.median(host[-steps:])) * 1e3, 2)
         out["host_bytes"] = int(sum(a.nbytes for a in st.arrays))
-        out["misses_per_step_mean"] = round(float(np.mean(misses[-steps:])))
+        out["copy_threads"] = copy_threads()
+        for name in ("cycled", "loop", "fresh", "probe"):
+            got = [x for x in swaps if x[0] == name]
+            # (the loop's swaps also wait for the device's work of the step before)
+            out[f"{name}_host_swap_ms_median"] = round(
+                float(np.median([x[1] for x in got])) * 1e3, 2
+            )
+            out[f"{name}_host_swap_parts_ms_median"] = {
+                k: round(float(np.median([x[2].get(k, 0.0) for x in got])) * 1e3, 2)
+                for k in ("check", "commit", "write_back", "gather", "rest", "device_after_host")
+            }
+            out[f"{name}_misses_per_step"] = [int(x[3]) for x in got]
     print(out, flush=True)
     del emb, core
     gc.collect()
@@ -210,23 +283,29 @@ def main():
     sections = args.sections.split(",")
     small, big = (2_000, 4_000) if args.smoke else (1_000_000, 2_000_000)
     steps = 3 if args.smoke else 12
-    raws = None
+    raws = fresh = None
     if "cut" in sections or "big" in sections:
-        raws = batches(big, 8)
+        drawn = batches(big, 8 + steps + 4)  # (the first 8 as drawn before fresh ones were)
+        raws, fresh = drawn[:8], drawn[8:]
     if "cut" in sections and time.perf_counter() - T0 < args.budget * 0.4:
-        cut = [[(ids % small, lengths) for ids, lengths in r] for r in raws]
-        result["cut_to_fit"] = throughput(small, cut, steps)
+        cut = [[[(ids % small, lengths) for ids, lengths in r] for r in x] for x in (raws, fresh)]
+        result["cut_to_fit"] = throughput(small, *cut, steps)
         save()
     if "big" in sections and time.perf_counter() - T0 < args.budget * 0.6:
         kw = {"host_tier": "on", "host_tier_cache_rows": T * big} if args.smoke else {}
         try:
-            result["host_tier"] = throughput(big, raws, steps, **kw)
+            result["host_tier"] = throughput(big, raws, fresh, steps, **kw)
         except Exception as e:  # noqa: BLE001 - recorded
             result["host_tier"] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
         if "cut_to_fit" in result and "ids_per_s" in result.get("host_tier", {}):
             result["ratio"] = round(
                 result["host_tier"]["ids_per_s"] / result["cut_to_fit"]["ids_per_s"], 3
             )
+            for k in ("loop", "fresh"):
+                result[f"{k}_ratio"] = round(
+                    result["host_tier"][f"{k}_ids_per_s"] / result["cut_to_fit"][f"{k}_ids_per_s"],
+                    3,
+                )
         save()
     if "exact" in sections and time.perf_counter() - T0 < args.budget * 0.8:
         result["exactness"] = exactness(args.smoke)

@@ -386,15 +386,20 @@ class TieredCore(EmbeddingCore):
             tier = self.tier[s]
             swap = tier.commit(csr[s].unique_ids, needed[s], pin)
             tier.write_back()  # the last swap's victims: before this swap's rows are read
+            mapped[s] = dataclasses.replace(csr[s], unique_ids=swap.ids)
+            if not any(rows.size for rows in swap.rows):  # every row cached: nothing moves
+                tier.pending(swap, ())
+                continue
             arrays = self._arrays(state, s)
             rows = tuple(
                 jax.device_put(tier.gather(swap, i), self.row_sharding) for i in range(len(arrays))
             )
             slots = jax.device_put(swap.slots, self.row_sharding)
             arrays, old = _swap_program(self.mesh, self.axes, len(arrays))(arrays, slots, rows)
+            for a in old:  # the victims' rows on their way to the host as soon as they are read
+                a.copy_to_host_async()
             tier.pending(swap, old)
             state = self._with_arrays(state, s, arrays)
-            mapped[s] = dataclasses.replace(csr[s], unique_ids=swap.ids)
         return state, self.put(mapped, copy=False)
 
 

@@ -13,14 +13,19 @@ used since the hand last passed), and the victims' rows are read back and writte
 batch's row ids are then mapped to cache rows. Any victim order gives the same tables:
 a row's updates all happen in the cache, where it stays while a batch needs it.
 
-Pure numpy; one `StackTier` a stack. `plan` checks a batch (raising, nothing changed,
+Pure numpy; one `StackTier` a stack. `check` checks a batch (raising, nothing changed,
 when its misses do not fit the cache) before `commit` changes the directory, so a
-batch that does not fit leaves the tier as it was.
+batch that does not fit leaves the tier as it was. The rows a swap moves (tens of MB a
+step) are copied by a few threads, each a block of rows (numpy's row gathers and
+scatters release the GIL): one thread is bound by memory latency, not bandwidth.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
 
 import numpy as np
 
@@ -29,6 +34,60 @@ from embedmesh._runtime import PAD_ID
 __all__ = ["StackTier", "Swap"]
 
 _MIN_SCAN = 4096  # cache rows the CLOCK hand looks at in one vectorised pass, at least
+_MIN_BLOCK = 8192  # rows a copying thread takes at least (fewer: not worth a thread)
+_MIN_LOOKUPS = 8  # the directory's reads and writes: 8x as many a thread (4-byte entries)
+_pool: tuple | None = None  # (threads, process id, ThreadPoolExecutor)
+_pool_lock = threading.Lock()
+
+
+def copy_threads() -> int:
+    """Threads that copy a swap's rows: the process's cores, at most 8 (more add no
+    memory bandwidth)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _in_blocks(fn, n: int, scale: int = 1) -> None:
+    """`fn(a, b)` over blocks `[a, b)` covering `range(n)`, on a pool of threads when
+    there are enough for more than one block of `scale * _MIN_BLOCK` (disjoint blocks)."""
+    k = max(1, min(copy_threads(), n // (scale * _MIN_BLOCK)))
+    if k == 1:
+        fn(0, n)
+        return
+    global _pool
+    with _pool_lock:
+        # (a forked child has the pool but not its threads: it makes its own)
+        if _pool is None or _pool[0] < k or _pool[1] != os.getpid():
+            if _pool is not None and _pool[1] == os.getpid():
+                _pool[2].shutdown(wait=False)  # (a smaller one: its threads end)
+            pool = concurrent.futures.ThreadPoolExecutor(k, thread_name_prefix="embedmesh-tier")
+            _pool = (k, os.getpid(), pool)
+        pool = _pool[2]
+    bounds = [n * i // k for i in range(k + 1)]
+    for f in [pool.submit(fn, a, b) for a, b in zip(bounds[:-1], bounds[1:])]:
+        f.result()  # (raises a block's error)
+
+
+def _padded(count: int) -> int:
+    """The rows a swap moves for `count` misses: at least 1024, rounded up to an eighth
+    of their power of two (few shapes to compile, at most 1/8 of the rows padding)."""
+    step = max(1024, (1 << max(0, int(count - 1).bit_length())) // 8)
+    return max(1024, -(-count // step) * step)
+
+
+def _take(src: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """`src[index]` (`index` in range along the first axis), gathered in blocks on threads
+    (random reads of a big array: several threads keep more of them in flight)."""
+    out = np.empty(index.shape + src.shape[1:], src.dtype)
+    _in_blocks(
+        lambda a, b: np.take(src, index[a:b], axis=0, out=out[a:b], mode="clip"),
+        index.size,
+        _MIN_LOOKUPS,
+    )
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +135,11 @@ class StackTier:
         self.in_flight: tuple | None = None  # `used` of the last batch swapped in
         self.misses = 0  # rows the last batch swapped in
         self._pending: tuple | None = None  # (victims, device array of their rows)
+        self._checked: tuple | None = None  # (`check`'s needed rows, their cache rows)
 
     def reset(self) -> None:
         """Empty the cache (its rows' values are the host's: a new state was set)."""
-        self._pending = None
+        self._pending = self._checked = None
         self.slot_of.fill(-1)
         self.row_of.fill(-1)
         self.ref.fill(False)
@@ -105,13 +165,15 @@ class StackTier:
         """The batch's rows per shard; ValueError (nothing changed) when its misses do not
         fit the cache rows neither it nor, with `pin`, the batch in flight holds."""
         needed = self._needed(unique_ids)
+        found = []
         for j, need in enumerate(needed):
             if need.size and (need.max() >= self.rows or need.min() < 0):
                 raise ValueError(
                     f"host tier of stack {self.name}: row {int(need.max())} of shard {j} is "
                     f"outside its {self.rows} rows"
                 )
-            slots = self.slot_of[j, need]
+            slots = _take(self.slot_of[j], need)
+            found.append(slots)
             hits = slots[slots >= 0]
             misses = need.size - hits.size
             held = self._held(j, hits, pin)
@@ -127,6 +189,7 @@ class StackTier:
                     + f"; give the tier a cache of at least {least} rows"
                     f" (host_tier_cache_rows) or use smaller batches. Nothing was changed"
                 )
+        self._checked = (needed, found)  # (`commit` of these rows reuses their slots)
         return needed
 
     def _held(self, j: int, hits: np.ndarray, pin: bool) -> np.ndarray:
@@ -147,14 +210,20 @@ class StackTier:
         ref, hand = self.ref[j], int(self.hand[j])
         while count > 0:
             w = min(c, max(4 * count, _MIN_SCAN))
-            idx = (hand + np.arange(w)) % c
-            ok = np.flatnonzero(~held[idx] & ~ref[idx])
-            if ok.size >= count:
-                cut, chosen = int(ok[count - 1]) + 1, idx[ok[:count]]
+            if hand + w <= c:  # (the window does not wrap: slices, no index arrays)
+                w_held, w_ref, first = held[hand : hand + w], ref[hand : hand + w], hand
             else:
-                cut, chosen = w, idx[ok]
-            passed = idx[:cut]
-            ref[passed] = False
+                idx = (hand + np.arange(w)) % c
+                w_held, w_ref, first = held[idx], ref[idx], None
+            ok = np.flatnonzero(~w_held & ~w_ref)
+            cut = int(ok[count - 1]) + 1 if ok.size >= count else w
+            ok = ok[:count]
+            if first is not None:
+                chosen = first + ok
+                ref[first : first + cut] = False
+            else:
+                chosen = idx[ok]
+                ref[idx[:cut]] = False
             held[chosen] = True
             out.append(chosen)
             count -= chosen.size
@@ -166,29 +235,41 @@ class StackTier:
         """The batch's `Swap` (`check`ed first), the directory updated to it."""
         n, c = self.num_shards, self.cache_rows
         loads, victims, used = [], [], []
+        checked, self._checked = self._checked, None
+        found = checked[1] if checked is not None and checked[0] is needed else None
         for j, need in enumerate(needed):
-            slots = self.slot_of[j, need]
+            slots = _take(self.slot_of[j], need) if found is None else found[j]
             hit = slots >= 0
-            kept = self._held(j, slots[hit], pin)
-            self._mask[kept] = True  # (a mask kept between batches: no [C] array a batch)
-            self.ref[j, slots[hit]] = True
+            hits = slots[hit]
+            ref = self.ref[j]
+            ref[hits] = True
             miss = need[~hit].astype(np.int32)
-            try:
-                chosen = self._victims(j, miss.size, self._mask).astype(np.int32)
-            finally:
-                self._mask[kept] = False
-            self._mask[chosen] = False
+            chosen = np.zeros(0, np.int32)
+            if miss.size:  # (the hand clears use bits: after the batch's hits are marked)
+                kept = self._held(j, hits, pin)
+                self._mask[kept] = True  # (a mask kept between batches: no [C] array a batch)
+                try:
+                    chosen = self._victims(j, miss.size, self._mask).astype(np.int32)
+                finally:
+                    self._mask[kept] = False
+                self._mask[chosen] = False
             old = self.row_of[j, chosen]
             had = np.flatnonzero(old >= 0)
             self.slot_of[j, old[had]] = -1
             self.row_of[j, chosen] = miss
-            self.slot_of[j, miss] = chosen
+            where = self.slot_of[j]
+            _in_blocks(
+                lambda a, b, w=where, m=miss, v=chosen: w.__setitem__(m[a:b], v[a:b]),
+                miss.size,
+                _MIN_LOOKUPS,
+            )
             self.ref[j, chosen] = True
             loads.append((chosen, miss))
             victims.append((had, old[had]))
-            used.append(self.slot_of[j, need])
-        # rows a swap moves, a power of two (>= 1024): few shapes to compile
-        m = 1 << max(10, int(max((x[0].size for x in loads), default=0) - 1).bit_length())
+            slots = slots.copy()
+            slots[~hit] = chosen
+            used.append(slots)  # (= slot_of[j, need] now)
+        m = _padded(max((x[0].size for x in loads), default=0))
         slots = np.full((n, m), c, np.int32)
         for j, (chosen, _) in enumerate(loads):
             slots[j, : chosen.size] = chosen
@@ -196,7 +277,8 @@ class StackTier:
         for j in range(n):
             sub = ids[:, j]
             valid = sub != PAD_ID
-            sub[valid] = self.slot_of[j, sub[valid]]
+            # one device's list is `needed`'s, in its order: its cache rows are `used`
+            sub[valid] = used[j] if ids.shape[0] == 1 else _take(self.slot_of[j], sub[valid])
         self.in_flight = tuple(used)
         self.misses = sum(rows.size for _, rows in loads)  # (statistics: this batch's)
         return Swap(slots, tuple(x[1] for x in loads), tuple(victims), tuple(used), ids)
@@ -204,9 +286,16 @@ class StackTier:
     def gather(self, swap: Swap, field: int) -> np.ndarray:
         """`[N, M, ...]`: field `field`'s host rows the swap loads (zeros as padding)."""
         arr = self.arrays[field]
-        out = np.zeros(swap.slots.shape + arr.shape[2:], arr.dtype)
+        out = np.empty(swap.slots.shape + arr.shape[2:], arr.dtype)
         for j, rows in enumerate(swap.rows):
-            out[j, : rows.size] = arr[j, rows]
+            out[j, rows.size :] = 0
+            src, dst = arr[j], out[j]
+
+            def take(a, b, src=src, dst=dst, rows=rows):
+                # (rows in range: `check`ed; "clip" copies straight into `dst`)
+                np.take(src, rows[a:b], axis=0, out=dst[a:b], mode="clip")
+
+            _in_blocks(take, rows.size)
         return out
 
     # -- rows back -----------------------------------------------------------------
@@ -228,7 +317,14 @@ class StackTier:
         for arr, old in zip(self.arrays, old_rows):
             host = np.asarray(old)
             for j, (pos, rows) in enumerate(victims):
-                arr[j, rows] = host[j, pos]
+                src, dst = host[j], arr[j]
+                # every slot filled held a row (a full cache): the victims lead the swap
+                lead = pos.size > 0 and int(pos[-1]) == pos.size - 1
+
+                def put(a, b, src=src, dst=dst, pos=pos, rows=rows, lead=lead):
+                    dst[rows[a:b]] = src[a:b] if lead else src[pos[a:b]]
+
+                _in_blocks(put, rows.size)
 
     def cached(self, j: int) -> tuple:
         """`(cache rows, stack rows)` of shard j's cached rows."""
