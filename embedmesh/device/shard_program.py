@@ -84,6 +84,14 @@ class ShardBatch(NamedTuple):
         """`pair_order` over the flattened [N * P] pairs, or None."""
         return None if self.pair_order is None else self.pair_order.reshape(-1)
 
+    def order_by_unique(self):
+        """The pairs' order by their id's position (the `dst_order` hint of the sums keyed
+        by distinct id, a backward's), or None: in one partition the host's order already,
+        its padding last, so `arange(P)`; several partitions' pairs, flattened, have each
+        one's padding amid the next one's pairs."""
+        n, p = self.pair_rows.shape
+        return jnp.arange(p, dtype=jnp.int32) if n == 1 else None
+
 
 def after(x, previous):
     """`x`, made to depend on `previous` without changing it: two exchanges of one program
@@ -125,6 +133,7 @@ def per_unique_sums(act_grads, batch: ShardBatch):
         batch.pair_gains.reshape(-1),
         ops.slot_index(batch.pair_unique, unique_capacity),
         pair_rows.shape[0] * unique_capacity,
+        dst_order=batch.order_by_unique(),
     )
 
 

@@ -1110,4 +1110,31 @@ def test_a_job_hands_the_tpu_lookup_its_pair_order(monkeypatch):
     without = _tpu_branches_primitives(jax.make_jaxpr(job.core.lookup)(state, unordered).jaxpr)
     assert with_order and not any("sort" in p for p in with_order)
     assert any("sort" in p for p in without)
+    # the update: one partition's pairs come sorted by id, and its sums are told so
+    grads = job.flat_gradients({k: np.ones(np.shape(v), np.float32) for k, v in got.items()}, csr)
+    update = jax.make_jaxpr(job.core.apply_gradients)(state, grads, csr).jaxpr
+    assert not any("sort" in p for p in _tpu_branches_primitives(update))
     _clear_kernel_caches()
+
+
+def test_backward_update_told_its_pairs_order_sorts_nothing():
+    """`ops.backward_update` given its pairs' order by id (`dst_order`, one partition's:
+    the host's): no sort in its TPU branches; without it, the TPU's sums sort."""
+    from embedmesh import optimizers
+    from embedmesh.device import ops
+
+    r = rng(4)
+    u, p, num_rows = 6, 20, 9
+    table, acts = signed(r, (40, 128)), signed(r, (num_rows, 128))
+    ids = np.sort(r.choice(40, u, replace=False)).astype(np.int32)
+    key = np.sort(r.integers(0, u, p)).astype(np.int32)
+    rows = r.integers(0, num_rows, p).astype(np.int32)
+
+    def update(o):
+        return ops.backward_update(
+            optimizers.SGD(0.1), table, {}, ids, acts, rows, key, signed(r, p), 1, dst_order=o
+        )
+
+    told = _tpu_branches_primitives(jax.make_jaxpr(update)(jnp.arange(p, dtype=jnp.int32)).jaxpr)
+    assert told and not any("sort" in q for q in told)
+    assert any("sort" in q for q in _tpu_branches_primitives(jax.make_jaxpr(update)(None).jaxpr))

@@ -618,13 +618,24 @@ def _sparse_update_reference(table, slots, ids, grads, *, optimizer, step):
 
 
 def backward_update(
-    optimizer, table, slots: dict, ids, act_grads, pair_rows, pair_unique, pair_gains, step
+    optimizer,
+    table,
+    slots: dict,
+    ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    step,
+    *,
+    dst_order=None,
 ):
     """One shard's whole backward + update: `sparse_update` of the rows `ids` [U] with
     `dedup_sum(ids, segment_gather_sum(act_grads, pair_rows, pair_gains, pair_unique, U))`.
 
     A fused kernel does it in one pass over the unique rows (no [U, D]
     gradient buffer): the same sums in the same order, so the same result.
+    `dst_order`: `segment_gather_sum`'s hint, the pairs' order by `pair_unique`.
     """
     return _dispatch(
         "backward_update",
@@ -637,14 +648,27 @@ def backward_update(
         pair_gains.reshape(-1).astype(jnp.float32),
         optimizer=optimizer,
         step=step,
+        dst_order=dst_order,
     )
 
 
 def _backward_update_reference(
-    table, slots, ids, act_grads, pair_rows, pair_unique, pair_gains, *, optimizer, step
+    table,
+    slots,
+    ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    *,
+    optimizer,
+    step,
+    dst_order=None,
 ):
     """The backward (`segment_gather_sum`, `dedup_sum`), then `sparse_update`."""
-    per_unique = segment_gather_sum(act_grads, pair_rows, pair_gains, pair_unique, ids.shape[0])
+    per_unique = segment_gather_sum(
+        act_grads, pair_rows, pair_gains, pair_unique, ids.shape[0], dst_order=dst_order
+    )
     uniq, grads = dedup_sum(ids.reshape(1, -1), per_unique)
     return sparse_update(optimizer, table, slots, uniq, grads, step)
 
@@ -1150,7 +1174,7 @@ _define("segment_gather_sum", reference.segment_gather_sum)
 _define("segment_gather_sum_mapped", reference.segment_gather_sum_mapped)
 _define("dedup_sum", reference.dedup_sum)
 _define("sparse_update", _sparse_update_reference)
-_define("backward_update", _backward_update_reference)
+_define("backward_update", _backward_update_reference, hints=_HINTS)
 _define("exchange", reference.exchange)
 _define("lookup_from_shards", _lookup_from_shards_reference, hints=_HINTS)
 _define("backward_update_sharded", _backward_update_sharded_reference)
