@@ -1026,6 +1026,14 @@ def test_lookup_with_pair_order_sorts_nothing():
     np.testing.assert_allclose(np.asarray(mapped(table, order)), want, rtol=1e-5, atol=1e-5)
     wrong = order[::-1].copy()  # not sorted by row: the reference's sums
     np.testing.assert_allclose(np.asarray(mapped(table, wrong)), want, rtol=1e-5, atol=1e-5)
+    poisoned = table.copy()  # a NaN row: only the sums it enters are NaN (the reference's)
+    poisoned[unique_ids[0, unique[0, 0]], 3] = np.nan
+    got = np.asarray(mapped(poisoned, order))
+    hit = np.zeros(num_rows, bool)
+    hit[rows[0][(unique[0] == unique[0, 0]) & (rows[0] < num_rows)]] = True
+    assert hit.any() and not hit.all()
+    np.testing.assert_array_equal(np.isnan(got).any(axis=1), hit)
+    np.testing.assert_allclose(got[~hit], want[~hit], rtol=1e-5, atol=1e-5)
     for fn, src in ((mapped, table), (plain, gathered)):  # (one program run: ~8 s interpreted)
         assert "sort" not in _primitives(jax.make_jaxpr(fn)(src, order).jaxpr)
         assert "sort" in _primitives(jax.make_jaxpr(fn)(src, None).jaxpr)

@@ -195,39 +195,38 @@ def _reference_sums(src, src_idx, gains, dst_idx, num_segments: int):
     return reference.segment_gather_sum(src, src_idx, gains, dst_idx, num_segments=num_segments)
 
 
-def _sums(src, src_idx, gains, dst_idx, num_segments: int, dst_order, sorted_by_dst):
-    """`out[dst_idx[p]] += gains[p] * src[src_idx[p]]` by `pallas.reduce` keyed by
-    `dst_idx`: the pairs in `dst_order` where given (no device sort; a `dst_order` that
-    did not sort them: the reference's sums), else `sorted_by_dst()`'s."""
+def _pair_sums(src, src_idx, gains, dst_idx, num_segments: int, dst_order, any_order):
+    """`out[dst_idx[p]] += gains[p] * src[src_idx[p]]` (float32) by `pallas.reduce` keyed
+    by `dst_idx`. With `dst_order`: the pairs gathered in that order into
+    `pallas.reduce_ordered` (no device sort), the reference's sums where it did not sort
+    them or a row or gain is not finite (one fallback, one reference program compiled);
+    else `any_order()`'s sums (`_finite_or_reference`)."""
     if dst_order is None:
-        return sorted_by_dst()
+        return _finite_or_reference(any_order, src, src_idx, gains, dst_idx, num_segments)
     out, in_order = _pallas().reduce_ordered(
         src, dst_idx, src_idx, gains, jnp.asarray(dst_order).reshape(-1), num_segments
     )
-    return jax.lax.cond(
-        in_order,
-        lambda: out,
-        lambda: _reference_sums(src, src_idx, gains, dst_idx, num_segments).astype(out.dtype),
-    )
+    fine = in_order & jnp.all(jnp.isfinite(src)) & jnp.all(jnp.isfinite(gains))
+
+    def fallback(src, src_idx, gains, dst_idx):
+        return _reference_sums(src, src_idx, gains, dst_idx, num_segments).astype(out.dtype)
+
+    return jax.lax.cond(fine, lambda *_: out, fallback, src, src_idx, gains, dst_idx)
 
 
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int, dst_order=None):
     """The backward's per-unique sums (pairs sorted by `dst_idx`, else sorted on the
-    device): `pallas.reduce`; a lookup's with its pairs' order (`dst_order`, over
-    `dst_idx`): `pallas.reduce_ordered`."""
-
-    def kernel():
-        return _sums(
-            src,
-            src_idx,
-            gains,
-            dst_idx,
-            num_segments,
-            dst_order,
-            lambda: _pallas().reduce(src, dst_idx, src_idx, gains, num_segments),
-        )
-
-    return _finite_or_reference(kernel, src, src_idx, gains, dst_idx, num_segments)
+    device): `pallas.reduce`; given the pairs' order by `dst_idx` (`dst_order`),
+    `pallas.reduce_ordered`."""
+    return _pair_sums(
+        src,
+        src_idx,
+        gains,
+        dst_idx,
+        num_segments,
+        dst_order,
+        lambda: _pallas().reduce(src, dst_idx, src_idx, gains, num_segments),
+    )
 
 
 def gather_columns(table, ids, columns: int):
@@ -268,18 +267,15 @@ def segment_gather_sum_mapped(
         if lanes != columns:
             rows = jnp.where(jnp.arange(lanes) < columns, rows, 0.0)  # no slot is summed
 
-    def kernel():
-        return _sums(
-            rows,
-            src_idx,
-            gains,
-            dst_idx,
-            num_segments,
-            dst_order,
-            lambda: _pallas().combine(rows, src_idx, dst_idx, gains, num_segments),
-        )
-
-    out = _finite_or_reference(kernel, rows, src_idx, gains, dst_idx, num_segments)
+    out = _pair_sums(
+        rows,
+        src_idx,
+        gains,
+        dst_idx,
+        num_segments,
+        dst_order,
+        lambda: _pallas().combine(rows, src_idx, dst_idx, gains, num_segments),
+    )
     return out if columns is None else out[:, :columns]
 
 
