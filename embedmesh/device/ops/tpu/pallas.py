@@ -41,7 +41,8 @@ an 8M-row table, 308,894 pairs; runs in `benchmarks/runs/tpu_probe_*`):
   against 12.62 ms at dim 64, 13.00 against 12.93 at 16). Both forms cost ~8 ns a pair:
   the pair's row read from a dynamic place in VMEM, not the matmuls, bounds them;
   pairs given already sorted by output row took 2.21 ms against 2.23 with the sort, so
-  sending the host's order would not help either;
+  sending the host's order would not help either (at run time: it saves the sort's
+  compile, which is why a lookup now takes it, `reduce_ordered`);
 - `combine` (its device sort included, ~1.3 ms): 3.35 ms at dims 64 and 128, 8.2 ms at
   256 (then in two row ranges; in two column blocks since, not yet measured), against
   XLA's 6.2, 6.1 and 9.5 ms;
