@@ -429,8 +429,15 @@ class RawIdTables:
 
 def _with_rows(c, rows, pairs):
     """The batch `c` of one stack with its raw ids replaced by the rows they map to, and
-    its pairs `(rows, unique, gains)` (moved to the owners' order where they were moved)."""
+    its pairs `(rows, unique, gains)` (moved to the owners' order where they were moved;
+    the host's `pair_order` dropped: it ordered the pairs the host made)."""
     pr, pu, pg = pairs
     return dataclasses.replace(
-        c, unique_ids=rows, unique_raw_ids=None, pair_rows=pr, pair_unique=pu, pair_gains=pg
+        c,
+        unique_ids=rows,
+        unique_raw_ids=None,
+        pair_rows=pr,
+        pair_unique=pu,
+        pair_gains=pg,
+        pair_order=None,
     )

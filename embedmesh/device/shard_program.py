@@ -52,7 +52,9 @@ class ShardBatch(NamedTuple):
     """One device's batch of one stack inside `shard_map` (the module's shapes):
     `unique_ids` [N, U], `pair_rows`, `pair_unique`, `pair_gains` [N, P]; static:
     `num_rows` (R), the activation rows it fills, and `features`, the feature segments
-    filling them (`FeatureSegment`s: which rows each feature's are)."""
+    filling them (`FeatureSegment`s: which rows each feature's are); `pair_order` [N, P]
+    or None, the batch's (`PartitionedCsrFormatTensor.pair_order`): its pairs'
+    positions in output-row order, a hint of the lookups."""
 
     unique_ids: Any
     pair_rows: Any
@@ -60,6 +62,7 @@ class ShardBatch(NamedTuple):
     pair_gains: Any
     num_rows: int
     features: tuple = ()
+    pair_order: Any = None
 
     @property
     def unique_capacity(self) -> int:
@@ -67,13 +70,27 @@ class ShardBatch(NamedTuple):
         return int(self.unique_ids.shape[-1])
 
     def first_partition(self) -> ShardBatch:
-        """The batch's partition 0 alone ([1, ...] arrays)."""
+        """The batch's partition 0 alone ([1, ...] arrays; no `pair_order`: it orders
+        every partition's pairs together)."""
         return self._replace(
             unique_ids=self.unique_ids[:1],
             pair_rows=self.pair_rows[:1],
             pair_unique=self.pair_unique[:1],
             pair_gains=self.pair_gains[:1],
+            pair_order=None if self.pair_rows.shape[0] > 1 else self.pair_order,
         )
+
+    def flat_pair_order(self):
+        """`pair_order` over the flattened [N * P] pairs, or None."""
+        return None if self.pair_order is None else self.pair_order.reshape(-1)
+
+    def order_by_unique(self):
+        """The pairs' order by their id's position (the `dst_order` hint of the sums keyed
+        by distinct id, a backward's), or None: in one partition the host's order already,
+        its padding last, so `arange(P)`; several partitions' pairs, flattened, have each
+        one's padding amid the next one's pairs."""
+        n, p = self.pair_rows.shape
+        return jnp.arange(p, dtype=jnp.int32) if n == 1 else None
 
 
 def after(x, previous):
@@ -102,6 +119,7 @@ def lookup_local(table_shard, batch: ShardBatch, quantization=None, columns=None
         src_map=batch.unique_ids.reshape(-1),
         quantization=quantization,
         columns=columns,
+        dst_order=batch.flat_pair_order(),
     )
 
 
@@ -115,6 +133,7 @@ def per_unique_sums(act_grads, batch: ShardBatch):
         batch.pair_gains.reshape(-1),
         ops.slot_index(batch.pair_unique, unique_capacity),
         pair_rows.shape[0] * unique_capacity,
+        dst_order=batch.order_by_unique(),
     )
 
 

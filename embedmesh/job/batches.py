@@ -17,11 +17,22 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from embedmesh.batch import PartitionedCsrFormatTensor
+from embedmesh.device import ops
 from embedmesh.host import agree as _agree
+from embedmesh.host import pair_order as _pair_order
 from embedmesh.host import preprocess as _pre
 from embedmesh.host.prefetch import background_map
 
-__all__ = ["Feed", "agreed_put", "enqueue", "prefetched", "prepare", "preprocess"]
+__all__ = [
+    "Feed",
+    "agreed_put",
+    "enqueue",
+    "prefetched",
+    "prepare",
+    "preprocess",
+    "with_pair_order",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +53,9 @@ class Feed:
 
 
 def preprocess(job, features, weights, capacities, overflow: str | None = None) -> tuple:
-    """`(csr, stats)`: this process's batch preprocessed on the host at `capacities`."""
-    return _pre.preprocess_batch(
+    """`(csr, stats)`: this process's batch preprocessed on the host at `capacities`
+    (with its pairs' order by output row where the mesh's lookups read it)."""
+    csr, stats = _pre.preprocess_batch(
         features,
         weights,
         job.plan,
@@ -52,6 +64,32 @@ def preprocess(job, features, weights, capacities, overflow: str | None = None) 
         overflow=job.spec.overflow if overflow is None else overflow,
         process_index=jax.process_index(),
     )
+    return with_pair_order(job, csr), stats
+
+
+def with_pair_order(job, csr: dict) -> dict:
+    """`csr` with each stack's `pair_order` (`embedmesh.host.pair_order`) where the
+    job's mesh runs lookups that read it (a TPU's kernels: the lookup then sorts nothing
+    on the device), else as it is. A stack of raw ids gets none (mapping its ids moves its
+    pairs)."""
+    if not ops.reads_pair_order(job.core.mesh):
+        return csr
+    return {
+        name: (
+            dataclasses.replace(
+                c,
+                pair_order=_pair_order.pair_order(
+                    c.pair_rows,
+                    c.pair_unique,
+                    c.rows_per_device,
+                    c.capacity.max_unique_ids_per_partition,
+                ),
+            )
+            if isinstance(c, PartitionedCsrFormatTensor) and c.unique_raw_ids is None
+            else c
+        )
+        for name, c in csr.items()
+    }
 
 
 def recorded(job, feed: Feed, stats) -> Feed:

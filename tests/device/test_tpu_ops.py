@@ -942,3 +942,207 @@ def test_registered_ops_keep_a_non_finite_row_to_its_own_sums(op):
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# A lookup given its pairs' order by output row (the host's `pair_order`): no device sort
+
+
+def _primitives(jaxpr) -> set:
+    """The names of every primitive in `jaxpr` and its sub-jaxprs (cond branches, jits,
+    platform_dependent's branches, Pallas calls' bodies)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+    return names
+
+
+def _tpu_branch(jaxpr):
+    """The TPU's branch of the registry's `platform_dependent` in `jaxpr`."""
+    for eqn in jaxpr.eqns:
+        platforms = eqn.params.get("branches_platforms")
+        if platforms is not None:
+            return eqn.params["branches"][platforms.index(("tpu",))].jaxpr
+    raise AssertionError("no platform_dependent")
+
+
+def _host_batch(r, n, p, u, num_rows, table_rows):
+    """One device's batch of `n` partitions as the host makes it: each partition's pairs
+    by (id position, output row), padding last (row `num_rows`, position 0, gain 0);
+    distinct ids ascending, `PAD_ID` padded (2**31 - 1)."""
+    unique_ids = np.full((n, u), BIG, np.int32)
+    rows = np.full((n, p), num_rows, np.int32)
+    unique = np.zeros((n, p), np.int32)
+    gains = np.zeros((n, p), np.float32)
+    for j in range(n):
+        nu = int(r.integers(1, u + 1))
+        unique_ids[j, :nu] = np.sort(r.choice(table_rows, nu, replace=False))
+        m = int(r.integers(1, p + 1))
+        pu, pr = r.integers(0, nu, m), r.integers(0, num_rows, m)
+        keep = np.unique(pu.astype(np.int64) * num_rows + pr)  # distinct, host-ordered
+        m = keep.size
+        unique[j, :m], rows[j, :m] = keep // num_rows, keep % num_rows
+        gains[j, :m] = signed(r, m)
+    return unique_ids, rows, unique, gains
+
+
+def test_lookup_with_pair_order_sorts_nothing():
+    """The TPU lookup ops given the host's `pair_order`: the sums of the ops without it and
+    of a float64 reference (partitions with padding; a wrong order: still the reference's
+    sums), and no `sort` in their programs (through the registry's dispatch too: its TPU
+    branch; without the order it has one)."""
+    from embedmesh.device import ops
+    from embedmesh.device.ops import tpu
+    from embedmesh.host.pair_order import pair_order
+
+    r = rng(23)
+    n, p, u, num_rows, dim = 3, 40, 9, 17, 128
+    table = signed(r, (70, dim))
+    unique_ids, rows, unique, gains = _host_batch(r, n, p, u, num_rows, 70)
+    order = pair_order(rows[None], unique[None], num_rows, u)[0].reshape(-1)
+    slots = np.asarray(ops.slot_index(jnp.asarray(unique), u))
+    want = np.zeros((num_rows, dim))
+    for j in range(n):
+        for q in range(p):
+            if rows[j, q] < num_rows:
+                want[rows[j, q]] += float(gains[j, q]) * table[unique_ids[j, unique[j, q]]]
+    assert np.abs(want).min() > 0  # every output row summed
+
+    flat = (slots, gains.reshape(-1), rows.reshape(-1))
+    mapped = jax.jit(
+        lambda t, o: tpu.segment_gather_sum_mapped(
+            t, unique_ids.reshape(-1), *flat, num_segments=num_rows, dst_order=o
+        )
+    )
+    gathered = table[np.minimum(unique_ids.reshape(-1), 69)] * (unique_ids.reshape(-1, 1) < BIG)
+    plain = jax.jit(
+        lambda s, o: tpu.segment_gather_sum(s, *flat, num_segments=num_rows, dst_order=o)
+    )
+    np.testing.assert_allclose(np.asarray(mapped(table, order)), want, rtol=1e-5, atol=1e-5)
+    wrong = order[::-1].copy()  # not sorted by row: the reference's sums
+    np.testing.assert_allclose(np.asarray(mapped(table, wrong)), want, rtol=1e-5, atol=1e-5)
+    poisoned = table.copy()  # a NaN row: only the sums it enters are NaN (the reference's)
+    poisoned[unique_ids[0, unique[0, 0]], 3] = np.nan
+    got = np.asarray(mapped(poisoned, order))
+    hit = np.zeros(num_rows, bool)
+    hit[rows[0][(unique[0] == unique[0, 0]) & (rows[0] < num_rows)]] = True
+    assert hit.any() and not hit.all()
+    np.testing.assert_array_equal(np.isnan(got).any(axis=1), hit)
+    np.testing.assert_allclose(got[~hit], want[~hit], rtol=1e-5, atol=1e-5)
+    for fn, src in ((mapped, table), (plain, gathered)):  # (one program run: ~8 s interpreted)
+        assert "sort" not in _primitives(jax.make_jaxpr(fn)(src, order).jaxpr)
+        assert "sort" in _primitives(jax.make_jaxpr(fn)(src, None).jaxpr)
+
+    # the op as the lookups call it: the hint reaches the TPU's kernel, the others drop it
+    def op(t, o):
+        return ops.segment_gather_sum(
+            t, *flat, num_rows, src_map=jnp.asarray(unique_ids.reshape(-1)), dst_order=o
+        )
+
+    assert "sort" not in _primitives(_tpu_branch(jax.make_jaxpr(op)(table, order).jaxpr))
+    assert "sort" in _primitives(_tpu_branch(jax.make_jaxpr(op)(table, None).jaxpr))
+    if jax.default_backend() == "cpu":  # the CPU's kernel (or reference), the hint dropped
+        old = pallas.INTERPRET  # the TPU branch lowered as it is on CPU (never run)
+        pallas.INTERPRET = False
+        _clear_kernel_caches()
+        try:
+            got = np.asarray(jax.jit(lambda t, o: op(t, o))(table, order))  # traced anew
+        finally:
+            pallas.INTERPRET = old
+            _clear_kernel_caches()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _tpu_branches_primitives(jaxpr) -> list:
+    """The primitives (`_primitives`) of each TPU branch of a `platform_dependent` in
+    `jaxpr` or its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        platforms = eqn.params.get("branches_platforms")
+        if platforms is not None and ("tpu",) in platforms:
+            found.append(_primitives(eqn.params["branches"][platforms.index(("tpu",))].jaxpr))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _tpu_branches_primitives(inner)
+    return found
+
+
+def test_a_job_hands_the_tpu_lookup_its_pair_order(monkeypatch):
+    """A job whose mesh's lookups read the pairs' order (a TPU's: told so here, on one CPU
+    device) places each batch with the host's `pair_order`, and its lookup's program then
+    holds no sort in its TPU branches (one without the order does); on CPU the order is
+    dropped: the same activations."""
+    import dataclasses
+
+    from jax.sharding import Mesh
+
+    import embedmesh as em
+    from embedmesh.device import ops
+    from embedmesh.host.pair_order import pair_order
+
+    monkeypatch.setattr(pallas, "INTERPRET", False)  # staged beside the CPU's, never run
+    _clear_kernel_caches()
+    monkeypatch.setattr(ops, "reads_pair_order", lambda mesh: True)
+    t = em.TableConfig(30, 8, name="t", combiner="mean")
+    feats = {"a": em.FeatureConfig(t), "b": em.FeatureConfig(t)}
+    layer = em.MeshEmbedding(
+        feats, em.SGD(0.1), mesh=Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+    )
+    r = rng(9)
+    batch = {"a": r.integers(0, 30, (8, 3)), "b": r.integers(0, 30, (8, 2))}
+    job = layer.job
+    csr = job.placed(layer.enqueue(batch), "test")
+    (c,) = csr.values()
+    assert c.pair_order is not None
+    want_order = pair_order(
+        np.asarray(c.pair_rows),
+        np.asarray(c.pair_unique),
+        c.rows_per_device,
+        c.capacity.max_unique_ids_per_partition,
+    )
+    np.testing.assert_array_equal(np.asarray(c.pair_order), want_order)
+    unordered = {k: dataclasses.replace(v, pair_order=None) for k, v in csr.items()}
+    state = layer.release_state()
+    got = job.core.lookup(state, csr)
+    want = job.core.lookup(state, unordered)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    with_order = _tpu_branches_primitives(jax.make_jaxpr(job.core.lookup)(state, csr).jaxpr)
+    without = _tpu_branches_primitives(jax.make_jaxpr(job.core.lookup)(state, unordered).jaxpr)
+    assert with_order and not any("sort" in p for p in with_order)
+    assert any("sort" in p for p in without)
+    # the update: one partition's pairs come sorted by id, and its sums are told so
+    grads = job.flat_gradients({k: np.ones(np.shape(v), np.float32) for k, v in got.items()}, csr)
+    update = jax.make_jaxpr(job.core.apply_gradients)(state, grads, csr).jaxpr
+    assert not any("sort" in p for p in _tpu_branches_primitives(update))
+    _clear_kernel_caches()
+
+
+def test_backward_update_told_its_pairs_order_sorts_nothing():
+    """`ops.backward_update` given its pairs' order by id (`dst_order`, one partition's:
+    the host's): no sort in its TPU branches; without it, the TPU's sums sort."""
+    from embedmesh import optimizers
+    from embedmesh.device import ops
+
+    r = rng(4)
+    u, p, num_rows = 6, 20, 9
+    table, acts = signed(r, (40, 128)), signed(r, (num_rows, 128))
+    ids = np.sort(r.choice(40, u, replace=False)).astype(np.int32)
+    key = np.sort(r.integers(0, u, p)).astype(np.int32)
+    rows = r.integers(0, num_rows, p).astype(np.int32)
+
+    def update(o):
+        return ops.backward_update(
+            optimizers.SGD(0.1), table, {}, ids, acts, rows, key, signed(r, p), 1, dst_order=o
+        )
+
+    told = _tpu_branches_primitives(jax.make_jaxpr(update)(jnp.arange(p, dtype=jnp.int32)).jaxpr)
+    assert told and not any("sort" in q for q in told)
+    assert any("sort" in q for q in _tpu_branches_primitives(jax.make_jaxpr(update)(None).jaxpr))

@@ -36,7 +36,9 @@ end are padding.
   (`embedmesh.device.slots_in_rows`): only each row's first D columns are parameters;
   the TPU's lookup applies it, elsewhere such a call runs the reference. The updates
   need nothing: such a stack has no slot arrays and its optimizer, `SlotsInRows`,
-  updates whole rows.
+  updates whole rows. `segment_gather_sum` and `lookup_from_shards` take a hint,
+  `dst_order` (the pairs' positions in output-row order, the batch's `pair_order`):
+  the TPU's kernels read it and sort nothing; the others are called without it.
 - `dedup_sum(ids, grads)`: the distinct ids of `ids` ascending (padded with
   `PAD_ID`, ids equal to `PAD_ID` dropped) and the sum of the `grads` rows of
   each, in input order. Linear when every row of `ids` [N, U] is ascending (an
@@ -140,8 +142,8 @@ from embedmesh.device.ops.transport import Transport
 
 __all__ = [
     "HUGE_PAGE_MIN_BYTES",
-    "PAD_ID",
     "Kernel",
+    "PAD_ID",
     "Transport",
     "backward_update",
     "backward_update_sharded",
@@ -163,6 +165,7 @@ __all__ = [
     "pooled_backward_update",
     "pooled_pair_fields",
     "pooled_partials",
+    "reads_pair_order",
     "reference_of",
     "register_kernel",
     "scatter_rows",
@@ -191,11 +194,13 @@ class Kernel:
     ready: Callable[[], bool]
     supports: Callable[..., bool] | None = None
     # the optional row-read parameters it applies itself ("columns"); a call with another
-    # set (`_ROW_READ`) runs the reference
+    # set (`_ROW_READ`) runs the reference; and the hints it reads (`_HINTS`), which the
+    # kernels that do not read them (and the references) are called without
     params: frozenset = frozenset()
 
 
 _REFERENCES: dict[str, Callable] = {}
+_REFERENCE_HINTS: dict[str, frozenset] = {}  # the hints (`_HINTS`) a reference passes on
 _PLATFORM_KERNELS: dict[str, dict[str, Kernel]] = {}
 
 # Platform names of `jax.Device.platform` -> those of `jax.lax.platform_dependent`.
@@ -204,8 +209,9 @@ _LOWERING_PLATFORMS = {"gpu": ("cuda", "rocm")}
 _DEVICE_PLATFORM = {name: device for device, names in _LOWERING_PLATFORMS.items() for name in names}
 
 
-def _define(op: str, ref: Callable) -> None:
+def _define(op: str, ref: Callable, hints: tuple = ()) -> None:
     _REFERENCES[op] = ref
+    _REFERENCE_HINTS[op] = frozenset(hints)
     _PLATFORM_KERNELS[op] = {}
 
 
@@ -237,9 +243,31 @@ def reference_of(op: str) -> Callable:
     return _REFERENCES[op]
 
 
+def reads_pair_order(mesh) -> bool:
+    """Whether the lookups on `mesh` read a batch's `pair_order` (their `dst_order`
+    hint): the TPU kernels', when they are on (`tpu.ready`). Elsewhere computing it
+    would cost the host for nothing."""
+    return mesh.devices.flat[0].platform == "tpu" and tpu.ready()
+
+
 # The lookups' optional row-read parameters: `quantization` (no kernel applies it) and
 # `columns` (a stack keeping its slots in its rows: only the first columns are parameters)
 _ROW_READ = ("quantization", "columns")
+
+
+# The ops' optional hints: arrays a kernel may read to skip work, the result the same
+# without them. `dst_order` (a lookup's): the pairs' positions in output-row order, the
+# invalid ones last (`PartitionedCsrFormatTensor.pair_order`).
+_HINTS = ("dst_order",)
+
+
+def _with_hints(fn, names: tuple, reads: frozenset):
+    """`fn` taking `len(names)` more arguments, the last: passed on by name where `fn`
+    reads them (`reads`), else dropped."""
+    n = len(names)
+    if not n:
+        return fn
+    return lambda *a, **kw: fn(*a[:-n], **kw, **{h: x for h, x in zip(names, a[-n:]) if h in reads})
 
 
 def _reads_as(kernel: Kernel, params) -> bool:
@@ -275,6 +303,8 @@ def _dispatch(op: str, *args, **params):
     reference, chosen by the platform the computation is lowered for. A kernel of an op
     that crosses devices (a `transport`) also gets `after=`, the output of the last such
     call staged into the same program, and waits for it (`_CrossingOrder`)."""
+    hints = {h: params[h] for h in _HINTS if params.get(h) is not None}
+    params = {k: v for k, v in params.items() if k not in _HINTS}
     ref = functools.partial(_REFERENCES[op], **params)
     branches = {}
     # device platforms first: a lowering platform's own kernel replaces theirs
@@ -282,10 +312,16 @@ def _dispatch(op: str, *args, **params):
     for platform, kernel in registered:
         if _takes(kernel, args, params):
             fn = functools.partial(kernel.fn, **params)
+            if hints:
+                fn = _with_hints(fn, tuple(hints), kernel.params)
             for name in _LOWERING_PLATFORMS.get(platform, (platform,)):
                 branches[name] = fn
     if not branches or any(isinstance(a, packed.PackedRows) for a in args):
-        return ref(*args)  # packed rows: the references, composed of the ops that read them
+        # packed rows: the references, composed of the ops that read them
+        return _with_hints(ref, tuple(hints), _REFERENCE_HINTS[op])(*args, *hints.values())
+    if hints:  # more arguments, the last: the kernels that read them get them
+        ref = _with_hints(ref, tuple(hints), _REFERENCE_HINTS[op])
+        args = (*args, *hints.values())
     crossing = "transport" in params
     previous = _crossing_order.last() if crossing else None
     default = ref
@@ -516,6 +552,7 @@ def segment_gather_sum(
     src_map=None,
     quantization=None,
     columns=None,
+    dst_order=None,
 ):
     """`segment_sum(src[rows] * gains[:, None], dst_idx, num_segments)` in float32.
 
@@ -528,6 +565,10 @@ def segment_gather_sum(
     before they are weighted and summed (a lookup of a table with a QuantizationConfig).
     `columns` (with `src_map`): only each row's first `columns` columns are read and
     summed (a stack keeping its slots in its rows: its parameters).
+    `dst_order` [P] int32, a hint: the positions of the valid pairs in ascending
+    (`dst_idx`, position) order, then the invalid ones (`embedmesh.host.pair_order`); a
+    kernel that sums the pairs grouped by `dst_idx` (the TPU's) then sorts nothing. The
+    sums are the same without it; a wrong one costs that kernel its speed, not its result.
     """
     src_idx = src_idx.astype(jnp.int32)
     gains = gains.astype(jnp.float32)
@@ -543,6 +584,7 @@ def segment_gather_sum(
             num_segments,
             quantization=quantization,
             columns=columns,
+            dst_order=dst_order,
         )
     if src_map is None:
         src = (src if columns is None else src[:, :columns]).astype(jnp.float32)
@@ -555,6 +597,7 @@ def segment_gather_sum(
             gains,
             dst_idx,
             num_segments=num_segments,
+            dst_order=dst_order,
         )
     return _dispatch(
         "segment_gather_sum_mapped",
@@ -564,6 +607,7 @@ def segment_gather_sum(
         gains,
         dst_idx,
         num_segments=num_segments,
+        dst_order=dst_order,
         **_row_read(quantization, columns),
     )
 
@@ -617,13 +661,24 @@ def _sparse_update_reference(table, slots, ids, grads, *, optimizer, step):
 
 
 def backward_update(
-    optimizer, table, slots: dict, ids, act_grads, pair_rows, pair_unique, pair_gains, step
+    optimizer,
+    table,
+    slots: dict,
+    ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    step,
+    *,
+    dst_order=None,
 ):
     """One shard's whole backward + update: `sparse_update` of the rows `ids` [U] with
     `dedup_sum(ids, segment_gather_sum(act_grads, pair_rows, pair_gains, pair_unique, U))`.
 
     A fused kernel does it in one pass over the unique rows (no [U, D]
     gradient buffer): the same sums in the same order, so the same result.
+    `dst_order`: `segment_gather_sum`'s hint, the pairs' order by `pair_unique`.
     """
     return _dispatch(
         "backward_update",
@@ -636,14 +691,27 @@ def backward_update(
         pair_gains.reshape(-1).astype(jnp.float32),
         optimizer=optimizer,
         step=step,
+        dst_order=dst_order,
     )
 
 
 def _backward_update_reference(
-    table, slots, ids, act_grads, pair_rows, pair_unique, pair_gains, *, optimizer, step
+    table,
+    slots,
+    ids,
+    act_grads,
+    pair_rows,
+    pair_unique,
+    pair_gains,
+    *,
+    optimizer,
+    step,
+    dst_order=None,
 ):
     """The backward (`segment_gather_sum`, `dedup_sum`), then `sparse_update`."""
-    per_unique = segment_gather_sum(act_grads, pair_rows, pair_gains, pair_unique, ids.shape[0])
+    per_unique = segment_gather_sum(
+        act_grads, pair_rows, pair_gains, pair_unique, ids.shape[0], dst_order=dst_order
+    )
     uniq, grads = dedup_sum(ids.reshape(1, -1), per_unique)
     return sparse_update(optimizer, table, slots, uniq, grads, step)
 
@@ -679,12 +747,14 @@ def lookup_from_shards(
     transport: Transport,
     quantization=None,
     columns=None,
+    dst_order=None,
 ):
     """Activations [num_rows, D] (float32) of this device: `sum gains * shard_s[ids]` over
     its pairs (`pair_*` [N, P]) into the rows of every shard s (`unique_ids` [N, U]).
     Pairs with `pair_unique` outside [0, U), a padding id or `pair_rows` outside
-    [0, num_rows) contribute nothing. `quantization`, `columns`: as
-    `segment_gather_sum`'s (the owners quantize the rows they send, only their columns)."""
+    [0, num_rows) contribute nothing. `quantization`, `columns`, `dst_order` (over the
+    flattened [N * P] pairs): as `segment_gather_sum`'s (the owners quantize the rows they
+    send, only their columns)."""
     return _dispatch(
         "lookup_from_shards",
         table_shard,
@@ -694,6 +764,7 @@ def lookup_from_shards(
         pair_rows.astype(jnp.int32),
         num_rows=num_rows,
         transport=transport,
+        dst_order=dst_order,
         **_row_read(quantization, columns),
     )
 
@@ -709,6 +780,7 @@ def _lookup_from_shards_reference(
     transport,
     quantization=None,
     columns=None,
+    dst_order=None,
 ):
     """Send the ids to their owners, gather there, send the rows back, combine."""
     served = exchange(unique_ids, transport.at("ids"))
@@ -725,6 +797,7 @@ def _lookup_from_shards_reference(
         pair_gains.reshape(-1),
         pair_rows.reshape(-1),
         num_rows,
+        dst_order=dst_order,
     )
 
 
@@ -1144,9 +1217,9 @@ _define("segment_gather_sum", reference.segment_gather_sum)
 _define("segment_gather_sum_mapped", reference.segment_gather_sum_mapped)
 _define("dedup_sum", reference.dedup_sum)
 _define("sparse_update", _sparse_update_reference)
-_define("backward_update", _backward_update_reference)
+_define("backward_update", _backward_update_reference, hints=_HINTS)
 _define("exchange", reference.exchange)
-_define("lookup_from_shards", _lookup_from_shards_reference)
+_define("lookup_from_shards", _lookup_from_shards_reference, hints=_HINTS)
 _define("backward_update_sharded", _backward_update_sharded_reference)
 _define("pack_pooled_pairs", _pack_pooled_pairs_reference)
 _define("pooled_partials", _pooled_partials_reference)
@@ -1165,7 +1238,12 @@ for _platform, _table in (("gpu", gpu.KERNELS), ("cuda", gpu.CUDA_KERNELS)):
         register_kernel(_op, _platform, _fn, ready=gpu.ready, supports=_supports)
 for _op, (_fn, _supports) in tpu.KERNELS.items():
     register_kernel(
-        _op, "tpu", _fn, ready=tpu.ready, supports=_supports, params=tpu.ROW_READ.get(_op, ())
+        _op,
+        "tpu",
+        _fn,
+        ready=tpu.ready,
+        supports=_supports,
+        params=tpu.ROW_READ.get(_op, ()) + tpu.HINTS.get(_op, ()),
     )
 del _op, _fn, _supports, _platform, _table
 

@@ -71,6 +71,7 @@ class RowExchange(Strategy):
             self.transport.at("lookup"),
             quantization=self.spec.quantization,
             columns=self.spec.lookup_columns,
+            dst_order=batch.flat_pair_order(),
         )
         return act, None
 

@@ -52,4 +52,5 @@ class SingleDevice(Strategy):
             batch.pair_unique,
             batch.pair_gains,
             step,
+            dst_order=batch.order_by_unique(),
         )

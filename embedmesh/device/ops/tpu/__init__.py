@@ -24,7 +24,10 @@ its scatter writes them at 5.6 M and 12.7 M rows/s). Hence, on a TPU mesh:
 - `segment_gather_sum(_mapped)`: the pair sums on the MXU (`pallas.reduce`, `pallas.combine`:
   each item's rows gathered into VMEM, one-hot matmuls), at every width: 3.7 ms for a
   backward of 309k pairs at dims 64-128 against XLA's take + segment_sum at 6.1, 3.35
-  against 6.2 for a lookup's (its device sort included);
+  against 6.2 for a lookup's (its device sort included); a lookup given its pairs' order
+  by output row (`dst_order`, the batch's `pair_order`, computed on the host where the
+  mesh is a TPU's) gathers them in that order and sorts nothing: XLA's TPU compiler takes
+  far longer over that sort than over the rest of the lookup's program;
 - gathers stay XLA's (66 M rows/s, against 21 M for a DMA a row); `sparse_update` and
   `backward_update` are their references' compositions of these.
 
@@ -45,6 +48,7 @@ from embedmesh.device.ops.gpu import xla  # XLA's ops told what the op guarantee
 
 __all__ = [
     "ENABLED",
+    "HINTS",
     "KERNELS",
     "LANES",
     "PARTNERS",
@@ -181,20 +185,48 @@ def _finite_or_reference(kernel, src, src_idx, gains, dst_idx, num_segments: int
     finite = jnp.all(jnp.isfinite(src)) & jnp.all(jnp.isfinite(gains))
 
     def fallback(src, src_idx, gains, dst_idx):
-        src_idx = jnp.where(src_idx < 0, src.shape[0], src_idx)  # skipped, never wrapped
-        return reference.segment_gather_sum(src, src_idx, gains, dst_idx, num_segments=num_segments)
+        return _reference_sums(src, src_idx, gains, dst_idx, num_segments)
 
     return jax.lax.cond(finite, lambda *_: kernel(), fallback, src, src_idx, gains, dst_idx)
 
 
-def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int):
+def _reference_sums(src, src_idx, gains, dst_idx, num_segments: int):
+    src_idx = jnp.where(src_idx < 0, src.shape[0], src_idx)  # skipped, never wrapped
+    return reference.segment_gather_sum(src, src_idx, gains, dst_idx, num_segments=num_segments)
+
+
+def _pair_sums(src, src_idx, gains, dst_idx, num_segments: int, dst_order, any_order):
+    """`out[dst_idx[p]] += gains[p] * src[src_idx[p]]` (float32) by `pallas.reduce` keyed
+    by `dst_idx`. With `dst_order`: the pairs gathered in that order into
+    `pallas.reduce_ordered` (no device sort), the reference's sums where it did not sort
+    them or a row or gain is not finite (one fallback, one reference program compiled);
+    else `any_order()`'s sums (`_finite_or_reference`)."""
+    if dst_order is None:
+        return _finite_or_reference(any_order, src, src_idx, gains, dst_idx, num_segments)
+    out, in_order = _pallas().reduce_ordered(
+        src, dst_idx, src_idx, gains, jnp.asarray(dst_order).reshape(-1), num_segments
+    )
+    fine = in_order & jnp.all(jnp.isfinite(src)) & jnp.all(jnp.isfinite(gains))
+
+    def fallback(src, src_idx, gains, dst_idx):
+        return _reference_sums(src, src_idx, gains, dst_idx, num_segments).astype(out.dtype)
+
+    return jax.lax.cond(fine, lambda *_: out, fallback, src, src_idx, gains, dst_idx)
+
+
+def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int, dst_order=None):
     """The backward's per-unique sums (pairs sorted by `dst_idx`, else sorted on the
-    device): `pallas.reduce`."""
-
-    def kernel():
-        return _pallas().reduce(src, dst_idx, src_idx, gains, num_segments)
-
-    return _finite_or_reference(kernel, src, src_idx, gains, dst_idx, num_segments)
+    device): `pallas.reduce`; given the pairs' order by `dst_idx` (`dst_order`),
+    `pallas.reduce_ordered`."""
+    return _pair_sums(
+        src,
+        src_idx,
+        gains,
+        dst_idx,
+        num_segments,
+        dst_order,
+        lambda: _pallas().reduce(src, dst_idx, src_idx, gains, num_segments),
+    )
 
 
 def gather_columns(table, ids, columns: int):
@@ -216,11 +248,13 @@ def gather_columns(table, ids, columns: int):
 
 
 def segment_gather_sum_mapped(
-    src, src_map, src_idx, gains, dst_idx, *, num_segments: int, columns=None
+    src, src_map, src_idx, gains, dst_idx, *, num_segments: int, columns=None, dst_order=None
 ):
     """A lookup from the table: the distinct rows gathered (XLA; of a stack keeping its
     slots in its rows, the parameters' vregs), then `pallas.combine` (the pairs sorted by
-    output row on the device); `columns`: the parameters' columns of each row."""
+    output row on the device), or with `dst_order` (the host's order of the pairs by
+    output row) `pallas.reduce_ordered` (no device sort); `columns`: the parameters'
+    columns of each row."""
     if columns is None:
         rows = reference.gather_rows(src, src_map).astype(jnp.float32)
     else:  # whole vregs moved and summed (the MXU's work is a vreg's), the rest cut after
@@ -233,15 +267,25 @@ def segment_gather_sum_mapped(
         if lanes != columns:
             rows = jnp.where(jnp.arange(lanes) < columns, rows, 0.0)  # no slot is summed
 
-    def kernel():
-        return _pallas().combine(rows, src_idx, dst_idx, gains, num_segments)
-
-    out = _finite_or_reference(kernel, rows, src_idx, gains, dst_idx, num_segments)
+    out = _pair_sums(
+        rows,
+        src_idx,
+        gains,
+        dst_idx,
+        num_segments,
+        dst_order,
+        lambda: _pallas().combine(rows, src_idx, dst_idx, gains, num_segments),
+    )
     return out if columns is None else out[:, :columns]
 
 
 # the row-read parameters (`ops._ROW_READ`) a kernel applies itself
 ROW_READ = {"segment_gather_sum_mapped": ("columns",)}
+# the hints (`ops._HINTS`) a kernel reads: the pairs' order by output row
+HINTS = {
+    "segment_gather_sum": ("dst_order",),
+    "segment_gather_sum_mapped": ("dst_order",),
+}
 
 KERNELS = {
     "scatter_rows": (scatter_rows, None),

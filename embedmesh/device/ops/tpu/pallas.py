@@ -7,7 +7,9 @@ row, the result each distinct row's gradient sum); `combine(src, key, dst, gains
 num_dst)` is `out[dst[p]] += gains[p] * src[key[p]]` (a lookup: `src` the gathered
 distinct rows), computed as a `reduce` keyed by dst after one device sort of the pairs.
 `reduce` needs the pairs ordered by key (the host's order: by distinct id, then output
-row; `is_sorted` checks it, and any other order is sorted on the device first).
+row; `is_sorted` checks it, and any other order is sorted on the device first);
+`reduce_ordered` takes the order from the caller (a lookup's: the host's `pair_order`)
+and sorts nothing.
 
 Each work item of `schedule` (a block of `TW` keys x a block of `TP` pairs that share
 pairs) gathers its pairs' `src` rows into VMEM (a row a step, 8 a loop turn: the reads
@@ -39,7 +41,8 @@ an 8M-row table, 308,894 pairs; runs in `benchmarks/runs/tpu_probe_*`):
   against 12.62 ms at dim 64, 13.00 against 12.93 at 16). Both forms cost ~8 ns a pair:
   the pair's row read from a dynamic place in VMEM, not the matmuls, bounds them;
   pairs given already sorted by output row took 2.21 ms against 2.23 with the sort, so
-  sending the host's order would not help either;
+  sending the host's order would not help either (at run time: it saves the sort's
+  compile, which is why a lookup now takes it, `reduce_ordered`);
 - `combine` (its device sort included, ~1.3 ms): 3.35 ms at dims 64 and 128, 8.2 ms at
   256 (then in two row ranges; in two column blocks since, not yet measured), against
   XLA's 6.2, 6.1 and 9.5 ms;
@@ -78,6 +81,7 @@ __all__ = [
     "pair_rows",
     "pair_words",
     "reduce",
+    "reduce_ordered",
     "reduce_sorted",
     "scatter_pairs_dma",
     "scatter_rows_dma",
@@ -445,6 +449,21 @@ def reduce(src, key, dst, gains, num_out: int, *, tw: int = TW, tp: int = TP, un
     )
     out = reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp, unroll=unroll)
     return out[0][:, :width]
+
+
+def reduce_ordered(
+    src, key, dst, gains, order, num_out: int, *, tw: int = TW, tp: int = TP, unroll: int = UNROLL
+):
+    """`reduce`'s sums for pairs in any order, given `order`: the positions of the valid
+    pairs in ascending key order, then the invalid ones (the host's `pair_order`). The
+    pairs are gathered in that order and summed, with no device sort (whose compile on a
+    TPU outlasts the rest of a lookup's). Returns `(out [num_out, D] float32,
+    in_order)`: `in_order` a traced bool, False where `order` did not sort the pairs (the
+    sums are then not to be used: the caller takes another path)."""
+    order = jnp.asarray(order, jnp.int32)
+    key, dst, gains = (jnp.asarray(a)[order] for a in (key, dst, gains))
+    out, ok = reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp, unroll=unroll)
+    return out[:, : src.shape[1]], ok
 
 
 def combine(
