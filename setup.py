@@ -105,10 +105,12 @@ class BuildNative(build_ext):
             f" and the serving request extension, {jobs} at a time: a minute or a few"
         )
         # The request extension (setuptools' compile of one file) builds beside the
-        # libraries: after them it ran alone on one core while the others idled.
+        # libraries: after them it ran alone on one core while the others idled. Where
+        # they go is read first: setuptools' run clears `inplace` while it runs.
+        out = self._out_dir()
         with concurrent.futures.ThreadPoolExecutor(1) as extension:
             request = extension.submit(super().run)
-            native.build_all(self._out_dir(), variants=variants, jobs=jobs, log=_progress)
+            native.build_all(out, variants=variants, jobs=jobs, log=_progress)
             request.result()
         _progress("embedmesh: built the serving request extension; the C++ build is done")
 

@@ -6,6 +6,7 @@ calls setup.py's `_progress` as pip runs a build: output captured. No build, no 
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -78,3 +79,64 @@ def test_a_file_keeps_pips_lines_whole(tmp_path):
     """Written beside pip into a file, the line would be overwritten in part by pip's next."""
     log = run_pip(tmp_path, ["-e", "."], to_file=True)
     assert log.splitlines() == ["pip: building", "pip: done"]
+
+
+def test_build_ext_inplace_builds_into_the_checkout(tmp_path):
+    """`python setup.py build_ext --inplace` builds the libraries into the checkout's
+    embedmesh/_libs: setuptools' build_ext.run clears `inplace` while it runs (it copies
+    the extension into the tree afterwards), and it runs beside the libraries' build, so
+    where they go is read before it starts. Its class run with stand-ins (no compiler):
+    the extension's thread is under way before the libraries' build begins."""
+    import ast
+    import threading
+    import types
+
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BuildNative"]
+    assert len(found) == 1
+    started, building = threading.Event(), threading.Event()
+    built = []
+
+    class Extensions:  # setuptools' build_ext, as far as BuildNative uses it
+        inplace = 1
+        build_lib = str(tmp_path / "build")
+
+        def run(self):
+            old, self.inplace = self.inplace, 0  # as setuptools' run does
+            started.set()
+            building.wait(10)  # compiling the extension while the libraries build
+            self.inplace = old
+
+    class Pool:  # a thread pool whose submit returns once the thread got going
+        def __init__(self, n):
+            self.pool = concurrent.futures.ThreadPoolExecutor(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.pool.shutdown()
+
+        def submit(self, fn):
+            future = self.pool.submit(fn)
+            assert started.wait(10)
+            return future
+
+    native = types.SimpleNamespace(
+        LIB_DIR_NAME="_libs",
+        LIBRARIES={},
+        editable_variants=lambda: ["x"],
+        install_variants=lambda: ["x", "y"],
+        build_all=lambda out, **kw: (built.append((out, kw["variants"])), building.set()),
+    )
+    namespace = {
+        "build_ext": Extensions,
+        "os": os,
+        "concurrent": types.SimpleNamespace(futures=types.SimpleNamespace(ThreadPoolExecutor=Pool)),
+        "_native": lambda: native,
+        "_progress": lambda message: None,
+        "ROOT": str(tmp_path),
+    }
+    exec(compile(ast.Module(found, []), "setup.py", "exec"), namespace)
+    namespace["BuildNative"]().run()
+    assert built == [(os.path.join(str(tmp_path), "embedmesh", "_libs"), ["x"])]

@@ -151,6 +151,27 @@ int64_t NumWorkers();
 // caller alone. In common.cc.
 void RunChunks(int64_t n, int64_t helpers, void (*call)(const void*, int64_t), const void* ctx);
 
+// A non-owning reference to a callable of signature R(Args...): lets a function that
+// takes a caller's lambda be one non-template function, compiled once, where a template
+// would be compiled again for every caller (the transports' rounds: one per op, rule and
+// storage type). The callable must outlive the call it is passed to.
+template <class Sig>
+class FnRef;
+template <class R, class... Args>
+class FnRef<R(Args...)> {
+ public:
+  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, FnRef>>>
+  FnRef(const F& f)  // NOLINT: converts implicitly, like a function pointer
+      : obj_(&f), call_([](const void* o, Args... a) -> R {
+          return (*static_cast<const F*>(o))(std::forward<Args>(a)...);
+        }) {}
+  R operator()(Args... a) const { return call_(obj_, std::forward<Args>(a)...); }
+
+ private:
+  const void* obj_;
+  R (*call_)(const void*, Args...);
+};
+
 // Runs f(chunk) for chunk in [0, n) on the calling thread plus idle threads of the
 // library's own pool (RunChunks), all done before returning. (Not XLA's intra-op pool:
 // with several devices per process, its threads may sit in a collective, and work queued

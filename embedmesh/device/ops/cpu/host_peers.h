@@ -536,9 +536,11 @@ struct HostCall {
 // lateness), waits for every peer's data, runs work(peers) (peers[s]: rank s's data, read
 // in place; peers[rank]: this rank's own, in its segment), then marks the round done.
 // Every rank must publish the same byte count. work returns "" or an error message.
-template <typename Fill, typename Meanwhile, typename Work>
-ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
-                         const Meanwhile& meanwhile, const Work& work) {
+// One function whatever the caller's (WithHostPeers below passes them as FnRefs): as a
+// template over them it was compiled again for every op, rule and storage type.
+__attribute__((noinline)) inline ffi::Error HostRound(
+    const HostCall& call, size_t bytes, FnRef<void(char*)> fill, FnRef<void()> meanwhile,
+    FnRef<std::string(const std::vector<const char*>&)> work) {
   const int64_t n = call.n, rank = call.rank;
   if (n < 1 || rank < 0 || rank >= n) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -690,6 +692,15 @@ ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
   // (d) done reading: peers may overwrite their segments
   mine->done.v.store(g, std::memory_order_release);
   return ffi::Error::Success();
+}
+
+template <typename Fill, typename Meanwhile, typename Work>
+ffi::Error WithHostPeers(const HostCall& call, size_t bytes, const Fill& fill,
+                         const Meanwhile& meanwhile, const Work& work) {
+  auto write = [&](char* seg) { fill(seg); };
+  auto own = [&] { meanwhile(); };
+  auto read = [&](const std::vector<const char*>& peers) -> std::string { return work(peers); };
+  return HostRound(call, bytes, write, own, read);
 }
 
 // Offsets of consecutive arrays packed into one segment, each 64-byte aligned.

@@ -48,9 +48,10 @@ inline Rendezvous& RendezvousOf(int64_t tag, int64_t n) {
 // Runs `work(peers)` once every one of the `n` devices has arrived at call site `tag`
 // with its pointer (`peers[s]`: device s's), and returns once every device has run it,
 // so no device releases or overwrites what it registered while a peer still reads it.
-template <typename F>
-ffi::Error WithPeers(int64_t tag, int64_t n, int64_t rank, const void* mine, const char* what,
-                     const F& work) {
+// (One function for every caller: `work` passed as an FnRef, see WithPeers below.)
+__attribute__((noinline)) inline ffi::Error PeerRound(
+    int64_t tag, int64_t n, int64_t rank, const void* mine, const char* what,
+    FnRef<void(const std::vector<const char*>&)> work) {
   if (n < 1 || rank < 0 || rank >= n) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string("embedmesh ") + what + ": rank " + std::to_string(rank) +
@@ -85,6 +86,13 @@ ffi::Error WithPeers(int64_t tag, int64_t n, int64_t rank, const void* mine, con
     rv.cv.wait(lock, [&] { return rv.generation != gen; });
   }
   return ffi::Error::Success();
+}
+
+template <typename F>
+ffi::Error WithPeers(int64_t tag, int64_t n, int64_t rank, const void* mine, const char* what,
+                     const F& work) {
+  auto read = [&](const std::vector<const char*>& peers) { work(peers); };
+  return PeerRound(tag, n, rank, mine, what, read);
 }
 
 }  // namespace embedmesh

@@ -429,27 +429,51 @@ struct AnyUpdater {
   inline void Prefetch(int64_t r) const { prefetch(self, r); }
 };
 
+// AnyUpdater's row and prefetch of a rounded updater U: functions of U alone, so that
+// each low-precision row loop is compiled once per (rule, T, S), not once per form.
+template <class U>
+void AnyRow(const void* u, int64_t r, const float* g) {
+  static_cast<const U*>(u)->Row(r, g);
+}
+template <class U>
+void AnyPrefetch(const void* u, int64_t r) {
+  static_cast<const U*>(u)->Prefetch(r);
+}
+
+// A rounded call's updater `up` (its words `rounding`) behind `any`; of no form either.
+template <class Rule, typename T, typename S>
+__attribute__((noinline)) ffi::Error MakeRounded(const ffi::RemainingArgs& state,
+                                                 const ffi::RemainingRets& outs,
+                                                 const ffi::Dictionary& attrs, const float* lr,
+                                                 size_t skip, Updater<Rule, T, S>* up,
+                                                 Rounding* rounding, AnyUpdater* any) {
+  using U = Updater<Rule, T, S>;
+  if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, up, skip + 1); e.failure()) return e;
+  auto words = state.get<ffi::AnyBuffer>(skip);
+  if (words.has_error()) return words.error();
+  const ffi::AnyBuffer& wb = *words;
+  if (wb.element_type() != ffi::DataType::S32 ||
+      !rounding->Read(static_cast<const int32_t*>(wb.untyped_data()),
+                      static_cast<int64_t>(wb.element_count()), 1 + Rule::kSlots, up->d))
+    return ffi::Error::InvalidArgument("update: malformed rounding words");
+  up->rounding = rounding;
+  any->self = up;
+  any->row = &AnyRow<U>;
+  any->prefetch = &AnyPrefetch<U>;
+  any->rows = up->rows, any->d = up->d;
+  return ffi::Error::Success();
+}
+
 template <class Rule, typename T, typename S, class Body>
 ffi::Error WithRounding(const ffi::RemainingArgs& state, const ffi::RemainingRets& outs,
                         const ffi::Dictionary& attrs, const float* lr, const Body& body,
                         size_t skip) {
-  using U = Updater<Rule, T, S>;
-  U up;
-  if (ffi::Error e = MakeUpdater(state, outs, attrs, lr, &up, skip + 1); e.failure()) return e;
-  auto words = state.get<ffi::AnyBuffer>(skip);
-  if (words.has_error()) return words.error();
-  const ffi::AnyBuffer& wb = *words;
+  Updater<Rule, T, S> up;
   Rounding rounding;
-  if (wb.element_type() != ffi::DataType::S32 ||
-      !rounding.Read(static_cast<const int32_t*>(wb.untyped_data()),
-                     static_cast<int64_t>(wb.element_count()), 1 + Rule::kSlots, up.d))
-    return ffi::Error::InvalidArgument("update: malformed rounding words");
-  up.rounding = &rounding;
   AnyUpdater any;
-  any.self = &up;
-  any.row = [](const void* u, int64_t r, const float* g) { static_cast<const U*>(u)->Row(r, g); };
-  any.prefetch = [](const void* u, int64_t r) { static_cast<const U*>(u)->Prefetch(r); };
-  any.rows = up.rows, any.d = up.d;
+  if (ffi::Error e = MakeRounded(state, outs, attrs, lr, skip, &up, &rounding, &any);
+      e.failure())
+    return e;
   return body(any);
 }
 

@@ -113,7 +113,7 @@ struct Updater {
   using RowFn = void (*)(const Updater&, int64_t, const float*);
   RowFn row_fn = nullptr;
 
-  inline void Row(int64_t r, const float* __restrict__ gr) const {
+  __attribute__((always_inline)) inline void Row(int64_t r, const float* __restrict__ gr) const {
     if constexpr (Rule::kVariants == 1) {
       if (c.has_wd) return RowLoop<0, true>(r, gr);
       return RowLoop<0, false>(r, gr);
@@ -122,8 +122,12 @@ struct Updater {
     }
   }
 
-  // Chooses the call's loop (after p and c are read).
-  void Select() { row_fn = RowFns(std::make_integer_sequence<int, 2 * Rule::kVariants>())[Index()]; }
+  // Chooses the call's loop (after p and c are read); a rule of one variant has none to
+  // choose (its loops are inlined: no RowAt of it is compiled).
+  void Select() {
+    if constexpr (Rule::kVariants > 1)
+      row_fn = RowFns(std::make_integer_sequence<int, 2 * Rule::kVariants>())[Index()];
+  }
   int Index() const { return Rule::Variant(p) * 2 + (c.has_wd ? 1 : 0); }
 
   template <int kV>
