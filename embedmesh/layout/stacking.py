@@ -116,7 +116,8 @@ from embedmesh.config import ResolvedFeatures, TableConfig, resolve_feature_conf
 from embedmesh.layout.rows import RowLayout, row_layout
 from embedmesh.layout.table_wise import (
     merge_table_wise,
-    pack_owners,
+    owners_of,
+    spread_order,
 )
 
 __all__ = [
@@ -810,68 +811,11 @@ def _rotations(layout: RowLayout, vocabs: list, strategies: tuple) -> dict:
     return rotation
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _spread_order(members: list, vocabs: list, spans: list) -> list:
-    """The table-wise tables of `members` spread over several shards (`spans[i] > 1`), in
-    the order they are placed: widest span first, then most rows a shard, then config
-    order."""
-    spread = [i for i in members if spans[i] > 1]
-    return sorted(spread, key=lambda i: (-spans[i], -_ceil_div(vocabs[i], spans[i]), i))
-
-
-def _consecutive(used: list, load: list, k: int) -> tuple:
-    """`(first, top)`: the k consecutive shards whose fullest has the fewest `used` rows
-    (ties: the least `load` over them, then the lowest first shard) and those rows. Plain
-    Python over a few shards: the spread search calls it for every table of every trial."""
-    if k == len(used):
-        return 0, max(used)
-    first = min(
-        range(len(used) - k + 1), key=lambda f: (max(used[f : f + k]), sum(load[f : f + k]))
-    )
-    return first, max(used[first : first + k])
-
-
-def _table_wise_owners(
-    stacks_idx: list, vocabs: list, strategies: tuple, n: int, spans: list | None = None
-) -> dict:
-    """`{table index: owner shard}` of the table-wise tables (a spread one's: the first of
-    its span): in each stack, the stacks with the most table-wise bytes first, its spread
-    tables first (`_spread_order`), each onto the `spans[i]` consecutive shards whose
-    fullest has the fewest rows (ties: the least table-wise bytes over the stacks placed
-    before, then the lowest first shard); then its whole tables bin-packed by rows
-    (`pack_owners`) onto what the spread ones left, ties onto the shard with the fewest
-    table-wise bytes over the stacks placed before."""
-    spans = spans if spans is not None else [1] * len(vocabs)
-    owners: dict[int, int] = {}
-    load = [0] * n
-    table_wise = [
-        (key[0], [i for i in members if strategies[i] == "table_wise"])
-        for key, members in stacks_idx
-    ]
-    for dim, tw in sorted(table_wise, key=lambda s: -s[0] * sum(vocabs[i] for i in s[1])):
-        used = [0] * n
-        for i in _spread_order(tw, vocabs, spans):
-            k, rows = spans[i], -(-vocabs[i] // spans[i])
-            first, top = _consecutive(used, load, k)
-            used[first : first + k] = [top + rows] * k
-            owners[i] = first
-        whole = [i for i in tw if spans[i] == 1]
-        where, _ = pack_owners([vocabs[i] for i in whole], n, load, used)
-        owners.update(zip(whole, where))
-        for i in tw:  # the stack's table-wise bytes on each shard, for the next stacks' ties
-            for j in range(owners[i], owners[i] + spans[i]):
-                load[j] += -(-vocabs[i] // spans[i]) * dim
-    return owners
-
-
 def _row_order(members: list, strategies: tuple, vocabs: list, spans: list) -> list:
     """A stack's tables in row order: the mod tables (config order), the spread table-wise
-    ones (`_spread_order`), then the others (config order), each after the rows its
+    ones (`spread_order`), then the others (config order), each after the rows its
     shards already use."""
-    spread = _spread_order([i for i in members if strategies[i] == "table_wise"], vocabs, spans)
+    spread = spread_order([i for i in members if strategies[i] == "table_wise"], vocabs, spans)
     rest = [i for i in members if strategies[i] != "mod" and i not in spread]
     return [i for i in members if strategies[i] == "mod"] + spread + rest
 
@@ -925,7 +869,7 @@ def _spread_table_wise(
         return spans, None, None
 
     def cost(spans: list) -> tuple:
-        owners = _table_wise_owners(stacks_idx, vocabs, strategies, n, spans)
+        owners = owners_of(stacks_idx, vocabs, strategies, n, spans)
         padded = [-(-v // k) * k for v, k in zip(vocabs, spans)]
         where = _Where(n, spans, padded, owners, {})
         held, tops = 0, []
@@ -1234,7 +1178,7 @@ def plan_stacking(
     vocabs = [t.vocabulary_size for t in resolved.tables]
     stacks_idx, spans = _spread_grouping(groupings, resolved, keys, strategies, n, slots_in_rows)
     padded = [layout.block_rows(t.vocabulary_size, s) * s for t, s in zip(resolved.tables, spans)]
-    owners = _table_wise_owners(stacks_idx, vocabs, strategies, n, spans)
+    owners = owners_of(stacks_idx, vocabs, strategies, n, spans)
     where = _Where(n, spans, padded, owners, _rotations(layout, vocabs, strategies))
     table_placements: dict[int, TablePlacement] = {}
     stack_specs = []

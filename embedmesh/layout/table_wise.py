@@ -1,8 +1,10 @@
 """Table-wise tables grouped into stacks and packed onto their owners: which table-wise
 tables share a stack (a stacked array costs every device its fullest owner's block, so a
 narrow table joins a wider stack only where that saves bytes on every device), and which
-shard owns each (largest first onto the emptiest shard). `embedmesh.layout.stacking`
-plans with these; the planner's spreading of a table over several owners stays there.
+shard owns each (largest first onto the emptiest shard; a table spread over several
+consecutive shards first, onto the ones whose fullest has the fewest rows).
+`embedmesh.layout.stacking` plans with these; its choice of which tables to spread, and
+over how many shards, stays there.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import functools
 import heapq
 
-__all__ = ["merge_table_wise", "pack_owners"]
+__all__ = ["merge_table_wise", "owners_of", "pack_owners", "spread_order"]
 
 
 def pack_owners(rows: list, n: int, load: list | None = None, used: list | None = None) -> tuple:
@@ -231,3 +233,56 @@ def _least_partition(costs: list, k: int) -> tuple:
 def _group_key(members: list, keys: list) -> tuple:
     """The key of a stack of `members`: its widest table's (the first of them)."""
     return keys[max(members, key=lambda i: (keys[i][0], -i))]
+
+
+def spread_order(members: list, vocabs: list, spans: list) -> list:
+    """The table-wise tables of `members` spread over several shards (`spans[i] > 1`), in
+    the order they are placed: widest span first, then most rows a shard, then config
+    order."""
+    spread = [i for i in members if spans[i] > 1]
+    return sorted(spread, key=lambda i: (-spans[i], -(-vocabs[i] // spans[i]), i))
+
+
+def _consecutive(used: list, load: list, k: int) -> tuple:
+    """`(first, top)`: the k consecutive shards whose fullest has the fewest `used` rows
+    (ties: the least `load` over them, then the lowest first shard) and those rows. Plain
+    Python over a few shards: the spread search calls it for every table of every trial."""
+    if k == len(used):
+        return 0, max(used)
+    first = min(
+        range(len(used) - k + 1), key=lambda f: (max(used[f : f + k]), sum(load[f : f + k]))
+    )
+    return first, max(used[first : first + k])
+
+
+def owners_of(
+    stacks_idx: list, vocabs: list, strategies: tuple, n: int, spans: list | None = None
+) -> dict:
+    """`{table index: owner shard}` of the table-wise tables (a spread one's: the first of
+    its span): in each stack, the stacks with the most table-wise bytes first, its spread
+    tables first (`spread_order`), each onto the `spans[i]` consecutive shards whose
+    fullest has the fewest rows (ties: the least table-wise bytes over the stacks placed
+    before, then the lowest first shard); then its whole tables bin-packed by rows
+    (`pack_owners`) onto what the spread ones left, ties onto the shard with the fewest
+    table-wise bytes over the stacks placed before."""
+    spans = spans if spans is not None else [1] * len(vocabs)
+    owners: dict[int, int] = {}
+    load = [0] * n
+    table_wise = [
+        (key[0], [i for i in members if strategies[i] == "table_wise"])
+        for key, members in stacks_idx
+    ]
+    for dim, tw in sorted(table_wise, key=lambda s: -s[0] * sum(vocabs[i] for i in s[1])):
+        used = [0] * n
+        for i in spread_order(tw, vocabs, spans):
+            k, rows = spans[i], -(-vocabs[i] // spans[i])
+            first, top = _consecutive(used, load, k)
+            used[first : first + k] = [top + rows] * k
+            owners[i] = first
+        whole = [i for i in tw if spans[i] == 1]
+        where, _ = pack_owners([vocabs[i] for i in whole], n, load, used)
+        owners.update(zip(whole, where))
+        for i in tw:  # the stack's table-wise bytes on each shard, for the next stacks' ties
+            for j in range(owners[i], owners[i] + spans[i]):
+                load[j] += -(-vocabs[i] // spans[i]) * dim
+    return owners

@@ -1092,7 +1092,7 @@ def test_a_job_hands_the_tpu_lookup_its_pair_order(monkeypatch):
     monkeypatch.setattr(ops, "reads_pair_order", lambda mesh: True)
     # every platform's branch traced, as outside a core's program (a CPU mesh's programs
     # trace only the CPU's): the TPU's branches are what is checked
-    monkeypatch.setattr(ops, "_platform_of", lambda mesh: None)
+    monkeypatch.setattr(ops.staging, "platform_of", lambda mesh: None)
     t = em.TableConfig(30, 8, name="t", combiner="mean")
     feats = {"a": em.FeatureConfig(t), "b": em.FeatureConfig(t)}
     layer = em.MeshEmbedding(

@@ -538,7 +538,7 @@ struct HostCall {
 // Every rank must publish the same byte count. work returns "" or an error message.
 // One function whatever the caller's (WithHostPeers below passes them as FnRefs): as a
 // template over them it was compiled again for every op, rule and storage type.
-__attribute__((noinline)) inline ffi::Error HostRound(
+[[gnu::noinline]] inline ffi::Error HostRound(
     const HostCall& call, size_t bytes, FnRef<void(char*)> fill, FnRef<void()> meanwhile,
     FnRef<std::string(const std::vector<const char*>&)> work) {
   const int64_t n = call.n, rank = call.rank;

@@ -152,7 +152,8 @@ def _transport(transport, in_process: str, host: str, after=None):
     process (a tag of its own per traced call, the device count), else `host` between
     processes of one host (the job's key, the channel's tag, the device count, the
     timeout, the channel). `after`: the output of the program's previous cross-device call
-    (`ops._CrossingOrder`), which the rank is made to wait for (`embedmesh_after`, exchange.cc)."""
+    (`ops.staging.crossing_order`), which the rank is made to wait for (`embedmesh_after`,
+    exchange.cc)."""
     rank = jax.lax.axis_index(transport.axis_name).astype(jnp.int32).reshape(1)
     if after is not None:
         rank = jax.ffi.ffi_call("embedmesh_after", jax.ShapeDtypeStruct((1,), jnp.int32))(
