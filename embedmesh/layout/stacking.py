@@ -114,11 +114,7 @@ import numpy as np
 
 from embedmesh.config import ResolvedFeatures, TableConfig, resolve_feature_config
 from embedmesh.layout.rows import RowLayout, row_layout
-from embedmesh.layout.table_wise import (
-    merge_table_wise,
-    owners_of,
-    spread_order,
-)
+from embedmesh.layout.table_wise import merge_table_wise, owners_of, spread_order
 
 __all__ = [
     "SHARDINGS",
@@ -307,6 +303,11 @@ class StackSpec:
         return self.row_width or self.dim
 
     @property
+    def row_columns(self) -> int:
+        """A row's columns with its optimizer's slots, in the table's rows or apart."""
+        return self.width if self.slot_columns else _row_width(self.optimizer, self.dim, 1)
+
+    @property
     def lookup_columns(self) -> int | None:
         """The columns a lookup reads of each row: the parameters' (`dim`) where the rows
         also hold slots, else None (all of them)."""
@@ -455,10 +456,8 @@ class StackingPlan:
         if self.predicted is not None and self.predicted.memory_limit < float("inf"):
             lines[-1] += f"; limit {mb(self.predicted.memory_limit)}"
         if self.step_memory is not None:
-            lines.append(
-                "a step of the planned batch needs, on the device that needs the most: "
-                + self.step_memory.describe()
-            )
+            needs = "a step of the planned batch needs, on the device that needs the most: "
+            lines.append(needs + self.step_memory.describe())
         if self.measured_bytes_per_device:
             lines.append(
                 "measured from the arrays' shards (MB): "

@@ -119,23 +119,13 @@ class StepMemory:
         )
 
 
-def _row_columns(spec) -> int:
-    """Columns of one stored row with its slots (`W`): the table's width where the slots
-    are in its rows, else its dim plus each slot's width."""
-    if spec.slot_columns:
-        return spec.width
-    opt = spec.optimizer
-    slots = getattr(opt, "slot_names", ()) or ()
-    return spec.dim + sum(opt.slot_width(k, spec.dim) for k in slots)
-
-
 def _lanes(columns: int, lanes: int) -> int:
     return -(-int(columns) // max(1, int(lanes))) * max(1, int(lanes))
 
 
 def _phases(spec, form: str, n: int, s: StackShape, lanes: int) -> dict:
     """`{phase: bytes}` of one stack's lookup and update temporaries (module docstring)."""
-    u, d, w = s.unique, _lanes(spec.dim, lanes), _lanes(_row_columns(spec), lanes)
+    u, d, w = s.unique, _lanes(spec.dim, lanes), _lanes(spec.row_columns, lanes)
     rows = _WORD * u * d  # one [U, D] float32 block
     if n == 1:
         return {"lookup": rows, "update": 2 * rows + _WORD * u * w}
