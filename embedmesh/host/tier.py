@@ -78,14 +78,16 @@ def _padded(count: int) -> int:
     return max(1024, -(-count // step) * step)
 
 
-def _take(src: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """`src[index]` (`index` in range along the first axis), gathered in blocks on threads
-    (random reads of a big array: several threads keep more of them in flight)."""
-    out = np.empty(index.shape + src.shape[1:], src.dtype)
+def _take(src: np.ndarray, index: np.ndarray, out=None, scale: int = 1) -> np.ndarray:
+    """`src[index]` (`index` in range along the first axis: "clip" then copies straight
+    into `out`, a new array where None), gathered in blocks on threads (random reads of a
+    big array: several threads keep more of them in flight); `scale`: `_in_blocks`'."""
+    if out is None:
+        out = np.empty(index.shape + src.shape[1:], src.dtype)
     _in_blocks(
         lambda a, b: np.take(src, index[a:b], axis=0, out=out[a:b], mode="clip"),
         index.size,
-        _MIN_LOOKUPS,
+        scale,
     )
     return out
 
@@ -172,7 +174,7 @@ class StackTier:
                     f"host tier of stack {self.name}: row {int(need.max())} of shard {j} is "
                     f"outside its {self.rows} rows"
                 )
-            slots = _take(self.slot_of[j], need)
+            slots = _take(self.slot_of[j], need, scale=_MIN_LOOKUPS)
             found.append(slots)
             hits = slots[slots >= 0]
             misses = need.size - hits.size
@@ -238,7 +240,7 @@ class StackTier:
         checked, self._checked = self._checked, None
         found = checked[1] if checked is not None and checked[0] is needed else None
         for j, need in enumerate(needed):
-            slots = _take(self.slot_of[j], need) if found is None else found[j]
+            slots = _take(self.slot_of[j], need, scale=_MIN_LOOKUPS) if found is None else found[j]
             hit = slots >= 0
             hits = slots[hit]
             ref = self.ref[j]
@@ -278,7 +280,10 @@ class StackTier:
             sub = ids[:, j]
             valid = sub != PAD_ID
             # one device's list is `needed`'s, in its order: its cache rows are `used`
-            sub[valid] = used[j] if ids.shape[0] == 1 else _take(self.slot_of[j], sub[valid])
+            if ids.shape[0] == 1:
+                sub[valid] = used[j]
+            else:
+                sub[valid] = _take(self.slot_of[j], sub[valid], scale=_MIN_LOOKUPS)
         self.in_flight = tuple(used)
         self.misses = sum(rows.size for _, rows in loads)  # (statistics: this batch's)
         return Swap(slots, tuple(x[1] for x in loads), tuple(victims), tuple(used), ids)
@@ -287,15 +292,9 @@ class StackTier:
         """`[N, M, ...]`: field `field`'s host rows the swap loads (zeros as padding)."""
         arr = self.arrays[field]
         out = np.empty(swap.slots.shape + arr.shape[2:], arr.dtype)
-        for j, rows in enumerate(swap.rows):
+        for j, rows in enumerate(swap.rows):  # (rows in range: `check`ed)
             out[j, rows.size :] = 0
-            src, dst = arr[j], out[j]
-
-            def take(a, b, src=src, dst=dst, rows=rows):
-                # (rows in range: `check`ed; "clip" copies straight into `dst`)
-                np.take(src, rows[a:b], axis=0, out=dst[a:b], mode="clip")
-
-            _in_blocks(take, rows.size)
+            _take(arr[j], rows, out=out[j, : rows.size])
         return out
 
     # -- rows back -----------------------------------------------------------------
