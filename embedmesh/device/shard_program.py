@@ -87,10 +87,10 @@ class ShardBatch(NamedTuple):
     def order_by_unique(self):
         """The pairs' order by their id's position (the `dst_order` hint of the sums keyed
         by distinct id, a backward's), or None: in one partition the host's order already,
-        its padding last, so `arange(P)`; several partitions' pairs, flattened, have each
-        one's padding amid the next one's pairs."""
-        n, p = self.pair_rows.shape
-        return jnp.arange(p, dtype=jnp.int32) if n == 1 else None
+        its padding last, so the empty order (the pairs as they come: nothing gathered);
+        several partitions' pairs, flattened, have each one's padding amid the next one's
+        pairs."""
+        return jnp.zeros((0,), jnp.int32) if self.pair_rows.shape[0] == 1 else None
 
 
 def after(x, previous):

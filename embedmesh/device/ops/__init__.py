@@ -245,7 +245,7 @@ def reads_pair_order(mesh) -> bool:
     """Whether the lookups on `mesh` read a batch's `pair_order` (their `dst_order`
     hint): the TPU kernels', when they are on (`tpu.ready`). Elsewhere computing it
     would cost the host for nothing."""
-    return mesh.devices.flat[0].platform == "tpu" and tpu.ready()
+    return staging.platform_of(mesh) == "tpu" and tpu.ready()
 
 
 # The lookups' optional row-read parameters: `quantization` (no kernel applies it) and
@@ -421,9 +421,8 @@ def segment_gather_sum(
     summed (a stack keeping its slots in its rows: its parameters).
     `dst_order` [P] int32, a hint: the positions of the valid pairs in ascending
     (`dst_idx`, position) order, then the invalid ones (`embedmesh.host.pair_order`); a
-    kernel that sums the pairs grouped by `dst_idx` (the TPU's) then sorts nothing. The
-    sums are the same without it; a wrong one costs that kernel its speed, not its result.
-    """
+    kernel that sums the pairs grouped by `dst_idx` (the TPU's) then sorts nothing (an
+    empty one: they come in that order). The sums are the same without it or a wrong one."""
     src_idx = src_idx.astype(jnp.int32)
     gains = gains.astype(jnp.float32)
     dst_idx = dst_idx.astype(jnp.int32)

@@ -459,9 +459,12 @@ def reduce_ordered(
     pairs are gathered in that order and summed, with no device sort (whose compile on a
     TPU outlasts the rest of a lookup's). Returns `(out [num_out, D] float32,
     in_order)`: `in_order` a traced bool, False where `order` did not sort the pairs (the
-    sums are then not to be used: the caller takes another path)."""
+    sums are then not to be used: the caller takes another path). An empty `order`: the
+    pairs come in that order already (none gathered)."""
     order = jnp.asarray(order, jnp.int32)
-    key, dst, gains = (jnp.asarray(a)[order] for a in (key, dst, gains))
+    key, dst, gains = (jnp.asarray(a) for a in (key, dst, gains))
+    if order.shape[0]:
+        key, dst, gains = (a[order] for a in (key, dst, gains))
     out, ok = reduce_sorted(src, key, dst, gains, num_out=num_out, tw=tw, tp=tp, unroll=unroll)
     return out[:, : src.shape[1]], ok
 
