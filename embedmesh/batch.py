@@ -159,12 +159,14 @@ class PartitionedCsrFormatTensor:
                    `unique_ids`, in the host's order on CPU (each source device's ids
                    in order of first sighting), and this field None). None for
                    every other stack.
-      pair_order   [D, N, P] int32 or None: for a mesh whose lookups read it (a TPU's
-                   kernels), each device's pairs in output-row order: the positions in its
-                   flattened [N * P] pairs of the valid ones by (pair_rows, position),
-                   then the padding (`embedmesh.host.pair_order`); the lookup then sorts
-                   nothing on the device. Any change to the pair arrays drops it (None).
-                   None: the lookup orders the pairs itself where it needs them ordered.
+      pairs_by_row (slots, gains, rows), each [D, N, P] (int32, float32, int32), or
+                   None: for a mesh whose lookups read it (a TPU's kernels), each
+                   device's pairs again, in output-row order over its flattened [N * P]
+                   pairs, the padding last: `slots` the pair's position in the device's
+                   N stacked distinct-id lists (`embedmesh.host.pairs_by_row.pairs_by_row`);
+                   the lookup then neither sorts nor gathers them on the device. Any
+                   change to the pair arrays drops it (None). None: the lookup orders
+                   the pairs itself where it needs them ordered.
       evaluation   bool (static): the batch of an evaluation lookup
                    (`training=False`): its rows were read without changing any
                    state, so it is refused as the batch of an update.
@@ -186,7 +188,7 @@ class PartitionedCsrFormatTensor:
     features: tuple
     batch_number: Any = None
     unique_raw_ids: Any = None
-    pair_order: Any = None
+    pairs_by_row: Any = None
     evaluation: bool = False
 
     _ARRAYS = (
@@ -201,20 +203,20 @@ class PartitionedCsrFormatTensor:
     def tree_flatten(self):
         return (
             tuple(getattr(self, a) for a in self._ARRAYS)
-            + (self.batch_number, self.unique_raw_ids, self.pair_order),
+            + (self.batch_number, self.unique_raw_ids, self.pairs_by_row),
             (self.stack, self.rows_per_device, self.features, self.evaluation),
         )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        *arrays, batch_number, unique_raw_ids, pair_order = children
+        *arrays, batch_number, unique_raw_ids, pairs_by_row = children
         *aux, evaluation = aux
         return cls(
             *arrays,
             *aux,
             batch_number=batch_number,
             unique_raw_ids=unique_raw_ids,
-            pair_order=pair_order,
+            pairs_by_row=pairs_by_row,
             evaluation=evaluation,
         )
 

@@ -439,7 +439,7 @@ class EmbeddingCore:
             c.pair_gains[0],
             c.rows_per_device,
             c.features,
-            None if c.pair_order is None else c.pair_order[0],
+            None if c.pairs_by_row is None else tuple(a[0] for a in c.pairs_by_row),
         )
 
     def lookup(self, state: EmbeddingState, csr: dict, *, carrying: bool = False):

@@ -430,7 +430,7 @@ class RawIdTables:
 def _with_rows(c, rows, pairs):
     """The batch `c` of one stack with its raw ids replaced by the rows they map to, and
     its pairs `(rows, unique, gains)` (moved to the owners' order where they were moved;
-    the host's `pair_order` dropped: it ordered the pairs the host made)."""
+    the host's `pairs_by_row` dropped: it ordered the pairs the host made)."""
     pr, pu, pg = pairs
     return dataclasses.replace(
         c,
@@ -439,5 +439,5 @@ def _with_rows(c, rows, pairs):
         pair_rows=pr,
         pair_unique=pu,
         pair_gains=pg,
-        pair_order=None,
+        pairs_by_row=None,
     )

@@ -52,9 +52,10 @@ class ShardBatch(NamedTuple):
     """One device's batch of one stack inside `shard_map` (the module's shapes):
     `unique_ids` [N, U], `pair_rows`, `pair_unique`, `pair_gains` [N, P]; static:
     `num_rows` (R), the activation rows it fills, and `features`, the feature segments
-    filling them (`FeatureSegment`s: which rows each feature's are); `pair_order` [N, P]
-    or None, the batch's (`PartitionedCsrFormatTensor.pair_order`): its pairs'
-    positions in output-row order, a hint of the lookups."""
+    filling them (`FeatureSegment`s: which rows each feature's are); `pairs_by_row`
+    `(slots, gains, rows)` [N, P] each, or None: the batch's
+    (`PartitionedCsrFormatTensor.pairs_by_row`), its pairs again in output-row order, a
+    hint of the lookups."""
 
     unique_ids: Any
     pair_rows: Any
@@ -62,7 +63,7 @@ class ShardBatch(NamedTuple):
     pair_gains: Any
     num_rows: int
     features: tuple = ()
-    pair_order: Any = None
+    pairs_by_row: Any = None
 
     @property
     def unique_capacity(self) -> int:
@@ -70,19 +71,22 @@ class ShardBatch(NamedTuple):
         return int(self.unique_ids.shape[-1])
 
     def first_partition(self) -> ShardBatch:
-        """The batch's partition 0 alone ([1, ...] arrays; no `pair_order`: it orders
+        """The batch's partition 0 alone ([1, ...] arrays; no `pairs_by_row`: it orders
         every partition's pairs together)."""
         return self._replace(
             unique_ids=self.unique_ids[:1],
             pair_rows=self.pair_rows[:1],
             pair_unique=self.pair_unique[:1],
             pair_gains=self.pair_gains[:1],
-            pair_order=None if self.pair_rows.shape[0] > 1 else self.pair_order,
+            pairs_by_row=None if self.pair_rows.shape[0] > 1 else self.pairs_by_row,
         )
 
-    def flat_pair_order(self):
-        """`pair_order` over the flattened [N * P] pairs, or None."""
-        return None if self.pair_order is None else self.pair_order.reshape(-1)
+    def row_order_hint(self):
+        """The lookups' `dst_order` hint: `pairs_by_row` over the flattened [N * P] pairs
+        (`(slots, gains, rows)`), or None."""
+        return (
+            None if self.pairs_by_row is None else tuple(a.reshape(-1) for a in self.pairs_by_row)
+        )
 
     def order_by_unique(self):
         """The pairs' order by their id's position (the `dst_order` hint of the sums keyed
@@ -119,7 +123,7 @@ def lookup_local(table_shard, batch: ShardBatch, quantization=None, columns=None
         src_map=batch.unique_ids.reshape(-1),
         quantization=quantization,
         columns=columns,
-        dst_order=batch.flat_pair_order(),
+        dst_order=batch.row_order_hint(),
     )
 
 

@@ -31,7 +31,7 @@ __all__ = [
     "prefetched",
     "prepare",
     "preprocess",
-    "with_pair_order",
+    "with_pairs_by_row",
 ]
 
 
@@ -64,23 +64,24 @@ def preprocess(job, features, weights, capacities, overflow: str | None = None) 
         overflow=job.spec.overflow if overflow is None else overflow,
         process_index=jax.process_index(),
     )
-    return with_pair_order(job, csr), stats
+    return with_pairs_by_row(job, csr), stats
 
 
-def with_pair_order(job, csr: dict) -> dict:
-    """`csr` with each stack's `pair_order` (`embedmesh.host.pair_order`) where the
-    job's mesh runs lookups that read it (a TPU's kernels: the lookup then sorts nothing
-    on the device), else as it is. A stack of raw ids gets none (mapping its ids moves its
-    pairs)."""
-    if not ops.reads_pair_order(job.core.mesh):
+def with_pairs_by_row(job, csr: dict) -> dict:
+    """`csr` with each stack's `pairs_by_row` (`embedmesh.host.pair_order`) where the
+    job's mesh runs lookups that read it (a TPU's kernels: the lookup then neither sorts
+    nor gathers its pairs on the device), else as it is. A stack of raw ids gets none
+    (mapping its ids moves its pairs)."""
+    if not ops.reads_pairs_by_row(job.core.mesh):
         return csr
     return {
         name: (
             dataclasses.replace(
                 c,
-                pair_order=_pair_order.pair_order(
+                pairs_by_row=_pair_order.pairs_by_row(
                     c.pair_rows,
                     c.pair_unique,
+                    c.pair_gains,
                     c.rows_per_device,
                     c.capacity.max_unique_ids_per_partition,
                 ),

@@ -93,7 +93,7 @@ def _id_counts(rows: dict, counts) -> tuple:
 def _with_rows(csr: dict, rows: dict) -> dict:
     """The batch `EmbeddingCore.map_ids` returns, from the batch it took and what
     `_mapped_rows` kept: each mapped stack with its rows, its reordered pairs (or the
-    pairs it had; reordered, without the host's `pair_order`) and no raw ids, the others
+    pairs it had; reordered, without the host's `pairs_by_row`) and no raw ids, the others
     as they are (the same arrays)."""
     return {
         s: (
@@ -101,7 +101,7 @@ def _with_rows(csr: dict, rows: dict) -> dict:
                 c,
                 unique_raw_ids=None,
                 **{f: x for f, x in zip(_MAPPED_FIELDS, rows[s]) if x is not None},
-                **({"pair_order": None} if any(x is not None for x in rows[s][1:4]) else {}),
+                **({"pairs_by_row": None} if any(x is not None for x in rows[s][1:4]) else {}),
             )
             if s in rows
             else c

@@ -37,7 +37,8 @@ bytes, rows float32:
 On CPU devices of one process the kernels read each other's memory in place, so the
 compiled step's temporaries stay below the model's; on a TPU the all-to-alls and the
 reference update's buffers are real. Not counted: the compiled program's code and
-buffers below a few percent of these (scalars, flags, sort scratch).
+buffers below a few percent of these (scalars, flags, sort scratch, and on a TPU the
+batch's pairs a second time in output-row order, 4 N * 3 P).
 
 The batch's shape comes from a placed batch (`shapes_from_csr`: its capacities, exact)
 or, before any batch, from the planner's table statistics (`estimated_shapes`: the

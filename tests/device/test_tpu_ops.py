@@ -1038,14 +1038,21 @@ def test_lookup_with_pair_order_sorts_nothing():
         assert "sort" not in _primitives(jax.make_jaxpr(fn)(src, order).jaxpr)
         assert "sort" in _primitives(jax.make_jaxpr(fn)(src, None).jaxpr)
 
-    # the op as the lookups call it: the hint reaches the TPU's kernel, the others drop it
+    # the op as the lookups call it, given the pairs again in row order (the host's
+    # `pairs_by_row`): summed in place of the others, no sort and no gather of the pairs
+    by_row = tuple(x[order] for x in flat)
+
     def op(t, o):
         return ops.segment_gather_sum(
             t, *flat, num_rows, src_map=jnp.asarray(unique_ids.reshape(-1)), dst_order=o
         )
 
-    assert "sort" not in _primitives(_tpu_branch(jax.make_jaxpr(op)(table, order).jaxpr))
+    tpu_ordered = _tpu_branch(jax.make_jaxpr(op)(table, by_row).jaxpr)
+    assert "sort" not in _primitives(tpu_ordered)
+    assert not _pair_gathers(tpu_ordered, order.size)
     assert "sort" in _primitives(_tpu_branch(jax.make_jaxpr(op)(table, None).jaxpr))
+    assert _pair_gathers(_tpu_branch(jax.make_jaxpr(op)(table, order).jaxpr), order.size)
+    order = by_row
     if jax.default_backend() == "cpu":  # the CPU's kernel (or reference), the hint dropped
         old = pallas.INTERPRET  # the TPU branch lowered as it is on CPU (never run)
         pallas.INTERPRET = False
@@ -1074,22 +1081,54 @@ def _tpu_branches_primitives(jaxpr) -> list:
     return found
 
 
-def test_a_job_hands_the_tpu_lookup_its_pair_order(monkeypatch):
-    """A job whose mesh's lookups read the pairs' order (a TPU's: told so here, on one CPU
-    device) places each batch with the host's `pair_order`, and its lookup's program then
-    holds no sort in its TPU branches (one without the order does); on CPU the order is
-    dropped: the same activations."""
+def _pair_gathers(jaxpr, pairs: int) -> list:
+    """The gathers in `jaxpr` and its sub-jaxprs of a 1-D operand of `pairs` elements (a
+    batch's pairs gathered by a permutation)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "gather" and eqn.invars[0].aval.shape == (pairs,):
+            found.append(eqn)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _pair_gathers(inner, pairs)
+    return found
+
+
+def _tpu_pair_gathers(jaxpr, pairs: int) -> list:
+    """`_pair_gathers` inside the TPU branches of `jaxpr`'s `platform_dependent`s."""
+    found = []
+    for eqn in jaxpr.eqns:
+        platforms = eqn.params.get("branches_platforms")
+        if platforms is not None and ("tpu",) in platforms:
+            branch = eqn.params["branches"][platforms.index(("tpu",))].jaxpr
+            found += _pair_gathers(branch, pairs)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _tpu_pair_gathers(inner, pairs)
+    return found
+
+
+def test_a_job_hands_the_tpu_lookup_its_pairs_by_row(monkeypatch):
+    """A job whose mesh's lookups read the pairs in output-row order (a TPU's: told so
+    here, on one CPU device) places each batch with the host's `pairs_by_row`, and its
+    lookup's program then holds no sort and no gather of the pairs in its TPU branches
+    (one without them sorts); on CPU the hint's pairs are summed in place of the others:
+    the same activations."""
     import dataclasses
 
     from jax.sharding import Mesh
 
     import embedmesh as em
     from embedmesh.device import ops
-    from embedmesh.host.pair_order import pair_order
+    from embedmesh.host.pair_order import pairs_by_row
 
     monkeypatch.setattr(pallas, "INTERPRET", False)  # staged beside the CPU's, never run
     _clear_kernel_caches()
-    monkeypatch.setattr(ops, "reads_pair_order", lambda mesh: True)
+    monkeypatch.setattr(ops, "reads_pairs_by_row", lambda mesh: True)
     # every platform's branch traced, as outside a core's program (a CPU mesh's programs
     # trace only the CPU's): the TPU's branches are what is checked
     monkeypatch.setattr(ops.staging, "platform_of", lambda mesh: None)
@@ -1103,15 +1142,17 @@ def test_a_job_hands_the_tpu_lookup_its_pair_order(monkeypatch):
     job = layer.job
     csr = job.placed(layer.enqueue(batch), "test")
     (c,) = csr.values()
-    assert c.pair_order is not None
-    want_order = pair_order(
+    assert c.pairs_by_row is not None
+    want_pairs = pairs_by_row(
         np.asarray(c.pair_rows),
         np.asarray(c.pair_unique),
+        np.asarray(c.pair_gains),
         c.rows_per_device,
         c.capacity.max_unique_ids_per_partition,
     )
-    np.testing.assert_array_equal(np.asarray(c.pair_order), want_order)
-    unordered = {k: dataclasses.replace(v, pair_order=None) for k, v in csr.items()}
+    for got_part, want_part in zip(c.pairs_by_row, want_pairs, strict=True):
+        np.testing.assert_array_equal(np.asarray(got_part), want_part)
+    unordered = {k: dataclasses.replace(v, pairs_by_row=None) for k, v in csr.items()}
     state = layer.release_state()
     got = job.core.lookup(state, csr)
     want = job.core.lookup(state, unordered)
@@ -1121,10 +1162,14 @@ def test_a_job_hands_the_tpu_lookup_its_pair_order(monkeypatch):
     without = _tpu_branches_primitives(jax.make_jaxpr(job.core.lookup)(state, unordered).jaxpr)
     assert with_order and not any("sort" in p for p in with_order)
     assert any("sort" in p for p in without)
+    # nor a gather of the pairs by a permutation: a TPU gathers scalars slowly
+    pairs = c.pair_rows.size
+    assert not _tpu_pair_gathers(jax.make_jaxpr(job.core.lookup)(state, csr).jaxpr, pairs)
     # the update: one partition's pairs come sorted by id, and its sums are told so
     grads = job.flat_gradients({k: np.ones(np.shape(v), np.float32) for k, v in got.items()}, csr)
     update = jax.make_jaxpr(job.core.apply_gradients)(state, grads, csr).jaxpr
     assert not any("sort" in p for p in _tpu_branches_primitives(update))
+    assert not _tpu_pair_gathers(update, pairs)
     _clear_kernel_caches()
 
 

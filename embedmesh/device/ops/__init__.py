@@ -37,8 +37,8 @@ end are padding.
   the TPU's lookup applies it, elsewhere such a call runs the reference. The updates
   need nothing: such a stack has no slot arrays and its optimizer, `SlotsInRows`,
   updates whole rows. `segment_gather_sum` and `lookup_from_shards` take a hint,
-  `dst_order` (the pairs' positions in output-row order, the batch's `pair_order`):
-  the TPU's kernels read it and sort nothing; the others are called without it.
+  `dst_order`: the same pairs in output-row order (the batch's `pairs_by_row`), summed
+  in their place; the TPU's kernels then sort nothing.
 - `dedup_sum(ids, grads)`: the distinct ids of `ids` ascending (padded with
   `PAD_ID`, ids equal to `PAD_ID` dropped) and the sum of the `grads` rows of
   each, in input order. Linear when every row of `ids` [N, U] is ascending (an
@@ -163,7 +163,7 @@ __all__ = [
     "pooled_backward_update",
     "pooled_pair_fields",
     "pooled_partials",
-    "reads_pair_order",
+    "reads_pairs_by_row",
     "reference_of",
     "register_kernel",
     "scatter_rows",
@@ -241,8 +241,8 @@ def reference_of(op: str) -> Callable:
     return _REFERENCES[op]
 
 
-def reads_pair_order(mesh) -> bool:
-    """Whether the lookups on `mesh` read a batch's `pair_order` (their `dst_order`
+def reads_pairs_by_row(mesh) -> bool:
+    """Whether the lookups on `mesh` read a batch's `pairs_by_row` (their `dst_order`
     hint): the TPU kernels', when they are on (`tpu.ready`). Elsewhere computing it
     would cost the host for nothing."""
     return staging.platform_of(mesh) == "tpu" and tpu.ready()
@@ -254,8 +254,7 @@ _ROW_READ = ("quantization", "columns")
 
 
 # The ops' optional hints: arrays a kernel may read to skip work, the result the same
-# without them. `dst_order` (a lookup's): the pairs' positions in output-row order, the
-# invalid ones last (`PartitionedCsrFormatTensor.pair_order`).
+# without them: `dst_order` (`segment_gather_sum`'s).
 _HINTS = ("dst_order",)
 
 
@@ -419,10 +418,11 @@ def segment_gather_sum(
     before they are weighted and summed (a lookup of a table with a QuantizationConfig).
     `columns` (with `src_map`): only each row's first `columns` columns are read and
     summed (a stack keeping its slots in its rows: its parameters).
-    `dst_order` [P] int32, a hint: the positions of the valid pairs in ascending
-    (`dst_idx`, position) order, then the invalid ones (`embedmesh.host.pair_order`); a
-    kernel that sums the pairs grouped by `dst_idx` (the TPU's) then sorts nothing (an
-    empty one: they come in that order). The sums are the same without it or a wrong one."""
+    `dst_order`, a hint: empty (the pairs come by `dst_idx`, invalid last) or the same
+    pairs so (`(src_idx, gains, dst_idx)`, summed instead): the TPU's kernels sort nothing."""
+    if isinstance(dst_order, tuple):
+        src_idx, gains, dst_idx = dst_order
+        dst_order = jnp.zeros((0,), jnp.int32)
     src_idx = src_idx.astype(jnp.int32)
     gains = gains.astype(jnp.float32)
     dst_idx = dst_idx.astype(jnp.int32)
@@ -605,9 +605,9 @@ def lookup_from_shards(
     """Activations [num_rows, D] (float32) of this device: `sum gains * shard_s[ids]` over
     its pairs (`pair_*` [N, P]) into the rows of every shard s (`unique_ids` [N, U]).
     Pairs with `pair_unique` outside [0, U), a padding id or `pair_rows` outside
-    [0, num_rows) contribute nothing. `quantization`, `columns`, `dst_order` (over the
-    flattened [N * P] pairs): as `segment_gather_sum`'s (the owners quantize the rows they
-    send, only their columns)."""
+    [0, num_rows) contribute nothing. `quantization`, `columns`, `dst_order` (its pairs'
+    `src_idx`: `slot_index`'s): as `segment_gather_sum`'s (the owners quantize the rows
+    they send, only their columns)."""
     return _dispatch(
         "lookup_from_shards",
         table_shard,

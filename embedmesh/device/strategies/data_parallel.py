@@ -70,7 +70,7 @@ class DataParallel(Strategy):
             pair_rows=batch.pair_rows[:1],
             pair_unique=batch.pair_unique[:1],
             pair_gains=batch.pair_gains[:1],
-            pair_order=None,
+            pairs_by_row=None,
         )
         per_unique = shard_program.per_unique_sums(act_grads, part)
         all_ids = ops.exchange(jnp.broadcast_to(batch.unique_ids[:1], (n, u)), transport.at("ids"))

@@ -71,7 +71,7 @@ class RowExchange(Strategy):
             self.transport.at("lookup"),
             quantization=self.spec.quantization,
             columns=self.spec.lookup_columns,
-            dst_order=batch.flat_pair_order(),
+            dst_order=batch.row_order_hint(),
         )
         return act, None
 

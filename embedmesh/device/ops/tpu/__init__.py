@@ -24,10 +24,11 @@ its scatter writes them at 5.6 M and 12.7 M rows/s). Hence, on a TPU mesh:
 - `segment_gather_sum(_mapped)`: the pair sums on the MXU (`pallas.reduce`, `pallas.combine`:
   each item's rows gathered into VMEM, one-hot matmuls), at every width: 3.7 ms for a
   backward of 309k pairs at dims 64-128 against XLA's take + segment_sum at 6.1, 3.35
-  against 6.2 for a lookup's (its device sort included); a lookup given its pairs' order
-  by output row (`dst_order`, the batch's `pair_order`, computed on the host where the
-  mesh is a TPU's) gathers them in that order and sorts nothing: XLA's TPU compiler takes
-  far longer over that sort than over the rest of the lookup's program;
+  against 6.2 for a lookup's (its device sort included); a lookup's pairs come from the
+  host in output-row order too (the batch's `pairs_by_row`, made where the mesh is a
+  TPU's), so it sorts nothing: XLA's TPU compiler takes far longer over that sort than
+  over the rest of the lookup's program, and gathering the pairs by a permutation on the
+  device (three scalar gathers) would cost more than the sums;
 - gathers stay XLA's (66 M rows/s, against 21 M for a DMA a row); `sparse_update` and
   `backward_update` are their references' compositions of these.
 

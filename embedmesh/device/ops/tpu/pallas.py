@@ -8,8 +8,8 @@ num_dst)` is `out[dst[p]] += gains[p] * src[key[p]]` (a lookup: `src` the gather
 distinct rows), computed as a `reduce` keyed by dst after one device sort of the pairs.
 `reduce` needs the pairs ordered by key (the host's order: by distinct id, then output
 row; `is_sorted` checks it, and any other order is sorted on the device first);
-`reduce_ordered` takes the order from the caller (a lookup's: the host's `pair_order`)
-and sorts nothing.
+`reduce_ordered` takes the order from the caller (empty: the pairs come in it, as a
+lookup's from the host's `pairs_by_row`) and sorts nothing.
 
 Each work item of `schedule` (a block of `TW` keys x a block of `TP` pairs that share
 pairs) gathers its pairs' `src` rows into VMEM (a row a step, 8 a loop turn: the reads
