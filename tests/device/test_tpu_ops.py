@@ -1050,6 +1050,10 @@ def test_lookup_with_pair_order_sorts_nothing():
     tpu_ordered = _tpu_branch(jax.make_jaxpr(op)(table, by_row).jaxpr)
     assert "sort" not in _primitives(tpu_ordered)
     assert not _pair_gathers(tpu_ordered, order.size)
+    # its fallback's scatter is told its indices are sorted (XLA's TPU scatter sorts them
+    # otherwise: the compile's largest part)
+    scatters = _unsorted_scatters(tpu_ordered)
+    assert scatters and not any(scatters), scatters
     assert "sort" in _primitives(_tpu_branch(jax.make_jaxpr(op)(table, None).jaxpr))
     assert _pair_gathers(_tpu_branch(jax.make_jaxpr(op)(table, order).jaxpr), order.size)
     order = by_row
@@ -1081,6 +1085,21 @@ def _tpu_branches_primitives(jaxpr) -> list:
     return found
 
 
+def _unsorted_scatters(jaxpr) -> list:
+    """For each scatter-add (a sum) in `jaxpr` and its sub-jaxprs: whether its indices
+    may come unsorted (XLA's TPU scatter then sorts them)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scatter-add":
+            found.append(not eqn.params["indices_are_sorted"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _unsorted_scatters(inner)
+    return found
+
+
 def _pair_gathers(jaxpr, pairs: int) -> list:
     """The gathers in `jaxpr` and its sub-jaxprs of a 1-D operand of `pairs` elements (a
     batch's pairs gathered by a permutation)."""
@@ -1096,20 +1115,24 @@ def _pair_gathers(jaxpr, pairs: int) -> list:
     return found
 
 
-def _tpu_pair_gathers(jaxpr, pairs: int) -> list:
-    """`_pair_gathers` inside the TPU branches of `jaxpr`'s `platform_dependent`s."""
+def _tpu_branches(jaxpr) -> list:
+    """The TPU branches of the `platform_dependent`s in `jaxpr` and its sub-jaxprs."""
     found = []
     for eqn in jaxpr.eqns:
         platforms = eqn.params.get("branches_platforms")
         if platforms is not None and ("tpu",) in platforms:
-            branch = eqn.params["branches"][platforms.index(("tpu",))].jaxpr
-            found += _pair_gathers(branch, pairs)
+            found.append(eqn.params["branches"][platforms.index(("tpu",))].jaxpr)
         for v in eqn.params.values():
             for sub in v if isinstance(v, (tuple, list)) else (v,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    found += _tpu_pair_gathers(inner, pairs)
+                    found += _tpu_branches(inner)
     return found
+
+
+def _tpu_pair_gathers(jaxpr, pairs: int) -> list:
+    """`_pair_gathers` inside the TPU branches of `jaxpr`'s `platform_dependent`s."""
+    return [g for branch in _tpu_branches(jaxpr) for g in _pair_gathers(branch, pairs)]
 
 
 def test_a_job_hands_the_tpu_lookup_its_pairs_by_row(monkeypatch):
@@ -1164,12 +1187,15 @@ def test_a_job_hands_the_tpu_lookup_its_pairs_by_row(monkeypatch):
     assert any("sort" in p for p in without)
     # nor a gather of the pairs by a permutation: a TPU gathers scalars slowly
     pairs = c.pair_rows.size
-    assert not _tpu_pair_gathers(jax.make_jaxpr(job.core.lookup)(state, csr).jaxpr, pairs)
+    lookup = jax.make_jaxpr(job.core.lookup)(state, csr).jaxpr
+    assert not _tpu_pair_gathers(lookup, pairs)
+    assert not any(any(_unsorted_scatters(b)) for b in _tpu_branches(lookup))
     # the update: one partition's pairs come sorted by id, and its sums are told so
     grads = job.flat_gradients({k: np.ones(np.shape(v), np.float32) for k, v in got.items()}, csr)
     update = jax.make_jaxpr(job.core.apply_gradients)(state, grads, csr).jaxpr
     assert not any("sort" in p for p in _tpu_branches_primitives(update))
     assert not _tpu_pair_gathers(update, pairs)
+    assert not any(any(_unsorted_scatters(b)) for b in _tpu_branches(update))
     _clear_kernel_caches()
 
 

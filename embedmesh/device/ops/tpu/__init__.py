@@ -196,23 +196,65 @@ def _reference_sums(src, src_idx, gains, dst_idx, num_segments: int):
     return reference.segment_gather_sum(src, src_idx, gains, dst_idx, num_segments=num_segments)
 
 
+def _sorted_sums(src, src_idx, gains, dst_idx, num_segments: int):
+    """The reference's sums of pairs in ascending `dst_idx` order, the invalid ones (out
+    of range, either index) after them: XLA's segment sum told its segments are sorted,
+    which compiles no sort (an unsorted one's sort outlasted the rest of a lookup's
+    compile on the chip)."""
+    if num_segments == 0:
+        return jnp.zeros((0, src.shape[1]), jnp.float32)
+    valid = (dst_idx >= 0) & (dst_idx < num_segments) & (src_idx >= 0)
+    valid &= src_idx < src.shape[0]
+    g = jnp.take(src, jnp.where(valid, src_idx, 0), axis=0).astype(jnp.float32)
+    g = jnp.where(valid[:, None], g * gains[:, None], 0.0)
+    seg = jnp.where(valid, dst_idx, num_segments - 1)  # zero rows, last: still ascending
+    return jax.ops.segment_sum(g, seg, num_segments=num_segments, indices_are_sorted=True)
+
+
+def _looped_sums(src, src_idx, gains, dst_idx, num_segments: int):
+    """The reference's sums a pair at a time: no sort to compile, slow to run. For pairs
+    said to be in order that are not (the host's order would be wrong): exact still."""
+    out = jnp.zeros((num_segments, src.shape[1]), jnp.float32)
+    if num_segments == 0 or src.shape[0] == 0:
+        return out
+
+    def add(p, out):
+        s, d = src_idx[p], dst_idx[p]
+        ok = (s >= 0) & (s < src.shape[0]) & (d >= 0) & (d < num_segments)
+        s, d = jnp.clip(s, 0, src.shape[0] - 1), jnp.clip(d, 0, num_segments - 1)
+        row = jax.lax.dynamic_slice_in_dim(src, s, 1).astype(jnp.float32) * gains[p]
+        new = jax.lax.dynamic_slice_in_dim(out, d, 1) + jnp.where(ok, row, 0.0)
+        return jax.lax.dynamic_update_slice_in_dim(out, new, d, 0)
+
+    return jax.lax.fori_loop(0, src_idx.shape[0], add, out)
+
+
 def _pair_sums(src, src_idx, gains, dst_idx, num_segments: int, dst_order, any_order):
     """`out[dst_idx[p]] += gains[p] * src[src_idx[p]]` (float32) by `pallas.reduce` keyed
-    by `dst_idx`. With `dst_order`: the pairs gathered in that order into
-    `pallas.reduce_ordered` (no device sort), the reference's sums where it did not sort
-    them or a row or gain is not finite (one fallback, one reference program compiled);
-    else `any_order()`'s sums (`_finite_or_reference`)."""
+    by `dst_idx`. With `dst_order` (empty: the pairs come in `dst_idx` order; else the
+    positions in that order, the pairs gathered so first): `pallas.reduce_ordered`, and
+    where a row or gain is not finite the reference's sums of the ordered pairs, where
+    they were not in order a pair at a time: neither compiles a sort. Without it:
+    `any_order()`'s sums (`_finite_or_reference`)."""
     if dst_order is None:
         return _finite_or_reference(any_order, src, src_idx, gains, dst_idx, num_segments)
-    out, in_order = _pallas().reduce_ordered(
-        src, dst_idx, src_idx, gains, jnp.asarray(dst_order).reshape(-1), num_segments
-    )
-    fine = in_order & jnp.all(jnp.isfinite(src)) & jnp.all(jnp.isfinite(gains))
+    order = jnp.asarray(dst_order, jnp.int32).reshape(-1)
+    if order.shape[0]:
+        src_idx, gains, dst_idx = (jnp.asarray(a)[order] for a in (src_idx, gains, dst_idx))
+    none = jnp.zeros((0,), jnp.int32)
+    out, in_order = _pallas().reduce_ordered(src, dst_idx, src_idx, gains, none, num_segments)
+    finite = jnp.all(jnp.isfinite(src)) & jnp.all(jnp.isfinite(gains))
 
     def fallback(src, src_idx, gains, dst_idx):
-        return _reference_sums(src, src_idx, gains, dst_idx, num_segments).astype(out.dtype)
+        args = (src, src_idx, gains, dst_idx)
+        return jax.lax.cond(
+            in_order,
+            lambda *a: _sorted_sums(*a, num_segments),
+            lambda *a: _looped_sums(*a, num_segments),
+            *args,
+        ).astype(out.dtype)
 
-    return jax.lax.cond(fine, lambda *_: out, fallback, src, src_idx, gains, dst_idx)
+    return jax.lax.cond(in_order & finite, lambda *_: out, fallback, src, src_idx, gains, dst_idx)
 
 
 def segment_gather_sum(src, src_idx, gains, dst_idx, *, num_segments: int, dst_order=None):
