@@ -948,18 +948,21 @@ def test_registered_ops_keep_a_non_finite_row_to_its_own_sums(op):
 # A lookup given its pairs' order by output row (the host's `pair_order`): no device sort
 
 
-def _primitives(jaxpr) -> set:
-    """The names of every primitive in `jaxpr` and its sub-jaxprs (cond branches, jits,
-    platform_dependent's branches, Pallas calls' bodies)."""
-    names = set()
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of its sub-jaxprs (cond branches, jits,
+    platform_dependent's branches, Pallas calls' bodies), outermost first."""
     for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
+        yield eqn
         for v in eqn.params.values():
             for sub in v if isinstance(v, (tuple, list)) else (v,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    names |= _primitives(inner)
-    return names
+                    yield from _eqns(inner)
+
+
+def _primitives(jaxpr) -> set:
+    """The names of every primitive in `jaxpr` and its sub-jaxprs."""
+    return {eqn.primitive.name for eqn in _eqns(jaxpr)}
 
 
 def _tpu_branch(jaxpr):
@@ -1069,65 +1072,39 @@ def test_lookup_with_pair_order_sorts_nothing():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _tpu_branches_primitives(jaxpr) -> list:
-    """The primitives (`_primitives`) of each TPU branch of a `platform_dependent` in
-    `jaxpr` or its sub-jaxprs."""
+def _tpu_branches(jaxpr) -> list:
+    """The TPU branches of the `platform_dependent`s in `jaxpr` and its sub-jaxprs."""
     found = []
-    for eqn in jaxpr.eqns:
+    for eqn in _eqns(jaxpr):
         platforms = eqn.params.get("branches_platforms")
         if platforms is not None and ("tpu",) in platforms:
-            found.append(_primitives(eqn.params["branches"][platforms.index(("tpu",))].jaxpr))
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _tpu_branches_primitives(inner)
+            found.append(eqn.params["branches"][platforms.index(("tpu",))].jaxpr)
     return found
+
+
+def _tpu_branches_primitives(jaxpr) -> list:
+    """The primitives (`_primitives`) of each TPU branch in `jaxpr` (`_tpu_branches`)."""
+    return [_primitives(branch) for branch in _tpu_branches(jaxpr)]
 
 
 def _unsorted_scatters(jaxpr) -> list:
     """For each scatter-add (a sum) in `jaxpr` and its sub-jaxprs: whether its indices
     may come unsorted (XLA's TPU scatter then sorts them)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scatter-add":
-            found.append(not eqn.params["indices_are_sorted"])
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _unsorted_scatters(inner)
-    return found
+    return [
+        not eqn.params["indices_are_sorted"]
+        for eqn in _eqns(jaxpr)
+        if eqn.primitive.name == "scatter-add"
+    ]
 
 
 def _pair_gathers(jaxpr, pairs: int) -> list:
     """The gathers in `jaxpr` and its sub-jaxprs of a 1-D operand of `pairs` elements (a
     batch's pairs gathered by a permutation)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "gather" and eqn.invars[0].aval.shape == (pairs,):
-            found.append(eqn)
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _pair_gathers(inner, pairs)
-    return found
-
-
-def _tpu_branches(jaxpr) -> list:
-    """The TPU branches of the `platform_dependent`s in `jaxpr` and its sub-jaxprs."""
-    found = []
-    for eqn in jaxpr.eqns:
-        platforms = eqn.params.get("branches_platforms")
-        if platforms is not None and ("tpu",) in platforms:
-            found.append(eqn.params["branches"][platforms.index(("tpu",))].jaxpr)
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _tpu_branches(inner)
-    return found
+    return [
+        eqn
+        for eqn in _eqns(jaxpr)
+        if eqn.primitive.name == "gather" and eqn.invars[0].aval.shape == (pairs,)
+    ]
 
 
 def _tpu_pair_gathers(jaxpr, pairs: int) -> list:
