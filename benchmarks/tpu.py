@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -68,6 +69,38 @@ def make_batches(v, b, n=4):
 def timed(fn, n):
     """The median seconds of `n` calls of `fn` (`train_step.timed`'s times)."""
     return statistics.median(train_step_module().timed(fn, n))
+
+
+def run_child(script, child_args, cache, timeout, failed, extra_env=None):
+    """`script --child *child_args` in a fresh Python process, so that nothing it compiles
+    is shared with this one: JAX's persistent cache is embedmesh's at `cache` (its
+    EMBEDMESH_COMPILATION_CACHE value; "0" none), the caller's JAX_COMPILATION_CACHE_DIR
+    dropped, `extra_env` added. Returns the last record the child printed as `RESULT
+    {json}` (else `failed` with the end of its stderr), with the process's seconds as
+    `process_s`."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["EMBEDMESH_COMPILATION_CACHE"] = cache
+    env.update(extra_env or {})
+    t0 = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, os.path.abspath(script), "--child", *child_args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [ln[len("RESULT ") :] for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    rec = json.loads(lines[-1]) if lines else {**failed, "error": run.stderr[-3000:]}
+    rec["process_s"] = round(time.perf_counter() - t0, 2)
+    return rec
+
+
+def save_json(out, name, data):
+    """`data` as `out/name` (the folder made if needed); nothing where `out` is None."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(data, f, indent=1)
 
 
 class Report:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -105,32 +104,21 @@ def main():
     if args.child:
         print("RESULT " + json.dumps(child(args.child)), flush=True)
         return
+    sys.path.insert(0, HERE)
+    import tpu
+
     results = []
     for variant in args.variants.split(","):
-        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-        env["EMBEDMESH_COMPILATION_CACHE"] = "0"
+        extra_env = {}
         if args.hlo and args.out:
             os.makedirs(args.out, exist_ok=True)
-            env["PROBE_HLO_DIR"] = os.path.abspath(args.out)
+            extra_env["PROBE_HLO_DIR"] = os.path.abspath(args.out)
         if args.trace:
-            env["PROBE_TRACE"] = tempfile.mkdtemp(prefix=f"probe-{variant}-")
-        t0 = time.perf_counter()
-        run = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", variant],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        lines = [ln[7:] for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-        rec = json.loads(lines[-1]) if lines else {"variant": variant, "error": run.stderr[-3000:]}
-        rec["process_s"] = round(time.perf_counter() - t0, 2)
+            extra_env["PROBE_TRACE"] = tempfile.mkdtemp(prefix=f"probe-{variant}-")
+        rec = tpu.run_child(__file__, [variant], "0", 300, {"variant": variant}, extra_env)
         results.append(rec)
         print(json.dumps(rec), flush=True)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "compile_probe.json"), "w") as f:
-                json.dump(results, f, indent=1)
+        tpu.save_json(args.out, "compile_probe.json", results)
 
 
 if __name__ == "__main__":

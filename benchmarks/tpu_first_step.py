@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,8 @@ def child():
     jax.block_until_ready(emb.state)
     t_step = time.perf_counter() - T0
     print(
-        json.dumps(
+        "RESULT "
+        + json.dumps(
             {
                 "import_s": round(t_import, 2),
                 "build_s": round(t_build, 2),
@@ -61,30 +61,18 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child()
+    sys.path.insert(0, HERE)
+    import tpu
+
     cache = tempfile.mkdtemp(prefix="embedmesh-first-step-")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env["EMBEDMESH_COMPILATION_CACHE"] = cache
     results = {}
     for name in ("fresh", "cached"):
-        t0 = time.perf_counter()
-        run = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
-        rec = json.loads(lines[-1]) if lines else {"error": run.stderr[-3000:]}
-        rec["process_s"] = round(time.perf_counter() - t0, 2)
+        rec = tpu.run_child(__file__, [], cache, 600, {})
         results[name] = rec
         print(name, json.dumps(rec), flush=True)
     entries = sum(len(files) for _, _, files in os.walk(cache))
     results["cache_files"] = entries
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "first_step.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    tpu.save_json(args.out, "first_step.json", results)
 
 
 if __name__ == "__main__":

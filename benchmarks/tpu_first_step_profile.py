@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -166,6 +165,9 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(json.loads(args.child))
+    sys.path.insert(0, HERE)
+    import tpu
+
     cache = tempfile.mkdtemp(prefix="embedmesh-first-step-")
     results = []
     for name in args.cases.split(","):
@@ -174,27 +176,11 @@ def main():
         if name.startswith("effort"):  # effortM1: exec_time_optimization_effort -1
             case["effort"] = -float(name[len("effortM") :])
             case["short"] = True
-        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-        env["EMBEDMESH_COMPILATION_CACHE"] = (
-            cache if name in ("fresh", "cached") and not patch else tempfile.mkdtemp()
-        )
-        t0 = time.perf_counter()
-        run = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-        lines = [ln[7:] for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-        rec = json.loads(lines[-1]) if lines else {"case": case, "error": run.stderr[-3000:]}
-        rec["process_s"] = round(time.perf_counter() - t0, 2)
+        case_cache = cache if name in ("fresh", "cached") and not patch else tempfile.mkdtemp()
+        rec = tpu.run_child(__file__, [json.dumps(case)], case_cache, 400, {"case": case})
         results.append(rec)
         print(json.dumps(rec), flush=True)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "first_step_profile.json"), "w") as f:
-                json.dump(results, f, indent=1)
+        tpu.save_json(args.out, "first_step_profile.json", results)
 
 
 if __name__ == "__main__":

@@ -209,12 +209,9 @@ class Contender:
         return statistics.median(pre), statistics.median(put)
 
     def time(self, fn, steps):
-        ts = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+        from train_step import timed
+
+        return statistics.median(timed(fn, steps))
 
 
 def profile(dyn: Contender, steps: int) -> None:
@@ -320,17 +317,13 @@ def profile_map(capacity: int, slots: int, live: int, steps: int) -> None:
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
+    from train_step import timed
 
     from embedmesh.device import id_map
 
     def med(fn, *a):
         jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts) * 1e3
+        return statistics.median(timed(lambda: jax.block_until_ready(fn(*a)), steps)) * 1e3
 
     rng = np.random.default_rng(0)
     ids = rng.integers(-(2**63), 2**63 - 1, size=slots, dtype=np.int64)

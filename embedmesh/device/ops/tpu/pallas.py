@@ -220,71 +220,35 @@ def _reduce_kernel(
     def _():
         out_ref[...] = acc_ref[...] if accumulate else jnp.zeros(out_ref.shape, out_ref.dtype)
 
-    def add():
-        _add_pairs(
-            lo,
-            hi,
-            b_ref[j],
-            pd_ref,
-            key_ref,
-            gain_ref,
-            out_ref,
-            src_ref,
-            x_ref,
-            tw=tw,
-            r0=r0,
-            rows=rows,
-            every_row=every_row,
-            unroll=unroll,
-        )
+    def add():  # the item's pairs [lo, hi) of its pair block added into its key block
+        block, tp = b_ref[j], x_ref.shape[0]
+
+        def group(gi, c):
+            base = pl.multiple_of(gi * unroll, unroll)
+            for k in range(unroll):
+                r = pd_ref[base + k] - r0
+                if every_row:  # `schedule` made every dst a row of src: read it as it is
+                    x_ref[pl.ds(base + k, 1), :] = src_ref[pl.ds(r, 1), :]
+                    continue
+                row = src_ref[pl.ds(jnp.clip(r, 0, rows - 1), 1), :]
+                x_ref[pl.ds(base + k, 1), :] = jnp.where((r >= 0) & (r < rows), row, 0.0)
+            return c
+
+        jax.lax.fori_loop(lo // unroll, (hi + unroll - 1) // unroll, group, 0)
+        at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+        x = jnp.where((at >= lo) & (at < hi), x_ref[...] * gain_ref[...], 0.0)
+        keys = key_ref[...] - block * tw  # [1, tp]
+        onehot = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (tw, tp), 0) == keys, 1.0, 0.0)
+        onehot = onehot.astype(jnp.bfloat16)
+        acc = out_ref[...]
+        for part in _split3(x):
+            acc = acc + jnp.dot(onehot, part, preferred_element_type=jnp.float32)
+        out_ref[...] = acc
 
     if accumulate:  # a range's pass: most items have no pairs there
         pl.when(hi > lo)(add)
     else:  # one pass over every row: only an empty key block has an item without pairs
         add()
-
-
-def _add_pairs(
-    lo,
-    hi,
-    block,
-    pd_ref,
-    key_ref,
-    gain_ref,
-    out_ref,
-    src_ref,
-    x_ref,
-    *,
-    tw,
-    r0,
-    rows,
-    every_row,
-    unroll,
-):
-    """The item's pairs `[lo, hi)` of its pair block added into its key block `block`."""
-    tp = x_ref.shape[0]
-
-    def group(gi, c):
-        base = pl.multiple_of(gi * unroll, unroll)
-        for k in range(unroll):
-            r = pd_ref[base + k] - r0
-            if every_row:  # `schedule` made every dst a row of src: read it as it is
-                x_ref[pl.ds(base + k, 1), :] = src_ref[pl.ds(r, 1), :]
-                continue
-            row = src_ref[pl.ds(jnp.clip(r, 0, rows - 1), 1), :]
-            x_ref[pl.ds(base + k, 1), :] = jnp.where((r >= 0) & (r < rows), row, 0.0)
-        return c
-
-    jax.lax.fori_loop(lo // unroll, (hi + unroll - 1) // unroll, group, 0)
-    at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
-    x = jnp.where((at >= lo) & (at < hi), x_ref[...] * gain_ref[...], 0.0)
-    keys = key_ref[...] - block * tw  # [1, tp]
-    onehot = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (tw, tp), 0) == keys, 1.0, 0.0)
-    onehot = onehot.astype(jnp.bfloat16)
-    acc = out_ref[...]
-    for part in _split3(x):
-        acc = acc + jnp.dot(onehot, part, preferred_element_type=jnp.float32)
-    out_ref[...] = acc
 
 
 def _chunks(num_rows: int, width: int):
