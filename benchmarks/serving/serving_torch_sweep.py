@@ -4,9 +4,10 @@ Cells: table mix x input kind (ragged, sparse, dense) x combiner (sum, mean, sqr
 input is a plain lookup, one cell) x dim x batch size x threads (1, 2). In each cell
 `embedmesh.serving_embedding_lookup` (the host path, kernel backend `--backend`) and
 torch's `F.embedding_bag` (dense: `F.embedding`) serve the same batches on the same
-tables (torch's share the numpy tables' memory), interleaved call by call (order shuffled
-per batch), `--rounds` rounds; the figure is the median over rounds of the ratio within a
-round, torch's seconds a call over embedmesh's (> 1: embedmesh faster). Outputs are
+tables (torch's share the numpy tables' memory) in the same `--rounds` rounds (1 thread:
+interleaved call by call, order shuffled per batch; more: in turns, see "Timing" below);
+the figure is the median over rounds of the ratio within a round, torch's seconds a call
+over embedmesh's (> 1: embedmesh faster). Outputs are
 checked against torch's (allclose 1e-5) before timing; a cell whose outputs differ is
 marked and the script exits with status 1.
 
@@ -30,11 +31,16 @@ Fairness choices:
   (~30 us, a first request's cost), and a server sets it once. Each row also gives what
   the second thread adds to each system (1-thread time over N-thread time; those medians
   come from different groups, not interleaved).
-- Interleaving with N > 1: torch's OpenMP workers (libgomp: GOMP_SPINCOUNT, 300,000 spins
-  by default, unless OMP_WAIT_POLICY says otherwise) keep spinning on a core after its
-  call, into embedmesh's next call; embedmesh's pool threads spin 300 us. `--blocks`
-  runs each system alone for its turn of a round instead (after an untimed pass), as a
-  server running only that system would.
+- Timing (`--timing`): one thread, interleaved call by call; more, by default each
+  system alone for its turn of a round (`serving.time_round`'s blocks: an untimed pass,
+  then its timed ones, as a server running only that system would), the turn starting
+  `--settle-ms` after the other system's last call. Interleaved, torch's OpenMP worker
+  (libgomp spins 300,000 times, GOMP_SPINCOUNT, before it sleeps, unless OMP_WAIT_POLICY
+  says otherwise) spins on the second core through embedmesh's next call: after each
+  2-thread call of the 6-table mix at batch 2048 the process burned 6-11 ms of CPU while
+  its caller slept, against 0.1 ms after embedmesh's (its pool polls 300 us), 2026-12-07,
+  the 2-core AMD EPYC machine (CPU time, not speed: the load did not matter).
+  `--timing interleaved` interleaves every group, `blocks` none.
 - Small batches take microseconds a call: `--round-ms` raises the passes over the
   batches a round (to at most 200) so that a round lasts about that long.
 
@@ -209,8 +215,25 @@ def available_gb() -> float:
     return float("inf")
 
 
+def settle(calls: dict, seconds: float) -> None:
+    """Each contender's setup (untimed) first waits `seconds` when another one ran last:
+    the other system's threads have stopped spinning when its turn starts."""
+    last = [None]
+    for name, cs in calls.items():
+
+        def setup(name=name, inner=cs.setup):
+            if last[0] not in (None, name):
+                time.sleep(seconds)
+            last[0] = name
+            if inner is not None:
+                inner()
+
+        cs.setup = setup
+
+
 def run_cell(groups, batches, max_len, kind, combiner, threads, args) -> dict:
-    """One (kind, combiner) at one thread count: embedmesh against torch, interleaved."""
+    """One (kind, combiner) at one thread count: embedmesh against torch, in the same
+    rounds (interleaved, or in turns: see --timing)."""
     tables = [t for g in groups for t in g[3]]
     shapes = [t.shape for t in tables]
     shape = argparse.Namespace(batch=len(batches[0][0]["lengths"]))
@@ -226,13 +249,17 @@ def run_cell(groups, batches, max_len, kind, combiner, threads, args) -> dict:
     }
     prep_combiner = "sum" if kind == "dense" else combiner
     calls = {name: prep(kind, prep_combiner) for name, prep in contenders.items()}
+    blocks = args.timing == "blocks" or (args.timing == "auto" and threads > 1)
+    if blocks and args.settle_ms > 0:
+        settle(calls, args.settle_ms / 1e3)
     got = bench.measure(
-        calls, args.rounds, args.reps, args.blocks, refs=(peer,), round_s=args.round_ms / 1e3
+        calls, args.rounds, args.reps, blocks, refs=(peer,), round_s=args.round_ms / 1e3
     )
     return {
         "kind": kind,
         "combiner": combiner,
         "threads": threads,
+        "timing": f"blocks, {args.settle_ms:g} ms settle" if blocks else "interleaved",
         "ratio": bench.median_ratio(got.per_round, em, peer),
         "ratio_by_round": [b / a for a, b in zip(got.per_round[em], got.per_round[peer])],
         "embedmesh_ms": statistics.median(got.per_round[em]) * 1e3,
@@ -343,7 +370,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="native", choices=("native", "numba", "numpy"))
     p.add_argument("--sqrtn-weights", default="call", choices=("call", "given"))
-    p.add_argument("--blocks", action="store_true", help="each system alone for its turn")
+    p.add_argument(
+        "--timing",
+        default="auto",
+        choices=("auto", "interleaved", "blocks"),
+        help="auto: 1 thread interleaved, more in turns (see the docstring)",
+    )
+    p.add_argument("--settle-ms", type=float, default=50.0, help="before a turn (blocks)")
     p.add_argument("--aligned", action="store_true", help="tables on 64-byte lines")
     p.add_argument("--numpy-outputs", action="store_true", help="set_numpy_outputs(True)")
     p.add_argument("--json", help="write the rows here")

@@ -46,6 +46,7 @@ def test_every_cell_checked_against_torch(sweep, tmp_path):
     out = tmp_path / "sweep.json"
     argv = ["--mixes", "m=2x300x8+1x200x16@3,u=1x400xD@2", "--dims", "4", "--threads", "1,2"]
     argv += ["--batch-sizes", "5", "--rounds", "1", "--round-ms", "0", "--distinct", "1"]
+    argv += ["--settle-ms", "1"]
     assert sweep.main([*argv, "--backend", kernels.get_backend(), "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     cells = [(r["mix"], r["kind"], r["combiner"], r["threads"]) for r in doc["rows"]]
@@ -55,6 +56,11 @@ def test_every_cell_checked_against_torch(sweep, tmp_path):
     assert doc["outputs_differ"] == [] and all(r["allclose"] for r in doc["rows"])
     assert all(r["ratio"] > 0 and len(r["ratio_by_round"]) == 1 for r in doc["rows"])
     assert all("embedmesh" in r["gain_vs_1t"] for r in doc["rows"] if r["threads"] == 2)
+    # one thread interleaved; two in turns (torch's OpenMP worker spins after its calls)
+    assert {(r["threads"], r["timing"]) for r in doc["rows"]} == {
+        (1, "interleaved"),
+        (2, "blocks, 1 ms settle"),
+    }
     for row in doc["rows"]:
         m = row["machine"]
         assert m["isa"] in ("AVX-512", "AVX2", "pre-AVX2") or m["isa"] == os.uname().machine
