@@ -5,7 +5,9 @@ batch 4096; ~10 ids per sample (ragged, Poisson(10) lengths); ids drawn from a
 Zipf(1.05) law over the 1M ranks, ranks mapped to ids by a random permutation
 per table. Input forms: ragged (default), sparse (the same batch as a
 [batch, max_len] SparseTensor) and dense ([batch, 10]: a plain lookup, no
-combiner). Combiners: sum and mean.
+combiner). Combiners: sum and mean (`--combiners`; sqrtn too: torch runs it as its
+sum with per-sample weights, see torch_contender). A grid of table mixes, dims, batch
+sizes and threads against torch alone: serving_torch_sweep.py.
 
 Contenders, run in the same process, interleaved round by round:
 - embedmesh[numba]: `embedmesh.serving_embedding_lookup` on numpy inputs and
@@ -43,9 +45,9 @@ after an untimed one); TensorFlow, which reads its own copy of the tables,
 runs its passes as such a block before or after the others' (see time_round;
 `--tf-interleaved` interleaves it too); a round gives each contender's median seconds per
 call, ratios are taken within a round, and the medians over rounds are
-reported. embedmesh's outputs are
-checked against TensorFlow's (and torch's) with allclose; the max abs diff is
-printed.
+reported. Every contender's outputs are
+checked against TensorFlow's (without TensorFlow: torch[1t]'s) with allclose; the max
+abs diff is printed.
 
 Environment: see benchmarks/serving/requirements-serving.txt. Run from the repo root:
 
@@ -77,6 +79,7 @@ import embedmesh as em
 from embedmesh import _runtime
 from embedmesh.serving import kernels
 from embedmesh.serving import lookup as em_serving
+from embedmesh.serving import settings as em_settings
 
 try:
     import tensorflow as tf
@@ -109,6 +112,14 @@ def zipf_sampler(vocab: int, a: float, rng: np.random.Generator):
 def make_workload(args, rng):
     draw = zipf_sampler(args.vocab, args.zipf, rng)
     perms = [rng.permutation(args.vocab) for _ in range(args.tables)]
+    tables = make_tables(args, rng)
+    batches = make_batches(args, rng, draw, perms)
+    max_len = max(int(f["lengths"].max()) for b in batches for f in b)
+    return tables, batches, max_len
+
+
+def make_tables(args, rng) -> list:
+    """`args.tables` float32 tables [vocab, dim] of standard normal values."""
     tables = []
     for _ in range(args.tables):
         if getattr(args, "aligned", False):  # rows on 64-byte lines (torch's own allocation)
@@ -119,15 +130,22 @@ def make_workload(args, rng):
             hi = min(lo + (1 << 18), args.vocab)
             t[lo:hi] = rng.standard_normal((hi - lo, args.dim), dtype=np.float32)
         tables.append(t)
+    return tables
+
+
+def make_batches(args, rng, draw, perms) -> list:
+    """`args.batches` batches of `args.batch` samples, per feature (one a permutation in
+    `perms`: Zipf ranks, drawn by `draw`, to ids) its ragged ids, row splits, lengths
+    (Poisson(`args.ids_per_sample`)) and dense ids [batch, ids_per_sample]."""
     batches = []
     for _ in range(args.batches):
         feats = []
-        for t in range(args.tables):
+        for perm in perms:
             lengths = rng.poisson(args.ids_per_sample, args.batch)
             splits = np.zeros(args.batch + 1, np.int64)
             np.cumsum(lengths, out=splits[1:])
-            ids = perms[t][draw(int(splits[-1]))].astype(np.int64)
-            dense = perms[t][draw(args.batch * args.ids_per_sample)].astype(np.int64)
+            ids = perm[draw(int(splits[-1]))].astype(np.int64)
+            dense = perm[draw(args.batch * args.ids_per_sample)].astype(np.int64)
             feats.append(
                 {
                     "ids": ids,
@@ -137,8 +155,7 @@ def make_workload(args, rng):
                 }
             )
         batches.append(feats)
-    max_len = max(int(f["lengths"].max()) for b in batches for f in b)
-    return tables, batches, max_len
+    return batches
 
 
 class Workload(NamedTuple):
@@ -187,19 +204,29 @@ def ids_in(kind: str, feats) -> int:
 # Contenders: each is (name, prepare(kind, combiner) -> list of per-batch thunks)
 
 
-def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
-    """`tables` may be `QuantizedTable`s."""
-    names = [f"f{i}" for i in range(args.tables)]
+def embedmesh_contender(tables, batches, max_len, args, backend, threads=1, shapes=None):
+    """`tables` may be `QuantizedTable`s; `shapes`: per table (vocab, dim), default
+    (args.vocab, args.dim) each. The kernel backend and threads are set in `setup`
+    (untimed), and only when they change: each change makes the next call plan its
+    request anew (~30 us, the cost of a first request, not of serving)."""
+    names = [f"f{i}" for i in range(len(tables))]
+    shapes = shapes or [(args.vocab, args.dim)] * len(tables)
+
+    def setup():
+        if kernels.get_backend() != backend:
+            kernels.set_backend(backend)
+        if em_settings.threads() != threads:
+            em_serving.set_host_threads(threads)
 
     def prepare(kind, combiner):
         tcs = [
-            em.TableConfig(args.vocab, args.dim, combiner=combiner, name=f"t{i}")
-            for i in range(args.tables)
+            em.TableConfig(vocab, dim, combiner=combiner, name=f"t{i}")
+            for i, (vocab, dim) in enumerate(shapes)
         ]
         fcs = {n: em.FeatureConfig(tc, name=n) for n, tc in zip(names, tcs)}
         tabs = {tc: t for tc, t in zip(tcs, tables)}
         calls = Calls()
-        calls.setup = lambda: em_serving.set_host_threads(threads)
+        calls.setup = setup
         for feats in batches:
             if kind == "ragged":
                 inputs = {n: em.RaggedTensor(f["ids"], f["splits"]) for n, f in zip(names, feats)}
@@ -212,12 +239,7 @@ def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
                 inputs = {n: f["dense"] for n, f in zip(names, feats)}
 
             def call(inputs=inputs):
-                prev = kernels.set_backend(backend)
-                try:
-                    out = em.serving_embedding_lookup(inputs, None, tabs, fcs)
-                finally:
-                    kernels.set_backend(prev)
-                return ready(out, names)
+                return ready(em.serving_embedding_lookup(inputs, None, tabs, fcs), names)
 
             calls.append(call)
         return calls
@@ -226,9 +248,11 @@ def embedmesh_contender(tables, batches, max_len, args, backend, threads=1):
 
 
 def ready(out: dict, names: list) -> list:
-    """A lookup's outputs in `names`' order, once every one is computed."""
+    """A lookup's outputs in `names`' order, once every one is computed (jax arrays, or
+    numpy ones under `set_numpy_outputs`)."""
     for v in out.values():
-        v.block_until_ready()
+        if hasattr(v, "block_until_ready"):
+            v.block_until_ready()
     return [out[n] for n in names]
 
 
@@ -294,12 +318,18 @@ class Calls(list):
     setup = None
 
 
-def torch_contender(tables, batches, max_len, args, threads: int, coo: bool = False):
+def torch_contender(tables, batches, max_len, args, threads: int, coo=False, sqrtn="call"):
     """torch's `embedding_bag` (dense: `embedding`) on the same tables. Ragged and sparse
     input both reach it as ids + bag offsets, given for free; with `coo` (sparse input
     only: torch-coo) it is handed what embedmesh and TensorFlow get, the COO indices,
     and derives the offsets from their rows itself (`bincount`, an exclusive `cumsum`;
-    it checks nothing of the indices, where embedmesh checks each)."""
+    it checks nothing of the indices, where embedmesh checks each).
+
+    torch has no sqrtn mode: sqrtn is its sum mode with per_sample_weights 1/sqrt(bag
+    length) (`torch_sqrtn_weights`), which `sqrtn="call"` derives from the offsets in
+    each call, as a torch user must (embedmesh's cost of the scale counts in its call
+    too), and `sqrtn="given"` hands it ready-made, before timing (its weighted sum alone:
+    the stricter bar)."""
     weights = [torch.from_numpy(t) for t in tables]  # shares the numpy tables' memory
 
     def prepare(kind, combiner):
@@ -316,6 +346,22 @@ def torch_contender(tables, batches, max_len, args, threads: int, coo: bool = Fa
                 def call(ins=ins):
                     with torch.inference_mode():
                         return [F.embedding(x, w) for x, w in zip(ins, weights)]
+            elif combiner == "sqrtn":
+                ins = [
+                    (x, o, torch_sqrtn_weights(o, x.shape[0]) if sqrtn == "given" else None)
+                    for x, o in torch_bags(feats)
+                ]
+
+                def call(ins=ins):
+                    with torch.inference_mode():
+                        outs = []
+                        for (x, o, scale), w in zip(ins, weights):
+                            if scale is None:  # derived in the call
+                                scale = torch_sqrtn_weights(o, x.shape[0])
+                            outs.append(
+                                F.embedding_bag(x, w, o, mode="sum", per_sample_weights=scale)
+                            )
+                        return outs
             else:
                 ins = torch_bags(feats)
 
@@ -332,6 +378,13 @@ def torch_contender(tables, batches, max_len, args, threads: int, coo: bool = Fa
     return prepare
 
 
+def torch_sqrtn_weights(offsets, n_ids: int):
+    """Per id 1/sqrt(its bag's length), from the bags' start offsets: embedding_bag's sum
+    mode with these weights is TensorFlow's sqrtn combiner (an empty bag: zeros)."""
+    lengths = torch.diff(offsets, append=offsets.new_tensor([n_ids]))
+    return torch.repeat_interleave(lengths.to(torch.float32).rsqrt(), lengths)
+
+
 def _torch_coo_calls(batches, weights, combiner, threads, batch):
     calls = Calls()
     calls.setup = lambda: torch.set_num_threads(threads)
@@ -344,7 +397,13 @@ def _torch_coo_calls(batches, weights, combiner, threads, batch):
                 for (x, idx), w in zip(ins, weights):
                     counts = torch.bincount(idx[:, 0], minlength=batch)
                     offsets = torch.cumsum(counts, 0) - counts
-                    outs.append(F.embedding_bag(x, w, offsets, mode=combiner))
+                    if combiner == "sqrtn":  # see torch_contender
+                        scale = torch_sqrtn_weights(offsets, x.shape[0])
+                        outs.append(
+                            F.embedding_bag(x, w, offsets, mode="sum", per_sample_weights=scale)
+                        )
+                    else:
+                        outs.append(F.embedding_bag(x, w, offsets, mode=combiner))
                 return outs
 
         calls.append(call)
@@ -372,6 +431,8 @@ CLOCK = [time.perf_counter]
 
 # Contenders timed apart from the interleaved others unless --tf-interleaved (see time_round).
 TF_CONTENDERS = ("tf.function", "tf.eager")
+# Whose outputs the others' are checked against: the first of these that ran.
+OUTPUT_REFERENCES = (*TF_CONTENDERS, "torch[1t]")
 
 
 def warm_pass(cs) -> None:
@@ -678,7 +739,7 @@ def torch_q8_contender(rows, batches, threads: int):
     kernel in torch) on fused rows [V, dim + 8]: ragged/sparse input (sum, mean)."""
 
     def prepare(kind, combiner):
-        if kind == "dense":
+        if kind == "dense" or combiner not in ("sum", "mean"):
             return None
         mode = {"sum": 0, "mean": 1}[combiner]
         calls = Calls()
@@ -772,7 +833,7 @@ def fbgemm_contender(batches, args, dtype: str, threads: int):
     modes = {"sum": pooling.SUM, "mean": pooling.MEAN}
 
     def prepare(kind, combiner):
-        if kind == "dense":
+        if kind == "dense" or combiner not in modes:
             return None
         calls = Calls()
 
@@ -800,6 +861,61 @@ def fbgemm_contender(batches, args, dtype: str, threads: int):
     return prepare
 
 
+class Measured(NamedTuple):
+    """What `measure` gives."""
+
+    per_round: dict  # {contender: [median seconds per call, one a round]}
+    diffs: dict  # {contender: max abs diff from the reference, contender + " allclose": bool}
+    ref: str | None  # the reference's name (None: no contender of `refs` ran)
+    reps: int  # passes over the batches a round
+
+
+def measure(calls: dict, rounds, reps, blocks=False, apart=(), refs=(), round_s=None):
+    """Warm every contender up (tracing, jit, caches: its setup, one checked call, one
+    untimed pass), its first call's outputs compared with those of the first of `refs`
+    that ran (max abs diff, allclose at 1e-5), then `rounds` rounds of `time_round`.
+
+    `round_s`: `reps` raised (to at most 200) so that a round lasts about that long, from
+    one more untimed pass of them all: small batches' calls take microseconds, and a
+    round's median needs more of them."""
+    outs = {}
+    for name, cs in calls.items():
+        if getattr(cs, "setup", None):
+            cs.setup()
+        outs[name] = [as_numpy(o) for o in cs[0]()]
+    ref = next((r for r in refs if r in outs), None)
+    diffs = {}
+    for name, out in outs.items():
+        if ref is None or name == ref:
+            continue
+        diffs[name] = max(float(np.max(np.abs(a - b))) for a, b in zip(out, outs[ref]))
+        ok = all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(out, outs[ref]))
+        diffs[name + " allclose"] = ok
+    for cs in calls.values():
+        warm_pass(cs)
+    if round_s:
+        spent = 0.0  # the calls' time, not their setups'
+        for cs in calls.values():
+            if getattr(cs, "setup", None):
+                cs.setup()
+            t0 = time.perf_counter()
+            for c in cs:
+                c()
+            spent += time.perf_counter() - t0
+        reps = max(reps, min(200, int(round_s / max(spent, 1e-9))))
+    per_round = {name: [] for name in calls}
+    for r in range(rounds):
+        for name, t in time_round(calls, reps, r, blocks, apart).items():
+            per_round[name].append(t)
+    return Measured(per_round, diffs, ref, reps)
+
+
+def median_ratio(per_round: dict, a: str, b: str) -> float:
+    """The median over rounds of b's seconds over a's (> 1: a faster), each within its
+    round."""
+    return statistics.median(tb / ta for ta, tb in zip(per_round[a], per_round[b]))
+
+
 def run_dim(args) -> list:
     """Every kind and combiner at args.dim: results rows (also printed)."""
     rng = np.random.default_rng(args.seed)
@@ -824,35 +940,11 @@ def run_dim(args) -> list:
             n_ids = statistics.mean(ids_in(kind, b) for b in batches)  # per call
             calls = {name: prep(kind, combiner) for name, prep in contenders.items()}
             calls = {name: cs for name, cs in calls.items() if cs is not None}
-            # Warm up (tracing, jit, caches) and check outputs against TensorFlow.
-            outs = {}
-            for name, cs in calls.items():
-                if getattr(cs, "setup", None):
-                    cs.setup()
-                outs[name] = [as_numpy(o) for o in cs[0]()]
-            ref_name = (
-                "tf.function"
-                if "tf.function" in outs
-                else "tf.eager"
-                if "tf.eager" in outs
-                else None
+            apart = () if args.tf_interleaved else TF_CONTENDERS
+            per_round, diffs, ref_name, _ = measure(
+                calls, args.rounds, args.reps, args.blocks, apart, refs=OUTPUT_REFERENCES
             )
-            diffs = {}
-            for name, out in outs.items():
-                if ref_name is None or name == ref_name:
-                    continue
-                ref = outs[ref_name]
-                diffs[name] = max(float(np.max(np.abs(a - b))) for a, b in zip(out, ref))
-                ok = all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(out, ref))
-                diffs[name + " allclose"] = ok
-            for cs in calls.values():
-                warm_pass(cs)
-            per_round = {name: [] for name in calls}
             names = list(calls)
-            for r in range(args.rounds):
-                apart = () if args.tf_interleaved else TF_CONTENDERS
-                for name, t in time_round(calls, args.reps, r, args.blocks, apart).items():
-                    per_round[name].append(t)
             row = {
                 "dim": args.dim,
                 "input": label,
@@ -866,8 +958,8 @@ def run_dim(args) -> list:
                 row["ids_per_s"][name] = n_ids / statistics.median(ts)
             for em_name in [n for n in names if n.startswith("embedmesh")]:
                 for peer in [n for n in names if not n.startswith("embedmesh")]:
-                    ratios = [b / a for a, b in zip(per_round[em_name], per_round[peer])]
-                    row["ratio"][f"{em_name} / {peer}"] = statistics.median(ratios)
+                    ratio = median_ratio(per_round, em_name, peer)
+                    row["ratio"][f"{em_name} / {peer}"] = ratio
             results.append(row)
             print(
                 f"\n== dim {args.dim} {label}: {n_ids:.0f} ids per call, median of "
@@ -915,6 +1007,13 @@ def _same_threads(pair: str) -> bool:
 
 def machine_line() -> str:
     """CPU model, cores and vector ISA extensions (lscpu's), for the record."""
+    model, flags = cpu_model_and_flags()
+    isa = [f for f in flags if f.startswith(("avx", "fma", "sse4_2", "amx"))]
+    return f"cpu: {model}, {os.cpu_count()} cpus, isa: {' '.join(isa) or 'unknown'}"
+
+
+def cpu_model_and_flags() -> tuple[str, list]:
+    """The CPU's model name and its /proc/cpuinfo feature flags (empty where unreadable)."""
     model, flags = platform.processor() or platform.machine(), []
     try:
         with open("/proc/cpuinfo") as f:
@@ -925,8 +1024,15 @@ def machine_line() -> str:
                     flags = line.split(":", 1)[1].split()
     except OSError:
         pass
-    isa = [f for f in flags if f.startswith(("avx", "fma", "sse4_2", "amx"))]
-    return f"cpu: {model}, {os.cpu_count()} cpus, isa: {' '.join(isa) or 'unknown'}"
+    return model, flags
+
+
+def isa_name(flags) -> str:
+    """The widest x86 vector extension the CPU (as the OS enables it) has; elsewhere the
+    architecture."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return platform.machine()
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "pre-AVX2"
 
 
 def native_line() -> str:
