@@ -8,7 +8,11 @@ preprocessing's kernels, plain C).
 
 `LIBRARIES` is the table of libraries: a name, the package folder of its `*.cc` / `*.h`
 sources (all `.cc` of a folder are compiled as one translation unit), and whether it
-includes XLA's FFI headers (`jaxlib/include`, found without importing jax). A library
+includes XLA's FFI headers. Those ship with the package (`_ffi_include/`, copied from
+jaxlib: see its NOTICE), so the build needs no jax nor jaxlib. An FFI library depends on
+the running XLA only through the FFI C API's version (the headers' `XLA_FFI_API_MAJOR`.
+`XLA_FFI_API_MINOR`, recorded in the manifest), which XLA checks against the versions it
+supports when each handler is registered; another jaxlib needs no rebuild. A library
 whose folder does not exist or holds no `.cc` is skipped at install and unavailable at
 run time.
 
@@ -24,13 +28,13 @@ the CPU cannot run is a `ValueError`). Other architectures have one variant, `ge
 
 Where `load` finds a library, in order:
 1. built with the package (`pip install .` or `pip install -e .`): `embedmesh/_libs/`,
-   with `manifest.json` recording each library's source digest, variants and compiler;
-   used when its digest matches the sources next to it (and, for an FFI library, the
-   jaxlib it was built against is the one running); a reinstall into the same folder
-   compiles only what would come out different;
+   with `manifest.json` recording each library's source digest (an FFI library's
+   includes the shipped FFI headers), variants and compiler; used when its digest
+   matches the sources next to it; a reinstall into the same folder compiles only what
+   would come out different;
 2. the cache (`$EMBEDMESH_CACHE_DIR`, else `$XDG_CACHE_HOME/embedmesh`, else
    `~/.cache/embedmesh`; a per-user temporary directory when that is not writable),
-   keyed by a hash of sources, compiler, flags and jaxlib's version;
+   keyed by a hash of sources, compiler and flags;
 3. built now into the cache (a source checkout used through PYTHONPATH, or sources
    edited since the install), after one line on stderr saying so and why.
 When none of these works (no compiler, a failed build), `load` raises
@@ -43,11 +47,10 @@ import concurrent.futures
 import ctypes
 import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -77,6 +80,9 @@ LIB_DIR_NAME = "_libs"
 PACKAGE_LIB_DIR = os.path.join(PACKAGE_DIR, LIB_DIR_NAME)
 MANIFEST = "manifest.json"
 ISA_ENV = "EMBEDMESH_CPU_ISA"
+# XLA's FFI headers, shipped with the package (the include directory: `xla/ffi/api/...`)
+FFI_INCLUDE_DIR = os.path.join(PACKAGE_DIR, "_ffi_include")
+FFI_FILES = ("xla/ffi/api/api.h", "xla/ffi/api/c_api.h", "xla/ffi/api/ffi.h")
 
 # No FMA contraction: the float32 arithmetic matches the pure-JAX path. No errno from
 # sqrt: with it GCC cannot vectorise the optimizer rows (150 -> 19 ns per 64-wide
@@ -119,11 +125,19 @@ class Library:
         return [os.path.join(d, n) for n in names]
 
     def digest(self) -> str:
-        """Hash of its sources (names and contents): what a built library was built from."""
+        """Hash of its sources (names and contents) and, for an FFI library, of the FFI
+        headers it includes: what a built library was built from."""
         h = hashlib.sha256()
-        for path in self.source_files():
-            with open(path, "rb") as f:
-                h.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+        inputs = [(os.path.basename(p), p) for p in self.source_files()]
+        if self.ffi and inputs:
+            inputs += [(n, os.path.join(FFI_INCLUDE_DIR, *n.split("/"))) for n in FFI_FILES]
+        for name, path in inputs:
+            try:
+                with open(path, "rb") as f:
+                    content = f.read()
+            except FileNotFoundError:  # a header gone: building says so (ffi_include_dir)
+                content = b"missing"
+            h.update(name.encode() + b"\0" + content + b"\0")
         return h.hexdigest()
 
     def __repr__(self) -> str:
@@ -281,22 +295,33 @@ def compiler_version(cxx: str) -> str:
 
 
 def ffi_include_dir() -> str:
-    """jaxlib's bundled headers (what `jax.ffi.include_dir()` returns), found without
-    importing jax; raises NativeUnavailable when jaxlib or its headers are missing."""
-    spec = importlib.util.find_spec("jaxlib")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for d in locations:
-        include = os.path.join(d, "include")
-        if os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
-            return include
-    raise NativeUnavailable("jaxlib's XLA FFI headers (jaxlib/include/xla/ffi) not found")
+    """The include directory of XLA's FFI headers shipped with the package (the FFI
+    libraries' `-I`); raises NativeUnavailable when a header is missing (a broken copy)."""
+    found = os.path.isfile
+    missing = [n for n in FFI_FILES if not found(os.path.join(FFI_INCLUDE_DIR, *n.split("/")))]
+    if missing:
+        raise NativeUnavailable(
+            f"XLA's FFI headers shipped with the package are missing: {', '.join(missing)} "
+            f"in {FFI_INCLUDE_DIR} (reinstall embedmesh)"
+        )
+    return FFI_INCLUDE_DIR
 
 
-def _jaxlib_version() -> str:
+_API = ("MAJOR", "MINOR")
+
+
+def ffi_api_version(include: str | None = None) -> str:
+    """The XLA FFI C API version ("major.minor") of the FFI headers in `include` (default:
+    the shipped ones): the one an FFI library built against them reports to XLA. "" when
+    the headers are missing or do not say."""
+    path = os.path.join(include or FFI_INCLUDE_DIR, "xla", "ffi", "api", "c_api.h")
     try:
-        return importlib.metadata.version("jaxlib")
-    except importlib.metadata.PackageNotFoundError:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
         return ""
+    found = [re.search(rf"^#define XLA_FFI_API_{p} (\d+)\s*$", text, re.M) for p in _API]
+    return ".".join(m.group(1) for m in found) if all(found) else ""
 
 
 def _cpu_signature() -> str:
@@ -373,7 +398,7 @@ def build_all(
     cxx = compiler()
     manifest: dict = {
         "compiler": (cxx or "") and f"{cxx}: {compiler_version(cxx)}",
-        "jaxlib": _jaxlib_version(),
+        "ffi_api": ffi_api_version(),
         "machine": platform.machine(),
         "libraries": {},
     }
@@ -432,10 +457,11 @@ def _read_manifest(out_dir: str) -> dict:
 
 def _up_to_date(previous: dict, manifest: dict, kind: str, variant: str, out_dir: str):
     """The previous build's entry for (kind, variant) when building again would make the
-    same library: same sources, compiler, machine, flags and (FFI libraries) jaxlib, and
-    its file still there; else None. A reinstall (CI's second `pip install -e`, a
-    Python 3.12 venv on the same checkout) then compiles only what changed."""
-    keys = ("compiler", "machine") + (("jaxlib",) if LIBRARIES[kind].ffi else ())
+    same library: same sources (an FFI library's digest covers the FFI headers), compiler,
+    machine and flags, and its file still there; else None. A reinstall (CI's second
+    `pip install -e`, a Python 3.12 venv on the same checkout) then compiles only what
+    changed."""
+    keys = ("compiler", "machine")
     if not manifest["compiler"] or any(previous.get(k) != manifest[k] for k in keys):
         return None
     entry = previous.get("libraries", {}).get(kind, {})
@@ -472,11 +498,6 @@ def _installed(kind: str, variant: str, digest: str) -> tuple[str | None, str]:
         return None, "not built with the package (a source checkout without an install?)"
     if entry.get("digest") != digest:
         return None, "its sources changed since the install"
-    if LIBRARIES[kind].ffi and manifest.get("jaxlib") != _jaxlib_version():
-        return None, (
-            f"the install built them against jaxlib {manifest.get('jaxlib')}, "
-            f"this is jaxlib {_jaxlib_version()}"
-        )
     built = entry.get("variants", {}).get(variant)
     if built is None:
         failed = entry.get("failed", {}).get(variant)
@@ -504,8 +525,6 @@ def _build_in_cache(lib: Library, variant: str, reason: str) -> str:
     include = ffi_include_dir() if lib.ffi else None
     key = [lib.digest(), cxx, compiler_version(cxx), *FLAGS, *variant_flags(variant)]
     key += [sys.platform, platform.machine()]
-    if lib.ffi:
-        key.append(_jaxlib_version())
     if variant == NATIVE:
         key.append(_cpu_signature())
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]

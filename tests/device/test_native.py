@@ -6,8 +6,10 @@ the package's folder without running a compiler."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,14 +128,61 @@ def test_native_module_imports_only_the_standard_library():
     assert top <= set(sys.stdlib_module_names) | {"__future__"}, top
     code = (
         "import importlib.util, sys; "
+        "sys.modules['jaxlib'] = None; "  # as in a build environment without jaxlib
         f"s = importlib.util.spec_from_file_location('n', {path!r}); "
         "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
-        "m.selected_variant(); m.LIBRARIES['device'].digest(); "
+        "m.selected_variant(); m.LIBRARIES['device'].digest(); print(m.ffi_include_dir()); "
         "print(sorted(k for k in sys.modules if k.split('.')[0] in "
-        "('jax', 'jaxlib', 'numpy', 'embedmesh')))"
+        "('jax', 'jaxlib', 'numpy', 'embedmesh') and sys.modules[k] is not None))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    include = os.path.join(ROOT, "embedmesh", "_ffi_include")
+    assert out.stdout.splitlines() == [include, "[]"]
+
+
+def test_ffi_headers_ship_with_the_package():
+    """The build compiles the device kernels against XLA's FFI headers shipped in the
+    package, not jaxlib's: pip's build environment installs no jaxlib. Every header the
+    kernels include is there (transitively, nothing more), with its license, as package
+    data; its FFI C API version is one the running jaxlib's XLA speaks."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        pyproject = tomllib.load(f)
+    requires = pyproject["build-system"]["requires"]
+    assert not [r for r in requires if r.lower().startswith(("jax", "jaxlib"))], requires
+    include = os.path.join(ROOT, "embedmesh", "_ffi_include")
+    assert _native.ffi_include_dir() == _native.FFI_INCLUDE_DIR == include
+    quoted = re.compile(r'^\s*#\s*include\s+"(xla/[^"]+)"', re.M)
+    todo = _native.LIBRARIES["device"].source_files()
+    seen: set[str] = set()
+    while todo:
+        with open(todo.pop()) as f:
+            for name in quoted.findall(f.read()):
+                assert os.path.isfile(os.path.join(include, name)), name
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(os.path.join(include, name))
+    assert seen == set(_native.FFI_FILES)
+    for name in _native.FFI_FILES:
+        with open(os.path.join(include, name)) as f:
+            assert "Licensed under the Apache License, Version 2.0" in f.read(1000), name
+    notice = open(os.path.join(include, "NOTICE")).read()
+    assert "jaxlib 0.10.2" in notice and f"({_native.ffi_api_version()} here)" in notice
+    assert "Apache License" in open(os.path.join(include, "LICENSE")).read(200)
+    data = pyproject["tool"]["setuptools"]["package-data"]["embedmesh"]
+    shipped = {"_ffi_include/NOTICE", "_ffi_include/LICENSE", "_ffi_include/xla/ffi/api/*.h"}
+    assert shipped <= set(data), data
+    # the running jaxlib's own copy (where it ships one): XLA's version of the C API
+    import jaxlib
+
+    theirs = _native.ffi_api_version(os.path.join(os.path.dirname(jaxlib.__file__), "include"))
+    ours = _native.ffi_api_version()
+    if theirs:
+        (major, minor), (their_major, their_minor) = (
+            tuple(map(int, v.split("."))) for v in (ours, theirs)
+        )
+        assert major == their_major and minor <= their_minor, (ours, theirs)
 
 
 # A tiny plain-C library in a temporary folder: the loader's cases, fast.
@@ -226,27 +275,51 @@ def test_reinstall_compiles_only_what_changed(tiny, monkeypatch):
     os.remove(os.path.join(out, f"embedmesh_tiny-{variant}.so"))  # the file gone
     _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
     assert compiled == [variant, variant]
-    monkeypatch.setattr(lib, "ffi", True)  # an FFI library: jaxlib's version counts too
-    monkeypatch.setattr(_native, "_jaxlib_version", lambda: "0.0.1")
+    monkeypatch.setattr(lib, "ffi", True)  # an FFI library: the FFI headers count too
     _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
     assert compiled == [variant] * 3
+    _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
+    assert compiled == [variant] * 3
+    _edit_ffi_headers(tmp, monkeypatch)
+    _native.build_all(out, kinds=["tiny"], variants=[variant], log=lambda m: None)
+    assert compiled == [variant] * 4
     _no_compiler(monkeypatch)
     assert _native.load("tiny").EmTinyAnswer() == 44
     assert os.path.dirname(_native.library_path("tiny")) == out
 
 
+def _edit_ffi_headers(tmp, monkeypatch):
+    """The shipped FFI headers as a copy in `tmp`, one of them then changed."""
+    include = tmp / "include"
+    shutil.copytree(_native.FFI_INCLUDE_DIR, include)
+    monkeypatch.setattr(_native, "FFI_INCLUDE_DIR", str(include))
+    with open(include / "xla" / "ffi" / "api" / "api.h", "a") as f:
+        f.write("// changed\n")
+
+
 @needs_compiler
-def test_ffi_library_built_against_another_jaxlib_is_not_loaded(tiny, monkeypatch, capfd):
+def test_ffi_library_follows_the_ffi_headers_not_jaxlib(tiny, monkeypatch, capfd):
+    """An FFI library's install records the FFI C API version of the headers it was
+    built against (what XLA checks at registration); the running jaxlib's version plays
+    no part; headers changed since the install are a rebuild, saying so."""
     lib, tmp = tiny
     monkeypatch.setattr(lib, "ffi", True)
-    monkeypatch.setattr(_native, "_jaxlib_version", lambda: "0.0.1")
-    _native.build_all(str(tmp / "libs"), kinds=["tiny"], variants=[_native.selected_variant()])
-    monkeypatch.setattr(_native, "_jaxlib_version", lambda: "0.0.2")  # jaxlib upgraded since
+    manifest = _native.build_all(
+        str(tmp / "libs"), kinds=["tiny"], variants=[_native.selected_variant()]
+    )
+    assert manifest["ffi_api"] == _native.ffi_api_version() == "0.3"
+    assert "jaxlib" not in manifest
+    # another jaxlib since the install (no version of it is asked for at all)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0")
     capfd.readouterr()
     assert _native.load("tiny").EmTinyAnswer() == 42
+    assert os.path.dirname(_native.library_path("tiny")) == str(tmp / "libs")
+    assert capfd.readouterr().err == ""
+    _edit_ffi_headers(tmp, monkeypatch)
+    monkeypatch.setattr(_native, "_loaded", {})
+    assert _native.load("tiny").EmTinyAnswer() == 42
     assert os.path.dirname(_native.library_path("tiny")) == str(tmp / "cache")
-    err = capfd.readouterr().err
-    assert "built them against jaxlib 0.0.1, this is jaxlib 0.0.2" in err
+    assert "its sources changed since the install" in capfd.readouterr().err
 
 
 def test_no_install_and_no_compiler_is_a_clear_error(tiny, monkeypatch):
@@ -342,7 +415,7 @@ def test_fresh_process_first_lookup_compiles_nothing(tmp_path):
         shutil.copy(cpu.library_path(), os.path.join(libs, name))
         entry = {"digest": digest, "failed": {}, "variants": {variant: {"file": name}}}
         with open(os.path.join(libs, "manifest.json"), "w") as f:
-            json.dump({"jaxlib": _native._jaxlib_version(), "libraries": {"device": entry}}, f)
+            json.dump({"ffi_api": _native.ffi_api_version(), "libraries": {"device": entry}}, f)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBEDMESH_", "CXX"))}
     env.update(
         EMBEDMESH_CACHE_DIR=str(tmp_path / "cache"),
