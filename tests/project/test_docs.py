@@ -69,7 +69,7 @@ def test_readme_is_an_overview_with_the_two_setup_commands():
     setup = readme.split("## Set-up commands\n", 1)[1].split("\n## ", 1)[0]
     commands = [line.strip() for line in setup.splitlines() if line.startswith("    ")]
     assert commands == [
-        "python3 -m venv .venv && .venv/bin/pip install -q -e '.[examples]' "
+        "python3 -m venv .venv && .venv/bin/pip install -q --no-compile -e '.[examples]' "
         "&& .venv/bin/python -m examples.movielens",
         "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest",
     ]
