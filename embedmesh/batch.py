@@ -163,7 +163,7 @@ class PartitionedCsrFormatTensor:
                    None: for a mesh whose lookups read it (a TPU's kernels), each
                    device's pairs again, in output-row order over its flattened [N * P]
                    pairs, the padding last: `slots` the pair's position in the device's
-                   N stacked distinct-id lists (`embedmesh.host.pairs_by_row.pairs_by_row`);
+                   N stacked distinct-id lists (`embedmesh.host.pair_order.pairs_by_row`);
                    the lookup then neither sorts nor gathers them on the device. Any
                    change to the pair arrays drops it (None). None: the lookup orders
                    the pairs itself where it needs them ordered.

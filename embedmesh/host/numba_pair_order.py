@@ -6,37 +6,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["order_by_row", "pairs_by_row"]
-
-
-@njit(cache=True, nogil=True)
-def order_by_row(rows, unique, num_rows, unique_capacity, out):  # pragma: no cover - numba
-    """`out[d]`: the positions of device d's pairs (`rows[d]`, `unique[d]`, flat [M]) in
-    ascending (output row, position) order, the invalid pairs (row outside `[0,
-    num_rows)` or id outside `[0, unique_capacity)`) last in position order: a counting
-    sort, bucket `num_rows` holding the invalid ones."""
-    num_devices, m = rows.shape
-    starts = np.zeros(num_rows + 2, np.int64)
-    for d in range(num_devices):
-        starts[:] = 0
-        for i in range(m):
-            r, u = rows[d, i], unique[d, i]
-            b = r if (r >= 0 and r < num_rows and u >= 0 and u < unique_capacity) else num_rows
-            starts[b + 1] += 1
-        for b in range(num_rows + 1):
-            starts[b + 1] += starts[b]
-        for i in range(m):
-            r, u = rows[d, i], unique[d, i]
-            b = r if (r >= 0 and r < num_rows and u >= 0 and u < unique_capacity) else num_rows
-            out[d, starts[b]] = i
-            starts[b] += 1
+__all__ = ["pairs_by_row"]
 
 
 @njit(cache=True, nogil=True)
 def pairs_by_row(
     rows, unique, gains, p, num_rows, unique_capacity, slots_out, gains_out, rows_out
 ):  # pragma: no cover - numba
-    """`order_by_row`'s counting sort writing the pairs themselves in that order: device
+    """A stable counting sort of each device's pairs by output row, bucket `num_rows`
+    holding the invalid ones, writing the pairs themselves in that order: device
     d's pair i (flat [M], `p` pairs a partition) goes to its place as (slot `i // p * U +
     unique`, gain, row); the invalid ones as (`M // p * U`, 0, `num_rows`). Each pair's
     bucket is found once (the first pass keeps it)."""

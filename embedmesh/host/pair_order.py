@@ -19,10 +19,10 @@ from embedmesh import _runtime
 __all__ = ["pair_order", "pairs_by_row"]
 
 
-def _kernel(name: str = "order_by_row"):
-    """The numba kernel `name` of `embedmesh.host.numba_pair_order`, or None."""
+def _kernel():
+    """The numba kernel (`embedmesh.host.numba_pair_order.pairs_by_row`), or None."""
     module = _runtime.numba_module("embedmesh.host.numba_pair_order")
-    return None if module is None else getattr(module, name)
+    return None if module is None else module.pairs_by_row
 
 
 def pair_order(pair_rows, pair_unique, num_rows: int, unique_capacity: int) -> np.ndarray:
@@ -32,8 +32,8 @@ def pair_order(pair_rows, pair_unique, num_rows: int, unique_capacity: int) -> n
 
     A pair is valid where its output row is in `[0, num_rows)` and its id's position in
     `[0, unique_capacity)` (the batch's padding, `pair_rows == num_rows`, is not): the
-    pairs a lookup sums. A stable counting sort (numba's where it loads, else numpy's
-    stable argsort; the same result)."""
+    pairs a lookup sums. numpy's stable argsort: `pairs_by_row`'s fallback where numba
+    does not load (its numba kernel sorts by counting and writes the pairs at once)."""
     rows = np.asarray(pair_rows)
     unique = np.asarray(pair_unique)
     if rows.shape != unique.shape or rows.ndim != 3:
@@ -44,16 +44,10 @@ def pair_order(pair_rows, pair_unique, num_rows: int, unique_capacity: int) -> n
     d = rows.shape[0]
     flat_rows = np.ascontiguousarray(rows.reshape(d, -1), np.int32)
     flat_unique = np.ascontiguousarray(unique.reshape(d, -1), np.int32)
-    out = np.empty(flat_rows.shape, np.int32)
-    kernel = _kernel()
-    if kernel is not None:
-        kernel(flat_rows, flat_unique, int(num_rows), int(unique_capacity), out)
-    else:
-        valid = (flat_rows >= 0) & (flat_rows < num_rows)
-        valid &= (flat_unique >= 0) & (flat_unique < unique_capacity)
-        key = np.where(valid, flat_rows, num_rows)
-        out[:] = np.argsort(key, axis=1, kind="stable")
-    return out.reshape(rows.shape)
+    valid = (flat_rows >= 0) & (flat_rows < num_rows)
+    valid &= (flat_unique >= 0) & (flat_unique < unique_capacity)
+    key = np.where(valid, flat_rows, num_rows)
+    return np.argsort(key, axis=1, kind="stable").astype(np.int32).reshape(rows.shape)
 
 
 def pairs_by_row(pair_rows, pair_unique, pair_gains, num_rows: int, unique_capacity: int):
@@ -76,7 +70,7 @@ def pairs_by_row(pair_rows, pair_unique, pair_gains, num_rows: int, unique_capac
         np.ascontiguousarray(a.reshape(d, -1), t)
         for a, t in ((rows, np.int32), (unique, np.int32), (gains, np.float32))
     ]
-    kernel = _kernel("pairs_by_row")
+    kernel = _kernel()
     if kernel is not None and p:
         out = (np.empty_like(flat[0]), np.empty_like(flat[2]), np.empty_like(flat[0]))
         kernel(*flat, p, int(num_rows), int(unique_capacity), *out)
