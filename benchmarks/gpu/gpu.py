@@ -1020,6 +1020,7 @@ def run_preflight(w: Worker, cfg):
         backend=jax.default_backend(),
         devices=[f"{d.device_kind} ({d.platform})" for d in jax.devices()],
     )
+    w.save()  # the backend is the verdict: kept should the import below outlast the cap
     try:
         import embedmesh.device.ops.gpu.pallas  # noqa: F401 - the import is the check
     except Exception as e:  # noqa: BLE001 - the pallas variant cannot run; say why
@@ -1551,6 +1552,8 @@ def run_parent(args):
                 f"pre-flight: JAX's default backend is {backend!r}, not 'gpu' (devices: "
                 f"{pre.get('devices')}); nothing was run. --allow-cpu runs anyway."
             )
+            if backend is None:  # it never said: the child failed or ran past its cap
+                report["aborted"] += f" The pre-flight child: {pre['status']}."
         order = [] if report.get("aborted") else plan(variants, not args.skip_correctness)
         report["correctness_planned"] = [v for kind, v in order if kind == "correctness"]
         save()
