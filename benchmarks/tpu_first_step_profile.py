@@ -8,7 +8,9 @@ cache folder (run "fresh" first); every other case starts with an empty one: "se
 "threads" (the lookup and update programs compiled at once in threads, then stop),
 "effortM1" (XLA's `exec_time_optimization_effort` -1, up to the first update); a case
 named `CASE-nofinite` runs CASE with the MXU pair sums' XLA fallback branch (for
-non-finite rows) left out of the programs: what that branch costs the compile.
+non-finite rows) left out of the programs: what that branch costs the compile;
+`CASE-nodedupsort`, CASE with one partition's `dedup_sum` taking the host's ascending ids
+as they are (no by-sort branch): what that branch costs.
 
     python benchmarks/tpu_first_step_profile.py --out DIR --cases fresh,cached,serial  # chip
 """
@@ -62,6 +64,19 @@ def child(case):
         from embedmesh.device.ops import tpu as tpu_ops
 
         tpu_ops._finite_or_reference = lambda kernel, *args, **kw: kernel()
+    if case.get("patch") == "nodedupsort":  # experiment: one partition's merge without its sort
+        import jax.numpy as jnp
+
+        from embedmesh.device import ops
+        from embedmesh.device.ops import reference
+
+        def as_is(ids, grads, *, sorted_hint=False):
+            if ids.shape[0] != 1:
+                return reference.dedup_sum_by_sort(ids, grads, sorted_hint=sorted_hint)
+            flat = ids.reshape(-1)
+            return flat, jnp.where((flat == reference.PAD_ID)[:, None], 0, grads)
+
+        ops._REFERENCES["dedup_sum"] = as_is
     mark("import")
     sys.path.insert(0, HERE)
     import tpu
