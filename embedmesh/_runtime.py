@@ -27,9 +27,11 @@ lists them:
   EMBEDMESH_GPU_SCATTER_WORKAROUND=0  no XLA flag against jaxlib 0.10.2-0.11.0's
                               slow GPU scatter-add (see `embedmesh._gpu_guard`)
   EMBEDMESH_CACHE_DIR=path    where kernels built at first use are cached
-  EMBEDMESH_COMPILATION_CACHE=0|path   JAX's persistent compilation cache: 0 (or
-                              off/false/no) leaves it off; a path puts it there
-                              (default: $EMBEDMESH_CACHE_DIR/jax, used only where
+  EMBEDMESH_COMPILATION_CACHE=0|1|path   JAX's persistent compilation cache: 0 (or
+                              off/false/no) leaves it off; 1 (on/true/yes) puts it
+                              at $EMBEDMESH_CACHE_DIR/jax, a path there (default:
+                              1 where a TPU or GPU backend is installed, 0 on a
+                              host with the CPU backend alone; used only where
                               neither jax_compilation_cache_dir nor
                               JAX_COMPILATION_CACHE_DIR is set; it then keeps
                               every program, unless the user set JAX's minimum
@@ -268,12 +270,37 @@ def cache_dir() -> str:
 
 @functools.cache
 def compilation_cache_dir() -> str | None:
-    """EMBEDMESH_COMPILATION_CACHE: None where it is 0/false/off/no, else its path, else
-    `cache_dir()`/jax (the directory of JAX's persistent compilation cache)."""
+    """EMBEDMESH_COMPILATION_CACHE: None where it is 0/false/off/no; `cache_dir()`/jax
+    (the directory of JAX's persistent compilation cache) where it is 1/true/on/yes, or
+    unset where a TPU or GPU backend is installed (`accelerator_installed`); else its
+    path. Unset on a host with only the CPU backend: None. XLA:CPU executables read back
+    from the cache ran the pipelined training step ~1.2x slower than the same programs
+    compiled in the process (jaxlib 0.10.2, 2026-12-08; the generic programs tried were
+    not), while a CPU step compiles in seconds: the cache would cost every step to save
+    those seconds once."""
     value = _env("EMBEDMESH_COMPILATION_CACHE")
     if value.lower() in ("0", "false", "off", "no"):
         return None
-    return value or os.path.join(cache_dir(), "jax")
+    if value.lower() in ("1", "true", "on", "yes") or (not value and accelerator_installed()):
+        return os.path.join(cache_dir(), "jax")
+    return value or None
+
+
+def accelerator_installed() -> bool:
+    """Whether JAX may run on a TPU or GPU here, found without starting a backend: the
+    platforms JAX_PLATFORMS (or `jax_platforms`) names, else an installed TPU runtime
+    (`libtpu`) or PJRT plugin (the `jax_plugins` namespace or entry points: CUDA, ROCm)."""
+    import importlib.metadata
+    import importlib.util
+
+    import jax
+
+    named = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    if named.strip():
+        return any(p.strip() not in ("", "cpu") for p in named.split(","))
+    if any(importlib.util.find_spec(m) is not None for m in ("libtpu", "jax_plugins")):
+        return True
+    return bool(importlib.metadata.entry_points(group="jax_plugins"))
 
 
 def use_compilation_cache() -> str | None:

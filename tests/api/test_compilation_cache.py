@@ -29,11 +29,58 @@ def cache_config(monkeypatch):
     _runtime.reset()
 
 
-def test_default_is_under_embedmesh_cache_dir(cache_config, tmp_path):
+def test_default_is_under_embedmesh_cache_dir_where_an_accelerator_is(cache_config, tmp_path):
     cache_config.setenv("EMBEDMESH_CACHE_DIR", str(tmp_path))
+    cache_config.setattr(_runtime, "accelerator_installed", lambda: True)
     _runtime.reset()
     assert _runtime.use_compilation_cache() == os.path.join(str(tmp_path), "jax")
     assert jax.config.jax_compilation_cache_dir == os.path.join(str(tmp_path), "jax")
+
+
+def test_default_is_off_with_the_cpu_backend_alone(cache_config, tmp_path):
+    # XLA:CPU executables read back from the cache ran the pipelined step slower
+    cache_config.setenv("EMBEDMESH_CACHE_DIR", str(tmp_path))
+    cache_config.setattr(_runtime, "accelerator_installed", lambda: False)
+    _runtime.reset()
+    assert _runtime.use_compilation_cache() is None
+    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+
+
+@pytest.mark.parametrize("on", ["1", "on", "True", "yes"])
+def test_switched_on_with_the_cpu_backend_alone(cache_config, tmp_path, on):
+    cache_config.setenv("EMBEDMESH_CACHE_DIR", str(tmp_path))
+    cache_config.setenv("EMBEDMESH_COMPILATION_CACHE", on)
+    cache_config.setattr(_runtime, "accelerator_installed", lambda: False)
+    assert _runtime.use_compilation_cache() == os.path.join(str(tmp_path), "jax")
+
+
+@pytest.mark.parametrize(
+    "platforms, expected",
+    [("cpu", False), ("tpu", True), ("cpu,cuda", True), ("rocm", True), (" cpu ", False)],
+)
+def test_accelerator_installed_reads_jax_platforms(monkeypatch, platforms, expected):
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    assert _runtime.accelerator_installed() is expected
+
+
+def test_accelerator_installed_finds_plugins(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    before = jax.config.jax_platforms
+    jax.config.update("jax_platforms", None)
+    try:
+        find = importlib.util.find_spec
+        installed = {"libtpu"}
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda m, *a: object() if m in installed else find(m, *a)
+        )
+        assert _runtime.accelerator_installed() is True
+        installed = set()
+        assert _runtime.accelerator_installed() is False  # this machine has no plugin
+    finally:
+        jax.config.update("jax_platforms", before)
 
 
 def test_a_path_is_used(cache_config, tmp_path):
