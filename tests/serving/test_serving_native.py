@@ -1,9 +1,10 @@
 """The C++ serving kernels (`embedmesh/serving/cpu/serving.cc`) against float64 numpy.
 
 Row widths cover every code path of the build's vector width (16 floats with AVX-512,
-8 with AVX2): one register block with and without a masked tail, several blocks (the
-two-pass kernel, dims over 256 with AVX-512), and both the one-pass and the two-pass
-kernel (`EmServingSetFused`) for every width. Outputs are poisoned (NaN) before the
+8 with AVX2): one register block of up to 16 vectors with and without a masked tail (the
+one-pass kernel: dims up to 256 with AVX-512, 128 with AVX2), several blocks (the
+two-pass kernel beyond), and both the one-pass and the two-pass kernel
+(`EmServingSetFused`) for every width. Outputs are poisoned (NaN) before the
 kernels write them; tables are random; weights are quarters (exact sums).
 """
 

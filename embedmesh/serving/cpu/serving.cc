@@ -29,15 +29,31 @@ thread_local int64_t t_output_bytes = 0;  // see serving.h
 
 namespace {
 
+// kMaxNV: the vectors of one column block of the two-pass kernel (`bag`); kMaxFusedNV:
+// the widest row, in vectors, the one-pass kernel (`bag_fused`) sums in registers. With
+// AVX2 the one-pass kernel takes 16 (all 16 ymm as sums; the unweighted adds read their
+// rows as memory operands): rows of 72-128 floats in one pass, not two passes of 8-vector
+// blocks over the same entries, 1.32-1.40x at dims 96-128 (benchmarks/serving/
+// serving_kernel_ab.py, AMD EPYC, 2026-12-08); 16-vector blocks for longer rows measured
+// 0.96x, so the two-pass blocks stay at 8.
 #if defined(__AVX512F__)
 constexpr int kV = 16;
 constexpr int kMaxNV = 16;  // 16 accumulators + tail + weight + loads of 32 zmm
+constexpr int kMaxFusedNV = 16;
 #elif defined(__AVX__)
 constexpr int kV = 8;
-constexpr int kMaxNV = 8;  // of 16 ymm
+#ifndef EM_AVX_MAX_NV
+#define EM_AVX_MAX_NV 8
+#endif
+#ifndef EM_AVX_MAX_FUSED_NV
+#define EM_AVX_MAX_FUSED_NV 16
+#endif
+constexpr int kMaxNV = EM_AVX_MAX_NV;  // of 16 ymm
+constexpr int kMaxFusedNV = EM_AVX_MAX_FUSED_NV;
 #else
 constexpr int kV = 4;
 constexpr int kMaxNV = 8;  // of 16 xmm (SSE2, NEON: 32)
+constexpr int kMaxFusedNV = 8;
 #endif
 
 typedef float vf __attribute__((vector_size(kV * sizeof(float))));
@@ -90,6 +106,18 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// EM_PF_ALL: float32 rows of more than 32 floats get every line prefetched (1), or their
+// first line only (0: the out-of-order core issues the rest itself). Measured per
+// instruction set: 0 on the AVX-512 (Intel) instances; on the AVX2 (AMD EPYC) one, every
+// line ran the one-pass kernel 1.49-1.71x faster at dims 64-128 (serving_kernel_ab.py,
+// 2026-12-08), the two-pass one (longer rows) the same.
+#ifndef EM_PF_ALL
+#if defined(__AVX512F__)
+#define EM_PF_ALL 0
+#else
+#define EM_PF_ALL 1
+#endif
+#endif
 int64_t g_prefetch = 128;  // cache lines of rows ahead (see entries_ahead)
 int g_fused = 1;
 int64_t g_row_lines = 0;  // cache lines prefetched per row (0: all of them)          // one-pass kernel where a row fits one register block
@@ -282,14 +310,15 @@ inline void prefetch_row(const float* table, uint64_t vocab, int64_t stride, int
 // numpy's 16-byte offset rows) are prefetched whole, g_prefetch lines in flight (64
 // entries of 1-2 line rows, 42 of 3); longer rows their first line only, g_prefetch / 4
 // entries ahead (32): the out-of-order core issues the rest of each row's loads itself,
-// and every prefetch instruction spent on them costs it window. g_row_lines > 0 sets
+// and every prefetch instruction spent on them costs it window; where EM_PF_ALL (the
+// builds without AVX-512), every line of them too, g_prefetch lines in flight. g_row_lines > 0 sets
 // the distance as if rows were that many lines (benchmarks). 0: no prefetch.
 inline int64_t entries_ahead(int64_t lines) {
   if (g_prefetch <= 0 || lines <= 0) return 0;
   int64_t n;
   if (g_row_lines > 0) {
     n = g_prefetch / (lines < g_row_lines ? lines : g_row_lines);
-  } else if (lines > 3) {
+  } else if (lines > 3 && !EM_PF_ALL) {
     n = g_prefetch / 4;
   } else {
     n = g_prefetch / lines;
@@ -338,8 +367,10 @@ inline int64_t row_lines(const void* table, int64_t stride_bytes, int64_t bytes)
 // Cache lines prefetched per entry, fixed per register-block shape (lanes: the widest
 // row the instance takes): rows of up to 16 floats (at most 2 lines, however they sit)
 // their first and last float, rows of up to 32 (at most 3 lines) the first, the next
-// line and the last float, longer rows their first line only.
-constexpr int prefetch_shape(int lanes) { return lanes <= 16 ? 2 : lanes <= 32 ? 3 : 1; }
+// line and the last float, longer rows their first line only (5: every line, EM_PF_ALL).
+constexpr int prefetch_shape(int lanes) {
+  return lanes <= 16 ? 2 : lanes <= 32 ? 3 : EM_PF_ALL ? 5 : 1;
+}
 
 // The same where every row starts on a 64-byte line (the table's address and row stride
 // multiples of 64): rows of up to 16 floats are one line (1: the first float), rows of up
@@ -358,6 +389,10 @@ inline void prefetch_entry(const float* table, uint64_t stride_bytes, int64_t la
   prefetch(p);
   if (Pf == 3 || Pf == 4) prefetch(p + 16);
   if (Pf == 2 || Pf == 3) prefetch(p + last);
+  if (Pf == 5) {
+    for (int64_t o = 16; o < last; o += 16) prefetch(p + o);
+    prefetch(p + last);
+  }
 }
 
 // What one entry gives: 0 a row to add, 1 nothing (pruned), 2 an id outside the table.
@@ -530,9 +565,9 @@ int64_t fused_bags(const Id* ids, const float* weights, uint64_t vocab, bool pru
 }
 
 // The whole bag kernel in one pass for rows of at most one register block (any dim up
-// to kMaxNV vectors plus a tail: 271 floats with AVX-512): checks, pruning, the
-// denominator, prefetch and the sums in the same walk over the entries, the sums in
-// registers.
+// to kMaxFusedNV vectors plus a tail: 271 floats with AVX-512, 135 with AVX2): checks,
+// pruning, the denominator, prefetch and the sums in the same walk over the entries, the
+// sums in registers.
 template <typename Id, int NV, bool Tail, bool HasW, int kPf>
 int64_t bag_fused(const float* table, uint64_t vocab, int64_t stride, const Id* ids,
                   const int64_t* offsets, int64_t num_rows, const float* weights, int mode,
@@ -587,8 +622,8 @@ template <typename Id>
 FusedFn<Id> fused_for(int64_t dim, bool has_w, bool aligned) {
   const int64_t nvec = dim / kV;
   const bool tail = dim % kV != 0;
-  if (dim <= 0 || nvec + (tail ? 1 : 0) > kMaxNV + (tail ? 1 : 0) || nvec > kMaxNV) return nullptr;
-  return FusedTable<Id, kMaxNV>::get(static_cast<int>(nvec), tail, has_w,
+  if (dim <= 0 || nvec > kMaxFusedNV) return nullptr;
+  return FusedTable<Id, kMaxFusedNV>::get(static_cast<int>(nvec), tail, has_w,
                                      aligned && g_aligned_prefetch);
 }
 
