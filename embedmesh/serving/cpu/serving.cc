@@ -110,7 +110,8 @@ inline void prefetch(const void* p) {
 // first line only (0: the out-of-order core issues the rest itself). Measured per
 // instruction set: 0 on the AVX-512 (Intel) instances; on the AVX2 (AMD EPYC) one, every
 // line ran the one-pass kernel 1.49-1.71x faster at dims 64-128 (serving_kernel_ab.py,
-// 2026-12-08), the two-pass one (longer rows) the same.
+// 2026-12-08); the two-pass one (longer rows) within noise of the first-line rule (dims
+// 136-256: 0.95-1.06x, one run each).
 #ifndef EM_PF_ALL
 #if defined(__AVX512F__)
 #define EM_PF_ALL 0
@@ -311,8 +312,9 @@ inline void prefetch_row(const float* table, uint64_t vocab, int64_t stride, int
 // entries of 1-2 line rows, 42 of 3); longer rows their first line only, g_prefetch / 4
 // entries ahead (32): the out-of-order core issues the rest of each row's loads itself,
 // and every prefetch instruction spent on them costs it window; where EM_PF_ALL (the
-// builds without AVX-512), every line of them too, g_prefetch lines in flight. g_row_lines > 0 sets
-// the distance as if rows were that many lines (benchmarks). 0: no prefetch.
+// builds without AVX-512), every line of them too, g_prefetch lines in flight.
+// g_row_lines > 0 sets the distance as if rows were that many lines (benchmarks). 0: no
+// prefetch.
 inline int64_t entries_ahead(int64_t lines) {
   if (g_prefetch <= 0 || lines <= 0) return 0;
   int64_t n;
