@@ -42,13 +42,10 @@ constexpr int kMaxNV = 16;  // 16 accumulators + tail + weight + loads of 32 zmm
 constexpr int kMaxFusedNV = 16;
 #elif defined(__AVX__)
 constexpr int kV = 8;
-#ifndef EM_AVX_MAX_NV
-#define EM_AVX_MAX_NV 8
-#endif
 #ifndef EM_AVX_MAX_FUSED_NV
-#define EM_AVX_MAX_FUSED_NV 16
+#define EM_AVX_MAX_FUSED_NV 16  // A/B builds: 8, the one-pass width before
 #endif
-constexpr int kMaxNV = EM_AVX_MAX_NV;  // of 16 ymm
+constexpr int kMaxNV = 8;  // of 16 ymm
 constexpr int kMaxFusedNV = EM_AVX_MAX_FUSED_NV;
 #else
 constexpr int kV = 4;
